@@ -1,0 +1,3 @@
+from laminar.cli import main
+
+raise SystemExit(main())

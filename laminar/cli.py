@@ -1,0 +1,80 @@
+"""`laminar` command line. Heavy modules (torch, zmq, transformers) load only inside commands.
+
+    laminar node --role relay --config configs/demo.yaml [--index 0] [key=value ...]
+    laminar run [configs/demo.yaml] [key=value ...]      # every role of the config on this host
+    laminar status [--config F] [--json]                  # cluster table from the manager
+    laminar keys DIR [--name NAME]                        # CURVE key pair + authorized keys
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="laminar", description="Asynchronous RL post-training for LLMs.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    node = sub.add_parser("node", help="run one node (per-host daemon, SLURM task)")
+    node.add_argument("--role", required=True, choices=["trainer", "relay", "rollout", "manager", "buffer"])
+    node.add_argument("--config", default=None, help="YAML run config")
+    node.add_argument("--index", type=int, default=0, help="instance index of this role")
+    node.add_argument("--count", type=int, default=1, help="run this many instances (index, index+1, ...) in one process")
+    node.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+
+    run = sub.add_parser("run", help="start every role of a config on this host as child processes")
+    run.add_argument("config", nargs="?", default=None, help="YAML run config")
+    run.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+
+    st = sub.add_parser("status", help="print the cluster's nodes (asks the manager)")
+    st.add_argument("--config", default=None)
+    st.add_argument("--json", action="store_true", help="JSON instead of a table")
+    st.add_argument("--timeout", type=float, default=3.0)
+    st.add_argument("overrides", nargs="*")
+
+    keys = sub.add_parser("keys", help="create a CURVE key pair and authorized-keys directory")
+    keys.add_argument("dir")
+    keys.add_argument("--name", default="node")
+    return p
+
+
+def _split_overrides(args: argparse.Namespace) -> None:
+    # `laminar run k=v` (no file): argparse puts the first override into `config`
+    if getattr(args, "config", None) and "=" in args.config and not args.config.endswith((".yaml", ".yml")):
+        args.overrides = [args.config, *args.overrides]
+        args.config = None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    _split_overrides(args)
+    from laminar.config import ConfigError
+
+    try:
+        if args.cmd == "node":
+            from laminar.launch import node_main
+
+            return node_main(args.role, args.config, args.overrides, args.index, args.count)
+        if args.cmd == "run":
+            from laminar.launch import run_main
+
+            return run_main(args.config, args.overrides)
+        if args.cmd == "status":
+            from laminar.launch import status_main
+
+            return status_main(args.config, args.overrides, args.json, args.timeout)
+        if args.cmd == "keys":
+            from laminar.transport.security import generate_keys
+
+            public, secret = generate_keys(args.dir, args.name)
+            print(f"wrote {public} and {secret}; authorized {args.name} in {args.dir}/authorized/")
+            return 0
+    except ConfigError as exc:
+        print(f"laminar: {exc}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,438 @@
+"""One pydantic config tree for every role.
+
+Importing this module must not import torch, zmq or transformers (a test checks it):
+`laminar --help` and config validation stay fast, and the manager/buffer/relay
+processes never pay for torch unless they need it.
+
+    cfg = load_config("configs/demo.yaml", ["trainer.lr=1e-5", "rollout.count=4"])
+    cfg.endpoint("buffer")          # -> "ipc:///tmp/laminar-demo/buffer-0.sock"
+
+Overrides are dotted `key=value`; the value is parsed as YAML (`null`, `true`,
+numbers, `[1, 2]`) so every type a YAML file can hold can be overridden.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+Role = Literal["trainer", "relay", "rollout", "manager", "buffer"]
+ROLES: tuple[str, ...] = ("manager", "buffer", "relay", "trainer", "rollout")
+Mode = Literal["sync", "one_step", "stream", "laminar"]
+
+# Fixed offsets from cluster.base_port for tcp endpoints; relays and rollouts add their index.
+_PORT_OFFSETS = {"manager": 0, "buffer": 1, "trainer": 2, "relay": 10, "relay_pub": 60, "relay_data": 110}
+
+
+class ConfigError(ValueError):
+    """A config file or override is wrong; the message names the field and the fix."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ClusterConfig(Section):
+    transport: Literal["inproc", "ipc", "tcp"] = "ipc"
+    """How nodes reach each other: inproc (one process), ipc (one host), tcp (many hosts)."""
+    host: str = "127.0.0.1"
+    """Address tcp services bind to and are reached at when no explicit endpoint is given."""
+    base_port: int = Field(15550, ge=1024, le=65000)
+    """First tcp port; each service takes base_port + a fixed offset (+ its index)."""
+    ipc_dir: str | None = None
+    """Directory for ipc sockets; default /tmp/laminar-<name>-<uid>."""
+    endpoints: dict[str, str] = Field(default_factory=dict)
+    """Explicit endpoints that override the derived ones, e.g. {"manager": "tcp://10.0.0.1:15550", "relay-1": ...}."""
+    roles: dict[str, int] = Field(
+        default_factory=lambda: {"manager": 1, "buffer": 1, "relay": 1, "trainer": 1, "rollout": 2}
+    )
+    """How many instances of each role `laminar run` starts on this host."""
+    rollouts_per_process: int = Field(1, ge=1)
+    """Emulated scale: several rollout nodes share one process (sim engines)."""
+
+    @model_validator(mode="after")
+    def _check_roles(self) -> ClusterConfig:
+        for role, count in self.roles.items():
+            if role not in ROLES:
+                raise ValueError(f"cluster.roles has unknown role {role!r}; use one of {ROLES}")
+            if count < 0:
+                raise ValueError(f"cluster.roles.{role} must be >= 0, got {count}")
+        return self
+
+
+class SecurityConfig(Section):
+    keys_dir: str | None = None
+    """Directory made by `laminar keys DIR`; when set, tcp sockets use CURVE with these keys."""
+
+
+class TransportConfig(Section):
+    heartbeat_interval_s: float = Field(0.5, gt=0)
+    """Seconds between heartbeats, both directions."""
+    heartbeat_liveness: int = Field(4, ge=1)
+    """A peer is dead after this many missed beats (default detects death in <= 2 s)."""
+    handshake_timeout_s: float = Field(5.0, gt=0)
+    """Deadline for the HELLO/WELCOME handshake."""
+    startup_timeout_s: float = Field(60.0, gt=0)
+    """How long a node waits for the services it needs (manager, buffer, relay) at start."""
+    stop_timeout_s: float = Field(10.0, gt=0)
+    """Graceful stop budget (drain + teardown) after SIGTERM/SIGINT; then the node exits anyway."""
+    request_timeout_s: float = Field(10.0, gt=0)
+    """Default deadline for one request-reply attempt."""
+    request_retries: int = Field(3, ge=0)
+    """Retries of a request after a timeout (on a fresh socket)."""
+    reconnect_backoff_s: float = Field(0.1, gt=0)
+    """First reconnect delay; it doubles up to reconnect_backoff_max_s."""
+    reconnect_backoff_max_s: float = Field(2.0, gt=0)
+    """Cap on the reconnect delay."""
+    sndhwm: int = Field(1000, ge=1)
+    """High-water mark (messages) for outgoing streams."""
+    rcvhwm: int = Field(1000, ge=1)
+    """High-water mark (messages) for incoming streams."""
+    max_message_bytes: int = Field(2 << 30, ge=1024)
+    """Largest accepted message (header + frames); bigger ones are rejected as protocol errors."""
+    max_header_bytes: int = Field(1 << 20, ge=256)
+    """Largest accepted msgpack header."""
+
+
+class LoggingConfig(Section):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    """Minimum log level."""
+    json_logs: bool | None = None
+    """JSON lines; default: JSON when stderr is not a TTY."""
+
+
+class ModelConfig(Section):
+    path: str | None = None
+    """Local HF model directory (config.json + safetensors + tokenizer). Never a hub id."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype for rollouts; the trainer keeps fp32 master weights."""
+    device: str = "cpu"
+    """Torch device: cpu, cuda, cuda:0 ..."""
+
+
+class SamplingConfig(Section):
+    temperature: float = Field(1.0, ge=0)
+    """Sampling temperature; 0 means greedy."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling mass."""
+    max_tokens: int = Field(256, ge=1)
+    """Response length cap."""
+    stop: list[str] = Field(default_factory=list)
+    """Stop strings (the stop string is kept in the response)."""
+
+
+class SimEngineConfig(Section):
+    step_time_s: float = Field(0.02, ge=0)
+    """Decode-step time at batch sizes up to bound_b."""
+    bound_b: int = Field(64, ge=1)
+    """Roofline bound B: step time is flat up to B running requests, linear after."""
+    length_p50: int = Field(200, ge=1)
+    """Median response length (tokens)."""
+    length_p99_over_p50: float = Field(10.0, ge=1)
+    """Long-tail factor of a lognormal length distribution."""
+    kv_capacity_tokens: int = Field(200_000, ge=1)
+    """Emulated KV-cache size in tokens; KV use = held tokens / capacity."""
+    vocab_size: int = Field(32000, ge=2)
+    """Token ids are drawn below this."""
+    seed: int = 0
+    """Seed for lengths and tokens (runs are deterministic per seed)."""
+
+
+class RolloutConfig(Section):
+    engine: Literal["torch", "vllm", "sim"] = "torch"
+    """Generation backend."""
+    max_running: int = Field(32, ge=1)
+    """Most sequences decoding at once (the decode-batch bound B on this rollout)."""
+    group_size: int = Field(4, ge=1)
+    """GRPO group size n: samples per prompt, all on one rollout at one version."""
+    credits: int = Field(4, ge=1)
+    """Prompt groups a rollout keeps in hand (credit-based flow control)."""
+    partial_chunk_tokens: int = Field(32, ge=1)
+    """Stream new tokens to the partial pool every this many tokens."""
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    sim: SimEngineConfig = Field(default_factory=SimEngineConfig)
+    vllm_args: dict[str, Any] = Field(default_factory=dict)
+    """Extra AsyncEngineArgs for the vllm engine (gpu_memory_utilization, tensor_parallel_size ...)."""
+    refresh_when_idle: bool = True
+    """Pull the newest weights from the local relay whenever the engine runs dry."""
+    relay_index: int = Field(0, ge=0)
+    """Which relay this rollout reads from (its host's relay)."""
+
+
+class RewardConfig(Section):
+    fn: str = "laminar.rewards.builtin:exact_match"
+    """Reward function as module:function, sync or async: (prompt, completion, **row) -> float | dict | None."""
+    timeout_s: float = Field(10.0, gt=0)
+    """A reward slower than this marks its sample failed."""
+    workers: int = Field(1, ge=0)
+    """Process-pool workers (0 = run in a thread, for trusted fast rewards)."""
+
+
+class DataConfig(Section):
+    train: str | None = None
+    """Training prompts: jsonl or parquet with `prompt` and `answer`/`ground_truth`."""
+    eval: str | None = None
+    """Held-out prompts, same format."""
+    shuffle: bool = True
+    """Shuffle each epoch with a seeded permutation."""
+    epochs: int | None = None
+    """Stop serving prompts after this many epochs (null = forever)."""
+    seed: int = 0
+    """Shuffle seed."""
+    chat_template: bool = True
+    """Apply the tokenizer's chat template when it has one."""
+    max_prompt_tokens: int = Field(512, ge=1)
+    """Longer prompts are reported and skipped."""
+
+
+class AlgoConfig(Section):
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"] = "grpo"
+    """Advantage estimator."""
+    norm_std: bool = True
+    """GRPO: divide by the group std."""
+    loss: Literal["ppo", "gspo"] = "ppo"
+    """Token-level PPO clip or sequence-level GSPO."""
+    clip_low: float = Field(0.2, ge=0)
+    """PPO epsilon_low."""
+    clip_high: float = Field(0.28, ge=0)
+    """PPO epsilon_high (clip-higher)."""
+    dual_clip: float | None = Field(3.0, gt=1)
+    """Dual-clip c for negative advantages (null = off)."""
+    agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
+    """Loss aggregation."""
+    norm_constant: float | None = None
+    """Constant for seq_mean_token_sum_norm (default: max_tokens)."""
+    kl_coef: float = Field(0.0, ge=0)
+    """KL-to-reference coefficient (0 = no reference model)."""
+    kl_type: Literal["k1_reward", "k3_loss"] = "k3_loss"
+    """Where the KL goes: k1 into the reward or k3 into the loss."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Entropy bonus coefficient."""
+    decoupled: bool = True
+    """Decoupled PPO: proximal = trainer recompute, behaviour logprobs correct the rest."""
+    is_mode: Literal["truncate", "mask", "none"] = "truncate"
+    """Behaviour importance weight: truncate at is_cap or mask outside [is_low, is_high]."""
+    is_level: Literal["token", "sequence"] = "token"
+    """Importance weight granularity."""
+    is_cap: float = Field(2.0, gt=0)
+    """TIS cap."""
+    is_low: float = Field(0.5, ge=0)
+    """Mask lower bound."""
+    is_high: float = Field(2.0, gt=0)
+    """Mask upper bound."""
+
+
+class TrainerConfig(Section):
+    lr: float = Field(1e-5, gt=0)
+    """Peak learning rate."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warmup steps."""
+    total_steps: int = Field(100, ge=1)
+    """Optimizer steps in the run (cosine schedule length)."""
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    """Cosine floor as a fraction of lr."""
+    batch_groups: int = Field(8, ge=1)
+    """GRPO groups per optimizer step."""
+    micro_batch_tokens: int = Field(8192, ge=1)
+    """Token budget per micro-batch (length-packed gradient accumulation)."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Max global grad norm."""
+    checkpoint_every: int = Field(0, ge=0)
+    """Checkpoint every N steps (0 = only on SIGTERM and at the end)."""
+    resume: Literal["auto", "never"] | str = "auto"
+    """auto = latest checkpoint in run_dir, never, or a checkpoint path."""
+    engine: Literal["torch", "sim"] = "torch"
+    """torch trains the model; sim emulates step time proportional to tokens."""
+    sim_time_per_token_s: float = Field(2e-5, ge=0)
+    """Sim trainer: seconds of step time per consumed token."""
+    log_every: int = Field(1, ge=1)
+    """Write metrics every N steps."""
+
+
+class RelayConfig(Section):
+    chunk_bytes: int = Field(4 << 20, ge=4096)
+    """Chain-broadcast chunk size."""
+    shm_prefix: str = "laminar"
+    """Prefix of shared-memory segment names."""
+    delta: bool = False
+    """Send only changed chunks when a version differs little from the last."""
+
+
+class RepackConfig(Section):
+    enabled: bool = True
+    """Dynamic repack on/off."""
+    interval_s: float = Field(5.0, gt=0)
+    """Periodic repack check."""
+    c_max: float = Field(0.9, gt=0, le=1)
+    """KV-use cap a destination must stay under."""
+    bound_b: int | None = Field(None, ge=1)
+    """Decode-batch bound B a destination must stay under (default rollout.max_running)."""
+
+
+class ManagerConfig(Section):
+    repack: RepackConfig = Field(default_factory=RepackConfig)
+
+
+class BufferConfig(Section):
+    capacity: int = Field(4096, ge=1)
+    """Most finished trajectories held; prompts stop being served when full."""
+    max_staleness: int | None = Field(None, ge=0)
+    """Admission bound: generation may run at most this many versions ahead (null = unbounded)."""
+    fsync: Literal["always", "batch", "never"] = "batch"
+    """Journal fsync policy."""
+    lost_member_policy: Literal["drop_group", "release_partial"] = "release_partial"
+    """What to do with a group whose member is lost for good."""
+    sampling: Literal["fifo", "lifo", "random"] = "fifo"
+    """Batch sampling order."""
+
+
+class LaminarConfig(Section):
+    name: str = "laminar"
+    """Run name (used in endpoints and the run directory)."""
+    mode: Mode = "laminar"
+    """sync | one_step | stream | laminar (see DESIGN.md "Modes")."""
+    run_dir: str | None = None
+    """Where metrics, checkpoints and the resolved config go (default runs/<name>)."""
+    seed: int = 0
+    """Global seed."""
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    transport: TransportConfig = Field(default_factory=TransportConfig)
+    security: SecurityConfig = Field(default_factory=SecurityConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    algo: AlgoConfig = Field(default_factory=AlgoConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    relay: RelayConfig = Field(default_factory=RelayConfig)
+    manager: ManagerConfig = Field(default_factory=ManagerConfig)
+    buffer: BufferConfig = Field(default_factory=BufferConfig)
+    extra: dict[str, Any] = Field(default_factory=dict)
+    """Free-form settings for tasks and experiments (not validated here)."""
+
+    # ---- derived values -------------------------------------------------------------
+    def resolved_run_dir(self) -> Path:
+        return Path(self.run_dir or os.path.join("runs", self.name))
+
+    def ipc_dir(self) -> str:
+        return self.cluster.ipc_dir or f"/tmp/laminar-{self.name}-{os.getuid()}"
+
+    def endpoint(self, service: str, index: int = 0) -> str:
+        """Address of a service: manager, buffer, trainer, relay, relay_pub, relay_data."""
+        key = service if index == 0 and service in self.cluster.endpoints else f"{service}-{index}"
+        if key in self.cluster.endpoints:
+            return self.cluster.endpoints[key]
+        if service not in _PORT_OFFSETS:
+            raise ConfigError(f"unknown service {service!r}; known: {sorted(_PORT_OFFSETS)}")
+        kind = self.cluster.transport
+        if kind == "inproc":
+            return f"inproc://{self.name}-{service}-{index}"
+        if kind == "ipc":
+            return f"ipc://{self.ipc_dir()}/{service}-{index}.sock"
+        return f"tcp://{self.cluster.host}:{self.cluster.base_port + _PORT_OFFSETS[service] + index}"
+
+    def bind_endpoint(self, service: str, index: int = 0) -> str:
+        """Same as endpoint(), but tcp binds on all interfaces when the host is not loopback."""
+        ep = self.endpoint(service, index)
+        if ep.startswith("tcp://") and not ep.startswith("tcp://127."):
+            return "tcp://*:" + ep.rsplit(":", 1)[1]
+        return ep
+
+    def repack_bound_b(self) -> int:
+        return self.manager.repack.bound_b or self.rollout.max_running
+
+
+# ---- loading ------------------------------------------------------------------------
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like key=value (e.g. trainer.lr=1e-5)")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {item!r} has an empty key part; write a.b.c=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {item!r}: value is not valid YAML ({exc})") from None
+    return key.split("."), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for item in overrides:
+        path, value = _parse_override(item)
+        node = data
+        for part in path[:-1]:
+            nxt = node.get(part)
+            if nxt is None:
+                nxt = node[part] = {}
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"override {item!r}: {part!r} is a value, not a section")
+            node = nxt
+        node[path[-1]] = value
+    return data
+
+
+def _format_validation_error(exc: ValidationError, source: str) -> str:
+    lines = [f"invalid config ({source}):"]
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "<root>"
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field; check the spelling or remove it"
+        elif "input" in err and not isinstance(err["input"], dict):
+            msg = f"{msg} (got {err['input']!r})"
+        lines.append(f"  {loc}: {msg}")
+    return "\n".join(lines)
+
+
+def config_from_dict(data: dict[str, Any], source: str = "<dict>") -> LaminarConfig:
+    try:
+        return LaminarConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(exc, source)) from None
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> LaminarConfig:
+    """Load a YAML file (or defaults when path is None) and apply dotted overrides."""
+    data: dict[str, Any] = {}
+    source = "<defaults>"
+    if path is not None:
+        source = str(path)
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config {path} is not valid YAML: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config {path} must be a mapping at the top level, got {type(data).__name__}")
+    apply_overrides(data, list(overrides or []))
+    return config_from_dict(data, source)
+
+
+def dump_config(cfg: LaminarConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def write_resolved(cfg: LaminarConfig, run_dir: Path | None = None) -> Path:
+    """Write the resolved config into the run directory; returns the file path."""
+    out = Path(run_dir or cfg.resolved_run_dir())
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "config.yaml"
+    tmp = path.with_suffix(".yaml.tmp")
+    tmp.write_text(dump_config(cfg))
+    os.replace(tmp, path)
+    return path

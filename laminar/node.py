@@ -1,0 +1,227 @@
+"""Node base class: lifecycle, supervision, manager registration, logging, metrics.
+
+    start ─► setup() ─► register with manager ─► ready ─► main() … ─► drain() ─► teardown() ─► stopped
+                                                  ▲ SIGTERM/SIGINT or stop() or a supervised task dying
+
+Anatomy (vLLM-style): socket reader tasks decode and hand work to handlers; heavy
+compute runs off the event loop (`await self.compute(fn, ...)` uses a dedicated
+worker thread) so heartbeats keep flowing while a model trains or generates.
+
+A background task started with `spawn()` that raises stops the node loudly: the
+error is logged, `run()` re-raises it as NodeFailed, and the process exits
+non-zero. Nothing hangs silently.
+
+Subclasses set `role`, and override `setup`, `main`, `drain`, `teardown`, `status`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, ClassVar, TypeVar
+
+from laminar.config import LaminarConfig
+from laminar.logs import get_logger
+from laminar.metrics import Metrics
+from laminar.protocol.core import NodeStatus
+from laminar.transport.security import security_from_config
+from laminar.transport.sockets import RpcClient, RpcServer, SocketOptions, new_context
+
+T = TypeVar("T")
+
+
+class NodeFailed(RuntimeError):
+    """A supervised task of the node died; the node stopped."""
+
+
+class Node:
+    role: ClassVar[str] = "node"
+    registers_with_manager: ClassVar[bool] = True
+
+    def __init__(self, cfg: LaminarConfig, index: int = 0, ctx: Any = None, node_id: str | None = None):
+        self.cfg = cfg
+        self.index = index
+        self.node_id = node_id or f"{self.role}-{index}"
+        self._own_ctx = ctx is None
+        self.ctx = ctx if ctx is not None else new_context()
+        self.opts = SocketOptions.from_config(cfg, security_from_config(cfg))
+        self.log = get_logger(role=self.role, node_id=self.node_id)
+        self.metrics = Metrics()
+        self.ready = asyncio.Event()
+        self.stopping = asyncio.Event()
+        self.stopped = asyncio.Event()
+        self.failure: BaseException | None = None
+        self.stop_reason = ""
+        self.manager: RpcClient | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._servers: list[RpcServer] = []
+        self._clients: list[RpcClient] = []
+        self._closers: list[Callable[[], Any]] = []
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self.started_at = time.time()
+
+    # ---- hooks ----------------------------------------------------------------------
+    async def setup(self) -> None:
+        """Bind servers, connect clients. Runs before registration with the manager."""
+
+    async def main(self) -> None:
+        """The node's work. Default: serve until asked to stop."""
+        await self.stopping.wait()
+
+    async def drain(self) -> None:
+        """Finish or hand over in-flight work (bounded by transport.stop_timeout_s)."""
+
+    async def teardown(self) -> None:
+        """Release resources that setup() took (sockets are closed by the base)."""
+
+    def status(self) -> NodeStatus:
+        """What goes to the manager with every heartbeat."""
+        return NodeStatus(node_id=self.node_id, role=self.role)
+
+    # ---- helpers for subclasses ---------------------------------------------------
+    def server(self, endpoint: str, **kw: Any) -> RpcServer:
+        srv = RpcServer(self.ctx, endpoint, self.node_id, self.role, self.opts, status=self.status, **kw)
+        self._servers.append(srv)
+        return srv
+
+    def client(self, endpoint: str, **kw: Any) -> RpcClient:
+        cli = RpcClient(self.ctx, endpoint, self.node_id, self.role, self.opts, **kw)
+        self._clients.append(cli)
+        return cli
+
+    def on_close(self, fn: Callable[[], Any]) -> None:
+        """Register a cleanup (sync or async) run at teardown, last registered first."""
+        self._closers.append(fn)
+
+    def spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Task:
+        """Start a supervised background task: if it raises, the node stops loudly."""
+        task = asyncio.ensure_future(coro)
+        task.set_name(f"{self.node_id}:{name}")
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None and self.failure is None:
+            self.failure = exc
+            self.log.error("task_died", task=task.get_name(), error=f"{type(exc).__name__}: {exc}", exc_info=exc)
+            self.request_stop(f"task {task.get_name()} died")
+
+    def _supervise(self, obj: RpcServer | RpcClient) -> None:
+        for t in obj.tasks:
+            if t not in self._tasks:
+                self._tasks.add(t)
+                t.add_done_callback(self._task_done)
+
+    async def compute(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
+        """Run blocking compute off the event loop on this node's worker thread."""
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=self.node_id)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, lambda: fn(*args, **kw))
+
+    def request_stop(self, reason: str = "requested") -> None:
+        if not self.stopping.is_set():
+            self.stop_reason = reason
+            self.log.info("stopping", reason=reason)
+            self.stopping.set()
+
+    async def wait_ready(self, timeout: float) -> None:
+        await asyncio.wait_for(self.ready.wait(), timeout)
+
+    # ---- lifecycle ------------------------------------------------------------------
+    async def _register(self) -> None:
+        self.manager = self.client(self.cfg.endpoint("manager"), status=self.status, info={"pid": _pid()})
+        await self.manager.connect(timeout=self.cfg.transport.startup_timeout_s)
+        self._supervise(self.manager)
+
+    async def run(self) -> None:
+        """Run the whole lifecycle; raises NodeFailed if a supervised task died."""
+        self.log.info("starting")
+        try:
+            await self.setup()
+            for srv in self._servers:
+                self._supervise(srv)
+            if self.registers_with_manager:
+                await self._register()
+            self.ready.set()
+            self.log.info("ready", startup_s=round(time.time() - self.started_at, 3))
+            main = self.spawn(self.main(), "main")
+            await self.stopping.wait()
+            if not main.done():
+                try:
+                    await asyncio.wait_for(self.drain(), self.cfg.transport.stop_timeout_s)
+                except TimeoutError:
+                    self.log.warning("drain_timeout", timeout_s=self.cfg.transport.stop_timeout_s)
+        finally:
+            await self._shutdown()
+        if self.failure is not None:
+            raise NodeFailed(f"{self.node_id}: {self.stop_reason}") from self.failure
+
+    async def _shutdown(self) -> None:
+        self.stopping.set()
+        current = asyncio.current_task()
+        for t in list(self._tasks):
+            if t is not current:
+                t.cancel()
+        for t in list(self._tasks):
+            if t is not current:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await asyncio.wait_for(t, 2.0)
+        try:
+            await asyncio.wait_for(self.teardown(), self.cfg.transport.stop_timeout_s)
+        except Exception as exc:  # teardown must not mask the original failure
+            self.log.error("teardown_failed", error=f"{type(exc).__name__}: {exc}")
+        for fn in reversed(self._closers):
+            with contextlib.suppress(Exception):
+                res = fn()
+                if asyncio.iscoroutine(res):
+                    await asyncio.wait_for(res, 5.0)
+        for cli in self._clients:
+            await cli.close()
+        for srv in self._servers:
+            await srv.close()
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._own_ctx:
+            self.ctx.destroy(linger=0)
+        self.stopped.set()
+        self.log.info("stopped", reason=self.stop_reason or "done")
+
+
+def _pid() -> int:
+    import os
+
+    return os.getpid()
+
+
+def install_signal_handlers(nodes: list[Node]) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda s=sig: [n.request_stop(f"signal {signal.Signals(s).name}") for n in nodes])
+
+
+async def run_nodes(nodes: list[Node]) -> None:
+    """Run several nodes in this process (one per role, or many emulated rollouts); fail if any fails."""
+    install_signal_handlers(nodes)
+    tasks = [asyncio.create_task(n.run(), name=n.node_id) for n in nodes]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        # one finished (done or failed): stop the rest of this process's nodes too
+        for n in nodes:
+            n.request_stop("sibling stopped")
+        await asyncio.gather(*tasks, return_exceptions=True)
+    finally:
+        for t in tasks:
+            t.cancel()
+    for t in tasks:
+        if t.exception() is not None:
+            raise t.exception()

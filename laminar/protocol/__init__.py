@@ -1,0 +1,16 @@
+"""Every wire message type, in one registry (laminar.transport.codec.REGISTRY).
+
+Type-id ranges, one module each, so areas never collide:
+    0x01-0x1F core (handshake, heartbeat, errors, membership)   core.py
+    0x20-0x2F shared data (prompts, trajectories)                data.py
+    0x30-0x4F buffer (prompt pool, partial pool, batches)        buffer.py
+    0x50-0x6F relay and weight transport                         relay.py
+    0x70-0x8F manager (status, repack, recovery, chain)          manager.py
+    0x90-0x9F rollout                                            rollout.py
+    0xA0-0xAF trainer                                            trainer.py
+    0xF0-0xFF tests only
+"""
+
+from laminar.protocol import buffer, core, data, manager, relay, rollout, trainer  # noqa: F401
+from laminar.protocol.core import *  # noqa: F401,F403
+from laminar.protocol.data import *  # noqa: F401,F403

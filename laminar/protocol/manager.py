@@ -1,0 +1,33 @@
+"""Manager messages (0x70-0x8F): status queries, repack commands, recovery, relay chain."""
+
+from __future__ import annotations
+
+from dataclasses import field
+
+from laminar.protocol.core import NodeStatus
+from laminar.transport.codec import Message, message
+
+__all__ = ["StatusRequest", "StatusReply", "NodeEntry"]
+
+
+@message(0x70)
+class StatusRequest(Message):  # cli -> manager
+    pass
+
+
+@message(0x71)
+class NodeEntry(Message):  # one row of `laminar status`
+    node_id: str
+    role: str
+    alive: bool
+    last_beat_s: float
+    """Seconds since the last message from this node."""
+    status: NodeStatus | None = None
+    pid: int = 0
+
+
+@message(0x72)
+class StatusReply(Message):  # manager -> cli
+    nodes: list[NodeEntry] = field(default_factory=list)
+    trainer_version: int = -1
+    mode: str = ""

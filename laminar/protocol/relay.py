@@ -1,0 +1,3 @@
+"""relay messages (see laminar/protocol/__init__.py for the id range)."""
+
+from __future__ import annotations
