@@ -9,7 +9,7 @@ import numpy as np
 
 from laminar.transport.codec import Arr, Message, message
 
-__all__ = ["PromptItem", "Trajectory", "TokenIds", "Logprobs"]
+__all__ = ["PromptItem", "Trajectory", "PartialTrajectory", "PartialChunk", "TokenIds", "Logprobs"]
 
 TokenIds = Annotated[np.ndarray, Arr(("int32", "int64"), ndim=1)]
 Logprobs = Annotated[np.ndarray, Arr(("float32",), ndim=1)]
@@ -56,3 +56,35 @@ class Trajectory(Message):  # rollout -> buffer (finished), buffer -> trainer (i
     resumed: int = 0
     """How many times this trajectory moved between rollouts (repack / recovery)."""
     staleness_at_finish: int = 0
+
+
+@message(0x22)
+class PartialTrajectory(Message):  # rollout -> buffer (partial pool), manager <-> rollout (export/import)
+    uid: str
+    group_id: str
+    prompt_uid: str
+    sample_index: int
+    prompt_ids: TokenIds
+    response_ids: TokenIds
+    logprobs: Logprobs
+    version: int
+    n: int = 1
+    """Group size of the trajectory's group (so a resumed sample knows its group)."""
+    prompt: str = ""
+    row: dict[str, Any] = field(default_factory=dict)
+    rollout_id: str = ""
+    resumed: int = 0
+    t_start: float = 0.0
+
+
+@message(0x23)
+class PartialChunk(Message):  # rollout -> buffer: new tokens of an in-flight trajectory (partial pool)
+    uid: str
+    version: int
+    offset: int
+    """Index of the first token of this chunk in the response."""
+    token_ids: TokenIds
+    logprobs: Logprobs
+    rollout_id: str = ""
+    header: PartialTrajectory | None = None
+    """Sent with the first chunk (offset 0): everything needed to resume the trajectory."""

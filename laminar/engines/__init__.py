@@ -1,0 +1,27 @@
+"""Rollout engines behind one interface (base.py): torch, vllm, sim. Imported lazily."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from laminar.engines.base import Engine, EngineStats, GenRequest, PartialState, SamplingParams, TokenEvent
+
+__all__ = ["Engine", "EngineStats", "GenRequest", "PartialState", "SamplingParams", "TokenEvent", "make_engine"]
+
+
+def make_engine(cfg: Any, **kw: Any) -> Engine:
+    """Engine for cfg.rollout.engine (cfg is a LaminarConfig)."""
+    kind = cfg.rollout.engine
+    if kind == "sim":
+        from laminar.engines.sim import SimEngine
+
+        return SimEngine.from_config(cfg, **kw)
+    if kind == "torch":
+        from laminar.engines.torch_engine import TorchEngine
+
+        return TorchEngine.from_config(cfg, **kw)
+    if kind == "vllm":
+        from laminar.engines.vllm_engine import VllmEngine
+
+        return VllmEngine.from_config(cfg, **kw)
+    raise ValueError(f"unknown engine {kind!r}")

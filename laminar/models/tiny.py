@@ -1,0 +1,95 @@
+"""A tiny HF-format causal LM with a character-level tokenizer, built locally (no hub).
+
+    path = build_tiny_model("/tmp/tiny", alphabet="0123456789+=;#", hidden=64, layers=2)
+    model = load_causal_lm(path)          # the normal transformers loading path
+    tok = load_tokenizer(path)            # a real tokenizer.json (fast tokenizer)
+
+The tokenizer maps each character to one id (plus <pad> <bos> <eos> <unk>), is
+saved as tokenizer.json + tokenizer_config.json and loads with
+AutoTokenizer.from_pretrained like any other. Tests use random weights; the demo
+warms the model up with supervised demonstrations.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
+DEFAULT_ALPHABET = "0123456789+-*=;#:,. abcdefghijklmnopqrstuvwxyz?\n"
+
+
+def char_tokenizer(alphabet: str = DEFAULT_ALPHABET):
+    """A PreTrainedTokenizerFast with one token per character."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = list(dict.fromkeys(alphabet))
+    vocab = {t: i for i, t in enumerate(SPECIALS)}
+    for ch in chars:
+        vocab.setdefault(ch, len(vocab))
+    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tk, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", unk_token="<unk>"
+    )
+    return tok
+
+
+def tiny_config(vocab_size: int, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+                intermediate: int | None = None, max_positions: int = 512, **kw: Any):  # fmt: skip
+    """A small Llama-style config (RMSNorm, RoPE, SwiGLU, GQA, tied embeddings)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=intermediate or hidden * 3,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-5,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        **kw,
+    )
+
+
+def build_tiny_model(path: str | os.PathLike, alphabet: str = DEFAULT_ALPHABET, seed: int = 0, **cfg_kw: Any) -> Path:
+    """Write a randomly initialised tiny model + tokenizer to `path` (HF directory)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = char_tokenizer(alphabet)
+    config = tiny_config(len(tok), **cfg_kw)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    (out / "laminar_tiny.json").write_text(json.dumps({"alphabet": alphabet, "seed": seed, **cfg_kw}))
+    return out
+
+
+def load_tokenizer(path: str | os.PathLike):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def load_causal_lm(path: str | os.PathLike, dtype: str = "float32", device: str = "cpu"):
+    """Load a local HF causal LM (never from the hub), eval mode, on `device`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=getattr(torch, dtype), local_files_only=True, attn_implementation="eager"
+    )
+    return model.to(device).eval()
