@@ -140,6 +140,10 @@ class SimEngineConfig(Section):
     """Token ids are drawn below this."""
     seed: int = 0
     """Seed for lengths and tokens (runs are deterministic per seed)."""
+    chunk_tokens: int | None = Field(None, ge=1)
+    """Tokens per emitted event (one timer wake per chunk); default rollout.partial_chunk_tokens."""
+    load_time_s: float = Field(0.0, ge=0)
+    """Emulated weight-load pause (no decoding while it runs)."""
 
 
 class RolloutConfig(Section):
@@ -161,6 +165,18 @@ class RolloutConfig(Section):
     """Pull the newest weights from the local relay whenever the engine runs dry."""
     relay_index: int = Field(0, ge=0)
     """Which relay this rollout reads from (its host's relay)."""
+    max_model_len: int | None = Field(None, ge=2)
+    """Prompt + response cap in tokens (torch engine KV slot length; vllm max_model_len); default: the model's."""
+    kv_capacity_tokens: int | None = Field(None, ge=1)
+    """Torch engine: KV tokens held at most (kv_use = held / this); default max_running * max_model_len."""
+    max_prefill_tokens: int = Field(4096, ge=1)
+    """Torch engine: prompt tokens prefilled per step (bounds the step latency joiners add)."""
+    weights: Literal["auto", "relay", "dir"] = "auto"
+    """Weight source: the host relay, or run_dir/weights/v*.safetensors (trainer direct handoff); auto = relay when relays run."""
+    prompt_retry_s: float = Field(0.5, gt=0)
+    """Backoff before asking the buffer again after a failed or empty prompt request (when it gives no retry_after_s)."""
+    outbox_concurrency: int = Field(8, ge=1)
+    """Finished trajectories in flight to the buffer at once (each resent until acked)."""
 
 
 class RewardConfig(Section):
@@ -170,6 +186,8 @@ class RewardConfig(Section):
     """A reward slower than this marks its sample failed."""
     workers: int = Field(1, ge=0)
     """Process-pool workers (0 = run in a thread, for trusted fast rewards)."""
+    sim: Literal["uid_hash", "fn"] = "uid_hash"
+    """Sim engines make no text: uid_hash = deterministic 0/1 reward from the trajectory uid; fn = call fn with completion ""."""
 
 
 class DataConfig(Section):
@@ -216,8 +234,8 @@ class AlgoConfig(Section):
     """Decoupled PPO: proximal = trainer recompute, behaviour logprobs correct the rest."""
     is_mode: Literal["truncate", "mask", "none"] = "truncate"
     """Behaviour importance weight: truncate at is_cap or mask outside [is_low, is_high]."""
-    is_level: Literal["token", "sequence"] = "token"
-    """Importance weight granularity."""
+    is_level: Literal["token", "sequence", "geometric"] = "token"
+    """Importance weight granularity: per token, sequence product, or sequence geometric mean (length-invariant)."""
     is_cap: float = Field(2.0, gt=0)
     """TIS cap."""
     is_low: float = Field(0.5, ge=0)
@@ -255,6 +273,20 @@ class TrainerConfig(Section):
     """Sim trainer: seconds of step time per consumed token."""
     log_every: int = Field(1, ge=1)
     """Write metrics every N steps."""
+    commit: Literal["step", "checkpoint"] = "step"
+    """When consumed batches are committed to the buffer: after each step (a crash loses the
+    updates since the last checkpoint, never trains a batch twice) or only once a checkpoint
+    holds the step (exactly-once; the buffer keeps up to checkpoint_every uncommitted batches)."""
+    keep_checkpoints: int = Field(2, ge=1)
+    """Checkpoints kept in run_dir/checkpoints (oldest deleted first)."""
+    batch_wait_s: float = Field(1.0, gt=0)
+    """Long-poll of one BatchRequest; an empty reply is asked again."""
+
+    @model_validator(mode="after")
+    def _check_commit(self) -> TrainerConfig:
+        if self.commit == "checkpoint" and self.checkpoint_every == 0:
+            raise ValueError("trainer.commit=checkpoint needs trainer.checkpoint_every > 0")
+        return self
 
 
 class RelayConfig(Section):
@@ -264,6 +296,34 @@ class RelayConfig(Section):
     """Prefix of shared-memory segment names."""
     delta: bool = False
     """Send only changed chunks when a version differs little from the last."""
+    shm_dir: str | None = None
+    """Directory of the shared-memory segments (default /dev/shm)."""
+    window: int = Field(4, ge=1, le=256)
+    """Chunk fetches a relay keeps in flight to its upstream (pipelining depth)."""
+    spare_slots: int = Field(1, ge=0, le=8)
+    """Freed version buffers kept for reuse (no new page faults); each costs one model size of RAM."""
+    max_slots: int = Field(4, ge=2, le=64)
+    """Most version buffers per relay (current + incoming + versions pinned by readers)."""
+    chunk_wait_s: float = Field(10.0, gt=0)
+    """How long a relay holds a fetch for a chunk it has not received yet before saying retry."""
+    fetch_timeout_s: float = Field(15.0, gt=0)
+    """Deadline of one chunk fetch (must exceed chunk_wait_s)."""
+    corrupt_retries: int = Field(2, ge=0)
+    """Refetch a corrupt chunk from the upstream this many times, then from the master."""
+    probe_timeout_s: float = Field(1.0, gt=0)
+    """Handshake deadline when checking whether a candidate upstream relay is alive."""
+    upstream_grace_s: float = Field(30.0, ge=0)
+    """At start, how long a relay waits for its immediate predecessor before skipping it as dead."""
+    link_bytes_per_s: float | None = Field(None, gt=0)
+    """Bench/test knob: pace relay-to-relay chunks to emulate a link of this bandwidth (null = full speed)."""
+    inject_corrupt_chunks: list[int] = Field(default_factory=list)
+    """Test hook: chunk indices this relay corrupts (one flipped byte) the first time it sends them."""
+
+    @model_validator(mode="after")
+    def _check_fetch(self) -> RelayConfig:
+        if self.fetch_timeout_s <= self.chunk_wait_s:
+            raise ValueError("relay.fetch_timeout_s must exceed relay.chunk_wait_s (a fetch waits up to chunk_wait_s upstream)")
+        return self
 
 
 class RepackConfig(Section):
@@ -290,8 +350,24 @@ class BufferConfig(Section):
     """Journal fsync policy."""
     lost_member_policy: Literal["drop_group", "release_partial"] = "release_partial"
     """What to do with a group whose member is lost for good."""
-    sampling: Literal["fifo", "lifo", "random"] = "fifo"
-    """Batch sampling order."""
+    sampling: str = "fifo"
+    """Batch sampling order: fifo | lifo | random | module:function (see laminar/buffer/sampling.py)."""
+    journal: bool = True
+    """Journal to run_dir/buffer-<i>.journal and rebuild from it on restart (false: memory only)."""
+    fsync_interval_s: float = Field(0.05, gt=0)
+    """fsync=batch: flush the journal to disk this often."""
+    compact_bytes: int = Field(1 << 30, ge=1 << 16)
+    """Rewrite the journal as a snapshot of the live state once it grows past this size."""
+    retry_after_s: float = Field(0.25, gt=0)
+    """PromptReply.retry_after_s when no prompt can be served now."""
+    max_wait_s: float = Field(30.0, gt=0)
+    """Cap on a BatchRequest long-poll (wait_s)."""
+
+    @model_validator(mode="after")
+    def _check_sampling(self) -> BufferConfig:
+        if self.sampling not in ("fifo", "lifo", "random") and ":" not in self.sampling:
+            raise ValueError(f"buffer.sampling {self.sampling!r}: use fifo | lifo | random | module:function")
+        return self
 
 
 class LaminarConfig(Section):

@@ -62,6 +62,9 @@ class Node:
         self._clients: list[RpcClient] = []
         self._closers: list[Callable[[], Any]] = []
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._main_task: asyncio.Task | None = None
+        self.say_bye = True
+        """False = close client sockets without Bye, so peers see a death (tests that emulate a crash)."""
         self.started_at = time.time()
 
     # ---- hooks ----------------------------------------------------------------------
@@ -114,6 +117,9 @@ class Node:
             self.failure = exc
             self.log.error("task_died", task=task.get_name(), error=f"{type(exc).__name__}: {exc}", exc_info=exc)
             self.request_stop(f"task {task.get_name()} died")
+        elif exc is None and task is self._main_task:
+            # main() returning is the node's work being done (e.g. the trainer's last step)
+            self.request_stop("main finished")
 
     def _supervise(self, obj: RpcServer | RpcClient) -> None:
         for t in obj.tasks:
@@ -154,7 +160,7 @@ class Node:
                 await self._register()
             self.ready.set()
             self.log.info("ready", startup_s=round(time.time() - self.started_at, 3))
-            main = self.spawn(self.main(), "main")
+            main = self._main_task = self.spawn(self.main(), "main")
             await self.stopping.wait()
             if not main.done():
                 try:
@@ -186,7 +192,7 @@ class Node:
                 if asyncio.iscoroutine(res):
                     await asyncio.wait_for(res, 5.0)
         for cli in self._clients:
-            await cli.close()
+            await cli.close(say_bye=self.say_bye)
         for srv in self._servers:
             await srv.close()
         if self._executor is not None:

@@ -28,6 +28,8 @@ from hypothesis import HealthCheck, settings
 settings.register_profile(
     "laminar", deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
 )
+# HYPOTHESIS_PROFILE=fuzz: a long fuzzing session (minutes), for after codec changes.
+settings.register_profile("fuzz", parent=settings.get_profile("laminar"), max_examples=20_000)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "laminar"))
 
 

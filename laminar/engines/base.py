@@ -42,6 +42,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     """Besides the model's EOS."""
     seed: int | None = None
+    """Seeded sampling is deterministic per (seed, sequence id, token index), also across resume."""
+    ignore_eos: bool = False
+    """Keep generating past EOS (benchmarks with fixed lengths); stop_token_ids still stop."""
 
     @classmethod
     def from_config(cls, s: Any, **kw: Any) -> SamplingParams:

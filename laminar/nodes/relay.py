@@ -1,16 +1,272 @@
-"""Relay node (skeleton): per-host weight cache and chain hop come later.
+"""Relay node: one per host; the newest weights in shared memory, and one hop of the chain.
 
-Run: laminar node --role relay --config configs/skeleton.yaml
+    trainer ──Stage/Commit (memcpy into /dev/shm)──► master relay            control: relay-k
+                                                       │ VersionOffer, FetchChunk/WeightChunk
+                                                       ▼                   data:    relay_data-k
+                                         relay 1 ──► relay 2 ──► …         (laminar/relay/chain.py)
+    every relay ──WeightsReady (PUB)──► its rollouts  pub:     relay_pub-k
+    rollout ──Pull/Release──► relay   (pins a version; its segment is mapped read-only-ish, zero copy)
+
+What blocks what: the trainer waits only for its own memcpy and the commit reply; the
+master then computes chunk digests in a thread and serves chunks as they are ready;
+every other relay fetches from its upstream with a window of requests in flight and
+serves its own downstream from the same buffer as chunks land. Rollouts never wait
+for the chain: they pull the newest complete version of their own relay.
+
+Failure handling: a reader that dies is unpinned (peer death on the control socket);
+a relay that dies is cut out by its downstream, which resumes from the next live
+predecessor; if the master dies, the first relay with no live predecessor becomes
+master and the trainer finds it (WeightPusher asks the relays; the manager may also
+send ChainUpdate / tell the trainer).
+
+Run: laminar node --role relay --index 0 --config configs/skeleton.yaml
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+import socket
+import time
+
 from laminar.node import Node
+from laminar.protocol.core import Ack, ErrorReply, NodeStatus
+from laminar.protocol.relay import (
+    ChainInfoRequest, ChainUpdate, CommitReply, CommitRequest, FetchChunk, LatestReply, LatestRequest,
+    OfferRequest, PullReply, PullRequest, PushChunk, RelayReset, ReleaseRequest, StageReply, StageRequest,
+    VersionOffer, WeightChunk, WeightsReady,
+)  # fmt: skip
+from laminar.relay.chain import ChainFollower, Pacer
+from laminar.relay.layout import chunk_digest, chunk_range, validate_layout, version_checksum
+from laminar.relay.shm import OutOfSlots, VersionState, WeightStore, default_shm_dir
+from laminar.transport.codec import ProtocolError
+from laminar.transport.sockets import Peer, Publisher, TransportError
+
+DIGEST_BATCH = 8  # chunks hashed per thread hop: keeps the loop responsive, the overhead small
 
 
 class RelayNode(Node):
     role = "relay"
 
     async def setup(self) -> None:
-        self.srv = self.server(self.cfg.bind_endpoint("relay", self.index))
+        cfg, rc = self.cfg, self.cfg.relay
+        self.store = WeightStore(
+            rc.shm_dir or default_shm_dir(), f"{rc.shm_prefix}-{cfg.name}-relay{self.index}",
+            spare_slots=rc.spare_slots, max_slots=rc.max_slots,
+        )  # fmt: skip
+        self.chain = ChainFollower(self)
+        self._staging: dict[int, tuple[str, VersionState, float]] = {}
+        self._tokens = itertools.count(1)
+        self._pacers: dict[str, Pacer] = {}
+        self._corrupted: set[tuple[int, int]] = set()
+        self._host = socket.gethostname()
+
+        self.srv = self.server(cfg.bind_endpoint("relay", self.index), on_peer_dead=self._on_peer_dead)
+        for msg_type, handler in (
+            (StageRequest, self._on_stage), (PushChunk, self._on_push_chunk), (CommitRequest, self._on_commit),
+            (PullRequest, self._on_pull), (ReleaseRequest, self._on_release), (LatestRequest, self._on_latest),
+            (ChainUpdate, self._on_chain_update), (ChainInfoRequest, self._on_chain_info), (RelayReset, self._on_reset),
+        ):  # fmt: skip
+            self.srv.on(msg_type, handler)
+        self.data = self.server(cfg.bind_endpoint("relay_data", self.index))
+        self.data.on(OfferRequest, self._on_offer_request)
+        self.data.on(FetchChunk, self._on_fetch)
+        self.data.on(ChainInfoRequest, self._on_chain_info)
+        self.pub = Publisher(self.ctx, cfg.bind_endpoint("relay_pub", self.index), self.node_id, self.opts)
         await self.srv.start()
+        await self.data.start()
+        await self.pub.start()
+        self._supervise(self.pub)  # type: ignore[arg-type]
+
+    async def main(self) -> None:
+        self.spawn(self.chain.run(), "chain")
+        interval = self.cfg.transport.heartbeat_interval_s
+        while True:  # housekeeping: readers that left without releasing, abandoned staging
+            await asyncio.sleep(interval * 2)  # a timer
+            for peer in {p for c in self.store.pins.values() for p in c}:
+                if peer not in self.srv.peers:
+                    self.log.info("reader_gone", peer=peer, released=self.store.unpin_peer(peer))
+            deadline = time.monotonic() - 10 * self.cfg.transport.request_timeout_s
+            for token, (_peer, vs, t0) in list(self._staging.items()):
+                if t0 < deadline:
+                    self._drop_staging(token, "stage timeout")
+
+    async def teardown(self) -> None:
+        await self.chain.close()
+        await self.pub.close()
+        self.store.close()
+
+    def status(self) -> NodeStatus:
+        if not hasattr(self, "chain"):  # heartbeats may ask before setup() finished
+            return NodeStatus(node_id=self.node_id, role=self.role)
+        cur, inc = self.store.current, self.store.newest_incoming()
+        extra = {"master": self.chain.master, "upstream": self.chain.upstream, "epoch": self.chain.epoch,
+                 "incoming": inc.version if inc else -1, "pinned": self.store.pinned()}  # fmt: skip
+        return NodeStatus(node_id=self.node_id, role=self.role, version=cur.version if cur else -1, extra=extra)
+
+    # ---- chain callbacks -----------------------------------------------------------------
+    def _offer(self, vs: VersionState) -> VersionOffer:
+        return VersionOffer(version=vs.version, layout=vs.layout, chunk_bytes=vs.chunk_bytes)
+
+    def started_receiving(self, vs: VersionState) -> None:
+        asyncio.ensure_future(self.data.broadcast(self._offer(vs), role="relay"))
+
+    def chunk_arrived(self, vs: VersionState, index: int) -> None:
+        pass
+
+    async def version_complete(self, vs: VersionState) -> None:
+        self.log.info("version_ready", version=vs.version, checksum=vs.checksum, source=vs.source, mb=vs.layout.total_bytes >> 20)
+        self.metrics.count("versions_ready")
+        ready = WeightsReady(version=vs.version, checksum=vs.checksum, layout=vs.layout, relay=self.node_id, chunk_bytes=vs.chunk_bytes)
+        await self.pub.publish("weights", ready)
+
+    # ---- trainer handoff -------------------------------------------------------------------
+    async def _on_stage(self, peer: Peer, msg: StageRequest) -> StageReply | ErrorReply:
+        validate_layout(msg.layout)
+        newest = self.store.newest()
+        if newest is not None and msg.version <= newest.version:
+            return ErrorReply(code="stale_version", message=f"version {msg.version} <= newest {newest.version}")
+        for token, (owner, _vs, _t) in list(self._staging.items()):
+            if owner == peer.node_id:
+                self._drop_staging(token, "restaged")
+        self.chain.become_head(f"trainer {peer.node_id} pushes here")
+        try:
+            vs = await self.store.begin(msg.version, msg.layout, self.cfg.relay.chunk_bytes, source="trainer", staging=True)
+        except OutOfSlots as exc:
+            return ErrorReply(code="out_of_slots", message=str(exc))
+        except ValueError as exc:
+            return ErrorReply(code="stale_version", message=str(exc))
+        token = next(self._tokens)
+        self._staging[token] = (peer.node_id, vs, time.monotonic())
+        seg = vs.slot.seg
+        return StageReply(token=token, segment=seg.path, size=seg.size, host=self._host, inode=seg.inode, chunk_bytes=vs.chunk_bytes)
+
+    def _staged(self, peer: Peer, version: int, token: int) -> VersionState:
+        entry = self._staging.get(token)
+        if entry is None or entry[0] != peer.node_id or entry[1].version != version:
+            raise ProtocolError(f"no staging of version {version} with token {token} for {peer.node_id}")
+        return entry[1]
+
+    async def _on_push_chunk(self, peer: Peer, msg: PushChunk) -> Ack:
+        vs = self._staged(peer, msg.version, msg.token)
+        end = msg.offset + len(msg.data)
+        if msg.offset < 0 or end > vs.layout.total_bytes:
+            raise ProtocolError(f"chunk [{msg.offset}, {end}) outside version of {vs.layout.total_bytes} bytes")
+        vs.buf[msg.offset : end] = msg.data
+        return Ack()
+
+    async def _on_commit(self, peer: Peer, msg: CommitRequest) -> CommitReply:
+        vs = self._staged(peer, msg.version, msg.token)
+        del self._staging[msg.token]
+        vs.staging = False
+        self.metrics.count("versions_pushed")
+        self.spawn(self._digest_pass(vs), f"digest-v{vs.version}")
+        await self.data.broadcast(self._offer(vs), role="relay")
+        return CommitReply(version=vs.version, master=self.index)
+
+    def _drop_staging(self, token: int, why: str) -> None:
+        _peer, vs, _t = self._staging.pop(token)
+        self.log.warning("staging_dropped", version=vs.version, why=why)
+        self.store.abandon(vs)
+
+    async def _digest_pass(self, vs: VersionState) -> None:
+        """Chunk digests of a version the trainer handed off; each chunk becomes servable once hashed."""
+        t0 = time.monotonic()
+        with_adler = self.cfg.relay.delta
+        total, cb = vs.layout.total_bytes, vs.chunk_bytes
+
+        def digests(lo: int, hi: int) -> list[int]:
+            return [chunk_digest(vs.buf[slice(*chunk_range(i, cb, total))], with_adler) for i in range(lo, hi)]
+
+        for lo in range(0, vs.n, DIGEST_BATCH):
+            if vs.abandoned:
+                return
+            hi = min(vs.n, lo + DIGEST_BATCH)
+            for i, d in zip(range(lo, hi), await asyncio.to_thread(digests, lo, hi), strict=True):
+                vs.digests[i] = d
+                if i == vs.n - 1:  # the last chunk carries the version checksum downstream
+                    vs.expected_checksum = version_checksum(vs.layout, cb, vs.crcs)
+                self.store.mark(vs, i, d)
+        self.store.complete(vs, vs.expected_checksum)
+        self.metrics.add("digest_s", time.monotonic() - t0)
+        await self.version_complete(vs)
+
+    # ---- chunk service (data socket) -------------------------------------------------------
+    async def _on_offer_request(self, peer: Peer, msg: OfferRequest) -> VersionOffer:
+        vs = self.store.newest()
+        return self._offer(vs) if vs is not None else VersionOffer(version=-1)
+
+    async def _on_fetch(self, peer: Peer, msg: FetchChunk) -> WeightChunk | ErrorReply:
+        vs = self.store.versions.get(msg.version)
+        if vs is None or vs.abandoned or vs.staging:
+            return ErrorReply(code="gone", message=f"{self.node_id} does not have version {msg.version}")
+        if not 0 <= msg.index < vs.n:
+            raise ProtocolError(f"chunk index {msg.index} out of range [0, {vs.n})")
+        if not await self.store.wait_chunk(vs, msg.index, self.cfg.relay.chunk_wait_s):
+            code = "gone" if vs.abandoned else "not_yet"
+            return ErrorReply(code=code, message=f"chunk {msg.index} of version {msg.version} not here")
+        start, end = chunk_range(msg.index, vs.chunk_bytes, vs.layout.total_bytes)
+        digest = int(vs.digests[msg.index])
+        checksum = vs.checksum or vs.expected_checksum
+        if self.cfg.relay.delta and msg.have_digest == digest and digest >> 32:
+            self.metrics.count("chunks_sent_unchanged")
+            return WeightChunk(version=vs.version, index=msg.index, offset=start, digest=digest,
+                               data=vs.buf[0:0], unchanged=True, version_checksum=checksum)  # fmt: skip
+        data = vs.buf[start:end]  # zero-copy: the frame points into the shared-memory slot
+        key = (vs.version, msg.index)
+        if msg.index in self.cfg.relay.inject_corrupt_chunks and key not in self._corrupted:
+            self._corrupted.add(key)
+            data = data.copy()
+            data[len(data) // 2] ^= 0xFF
+            self.log.warning("chunk_corrupted_on_purpose", version=vs.version, index=msg.index)
+        pacer = self._pacers.get(peer.node_id)
+        if pacer is None:
+            pacer = self._pacers[peer.node_id] = Pacer(self.cfg.relay.link_bytes_per_s)
+        await pacer.take(end - start)
+        self.metrics.count("bytes_sent", end - start)
+        return WeightChunk(version=vs.version, index=msg.index, offset=start, digest=digest, data=data, version_checksum=checksum)
+
+    # ---- readers ---------------------------------------------------------------------------
+    async def _on_pull(self, peer: Peer, msg: PullRequest) -> PullReply | ErrorReply:
+        vs = self.store.current if msg.version < 0 else self.store.versions.get(msg.version)
+        if vs is None or not vs.complete:
+            have = self.store.current.version if self.store.current else -1
+            return ErrorReply(code="no_version", message=f"{self.node_id} has no version {msg.version} (newest {have})")
+        self.store.pin(peer.node_id, vs.version)
+        seg = vs.slot.seg
+        return PullReply(version=vs.version, checksum=vs.checksum, segment=seg.path, size=seg.size,
+                         layout=vs.layout, chunk_bytes=vs.chunk_bytes)  # fmt: skip
+
+    async def _on_release(self, peer: Peer, msg: ReleaseRequest) -> Ack:
+        return Ack(ok=self.store.unpin(peer.node_id, msg.version))
+
+    async def _on_latest(self, peer: Peer, msg: LatestRequest) -> LatestReply | ErrorReply:
+        if msg.subscriber:
+            try:
+                await self.pub.wait_for({msg.subscriber}, timeout=self.cfg.transport.handshake_timeout_s)
+            except TransportError as exc:
+                return ErrorReply(code="not_subscribed", message=str(exc))
+        cur = self.store.current
+        return LatestReply(version=cur.version, checksum=cur.checksum) if cur else LatestReply()
+
+    def _on_peer_dead(self, peer: Peer) -> None:
+        n = self.store.unpin_peer(peer.node_id)
+        if n:
+            self.log.info("reader_dead", peer=peer.node_id, released=n)
+        for token, (owner, _vs, _t) in list(self._staging.items()):
+            if owner == peer.node_id:
+                self._drop_staging(token, f"{owner} died")
+
+    # ---- chain control ---------------------------------------------------------------------
+    async def _on_chain_update(self, peer: Peer, msg: ChainUpdate) -> Ack | ErrorReply:
+        if msg.epoch < self.chain.manager_epoch:
+            return ErrorReply(code="stale_epoch", message=f"epoch {msg.epoch} < {self.chain.manager_epoch}")
+        self.chain.set_order(msg.epoch, msg.order, msg.data_endpoints, from_manager=True)
+        return Ack()
+
+    async def _on_chain_info(self, peer: Peer, msg: ChainInfoRequest):
+        return self.chain.info()
+
+    async def _on_reset(self, peer: Peer, msg: RelayReset) -> Ack:
+        self.store.reset(keep_spare=msg.keep_spare)
+        return Ack()

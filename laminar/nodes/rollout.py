@@ -1,19 +1,472 @@
-"""Rollout node (skeleton): connects to the buffer and its host's relay.
+"""Rollout node: one generation engine fed from the buffer's prompt pool.
 
-Run: laminar node --role rollout --config configs/skeleton.yaml
+    buffer ──PromptReply(items)──► [pull loop] ──GenRequest(n)──► engine ──TokenEvents──► [event loop]
+       ▲                             │ credits = groups in hand                │ every partial_chunk_tokens
+       │                             │ load weights only when idle             ▼
+       │◄──────PartialChunk (one-way, best-effort)────────────────────── [partials loop]
+       │◄──────Trajectory (request, acked, resent until acked) ◄── [outbox] ◄── reward runner ◄── finished
+    relay / run_dir/weights ──► WeightSource ──► engine.load_weights   (between groups, never mid-trajectory)
+    manager ──Export/Import/RefreshRequest──► handlers ; heartbeat NodeStatus(version, kv_use, running, ...)
+
+What blocks and what unblocks the pull loop (the only place weights change):
+  * no free credit (cfg.rollout.credits groups in hand)    -> a group finishing or being exported
+  * a newer version is wanted (laminar mode: the source has one; other modes: the
+    buffer's min_version or a manager RefreshRequest)      -> stop asking for prompts, let every
+    in-flight trajectory finish, load, then ask again. So every trajectory is generated
+    on one version and a GRPO group never straddles two.
+  * the buffer has nothing (retry_after_s) or is down       -> a timer / reconnect backoff
+
+Tokens of each trajectory stream to the buffer's partial pool (see
+laminar/rollout/tracking.py for the chunk contract); a finished trajectory gets its
+reward (laminar/rewards/runner.py; sim engines: a uid hash) and goes through the
+acked outbox (laminar/rollout/outbox.py), so a buffer that is away for a while
+loses nothing and, deduplicating by uid, gets nothing twice. Stopping: no more
+prompts, in-flight work gets half the stop budget to finish, partial chunks are
+flushed (what is left unfinished is in the partial pool for recovery), then the
+outbox is flushed.
+
+Run: laminar node --role rollout --config configs/skeleton.yaml [--index I]
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
+import uuid
+import zlib
+from typing import Any
+
+import numpy as np
+
+from laminar.engines.base import Engine, GenRequest, PartialState, SamplingParams, TokenEvent
 from laminar.node import Node
+from laminar.protocol.buffer import PromptReply, PromptRequest, TrajectoryAbandoned
+from laminar.protocol.core import ErrorReply, NodeStatus
+from laminar.protocol.data import PartialTrajectory, PromptItem
+from laminar.protocol.rollout import (
+    VERSION_MISMATCH, ExportReply, ExportRequest, ImportReply, ImportRequest, RefreshReply, RefreshRequest,
+)  # fmt: skip
+from laminar.rollout.outbox import Outbox, net_call
+from laminar.rollout.tracking import GroupState, SeqState
+from laminar.rollout.weights import WeightSource, WeightSourceError, make_weight_source
+from laminar.transport.sockets import RemoteError, TransportError
 
 
 class RolloutNode(Node):
     role = "rollout"
 
+    def __init__(self, cfg: Any, index: int = 0, ctx: Any = None, node_id: str | None = None,
+                 engine: Engine | None = None, weight_source: WeightSource | None = None):  # fmt: skip
+        super().__init__(cfg, index, ctx, node_id)
+        self.engine: Engine | None = engine
+        self.source: WeightSource | None = weight_source
+        self.version = 0
+        self.seqs: dict[str, SeqState] = {}
+        self.groups: dict[str, GroupState] = {}
+        self.required_version = 0
+        """Lowest version new prompts may run at (buffer min_version / manager RefreshRequest)."""
+        self.refresh_requested = False
+        self.auto_refresh = cfg.rollout.refresh_when_idle and cfg.mode == "laminar"
+        self.params = SamplingParams.from_config(cfg.rollout.sampling)
+        self.tokenizer: Any = None
+        self.rewards: Any = None
+        self.finished = 0
+        self._wake = asyncio.Event()
+        self._dirty: set[str] = set()
+        self._dirty_evt = asyncio.Event()
+        self._load_lock = asyncio.Lock()
+        self._flush_lock = asyncio.Lock()
+        self._reward_tasks: set[asyncio.Task] = set()
+        self._draining = False
+        self._requests = 0
+        self._incarnation = uuid.uuid4().hex[:8]
+        """Makes request ids unique across restarts of this rollout id."""
+
+    # ---- lifecycle --------------------------------------------------------------------
     async def setup(self) -> None:
-        timeout = self.cfg.transport.startup_timeout_s
-        self.buffer = self.client(self.cfg.endpoint("buffer"))
-        await self.buffer.connect(timeout=timeout)
-        self.relay = self.client(self.cfg.endpoint("relay", self.cfg.rollout.relay_index))
-        await self.relay.connect(timeout=timeout)
+        cfg = self.cfg
+        t = cfg.transport
+        self.buffer = self.client(cfg.endpoint("buffer"), on_connect=self._on_buffer_connect)
+        await self.buffer.connect(timeout=t.startup_timeout_s)
+        self._supervise(self.buffer)
+        self.outbox = Outbox(self.buffer, self.log, cfg.rollout.outbox_concurrency, t.request_timeout_s,
+                             t.reconnect_backoff_s, t.reconnect_backoff_max_s)  # fmt: skip
+        if self.engine is None:
+            from laminar.engines import make_engine
+
+            self.engine = make_engine(cfg)
+        await self.engine.start()
+        self.version = self.engine.version
+        self.on_close(self.engine.close)
+        if self.source is None:
+            self.source = make_weight_source(self)
+        await self.source.start()
+        self.on_close(self.source.close)
+        if cfg.rollout.engine == "sim":
+            if cfg.reward.sim == "fn":
+                await self._start_rewards()
+        else:
+            if cfg.model.path:
+                from laminar.models.tiny import load_tokenizer
+
+                self.tokenizer = load_tokenizer(cfg.model.path)
+            await self._start_rewards()
+
+    async def _start_rewards(self) -> None:
+        from laminar.rewards.runner import RewardRunner
+
+        self.rewards = RewardRunner.from_config(self.cfg)
+        await self.rewards.start()  # a bad reward.fn fails the node here, with the fix in the message
+        self.on_close(self.rewards.close)
+
+    async def _register(self) -> None:
+        await super()._register()
+        assert self.manager is not None
+        self.manager.on(ExportRequest, self._on_export)
+        self.manager.on(ImportRequest, self._on_import)
+        self.manager.on(RefreshRequest, self._on_refresh)
+
+    async def main(self) -> None:
+        self.spawn(self._event_loop(), "events")
+        self.spawn(self._partials_loop(), "partials")
+        self.spawn(self.outbox.run(), "outbox")
+        self.spawn(self._version_watch(), "versions")
+        await self._pull_loop()
+        await asyncio.Event().wait()  # stopping: drain() runs while main is still alive
+
+    async def drain(self) -> None:
+        self._draining = True
+        self._wake.set()
+        budget = self.cfg.transport.stop_timeout_s * 0.9
+        deadline = time.monotonic() + budget
+        await self._until(lambda: not self.seqs, budget / 2)
+        for seq in self.seqs.values():  # unfinished: the pool gets every token for recovery elsewhere
+            if seq.length > seq.sent_upto or seq.sent_upto == 0:
+                self._dirty.add(seq.uid)
+        await self._flush_partials()
+        if self._reward_tasks:
+            await asyncio.wait(set(self._reward_tasks), timeout=max(0.0, deadline - time.monotonic()))
+        ok = await self.outbox.flush(max(0.0, deadline - time.monotonic()))
+        self.log.info("drained", unfinished=len(self.seqs), outbox_left=len(self.outbox), flushed=ok)
+
+    async def teardown(self) -> None:
+        for t in list(self._reward_tasks):  # only left when the drain budget ran out
+            t.cancel()
+        if self._reward_tasks:
+            await asyncio.wait(set(self._reward_tasks), timeout=2.0)
+
+    async def _until(self, cond: Any, timeout: float) -> None:
+        end = time.monotonic() + timeout
+        while not cond() and time.monotonic() < end:
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), max(0.0, end - time.monotonic()))
+            except TimeoutError:
+                pass
+
+    def status(self) -> NodeStatus:
+        st = self.engine.stats() if self.engine is not None else None
+        extra: dict[str, Any] = {
+            "groups": len(self.groups), "credits_free": self.cfg.rollout.credits - len(self.groups),
+            "outbox": len(self.outbox) if hasattr(self, "outbox") else 0, "finished": self.finished,
+            "target_version": self._target_version(), "tokens": st.tokens_generated if st else 0,
+            "reward_errors": self.rewards.stats["errors"] if self.rewards is not None else 0,
+        }  # fmt: skip
+        return NodeStatus(node_id=self.node_id, role=self.role, version=self.version,
+                          kv_use=st.kv_use if st else 0.0, running=st.running if st else 0,
+                          waiting=st.waiting if st else 0, inflight=len(self.seqs), extra=extra)  # fmt: skip
+
+    # ---- pull loop: prompts in, weights between groups ---------------------------------------
+    def _target_version(self) -> int:
+        latest = self.source.latest_version() if self.source is not None else -1
+        want = self.required_version
+        if self.auto_refresh or self.refresh_requested:
+            want = max(want, latest)
+        return want
+
+    async def _pull_loop(self) -> None:
+        backoff = self.cfg.rollout.prompt_retry_s
+        unanswered: PromptRequest | None = None
+        while not (self.stopping.is_set() or self._draining):
+            if unanswered is None:  # (a request that may have been served is retried as is, before any load)
+                if self._target_version() > self.version:
+                    if not self.seqs and await self._refresh():
+                        continue
+                    await self._wait(1.0)  # in-flight work drains, or the wanted version appears
+                    continue
+                self.refresh_requested = False
+                free = self.cfg.rollout.credits - len(self.groups)
+                if free <= 0:
+                    await self._wait(1.0)
+                    continue
+                self._requests += 1
+                unanswered = PromptRequest(rollout_id=self.node_id, max_groups=free, version=self.version,
+                                           request_id=f"{self._incarnation}-{self._requests}")  # fmt: skip
+            try:
+                reply = await net_call(self.buffer.request(unanswered, retries=0))
+            except (TransportError, RemoteError) as exc:
+                # the buffer may have served (and journaled) it before the reply was lost: the retry carries
+                # the same request_id, so it gets those groups back instead of new ones
+                self.metrics.count("prompt_request_failed")
+                self.log.debug("prompt_request_failed", error=str(exc))
+                await self._sleep(backoff)
+                backoff = min(2 * backoff, self.cfg.transport.reconnect_backoff_max_s * 4)
+                continue
+            unanswered = None
+            backoff = self.cfg.rollout.prompt_retry_s
+            if not isinstance(reply, PromptReply):
+                self.metrics.count("bad_prompt_reply")
+                self.log.warning("bad_prompt_reply", got=type(reply).__name__)
+                await self._sleep(backoff)
+                continue
+            if reply.min_version > self.required_version:
+                self.required_version = reply.min_version
+            for item in reply.items:
+                self._start_group(item)
+            if not reply.items and reply.min_version <= self.version:
+                await self._sleep(reply.retry_after_s or backoff)
+
+    async def _wait(self, timeout: float) -> None:
+        """Until something the pull loop waits on changed (or `timeout`, a safety net)."""
+        self._wake.clear()
+        try:
+            await asyncio.wait_for(self._wake.wait(), timeout)
+        except TimeoutError:
+            pass
+
+    async def _sleep(self, seconds: float) -> None:
+        """A timer (buffer said retry later / backoff) that a stop cuts short."""
+        try:
+            await asyncio.wait_for(self.stopping.wait(), seconds)
+        except TimeoutError:
+            pass
+
+    async def _refresh(self) -> bool:
+        """Load the newest weights now that nothing is in flight; False if none is loadable yet."""
+        assert self.source is not None and self.engine is not None
+        available = self.source.latest_version()
+        if available <= self.version or available < self.required_version:
+            return False
+        async with self._load_lock:  # an import cannot slip in between the idle check and the load
+            if self.seqs:
+                return False
+            t0 = time.monotonic()
+            old = self.version
+            try:
+                version = await self.source.load_into(self.engine)
+            except WeightSourceError as exc:
+                self.metrics.count("weight_load_failed")
+                self.log.warning("weight_load_failed", error=str(exc))
+                return False
+            self.version = max(version, self.version)
+        self.metrics.add("weight_load_s", time.monotonic() - t0)
+        self.log.info("weights_loaded", version=self.version, previous=old, load_s=round(time.monotonic() - t0, 3))
+        if self.version >= self.required_version:
+            self.refresh_requested = False
+        return True
+
+    async def _version_watch(self) -> None:
+        """Wake the pull loop when the source gets a newer version (it may be waiting for one)."""
+        assert self.source is not None
+        seen = self.source.latest_version()
+        while True:
+            v = await self.source.wait_newer(seen, timeout=1.0)
+            if v > seen:
+                seen = v
+                self._wake.set()
+
+    def _start_group(self, item: PromptItem) -> None:
+        assert self.engine is not None
+        if item.group_id in self.groups:  # served twice (a retried request): already running here
+            self.metrics.count("duplicate_prompt_item")
+            return
+        if item.n < 1 or len(item.prompt_ids) == 0:
+            self.metrics.count("bad_prompt_item")
+            self.log.warning("bad_prompt_item", group_id=item.group_id, n=item.n, prompt_len=len(item.prompt_ids))
+            for i in range(max(item.n, 0)):
+                self.outbox.put(TrajectoryAbandoned(uid=f"{item.group_id}/{i}", group_id=item.group_id,
+                                                    reason="bad prompt item"))  # fmt: skip
+            return
+        now = time.time()
+        group = GroupState(item.group_id)
+        for i in range(item.n):
+            seq = SeqState.from_item(item, i, self.version, now)
+            self.seqs[seq.uid] = seq
+            group.open.add(seq.uid)
+        self.groups[item.group_id] = group
+        req = GenRequest(item.group_id, np.asarray(item.prompt_ids, np.int32), self.params, n=item.n,
+                         version=self.version)  # fmt: skip
+        self.engine.submit(req)
+
+    # ---- engine events -> partial chunks, finished trajectories ---------------------------
+    async def _event_loop(self) -> None:
+        assert self.engine is not None
+        chunk = self.cfg.rollout.partial_chunk_tokens
+        async for ev in self.engine.events():
+            seq = self.seqs.get(ev.seq_id)
+            if seq is None:  # exported (its abort event) or never ours
+                self.metrics.count("stray_events")
+                continue
+            if ev.version != seq.version:
+                self.metrics.count("version_mismatch_events")
+                self.log.error("event_version_mismatch", uid=seq.uid, seq_version=seq.version, ev_version=ev.version)
+            if len(ev.token_ids):
+                seq.append(ev.token_ids, ev.logprobs, time.time())
+            if ev.finished:
+                self._finished(seq, ev)
+            elif seq.length - seq.sent_upto >= chunk:
+                self._mark_dirty(seq.uid)
+
+    def _finished(self, seq: SeqState, ev: TokenEvent) -> None:
+        if seq.exporting and ev.finish_reason == "abort":
+            return  # the export handler owns it now
+        self._forget(seq.uid)
+        if ev.finish_reason == "abort":  # aborted by the engine itself: nobody will resume it
+            self.metrics.count("engine_aborts")
+            self.outbox.put(TrajectoryAbandoned(uid=seq.uid, group_id=seq.group_id, reason="engine abort"))
+            return
+        task = asyncio.ensure_future(self._deliver(seq, ev.finish_reason or "stop"))
+        self._reward_tasks.add(task)
+        task.add_done_callback(self._reward_done)
+
+    def _reward_done(self, task: asyncio.Task) -> None:
+        self._reward_tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self._task_done(task)  # a bug here must stop the node loudly, not lose the trajectory silently
+
+    def _forget(self, uid: str) -> None:
+        seq = self.seqs.pop(uid, None)
+        self._dirty.discard(uid)
+        if seq is None:
+            return
+        group = self.groups.get(seq.group_id)
+        if group is not None:
+            group.open.discard(uid)
+            if not group.open:
+                del self.groups[seq.group_id]
+        self._wake.set()
+
+    async def _deliver(self, seq: SeqState, reason: str) -> None:
+        now = time.time()
+        traj = seq.trajectory(reason, self.node_id, now)
+        latest = self.source.latest_version() if self.source is not None else -1
+        traj.staleness_at_finish = max(0, latest - seq.version)
+        if self.tokenizer is not None:
+            traj.completion = self.tokenizer.decode(traj.response_ids.tolist(), skip_special_tokens=True)
+        if reason == "error":  # the engine could not run it (e.g. prompt too long): kept, excluded from training
+            self.metrics.count("engine_errors")
+            traj.reward, traj.reward_info = None, {"error": "engine error", "error_kind": "engine"}
+        elif self.rewards is not None:
+            res = await self.rewards.score(traj.prompt, traj.completion, traj.row)
+            traj.reward, traj.reward_info = res.reward, dict(res.info)
+            traj.timings["reward_s"] = res.seconds
+            if res.failed:
+                self.metrics.count("reward_failed")
+        else:  # sim engine, no text: a deterministic coin from the uid, so groups have variance
+            traj.reward = float(zlib.crc32(seq.uid.encode()) & 1)
+        if traj.reward is not None:
+            self.metrics.add("reward", traj.reward)
+        self.metrics.add("response_tokens", len(traj.response_ids))
+        self.finished += 1
+        self.outbox.put(traj)
+
+    # ---- partial pool streaming ----------------------------------------------------------
+    def _mark_dirty(self, uid: str) -> None:
+        self._dirty.add(uid)
+        self._dirty_evt.set()
+
+    def _on_buffer_connect(self) -> None:
+        """A (re)connected buffer may have lost the partial records: restream each from offset 0."""
+        for seq in self.seqs.values():
+            seq.sent_upto = 0
+            self._dirty.add(seq.uid)
+        self._dirty_evt.set()
+
+    async def _partials_loop(self) -> None:
+        while True:
+            await self._dirty_evt.wait()
+            self._dirty_evt.clear()
+            await self._flush_partials()
+
+    async def _flush_partials(self) -> None:
+        async with self._flush_lock:  # one sender at a time, or a chunk could go out twice
+            await self._flush_dirty()
+
+    async def _flush_dirty(self) -> None:
+        for uid in list(self._dirty):
+            seq = self.seqs.get(uid)
+            self._dirty.discard(uid)
+            if seq is None or seq.length == seq.sent_upto and seq.sent_upto > 0:
+                continue
+            if not self.buffer.connected:
+                self._dirty.add(uid)  # kept: resent from 0 on reconnect anyway
+                continue
+            msg, upto = seq.chunk(self.node_id)
+            try:
+                await asyncio.wait_for(net_call(self.buffer.send(msg)), 1.0)
+            except Exception as exc:  # best-effort stream: the final Trajectory is the acked copy
+                self.metrics.count("partial_send_failed")
+                self.log.debug("partial_send_failed", uid=uid, error=f"{type(exc).__name__}: {exc}")
+                self._dirty.add(uid)
+                return
+            seq.sent_upto = max(seq.sent_upto, upto)
+            self.metrics.count("partial_chunks")
+
+    # ---- manager commands ------------------------------------------------------------------
+    async def _on_export(self, peer: Any, msg: ExportRequest) -> ExportReply:
+        assert self.engine is not None
+        uids = list(msg.uids) or list(self.seqs)
+        here = [u for u in uids if u in self.seqs and not self.seqs[u].exporting]
+        for u in here:
+            self.seqs[u].exporting = True
+        states: list[PartialState] = await self.engine.abort(here) if here else []
+        by_id = {p.seq_id: p for p in states}
+        partials: list[PartialTrajectory] = []
+        for u in here:
+            seq = self.seqs.get(u)
+            p = by_id.get(u)
+            if seq is None:  # finished (final event handled) while the abort was on its way
+                continue
+            if p is None:  # finished inside the engine before the abort: its queued final event completes it here
+                seq.exporting = False
+                continue
+            partials.append(seq.partial(p.output_ids, p.logprobs, self.node_id))
+            self._forget(u)
+        exported = {p.uid for p in partials}
+        self.metrics.count("exported", len(partials))
+        self.log.info("exported", count=len(partials), missing=len(uids) - len(exported))
+        return ExportReply(partials=partials, missing=[u for u in uids if u not in exported], version=self.version)
+
+    async def _on_import(self, peer: Any, msg: ImportRequest) -> ImportReply | ErrorReply:
+        assert self.engine is not None
+        async with self._load_lock:  # the version cannot change under an import
+            wrong = [p.uid for p in msg.partials if p.version != self.version]
+            if wrong:
+                self.metrics.count("import_rejected", len(msg.partials))
+                return ErrorReply(code=VERSION_MISMATCH, message=f"{self.node_id} is at version {self.version}; "
+                                  f"{len(wrong)} partial(s) are not (e.g. {wrong[0]})")  # fmt: skip
+            bad = [p.uid for p in msg.partials if len(p.prompt_ids) == 0 or len(p.response_ids) != len(p.logprobs)]
+            if bad:
+                return ErrorReply(code="bad_partial", message=f"empty prompt or ids/logprobs length mismatch: {bad[:3]}")
+            accepted, duplicate = [], []
+            now = time.time()
+            for p in msg.partials:
+                if p.uid in self.seqs:
+                    duplicate.append(p.uid)
+                    continue
+                seq = SeqState.from_partial(p, now)
+                self.seqs[seq.uid] = seq
+                self.groups.setdefault(seq.group_id, GroupState(seq.group_id)).open.add(seq.uid)
+                state = PartialState(seq.uid, seq.prompt_ids, seq.ids.copy(), seq.logprobs.copy(), seq.version)
+                self.engine.submit(GenRequest.resume(state, self.params))
+                self._mark_dirty(seq.uid)  # header + every token so far: the pool now knows it is here
+                accepted.append(seq.uid)
+        self.metrics.count("imported", len(accepted))
+        self.log.info("imported", count=len(accepted), duplicate=len(duplicate))
+        return ImportReply(accepted=accepted, duplicate=duplicate, version=self.version)
+
+    async def _on_refresh(self, peer: Any, msg: RefreshRequest) -> RefreshReply:
+        self.required_version = max(self.required_version, msg.min_version)
+        self.refresh_requested = True
+        self._wake.set()
+        return RefreshReply(version=self.version, pending=self._target_version() > self.version)

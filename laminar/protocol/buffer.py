@@ -29,6 +29,8 @@ class PromptRequest(Message):  # rollout -> buffer
     """Credits: how many more groups the rollout has room for."""
     version: int
     """The rollout's current weight version (admission control / modes)."""
+    request_id: str = ""
+    """Optional: a retry with the same (rollout_id, request_id) gets the same groups back, not new ones."""
 
 
 @message(0x31)
@@ -49,6 +51,8 @@ class BatchRequest(Message):  # trainer -> buffer
     trainer_version: int
     wait_s: float = 1.0
     """Long-poll: wait up to this long for enough whole groups."""
+    restart: bool = False
+    """First request after a trainer (re)start: batches served but never committed go back to the queue front."""
 
 
 @message(0x33)

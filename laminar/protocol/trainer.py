@@ -1,3 +1,45 @@
-"""trainer messages (see laminar/protocol/__init__.py for the id range)."""
+"""Trainer messages (0xA0-0xAF): version announcements and the FSDP rank command.
+
+    trainer ──VersionPublished (one-way)──► manager          after every pushed version
+    trainer rank 0 ──RankCommand──► trainer ranks 1..N-1    over torch.distributed, never a socket
+"""
 
 from __future__ import annotations
+
+from dataclasses import field
+from typing import Any
+
+from laminar.protocol.data import Trajectory
+from laminar.transport.codec import Message, message
+
+__all__ = ["VersionPublished", "RankCommand"]
+
+
+@message(0xA0)
+class VersionPublished(Message):  # trainer -> manager (and anyone tracking the trainer version)
+    trainer_id: str
+    version: int
+    """The new policy version (monotonic across trainer restarts)."""
+    step: int
+    """Optimizer steps behind this version (equals version unless a crash rolled steps back)."""
+    uri: str = ""
+    """Where the weights are when they did not go through the relay tier (direct handoff file)."""
+    handoff: str = "direct"
+    """direct (safetensors file in run_dir/weights) | relay (pushed to the master relay) | sim (no weights)."""
+    num_bytes: int = 0
+    stall_s: float = 0.0
+    """How long the trainer was blocked handing the weights off."""
+
+
+@message(0xA1)
+class RankCommand(Message):  # trainer rank 0 -> other ranks (encoded with the codec, sent by dist.broadcast)
+    kind: str
+    """step | checkpoint | stop"""
+    step: int = 0
+    version: int = 0
+    trajectories: list[Trajectory] = field(default_factory=list)
+    """step: the batch every rank trains on (each takes its share of the micro-batches)."""
+    path: str = ""
+    """checkpoint: the directory to write."""
+    frontier: dict[str, Any] = field(default_factory=dict)
+    """checkpoint: the consumption frontier stored with it."""

@@ -53,6 +53,10 @@ class RequestTimeout(TransportError, TimeoutError):
     """No reply within the deadline (after all retries)."""
 
 
+class SendTimeout(RequestTimeout):
+    """A send could not be queued within its deadline (no live connection, or the peer's HWM is full)."""
+
+
 class PeerDead(TransportError):
     """The peer was declared dead (missed heartbeats) or is unknown."""
 
@@ -112,6 +116,7 @@ class SocketStats:
     timeouts: int = 0
     reconnects: int = 0
     peers_dead: int = 0
+    heartbeats_dropped: int = 0
     last_error: str = ""
 
     def as_dict(self) -> dict[str, Any]:
@@ -133,6 +138,19 @@ def _prepare_endpoint(endpoint: str) -> None:
 
 def _is_tcp(endpoint: str) -> bool:
     return endpoint.startswith("tcp://")
+
+
+async def _send_within(sock: zmq.asyncio.Socket, frames: list[Any], timeout: float | None) -> None:
+    """send_multipart with a deadline: a DEALER with no live pipe (IMMEDIATE) or a peer at its
+    HWM blocks a send indefinitely, and a dead peer must become an error, never a hang."""
+    fut = sock.send_multipart(frames, copy=False)
+    if fut.done():  # the common case: pyzmq sent it without waiting
+        fut.result()
+        return
+    try:
+        await asyncio.wait_for(fut, timeout)  # cancelling drops the queued send; nothing half-sent
+    except TimeoutError:
+        raise SendTimeout(f"send blocked for {timeout:.2f}s (peer gone or not reading)") from None
 
 
 @dataclass
@@ -267,11 +285,12 @@ class RpcServer:
             self._sock = None
 
     # -- sending --------------------------------------------------------------------
-    async def _send(self, identity: bytes, rid: bytes, msg: Message) -> None:
-        assert self._sock is not None
+    async def _send(self, identity: bytes, rid: bytes, msg: Message, timeout: float | None = None) -> None:
+        if self._sock is None:
+            raise PeerDead("server closed")
         frames = [identity, rid, *encode(msg)]
         try:
-            await self._sock.send_multipart(frames, copy=False)
+            await _send_within(self._sock, frames, timeout or self.opts.request_timeout_s)
             self.stats.sent += 1
         except zmq.ZMQError as exc:  # peer gone (ROUTER_MANDATORY) or HWM: not fatal for the server
             if exc.errno == zmq.EHOSTUNREACH:
@@ -292,9 +311,11 @@ class RpcServer:
         """Server-initiated request to a client (e.g. manager -> rollout export)."""
         peer = self._peer(node_id)
         rid, fut = self._pending.new()
+        timeout = timeout or self.opts.request_timeout_s
+        deadline = time.monotonic() + timeout
         try:
-            await self._send(peer.identity, rid, msg)
-            return await asyncio.wait_for(fut, timeout or self.opts.request_timeout_s)
+            await self._send(peer.identity, rid, msg, timeout)
+            return await asyncio.wait_for(fut, max(0.0, deadline - time.monotonic()))
         except TimeoutError:
             self.stats.timeouts += 1
             raise RequestTimeout(f"{type(msg).__name__} to {node_id} got no reply") from None
@@ -436,8 +457,10 @@ class RpcServer:
                         if asyncio.iscoroutine(res):
                             await res
                     continue
-                with contextlib.suppress(TransportError):
-                    await self._send(peer.identity, b"", Heartbeat(node_id=self.node_id, seq=self._seq, status=status))
+                try:  # a peer that does not read must not stall the beats (and checks) of the others
+                    await self._send(peer.identity, b"", Heartbeat(node_id=self.node_id, seq=self._seq, status=status), interval)
+                except TransportError:
+                    self.stats.heartbeats_dropped += 1
 
 
 class RpcClient:
@@ -558,10 +581,10 @@ class RpcClient:
         self._pending.fail_all(PeerDead("client closed"))
         await self._close_socket()
 
-    async def _send_raw(self, rid: bytes, msg: Message) -> None:
+    async def _send_raw(self, rid: bytes, msg: Message, timeout: float | None = None) -> None:
         if self._sock is None:
             raise PeerDead(f"not connected to {self.endpoint}")
-        await self._sock.send_multipart([rid, *encode(msg)], copy=False)
+        await _send_within(self._sock, [rid, *encode(msg)], timeout or self.opts.request_timeout_s)
         self.stats.sent += 1
 
     async def send(self, msg: Message) -> None:
@@ -570,9 +593,14 @@ class RpcClient:
 
     async def _request_once(self, msg: Message, timeout: float) -> Message:
         rid, fut = self._pending.new()
+        deadline = time.monotonic() + timeout
         try:
-            await self._send_raw(rid, msg)
-            return await asyncio.wait_for(fut, timeout)
+            # the send is inside the deadline too: with IMMEDIATE a dead server blocks it
+            await self._send_raw(rid, msg, timeout)
+            return await asyncio.wait_for(fut, max(0.0, deadline - time.monotonic()))
+        except SendTimeout:
+            self.stats.timeouts += 1
+            raise RequestTimeout(f"{type(msg).__name__} to {self.endpoint}: could not send in {timeout:.2f}s") from None
         except TimeoutError:
             self.stats.timeouts += 1
             raise RequestTimeout(f"{type(msg).__name__} to {self.endpoint}: no reply in {timeout:.2f}s") from None
@@ -667,8 +695,10 @@ class RpcClient:
             if self.connected:
                 self._seq += 1
                 status = self._status() if self._status else None
-                with contextlib.suppress(Exception):
-                    await self._send_raw(b"", Heartbeat(node_id=self.node_id, seq=self._seq, status=status))
+                try:  # bounded: a blocked beat must not stop the liveness check above
+                    await self._send_raw(b"", Heartbeat(node_id=self.node_id, seq=self._seq, status=status), interval)
+                except (TransportError, zmq.ZMQError):
+                    self.stats.heartbeats_dropped += 1
 
     async def _reconnect_forever(self) -> None:
         backoff = self.opts.reconnect_backoff_s

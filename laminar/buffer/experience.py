@@ -1,0 +1,373 @@
+"""Experience buffer state: groups, batches and exactly-once consumption, rebuilt from the journal.
+
+    state = ExperienceState(group_size=8, lost_member_policy="release_partial", admission=adm)
+    state.apply("served", {...}, [items])     # every change is a journal record applied here,
+    state.apply("traj", {}, [trajectory])     # live (after the append) and at replay alike,
+    state.apply("batch", {...})               # so a restarted buffer reaches the same state
+    state.apply("commit", {...})
+
+Group life:  open ──all n finished──► ready ──batch──► outstanding ──commit──► committed
+               │                         ▲                 │
+               │ lost member (policy)    └──requeue────────┘  (trainer restart)
+               └──────────────► dropped  (drop_group, no usable member, or expired)
+
+A member is lost for good when TrajectoryAbandoned names it or it finished unusable
+(reward None or NaN, or finish_reason "error"). release_partial: the group is
+released once every member finished or was abandoned, with its usable members;
+drop_group: the group is dropped at the first loss (late members are acked and
+ignored). Members are keyed by (group_id, sample_index): a resent trajectory is
+acked again but stored once, and members of committed or dropped groups are
+ignored, so nothing is ever consumed twice. Committed and dropped group ids are
+kept (and carried through compaction) for that reason.
+
+Capacity: `held` counts trajectories of live groups (open, ready, outstanding),
+`pending` the samples still generating in open groups; prompts are served only
+while held + pending + n <= capacity.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from laminar.buffer.admission import Admission, BatchPlan, GroupInfo, StalenessStats, next_batch_version, plan_batch
+from laminar.buffer.journal import encode_record
+from laminar.buffer.sampling import resolve_sampler
+from laminar.protocol.data import PromptItem, Trajectory
+
+__all__ = ["ExperienceState", "Group", "BatchRecord", "usable"]
+
+OPEN, READY, OUTSTANDING, COMMITTED, DROPPED = "open", "ready", "outstanding", "committed", "dropped"
+
+
+def usable(t: Trajectory) -> bool:
+    """May this finished trajectory be trained on?"""
+    return t.reward is not None and math.isfinite(t.reward) and t.finish_reason != "error"
+
+
+@dataclass(eq=False)
+class Group:
+    group_id: str
+    prompt_uid: str
+    n: int
+    served_version: int
+    rollout_id: str
+    serial: int
+    item: PromptItem | None = None
+    members: dict[int, Trajectory] = field(default_factory=dict)
+    lost: set[int] = field(default_factory=set)
+    state: str = OPEN
+    batch_id: str = ""
+    ready_seq: int = 0
+    front: bool = False
+
+    @property
+    def version(self) -> int:
+        return min(t.version for t in self.members.values()) if self.members else self.served_version
+
+    @property
+    def finished(self) -> int:
+        return len(self.members.keys() | self.lost)
+
+    def usable_members(self) -> list[Trajectory]:
+        return [self.members[i] for i in sorted(self.members) if i not in self.lost]
+
+    def rewards(self) -> list[float]:
+        return [t.reward for t in self.usable_members()]
+
+
+@dataclass
+class BatchRecord:
+    batch_id: str
+    version: int
+    group_ids: list[str]
+    trainer_id: str = ""
+    state: str = OUTSTANDING  # outstanding | committed | requeued
+
+
+class ExperienceState:
+    def __init__(self, *, group_size: int, lost_member_policy: str, admission: Admission,
+                 sampling: str = "fifo", seed: int = 0):  # fmt: skip
+        self.group_size = group_size
+        self.policy = lost_member_policy
+        self.admission = admission
+        self.order = resolve_sampler(sampling)
+        self.rng = random.Random(seed)
+        self.groups: dict[str, Group] = {}
+        """Live groups: open, ready or outstanding."""
+        self.closed: dict[str, str] = {}
+        """Committed or dropped group id -> state (dedup forever)."""
+        self.batches: dict[str, BatchRecord] = {}
+        self._outstanding: dict[str, None] = {}
+        """Ids of served, uncommitted batches (ordered)."""
+        self.trainer_version = 0
+        self.last_batch_version = -1
+        self.held = 0
+        self.pending = 0
+        self.serial = 0
+        self.ready_seq = 0
+        self.cursor: dict[str, Any] | None = None
+        self.last_reply: dict[str, tuple[str, list[str]]] = {}
+        """rollout_id -> (request_id, group ids) of its last PromptRequest (idempotent retries)."""
+        self.finish_hist = StalenessStats()
+        self.consumed_hist = StalenessStats()
+        self.counts: Counter[str] = Counter()
+
+    # ---- views -----------------------------------------------------------------------
+    @property
+    def next_version(self) -> int:
+        return next_batch_version(self.trainer_version, self.last_batch_version)
+
+    def in_state(self, state: str) -> list[Group]:
+        return [g for g in self.groups.values() if g.state == state]
+
+    def unconsumed(self) -> list[Group]:
+        return [g for g in self.groups.values() if g.state in (OPEN, READY)]
+
+    def unconsumed_by_version(self) -> Counter[int]:
+        return Counter(g.version for g in self.unconsumed())
+
+    def open_groups(self) -> int:
+        return sum(1 for g in self.groups.values() if g.state == OPEN)
+
+    def outstanding(self) -> list[BatchRecord]:
+        return [self.batches[bid] for bid in self._outstanding]
+
+    # ---- validation (no mutation) ------------------------------------------------------
+    def check_trajectory(self, t: Trajectory) -> tuple[str, str]:
+        """("ok" | "duplicate" | "late" | "bad", why) for an arriving trajectory."""
+        if len(t.response_ids) != len(t.logprobs):
+            return "bad", f"{t.uid}: {len(t.response_ids)} response tokens but {len(t.logprobs)} logprobs"
+        if not t.group_id or not t.uid:
+            return "bad", "trajectory needs uid and group_id"
+        if t.version < 0:
+            return "bad", f"{t.uid}: version {t.version} < 0"
+        if t.group_id in self.closed:
+            return "late", f"group {t.group_id} is {self.closed[t.group_id]}"
+        g = self.groups.get(t.group_id)
+        n = g.n if g is not None else self.group_size
+        if not 0 <= t.sample_index < n:
+            return "bad", f"{t.uid}: sample_index {t.sample_index} outside group of {n}"
+        if g is not None and g.state != OPEN:
+            return "late", f"group {t.group_id} is {g.state}"
+        if g is not None and t.sample_index in g.members:
+            return "duplicate", t.uid
+        return "ok", ""
+
+    def check_abandoned(self, uid: str, group_id: str) -> tuple[str, str, int]:
+        """("ok" | "ignore" | "bad", why, sample index)."""
+        head, sep, tail = uid.rpartition("/")
+        if not sep or head != group_id or not tail.isdigit():
+            return "bad", f"abandoned uid {uid!r} is not '{group_id}/<sample_index>'", -1
+        idx = int(tail)
+        g = self.groups.get(group_id)
+        if g is None or g.state != OPEN:
+            return "ignore", f"group {group_id} is {self.closed.get(group_id, g.state if g else 'unknown')}", idx
+        if idx >= g.n or idx in g.members or idx in g.lost:
+            return "ignore", f"{uid} already finished", idx
+        return "ok", "", idx
+
+    # ---- replayable changes -------------------------------------------------------------
+    def apply(self, kind: str, body: dict[str, Any], msgs: list[Any] = ()) -> None:
+        handler = getattr(self, f"_apply_{kind}", None)
+        if handler is None:
+            raise ValueError(f"unknown journal record kind {kind!r}")
+        handler(body, list(msgs))
+
+    def _apply_served(self, body: dict[str, Any], msgs: list[Any]) -> None:
+        rollout_id = body.get("rollout_id", "")
+        for spec in body["groups"]:
+            idx = spec.get("item", -1)
+            item = msgs[idx] if 0 <= idx < len(msgs) else None
+            g = self._new_group(spec["group_id"], spec.get("uid", ""), int(spec["n"]), int(spec["version"]),
+                                spec.get("rollout_id", rollout_id), item, spec.get("serial"))  # fmt: skip
+            g.front = bool(spec.get("front", False))
+        if body.get("cursor") is not None:
+            self.cursor = body["cursor"]
+        if body.get("request_id"):
+            self.last_reply[rollout_id] = (body["request_id"], [s["group_id"] for s in body["groups"]])
+        self.counts["groups_served"] += len(body["groups"])
+
+    def _new_group(self, gid: str, uid: str, n: int, version: int, rollout_id: str,
+                   item: PromptItem | None, serial: int | None = None) -> Group:  # fmt: skip
+        g = Group(gid, uid, n, version, rollout_id, self.serial if serial is None else int(serial), item)
+        self.serial = max(self.serial, g.serial) + 1
+        self.groups[gid] = g
+        self.pending += n
+        return g
+
+    def _apply_traj(self, body: dict[str, Any], msgs: list[Any]) -> None:
+        t: Trajectory = msgs[0]
+        if t.group_id in self.closed:
+            return
+        g = self.groups.get(t.group_id)
+        if g is None:  # its served record was never journaled (e.g. lost with a torn tail)
+            self.counts["unknown_group"] += 1
+            g = self._new_group(t.group_id, t.prompt_uid, self.group_size, t.version, t.rollout_id, None)
+        if g.state != OPEN or t.sample_index in g.members:
+            return
+        was_finished = t.sample_index in g.lost
+        g.lost.discard(t.sample_index)  # a member reported lost came back after all: keep its data
+        g.members[t.sample_index] = t
+        self.held += 1
+        if not was_finished:
+            self.pending -= 1
+        if not usable(t):
+            g.lost.add(t.sample_index)
+            self.counts["unusable"] += 1
+        self.finish_hist.add(t.staleness_at_finish)
+        self.counts["trajectories"] += 1
+        self._settle(g)
+
+    def _apply_abandon(self, body: dict[str, Any], msgs: list[Any]) -> None:
+        g = self.groups.get(body["group_id"])
+        idx = int(body["sample_index"])
+        if g is None or g.state != OPEN or idx in g.members or idx in g.lost:
+            return
+        g.lost.add(idx)
+        self.pending -= 1
+        self.counts["abandoned"] += 1
+        self._settle(g)
+
+    def _settle(self, g: Group) -> None:
+        """Release or drop a group per the lost-member policy."""
+        if g.lost and self.policy == "drop_group":
+            self._drop(g, "lost_member")
+        elif g.finished >= g.n:
+            if not g.usable_members():
+                self._drop(g, "no_usable_member")
+            else:
+                g.state = READY
+                self.ready_seq += 1
+                g.ready_seq = self.ready_seq
+                self.counts["groups_ready"] += 1
+                if g.lost:
+                    self.counts["groups_partial"] += 1
+
+    def _drop(self, g: Group, reason: str) -> None:
+        if g.state == OPEN:
+            self.pending -= g.n - g.finished
+        self.held -= len(g.members)
+        g.state = DROPPED
+        self.closed[g.group_id] = DROPPED
+        del self.groups[g.group_id]
+        self.counts["groups_dropped"] += 1
+        self.counts[f"dropped_{reason}"] += 1
+
+    def _apply_drop(self, body: dict[str, Any], msgs: list[Any]) -> None:
+        for gid in body["group_ids"]:
+            g = self.groups.get(gid)
+            if g is not None and g.state in (OPEN, READY):
+                self._drop(g, body.get("reason", "dropped"))
+
+    def _apply_batch(self, body: dict[str, Any], msgs: list[Any]) -> None:
+        b = BatchRecord(body["batch_id"], int(body["version"]), list(body["group_ids"]), body.get("trainer_id", ""))
+        for gid in b.group_ids:
+            g = self.groups[gid]
+            g.state, g.batch_id, g.front = OUTSTANDING, b.batch_id, False
+        self.batches[b.batch_id] = b
+        self._outstanding[b.batch_id] = None
+        self.last_batch_version = max(self.last_batch_version, b.version)
+        self.counts["batches_served"] += 1
+
+    def _apply_commit(self, body: dict[str, Any], msgs: list[Any]) -> None:
+        b = self.batches.get(body["batch_id"])
+        if b is None or b.state != OUTSTANDING:
+            return
+        for gid in b.group_ids:
+            g = self.groups.pop(gid)
+            for t in g.usable_members():
+                self.consumed_hist.add(b.version - t.version)
+            self.held -= len(g.members)
+            g.state = COMMITTED
+            g.members.clear()
+            self.closed[gid] = COMMITTED
+        b.state = COMMITTED
+        self._outstanding.pop(b.batch_id, None)
+        self.trainer_version = max(self.trainer_version, int(body["version"]))
+        self.counts["batches_committed"] += 1
+        self.counts["groups_committed"] += len(b.group_ids)
+
+    def _apply_requeue(self, body: dict[str, Any], msgs: list[Any]) -> None:
+        for b in self.outstanding():
+            b.state = "requeued"
+            for gid in b.group_ids:
+                g = self.groups[gid]
+                g.state, g.batch_id, g.front = READY, "", True
+            self.counts["batches_requeued"] += 1
+        self._outstanding.clear()
+        # the restarted trainer's version is authoritative (it may have resumed an older checkpoint)
+        self.trainer_version = int(body["trainer_version"])
+        self.last_batch_version = self.trainer_version - 1
+
+    def _apply_snapshot(self, body: dict[str, Any], msgs: list[Any]) -> None:
+        self.trainer_version = int(body["trainer_version"])
+        self.last_batch_version = int(body["last_batch_version"])
+        self.closed.update(body["closed"])
+        for bid, (state, version) in body["batches"].items():
+            self.batches[bid] = BatchRecord(bid, int(version), [], state=state)
+        self.cursor = body.get("cursor")
+        self.serial = max(self.serial, int(body.get("serial", 0)))
+
+    def _apply_stats(self, body: dict[str, Any], msgs: list[Any]) -> None:
+        # last record of a snapshot: the counters as they were (replaying the live groups recounted them)
+        self.counts = Counter(body.get("counts", {}))
+        self.finish_hist.counts = Counter({int(k): v for k, v in body.get("finish_hist", {}).items()})
+        self.consumed_hist.counts = Counter({int(k): v for k, v in body.get("consumed_hist", {}).items()})
+
+    # ---- batches ----------------------------------------------------------------------
+    def plan(self, want: int, batch_version: int, final: bool) -> BatchPlan:
+        groups = self.unconsumed()
+        ready = [g for g in groups if g.state == READY]
+        infos = [GroupInfo(g.group_id, g.version, g.state == READY, g.serial) for g in groups]
+        return plan_batch(self.admission, want=want, batch_version=batch_version, groups=infos,
+                          preference=self.order(ready, self.rng), final=final)  # fmt: skip
+
+    def batch_trajectories(self, b: BatchRecord) -> list[Trajectory]:
+        return [t for gid in b.group_ids for t in self.groups[gid].usable_members()]
+
+    # ---- compaction -------------------------------------------------------------------
+    def snapshot_records(self) -> list[bytes]:
+        """Records that rebuild this state from scratch (what compaction writes)."""
+        recs = [encode_record("snapshot", {
+            "trainer_version": self.trainer_version, "last_batch_version": self.last_batch_version,
+            "closed": self.closed, "serial": self.serial, "cursor": self.cursor,
+            "batches": {b.batch_id: [b.state, b.version] for b in self.batches.values() if b.state != OUTSTANDING},
+        })]  # fmt: skip
+        live = sorted(self.groups.values(), key=lambda g: (g.state == OPEN, g.ready_seq, g.serial))
+        for g in live:
+            spec = {"group_id": g.group_id, "uid": g.prompt_uid, "n": g.n, "version": g.served_version,
+                    "rollout_id": g.rollout_id, "serial": g.serial, "item": 0 if g.item is not None else -1,
+                    "front": g.front}  # fmt: skip
+            recs.append(encode_record("served", {"groups": [spec]}, [g.item] if g.item is not None else []))
+            for i in sorted(g.members):
+                recs.append(encode_record("traj", {}, [g.members[i]]))
+            for i in sorted(g.lost - g.members.keys()):
+                recs.append(encode_record("abandon", {"group_id": g.group_id, "sample_index": i}))
+        for b in self.outstanding():
+            recs.append(encode_record("batch", {"batch_id": b.batch_id, "version": b.version,
+                                                "group_ids": b.group_ids, "trainer_id": b.trainer_id}))  # fmt: skip
+        recs.append(encode_record("stats", {
+            "counts": dict(self.counts), "finish_hist": {str(k): v for k, v in self.finish_hist.counts.items()},
+            "consumed_hist": {str(k): v for k, v in self.consumed_hist.counts.items()},
+        }))  # fmt: skip
+        return recs
+
+    # ---- stats ------------------------------------------------------------------------
+    def summary(self) -> dict[str, Any]:
+        states = Counter(g.state for g in self.groups.values())
+        return {
+            "trainer_version": self.trainer_version,
+            "next_version": self.next_version,
+            "held": self.held,
+            "pending": self.pending,
+            "groups_open": states[OPEN],
+            "groups_ready": states[READY],
+            "groups_outstanding": states[OUTSTANDING],
+            "outstanding_batches": len(self.outstanding()),
+            "closed_groups": len(self.closed),
+            **{k: v for k, v in self.counts.items()},
+        }

@@ -1,0 +1,142 @@
+"""Slot KV cache + a ragged attention function that HF transformers models call into.
+
+    cache = SlotKVCache.for_model(model, slots=32, max_len=1024)
+    use_slot_attention(model)                        # model.config._attn_implementation = "laminar_slots"
+    with cache.step(StepLayout(...)):                # one packed forward: decode tokens + prefill segments
+        logits = model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=last_idx).logits
+
+Why not HF's own caches: DynamicCache concatenates the whole cache on every
+step (O(length) copies per token) and a static left-padded batch cannot let
+sequences join and leave between steps; transformers' continuous-batching
+manager owns its own thread, one generation config for all requests and no
+partial state on cancel. So the engine keeps its own cache and plugs in through
+the attention interface (every modern HF decoder calls `ALL_ATTENTION_FUNCTIONS`
+with RoPE'd query/key/value and its `layer_idx`); HF builds no mask for a custom
+implementation, so the forward costs nothing beyond the layers themselves.
+
+Layout: per layer one K and one V tensor (slots, kv_heads, max_len, head_dim).
+Running sequences always occupy slots 0..R-1 (a leaving sequence's slot is
+filled by moving the last one in), so a decode step reads the view K[:R, :, :Lmax]
+with no gather. A packed step holds `n_decode` one-token decode queries (slots
+0..n_decode-1, written at each slot's own position) followed by prefill segments
+(one slot each, tokens [start, start+len)).
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+ATTN_NAME = "laminar_slots"
+_local = threading.local()
+
+
+@dataclass
+class StepLayout:
+    """Where the tokens of one packed forward live in the cache."""
+
+    n_decode: int
+    decode_pos: torch.Tensor
+    """(n_decode,) long: write position (= current length) of decode slots 0..n_decode-1."""
+    decode_max: int
+    """max(decode_pos) + 1: how many cache columns decode attention reads."""
+    segments: list[tuple[int, int, int]]
+    """Prefill segments (slot, start position, length), packed after the decode tokens in order."""
+
+
+class SlotKVCache:
+    def __init__(self, layers: int, slots: int, max_len: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:  # fmt: skip
+        self.slots, self.max_len = slots, max_len
+        # Inference tensors: only ever touched under inference_mode (forward and slot moves).
+        with torch.inference_mode():
+            shape = (slots, kv_heads, max_len, head_dim)
+            self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+            self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.layout: StepLayout | None = None
+
+    @classmethod
+    def for_model(cls, model: Any, slots: int, max_len: int) -> SlotKVCache:
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        p = next(model.parameters())
+        return cls(cfg.num_hidden_layers, slots, max_len, kv_heads, head_dim, p.dtype, p.device)
+
+    def move(self, src: int, dst: int, length: int) -> None:
+        """Copy slot src's first `length` positions into slot dst (compaction after a leave)."""
+        with torch.inference_mode():
+            for k, v in zip(self.k, self.v, strict=True):
+                k[dst, :, :length] = k[src, :, :length]
+                v[dst, :, :length] = v[src, :, :length]
+
+    @contextmanager
+    def step(self, layout: StepLayout):
+        """Route the attention calls of one forward (in this thread) to this cache."""
+        self.layout = layout
+        _local.cache = self
+        try:
+            yield
+        finally:
+            _local.cache = None
+            self.layout = None
+
+
+def slot_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attention_mask: Any, scaling: float | None = None, **kw: Any) -> tuple[torch.Tensor, None]:  # fmt: skip
+    """HF attention-interface function: write key/value into the slot cache, attend, return (1, T, H, D)."""
+    cache: SlotKVCache | None = getattr(_local, "cache", None)
+    if cache is None or cache.layout is None:
+        raise RuntimeError(f"{ATTN_NAME} attention called outside SlotKVCache.step() (model used outside the engine?)")
+    if kw.get("sliding_window") or kw.get("softcap"):
+        raise NotImplementedError("sliding-window / softcapped attention is not supported by the torch engine")
+    lay = cache.layout
+    layer = module.layer_idx
+    kc, vc = cache.k[layer], cache.v[layer]
+    _, heads, t, hd = query.shape
+    out = query.new_empty(1, t, heads, hd)
+    d = lay.n_decode
+    if d:
+        rows = torch.arange(d, device=query.device)
+        kc[rows, :, lay.decode_pos] = key[0, :, :d].transpose(0, 1)
+        vc[rows, :, lay.decode_pos] = value[0, :, :d].transpose(0, 1)
+        cols = torch.arange(lay.decode_max, device=query.device)
+        mask = (cols[None, :] <= lay.decode_pos[:, None])[:, None, None, :]
+        q = query[0, :, :d].transpose(0, 1).unsqueeze(2)  # (d, H, 1, D)
+        o = F.scaled_dot_product_attention(q, kc[:d, :, : lay.decode_max], vc[:d, :, : lay.decode_max],
+                                           attn_mask=mask, scale=scaling, enable_gqa=True)  # fmt: skip
+        out[0, :d] = o[:, :, 0]
+    off = d
+    for slot, start, n in lay.segments:
+        k_new, v_new = key[:, :, off : off + n], value[:, :, off : off + n]
+        kc[slot, :, start : start + n] = k_new[0]
+        vc[slot, :, start : start + n] = v_new[0]
+        q = query[:, :, off : off + n]
+        if start == 0:
+            o = F.scaled_dot_product_attention(q, k_new, v_new, is_causal=True, scale=scaling, enable_gqa=True)
+        else:
+            total = start + n
+            qpos = torch.arange(start, total, device=query.device)
+            mask = torch.arange(total, device=query.device)[None, :] <= qpos[:, None]
+            o = F.scaled_dot_product_attention(q, kc[slot : slot + 1, :, :total], vc[slot : slot + 1, :, :total],
+                                               attn_mask=mask, scale=scaling, enable_gqa=True)  # fmt: skip
+        out[0, off : off + n] = o[0].transpose(0, 1)
+        off += n
+    return out, None
+
+
+def use_slot_attention(model: Any) -> None:
+    """Register the slot attention function and switch `model` to it (the model is the engine's now)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_NAME, slot_attention)
+    try:
+        model.set_attn_implementation(ATTN_NAME)
+    except (AttributeError, ValueError):
+        model.config._attn_implementation = ATTN_NAME

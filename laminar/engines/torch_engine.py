@@ -1,0 +1,361 @@
+"""Torch engine: continuous batching of an HF causal LM on CPU or CUDA with its own KV cache.
+
+    engine = TorchEngine.from_config(cfg)            # or TorchEngine(model, tokenizer, max_running=32)
+    await engine.start()
+    async for ev in engine.generate(GenRequest("g1", prompt_ids, SamplingParams(max_tokens=64), n=4)):
+        ...
+
+Dataflow (one asyncio task, the step loop; the forward runs in a one-thread executor
+so the event loop keeps serving sockets and heartbeats):
+
+    submit() ──► waiting (FIFO) ──admit──► running slots 0..R-1 ──step──► TokenEvent per sequence
+                     ▲                        │ finish / abort: leave, last slot moves in
+                     └──── preempted (KV full, or weights reloaded: recompute) ◄┘
+
+Each step is one packed forward (kv_cache.py): a one-token decode query for every
+running sequence plus the whole prompt (+ resumed tokens) of each sequence that
+joins this step, up to `max_prefill_tokens`. Sampling (sampling.py) runs on the
+logits of the last position of each, so every emitted token carries its exact
+logprob. A lock serialises steps with abort() and load_weights(), so both take
+effect between two decode steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections import deque
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from laminar.engines.base import Engine, EngineStats, GenRequest, PartialState, SamplingParams, TokenEvent
+from laminar.engines.kv_cache import SlotKVCache, StepLayout, use_slot_attention
+from laminar.engines.sampling import sample, sequence_key, uniform
+
+log = logging.getLogger(__name__)
+_NO_I = np.zeros(0, np.int32)
+_NO_F = np.zeros(0, np.float32)
+
+
+@dataclass(eq=False)
+class _Seq:
+    seq_id: str
+    prompt: list[int]
+    params: SamplingParams
+    version: int
+    key: int
+    out: list[int] = field(default_factory=list)
+    """Response so far, resumed tokens included."""
+    lps: list[float] = field(default_factory=list)
+    slot: int = -1
+    kv_len: int = 0
+    """Positions of this sequence held in its slot (prompt + out[:-1] while decoding)."""
+    order: int = 0
+
+
+@dataclass
+class _Batch:
+    decode: list[_Seq]
+    prefill: list[_Seq]
+    ids: torch.Tensor
+    pos: torch.Tensor
+    keep: torch.Tensor
+    layout: StepLayout
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+    uniforms: torch.Tensor
+
+
+class TorchEngine(Engine):
+    name = "torch"
+
+    def __init__(self, model: Any, tokenizer: Any = None, *, max_running: int = 32, max_model_len: int | None = None,
+                 kv_capacity_tokens: int | None = None, max_prefill_tokens: int = 4096,
+                 eos_token_ids: Iterable[int] | None = None, recompute_on_load: bool = True) -> None:  # fmt: skip
+        super().__init__()
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.max_running = max_running
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.max_model_len = int(max_model_len or getattr(cfg, "max_position_embeddings", 2048))
+        self.capacity = int(kv_capacity_tokens or max_running * self.max_model_len)
+        self.max_prefill_tokens = max_prefill_tokens
+        self.recompute_on_load = recompute_on_load
+        self.eos = set(eos_token_ids) if eos_token_ids is not None else _eos_ids(model, tokenizer)
+        self.device = next(model.parameters()).device
+        use_slot_attention(model)
+        self.cache = SlotKVCache.for_model(model, max_running, self.max_model_len)
+        self._running: list[_Seq] = []  # index == slot
+        self._waiting: deque[_Seq] = deque()
+        self._seqs: dict[str, _Seq] = {}
+        self._order = itertools.count()
+        self._lock = asyncio.Lock()
+        self._wake = asyncio.Event()
+        self._pool: ThreadPoolExecutor | None = None
+        self._task: asyncio.Task | None = None
+        self.error: BaseException | None = None
+        self.tokens_generated = 0
+        self.steps = 0
+
+    @classmethod
+    def from_config(cls, cfg: Any, model: Any = None, tokenizer: Any = None, **kw: Any) -> TorchEngine:
+        """Engine for cfg (a LaminarConfig); loads cfg.model.path unless a model is passed."""
+        from laminar.models.tiny import load_causal_lm, load_tokenizer
+
+        if model is None:
+            if not cfg.model.path:
+                raise ValueError("rollout.engine=torch needs model.path (a local HF model directory)")
+            model = load_causal_lm(cfg.model.path, dtype=cfg.model.dtype, device=cfg.model.device)
+            tokenizer = tokenizer or load_tokenizer(cfg.model.path)
+        r = cfg.rollout
+        opts = dict(max_running=r.max_running, max_model_len=r.max_model_len,
+                    kv_capacity_tokens=r.kv_capacity_tokens, max_prefill_tokens=r.max_prefill_tokens)  # fmt: skip
+        opts.update(kw)
+        return cls(model, tokenizer, **opts)
+
+    # ---- lifecycle ---------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._task is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"{self.name}-engine")
+            self._task = asyncio.create_task(self._loop(), name="torch-engine-steps")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    # ---- requests ----------------------------------------------------------------------
+    def submit(self, req: GenRequest) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"torch engine failed earlier: {self.error!r}")
+        prompt = np.asarray(req.prompt_ids).astype(np.int64).tolist()
+        resumed = np.asarray(req.resume_ids).astype(np.int64).tolist()
+        resumed_lps = np.asarray(req.resume_logprobs, np.float64).tolist()
+        if len(resumed_lps) != len(resumed):
+            resumed_lps = (resumed_lps + [float("nan")] * len(resumed))[: len(resumed)]
+        for sid in req.seq_ids():
+            s = _Seq(sid, prompt, req.params, req.version, sequence_key(req.params.seed, sid),
+                     list(resumed), list(resumed_lps), order=next(self._order))  # fmt: skip
+            problem = self._reject_reason(s)
+            if problem is not None:
+                log.warning("torch engine rejected %s: %s", sid, problem)
+                self._emit(TokenEvent(sid, _NO_I, _NO_F, "error", self.version))
+            elif len(s.out) >= s.params.max_tokens:  # resumed at its cap: nothing left to generate
+                self._emit(TokenEvent(sid, _NO_I, _NO_F, "length", self.version))
+            else:
+                self._seqs[sid] = s
+                self._waiting.append(s)
+        self._wake.set()
+
+    def _reject_reason(self, s: _Seq) -> str | None:
+        if s.seq_id in self._seqs:
+            return "duplicate sequence id"
+        if not s.prompt:
+            return "empty prompt"
+        total = len(s.prompt) + len(s.out)
+        if total >= self.max_model_len or total + 1 > self.capacity:
+            return f"prompt + resumed tokens ({total}) do not fit max_model_len {self.max_model_len} / KV capacity"
+        if s.params.stop and self.tokenizer is None:
+            return "stop strings need a tokenizer"
+        return None
+
+    async def abort(self, seq_ids: Iterable[str]) -> list[PartialState]:
+        async with self._lock:  # between two steps
+            out = []
+            for sid in seq_ids:
+                s = self._seqs.pop(sid, None)
+                if s is None:
+                    continue
+                if s.slot >= 0:
+                    self._leave(s)
+                else:
+                    self._waiting.remove(s)
+                out.append(PartialState(sid, np.asarray(s.prompt, np.int32), np.asarray(s.out, np.int32),
+                                        np.asarray(s.lps, np.float32), s.version, s.params))  # fmt: skip
+                self._emit(TokenEvent(sid, _NO_I, _NO_F, "abort", s.version))
+            return out
+
+    async def load_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
+        items = list(named_tensors)
+        async with self._lock:  # between two steps
+            await asyncio.get_running_loop().run_in_executor(self._pool, self._copy_weights, items)
+            self.version = version
+            if self.recompute_on_load and self._running:
+                # KV computed by the old weights is stale: recompute it (like vLLM keep + clear_cache).
+                for s in sorted(self._running, key=lambda q: q.order, reverse=True):
+                    self._preempt(s)
+        self._wake.set()
+
+    def _copy_weights(self, items: list[tuple[str, Any]]) -> None:
+        state = self.model.state_dict()
+        staged = []
+        for name, value in items:  # validate everything before touching any parameter
+            if name not in state:
+                raise KeyError(f"load_weights: unknown tensor {name!r} (names follow model.state_dict())")
+            t = value if isinstance(value, torch.Tensor) else torch.from_numpy(np.asarray(value))
+            if tuple(t.shape) != tuple(state[name].shape):
+                raise ValueError(f"load_weights: {name} has shape {tuple(t.shape)}, model has {tuple(state[name].shape)}")
+            staged.append((state[name], t))
+        with torch.no_grad():
+            for dst, src in staged:
+                dst.copy_(src.to(dtype=dst.dtype, device=dst.device))
+
+    def stats(self) -> EngineStats:
+        held = sum(s.kv_len for s in self._running)
+        return EngineStats(min(1.0, held / self.capacity), len(self._running), len(self._waiting), self.version,
+                           self.tokens_generated)  # fmt: skip
+
+    # ---- step loop ---------------------------------------------------------------------
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._running and not self._waiting:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            async with self._lock:
+                batch = self._schedule()
+                if batch is not None:
+                    try:
+                        result = await loop.run_in_executor(self._pool, self._compute, batch)
+                    except Exception as exc:
+                        self._fail_all(exc)
+                        raise
+                    self._commit(batch, *result)
+            await asyncio.sleep(0)  # let submit/abort/load_weights in before the next step
+
+    def _schedule(self) -> _Batch | None:
+        held = sum(s.kv_len for s in self._running)
+        while self._running and held + len(self._running) > self.capacity:
+            # No room for every running sequence to grow by one: the newest goes back to waiting and
+            # is recomputed later (its tokens are kept).
+            victim = max(self._running, key=lambda q: q.order)
+            held -= victim.kv_len
+            self._preempt(victim)
+        decode = list(self._running)  # slot order: row i is slot i
+        prefill, budget = [], self.max_prefill_tokens
+        while self._waiting and len(self._running) < self.max_running:
+            s = self._waiting[0]
+            need = len(s.prompt) + len(s.out)
+            if not self._running and need + 1 > self.capacity:  # grew past the whole cache alone
+                self._waiting.popleft()
+                self._seqs.pop(s.seq_id, None)
+                self._emit(TokenEvent(s.seq_id, _NO_I, _NO_F, "length", self.version))
+                continue
+            if held + len(decode) + need > self.capacity or (prefill and need > budget):
+                break
+            self._waiting.popleft()
+            s.slot = len(self._running)
+            self._running.append(s)
+            prefill.append(s)
+            held += need
+            budget -= need
+        if not decode and not prefill:
+            return None
+        ids = [s.out[-1] for s in decode]
+        pos = [s.kv_len for s in decode]
+        keep = list(range(len(decode)))
+        segments = []
+        for s in prefill:
+            toks = s.prompt + s.out
+            segments.append((s.slot, 0, len(toks)))
+            ids.extend(toks)
+            pos.extend(range(len(toks)))
+            keep.append(len(ids) - 1)
+        rows = decode + prefill
+        dev = self.device
+        decode_pos = torch.tensor(pos[: len(decode)], dtype=torch.long, device=dev)
+        layout = StepLayout(len(decode), decode_pos, max(pos[: len(decode)], default=-1) + 1, segments)
+        return _Batch(
+            decode, prefill,
+            torch.tensor([ids], dtype=torch.long, device=dev), torch.tensor([pos], dtype=torch.long, device=dev),
+            torch.tensor(keep, dtype=torch.long, device=dev), layout,
+            torch.tensor([s.params.temperature for s in rows], dtype=torch.float32, device=dev),
+            torch.tensor([s.params.top_p for s in rows], dtype=torch.float32, device=dev),
+            torch.tensor([uniform(s.key, len(s.out)) for s in rows], dtype=torch.float64, device=dev),
+        )  # fmt: skip
+
+    def _compute(self, b: _Batch) -> tuple[list[int], list[float]]:
+        """Worker thread: one packed forward + sampling."""
+        with torch.inference_mode(), self.cache.step(b.layout):
+            logits = self.model(input_ids=b.ids, position_ids=b.pos, use_cache=False, logits_to_keep=b.keep).logits
+            tokens, lps = sample(logits[0], b.temperature, b.top_p, b.uniforms)
+        return tokens.tolist(), lps.tolist()
+
+    def _commit(self, b: _Batch, tokens: list[int], lps: list[float]) -> None:
+        self.steps += 1
+        done = []
+        for s, tok, lp in zip(b.decode + b.prefill, tokens, lps, strict=True):
+            s.kv_len = len(s.prompt) + len(s.out)  # everything but the token sampled now
+            s.out.append(tok)
+            s.lps.append(lp)
+            s.version = self.version
+            self.tokens_generated += 1
+            reason = self._finish_reason(s, tok)
+            self._emit(TokenEvent(s.seq_id, np.array([tok], np.int32), np.array([lp], np.float32), reason, self.version))
+            if reason is not None:
+                done.append(s)
+        for s in done:
+            self._seqs.pop(s.seq_id, None)
+            self._leave(s)
+
+    def _finish_reason(self, s: _Seq, tok: int) -> str | None:
+        p = s.params
+        if (tok in self.eos and not p.ignore_eos) or tok in p.stop_token_ids:
+            return "stop"
+        if p.stop and self._hit_stop_string(s):
+            return "stop"
+        if len(s.out) >= p.max_tokens or len(s.prompt) + len(s.out) >= self.max_model_len:
+            return "length"
+        return None
+
+    def _hit_stop_string(self, s: _Seq) -> bool:
+        # A window of tokens long enough for the longest stop string (each token decodes to >= 1 char
+        # except specials); stops spanning the resume boundary are found too.
+        window = max(len(x) for x in s.params.stop) + 4
+        text = self.tokenizer.decode(s.out[-window:], skip_special_tokens=True)
+        return any(x in text for x in s.params.stop)
+
+    # ---- slots -------------------------------------------------------------------------
+    def _leave(self, s: _Seq) -> None:
+        """Free s's slot; the last running sequence moves into it so slots stay 0..R-1."""
+        last = self._running.pop()
+        if last is not s:
+            self.cache.move(last.slot, s.slot, last.kv_len)
+            last.slot = s.slot
+            self._running[s.slot] = last
+        s.slot, s.kv_len = -1, 0
+
+    def _preempt(self, s: _Seq) -> None:
+        self._leave(s)
+        self._waiting.appendleft(s)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        self.error = exc
+        log.error("torch engine step failed: %r", exc)
+        for s in list(self._seqs.values()):
+            self._emit(TokenEvent(s.seq_id, _NO_I, _NO_F, "error", self.version))
+        self._seqs.clear()
+        self._running.clear()
+        self._waiting.clear()
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+    for src in (getattr(model, "generation_config", None), model.config, tokenizer):
+        val = getattr(src, "eos_token_id", None) if src is not None else None
+        if isinstance(val, int):
+            ids.add(val)
+        elif isinstance(val, (list, tuple)):
+            ids.update(int(v) for v in val)
+    return ids

@@ -1,0 +1,384 @@
+"""Pipelined chain broadcast between relays: each relay pulls chunks from its upstream.
+
+    master ◄─FetchChunk(v, i)── relay 1 ◄─FetchChunk(v, i)── relay 2 ◄── …
+           ──WeightChunk(data)─►        ──WeightChunk(data)─►
+    (data sockets: each relay's RpcServer at relay_data-k; the downstream is its client)
+
+Each relay keeps `relay.window` fetches in flight to its upstream. An upstream answers a
+fetch for a chunk it has not received yet as soon as that chunk arrives, so chunk i
+moves down hop k while chunk i+1 moves down hop k-1: hops overlap and a version
+reaches the end of a p-relay chain in about (p + k - 2) chunk times, not p × k.
+Pulling (rather than pushing) makes the hard cases simple:
+
+* corruption: every chunk carries the master's crc32; a mismatch is counted and the
+  chunk fetched again (from the upstream, then from the master after
+  `relay.corrupt_retries` failures). The version checksum (layout + all crc32s)
+  arrives with the last chunk and is checked at every hop.
+* a dead upstream (missed heartbeats, or a failed fetch): the relay probes its
+  predecessors in the chain order, nearest first, and resumes the missing chunks of
+  the same version from the first live one. No relay has to know who was cut out.
+* a dead master: the first relay that finds no live predecessor becomes the head
+  (the lowest live index in the order); a partial version nobody can finish is
+  abandoned. The trainer finds the new master itself (WeightPusher asks the relays)
+  or the manager tells it (WeightPusher.set_master).
+* a newer version overtakes an older one: an upstream that freed version v answers
+  "gone"; the downstream drops v and fetches the newest.
+
+The order comes from the manager (ChainUpdate) or defaults to relay-0 → relay-1 → ….
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from laminar.protocol.relay import ChainInfo, ChainInfoRequest, FetchChunk, OfferRequest, VersionOffer, WeightChunk
+from laminar.relay.layout import chunk_digest, chunk_range, crc_of, validate_layout, version_checksum
+from laminar.transport.codec import ProtocolError
+from laminar.transport.sockets import PeerDead, RemoteError, RequestTimeout, RpcClient, TransportError
+
+if TYPE_CHECKING:
+    from laminar.nodes.relay import RelayNode
+    from laminar.relay.shm import VersionState
+
+
+class UpstreamLost(Exception):
+    """The upstream stopped answering; pick another one."""
+
+
+class VersionGone(Exception):
+    """The upstream no longer has (or will never finish) the version being fetched."""
+
+
+class Pacer:
+    """Emulated link of `rate` bytes/s (bench/tests): a chunk is 'on the wire' n/rate seconds."""
+
+    def __init__(self, rate: float | None):
+        self.rate = rate
+        self.next_free = 0.0
+
+    async def take(self, nbytes: int) -> None:
+        if not self.rate:
+            return
+        now = time.monotonic()
+        done = max(self.next_free, now) + nbytes / self.rate
+        self.next_free = done
+        await asyncio.sleep(done - now)  # emulated transmission time, not synchronisation
+
+
+class ChainFollower:
+    """The downstream half of a relay: choose a live upstream and copy its newest version."""
+
+    def __init__(self, relay: RelayNode):
+        self.relay = relay
+        self.cfg = relay.cfg
+        self.rc = relay.cfg.relay
+        self.index = relay.index
+        self.n_relays = max(relay.cfg.cluster.roles.get("relay", 1), relay.index + 1)
+        self.epoch = 0
+        self.manager_epoch = -1
+        self.order: list[int] = list(range(self.n_relays))
+        self.endpoints: dict[int, str] = {}
+        self.dead: set[int] = set()
+        self.head = self.order[0] == self.index
+        self.upstream: int | None = None
+        self.client: RpcClient | None = None
+        self._master_client: tuple[int, RpcClient] | None = None
+        self.offer: VersionOffer | None = None
+        self.changed = asyncio.Event()
+        self._upstream_dead = False
+        self._ever_connected = False
+        self._grace_until = time.monotonic() + self.rc.upstream_grace_s
+
+    # ---- chain view ----------------------------------------------------------------------
+    def data_endpoint(self, idx: int) -> str:
+        return self.endpoints.get(idx) or self.cfg.endpoint("relay_data", idx)
+
+    @property
+    def master(self) -> int:
+        if self.index not in self.order:
+            return -1
+        if self.head:
+            return self.index
+        live = [i for i in self.order if i not in self.dead]
+        return live[0] if live else self.index
+
+    def set_order(self, epoch: int, order: list[int], endpoints: dict[str, str], from_manager: bool) -> None:
+        if len(set(order)) != len(order) or any(i < 0 for i in order):
+            raise ProtocolError(f"chain order {order} must list distinct relay indices >= 0")
+        if from_manager:
+            self.manager_epoch = epoch
+        self.epoch = max(self.epoch, epoch)
+        self.order = list(order)
+        self.endpoints = {int(k): v for k, v in endpoints.items()}
+        self.dead.clear()
+        self.head = bool(order) and order[0] == self.index
+        self.relay.log.info("chain_order", epoch=self.epoch, order=self.order, head=self.head)
+        self._drop_upstream()
+        self.changed.set()
+
+    def become_head(self, why: str) -> None:
+        if self.head:
+            return
+        self.head = True
+        self.epoch += 1
+        self.order = [self.index] + [i for i in self.order if i != self.index and i not in self.dead]
+        self.relay.metrics.count("became_master")
+        self.relay.log.warning("became_master", why=why, epoch=self.epoch, order=self.order)
+        self._drop_upstream()
+        self.changed.set()
+
+    def info(self) -> ChainInfo:
+        store = self.relay.store
+        cur, inc = store.current, store.newest_incoming()
+        return ChainInfo(
+            index=self.index, epoch=self.epoch, order=self.order, master=self.master,
+            upstream=-1 if self.upstream is None else self.upstream,
+            version=cur.version if cur else -1, checksum=cur.checksum if cur else "",
+            incoming_version=inc.version if inc else -1, incoming_have=inc.have_count if inc else 0,
+            incoming_chunks=inc.n if inc else 0, counters=dict(self.relay.metrics.counters),
+        )  # fmt: skip
+
+    # ---- connections ---------------------------------------------------------------------
+    def _drop_upstream(self) -> None:
+        client, self.client, self.upstream, self.offer = self.client, None, None, None
+        if client is not None:
+            asyncio.ensure_future(client.close())
+
+    def _on_upstream_dead(self) -> None:  # called from the client's heartbeat task: only flag it
+        self._upstream_dead = True
+        self.changed.set()
+
+    def _on_offer(self, _peer: Any, msg: VersionOffer) -> None:
+        if msg.version >= 0 and (self.offer is None or msg.version > self.offer.version):
+            self.offer = msg
+            self.changed.set()
+
+    async def _probe(self, idx: int, on_dead: Any = None) -> RpcClient | None:
+        r = self.relay
+        cli = RpcClient(r.ctx, self.data_endpoint(idx), r.node_id, "relay", r.opts, on_server_dead=on_dead)
+        cli.on(VersionOffer, self._on_offer)
+        try:
+            await cli.connect(timeout=self.rc.probe_timeout_s)
+            return cli
+        except (TransportError, OSError) as exc:
+            r.log.info("relay_unreachable", relay=idx, error=str(exc))
+            await cli.close()
+            return None
+
+    async def _choose_upstream(self) -> bool:
+        """Connect to the nearest live predecessor; become head if there is none.
+
+        Until it first had an upstream (and for at most relay.upstream_grace_s), a relay
+        waits for its immediate predecessor instead of skipping it: at start-up a relay
+        that is not up yet is not dead, and skipping it would split the chain."""
+        pos = self.order.index(self.index)
+        preds = [i for i in reversed(self.order[:pos]) if i not in self.dead]
+        if preds and not self._ever_connected and time.monotonic() < self._grace_until:
+            preds = preds[:1]
+        for idx in preds:
+            cli = await self._probe(idx, self._on_upstream_dead)
+            if cli is None and not self._ever_connected and time.monotonic() < self._grace_until:
+                await asyncio.sleep(self.rc.probe_timeout_s / 4)  # start-up: the predecessor is coming
+                return False
+            if cli is None:
+                self.dead.add(idx)
+                self.relay.metrics.count("relays_cut_out")
+                continue
+            self.client, self.upstream, self._upstream_dead = cli, idx, False
+            self._ever_connected = True
+            self.relay.log.info("upstream", relay=idx, epoch=self.epoch)
+            return True
+        self.become_head("no live predecessor")
+        return False
+
+    async def join(self) -> None:
+        """At start: adopt a newer chain view from a live relay (e.g. a new master was elected)."""
+        r = self.relay
+
+        async def ask(idx: int) -> ChainInfo | None:
+            cli = RpcClient(r.ctx, r.cfg.endpoint("relay", idx), r.node_id, "relay", r.opts)
+            try:
+                await cli.connect(timeout=self.rc.probe_timeout_s)
+                info = await cli.request(ChainInfoRequest(), timeout=self.rc.probe_timeout_s, retries=0)
+                return info if isinstance(info, ChainInfo) else None
+            except (TransportError, OSError):
+                return None
+            finally:
+                await cli.close()
+
+        infos = await asyncio.gather(*(ask(i) for i in range(self.n_relays) if i != self.index))
+        best = max((i for i in infos if i is not None and i.epoch > 0), key=lambda i: i.epoch, default=None)
+        if best is not None and self.manager_epoch < 0:
+            order = [i for i in best.order if i != self.index] + [self.index]
+            self.epoch, self.order, self.head = best.epoch, order, False
+            r.log.info("joined_chain", epoch=self.epoch, order=order)
+
+    # ---- the follow loop -----------------------------------------------------------------
+    async def run(self) -> None:
+        store = self.relay.store
+        if self.n_relays > 1:
+            await self.join()
+        while True:
+            self.changed.clear()
+            if self.index not in self.order or self.head:
+                self._drop_upstream()
+                inc = store.newest_incoming()
+                if self.head and inc is not None and inc.source == "upstream":
+                    self.relay.log.warning("version_abandoned", version=inc.version, why="no upstream can finish it")
+                    store.abandon(inc)
+                await self.changed.wait()
+                continue
+            if self.client is None or self._upstream_dead:
+                if self._upstream_dead and self.upstream is not None:
+                    self.dead.add(self.upstream)
+                    self.relay.metrics.count("relays_cut_out")
+                    self.relay.log.warning("upstream_dead", relay=self.upstream)
+                self._drop_upstream()
+                if not await self._choose_upstream():
+                    continue
+            try:
+                if self.offer is None:
+                    reply = await self.client.request(OfferRequest(), timeout=self.rc.probe_timeout_s * 4, retries=0)
+                    if isinstance(reply, VersionOffer):
+                        self._on_offer(None, reply)
+                newest = store.newest()
+                if self.offer is not None and self.offer.version > (newest.version if newest else -1):
+                    await self._fetch(self.offer)
+                    continue
+                if newest is not None and not newest.complete and self.offer and newest.version == self.offer.version:
+                    await self._fetch(self.offer)  # resume a version after an upstream change
+                    continue
+            except (UpstreamLost, RequestTimeout, PeerDead) as exc:
+                self.relay.log.warning("upstream_lost", relay=self.upstream, error=str(exc))
+                self._upstream_dead = True
+                continue
+            except VersionGone as exc:
+                self.relay.log.info("version_gone", error=str(exc))
+                self.offer = None
+                continue
+            await self.changed.wait()
+
+    async def _fetch(self, offer: VersionOffer) -> None:
+        store, r = self.relay.store, self.relay
+        if offer.layout is None or not 4096 <= offer.chunk_bytes <= 1 << 30:
+            raise VersionGone(f"offer of version {offer.version} has no layout or a bad chunk size")
+        try:
+            validate_layout(offer.layout)
+        except ProtocolError as exc:
+            r.metrics.count("bad_offers")
+            raise VersionGone(f"bad layout: {exc}") from None
+        vs = store.versions.get(offer.version)
+        if vs is None:
+            inc = store.newest_incoming()
+            if inc is not None and inc.source == "upstream":
+                store.abandon(inc)  # a newer version overtakes the one in flight
+            try:
+                vs = await store.begin(offer.version, offer.layout, offer.chunk_bytes, source="upstream")
+            except ValueError as exc:  # the trainer staged this very version here meanwhile
+                raise VersionGone(str(exc)) from None
+            r.started_receiving(vs)
+        t0 = time.monotonic()
+        missing = deque(i for i in range(vs.n) if not vs.have[i])
+        workers = [asyncio.ensure_future(self._worker(vs, missing)) for _ in range(min(self.rc.window, len(missing)) or 1)]
+        try:
+            await asyncio.gather(*workers)
+        except VersionGone:
+            store.abandon(vs)
+            raise
+        finally:
+            for w in workers:
+                w.cancel()
+            for w in workers:
+                with contextlib.suppress(BaseException):
+                    await w
+        if vs.abandoned:
+            raise VersionGone(f"version {vs.version} abandoned")
+        checksum = version_checksum(vs.layout, vs.chunk_bytes, vs.crcs)
+        if vs.expected_checksum and checksum != vs.expected_checksum:
+            r.metrics.count("version_checksum_mismatch")
+            r.log.error("version_checksum_mismatch", version=vs.version, got=checksum, want=vs.expected_checksum)
+            store.abandon(vs)
+            raise VersionGone(f"version {vs.version} checksum mismatch")
+        store.complete(vs, checksum)
+        r.metrics.add("receive_s", time.monotonic() - t0)
+        await r.version_complete(vs)
+
+    async def _worker(self, vs: VersionState, missing: deque[int]) -> None:
+        while missing and not vs.abandoned:
+            i = missing.popleft()
+            try:
+                await self._fetch_chunk(vs, i)
+            except BaseException:
+                missing.appendleft(i)
+                raise
+
+    async def _master_cli(self) -> RpcClient | None:
+        m = self.master
+        if m == self.upstream or m == self.index:
+            return self.client
+        if self._master_client is not None and self._master_client[0] == m:
+            return self._master_client[1]
+        if self._master_client is not None:
+            await self._master_client[1].close()
+        cli = await self._probe(m)
+        self._master_client = (m, cli) if cli is not None else None
+        return cli or self.client
+
+    async def _fetch_chunk(self, vs: VersionState, i: int) -> None:
+        r, store = self.relay, self.relay.store
+        start, end = chunk_range(i, vs.chunk_bytes, vs.layout.total_bytes)
+        base = store.current
+        have_digest = -1
+        if self.rc.delta and base is not None and base.chunk_bytes == vs.chunk_bytes and i < base.n and base.buf.size >= end:
+            have_digest = int(base.digests[i])
+        corrupt = 0
+        while True:
+            src = self.client if corrupt < self.rc.corrupt_retries else await self._master_cli()
+            if src is None:
+                raise UpstreamLost("no upstream")
+            try:
+                msg = await src.request(FetchChunk(vs.version, i, have_digest), timeout=self.rc.fetch_timeout_s, retries=0)
+            except RemoteError as exc:
+                if exc.code == "not_yet":
+                    continue
+                if exc.code == "gone":
+                    raise VersionGone(str(exc)) from None
+                raise UpstreamLost(str(exc)) from None
+            except (RequestTimeout, PeerDead) as exc:
+                if src is self.client:
+                    raise UpstreamLost(str(exc)) from None
+                corrupt = 0  # the master is unreachable: back to the upstream
+                continue
+            if not isinstance(msg, WeightChunk) or msg.version != vs.version or msg.index != i or msg.offset != start:
+                r.metrics.count("bad_chunks")
+                raise UpstreamLost(f"unexpected reply {type(msg).__name__} to FetchChunk({vs.version}, {i})")
+            if msg.unchanged:
+                if base is None or have_digest < 0 or msg.digest != have_digest:
+                    have_digest = -1  # cannot reuse our copy: ask for the bytes
+                    continue
+                data = base.buf[start:end]
+                r.metrics.count("chunks_unchanged")
+            else:
+                data = msg.data
+                r.metrics.count("bytes_received", len(data))
+            if len(data) != end - start or chunk_digest(data) != crc_of(msg.digest):
+                corrupt += 1
+                r.metrics.count("chunks_corrupt")
+                r.log.warning("chunk_corrupt", version=vs.version, index=i, attempt=corrupt, source=src.server_id)
+                continue
+            vs.buf[start:end] = data
+            if msg.version_checksum:
+                vs.expected_checksum = msg.version_checksum
+            store.mark(vs, i, msg.digest)
+            r.chunk_arrived(vs, i)
+            return
+
+    async def close(self) -> None:
+        self._drop_upstream()
+        if self._master_client is not None:
+            await self._master_client[1].close()
+            self._master_client = None

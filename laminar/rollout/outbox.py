@@ -1,0 +1,127 @@
+"""Acked delivery of finished trajectories from a rollout to the buffer.
+
+    outbox = Outbox(buffer_client, log, concurrency=8, timeout_s=10)
+    node.spawn(outbox.run(), "outbox")
+    outbox.put(trajectory)            # or TrajectoryAbandoned: anything with a .uid
+    await outbox.flush(timeout=5.0)   # drain: True when everything was acked
+
+Each message is sent as a request and stays in the outbox until the buffer acks
+it; a timeout, a dead or restarting buffer, or a transient error reply puts it
+back after a doubling backoff (per sender, reset on success). Resending is safe
+because the buffer deduplicates by uid and acks a duplicate as it acked the
+original; the outbox also keys its entries by uid, so a message is in it at most
+once. A buffer that rejects a message as malformed (code "protocol") will never
+accept it: that one is logged, counted (`rejected`) and dropped instead of retried
+forever. Order is not preserved and need not be: each trajectory stands alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable
+from typing import Any, TypeVar
+
+from laminar.transport.codec import Message
+from laminar.transport.sockets import PeerDead, RemoteError, RpcClient, TransportError
+
+T = TypeVar("T")
+
+__all__ = ["Outbox", "net_call"]
+
+_PERMANENT = frozenset({"protocol"})
+"""ErrorReply codes that mean "this message can never be accepted"."""
+
+
+async def net_call(aw: Awaitable[T]) -> T:
+    """Await a socket call; a CancelledError that is not aimed at this task becomes PeerDead.
+
+    Why: when a client replaces its socket (reconnect after the server died), pyzmq
+    cancels the sends still queued on the old one, and that cancellation surfaces in
+    the caller as a CancelledError although nobody cancelled the caller. Left alone it
+    would silently end the sender task."""
+    try:
+        return await aw
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling() == 0:
+            raise PeerDead("socket closed while sending") from None
+        raise
+
+
+class Outbox:
+    def __init__(self, client: RpcClient, log: Any, concurrency: int = 8, timeout_s: float = 10.0,
+                 backoff_s: float = 0.05, backoff_max_s: float = 2.0):  # fmt: skip
+        self.client, self.log = client, log
+        self.concurrency, self.timeout_s = concurrency, timeout_s
+        self.backoff_s, self.backoff_max_s = backoff_s, backoff_max_s
+        self.pending: dict[str, Message] = {}
+        self._ready: asyncio.Queue[str] = asyncio.Queue()
+        self._empty = asyncio.Event()
+        self._empty.set()
+        self.stats: dict[str, int] = dict(put=0, acked=0, retries=0, rejected=0, duplicates_put=0)
+        self.oldest_since: dict[str, float] = {}
+
+    def __len__(self) -> int:
+        return len(self.pending)
+
+    def put(self, msg: Message) -> None:
+        uid = msg.uid  # type: ignore[attr-defined]
+        if uid in self.pending:
+            self.stats["duplicates_put"] += 1
+            return
+        self.pending[uid] = msg
+        self.oldest_since[uid] = time.monotonic()
+        self.stats["put"] += 1
+        self._empty.clear()
+        self._ready.put_nowait(uid)
+
+    async def run(self) -> None:
+        """The senders; run under the node's supervision (they only end by cancellation)."""
+        await asyncio.gather(*(self._sender() for _ in range(self.concurrency)))
+
+    async def _sender(self) -> None:
+        backoff = self.backoff_s
+        while True:
+            uid = await self._ready.get()
+            msg = self.pending.get(uid)
+            if msg is None:
+                continue
+            try:
+                await net_call(self.client.request(msg, timeout=self.timeout_s, retries=0))
+            except RemoteError as exc:
+                if exc.code in _PERMANENT:
+                    self.stats["rejected"] += 1
+                    self.log.error("trajectory_rejected", uid=uid, error=str(exc))
+                    self._done(uid)
+                    continue
+                backoff = await self._retry(uid, backoff, str(exc))
+                continue
+            except TransportError as exc:  # timeout, buffer dead or restarting, not connected
+                backoff = await self._retry(uid, backoff, str(exc))
+                continue
+            self.stats["acked"] += 1
+            self._done(uid)
+            backoff = self.backoff_s
+
+    async def _retry(self, uid: str, backoff: float, why: str) -> float:
+        self.stats["retries"] += 1
+        if self.stats["retries"] % 50 == 1:
+            self.log.warning("outbox_retry", uid=uid, pending=len(self.pending), error=why)
+        await asyncio.sleep(backoff)  # retry backoff while the buffer is away
+        self._ready.put_nowait(uid)
+        return min(backoff * 2, self.backoff_max_s)
+
+    def _done(self, uid: str) -> None:
+        self.pending.pop(uid, None)
+        self.oldest_since.pop(uid, None)
+        if not self.pending:
+            self._empty.set()
+
+    async def flush(self, timeout: float) -> bool:
+        """Wait until every message was acked (or dropped as rejected); False on timeout."""
+        try:
+            await asyncio.wait_for(self._empty.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True

@@ -1,0 +1,137 @@
+"""What a rollout knows about each in-flight trajectory, and the messages built from it.
+
+    seq = SeqState.from_item(item, i, version, now)     # a fresh sample of a prompt group
+    seq = SeqState.from_partial(partial, now)           # a trajectory resumed here (import)
+    seq.append(ev.token_ids, ev.logprobs)               # engine events
+    chunk = seq.chunk(rollout_id)                        # PartialChunk of the tokens not yet streamed
+    traj = seq.trajectory(reason, rollout_id)            # the finished Trajectory (reward filled later)
+    part = seq.partial(ids, logprobs, rollout_id)        # PartialTrajectory for export
+
+Partial-pool streaming contract (rollout -> buffer): a trajectory's chunks cover
+its response tokens in order; chunk.offset is the index of its first token. The
+chunk at offset 0 carries the header (a PartialTrajectory with everything needed
+to resume it, whose response_ids/logprobs are empty: the tokens travel in the
+chunk). A rollout that resumes a trajectory (import) or whose buffer connection
+came back re-sends from offset 0 with a header, so a header always (re)starts the
+record, owned by header.rollout_id. Chunks are one-way and best-effort; the final
+Trajectory (acked) is what counts, and it supersedes the partial record.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from laminar.protocol.data import PartialChunk, PartialTrajectory, PromptItem, Trajectory
+
+_EMPTY_I = np.zeros(0, np.int32)
+_EMPTY_F = np.zeros(0, np.float32)
+
+
+class Growable:
+    """An append-only 1-D array with amortised O(1) appends and zero-copy views."""
+
+    def __init__(self, dtype: Any, initial: np.ndarray | None = None):
+        data = np.asarray(initial if initial is not None else np.zeros(0), dtype=dtype)
+        self._buf = np.zeros(max(64, 2 * len(data)), dtype=dtype)
+        self._buf[: len(data)] = data
+        self.n = len(data)
+
+    def append(self, arr: np.ndarray) -> None:
+        k = len(arr)
+        if self.n + k > len(self._buf):
+            grown = np.zeros(max(2 * len(self._buf), self.n + k), dtype=self._buf.dtype)
+            grown[: self.n] = self._buf[: self.n]
+            self._buf = grown
+        self._buf[self.n : self.n + k] = arr
+        self.n += k
+
+    def view(self, start: int = 0, end: int | None = None) -> np.ndarray:
+        return self._buf[start : self.n if end is None else end]
+
+    def copy(self) -> np.ndarray:
+        return self._buf[: self.n].copy()
+
+
+@dataclass
+class SeqState:
+    uid: str
+    group_id: str
+    prompt_uid: str
+    sample_index: int
+    n: int
+    prompt_ids: np.ndarray
+    version: int
+    prompt: str = ""
+    row: dict[str, Any] = field(default_factory=dict)
+    resumed: int = 0
+    t_start: float = 0.0
+    t_first_token: float = 0.0
+    sent_upto: int = 0
+    """Response tokens already streamed to the partial pool (0: the header goes next)."""
+    exporting: bool = False
+    ids: Growable = field(default_factory=lambda: Growable(np.int32))
+    logprobs: Growable = field(default_factory=lambda: Growable(np.float32))
+
+    @classmethod
+    def from_item(cls, item: PromptItem, i: int, version: int, now: float) -> SeqState:
+        return cls(uid=f"{item.group_id}/{i}", group_id=item.group_id, prompt_uid=item.uid, sample_index=i,
+                   n=item.n, prompt_ids=np.asarray(item.prompt_ids, np.int32), version=version,
+                   prompt=item.prompt, row=dict(item.row), t_start=now)  # fmt: skip
+
+    @classmethod
+    def from_partial(cls, p: PartialTrajectory, now: float) -> SeqState:
+        return cls(uid=p.uid, group_id=p.group_id, prompt_uid=p.prompt_uid, sample_index=p.sample_index, n=p.n,
+                   prompt_ids=np.asarray(p.prompt_ids, np.int32), version=p.version, prompt=p.prompt,
+                   row=dict(p.row), resumed=p.resumed + 1, t_start=p.t_start or now,
+                   ids=Growable(np.int32, p.response_ids), logprobs=Growable(np.float32, p.logprobs))  # fmt: skip
+
+    @property
+    def length(self) -> int:
+        return self.ids.n
+
+    def append(self, ids: np.ndarray, logprobs: np.ndarray, now: float) -> None:
+        if len(ids) and not self.t_first_token:
+            self.t_first_token = now
+        self.ids.append(ids)
+        self.logprobs.append(logprobs)
+
+    def header(self, rollout_id: str) -> PartialTrajectory:
+        return PartialTrajectory(uid=self.uid, group_id=self.group_id, prompt_uid=self.prompt_uid,
+                                 sample_index=self.sample_index, prompt_ids=self.prompt_ids,
+                                 response_ids=_EMPTY_I, logprobs=_EMPTY_F, version=self.version, n=self.n,
+                                 prompt=self.prompt, row=self.row, rollout_id=rollout_id,
+                                 resumed=self.resumed, t_start=self.t_start)  # fmt: skip
+
+    def chunk(self, rollout_id: str) -> tuple[PartialChunk, int]:
+        """The unsent tokens as one chunk, and the length it brings the pool up to once delivered."""
+        start, end = self.sent_upto, self.length
+        msg = PartialChunk(uid=self.uid, version=self.version, offset=start,
+                           token_ids=self.ids.view(start, end).copy(), logprobs=self.logprobs.view(start, end).copy(),
+                           rollout_id=rollout_id, header=self.header(rollout_id) if start == 0 else None)  # fmt: skip
+        return msg, end
+
+    def partial(self, ids: np.ndarray, logprobs: np.ndarray, rollout_id: str) -> PartialTrajectory:
+        p = self.header(rollout_id)
+        p.response_ids = np.asarray(ids, np.int32)
+        p.logprobs = np.asarray(logprobs, np.float32)
+        return p
+
+    def trajectory(self, finish_reason: str, rollout_id: str, now: float) -> Trajectory:
+        return Trajectory(uid=self.uid, group_id=self.group_id, prompt_uid=self.prompt_uid,
+                          sample_index=self.sample_index, prompt_ids=self.prompt_ids,
+                          response_ids=self.ids.copy(), logprobs=self.logprobs.copy(), version=self.version,
+                          finish_reason=finish_reason, rollout_id=rollout_id, prompt=self.prompt, row=self.row,
+                          resumed=self.resumed,
+                          timings={"t_start": self.t_start, "t_first_token": self.t_first_token or now,
+                                   "t_finish": now, "gen_s": max(0.0, now - self.t_start)})  # fmt: skip
+
+
+@dataclass
+class GroupState:
+    """A GRPO group in hand (one credit) until each of its samples here finished or left."""
+
+    group_id: str
+    open: set[str] = field(default_factory=set)

@@ -1,0 +1,161 @@
+"""From buffer trajectories to padded micro-batches.
+
+    list[Trajectory] ──TrainBatch.build (validate, count drops)──► samples + rewards + groups
+        ──pack_micro_batches(lengths, micro_batch_tokens)──► index lists (longest first)
+        ──collate──► MicroBatch: input_ids/attention_mask [b, L] (right-padded),
+                     targets/resp_mask/behav_logp [b, L-1] in the next-token frame
+
+Next-token frame: logits at position j predict token j+1, so response token k of a
+sample with P prompt tokens (input position P+k) sits at frame position P+k-1.
+A trajectory that cannot be trained on (no reward, logprobs not matching the
+response, empty, too long, token ids outside the vocabulary) is dropped and
+counted by reason, never raised: bad data must not stop the trainer.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from laminar.algo.advantages import group_index
+from laminar.protocol.data import Trajectory
+
+
+@dataclass
+class Sample:
+    uid: str
+    group_id: str
+    prompt_ids: np.ndarray
+    response_ids: np.ndarray
+    behav_logp: np.ndarray
+    reward: float
+    version: int
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+
+@dataclass
+class TrainBatch:
+    samples: list[Sample]
+    rewards: torch.Tensor
+    """[B] float32."""
+    groups: torch.Tensor
+    """[B] dense group ids."""
+    dropped: Counter = field(default_factory=Counter)
+
+    @property
+    def n_seqs(self) -> int:
+        return len(self.samples)
+
+    @property
+    def n_tokens(self) -> int:
+        """Response (trained) tokens."""
+        return sum(len(s.response_ids) for s in self.samples)
+
+    @property
+    def total_tokens(self) -> int:
+        """Prompt + response tokens (what the forward pass processes)."""
+        return sum(s.length for s in self.samples)
+
+    @classmethod
+    def build(cls, trajs: list[Trajectory], vocab_size: int | None = None, max_len: int | None = None) -> TrainBatch:
+        samples: list[Sample] = []
+        dropped: Counter = Counter()
+        for t in trajs:
+            reason = _reject_reason(t, vocab_size, max_len)
+            if reason:
+                dropped[reason] += 1
+                continue
+            samples.append(
+                Sample(
+                    uid=t.uid, group_id=t.group_id, version=int(t.version), reward=float(t.reward),
+                    prompt_ids=np.array(t.prompt_ids, dtype=np.int64),
+                    response_ids=np.array(t.response_ids, dtype=np.int64),
+                    behav_logp=np.array(t.logprobs, dtype=np.float32),
+                )  # fmt: skip
+            )
+        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+        groups = group_index([s.group_id for s in samples])
+        return cls(samples, rewards, groups, dropped)
+
+
+def _reject_reason(t: Trajectory, vocab_size: int | None, max_len: int | None) -> str:
+    if t.reward is None:
+        return "no_reward"
+    if not np.isfinite(t.reward):
+        return "bad_reward"
+    n = len(t.response_ids)
+    if n == 0:
+        return "empty_response"
+    if len(t.prompt_ids) == 0:
+        return "empty_prompt"
+    if len(t.logprobs) != n:
+        return "logprob_length"
+    if max_len is not None and len(t.prompt_ids) + n > max_len:
+        return "too_long"
+    if vocab_size is not None:
+        lo = min(int(t.prompt_ids.min()), int(t.response_ids.min()))
+        hi = max(int(t.prompt_ids.max()), int(t.response_ids.max()))
+        if lo < 0 or hi >= vocab_size:
+            return "bad_token_id"
+    return ""
+
+
+def pack_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
+    """Group sample indices so that (longest length in group) x (group size) <= token_budget.
+
+    Longest first, greedy: padding waste stays small because neighbours have similar
+    lengths. A sample longer than the budget gets a micro-batch of its own. Deterministic.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    out: list[list[int]] = []
+    cur: list[int] = []
+    for i in order:
+        if cur and lengths[cur[0]] * (len(cur) + 1) > token_budget:
+            out.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        out.append(cur)
+    return out
+
+
+@dataclass
+class MicroBatch:
+    index: torch.Tensor
+    """[b] positions of these samples in the TrainBatch."""
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    targets: torch.Tensor
+    resp_mask: torch.Tensor
+    behav_logp: torch.Tensor
+
+    def to(self, device: str | torch.device) -> MicroBatch:
+        return MicroBatch(*(getattr(self, f).to(device) for f in ("index", "input_ids", "attention_mask", "targets", "resp_mask", "behav_logp")))
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.resp_mask.sum())
+
+
+def collate(batch: TrainBatch, index: list[int], pad_id: int = 0) -> MicroBatch:
+    rows = [batch.samples[i] for i in index]
+    L = max(s.length for s in rows)
+    b = len(rows)
+    ids = torch.full((b, L), pad_id, dtype=torch.long)
+    att = torch.zeros((b, L), dtype=torch.long)
+    resp = torch.zeros((b, L - 1), dtype=torch.bool)
+    behav = torch.zeros((b, L - 1), dtype=torch.float32)
+    for r, s in enumerate(rows):
+        p, n = len(s.prompt_ids), len(s.response_ids)
+        ids[r, :p] = torch.from_numpy(s.prompt_ids)
+        ids[r, p : p + n] = torch.from_numpy(s.response_ids)
+        att[r, : p + n] = 1
+        resp[r, p - 1 : p - 1 + n] = True
+        behav[r, p - 1 : p - 1 + n] = torch.from_numpy(s.behav_logp)
+    return MicroBatch(torch.tensor(index, dtype=torch.long), ids, att, ids[:, 1:].clone(), resp, behav)

@@ -1,0 +1,255 @@
+"""The trained policy: HF causal LM + AdamW + warmup/cosine schedule, FSDP2 across ranks.
+
+    policy = Policy(cfg, model_path, DistContext())        # world 1: plain module
+    metrics = policy.train_step(TrainBatch.build(trajectories))
+    weights = policy.export_weights("bfloat16")             # rank 0: full state dict (collective)
+
+One optimizer step per batch:
+    pack micro-batches by length (token budget) ─► [k1-in-reward: no-grad pass for KL]
+    ─► advantages ─► per micro-batch: forward (bf16 autocast on GPU, fp32 logits / T)
+       ─► loss with the batch's global token/sequence counts ─► backward (accumulate)
+    ─► clip grad norm ─► AdamW step ─► schedule step
+
+The proximal policy pi_prox is the parameters at the start of the step. Gradients
+accumulate over micro-batches and the parameters only move at the optimizer step,
+so every micro-batch's forward runs at exactly those parameters: its logprobs,
+detached, *are* the recompute (no grad, before any update in this step) — no second
+forward pass is needed (tests check they are bit-identical to a separate no-grad pass).
+With decoupled=False (bypass) the behaviour logprobs take the proximal role.
+
+FSDP2 (`fully_shard` per decoder layer, then the root) when world > 1: every rank
+holds the whole batch (rank 0 broadcast it), takes micro-batches rank::world (padded
+with zero-weight dummies so collectives line up) and the loss is multiplied by the
+world size because FSDP averages gradients across ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from laminar.algo.advantages import broadcast_to_tokens, compute_advantages, kl_penalized_rewards
+from laminar.algo.losses import LossSettings, policy_loss
+from laminar.algo.metrics import StatAccumulator, length_stats
+from laminar.trainer.batch import MicroBatch, TrainBatch, collate, pack_micro_batches
+from laminar.trainer.dist import DistContext
+
+
+def lr_lambda(warmup: int, total: int, min_ratio: float):
+    """Linear warmup to 1 over `warmup` steps, then cosine down to `min_ratio` at `total`."""
+
+    def f(step: int) -> float:
+        if warmup > 0 and step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f
+
+
+def _fp32_head(head: torch.nn.Module) -> None:
+    """Compute the LM head outside autocast in fp32 (FP32 logits: algorithms.md §7)."""
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            bias = None if head.bias is None else head.bias.float()
+            return F.linear(x.float(), head.weight.float(), bias)
+
+    head.forward = forward
+
+
+def _apply_fsdp(model: torch.nn.Module, ctx: DistContext, device: torch.device) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (ctx.world,))
+    block_names = set(getattr(model, "_no_split_modules", None) or [])
+    for module in model.modules():
+        if type(module).__name__ in block_names:
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+class Policy:
+    def __init__(self, cfg: Any, model_path: str, ctx: DistContext | None = None):
+        from transformers.utils import logging as hf_logging
+
+        from laminar.models.tiny import load_causal_lm
+
+        hf_logging.disable_progress_bar()
+        self.cfg, self.ctx = cfg, ctx or DistContext()
+        tc, algo = cfg.trainer, cfg.algo
+        dev = cfg.model.device
+        if dev.startswith("cuda") and self.ctx.enabled:
+            dev = f"cuda:{self.ctx.local_rank}"
+        self.device = torch.device(dev)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.autocast = self.device.type == "cuda"
+        self.model = load_causal_lm(model_path, "float32", str(self.device))  # fp32 master weights, eval(): no dropout
+        self.vocab_size = int(self.model.config.vocab_size)
+        self.max_len = getattr(self.model.config, "max_position_embeddings", None)
+        dups = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
+        self._tied = dups - {n for n, _ in self.model.named_parameters()}
+        if self.autocast and self.model.get_output_embeddings() is not None:
+            _fp32_head(self.model.get_output_embeddings())
+        self.ref = None
+        if algo.kl_coef > 0:
+            self.ref = load_causal_lm(cfg.model.path or model_path, "float32", str(self.device))
+            self.ref.requires_grad_(False)
+        if self.ctx.enabled:
+            _apply_fsdp(self.model, self.ctx, self.device)
+            if self.ref is not None:
+                _apply_fsdp(self.ref, self.ctx, self.device)
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad], lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(tc.warmup_steps, tc.total_steps, tc.min_lr_ratio)
+        )
+        temp = cfg.rollout.sampling.temperature
+        # logprobs must describe the distribution the sampler drew from: logits / T (greedy: T = 1)
+        self.temperature = temp if temp > 0 else 1.0
+        self.loss_settings = LossSettings.from_algo(algo, cfg.rollout.sampling.max_tokens)
+        self.pad_id = int(self.model.config.pad_token_id or 0)
+
+    # ---- forward ------------------------------------------------------------------------
+    def _amp(self):
+        return torch.autocast("cuda", dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext()
+
+    def token_logprobs(
+        self, mb: MicroBatch, model: torch.nn.Module | None = None, entropy_grad: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log pi(target) [b, L-1], entropy [b, L-1]); entropy carries grad only if asked."""
+        with self._amp():
+            out = (model or self.model)(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
+        logits = out.logits[:, :-1].float()
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
+        lse = torch.logsumexp(logits, dim=-1)
+        logp = logits.gather(-1, mb.targets.unsqueeze(-1)).squeeze(-1) - lse
+        with contextlib.nullcontext() if entropy_grad else torch.no_grad():
+            ent = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+        return logp, ent
+
+    # ---- one optimizer step ---------------------------------------------------------------
+    def _my_share(self, mbs: list[list[int]]) -> list[tuple[list[int], float]]:
+        if not self.ctx.enabled:
+            return [(m, 1.0) for m in mbs]
+        mine = [(m, 1.0) for m in mbs[self.ctx.rank :: self.ctx.world]]
+        per_rank = -(-len(mbs) // self.ctx.world)
+        mine += [(mbs[0], 0.0)] * (per_rank - len(mine))  # zero-weight dummies keep FSDP collectives aligned
+        return mine
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        t0 = time.perf_counter()
+        s, algo = self.loss_settings, self.cfg.algo
+        n_tok, n_seq = batch.n_tokens, batch.n_seqs
+        if n_seq == 0:
+            raise ValueError("train_step needs at least one usable trajectory")
+        share = self._my_share(pack_micro_batches([x.length for x in batch.samples], self.cfg.trainer.micro_batch_tokens))
+        stats = StatAccumulator()
+        rewards = batch.rewards
+        if algo.kl_coef > 0 and algo.kl_type == "k1_reward":
+            rewards = kl_penalized_rewards(rewards, self._sequence_kl(batch, share), algo.kl_coef)
+        adv = compute_advantages(rewards, batch.groups, algo.advantage, algo.norm_std)
+        self.optimizer.zero_grad(set_to_none=True)
+        for idx, weight in share:
+            mb = collate(batch, idx, self.pad_id).to(self.device)
+            st = stats if weight else StatAccumulator()
+            logp, ent = self.token_logprobs(mb, entropy_grad=s.entropy_coef > 0)
+            prox = logp.detach() if algo.decoupled else mb.behav_logp
+            ref = None
+            if self.ref is not None and s.kl_type == "k3_loss":
+                with torch.no_grad():
+                    ref, _ = self.token_logprobs(mb, self.ref)
+                st.add("kl_ref", (logp.detach() - ref), mb.resp_mask)
+            adv_tok = broadcast_to_tokens(adv.to(self.device)[mb.index], mb.resp_mask)
+            loss = policy_loss(logp, prox, mb.behav_logp, adv_tok, mb.resp_mask, s, n_tok, n_seq, ref, ent, st)
+            st.add("sum/loss", loss.detach())
+            st.add("entropy", ent.detach(), mb.resp_mask)
+            st.add("logp", logp.detach(), mb.resp_mask)
+            (loss * (weight * self.ctx.world)).backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        grad_norm = float(grad_norm)
+        lr = self.scheduler.get_last_lr()[0]
+        skipped = not math.isfinite(grad_norm)
+        if skipped:  # a NaN/inf gradient must not reach the weights; the batch still counts as consumed
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.optimizer.step()
+        self.scheduler.step()
+        if self.ctx.enabled:
+            self._align_names(stats)
+            stats.all_reduce(self.ctx.cpu_group)
+        out = stats.finalize()
+        out.update(length_stats([len(x.response_ids) for x in batch.samples]))
+        out.update({
+            "grad_norm": grad_norm, "lr": lr, "skipped_step": float(skipped),
+            "reward": float(batch.rewards.mean()), "reward_max": float(batch.rewards.max()),
+            "reward_min": float(batch.rewards.min()), "adv/mean": float(adv.mean()),
+            "adv/std": float(adv.std()) if n_seq > 1 else 0.0, "adv/max": float(adv.max()),
+            "adv/min": float(adv.min()), "frac/zero_adv": float((adv == 0).float().mean()),
+            "tokens": float(n_tok), "tokens_total": float(batch.total_tokens), "seqs": float(n_seq),
+            "micro_batches": float(len(share)), "compute_s": time.perf_counter() - t0,
+        })  # fmt: skip
+        return out
+
+    @torch.no_grad()
+    def _sequence_kl(self, batch: TrainBatch, share: list[tuple[list[int], float]]) -> torch.Tensor:
+        """sum_t (log pi_prox - log pi_ref) per sequence [B] (k1 for the reward), reduced over ranks."""
+        kl = torch.zeros(batch.n_seqs, dtype=torch.float64)
+        for idx, weight in share:
+            mb = collate(batch, idx, self.pad_id).to(self.device)
+            logp, _ = self.token_logprobs(mb)
+            ref, _ = self.token_logprobs(mb, self.ref)
+            per_seq = torch.where(mb.resp_mask, logp - ref, torch.zeros_like(logp)).sum(-1).double().cpu()
+            kl.index_add_(0, mb.index, per_seq * weight)
+        if self.ctx.enabled:
+            import torch.distributed as dist
+
+            dist.all_reduce(kl, group=self.ctx.cpu_group)
+        return kl.float()
+
+    def _align_names(self, stats: StatAccumulator) -> None:
+        import torch.distributed as dist
+
+        names: list[list[str]] = [[] for _ in range(self.ctx.world)]
+        dist.all_gather_object(names, sorted(stats.parts), group=self.ctx.cpu_group)
+        for name in set().union(*names):
+            stats._part(name)
+
+    # ---- weights and state ------------------------------------------------------------------
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full model state dict on rank 0 (CPU when distributed), {} elsewhere. Collective."""
+        if self.ctx.enabled:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        else:
+            sd = self.model.state_dict()
+        return {k: v.detach() for k, v in sd.items() if k not in self._tied} if self.ctx.is_main else {}
+
+    def export_weights(self, dtype: str = "float32") -> dict[str, torch.Tensor]:
+        """Weights for the rollouts (tied copies dropped, cast to the rollout dtype). Collective."""
+        want = getattr(torch, dtype)
+        return {k: (v if v.dtype == want else v.to(want)) for k, v in self.full_state_dict().items()}
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """Full optimizer state keyed by parameter name (rank 0; collective when distributed)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_optimizer_state_dict(self.model, self.optimizer, options=opts)
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.model, self.optimizer, state, options=StateDictOptions(full_state_dict=True))

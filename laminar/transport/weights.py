@@ -1,0 +1,421 @@
+"""Weight transports: the trainer's push to the master relay and a rollout's pull from its relay.
+
+    trainer:  pusher = WeightPusher(node); await pusher.start()
+              stall_s = await pusher.push(version, model.state_dict())   # returns after the handoff
+    rollout:  puller = WeightPuller(node, relay_index=cfg.rollout.relay_index); await puller.start()
+              await puller.wait_version(v, timeout=30)
+              async with await puller.pull() as w:                        # pins the version at the relay
+                  for name, t in w.named_tensors(): param[name].copy_(t)  # zero-copy views into /dev/shm
+
+Push, same host (the common case): StageRequest → the master relay reserves a slot and
+answers with its /dev/shm path → the pusher copies every tensor into it (one memcpy,
+CUDA tensors copied device-to-host straight into shared memory) → CommitRequest →
+the trainer resumes. The chain broadcast runs afterwards inside the relays, so the
+stall does not grow with the number of relays or rollouts. When the relay's segment
+is not visible (trainer on another host) the pusher streams PushChunk messages instead.
+
+Master failover: if the master does not answer, the pusher asks every relay for its
+chain view (ChainInfo) and pushes to the master named by the newest view when that
+relay is alive, else to the lowest live index; that relay becomes master. The manager
+can also call `set_master(endpoint)` (e.g. after its own chain rebuild).
+
+Pull: PullRequest pins a version at the relay (released by `release()`, by
+`close()`, or by the relay when this client dies) and names its segment; the puller
+maps it MAP_PRIVATE, so tensors are zero-copy views of the relay's page cache and a
+write by the engine only ever changes a private copy, never the relay's buffer. A
+fresh mapping per pull means a reused slot can never show stale private pages.
+
+GPU transports (CUDA IPC, NCCL) live in laminar/transport/weights_gpu.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import mmap
+import os
+import socket
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import numpy as np
+
+from laminar.protocol.relay import (
+    ChainInfo, ChainInfoRequest, CommitRequest, LatestReply, LatestRequest, PullReply, PullRequest, PushChunk,
+    ReleaseRequest, StageReply, StageRequest, WeightLayout, WeightsReady,
+)  # fmt: skip
+from laminar.relay.layout import build_layout, checksum_buffer, chunk_range, n_chunks, validate_layout
+from laminar.transport.sockets import PeerDead, RemoteError, RequestTimeout, RpcClient, Subscriber, TransportError
+
+_ids = itertools.count()
+
+
+class WeightsUnavailable(RuntimeError):
+    """The relay has no (such) version to serve."""
+
+
+def _dtype_name(t: Any) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _named_list(named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+    return [(str(n), t) for n, t in items]
+
+
+def layout_of(items: list[tuple[str, Any]]) -> WeightLayout:
+    return build_layout((n, _dtype_name(t), tuple(t.shape)) for n, t in items)
+
+
+def _bytes_of(t: Any) -> Any:
+    """A tensor as a flat uint8 tensor (same device); one copy only if it is not contiguous."""
+    t = t.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t.reshape(-1).view(__import__("torch").uint8)
+
+
+def write_flat(dst: Any, items: list[tuple[str, Any]], layout: WeightLayout) -> None:
+    """Copy tensors into a flat uint8 torch buffer at their layout offsets; zero the padding."""
+    pos = 0
+    for (_name, t), off in zip(items, layout.offsets, strict=True):
+        if off > pos:
+            dst[pos:off].zero_()
+        src = _bytes_of(t)
+        n = src.numel()
+        if n:
+            dst[off : off + n].copy_(src)
+        pos = off + n
+    if layout.total_bytes > pos:
+        dst[pos : layout.total_bytes].zero_()
+
+
+class _Map:
+    """A writable shared mapping of a relay segment (the trainer side), cached by path."""
+
+    def __init__(self, path: str, size: int):
+        import torch
+
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self.mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            self.inode = os.fstat(fd).st_ino
+        finally:
+            os.close(fd)
+        self.path, self.size = path, size
+        self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)
+        self.cuda_registered = False
+
+    def close(self) -> None:
+        self.tensor = None
+        with contextlib.suppress(BufferError, ValueError):
+            self.mm.close()
+
+
+class WeightPusher:
+    """Trainer side: hand each new version to the master relay and return at once."""
+
+    def __init__(self, node: Any, master_endpoint: str | None = None):
+        self.node, self.cfg = node, node.cfg
+        self.endpoint = master_endpoint or self.cfg.endpoint("relay", 0)
+        self.client: RpcClient | None = None
+        self._maps: dict[str, _Map] = {}
+        self.last_stall_s = float("nan")
+        self.pushes = 0
+        self.failovers = 0
+        self.mode = ""
+
+    def _new_client(self, endpoint: str) -> RpcClient:
+        n = self.node
+        return RpcClient(n.ctx, endpoint, n.node_id, getattr(n, "role", "trainer"), n.opts)
+
+    async def start(self) -> None:
+        self.client = self._new_client(self.endpoint)
+        try:
+            await self.client.connect(timeout=self.cfg.transport.startup_timeout_s)
+        except TransportError:
+            await self._failover()
+
+    def set_master(self, endpoint: str) -> None:
+        """The manager names a new master; the next push goes there."""
+        if endpoint != self.endpoint:
+            self.endpoint = endpoint
+            old, self.client = self.client, None
+            if old is not None:
+                asyncio.ensure_future(old.close())
+
+    async def _failover(self) -> None:
+        """Find the master: the one the newest live chain view names, else the lowest live relay."""
+        n_relays = self.cfg.cluster.roles.get("relay", 1)
+        timeout = self.cfg.relay.probe_timeout_s
+
+        async def ask(i: int) -> tuple[int, ChainInfo | None]:
+            cli = self._new_client(self.cfg.endpoint("relay", i))
+            try:
+                await cli.connect(timeout=timeout)
+                info = await cli.request(ChainInfoRequest(), timeout=timeout, retries=0)
+                return i, info if isinstance(info, ChainInfo) else None
+            except TransportError:
+                return i, None
+            finally:
+                await cli.close()
+
+        live = {i: info for i, info in await asyncio.gather(*(ask(i) for i in range(n_relays))) if info is not None}
+        if not live:
+            raise WeightsUnavailable(f"no live relay among {n_relays}")
+        newest = max(live.values(), key=lambda info: info.epoch)
+        master = newest.master if newest.master in live else min(live)
+        self.failovers += 1
+        self.node.log.warning("relay_master_failover", old=self.endpoint, master=master)
+        self.set_master(self.cfg.endpoint("relay", master))
+
+    async def _master_alive(self) -> bool:
+        """A busy master is not a dead one: re-handshake on a fresh socket before failing over."""
+        old, self.client = self.client, None
+        if old is not None:
+            await old.close()
+        try:
+            self.client = self._new_client(self.endpoint)
+            await self.client.connect(timeout=max(self.cfg.relay.probe_timeout_s, self.node.opts.dead_after_s))
+            return True
+        except TransportError:
+            await self.client.close()
+            self.client = None
+            return False
+
+    async def _client(self) -> RpcClient:
+        if self.client is None:
+            self.client = self._new_client(self.endpoint)
+            await self.client.connect(timeout=self.cfg.relay.probe_timeout_s * 4)
+        return self.client
+
+    async def push(self, version: int, named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> float:
+        """Hand `version` to the master relay; returns the trainer's stall in seconds."""
+        t0 = time.perf_counter()
+        items = _named_list(named_tensors)
+        layout = layout_of(items)
+        timeout = self.cfg.transport.request_timeout_s
+        last: Exception | None = None
+        for _attempt in range(3):
+            try:
+                cli = await self._client()
+                reply = await cli.request(StageRequest(version=version, layout=layout), timeout=timeout, retries=0)
+                assert isinstance(reply, StageReply)
+                if self._same_host(reply):
+                    self.mode = "shm"
+                    await asyncio.to_thread(self._copy_into, reply, items, layout)
+                else:
+                    self.mode = "stream"
+                    await self._stream(cli, reply, items, layout, version)
+                await cli.request(CommitRequest(version=version, token=reply.token), timeout=timeout, retries=0)
+                self.pushes += 1
+                self.last_stall_s = time.perf_counter() - t0
+                return self.last_stall_s
+            except RemoteError as exc:
+                if exc.code in ("stale_version", "protocol", "out_of_slots"):
+                    raise
+                last = exc
+            except (RequestTimeout, PeerDead) as exc:
+                last = exc
+            self.node.log.warning("push_failed", version=version, endpoint=self.endpoint, error=str(last))
+            if not await self._master_alive():
+                await self._failover()
+        raise WeightsUnavailable(f"push of version {version} failed: {last}")
+
+    def _same_host(self, reply: StageReply) -> bool:
+        if not reply.segment or reply.host != socket.gethostname():
+            return False
+        try:
+            return os.stat(reply.segment).st_ino == reply.inode
+        except OSError:
+            return False
+
+    def _copy_into(self, reply: StageReply, items: list[tuple[str, Any]], layout: WeightLayout) -> None:
+        for path in [p for p in self._maps if not os.path.exists(p)]:  # the relay freed that slot
+            self._maps.pop(path).close()
+        m = self._maps.get(reply.segment)
+        if m is None or m.size != reply.size or m.inode != reply.inode:
+            if m is not None:
+                m.close()
+            m = self._maps[reply.segment] = _Map(reply.segment, reply.size)
+        if any(t.device.type == "cuda" for _, t in items) and not m.cuda_registered:
+            from laminar.transport.weights_gpu import pin_host_tensor
+
+            m.cuda_registered = pin_host_tensor(m.tensor)  # pinned: faster device-to-host copies
+        write_flat(m.tensor, items, layout)
+
+    async def _stream(self, cli: RpcClient, reply: StageReply, items: list[tuple[str, Any]],
+                      layout: WeightLayout, version: int) -> None:  # fmt: skip
+        """Remote trainer: send the flat buffer in chunks, a few requests in flight."""
+        import torch
+
+        cb = reply.chunk_bytes or self.cfg.relay.chunk_bytes
+        flat = torch.empty(layout.total_bytes, dtype=torch.uint8)
+        await asyncio.to_thread(write_flat, flat, items, layout)
+        arr = flat.numpy()
+        pending = list(range(n_chunks(layout.total_bytes, cb)))
+        timeout = self.cfg.transport.request_timeout_s
+
+        async def sender() -> None:
+            while pending:
+                s, e = chunk_range(pending.pop(0), cb, layout.total_bytes)
+                msg = PushChunk(version=version, token=reply.token, offset=s, data=arr[s:e])
+                await cli.request(msg, timeout=timeout, retries=0)
+
+        await asyncio.gather(*(sender() for _ in range(self.cfg.relay.window)))
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.close()
+            self.client = None
+        for m in self._maps.values():
+            m.close()
+        self._maps.clear()
+
+
+class PulledWeights:
+    """One pinned version; `named_tensors()` are zero-copy views valid until `release()`."""
+
+    def __init__(self, puller: WeightPuller | None, reply: PullReply, mm: mmap.mmap):
+        self._puller, self._mm = puller, mm
+        self.version, self.checksum = reply.version, reply.checksum
+        self.layout, self.chunk_bytes, self.segment = reply.layout, reply.chunk_bytes, reply.segment
+        self.nbytes = reply.layout.total_bytes
+        self.released = False
+
+    def buffer(self) -> np.ndarray:
+        """The whole version as a flat uint8 array (zero-copy)."""
+        return np.frombuffer(self._mm, dtype=np.uint8, count=self.nbytes)
+
+    def named_tensors(self) -> Iterator[tuple[str, Any]]:
+        import torch
+
+        lay = self.layout
+        for name, dtype, shape, off in zip(lay.names, lay.dtypes, lay.shapes, lay.offsets, strict=True):
+            tdtype = getattr(torch, dtype)
+            nbytes = tdtype.itemsize
+            for d in shape:
+                nbytes *= d
+            if nbytes == 0:
+                yield name, torch.empty(shape, dtype=tdtype)
+                continue
+            raw = torch.frombuffer(self._mm, dtype=torch.uint8, count=nbytes, offset=off)
+            yield name, raw.view(tdtype).reshape(shape)
+
+    def verify(self) -> bool:
+        """Recompute the checksum from the bytes read (what a reader checks against tearing)."""
+        return checksum_buffer(self.layout, self.chunk_bytes, self.buffer()) == self.checksum
+
+    async def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        if self._puller is not None:
+            await self._puller._release(self)
+
+    async def __aenter__(self) -> PulledWeights:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.release()
+
+
+def _map_private(path: str, size: int) -> mmap.mmap:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0)
+        return mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+
+
+class WeightPuller:
+    """Rollout side: follow WeightsReady of the local relay and pull versions on demand."""
+
+    def __init__(self, node: Any, relay_index: int = 0):
+        self.node, self.cfg, self.relay_index = node, node.cfg, relay_index
+        self.latest_version = -1
+        self.latest_checksum = ""
+        self.latest_layout: WeightLayout | None = None
+        self._cond = asyncio.Condition()
+        self._sub_id = f"{node.node_id}.w{next(_ids)}"
+        self.client: RpcClient | None = None
+        self.sub: Subscriber | None = None
+        self._task: asyncio.Task | None = None
+        self._held: list[PulledWeights] = []
+
+    async def start(self) -> None:
+        n, cfg = self.node, self.cfg
+        self.client = RpcClient(n.ctx, cfg.endpoint("relay", self.relay_index), n.node_id, getattr(n, "role", "rollout"), n.opts)
+        await self.client.connect(timeout=cfg.transport.startup_timeout_s)
+        self.sub = Subscriber(n.ctx, cfg.endpoint("relay_pub", self.relay_index), self._sub_id, ["weights"], n.opts)
+        self.sub.start()
+        self._task = asyncio.create_task(self._listen(), name=f"{n.node_id}:weights-sub")
+        # the relay answers once our subscription is live: nothing announced after this is missed
+        reply = await self.client.request(LatestRequest(subscriber=self._sub_id), timeout=cfg.transport.startup_timeout_s)
+        if isinstance(reply, LatestReply):
+            await self._update(reply.version, reply.checksum, None)
+
+    async def _listen(self) -> None:
+        assert self.sub is not None
+        while True:
+            _topic, msg = await self.sub.recv()
+            if isinstance(msg, WeightsReady):
+                await self._update(msg.version, msg.checksum, msg.layout)
+
+    async def _update(self, version: int, checksum: str, layout: WeightLayout | None) -> None:
+        async with self._cond:
+            if version > self.latest_version:
+                self.latest_version, self.latest_checksum = version, checksum
+                self.latest_layout = layout or self.latest_layout
+                self._cond.notify_all()
+
+    async def wait_version(self, min_version: int, timeout: float) -> int:
+        """Wait until the relay announced a version >= min_version; returns it (TimeoutError otherwise)."""
+        async with self._cond:
+            await asyncio.wait_for(self._cond.wait_for(lambda: self.latest_version >= min_version), timeout)
+            return self.latest_version
+
+    async def pull(self, version: int | None = None) -> PulledWeights:
+        """Pin a version at the relay (newest when None) and map it; release it when done."""
+        assert self.client is not None, "call start() first"
+        try:
+            reply = await self.client.request(PullRequest(version=-1 if version is None else version))
+        except RemoteError as exc:
+            raise WeightsUnavailable(str(exc)) from None
+        if not isinstance(reply, PullReply):
+            raise WeightsUnavailable(f"unexpected reply {type(reply).__name__}")
+        try:
+            validate_layout(reply.layout)
+            if reply.layout.total_bytes > reply.size:
+                raise WeightsUnavailable("segment smaller than its layout")
+            mm = _map_private(reply.segment, reply.size)
+        except Exception:
+            with contextlib.suppress(TransportError):
+                await self.client.request(ReleaseRequest(version=reply.version))
+            raise
+        w = PulledWeights(self, reply, mm)
+        self._held.append(w)
+        await self._update(reply.version, reply.checksum, reply.layout)
+        return w
+
+    async def _release(self, w: PulledWeights) -> None:
+        with contextlib.suppress(ValueError):
+            self._held.remove(w)
+        if self.client is not None:
+            with contextlib.suppress(TransportError):
+                await self.client.request(ReleaseRequest(version=w.version), retries=0)
+
+    async def close(self) -> None:
+        for w in list(self._held):
+            await w.release()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+        if self.sub is not None:
+            self.sub.close()
+        if self.client is not None:
+            await self.client.close()

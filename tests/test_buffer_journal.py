@@ -1,0 +1,134 @@
+"""Buffer journal: round trip, torn tails, corruption, fsync policies, atomic rewrite.
+
+    .venv/bin/python -m pytest tests/test_buffer_journal.py -q
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from laminar.buffer.journal import MAGIC, Journal, JournalError, encode_record
+from laminar.protocol.data import Trajectory
+
+
+def traj(i: int, n_tokens: int = 5) -> Trajectory:
+    return Trajectory(uid=f"g{i}/0", group_id=f"g{i}", prompt_uid="p", sample_index=0,
+                      prompt_ids=np.arange(3, dtype=np.int32), response_ids=np.arange(n_tokens, dtype=np.int32) + i,
+                      logprobs=np.full(n_tokens, -0.5, np.float32), version=i, reward=1.0, row={"answer": "x"})  # fmt: skip
+
+
+def read_all(path, **kw):
+    j = Journal(path, **kw)
+    recs = list(j.replay())
+    return j, recs
+
+
+def test_round_trip_with_arrays(tmp_path):
+    path = tmp_path / "j"
+    j, recs = read_all(path)
+    assert recs == [] and path.read_bytes() == MAGIC
+    for i in range(3):
+        j.append("traj", {"i": i}, [traj(i)])
+    j.append("commit", {"batch_id": "b1", "version": 2})
+    j.close()
+    j2, recs = read_all(path)
+    assert [(k, b) for k, b, _ in recs] == [("traj", {"i": 0}), ("traj", {"i": 1}), ("traj", {"i": 2}),
+                                           ("commit", {"batch_id": "b1", "version": 2})]  # fmt: skip
+    t = recs[2][2][0]
+    assert isinstance(t, Trajectory) and t.uid == "g2/0" and t.row == {"answer": "x"}
+    assert t.response_ids.tolist() == [2, 3, 4, 5, 6] and t.logprobs.dtype == np.float32
+    j2.append("traj", {"i": 3}, [traj(3)])  # appends continue after the last record
+    j2.close()
+    assert len(read_all(path)[1]) == 5
+
+
+@pytest.mark.parametrize("cut", [1, 5, 9, 20])
+def test_torn_tail_is_dropped_and_kept_aside(tmp_path, cut):
+    path = tmp_path / "j"
+    j, _ = read_all(path)
+    for i in range(4):
+        j.append("traj", {}, [traj(i)])
+    j.close()
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.truncate(size - cut)  # the last record was being written when the process died
+    j2, recs = read_all(path)
+    assert [r[2][0].uid for r in recs] == ["g0/0", "g1/0", "g2/0"]
+    assert j2.stats["torn_bytes"] > 0
+    aside = [p for p in os.listdir(tmp_path) if ".corrupt-" in p]
+    assert len(aside) == 1
+    j2.append("traj", {}, [traj(9)])
+    j2.close()
+    assert [r[2][0].uid for r in read_all(path)[1]] == ["g0/0", "g1/0", "g2/0", "g9/0"]
+
+
+def test_bad_checksum_and_garbage_tail(tmp_path):
+    path = tmp_path / "j"
+    j, _ = read_all(path)
+    j.append("a", {})
+    j.append("b", {})
+    j.close()
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF  # flip a bit in the last payload
+    path.write_bytes(bytes(data) + b"\x00garbage")
+    j2, recs = read_all(path)
+    assert [k for k, _, _ in recs] == ["a"]
+    j2.close()
+    path.write_bytes(MAGIC + b"\x05\x00")  # a header cut short
+    assert read_all(path)[1] == []
+    path.write_bytes(MAGIC[:3])  # died while writing the magic of a new file
+    assert read_all(path)[1] == []
+
+
+def test_bad_magic_is_refused(tmp_path):
+    path = tmp_path / "j"
+    path.write_bytes(b"something else entirely")
+    with pytest.raises(JournalError, match="not a laminar journal"):
+        read_all(path)
+
+
+async def test_fsync_always_waits_for_disk(tmp_path):
+    import asyncio
+
+    j, _ = read_all(tmp_path / "j", fsync="always")
+    offs = [j.append("traj", {}, [traj(i)]) for i in range(5)]
+    assert j.synced < offs[-1]
+    await asyncio.gather(*(j.durable(o) for o in offs))  # concurrent acks share fsyncs (group commit)
+    assert j.synced >= offs[-1] and 1 <= j.stats["fsyncs"] <= 5
+    j.close()
+
+
+async def test_fsync_batch_flusher_and_never(tmp_path, wait_until):
+    import asyncio
+
+    j, _ = read_all(tmp_path / "b", fsync="batch", fsync_interval_s=0.01)
+    task = asyncio.ensure_future(j.run_flusher())
+    off = j.append("x", {})
+    await j.durable(off)  # batch: acked once written to the OS, flushed by the background task
+    await wait_until(lambda: j.synced >= off, 5.0, "the batch flusher to fsync")
+    assert j.stats["fsyncs"] >= 1
+    task.cancel()
+    j.close()
+    n, _ = read_all(tmp_path / "n", fsync="never")
+    n.append("x", {})
+    await n.durable(n.written)
+    assert n.stats["fsyncs"] == 0
+    n.close()
+    with pytest.raises(ValueError):
+        Journal(tmp_path / "z", fsync="sometimes")
+
+
+def test_rewrite_replaces_atomically(tmp_path):
+    path = tmp_path / "j"
+    j, _ = read_all(path)
+    for i in range(10):
+        j.append("traj", {}, [traj(i, 100)])
+    big = j.size
+    j.rewrite([encode_record("snapshot", {"v": 1}), encode_record("traj", {}, [traj(7)])])
+    assert j.size < big and not (tmp_path / "j.compact").exists()
+    j.append("after", {})
+    j.close()
+    assert [k for k, _, _ in read_all(path)[1]] == ["snapshot", "traj", "after"]

@@ -1,0 +1,85 @@
+"""Config: every YAML in configs/ loads; wrong input names the field; importing the config stays light.
+
+    .venv/bin/python -m pytest tests/test_config.py -q
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from laminar.config import ConfigError, LaminarConfig, dump_config, load_config, write_resolved
+
+CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.y*ml"))
+
+
+def test_there_are_configs() -> None:
+    assert any(p.name == "skeleton.yaml" for p in CONFIGS)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_every_config_loads_and_survives_a_resolve_roundtrip(path: Path, tmp_path: Path) -> None:
+    cfg = load_config(path)
+    assert isinstance(cfg, LaminarConfig)
+    again = load_config(write_resolved(cfg, tmp_path))  # what `laminar run` hands to every node
+    assert again == cfg
+
+
+def test_overrides_are_parsed_as_yaml() -> None:
+    cfg = load_config(None, ["trainer.lr=3e-6", "cluster.roles={rollout: 3, manager: 1}", "data.epochs=null",
+                             "rollout.sampling.stop=[a, b]", "logging.json_logs=true", "extra.my.knob=5"])  # fmt: skip
+    assert cfg.trainer.lr == 3e-6 and cfg.cluster.roles == {"rollout": 3, "manager": 1}
+    assert cfg.data.epochs is None and cfg.rollout.sampling.stop == ["a", "b"]
+    assert cfg.logging.json_logs is True and cfg.extra == {"my": {"knob": 5}}
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    return p
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "overrides", "names"),
+    [
+        ("bogus: 1\n", [], ["bogus", "unknown field"]),
+        ("transport:\n  heartbeat_intervl_s: 1\n", [], ["transport.heartbeat_intervl_s", "unknown field"]),
+        ("transport:\n  heartbeat_liveness: many\n", [], ["transport.heartbeat_liveness", "'many'"]),
+        ("transport:\n  heartbeat_interval_s: -1\n", [], ["transport.heartbeat_interval_s", "greater than 0"]),
+        ("mode: fastest\n", [], ["mode", "'fastest'"]),
+        ("cluster:\n  roles: {janitor: 1}\n", [], ["cluster.roles", "janitor"]),
+        ("", ["trainer.lrr=1"], ["trainer.lrr", "unknown field"]),
+        ("", ["trainer.lr=fast"], ["trainer.lr", "'fast'"]),
+        ("", ["trainer.lr"], ["trainer.lr", "key=value"]),
+        ("", ["trainer..lr=1"], ["trainer..lr", "empty key part"]),
+        ("name: x\n", ["name.x=1"], ["name.x=1", "'name' is a value, not a section"]),
+        ("", ["name.x=1"], ["name", "valid string"]),
+        ("", ["trainer.lr=[1"], ["trainer.lr", "not valid YAML"]),
+        ("[1, 2]\n", [], ["mapping"]),
+        ("a: [\n", [], ["not valid YAML"]),
+    ],
+)
+def test_config_errors_name_the_field(tmp_path: Path, yaml_text: str, overrides: list[str], names: list[str]) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(_write(tmp_path, yaml_text), overrides)
+    for name in names:
+        assert name in str(info.value), f"{name!r} not in: {info.value}"
+
+
+def test_missing_config_file_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_dump_is_loadable_yaml() -> None:
+    cfg = load_config(None, ["name=x", "trainer.betas=[0.8, 0.9]"])
+    assert "name: x" in dump_config(cfg)
+
+
+def test_import_config_pulls_in_no_torch_zmq_or_transformers() -> None:
+    code = "import sys, laminar.config, laminar.cli; print(sorted(m for m in ('torch', 'zmq', 'transformers') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

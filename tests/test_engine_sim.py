@@ -1,0 +1,167 @@
+"""Sim engine: hundreds of engines in one process, the configured length tail, the latency model.
+
+    .venv/bin/python -m pytest tests/test_engine_sim.py -q
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from laminar.config import LaminarConfig
+from laminar.engines import make_engine
+from laminar.engines.base import GenRequest, SamplingParams
+from laminar.engines.sim import SimEngine, target_length
+
+PROMPT = np.arange(4, 14, dtype=np.int32)
+
+
+async def drain(engine: SimEngine, n: int, timeout: float = 20.0) -> dict[str, tuple[list[int], list[float], str, float]]:
+    """Consume events until n sequences finished -> {seq_id: (ids, logprobs, reason, finish time)}."""
+    out: dict[str, tuple[list[int], list[float], str, float]] = {}
+    ids: dict[str, list[int]] = {}
+    lps: dict[str, list[float]] = {}
+    while len(out) < n:
+        ev = await engine.next_event(timeout)
+        ids.setdefault(ev.seq_id, []).extend(ev.token_ids.tolist())
+        lps.setdefault(ev.seq_id, []).extend(ev.logprobs.tolist())
+        if ev.finished:
+            out[ev.seq_id] = (ids[ev.seq_id], lps[ev.seq_id], ev.finish_reason, time.monotonic())
+    return out
+
+
+async def test_256_engines_in_one_process():
+    step, n_engines = 0.001, 256
+    engines = [SimEngine(step_time_s=step, bound_b=64, length_p50=200, length_p99_over_p50=4, max_running=32,
+                         chunk_tokens=32, seed=i) for i in range(n_engines)]  # fmt: skip
+    params = SamplingParams(max_tokens=1000)
+    for e in engines:
+        await e.start()
+    t0, c0 = time.monotonic(), time.process_time()
+    for i, e in enumerate(engines):  # two GRPO groups of 4 per engine
+        e.submit(GenRequest(f"e{i}a", PROMPT, params, n=4))
+        e.submit(GenRequest(f"e{i}b", PROMPT, params, n=4))
+    results = await asyncio.gather(*(drain(e, 8) for e in engines))
+    wall, cpu = time.monotonic() - t0, time.process_time() - c0
+
+    longest = 0.0
+    for i, res in enumerate(results):
+        targets = {s: min(target_length(i, s, 200, 4), 1000) for s in res}
+        for sid, (ids, lps, reason, _) in res.items():
+            assert len(ids) == targets[sid] and reason == ("stop" if targets[sid] < 1000 else "length")
+            assert min(lps) >= -3 and max(lps) <= 0 and max(ids) < 32000
+        # 8 sequences <= B: every step takes `step`, so the engine is done after its longest sequence
+        expected = max(targets.values()) * step
+        finished = max(r[3] for r in res.values()) - t0
+        assert finished >= expected * 0.999, (i, finished, expected)
+        longest = max(longest, expected)
+    assert wall < longest + 2.0, f"{n_engines} engines took {wall:.2f}s for {longest:.2f}s of emulated decoding"
+    # event-driven: far below the 2 cores a per-token loop would burn
+    assert cpu < 0.6 * wall, f"cpu {cpu:.2f}s over wall {wall:.2f}s"
+
+
+async def test_lengths_follow_configured_long_tail():
+    p50, tail, n_engines, per = 100, 10.0, 32, 320
+    engines = [SimEngine(step_time_s=2e-4, bound_b=per, length_p50=p50, length_p99_over_p50=tail, max_running=per,
+                         chunk_tokens=512, seed=42) for _ in range(n_engines)]  # fmt: skip
+    params = SamplingParams(max_tokens=5000)
+    for i, e in enumerate(engines):
+        await e.start()
+        for g in range(per // 8):
+            e.submit(GenRequest(f"q{i}-{g}", PROMPT, params, n=8))
+    results = await asyncio.gather(*(drain(e, per, timeout=30) for e in engines))
+    lengths = np.array([len(v[0]) for res in results for v in res.values()])
+    assert len(lengths) == n_engines * per
+    p50_obs, p99_obs = np.percentile(lengths, 50), np.percentile(lengths, 99)
+    assert abs(p50_obs / p50 - 1) < 0.10, p50_obs
+    assert abs(p99_obs / (p50 * tail) - 1) < 0.10, p99_obs
+    # and the drawn lengths themselves, on many more ids (tighter)
+    drawn = np.array([target_length(7, f"s{i}", p50, tail) for i in range(50_000)])
+    assert abs(np.percentile(drawn, 50) / p50 - 1) < 0.03
+    assert abs(np.percentile(drawn, 99) / (p50 * tail) - 1) < 0.05
+
+
+async def test_step_time_flat_until_bound_then_linear():
+    async def run(n: int) -> float:
+        e = SimEngine(step_time_s=0.004, bound_b=4, length_p50=10_000, length_p99_over_p50=1.0, max_running=16,
+                      chunk_tokens=1000)  # fmt: skip
+        await e.start()
+        t = time.monotonic()
+        e.submit(GenRequest("x", PROMPT, SamplingParams(max_tokens=25), n=n))
+        res = await drain(e, n)
+        assert all(len(v[0]) == 25 and v[2] == "length" for v in res.values())
+        return time.monotonic() - t
+
+    t2, t4, t8 = await run(2), await run(4), await run(8)
+    assert 0.1 <= t2 < 0.18 and 0.1 <= t4 < 0.18  # 25 steps x 4 ms, flat below B
+    assert 0.2 <= t8 < 0.3  # 8 running = 2 B: each step twice as long
+
+
+async def test_abort_and_resume_keep_target_and_tokens():
+    kw = dict(step_time_s=0.001, length_p50=60, length_p99_over_p50=3, chunk_tokens=8, seed=5)
+    params = SamplingParams(max_tokens=400)
+    ref = SimEngine(**kw)
+    await ref.start()
+    ref.submit(GenRequest("g", PROMPT, params, n=4))
+    full = await drain(ref, 4)
+
+    src, dst = SimEngine(**kw), SimEngine(**kw)
+    await src.start()
+    await dst.start()
+    src.submit(GenRequest("g", PROMPT, params, n=4))
+    streamed: dict[str, list[int]] = {}
+    first = await src.next_event(5)
+    streamed[first.seq_id] = first.token_ids.tolist()
+    parts = await src.abort([f"g/{i}" for i in range(4)])
+    assert src.stats().running == 0
+    reasons = {}
+    while len(reasons) < 4:  # queued chunks, then one abort each (finished ones are not aborted)
+        ev = await src.next_event(5)
+        streamed.setdefault(ev.seq_id, []).extend(ev.token_ids.tolist())
+        if ev.finished:
+            reasons[ev.seq_id] = ev.finish_reason
+    assert {p.seq_id for p in parts} == {s for s, r in reasons.items() if r == "abort"} and parts
+    for p in parts:
+        assert p.output_ids.tolist() == streamed.get(p.seq_id, [])
+        dst.submit(GenRequest.resume(p, params))
+    resumed = await drain(dst, len(parts))
+    for p in parts:
+        assert p.output_ids.tolist() + resumed[p.seq_id][0] == full[p.seq_id][0]
+        np.testing.assert_array_equal(np.concatenate([p.logprobs, resumed[p.seq_id][1]]).astype(np.float32),
+                                      np.array(full[p.seq_id][1], np.float32))  # fmt: skip
+
+
+async def test_stats_capacity_and_weight_load_pause():
+    e = SimEngine(step_time_s=0.002, length_p50=10_000, length_p99_over_p50=1.0, max_running=2,
+                  kv_capacity_tokens=1000, chunk_tokens=10, load_time_s=0.05)  # fmt: skip
+    await e.start()
+    e.submit(GenRequest("w", PROMPT, SamplingParams(max_tokens=40), n=3))
+    first = await e.next_event(5)
+    st = e.stats()
+    assert st.running == 2 and st.waiting == 1 and st.version == 0
+    assert st.kv_use == pytest.approx((2 * len(PROMPT) + st.tokens_generated) / 1000)
+    t = time.monotonic()
+    await e.load_weights([("w", np.zeros(2))], version=3)
+    assert time.monotonic() - t >= 0.05 and e.stats().version == 3
+    res = await drain(e, 3)
+    assert sum(len(v[0]) for v in res.values()) + len(first.token_ids) == 3 * 40
+    assert e.stats().running == 0 and e.stats().kv_use == 0
+
+
+def test_make_engine_from_config():
+    cfg = LaminarConfig()
+    cfg.rollout.engine = "sim"
+    cfg.rollout.sim.step_time_s = 0.0
+    eng = make_engine(cfg)
+    assert isinstance(eng, SimEngine) and eng.chunk_tokens == cfg.rollout.partial_chunk_tokens
+
+
+async def test_zero_step_time_finishes_at_once():
+    e = SimEngine(step_time_s=0.0, length_p50=50, length_p99_over_p50=2)
+    await e.start()
+    e.submit(GenRequest("z", PROMPT, SamplingParams(max_tokens=100), n=8))
+    res = await drain(e, 8, timeout=2)
+    assert all(len(v[0]) == min(target_length(0, s, 50, 2), 100) for s, v in res.items())

@@ -1,0 +1,331 @@
+"""Sockets: bad input never stops a server, liveness bounds, deadlines, PUB/SUB barrier, PUSH/PULL HWM.
+
+    .venv/bin/python -m pytest tests/test_sockets.py -q
+
+Heartbeats run every 50 ms with 4 beats to death (fast_opts), so "dead within the
+bound" means within interval*liveness (0.2 s) plus one check interval plus a slack
+for a loaded 2-core machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import msgpack
+import pytest
+import zmq
+
+import laminar.protocol  # noqa: F401
+from laminar.protocol.core import ErrorReply, Hello, Ping, Pong, Welcome
+from laminar.protocol.manager import StatusRequest
+from laminar.transport.codec import PROTOCOL_VERSION, decode, encode
+from laminar.transport.sockets import (
+    PeerDead,
+    Publisher,
+    PullStream,
+    PushStream,
+    RemoteError,
+    RequestTimeout,
+    RpcClient,
+    RpcServer,
+    Subscriber,
+    TransportError,
+)
+
+SLACK_S = 0.25  # scheduling noise on 2 busy cores
+
+
+def _rid(n: int) -> bytes:
+    return b"Q" + n.to_bytes(8, "little")
+
+
+async def _echo_server(zctx, endpoint, opts, **kw) -> RpcServer:
+    srv = RpcServer(zctx, endpoint, "srv-0", "test", opts, **kw)
+    srv.on(Ping, lambda peer, m: Pong(payload=m.payload))
+    await srv.start()
+    return srv
+
+
+async def _recv_all(sock, timeout: float) -> list[list[bytes]]:
+    out = []
+    while True:
+        try:
+            out.append(await asyncio.wait_for(sock.recv_multipart(), timeout))
+        except TimeoutError:
+            return out
+
+
+# ---- bad input -------------------------------------------------------------------------------
+
+
+def _garbage(rng: random.Random) -> list[list[bytes]]:
+    ping = encode(Ping(payload="x"))
+    fixed = [
+        [b"only-one-frame"],  # too few frames for an envelope
+        [b"", b"\xff"],  # one frame after the rid: not a message
+        [b"Xbadrid", *ping],  # malformed request id
+        [_rid(1), b"\xfe", msgpack.packb({})],  # unknown message type
+        [_rid(2), bytes((Ping.TYPE,)), msgpack.packb({"payload": 5})],  # wrong field type
+        [_rid(3), bytes((Ping.TYPE,)), b"\xc1\xc1"],  # header is not msgpack
+        [_rid(4), *ping, b"extra-frame"],  # unreferenced frame
+        [_rid(5), *ping],  # valid, but before Hello
+        [_rid(6), *encode(Hello(protocol=PROTOCOL_VERSION + 99, node_id="old", role="x"))],  # wrong protocol
+    ]
+    rand = [[rng.randbytes(rng.randint(0, 24)) for _ in range(rng.randint(1, 5))] for _ in range(150)]
+    return fixed * 10 + rand
+
+
+async def test_server_keeps_serving_through_a_flood_of_malformed_frames(zctx, ipc, fast_opts, wait_until):
+    ep = ipc("flood")
+    srv = await _echo_server(zctx, ep, fast_opts())
+    good = RpcClient(zctx, ep, "good-0", "test", fast_opts(request_timeout_s=3.0))
+    await good.connect()
+    bad = zctx.socket(zmq.DEALER)
+    bad.linger = 0
+    bad.connect(ep)
+    garbage = _garbage(random.Random(7))
+
+    async def flood() -> None:
+        for frames in garbage:
+            await bad.send_multipart(frames)
+
+    async def serve_good() -> list[str]:
+        return [(await good.request(Ping(payload=f"p{i}"))).payload for i in range(60)]
+
+    _, payloads = await asyncio.gather(flood(), serve_good())
+    assert payloads == [f"p{i}" for i in range(60)]
+    # every bad message is counted exactly once, as a bad frame or as traffic from an unknown peer
+    await wait_until(lambda: srv.stats.bad_frames + srv.stats.unknown_peer >= len(garbage), 5, "all garbage counted")
+    assert srv.stats.bad_frames + srv.stats.unknown_peer == len(garbage)
+    assert srv.stats.unknown_peer >= 10 and srv.stats.bad_frames >= 80
+    assert all(not t.done() for t in srv.tasks), "a server task died"
+    assert set(srv.peers) == {"good-0"}
+    # replies where a reply is possible: typed errors saying what was wrong
+    codes = {decode(f[1:]).code for f in await _recv_all(bad, 0.3) if len(f) > 2}
+    assert {"protocol", "unknown_peer", "protocol_version"} <= codes
+    assert (await good.request(Ping(payload="after"))).payload == "after"
+    await good.close()
+    bad.close()
+    await srv.close()
+
+
+async def test_registered_peer_sending_garbage_is_counted_and_still_served(zctx, ipc, fast_opts):
+    ep = ipc("peer")
+    srv = await _echo_server(zctx, ep, fast_opts())
+    raw = zctx.socket(zmq.DEALER)
+    raw.linger = 0
+    raw.connect(ep)
+    await raw.send_multipart([_rid(1), *encode(Hello(protocol=PROTOCOL_VERSION, node_id="raw-0", role="test"))])
+    assert isinstance(decode((await asyncio.wait_for(raw.recv_multipart(), 2))[1:]), Welcome)
+    await raw.send_multipart([_rid(2), bytes((Ping.TYPE,)), msgpack.packb({"payload": [1]})])
+    await raw.send_multipart([_rid(3), *encode(StatusRequest())])  # a type this server has no handler for
+    await raw.send_multipart([_rid(4), *encode(Ping(payload="ok"))])
+    replies = {}
+    while len(replies) < 3:
+        frames = await asyncio.wait_for(raw.recv_multipart(), 2)
+        if frames[0][:1] == b"R":
+            replies[frames[0][1:]] = decode(frames[1:])
+    assert isinstance(replies[_rid(2)[1:]], ErrorReply) and replies[_rid(2)[1:]].code == "protocol"
+    assert "payload" in replies[_rid(2)[1:]].message
+    assert replies[_rid(3)[1:]].code == "unhandled"
+    assert replies[_rid(4)[1:]] == Pong(payload="ok")
+    assert srv.stats.bad_frames == 2 and srv.stats.unhandled == 1
+    raw.close()
+    await srv.close()
+
+
+async def test_client_survives_garbage_from_its_server(zctx, ipc, fast_opts, wait_until):
+    ep = ipc("evil")
+    router = zctx.socket(zmq.ROUTER)
+    router.linger = 0
+    router.bind(ep)
+    cli = RpcClient(zctx, ep, "cli-0", "test", fast_opts(heartbeat_interval_s=0.5))
+
+    async def evil_server() -> None:
+        ident, rid, *_ = await router.recv_multipart()
+        await router.send_multipart([ident, b"R" + rid[1:], *encode(Welcome(protocol=PROTOCOL_VERSION, node_id="evil", role="x"))])
+        for frames in ([b"\x00"], [b"", b"\xfe", b""], [b"R" + bytes(8), b"\x09", b"\xc1"], [b"Q" + bytes(8), *encode(Ping())]):
+            await router.send_multipart([ident, *frames])
+
+    await asyncio.gather(cli.connect(timeout=2), evil_server())
+    await wait_until(lambda: cli.stats.bad_frames >= 3 and cli.stats.unhandled >= 1, 2, "client counted the garbage")
+    assert cli.connected and all(not t.done() for t in cli.tasks)
+    await cli.close()
+    router.close()
+
+
+# ---- liveness --------------------------------------------------------------------------------
+
+
+async def test_server_detects_a_dead_client_within_the_bound(zctx, ipc, fast_opts, wait_until):
+    opts = fast_opts()
+    died: dict[str, float] = {}
+    srv = await _echo_server(zctx, ipc("hb"), opts, on_peer_dead=lambda p: died.setdefault(p.node_id, time.monotonic()))
+    cli = RpcClient(zctx, srv.endpoint, "cli-0", "test", opts)
+    await cli.connect()
+    # alive while it beats: 10 heartbeat periods and no death
+    await wait_until(lambda: cli.stats.received >= 10, 3, "10 server heartbeats")
+    assert srv.stats.peers_dead == 0 and srv.peers["cli-0"].alive
+    await cli.close(say_bye=False)  # vanishes without a word
+    last_seen = srv.peers["cli-0"].last_seen
+    await wait_until(lambda: "cli-0" in died, 3, "server noticing the dead client")
+    delay = died["cli-0"] - last_seen
+    assert opts.dead_after_s <= delay <= opts.dead_after_s + opts.heartbeat_interval_s + SLACK_S, delay
+    assert not srv.peers["cli-0"].alive and srv.stats.peers_dead == 1
+    with pytest.raises(PeerDead):
+        await srv.send("cli-0", Ping())
+    await srv.close()
+
+
+async def test_client_detects_dead_server_and_reconnects_on_a_fresh_socket(zctx, ipc, fast_opts, wait_until):
+    opts = fast_opts()
+    ep = ipc("hb2")
+    srv = await _echo_server(zctx, ep, opts)
+    died: list[float] = []
+    cli = RpcClient(zctx, ep, "cli-0", "test", opts, on_server_dead=lambda: died.append(time.monotonic()))
+    await cli.connect()
+    await wait_until(lambda: cli.stats.received >= 3, 2, "server heartbeats")
+    old_sock = cli._sock
+    t_close = time.monotonic()
+    await srv.close()
+    await wait_until(lambda: bool(died), 3, "client noticing the dead server")
+    assert died[0] - t_close <= opts.dead_after_s + opts.heartbeat_interval_s + SLACK_S, died[0] - t_close
+    assert not cli.connected
+    with pytest.raises(RequestTimeout):  # while the server is down: a bounded failure, not a hang
+        await cli.request(Ping(payload="down"), timeout=0.2, retries=0)
+    srv2 = await _echo_server(zctx, ep, opts)
+    await wait_until(lambda: cli.connected, 3, "client reconnecting to the new server")
+    assert cli._sock is not old_sock and cli.stats.reconnects >= 1
+    assert "cli-0" in srv2.peers
+    assert (await cli.request(Ping(payload="back"), timeout=1)).payload == "back"
+    await cli.close()
+    await srv2.close()
+
+
+# ---- deadlines -------------------------------------------------------------------------------
+
+
+async def test_connect_to_nobody_times_out(zctx, ipc, fast_opts):
+    cli = RpcClient(zctx, ipc("nobody"), "cli-0", "test", fast_opts())
+    t0 = time.monotonic()
+    with pytest.raises(RequestTimeout):
+        await cli.connect(timeout=0.3)
+    assert time.monotonic() - t0 <= 0.3 + SLACK_S
+    await cli.close()
+
+
+async def test_request_to_a_server_that_just_died_times_out(zctx, ipc, fast_opts):
+    """The server dies between two requests, before heartbeats could notice: deadline, not hang."""
+    opts = fast_opts(heartbeat_interval_s=5.0)  # liveness would take 20 s: only the deadline can save us
+    srv = await _echo_server(zctx, ipc("gone"), opts)
+    cli = RpcClient(zctx, srv.endpoint, "cli-0", "test", opts)
+    await cli.connect()
+    assert (await cli.request(Ping(payload="1"))).payload == "1"
+    await srv.close()
+    t0 = time.monotonic()
+    with pytest.raises(RequestTimeout):
+        await cli.request(Ping(payload="2"), timeout=0.2, retries=2)
+    assert time.monotonic() - t0 <= 3 * 0.2 + SLACK_S
+    await cli.close()
+
+
+async def test_request_to_a_hung_handler_times_out(zctx, ipc, fast_opts):
+    never = asyncio.Event()
+    srv = RpcServer(zctx, ipc("hung"), "srv-0", "test", fast_opts())
+    calls = []
+
+    async def hang(peer, msg):
+        calls.append(msg)
+        await never.wait()
+
+    srv.on(Ping, hang)
+    await srv.start()
+    cli = RpcClient(zctx, srv.endpoint, "cli-0", "test", fast_opts())
+    await cli.connect()
+    t0 = time.monotonic()
+    with pytest.raises(RequestTimeout):
+        await cli.request(Ping(), timeout=0.15, retries=1)
+    assert 0.3 <= time.monotonic() - t0 <= 0.3 + SLACK_S
+    assert len(calls) == 2 and cli.stats.timeouts == 2
+    # server -> client request to a client that has no handler: an error reply, and to a gone client: PeerDead
+    with pytest.raises(RemoteError, match="unhandled"):
+        await srv.request("cli-0", Ping(), timeout=1)
+    await cli.close(say_bye=False)
+    t0 = time.monotonic()
+    with pytest.raises(TransportError):
+        await srv.request("cli-0", Ping(), timeout=0.2)
+    assert time.monotonic() - t0 <= 0.2 + SLACK_S
+    await srv.close()
+
+
+async def test_handler_error_becomes_a_remote_error(zctx, ipc, fast_opts):
+    srv = RpcServer(zctx, ipc("err"), "srv-0", "test", fast_opts())
+    srv.on(Ping, lambda peer, m: 1 / 0)
+    await srv.start()
+    cli = RpcClient(zctx, srv.endpoint, "cli-0", "test", fast_opts())
+    await cli.connect()
+    with pytest.raises(RemoteError, match="ZeroDivisionError"):
+        await cli.request(Ping())
+    assert srv.stats.handler_errors == 1 and all(not t.done() for t in srv.tasks)
+    await cli.close()
+    await srv.close()
+
+
+# ---- PUB/SUB barrier and PUSH/PULL back-pressure -----------------------------------------------
+
+
+@pytest.mark.parametrize("transport", ["inproc", "ipc", "tcp"])
+async def test_publisher_barrier_means_no_subscriber_misses_the_first_message(zctx, ipc, tcp, fast_opts, transport):
+    for round_ in range(5):  # fresh publisher and subscribers each round: joiner races would show up
+        ep = {"inproc": f"inproc://pub-{round_}", "ipc": ipc(f"pub{round_}"), "tcp": tcp()}[transport]
+        pub = Publisher(zctx, ep, "relay-0", fast_opts())
+        await pub.start()
+        subs = [Subscriber(zctx, ep, f"rollout-{i}", ["weights"], fast_opts()) for i in range(4)]
+        for s in subs:
+            s.start()
+        await pub.wait_for({s.node_id for s in subs}, timeout=5)
+        await pub.publish("weights", Ping(payload=f"v{round_}"))
+        for s in subs:
+            topic, msg = await s.recv(timeout=2)
+            assert (topic, msg) == ("weights", Ping(payload=f"v{round_}"))
+        for s in subs:
+            s.close()
+        await pub.close()
+
+
+async def test_publisher_wait_for_times_out_and_tracks_leavers(zctx, ipc, fast_opts, wait_until):
+    pub = Publisher(zctx, ipc("pub"), "relay-0", fast_opts())
+    await pub.start()
+    with pytest.raises(RequestTimeout, match="rollout-9"):
+        await pub.wait_for({"rollout-9"}, timeout=0.1)
+    sub = Subscriber(zctx, pub.endpoint, "rollout-0", ["t"], fast_opts())
+    sub.start()
+    await pub.wait_for(1, timeout=5)
+    sub.close()
+    await wait_until(lambda: "rollout-0" not in pub.subscribers, 3, "the subscriber leaving")
+    await pub.close()
+
+
+@pytest.mark.parametrize("transport", ["inproc", "ipc"])
+async def test_push_pull_is_bounded_by_the_high_water_mark(zctx, ipc, fast_opts, transport):
+    hwm = 8
+    ep = "inproc://stream" if transport == "inproc" else ipc("stream")
+    pull = PullStream(zctx, ep, bind=True, opts=fast_opts(rcvhwm=hwm))
+    push = PushStream(zctx, ep, bind=False, opts=fast_opts(sndhwm=hwm))
+    big = Pong(payload="x" * (256 << 10))  # big messages, so kernel socket buffers hold only a few
+    sent = 0
+    with pytest.raises(TimeoutError):
+        for _ in range(1000):
+            await push.send(big, timeout=0.2)
+            sent += 1
+    # sender-side queue + receiver-side queue (+ a few in kernel buffers for ipc), never unbounded
+    bound = 2 * hwm if transport == "inproc" else 2 * hwm + 16
+    assert hwm <= sent <= bound, sent
+    for _ in range(sent):  # nothing sent was lost, and draining releases the back-pressure
+        assert await pull.recv(timeout=2) == big
+    await push.send(Pong(payload="after"), timeout=2)
+    assert await pull.recv(timeout=2) == Pong(payload="after")
+    push.close()
+    pull.close()
