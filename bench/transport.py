@@ -70,44 +70,46 @@ def frame_bytes(frames: list[Any]) -> int:
 # ---- receiver process ------------------------------------------------------------------------
 
 
-def _recv_sync(sock: zmq.Socket, mode: str, warm: int, n: int) -> tuple[float, Any]:
+def _recv_sync(sock: zmq.Socket, mode: str, warm: int, n: int) -> tuple[float, float, Any]:
     last = None
     for _ in range(warm):
         last = sock.recv_multipart(copy=False)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     if mode == "codec":
         for _ in range(n):
             last = decode(sock.recv_multipart(copy=False))
     else:
         for _ in range(n):
             last = sock.recv_multipart(copy=False)
-    return time.perf_counter() - t0, last
+    return time.perf_counter() - t0, time.process_time() - c0, last
 
 
-async def _recv_async(ctx: zmq.asyncio.Context, endpoint: str, mode: str, warm: int, n: int, ready) -> tuple[float, Any]:
+async def _recv_async(
+    ctx: zmq.asyncio.Context, endpoint: str, mode: str, warm: int, n: int, ready
+) -> tuple[float, float, Any]:
     if mode == "codec":
         pull = PullStream(ctx, endpoint, bind=True, opts=SocketOptions())
         ready(pull._sock.last_endpoint.decode())
         for _ in range(warm):
             last = await pull.recv()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(n):
             last = await pull.recv()
-        dt = time.perf_counter() - t0
+        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
         pull.close()
-        return dt, last
+        return dt, cpu, last
     sock = ctx.socket(zmq.PULL)
     sock.linger = 0
     sock.bind(endpoint)
     ready(sock.last_endpoint.decode())
     for _ in range(warm):
         last = await sock.recv_multipart(copy=False)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(n):
         last = await sock.recv_multipart(copy=False)
-    dt = time.perf_counter() - t0
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     sock.close()
-    return dt, last
+    return dt, cpu, last
 
 
 def receiver(conn) -> None:
@@ -124,12 +126,18 @@ def receiver(conn) -> None:
             sock.linger = 0
             sock.bind(endpoint)
             conn.send(("ready", sock.last_endpoint.decode()))
-            dt, last = _recv_sync(sock, mode, warm, n)
+            dt, cpu, last = _recv_sync(sock, mode, warm, n)
             sock.close()
         else:
-            dt, last = asyncio.run(_recv_async(actx, endpoint, mode, warm, n, lambda ep: conn.send(("ready", ep))))
-        ok = isinstance(last, Trajectory) and last.response_ids[-1] == last.response_ids[-1] if mode == "codec" else len(last) == 5
-        conn.send(("done", dt, bool(ok)))
+            dt, cpu, last = asyncio.run(
+                _recv_async(actx, endpoint, mode, warm, n, lambda ep: conn.send(("ready", ep)))
+            )
+        ok = (
+            isinstance(last, Trajectory) and last.response_ids[-1] == last.response_ids[-1]
+            if mode == "codec"
+            else len(last) == 5
+        )
+        conn.send(("done", dt, cpu, bool(ok)))
     ctx.destroy(linger=0)
     actx.destroy(linger=0)
 
@@ -137,7 +145,9 @@ def receiver(conn) -> None:
 # ---- sender side ---------------------------------------------------------------------------------
 
 
-def _send_sync(ctx: zmq.Context, endpoint: str, msg: Trajectory, frames: list[Any], mode: str, total: int) -> float:
+def _send_sync(
+    ctx: zmq.Context, endpoint: str, msg: Trajectory, frames: list[Any], mode: str, total: int
+) -> float:
     sock = ctx.socket(zmq.PUSH)
     sock.connect(endpoint)
     t0 = time.perf_counter()
@@ -151,7 +161,14 @@ def _send_sync(ctx: zmq.Context, endpoint: str, msg: Trajectory, frames: list[An
     return dt, sock
 
 
-async def _send_async(ctx: zmq.asyncio.Context, endpoint: str, msg: Trajectory, frames: list[Any], mode: str, total: int):
+async def _send_async(
+    ctx: zmq.asyncio.Context,
+    endpoint: str,
+    msg: Trajectory,
+    frames: list[Any],
+    mode: str,
+    total: int,
+):
     if mode == "codec":
         push = PushStream(ctx, endpoint, bind=False, opts=SocketOptions())
         t0 = time.perf_counter()
@@ -166,23 +183,47 @@ async def _send_async(ctx: zmq.asyncio.Context, endpoint: str, msg: Trajectory, 
     return time.perf_counter() - t0, sock
 
 
-def trial(conn, ctx, actx, api: str, transport: str, mode: str, msg: Trajectory, frames, warm: int, n: int, tmp: str) -> dict:
+def trial(
+    conn,
+    ctx,
+    actx,
+    api: str,
+    transport: str,
+    mode: str,
+    msg: Trajectory,
+    frames,
+    warm: int,
+    n: int,
+    tmp: str,
+) -> dict:
     bind = f"ipc://{tmp}/bench.sock" if transport == "ipc" else "tcp://127.0.0.1:*"
     conn.send(("trial", api, bind, mode, warm, n))
     tag, endpoint = conn.recv()
     assert tag == "ready"
+    c0 = time.process_time()
     if api == "sync":
         send_s, sock = _send_sync(ctx, endpoint, msg, frames, mode, warm + n)
     else:
         send_s, sock = asyncio.run(_send_async(actx, endpoint, msg, frames, mode, warm + n))
-    tag, recv_s, ok = conn.recv()  # the receiver has every message: nothing left to linger on
+    tag, recv_s, recv_cpu, ok = (
+        conn.recv()
+    )  # the receiver has every message: nothing left to linger on
+    send_cpu = (
+        time.process_time() - c0
+    )  # this process's CPU (sender thread + zmq I/O thread) for warm + n
     sock.close(linger=0)
     assert tag == "done" and ok, "receiver got a wrong message"
-    return {"msg_per_s": n / recv_s, "send_s": send_s, "recv_s": recv_s}
+    cpu_us = (send_cpu / (warm + n) + recv_cpu / n) * 1e6
+    return {"msg_per_s": n / recv_s, "send_s": send_s, "recv_s": recv_s, "cpu_us_per_msg": cpu_us}
 
 
 def stats(values: list[float]) -> dict:
-    return {"min": min(values), "median": statistics.median(values), "max": max(values), "values": values}
+    return {
+        "min": min(values),
+        "median": statistics.median(values),
+        "max": max(values),
+        "values": values,
+    }
 
 
 def microbench(msg: Trajectory, seconds: float) -> dict:
@@ -204,7 +245,9 @@ def microbench(msg: Trajectory, seconds: float) -> dict:
 def machine() -> dict:
     def git(*a: str) -> str:
         try:
-            return subprocess.run(["git", *a], capture_output=True, text=True, timeout=10, cwd=Path(__file__).parent).stdout.strip()
+            return subprocess.run(
+                ["git", *a], capture_output=True, text=True, timeout=10, cwd=Path(__file__).parent
+            ).stdout.strip()
         except OSError:
             return ""
 
@@ -213,6 +256,7 @@ def machine() -> dict:
         "pyzmq": zmq.__version__, "libzmq": zmq.zmq_version(), "numpy": np.__version__,
         "msgpack": __import__("msgpack").version, "git_commit": git("rev-parse", "HEAD"),
         "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+        "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
     }  # fmt: skip
 
 
@@ -228,6 +272,7 @@ def main() -> None:
     trial_s = args.trial_s or (0.25 if args.quick else 1.0)
     apis = args.apis.split(",")
     t_start = time.perf_counter()
+    info = machine()  # load average before we add our own
 
     import tempfile
 
@@ -248,16 +293,33 @@ def main() -> None:
             summary[f"decode_us_{size}"] = round(micro["decode_us"]["median"], 2)
             results.append({"name": f"micro_{size}", "bytes_per_msg": nbytes, **micro})
             # calibrate the message count so one trial lasts about trial_s
-            rate = trial(conn, ctx, actx, "sync", "ipc", "raw", msg, frames, 200, 2000, tmp)["msg_per_s"]
+            rate = trial(conn, ctx, actx, "sync", "ipc", "raw", msg, frames, 200, 2000, tmp)[
+                "msg_per_s"
+            ]
             n = max(500, int(rate * trial_s))
             for api in apis:
                 n_api = n if api == "sync" else max(500, n // 3)
                 for transport in ("ipc", "tcp"):
                     runs: dict[str, list[float]] = {"codec": [], "raw": []}
+                    cpus: dict[str, list[float]] = {"codec": [], "raw": []}
                     ratios = []
                     for _ in range(repeats):
                         for mode in ("codec", "raw"):  # alternate: both see the same machine state
-                            runs[mode].append(trial(conn, ctx, actx, api, transport, mode, msg, frames, n_api // 10, n_api, tmp)["msg_per_s"])
+                            r = trial(
+                                conn,
+                                ctx,
+                                actx,
+                                api,
+                                transport,
+                                mode,
+                                msg,
+                                frames,
+                                n_api // 10,
+                                n_api,
+                                tmp,
+                            )
+                            runs[mode].append(r["msg_per_s"])
+                            cpus[mode].append(r["cpu_us_per_msg"])
                         ratios.append(runs["codec"][-1] / runs["raw"][-1])
                     key = f"{size}_{transport}" + ("" if api == "sync" else "_asyncio")
                     for mode in ("codec", "raw"):
@@ -265,10 +327,22 @@ def main() -> None:
                             "name": f"{mode}_{key}", "api": api, "transport": transport, "size": size, "mode": mode,
                             "messages": n_api, "bytes_per_msg": nbytes, "msg_per_s": stats(runs[mode]),
                             "gb_per_s": stats([r * nbytes / 1e9 for r in runs[mode]]),
+                            "cpu_us_per_msg": stats(cpus[mode]),
                         })  # fmt: skip
+                        summary[f"{mode}_cpu_us_per_msg_{key}"] = round(
+                            statistics.median(cpus[mode]), 1
+                        )
                         summary[f"{mode}_msg_per_s_{key}"] = round(statistics.median(runs[mode]))
-                        summary[f"{mode}_gb_per_s_{key}"] = round(statistics.median(runs[mode]) * nbytes / 1e9, 3)
-                    summary[f"codec_vs_raw_msg_rate_{key}"] = round(statistics.median(runs["codec"]) / statistics.median(runs["raw"]), 3)
+                        summary[f"{mode}_gb_per_s_{key}"] = round(
+                            statistics.median(runs[mode]) * nbytes / 1e9, 3
+                        )
+                    summary[f"codec_vs_raw_msg_rate_{key}"] = round(
+                        statistics.median(runs["codec"]) / statistics.median(runs["raw"]), 3
+                    )
+                    # load-robust companion: messages per CPU-second (both processes, all threads), codec / raw
+                    summary[f"codec_vs_raw_cpu_rate_{key}"] = round(
+                        statistics.median(cpus["raw"]) / statistics.median(cpus["codec"]), 3
+                    )
                     results.append({"name": f"ratio_{key}", "codec_vs_raw_msg_rate": stats(ratios)})
     finally:
         conn.send(("stop",))
@@ -279,7 +353,8 @@ def main() -> None:
         "benchmark": "transport",
         "config": {"quick": args.quick, "repeats": repeats, "trial_s": trial_s, "apis": apis, "sizes": SIZES,
                    "prompt_tokens": PROMPT_TOKENS, "socket": "PUSH/PULL, default HWM, copy=False both ways"},
-        "machine": machine(),
+        "machine": info,
+        "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
         "wall_s": round(time.perf_counter() - t_start, 1),
         "summary": summary,
         "results": results,
@@ -292,16 +367,20 @@ def main() -> None:
 
 
 def print_table(summary: dict, apis: list[str]) -> None:
-    print(f"{'case':<22}{'codec msg/s':>13}{'raw msg/s':>13}{'codec GB/s':>12}{'raw GB/s':>10}{'codec/raw':>11}")
+    print(f"{'case':<22}{'codec msg/s':>13}{'raw msg/s':>13}{'codec GB/s':>12}{'raw GB/s':>10}{'codec/raw':>11}"
+          f"{'cpu us/msg codec':>18}{'raw':>7}{'cpu ratio':>11}")  # fmt: skip
     for api in apis:
         for size in SIZES:
             for transport in ("ipc", "tcp"):
                 key = f"{size}_{transport}" + ("" if api == "sync" else "_asyncio")
                 print(f"{key:<22}{summary[f'codec_msg_per_s_{key}']:>13,}{summary[f'raw_msg_per_s_{key}']:>13,}"
                       f"{summary[f'codec_gb_per_s_{key}']:>12.3f}{summary[f'raw_gb_per_s_{key}']:>10.3f}"
-                      f"{summary[f'codec_vs_raw_msg_rate_{key}']:>11.3f}")  # fmt: skip
+                      f"{summary[f'codec_vs_raw_msg_rate_{key}']:>11.3f}{summary[f'codec_cpu_us_per_msg_{key}']:>18.1f}"
+                      f"{summary[f'raw_cpu_us_per_msg_{key}']:>7.1f}{summary[f'codec_vs_raw_cpu_rate_{key}']:>11.3f}")  # fmt: skip
     for size in SIZES:
-        print(f"in-process {size}: encode {summary[f'encode_us_{size}']} us, decode {summary[f'decode_us_{size}']} us")
+        print(
+            f"in-process {size}: encode {summary[f'encode_us_{size}']} us, decode {summary[f'decode_us_{size}']} us"
+        )
 
 
 if __name__ == "__main__":

@@ -356,7 +356,7 @@ class BufferConfig(Section):
     """Journal to run_dir/buffer-<i>.journal and rebuild from it on restart (false: memory only)."""
     fsync_interval_s: float = Field(0.05, gt=0)
     """fsync=batch: flush the journal to disk this often."""
-    compact_bytes: int = Field(1 << 30, ge=1 << 16)
+    compact_bytes: int = Field(256 << 20, ge=1 << 16)
     """Rewrite the journal as a snapshot of the live state once it grows past this size."""
     retry_after_s: float = Field(0.25, gt=0)
     """PromptReply.retry_after_s when no prompt can be served now."""

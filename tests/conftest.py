@@ -88,7 +88,9 @@ def _fast_opts(**kw):
     return SocketOptions(**base)
 
 
-async def _wait_until(cond: Callable[[], bool], timeout: float, what: str, every: float = 0.005) -> float:
+async def _wait_until(
+    cond: Callable[[], bool], timeout: float, what: str, every: float = 0.005
+) -> float:
     """Poll `cond` until true; return the time it took, or fail naming `what` after `timeout`."""
     t0 = time.monotonic()
     while not cond():

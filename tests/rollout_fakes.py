@@ -5,6 +5,9 @@ token i of trajectory uid is crc32(f"{uid}:{i}") % vocab, length crc32(uid) % sp
 + base. So a trajectory exported, then resumed elsewhere, must come out identical
 to one that ran uninterrupted: the tests compare them token for token.
 
+`harness(cfg, items)` runs a real ManagerNode and a FakeBuffer over inproc and adds
+RolloutNodes on demand (`await h.add_rollout(engine)`).
+
 FakeBuffer speaks the buffer protocol (laminar/protocol/buffer.py) on an RpcServer:
 serves PromptItems from a list, keeps the partial pool (header restarts a record),
 stores Trajectories deduplicated by uid (acking duplicates) and counts every
@@ -16,19 +19,26 @@ the same run dir.
 from __future__ import annotations
 
 import asyncio
+import itertools
+import os
 import zlib
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from laminar.config import config_from_dict
 from laminar.engines.base import Engine, EngineStats, GenRequest, PartialState, TokenEvent
+from laminar.nodes.manager import ManagerNode
+from laminar.nodes.rollout import RolloutNode
 from laminar.protocol.buffer import PromptReply, PromptRequest, TrajectoryAbandoned
 from laminar.protocol.core import Ack
 from laminar.protocol.data import PartialChunk, PromptItem, Trajectory
-from laminar.transport.sockets import RpcServer
+from laminar.transport.sockets import RpcServer, SocketOptions, new_context
 
 
 def fake_token(uid: str, i: int, vocab: int = 50) -> int:
@@ -49,6 +59,7 @@ class FakeEngine(Engine):
         """True: sequences never finish (export tests)."""
         self.running: dict[str, dict[str, Any]] = {}
         self.loads: list[int] = []
+        self.last_weights: dict[str, np.ndarray] = {}
         self.submitted: list[GenRequest] = []
         self.tokens_generated = 0
         self.peak_groups = 0
@@ -63,7 +74,9 @@ class FakeEngine(Engine):
             await asyncio.gather(self._task, return_exceptions=True)
 
     def submit(self, req: GenRequest) -> None:
-        assert req.version == self.version, f"request at v{req.version} on an engine at v{self.version}"
+        assert req.version == self.version, (
+            f"request at v{req.version} on an engine at v{self.version}"
+        )
         self.submitted.append(req)
         for sid in req.seq_ids():
             target = min(fake_length(sid, self.base, self.span), req.params.max_tokens)
@@ -73,7 +86,9 @@ class FakeEngine(Engine):
     async def _loop(self) -> None:
         while True:
             await asyncio.sleep(self.step_s)  # the emulated decode step
-            self.peak_groups = max(self.peak_groups, len({sid.rsplit("/", 1)[0] for sid in self.running}))
+            self.peak_groups = max(
+                self.peak_groups, len({sid.rsplit("/", 1)[0] for sid in self.running})
+            )
             for sid, s in list(self.running.items()):
                 i = len(s["ids"])
                 if self.hold and i >= s["target"] - 1:
@@ -96,17 +111,27 @@ class FakeEngine(Engine):
                 continue
             out.append(PartialState(sid, s["prompt"], np.asarray(s["ids"], np.int32),
                                     np.asarray(s["lps"], np.float32), s["version"]))  # fmt: skip
-            self._emit(TokenEvent(sid, np.zeros(0, np.int32), np.zeros(0, np.float32), "abort", s["version"]))
+            self._emit(
+                TokenEvent(
+                    sid, np.zeros(0, np.int32), np.zeros(0, np.float32), "abort", s["version"]
+                )
+            )
         return out
 
     async def load_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
         assert not self.running, "weights loaded while sequences were in flight"
-        list(named_tensors)
+        self.last_weights = {name: np.array(t, copy=True) for name, t in named_tensors}
         self.version = version
         self.loads.append(version)
 
     def stats(self) -> EngineStats:
-        return EngineStats(min(1.0, len(self.running) / 64), len(self.running), 0, self.version, self.tokens_generated)
+        return EngineStats(
+            min(1.0, len(self.running) / 64),
+            len(self.running),
+            0,
+            self.version,
+            self.tokens_generated,
+        )
 
 
 def expected_response(uid: str, base: int = 8, span: int = 40) -> list[int]:
@@ -127,6 +152,9 @@ class FakeBufferState:
     partials: dict[str, dict[str, Any]] = field(default_factory=dict)
     abandoned: dict[str, TrajectoryAbandoned] = field(default_factory=dict)
     requests: list[PromptRequest] = field(default_factory=list)
+    last_reply: dict[str, tuple[str, list[PromptItem]]] = field(default_factory=dict)
+    stall_next_reply_s: float = 0.0
+    """Serve the next request, then answer only after this long (the rollout times out and retries)."""
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -149,20 +177,39 @@ class FakeBuffer:
             await self.srv.close()
             self.srv = None
 
-    def _prompts(self, peer: Any, msg: PromptRequest) -> PromptReply:
+    async def _prompts(self, peer: Any, msg: PromptRequest) -> PromptReply:
         st = self.state
         st.requests.append(msg)
+        last = st.last_reply.get(msg.rollout_id)
+        if (
+            msg.request_id and last is not None and last[0] == msg.request_id
+        ):  # a retry: same groups
+            return PromptReply(items=last[1])
         if msg.version < st.min_version:
-            return PromptReply(retry_after_s=0.05, reason="need_version", min_version=st.min_version)
+            return PromptReply(
+                retry_after_s=0.05, reason="need_version", min_version=st.min_version
+            )
         items, st.prompts = st.prompts[: msg.max_groups], st.prompts[msg.max_groups :]
-        return PromptReply(items=items, retry_after_s=0.0 if items else 0.05, reason="" if items else "empty")
+        st.last_reply[msg.rollout_id] = (msg.request_id, items)
+        if items and st.stall_next_reply_s:
+            stall, st.stall_next_reply_s = st.stall_next_reply_s, 0.0
+            await asyncio.sleep(stall)  # the reply the rollout gives up on
+        return PromptReply(
+            items=items, retry_after_s=0.0 if items else 0.05, reason="" if items else "empty"
+        )
 
     def _chunk(self, peer: Any, msg: PartialChunk) -> None:
         rec = self.state.partials.get(msg.uid)
         if msg.header is not None:
-            rec = self.state.partials[msg.uid] = {"header": msg.header, "ids": [], "owner": msg.rollout_id}
+            rec = self.state.partials[msg.uid] = {
+                "header": msg.header,
+                "ids": [],
+                "owner": msg.rollout_id,
+            }
         if rec is None or msg.offset != len(rec["ids"]):
-            rec = self.state.partials.setdefault(msg.uid, {"header": None, "ids": [], "owner": msg.rollout_id})
+            rec = self.state.partials.setdefault(
+                msg.uid, {"header": None, "ids": [], "owner": msg.rollout_id}
+            )
             rec["gap"] = True
             return
         rec["ids"].extend(int(t) for t in msg.token_ids)
@@ -179,3 +226,124 @@ class FakeBuffer:
         self.state.abandoned[msg.uid] = msg
         self.state.changed.set()
         return Ack()
+
+
+# ---- harness: manager + fake buffer + rollouts over inproc -------------------------------
+
+_names = itertools.count()
+
+
+def make_cfg(run_dir: Path, **over: Any):
+    data: dict[str, Any] = {
+        "name": f"rt{os.getpid()}x{next(_names)}",
+        "run_dir": str(run_dir),
+        "cluster": {"transport": "inproc"},
+        "transport": {"heartbeat_interval_s": 0.05, "heartbeat_liveness": 4, "handshake_timeout_s": 1.0,
+                      "request_timeout_s": 0.5, "startup_timeout_s": 5.0, "stop_timeout_s": 5.0,
+                      "reconnect_backoff_s": 0.02, "reconnect_backoff_max_s": 0.1},
+        "rollout": {"engine": "sim", "credits": 2, "partial_chunk_tokens": 8, "weights": "dir",
+                    "prompt_retry_s": 0.05},
+    }  # fmt: skip
+    for key, value in over.items():
+        section, _, field = key.partition("__")
+        if field:
+            data.setdefault(section, {})[field] = value
+        else:
+            data[section] = value
+    return config_from_dict(data)
+
+
+class Harness:
+    def __init__(self, cfg: Any, items: list):
+        self.cfg = cfg
+        self.ctx = new_context()
+        self.state = FakeBufferState(prompts=list(items))
+        opts = SocketOptions.from_config(cfg)
+        self.buffer = FakeBuffer(self.ctx, cfg.endpoint("buffer"), self.state, opts)
+        self.manager = ManagerNode(cfg, ctx=self.ctx)
+        self.rollouts: list[RolloutNode] = []
+        self.tasks: list[asyncio.Task] = []
+        self.nodes: list[Any] = []
+
+    async def start_node(self, node: Any) -> Any:
+        task = asyncio.create_task(node.run())
+        self.tasks.append(task)
+        self.nodes.append(node)
+        if isinstance(node, RolloutNode) and node not in self.rollouts:
+            self.rollouts.append(node)
+        ready = asyncio.create_task(node.ready.wait())
+        await asyncio.wait({ready, task}, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            task.result()
+        assert node.ready.is_set(), f"{node.node_id} not ready"
+        return node
+
+    async def add_rollout(
+        self, engine: FakeEngine | None = None, index: int | None = None
+    ) -> RolloutNode:
+        idx = len(self.rollouts) if index is None else index
+        node = RolloutNode(self.cfg, index=idx, ctx=self.ctx, engine=engine or FakeEngine())
+        return await self.start_node(node)
+
+    async def wait_stored(self, uids: set[str], timeout: float) -> None:
+        async def done() -> None:
+            while not uids <= set(self.state.stored):
+                self.state.changed.clear()
+                await self.state.changed.wait()
+
+        try:
+            await asyncio.wait_for(done(), timeout)
+        except TimeoutError:
+            missing = sorted(uids - set(self.state.stored))
+            raise AssertionError(
+                f"{len(missing)} trajectories never arrived, e.g. {missing[:5]}"
+            ) from None
+        self.check()
+
+    def check(self) -> None:
+        for t in self.tasks:
+            if t.done() and not t.cancelled() and t.exception() is not None:
+                raise t.exception()
+
+    async def close(self) -> None:
+        for node in reversed(self.nodes):
+            node.request_stop("test over")
+        results = await asyncio.wait_for(asyncio.gather(*self.tasks, return_exceptions=True), 20)
+        await self.buffer.stop()
+        self.ctx.destroy(linger=0)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+
+
+@asynccontextmanager
+async def harness(cfg: Any, items: list) -> AsyncIterator[Harness]:
+    h = Harness(cfg, items)
+    await h.buffer.start()
+    await h.start_node(h.manager)
+    try:
+        yield h
+    finally:
+        await h.close()
+
+
+def uids_of(items: list) -> set[str]:
+    return {f"{it.group_id}/{i}" for it in items for i in range(it.n)}
+
+
+def write_weights(run_dir: Path, version: int) -> None:
+    from safetensors.numpy import save_file
+
+    d = run_dir / "weights"
+    d.mkdir(parents=True, exist_ok=True)
+    tmp = d / f".v{version}.tmp"
+    save_file({"w": np.full((4,), float(version), np.float32)}, str(tmp))
+    os.replace(tmp, d / f"v{version}.safetensors")  # the trainer's atomic handoff
+
+
+async def wait_for(cond: Any, timeout: float, what: str) -> None:
+    end = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        if asyncio.get_running_loop().time() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)  # poll of a condition with no event of its own, under a deadline

@@ -27,8 +27,12 @@ def test_hall_room():
     assert hall_room(1, B, 0, 0, {}) == 4
     assert hall_room(1, B, 0, 0, {0: 3}) == 1
     assert hall_room(1, B, 0, 1, {0: 3}) == 3  # version 1 may use batch 2 as well
-    assert hall_room(1, B, 0, 0, {0: 1, 1: 5}) == 0  # adding old groups would starve version 1's slots
-    assert hall_room(1, B, 2, 0, {}) == 0  # 0 + 1 < 2: a version-0 group could only be consumed too late
+    assert (
+        hall_room(1, B, 0, 0, {0: 1, 1: 5}) == 0
+    )  # adding old groups would starve version 1's slots
+    assert (
+        hall_room(1, B, 2, 0, {}) == 0
+    )  # 0 + 1 < 2: a version-0 group could only be consumed too late
     assert hall_room(0, B, 3, 3, {3: 1}) == 1
 
 
@@ -36,7 +40,9 @@ def test_sync_serves_one_batch_per_version():
     a = adm("sync")
     d = admit(a, rollout_version=0, requested=5, trainer_version=0, next_version=0, unconsumed={})
     assert (d.groups, d.min_version) == (B, 0)
-    d = admit(a, rollout_version=0, requested=5, trainer_version=0, next_version=0, unconsumed={0: B})
+    d = admit(
+        a, rollout_version=0, requested=5, trainer_version=0, next_version=0, unconsumed={0: B}
+    )
     assert (d.groups, d.reason) == (0, "staleness")
     # batch 0 served (next version 1), not yet committed: everyone must wait for version 1
     d = admit(a, rollout_version=0, requested=5, trainer_version=0, next_version=1, unconsumed={})
@@ -48,24 +54,51 @@ def test_sync_serves_one_batch_per_version():
 def test_one_step_and_stream_run_one_batch_ahead():
     for mode in ("one_step", "stream"):
         a = adm(mode)
-        assert admit(a, rollout_version=0, requested=9, trainer_version=0, next_version=0, unconsumed={}).groups == 2 * B
-        d = admit(a, rollout_version=0, requested=9, trainer_version=1, next_version=1, unconsumed={0: B})
+        assert (
+            admit(
+                a, rollout_version=0, requested=9, trainer_version=0, next_version=0, unconsumed={}
+            ).groups
+            == 2 * B
+        )
+        d = admit(
+            a, rollout_version=0, requested=9, trainer_version=1, next_version=1, unconsumed={0: B}
+        )
         assert (d.reason, d.min_version) == ("need_version", 1)  # global update: behind the trainer
-        assert admit(a, rollout_version=1, requested=9, trainer_version=1, next_version=1, unconsumed={0: B}).groups == B
-    assert adm("stream", 3).bound == 3 and adm("one_step", 3).bound == 1 and adm("sync", 5).bound == 0
+        assert (
+            admit(
+                a,
+                rollout_version=1,
+                requested=9,
+                trainer_version=1,
+                next_version=1,
+                unconsumed={0: B},
+            ).groups
+            == B
+        )
+    assert (
+        adm("stream", 3).bound == 3 and adm("one_step", 3).bound == 1 and adm("sync", 5).bound == 0
+    )
 
 
 def test_laminar_unbounded_and_bounded():
     a = adm("laminar")
-    d = admit(a, rollout_version=0, requested=7, trainer_version=50, next_version=50, unconsumed={0: 100})
+    d = admit(
+        a, rollout_version=0, requested=7, trainer_version=50, next_version=50, unconsumed={0: 100}
+    )
     assert (d.groups, d.min_version) == (7, -1)  # no bound, no global update
     a = adm("laminar", 1)
     d = admit(a, rollout_version=3, requested=7, trainer_version=5, next_version=5, unconsumed={})
     assert (d.groups, d.reason, d.min_version) == (0, "need_version", 4)
     d = admit(a, rollout_version=4, requested=7, trainer_version=5, next_version=5, unconsumed={})
     assert (d.groups, d.min_version) == (B, -1)
-    d = admit(a, rollout_version=4, requested=7, trainer_version=5, next_version=5, unconsumed={4: B})
-    assert (d.groups, d.reason, d.min_version) == (0, "need_version", 5)  # the newest version still has room
+    d = admit(
+        a, rollout_version=4, requested=7, trainer_version=5, next_version=5, unconsumed={4: B}
+    )
+    assert (d.groups, d.reason, d.min_version) == (
+        0,
+        "need_version",
+        5,
+    )  # the newest version still has room
 
 
 def g(key, version, ready=True, serial=0):
@@ -75,17 +108,29 @@ def g(key, version, ready=True, serial=0):
 def test_plan_unbounded_fifo_and_final():
     a = adm("laminar")
     groups = [g("a", 0), g("b", 0, ready=False), g("c", 0)]
-    assert plan_batch(a, want=2, batch_version=0, groups=groups, preference=["c", "a"]).take == ["c", "a"]
-    assert plan_batch(a, want=3, batch_version=0, groups=groups, preference=["a", "c"]).wait == "not_enough"
+    assert plan_batch(a, want=2, batch_version=0, groups=groups, preference=["c", "a"]).take == [
+        "c",
+        "a",
+    ]
+    assert (
+        plan_batch(a, want=3, batch_version=0, groups=groups, preference=["a", "c"]).wait
+        == "not_enough"
+    )
     done = [g("a", 0), g("c", 0)]
-    assert plan_batch(a, want=3, batch_version=0, groups=done, preference=["a", "c"], final=True).take == ["a", "c"]
+    assert plan_batch(
+        a, want=3, batch_version=0, groups=done, preference=["a", "c"], final=True
+    ).take == ["a", "c"]
 
 
 def test_plan_bounded_takes_old_groups_first_and_waits_for_them():
     a = adm("laminar", 1)
     # batch version 5: version-4 groups are due now, version-5 groups by batch 6
     groups = [g("new1", 5), g("new2", 5), g("old", 4)]
-    assert set(plan_batch(a, want=2, batch_version=5, groups=groups, preference=["new1", "new2", "old"]).take) == {"old", "new1"}
+    assert set(
+        plan_batch(
+            a, want=2, batch_version=5, groups=groups, preference=["new1", "new2", "old"]
+        ).take
+    ) == {"old", "new1"}
     groups = [g("new1", 5), g("new2", 5), g("old", 4, ready=False)]
     plan = plan_batch(a, want=2, batch_version=5, groups=groups, preference=["new1", "new2"])
     assert plan.take == [] and plan.wait == "staleness"  # the trainer waits for the long tail
@@ -97,9 +142,14 @@ def test_plan_bounded_takes_old_groups_first_and_waits_for_them():
 def test_plan_whole_batch_follows_serve_order():
     a = adm("one_step")
     groups = [g("s2", 0, serial=2), g("s0", 0, serial=0), g("s1", 0, ready=False, serial=1)]
-    assert plan_batch(a, want=2, batch_version=0, groups=groups, preference=["s2", "s0"]).wait == "whole_batch"
+    assert (
+        plan_batch(a, want=2, batch_version=0, groups=groups, preference=["s2", "s0"]).wait
+        == "whole_batch"
+    )
     groups[2] = g("s1", 0, serial=1)
-    assert plan_batch(a, want=2, batch_version=0, groups=groups, preference=["s2", "s0", "s1"]).take == ["s0", "s1"]
+    assert plan_batch(
+        a, want=2, batch_version=0, groups=groups, preference=["s2", "s0", "s1"]
+    ).take == ["s0", "s1"]
 
 
 # ---- randomized: admission + planning + the state machine, no network -------------------------
@@ -111,7 +161,9 @@ def _traj(gid: str, i: int, version: int, reward: float | None) -> Trajectory:
                       response_ids=z, logprobs=np.zeros(1, np.float32), version=version, reward=reward)  # fmt: skip
 
 
-def simulate(mode: str, bound: int | None, seed: int, steps: int = 25, n: int = 2, rollouts: int = 4) -> dict:
+def simulate(
+    mode: str, bound: int | None, seed: int, steps: int = 25, n: int = 2, rollouts: int = 4
+) -> dict:
     """Rollouts that lag and refresh at random, long-tailed completion, a trainer that commits at once."""
     a = Admission.for_mode(mode, B, bound)
     st = ExperienceState(group_size=n, lost_member_policy="release_partial", admission=a)
@@ -136,7 +188,11 @@ def simulate(mode: str, bound: int | None, seed: int, steps: int = 25, n: int = 
                 gid = f"g{serial}"
                 serial += 1
                 item = PromptItem(uid=gid, group_id=gid, prompt_ids=np.zeros(1, np.int32), n=n)
-                st.apply("served", {"groups": [{"group_id": gid, "n": n, "version": versions[r], "item": 0}]}, [item])
+                st.apply(
+                    "served",
+                    {"groups": [{"group_id": gid, "n": n, "version": versions[r], "item": 0}]},
+                    [item],
+                )
                 inflight += [(gid, i, versions[r]) for i in range(n)]
         elif x < 0.8 and inflight:
             gid, i, v = inflight.pop(rng.randrange(len(inflight)))  # any sample may be the slow one
@@ -169,4 +225,6 @@ def test_randomized_staleness_never_exceeds_the_bound(mode, bound, expect):
 
 def test_randomized_unbounded_laminar_gets_stale():
     worst = max(simulate("laminar", None, seed)["max"] for seed in range(4))
-    assert worst >= 2  # without a bound the long tail does get consumed late (what the bound prevents)
+    assert (
+        worst >= 2
+    )  # without a bound the long tail does get consumed late (what the bound prevents)

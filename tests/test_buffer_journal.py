@@ -1,6 +1,6 @@
 """Buffer journal: round trip, torn tails, corruption, fsync policies, atomic rewrite.
 
-    .venv/bin/python -m pytest tests/test_buffer_journal.py -q
+.venv/bin/python -m pytest tests/test_buffer_journal.py -q
 """
 
 from __future__ import annotations
@@ -26,6 +26,13 @@ def read_all(path, **kw):
     return j, recs
 
 
+def records(path):
+    """Replay and close (the journal is locked while open)."""
+    j, recs = read_all(path)
+    j.close()
+    return recs
+
+
 def test_round_trip_with_arrays(tmp_path):
     path = tmp_path / "j"
     j, recs = read_all(path)
@@ -42,7 +49,7 @@ def test_round_trip_with_arrays(tmp_path):
     assert t.response_ids.tolist() == [2, 3, 4, 5, 6] and t.logprobs.dtype == np.float32
     j2.append("traj", {"i": 3}, [traj(3)])  # appends continue after the last record
     j2.close()
-    assert len(read_all(path)[1]) == 5
+    assert len(records(path)) == 5
 
 
 @pytest.mark.parametrize("cut", [1, 5, 9, 20])
@@ -62,7 +69,7 @@ def test_torn_tail_is_dropped_and_kept_aside(tmp_path, cut):
     assert len(aside) == 1
     j2.append("traj", {}, [traj(9)])
     j2.close()
-    assert [r[2][0].uid for r in read_all(path)[1]] == ["g0/0", "g1/0", "g2/0", "g9/0"]
+    assert [r[2][0].uid for r in records(path)] == ["g0/0", "g1/0", "g2/0", "g9/0"]
 
 
 def test_bad_checksum_and_garbage_tail(tmp_path):
@@ -78,9 +85,9 @@ def test_bad_checksum_and_garbage_tail(tmp_path):
     assert [k for k, _, _ in recs] == ["a"]
     j2.close()
     path.write_bytes(MAGIC + b"\x05\x00")  # a header cut short
-    assert read_all(path)[1] == []
+    assert records(path) == []
     path.write_bytes(MAGIC[:3])  # died while writing the magic of a new file
-    assert read_all(path)[1] == []
+    assert records(path) == []
 
 
 def test_bad_magic_is_refused(tmp_path):
@@ -96,7 +103,9 @@ async def test_fsync_always_waits_for_disk(tmp_path):
     j, _ = read_all(tmp_path / "j", fsync="always")
     offs = [j.append("traj", {}, [traj(i)]) for i in range(5)]
     assert j.synced < offs[-1]
-    await asyncio.gather(*(j.durable(o) for o in offs))  # concurrent acks share fsyncs (group commit)
+    await asyncio.gather(
+        *(j.durable(o) for o in offs)
+    )  # concurrent acks share fsyncs (group commit)
     assert j.synced >= offs[-1] and 1 <= j.stats["fsyncs"] <= 5
     j.close()
 
@@ -131,4 +140,12 @@ def test_rewrite_replaces_atomically(tmp_path):
     assert j.size < big and not (tmp_path / "j.compact").exists()
     j.append("after", {})
     j.close()
-    assert [k for k, _, _ in read_all(path)[1]] == ["snapshot", "traj", "after"]
+    assert [k for k, _, _ in records(path)] == ["snapshot", "traj", "after"]
+
+
+def test_second_writer_is_refused(tmp_path):
+    j, _ = read_all(tmp_path / "j")
+    with pytest.raises(JournalError, match="in use by another buffer"):
+        read_all(tmp_path / "j")
+    j.close()
+    read_all(tmp_path / "j")[0].close()  # free again once the first one closed

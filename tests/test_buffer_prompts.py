@@ -1,6 +1,6 @@
 """Prompt pool: jsonl + parquet, string + chat prompts, stable uids, epochs, seeded shuffle, cursor, bad rows.
 
-    .venv/bin/python -m pytest tests/test_buffer_prompts.py -q
+.venv/bin/python -m pytest tests/test_buffer_prompts.py -q
 """
 
 from __future__ import annotations
@@ -13,7 +13,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from laminar.buffer.prompts import ByteTokenizer, PromptEncoder, PromptPool, derive_uid, load_prompts
+from laminar.buffer.prompts import (
+    ByteTokenizer,
+    PromptEncoder,
+    PromptPool,
+    derive_uid,
+    load_prompts,
+)
 
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}]
 
@@ -37,7 +43,11 @@ def test_jsonl_and_parquet_string_and_chat(tmp_path):
     rows, report = load_prompts(tmp_path)  # a directory: every jsonl/parquet in name order
     assert report.bad == 0 and report.rows == 6 and len(report.files) == 3
     a0, a1, a2, b0, b1, c0 = rows
-    assert a0.prompt == "1+1?" and a0.row == {"answer": "2", "level": 3} and a0.where.endswith("a.jsonl:1")
+    assert (
+        a0.prompt == "1+1?"
+        and a0.row == {"answer": "2", "level": 3}
+        and a0.where.endswith("a.jsonl:1")
+    )
     assert a1.uid == "chat-1" and a1.prompt == CHAT and a1.row == {"ground_truth": 4, "answer": 4}
     assert a2.uid == "17"
     assert b0.row == {"answer": "2", "source": "x"} and b0.where.endswith("b.parquet:1")
@@ -61,15 +71,18 @@ def test_bad_rows_are_reported_with_file_and_line_and_skipped(tmp_path):
         "",
         {"prompt": "   "},
         {"prompt": "ok 3"},
+        '{"prompt": "huge", "n": 123456789012345678901234567890}',
     ])  # fmt: skip
     rows, report = load_prompts(path)
     assert [r.prompt for r in rows] == ["ok 1", "ok 3"]
-    assert report.bad == 7
+    assert report.bad == 8
     by_line = {e.split(": ", 1)[0].rsplit(":", 1)[1]: e for e in report.errors}
-    assert set(by_line) == {"2", "3", "4", "5", "6", "7", "9"}  # line 8 is blank: not a row
+    assert set(by_line) == {"2", "3", "4", "5", "6", "7", "9", "11"}  # line 8 is blank: not a row
     assert "invalid JSON" in by_line["2"] and "missing 'prompt'" in by_line["3"]
     assert "string or a non-empty list" in by_line["4"] and "message 0" in by_line["5"]
-    assert "must be an object" in by_line["6"] and "'uid'" in by_line["7"] and "empty" in by_line["9"]
+    assert (
+        "must be an object" in by_line["6"] and "'uid'" in by_line["7"] and "empty" in by_line["9"]
+    )
     assert all(e.startswith(str(path) + ":") for e in report.errors)
 
 
@@ -87,7 +100,9 @@ def _uids(items):
 
 
 def test_epochs_and_seeded_shuffle_are_deterministic(tmp_path):
-    rows, _ = load_prompts(write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"q{i}"} for i in range(10)]))
+    rows, _ = load_prompts(
+        write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"q{i}"} for i in range(10)])
+    )
     a, b = _pool(rows, seed=7, epochs=2), _pool(rows, seed=7, epochs=2)
     ea, _ = a.next_items(10, n=4)
     assert _uids(ea) == _uids(b.next_items(10, n=4)[0])
@@ -107,7 +122,9 @@ def test_epochs_and_seeded_shuffle_are_deterministic(tmp_path):
 
 
 def test_cursor_survives_restart(tmp_path):
-    rows, _ = load_prompts(write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"q{i}"} for i in range(6)]))
+    rows, _ = load_prompts(
+        write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"q{i}"} for i in range(6)])
+    )
     ref = _pool(rows, seed=3)
     expected = [it.group_id for it in ref.next_items(15, n=2)[0]]
     first = _pool(rows, seed=3)
@@ -121,13 +138,23 @@ def test_cursor_survives_restart(tmp_path):
 
 
 def test_too_long_rows_are_reported_once_and_skipped(tmp_path):
-    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "x" * 100}, {"prompt": "short"}, {"prompt": "y" * 99}])
+    path = write_jsonl(
+        tmp_path / "p.jsonl", [{"prompt": "x" * 100}, {"prompt": "short"}, {"prompt": "y" * 99}]
+    )
     rows, _ = load_prompts(path)
     bad = []
-    pool = PromptPool(rows, PromptEncoder(None, max_tokens=10), shuffle=False, on_bad=lambda w, why: bad.append((w, why)))
+    pool = PromptPool(
+        rows,
+        PromptEncoder(None, max_tokens=10),
+        shuffle=False,
+        on_bad=lambda w, why: bad.append((w, why)),
+    )
     items, _ = pool.next_items(3, n=1)
     assert [it.prompt for it in items] == ["short"] * 3  # three epochs' worth of the one good row
-    assert [w for w, _ in bad] == [f"{path}:1", f"{path}:3"] and "> data.max_prompt_tokens=10" in bad[0][1]
+    assert [w for w, _ in bad] == [
+        f"{path}:1",
+        f"{path}:3",
+    ] and "> data.max_prompt_tokens=10" in bad[0][1]
     all_bad = PromptPool(rows[:1], PromptEncoder(None, max_tokens=10))
     assert all_bad.next_items(2, n=1) == ([], "empty")
 

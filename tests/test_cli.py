@@ -38,7 +38,9 @@ def _alive(pid: int) -> bool:
 
 
 def test_help_is_fast() -> None:
-    best = min(_timed([*LAMINAR, "--help"]) for _ in range(2))  # best of two: a cold disk cache is not the CLI
+    best = min(
+        _timed([*LAMINAR, "--help"]) for _ in range(2)
+    )  # best of two: a cold disk cache is not the CLI
     assert best < 1.0, f"laminar --help took {best:.2f}s"
 
 
@@ -57,7 +59,9 @@ def test_config_errors_exit_2_and_name_the_field(capsys) -> None:
 
 def test_status_without_a_manager_fails_fast(tmp_path: Path, short_dir: Path, capsys) -> None:
     t0 = time.monotonic()
-    rc = cli_main(["status", "--config", str(SKELETON), "--timeout", "0.3", f"cluster.ipc_dir={short_dir}"])
+    rc = cli_main(
+        ["status", "--config", str(SKELETON), "--timeout", "0.3", f"cluster.ipc_dir={short_dir}"]
+    )
     assert rc == 1 and "did not answer" in capsys.readouterr().err
     assert time.monotonic() - t0 < 3.0
 
@@ -71,8 +75,17 @@ class Launcher:
     def __init__(self, tmp_path: Path, ipc_dir: Path):
         self.run_dir = tmp_path / "run"
         self.log = tmp_path / "launcher.log"
-        cmd = [*LAMINAR, "run", str(SKELETON), f"run_dir={self.run_dir}", f"cluster.ipc_dir={ipc_dir}", "logging.level=warning"]
-        self.proc = subprocess.Popen(cmd, stdout=self.log.open("w"), stderr=subprocess.STDOUT, cwd=REPO)
+        cmd = [
+            *LAMINAR,
+            "run",
+            str(SKELETON),
+            f"run_dir={self.run_dir}",
+            f"cluster.ipc_dir={ipc_dir}",
+            "logging.level=warning",
+        ]
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.log.open("w"), stderr=subprocess.STDOUT, cwd=REPO
+        )
         self.pids: dict[str, int] = {}
 
     def output(self) -> str:
@@ -120,12 +133,19 @@ def test_run_starts_every_node_and_sigint_stops_them_all(launcher) -> None:
     lnch = launcher()
     rows = lnch.wait_registered()
     assert set(lnch.pids) == {"manager-0", "buffer-0", "relay-0", "trainer-0", "rollout-0"}
-    assert {n: rows[n].pid for n in rows} == {n: p for n, p in lnch.pids.items() if n != "manager-0"}
+    assert {n: rows[n].pid for n in rows} == {
+        n: p for n, p in lnch.pids.items() if n != "manager-0"
+    }
     out = subprocess.run([*LAMINAR, "status", "--config", str(lnch.run_dir / "config.yaml"), "--json"],
                          capture_output=True, text=True, timeout=30)  # fmt: skip
     assert out.returncode == 0, out.stderr
     table = json.loads(out.stdout)
-    assert {r["node"] for r in table["nodes"] if r["alive"]} == {"buffer-0", "relay-0", "trainer-0", "rollout-0"}
+    assert {r["node"] for r in table["nodes"] if r["alive"]} == {
+        "buffer-0",
+        "relay-0",
+        "trainer-0",
+        "rollout-0",
+    }
     lnch.proc.send_signal(signal.SIGINT)
     assert lnch.proc.wait(30) == 0, lnch.output()
     assert [n for n, pid in lnch.pids.items() if _alive(pid)] == []

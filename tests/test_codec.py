@@ -97,14 +97,20 @@ def sample_value(tp: Any, rng: random.Random, variant: int, depth: int = 0) -> A
         return ["héllo ✓ " + str(rng.random()), "", ""][variant] if variant else "héllo ✓"
     if tp is bytes:
         return [b"\x00\xffbytes", bytes(range(256)), b""][variant]
-    raise TypeError(f"tests/test_codec.py cannot build a sample of annotation {tp!r}; extend sample_value")
+    raise TypeError(
+        f"tests/test_codec.py cannot build a sample of annotation {tp!r}; extend sample_value"
+    )
 
 
-def sample_message(cls: type[Message], rng: random.Random, variant: int = 0, depth: int = 0) -> Message:
+def sample_message(
+    cls: type[Message], rng: random.Random, variant: int = 0, depth: int = 0
+) -> Message:
     hints = get_type_hints(cls, include_extras=True)
     kwargs = {}
     for f in dataclasses.fields(cls):
-        optional = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+        optional = (
+            f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+        )
         if variant == 2 and optional:
             continue  # the minimal message: defaults only
         kwargs[f.name] = sample_value(hints[f.name], rng, variant, depth)
@@ -114,7 +120,9 @@ def sample_message(cls: type[Message], rng: random.Random, variant: int = 0, dep
 def assert_same(a: Any, b: Any, path: str) -> None:
     if isinstance(a, np.ndarray):
         assert isinstance(b, np.ndarray), f"{path}: decoded {type(b).__name__}, not an array"
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {b.dtype}{b.shape} != {a.dtype}{a.shape}"
+        assert a.dtype == b.dtype and a.shape == b.shape, (
+            f"{path}: {b.dtype}{b.shape} != {a.dtype}{a.shape}"
+        )
         assert np.array_equal(a, b), f"{path}: array values differ"
     elif isinstance(a, Message):
         assert type(a) is type(b), f"{path}: {type(b).__name__} != {type(a).__name__}"
@@ -125,11 +133,15 @@ def assert_same(a: Any, b: Any, path: str) -> None:
         for i, (x, y) in enumerate(zip(a, b, strict=True)):
             assert_same(x, y, f"{path}[{i}]")
     elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), f"{path}: keys {b.keys()} != {a.keys()}"
+        assert isinstance(b, dict) and a.keys() == b.keys(), (
+            f"{path}: keys {b.keys()} != {a.keys()}"
+        )
         for k in a:
             assert_same(a[k], b[k], f"{path}.{k}")
     else:
-        assert type(a) is type(b) and a == b, f"{path}: {b!r} ({type(b).__name__}) != {a!r} ({type(a).__name__})"
+        assert type(a) is type(b) and a == b, (
+            f"{path}: {b!r} ({type(b).__name__}) != {a!r} ({type(a).__name__})"
+        )
 
 
 def frames_of(msg: Message) -> list[bytes]:
@@ -204,7 +216,9 @@ def _traj_frames() -> list[bytes]:
 def _ref(index: int, dtype_code: int, shape: tuple[int, ...]) -> msgpack.ExtType:
     import struct
 
-    return msgpack.ExtType(1, struct.pack(f"<HBB{len(shape)}Q", index, dtype_code, len(shape), *shape))
+    return msgpack.ExtType(
+        1, struct.pack(f"<HBB{len(shape)}Q", index, dtype_code, len(shape), *shape)
+    )
 
 
 @pytest.mark.parametrize(
@@ -215,17 +229,41 @@ def _ref(index: int, dtype_code: int, shape: tuple[int, ...]) -> msgpack.ExtType
         (lambda f: f[:1], "at least 2 frames"),
         (lambda f: [f[0], b"\xc1", *f[2:]], "not valid msgpack"),
         (lambda f: [f[0], msgpack.packb([1, 2]), *f[2:]], "header must be a map"),
-        (lambda f: _with_header(f, {k: v for k, v in _header(f).items() if k != "version"}), "missing field 'version'"),
+        (
+            lambda f: _with_header(f, {k: v for k, v in _header(f).items() if k != "version"}),
+            "missing field 'version'",
+        ),
         (lambda f: _with_header(f, {**_header(f), "bogus": 1}), r"unknown field\(s\) \['bogus'\]"),
-        (lambda f: _with_header(f, {**_header(f), "version": "3"}), "Trajectory.version: expected int, got str"),
+        (
+            lambda f: _with_header(f, {**_header(f), "version": "3"}),
+            "Trajectory.version: expected int, got str",
+        ),
         (lambda f: _with_header(f, {**_header(f), "sample_index": True}), "expected int, got bool"),
-        (lambda f: _with_header(f, {**_header(f), "prompt_ids": [1, 2]}), "prompt_ids: expected an array"),
-        (lambda f: _with_header(f, {**_header(f), "logprobs": _ref(2, 11, (4,))}), "dtype 'float64' not allowed"),
-        (lambda f: _with_header(f, {**_header(f), "logprobs": _ref(2, 10, (2, 2))}), "expected 1-d array"),
+        (
+            lambda f: _with_header(f, {**_header(f), "prompt_ids": [1, 2]}),
+            "prompt_ids: expected an array",
+        ),
+        (
+            lambda f: _with_header(f, {**_header(f), "logprobs": _ref(2, 11, (4,))}),
+            "dtype 'float64' not allowed",
+        ),
+        (
+            lambda f: _with_header(f, {**_header(f), "logprobs": _ref(2, 10, (2, 2))}),
+            "expected 1-d array",
+        ),
         (lambda f: _with_header(f, {**_header(f), "logprobs": _ref(2, 10, (2**62,))}), "needs"),
-        (lambda f: _with_header(f, {**_header(f), "logprobs": _ref(9, 10, (1,))}), "missing frame 9"),
-        (lambda f: _with_header(f, {**_header(f), "logprobs": _ref(0, 10, (len(f[2]) // 4,))}), "referenced twice"),
-        (lambda f: _with_header(f, {**_header(f), "reward": msgpack.ExtType(7, b"")}), "unknown msgpack ext type 7"),
+        (
+            lambda f: _with_header(f, {**_header(f), "logprobs": _ref(9, 10, (1,))}),
+            "missing frame 9",
+        ),
+        (
+            lambda f: _with_header(f, {**_header(f), "logprobs": _ref(0, 10, (len(f[2]) // 4,))}),
+            "referenced twice",
+        ),
+        (
+            lambda f: _with_header(f, {**_header(f), "reward": msgpack.ExtType(7, b"")}),
+            "unknown msgpack ext type 7",
+        ),
         (lambda f: [*f, b"spare"], "not referenced"),
         (lambda f: [f[0], f[1], f[3], f[2], f[4]], "frame has"),
         (lambda f: [*f[:4], f[4][:-1]], "frame has"),
@@ -249,11 +287,36 @@ def test_limits_are_enforced() -> None:
         decode(frames_of(Ping(payload="x" * 100)), Limits(max_str_len=10))
 
 
-def test_free_form_fields_refuse_arrays() -> None:
+@pytest.mark.parametrize(
+    ("make_info", "path"),
+    [
+        (lambda ref: {"a": ref}, "Hello.info.a"),
+        (lambda ref: {"a": [1, {"b": [ref]}]}, r"Hello.info.a\[1\].b\[0\]"),
+    ],
+    ids=["direct", "nested"],
+)
+def test_free_form_fields_refuse_arrays_and_name_the_path(make_info, path: str) -> None:
     frames = frames_of(Hello(protocol=1, node_id="n", role="r"))
-    bad = _with_header(frames, {**_header(frames), "info": {"a": _ref(0, 5, (1,))}})
-    with pytest.raises(ProtocolError, match="arrays are not allowed"):
+    bad = _with_header(frames, {**_header(frames), "info": make_info(_ref(0, 5, (1,)))})
+    with pytest.raises(ProtocolError, match=path + ": arrays are not allowed"):
         decode([*bad, b"\x00" * 4])
+
+
+@pytest.mark.parametrize(
+    "frames", [None, "frames", [b"\x08"], [b"\x08", 5], [None, b"\x80"], [b"\x08", "str"]]
+)
+def test_decode_rejects_what_is_not_a_list_of_byte_frames(frames: Any) -> None:
+    with pytest.raises(ProtocolError):
+        decode(frames)
+
+
+def test_decode_accepts_any_byte_buffer() -> None:
+    msg = sample_message(Trajectory, random.Random(2))
+    frames = encode(msg)
+    views = [bytearray(frames[0]), memoryview(frames[1]), *(np.frombuffer(f, np.int32) if i == 0 else f
+                                                            for i, f in enumerate(frames[2:]))]  # fmt: skip
+    views[2] = memoryview(views[2])  # a 4-byte-item view: its len() is not its byte count
+    assert_same(msg, decode(views), "Trajectory")
 
 
 # ---- fuzzing: decode raises ProtocolError or returns a message, nothing else ---------------
@@ -272,6 +335,15 @@ def test_fuzz_random_frames(frames: list[bytes]) -> None:
     _decode_or_protocol_error(frames)
 
 
+_any_frame = st.one_of(st.binary(max_size=24), st.builds(bytearray, st.binary(max_size=8)),
+                       st.builds(memoryview, st.binary(max_size=8)), st.none(), st.integers(), st.text(max_size=4))  # fmt: skip
+
+
+@given(st.one_of(st.lists(_any_frame, max_size=5), st.tuples(_any_frame, _any_frame), _any_frame))
+def test_fuzz_frames_of_any_type(frames: Any) -> None:
+    _decode_or_protocol_error(frames)
+
+
 _msgpack_values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=8)
     | st.binary(max_size=8),
@@ -285,7 +357,9 @@ def test_fuzz_typed_headers(data: st.DataObject) -> None:
     """A real type byte and a header with the right field names but random values."""
     tid, cls = data.draw(st.sampled_from(MESSAGE_TYPES))
     names = [f.name for f in dataclasses.fields(cls)] + ["bogus"]
-    header = data.draw(st.dictionaries(st.sampled_from(names), _msgpack_values, max_size=len(names)))
+    header = data.draw(
+        st.dictionaries(st.sampled_from(names), _msgpack_values, max_size=len(names))
+    )
     extra = data.draw(st.lists(st.binary(max_size=16), max_size=3))
     _decode_or_protocol_error([bytes((tid,)), msgpack.packb(header, use_bin_type=True), *extra])
 
@@ -293,7 +367,9 @@ def test_fuzz_typed_headers(data: st.DataObject) -> None:
 def _huge_shapes(frames: list[bytes], dims: tuple[int, ...]) -> list[bytes]:
     def walk(x: Any) -> Any:
         if isinstance(x, msgpack.ExtType) and x.code == 1 and len(x.data) >= 4:
-            return msgpack.ExtType(1, x.data[:2] + x.data[2:3] + bytes((len(dims),)) + np.array(dims, "<u8").tobytes())
+            return msgpack.ExtType(
+                1, x.data[:2] + x.data[2:3] + bytes((len(dims),)) + np.array(dims, "<u8").tobytes()
+            )
         if isinstance(x, list):
             return [walk(i) for i in x]
         if isinstance(x, dict):
@@ -303,14 +379,19 @@ def _huge_shapes(frames: list[bytes], dims: tuple[int, ...]) -> list[bytes]:
     return _with_header(frames, walk(_header(frames)))
 
 
-_SAMPLES = [frames_of(sample_message(cls, random.Random(v), v)) for (_, cls), v in itertools.product(MESSAGE_TYPES, range(3))]
+_SAMPLES = [
+    frames_of(sample_message(cls, random.Random(v), v))
+    for (_, cls), v in itertools.product(MESSAGE_TYPES, range(3))
+]
 
 
 @given(st.data())
 def test_fuzz_mutated_valid_frames(data: st.DataObject) -> None:
     frames = list(data.draw(st.sampled_from(_SAMPLES)))
     for _ in range(data.draw(st.integers(1, 3))):
-        kind = data.draw(st.sampled_from(["flip", "truncate", "swap", "extra", "drop", "type", "shape"]))
+        kind = data.draw(
+            st.sampled_from(["flip", "truncate", "swap", "extra", "drop", "type", "shape"])
+        )
         i = data.draw(st.integers(0, len(frames) - 1)) if frames else 0
         if kind == "flip" and frames and frames[i]:
             pos = data.draw(st.integers(0, len(frames[i]) - 1))
@@ -329,7 +410,13 @@ def test_fuzz_mutated_valid_frames(data: st.DataObject) -> None:
         elif kind == "type" and frames:
             frames[0] = bytes((data.draw(st.integers(0, 255)),))
         elif kind == "shape" and len(frames) > 1:
-            dims = tuple(data.draw(st.lists(st.sampled_from([0, 1, 7, 2**31, 2**62, 2**64 - 1]), min_size=1, max_size=4)))
+            dims = tuple(
+                data.draw(
+                    st.lists(
+                        st.sampled_from([0, 1, 7, 2**31, 2**62, 2**64 - 1]), min_size=1, max_size=4
+                    )
+                )
+            )
             try:
                 frames = _huge_shapes(frames, dims)
             except Exception:  # the header was already mangled by an earlier mutation

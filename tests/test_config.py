@@ -1,6 +1,6 @@
 """Config: every YAML in configs/ loads; wrong input names the field; importing the config stays light.
 
-    .venv/bin/python -m pytest tests/test_config.py -q
+.venv/bin/python -m pytest tests/test_config.py -q
 """
 
 from __future__ import annotations
@@ -46,9 +46,21 @@ def _write(tmp_path: Path, text: str) -> Path:
     ("yaml_text", "overrides", "names"),
     [
         ("bogus: 1\n", [], ["bogus", "unknown field"]),
-        ("transport:\n  heartbeat_intervl_s: 1\n", [], ["transport.heartbeat_intervl_s", "unknown field"]),
-        ("transport:\n  heartbeat_liveness: many\n", [], ["transport.heartbeat_liveness", "'many'"]),
-        ("transport:\n  heartbeat_interval_s: -1\n", [], ["transport.heartbeat_interval_s", "greater than 0"]),
+        (
+            "transport:\n  heartbeat_intervl_s: 1\n",
+            [],
+            ["transport.heartbeat_intervl_s", "unknown field"],
+        ),
+        (
+            "transport:\n  heartbeat_liveness: many\n",
+            [],
+            ["transport.heartbeat_liveness", "'many'"],
+        ),
+        (
+            "transport:\n  heartbeat_interval_s: -1\n",
+            [],
+            ["transport.heartbeat_interval_s", "greater than 0"],
+        ),
         ("mode: fastest\n", [], ["mode", "'fastest'"]),
         ("cluster:\n  roles: {janitor: 1}\n", [], ["cluster.roles", "janitor"]),
         ("", ["trainer.lrr=1"], ["trainer.lrr", "unknown field"]),
@@ -62,7 +74,9 @@ def _write(tmp_path: Path, text: str) -> Path:
         ("a: [\n", [], ["not valid YAML"]),
     ],
 )
-def test_config_errors_name_the_field(tmp_path: Path, yaml_text: str, overrides: list[str], names: list[str]) -> None:
+def test_config_errors_name_the_field(
+    tmp_path: Path, yaml_text: str, overrides: list[str], names: list[str]
+) -> None:
     with pytest.raises(ConfigError) as info:
         load_config(_write(tmp_path, yaml_text), overrides)
     for name in names:
@@ -81,5 +95,7 @@ def test_dump_is_loadable_yaml() -> None:
 
 def test_import_config_pulls_in_no_torch_zmq_or_transformers() -> None:
     code = "import sys, laminar.config, laminar.cli; print(sorted(m for m in ('torch', 'zmq', 'transformers') if m in sys.modules))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
     assert out.stdout.strip() == "[]", out.stdout

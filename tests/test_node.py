@@ -129,7 +129,11 @@ async def test_a_stuck_drain_is_cut_at_stop_timeout(cfg, zctx):
     t0 = time.monotonic()
     node.request_stop("test")
     await asyncio.wait_for(task, 5)
-    assert cfg.transport.stop_timeout_s <= time.monotonic() - t0 <= cfg.transport.stop_timeout_s + SLACK_S
+    assert (
+        cfg.transport.stop_timeout_s
+        <= time.monotonic() - t0
+        <= cfg.transport.stop_timeout_s + SLACK_S
+    )
 
 
 # ---- registration ------------------------------------------------------------------------------
@@ -142,14 +146,19 @@ async def test_node_registers_with_the_manager_and_heartbeats_its_status(cfg, zc
         def status(self) -> NodeStatus:
             return NodeStatus(node_id=self.node_id, role=self.role, version=7, kv_use=0.25)
 
-    manager = RpcServer(zctx, cfg.endpoint("manager"), "manager-0", "manager", SocketOptions.from_config(cfg))
+    manager = RpcServer(
+        zctx, cfg.endpoint("manager"), "manager-0", "manager", SocketOptions.from_config(cfg)
+    )
     await manager.start()
     nodes = [Member(cfg, index=i, ctx=zctx) for i in range(2)]
     tasks = [asyncio.create_task(n.run()) for n in nodes]
     await asyncio.gather(*(n.wait_ready(5) for n in nodes))
     await wait_until(lambda: all(p.status is not None for p in manager.peers.values()) and len(manager.peers) == 2,
                      2, "both nodes' status at the manager")  # fmt: skip
-    assert manager.peers["member-1"].status.version == 7 and manager.peers["member-0"].info["pid"] == os.getpid()
+    assert (
+        manager.peers["member-1"].status.version == 7
+        and manager.peers["member-0"].info["pid"] == os.getpid()
+    )
     # a graceful stop says Bye (the node leaves); a crash does not (the manager sees a death)
     nodes[0].request_stop("done")
     await asyncio.wait_for(tasks[0], 5)
@@ -166,7 +175,12 @@ async def test_node_without_a_manager_fails_to_start_in_time(cfg, zctx):
     class Lonely(Node):
         role = "lonely"
 
-    node = Lonely(cfg.model_copy(update={"transport": cfg.transport.model_copy(update={"startup_timeout_s": 0.3})}), ctx=zctx)
+    node = Lonely(
+        cfg.model_copy(
+            update={"transport": cfg.transport.model_copy(update={"startup_timeout_s": 0.3})}
+        ),
+        ctx=zctx,
+    )
     t0 = time.monotonic()
     with pytest.raises(TimeoutError):
         await asyncio.wait_for(node.run(), 5)
@@ -230,7 +244,9 @@ async def test_compute_keeps_heartbeats_flowing_while_blocking_work_runs(cfg, zc
     assert peer.client.stats.peers_dead == 0 and node.srv.stats.peers_dead == 0
     # control: the same work on the event loop itself starves the beats, and the peer notices
     busy(1.0)
-    await wait_until(lambda: peer.client.stats.peers_dead >= 1, 3, "the peer declaring the blocked node dead")
+    await wait_until(
+        lambda: peer.client.stats.peers_dead >= 1, 3, "the peer declaring the blocked node dead"
+    )
     with pytest.raises(ZeroDivisionError):  # errors from compute reach the caller
         await node.compute(lambda: 1 / 0)
     peer.stop()

@@ -45,6 +45,11 @@ def ambiguous_dict(prompt, completion, **row):
     return {"a": 1.0, "b": 0.0}
 
 
+def noisy(prompt, completion, **row):
+    print("a reward that prints " * 50)  # must not corrupt the worker's protocol stream
+    return 1.0
+
+
 def none_reward(prompt, completion, **row):
     return None
 
@@ -115,20 +120,38 @@ async def test_bad_spec_is_a_clear_config_error(spec, fragment):
     await runner.close()
 
 
+NAMES = ("sync_match", "async_match", "dict_reward", "single_value_dict", "ambiguous_dict",
+         "none_reward", "raising", "wrong_type", "nan_reward", "noisy")  # fmt: skip
+
+
+def dispatch(prompt, completion, kind="", **row):
+    """One function that behaves like each of the above (one worker process serves every case)."""
+    return globals()[kind](prompt, completion, **row)
+
+
 @pytest.mark.parametrize("workers", [0, 1])
 async def test_sync_async_dict_none_raising(workers):
-    results = {}
-    for name in ("sync_match", "async_match", "dict_reward", "single_value_dict", "ambiguous_dict",
-                 "none_reward", "raising", "wrong_type", "nan_reward"):  # fmt: skip
-        runner = RewardRunner(f"{HERE}:{name}", timeout_s=5.0, workers=workers)
+    # row carries a "prompt" key as dataset rows do: it must not collide with the argument
+    row = {"answer": "4", "prompt": "dup"}
+    if workers == 0:  # one runner per function: also covers `async def` detection
+        runners = [RewardRunner(f"{HERE}:{name}", timeout_s=5.0, workers=0) for name in NAMES]
+        try:
+            await asyncio.gather(*(r.start() for r in runners))
+            scores = await asyncio.gather(*(r.score("2+2?", "4", row) for r in runners))
+        finally:
+            await asyncio.gather(*(r.close() for r in runners))
+    else:  # one worker process; an async function's coroutine runs on the worker's loop
+        runner = RewardRunner(f"{HERE}:dispatch", timeout_s=5.0, workers=1)
         await runner.start()
         try:
-            # row carries a "prompt" key as dataset rows do: it must not collide with the argument
-            results[name] = await runner.score("2+2?", "4", {"answer": "4", "prompt": "dup"})
+            scores = [await runner.score("2+2?", "4", {**row, "kind": name}) for name in NAMES]
         finally:
             await runner.close()
+        assert runner.stats["replaced"] == 0  # failures of the function never cost the worker
+    results = dict(zip(NAMES, scores, strict=True))
     assert results["sync_match"].reward == 1.0 and not results["sync_match"].failed
     assert results["async_match"].reward == 1.0
+    assert results["noisy"].reward == 1.0 and not results["noisy"].failed
     assert results["dict_reward"].reward == 0.5
     assert results["dict_reward"].info == {"format": 1.0, "note": "ok", "n": 3}
     assert results["single_value_dict"].reward == 1.0

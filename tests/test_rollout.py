@@ -9,134 +9,31 @@ A real ManagerNode runs too, so heartbeats (NodeStatus) and manager commands
 from __future__ import annotations
 
 import asyncio
-import itertools
 import os
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
-from rollout_fakes import FakeBuffer, FakeBufferState, FakeEngine, expected_response, make_items
+from rollout_fakes import (
+    FakeEngine,
+    expected_response,
+    harness,
+    make_cfg,
+    make_items,
+    uids_of,
+    wait_for,
+    write_weights,
+)  # fmt: skip
 
-from laminar.config import config_from_dict
-from laminar.nodes.manager import ManagerNode
 from laminar.nodes.rollout import RolloutNode
-from laminar.protocol.rollout import ExportReply, ExportRequest, ImportReply, ImportRequest, RefreshReply, RefreshRequest
-from laminar.transport.sockets import RemoteError, SocketOptions, new_context
-
-_names = itertools.count()
-
-
-def make_cfg(run_dir: Path, **over: Any):
-    data: dict[str, Any] = {
-        "name": f"rt{os.getpid()}x{next(_names)}",
-        "run_dir": str(run_dir),
-        "cluster": {"transport": "inproc"},
-        "transport": {"heartbeat_interval_s": 0.05, "heartbeat_liveness": 4, "handshake_timeout_s": 1.0,
-                      "request_timeout_s": 0.5, "startup_timeout_s": 5.0, "stop_timeout_s": 5.0,
-                      "reconnect_backoff_s": 0.02, "reconnect_backoff_max_s": 0.1},
-        "rollout": {"engine": "sim", "credits": 2, "partial_chunk_tokens": 8, "weights": "dir",
-                    "prompt_retry_s": 0.05},
-    }  # fmt: skip
-    for key, value in over.items():
-        section, _, field = key.partition("__")
-        if field:
-            data.setdefault(section, {})[field] = value
-        else:
-            data[section] = value
-    return config_from_dict(data)
-
-
-class Harness:
-    def __init__(self, cfg: Any, items: list):
-        self.cfg = cfg
-        self.ctx = new_context()
-        self.state = FakeBufferState(prompts=list(items))
-        opts = SocketOptions.from_config(cfg)
-        self.buffer = FakeBuffer(self.ctx, cfg.endpoint("buffer"), self.state, opts)
-        self.manager = ManagerNode(cfg, ctx=self.ctx)
-        self.rollouts: list[RolloutNode] = []
-        self.tasks: list[asyncio.Task] = []
-
-    async def start_node(self, node: Any) -> Any:
-        task = asyncio.create_task(node.run())
-        self.tasks.append(task)
-        ready = asyncio.create_task(node.ready.wait())
-        await asyncio.wait({ready, task}, timeout=10, return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            task.result()
-        assert node.ready.is_set(), f"{node.node_id} not ready"
-        return node
-
-    async def add_rollout(self, engine: FakeEngine | None = None, index: int | None = None) -> RolloutNode:
-        idx = len(self.rollouts) if index is None else index
-        node = RolloutNode(self.cfg, index=idx, ctx=self.ctx, engine=engine or FakeEngine())
-        self.rollouts.append(node)
-        return await self.start_node(node)
-
-    async def wait_stored(self, uids: set[str], timeout: float) -> None:
-        async def done() -> None:
-            while not uids <= set(self.state.stored):
-                self.state.changed.clear()
-                await self.state.changed.wait()
-
-        try:
-            await asyncio.wait_for(done(), timeout)
-        except TimeoutError:
-            missing = sorted(uids - set(self.state.stored))
-            raise AssertionError(f"{len(missing)} trajectories never arrived, e.g. {missing[:5]}") from None
-        self.check()
-
-    def check(self) -> None:
-        for t in self.tasks:
-            if t.done() and not t.cancelled() and t.exception() is not None:
-                raise t.exception()
-
-    async def close(self) -> None:
-        for node in [*self.rollouts, self.manager]:
-            node.request_stop("test over")
-        results = await asyncio.wait_for(asyncio.gather(*self.tasks, return_exceptions=True), 20)
-        await self.buffer.stop()
-        self.ctx.destroy(linger=0)
-        for r in results:
-            if isinstance(r, BaseException):
-                raise r
-
-
-@asynccontextmanager
-async def harness(cfg: Any, items: list) -> AsyncIterator[Harness]:
-    h = Harness(cfg, items)
-    await h.buffer.start()
-    await h.start_node(h.manager)
-    try:
-        yield h
-    finally:
-        await h.close()
-
-
-def uids_of(items: list) -> set[str]:
-    return {f"{it.group_id}/{i}" for it in items for i in range(it.n)}
-
-
-def write_weights(run_dir: Path, version: int) -> None:
-    from safetensors.numpy import save_file
-
-    d = run_dir / "weights"
-    d.mkdir(parents=True, exist_ok=True)
-    tmp = d / f".v{version}.tmp"
-    save_file({"w": np.full((4,), float(version), np.float32)}, str(tmp))
-    os.replace(tmp, d / f"v{version}.safetensors")  # the trainer's atomic handoff
-
-
-async def wait_for(cond: Any, timeout: float, what: str) -> None:
-    end = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        if asyncio.get_running_loop().time() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)  # poll of a condition with no event of its own, under a deadline
-
+from laminar.protocol.rollout import (
+    ExportReply,
+    ExportRequest,
+    ImportReply,
+    ImportRequest,
+    RefreshReply,
+    RefreshRequest,
+)
+from laminar.transport.sockets import RemoteError
 
 # ---- tests -------------------------------------------------------------------------------
 
@@ -154,7 +51,9 @@ async def test_groups_flow_with_credits_and_partials(tmp_path):
             assert t.response_ids.tolist() == expected_response(uid), uid
             assert len(t.logprobs) == len(t.response_ids) and t.logprobs.dtype == np.float32
             assert t.version == 0 and t.finish_reason == "length" and t.reward in (0.0, 1.0)
-            assert t.rollout_id in ("rollout-0", "rollout-1") and t.sample_index == int(uid.rsplit("/", 1)[1])
+            assert t.rollout_id in ("rollout-0", "rollout-1") and t.sample_index == int(
+                uid.rsplit("/", 1)[1]
+            )
             assert t.timings["t_finish"] >= t.timings["t_first_token"] >= t.timings["t_start"] > 0
         assert max(h.state.arrivals.values()) == 1
         assert all(r.max_groups <= cfg.rollout.credits for r in h.state.requests)
@@ -163,9 +62,16 @@ async def test_groups_flow_with_credits_and_partials(tmp_path):
         assert sum(r.metrics.counters.get("partial_chunks", 0) for r in h.rollouts) > 0
         assert not h.state.partials, "finished trajectories must supersede their partial records"
         # heartbeats carry the rollout's engine stats to the manager
-        await wait_for(lambda: h.manager.srv.peers["rollout-0"].status is not None, 5, "a status heartbeat")
+        await wait_for(
+            lambda: h.manager.srv.peers["rollout-0"].status is not None, 5, "a status heartbeat"
+        )
         st = h.manager.srv.peers["rollout-0"].status
-        assert st.version == 0 and st.role == "rollout" and "credits_free" in st.extra and "outbox" in st.extra
+        assert (
+            st.version == 0
+            and st.role == "rollout"
+            and "credits_free" in st.extra
+            and "outbox" in st.extra
+        )
 
 
 async def test_buffer_cut_off_loses_nothing_and_duplicates_nothing(tmp_path):
@@ -177,8 +83,13 @@ async def test_buffer_cut_off_loses_nothing_and_duplicates_nothing(tmp_path):
         await wait_for(lambda: len(h.state.stored) >= 8, 10, "some trajectories before the cut")
         await h.buffer.stop()
         # the rollouts keep generating: the groups in hand finish while the buffer is away
-        await wait_for(lambda: sum(len(r.outbox) for r in h.rollouts) >= 4, 10, "finished work piling up in outboxes")
-        await asyncio.sleep(1.0)  # the outage itself (the behaviour under test), longer than dead_after_s
+        await wait_for(
+            lambda: sum(len(r.outbox) for r in h.rollouts) >= 4,
+            10,
+            "finished work piling up in outboxes",
+        )
+        # the outage itself (the behaviour under test), longer than dead_after_s
+        await asyncio.sleep(1.0)
         await h.buffer.start()  # same endpoint, same (journaled) state
         await h.wait_stored(uids_of(items), 30)
         assert set(h.state.stored) == uids_of(items)
@@ -187,6 +98,21 @@ async def test_buffer_cut_off_loses_nothing_and_duplicates_nothing(tmp_path):
         assert sum(r.outbox.stats["retries"] for r in h.rollouts) > 0
         for uid, t in h.state.stored.items():
             assert t.response_ids.tolist() == expected_response(uid)
+
+
+async def test_prompt_request_retry_gets_the_same_groups_back(tmp_path):
+    items = make_items(6, n=2)
+    cfg = make_cfg(tmp_path)
+    async with harness(cfg, items) as h:
+        h.state.stall_next_reply_s = (
+            1.0  # > request_timeout_s: the first served reply is lost to the rollout
+        )
+        node = await h.add_rollout(FakeEngine())
+        await h.wait_stored(uids_of(items), 20)
+        first = h.state.requests[0]
+        assert h.state.requests[1].request_id == first.request_id  # retried as is
+        assert node.metrics.counters["prompt_request_failed"] >= 1
+        assert max(h.state.arrivals.values()) == 1 and set(h.state.stored) == uids_of(items)
 
 
 async def test_weights_load_only_when_idle_and_groups_keep_one_version(tmp_path):
@@ -206,6 +132,45 @@ async def test_weights_load_only_when_idle_and_groups_keep_one_version(tmp_path)
         assert all(len(v) == 1 for v in versions.values())
         assert {t.version for t in h.state.stored.values()} == {0, 1}
         assert node.version == 1 and h.state.requests[-1].version == 1
+
+
+async def test_weights_from_the_relay(tmp_path):
+    """rollout.weights=relay: the trainer pushes v1 to the relay; the idle rollout pulls and loads it."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from laminar.nodes.relay import RelayNode
+    from laminar.transport.sockets import SocketOptions
+    from laminar.transport.weights import WeightPusher
+
+    items = make_items(2, n=2)
+    cfg = make_cfg(tmp_path, rollout__weights="relay", relay={"shm_prefix": f"lamt{os.getpid()}"})
+    async with harness(cfg, items) as h:
+        await h.start_node(RelayNode(cfg, index=0, ctx=h.ctx))
+        engine = FakeEngine()
+        node = await h.add_rollout(engine)
+        assert node.source.name == "relay"
+        await h.wait_stored(uids_of(items), 10)
+        trainer = SimpleNamespace(
+            ctx=h.ctx,
+            cfg=cfg,
+            node_id="trainer-0",
+            role="trainer",
+            opts=SocketOptions.from_config(cfg),
+        )
+        pusher = WeightPusher(trainer)
+        await pusher.start()
+        try:
+            await pusher.push(1, {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)})
+            await wait_for(lambda: engine.loads == [1], 10, "the rollout to pull v1 from the relay")
+        finally:
+            await pusher.close()
+        assert engine.last_weights["w"].tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+        more = make_items(1, n=2, prefix="q")
+        h.state.prompts.extend(more)
+        await h.wait_stored(uids_of(more), 10)
+        assert {h.state.stored[u].version for u in uids_of(more)} == {1}
 
 
 async def test_min_version_from_buffer_in_a_global_mode(tmp_path):
@@ -231,21 +196,28 @@ async def test_export_then_import_completes_the_trajectory(tmp_path):
     cfg = make_cfg(tmp_path)
     async with harness(cfg, items) as h:
         src = await h.add_rollout(FakeEngine(hold=True))  # never finishes: a draining long tail
-        dst = await h.add_rollout(FakeEngine())
+        await h.add_rollout(FakeEngine())
         all_uids = uids_of(items)
         await wait_for(lambda: set(src.seqs) == all_uids and not src.engine.running.keys() - all_uids
                        and all(len(s["ids"]) >= s["target"] - 1 for s in src.engine.running.values()),
                        10, "the source to generate all it can")  # fmt: skip
         srv = h.manager.srv
-        reply = await srv.request("rollout-0", ExportRequest(uids=[*sorted(all_uids), "nope/0"]), timeout=5)
+        reply = await srv.request(
+            "rollout-0", ExportRequest(uids=[*sorted(all_uids), "nope/0"]), timeout=5
+        )
         assert isinstance(reply, ExportReply) and reply.missing == ["nope/0"] and reply.version == 0
         assert {p.uid for p in reply.partials} == all_uids
         for p in reply.partials:
-            assert p.response_ids.tolist() == expected_response(p.uid)[:-1] and p.rollout_id == "rollout-0"
+            assert (
+                p.response_ids.tolist() == expected_response(p.uid)[:-1]
+                and p.rollout_id == "rollout-0"
+            )
         assert not src.seqs and not src.groups  # forgotten: its credits are free again
         reply2 = await srv.request("rollout-1", ImportRequest(partials=reply.partials), timeout=5)
         assert isinstance(reply2, ImportReply) and set(reply2.accepted) == all_uids
-        again = await srv.request("rollout-1", ImportRequest(partials=reply.partials[:1]), timeout=5)
+        again = await srv.request(
+            "rollout-1", ImportRequest(partials=reply.partials[:1]), timeout=5
+        )
         assert again.duplicate == [reply.partials[0].uid] or reply.partials[0].uid in h.state.stored
         await h.wait_stored(all_uids, 10)
         for uid in all_uids:
@@ -269,12 +241,16 @@ async def test_import_at_another_version_is_rejected(tmp_path):
         reply = await h.manager.srv.request("rollout-0", ExportRequest(), timeout=5)
         assert len(reply.partials) == 2
         with pytest.raises(RemoteError) as info:
-            await h.manager.srv.request("rollout-1", ImportRequest(partials=reply.partials), timeout=5)
+            await h.manager.srv.request(
+                "rollout-1", ImportRequest(partials=reply.partials), timeout=5
+            )
         assert info.value.code == "version_mismatch"
         assert not dst.seqs and dst.metrics.counters.get("import_rejected") == 2
         # the same partials resume fine on a rollout at their version (the source itself here)
         src.engine.hold = False
-        ok = await h.manager.srv.request("rollout-0", ImportRequest(partials=reply.partials), timeout=5)
+        ok = await h.manager.srv.request(
+            "rollout-0", ImportRequest(partials=reply.partials), timeout=5
+        )
         assert len(ok.accepted) == 2
         await h.wait_stored(uids_of(items), 10)
 
@@ -288,7 +264,9 @@ async def test_refresh_request_loads_newest_when_idle(tmp_path):
         reply = await h.manager.srv.request("rollout-0", RefreshRequest(min_version=2), timeout=5)
         assert isinstance(reply, RefreshReply) and reply.version == 0 and reply.pending
         await wait_for(lambda: engine.loads == [2], 10, "the refresh to load v2")
-        await wait_for(lambda: h.state.requests and h.state.requests[-1].version == 2, 5, "asking at v2")
+        await wait_for(
+            lambda: h.state.requests and h.state.requests[-1].version == 2, 5, "asking at v2"
+        )
 
 
 # ---- rewards on the rollout -----------------------------------------------------------------
@@ -322,8 +300,28 @@ async def test_reward_runner_on_the_rollout(tmp_path, fn):
 
 
 async def test_bad_reward_spec_fails_the_rollout_at_startup(tmp_path):
-    cfg = make_cfg(tmp_path, reward={"fn": "laminar.no_such_mod:fn", "workers": 0}, rollout__engine="torch")
+    cfg = make_cfg(
+        tmp_path, reward={"fn": "laminar.no_such_mod:fn", "workers": 0}, rollout__engine="torch"
+    )
     async with harness(cfg, []) as h:
         node = RolloutNode(cfg, index=0, ctx=h.ctx, engine=FakeEngine())
         with pytest.raises(Exception, match="cannot import module"):
             await asyncio.wait_for(node.run(), 10)
+
+
+async def test_stop_drains_in_flight_work_and_flushes_the_outbox(tmp_path):
+    items = make_items(8, n=2)
+    cfg = make_cfg(tmp_path, rollout__credits=3)
+    async with harness(cfg, items) as h:
+        node = await h.add_rollout(FakeEngine(step_s=0.005))
+        await wait_for(
+            lambda: len(node.groups) == 3 and len(h.state.stored) >= 1, 10, "groups in flight"
+        )
+        in_hand = set(node.seqs) | set(h.state.stored)
+        asked = len(h.state.requests)
+        node.request_stop("test drain")
+        await asyncio.wait_for(node.stopped.wait(), 10)
+        assert in_hand <= set(h.state.stored), "in-flight work was not finished and delivered"
+        assert max(h.state.arrivals.values()) == 1
+        assert len(h.state.stored) < len(uids_of(items))  # it stopped taking prompts
+        assert len(h.state.requests) <= asked + 1  # at most the one already on its way

@@ -1,6 +1,6 @@
 """CURVE over tcp: keys from `laminar keys DIR`; an authorised client works, anyone else gets nothing through.
 
-    .venv/bin/python -m pytest tests/test_security.py -q
+.venv/bin/python -m pytest tests/test_security.py -q
 """
 
 from __future__ import annotations
@@ -53,7 +53,9 @@ async def test_unauthorised_client_gets_nothing_through(zctx, tcp, fast_opts, cl
     root, stranger = cluster_keys
     srv, calls = await _curve_server(zctx, tcp(), fast_opts(security=Security(root)))
     # the stranger even knows the server's public key; its own key is simply not authorised
-    bad_sec = Security(stranger, server_key=str(root / "node.key")) if who == "unknown_key" else None
+    bad_sec = (
+        Security(stranger, server_key=str(root / "node.key")) if who == "unknown_key" else None
+    )
     cli = RpcClient(zctx, srv.endpoint, "intruder-0", "test", fast_opts(security=bad_sec))
     t0 = time.monotonic()
     with pytest.raises(RequestTimeout):
@@ -74,7 +76,9 @@ async def test_curve_streams_refuse_strangers(zctx, tcp, fast_opts, cluster_keys
     root, stranger = cluster_keys
     ep = tcp()
     pull = PullStream(zctx, ep, bind=True, opts=fast_opts(security=Security(root)))
-    bad = PushStream(zctx, ep, opts=fast_opts(security=Security(stranger, server_key=str(root / "node.key"))))
+    bad = PushStream(
+        zctx, ep, opts=fast_opts(security=Security(stranger, server_key=str(root / "node.key")))
+    )
     good = PushStream(zctx, ep, opts=fast_opts(security=Security(root)))
     # PUSH queues until a connection completes; the stranger's never does, so its message never arrives
     await bad.send(Ping(payload="intruder"), timeout=1)

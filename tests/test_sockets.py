@@ -71,13 +71,20 @@ def _garbage(rng: random.Random) -> list[list[bytes]]:
         [_rid(3), bytes((Ping.TYPE,)), b"\xc1\xc1"],  # header is not msgpack
         [_rid(4), *ping, b"extra-frame"],  # unreferenced frame
         [_rid(5), *ping],  # valid, but before Hello
-        [_rid(6), *encode(Hello(protocol=PROTOCOL_VERSION + 99, node_id="old", role="x"))],  # wrong protocol
+        [
+            _rid(6),
+            *encode(Hello(protocol=PROTOCOL_VERSION + 99, node_id="old", role="x")),
+        ],  # wrong protocol
     ]
-    rand = [[rng.randbytes(rng.randint(0, 24)) for _ in range(rng.randint(1, 5))] for _ in range(150)]
+    rand = [
+        [rng.randbytes(rng.randint(0, 24)) for _ in range(rng.randint(1, 5))] for _ in range(150)
+    ]
     return fixed * 10 + rand
 
 
-async def test_server_keeps_serving_through_a_flood_of_malformed_frames(zctx, ipc, fast_opts, wait_until):
+async def test_server_keeps_serving_through_a_flood_of_malformed_frames(
+    zctx, ipc, fast_opts, wait_until
+):
     ep = ipc("flood")
     srv = await _echo_server(zctx, ep, fast_opts())
     good = RpcClient(zctx, ep, "good-0", "test", fast_opts(request_timeout_s=3.0))
@@ -97,7 +104,11 @@ async def test_server_keeps_serving_through_a_flood_of_malformed_frames(zctx, ip
     _, payloads = await asyncio.gather(flood(), serve_good())
     assert payloads == [f"p{i}" for i in range(60)]
     # every bad message is counted exactly once, as a bad frame or as traffic from an unknown peer
-    await wait_until(lambda: srv.stats.bad_frames + srv.stats.unknown_peer >= len(garbage), 5, "all garbage counted")
+    await wait_until(
+        lambda: srv.stats.bad_frames + srv.stats.unknown_peer >= len(garbage),
+        5,
+        "all garbage counted",
+    )
     assert srv.stats.bad_frames + srv.stats.unknown_peer == len(garbage)
     assert srv.stats.unknown_peer >= 10 and srv.stats.bad_frames >= 80
     assert all(not t.done() for t in srv.tasks), "a server task died"
@@ -117,10 +128,14 @@ async def test_registered_peer_sending_garbage_is_counted_and_still_served(zctx,
     raw = zctx.socket(zmq.DEALER)
     raw.linger = 0
     raw.connect(ep)
-    await raw.send_multipart([_rid(1), *encode(Hello(protocol=PROTOCOL_VERSION, node_id="raw-0", role="test"))])
+    await raw.send_multipart(
+        [_rid(1), *encode(Hello(protocol=PROTOCOL_VERSION, node_id="raw-0", role="test"))]
+    )
     assert isinstance(decode((await asyncio.wait_for(raw.recv_multipart(), 2))[1:]), Welcome)
     await raw.send_multipart([_rid(2), bytes((Ping.TYPE,)), msgpack.packb({"payload": [1]})])
-    await raw.send_multipart([_rid(3), *encode(StatusRequest())])  # a type this server has no handler for
+    await raw.send_multipart(
+        [_rid(3), *encode(StatusRequest())]
+    )  # a type this server has no handler for
     await raw.send_multipart([_rid(4), *encode(Ping(payload="ok"))])
     replies = {}
     while len(replies) < 3:
@@ -145,12 +160,27 @@ async def test_client_survives_garbage_from_its_server(zctx, ipc, fast_opts, wai
 
     async def evil_server() -> None:
         ident, rid, *_ = await router.recv_multipart()
-        await router.send_multipart([ident, b"R" + rid[1:], *encode(Welcome(protocol=PROTOCOL_VERSION, node_id="evil", role="x"))])
-        for frames in ([b"\x00"], [b"", b"\xfe", b""], [b"R" + bytes(8), b"\x09", b"\xc1"], [b"Q" + bytes(8), *encode(Ping())]):
+        await router.send_multipart(
+            [
+                ident,
+                b"R" + rid[1:],
+                *encode(Welcome(protocol=PROTOCOL_VERSION, node_id="evil", role="x")),
+            ]
+        )
+        for frames in (
+            [b"\x00"],
+            [b"", b"\xfe", b""],
+            [b"R" + bytes(8), b"\x09", b"\xc1"],
+            [b"Q" + bytes(8), *encode(Ping())],
+        ):
             await router.send_multipart([ident, *frames])
 
     await asyncio.gather(cli.connect(timeout=2), evil_server())
-    await wait_until(lambda: cli.stats.bad_frames >= 3 and cli.stats.unhandled >= 1, 2, "client counted the garbage")
+    await wait_until(
+        lambda: cli.stats.bad_frames >= 3 and cli.stats.unhandled >= 1,
+        2,
+        "client counted the garbage",
+    )
     assert cli.connected and all(not t.done() for t in cli.tasks)
     await cli.close()
     router.close()
@@ -162,7 +192,9 @@ async def test_client_survives_garbage_from_its_server(zctx, ipc, fast_opts, wai
 async def test_server_detects_a_dead_client_within_the_bound(zctx, ipc, fast_opts, wait_until):
     opts = fast_opts()
     died: dict[str, float] = {}
-    srv = await _echo_server(zctx, ipc("hb"), opts, on_peer_dead=lambda p: died.setdefault(p.node_id, time.monotonic()))
+    srv = await _echo_server(
+        zctx, ipc("hb"), opts, on_peer_dead=lambda p: died.setdefault(p.node_id, time.monotonic())
+    )
     cli = RpcClient(zctx, srv.endpoint, "cli-0", "test", opts)
     await cli.connect()
     # alive while it beats: 10 heartbeat periods and no death
@@ -172,26 +204,34 @@ async def test_server_detects_a_dead_client_within_the_bound(zctx, ipc, fast_opt
     last_seen = srv.peers["cli-0"].last_seen
     await wait_until(lambda: "cli-0" in died, 3, "server noticing the dead client")
     delay = died["cli-0"] - last_seen
-    assert opts.dead_after_s <= delay <= opts.dead_after_s + opts.heartbeat_interval_s + SLACK_S, delay
+    assert opts.dead_after_s <= delay <= opts.dead_after_s + opts.heartbeat_interval_s + SLACK_S, (
+        delay
+    )
     assert not srv.peers["cli-0"].alive and srv.stats.peers_dead == 1
     with pytest.raises(PeerDead):
         await srv.send("cli-0", Ping())
     await srv.close()
 
 
-async def test_client_detects_dead_server_and_reconnects_on_a_fresh_socket(zctx, ipc, fast_opts, wait_until):
+async def test_client_detects_dead_server_and_reconnects_on_a_fresh_socket(
+    zctx, ipc, fast_opts, wait_until
+):
     opts = fast_opts()
     ep = ipc("hb2")
     srv = await _echo_server(zctx, ep, opts)
     died: list[float] = []
-    cli = RpcClient(zctx, ep, "cli-0", "test", opts, on_server_dead=lambda: died.append(time.monotonic()))
+    cli = RpcClient(
+        zctx, ep, "cli-0", "test", opts, on_server_dead=lambda: died.append(time.monotonic())
+    )
     await cli.connect()
     await wait_until(lambda: cli.stats.received >= 3, 2, "server heartbeats")
     old_sock = cli._sock
     t_close = time.monotonic()
     await srv.close()
     await wait_until(lambda: bool(died), 3, "client noticing the dead server")
-    assert died[0] - t_close <= opts.dead_after_s + opts.heartbeat_interval_s + SLACK_S, died[0] - t_close
+    assert died[0] - t_close <= opts.dead_after_s + opts.heartbeat_interval_s + SLACK_S, (
+        died[0] - t_close
+    )
     assert not cli.connected
     with pytest.raises(RequestTimeout):  # while the server is down: a bounded failure, not a hang
         await cli.request(Ping(payload="down"), timeout=0.2, retries=0)
@@ -218,7 +258,9 @@ async def test_connect_to_nobody_times_out(zctx, ipc, fast_opts):
 
 async def test_request_to_a_server_that_just_died_times_out(zctx, ipc, fast_opts):
     """The server dies between two requests, before heartbeats could notice: deadline, not hang."""
-    opts = fast_opts(heartbeat_interval_s=5.0)  # liveness would take 20 s: only the deadline can save us
+    opts = fast_opts(
+        heartbeat_interval_s=5.0
+    )  # liveness would take 20 s: only the deadline can save us
     srv = await _echo_server(zctx, ipc("gone"), opts)
     cli = RpcClient(zctx, srv.endpoint, "cli-0", "test", opts)
     await cli.connect()
@@ -277,9 +319,15 @@ async def test_handler_error_becomes_a_remote_error(zctx, ipc, fast_opts):
 
 
 @pytest.mark.parametrize("transport", ["inproc", "ipc", "tcp"])
-async def test_publisher_barrier_means_no_subscriber_misses_the_first_message(zctx, ipc, tcp, fast_opts, transport):
-    for round_ in range(5):  # fresh publisher and subscribers each round: joiner races would show up
-        ep = {"inproc": f"inproc://pub-{round_}", "ipc": ipc(f"pub{round_}"), "tcp": tcp()}[transport]
+async def test_publisher_barrier_means_no_subscriber_misses_the_first_message(
+    zctx, ipc, tcp, fast_opts, transport
+):
+    for round_ in range(
+        5
+    ):  # fresh publisher and subscribers each round: joiner races would show up
+        ep = {"inproc": f"inproc://pub-{round_}", "ipc": ipc(f"pub{round_}"), "tcp": tcp()}[
+            transport
+        ]
         pub = Publisher(zctx, ep, "relay-0", fast_opts())
         await pub.start()
         subs = [Subscriber(zctx, ep, f"rollout-{i}", ["weights"], fast_opts()) for i in range(4)]

@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from laminar.config import config_from_dict
 from laminar.protocol.buffer import BatchCommit, BatchReply, BatchRequest
@@ -217,3 +218,92 @@ def tiny(tmp_path_factory):
     from laminar.models.tiny import build_tiny_model
 
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny"), hidden=32, layers=1, heads=2, kv_heads=1))
+
+
+async def test_weights_go_through_the_relay_tier_when_there_is_one(tiny, tmp_path, harness):
+    """roles.relay > 0 and laminar.transport.weights importable: the trainer pushes to the master relay."""
+    from types import SimpleNamespace
+
+    from laminar.nodes.relay import RelayNode
+    from laminar.transport.weights import WeightPuller
+
+    ctx, make = harness
+    cfg = node_cfg(tmp_path, tiny, total_steps=2)
+    cfg.cluster.roles = {"manager": 1, "buffer": 1, "relay": 1, "trainer": 1, "rollout": 0}
+    cfg.relay.shm_dir = str(tmp_path / "shm")
+    (tmp_path / "shm").mkdir()
+    buf, mgr = await make(cfg, groups_of(make_trajs(n_groups=4, group=2)))
+    relay = RelayNode(cfg, ctx=ctx)
+    relay_task = asyncio.create_task(relay.run())
+    try:
+        await asyncio.wait_for(relay.ready.wait(), 10)
+        node = await run_trainer(cfg, ctx)
+        assert [(m.version, m.handoff) for m in mgr.published] == [(1, "relay"), (2, "relay")]
+        assert all(m.stall_s >= 0 and m.num_bytes > 0 for m in mgr.published)
+        reader = SimpleNamespace(cfg=cfg, ctx=ctx, opts=relay.opts, node_id="reader-0", role="rollout", log=relay.log)
+        puller = WeightPuller(reader)
+        await puller.start()
+        try:
+            assert await puller.wait_version(2, timeout=10) == 2
+            w = await puller.pull()
+            got = {k: v.clone() for k, v in w.named_tensors()}
+            await w.release()
+        finally:
+            await puller.close()
+        from laminar.trainer import checkpoint as ck
+        from laminar.trainer.policy import Policy
+
+        final = ck.latest_checkpoint(cfg.resolved_run_dir())
+        expect = Policy(cfg, str(final / "model")).full_state_dict()
+        assert got.keys() == expect.keys() and all(torch.equal(got[k], expect[k]) for k in expect)
+        assert node.version == 2
+    finally:
+        relay.request_stop("test done")
+        await asyncio.wait_for(relay_task, 10)
+
+
+async def test_sim_trainer_pushes_a_tiny_blob_through_the_relay(tmp_path, harness):
+    from laminar.nodes.relay import RelayNode
+
+    ctx, make = harness
+    cfg = node_cfg(tmp_path, None, engine="sim", sim_time_per_token_s=0, total_steps=2)
+    cfg.cluster.roles = {"manager": 1, "buffer": 1, "relay": 1, "trainer": 1, "rollout": 0}
+    cfg.relay.shm_dir = str(tmp_path / "shm")
+    (tmp_path / "shm").mkdir()
+    cfg.extra = {"sim_weight_bytes": 1024}
+    buf, mgr = await make(cfg, groups_of(make_trajs(n_groups=4, group=2)))
+    relay = RelayNode(cfg, ctx=ctx)
+    relay_task = asyncio.create_task(relay.run())
+    try:
+        await asyncio.wait_for(relay.ready.wait(), 10)
+        await run_trainer(cfg, ctx)
+        assert [(m.version, m.handoff, m.num_bytes) for m in mgr.published] == [(1, "relay", 1024), (2, "relay", 1024)]
+    finally:
+        relay.request_stop("test done")
+        await asyncio.wait_for(relay_task, 10)
+
+
+async def test_stop_request_drains_the_step_and_checkpoints(tiny, tmp_path, harness):
+    """SIGTERM path: the step in flight finishes and commits, then a checkpoint holds it."""
+    from laminar.nodes.trainer import TrainerNode
+    from laminar.trainer import checkpoint as ck
+
+    ctx, make = harness
+    cfg = node_cfg(tmp_path, tiny, total_steps=100)
+    buf, _ = await make(cfg, groups_of(make_trajs(n_groups=40, group=2)))
+    two = asyncio.Event()
+
+    async def on_commit(c):
+        if c.step == 2:
+            two.set()
+
+    buf.commit_hook = on_commit
+    node = TrainerNode(cfg, ctx=ctx)
+    task = asyncio.create_task(node.run())
+    await asyncio.wait_for(two.wait(), 60)
+    node.request_stop("signal SIGTERM")
+    await asyncio.wait_for(task, 30)
+    last = ck.latest_checkpoint(cfg.resolved_run_dir())
+    assert last is not None and json.loads((last / "meta.json").read_text())["reason"] == "stop"
+    assert int(last.name.split("_")[1]) == node.step >= 2
+    assert [c.step for c in buf.commits] == list(range(1, node.step + 1))  # all trained steps committed

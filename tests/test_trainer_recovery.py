@@ -1,14 +1,16 @@
-"""Exactly-once with real processes: the trainer dies after consuming a batch but before
-committing it; after resume the real buffer serves that batch again, and nothing else twice.
+"""Exactly-once against the real buffer: the trainer dies after consuming a batch but before
+committing it; after resume the buffer serves that batch again, and nothing else twice.
 
-    .venv/bin/python -m pytest tests/test_trainer_recovery.py -q
+    .venv/bin/python -m pytest tests/test_trainer_recovery.py -q            (in-process, fast)
+    .venv/bin/python -m pytest tests/test_trainer_recovery.py -q -m slow    (real trainer processes)
 
-In this test process: the real BufferNode (journal on) and a fake manager, over ipc.
-A fake rollout fills the buffer through the normal protocol (PromptRequest ->
-Trajectory). The trainer runs as a real subprocess (`python -m laminar node --role
-trainer`): run 1 has `extra.fault.crash_before_commit=2`, so it trains step 1
-(commit, checkpoint), trains step 2, and exits with code 17 before committing it.
-Run 2 (no fault) resumes from step_1 and must be served step 2's batch again.
+The real BufferNode (journal on) and a fake manager run in this test process. A fake
+rollout fills the buffer through the normal protocol (PromptRequest -> Trajectory).
+Run 1 of the trainer has `extra.fault.crash_before_commit=2`: it trains step 1
+(commit, checkpoint), trains step 2 and dies before committing it — as a real
+subprocess (`python -m laminar node --role trainer`, exit code 17) in the slow test,
+or in-process by an exception (no drain, no checkpoint) in the fast one. Run 2 (no
+fault) resumes from step_1 and must be served step 2's batch again.
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ async def run_trainer_process(cfg_path: Path, *overrides: str, timeout: float = 
     return proc.returncode
 
 
-async def test_batch_consumed_but_not_committed_is_served_again_after_resume(tiny, tmp_path, short_dir):
+async def _scenario(tmp_path, short_dir, tiny, run_trainer) -> None:
     from laminar.nodes.buffer import BufferNode
 
     cfg_path = write_config(tmp_path, short_dir, tiny)
@@ -111,27 +113,53 @@ async def test_batch_consumed_but_not_committed_is_served_again_after_resume(tin
     try:
         await asyncio.wait_for(buffer.ready.wait(), 30)
         await fill_buffer(cfg, ctx, groups=6)
-        assert await run_trainer_process(cfg_path, "extra.fault.crash_before_commit=2") == 17
+        await run_trainer(ctx, cfg_path, ["extra.fault.crash_before_commit=2"], crash=True)
         run = cfg.resolved_run_dir()
         first = [json.loads(x) for x in (run / "consumed.jsonl").read_text().splitlines()]
         assert [c["step"] for c in first] == [1, 2]
-        st = buffer.stats()
-        assert st["counters"].get("batches_served") == 2
-        assert await run_trainer_process(cfg_path) == 0
+        assert buffer.stats()["counters"].get("batches_served") == 2
+        assert len(buffer.state.outstanding()) == 1  # step 2's batch: served, never committed
+        await run_trainer(ctx, cfg_path, [], crash=False)
         consumed = [json.loads(x) for x in (run / "consumed.jsonl").read_text().splitlines()]
         second = consumed[2:]
         assert [c["step"] for c in second] == [2, 3]
         assert sorted(second[0]["uids"]) == sorted(first[1]["uids"])  # the uncommitted batch, served again
         trained = [u for c in consumed[:1] + second for u in c["uids"]]
         assert len(trained) == len(set(trained)) == 12  # every trajectory trained exactly once
-        stats = (await _stats(cfg, ctx)) or buffer.stats()
+        stats = await _stats(cfg, ctx)
         assert stats["counters"].get("batches_served") == 4
+        assert stats["counters"].get("commits_requeued", 0) == 0
         assert not buffer.state.outstanding()
     finally:
         buffer.request_stop("test done")
         await asyncio.wait_for(task, 30)
         await mgr.srv.close()
         ctx.destroy(linger=0)
+
+
+async def test_uncommitted_batch_is_served_again_after_resume_in_process(tiny, tmp_path, short_dir):
+    from laminar.node import NodeFailed
+    from laminar.nodes.trainer import TrainerNode
+
+    async def run_in_process(ctx, cfg_path, overrides, crash):
+        if crash:
+            overrides = [*overrides, "extra.fault.action=raise"]
+        node = TrainerNode(load_config(cfg_path, overrides), ctx=ctx)
+        if crash:
+            with pytest.raises(NodeFailed):
+                await asyncio.wait_for(node.run(), 120)
+        else:
+            await asyncio.wait_for(node.run(), 120)
+
+    await _scenario(tmp_path, short_dir, tiny, run_in_process)
+
+
+@pytest.mark.slow
+async def test_uncommitted_batch_is_served_again_after_resume_real_processes(tiny, tmp_path, short_dir):
+    async def run_process(ctx, cfg_path, overrides, crash):
+        assert await run_trainer_process(cfg_path, *overrides) == (17 if crash else 0)
+
+    await _scenario(tmp_path, short_dir, tiny, run_process)
 
 
 async def _stats(cfg, ctx):

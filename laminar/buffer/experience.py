@@ -33,14 +33,27 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from laminar.buffer.admission import Admission, BatchPlan, GroupInfo, StalenessStats, next_batch_version, plan_batch
+from laminar.buffer.admission import (
+    Admission,
+    BatchPlan,
+    GroupInfo,
+    StalenessStats,
+    next_batch_version,
+    plan_batch,
+)
 from laminar.buffer.journal import encode_record
 from laminar.buffer.sampling import resolve_sampler
 from laminar.protocol.data import PromptItem, Trajectory
 
 __all__ = ["ExperienceState", "Group", "BatchRecord", "usable"]
 
-OPEN, READY, OUTSTANDING, COMMITTED, DROPPED = "open", "ready", "outstanding", "committed", "dropped"
+OPEN, READY, OUTSTANDING, COMMITTED, DROPPED = (
+    "open",
+    "ready",
+    "outstanding",
+    "committed",
+    "dropped",
+)
 
 
 def usable(t: Trajectory) -> bool:
@@ -66,7 +79,9 @@ class Group:
 
     @property
     def version(self) -> int:
-        return min(t.version for t in self.members.values()) if self.members else self.served_version
+        return (
+            min(t.version for t in self.members.values()) if self.members else self.served_version
+        )
 
     @property
     def finished(self) -> int:
@@ -140,7 +155,10 @@ class ExperienceState:
     def check_trajectory(self, t: Trajectory) -> tuple[str, str]:
         """("ok" | "duplicate" | "late" | "bad", why) for an arriving trajectory."""
         if len(t.response_ids) != len(t.logprobs):
-            return "bad", f"{t.uid}: {len(t.response_ids)} response tokens but {len(t.logprobs)} logprobs"
+            return (
+                "bad",
+                f"{t.uid}: {len(t.response_ids)} response tokens but {len(t.logprobs)} logprobs",
+            )
         if not t.group_id or not t.uid:
             return "bad", "trajectory needs uid and group_id"
         if t.version < 0:
@@ -151,10 +169,10 @@ class ExperienceState:
         n = g.n if g is not None else self.group_size
         if not 0 <= t.sample_index < n:
             return "bad", f"{t.uid}: sample_index {t.sample_index} outside group of {n}"
-        if g is not None and g.state != OPEN:
-            return "late", f"group {t.group_id} is {g.state}"
         if g is not None and t.sample_index in g.members:
             return "duplicate", t.uid
+        if g is not None and g.state != OPEN:
+            return "late", f"group {t.group_id} is {g.state}"
         return "ok", ""
 
     def check_abandoned(self, uid: str, group_id: str) -> tuple[str, str, int]:
@@ -165,7 +183,11 @@ class ExperienceState:
         idx = int(tail)
         g = self.groups.get(group_id)
         if g is None or g.state != OPEN:
-            return "ignore", f"group {group_id} is {self.closed.get(group_id, g.state if g else 'unknown')}", idx
+            return (
+                "ignore",
+                f"group {group_id} is {self.closed.get(group_id, g.state if g else 'unknown')}",
+                idx,
+            )
         if idx >= g.n or idx in g.members or idx in g.lost:
             return "ignore", f"{uid} already finished", idx
         return "ok", "", idx
@@ -188,12 +210,17 @@ class ExperienceState:
         if body.get("cursor") is not None:
             self.cursor = body["cursor"]
         if body.get("request_id"):
-            self.last_reply[rollout_id] = (body["request_id"], [s["group_id"] for s in body["groups"]])
+            self.last_reply[rollout_id] = (
+                body["request_id"],
+                [s["group_id"] for s in body["groups"]],
+            )
         self.counts["groups_served"] += len(body["groups"])
 
     def _new_group(self, gid: str, uid: str, n: int, version: int, rollout_id: str,
                    item: PromptItem | None, serial: int | None = None) -> Group:  # fmt: skip
-        g = Group(gid, uid, n, version, rollout_id, self.serial if serial is None else int(serial), item)
+        g = Group(
+            gid, uid, n, version, rollout_id, self.serial if serial is None else int(serial), item
+        )
         self.serial = max(self.serial, g.serial) + 1
         self.groups[gid] = g
         self.pending += n
@@ -206,7 +233,9 @@ class ExperienceState:
         g = self.groups.get(t.group_id)
         if g is None:  # its served record was never journaled (e.g. lost with a torn tail)
             self.counts["unknown_group"] += 1
-            g = self._new_group(t.group_id, t.prompt_uid, self.group_size, t.version, t.rollout_id, None)
+            g = self._new_group(
+                t.group_id, t.prompt_uid, self.group_size, t.version, t.rollout_id, None
+            )
         if g.state != OPEN or t.sample_index in g.members:
             return
         was_finished = t.sample_index in g.lost
@@ -264,7 +293,12 @@ class ExperienceState:
                 self._drop(g, body.get("reason", "dropped"))
 
     def _apply_batch(self, body: dict[str, Any], msgs: list[Any]) -> None:
-        b = BatchRecord(body["batch_id"], int(body["version"]), list(body["group_ids"]), body.get("trainer_id", ""))
+        b = BatchRecord(
+            body["batch_id"],
+            int(body["version"]),
+            list(body["group_ids"]),
+            body.get("trainer_id", ""),
+        )
         for gid in b.group_ids:
             g = self.groups[gid]
             g.state, g.batch_id, g.front = OUTSTANDING, b.batch_id, False
@@ -315,8 +349,12 @@ class ExperienceState:
     def _apply_stats(self, body: dict[str, Any], msgs: list[Any]) -> None:
         # last record of a snapshot: the counters as they were (replaying the live groups recounted them)
         self.counts = Counter(body.get("counts", {}))
-        self.finish_hist.counts = Counter({int(k): v for k, v in body.get("finish_hist", {}).items()})
-        self.consumed_hist.counts = Counter({int(k): v for k, v in body.get("consumed_hist", {}).items()})
+        self.finish_hist.counts = Counter(
+            {int(k): v for k, v in body.get("finish_hist", {}).items()}
+        )
+        self.consumed_hist.counts = Counter(
+            {int(k): v for k, v in body.get("consumed_hist", {}).items()}
+        )
 
     # ---- batches ----------------------------------------------------------------------
     def plan(self, want: int, batch_version: int, final: bool) -> BatchPlan:
@@ -342,7 +380,9 @@ class ExperienceState:
             spec = {"group_id": g.group_id, "uid": g.prompt_uid, "n": g.n, "version": g.served_version,
                     "rollout_id": g.rollout_id, "serial": g.serial, "item": 0 if g.item is not None else -1,
                     "front": g.front}  # fmt: skip
-            recs.append(encode_record("served", {"groups": [spec]}, [g.item] if g.item is not None else []))
+            recs.append(
+                encode_record("served", {"groups": [spec]}, [g.item] if g.item is not None else [])
+            )
             for i in sorted(g.members):
                 recs.append(encode_record("traj", {}, [g.members[i]]))
             for i in sorted(g.lost - g.members.keys()):

@@ -25,6 +25,9 @@ Durability (BufferConfig.fsync), decided per record before the node acks it:
     may drop the last interval;
   * never: the OS decides when the data reaches the disk.
 
+One writer: `<file>.lock` is flock'ed while the journal is open, so a second
+buffer on the same run_dir fails at start instead of interleaving records.
+
 Compaction: `rewrite(records)` atomically replaces the file with a snapshot
 (write a temp file, fsync, rename, fsync the directory).
 """
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import fcntl
 import os
 import struct
 import time
@@ -75,7 +79,12 @@ def decode_record(payload: bytes) -> tuple[str, dict[str, Any], list[Message]]:
         parts = msgpack.unpackb(payload, raw=False)
     except Exception as exc:  # msgpack raises several types for garbage
         raise ProtocolError(f"journal record is not msgpack: {exc}") from None
-    if not isinstance(parts, list) or len(parts) < 2 or not isinstance(parts[0], str) or not isinstance(parts[1], dict):
+    if (
+        not isinstance(parts, list)
+        or len(parts) < 2
+        or not isinstance(parts[0], str)
+        or not isinstance(parts[1], dict)
+    ):
         raise ProtocolError("journal record must be [kind, body, msgs...]")
     msgs = []
     for frames in parts[2:]:
@@ -86,7 +95,9 @@ def decode_record(payload: bytes) -> tuple[str, dict[str, Any], list[Message]]:
 
 
 class Journal:
-    def __init__(self, path: str | os.PathLike, fsync: str = "batch", fsync_interval_s: float = 0.05):
+    def __init__(
+        self, path: str | os.PathLike, fsync: str = "batch", fsync_interval_s: float = 0.05
+    ):
         if fsync not in ("always", "batch", "never"):
             raise ValueError(f"fsync policy must be always|batch|never, got {fsync!r}")
         self.path = Path(path)
@@ -94,17 +105,40 @@ class Journal:
         self.fsync_interval_s = fsync_interval_s
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fd = -1
+        self._lock_fd = -1
         self.written = 0
         """Bytes handed to the OS (file offset of the end of the last record)."""
         self.synced = 0
         """Bytes known to be on disk (fsync'ed)."""
         self._io = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="journal")
         self._sync_task: asyncio.Future | None = None
-        self.stats = {"records": 0, "bytes": 0, "fsyncs": 0, "torn_bytes": 0, "replayed": 0, "bad_records": 0}
+        self.stats = {
+            "records": 0,
+            "bytes": 0,
+            "fsyncs": 0,
+            "torn_bytes": 0,
+            "replayed": 0,
+            "bad_records": 0,
+        }
 
     # ---- open + replay ---------------------------------------------------------------
+    def _lock(self) -> None:
+        # one writer per journal: a second buffer on the same run_dir would interleave records
+        lock_path = self.path.with_name(self.path.name + ".lock")
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise JournalError(
+                f"{self.path} is in use by another buffer (lock {lock_path})"
+            ) from None
+        self._lock_fd = fd
+
     def replay(self) -> Iterator[tuple[str, dict[str, Any], list[Message]]]:
         """Yield every good record, then leave the file open for appends after the last one."""
+        if self._lock_fd < 0:
+            self._lock()
         if not self.path.exists() or self.path.stat().st_size == 0:
             self._open_new()
             return
@@ -114,7 +148,11 @@ class Journal:
             if len(data) < len(MAGIC) and MAGIC.startswith(data):  # torn while writing the magic
                 self._open_new()
                 return
-            raise JournalError(f"{self.path} is not a laminar journal (bad magic); move it away or use another run_dir")
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+            raise JournalError(
+                f"{self.path} is not a laminar journal (bad magic); move it away or use another run_dir"
+            )
         pos = len(MAGIC)
         good = pos
         view = memoryview(data)
@@ -190,15 +228,24 @@ class Journal:
         if self.policy != "always":
             return  # already in the OS page cache: survives a process crash
         while self.synced < offset:
-            if self._sync_task is None or self._sync_task.done():
-                self._sync_task = asyncio.ensure_future(self._fsync())
-            await asyncio.shield(self._sync_task)
+            await asyncio.shield(self._start_sync())
+
+    def _start_sync(self) -> asyncio.Future:
+        """The fsync in flight, or a new one covering everything written so far (group commit)."""
+        if self._sync_task is None or self._sync_task.done():
+            self._sync_task = asyncio.ensure_future(self._fsync())
+        return self._sync_task
 
     async def _fsync(self) -> None:
         target = self.written
         await asyncio.get_running_loop().run_in_executor(self._io, os.fsync, self._fd)
         self.stats["fsyncs"] += 1
         self.synced = max(self.synced, target)
+
+    async def quiesce(self) -> None:
+        """Wait for the fsync in flight (before the file is swapped by `rewrite`)."""
+        if self._sync_task is not None and not self._sync_task.done():
+            await asyncio.shield(self._sync_task)
 
     async def run_flusher(self) -> None:
         """fsync=batch: flush every fsync_interval_s while there is unsynced data (runs until cancelled)."""
@@ -207,7 +254,7 @@ class Journal:
         while True:
             await asyncio.sleep(self.fsync_interval_s)  # a timer
             if self.written > self.synced and self._fd >= 0:
-                await self._fsync()
+                await asyncio.shield(self._start_sync())
 
     def sync_now(self) -> None:
         if self._fd >= 0 and self.written > self.synced:
@@ -236,13 +283,18 @@ class Journal:
         self._open_existing(size)
 
     def close(self) -> None:
+        self._io.shutdown(wait=True)  # an fsync still running must not see its fd closed
         if self._fd >= 0:
             try:
                 self.sync_now()
             finally:
                 os.close(self._fd)
                 self._fd = -1
-        self._io.shutdown(wait=False)
+        if self._lock_fd >= 0:
+            os.close(
+                self._lock_fd
+            )  # releases the flock (the kernel also does when the process dies)
+            self._lock_fd = -1
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -35,11 +35,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import numpy as np
 
 from laminar.protocol.data import PromptItem
 
-__all__ = ["PromptRow", "LoadReport", "load_prompts", "derive_uid", "PromptEncoder", "ByteTokenizer", "PromptPool"]
+__all__ = [
+    "PromptRow",
+    "LoadReport",
+    "load_prompts",
+    "derive_uid",
+    "PromptEncoder",
+    "ByteTokenizer",
+    "PromptPool",
+]
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
 
@@ -75,7 +84,11 @@ class LoadReport:
 
 def derive_uid(prompt: str | list[dict[str, str]]) -> str:
     """Stable uid from the prompt content (not its position), e.g. "p-3f2a9c0d1e4b5a67"."""
-    canon = prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True, ensure_ascii=False)
+    canon = (
+        prompt
+        if isinstance(prompt, str)
+        else json.dumps(prompt, sort_keys=True, ensure_ascii=False)
+    )
     return "p-" + hashlib.sha1(canon.encode("utf-8")).hexdigest()[:16]
 
 
@@ -101,10 +114,16 @@ def _check_prompt(prompt: Any) -> str | list[dict[str, str]]:
         return prompt
     if isinstance(prompt, list) and prompt:
         for i, m in enumerate(prompt):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            if (
+                not isinstance(m, dict)
+                or not isinstance(m.get("role"), str)
+                or not isinstance(m.get("content"), str)
+            ):
                 raise BadRow(f"'prompt' message {i} must be {{'role': str, 'content': str}}")
         return [{"role": m["role"], "content": m["content"]} for m in prompt]
-    raise BadRow(f"'prompt' must be a string or a non-empty list of chat messages, got {type(prompt).__name__}")
+    raise BadRow(
+        f"'prompt' must be a string or a non-empty list of chat messages, got {type(prompt).__name__}"
+    )
 
 
 def parse_row(obj: Any, where: str) -> PromptRow:
@@ -122,6 +141,10 @@ def parse_row(obj: Any, where: str) -> PromptRow:
     row = {str(k): _plain(v) for k, v in obj.items() if k not in ("prompt", "uid")}
     if "answer" not in row and "ground_truth" in row:
         row["answer"] = row["ground_truth"]
+    try:  # the row travels to the rollouts and into the journal as msgpack
+        msgpack.packb(row, use_bin_type=True)
+    except (TypeError, OverflowError, ValueError) as exc:
+        raise BadRow(f"a column value cannot be sent ({exc})") from None
     return PromptRow(uid=str(uid), prompt=prompt, row=row, where=where)
 
 
@@ -210,12 +233,19 @@ class PromptEncoder:
     def encode(self, prompt: str | list[dict[str, str]]) -> tuple[np.ndarray, str]:
         """(prompt_ids, text for the reward); raises BadRow when it cannot be served."""
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        reward_text = prompt if isinstance(prompt, str) else next(
-            (m["content"] for m in reversed(messages) if m["role"] == "user"), messages[-1]["content"]
+        reward_text = (
+            prompt
+            if isinstance(prompt, str)
+            else next(
+                (m["content"] for m in reversed(messages) if m["role"] == "user"),
+                messages[-1]["content"],
+            )
         )
         try:
             if self.use_template:
-                text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+                text = self.tok.apply_chat_template(
+                    messages, tokenize=False, add_generation_prompt=True
+                )
                 ids = list(self.tok(text, add_special_tokens=False)["input_ids"])
             else:
                 text = prompt if isinstance(prompt, str) else _render_plain(messages)
@@ -253,14 +283,20 @@ class PromptPool:
     def order(self, epoch: int) -> np.ndarray:
         if self._order is None or self._order_epoch != epoch:
             n = len(self.rows)
-            self._order = np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
+            self._order = (
+                np.random.default_rng([self.seed, epoch]).permutation(n)
+                if self.shuffle
+                else np.arange(n)
+            )
             self._order_epoch = epoch
         return self._order
 
     @property
     def exhausted(self) -> bool:
-        return not self.rows or len(self.bad) >= len(self.rows) or (
-            self.epochs is not None and self.epoch >= self.epochs
+        return (
+            not self.rows
+            or len(self.bad) >= len(self.rows)
+            or (self.epochs is not None and self.epoch >= self.epochs)
         )
 
     def _next_row(self) -> tuple[int, int] | None:
@@ -301,9 +337,20 @@ class PromptPool:
             misses = 0
             group_id = f"{row.uid}@{epoch}#{self.serial}"
             self.serial += 1
-            items.append(PromptItem(uid=row.uid, group_id=group_id, prompt_ids=ids, n=n, prompt=text, row=dict(row.row)))
+            items.append(
+                PromptItem(
+                    uid=row.uid,
+                    group_id=group_id,
+                    prompt_ids=ids,
+                    n=n,
+                    prompt=text,
+                    row=dict(row.row),
+                )
+            )
         if len(items) < k:
-            return items, ("empty" if not self.rows or len(self.bad) >= len(self.rows) else "epochs_done")
+            return items, (
+                "empty" if not self.rows or len(self.bad) >= len(self.rows) else "epochs_done"
+            )
         return items, ""
 
     def cursor(self) -> dict[str, int]:

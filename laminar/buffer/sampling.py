@@ -48,7 +48,9 @@ def resolve_sampler(spec: str) -> Callable[[list[Any], random.Random], list[str]
     if fn is None:
         mod, sep, name = spec.partition(":")
         if not sep:
-            raise ValueError(f"buffer.sampling {spec!r}: use fifo | lifo | random | module:function")
+            raise ValueError(
+                f"buffer.sampling {spec!r}: use fifo | lifo | random | module:function"
+            )
         fn = getattr(importlib.import_module(mod), name)
 
     def order(groups: list[Any], rng: random.Random) -> list[str]:

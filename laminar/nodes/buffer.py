@@ -14,8 +14,20 @@ acknowledged trajectory, every outstanding batch and every commit. Nothing is
 acked before its record is written (and fsync'ed when buffer.fsync=always).
 Admission and batch planning rules: laminar/buffer/admission.py.
 
-Blocks: a BatchRequest long-polls (up to min(wait_s, buffer.max_wait_s)) until a
-batch can be served. Unblocks it: a group becoming ready, a commit, a requeue, a drop.
+Batches. A BatchRequest long-polls (up to min(wait_s, buffer.max_wait_s)) and gets
+exactly `groups` whole groups, or none when they are not there in time (info.wait
+says why: not_enough | staleness | whole_batch). The one exception is the end of
+the data: once the prompt epochs are done and nothing is generating, the last
+groups come as a shorter batch, and an empty reply says info.exhausted=True.
+info also carries the batch version and its staleness (min/max/mean/hist).
+A served batch stays outstanding until BatchCommit; restart=True puts every
+outstanding batch back at the front. Unblocks a long-poll: a group becoming ready,
+a commit, a requeue, a drop.
+
+Prompts. Served only while admission (mode, staleness bound, laminar/buffer/
+admission.py) and capacity (held + generating + n <= buffer.capacity) allow;
+otherwise reason full | staleness | need_version (+ min_version) | epochs_done | empty
+with retry_after_s. A retry with the same (rollout_id, request_id) gets the same groups.
 
 Run: laminar node --role buffer --config configs/skeleton.yaml
 """
@@ -37,8 +49,15 @@ from laminar.buffer.partials import PartialPool
 from laminar.buffer.prompts import PromptEncoder, PromptPool, load_prompts
 from laminar.node import Node
 from laminar.protocol.buffer import (
-    BatchCommit, BatchReply, BatchRequest, BufferStats, PartialsReply, PartialsRequest, PromptReply,
-    PromptRequest, TrajectoryAbandoned,
+    BatchCommit,
+    BatchReply,
+    BatchRequest,
+    BufferStats,
+    PartialsReply,
+    PartialsRequest,
+    PromptReply,
+    PromptRequest,
+    TrajectoryAbandoned,
 )  # fmt: skip
 from laminar.protocol.core import Ack, ErrorReply, NodeStatus
 from laminar.protocol.data import PartialChunk, PartialTrajectory, Trajectory
@@ -116,7 +135,9 @@ class BufferNode(Node):
 
             tok = await self.compute(load_tokenizer, cfg.model.path)
         else:
-            self.log.info("byte_prompt_ids", reason="model.path not set: prompt ids are UTF-8 bytes")
+            self.log.info(
+                "byte_prompt_ids", reason="model.path not set: prompt ids are UTF-8 bytes"
+            )
         encoder = PromptEncoder(tok, cfg.data.chat_template, cfg.data.max_prompt_tokens)
         self.pool = PromptPool(rows, encoder, shuffle=cfg.data.shuffle, seed=cfg.data.seed, epochs=cfg.data.epochs,
                                on_bad=self._bad_row)  # fmt: skip
@@ -162,14 +183,16 @@ class BufferNode(Node):
 
     async def _compact(self) -> None:
         assert self.journal is not None
-        await self.journal.durable(self.journal.written)  # no fsync in flight on the old file
+        await self.journal.quiesce()  # no fsync in flight on the file being replaced
         before = self.journal.size
         t0 = time.monotonic()
         self.journal.rewrite(self.state.snapshot_records())
         after = self.journal.size
         self._compact_at = max(self.cfg.buffer.compact_bytes, 2 * after)
         self.metrics.count("compactions")
-        self.log.info("journal_compacted", before=before, after=after, seconds=round(time.monotonic() - t0, 3))
+        self.log.info(
+            "journal_compacted", before=before, after=after, seconds=round(time.monotonic() - t0, 3)
+        )
 
     # ---- rollouts -----------------------------------------------------------------------
     async def _on_prompts(self, peer: Peer, req: PromptRequest) -> PromptReply:
@@ -179,7 +202,11 @@ class BufferNode(Node):
             last = st.last_reply.get(req.rollout_id)
             if last is not None and last[0] == req.request_id:  # a retry of a request we served
                 self.metrics.count("prompt_request_retries")
-                items = [g.item for gid in last[1] if (g := st.groups.get(gid)) is not None and g.item is not None]
+                items = [
+                    g.item
+                    for gid in last[1]
+                    if (g := st.groups.get(gid)) is not None and g.item is not None
+                ]
                 await self._durable()
                 return PromptReply(items=items)
         wait = bc.retry_after_s
@@ -209,7 +236,7 @@ class BufferNode(Node):
                            for i, it in enumerate(items)]}  # fmt: skip
         try:
             off = self._record("served", body, items)
-        except OSError:
+        except Exception:
             self.pool.restore(cursor)  # not journaled: serve these rows again later
             raise
         self.metrics.count("prompts_served", len(items))
@@ -259,14 +286,27 @@ class BufferNode(Node):
         have = {p.uid for p in out} | set(self.partials.records)
         # samples handed out but never started hold no tokens yet: resuming them is starting them
         if req.uids:
-            wanted = [(u.rpartition("/")[0], u.rpartition("/")[2]) for u in req.uids if u not in have]
-            targets = [(g, int(i)) for gid, i in wanted if i.isdigit() and (g := self.state.groups.get(gid))]
+            wanted = [
+                (u.rpartition("/")[0], u.rpartition("/")[2]) for u in req.uids if u not in have
+            ]
+            targets = [
+                (g, int(i))
+                for gid, i in wanted
+                if i.isdigit() and (g := self.state.groups.get(gid))
+            ]
         else:
             targets = [(g, i) for g in self.state.groups.values() if g.rollout_id == req.rollout_id
                        for i in range(g.n)]  # fmt: skip
         for g, i in targets:
             uid = f"{g.group_id}/{i}"
-            if g.state != OPEN or g.item is None or i >= g.n or i in g.members or i in g.lost or uid in have:
+            if (
+                g.state != OPEN
+                or g.item is None
+                or i >= g.n
+                or i in g.members
+                or i in g.lost
+                or uid in have
+            ):
                 continue
             out.append(PartialTrajectory(uid=uid, group_id=g.group_id, prompt_uid=g.prompt_uid, sample_index=i,
                                          prompt_ids=g.item.prompt_ids, response_ids=_EMPTY_I, logprobs=_EMPTY_F,
@@ -277,13 +317,23 @@ class BufferNode(Node):
     # ---- trainer ------------------------------------------------------------------------
     async def _on_batch(self, peer: Peer, req: BatchRequest) -> BatchReply | ErrorReply:
         if req.groups <= 0:
-            return ErrorReply(code="protocol", message=f"BatchRequest.groups must be >= 1, got {req.groups}")
+            return ErrorReply(
+                code="protocol", message=f"BatchRequest.groups must be >= 1, got {req.groups}"
+            )
         st = self.state
         async with self._batch_lock:
             if req.restart:
                 requeued = [b.batch_id for b in st.outstanding()]
-                off = self._record("requeue", {"trainer_version": req.trainer_version, "trainer_id": req.trainer_id})
-                self.log.info("trainer_restart", trainer=req.trainer_id, version=req.trainer_version, requeued=requeued)
+                off = self._record(
+                    "requeue",
+                    {"trainer_version": req.trainer_version, "trainer_id": req.trainer_id},
+                )
+                self.log.info(
+                    "trainer_restart",
+                    trainer=req.trainer_id,
+                    version=req.trainer_version,
+                    requeued=requeued,
+                )
                 self._notify()
                 await self._durable(off)
             else:
@@ -310,7 +360,9 @@ class BufferNode(Node):
                 except TimeoutError:
                     pass
 
-    async def _serve_batch(self, req: BatchRequest, version: int, group_ids: list[str]) -> BatchReply:
+    async def _serve_batch(
+        self, req: BatchRequest, version: int, group_ids: list[str]
+    ) -> BatchReply:
         st = self.state
         requeued = sum(1 for gid in group_ids if st.groups[gid].front)
         partial = sum(1 for gid in group_ids if st.groups[gid].lost)
@@ -333,14 +385,18 @@ class BufferNode(Node):
         b = self.state.batches.get(c.batch_id)
         if b is None:
             self.metrics.count("commits_unknown")
-            return ErrorReply(code="unknown_batch", message=f"no batch {c.batch_id!r} was served by this buffer")
+            return ErrorReply(
+                code="unknown_batch", message=f"no batch {c.batch_id!r} was served by this buffer"
+            )
         if b.state == COMMITTED:
             self.metrics.count("commits_duplicate")
             await self._durable()
             return Ack(info={"duplicate": True})
         if b.state != "outstanding":
             self.metrics.count("commits_requeued")
-            return Ack(ok=False, info={"reason": f"batch {c.batch_id} was put back by a trainer restart"})
+            return Ack(
+                ok=False, info={"reason": f"batch {c.batch_id} was put back by a trainer restart"}
+            )
         off = self._record("commit", {"batch_id": c.batch_id, "step": c.step, "version": c.version})
         self._notify()
         await self._durable(off)
@@ -366,7 +422,11 @@ class BufferNode(Node):
                               "serial": self.pool.serial, "bad_rows": len(self.pool.bad),
                               "exhausted": self.pool.exhausted}  # fmt: skip
         if self.journal is not None:
-            out["journal"] = {"path": str(self.journal.path), "size": self.journal.size, **self.journal.stats}
+            out["journal"] = {
+                "path": str(self.journal.path),
+                "size": self.journal.size,
+                **self.journal.stats,
+            }
         return out
 
     def status(self) -> NodeStatus:

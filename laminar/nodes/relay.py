@@ -129,7 +129,10 @@ class RelayNode(Node):
         for token, (owner, _vs, _t) in list(self._staging.items()):
             if owner == peer.node_id:
                 self._drop_staging(token, "restaged")
-        self.chain.become_head(f"trainer {peer.node_id} pushes here")
+        master = self.chain.named_master()
+        if not msg.takeover and master not in (self.index, -1):
+            return ErrorReply(code="not_master", message=f"master={master}")
+        self.chain.become_head(f"trainer {peer.node_id} pushes here (takeover={msg.takeover})")
         try:
             vs = await self.store.begin(msg.version, msg.layout, self.cfg.relay.chunk_bytes, source="trainer", staging=True)
         except OutOfSlots as exc:

@@ -44,7 +44,13 @@ from laminar.protocol.buffer import PromptReply, PromptRequest, TrajectoryAbando
 from laminar.protocol.core import ErrorReply, NodeStatus
 from laminar.protocol.data import PartialTrajectory, PromptItem
 from laminar.protocol.rollout import (
-    VERSION_MISMATCH, ExportReply, ExportRequest, ImportReply, ImportRequest, RefreshReply, RefreshRequest,
+    VERSION_MISMATCH,
+    ExportReply,
+    ExportRequest,
+    ImportReply,
+    ImportRequest,
+    RefreshReply,
+    RefreshRequest,
 )  # fmt: skip
 from laminar.rollout.outbox import Outbox, net_call
 from laminar.rollout.tracking import GroupState, SeqState
@@ -84,8 +90,14 @@ class RolloutNode(Node):
 
     # ---- lifecycle --------------------------------------------------------------------
     async def setup(self) -> None:
-        cfg = self.cfg
-        t = cfg.transport
+        cfg, t = self.cfg, self.cfg.transport
+        # the reward first: a bad reward.fn fails the node at once, with the fix in the message
+        if cfg.rollout.engine != "sim" or cfg.reward.sim == "fn":
+            from laminar.rewards.runner import RewardRunner
+
+            self.rewards = RewardRunner.from_config(cfg)
+            await self.rewards.start()
+            self.on_close(self.rewards.close)
         self.buffer = self.client(cfg.endpoint("buffer"), on_connect=self._on_buffer_connect)
         await self.buffer.connect(timeout=t.startup_timeout_s)
         self._supervise(self.buffer)
@@ -94,7 +106,13 @@ class RolloutNode(Node):
         if self.engine is None:
             from laminar.engines import make_engine
 
-            self.engine = make_engine(cfg)
+            # loading a torch model blocks for seconds: off the loop, so sibling nodes keep beating
+            build = (
+                asyncio.to_thread(make_engine, cfg)
+                if cfg.rollout.engine == "torch"
+                else _now(make_engine, cfg)
+            )
+            self.engine = await build
         await self.engine.start()
         self.version = self.engine.version
         self.on_close(self.engine.close)
@@ -102,22 +120,10 @@ class RolloutNode(Node):
             self.source = make_weight_source(self)
         await self.source.start()
         self.on_close(self.source.close)
-        if cfg.rollout.engine == "sim":
-            if cfg.reward.sim == "fn":
-                await self._start_rewards()
-        else:
-            if cfg.model.path:
-                from laminar.models.tiny import load_tokenizer
+        if cfg.rollout.engine != "sim" and cfg.model.path:
+            from laminar.models.tiny import load_tokenizer
 
-                self.tokenizer = load_tokenizer(cfg.model.path)
-            await self._start_rewards()
-
-    async def _start_rewards(self) -> None:
-        from laminar.rewards.runner import RewardRunner
-
-        self.rewards = RewardRunner.from_config(self.cfg)
-        await self.rewards.start()  # a bad reward.fn fails the node here, with the fix in the message
-        self.on_close(self.rewards.close)
+            self.tokenizer = await asyncio.to_thread(load_tokenizer, cfg.model.path)
 
     async def _register(self) -> None:
         await super()._register()
@@ -140,14 +146,19 @@ class RolloutNode(Node):
         budget = self.cfg.transport.stop_timeout_s * 0.9
         deadline = time.monotonic() + budget
         await self._until(lambda: not self.seqs, budget / 2)
-        for seq in self.seqs.values():  # unfinished: the pool gets every token for recovery elsewhere
+        # unfinished ones: the partial pool gets every token, for recovery elsewhere
+        for seq in self.seqs.values():
             if seq.length > seq.sent_upto or seq.sent_upto == 0:
                 self._dirty.add(seq.uid)
         await self._flush_partials()
         if self._reward_tasks:
-            await asyncio.wait(set(self._reward_tasks), timeout=max(0.0, deadline - time.monotonic()))
+            await asyncio.wait(
+                set(self._reward_tasks), timeout=max(0.0, deadline - time.monotonic())
+            )
         ok = await self.outbox.flush(max(0.0, deadline - time.monotonic()))
-        self.log.info("drained", unfinished=len(self.seqs), outbox_left=len(self.outbox), flushed=ok)
+        self.log.info(
+            "drained", unfinished=len(self.seqs), outbox_left=len(self.outbox), flushed=ok
+        )
 
     async def teardown(self) -> None:
         for t in list(self._reward_tasks):  # only left when the drain budget ran out
@@ -188,7 +199,8 @@ class RolloutNode(Node):
         backoff = self.cfg.rollout.prompt_retry_s
         unanswered: PromptRequest | None = None
         while not (self.stopping.is_set() or self._draining):
-            if unanswered is None:  # (a request that may have been served is retried as is, before any load)
+            # a request that may have been served is retried as is, before any weight load
+            if unanswered is None:
                 if self._target_version() > self.version:
                     if not self.seqs and await self._refresh():
                         continue
@@ -260,7 +272,12 @@ class RolloutNode(Node):
                 return False
             self.version = max(version, self.version)
         self.metrics.add("weight_load_s", time.monotonic() - t0)
-        self.log.info("weights_loaded", version=self.version, previous=old, load_s=round(time.monotonic() - t0, 3))
+        self.log.info(
+            "weights_loaded",
+            version=self.version,
+            previous=old,
+            load_s=round(time.monotonic() - t0, 3),
+        )
         if self.version >= self.required_version:
             self.refresh_requested = False
         return True
@@ -282,7 +299,9 @@ class RolloutNode(Node):
             return
         if item.n < 1 or len(item.prompt_ids) == 0:
             self.metrics.count("bad_prompt_item")
-            self.log.warning("bad_prompt_item", group_id=item.group_id, n=item.n, prompt_len=len(item.prompt_ids))
+            self.log.warning(
+                "bad_prompt_item", group_id=item.group_id, n=item.n, prompt_len=len(item.prompt_ids)
+            )
             for i in range(max(item.n, 0)):
                 self.outbox.put(TrajectoryAbandoned(uid=f"{item.group_id}/{i}", group_id=item.group_id,
                                                     reason="bad prompt item"))  # fmt: skip
@@ -309,7 +328,12 @@ class RolloutNode(Node):
                 continue
             if ev.version != seq.version:
                 self.metrics.count("version_mismatch_events")
-                self.log.error("event_version_mismatch", uid=seq.uid, seq_version=seq.version, ev_version=ev.version)
+                self.log.error(
+                    "event_version_mismatch",
+                    uid=seq.uid,
+                    seq_version=seq.version,
+                    ev_version=ev.version,
+                )
             if len(ev.token_ids):
                 seq.append(ev.token_ids, ev.logprobs, time.time())
             if ev.finished:
@@ -323,7 +347,9 @@ class RolloutNode(Node):
         self._forget(seq.uid)
         if ev.finish_reason == "abort":  # aborted by the engine itself: nobody will resume it
             self.metrics.count("engine_aborts")
-            self.outbox.put(TrajectoryAbandoned(uid=seq.uid, group_id=seq.group_id, reason="engine abort"))
+            self.outbox.put(
+                TrajectoryAbandoned(uid=seq.uid, group_id=seq.group_id, reason="engine abort")
+            )
             return
         task = asyncio.ensure_future(self._deliver(seq, ev.finish_reason or "stop"))
         self._reward_tasks.add(task)
@@ -332,7 +358,8 @@ class RolloutNode(Node):
     def _reward_done(self, task: asyncio.Task) -> None:
         self._reward_tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
-            self._task_done(task)  # a bug here must stop the node loudly, not lose the trajectory silently
+            # a bug here must stop the node loudly, not lose the trajectory silently
+            self._task_done(task)
 
     def _forget(self, uid: str) -> None:
         seq = self.seqs.pop(uid, None)
@@ -352,8 +379,11 @@ class RolloutNode(Node):
         latest = self.source.latest_version() if self.source is not None else -1
         traj.staleness_at_finish = max(0, latest - seq.version)
         if self.tokenizer is not None:
-            traj.completion = self.tokenizer.decode(traj.response_ids.tolist(), skip_special_tokens=True)
-        if reason == "error":  # the engine could not run it (e.g. prompt too long): kept, excluded from training
+            traj.completion = self.tokenizer.decode(
+                traj.response_ids.tolist(), skip_special_tokens=True
+            )
+        if reason == "error":
+            # the engine could not run it (e.g. prompt too long): delivered, excluded from training
             self.metrics.count("engine_errors")
             traj.reward, traj.reward_info = None, {"error": "engine error", "error_kind": "engine"}
         elif self.rewards is not None:
@@ -427,7 +457,8 @@ class RolloutNode(Node):
             p = by_id.get(u)
             if seq is None:  # finished (final event handled) while the abort was on its way
                 continue
-            if p is None:  # finished inside the engine before the abort: its queued final event completes it here
+            if p is None:
+                # finished inside the engine before the abort: its queued final event completes it here
                 seq.exporting = False
                 continue
             partials.append(seq.partial(p.output_ids, p.logprobs, self.node_id))
@@ -435,7 +466,9 @@ class RolloutNode(Node):
         exported = {p.uid for p in partials}
         self.metrics.count("exported", len(partials))
         self.log.info("exported", count=len(partials), missing=len(uids) - len(exported))
-        return ExportReply(partials=partials, missing=[u for u in uids if u not in exported], version=self.version)
+        return ExportReply(
+            partials=partials, missing=[u for u in uids if u not in exported], version=self.version
+        )
 
     async def _on_import(self, peer: Any, msg: ImportRequest) -> ImportReply | ErrorReply:
         assert self.engine is not None
@@ -445,9 +478,16 @@ class RolloutNode(Node):
                 self.metrics.count("import_rejected", len(msg.partials))
                 return ErrorReply(code=VERSION_MISMATCH, message=f"{self.node_id} is at version {self.version}; "
                                   f"{len(wrong)} partial(s) are not (e.g. {wrong[0]})")  # fmt: skip
-            bad = [p.uid for p in msg.partials if len(p.prompt_ids) == 0 or len(p.response_ids) != len(p.logprobs)]
+            bad = [
+                p.uid
+                for p in msg.partials
+                if len(p.prompt_ids) == 0 or len(p.response_ids) != len(p.logprobs)
+            ]
             if bad:
-                return ErrorReply(code="bad_partial", message=f"empty prompt or ids/logprobs length mismatch: {bad[:3]}")
+                return ErrorReply(
+                    code="bad_partial",
+                    message=f"empty prompt or ids/logprobs length mismatch: {bad[:3]}",
+                )
             accepted, duplicate = [], []
             now = time.time()
             for p in msg.partials:
@@ -457,9 +497,12 @@ class RolloutNode(Node):
                 seq = SeqState.from_partial(p, now)
                 self.seqs[seq.uid] = seq
                 self.groups.setdefault(seq.group_id, GroupState(seq.group_id)).open.add(seq.uid)
-                state = PartialState(seq.uid, seq.prompt_ids, seq.ids.copy(), seq.logprobs.copy(), seq.version)
+                state = PartialState(
+                    seq.uid, seq.prompt_ids, seq.ids.copy(), seq.logprobs.copy(), seq.version
+                )
                 self.engine.submit(GenRequest.resume(state, self.params))
-                self._mark_dirty(seq.uid)  # header + every token so far: the pool now knows it is here
+                # header + every token so far: the partial pool now knows it runs here
+                self._mark_dirty(seq.uid)
                 accepted.append(seq.uid)
         self.metrics.count("imported", len(accepted))
         self.log.info("imported", count=len(accepted), duplicate=len(duplicate))
@@ -470,3 +513,7 @@ class RolloutNode(Node):
         self.refresh_requested = True
         self._wake.set()
         return RefreshReply(version=self.version, pending=self._target_version() > self.version)
+
+
+async def _now(fn: Any, *args: Any) -> Any:
+    return fn(*args)

@@ -74,7 +74,7 @@ class TrainerNode(Node):
         self._step_lock = asyncio.Lock()
         self._resumed_from: Path | None = None
         self._republish = False
-        self._last_ckpt_step = -1
+        self._last_ckpt_step = 0  # step 0 is the initial model: nothing to checkpoint
         self._followers_done = asyncio.Event()
         self.last: dict[str, float] = {}
 
@@ -412,8 +412,12 @@ class TrainerNode(Node):
         os.replace(tmp, path)
 
     def _fault(self, point: str) -> None:
-        """Fault injection for recovery tests: extra.fault = {point: step} kills the process there."""
+        """Fault injection for recovery tests: extra.fault = {point: step} kills the process there
+        (exit code 17); with extra.fault.action=raise the node dies of an exception instead
+        (in-process tests: no drain, no checkpoint, like a crash)."""
         fault = self.cfg.extra.get("fault") or {}
         if fault.get(point) == self.step:
             self.log.warning("fault_injected", point=point, step=self.step)
+            if fault.get("action") == "raise":
+                raise RuntimeError(f"fault injected at {point}, step {self.step}")
             os._exit(17)

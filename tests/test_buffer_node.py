@@ -1,0 +1,482 @@
+"""Buffer node over inproc (a manager and a buffer node in this process, RpcClients as rollouts/trainer).
+
+    .venv/bin/python -m pytest tests/test_buffer_node.py -q
+
+Covers: prompts -> trajectories -> batches -> commits, trainer-crash semantics (requeue, exactly-once,
+also across a buffer restart), back-pressure, the staleness bound with fake rollouts in every mode,
+the partial pool and recovery query, bad input, the prompt cursor across restarts, long-poll wakeup.
+The kill -9 test with real processes is tests/test_buffer_process.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import shutil
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from laminar.config import config_from_dict
+from laminar.nodes.buffer import BufferNode
+from laminar.nodes.manager import ManagerNode
+from laminar.protocol.buffer import (
+    BatchCommit,
+    BatchReply,
+    BatchRequest,
+    BufferStats,
+    PartialsRequest,
+    PromptReply,
+    PromptRequest,
+    TrajectoryAbandoned,
+)  # fmt: skip
+from laminar.protocol.core import Ack
+from laminar.protocol.data import PartialChunk, PartialTrajectory, PromptItem, Trajectory
+from laminar.transport.sockets import RemoteError, RpcClient, SocketOptions, new_context
+
+N, B = 2, 2
+
+
+def make_cfg(tmp: Path, rows: int = 20, transport: str = "inproc", **sections):
+    data = tmp / "train.jsonl"
+    if not data.exists():
+        data.write_text(
+            "".join(
+                json.dumps({"prompt": f"{i}+{i}?", "answer": str(2 * i)}) + "\n"
+                for i in range(rows)
+            )
+        )
+    base = {
+        "name": f"bt{uuid.uuid4().hex[:8]}", "run_dir": str(tmp / "run"), "mode": "laminar",
+        # restart tests use ipc: an inproc name stays taken until zmq reaps the closed socket
+        "cluster": {"transport": transport, "ipc_dir": tempfile.mkdtemp(prefix="lamb-", dir="/tmp")},
+        "transport": {"heartbeat_interval_s": 0.05, "heartbeat_liveness": 20, "handshake_timeout_s": 1.0,
+                      "request_timeout_s": 5.0, "request_retries": 0, "stop_timeout_s": 2.0},
+        "data": {"train": str(data), "seed": 1},
+        "rollout": {"group_size": N}, "trainer": {"batch_groups": B},
+        "buffer": {"fsync": "batch"},
+    }  # fmt: skip
+    for key, val in sections.items():
+        if isinstance(val, dict):
+            base.setdefault(key, {}).update(val)
+        else:
+            base[key] = val
+    return config_from_dict(base)
+
+
+class Harness:
+    """A manager + a buffer node on one zmq context; clients speak to the buffer like rollouts do."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.ctx = new_context()
+        self.tasks: list[asyncio.Task] = []
+        self.clients: list[RpcClient] = []
+        self.buffer: BufferNode | None = None
+        self._buffer_task: asyncio.Task | None = None
+
+    async def _start(self, node):
+        task = asyncio.create_task(node.run())
+        ready = asyncio.create_task(node.ready.wait())
+        done, _ = await asyncio.wait({task, ready}, timeout=30, return_when=asyncio.FIRST_COMPLETED)
+        assert ready in done, task.result() if task.done() else "node not ready in 30 s"
+        return task
+
+    async def start(self) -> Harness:
+        self.manager = ManagerNode(self.cfg, ctx=self.ctx)
+        self.tasks.append(await self._start(self.manager))
+        await self.start_buffer()
+        return self
+
+    async def start_buffer(self) -> BufferNode:
+        self.buffer = BufferNode(self.cfg, ctx=self.ctx)
+        self._buffer_task = await self._start(self.buffer)
+        return self.buffer
+
+    async def stop_buffer(self) -> None:
+        self.buffer.request_stop("test restart")
+        await asyncio.wait_for(self._buffer_task, 10)
+
+    async def client(self, name: str, role: str = "rollout") -> RpcClient:
+        opts = SocketOptions.from_config(self.cfg)
+        cli = RpcClient(self.ctx, self.cfg.endpoint("buffer"), name, role, opts)
+        await cli.connect(timeout=5)
+        self.clients.append(cli)
+        return cli
+
+    async def close(self) -> None:
+        for c in self.clients:
+            await c.close()
+        if self.buffer is not None and not self._buffer_task.done():
+            await self.stop_buffer()
+        self.manager.request_stop("test over")
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        self.ctx.destroy(linger=0)
+        shutil.rmtree(self.cfg.ipc_dir(), ignore_errors=True)
+
+
+@pytest.fixture
+async def harness(tmp_path):
+    made: list[Harness] = []
+
+    async def make(**sections) -> Harness:
+        h = await Harness(make_cfg(tmp_path, **sections)).start()
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        await h.close()
+
+
+def finished(
+    item: PromptItem,
+    i: int,
+    version: int,
+    reward: float | None = 1.0,
+    rollout: str = "r0",
+    tokens: int = 3,
+) -> Trajectory:
+    ids = np.arange(tokens, dtype=np.int32) + i
+    return Trajectory(uid=f"{item.group_id}/{i}", group_id=item.group_id, prompt_uid=item.uid, sample_index=i,
+                      prompt_ids=item.prompt_ids, response_ids=ids, logprobs=np.full(tokens, -1.0, np.float32),
+                      version=version, reward=reward, rollout_id=rollout, prompt=item.prompt, row=item.row)  # fmt: skip
+
+
+async def prompts(cli: RpcClient, k: int, version: int = 0, rid: str = "r0", **kw) -> PromptReply:
+    reply = await cli.request(PromptRequest(rollout_id=rid, max_groups=k, version=version, **kw))
+    assert isinstance(reply, PromptReply)
+    return reply
+
+
+async def complete(
+    cli: RpcClient, items: list[PromptItem], version: int = 0, tokens: int = 3
+) -> None:
+    for it in items:
+        for i in range(it.n):
+            assert isinstance(await cli.request(finished(it, i, version, tokens=tokens)), Ack)
+
+
+async def batch(
+    cli: RpcClient, version: int, wait_s: float = 0.0, restart: bool = False, groups: int = B
+) -> BatchReply:
+    reply = await cli.request(BatchRequest(trainer_id="t0", groups=groups, trainer_version=version, wait_s=wait_s,
+                                           restart=restart))  # fmt: skip
+    assert isinstance(reply, BatchReply)
+    return reply
+
+
+def group_ids(reply: BatchReply) -> list[str]:
+    return sorted({t.group_id for t in reply.trajectories})
+
+
+async def stats(cli: RpcClient) -> dict:
+    return (await cli.request(BufferStats())).stats
+
+
+async def test_prompts_trajectories_batch_commit(harness):
+    h = await harness()
+    ro, tr = await h.client("r0"), await h.client("t0", "trainer")
+    rep = await prompts(ro, 3)
+    assert len(rep.items) == 3 and all(it.n == N for it in rep.items) and rep.min_version == -1
+    assert len({it.group_id for it in rep.items}) == 3 and rep.items[0].row["answer"]
+    assert (
+        rep.items[0].prompt_ids.dtype == np.int32
+        and bytes(rep.items[0].prompt_ids.tolist()).decode() == rep.items[0].prompt
+    )
+    empty = await batch(tr, 0)
+    assert empty.trajectories == [] and empty.info["wait"] == "not_enough"
+    await complete(ro, rep.items)
+    dup = await ro.request(finished(rep.items[0], 0, 0))
+    assert isinstance(dup, Ack) and dup.info["duplicate"]
+    b = await batch(tr, 0)
+    assert (
+        b.batch_id
+        and len(b.trajectories) == B * N
+        and group_ids(b) == sorted(it.group_id for it in rep.items[:B])
+    )
+    assert b.info["staleness"]["max"] == 0 and b.info["version"] == 0
+    ack = await tr.request(BatchCommit(batch_id=b.batch_id, step=1, version=1))
+    assert isinstance(ack, Ack) and ack.ok
+    again = await tr.request(BatchCommit(batch_id=b.batch_id, step=1, version=1))
+    assert again.ok and again.info["duplicate"]  # idempotent
+    s = await stats(tr)
+    assert s["groups_committed"] == B and s["held"] == N and s["trajectories"] == 3 * N
+    assert s["staleness_consumed"]["count"] == B * N and s["trainer_version"] == 1
+    st = h.buffer.status()
+    assert st.version == 1 and st.extra["groups_ready"] == 1 and st.extra["held"] == N
+
+
+async def test_trainer_restart_requeues_and_commits_are_never_served_again(harness):
+    h = await harness(rows=8, transport="ipc")
+    ro, tr = await h.client("r0"), await h.client("t0", "trainer")
+    items = (await prompts(ro, 4)).items
+    await complete(ro, items)
+    first = await batch(tr, 0)
+    # the trainer dies before committing; its replacement says restart=True
+    second = await batch(tr, 0, restart=True)
+    assert group_ids(second) == group_ids(first) and second.batch_id != first.batch_id
+    assert second.info["requeued_groups"] == B
+    late = await tr.request(BatchCommit(batch_id=first.batch_id, step=1, version=1))
+    assert late.ok is False and "restart" in late.info["reason"]  # the dead trainer's batch
+    assert (await tr.request(BatchCommit(batch_id=second.batch_id, step=1, version=1))).ok
+    third = await batch(tr, 1)
+    assert set(group_ids(third)).isdisjoint(group_ids(second))
+    # across a buffer restart: the uncommitted third batch comes back, committed groups never do
+    await h.stop_buffer()
+    await h.start_buffer()
+    tr2 = await h.client("t0b", "trainer")
+    again = await batch(tr2, 1, restart=True)
+    assert group_ids(again) == group_ids(third)
+    assert (await tr2.request(BatchCommit(batch_id=again.batch_id, step=2, version=2))).ok
+    dup = await tr2.request(BatchCommit(batch_id=second.batch_id, step=1, version=1))
+    assert dup.ok and dup.info["duplicate"]
+    with pytest.raises(RemoteError, match="unknown_batch"):
+        await tr2.request(BatchCommit(batch_id="b-nonexistent", step=3, version=3))
+    assert (await batch(tr2, 2)).trajectories == []  # all four groups consumed exactly once
+    ro2 = await h.client("r0b")
+    resent = await ro2.request(finished(items[0], 0, 0))  # a rollout resending after the restart
+    assert resent.info["ignored"] and not resent.info["duplicate"]
+    s = await stats(tr2)
+    assert s["groups_committed"] == 4 and s["held"] == 0 and s["batches_requeued"] == 2
+
+
+async def test_full_buffer_stops_serving_prompts(harness):
+    h = await harness(buffer={"capacity": 2 * N})
+    ro, tr = await h.client("r0"), await h.client("t0", "trainer")
+    items = (await prompts(ro, 5)).items
+    assert len(items) == 2  # room for two groups of N
+    full = await prompts(ro, 1)
+    assert full.items == [] and full.reason == "full" and full.retry_after_s > 0
+    await complete(ro, items)
+    assert (await prompts(ro, 1)).reason == "full"  # finished but unconsumed still counts
+    b = await batch(tr, 0)
+    assert (await prompts(ro, 1)).reason == "full"  # served but uncommitted still counts
+    await tr.request(BatchCommit(batch_id=b.batch_id, step=1, version=1))
+    assert len((await prompts(ro, 5)).items) == 2
+    assert (await stats(tr))["counters"]["prompts_refused_full"] == 3
+
+
+@pytest.mark.parametrize("mode,bound,limit", [
+    ("laminar", 1, 1), ("laminar", 0, 0), ("sync", None, 0), ("one_step", None, 1), ("stream", None, 1),
+])  # fmt: skip
+async def test_staleness_bound_with_fake_rollouts(harness, mode, bound, limit):
+    """Rollouts at lagging versions, long-tailed sample times; no consumed trajectory is staler than the bound."""
+    h = await harness(rows=200, mode=mode, buffer={"max_staleness": bound})
+    trainer_cli = await h.client("t0", "trainer")
+    published = {"v": 0}
+    steps, seen = 8, []
+
+    async def rollout(rid: str, seed: int) -> None:
+        rng = random.Random(seed)
+        cli = await h.client(rid)
+        version = 0
+        while published["v"] < steps:
+            if rng.random() < 0.3:
+                version = published["v"]  # idle: pull the newest weights (sometimes)
+            rep = await prompts(cli, rng.randint(1, 2), version, rid)
+            if rep.reason == "need_version":
+                version = max(version, min(rep.min_version, published["v"]))
+            if not rep.items:
+                await asyncio.sleep(0.005)  # retry_after, shortened
+                continue
+            for it in rep.items:
+                for i in range(it.n):
+                    await asyncio.sleep(
+                        rng.expovariate(1 / 0.004) * (10 if rng.random() < 0.1 else 1)
+                    )  # generation
+                    await cli.request(finished(it, i, version, rollout=rid))
+
+    async def trainer() -> None:
+        v = 0
+        while v < steps:
+            b = await batch(trainer_cli, v, wait_s=0.5)
+            if not b.trajectories:
+                continue
+            seen.extend(b.info["version"] - t.version for t in b.trajectories)
+            assert b.info["staleness"]["max"] <= limit, b.info
+            v = b.info["version"] + 1
+            await trainer_cli.request(BatchCommit(batch_id=b.batch_id, step=v, version=v))
+            published["v"] = v
+
+    workers = [asyncio.create_task(rollout(f"r{i}", i)) for i in range(3)]
+    await asyncio.wait_for(trainer(), 60)
+    for w in workers:
+        w.cancel()
+    await asyncio.gather(*workers, return_exceptions=True)
+    s = await stats(trainer_cli)
+    assert len(seen) >= steps * B * N - steps and max(seen) <= limit
+    assert s["staleness_consumed"]["max"] <= limit and s.get("groups_dropped", 0) == 0
+
+
+async def test_partial_pool_and_recovery_query(harness):
+    h = await harness()
+    ro, mgr = await h.client("r0"), await h.client("m0", "manager")
+    item = (await prompts(ro, 1, rid="r0")).items[0]
+    uid = f"{item.group_id}/0"
+    header = PartialTrajectory(uid=uid, group_id=item.group_id, prompt_uid=item.uid, sample_index=0,
+                               prompt_ids=item.prompt_ids, response_ids=np.zeros(0, np.int32),
+                               logprobs=np.zeros(0, np.float32), version=0, n=N, rollout_id="r0")  # fmt: skip
+
+    def chunk(offset, ids, hdr=None):
+        return PartialChunk(uid=uid, version=0, offset=offset, token_ids=np.asarray(ids, np.int32),
+                            logprobs=np.full(len(ids), -0.1, np.float32), rollout_id="r0", header=hdr)  # fmt: skip
+
+    await ro.send(chunk(0, [1, 2, 3], header))
+    await ro.send(chunk(3, [4, 5]))
+    await ro.send(chunk(2, [3, 4, 5, 6]))  # overlap: only 6 is new
+    await ro.send(chunk(4, [5]))  # duplicate
+    await ro.send(chunk(9, [9]))  # gap: ignored
+    # asked on the same socket: handled after the one-way chunks before it (one connection is ordered)
+    reply = await ro.request(PartialsRequest(rollout_id="r0"))
+    by_uid = {p.uid: p for p in reply.partials}
+    assert by_uid[uid].response_ids.tolist() == [1, 2, 3, 4, 5, 6] and by_uid[
+        uid
+    ].logprobs.shape == (6,)
+    assert by_uid[f"{item.group_id}/1"].response_ids.tolist() == []  # handed out, not started
+    assert by_uid[f"{item.group_id}/1"].prompt_ids.tolist() == item.prompt_ids.tolist()
+    assert (await mgr.request(PartialsRequest(uids=[uid]))).partials[0].uid == uid
+    assert (await mgr.request(PartialsRequest(rollout_id="other"))).partials == []
+    await ro.request(finished(item, 0, 0))
+    await ro.request(
+        TrajectoryAbandoned(uid=f"{item.group_id}/1", group_id=item.group_id, reason="test")
+    )
+    assert (await mgr.request(PartialsRequest(rollout_id="r0"))).partials == []
+    s = await stats(mgr)
+    assert (
+        s["partials"]["gaps"] == 1
+        and s["partials"]["duplicates"] == 1
+        and s["partials"]["overlaps"] == 1
+    )
+    assert (
+        s["groups_ready"] == 1 and s["abandoned"] == 1
+    )  # release_partial: released with one member
+
+
+async def test_bad_input_is_rejected_and_counted(harness):
+    h = await harness()
+    ro, tr = await h.client("r0"), await h.client("t0", "trainer")
+    item = (await prompts(ro, 1)).items[0]
+    bad = finished(item, 0, 0)
+    bad.logprobs = np.zeros(1, np.float32)
+    with pytest.raises(RemoteError, match="protocol"):
+        await ro.request(bad)
+    with pytest.raises(RemoteError, match="outside group"):
+        await ro.request(finished(item, 7, 0))
+    with pytest.raises(RemoteError, match="protocol"):
+        await ro.request(TrajectoryAbandoned(uid="nonsense", group_id=item.group_id))
+    with pytest.raises(RemoteError, match="protocol"):
+        await tr.request(BatchRequest(trainer_id="t0", groups=0, trainer_version=0))
+    await ro.send(PartialChunk(uid="nobody/0", version=0, offset=3, token_ids=np.zeros(1, np.int32),
+                               logprobs=np.zeros(1, np.float32)))  # fmt: skip
+    s = await stats(tr)
+    assert s["counters"]["trajectories_rejected"] == 2 and s["partials"]["unknown"] == 1
+    assert isinstance(await ro.request(finished(item, 0, 0)), Ack)  # still serving
+
+
+async def test_prompt_cursor_and_state_survive_restart(harness):
+    h = await harness(rows=5, transport="ipc")
+    ro = await h.client("r0")
+    first = (await prompts(ro, 3, request_id="q1")).items
+    retry = (await prompts(ro, 3, request_id="q1")).items  # the reply was lost: same groups again
+    assert [it.group_id for it in retry] == [it.group_id for it in first]
+    await complete(ro, first[:1])
+    await h.stop_buffer()
+    await h.start_buffer()
+    ro2 = await h.client("r0b")
+    after = (await prompts(ro2, 4)).items
+    ids = [it.group_id for it in first + after]
+    assert [int(g.rsplit("#", 1)[1]) for g in ids] == list(range(7)) and len(set(ids)) == 7
+    uids = [it.uid for it in first + after]
+    assert len(set(uids[:5])) == 5 and after[-1].group_id.split("@")[1].startswith(
+        "1#"
+    )  # epoch 1 began
+    s = await stats(ro2)
+    assert s["held"] == N and s["groups_ready"] == 1 and s["pending"] == 6 * N
+
+
+async def test_long_poll_wakes_when_a_group_completes(harness):
+    h = await harness(trainer={"batch_groups": 1})
+    ro, tr = await h.client("r0"), await h.client("t0", "trainer")
+    item = (await prompts(ro, 1)).items[0]
+    await ro.request(finished(item, 0, 0))
+    t0 = time.monotonic()
+    pending = asyncio.ensure_future(batch(tr, 0, wait_s=4.0, groups=1))
+    await ro.request(finished(item, 1, 0))
+    b = await pending
+    assert len(b.trajectories) == N and time.monotonic() - t0 < 2.0
+
+
+async def test_journal_compaction_keeps_the_live_state(harness):
+    h = await harness(rows=40, transport="ipc", buffer={"compact_bytes": 1 << 16})
+    ro, tr = await h.client("r0"), await h.client("t0", "trainer")
+    for step in range(4):  # ~16 KiB per trajectory: the journal passes 64 KiB and gets rewritten
+        await complete(ro, (await prompts(ro, B)).items, tokens=2000)
+        b = await batch(tr, step)
+        await tr.request(BatchCommit(batch_id=b.batch_id, step=step + 1, version=step + 1))
+    await complete(ro, (await prompts(ro, B + 1)).items, tokens=2000)
+    outstanding = await batch(tr, 4)
+    before = await stats(tr)
+    assert before["counters"]["compactions"] >= 1
+    assert (
+        before["journal"]["size"] < before["journal"]["bytes"]
+    )  # smaller than everything appended
+    await h.stop_buffer()
+    await h.start_buffer()
+    tr2 = await h.client("t0b", "trainer")
+    after = await stats(tr2)
+    for key in (
+        "held",
+        "groups_ready",
+        "groups_outstanding",
+        "groups_committed",
+        "trajectories",
+        "trainer_version",
+    ):
+        assert after[key] == before[key], key
+    assert after["staleness_consumed"] == before["staleness_consumed"]
+    assert after["prompts"]["serial"] == before["prompts"]["serial"]
+    again = await batch(tr2, 4, restart=True)
+    assert group_ids(again) == group_ids(outstanding)
+    assert (await tr2.request(BatchCommit(batch_id=again.batch_id, step=5, version=5))).ok
+    assert (await stats(tr2))["groups_committed"] == 5 * B
+
+
+async def test_epochs_done_gives_a_short_last_batch_then_exhausted(harness):
+    h = await harness(rows=3, data={"epochs": 1})
+    ro, tr = await h.client("r0"), await h.client("t0", "trainer")
+    items = (await prompts(ro, 5)).items
+    assert len(items) == 3
+    done = await prompts(ro, 1)
+    assert done.items == [] and done.reason == "epochs_done"
+    await complete(ro, items)
+    first = await batch(tr, 0)
+    assert len(group_ids(first)) == B
+    assert (await tr.request(BatchCommit(batch_id=first.batch_id, step=1, version=1))).ok
+    last = await batch(tr, 1)
+    assert len(group_ids(last)) == 1  # the data ran out: a shorter final batch
+    assert (await batch(tr, 2)).info["exhausted"] is False  # outstanding until committed
+    assert (await tr.request(BatchCommit(batch_id=last.batch_id, step=2, version=2))).ok
+    assert (await batch(tr, 2)).info["exhausted"] is True
+
+
+async def test_prompts_use_the_model_tokenizer_and_chat_template(harness, tmp_path):
+    from laminar.models.tiny import char_tokenizer, load_tokenizer
+
+    tok = char_tokenizer("0123456789+?=:abcdefghijklmnopqrstuvwxyz \n")
+    tok.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}:{{ m['content'] }}\n{% endfor %}assistant:"
+    )
+    tok.save_pretrained(tmp_path / "tok")
+    h = await harness(model={"path": str(tmp_path / "tok")}, data={"max_prompt_tokens": 20})
+    ro = await h.client("r0")
+    item = (await prompts(ro, 1)).items[0]
+    assert (
+        load_tokenizer(tmp_path / "tok").decode(item.prompt_ids)
+        == f"user:{item.prompt}\nassistant:"
+    )

@@ -1,0 +1,239 @@
+"""VllmEngine adapter logic on CPU against a fake `vllm` package (tests/fakes/vllm_fake.py).
+
+    .venv/bin/python -m pytest tests/test_engine_vllm_contract.py -q
+
+What the adapter must do with vLLM's API: engine args (processed logprobs, our
+worker extension), per-sequence DELTA streams with the sampled token's logprob,
+abort -> partial state, resume as prompt + partial with max_tokens reduced, weight
+loads bracketed by pause(keep) ... reset_prefix_cache ... resume, and stats from
+the stat logger. The real-vLLM counterpart is tests/test_engine_vllm_gpu.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from fakes.vllm_fake import EOS, RequestOutputKind, install
+
+from laminar.config import LaminarConfig
+from laminar.engines import make_engine
+from laminar.engines.base import GenRequest, SamplingParams
+from laminar.engines.vllm_engine import VllmEngine, sampled_logprobs
+from laminar.engines.vllm_ext import LaminarWorkerExtension
+
+PROMPT = np.array([5, 6, 7, 8, 9, 10], np.int32)
+T = 10.0
+
+
+@pytest.fixture
+async def engine(monkeypatch):
+    fake = install(monkeypatch)
+    cfg = LaminarConfig()
+    cfg.rollout.engine = "vllm"
+    cfg.model.path = "/models/tiny"
+    cfg.rollout.max_running = 3
+    cfg.rollout.vllm_args = {"enforce_eager": True}
+    eng = make_engine(cfg)
+    assert isinstance(eng, VllmEngine)
+    await eng.start()
+    yield eng, fake
+    await eng.close()
+
+
+def reference(fake, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    ctx, toks, lps = list(prompt), [], []
+    for _ in range(n):
+        t, lp = fake.llm.next_token(ctx)
+        ctx.append(t)
+        toks.append(t)
+        lps.append(lp)
+    return toks, lps
+
+
+async def test_engine_args_and_sampling_params(engine):
+    eng, fake = engine
+    args = fake.llm.args
+    assert args["model"] == "/models/tiny" and args["logprobs_mode"] == "processed_logprobs"
+    assert args["worker_extension_cls"] == "laminar.engines.vllm_ext.LaminarWorkerExtension"
+    assert args["max_num_seqs"] == 3 and args["enforce_eager"] is True and args["dtype"] == "float32"
+    sp = eng._sampling_params(type("S", (), {"params": SamplingParams(0.7, 0.9, 50, ("##",), (9,), 4), "seq_id": "g/1"})(), 20)
+    kw = sp.kw
+    assert kw["logprobs"] == 0 and kw["output_kind"] is RequestOutputKind.DELTA and kw["n"] == 1
+    assert kw["max_tokens"] == 30 and kw["temperature"] == 0.7 and kw["top_p"] == 0.9
+    assert kw["stop"] == ["##"] and kw["include_stop_str_in_output"] and kw["detokenize"] and kw["stop_token_ids"] == [9]
+    assert isinstance(kw["seed"], int) and kw["seed"] >= 0
+
+
+async def test_generate_streams_tokens_and_sampled_logprobs(engine):
+    eng, fake = engine
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    events = []
+    async for ev in eng.generate(GenRequest("g", PROMPT, params, n=2), timeout=T):
+        events.append(ev)
+        assert len(ev.token_ids) <= 1  # one delta per step
+    want_ids, want_lps = reference(fake, PROMPT.tolist(), 12)
+    for sid in ("g/0", "g/1"):
+        evs = [e for e in events if e.seq_id == sid]
+        assert evs[-1].finish_reason == "length" and all(e.finish_reason is None for e in evs[:-1])
+        assert np.concatenate([e.token_ids for e in evs]).tolist() == want_ids
+        np.testing.assert_allclose(np.concatenate([e.logprobs for e in evs]), want_lps, rtol=1e-6)
+    # each sequence is its own vLLM request with a unique id
+    assert len(set(fake.llm.order)) == 0 and eng.stats().running == 0
+
+
+async def test_stop_reason_and_eos(engine):
+    eng, fake = engine
+    ids, _ = reference(fake, PROMPT.tolist(), 40)
+    k = next(i for i, t in enumerate(ids) if t != EOS)
+    res = await eng.generate_all(GenRequest("s", PROMPT, SamplingParams(max_tokens=40, stop_token_ids=(ids[k],)), single=True), timeout=T)
+    got, lps, reason = res["s"]
+    assert reason == "stop" and got[-1] == ids[k] and len(got) == len(lps) == k + 1
+
+
+async def test_abort_returns_partial_and_resume_continues(engine):
+    eng, fake = engine
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    eng.submit(GenRequest("x", PROMPT, params, n=2))
+    streamed = {"x/0": [], "x/1": []}
+    while min(map(len, streamed.values())) < 5:
+        ev = await eng.next_event(T)
+        streamed[ev.seq_id].extend(ev.token_ids.tolist())
+    parts = await eng.abort(["x/1", "x/0", "missing"])
+    assert [p.seq_id for p in parts] == ["x/1", "x/0"]
+    final = {}
+    while len(final) < 2:
+        ev = await eng.next_event(T)
+        assert ev.seq_id not in final, "event after the final abort"
+        streamed[ev.seq_id].extend(ev.token_ids.tolist())
+        if ev.finished:
+            assert ev.finish_reason == "abort" and len(ev.token_ids) == 0
+            final[ev.seq_id] = ev
+    want, want_lps = reference(fake, PROMPT.tolist(), 60)
+    for p in parts:
+        assert p.output_ids.tolist() == streamed[p.seq_id] == want[: len(p.output_ids)]
+        np.testing.assert_allclose(p.logprobs, want_lps[: len(p.output_ids)], rtol=1e-6)
+        assert p.prompt_ids.tolist() == PROMPT.tolist() and 5 <= len(p.output_ids) < 60
+    # resume: prompt + partial is the new prompt, max_tokens reduced by what is done
+    before = set(fake.llm.requests)
+    eng.submit(GenRequest.resume(parts[0], params))
+    ev = await eng.next_event(T)
+    (rid,) = set(fake.llm.requests) - before
+    req = fake.llm.requests[rid]
+    n_done = len(parts[0].output_ids)
+    assert req.sp.max_tokens == 60 - n_done and rid.startswith("x/1#")
+    rest = ev.token_ids.tolist()
+    while not ev.finished:
+        ev = await eng.next_event(T)
+        rest.extend(ev.token_ids.tolist())
+    assert ev.finish_reason == "length" and parts[0].output_ids.tolist() + rest == want
+    # aborting a finished sequence gives nothing back
+    assert await eng.abort(["x/1"]) == []
+
+
+async def test_abort_with_history_repeating_final_delta(engine):
+    eng, fake = engine
+    fake.llm.p12_bug = True  # vLLM <= 0.28: the final abort delta carries every logprob again
+    eng.submit(GenRequest("h", PROMPT, SamplingParams(max_tokens=100, ignore_eos=True), single=True))
+    n = 0
+    while n < 4:
+        n += len((await eng.next_event(T)).token_ids)
+    (p,) = await eng.abort(["h"])
+    assert len(p.output_ids) == len(p.logprobs) >= 4
+
+
+def test_sampled_logprobs_indexes_by_sampled_id():
+    from fakes.vllm_fake import Logprob
+
+    entries = [{3: Logprob(-0.5), 4: Logprob(-0.1)}, {7: Logprob(-2.0), 3: Logprob(-0.3)}]
+    assert sampled_logprobs([3, 7], entries) == [-0.5, -2.0]
+    assert sampled_logprobs([7], entries) == [-2.0]  # history repeated: the last entries are the new ones
+    assert sampled_logprobs([], entries) == []
+    assert np.isnan(sampled_logprobs([1], None)).all()
+
+
+async def test_load_weights_pauses_rpcs_resets_prefix_cache(engine):
+    eng, fake = engine
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    before = (await eng.generate_all(GenRequest("a", PROMPT, params, single=True), timeout=T))["a"][0]
+    weights = {"model.embed_tokens.weight": torch.ones(4, 2), "lm_head.weight": None, "x": np.full(3, 0.5, np.float32)}
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"]  # tied: shared storage
+    await eng.load_weights(weights.items(), version=7)
+    kinds = [c[0] for c in fake.llm.calls]
+    assert kinds == ["pause", "rpc", "reset_prefix_cache", "resume"]
+    assert fake.llm.calls[0] == ("pause", "keep", True)
+    assert fake.llm.calls[1][1] == "laminar_load_weights" and isinstance(fake.llm.calls[1][2][0], bytes)
+    assert fake.llm.salt == 17.5 and not fake.llm.paused
+    after = []
+    async for ev in eng.generate(GenRequest("a", PROMPT, params, single=True), timeout=T):
+        assert ev.version == 7
+        after.extend(ev.token_ids.tolist())
+    assert after != before.tolist() and eng.stats().version == 7
+    # big weights go through a file in shared memory instead of the RPC message
+    eng.rpc_max_bytes = 16
+    await eng.load_weights([("w", torch.zeros(100))], version=8)
+    rpc = fake.llm.calls[-3]
+    assert rpc[0] == "rpc" and rpc[2] == () and rpc[3]["path"].endswith(".safetensors")
+    assert not os.path.exists(rpc[3]["path"])
+
+
+async def test_stats_from_stat_logger(engine):
+    eng, fake = engine
+    assert eng.stats().running == 0 and eng.stats().kv_use == 0.0
+    eng.submit(GenRequest("q", PROMPT, SamplingParams(max_tokens=30, ignore_eos=True), n=5))
+    await eng.next_event(T)
+    await eng.next_event(T)  # at least one full step logged after all 5 were added
+    st = eng.stats()
+    assert st.running == 3 and st.waiting == 2 and 0 < st.kv_use <= 1
+    parts = await eng.abort([f"q/{i}" for i in range(5)])
+    assert len(parts) == 5 and eng.stats().running == 0 and eng.stats().tokens_generated > 0
+
+
+async def test_engine_errors_become_error_events(engine):
+    eng, fake = engine
+    fake.llm.fail_next = True
+    res = await eng.generate_all(GenRequest("e", PROMPT, SamplingParams(max_tokens=5), single=True), timeout=T)
+    assert res["e"][2] == "error"
+    res = await eng.generate_all(GenRequest("z", np.array([], np.int32), SamplingParams(max_tokens=5), single=True), timeout=T)
+    assert res["z"][2] == "error"
+    # resumed at its cap: finishes at once without a request
+    req = GenRequest("c", PROMPT, SamplingParams(max_tokens=3), resume_ids=np.array([1, 2, 3], np.int32), single=True)
+    res = await eng.generate_all(req, timeout=T)
+    assert res["c"][2] == "length" and len(res["c"][0]) == 0
+
+
+def test_worker_extension_loads_through_reload_weights():
+    import safetensors.torch
+
+    blob = safetensors.torch.save({"a": torch.ones(2), "b": torch.zeros(3)})
+
+    class NewWorker(LaminarWorkerExtension):  # vLLM >= 0.16: layerwise reload on the worker
+        def reload_weights(self, weights_iterator=None, is_checkpoint_format=True):
+            self.got = dict(weights_iterator)
+
+    w = NewWorker()
+    assert w.laminar_load_weights(blob) == 2 and set(w.got) == {"a", "b"}
+
+    class Model:
+        def load_weights(self, weights):
+            self.got = dict(weights)
+
+    class OldWorker(LaminarWorkerExtension):
+        model_runner = type("R", (), {"model": Model()})()
+
+    o = OldWorker()
+    assert o.laminar_load_weights(blob) == 2 and set(o.model_runner.model.got) == {"a", "b"}
+    with pytest.raises(ValueError):
+        o.laminar_load_weights()
+
+
+def test_missing_vllm_is_a_clear_error(monkeypatch):
+    import asyncio
+    import sys
+
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    eng = VllmEngine("/models/tiny")
+    with pytest.raises(RuntimeError, match="needs vllm installed"):
+        asyncio.run(eng.start())
