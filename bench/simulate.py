@@ -22,6 +22,21 @@ laminar.manager; only the hardware is modelled:
   the trainer actor_push_s, the version reaches relays relay_broadcast_s later, and a rollout
   pulls it (relay_pull_s) whenever it runs dry or is emptied by repack.
 
+Modes (rules from laminar.manager.staleness.policy_for):
+- sync: co-located on every GPU; global batch j generated at version j, the trainer waits for
+  all of it, then a global update. one_step: split GPUs; batch j+1 generated at version j while
+  the trainer trains batch j. stream: like one_step, but the trainer takes each mini-batch as
+  soon as its groups finished (staleness bound 1). With a global update that must wait for every
+  rollout to drain, one_step and stream differ only in how much training hides behind the tail.
+- laminar_norepack / laminar: each rollout takes its own batch, drains it, pulls the newest
+  version from its relay and takes the next; the trainer consumes finished groups FIFO. laminar
+  also repacks every repack_interval_s and right after each trainer update.
+
+Figures: throughput = tokens consumed / time between trainer-update completions over the window
+(paper §8 metric); rollout idle = share of rollout time with nothing decoding (sync: includes the
+training phase on shared GPUs); decode_util = mean of min(running, B) / B; staleness = trainer
+version - trajectory version, at consumption and at finish.
+
 Paper-scale constants (`MODELS`, `params_for`) are documented where defined. The emulator
 (bench/cluster.py) compares at its own scale through `params_from_config(cfg, n_rollouts)` +
 `simulate(mode, params=...)`.
@@ -58,50 +73,68 @@ Z99 = 2.3263478740408408  # standard-normal 99th percentile
 
 @dataclass
 class SimParams:
-    """Everything the simulator needs; paper scale via `params_for`, emulation scale via
-    `params_from_config`."""
+    """Everything one run needs: paper scale via `params_for`, emulation via `params_from_config`."""
 
     n_rollouts: int
     trainer_s_per_token: float
-    n_gpus: int = 0  # total GPUs, for per-GPU figures (0 = n_rollouts)
+    """Trainer seconds per consumed token (prompt + response), all trainer GPUs together."""
+    n_gpus: int = 0
+    """Total GPUs, for per-GPU figures (0 = n_rollouts: one GPU per emulated rollout)."""
     step_time_s: float = 0.02
+    """Decode step time up to bound_b running sequences; linear in the batch past it."""
     bound_b: int = 128
     max_running: int = 1024
+    """Most sequences decoding at once on a rollout (vLLM max_num_seqs)."""
     kv_capacity_tokens: float = math.inf
     admit_frac: float = 0.9
+    """Admit while KV stays under this; on a full KV preempt the youngest down to it."""
     prefill_tok_s: float = math.inf
+    """Prefill rate; admitting P tokens stalls the rollout P / prefill_tok_s (inf = free)."""
     prompt_tokens: int = 256
     length_p50: float = 2000.0
     length_p99_over_p50: float = 10.0
     max_tokens: int = 16384
     group_size: int = 16
     batch_groups: int = 512
+    """Groups per global batch (one trainer version)."""
     rollout_groups: int = 64
     """Groups a rollout holds at most (baselines) / takes as its own batch when dry (laminar)."""
     buffer_capacity_groups: int | None = None
+    """Laminar: a dry rollout takes no new prompts while this many finished groups wait."""
     minibatches: int = 1
     """Optimizer updates per global batch; stream/laminar train each one as soon as its groups finished."""
     trainer_minibatch_floor_s: float = 0.0
     """A mini-batch update takes at least this long (FSDP traffic that compute cannot hide)."""
     global_update_s: float = 0.0
+    """sync/one_step/stream: every rollout (and the trainer) stopped for the NCCL-style update."""
     actor_push_s: float = 0.0
+    """laminar: trainer stall to push a version to the master relay."""
     relay_broadcast_s: float = 0.0
+    """laminar: push end -> version on every relay (chain broadcast)."""
     relay_pull_s: float = 0.0
+    """laminar: a rollout loads the version from its host relay (PCIe)."""
     repack: bool = True
     repack_interval_s: float = 5.0
     c_max: float = 0.9
     repack_bound_b: int | None = None
+    """B for the planner (None = bound_b)."""
     repack_fixed_s: float = 0.69
+    """Destination stall per repack move on top of re-prefilling the moved tokens (paper §8.4)."""
     max_staleness: int | None = None
+    """Bound for stream (None = 1) and laminar (None = unbounded)."""
     settle_s: float | None = None
     """Least warm-up time and window length (None: two lifetimes of a max_tokens trajectory)."""
 
 
 class Traj:
-    __slots__ = ("id", "group", "length", "gen0", "start_p")
+    """One sample. `gen0` tokens were generated before it was (re)admitted on its current
+    rollout at progress `start_p`; it finishes when the rollout's progress reaches `fin`."""
+
+    __slots__ = ("id", "group", "length", "gen0", "start_p", "fin")
 
     def __init__(self, tid: int, group: Group, length: int) -> None:
         self.id, self.group, self.length, self.gen0, self.start_p = tid, group, length, 0, 0.0
+        self.fin = -1.0
 
 
 class Group:
@@ -113,16 +146,16 @@ class Group:
 
 class Rollout:
     __slots__ = (
-        "idx", "version", "p", "t_ref", "stall_until", "running", "heap", "waiting", "kv_base",
+        "idx", "version", "prog", "t_ref", "stall_until", "running", "heap", "waiting", "kv_base",
         "gen", "in_hand", "pulling", "last_kv", "work_t", "decode_t", "util_a",
     )  # fmt: skip
 
     def __init__(self, idx: int) -> None:
-        self.idx, self.version, self.p, self.t_ref, self.stall_until = idx, 0, 0.0, 0.0, 0.0
+        self.idx, self.version, self.prog, self.t_ref, self.stall_until = idx, 0, 0.0, 0.0, 0.0
         self.running: dict[int, Traj] = {}  # insertion order = admission order (youngest last)
         self.heap: list[tuple[float, int]] = []  # (progress at which it finishes, traj id)
         self.waiting: deque[Traj] = deque()
-        self.kv_base = 0.0  # KV tokens = kv_base + len(running) * p
+        self.kv_base = 0.0  # KV tokens = kv_base + len(running) * prog
         self.gen = self.in_hand = 0
         self.pulling = False
         self.last_kv = 0.0
@@ -137,7 +170,7 @@ class Sim:
     ) -> None:
         if mode not in SIM_MODES:
             raise ValueError(f"unknown mode {mode!r}; expected one of {SIM_MODES}")
-        self.mode, self.p = mode, prm
+        self.mode, self.prm = mode, prm
         self.policy = policy_for(
             "laminar" if mode.startswith("laminar") else mode,
             prm.max_staleness if mode in ("stream", "laminar", "laminar_norepack") else None,
@@ -166,6 +199,7 @@ class Sim:
         # trajectory, so a window never sees only the burst of a synchronised start.
         self.settle = 2 * prm.max_tokens * prm.step_time_s if prm.settle_s is None else prm.settle_s
         self.start_idx: int | None = None  # index in self.steps where the window starts
+        self.done = False
         self.steps: list[tuple[float, int]] = []  # (update completion time, tokens)
         self.cons_stale, self.fin_stale = StalenessStats(), StalenessStats()
         self.snap: dict[str, float] = {}
@@ -184,8 +218,8 @@ class Sim:
         heapq.heappush(self.events, (t, self.ev_seq, kind, data))
 
     def step_time(self, n: int) -> float:
-        b = self.p.bound_b
-        return self.p.step_time_s if n <= b else self.p.step_time_s * n / b
+        b = self.prm.bound_b
+        return self.prm.step_time_s if n <= b else self.prm.step_time_s * n / b
 
     def advance(self, r: Rollout) -> None:
         now, n = self.now, len(r.running)
@@ -194,51 +228,57 @@ class Sim:
             start = max(r.t_ref, r.stall_until)
             if now > start:
                 dt = now - start
-                r.p += dt / self.step_time(n)
+                r.prog += dt / self.step_time(n)
                 r.decode_t += dt
-                r.util_a += dt * min(n, self.p.bound_b) / self.p.bound_b
+                r.util_a += dt * min(n, self.prm.bound_b) / self.prm.bound_b
         r.t_ref = now
 
     def kv(self, r: Rollout) -> float:
-        return r.kv_base + len(r.running) * r.p
+        return r.kv_base + len(r.running) * r.prog
 
     def schedule(self, r: Rollout) -> None:
         r.gen += 1
         n = len(r.running)
         if not n:
             return
-        while r.heap[0][1] not in r.running:  # lazy deletion of moved/preempted entries
+        while not self.live(r, r.heap[0]):  # lazy deletion of moved/preempted entries
             heapq.heappop(r.heap)
         st = self.step_time(n)
-        steps = r.heap[0][0] - r.p
-        room = self.p.kv_capacity_tokens - self.kv(r)
+        steps = r.heap[0][0] - r.prog
+        room = self.prm.kv_capacity_tokens - self.kv(r)
         if n > 1 and room < math.inf:
             steps = min(steps, max(0.0, room / n))
         self.push(max(self.now, r.stall_until) + max(0.0, steps) * st, 0, (r.idx, r.gen))
 
+    @staticmethod
+    def live(r: Rollout, entry: tuple[float, int]) -> bool:
+        t = r.running.get(entry[1])
+        return t is not None and t.fin == entry[0]
+
     def admit(self, r: Rollout) -> None:
         """Move queued sequences into the running batch while KV and max_running allow."""
-        cap = self.p.kv_capacity_tokens * self.p.admit_frac
+        cap = self.prm.kv_capacity_tokens * self.prm.admit_frac
         prefill = 0
-        while r.waiting and len(r.running) < self.p.max_running:
+        while r.waiting and len(r.running) < self.prm.max_running:
             t = r.waiting[0]
-            need = self.p.prompt_tokens + t.gen0
+            need = self.prm.prompt_tokens + t.gen0
             if r.running and self.kv(r) + need > cap:
                 break  # head-of-line blocking, as in vLLM's FCFS scheduler
             r.waiting.popleft()
-            t.start_p = r.p
-            r.kv_base += need - r.p
+            t.start_p = r.prog
+            r.kv_base += need - r.prog
             r.running[t.id] = t
-            heapq.heappush(r.heap, (r.p + t.length - t.gen0, t.id))
+            t.fin = r.prog + t.length - t.gen0
+            heapq.heappush(r.heap, (t.fin, t.id))
             prefill += need
-        if prefill and self.p.prefill_tok_s < math.inf:
-            r.stall_until = max(r.stall_until, self.now) + prefill / self.p.prefill_tok_s
+        if prefill and self.prm.prefill_tok_s < math.inf:
+            r.stall_until = max(r.stall_until, self.now) + prefill / self.prm.prefill_tok_s
 
     def remove(self, r: Rollout, t: Traj) -> None:
         """Take a running sequence off the rollout, keeping its generated tokens in t.gen0."""
         del r.running[t.id]
-        r.kv_base -= self.p.prompt_tokens + t.gen0 - t.start_p
-        t.gen0 += round(r.p - t.start_p)
+        r.kv_base -= self.prm.prompt_tokens + t.gen0 - t.start_p
+        t.gen0 += round(r.prog - t.start_p)
         if not r.running:
             r.kv_base = 0.0  # no float drift carried into the next batch
 
@@ -246,16 +286,16 @@ class Sim:
     def on_rollout(self, r: Rollout) -> None:
         self.advance(r)
         eps = 1e-6
-        while r.heap and r.heap[0][0] <= r.p + eps:
-            _, tid = heapq.heappop(r.heap)
-            t = r.running.get(tid)
-            if t is None:
+        while r.heap and r.heap[0][0] <= r.prog + eps:
+            entry = heapq.heappop(r.heap)
+            if not self.live(r, entry):
                 continue
+            t = r.running[entry[1]]
             self.remove(r, t)
             t.gen0 = t.length
             self.finish(r, t)
-        if len(r.running) > 1 and self.kv(r) >= self.p.kv_capacity_tokens - eps:
-            floor = self.p.kv_capacity_tokens * self.p.admit_frac
+        if len(r.running) > 1 and self.kv(r) >= self.prm.kv_capacity_tokens - eps:
+            floor = self.prm.kv_capacity_tokens * self.prm.admit_frac
             while len(r.running) > 1 and self.kv(r) > floor:
                 t = r.running[next(reversed(r.running))]
                 self.remove(r, t)
@@ -267,16 +307,16 @@ class Sim:
     def finish(self, r: Rollout, t: Traj) -> None:
         g = t.group
         g.left -= 1
-        g.tokens += self.p.prompt_tokens + t.length
+        g.tokens += self.prm.prompt_tokens + t.length
         self.inflight -= 1
         if self.start_idx is not None:
             self.fin_stale.add(self.version - g.version)
             self.win_gen_tokens += t.length
-            self.win_prod_tokens += self.p.prompt_tokens + t.length
+            self.win_prod_tokens += self.prm.prompt_tokens + t.length
         if g.left == 0:
             self.ro[g.origin].in_hand -= 1
             if self.policy.whole_batch:
-                self.done_by_batch.setdefault(g.seq // self.p.batch_groups, []).append(g)
+                self.done_by_batch.setdefault(g.seq // self.prm.batch_groups, []).append(g)
             else:
                 self.buffer.append(g)
 
@@ -291,23 +331,23 @@ class Sim:
         self.schedule(r)
 
     def start_group(self, r: Rollout) -> None:
-        g = Group(self.groups_started, r.version, self.p.group_size, r.idx)
+        g = Group(self.groups_started, r.version, self.prm.group_size, r.idx)
         self.groups_started += 1
         r.in_hand += 1
-        for _ in range(self.p.group_size):
+        for _ in range(self.prm.group_size):
             x = self.rng.lognormvariate(self.mu, self.sigma)
-            r.waiting.append(Traj(self.next_tid, g, max(1, min(self.p.max_tokens, round(x)))))
+            r.waiting.append(Traj(self.next_tid, g, max(1, min(self.prm.max_tokens, round(x)))))
             self.next_tid += 1
-        self.inflight += self.p.group_size
+        self.inflight += self.prm.group_size
 
     def may_start(self, r: Rollout) -> bool:
-        return may_start_group(self.policy, trainer_version=self.version, rollout_version=r.version, groups_started=self.groups_started, batch_groups=self.p.batch_groups)  # fmt: skip
+        return may_start_group(self.policy, trainer_version=self.version, rollout_version=r.version, groups_started=self.groups_started, batch_groups=self.prm.batch_groups)  # fmt: skip
 
     def dispatch_global(self) -> None:
         """Baselines: hand groups to the least-loaded rollouts while the mode's rules allow."""
         if self.updating or not self.may_start(self.ro[0]):
             return  # one version everywhere in global modes: one check stands for all rollouts
-        heap = [(r.in_hand, r.idx) for r in self.ro if r.in_hand < self.p.rollout_groups]
+        heap = [(r.in_hand, r.idx) for r in self.ro if r.in_hand < self.prm.rollout_groups]
         heapq.heapify(heap)
         touched: dict[int, Rollout] = {}
         while heap:
@@ -319,7 +359,7 @@ class Sim:
                 self.advance(r)
                 touched[i] = r
             self.start_group(r)
-            if r.in_hand < self.p.rollout_groups:
+            if r.in_hand < self.prm.rollout_groups:
                 heapq.heapreplace(heap, (r.in_hand, i))
             else:
                 heapq.heappop(heap)
@@ -333,12 +373,12 @@ class Sim:
             r.pulling = True
             self.idle.discard(r.idx)
             self.counts["pulls"] += 1
-            self.push(self.now + self.p.relay_pull_s, 3, (r.idx, self.newest_avail))
+            self.push(self.now + self.prm.relay_pull_s, 3, (r.idx, self.newest_avail))
             return
-        cap = self.p.buffer_capacity_groups
+        cap = self.prm.buffer_capacity_groups
         started = 0
         while (
-            started < self.p.rollout_groups
+            started < self.prm.rollout_groups
             and (cap is None or len(self.buffer) < cap)
             and self.may_start(r)
         ):
@@ -368,12 +408,12 @@ class Sim:
             return
         if self.policy.whole_batch:
             batch = self.done_by_batch.get(self.version, [])
-            if len(batch) < self.p.batch_groups:
+            if len(batch) < self.prm.batch_groups:
                 return
             del self.done_by_batch[self.version]
-            mbs = self.p.minibatches
+            mbs = self.prm.minibatches
         else:
-            need, batch, mbs = self.p.batch_groups // self.p.minibatches, [], 1
+            need, batch, mbs = self.prm.batch_groups // self.prm.minibatches, [], 1
             while self.buffer and len(batch) < need:
                 g = self.buffer.popleft()
                 if (
@@ -389,16 +429,16 @@ class Sim:
         tokens = sum(g.tokens for g in batch)
         if self.start_idx is not None:
             for g in batch:
-                self.cons_stale.add(self.version - g.version, self.p.group_size)
+                self.cons_stale.add(self.version - g.version, self.prm.group_size)
         self.trainer_busy = True
-        dur = max(tokens * self.p.trainer_s_per_token, mbs * self.p.trainer_minibatch_floor_s)
+        dur = max(tokens * self.prm.trainer_s_per_token, mbs * self.prm.trainer_minibatch_floor_s)
         self.train_t += (self.now, self.now + dur)
         self.push(self.now + dur, 1, (tokens, mbs))
 
     def on_train_done(self, tokens: int, mbs: int) -> None:
         self.step_tokens += tokens
         self.mb_done += mbs
-        if self.mb_done < self.p.minibatches:
+        if self.mb_done < self.prm.minibatches:
             self.trainer_busy = False
             self.wake_idle()  # buffer room freed
             self.try_train()
@@ -409,11 +449,15 @@ class Sim:
         if self.start_idx is None and len(self.steps) >= self.warm and self.now >= self.settle:
             self.start_idx = len(self.steps)
             self.take_snapshot("start")
+        elif self.start_idx is not None and len(self.steps) - self.start_idx >= self.measure:
+            self.done = self.now - self.snap["start_t"] >= self.settle  # windows end on an update
         if self.policy.global_update:
             self.trainer_busy = False
         else:
-            self.push(self.now + self.p.actor_push_s, 2, None)  # trainer free after the push
-            self.push(self.now + self.p.actor_push_s + self.p.relay_broadcast_s, 4, self.version)
+            self.push(self.now + self.prm.actor_push_s, 2, None)  # trainer free after the push
+            self.push(
+                self.now + self.prm.actor_push_s + self.prm.relay_broadcast_s, 4, self.version
+            )
             if self.do_repack:
                 self.repack()
         self.wake_idle()
@@ -429,7 +473,7 @@ class Sim:
             return
         self.updating = True
         self.counts["global_updates"] += 1
-        self.push(self.now + self.p.global_update_s, 5, self.version)
+        self.push(self.now + self.prm.global_update_s, 5, self.version)
 
     def on_update_done(self, version: int) -> None:
         self.updating = False
@@ -446,20 +490,22 @@ class Sim:
             if r.pulling:
                 continue
             self.advance(r)
-            use = self.kv(r) / self.p.kv_capacity_tokens
+            use = self.kv(r) / self.prm.kv_capacity_tokens
             load = RolloutLoad(
                 str(r.idx), r.version, use, use > r.last_kv + 1e-12, len(r.running), len(r.waiting)
             )
             r.last_kv = use
-            if is_candidate(load, self.p.c_max, self.rb):  # only candidates' trajectories matter
-                cap = self.p.kv_capacity_tokens
+            if is_candidate(load, self.prm.c_max, self.rb):  # only candidates' trajectories matter
+                cap = self.prm.kv_capacity_tokens
                 trajs = tuple(
-                    TrajLoad(str(t.id), (self.p.prompt_tokens + t.gen0 + r.p - t.start_p) / cap)
+                    TrajLoad(
+                        str(t.id), (self.prm.prompt_tokens + t.gen0 + r.prog - t.start_p) / cap
+                    )
                     for t in r.running.values()
                 )
                 load = replace(load, trajectories=trajs)
             loads.append(load)
-        plan = plan_repack(loads, self.p.c_max, self.rb)
+        plan = plan_repack(loads, self.prm.c_max, self.rb)
         self.counts["repack_rounds"] += 1
         for m in plan.moves:
             src, dst = self.ro[int(m.source)], self.ro[int(m.dest)]
@@ -467,7 +513,7 @@ class Sim:
                 t = src.running[int(tid)]
                 self.remove(src, t)
                 dst.waiting.append(t)
-            dst.stall_until = max(dst.stall_until, self.now) + self.p.repack_fixed_s
+            dst.stall_until = max(dst.stall_until, self.now) + self.prm.repack_fixed_s
             self.admit(dst)
             self.schedule(dst)
             self.counts["moves"] += 1
@@ -478,14 +524,6 @@ class Sim:
             self.schedule(src)
 
     # ---- measurement -------------------------------------------------------------------------
-    def done(self) -> bool:
-        if self.start_idx is None:
-            return False
-        return (
-            len(self.steps) - self.start_idx >= self.measure
-            and self.now - self.snap["start_t"] >= self.settle
-        )
-
     def take_snapshot(self, key: str) -> None:
         for r in self.ro:
             self.advance(r)
@@ -502,12 +540,12 @@ class Sim:
                 self.rollout_dry(r)
                 self.schedule(r)
             if self.do_repack:
-                self.push(self.p.repack_interval_s, 6, None)
+                self.push(self.prm.repack_interval_s, 6, None)
         if not self.warm and not self.settle:
             self.start_idx = 0
             self.take_snapshot("start")
         n_events = 0
-        while not self.done():
+        while not self.done:
             if not self.events:
                 raise RuntimeError(
                     f"{self.mode}: no events left after {len(self.steps)} steps (deadlock)"
@@ -538,7 +576,7 @@ class Sim:
                 self.on_update_done(data)
             elif kind == 6:
                 self.repack()
-                self.push(self.now + self.p.repack_interval_s, 6, None)
+                self.push(self.now + self.prm.repack_interval_s, 6, None)
         self.take_snapshot("end")
         return self.figures(n_events)
 
@@ -552,8 +590,8 @@ class Sim:
         t0, t1 = s["start_t"], self.steps[-1][0]
         window = t1 - t0
         tokens = sum(tok for _, tok in self.steps[self.start_idx :])
-        ro_time = window * self.p.n_rollouts
-        n_gpus = self.p.n_gpus or self.p.n_rollouts
+        ro_time = window * self.prm.n_rollouts
+        n_gpus = self.prm.n_gpus or self.prm.n_rollouts
         thr = tokens / window
         return {
             "mode": self.mode,
@@ -564,7 +602,7 @@ class Sim:
             "steps_measured": len(self.steps) - self.start_idx,
             "produced_over_consumed": self.win_prod_tokens / tokens,
             "trainer_busy_frac": self.busy_between(t0, t1) / window,
-            "rollout_idle_frac": 1 - (s["end_work"] - s["start_work"]) / ro_time,
+            "rollout_idle_frac": max(0.0, 1 - (s["end_work"] - s["start_work"]) / ro_time),
             "decode_util": (s["end_util"] - s["start_util"]) / ro_time,
             "staleness_consumed": self.cons_stale.summary(),
             "staleness_finished": self.fin_stale.summary(),
@@ -588,8 +626,8 @@ class ModelSpec:
     step_time_s: dict[int, float]
     """Decode step at <= B sequences, per TP. Weights-read bound (bytes/TP / 3.35 TB/s) plus
     kernel-launch and all-reduce overhead; paper Fig. 4: batch 8 ~ batch 64 latency."""
-    kv_tokens: dict[int, int]
-    """KV capacity per replica: (0.9 * TP * 80 GB - weights - activations) / (2*layers*kv_heads*128*2 B)."""
+    layers: int  # Qwen2.5 config: KV bytes/token = 2 (K, V) * layers * kv_heads * 128 * 2 B
+    kv_heads: int
     bound_b: int  # roofline decode bound B (paper: "largest memory-bound batch"); 128 estimated
     fsdp_gb_s: float
     """Per-GPU bandwidth of the trainer's FSDP group: 7B shards over 8 GPUs (one node, NVLink),
@@ -603,6 +641,12 @@ class ModelSpec:
     @property
     def weight_gb(self) -> float:
         return 2 * self.params_b
+
+    def kv_tokens(self, tp: int, mem_util: float) -> int:
+        """KV capacity of a replica whose engine may use mem_util of each 80 GB GPU, after the
+        weights and ~2 GB/GPU of activations and CUDA graphs."""
+        free = mem_util * tp * 80e9 - self.weight_gb * 1e9 - 2e9 * tp
+        return int(free / (2 * self.layers * self.kv_heads * 128 * 2))
 
     def prefill_tok_s(self, tp: int) -> float:
         return 0.4 * 989e12 * tp / (2 * self.params_b * 1e9)  # 40% MFU, 2 FLOPs/param/token
@@ -620,62 +664,43 @@ class ModelSpec:
 
 MODELS: dict[str, ModelSpec] = {
     "7B": ModelSpec(
-        "7B",
-        7.6,
-        1,
-        2,
-        {1: 0.010, 2: 0.007},
-        {1: 900_000, 2: 2_100_000},
-        128,
-        150.0,
-        0.3,
-        0.3,
-        1.5,
-        {16: 8, 32: 8, 64: 24, 128: 48, 256: 64},
-    ),  # fmt: skip
+        name="7B", params_b=7.6, layers=28, kv_heads=4, tp_laminar=1, tp_baseline=2,
+        step_time_s={1: 0.010, 2: 0.007}, bound_b=128, fsdp_gb_s=150.0, actor_push_s=0.3,
+        relay_broadcast_s=0.3, global_update_base_s=1.5,
+        laminar_rollout_gpus={16: 8, 32: 8, 64: 24, 128: 48, 256: 64},
+    ),
     "32B": ModelSpec(
-        "32B",
-        32.8,
-        4,
-        4,
-        {4: 0.025},
-        {4: 820_000},
-        128,
-        40.0,
-        0.64,
-        0.8,
-        2.5,
-        {32: 16, 64: 32, 128: 64, 256: 128, 512: 256},
-    ),  # fmt: skip
+        name="32B", params_b=32.8, layers=64, kv_heads=8, tp_laminar=4, tp_baseline=4,
+        step_time_s={4: 0.025}, bound_b=128, fsdp_gb_s=40.0, actor_push_s=0.64,
+        relay_broadcast_s=0.8, global_update_base_s=2.5,
+        laminar_rollout_gpus={32: 16, 64: 32, 128: 64, 256: 128, 512: 256},
+    ),
     "72B": ModelSpec(
-        "72B",
-        72.7,
-        8,
-        8,
-        {8: 0.030},
-        {8: 1_270_000},
-        128,
-        40.0,
-        1.40,
-        1.6,
-        4.0,
-        {64: 32, 128: 64, 256: 128},
-    ),  # fmt: skip
-}
+        name="72B", params_b=72.7, layers=80, kv_heads=8, tp_laminar=8, tp_baseline=8,
+        step_time_s={8: 0.030}, bound_b=128, fsdp_gb_s=40.0, actor_push_s=1.40,
+        relay_broadcast_s=1.6, global_update_base_s=4.0,
+        laminar_rollout_gpus={64: 32, 128: 64, 256: 128},
+    ),
+}  # fmt: skip
 MINIBATCHES = 16  # paper §6: 16 mini-batch updates per iteration in the throughput runs
 TRAIN_MFU = 0.35
 """Trainer compute: 8 FLOPs/param/token (forward + backward + the old-logprob forward) at 35%
-MFU. Cross-check (`balance` in the JSON): at the paper's own Laminar allocation rows this
-trainer consumes about what the rollouts decode when saturated (0.8x-1.4x), i.e. the paper's
-split is balanced under these constants - training is neither the bottleneck nor negligible."""
+MFU. Cross-check (`balance` in the JSON): at the paper's own Laminar allocation rows from 32
+GPUs up, this trainer consumes 0.7x-1.3x what the rollouts decode when saturated, i.e. the
+paper's split is about balanced under these constants - training is neither the bottleneck nor
+negligible. (7B on 16 GPUs, 8/8, is the exception at 0.44: trainer-bound.)"""
 LAMINAR_INFLIGHT = 4
+ROLLOUT_MEM_UTIL = 0.9  # a rollout that owns its GPUs (vLLM's default gpu_memory_utilization)
+COLOCATED_MEM_UTIL = 0.5
+"""sync is co-located (verl): the FSDP actor shares the GPUs, so its vLLM runs at a lower
+gpu_memory_utilization (verl recipes use 0.4-0.6) and gets ~40% of a dedicated rollout's KV."""
 PCIE_GB_S = 20.0  # pinned host -> GPU copy per GPU (relay pull)
 
 
 def balance(spec: ModelSpec, n_gpus: int) -> float:
     """Trainer capacity / saturated decode capacity for Laminar at n_gpus (1 = balanced)."""
     ro = laminar_rollout_gpus(spec, n_gpus)
-    mb_tokens = 8192 * (256 + 3100) / MINIBATCHES  # ~mean trajectory tokens
+    mb_tokens = 8192 * (256 + 3120) / MINIBATCHES  # mean of the clipped lognormal: 3120 tokens
     mb_s = max(mb_tokens / (spec.train_tok_s_per_gpu() * (n_gpus - ro)), spec.minibatch_floor_s())
     return (mb_tokens / mb_s) / (ro / spec.tp_laminar * spec.sat_tok_s(spec.tp_laminar))
 
@@ -732,7 +757,9 @@ def params_for(
         step_time_s=spec.step_time_s[tp],
         bound_b=spec.bound_b,
         max_running=1024,  # paper App. A.2: max concurrency per replica in the throughput runs
-        kv_capacity_tokens=spec.kv_tokens[tp],
+        kv_capacity_tokens=spec.kv_tokens(
+            tp, COLOCATED_MEM_UTIL if mode == "sync" else ROLLOUT_MEM_UTIL
+        ),
         prefill_tok_s=spec.prefill_tok_s(tp),
         prompt_tokens=256,  # DAPO-Math prompts are short (max input 2K)
         length_p50=2000.0,  # p99 ~ 10x p50 (paper §2.2), clipped at the 16K output cap (§8)

@@ -268,8 +268,8 @@ def main() -> None:
     ap.add_argument("--apis", default="sync,asyncio")
     ap.add_argument("--out", default=None, help="write JSON here")
     args = ap.parse_args()
-    repeats = args.repeats or (3 if args.quick else 5)
-    trial_s = args.trial_s or (0.25 if args.quick else 1.0)
+    repeats = args.repeats or (5 if args.quick else 9)
+    trial_s = args.trial_s or (0.2 if args.quick else 0.8)
     apis = args.apis.split(",")
     t_start = time.perf_counter()
     info = machine()  # load average before we add our own
@@ -296,15 +296,16 @@ def main() -> None:
             rate = trial(conn, ctx, actx, "sync", "ipc", "raw", msg, frames, 200, 2000, tmp)[
                 "msg_per_s"
             ]
-            n = max(500, int(rate * trial_s))
+            n = max(1000, int(rate * trial_s))
             for api in apis:
-                n_api = n if api == "sync" else max(500, n // 3)
+                n_api = n if api == "sync" else max(1000, n // 2)
                 for transport in ("ipc", "tcp"):
                     runs: dict[str, list[float]] = {"codec": [], "raw": []}
                     cpus: dict[str, list[float]] = {"codec": [], "raw": []}
                     ratios = []
-                    for _ in range(repeats):
-                        for mode in ("codec", "raw"):  # alternate: both see the same machine state
+                    for rep in range(repeats):
+                        # ABBA order: a load that drifts during the run hits codec and raw alike
+                        for mode in ("codec", "raw") if rep % 2 == 0 else ("raw", "codec"):
                             r = trial(
                                 conn,
                                 ctx,

@@ -171,8 +171,11 @@ class RolloutConfig(Section):
     """Torch engine: KV tokens held at most (kv_use = held / this); default max_running * max_model_len."""
     max_prefill_tokens: int = Field(4096, ge=1)
     """Torch engine: prompt tokens prefilled per step (bounds the step latency joiners add)."""
-    weights: Literal["auto", "relay", "dir"] = "auto"
-    """Weight source: the host relay, or run_dir/weights/v*.safetensors (trainer direct handoff); auto = relay when relays run."""
+    weights: Literal["auto", "relay", "dir", "announce"] = "auto"
+    """Weight source: host relay | run_dir/weights/v*.safetensors (trainer direct handoff) | announce (sim: versions from
+    manager/buffer, no tensors). auto = relay when relays run, else dir (torch/vllm) or announce (sim)."""
+    refresh_wait_s: float = Field(10.0, gt=0)
+    """A manager RefreshRequest(min_version) waits this long for that version to reach the source, then loads the newest there is."""
     prompt_retry_s: float = Field(0.5, gt=0)
     """Backoff before asking the buffer again after a failed or empty prompt request (when it gives no retry_after_s)."""
     outbox_concurrency: int = Field(8, ge=1)
@@ -271,6 +274,8 @@ class TrainerConfig(Section):
     """torch trains the model; sim emulates step time proportional to tokens."""
     sim_time_per_token_s: float = Field(2e-5, ge=0)
     """Sim trainer: seconds of step time per consumed token."""
+    snapshot_every: int = Field(0, ge=0)
+    """Save model-only weights every N versions to run_dir/snapshots (for post-hoc eval curves; 0 = off)."""
     log_every: int = Field(1, ge=1)
     """Write metrics every N steps."""
     commit: Literal["step", "checkpoint"] = "step"
@@ -339,15 +344,17 @@ class RepackConfig(Section):
 
 class ManagerConfig(Section):
     repack: RepackConfig = Field(default_factory=RepackConfig)
+    timeline_interval_s: float = Field(1.0, ge=0)
+    """Sample every rollout's version/running/KV into run_dir/timeline.jsonl this often (0 = off)."""
 
 
 class BufferConfig(Section):
     capacity: int = Field(4096, ge=1)
-    """Most finished trajectories held; prompts stop being served when full."""
+    """Most trajectories held uncommitted (finished + still generating); prompts stop being served when full."""
     max_staleness: int | None = Field(None, ge=0)
-    """Admission bound: generation may run at most this many versions ahead (null = unbounded)."""
+    """Bound on consumed staleness (batch version - trajectory version), enforced by admission (null = unbounded; sync/one_step fix 0/1)."""
     fsync: Literal["always", "batch", "never"] = "batch"
-    """Journal fsync policy."""
+    """Journal durability before an ack: always = fsync first, batch = fsync every fsync_interval_s, never = the OS decides (all survive kill -9)."""
     lost_member_policy: Literal["drop_group", "release_partial"] = "release_partial"
     """What to do with a group whose member is lost for good."""
     sampling: str = "fifo"

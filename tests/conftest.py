@@ -4,7 +4,7 @@
 
 Every socket test gets its own zmq context (destroyed with linger=0), its own short
 ipc directory (unix socket paths are limited to ~107 bytes, and pytest's tmp_path
-can be longer), random free tcp ports, and `fast_opts()` (a fixture): heartbeats every 50 ms so
+can be longer), random free tcp ports, and `fast_opts()` (a fixture): heartbeats every 100 ms so
 liveness tests finish in well under a second. `wait_until` is the only way tests
 wait for state that has no event of its own: it polls a condition against a
 deadline and fails with a message naming what never happened.
@@ -72,11 +72,11 @@ async def zctx():
 
 
 def _fast_opts(**kw):
-    """Socket options for tests: 50 ms heartbeats, 4 beats to death, short deadlines."""
+    """Socket options for tests: 100 ms heartbeats, 4 beats to death, short deadlines."""
     from laminar.transport.sockets import SocketOptions
 
     base = dict(
-        heartbeat_interval_s=0.05,
+        heartbeat_interval_s=0.1,
         heartbeat_liveness=4,
         handshake_timeout_s=1.0,
         request_timeout_s=1.0,
@@ -102,7 +102,7 @@ async def _wait_until(
 
 @pytest.fixture
 def fast_opts() -> Callable[..., object]:
-    """fast_opts(**overrides) -> SocketOptions with 50 ms heartbeats."""
+    """fast_opts(**overrides) -> SocketOptions with 100 ms heartbeats."""
     return _fast_opts
 
 

@@ -32,7 +32,10 @@ def main() -> None:
     policy = Policy(cfg, model, ctx)
     losses, norms = [], []
     for seed in (1, 2, 1):
-        cmd = broadcast_message(ctx, RankCommand(kind="step", trajectories=make_trajs(seed=seed)) if ctx.is_main else None)
+        cmd = broadcast_message(
+            ctx,
+            RankCommand(kind="step", trajectories=make_trajs(seed=seed)) if ctx.is_main else None,
+        )
         m = policy.train_step(TrainBatch.build(cmd.trajectories))
         losses.append(m["loss"])
         norms.append(m["grad_norm"])

@@ -238,9 +238,12 @@ def make_cfg(run_dir: Path, **over: Any):
         "name": f"rt{os.getpid()}x{next(_names)}",
         "run_dir": str(run_dir),
         "cluster": {"transport": "inproc"},
-        "transport": {"heartbeat_interval_s": 0.05, "heartbeat_liveness": 4, "handshake_timeout_s": 1.0,
-                      "request_timeout_s": 0.5, "startup_timeout_s": 5.0, "stop_timeout_s": 5.0,
+        # death after 1 s of silence: 2 cores shared with other test processes must not fake deaths
+        "transport": {"heartbeat_interval_s": 0.1, "heartbeat_liveness": 10, "handshake_timeout_s": 2.0,
+                      "request_timeout_s": 1.0, "startup_timeout_s": 15.0, "stop_timeout_s": 5.0,
                       "reconnect_backoff_s": 0.02, "reconnect_backoff_max_s": 0.1},
+        # the tests send repack commands themselves; the manager's own repack would race them
+        "manager": {"repack": {"enabled": False}},
         "rollout": {"engine": "sim", "credits": 2, "partial_chunk_tokens": 8, "weights": "dir",
                     "prompt_retry_s": 0.05},
     }  # fmt: skip
@@ -299,6 +302,13 @@ class Harness:
                 f"{len(missing)} trajectories never arrived, e.g. {missing[:5]}"
             ) from None
         self.check()
+
+    def check_arrivals(self) -> None:
+        """Stored once each; any extra arrival must be an outbox resend (an ack that came too late)."""
+        extra = sum(c - 1 for c in self.state.arrivals.values())
+        resends = sum(r.outbox.stats["retries"] for r in self.rollouts)
+        assert extra <= resends, f"{extra} duplicate arrivals but only {resends} resends"
+        assert set(self.state.arrivals) == set(self.state.stored)
 
     def check(self) -> None:
         for t in self.tasks:

@@ -1,6 +1,6 @@
 """Advantage estimators, policy losses and IS weights against hand-computed values.
 
-    .venv/bin/python -m pytest tests/test_algo.py -q
+.venv/bin/python -m pytest tests/test_algo.py -q
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ T = torch.tensor
 
 
 def close(a, b, tol=1e-5):
-    assert torch.allclose(torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64), atol=tol), (a, b)
+    assert torch.allclose(
+        torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64), atol=tol
+    ), (a, b)
 
 
 # ---- advantages ---------------------------------------------------------------------------
@@ -78,7 +80,9 @@ def test_ppo_clip_higher_and_dual_clip_hand_values():
     adv = T([[1.0, 1.0, -1.0, -1.0, -1.0]])
     mask = torch.ones_like(ratio, dtype=torch.bool)
     stats = StatAccumulator()
-    loss = ppo_token_loss(ratio.log(), torch.zeros_like(ratio), adv, mask, 0.2, 0.28, 3.0, stats=stats)
+    loss = ppo_token_loss(
+        ratio.log(), torch.zeros_like(ratio), adv, mask, 0.2, 0.28, 3.0, stats=stats
+    )
     # 1.5,A+ -> clipped at 1.28; 0.5,A+ -> -0.5; 1.0 -> 1; 5.0,A- -> 5 capped by dual clip at 3; 0.5,A- -> 0.8
     close(loss, [[-1.28, -0.5, 1.0, 3.0, 0.8]])
     out = stats.finalize()
@@ -96,7 +100,9 @@ def test_aggregation_modes():
     mask = T([[1, 1, 1], [1, 0, 0]])
     assert aggregate(loss, mask, "token_mean", 4, 2) == pytest.approx(10 / 4)
     assert aggregate(loss, mask, "seq_mean_token_mean", 4, 2) == pytest.approx((6 / 3 + 4 / 1) / 2)
-    assert aggregate(loss, mask, "seq_mean_token_sum_norm", 4, 2, norm_constant=4) == pytest.approx(10 / 8)
+    assert aggregate(loss, mask, "seq_mean_token_sum_norm", 4, 2, norm_constant=4) == pytest.approx(
+        10 / 8
+    )
     # global denominators: two micro-batches sum to the full-batch loss
     halves = sum(aggregate(loss[i : i + 1], mask[i : i + 1], "token_mean", 4, 2) for i in range(2))
     assert halves == pytest.approx(10 / 4)
@@ -126,7 +132,14 @@ def test_decoupled_with_behaviour_equal_proximal_is_standard_ppo(mode, level, ag
     n_tok, n_seq = float(mask.sum()), 3.0
     dec = policy_loss(logp, prox, prox.clone(), adv, mask, s, n_tok, n_seq)
     (g_dec,) = torch.autograd.grad(dec, logp)
-    std = aggregate(ppo_token_loss(logp, prox, adv, mask, s.clip_low, s.clip_high, s.dual_clip), mask, agg, n_tok, n_seq, 5.0)
+    std = aggregate(
+        ppo_token_loss(logp, prox, adv, mask, s.clip_low, s.clip_high, s.dual_clip),
+        mask,
+        agg,
+        n_tok,
+        n_seq,
+        5.0,
+    )
     (g_std,) = torch.autograd.grad(std, logp)
     assert torch.equal(dec, std)
     assert torch.equal(g_dec, g_std)
@@ -137,8 +150,13 @@ def test_token_truncate_and_mask_values():
     behav = torch.zeros(1, 4)
     prox = w_true.log()
     mask = torch.ones(1, 4, dtype=torch.bool)
-    close(behaviour_weights(prox, behav, mask, "truncate", "token", cap=2.0), [[0.5, 1.5, 2.0, 2.0]])
-    close(behaviour_weights(prox, behav, mask, "mask", "token", low=0.5, high=2.0), [[0.5, 1.5, 0.0, 0.0]])
+    close(
+        behaviour_weights(prox, behav, mask, "truncate", "token", cap=2.0), [[0.5, 1.5, 2.0, 2.0]]
+    )
+    close(
+        behaviour_weights(prox, behav, mask, "mask", "token", low=0.5, high=2.0),
+        [[0.5, 1.5, 0.0, 0.0]],
+    )
     # sequence: product 22.5 -> truncated at 2 everywhere, masked everywhere
     close(behaviour_weights(prox, behav, mask, "truncate", "sequence", cap=2.0), [[2.0] * 4])
     close(behaviour_weights(prox, behav, mask, "mask", "sequence", low=0.5, high=2.0), [[0.0] * 4])
@@ -176,7 +194,9 @@ def test_very_stale_batch_gives_finite_bounded_gradients():
             loss = policy_loss(logp, prox, stale, adv, mask, s, n_tok, n_seq)
             (g,) = torch.autograd.grad(loss, logp)
             assert torch.isfinite(loss) and torch.isfinite(g).all()
-            if mode == "truncate":  # every weight hits the cap: exactly cap x the on-policy gradient
+            if (
+                mode == "truncate"
+            ):  # every weight hits the cap: exactly cap x the on-policy gradient
                 close(g, 2.0 * g_on)
             else:  # every token is masked: no gradient at all
                 assert torch.count_nonzero(g) == 0
@@ -192,7 +212,9 @@ def test_non_finite_behaviour_logprobs_are_masked_and_counted():
     behav[0, 0] = float("-inf")
     behav[2, 1] = float("nan")
     stats = StatAccumulator()
-    loss = policy_loss(logp, prox, behav, adv, mask, LossSettings(), float(mask.sum()), 3.0, stats=stats)
+    loss = policy_loss(
+        logp, prox, behav, adv, mask, LossSettings(), float(mask.sum()), 3.0, stats=stats
+    )
     (g,) = torch.autograd.grad(loss, logp)
     assert torch.isfinite(loss) and torch.isfinite(g).all()
     assert g[0, 0] == 0 and g[2, 1] == 0
@@ -210,7 +232,14 @@ def test_gspo_ratio_is_the_geometric_mean_and_its_gradient_is_the_sequence_gradi
         s_i = torch.exp((logp[i][m] - prox[i][m]).mean())
         close(r[i][m], s_i.expand(int(m.sum())))
     # unclipped regime: seq-mean-token-mean of -A r has the gradient of -(1/B) sum_i A_i s_i
-    s = LossSettings(loss="gspo", agg="seq_mean_token_mean", clip_low=10.0, clip_high=10.0, dual_clip=None, is_mode="none")
+    s = LossSettings(
+        loss="gspo",
+        agg="seq_mean_token_mean",
+        clip_low=10.0,
+        clip_high=10.0,
+        dual_clip=None,
+        is_mode="none",
+    )
     loss = policy_loss(logp, prox, prox, adv, mask, s, float(mask.sum()), 3.0)
     (g,) = torch.autograd.grad(loss, logp)
     seq = torch.stack([torch.exp((logp[i][mask[i]] - prox[i][mask[i]]).mean()) for i in range(3)])
@@ -240,7 +269,11 @@ def test_ess_staleness_lengths_and_nan_safety():
     assert normalized_ess(T([1.0, 1.0, 1.0, 1.0])) == pytest.approx(1.0)
     assert normalized_ess(T([4.0, 0.0, 0.0, 0.0])) == pytest.approx(0.25)
     assert math.isnan(normalized_ess(T([])))
-    assert staleness_histogram([0, 2, 0, 1]) == {"staleness_hist/0": 2, "staleness_hist/1": 1, "staleness_hist/2": 1}
+    assert staleness_histogram([0, 2, 0, 1]) == {
+        "staleness_hist/0": 2,
+        "staleness_hist/1": 1,
+        "staleness_hist/2": 1,
+    }
     assert length_stats([1, 2, 3, 10])["response_len/max"] == 10.0
     acc = StatAccumulator()
     acc.add("x", T([1.0, float("nan"), 3.0]))
@@ -253,7 +286,14 @@ def test_ess_staleness_lengths_and_nan_safety():
 def test_importance_stats_from_behaviour_weights():
     w = T([[1.0, 2.0, 0.5, 1.0]])
     stats = StatAccumulator()
-    behaviour_weights(w.log(), torch.zeros(1, 4), torch.ones(1, 4, dtype=torch.bool), "truncate", cap=1.5, stats=stats)
+    behaviour_weights(
+        w.log(),
+        torch.zeros(1, 4),
+        torch.ones(1, 4, dtype=torch.bool),
+        "truncate",
+        cap=1.5,
+        stats=stats,
+    )
     out = stats.finalize()
     assert out["is/w"] == pytest.approx(1.125) and out["is/w_max"] == pytest.approx(2.0)
     assert out["is/ess"] == pytest.approx(4.5**2 / (4 * 6.25))

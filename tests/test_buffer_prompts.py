@@ -86,9 +86,12 @@ def test_bad_rows_are_reported_with_file_and_line_and_skipped(tmp_path):
     assert all(e.startswith(str(path) + ":") for e in report.errors)
 
 
-def test_missing_dataset_is_a_clear_error(tmp_path):
+def test_missing_or_unreadable_dataset_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_prompts(tmp_path / "nope.jsonl")
+    (tmp_path / "junk.parquet").write_bytes(b"not parquet at all")
+    with pytest.raises(ValueError, match="junk.parquet: not a readable parquet file"):
+        load_prompts(tmp_path / "junk.parquet")
 
 
 def _pool(rows, **kw):

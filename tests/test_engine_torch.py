@@ -60,7 +60,9 @@ def greedy_reference(model, prompt: list[int], n: int) -> list[int]:
 
 def recompute_logprobs(model, prompt, response, temperature: float, top_p: float) -> np.ndarray:
     with torch.no_grad():
-        logits = model(torch.tensor([list(prompt) + list(response)])).logits[0, len(prompt) - 1 : -1]
+        logits = model(torch.tensor([list(prompt) + list(response)])).logits[
+            0, len(prompt) - 1 : -1
+        ]
     n = len(response)
     lp = processed_logprobs(logits, torch.full((n,), temperature), torch.full((n,), top_p))
     return lp.gather(1, torch.tensor(response, dtype=torch.long)[:, None]).squeeze(1).numpy()
@@ -77,6 +79,7 @@ async def test_continuous_batching_matches_one_at_a_time(tiny, engine_factory):
     finished: set[str] = set()
     eng.submit(GenRequest("r0", np.array(PROMPTS[0]), GREEDY, single=True))
     submitted = 1
+
     async def consume():
         nonlocal submitted
         while len(finished) < 5:
@@ -91,6 +94,7 @@ async def test_continuous_batching_matches_one_at_a_time(tiny, engine_factory):
                 params = SamplingParams(temperature=0.0, max_tokens=lengths[i], ignore_eos=True)
                 eng.submit(GenRequest(f"r{i}", np.array(PROMPTS[i]), params, single=True))
                 submitted += 1
+
     await asyncio.wait_for(consume(), 30)
     for i in range(5):
         assert got[f"r{i}"] == greedy_reference(ref, PROMPTS[i], lengths[i]), f"r{i}"
@@ -115,8 +119,12 @@ async def test_logprobs_equal_full_recompute(tiny, engine_factory, temperature, 
 
 async def test_seeded_sampling_is_reproducible_across_batches(engine_factory):
     params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=3, ignore_eos=True)
-    alone = await (await engine_factory(max_running=1)).generate_all(GenRequest("s", np.array(PROMPTS[1]), params, n=3))
-    batched = await (await engine_factory(max_running=8)).generate_all(GenRequest("s", np.array(PROMPTS[1]), params, n=3))
+    alone = await (await engine_factory(max_running=1)).generate_all(
+        GenRequest("s", np.array(PROMPTS[1]), params, n=3)
+    )
+    batched = await (await engine_factory(max_running=8)).generate_all(
+        GenRequest("s", np.array(PROMPTS[1]), params, n=3)
+    )
     for sid in alone:
         assert alone[sid][0].tolist() == batched[sid][0].tolist()
 
@@ -124,7 +132,9 @@ async def test_seeded_sampling_is_reproducible_across_batches(engine_factory):
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 async def test_abort_then_resume_elsewhere_equals_uninterrupted(engine_factory, temperature):
     params = SamplingParams(temperature=temperature, max_tokens=30, seed=11, ignore_eos=True)
-    full = await (await engine_factory()).generate_all(GenRequest("x", np.array(PROMPTS[2]), params, n=2), timeout=T)
+    full = await (await engine_factory()).generate_all(
+        GenRequest("x", np.array(PROMPTS[2]), params, n=2), timeout=T
+    )
 
     src = await engine_factory(max_running=2)
     src.submit(GenRequest("x", np.array(PROMPTS[2]), params, n=2))
@@ -153,7 +163,9 @@ async def test_abort_then_resume_elsewhere_equals_uninterrupted(engine_factory, 
         new_ids, new_lps, reason = res[p.seq_id]
         assert reason == "length"
         assert p.output_ids.tolist() + new_ids.tolist() == full[p.seq_id][0].tolist()
-        np.testing.assert_allclose(np.concatenate([p.logprobs, new_lps]), full[p.seq_id][1], atol=1e-4)
+        np.testing.assert_allclose(
+            np.concatenate([p.logprobs, new_lps]), full[p.seq_id][1], atol=1e-4
+        )
 
 
 async def test_abort_waiting_sequence(engine_factory):
@@ -172,12 +184,16 @@ async def test_load_weights_changes_outputs(tiny, engine_factory):
     a, b = tiny
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     eng = await engine_factory(a)
-    before = (await eng.generate_all(GenRequest("p", np.array(PROMPTS[0]), params, single=True)))["p"][0]
+    before = (await eng.generate_all(GenRequest("p", np.array(PROMPTS[0]), params, single=True)))[
+        "p"
+    ][0]
     other = load_causal_lm(b).state_dict()
     await eng.load_weights(((k, v.numpy()) for k, v in other.items()), version=5)
     assert eng.stats().version == 5
     got = []
-    async for ev in eng.generate(GenRequest("p", np.array(PROMPTS[0]), params, single=True), timeout=T):
+    async for ev in eng.generate(
+        GenRequest("p", np.array(PROMPTS[0]), params, single=True), timeout=T
+    ):
         assert ev.version == 5
         got.extend(ev.token_ids.tolist())
     ref_b = greedy_reference(load_causal_lm(b), PROMPTS[0], 12)
@@ -190,7 +206,14 @@ async def test_load_weights_changes_outputs(tiny, engine_factory):
 async def test_load_weights_mid_generation_recomputes(tiny, engine_factory):
     a, b = tiny
     eng = await engine_factory(a, max_running=2)
-    eng.submit(GenRequest("m", np.array(PROMPTS[0]), SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), single=True))
+    eng.submit(
+        GenRequest(
+            "m",
+            np.array(PROMPTS[0]),
+            SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+            single=True,
+        )
+    )
     toks, versions = [], []
     while len(toks) < 6:
         ev = await eng.next_event(timeout=T)
@@ -212,25 +235,44 @@ async def test_load_weights_mid_generation_recomputes(tiny, engine_factory):
 async def test_stop_token_stop_string_eos_and_length(tiny, engine_factory):
     tok = load_tokenizer(tiny[0])
     eng = await engine_factory(max_running=4)
-    base = (await eng.generate_all(GenRequest("b", np.array(PROMPTS[0]), GREEDY, single=True)))["b"][0].tolist()
+    base = (await eng.generate_all(GenRequest("b", np.array(PROMPTS[0]), GREEDY, single=True)))[
+        "b"
+    ][0].tolist()
     # stop token id: stops at its first occurrence, the token is kept
     k = 5
     sp = SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=(base[k],), ignore_eos=True)
-    ids, _, reason = (await eng.generate_all(GenRequest("s", np.array(PROMPTS[0]), sp, single=True)))["s"]
+    ids, _, reason = (
+        await eng.generate_all(GenRequest("s", np.array(PROMPTS[0]), sp, single=True))
+    )["s"]
     assert reason == "stop" and ids.tolist() == base[: base.index(base[k]) + 1]
     # stop string made of two generated characters: output ends with it
-    j = next(i for i in range(8, 22) if base[i] >= 4 and base[i + 1] >= 4)  # printable, not specials
+    j = next(
+        i for i in range(8, 22) if base[i] >= 4 and base[i + 1] >= 4
+    )  # printable, not specials
     stop = tok.decode(base[j : j + 2])
     assert len(stop) == 2
     sp = SamplingParams(temperature=0.0, max_tokens=24, stop=(stop,), ignore_eos=True)
-    ids, _, reason = (await eng.generate_all(GenRequest("t", np.array(PROMPTS[0]), sp, single=True)))["t"]
+    ids, _, reason = (
+        await eng.generate_all(GenRequest("t", np.array(PROMPTS[0]), sp, single=True))
+    )["t"]
     text = tok.decode(ids.tolist())
     assert reason == "stop" and text.endswith(stop) and stop not in text[:-1]
     # EOS (here: the engine's eos set) stops unless ignore_eos
     eos_eng = await engine_factory(max_running=2, eos_token_ids=[base[3]])
-    ids, _, reason = (await eos_eng.generate_all(GenRequest("e", np.array(PROMPTS[0]), SamplingParams(temperature=0.0, max_tokens=24), single=True)))["e"]
+    ids, _, reason = (
+        await eos_eng.generate_all(
+            GenRequest(
+                "e",
+                np.array(PROMPTS[0]),
+                SamplingParams(temperature=0.0, max_tokens=24),
+                single=True,
+            )
+        )
+    )["e"]
     assert reason == "stop" and ids.tolist() == base[: base.index(base[3]) + 1]
-    ids, _, reason = (await eos_eng.generate_all(GenRequest("f", np.array(PROMPTS[0]), GREEDY, single=True)))["f"]
+    ids, _, reason = (
+        await eos_eng.generate_all(GenRequest("f", np.array(PROMPTS[0]), GREEDY, single=True))
+    )["f"]
     assert reason == "length" and len(ids) == 24
     # max_tokens counts resumed tokens
     sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -270,10 +312,16 @@ async def test_kv_pressure_preempts_and_recomputes(tiny, engine_factory):
 
 async def test_bad_requests_get_error_events(engine_factory):
     eng = await engine_factory(max_running=2, max_model_len=32)
-    res = await eng.generate_all(GenRequest("e1", np.array([], np.int32), GREEDY, single=True), timeout=T)
+    res = await eng.generate_all(
+        GenRequest("e1", np.array([], np.int32), GREEDY, single=True), timeout=T
+    )
     assert res["e1"][2] == "error"
     res = await eng.generate_all(GenRequest("e2", np.arange(4, 40), GREEDY, single=True), timeout=T)
     assert res["e2"][2] == "error"
+    res = await eng.generate_all(GenRequest("e3", np.array([5, 999]), GREEDY, single=True), timeout=T)
+    assert res["e3"][2] == "error"  # out-of-vocabulary id: rejected, the engine keeps serving
     # max_model_len caps prompt + response
-    res = await eng.generate_all(GenRequest("ok", np.array(PROMPTS[2]), GREEDY, single=True), timeout=T)
+    res = await eng.generate_all(
+        GenRequest("ok", np.array(PROMPTS[2]), GREEDY, single=True), timeout=T
+    )
     assert res["ok"][2] == "length" and len(res["ok"][0]) == 32 - len(PROMPTS[2])

@@ -58,12 +58,24 @@ async def test_engine_args_and_sampling_params(engine):
     args = fake.llm.args
     assert args["model"] == "/models/tiny" and args["logprobs_mode"] == "processed_logprobs"
     assert args["worker_extension_cls"] == "laminar.engines.vllm_ext.LaminarWorkerExtension"
-    assert args["max_num_seqs"] == 3 and args["enforce_eager"] is True and args["dtype"] == "float32"
-    sp = eng._sampling_params(type("S", (), {"params": SamplingParams(0.7, 0.9, 50, ("##",), (9,), 4), "seq_id": "g/1"})(), 20)
+    assert (
+        args["max_num_seqs"] == 3 and args["enforce_eager"] is True and args["dtype"] == "float32"
+    )
+    sp = eng._sampling_params(
+        type(
+            "S", (), {"params": SamplingParams(0.7, 0.9, 50, ("##",), (9,), 4), "seq_id": "g/1"}
+        )(),
+        20,
+    )
     kw = sp.kw
     assert kw["logprobs"] == 0 and kw["output_kind"] is RequestOutputKind.DELTA and kw["n"] == 1
     assert kw["max_tokens"] == 30 and kw["temperature"] == 0.7 and kw["top_p"] == 0.9
-    assert kw["stop"] == ["##"] and kw["include_stop_str_in_output"] and kw["detokenize"] and kw["stop_token_ids"] == [9]
+    assert (
+        kw["stop"] == ["##"]
+        and kw["include_stop_str_in_output"]
+        and kw["detokenize"]
+        and kw["stop_token_ids"] == [9]
+    )
     assert isinstance(kw["seed"], int) and kw["seed"] >= 0
 
 
@@ -88,7 +100,12 @@ async def test_stop_reason_and_eos(engine):
     eng, fake = engine
     ids, _ = reference(fake, PROMPT.tolist(), 40)
     k = next(i for i, t in enumerate(ids) if t != EOS)
-    res = await eng.generate_all(GenRequest("s", PROMPT, SamplingParams(max_tokens=40, stop_token_ids=(ids[k],)), single=True), timeout=T)
+    res = await eng.generate_all(
+        GenRequest(
+            "s", PROMPT, SamplingParams(max_tokens=40, stop_token_ids=(ids[k],)), single=True
+        ),
+        timeout=T,
+    )
     got, lps, reason = res["s"]
     assert reason == "stop" and got[-1] == ids[k] and len(got) == len(lps) == k + 1
 
@@ -136,7 +153,9 @@ async def test_abort_returns_partial_and_resume_continues(engine):
 async def test_abort_with_history_repeating_final_delta(engine):
     eng, fake = engine
     fake.llm.p12_bug = True  # vLLM <= 0.28: the final abort delta carries every logprob again
-    eng.submit(GenRequest("h", PROMPT, SamplingParams(max_tokens=100, ignore_eos=True), single=True))
+    eng.submit(
+        GenRequest("h", PROMPT, SamplingParams(max_tokens=100, ignore_eos=True), single=True)
+    )
     n = 0
     while n < 4:
         n += len((await eng.next_event(T)).token_ids)
@@ -149,7 +168,9 @@ def test_sampled_logprobs_indexes_by_sampled_id():
 
     entries = [{3: Logprob(-0.5), 4: Logprob(-0.1)}, {7: Logprob(-2.0), 3: Logprob(-0.3)}]
     assert sampled_logprobs([3, 7], entries) == [-0.5, -2.0]
-    assert sampled_logprobs([7], entries) == [-2.0]  # history repeated: the last entries are the new ones
+    assert sampled_logprobs([7], entries) == [
+        -2.0
+    ]  # history repeated: the last entries are the new ones
     assert sampled_logprobs([], entries) == []
     assert np.isnan(sampled_logprobs([1], None)).all()
 
@@ -157,14 +178,22 @@ def test_sampled_logprobs_indexes_by_sampled_id():
 async def test_load_weights_pauses_rpcs_resets_prefix_cache(engine):
     eng, fake = engine
     params = SamplingParams(max_tokens=8, ignore_eos=True)
-    before = (await eng.generate_all(GenRequest("a", PROMPT, params, single=True), timeout=T))["a"][0]
-    weights = {"model.embed_tokens.weight": torch.ones(4, 2), "lm_head.weight": None, "x": np.full(3, 0.5, np.float32)}
+    before = (await eng.generate_all(GenRequest("a", PROMPT, params, single=True), timeout=T))["a"][
+        0
+    ]
+    weights = {
+        "model.embed_tokens.weight": torch.ones(4, 2),
+        "lm_head.weight": None,
+        "x": np.full(3, 0.5, np.float32),
+    }
     weights["lm_head.weight"] = weights["model.embed_tokens.weight"]  # tied: shared storage
     await eng.load_weights(weights.items(), version=7)
     kinds = [c[0] for c in fake.llm.calls]
     assert kinds == ["pause", "rpc", "reset_prefix_cache", "resume"]
     assert fake.llm.calls[0] == ("pause", "keep", True)
-    assert fake.llm.calls[1][1] == "laminar_load_weights" and isinstance(fake.llm.calls[1][2][0], bytes)
+    assert fake.llm.calls[1][1] == "laminar_load_weights" and isinstance(
+        fake.llm.calls[1][2][0], bytes
+    )
     assert fake.llm.salt == 17.5 and not fake.llm.paused
     after = []
     async for ev in eng.generate(GenRequest("a", PROMPT, params, single=True), timeout=T):
@@ -194,12 +223,23 @@ async def test_stats_from_stat_logger(engine):
 async def test_engine_errors_become_error_events(engine):
     eng, fake = engine
     fake.llm.fail_next = True
-    res = await eng.generate_all(GenRequest("e", PROMPT, SamplingParams(max_tokens=5), single=True), timeout=T)
+    res = await eng.generate_all(
+        GenRequest("e", PROMPT, SamplingParams(max_tokens=5), single=True), timeout=T
+    )
     assert res["e"][2] == "error"
-    res = await eng.generate_all(GenRequest("z", np.array([], np.int32), SamplingParams(max_tokens=5), single=True), timeout=T)
+    res = await eng.generate_all(
+        GenRequest("z", np.array([], np.int32), SamplingParams(max_tokens=5), single=True),
+        timeout=T,
+    )
     assert res["z"][2] == "error"
     # resumed at its cap: finishes at once without a request
-    req = GenRequest("c", PROMPT, SamplingParams(max_tokens=3), resume_ids=np.array([1, 2, 3], np.int32), single=True)
+    req = GenRequest(
+        "c",
+        PROMPT,
+        SamplingParams(max_tokens=3),
+        resume_ids=np.array([1, 2, 3], np.int32),
+        single=True,
+    )
     res = await eng.generate_all(req, timeout=T)
     assert res["c"][2] == "length" and len(res["c"][0]) == 0
 

@@ -42,7 +42,9 @@ def _hf_greedy(model, prompt, n):
 async def test_vllm_engine_end_to_end(tmp_path):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    kw = dict(hidden=128, layers=2, heads=2, kv_heads=1, initializer_range=0.5)  # head_dim 64 (CPU backend)
+    kw = dict(
+        hidden=128, layers=2, heads=2, kv_heads=1, initializer_range=0.5
+    )  # head_dim 64 (CPU backend)
     a = build_tiny_model(tmp_path / "a", seed=0, **kw)
     b = build_tiny_model(tmp_path / "b", seed=1, **kw)
     ref_a, ref_b = load_causal_lm(a), load_causal_lm(b)
@@ -57,7 +59,9 @@ async def test_vllm_engine_end_to_end(tmp_path):
         for ids, lps, reason in res.values():
             assert reason in ("stop", "length") and len(ids) == len(lps) > 0
             with torch.no_grad():
-                logits = ref_a(torch.tensor([PROMPT + ids.tolist()])).logits[0, len(PROMPT) - 1 : -1]
+                logits = ref_a(torch.tensor([PROMPT + ids.tolist()])).logits[
+                    0, len(PROMPT) - 1 : -1
+                ]
             n = len(ids)
             rec = processed_logprobs(logits, torch.full((n,), 0.8), torch.full((n,), 0.9))
             rec = rec.gather(1, torch.tensor(ids, dtype=torch.long)[:, None]).squeeze(1).numpy()
@@ -65,7 +69,11 @@ async def test_vllm_engine_end_to_end(tmp_path):
 
         # 2. greedy = HF greedy
         greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-        got = (await eng.generate_all(GenRequest("g", np.array(PROMPT), greedy, single=True), timeout=T))["g"][0]
+        got = (
+            await eng.generate_all(
+                GenRequest("g", np.array(PROMPT), greedy, single=True), timeout=T
+            )
+        )["g"][0]
         assert got.tolist() == _hf_greedy(ref_a, PROMPT, 24)
 
         # 3. abort mid-run -> partial state -> resume = uninterrupted; stats while running
@@ -93,7 +101,9 @@ async def test_vllm_engine_end_to_end(tmp_path):
         # 4. in-place weight load: outputs become model b's
         await eng.load_weights(ref_b.state_dict().items(), version=2)
         after = []
-        async for ev in eng.generate(GenRequest("w", np.array(PROMPT), greedy, single=True), timeout=T):
+        async for ev in eng.generate(
+            GenRequest("w", np.array(PROMPT), greedy, single=True), timeout=T
+        ):
             assert ev.version == 2
             after.extend(ev.token_ids.tolist())
         assert after == _hf_greedy(ref_b, PROMPT, 24) and after != got.tolist()

@@ -32,7 +32,7 @@ def cfg(short_dir):
         "name": f"t{os.getpid()}",
         "cluster": {"transport": "ipc", "ipc_dir": str(short_dir)},
         "transport": {
-            "heartbeat_interval_s": 0.05, "heartbeat_liveness": 4, "handshake_timeout_s": 1.0,
+            "heartbeat_interval_s": 0.1, "heartbeat_liveness": 4, "handshake_timeout_s": 1.0,
             "startup_timeout_s": 5.0, "stop_timeout_s": 0.4, "request_timeout_s": 1.0,
             "request_retries": 0, "reconnect_backoff_s": 0.02, "reconnect_backoff_max_s": 0.1,
         },
@@ -230,6 +230,8 @@ async def test_compute_keeps_heartbeats_flowing_while_blocking_work_runs(cfg, zc
             self.srv.on(Ping, lambda peer, m: Pong(payload=m.payload))
             await self.srv.start()
 
+    # 0.1 s beats, dead after 0.4 s (the cfg fixture): far below the 1.5 s of work, yet tolerant
+    # of a loaded machine where three threads (loop, worker, peer) share two cores with other jobs
     node = Worker(cfg, ctx=zctx)
     task = asyncio.create_task(node.run())
     await node.wait_ready(5)
@@ -240,10 +242,10 @@ async def test_compute_keeps_heartbeats_flowing_while_blocking_work_runs(cfg, zc
     before = peer.client.stats.received
     assert await node.compute(busy, 1.5) > 0  # 1.5 s holding the GIL, on the node's worker thread
     beats = peer.client.stats.received - before
-    assert beats >= 10, f"only {beats} heartbeats reached the peer in 1.5 s (expect ~30)"
+    assert beats >= 5, f"only {beats} heartbeats reached the peer in 1.5 s (expect ~15)"
     assert peer.client.stats.peers_dead == 0 and node.srv.stats.peers_dead == 0
     # control: the same work on the event loop itself starves the beats, and the peer notices
-    busy(1.0)
+    busy(1.2)
     await wait_until(
         lambda: peer.client.stats.peers_dead >= 1, 3, "the peer declaring the blocked node dead"
     )

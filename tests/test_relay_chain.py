@@ -108,7 +108,9 @@ async def test_killing_a_middle_relay_mid_broadcast_heals_the_chain(relays):
             info = await procs.info(last)
             if info is not None and info.incoming_version == 1 and info.incoming_have > 0:
                 break
-            assert info is None or info.version < 1, "broadcast finished before the kill: slow the link"
+            assert info is None or info.version < 1, (
+                "broadcast finished before the kill: slow the link"
+            )
             assert time.monotonic() - t0 < 30, "the end of the chain never started receiving"
             await asyncio.sleep(0.01)  # poll interval of a deadline-bounded wait
         procs.kill(middle)

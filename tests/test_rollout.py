@@ -55,7 +55,7 @@ async def test_groups_flow_with_credits_and_partials(tmp_path):
                 uid.rsplit("/", 1)[1]
             )
             assert t.timings["t_finish"] >= t.timings["t_first_token"] >= t.timings["t_start"] > 0
-        assert max(h.state.arrivals.values()) == 1
+        h.check_arrivals()
         assert all(r.max_groups <= cfg.rollout.credits for r in h.state.requests)
         assert all(e.peak_groups <= cfg.rollout.credits for e in engines)
         assert {t.rollout_id for t in stored.values()} == {"rollout-0", "rollout-1"}
@@ -89,12 +89,11 @@ async def test_buffer_cut_off_loses_nothing_and_duplicates_nothing(tmp_path):
             "finished work piling up in outboxes",
         )
         # the outage itself (the behaviour under test), longer than dead_after_s
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(2.0)
         await h.buffer.start()  # same endpoint, same (journaled) state
         await h.wait_stored(uids_of(items), 30)
         assert set(h.state.stored) == uids_of(items)
-        dup = {u: c for u, c in h.state.arrivals.items() if c > 1}
-        assert not dup, f"trajectories arrived twice: {dup}"
+        h.check_arrivals()  # a resend whose first copy was stored (ack lost in the cut) is deduplicated
         assert sum(r.outbox.stats["retries"] for r in h.rollouts) > 0
         for uid, t in h.state.stored.items():
             assert t.response_ids.tolist() == expected_response(uid)
@@ -104,15 +103,15 @@ async def test_prompt_request_retry_gets_the_same_groups_back(tmp_path):
     items = make_items(6, n=2)
     cfg = make_cfg(tmp_path)
     async with harness(cfg, items) as h:
-        h.state.stall_next_reply_s = (
-            1.0  # > request_timeout_s: the first served reply is lost to the rollout
-        )
+        # > request_timeout_s: the first served reply is lost to the rollout
+        h.state.stall_next_reply_s = 2.0
         node = await h.add_rollout(FakeEngine())
         await h.wait_stored(uids_of(items), 20)
         first = h.state.requests[0]
         assert h.state.requests[1].request_id == first.request_id  # retried as is
         assert node.metrics.counters["prompt_request_failed"] >= 1
-        assert max(h.state.arrivals.values()) == 1 and set(h.state.stored) == uids_of(items)
+        h.check_arrivals()
+        assert set(h.state.stored) == uids_of(items)
 
 
 async def test_weights_load_only_when_idle_and_groups_keep_one_version(tmp_path):
@@ -218,14 +217,16 @@ async def test_export_then_import_completes_the_trajectory(tmp_path):
         again = await srv.request(
             "rollout-1", ImportRequest(partials=reply.partials[:1]), timeout=5
         )
-        assert again.duplicate == [reply.partials[0].uid] or reply.partials[0].uid in h.state.stored
+        assert (
+            again.duplicate == [reply.partials[0].uid] and not again.accepted
+        )  # running or finished
         await h.wait_stored(all_uids, 10)
         for uid in all_uids:
             t = h.state.stored[uid]
             assert t.response_ids.tolist() == expected_response(uid)  # same as never interrupted
             assert np.allclose(t.logprobs, -0.01 * np.arange(1, len(t.response_ids) + 1))
             assert t.rollout_id == "rollout-1" and t.resumed == 1 and t.version == 0
-        assert max(h.state.arrivals.values()) == 1
+        h.check_arrivals()
 
 
 async def test_import_at_another_version_is_rejected(tmp_path):
@@ -267,6 +268,20 @@ async def test_refresh_request_loads_newest_when_idle(tmp_path):
         await wait_for(
             lambda: h.state.requests and h.state.requests[-1].version == 2, 5, "asking at v2"
         )
+
+
+async def test_refresh_to_a_version_that_never_comes_does_not_stall_the_rollout(tmp_path):
+    cfg = make_cfg(tmp_path, mode="one_step", rollout__refresh_wait_s=0.3)
+    async with harness(cfg, []) as h:
+        engine = FakeEngine()
+        node = await h.add_rollout(engine)
+        reply = await h.manager.srv.request("rollout-0", RefreshRequest(min_version=5), timeout=5)
+        assert reply.pending
+        items = make_items(2, n=2)
+        h.state.prompts.extend(items)
+        # no v5 anywhere: after refresh_wait_s it goes on at the version it has
+        await h.wait_stored(uids_of(items), 10)
+        assert engine.loads == [] and node.version == 0
 
 
 # ---- rewards on the rollout -----------------------------------------------------------------
@@ -322,6 +337,27 @@ async def test_stop_drains_in_flight_work_and_flushes_the_outbox(tmp_path):
         node.request_stop("test drain")
         await asyncio.wait_for(node.stopped.wait(), 10)
         assert in_hand <= set(h.state.stored), "in-flight work was not finished and delivered"
-        assert max(h.state.arrivals.values()) == 1
+        h.check_arrivals()
         assert len(h.state.stored) < len(uids_of(items))  # it stopped taking prompts
         assert len(h.state.requests) <= asked + 1  # at most the one already on its way
+
+
+def test_rollout_messages_round_trip_through_the_codec():
+    from laminar.protocol.data import PartialTrajectory
+    from laminar.transport.codec import decode, encode
+
+    p = PartialTrajectory(uid="g/0", group_id="g", prompt_uid="u", sample_index=0,
+                          prompt_ids=np.arange(5, dtype=np.int32), response_ids=np.arange(3, dtype=np.int32),
+                          logprobs=np.full(3, -0.5, np.float32), version=2, n=4, row={"answer": "7"})  # fmt: skip
+    for msg in (ExportRequest(uids=["g/0"]), ExportReply(partials=[p], missing=["x/1"], version=2),
+                ImportRequest(partials=[p]), ImportReply(accepted=["g/0"], version=2),
+                RefreshRequest(min_version=3), RefreshReply(version=2, pending=True)):  # fmt: skip
+        back = decode(encode(msg))
+        assert type(back) is type(msg)
+        if isinstance(msg, (ExportReply, ImportRequest)):
+            q = back.partials[0]
+            assert (
+                q.response_ids.tolist() == [0, 1, 2] and q.version == 2 and q.row == {"answer": "7"}
+            )
+        else:
+            assert back == msg

@@ -16,7 +16,7 @@ from rollout_fakes import harness, make_cfg, make_items, uids_of, wait_for
 from laminar.engines.base import GenRequest, SamplingParams
 from laminar.engines.sim import SimEngine
 from laminar.nodes.rollout import RolloutNode
-from laminar.protocol.rollout import ExportRequest, ImportRequest
+from laminar.protocol.rollout import ExportRequest, ImportRequest, RefreshRequest
 from laminar.transport.sockets import RemoteError
 
 SIM = {
@@ -67,7 +67,7 @@ async def test_sim_export_import_resumes_identically(tmp_path):
                 assert t.response_ids.tolist() == ids, uid
                 assert t.rollout_id == "rollout-1" and t.resumed == 1 and t.finish_reason == "stop"
                 assert t.reward in (0.0, 1.0)  # rollout.engine=sim: the uid-hash reward
-        assert max(h.state.arrivals.values()) == 1
+        h.check_arrivals()
 
 
 async def test_sim_import_at_another_version_is_rejected(tmp_path):
@@ -88,3 +88,21 @@ async def test_sim_import_at_another_version_is_rejected(tmp_path):
                 "rollout-0", ImportRequest(partials=exp.partials), timeout=5
             )
         assert not src.seqs
+
+
+async def test_sim_without_relay_learns_versions_from_refresh_requests(tmp_path):
+    # rollout.weights=auto, no relays, sim engine: the AnnouncedSource (no tensors to move)
+    cfg = make_cfg(tmp_path, cluster={"transport": "inproc", "roles": {"relay": 0, "rollout": 1}},
+                   rollout__sim=SIM, rollout__weights="auto", rollout__sampling={"max_tokens": 20})  # fmt: skip
+    async with harness(cfg, []) as h:
+        node = await h.start_node(RolloutNode(cfg, index=0, ctx=h.ctx))
+        assert node.source.name == "announce"
+        reply = await h.manager.srv.request("rollout-0", RefreshRequest(min_version=3), timeout=5)
+        assert reply.version == 0
+        await wait_for(
+            lambda: node.version == 3 and node.engine.version == 3, 5, "the announced v3"
+        )
+        items = make_items(2, n=2)
+        h.state.prompts.extend(items)
+        await h.wait_stored(uids_of(items), 10)
+        assert {t.version for t in h.state.stored.values()} == {3}

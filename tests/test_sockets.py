@@ -2,8 +2,8 @@
 
     .venv/bin/python -m pytest tests/test_sockets.py -q
 
-Heartbeats run every 50 ms with 4 beats to death (fast_opts), so "dead within the
-bound" means within interval*liveness (0.2 s) plus one check interval plus a slack
+Heartbeats run every 100 ms with 4 beats to death (fast_opts), so "dead within the
+bound" means within interval*liveness (0.4 s) plus one check interval plus a slack
 for a loaded 2-core machine.
 """
 
@@ -34,7 +34,7 @@ from laminar.transport.sockets import (
     TransportError,
 )
 
-SLACK_S = 0.25  # scheduling noise on 2 busy cores
+SLACK_S = 0.3  # scheduling noise on 2 busy cores
 
 
 def _rid(n: int) -> bytes:
@@ -197,8 +197,8 @@ async def test_server_detects_a_dead_client_within_the_bound(zctx, ipc, fast_opt
     )
     cli = RpcClient(zctx, srv.endpoint, "cli-0", "test", opts)
     await cli.connect()
-    # alive while it beats: 10 heartbeat periods and no death
-    await wait_until(lambda: cli.stats.received >= 10, 3, "10 server heartbeats")
+    # alive while it beats: 6 heartbeat periods (1.5 death bounds) and no death
+    await wait_until(lambda: cli.stats.received >= 6, 3, "6 server heartbeats")
     assert srv.stats.peers_dead == 0 and srv.peers["cli-0"].alive
     await cli.close(say_bye=False)  # vanishes without a word
     last_seen = srv.peers["cli-0"].last_seen
@@ -303,13 +303,16 @@ async def test_request_to_a_hung_handler_times_out(zctx, ipc, fast_opts):
 
 
 async def test_handler_error_becomes_a_remote_error(zctx, ipc, fast_opts):
-    srv = RpcServer(zctx, ipc("err"), "srv-0", "test", fast_opts())
+    # slow heartbeats: the dev console renders the handler's traceback on the loop, which
+    # can take longer than 4 fast beats on a loaded machine (liveness is not under test here)
+    opts = fast_opts(heartbeat_interval_s=2.0)
+    srv = RpcServer(zctx, ipc("err"), "srv-0", "test", opts)
     srv.on(Ping, lambda peer, m: 1 / 0)
     await srv.start()
-    cli = RpcClient(zctx, srv.endpoint, "cli-0", "test", fast_opts())
+    cli = RpcClient(zctx, srv.endpoint, "cli-0", "test", opts)
     await cli.connect()
     with pytest.raises(RemoteError, match="ZeroDivisionError"):
-        await cli.request(Ping())
+        await cli.request(Ping(), timeout=10)
     assert srv.stats.handler_errors == 1 and all(not t.done() for t in srv.tasks)
     await cli.close()
     await srv.close()

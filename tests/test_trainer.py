@@ -1,6 +1,6 @@
 """Trainer policy on CPU with a random tiny model: learning, micro-batching, checkpoints, resume.
 
-    .venv/bin/python -m pytest tests/test_trainer.py -q
+.venv/bin/python -m pytest tests/test_trainer.py -q
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ from laminar.trainer.policy import Policy, lr_lambda
 def tiny(tmp_path_factory):
     from laminar.models.tiny import build_tiny_model
 
-    return str(build_tiny_model(tmp_path_factory.mktemp("tiny"), hidden=32, layers=1, heads=2, kv_heads=1))
+    return str(
+        build_tiny_model(tmp_path_factory.mktemp("tiny"), hidden=32, layers=1, heads=2, kv_heads=1)
+    )
 
 
 def make_cfg(model_path, run_dir, **trainer):
@@ -116,7 +118,9 @@ def test_micro_batching_gives_the_full_batch_gradient(tiny, tmp_path):
         m = policy.train_step(TrainBatch.build(trajs))
         losses.append(m["loss"])
         n_mb.append(m["micro_batches"])
-        grads.append(torch.cat([p.grad.flatten() for p in policy.model.parameters() if p.grad is not None]))
+        grads.append(
+            torch.cat([p.grad.flatten() for p in policy.model.parameters() if p.grad is not None])
+        )
     assert n_mb[0] == 1 and n_mb[1] >= 5
     assert losses[0] == pytest.approx(losses[1], abs=1e-6)
     assert torch.allclose(grads[0], grads[1], atol=1e-6)
@@ -131,7 +135,9 @@ def test_temperature_divides_the_logits(tiny, tmp_path):
         logp, _ = policy.token_logprobs(mb)
         logits = policy.model(input_ids=mb.input_ids).logits[:, :-1] / 2.0
         ref = torch.log_softmax(logits, -1).gather(-1, mb.targets[..., None])[..., 0]
-    assert torch.allclose(logp, ref, atol=1e-6)
+    m = mb.resp_mask
+    assert torch.allclose(logp[m], ref[m], atol=1e-6)
+    assert torch.count_nonzero(logp[~m]) == 0  # prompt and padding positions carry nothing
 
 
 def test_checkpoint_round_trip_and_resume_give_the_same_next_step(tiny, tmp_path):
@@ -151,17 +157,24 @@ def test_checkpoint_round_trip_and_resume_give_the_same_next_step(tiny, tmp_path
     assert sa.keys() == sb.keys()
     for name in sa:
         for k in ("exp_avg", "exp_avg_sq", "step"):
-            assert torch.equal(torch.as_tensor(sa[name][k]), torch.as_tensor(sb[name][k])), (name, k)
+            assert torch.equal(torch.as_tensor(sa[name][k]), torch.as_tensor(sb[name][k])), (
+                name,
+                k,
+            )
     assert a.scheduler.state_dict() == b.scheduler.state_dict()
     ma, mb_ = a.train_step(b2), b.train_step(b2)
-    assert ma["loss"] == mb_["loss"] and ma["grad_norm"] == mb_["grad_norm"] and ma["lr"] == mb_["lr"]
+    assert (
+        ma["loss"] == mb_["loss"] and ma["grad_norm"] == mb_["grad_norm"] and ma["lr"] == mb_["lr"]
+    )
     pa, pb = params(a), params(b)
     assert all(torch.equal(pa[k], pb[k]) for k in pa)
 
 
 def test_checkpoints_are_atomic_and_pruned(tiny, tmp_path):
     policy = Policy(make_cfg(tiny, tmp_path), tiny)
-    (ck.checkpoint_root(tmp_path) / ".tmp-step_00000009-1").mkdir(parents=True)  # a crashed writer's leftovers
+    (ck.checkpoint_root(tmp_path) / ".tmp-step_00000009-1").mkdir(
+        parents=True
+    )  # a crashed writer's leftovers
     assert ck.latest_checkpoint(tmp_path) is None
     for step in (1, 2, 3):
         ck.save_policy(policy, tmp_path, step, {"version": step}, tiny, keep=2)
@@ -183,7 +196,12 @@ def test_bad_trajectories_are_dropped_and_counted():
     bad[3].response_ids = np.zeros(0, np.int32)
     batch = TrainBatch.build(good + bad, vocab_size=64)
     assert batch.n_seqs == 2
-    assert dict(batch.dropped) == {"no_reward": 1, "logprob_length": 1, "bad_token_id": 1, "empty_response": 1}
+    assert dict(batch.dropped) == {
+        "no_reward": 1,
+        "logprob_length": 1,
+        "bad_token_id": 1,
+        "empty_response": 1,
+    }
 
 
 def test_pack_micro_batches_respects_the_token_budget():
@@ -200,3 +218,33 @@ def test_lr_schedule_warmup_then_cosine():
     assert [round(f(s), 4) for s in (0, 1, 2)] == [0.5, 1.0, 1.0]
     assert f(10) == pytest.approx(0.1) and f(50) == pytest.approx(0.1)
     assert 0.1 < f(6) < 1.0
+
+
+@pytest.mark.parametrize(
+    "algo",
+    [
+        {"loss": "gspo", "agg": "seq_mean_token_mean", "is_level": "geometric"},
+        {"kl_coef": 0.1, "kl_type": "k1_reward", "advantage": "rloo"},
+        {"kl_coef": 0.1, "kl_type": "k3_loss", "entropy_coef": 0.01, "advantage": "dr_grpo"},
+        {
+            "decoupled": False,
+            "agg": "seq_mean_token_sum_norm",
+            "advantage": "reinforce_pp_baseline",
+        },
+        {"is_mode": "mask", "is_level": "sequence", "is_low": 0.1, "is_high": 10.0},
+    ],
+)
+def test_algorithm_variants_train(tiny, tmp_path, algo):
+    cfg = make_cfg(tiny, tmp_path)
+    for k, v in algo.items():
+        setattr(cfg.algo, k, v)
+    policy = Policy(cfg, tiny)
+    assert (policy.ref is not None) == (cfg.algo.kl_coef > 0)
+    before = params(policy)
+    trajs = on_policy(policy, make_trajs())
+    for _ in range(2):
+        m = policy.train_step(TrainBatch.build(trajs))
+        assert math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) and m["grad_norm"] > 0
+    assert any(not torch.equal(before[k], v) for k, v in params(policy).items())
+    if algo.get("kl_type") == "k3_loss":
+        assert m["kl_ref"] != 0 and "loss/kl" in m and "loss/entropy" in m

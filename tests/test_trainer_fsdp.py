@@ -34,7 +34,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_two_rank_fsdp_matches_one_process(tmp_path):
     from laminar.models.tiny import build_tiny_model
 
-    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which(
+        "torchrun"
+    )
     if torchrun is None:
         pytest.skip("torchrun not found")
     model = str(build_tiny_model(tmp_path / "model", hidden=32, layers=2, heads=2, kv_heads=1))
@@ -83,7 +85,9 @@ async def test_two_rank_trainer_node_against_the_buffer_protocol(tmp_path, short
     from laminar.transport.sockets import SocketOptions, new_context
     from tests.test_trainer_node import FakeBuffer, FakeManager, groups_of
 
-    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which(
+        "torchrun"
+    )
     if torchrun is None:
         pytest.skip("torchrun not found")
     model = str(build_tiny_model(tmp_path / "model", hidden=32, layers=2, heads=2, kv_heads=1))

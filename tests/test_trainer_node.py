@@ -83,7 +83,14 @@ def groups_of(trajs):
 
 
 def node_cfg(tmp_path: Path, model_path: str | None, **trainer):
-    t = {"lr": 1e-3, "total_steps": 3, "batch_groups": 2, "batch_wait_s": 0.2, "micro_batch_tokens": 256, **trainer}
+    t = {
+        "lr": 1e-3,
+        "total_steps": 3,
+        "batch_groups": 2,
+        "batch_wait_s": 0.2,
+        "micro_batch_tokens": 256,
+        **trainer,
+    }
     return config_from_dict({
         "name": f"tn{abs(hash(str(tmp_path))) % 10**8}", "run_dir": str(tmp_path / "run"),
         "model": {"path": model_path}, "trainer": t, "cluster": {"transport": "inproc", "roles": {"relay": 0}},
@@ -130,18 +137,40 @@ async def test_torch_trainer_trains_publishes_commits_and_checkpoints(tiny, tmp_
     buf, mgr = await make(cfg, groups_of(make_trajs(n_groups=6, group=2)))
     node = await run_trainer(cfg, ctx)
     assert node.step == 3 and node.version == 3
-    assert [(c.batch_id, c.step, c.version) for c in buf.commits] == [("b1", 1, 1), ("b2", 2, 2), ("b3", 3, 3)]
+    assert [(c.batch_id, c.step, c.version) for c in buf.commits] == [
+        ("b1", 1, 1),
+        ("b2", 2, 2),
+        ("b3", 3, 3),
+    ]
     assert buf.requests[0].restart and not any(r.restart for r in buf.requests[1:])
     assert [r.trainer_version for r in buf.requests] == [0, 1, 2]
     assert [m.version for m in mgr.published] == [1, 2, 3] and mgr.published[-1].handoff == "direct"
     run = cfg.resolved_run_dir()
-    assert Path(mgr.published[-1].uri) == run / "weights" / "v3.safetensors" and Path(mgr.published[-1].uri).is_file()
+    assert (
+        Path(mgr.published[-1].uri) == run / "weights" / "v3.safetensors"
+        and Path(mgr.published[-1].uri).is_file()
+    )
     lines = read_jsonl(run / "metrics.jsonl")
     assert [x["step"] for x in lines] == [1, 2, 3]
-    for key in ("loss", "reward", "adv/mean", "is/ess", "grad_norm", "staleness", "tokens_per_s", "step_s", "lr", "version"):
+    for key in (
+        "loss",
+        "reward",
+        "adv/mean",
+        "is/ess",
+        "grad_norm",
+        "staleness",
+        "tokens_per_s",
+        "step_s",
+        "lr",
+        "version",
+    ):
         assert key in lines[-1], key
-    assert lines[-1]["staleness_hist/2"] == 4  # version-0 data (2 groups x 2) consumed by the version-2 trainer
-    assert [p.name for p in (run / "checkpoints").iterdir()] and (run / "checkpoints" / "step_00000003").is_dir()
+    assert (
+        lines[-1]["staleness_hist/2"] == 4
+    )  # version-0 data (2 groups x 2) consumed by the version-2 trainer
+    assert [p.name for p in (run / "checkpoints").iterdir()] and (
+        run / "checkpoints" / "step_00000003"
+    ).is_dir()
     assert (run / "tb").is_dir()
     consumed = read_jsonl(run / "consumed.jsonl")
     assert [c["uids"] for c in consumed] == [uids for _, uids in buf.served]
@@ -164,7 +193,14 @@ async def test_sim_trainer_emulates_steps_and_resumes(tmp_path, harness):
 
 async def test_commit_checkpoint_mode_commits_only_what_a_checkpoint_holds(tmp_path, harness):
     ctx, make = harness
-    cfg = node_cfg(tmp_path, None, engine="sim", sim_time_per_token_s=0, commit="checkpoint", checkpoint_every=2)
+    cfg = node_cfg(
+        tmp_path,
+        None,
+        engine="sim",
+        sim_time_per_token_s=0,
+        commit="checkpoint",
+        checkpoint_every=2,
+    )
     buf, _ = await make(cfg, groups_of(make_trajs(n_groups=6, group=2)))
     ckpts = cfg.resolved_run_dir() / "checkpoints"
     seen = []
@@ -176,7 +212,11 @@ async def test_commit_checkpoint_mode_commits_only_what_a_checkpoint_holds(tmp_p
     await run_trainer(cfg, ctx)
     # steps 1, 2 commit after step_2 is on disk; step 3 after the final checkpoint
     assert [s for s, _ in seen] == [1, 2, 3]
-    assert "step_00000002" in seen[0][1] and "step_00000002" in seen[1][1] and "step_00000003" in seen[2][1]
+    assert (
+        "step_00000002" in seen[0][1]
+        and "step_00000002" in seen[1][1]
+        and "step_00000003" in seen[2][1]
+    )
 
 
 async def test_killed_before_commit_the_batch_is_served_again_after_resume(tiny, tmp_path, harness):
@@ -217,7 +257,9 @@ async def test_killed_before_commit_the_batch_is_served_again_after_resume(tiny,
 def tiny(tmp_path_factory):
     from laminar.models.tiny import build_tiny_model
 
-    return str(build_tiny_model(tmp_path_factory.mktemp("tiny"), hidden=32, layers=1, heads=2, kv_heads=1))
+    return str(
+        build_tiny_model(tmp_path_factory.mktemp("tiny"), hidden=32, layers=1, heads=2, kv_heads=1)
+    )
 
 
 async def test_weights_go_through_the_relay_tier_when_there_is_one(tiny, tmp_path, harness):
@@ -240,7 +282,9 @@ async def test_weights_go_through_the_relay_tier_when_there_is_one(tiny, tmp_pat
         node = await run_trainer(cfg, ctx)
         assert [(m.version, m.handoff) for m in mgr.published] == [(1, "relay"), (2, "relay")]
         assert all(m.stall_s >= 0 and m.num_bytes > 0 for m in mgr.published)
-        reader = SimpleNamespace(cfg=cfg, ctx=ctx, opts=relay.opts, node_id="reader-0", role="rollout", log=relay.log)
+        reader = SimpleNamespace(
+            cfg=cfg, ctx=ctx, opts=relay.opts, node_id="reader-0", role="rollout", log=relay.log
+        )
         puller = WeightPuller(reader)
         await puller.start()
         try:
@@ -277,7 +321,10 @@ async def test_sim_trainer_pushes_a_tiny_blob_through_the_relay(tmp_path, harnes
     try:
         await asyncio.wait_for(relay.ready.wait(), 10)
         await run_trainer(cfg, ctx)
-        assert [(m.version, m.handoff, m.num_bytes) for m in mgr.published] == [(1, "relay", 1024), (2, "relay", 1024)]
+        assert [(m.version, m.handoff, m.num_bytes) for m in mgr.published] == [
+            (1, "relay", 1024),
+            (2, "relay", 1024),
+        ]
     finally:
         relay.request_stop("test done")
         await asyncio.wait_for(relay_task, 10)
@@ -306,4 +353,23 @@ async def test_stop_request_drains_the_step_and_checkpoints(tiny, tmp_path, harn
     last = ck.latest_checkpoint(cfg.resolved_run_dir())
     assert last is not None and json.loads((last / "meta.json").read_text())["reason"] == "stop"
     assert int(last.name.split("_")[1]) == node.step >= 2
-    assert [c.step for c in buf.commits] == list(range(1, node.step + 1))  # all trained steps committed
+    assert [c.step for c in buf.commits] == list(
+        range(1, node.step + 1)
+    )  # all trained steps committed
+
+
+async def test_trainer_finishes_when_the_buffer_says_data_is_exhausted(tmp_path, harness):
+    ctx, make = harness
+    cfg = node_cfg(tmp_path, None, engine="sim", sim_time_per_token_s=0, total_steps=100)
+    buf, _ = await make(cfg, groups_of(make_trajs(n_groups=4, group=2)))
+    plain = buf.on_batch
+
+    async def exhausted_when_empty(peer, req):
+        reply = await plain(peer, req)
+        if not reply.trajectories:
+            reply.info["exhausted"] = not buf.queue and not buf.inflight
+        return reply
+
+    buf.srv.on(BatchRequest, exhausted_when_empty)
+    node = await run_trainer(cfg, ctx)
+    assert node.step == 2 and node.exhausted and "data exhausted" in node.stop_reason

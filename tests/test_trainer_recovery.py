@@ -39,12 +39,18 @@ ROOT = Path(__file__).resolve().parents[1]
 def tiny(tmp_path_factory):
     from laminar.models.tiny import build_tiny_model
 
-    return str(build_tiny_model(tmp_path_factory.mktemp("tiny"), hidden=32, layers=1, heads=2, kv_heads=1))
+    return str(
+        build_tiny_model(tmp_path_factory.mktemp("tiny"), hidden=32, layers=1, heads=2, kv_heads=1)
+    )
 
 
 def write_config(tmp: Path, ipc_dir: Path, model: str) -> Path:
     data = tmp / "train.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a)}) + "\n" for a in range(10, 30)))
+    data.write_text(
+        "".join(
+            json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a)}) + "\n" for a in range(10, 30)
+        )
+    )
     cfg = {
         "name": "recov", "run_dir": str(tmp / "run"), "model": {"path": model},
         "cluster": {"transport": "ipc", "ipc_dir": str(ipc_dir), "roles": {"manager": 1, "buffer": 1, "relay": 0, "trainer": 1, "rollout": 0}},
@@ -63,13 +69,17 @@ def write_config(tmp: Path, ipc_dir: Path, model: str) -> Path:
 
 async def fill_buffer(cfg, ctx, groups: int) -> None:
     """A fake rollout: ask for prompt groups, answer every sample (behaviour logprob -2, reward 0/1)."""
-    cli = RpcClient(ctx, cfg.endpoint("buffer"), "rollout-0", "rollout", SocketOptions.from_config(cfg))
+    cli = RpcClient(
+        ctx, cfg.endpoint("buffer"), "rollout-0", "rollout", SocketOptions.from_config(cfg)
+    )
     await cli.connect(timeout=10)
     rng = np.random.default_rng(0)
     got = 0
     try:
         while got < groups:
-            reply = await cli.request(PromptRequest(rollout_id="rollout-0", max_groups=groups - got, version=0), timeout=5)
+            reply = await cli.request(
+                PromptRequest(rollout_id="rollout-0", max_groups=groups - got, version=0), timeout=5
+            )
             assert isinstance(reply, PromptReply), reply
             for item in reply.items:
                 for i in range(item.n):
@@ -94,7 +104,9 @@ async def run_trainer_process(cfg_path: Path, *overrides: str, timeout: float = 
     except TimeoutError:
         proc.kill()  # only the process this test started, by its handle
         await proc.wait()
-        raise AssertionError(f"trainer process {proc.pid} did not finish within {timeout}s") from None
+        raise AssertionError(
+            f"trainer process {proc.pid} did not finish within {timeout}s"
+        ) from None
     if proc.returncode not in (0, 17):
         raise AssertionError(f"trainer exited {proc.returncode}:\n{err.decode()[-3000:]}")
     return proc.returncode
@@ -123,7 +135,9 @@ async def _scenario(tmp_path, short_dir, tiny, run_trainer) -> None:
         consumed = [json.loads(x) for x in (run / "consumed.jsonl").read_text().splitlines()]
         second = consumed[2:]
         assert [c["step"] for c in second] == [2, 3]
-        assert sorted(second[0]["uids"]) == sorted(first[1]["uids"])  # the uncommitted batch, served again
+        assert sorted(second[0]["uids"]) == sorted(
+            first[1]["uids"]
+        )  # the uncommitted batch, served again
         trained = [u for c in consumed[:1] + second for u in c["uids"]]
         assert len(trained) == len(set(trained)) == 12  # every trajectory trained exactly once
         stats = await _stats(cfg, ctx)
@@ -155,7 +169,9 @@ async def test_uncommitted_batch_is_served_again_after_resume_in_process(tiny, t
 
 
 @pytest.mark.slow
-async def test_uncommitted_batch_is_served_again_after_resume_real_processes(tiny, tmp_path, short_dir):
+async def test_uncommitted_batch_is_served_again_after_resume_real_processes(
+    tiny, tmp_path, short_dir
+):
     async def run_process(ctx, cfg_path, overrides, crash):
         assert await run_trainer_process(cfg_path, *overrides) == (17 if crash else 0)
 

@@ -30,7 +30,9 @@ def group_index(group_ids: Sequence[str]) -> torch.Tensor:
     return torch.tensor([seen.setdefault(g, len(seen)) for g in group_ids], dtype=torch.long)
 
 
-def _group_stats(rewards: torch.Tensor, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _group_stats(
+    rewards: torch.Tensor, groups: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-sample group size, group mean and unbiased group std (0 for singletons), in float64."""
     r = rewards.to(torch.float64)
     n_groups = int(groups.max().item()) + 1 if groups.numel() else 0
@@ -51,11 +53,15 @@ def compute_advantages(
 ) -> torch.Tensor:
     """Per-trajectory advantages [B] (float32) for rewards [B] and dense group ids [B]."""
     if rewards.shape != groups.shape or rewards.dim() != 1:
-        raise ValueError(f"rewards {tuple(rewards.shape)} and groups {tuple(groups.shape)} must be equal 1-d shapes")
+        raise ValueError(
+            f"rewards {tuple(rewards.shape)} and groups {tuple(groups.shape)} must be equal 1-d shapes"
+        )
     if rewards.numel() == 0:
         return torch.zeros(0)
     if not torch.isfinite(rewards).all():
-        raise ValueError("rewards must be finite (drop samples whose reward failed before this point)")
+        raise ValueError(
+            "rewards must be finite (drop samples whose reward failed before this point)"
+        )
     r = rewards.to(torch.float64)
     count, mean, std = _group_stats(rewards, groups)
     centred = r - mean
@@ -75,12 +81,16 @@ def compute_advantages(
         else:
             adv = torch.zeros_like(centred)
     else:
-        raise ValueError(f"unknown advantage estimator {estimator!r}; use grpo, dr_grpo, rloo or reinforce_pp_baseline")
+        raise ValueError(
+            f"unknown advantage estimator {estimator!r}; use grpo, dr_grpo, rloo or reinforce_pp_baseline"
+        )
     adv = torch.where(count > 1, adv, torch.zeros_like(adv))
     return adv.to(torch.float32)
 
 
-def kl_penalized_rewards(rewards: torch.Tensor, seq_kl: torch.Tensor, kl_coef: float) -> torch.Tensor:
+def kl_penalized_rewards(
+    rewards: torch.Tensor, seq_kl: torch.Tensor, kl_coef: float
+) -> torch.Tensor:
     """k1-in-reward: R_i - beta * sum_t (log pi_old - log pi_ref), before the baseline (REINFORCE++ style)."""
     return rewards - kl_coef * seq_kl.to(rewards.dtype)
 

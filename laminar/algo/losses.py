@@ -65,7 +65,9 @@ class LossSettings:
         )  # fmt: skip
 
 
-def _masked_log_ratio(num: torch.Tensor, den: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _masked_log_ratio(
+    num: torch.Tensor, den: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """log(num/den) clamped, 0 where masked or non-finite; also the finite-and-masked selector."""
     raw = num.to(torch.float32) - den.to(torch.float32)
     ok = mask.to(torch.bool) & torch.isfinite(raw)
@@ -167,7 +169,9 @@ def gspo_ratio(logp: torch.Tensor, prox_logp: torch.Tensor, mask: torch.Tensor) 
     m = mask.to(torch.bool)
     log_r, _ = _masked_log_ratio(logp, prox_logp.detach(), m)
     n = m.sum(-1, keepdim=True).clamp(min=1)
-    seq = (log_r.sum(-1, keepdim=True) / n).clamp(max=10.0)  # verl clamps the sequence log-ratio at 10
+    seq = (log_r.sum(-1, keepdim=True) / n).clamp(
+        max=10.0
+    )  # verl clamps the sequence log-ratio at 10
     token_logp = torch.where(m, logp, torch.zeros_like(logp))
     return torch.exp(seq.detach() + token_logp - token_logp.detach())
 
@@ -194,7 +198,9 @@ def aggregate(
         return (total / m.sum(-1).clamp(min=1)).sum() / max(float(n_seqs), 1.0)
     if mode == "seq_mean_token_sum_norm":
         if not norm_constant:
-            raise ValueError("seq_mean_token_sum_norm needs algo.norm_constant (or rollout.sampling.max_tokens)")
+            raise ValueError(
+                "seq_mean_token_sum_norm needs algo.norm_constant (or rollout.sampling.max_tokens)"
+            )
         return total.sum() / (max(float(n_seqs), 1.0) * float(norm_constant))
     raise ValueError(f"unknown loss aggregation {mode!r}")
 
@@ -220,7 +226,9 @@ def policy_loss(
 ) -> torch.Tensor:
     """The full per-micro-batch loss (already divided by the global denominators)."""
     m = mask.to(torch.bool)
-    w = behaviour_weights(prox_logp, behav_logp, m, s.is_mode, s.is_level, s.is_cap, s.is_low, s.is_high, stats)
+    w = behaviour_weights(
+        prox_logp, behav_logp, m, s.is_mode, s.is_level, s.is_cap, s.is_low, s.is_high, stats
+    )
     if s.loss == "gspo":
         ratio = gspo_ratio(logp, prox_logp, m)
     elif s.loss == "ppo":

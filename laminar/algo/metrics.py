@@ -39,7 +39,11 @@ class StatAccumulator:
     def add(self, name: str, values: torch.Tensor, mask: torch.Tensor | None = None) -> None:
         """Add the masked elements of `values` (any shape); non-finite ones are skipped and counted."""
         v = values.detach().to(torch.float64)
-        sel = torch.ones_like(v, dtype=torch.bool) if mask is None else mask.to(torch.bool).expand_as(v)
+        sel = (
+            torch.ones_like(v, dtype=torch.bool)
+            if mask is None
+            else mask.to(torch.bool).expand_as(v)
+        )
         finite = torch.isfinite(v)
         bad = int((sel & ~finite).sum())
         if bad:
@@ -64,14 +68,18 @@ class StatAccumulator:
         import torch.distributed as dist
 
         names = sorted(self.parts)
-        sums = torch.tensor([[self.parts[n].sum, self.parts[n].count] for n in names], dtype=torch.float64)
+        sums = torch.tensor(
+            [[self.parts[n].sum, self.parts[n].count] for n in names], dtype=torch.float64
+        )
         maxs = torch.tensor([self.parts[n].max for n in names], dtype=torch.float64)
         mins = torch.tensor([self.parts[n].min for n in names], dtype=torch.float64)
         dist.all_reduce(sums, group=group)
         dist.all_reduce(maxs, op=dist.ReduceOp.MAX, group=group)
         dist.all_reduce(mins, op=dist.ReduceOp.MIN, group=group)
         for i, n in enumerate(names):
-            self.parts[n] = Partial(float(sums[i, 0]), int(sums[i, 1]), float(maxs[i]), float(mins[i]))
+            self.parts[n] = Partial(
+                float(sums[i, 0]), int(sums[i, 1]), float(maxs[i]), float(mins[i])
+            )
 
     def mean(self, name: str) -> float:
         part = self.parts.get(name)

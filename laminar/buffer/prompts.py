@@ -177,7 +177,10 @@ def _read_jsonl(path: Path, rows: list[PromptRow], report: LoadReport) -> None:
 def _read_parquet(path: Path, rows: list[PromptRow], report: LoadReport) -> None:
     import pyarrow.parquet as pq
 
-    pf = pq.ParquetFile(path)
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as exc:  # pyarrow raises several types for a file that is not parquet
+        raise ValueError(f"{path}: not a readable parquet file ({exc})") from None
     lineno = 0
     for batch in pf.iter_batches(batch_size=4096):
         for obj in batch.to_pylist():

@@ -47,6 +47,17 @@ class StepLayout:
     """max(decode_pos) + 1: how many cache columns decode attention reads."""
     segments: list[tuple[int, int, int]]
     """Prefill segments (slot, start position, length), packed after the decode tokens in order."""
+    _rows: torch.Tensor | None = None
+    _mask: torch.Tensor | None = None
+
+    def decode_index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, mask) of the decode queries, built once per step and shared by every layer."""
+        if self._rows is None:
+            dev = self.decode_pos.device
+            self._rows = torch.arange(self.n_decode, device=dev)
+            cols = torch.arange(self.decode_max, device=dev)
+            self._mask = (cols[None, :] <= self.decode_pos[:, None])[:, None, None, :]
+        return self._rows, self._mask
 
 
 class SlotKVCache:
@@ -62,7 +73,11 @@ class SlotKVCache:
 
     @classmethod
     def for_model(cls, model: Any, slots: int, max_len: int) -> SlotKVCache:
-        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        cfg = (
+            model.config.get_text_config()
+            if hasattr(model.config, "get_text_config")
+            else model.config
+        )
         heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
@@ -93,9 +108,13 @@ def slot_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: t
     """HF attention-interface function: write key/value into the slot cache, attend, return (1, T, H, D)."""
     cache: SlotKVCache | None = getattr(_local, "cache", None)
     if cache is None or cache.layout is None:
-        raise RuntimeError(f"{ATTN_NAME} attention called outside SlotKVCache.step() (model used outside the engine?)")
+        raise RuntimeError(
+            f"{ATTN_NAME} attention called outside SlotKVCache.step() (model used outside the engine?)"
+        )
     if kw.get("sliding_window") or kw.get("softcap"):
-        raise NotImplementedError("sliding-window / softcapped attention is not supported by the torch engine")
+        raise NotImplementedError(
+            "sliding-window / softcapped attention is not supported by the torch engine"
+        )
     lay = cache.layout
     layer = module.layer_idx
     kc, vc = cache.k[layer], cache.v[layer]
@@ -103,11 +122,9 @@ def slot_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: t
     out = query.new_empty(1, t, heads, hd)
     d = lay.n_decode
     if d:
-        rows = torch.arange(d, device=query.device)
+        rows, mask = lay.decode_index()
         kc[rows, :, lay.decode_pos] = key[0, :, :d].transpose(0, 1)
         vc[rows, :, lay.decode_pos] = value[0, :, :d].transpose(0, 1)
-        cols = torch.arange(lay.decode_max, device=query.device)
-        mask = (cols[None, :] <= lay.decode_pos[:, None])[:, None, None, :]
         q = query[0, :, :d].transpose(0, 1).unsqueeze(2)  # (d, H, 1, D)
         o = F.scaled_dot_product_attention(q, kc[:d, :, : lay.decode_max], vc[:d, :, : lay.decode_max],
                                            attn_mask=mask, scale=scaling, enable_gqa=True)  # fmt: skip
@@ -119,7 +136,9 @@ def slot_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: t
         vc[slot, :, start : start + n] = v_new[0]
         q = query[:, :, off : off + n]
         if start == 0:
-            o = F.scaled_dot_product_attention(q, k_new, v_new, is_causal=True, scale=scaling, enable_gqa=True)
+            o = F.scaled_dot_product_attention(
+                q, k_new, v_new, is_causal=True, scale=scaling, enable_gqa=True
+            )
         else:
             total = start + n
             qpos = torch.arange(start, total, device=query.device)

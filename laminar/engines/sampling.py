@@ -49,7 +49,9 @@ def uniform(key: int, t: int) -> float:
     return ((z >> 11) + 0.5) / float(1 << 53)
 
 
-def processed_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def processed_logprobs(
+    logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
     """(N, V) float32 logprobs of the sampling distribution; -inf outside the top-p support.
 
     temperature: (N,) float, 0 marks greedy rows (plain log_softmax); top_p: (N,) float in (0, 1].

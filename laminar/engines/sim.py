@@ -32,7 +32,14 @@ from typing import Any
 
 import numpy as np
 
-from laminar.engines.base import Engine, EngineStats, GenRequest, PartialState, SamplingParams, TokenEvent
+from laminar.engines.base import (
+    Engine,
+    EngineStats,
+    GenRequest,
+    PartialState,
+    SamplingParams,
+    TokenEvent,
+)
 
 _Z99 = NormalDist().inv_cdf(0.99)
 _NO_I = np.zeros(0, np.int32)
@@ -41,7 +48,9 @@ _M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
 def _hash64(*parts: Any) -> int:
-    return int.from_bytes(hashlib.blake2b("\x00".join(map(str, parts)).encode(), digest_size=8).digest(), "little")
+    return int.from_bytes(
+        hashlib.blake2b("\x00".join(map(str, parts)).encode(), digest_size=8).digest(), "little"
+    )
 
 
 def target_length(seed: int, seq_id: str, p50: float, p99_over_p50: float) -> int:
@@ -93,7 +102,11 @@ class SimEngine(Engine):
         self.step_time_s, self.bound_b = step_time_s, bound_b
         self.length_p50, self.length_p99_over_p50 = length_p50, length_p99_over_p50
         self.capacity, self.vocab_size, self.seed = kv_capacity_tokens, vocab_size, seed
-        self.max_running, self.chunk_tokens, self.load_time_s = max_running, chunk_tokens, load_time_s
+        self.max_running, self.chunk_tokens, self.load_time_s = (
+            max_running,
+            chunk_tokens,
+            load_time_s,
+        )
         self._running: list[_Seq] = []
         self._waiting: deque[_Seq] = deque()
         self._seqs: dict[str, _Seq] = {}
@@ -175,7 +188,9 @@ class SimEngine(Engine):
             self._paused = True
             self._reschedule()
             try:
-                await asyncio.sleep(self.load_time_s)  # the emulated load itself: no decoding meanwhile
+                await asyncio.sleep(
+                    self.load_time_s
+                )  # the emulated load itself: no decoding meanwhile
             finally:
                 self._paused = False
                 self._t0 = self._now()
@@ -249,7 +264,9 @@ class SimEngine(Engine):
             self._timer = None
         if self._paused or not self._running:
             return
-        steps = min(min(s.target - s.done, self.chunk_tokens - (s.done - s.emitted)) for s in self._running)
+        steps = min(
+            min(s.target - s.done, self.chunk_tokens - (s.done - s.emitted)) for s in self._running
+        )
         when = self._t0 + max(1, steps) * self.step_time(len(self._running))
         self._timer = self._loop.call_at(when, self._on_timer)
 

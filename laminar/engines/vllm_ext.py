@@ -26,7 +26,9 @@ class LaminarWorkerExtension:
 
         if (blob is None) == (path is None):
             raise ValueError("laminar_load_weights needs exactly one of blob or path")
-        tensors = safetensors.torch.load(blob) if blob is not None else safetensors.torch.load_file(path)
+        tensors = (
+            safetensors.torch.load(blob) if blob is not None else safetensors.torch.load_file(path)
+        )
         device = getattr(self, "device", None)
         if device is not None and str(device) != "cpu":
             tensors = {k: v.to(device, non_blocking=True) for k, v in tensors.items()}
@@ -36,4 +38,3 @@ class LaminarWorkerExtension:
         else:
             worker.model_runner.model.load_weights(weights=list(tensors.items()))
         return len(tensors)
-

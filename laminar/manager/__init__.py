@@ -1,7 +1,8 @@
 """Manager policies as pure functions: the repack planner and the staleness/admission rules.
 
 The manager node (laminar/nodes/manager.py), the buffer and bench/simulate.py import these, so
-the simulator runs the very code the cluster runs.
+the simulator runs the very code the cluster runs. The function `staleness()` is not re-exported
+here, so that `laminar.manager.staleness` stays the module: call `staleness.staleness(v, k)`.
 """
 
 from laminar.manager.repack import (
@@ -20,7 +21,6 @@ from laminar.manager.staleness import (
     may_start_group,
     needs_update,
     policy_for,
-    staleness,
     start_cap,
 )
 
@@ -38,6 +38,5 @@ __all__ = [
     "needs_update",
     "plan_repack",
     "policy_for",
-    "staleness",
     "start_cap",
 ]

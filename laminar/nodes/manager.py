@@ -21,6 +21,7 @@ Run: laminar node --role manager --config configs/demo.yaml
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections import defaultdict
 from typing import Any
@@ -59,9 +60,13 @@ class ManagerNode(Node):
         await self.srv.start()
         self._buffer = None
         self._relay_clients: dict[int, Any] = {}
+        self._timeline = None
+        self._chain_lock = asyncio.Lock()
 
     async def main(self) -> None:
         self.spawn(self._recovery_loop(), "recovery")
+        if self.cfg.manager.timeline_interval_s > 0:
+            self.spawn(self._timeline_loop(), "timeline")
         if self.cfg.mode == "laminar" and self.cfg.manager.repack.enabled:
             self.spawn(self._repack_loop(), "repack")
         await self.stopping.wait()
@@ -78,6 +83,7 @@ class ManagerNode(Node):
     def _on_dead(self, peer: Peer) -> None:
         self.metrics.count("deaths")
         self.log.warning("node_dead", peer=peer.node_id, peer_role=peer.role)
+        self._event("dead", node=peer.node_id, role=peer.role)
         if peer.role == "rollout":
             self.recovery_queue.put_nowait(peer.node_id)
         elif peer.role == "relay":
@@ -110,11 +116,34 @@ class ManagerNode(Node):
                           extra={"members": len(self.srv.peers), "repacks": len(self.repack_log),
                                  "recoveries": len(self.recovery_log), "orphans": len(self.orphans)})  # fmt: skip
 
+    # ---- timeline (report.png's utilisation panel, bench idle fractions) -------------------
+    def _event(self, kind: str, **fields: Any) -> None:
+        if self._timeline is not None:
+            self._timeline.write(json.dumps({"t": round(time.time(), 3), "event": kind, **fields}) + "\n")
+
+    async def _timeline_loop(self) -> None:
+        path = self.cfg.resolved_run_dir() / "timeline.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._timeline = open(path, "a", buffering=1)
+        self.on_close(self._timeline.close)
+        while True:
+            await asyncio.sleep(self.cfg.manager.timeline_interval_s)  # a sampling timer
+            for p in self._live("rollout"):
+                s = p.status
+                if s is not None:
+                    self._event("rollout", node=p.node_id, version=s.version, running=s.running,
+                                waiting=s.waiting, kv=round(s.kv_use, 4), inflight=s.inflight)  # fmt: skip
+            self._event("trainer", version=self.trainer_version)
+
     # ---- relay chain ----------------------------------------------------------------------
     def _schedule_chain(self) -> None:
         self.spawn(self._update_chain(), "chain-update")
 
     async def _update_chain(self) -> None:
+        async with self._chain_lock:
+            await self._update_chain_locked()
+
+    async def _update_chain_locked(self) -> None:
         relays = sorted(self._live("relay"), key=lambda p: _index(p.node_id))
         order = [_index(p.node_id) for p in relays]
         if self.chain_order and self.chain_order[0] in order:  # keep a live master: no needless failover
@@ -193,6 +222,8 @@ class ManagerNode(Node):
         entry = {"t": time.time(), "moves": len(plan.moves), "trajectories": moved, "emptied": list(plan.emptied),
                  "failed": failed, "overhead_s": round(time.monotonic() - t0, 4)}  # fmt: skip
         self.repack_log.append(entry)
+        self._event("repack", moves=entry["moves"], trajectories=moved, emptied=list(plan.emptied),
+                    sources=[m.source for m in plan.moves], dests=[m.dest for m in plan.moves])  # fmt: skip
         self.metrics.add("repack_overhead_s", entry["overhead_s"])
         self.metrics.count("repack_trajectories", moved)
         self.log.info("repack", **{k: v for k, v in entry.items() if k != "t"})
@@ -268,6 +299,7 @@ class ManagerNode(Node):
                  "tokens": int(sum(len(p.response_ids) for p in reply.partials)), "orphans": len(leftovers),
                  "seconds": round(time.monotonic() - t0, 4)}  # fmt: skip
         self.recovery_log.append(entry)
+        self._event("recovery", rollout=rollout_id, trajectories=len(reply.partials), orphans=len(leftovers))
         self.log.info("rollout_recovered", **{k: v for k, v in entry.items() if k != "t"})
 
 

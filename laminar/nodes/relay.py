@@ -32,11 +32,27 @@ import time
 from laminar.node import Node
 from laminar.protocol.core import Ack, ErrorReply, NodeStatus
 from laminar.protocol.relay import (
-    ChainInfoRequest, ChainUpdate, CommitReply, CommitRequest, FetchChunk, LatestReply, LatestRequest,
-    OfferRequest, PullReply, PullRequest, PushChunk, RelayReset, ReleaseRequest, StageReply, StageRequest,
-    VersionOffer, WeightChunk, WeightsReady,
+    ChainInfoRequest,
+    ChainUpdate,
+    CommitReply,
+    CommitRequest,
+    FetchChunk,
+    LatestReply,
+    LatestRequest,
+    OfferRequest,
+    PullReply,
+    PullRequest,
+    PushChunk,
+    RelayReset,
+    ReleaseRequest,
+    StageReply,
+    StageRequest,
+    VersionOffer,
+    WeightChunk,
+    WeightsReady,
 )  # fmt: skip
 from laminar.relay.chain import ChainFollower, Pacer
+from laminar.relay.delta import is_unchanged
 from laminar.relay.layout import chunk_digest, chunk_range, validate_layout, version_checksum
 from laminar.relay.shm import OutOfSlots, VersionState, WeightStore, default_shm_dir
 from laminar.transport.codec import ProtocolError
@@ -61,7 +77,9 @@ class RelayNode(Node):
         self._corrupted: set[tuple[int, int]] = set()
         self._host = socket.gethostname()
 
-        self.srv = self.server(cfg.bind_endpoint("relay", self.index), on_peer_dead=self._on_peer_dead)
+        self.srv = self.server(
+            cfg.bind_endpoint("relay", self.index), on_peer_dead=self._on_peer_dead
+        )
         for msg_type, handler in (
             (StageRequest, self._on_stage), (PushChunk, self._on_push_chunk), (CommitRequest, self._on_commit),
             (PullRequest, self._on_pull), (ReleaseRequest, self._on_release), (LatestRequest, self._on_latest),
@@ -72,7 +90,9 @@ class RelayNode(Node):
         self.data.on(OfferRequest, self._on_offer_request)
         self.data.on(FetchChunk, self._on_fetch)
         self.data.on(ChainInfoRequest, self._on_chain_info)
-        self.pub = Publisher(self.ctx, cfg.bind_endpoint("relay_pub", self.index), self.node_id, self.opts)
+        self.pub = Publisher(
+            self.ctx, cfg.bind_endpoint("relay_pub", self.index), self.node_id, self.opts
+        )
         await self.srv.start()
         await self.data.start()
         await self.pub.start()
@@ -87,7 +107,7 @@ class RelayNode(Node):
                 if peer not in self.srv.peers:
                     self.log.info("reader_gone", peer=peer, released=self.store.unpin_peer(peer))
             deadline = time.monotonic() - 10 * self.cfg.transport.request_timeout_s
-            for token, (_peer, vs, t0) in list(self._staging.items()):
+            for token, (_peer, _vs, t0) in list(self._staging.items()):
                 if t0 < deadline:
                     self._drop_staging(token, "stage timeout")
 
@@ -102,7 +122,9 @@ class RelayNode(Node):
         cur, inc = self.store.current, self.store.newest_incoming()
         extra = {"master": self.chain.master, "upstream": self.chain.upstream, "epoch": self.chain.epoch,
                  "incoming": inc.version if inc else -1, "pinned": self.store.pinned()}  # fmt: skip
-        return NodeStatus(node_id=self.node_id, role=self.role, version=cur.version if cur else -1, extra=extra)
+        return NodeStatus(
+            node_id=self.node_id, role=self.role, version=cur.version if cur else -1, extra=extra
+        )
 
     # ---- chain callbacks -----------------------------------------------------------------
     def _offer(self, vs: VersionState) -> VersionOffer:
@@ -115,9 +137,21 @@ class RelayNode(Node):
         pass
 
     async def version_complete(self, vs: VersionState) -> None:
-        self.log.info("version_ready", version=vs.version, checksum=vs.checksum, source=vs.source, mb=vs.layout.total_bytes >> 20)
+        self.log.info(
+            "version_ready",
+            version=vs.version,
+            checksum=vs.checksum,
+            source=vs.source,
+            mb=vs.layout.total_bytes >> 20,
+        )
         self.metrics.count("versions_ready")
-        ready = WeightsReady(version=vs.version, checksum=vs.checksum, layout=vs.layout, relay=self.node_id, chunk_bytes=vs.chunk_bytes)
+        ready = WeightsReady(
+            version=vs.version,
+            checksum=vs.checksum,
+            layout=vs.layout,
+            relay=self.node_id,
+            chunk_bytes=vs.chunk_bytes,
+        )
         await self.pub.publish("weights", ready)
 
     # ---- trainer handoff -------------------------------------------------------------------
@@ -125,7 +159,9 @@ class RelayNode(Node):
         validate_layout(msg.layout)
         newest = self.store.newest()
         if newest is not None and msg.version <= newest.version:
-            return ErrorReply(code="stale_version", message=f"version {msg.version} <= newest {newest.version}")
+            return ErrorReply(
+                code="stale_version", message=f"version {msg.version} <= newest {newest.version}"
+            )
         for token, (owner, _vs, _t) in list(self._staging.items()):
             if owner == peer.node_id:
                 self._drop_staging(token, "restaged")
@@ -134,7 +170,9 @@ class RelayNode(Node):
             return ErrorReply(code="not_master", message=f"master={master}")
         self.chain.become_head(f"trainer {peer.node_id} pushes here (takeover={msg.takeover})")
         try:
-            vs = await self.store.begin(msg.version, msg.layout, self.cfg.relay.chunk_bytes, source="trainer", staging=True)
+            vs = await self.store.begin(
+                msg.version, msg.layout, self.cfg.relay.chunk_bytes, source="trainer", staging=True
+            )
         except OutOfSlots as exc:
             return ErrorReply(code="out_of_slots", message=str(exc))
         except ValueError as exc:
@@ -142,19 +180,30 @@ class RelayNode(Node):
         token = next(self._tokens)
         self._staging[token] = (peer.node_id, vs, time.monotonic())
         seg = vs.slot.seg
-        return StageReply(token=token, segment=seg.path, size=seg.size, host=self._host, inode=seg.inode, chunk_bytes=vs.chunk_bytes)
+        return StageReply(
+            token=token,
+            segment=seg.path,
+            size=seg.size,
+            host=self._host,
+            inode=seg.inode,
+            chunk_bytes=vs.chunk_bytes,
+        )
 
     def _staged(self, peer: Peer, version: int, token: int) -> VersionState:
         entry = self._staging.get(token)
         if entry is None or entry[0] != peer.node_id or entry[1].version != version:
-            raise ProtocolError(f"no staging of version {version} with token {token} for {peer.node_id}")
+            raise ProtocolError(
+                f"no staging of version {version} with token {token} for {peer.node_id}"
+            )
         return entry[1]
 
     async def _on_push_chunk(self, peer: Peer, msg: PushChunk) -> Ack:
         vs = self._staged(peer, msg.version, msg.token)
         end = msg.offset + len(msg.data)
         if msg.offset < 0 or end > vs.layout.total_bytes:
-            raise ProtocolError(f"chunk [{msg.offset}, {end}) outside version of {vs.layout.total_bytes} bytes")
+            raise ProtocolError(
+                f"chunk [{msg.offset}, {end}) outside version of {vs.layout.total_bytes} bytes"
+            )
         vs.buf[msg.offset : end] = msg.data
         return Ack()
 
@@ -179,7 +228,10 @@ class RelayNode(Node):
         total, cb = vs.layout.total_bytes, vs.chunk_bytes
 
         def digests(lo: int, hi: int) -> list[int]:
-            return [chunk_digest(vs.buf[slice(*chunk_range(i, cb, total))], with_adler) for i in range(lo, hi)]
+            return [
+                chunk_digest(vs.buf[slice(*chunk_range(i, cb, total))], with_adler)
+                for i in range(lo, hi)
+            ]
 
         for lo in range(0, vs.n, DIGEST_BATCH):
             if vs.abandoned:
@@ -202,16 +254,20 @@ class RelayNode(Node):
     async def _on_fetch(self, peer: Peer, msg: FetchChunk) -> WeightChunk | ErrorReply:
         vs = self.store.versions.get(msg.version)
         if vs is None or vs.abandoned or vs.staging:
-            return ErrorReply(code="gone", message=f"{self.node_id} does not have version {msg.version}")
+            return ErrorReply(
+                code="gone", message=f"{self.node_id} does not have version {msg.version}"
+            )
         if not 0 <= msg.index < vs.n:
             raise ProtocolError(f"chunk index {msg.index} out of range [0, {vs.n})")
         if not await self.store.wait_chunk(vs, msg.index, self.cfg.relay.chunk_wait_s):
             code = "gone" if vs.abandoned else "not_yet"
-            return ErrorReply(code=code, message=f"chunk {msg.index} of version {msg.version} not here")
+            return ErrorReply(
+                code=code, message=f"chunk {msg.index} of version {msg.version} not here"
+            )
         start, end = chunk_range(msg.index, vs.chunk_bytes, vs.layout.total_bytes)
         digest = int(vs.digests[msg.index])
         checksum = vs.checksum or vs.expected_checksum
-        if self.cfg.relay.delta and msg.have_digest == digest and digest >> 32:
+        if is_unchanged(self.cfg.relay.delta, msg.have_digest, digest):
             self.metrics.count("chunks_sent_unchanged")
             return WeightChunk(version=vs.version, index=msg.index, offset=start, digest=digest,
                                data=vs.buf[0:0], unchanged=True, version_checksum=checksum)  # fmt: skip
@@ -227,14 +283,24 @@ class RelayNode(Node):
             pacer = self._pacers[peer.node_id] = Pacer(self.cfg.relay.link_bytes_per_s)
         await pacer.take(end - start)
         self.metrics.count("bytes_sent", end - start)
-        return WeightChunk(version=vs.version, index=msg.index, offset=start, digest=digest, data=data, version_checksum=checksum)
+        return WeightChunk(
+            version=vs.version,
+            index=msg.index,
+            offset=start,
+            digest=digest,
+            data=data,
+            version_checksum=checksum,
+        )
 
     # ---- readers ---------------------------------------------------------------------------
     async def _on_pull(self, peer: Peer, msg: PullRequest) -> PullReply | ErrorReply:
         vs = self.store.current if msg.version < 0 else self.store.versions.get(msg.version)
         if vs is None or not vs.complete:
             have = self.store.current.version if self.store.current else -1
-            return ErrorReply(code="no_version", message=f"{self.node_id} has no version {msg.version} (newest {have})")
+            return ErrorReply(
+                code="no_version",
+                message=f"{self.node_id} has no version {msg.version} (newest {have})",
+            )
         self.store.pin(peer.node_id, vs.version)
         seg = vs.slot.seg
         return PullReply(version=vs.version, checksum=vs.checksum, segment=seg.path, size=seg.size,
@@ -246,7 +312,9 @@ class RelayNode(Node):
     async def _on_latest(self, peer: Peer, msg: LatestRequest) -> LatestReply | ErrorReply:
         if msg.subscriber:
             try:
-                await self.pub.wait_for({msg.subscriber}, timeout=self.cfg.transport.handshake_timeout_s)
+                await self.pub.wait_for(
+                    {msg.subscriber}, timeout=self.cfg.transport.handshake_timeout_s
+                )
             except TransportError as exc:
                 return ErrorReply(code="not_subscribed", message=str(exc))
         cur = self.store.current
@@ -263,7 +331,9 @@ class RelayNode(Node):
     # ---- chain control ---------------------------------------------------------------------
     async def _on_chain_update(self, peer: Peer, msg: ChainUpdate) -> Ack | ErrorReply:
         if msg.epoch < self.chain.manager_epoch:
-            return ErrorReply(code="stale_epoch", message=f"epoch {msg.epoch} < {self.chain.manager_epoch}")
+            return ErrorReply(
+                code="stale_epoch", message=f"epoch {msg.epoch} < {self.chain.manager_epoch}"
+            )
         self.chain.set_order(msg.epoch, msg.order, msg.data_endpoints, from_manager=True)
         return Ack()
 

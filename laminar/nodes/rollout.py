@@ -51,11 +51,14 @@ from laminar.protocol.rollout import (
     ImportRequest,
     RefreshReply,
     RefreshRequest,
-)  # fmt: skip
+)
 from laminar.rollout.outbox import Outbox, net_call
 from laminar.rollout.tracking import GroupState, SeqState
 from laminar.rollout.weights import WeightSource, WeightSourceError, make_weight_source
 from laminar.transport.sockets import RemoteError, TransportError
+
+_RECENT = 8192
+"""How many finished uids a rollout remembers, so a retried ImportRequest never generates one twice."""
 
 
 class RolloutNode(Node):
@@ -72,6 +75,8 @@ class RolloutNode(Node):
         self.required_version = 0
         """Lowest version new prompts may run at (buffer min_version / manager RefreshRequest)."""
         self.refresh_requested = False
+        self._soft_min, self._soft_until = -1, 0.0
+        """A manager RefreshRequest's min_version, waited for until _soft_until (then: newest there is)."""
         self.auto_refresh = cfg.rollout.refresh_when_idle and cfg.mode == "laminar"
         self.params = SamplingParams.from_config(cfg.rollout.sampling)
         self.tokenizer: Any = None
@@ -83,6 +88,8 @@ class RolloutNode(Node):
         self._load_lock = asyncio.Lock()
         self._flush_lock = asyncio.Lock()
         self._reward_tasks: set[asyncio.Task] = set()
+        self._recent: dict[str, None] = {}
+        """uids that finished here lately (insertion-ordered, bounded)."""
         self._draining = False
         self._requests = 0
         self._incarnation = uuid.uuid4().hex[:8]
@@ -177,11 +184,16 @@ class RolloutNode(Node):
 
     def status(self) -> NodeStatus:
         st = self.engine.stats() if self.engine is not None else None
+        box = getattr(self, "outbox", None)
         extra: dict[str, Any] = {
             "groups": len(self.groups), "credits_free": self.cfg.rollout.credits - len(self.groups),
-            "outbox": len(self.outbox) if hasattr(self, "outbox") else 0, "finished": self.finished,
-            "target_version": self._target_version(), "tokens": st.tokens_generated if st else 0,
+            "outbox": len(box) if box else 0, "outbox_oldest_s": round(box.oldest_age_s(), 3) if box else 0.0,
+            "finished": self.finished, "target_version": self._target_version(),
+            "tokens": st.tokens_generated if st else 0,
             "reward_errors": self.rewards.stats["errors"] if self.rewards is not None else 0,
+            # per-trajectory KV (tokens held) lets the manager's repack pick what to move
+            "trajs": {u: len(q.prompt_ids) + q.length for u, q in self.seqs.items()},
+            "kv_capacity_tokens": int(getattr(self.engine, "capacity", 0) or 0),
         }  # fmt: skip
         return NodeStatus(node_id=self.node_id, role=self.role, version=self.version,
                           kv_use=st.kv_use if st else 0.0, running=st.running if st else 0,
@@ -189,10 +201,14 @@ class RolloutNode(Node):
 
     # ---- pull loop: prompts in, weights between groups ---------------------------------------
     def _target_version(self) -> int:
+        """The version new prompts should run at: never below the buffer's min_version (hard), the
+        source's newest when refreshing, a RefreshRequest's min_version while it is worth waiting for."""
         latest = self.source.latest_version() if self.source is not None else -1
         want = self.required_version
         if self.auto_refresh or self.refresh_requested:
             want = max(want, latest)
+        if time.monotonic() < self._soft_until:
+            want = max(want, self._soft_min)
         return want
 
     async def _pull_loop(self) -> None:
@@ -233,6 +249,8 @@ class RolloutNode(Node):
                 continue
             if reply.min_version > self.required_version:
                 self.required_version = reply.min_version
+                assert self.source is not None
+                self.source.announce(reply.min_version)
             for item in reply.items:
                 self._start_group(item)
             if not reply.items and reply.min_version <= self.version:
@@ -257,7 +275,8 @@ class RolloutNode(Node):
         """Load the newest weights now that nothing is in flight; False if none is loadable yet."""
         assert self.source is not None and self.engine is not None
         available = self.source.latest_version()
-        if available <= self.version or available < self.required_version:
+        soft = self._soft_min if time.monotonic() < self._soft_until else -1
+        if available <= self.version or available < max(self.required_version, soft):
             return False
         async with self._load_lock:  # an import cannot slip in between the idle check and the load
             if self.seqs:
@@ -361,11 +380,17 @@ class RolloutNode(Node):
             # a bug here must stop the node loudly, not lose the trajectory silently
             self._task_done(task)
 
-    def _forget(self, uid: str) -> None:
+    def _forget(self, uid: str, finished: bool = True) -> None:
         seq = self.seqs.pop(uid, None)
         self._dirty.discard(uid)
         if seq is None:
             return
+        if (
+            finished
+        ):  # a retried import of it must not generate it twice (an exported one may come back)
+            self._recent[uid] = None
+            if len(self._recent) > _RECENT:
+                del self._recent[next(iter(self._recent))]
         group = self.groups.get(seq.group_id)
         if group is not None:
             group.open.discard(uid)
@@ -462,7 +487,7 @@ class RolloutNode(Node):
                 seq.exporting = False
                 continue
             partials.append(seq.partial(p.output_ids, p.logprobs, self.node_id))
-            self._forget(u)
+            self._forget(u, finished=False)
         exported = {p.uid for p in partials}
         self.metrics.count("exported", len(partials))
         self.log.info("exported", count=len(partials), missing=len(uids) - len(exported))
@@ -484,6 +509,7 @@ class RolloutNode(Node):
                 if len(p.prompt_ids) == 0 or len(p.response_ids) != len(p.logprobs)
             ]
             if bad:
+                self.metrics.count("import_bad", len(bad))
                 return ErrorReply(
                     code="bad_partial",
                     message=f"empty prompt or ids/logprobs length mismatch: {bad[:3]}",
@@ -491,7 +517,7 @@ class RolloutNode(Node):
             accepted, duplicate = [], []
             now = time.time()
             for p in msg.partials:
-                if p.uid in self.seqs:
+                if p.uid in self.seqs or p.uid in self._recent:
                     duplicate.append(p.uid)
                     continue
                 seq = SeqState.from_partial(p, now)
@@ -509,7 +535,12 @@ class RolloutNode(Node):
         return ImportReply(accepted=accepted, duplicate=duplicate, version=self.version)
 
     async def _on_refresh(self, peer: Any, msg: RefreshRequest) -> RefreshReply:
-        self.required_version = max(self.required_version, msg.min_version)
+        # soft: wait a while for min_version to reach the source (the relay chain may still be
+        # delivering it), then load the newest there is rather than idle forever
+        assert self.source is not None
+        self.source.announce(msg.min_version)
+        self._soft_min = max(self._soft_min, msg.min_version)
+        self._soft_until = time.monotonic() + self.cfg.rollout.refresh_wait_s
         self.refresh_requested = True
         self._wake.set()
         return RefreshReply(version=self.version, pending=self._target_version() > self.version)

@@ -58,7 +58,12 @@ class TrainerNode(Node):
         from laminar.trainer.dist import env_rank
 
         rank = env_rank()[0] if cfg.trainer.engine == "torch" else 0
-        super().__init__(cfg, index, ctx, node_id or (f"trainer-{index}" if rank == 0 else f"trainer-{index}-rank{rank}"))
+        super().__init__(
+            cfg,
+            index,
+            ctx,
+            node_id or (f"trainer-{index}" if rank == 0 else f"trainer-{index}-rank{rank}"),
+        )
         self.rank = rank
         self.registers_with_manager = rank == 0  # only rank 0 is on the cluster network
         self.run_dir = Path(cfg.resolved_run_dir())
@@ -73,10 +78,13 @@ class TrainerNode(Node):
         self._uncommitted: list[dict[str, Any]] = []
         self._step_lock = asyncio.Lock()
         self._resumed_from: Path | None = None
+        self._meta: dict[str, Any] | None = None
         self._republish = False
         self._last_ckpt_step = 0  # step 0 is the initial model: nothing to checkpoint
         self._followers_done = asyncio.Event()
         self.last: dict[str, float] = {}
+        self.exhausted = False
+        """The buffer said no data will ever come (data.epochs done): finish like total_steps."""
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def setup(self) -> None:
@@ -118,7 +126,10 @@ class TrainerNode(Node):
 
         self.dist = init_distributed(self.cfg.model.device)
         if self.dist.enabled:
-            cmd = broadcast_message(self.dist, RankCommand(kind="init", path=str(ckpt or "")) if self.dist.is_main else None)
+            cmd = broadcast_message(
+                self.dist,
+                RankCommand(kind="init", path=str(ckpt or "")) if self.dist.is_main else None,
+            )
             ckpt = Path(cmd.path) if cmd.path else None
         model_path = str(ckpt / "model") if ckpt is not None else self.cfg.model.path
         if not model_path:
@@ -137,7 +148,13 @@ class TrainerNode(Node):
         if published > self.version:  # versions after the checkpoint were published, then lost
             self.version = published
             self._republish = True
-        self.log.info("resumed", checkpoint=str(ckpt), step=self.step, version=self.version, uncommitted=len(self._uncommitted))
+        self.log.info(
+            "resumed",
+            checkpoint=str(ckpt),
+            step=self.step,
+            version=self.version,
+            uncommitted=len(self._uncommitted),
+        )
 
     async def main(self) -> None:
         if self.rank != 0:
@@ -161,10 +178,11 @@ class TrainerNode(Node):
             if every and self.step % every == 0:
                 async with self._step_lock:
                     await self._checkpoint("periodic")
-        if self.step >= total:
+        if self.step >= total or self.exhausted:
             async with self._step_lock:
                 await self._checkpoint("final")
-            self.request_stop(f"done: {self.step} steps")
+            why = "data exhausted" if self.step < total else "total_steps"
+            self.request_stop(f"done: {self.step} steps ({why})")
 
     async def drain(self) -> None:
         if self.rank != 0:
@@ -193,7 +211,11 @@ class TrainerNode(Node):
             if k in self.last:
                 extra[k] = self.last[k]
         return NodeStatus(
-            node_id=self.node_id, role=self.role, version=self.version, staleness=self.last.get("staleness", 0.0), extra=extra
+            node_id=self.node_id,
+            role=self.role,
+            version=self.version,
+            staleness=self.last.get("staleness", 0.0),
+            extra=extra,
         )
 
     # ---- the step ------------------------------------------------------------------------
@@ -205,7 +227,9 @@ class TrainerNode(Node):
             req = BatchRequest(trainer_id=self.node_id, groups=tc.batch_groups, trainer_version=self.version,
                                wait_s=tc.batch_wait_s, restart=self._restart)  # fmt: skip
             try:
-                reply = await self.buffer.request(req, timeout=tc.batch_wait_s + t.request_timeout_s, retries=0)
+                reply = await self.buffer.request(
+                    req, timeout=tc.batch_wait_s + t.request_timeout_s, retries=0
+                )
             except RequestTimeout:
                 # the reply (maybe a batch) may be lost: the next request re-queues whatever is in flight
                 self.metrics.count("batch_request_timeouts")
@@ -223,6 +247,11 @@ class TrainerNode(Node):
             self._restart = False
             if reply.trajectories:
                 return reply
+            if (
+                reply.info.get("exhausted") is True
+            ):  # data epochs done and nothing left in the buffer
+                self.exhausted = True
+                return None
         return None
 
     async def _pause(self, seconds: float) -> None:
@@ -239,13 +268,17 @@ class TrainerNode(Node):
 
         t0 = time.perf_counter()
         p = self.policy
-        batch = TrainBatch.build(reply.trajectories, p.vocab_size if p else None, p.max_len if p else None)
+        batch = TrainBatch.build(
+            reply.trajectories, p.vocab_size if p else None, p.max_len if p else None
+        )
         for reason, n in batch.dropped.items():
             self.metrics.count(f"dropped_{reason}", n)
         if batch.dropped:
             self.log.warning("dropped_trajectories", batch_id=reply.batch_id, **dict(batch.dropped))
         if batch.n_seqs == 0:  # nothing trainable: consume it so it is not served forever
-            self._uncommitted.append({"batch_id": reply.batch_id, "step": self.step, "version": self.version})
+            self._uncommitted.append(
+                {"batch_id": reply.batch_id, "step": self.step, "version": self.version}
+            )
             if self.cfg.trainer.commit == "step":
                 await self._flush_commits()
             return
@@ -262,7 +295,9 @@ class TrainerNode(Node):
         append_jsonl(self.run_dir / "consumed.jsonl", record)
         self._fault("crash_before_commit")
         pub = await self._publish(weights)
-        self._uncommitted.append({"batch_id": reply.batch_id, "step": self.step, "version": self.version})
+        self._uncommitted.append(
+            {"batch_id": reply.batch_id, "step": self.step, "version": self.version}
+        )
         if self.cfg.trainer.commit == "step":
             await self._flush_commits()
         step_s = time.perf_counter() - t0
@@ -273,7 +308,9 @@ class TrainerNode(Node):
             "dropped": float(sum(batch.dropped.values())),
         })  # fmt: skip
         metrics.update(staleness_histogram(staleness))
-        metrics.update({f"buffer/{k}": v for k, v in reply.info.items() if isinstance(v, int | float)})
+        metrics.update(
+            {f"buffer/{k}": v for k, v in reply.info.items() if isinstance(v, int | float)}
+        )
         self.last = metrics
         if self.step % self.cfg.trainer.log_every == 0:
             self.logger.log(self.step, metrics)
@@ -285,7 +322,12 @@ class TrainerNode(Node):
         from laminar.trainer.dist import broadcast_message
 
         if self.dist.enabled:
-            broadcast_message(self.dist, RankCommand(kind="step", step=self.step, version=self.version, trajectories=trajectories))
+            broadcast_message(
+                self.dist,
+                RankCommand(
+                    kind="step", step=self.step, version=self.version, trajectories=trajectories
+                ),
+            )
         metrics = self.policy.train_step(batch)
         return metrics, self.policy.export_weights(self.cfg.model.dtype)
 
@@ -298,12 +340,16 @@ class TrainerNode(Node):
         while True:
             cmd = broadcast_message(self.dist, None)
             if cmd.kind == "step":
-                self.policy.train_step(TrainBatch.build(cmd.trajectories, self.policy.vocab_size, self.policy.max_len))
+                self.policy.train_step(
+                    TrainBatch.build(cmd.trajectories, self.policy.vocab_size, self.policy.max_len)
+                )
                 self.policy.export_weights(self.cfg.model.dtype)
             elif cmd.kind == "export":
                 self.policy.export_weights(self.cfg.model.dtype)
             elif cmd.kind == "checkpoint":
-                ck.save_policy(self.policy, self.run_dir, cmd.step, {})  # gathers only; rank 0 writes
+                ck.save_policy(
+                    self.policy, self.run_dir, cmd.step, {}
+                )  # gathers only; rank 0 writes
             elif cmd.kind == "stop":
                 return
 
@@ -326,9 +372,27 @@ class TrainerNode(Node):
         import torch
 
         n = int(self.cfg.extra.get("sim_weight_bytes", 4096))
-        return {"sim.weight": torch.full((max(1, n // 4),), float(self.version), dtype=torch.float32)}
+        return {
+            "sim.weight": torch.full((max(1, n // 4),), float(self.version), dtype=torch.float32)
+        }
 
     # ---- publishing, committing, checkpointing ----------------------------------------------
+    def _snapshot(self, version: int, step: int, weights: dict[str, Any]) -> None:
+        """Model-only weights + wall time, so held-out accuracy can be plotted after the run
+        without evaluating inside it (evaluation would steal the run's CPU and skew its timing)."""
+        import json
+        import time
+
+        from safetensors.torch import save_file
+
+        out = Path(self.cfg.resolved_run_dir()) / "snapshots"
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = out / f".v{version}.tmp"
+        save_file({k: v.detach().to("cpu").contiguous() for k, v in weights.items()}, str(tmp))
+        os.replace(tmp, out / f"v{version}.safetensors")
+        with open(out / "index.jsonl", "a") as f:
+            f.write(json.dumps({"version": version, "step": step, "time": time.time()}) + "\n")
+
     async def _publish(self, weights: dict[str, Any] | None):
         from laminar.trainer.handoff import Published
 
@@ -338,9 +402,14 @@ class TrainerNode(Node):
             # no relay reachable (or the disk is full): rollouts keep the last version they have;
             # the next step pushes again. Training must not stop for it.
             self.metrics.count("publish_failed")
-            self.log.error("publish_failed", version=self.version, error=f"{type(exc).__name__}: {exc}")
+            self.log.error(
+                "publish_failed", version=self.version, error=f"{type(exc).__name__}: {exc}"
+            )
             return Published(self.handoff.kind, stall_s=float("nan"))
         self._write_version_mark()
+        every = self.cfg.trainer.snapshot_every
+        if every and weights is not None and self.version % every == 0:
+            await self.compute(self._snapshot, self.version, self.step, weights)
         msg = VersionPublished(trainer_id=self.node_id, version=self.version, step=self.step, uri=pub.uri,
                                handoff=pub.handoff, num_bytes=pub.num_bytes, stall_s=pub.stall_s)  # fmt: skip
         try:
@@ -352,16 +421,28 @@ class TrainerNode(Node):
 
     async def _flush_commits(self, before_restart: bool = False) -> None:
         """Commit every consumed batch whose step is in the weights; retried until done or stopping."""
-        if before_restart and self.cfg.trainer.commit == "checkpoint" and self._last_ckpt_step < self.step:
+        if (
+            before_restart
+            and self.cfg.trainer.commit == "checkpoint"
+            and self._last_ckpt_step < self.step
+        ):
             await self._checkpoint("before_restart")
         while self._uncommitted:
             c = self._uncommitted[0]
             try:
-                ack = await self.buffer.request(BatchCommit(batch_id=c["batch_id"], step=c["step"], version=c["version"]))
-                if getattr(ack, "ok", True) is False:  # the buffer re-queued it: it will be served again
+                ack = await self.buffer.request(
+                    BatchCommit(batch_id=c["batch_id"], step=c["step"], version=c["version"])
+                )
+                if (
+                    getattr(ack, "ok", True) is False
+                ):  # the buffer re-queued it: it will be served again
                     self.metrics.count("commit_rejected")
-                    self.log.error("commit_rejected", batch_id=c["batch_id"], info=getattr(ack, "info", {}))
-            except RemoteError as exc:  # the buffer refuses it (unknown / already committed): nothing to retry
+                    self.log.error(
+                        "commit_rejected", batch_id=c["batch_id"], info=getattr(ack, "info", {})
+                    )
+            except (
+                RemoteError
+            ) as exc:  # the buffer refuses it (unknown / already committed): nothing to retry
                 self.metrics.count("commit_refused")
                 self.log.warning("commit_refused", batch_id=c["batch_id"], error=str(exc))
             except TransportError as exc:
@@ -380,22 +461,43 @@ class TrainerNode(Node):
 
         t0 = time.perf_counter()
         frontier = {"uncommitted": list(self._uncommitted)}
-        meta = {"version": self.version, "frontier": frontier, "reason": reason, "engine": self.cfg.trainer.engine}
+        meta = {
+            "version": self.version,
+            "frontier": frontier,
+            "reason": reason,
+            "engine": self.cfg.trainer.engine,
+        }
         tc = self.cfg.trainer
 
         def run() -> Path:
             if self.sim is not None:
-                return ck.write_checkpoint(self.run_dir, self.step, None, None, {"rng": ck.rng_state()}, meta, keep=tc.keep_checkpoints)
+                return ck.write_checkpoint(
+                    self.run_dir,
+                    self.step,
+                    None,
+                    None,
+                    {"rng": ck.rng_state()},
+                    meta,
+                    keep=tc.keep_checkpoints,
+                )
             from laminar.trainer.dist import broadcast_message
 
             if self.dist.enabled:
                 broadcast_message(self.dist, RankCommand(kind="checkpoint", step=self.step))
             src = self._resumed_from / "model" if self._resumed_from else self.cfg.model.path
-            return ck.save_policy(self.policy, self.run_dir, self.step, meta, src, tc.keep_checkpoints)
+            return ck.save_policy(
+                self.policy, self.run_dir, self.step, meta, src, tc.keep_checkpoints
+            )
 
         path = await self.compute(run)
         self._last_ckpt_step = self.step
-        self.log.info("checkpoint", path=str(path), step=self.step, reason=reason, seconds=round(time.perf_counter() - t0, 3))
+        self.log.info(
+            "checkpoint",
+            path=str(path),
+            step=self.step,
+            reason=reason,
+            seconds=round(time.perf_counter() - t0, 3),
+        )
         if tc.commit == "checkpoint":
             await self._flush_commits()
 

@@ -1,15 +1,15 @@
 """Relay and weight-transport messages (0x50-0x6F).
 
-    trainer ──StageRequest──► master relay ──StageReply(shm segment)──► trainer   (memcpy into shm)
-                              (a relay that is not master answers ErrorReply("not_master", "master=<i>"))
-    trainer ──PushChunk*──► master relay                                           (remote trainer: no shared shm)
-    trainer ──CommitRequest──► master relay ──CommitReply──► trainer               (trainer resumes here)
-    relay k ──VersionOffer (one-way, data socket)──► relay k+1                     (a version to fetch)
-    relay k+1 ──FetchChunk──► relay k ──WeightChunk(data frame)──► relay k+1       (pipelined, windowed)
-    relay ──WeightsReady (PUB)──► local rollouts
-    rollout ──PullRequest──► relay ──PullReply(segment + layout)──► rollout ──ReleaseRequest──► relay
-    manager ──ChainUpdate──► relay;  any ──ChainInfoRequest──► relay ──ChainInfo──► any
-    trainer (GPU) ──CudaIpcHandle──► rollouts on the same host                     (laminar/transport/weights_gpu.py)
+trainer ──StageRequest──► master relay ──StageReply(shm segment)──► trainer   (memcpy into shm)
+                          (a relay that is not master answers ErrorReply("not_master", "master=<i>"))
+trainer ──PushChunk*──► master relay                                           (remote trainer: no shared shm)
+trainer ──CommitRequest──► master relay ──CommitReply──► trainer               (trainer resumes here)
+relay k ──VersionOffer (one-way, data socket)──► relay k+1                     (a version to fetch)
+relay k+1 ──FetchChunk──► relay k ──WeightChunk(data frame)──► relay k+1       (pipelined, windowed)
+relay ──WeightsReady (PUB)──► local rollouts
+rollout ──PullRequest──► relay ──PullReply(segment + layout)──► rollout ──ReleaseRequest──► relay
+manager ──ChainUpdate──► relay;  any ──ChainInfoRequest──► relay ──ChainInfo──► any
+trainer (GPU) ──CudaIpcHandle──► rollouts on the same host                     (laminar/transport/weights_gpu.py)
 """
 
 from __future__ import annotations
@@ -111,7 +111,9 @@ class ReleaseRequest(Message):  # rollout -> relay: unpin a version
 
 
 @message(0x5A)
-class LatestRequest(Message):  # rollout -> relay: newest version (after my PUB subscription is live)
+class LatestRequest(
+    Message
+):  # rollout -> relay: newest version (after my PUB subscription is live)
     subscriber: str = ""
     """When set, the relay first waits until this subscriber is attached to its PUB socket."""
 
@@ -152,6 +154,8 @@ class ChainInfo(Message):  # relay -> any: this relay's view of the chain and it
     incoming_have: int = 0
     incoming_chunks: int = 0
     counters: dict[str, int] = field(default_factory=dict)
+    state: str = ""
+    """What the chain follower is doing (diagnostics)."""
 
 
 @message(0x5F)
@@ -168,7 +172,9 @@ class OfferRequest(Message):  # relay k+1 -> relay k (data socket): what is your
 
 
 @message(0x61)
-class FetchChunk(Message):  # relay k+1 -> relay k: chunk `index` of `version` (waits until k has it)
+class FetchChunk(
+    Message
+):  # relay k+1 -> relay k: chunk `index` of `version` (waits until k has it)
     version: int
     index: int
     have_digest: int = -1

@@ -54,7 +54,7 @@ class ImportRequest(Message):  # manager -> rollout: resume these trajectories h
 class ImportReply(Message):  # rollout -> manager
     accepted: list[str] = field(default_factory=list)
     duplicate: list[str] = field(default_factory=list)
-    """uids this rollout was already running (an idempotent retry): left as they were."""
+    """uids this rollout is already running or recently finished (an idempotent retry): left alone."""
     version: int = -1
 
 

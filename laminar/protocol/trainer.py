@@ -1,7 +1,7 @@
 """Trainer messages (0xA0-0xAF): version announcements and the FSDP rank command.
 
-    trainer ──VersionPublished (one-way)──► manager          after every pushed version
-    trainer rank 0 ──RankCommand──► trainer ranks 1..N-1    over torch.distributed, never a socket
+trainer ──VersionPublished (one-way)──► manager          after every pushed version
+trainer rank 0 ──RankCommand──► trainer ranks 1..N-1    over torch.distributed, never a socket
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ class VersionPublished(Message):  # trainer -> manager (and anyone tracking the 
 
 
 @message(0xA1)
-class RankCommand(Message):  # trainer rank 0 -> other ranks (encoded with the codec, sent by dist.broadcast)
+class RankCommand(
+    Message
+):  # trainer rank 0 -> other ranks (encoded with the codec, sent by dist.broadcast)
     kind: str
     """step | checkpoint | stop"""
     step: int = 0

@@ -35,10 +35,30 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from laminar.protocol.relay import ChainInfo, ChainInfoRequest, FetchChunk, OfferRequest, VersionOffer, WeightChunk
-from laminar.relay.layout import chunk_digest, chunk_range, crc_of, validate_layout, version_checksum
+from laminar.protocol.relay import (
+    ChainInfo,
+    ChainInfoRequest,
+    FetchChunk,
+    OfferRequest,
+    VersionOffer,
+    WeightChunk,
+)
+from laminar.relay.delta import base_digest
+from laminar.relay.layout import (
+    chunk_digest,
+    chunk_range,
+    crc_of,
+    validate_layout,
+    version_checksum,
+)
 from laminar.transport.codec import ProtocolError
-from laminar.transport.sockets import PeerDead, RemoteError, RequestTimeout, RpcClient, TransportError
+from laminar.transport.sockets import (
+    PeerDead,
+    RemoteError,
+    RequestTimeout,
+    RpcClient,
+    TransportError,
+)
 
 if TYPE_CHECKING:
     from laminar.nodes.relay import RelayNode
@@ -51,6 +71,18 @@ class UpstreamLost(Exception):
 
 class VersionGone(Exception):
     """The upstream no longer has (or will never finish) the version being fetched."""
+
+
+async def _request(cli: RpcClient, msg: Any, timeout: float) -> Any:
+    """One attempt; a CancelledError not meant for this task (the client dropped a dead
+    server's socket under a blocked send) becomes PeerDead."""
+    try:
+        return await cli.request(msg, timeout=timeout, retries=0)
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise
+        raise PeerDead(f"{type(msg).__name__}: connection to {cli.endpoint} dropped") from None
 
 
 class Pacer:
@@ -91,6 +123,9 @@ class ChainFollower:
         self.changed = asyncio.Event()
         self._upstream_dead = False
         self._ever_connected = False
+        self._generation = 0
+        self._given_up: set[int] = set()
+        self.state = "starting"
         self._grace_until = time.monotonic() + self.rc.upstream_grace_s
 
     # ---- chain view ----------------------------------------------------------------------
@@ -113,7 +148,9 @@ class ChainFollower:
         live = [i for i in self.order if i not in self.dead]
         return live[0] if live else -1
 
-    def set_order(self, epoch: int, order: list[int], endpoints: dict[str, str], from_manager: bool) -> None:
+    def set_order(
+        self, epoch: int, order: list[int], endpoints: dict[str, str], from_manager: bool
+    ) -> None:
         if len(set(order)) != len(order) or any(i < 0 for i in order):
             raise ProtocolError(f"chain order {order} must list distinct relay indices >= 0")
         if from_manager:
@@ -132,7 +169,9 @@ class ChainFollower:
             return
         self.head = True
         self.epoch += 1
-        self.order = [self.index] + [i for i in self.order if i != self.index and i not in self.dead]
+        self.order = [self.index] + [
+            i for i in self.order if i != self.index and i not in self.dead
+        ]
         self.relay.metrics.count("became_master")
         self.relay.log.warning("became_master", why=why, epoch=self.epoch, order=self.order)
         self._drop_upstream()
@@ -147,10 +186,12 @@ class ChainFollower:
             version=cur.version if cur else -1, checksum=cur.checksum if cur else "",
             incoming_version=inc.version if inc else -1, incoming_have=inc.have_count if inc else 0,
             incoming_chunks=inc.n if inc else 0, counters=dict(self.relay.metrics.counters),
+            state=f"{self.state}; offer={self.offer.version if self.offer else None}",
         )  # fmt: skip
 
     # ---- connections ---------------------------------------------------------------------
     def _drop_upstream(self) -> None:
+        self._generation += 1
         client, self.client, self.upstream, self.offer = self.client, None, None, None
         if client is not None:
             asyncio.ensure_future(client.close())
@@ -164,9 +205,13 @@ class ChainFollower:
             self.offer = msg
             self.changed.set()
 
-    async def _probe(self, idx: int, on_dead: Any = None, timeout: float | None = None) -> RpcClient | None:
+    async def _probe(
+        self, idx: int, on_dead: Any = None, timeout: float | None = None
+    ) -> RpcClient | None:
         r = self.relay
-        cli = RpcClient(r.ctx, self.data_endpoint(idx), r.node_id, "relay", r.opts, on_server_dead=on_dead)
+        cli = RpcClient(
+            r.ctx, self.data_endpoint(idx), r.node_id, "relay", r.opts, on_server_dead=on_dead
+        )
         cli.on(VersionOffer, self._on_offer)
         try:
             await cli.connect(timeout=timeout or self.rc.probe_timeout_s)
@@ -186,10 +231,17 @@ class ChainFollower:
         preds = [i for i in reversed(self.order[:pos]) if i not in self.dead]
         if preds and not self._ever_connected and time.monotonic() < self._grace_until:
             preds = preds[:1]
+        gen = self._generation
         for idx in preds:
             cli = await self._probe(idx, self._on_upstream_dead)
+            if gen != self._generation:  # the order changed while we probed: start over
+                if cli is not None:
+                    await cli.close()
+                return False
             if cli is None and not self._ever_connected and time.monotonic() < self._grace_until:
-                await asyncio.sleep(self.rc.probe_timeout_s / 4)  # start-up: the predecessor is coming
+                await asyncio.sleep(
+                    self.rc.probe_timeout_s / 4
+                )  # start-up: the predecessor is coming
                 return False
             if cli is None:
                 self.dead.add(idx)
@@ -203,7 +255,13 @@ class ChainFollower:
         # Electing itself splits the chain if a predecessor was only slow: ask them all once
         # more, with a longer deadline, before taking over as master.
         for idx in reversed(self.order[: self.order.index(self.index)]):
-            cli = await self._probe(idx, self._on_upstream_dead, timeout=3 * self.rc.probe_timeout_s)
+            cli = await self._probe(
+                idx, self._on_upstream_dead, timeout=3 * self.rc.probe_timeout_s
+            )
+            if gen != self._generation:
+                if cli is not None:
+                    await cli.close()
+                return False
             if cli is not None:
                 self.dead.discard(idx)
                 self.client, self.upstream, self._upstream_dead = cli, idx, False
@@ -220,7 +278,9 @@ class ChainFollower:
             cli = RpcClient(r.ctx, r.cfg.endpoint("relay", idx), r.node_id, "relay", r.opts)
             try:
                 await cli.connect(timeout=self.rc.probe_timeout_s)
-                info = await cli.request(ChainInfoRequest(), timeout=self.rc.probe_timeout_s, retries=0)
+                info = await cli.request(
+                    ChainInfoRequest(), timeout=self.rc.probe_timeout_s, retries=0
+                )
                 return info if isinstance(info, ChainInfo) else None
             except (TransportError, OSError):
                 return None
@@ -228,7 +288,9 @@ class ChainFollower:
                 await cli.close()
 
         infos = await asyncio.gather(*(ask(i) for i in range(self.n_relays) if i != self.index))
-        best = max((i for i in infos if i is not None and i.epoch > 0), key=lambda i: i.epoch, default=None)
+        best = max(
+            (i for i in infos if i is not None and i.epoch > 0), key=lambda i: i.epoch, default=None
+        )
         if best is not None and self.manager_epoch < 0:
             order = [i for i in best.order if i != self.index] + [self.index]
             self.epoch, self.order, self.head = best.epoch, order, False
@@ -245,8 +307,11 @@ class ChainFollower:
                 self._drop_upstream()
                 inc = store.newest_incoming()
                 if self.head and inc is not None and inc.source == "upstream":
-                    self.relay.log.warning("version_abandoned", version=inc.version, why="no upstream can finish it")
+                    self.relay.log.warning(
+                        "version_abandoned", version=inc.version, why="no upstream can finish it"
+                    )
                     store.abandon(inc)
+                self.state = "head or not in chain"
                 await self.changed.wait()
                 continue
             if self.client is None or self._upstream_dead:
@@ -254,18 +319,31 @@ class ChainFollower:
                     # not cut out yet: _choose_upstream probes it first (it may only have been slow)
                     self.relay.log.warning("upstream_silent", relay=self.upstream)
                 self._drop_upstream()
+                self.state = "choosing upstream"
                 if not await self._choose_upstream():
                     continue
             try:
                 if self.offer is None:
-                    reply = await self.client.request(OfferRequest(), timeout=self.rc.probe_timeout_s * 4, retries=0)
+                    self.state = "asking offer"
+                    reply = await _request(self.client, OfferRequest(), self.rc.probe_timeout_s * 4)
                     if isinstance(reply, VersionOffer):
                         self._on_offer(None, reply)
                 newest = store.newest()
-                if self.offer is not None and self.offer.version > (newest.version if newest else -1):
+                if (
+                    self.offer is not None
+                    and self.offer.version > (newest.version if newest else -1)
+                    and self.offer.version not in self._given_up
+                ):
+                    self.state = "fetching"
                     await self._fetch(self.offer)
                     continue
-                if newest is not None and not newest.complete and self.offer and newest.version == self.offer.version:
+                if (
+                    newest is not None
+                    and not newest.complete
+                    and self.offer
+                    and newest.version == self.offer.version
+                ):
+                    self.state = "resuming"
                     await self._fetch(self.offer)  # resume a version after an upstream change
                     continue
             except (UpstreamLost, RequestTimeout, PeerDead) as exc:
@@ -274,8 +352,11 @@ class ChainFollower:
                 continue
             except VersionGone as exc:
                 self.relay.log.info("version_gone", error=str(exc))
+                if self.offer is not None:  # never fetch it again; a newer version will come
+                    self._given_up.add(self.offer.version)
                 self.offer = None
                 continue
+            self.state = "idle: newest offered already here"
             await self.changed.wait()
 
     async def _fetch(self, offer: VersionOffer) -> None:
@@ -293,13 +374,18 @@ class ChainFollower:
             if inc is not None and inc.source == "upstream":
                 store.abandon(inc)  # a newer version overtakes the one in flight
             try:
-                vs = await store.begin(offer.version, offer.layout, offer.chunk_bytes, source="upstream")
+                vs = await store.begin(
+                    offer.version, offer.layout, offer.chunk_bytes, source="upstream"
+                )
             except ValueError as exc:  # the trainer staged this very version here meanwhile
                 raise VersionGone(str(exc)) from None
             r.started_receiving(vs)
         t0 = time.monotonic()
         missing = deque(i for i in range(vs.n) if not vs.have[i])
-        workers = [asyncio.ensure_future(self._worker(vs, missing)) for _ in range(min(self.rc.window, len(missing)) or 1)]
+        workers = [
+            asyncio.ensure_future(self._worker(vs, missing))
+            for _ in range(min(self.rc.window, len(missing)) or 1)
+        ]
         try:
             await asyncio.gather(*workers)
         except VersionGone:
@@ -316,7 +402,12 @@ class ChainFollower:
         checksum = version_checksum(vs.layout, vs.chunk_bytes, vs.crcs)
         if vs.expected_checksum and checksum != vs.expected_checksum:
             r.metrics.count("version_checksum_mismatch")
-            r.log.error("version_checksum_mismatch", version=vs.version, got=checksum, want=vs.expected_checksum)
+            r.log.error(
+                "version_checksum_mismatch",
+                version=vs.version,
+                got=checksum,
+                want=vs.expected_checksum,
+            )
             store.abandon(vs)
             raise VersionGone(f"version {vs.version} checksum mismatch")
         store.complete(vs, checksum)
@@ -348,16 +439,16 @@ class ChainFollower:
         r, store = self.relay, self.relay.store
         start, end = chunk_range(i, vs.chunk_bytes, vs.layout.total_bytes)
         base = store.current
-        have_digest = -1
-        if self.rc.delta and base is not None and base.chunk_bytes == vs.chunk_bytes and i < base.n and base.buf.size >= end:
-            have_digest = int(base.digests[i])
+        have_digest = base_digest(self.rc.delta, base, vs, i, end)
         corrupt = 0
         while True:
             src = self.client if corrupt < self.rc.corrupt_retries else await self._master_cli()
             if src is None:
                 raise UpstreamLost("no upstream")
             try:
-                msg = await src.request(FetchChunk(vs.version, i, have_digest), timeout=self.rc.fetch_timeout_s, retries=0)
+                msg = await _request(
+                    src, FetchChunk(vs.version, i, have_digest), self.rc.fetch_timeout_s
+                )
             except RemoteError as exc:
                 if exc.code == "not_yet":
                     continue
@@ -369,9 +460,16 @@ class ChainFollower:
                     raise UpstreamLost(str(exc)) from None
                 corrupt = 0  # the master is unreachable: back to the upstream
                 continue
-            if not isinstance(msg, WeightChunk) or msg.version != vs.version or msg.index != i or msg.offset != start:
+            if (
+                not isinstance(msg, WeightChunk)
+                or msg.version != vs.version
+                or msg.index != i
+                or msg.offset != start
+            ):
                 r.metrics.count("bad_chunks")
-                raise UpstreamLost(f"unexpected reply {type(msg).__name__} to FetchChunk({vs.version}, {i})")
+                raise UpstreamLost(
+                    f"unexpected reply {type(msg).__name__} to FetchChunk({vs.version}, {i})"
+                )
             if msg.unchanged:
                 if base is None or have_digest < 0 or msg.digest != have_digest:
                     have_digest = -1  # cannot reuse our copy: ask for the bytes
@@ -384,7 +482,15 @@ class ChainFollower:
             if len(data) != end - start or chunk_digest(data) != crc_of(msg.digest):
                 corrupt += 1
                 r.metrics.count("chunks_corrupt")
-                r.log.warning("chunk_corrupt", version=vs.version, index=i, attempt=corrupt, source=src.server_id)
+                if corrupt > 2 * self.rc.corrupt_retries + 2:  # the master's own copy is bad too
+                    raise VersionGone(f"chunk {i} of version {vs.version} corrupt {corrupt} times")
+                r.log.warning(
+                    "chunk_corrupt",
+                    version=vs.version,
+                    index=i,
+                    attempt=corrupt,
+                    source=src.server_id,
+                )
                 continue
             vs.buf[start:end] = data
             if msg.version_checksum:

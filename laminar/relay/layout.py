@@ -55,14 +55,18 @@ def build_layout(specs: Iterable[tuple[str, str, Sequence[int]]]) -> WeightLayou
     pos = 0
     for name, dtype, shape in specs:
         if dtype not in ITEMSIZE:
-            raise ValueError(f"tensor {name!r}: dtype {dtype!r} cannot be stored; use one of {sorted(ITEMSIZE)}")
+            raise ValueError(
+                f"tensor {name!r}: dtype {dtype!r} cannot be stored; use one of {sorted(ITEMSIZE)}"
+            )
         pos = align_up(pos)
         names.append(name)
         dtypes.append(dtype)
         shapes.append([int(d) for d in shape])
         offsets.append(pos)
         pos += tensor_nbytes(dtype, shape)
-    return WeightLayout(names=names, dtypes=dtypes, shapes=shapes, offsets=offsets, total_bytes=align_up(pos))
+    return WeightLayout(
+        names=names, dtypes=dtypes, shapes=shapes, offsets=offsets, total_bytes=align_up(pos)
+    )
 
 
 def validate_layout(layout: WeightLayout) -> None:
@@ -77,16 +81,22 @@ def validate_layout(layout: WeightLayout) -> None:
     if len(set(layout.names)) != n:
         raise ProtocolError("layout has duplicate tensor names")
     end = 0
-    for name, dtype, shape, off in zip(layout.names, layout.dtypes, layout.shapes, layout.offsets, strict=True):
+    for name, dtype, shape, off in zip(
+        layout.names, layout.dtypes, layout.shapes, layout.offsets, strict=True
+    ):
         if dtype not in ITEMSIZE:
             raise ProtocolError(f"tensor {name!r}: unknown dtype {dtype!r}")
         if any(d < 0 for d in shape):
             raise ProtocolError(f"tensor {name!r}: negative dimension in {shape}")
         if off < end or off % ITEMSIZE[dtype]:
-            raise ProtocolError(f"tensor {name!r}: offset {off} overlaps the previous tensor or is misaligned")
+            raise ProtocolError(
+                f"tensor {name!r}: offset {off} overlaps the previous tensor or is misaligned"
+            )
         end = off + tensor_nbytes(dtype, shape)
         if end > layout.total_bytes:
-            raise ProtocolError(f"tensor {name!r} ends at {end}, past total_bytes {layout.total_bytes}")
+            raise ProtocolError(
+                f"tensor {name!r} ends at {end}, past total_bytes {layout.total_bytes}"
+            )
 
 
 def n_chunks(total: int, chunk_bytes: int) -> int:
@@ -110,10 +120,14 @@ def crc_of(digest: int) -> int:
 
 
 def layout_bytes(layout: WeightLayout) -> bytes:
-    return msgpack.packb([layout.names, layout.dtypes, layout.shapes, layout.offsets, layout.total_bytes])
+    return msgpack.packb(
+        [layout.names, layout.dtypes, layout.shapes, layout.offsets, layout.total_bytes]
+    )
 
 
-def version_checksum(layout: WeightLayout, chunk_bytes: int, crcs: Sequence[int] | np.ndarray) -> str:
+def version_checksum(
+    layout: WeightLayout, chunk_bytes: int, crcs: Sequence[int] | np.ndarray
+) -> str:
     h = hashlib.blake2b(digest_size=16)
     h.update(layout_bytes(layout))
     h.update(int(chunk_bytes).to_bytes(8, "little"))
@@ -124,5 +138,10 @@ def version_checksum(layout: WeightLayout, chunk_bytes: int, crcs: Sequence[int]
 def checksum_buffer(layout: WeightLayout, chunk_bytes: int, buf: np.ndarray) -> str:
     """Recompute a version checksum from the bytes themselves (readers verifying what they read)."""
     total = layout.total_bytes
-    crcs = [zlib.crc32(buf[s:e]) for s, e in (chunk_range(i, chunk_bytes, total) for i in range(n_chunks(total, chunk_bytes)))]
+    crcs = [
+        zlib.crc32(buf[s:e])
+        for s, e in (
+            chunk_range(i, chunk_bytes, total) for i in range(n_chunks(total, chunk_bytes))
+        )
+    ]
     return version_checksum(layout, chunk_bytes, crcs)

@@ -59,7 +59,13 @@ class RelayProcs:
             "relay": {"shm_prefix": f"lamt{tag}", "probe_timeout_s": 0.5, "upstream_grace_s": 20.0},
             "logging": {"level": "info", "json_logs": True},
         }  # fmt: skip
-        apply_overrides(data, [f"{k}={yaml.safe_dump(v, default_flow_style=True).strip()}" for k, v in (overrides or {}).items()])
+        apply_overrides(
+            data,
+            [
+                f"{k}={yaml.safe_dump(v, default_flow_style=True).strip()}"
+                for k, v in (overrides or {}).items()
+            ],
+        )
         self.cfg = config_from_dict(data)
         self.config_path = self.dir / "config.yaml"
         self.config_path.write_text(yaml.safe_dump(self.cfg.model_dump(mode="json")))
@@ -72,9 +78,22 @@ class RelayProcs:
     def _spawn(self, role: str, index: int) -> None:
         name = f"{role}-{index}"
         log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
-        cmd = [sys.executable, "-m", "laminar", "node", "--role", role, "--index", str(index), "--config", str(self.config_path)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "laminar",
+            "node",
+            "--role",
+            role,
+            "--index",
+            str(index),
+            "--config",
+            str(self.config_path),
+        ]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.procs[name] = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
         log.close()
 
     def start(self) -> RelayProcs:
@@ -111,7 +130,11 @@ class RelayProcs:
         self.remove_segments()
 
     def remove_segments(self) -> int:
-        seg_dir, prefix, n = self.cfg.relay.shm_dir or default_shm_dir(), self.cfg.relay.shm_prefix + "-", 0
+        seg_dir, prefix, n = (
+            self.cfg.relay.shm_dir or default_shm_dir(),
+            self.cfg.relay.shm_prefix + "-",
+            0,
+        )
         for name in os.listdir(seg_dir):
             if name.startswith(prefix):
                 with contextlib.suppress(OSError):
@@ -121,7 +144,11 @@ class RelayProcs:
 
     def log_tail(self, name: str, lines: int = 30) -> str:
         path = self.log_dir / f"{name}.log"
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+        return (
+            "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+            if path.exists()
+            else ""
+        )
 
     def __enter__(self) -> RelayProcs:
         return self.start()
@@ -173,13 +200,21 @@ class RelayProcs:
             if all(v is not None for v in infos.values()):
                 return
             for name, p in self.procs.items():
-                if p.poll() is not None and name.startswith("relay") and int(name.split("-")[1]) in idx:
+                if (
+                    p.poll() is not None
+                    and name.startswith("relay")
+                    and int(name.split("-")[1]) in idx
+                ):
                     raise RuntimeError(f"{name} exited with {p.returncode}:\n{self.log_tail(name)}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"relays not ready in {timeout}s: {[i for i, v in infos.items() if v is None]}")
+                raise TimeoutError(
+                    f"relays not ready in {timeout}s: {[i for i, v in infos.items() if v is None]}"
+                )
             await asyncio.sleep(0.05)  # poll interval of a deadline-bounded wait
 
-    async def wait_chain(self, indices: list[int] | None = None, timeout: float = 30.0) -> list[int]:
+    async def wait_chain(
+        self, indices: list[int] | None = None, timeout: float = 30.0
+    ) -> list[int]:
         """Until the listed relays agree on one chain that holds them all; returns its order (master first)."""
         idx = sorted(range(self.n) if indices is None else indices)
         deadline = time.monotonic() + timeout
@@ -191,10 +226,14 @@ class RelayProcs:
                 if sorted(order) == idx and master == order[0]:
                     return list(order)
             if time.monotonic() > deadline:
-                raise TimeoutError(f"relays {idx} do not agree on a chain after {timeout}s: {infos}")
+                raise TimeoutError(
+                    f"relays {idx} do not agree on a chain after {timeout}s: {infos}"
+                )
             await asyncio.sleep(0.05)  # poll interval of a deadline-bounded wait
 
-    async def wait_version(self, version: int, indices: list[int], timeout: float) -> dict[int, ChainInfo]:
+    async def wait_version(
+        self, version: int, indices: list[int], timeout: float
+    ) -> dict[int, ChainInfo]:
         """Until every listed relay has `version` complete; returns their ChainInfo."""
         deadline = time.monotonic() + timeout
         while True:
@@ -205,7 +244,9 @@ class RelayProcs:
                 raise TimeoutError(f"version {version} not everywhere after {timeout}s: {infos}")
             await asyncio.sleep(0.02)  # poll interval of a deadline-bounded wait
 
-    async def set_chain(self, order: list[int], epoch: int, indices: list[int] | None = None) -> None:
+    async def set_chain(
+        self, order: list[int], epoch: int, indices: list[int] | None = None
+    ) -> None:
         """Send ChainUpdate to relays (as the manager would)."""
         for i in range(self.n) if indices is None else indices:
             await self._rpc(i, ChainUpdate(epoch=epoch, order=order), timeout=2.0)

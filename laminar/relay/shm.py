@@ -63,7 +63,9 @@ class Segment:
                 os.posix_fallocate(fd, 0, size)
             except OSError as exc:
                 os.unlink(path)
-                raise OutOfSlots(f"cannot reserve {size} bytes in {os.path.dirname(path)}: {exc.strerror}") from None
+                raise OutOfSlots(
+                    f"cannot reserve {size} bytes in {os.path.dirname(path)}: {exc.strerror}"
+                ) from None
             # no MAP_POPULATE: page tables fill as chunks land (measured: populating costs as
             # much as faulting, and a trainer-written slot is only ever read here)
             mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
@@ -74,7 +76,9 @@ class Segment:
 
     def close(self) -> None:
         self.buf = None  # type: ignore[assignment]
-        with contextlib.suppress(BufferError, ValueError):  # a view still exported: GC unmaps it later
+        with contextlib.suppress(
+            BufferError, ValueError
+        ):  # a view still exported: GC unmaps it later
             self.mm.close()
 
     def unlink(self) -> None:
@@ -161,11 +165,15 @@ class WeightStore:
             slot = min(fits, key=lambda s: s.seg.size)
             self._free.remove(slot)
             return slot
-        while self._free and self._slot_count() + self._creating >= self.max_slots:  # small spares make room
+        while (
+            self._free and self._slot_count() + self._creating >= self.max_slots
+        ):  # small spares make room
             self._free.pop().seg.unlink()
         if self._slot_count() + self._creating >= self.max_slots:
             pinned = {v: sum(c.values()) for v, c in self.pins.items() if c}
-            raise OutOfSlots(f"all {self.max_slots} slots in use (pinned versions: {pinned}); raise relay.max_slots")
+            raise OutOfSlots(
+                f"all {self.max_slots} slots in use (pinned versions: {pinned}); raise relay.max_slots"
+            )
         serial = next(self._serial)
         path = os.path.join(self.seg_dir, f"{self.base_name}-{serial}-{secrets.token_hex(4)}")
         self._creating += 1
@@ -184,7 +192,14 @@ class WeightStore:
             self._free.pop(0).seg.unlink()
 
     # ---- versions ----------------------------------------------------------------------
-    async def begin(self, version: int, layout: WeightLayout, chunk_bytes: int, source: str, staging: bool = False) -> VersionState:
+    async def begin(
+        self,
+        version: int,
+        layout: WeightLayout,
+        chunk_bytes: int,
+        source: str,
+        staging: bool = False,
+    ) -> VersionState:
         if version in self.versions:
             raise ValueError(f"version {version} already present")
         slot = await self._acquire(layout.total_bytes)
@@ -246,7 +261,11 @@ class WeightStore:
 
     def newest_incoming(self) -> VersionState | None:
         cur = self.current.version if self.current else -1
-        live = [vs for vs in self.versions.values() if not (vs.complete or vs.abandoned or vs.staging) and vs.version > cur]
+        live = [
+            vs
+            for vs in self.versions.values()
+            if not (vs.complete or vs.abandoned or vs.staging) and vs.version > cur
+        ]
         return max(live, key=lambda vs: vs.version) if live else None
 
     def newest(self) -> VersionState | None:

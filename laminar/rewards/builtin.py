@@ -62,19 +62,19 @@ _NUMBER = re.compile(
 
 
 def last_boxed(text: str) -> str | None:
-    """Content of the last \\boxed{...} (nested braces allowed), or None."""
+    """Content of the last \\boxed{...} (nested braces allowed); None if absent or unclosed."""
     starts = [m.end() for m in _BOXED.finditer(text)]
-    for start in reversed(starts):
-        depth, i = 1, start
-        while i < len(text):
-            if text[i] == "{":
-                depth += 1
-            elif text[i] == "}":
-                depth -= 1
-                if depth == 0:
-                    return text[start:i]
-            i += 1
-    return None  # unbalanced: the model was cut off mid-answer
+    if not starts:
+        return None
+    depth = 1
+    for i in range(starts[-1], len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[starts[-1] : i]
+    return None  # unclosed: the model was cut off mid-answer
 
 
 def final_number(text: str) -> str | None:
@@ -84,11 +84,12 @@ def final_number(text: str) -> str | None:
 
 
 def normalize(answer: str) -> str:
-    """Canonical text of an answer: no $, spaces, thousands commas, leading +, trailing .0."""
+    """Canonical text of an answer: no $ or %, spaces, thousands commas, leading +, trailing .0."""
     s = _FRAC.sub(r"(\1)/(\2)", answer)
     s = re.sub(r"\\(?:left|right|!|,|;|\s)", "", s)
     s = re.sub(r"\\text\{([^{}]*)\}", r"\1", s)
-    s = s.replace("$", "").replace(" ", "").strip().rstrip(".")
+    s = re.sub(r"\\?[$%]", "", s)  # currency and percent signs carry no value here
+    s = s.replace(" ", "").strip().rstrip(".")
     s = re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", s)
     s = re.sub(r"^\(([-+]?[\d.]+)\)/\(([-+]?[\d.]+)\)$", r"\1/\2", s)  # \frac{1}{2} -> 1/2
     s = re.sub(r"^\(([^()]*)\)$", r"\1", s)
@@ -112,8 +113,11 @@ def to_number(answer: str) -> Fraction | None:
 
 
 def _extract(completion: str) -> str | None:
-    boxed = last_boxed(completion)
-    return boxed if boxed is not None else final_number(completion)
+    # a completion that opened a \\boxed{} answers there or not at all: an unclosed box
+    # (cut off mid-answer) must not fall back to whatever number came last
+    if _BOXED.search(completion):
+        return last_boxed(completion)
+    return final_number(completion)
 
 
 def _reference_answer(ref: str) -> str:

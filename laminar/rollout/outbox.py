@@ -65,6 +65,10 @@ class Outbox:
     def __len__(self) -> int:
         return len(self.pending)
 
+    def oldest_age_s(self) -> float:
+        """How long the oldest unacked message has waited (0 when empty): a buffer outage shows here."""
+        return time.monotonic() - min(self.oldest_since.values()) if self.oldest_since else 0.0
+
     def put(self, msg: Message) -> None:
         uid = msg.uid  # type: ignore[attr-defined]
         if uid in self.pending:

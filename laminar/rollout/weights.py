@@ -14,9 +14,15 @@ with an atomic rename, so any file matching that name is complete; the newest on
 wins. A directory has no change notification, so DirSource polls it (cheap scandir,
 every `poll_s`).
 
-`cfg.rollout.weights`: auto | relay | dir. auto picks the relay when this config
-starts relays (cluster.roles.relay > 0) and the relay transport is installed,
-otherwise the directory.
+AnnouncedSource is for sim rollouts without relays (the sim trainer then moves no
+tensors): a version exists once the manager (RefreshRequest.min_version) or the
+buffer (PromptReply.min_version) names it, and "loading" it only sets the engine's
+version. Every source takes those announcements (`announce(v)`); only this one
+acts on them.
+
+`cfg.rollout.weights`: auto | relay | dir | announce. auto picks the relay when this
+config starts relays (cluster.roles.relay > 0) and the relay transport is installed,
+otherwise the directory for torch/vllm rollouts and announcements for sim ones.
 
 Version 0 is the model on disk (cfg.model.path); sources only ever offer newer ones.
 """
@@ -32,7 +38,14 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
-__all__ = ["WeightSource", "RelaySource", "DirSource", "WeightSourceError", "make_weight_source"]
+__all__ = [
+    "WeightSource",
+    "RelaySource",
+    "DirSource",
+    "AnnouncedSource",
+    "WeightSourceError",
+    "make_weight_source",
+]
 
 _FILE = re.compile(r"^v(\d+)\.safetensors$")
 
@@ -59,8 +72,42 @@ class WeightSource(ABC):
     async def load_into(self, engine: Any) -> int:
         """Load the newest version into the engine (between its decode steps); returns the version."""
 
+    def announce(self, version: int) -> None:  # noqa: B027 - optional hook
+        """Someone (manager, buffer) said `version` exists; sources that carry tensors ignore it."""
+
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release what start() took."""
+
+
+class AnnouncedSource(WeightSource):
+    name = "announce"
+
+    def __init__(self) -> None:
+        self._latest = -1
+        self._changed = asyncio.Event()
+
+    def announce(self, version: int) -> None:
+        if version > self._latest:
+            self._latest = version
+            self._changed.set()
+
+    def latest_version(self) -> int:
+        return self._latest
+
+    async def wait_newer(self, than: int, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        while self._latest <= than and time.monotonic() < deadline:
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                break
+        return self._latest
+
+    async def load_into(self, engine: Any) -> int:
+        version = self._latest
+        await engine.load_weights([], version)
+        return version
 
 
 class DirSource(WeightSource):
@@ -181,11 +228,12 @@ def make_weight_source(node: Any) -> WeightSource:
     cfg = node.cfg
     kind = cfg.rollout.weights
     if kind == "auto":
-        kind = (
-            "relay"
-            if cfg.cluster.roles.get("relay", 0) > 0 and _relay_transport_available()
-            else "dir"
-        )
+        if cfg.cluster.roles.get("relay", 0) > 0 and _relay_transport_available():
+            kind = "relay"
+        else:
+            kind = "announce" if cfg.rollout.engine == "sim" else "dir"
     if kind == "relay":
         return RelaySource(node, cfg.rollout.relay_index)
+    if kind == "announce":
+        return AnnouncedSource()
     return DirSource(cfg.resolved_run_dir() / "weights")

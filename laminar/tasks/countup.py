@@ -49,6 +49,8 @@ MAX_VALUE = 99
 EVAL_SLICE = 10
 """Percent of the prompt space reserved for eval prompts (by prompt hash)."""
 ERROR_KINDS = ("slip", "stop", "copy")
+HABIT_STRIDE = 5
+"""Demos in the "habit" style go wrong only on prompts with at least this stride."""
 
 _PROMPT = re.compile(r"^(\d\d)\+(\d)>(\d\d)\?$")
 _CHAIN = re.compile(r"^(?:\d\d\+\d=\d\d;)*#\d+$")
@@ -99,20 +101,34 @@ def answer_of(prompt: str) -> str:
     return solve(prompt).rsplit("#", 1)[1]
 
 
-def demonstration(prompt: str, rng: random.Random, error_rate: float) -> str:
-    """A solution that is wrong (final answer differs) with probability `error_rate`.
+def demonstration(
+    prompt: str, rng: random.Random, error_rate: float, style: str = "random"
+) -> str:
+    """A solution that is deliberately wrong some of the time; the format is always exact.
 
-    Mistakes look like a weak student's: one sum off by 1-3 with the chain carried
-    on from the wrong value ("slip"), stopping one step early or going one step too
-    far ("stop"), or miscopying the last value after '#' ("copy"). Every demo keeps
-    the exact format, so the model learns the format and RL only has to fix content.
+    style "random": wrong (final answer differs) with probability `error_rate`, by one
+      mistake of a random kind: one sum off by 1-3 with the chain carried on from the
+      wrong value ("slip"), stopping one step early or going one step too far ("stop"),
+      or miscopying the last value after '#' ("copy"). A model sampled at temperature 1
+      repeats such mistakes; a greedy decoder mostly does not (each wrong token is rare).
+    style "habit": one systematic misconception, for demos judged by greedy decoding:
+      on prompts with stride >= HABIT_STRIDE, with probability `error_rate`, the student
+      stops one step early and answers the last value *not* above the limit. Above 0.5
+      the warm-up model's greedy choice at that one decision is the habit, so greedy
+      accuracy is roughly the share of small-stride prompts, and RL has one clear
+      decision to flip. Prompts with a small stride are always solved correctly.
     """
     if not 0.0 <= error_rate <= 1.0:
         raise ValueError(f"error_rate must be in [0, 1], got {error_rate}")
+    if style not in ("random", "habit"):
+        raise ValueError(f"style must be 'random' or 'habit', got {style!r}")
     start, stride, limit = parse_prompt(prompt)
     values = _count(start, stride, limit)
-    if rng.random() >= error_rate:
+    if rng.random() >= error_rate or (style == "habit" and stride < HABIT_STRIDE):
         return _write(start, stride, values, values[-1])
+    if style == "habit":
+        early = values[:-1]
+        return _write(start, stride, early, early[-1] if early else start)
     kinds = list(ERROR_KINDS)
     rng.shuffle(kinds)
     for kind in kinds:  # the first kind that fits this prompt
@@ -127,7 +143,9 @@ def _mistake(
 ) -> str | None:
     true = values[-1]
     if kind == "copy":
-        wrong = rng.choice([v for v in range(max(0, true - 9), min(MAX_VALUE, true + 9) + 1) if v != true])
+        wrong = rng.choice(
+            [v for v in range(max(0, true - 9), min(MAX_VALUE, true + 9) + 1) if v != true]
+        )
         return _write(start, stride, values, wrong)
     if kind == "stop":
         if rng.random() < 0.5 and true + stride <= MAX_VALUE:
@@ -136,20 +154,16 @@ def _mistake(
         early = values[:-1]
         return _write(start, stride, early, early[-1] if early else start)
     # slip: step j writes prev + stride + delta; later steps add correctly until past the limit
-    options = []
-    for j in range(len(values)):
-        for delta in (-3, -2, -1, 1, 2, 3):
-            slipped = values[j] + delta
-            if not 0 <= slipped <= MAX_VALUE:
-                continue
-            rest = [] if slipped > limit else _count(slipped, stride, limit)
-            chain = [*values[:j], slipped, *rest]
-            if chain[-1] != true and chain[-1] <= MAX_VALUE:
-                options.append(chain)
-    if not options:
-        return None
-    chain = rng.choice(options)
-    return _write(start, stride, chain, chain[-1])
+    candidates = [(j, d) for j in range(len(values)) for d in (-3, -2, -1, 1, 2, 3)]
+    rng.shuffle(candidates)
+    for j, delta in candidates:  # the first that stays two-digit and changes the answer
+        slipped = values[j] + delta
+        if not 0 <= slipped <= MAX_VALUE:
+            continue
+        chain = [*values[:j], slipped, *([] if slipped > limit else _count(slipped, stride, limit))]
+        if chain[-1] != true and chain[-1] <= MAX_VALUE:
+            return _write(start, stride, chain, chain[-1])
+    return None
 
 
 # ---- verifier and reward ------------------------------------------------------------
@@ -245,11 +259,11 @@ def generate(
 
 
 def demonstrations(
-    rows: list[dict[str, Any]], error_rate: float, seed: int = 0
+    rows: list[dict[str, Any]], error_rate: float, seed: int = 0, style: str = "random"
 ) -> list[str]:
     """One imperfect demonstration per row (for the supervised warm-up)."""
     rng = random.Random(f"countup/demo/{seed}")
-    return [demonstration(r["prompt"], rng, error_rate) for r in rows]
+    return [demonstration(r["prompt"], rng, error_rate, style) for r in rows]
 
 
 def length_stats(rows: list[dict[str, Any]]) -> dict[str, float]:
@@ -296,7 +310,9 @@ def write_splits(
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m laminar.tasks.countup", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m laminar.tasks.countup", description=__doc__.split("\n")[0]
+    )
     ap.add_argument("--out", required=True, help="directory for train.jsonl and eval.jsonl")
     ap.add_argument("--train", type=int, default=20_000, help="training rows")
     ap.add_argument("--eval", type=int, default=500, help="held-out rows (distinct prompts)")

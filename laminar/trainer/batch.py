@@ -63,7 +63,9 @@ class TrainBatch:
         return sum(s.length for s in self.samples)
 
     @classmethod
-    def build(cls, trajs: list[Trajectory], vocab_size: int | None = None, max_len: int | None = None) -> TrainBatch:
+    def build(
+        cls, trajs: list[Trajectory], vocab_size: int | None = None, max_len: int | None = None
+    ) -> TrainBatch:
         samples: list[Sample] = []
         dropped: Counter = Counter()
         for t in trajs:
@@ -73,7 +75,10 @@ class TrainBatch:
                 continue
             samples.append(
                 Sample(
-                    uid=t.uid, group_id=t.group_id, version=int(t.version), reward=float(t.reward),
+                    uid=t.uid,
+                    group_id=t.group_id,
+                    version=int(t.version),
+                    reward=float(t.reward),
                     prompt_ids=np.array(t.prompt_ids, dtype=np.int64),
                     response_ids=np.array(t.response_ids, dtype=np.int64),
                     behav_logp=np.array(t.logprobs, dtype=np.float32),
@@ -136,7 +141,19 @@ class MicroBatch:
     behav_logp: torch.Tensor
 
     def to(self, device: str | torch.device) -> MicroBatch:
-        return MicroBatch(*(getattr(self, f).to(device) for f in ("index", "input_ids", "attention_mask", "targets", "resp_mask", "behav_logp")))
+        return MicroBatch(
+            *(
+                getattr(self, f).to(device)
+                for f in (
+                    "index",
+                    "input_ids",
+                    "attention_mask",
+                    "targets",
+                    "resp_mask",
+                    "behav_logp",
+                )
+            )
+        )
 
     @property
     def n_tokens(self) -> int:
@@ -158,4 +175,6 @@ def collate(batch: TrainBatch, index: list[int], pad_id: int = 0) -> MicroBatch:
         att[r, : p + n] = 1
         resp[r, p - 1 : p - 1 + n] = True
         behav[r, p - 1 : p - 1 + n] = torch.from_numpy(s.behav_logp)
-    return MicroBatch(torch.tensor(index, dtype=torch.long), ids, att, ids[:, 1:].clone(), resp, behav)
+    return MicroBatch(
+        torch.tensor(index, dtype=torch.long), ids, att, ids[:, 1:].clone(), resp, behav
+    )

@@ -29,7 +29,12 @@ import numpy as np
 import torch
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5")
-_SKIP_FILES = {"config.json", "generation_config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json"}
+_SKIP_FILES = {
+    "config.json",
+    "generation_config.json",
+    "model.safetensors.index.json",
+    "pytorch_model.bin.index.json",
+}
 
 
 def checkpoint_root(run_dir: str | os.PathLike) -> Path:
@@ -41,7 +46,9 @@ def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
     root = checkpoint_root(run_dir)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.name.startswith("step_") and (p / "meta.json").is_file()]
+    found = [
+        p for p in root.iterdir() if p.name.startswith("step_") and (p / "meta.json").is_file()
+    ]
     return sorted(found, key=lambda p: int(p.name.split("_", 1)[1]))
 
 
@@ -58,7 +65,9 @@ def resolve_resume(resume: str, run_dir: str | os.PathLike) -> Path | None:
         return latest_checkpoint(run_dir)
     path = Path(resume)
     if not (path / "meta.json").is_file():
-        raise FileNotFoundError(f"trainer.resume={resume!r} is not a checkpoint (no meta.json); use auto, never or a step_N dir")
+        raise FileNotFoundError(
+            f"trainer.resume={resume!r} is not a checkpoint (no meta.json); use auto, never or a step_N dir"
+        )
     return path
 
 
@@ -67,7 +76,13 @@ def rng_state() -> dict[str, Any]:
     py_state = random.getstate()
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
-        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "numpy": [
+            np_state[0],
+            torch.from_numpy(np_state[1].astype(np.int64)),
+            int(np_state[2]),
+            int(np_state[3]),
+            float(np_state[4]),
+        ],
         "python": [py_state[0], list(py_state[1]), py_state[2]],
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -126,7 +141,9 @@ def write_checkpoint(
     root = checkpoint_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:08d}"
-    if (final / "meta.json").is_file():  # same step saved already (e.g. periodic, then SIGTERM): identical state
+    if (
+        final / "meta.json"
+    ).is_file():  # same step saved already (e.g. periodic, then SIGTERM): identical state
         return final
     tmp = root / f".tmp-step_{step:08d}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -135,7 +152,9 @@ def write_checkpoint(
         model.save_pretrained(tmp / "model", state_dict=model_state, safe_serialization=True)
         copy_tokenizer_files(tokenizer_src, tmp / "model")
     torch.save(trainer_state, tmp / "trainer_state.pt")
-    (tmp / "meta.json").write_text(json.dumps({**meta, "step": step, "saved_at": time.time()}, indent=1))
+    (tmp / "meta.json").write_text(
+        json.dumps({**meta, "step": step, "saved_at": time.time()}, indent=1)
+    )
     _fsync_tree(tmp)
     shutil.rmtree(final, ignore_errors=True)  # an incomplete dir of the same step (no meta.json)
     os.replace(tmp, final)
@@ -169,7 +188,11 @@ def save_policy(policy: Any, run_dir: str | os.PathLike, step: int, meta: dict[s
                 tokenizer_src: str | os.PathLike | None = None, keep: int = 2) -> Path | None:  # fmt: skip
     """Gather the policy's full state (collective on every rank) and write it on rank 0."""
     model_sd = policy.full_state_dict()
-    state = {"optimizer": policy.optimizer_state(), "scheduler": policy.scheduler.state_dict(), "rng": rng_state()}
+    state = {
+        "optimizer": policy.optimizer_state(),
+        "scheduler": policy.scheduler.state_dict(),
+        "rng": rng_state(),
+    }
     if not policy.ctx.is_main:
         return None
     return write_checkpoint(run_dir, step, policy.model, model_sd, state, meta, tokenizer_src, keep)

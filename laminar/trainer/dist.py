@@ -21,7 +21,9 @@ import torch
 from laminar.transport.codec import Limits, Message, decode, encode
 
 # a batch of thousands of trajectories is 3 frames each: far more than a network message may hold
-_RANK_LIMITS = Limits(max_frames=1 << 24, max_header_bytes=1 << 31, max_message_bytes=1 << 40, max_list_len=1 << 24)
+_RANK_LIMITS = Limits(
+    max_frames=1 << 24, max_header_bytes=1 << 31, max_message_bytes=1 << 40, max_list_len=1 << 24
+)
 
 
 @dataclass

@@ -51,7 +51,9 @@ class DirectHandoff:
         cpu = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
         save_file(cpu, str(tmp), metadata={"version": str(version)})
         os.replace(tmp, final)
-        for old in sorted(self.dir.glob("v*.safetensors"), key=lambda p: int(p.stem[1:]))[: -self.keep]:
+        for old in sorted(self.dir.glob("v*.safetensors"), key=lambda p: int(p.stem[1:]))[
+            : -self.keep
+        ]:
             old.unlink(missing_ok=True)
         return str(final), sum(v.numel() * v.element_size() for v in cpu.values())
 
@@ -79,7 +81,9 @@ class RelayHandoff:
         t0 = time.perf_counter()
         stall = await self.pusher.push(version, tensors or {})
         n = sum(v.numel() * v.element_size() for v in (tensors or {}).values())
-        return Published(self.kind, "", n, float(stall) if stall is not None else time.perf_counter() - t0)
+        return Published(
+            self.kind, "", n, float(stall) if stall is not None else time.perf_counter() - t0
+        )
 
     async def close(self) -> None:
         close = getattr(self.pusher, "close", None)
@@ -106,7 +110,10 @@ class SimHandoff:
 
 
 def relay_available(cfg: Any) -> bool:
-    return cfg.cluster.roles.get("relay", 0) > 0 and importlib.util.find_spec("laminar.transport.weights") is not None
+    return (
+        cfg.cluster.roles.get("relay", 0) > 0
+        and importlib.util.find_spec("laminar.transport.weights") is not None
+    )
 
 
 def make_handoff(node: Any):

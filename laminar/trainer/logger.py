@@ -31,19 +31,24 @@ def _clean(value: Any) -> Any:
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: str | os.PathLike, cfg: Any = None, tensorboard: bool = True, log=None):
+    def __init__(
+        self, run_dir: str | os.PathLike, cfg: Any = None, tensorboard: bool = True, log=None
+    ):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)  # line-buffered: a crash loses <= 1 line
+        self._jsonl = open(
+            self.run_dir / "metrics.jsonl", "a", buffering=1
+        )  # line-buffered: a crash loses <= 1 line
         self._tb = None
         self._wandb = None
-        self.log_ = log
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self._tb = SummaryWriter(str(self.run_dir / "tb"))
-            except Exception as exc:  # tensorboard missing or broken: metrics.jsonl still has everything
+            except (
+                Exception
+            ) as exc:  # tensorboard missing or broken: metrics.jsonl still has everything
                 if log is not None:
                     log.warning("tensorboard_unavailable", error=str(exc))
         settings = (getattr(cfg, "extra", None) or {}).get("wandb") if cfg is not None else None
@@ -60,7 +65,11 @@ class MetricsLogger:
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         record = {"step": step, "time": time.time(), **metrics}
         self._jsonl.write(json.dumps(_clean(record), sort_keys=False) + "\n")
-        scalars = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+        scalars = {
+            k: float(v)
+            for k, v in metrics.items()
+            if isinstance(v, int | float) and not isinstance(v, bool)
+        }
         if self._tb is not None:
             for k, v in scalars.items():
                 if math.isfinite(v):

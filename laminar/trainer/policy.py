@@ -91,7 +91,9 @@ class Policy:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.autocast = self.device.type == "cuda"
-        self.model = load_causal_lm(model_path, "float32", str(self.device))  # fp32 master weights, eval(): no dropout
+        # fp32 master weights, eval() (no dropout); sharded from CPU so no GPU ever holds two full copies
+        load_on = "cpu" if self.ctx.enabled else str(self.device)
+        self.model = load_causal_lm(model_path, "float32", load_on)
         self.vocab_size = int(self.model.config.vocab_size)
         self.max_len = getattr(self.model.config, "max_position_embeddings", None)
         dups = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
@@ -100,14 +102,19 @@ class Policy:
             _fp32_head(self.model.get_output_embeddings())
         self.ref = None
         if algo.kl_coef > 0:
-            self.ref = load_causal_lm(cfg.model.path or model_path, "float32", str(self.device))
+            self.ref = load_causal_lm(cfg.model.path or model_path, "float32", load_on)
             self.ref.requires_grad_(False)
         if self.ctx.enabled:
             _apply_fsdp(self.model, self.ctx, self.device)
+            self.model.to(self.device)  # moves this rank's shards only
             if self.ref is not None:
                 _apply_fsdp(self.ref, self.ctx, self.device)
+                self.ref.to(self.device)
         self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad], lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=tc.lr,
+            betas=tuple(tc.betas),
+            weight_decay=tc.weight_decay,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(tc.warmup_steps, tc.total_steps, tc.min_lr_ratio)
@@ -120,22 +127,33 @@ class Policy:
 
     # ---- forward ------------------------------------------------------------------------
     def _amp(self):
-        return torch.autocast("cuda", dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext()
+        return (
+            torch.autocast("cuda", dtype=torch.bfloat16)
+            if self.autocast
+            else contextlib.nullcontext()
+        )
 
     def token_logprobs(
         self, mb: MicroBatch, model: torch.nn.Module | None = None, entropy_grad: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log pi(target) [b, L-1], entropy [b, L-1]); entropy carries grad only if asked."""
+        """(log pi(target), entropy), both [b, L-1] and 0 off the response; entropy has grad only if asked.
+
+        Only response positions go through the fp32 log-softmax: long prompts cost no [*, V] memory.
+        """
         with self._amp():
-            out = (model or self.model)(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
-        logits = out.logits[:, :-1].float()
+            out = (model or self.model)(
+                input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False
+            )
+        sel = mb.resp_mask
+        logits = out.logits[:, :-1][sel].float()  # [N, V]
         if self.temperature != 1.0:
             logits = logits / self.temperature
         lse = torch.logsumexp(logits, dim=-1)
-        logp = logits.gather(-1, mb.targets.unsqueeze(-1)).squeeze(-1) - lse
+        flat = logits.gather(-1, mb.targets[sel].unsqueeze(-1)).squeeze(-1) - lse
         with contextlib.nullcontext() if entropy_grad else torch.no_grad():
-            ent = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
-        return logp, ent
+            flat_ent = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+        zeros = torch.zeros(sel.shape, dtype=torch.float32, device=sel.device)
+        return zeros.masked_scatter(sel, flat), zeros.masked_scatter(sel, flat_ent)
 
     # ---- one optimizer step ---------------------------------------------------------------
     def _my_share(self, mbs: list[list[int]]) -> list[tuple[list[int], float]]:
@@ -143,7 +161,9 @@ class Policy:
             return [(m, 1.0) for m in mbs]
         mine = [(m, 1.0) for m in mbs[self.ctx.rank :: self.ctx.world]]
         per_rank = -(-len(mbs) // self.ctx.world)
-        mine += [(mbs[0], 0.0)] * (per_rank - len(mine))  # zero-weight dummies keep FSDP collectives aligned
+        mine += [(mbs[0], 0.0)] * (
+            per_rank - len(mine)
+        )  # zero-weight dummies keep FSDP collectives aligned
         return mine
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
@@ -152,7 +172,11 @@ class Policy:
         n_tok, n_seq = batch.n_tokens, batch.n_seqs
         if n_seq == 0:
             raise ValueError("train_step needs at least one usable trajectory")
-        share = self._my_share(pack_micro_batches([x.length for x in batch.samples], self.cfg.trainer.micro_batch_tokens))
+        share = self._my_share(
+            pack_micro_batches(
+                [x.length for x in batch.samples], self.cfg.trainer.micro_batch_tokens
+            )
+        )
         stats = StatAccumulator()
         rewards = batch.rewards
         if algo.kl_coef > 0 and algo.kl_type == "k1_reward":
@@ -170,18 +194,24 @@ class Policy:
                     ref, _ = self.token_logprobs(mb, self.ref)
                 st.add("kl_ref", (logp.detach() - ref), mb.resp_mask)
             adv_tok = broadcast_to_tokens(adv.to(self.device)[mb.index], mb.resp_mask)
-            loss = policy_loss(logp, prox, mb.behav_logp, adv_tok, mb.resp_mask, s, n_tok, n_seq, ref, ent, st)
+            loss = policy_loss(
+                logp, prox, mb.behav_logp, adv_tok, mb.resp_mask, s, n_tok, n_seq, ref, ent, st
+            )
             st.add("sum/loss", loss.detach())
             st.add("entropy", ent.detach(), mb.resp_mask)
             st.add("logp", logp.detach(), mb.resp_mask)
             (loss * (weight * self.ctx.world)).backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), self.cfg.trainer.grad_clip
+        )
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         grad_norm = float(grad_norm)
         lr = self.scheduler.get_last_lr()[0]
         skipped = not math.isfinite(grad_norm)
-        if skipped:  # a NaN/inf gradient must not reach the weights; the batch still counts as consumed
+        if (
+            skipped
+        ):  # a NaN/inf gradient must not reach the weights; the batch still counts as consumed
             self.optimizer.zero_grad(set_to_none=True)
         else:
             self.optimizer.step()
@@ -210,7 +240,9 @@ class Policy:
             mb = collate(batch, idx, self.pad_id).to(self.device)
             logp, _ = self.token_logprobs(mb)
             ref, _ = self.token_logprobs(mb, self.ref)
-            per_seq = torch.where(mb.resp_mask, logp - ref, torch.zeros_like(logp)).sum(-1).double().cpu()
+            per_seq = (
+                torch.where(mb.resp_mask, logp - ref, torch.zeros_like(logp)).sum(-1).double().cpu()
+            )
             kl.index_add_(0, mb.index, per_seq * weight)
         if self.ctx.enabled:
             import torch.distributed as dist
@@ -230,26 +262,45 @@ class Policy:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full model state dict on rank 0 (CPU when distributed), {} elsewhere. Collective."""
         if self.ctx.enabled:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                get_model_state_dict,
+            )
 
-            sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            sd = get_model_state_dict(
+                self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            )
         else:
             sd = self.model.state_dict()
-        return {k: v.detach() for k, v in sd.items() if k not in self._tied} if self.ctx.is_main else {}
+        return (
+            {k: v.detach() for k, v in sd.items() if k not in self._tied}
+            if self.ctx.is_main
+            else {}
+        )
 
     def export_weights(self, dtype: str = "float32") -> dict[str, torch.Tensor]:
         """Weights for the rollouts (tied copies dropped, cast to the rollout dtype). Collective."""
         want = getattr(torch, dtype)
-        return {k: (v if v.dtype == want else v.to(want)) for k, v in self.full_state_dict().items()}
+        return {
+            k: (v if v.dtype == want else v.to(want)) for k, v in self.full_state_dict().items()
+        }
 
     def optimizer_state(self) -> dict[str, Any]:
         """Full optimizer state keyed by parameter name (rank 0; collective when distributed)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+        )
 
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_optimizer_state_dict(self.model, self.optimizer, options=opts)
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_optimizer_state_dict,
+        )
 
-        set_optimizer_state_dict(self.model, self.optimizer, state, options=StateDictOptions(full_state_dict=True))
+        set_optimizer_state_dict(
+            self.model, self.optimizer, state, options=StateDictOptions(full_state_dict=True)
+        )

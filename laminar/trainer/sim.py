@@ -26,7 +26,9 @@ class SimTrainer:
 
     async def train_step(self, batch: TrainBatch) -> dict[str, float]:
         t0 = time.perf_counter()
-        adv = compute_advantages(batch.rewards, batch.groups, self.cfg.algo.advantage, self.cfg.algo.norm_std)
+        adv = compute_advantages(
+            batch.rewards, batch.groups, self.cfg.algo.advantage, self.cfg.algo.norm_std
+        )
         await asyncio.sleep(self.time_per_token * batch.total_tokens)  # the emulated compute
         out = {
             "reward": float(batch.rewards.mean()), "adv/mean": float(adv.mean()),

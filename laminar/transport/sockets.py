@@ -159,6 +159,13 @@ async def _send_within(sock: zmq.asyncio.Socket, frames: list[Any], timeout: flo
         await asyncio.wait_for(fut, timeout)  # cancelling drops the queued send; nothing half-sent
     except TimeoutError:
         raise SendTimeout(f"send blocked for {timeout:.2f}s (peer gone or not reading)") from None
+    except asyncio.CancelledError:
+        # pyzmq cancels a pending send when its socket is closed (reconnect after a server death);
+        # unless *we* are being cancelled, that is a dead peer, not a cancellation of the caller.
+        task = asyncio.current_task()
+        if task is not None and task.cancelling() == 0:
+            raise PeerDead("socket closed while a send was pending (peer declared dead)") from None
+        raise
 
 
 @dataclass

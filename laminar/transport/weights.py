@@ -46,11 +46,35 @@ from typing import Any
 import numpy as np
 
 from laminar.protocol.relay import (
-    ChainInfo, ChainInfoRequest, CommitRequest, LatestReply, LatestRequest, PullReply, PullRequest, PushChunk,
-    ReleaseRequest, StageReply, StageRequest, WeightLayout, WeightsReady,
+    ChainInfo,
+    ChainInfoRequest,
+    CommitRequest,
+    LatestReply,
+    LatestRequest,
+    PullReply,
+    PullRequest,
+    PushChunk,
+    ReleaseRequest,
+    StageReply,
+    StageRequest,
+    WeightLayout,
+    WeightsReady,
 )  # fmt: skip
-from laminar.relay.layout import build_layout, checksum_buffer, chunk_range, n_chunks, validate_layout
-from laminar.transport.sockets import PeerDead, RemoteError, RequestTimeout, RpcClient, Subscriber, TransportError
+from laminar.relay.layout import (
+    build_layout,
+    checksum_buffer,
+    chunk_range,
+    n_chunks,
+    validate_layout,
+)
+from laminar.transport.sockets import (
+    PeerDead,
+    RemoteError,
+    RequestTimeout,
+    RpcClient,
+    Subscriber,
+    TransportError,
+)
 
 _ids = itertools.count()
 
@@ -70,9 +94,23 @@ def _dtype_name(t: Any) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
-def _named_list(named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> list[tuple[str, Any]]:
+def _named_list(
+    named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
+) -> list[tuple[str, Any]]:
     items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
     return [(str(n), t) for n, t in items]
+
+
+async def _request(cli: RpcClient, msg: Any, timeout: float) -> Any:
+    """One attempt. A send still blocked when the client drops a dead server's socket ends in a
+    CancelledError that was not meant for us: report it as PeerDead unless we were cancelled."""
+    try:
+        return await cli.request(msg, timeout=timeout, retries=0)
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise
+        raise PeerDead(f"{type(msg).__name__}: connection to {cli.endpoint} dropped") from None
 
 
 def layout_of(items: list[tuple[str, Any]]) -> WeightLayout:
@@ -181,7 +219,11 @@ class WeightPusher:
             finally:
                 await cli.close()
 
-        live = {i: info for i, info in await asyncio.gather(*(ask(i) for i in range(n_relays))) if info is not None}
+        live = {
+            i: info
+            for i, info in await asyncio.gather(*(ask(i) for i in range(n_relays)))
+            if info is not None
+        }
         if not live:
             raise WeightsUnavailable(f"no live relay among {n_relays}")
         newest = max(live.values(), key=lambda info: info.epoch)
@@ -197,7 +239,9 @@ class WeightPusher:
             await old.close()
         try:
             self.client = self._new_client(self.endpoint)
-            await self.client.connect(timeout=max(self.cfg.relay.probe_timeout_s, self.node.opts.dead_after_s))
+            await self.client.connect(
+                timeout=max(self.cfg.relay.probe_timeout_s, self.node.opts.dead_after_s)
+            )
             return True
         except TransportError:
             await self.client.close()
@@ -210,7 +254,9 @@ class WeightPusher:
             await self.client.connect(timeout=self.cfg.relay.probe_timeout_s * 4)
         return self.client
 
-    async def push(self, version: int, named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> float:
+    async def push(
+        self, version: int, named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]
+    ) -> float:
         """Hand `version` to the master relay; returns the trainer's stall in seconds."""
         t0 = time.perf_counter()
         items = _named_list(named_tensors)
@@ -222,7 +268,7 @@ class WeightPusher:
             try:
                 cli = await self._client()
                 stage = StageRequest(version=version, layout=layout, takeover=self._takeover)
-                reply = await cli.request(stage, timeout=timeout, retries=0)
+                reply = await _request(cli, stage, timeout)
                 assert isinstance(reply, StageReply)
                 t1 = time.perf_counter()
                 if self._same_host(reply):
@@ -232,8 +278,12 @@ class WeightPusher:
                     self.mode = "stream"
                     await self._stream(cli, reply, items, layout, version)
                 t2 = time.perf_counter()
-                await cli.request(CommitRequest(version=version, token=reply.token), timeout=timeout, retries=0)
-                self.timings = {"stage_s": t1 - t0, "copy_s": t2 - t1, "commit_s": time.perf_counter() - t2}
+                await _request(cli, CommitRequest(version=version, token=reply.token), timeout)
+                self.timings = {
+                    "stage_s": t1 - t0,
+                    "copy_s": t2 - t1,
+                    "commit_s": time.perf_counter() - t2,
+                }
                 self.pushes += 1
                 self._takeover = False
                 self.last_stall_s = time.perf_counter() - t0
@@ -251,7 +301,9 @@ class WeightPusher:
             failures += 1
             if failures >= 3:
                 break
-            self.node.log.warning("push_failed", version=version, endpoint=self.endpoint, error=str(last))
+            self.node.log.warning(
+                "push_failed", version=version, endpoint=self.endpoint, error=str(last)
+            )
             if not await self._master_alive():
                 await self._failover()
                 self._takeover = True
@@ -265,7 +317,9 @@ class WeightPusher:
         except OSError:
             return False
 
-    def _copy_into(self, reply: StageReply, items: list[tuple[str, Any]], layout: WeightLayout) -> None:
+    def _copy_into(
+        self, reply: StageReply, items: list[tuple[str, Any]], layout: WeightLayout
+    ) -> None:
         for path in [p for p in self._maps if not os.path.exists(p)]:  # the relay freed that slot
             self._maps.pop(path).close()
         m = self._maps.get(reply.segment)
@@ -295,7 +349,7 @@ class WeightPusher:
             while pending:
                 s, e = chunk_range(pending.pop(0), cb, layout.total_bytes)
                 msg = PushChunk(version=version, token=reply.token, offset=s, data=arr[s:e])
-                await cli.request(msg, timeout=timeout, retries=0)
+                await _request(cli, msg, timeout)
 
         await asyncio.gather(*(sender() for _ in range(self.cfg.relay.window)))
 
@@ -329,7 +383,9 @@ class PulledWeights:
         import torch
 
         lay = self.layout
-        for name, dtype, shape, off in zip(lay.names, lay.dtypes, lay.shapes, lay.offsets, strict=True):
+        for name, dtype, shape, off in zip(
+            lay.names, lay.dtypes, lay.shapes, lay.offsets, strict=True
+        ):
             tdtype = getattr(torch, dtype)
             nbytes = tdtype.itemsize
             for d in shape:
@@ -367,7 +423,9 @@ def _map_segment(path: str, size: int, writable: bool) -> tuple[mmap.mmap, int]:
     try:
         inode = os.fstat(fd).st_ino
         if writable:
-            return mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE), inode
+            return mmap.mmap(
+                fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+            ), inode
         return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ), inode
     finally:
         os.close(fd)
@@ -392,13 +450,23 @@ class WeightPuller:
 
     async def start(self) -> None:
         n, cfg = self.node, self.cfg
-        self.client = RpcClient(n.ctx, cfg.endpoint("relay", self.relay_index), n.node_id, getattr(n, "role", "rollout"), n.opts)
+        self.client = RpcClient(
+            n.ctx,
+            cfg.endpoint("relay", self.relay_index),
+            n.node_id,
+            getattr(n, "role", "rollout"),
+            n.opts,
+        )
         await self.client.connect(timeout=cfg.transport.startup_timeout_s)
-        self.sub = Subscriber(n.ctx, cfg.endpoint("relay_pub", self.relay_index), self._sub_id, ["weights"], n.opts)
+        self.sub = Subscriber(
+            n.ctx, cfg.endpoint("relay_pub", self.relay_index), self._sub_id, ["weights"], n.opts
+        )
         self.sub.start()
         self._task = asyncio.create_task(self._listen(), name=f"{n.node_id}:weights-sub")
         # the relay answers once our subscription is live: nothing announced after this is missed
-        reply = await self.client.request(LatestRequest(subscriber=self._sub_id), timeout=cfg.transport.startup_timeout_s)
+        reply = await self.client.request(
+            LatestRequest(subscriber=self._sub_id), timeout=cfg.transport.startup_timeout_s
+        )
         if isinstance(reply, LatestReply):
             await self._update(reply.version, reply.checksum, None)
 
@@ -419,14 +487,18 @@ class WeightPuller:
     async def wait_version(self, min_version: int, timeout: float) -> int:
         """Wait until the relay announced a version >= min_version; returns it (TimeoutError otherwise)."""
         async with self._cond:
-            await asyncio.wait_for(self._cond.wait_for(lambda: self.latest_version >= min_version), timeout)
+            await asyncio.wait_for(
+                self._cond.wait_for(lambda: self.latest_version >= min_version), timeout
+            )
             return self.latest_version
 
     async def pull(self, version: int | None = None) -> PulledWeights:
         """Pin a version at the relay (newest when None) and map it; release it when done."""
         assert self.client is not None, "call start() first"
         try:
-            reply = await self.client.request(PullRequest(version=-1 if version is None else version))
+            reply = await self.client.request(
+                PullRequest(version=-1 if version is None else version)
+            )
         except RemoteError as exc:
             raise WeightsUnavailable(str(exc)) from None
         if not isinstance(reply, PullReply):

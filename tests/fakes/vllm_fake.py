@@ -112,7 +112,9 @@ class FakeAsyncLLM:
         self._task = asyncio.get_running_loop().create_task(self._loop())
 
     @classmethod
-    def from_engine_args(cls, engine_args: AsyncEngineArgs, stat_loggers: list[Any] | None = None) -> FakeAsyncLLM:
+    def from_engine_args(
+        cls, engine_args: AsyncEngineArgs, stat_loggers: list[Any] | None = None
+    ) -> FakeAsyncLLM:
         llm = cls(engine_args, stat_loggers or [])
         _state["llm"] = llm
         return llm
@@ -122,13 +124,17 @@ class FakeAsyncLLM:
         tok = int.from_bytes(h, "little") % VOCAB
         return tok, -0.05 - (tok % 10) / 10
 
-    async def generate(self, prompt: dict[str, Any], sampling_params: SamplingParams, request_id: str, **kw: Any):
+    async def generate(
+        self, prompt: dict[str, Any], sampling_params: SamplingParams, request_id: str, **kw: Any
+    ):
         if self.fail_next:
             self.fail_next = False
             raise RuntimeError("fake engine error")
         assert sampling_params.output_kind is RequestOutputKind.DELTA
         q: asyncio.Queue = asyncio.Queue()
-        self.requests[request_id] = _Req(request_id, list(prompt["prompt_token_ids"]), sampling_params, q)
+        self.requests[request_id] = _Req(
+            request_id, list(prompt["prompt_token_ids"]), sampling_params, q
+        )
         self.order.append(request_id)
         while True:
             out = await q.get()
@@ -153,7 +159,9 @@ class FakeAsyncLLM:
         self.calls.append(("resume",))
         self.paused = False
 
-    async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+    async def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
         self.calls.append(("reset_prefix_cache",))
         return True
 
@@ -191,7 +199,10 @@ class FakeAsyncLLM:
         tok, lp = self.next_token(r.context)
         r.context.append(tok)
         r.made += 1
-        entry = {tok: Logprob(lp, 1), (tok + 1) % VOCAB: Logprob(lp - 1.0, 2)}  # decoy: index by the sampled id
+        entry = {
+            tok: Logprob(lp, 1),
+            (tok + 1) % VOCAB: Logprob(lp - 1.0, 2),
+        }  # decoy: index by the sampled id
         r.history.append(entry)
         sp = r.sp
         reason = None
@@ -199,7 +210,9 @@ class FakeAsyncLLM:
             reason = "stop"
         elif r.made >= sp.max_tokens:
             reason = "length"
-        r.queue.put_nowait(RequestOutput(r.rid, [CompletionOutput(0, [tok], [entry], reason)], reason is not None))
+        r.queue.put_nowait(
+            RequestOutput(r.rid, [CompletionOutput(0, [tok], [entry], reason)], reason is not None)
+        )
         if reason is not None:
             self.requests.pop(r.rid)
             self.order.remove(r.rid)
@@ -223,7 +236,11 @@ def install(monkeypatch: Any) -> FakeVllm:
             ["vllm", "vllm.sampling_params", "vllm.v1", "vllm.v1.engine", "vllm.v1.engine.async_llm",
              "vllm.v1.metrics", "vllm.v1.metrics.loggers"]}  # fmt: skip
     v = mods["vllm"]
-    v.AsyncEngineArgs, v.SamplingParams, v.TokensPrompt = AsyncEngineArgs, SamplingParams, TokensPrompt
+    v.AsyncEngineArgs, v.SamplingParams, v.TokensPrompt = (
+        AsyncEngineArgs,
+        SamplingParams,
+        TokensPrompt,
+    )
     v.AsyncLLMEngine = FakeAsyncLLM
     mods["vllm.sampling_params"].RequestOutputKind = RequestOutputKind
     mods["vllm.sampling_params"].SamplingParams = SamplingParams

@@ -1,0 +1,340 @@
+"""Weight transport benchmark: trainer stall, chain broadcast, rollout pull (one run, ratios).
+
+    .venv/bin/python bench/weights.py            # 100 MB and 1 GB states (minutes)
+    .venv/bin/python bench/weights.py --quick    # 100 MB and 256 MB, fewer repeats (< 5 min on 2 cores)
+
+Real processes: one manager + 8 relays (`python -m laminar node --role relay`); this
+process is the trainer (WeightPusher) and the rollouts (one WeightPuller per relay,
+whose WeightsReady tells when a relay has a version). The bench sends ChainUpdate
+itself (as the manager would) to choose chains of 1, 2, 4 and 8 relays.
+
+Figures (min/median/max over repeats, all measured in this run):
+  stall_s[k]        trainer stall of one push with k relays in the chain, the chain idle
+                    when the push starts (a relay on another host costs the trainer nothing;
+                    on this 2-core box a still-running broadcast would steal the trainer's
+                    CPU, which `stall_busy8_s` shows separately).
+  hop_s / chain8_s  commit -> the last relay has the version, for a chain of 2 (one hop)
+                    and of 8 relays. Measured twice:
+                    * link-emulated (the summary ratio): each relay paces its sends to
+                      `link_MBps` (~1/12 of the unthrottled hop speed), so 8 relays need
+                      < 2 cores and the figure shows what the chain does when the link,
+                      not the CPU, is the limit (the paper's regime: one relay per host).
+                    * unthrottled: 8 relay processes share 2 cores, so every hop runs at a
+                      fraction of a core; this ratio measures the CPU, not the chain.
+  pull_s / memcpy_s a rollout's pull (PullRequest, mapped shm views, copy every tensor
+                    into its own buffers, release) vs the same per-tensor copies from
+                    private memory. The first (cold: page tables not yet built) pull is
+                    reported apart; the summary uses warm pulls (slots are reused, and a
+                    puller keeps its read-only mapping).
+Summary: stall_ratio_8_vs_1 = stall[8]/stall[1] (goal <= 1.2), chain_vs_single_hop =
+chain8/hop link-emulated (goal <= 1.3), shm_pull_vs_memcpy = memcpy/pull (goal >= 0.7),
+all at the largest size; `delta_*` says how often delta mode pays off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from laminar.protocol.relay import RelayReset  # noqa: E402
+from laminar.relay.local import RelayProcs  # noqa: E402
+from laminar.transport.weights import WeightPuller, WeightPusher  # noqa: E402
+
+N_RELAYS = 8
+
+
+def stats(values: list[float]) -> dict:
+    return {
+        "min": min(values),
+        "median": statistics.median(values),
+        "max": max(values),
+        "values": values,
+    }
+
+
+def make_state(nbytes: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A transformer-like state: 16 MiB bf16 matrices plus small fp32 norms."""
+    g = torch.Generator().manual_seed(seed)
+    out, total, i = {}, 0, 0
+    while total < nbytes:
+        rows = min(8192, max(1, (nbytes - total) // 2048))
+        out[f"layers.{i}.mlp.weight"] = torch.randn(rows, 1024, generator=g).to(torch.bfloat16)
+        out[f"layers.{i}.norm.weight"] = torch.randn(1024, generator=g)
+        total += rows * 2048 + 4096
+        i += 1
+    return out
+
+
+class Bench:
+    def __init__(self, procs: RelayProcs, state: dict[str, torch.Tensor]):
+        self.procs, self.state, self.epoch, self.version = procs, state, 1000, 0
+
+    async def start(self) -> None:
+        p = self.procs
+        await p.wait_ready(60)
+        await p.wait_chain(timeout=60)
+        self.pusher = WeightPusher(p.host("trainer-0", "trainer"))
+        await self.pusher.start()
+        self.pullers = [
+            WeightPuller(p.host(f"rollout-{i}", "rollout"), relay_index=i) for i in range(N_RELAYS)
+        ]
+        for q in self.pullers:
+            await q.start()
+
+    async def chain(self, k: int) -> None:
+        self.epoch += 1
+        await self.procs.set_chain(list(range(k)), self.epoch)
+        self.k = k
+
+    async def push(self, reset: bool = True) -> tuple[float, float]:
+        """One push into the idle chain; returns (stall, commit -> last relay ready)."""
+        if reset:  # downstream relays drop their version but keep the slot: no new page faults
+            for i in range(1, self.k):
+                await self.procs._rpc(i, RelayReset(keep_spare=True), timeout=10)
+        self.version += 1
+        self.state[next(iter(self.state))].view(-1)[0] += 1  # a new version differs
+        stall = await self.pusher.push(self.version, self.state)
+        t0 = time.perf_counter()
+        for q in self.pullers[: self.k]:
+            await q.wait_version(self.version, timeout=600)
+        return stall, time.perf_counter() - t0
+
+    async def pull(self, dst: dict[str, torch.Tensor]) -> float:
+        t0 = time.perf_counter()
+        async with await self.pullers[0].pull() as w:
+            await asyncio.to_thread(_copy_views, w, dst)
+        return time.perf_counter() - t0
+
+    async def close(self) -> None:
+        for q in self.pullers:
+            await q.close()
+        await self.pusher.close()
+        await self.procs.close_clients()
+
+
+def _copy_views(w, dst: dict[str, torch.Tensor]) -> None:
+    for name, t in w.named_tensors():
+        dst[name].copy_(t)
+
+
+def _copy_private(src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor]) -> None:
+    for name, t in src.items():
+        dst[name].copy_(t)
+
+
+def _cluster(root: Path, name: str, extra: dict) -> RelayProcs:
+    ov = {"transport.heartbeat_interval_s": 0.5, "transport.heartbeat_liveness": 8, "transport.request_timeout_s": 60.0,
+          "relay.probe_timeout_s": 3.0, "relay.max_slots": 3, "relay.spare_slots": 1, "logging.level": "warning", **extra}  # fmt: skip
+    return RelayProcs(root / name, N_RELAYS, ov).start()
+
+
+async def run_size(nbytes: int, repeats: int, root: Path, link_divisor: float, log) -> dict:
+    state = make_state(nbytes)
+    res: dict = {
+        "bytes": sum(t.numel() * t.element_size() for t in state.values()),
+        "tensors": len(state),
+    }
+    procs = _cluster(root, f"u{nbytes}", {"relay.chunk_bytes": 4 << 20})
+    b = Bench(procs, state)
+    try:
+        await b.start()
+        for k in (1, 2, 4, 8):
+            await b.chain(k)
+            for _ in range(2):  # warm-up: slots created, mappings cached
+                await b.push()
+            runs = [await b.push() for _ in range(repeats)]
+            res[f"stall_s_{k}"] = stats([s for s, _ in runs])
+            if k in (2, 8):
+                res["hop_unthrottled_s" if k == 2 else "chain8_unthrottled_s"] = stats(
+                    [c for _, c in runs]
+                )
+            log(
+                f"  {nbytes >> 20} MB k={k}: stall {res[f'stall_s_{k}']['median']:.3f}s bcast {statistics.median(c for _, c in runs):.3f}s"
+            )
+        if (
+            nbytes <= 256 << 20
+        ):  # two versions in flight per relay: skipped where RAM would not hold it
+            busy = []
+            for _ in range(repeats):  # push again while the previous 8-relay broadcast still runs
+                b.version += 1
+                await b.pusher.push(b.version, state)
+                b.version += 1
+                busy.append(await b.pusher.push(b.version, state))
+                for q in b.pullers:
+                    await q.wait_version(b.version, timeout=600)
+            res["stall_busy8_s"] = stats(busy)
+        await b.chain(1)
+        await b.push()
+        dst = {k: torch.empty_like(t) for k, t in state.items()}
+        res["pull_cold_s"] = await b.pull(dst)
+        pulls, copies = [], []
+        for _ in range(repeats + 1):
+            pulls.append(await b.pull(dst))
+            t0 = time.perf_counter()
+            await asyncio.to_thread(_copy_private, state, dst)
+            copies.append(time.perf_counter() - t0)
+        res["pull_s"], res["memcpy_s"] = stats(pulls), stats(copies)
+        log(
+            f"  {nbytes >> 20} MB pull {res['pull_s']['median']:.3f}s memcpy {res['memcpy_s']['median']:.3f}s cold {res['pull_cold_s']:.3f}s"
+        )
+    finally:
+        await b.close()
+        procs.stop()
+    # link-emulated chain: pace every hop well below what 2 cores can feed 8 relays
+    rate = res["bytes"] / res["hop_unthrottled_s"]["median"] / link_divisor
+    res["link_MBps"] = rate / 1e6
+    procs = _cluster(
+        root, f"t{nbytes}", {"relay.chunk_bytes": 1 << 20, "relay.link_bytes_per_s": rate}
+    )
+    b = Bench(procs, state)
+    try:
+        await b.start()
+        for k, key in ((2, "hop_s"), (8, "chain8_s")):
+            await b.chain(k)
+            await b.push()
+            res[key] = stats([(await b.push())[1] for _ in range(repeats)])
+            log(f"  {nbytes >> 20} MB link {rate / 1e6:.0f} MB/s k={k}: {res[key]['median']:.3f}s")
+    finally:
+        await b.close()
+        procs.stop()
+    chunks = res["bytes"] / (1 << 20)
+    res["chain_model_ratio"] = (N_RELAYS + chunks - 2) / chunks  # (p+k-2)/k, T_start ignored
+    return res
+
+
+async def run_delta(root: Path, nbytes: int, log) -> dict:
+    """Delta mode at a few change fractions: chain time with delta vs without (2 relays, link-emulated)."""
+    out = {}
+    state = make_state(nbytes, seed=1)
+    names = list(state)
+    for delta in (False, True):
+        procs = _cluster(root, f"d{int(delta)}", {"relay.chunk_bytes": 1 << 20, "relay.delta": delta,
+                                                   "relay.link_bytes_per_s": 100e6})  # fmt: skip
+        b = Bench(procs, state)
+        try:
+            await b.start()
+            await b.chain(2)
+            await b.push(reset=False)
+            for frac in (0.0, 0.1, 0.5, 1.0):
+                for n in names[: int(round(frac * len(names)))]:
+                    state[n].view(-1)[::4096] += 1  # touch every tensor chunk it spans
+                t = (await b.push(reset=False))[1]
+                out.setdefault(f"frac_{frac}", {})["delta" if delta else "full"] = t
+        finally:
+            await b.close()
+            procs.stop()
+    for v in out.values():
+        v["speedup"] = v["full"] / v["delta"]
+    log(f"  delta: {json.dumps({k: round(v['speedup'], 2) for k, v in out.items()})}")
+    return out
+
+
+def machine() -> dict:
+    du = shutil.disk_usage("/dev/shm") if os.path.isdir("/dev/shm") else None
+    return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+            "torch": torch.__version__, "mem_gib": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30,
+            "dev_shm_gib": du.total / 2**30 if du else None}  # fmt: skip
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="100 MB and 256 MB, 2 repeats")
+    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument(
+        "--link-divisor",
+        type=float,
+        default=12.0,
+        help="emulated link = unthrottled hop speed / this",
+    )
+    ap.add_argument("--out", default="bench/results/weights.json")
+    args = ap.parse_args()
+    sizes = [100 << 20, 256 << 20] if args.quick else [100 << 20, 1 << 30]
+    repeats = args.repeats or (2 if args.quick else 3)
+    t_start = time.time()
+
+    def log(msg: str) -> None:
+        print(f"[{time.time() - t_start:6.1f}s] {msg}", flush=True)
+
+    root = Path(tempfile.mkdtemp(prefix="lam-wbench-", dir="/tmp"))
+    results: dict = {"sizes": {}}
+    try:
+        for nbytes in sizes:
+            log(f"size {nbytes >> 20} MB")
+            results["sizes"][str(nbytes)] = asyncio.run(
+                run_size(nbytes, repeats, root, args.link_divisor, log)
+            )
+        results["delta"] = asyncio.run(run_delta(root, 64 << 20, log))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    big = results["sizes"][str(sizes[-1])]
+    summary = {
+        "stall_ratio_8_vs_1": big["stall_s_8"]["median"] / big["stall_s_1"]["median"],
+        "chain_vs_single_hop": big["chain8_s"]["median"] / big["hop_s"]["median"],
+        "shm_pull_vs_memcpy": big["memcpy_s"]["median"] / big["pull_s"]["median"],
+        "chain_vs_single_hop_unthrottled": big["chain8_unthrottled_s"]["median"]
+        / big["hop_unthrottled_s"]["median"],
+        "chain_model_ratio": big["chain_model_ratio"],
+        "stall_s_1": big["stall_s_1"]["median"],
+        "stall_busy8_vs_idle": next(
+            r["stall_busy8_s"]["median"] / r["stall_s_8"]["median"]
+            for r in results["sizes"].values()
+            if "stall_busy8_s" in r
+        ),
+        "delta_pays_off_at": [k for k, v in results["delta"].items() if v["speedup"] > 1.1],
+    }
+    doc = {"bench": "weights", "config": {"sizes": sizes, "repeats": repeats, "relays": N_RELAYS, "quick": args.quick,
+                                          "link_divisor": args.link_divisor},
+           "machine": machine(), "git_commit": git_commit(), "elapsed_s": time.time() - t_start,
+           "summary": summary, "results": results}  # fmt: skip
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(doc, indent=2))
+    print(
+        f"\n{'size':>8} {'stall1':>8} {'stall8':>8} {'hop':>8} {'chain8':>8} {'hop_u':>8} {'chain8_u':>8} {'pull':>8} {'memcpy':>8}"
+    )
+    for nb, r in results["sizes"].items():
+        m = {
+            k: r[k]["median"]
+            for k in (
+                "stall_s_1",
+                "stall_s_8",
+                "hop_s",
+                "chain8_s",
+                "hop_unthrottled_s",
+                "chain8_unthrottled_s",
+                "pull_s",
+                "memcpy_s",
+            )
+        }
+        print(f"{int(nb) >> 20:>6}MB " + " ".join(f"{v:8.3f}" for v in m.values()))
+    print()
+    for k, v in summary.items():
+        print(f"{k:>34}: {v:.3f}" if isinstance(v, float) else f"{k:>34}: {v}")
+    print(f"wrote {args.out} in {time.time() - t_start:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,165 @@
+"""The default job: a tiny model that visibly learns with asynchronous RL on CPU.
+
+    make run                      # = python -m laminar.demo [run_dir=runs/demo] [key=value ...]
+
+    countup task ─► train.jsonl / eval.jsonl
+    imperfect demos ─► supervised warm-up ─► policy v0 (cached in runs/.cache, reused)
+    eval v0 on the held-out prompts                                   (eval_accuracy_before)
+    laminar run configs/demo.yaml  (trainer, relay, 2 torch rollouts, manager, buffer: processes over ZeroMQ)
+    laminar run configs/demo.yaml mode=sync                           (the baseline, same steps)
+    eval the weight snapshots of both runs ─► accuracy vs wall-clock and step
+    report.png, summary.json, summary.md in the run directory
+
+Overrides are the config's dotted keys (trainer.total_steps=40, rollout.group_size=8 ...)
+plus the demo's own under extra.demo (extra.demo.skip_sync=true ...).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from laminar.config import LaminarConfig, load_config
+
+DEMO_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
+
+DEFAULTS: dict[str, Any] = {
+    "train_rows": 20000,
+    "eval_rows": 256,
+    "curve_eval_rows": 128,
+    "curve_points": 6,
+    "error_rate": 0.35,
+    "warmup_steps": 500,
+    "warmup_batch": 32,
+    "warmup_lr": 3e-3,
+    "model": {"hidden": 96, "layers": 3, "heads": 4, "kv_heads": 2, "max_positions": 320},
+    "cache_dir": "runs/.cache",
+    "skip_sync": False,
+    "progress_every_s": 5.0,
+}
+
+
+def say(msg: str) -> None:
+    print(f"[demo {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def demo_settings(cfg: LaminarConfig) -> dict[str, Any]:
+    out = json.loads(json.dumps(DEFAULTS))
+    user = cfg.extra.get("demo", {}) or {}
+    for k, v in user.items():
+        if k == "model" and isinstance(v, dict):
+            out["model"].update(v)
+        else:
+            out[k] = v
+    return out
+
+
+def prepare_data(run_dir: Path, s: dict[str, Any], seed: int) -> tuple[Path, Path, list[dict], list[dict]]:
+    from laminar.tasks import countup as cu
+
+    data = run_dir / "data"
+    train = cu.generate(int(s["train_rows"]), "train", seed)
+    ev = cu.generate(int(s["eval_rows"]), "eval", seed)
+    tp, ep = cu.write_jsonl(train, data / "train.jsonl"), cu.write_jsonl(ev, data / "eval.jsonl")
+    stats = cu.length_stats(train)
+    say(f"task countup: {len(train)} train / {len(ev)} held-out prompts; solution length p50 {stats.get('p50')} "
+        f"p99 {stats.get('p99')} (p99/p50 {stats.get('p99_over_p50', 0):.1f})")  # fmt: skip
+    return tp, ep, train, ev
+
+
+def warm_up(s: dict[str, Any], train: list[dict], seed: int) -> Path:
+    from laminar.models.warmup import sft_warmup
+    from laminar.tasks import countup as cu
+
+    demos = cu.demonstrations(train, float(s["error_rate"]), seed)
+    pairs = [(r["prompt"], d) for r, d in zip(train, demos, strict=True)]
+    out = Path(s["cache_dir"]) / f"countup-policy0-seed{seed}"
+    t0 = time.time()
+    path = sft_warmup(out, pairs, cu.ALPHABET, s["model"], steps=int(s["warmup_steps"]),
+                      batch_size=int(s["warmup_batch"]), lr=float(s["warmup_lr"]), seed=seed,
+                      log=say, log_every=100)  # fmt: skip
+    say(f"warm-up policy ready at {path} ({time.time() - t0:.0f}s)")
+    return path
+
+
+def run_mode(cfg_path: Path, run_dir: Path, mode: str, overrides: list[str], s: dict[str, Any]) -> dict[str, Any]:
+    """`laminar run` as a child process with a live progress line; returns timing info."""
+    from laminar.demo.progress import Progress
+
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    cmd = [sys.executable, "-m", "laminar", "run", str(cfg_path), f"mode={mode}", f"run_dir={run_dir}",
+           f"name=demo-{mode}", *overrides]  # fmt: skip
+    say(f"starting {mode}: {' '.join(cmd[3:])}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log = open(run_dir / "nodes.log", "w")
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    progress = Progress(run_dir, mode, t0, float(s["progress_every_s"]))
+    try:
+        while proc.poll() is None:
+            progress.tick()
+            try:
+                proc.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                pass
+    except KeyboardInterrupt:
+        proc.terminate()
+        proc.wait(30)
+        raise
+    finally:
+        log.close()
+    progress.tick(final=True)
+    wall = time.time() - t0
+    if proc.returncode != 0:
+        tail = (run_dir / "nodes.log").read_text().splitlines()[-30:]
+        raise SystemExit(f"demo: the {mode} run failed (exit {proc.returncode}); last log lines:\n" + "\n".join(tail))
+    say(f"{mode} run finished in {wall:.0f}s")
+    return {"mode": mode, "wall_clock_s": wall, "t0": t0, "run_dir": str(run_dir)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    cfg = load_config(DEMO_CONFIG, args)
+    s = demo_settings(cfg)
+    run_dir = cfg.resolved_run_dir()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    t_start = time.time()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+    from laminar.demo import report
+    from laminar.demo.evaluate import evaluate_model
+    from laminar.tasks import countup as cu
+
+    train_path, eval_path, train, ev = prepare_data(run_dir, s, cfg.seed)
+    policy0 = warm_up(s, train, cfg.seed)
+    before = evaluate_model(str(policy0), ev, cu.verify, max_tokens=cfg.rollout.sampling.max_tokens)
+    say(f"held-out accuracy of the warm-up model: {before['accuracy']:.3f} on {before['prompts']} prompts")
+
+    common = [f"model.path={policy0}", f"data.train={train_path}", f"data.eval={eval_path}",
+              *[a for a in args if not a.startswith(("run_dir=", "mode=", "name="))]]  # fmt: skip
+    runs = {"laminar": run_mode(DEMO_CONFIG, run_dir / "laminar", cfg.mode, common, s)}
+    if not s["skip_sync"]:
+        runs["sync"] = run_mode(DEMO_CONFIG, run_dir / "sync", "sync", common, s)
+
+    for name, r in runs.items():
+        say(f"evaluating the weight snapshots of the {name} run")
+        r["curve"] = report.eval_curve(Path(r["run_dir"]), policy0, ev, s, before, r["t0"], log=say,
+                                       max_tokens=cfg.rollout.sampling.max_tokens)  # fmt: skip
+        r["metrics"] = report.read_metrics(Path(r["run_dir"]))
+    after = runs["laminar"]["curve"][-1]
+    summary = report.summarize(cfg, runs, before, after, time.time() - t_start)
+    report.write_outputs(run_dir, cfg, runs, summary)
+    say(f"held-out accuracy: {summary['eval_accuracy_before']:.3f} -> {summary['eval_accuracy_after']:.3f} "
+        f"({summary['eval_prompts']} prompts); report at {run_dir}/report.png, summary at {run_dir}/summary.md")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

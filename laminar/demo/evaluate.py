@@ -1,0 +1,72 @@
+"""Held-out evaluation: greedy decoding with the torch engine, scored by the task verifier.
+
+    acc = evaluate_model(path_or_model, rows, verify)   # {"accuracy", "prompts", "mean_len", ...}
+
+Used by the demo before RL (the warm-up model), on weight snapshots saved during
+the run (accuracy against wall-clock and step), and after RL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+
+def prompt_ids(tok: Any, prompt: str) -> np.ndarray:
+    """BOS + prompt characters: the same encoding as the buffer's prompt pool and the warm-up."""
+    ids = tok(prompt, add_special_tokens=False)["input_ids"]
+    if tok.bos_token_id is not None:
+        ids = [tok.bos_token_id, *ids]
+    return np.asarray(ids, dtype=np.int32)
+
+
+async def _generate(model: Any, tok: Any, prompts: Sequence[str], max_tokens: int, max_running: int) -> list[str]:
+    from laminar.engines.base import GenRequest, SamplingParams
+    from laminar.engines.torch_engine import TorchEngine
+
+    engine = TorchEngine(model, tok, max_running=max_running)
+    await engine.start()
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        tasks = [
+            engine.generate_all(GenRequest(f"eval{i}", prompt_ids(tok, p), params, single=True), timeout=600)
+            for i, p in enumerate(prompts)
+        ]
+        results = await asyncio.gather(*tasks)
+    finally:
+        await engine.close()
+    return [tok.decode(next(iter(r.values()))[0].tolist(), skip_special_tokens=True) for r in results]
+
+
+def evaluate_model(
+    model_or_path: Any,
+    rows: Sequence[dict[str, Any]],
+    verify: Callable[[str, Any], float],
+    max_tokens: int = 256,
+    max_running: int = 64,
+    tokenizer: Any = None,
+) -> dict[str, Any]:
+    """Greedy accuracy of a model on rows ({"prompt", "answer"}); runs its own event loop."""
+    import torch
+
+    from laminar.models.tiny import load_causal_lm, load_tokenizer
+
+    if isinstance(model_or_path, str | bytes) or hasattr(model_or_path, "__fspath__"):
+        model = load_causal_lm(model_or_path)
+        tokenizer = tokenizer or load_tokenizer(model_or_path)
+    else:
+        model = model_or_path
+    with torch.inference_mode():
+        outs = asyncio.run(_generate(model, tokenizer, [r["prompt"] for r in rows], max_tokens, max_running))
+    scores = [float(verify(o, r["answer"])) for o, r in zip(outs, rows, strict=True)]
+    return {
+        "accuracy": sum(scores) / max(1, len(scores)),
+        "prompts": len(rows),
+        "mean_len": statistics.fmean(len(o) for o in outs) if outs else 0.0,
+        "samples": [{"prompt": r["prompt"], "completion": o, "answer": r["answer"], "score": s}
+                    for r, o, s in list(zip(rows, outs, scores, strict=True))[:8]],  # fmt: skip
+    }

@@ -1,0 +1,214 @@
+"""WeightPusher / WeightPuller against relays: tearing, pins, reader death, slots, stream mode, delta.
+
+    .venv/bin/python -m pytest tests/test_weights.py -q
+
+The torn-read test runs the relay as a real process; the others run relays inside the
+test process (no manager: `_Relay` skips registration) so they can look at relay state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+import torch
+
+from laminar.config import config_from_dict
+from laminar.nodes.relay import RelayNode
+from laminar.relay.local import ClientHost, RelayProcs
+from laminar.transport.sockets import RemoteError
+from laminar.transport.weights import WeightPuller, WeightPusher
+
+
+class _Relay(RelayNode):
+    registers_with_manager = False
+
+
+def _state(mb: float, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    n = int(mb * (1 << 20)) // 4
+    return {
+        "a": torch.randn(n // 2, generator=g).to(torch.bfloat16),
+        "b": torch.randn(n // 2, generator=g),
+        "c": torch.arange(5),
+    }
+
+
+@pytest.fixture
+async def inproc(short_dir, zctx):
+    """start(n, **relay_overrides) -> (cfg, relays) running in this process over ipc."""
+    nodes, tasks = [], []
+
+    async def start(n: int, **relay: object):
+        cfg = config_from_dict({
+            "name": "wt", "cluster": {"transport": "ipc", "ipc_dir": str(short_dir), "roles": {"relay": n}},
+            "transport": {"heartbeat_interval_s": 0.05, "heartbeat_liveness": 4, "handshake_timeout_s": 1.0, "request_timeout_s": 2.0},
+            "relay": {"shm_prefix": f"lamw{os.getpid()}{short_dir.name}", "chunk_bytes": 1 << 16, "probe_timeout_s": 0.3,
+                      "upstream_grace_s": 5.0, **relay},
+        })  # fmt: skip
+        for i in range(n):
+            node = _Relay(cfg, index=i, ctx=zctx)
+            nodes.append(node)
+            tasks.append(asyncio.create_task(node.run()))
+            await node.wait_ready(10)
+        return cfg, nodes
+
+    yield start
+    for node in nodes:
+        node.request_stop("test done")
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _host(cfg, zctx, node_id: str, role: str) -> ClientHost:
+    return ClientHost(cfg, node_id, role, zctx)
+
+
+async def test_reader_holding_v_never_sees_a_torn_tensor_while_newer_versions_arrive(short_dir):
+    procs = RelayProcs(short_dir / "p", 1, {"relay.chunk_bytes": 1 << 18, "relay.max_slots": 4})
+    procs.start()
+    try:
+        await procs.wait_ready(30)
+        pusher = WeightPusher(procs.host("trainer-0", "trainer"))
+        await pusher.start()
+        puller = WeightPuller(procs.host("rollout-0", "rollout"))
+        await puller.start()
+        state = _state(4, seed=0)
+        await pusher.push(1, state)
+        await puller.wait_version(1, timeout=10)
+        held = await puller.pull()
+        expected = {k: v.clone() for k, v in state.items()}
+        seen = []
+
+        async def reader() -> None:  # pulls the newest over and over while versions arrive
+            while len(seen) < 40:
+                async with await puller.pull() as w:
+                    assert await asyncio.to_thread(w.verify), f"torn read of version {w.version}"
+                    seen.append(w.version)
+                await asyncio.sleep(0)
+
+        read = asyncio.create_task(reader())
+        for v in range(2, 7):
+            for t in state.values():
+                t.add_(1) if t.dtype != torch.int64 else t.add_(1)
+            await pusher.push(v, state)
+            # the held version is still intact, byte for byte, while v is written next to it
+            assert held.verify()
+            for name, t in held.named_tensors():
+                assert torch.equal(t, expected[name]), name
+        await puller.wait_version(6, timeout=10)
+        await asyncio.wait_for(read, 60)
+        assert seen == sorted(seen) and seen[-1] >= 2
+        await held.release()
+        await puller.close()
+        await pusher.close()
+    finally:
+        await procs.close_clients()
+        procs.stop()
+
+
+async def test_pins_block_slot_reuse_and_a_dead_reader_is_released(
+    inproc, zctx, fast_opts, wait_until
+):
+    cfg, (relay,) = await inproc(1, max_slots=2, spare_slots=0)
+    pusher = WeightPusher(_host(cfg, zctx, "trainer-0", "trainer"))
+    await pusher.start()
+    reader_host = _host(cfg, zctx, "rollout-0", "rollout")
+    puller = WeightPuller(reader_host)
+    await puller.start()
+    await pusher.push(1, _state(0.5, 1))
+    w1 = await puller.pull()
+    await pusher.push(2, _state(0.5, 2))  # v1 pinned + v2 current = both slots
+    with pytest.raises(RemoteError, match="out_of_slots"):
+        await pusher.push(3, _state(0.5, 3))
+    assert w1.verify() and relay.store.pinned() == 1
+    await w1.release()
+    await pusher.push(3, _state(0.5, 3))  # the released slot is reused
+    assert relay.store.current.version == 3
+    w3 = await puller.pull()
+    assert relay.store.pins == {3: {"rollout-0": 1}}
+    # the reader dies without releasing: its client stops heart-beating, the relay unpins
+    await puller.client.close(say_bye=False)
+    await wait_until(lambda: relay.store.pinned() == 0, 5, "the dead reader's pin to be released")
+    assert w3.version == 3
+    await pusher.close()
+
+
+async def test_redirect_to_the_master_and_stream_mode_push(inproc, zctx, wait_until):
+    from laminar.protocol.relay import ChainUpdate
+    from laminar.transport.sockets import RpcClient
+
+    cfg, relays = await inproc(2)
+    for i in (0, 1):  # the manager makes relay-1 the master
+        cli = RpcClient(zctx, cfg.endpoint("relay", i), "manager-0", "manager")
+        await cli.connect(timeout=2)
+        await cli.request(ChainUpdate(epoch=1, order=[1, 0]))
+        await cli.close()
+    pusher = WeightPusher(_host(cfg, zctx, "trainer-0", "trainer"))
+    await pusher.start()
+    pusher._same_host = lambda reply: False  # a trainer on another host: chunks over the socket
+    state = _state(0.7, 4)
+    await pusher.push(1, state)
+    assert pusher.endpoint == cfg.endpoint("relay", 1) and pusher.mode == "stream"
+    await wait_until(
+        lambda: all(r.store.current and r.store.current.version == 1 for r in relays),
+        10,
+        "v1 on both relays",
+    )
+    assert relays[0].store.current.checksum == relays[1].store.current.checksum
+    puller = WeightPuller(_host(cfg, zctx, "rollout-0", "rollout"), relay_index=0)
+    await puller.start()
+    async with await puller.pull() as w:
+        got = dict(w.named_tensors())
+        assert all(torch.equal(got[k], state[k]) for k in state)
+    await puller.close()
+    await pusher.close()
+
+
+async def test_delta_mode_sends_only_changed_chunks(inproc, zctx, wait_until):
+    cfg, relays = await inproc(2, delta=True)
+    pusher = WeightPusher(_host(cfg, zctx, "trainer-0", "trainer"))
+    await pusher.start()
+    state = _state(1, 5)
+    await pusher.push(1, state)
+    await wait_until(lambda: relays[1].store.current is not None, 10, "v1 downstream")
+    state["c"] += 1  # one small tensor changes: one chunk differs
+    await pusher.push(2, state)
+    await wait_until(lambda: relays[1].store.current.version == 2, 10, "v2 downstream")
+    assert relays[1].store.current.checksum == relays[0].store.current.checksum
+    n = relays[1].store.current.n
+    assert relays[1].metrics.counters.get("chunks_unchanged", 0) == n - 1
+    await pusher.close()
+
+
+async def test_bad_requests_get_clear_errors_and_the_relay_keeps_serving(inproc, zctx):
+    from laminar.protocol.relay import ChainUpdate, FetchChunk, PullRequest, StageRequest, WeightLayout
+    from laminar.transport.sockets import RpcClient
+
+    cfg, (relay,) = await inproc(1)
+    pusher = WeightPusher(_host(cfg, zctx, "trainer-0", "trainer"))
+    await pusher.start()
+    await pusher.push(1, _state(0.2, 1))
+    ctl = RpcClient(zctx, cfg.endpoint("relay", 0), "evil-0", "trainer")
+    data = RpcClient(zctx, cfg.endpoint("relay_data", 0), "evil-1", "relay")
+    await ctl.connect(timeout=2)
+    await data.connect(timeout=2)
+    overlap = WeightLayout(names=["a", "b"], dtypes=["float32", "float32"], shapes=[[8], [8]], offsets=[0, 16], total_bytes=256)
+    cases = [
+        (ctl, StageRequest(version=9, layout=overlap), "protocol"),
+        (ctl, StageRequest(version=1, layout=WeightLayout(names=[], dtypes=[], shapes=[], offsets=[], total_bytes=0)), "stale_version"),
+        (ctl, PullRequest(version=77), "no_version"),
+        (ctl, ChainUpdate(epoch=1, order=[0, 0]), "protocol"),
+        (data, FetchChunk(version=1, index=10_000), "protocol"),
+        (data, FetchChunk(version=55, index=0), "gone"),
+    ]
+    for cli, msg, code in cases:
+        with pytest.raises(RemoteError) as err:
+            await cli.request(msg, timeout=2, retries=0)
+        assert err.value.code == code, (msg, err.value)
+    assert relay.srv.stats.bad_frames >= 2 and not relay.stopping.is_set()
+    await pusher.push(2, _state(0.2, 2))  # still serving
+    assert relay.store.current.version == 2
+    await ctl.close()
+    await data.close()
+    await pusher.close()
