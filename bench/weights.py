@@ -39,6 +39,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -109,9 +110,17 @@ class Bench:
         self.state[next(iter(self.state))].view(-1)[0] += 1  # a new version differs
         stall = await self.pusher.push(self.version, self.state)
         t0 = time.perf_counter()
-        for q in self.pullers[: self.k]:
-            await q.wait_version(self.version, timeout=600)
+        await self.wait_all(self.version, self.k)
         return stall, time.perf_counter() - t0
+
+    async def wait_all(self, version: int, k: int, timeout: float = 300.0) -> None:
+        try:
+            for q in self.pullers[:k]:
+                await q.wait_version(version, timeout=max(1.0, timeout))
+        except TimeoutError:  # say where the chain stopped, then fail
+            for i, info in (await self.procs.infos(list(range(k)))).items():
+                print(f"  relay-{i}: {info}", flush=True)
+            raise
 
     async def pull(self, dst: dict[str, torch.Tensor]) -> float:
         t0 = time.perf_counter()
@@ -138,7 +147,7 @@ def _copy_private(src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor]) ->
 
 def _cluster(root: Path, name: str, extra: dict) -> RelayProcs:
     ov = {"transport.heartbeat_interval_s": 0.5, "transport.heartbeat_liveness": 8, "transport.request_timeout_s": 60.0,
-          "relay.probe_timeout_s": 3.0, "relay.max_slots": 3, "relay.spare_slots": 1, "logging.level": "warning", **extra}  # fmt: skip
+          "relay.probe_timeout_s": 3.0, "relay.max_slots": 3, "relay.spare_slots": 1, "logging.level": "info", **extra}  # fmt: skip
     return RelayProcs(root / name, N_RELAYS, ov).start()
 
 
@@ -174,8 +183,7 @@ async def run_size(nbytes: int, repeats: int, root: Path, link_divisor: float, l
                 await b.pusher.push(b.version, state)
                 b.version += 1
                 busy.append(await b.pusher.push(b.version, state))
-                for q in b.pullers:
-                    await q.wait_version(b.version, timeout=600)
+                await b.wait_all(b.version, N_RELAYS)
             res["stall_busy8_s"] = stats(busy)
         await b.chain(1)
         await b.push()
@@ -259,7 +267,19 @@ def git_commit() -> str:
         return ""
 
 
+def _stop_on_sigterm() -> None:
+    """A SIGTERM (timeout, Ctrl-C from a runner) must not leave 9 processes and GBs of /dev/shm."""
+
+    def handler(signum, frame):
+        for procs in list(RelayProcs.live):
+            procs.stop(timeout=5)
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def main() -> int:
+    _stop_on_sigterm()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="100 MB and 256 MB, 2 repeats")
     ap.add_argument("--repeats", type=int, default=None)

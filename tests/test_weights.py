@@ -212,3 +212,29 @@ async def test_bad_requests_get_clear_errors_and_the_relay_keeps_serving(inproc,
     await ctl.close()
     await data.close()
     await pusher.close()
+
+
+async def test_a_version_superseded_mid_fetch_gives_way_to_the_newer_one(inproc, zctx, wait_until):
+    from laminar.protocol.relay import ChainUpdate
+    from laminar.transport.sockets import RpcClient
+
+    cfg, relays = await inproc(2, link_bytes_per_s=2e6, spare_slots=0)
+
+    async def order(o: list[int], epoch: int) -> None:
+        for i in (0, 1):
+            cli = RpcClient(zctx, cfg.endpoint("relay", i), "manager-0", "manager")
+            await cli.connect(timeout=2)
+            await cli.request(ChainUpdate(epoch=epoch, order=o))
+            await cli.close()
+
+    await order([0], 1)  # relay-1 idle while v1..v3 are pushed
+    pusher = WeightPusher(_host(cfg, zctx, "trainer-0", "trainer"))
+    await pusher.start()
+    for v in (1, 2, 3):
+        await pusher.push(v, _state(0.5, v))
+    await order([0, 1], 2)  # relay-1 joins and starts fetching v3 ...
+    await wait_until(lambda: (inc := relays[1].store.newest_incoming()) is not None and inc.have_count > 0, 10, "v3 in flight")
+    await pusher.push(4, _state(0.5, 4))  # ... which the master frees once v4 is complete
+    await wait_until(lambda: relays[1].store.current is not None and relays[1].store.current.version == 4, 20, "v4 downstream")
+    assert relays[1].store.current.checksum == relays[0].store.current.checksum
+    await pusher.close()

@@ -257,7 +257,9 @@ class TorchEngine(Engine):
                         self._fail_all(exc)
                         raise
                     self._commit(batch, *result)
-            await asyncio.sleep(0)  # let submit/abort/load_weights in before the next step
+            # No yield here: the next forward starts at once and the consumers of this step's
+            # events run while it computes. abort()/load_weights() queue on the lock, which
+            # asyncio hands over in FIFO order, so they still get in between two steps.
 
     def _schedule(self) -> _Batch | None:
         held = sum(s.kv_len for s in self._running)

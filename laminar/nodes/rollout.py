@@ -14,7 +14,20 @@ What blocks and what unblocks the pull loop (the only place weights change):
     buffer's min_version or a manager RefreshRequest)      -> stop asking for prompts, let every
     in-flight trajectory finish, load, then ask again. So every trajectory is generated
     on one version and a GRPO group never straddles two.
+    The buffer's min_version is hard (no prompts below it, however long it takes to
+    appear); a RefreshRequest's min_version is waited for rollout.refresh_wait_s, then
+    the newest version the source has is loaded instead of idling forever.
+  * a PromptRequest whose reply never came                   -> the same request (same
+    request_id) is retried before anything else: the buffer may have served and journaled
+    it, and gives the same groups back rather than losing them.
   * the buffer has nothing (retry_after_s) or is down       -> a timer / reconnect backoff
+
+Manager commands: ExportRequest aborts trajectories in the engine and hands back
+their PartialTrajectory (every token so far), forgetting them here; ImportRequest
+resumes partials of this rollout's exact version (else ErrorReply version_mismatch),
+idempotently (uids running or recently finished here are reported as duplicate);
+RefreshRequest (above). Heartbeats carry engine stats plus per-trajectory KV tokens
+(extra["trajs"]) so repack can choose what to move.
 
 Tokens of each trajectory stream to the buffer's partial pool (see
 laminar/rollout/tracking.py for the chunk contract); a finished trajectory gets its
@@ -52,7 +65,7 @@ from laminar.protocol.rollout import (
     RefreshReply,
     RefreshRequest,
 )
-from laminar.rollout.outbox import Outbox, net_call
+from laminar.rollout.outbox import Outbox
 from laminar.rollout.tracking import GroupState, SeqState
 from laminar.rollout.weights import WeightSource, WeightSourceError, make_weight_source
 from laminar.transport.sockets import RemoteError, TransportError
@@ -231,7 +244,7 @@ class RolloutNode(Node):
                 unanswered = PromptRequest(rollout_id=self.node_id, max_groups=free, version=self.version,
                                            request_id=f"{self._incarnation}-{self._requests}")  # fmt: skip
             try:
-                reply = await net_call(self.buffer.request(unanswered, retries=0))
+                reply = await self.buffer.request(unanswered, retries=0)
             except (TransportError, RemoteError) as exc:
                 # the buffer may have served (and journaled) it before the reply was lost: the retry carries
                 # the same request_id, so it gets those groups back instead of new ones
@@ -458,7 +471,7 @@ class RolloutNode(Node):
                 continue
             msg, upto = seq.chunk(self.node_id)
             try:
-                await asyncio.wait_for(net_call(self.buffer.send(msg)), 1.0)
+                await asyncio.wait_for(self.buffer.send(msg), 1.0)
             except Exception as exc:  # best-effort stream: the final Trajectory is the acked copy
                 self.metrics.count("partial_send_failed")
                 self.log.debug("partial_send_failed", uid=uid, error=f"{type(exc).__name__}: {exc}")

@@ -70,7 +70,14 @@ class UpstreamLost(Exception):
 
 
 class VersionGone(Exception):
-    """The upstream no longer has (or will never finish) the version being fetched."""
+    """The upstream no longer has (or will never finish) the version being fetched.
+
+    `permanent`: the version itself is bad (corrupt at the master, checksum mismatch, bad
+    layout): never fetch it again. Otherwise it was only superseded or abandoned upstream."""
+
+    def __init__(self, version: int, why: str, permanent: bool = False):
+        super().__init__(f"version {version}: {why}")
+        self.version, self.permanent = version, permanent
 
 
 async def _request(cli: RpcClient, msg: Any, timeout: float) -> Any:
@@ -134,12 +141,8 @@ class ChainFollower:
 
     @property
     def master(self) -> int:
-        if self.index not in self.order:
-            return -1
-        if self.head:
-            return self.index
-        live = [i for i in self.order if i not in self.dead]
-        return live[0] if live else self.index
+        """The head as this relay sees it (-1 when it is not in the chain)."""
+        return self.named_master() if self.index in self.order else -1
 
     def named_master(self) -> int:
         """The master to send a trainer to: this relay's head, or the first live relay of the order."""
@@ -351,10 +354,11 @@ class ChainFollower:
                 self._upstream_dead = True
                 continue
             except VersionGone as exc:
-                self.relay.log.info("version_gone", error=str(exc))
-                if self.offer is not None:  # never fetch it again; a newer version will come
-                    self._given_up.add(self.offer.version)
-                self.offer = None
+                self.relay.log.info("version_gone", error=str(exc), permanent=exc.permanent)
+                if exc.permanent:  # never fetch it again; a newer version will come
+                    self._given_up.add(exc.version)
+                if self.offer is not None and self.offer.version <= exc.version:
+                    self.offer = None  # ask the upstream what it has now
                 continue
             self.state = "idle: newest offered already here"
             await self.changed.wait()
@@ -362,12 +366,12 @@ class ChainFollower:
     async def _fetch(self, offer: VersionOffer) -> None:
         store, r = self.relay.store, self.relay
         if offer.layout is None or not 4096 <= offer.chunk_bytes <= 1 << 30:
-            raise VersionGone(f"offer of version {offer.version} has no layout or a bad chunk size")
+            raise VersionGone(offer.version, "offer without layout or with a bad chunk size", permanent=True)
         try:
             validate_layout(offer.layout)
         except ProtocolError as exc:
             r.metrics.count("bad_offers")
-            raise VersionGone(f"bad layout: {exc}") from None
+            raise VersionGone(offer.version, f"bad layout: {exc}", permanent=True) from None
         vs = store.versions.get(offer.version)
         if vs is None:
             inc = store.newest_incoming()
@@ -378,7 +382,7 @@ class ChainFollower:
                     offer.version, offer.layout, offer.chunk_bytes, source="upstream"
                 )
             except ValueError as exc:  # the trainer staged this very version here meanwhile
-                raise VersionGone(str(exc)) from None
+                raise VersionGone(offer.version, str(exc)) from None
             r.started_receiving(vs)
         t0 = time.monotonic()
         missing = deque(i for i in range(vs.n) if not vs.have[i])
@@ -398,7 +402,7 @@ class ChainFollower:
                 with contextlib.suppress(BaseException):
                     await w
         if vs.abandoned:
-            raise VersionGone(f"version {vs.version} abandoned")
+            raise VersionGone(vs.version, "abandoned")
         checksum = version_checksum(vs.layout, vs.chunk_bytes, vs.crcs)
         if vs.expected_checksum and checksum != vs.expected_checksum:
             r.metrics.count("version_checksum_mismatch")
@@ -409,7 +413,7 @@ class ChainFollower:
                 want=vs.expected_checksum,
             )
             store.abandon(vs)
-            raise VersionGone(f"version {vs.version} checksum mismatch")
+            raise VersionGone(vs.version, "version checksum mismatch", permanent=True)
         store.complete(vs, checksum)
         r.metrics.add("receive_s", time.monotonic() - t0)
         await r.version_complete(vs)
@@ -453,7 +457,7 @@ class ChainFollower:
                 if exc.code == "not_yet":
                     continue
                 if exc.code == "gone":
-                    raise VersionGone(str(exc)) from None
+                    raise VersionGone(vs.version, str(exc)) from None
                 raise UpstreamLost(str(exc)) from None
             except (RequestTimeout, PeerDead) as exc:
                 if src is self.client:
@@ -483,7 +487,7 @@ class ChainFollower:
                 corrupt += 1
                 r.metrics.count("chunks_corrupt")
                 if corrupt > 2 * self.rc.corrupt_retries + 2:  # the master's own copy is bad too
-                    raise VersionGone(f"chunk {i} of version {vs.version} corrupt {corrupt} times")
+                    raise VersionGone(vs.version, f"chunk {i} corrupt {corrupt} times", permanent=True)
                 r.log.warning(
                     "chunk_corrupt",
                     version=vs.version,

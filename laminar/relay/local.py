@@ -45,6 +45,8 @@ class ClientHost:
 
 
 class RelayProcs:
+    live: set[RelayProcs] = set()  # started and not yet stopped (a bench's SIGTERM handler stops them)
+
     def __init__(self, tmp_dir: str | Path, n_relays: int, overrides: dict[str, Any] | None = None,
                  log_dir: str | Path | None = None):  # fmt: skip
         self.dir = Path(tmp_dir)
@@ -97,6 +99,7 @@ class RelayProcs:
         log.close()
 
     def start(self) -> RelayProcs:
+        RelayProcs.live.add(self)
         self._spawn("manager", 0)
         for i in range(self.n):
             self._spawn("relay", i)
@@ -128,6 +131,7 @@ class RelayProcs:
                     os.kill(p.pid, signal.SIGKILL)
                 p.wait(timeout=5)
         self.remove_segments()
+        RelayProcs.live.discard(self)
 
     def remove_segments(self) -> int:
         seg_dir, prefix, n = (

@@ -19,34 +19,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable
-from typing import Any, TypeVar
+from typing import Any
 
 from laminar.transport.codec import Message
-from laminar.transport.sockets import PeerDead, RemoteError, RpcClient, TransportError
+from laminar.transport.sockets import RemoteError, RpcClient, TransportError
 
-T = TypeVar("T")
-
-__all__ = ["Outbox", "net_call"]
+__all__ = ["Outbox"]
 
 _PERMANENT = frozenset({"protocol"})
 """ErrorReply codes that mean "this message can never be accepted"."""
-
-
-async def net_call(aw: Awaitable[T]) -> T:
-    """Await a socket call; a CancelledError that is not aimed at this task becomes PeerDead.
-
-    Why: when a client replaces its socket (reconnect after the server died), pyzmq
-    cancels the sends still queued on the old one, and that cancellation surfaces in
-    the caller as a CancelledError although nobody cancelled the caller. Left alone it
-    would silently end the sender task."""
-    try:
-        return await aw
-    except asyncio.CancelledError:
-        task = asyncio.current_task()
-        if task is not None and task.cancelling() == 0:
-            raise PeerDead("socket closed while sending") from None
-        raise
 
 
 class Outbox:
@@ -92,7 +73,7 @@ class Outbox:
             if msg is None:
                 continue
             try:
-                await net_call(self.client.request(msg, timeout=self.timeout_s, retries=0))
+                await self.client.request(msg, timeout=self.timeout_s, retries=0)
             except RemoteError as exc:
                 if exc.code in _PERMANENT:
                     self.stats["rejected"] += 1
