@@ -9,7 +9,8 @@ whose WeightsReady tells when a relay has a version). The bench sends ChainUpdat
 itself (as the manager would) to choose chains of 1, 2, 4 and 8 relays.
 
 Figures (min/median/max over repeats, all measured in this run):
-  stall_s[k]        trainer stall of one push with k relays in the chain, the chain idle
+  stall_s[k]        trainer stall of one push with k relays in the chain (two passes, k up
+                    then down, `repeats` pushes each, so machine drift hits every k), the chain idle
                     when the push starts (a relay on another host costs the trainer nothing;
                     on this 2-core box a still-running broadcast would steal the trainer's
                     CPU, which `stall_busy8_s` shows separately).
@@ -161,19 +162,19 @@ async def run_size(nbytes: int, repeats: int, root: Path, link_divisor: float, l
     b = Bench(procs, state)
     try:
         await b.start()
-        for k in (1, 2, 4, 8):
-            await b.chain(k)
-            for _ in range(2):  # warm-up: slots created, mappings cached
-                await b.push()
-            runs = [await b.push() for _ in range(repeats)]
-            res[f"stall_s_{k}"] = stats([s for s, _ in runs])
-            if k in (2, 8):
-                res["hop_unthrottled_s" if k == 2 else "chain8_unthrottled_s"] = stats(
-                    [c for _, c in runs]
-                )
-            log(
-                f"  {nbytes >> 20} MB k={k}: stall {res[f'stall_s_{k}']['median']:.3f}s bcast {statistics.median(c for _, c in runs):.3f}s"
-            )
+        runs: dict[int, list[tuple[float, float]]] = {1: [], 2: [], 4: [], 8: []}
+        for ks in ((1, 2, 4, 8), (8, 4, 2, 1)):  # two passes in opposite order: drift cancels
+            for k in ks:
+                await b.chain(k)
+                for _ in range(2):  # warm-up: slots created, mappings cached
+                    await b.push()
+                runs[k] += [await b.push() for _ in range(repeats)]
+                log(f"  {nbytes >> 20} MB k={k}: stall {statistics.median(s for s, _ in runs[k]):.3f}s "
+                    f"bcast {statistics.median(c for _, c in runs[k]):.3f}s")  # fmt: skip
+        for k, r in runs.items():
+            res[f"stall_s_{k}"] = stats([s for s, _ in r])
+        res["hop_unthrottled_s"] = stats([c for _, c in runs[2]])
+        res["chain8_unthrottled_s"] = stats([c for _, c in runs[8]])
         if (
             nbytes <= 256 << 20
         ):  # two versions in flight per relay: skipped where RAM would not hold it

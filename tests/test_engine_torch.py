@@ -318,7 +318,9 @@ async def test_bad_requests_get_error_events(engine_factory):
     assert res["e1"][2] == "error"
     res = await eng.generate_all(GenRequest("e2", np.arange(4, 40), GREEDY, single=True), timeout=T)
     assert res["e2"][2] == "error"
-    res = await eng.generate_all(GenRequest("e3", np.array([5, 999]), GREEDY, single=True), timeout=T)
+    res = await eng.generate_all(
+        GenRequest("e3", np.array([5, 999]), GREEDY, single=True), timeout=T
+    )
     assert res["e3"][2] == "error"  # out-of-vocabulary id: rejected, the engine keeps serving
     # max_model_len caps prompt + response
     res = await eng.generate_all(

@@ -132,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from laminar.logs import configure_logging
+
+    configure_logging("warning", cfg.logging.json_logs)  # the nodes' own logs go to each run's nodes.log
 
     from laminar.demo import report
     from laminar.demo.evaluate import evaluate_model

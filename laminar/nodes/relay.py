@@ -5,7 +5,7 @@
                                                        ▼                   data:    relay_data-k
                                          relay 1 ──► relay 2 ──► …         (laminar/relay/chain.py)
     every relay ──WeightsReady (PUB)──► its rollouts  pub:     relay_pub-k
-    rollout ──Pull/Release──► relay   (pins a version; its segment is mapped read-only-ish, zero copy)
+    rollout ──Pull/Release──► relay   (pins a version; the rollout maps its segment read-only, zero copy)
 
 What blocks what: the trainer waits only for its own memcpy and the commit reply; the
 master then computes chunk digests in a thread and serves chunks as they are ready;
@@ -17,7 +17,9 @@ Failure handling: a reader that dies is unpinned (peer death on the control sock
 a relay that dies is cut out by its downstream, which resumes from the next live
 predecessor; if the master dies, the first relay with no live predecessor becomes
 master and the trainer finds it (WeightPusher asks the relays; the manager may also
-send ChainUpdate / tell the trainer).
+send ChainUpdate / tell the trainer). A relay that is not the master answers a
+trainer's StageRequest with "not_master: master=<i>" and the pusher follows it, so
+a chain order changed by the manager never strands the trainer on a follower.
 
 Run: laminar node --role relay --index 0 --config configs/skeleton.yaml
 """

@@ -101,9 +101,7 @@ def answer_of(prompt: str) -> str:
     return solve(prompt).rsplit("#", 1)[1]
 
 
-def demonstration(
-    prompt: str, rng: random.Random, error_rate: float, style: str = "random"
-) -> str:
+def demonstration(prompt: str, rng: random.Random, error_rate: float, style: str = "random") -> str:
     """A solution that is deliberately wrong some of the time; the format is always exact.
 
     style "random": wrong (final answer differs) with probability `error_rate`, by one
