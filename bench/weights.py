@@ -179,6 +179,8 @@ async def run_size(nbytes: int, repeats: int, root: Path, link_divisor: float, l
             nbytes <= 256 << 20
         ):  # two versions in flight per relay: skipped where RAM would not hold it
             busy = []
+            await b.chain(8)
+            await b.push()
             for _ in range(repeats):  # push again while the previous 8-relay broadcast still runs
                 b.version += 1
                 await b.pusher.push(b.version, state)

