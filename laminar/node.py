@@ -145,7 +145,7 @@ class Node:
 
     # ---- lifecycle ------------------------------------------------------------------
     async def _register(self) -> None:
-        self.manager = self.client(self.cfg.endpoint("manager"), status=self.status, info={"pid": _pid()})
+        self.manager = self.client(self.cfg.endpoint("manager"), status=self.status, info={"pid": _pid(), "started": self.started_at})
         await self.manager.connect(timeout=self.cfg.transport.startup_timeout_s)
         self._supervise(self.manager)
 

@@ -117,14 +117,16 @@ async def test_pins_block_slot_reuse_and_a_dead_reader_is_released(
     puller = WeightPuller(reader_host)
     await puller.start()
     await pusher.push(1, _state(0.5, 1))
+    await puller.wait_version(1, timeout=5)  # the push returns at the handoff; ready comes after
     w1 = await puller.pull()
     await pusher.push(2, _state(0.5, 2))  # v1 pinned + v2 current = both slots
+    await puller.wait_version(2, timeout=5)
     with pytest.raises(RemoteError, match="out_of_slots"):
         await pusher.push(3, _state(0.5, 3))
     assert w1.verify() and relay.store.pinned() == 1
     await w1.release()
     await pusher.push(3, _state(0.5, 3))  # the released slot is reused
-    assert relay.store.current.version == 3
+    await puller.wait_version(3, timeout=5)
     w3 = await puller.pull()
     assert relay.store.pins == {3: {"rollout-0": 1}}
     # the reader dies without releasing: its client stops heart-beating, the relay unpins
@@ -181,22 +183,42 @@ async def test_delta_mode_sends_only_changed_chunks(inproc, zctx, wait_until):
     await pusher.close()
 
 
-async def test_bad_requests_get_clear_errors_and_the_relay_keeps_serving(inproc, zctx):
-    from laminar.protocol.relay import ChainUpdate, FetchChunk, PullRequest, StageRequest, WeightLayout
+async def test_bad_requests_get_clear_errors_and_the_relay_keeps_serving(inproc, zctx, wait_until):
+    from laminar.protocol.relay import (
+        ChainUpdate,
+        FetchChunk,
+        PullRequest,
+        StageRequest,
+        WeightLayout,
+    )
     from laminar.transport.sockets import RpcClient
 
     cfg, (relay,) = await inproc(1)
     pusher = WeightPusher(_host(cfg, zctx, "trainer-0", "trainer"))
     await pusher.start()
     await pusher.push(1, _state(0.2, 1))
+    await wait_until(lambda: relay.store.current is not None, 5, "v1 ready")
     ctl = RpcClient(zctx, cfg.endpoint("relay", 0), "evil-0", "trainer")
     data = RpcClient(zctx, cfg.endpoint("relay_data", 0), "evil-1", "relay")
     await ctl.connect(timeout=2)
     await data.connect(timeout=2)
-    overlap = WeightLayout(names=["a", "b"], dtypes=["float32", "float32"], shapes=[[8], [8]], offsets=[0, 16], total_bytes=256)
+    overlap = WeightLayout(
+        names=["a", "b"],
+        dtypes=["float32", "float32"],
+        shapes=[[8], [8]],
+        offsets=[0, 16],
+        total_bytes=256,
+    )
     cases = [
         (ctl, StageRequest(version=9, layout=overlap), "protocol"),
-        (ctl, StageRequest(version=1, layout=WeightLayout(names=[], dtypes=[], shapes=[], offsets=[], total_bytes=0)), "stale_version"),
+        (
+            ctl,
+            StageRequest(
+                version=1,
+                layout=WeightLayout(names=[], dtypes=[], shapes=[], offsets=[], total_bytes=0),
+            ),
+            "stale_version",
+        ),
         (ctl, PullRequest(version=77), "no_version"),
         (ctl, ChainUpdate(epoch=1, order=[0, 0]), "protocol"),
         (data, FetchChunk(version=1, index=10_000), "protocol"),
@@ -208,7 +230,7 @@ async def test_bad_requests_get_clear_errors_and_the_relay_keeps_serving(inproc,
         assert err.value.code == code, (msg, err.value)
     assert relay.srv.stats.bad_frames >= 2 and not relay.stopping.is_set()
     await pusher.push(2, _state(0.2, 2))  # still serving
-    assert relay.store.current.version == 2
+    await wait_until(lambda: relay.store.current.version == 2, 5, "v2 ready")
     await ctl.close()
     await data.close()
     await pusher.close()
@@ -233,9 +255,17 @@ async def test_a_version_superseded_mid_fetch_gives_way_to_the_newer_one(inproc,
     for v in (1, 2, 3):
         await pusher.push(v, _state(0.5, v))
     await order([0, 1], 2)  # relay-1 joins and starts fetching v3 ...
-    await wait_until(lambda: (inc := relays[1].store.newest_incoming()) is not None and inc.have_count > 0, 10, "v3 in flight")
+    await wait_until(
+        lambda: (inc := relays[1].store.newest_incoming()) is not None and inc.have_count > 0,
+        10,
+        "v3 in flight",
+    )
     await pusher.push(4, _state(0.5, 4))  # ... which the master frees once v4 is complete
-    await wait_until(lambda: relays[1].store.current is not None and relays[1].store.current.version == 4, 20, "v4 downstream")
+    await wait_until(
+        lambda: relays[1].store.current is not None and relays[1].store.current.version == 4,
+        20,
+        "v4 downstream",
+    )
     assert relays[1].store.current.checksum == relays[0].store.current.checksum
     await pusher.close()
 
@@ -252,4 +282,32 @@ async def test_an_empty_state_is_a_valid_version(inproc, zctx, wait_until):
     async with await puller.pull() as w:
         assert w.version == 1 and list(w.named_tensors()) == [] and w.verify()
     await puller.close()
+    await pusher.close()
+
+
+async def test_a_new_head_that_is_behind_catches_up_from_its_chain(inproc, zctx, wait_until):
+    from laminar.protocol.relay import ChainUpdate
+    from laminar.transport.sockets import RpcClient
+
+    cfg, relays = await inproc(3)
+
+    async def order(o: list[int], epoch: int) -> None:
+        for i in range(3):
+            cli = RpcClient(zctx, cfg.endpoint("relay", i), "manager-0", "manager")
+            await cli.connect(timeout=2)
+            await cli.request(ChainUpdate(epoch=epoch, order=o))
+            await cli.close()
+
+    await order([0, 1], 1)  # relay-2 outside the chain misses v1
+    pusher = WeightPusher(_host(cfg, zctx, "trainer-0", "trainer"))
+    await pusher.start()
+    await pusher.push(1, _state(0.3, 1))
+    await wait_until(lambda: relays[1].store.current is not None, 10, "v1 on relay-1")
+    await order([2, 0, 1], 2)  # the manager makes the empty relay master
+    await wait_until(lambda: relays[2].store.current is not None, 10, "the new master to catch up")
+    assert relays[2].store.current.checksum == relays[0].store.current.checksum
+    assert relays[2].metrics.counters.get("caught_up") == 1
+    await pusher.push(2, _state(0.3, 2))  # redirected to the new master, reaches everyone
+    await wait_until(lambda: all(r.store.current.version == 2 for r in relays), 10, "v2 everywhere")
+    assert pusher.endpoint == cfg.endpoint("relay", 2)
     await pusher.close()

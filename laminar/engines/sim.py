@@ -172,7 +172,10 @@ class SimEngine(Engine):
             if s is None:
                 continue
             (self._running if s in self._running else self._waiting).remove(s)
-            # Only emitted tokens travel: progress since the last chunk is lost, like tokens in flight.
+            # Every token made so far travels (vLLM's abort returns them all): the progress since
+            # the last chunk goes out as one more event first, so the stream and the partial agree.
+            if s.done > s.emitted:
+                self._flush(s, None)
             ids, lps = np.concatenate(s.ids), np.concatenate(s.lps)
             out.append(PartialState(sid, s.prompt, ids, lps, s.version, s.params))
             self._emit(TokenEvent(sid, _NO_I, _NO_F, "abort", self.version))

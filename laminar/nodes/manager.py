@@ -4,16 +4,29 @@
     trainer ──VersionPublished──► manager ──► repack now            (and every repack.interval_s)
     manager ──ExportRequest──► source rollout ──partials──► manager ──ImportRequest──► destination
     manager ──RefreshRequest──► emptied source                      (pull newest weights, take new prompts)
-    rollout dies ──► manager ──PartialsRequest(rollout_id)──► buffer ──partials──► healthy rollouts
+    rollout dies / leaves / restarts ──► manager ──PartialsRequest(rollout_id)──► buffer ──partials──► healthy rollouts
     relay joins/dies ──► manager ──ChainUpdate(order)──► live relays
     laminar status ──StatusRequest──► manager ──StatusReply──► table
 
 What blocks what: the repack and recovery loops run as supervised tasks and only
 wait on RPCs with deadlines; a slow or dead rollout makes one move fail (logged,
-counted) and never stalls membership or heartbeats. Each trajectory keeps one
-policy version: moves go between rollouts of the same version, and recovery only
-restarts a trajectory from its prompt (at another version) when no live rollout
-holds its version.
+counted) and never stalls membership or heartbeats. The moves of one repack round
+run concurrently (each: export on its source, import on its destination, refresh
+the emptied source), so a round costs about one export + one import round trip.
+
+Each trajectory keeps one policy version: moves go between rollouts of the same
+version. The manager's view of versions comes from heartbeats and may be a beat
+old: a destination that refreshed meanwhile answers version_mismatch, is marked
+stale until its next heartbeat, and the partials try the next rollout of that
+version (at most PLACE_TRIES in all, the source last). Only when no live rollout
+holds the version does a trajectory restart from its prompt at another version;
+partials that nobody took are kept as orphans and placed again every second.
+
+Whose work needs recovering: a rollout declared dead (missed heartbeats), one that
+left (Bye: a graceful stop leaves its unfinished trajectories in the partial pool),
+and one that came back as a new incarnation (pid/start time changed) before its
+death was noticed. A reconnect of the same incarnation is not a loss and is not
+recovered.
 
 Run: laminar node --role manager --config configs/demo.yaml
 """
@@ -26,18 +39,27 @@ import time
 from collections import defaultdict
 from typing import Any
 
-from laminar.manager.repack import RolloutLoad, TrajLoad, plan_repack
+from laminar.manager.repack import Move, RolloutLoad, TrajLoad, plan_repack
 from laminar.node import Node
 from laminar.protocol.buffer import PartialsReply, PartialsRequest
 from laminar.protocol.core import NodeStatus
 from laminar.protocol.data import PartialTrajectory
 from laminar.protocol.manager import NodeEntry, StatusReply, StatusRequest
 from laminar.protocol.relay import ChainUpdate
-from laminar.protocol.rollout import ExportReply, ExportRequest, ImportReply, ImportRequest, RefreshRequest
+from laminar.protocol.rollout import (
+    VERSION_MISMATCH,
+    ExportReply,
+    ExportRequest,
+    ImportReply,
+    ImportRequest,
+    RefreshRequest,
+)
 from laminar.protocol.trainer import VersionPublished
 from laminar.transport.sockets import Peer, RemoteError, TransportError
 
-_EMPTY = None
+PLACE_TRIES = 4
+"""Rollouts one batch of partials is offered to before it restarts from the prompt elsewhere."""
+_ORPHAN = "<orphan>"
 
 
 class ManagerNode(Node):
@@ -62,6 +84,12 @@ class ManagerNode(Node):
         self._relay_clients: dict[int, Any] = {}
         self._timeline = None
         self._chain_lock = asyncio.Lock()
+        self._incarnation: dict[str, tuple[Any, Any]] = {}
+        """rollout id -> (pid, start time) of the incarnation last seen (rejoin detection)."""
+        self._rollouts_seen: set[str] = set()
+        """Rollouts that were members since their last recovery (leave detection)."""
+        self._stale: dict[str, int] = {}
+        """rollout id -> id() of the status it had when it answered version_mismatch: skipped until a new beat."""
 
     async def main(self) -> None:
         self.spawn(self._recovery_loop(), "recovery")
@@ -77,6 +105,23 @@ class ManagerNode(Node):
 
     def _on_join(self, peer: Peer) -> None:
         self.metrics.count("joins")
+        if peer.role == "rollout":
+            inc = (peer.info.get("pid"), peer.info.get("started"))
+            old = self._incarnation.get(peer.node_id)
+            self._incarnation[peer.node_id] = inc
+            rejoin = old is not None
+            if rejoin and old != inc and peer.node_id in self._rollouts_seen:
+                # restarted before its death was noticed: the old incarnation's work is orphaned
+                self.metrics.count("restarts_unnoticed")
+                self._queue_recovery(peer.node_id, "restarted")
+            self._rollouts_seen.add(peer.node_id)
+            self._stale.pop(peer.node_id, None)
+            self._event("join", node=peer.node_id, role=peer.role, rejoin=rejoin)
+            if rejoin:
+                self.metrics.count("rejoins")
+                self.log.info("rollout_rejoined", peer=peer.node_id, new_incarnation=old != inc)
+        else:
+            self._event("join", node=peer.node_id, role=peer.role)
         if peer.role == "relay":
             self._schedule_chain()
 
@@ -85,9 +130,23 @@ class ManagerNode(Node):
         self.log.warning("node_dead", peer=peer.node_id, peer_role=peer.role)
         self._event("dead", node=peer.node_id, role=peer.role)
         if peer.role == "rollout":
-            self.recovery_queue.put_nowait(peer.node_id)
+            self._queue_recovery(peer.node_id, "dead")
         elif peer.role == "relay":
             self._schedule_chain()
+
+    def _queue_recovery(self, rollout_id: str, why: str) -> None:
+        self._rollouts_seen.discard(rollout_id)
+        self.recovery_queue.put_nowait(rollout_id)
+        self.log.info("recovery_queued", rollout=rollout_id, reason=why)
+
+    def _check_leaves(self) -> None:
+        """Rollouts that said Bye are gone from the server's peers without a death: recover them too
+        (a graceful stop leaves what it could not finish in the partial pool for exactly this)."""
+        for node_id in list(self._rollouts_seen):
+            if node_id not in self.srv.peers:
+                self.metrics.count("leaves")
+                self._event("left", node=node_id, role="rollout")
+                self._queue_recovery(node_id, "left")
 
     def members(self) -> list[NodeEntry]:
         now = time.monotonic()
@@ -167,11 +226,15 @@ class ManagerNode(Node):
                 self.log.warning("chain_update_failed", relay=idx, error=str(exc))
 
     # ---- repack ---------------------------------------------------------------------------
+    def _usable(self, p: Peer) -> bool:
+        """A live rollout whose last status is not known to be stale (it answered version_mismatch)."""
+        return p.status is not None and self._stale.get(p.node_id) != id(p.status)
+
     def rollout_loads(self) -> list[RolloutLoad]:
         loads = []
         for p in self._live("rollout"):
             s = p.status
-            if s is None or s.version < 0:
+            if s is None or s.version < 0 or not self._usable(p):
                 continue
             prev = self.prev_kv.get(p.node_id)
             self.prev_kv[p.node_id] = s.kv_use
@@ -198,29 +261,17 @@ class ManagerNode(Node):
             await self.repack_once()
 
     async def repack_once(self) -> dict[str, Any]:
+        """Plan one round from the latest heartbeats and run its moves concurrently."""
         t0 = time.monotonic()
         plan = plan_repack(self.rollout_loads(), self.cfg.manager.repack.c_max, self.cfg.repack_bound_b())
         if not plan:
             return {"moves": 0}
-        moved = failed = 0
-        for mv in plan.moves:
-            uids = [] if any(t.startswith("*") for t in mv.traj_ids) else list(mv.traj_ids)
-            try:
-                exp = await self.srv.request(mv.source, ExportRequest(uids=uids), timeout=self.cfg.transport.request_timeout_s)
-                assert isinstance(exp, ExportReply)
-                if exp.partials:
-                    await self._place(exp.partials, prefer=mv.dest)
-                moved += len(exp.partials)
-            except (TransportError, RemoteError) as exc:
-                failed += 1
-                self.log.warning("repack_move_failed", source=mv.source, dest=mv.dest, error=str(exc))
-        for src in plan.emptied:
-            try:
-                await self.srv.request(src, RefreshRequest(min_version=self.trainer_version), timeout=self.cfg.transport.request_timeout_s)
-            except (TransportError, RemoteError) as exc:
-                self.log.warning("refresh_failed", rollout=src, error=str(exc))
+        emptied = set(plan.emptied)
+        results = await asyncio.gather(*(self._move(mv, mv.source in emptied) for mv in plan.moves))
+        moved = sum(r["moved"] for r in results)
         entry = {"t": time.time(), "moves": len(plan.moves), "trajectories": moved, "emptied": list(plan.emptied),
-                 "failed": failed, "overhead_s": round(time.monotonic() - t0, 4)}  # fmt: skip
+                 "failed": sum(r["failed"] for r in results), "elsewhere": sum(r["elsewhere"] for r in results),
+                 "orphaned": sum(r["orphaned"] for r in results), "overhead_s": round(time.monotonic() - t0, 4)}  # fmt: skip
         self.repack_log.append(entry)
         self._event("repack", moves=entry["moves"], trajectories=moved, emptied=list(plan.emptied),
                     sources=[m.source for m in plan.moves], dests=[m.dest for m in plan.moves])  # fmt: skip
@@ -229,39 +280,106 @@ class ManagerNode(Node):
         self.log.info("repack", **{k: v for k, v in entry.items() if k != "t"})
         return entry
 
-    async def _place(self, partials: list[PartialTrajectory], prefer: str | None = None) -> list[PartialTrajectory]:
-        """Import partials onto live rollouts of their version (prefer `prefer`); restart from the
-        prompt on the least-loaded rollout when no live rollout holds the version. Returns leftovers."""
+    async def _move(self, mv: Move, refresh: bool) -> dict[str, int]:
+        """One move: export everything listed on the source, import it on the destination (or the
+        next rollout of that version), then send the emptied source to refresh its weights."""
+        out = {"moved": 0, "failed": 0, "elsewhere": 0, "orphaned": 0}
+        uids = [] if any(t.startswith("*") for t in mv.traj_ids) else list(mv.traj_ids)
+        timeout = self.cfg.transport.request_timeout_s
+        try:
+            exp = await self.srv.request(mv.source, ExportRequest(uids=uids), timeout=timeout)
+        except (TransportError, RemoteError) as exc:
+            out["failed"] = 1
+            self.metrics.count("repack_export_failed")
+            self.log.warning("repack_move_failed", source=mv.source, dest=mv.dest, error=str(exc))
+            return out
+        if not isinstance(exp, ExportReply):
+            out["failed"] = 1
+            return out
+        if exp.partials:
+            placed = await self._place(exp.partials, prefer=mv.dest, source=mv.source)
+            out["moved"] = len(exp.partials)
+            out["elsewhere"] = sum(n for node, n in placed.items() if node not in (mv.dest, _ORPHAN))
+            out["orphaned"] = placed.get(_ORPHAN, 0)
+        if refresh:  # the source holds nothing now: new weights, then new prompts
+            try:
+                await self.srv.request(mv.source, RefreshRequest(min_version=self.trainer_version), timeout=timeout)
+            except (TransportError, RemoteError) as exc:
+                self.log.warning("refresh_failed", rollout=mv.source, error=str(exc))
+        return out
+
+    # ---- placing partial trajectories (repack moves, recovery, orphans) -----------------------
+    def _candidates(self, version: int, prefer: str | None, source: str | None) -> list[Peer]:
+        """Live rollouts that may hold `version` now, best first: the preferred one, then those
+        decoding (a rollout with work cannot have changed version: it refreshes only when empty),
+        emptiest first; idle ones only when the version is the newest (an idle rollout behind it
+        refreshes at once); the source of a move last (it may not have refreshed yet)."""
+        newest = max((p.status.version for p in self._live("rollout") if p.status is not None), default=-1)
+        out = []
+        for p in self._live("rollout"):
+            if not self._usable(p) or p.status.version != version or p.node_id == source:
+                continue
+            if p.node_id != prefer and p.status.running == 0 and version < max(newest, self.trainer_version):
+                continue
+            out.append(p)
+        out.sort(key=lambda p: (p.node_id != prefer, p.status.running >= self.cfg.repack_bound_b(),
+                                p.status.kv_use, p.node_id))  # fmt: skip
+        if source is not None and source in self.srv.peers and self.srv.peers[source].alive:
+            out.append(self.srv.peers[source])
+        return out[:PLACE_TRIES]
+
+    async def _import(self, peer: Peer, items: list[PartialTrajectory]) -> bool:
+        try:
+            rep = await self.srv.request(peer.node_id, ImportRequest(partials=items),
+                                         timeout=self.cfg.transport.request_timeout_s)  # fmt: skip
+        except RemoteError as exc:
+            if exc.code == VERSION_MISMATCH:  # refreshed since its last beat: skip it until the next one
+                self._stale[peer.node_id] = id(peer.status)
+                self.metrics.count("import_version_mismatch")
+            else:
+                self.log.warning("import_failed", dest=peer.node_id, error=str(exc))
+            return False
+        except TransportError as exc:
+            self.log.warning("import_failed", dest=peer.node_id, error=str(exc))
+            return False
+        return isinstance(rep, ImportReply)
+
+    async def _place(self, partials: list[PartialTrajectory], prefer: str | None = None,
+                     source: str | None = None) -> dict[str, int]:  # fmt: skip
+        """Import partials onto live rollouts of their own version (prefer `prefer`, `source` last);
+        when none takes them, restart them from the prompt on a rollout of the newest version;
+        what still finds no home becomes an orphan (placed again every second).
+        Returns how many went where ({node_id or _ORPHAN: count})."""
         by_version: dict[int, list[PartialTrajectory]] = defaultdict(list)
         for p in partials:
             by_version[p.version].append(p)
-        leftovers: list[PartialTrajectory] = []
-        rollouts = [p for p in self._live("rollout") if p.status is not None]
+        placed: dict[str, int] = defaultdict(int)
         for version, items in by_version.items():
-            same = sorted((r for r in rollouts if r.status.version == version),
-                          key=lambda r: (r.node_id != prefer, r.status.kv_use, r.node_id))  # fmt: skip
-            if not same:
-                # nobody holds that version any more: start over from the prompt on another version
-                others = sorted(rollouts, key=lambda r: (r.status.kv_use, r.node_id))
-                if not others:
-                    leftovers.extend(items)
-                    continue
-                dest = others[0]
-                items = [_restart(p, dest.status.version) for p in items]
-                same = [dest]
-                self.metrics.count("restarted_from_prompt", len(items))
-            placed = False
-            for dest in same:
-                try:
-                    rep = await self.srv.request(dest.node_id, ImportRequest(partials=items), timeout=self.cfg.transport.request_timeout_s)
-                    assert isinstance(rep, ImportReply)
-                    placed = True
+            dest = None
+            for peer in self._candidates(version, prefer, source):
+                if await self._import(peer, items):
+                    dest = peer.node_id
                     break
-                except (TransportError, RemoteError) as exc:
-                    self.log.warning("import_failed", dest=dest.node_id, error=str(exc))
-            if not placed:
-                leftovers.extend(items)
-        return leftovers
+            if dest is None:
+                dest = await self._restart_elsewhere(items)
+            if dest is None:
+                self.orphans.extend(items)
+                dest = _ORPHAN
+            placed[dest] += len(items)
+        return dict(placed)
+
+    async def _restart_elsewhere(self, items: list[PartialTrajectory]) -> str | None:
+        """No live rollout holds their version: start them over, from the prompt, on the least
+        loaded rollout of the newest version (their generated tokens are lost)."""
+        peers = sorted((p for p in self._live("rollout") if self._usable(p)),
+                       key=lambda p: (-p.status.version, p.status.running, p.status.kv_use, p.node_id))  # fmt: skip
+        for peer in peers[:PLACE_TRIES]:
+            if await self._import(peer, [_restart(p, peer.status.version) for p in items]):
+                self.metrics.count("restarted_from_prompt", len(items))
+                self.log.info("restarted_from_prompt", dest=peer.node_id, count=len(items),
+                              lost_tokens=int(sum(len(p.response_ids) for p in items)))  # fmt: skip
+                return peer.node_id
+        return None
 
     # ---- failure recovery -----------------------------------------------------------------
     async def _buffer_client(self):
@@ -278,9 +396,10 @@ class ManagerNode(Node):
                 dead = None
             if dead is not None:
                 await self.recover(dead)
+            self._check_leaves()
             if self.orphans and self._live("rollout"):
                 orphans, self.orphans = self.orphans, []
-                self.orphans.extend(await self._place(orphans))
+                await self._place(orphans)  # what still finds no home is back in self.orphans
 
     async def recover(self, rollout_id: str) -> None:
         t0 = time.monotonic()
@@ -293,13 +412,16 @@ class ManagerNode(Node):
             await asyncio.sleep(1.0)  # retry backoff
             return
         assert isinstance(reply, PartialsReply)
-        leftovers = await self._place(reply.partials) if reply.partials else []
-        self.orphans.extend(leftovers)
+        # a rollout that rejoined under the same id may be running some of these already: the
+        # buffer keeps the first finished copy of a uid, so a duplicate costs work, never data
+        placed = await self._place(reply.partials) if reply.partials else {}
+        orphaned = placed.get(_ORPHAN, 0)
         entry = {"t": time.time(), "rollout": rollout_id, "trajectories": len(reply.partials),
-                 "tokens": int(sum(len(p.response_ids) for p in reply.partials)), "orphans": len(leftovers),
+                 "tokens": int(sum(len(p.response_ids) for p in reply.partials)), "orphans": orphaned,
+                 "placed": {k: v for k, v in placed.items() if k != _ORPHAN},
                  "seconds": round(time.monotonic() - t0, 4)}  # fmt: skip
         self.recovery_log.append(entry)
-        self._event("recovery", rollout=rollout_id, trajectories=len(reply.partials), orphans=len(leftovers))
+        self._event("recovery", rollout=rollout_id, trajectories=len(reply.partials), orphans=orphaned)
         self.log.info("rollout_recovered", **{k: v for k, v in entry.items() if k != "t"})
 
 

@@ -170,7 +170,9 @@ class RelayNode(Node):
         master = self.chain.named_master()
         if not msg.takeover and master not in (self.index, -1):
             return ErrorReply(code="not_master", message=f"master={master}")
-        self.chain.become_head(f"trainer {peer.node_id} pushes here (takeover={msg.takeover})")
+        self.chain.become_head(
+            f"trainer {peer.node_id} pushes here (takeover={msg.takeover})", catch_up=False
+        )
         try:
             vs = await self.store.begin(
                 msg.version, msg.layout, self.cfg.relay.chunk_bytes, source="trainer", staging=True

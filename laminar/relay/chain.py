@@ -133,6 +133,7 @@ class ChainFollower:
         self._generation = 0
         self._given_up: set[int] = set()
         self.state = "starting"
+        self._catch_up_pending = False
         self._grace_until = time.monotonic() + self.rc.upstream_grace_s
 
     # ---- chain view ----------------------------------------------------------------------
@@ -162,15 +163,17 @@ class ChainFollower:
         self.order = list(order)
         self.endpoints = {int(k): v for k, v in endpoints.items()}
         self.dead.clear()
-        self.head = bool(order) and order[0] == self.index
+        was_head, self.head = self.head, bool(order) and order[0] == self.index
+        self._catch_up_pending = self.head and (not was_head or self._catch_up_pending)
         self.relay.log.info("chain_order", epoch=self.epoch, order=self.order, head=self.head)
         self._drop_upstream()
         self.changed.set()
 
-    def become_head(self, why: str) -> None:
+    def become_head(self, why: str, catch_up: bool = True) -> None:
         if self.head:
             return
         self.head = True
+        self._catch_up_pending = catch_up
         self.epoch += 1
         self.order = [self.index] + [
             i for i in self.order if i != self.index and i not in self.dead
@@ -308,6 +311,12 @@ class ChainFollower:
             self.changed.clear()
             if self.index not in self.order or self.head:
                 self._drop_upstream()
+                if self.head and self._catch_up_pending:
+                    self._catch_up_pending = False
+                    self.state = "catching up"
+                    await self._catch_up()
+                    self._drop_upstream()
+                    continue
                 inc = store.newest_incoming()
                 if self.head and inc is not None and inc.source == "upstream":
                     self.relay.log.warning(
@@ -363,10 +372,49 @@ class ChainFollower:
             self.state = "idle: newest offered already here"
             await self.changed.wait()
 
+    async def _catch_up(self) -> None:
+        """A relay made head (by the manager or an election) that is behind a relay of its chain
+        fetches that newer version once, so the chain does not serve an old version from its head
+        until the trainer's next push."""
+        r, store = self.relay, self.relay.store
+        mine = store.current.version if store.current else -1
+        timeout = self.rc.probe_timeout_s
+
+        async def ask(idx: int) -> ChainInfo | None:
+            cli = RpcClient(r.ctx, self.data_endpoint(idx), r.node_id, "relay", r.opts)
+            try:
+                await cli.connect(timeout=timeout)
+                info = await _request(cli, ChainInfoRequest(), timeout)
+                return info if isinstance(info, ChainInfo) else None
+            except (TransportError, OSError):
+                return None
+            finally:
+                await cli.close()
+
+        infos = await asyncio.gather(*(ask(i) for i in self.order if i != self.index))
+        newer = [i for i in infos if i is not None and i.version > mine]
+        if not newer:
+            return
+        best = max(newer, key=lambda i: i.version)
+        cli = await self._probe(best.index)
+        if cli is None:
+            return
+        self.client, self.upstream = cli, best.index
+        r.log.info("catch_up", source=best.index, version=best.version, had=mine)
+        try:
+            offer = await _request(cli, OfferRequest(), timeout * 4)
+            if isinstance(offer, VersionOffer) and offer.version > mine:
+                await self._fetch(offer)
+                r.metrics.count("caught_up")
+        except (UpstreamLost, VersionGone, RequestTimeout, PeerDead, RemoteError) as exc:
+            r.log.warning("catch_up_failed", source=best.index, error=str(exc))
+
     async def _fetch(self, offer: VersionOffer) -> None:
         store, r = self.relay.store, self.relay
         if offer.layout is None or not 4096 <= offer.chunk_bytes <= 1 << 30:
-            raise VersionGone(offer.version, "offer without layout or with a bad chunk size", permanent=True)
+            raise VersionGone(
+                offer.version, "offer without layout or with a bad chunk size", permanent=True
+            )
         try:
             validate_layout(offer.layout)
         except ProtocolError as exc:
@@ -487,7 +535,9 @@ class ChainFollower:
                 corrupt += 1
                 r.metrics.count("chunks_corrupt")
                 if corrupt > 2 * self.rc.corrupt_retries + 2:  # the master's own copy is bad too
-                    raise VersionGone(vs.version, f"chunk {i} corrupt {corrupt} times", permanent=True)
+                    raise VersionGone(
+                        vs.version, f"chunk {i} corrupt {corrupt} times", permanent=True
+                    )
                 r.log.warning(
                     "chunk_corrupt",
                     version=vs.version,

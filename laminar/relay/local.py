@@ -45,7 +45,9 @@ class ClientHost:
 
 
 class RelayProcs:
-    live: set[RelayProcs] = set()  # started and not yet stopped (a bench's SIGTERM handler stops them)
+    live: set[RelayProcs] = (
+        set()
+    )  # started and not yet stopped (a bench's SIGTERM handler stops them)
 
     def __init__(self, tmp_dir: str | Path, n_relays: int, overrides: dict[str, Any] | None = None,
                  log_dir: str | Path | None = None):  # fmt: skip

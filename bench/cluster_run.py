@@ -1,0 +1,347 @@
+"""One emulated-cluster run: the real control plane with N sim rollouts, measured over a window.
+
+    run process (this file, `run`):  manager + buffer + relay + trainer (LocalCluster over ipc)
+        │ spawns
+        ▼
+    worker process (this file, `worker`): N RolloutNodes with sim engines, one zmq context, one loop;
+        samples every rollout's engine (running, KV, tokens) every `sample_s` into a series file
+    run: wait until the manager lists N live rollouts ─► warm-up ─► window ─► SIGTERM worker ─► figures
+
+Two processes, because the 2-core budget is the point: the rollouts' event handling and the
+buffer/trainer/manager each get a core (one Python process uses one). Both measure their own
+event-loop lag and CPU, so a run that became CPU-bound says so instead of silently reporting a
+slowed-down emulation. The sim engines advance on the clock (closed form), so loop lag delays
+events but does not slow decoding; it does delay the control plane (prompts, repack, batches).
+
+Figures (all over the same wall-clock window, see `figures`):
+  train_tok_s        tokens (prompt + response) consumed by trainer steps / time between step ends
+  gen_tok_s          response tokens the engines generated / window
+  rollout_idle_frac  share of rollout-time with nothing decoding (sampled)
+  decode_util        mean of min(running, B) / B over rollout-time (sampled)
+  kv_use             mean KV-cache use over rollout-time (sampled)
+  trainer_idle_frac  1 - (emulated compute time of steps in the window) / window
+  staleness          trainer version at consumption - trajectory version (per-step histograms)
+
+Run by bench/cluster.py; by hand:
+  .venv/bin/python bench/cluster_run.py run --mode laminar --n 64 --out /tmp/r.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+MODES = ("sync", "one_step", "stream", "laminar_norepack", "laminar")
+
+
+@dataclass
+class BenchParams:
+    """The emulated workload; every run of a sweep uses the same values (see bench/README.md)."""
+
+    step_time_s: float = 0.005
+    """Sim decode step, flat up to bound_b running sequences (time compression: ~10x a real step)."""
+    bound_b: int = 8
+    """Decode bound B = rollout.max_running = repack bound."""
+    group_size: int = 4
+    credits: int = 2
+    """Groups a rollout holds: credits * group_size = B, so a fresh rollout runs a full batch."""
+    length_p50: int = 100
+    length_p99_over_p50: float = 10.0
+    max_tokens: int = 1024
+    """Response cap (just above p99 = 1000)."""
+    prompt_tokens: int = 32
+    trainer_s_per_token_x_n: float = 5e-4
+    """Sim trainer time per token = this / N: the trainer grows with the cluster (a fixed share of it)."""
+    batch_groups_per_rollout: int = 2
+    """trainer.batch_groups = this * N: one global batch = one full batch on every rollout."""
+    heartbeat_s: float = 0.5
+    repack_interval_s: float = 1.0
+    c_max: float = 0.9
+    warmup_s: float = 8.0
+    window_s: float = 24.0
+    sample_s: float = 0.1
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> BenchParams:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def make_config(mode: str, n: int, seed: int, prm: BenchParams, work: Path, ipc_dir: Path):
+    """The laminar config of one run (mode laminar_norepack = laminar with repack off)."""
+    from laminar.config import config_from_dict
+
+    data = work / "prompts.jsonl"
+    filler = "x" * max(0, prm.prompt_tokens - 8)
+    rows = 40 * n * prm.credits + 4000  # more than any window consumes: the run never runs dry
+    data.write_text("".join(json.dumps({"prompt": f"p{i:06d} {filler}"}) + "\n" for i in range(rows)))
+    cap = prm.max_tokens
+    return config_from_dict({
+        "name": f"cb{os.getpid()}", "mode": "laminar" if mode.startswith("laminar") else mode, "seed": seed,
+        "run_dir": str(work / "run"),
+        "cluster": {"transport": "ipc", "ipc_dir": str(ipc_dir),
+                    "roles": {"manager": 1, "buffer": 1, "relay": 1, "trainer": 1, "rollout": n}},
+        # a loaded 2-core box: 5 s of silence before a death (nothing dies in a bench run)
+        "transport": {"heartbeat_interval_s": prm.heartbeat_s, "heartbeat_liveness": max(4, int(5 / prm.heartbeat_s)),
+                      "startup_timeout_s": 120, "stop_timeout_s": 3.0},
+        "data": {"train": str(data), "shuffle": True, "seed": seed},
+        "rollout": {"engine": "sim", "weights": "relay", "group_size": prm.group_size, "credits": prm.credits,
+                    "max_running": prm.bound_b, "partial_chunk_tokens": 256, "prompt_retry_s": 0.05,
+                    "sampling": {"max_tokens": cap},
+                    "sim": {"step_time_s": prm.step_time_s, "bound_b": prm.bound_b, "length_p50": prm.length_p50,
+                            "length_p99_over_p50": prm.length_p99_over_p50, "seed": seed,
+                            # sized for B worst-case sequences: the bound B, not memory, limits a rollout
+                            "kv_capacity_tokens": prm.bound_b * (prm.prompt_tokens + cap)}},
+        "trainer": {"engine": "sim", "batch_groups": prm.batch_groups_per_rollout * n, "total_steps": 1_000_000,
+                    "sim_time_per_token_s": prm.trainer_s_per_token_x_n / n, "batch_wait_s": 1.0},
+        "buffer": {"capacity": 1_000_000, "fsync": "never", "retry_after_s": 0.05},
+        "manager": {"repack": {"enabled": mode == "laminar", "interval_s": prm.repack_interval_s, "c_max": prm.c_max},
+                    "timeline_interval_s": 0},
+        "logging": {"level": "warning"},
+        "extra": {"sim_weight_bytes": 4096},
+    })  # fmt: skip
+
+
+class LoopProbe:
+    """Event-loop lag (how late a 50 ms timer fires) and process CPU time, sampled with wall-clock
+    timestamps so the figures cover exactly the measurement window (not the start-up imports)."""
+
+    def __init__(self, period: float = 0.05):
+        self.period = period
+        self.lags: list[tuple[float, float]] = []
+        self.cpu: list[tuple[float, float]] = []
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._run())
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            t = loop.time()
+            await asyncio.sleep(self.period)  # the probe itself: lateness of this timer is the lag
+            now = time.time()
+            self.lags.append((now, loop.time() - t - self.period))
+            self.cpu.append((now, time.process_time()))
+
+    def dump(self) -> dict[str, Any]:
+        return {"lags": self.lags, "cpu": self.cpu}
+
+
+def probe_summary(dump: dict[str, Any], t0: float, t1: float) -> dict[str, float]:
+    """CPU share of one core and loop lag percentiles of a LoopProbe dump, within [t0, t1]."""
+    xs = sorted(lag for t, lag in dump["lags"] if t0 <= t <= t1) or [0.0]
+    cpu = [(t, c) for t, c in dump["cpu"] if t0 <= t <= t1]
+    q = lambda p: round(1000 * xs[min(len(xs) - 1, int(p * len(xs)))], 2)  # noqa: E731
+    frac = (cpu[-1][1] - cpu[0][1]) / (cpu[-1][0] - cpu[0][0]) if len(cpu) >= 2 else float("nan")
+    return {"cpu_frac": round(frac, 3), "lag_ms_p50": q(0.5), "lag_ms_p99": q(0.99),
+            "lag_ms_max": round(1000 * xs[-1], 2)}  # fmt: skip
+
+
+# ---- worker: N rollouts in one process ------------------------------------------------------
+
+
+async def worker_main(cfg_path: Path, count: int, out: Path, sample_s: float) -> None:
+    from laminar.config import load_config
+    from laminar.nodes.rollout import RolloutNode
+    from laminar.transport.sockets import new_context
+
+    cfg = load_config(cfg_path)
+    ctx = new_context()  # one context (one I/O thread) for all N nodes, not N of them
+    nodes = [RolloutNode(cfg, index=i, ctx=ctx) for i in range(count)]
+    series: list[list[float]] = []
+    probe = LoopProbe()
+    done = asyncio.Event()
+
+    def on_term() -> None:
+        probe.stop()
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        out.write_text(json.dumps({"series": series, "probe": probe.dump(), "max_rss_mb": rss}))  # before stopping
+        for n in nodes:
+            n.request_stop("bench done")
+        done.set()
+
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, on_term)
+    tasks = [asyncio.create_task(n.run()) for n in nodes]
+    probe.start()
+    b = cfg.rollout.max_running
+    while not done.is_set():
+        row = [time.time(), 0.0, 0.0, 0.0, 0.0, 0.0]  # t, tokens, busy, util, kv, ready
+        for n in nodes:
+            if n.engine is None or not n.ready.is_set():
+                continue
+            st = n.engine.stats()
+            row[1] += st.tokens_generated
+            row[2] += st.running > 0
+            row[3] += min(st.running, b) / b
+            row[4] += st.kv_use
+            row[5] += 1
+        series.append(row)
+        try:
+            await asyncio.wait_for(done.wait(), sample_s)  # the sampling timer
+        except TimeoutError:
+            pass
+    await asyncio.gather(*tasks, return_exceptions=True)
+    ctx.destroy(linger=0)
+
+
+# ---- run: control plane in this process -------------------------------------------------------
+
+
+async def run_main(mode: str, n: int, seed: int, prm: BenchParams, work: Path) -> dict[str, Any]:
+    import torch  # noqa: F401  the sim trainer imports it at its first step: not inside the window
+
+    from laminar.cluster import LocalCluster
+    from laminar.config import write_resolved
+
+    ipc_dir = Path(tempfile.mkdtemp(prefix="lcb-", dir="/tmp"))  # short: unix socket paths are limited
+    try:
+        cfg = make_config(mode, n, seed, prm, work, ipc_dir)
+        cfg_path = write_resolved(cfg)
+        roles = {r: c for r, c in cfg.cluster.roles.items() if r != "rollout"}
+        series_path = work / "worker.json"
+        t_start = time.time()
+        async with LocalCluster(cfg, transport="ipc", roles=roles) as cluster:
+            worker = subprocess.Popen([sys.executable, os.environ.get("LCB_WORKER", __file__), "worker", "--config", str(cfg_path), "--count", str(n),
+                                       "--out", str(series_path), "--sample-s", str(prm.sample_s)],
+                                      stderr=open(work / "worker.log", "w"))  # fmt: skip
+            try:
+                manager = cluster.node("manager-0")
+                deadline = time.monotonic() + 180
+                while len(manager._live("rollout")) < n:  # registration has no event of its own: poll
+                    cluster.check()
+                    if worker.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(f"{n} rollouts did not register (worker rc={worker.poll()}), see {work}/worker.log")
+                    await asyncio.sleep(0.2)
+                t_ready = time.time()
+                probe = LoopProbe()
+                probe.start()
+                await asyncio.sleep(prm.warmup_s)  # warm-up: the first batches are a synchronised start
+                t0 = time.time()
+                await asyncio.sleep(prm.window_s)  # the measurement window itself
+                t1 = time.time()
+                probe.stop()
+                control = probe_summary(probe.dump(), t0, t1)
+                control["max_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+                cluster.check()
+                manager_log = list(manager.repack_log)
+                mgr_counters = dict(manager.metrics.counters)
+                buf = cluster.node("buffer-0").stats()
+            finally:
+                if worker.poll() is None:
+                    worker.send_signal(signal.SIGTERM)
+                try:
+                    await asyncio.get_running_loop().run_in_executor(None, worker.wait, 30)
+                except subprocess.TimeoutExpired:
+                    worker.kill()
+                    worker.wait()
+        w = json.loads(series_path.read_text())
+        steps = [json.loads(x) for x in (Path(cfg.resolved_run_dir()) / "metrics.jsonl").read_text().splitlines()]
+        fig = figures(steps, w["series"], manager_log, t0, t1, n)
+        fig.update(mode=mode, n=n, seed=seed, startup_s=round(t_ready - t_start, 2), control=control,
+                   worker={**probe_summary(w["probe"], t0, t1), "max_rss_mb": w["max_rss_mb"]}, manager_counters=mgr_counters,
+                   buffer={k: buf[k] for k in ("staleness_consumed", "counters") if k in buf})  # fmt: skip
+        return fig
+    finally:
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
+def figures(steps: list[dict], series: list[list[float]], repack_log: list[dict], t0: float, t1: float,
+            n: int) -> dict[str, Any]:  # fmt: skip
+    """The window's figures (see the module docstring)."""
+    from laminar.manager.staleness import StalenessStats
+
+    win = [s for s in steps if t0 <= s["time"] <= t1]
+    before = [s for s in steps if s["time"] < t0]
+    out: dict[str, Any] = {"steps_in_window": len(win), "window_s": round(t1 - t0, 3)}
+    if win:
+        # throughput between update completions: from the last step before the window (or its
+        # start) to the last step in it, counting the tokens of the steps that ended in between
+        start = before[-1]["time"] if before else t0
+        out["train_tok_s"] = sum(s["tokens_total"] for s in win) / max(1e-9, win[-1]["time"] - start)
+        out["iteration_s"] = (win[-1]["time"] - start) / len(win)
+    else:
+        out["train_tok_s"], out["iteration_s"] = 0.0, float("nan")
+    busy = sum(min(s["time"], t1) - max(s["time"] - s["compute_s"], t0) for s in steps
+               if s["time"] - s["compute_s"] < t1 and s["time"] > t0)  # fmt: skip
+    out["trainer_idle_frac"] = max(0.0, 1 - busy / (t1 - t0))
+    st = StalenessStats()
+    for s in win:
+        for k, v in s.items():
+            if k.startswith("staleness_hist/"):
+                st.add(int(k.split("/")[1]), int(v))
+    out["staleness"] = st.summary()
+    rows = [r for r in series if t0 <= r[0] <= t1 and r[5] == n]
+    if len(rows) >= 2:
+        dt = rows[-1][0] - rows[0][0]
+        out["gen_tok_s"] = (rows[-1][1] - rows[0][1]) / dt
+        out["rollout_idle_frac"] = 1 - sum(r[2] for r in rows) / (n * len(rows))
+        out["decode_util"] = sum(r[3] for r in rows) / (n * len(rows))
+        out["kv_use"] = sum(r[4] for r in rows) / (n * len(rows))
+        out["samples"] = len(rows)
+    rp = [r for r in repack_log if t0 <= r["t"] <= t1]
+    out["repack"] = {"rounds_with_moves": len(rp), "moves": sum(r["moves"] for r in rp),
+                     "trajectories": sum(r["trajectories"] for r in rp), "failed": sum(r["failed"] for r in rp),
+                     "overhead_s_mean": round(sum(r["overhead_s"] for r in rp) / len(rp), 4) if rp else 0.0}  # fmt: skip
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    w = sub.add_parser("worker")
+    w.add_argument("--config", type=Path, required=True)
+    w.add_argument("--count", type=int, required=True)
+    w.add_argument("--out", type=Path, required=True)
+    w.add_argument("--sample-s", type=float, default=0.1)
+    r = sub.add_parser("run")
+    r.add_argument("--mode", choices=MODES, required=True)
+    r.add_argument("--n", type=int, required=True)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--params", default="{}", help="JSON overrides of BenchParams")
+    r.add_argument("--work", type=Path, default=None, help="run directory (default: a temp dir, removed)")
+    r.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+
+    from laminar.launch import _use_uvloop
+    from laminar.logs import configure_logging
+
+    configure_logging("warning", True)
+    _use_uvloop()
+    if args.cmd == "worker":
+        asyncio.run(worker_main(args.config, args.count, args.out, args.sample_s))
+        return 0
+    prm = BenchParams.from_dict(json.loads(args.params))
+    work = args.work or Path(tempfile.mkdtemp(prefix="lam-cluster-"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        fig = asyncio.run(run_main(args.mode, args.n, args.seed, prm, work))
+        fig["params"] = asdict(prm)
+        args.out.write_text(json.dumps(fig, indent=1))
+    finally:
+        if args.work is None:
+            shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
