@@ -110,7 +110,7 @@ def make_config(mode: str, n: int, seed: int, prm: BenchParams, work: Path, ipc_
                     "sim_time_per_token_s": prm.trainer_s_per_token_x_n / n, "batch_wait_s": 1.0},
         "buffer": {"capacity": 1_000_000, "fsync": "never", "retry_after_s": 0.05},
         "manager": {"repack": {"enabled": mode == "laminar", "interval_s": prm.repack_interval_s, "c_max": prm.c_max},
-                    "timeline_interval_s": 0},
+                    "timeline_interval_s": float(os.environ.get("LCB_TIMELINE", 0))},
         "logging": {"level": "warning"},
         "extra": {"sim_weight_bytes": 4096},
     })  # fmt: skip

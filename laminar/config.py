@@ -51,6 +51,9 @@ class ClusterConfig(Section):
         default_factory=lambda: {"manager": 1, "buffer": 1, "relay": 1, "trainer": 1, "rollout": 2}
     )
     """How many instances of each role `laminar run` starts on this host."""
+    threads_per_process: int | None = Field(None, ge=1)
+    """OMP/MKL threads for each node process `laminar run` starts (null = library default).
+    On a small box, 1 avoids oversubscription when trainer and rollouts share the cores."""
     rollouts_per_process: int = Field(1, ge=1)
     """Emulated scale: several rollout nodes share one process (sim engines)."""
 

@@ -95,6 +95,9 @@ def run_main(config: str | None, overrides: list[str]) -> int:
     cfg_path = write_resolved(cfg, run_dir)
     print(f"laminar run: {cfg.name} mode={cfg.mode} run_dir={run_dir}", file=sys.stderr, flush=True)
     env = dict(os.environ, LAMINAR_PARENT_PID=str(os.getpid()), PYTHONUNBUFFERED="1")
+    if cfg.cluster.threads_per_process:
+        n = str(cfg.cluster.threads_per_process)
+        env.update(OMP_NUM_THREADS=n, MKL_NUM_THREADS=n, OPENBLAS_NUM_THREADS=n)
     children: dict[str, subprocess.Popen] = {}
     stop_requested = {"sig": None}
 

@@ -97,11 +97,11 @@ async def test_corrupted_chunk_is_detected_and_refetched(relays):
 
 
 async def test_killing_a_middle_relay_mid_broadcast_heals_the_chain(relays):
-    # an emulated 8 MB/s link makes the broadcast last ~1 s per hop, so the kill lands mid-way
-    procs = relays(4, **{"relay.chunk_bytes": 1 << 17, "relay.link_bytes_per_s": 8e6})
+    # an emulated 4 MB/s link makes the broadcast last ~1.3 s per hop, so the kill lands mid-way
+    procs = relays(4, **{"relay.chunk_bytes": 1 << 17, "relay.link_bytes_per_s": 4e6})
     try:
         order, pusher = await _setup(procs)
-        await pusher.push(1, _state(6, seed=3))
+        await pusher.push(1, _state(8, seed=3))
         middle, last = order[1], order[-1]
         t0 = time.monotonic()
         while True:  # wait until the end of the chain is receiving, then kill a middle hop

@@ -92,4 +92,4 @@ def test_demo_task_is_the_countup_verifier() -> None:
         "reward": 1.0,
         "format": 1.0,
     }
-    assert rb.demo_task(prompt, "37+8=45;#45", answer="61") == {"reward": 0.0, "format": 1.0}
+    assert rb.demo_task(prompt, "37+8=45<60;#45", answer="61") == {"reward": 0.0, "format": 1.0}

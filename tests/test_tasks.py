@@ -15,8 +15,9 @@ from laminar.tasks import countup as cu
 
 
 def test_solve_writes_every_step_then_the_answer() -> None:
-    assert cu.solve("37+8>60?") == "37+8=45;45+8=53;53+8=61;#61"
-    assert cu.solve("05+3>05?") == "05+3=08;#08"
+    assert cu.solve("37+8>60?") == "37+8=45<60;45+8=53<60;53+8=61>60;#61"
+    assert cu.solve("05+3>05?") == "05+3=08>05;#08"
+    assert cu.solve("52+8>60?") == "52+8=60=60;60+8=68>60;#68"  # equal is not above
     assert cu.answer_of("90+9>98?") == "99"
 
 
@@ -38,7 +39,7 @@ def test_generate_is_deterministic_per_seed(tmp_path) -> None:
 def test_rows_are_consistent_and_use_the_small_alphabet() -> None:
     rows = cu.generate(2000, "train", 0)
     assert len({r["uid"] for r in rows}) == len(rows)
-    step = re.compile(r"(\d\d)\+(\d)=(\d\d);")
+    step = re.compile(r"(\d\d)\+(\d)=(\d\d)([<=>])(\d\d);")
     for r in rows:
         assert set(r["prompt"] + r["solution"]) <= set(cu.ALPHABET)
         assert len(r["prompt"]) == 8
@@ -46,8 +47,9 @@ def test_rows_are_consistent_and_use_the_small_alphabet() -> None:
         sums = step.findall(r["solution"])
         assert len(sums) == r["steps"]
         prev = start
-        for a, b, c in sums:  # every step is a correct addition from the previous value
-            assert (int(a), int(b), int(c)) == (prev, stride, prev + stride)
+        for a, b, c, cmp, t in sums:  # a correct addition from the previous value, compared
+            assert (int(a), int(b), int(c), int(t)) == (prev, stride, prev + stride, limit)
+            assert cmp == ("<" if int(c) < limit else "=" if int(c) == limit else ">")
             prev = int(c)
         assert int(r["answer"]) == prev > limit >= prev - stride  # first value past the limit
         assert cu.verify(r["solution"], r["answer"]) == 1.0 and cu.well_formed(r["solution"])
@@ -70,23 +72,23 @@ def test_solution_lengths_are_long_tailed() -> None:
     stats = cu.length_stats(rows)
     assert stats["p99_over_p50"] >= 5, stats
     assert stats["p50"] <= 30 and stats["max"] <= 250, stats
-    assert sum(len(r["solution"]) <= 60 for r in rows) / len(rows) >= 0.8  # "mostly short"
-    assert max(r["steps"] for r in rows) >= 25  # the tail is actually reached
+    assert sum(len(r["solution"]) <= 60 for r in rows) / len(rows) >= 0.75  # "mostly short"
+    assert max(r["steps"] for r in rows) == 20  # the tail is actually reached
 
 
 @pytest.mark.parametrize(
     ("completion", "expected"),
     [
-        ("37+8=45;45+8=53;53+8=61;#61", 1.0),  # correct
+        ("37+8=45<60;45+8=53<60;53+8=61>60;#61", 1.0),  # correct
         ("#61", 1.0),  # the verifier checks the answer, not the work
-        ("37+8=45;45+8=53;#53", 0.0),  # stopped early: wrong final
-        ("37+8=45;45+8=53;53+8=61;#62", 0.0),  # miscopied final
-        ("37+8=45;45+8=53;53+8=61;61", 0.0),  # missing '#' marker
+        ("37+8=45<60;45+8=53<60;#53", 0.0),  # stopped early: wrong final
+        ("37+8=45<60;45+8=53<60;53+8=61>60;#62", 0.0),  # miscopied final
+        ("37+8=45<60;45+8=53<60;53+8=61>60;61", 0.0),  # missing '#' marker
         ("", 0.0),
         ("#", 0.0),
         ("x#y 61", 0.0),  # garbage
         ("#53;#61", 0.0),  # the first '#' commits the answer
-        ("37+8=45;#061", 1.0),  # zero padding does not matter
+        ("37+8=45<60;#061", 1.0),  # zero padding does not matter
     ],
 )
 def test_verify(completion: str, expected: float) -> None:
@@ -97,7 +99,9 @@ def test_reward_components_and_none_without_reference() -> None:
     prompt = "37+8>60?"
     assert cu.reward(prompt, cu.solve(prompt), answer="61") == {"reward": 1.0, "format": 1.0}
     assert cu.reward(prompt, "#61", ground_truth="61") == {"reward": 1.0, "format": 1.0}
-    assert cu.reward(prompt, "37+8=45;#61 extra", answer="61") == {"reward": 1.0, "format": 0.0}
+    assert cu.reward(prompt, "37+8=45<60;#61", answer="61") == {"reward": 1.0, "format": 1.0}
+    assert cu.reward(prompt, "37+8=45;#61", answer="61") == {"reward": 1.0, "format": 0.0}
+    assert cu.reward(prompt, "#61 extra", answer="61") == {"reward": 1.0, "format": 0.0}
     assert cu.reward(prompt, "garbage", answer="61") == {"reward": 0.0, "format": 0.0}
     assert cu.reward(prompt, "#61") is None
     assert cu.reward(prompt, "#61", answer=None, steps=3) is None

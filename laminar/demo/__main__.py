@@ -41,6 +41,7 @@ DEFAULTS: dict[str, Any] = {
     "model": {"hidden": 96, "layers": 3, "heads": 4, "kv_heads": 2, "max_positions": 320},
     "cache_dir": "runs/.cache",
     "skip_sync": False,
+    "policy": None,  # a local HF directory to start RL from instead of the warm-up
     "progress_every_s": 5.0,
 }
 
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     from laminar.tasks import countup as cu
 
     train_path, eval_path, train, ev = prepare_data(run_dir, s, cfg.seed)
-    policy0 = warm_up(s, train, cfg.seed)
+    policy0 = Path(s["policy"]) if s.get("policy") else warm_up(s, train, cfg.seed)
     before = evaluate_model(str(policy0), ev, cu.verify, max_tokens=cfg.rollout.sampling.max_tokens)
     say(f"held-out accuracy of the warm-up model: {before['accuracy']:.3f} on {before['prompts']} prompts")
 

@@ -2,6 +2,7 @@
 
     every node ──Hello / Heartbeat(NodeStatus)──► manager          membership + cluster state
     trainer ──VersionPublished──► manager ──► repack now            (and every repack.interval_s)
+                                          ──RefreshRequest──► rollouts   (laminar, no relay tier: sim handoff)
     manager ──ExportRequest──► source rollout ──partials──► manager ──ImportRequest──► destination
     manager ──RefreshRequest──► emptied source                      (pull newest weights, take new prompts)
     rollout dies / leaves / restarts ──► manager ──PartialsRequest(rollout_id)──► buffer ──partials──► healthy rollouts
@@ -39,7 +40,7 @@ import time
 from collections import defaultdict
 from typing import Any
 
-from laminar.manager.repack import Move, RolloutLoad, TrajLoad, plan_repack
+from laminar.manager.repack import Move, RolloutLoad, TrajLoad, is_candidate, plan_repack
 from laminar.node import Node
 from laminar.protocol.buffer import PartialsReply, PartialsRequest
 from laminar.protocol.core import NodeStatus
@@ -168,6 +169,11 @@ class ManagerNode(Node):
     async def _on_version(self, peer: Peer, msg: VersionPublished) -> None:
         if msg.version > self.trainer_version:
             self.trainer_version = msg.version
+            self._event("version", version=msg.version, handoff=msg.handoff, stall_s=msg.stall_s)
+            if msg.handoff == "sim" and self.cfg.mode == "laminar":
+                # no relay tier carries this version (sim trainer, no relays): say it exists, so the
+                # rollouts pull it when idle as they would from a relay (one-way, best-effort)
+                await self.srv.broadcast(RefreshRequest(min_version=msg.version), role="rollout")
             self.repack_now.set()  # the paper repacks right after each update: free rollouts for the new version
 
     def status(self) -> NodeStatus:
@@ -251,19 +257,29 @@ class ManagerNode(Node):
         return loads
 
     async def _repack_loop(self) -> None:
+        # rounds start every interval_s (a slow round does not stretch the period) and right
+        # after each trainer update (repack_now), when draining rollouts are worth freeing most
         interval = self.cfg.manager.repack.interval_s
+        due = time.monotonic() + interval
         while True:
             try:
-                await asyncio.wait_for(self.repack_now.wait(), interval)
+                await asyncio.wait_for(self.repack_now.wait(), max(0.0, due - time.monotonic()))
             except TimeoutError:
                 pass
+            if time.monotonic() >= due or self.repack_now.is_set():
+                due = time.monotonic() + interval
             self.repack_now.clear()
             await self.repack_once()
 
     async def repack_once(self) -> dict[str, Any]:
         """Plan one round from the latest heartbeats and run its moves concurrently."""
         t0 = time.monotonic()
-        plan = plan_repack(self.rollout_loads(), self.cfg.manager.repack.c_max, self.cfg.repack_bound_b())
+        loads = self.rollout_loads()
+        c_max, bound = self.cfg.manager.repack.c_max, self.cfg.repack_bound_b()
+        plan = plan_repack(loads, c_max, bound)
+        self.metrics.count("repack_rounds")
+        self.metrics.count("repack_candidates", sum(is_candidate(r, c_max, bound) for r in loads))
+        self.metrics.count("repack_rising", sum(r.kv_rising and 0 < r.running < bound for r in loads))
         if not plan:
             return {"moves": 0}
         emptied = set(plan.emptied)

@@ -38,6 +38,7 @@ restored weights as the next version, so no version number names two weight sets
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import os
 import time
@@ -55,9 +56,11 @@ class TrainerNode(Node):
     role = "trainer"
 
     def __init__(self, cfg, index: int = 0, ctx: Any = None, node_id: str | None = None):
-        from laminar.trainer.dist import env_rank
+        rank = 0
+        if cfg.trainer.engine == "torch":  # dist imports torch: seconds the sim trainer need not block here
+            from laminar.trainer.dist import env_rank
 
-        rank = env_rank()[0] if cfg.trainer.engine == "torch" else 0
+            rank = env_rank()[0]
         super().__init__(
             cfg,
             index,
@@ -88,6 +91,8 @@ class TrainerNode(Node):
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def setup(self) -> None:
+        # torch takes seconds to import: in a worker thread, so nodes sharing this loop keep beating
+        await asyncio.to_thread(importlib.import_module, "laminar.trainer.dist")
         from laminar.trainer import checkpoint as ck
         from laminar.trainer.dist import DistContext
 

@@ -57,6 +57,7 @@ class RelayProcs:
         tag = uuid.uuid4().hex[:8]
         data: dict[str, Any] = {
             "name": f"rt{tag}",
+            "run_dir": str(self.dir / "run"),  # the manager's timeline etc. stay in the temp dir
             "cluster": {"transport": "ipc", "ipc_dir": str(self.dir / "ipc"), "roles": {"manager": 1, "relay": n_relays}},
             "transport": {"heartbeat_interval_s": 0.2, "heartbeat_liveness": 5, "handshake_timeout_s": 1.0,
                           "request_timeout_s": 5.0},

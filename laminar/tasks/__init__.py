@@ -1,7 +1,8 @@
 """Synthetic, verifiable tasks that Laminar can train on without any dataset hub.
 
-    countup  "37+8>60?" -> "37+8=45;45+8=53;53+8=61;#61": a step chain of long-tailed
-             length, learnable by a tiny character-level model on CPU (the default demo)
+    countup  "37+8>60?" -> "37+8=45<60;45+8=53<60;53+8=61>60;#61": a chain of steps of
+             long-tailed count, learnable by a tiny character-level model on CPU
+             (the default demo)
 
 Each task module offers `generate` (rows in memory), `write_splits` (train.jsonl /
 eval.jsonl), `solve`, `demonstration` (imperfect solutions for a warm-up),

@@ -1,27 +1,33 @@
 """Count-up: the synthetic reasoning task of the default CPU demo.
 
 A prompt asks: start at A, add B again and again, and stop at the first value
-above T. The reference solution writes every addition out, then the answer:
+above T. The reference solution writes every addition and its comparison with
+T out, then the answer after '#':
 
     prompt    "37+8>60?"
-    solution  "37+8=45;45+8=53;53+8=61;#61"
+    solution  "37+8=45<60;45+8=53<60;53+8=61>60;#61"
 
 Why this shape (the demo trains a ~1M-parameter character-level transformer on
 2 CPU cores for a few minutes):
-  * every number is two zero-padded digits and every step is exactly 8 chars
-    ("AA+B=CC;"), so each character a step needs sits at a *fixed* offset —
-    the previous result 3 chars back, B 8 chars back — and the step itself is
-    two-digit plus one-digit with a carry. A tiny model learns that quickly;
-    it would not learn "find the k-th operand of the prompt" in minutes.
+  * every number is two zero-padded digits and every step is exactly 11 chars
+    ("AA+B=CC?TT;" with ? one of < = >), so everything a step needs sits at a
+    *fixed* offset: the previous result 6 chars back, B and T 11 chars back
+    (the first step reads them from the fixed-width prompt). Adding is
+    two-digit plus one-digit with a carry; comparing is two digits against
+    two digits right beside them; stopping is "the last comparison was >".
+    A tiny model learns all three locally. An earlier form without the
+    written comparison ("AA+B=CC;") learned the sums but not when to stop:
+    comparing with T far back in the prompt was too hard for it.
   * the step count s = ceil((T - A + 1) / B) is drawn per prompt from a
-    truncated power law (mostly 1-3, rarely 20-30), so solution lengths
-    (8*s + 3 chars) are long-tailed: p99/p50 is about 10 (see `length_stats`).
-  * `demonstration` writes deliberately imperfect solutions (a slipped sum, a
-    chain stopped one step early or late, or a miscopied answer) at a chosen
-    rate, so a supervised warm-up gives a model that is right only part of
-    the time and RL has something to fix.
+    truncated power law (half the prompts take 1 step, 2% take 17-20), so
+    solution lengths (11*s + 3 chars) are long-tailed: p50 25, p99 ~200,
+    p99/p50 about 8 (see `length_stats`).
+  * `demonstration` writes deliberately imperfect solutions at a chosen rate,
+    either random mistakes (for sampled evaluation) or one systematic habit
+    (for greedy evaluation), so a supervised warm-up gives a model that is
+    right only part of the time and RL has something to fix.
 
-Alphabet: "0123456789+>=;#?" (16 characters). Dataflow:
+Alphabet: "0123456789+<=>;#?" (17 characters). Dataflow:
 
     generate(seed) -> rows {uid, prompt, answer, steps, solution}
         -> train.jsonl / eval.jsonl -> buffer -> rollouts
@@ -43,7 +49,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-ALPHABET = "0123456789+>=;#?"
+ALPHABET = "0123456789+<=>;#?"
 MAX_VALUE = 99
 """Every number is written with two digits, so no value may pass 99."""
 EVAL_SLICE = 10
@@ -53,7 +59,7 @@ HABIT_STRIDE = 5
 """Demos in the "habit" style go wrong only on prompts with at least this stride."""
 
 _PROMPT = re.compile(r"^(\d\d)\+(\d)>(\d\d)\?$")
-_CHAIN = re.compile(r"^(?:\d\d\+\d=\d\d;)*#\d+$")
+_CHAIN = re.compile(r"^(?:\d\d\+\d=\d\d[<=>]\d\d;)*#\d+$")
 _ANSWER = re.compile(r"#\s*(\d+)")
 
 
@@ -82,10 +88,11 @@ def _count(value: int, stride: int, limit: int) -> list[int]:
             return out
 
 
-def _write(start: int, stride: int, values: list[int], final: int) -> str:
+def _write(start: int, stride: int, limit: int, values: list[int], final: int) -> str:
     steps, prev = [], start
     for v in values:
-        steps.append(f"{prev:02d}+{stride}={v:02d};")
+        cmp = "<" if v < limit else "=" if v == limit else ">"
+        steps.append(f"{prev:02d}+{stride}={v:02d}{cmp}{limit:02d};")
         prev = v
     return "".join(steps) + f"#{final:02d}"
 
@@ -94,7 +101,7 @@ def solve(prompt: str) -> str:
     """The reference solution: every step, then '#' and the answer."""
     start, stride, limit = parse_prompt(prompt)
     values = _count(start, stride, limit)
-    return _write(start, stride, values, values[-1])
+    return _write(start, stride, limit, values, values[-1])
 
 
 def answer_of(prompt: str) -> str:
@@ -123,10 +130,10 @@ def demonstration(prompt: str, rng: random.Random, error_rate: float, style: str
     start, stride, limit = parse_prompt(prompt)
     values = _count(start, stride, limit)
     if rng.random() >= error_rate or (style == "habit" and stride < HABIT_STRIDE):
-        return _write(start, stride, values, values[-1])
+        return _write(start, stride, limit, values, values[-1])
     if style == "habit":
         early = values[:-1]
-        return _write(start, stride, early, early[-1] if early else start)
+        return _write(start, stride, limit, early, early[-1] if early else start)
     kinds = list(ERROR_KINDS)
     rng.shuffle(kinds)
     for kind in kinds:  # the first kind that fits this prompt
@@ -144,13 +151,13 @@ def _mistake(
         wrong = rng.choice(
             [v for v in range(max(0, true - 9), min(MAX_VALUE, true + 9) + 1) if v != true]
         )
-        return _write(start, stride, values, wrong)
+        return _write(start, stride, limit, values, wrong)
     if kind == "stop":
         if rng.random() < 0.5 and true + stride <= MAX_VALUE:
             late = [*values, true + stride]
-            return _write(start, stride, late, late[-1])
+            return _write(start, stride, limit, late, late[-1])
         early = values[:-1]
-        return _write(start, stride, early, early[-1] if early else start)
+        return _write(start, stride, limit, early, early[-1] if early else start)
     # slip: step j writes prev + stride + delta; later steps add correctly until past the limit
     candidates = [(j, d) for j in range(len(values)) for d in (-3, -2, -1, 1, 2, 3)]
     rng.shuffle(candidates)
@@ -160,7 +167,7 @@ def _mistake(
             continue
         chain = [*values[:j], slipped, *([] if slipped > limit else _count(slipped, stride, limit))]
         if chain[-1] != true and chain[-1] <= MAX_VALUE:
-            return _write(start, stride, chain, chain[-1])
+            return _write(start, stride, limit, chain, chain[-1])
     return None
 
 
@@ -183,7 +190,7 @@ def verify(completion: str, answer: str | int) -> float:
 
 
 def well_formed(completion: str) -> bool:
-    """True when the completion is steps 'AA+B=CC;' then '#N' and nothing else."""
+    """True when the completion is steps 'AA+B=CC?TT;' then '#N' and nothing else."""
     return _CHAIN.match(completion.strip()) is not None
 
 
@@ -203,7 +210,7 @@ def is_eval_prompt(prompt: str) -> bool:
     return zlib.crc32(prompt.encode()) % 100 < EVAL_SLICE
 
 
-def step_weights(max_steps: int = 30, alpha: float = 1.6) -> list[float]:
+def step_weights(max_steps: int = 20, alpha: float = 1.6) -> list[float]:
     """P(s) proportional to s**-alpha for s = 1..max_steps (a truncated power law)."""
     if not 1 <= max_steps <= MAX_VALUE // 2:
         raise ValueError(f"max_steps must be in [1, {MAX_VALUE // 2}], got {max_steps}")
@@ -220,7 +227,7 @@ def sample_prompt(rng: random.Random, weights: list[float]) -> tuple[str, int]:
 
 
 def generate(
-    n: int, split: str = "train", seed: int = 0, *, max_steps: int = 30, alpha: float = 1.6
+    n: int, split: str = "train", seed: int = 0, *, max_steps: int = 20, alpha: float = 1.6
 ) -> list[dict[str, Any]]:
     """n rows of one split, deterministic in (split, seed, max_steps, alpha).
 
@@ -315,7 +322,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--train", type=int, default=20_000, help="training rows")
     ap.add_argument("--eval", type=int, default=500, help="held-out rows (distinct prompts)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-steps", type=int, default=30, help="longest chain")
+    ap.add_argument("--max-steps", type=int, default=20, help="longest chain")
     ap.add_argument("--alpha", type=float, default=1.6, help="power-law exponent of the step count")
     args = ap.parse_args(argv)
     info = write_splits(

@@ -1,0 +1,240 @@
+"""Manager node: `laminar status`, repack moves on a live cluster, placement fallbacks, recovery, rejoin.
+
+    .venv/bin/python -m pytest tests/test_manager.py -q
+
+Everything runs in this process (LocalCluster: manager, buffer, sim rollouts; no trainer, so
+every rollout stays at version 0 unless a test says otherwise). Sim response lengths are
+fixed (p99/p50 = 1) so a test knows how long each trajectory runs and what its tokens are.
+The planner itself is tested in tests/test_repack.py; here the manager executes real plans.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+from laminar.cluster import LocalCluster
+from laminar.config import write_resolved
+from laminar.engines.sim import sim_tokens, _hash64
+from laminar.protocol.rollout import ExportRequest, RefreshRequest
+from tests.sim_cluster import merge, sim_config, wait_for
+
+LENGTH = 400  # tokens per response, at 2 ms a step: 0.8 s of decoding
+
+
+def long_config(tmp: Path, rollouts: int = 3, **over):
+    """Rollouts that each hold one group of 2 samples of exactly LENGTH tokens (2 < B = 8)."""
+    base = {"cluster": {"roles": {"trainer": 0}}, "manager": {"repack": {"interval_s": 3600}},
+            "rollout": {"credits": 1, "sampling": {"max_tokens": 1000},
+                        "sim": {"length_p50": LENGTH, "length_p99_over_p50": 1.0, "kv_capacity_tokens": 8000}}}  # fmt: skip
+    return sim_config(tmp, rollouts=rollouts, total_steps=1, **merge(base, over))
+
+
+def stored(buffer) -> dict:
+    """uid -> finished Trajectory held by the buffer."""
+    return {t.uid: t for g in buffer.state.groups.values() for t in g.members.values()}
+
+
+def running(node) -> set[str]:
+    return set(node.seqs)
+
+
+def check_tokens(cfg, t) -> None:
+    """A trajectory that moved keeps exactly the tokens it would have had without moving."""
+    assert len(t.response_ids) == LENGTH and len(t.logprobs) == LENGTH
+    ids, lps = sim_tokens(_hash64("tok", cfg.rollout.sim.seed, t.uid), 0, LENGTH, cfg.rollout.sim.vocab_size)
+    np.testing.assert_array_equal(t.response_ids, ids)
+    np.testing.assert_array_equal(t.logprobs, lps)
+
+
+async def all_running(cluster, n_each: int = 2) -> None:
+    mgr = cluster.node("manager-0")
+
+    def ok() -> bool:
+        peers = mgr._live("rollout")
+        return len(peers) == len(cluster.role("rollout")) and all(
+            p.status is not None and p.status.running == n_each for p in peers
+        )
+
+    await wait_for(ok, 20, "every rollout reporting its group running", cluster)
+
+
+# ---- laminar status --------------------------------------------------------------------------
+
+
+async def test_status_cli_lists_every_node_with_its_columns(tmp_path, short_dir):
+    cfg = sim_config(tmp_path, rollouts=2, transport="ipc", cluster={"ipc_dir": str(short_dir)},
+                     trainer={"total_steps": 1000, "sim_time_per_token_s": 1e-4})  # fmt: skip
+    async with LocalCluster(cfg, transport="ipc") as cluster:
+        path = write_resolved(cluster.cfg, tmp_path / "status")
+        await wait_for(lambda: cluster.node("trainer-0").version >= 1, 30, "a trainer step", cluster)
+        await all_ready(cluster)
+
+        async def cli(*extra: str) -> str:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "laminar", "status", "--config", str(path), *extra,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)  # fmt: skip
+            out, err = await asyncio.wait_for(proc.communicate(), 60)
+            assert proc.returncode == 0, err.decode()
+            return out.decode()
+
+        doc = json.loads(await cli("--json"))
+        table = await cli()
+    assert doc["mode"] == "laminar" and doc["trainer_version"] >= 1
+    rows = {r["node"]: r for r in doc["nodes"]}
+    assert set(rows) == {"buffer-0", "trainer-0", "rollout-0", "rollout-1"}
+    for r in rows.values():
+        assert {"node", "role", "alive", "version", "kv_use", "inflight", "staleness", "last_beat_s", "pid"} <= set(r)
+        assert r["alive"] and 0 <= r["last_beat_s"] < 5 and r["role"] == r["node"].split("-")[0]
+    for name in ("rollout-0", "rollout-1"):
+        r = rows[name]
+        assert 0.0 <= r["kv_use"] <= 1.0 and r["version"] >= 0 and r["inflight"] >= 0
+        assert r["staleness"] == doc["trainer_version"] - r["version"] or r["staleness"] >= 0
+    assert rows["trainer-0"]["version"] >= 1
+    lines = table.strip().splitlines()
+    assert lines[0].split() == ["node", "role", "alive", "version", "kv_use", "inflight", "staleness",
+                                "last_beat_s", "pid"]  # fmt: skip
+    assert sorted(line.split()[0] for line in lines[1:]) == sorted(rows)
+
+
+async def all_ready(cluster) -> None:
+    mgr = cluster.node("manager-0")
+    want = {n.node_id for n in cluster.nodes.values() if n.role != "manager"}
+    await wait_for(lambda: {p.node_id for p in mgr.srv.peers.values() if p.alive and p.status} >= want, 20,
+                   "every node beating", cluster)  # fmt: skip
+
+
+# ---- repack on a live cluster ------------------------------------------------------------------
+
+
+async def test_repack_consolidates_draining_rollouts_and_frees_the_sources(tmp_path):
+    cfg = long_config(tmp_path)
+    async with LocalCluster(cfg) as cluster:
+        mgr, buf = cluster.node("manager-0"), cluster.node("buffer-0")
+        rollouts = {n.node_id: n for n in cluster.role("rollout")}
+        await all_running(cluster)
+        before = {k: running(n) for k, n in rollouts.items()}
+        mgr.rollout_loads()  # the previous round's KV: no heartbeat in between, so nothing is "rising"
+        entry = await mgr.repack_once()
+        # 3 candidates of 2 sequences, B = 8: the two emptiest go to the third one
+        assert entry["moves"] == 2 and entry["trajectories"] == 4 and entry["failed"] == 0, entry
+        dest = next(k for k in rollouts if k not in entry["emptied"])
+        moved = set().union(*(before[k] for k in entry["emptied"]))
+        assert running(rollouts[dest]) == before[dest] | moved
+        # the emptied sources take new prompts at once (same version: nothing to load first)
+        await wait_for(lambda: all(running(rollouts[k]) and not running(rollouts[k]) & moved
+                                   for k in entry["emptied"]), 10, "sources running new groups", cluster)  # fmt: skip
+        await wait_for(lambda: moved | before[dest] <= set(stored(buf)), 30, "moved trajectories finishing", cluster)
+        done = stored(buf)
+        for uid in moved:
+            assert done[uid].rollout_id == dest and done[uid].resumed == 1
+            check_tokens(cfg, done[uid])
+        assert mgr.metrics.counters.get("restarted_from_prompt", 0) == 0
+
+
+async def test_a_stale_destination_falls_back_and_an_unheld_version_restarts_from_the_prompt(tmp_path):
+    cfg = long_config(tmp_path)
+    async with LocalCluster(cfg) as cluster:
+        mgr, buf = cluster.node("manager-0"), cluster.node("buffer-0")
+        await all_running(cluster)
+        # rollout-1 moves on to version 3 (it drains its group first, then loads and takes new prompts)
+        await mgr.srv.request("rollout-1", RefreshRequest(min_version=3))
+        await wait_for(lambda: cluster.node("rollout-1").version == 3 and running(cluster.node("rollout-1")), 20,
+                       "rollout-1 at version 3", cluster)  # fmt: skip
+        exp = await mgr.srv.request("rollout-0", ExportRequest(uids=[]))
+        assert len(exp.partials) == 2 and all(p.version == 0 for p in exp.partials)
+        # the manager's view of rollout-1 is a beat old: it still says version 0
+        mgr.srv.peers["rollout-1"].status.version = 0
+        placed = await mgr._place(exp.partials, prefer="rollout-1", source="rollout-0")
+        assert placed == {"rollout-2": 2}, placed
+        assert mgr.metrics.counters["import_version_mismatch"] == 1 and "rollout-1" in mgr._stale
+        await wait_for(lambda: {p.uid for p in exp.partials} <= set(stored(buf)), 30, "placed partials finishing",
+                       cluster)  # fmt: skip
+        for p in exp.partials:
+            check_tokens(cfg, stored(buf)[p.uid])
+        # a version nobody holds any more: start over from the prompt on a rollout of the newest version
+        await wait_for(lambda: mgr.srv.peers["rollout-1"].status.version == 3, 5, "a fresh beat", cluster)
+        await wait_for(lambda: running(cluster.node("rollout-2")), 10, "rollout-2 running a group", cluster)
+        exp2 = await mgr.srv.request("rollout-2", ExportRequest(uids=[]))
+        assert exp2.partials
+        for p in exp2.partials:
+            p.version = 1
+        placed2 = await mgr._place(exp2.partials)
+        assert placed2 == {"rollout-1": len(exp2.partials)}, placed2
+        assert mgr.metrics.counters["restarted_from_prompt"] == len(exp2.partials)
+        await wait_for(lambda: {p.uid for p in exp2.partials} <= set(stored(buf)), 30, "restarted ones finishing",
+                       cluster)  # fmt: skip
+        for p in exp2.partials:
+            t = stored(buf)[p.uid]
+            assert t.version == 3 and t.resumed >= 1
+            check_tokens(cfg, t)
+        counts = Counter(t.uid for g in buf.state.groups.values() for t in g.members.values())
+        assert max(counts.values()) == 1
+
+
+# ---- recovery ---------------------------------------------------------------------------------
+
+
+async def test_a_dead_rollouts_trajectories_resume_elsewhere_with_their_tokens(tmp_path):
+    cfg = long_config(tmp_path, rollout={"partial_chunk_tokens": 16})
+    async with LocalCluster(cfg) as cluster:
+        mgr, buf = cluster.node("manager-0"), cluster.node("buffer-0")
+        await all_running(cluster)
+        victim = cluster.node("rollout-0")
+        lost = running(victim)
+        await wait_for(lambda: all(buf.partials.records.get(u) is not None and buf.partials.records[u].length >= 32
+                                   for u in lost), 10, "tokens in the partial pool", cluster)  # fmt: skip
+        victim.say_bye = False  # a crash: no Bye, no drain
+        await cluster.kill_node("rollout-0")
+        took = await wait_for(lambda: mgr.recovery_log, 10, "recovery of rollout-0", cluster)
+        assert took < 4.0  # 2 s to declare the death, then one buffer query and one import
+        entry = mgr.recovery_log[0]
+        assert entry["rollout"] == "rollout-0" and entry["trajectories"] == 2 and entry["tokens"] >= 64, entry
+        await wait_for(lambda: lost <= set(stored(buf)), 30, "recovered trajectories finishing", cluster)
+        for uid in lost:
+            t = stored(buf)[uid]
+            assert t.rollout_id != "rollout-0" and t.resumed == 1
+            check_tokens(cfg, t)
+
+
+async def test_a_rollout_that_stops_gracefully_hands_over_its_unfinished_work(tmp_path):
+    cfg = long_config(tmp_path, transport={"stop_timeout_s": 1.0})
+    async with LocalCluster(cfg) as cluster:
+        mgr, buf = cluster.node("manager-0"), cluster.node("buffer-0")
+        await all_running(cluster)
+        left = running(cluster.node("rollout-1"))
+        await cluster.stop_node("rollout-1")  # drains for half the stop budget, then says Bye
+        await wait_for(lambda: any(e["rollout"] == "rollout-1" for e in mgr.recovery_log), 10,
+                       "recovery after the leave", cluster)  # fmt: skip
+        await wait_for(lambda: left <= set(stored(buf)), 30, "handed-over trajectories finishing", cluster)
+        assert mgr.metrics.counters["leaves"] >= 1
+        for uid in left:
+            check_tokens(cfg, stored(buf)[uid])
+
+
+async def test_a_restarted_rollout_is_readmitted_and_its_old_work_recovered(tmp_path):
+    cfg = long_config(tmp_path)
+    async with LocalCluster(cfg) as cluster:
+        mgr, buf = cluster.node("manager-0"), cluster.node("buffer-0")
+        await all_running(cluster)
+        old = running(cluster.node("rollout-2"))
+        cluster.node("rollout-2").say_bye = False
+        await cluster.kill_node("rollout-2")
+        # back at once, before its death could be noticed: a new incarnation under the same id
+        new = await cluster.add("rollout", 2)
+        await wait_for(lambda: any(e["rollout"] == "rollout-2" for e in mgr.recovery_log), 10,
+                       "recovery of the old incarnation", cluster)  # fmt: skip
+        assert mgr.metrics.counters["restarts_unnoticed"] == 1 and mgr.metrics.counters["rejoins"] >= 1
+        peer = mgr.srv.peers["rollout-2"]
+        assert peer.alive
+        await wait_for(lambda: running(new) - old, 10, "the restarted rollout taking new prompts", cluster)
+        await wait_for(lambda: old <= set(stored(buf)), 30, "the old incarnation's work finishing", cluster)
+        counts = Counter(t.uid for g in buf.state.groups.values() for t in g.members.values())
+        assert max(counts.values()) == 1
+        for uid in old:
+            check_tokens(cfg, stored(buf)[uid])
