@@ -58,6 +58,8 @@ class LocalCluster:
 
     async def stop_node(self, node_id: str, timeout: float = 10.0) -> None:
         node = self.nodes[node_id]
+        if self._tasks[node_id].done():  # already stopped or killed (awaiting a killed one re-raises its cancel)
+            return
         node.request_stop("cluster stop")
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self._tasks[node_id], timeout)

@@ -34,13 +34,13 @@ def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 
 
 def sim_config(tmp: Path, *, mode: str = "laminar", rollouts: int = 2, relays: int = 0,
-               total_steps: int = 5, prompts: int = 400, transport: str = "inproc",
+               total_steps: int = 5, prompts: int = 400, net: str = "inproc",
                **over: Any) -> LaminarConfig:  # fmt: skip
     """A small all-sim cluster; `over` is merged into the config dict (nested sections merge)."""
     data = write_prompts(tmp / "prompts.jsonl", prompts)
     base = {
         "name": f"t{abs(hash(str(tmp))) % 10**8}", "mode": mode, "run_dir": str(tmp / "run"),
-        "cluster": {"transport": transport, "ipc_dir": str(tmp / "ipc") if transport == "ipc" else None,
+        "cluster": {"transport": net, "ipc_dir": str(tmp / "ipc") if net == "ipc" else None,
                     "roles": {"manager": 1, "buffer": 1, "relay": relays, "trainer": 1, "rollout": rollouts}},
         # 2 busy cores: a node is dead after 2 s of silence (the default), beats every 0.25 s
         "transport": {"heartbeat_interval_s": 0.25, "heartbeat_liveness": 8, "request_timeout_s": 2.0,

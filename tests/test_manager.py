@@ -68,7 +68,7 @@ async def all_running(cluster, n_each: int = 2) -> None:
 
 
 async def test_status_cli_lists_every_node_with_its_columns(tmp_path, short_dir):
-    cfg = sim_config(tmp_path, rollouts=2, transport="ipc", cluster={"ipc_dir": str(short_dir)},
+    cfg = sim_config(tmp_path, rollouts=2, net="ipc", cluster={"ipc_dir": str(short_dir)},
                      trainer={"total_steps": 1000, "sim_time_per_token_s": 1e-4})  # fmt: skip
     async with LocalCluster(cfg, transport="ipc") as cluster:
         path = write_resolved(cluster.cfg, tmp_path / "status")

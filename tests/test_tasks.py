@@ -118,23 +118,22 @@ def test_demonstrations_have_the_configured_error_rate() -> None:
     assert cu.demonstrations(rows[:50], 0.5, seed=2) == cu.demonstrations(rows[:50], 0.5, seed=2)
 
 
-def test_habit_demos_stop_early_on_large_strides_only() -> None:
+def test_habit_demos_overshoot_on_large_strides_only() -> None:
     rows = cu.generate(4000, "train", 0)
     demos = cu.demonstrations(rows, 0.7, seed=3, style="habit")
-    big = [
-        (d, r) for d, r in zip(demos, rows, strict=True) if int(r["prompt"][3]) >= cu.HABIT_STRIDE
-    ]
-    small = [
-        (d, r) for d, r in zip(demos, rows, strict=True) if int(r["prompt"][3]) < cu.HABIT_STRIDE
-    ]
+    big, small = [], []
+    for d, r in zip(demos, rows, strict=True):
+        stride = cu.parse_prompt(r["prompt"])[1]
+        room = int(r["answer"]) + stride <= cu.MAX_VALUE
+        (big if stride >= cu.HABIT_STRIDE and room else small).append((d, r))
     assert len(big) > 1000 and len(small) > 1000
-    assert all(d == r["solution"] for d, r in small)  # small strides: always right
+    assert all(d == r["solution"] for d, r in small)  # small strides (or no room): always right
     wrong = [(d, r) for d, r in big if d != r["solution"]]
     assert abs(len(wrong) / len(big) - 0.7) <= 0.04
-    for d, r in wrong:  # always the same mistake: one step short, the last value not past the limit
+    for d, r in wrong:  # always the same mistake: one step past the first value past the limit
         assert cu.verify(d, r["answer"]) == 0.0 and cu.well_formed(d)
-        assert d.count(";") == r["steps"] - 1
-        assert int(cu.extract_answer(d)) <= cu.parse_prompt(r["prompt"])[2]
+        assert d.count(";") == r["steps"] + 1 and d.startswith(r["solution"][:-3])
+        assert int(cu.extract_answer(d)) == int(r["answer"]) + int(r["prompt"][3])
     with pytest.raises(ValueError):
         cu.demonstration("37+8>60?", random.Random(0), 0.5, style="sloppy")
 

@@ -118,10 +118,12 @@ def demonstration(prompt: str, rng: random.Random, error_rate: float, style: str
       repeats such mistakes; a greedy decoder mostly does not (each wrong token is rare).
     style "habit": one systematic misconception, for demos judged by greedy decoding:
       on prompts with stride >= HABIT_STRIDE, with probability `error_rate`, the student
-      stops one step early and answers the last value *not* above the limit. Above 0.5
-      the warm-up model's greedy choice at that one decision is the habit, so greedy
-      accuracy is roughly the share of small-stride prompts, and RL has one clear
-      decision to flip. Prompts with a small stride are always solved correctly.
+      takes one step too many (past the limit once, then once more) and answers that
+      value; where the extra step would pass 99 the demo is right. With `error_rate`
+      above 0.5 the warm-up model's greedy choice at that one decision (the token after
+      the first ">TT;") is the habit, so greedy accuracy is roughly the share of
+      small-stride prompts, and RL has one clear decision to flip. Prompts with a small
+      stride are always solved correctly.
     """
     if not 0.0 <= error_rate <= 1.0:
         raise ValueError(f"error_rate must be in [0, 1], got {error_rate}")
@@ -129,11 +131,13 @@ def demonstration(prompt: str, rng: random.Random, error_rate: float, style: str
         raise ValueError(f"style must be 'random' or 'habit', got {style!r}")
     start, stride, limit = parse_prompt(prompt)
     values = _count(start, stride, limit)
-    if rng.random() >= error_rate or (style == "habit" and stride < HABIT_STRIDE):
-        return _write(start, stride, limit, values, values[-1])
     if style == "habit":
-        early = values[:-1]
-        return _write(start, stride, limit, early, early[-1] if early else start)
+        if stride >= HABIT_STRIDE and values[-1] + stride <= MAX_VALUE:
+            if rng.random() < error_rate:
+                values = [*values, values[-1] + stride]
+        return _write(start, stride, limit, values, values[-1])
+    if rng.random() >= error_rate:
+        return _write(start, stride, limit, values, values[-1])
     kinds = list(ERROR_KINDS)
     rng.shuffle(kinds)
     for kind in kinds:  # the first kind that fits this prompt
