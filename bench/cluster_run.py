@@ -160,6 +160,8 @@ def probe_summary(dump: dict[str, Any], t0: float, t1: float) -> dict[str, float
 
 
 async def worker_main(cfg_path: Path, count: int, out: Path, sample_s: float) -> None:
+    import torch  # noqa: F401  the relay reader hands out torch views: import it before the clock runs
+
     from laminar.config import load_config
     from laminar.nodes.rollout import RolloutNode
     from laminar.transport.sockets import new_context
@@ -169,22 +171,23 @@ async def worker_main(cfg_path: Path, count: int, out: Path, sample_s: float) ->
     nodes = [RolloutNode(cfg, index=i, ctx=ctx) for i in range(count)]
     series: list[list[float]] = []
     probe = LoopProbe()
-    done = asyncio.Event()
 
     def on_term() -> None:
         probe.stop()
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        out.write_text(json.dumps({"series": series, "probe": probe.dump(), "max_rss_mb": rss}))  # before stopping
-        for n in nodes:
-            n.request_stop("bench done")
-        done.set()
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"series": series, "probe": probe.dump(), "max_rss_mb": rss}))
+        os.replace(tmp, out)
+        # the window is over and nothing here needs a graceful stop: exit at once (as a crash
+        # would) instead of draining 128 rollouts for seconds
+        os._exit(0)
 
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, on_term)
     tasks = [asyncio.create_task(n.run()) for n in nodes]
     probe.start()
     b = cfg.rollout.max_running
-    while not done.is_set():
+    while True:
         row = [time.time(), 0.0, 0.0, 0.0, 0.0, 0.0]  # t, tokens, busy, util, kv, ready
         for n in nodes:
             if n.engine is None or not n.ready.is_set():
@@ -196,12 +199,10 @@ async def worker_main(cfg_path: Path, count: int, out: Path, sample_s: float) ->
             row[4] += st.kv_use
             row[5] += 1
         series.append(row)
-        try:
-            await asyncio.wait_for(done.wait(), sample_s)  # the sampling timer
-        except TimeoutError:
-            pass
-    await asyncio.gather(*tasks, return_exceptions=True)
-    ctx.destroy(linger=0)
+        failed = [t for t in tasks if t.done()]
+        if failed:  # a rollout died on its own: the run is void, say why
+            raise RuntimeError(f"a rollout stopped during the run: {failed[0].exception()!r}")
+        await asyncio.sleep(sample_s)  # the sampling timer
 
 
 # ---- run: control plane in this process -------------------------------------------------------
@@ -220,6 +221,7 @@ async def run_main(mode: str, n: int, seed: int, prm: BenchParams, work: Path) -
         roles = {r: c for r, c in cfg.cluster.roles.items() if r != "rollout"}
         series_path = work / "worker.json"
         t_start = time.time()
+        load0 = os.getloadavg()
         async with LocalCluster(cfg, transport="ipc", roles=roles) as cluster:
             worker = subprocess.Popen([sys.executable, os.environ.get("LCB_WORKER", __file__), "worker", "--config", str(cfg_path), "--count", str(n),
                                        "--out", str(series_path), "--sample-s", str(prm.sample_s)],
@@ -258,6 +260,7 @@ async def run_main(mode: str, n: int, seed: int, prm: BenchParams, work: Path) -
         steps = [json.loads(x) for x in (Path(cfg.resolved_run_dir()) / "metrics.jsonl").read_text().splitlines()]
         fig = figures(steps, w["series"], manager_log, t0, t1, n)
         fig.update(mode=mode, n=n, seed=seed, startup_s=round(t_ready - t_start, 2), control=control,
+                   loadavg_1m={"start": load0[0], "end": os.getloadavg()[0]},
                    worker={**probe_summary(w["probe"], t0, t1), "max_rss_mb": w["max_rss_mb"]}, manager_counters=mgr_counters,
                    buffer={k: buf[k] for k in ("staleness_consumed", "counters") if k in buf})  # fmt: skip
         return fig

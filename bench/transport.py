@@ -120,7 +120,7 @@ def receiver(conn) -> None:
         cmd = conn.recv()
         if cmd[0] == "stop":
             break
-        _, api, endpoint, mode, warm, n = cmd
+        _, api, endpoint, mode, warm, n, (n_tokens, ids_sum) = cmd
         if api == "sync":
             sock = ctx.socket(zmq.PULL)
             sock.linger = 0
@@ -132,11 +132,11 @@ def receiver(conn) -> None:
             dt, cpu, last = asyncio.run(
                 _recv_async(actx, endpoint, mode, warm, n, lambda ep: conn.send(("ready", ep)))
             )
-        ok = (
-            isinstance(last, Trajectory) and last.response_ids[-1] == last.response_ids[-1]
-            if mode == "codec"
-            else len(last) == 5
-        )
+        if mode == "codec":  # the last message decoded into the trajectory that was sent
+            ok = isinstance(last, Trajectory) and len(last.response_ids) == n_tokens
+            ok = ok and int(last.response_ids.sum(dtype=np.int64)) == ids_sum
+        else:
+            ok = len(last) == 5 and len(last[3].buffer) == 4 * n_tokens
         conn.send(("done", dt, cpu, bool(ok)))
     ctx.destroy(linger=0)
     actx.destroy(linger=0)
@@ -147,7 +147,7 @@ def receiver(conn) -> None:
 
 def _send_sync(
     ctx: zmq.Context, endpoint: str, msg: Trajectory, frames: list[Any], mode: str, total: int
-) -> float:
+) -> tuple[float, zmq.Socket]:
     sock = ctx.socket(zmq.PUSH)
     sock.connect(endpoint)
     t0 = time.perf_counter()
@@ -197,7 +197,8 @@ def trial(
     tmp: str,
 ) -> dict:
     bind = f"ipc://{tmp}/bench.sock" if transport == "ipc" else "tcp://127.0.0.1:*"
-    conn.send(("trial", api, bind, mode, warm, n))
+    expect = (len(msg.response_ids), int(msg.response_ids.sum(dtype=np.int64)))
+    conn.send(("trial", api, bind, mode, warm, n, expect))
     tag, endpoint = conn.recv()
     assert tag == "ready"
     c0 = time.process_time()

@@ -322,6 +322,9 @@ class RelayConfig(Section):
     """Handshake deadline when checking whether a candidate upstream relay is alive."""
     upstream_grace_s: float = Field(30.0, ge=0)
     """At start, how long a relay waits for its immediate predecessor before skipping it as dead."""
+    catch_up_window_s: float = Field(10.0, ge=0)
+    """After becoming master, how long a relay polls its chain for a newer version (a push that
+    landed on the previous master while the new order was in flight)."""
     link_bytes_per_s: float | None = Field(None, gt=0)
     """Bench/test knob: pace relay-to-relay chunks to emulate a link of this bandwidth (null = full speed)."""
     inject_corrupt_chunks: list[int] = Field(default_factory=list)

@@ -65,6 +65,9 @@ if TYPE_CHECKING:
     from laminar.relay.shm import VersionState
 
 
+CATCH_UP_EVERY_S = 0.5
+
+
 class UpstreamLost(Exception):
     """The upstream stopped answering; pick another one."""
 
@@ -133,7 +136,8 @@ class ChainFollower:
         self._generation = 0
         self._given_up: set[int] = set()
         self.state = "starting"
-        self._catch_up_pending = False
+        # until then a head looks for newer versions in its chain (also a (re)started head)
+        self._catch_up_until = time.monotonic() + self.rc.catch_up_window_s if self.head else 0.0
         self._grace_until = time.monotonic() + self.rc.upstream_grace_s
 
     # ---- chain view ----------------------------------------------------------------------
@@ -164,7 +168,8 @@ class ChainFollower:
         self.endpoints = {int(k): v for k, v in endpoints.items()}
         self.dead.clear()
         was_head, self.head = self.head, bool(order) and order[0] == self.index
-        self._catch_up_pending = self.head and (not was_head or self._catch_up_pending)
+        if self.head and not was_head:
+            self._catch_up_until = time.monotonic() + self.rc.catch_up_window_s
         self.relay.log.info("chain_order", epoch=self.epoch, order=self.order, head=self.head)
         self._drop_upstream()
         self.changed.set()
@@ -173,7 +178,7 @@ class ChainFollower:
         if self.head:
             return
         self.head = True
-        self._catch_up_pending = catch_up
+        self._catch_up_until = time.monotonic() + self.rc.catch_up_window_s if catch_up else 0.0
         self.epoch += 1
         self.order = [self.index] + [
             i for i in self.order if i != self.index and i not in self.dead
@@ -311,18 +316,21 @@ class ChainFollower:
             self.changed.clear()
             if self.index not in self.order or self.head:
                 self._drop_upstream()
-                if self.head and self._catch_up_pending:
-                    self._catch_up_pending = False
-                    self.state = "catching up"
-                    await self._catch_up()
-                    self._drop_upstream()
-                    continue
                 inc = store.newest_incoming()
                 if self.head and inc is not None and inc.source == "upstream":
                     self.relay.log.warning(
                         "version_abandoned", version=inc.version, why="no upstream can finish it"
                     )
                     store.abandon(inc)
+                if self.head and time.monotonic() < self._catch_up_until:
+                    # a push may still land on the previous head (its ChainUpdate in flight):
+                    # look for newer versions in the chain for a while after taking over
+                    self.state = "catching up"
+                    await self._catch_up()
+                    self._drop_upstream()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self.changed.wait(), CATCH_UP_EVERY_S)
+                    continue
                 self.state = "head or not in chain"
                 await self.changed.wait()
                 continue
@@ -377,7 +385,8 @@ class ChainFollower:
         fetches that newer version once, so the chain does not serve an old version from its head
         until the trainer's next push."""
         r, store = self.relay, self.relay.store
-        mine = store.current.version if store.current else -1
+        newest = store.newest()
+        mine = newest.version if newest else -1
         timeout = self.rc.probe_timeout_s
 
         async def ask(idx: int) -> ChainInfo | None:

@@ -1,0 +1,286 @@
+"""Emulated-scale cluster benchmark: the real system (nodes, ZeroMQ, relay, manager, buffer) with
+sim rollout engines and a sim trainer, N = 8..128 emulated rollout GPUs on 2 CPU cores.
+
+    for repeat r, for N, for mode in (sync, one_step, stream, laminar_norepack, laminar):
+        bench/cluster_run.py run ──► control process (manager, buffer, relay, trainer; LocalCluster/ipc)
+                                      └─► worker process (N RolloutNodes with sim engines)
+        ──► figures of one window (training / generation throughput, idle fractions, KV, staleness,
+            event-loop lag and CPU of both processes)
+    ──► min/median/max over repeats, ratios per repeat (same seed in every mode of a repeat)
+    ──► cross-check: bench/simulate.py's simulate() on the very same parameters (params_from_config)
+    ──► JSON (bench/results/cluster.json), a table, a plot (bench/results/cluster.png)
+
+Workload (BenchParams in bench/cluster_run.py, documented in bench/README.md): response lengths
+lognormal with p50 = 100 and p99 = 10 x p50, capped at 1024; decode step 5 ms flat up to B = 8
+running sequences; each rollout holds 2 groups of 4 (= B); a global batch is 2 groups per rollout;
+the sim trainer spends 5e-4 / N s per consumed token (the trainer grows with the cluster), so it is
+busy about a third of the time under laminar and never the bottleneck.
+
+Run:
+    .venv/bin/python bench/cluster.py --quick --out bench/results/cluster.json     (< 10 min: N = 64)
+    .venv/bin/python bench/cluster.py                                                (N = 8..128, ~1 h)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from cluster_run import MODES, BenchParams, make_config  # noqa: E402
+
+FIGS = ("train_tok_s", "gen_tok_s", "rollout_idle_frac", "trainer_idle_frac", "decode_util", "kv_use",
+        "iteration_s")  # fmt: skip
+
+
+def mmm(xs: list[float]) -> dict[str, float]:
+    xs = [x for x in xs if x == x]  # NaN-safe
+    if not xs:
+        return {"min": float("nan"), "median": float("nan"), "max": float("nan")}
+    return {"min": min(xs), "median": statistics.median(xs), "max": max(xs)}
+
+
+def run_one(mode: str, n: int, seed: int, prm: BenchParams, keep: Path | None) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="lam-cb-") as tmp:
+        out = Path(tmp) / "fig.json"
+        cmd = [sys.executable, str(HERE / "cluster_run.py"), "run", "--mode", mode, "--n", str(n),
+               "--seed", str(seed), "--params", json.dumps(asdict(prm)), "--out", str(out)]  # fmt: skip
+        if keep is not None:
+            cmd += ["--work", str(keep / f"{mode}-n{n}-s{seed}")]
+        t0 = time.time()
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=prm.warmup_s + prm.window_s + 300)
+        if proc.returncode != 0 or not out.exists():
+            raise RuntimeError(f"{mode} N={n} seed={seed} failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
+        fig = json.loads(out.read_text())
+        fig["wall_s"] = round(time.time() - t0, 1)
+        return fig
+
+
+def merge_staleness(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    from laminar.manager.staleness import StalenessStats
+
+    st = StalenessStats()
+    for r in runs:
+        for k, v in r["staleness"]["hist"].items():
+            st.add(int(k), v)
+    return st.summary()
+
+
+def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Figures of one (N, mode) over its repeats."""
+    row: dict[str, Any] = {f: mmm([r.get(f, float("nan")) for r in runs]) for f in FIGS}
+    row["staleness"] = merge_staleness(runs)
+    row["steps_in_window"] = [r["steps_in_window"] for r in runs]
+    row["repack"] = {k: mmm([r["repack"][k] for r in runs]) for k in ("moves", "trajectories", "failed", "overhead_s_mean")}
+    row["control"] = {k: mmm([r["control"][k] for r in runs]) for k in ("cpu_frac", "lag_ms_p50", "lag_ms_p99", "lag_ms_max")}
+    row["worker"] = {k: mmm([r["worker"][k] for r in runs]) for k in ("cpu_frac", "lag_ms_p50", "lag_ms_p99", "lag_ms_max")}
+    row["loadavg_1m"] = mmm([r["loadavg_1m"]["start"] for r in runs] + [r["loadavg_1m"]["end"] for r in runs])
+    return row
+
+
+def simulate_point(prm: BenchParams, n: int, seeds: list[int]) -> dict[str, dict[str, Any]]:
+    """bench/simulate.py on the same parameters: throughput per mode (median over seeds)."""
+    from simulate import params_from_config, simulate
+
+    with tempfile.TemporaryDirectory(prefix="lam-cbs-") as tmp:
+        out: dict[str, dict[str, Any]] = {}
+        for mode in MODES:
+            cfg = make_config(mode, n, 0, prm, Path(tmp), Path(tmp))
+            p = params_from_config(cfg, n, prompt_tokens=prm.prompt_tokens)
+            rs = [simulate(mode, params=p, seed=s) for s in seeds]
+            out[mode] = {"train_tok_s": mmm([r["throughput_tok_s"] for r in rs]),
+                         "gen_tok_s": mmm([r["gen_tok_s"] for r in rs]),
+                         "rollout_idle_frac": mmm([r["rollout_idle_frac"] for r in rs]),
+                         "decode_util": mmm([r["decode_util"] for r in rs]),
+                         "trainer_busy_frac": mmm([r["trainer_busy_frac"] for r in rs])}  # fmt: skip
+        return out
+
+
+def ratios(results: dict[int, dict[str, Any]], runs: dict[tuple[int, str], list[dict]], n: int) -> dict[str, Any]:
+    """Per-repeat ratios at one N (same seed across modes), then min/median/max."""
+    def per(mode: str, base: str, fig: str) -> dict[str, float]:
+        a = {r["seed"]: r.get(fig, float("nan")) for r in runs[(n, mode)]}
+        b = {r["seed"]: r.get(fig, float("nan")) for r in runs[(n, base)]}
+        return mmm([a[s] / b[s] for s in a if s in b and b[s]])
+
+    out = {f"{m}_vs_sync": per(m, "sync", "train_tok_s") for m in MODES if m != "sync"}
+    out["laminar_vs_stream"] = per("laminar", "stream", "train_tok_s")
+    out["repack_vs_norepack_gen"] = per("laminar", "laminar_norepack", "gen_tok_s")
+    out["repack_vs_norepack_train"] = per("laminar", "laminar_norepack", "train_tok_s")
+    return out
+
+
+def cross_check(emu: dict[str, Any], sim: dict[str, Any], emu_ratios: dict[str, Any]) -> dict[str, Any]:
+    """Throughput ratios (mode / sync, and repack / no repack) in emulation vs simulation."""
+    out = {}
+    sync_sim = sim["sync"]["train_tok_s"]["median"]
+    for m in MODES:
+        if m == "sync":
+            continue
+        e = emu_ratios[f"{m}_vs_sync"]["median"]
+        s = sim[m]["train_tok_s"]["median"] / sync_sim
+        out[f"{m}_vs_sync"] = {"emulation": e, "simulation": s, "rel_err": abs(e - s) / s}
+    e = emu_ratios["repack_vs_norepack_gen"]["median"]
+    s = sim["laminar"]["gen_tok_s"]["median"] / sim["laminar_norepack"]["gen_tok_s"]["median"]
+    out["repack_vs_norepack_gen"] = {"emulation": e, "simulation": s, "rel_err": abs(e - s) / s}
+    return out
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=HERE,
+                              timeout=10).stdout.strip() or "unknown"  # fmt: skip
+    except OSError:
+        return "unknown"
+
+
+def print_table(results: dict[int, dict[str, Any]], rat: dict[int, dict[str, Any]]) -> None:
+    print(f"\n{'N':>4} {'mode':>16} {'train tok/s':>12} {'gen tok/s':>10} {'vs sync':>8} {'ro idle':>7} "
+          f"{'tr idle':>7} {'util':>5} {'KV':>5} {'stale p50/max':>13} {'lag p99 ms':>10} {'cpu':>9}")  # fmt: skip
+    for n, rows in results.items():
+        for mode, row in rows.items():
+            vs = 1.0 if mode == "sync" else rat[n][f"{mode}_vs_sync"]["median"]
+            st, c, w = row["staleness"], row["control"], row["worker"]
+            lag = max(c["lag_ms_p99"]["median"], w["lag_ms_p99"]["median"])
+            cpu = f"{c['cpu_frac']['median']:.2f}/{w['cpu_frac']['median']:.2f}"
+            print(f"{n:>4} {mode:>16} {row['train_tok_s']['median']:>12.0f} {row['gen_tok_s']['median']:>10.0f} "
+                  f"{vs:>7.2f}x {row['rollout_idle_frac']['median']:>7.2f} {row['trainer_idle_frac']['median']:>7.2f} "
+                  f"{row['decode_util']['median']:>5.2f} {row['kv_use']['median']:>5.3f} "
+                  f"{st['p50']:>6}/{st['max']:<6} {lag:>10.0f} {cpu:>9}")  # fmt: skip
+
+
+def plot(results: dict[int, dict[str, Any]], sims: dict[int, dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ns = sorted(results)
+    fig, ax = plt.subplots(2, 2, figsize=(11, 8))
+    for mode in MODES:
+        med = [results[n][mode]["train_tok_s"]["median"] for n in ns]
+        lo = [results[n][mode]["train_tok_s"]["min"] for n in ns]
+        hi = [results[n][mode]["train_tok_s"]["max"] for n in ns]
+        ax[0, 0].errorbar(ns, med, yerr=[[m - a for m, a in zip(med, lo)], [b - m for m, b in zip(med, hi)]],
+                          marker="o", capsize=3, label=mode)  # fmt: skip
+        ax[1, 0].plot(ns, [results[n][mode]["rollout_idle_frac"]["median"] for n in ns], marker="o", label=mode)
+        emu = [results[n][mode]["train_tok_s"]["median"] / results[n]["sync"]["train_tok_s"]["median"] for n in ns]
+        sim = [sims[n][mode]["train_tok_s"]["median"] / sims[n]["sync"]["train_tok_s"]["median"] for n in ns]
+        line = ax[0, 1].plot(ns, emu, marker="o", label=f"{mode} (emulated)")[0]
+        ax[0, 1].plot(ns, sim, ls="--", color=line.get_color(), marker="x")
+    ax[0, 0].set(title="training throughput (tokens consumed / s)", xlabel="emulated rollout GPUs (N)")
+    ax[0, 1].set(title="throughput / sync: emulated (solid) vs simulate.py (dashed)", xlabel="N")
+    ax[1, 0].set(title="rollout idle fraction", xlabel="N", ylim=(0, 1))
+    n0 = 64 if 64 in results else ns[-1]
+    for i, mode in enumerate(("one_step", "stream", "laminar_norepack", "laminar")):
+        hist = results[n0][mode]["staleness"]["hist"]
+        xs = sorted(int(k) for k in hist)
+        tot = sum(hist.values()) or 1
+        ax[1, 1].bar([x + (i - 1.5) * 0.2 for x in xs], [hist[str(x)] / tot for x in xs], width=0.2, label=mode)
+    ax[1, 1].set(title=f"staleness at consumption, N={n0}", xlabel="trainer version - trajectory version")
+    for a in ax.flat:
+        a.legend(fontsize=7)
+        a.grid(alpha=0.3)
+    for a in (ax[0, 0], ax[0, 1], ax[1, 0]):
+        a.set_xscale("log", base=2)
+        a.set_xticks(ns, [str(n) for n in ns])
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="N = 64 only, 3 repeats, shorter windows (< 10 min)")
+    ap.add_argument("--out", type=Path, default=HERE / "results" / "cluster.json")
+    ap.add_argument("--plot", type=Path, default=HERE / "results" / "cluster.png")
+    ap.add_argument("--ns", type=int, nargs="+", default=None, help="emulated rollout counts")
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--params", default="{}", help="JSON overrides of BenchParams")
+    ap.add_argument("--keep", type=Path, default=None, help="keep every run's directory here")
+    args = ap.parse_args(argv)
+    if set(args.modes) != set(MODES):
+        ap.error("the summary needs every mode; run cluster_run.py directly for one mode")
+    ns = args.ns or ([64] if args.quick else [8, 16, 32, 64, 128])
+    repeats = args.repeats or 3
+    prm = BenchParams(**({"warmup_s": 6.0, "window_s": 18.0} if args.quick else {}))
+    prm = replace(prm, **json.loads(args.params))
+    t_start = time.time()
+    load0 = os.getloadavg()
+    runs: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    total = len(ns) * len(MODES) * repeats
+    k = 0
+    for seed in range(repeats):  # modes interleaved, so slow drifts of the machine hit every mode alike
+        for n in ns:
+            for mode in MODES:
+                k += 1
+                fig = run_one(mode, n, seed, prm, args.keep)
+                runs.setdefault((n, mode), []).append(fig)
+                print(f"[{k}/{total}] N={n} {mode} seed={seed}: train {fig['train_tok_s']:.0f} tok/s, gen "
+                      f"{fig.get('gen_tok_s', float('nan')):.0f} tok/s, {fig['wall_s']} s", file=sys.stderr, flush=True)  # fmt: skip
+    results = {n: {m: aggregate(runs[(n, m)]) for m in MODES} for n in ns}
+    rat = {n: ratios(results, runs, n) for n in ns}
+    print("cross-checking with bench/simulate.py ...", file=sys.stderr, flush=True)
+    sims = {n: simulate_point(prm, n, list(range(repeats))) for n in ns}
+    checks = {n: cross_check(results[n], sims[n], rat[n]) for n in ns}
+    print_table(results, rat)
+    n0 = 64 if 64 in ns else max(ns)
+    errs = [c["rel_err"] for per_n in checks.values() for c in per_n.values()]
+    summary = {
+        f"laminar_vs_sync_{n0}": rat[n0]["laminar_vs_sync"]["median"],
+        f"laminar_vs_stream_{n0}": rat[n0]["laminar_vs_stream"]["median"],
+        "repack_vs_norepack": rat[n0]["repack_vs_norepack_gen"]["median"],
+        "repack_vs_norepack_train": rat[n0]["repack_vs_norepack_train"]["median"],
+        "repack_kv_use": {"laminar": results[n0]["laminar"]["kv_use"]["median"],
+                          "laminar_norepack": results[n0]["laminar_norepack"]["kv_use"]["median"]},
+        "repack_gen_tok_s": {"laminar": results[n0]["laminar"]["gen_tok_s"]["median"],
+                             "laminar_norepack": results[n0]["laminar_norepack"]["gen_tok_s"]["median"]},
+        "laminar_ge_norepack_at": {str(n): rat[n]["repack_vs_norepack_train"]["median"] >= 1.0 for n in ns},
+        "laminar_vs_sync": {str(n): rat[n]["laminar_vs_sync"]["median"] for n in ns},
+        "sim_vs_emulation_max_rel_err": max(errs),
+        "sim_vs_emulation_rel_err": {str(n): {k: round(v["rel_err"], 3) for k, v in c.items()} for n, c in checks.items()},
+        "max_loop_lag_ms_p99": max(max(r["control"]["lag_ms_p99"]["max"], r["worker"]["lag_ms_p99"]["max"])
+                                   for rows in results.values() for r in rows.values()),
+        "max_cpu_frac": max(max(r["control"]["cpu_frac"]["max"], r["worker"]["cpu_frac"]["max"])
+                            for rows in results.values() for r in rows.values()),
+        "wall_s": round(time.time() - t_start, 1),
+    }  # fmt: skip
+    summary[f"laminar_vs_sync_{n0}_ge_2"] = summary[f"laminar_vs_sync_{n0}"] >= 2.0
+    print("\nsummary:", json.dumps(summary, indent=1))
+    doc = {
+        "bench": "cluster",
+        "config": {"quick": args.quick, "ns": ns, "modes": list(MODES), "repeats": repeats, "params": asdict(prm),
+                   "seeds": list(range(repeats))},
+        "machine": {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(),
+                    "loadavg_1m_start": load0[0], "loadavg_1m_end": os.getloadavg()[0]},
+        "git_commit": git_commit(),
+        "results": {str(n): rows for n, rows in results.items()},
+        "ratios": {str(n): r for n, r in rat.items()},
+        "simulation": {str(n): s for n, s in sims.items()},
+        "cross_check": {str(n): c for n, c in checks.items()},
+        "runs": {f"{n}/{m}": rs for (n, m), rs in runs.items()},
+        "summary": summary,
+    }  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=1))
+    plot(results, sims, args.plot)
+    print(f"wrote {args.out} and {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
