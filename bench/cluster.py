@@ -43,7 +43,7 @@ sys.path.insert(0, str(HERE))
 from cluster_run import MODES, BenchParams, make_config  # noqa: E402
 
 FIGS = ("train_tok_s", "gen_tok_s", "rollout_idle_frac", "trainer_idle_frac", "decode_util", "kv_use",
-        "iteration_s")  # fmt: skip
+        "iteration_s", "trainer_push_s_median")  # fmt: skip
 
 
 def mmm(xs: list[float]) -> dict[str, float]:
@@ -91,21 +91,36 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return row
 
 
-def simulate_point(prm: BenchParams, n: int, seeds: list[int]) -> dict[str, dict[str, Any]]:
-    """bench/simulate.py on the same parameters: throughput per mode (median over seeds)."""
+def measured_latencies(runs: list[dict[str, Any]], mode: str) -> dict[str, float]:
+    """What the emulation measured that the simulator needs as inputs: a rollout's weight load
+    (relay pull; in global modes the whole update waits for it) and the trainer's push stall."""
+    loads = [r["weight_load_s"]["mean"] for r in runs if r.get("weight_load_s")]
+    pushes = [r["trainer_push_s_median"] for r in runs if r.get("trainer_push_s_median") == r.get("trainer_push_s_median")]
+    load = statistics.median(loads) if loads else 0.0
+    push = statistics.median(pushes) if pushes else 0.0
+    if mode.startswith("laminar"):
+        return {"relay_pull_s": load, "actor_push_s": push}
+    return {"global_update_s": load}
+
+
+def simulate_point(prm: BenchParams, n: int, seeds: list[int],
+                   runs: dict[tuple[int, str], list[dict]] | None = None) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """bench/simulate.py on the same parameters: throughput per mode (min/median/max over seeds).
+    With `runs`, the weight-load and push latencies the emulation measured go in as well."""
     from simulate import params_from_config, simulate
 
     with tempfile.TemporaryDirectory(prefix="lam-cbs-") as tmp:
         out: dict[str, dict[str, Any]] = {}
         for mode in MODES:
             cfg = make_config(mode, n, 0, prm, Path(tmp), Path(tmp))
-            p = params_from_config(cfg, n, prompt_tokens=prm.prompt_tokens)
+            lat = measured_latencies(runs[(n, mode)], mode) if runs else {}
+            p = params_from_config(cfg, n, prompt_tokens=prm.prompt_tokens, **lat)
             rs = [simulate(mode, params=p, seed=s) for s in seeds]
             out[mode] = {"train_tok_s": mmm([r["throughput_tok_s"] for r in rs]),
                          "gen_tok_s": mmm([r["gen_tok_s"] for r in rs]),
                          "rollout_idle_frac": mmm([r["rollout_idle_frac"] for r in rs]),
                          "decode_util": mmm([r["decode_util"] for r in rs]),
-                         "trainer_busy_frac": mmm([r["trainer_busy_frac"] for r in rs])}  # fmt: skip
+                         "trainer_busy_frac": mmm([r["trainer_busy_frac"] for r in rs]), "latencies": lat}  # fmt: skip
         return out
 
 
@@ -174,7 +189,7 @@ def plot(results: dict[int, dict[str, Any]], sims: dict[int, dict[str, Any]], pa
         med = [results[n][mode]["train_tok_s"]["median"] for n in ns]
         lo = [results[n][mode]["train_tok_s"]["min"] for n in ns]
         hi = [results[n][mode]["train_tok_s"]["max"] for n in ns]
-        ax[0, 0].errorbar(ns, med, yerr=[[m - a for m, a in zip(med, lo)], [b - m for m, b in zip(med, hi)]],
+        ax[0, 0].errorbar(ns, med, yerr=[[m - a for m, a in zip(med, lo, strict=True)], [b - m for m, b in zip(med, hi, strict=True)]],
                           marker="o", capsize=3, label=mode)  # fmt: skip
         ax[1, 0].plot(ns, [results[n][mode]["rollout_idle_frac"]["median"] for n in ns], marker="o", label=mode)
         emu = [results[n][mode]["train_tok_s"]["median"] / results[n]["sync"]["train_tok_s"]["median"] for n in ns]
@@ -217,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("the summary needs every mode; run cluster_run.py directly for one mode")
     ns = args.ns or ([64] if args.quick else [8, 16, 32, 64, 128])
     repeats = args.repeats or 3
-    prm = BenchParams(**({"warmup_s": 6.0, "window_s": 18.0} if args.quick else {}))
+    prm = BenchParams(**({"warmup_s": 6.0, "window_s": 18.0} if args.quick else {}))  # quick: ~30 s a run
     prm = replace(prm, **json.loads(args.params))
     t_start = time.time()
     load0 = os.getloadavg()
@@ -235,8 +250,10 @@ def main(argv: list[str] | None = None) -> int:
     results = {n: {m: aggregate(runs[(n, m)]) for m in MODES} for n in ns}
     rat = {n: ratios(results, runs, n) for n in ns}
     print("cross-checking with bench/simulate.py ...", file=sys.stderr, flush=True)
-    sims = {n: simulate_point(prm, n, list(range(repeats))) for n in ns}
+    sims = {n: simulate_point(prm, n, list(range(repeats)), runs) for n in ns}
+    sims_ideal = {n: simulate_point(prm, n, list(range(repeats))) for n in ns}
     checks = {n: cross_check(results[n], sims[n], rat[n]) for n in ns}
+    checks_ideal = {n: cross_check(results[n], sims_ideal[n], rat[n]) for n in ns}
     print_table(results, rat)
     n0 = 64 if 64 in ns else max(ns)
     errs = [c["rel_err"] for per_n in checks.values() for c in per_n.values()]
@@ -253,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         "laminar_vs_sync": {str(n): rat[n]["laminar_vs_sync"]["median"] for n in ns},
         "sim_vs_emulation_max_rel_err": max(errs),
         "sim_vs_emulation_rel_err": {str(n): {k: round(v["rel_err"], 3) for k, v in c.items()} for n, c in checks.items()},
+        "sim_vs_emulation_max_rel_err_zero_latency": max(c["rel_err"] for per_n in checks_ideal.values() for c in per_n.values()),
         "max_loop_lag_ms_p99": max(max(r["control"]["lag_ms_p99"]["max"], r["worker"]["lag_ms_p99"]["max"])
                                    for rows in results.values() for r in rows.values()),
         "max_cpu_frac": max(max(r["control"]["cpu_frac"]["max"], r["worker"]["cpu_frac"]["max"])
@@ -271,7 +289,9 @@ def main(argv: list[str] | None = None) -> int:
         "results": {str(n): rows for n, rows in results.items()},
         "ratios": {str(n): r for n, r in rat.items()},
         "simulation": {str(n): s for n, s in sims.items()},
+        "simulation_zero_latency": {str(n): s for n, s in sims_ideal.items()},
         "cross_check": {str(n): c for n, c in checks.items()},
+        "cross_check_zero_latency": {str(n): c for n, c in checks_ideal.items()},
         "runs": {f"{n}/{m}": rs for (n, m), rs in runs.items()},
         "summary": summary,
     }  # fmt: skip

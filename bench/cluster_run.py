@@ -81,14 +81,19 @@ class BenchParams:
         return cls(**{k: v for k, v in d.items() if k in names})
 
 
+def write_prompts(path: Path, rows: int, tokens: int = 32) -> Path:
+    """Distinct prompts of exactly `tokens` byte ids (no model: the buffer encodes bytes)."""
+    filler = "x" * max(0, tokens - 8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"prompt": f"p{i:06d} {filler}"}) + "\n" for i in range(rows)))
+    return path
+
+
 def make_config(mode: str, n: int, seed: int, prm: BenchParams, work: Path, ipc_dir: Path):
     """The laminar config of one run (mode laminar_norepack = laminar with repack off)."""
     from laminar.config import config_from_dict
 
-    data = work / "prompts.jsonl"
-    filler = "x" * max(0, prm.prompt_tokens - 8)
-    rows = 40 * n * prm.credits + 4000  # more than any window consumes: the run never runs dry
-    data.write_text("".join(json.dumps({"prompt": f"p{i:06d} {filler}"}) + "\n" for i in range(rows)))
+    data = write_prompts(work / "prompts.jsonl", 40 * n * prm.credits + 4000, prm.prompt_tokens)
     cap = prm.max_tokens
     return config_from_dict({
         "name": f"cb{os.getpid()}", "mode": "laminar" if mode.startswith("laminar") else mode, "seed": seed,
@@ -160,7 +165,7 @@ def probe_summary(dump: dict[str, Any], t0: float, t1: float) -> dict[str, float
 
 
 async def worker_main(cfg_path: Path, count: int, out: Path, sample_s: float) -> None:
-    import torch  # noqa: F401  the relay reader hands out torch views: import it before the clock runs
+    import importlib
 
     from laminar.config import load_config
     from laminar.nodes.rollout import RolloutNode
@@ -173,10 +178,20 @@ async def worker_main(cfg_path: Path, count: int, out: Path, sample_s: float) ->
     probe = LoopProbe()
 
     def on_term() -> None:
+        from laminar.metrics import reduce_partials
+
         probe.stop()
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        parts = reduce_partials([n.metrics.snapshot(reset=False) for n in nodes])
+        counters: dict[str, int] = {}
+        for n in nodes:
+            for k, v in n.metrics.counters.items():
+                counters[k] = counters.get(k, 0) + v
+        load = parts.get("weight_load_s")
+        doc = {"series": series, "probe": probe.dump(), "max_rss_mb": rss, "counters": counters,
+               "weight_load_s": {"mean": load.mean, "max": load.max, "count": load.count} if load else None}  # fmt: skip
         tmp = out.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"series": series, "probe": probe.dump(), "max_rss_mb": rss}))
+        tmp.write_text(json.dumps(doc))
         os.replace(tmp, out)
         # the window is over and nothing here needs a graceful stop: exit at once (as a crash
         # would) instead of draining 128 rollouts for seconds
@@ -184,7 +199,11 @@ async def worker_main(cfg_path: Path, count: int, out: Path, sample_s: float) ->
 
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, on_term)
+    # the relay reader hands out torch views: import torch now, in a thread, while the nodes start,
+    # rather than on the event loop at the first weight load (seconds with every rollout frozen)
+    importer = asyncio.ensure_future(asyncio.to_thread(importlib.import_module, "torch"))
     tasks = [asyncio.create_task(n.run()) for n in nodes]
+    await importer
     probe.start()
     b = cfg.rollout.max_running
     while True:
@@ -208,64 +227,88 @@ async def worker_main(cfg_path: Path, count: int, out: Path, sample_s: float) ->
 # ---- run: control plane in this process -------------------------------------------------------
 
 
-async def run_main(mode: str, n: int, seed: int, prm: BenchParams, work: Path) -> dict[str, Any]:
-    import torch  # noqa: F401  the sim trainer imports it at its first step: not inside the window
-
-    from laminar.cluster import LocalCluster
+async def run_main(mode: str, n: int, seed: int, prm: BenchParams, work: Path,
+                   done: Any = None) -> dict[str, Any]:  # fmt: skip
+    """One run; `done(fig)` is called with the figures before the control plane is stopped (the
+    CLI writes them and exits there: after the window nothing needs a graceful stop)."""
     from laminar.config import write_resolved
 
     ipc_dir = Path(tempfile.mkdtemp(prefix="lcb-", dir="/tmp"))  # short: unix socket paths are limited
+    worker: subprocess.Popen | None = None
     try:
         cfg = make_config(mode, n, seed, prm, work, ipc_dir)
         cfg_path = write_resolved(cfg)
-        roles = {r: c for r, c in cfg.cluster.roles.items() if r != "rollout"}
         series_path = work / "worker.json"
         t_start = time.time()
         load0 = os.getloadavg()
-        async with LocalCluster(cfg, transport="ipc", roles=roles) as cluster:
-            worker = subprocess.Popen([sys.executable, os.environ.get("LCB_WORKER", __file__), "worker", "--config", str(cfg_path), "--count", str(n),
-                                       "--out", str(series_path), "--sample-s", str(prm.sample_s)],
-                                      stderr=open(work / "worker.log", "w"))  # fmt: skip
-            try:
-                manager = cluster.node("manager-0")
-                deadline = time.monotonic() + 180
-                while len(manager._live("rollout")) < n:  # registration has no event of its own: poll
-                    cluster.check()
-                    if worker.poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError(f"{n} rollouts did not register (worker rc={worker.poll()}), see {work}/worker.log")
-                    await asyncio.sleep(0.2)
-                t_ready = time.time()
-                probe = LoopProbe()
-                probe.start()
-                await asyncio.sleep(prm.warmup_s)  # warm-up: the first batches are a synchronised start
-                t0 = time.time()
-                await asyncio.sleep(prm.window_s)  # the measurement window itself
-                t1 = time.time()
-                probe.stop()
-                control = probe_summary(probe.dump(), t0, t1)
-                control["max_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        # the worker first: its imports overlap ours, and its nodes wait for the services to come up
+        worker = subprocess.Popen([sys.executable, os.environ.get("LCB_WORKER", __file__), "worker", "--config",
+                                   str(cfg_path), "--count", str(n), "--out", str(series_path),
+                                   "--sample-s", str(prm.sample_s)], stderr=open(work / "worker.log", "w"))  # fmt: skip
+        def finish(fig: dict[str, Any]) -> None:
+            fig.update(mode=mode, n=n, seed=seed, startup_s=round(fig.pop("t_ready") - t_start, 2),
+                       loadavg_1m={"start": load0[0], "end": os.getloadavg()[0]}, params=asdict(prm))  # fmt: skip
+            if done is not None:
+                shutil.rmtree(ipc_dir, ignore_errors=True)
+                done(fig)
+
+        fig = await _control(cfg, n, prm, worker, series_path, finish)
+        return fig
+    finally:
+        if worker is not None and worker.poll() is None:
+            worker.kill()
+            worker.wait()
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
+async def _control(cfg: Any, n: int, prm: BenchParams, worker: subprocess.Popen, series_path: Path,
+                   finish: Any) -> dict[str, Any]:  # fmt: skip
+    """Start the control plane, wait for the N rollouts, measure the window, stop the worker."""
+    # (no torch import here: the trainer imports it in a thread while it starts)
+    from laminar.cluster import LocalCluster
+
+    roles = {r: c for r, c in cfg.cluster.roles.items() if r != "rollout"}
+    async with LocalCluster(cfg, transport="ipc", roles=roles) as cluster:
+        try:
+            manager = cluster.node("manager-0")
+            deadline = time.monotonic() + 180
+            while len(manager._live("rollout")) < n:  # registration has no event of its own: poll
                 cluster.check()
-                manager_log = list(manager.repack_log)
-                mgr_counters = dict(manager.metrics.counters)
-                buf = cluster.node("buffer-0").stats()
-            finally:
-                if worker.poll() is None:
-                    worker.send_signal(signal.SIGTERM)
-                try:
-                    await asyncio.get_running_loop().run_in_executor(None, worker.wait, 30)
-                except subprocess.TimeoutExpired:
-                    worker.kill()
-                    worker.wait()
+                if worker.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"{n} rollouts did not register (worker rc={worker.poll()}), "
+                                       f"see {series_path.parent}/worker.log")  # fmt: skip
+                await asyncio.sleep(0.2)
+            t_ready = time.time()
+            probe = LoopProbe()
+            probe.start()
+            await asyncio.sleep(prm.warmup_s)  # warm-up: the first batches are a synchronised start
+            t0 = time.time()
+            await asyncio.sleep(prm.window_s)  # the measurement window itself
+            t1 = time.time()
+            probe.stop()
+            control = probe_summary(probe.dump(), t0, t1)
+            control["max_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            cluster.check()
+            manager_log = list(manager.repack_log)
+            mgr_counters = dict(manager.metrics.counters)
+            buf = cluster.node("buffer-0").stats()
+        finally:
+            if worker.poll() is None:
+                worker.send_signal(signal.SIGTERM)  # it writes its series and exits at once
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, worker.wait, 30)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+                worker.wait()
         w = json.loads(series_path.read_text())
         steps = [json.loads(x) for x in (Path(cfg.resolved_run_dir()) / "metrics.jsonl").read_text().splitlines()]
         fig = figures(steps, w["series"], manager_log, t0, t1, n)
-        fig.update(mode=mode, n=n, seed=seed, startup_s=round(t_ready - t_start, 2), control=control,
-                   loadavg_1m={"start": load0[0], "end": os.getloadavg()[0]},
-                   worker={**probe_summary(w["probe"], t0, t1), "max_rss_mb": w["max_rss_mb"]}, manager_counters=mgr_counters,
+        fig.update(t_ready=t_ready, control=control, weight_load_s=w["weight_load_s"], rollout_counters=w["counters"],
+                   worker={**probe_summary(w["probe"], t0, t1), "max_rss_mb": w["max_rss_mb"]},
+                   manager_counters=mgr_counters,
                    buffer={k: buf[k] for k in ("staleness_consumed", "counters") if k in buf})  # fmt: skip
-        return fig
-    finally:
-        shutil.rmtree(ipc_dir, ignore_errors=True)
+        finish(fig)
+    return fig
 
 
 def figures(steps: list[dict], series: list[list[float]], repack_log: list[dict], t0: float, t1: float,
@@ -284,6 +327,8 @@ def figures(steps: list[dict], series: list[list[float]], repack_log: list[dict]
         out["iteration_s"] = (win[-1]["time"] - start) / len(win)
     else:
         out["train_tok_s"], out["iteration_s"] = 0.0, float("nan")
+    push = sorted(s["push_s"] for s in win if s.get("push_s") is not None)
+    out["trainer_push_s_median"] = push[len(push) // 2] if push else float("nan")
     busy = sum(min(s["time"], t1) - max(s["time"] - s["compute_s"], t0) for s in steps
                if s["time"] - s["compute_s"] < t1 and s["time"] > t0)  # fmt: skip
     out["trainer_idle_frac"] = max(0.0, 1 - busy / (t1 - t0))
@@ -316,6 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--count", type=int, required=True)
     w.add_argument("--out", type=Path, required=True)
     w.add_argument("--sample-s", type=float, default=0.1)
+    pr = sub.add_parser("prompts", help="write the bench's prompt file (for configs/emulated_*.yaml)")
+    pr.add_argument("path", type=Path)
+    pr.add_argument("--rows", type=int, default=200_000)
     r = sub.add_parser("run")
     r.add_argument("--mode", choices=MODES, required=True)
     r.add_argument("--n", type=int, required=True)
@@ -325,6 +373,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
 
+    if args.cmd == "prompts":
+        print(write_prompts(args.path, args.rows, BenchParams().prompt_tokens))
+        return 0
     from laminar.launch import _use_uvloop
     from laminar.logs import configure_logging
 
@@ -336,14 +387,20 @@ def main(argv: list[str] | None = None) -> int:
     prm = BenchParams.from_dict(json.loads(args.params))
     work = args.work or Path(tempfile.mkdtemp(prefix="lam-cluster-"))
     work.mkdir(parents=True, exist_ok=True)
-    try:
-        fig = asyncio.run(run_main(args.mode, args.n, args.seed, prm, work))
-        fig["params"] = asdict(prm)
+
+    def done(fig: dict[str, Any]) -> None:
         args.out.write_text(json.dumps(fig, indent=1))
+        if args.work is None:
+            shutil.rmtree(work, ignore_errors=True)
+        sys.stdout.flush()
+        os._exit(0)  # the window is measured: skip the graceful stop of the control plane
+
+    try:
+        asyncio.run(run_main(args.mode, args.n, args.seed, prm, work, done))
     finally:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)
-    return 0
+    return 1  # only reached when the run failed before its figures
 
 
 if __name__ == "__main__":

@@ -65,7 +65,9 @@ class LocalCluster:
             await asyncio.wait_for(self._tasks[node_id], timeout)
 
     async def kill_node(self, node_id: str) -> None:
-        """Abrupt death for tests: cancel the node without draining (sockets closed)."""
+        """Abrupt death for tests: cancel the node without draining and without a Bye,
+        so its peers see a death (missed heartbeats), not a departure."""
+        self.nodes[node_id].say_bye = False
         task = self._tasks[node_id]
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):

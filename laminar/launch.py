@@ -57,7 +57,13 @@ def node_main(role: str, config: str | None, overrides: list[str], index: int = 
     cls = node_class(role)
 
     async def amain() -> None:
-        nodes = [cls(cfg, index=i) for i in range(index, index + count)]
+        # several nodes in one process (emulated scale) share one zmq context: one I/O thread, not N
+        ctx = None
+        if count > 1:
+            from laminar.transport.sockets import new_context
+
+            ctx = new_context()
+        nodes = [cls(cfg, index=i, ctx=ctx) for i in range(index, index + count)]
         parent = os.environ.get("LAMINAR_PARENT_PID")
         watcher = asyncio.create_task(_watch_parent(nodes, int(parent))) if parent else None
         try:
@@ -65,6 +71,8 @@ def node_main(role: str, config: str | None, overrides: list[str], index: int = 
         finally:
             if watcher:
                 watcher.cancel()
+            if ctx is not None:
+                ctx.destroy(linger=0)
 
     _use_uvloop()
     try:

@@ -7,6 +7,17 @@ import sys
 
 import structlog
 
+class _CurrentStderr:
+    """Write to whatever sys.stderr is *now* (test runners and daemons swap it out), never to a
+    stream captured at configure time that may since have been closed."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
 
@@ -24,7 +35,7 @@ def configure_logging(level: str = "info", json_logs: bool | None = None) -> Non
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),
         cache_logger_on_first_use=False,
     )
 

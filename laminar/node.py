@@ -115,8 +115,11 @@ class Node:
         exc = task.exception()
         if exc is not None and self.failure is None:
             self.failure = exc
-            self.log.error("task_died", task=task.get_name(), error=f"{type(exc).__name__}: {exc}", exc_info=exc)
-            self.request_stop(f"task {task.get_name()} died")
+            self.request_stop(f"task {task.get_name()} died")  # first: a failing log call must not block the stop
+            try:
+                self.log.error("task_died", task=task.get_name(), error=f"{type(exc).__name__}: {exc}", exc_info=exc)
+            except Exception:  # noqa: BLE001 - logging is best effort here
+                pass
         elif exc is None and task is self._main_task:
             # main() returning is the node's work being done (e.g. the trainer's last step)
             self.request_stop("main finished")
@@ -137,8 +140,8 @@ class Node:
     def request_stop(self, reason: str = "requested") -> None:
         if not self.stopping.is_set():
             self.stop_reason = reason
-            self.log.info("stopping", reason=reason)
             self.stopping.set()
+            self.log.info("stopping", reason=reason)
 
     async def wait_ready(self, timeout: float) -> None:
         await asyncio.wait_for(self.ready.wait(), timeout)

@@ -81,3 +81,25 @@ async def test_laminar_with_max_staleness_1_never_consumes_older(tmp_path):
     check_exactly_once(cfg, steps)
     hist = staleness_hist(metrics)
     assert hist and max(hist) <= 1, hist
+
+
+@pytest.mark.parametrize("n", [64, 128])
+def test_emulated_configs_are_the_cluster_bench_workload(tmp_path, n):
+    """configs/emulated_N.yaml runs by hand what bench/cluster.py measures (laminar mode)."""
+    import sys
+    from pathlib import Path
+
+    from laminar.config import load_config
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "bench"))
+    from cluster_run import BenchParams, make_config
+
+    bench = make_config("laminar", n, 0, BenchParams(), tmp_path, tmp_path).model_dump()
+    conf = load_config(root / "configs" / f"emulated_{n}.yaml").model_dump()
+    for section in ("rollout", "buffer"):
+        assert conf[section] == bench[section], section
+    for key in ("engine", "batch_groups", "sim_time_per_token_s"):
+        assert conf["trainer"][key] == pytest.approx(bench["trainer"][key]), key
+    assert conf["manager"]["repack"] == bench["manager"]["repack"]
+    assert conf["cluster"]["roles"] == bench["cluster"]["roles"] and conf["mode"] == bench["mode"]

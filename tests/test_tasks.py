@@ -88,6 +88,7 @@ def test_solution_lengths_are_long_tailed() -> None:
         ("#", 0.0),
         ("x#y 61", 0.0),  # garbage
         ("#53;#61", 0.0),  # the first '#' commits the answer
+        ("#;#61", 0.0),  # ... even when nothing follows it
         ("37+8=45<60;#061", 1.0),  # zero padding does not matter
     ],
 )
@@ -105,6 +106,7 @@ def test_reward_components_and_none_without_reference() -> None:
     assert cu.reward(prompt, "garbage", answer="61") == {"reward": 0.0, "format": 0.0}
     assert cu.reward(prompt, "#61") is None
     assert cu.reward(prompt, "#61", answer=None, steps=3) is None
+    assert cu.reward(prompt, "#61", answer=None, ground_truth=61) == {"reward": 1.0, "format": 1.0}
 
 
 def test_demonstrations_have_the_configured_error_rate() -> None:

@@ -60,7 +60,7 @@ HABIT_STRIDE = 5
 
 _PROMPT = re.compile(r"^(\d\d)\+(\d)>(\d\d)\?$")
 _CHAIN = re.compile(r"^(?:\d\d\+\d=\d\d[<=>]\d\d;)*#\d+$")
-_ANSWER = re.compile(r"#\s*(\d+)")
+_ANSWER = re.compile(r"\s*(\d+)")
 
 
 def make_prompt(start: int, stride: int, limit: int) -> str:
@@ -180,7 +180,8 @@ def _mistake(
 
 def extract_answer(completion: str) -> str | None:
     """The digits after the first '#' (the answer is committed there), or None."""
-    m = _ANSWER.search(completion)
+    at = completion.find("#")
+    m = _ANSWER.match(completion, at + 1) if at >= 0 else None
     return m.group(1) if m else None
 
 
@@ -200,7 +201,8 @@ def well_formed(completion: str) -> bool:
 
 def reward(prompt: str, completion: str, **row: Any) -> dict[str, float] | None:
     """{"reward": correct final answer, "format": well-formed chain}; None without a reference."""
-    ref = row.get("answer", row.get("ground_truth"))
+    ref = row.get("answer")
+    ref = row.get("ground_truth") if ref is None else ref
     if ref is None or str(ref).strip() == "":
         return None
     return {"reward": verify(completion, ref), "format": float(well_formed(completion))}

@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import os
 import shutil
+import weakref
 from pathlib import Path
 
 import zmq
 import zmq.auth
 from zmq.auth.asyncio import AsyncioAuthenticator
 
-_AUTHENTICATORS: dict[int, AsyncioAuthenticator] = {}
+# Keyed by the context object itself (weakly), never by id(): a dead context's id can be reused
+# by a new one, which would then run without an authenticator and accept any client key.
+_AUTHENTICATORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def generate_keys(keys_dir: str | os.PathLike, name: str = "node") -> tuple[Path, Path]:
@@ -48,8 +51,9 @@ class Security:
 
     def ensure_authenticator(self, ctx: zmq.Context) -> None:
         """One ZAP authenticator per context, allowing only keys in authorized/."""
-        key = id(ctx)
-        if key in _AUTHENTICATORS:
+        key = ctx
+        auth = _AUTHENTICATORS.get(key)
+        if auth is not None and getattr(auth, "zap_socket", None) is not None:
             return
         auth = AsyncioAuthenticator(ctx)
         auth.start()
@@ -69,7 +73,7 @@ class Security:
 
 
 def stop_authenticators() -> None:
-    for auth in _AUTHENTICATORS.values():
+    for auth in list(_AUTHENTICATORS.values()):
         auth.stop()
     _AUTHENTICATORS.clear()
 
