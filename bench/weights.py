@@ -10,7 +10,10 @@ itself (as the manager would) to choose chains of 1, 2, 4 and 8 relays.
 
 Figures (min/median/max over repeats, all measured in this run):
   stall_s[k]        trainer stall of one push with k relays in the chain (two passes, k up
-                    then down, `repeats` pushes each, so machine drift hits every k), the chain idle
+                    then down, so machine drift hits every k), the chain idle and settled
+                    (--settle s after the previous broadcast: the relays' cleanup of 1 GB of
+                    frames and pages must not run inside the trainer's memcpy, as it never
+                    would with one relay per host; --settle 0 measures that contention)
                     when the push starts (a relay on another host costs the trainer nothing;
                     on this 2-core box a still-running broadcast would steal the trainer's
                     CPU, which `stall_busy8_s` shows separately).
@@ -102,11 +105,15 @@ class Bench:
         await self.procs.set_chain(list(range(k)), self.epoch)
         self.k = k
 
-    async def push(self, reset: bool = True) -> tuple[float, float]:
+    async def push(self, reset: bool = True, settle_s: float = 0.0) -> tuple[float, float]:
         """One push into the idle chain; returns (stall, commit -> last relay ready)."""
         if reset:  # downstream relays drop their version but keep the slot: no new page faults
             for i in range(1, self.k):
                 await self.procs._rpc(i, RelayReset(keep_spare=True), timeout=10)
+        if settle_s:  # let the relays' post-broadcast cleanup (frees, GC) end: on 2 shared cores it
+            await asyncio.sleep(
+                settle_s
+            )  # would run inside the trainer's memcpy; across hosts it never does
         self.version += 1
         self.state[next(iter(self.state))].view(-1)[0] += 1  # a new version differs
         stall = await self.pusher.push(self.version, self.state)
@@ -152,7 +159,9 @@ def _cluster(root: Path, name: str, extra: dict) -> RelayProcs:
     return RelayProcs(root / name, N_RELAYS, ov).start()
 
 
-async def run_size(nbytes: int, repeats: int, root: Path, link_divisor: float, log) -> dict:
+async def run_size(
+    nbytes: int, repeats: int, root: Path, link_divisor: float, settle_s: float, log
+) -> dict:
     stall_repeats = (
         repeats if repeats < 3 else repeats + 2
     )  # stalls are short and noisy: more samples
@@ -171,7 +180,7 @@ async def run_size(nbytes: int, repeats: int, root: Path, link_divisor: float, l
                 await b.chain(k)
                 for _ in range(2):  # warm-up: slots created, mappings cached
                     await b.push()
-                runs[k] += [await b.push() for _ in range(stall_repeats)]
+                runs[k] += [await b.push(settle_s=settle_s) for _ in range(stall_repeats)]
                 log(f"  {nbytes >> 20} MB k={k}: stall {statistics.median(s for s, _ in runs[k]):.3f}s "
                     f"bcast {statistics.median(c for _, c in runs[k]):.3f}s")  # fmt: skip
         for k, r in runs.items():
@@ -300,6 +309,8 @@ def main() -> int:
         default=12.0,
         help="emulated link = unthrottled hop speed / this",
     )
+    ap.add_argument("--settle", type=float, default=1.0,
+                    help="seconds between a broadcast's end and the next stall-measured push (0: none)")  # fmt: skip
     ap.add_argument("--out", default="bench/results/weights.json")
     args = ap.parse_args()
     sizes = [100 << 20, 256 << 20] if args.quick else [100 << 20, 1 << 30]
@@ -315,7 +326,7 @@ def main() -> int:
         for nbytes in sizes:
             log(f"size {nbytes >> 20} MB")
             results["sizes"][str(nbytes)] = asyncio.run(
-                run_size(nbytes, repeats, root, args.link_divisor, log)
+                run_size(nbytes, repeats, root, args.link_divisor, args.settle, log)
             )
         results["delta"] = asyncio.run(run_delta(root, 64 << 20, repeats, log))
     finally:
@@ -339,7 +350,7 @@ def main() -> int:
         ],  # fmt: skip
     }
     doc = {"bench": "weights", "config": {"sizes": sizes, "repeats": repeats, "relays": N_RELAYS, "quick": args.quick,
-                                          "link_divisor": args.link_divisor},
+                                          "link_divisor": args.link_divisor, "settle_s": args.settle},
            "machine": machine(), "git_commit": git_commit(), "elapsed_s": time.time() - t_start,
            "summary": summary, "results": results}  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
