@@ -197,7 +197,7 @@ def plot(results: dict[int, dict[str, Any]], sims: dict[int, dict[str, Any]], pa
         line = ax[0, 1].plot(ns, emu, marker="o", label=f"{mode} (emulated)")[0]
         ax[0, 1].plot(ns, sim, ls="--", color=line.get_color(), marker="x")
     ax[0, 0].set(title="training throughput (tokens consumed / s)", xlabel="emulated rollout GPUs (N)")
-    ax[0, 1].set(title="throughput / sync: emulated (solid) vs simulate.py (dashed)", xlabel="N")
+    ax[0, 1].set(title="throughput / sync: emulated (o, solid) vs simulate.py (x, dashed)", xlabel="N")
     ax[1, 0].set(title="rollout idle fraction", xlabel="N", ylim=(0, 1))
     n0 = 64 if 64 in results else ns[-1]
     for i, mode in enumerate(("one_step", "stream", "laminar_norepack", "laminar")):
@@ -237,16 +237,30 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.time()
     load0 = os.getloadavg()
     runs: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    failed: list[dict[str, Any]] = []
     total = len(ns) * len(MODES) * repeats
     k = 0
     for seed in range(repeats):  # modes interleaved, so slow drifts of the machine hit every mode alike
         for n in ns:
             for mode in MODES:
                 k += 1
-                fig = run_one(mode, n, seed, prm, args.keep)
+                for attempt in (1, 2):  # one retry: a run can die of the machine (e.g. a start-up timeout)
+                    try:
+                        fig = run_one(mode, n, seed, prm, args.keep)
+                        break
+                    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                        print(f"[{k}/{total}] N={n} {mode} seed={seed} attempt {attempt} failed: {exc}",
+                              file=sys.stderr, flush=True)  # fmt: skip
+                        fig = None
+                if fig is None:
+                    failed.append({"n": n, "mode": mode, "seed": seed})
+                    continue
                 runs.setdefault((n, mode), []).append(fig)
                 print(f"[{k}/{total}] N={n} {mode} seed={seed}: train {fig['train_tok_s']:.0f} tok/s, gen "
                       f"{fig.get('gen_tok_s', float('nan')):.0f} tok/s, {fig['wall_s']} s", file=sys.stderr, flush=True)  # fmt: skip
+    ns = [n for n in ns if all(runs.get((n, m)) for m in MODES)]  # a scale with a mode missing cannot compare
+    if not ns:
+        raise SystemExit(f"no scale has every mode measured; failed runs: {failed}")
     results = {n: {m: aggregate(runs[(n, m)]) for m in MODES} for n in ns}
     rat = {n: ratios(results, runs, n) for n in ns}
     print("cross-checking with bench/simulate.py ...", file=sys.stderr, flush=True)
@@ -293,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         "cross_check": {str(n): c for n, c in checks.items()},
         "cross_check_zero_latency": {str(n): c for n, c in checks_ideal.items()},
         "runs": {f"{n}/{m}": rs for (n, m), rs in runs.items()},
+        "failed_runs": failed,
         "summary": summary,
     }  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -85,7 +85,9 @@ def staleness_hist(metrics: list[dict[str, Any]]) -> dict[int, int]:
     return out
 
 
-async def wait_for(cond: Any, timeout: float, what: str, cluster: Any = None, every: float = 0.05) -> float:
+async def wait_for(
+    cond: Any, timeout: float, what: str, cluster: Any = None, every: float = 0.05
+) -> float:
     """Poll `cond` (a state with no event of its own) against a deadline; returns the time it took."""
     loop = asyncio.get_running_loop()
     t0 = loop.time()

@@ -22,7 +22,6 @@ since its last checkpoint. Tests stop only the processes they started, by pid.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -111,7 +110,9 @@ class Procs:
                 p.wait()
 
     def logs(self) -> str:
-        return "\n".join(f"--- {f.name}\n{f.read_text()[-3000:]}" for f in sorted(self.tmp.glob("*.log")))
+        return "\n".join(
+            f"--- {f.name}\n{f.read_text()[-3000:]}" for f in sorted(self.tmp.glob("*.log"))
+        )
 
     # ---- what the nodes wrote -------------------------------------------------------------
     def timeline(self) -> list[dict]:
@@ -144,7 +145,10 @@ class Procs:
 
     def wait_all_registered(self) -> None:
         want = {"buffer-0", "trainer-0", "rollout-0", "rollout-1", "rollout-2", "rollout-3"}
-        self.wait(lambda: want <= {k for k, e in self.status().items() if e.alive}, "every node registered")
+        self.wait(
+            lambda: want <= {k for k, e in self.status().items() if e.alive},
+            "every node registered",
+        )
 
     def wait_trainer_done(self) -> None:
         self.wait(lambda: self.procs["trainer"].poll() == 0, "the trainer finishing the epoch")
@@ -161,7 +165,9 @@ class Procs:
         groups = Counter(u.rpartition("/")[0] for u in uids)
         assert set(groups.values()) == {GROUP}, "a consumed group was not whole"
         prompts = Counter(g.split("@")[0] for g in groups)
-        assert len(prompts) == PROMPTS and set(prompts.values()) == {1}, "a prompt was lost or consumed twice"
+        assert len(prompts) == PROMPTS and set(prompts.values()) == {1}, (
+            "a prompt was lost or consumed twice"
+        )
         self.check_journal(len(groups))
         return eff
 
@@ -180,7 +186,11 @@ class Procs:
             journal.close()
         s = state.summary()
         assert s["held"] == 0 and s["pending"] == 0 and s["outstanding_batches"] == 0, s
-        assert s.get("groups_committed") == n_groups and not s.get("groups_dropped") and not s.get("abandoned"), s
+        assert (
+            s.get("groups_committed") == n_groups
+            and not s.get("groups_dropped")
+            and not s.get("abandoned")
+        ), s
 
 
 @pytest.fixture
@@ -191,7 +201,9 @@ def procs(tmp_path, short_dir):
 
 
 def events(p: Procs, kind: str, node: str) -> list[dict]:
-    return [e for e in p.timeline() if e["event"] == kind and e.get("node", e.get("rollout")) == node]
+    return [
+        e for e in p.timeline() if e["event"] == kind and e.get("node", e.get("rollout")) == node
+    ]
 
 
 def test_killed_rollout_is_detected_within_3s_its_work_recovered_and_it_rejoins(procs):
@@ -200,14 +212,21 @@ def test_killed_rollout_is_detected_within_3s_its_work_recovered_and_it_rejoins(
     procs.wait(lambda: len(procs.steps()) >= 2 and procs.status()["rollout-0"].status.inflight > 0,
                "training under way, rollout-0 generating")  # fmt: skip
     t_kill = procs.kill9("rollout-0")
-    dead = procs.wait(lambda: events(procs, "dead", "rollout-0"), "the manager declaring rollout-0 dead", 10)
+    dead = procs.wait(
+        lambda: events(procs, "dead", "rollout-0"), "the manager declaring rollout-0 dead", 10
+    )
     detect_s = dead[0]["t"] - t_kill
     print(f"death detected {detect_s:.2f} s after kill -9")
     assert detect_s <= 3.0
-    rec = procs.wait(lambda: events(procs, "recovery", "rollout-0"), "recovery of rollout-0's trajectories", 15)
+    rec = procs.wait(
+        lambda: events(procs, "recovery", "rollout-0"), "recovery of rollout-0's trajectories", 15
+    )
     assert rec[0]["trajectories"] >= 1 and rec[0]["orphans"] == 0, rec
     procs.start("rollout-0", "rollout", 0)  # the same node comes back: re-admitted, takes new work
-    procs.wait(lambda: [e for e in events(procs, "join", "rollout-0") if e.get("rejoin")], "rollout-0 rejoining")
+    procs.wait(
+        lambda: [e for e in events(procs, "join", "rollout-0") if e.get("rejoin")],
+        "rollout-0 rejoining",
+    )
     procs.wait(lambda: [e for e in events(procs, "rollout", "rollout-0") if e["t"] > dead[0]["t"] and e["inflight"]],
                "the rejoined rollout generating")  # fmt: skip
     procs.wait_trainer_done()
@@ -243,7 +262,9 @@ def test_killed_trainer_resumes_from_its_checkpoint_while_rollouts_keep_generati
 
     s0, h0 = procs.wait(lambda: (served(), held()), "buffer status")
     # the outage: rollouts keep generating, the buffer keeps accepting finished trajectories
-    procs.wait(lambda: held() > h0 + GROUP, "the buffer accepting trajectories without a trainer", 20)
+    procs.wait(
+        lambda: held() > h0 + GROUP, "the buffer accepting trajectories without a trainer", 20
+    )
     assert served() >= s0
     procs.start("trainer", "trainer")  # trainer.resume=auto: from the newest checkpoint in run_dir
     procs.wait_trainer_done()

@@ -20,7 +20,7 @@ import numpy as np
 
 from laminar.cluster import LocalCluster
 from laminar.config import write_resolved
-from laminar.engines.sim import sim_tokens, _hash64
+from laminar.engines.sim import _hash64, sim_tokens
 from laminar.protocol.rollout import ExportRequest, RefreshRequest
 from tests.sim_cluster import merge, sim_config, wait_for
 
@@ -47,7 +47,9 @@ def running(node) -> set[str]:
 def check_tokens(cfg, t) -> None:
     """A trajectory that moved keeps exactly the tokens it would have had without moving."""
     assert len(t.response_ids) == LENGTH and len(t.logprobs) == LENGTH
-    ids, lps = sim_tokens(_hash64("tok", cfg.rollout.sim.seed, t.uid), 0, LENGTH, cfg.rollout.sim.vocab_size)
+    ids, lps = sim_tokens(
+        _hash64("tok", cfg.rollout.sim.seed, t.uid), 0, LENGTH, cfg.rollout.sim.vocab_size
+    )
     np.testing.assert_array_equal(t.response_ids, ids)
     np.testing.assert_array_equal(t.logprobs, lps)
 
@@ -72,7 +74,9 @@ async def test_status_cli_lists_every_node_with_its_columns(tmp_path, short_dir)
                      trainer={"total_steps": 1000, "sim_time_per_token_s": 1e-4})  # fmt: skip
     async with LocalCluster(cfg, transport="ipc") as cluster:
         path = write_resolved(cluster.cfg, tmp_path / "status")
-        await wait_for(lambda: cluster.node("trainer-0").version >= 1, 30, "a trainer step", cluster)
+        await wait_for(
+            lambda: cluster.node("trainer-0").version >= 1, 30, "a trainer step", cluster
+        )
         await all_ready(cluster)
 
         async def cli(*extra: str) -> str:
@@ -89,12 +93,22 @@ async def test_status_cli_lists_every_node_with_its_columns(tmp_path, short_dir)
     rows = {r["node"]: r for r in doc["nodes"]}
     assert set(rows) == {"buffer-0", "trainer-0", "rollout-0", "rollout-1"}
     for r in rows.values():
-        assert {"node", "role", "alive", "version", "kv_use", "inflight", "staleness", "last_beat_s", "pid"} <= set(r)
+        assert {
+            "node",
+            "role",
+            "alive",
+            "version",
+            "kv_use",
+            "inflight",
+            "staleness",
+            "last_beat_s",
+            "pid",
+        } <= set(r)
         assert r["alive"] and 0 <= r["last_beat_s"] < 5 and r["role"] == r["node"].split("-")[0]
     for name in ("rollout-0", "rollout-1"):
         r = rows[name]
         assert 0.0 <= r["kv_use"] <= 1.0 and r["version"] >= 0 and r["inflight"] >= 0
-        assert r["staleness"] == doc["trainer_version"] - r["version"] or r["staleness"] >= 0
+        assert r["staleness"] == doc["trainer_version"] - r["version"]  # versions behind the trainer
     assert rows["trainer-0"]["version"] >= 1
     lines = table.strip().splitlines()
     assert lines[0].split() == ["node", "role", "alive", "version", "kv_use", "inflight", "staleness",
@@ -129,7 +143,12 @@ async def test_repack_consolidates_draining_rollouts_and_frees_the_sources(tmp_p
         # the emptied sources take new prompts at once (same version: nothing to load first)
         await wait_for(lambda: all(running(rollouts[k]) and not running(rollouts[k]) & moved
                                    for k in entry["emptied"]), 10, "sources running new groups", cluster)  # fmt: skip
-        await wait_for(lambda: moved | before[dest] <= set(stored(buf)), 30, "moved trajectories finishing", cluster)
+        await wait_for(
+            lambda: moved | before[dest] <= set(stored(buf)),
+            30,
+            "moved trajectories finishing",
+            cluster,
+        )
         done = stored(buf)
         for uid in moved:
             assert done[uid].rollout_id == dest and done[uid].resumed == 1
@@ -137,7 +156,39 @@ async def test_repack_consolidates_draining_rollouts_and_frees_the_sources(tmp_p
         assert mgr.metrics.counters.get("restarted_from_prompt", 0) == 0
 
 
-async def test_a_stale_destination_falls_back_and_an_unheld_version_restarts_from_the_prompt(tmp_path):
+async def test_repack_fires_on_its_own_while_rollouts_drain_long_tails(tmp_path):
+    """No trainer, so no new versions: rollouts refill their credits as groups finish, and the
+    periodic rounds find the ones draining a group's tail (running < B, nothing waiting, KV not
+    rising since the last round) and consolidate them. Moved trajectories keep their tokens."""
+    cfg = sim_config(tmp_path, rollouts=6, cluster={"roles": {"trainer": 0}},
+                     rollout={"credits": 2, "group_size": 4, "partial_chunk_tokens": 32, "sampling": {"max_tokens": 600},
+                              "sim": {"step_time_s": 0.002, "length_p50": 40, "length_p99_over_p50": 10,
+                                      "kv_capacity_tokens": 8 * 620}},
+                     manager={"repack": {"interval_s": 0.25}})  # fmt: skip
+    async with LocalCluster(cfg) as cluster:
+        mgr, buf = cluster.node("manager-0"), cluster.node("buffer-0")
+        await wait_for(lambda: sum(e["trajectories"] for e in mgr.repack_log) >= 8, 30, "repack rounds moving work",
+                       cluster)  # fmt: skip
+        moved_rounds = [e for e in mgr.repack_log if e["moves"]]
+        assert all(e["failed"] == 0 for e in moved_rounds), moved_rounds
+        await asyncio.sleep(2.0)  # let the moved tails finish (they are at most 600 steps of 2 ms)
+        done = stored(buf)
+        resumed = [t for t in done.values() if t.resumed]
+        assert resumed, "no moved trajectory finished"
+        for t in resumed:
+            ids, lps = sim_tokens(_hash64("tok", cfg.rollout.sim.seed, t.uid), 0, len(t.response_ids),
+                                  cfg.rollout.sim.vocab_size)  # fmt: skip
+            np.testing.assert_array_equal(t.response_ids, ids)
+            np.testing.assert_array_equal(t.logprobs, lps)
+    print(
+        f"{len(moved_rounds)} rounds moved {sum(e['trajectories'] for e in moved_rounds)} trajectories; "
+        f"{len(resumed)} of them finished after the move"
+    )
+
+
+async def test_a_stale_destination_falls_back_and_an_unheld_version_restarts_from_the_prompt(
+    tmp_path,
+):
     cfg = long_config(tmp_path)
     async with LocalCluster(cfg) as cluster:
         mgr, buf = cluster.node("manager-0"), cluster.node("buffer-0")
@@ -158,8 +209,12 @@ async def test_a_stale_destination_falls_back_and_an_unheld_version_restarts_fro
         for p in exp.partials:
             check_tokens(cfg, stored(buf)[p.uid])
         # a version nobody holds any more: start over from the prompt on a rollout of the newest version
-        await wait_for(lambda: mgr.srv.peers["rollout-1"].status.version == 3, 5, "a fresh beat", cluster)
-        await wait_for(lambda: running(cluster.node("rollout-2")), 10, "rollout-2 running a group", cluster)
+        await wait_for(
+            lambda: mgr.srv.peers["rollout-1"].status.version == 3, 5, "a fresh beat", cluster
+        )
+        await wait_for(
+            lambda: running(cluster.node("rollout-2")), 10, "rollout-2 running a group", cluster
+        )
         exp2 = await mgr.srv.request("rollout-2", ExportRequest(uids=[]))
         assert exp2.partials
         for p in exp2.partials:
@@ -194,8 +249,12 @@ async def test_a_dead_rollouts_trajectories_resume_elsewhere_with_their_tokens(t
         took = await wait_for(lambda: mgr.recovery_log, 10, "recovery of rollout-0", cluster)
         assert took < 4.0  # 2 s to declare the death, then one buffer query and one import
         entry = mgr.recovery_log[0]
-        assert entry["rollout"] == "rollout-0" and entry["trajectories"] == 2 and entry["tokens"] >= 64, entry
-        await wait_for(lambda: lost <= set(stored(buf)), 30, "recovered trajectories finishing", cluster)
+        assert (
+            entry["rollout"] == "rollout-0" and entry["trajectories"] == 2 and entry["tokens"] >= 64
+        ), entry
+        await wait_for(
+            lambda: lost <= set(stored(buf)), 30, "recovered trajectories finishing", cluster
+        )
         for uid in lost:
             t = stored(buf)[uid]
             assert t.rollout_id != "rollout-0" and t.resumed == 1
@@ -211,7 +270,9 @@ async def test_a_rollout_that_stops_gracefully_hands_over_its_unfinished_work(tm
         await cluster.stop_node("rollout-1")  # drains for half the stop budget, then says Bye
         await wait_for(lambda: any(e["rollout"] == "rollout-1" for e in mgr.recovery_log), 10,
                        "recovery after the leave", cluster)  # fmt: skip
-        await wait_for(lambda: left <= set(stored(buf)), 30, "handed-over trajectories finishing", cluster)
+        await wait_for(
+            lambda: left <= set(stored(buf)), 30, "handed-over trajectories finishing", cluster
+        )
         assert mgr.metrics.counters["leaves"] >= 1
         for uid in left:
             check_tokens(cfg, stored(buf)[uid])
@@ -229,11 +290,17 @@ async def test_a_restarted_rollout_is_readmitted_and_its_old_work_recovered(tmp_
         new = await cluster.add("rollout", 2)
         await wait_for(lambda: any(e["rollout"] == "rollout-2" for e in mgr.recovery_log), 10,
                        "recovery of the old incarnation", cluster)  # fmt: skip
-        assert mgr.metrics.counters["restarts_unnoticed"] == 1 and mgr.metrics.counters["rejoins"] >= 1
+        assert (
+            mgr.metrics.counters["restarts_unnoticed"] == 1 and mgr.metrics.counters["rejoins"] >= 1
+        )
         peer = mgr.srv.peers["rollout-2"]
         assert peer.alive
-        await wait_for(lambda: running(new) - old, 10, "the restarted rollout taking new prompts", cluster)
-        await wait_for(lambda: old <= set(stored(buf)), 30, "the old incarnation's work finishing", cluster)
+        await wait_for(
+            lambda: running(new) - old, 10, "the restarted rollout taking new prompts", cluster
+        )
+        await wait_for(
+            lambda: old <= set(stored(buf)), 30, "the old incarnation's work finishing", cluster
+        )
         counts = Counter(t.uid for g in buf.state.groups.values() for t in g.members.values())
         assert max(counts.values()) == 1
         for uid in old:

@@ -31,7 +31,14 @@ async def run_mode(tmp_path, mode: str, **over):
     # a step takes ~0.1 s (1 ms per token) and the buffer holds 16 trajectories (finished or
     # generating): the backlog stays short, so what is consumed shows whether rollouts refreshed
     over.setdefault("buffer", {}).setdefault("capacity", 16)
-    cfg = sim_config(tmp_path, mode=mode, rollouts=3, total_steps=STEPS, trainer={"sim_time_per_token_s": 1e-3}, **over)
+    cfg = sim_config(
+        tmp_path,
+        mode=mode,
+        rollouts=3,
+        total_steps=STEPS,
+        trainer={"sim_time_per_token_s": 1e-3},
+        **over,
+    )
     async with LocalCluster(cfg) as cluster:
         await cluster.wait_trainer(timeout=90)
         buffer_stats = cluster.node("buffer-0").stats()
@@ -41,7 +48,12 @@ async def run_mode(tmp_path, mode: str, **over):
 
 def traj_versions(metrics) -> set[int]:
     """Versions of the consumed trajectories: step k (trainer at version k - 1) with staleness s."""
-    return {m["version"] - 1 - int(k.split("/")[1]) for m in metrics for k in m if k.startswith("staleness_hist/")}
+    return {
+        m["version"] - 1 - int(k.split("/")[1])
+        for m in metrics
+        for k in m
+        if k.startswith("staleness_hist/")
+    }
 
 
 def check_exactly_once(cfg, steps) -> None:
@@ -54,7 +66,13 @@ def check_exactly_once(cfg, steps) -> None:
 
 @pytest.mark.parametrize(
     ("mode", "relays", "bound"),
-    [("sync", 0, 0), ("one_step", 0, 1), ("stream", 0, 1), ("laminar", 0, None), ("laminar", 1, None)],
+    [
+        ("sync", 0, 0),
+        ("one_step", 0, 1),
+        ("stream", 0, 1),
+        ("laminar", 0, None),
+        ("laminar", 1, None),
+    ],
     ids=["sync", "one_step", "stream", "laminar", "laminar-relay"],
 )
 async def test_mode_runs_and_staleness_matches_definition(tmp_path, mode, relays, bound):
@@ -62,7 +80,9 @@ async def test_mode_runs_and_staleness_matches_definition(tmp_path, mode, relays
     check_exactly_once(cfg, steps)
     hist = staleness_hist(metrics)
     consumed_n = sum(len(s["uids"]) for s in steps)
-    assert sum(hist.values()) == consumed_n, "staleness must be reported for every consumed trajectory"
+    assert sum(hist.values()) == consumed_n, (
+        "staleness must be reported for every consumed trajectory"
+    )
     assert buf["staleness_consumed"]["count"] == consumed_n
     if bound is not None:
         assert max(hist) <= bound, f"{mode}: staleness {hist} exceeds its bound {bound}"

@@ -27,7 +27,8 @@ a commit, a requeue, a drop.
 Prompts. Served only while admission (mode, staleness bound, laminar/buffer/
 admission.py) and capacity (held + generating + n <= buffer.capacity) allow;
 otherwise reason full | staleness | need_version (+ min_version) | epochs_done | empty
-with retry_after_s. A retry with the same (rollout_id, request_id) gets the same groups.
+| global_update (modes with global updates: no work at a new version while older groups
+are still generating, so the update reaches every rollout at once) with retry_after_s. A retry with the same (rollout_id, request_id) gets the same groups.
 
 Run: laminar node --role buffer --config configs/skeleton.yaml
 """
@@ -212,6 +213,13 @@ class BufferNode(Node):
         wait = bc.retry_after_s
         if self.pool is None:
             return PromptReply(retry_after_s=wait, reason="empty")
+        if self.admission.policy.global_update and any(
+            g.state == OPEN and g.version < req.version for g in st.groups.values()
+        ):
+            # sync / one_step / stream: a new version reaches every rollout at once, once all of
+            # them drained (NCCL-style): no work at it while older groups are still generating
+            self.metrics.count("prompts_refused_global_update")
+            return PromptReply(retry_after_s=wait, reason="global_update")
         n = self.cfg.rollout.group_size
         room = (bc.capacity - st.held - st.pending) // n
         dec = admit(self.admission, rollout_version=req.version, requested=max(0, req.max_groups),

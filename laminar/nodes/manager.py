@@ -77,13 +77,18 @@ class ManagerNode(Node):
         self.chain_order: list[int] = []
         self.repack_log: list[dict[str, Any]] = []
         self.recovery_log: list[dict[str, Any]] = []
+        self._timeline = None
+        if self.cfg.manager.timeline_interval_s > 0:  # open before anyone can join: no event is missed
+            path = self.cfg.resolved_run_dir() / "timeline.jsonl"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._timeline = open(path, "a", buffering=1)
+            self.on_close(self._timeline.close)
         self.srv = self.server(self.cfg.bind_endpoint("manager"), on_peer_dead=self._on_dead, on_peer_join=self._on_join)
         self.srv.on(StatusRequest, self._on_status)
         self.srv.on(VersionPublished, self._on_version)
         await self.srv.start()
         self._buffer = None
         self._relay_clients: dict[int, Any] = {}
-        self._timeline = None
         self._chain_lock = asyncio.Lock()
         self._incarnation: dict[str, tuple[Any, Any]] = {}
         """rollout id -> (pid, start time) of the incarnation last seen (rejoin detection)."""
@@ -148,6 +153,8 @@ class ManagerNode(Node):
                 self.metrics.count("leaves")
                 self._event("left", node=node_id, role="rollout")
                 self._queue_recovery(node_id, "left")
+        for p in self._live("rollout"):  # declared dead, then heard from again (a long stall): a member again
+            self._rollouts_seen.add(p.node_id)
 
     def members(self) -> list[NodeEntry]:
         now = time.monotonic()
@@ -183,14 +190,10 @@ class ManagerNode(Node):
 
     # ---- timeline (report.png's utilisation panel, bench idle fractions) -------------------
     def _event(self, kind: str, **fields: Any) -> None:
-        if self._timeline is not None:
+        if self._timeline is not None and not self._timeline.closed:  # (closed while stopping)
             self._timeline.write(json.dumps({"t": round(time.time(), 3), "event": kind, **fields}) + "\n")
 
     async def _timeline_loop(self) -> None:
-        path = self.cfg.resolved_run_dir() / "timeline.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._timeline = open(path, "a", buffering=1)
-        self.on_close(self._timeline.close)
         while True:
             await asyncio.sleep(self.cfg.manager.timeline_interval_s)  # a sampling timer
             for p in self._live("rollout"):
