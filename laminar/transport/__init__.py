@@ -1,5 +1,13 @@
 """Transport: the only package that imports zmq (codec, sockets, security, weight transports)."""
 
-from laminar.transport.codec import PROTOCOL_VERSION, Arr, Message, ProtocolError, decode, encode, message
+from laminar.transport.codec import (
+    PROTOCOL_VERSION,
+    Arr,
+    Message,
+    ProtocolError,
+    decode,
+    encode,
+    message,
+)
 
 __all__ = ["PROTOCOL_VERSION", "Arr", "Message", "ProtocolError", "decode", "encode", "message"]
