@@ -1,13 +1,21 @@
 """Supervised warm-up of a tiny policy on (prompt, completion) demonstrations.
 
     pairs = [(prompt, demo) for ...]                     # deliberately imperfect demos
-    path = sft_warmup("runs/demo/policy0", pairs, alphabet=ALPHABET, steps=600)
+    path = sft_warmup("runs/demo/policy0", pairs, alphabet=ALPHABET, steps=1500)
+
+    pairs ─► char ids ─► length-bucketed batches (little padding) ─► AdamW, warm-up + constant lr
+          ─► HF directory (+ warmup.json: recipe fingerprint, steps, loss, wall and CPU seconds)
 
 The loss covers completion tokens only (prompt tokens are context), the
-completion ends with EOS so the model learns to stop. The result is a normal HF
-directory (config.json, model.safetensors, tokenizer.json) that the trainer and
-the rollouts load like any other model; a `warmup.json` beside it records what
-was trained so a later run reuses it when nothing changed.
+completion ends with EOS so the model learns to stop. Batches are cut from
+length-sorted pools: on count-up's long-tailed lengths a random batch of 32 pads
+to ~5800 tokens, a bucketed one to ~1600 (1530 real), so a step costs ~3.7x less.
+The defaults (lr 1e-3 constant, batch 32, no weight decay) learned count-up's sums
+and comparisons fastest among the recipes measured for the 0.6M demo model.
+The result is a normal HF directory (config.json, model.safetensors,
+tokenizer.json) that the trainer and the rollouts load like any other model; a
+`warmup.json` beside it records what was trained so a later run reuses it when
+nothing changed.
 """
 
 from __future__ import annotations
@@ -41,15 +49,38 @@ def encode_pair(tok, prompt: str, completion: str) -> tuple[list[int], int]:
     return p + c, len(p)
 
 
+def length_batches(lengths: Sequence[int], batch_size: int, rng: random.Random, pool: int = 2048) -> list[list[int]]:
+    """One epoch of index batches with little padding: shuffle, sort each pool by length, cut, shuffle the cuts."""
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    batches: list[list[int]] = []
+    for i in range(0, len(order), pool):
+        chunk = sorted(order[i : i + pool], key=lambda j: lengths[j])
+        batches += [chunk[k : k + batch_size] for k in range(0, len(chunk), batch_size)]
+    rng.shuffle(batches)
+    return batches
+
+
+def lr_factor(step: int, steps: int, warmup_steps: int, schedule: str) -> float:
+    """Linear warm-up, then constant ("constant") or cosine down to 0.1 ("cosine")."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    t = (step - warmup_steps) / max(1, steps - warmup_steps)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
+
+
 def sft_warmup(
     out_dir: str | Path,
     pairs: Sequence[tuple[str, str]],
     alphabet: str,
     model_kw: dict[str, Any] | None = None,
-    steps: int = 600,
+    steps: int = 1500,
     batch_size: int = 32,
-    lr: float = 3e-3,
+    lr: float = 1e-3,
     warmup_steps: int = 30,
+    schedule: str = "constant",
     seed: int = 0,
     time_budget_s: float | None = None,
     log_every: int = 50,
@@ -57,11 +88,15 @@ def sft_warmup(
 ) -> Path:
     """Train a fresh tiny model on the pairs (reused if `out_dir` holds the same run)."""
     import torch
+    import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
+    if schedule not in ("constant", "cosine"):
+        raise ValueError(f"schedule must be 'constant' or 'cosine', got {schedule!r}")
     out = Path(out_dir)
     model_kw = dict(model_kw or {})
-    meta = {"alphabet": alphabet, "model": model_kw, "steps": steps, "batch": batch_size, "lr": lr, "seed": seed}
+    meta = {"alphabet": alphabet, "model": model_kw, "steps": steps, "batch": batch_size, "lr": lr, "seed": seed,
+            "warmup_steps": warmup_steps, "schedule": schedule, "recipe": 2}  # fmt: skip
     fp = _fingerprint(pairs, meta)
     stamp = out / "warmup.json"
     if stamp.exists() and json.loads(stamp.read_text()).get("fingerprint") == fp:
@@ -74,29 +109,28 @@ def sft_warmup(
     model = AutoModelForCausalLM.from_config(tiny_config(len(tok), **model_kw), dtype=torch.float32)
     model.train()
     data = [encode_pair(tok, p, c) for p, c in pairs]
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
-
-    def lr_at(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        t = (step - warmup_steps) / max(1, steps - warmup_steps)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
-    t0 = time.time()
+    lengths = [len(ids) for ids, _ in data]
+    # no weight decay: the model is tiny and trained for a few epochs at most; decay only slowed it here
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: lr_factor(k, steps, warmup_steps, schedule))
+    t0, cpu0 = time.time(), time.process_time()
     losses: list[float] = []
+    batches: list[list[int]] = []
     step = 0
     for step in range(steps):
-        batch = [data[rng.randrange(len(data))] for _ in range(batch_size)]
+        if not batches:
+            batches = length_batches(lengths, batch_size, rng)
+        batch = [data[j] for j in batches.pop()]
         width = max(len(ids) for ids, _ in batch)
         ids = torch.full((len(batch), width), tok.pad_token_id, dtype=torch.long)
-        labels = torch.full((len(batch), width), -100, dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        weight = torch.zeros((len(batch), width))
         for i, (seq, start) in enumerate(batch):
             ids[i, : len(seq)] = torch.tensor(seq)
-            labels[i, start : len(seq)] = torch.tensor(seq[start:])
-            mask[i, : len(seq)] = 1
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            weight[i, start : len(seq)] = 1.0  # completion tokens (and EOS) only; padding sits after EOS
+        # causal: no attention mask needed, padding only ever follows the tokens that are scored
+        logits = model(input_ids=ids[:, :-1]).logits
+        nll = F.cross_entropy(logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1), reduction="none")
+        loss = (nll * weight[:, 1:].reshape(-1)).sum() / weight[:, 1:].sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -104,7 +138,8 @@ def sft_warmup(
         sched.step()
         losses.append(float(loss))
         if log_every and (step + 1) % log_every == 0:
-            log(f"warmup: step {step + 1}/{steps} loss {sum(losses[-log_every:]) / log_every:.4f} ({time.time() - t0:.0f}s)")
+            log(f"warmup: step {step + 1}/{steps} loss {sum(losses[-log_every:]) / log_every:.4f} "
+                f"({time.time() - t0:.0f}s, {time.process_time() - cpu0:.0f} cpu-s)")  # fmt: skip
         if time_budget_s is not None and time.time() - t0 > time_budget_s:
             log(f"warmup: time budget {time_budget_s:.0f}s reached at step {step + 1}")
             break
@@ -113,5 +148,6 @@ def sft_warmup(
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     stamp.write_text(json.dumps({"fingerprint": fp, "steps_done": step + 1, "final_loss": losses[-1] if losses else None,
-                                 "seconds": round(time.time() - t0, 1), **meta}))  # fmt: skip
+                                 "seconds": round(time.time() - t0, 1), "cpu_seconds": round(time.process_time() - cpu0, 1),
+                                 **meta}))  # fmt: skip
     return out

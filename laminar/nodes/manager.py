@@ -213,10 +213,9 @@ class ManagerNode(Node):
 
     async def _update_chain_locked(self) -> None:
         relays = sorted(self._live("relay"), key=lambda p: _index(p.node_id))
+        # lowest live index first: the same rule the relays use to elect a master among themselves
+        # and the trainer's default push target, so the head never depends on registration order
         order = [_index(p.node_id) for p in relays]
-        if self.chain_order and self.chain_order[0] in order:  # keep a live master: no needless failover
-            order.remove(self.chain_order[0])
-            order.insert(0, self.chain_order[0])
         if order == self.chain_order:
             return
         self.chain_epoch += 1
