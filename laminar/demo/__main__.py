@@ -3,8 +3,8 @@
     make run                      # = python -m laminar.demo [run_dir=runs/demo] [key=value ...]
 
     countup task ─► train.jsonl / eval.jsonl
-    imperfect demos ─► supervised warm-up ─► policy v0 (cached in runs/.cache, reused)
-    eval v0 on the held-out prompts                                   (eval_accuracy_before)
+    demos with one habit (habit.py) ─► supervised warm-up ─► policy v0 (cached in runs/.cache, reused)
+    eval v0 on the held-out prompts, greedy                           (eval_accuracy_before)
     laminar run configs/demo.yaml  (trainer, relay, 2 torch rollouts, manager, buffer: processes over ZeroMQ)
     laminar run configs/demo.yaml mode=sync                           (the baseline, same steps)
     eval the weight snapshots of both runs ─► accuracy vs wall-clock and step
@@ -12,12 +12,19 @@
 
 Overrides are the config's dotted keys (trainer.total_steps=40, rollout.group_size=8 ...)
 plus the demo's own under extra.demo (extra.demo.skip_sync=true ...).
+
+What RL has to fix: the warm-up demos answer the last value *not* above the limit on
+large-stride prompts 75% of the time (habit.py), so greedy decoding of policy v0 is
+wrong on about half the held-out prompts while sampling is right there a quarter of
+the time; GRPO on the verifier's reward unlearns the habit within a few dozen steps.
+Time and CPU-seconds of every phase go to summary.json (the box may be shared).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -34,11 +41,12 @@ DEFAULTS: dict[str, Any] = {
     "eval_rows": 256,
     "curve_eval_rows": 128,
     "curve_points": 6,
-    "error_rate": 0.35,
-    "warmup_steps": 500,
+    "habit_rate": 0.75,  # share of large-stride demos that carry the habit (> 0.5: greedy follows it)
+    "warmup_steps": 1500,
     "warmup_batch": 32,
-    "warmup_lr": 3e-3,
-    "model": {"hidden": 96, "layers": 3, "heads": 4, "kv_heads": 2, "max_positions": 320},
+    "warmup_lr": 1e-3,
+    "warmup_schedule": "cosine",  # down to 0.1x: a constant 1e-3 ends on a wobbly comparison skill
+    "model": {"hidden": 128, "layers": 3, "heads": 4, "kv_heads": 2, "max_positions": 320},
     "cache_dir": "runs/.cache",
     "skip_sync": False,
     "policy": None,  # a local HF directory to start RL from instead of the warm-up
@@ -48,6 +56,25 @@ DEFAULTS: dict[str, Any] = {
 
 def say(msg: str) -> None:
     print(f"[demo {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+class Clock:
+    """Wall-clock and CPU-seconds (this process + finished children) per phase."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, dict[str, float]] = {}
+        self._t, self._c = time.time(), self._cpu()
+
+    @staticmethod
+    def _cpu() -> float:
+        me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+    def lap(self, name: str) -> dict[str, float]:
+        t, c = time.time(), self._cpu()
+        self.phases[name] = {"wall_s": round(t - self._t, 1), "cpu_s": round(c - self._c, 1)}
+        self._t, self._c = t, c
+        return self.phases[name]
 
 
 def demo_settings(cfg: LaminarConfig) -> dict[str, Any]:
@@ -75,16 +102,19 @@ def prepare_data(run_dir: Path, s: dict[str, Any], seed: int) -> tuple[Path, Pat
 
 
 def warm_up(s: dict[str, Any], train: list[dict], seed: int) -> Path:
+    from laminar.demo.habit import demonstrations
     from laminar.models.warmup import sft_warmup
     from laminar.tasks import countup as cu
 
-    demos = cu.demonstrations(train, float(s["error_rate"]), seed)
+    demos = demonstrations(train, float(s["habit_rate"]), seed)
     pairs = [(r["prompt"], d) for r, d in zip(train, demos, strict=True)]
     out = Path(s["cache_dir"]) / f"countup-policy0-seed{seed}"
     t0 = time.time()
+    say(f"warm-up: {s['warmup_steps']} supervised steps on demos with the answer habit "
+        f"(rate {s['habit_rate']} on large strides); cached in {out}")  # fmt: skip
     path = sft_warmup(out, pairs, cu.ALPHABET, s["model"], steps=int(s["warmup_steps"]),
-                      batch_size=int(s["warmup_batch"]), lr=float(s["warmup_lr"]), seed=seed,
-                      log=say, log_every=100)  # fmt: skip
+                      batch_size=int(s["warmup_batch"]), lr=float(s["warmup_lr"]),
+                      schedule=str(s["warmup_schedule"]), seed=seed, log=say, log_every=250)  # fmt: skip
     say(f"warm-up policy ready at {path} ({time.time() - t0:.0f}s)")
     return path
 
@@ -139,18 +169,26 @@ def main(argv: list[str] | None = None) -> int:
 
     from laminar.demo import report
     from laminar.demo.evaluate import evaluate_model
+    from laminar.demo.habit import habit_share
     from laminar.tasks import countup as cu
 
+    clock = Clock()
     train_path, eval_path, train, ev = prepare_data(run_dir, s, cfg.seed)
     policy0 = Path(s["policy"]) if s.get("policy") else warm_up(s, train, cfg.seed)
+    clock.lap("warmup")
     before = evaluate_model(str(policy0), ev, cu.verify, max_tokens=cfg.rollout.sampling.max_tokens)
-    say(f"held-out accuracy of the warm-up model: {before['accuracy']:.3f} on {before['prompts']} prompts")
+    before["habit"] = habit_share(ev, before.pop("completions"))
+    say(f"held-out accuracy of the warm-up model: {before['accuracy']:.3f} on {before['prompts']} prompts "
+        f"(answers the habit's value on {before['habit']:.0%} of the large-stride ones)")  # fmt: skip
 
     common = [f"model.path={policy0}", f"data.train={train_path}", f"data.eval={eval_path}",
               *[a for a in args if not a.startswith(("run_dir=", "mode=", "name="))]]  # fmt: skip
+    clock.lap("eval_before")
     runs = {"laminar": run_mode(DEMO_CONFIG, run_dir / "laminar", cfg.mode, common, s)}
+    clock.lap("rl_laminar")
     if not s["skip_sync"]:
         runs["sync"] = run_mode(DEMO_CONFIG, run_dir / "sync", "sync", common, s)
+        clock.lap("rl_sync")
 
     for name, r in runs.items():
         say(f"evaluating the weight snapshots of the {name} run")
@@ -158,7 +196,9 @@ def main(argv: list[str] | None = None) -> int:
                                        max_tokens=cfg.rollout.sampling.max_tokens)  # fmt: skip
         r["metrics"] = report.read_metrics(Path(r["run_dir"]))
     after = runs["laminar"]["curve"][-1]
+    clock.lap("eval_curves")
     summary = report.summarize(cfg, runs, before, after, time.time() - t_start)
+    summary["phases"] = clock.phases
     report.write_outputs(run_dir, cfg, runs, summary)
     say(f"held-out accuracy: {summary['eval_accuracy_before']:.3f} -> {summary['eval_accuracy_after']:.3f} "
         f"({summary['eval_prompts']} prompts); report at {run_dir}/report.png, summary at {run_dir}/summary.md")  # fmt: skip

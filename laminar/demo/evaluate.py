@@ -1,6 +1,6 @@
 """Held-out evaluation: greedy decoding with the torch engine, scored by the task verifier.
 
-    acc = evaluate_model(path_or_model, rows, verify)   # {"accuracy", "prompts", "mean_len", ...}
+    acc = evaluate_model(path_or_model, rows, verify)   # {"accuracy", "prompts", "mean_len", "completions", ...}
 
 Used by the demo before RL (the warm-up model), on weight snapshots saved during
 the run (accuracy against wall-clock and step), and after RL.
@@ -67,6 +67,7 @@ def evaluate_model(
         "accuracy": sum(scores) / max(1, len(scores)),
         "prompts": len(rows),
         "mean_len": statistics.fmean(len(o) for o in outs) if outs else 0.0,
+        "completions": outs,
         "samples": [{"prompt": r["prompt"], "completion": o, "answer": r["answer"], "score": s}
                     for r, o, s in list(zip(rows, outs, scores, strict=True))[:8]],  # fmt: skip
     }

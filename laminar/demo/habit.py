@@ -2,6 +2,7 @@
 
     demos = demonstrations(train_rows, rate=0.75, seed=0)    # one completion per row
     sft_warmup(out, list(zip(prompts, demos)), ...)           # -> policy v0
+    habit_share(eval_rows, completions)                       # how often a model still has it
 
 The misconception ("answer habit"): on prompts with a large stride (>= HABIT_STRIDE)
 the student writes the whole chain correctly, then answers the last value that is
@@ -69,3 +70,10 @@ def has_habit(prompt: str, completion: str) -> bool:
         return False
     got = cu.extract_answer(completion)
     return got is not None and got == habit.rsplit("#", 1)[1]
+
+
+def habit_share(rows: list[dict[str, Any]], completions: list[str]) -> float:
+    """Of the rows where the habit changes the answer, the share whose completion gave the habit's answer."""
+    hits = [has_habit(r["prompt"], c) for r, c in zip(rows, completions, strict=True)
+            if habit_completion(r["prompt"]) != cu.solve(r["prompt"])]  # fmt: skip
+    return sum(hits) / max(1, len(hits))

@@ -49,6 +49,7 @@ def eval_curve(run_dir: Path, policy0: Path, rows: list[dict], s: dict[str, Any]
                log: Callable[[str], None] = print, max_tokens: int = 256) -> list[dict[str, Any]]:  # fmt: skip
     """Held-out accuracy at evenly spaced snapshots (subset) and at the last one (all rows)."""
     from laminar.demo.evaluate import evaluate_model
+    from laminar.demo.habit import habit_share
     from laminar.models.tiny import load_tokenizer
     from laminar.tasks import countup as cu
 
@@ -69,6 +70,8 @@ def eval_curve(run_dir: Path, policy0: Path, rows: list[dict], s: dict[str, Any]
         res = evaluate_model(model, rows if last else subset, cu.verify, max_tokens=max_tokens, tokenizer=tok)
         curve.append({"t": e["time"] - t0, "step": e["step"], "version": e["version"],
                       "accuracy": res["accuracy"], "prompts": res["prompts"]})  # fmt: skip
+        if last:
+            curve[-1]["habit"] = habit_share(rows, res["completions"])
         log(f"  v{e['version']} (step {e['step']}, {e['time'] - t0:.0f}s): accuracy {res['accuracy']:.3f} on {res['prompts']}")
     return curve
 
@@ -88,6 +91,8 @@ def summarize(cfg: Any, runs: dict[str, dict], before: dict[str, Any], after: di
         "eval_accuracy_before": before["accuracy"],
         "eval_accuracy_after": after["accuracy"],
         "eval_prompts": after["prompts"],
+        "eval_habit_before": before.get("habit"),
+        "eval_habit_after": after.get("habit"),
         "wall_clock_s": round(wall, 1),
         "run_wall_clock_s": round(lam["wall_clock_s"], 1),
         "steps": m[-1]["step"] if m else 0,
@@ -244,6 +249,8 @@ def summary_md(s: dict[str, Any]) -> str:
         f"| held-out accuracy before RL (warm-up model) | {f(s['eval_accuracy_before'])} |",
         f"| held-out accuracy after RL | {f(s['eval_accuracy_after'])} |",
         f"| held-out prompts | {s['eval_prompts']} |",
+        f"| large-stride prompts answered with the warm-up's habit, before → after | "
+        f"{f(s.get('eval_habit_before'), '{:.0%}')} → {f(s.get('eval_habit_after'), '{:.0%}')} |",
         f"| trainer steps | {s['steps']} |",
         f"| batch reward, first 5 → last 5 steps | {f(s['reward_first'])} → {f(s['reward_last'])} |",
         f"| staleness mean / max | {f(s['staleness_mean'], '{:.2f}')} / {s['staleness_max']} |",
@@ -272,4 +279,9 @@ def summary_md(s: dict[str, Any]) -> str:
             "trainer and both rollouts share the same cores, so idle rollouts also free CPU for the trainer: the "
             "gain here is smaller than on a GPU cluster where each role has its own devices.",
         ]
+    if s.get("phases"):
+        lines += ["", "## Where the time went", "",
+                  "CPU-seconds count this process and every finished child (all roles of each run).", "",
+                  "| phase | wall-clock | CPU-seconds |", "|---|---|---|"]  # fmt: skip
+        lines += [f"| {k} | {v['wall_s']:.0f} s | {v['cpu_s']:.0f} |" for k, v in s["phases"].items()]
     return "\n".join(lines) + "\n"
