@@ -108,6 +108,8 @@ def test_summary_compares_modes_and_lists_phases():
     before = {"accuracy": 0.3, "prompts": 256, "habit": 0.9}
     s = summarize(Cfg(), runs, before, {**lam_curve[-1], "prompts": 256}, 400.0)
     assert time_to_reach(lam_curve, 0.8) == 40 and time_to_reach(sync_curve, 0.8) == 150
+    assert time_to_reach(sync_curve, 0.75) == pytest.approx(110)  # linear between evaluated snapshots
+    assert time_to_reach(sync_curve, 0.9) is None and time_to_reach(sync_curve, 0.2) == 0
     assert s["sync_over_laminar_time_ratio"] == pytest.approx(150 / 40)
     assert s["eval_habit_before"] == 0.9 and s["eval_habit_after"] == 0.02
     s["phases"] = {"warmup": {"wall_s": 120.0, "cpu_s": 230.0}}

@@ -39,8 +39,8 @@ DEMO_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
 DEFAULTS: dict[str, Any] = {
     "train_rows": 20000,
     "eval_rows": 256,
-    "curve_eval_rows": 128,
-    "curve_points": 6,
+    "curve_eval_rows": 256,  # every held-out prompt at every curve point: ~1 s each, and less noise
+    "curve_points": 9,
     "habit_rate": 0.75,  # share of large-stride demos that carry the habit (> 0.5: greedy follows it)
     "warmup_steps": 1500,
     "warmup_batch": 32,

@@ -77,9 +77,15 @@ def eval_curve(run_dir: Path, policy0: Path, rows: list[dict], s: dict[str, Any]
 
 
 def time_to_reach(curve: list[dict[str, Any]], target: float) -> float | None:
+    """Wall-clock at which the accuracy curve first reaches `target`, linear between evaluated snapshots."""
+    prev = None
     for p in curve:
         if p["accuracy"] >= target - 1e-9:
-            return p["t"]
+            if prev is None or p["accuracy"] == prev["accuracy"]:
+                return p["t"]
+            frac = (target - prev["accuracy"]) / (p["accuracy"] - prev["accuracy"])
+            return prev["t"] + frac * (p["t"] - prev["t"])
+        prev = p
     return None
 
 

@@ -85,7 +85,8 @@ async def test_buffer_and_two_torch_rollouts_produce_rewarded_trajectories(tmp_p
             assert t.reward in (0.0, 1.0) and "format" in t.reward_info, t.reward_info
             assert t.prompt in PROMPTS and t.row["answer"] == countup.answer_of(t.prompt)
             assert t.completion == tok.decode(t.response_ids.tolist(), skip_special_tokens=True)
-        assert {t.rollout_id for t in trajs.values()} == {"rollout-0", "rollout-1"}
+        # which rollout took which group is a race (the first one ready may take them all)
+    assert {t.rollout_id for t in trajs.values()} <= {"rollout-0", "rollout-1"}
         groups = list(buffer.state.groups.values())
         assert len(groups) == len(PROMPTS) and all(g.state == "ready" for g in groups)
         assert all(len({t.version for t in g.members.values()}) == 1 for g in groups)
