@@ -86,7 +86,7 @@ async def test_buffer_and_two_torch_rollouts_produce_rewarded_trajectories(tmp_p
             assert t.prompt in PROMPTS and t.row["answer"] == countup.answer_of(t.prompt)
             assert t.completion == tok.decode(t.response_ids.tolist(), skip_special_tokens=True)
         # which rollout took which group is a race (the first one ready may take them all)
-    assert {t.rollout_id for t in trajs.values()} <= {"rollout-0", "rollout-1"}
+        assert {t.rollout_id for t in trajs.values()} <= {"rollout-0", "rollout-1"}
         groups = list(buffer.state.groups.values())
         assert len(groups) == len(PROMPTS) and all(g.state == "ready" for g in groups)
         assert all(len({t.version for t in g.members.values()}) == 1 for g in groups)

@@ -128,6 +128,15 @@ def _mean(vals) -> float:
     return sum(vals) / len(vals) if vals else float("nan")
 
 
+def _rolling(vals: list[float], k: int) -> list[float]:
+    """Trailing mean over the last k values (fewer at the start); NaNs skipped."""
+    out = []
+    for i in range(len(vals)):
+        w = [v for v in vals[max(0, i - k + 1) : i + 1] if not math.isnan(v)]
+        out.append(sum(w) / len(w) if w else float("nan"))
+    return out
+
+
 def _resp_len(x: dict[str, Any]) -> float | None:
     for k in ("response_len/mean", "response_len_mean"):
         if k in x:
@@ -148,8 +157,9 @@ def plot(run_dir: Path, runs: dict[str, dict]) -> Path:
     for name, r in runs.items():
         m = r.get("metrics", [])
         t0 = r["t0"]
-        a.plot([x["time"] - t0 for x in m], [x.get("reward", float("nan")) for x in m], color=colors.get(name),
-               alpha=0.35, label=f"{name} batch reward")  # fmt: skip
+        ts, rw = [x["time"] - t0 for x in m], [x.get("reward", float("nan")) for x in m]
+        a.plot(ts, rw, color=colors.get(name), alpha=0.2)
+        a.plot(ts, _rolling(rw, 8), color=colors.get(name), alpha=0.7, lw=1.2, label=f"{name} batch reward (mean of 8)")
         c = r.get("curve", [])
         a.plot([p["t"] for p in c], [p["accuracy"] for p in c], "o-", color=colors.get(name), label=f"{name} held-out acc")
     a.set_xlabel("wall-clock (s)")
@@ -182,7 +192,9 @@ def plot(run_dir: Path, runs: dict[str, dict]) -> Path:
                     hist[int(k.split("/")[1])] = hist.get(int(k.split("/")[1]), 0) + v
         if hist:
             ks = sorted(hist)
-            a.bar([k + j * width for k in ks], [hist[k] for k in ks], width, color=colors.get(name), label=name)
+            shift = (j - (len(runs) - 1) / 2) * width  # bars side by side, centred on the integer staleness
+            a.bar([k + shift for k in ks], [hist[k] for k in ks], width, color=colors.get(name), label=name)
+    a.xaxis.get_major_locator().set_params(integer=True)
     a.set_xlabel("staleness at consumption (trainer version − trajectory version)")
     a.set_ylabel("trajectories")
     a.set_title("Staleness histogram")
