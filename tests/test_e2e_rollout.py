@@ -90,8 +90,9 @@ async def test_buffer_and_two_torch_rollouts_produce_rewarded_trajectories(tmp_p
         groups = list(buffer.state.groups.values())
         assert len(groups) == len(PROMPTS) and all(g.state == "ready" for g in groups)
         assert all(len({t.version for t in g.members.values()}) == 1 for g in groups)
-        for r in cluster.role("rollout"):
-            assert r.rewards.stats["errors"] == 0 and r.rewards.stats["calls"] >= 1
+        rollouts = cluster.role("rollout")
+        assert all(r.rewards.stats["errors"] == 0 for r in rollouts)
+        assert sum(r.rewards.stats["calls"] for r in rollouts) >= len(trajs)
 
 
 async def test_buffer_cut_off_and_restarted_loses_and_duplicates_nothing(tmp_path, tiny_model):
