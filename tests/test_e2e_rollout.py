@@ -97,12 +97,19 @@ async def test_buffer_and_two_torch_rollouts_produce_rewarded_trajectories(tmp_p
 
 async def test_buffer_cut_off_and_restarted_loses_and_duplicates_nothing(tmp_path, tiny_model):
     prompts = PROMPTS * 2  # the same prompt served twice is two groups (distinct group ids)
-    cfg = make_cfg(tmp_path, tiny_model, "e2e-b", prompts, credits=3)
+    # longer samples than the first test: the cut must land while groups are still being generated
+    cfg = make_cfg(tmp_path, tiny_model, "e2e-b", prompts, credits=3,
+                   sampling={"max_tokens": 40, "temperature": 1.0})  # fmt: skip
     want = len(prompts) * cfg.rollout.group_size
     async with LocalCluster(cfg) as cluster:
         rollouts = cluster.role("rollout")
+        # cut it off while groups are in hand, so finished work has to wait in the outboxes
         await wait_for(
-            lambda: len(stored(cluster.node("buffer-0"))) >= 4, 60, "a few trajectories", cluster
+            lambda: len(stored(cluster.node("buffer-0"))) >= 2
+            and sum(len(r.groups) for r in rollouts) >= 2,
+            60,
+            "a few trajectories stored and more in hand",
+            cluster,
         )
         await cluster.kill_node("buffer-0")  # abrupt: no drain, sockets closed
         # the rollouts keep generating the groups in hand; finished ones wait in their outboxes

@@ -244,6 +244,46 @@ async def test_client_detects_dead_server_and_reconnects_on_a_fresh_socket(
     await srv2.close()
 
 
+async def test_request_to_a_server_restarted_under_us_handshakes_again(zctx, ipc, fast_opts):
+    """The server restarts on the same endpoint faster than heartbeats notice: the socket reconnects
+    underneath, the new server answers unknown_peer, and the client handshakes again and retries."""
+    # beats far apart: neither death detection nor the heartbeat path can recover, only the request path
+    opts = fast_opts(heartbeat_interval_s=30, heartbeat_liveness=100)
+    ep = ipc("restart")
+    srv = await _echo_server(zctx, ep, opts)
+    cli = RpcClient(zctx, ep, "cli-0", "test", opts)
+    await cli.connect()
+    await srv.close()
+    srv2 = await _echo_server(zctx, ep, opts)
+    # a first attempt may still go down the old, dying pipe and time out; a later one reaches srv2
+    rep = await cli.request(Ping(payload="again"), timeout=0.5, retries=4)
+    assert rep.payload == "again"
+    assert cli.stats.rehandshakes >= 1 and cli.stats.reconnects == 0
+    assert "cli-0" in srv2.peers and srv2.stats.unknown_peer >= 1
+    await cli.close()
+    await srv2.close()
+
+
+async def test_idle_client_rejoins_a_restarted_server_from_its_heartbeat(
+    zctx, ipc, fast_opts, wait_until
+):
+    """An idle client only sends heartbeats; the restarted server answers one with unknown_peer,
+    so the client rejoins (and the server can reach it again) without waiting to declare it dead."""
+    opts = fast_opts(heartbeat_liveness=100)
+    ep = ipc("restart-idle")
+    srv = await _echo_server(zctx, ep, opts)
+    joined: list[str] = []
+    cli = RpcClient(zctx, ep, "cli-0", "test", opts, on_connect=lambda: joined.append("x"))
+    await cli.connect()
+    await srv.close()
+    srv2 = await _echo_server(zctx, ep, opts)
+    await wait_until(lambda: "cli-0" in srv2.peers, 3, "the idle client rejoining")
+    assert cli.stats.rehandshakes >= 1 and cli.stats.reconnects == 0 and len(joined) >= 2
+    assert (await cli.request(Ping(payload="ok"), timeout=1)).payload == "ok"
+    await cli.close()
+    await srv2.close()
+
+
 # ---- deadlines -------------------------------------------------------------------------------
 
 

@@ -123,6 +123,7 @@ class SocketStats:
     handler_errors: int = 0
     timeouts: int = 0
     reconnects: int = 0
+    rehandshakes: int = 0
     peers_dead: int = 0
     heartbeats_dropped: int = 0
     last_error: str = ""
@@ -384,7 +385,11 @@ class RpcServer:
             if peer is None:
                 self.stats.unknown_peer += 1
                 self.log.warning("unknown_peer", msg=type(msg).__name__)
-                await self._reply_error(identity, rid, "unknown_peer", "send Hello first")
+                if isinstance(msg, Heartbeat):  # one-way: tell the client (e.g. after our restart) to handshake again
+                    with contextlib.suppress(TransportError):
+                        await self._send(identity, b"", ErrorReply(code="unknown_peer", message="send Hello first"))
+                else:
+                    await self._reply_error(identity, rid, "unknown_peer", "send Hello first")
                 continue
             peer.last_seen = time.monotonic()
             if not peer.alive:  # traffic from a peer we had declared dead: it is back
@@ -509,6 +514,7 @@ class RpcClient:
         self._seq = 0
         self._closed = False
         self._reconnecting: asyncio.Task | None = None
+        self._rehello: asyncio.Task | None = None
         self.log = log.bind(node_id=node_id, socket="client", endpoint=endpoint)
 
     def on(self, msg_type: type[Message], handler: Handler) -> None:
@@ -558,6 +564,9 @@ class RpcClient:
         await self._close_socket()
         self._sock = self._new_socket()
         self._reader_task = asyncio.create_task(self._reader(self._sock), name=f"{self.node_id}:client-reader")
+        await self._handshake(timeout)
+
+    async def _handshake(self, timeout: float) -> None:
         hello = Hello(protocol=PROTOCOL_VERSION, node_id=self.node_id, role=self.role, info=self._info)
         reply = await self._request_once(hello, timeout)
         if not isinstance(reply, Welcome):
@@ -570,6 +579,26 @@ class RpcClient:
             res = self._on_connect()
             if asyncio.iscoroutine(res):
                 await res
+
+    async def _handshake_again(self) -> None:
+        """The server answered `unknown_peer`: it restarted under the same endpoint and the socket reconnected
+        underneath us before heartbeats noticed. Handshake again on the live socket (one attempt shared by all
+        callers that hit it); if that fails, fall back to a full reconnect."""
+        if self._rehello is None or self._rehello.done():
+            self._rehello = asyncio.create_task(self._run_handshake_again(), name=f"{self.node_id}:client-rehello")
+        await asyncio.shield(self._rehello)
+
+    async def _run_handshake_again(self) -> None:
+        self.stats.rehandshakes += 1
+        self.log.info("server_forgot_us", server=self.server_id)
+        try:
+            await self._handshake(self.opts.handshake_timeout_s)
+        except (TransportError, zmq.ZMQError) as exc:
+            self.log.warning("rehandshake_failed", error=str(exc))
+            if not self._closed and (self._reconnecting is None or self._reconnecting.done()):
+                self._connected.clear()
+                self._reconnecting = asyncio.create_task(self._reconnect_forever())
+            raise
 
     async def _close_socket(self) -> None:
         self._connected.clear()
@@ -587,7 +616,7 @@ class RpcClient:
         if say_bye and self._sock is not None and self.connected:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._send_raw(b"", Bye(node_id=self.node_id, reason="close")), 0.5)
-        for t in (self._hb_task, self._reconnecting):
+        for t in (self._hb_task, self._reconnecting, self._rehello):
             if t is not None:
                 t.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -627,7 +656,9 @@ class RpcClient:
         timeout = timeout or self.opts.request_timeout_s
         retries = self.opts.request_retries if retries is None else retries
         last: Exception | None = None
-        for _ in range(retries + 1):
+        attempts, forgotten = retries + 1, False
+        while attempts > 0:
+            attempts -= 1
             if not self.connected:
                 try:
                     await asyncio.wait_for(self._connected.wait(), timeout)
@@ -638,6 +669,17 @@ class RpcClient:
                 return await self._request_once(msg, timeout)
             except (RequestTimeout, PeerDead) as exc:
                 last = exc
+            except RemoteError as exc:
+                if exc.code != "unknown_peer" or forgotten:
+                    raise
+                # the server never processed the request: handshake again, then one extra attempt
+                forgotten, last = True, exc
+                try:
+                    await self._handshake_again()
+                except (TransportError, zmq.ZMQError) as hs_exc:
+                    last = hs_exc
+                    continue
+                attempts += 1
         assert last is not None
         raise last if isinstance(last, RequestTimeout) else RequestTimeout(str(last))
 
@@ -664,6 +706,12 @@ class RpcClient:
                 continue
             if rid[:1] == b"R":
                 self._pending.resolve(rid, msg)
+                continue
+            if isinstance(msg, ErrorReply) and msg.code == "unknown_peer" and self.connected:
+                # the server restarted and saw our heartbeat: handshake again in the background
+                if self._rehello is None or self._rehello.done():
+                    self._rehello = asyncio.create_task(self._run_handshake_again(), name=f"{self.node_id}:client-rehello")
+                    self._rehello.add_done_callback(_consume_exception)
                 continue
             handler = self._disp.handlers.get(type(msg))
             if handler is None:
@@ -727,6 +775,11 @@ class RpcClient:
                 self.log.debug("reconnect_failed", error=str(exc), backoff_s=backoff)
             await asyncio.sleep(backoff)  # reconnect backoff
             backoff = min(backoff * 2, self.opts.reconnect_backoff_max_s)
+
+
+def _consume_exception(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def new_context() -> zmq.asyncio.Context:
