@@ -21,7 +21,7 @@ import pytest
 
 from laminar.demo import habit
 from laminar.demo.__main__ import Clock, demo_settings
-from laminar.demo.report import summarize, summary_md, time_to_reach
+from laminar.demo.report import smooth, summarize, summary_md, time_to_reach
 from laminar.models.warmup import length_batches, lr_factor
 from laminar.tasks import countup as cu
 
@@ -94,27 +94,63 @@ def test_demo_settings_merge_model_keys():
     assert cfg.buffer.max_staleness is not None  # CPU rollouts must not race ahead of the trainer
 
 
+def _curve(points):
+    return [{"t": t, "step": 5 * i, "accuracy": a} for i, (t, a) in enumerate(points)]
+
+
+def test_time_to_reach_interpolates_between_snapshots():
+    c = _curve([(0, 0.3), (70, 0.7), (150, 0.8)])
+    assert time_to_reach(c, 0.8) == 150 and time_to_reach(c, 0.3) == 0
+    assert time_to_reach(c, 0.75) == pytest.approx(110)
+    assert time_to_reach(c, 0.9) is None
+
+
+def test_smooth_averages_neighbouring_snapshots_and_keeps_the_start():
+    c = smooth(_curve([(0, 0.3), (20, 0.6), (40, 0.8), (60, 0.9), (80, 0.9)]))
+    assert [round(p["accuracy"], 4) for p in c] == [0.3, 0.7, 0.7667, 0.8667, 0.9]
+    assert [p["t"] for p in c] == [0, 20, 40, 60, 80]
+
+
 def test_summary_compares_modes_and_lists_phases():
     class Cfg:
         mode = "laminar"
 
-    lam_curve = [{"t": 0, "accuracy": 0.3}, {"t": 40, "accuracy": 0.8}, {"t": 90, "accuracy": 0.95, "habit": 0.02}]
-    sync_curve = [{"t": 0, "accuracy": 0.3}, {"t": 70, "accuracy": 0.7}, {"t": 150, "accuracy": 0.8}]
-    metrics = [{"step": i, "reward": 0.5 + i / 100, "staleness": 1, "staleness_max": 2} for i in range(1, 11)]
+    lam_curve = _curve([(0, 0.3), (20, 0.6), (40, 0.8), (60, 0.9), (80, 0.9)])
+    lam_curve[-1]["habit"] = 0.02
+    sync_curve = _curve([(0, 0.3), (30, 0.5), (60, 0.7), (90, 0.8), (120, 0.8)])
+    lam_m = [{"step": i, "time": 10 + i, "reward": 0.5 + i / 100, "staleness": 2, "staleness_max": 2} for i in range(1, 21)]
+    sync_m = [{"step": i, "time": 10 + 2 * i, "reward": 0.5, "staleness": 0, "staleness_max": 0} for i in range(1, 21)]
     runs = {
-        "laminar": {"curve": lam_curve, "metrics": metrics, "wall_clock_s": 100.0},
-        "sync": {"curve": sync_curve, "metrics": metrics, "wall_clock_s": 160.0},
+        "laminar": {"curve": lam_curve, "metrics": lam_m, "wall_clock_s": 100.0},
+        "sync": {"curve": sync_curve, "metrics": sync_m, "wall_clock_s": 160.0},
     }
     before = {"accuracy": 0.3, "prompts": 256, "habit": 0.9}
     s = summarize(Cfg(), runs, before, {**lam_curve[-1], "prompts": 256}, 400.0)
-    assert time_to_reach(lam_curve, 0.8) == 40 and time_to_reach(sync_curve, 0.8) == 150
-    assert time_to_reach(sync_curve, 0.75) == pytest.approx(110)  # linear between evaluated snapshots
-    assert time_to_reach(sync_curve, 0.9) is None and time_to_reach(sync_curve, 0.2) == 0
-    assert s["sync_over_laminar_time_ratio"] == pytest.approx(150 / 40)
+    # target: sync's smoothed final 0.8; laminar's smoothed curve crosses it between 40 s (0.767) and 60 s (0.867)
+    assert s["sync_eval_accuracy_after_smoothed"] == pytest.approx(0.8)
+    assert s["time_to_sync_final_accuracy_sync_s"] == pytest.approx(120)
+    assert s["time_to_sync_final_accuracy_laminar_s"] == pytest.approx(40 + 20 / 3)
+    assert s["sync_over_laminar_time_ratio"] == pytest.approx(120 / (40 + 20 / 3))
+    assert s["steps_per_s_ratio_laminar_over_sync"] == pytest.approx(2.0)
     assert s["eval_habit_before"] == 0.9 and s["eval_habit_after"] == 0.02
+    assert s["reward_last"] > s["reward_first"]
     s["phases"] = {"warmup": {"wall_s": 120.0, "cpu_s": 230.0}}
     md = summary_md(s)
-    assert "3.75" in md and "90% → 2%" in md and "| warmup | 120 s | 230 |" in md
+    assert "**2.57**" in md and "sooner" in md and "90% → 2%" in md and "| warmup | 120 s | 230 |" in md
+
+
+def test_summary_without_a_crossing_says_so():
+    class Cfg:
+        mode = "laminar"
+
+    lam = _curve([(0, 0.3), (20, 0.4), (40, 0.45)])
+    sync = _curve([(0, 0.3), (20, 0.7), (40, 0.8)])
+    m = [{"step": i, "time": i, "reward": 0.5} for i in range(1, 5)]
+    runs = {"laminar": {"curve": lam, "metrics": m, "wall_clock_s": 50.0},
+            "sync": {"curve": sync, "metrics": m, "wall_clock_s": 50.0}}  # fmt: skip
+    s = summarize(Cfg(), runs, {"accuracy": 0.3, "prompts": 10}, {**lam[-1], "prompts": 10}, 100.0)
+    assert s["sync_over_laminar_time_ratio"] is None
+    assert "never reached" in summary_md(s)
 
 
 def test_clock_laps_count_cpu_of_children():
@@ -141,3 +177,19 @@ def test_shortened_demo_learns(short_dir: Path):
     assert s["reward_last"] > s["reward_first"], s
     assert (run_dir / "report.png").stat().st_size > 10_000
     assert "Where the time went" in (run_dir / "summary.md").read_text()
+
+
+def test_strict_reward_credits_only_a_well_formed_right_answer():
+    from laminar.demo.reward import strict
+
+    p = cu.make_prompt(10, 3, 20)
+    good = cu.solve(p)
+    ans = cu.answer_of(p)
+    assert cu.well_formed(good)
+    assert strict(p, good, answer=ans) == {"reward": 1.0, "correct": 1.0, "format": 1.0}
+    run_on = good + "+3=25>20;#25"  # right answer, then more steps: the lenient verifier credits it
+    assert cu.reward(p, run_on, answer=ans)["reward"] == 1.0
+    assert strict(p, run_on, answer=ans)["reward"] == 0.0
+    wrong = good.rsplit("#", 1)[0] + "#" + str(int(ans) + 1)
+    assert strict(p, wrong, answer=ans)["reward"] == 0.0 and strict(p, wrong, answer=ans)["format"] == 1.0
+    assert strict(p, good) is None  # no reference: the row is excluded

@@ -108,7 +108,9 @@ async def test_status_cli_lists_every_node_with_its_columns(tmp_path, short_dir)
     for name in ("rollout-0", "rollout-1"):
         r = rows[name]
         assert 0.0 <= r["kv_use"] <= 1.0 and r["version"] >= 0 and r["inflight"] >= 0
-        assert r["staleness"] == doc["trainer_version"] - r["version"]  # versions behind the trainer
+        assert (
+            r["staleness"] == doc["trainer_version"] - r["version"]
+        )  # versions behind the trainer
     assert rows["trainer-0"]["version"] >= 1
     lines = table.strip().splitlines()
     assert lines[0].split() == ["node", "role", "alive", "version", "kv_use", "inflight", "staleness",
@@ -171,10 +173,9 @@ async def test_repack_fires_on_its_own_while_rollouts_drain_long_tails(tmp_path)
                        cluster)  # fmt: skip
         moved_rounds = [e for e in mgr.repack_log if e["moves"]]
         assert all(e["failed"] == 0 for e in moved_rounds), moved_rounds
-        await asyncio.sleep(2.0)  # let the moved tails finish (they are at most 600 steps of 2 ms)
-        done = stored(buf)
-        resumed = [t for t in done.values() if t.resumed]
-        assert resumed, "no moved trajectory finished"
+        await wait_for(lambda: any(t.resumed for t in stored(buf).values()), 20, "a moved trajectory finishing",
+                       cluster)  # fmt: skip
+        resumed = [t for t in stored(buf).values() if t.resumed]
         for t in resumed:
             ids, lps = sim_tokens(_hash64("tok", cfg.rollout.sim.seed, t.uid), 0, len(t.response_ids),
                                   cfg.rollout.sim.vocab_size)  # fmt: skip
@@ -182,7 +183,7 @@ async def test_repack_fires_on_its_own_while_rollouts_drain_long_tails(tmp_path)
             np.testing.assert_array_equal(t.logprobs, lps)
     print(
         f"{len(moved_rounds)} rounds moved {sum(e['trajectories'] for e in moved_rounds)} trajectories; "
-        f"{len(resumed)} of them finished after the move"
+        f"{len(resumed)} moved ones finished with their tokens"
     )
 
 
@@ -290,9 +291,10 @@ async def test_a_restarted_rollout_is_readmitted_and_its_old_work_recovered(tmp_
         new = await cluster.add("rollout", 2)
         await wait_for(lambda: any(e["rollout"] == "rollout-2" for e in mgr.recovery_log), 10,
                        "recovery of the old incarnation", cluster)  # fmt: skip
-        assert (
-            mgr.metrics.counters["restarts_unnoticed"] == 1 and mgr.metrics.counters["rejoins"] >= 1
-        )
+        # normally the new incarnation's hello beats the 2 s death detector ("restarted"); on a
+        # loaded box the death may be noticed first ("dead"): either way, recovered once
+        c = mgr.metrics.counters
+        assert c.get("restarts_unnoticed", 0) + c.get("deaths", 0) >= 1 and c["rejoins"] >= 1
         peer = mgr.srv.peers["rollout-2"]
         assert peer.alive
         await wait_for(
@@ -303,5 +305,6 @@ async def test_a_restarted_rollout_is_readmitted_and_its_old_work_recovered(tmp_
         )
         counts = Counter(t.uid for g in buf.state.groups.values() for t in g.members.values())
         assert max(counts.values()) == 1
+        assert len([e for e in mgr.recovery_log if e["rollout"] == "rollout-2"]) == 1
         for uid in old:
             check_tokens(cfg, stored(buf)[uid])

@@ -40,9 +40,9 @@ DEFAULTS: dict[str, Any] = {
     "train_rows": 20000,
     "eval_rows": 256,
     "curve_eval_rows": 256,  # every held-out prompt at every curve point: ~1 s each, and less noise
-    "curve_points": 9,
+    "curve_points": 0,  # 0: every weight snapshot (trainer.snapshot_every), for the time-to-accuracy comparison
     "habit_rate": 0.75,  # share of large-stride demos that carry the habit (> 0.5: greedy follows it)
-    "warmup_steps": 1500,
+    "warmup_steps": 2000,
     "warmup_batch": 32,
     "warmup_lr": 1e-3,
     "warmup_schedule": "cosine",  # down to 0.1x: a constant 1e-3 ends on a wobbly comparison skill

@@ -47,7 +47,8 @@ def _load_snapshot(policy0: Path, weights: Path):
 
 def eval_curve(run_dir: Path, policy0: Path, rows: list[dict], s: dict[str, Any], before: dict[str, Any], t0: float,
                log: Callable[[str], None] = print, max_tokens: int = 256) -> list[dict[str, Any]]:  # fmt: skip
-    """Held-out accuracy at evenly spaced snapshots (subset) and at the last one (all rows)."""
+    """Held-out accuracy at evenly spaced snapshots (all of them when curve_points is 0) on the first
+    curve_eval_rows prompts, and at the last one on all rows."""
     from laminar.demo.evaluate import evaluate_model
     from laminar.demo.habit import habit_share
     from laminar.models.tiny import load_tokenizer
@@ -59,8 +60,11 @@ def eval_curve(run_dir: Path, policy0: Path, rows: list[dict], s: dict[str, Any]
     if not index:
         log(f"no snapshots in {run_dir}; the curve has only the warm-up point")
         return curve
-    k = max(1, int(s["curve_points"]))
-    picks = sorted({round(i * (len(index) - 1) / max(1, k - 1)) for i in range(k)} | {len(index) - 1})
+    k = int(s["curve_points"])
+    if k <= 0 or k >= len(index):  # 0: every snapshot
+        picks = list(range(len(index)))
+    else:
+        picks = sorted({round(i * (len(index) - 1) / max(1, k - 1)) for i in range(k)} | {len(index) - 1})
     tok = load_tokenizer(policy0)
     subset = rows[: int(s["curve_eval_rows"])]
     for i in picks:
@@ -89,6 +93,30 @@ def time_to_reach(curve: list[dict[str, Any]], target: float) -> float | None:
     return None
 
 
+def smooth(curve: list[dict[str, Any]], k: int = 3) -> list[dict[str, Any]]:
+    """Accuracy averaged over k consecutive evaluated snapshots (centred, clipped at the ends).
+
+    Consecutive snapshots are 5 trainer steps apart; at lr 2e-4 the policy wobbles by a few
+    points from one to the next and a 256-prompt eval adds +-0.02-0.03, so "the first time
+    the curve reaches X" on raw points mostly measures luck. The t=0 point (the warm-up
+    model, before any RL) is kept as measured.
+    """
+    out = [dict(curve[0])] if curve else []
+    h = k // 2
+    for i in range(1, len(curve)):
+        window = curve[max(1, i - h) : i + h + 1]
+        out.append({**curve[i], "accuracy": sum(p["accuracy"] for p in window) / len(window)})
+    return out
+
+
+def steps_per_s(metrics: list[dict[str, Any]]) -> float | None:
+    """Trainer throughput over the run (first to last logged step)."""
+    if len(metrics) < 2:
+        return None
+    dt = metrics[-1]["time"] - metrics[0]["time"]
+    return (metrics[-1]["step"] - metrics[0]["step"]) / dt if dt > 0 else None
+
+
 def summarize(cfg: Any, runs: dict[str, dict], before: dict[str, Any], after: dict[str, Any], wall: float) -> dict[str, Any]:
     lam = runs["laminar"]
     m = lam.get("metrics", [])
@@ -109,16 +137,23 @@ def summarize(cfg: Any, runs: dict[str, dict], before: dict[str, Any], after: di
     }
     if "sync" in runs:
         sync = runs["sync"]
-        target = sync["curve"][-1]["accuracy"]
-        t_lam, t_sync = time_to_reach(lam["curve"], target), time_to_reach(sync["curve"], target)
+        lam_s, sync_s = smooth(lam["curve"]), smooth(sync["curve"])
+        target = sync_s[-1]["accuracy"]
+        t_lam, t_sync = time_to_reach(lam_s, target), time_to_reach(sync_s, target)
+        lam_rate, sync_rate = steps_per_s(m), steps_per_s(sync.get("metrics", []))
         summary.update({
-            "sync_eval_accuracy_after": target,
+            "sync_eval_accuracy_after": sync["curve"][-1]["accuracy"],
+            "eval_accuracy_after_smoothed": lam_s[-1]["accuracy"],
+            "sync_eval_accuracy_after_smoothed": target,
             "sync_run_wall_clock_s": round(sync["wall_clock_s"], 1),
             "sync_steps": sync["metrics"][-1]["step"] if sync.get("metrics") else 0,
             "time_to_sync_final_accuracy_laminar_s": t_lam,
             "time_to_sync_final_accuracy_sync_s": t_sync,
             "sync_over_laminar_time_ratio": (t_sync / t_lam) if t_lam and t_sync else None,
             "run_wall_clock_ratio_sync_over_laminar": round(sync["wall_clock_s"] / lam["wall_clock_s"], 3),
+            "trainer_steps_per_s": lam_rate,
+            "sync_trainer_steps_per_s": sync_rate,
+            "steps_per_s_ratio_laminar_over_sync": (lam_rate / sync_rate) if lam_rate and sync_rate else None,
         })  # fmt: skip
     return summary
 
@@ -276,30 +311,60 @@ def summary_md(s: dict[str, Any]) -> str:
         f"| whole demo wall-clock | {f(s['wall_clock_s'], '{:.0f}')} s |",
     ]
     if "sync_eval_accuracy_after" in s:
-        lines += [
-            "",
-            "## Against the synchronous baseline (same job, `mode=sync`, same steps)",
-            "",
-            "| figure | laminar | sync |",
-            "|---|---|---|",
-            f"| final held-out accuracy | {f(s['eval_accuracy_after'])} | {f(s['sync_eval_accuracy_after'])} |",
-            f"| run wall-clock | {f(s['run_wall_clock_s'], '{:.0f}')} s | {f(s['sync_run_wall_clock_s'], '{:.0f}')} s |",
-            f"| time to reach sync's final accuracy | {f(s['time_to_sync_final_accuracy_laminar_s'], '{:.0f}')} s | "
-            f"{f(s['time_to_sync_final_accuracy_sync_s'], '{:.0f}')} s |",
-            "",
-            f"Ratio (sync time / laminar time to reach sync's final accuracy): "
-            f"**{f(s['sync_over_laminar_time_ratio'], '{:.2f}')}**.",
-            "",
-            "Why: in sync mode every rollout waits for the slowest trajectory of the batch and for the global "
-            "weight update before it starts the next batch, so the long tail of response lengths idles the "
-            "rollouts. In laminar mode rollouts take new prompts as soon as they have room and pull the newest "
-            "weights whenever they are idle; the trainer consumes whole groups as they finish. On 2 CPU cores the "
-            "trainer and both rollouts share the same cores, so idle rollouts also free CPU for the trainer: the "
-            "gain here is smaller than on a GPU cluster where each role has its own devices.",
-        ]
+        lines += _comparison_md(s, f)
     if s.get("phases"):
         lines += ["", "## Where the time went", "",
                   "CPU-seconds count this process and every finished child (all roles of each run).", "",
                   "| phase | wall-clock | CPU-seconds |", "|---|---|---|"]  # fmt: skip
         lines += [f"| {k} | {v['wall_s']:.0f} s | {v['cpu_s']:.0f} |" for k, v in s["phases"].items()]
     return "\n".join(lines) + "\n"
+
+
+def _comparison_md(s: dict[str, Any], f: Callable[..., str]) -> list[str]:
+    ratio, rate = s.get("sync_over_laminar_time_ratio"), s.get("steps_per_s_ratio_laminar_over_sync")
+    if ratio is None:
+        verdict = ("One of the runs never reached the sync run's final (smoothed) accuracy, so there is no "
+                   "time ratio for this run; the curves in report.png show where each one got to.")
+    elif ratio >= 1.1:
+        verdict = f"Laminar got there {ratio:.2f}x sooner."
+    elif ratio <= 0.9:
+        verdict = (f"Sync got there first ({1 / ratio:.2f}x sooner) this time: laminar's higher step rate did "
+                   "not make up for its stale batches and the wobble of the curves (see below).")
+    else:
+        verdict = "A draw within the wobble of the curves (see below)."
+    return [
+        "",
+        "## Against the synchronous baseline (same job, `mode=sync`, same steps)",
+        "",
+        "| figure | laminar | sync |",
+        "|---|---|---|",
+        f"| final held-out accuracy (last snapshot) | {f(s['eval_accuracy_after'])} | {f(s['sync_eval_accuracy_after'])} |",
+        f"| final held-out accuracy (mean of the last 2 snapshots) | {f(s.get('eval_accuracy_after_smoothed'))} | "
+        f"{f(s.get('sync_eval_accuracy_after_smoothed'))} |",
+        f"| run wall-clock (process start to exit) | {f(s['run_wall_clock_s'], '{:.0f}')} s | "
+        f"{f(s['sync_run_wall_clock_s'], '{:.0f}')} s |",
+        f"| trainer steps per second | {f(s.get('trainer_steps_per_s'), '{:.2f}')} | "
+        f"{f(s.get('sync_trainer_steps_per_s'), '{:.2f}')} |",
+        f"| time to reach sync's final accuracy | {f(s['time_to_sync_final_accuracy_laminar_s'], '{:.0f}')} s | "
+        f"{f(s['time_to_sync_final_accuracy_sync_s'], '{:.0f}')} s |",
+        "",
+        f"**Ratio** (sync time / laminar time to reach sync's final accuracy): "
+        f"**{f(ratio, '{:.2f}')}**; trainer step rate laminar / sync: **{f(rate, '{:.2f}')}**. {verdict}",
+        "",
+        "How it is measured: every weight snapshot (every `trainer.snapshot_every` steps) is evaluated "
+        "after the runs, greedy, on the held-out prompts; accuracy is averaged over 3 consecutive snapshots "
+        "(one 256-prompt eval is +-0.02-0.03, and at this learning rate the policy itself wobbles by a few "
+        "points between snapshots), the target is the sync run's smoothed final accuracy, and the crossing "
+        "time is interpolated between snapshots. Clocks start when `laminar run` is launched, so process "
+        "start-up counts for both modes.",
+        "",
+        "Why the two modes differ here: in sync mode the rollouts generate the whole batch, wait for its "
+        "longest trajectory, then sit idle while the trainer trains and the new weights go out; so on these "
+        "2 cores one core idles for most of each step. In laminar mode generation and training overlap: "
+        "rollouts keep generating (within the staleness bound of 2 versions) while the trainer trains, "
+        "and pull new weights whenever they are idle, which is where the higher step rate comes from. "
+        "What limits the gain on this machine: the trainer and both rollouts share 2 CPU cores (a rollout "
+        "that generates slows the trainer down, unlike on a GPU cluster where each role has its own "
+        "devices), the trainer is the bottleneck rather than the long tail of generation, and laminar trains "
+        "on data up to 2 versions old, which can cost a little learning per step.",
+    ]

@@ -138,7 +138,7 @@ def sft_warmup(
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
         if log_every and (step + 1) % log_every == 0:
             log(f"warmup: step {step + 1}/{steps} loss {sum(losses[-log_every:]) / log_every:.4f} "
                 f"({time.time() - t0:.0f}s, {time.process_time() - cpu0:.0f} cpu-s)")  # fmt: skip
