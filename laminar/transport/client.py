@@ -1,0 +1,342 @@
+"""RpcClient: the DEALER side of sockets.py's RPC (handshake, heartbeats, deadlines, reconnects).
+
+    client = RpcClient(ctx, endpoint, node_id="rollout-0", role="rollout", opts=opts)
+    await client.connect()                          # HELLO/WELCOME with a deadline
+    reply = await client.request(PromptRequest(...), timeout=2.0)
+
+A client whose server goes silent for `dead_after_s` declares it dead, fails every
+pending request, and reconnects on a fresh socket with doubling backoff. A server that
+restarted under the same endpoint faster than that answers `unknown_peer` (to a
+request, or to a heartbeat): the client handshakes again on the live socket.
+Also importable as `laminar.transport.sockets.RpcClient`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+import zmq
+import zmq.asyncio
+
+from laminar.protocol.core import Ack, Bye, ErrorReply, Heartbeat, Hello, NodeStatus, Welcome
+from laminar.transport.codec import PROTOCOL_VERSION, Message, ProtocolError, decode, encode
+from laminar.transport.sockets import (
+    Handler,
+    PeerDead,
+    RemoteError,
+    RequestTimeout,
+    SendTimeout,
+    SocketOptions,
+    SocketStats,
+    TransportError,
+    _Dispatcher,
+    _is_tcp,
+    _Pending,
+    _send_within,
+)
+
+log = structlog.get_logger("laminar.transport")
+
+
+class RpcClient:
+    """DEALER side with handshake, two-way heartbeats and reconnect on a fresh socket."""
+
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        endpoint: str,
+        node_id: str,
+        role: str,
+        opts: SocketOptions | None = None,
+        status: Callable[[], NodeStatus | None] | None = None,
+        on_server_dead: Callable[[], Any] | None = None,
+        on_connect: Callable[[], Any] | None = None,
+        info: dict[str, Any] | None = None,
+    ):
+        self.ctx, self.endpoint, self.node_id, self.role = ctx, endpoint, node_id, role
+        self.opts = opts or SocketOptions()
+        self.stats = SocketStats()
+        self.server_id: str | None = None
+        self._status, self._on_server_dead, self._on_connect = status, on_server_dead, on_connect
+        self._info = info or {}
+        self._disp = _Dispatcher()
+        self._pending = _Pending()
+        self._sock: zmq.asyncio.Socket | None = None
+        self._reader_task: asyncio.Task | None = None
+        self._hb_task: asyncio.Task | None = None
+        self._connected = asyncio.Event()
+        self._last_seen = time.monotonic()
+        self._seq = 0
+        self._closed = False
+        self._reconnecting: asyncio.Task | None = None
+        self._rehello: asyncio.Task | None = None
+        self.log = log.bind(node_id=node_id, socket="client", endpoint=endpoint)
+
+    def on(self, msg_type: type[Message], handler: Handler) -> None:
+        """Register a handler for server-initiated messages (commands)."""
+        self._disp.on(msg_type, handler)
+
+    @property
+    def connected(self) -> bool:
+        return self._connected.is_set()
+
+    @property
+    def tasks(self) -> list[asyncio.Task]:
+        return [t for t in (self._hb_task,) if t is not None]
+
+    def _new_socket(self) -> zmq.asyncio.Socket:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, self.opts.sndhwm)
+        sock.setsockopt(zmq.RCVHWM, self.opts.rcvhwm)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.opts.limits.max_message_bytes)
+        # queue only to completed connections, so nothing piles up for a dead server
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        if self.opts.security is not None and _is_tcp(self.endpoint):
+            self.opts.security.apply_client(sock)
+        sock.connect(self.endpoint)
+        return sock
+
+    async def connect(self, timeout: float | None = None) -> None:
+        """Open a socket and handshake, retrying with backoff until `timeout` (default handshake_timeout_s)."""
+        deadline = time.monotonic() + (timeout or self.opts.handshake_timeout_s)
+        backoff = self.opts.reconnect_backoff_s
+        while True:
+            try:
+                await self._open_and_handshake(min(self.opts.handshake_timeout_s, max(0.05, deadline - time.monotonic())))
+                break
+            except (RequestTimeout, RemoteError, PeerDead) as exc:
+                if isinstance(exc, RemoteError) and exc.code == "protocol_version":
+                    raise
+                if time.monotonic() + backoff > deadline:
+                    raise RequestTimeout(f"handshake with {self.endpoint} failed: {exc}") from None
+                await asyncio.sleep(backoff)  # reconnect backoff, not synchronisation
+                backoff = min(backoff * 2, self.opts.reconnect_backoff_max_s)
+        if self._hb_task is None:
+            self._hb_task = asyncio.create_task(self._heartbeat(), name=f"{self.node_id}:client-heartbeat")
+
+    async def _open_and_handshake(self, timeout: float) -> None:
+        await self._close_socket()
+        self._sock = self._new_socket()
+        self._reader_task = asyncio.create_task(self._reader(self._sock), name=f"{self.node_id}:client-reader")
+        await self._handshake(timeout)
+
+    async def _handshake(self, timeout: float) -> None:
+        hello = Hello(protocol=PROTOCOL_VERSION, node_id=self.node_id, role=self.role, info=self._info)
+        reply = await self._request_once(hello, timeout)
+        if not isinstance(reply, Welcome):
+            raise TransportError(f"handshake: expected Welcome, got {type(reply).__name__}")
+        self.server_id = reply.node_id
+        self._last_seen = time.monotonic()
+        self._connected.set()
+        self.log.debug("connected", server=reply.node_id)
+        if self._on_connect is not None:
+            res = self._on_connect()
+            if asyncio.iscoroutine(res):
+                await res
+
+    async def _handshake_again(self) -> None:
+        """The server answered `unknown_peer`: it restarted under the same endpoint and the socket reconnected
+        underneath us before heartbeats noticed. Handshake again on the live socket (one attempt shared by all
+        callers that hit it); if that fails, fall back to a full reconnect."""
+        if self._rehello is None or self._rehello.done():
+            self._rehello = asyncio.create_task(self._run_handshake_again(), name=f"{self.node_id}:client-rehello")
+        await asyncio.shield(self._rehello)
+
+    async def _run_handshake_again(self) -> None:
+        self.stats.rehandshakes += 1
+        self.log.info("server_forgot_us", server=self.server_id)
+        try:
+            await self._handshake(self.opts.handshake_timeout_s)
+        except (TransportError, zmq.ZMQError) as exc:
+            self.log.warning("rehandshake_failed", error=str(exc))
+            if not self._closed and (self._reconnecting is None or self._reconnecting.done()):
+                self._connected.clear()
+                self._reconnecting = asyncio.create_task(self._reconnect_forever())
+            raise
+
+    async def _close_socket(self) -> None:
+        self._connected.clear()
+        if self._reader_task is not None:
+            self._reader_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._reader_task
+            self._reader_task = None
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+    async def close(self, say_bye: bool = True) -> None:
+        self._closed = True
+        if say_bye and self._sock is not None and self.connected:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._send_raw(b"", Bye(node_id=self.node_id, reason="close")), 0.5)
+        for t in (self._hb_task, self._reconnecting, self._rehello):
+            if t is not None:
+                t.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await t
+        self._disp.cancel_all()
+        self._pending.fail_all(PeerDead("client closed"))
+        await self._close_socket()
+
+    async def _send_raw(self, rid: bytes, msg: Message, timeout: float | None = None) -> None:
+        if self._sock is None:
+            raise PeerDead(f"not connected to {self.endpoint}")
+        await _send_within(self._sock, [rid, *encode(msg)], timeout or self.opts.request_timeout_s)
+        self.stats.sent += 1
+
+    async def send(self, msg: Message) -> None:
+        """One-way message (no reply)."""
+        await self._send_raw(b"", msg)
+
+    async def _request_once(self, msg: Message, timeout: float) -> Message:
+        rid, fut = self._pending.new()
+        deadline = time.monotonic() + timeout
+        try:
+            # the send is inside the deadline too: with IMMEDIATE a dead server blocks it
+            await self._send_raw(rid, msg, timeout)
+            return await asyncio.wait_for(fut, max(0.0, deadline - time.monotonic()))
+        except SendTimeout:
+            self.stats.timeouts += 1
+            raise RequestTimeout(f"{type(msg).__name__} to {self.endpoint}: could not send in {timeout:.2f}s") from None
+        except TimeoutError:
+            self.stats.timeouts += 1
+            raise RequestTimeout(f"{type(msg).__name__} to {self.endpoint}: no reply in {timeout:.2f}s") from None
+        finally:
+            self._pending.drop(rid)
+
+    async def request(self, msg: Message, timeout: float | None = None, retries: int | None = None) -> Message:
+        """Send a request and await its reply; each attempt has a deadline. Requests must be idempotent."""
+        timeout = timeout or self.opts.request_timeout_s
+        retries = self.opts.request_retries if retries is None else retries
+        last: Exception | None = None
+        attempts, forgotten = retries + 1, False
+        while attempts > 0:
+            attempts -= 1
+            if not self.connected:
+                try:
+                    await asyncio.wait_for(self._connected.wait(), timeout)
+                except TimeoutError:
+                    last = RequestTimeout(f"not connected to {self.endpoint} within {timeout:.2f}s")
+                    continue
+            try:
+                return await self._request_once(msg, timeout)
+            except (RequestTimeout, PeerDead) as exc:
+                last = exc
+            except RemoteError as exc:
+                if exc.code != "unknown_peer" or forgotten:
+                    raise
+                # the server never processed the request: handshake again, then one extra attempt
+                forgotten, last = True, exc
+                try:
+                    await self._handshake_again()
+                except (TransportError, zmq.ZMQError) as hs_exc:
+                    last = hs_exc
+                    continue
+                attempts += 1
+        assert last is not None
+        raise last if isinstance(last, RequestTimeout) else RequestTimeout(str(last))
+
+    def _bad(self, what: str) -> None:
+        self.stats.bad_frames += 1
+        self.stats.last_error = what
+        self.log.warning("bad_message", error=what)
+
+    async def _reader(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            frames = await sock.recv_multipart(copy=False)
+            self.stats.received += 1
+            self._last_seen = time.monotonic()
+            if len(frames) < 2:
+                self._bad("too few frames")
+                continue
+            rid = frames[0].bytes
+            try:
+                msg = decode(frames[1:], self.opts.limits)
+            except ProtocolError as exc:
+                self._bad(str(exc))
+                continue
+            if isinstance(msg, Heartbeat):
+                continue
+            if rid[:1] == b"R":
+                self._pending.resolve(rid, msg)
+                continue
+            if isinstance(msg, ErrorReply) and msg.code == "unknown_peer" and self.connected:
+                # the server restarted and saw our heartbeat: handshake again in the background
+                if self._rehello is None or self._rehello.done():
+                    self._rehello = asyncio.create_task(self._run_handshake_again(), name=f"{self.node_id}:client-rehello")
+                    self._rehello.add_done_callback(_consume_exception)
+                continue
+            handler = self._disp.handlers.get(type(msg))
+            if handler is None:
+                self.stats.unhandled += 1
+                self._bad(f"no handler for {type(msg).__name__}")
+                if rid[:1] == b"Q":
+                    with contextlib.suppress(Exception):
+                        await self._send_raw(b"R" + rid[1:], ErrorReply(code="unhandled", message=type(msg).__name__))
+                continue
+            task = asyncio.create_task(self._handle(handler, rid, msg))
+            self._disp.tasks.add(task)
+            task.add_done_callback(self._disp.tasks.discard)
+
+    async def _handle(self, handler: Handler, rid: bytes, msg: Message) -> None:
+        try:
+            reply = await self._disp.call(handler, None, msg)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.stats.handler_errors += 1
+            self.log.exception("handler_error", msg=type(msg).__name__)
+            reply = ErrorReply(code="handler", message=f"{type(exc).__name__}: {exc}")
+        if rid[:1] == b"Q":
+            with contextlib.suppress(Exception):
+                await self._send_raw(b"R" + rid[1:], reply if reply is not None else Ack())
+
+    async def _heartbeat(self) -> None:
+        interval = self.opts.heartbeat_interval_s
+        while True:
+            await asyncio.sleep(interval)  # a timer, not synchronisation
+            if self._reconnecting is not None and not self._reconnecting.done():
+                continue
+            if self.connected and time.monotonic() - self._last_seen > self.opts.dead_after_s:
+                self.stats.peers_dead += 1
+                self.log.warning("server_dead", silent_s=round(time.monotonic() - self._last_seen, 2))
+                self._connected.clear()
+                self._pending.fail_all(PeerDead(f"server {self.endpoint} is dead"))
+                if self._on_server_dead is not None:
+                    res = self._on_server_dead()
+                    if asyncio.iscoroutine(res):
+                        await res
+                self._reconnecting = asyncio.create_task(self._reconnect_forever())
+                continue
+            if self.connected:
+                self._seq += 1
+                status = self._status() if self._status else None
+                try:  # bounded: a blocked beat must not stop the liveness check above
+                    await self._send_raw(b"", Heartbeat(node_id=self.node_id, seq=self._seq, status=status), interval)
+                except (TransportError, zmq.ZMQError):
+                    self.stats.heartbeats_dropped += 1
+
+    async def _reconnect_forever(self) -> None:
+        backoff = self.opts.reconnect_backoff_s
+        while not self._closed:
+            self.stats.reconnects += 1
+            try:
+                await self._open_and_handshake(self.opts.handshake_timeout_s)
+                self.log.info("reconnected", server=self.server_id)
+                return
+            except (TransportError, zmq.ZMQError) as exc:
+                self.log.debug("reconnect_failed", error=str(exc), backoff_s=backoff)
+            await asyncio.sleep(backoff)  # reconnect backoff
+            backoff = min(backoff * 2, self.opts.reconnect_backoff_max_s)
+
+
+def _consume_exception(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()
