@@ -117,6 +117,10 @@ def steps_per_s(metrics: list[dict[str, Any]]) -> float | None:
     return (metrics[-1]["step"] - metrics[0]["step"]) / dt if dt > 0 else None
 
 
+def _reward_window(metrics: list[dict[str, Any]]) -> int:
+    return max(5, len(metrics) // 10)
+
+
 def summarize(cfg: Any, runs: dict[str, dict], before: dict[str, Any], after: dict[str, Any], wall: float) -> dict[str, Any]:
     lam = runs["laminar"]
     m = lam.get("metrics", [])
@@ -130,8 +134,10 @@ def summarize(cfg: Any, runs: dict[str, dict], before: dict[str, Any], after: di
         "wall_clock_s": round(wall, 1),
         "run_wall_clock_s": round(lam["wall_clock_s"], 1),
         "steps": m[-1]["step"] if m else 0,
-        "reward_first": _mean([r.get("reward") for r in m[:5]]),
-        "reward_last": _mean([r.get("reward") for r in m[-5:]]),
+        # a tenth of the run at each end (at least 5 steps): one batch's reward swings with its prompt mix
+        "reward_window_steps": _reward_window(m),
+        "reward_first": _mean([r.get("reward") for r in m[: _reward_window(m)]]),
+        "reward_last": _mean([r.get("reward") for r in m[-_reward_window(m) :]]),
         "staleness_mean": _mean([r.get("staleness") for r in m]),
         "staleness_max": max((r.get("staleness_max", 0) for r in m), default=0),
     }
@@ -305,7 +311,8 @@ def summary_md(s: dict[str, Any]) -> str:
         f"| large-stride prompts answered with the warm-up's habit, before → after | "
         f"{f(s.get('eval_habit_before'), '{:.0%}')} → {f(s.get('eval_habit_after'), '{:.0%}')} |",
         f"| trainer steps | {s['steps']} |",
-        f"| batch reward, first 5 → last 5 steps | {f(s['reward_first'])} → {f(s['reward_last'])} |",
+        f"| batch reward, mean of the first → last {s.get('reward_window_steps', 5)} steps | "
+        f"{f(s['reward_first'])} → {f(s['reward_last'])} |",
         f"| staleness mean / max | {f(s['staleness_mean'], '{:.2f}')} / {s['staleness_max']} |",
         f"| RL run wall-clock | {f(s['run_wall_clock_s'], '{:.0f}')} s |",
         f"| whole demo wall-clock | {f(s['wall_clock_s'], '{:.0f}')} s |",
