@@ -8,6 +8,7 @@ sim rollout engines and a sim trainer, N = 8..128 emulated rollout GPUs on 2 CPU
             event-loop lag and CPU of both processes)
     ──► min/median/max over repeats, ratios per repeat (same seed in every mode of a repeat)
     ──► cross-check: bench/simulate.py's simulate() on the very same parameters (params_from_config)
+        plus the delays the runs measured (measured_latencies; mechanisms in bench/simrepack.py)
     ──► JSON (bench/results/cluster.json), a table, a plot (bench/results/cluster.png)
 
 Workload (BenchParams in bench/cluster_run.py, documented in bench/README.md): response lengths
@@ -19,6 +20,8 @@ busy about a third of the time under laminar and never the bottleneck.
 Run:
     .venv/bin/python bench/cluster.py --quick --out bench/results/cluster.json     (< 10 min: N = 64)
     .venv/bin/python bench/cluster.py                                                (N = 8..128, ~1 h)
+    .venv/bin/python bench/cluster.py --resim bench/results/cluster.json --out bench/results/cluster.json
+        (no emulation: only the simulator, cross-check and summary again, against the stored runs; ~1 min)
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ sys.path.insert(0, str(HERE))
 
 from cluster_run import MODES, BenchParams, make_config  # noqa: E402
 
+SIM_SEEDS = 10
+"""Seeds of the simulator per point in the cross-check (cheap: ~1 s per mode and N)."""
 FIGS = ("train_tok_s", "gen_tok_s", "rollout_idle_frac", "trainer_idle_frac", "decode_util", "kv_use",
         "iteration_s", "trainer_push_s_median")  # fmt: skip
 
@@ -91,16 +96,47 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return row
 
 
+def _partial_mean(runs: list[dict[str, Any]], where: str, name: str) -> float | None:
+    """Median over runs of a metric mean the nodes recorded (None: no run recorded it)."""
+    xs = [r[where][name]["mean"] for r in runs if name in (r.get(where) or {})]
+    return statistics.median(xs) if xs else None
+
+
 def measured_latencies(runs: list[dict[str, Any]], mode: str) -> dict[str, float]:
     """What the emulation measured that the simulator needs as inputs: a rollout's weight load
-    (relay pull; in global modes the whole update waits for it) and the trainer's push stall."""
+    (relay pull; in global modes the whole update waits for it), the trainer's push stall, and
+    for laminar the control plane's delays (see bench/simrepack.py):
+
+    - repack_move_s, how long moved trajectories decode nowhere: half the export round trip (the
+      source aborts when the request lands) + the import, where the manager timed those
+      (move_export_s, move_place_s); older runs only have the whole round's overhead
+      (repack.overhead_s_mean: export + import + refresh of the slowest move), an upper bound;
+    - status_age_s, the period of the status reports repack plans from: twice the measured mean
+      age of the statuses moves were planned on (a periodic report's mean age is half its
+      period); older runs did not measure it and only had the heartbeat (the configured period);
+    - prompt_rtt_s, a dry rollout's prompt request round trip, where the rollouts timed it."""
     loads = [r["weight_load_s"]["mean"] for r in runs if r.get("weight_load_s")]
     pushes = [r["trainer_push_s_median"] for r in runs if r.get("trainer_push_s_median") == r.get("trainer_push_s_median")]
     load = statistics.median(loads) if loads else 0.0
     push = statistics.median(pushes) if pushes else 0.0
-    if mode.startswith("laminar"):
-        return {"relay_pull_s": load, "actor_push_s": push}
-    return {"global_update_s": load}
+    if not mode.startswith("laminar"):
+        return {"global_update_s": load}
+    out = {"relay_pull_s": load, "actor_push_s": push}
+    rtt = _partial_mean(runs, "rollout_partials", "prompt_rtt_idle_s")
+    if rtt is not None:
+        out["prompt_rtt_s"] = rtt
+    if mode == "laminar":
+        export = _partial_mean(runs, "manager_partials", "move_export_s")
+        place = _partial_mean(runs, "manager_partials", "move_place_s")
+        if export is not None and place is not None:
+            out["repack_move_s"] = export / 2 + place
+        else:
+            rounds = [r["repack"]["overhead_s_mean"] for r in runs if r.get("repack", {}).get("moves")]
+            out["repack_move_s"] = statistics.median(rounds) if rounds else 0.0
+        age = _partial_mean(runs, "manager_partials", "repack_status_age_s")
+        if age is not None:
+            out["status_age_s"] = 2 * age
+    return out  # fmt: skip
 
 
 def simulate_point(prm: BenchParams, n: int, seeds: list[int],
@@ -154,6 +190,97 @@ def cross_check(emu: dict[str, Any], sim: dict[str, Any], emu_ratios: dict[str, 
     return out
 
 
+def analyse(prm: BenchParams, ns: list[int], repeats: int, runs: dict[tuple[int, str], list[dict[str, Any]]],
+            failed: list[dict[str, Any]], config: dict[str, Any], machine: dict[str, Any], commit: str,
+            t_start: float, wall_s: float | None = None) -> dict[str, Any]:  # fmt: skip
+    """Everything after the emulation runs: aggregates, ratios, the simulator on the same
+    parameters (+ the latencies the runs measured), the cross-check and the summary."""
+    results = {n: {m: aggregate(runs[(n, m)]) for m in MODES} for n in ns}
+    rat = {n: ratios(results, runs, n) for n in ns}
+    print("cross-checking with bench/simulate.py ...", file=sys.stderr, flush=True)
+    # the simulator's own seeds (its length draws are not the emulation's hashed ones): more than
+    # the emulation's repeats, because a batch's longest trajectory makes one seed's figure noisy
+    # (sync at N = 8: +-8% between seeds) and that noise is not a mechanism
+    seeds = list(range(max(repeats, SIM_SEEDS)))
+    sims = {n: simulate_point(prm, n, seeds, runs) for n in ns}
+    sims_ideal = {n: simulate_point(prm, n, seeds) for n in ns}
+    checks = {n: cross_check(results[n], sims[n], rat[n]) for n in ns}
+    checks_ideal = {n: cross_check(results[n], sims_ideal[n], rat[n]) for n in ns}
+    print_table(results, rat)
+    print_checks(checks)
+    n0 = 64 if 64 in ns else max(ns)
+    errs = [c["rel_err"] for per_n in checks.values() for c in per_n.values()]
+    summary = {
+        f"laminar_vs_sync_{n0}": rat[n0]["laminar_vs_sync"]["median"],
+        f"laminar_vs_stream_{n0}": rat[n0]["laminar_vs_stream"]["median"],
+        "repack_vs_norepack": rat[n0]["repack_vs_norepack_gen"]["median"],
+        "repack_vs_norepack_train": rat[n0]["repack_vs_norepack_train"]["median"],
+        "repack_kv_use": {"laminar": results[n0]["laminar"]["kv_use"]["median"],
+                          "laminar_norepack": results[n0]["laminar_norepack"]["kv_use"]["median"]},
+        "repack_gen_tok_s": {"laminar": results[n0]["laminar"]["gen_tok_s"]["median"],
+                             "laminar_norepack": results[n0]["laminar_norepack"]["gen_tok_s"]["median"]},
+        "laminar_ge_norepack_at": {str(n): rat[n]["repack_vs_norepack_train"]["median"] >= 1.0 for n in ns},
+        "laminar_vs_sync": {str(n): rat[n]["laminar_vs_sync"]["median"] for n in ns},
+        "sim_vs_emulation_max_rel_err": max(errs),
+        "sim_vs_emulation_rel_err": {str(n): {k: round(v["rel_err"], 3) for k, v in c.items()} for n, c in checks.items()},
+        "sim_vs_emulation_max_rel_err_zero_latency": max(c["rel_err"] for per_n in checks_ideal.values() for c in per_n.values()),
+        "max_loop_lag_ms_p99": max(max(r["control"]["lag_ms_p99"]["max"], r["worker"]["lag_ms_p99"]["max"])
+                                   for rows in results.values() for r in rows.values()),
+        "max_cpu_frac": max(max(r["control"]["cpu_frac"]["max"], r["worker"]["cpu_frac"]["max"])
+                            for rows in results.values() for r in rows.values()),
+        "wall_s": round(time.time() - t_start, 1) if wall_s is None else wall_s,
+    }  # fmt: skip
+    summary[f"laminar_vs_sync_{n0}_ge_2"] = summary[f"laminar_vs_sync_{n0}"] >= 2.0
+    print("\nsummary:", json.dumps(summary, indent=1))
+    return {
+        "bench": "cluster",
+        "config": config,
+        "machine": machine,
+        "git_commit": commit,
+        "results": {str(n): rows for n, rows in results.items()},
+        "ratios": {str(n): r for n, r in rat.items()},
+        "simulation": {str(n): s for n, s in sims.items()},
+        "simulation_zero_latency": {str(n): s for n, s in sims_ideal.items()},
+        "cross_check": {str(n): c for n, c in checks.items()},
+        "cross_check_zero_latency": {str(n): c for n, c in checks_ideal.items()},
+        "runs": {f"{n}/{m}": rs for (n, m), rs in runs.items()},
+        "failed_runs": failed,
+        "summary": summary,
+    }  # fmt: skip
+
+
+def resim(path: Path) -> dict[str, Any]:
+    """Recompute only the simulation, cross-check and summary against the emulation runs stored
+    in an earlier results file: seconds per calibration step instead of a 45-minute sweep."""
+    old = json.loads(path.read_text())
+    cfg = old["config"]
+    prm = BenchParams.from_dict(cfg["params"])
+    runs: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    for key, rs in old["runs"].items():
+        n, mode = key.split("/", 1)
+        runs[(int(n), mode)] = rs
+    ns = [n for n in cfg["ns"] if all(runs.get((n, m)) for m in MODES)]
+    t0 = time.time()
+    doc = analyse(prm, ns, cfg["repeats"], runs, old.get("failed_runs", []), cfg, old["machine"],
+                  old["git_commit"], t0, wall_s=old["summary"].get("wall_s"))  # fmt: skip
+    doc["resim"] = {"from": str(path), "git_commit": git_commit(), "sim_files_modified": sim_dirty(),"time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "sim_wall_s": round(time.time() - t0, 1),
+                    "note": "emulation runs (runs, results, ratios, machine, git_commit) are from the original sweep; "
+                            "simulation, cross_check and summary were recomputed by bench/cluster.py --resim"}  # fmt: skip
+    return doc
+
+
+def sim_dirty() -> bool:
+    """Do the simulator's files differ from the commit (the figures came from uncommitted code)?"""
+    files = ["simulate.py", "simcore.py", "simrepack.py", "simscale.py", "cluster.py"]
+    try:
+        out = subprocess.run(["git", "status", "--porcelain", "--", *files], capture_output=True, text=True,
+                             cwd=HERE, timeout=10).stdout  # fmt: skip
+    except OSError:
+        return True
+    return bool(out.strip())
+
+
 def git_commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=HERE,
@@ -177,7 +304,16 @@ def print_table(results: dict[int, dict[str, Any]], rat: dict[int, dict[str, Any
                   f"{st['p50']:>6}/{st['max']:<6} {lag:>10.0f} {cpu:>9}")  # fmt: skip
 
 
-def plot(results: dict[int, dict[str, Any]], sims: dict[int, dict[str, Any]], path: Path) -> None:
+def print_checks(checks: dict[int, dict[str, Any]]) -> None:
+    print(f"\n{'N':>4} {'ratio':>26} {'emulation':>9} {'simulation':>10} {'rel err':>7}")
+    for n, per in checks.items():
+        for k, c in per.items():
+            print(f"{n:>4} {k:>26} {c['emulation']:>9.3f} {c['simulation']:>10.3f} {c['rel_err']:>7.3f}")
+
+
+def plot(doc: dict[str, Any], path: Path) -> None:
+    results = {int(n): rows for n, rows in doc["results"].items()}
+    sims = {int(n): rows for n, rows in doc["simulation"].items()}
     import matplotlib
 
     matplotlib.use("Agg")
@@ -227,7 +363,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--params", default="{}", help="JSON overrides of BenchParams")
     ap.add_argument("--keep", type=Path, default=None, help="keep every run's directory here")
+    ap.add_argument("--resim", type=Path, default=None, metavar="RESULTS.json",
+                    help="no emulation: re-run only the simulation + cross-check + summary against the runs "
+                         "stored in RESULTS.json (may be the same file as --out)")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.resim is not None:
+        doc = resim(args.resim)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(doc, indent=1))
+        plot(doc, args.plot)
+        print(f"wrote {args.out} and {args.plot}")
+        return 0
     if set(args.modes) != set(MODES):
         ap.error("the summary needs every mode; run cluster_run.py directly for one mode")
     ns = args.ns or ([64] if args.quick else [8, 16, 32, 64, 128])
@@ -261,58 +407,14 @@ def main(argv: list[str] | None = None) -> int:
     ns = [n for n in ns if all(runs.get((n, m)) for m in MODES)]  # a scale with a mode missing cannot compare
     if not ns:
         raise SystemExit(f"no scale has every mode measured; failed runs: {failed}")
-    results = {n: {m: aggregate(runs[(n, m)]) for m in MODES} for n in ns}
-    rat = {n: ratios(results, runs, n) for n in ns}
-    print("cross-checking with bench/simulate.py ...", file=sys.stderr, flush=True)
-    sims = {n: simulate_point(prm, n, list(range(repeats)), runs) for n in ns}
-    sims_ideal = {n: simulate_point(prm, n, list(range(repeats))) for n in ns}
-    checks = {n: cross_check(results[n], sims[n], rat[n]) for n in ns}
-    checks_ideal = {n: cross_check(results[n], sims_ideal[n], rat[n]) for n in ns}
-    print_table(results, rat)
-    n0 = 64 if 64 in ns else max(ns)
-    errs = [c["rel_err"] for per_n in checks.values() for c in per_n.values()]
-    summary = {
-        f"laminar_vs_sync_{n0}": rat[n0]["laminar_vs_sync"]["median"],
-        f"laminar_vs_stream_{n0}": rat[n0]["laminar_vs_stream"]["median"],
-        "repack_vs_norepack": rat[n0]["repack_vs_norepack_gen"]["median"],
-        "repack_vs_norepack_train": rat[n0]["repack_vs_norepack_train"]["median"],
-        "repack_kv_use": {"laminar": results[n0]["laminar"]["kv_use"]["median"],
-                          "laminar_norepack": results[n0]["laminar_norepack"]["kv_use"]["median"]},
-        "repack_gen_tok_s": {"laminar": results[n0]["laminar"]["gen_tok_s"]["median"],
-                             "laminar_norepack": results[n0]["laminar_norepack"]["gen_tok_s"]["median"]},
-        "laminar_ge_norepack_at": {str(n): rat[n]["repack_vs_norepack_train"]["median"] >= 1.0 for n in ns},
-        "laminar_vs_sync": {str(n): rat[n]["laminar_vs_sync"]["median"] for n in ns},
-        "sim_vs_emulation_max_rel_err": max(errs),
-        "sim_vs_emulation_rel_err": {str(n): {k: round(v["rel_err"], 3) for k, v in c.items()} for n, c in checks.items()},
-        "sim_vs_emulation_max_rel_err_zero_latency": max(c["rel_err"] for per_n in checks_ideal.values() for c in per_n.values()),
-        "max_loop_lag_ms_p99": max(max(r["control"]["lag_ms_p99"]["max"], r["worker"]["lag_ms_p99"]["max"])
-                                   for rows in results.values() for r in rows.values()),
-        "max_cpu_frac": max(max(r["control"]["cpu_frac"]["max"], r["worker"]["cpu_frac"]["max"])
-                            for rows in results.values() for r in rows.values()),
-        "wall_s": round(time.time() - t_start, 1),
-    }  # fmt: skip
-    summary[f"laminar_vs_sync_{n0}_ge_2"] = summary[f"laminar_vs_sync_{n0}"] >= 2.0
-    print("\nsummary:", json.dumps(summary, indent=1))
-    doc = {
-        "bench": "cluster",
-        "config": {"quick": args.quick, "ns": ns, "modes": list(MODES), "repeats": repeats, "params": asdict(prm),
-                   "seeds": list(range(repeats))},
-        "machine": {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(),
-                    "loadavg_1m_start": load0[0], "loadavg_1m_end": os.getloadavg()[0]},
-        "git_commit": git_commit(),
-        "results": {str(n): rows for n, rows in results.items()},
-        "ratios": {str(n): r for n, r in rat.items()},
-        "simulation": {str(n): s for n, s in sims.items()},
-        "simulation_zero_latency": {str(n): s for n, s in sims_ideal.items()},
-        "cross_check": {str(n): c for n, c in checks.items()},
-        "cross_check_zero_latency": {str(n): c for n, c in checks_ideal.items()},
-        "runs": {f"{n}/{m}": rs for (n, m), rs in runs.items()},
-        "failed_runs": failed,
-        "summary": summary,
-    }  # fmt: skip
+    machine = {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(),
+               "loadavg_1m_start": load0[0], "loadavg_1m_end": os.getloadavg()[0]}  # fmt: skip
+    config = {"quick": args.quick, "ns": ns, "modes": list(MODES), "repeats": repeats, "params": asdict(prm),
+              "seeds": list(range(repeats))}  # fmt: skip
+    doc = analyse(prm, ns, repeats, runs, failed, config, machine, git_commit(), t_start)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1))
-    plot(results, sims, args.plot)
+    plot(doc, args.plot)
     print(f"wrote {args.out} and {args.plot}")
     return 0
 

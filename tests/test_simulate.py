@@ -70,7 +70,7 @@ def test_repack_plans_come_from_the_planner(monkeypatch):
         plans.append(plan)
         return plan
 
-    monkeypatch.setattr(sim, "plan_repack", spy)
+    monkeypatch.setattr(sim.simcore, "plan_repack", spy)  # the engine module calls it
     out = run("laminar")
     assert plans and out["repack_rounds"] == len(plans)
     assert out["moves"] == sum(len(p.moves) for p in plans) > 0
@@ -126,6 +126,65 @@ def test_tokens_are_conserved_and_kv_respected(monkeypatch):
     assert 0.0 <= out["rollout_idle_frac"] <= 1.0 and 0.0 <= out["decode_util"] <= 1.0
 
 
+# ---- control-plane mechanisms (bench/simrepack.py; what the emulation showed the simulator missed) ----
+
+
+def test_refill_per_group_keeps_rollouts_fuller():
+    # the rollout node tops up its credits whenever a group finishes and no newer version is out;
+    # refilling only when dry leaves a rollout's tail running alone
+    dry, per_group = run("laminar_norepack"), run("laminar_norepack", refill_per_group=True)
+    assert per_group["decode_util"] > dry["decode_util"]
+    assert per_group["throughput_tok_s"] > dry["throughput_tok_s"]
+
+
+def test_repack_from_stale_status_and_slow_moves():
+    exact = run("laminar")
+    assert (
+        exact["export_missing"] == exact["import_rejected"] == exact["restarted_from_prompt"] == 0
+    )
+    # a plan made on reports 2 s old lists trajectories that finished since (missing at export)
+    stale = run("laminar", status_age_s=2.0)
+    assert stale["moves"] > 0 and stale["export_missing"] > 0
+    # trajectories that spend 3 s in transit decode nowhere meanwhile: they finish later, so more
+    # versions behind (throughput need not drop: the emptied source refills at once)
+    slow = run("laminar", repack_move_s=3.0)
+    assert slow["moves"] > 0
+    assert slow["staleness_finished"]["mean"] > exact["staleness_finished"]["mean"] + 0.3
+
+
+def test_prompt_round_trip_idles_dry_rollouts():
+    base, rtt = run("laminar_norepack"), run("laminar_norepack", prompt_rtt_s=0.5)
+    assert rtt["rollout_idle_frac"] > base["rollout_idle_frac"]
+
+
+def test_update_round_restarts_the_period():
+    grid = run("laminar", repack_interval_s=2.0)
+    restart = run("laminar", repack_interval_s=2.0, repack_period_restarts=True)
+    assert grid["repack_rounds"] > 0 and restart["repack_rounds"] > 0
+    # ~1 s iterations, 2 s period: on a fixed grid a periodic round falls between most updates;
+    # restarted after each update round, almost none does
+    assert restart["repack_rounds"] < 0.8 * grid["repack_rounds"]
+
+
+def test_measured_latencies_from_emulation_runs():
+    """bench/cluster.py turns what a run recorded into simulator inputs (newest figures first)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import cluster  # noqa: E402  (bench/cluster.py)
+
+    old = {"weight_load_s": {"mean": 0.03}, "trainer_push_s_median": 0.006,
+           "repack": {"moves": 10, "overhead_s_mean": 0.08}}  # fmt: skip
+    assert cluster.measured_latencies([old], "laminar") == pytest.approx(
+        {"relay_pull_s": 0.03, "actor_push_s": 0.006, "repack_move_s": 0.08}
+    )
+    new = {**old, "manager_partials": {"move_export_s": {"mean": 0.02}, "move_place_s": {"mean": 0.03},
+                                       "repack_status_age_s": {"mean": 0.05}},
+           "rollout_partials": {"prompt_rtt_idle_s": {"mean": 0.025}}}  # fmt: skip
+    lat = cluster.measured_latencies([new], "laminar")
+    assert lat["repack_move_s"] == pytest.approx(0.04)  # half the export + the import
+    assert lat["status_age_s"] == pytest.approx(0.1) and lat["prompt_rtt_s"] == pytest.approx(0.025)
+    assert cluster.measured_latencies([new], "sync") == {"global_update_s": 0.03}
+
+
 # ---- parameters ----------------------------------------------------------------------------------
 
 
@@ -139,6 +198,8 @@ def test_params_from_config_matches_the_emulation():
     assert p.group_size == cfg.rollout.group_size and p.batch_groups == cfg.trainer.batch_groups
     assert p.trainer_s_per_token == cfg.trainer.sim_time_per_token_s
     assert p.repack_bound_b == cfg.repack_bound_b() and p.c_max == cfg.manager.repack.c_max
+    assert p.status_age_s == cfg.transport.heartbeat_interval_s  # repack plans from heartbeats
+    assert p.refill_per_group and p.repack_period_restarts and p.repack_fixed_s == 0.0
     out = sim.simulate("laminar", params=p, warmup_steps=2, measure_steps=3)
     assert out["throughput_tok_s"] > 0 and out["n_rollouts"] == 8
 

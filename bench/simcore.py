@@ -1,0 +1,617 @@
+"""Simulator engine: one discrete-event run of one mode (sync, one_step, stream, laminar[_norepack]).
+
+    prompt pool ──groups──► rollout ×R (decode model, KV cache, preemption) ──finished groups──► buffer
+         ▲ admission: laminar.manager.staleness            │ repack: laminar.manager.repack  │
+         └──────────── trainer (time ∝ tokens) ◄──────────────────────────────────────────┘
+                       │ new version: global update (sync/one_step/stream) or relay pull (laminar)
+
+The admission/staleness rules and the repack planner are the real ones, imported from
+laminar.manager; only the hardware is modelled:
+
+- Decode: all sequences of a rollout advance one token per step; the step takes step_time_s up
+  to bound_b sequences and grows linearly past it. A rollout runs at most max_running sequences
+  and admits a queued one only while KV use stays under admit_frac; when KV hits 100% the
+  youngest sequences are preempted down to admit_frac (vLLM recompute preemption). Prefill
+  (new prompts, readmission, repack imports) stalls the rollout for tokens / prefill_tok_s.
+- Lengths: lognormal with median length_p50 and p99/p50 = length_p99_over_p50, clipped to
+  max_tokens. Each GRPO group of group_size samples runs on one rollout at one version.
+- Trainer: an update on T tokens takes max(T * trainer_s_per_token, mini-batches *
+  trainer_minibatch_floor_s); the floor is the FSDP traffic of one optimizer step, which does not
+  shrink with more GPUs - why per-GPU trainer throughput falls at large scale (strong scaling).
+- Weights: global modes stop every rollout for global_update_s once all drained; laminar stalls
+  the trainer actor_push_s, the version reaches relays relay_broadcast_s later, and a rollout
+  pulls it (relay_pull_s) whenever it runs dry or is emptied by repack.
+
+Modes (rules from laminar.manager.staleness.policy_for):
+- sync: co-located on every GPU; global batch j generated at version j, the trainer waits for
+  all of it, then a global update. one_step: split GPUs; batch j+1 generated at version j while
+  the trainer trains batch j. stream: like one_step, but the trainer takes each mini-batch as
+  soon as its groups finished (staleness bound 1). With a global update that must wait for every
+  rollout to drain, one_step and stream differ only in how much training hides behind the tail.
+- laminar_norepack / laminar: each rollout takes its own batch, drains it, pulls the newest
+  version from its relay and takes the next; the trainer consumes finished groups FIFO. With
+  refill_per_group (the rollout node's credit loop, used for the emulation) a rollout also takes
+  a new group whenever one finishes while no newer version is out; a dry rollout's prompts
+  arrive prompt_rtt_s after it asks. laminar also repacks every repack_interval_s and right
+  after each trainer update (bench/simrepack.py: planned from heartbeat-old status reports,
+  moves that take time, imports rejected by a rollout that refreshed meanwhile).
+
+Figures: throughput = tokens consumed / time between trainer-update completions over the window
+(paper §8 metric); rollout idle = share of rollout time with nothing decoding (sync: includes the
+training phase on shared GPUs); decode_util = mean of min(running, B) / B; staleness = trainer
+version - trajectory version, at consumption and at finish.
+
+Parameters come from bench/simscale.py (`params_for`: paper scale) or bench/simulate.py
+(`params_from_config`: the emulated cluster of bench/cluster.py); `simulate()` there runs a Sim.
+
+Run: .venv/bin/python bench/simulate.py --quick   (tests: .venv/bin/python -m pytest tests/test_simulate.py -q)
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+import sys
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from simrepack import RepackMixin  # noqa: E402
+
+from laminar.manager.repack import is_candidate, plan_repack  # noqa: E402,F401
+from laminar.manager.staleness import StalenessStats, may_start_group, policy_for  # noqa: E402
+
+SIM_MODES = ("sync", "one_step", "stream", "laminar_norepack", "laminar")
+Z99 = 2.3263478740408408  # standard-normal 99th percentile
+
+
+@dataclass
+class SimParams:
+    """Everything one run needs: paper scale via `params_for`, emulation via `params_from_config`."""
+
+    n_rollouts: int
+    trainer_s_per_token: float
+    """Trainer seconds per consumed token (prompt + response), all trainer GPUs together."""
+    n_gpus: int = 0
+    """Total GPUs, for per-GPU figures (0 = n_rollouts: one GPU per emulated rollout)."""
+    step_time_s: float = 0.02
+    """Decode step time up to bound_b running sequences; linear in the batch past it."""
+    bound_b: int = 128
+    max_running: int = 1024
+    """Most sequences decoding at once on a rollout (vLLM max_num_seqs)."""
+    kv_capacity_tokens: float = math.inf
+    admit_frac: float = 0.9
+    """Admit while KV stays under this; on a full KV preempt the youngest down to it."""
+    prefill_tok_s: float = math.inf
+    """Prefill rate; admitting P tokens stalls the rollout P / prefill_tok_s (inf = free)."""
+    prompt_tokens: int = 256
+    length_p50: float = 2000.0
+    length_p99_over_p50: float = 10.0
+    max_tokens: int = 16384
+    group_size: int = 16
+    batch_groups: int = 512
+    """Groups per global batch (one trainer version)."""
+    rollout_groups: int = 64
+    """Groups a rollout holds at most (baselines) / takes as its own batch when dry (laminar)."""
+    buffer_capacity_groups: int | None = None
+    """Laminar: a dry rollout takes no new prompts while this many finished groups wait."""
+    minibatches: int = 1
+    """Optimizer updates per global batch; stream/laminar train each one as soon as its groups finished."""
+    trainer_minibatch_floor_s: float = 0.0
+    """A mini-batch update takes at least this long (FSDP traffic that compute cannot hide)."""
+    global_update_s: float = 0.0
+    """sync/one_step/stream: every rollout (and the trainer) stopped for the NCCL-style update."""
+    actor_push_s: float = 0.0
+    """laminar: trainer stall to push a version to the master relay."""
+    relay_broadcast_s: float = 0.0
+    """laminar: push end -> version on every relay (chain broadcast)."""
+    relay_pull_s: float = 0.0
+    """laminar: a rollout loads the version from its host relay (PCIe)."""
+    repack: bool = True
+    repack_interval_s: float = 5.0
+    c_max: float = 0.9
+    repack_bound_b: int | None = None
+    """B for the planner (None = bound_b)."""
+    repack_fixed_s: float = 0.69
+    """Destination stall per repack move on top of re-prefilling the moved tokens (paper §8.4)."""
+    repack_move_s: float = 0.0
+    """Export -> import time of a move (>= 0): the moved trajectories decode nowhere meanwhile.
+    Emulation: its measured repack round overhead (export, import and refresh RPCs)."""
+    status_age_s: float = 0.0
+    """Repack plans from per-rollout status reports sent every this many seconds (>= 0; the
+    heartbeat, each rollout at its own phase) instead of the exact state (0)."""
+    repack_period_restarts: bool = False
+    """A round run right after a trainer update restarts the periodic timer (the manager's loop);
+    False: periodic rounds on a fixed grid."""
+    prompt_rtt_s: float = 0.0
+    """laminar: a dry rollout's prompt request round trip (>= 0): it decodes nothing meanwhile."""
+    refill_per_group: bool = False
+    """laminar: a rollout at the newest available version takes a new group whenever it holds
+    fewer than rollout_groups (the rollout node's credit loop); False: only once it ran dry."""
+    max_staleness: int | None = None
+    """Bound for stream (None = 1) and laminar (None = unbounded)."""
+    settle_s: float | None = None
+    """Least warm-up time and window length (None: two lifetimes of a max_tokens trajectory)."""
+
+
+class Traj:
+    """One sample. `gen0` tokens were generated before it was (re)admitted on its current
+    rollout at progress `start_p`; it finishes when the rollout's progress reaches `fin`."""
+
+    __slots__ = ("id", "group", "length", "gen0", "start_p", "fin")
+
+    def __init__(self, tid: int, group: Group, length: int) -> None:
+        self.id, self.group, self.length, self.gen0, self.start_p = tid, group, length, 0, 0.0
+        self.fin = -1.0
+
+
+class Group:
+    __slots__ = ("seq", "version", "left", "tokens", "origin")
+
+    def __init__(self, seq: int, version: int, n: int, origin: int) -> None:
+        self.seq, self.version, self.left, self.tokens, self.origin = seq, version, n, 0, origin
+
+
+class Rollout:
+    __slots__ = (
+        "idx", "version", "prog", "t_ref", "stall_until", "running", "heap", "waiting", "kv_base",
+        "gen", "in_hand", "pulling", "asking", "last_kv", "work_t", "decode_t", "util_a", "status",
+    )  # fmt: skip
+
+    def __init__(self, idx: int) -> None:
+        self.idx, self.version, self.prog, self.t_ref, self.stall_until = idx, 0, 0.0, 0.0, 0.0
+        self.running: dict[int, Traj] = {}  # insertion order = admission order (youngest last)
+        self.heap: list[tuple[float, int]] = []  # (progress at which it finishes, traj id)
+        self.waiting: deque[Traj] = deque()
+        self.kv_base = 0.0  # KV tokens = kv_base + len(running) * prog
+        self.gen = self.in_hand = 0
+        self.pulling = self.asking = False
+        self.last_kv = 0.0
+        self.status: Any = None  # (RolloutLoad, trajectory loads) of its latest heartbeat
+        self.work_t = self.decode_t = self.util_a = 0.0
+
+
+class Sim(RepackMixin):
+    """One run of one mode; `run()` returns the figures."""
+
+    def __init__(
+        self, mode: str, prm: SimParams, seed: int, warmup_steps: int, measure_steps: int
+    ) -> None:
+        if mode not in SIM_MODES:
+            raise ValueError(f"unknown mode {mode!r}; expected one of {SIM_MODES}")
+        self.mode, self.prm = mode, prm
+        self.policy = policy_for(
+            "laminar" if mode.startswith("laminar") else mode,
+            prm.max_staleness if mode in ("stream", "laminar", "laminar_norepack") else None,
+        )
+        self.do_repack = mode == "laminar" and prm.repack
+        self.rb = prm.repack_bound_b or prm.bound_b
+        self.rng, self.seed = random.Random(seed), seed
+        self.sigma = math.log(prm.length_p99_over_p50) / Z99
+        self.mu = math.log(prm.length_p50)
+        self.ro = [Rollout(i) for i in range(prm.n_rollouts)]
+        self.events: list[tuple[float, int, int, Any]] = []
+        self.ev_seq = 0
+        self.now = 0.0
+        self.next_tid = 0
+        self.groups_started = 0
+        self.inflight = 0  # trajectories started and not finished, all rollouts
+        self.version = 0  # trainer version
+        self.newest_avail = 0  # laminar: newest version on every relay
+        self.updating = False
+        self.trainer_busy = False
+        self.buffer: deque[Group] = deque()  # finished groups, FIFO
+        self.done_by_batch: dict[int, list[Group]] = {}
+        self.idle: set[int] = set()  # laminar rollouts waiting for buffer room or admission
+        self.warm, self.measure = warmup_steps, measure_steps
+        # Both the warm-up and the window also last at least two lifetimes of the longest
+        # trajectory, so a window never sees only the burst of a synchronised start.
+        self.settle = 2 * prm.max_tokens * prm.step_time_s if prm.settle_s is None else prm.settle_s
+        self.start_idx: int | None = None  # index in self.steps where the window starts
+        self.done = False
+        self.steps: list[tuple[float, int]] = []  # (update completion time, tokens)
+        self.cons_stale, self.fin_stale = StalenessStats(), StalenessStats()
+        self.snap: dict[str, float] = {}
+        self.counts = {"repack_rounds": 0, "moves": 0, "moved_trajs": 0, "preemptions": 0, "dropped_groups": 0, "global_updates": 0, "pulls": 0,
+                       "export_missing": 0, "import_rejected": 0, "import_elsewhere": 0, "restarted_from_prompt": 0}  # fmt: skip
+        self.win_gen_tokens = self.win_prod_tokens = 0
+        self.step_tokens = self.mb_done = 0
+        self.train_t: list[float] = []  # start, end of every trainer update
+        if prm.minibatches < 1 or prm.batch_groups % prm.minibatches:
+            raise ValueError(
+                f"batch_groups {prm.batch_groups} must be a multiple of minibatches {prm.minibatches}"
+            )
+
+    # ---- event plumbing ---------------------------------------------------------------------
+    def push(self, t: float, kind: int, data: Any) -> None:
+        self.ev_seq += 1
+        heapq.heappush(self.events, (t, self.ev_seq, kind, data))
+
+    def step_time(self, n: int) -> float:
+        b = self.prm.bound_b
+        return self.prm.step_time_s if n <= b else self.prm.step_time_s * n / b
+
+    def advance(self, r: Rollout) -> None:
+        now, n = self.now, len(r.running)
+        if n:
+            r.work_t += now - r.t_ref
+            start = max(r.t_ref, r.stall_until)
+            if now > start:
+                dt = now - start
+                r.prog += dt / self.step_time(n)
+                r.decode_t += dt
+                r.util_a += dt * min(n, self.prm.bound_b) / self.prm.bound_b
+        r.t_ref = now
+
+    def kv(self, r: Rollout) -> float:
+        return r.kv_base + len(r.running) * r.prog
+
+    def schedule(self, r: Rollout) -> None:
+        r.gen += 1
+        n = len(r.running)
+        if not n:
+            return
+        while not self.live(r, r.heap[0]):  # lazy deletion of moved/preempted entries
+            heapq.heappop(r.heap)
+        st = self.step_time(n)
+        steps = r.heap[0][0] - r.prog
+        room = self.prm.kv_capacity_tokens - self.kv(r)
+        if n > 1 and room < math.inf:
+            steps = min(steps, max(0.0, room / n))
+        self.push(max(self.now, r.stall_until) + max(0.0, steps) * st, 0, (r.idx, r.gen))
+
+    @staticmethod
+    def live(r: Rollout, entry: tuple[float, int]) -> bool:
+        t = r.running.get(entry[1])
+        return t is not None and t.fin == entry[0]
+
+    def admit(self, r: Rollout) -> None:
+        """Move queued sequences into the running batch while KV and max_running allow."""
+        cap = self.prm.kv_capacity_tokens * self.prm.admit_frac
+        prefill = 0
+        while r.waiting and len(r.running) < self.prm.max_running:
+            t = r.waiting[0]
+            need = self.prm.prompt_tokens + t.gen0
+            if r.running and self.kv(r) + need > cap:
+                break  # head-of-line blocking, as in vLLM's FCFS scheduler
+            r.waiting.popleft()
+            t.start_p = r.prog
+            r.kv_base += need - r.prog
+            r.running[t.id] = t
+            t.fin = r.prog + t.length - t.gen0
+            heapq.heappush(r.heap, (t.fin, t.id))
+            prefill += need
+        if prefill and self.prm.prefill_tok_s < math.inf:
+            r.stall_until = max(r.stall_until, self.now) + prefill / self.prm.prefill_tok_s
+
+    def remove(self, r: Rollout, t: Traj) -> None:
+        """Take a running sequence off the rollout, keeping its generated tokens in t.gen0."""
+        del r.running[t.id]
+        r.kv_base -= self.prm.prompt_tokens + t.gen0 - t.start_p
+        t.gen0 += round(r.prog - t.start_p)
+        if not r.running:
+            r.kv_base = 0.0  # no float drift carried into the next batch
+
+    # ---- rollouts -----------------------------------------------------------------------------
+    def on_rollout(self, r: Rollout) -> None:
+        self.advance(r)
+        eps = 1e-6
+        while r.heap and r.heap[0][0] <= r.prog + eps:
+            entry = heapq.heappop(r.heap)
+            if not self.live(r, entry):
+                continue
+            t = r.running[entry[1]]
+            self.remove(r, t)
+            t.gen0 = t.length
+            self.finish(r, t)
+        if len(r.running) > 1 and self.kv(r) >= self.prm.kv_capacity_tokens - eps:
+            floor = self.prm.kv_capacity_tokens * self.prm.admit_frac
+            while len(r.running) > 1 and self.kv(r) > floor:
+                t = r.running[next(reversed(r.running))]
+                self.remove(r, t)
+                r.waiting.appendleft(t)
+                self.counts["preemptions"] += 1
+        self.admit(r)
+        self.after_change(r)
+
+    def finish(self, r: Rollout, t: Traj) -> None:
+        g = t.group
+        g.left -= 1
+        g.tokens += self.prm.prompt_tokens + t.length
+        self.inflight -= 1
+        if self.start_idx is not None:
+            self.fin_stale.add(self.version - g.version)
+            self.win_gen_tokens += t.length
+            self.win_prod_tokens += self.prm.prompt_tokens + t.length
+        if g.left == 0:
+            self.ro[g.origin].in_hand -= 1
+            if self.policy.whole_batch:
+                self.done_by_batch.setdefault(g.seq // self.prm.batch_groups, []).append(g)
+            else:
+                self.buffer.append(g)
+
+    def after_change(self, r: Rollout) -> None:
+        """Common tail of every rollout event: refill, update, train, reschedule."""
+        if self.policy.global_update:
+            self.dispatch_global()
+            self.maybe_global_update()
+        else:
+            self.refill(r)
+        self.try_train()
+        self.schedule(r)
+
+    def start_group(self, r: Rollout) -> None:
+        g = Group(self.groups_started, r.version, self.prm.group_size, r.idx)
+        self.groups_started += 1
+        r.in_hand += 1
+        for _ in range(self.prm.group_size):
+            x = self.rng.lognormvariate(self.mu, self.sigma)
+            r.waiting.append(Traj(self.next_tid, g, max(1, min(self.prm.max_tokens, round(x)))))
+            self.next_tid += 1
+        self.inflight += self.prm.group_size
+
+    def may_start(self, r: Rollout) -> bool:
+        return may_start_group(self.policy, trainer_version=self.version, rollout_version=r.version, groups_started=self.groups_started, batch_groups=self.prm.batch_groups)  # fmt: skip
+
+    def dispatch_global(self) -> None:
+        """Baselines: hand groups to the least-loaded rollouts while the mode's rules allow."""
+        if self.updating or not self.may_start(self.ro[0]):
+            return  # one version everywhere in global modes: one check stands for all rollouts
+        heap = [(r.in_hand, r.idx) for r in self.ro if r.in_hand < self.prm.rollout_groups]
+        heapq.heapify(heap)
+        touched: dict[int, Rollout] = {}
+        while heap:
+            _, i = heap[0]
+            r = self.ro[i]
+            if not self.may_start(r):
+                break  # same version everywhere in global modes, so no rollout may start
+            if i not in touched:
+                self.advance(r)
+                touched[i] = r
+            self.start_group(r)
+            if r.in_hand < self.prm.rollout_groups:
+                heapq.heapreplace(heap, (r.in_hand, i))
+            else:
+                heapq.heappop(heap)
+        for r in touched.values():
+            self.admit(r)
+            self.schedule(r)
+
+    def groups_held(self, r: Rollout) -> int:
+        """Groups with a trajectory on this rollout (imported ones too): the node's used credits."""
+        return len({t.group.seq for t in r.running.values()} | {t.group.seq for t in r.waiting})
+
+    def refill(self, r: Rollout, answered: bool = False) -> None:
+        """Laminar: a rollout with nothing left pulls newer weights, then takes its own batch;
+        with refill_per_group it also tops up its credits while no newer version is out.
+        A dry rollout's prompts arrive prompt_rtt_s after it asks (`answered`: they are here)."""
+        if r.pulling or r.asking:
+            return
+        dry = not r.running and not r.waiting
+        if self.newest_avail > r.version:
+            if not dry:
+                return  # drain first: every trajectory runs on one version
+            r.pulling = True
+            self.idle.discard(r.idx)
+            self.counts["pulls"] += 1
+            self.push(self.now + self.prm.relay_pull_s, 3, (r.idx, self.newest_avail))
+            return
+        if not dry and not self.prm.refill_per_group:
+            return
+        if dry and self.prm.prompt_rtt_s > 0 and not answered:
+            r.asking = True  # decoding nothing until the buffer's reply is back
+            self.push(self.now + self.prm.prompt_rtt_s, 9, r.idx)
+            return
+        cap = self.prm.buffer_capacity_groups
+        started = self.groups_held(r) if self.prm.refill_per_group and not dry else 0
+        first = started
+        while (
+            started < self.prm.rollout_groups
+            and (cap is None or len(self.buffer) < cap)
+            and self.may_start(r)
+        ):
+            self.start_group(r)
+            started += 1
+        if started > first:
+            self.idle.discard(r.idx)
+            self.admit(r)
+        elif dry or started < self.prm.rollout_groups:
+            self.idle.add(r.idx)  # woken when buffer room or a version appears
+
+    def wake_idle(self) -> None:
+        for i in sorted(self.idle):
+            r = self.ro[i]
+            if not (r.pulling or r.asking) and (
+                self.prm.refill_per_group or not (r.running or r.waiting)
+            ):
+                self.advance(r)
+                self.refill(r)
+                self.schedule(r)
+
+    # ---- trainer and weights -----------------------------------------------------------------
+    def try_train(self) -> None:
+        """Start the next trainer update: a whole global batch (sync, one_step) or one
+        mini-batch of the first finished groups (stream, laminar: streamed consumption)."""
+        if self.policy.global_update:
+            self.maybe_global_update()  # a due update goes first once every rollout drained
+        if self.trainer_busy or self.updating:
+            return
+        if self.policy.whole_batch:
+            batch = self.done_by_batch.get(self.version, [])
+            if len(batch) < self.prm.batch_groups:
+                return
+            del self.done_by_batch[self.version]
+            mbs = self.prm.minibatches
+        else:
+            need, batch, mbs = self.prm.batch_groups // self.prm.minibatches, [], 1
+            while self.buffer and len(batch) < need:
+                g = self.buffer.popleft()
+                if (
+                    self.policy.max_staleness is not None
+                    and self.version - g.version > self.policy.max_staleness
+                ):
+                    self.counts["dropped_groups"] += 1
+                    continue
+                batch.append(g)
+            if len(batch) < need:
+                self.buffer.extendleft(reversed(batch))
+                return
+        tokens = sum(g.tokens for g in batch)
+        if self.start_idx is not None:
+            for g in batch:
+                self.cons_stale.add(self.version - g.version, self.prm.group_size)
+        self.trainer_busy = True
+        dur = max(tokens * self.prm.trainer_s_per_token, mbs * self.prm.trainer_minibatch_floor_s)
+        self.train_t += (self.now, self.now + dur)
+        self.push(self.now + dur, 1, (tokens, mbs))
+
+    def on_train_done(self, tokens: int, mbs: int) -> None:
+        self.step_tokens += tokens
+        self.mb_done += mbs
+        if self.mb_done < self.prm.minibatches:
+            self.trainer_busy = False
+            self.wake_idle()  # buffer room freed
+            self.try_train()
+            return
+        tokens, self.step_tokens, self.mb_done = self.step_tokens, 0, 0
+        self.version += 1
+        self.steps.append((self.now, tokens))
+        if self.start_idx is None and len(self.steps) >= self.warm and self.now >= self.settle:
+            self.start_idx = len(self.steps)
+            self.take_snapshot("start")
+        elif self.start_idx is not None and len(self.steps) - self.start_idx >= self.measure:
+            self.done = self.now - self.snap["start_t"] >= self.settle  # windows end on an update
+        if self.policy.global_update:
+            self.trainer_busy = False
+        else:
+            self.push(self.now + self.prm.actor_push_s, 2, None)  # trainer free after the push
+            self.push(
+                self.now + self.prm.actor_push_s + self.prm.relay_broadcast_s, 4, self.version
+            )
+            if self.do_repack:
+                self.repack(after_update=True)
+        self.wake_idle()
+        self.try_train()
+
+    def maybe_global_update(self) -> None:
+        if (
+            self.updating
+            or self.trainer_busy
+            or self.inflight
+            or self.version <= self.ro[0].version
+        ):
+            return
+        self.updating = True
+        self.counts["global_updates"] += 1
+        self.push(self.now + self.prm.global_update_s, 5, self.version)
+
+    def on_update_done(self, version: int) -> None:
+        self.updating = False
+        for r in self.ro:
+            self.advance(r)
+            r.version = version
+        self.dispatch_global()
+        self.try_train()
+
+    # ---- repack ------------------------------------------------------------------------------
+    def plan(self, loads: list[Any]) -> Any:
+        """The real planner (looked up here, so a test can spy on simcore.plan_repack)."""
+        return plan_repack(loads, self.prm.c_max, self.rb)
+
+    # ---- measurement -------------------------------------------------------------------------
+    def take_snapshot(self, key: str) -> None:
+        for r in self.ro:
+            self.advance(r)
+        self.snap[key + "_t"] = self.now
+        self.snap[key + "_work"] = sum(r.work_t for r in self.ro)
+        self.snap[key + "_decode"] = sum(r.decode_t for r in self.ro)
+        self.snap[key + "_util"] = sum(r.util_a for r in self.ro)
+
+    def run(self) -> dict[str, Any]:
+        if self.policy.global_update:
+            self.dispatch_global()
+        else:
+            for r in self.ro:
+                self.refill(r)
+                self.schedule(r)
+            if self.do_repack:
+                self.repack_start(self.seed)
+        if not self.warm and not self.settle:
+            self.start_idx = 0
+            self.take_snapshot("start")
+        n_events = 0
+        while not self.done:
+            if not self.events:
+                raise RuntimeError(
+                    f"{self.mode}: no events left after {len(self.steps)} steps (deadlock)"
+                )
+            t, _, kind, data = heapq.heappop(self.events)
+            self.now = t
+            n_events += 1
+            if kind == 0:
+                r = self.ro[data[0]]
+                if data[1] == r.gen:
+                    self.on_rollout(r)
+            elif kind == 1:
+                self.on_train_done(*data)
+            elif kind == 2:
+                self.trainer_busy = False
+                self.try_train()
+            elif kind == 3:
+                r = self.ro[data[0]]
+                self.advance(r)
+                r.pulling, r.version = False, data[1]
+                self.refill(r)
+                self.try_train()
+                self.schedule(r)
+            elif kind == 9:  # a dry rollout's prompt request answered
+                r = self.ro[data]
+                self.advance(r)
+                r.asking = False
+                self.refill(r, answered=True)
+                self.schedule(r)
+            elif kind == 4:
+                self.newest_avail = max(self.newest_avail, data)
+                self.wake_idle()
+            elif kind == 5:
+                self.on_update_done(data)
+            else:  # repack rounds, heartbeats, move arrivals (simrepack.py)
+                self.on_repack_event(kind, data)
+        self.take_snapshot("end")
+        return self.figures(n_events)
+
+    def busy_between(self, t0: float, t1: float) -> float:
+        it = iter(self.train_t)
+        return sum(max(0.0, min(b, t1) - max(a, t0)) for a, b in zip(it, it, strict=False))
+
+    def figures(self, n_events: int) -> dict[str, Any]:
+        s = self.snap
+        assert self.start_idx is not None
+        t0, t1 = s["start_t"], self.steps[-1][0]
+        window = t1 - t0
+        tokens = sum(tok for _, tok in self.steps[self.start_idx :])
+        ro_time = window * self.prm.n_rollouts
+        n_gpus = self.prm.n_gpus or self.prm.n_rollouts
+        thr = tokens / window
+        return {
+            "mode": self.mode,
+            "throughput_tok_s": thr,
+            "throughput_per_gpu": thr / n_gpus,
+            "gen_tok_s": self.win_gen_tokens / window,
+            "iteration_s": window / (len(self.steps) - self.start_idx),
+            "steps_measured": len(self.steps) - self.start_idx,
+            "produced_over_consumed": self.win_prod_tokens / tokens,
+            "trainer_busy_frac": self.busy_between(t0, t1) / window,
+            "rollout_idle_frac": max(0.0, 1 - (s["end_work"] - s["start_work"]) / ro_time),
+            "decode_util": (s["end_util"] - s["start_util"]) / ro_time,
+            "staleness_consumed": self.cons_stale.summary(),
+            "staleness_finished": self.fin_stale.summary(),
+            "sim_time_s": t1,
+            "events": n_events,
+            **self.counts,
+        }

@@ -1,0 +1,157 @@
+"""Dynamic repack inside the simulator, as the manager node runs it (mixed into simcore.Sim).
+
+    heartbeat (every status_age_s, per-rollout phase) ──► r.status = (RolloutLoad, traj loads)
+    round (every repack_interval_s, and right after each trainer update)
+        ──► laminar.manager.repack.plan_repack(statuses)      the real planner, on what it was told
+        ──► export now on the source (what still runs there)  ──► source refills / pulls weights
+        ──► import repack_move_s later on the destination      same version? resume : next rollout
+                                                               of that version : restart from prompt
+
+Mechanisms of laminar/nodes/manager.py modelled here, each with a measured or configured input:
+- The planner sees each rollout's last heartbeat (`status_age_s` = transport.heartbeat_interval_s),
+  not its state now: a "draining" rollout may have finished, refreshed or taken new groups since.
+  KV "rising" compares the status seen at this round with the one seen at the previous round
+  (the same report twice counts as not rising), as `ManagerNode.rollout_loads` does.
+- A move exports only the trajectories its plan listed that still run on the source; ones that
+  finished meanwhile are missing, ones started since stay.
+- Moved trajectories reach the destination `repack_move_s` later (the measured round overhead):
+  they decode nowhere meanwhile, while the emptied source already takes new work.
+- A destination whose version changed meanwhile (it drained and refreshed) rejects the import
+  (version_mismatch); the partials go to another rollout of their version (busy, not full,
+  emptiest first) or, with none left, restart from the prompt on the newest version's least
+  loaded rollout, losing their tokens (`ManagerNode._place` / `_restart_elsewhere`; their group
+  keeps its version in the staleness figures).
+- With `repack_period_restarts`, a round triggered by an update restarts the periodic timer.
+
+With status_age_s = repack_move_s = 0 (paper scale) the planner sees the exact state and moves
+are instantaneous. Tests: .venv/bin/python -m pytest tests/test_simulate.py -q
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+from typing import Any
+
+from laminar.manager.repack import RolloutLoad, TrajLoad, is_candidate
+
+EV_REPACK, EV_BEAT, EV_ARRIVE = 6, 7, 8
+
+
+class RepackMixin:
+    """Repack rounds, heartbeats and move arrivals of a Sim (uses its rollouts and helpers)."""
+
+    prm: Any
+    ro: list[Any]
+    now: float
+    rb: int
+
+    def repack_start(self, seed: int) -> None:
+        """Schedule the first periodic round and, with status reports, every rollout's first beat."""
+        self.repack_gen = 0
+        self.push(self.prm.repack_interval_s, EV_REPACK, 0)
+        if self.prm.status_age_s > 0:
+            phase = random.Random(seed * 7919 + 17)  # own stream: the length draws stay the same
+            for r in self.ro:
+                r.status = None
+                self.push(phase.uniform(0.0, self.prm.status_age_s), EV_BEAT, r.idx)
+
+    def on_repack_event(self, kind: int, data: Any) -> None:
+        if kind == EV_REPACK:
+            if data == self.repack_gen:  # a stale timer (restarted by an update round) is ignored
+                self.repack()
+        elif kind == EV_BEAT:
+            r = self.ro[data]
+            self.advance(r)
+            r.status = self.report(r)
+            self.push(self.now + self.prm.status_age_s, EV_BEAT, data)
+        elif kind == EV_ARRIVE:
+            self.arrive(*data)
+
+    def report(self, r: Any) -> tuple[RolloutLoad, tuple[TrajLoad, ...]]:
+        """What a rollout's status says now: version, KV use, counts, per-trajectory KV."""
+        cap = self.prm.kv_capacity_tokens
+        use = self.kv(r) / cap
+        running = r.running.values()
+        trajs = tuple(TrajLoad(str(t.id), (self.prm.prompt_tokens + t.gen0 + r.prog - t.start_p) / cap)
+                      for t in running)  # fmt: skip
+        trajs += tuple(
+            TrajLoad(str(t.id), (self.prm.prompt_tokens + t.gen0) / cap) for t in r.waiting
+        )
+        load = RolloutLoad(str(r.idx), r.version, use, False, len(r.running), len(r.waiting))
+        return load, trajs
+
+    def repack(self, after_update: bool = False) -> None:
+        if after_update and not self.prm.repack_period_restarts:
+            pass  # fixed grid: the periodic timer keeps its phase
+        else:
+            self.repack_gen += 1
+            self.push(self.now + self.prm.repack_interval_s, EV_REPACK, self.repack_gen)
+        loads = []
+        for r in self.ro:
+            if self.prm.status_age_s > 0:
+                if r.status is None:
+                    continue  # not reported yet
+                load, trajs = r.status
+            else:
+                if r.pulling:
+                    continue
+                self.advance(r)
+                load, trajs = self.report(r)
+            load = replace(load, kv_rising=load.kv_use > r.last_kv + 1e-12)
+            r.last_kv = load.kv_use
+            if is_candidate(load, self.prm.c_max, self.rb):  # only candidates' trajectories matter
+                load = replace(load, trajectories=trajs)
+            loads.append(load)
+        plan = self.plan(loads)
+        self.counts["repack_rounds"] += 1
+        for m in plan.moves:
+            src, dst = self.ro[int(m.source)], self.ro[int(m.dest)]
+            self.advance(src)
+            here = {**{t.id: t for t in src.waiting}, **src.running}
+            moved = [here[int(tid)] for tid in m.traj_ids if int(tid) in here]
+            for t in moved:  # export: abort on the source, every token so far travels
+                if t.id in src.running:
+                    self.remove(src, t)
+                else:
+                    src.waiting.remove(t)
+            self.counts["moves"] += 1
+            self.counts["moved_trajs"] += len(moved)
+            self.counts["export_missing"] += len(m.traj_ids) - len(moved)
+            if moved:
+                if self.prm.repack_move_s > 0:
+                    self.push(
+                        self.now + self.prm.repack_move_s, EV_ARRIVE, (dst.idx, m.version, moved)
+                    )
+                else:
+                    self.arrive(dst.idx, m.version, moved)
+            self.admit(src)  # the source may still run trajectories started after its report
+            self.refill(src)
+            self.schedule(src)
+
+    def arrive(self, dest: int, version: int, trajs: list[Any]) -> None:
+        """Import on the planned destination, else another rollout of the version, else restart."""
+        order = [self.ro[dest]]
+        newest = max(r.version for r in self.ro)
+        others = [r for r in self.ro if r.idx != dest and r.version == version and not r.pulling
+                  and (r.running or r.waiting or version >= newest)]  # fmt: skip
+        others.sort(key=lambda r: (len(r.running) >= self.rb, self.kv(r), r.idx))
+        order += others[:3]  # PLACE_TRIES = 4 rollouts in all
+        for i, r in enumerate(order):
+            if r.version == version and not r.pulling:
+                if i:
+                    self.counts["import_elsewhere"] += len(trajs)
+                break
+            self.counts["import_rejected"] += len(trajs)
+        else:  # nobody holds the version: start over from the prompt at the newest one
+            live = [r for r in self.ro if not r.pulling] or self.ro
+            r = min(live, key=lambda r: (-r.version, len(r.running), self.kv(r), r.idx))
+            for t in trajs:
+                t.gen0 = 0
+            self.counts["restarted_from_prompt"] += len(trajs)
+        self.advance(r)
+        r.waiting.extend(trajs)
+        if self.prm.repack_fixed_s:
+            r.stall_until = max(r.stall_until, self.now) + self.prm.repack_fixed_s
+        self.admit(r)
+        self.schedule(r)
