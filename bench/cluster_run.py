@@ -175,6 +175,9 @@ async def worker_main(cfg_path: Path, count: int, out: Path, sample_s: float) ->
     ctx = new_context()  # one context (one I/O thread) for all N nodes, not N of them
     nodes = [RolloutNode(cfg, index=i, ctx=ctx) for i in range(count)]
     series: list[list[float]] = []
+    per_rollout: list[list[float]] = []
+    """With LCB_DETAIL=1: [t, running of rollout 0, 1, ...] per sample (where repack loses, per rollout)."""
+    detail = bool(os.environ.get("LCB_DETAIL"))
     probe = LoopProbe()
 
     def on_term() -> None:
@@ -189,6 +192,8 @@ async def worker_main(cfg_path: Path, count: int, out: Path, sample_s: float) ->
                 counters[k] = counters.get(k, 0) + v
         load = parts.get("weight_load_s")
         doc = {"series": series, "probe": probe.dump(), "max_rss_mb": rss, "counters": counters,
+               "partials": {k: {"mean": v.mean, "max": v.max, "count": v.count} for k, v in parts.items()},
+               "per_rollout": per_rollout,
                "weight_load_s": {"mean": load.mean, "max": load.max, "count": load.count} if load else None}  # fmt: skip
         tmp = out.with_suffix(".tmp")
         tmp.write_text(json.dumps(doc))
@@ -218,6 +223,8 @@ async def worker_main(cfg_path: Path, count: int, out: Path, sample_s: float) ->
             row[4] += st.kv_use
             row[5] += 1
         series.append(row)
+        if detail:
+            per_rollout.append([row[0]] + [n.engine.stats().running if n.engine is not None else -1 for n in nodes])
         failed = [t for t in tasks if t.done()]
         if failed:  # a rollout died on its own: the run is void, say why
             raise RuntimeError(f"a rollout stopped during the run: {failed[0].exception()!r}")
@@ -291,6 +298,7 @@ async def _control(cfg: Any, n: int, prm: BenchParams, worker: subprocess.Popen,
             cluster.check()
             manager_log = list(manager.repack_log)
             mgr_counters = dict(manager.metrics.counters)
+            mgr_parts = manager.metrics.snapshot(reset=False)
             buf = cluster.node("buffer-0").stats()
         finally:
             if worker.poll() is None:
@@ -305,7 +313,8 @@ async def _control(cfg: Any, n: int, prm: BenchParams, worker: subprocess.Popen,
         fig = figures(steps, w["series"], manager_log, t0, t1, n)
         fig.update(t_ready=t_ready, control=control, weight_load_s=w["weight_load_s"], rollout_counters=w["counters"],
                    worker={**probe_summary(w["probe"], t0, t1), "max_rss_mb": w["max_rss_mb"]},
-                   manager_counters=mgr_counters,
+                   manager_counters=mgr_counters, rollout_partials=w.get("partials", {}),
+                   manager_partials={k: {"mean": v.mean, "max": v.max, "count": v.count} for k, v in mgr_parts.items()},
                    buffer={k: buf[k] for k in ("staleness_consumed", "counters") if k in buf})  # fmt: skip
         finish(fig)
     return fig

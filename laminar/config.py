@@ -183,6 +183,11 @@ class RolloutConfig(Section):
     """Backoff before asking the buffer again after a failed or empty prompt request (when it gives no retry_after_s)."""
     outbox_concurrency: int = Field(8, ge=1)
     """Finished trajectories in flight to the buffer at once (each resent until acked)."""
+    status_push: bool = True
+    """Push the status to the manager when it changes (a sequence finished, work came or left, new weights), not only every beat
+    (laminar mode with repack on: the repack planner is what needs a fresh view)."""
+    status_push_min_s: float = Field(0.05, gt=0, le=10)
+    """Least time between two such pushes: changes in between go out together (bounds the manager's load)."""
 
 
 class RewardConfig(Section):
@@ -346,6 +351,8 @@ class RepackConfig(Section):
     """KV-use cap a destination must stay under."""
     bound_b: int | None = Field(None, ge=1)
     """Decode-batch bound B a destination must stay under (default rollout.max_running)."""
+    max_concurrent_moves: int = Field(32, ge=1)
+    """Moves of one round in flight at once (each: export, import, refresh); the rest wait for a slot."""
 
 
 class ManagerConfig(Section):

@@ -7,6 +7,7 @@ import sys
 
 import structlog
 
+
 class _CurrentStderr:
     """Write to whatever sys.stderr is *now* (test runners and daemons swap it out), never to a
     stream captured at configure time that may since have been closed."""

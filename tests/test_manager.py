@@ -308,3 +308,73 @@ async def test_a_restarted_rollout_is_readmitted_and_its_old_work_recovered(tmp_
         assert len([e for e in mgr.recovery_log if e["rollout"] == "rollout-2"]) == 1
         for uid in old:
             check_tokens(cfg, stored(buf)[uid])
+
+
+# ---- a fresh view for the planner; concurrent moves -------------------------------------------
+
+
+async def test_a_rollout_pushes_its_status_when_it_changes_not_only_on_the_beat(tmp_path):
+    """Repack plans from the rollouts' statuses: one a beat old lists trajectories that finished or
+    moved meanwhile. Here beats come every 5 s, yet the manager sees an export within a moment."""
+    cfg = long_config(tmp_path, transport={"heartbeat_interval_s": 5.0})
+    async with LocalCluster(cfg) as cluster:
+        mgr = cluster.node("manager-0")
+        await all_running(cluster)  # (the first statuses came as pushes too: no beat yet)
+        exp = await mgr.srv.request("rollout-0", ExportRequest(uids=[]))
+        gone = {p.uid for p in exp.partials}
+        assert len(gone) == 2
+
+        def view_updated() -> bool:
+            s = mgr.srv.peers["rollout-0"].status
+            return not gone & set(s.extra["trajs"])
+
+        await wait_for(view_updated, 2.0, "the export in the manager's view, before any beat", cluster)
+        assert cluster.node("rollout-0").metrics.counters["status_pushed"] >= 2
+        await mgr._place(exp.partials, prefer="rollout-1", source="rollout-0")  # (hand them back)
+
+
+async def test_concurrent_rounds_on_the_same_view_never_move_a_trajectory_twice(tmp_path):
+    """Two rounds planned from the same statuses run their moves at once (the worst case of a
+    stale view): each trajectory ends up running on exactly one rollout and finishes once."""
+    cfg = long_config(tmp_path)
+    async with LocalCluster(cfg) as cluster:
+        mgr, buf = cluster.node("manager-0"), cluster.node("buffer-0")
+        rollouts = cluster.role("rollout")
+        await all_running(cluster)
+        before = set().union(*(running(n) for n in rollouts))
+        mgr.rollout_loads()  # the previous round's KV: nothing "rising"
+        a, b = await asyncio.gather(mgr.repack_once(), mgr.repack_once())
+        assert a["moves"] == b["moves"] == 2, (a, b)  # the same plan twice
+        assert a["trajectories"] + b["trajectories"] == 4  # each trajectory exported once
+        holders = Counter(u for n in rollouts for u in running(n) if u in before)
+        assert max(holders.values()) == 1 and set(holders) | set(stored(buf)) >= before, holders
+        await wait_for(lambda: before <= set(stored(buf)), 30, "every trajectory finishing", cluster)
+        counts = Counter(t.uid for g in buf.state.groups.values() for t in g.members.values())
+        assert max(counts.values()) == 1
+        for uid in before:
+            check_tokens(cfg, stored(buf)[uid])
+
+
+async def test_a_rounds_moves_run_concurrently_up_to_the_bound(tmp_path):
+    """manager.repack.max_concurrent_moves caps the moves in flight; every move still runs."""
+    cfg = long_config(tmp_path, rollouts=5, manager={"repack": {"max_concurrent_moves": 1}})
+    async with LocalCluster(cfg) as cluster:
+        mgr = cluster.node("manager-0")
+        await all_running(cluster)
+        inner, now, peak = mgr._move, 0, 0
+
+        async def counted(mv, refresh):
+            nonlocal now, peak
+            now += 1
+            peak = max(peak, now)
+            try:
+                return await inner(mv, refresh)
+            finally:
+                now -= 1
+
+        mgr._move = counted
+        mgr.rollout_loads()  # the previous round's KV: nothing "rising"
+        entry = await mgr.repack_once()
+        # 5 candidates of 2 sequences, B = 8: three sources go to one destination, one stays
+        assert entry["moves"] == 3 and entry["trajectories"] == 6 and entry["failed"] == 0, entry
+        assert peak == 1

@@ -361,3 +361,59 @@ def test_rollout_messages_round_trip_through_the_codec():
             )
         else:
             assert back == msg
+
+
+# ---- refill: prompts asked for while the weights load ---------------------------------------
+
+
+class _FlakySource:
+    """A weight source (announce-style: no tensors) at version 1 from the start, whose first load fails."""
+
+    name = "flaky"
+
+    def __init__(self) -> None:
+        from laminar.rollout.weights import AnnouncedSource
+
+        self.inner = AnnouncedSource()
+        self.inner.announce(1)
+        self.failures = 1
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    def announce(self, version: int) -> None:
+        self.inner.announce(version)
+
+    def latest_version(self) -> int:
+        return self.inner.latest_version()
+
+    async def wait_newer(self, than: int, timeout: float) -> int:
+        return await self.inner.wait_newer(than, timeout)
+
+    async def load_into(self, engine) -> int:
+        from laminar.rollout.weights import WeightSourceError
+
+        if self.failures:
+            self.failures -= 1
+            raise WeightSourceError("relay restarting (test)")
+        return await self.inner.load_into(engine)
+
+
+async def test_an_idle_rollout_asks_for_prompts_while_it_loads_and_never_runs_them_below_that_version(tmp_path):
+    """Refill: an idle rollout with a newer version available sends its PromptRequest (declaring
+    the version it is loading) while the load runs. When that load fails, the groups it was
+    served wait for the declared version instead of running on the old weights."""
+    items = make_items(4, n=2)
+    cfg = make_cfg(tmp_path, mode="laminar", rollout__weights="announce")
+    async with harness(cfg, items) as h:
+        engine = FakeEngine()
+        node = RolloutNode(cfg, index=0, ctx=h.ctx, engine=engine, weight_source=_FlakySource())
+        await h.start_node(node)
+        await h.wait_stored(uids_of(items), 20)
+        first = h.state.requests[0]
+        assert first.version == 1  # asked for v1 while still at v0 (the load in flight)
+        assert node.metrics.counters.get("prompts_deferred", 0) >= 1  # the first load failed meanwhile
+        assert engine.loads == [1] and node.version == 1
+        assert {t.version for t in h.state.stored.values()} == {1}
+

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from laminar.engines.base import Engine, EngineStats, GenRequest, PartialState, SamplingParams, TokenEvent
+from laminar.engines.base import (
+    Engine,
+    EngineStats,
+    GenRequest,
+    PartialState,
+    SamplingParams,
+    TokenEvent,
+)
 
 __all__ = ["Engine", "EngineStats", "GenRequest", "PartialState", "SamplingParams", "TokenEvent", "make_engine"]
 

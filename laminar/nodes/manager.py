@@ -12,8 +12,16 @@
 What blocks what: the repack and recovery loops run as supervised tasks and only
 wait on RPCs with deadlines; a slow or dead rollout makes one move fail (logged,
 counted) and never stalls membership or heartbeats. The moves of one repack round
-run concurrently (each: export on its source, import on its destination, refresh
-the emptied source), so a round costs about one export + one import round trip.
+run concurrently, at most manager.repack.max_concurrent_moves at once (each: export on
+its source, import on its destination, refresh the emptied source), so a round costs
+about one export + one import round trip.
+
+Planning view: the statuses rollouts send with every beat and, in laminar mode, push as
+soon as they change (rollout.status_push), so a round plans on what holds now; a plan on a
+view half a beat old found a third of its sources' trajectories already finished (and sent
+some to destinations that had refreshed meanwhile). Each round logs how old its view was
+(repack_status_age_s), what it found missing (move_export_missing / move_export_empty) and
+how long exports and imports took (move_export_s / move_place_s).
 
 Each trajectory keeps one policy version: moves go between rollouts of the same
 version. The manager's view of versions comes from heartbeats and may be a beat
@@ -284,8 +292,23 @@ class ManagerNode(Node):
         self.metrics.count("repack_rising", sum(r.kv_rising and 0 < r.running < bound for r in loads))
         if not plan:
             return {"moves": 0}
+        now_wall = time.time()
+        by_id = {p.node_id: p for p in self._live("rollout")}
+        for mv in plan.moves:  # how old the view each move was planned on is (source and destination)
+            for node in (mv.source, mv.dest):
+                s = by_id[node].status if node in by_id else None
+                if s is not None and isinstance(s.extra.get("t"), float):
+                    self.metrics.add("repack_status_age_s", now_wall - s.extra["t"])
         emptied = set(plan.emptied)
-        results = await asyncio.gather(*(self._move(mv, mv.source in emptied) for mv in plan.moves))
+        # concurrent (a round costs about one move's round trips), bounded (a round of a thousand
+        # rollouts does not put hundreds of exports on the wire at once)
+        slots = asyncio.Semaphore(self.cfg.manager.repack.max_concurrent_moves)
+
+        async def bounded(mv: Move) -> dict[str, int]:
+            async with slots:
+                return await self._move(mv, mv.source in emptied)
+
+        results = await asyncio.gather(*(bounded(mv) for mv in plan.moves))
         moved = sum(r["moved"] for r in results)
         entry = {"t": time.time(), "moves": len(plan.moves), "trajectories": moved, "emptied": list(plan.emptied),
                  "failed": sum(r["failed"] for r in results), "elsewhere": sum(r["elsewhere"] for r in results),
@@ -304,6 +327,7 @@ class ManagerNode(Node):
         out = {"moved": 0, "failed": 0, "elsewhere": 0, "orphaned": 0}
         uids = [] if any(t.startswith("*") for t in mv.traj_ids) else list(mv.traj_ids)
         timeout = self.cfg.transport.request_timeout_s
+        t0 = time.monotonic()
         try:
             exp = await self.srv.request(mv.source, ExportRequest(uids=uids), timeout=timeout)
         except (TransportError, RemoteError) as exc:
@@ -314,8 +338,14 @@ class ManagerNode(Node):
         if not isinstance(exp, ExportReply):
             out["failed"] = 1
             return out
+        t1 = time.monotonic()
+        self.metrics.add("move_export_s", t1 - t0)
+        self.metrics.count("move_export_missing", len(exp.missing))
+        if not exp.partials:
+            self.metrics.count("move_export_empty")
         if exp.partials:
             placed = await self._place(exp.partials, prefer=mv.dest, source=mv.source)
+            self.metrics.add("move_place_s", time.monotonic() - t1)
             out["moved"] = len(exp.partials)
             out["elsewhere"] = sum(n for node, n in placed.items() if node not in (mv.dest, _ORPHAN))
             out["orphaned"] = placed.get(_ORPHAN, 0)

@@ -27,7 +27,14 @@ their PartialTrajectory (every token so far), forgetting them here; ImportReques
 resumes partials of this rollout's exact version (else ErrorReply version_mismatch),
 idempotently (uids running or recently finished here are reported as duplicate);
 RefreshRequest (above). Heartbeats carry engine stats plus per-trajectory KV tokens
-(extra["trajs"]) so repack can choose what to move.
+(extra["trajs"]) so repack can choose what to move; in laminar mode with repack on, the
+status is also pushed as soon as it changes (a sequence finished, work came or left, new
+weights; at most every rollout.status_push_min_s), because a plan made on a view a beat old
+moves trajectories that finished meanwhile onto rollouts that refilled meanwhile.
+
+Refill: an idle rollout that has a newer version to load asks the buffer for prompts (for
+that version) while the load runs, so a drained or repack-emptied rollout is back to work
+after the longer of the two round trips, not their sum; groups start only once it is loaded.
 
 Tokens of each trajectory stream to the buffer's partial pool (see
 laminar/rollout/tracking.py for the chunk contract); a finished trajectory gets its
@@ -54,7 +61,7 @@ import numpy as np
 from laminar.engines.base import Engine, GenRequest, PartialState, SamplingParams, TokenEvent
 from laminar.node import Node
 from laminar.protocol.buffer import PromptReply, PromptRequest, TrajectoryAbandoned
-from laminar.protocol.core import ErrorReply, NodeStatus
+from laminar.protocol.core import ErrorReply, Heartbeat, NodeStatus
 from laminar.protocol.data import PartialTrajectory, PromptItem
 from laminar.protocol.rollout import (
     VERSION_MISMATCH,
@@ -98,6 +105,8 @@ class RolloutNode(Node):
         self._wake = asyncio.Event()
         self._dirty: set[str] = set()
         self._dirty_evt = asyncio.Event()
+        self._status_evt = asyncio.Event()
+        """Set when something repack plans from changed: the status push loop sends it to the manager."""
         self._load_lock = asyncio.Lock()
         self._flush_lock = asyncio.Lock()
         self._reward_tasks: set[asyncio.Task] = set()
@@ -107,6 +116,12 @@ class RolloutNode(Node):
         self._requests = 0
         self._incarnation = uuid.uuid4().hex[:8]
         """Makes request ids unique across restarts of this rollout id."""
+        self._deferred: list[PromptItem] = []
+        self._deferred_version = -1
+        """Prompt groups served for a version not loaded yet (its load failed): started once it is."""
+        self._idle_since: float | None = None
+        self._exported_empty = False
+        """Idle since when (monotonic), and whether an export emptied it: the refill latency metrics."""
 
     # ---- lifecycle --------------------------------------------------------------------
     async def setup(self) -> None:
@@ -157,6 +172,8 @@ class RolloutNode(Node):
         self.spawn(self._partials_loop(), "partials")
         self.spawn(self.outbox.run(), "outbox")
         self.spawn(self._version_watch(), "versions")
+        if self.cfg.rollout.status_push and self.cfg.mode == "laminar" and self.cfg.manager.repack.enabled:
+            self.spawn(self._status_push_loop(), "status-push")  # only repack plans from a fresh view
         await self._pull_loop()
         await asyncio.Event().wait()  # stopping: drain() runs while main is still alive
 
@@ -199,7 +216,8 @@ class RolloutNode(Node):
         st = self.engine.stats() if self.engine is not None else None
         box = getattr(self, "outbox", None)
         extra: dict[str, Any] = {
-            "groups": len(self.groups), "credits_free": self.cfg.rollout.credits - len(self.groups),
+            "groups": len(self.groups), "held": len(self._deferred),
+            "credits_free": self.cfg.rollout.credits - len(self.groups) - len(self._deferred),
             "outbox": len(box) if box else 0, "outbox_oldest_s": round(box.oldest_age_s(), 3) if box else 0.0,
             "finished": self.finished, "target_version": self._target_version(),
             "tokens": st.tokens_generated if st else 0,
@@ -207,6 +225,7 @@ class RolloutNode(Node):
             # per-trajectory KV (tokens held) lets the manager's repack pick what to move
             "trajs": {u: len(q.prompt_ids) + q.length for u, q in self.seqs.items()},
             "kv_capacity_tokens": int(getattr(self.engine, "capacity", 0) or 0),
+            "t": round(time.time(), 4),  # when this was measured: the manager knows how old its view is
         }  # fmt: skip
         return NodeStatus(node_id=self.node_id, role=self.role, version=self.version,
                           kv_use=st.kv_use if st else 0.0, running=st.running if st else 0,
@@ -228,33 +247,57 @@ class RolloutNode(Node):
         backoff = self.cfg.rollout.prompt_retry_s
         unanswered: PromptRequest | None = None
         while not (self.stopping.is_set() or self._draining):
+            load: asyncio.Future | None = None
             # a request that may have been served is retried as is, before any weight load
             if unanswered is None:
+                self._start_deferred()
+                free = self.cfg.rollout.credits - len(self.groups) - len(self._deferred)
+                declared = self.version
                 if self._target_version() > self.version:
-                    if not self.seqs and await self._refresh():
+                    nxt = self._loadable()
+                    if not self.seqs and nxt >= 0 and free > 0:
+                        # idle and a newer version is there: ask for the prompts to run on it while
+                        # it loads, so a refill (a drained or repack-emptied rollout) waits for the
+                        # longer of the two round trips, not their sum; they start once it is loaded
+                        # (the load takes the newest there is: never older than the version asked for)
+                        load = asyncio.ensure_future(self._refresh())
+                        load.add_done_callback(lambda _: self._start_deferred())  # held ones: at once, not after the reply
+                        declared = nxt
+                    else:
+                        if not self.seqs and nxt >= 0 and await self._refresh():
+                            continue
+                        await self._wait(1.0)  # in-flight work drains, or the wanted version appears
                         continue
-                    await self._wait(1.0)  # in-flight work drains, or the wanted version appears
-                    continue
-                self.refresh_requested = False
-                free = self.cfg.rollout.credits - len(self.groups)
-                if free <= 0:
-                    await self._wait(1.0)
-                    continue
+                else:
+                    self.refresh_requested = False
+                    if free <= 0:
+                        await self._wait(1.0)
+                        continue
                 self._requests += 1
-                unanswered = PromptRequest(rollout_id=self.node_id, max_groups=free, version=self.version,
+                unanswered = PromptRequest(rollout_id=self.node_id, max_groups=free, version=declared,
                                            request_id=f"{self._incarnation}-{self._requests}")  # fmt: skip
+            t_req, idle = time.monotonic(), not self.seqs
+            if idle and self._idle_since is not None and load is not None:
+                self.metrics.add("refill_wake_s", t_req - self._idle_since)  # idle -> asking again
+            failed: Exception | None = None
             try:
                 reply = await self.buffer.request(unanswered, retries=0)
             except (TransportError, RemoteError) as exc:
+                failed = exc
+            if load is not None:
+                await load  # the weights first: the groups must start on them
+            if failed is not None:
                 # the buffer may have served (and journaled) it before the reply was lost: the retry carries
                 # the same request_id, so it gets those groups back instead of new ones
                 self.metrics.count("prompt_request_failed")
-                self.log.debug("prompt_request_failed", error=str(exc))
+                self.log.debug("prompt_request_failed", error=str(failed))
                 await self._sleep(backoff)
                 backoff = min(2 * backoff, self.cfg.transport.reconnect_backoff_max_s * 4)
                 continue
-            unanswered = None
+            declared, unanswered = unanswered.version, None
             backoff = self.cfg.rollout.prompt_retry_s
+            if idle:
+                self.metrics.add("prompt_rtt_idle_s", time.monotonic() - t_req)
             if not isinstance(reply, PromptReply):
                 self.metrics.count("bad_prompt_reply")
                 self.log.warning("bad_prompt_reply", got=type(reply).__name__)
@@ -264,10 +307,34 @@ class RolloutNode(Node):
                 self.required_version = reply.min_version
                 assert self.source is not None
                 self.source.announce(reply.min_version)
-            for item in reply.items:
-                self._start_group(item)
+            if self.version >= declared:
+                for item in reply.items:
+                    self._start_group(item)
+            elif reply.items:
+                # served for a version whose load failed (or an import slipped in first): they wait
+                # for it (never run below the version they were asked for), and it is now required
+                self.metrics.count("prompts_deferred", len(reply.items))
+                self._deferred.extend(reply.items)
+                self._deferred_version = max(self._deferred_version, declared)
+                self.required_version = max(self.required_version, declared)
             if not reply.items and reply.min_version <= self.version:
                 await self._sleep(reply.retry_after_s or backoff)
+
+    def _start_deferred(self) -> None:
+        """Start the groups held for a version once this rollout runs it (or a newer one)."""
+        if self._deferred and self.version >= self._deferred_version:
+            items, self._deferred = self._deferred, []
+            for item in items:
+                self._start_group(item)
+
+    def _loadable(self) -> int:
+        """The version a refresh would load now (newer than ours and at least what is wanted), else -1."""
+        assert self.source is not None
+        available = self.source.latest_version()
+        soft = self._soft_min if time.monotonic() < self._soft_until else -1
+        if available <= self.version or available < max(self.required_version, soft):
+            return -1
+        return available
 
     async def _wait(self, timeout: float) -> None:
         """Until something the pull loop waits on changed (or `timeout`, a safety net)."""
@@ -287,9 +354,7 @@ class RolloutNode(Node):
     async def _refresh(self) -> bool:
         """Load the newest weights now that nothing is in flight; False if none is loadable yet."""
         assert self.source is not None and self.engine is not None
-        available = self.source.latest_version()
-        soft = self._soft_min if time.monotonic() < self._soft_until else -1
-        if available <= self.version or available < max(self.required_version, soft):
+        if self._loadable() < 0:
             return False
         async with self._load_lock:  # an import cannot slip in between the idle check and the load
             if self.seqs:
@@ -303,6 +368,7 @@ class RolloutNode(Node):
                 self.log.warning("weight_load_failed", error=str(exc))
                 return False
             self.version = max(version, self.version)
+        self._status_evt.set()
         self.metrics.add("weight_load_s", time.monotonic() - t0)
         self.log.info(
             "weights_loaded",
@@ -338,6 +404,7 @@ class RolloutNode(Node):
                 self.outbox.put(TrajectoryAbandoned(uid=f"{item.group_id}/{i}", group_id=item.group_id,
                                                     reason="bad prompt item"))  # fmt: skip
             return
+        self._note_busy()
         now = time.time()
         group = GroupState(item.group_id)
         for i in range(item.n):
@@ -409,7 +476,37 @@ class RolloutNode(Node):
             group.open.discard(uid)
             if not group.open:
                 del self.groups[seq.group_id]
+        if not self.seqs and self._idle_since is None:
+            self._idle_since = time.monotonic()
         self._wake.set()
+        self._status_evt.set()
+
+    def _note_busy(self) -> None:
+        """Work arrived: how long the engine sat idle (after an export: the repack refill latency)."""
+        if self._idle_since is not None:
+            gap = time.monotonic() - self._idle_since
+            self.metrics.add("refill_after_export_s" if self._exported_empty else "idle_gap_s", gap)
+            self._idle_since, self._exported_empty = None, False
+        self._status_evt.set()
+
+    async def _status_push_loop(self) -> None:
+        """Send the status as soon as it changed, not only on the next beat: repack plans from it, and a
+        plan made on a view up to a beat old moves trajectories that have finished meanwhile onto
+        rollouts that have refilled or refreshed meanwhile. At most one push per status_push_min_s;
+        changes in between go out together. Best effort: the beat timer still carries it."""
+        gap = self.cfg.rollout.status_push_min_s
+        while True:
+            await self._status_evt.wait()
+            self._status_evt.clear()
+            mgr = self.manager
+            if mgr is not None and mgr.connected:  # (else: reconnecting; the handshake and beats carry it)
+                try:
+                    await mgr.send(Heartbeat(node_id=self.node_id, seq=0, status=self.status()))
+                    self.metrics.count("status_pushed")
+                except Exception as exc:  # best effort (a socket being replaced, a full pipe): the beat follows
+                    self.metrics.count("status_push_failed")
+                    self.log.debug("status_push_failed", error=str(exc))
+            await asyncio.sleep(gap)  # the rate bound (a timer): what changes meanwhile goes in the next push
 
     async def _deliver(self, seq: SeqState, reason: str) -> None:
         now = time.time()
@@ -502,6 +599,9 @@ class RolloutNode(Node):
             partials.append(seq.partial(p.output_ids, p.logprobs, self.node_id))
             self._forget(u, finished=False)
         exported = {p.uid for p in partials}
+        if partials and not self.seqs:
+            self._exported_empty = True
+            self.metrics.count("emptied_by_export")
         self.metrics.count("exported", len(partials))
         self.log.info("exported", count=len(partials), missing=len(uids) - len(exported))
         return ExportReply(
@@ -533,6 +633,7 @@ class RolloutNode(Node):
                 if p.uid in self.seqs or p.uid in self._recent:
                     duplicate.append(p.uid)
                     continue
+                self._note_busy()
                 seq = SeqState.from_partial(p, now)
                 self.seqs[seq.uid] = seq
                 self.groups.setdefault(seq.group_id, GroupState(seq.group_id)).open.add(seq.uid)
