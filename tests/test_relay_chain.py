@@ -89,8 +89,11 @@ async def test_corrupted_chunk_is_detected_and_refetched(relays):
         await pusher.push(1, _state(1.5, seed=2))
         infos = await procs.wait_version(1, order, timeout=30)
         assert len({info.checksum for info in infos.values()}) == 1
-        for idx in order[1:]:  # every downstream hop saw two bad chunks and fetched them again
-            assert infos[idx].counters.get("chunks_corrupt", 0) >= 2, infos[idx]
+        # every corrupted send was caught by the relay that fetched it, which fetched it again
+        # (who fetched what from whom depends on timing: a hop may fall back to the master)
+        sent_bad = sum(i.counters.get("chunks_corrupted_on_purpose", 0) for i in infos.values())
+        caught = sum(i.counters.get("chunks_corrupt", 0) for i in infos.values())
+        assert sent_bad >= 2 and caught == sent_bad, infos
         await pusher.close()
     finally:
         await procs.close_clients()

@@ -281,6 +281,7 @@ class RelayNode(Node):
             self._corrupted.add(key)
             data = data.copy()
             data[len(data) // 2] ^= 0xFF
+            self.metrics.count("chunks_corrupted_on_purpose")
             self.log.warning("chunk_corrupted_on_purpose", version=vs.version, index=msg.index)
         pacer = self._pacers.get(peer.node_id)
         if pacer is None:
