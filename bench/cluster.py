@@ -8,7 +8,8 @@ sim rollout engines and a sim trainer, N = 8..128 emulated rollout GPUs on 2 CPU
             event-loop lag and CPU of both processes)
     ──► min/median/max over repeats, ratios per repeat (same seed in every mode of a repeat)
     ──► cross-check: bench/simulate.py's simulate() on the very same parameters (params_from_config)
-        plus the delays the runs measured (measured_latencies; mechanisms in bench/simrepack.py)
+        plus the delays the runs measured (measured_latencies; mechanisms in bench/simrepack.py),
+        measured over the emulation's own window (steps ending in [warmup_s, warmup_s + window_s])
     ──► JSON (bench/results/cluster.json), a table, a plot (bench/results/cluster.png)
 
 Workload (BenchParams in bench/cluster_run.py, documented in bench/README.md): response lengths
@@ -45,8 +46,18 @@ sys.path.insert(0, str(HERE))
 
 from cluster_run import MODES, BenchParams, make_config  # noqa: E402
 
-SIM_SEEDS = 10
-"""Seeds of the simulator per point in the cross-check (cheap: ~1 s per mode and N)."""
+SIM_SEEDS = 20
+"""Seeds of the simulator per point in the cross-check (at least; more at small N, see sim_seeds)."""
+
+
+def sim_seeds(n: int, repeats: int) -> list[int]:
+    """The simulator's seeds at N rollouts: its figures come from the emulation's short window (4-6
+    global steps), where one batch's longest trajectory sets an iteration, and at small N that
+    longest one varies most (64 samples a batch at N = 8) while a run costs least: 320 / N seeds
+    there (40 at N = 8), SIM_SEEDS from N = 16 on."""
+    return list(range(max(repeats, SIM_SEEDS, 320 // max(1, n))))
+
+
 FIGS = ("train_tok_s", "gen_tok_s", "rollout_idle_frac", "trainer_idle_frac", "decode_util", "kv_use",
         "iteration_s", "trainer_push_s_median")  # fmt: skip
 
@@ -102,7 +113,7 @@ def _partial_mean(runs: list[dict[str, Any]], where: str, name: str) -> float | 
     return statistics.median(xs) if xs else None
 
 
-def measured_latencies(runs: list[dict[str, Any]], mode: str) -> dict[str, float]:
+def measured_latencies(runs: list[dict[str, Any]], mode: str) -> dict[str, Any]:
     """What the emulation measured that the simulator needs as inputs: a rollout's weight load
     (relay pull; in global modes the whole update waits for it), the trainer's push stall, and
     for laminar the control plane's delays (see bench/simrepack.py):
@@ -111,17 +122,25 @@ def measured_latencies(runs: list[dict[str, Any]], mode: str) -> dict[str, float
       source aborts when the request lands) + the import, where the manager timed those
       (move_export_s, move_place_s); older runs only have the whole round's overhead
       (repack.overhead_s_mean: export + import + refresh of the slowest move), an upper bound;
-    - status_age_s, the period of the status reports repack plans from: twice the measured mean
-      age of the statuses moves were planned on (a periodic report's mean age is half its
-      period); older runs did not measure it and only had the heartbeat (the configured period);
-    - prompt_rtt_s, a dry rollout's prompt request round trip, where the rollouts timed it."""
+    - status_age_s, the period of the status reports repack plans from, for runs whose rollouts
+      did not push their status on change: twice the measured mean age of the statuses moves were
+      planned on (a periodic report's mean age is half its period), or the heartbeat (configured)
+      where that was not measured; runs that pushed (rollout counter status_pushed) keep the
+      heartbeat period plus the configured push on change (params_from_config), and the age they
+      measured is compared with the simulator's (`view_age_s`), not fed in;
+    - prompt_rtt_s, a dry rollout's prompt request round trip, where the rollouts timed it;
+    - the code the runs measured: runs from before the rollouts timed their refills (no
+      rollout_partials) neither pushed their status nor asked for prompts while loading, so
+      those two mechanisms are off for them."""
     loads = [r["weight_load_s"]["mean"] for r in runs if r.get("weight_load_s")]
     pushes = [r["trainer_push_s_median"] for r in runs if r.get("trainer_push_s_median") == r.get("trainer_push_s_median")]
     load = statistics.median(loads) if loads else 0.0
     push = statistics.median(pushes) if pushes else 0.0
     if not mode.startswith("laminar"):
         return {"global_update_s": load}
-    out = {"relay_pull_s": load, "actor_push_s": push}
+    out: dict[str, Any] = {"relay_pull_s": load, "actor_push_s": push}
+    if not any("rollout_partials" in r for r in runs):
+        out.update(prompt_during_load=False, status_push_min_s=0.0)  # older code: neither mechanism
     rtt = _partial_mean(runs, "rollout_partials", "prompt_rtt_idle_s")
     if rtt is not None:
         out["prompt_rtt_s"] = rtt
@@ -134,8 +153,11 @@ def measured_latencies(runs: list[dict[str, Any]], mode: str) -> dict[str, float
             rounds = [r["repack"]["overhead_s_mean"] for r in runs if r.get("repack", {}).get("moves")]
             out["repack_move_s"] = statistics.median(rounds) if rounds else 0.0
         age = _partial_mean(runs, "manager_partials", "repack_status_age_s")
-        if age is not None:
+        pushed = any((r.get("rollout_counters") or {}).get("status_pushed") for r in runs)
+        if age is not None and not pushed:
             out["status_age_s"] = 2 * age
+        elif not pushed:
+            out["status_push_min_s"] = 0.0
     return out  # fmt: skip
 
 
@@ -150,13 +172,18 @@ def simulate_point(prm: BenchParams, n: int, seeds: list[int],
         for mode in MODES:
             cfg = make_config(mode, n, 0, prm, Path(tmp), Path(tmp))
             lat = measured_latencies(runs[(n, mode)], mode) if runs else {}
-            p = params_from_config(cfg, n, prompt_tokens=prm.prompt_tokens, **lat)
+            # measured over the emulation's own window (a fixed time after start, steps ending in it)
+            p = params_from_config(cfg, n, prompt_tokens=prm.prompt_tokens,
+                                   fixed_window_s=(prm.warmup_s, prm.window_s), **lat)  # fmt: skip
             rs = [simulate(mode, params=p, seed=s) for s in seeds]
             out[mode] = {"train_tok_s": mmm([r["throughput_tok_s"] for r in rs]),
                          "gen_tok_s": mmm([r["gen_tok_s"] for r in rs]),
                          "rollout_idle_frac": mmm([r["rollout_idle_frac"] for r in rs]),
                          "decode_util": mmm([r["decode_util"] for r in rs]),
-                         "trainer_busy_frac": mmm([r["trainer_busy_frac"] for r in rs]), "latencies": lat}  # fmt: skip
+                         "trainer_busy_frac": mmm([r["trainer_busy_frac"] for r in rs]), "latencies": lat,
+                         "view_age_s": mmm([r["view_age_s"] for r in rs]),
+                         "counts": {k: mmm([r[k] for r in rs]) for k in ("moves", "moved_trajs", "export_missing",
+                                    "export_empty", "import_rejected", "restarted_from_prompt", "status_pushes")}}  # fmt: skip
         return out
 
 
@@ -201,9 +228,8 @@ def analyse(prm: BenchParams, ns: list[int], repeats: int, runs: dict[tuple[int,
     # the simulator's own seeds (its length draws are not the emulation's hashed ones): more than
     # the emulation's repeats, because a batch's longest trajectory makes one seed's figure noisy
     # (sync at N = 8: +-8% between seeds) and that noise is not a mechanism
-    seeds = list(range(max(repeats, SIM_SEEDS)))
-    sims = {n: simulate_point(prm, n, seeds, runs) for n in ns}
-    sims_ideal = {n: simulate_point(prm, n, seeds) for n in ns}
+    sims = {n: simulate_point(prm, n, sim_seeds(n, repeats), runs) for n in ns}
+    sims_ideal = {n: simulate_point(prm, n, sim_seeds(n, repeats)) for n in ns}
     checks = {n: cross_check(results[n], sims[n], rat[n]) for n in ns}
     checks_ideal = {n: cross_check(results[n], sims_ideal[n], rat[n]) for n in ns}
     print_table(results, rat)
@@ -311,6 +337,23 @@ def print_checks(checks: dict[int, dict[str, Any]]) -> None:
             print(f"{n:>4} {k:>26} {c['emulation']:>9.3f} {c['simulation']:>10.3f} {c['rel_err']:>7.3f}")
 
 
+def markdown_table(doc: dict[str, Any]) -> str:
+    """The cross-check as bench/README.md's comparison table (emulation median and range over
+    the repeats, simulation median over its seeds, relative error)."""
+    names = {"one_step_vs_sync": "one_step / sync", "stream_vs_sync": "stream / sync",
+             "laminar_norepack_vs_sync": "laminar_norepack / sync", "laminar_vs_sync": "laminar / sync",
+             "repack_vs_norepack_gen": "repack / no repack (gen)"}  # fmt: skip
+    rows = ["| N | ratio | emulation median (min-max over repeats) | simulation (median over seeds) | rel. err |",
+            "|---:|---|---:|---:|---:|"]  # fmt: skip
+    for n, per in doc["cross_check"].items():
+        for k, c in per.items():
+            r = doc["ratios"][n][k]
+            rows.append(f"| {n} | {names.get(k, k)} | {c['emulation']:.2f} ({r['min']:.2f}-{r['max']:.2f}) | "
+                        f"{c['simulation']:.2f} | {c['rel_err']:.3f} |")  # fmt: skip
+    rows.append(f"\nsim_vs_emulation_max_rel_err = {doc['summary']['sim_vs_emulation_max_rel_err']:.3f}")
+    return "\n".join(rows)
+
+
 def plot(doc: dict[str, Any], path: Path) -> None:
     results = {int(n): rows for n, rows in doc["results"].items()}
     sims = {int(n): rows for n, rows in doc["simulation"].items()}
@@ -372,6 +415,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(doc, indent=1))
         plot(doc, args.plot)
+        print(markdown_table(doc))
         print(f"wrote {args.out} and {args.plot}")
         return 0
     if set(args.modes) != set(MODES):

@@ -32,16 +32,19 @@ Modes (rules from laminar.manager.staleness.policy_for):
   version from its relay and takes the next; the trainer consumes finished groups FIFO. With
   refill_per_group (the rollout node's credit loop, used for the emulation) a rollout also takes
   a new group whenever one finishes while no newer version is out; a dry rollout's prompts
-  arrive prompt_rtt_s after it asks. laminar also repacks every repack_interval_s and right
-  after each trainer update (bench/simrepack.py: planned from heartbeat-old status reports,
-  moves that take time, imports rejected by a rollout that refreshed meanwhile).
+  arrive prompt_rtt_s after it asks (with prompt_during_load, asked while it loads a newer
+  version: it waits max(relay_pull_s, prompt_rtt_s)). laminar also repacks every
+  repack_interval_s and right after each trainer update (bench/simrepack.py: planned from status
+  reports - heartbeats, and pushes on change -, moves that take time and wait for a slot,
+  imports rejected by a rollout that refreshed meanwhile).
 
 Figures: throughput = tokens consumed / time between trainer-update completions over the window
-(paper §8 metric); rollout idle = share of rollout time with nothing decoding (sync: includes the
+(paper §8 metric; the window: after warm-up steps and settle_s, or with fixed_window_s the
+emulation's fixed window, steps ending in it timed from the last one before it); rollout idle = share of rollout time with nothing decoding (sync: includes the
 training phase on shared GPUs); decode_util = mean of min(running, B) / B; staleness = trainer
 version - trajectory version, at consumption and at finish.
 
-Parameters come from bench/simscale.py (`params_for`: paper scale) or bench/simulate.py
+Parameters (bench/simparams.py) come from bench/simscale.py (`params_for`: paper scale) or bench/simulate.py
 (`params_from_config`: the emulated cluster of bench/cluster.py); `simulate()` there runs a Sim.
 
 Run: .venv/bin/python bench/simulate.py --quick   (tests: .venv/bin/python -m pytest tests/test_simulate.py -q)
@@ -54,13 +57,13 @@ import math
 import random
 import sys
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from simparams import SimParams  # noqa: E402,F401  (re-exported)
 from simrepack import RepackMixin  # noqa: E402
 
 from laminar.manager.repack import is_candidate, plan_repack  # noqa: E402,F401
@@ -68,75 +71,6 @@ from laminar.manager.staleness import StalenessStats, may_start_group, policy_fo
 
 SIM_MODES = ("sync", "one_step", "stream", "laminar_norepack", "laminar")
 Z99 = 2.3263478740408408  # standard-normal 99th percentile
-
-
-@dataclass
-class SimParams:
-    """Everything one run needs: paper scale via `params_for`, emulation via `params_from_config`."""
-
-    n_rollouts: int
-    trainer_s_per_token: float
-    """Trainer seconds per consumed token (prompt + response), all trainer GPUs together."""
-    n_gpus: int = 0
-    """Total GPUs, for per-GPU figures (0 = n_rollouts: one GPU per emulated rollout)."""
-    step_time_s: float = 0.02
-    """Decode step time up to bound_b running sequences; linear in the batch past it."""
-    bound_b: int = 128
-    max_running: int = 1024
-    """Most sequences decoding at once on a rollout (vLLM max_num_seqs)."""
-    kv_capacity_tokens: float = math.inf
-    admit_frac: float = 0.9
-    """Admit while KV stays under this; on a full KV preempt the youngest down to it."""
-    prefill_tok_s: float = math.inf
-    """Prefill rate; admitting P tokens stalls the rollout P / prefill_tok_s (inf = free)."""
-    prompt_tokens: int = 256
-    length_p50: float = 2000.0
-    length_p99_over_p50: float = 10.0
-    max_tokens: int = 16384
-    group_size: int = 16
-    batch_groups: int = 512
-    """Groups per global batch (one trainer version)."""
-    rollout_groups: int = 64
-    """Groups a rollout holds at most (baselines) / takes as its own batch when dry (laminar)."""
-    buffer_capacity_groups: int | None = None
-    """Laminar: a dry rollout takes no new prompts while this many finished groups wait."""
-    minibatches: int = 1
-    """Optimizer updates per global batch; stream/laminar train each one as soon as its groups finished."""
-    trainer_minibatch_floor_s: float = 0.0
-    """A mini-batch update takes at least this long (FSDP traffic that compute cannot hide)."""
-    global_update_s: float = 0.0
-    """sync/one_step/stream: every rollout (and the trainer) stopped for the NCCL-style update."""
-    actor_push_s: float = 0.0
-    """laminar: trainer stall to push a version to the master relay."""
-    relay_broadcast_s: float = 0.0
-    """laminar: push end -> version on every relay (chain broadcast)."""
-    relay_pull_s: float = 0.0
-    """laminar: a rollout loads the version from its host relay (PCIe)."""
-    repack: bool = True
-    repack_interval_s: float = 5.0
-    c_max: float = 0.9
-    repack_bound_b: int | None = None
-    """B for the planner (None = bound_b)."""
-    repack_fixed_s: float = 0.69
-    """Destination stall per repack move on top of re-prefilling the moved tokens (paper §8.4)."""
-    repack_move_s: float = 0.0
-    """Export -> import time of a move (>= 0): the moved trajectories decode nowhere meanwhile.
-    Emulation: its measured repack round overhead (export, import and refresh RPCs)."""
-    status_age_s: float = 0.0
-    """Repack plans from per-rollout status reports sent every this many seconds (>= 0; the
-    heartbeat, each rollout at its own phase) instead of the exact state (0)."""
-    repack_period_restarts: bool = False
-    """A round run right after a trainer update restarts the periodic timer (the manager's loop);
-    False: periodic rounds on a fixed grid."""
-    prompt_rtt_s: float = 0.0
-    """laminar: a dry rollout's prompt request round trip (>= 0): it decodes nothing meanwhile."""
-    refill_per_group: bool = False
-    """laminar: a rollout at the newest available version takes a new group whenever it holds
-    fewer than rollout_groups (the rollout node's credit loop); False: only once it ran dry."""
-    max_staleness: int | None = None
-    """Bound for stream (None = 1) and laminar (None = unbounded)."""
-    settle_s: float | None = None
-    """Least warm-up time and window length (None: two lifetimes of a max_tokens trajectory)."""
 
 
 class Traj:
@@ -161,6 +95,7 @@ class Rollout:
     __slots__ = (
         "idx", "version", "prog", "t_ref", "stall_until", "running", "heap", "waiting", "kv_base",
         "gen", "in_hand", "pulling", "asking", "last_kv", "work_t", "decode_t", "util_a", "status",
+        "prompts_ready", "push_next", "push_pending",
     )  # fmt: skip
 
     def __init__(self, idx: int) -> None:
@@ -171,8 +106,11 @@ class Rollout:
         self.kv_base = 0.0  # KV tokens = kv_base + len(running) * prog
         self.gen = self.in_hand = 0
         self.pulling = self.asking = False
+        # prompts asked for during a load that came back before the load ended
+        self.prompts_ready = False
+        self.push_next, self.push_pending = 0.0, False  # status pushes: rate bound, one queued
         self.last_kv = 0.0
-        self.status: Any = None  # (RolloutLoad, trajectory loads) of its latest heartbeat
+        self.status: Any = None  # (RolloutLoad, trajectory loads, time) of its latest report
         self.work_t = self.decode_t = self.util_a = 0.0
 
 
@@ -218,7 +156,9 @@ class Sim(RepackMixin):
         self.cons_stale, self.fin_stale = StalenessStats(), StalenessStats()
         self.snap: dict[str, float] = {}
         self.counts = {"repack_rounds": 0, "moves": 0, "moved_trajs": 0, "preemptions": 0, "dropped_groups": 0, "global_updates": 0, "pulls": 0,
-                       "export_missing": 0, "import_rejected": 0, "import_elsewhere": 0, "restarted_from_prompt": 0}  # fmt: skip
+                       "export_missing": 0, "export_empty": 0, "import_rejected": 0, "import_elsewhere": 0, "restarted_from_prompt": 0,
+                       "status_pushes": 0}  # fmt: skip
+        self.view_age = [0.0, 0]  # sum, count: how old the statuses moves were planned on
         self.win_gen_tokens = self.win_prod_tokens = 0
         self.step_tokens = self.mb_done = 0
         self.train_t: list[float] = []  # start, end of every trainer update
@@ -344,6 +284,7 @@ class Sim(RepackMixin):
             self.refill(r)
         self.try_train()
         self.schedule(r)
+        self.note_change(r)
 
     def start_group(self, r: Rollout) -> None:
         g = Group(self.groups_started, r.version, self.prm.group_size, r.idx)
@@ -400,6 +341,9 @@ class Sim(RepackMixin):
             self.idle.discard(r.idx)
             self.counts["pulls"] += 1
             self.push(self.now + self.prm.relay_pull_s, 3, (r.idx, self.newest_avail))
+            if self.prm.prompt_during_load and self.prm.prompt_rtt_s > 0:
+                r.asking = True  # its prompts come back while it loads; they start once loaded
+                self.push(self.now + self.prm.prompt_rtt_s, 9, r.idx)
             return
         if not dry and not self.prm.refill_per_group:
             return
@@ -432,6 +376,7 @@ class Sim(RepackMixin):
                 self.advance(r)
                 self.refill(r)
                 self.schedule(r)
+                self.note_change(r)
 
     # ---- trainer and weights -----------------------------------------------------------------
     def try_train(self) -> None:
@@ -481,7 +426,9 @@ class Sim(RepackMixin):
         tokens, self.step_tokens, self.mb_done = self.step_tokens, 0, 0
         self.version += 1
         self.steps.append((self.now, tokens))
-        if self.start_idx is None and len(self.steps) >= self.warm and self.now >= self.settle:
+        if self.prm.fixed_window_s is not None:
+            pass  # the window opens and closes on timers (run)
+        elif self.start_idx is None and len(self.steps) >= self.warm and self.now >= self.settle:
             self.start_idx = len(self.steps)
             self.take_snapshot("start")
         elif self.start_idx is not None and len(self.steps) - self.start_idx >= self.measure:
@@ -541,7 +488,11 @@ class Sim(RepackMixin):
                 self.schedule(r)
             if self.do_repack:
                 self.repack_start(self.seed)
-        if not self.warm and not self.settle:
+        if self.prm.fixed_window_s is not None:
+            w0, wlen = self.prm.fixed_window_s
+            self.push(w0, 10, None)
+            self.push(w0 + wlen, 11, None)
+        elif not self.warm and not self.settle:
             self.start_idx = 0
             self.take_snapshot("start")
         n_events = 0
@@ -566,21 +517,32 @@ class Sim(RepackMixin):
                 r = self.ro[data[0]]
                 self.advance(r)
                 r.pulling, r.version = False, data[1]
-                self.refill(r)
+                ready, r.prompts_ready = r.prompts_ready, False
+                self.refill(r, answered=ready)  # prompts asked for during the load start now
                 self.try_train()
                 self.schedule(r)
+                self.note_change(r)
             elif kind == 9:  # a dry rollout's prompt request answered
                 r = self.ro[data]
                 self.advance(r)
                 r.asking = False
+                if r.pulling:
+                    r.prompts_ready = True  # asked while loading: they wait for the weights
+                    continue
                 self.refill(r, answered=True)
                 self.schedule(r)
+                self.note_change(r)
             elif kind == 4:
                 self.newest_avail = max(self.newest_avail, data)
                 self.wake_idle()
             elif kind == 5:
                 self.on_update_done(data)
-            else:  # repack rounds, heartbeats, move arrivals (simrepack.py)
+            elif kind == 10:  # fixed window opens
+                self.start_idx = len(self.steps)
+                self.take_snapshot("start")
+            elif kind == 11:  # fixed window closes
+                self.done = True
+            else:  # repack rounds, heartbeats, status pushes, exports, move arrivals (simrepack.py)
                 self.on_repack_event(kind, data)
         self.take_snapshot("end")
         return self.figures(n_events)
@@ -592,26 +554,35 @@ class Sim(RepackMixin):
     def figures(self, n_events: int) -> dict[str, Any]:
         s = self.snap
         assert self.start_idx is not None
-        t0, t1 = s["start_t"], self.steps[-1][0]
-        window = t1 - t0
+        t0, t1 = s["start_t"], self.steps[-1][0] if self.steps else s["start_t"]
+        n_steps = len(self.steps) - self.start_idx
         tokens = sum(tok for _, tok in self.steps[self.start_idx :])
+        if self.prm.fixed_window_s is not None:
+            # as bench/cluster_run.py measures: steps that ended in the window, timed from the last
+            # step before it (or the window's start); time-based figures over the whole window
+            first = self.steps[self.start_idx - 1][0] if self.start_idx else t0
+            span = (t1 - first) if n_steps else math.nan
+            window = s["end_t"] - t0
+        else:
+            span = window = t1 - t0
         ro_time = window * self.prm.n_rollouts
         n_gpus = self.prm.n_gpus or self.prm.n_rollouts
-        thr = tokens / window
+        thr = tokens / span if n_steps else 0.0
         return {
             "mode": self.mode,
             "throughput_tok_s": thr,
             "throughput_per_gpu": thr / n_gpus,
             "gen_tok_s": self.win_gen_tokens / window,
-            "iteration_s": window / (len(self.steps) - self.start_idx),
-            "steps_measured": len(self.steps) - self.start_idx,
+            "iteration_s": span / n_steps if n_steps else math.nan,
+            "steps_measured": n_steps,
             "produced_over_consumed": self.win_prod_tokens / tokens,
-            "trainer_busy_frac": self.busy_between(t0, t1) / window,
+            "trainer_busy_frac": self.busy_between(t0, t0 + window) / window,
             "rollout_idle_frac": max(0.0, 1 - (s["end_work"] - s["start_work"]) / ro_time),
             "decode_util": (s["end_util"] - s["start_util"]) / ro_time,
             "staleness_consumed": self.cons_stale.summary(),
             "staleness_finished": self.fin_stale.summary(),
             "sim_time_s": t1,
             "events": n_events,
+            "view_age_s": self.view_age[0] / self.view_age[1] if self.view_age[1] else math.nan,
             **self.counts,
         }

@@ -1,9 +1,11 @@
 """Dynamic repack inside the simulator, as the manager node runs it (mixed into simcore.Sim).
 
-    heartbeat (every status_age_s, per-rollout phase) ──► r.status = (RolloutLoad, traj loads)
+    heartbeat (every status_age_s, per-rollout phase) ─┬─► r.status = (RolloutLoad, traj loads, t)
+    push on change (status_push_min_s rate bound) ─────┘
     round (every repack_interval_s, and right after each trainer update)
         ──► laminar.manager.repack.plan_repack(statuses)      the real planner, on what it was told
-        ──► export now on the source (what still runs there)  ──► source refills / pulls weights
+        ──► export on the source (what still runs there; at most max_concurrent_moves at once)
+                                                              ──► source refills / pulls weights
         ──► import repack_move_s later on the destination      same version? resume : next rollout
                                                                of that version : restart from prompt
 
@@ -12,6 +14,12 @@ Mechanisms of laminar/nodes/manager.py modelled here, each with a measured or co
   not its state now: a "draining" rollout may have finished, refreshed or taken new groups since.
   KV "rising" compares the status seen at this round with the one seen at the previous round
   (the same report twice counts as not rising), as `ManagerNode.rollout_loads` does.
+- With `status_push_min_s` > 0 (rollout.status_push in laminar mode with repack on, as
+  `RolloutNode.main` spawns its push loop) a rollout also reports as soon as something the
+  planner uses changed (a sequence finished, work came or left, weights loaded), at most once
+  per status_push_min_s: a change inside that bound goes out when it ends, with the state then.
+  So the view is about as old as the time since the last change, not half a beat (the
+  simulator's `view_age_s` is the manager's repack_status_age_s, compared in bench/cluster.py).
 - A move exports only the trajectories its plan listed that still run on the source; ones that
   finished meanwhile are missing, ones started since stay.
 - Moved trajectories reach the destination `repack_move_s` later (the measured round overhead):
@@ -22,6 +30,8 @@ Mechanisms of laminar/nodes/manager.py modelled here, each with a measured or co
   loaded rollout, losing their tokens (`ManagerNode._place` / `_restart_elsewhere`; their group
   keeps its version in the staleness figures).
 - With `repack_period_restarts`, a round triggered by an update restarts the periodic timer.
+- `max_concurrent_moves`: past the bound, the k-th wave of a round's moves exports
+  k * repack_move_s after the round (a slot frees when an earlier move is done).
 
 With status_age_s = repack_move_s = 0 (paper scale) the planner sees the exact state and moves
 are instantaneous. Tests: .venv/bin/python -m pytest tests/test_simulate.py -q
@@ -35,7 +45,7 @@ from typing import Any
 
 from laminar.manager.repack import RolloutLoad, TrajLoad, is_candidate
 
-EV_REPACK, EV_BEAT, EV_ARRIVE = 6, 7, 8
+EV_REPACK, EV_BEAT, EV_ARRIVE, EV_PUSH, EV_EXPORT = 6, 7, 8, 12, 13
 
 
 class RepackMixin:
@@ -56,6 +66,27 @@ class RepackMixin:
                 r.status = None
                 self.push(phase.uniform(0.0, self.prm.status_age_s), EV_BEAT, r.idx)
 
+    def pushes_status(self) -> bool:
+        return bool(getattr(self, "do_repack", False) and self.prm.status_age_s > 0
+                    and self.prm.status_push_min_s > 0)  # fmt: skip
+
+    def note_change(self, r: Any) -> None:
+        """Something repack plans from changed on `r`: push its status now, or once the rate bound
+        (status_push_min_s since the last push) allows; changes meanwhile go out together."""
+        if not self.pushes_status():
+            return
+        if self.now >= r.push_next:
+            self.send_status(r)
+        elif not r.push_pending:
+            r.push_pending = True
+            self.push(r.push_next, EV_PUSH, r.idx)
+
+    def send_status(self, r: Any) -> None:
+        self.advance(r)
+        r.status = self.report(r)
+        r.push_next, r.push_pending = self.now + self.prm.status_push_min_s, False
+        self.counts["status_pushes"] += 1
+
     def on_repack_event(self, kind: int, data: Any) -> None:
         if kind == EV_REPACK:
             if data == self.repack_gen:  # a stale timer (restarted by an update round) is ignored
@@ -65,11 +96,15 @@ class RepackMixin:
             self.advance(r)
             r.status = self.report(r)
             self.push(self.now + self.prm.status_age_s, EV_BEAT, data)
+        elif kind == EV_PUSH:
+            self.send_status(self.ro[data])
         elif kind == EV_ARRIVE:
             self.arrive(*data)
+        elif kind == EV_EXPORT:
+            self.export(*data)
 
-    def report(self, r: Any) -> tuple[RolloutLoad, tuple[TrajLoad, ...]]:
-        """What a rollout's status says now: version, KV use, counts, per-trajectory KV."""
+    def report(self, r: Any) -> tuple[RolloutLoad, tuple[TrajLoad, ...], float]:
+        """What a rollout's status says now: version, KV use, counts, per-trajectory KV, time."""
         cap = self.prm.kv_capacity_tokens
         use = self.kv(r) / cap
         running = r.running.values()
@@ -79,7 +114,7 @@ class RepackMixin:
             TrajLoad(str(t.id), (self.prm.prompt_tokens + t.gen0) / cap) for t in r.waiting
         )
         load = RolloutLoad(str(r.idx), r.version, use, False, len(r.running), len(r.waiting))
-        return load, trajs
+        return load, trajs, self.now
 
     def repack(self, after_update: bool = False) -> None:
         if after_update and not self.prm.repack_period_restarts:
@@ -92,12 +127,12 @@ class RepackMixin:
             if self.prm.status_age_s > 0:
                 if r.status is None:
                     continue  # not reported yet
-                load, trajs = r.status
+                load, trajs, _ = r.status
             else:
                 if r.pulling:
                     continue
                 self.advance(r)
-                load, trajs = self.report(r)
+                load, trajs, _ = self.report(r)
             load = replace(load, kv_rising=load.kv_use > r.last_kv + 1e-12)
             r.last_kv = load.kv_use
             if is_candidate(load, self.prm.c_max, self.rb):  # only candidates' trajectories matter
@@ -105,29 +140,43 @@ class RepackMixin:
             loads.append(load)
         plan = self.plan(loads)
         self.counts["repack_rounds"] += 1
-        for m in plan.moves:
-            src, dst = self.ro[int(m.source)], self.ro[int(m.dest)]
-            self.advance(src)
-            here = {**{t.id: t for t in src.waiting}, **src.running}
-            moved = [here[int(tid)] for tid in m.traj_ids if int(tid) in here]
-            for t in moved:  # export: abort on the source, every token so far travels
-                if t.id in src.running:
-                    self.remove(src, t)
-                else:
-                    src.waiting.remove(t)
-            self.counts["moves"] += 1
-            self.counts["moved_trajs"] += len(moved)
-            self.counts["export_missing"] += len(m.traj_ids) - len(moved)
-            if moved:
-                if self.prm.repack_move_s > 0:
-                    self.push(
-                        self.now + self.prm.repack_move_s, EV_ARRIVE, (dst.idx, m.version, moved)
-                    )
-                else:
-                    self.arrive(dst.idx, m.version, moved)
-            self.admit(src)  # the source may still run trajectories started after its report
-            self.refill(src)
-            self.schedule(src)
+        wave = self.prm.max_concurrent_moves or len(plan.moves) or 1
+        for i, m in enumerate(plan.moves):
+            for node in (m.source, m.dest):  # how old the view each move was planned on is
+                st = self.ro[int(node)].status
+                if st is not None and self.prm.status_age_s > 0:
+                    self.view_age[0] += self.now - st[2]
+                    self.view_age[1] += 1
+            if i >= wave and self.prm.repack_move_s > 0:  # waits for a slot: an earlier move ends
+                self.push(self.now + (i // wave) * self.prm.repack_move_s, EV_EXPORT, (m,))
+            else:
+                self.export(m)
+
+    def export(self, m: Any) -> None:
+        """One move: the source gives up what still runs of the listed trajectories; they reach the
+        destination repack_move_s later."""
+        src, dst = self.ro[int(m.source)], self.ro[int(m.dest)]
+        self.advance(src)
+        here = {**{t.id: t for t in src.waiting}, **src.running}
+        moved = [here[int(tid)] for tid in m.traj_ids if int(tid) in here]
+        for t in moved:  # export: abort on the source, every token so far travels
+            if t.id in src.running:
+                self.remove(src, t)
+            else:
+                src.waiting.remove(t)
+        self.counts["moves"] += 1
+        self.counts["moved_trajs"] += len(moved)
+        self.counts["export_missing"] += len(m.traj_ids) - len(moved)
+        self.counts["export_empty"] += not moved
+        if moved:
+            if self.prm.repack_move_s > 0:
+                self.push(self.now + self.prm.repack_move_s, EV_ARRIVE, (dst.idx, m.version, moved))
+            else:
+                self.arrive(dst.idx, m.version, moved)
+        self.admit(src)  # the source may still run trajectories started after its report
+        self.refill(src)
+        self.schedule(src)
+        self.note_change(src)
 
     def arrive(self, dest: int, version: int, trajs: list[Any]) -> None:
         """Import on the planned destination, else another rollout of the version, else restart."""
@@ -155,3 +204,4 @@ class RepackMixin:
             r.stall_until = max(r.stall_until, self.now) + self.prm.repack_fixed_s
         self.admit(r)
         self.schedule(r)
+        self.note_change(r)

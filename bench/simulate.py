@@ -59,10 +59,17 @@ from simscale import (  # noqa: E402,F401
 def params_from_config(cfg: Any, n_rollouts: int, **overrides: Any) -> SimParams:
     """SimParams matching an emulated cluster (laminar.config.LaminarConfig with engine: sim):
     same decode model, bound B, lengths, batch, group size and trainer time per token, and the
-    control plane as configured (repack plans from heartbeats, a rollout refills per group).
+    control plane as configured (repack plans from heartbeats plus status pushed on change where
+    the rollout node pushes, moves bounded per round, a rollout refills per group and asks for
+    prompts while it loads newer weights).
     Weight movement, repack moves, prompt round trips and prefill cost nothing here unless
     overridden with measured values (bench/cluster.py `measured_latencies`)."""
     sim, ro = cfg.rollout.sim, cfg.rollout
+    pushes = (
+        bool(getattr(ro, "status_push", False))
+        and cfg.mode == "laminar"
+        and cfg.manager.repack.enabled
+    )
     prm = SimParams(
         n_rollouts=n_rollouts,
         n_gpus=n_rollouts,
@@ -87,9 +94,13 @@ def params_from_config(cfg: Any, n_rollouts: int, **overrides: Any) -> SimParams
         max_staleness=cfg.buffer.max_staleness,
         # the control plane as configured: the manager plans from heartbeats, restarts its timer
         # after an update round; a rollout tops up its credits between versions
-        status_age_s=cfg.transport.heartbeat_interval_s,  # (pushes on change: measured, see cluster.py)
+        status_age_s=cfg.transport.heartbeat_interval_s,
+        # pushes on change, switched on where RolloutNode.main spawns its status-push loop
+        status_push_min_s=ro.status_push_min_s if pushes else 0.0,
+        max_concurrent_moves=cfg.manager.repack.max_concurrent_moves,
         repack_period_restarts=True,
         refill_per_group=True,
+        prompt_during_load=True,  # the pull loop asks while it loads, in every mode
     )
     return replace(prm, **overrides)
 

@@ -173,9 +173,11 @@ def test_measured_latencies_from_emulation_runs():
 
     old = {"weight_load_s": {"mean": 0.03}, "trainer_push_s_median": 0.006,
            "repack": {"moves": 10, "overhead_s_mean": 0.08}}  # fmt: skip
+    # runs of the code before status pushes and prompts-during-load: both mechanisms off
     assert cluster.measured_latencies([old], "laminar") == pytest.approx(
-        {"relay_pull_s": 0.03, "actor_push_s": 0.006, "repack_move_s": 0.08}
-    )
+        {"relay_pull_s": 0.03, "actor_push_s": 0.006, "repack_move_s": 0.08,
+         "prompt_during_load": False, "status_push_min_s": 0.0}
+    )  # fmt: skip
     new = {**old, "manager_partials": {"move_export_s": {"mean": 0.02}, "move_place_s": {"mean": 0.03},
                                        "repack_status_age_s": {"mean": 0.05}},
            "rollout_partials": {"prompt_rtt_idle_s": {"mean": 0.025}}}  # fmt: skip
@@ -183,6 +185,77 @@ def test_measured_latencies_from_emulation_runs():
     assert lat["repack_move_s"] == pytest.approx(0.04)  # half the export + the import
     assert lat["status_age_s"] == pytest.approx(0.1) and lat["prompt_rtt_s"] == pytest.approx(0.025)
     assert cluster.measured_latencies([new], "sync") == {"global_update_s": 0.03}
+    # rollouts that pushed their status: the push is modelled from the config (heartbeat period
+    # plus push on change), the measured view age is compared with the simulator's, not fed in
+    pushed = {**new, "rollout_counters": {"status_pushed": 900}}
+    lat = cluster.measured_latencies([pushed], "laminar")
+    assert (
+        "status_age_s" not in lat
+        and "status_push_min_s" not in lat
+        and "prompt_during_load" not in lat
+    )
+    assert (
+        cluster.sim_seeds(8, 3) == list(range(40))
+        and len(cluster.sim_seeds(128, 3)) == cluster.SIM_SEEDS
+    )
+
+
+def test_pushed_status_gives_a_fresher_view():
+    # issue #8 after the repack changes: rollouts push their status on change (at most every
+    # status_push_min_s), so the planner's view is ~that old, not up to a heartbeat old
+    beats = [run("laminar", seed=s, status_age_s=1.0) for s in range(3)]
+    pushed = [run("laminar", seed=s, status_age_s=1.0, status_push_min_s=0.05) for s in range(3)]
+    assert all(p["status_pushes"] > 0 for p in pushed) and all(
+        b["status_pushes"] == 0 for b in beats
+    )
+    age_b, age_p = (sum(r["view_age_s"] for r in rs) / 3 for rs in (beats, pushed))
+    assert age_p < 0.5 * age_b  # the mean age of a beat-only view is about half the period
+    # a plan on a fresher view finds what it listed: fewer missing at export, fewer rejected imports
+    miss_b, miss_p = (
+        sum(r["export_missing"] + r["import_rejected"] for r in rs) for rs in (beats, pushed)
+    )
+    assert miss_p < miss_b
+    # and it is switched on only where the rollout node runs its push loop (laminar with repack)
+    assert run("laminar_norepack", status_age_s=1.0, status_push_min_s=0.05)["status_pushes"] == 0
+
+
+def test_prompts_asked_during_the_load():
+    # an idle rollout with a newer version asks for prompts while it loads: the refill waits
+    # max(load, prompt round trip), not their sum, so rollouts idle less
+    kw = dict(relay_pull_s=0.3, prompt_rtt_s=0.3)
+    seq = [run("laminar_norepack", seed=s, **kw) for s in range(2)]
+    par = [run("laminar_norepack", seed=s, prompt_during_load=True, **kw) for s in range(2)]
+    for a, b in zip(seq, par, strict=True):
+        assert b["rollout_idle_frac"] < a["rollout_idle_frac"]
+        assert b["pulls"] > 0
+    # with no round trip to hide there is nothing to gain: the same run
+    assert run("laminar_norepack", relay_pull_s=0.3, prompt_during_load=True)["throughput_tok_s"] == (
+        run("laminar_norepack", relay_pull_s=0.3)["throughput_tok_s"])  # fmt: skip
+
+
+def test_bounded_concurrent_moves_wait_for_a_slot():
+    # manager.repack.max_concurrent_moves: past the bound a move exports only once a slot frees
+    # (each move repack_move_s), so what it listed has had time to finish: found missing
+    free = run("laminar", repack_move_s=0.3)
+    one = run("laminar", repack_move_s=0.3, max_concurrent_moves=1)
+    assert free["moves"] > 0 and one["moves"] > 0
+    assert one["export_missing"] > free["export_missing"]
+
+
+def test_fixed_window_measures_like_the_emulation():
+    # bench/cluster_run.py: steps that ended in [t0, t0 + len], timed from the last step before t0
+    p = replace(SMALL, fixed_window_s=(3.0, 6.0))
+    s = sim.Sim("sync", p, 0, 0, 0)
+    out = s.run()
+    times = [t for t, _ in s.steps]
+    inside = [(t, tok) for t, tok in s.steps if 3.0 <= t <= 9.0]
+    before = [t for t in times if t < 3.0]
+    first = before[-1] if before else 3.0
+    assert out["steps_measured"] == len(inside) > 0 and max(times) <= 9.0
+    assert out["throughput_tok_s"] == pytest.approx(
+        sum(tok for _, tok in inside) / (inside[-1][0] - first)
+    )
+    assert out["sim_time_s"] == inside[-1][0]
 
 
 # ---- parameters ----------------------------------------------------------------------------------
@@ -200,6 +273,17 @@ def test_params_from_config_matches_the_emulation():
     assert p.repack_bound_b == cfg.repack_bound_b() and p.c_max == cfg.manager.repack.c_max
     assert p.status_age_s == cfg.transport.heartbeat_interval_s  # repack plans from heartbeats
     assert p.refill_per_group and p.repack_period_restarts and p.repack_fixed_s == 0.0
+    assert (
+        p.prompt_during_load and p.max_concurrent_moves == cfg.manager.repack.max_concurrent_moves
+    )
+    # status pushed on change exactly where the rollout node spawns its push loop
+    assert cfg.mode == "laminar" and cfg.manager.repack.enabled
+    assert p.status_push_min_s == cfg.rollout.status_push_min_s > 0
+    off = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"status_push": False})})
+    assert sim.params_from_config(off, 8).status_push_min_s == 0.0
+    norepack = cfg.model_copy(update={"manager": cfg.manager.model_copy(
+        update={"repack": cfg.manager.repack.model_copy(update={"enabled": False})})})  # fmt: skip
+    assert sim.params_from_config(norepack, 8).status_push_min_s == 0.0
     out = sim.simulate("laminar", params=p, warmup_steps=2, measure_steps=3)
     assert out["throughput_tok_s"] > 0 and out["n_rollouts"] == 8
 
