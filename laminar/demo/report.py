@@ -352,8 +352,8 @@ def _comparison_md(s: dict[str, Any], f: Callable[..., str]) -> list[str]:
         f"{f(s['sync_run_wall_clock_s'], '{:.0f}')} s |",
         f"| trainer steps per second | {f(s.get('trainer_steps_per_s'), '{:.2f}')} | "
         f"{f(s.get('sync_trainer_steps_per_s'), '{:.2f}')} |",
-        f"| time to reach sync's final accuracy | {f(s['time_to_sync_final_accuracy_laminar_s'], '{:.0f}')} s | "
-        f"{f(s['time_to_sync_final_accuracy_sync_s'], '{:.0f}')} s |",
+        f"| time to reach sync's final accuracy | {f(s['time_to_sync_final_accuracy_laminar_s'], '{:.0f} s')} | "
+        f"{f(s['time_to_sync_final_accuracy_sync_s'], '{:.0f} s')} |",
         "",
         f"**Ratio** (sync time / laminar time to reach sync's final accuracy): "
         f"**{f(ratio, '{:.2f}')}**; trainer step rate laminar / sync: **{f(rate, '{:.2f}')}**. {verdict}",
