@@ -34,8 +34,8 @@ from laminar.transport.sockets import (
     SocketOptions,
     SocketStats,
     TransportError,
+    _attach,
     _Dispatcher,
-    _is_tcp,
     _Pending,
     _send_within,
 )
@@ -97,9 +97,7 @@ class RpcClient:
         sock.setsockopt(zmq.MAXMSGSIZE, self.opts.limits.max_message_bytes)
         # queue only to completed connections, so nothing piles up for a dead server
         sock.setsockopt(zmq.IMMEDIATE, 1)
-        if self.opts.security is not None and _is_tcp(self.endpoint):
-            self.opts.security.apply_client(sock)
-        sock.connect(self.endpoint)
+        _attach(sock, self.endpoint, False, self.opts)
         return sock
 
     async def connect(self, timeout: float | None = None) -> None:

@@ -149,6 +149,17 @@ def _is_tcp(endpoint: str) -> bool:
     return endpoint.startswith("tcp://")
 
 
+def _attach(sock: zmq.Socket, endpoint: str, bind: bool, opts: SocketOptions) -> None:
+    """CURVE (tcp only: ipc/inproc stay on this host) as server or client, then bind or connect."""
+    if opts.security is not None and _is_tcp(endpoint):
+        (opts.security.apply_server if bind else opts.security.apply_client)(sock)
+    if bind:
+        _prepare_endpoint(endpoint)
+        sock.bind(endpoint)
+    else:
+        sock.connect(endpoint)
+
+
 async def _send_within(sock: zmq.asyncio.Socket, frames: list[Any], timeout: float | None) -> None:
     """send_multipart with a deadline: a DEALER with no live pipe (IMMEDIATE) or a peer at its
     HWM blocks a send indefinitely, and a dead peer must become an error, never a hang."""
@@ -274,10 +285,7 @@ class RpcServer:
         sock.setsockopt(zmq.SNDHWM, self.opts.sndhwm)
         sock.setsockopt(zmq.RCVHWM, self.opts.rcvhwm)
         sock.setsockopt(zmq.MAXMSGSIZE, self.opts.limits.max_message_bytes)
-        if self.opts.security is not None and _is_tcp(self.endpoint):
-            self.opts.security.apply_server(sock)
-        _prepare_endpoint(self.endpoint)
-        sock.bind(self.endpoint)
+        _attach(sock, self.endpoint, True, self.opts)
         self._sock = sock
         self._tasks = [
             asyncio.create_task(self._reader(), name=f"{self.node_id}:server-reader"),

@@ -23,8 +23,7 @@ from laminar.transport.sockets import (
     RequestTimeout,
     SocketOptions,
     SocketStats,
-    _is_tcp,
-    _prepare_endpoint,
+    _attach,
     _send_within,
 )
 
@@ -55,10 +54,7 @@ class Publisher:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.XPUB_VERBOSE, 1)
         sock.setsockopt(zmq.SNDHWM, self.opts.sndhwm)
-        if self.opts.security is not None and _is_tcp(self.endpoint):
-            self.opts.security.apply_server(sock)
-        _prepare_endpoint(self.endpoint)
-        sock.bind(self.endpoint)
+        _attach(sock, self.endpoint, True, self.opts)
         self._sock = sock
         self._task = asyncio.create_task(self._watch(), name=f"{self.node_id}:xpub")
 
@@ -120,12 +116,10 @@ class Subscriber:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, self.opts.rcvhwm)
         sock.setsockopt(zmq.MAXMSGSIZE, self.opts.limits.max_message_bytes)
-        if self.opts.security is not None and _is_tcp(self.endpoint):
-            self.opts.security.apply_client(sock)
         for t in self.topics:
             sock.setsockopt(zmq.SUBSCRIBE, t.encode())
         sock.setsockopt(zmq.SUBSCRIBE, _READY_PREFIX + self.node_id.encode())
-        sock.connect(self.endpoint)
+        _attach(sock, self.endpoint, False, self.opts)
         self._sock = sock
 
     async def recv(self, timeout: float | None = None) -> tuple[str, Message]:
@@ -162,13 +156,7 @@ class PushStream:
         sock = ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, self.opts.sndhwm)
-        if self.opts.security is not None and _is_tcp(endpoint):
-            (self.opts.security.apply_server if bind else self.opts.security.apply_client)(sock)
-        if bind:
-            _prepare_endpoint(endpoint)
-            sock.bind(endpoint)
-        else:
-            sock.connect(endpoint)
+        _attach(sock, endpoint, bind, self.opts)
         self._sock = sock
         self.stats = SocketStats()
 
@@ -188,13 +176,7 @@ class PullStream:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, self.opts.rcvhwm)
         sock.setsockopt(zmq.MAXMSGSIZE, self.opts.limits.max_message_bytes)
-        if self.opts.security is not None and _is_tcp(endpoint):
-            (self.opts.security.apply_server if bind else self.opts.security.apply_client)(sock)
-        if bind:
-            _prepare_endpoint(endpoint)
-            sock.bind(endpoint)
-        else:
-            sock.connect(endpoint)
+        _attach(sock, endpoint, bind, self.opts)
         self._sock = sock
         self.stats = SocketStats()
 
