@@ -62,7 +62,7 @@ import numpy as np
 from laminar.engines.base import Engine, GenRequest, SamplingParams, TokenEvent
 from laminar.node import Node
 from laminar.protocol.buffer import PromptReply, PromptRequest, TrajectoryAbandoned
-from laminar.protocol.core import Heartbeat, NodeStatus
+from laminar.protocol.core import NodeStatus
 from laminar.protocol.data import PromptItem
 from laminar.protocol.rollout import (
     ExportRequest,
@@ -499,7 +499,7 @@ class RolloutNode(RolloutCommands, Node):
             mgr = self.manager
             if mgr is not None and mgr.connected:  # (else: reconnecting; the handshake and beats carry it)
                 try:
-                    await mgr.send(Heartbeat(node_id=self.node_id, seq=0, status=self.status()))
+                    await mgr.beat()
                     self.metrics.count("status_pushed")
                 except Exception as exc:  # best effort (a socket being replaced, a full pipe): the beat follows
                     self.metrics.count("status_push_failed")

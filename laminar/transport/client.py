@@ -314,12 +314,17 @@ class RpcClient:
                 self._reconnecting = asyncio.create_task(self._reconnect_forever())
                 continue
             if self.connected:
-                self._seq += 1
-                status = self._status() if self._status else None
                 try:  # bounded: a blocked beat must not stop the liveness check above
-                    await self._send_raw(b"", Heartbeat(node_id=self.node_id, seq=self._seq, status=status), interval)
+                    await self.beat(interval)
                 except (TransportError, zmq.ZMQError):
                     self.stats.heartbeats_dropped += 1
+
+    async def beat(self, timeout: float | None = None) -> None:
+        """Send a heartbeat carrying the current status now (the timer does it every interval;
+        a node whose status just changed can push it early). Raises TransportError / ZMQError."""
+        self._seq += 1
+        status = self._status() if self._status else None
+        await self._send_raw(b"", Heartbeat(node_id=self.node_id, seq=self._seq, status=status), timeout)
 
     async def _reconnect_forever(self) -> None:
         backoff = self.opts.reconnect_backoff_s
