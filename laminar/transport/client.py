@@ -142,9 +142,14 @@ class RpcClient:
         """The server answered `unknown_peer`: it restarted under the same endpoint and the socket reconnected
         underneath us before heartbeats noticed. Handshake again on the live socket (one attempt shared by all
         callers that hit it); if that fails, fall back to a full reconnect."""
+        await asyncio.shield(self._rehello_task())
+
+    def _rehello_task(self) -> asyncio.Task:
+        """The handshake-again in progress, or a new one (its failure is also logged and acted on inside)."""
         if self._rehello is None or self._rehello.done():
             self._rehello = asyncio.create_task(self._run_handshake_again(), name=f"{self.node_id}:client-rehello")
-        await asyncio.shield(self._rehello)
+            self._rehello.add_done_callback(_consume_exception)
+        return self._rehello
 
     async def _run_handshake_again(self) -> None:
         self.stats.rehandshakes += 1
@@ -267,9 +272,7 @@ class RpcClient:
                 continue
             if isinstance(msg, ErrorReply) and msg.code == "unknown_peer" and self.connected:
                 # the server restarted and saw our heartbeat: handshake again in the background
-                if self._rehello is None or self._rehello.done():
-                    self._rehello = asyncio.create_task(self._run_handshake_again(), name=f"{self.node_id}:client-rehello")
-                    self._rehello.add_done_callback(_consume_exception)
+                self._rehello_task()
                 continue
             handler = self._disp.handlers.get(type(msg))
             if handler is None:
