@@ -117,13 +117,10 @@ def steps_per_s(metrics: list[dict[str, Any]]) -> float | None:
     return (metrics[-1]["step"] - metrics[0]["step"]) / dt if dt > 0 else None
 
 
-def _reward_window(metrics: list[dict[str, Any]]) -> int:
-    return max(5, len(metrics) // 10)
-
-
 def summarize(cfg: Any, runs: dict[str, dict], before: dict[str, Any], after: dict[str, Any], wall: float) -> dict[str, Any]:
     lam = runs["laminar"]
     m = lam.get("metrics", [])
+    k = max(5, len(m) // 10)  # a tenth of the run at each end (at least 5 steps): one batch's reward swings with its prompt mix
     summary: dict[str, Any] = {
         "mode": cfg.mode,
         "eval_accuracy_before": before["accuracy"],
@@ -134,10 +131,9 @@ def summarize(cfg: Any, runs: dict[str, dict], before: dict[str, Any], after: di
         "wall_clock_s": round(wall, 1),
         "run_wall_clock_s": round(lam["wall_clock_s"], 1),
         "steps": m[-1]["step"] if m else 0,
-        # a tenth of the run at each end (at least 5 steps): one batch's reward swings with its prompt mix
-        "reward_window_steps": _reward_window(m),
-        "reward_first": _mean([r.get("reward") for r in m[: _reward_window(m)]]),
-        "reward_last": _mean([r.get("reward") for r in m[-_reward_window(m) :]]),
+        "reward_window_steps": k,
+        "reward_first": _mean([r.get("reward") for r in m[:k]]),
+        "reward_last": _mean([r.get("reward") for r in m[-k:]]),
         "staleness_mean": _mean([r.get("staleness") for r in m]),
         "staleness_max": max((r.get("staleness_max", 0) for r in m), default=0),
     }
