@@ -168,7 +168,7 @@ async def worker_main(cfg_path: Path, count: int, out: Path, sample_s: float) ->
     import importlib
 
     from laminar.config import load_config
-    from laminar.nodes.rollout import RolloutNode
+    from laminar.rollout.node import RolloutNode
     from laminar.transport.sockets import new_context
 
     cfg = load_config(cfg_path)

@@ -9,7 +9,7 @@
         ──► import repack_move_s later on the destination      same version? resume : next rollout
                                                                of that version : restart from prompt
 
-Mechanisms of laminar/nodes/manager.py modelled here, each with a measured or configured input:
+Mechanisms of laminar/manager/node.py modelled here, each with a measured or configured input:
 - The planner sees each rollout's last heartbeat (`status_age_s` = transport.heartbeat_interval_s),
   not its state now: a "draining" rollout may have finished, refreshed or taken new groups since.
   KV "rising" compares the status seen at this round with the one seen at the previous round

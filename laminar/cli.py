@@ -11,13 +11,15 @@ from __future__ import annotations
 import argparse
 import sys
 
+from laminar.config import ROLES
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="laminar", description="Asynchronous RL post-training for LLMs.")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     node = sub.add_parser("node", help="run one node (per-host daemon, SLURM task)")
-    node.add_argument("--role", required=True, choices=["trainer", "relay", "rollout", "manager", "buffer"])
+    node.add_argument("--role", required=True, choices=ROLES)
     node.add_argument("--config", default=None, help="YAML run config")
     node.add_argument("--index", type=int, default=0, help="instance index of this role")
     node.add_argument("--count", type=int, default=1, help="run this many instances (index, index+1, ...) in one process")

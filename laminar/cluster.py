@@ -17,8 +17,7 @@ import contextlib
 from typing import Any
 
 from laminar.config import ROLES, LaminarConfig
-from laminar.node import Node
-from laminar.nodes import node_class
+from laminar.node import Node, node_class
 from laminar.transport.sockets import new_context
 
 

@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-Role = Literal["trainer", "relay", "rollout", "manager", "buffer"]
-ROLES: tuple[str, ...] = ("manager", "buffer", "relay", "trainer", "rollout")
+Role = Literal["manager", "buffer", "relay", "trainer", "rollout"]
+"""Every role, in the order `laminar run` starts them; the one list of roles (the CLI and
+the node registry derive theirs from it)."""
+ROLES: tuple[Role, ...] = get_args(Role)
 Mode = Literal["sync", "one_step", "stream", "laminar"]
 
 # Fixed offsets from cluster.base_port for tcp endpoints; relays and rollouts add their index.

@@ -51,8 +51,7 @@ async def _watch_parent(nodes, parent: int) -> None:
 def node_main(role: str, config: str | None, overrides: list[str], index: int = 0, count: int = 1) -> int:
     cfg = load_config(config, overrides)
     _setup_process(cfg)
-    from laminar.node import NodeFailed, run_nodes
-    from laminar.nodes import node_class
+    from laminar.node import NodeFailed, node_class, run_nodes
 
     cls = node_class(role)
 

@@ -19,12 +19,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import importlib
 import signal
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar, TypeVar
 
-from laminar.config import LaminarConfig
+from laminar.config import ROLES, LaminarConfig, Role
 from laminar.logs import get_logger
 from laminar.metrics import Metrics
 from laminar.protocol.core import NodeStatus
@@ -234,3 +235,12 @@ async def run_nodes(nodes: list[Node]) -> None:
     for t in tasks:
         if t.exception() is not None:
             raise t.exception()
+
+
+def node_class(role: Role) -> type[Node]:
+    """The node class of a role: `laminar.<role>.node.<Role>Node`, imported on first use."""
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r}; use one of {list(ROLES)}")
+    module = importlib.import_module(f"laminar.{role}.node")
+    cls: type[Node] = getattr(module, f"{role.capitalize()}Node")
+    return cls

@@ -33,11 +33,11 @@ import numpy as np
 
 from laminar.config import config_from_dict
 from laminar.engines.base import Engine, EngineStats, GenRequest, PartialState, TokenEvent
-from laminar.nodes.manager import ManagerNode
-from laminar.nodes.rollout import RolloutNode
+from laminar.manager.node import ManagerNode
 from laminar.protocol.buffer import PromptReply, PromptRequest, TrajectoryAbandoned
 from laminar.protocol.core import Ack
 from laminar.protocol.data import PartialChunk, PromptItem, Trajectory
+from laminar.rollout.node import RolloutNode
 from laminar.transport.sockets import RpcServer, SocketOptions, new_context
 
 

@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from laminar.buffer.node import BufferNode
 from laminar.config import config_from_dict
-from laminar.nodes.buffer import BufferNode
-from laminar.nodes.manager import ManagerNode
+from laminar.manager.node import ManagerNode
 from laminar.protocol.buffer import (
     BatchCommit,
     BatchReply,

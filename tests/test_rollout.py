@@ -24,7 +24,6 @@ from rollout_fakes import (
     write_weights,
 )  # fmt: skip
 
-from laminar.nodes.rollout import RolloutNode
 from laminar.protocol.rollout import (
     ExportReply,
     ExportRequest,
@@ -33,6 +32,7 @@ from laminar.protocol.rollout import (
     RefreshReply,
     RefreshRequest,
 )
+from laminar.rollout.node import RolloutNode
 from laminar.transport.sockets import RemoteError
 
 # ---- tests -------------------------------------------------------------------------------
@@ -139,7 +139,7 @@ async def test_weights_from_the_relay(tmp_path):
 
     import torch
 
-    from laminar.nodes.relay import RelayNode
+    from laminar.relay.node import RelayNode
     from laminar.transport.sockets import SocketOptions
     from laminar.transport.weights import WeightPusher
 

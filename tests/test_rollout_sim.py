@@ -15,8 +15,8 @@ from rollout_fakes import harness, make_cfg, make_items, uids_of, wait_for
 
 from laminar.engines.base import GenRequest, SamplingParams
 from laminar.engines.sim import SimEngine
-from laminar.nodes.rollout import RolloutNode
 from laminar.protocol.rollout import ExportRequest, ImportRequest, RefreshRequest
+from laminar.rollout.node import RolloutNode
 from laminar.transport.sockets import RemoteError
 
 SIM = {

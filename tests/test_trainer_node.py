@@ -120,7 +120,7 @@ async def harness(tmp_path):
 
 
 async def run_trainer(cfg, ctx, timeout=60.0):
-    from laminar.nodes.trainer import TrainerNode
+    from laminar.trainer.node import TrainerNode
 
     node = TrainerNode(cfg, ctx=ctx)
     await asyncio.wait_for(node.run(), timeout)
@@ -231,7 +231,7 @@ async def test_killed_before_commit_the_batch_is_served_again_after_resume(tiny,
             await asyncio.Event().wait()  # never acknowledged: the trainer dies waiting
 
     buf.commit_hook = hang_on_second_commit
-    from laminar.nodes.trainer import TrainerNode
+    from laminar.trainer.node import TrainerNode
 
     node = TrainerNode(cfg, ctx=ctx)
     task = asyncio.create_task(node.run())
@@ -266,7 +266,7 @@ async def test_weights_go_through_the_relay_tier_when_there_is_one(tiny, tmp_pat
     """roles.relay > 0 and laminar.transport.weights importable: the trainer pushes to the master relay."""
     from types import SimpleNamespace
 
-    from laminar.nodes.relay import RelayNode
+    from laminar.relay.node import RelayNode
     from laminar.transport.weights import WeightPuller
 
     ctx, make = harness
@@ -307,7 +307,7 @@ async def test_weights_go_through_the_relay_tier_when_there_is_one(tiny, tmp_pat
 
 
 async def test_sim_trainer_pushes_a_tiny_blob_through_the_relay(tmp_path, harness):
-    from laminar.nodes.relay import RelayNode
+    from laminar.relay.node import RelayNode
 
     ctx, make = harness
     cfg = node_cfg(tmp_path, None, engine="sim", sim_time_per_token_s=0, total_steps=2)
@@ -332,8 +332,8 @@ async def test_sim_trainer_pushes_a_tiny_blob_through_the_relay(tmp_path, harnes
 
 async def test_stop_request_drains_the_step_and_checkpoints(tiny, tmp_path, harness):
     """SIGTERM path: the step in flight finishes and commits, then a checkpoint holds it."""
-    from laminar.nodes.trainer import TrainerNode
     from laminar.trainer import checkpoint as ck
+    from laminar.trainer.node import TrainerNode
 
     ctx, make = harness
     cfg = node_cfg(tmp_path, tiny, total_steps=100)

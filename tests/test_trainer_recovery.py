@@ -113,7 +113,7 @@ async def run_trainer_process(cfg_path: Path, *overrides: str, timeout: float = 
 
 
 async def _scenario(tmp_path, short_dir, tiny, run_trainer) -> None:
-    from laminar.nodes.buffer import BufferNode
+    from laminar.buffer.node import BufferNode
 
     cfg_path = write_config(tmp_path, short_dir, tiny)
     cfg = load_config(cfg_path)
@@ -153,7 +153,7 @@ async def _scenario(tmp_path, short_dir, tiny, run_trainer) -> None:
 
 async def test_uncommitted_batch_is_served_again_after_resume_in_process(tiny, tmp_path, short_dir):
     from laminar.node import NodeFailed
-    from laminar.nodes.trainer import TrainerNode
+    from laminar.trainer.node import TrainerNode
 
     async def run_in_process(ctx, cfg_path, overrides, crash):
         if crash:

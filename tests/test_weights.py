@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from laminar.config import config_from_dict
-from laminar.nodes.relay import RelayNode
 from laminar.relay.local import ClientHost, RelayProcs
+from laminar.relay.node import RelayNode
 from laminar.transport.sockets import RemoteError
 from laminar.transport.weights import WeightPuller, WeightPusher
 

@@ -1,4 +1,4 @@
-"""The buffer role's parts (the node itself is laminar/nodes/buffer.py).
+"""The buffer role's parts (the node itself is laminar/buffer/node.py).
 
 prompts.py     jsonl/parquet rows -> PromptPool (epochs, seeded shuffle, cursor) -> PromptItems
 partials.py    PartialChunks -> contiguous in-flight prefixes (recovery of dead rollouts)

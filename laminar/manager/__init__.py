@@ -1,6 +1,6 @@
 """Manager policies as pure functions: the repack planner and the staleness/admission rules.
 
-The manager node (laminar/nodes/manager.py), the buffer and bench/simulate.py import these, so
+The manager node (laminar/manager/node.py), the buffer and bench/simulate.py import these, so
 the simulator runs the very code the cluster runs. The function `staleness()` is not re-exported
 here, so that `laminar.manager.staleness` stays the module: call `staleness.staleness(v, k)`.
 """

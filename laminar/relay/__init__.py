@@ -5,6 +5,6 @@
     chain.py   downstream half of a relay: choose a live upstream, fetch chunks with a window
     local.py   real relay processes for tests and bench/weights.py
 
-The node that wires them is laminar/nodes/relay.py; the trainer and rollout ends are
+The node that wires them is laminar/relay/node.py; the trainer and rollout ends are
 laminar/transport/weights.py (and weights_gpu.py for CUDA IPC / NCCL).
 """

@@ -61,7 +61,7 @@ from laminar.transport.sockets import (
 )
 
 if TYPE_CHECKING:
-    from laminar.nodes.relay import RelayNode
+    from laminar.relay.node import RelayNode
     from laminar.relay.shm import VersionState
 
 

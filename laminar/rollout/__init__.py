@@ -1,1 +1,1 @@
-"""Rollout-side helpers: acked outbox, weight sources, per-trajectory tracking (the node is laminar/nodes/rollout.py)."""
+"""Rollout-side helpers: acked outbox, weight sources, per-trajectory tracking (the node is laminar/rollout/node.py)."""

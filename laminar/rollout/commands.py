@@ -5,7 +5,7 @@
     manager ──ImportRequest──► resume partials of this exact version (else version_mismatch), idempotent
     manager ──RefreshRequest──► load min_version (soft: waited for rollout.refresh_wait_s)
 
-A mixin of RolloutNode (laminar/nodes/rollout.py), which owns the state these methods use:
+A mixin of RolloutNode (laminar/rollout/node.py), which owns the state these methods use:
 engine, seqs, groups, _recent, _dirty/_dirty_evt, _flush_lock, _load_lock, buffer, source,
 version, params, metrics, log. Kept apart so each file stays readable; not used on its own.
 """

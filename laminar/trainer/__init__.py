@@ -1,4 +1,4 @@
-"""The trainer's machinery, used by laminar/nodes/trainer.py (the node owns the network side).
+"""The trainer's machinery, used by laminar/trainer/node.py (the node owns the network side).
 
 policy.py      HF model + AdamW + schedule; one optimizer step per batch; FSDP2 across ranks
 batch.py       trajectories -> validated samples -> length-packed, right-padded micro-batches

@@ -9,7 +9,7 @@ A checkpoint is built in `.tmp-step_N-<pid>` and renamed into place, so a crash
 mid-write leaves no half checkpoint that `latest_checkpoint` could pick up; the
 oldest complete checkpoints beyond `keep` are deleted after the rename.
 
-The consumption frontier (see laminar/nodes/trainer.py "Exactly-once") records which
+The consumption frontier (see laminar/trainer/node.py "Exactly-once") records which
 buffer batches the saved weights contain: the last committed batch, and in
 commit=checkpoint mode the batches not yet committed, which a restarted trainer
 commits before asking for new data.
