@@ -22,13 +22,14 @@ import contextlib
 import importlib
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from typing import Any, ClassVar, TypeVar
 
 from laminar.config import ROLES, LaminarConfig, Role
 from laminar.logs import get_logger
 from laminar.metrics import Metrics
 from laminar.protocol.core import NodeStatus
+from laminar.supervise import Supervisor
 from laminar.transport.security import security_from_config
 from laminar.transport.sockets import RpcClient, RpcServer, SocketOptions, new_context
 
@@ -58,7 +59,7 @@ class Node:
         self.failure: BaseException | None = None
         self.stop_reason = ""
         self.manager: RpcClient | None = None
-        self._tasks: set[asyncio.Task] = set()
+        self.supervisor = Supervisor(self.node_id, on_exit=self._task_exited)
         self._servers: list[RpcServer] = []
         self._clients: list[RpcClient] = []
         self._closers: list[Callable[[], Any]] = []
@@ -101,19 +102,11 @@ class Node:
         """Register a cleanup (sync or async) run at teardown, last registered first."""
         self._closers.append(fn)
 
-    def spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Task:
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
         """Start a supervised background task: if it raises, the node stops loudly."""
-        task = asyncio.ensure_future(coro)
-        task.set_name(f"{self.node_id}:{name}")
-        self._tasks.add(task)
-        task.add_done_callback(self._task_done)
-        return task
+        return self.supervisor.spawn(coro, name)
 
-    def _task_done(self, task: asyncio.Task) -> None:
-        self._tasks.discard(task)
-        if task.cancelled():
-            return
-        exc = task.exception()
+    def _task_exited(self, task: asyncio.Task[Any], exc: BaseException | None) -> None:
         if exc is not None and self.failure is None:
             self.failure = exc
             self.request_stop(f"task {task.get_name()} died")  # first: a failing log call must not block the stop
@@ -127,9 +120,7 @@ class Node:
 
     def _supervise(self, obj: RpcServer | RpcClient) -> None:
         for t in obj.tasks:
-            if t not in self._tasks:
-                self._tasks.add(t)
-                t.add_done_callback(self._task_done)
+            self.supervisor.adopt(t)
 
     async def compute(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
         """Run blocking compute off the event loop on this node's worker thread."""
@@ -178,14 +169,7 @@ class Node:
 
     async def _shutdown(self) -> None:
         self.stopping.set()
-        current = asyncio.current_task()
-        for t in list(self._tasks):
-            if t is not current:
-                t.cancel()
-        for t in list(self._tasks):
-            if t is not current:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await asyncio.wait_for(t, 2.0)
+        await self.supervisor.cancel_all(timeout=2.0)
         try:
             await asyncio.wait_for(self.teardown(), self.cfg.transport.stop_timeout_s)
         except Exception as exc:  # teardown must not mask the original failure
