@@ -25,10 +25,10 @@ $(STAMP): pyproject.toml
 run: setup
 	$(BIN)/python -m laminar.demo $(if $(RUN_DIR),run_dir=$(RUN_DIR)) $(ARGS)
 
-test: setup
+test: lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(ARGS)
 
-test-all: setup
+test-all: lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not gpu and not vllm" $(ARGS)
 
 bench: setup
@@ -38,8 +38,11 @@ bench: setup
 	$(BIN)/python bench/cluster.py --quick --out bench/results/cluster.json
 	$(BIN)/python bench/simulate.py --quick --out bench/results/simulate.json
 
+# ruff (lint + format) over the code, mypy (basic mode, settings in pyproject.toml) over the package
 lint: setup
 	$(BIN)/ruff check laminar tests bench
+	$(BIN)/ruff format --check laminar tests bench
+	$(BIN)/mypy
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -90,7 +90,7 @@ def sampled_logprobs(token_ids: list[int], logprobs: Any) -> list[float]:
     out = []
     for tid, entry in zip(token_ids, entries, strict=True):
         lp = entry[tid]
-        out.append(float(getattr(lp, "logprob", lp)))
+        out.append(float(lp.logprob))
     return out
 
 
@@ -268,7 +268,8 @@ class VllmEngine(Engine):
     async def load_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
         blob = _safetensors_bytes(named_tensors)
         async with self._weights_lock:
-            paused = await self._pause()
+            # in-flight requests stay (mode=keep) and are recomputed on the new weights
+            await self._llm.pause_generation(mode="keep", clear_cache=True)
             try:
                 if len(blob) <= self.rpc_max_bytes:
                     await self._llm.collective_rpc("laminar_load_weights", args=(blob,))
@@ -285,19 +286,7 @@ class VllmEngine(Engine):
                     )
                 self.version = version
             finally:
-                if paused:
-                    await self._llm.resume_generation()
-
-    async def _pause(self) -> bool:
-        """Freeze in-flight requests (kept, recomputed on the new weights); False on vLLMs without it."""
-        pause = getattr(self._llm, "pause_generation", None)
-        if pause is None:
-            return False
-        try:
-            await pause(mode="keep", clear_cache=True)
-        except TypeError:  # vLLM < 0.16 has no keep mode; the RPC still runs between two steps
-            return False
-        return True
+                await self._llm.resume_generation()
 
     def stats(self) -> EngineStats:
         mine = len(self._seqs)

@@ -9,9 +9,9 @@ must import without vllm at module level and define no attribute a Worker
 already has (vLLM asserts this): every name is prefixed `laminar_`. Tensors
 cannot travel as collective_rpc arguments (the msgpack hop drops their type), so
 weights come as safetensors bytes or a file path. The load goes through vLLM's
-layerwise reload (Worker.reload_weights, vLLM >= 0.16) because CPU and quantised
-backends repack parameters after start-up and a plain model.load_weights would
-write into the wrong layout; older vLLMs fall back to model.load_weights.
+layerwise reload (Worker.reload_weights; the design targets vLLM >= 0.20) because
+CPU and quantised backends repack parameters after start-up and a plain
+model.load_weights would write into the wrong layout.
 """
 
 from __future__ import annotations
@@ -33,8 +33,5 @@ class LaminarWorkerExtension:
         if device is not None and str(device) != "cpu":
             tensors = {k: v.to(device, non_blocking=True) for k, v in tensors.items()}
         worker: Any = self
-        if hasattr(worker, "reload_weights"):
-            worker.reload_weights(weights_iterator=iter(tensors.items()), is_checkpoint_format=True)
-        else:
-            worker.model_runner.model.load_weights(weights=list(tensors.items()))
+        worker.reload_weights(weights_iterator=iter(tensors.items()), is_checkpoint_format=True)
         return len(tensors)
