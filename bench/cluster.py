@@ -77,9 +77,13 @@ def run_one(mode: str, n: int, seed: int, prm: BenchParams, keep: Path | None) -
         if keep is not None:
             cmd += ["--work", str(keep / f"{mode}-n{n}-s{seed}")]
         t0 = time.time()
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=prm.warmup_s + prm.window_s + 300)
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=prm.warmup_s + prm.window_s + 300
+        )
         if proc.returncode != 0 or not out.exists():
-            raise RuntimeError(f"{mode} N={n} seed={seed} failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
+            raise RuntimeError(
+                f"{mode} N={n} seed={seed} failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}"
+            )
         fig = json.loads(out.read_text())
         fig["wall_s"] = round(time.time() - t0, 1)
         return fig
@@ -100,10 +104,21 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
     row: dict[str, Any] = {f: mmm([r.get(f, float("nan")) for r in runs]) for f in FIGS}
     row["staleness"] = merge_staleness(runs)
     row["steps_in_window"] = [r["steps_in_window"] for r in runs]
-    row["repack"] = {k: mmm([r["repack"][k] for r in runs]) for k in ("moves", "trajectories", "failed", "overhead_s_mean")}
-    row["control"] = {k: mmm([r["control"][k] for r in runs]) for k in ("cpu_frac", "lag_ms_p50", "lag_ms_p99", "lag_ms_max")}
-    row["worker"] = {k: mmm([r["worker"][k] for r in runs]) for k in ("cpu_frac", "lag_ms_p50", "lag_ms_p99", "lag_ms_max")}
-    row["loadavg_1m"] = mmm([r["loadavg_1m"]["start"] for r in runs] + [r["loadavg_1m"]["end"] for r in runs])
+    row["repack"] = {
+        k: mmm([r["repack"][k] for r in runs])
+        for k in ("moves", "trajectories", "failed", "overhead_s_mean")
+    }
+    row["control"] = {
+        k: mmm([r["control"][k] for r in runs])
+        for k in ("cpu_frac", "lag_ms_p50", "lag_ms_p99", "lag_ms_max")
+    }
+    row["worker"] = {
+        k: mmm([r["worker"][k] for r in runs])
+        for k in ("cpu_frac", "lag_ms_p50", "lag_ms_p99", "lag_ms_max")
+    }
+    row["loadavg_1m"] = mmm(
+        [r["loadavg_1m"]["start"] for r in runs] + [r["loadavg_1m"]["end"] for r in runs]
+    )
     return row
 
 
@@ -133,7 +148,11 @@ def measured_latencies(runs: list[dict[str, Any]], mode: str) -> dict[str, Any]:
       rollout_partials) neither pushed their status nor asked for prompts while loading, so
       those two mechanisms are off for them."""
     loads = [r["weight_load_s"]["mean"] for r in runs if r.get("weight_load_s")]
-    pushes = [r["trainer_push_s_median"] for r in runs if r.get("trainer_push_s_median") == r.get("trainer_push_s_median")]
+    pushes = [
+        r["trainer_push_s_median"]
+        for r in runs
+        if r.get("trainer_push_s_median") == r.get("trainer_push_s_median")
+    ]
     load = statistics.median(loads) if loads else 0.0
     push = statistics.median(pushes) if pushes else 0.0
     if not mode.startswith("laminar"):
@@ -150,7 +169,9 @@ def measured_latencies(runs: list[dict[str, Any]], mode: str) -> dict[str, Any]:
         if export is not None and place is not None:
             out["repack_move_s"] = export / 2 + place
         else:
-            rounds = [r["repack"]["overhead_s_mean"] for r in runs if r.get("repack", {}).get("moves")]
+            rounds = [
+                r["repack"]["overhead_s_mean"] for r in runs if r.get("repack", {}).get("moves")
+            ]
             out["repack_move_s"] = statistics.median(rounds) if rounds else 0.0
         age = _partial_mean(runs, "manager_partials", "repack_status_age_s")
         pushed = any((r.get("rollout_counters") or {}).get("status_pushed") for r in runs)
@@ -187,8 +208,11 @@ def simulate_point(prm: BenchParams, n: int, seeds: list[int],
         return out
 
 
-def ratios(results: dict[int, dict[str, Any]], runs: dict[tuple[int, str], list[dict]], n: int) -> dict[str, Any]:
+def ratios(
+    results: dict[int, dict[str, Any]], runs: dict[tuple[int, str], list[dict]], n: int
+) -> dict[str, Any]:
     """Per-repeat ratios at one N (same seed across modes), then min/median/max."""
+
     def per(mode: str, base: str, fig: str) -> dict[str, float]:
         a = {r["seed"]: r.get(fig, float("nan")) for r in runs[(n, mode)]}
         b = {r["seed"]: r.get(fig, float("nan")) for r in runs[(n, base)]}
@@ -201,7 +225,9 @@ def ratios(results: dict[int, dict[str, Any]], runs: dict[tuple[int, str], list[
     return out
 
 
-def cross_check(emu: dict[str, Any], sim: dict[str, Any], emu_ratios: dict[str, Any]) -> dict[str, Any]:
+def cross_check(
+    emu: dict[str, Any], sim: dict[str, Any], emu_ratios: dict[str, Any]
+) -> dict[str, Any]:
     """Throughput ratios (mode / sync, and repack / no repack) in emulation vs simulation."""
     out = {}
     sync_sim = sim["sync"]["train_tok_s"]["median"]
@@ -334,7 +360,9 @@ def print_checks(checks: dict[int, dict[str, Any]]) -> None:
     print(f"\n{'N':>4} {'ratio':>26} {'emulation':>9} {'simulation':>10} {'rel err':>7}")
     for n, per in checks.items():
         for k, c in per.items():
-            print(f"{n:>4} {k:>26} {c['emulation']:>9.3f} {c['simulation']:>10.3f} {c['rel_err']:>7.3f}")
+            print(
+                f"{n:>4} {k:>26} {c['emulation']:>9.3f} {c['simulation']:>10.3f} {c['rel_err']:>7.3f}"
+            )
 
 
 def markdown_table(doc: dict[str, Any]) -> str:
@@ -350,7 +378,9 @@ def markdown_table(doc: dict[str, Any]) -> str:
             r = doc["ratios"][n][k]
             rows.append(f"| {n} | {names.get(k, k)} | {c['emulation']:.2f} ({r['min']:.2f}-{r['max']:.2f}) | "
                         f"{c['simulation']:.2f} | {c['rel_err']:.3f} |")  # fmt: skip
-    rows.append(f"\nsim_vs_emulation_max_rel_err = {doc['summary']['sim_vs_emulation_max_rel_err']:.3f}")
+    rows.append(
+        f"\nsim_vs_emulation_max_rel_err = {doc['summary']['sim_vs_emulation_max_rel_err']:.3f}"
+    )
     return "\n".join(rows)
 
 
@@ -370,21 +400,43 @@ def plot(doc: dict[str, Any], path: Path) -> None:
         hi = [results[n][mode]["train_tok_s"]["max"] for n in ns]
         ax[0, 0].errorbar(ns, med, yerr=[[m - a for m, a in zip(med, lo, strict=True)], [b - m for m, b in zip(med, hi, strict=True)]],
                           marker="o", capsize=3, label=mode)  # fmt: skip
-        ax[1, 0].plot(ns, [results[n][mode]["rollout_idle_frac"]["median"] for n in ns], marker="o", label=mode)
-        emu = [results[n][mode]["train_tok_s"]["median"] / results[n]["sync"]["train_tok_s"]["median"] for n in ns]
-        sim = [sims[n][mode]["train_tok_s"]["median"] / sims[n]["sync"]["train_tok_s"]["median"] for n in ns]
+        ax[1, 0].plot(
+            ns,
+            [results[n][mode]["rollout_idle_frac"]["median"] for n in ns],
+            marker="o",
+            label=mode,
+        )
+        emu = [
+            results[n][mode]["train_tok_s"]["median"] / results[n]["sync"]["train_tok_s"]["median"]
+            for n in ns
+        ]
+        sim = [
+            sims[n][mode]["train_tok_s"]["median"] / sims[n]["sync"]["train_tok_s"]["median"]
+            for n in ns
+        ]
         line = ax[0, 1].plot(ns, emu, marker="o", label=f"{mode} (emulated)")[0]
         ax[0, 1].plot(ns, sim, ls="--", color=line.get_color(), marker="x")
-    ax[0, 0].set(title="training throughput (tokens consumed / s)", xlabel="emulated rollout GPUs (N)")
-    ax[0, 1].set(title="throughput / sync: emulated (o, solid) vs simulate.py (x, dashed)", xlabel="N")
+    ax[0, 0].set(
+        title="training throughput (tokens consumed / s)", xlabel="emulated rollout GPUs (N)"
+    )
+    ax[0, 1].set(
+        title="throughput / sync: emulated (o, solid) vs simulate.py (x, dashed)", xlabel="N"
+    )
     ax[1, 0].set(title="rollout idle fraction", xlabel="N", ylim=(0, 1))
     n0 = 64 if 64 in results else ns[-1]
     for i, mode in enumerate(("one_step", "stream", "laminar_norepack", "laminar")):
         hist = results[n0][mode]["staleness"]["hist"]
         xs = sorted(int(k) for k in hist)
         tot = sum(hist.values()) or 1
-        ax[1, 1].bar([x + (i - 1.5) * 0.2 for x in xs], [hist[str(x)] / tot for x in xs], width=0.2, label=mode)
-    ax[1, 1].set(title=f"staleness at consumption, N={n0}", xlabel="trainer version - trajectory version")
+        ax[1, 1].bar(
+            [x + (i - 1.5) * 0.2 for x in xs],
+            [hist[str(x)] / tot for x in xs],
+            width=0.2,
+            label=mode,
+        )
+    ax[1, 1].set(
+        title=f"staleness at consumption, N={n0}", xlabel="trainer version - trajectory version"
+    )
     for a in ax.flat:
         a.legend(fontsize=7)
         a.grid(alpha=0.3)
@@ -398,7 +450,9 @@ def plot(doc: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="N = 64 only, 3 repeats, shorter windows (< 10 min)")
+    ap.add_argument(
+        "--quick", action="store_true", help="N = 64 only, 3 repeats, shorter windows (< 10 min)"
+    )
     ap.add_argument("--out", type=Path, default=HERE / "results" / "cluster.json")
     ap.add_argument("--plot", type=Path, default=HERE / "results" / "cluster.png")
     ap.add_argument("--ns", type=int, nargs="+", default=None, help="emulated rollout counts")
@@ -422,7 +476,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("the summary needs every mode; run cluster_run.py directly for one mode")
     ns = args.ns or ([64] if args.quick else [8, 16, 32, 64, 128])
     repeats = args.repeats or 3
-    prm = BenchParams(**({"warmup_s": 6.0, "window_s": 18.0} if args.quick else {}))  # quick: ~30 s a run
+    prm = BenchParams(
+        **({"warmup_s": 6.0, "window_s": 18.0} if args.quick else {})
+    )  # quick: ~30 s a run
     prm = replace(prm, **json.loads(args.params))
     t_start = time.time()
     load0 = os.getloadavg()
@@ -430,11 +486,16 @@ def main(argv: list[str] | None = None) -> int:
     failed: list[dict[str, Any]] = []
     total = len(ns) * len(MODES) * repeats
     k = 0
-    for seed in range(repeats):  # modes interleaved, so slow drifts of the machine hit every mode alike
+    for seed in range(
+        repeats
+    ):  # modes interleaved, so slow drifts of the machine hit every mode alike
         for n in ns:
             for mode in MODES:
                 k += 1
-                for attempt in (1, 2):  # one retry: a run can die of the machine (e.g. a start-up timeout)
+                for attempt in (
+                    1,
+                    2,
+                ):  # one retry: a run can die of the machine (e.g. a start-up timeout)
                     try:
                         fig = run_one(mode, n, seed, prm, args.keep)
                         break
@@ -448,7 +509,9 @@ def main(argv: list[str] | None = None) -> int:
                 runs.setdefault((n, mode), []).append(fig)
                 print(f"[{k}/{total}] N={n} {mode} seed={seed}: train {fig['train_tok_s']:.0f} tok/s, gen "
                       f"{fig.get('gen_tok_s', float('nan')):.0f} tok/s, {fig['wall_s']} s", file=sys.stderr, flush=True)  # fmt: skip
-    ns = [n for n in ns if all(runs.get((n, m)) for m in MODES)]  # a scale with a mode missing cannot compare
+    ns = [
+        n for n in ns if all(runs.get((n, m)) for m in MODES)
+    ]  # a scale with a mode missing cannot compare
     if not ns:
         raise SystemExit(f"no scale has every mode measured; failed runs: {failed}")
     machine = {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(),

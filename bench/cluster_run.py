@@ -85,7 +85,9 @@ def write_prompts(path: Path, rows: int, tokens: int = 32) -> Path:
     """Distinct prompts of exactly `tokens` byte ids (no model: the buffer encodes bytes)."""
     filler = "x" * max(0, tokens - 8)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps({"prompt": f"p{i:06d} {filler}"}) + "\n" for i in range(rows)))
+    path.write_text(
+        "".join(json.dumps({"prompt": f"p{i:06d} {filler}"}) + "\n" for i in range(rows))
+    )
     return path
 
 
@@ -224,7 +226,9 @@ async def worker_main(cfg_path: Path, count: int, out: Path, sample_s: float) ->
             row[5] += 1
         series.append(row)
         if detail:
-            per_rollout.append([row[0]] + [n.engine.stats().running if n.engine is not None else -1 for n in nodes])
+            per_rollout.append(
+                [row[0]] + [n.engine.stats().running if n.engine is not None else -1 for n in nodes]
+            )
         failed = [t for t in tasks if t.done()]
         if failed:  # a rollout died on its own: the run is void, say why
             raise RuntimeError(f"a rollout stopped during the run: {failed[0].exception()!r}")
@@ -240,7 +244,9 @@ async def run_main(mode: str, n: int, seed: int, prm: BenchParams, work: Path,
     CLI writes them and exits there: after the window nothing needs a graceful stop)."""
     from laminar.config import write_resolved
 
-    ipc_dir = Path(tempfile.mkdtemp(prefix="lcb-", dir="/tmp"))  # short: unix socket paths are limited
+    ipc_dir = Path(
+        tempfile.mkdtemp(prefix="lcb-", dir="/tmp")
+    )  # short: unix socket paths are limited
     worker: subprocess.Popen | None = None
     try:
         cfg = make_config(mode, n, seed, prm, work, ipc_dir)
@@ -252,6 +258,7 @@ async def run_main(mode: str, n: int, seed: int, prm: BenchParams, work: Path,
         worker = subprocess.Popen([sys.executable, os.environ.get("LCB_WORKER", __file__), "worker", "--config",
                                    str(cfg_path), "--count", str(n), "--out", str(series_path),
                                    "--sample-s", str(prm.sample_s)], stderr=open(work / "worker.log", "w"))  # fmt: skip
+
         def finish(fig: dict[str, Any]) -> None:
             fig.update(mode=mode, n=n, seed=seed, startup_s=round(fig.pop("t_ready") - t_start, 2),
                        loadavg_1m={"start": load0[0], "end": os.getloadavg()[0]}, params=asdict(prm))  # fmt: skip
@@ -309,7 +316,10 @@ async def _control(cfg: Any, n: int, prm: BenchParams, worker: subprocess.Popen,
                 worker.kill()
                 worker.wait()
         w = json.loads(series_path.read_text())
-        steps = [json.loads(x) for x in (Path(cfg.resolved_run_dir()) / "metrics.jsonl").read_text().splitlines()]
+        steps = [
+            json.loads(x)
+            for x in (Path(cfg.resolved_run_dir()) / "metrics.jsonl").read_text().splitlines()
+        ]
         fig = figures(steps, w["series"], manager_log, t0, t1, n)
         fig.update(t_ready=t_ready, control=control, weight_load_s=w["weight_load_s"], rollout_counters=w["counters"],
                    worker={**probe_summary(w["probe"], t0, t1), "max_rss_mb": w["max_rss_mb"]},
@@ -332,7 +342,9 @@ def figures(steps: list[dict], series: list[list[float]], repack_log: list[dict]
         # throughput between update completions: from the last step before the window (or its
         # start) to the last step in it, counting the tokens of the steps that ended in between
         start = before[-1]["time"] if before else t0
-        out["train_tok_s"] = sum(s["tokens_total"] for s in win) / max(1e-9, win[-1]["time"] - start)
+        out["train_tok_s"] = sum(s["tokens_total"] for s in win) / max(
+            1e-9, win[-1]["time"] - start
+        )
         out["iteration_s"] = (win[-1]["time"] - start) / len(win)
     else:
         out["train_tok_s"], out["iteration_s"] = 0.0, float("nan")
@@ -370,7 +382,9 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--count", type=int, required=True)
     w.add_argument("--out", type=Path, required=True)
     w.add_argument("--sample-s", type=float, default=0.1)
-    pr = sub.add_parser("prompts", help="write the bench's prompt file (for configs/emulated_*.yaml)")
+    pr = sub.add_parser(
+        "prompts", help="write the bench's prompt file (for configs/emulated_*.yaml)"
+    )
     pr.add_argument("path", type=Path)
     pr.add_argument("--rows", type=int, default=200_000)
     r = sub.add_parser("run")
@@ -378,7 +392,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--n", type=int, required=True)
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--params", default="{}", help="JSON overrides of BenchParams")
-    r.add_argument("--work", type=Path, default=None, help="run directory (default: a temp dir, removed)")
+    r.add_argument(
+        "--work", type=Path, default=None, help="run directory (default: a temp dir, removed)"
+    )
     r.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
 

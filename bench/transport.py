@@ -44,7 +44,8 @@ import zmq.asyncio  # noqa: E402
 import laminar.protocol  # noqa: E402,F401
 from laminar.protocol.data import Trajectory  # noqa: E402
 from laminar.transport.codec import decode, encode  # noqa: E402
-from laminar.transport.sockets import PullStream, PushStream, SocketOptions  # noqa: E402
+from laminar.transport.sockets import SocketOptions  # noqa: E402
+from laminar.transport.streams import PullStream, PushStream  # noqa: E402
 
 SIZES = {"1k": 1024, "8k": 8192}
 PROMPT_TOKENS = 256

@@ -57,7 +57,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from laminar.protocol.relay import RelayReset  # noqa: E402
 from laminar.relay.local import RelayProcs  # noqa: E402
-from laminar.transport.weights import WeightPuller, WeightPusher  # noqa: E402
 
 N_RELAYS = 8
 
@@ -92,11 +91,9 @@ class Bench:
         p = self.procs
         await p.wait_ready(60)
         await p.wait_chain(timeout=60)
-        self.pusher = WeightPusher(p.host("trainer-0", "trainer"))
+        self.pusher = p.pusher("trainer-0")
         await self.pusher.start()
-        self.pullers = [
-            WeightPuller(p.host(f"rollout-{i}", "rollout"), relay_index=i) for i in range(N_RELAYS)
-        ]
+        self.pullers = [p.puller(f"rollout-{i}", relay_index=i) for i in range(N_RELAYS)]
         for q in self.pullers:
             await q.start()
 

@@ -1,9 +1,9 @@
 """`laminar` command line. Heavy modules (torch, zmq, transformers) load only inside commands.
 
-    laminar node --role relay --config configs/demo.yaml [--index 0] [key=value ...]
-    laminar run [configs/demo.yaml] [key=value ...]      # every role of the config on this host
-    laminar status [--config F] [--json]                  # cluster table from the manager
-    laminar keys DIR [--name NAME]                        # CURVE key pair + authorized keys
+laminar node --role relay --config configs/demo.yaml [--index 0] [key=value ...]
+laminar run [configs/demo.yaml] [key=value ...]      # every role of the config on this host
+laminar status [--config F] [--json]                  # cluster table from the manager
+laminar keys DIR [--name NAME]                        # CURVE key pair + authorized keys
 """
 
 from __future__ import annotations
@@ -15,14 +15,21 @@ from laminar.config import ROLES
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="laminar", description="Asynchronous RL post-training for LLMs.")
+    p = argparse.ArgumentParser(
+        prog="laminar", description="Asynchronous RL post-training for LLMs."
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
 
     node = sub.add_parser("node", help="run one node (per-host daemon, SLURM task)")
     node.add_argument("--role", required=True, choices=ROLES)
     node.add_argument("--config", default=None, help="YAML run config")
     node.add_argument("--index", type=int, default=0, help="instance index of this role")
-    node.add_argument("--count", type=int, default=1, help="run this many instances (index, index+1, ...) in one process")
+    node.add_argument(
+        "--count",
+        type=int,
+        default=1,
+        help="run this many instances (index, index+1, ...) in one process",
+    )
     node.add_argument("overrides", nargs="*", help="dotted key=value overrides")
 
     run = sub.add_parser("run", help="start every role of a config on this host as child processes")
@@ -43,7 +50,12 @@ def _parser() -> argparse.ArgumentParser:
 
 def _split_overrides(args: argparse.Namespace) -> None:
     # `laminar run k=v` (no file): argparse puts the first override into `config`
-    if getattr(args, "config", None) and "=" in args.config and not args.config.endswith((".yaml", ".yml")):
+    if (
+        args.cmd == "run"
+        and args.config
+        and "=" in args.config
+        and not args.config.endswith((".yaml", ".yml"))
+    ):
         args.overrides = [args.config, *args.overrides]
         args.config = None
 

@@ -1,13 +1,16 @@
 """Embedded API: every role of a config in this process, over inproc.
 
-    async with laminar.LocalCluster(cfg) as cluster:
+    from laminar.cluster import LocalCluster
+
+    async with LocalCluster(cfg) as cluster:
         buffer = cluster.node("buffer-0")
         await cluster.wait_trainer(timeout=600)      # until the trainer finishes its steps
 
 Tests, notebooks and emulated-scale benchmarks use it. Nodes start in dependency
 order (manager, buffer, relays, trainer, rollouts), each must become ready within
 transport.startup_timeout_s, and leaving the block stops them in reverse order.
-A node that fails makes `check()` (and the exit of the block) raise.
+A node that fails makes `check()` (and the exit of the block) raise. Each node
+supervises its own background tasks; the cluster only holds one `run()` task per node.
 """
 
 from __future__ import annotations
@@ -16,13 +19,15 @@ import asyncio
 import contextlib
 from typing import Any
 
-from laminar.config import ROLES, LaminarConfig
+from laminar.config import ROLES, LaminarConfig, Role
 from laminar.node import Node, node_class
 from laminar.transport.sockets import new_context
 
 
 class LocalCluster:
-    def __init__(self, cfg: LaminarConfig, transport: str = "inproc", roles: dict[str, int] | None = None):
+    def __init__(
+        self, cfg: LaminarConfig, transport: str = "inproc", roles: dict[str, int] | None = None
+    ):
         data = cfg.model_dump()
         data["cluster"]["transport"] = transport
         if roles is not None:
@@ -30,15 +35,15 @@ class LocalCluster:
         self.cfg = LaminarConfig.model_validate(data)
         self.ctx = new_context()
         self.nodes: dict[str, Node] = {}
-        self._tasks: dict[str, asyncio.Task] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
 
-    def node(self, node_id: str) -> Any:
+    def node(self, node_id: str) -> Node:
         return self.nodes[node_id]
 
-    def role(self, role: str) -> list[Any]:
+    def role(self, role: str) -> list[Node]:
         return [n for n in self.nodes.values() if n.role == role]
 
-    async def add(self, role: str, index: int, timeout: float | None = None, **kw: Any) -> Node:
+    async def add(self, role: Role, index: int, timeout: float | None = None, **kw: Any) -> Node:
         """Start one more node (e.g. restart a killed rollout) and wait until it is ready."""
         node = node_class(role)(self.cfg, index=index, ctx=self.ctx, **kw)
         self.nodes[node.node_id] = node
@@ -46,18 +51,23 @@ class LocalCluster:
         self._tasks[node.node_id] = task
         ready = asyncio.create_task(node.ready.wait())
         done, _ = await asyncio.wait(
-            {ready, task}, timeout=timeout or self.cfg.transport.startup_timeout_s, return_when=asyncio.FIRST_COMPLETED
+            {ready, task},
+            timeout=timeout or self.cfg.transport.startup_timeout_s,
+            return_when=asyncio.FIRST_COMPLETED,
         )
         if ready not in done:
             ready.cancel()
             if task.done():
                 task.result()  # raises the node's failure
-            raise TimeoutError(f"{node.node_id} not ready within {timeout or self.cfg.transport.startup_timeout_s}s")
+            raise TimeoutError(
+                f"{node.node_id} not ready within {timeout or self.cfg.transport.startup_timeout_s}s"
+            )
         return node
 
     async def stop_node(self, node_id: str, timeout: float = 10.0) -> None:
         node = self.nodes[node_id]
-        if self._tasks[node_id].done():  # already stopped or killed (awaiting a killed one re-raises its cancel)
+        # already stopped or killed (awaiting a killed one re-raises its cancel)
+        if self._tasks[node_id].done():
             return
         node.request_stop("cluster stop")
         with contextlib.suppress(Exception):

@@ -27,7 +27,14 @@ ROLES: tuple[Role, ...] = get_args(Role)
 Mode = Literal["sync", "one_step", "stream", "laminar"]
 
 # Fixed offsets from cluster.base_port for tcp endpoints; relays and rollouts add their index.
-_PORT_OFFSETS = {"manager": 0, "buffer": 1, "trainer": 2, "relay": 10, "relay_pub": 60, "relay_data": 110}
+_PORT_OFFSETS = {
+    "manager": 0,
+    "buffer": 1,
+    "trainer": 2,
+    "relay": 10,
+    "relay_pub": 60,
+    "relay_data": 110,
+}
 
 
 class ConfigError(ValueError):
@@ -340,7 +347,9 @@ class RelayConfig(Section):
     @model_validator(mode="after")
     def _check_fetch(self) -> RelayConfig:
         if self.fetch_timeout_s <= self.chunk_wait_s:
-            raise ValueError("relay.fetch_timeout_s must exceed relay.chunk_wait_s (a fetch waits up to chunk_wait_s upstream)")
+            raise ValueError(
+                "relay.fetch_timeout_s must exceed relay.chunk_wait_s (a fetch waits up to chunk_wait_s upstream)"
+            )
         return self
 
 
@@ -388,7 +397,9 @@ class BufferConfig(Section):
     @model_validator(mode="after")
     def _check_sampling(self) -> BufferConfig:
         if self.sampling not in ("fifo", "lifo", "random") and ":" not in self.sampling:
-            raise ValueError(f"buffer.sampling {self.sampling!r}: use fifo | lifo | random | module:function")
+            raise ValueError(
+                f"buffer.sampling {self.sampling!r}: use fifo | lifo | random | module:function"
+            )
         return self
 
 
@@ -436,7 +447,9 @@ class LaminarConfig(Section):
             return f"inproc://{self.name}-{service}-{index}"
         if kind == "ipc":
             return f"ipc://{self.ipc_dir()}/{service}-{index}.sock"
-        return f"tcp://{self.cluster.host}:{self.cluster.base_port + _PORT_OFFSETS[service] + index}"
+        return (
+            f"tcp://{self.cluster.host}:{self.cluster.base_port + _PORT_OFFSETS[service] + index}"
+        )
 
     def bind_endpoint(self, service: str, index: int = 0) -> str:
         """Same as endpoint(), but tcp binds on all interfaces when the host is not loopback."""
@@ -501,7 +514,9 @@ def config_from_dict(data: dict[str, Any], source: str = "<dict>") -> LaminarCon
         raise ConfigError(_format_validation_error(exc, source)) from None
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> LaminarConfig:
+def load_config(
+    path: str | os.PathLike | None = None, overrides: list[str] | None = None
+) -> LaminarConfig:
     """Load a YAML file (or defaults when path is None) and apply dotted overrides."""
     data: dict[str, Any] = {}
     source = "<defaults>"
@@ -516,7 +531,9 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
         except yaml.YAMLError as exc:
             raise ConfigError(f"config {path} is not valid YAML: {exc}") from None
         if not isinstance(data, dict):
-            raise ConfigError(f"config {path} must be a mapping at the top level, got {type(data).__name__}")
+            raise ConfigError(
+                f"config {path} must be a mapping at the top level, got {type(data).__name__}"
+            )
     apply_overrides(data, list(overrides or []))
     return config_from_dict(data, source)
 

@@ -7,6 +7,9 @@ launcher alone decides who gets signals), and supervises them:
   * any other exit (a crash, or a node stopping by itself) is reported with the
     node's name, pid and code, the rest are stopped, exit 1;
   * Ctrl-C / SIGTERM: every child gets SIGTERM, then SIGKILL after the stop budget.
+
+`laminar node` runs one node (or `--count` of them sharing one zmq context) with
+`run_nodes`; `laminar status` asks the manager with a one-off RpcClient.
 """
 
 from __future__ import annotations
@@ -19,8 +22,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING
 
-from laminar.config import ROLES, LaminarConfig, load_config, write_resolved
+from laminar.config import ROLES, LaminarConfig, Role, load_config, write_resolved
+
+if TYPE_CHECKING:  # the node runtime (zmq) loads inside the commands that need it
+    from laminar.node import Node
+    from laminar.protocol.manager import StatusReply
 
 
 def _setup_process(cfg: LaminarConfig) -> None:
@@ -38,7 +47,7 @@ def _use_uvloop() -> None:
         pass
 
 
-async def _watch_parent(nodes, parent: int) -> None:
+async def _watch_parent(nodes: list[Node], parent: int) -> None:
     # a child of `laminar run` stops if its launcher vanished (e.g. kill -9)
     while True:
         await asyncio.sleep(1.0)  # a timer
@@ -48,23 +57,25 @@ async def _watch_parent(nodes, parent: int) -> None:
             return
 
 
-def node_main(role: str, config: str | None, overrides: list[str], index: int = 0, count: int = 1) -> int:
+def node_main(
+    role: Role, config: str | None, overrides: list[str], index: int = 0, count: int = 1
+) -> int:
     cfg = load_config(config, overrides)
     _setup_process(cfg)
     from laminar.node import NodeFailed, node_class, run_nodes
+    from laminar.supervise import detached_spawn
+    from laminar.transport.sockets import new_context
 
     cls = node_class(role)
 
     async def amain() -> None:
         # several nodes in one process (emulated scale) share one zmq context: one I/O thread, not N
-        ctx = None
-        if count > 1:
-            from laminar.transport.sockets import new_context
-
-            ctx = new_context()
+        ctx = new_context() if count > 1 else None
         nodes = [cls(cfg, index=i, ctx=ctx) for i in range(index, index + count)]
         parent = os.environ.get("LAMINAR_PARENT_PID")
-        watcher = asyncio.create_task(_watch_parent(nodes, int(parent))) if parent else None
+        watcher = (
+            detached_spawn(_watch_parent(nodes, int(parent)), "watch-parent") if parent else None
+        )
         try:
             await run_nodes(nodes)
         finally:
@@ -105,10 +116,10 @@ def run_main(config: str | None, overrides: list[str]) -> int:
     if cfg.cluster.threads_per_process:
         n = str(cfg.cluster.threads_per_process)
         env.update(OMP_NUM_THREADS=n, MKL_NUM_THREADS=n, OPENBLAS_NUM_THREADS=n)
-    children: dict[str, subprocess.Popen] = {}
-    stop_requested = {"sig": None}
+    children: dict[str, subprocess.Popen[bytes]] = {}
+    stop_requested: dict[str, int | None] = {"sig": None}
 
-    def on_signal(signum, _frame):
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
         stop_requested["sig"] = signum
 
     signal.signal(signal.SIGINT, on_signal)
@@ -123,19 +134,29 @@ def run_main(config: str | None, overrides: list[str]) -> int:
     code = 0
     try:
         while True:
-            if stop_requested["sig"] is not None:
-                print(f"laminar run: signal {signal.Signals(stop_requested['sig']).name}, stopping all nodes", file=sys.stderr)
+            sig = stop_requested["sig"]
+            if sig is not None:
+                print(
+                    f"laminar run: signal {signal.Signals(sig).name}, stopping all nodes",
+                    file=sys.stderr,
+                )
                 break
             ended = {k: p.returncode for k, p in children.items() if p.poll() is not None}
             trainer_done = any(k.startswith("trainer") and rc == 0 for k, rc in ended.items())
             failed = {k: rc for k, rc in ended.items() if not (k.startswith("trainer") and rc == 0)}
             if failed:
                 for k, rc in failed.items():
-                    print(f"laminar run: node {k} (pid {children[k].pid}) exited with code {rc}", file=sys.stderr)
+                    print(
+                        f"laminar run: node {k} (pid {children[k].pid}) exited with code {rc}",
+                        file=sys.stderr,
+                    )
                 code = 1
                 break
-            if trainer_done and all(rc == 0 for k, rc in ended.items() if k.startswith("trainer")) and \
-                    all(k in ended for k in children if k.startswith("trainer")):
+            if (
+                trainer_done
+                and all(rc == 0 for k, rc in ended.items() if k.startswith("trainer"))
+                and all(k in ended for k in children if k.startswith("trainer"))
+            ):
                 print("laminar run: trainer finished; stopping the other nodes", file=sys.stderr)
                 break
             time.sleep(0.2)  # polling child processes; no network wait here
@@ -144,7 +165,7 @@ def run_main(config: str | None, overrides: list[str]) -> int:
     return code
 
 
-def _stop_children(children: dict[str, subprocess.Popen], timeout: float) -> int:
+def _stop_children(children: dict[str, subprocess.Popen[bytes]], timeout: float) -> int:
     alive = {k: p for k, p in children.items() if p.poll() is None}
     for p in alive.values():
         try:
@@ -157,29 +178,38 @@ def _stop_children(children: dict[str, subprocess.Popen], timeout: float) -> int
         try:
             rc = p.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            print(f"laminar run: {k} (pid {p.pid}) did not stop in time; killing it", file=sys.stderr)
+            print(
+                f"laminar run: {k} (pid {p.pid}) did not stop in time; killing it", file=sys.stderr
+            )
             p.kill()
             p.wait()
             code = 1
             continue
         if rc not in (0, -signal.SIGTERM):
-            print(f"laminar run: {k} (pid {p.pid}) exited with code {rc} while stopping", file=sys.stderr)
+            print(
+                f"laminar run: {k} (pid {p.pid}) exited with code {rc} while stopping",
+                file=sys.stderr,
+            )
             code = 1
     return code
 
 
-def fetch_status(cfg: LaminarConfig, timeout: float = 3.0):
-    from laminar.protocol.manager import StatusRequest
+def fetch_status(cfg: LaminarConfig, timeout: float = 3.0) -> StatusReply:
+    from laminar.protocol.manager import StatusReply, StatusRequest
+    from laminar.transport.client import RpcClient
     from laminar.transport.security import security_from_config
-    from laminar.transport.sockets import RpcClient, SocketOptions, new_context
+    from laminar.transport.sockets import SocketOptions, TransportError, new_context
 
-    async def ask():
+    async def ask() -> StatusReply:
         ctx = new_context()
         cli = RpcClient(ctx, cfg.endpoint("manager"), f"status-{os.getpid()}", "cli",
                         SocketOptions.from_config(cfg, security_from_config(cfg)))  # fmt: skip
         try:
             await cli.connect(timeout=timeout)
-            return await cli.request(StatusRequest(), timeout=timeout, retries=0)
+            reply = await cli.request(StatusRequest(), timeout=timeout, retries=0)
+            if not isinstance(reply, StatusReply):
+                raise TransportError(f"manager answered {type(reply).__name__}, not StatusReply")
+            return reply
         finally:
             await cli.close()
             ctx.destroy(linger=0)
@@ -197,7 +227,10 @@ def status_main(config: str | None, overrides: list[str], as_json: bool, timeout
     try:
         reply = fetch_status(cfg, timeout)
     except TransportError as exc:
-        print(f"laminar status: manager at {cfg.endpoint('manager')} did not answer: {exc}", file=sys.stderr)
+        print(
+            f"laminar status: manager at {cfg.endpoint('manager')} did not answer: {exc}",
+            file=sys.stderr,
+        )
         return 1
     rows = []
     for e in sorted(reply.nodes, key=lambda e: (e.role, e.node_id)):
@@ -209,9 +242,24 @@ def status_main(config: str | None, overrides: list[str], as_json: bool, timeout
             "last_beat_s": e.last_beat_s,
         })  # fmt: skip
     if as_json:
-        print(json.dumps({"mode": reply.mode, "trainer_version": reply.trainer_version, "nodes": rows}, indent=2))
+        print(
+            json.dumps(
+                {"mode": reply.mode, "trainer_version": reply.trainer_version, "nodes": rows},
+                indent=2,
+            )
+        )
         return 0
-    cols = ["node", "role", "alive", "version", "kv_use", "inflight", "staleness", "last_beat_s", "pid"]
+    cols = [
+        "node",
+        "role",
+        "alive",
+        "version",
+        "kv_use",
+        "inflight",
+        "staleness",
+        "last_beat_s",
+        "pid",
+    ]
     widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) if rows else len(c) for c in cols}
     print("  ".join(c.ljust(widths[c]) for c in cols))
     for r in rows:

@@ -7,9 +7,12 @@ Anatomy (vLLM-style): socket reader tasks decode and hand work to handlers; heav
 compute runs off the event loop (`await self.compute(fn, ...)` uses a dedicated
 worker thread) so heartbeats keep flowing while a model trains or generates.
 
-A background task started with `spawn()` that raises stops the node loudly: the
-error is logged, `run()` re-raises it as NodeFailed, and the process exits
-non-zero. Nothing hangs silently.
+Every background task starts through `spawn()` (one Supervisor per node): the node's
+own loops, its parts' `run()` loops, and the transport's reader/heartbeat tasks
+(`server()` / `client()` hand `self.spawn` to the RpcServer / RpcClient they build;
+parts that build transport objects get `node.spawn` as a `Spawn` dependency). One
+that raises stops the node loudly: the error is logged, `run()` re-raises it as
+NodeFailed, and the process exits non-zero. Nothing hangs silently.
 
 Subclasses set `role`, and override `setup`, `main`, `drain`, `teardown`, `status`.
 """
@@ -30,8 +33,10 @@ from laminar.logs import get_logger
 from laminar.metrics import Metrics
 from laminar.protocol.core import NodeStatus
 from laminar.supervise import Supervisor
+from laminar.transport.client import RpcClient
 from laminar.transport.security import security_from_config
-from laminar.transport.sockets import RpcClient, RpcServer, SocketOptions, new_context
+from laminar.transport.server import RpcServer
+from laminar.transport.sockets import Context, SocketOptions, new_context
 
 T = TypeVar("T")
 
@@ -42,9 +47,15 @@ class NodeFailed(RuntimeError):
 
 class Node:
     role: ClassVar[str] = "node"
-    registers_with_manager: ClassVar[bool] = True
+    registers_with_manager: bool = True
 
-    def __init__(self, cfg: LaminarConfig, index: int = 0, ctx: Any = None, node_id: str | None = None):
+    def __init__(
+        self,
+        cfg: LaminarConfig,
+        index: int = 0,
+        ctx: Context | None = None,
+        node_id: str | None = None,
+    ):
         self.cfg = cfg
         self.index = index
         self.node_id = node_id or f"{self.role}-{index}"
@@ -64,7 +75,7 @@ class Node:
         self._clients: list[RpcClient] = []
         self._closers: list[Callable[[], Any]] = []
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
-        self._main_task: asyncio.Task | None = None
+        self._main_task: asyncio.Task[Any] | None = None
         self.say_bye = True
         """False = close client sockets without Bye, so peers see a death (tests that emulate a crash)."""
         self.started_at = time.time()
@@ -89,12 +100,25 @@ class Node:
 
     # ---- helpers for subclasses ---------------------------------------------------
     def server(self, endpoint: str, **kw: Any) -> RpcServer:
-        srv = RpcServer(self.ctx, endpoint, self.node_id, self.role, self.opts, status=self.status, **kw)
+        """An RpcServer whose tasks run under this node's supervisor; closed at shutdown."""
+        srv = RpcServer(
+            self.ctx,
+            endpoint,
+            self.node_id,
+            self.role,
+            self.opts,
+            status=self.status,
+            spawn=self.spawn,
+            **kw,
+        )
         self._servers.append(srv)
         return srv
 
     def client(self, endpoint: str, **kw: Any) -> RpcClient:
-        cli = RpcClient(self.ctx, endpoint, self.node_id, self.role, self.opts, **kw)
+        """An RpcClient whose tasks run under this node's supervisor; closed at shutdown."""
+        cli = RpcClient(
+            self.ctx, endpoint, self.node_id, self.role, self.opts, spawn=self.spawn, **kw
+        )
         self._clients.append(cli)
         return cli
 
@@ -109,23 +133,27 @@ class Node:
     def _task_exited(self, task: asyncio.Task[Any], exc: BaseException | None) -> None:
         if exc is not None and self.failure is None:
             self.failure = exc
-            self.request_stop(f"task {task.get_name()} died")  # first: a failing log call must not block the stop
+            # first: a failing log call must not block the stop
+            self.request_stop(f"task {task.get_name()} died")
             try:
-                self.log.error("task_died", task=task.get_name(), error=f"{type(exc).__name__}: {exc}", exc_info=exc)
+                self.log.error(
+                    "task_died",
+                    task=task.get_name(),
+                    error=f"{type(exc).__name__}: {exc}",
+                    exc_info=exc,
+                )
             except Exception:  # noqa: BLE001 - logging is best effort here
                 pass
         elif exc is None and task is self._main_task:
             # main() returning is the node's work being done (e.g. the trainer's last step)
             self.request_stop("main finished")
 
-    def _supervise(self, obj: RpcServer | RpcClient) -> None:
-        for t in obj.tasks:
-            self.supervisor.adopt(t)
-
     async def compute(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
         """Run blocking compute off the event loop on this node's worker thread."""
         if self._executor is None:
-            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=self.node_id)
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix=self.node_id
+            )
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, lambda: fn(*args, **kw))
 
@@ -140,17 +168,18 @@ class Node:
 
     # ---- lifecycle ------------------------------------------------------------------
     async def _register(self) -> None:
-        self.manager = self.client(self.cfg.endpoint("manager"), status=self.status, info={"pid": _pid(), "started": self.started_at})
+        self.manager = self.client(
+            self.cfg.endpoint("manager"),
+            status=self.status,
+            info={"pid": _pid(), "started": self.started_at},
+        )
         await self.manager.connect(timeout=self.cfg.transport.startup_timeout_s)
-        self._supervise(self.manager)
 
     async def run(self) -> None:
         """Run the whole lifecycle; raises NodeFailed if a supervised task died."""
         self.log.info("starting")
         try:
             await self.setup()
-            for srv in self._servers:
-                self._supervise(srv)
             if self.registers_with_manager:
                 await self._register()
             self.ready.set()
@@ -199,8 +228,13 @@ def _pid() -> int:
 
 def install_signal_handlers(nodes: list[Node]) -> None:
     loop = asyncio.get_running_loop()
+
+    def stop_all(sig: signal.Signals) -> None:
+        for n in nodes:
+            n.request_stop(f"signal {sig.name}")
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda s=sig: [n.request_stop(f"signal {signal.Signals(s).name}") for n in nodes])
+        loop.add_signal_handler(sig, stop_all, sig)
 
 
 async def run_nodes(nodes: list[Node]) -> None:
@@ -217,8 +251,9 @@ async def run_nodes(nodes: list[Node]) -> None:
         for t in tasks:
             t.cancel()
     for t in tasks:
-        if t.exception() is not None:
-            raise t.exception()
+        exc = t.exception()
+        if exc is not None:
+            raise exc
 
 
 def node_class(role: Role) -> type[Node]:

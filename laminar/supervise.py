@@ -49,12 +49,6 @@ class Supervisor:
         task.add_done_callback(self._exited)
         return task
 
-    def adopt(self, task: asyncio.Task[Any]) -> None:
-        """Track a task some transport object started itself (to go: they take a Spawn)."""
-        if task not in self._tasks:
-            self._tasks.add(task)
-            task.add_done_callback(self._exited)
-
     def _exited(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
         if task.cancelled():

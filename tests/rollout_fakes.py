@@ -38,7 +38,8 @@ from laminar.protocol.buffer import PromptReply, PromptRequest, TrajectoryAbando
 from laminar.protocol.core import Ack
 from laminar.protocol.data import PartialChunk, PromptItem, Trajectory
 from laminar.rollout.node import RolloutNode
-from laminar.transport.sockets import RpcServer, SocketOptions, new_context
+from laminar.transport.server import RpcServer
+from laminar.transport.sockets import SocketOptions, new_context
 
 
 def fake_token(uid: str, i: int, vocab: int = 50) -> int:
@@ -120,7 +121,11 @@ class FakeEngine(Engine):
 
     async def load_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
         assert not self.running, "weights loaded while sequences were in flight"
-        self.last_weights = {name: np.array(t, copy=True) for name, t in named_tensors}
+        # the relay hands out torch views: through .numpy() (numpy's __array__ path warns on them)
+        self.last_weights = {
+            name: t.numpy().copy() if hasattr(t, "numpy") else np.array(t, copy=True)
+            for name, t in named_tensors
+        }
         self.version = version
         self.loads.append(version)
 

@@ -37,7 +37,8 @@ from laminar.protocol.buffer import (
 )  # fmt: skip
 from laminar.protocol.core import Ack
 from laminar.protocol.data import PartialChunk, PartialTrajectory, PromptItem, Trajectory
-from laminar.transport.sockets import RemoteError, RpcClient, SocketOptions, new_context
+from laminar.transport.client import RpcClient
+from laminar.transport.sockets import RemoteError, SocketOptions, new_context
 
 N, B = 2, 2
 

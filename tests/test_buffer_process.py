@@ -31,7 +31,8 @@ import yaml
 from laminar.config import load_config
 from laminar.protocol.buffer import BatchCommit, BatchRequest, BufferStats, PromptRequest
 from laminar.protocol.data import Trajectory
-from laminar.transport.sockets import RpcClient, SocketOptions, TransportError, new_context
+from laminar.transport.client import RpcClient
+from laminar.transport.sockets import SocketOptions, TransportError, new_context
 
 GROUPS, N = 12, 4
 

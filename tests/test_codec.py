@@ -3,7 +3,7 @@
     .venv/bin/python -m pytest tests/test_codec.py -q
 
 The round trip is generic: `sample_message(cls)` builds an instance of any registered
-dataclass from its type hints (scalars, bytes, Optional, list, dict, Any, nested
+message (a msgspec Struct) from its type hints (scalars, bytes, Optional, list, dict, Any, nested
 messages, `Arr` arrays of every allowed dtype), so a message type added to
 laminar/protocol/ later is covered without touching this file. If a new field uses an
 annotation the builder does not know, the test fails and names the annotation.
@@ -11,21 +11,22 @@ annotation the builder does not know, the test fails and names the annotation.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import random
 import types
 import typing
-from dataclasses import field
 from typing import Annotated, Any, get_args, get_origin, get_type_hints
 
 import msgpack
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from msgspec import field
 
 import laminar.protocol  # noqa: F401  (registers every message type)
+from laminar.protocol.buffer import BatchReply
 from laminar.protocol.core import Hello, NodeStatus, Ping
 from laminar.protocol.data import Trajectory
 from laminar.transport.codec import (
@@ -144,11 +145,8 @@ def sample_message(
 ) -> Message:
     hints = get_type_hints(cls, include_extras=True)
     kwargs = {}
-    for f in dataclasses.fields(cls):
-        optional = (
-            f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
-        )
-        if variant == 2 and optional:
+    for f in msgspec.structs.fields(cls):
+        if variant == 2 and not f.required:
             continue  # the minimal message: defaults only
         kwargs[f.name] = sample_value(hints[f.name], rng, variant, depth)
     return cls(**kwargs)
@@ -163,7 +161,7 @@ def assert_same(a: Any, b: Any, path: str) -> None:
         assert np.array_equal(a, b), f"{path}: array values differ"
     elif isinstance(a, Message):
         assert type(a) is type(b), f"{path}: {type(b).__name__} != {type(a).__name__}"
-        for f in dataclasses.fields(a):
+        for f in msgspec.structs.fields(a):
             assert_same(getattr(a, f.name), getattr(b, f.name), f"{path}.{f.name}")
     elif isinstance(a, list | tuple):
         assert isinstance(b, list) and len(a) == len(b), f"{path}: {b!r} != {a!r}"
@@ -191,7 +189,7 @@ def frames_of(msg: Message) -> list[bytes]:
 def test_registry_is_populated() -> None:
     assert len(REGISTRY) >= 10
     for tid, cls in REGISTRY.items():
-        assert cls.TYPE == tid and dataclasses.is_dataclass(cls)
+        assert cls.TYPE == tid and issubclass(cls, msgspec.Struct)
 
 
 @pytest.mark.parametrize("variant", [0, 1, 2], ids=["typical", "extremes", "minimal"])
@@ -279,20 +277,30 @@ def _ref(index: int, dtype_code: int, shape: tuple[int, ...]) -> msgpack.ExtType
         (lambda f: [b"\x21\x21", *f[1:]], "type frame must be 1 byte"),
         (lambda f: f[:1], "at least 2 frames"),
         (lambda f: [f[0], b"\xc1", *f[2:]], "not valid msgpack"),
-        (lambda f: [f[0], msgpack.packb([1, 2]), *f[2:]], "header must be a map"),
+        (
+            lambda f: [f[0], msgpack.packb([1, 2]), *f[2:]],
+            "Trajectory: Expected `object`, got `array`",
+        ),
         (
             lambda f: _with_header(f, {k: v for k, v in _header(f).items() if k != "version"}),
-            "missing field 'version'",
+            "Trajectory: Object missing required field `version`",
         ),
-        (lambda f: _with_header(f, {**_header(f), "bogus": 1}), r"unknown field\(s\) \['bogus'\]"),
+        (lambda f: _with_header(f, {**_header(f), "bogus": 1}), "unknown field `bogus`"),
         (
             lambda f: _with_header(f, {**_header(f), "version": "3"}),
-            "Trajectory.version: expected int, got str",
+            "Trajectory.version: Expected `int`, got `str`",
         ),
-        (lambda f: _with_header(f, {**_header(f), "sample_index": True}), "expected int, got bool"),
+        (
+            lambda f: _with_header(f, {**_header(f), "sample_index": True}),
+            "Trajectory.sample_index: Expected `int`, got `bool`",
+        ),
         (
             lambda f: _with_header(f, {**_header(f), "prompt_ids": [1, 2]}),
-            "prompt_ids: expected an array",
+            "Trajectory.prompt_ids: Expected `ext`, got `array`",
+        ),
+        (
+            lambda f: _with_header(f, {**_header(f), "timings": {"t": "x"}}),
+            r"Trajectory.timings\[...\]: Expected `float`, got `str`",
         ),
         (
             lambda f: _with_header(f, {**_header(f), "logprobs": _ref(2, 11, (4,))}),
@@ -312,8 +320,14 @@ def _ref(index: int, dtype_code: int, shape: tuple[int, ...]) -> msgpack.ExtType
             "referenced twice",
         ),
         (
-            lambda f: _with_header(f, {**_header(f), "reward": msgpack.ExtType(7, b"")}),
+            lambda f: _with_header(
+                f, {**_header(f), "reward_info": {"a": msgpack.ExtType(7, b"")}}
+            ),
             "unknown msgpack ext type 7",
+        ),
+        (
+            lambda f: _with_header(f, {**_header(f), "reward": msgpack.ExtType(1, b"")}),
+            r"Trajectory.reward: Expected `float \| null`, got `ext`",
         ),
         (lambda f: [*f, b"spare"], "not referenced"),
         (lambda f: [f[0], f[1], f[3], f[2], f[4]], "frame has"),
@@ -326,6 +340,18 @@ def test_decode_rejects_with_a_clear_error(mutate, error: str) -> None:
         decode(mutate(_traj_frames()))
 
 
+def test_array_errors_name_the_path_through_nested_messages() -> None:
+    trajs = [sample_message(Trajectory, random.Random(i)) for i in range(3)]
+    frames = frames_of(BatchReply(batch_id="b", trajectories=trajs))
+    header = _header(frames)
+    header["trajectories"][1]["logprobs"] = _ref(2 + 3 * 1, 11, (4,))
+    with pytest.raises(
+        ProtocolError, match=r"BatchReply.trajectories\[1\].logprobs: dtype 'float64'"
+    ):
+        decode(_with_header(frames, header))
+    assert_same(BatchReply(batch_id="b", trajectories=trajs), decode(frames), "BatchReply")
+
+
 def test_limits_are_enforced() -> None:
     frames = _traj_frames()
     with pytest.raises(ProtocolError, match="header of"):
@@ -334,8 +360,12 @@ def test_limits_are_enforced() -> None:
         decode(frames, Limits(max_frames=3))
     with pytest.raises(ProtocolError, match="message of"):
         decode(frames, Limits(max_message_bytes=64))
-    with pytest.raises(ProtocolError, match="not valid msgpack"):
+    with pytest.raises(ProtocolError, match="Ping.payload: string of 100 characters exceeds"):
         decode(frames_of(Ping(payload="x" * 100)), Limits(max_str_len=10))
+    with pytest.raises(ProtocolError, match=r"Hello.info.k: 40 items exceed max_list_len 8"):
+        decode(frames_of(Hello(protocol=1, node_id="n", role="r", info={"k": list(range(40))})),
+               Limits(max_list_len=8))  # fmt: skip
+    decode(frames, Limits(max_str_len=64, max_list_len=64))  # tight limits a valid message meets
 
 
 @pytest.mark.parametrize(
@@ -407,7 +437,7 @@ _msgpack_values = st.recursive(
 def test_fuzz_typed_headers(data: st.DataObject) -> None:
     """A real type byte and a header with the right field names but random values."""
     tid, cls = data.draw(st.sampled_from(MESSAGE_TYPES))
-    names = [f.name for f in dataclasses.fields(cls)] + ["bogus"]
+    names = [f.name for f in msgspec.structs.fields(cls)] + ["bogus"]
     header = data.draw(
         st.dictionaries(st.sampled_from(names), _msgpack_values, max_size=len(names))
     )

@@ -49,7 +49,11 @@ def test_habit_rate_and_determinism():
     rows = cu.generate(4000, "train", 1)
     demos = habit.demonstrations(rows, 0.75, seed=3)
     assert demos == habit.demonstrations(rows, 0.75, seed=3)
-    big = [(r, d) for r, d in zip(rows, demos, strict=True) if cu.parse_prompt(r["prompt"])[1] >= habit.HABIT_STRIDE]
+    big = [
+        (r, d)
+        for r, d in zip(rows, demos, strict=True)
+        if cu.parse_prompt(r["prompt"])[1] >= habit.HABIT_STRIDE
+    ]
     share = sum(habit.has_habit(r["prompt"], d) for r, d in big) / len(big)
     assert 0.71 < share < 0.79
     small = [d == r["solution"] for r, d in zip(rows, demos, strict=True) if (r, d) not in big]
@@ -87,7 +91,9 @@ def test_lr_factor_warms_up_then_holds_or_decays():
 def test_demo_settings_merge_model_keys():
     from laminar.config import load_config
 
-    cfg = load_config(ROOT / "configs" / "demo.yaml", ["extra.demo.model.hidden=64", "extra.demo.skip_sync=true"])
+    cfg = load_config(
+        ROOT / "configs" / "demo.yaml", ["extra.demo.model.hidden=64", "extra.demo.skip_sync=true"]
+    )
     s = demo_settings(cfg)
     assert s["model"]["hidden"] == 64 and s["model"]["layers"] == 3
     assert s["skip_sync"] is True
@@ -118,8 +124,14 @@ def test_summary_compares_modes_and_lists_phases():
     lam_curve = _curve([(0, 0.3), (20, 0.6), (40, 0.8), (60, 0.9), (80, 0.9)])
     lam_curve[-1]["habit"] = 0.02
     sync_curve = _curve([(0, 0.3), (30, 0.5), (60, 0.7), (90, 0.8), (120, 0.8)])
-    lam_m = [{"step": i, "time": 10 + i, "reward": 0.5 + i / 100, "staleness": 2, "staleness_max": 2} for i in range(1, 21)]
-    sync_m = [{"step": i, "time": 10 + 2 * i, "reward": 0.5, "staleness": 0, "staleness_max": 0} for i in range(1, 21)]
+    lam_m = [
+        {"step": i, "time": 10 + i, "reward": 0.5 + i / 100, "staleness": 2, "staleness_max": 2}
+        for i in range(1, 21)
+    ]
+    sync_m = [
+        {"step": i, "time": 10 + 2 * i, "reward": 0.5, "staleness": 0, "staleness_max": 0}
+        for i in range(1, 21)
+    ]
     runs = {
         "laminar": {"curve": lam_curve, "metrics": lam_m, "wall_clock_s": 100.0},
         "sync": {"curve": sync_curve, "metrics": sync_m, "wall_clock_s": 160.0},
@@ -136,7 +148,12 @@ def test_summary_compares_modes_and_lists_phases():
     assert s["reward_last"] > s["reward_first"]
     s["phases"] = {"warmup": {"wall_s": 120.0, "cpu_s": 230.0}}
     md = summary_md(s)
-    assert "**2.57**" in md and "sooner" in md and "90% → 2%" in md and "| warmup | 120 s | 230 |" in md
+    assert (
+        "**2.57**" in md
+        and "sooner" in md
+        and "90% → 2%" in md
+        and "| warmup | 120 s | 230 |" in md
+    )
 
 
 def test_summary_without_a_crossing_says_so():
@@ -195,5 +212,8 @@ def test_strict_reward_credits_only_a_well_formed_right_answer():
     assert cu.reward(p, run_on, answer=ans)["reward"] == 1.0
     assert strict(p, run_on, answer=ans)["reward"] == 0.0
     wrong = good.rsplit("#", 1)[0] + "#" + str(int(ans) + 1)
-    assert strict(p, wrong, answer=ans)["reward"] == 0.0 and strict(p, wrong, answer=ans)["format"] == 1.0
+    assert (
+        strict(p, wrong, answer=ans)["reward"] == 0.0
+        and strict(p, wrong, answer=ans)["format"] == 1.0
+    )
     assert strict(p, good) is None  # no reference: the row is excluded

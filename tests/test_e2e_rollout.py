@@ -77,7 +77,7 @@ async def test_buffer_and_two_torch_rollouts_produce_rewarded_trajectories(tmp_p
         buffer = cluster.node("buffer-0")
         await wait_for(lambda: len(stored(buffer)) == want, 60, f"{want} trajectories", cluster)
         trajs = stored(buffer)
-        tok = cluster.node("rollout-0").tokenizer
+        tok = cluster.node("rollout-0").deliverer.tokenizer
         for t in trajs.values():
             assert t.version == 0 and t.finish_reason in ("stop", "length")
             assert 1 <= len(t.response_ids) <= 12 and len(t.logprobs) == len(t.response_ids)
@@ -105,8 +105,10 @@ async def test_buffer_cut_off_and_restarted_loses_and_duplicates_nothing(tmp_pat
         rollouts = cluster.role("rollout")
         # cut it off while groups are in hand, so finished work has to wait in the outboxes
         await wait_for(
-            lambda: len(stored(cluster.node("buffer-0"))) >= 2
-            and sum(len(r.groups) for r in rollouts) >= 2,
+            lambda: (
+                len(stored(cluster.node("buffer-0"))) >= 2
+                and sum(len(r.table.groups) for r in rollouts) >= 2
+            ),
             60,
             "a few trajectories stored and more in hand",
             cluster,

@@ -67,10 +67,14 @@ async def test_256_engines_in_one_process():
     )
     # event-driven: an engine wakes at chunk boundaries and finishes, not once per decode step
     # (a per-token loop would wake ~1000 times per engine); CPU time is printed, not asserted
-    steps = sum(max(min(target_length(i, s, 200, 4), 1000) for s in res) for i, res in enumerate(results))
+    steps = sum(
+        max(min(target_length(i, s, 200, 4), 1000) for s in res) for i, res in enumerate(results)
+    )
     wakes = sum(e.wakes for e in engines)
     assert wakes < steps / 8, (wakes, steps)
-    print(f"{n_engines} engines: {wakes} wakes for {steps} decode steps; cpu {cpu:.2f}s over wall {wall:.2f}s")
+    print(
+        f"{n_engines} engines: {wakes} wakes for {steps} decode steps; cpu {cpu:.2f}s over wall {wall:.2f}s"
+    )
 
 
 async def test_lengths_follow_configured_long_tail():

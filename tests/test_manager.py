@@ -41,7 +41,7 @@ def stored(buffer) -> dict:
 
 
 def running(node) -> set[str]:
-    return set(node.seqs)
+    return set(node.table.seqs)
 
 
 def check_tokens(cfg, t) -> None:
@@ -135,7 +135,7 @@ async def test_repack_consolidates_draining_rollouts_and_frees_the_sources(tmp_p
         rollouts = {n.node_id: n for n in cluster.role("rollout")}
         await all_running(cluster)
         before = {k: running(n) for k, n in rollouts.items()}
-        mgr.rollout_loads()  # the previous round's KV: no heartbeat in between, so nothing is "rising"
+        mgr.repacker.rollout_loads()  # the previous round's KV: no heartbeat in between, so nothing is "rising"
         entry = await mgr.repack_once()
         # 3 candidates of 2 sequences, B = 8: the two emptiest go to the third one
         assert entry["moves"] == 2 and entry["trajectories"] == 4 and entry["failed"] == 0, entry
@@ -196,15 +196,19 @@ async def test_a_stale_destination_falls_back_and_an_unheld_version_restarts_fro
         await all_running(cluster)
         # rollout-1 moves on to version 3 (it drains its group first, then loads and takes new prompts)
         await mgr.srv.request("rollout-1", RefreshRequest(min_version=3))
-        await wait_for(lambda: cluster.node("rollout-1").version == 3 and running(cluster.node("rollout-1")), 20,
+        await wait_for(lambda: cluster.node("rollout-1").gate.version == 3 and running(cluster.node("rollout-1")), 20,
                        "rollout-1 at version 3", cluster)  # fmt: skip
         exp = await mgr.srv.request("rollout-0", ExportRequest(uids=[]))
         assert len(exp.partials) == 2 and all(p.version == 0 for p in exp.partials)
         # the manager's view of rollout-1 is a beat old: it still says version 0
         mgr.srv.peers["rollout-1"].status.version = 0
-        placed = await mgr._place(exp.partials, prefer="rollout-1", source="rollout-0")
+        placed = await mgr.placer.place(
+            exp.partials, mgr.trainer_version, prefer="rollout-1", source="rollout-0"
+        )
         assert placed == {"rollout-2": 2}, placed
-        assert mgr.metrics.counters["import_version_mismatch"] == 1 and "rollout-1" in mgr._stale
+        assert (
+            mgr.metrics.counters["import_version_mismatch"] == 1 and "rollout-1" in mgr.placer.stale
+        )
         await wait_for(lambda: {p.uid for p in exp.partials} <= set(stored(buf)), 30, "placed partials finishing",
                        cluster)  # fmt: skip
         for p in exp.partials:
@@ -220,7 +224,7 @@ async def test_a_stale_destination_falls_back_and_an_unheld_version_restarts_fro
         assert exp2.partials
         for p in exp2.partials:
             p.version = 1
-        placed2 = await mgr._place(exp2.partials)
+        placed2 = await mgr.placer.place(exp2.partials, mgr.trainer_version)
         assert placed2 == {"rollout-1": len(exp2.partials)}, placed2
         assert mgr.metrics.counters["restarted_from_prompt"] == len(exp2.partials)
         await wait_for(lambda: {p.uid for p in exp2.partials} <= set(stored(buf)), 30, "restarted ones finishing",
@@ -326,11 +330,15 @@ async def test_a_rollout_pushes_its_status_when_it_changes_not_only_on_the_beat(
 
         def view_updated() -> bool:
             s = mgr.srv.peers["rollout-0"].status
-            return not gone & set(s.extra["trajs"])
+            return s.rollout is not None and not gone & set(s.rollout.traj_tokens)
 
-        await wait_for(view_updated, 2.0, "the export in the manager's view, before any beat", cluster)
+        await wait_for(
+            view_updated, 2.0, "the export in the manager's view, before any beat", cluster
+        )
         assert cluster.node("rollout-0").metrics.counters["status_pushed"] >= 2
-        await mgr._place(exp.partials, prefer="rollout-1", source="rollout-0")  # (hand them back)
+        await mgr.placer.place(
+            exp.partials, mgr.trainer_version, prefer="rollout-1", source="rollout-0"
+        )  # (hand them back)
 
 
 async def test_concurrent_rounds_on_the_same_view_never_move_a_trajectory_twice(tmp_path):
@@ -342,13 +350,15 @@ async def test_concurrent_rounds_on_the_same_view_never_move_a_trajectory_twice(
         rollouts = cluster.role("rollout")
         await all_running(cluster)
         before = set().union(*(running(n) for n in rollouts))
-        mgr.rollout_loads()  # the previous round's KV: nothing "rising"
+        mgr.repacker.rollout_loads()  # the previous round's KV: nothing "rising"
         a, b = await asyncio.gather(mgr.repack_once(), mgr.repack_once())
         assert a["moves"] == b["moves"] == 2, (a, b)  # the same plan twice
         assert a["trajectories"] + b["trajectories"] == 4  # each trajectory exported once
         holders = Counter(u for n in rollouts for u in running(n) if u in before)
         assert max(holders.values()) == 1 and set(holders) | set(stored(buf)) >= before, holders
-        await wait_for(lambda: before <= set(stored(buf)), 30, "every trajectory finishing", cluster)
+        await wait_for(
+            lambda: before <= set(stored(buf)), 30, "every trajectory finishing", cluster
+        )
         counts = Counter(t.uid for g in buf.state.groups.values() for t in g.members.values())
         assert max(counts.values()) == 1
         for uid in before:
@@ -361,19 +371,19 @@ async def test_a_rounds_moves_run_concurrently_up_to_the_bound(tmp_path):
     async with LocalCluster(cfg) as cluster:
         mgr = cluster.node("manager-0")
         await all_running(cluster)
-        inner, now, peak = mgr._move, 0, 0
+        inner, now, peak = mgr.repacker.move, 0, 0
 
-        async def counted(mv, refresh):
+        async def counted(mv, refresh, trainer_version):
             nonlocal now, peak
             now += 1
             peak = max(peak, now)
             try:
-                return await inner(mv, refresh)
+                return await inner(mv, refresh, trainer_version)
             finally:
                 now -= 1
 
-        mgr._move = counted
-        mgr.rollout_loads()  # the previous round's KV: nothing "rising"
+        mgr.repacker.move = counted
+        mgr.repacker.rollout_loads()  # the previous round's KV: nothing "rising"
         entry = await mgr.repack_once()
         # 5 candidates of 2 sequences, B = 8: three sources go to one destination, one stays
         assert entry["moves"] == 3 and entry["trajectories"] == 6 and entry["failed"] == 0, entry

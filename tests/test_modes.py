@@ -42,7 +42,7 @@ async def run_mode(tmp_path, mode: str, **over):
     async with LocalCluster(cfg) as cluster:
         await cluster.wait_trainer(timeout=90)
         buffer_stats = cluster.node("buffer-0").stats()
-        buffer_stats["rollout_versions_now"] = [r.version for r in cluster.role("rollout")]
+        buffer_stats["rollout_versions_now"] = [r.gate.version for r in cluster.role("rollout")]
     return cfg, trainer_metrics(cfg), consumed(cfg), buffer_stats
 
 

@@ -21,7 +21,9 @@ import laminar.protocol  # noqa: F401
 from laminar.config import config_from_dict
 from laminar.node import Node, NodeFailed, run_nodes
 from laminar.protocol.core import NodeStatus, Ping, Pong
-from laminar.transport.sockets import RpcClient, RpcServer, SocketOptions, new_context
+from laminar.transport.client import RpcClient
+from laminar.transport.server import RpcServer
+from laminar.transport.sockets import SocketOptions, new_context
 
 SLACK_S = 0.3
 
@@ -85,6 +87,43 @@ async def test_a_dying_background_task_stops_the_node_loudly(cfg, zctx):
     assert time.monotonic() - t0 <= 0.05 + cfg.transport.stop_timeout_s + SLACK_S
     assert isinstance(info.value.__cause__, RuntimeError) and "kaput" in str(info.value.__cause__)
     assert node.stopped.is_set() and "teardown" in node.events and "closer" in node.events
+
+
+async def test_a_dying_transport_task_stops_the_node_loudly(cfg, zctx):
+    """server() and client() start their sockets' tasks through the node's spawn: a server reader
+    (here: its peer-join callback raising) or a client heartbeat (its server-dead callback
+    raising) that dies stops the node like any other supervised task."""
+
+    def boom(*_: object) -> None:
+        raise RuntimeError("kaput")
+
+    class Serving(Solo):
+        async def setup(self) -> None:
+            await self.server(self.cfg.endpoint("trainer"), on_peer_join=boom).start()
+
+    node = Serving(cfg, ctx=zctx)
+    task = asyncio.ensure_future(node.run())
+    await node.wait_ready(5)
+    peer = RpcClient(zctx, cfg.endpoint("trainer"), "peer-0", "peer", node.opts)
+    await peer.connect(timeout=5)  # WELCOME goes out before the join callback runs
+    with pytest.raises(NodeFailed, match="server-reader died") as info:
+        await asyncio.wait_for(task, 5)
+    assert "kaput" in str(info.value.__cause__)
+    await peer.close(say_bye=False)
+
+    upstream = RpcServer(zctx, cfg.endpoint("buffer"), "buffer-0", "buffer", node.opts)
+    await upstream.start()
+
+    class Client(Solo):
+        async def setup(self) -> None:
+            await self.client(self.cfg.endpoint("buffer"), on_server_dead=boom).connect(timeout=5)
+
+    node = Client(cfg, ctx=zctx)
+    task = asyncio.ensure_future(node.run())
+    await node.wait_ready(5)
+    await upstream.close()  # the node's client declares it dead and its callback raises
+    with pytest.raises(NodeFailed, match="client-heartbeat died"):
+        await asyncio.wait_for(task, 5)
 
 
 async def test_main_raising_is_a_node_failure_and_main_returning_is_a_clean_stop(cfg, zctx):

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from laminar.relay.local import RelayProcs
-from laminar.transport.weights import WeightPuller, WeightPusher
+from laminar.transport.weights import WeightPusher
 
 
 def _state(mb: float, seed: int) -> dict[str, torch.Tensor]:
@@ -49,7 +49,7 @@ def relays(short_dir):
 async def _setup(procs: RelayProcs) -> tuple[list[int], WeightPusher]:
     await procs.wait_ready(timeout=30)
     order = await procs.wait_chain(timeout=30)
-    pusher = WeightPusher(procs.host("trainer-0", "trainer"))
+    pusher = procs.pusher("trainer-0")
     await pusher.start()
     return order, pusher
 
@@ -67,7 +67,7 @@ async def test_push_is_bit_identical_at_every_relay_of_a_4_relay_chain(relays):
             assert len({info.checksum for info in infos.values()}) == 1, infos
             assert all(info.version == version for info in infos.values())
         # what a rollout reads at the end of the chain is bit-identical to what was pushed
-        puller = WeightPuller(procs.host("rollout-9", "rollout"), relay_index=order[-1])
+        puller = procs.puller("rollout-9", relay_index=order[-1])
         await puller.start()
         async with await puller.pull() as w:
             assert w.version == 2 and w.checksum == infos[order[-1]].checksum and w.verify()

@@ -8,11 +8,13 @@ from __future__ import annotations
 import os
 import zlib
 
+import msgspec
 import numpy as np
 import pytest
 
-from laminar.protocol.relay import WeightLayout
-from laminar.relay.layout import (
+from laminar.relay.shm import OutOfSlots, WeightStore
+from laminar.transport.codec import ProtocolError, roundtrip
+from laminar.transport.weight_layout import (
     ALIGN,
     build_layout,
     checksum_buffer,
@@ -23,8 +25,6 @@ from laminar.relay.layout import (
     validate_layout,
     version_checksum,
 )  # fmt: skip
-from laminar.relay.shm import OutOfSlots, WeightStore
-from laminar.transport.codec import ProtocolError, roundtrip
 
 
 def test_layout_aligns_every_tensor_and_roundtrips_the_codec():
@@ -56,7 +56,7 @@ def test_layout_aligns_every_tensor_and_roundtrips_the_codec():
 )
 def test_bad_layouts_from_the_network_are_rejected(change, error):
     good = build_layout([("a", "float32", (4, 4)), ("b", "float32", (8,))])
-    bad = WeightLayout(**{**good.to_dict(), **change})
+    bad = msgspec.structs.replace(good, **change)
     with pytest.raises(ProtocolError, match=error):
         validate_layout(bad)
 

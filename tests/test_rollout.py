@@ -69,8 +69,9 @@ async def test_groups_flow_with_credits_and_partials(tmp_path):
         assert (
             st.version == 0
             and st.role == "rollout"
-            and "credits_free" in st.extra
-            and "outbox" in st.extra
+            and st.rollout is not None
+            and st.rollout.credits_free >= 0
+            and st.rollout.outbox >= 0
         )
 
 
@@ -130,16 +131,16 @@ async def test_weights_load_only_when_idle_and_groups_keep_one_version(tmp_path)
             versions.setdefault(t.group_id, set()).add(t.version)
         assert all(len(v) == 1 for v in versions.values())
         assert {t.version for t in h.state.stored.values()} == {0, 1}
-        assert node.version == 1 and h.state.requests[-1].version == 1
+        assert node.gate.version == 1 and h.state.requests[-1].version == 1
 
 
 async def test_weights_from_the_relay(tmp_path):
     """rollout.weights=relay: the trainer pushes v1 to the relay; the idle rollout pulls and loads it."""
-    from types import SimpleNamespace
-
     import torch
 
+    from laminar.logs import get_logger
     from laminar.relay.node import RelayNode
+    from laminar.supervise import detached_spawn
     from laminar.transport.sockets import SocketOptions
     from laminar.transport.weights import WeightPusher
 
@@ -151,14 +152,10 @@ async def test_weights_from_the_relay(tmp_path):
         node = await h.add_rollout(engine)
         assert node.source.name == "relay"
         await h.wait_stored(uids_of(items), 10)
-        trainer = SimpleNamespace(
-            ctx=h.ctx,
-            cfg=cfg,
-            node_id="trainer-0",
-            role="trainer",
-            opts=SocketOptions.from_config(cfg),
-        )
-        pusher = WeightPusher(trainer)
+        pusher = WeightPusher(
+            cfg, ctx=h.ctx, opts=SocketOptions.from_config(cfg), node_id="trainer-0",
+            log=get_logger(role="trainer", node_id="trainer-0"), spawn=detached_spawn,
+        )  # fmt: skip
         await pusher.start()
         try:
             await pusher.push(1, {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)})
@@ -197,7 +194,7 @@ async def test_export_then_import_completes_the_trajectory(tmp_path):
         src = await h.add_rollout(FakeEngine(hold=True))  # never finishes: a draining long tail
         await h.add_rollout(FakeEngine())
         all_uids = uids_of(items)
-        await wait_for(lambda: set(src.seqs) == all_uids and not src.engine.running.keys() - all_uids
+        await wait_for(lambda: set(src.table.seqs) == all_uids and not src.engine.running.keys() - all_uids
                        and all(len(s["ids"]) >= s["target"] - 1 for s in src.engine.running.values()),
                        10, "the source to generate all it can")  # fmt: skip
         srv = h.manager.srv
@@ -211,7 +208,7 @@ async def test_export_then_import_completes_the_trajectory(tmp_path):
                 p.response_ids.tolist() == expected_response(p.uid)[:-1]
                 and p.rollout_id == "rollout-0"
             )
-        assert not src.seqs and not src.groups  # forgotten: its credits are free again
+        assert not src.table.seqs and not src.table.groups  # forgotten: its credits are free again
         reply2 = await srv.request("rollout-1", ImportRequest(partials=reply.partials), timeout=5)
         assert isinstance(reply2, ImportReply) and set(reply2.accepted) == all_uids
         again = await srv.request(
@@ -237,8 +234,8 @@ async def test_import_at_another_version_is_rejected(tmp_path):
         other = FakeEngine()
         other.version = 1  # as if it had loaded v1
         dst = await h.add_rollout(other)
-        assert dst.version == 1
-        await wait_for(lambda: len(src.seqs) == 2, 10, "the source to start its group")
+        assert dst.gate.version == 1
+        await wait_for(lambda: len(src.table.seqs) == 2, 10, "the source to start its group")
         reply = await h.manager.srv.request("rollout-0", ExportRequest(), timeout=5)
         assert len(reply.partials) == 2
         with pytest.raises(RemoteError) as info:
@@ -246,7 +243,7 @@ async def test_import_at_another_version_is_rejected(tmp_path):
                 "rollout-1", ImportRequest(partials=reply.partials), timeout=5
             )
         assert info.value.code == "version_mismatch"
-        assert not dst.seqs and dst.metrics.counters.get("import_rejected") == 2
+        assert not dst.table.seqs and dst.metrics.counters.get("import_rejected") == 2
         # the same partials resume fine on a rollout at their version (the source itself here)
         src.engine.hold = False
         ok = await h.manager.srv.request(
@@ -281,7 +278,7 @@ async def test_refresh_to_a_version_that_never_comes_does_not_stall_the_rollout(
         h.state.prompts.extend(items)
         # no v5 anywhere: after refresh_wait_s it goes on at the version it has
         await h.wait_stored(uids_of(items), 10)
-        assert engine.loads == [] and node.version == 0
+        assert engine.loads == [] and node.gate.version == 0
 
 
 # ---- rewards on the rollout -----------------------------------------------------------------
@@ -330,9 +327,9 @@ async def test_stop_drains_in_flight_work_and_flushes_the_outbox(tmp_path):
     async with harness(cfg, items) as h:
         node = await h.add_rollout(FakeEngine(step_s=0.005))
         await wait_for(
-            lambda: len(node.groups) == 3 and len(h.state.stored) >= 1, 10, "groups in flight"
+            lambda: len(node.table.groups) == 3 and len(h.state.stored) >= 1, 10, "groups in flight"
         )
-        in_hand = set(node.seqs) | set(h.state.stored)
+        in_hand = set(node.table.seqs) | set(h.state.stored)
         asked = len(h.state.requests)
         node.request_stop("test drain")
         await asyncio.wait_for(node.stopped.wait(), 10)
@@ -372,9 +369,9 @@ class _FlakySource:
     name = "flaky"
 
     def __init__(self) -> None:
-        from laminar.rollout.weights import AnnouncedSource
+        from laminar.transport.weights_channel import AnnounceSubscriber
 
-        self.inner = AnnouncedSource()
+        self.inner = AnnounceSubscriber()
         self.inner.announce(1)
         self.failures = 1
 
@@ -392,15 +389,17 @@ class _FlakySource:
         return await self.inner.wait_newer(than, timeout)
 
     async def load_into(self, engine) -> int:
-        from laminar.rollout.weights import WeightSourceError
+        from laminar.transport.weights import WeightsUnavailable
 
         if self.failures:
             self.failures -= 1
-            raise WeightSourceError("relay restarting (test)")
+            raise WeightsUnavailable("relay restarting (test)")
         return await self.inner.load_into(engine)
 
 
-async def test_an_idle_rollout_asks_for_prompts_while_it_loads_and_never_runs_them_below_that_version(tmp_path):
+async def test_an_idle_rollout_asks_for_prompts_while_it_loads_and_never_runs_them_below_that_version(
+    tmp_path,
+):
     """Refill: an idle rollout with a newer version available sends its PromptRequest (declaring
     the version it is loading) while the load runs. When that load fails, the groups it was
     served wait for the declared version instead of running on the old weights."""
@@ -413,7 +412,8 @@ async def test_an_idle_rollout_asks_for_prompts_while_it_loads_and_never_runs_th
         await h.wait_stored(uids_of(items), 20)
         first = h.state.requests[0]
         assert first.version == 1  # asked for v1 while still at v0 (the load in flight)
-        assert node.metrics.counters.get("prompts_deferred", 0) >= 1  # the first load failed meanwhile
-        assert engine.loads == [1] and node.version == 1
+        assert (
+            node.metrics.counters.get("prompts_deferred", 0) >= 1
+        )  # the first load failed meanwhile
+        assert engine.loads == [1] and node.gate.version == 1
         assert {t.version for t in h.state.stored.values()} == {1}
-

@@ -47,13 +47,13 @@ async def test_sim_export_import_resumes_identically(tmp_path):
     async with harness(cfg, items) as h:
         src = await h.start_node(RolloutNode(cfg, index=0, ctx=h.ctx))
         all_uids = uids_of(items)
-        await wait_for(lambda: set(src.seqs) == all_uids and min(s.length for s in src.seqs.values()) >= 40, 10,
+        await wait_for(lambda: set(src.table.seqs) == all_uids and min(s.length for s in src.table.seqs.values()) >= 40, 10,
                        "the source to be mid-way through every trajectory")  # fmt: skip
         await h.start_node(RolloutNode(cfg, index=1, ctx=h.ctx))
         exp = await h.manager.srv.request(
             "rollout-0", ExportRequest(uids=sorted(all_uids)), timeout=5
         )
-        assert {p.uid for p in exp.partials} == all_uids and not src.seqs
+        assert {p.uid for p in exp.partials} == all_uids and not src.table.seqs
         assert all(0 < len(p.response_ids) < 300 for p in exp.partials)
         imp = await h.manager.srv.request(
             "rollout-1", ImportRequest(partials=exp.partials), timeout=5
@@ -76,7 +76,7 @@ async def test_sim_import_at_another_version_is_rejected(tmp_path):
     async with harness(cfg, items) as h:
         src = await h.start_node(RolloutNode(cfg, index=0, ctx=h.ctx))
         await wait_for(
-            lambda: len(src.seqs) == 2 and min(s.length for s in src.seqs.values()) > 0,
+            lambda: len(src.table.seqs) == 2 and min(s.length for s in src.table.seqs.values()) > 0,
             10,
             "tokens",
         )
@@ -87,11 +87,11 @@ async def test_sim_import_at_another_version_is_rejected(tmp_path):
             await h.manager.srv.request(
                 "rollout-0", ImportRequest(partials=exp.partials), timeout=5
             )
-        assert not src.seqs
+        assert not src.table.seqs
 
 
 async def test_sim_without_relay_learns_versions_from_refresh_requests(tmp_path):
-    # rollout.weights=auto, no relays, sim engine: the AnnouncedSource (no tensors to move)
+    # rollout.weights=auto, no relays, sim engine: the announce subscriber (no tensors to move)
     cfg = make_cfg(tmp_path, cluster={"transport": "inproc", "roles": {"relay": 0, "rollout": 1}},
                    rollout__sim=SIM, rollout__weights="auto", rollout__sampling={"max_tokens": 20})  # fmt: skip
     async with harness(cfg, []) as h:
@@ -100,7 +100,7 @@ async def test_sim_without_relay_learns_versions_from_refresh_requests(tmp_path)
         reply = await h.manager.srv.request("rollout-0", RefreshRequest(min_version=3), timeout=5)
         assert reply.version == 0
         await wait_for(
-            lambda: node.version == 3 and node.engine.version == 3, 5, "the announced v3"
+            lambda: node.gate.version == 3 and node.engine.version == 3, 5, "the announced v3"
         )
         items = make_items(2, n=2)
         h.state.prompts.extend(items)

@@ -12,8 +12,11 @@ import pytest
 import laminar.protocol  # noqa: F401
 from laminar.cli import main as cli_main
 from laminar.protocol.core import Ping, Pong
+from laminar.transport.client import RpcClient
 from laminar.transport.security import Security
-from laminar.transport.sockets import PullStream, PushStream, RequestTimeout, RpcClient, RpcServer
+from laminar.transport.server import RpcServer
+from laminar.transport.sockets import RequestTimeout
+from laminar.transport.streams import PullStream, PushStream
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Sockets: bad input never stops a server, liveness bounds, deadlines, PUB/SUB barrier, PUSH/PULL HWM.
+"""Sockets: bad input never stops a server, liveness bounds, deadlines, no leaked cancellations, PUB/SUB barrier, PUSH/PULL HWM.
 
     .venv/bin/python -m pytest tests/test_sockets.py -q
 
@@ -20,19 +20,11 @@ import zmq
 import laminar.protocol  # noqa: F401
 from laminar.protocol.core import ErrorReply, Hello, Ping, Pong, Welcome
 from laminar.protocol.manager import StatusRequest
+from laminar.transport.client import RpcClient
 from laminar.transport.codec import PROTOCOL_VERSION, decode, encode
-from laminar.transport.sockets import (
-    PeerDead,
-    Publisher,
-    PullStream,
-    PushStream,
-    RemoteError,
-    RequestTimeout,
-    RpcClient,
-    RpcServer,
-    Subscriber,
-    TransportError,
-)
+from laminar.transport.server import RpcServer
+from laminar.transport.sockets import PeerDead, RemoteError, RequestTimeout, TransportError
+from laminar.transport.streams import Publisher, PullStream, PushStream, Subscriber
 
 SLACK_S = 0.3  # scheduling noise on 2 busy cores
 
@@ -278,7 +270,9 @@ async def test_idle_client_rejoins_a_restarted_server_from_its_heartbeat(
     await srv.close()
     srv2 = await _echo_server(zctx, ep, opts)
     # both ends: the server registered it, and the client got Welcome and ran on_connect again
-    await wait_until(lambda: "cli-0" in srv2.peers and len(joined) >= 2, 3, "the idle client rejoining")
+    await wait_until(
+        lambda: "cli-0" in srv2.peers and len(joined) >= 2, 3, "the idle client rejoining"
+    )
     assert cli.stats.rehandshakes >= 1 and cli.stats.reconnects == 0
     assert (await cli.request(Ping(payload="ok"), timeout=1)).payload == "ok"
     await cli.close()
@@ -312,6 +306,87 @@ async def test_request_to_a_server_that_just_died_times_out(zctx, ipc, fast_opts
         await cli.request(Ping(payload="2"), timeout=0.2, retries=2)
     assert time.monotonic() - t0 <= 3 * 0.2 + SLACK_S
     await cli.close()
+
+
+async def test_a_send_dropped_under_a_dead_server_is_a_transport_error(zctx, ipc, fast_opts):
+    """Requests blocked in their send (IMMEDIATE: no live pipe) when the client declares the server
+    dead and drops the socket: each caller gets a RequestTimeout well before its deadline, never
+    the CancelledError that pyzmq puts on the dropped sends."""
+    opts = fast_opts()
+    srv = await _echo_server(zctx, ipc("drop"), opts)
+    cli = RpcClient(zctx, srv.endpoint, "cli-0", "test", opts)
+    await cli.connect()
+    await srv.close()
+    t0 = time.monotonic()
+    results = await asyncio.gather(
+        *(cli.request(Ping(payload=str(i)), timeout=5.0, retries=0) for i in range(8)),
+        return_exceptions=True,
+    )
+    assert all(isinstance(r, RequestTimeout) for r in results), results
+    assert time.monotonic() - t0 < opts.dead_after_s + 2 * opts.heartbeat_interval_s + 1.0
+    await cli.close()
+
+
+async def test_close_during_a_handshake_again_fails_the_waiting_request_not_cancels_it(
+    zctx, ipc, fast_opts, wait_until
+):
+    """A request that hit `unknown_peer` waits on the shared handshake-again; close() ends that
+    handshake. The caller was not cancelled, so it must see a TransportError, not CancelledError."""
+    ep = ipc("rehello")
+    router = zctx.socket(zmq.ROUTER)
+    router.linger = 0
+    router.bind(ep)
+    hellos: list[bytes] = []
+
+    async def forgetful_server() -> None:  # welcomes once, then forgets the client and goes quiet
+        while True:
+            ident, rid, *frames = await router.recv_multipart()
+            msg = decode(frames)
+            if isinstance(msg, Hello):
+                hellos.append(rid)
+                if len(hellos) == 1:
+                    welcome = Welcome(protocol=PROTOCOL_VERSION, node_id="srv", role="x")
+                    await router.send_multipart([ident, b"R" + rid[1:], *encode(welcome)])
+            elif isinstance(msg, Ping):
+                no = ErrorReply(code="unknown_peer", message="send Hello first")
+                await router.send_multipart([ident, b"R" + rid[1:], *encode(no)])
+
+    server = asyncio.ensure_future(forgetful_server())
+    cli = RpcClient(
+        zctx, ep, "cli-0", "test", fast_opts(heartbeat_interval_s=30, handshake_timeout_s=10)
+    )
+    await cli.connect(timeout=2)
+    caller = asyncio.ensure_future(cli.request(Ping(), timeout=10, retries=0))
+    await wait_until(lambda: len(hellos) == 2, 3, "the client handshaking again")
+    await cli.close()
+    with pytest.raises(TransportError):
+        await asyncio.wait_for(caller, 2)
+    assert not caller.cancelled()
+    server.cancel()
+    router.close()
+
+
+async def test_cancelling_the_caller_of_a_request_still_cancels_it(zctx, ipc, fast_opts):
+    started, never = asyncio.Event(), asyncio.Event()
+
+    async def hang(peer, msg):
+        started.set()
+        await never.wait()
+
+    srv = RpcServer(zctx, ipc("cancel"), "srv-0", "test", fast_opts())
+    srv.on(Ping, hang)
+    await srv.start()
+    cli = RpcClient(zctx, srv.endpoint, "cli-0", "test", fast_opts())
+    await cli.connect()
+    caller = asyncio.ensure_future(cli.request(Ping(), timeout=10, retries=0))
+    await asyncio.wait_for(started.wait(), 2)  # the request is under way: cancel the caller itself
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(caller, 2)
+    srv.on(Ping, lambda peer, m: Pong(payload="still works"))
+    assert (await cli.request(Ping(), timeout=2)).payload == "still works"
+    await cli.close()
+    await srv.close()
 
 
 async def test_request_to_a_hung_handler_times_out(zctx, ipc, fast_opts):

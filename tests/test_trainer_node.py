@@ -22,7 +22,8 @@ from laminar.config import config_from_dict
 from laminar.protocol.buffer import BatchCommit, BatchReply, BatchRequest
 from laminar.protocol.core import Ack
 from laminar.protocol.trainer import VersionPublished
-from laminar.transport.sockets import RpcServer, SocketOptions, new_context
+from laminar.transport.server import RpcServer
+from laminar.transport.sockets import SocketOptions, new_context
 from tests.test_trainer import make_trajs
 
 
@@ -263,10 +264,9 @@ def tiny(tmp_path_factory):
 
 
 async def test_weights_go_through_the_relay_tier_when_there_is_one(tiny, tmp_path, harness):
-    """roles.relay > 0 and laminar.transport.weights importable: the trainer pushes to the master relay."""
-    from types import SimpleNamespace
-
+    """roles.relay > 0: the weights channel is the relay tier; the trainer pushes to the master relay."""
     from laminar.relay.node import RelayNode
+    from laminar.supervise import detached_spawn
     from laminar.transport.weights import WeightPuller
 
     ctx, make = harness
@@ -282,10 +282,9 @@ async def test_weights_go_through_the_relay_tier_when_there_is_one(tiny, tmp_pat
         node = await run_trainer(cfg, ctx)
         assert [(m.version, m.handoff) for m in mgr.published] == [(1, "relay"), (2, "relay")]
         assert all(m.stall_s >= 0 and m.num_bytes > 0 for m in mgr.published)
-        reader = SimpleNamespace(
-            cfg=cfg, ctx=ctx, opts=relay.opts, node_id="reader-0", role="rollout", log=relay.log
+        puller = WeightPuller(
+            cfg, ctx=ctx, opts=relay.opts, node_id="reader-0", log=relay.log, spawn=detached_spawn
         )
-        puller = WeightPuller(reader)
         await puller.start()
         try:
             assert await puller.wait_version(2, timeout=10) == 2

@@ -6,11 +6,12 @@ committing it; after resume the buffer serves that batch again, and nothing else
 
 The real BufferNode (journal on) and a fake manager run in this test process. A fake
 rollout fills the buffer through the normal protocol (PromptRequest -> Trajectory).
-Run 1 of the trainer has `extra.fault.crash_before_commit=2`: it trains step 1
-(commit, checkpoint), trains step 2 and dies before committing it — as a real
-subprocess (`python -m laminar node --role trainer`, exit code 17) in the slow test,
-or in-process by an exception (no drain, no checkpoint) in the fast one. Run 2 (no
-fault) resumes from step_1 and must be served step 2's batch again.
+Run 1 of the trainer has a fault injected before the commit of step 2
+(tests/trainer_faults.py): it trains step 1 (commit, checkpoint), trains step 2 and dies
+before committing it — as a real subprocess (`python tests/trainer_faults.py 2 node
+--role trainer ...`, exit code 17) in the slow test, or in-process by an exception (no
+drain, no checkpoint) in the fast one. Run 2 (no fault) resumes from step_1 and must be
+served step 2's batch again.
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ import yaml
 from laminar.config import load_config
 from laminar.protocol.buffer import BufferStats, PromptReply, PromptRequest
 from laminar.protocol.data import Trajectory
-from laminar.transport.sockets import RpcClient, SocketOptions, new_context
+from laminar.transport.client import RpcClient
+from laminar.transport.sockets import SocketOptions, new_context
 from tests.test_trainer_node import FakeManager
+from tests.trainer_faults import CRASH_EXIT_CODE, crash_before_commit
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -93,10 +96,15 @@ async def fill_buffer(cfg, ctx, groups: int) -> None:
         await cli.close()
 
 
-async def run_trainer_process(cfg_path: Path, *overrides: str, timeout: float = 120) -> int:
+async def run_trainer_process(cfg_path: Path, crash_at: int | None, timeout: float = 120) -> int:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    entry = (
+        ["-m", "laminar"]
+        if crash_at is None
+        else [str(ROOT / "tests" / "trainer_faults.py"), str(crash_at)]
+    )
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "laminar", "node", "--role", "trainer", "--config", str(cfg_path), *overrides,
+        sys.executable, *entry, "node", "--role", "trainer", "--config", str(cfg_path),
         cwd=str(ROOT), env=env, stdout=subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     try:
@@ -107,7 +115,7 @@ async def run_trainer_process(cfg_path: Path, *overrides: str, timeout: float = 
         raise AssertionError(
             f"trainer process {proc.pid} did not finish within {timeout}s"
         ) from None
-    if proc.returncode not in (0, 17):
+    if proc.returncode not in (0, CRASH_EXIT_CODE):
         raise AssertionError(f"trainer exited {proc.returncode}:\n{err.decode()[-3000:]}")
     return proc.returncode
 
@@ -125,13 +133,13 @@ async def _scenario(tmp_path, short_dir, tiny, run_trainer) -> None:
     try:
         await asyncio.wait_for(buffer.ready.wait(), 30)
         await fill_buffer(cfg, ctx, groups=6)
-        await run_trainer(ctx, cfg_path, ["extra.fault.crash_before_commit=2"], crash=True)
+        await run_trainer(ctx, cfg_path, crash_at=2)
         run = cfg.resolved_run_dir()
         first = [json.loads(x) for x in (run / "consumed.jsonl").read_text().splitlines()]
         assert [c["step"] for c in first] == [1, 2]
         assert buffer.stats()["counters"].get("batches_served") == 2
         assert len(buffer.state.outstanding()) == 1  # step 2's batch: served, never committed
-        await run_trainer(ctx, cfg_path, [], crash=False)
+        await run_trainer(ctx, cfg_path, crash_at=None)
         consumed = [json.loads(x) for x in (run / "consumed.jsonl").read_text().splitlines()]
         second = consumed[2:]
         assert [c["step"] for c in second] == [2, 3]
@@ -153,17 +161,19 @@ async def _scenario(tmp_path, short_dir, tiny, run_trainer) -> None:
 
 async def test_uncommitted_batch_is_served_again_after_resume_in_process(tiny, tmp_path, short_dir):
     from laminar.node import NodeFailed
+    from laminar.trainer.commits import CommitLedger
     from laminar.trainer.node import TrainerNode
 
-    async def run_in_process(ctx, cfg_path, overrides, crash):
-        if crash:
-            overrides = [*overrides, "extra.fault.action=raise"]
-        node = TrainerNode(load_config(cfg_path, overrides), ctx=ctx)
-        if crash:
-            with pytest.raises(NodeFailed):
-                await asyncio.wait_for(node.run(), 120)
-        else:
+    async def run_in_process(ctx, cfg_path, crash_at):
+        node = TrainerNode(load_config(cfg_path), ctx=ctx)
+        if crash_at is None:
             await asyncio.wait_for(node.run(), 120)
+            return
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(CommitLedger, "record", crash_before_commit(crash_at))
+            with pytest.raises(NodeFailed, match="task") as failed:
+                await asyncio.wait_for(node.run(), 120)
+        assert "fault injected" in str(failed.value.__cause__)
 
     await _scenario(tmp_path, short_dir, tiny, run_in_process)
 
@@ -172,8 +182,10 @@ async def test_uncommitted_batch_is_served_again_after_resume_in_process(tiny, t
 async def test_uncommitted_batch_is_served_again_after_resume_real_processes(
     tiny, tmp_path, short_dir
 ):
-    async def run_process(ctx, cfg_path, overrides, crash):
-        assert await run_trainer_process(cfg_path, *overrides) == (17 if crash else 0)
+    async def run_process(ctx, cfg_path, crash_at):
+        assert await run_trainer_process(cfg_path, crash_at) == (
+            0 if crash_at is None else CRASH_EXIT_CODE
+        )
 
     await _scenario(tmp_path, short_dir, tiny, run_process)
 

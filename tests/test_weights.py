@@ -15,9 +15,12 @@ import pytest
 import torch
 
 from laminar.config import config_from_dict
-from laminar.relay.local import ClientHost, RelayProcs
+from laminar.logs import get_logger
+from laminar.relay.local import RelayProcs
 from laminar.relay.node import RelayNode
-from laminar.transport.sockets import RemoteError
+from laminar.supervise import detached_spawn
+from laminar.transport.security import security_from_config
+from laminar.transport.sockets import RemoteError, SocketOptions
 from laminar.transport.weights import WeightPuller, WeightPusher
 
 
@@ -60,8 +63,17 @@ async def inproc(short_dir, zctx):
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _host(cfg, zctx, node_id: str, role: str) -> ClientHost:
-    return ClientHost(cfg, node_id, role, zctx)
+def _pusher(cfg, zctx, node_id: str = "trainer-0") -> WeightPusher:
+    opts = SocketOptions.from_config(cfg, security_from_config(cfg))
+    log = get_logger(role="trainer", node_id=node_id)
+    return WeightPusher(cfg, ctx=zctx, opts=opts, node_id=node_id, log=log, spawn=detached_spawn)
+
+
+def _puller(cfg, zctx, node_id: str = "rollout-0", relay_index: int = 0) -> WeightPuller:
+    opts = SocketOptions.from_config(cfg, security_from_config(cfg))
+    log = get_logger(role="rollout", node_id=node_id)
+    return WeightPuller(cfg, ctx=zctx, opts=opts, node_id=node_id, log=log, spawn=detached_spawn,
+                        relay_index=relay_index)  # fmt: skip
 
 
 async def test_reader_holding_v_never_sees_a_torn_tensor_while_newer_versions_arrive(short_dir):
@@ -69,9 +81,9 @@ async def test_reader_holding_v_never_sees_a_torn_tensor_while_newer_versions_ar
     procs.start()
     try:
         await procs.wait_ready(30)
-        pusher = WeightPusher(procs.host("trainer-0", "trainer"))
+        pusher = procs.pusher("trainer-0")
         await pusher.start()
-        puller = WeightPuller(procs.host("rollout-0", "rollout"))
+        puller = procs.puller("rollout-0")
         await puller.start()
         state = _state(4, seed=0)
         await pusher.push(1, state)
@@ -111,10 +123,9 @@ async def test_pins_block_slot_reuse_and_a_dead_reader_is_released(
     inproc, zctx, fast_opts, wait_until
 ):
     cfg, (relay,) = await inproc(1, max_slots=2, spare_slots=0)
-    pusher = WeightPusher(_host(cfg, zctx, "trainer-0", "trainer"))
+    pusher = _pusher(cfg, zctx)
     await pusher.start()
-    reader_host = _host(cfg, zctx, "rollout-0", "rollout")
-    puller = WeightPuller(reader_host)
+    puller = _puller(cfg, zctx)
     await puller.start()
     await pusher.push(1, _state(0.5, 1))
     await puller.wait_version(1, timeout=5)  # the push returns at the handoff; ready comes after
@@ -138,7 +149,7 @@ async def test_pins_block_slot_reuse_and_a_dead_reader_is_released(
 
 async def test_redirect_to_the_master_and_stream_mode_push(inproc, zctx, wait_until):
     from laminar.protocol.relay import ChainUpdate
-    from laminar.transport.sockets import RpcClient
+    from laminar.transport.client import RpcClient
 
     cfg, relays = await inproc(2)
     for i in (0, 1):  # the manager makes relay-1 the master
@@ -146,7 +157,7 @@ async def test_redirect_to_the_master_and_stream_mode_push(inproc, zctx, wait_un
         await cli.connect(timeout=2)
         await cli.request(ChainUpdate(epoch=1, order=[1, 0]))
         await cli.close()
-    pusher = WeightPusher(_host(cfg, zctx, "trainer-0", "trainer"))
+    pusher = _pusher(cfg, zctx)
     await pusher.start()
     pusher._same_host = lambda reply: False  # a trainer on another host: chunks over the socket
     state = _state(0.7, 4)
@@ -158,7 +169,7 @@ async def test_redirect_to_the_master_and_stream_mode_push(inproc, zctx, wait_un
         "v1 on both relays",
     )
     assert relays[0].store.current.checksum == relays[1].store.current.checksum
-    puller = WeightPuller(_host(cfg, zctx, "rollout-0", "rollout"), relay_index=0)
+    puller = _puller(cfg, zctx, relay_index=0)
     await puller.start()
     async with await puller.pull() as w:
         got = dict(w.named_tensors())
@@ -169,7 +180,7 @@ async def test_redirect_to_the_master_and_stream_mode_push(inproc, zctx, wait_un
 
 async def test_delta_mode_sends_only_changed_chunks(inproc, zctx, wait_until):
     cfg, relays = await inproc(2, delta=True)
-    pusher = WeightPusher(_host(cfg, zctx, "trainer-0", "trainer"))
+    pusher = _pusher(cfg, zctx)
     await pusher.start()
     state = _state(1, 5)
     await pusher.push(1, state)
@@ -191,10 +202,10 @@ async def test_bad_requests_get_clear_errors_and_the_relay_keeps_serving(inproc,
         StageRequest,
         WeightLayout,
     )
-    from laminar.transport.sockets import RpcClient
+    from laminar.transport.client import RpcClient
 
     cfg, (relay,) = await inproc(1)
-    pusher = WeightPusher(_host(cfg, zctx, "trainer-0", "trainer"))
+    pusher = _pusher(cfg, zctx)
     await pusher.start()
     await pusher.push(1, _state(0.2, 1))
     await wait_until(lambda: relay.store.current is not None, 5, "v1 ready")
@@ -238,7 +249,7 @@ async def test_bad_requests_get_clear_errors_and_the_relay_keeps_serving(inproc,
 
 async def test_a_version_superseded_mid_fetch_gives_way_to_the_newer_one(inproc, zctx, wait_until):
     from laminar.protocol.relay import ChainUpdate
-    from laminar.transport.sockets import RpcClient
+    from laminar.transport.client import RpcClient
 
     cfg, relays = await inproc(2, link_bytes_per_s=2e6, spare_slots=0)
 
@@ -250,7 +261,7 @@ async def test_a_version_superseded_mid_fetch_gives_way_to_the_newer_one(inproc,
             await cli.close()
 
     await order([0], 1)  # relay-1 idle while v1..v3 are pushed
-    pusher = WeightPusher(_host(cfg, zctx, "trainer-0", "trainer"))
+    pusher = _pusher(cfg, zctx)
     await pusher.start()
     for v in (1, 2, 3):
         await pusher.push(v, _state(0.5, v))
@@ -273,11 +284,11 @@ async def test_a_version_superseded_mid_fetch_gives_way_to_the_newer_one(inproc,
 async def test_an_empty_state_is_a_valid_version(inproc, zctx, wait_until):
     # the sim trainer pushes no tensors: versions still travel down the chain
     cfg, relays = await inproc(2)
-    pusher = WeightPusher(_host(cfg, zctx, "trainer-0", "trainer"))
+    pusher = _pusher(cfg, zctx)
     await pusher.start()
     await pusher.push(1, {})
     await wait_until(lambda: relays[1].store.current is not None, 10, "empty v1 downstream")
-    puller = WeightPuller(_host(cfg, zctx, "rollout-0", "rollout"), relay_index=1)
+    puller = _puller(cfg, zctx, relay_index=1)
     await puller.start()
     async with await puller.pull() as w:
         assert w.version == 1 and list(w.named_tensors()) == [] and w.verify()
@@ -287,7 +298,7 @@ async def test_an_empty_state_is_a_valid_version(inproc, zctx, wait_until):
 
 async def test_a_new_head_that_is_behind_catches_up_from_its_chain(inproc, zctx, wait_until):
     from laminar.protocol.relay import ChainUpdate
-    from laminar.transport.sockets import RpcClient
+    from laminar.transport.client import RpcClient
 
     cfg, relays = await inproc(3)
 
@@ -299,7 +310,7 @@ async def test_a_new_head_that_is_behind_catches_up_from_its_chain(inproc, zctx,
             await cli.close()
 
     await order([0, 1], 1)  # relay-2 outside the chain misses v1
-    pusher = WeightPusher(_host(cfg, zctx, "trainer-0", "trainer"))
+    pusher = _pusher(cfg, zctx)
     await pusher.start()
     await pusher.push(1, _state(0.3, 1))
     await wait_until(lambda: relays[1].store.current is not None, 10, "v1 on relay-1")

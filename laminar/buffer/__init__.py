@@ -1,9 +1,16 @@
-"""The buffer role's parts (the node itself is laminar/buffer/node.py).
+"""The buffer role: node.py wires these parts and hands each request to one of them.
 
-prompts.py     jsonl/parquet rows -> PromptPool (epochs, seeded shuffle, cursor) -> PromptItems
-partials.py    PartialChunks -> contiguous in-flight prefixes (recovery of dead rollouts)
-journal.py     append-only, checksummed msgpack records; fsync policy; torn-tail recovery
-experience.py  groups -> batches -> commits, rebuilt from the journal (exactly-once)
-admission.py   modes and staleness bounds as pure rules (shared with the simulator)
-sampling.py    batch sampling orders (fifo | lifo | random | module:function)
+prompt_server.py  PromptRequest -> retry table, admission, capacity, pool -> journaled PromptReply
+intake.py         Trajectory / TrajectoryAbandoned -> journaled Ack (dedup, late members)
+batches.py        BatchRequest long-poll -> whole groups -> journaled BatchReply; BatchCommit
+partials.py       PartialChunks -> contiguous in-flight prefixes; `recover` answers PartialsRequest
+ledger.py         journal + experience state: append, apply, durability, wake-ups, compaction
+experience.py     groups -> batches -> commits, rebuilt from the journal (exactly-once)
+journal.py        append-only, checksummed msgpack records; fsync policy; torn-tail recovery
+prompts.py        jsonl/parquet rows -> PromptPool (epochs, seeded shuffle, cursor) -> PromptItems
+admission.py      modes and staleness bounds as pure rules
+sampling.py       batch sampling orders (fifo | lifo | random | module:function)
+
+Imports go one way: node -> {prompt_server, intake, batches} -> ledger -> experience ->
+{admission, journal, sampling}; partials -> experience; no part imports the node.
 """

@@ -56,12 +56,12 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
-from laminar.manager.staleness import ModePolicy, StalenessStats, policy_for, staleness
+from laminar.config import LaminarConfig
+from laminar.manager.staleness import ModePolicy, policy_for
 
 __all__ = ["Admission", "Decision", "GroupInfo", "BatchPlan", "admit", "hall_room", "plan_batch",
-           "next_batch_version", "staleness", "StalenessStats"]  # fmt: skip
+           "next_batch_version"]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ class Admission:
         return cls(policy_for(mode, max_staleness), batch_groups)
 
     @classmethod
-    def from_config(cls, cfg: Any) -> Admission:
+    def from_config(cls, cfg: LaminarConfig) -> Admission:
         return cls.for_mode(cfg.mode, cfg.trainer.batch_groups, cfg.buffer.max_staleness)
 
 

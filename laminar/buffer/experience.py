@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,12 +38,12 @@ from laminar.buffer.admission import (
     Admission,
     BatchPlan,
     GroupInfo,
-    StalenessStats,
     next_batch_version,
     plan_batch,
 )
 from laminar.buffer.journal import encode_record
 from laminar.buffer.sampling import resolve_sampler
+from laminar.manager.staleness import StalenessStats
 from laminar.protocol.data import PromptItem, Trajectory
 
 __all__ = ["ExperienceState", "Group", "BatchRecord", "usable"]
@@ -91,7 +92,7 @@ class Group:
         return [self.members[i] for i in sorted(self.members) if i not in self.lost]
 
     def rewards(self) -> list[float]:
-        return [t.reward for t in self.usable_members()]
+        return [t.reward for t in self.usable_members() if t.reward is not None]
 
 
 @dataclass
@@ -193,8 +194,13 @@ class ExperienceState:
         return "ok", "", idx
 
     # ---- replayable changes -------------------------------------------------------------
-    def apply(self, kind: str, body: dict[str, Any], msgs: list[Any] = ()) -> None:
-        handler = getattr(self, f"_apply_{kind}", None)
+    def apply(self, kind: str, body: dict[str, Any], msgs: Sequence[Any] = ()) -> None:
+        handlers = {
+            "served": self._apply_served, "traj": self._apply_traj, "abandon": self._apply_abandon,
+            "drop": self._apply_drop, "batch": self._apply_batch, "commit": self._apply_commit,
+            "requeue": self._apply_requeue, "snapshot": self._apply_snapshot, "stats": self._apply_stats,
+        }  # fmt: skip
+        handler = handlers.get(kind)
         if handler is None:
             raise ValueError(f"unknown journal record kind {kind!r}")
         handler(body, list(msgs))

@@ -41,7 +41,7 @@ import os
 import struct
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +64,7 @@ def _frame_bytes(frame: Any) -> bytes:
     return frame if isinstance(frame, bytes) else bytes(frame)
 
 
-def encode_record(kind: str, body: dict[str, Any], msgs: list[Message] = ()) -> bytes:
+def encode_record(kind: str, body: dict[str, Any], msgs: Sequence[Message] = ()) -> bytes:
     """One record (header + payload) ready to append."""
     parts: list[Any] = [kind, body]
     for m in msgs:
@@ -111,7 +111,8 @@ class Journal:
         self.synced = 0
         """Bytes known to be on disk (fsync'ed)."""
         self._io = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="journal")
-        self._sync_task: asyncio.Future | None = None
+        self._sync: asyncio.Future[None] | None = None
+        """The fsync in flight (an executor future, not a task: its awaiters see its error)."""
         self.stats = {
             "records": 0,
             "bytes": 0,
@@ -206,7 +207,7 @@ class Journal:
         return self.written
 
     # ---- append + durability ---------------------------------------------------------
-    def append(self, kind: str, body: dict[str, Any], msgs: list[Message] = ()) -> int:
+    def append(self, kind: str, body: dict[str, Any], msgs: Sequence[Message] = ()) -> int:
         """Write one record to the OS; returns the offset that `durable()` must reach."""
         if self._fd < 0:
             raise JournalError("journal is not open (call replay() first)")
@@ -230,22 +231,25 @@ class Journal:
         while self.synced < offset:
             await asyncio.shield(self._start_sync())
 
-    def _start_sync(self) -> asyncio.Future:
+    def _start_sync(self) -> asyncio.Future[None]:
         """The fsync in flight, or a new one covering everything written so far (group commit)."""
-        if self._sync_task is None or self._sync_task.done():
-            self._sync_task = asyncio.ensure_future(self._fsync())
-        return self._sync_task
+        if self._sync is None or self._sync.done():
+            target = self.written
+            fut = asyncio.get_running_loop().run_in_executor(self._io, os.fsync, self._fd)
+            # registered before any awaiter's: `synced` moves before they look at it again
+            fut.add_done_callback(lambda f: self._synced(f, target))
+            self._sync = fut
+        return self._sync
 
-    async def _fsync(self) -> None:
-        target = self.written
-        await asyncio.get_running_loop().run_in_executor(self._io, os.fsync, self._fd)
-        self.stats["fsyncs"] += 1
-        self.synced = max(self.synced, target)
+    def _synced(self, fut: asyncio.Future[None], target: int) -> None:
+        if not fut.cancelled() and fut.exception() is None:
+            self.stats["fsyncs"] += 1
+            self.synced = max(self.synced, target)
 
     async def quiesce(self) -> None:
         """Wait for the fsync in flight (before the file is swapped by `rewrite`)."""
-        if self._sync_task is not None and not self._sync_task.done():
-            await asyncio.shield(self._sync_task)
+        if self._sync is not None and not self._sync.done():
+            await asyncio.shield(self._sync)
 
     async def run_flusher(self) -> None:
         """fsync=batch: flush every fsync_interval_s while there is unsynced data (runs until cancelled)."""

@@ -4,6 +4,7 @@
     pool.apply(chunk)                        # PartialChunk from a rollout (one-way, best-effort)
     pool.remove(uid)                         # the trajectory finished (or was abandoned)
     pool.query(rollout_id="rollout-3")       # PartialTrajectory of each trajectory it last reported
+    recover(pool, state.groups, rollout_id="rollout-3")   # the above + its never-started samples
 
 Contract with the rollouts (laminar.rollout.tracking): chunks cover the response in
 order, chunk.offset is the index of its first token, and the chunk at offset 0
@@ -15,18 +16,28 @@ connection came back sends one again. The pool keeps a contiguous prefix:
   * offset > length: a gap (a lost chunk) - counted, ignored until a header restarts it;
   * unknown uid without a header, or a version that differs from the record: counted, ignored.
 The pool lives in memory only: after a buffer restart it fills again from headers.
+
+Recovery (PartialsRequest from the manager, for a dead rollout): `recover` answers with
+the pool's records plus, for each sample of an open group that was handed out but never
+reported a header, an empty PartialTrajectory built from the group's prompt: resuming a
+sample that never started is starting it.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from laminar.buffer.experience import OPEN, Group
 from laminar.protocol.data import PartialChunk, PartialTrajectory
 
-__all__ = ["PartialPool"]
+__all__ = ["PartialPool", "recover"]
+
+_EMPTY_I = np.zeros(0, np.int32)
+_EMPTY_F = np.zeros(0, np.float32)
 
 
 @dataclass
@@ -84,10 +95,11 @@ class PartialPool:
             h.response_ids, h.logprobs = np.zeros(0, np.int32), np.zeros(0, np.float32)
             self.records[c.uid] = rec
             self.counts["headers"] += 1
-        rec = self.records.get(c.uid)
-        if rec is None:
+        found = self.records.get(c.uid)
+        if found is None:
             self.counts["unknown"] += 1
             return "unknown"
+        rec = found
         if c.version != rec.header.version:
             self.counts["version_mismatch"] += 1
             return "bad"
@@ -117,3 +129,36 @@ class PartialPool:
         else:
             recs = [r for r in self.records.values() if r.header.rollout_id == rollout_id]
         return [r.materialize() for r in recs]
+
+
+def recover(pool: PartialPool, groups: Mapping[str, Group], rollout_id: str = "",
+            uids: list[str] | None = None) -> list[PartialTrajectory]:  # fmt: skip
+    """What a PartialsRequest asks for: in-flight records and never-started samples of open groups.
+
+    `uids` given: those samples; otherwise every sample last reported by (or served to) `rollout_id`.
+    """
+    out = pool.query(rollout_id, uids)
+    have = {p.uid for p in out} | set(pool.records)
+    if uids:
+        wanted = [(u.rpartition("/")[0], u.rpartition("/")[2]) for u in uids if u not in have]
+        targets = [(g, int(i)) for gid, i in wanted if i.isdigit() and (g := groups.get(gid))]
+    else:
+        targets = [
+            (g, i) for g in groups.values() if g.rollout_id == rollout_id for i in range(g.n)
+        ]
+    for g, i in targets:
+        uid = f"{g.group_id}/{i}"
+        if (
+            g.state != OPEN
+            or g.item is None
+            or i >= g.n
+            or i in g.members
+            or i in g.lost
+            or uid in have
+        ):
+            continue
+        out.append(PartialTrajectory(uid=uid, group_id=g.group_id, prompt_uid=g.prompt_uid, sample_index=i,
+                                     prompt_ids=g.item.prompt_ids, response_ids=_EMPTY_I, logprobs=_EMPTY_F,
+                                     version=g.version, n=g.n, prompt=g.item.prompt, row=g.item.row,
+                                     rollout_id=g.rollout_id))  # fmt: skip
+    return out

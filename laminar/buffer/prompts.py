@@ -4,7 +4,8 @@
     encoder = PromptEncoder(tokenizer, chat_template=True, max_tokens=512)
     pool = PromptPool(rows, encoder, shuffle=True, seed=0, epochs=None)
     items, reason = pool.next_items(4, n=8)                  # PromptItems with unique group ids
-    pool.cursor()  /  pool.restore(cursor)                   # journaled by the buffer node
+    pool.cursor()  /  pool.restore(cursor)                   # journaled with each "served" record
+    pool = open_pool(cfg, metrics, log)      # all of the above from cfg.data (blocking: off the loop)
 
 Row format (one JSON object per line, or one parquet row):
   * `prompt`: a string, or chat messages `[{"role": ..., "content": ...}, ...]`;
@@ -31,13 +32,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import msgpack
 import numpy as np
+import structlog
 
+from laminar.config import LaminarConfig
+from laminar.metrics import Metrics
 from laminar.protocol.data import PromptItem
 
 __all__ = [
@@ -48,6 +53,7 @@ __all__ = [
     "PromptEncoder",
     "ByteTokenizer",
     "PromptPool",
+    "open_pool",
 ]
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -226,11 +232,15 @@ def _render_plain(messages: list[dict[str, str]]) -> str:
 
 
 class PromptEncoder:
-    """Prompt (string or chat) -> token ids, with the tokenizer's chat template when it has one."""
+    """Prompt (string or chat) -> token ids, with the tokenizer's chat template when it has one.
+
+    `tokenizer`: a Hugging Face tokenizer (or None: ByteTokenizer), anything with `__call__`,
+    `apply_chat_template`, `chat_template` and `bos_token_id`.
+    """
 
     def __init__(self, tokenizer: Any, chat_template: bool = True, max_tokens: int = 512):
-        self.tok = tokenizer if tokenizer is not None else ByteTokenizer()
-        self.use_template = bool(chat_template and getattr(self.tok, "chat_template", None))
+        self.tok: Any = tokenizer if tokenizer is not None else ByteTokenizer()
+        self.use_template = bool(chat_template and self.tok.chat_template)
         self.max_tokens = max_tokens
 
     def encode(self, prompt: str | list[dict[str, str]]) -> tuple[np.ndarray, str]:
@@ -253,9 +263,8 @@ class PromptEncoder:
             else:
                 text = prompt if isinstance(prompt, str) else _render_plain(messages)
                 ids = list(self.tok(text, add_special_tokens=False)["input_ids"])
-                bos = getattr(self.tok, "bos_token_id", None)
-                if bos is not None:
-                    ids.insert(0, bos)
+                if self.tok.bos_token_id is not None:
+                    ids.insert(0, self.tok.bos_token_id)
         except Exception as exc:  # a template or tokenizer failure is a property of this row
             raise BadRow(f"tokenization failed: {type(exc).__name__}: {exc}") from None
         if not ids:
@@ -269,7 +278,8 @@ class PromptPool:
     """Rows served epoch by epoch in a seeded order; every served group gets a unique group_id."""
 
     def __init__(self, rows: list[PromptRow], encoder: PromptEncoder, *, shuffle: bool = True,
-                 seed: int = 0, epochs: int | None = None, on_bad: Any = None):  # fmt: skip
+                 seed: int = 0, epochs: int | None = None,
+                 on_bad: Callable[[str, str], None] | None = None):  # fmt: skip
         self.rows = rows
         self.encoder = encoder
         self.shuffle, self.seed, self.epochs = shuffle, seed, epochs
@@ -372,3 +382,34 @@ class PromptPool:
     def progress(self) -> float:
         """Epochs served so far, fractional."""
         return self.epoch + (self.pos / len(self.rows) if self.rows else 0.0)
+
+
+def open_pool(cfg: LaminarConfig, metrics: Metrics,
+              log: structlog.typing.FilteringBoundLogger) -> PromptPool | None:  # fmt: skip
+    """The prompt pool of cfg.data.train (None when unset), tokenized by cfg.model.path
+    (UTF-8 bytes without one). Blocking (file reads, tokenizer load): run it off the event loop.
+    """
+    if not cfg.data.train:
+        return None
+    rows, report = load_prompts(cfg.data.train)
+    for err in report.errors:
+        log.warning("bad_row", error=err)
+    tok = None
+    if cfg.model.path:
+        from laminar.models.tiny import load_tokenizer
+
+        tok = load_tokenizer(cfg.model.path)
+    else:
+        log.info("byte_prompt_ids", reason="model.path not set: prompt ids are UTF-8 bytes")
+
+    def bad_row(where: str, why: str) -> None:  # a row that fails only when first served
+        metrics.count("bad_rows")
+        log.warning("bad_row", error=f"{where}: {why}")
+
+    encoder = PromptEncoder(tok, cfg.data.chat_template, cfg.data.max_prompt_tokens)
+    pool = PromptPool(rows, encoder, shuffle=cfg.data.shuffle, seed=cfg.data.seed, epochs=cfg.data.epochs,
+                      on_bad=bad_row)  # fmt: skip
+    metrics.count("bad_rows", report.bad)
+    log.info("prompts_loaded", files=report.files, rows=report.rows, bad=report.bad,
+             duplicate_uids=report.duplicate_uids, chat_template=encoder.use_template)  # fmt: skip
+    return pool

@@ -67,7 +67,10 @@ class Clock:
 
     @staticmethod
     def _cpu() -> float:
-        me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        me, kids = (
+            resource.getrusage(resource.RUSAGE_SELF),
+            resource.getrusage(resource.RUSAGE_CHILDREN),
+        )
         return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
     def lap(self, name: str) -> dict[str, float]:
@@ -88,7 +91,9 @@ def demo_settings(cfg: LaminarConfig) -> dict[str, Any]:
     return out
 
 
-def prepare_data(run_dir: Path, s: dict[str, Any], seed: int) -> tuple[Path, Path, list[dict], list[dict]]:
+def prepare_data(
+    run_dir: Path, s: dict[str, Any], seed: int
+) -> tuple[Path, Path, list[dict], list[dict]]:
     from laminar.tasks import countup as cu
 
     data = run_dir / "data"
@@ -119,7 +124,9 @@ def warm_up(s: dict[str, Any], train: list[dict], seed: int) -> Path:
     return path
 
 
-def run_mode(cfg_path: Path, run_dir: Path, mode: str, overrides: list[str], s: dict[str, Any]) -> dict[str, Any]:
+def run_mode(
+    cfg_path: Path, run_dir: Path, mode: str, overrides: list[str], s: dict[str, Any]
+) -> dict[str, Any]:
     """`laminar run` as a child process with a live progress line; returns timing info."""
     from laminar.demo.progress import Progress
 
@@ -150,7 +157,10 @@ def run_mode(cfg_path: Path, run_dir: Path, mode: str, overrides: list[str], s: 
     wall = time.time() - t0
     if proc.returncode != 0:
         tail = (run_dir / "nodes.log").read_text().splitlines()[-30:]
-        raise SystemExit(f"demo: the {mode} run failed (exit {proc.returncode}); last log lines:\n" + "\n".join(tail))
+        raise SystemExit(
+            f"demo: the {mode} run failed (exit {proc.returncode}); last log lines:\n"
+            + "\n".join(tail)
+        )
     say(f"{mode} run finished in {wall:.0f}s")
     return {"mode": mode, "wall_clock_s": wall, "t0": t0, "run_dir": str(run_dir)}
 
@@ -165,7 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from laminar.logs import configure_logging
 
-    configure_logging("warning", cfg.logging.json_logs)  # the nodes' own logs go to each run's nodes.log
+    configure_logging(
+        "warning", cfg.logging.json_logs
+    )  # the nodes' own logs go to each run's nodes.log
 
     from laminar.demo import report
     from laminar.demo.evaluate import evaluate_model

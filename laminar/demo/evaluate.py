@@ -24,7 +24,9 @@ def prompt_ids(tok: Any, prompt: str) -> np.ndarray:
     return np.asarray(ids, dtype=np.int32)
 
 
-async def _generate(model: Any, tok: Any, prompts: Sequence[str], max_tokens: int, max_running: int) -> list[str]:
+async def _generate(
+    model: Any, tok: Any, prompts: Sequence[str], max_tokens: int, max_running: int
+) -> list[str]:
     from laminar.engines.base import GenRequest, SamplingParams
     from laminar.engines.torch_engine import TorchEngine
 
@@ -33,13 +35,17 @@ async def _generate(model: Any, tok: Any, prompts: Sequence[str], max_tokens: in
     try:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
         tasks = [
-            engine.generate_all(GenRequest(f"eval{i}", prompt_ids(tok, p), params, single=True), timeout=600)
+            engine.generate_all(
+                GenRequest(f"eval{i}", prompt_ids(tok, p), params, single=True), timeout=600
+            )
             for i, p in enumerate(prompts)
         ]
         results = await asyncio.gather(*tasks)
     finally:
         await engine.close()
-    return [tok.decode(next(iter(r.values()))[0].tolist(), skip_special_tokens=True) for r in results]
+    return [
+        tok.decode(next(iter(r.values()))[0].tolist(), skip_special_tokens=True) for r in results
+    ]
 
 
 def evaluate_model(
@@ -61,13 +67,17 @@ def evaluate_model(
     else:
         model = model_or_path
     with torch.inference_mode():
-        outs = asyncio.run(_generate(model, tokenizer, [r["prompt"] for r in rows], max_tokens, max_running))
+        outs = asyncio.run(
+            _generate(model, tokenizer, [r["prompt"] for r in rows], max_tokens, max_running)
+        )
     scores = [float(verify(o, r["answer"])) for o, r in zip(outs, rows, strict=True)]
     return {
         "accuracy": sum(scores) / max(1, len(scores)),
         "prompts": len(rows),
         "mean_len": statistics.fmean(len(o) for o in outs) if outs else 0.0,
         "completions": outs,
-        "samples": [{"prompt": r["prompt"], "completion": o, "answer": r["answer"], "score": s}
-                    for r, o, s in list(zip(rows, outs, scores, strict=True))[:8]],  # fmt: skip
+        "samples": [
+            {"prompt": r["prompt"], "completion": o, "answer": r["answer"], "score": s}
+            for r, o, s in list(zip(rows, outs, scores, strict=True))[:8]
+        ],  # fmt: skip
     }

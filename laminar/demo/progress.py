@@ -10,7 +10,10 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # config loads lazily, inside _versions
+    from laminar.config import LaminarConfig
 
 
 class Progress:
@@ -20,7 +23,7 @@ class Progress:
         self._pos = 0
         self.last: dict[str, Any] = {}
         self.tty = sys.stdout.isatty()
-        self._cfg = None
+        self._cfg: LaminarConfig | None = None
 
     def _read_metrics(self) -> None:
         path = self.run_dir / "metrics.jsonl"
@@ -48,7 +51,9 @@ class Progress:
         except Exception:  # the cluster is starting or stopping: no table this time
             return ""
         rows = sorted((e.node_id, e.status) for e in reply.nodes if e.role == "rollout" and e.alive)
-        return " ".join(f"{n.split('-')[-1]}:v{s.version}/{s.running}" for n, s in rows if s is not None)
+        return " ".join(
+            f"{n.split('-')[-1]}:v{s.version}/{s.running}" for n, s in rows if s is not None
+        )
 
     def tick(self, final: bool = False) -> None:
         now = time.time()

@@ -40,7 +40,9 @@ def _load_snapshot(policy0: Path, weights: Path):
     model = load_causal_lm(policy0)
     missing, unexpected = model.load_state_dict(load_file(str(weights)), strict=False)
     if unexpected or any(not k.startswith("lm_head") for k in missing):
-        raise ValueError(f"snapshot {weights} does not fit the model: missing {missing}, unexpected {unexpected}")
+        raise ValueError(
+            f"snapshot {weights} does not fit the model: missing {missing}, unexpected {unexpected}"
+        )
     model.tie_weights()
     return model
 
@@ -56,7 +58,15 @@ def eval_curve(run_dir: Path, policy0: Path, rows: list[dict], s: dict[str, Any]
 
     index = read_jsonl(run_dir / "snapshots" / "index.jsonl")
     index = [e for e in index if (run_dir / "snapshots" / f"v{e['version']}.safetensors").exists()]
-    curve = [{"t": 0.0, "step": 0, "version": 0, "accuracy": before["accuracy"], "prompts": before["prompts"]}]
+    curve = [
+        {
+            "t": 0.0,
+            "step": 0,
+            "version": 0,
+            "accuracy": before["accuracy"],
+            "prompts": before["prompts"],
+        }
+    ]
     if not index:
         log(f"no snapshots in {run_dir}; the curve has only the warm-up point")
         return curve
@@ -64,19 +74,25 @@ def eval_curve(run_dir: Path, policy0: Path, rows: list[dict], s: dict[str, Any]
     if k <= 0 or k >= len(index):  # 0: every snapshot
         picks = list(range(len(index)))
     else:
-        picks = sorted({round(i * (len(index) - 1) / max(1, k - 1)) for i in range(k)} | {len(index) - 1})
+        picks = sorted(
+            {round(i * (len(index) - 1) / max(1, k - 1)) for i in range(k)} | {len(index) - 1}
+        )
     tok = load_tokenizer(policy0)
     subset = rows[: int(s["curve_eval_rows"])]
     for i in picks:
         e = index[i]
         last = i == len(index) - 1
         model = _load_snapshot(policy0, run_dir / "snapshots" / f"v{e['version']}.safetensors")
-        res = evaluate_model(model, rows if last else subset, cu.verify, max_tokens=max_tokens, tokenizer=tok)
+        res = evaluate_model(
+            model, rows if last else subset, cu.verify, max_tokens=max_tokens, tokenizer=tok
+        )
         curve.append({"t": e["time"] - t0, "step": e["step"], "version": e["version"],
                       "accuracy": res["accuracy"], "prompts": res["prompts"]})  # fmt: skip
         if last:
             curve[-1]["habit"] = habit_share(rows, res["completions"])
-        log(f"  v{e['version']} (step {e['step']}, {e['time'] - t0:.0f}s): accuracy {res['accuracy']:.3f} on {res['prompts']}")
+        log(
+            f"  v{e['version']} (step {e['step']}, {e['time'] - t0:.0f}s): accuracy {res['accuracy']:.3f} on {res['prompts']}"
+        )
     return curve
 
 
@@ -117,10 +133,14 @@ def steps_per_s(metrics: list[dict[str, Any]]) -> float | None:
     return (metrics[-1]["step"] - metrics[0]["step"]) / dt if dt > 0 else None
 
 
-def summarize(cfg: Any, runs: dict[str, dict], before: dict[str, Any], after: dict[str, Any], wall: float) -> dict[str, Any]:
+def summarize(
+    cfg: Any, runs: dict[str, dict], before: dict[str, Any], after: dict[str, Any], wall: float
+) -> dict[str, Any]:
     lam = runs["laminar"]
     m = lam.get("metrics", [])
-    k = max(5, len(m) // 10)  # a tenth of the run at each end (at least 5 steps): one batch's reward swings with its prompt mix
+    k = max(
+        5, len(m) // 10
+    )  # a tenth of the run at each end (at least 5 steps): one batch's reward swings with its prompt mix
     summary: dict[str, Any] = {
         "mode": cfg.mode,
         "eval_accuracy_before": before["accuracy"],
@@ -161,7 +181,9 @@ def summarize(cfg: Any, runs: dict[str, dict], before: dict[str, Any], after: di
 
 
 def _mean(vals) -> float:
-    vals = [float(v) for v in vals if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    vals = [
+        float(v) for v in vals if v is not None and not (isinstance(v, float) and math.isnan(v))
+    ]
     return sum(vals) / len(vals) if vals else float("nan")
 
 
@@ -196,9 +218,22 @@ def plot(run_dir: Path, runs: dict[str, dict]) -> Path:
         t0 = r["t0"]
         ts, rw = [x["time"] - t0 for x in m], [x.get("reward", float("nan")) for x in m]
         a.plot(ts, rw, color=colors.get(name), alpha=0.2)
-        a.plot(ts, _rolling(rw, 8), color=colors.get(name), alpha=0.7, lw=1.2, label=f"{name} batch reward (mean of 8)")
+        a.plot(
+            ts,
+            _rolling(rw, 8),
+            color=colors.get(name),
+            alpha=0.7,
+            lw=1.2,
+            label=f"{name} batch reward (mean of 8)",
+        )
         c = r.get("curve", [])
-        a.plot([p["t"] for p in c], [p["accuracy"] for p in c], "o-", color=colors.get(name), label=f"{name} held-out acc")
+        a.plot(
+            [p["t"] for p in c],
+            [p["accuracy"] for p in c],
+            "o-",
+            color=colors.get(name),
+            label=f"{name} held-out acc",
+        )
     a.set_xlabel("wall-clock (s)")
     a.set_ylabel("reward / accuracy")
     a.set_title("Reward and held-out accuracy vs wall-clock")
@@ -210,9 +245,21 @@ def plot(run_dir: Path, runs: dict[str, dict]) -> Path:
     b.set_ylabel("mean response length (tokens)")
     for name, r in runs.items():
         c = r.get("curve", [])
-        a.plot([p["step"] for p in c], [p["accuracy"] for p in c], "o-", color=colors.get(name), label=f"{name} held-out acc")
+        a.plot(
+            [p["step"] for p in c],
+            [p["accuracy"] for p in c],
+            "o-",
+            color=colors.get(name),
+            label=f"{name} held-out acc",
+        )
         m = [x for x in r.get("metrics", []) if _resp_len(x) is not None]
-        b.plot([x["step"] for x in m], [_resp_len(x) for x in m], "--", color=colors.get(name), alpha=0.5)
+        b.plot(
+            [x["step"] for x in m],
+            [_resp_len(x) for x in m],
+            "--",
+            color=colors.get(name),
+            alpha=0.5,
+        )
     a.set_xlabel("trainer step")
     a.set_ylabel("held-out accuracy")
     a.set_title("Held-out accuracy vs step (dashed: response length)")
@@ -229,8 +276,16 @@ def plot(run_dir: Path, runs: dict[str, dict]) -> Path:
                     hist[int(k.split("/")[1])] = hist.get(int(k.split("/")[1]), 0) + v
         if hist:
             ks = sorted(hist)
-            shift = (j - (len(runs) - 1) / 2) * width  # bars side by side, centred on the integer staleness
-            a.bar([k + shift for k in ks], [hist[k] for k in ks], width, color=colors.get(name), label=name)
+            shift = (
+                j - (len(runs) - 1) / 2
+            ) * width  # bars side by side, centred on the integer staleness
+            a.bar(
+                [k + shift for k in ks],
+                [hist[k] for k in ks],
+                width,
+                color=colors.get(name),
+                label=name,
+            )
     a.xaxis.get_major_locator().set_params(integer=True)
     a.set_xlabel("staleness at consumption (trainer version − trajectory version)")
     a.set_ylabel("trajectories")
@@ -245,7 +300,9 @@ def plot(run_dir: Path, runs: dict[str, dict]) -> Path:
         pts = [e for e in tl if e.get("event") == "rollout" and e["node"] == node]
         ts = [e["t"] - r["t0"] for e in pts]
         peak = max([e["running"] for e in pts] + [1])
-        a.fill_between(ts, [i + 0.8 * e["running"] / peak for e in pts], i, step="post", alpha=0.5, label=None)
+        a.fill_between(
+            ts, [i + 0.8 * e["running"] / peak for e in pts], i, step="post", alpha=0.5, label=None
+        )
         prev = None
         for e in pts:
             if prev is not None and e["version"] != prev:
@@ -319,20 +376,29 @@ def summary_md(s: dict[str, Any]) -> str:
         lines += ["", "## Where the time went", "",
                   "CPU-seconds count this process and every finished child (all roles of each run).", "",
                   "| phase | wall-clock | CPU-seconds |", "|---|---|---|"]  # fmt: skip
-        lines += [f"| {k} | {v['wall_s']:.0f} s | {v['cpu_s']:.0f} |" for k, v in s["phases"].items()]
+        lines += [
+            f"| {k} | {v['wall_s']:.0f} s | {v['cpu_s']:.0f} |" for k, v in s["phases"].items()
+        ]
     return "\n".join(lines) + "\n"
 
 
 def _comparison_md(s: dict[str, Any], f: Callable[..., str]) -> list[str]:
-    ratio, rate = s.get("sync_over_laminar_time_ratio"), s.get("steps_per_s_ratio_laminar_over_sync")
+    ratio, rate = (
+        s.get("sync_over_laminar_time_ratio"),
+        s.get("steps_per_s_ratio_laminar_over_sync"),
+    )
     if ratio is None:
-        verdict = ("One of the runs never reached the sync run's final (smoothed) accuracy, so there is no "
-                   "time ratio for this run; the curves in report.png show where each one got to.")
+        verdict = (
+            "One of the runs never reached the sync run's final (smoothed) accuracy, so there is no "
+            "time ratio for this run; the curves in report.png show where each one got to."
+        )
     elif ratio >= 1.1:
         verdict = f"Laminar got there {ratio:.2f}x sooner."
     elif ratio <= 0.9:
-        verdict = (f"Sync got there first ({1 / ratio:.2f}x sooner) this time: laminar's higher step rate did "
-                   "not make up for its stale batches and the wobble of the curves (see below).")
+        verdict = (
+            f"Sync got there first ({1 / ratio:.2f}x sooner) this time: laminar's higher step rate did "
+            "not make up for its stale batches and the wobble of the curves (see below)."
+        )
     else:
         verdict = "A draw within the wobble of the curves (see below)."
     return [

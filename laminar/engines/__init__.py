@@ -13,7 +13,15 @@ from laminar.engines.base import (
     TokenEvent,
 )
 
-__all__ = ["Engine", "EngineStats", "GenRequest", "PartialState", "SamplingParams", "TokenEvent", "make_engine"]
+__all__ = [
+    "Engine",
+    "EngineStats",
+    "GenRequest",
+    "PartialState",
+    "SamplingParams",
+    "TokenEvent",
+    "make_engine",
+]
 
 
 def make_engine(cfg: Any, **kw: Any) -> Engine:

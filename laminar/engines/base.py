@@ -48,7 +48,13 @@ class SamplingParams:
 
     @classmethod
     def from_config(cls, s: Any, **kw: Any) -> SamplingParams:
-        return cls(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens, stop=tuple(s.stop), **kw)
+        return cls(
+            temperature=s.temperature,
+            top_p=s.top_p,
+            max_tokens=s.max_tokens,
+            stop=tuple(s.stop),
+            **kw,
+        )
 
 
 @dataclass
@@ -71,7 +77,9 @@ class GenRequest:
 
     @classmethod
     def resume(cls, p: PartialState, params: SamplingParams) -> GenRequest:
-        return cls(p.seq_id, p.prompt_ids, params, 1, p.version, p.output_ids, p.logprobs, single=True)
+        return cls(
+            p.seq_id, p.prompt_ids, params, 1, p.version, p.output_ids, p.logprobs, single=True
+        )
 
 
 @dataclass
@@ -116,6 +124,8 @@ class Engine(ABC):
     """Base: event routing. Implementations call `self._emit(ev)` from their step loop."""
 
     name = "engine"
+    capacity: int = 0
+    """KV-cache capacity in tokens (0: unknown)."""
 
     def __init__(self) -> None:
         self.version = 0
@@ -160,7 +170,9 @@ class Engine(ABC):
     async def next_event(self, timeout: float | None = None) -> TokenEvent:
         return await asyncio.wait_for(self._events.get(), timeout)
 
-    async def generate(self, req: GenRequest, timeout: float | None = None) -> AsyncIterator[TokenEvent]:
+    async def generate(
+        self, req: GenRequest, timeout: float | None = None
+    ) -> AsyncIterator[TokenEvent]:
         """Submit and stream this request's events until all its sequences finish."""
         ids = req.seq_ids()
         q: asyncio.Queue[TokenEvent] = asyncio.Queue()
@@ -173,7 +185,9 @@ class Engine(ABC):
                 try:
                     ev = await asyncio.wait_for(q.get(), timeout)
                 except TimeoutError:
-                    raise TimeoutError(f"{req.req_id}: no engine output within {timeout}s") from None
+                    raise TimeoutError(
+                        f"{req.req_id}: no engine output within {timeout}s"
+                    ) from None
                 if ev.finished:
                     pending.discard(ev.seq_id)
                 yield ev
@@ -181,7 +195,9 @@ class Engine(ABC):
             for s in ids:
                 self._streams.pop(s, None)
 
-    async def generate_all(self, req: GenRequest, timeout: float | None = None) -> dict[str, tuple[np.ndarray, np.ndarray, str]]:
+    async def generate_all(
+        self, req: GenRequest, timeout: float | None = None
+    ) -> dict[str, tuple[np.ndarray, np.ndarray, str]]:
         """Convenience: run a request to completion -> {seq_id: (token_ids, logprobs, finish_reason)}."""
         toks: dict[str, list[np.ndarray]] = {s: [] for s in req.seq_ids()}
         lps: dict[str, list[np.ndarray]] = {s: [] for s in req.seq_ids()}

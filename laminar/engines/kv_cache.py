@@ -57,6 +57,7 @@ class StepLayout:
             self._rows = torch.arange(self.n_decode, device=dev)
             cols = torch.arange(self.decode_max, device=dev)
             self._mask = (cols[None, :] <= self.decode_pos[:, None])[:, None, None, :]
+        assert self._mask is not None  # built together with _rows
         return self._rows, self._mask
 
 

@@ -271,6 +271,8 @@ class SimEngine(Engine):
             min(s.target - s.done, self.chunk_tokens - (s.done - s.emitted)) for s in self._running
         )
         when = self._t0 + max(1, steps) * self.step_time(len(self._running))
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
         self._timer = self._loop.call_at(when, self._on_timer)
 
     def _on_timer(self) -> None:

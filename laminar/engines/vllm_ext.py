@@ -27,7 +27,9 @@ class LaminarWorkerExtension:
         if (blob is None) == (path is None):
             raise ValueError("laminar_load_weights needs exactly one of blob or path")
         tensors = (
-            safetensors.torch.load(blob) if blob is not None else safetensors.torch.load_file(path)
+            safetensors.torch.load(blob)
+            if blob is not None
+            else safetensors.torch.load_file(str(path))
         )
         device = getattr(self, "device", None)
         if device is not None and str(device) != "cpu":

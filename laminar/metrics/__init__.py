@@ -1,10 +1,10 @@
 """Metrics as typed partials (sum, count, max, min), reduced in one place.
 
-    m = Metrics()
-    m.add("reward", 1.0); m.add("reward", 0.0)
-    snap = m.snapshot()                 # {"reward": Partial(sum=1, count=2, max=1, min=0)}
-    reduce_partials([snap_a, snap_b])   # the only place partials are merged
-    means(snap)                         # {"reward": 0.5}; NaN samples are skipped, not averaged in
+m = Metrics()
+m.add("reward", 1.0); m.add("reward", 0.0)
+snap = m.snapshot()                 # {"reward": Partial(sum=1, count=2, max=1, min=0)}
+reduce_partials([snap_a, snap_b])   # the only place partials are merged
+means(snap)                         # {"reward": 0.5}; NaN samples are skipped, not averaged in
 """
 
 from __future__ import annotations

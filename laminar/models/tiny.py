@@ -34,7 +34,11 @@ def char_tokenizer(alphabet: str = DEFAULT_ALPHABET):
     tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tk.decoder = decoders.Fuse()
     tok = PreTrainedTokenizerFast(
-        tokenizer_object=tk, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", unk_token="<unk>"
+        tokenizer_object=tk,
+        pad_token="<pad>",
+        bos_token="<bos>",
+        eos_token="<eos>",
+        unk_token="<unk>",
     )
     return tok
 
@@ -61,7 +65,9 @@ def tiny_config(vocab_size: int, hidden: int = 64, layers: int = 2, heads: int =
     )
 
 
-def build_tiny_model(path: str | os.PathLike, alphabet: str = DEFAULT_ALPHABET, seed: int = 0, **cfg_kw: Any) -> Path:
+def build_tiny_model(
+    path: str | os.PathLike, alphabet: str = DEFAULT_ALPHABET, seed: int = 0, **cfg_kw: Any
+) -> Path:
     """Write a randomly initialised tiny model + tokenizer to `path` (HF directory)."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -74,7 +80,9 @@ def build_tiny_model(path: str | os.PathLike, alphabet: str = DEFAULT_ALPHABET, 
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
-    (out / "laminar_tiny.json").write_text(json.dumps({"alphabet": alphabet, "seed": seed, **cfg_kw}))
+    (out / "laminar_tiny.json").write_text(
+        json.dumps({"alphabet": alphabet, "seed": seed, **cfg_kw})
+    )
     return out
 
 
@@ -89,7 +97,7 @@ def load_causal_lm(path: str | os.PathLike, dtype: str = "float32", device: str 
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
+    model: Any = AutoModelForCausalLM.from_pretrained(
         str(path), dtype=getattr(torch, dtype), local_files_only=True, attn_implementation="eager"
     )
     return model.to(device).eval()

@@ -51,7 +51,9 @@ def encode_pair(tok, prompt: str, completion: str) -> tuple[list[int], int]:
     return p + c, len(p)
 
 
-def length_batches(lengths: Sequence[int], batch_size: int, rng: random.Random, pool: int = 2048) -> list[list[int]]:
+def length_batches(
+    lengths: Sequence[int], batch_size: int, rng: random.Random, pool: int = 2048
+) -> list[list[int]]:
     """One epoch of index batches with little padding: shuffle, sort each pool by length, cut, shuffle the cuts."""
     order = list(range(len(lengths)))
     rng.shuffle(order)
@@ -114,7 +116,9 @@ def sft_warmup(
     lengths = [len(ids) for ids, _ in data]
     # no weight decay: the model is tiny and trained for a few epochs at most; decay only slowed it here
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: lr_factor(k, steps, warmup_steps, schedule))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda k: lr_factor(k, steps, warmup_steps, schedule)
+    )
     t0, cpu0 = time.time(), time.process_time()
     losses: list[float] = []
     batches: list[list[int]] = []
@@ -128,10 +132,14 @@ def sft_warmup(
         weight = torch.zeros((len(batch), width))
         for i, (seq, start) in enumerate(batch):
             ids[i, : len(seq)] = torch.tensor(seq)
-            weight[i, start : len(seq)] = 1.0  # completion tokens (and EOS) only; padding sits after EOS
+            weight[i, start : len(seq)] = (
+                1.0  # completion tokens (and EOS) only; padding sits after EOS
+            )
         # causal: no attention mask needed, padding only ever follows the tokens that are scored
         logits = model(input_ids=ids[:, :-1]).logits
-        nll = F.cross_entropy(logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1), reduction="none")
+        nll = F.cross_entropy(
+            logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1), reduction="none"
+        )
         loss = (nll * weight[:, 1:].reshape(-1)).sum() / weight[:, 1:].sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -6,12 +6,16 @@
     trainer ──BatchRequest──► buffer ──BatchReply(trajectories)──► trainer   (long-poll, whole groups)
     trainer ──BatchCommit──► buffer ──Ack                                     (exactly-once consumption)
     manager ──PartialsRequest──► buffer ──PartialsReply──► manager           (recovery of a dead rollout)
+
+A reply that acknowledges a change (prompts served, a trajectory, a batch, a commit) is sent
+only once the buffer's journal record of it is durable (buffer.fsync).
 """
 
 from __future__ import annotations
 
-from dataclasses import field
 from typing import Any
+
+from msgspec import field
 
 from laminar.protocol.data import PartialTrajectory, PromptItem, Trajectory
 from laminar.transport.codec import Message, message
@@ -39,7 +43,7 @@ class PromptReply(Message):  # buffer -> rollout
     retry_after_s: float = 0.0
     """When items is empty: ask again after this long."""
     reason: str = ""
-    """Why nothing was served: empty | full | staleness | need_version | epochs_done."""
+    """Why nothing was served: empty | full | staleness | need_version | epochs_done | global_update."""
     min_version: int = -1
     """The version the rollout must load before new prompts are served (modes with global updates)."""
 
@@ -64,7 +68,7 @@ class BatchReply(Message):  # buffer -> trainer
 
 
 @message(0x34)
-class BatchCommit(Message):  # trainer -> buffer: the optimizer step that consumed batch_id committed
+class BatchCommit(Message):  # trainer -> buffer: the step that consumed batch_id committed
     batch_id: str
     step: int
     version: int

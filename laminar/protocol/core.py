@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
-from dataclasses import field
 from typing import Any
 
+from msgspec import field
+
+from laminar.protocol.rollout import RolloutStatus
 from laminar.transport.codec import Message, message
 
-__all__ = ["Hello", "Welcome", "Heartbeat", "Bye", "ErrorReply", "Ack", "NodeStatus", "Ping", "Pong"]
+__all__ = [
+    "Hello",
+    "Welcome",
+    "Heartbeat",
+    "Bye",
+    "ErrorReply",
+    "Ack",
+    "NodeStatus",
+    "Ping",
+    "Pong",
+]
 
 
 @message(0x01)
@@ -36,6 +48,8 @@ class NodeStatus(Message):  # carried by heartbeats: what the manager needs to k
     waiting: int = 0
     inflight: int = 0
     staleness: float = 0.0
+    rollout: RolloutStatus | None = None
+    """Rollouts only: per-trajectory KV and delivery state (typed: the manager's repack reads it)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 

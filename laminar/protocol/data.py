@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import field
 from typing import Annotated, Any
 
 import numpy as np
+from msgspec import field
 
 from laminar.transport.codec import Arr, Message, message
 
@@ -59,7 +59,9 @@ class Trajectory(Message):  # rollout -> buffer (finished), buffer -> trainer (i
 
 
 @message(0x22)
-class PartialTrajectory(Message):  # rollout -> buffer (partial pool), manager <-> rollout (export/import)
+class PartialTrajectory(
+    Message
+):  # rollout -> buffer (partial pool), manager <-> rollout (export/import)
     uid: str
     group_id: str
     prompt_uid: str
@@ -78,7 +80,9 @@ class PartialTrajectory(Message):  # rollout -> buffer (partial pool), manager <
 
 
 @message(0x23)
-class PartialChunk(Message):  # rollout -> buffer: new tokens of an in-flight trajectory (partial pool)
+class PartialChunk(
+    Message
+):  # rollout -> buffer: new tokens of an in-flight trajectory (partial pool)
     uid: str
     version: int
     offset: int

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import field
+from msgspec import field
 
 from laminar.protocol.core import NodeStatus
 from laminar.transport.codec import Message, message

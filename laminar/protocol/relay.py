@@ -1,7 +1,7 @@
 """Relay and weight-transport messages (0x50-0x6F).
 
 trainer ──StageRequest──► master relay ──StageReply(shm segment)──► trainer   (memcpy into shm)
-                          (a relay that is not master answers ErrorReply("not_master", "master=<i>"))
+                          (a relay that is not master answers NotMaster(master=<i>): push there)
 trainer ──PushChunk*──► master relay                                           (remote trainer: no shared shm)
 trainer ──CommitRequest──► master relay ──CommitReply──► trainer               (trainer resumes here)
 relay k ──VersionOffer (one-way, data socket)──► relay k+1                     (a version to fetch)
@@ -10,14 +10,16 @@ relay ──WeightsReady (PUB)──► local rollouts
 rollout ──PullRequest──► relay ──PullReply(segment + layout)──► rollout ──ReleaseRequest──► relay
 manager ──ChainUpdate──► relay;  any ──ChainInfoRequest──► relay ──ChainInfo──► any
 trainer (GPU) ──CudaIpcHandle──► rollouts on the same host                     (laminar/transport/weights_gpu.py)
+
+Layouts and checksums: laminar/transport/weight_layout.py; the channel ends: laminar/transport/weights*.py.
 """
 
 from __future__ import annotations
 
-from dataclasses import field
 from typing import Annotated
 
 import numpy as np
+from msgspec import field
 
 from laminar.transport.codec import Arr, Message, message
 
@@ -25,7 +27,7 @@ __all__ = [
     "WeightLayout", "WeightsReady", "StageRequest", "StageReply", "PushChunk", "CommitRequest",
     "CommitReply", "PullRequest", "PullReply", "ReleaseRequest", "LatestRequest", "LatestReply",
     "ChainUpdate", "ChainInfoRequest", "ChainInfo", "VersionOffer", "OfferRequest", "FetchChunk",
-    "WeightChunk", "RelayReset", "CudaIpcHandle", "NcclAnnounce",
+    "WeightChunk", "RelayReset", "CudaIpcHandle", "NcclAnnounce", "NotMaster",
 ]  # fmt: skip
 
 ChunkBytes = Annotated[np.ndarray, Arr(("uint8",), ndim=1)]
@@ -220,3 +222,9 @@ class NcclAnnounce(Message):  # trainer -> NCCL group members: the next broadcas
     version: int
     checksum: str
     layout: WeightLayout
+
+
+@message(0x66)
+class NotMaster(Message):  # relay -> trainer: not master, StageRequest goes to `master`
+    master: int
+    """Index of the relay this one names as the chain's master."""

@@ -3,6 +3,7 @@
     manager ──ExportRequest(uids)──► rollout ──ExportReply(partials)──► manager   (repack source)
     manager ──ImportRequest(partials)──► rollout ──ImportReply──► manager         (repack destination / recovery)
     manager ──RefreshRequest(min_version)──► rollout ──RefreshReply──► manager   (load newest weights when idle)
+    rollout ──Heartbeat(NodeStatus(rollout=RolloutStatus))──► manager             (what repack plans from)
 
 The rollout is the manager's RpcClient, so these arrive through the manager's
 `RpcServer.request(node_id, msg)`. An import at a version other than the
@@ -12,12 +13,13 @@ keeps a single policy version, so it may only resume on a rollout that holds it.
 
 from __future__ import annotations
 
-from dataclasses import field
+from msgspec import field
 
 from laminar.protocol.data import PartialTrajectory
 from laminar.transport.codec import Message, message
 
 __all__ = [
+    "RolloutStatus",
     "ExportRequest",
     "ExportReply",
     "ImportRequest",
@@ -71,3 +73,27 @@ class RefreshReply(Message):  # rollout -> manager: answered at once; the load h
     """The rollout's version now."""
     pending: bool
     """A load is queued (waiting for in-flight trajectories to finish or the version to appear)."""
+
+
+@message(0x96)
+class RolloutStatus(Message):  # rollout -> manager, inside NodeStatus.rollout on every beat
+    traj_tokens: dict[str, int]
+    """uid -> KV tokens it holds (prompt + generated): repack picks what to move from these."""
+    kv_capacity_tokens: int
+    """The engine's KV capacity in tokens (0: unknown; the manager then treats tokens as fractions)."""
+    measured_at: float
+    """Wall-clock time of the report: the manager knows how old the view it plans on is."""
+    target_version: int
+    """The version new prompts should run at (above `NodeStatus.version`: a load is due)."""
+    groups: int = 0
+    """GRPO groups in hand (each one credit)."""
+    held: int = 0
+    """Groups served for a version not loaded yet."""
+    credits_free: int = 0
+    outbox: int = 0
+    """Finished trajectories not yet acked by the buffer."""
+    outbox_oldest_s: float = 0.0
+    finished: int = 0
+    tokens: int = 0
+    """Tokens the engine generated so far."""
+    reward_errors: int = 0

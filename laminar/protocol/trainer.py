@@ -6,8 +6,7 @@ trainer rank 0 ──RankCommand──► trainer ranks 1..N-1    over torch.dis
 
 from __future__ import annotations
 
-from dataclasses import field
-from typing import Any
+from msgspec import field
 
 from laminar.protocol.data import Trajectory
 from laminar.transport.codec import Message, message
@@ -32,16 +31,13 @@ class VersionPublished(Message):  # trainer -> manager (and anyone tracking the 
 
 
 @message(0xA1)
-class RankCommand(
-    Message
-):  # trainer rank 0 -> other ranks (encoded with the codec, sent by dist.broadcast)
+class RankCommand(Message):  # trainer rank 0 -> other ranks (codec frames over dist.broadcast)
     kind: str
-    """step | checkpoint | stop"""
+    """init | step | export | checkpoint | stop: the collective every rank runs next."""
     step: int = 0
+    """checkpoint: the step it holds."""
     version: int = 0
     trajectories: list[Trajectory] = field(default_factory=list)
     """step: the batch every rank trains on (each takes its share of the micro-batches)."""
     path: str = ""
-    """checkpoint: the directory to write."""
-    frontier: dict[str, Any] = field(default_factory=dict)
-    """checkpoint: the consumption frontier stored with it."""
+    """init: the checkpoint every rank resumes from ("" = fresh start)."""

@@ -1,10 +1,16 @@
-"""The relay tier: per-host shared-memory weight store and the pipelined chain broadcast.
+"""The relay role: one daemon per host holding the newest weights in shared memory, one hop of
+the pipelined chain broadcast between hosts.
 
-    layout.py  flat buffer layout (names, dtypes incl. bf16, shapes, aligned offsets) + checksums
-    shm.py     /dev/shm segments, slot pool, versions, reader pins (double buffering)
-    chain.py   downstream half of a relay: choose a live upstream, fetch chunks with a window
-    local.py   real relay processes for tests and bench/weights.py
+    node.py    RelayNode: wires the parts; serves the trainer's handoff (Stage/Push/Commit),
+               the rollouts' Pull/Release, chunk fetches from its downstream; publishes
+               WeightsReady; turns the chain follower's events into offers and announcements
+    shm.py     WeightStore: /dev/shm segments, slot pool, versions, reader pins (double buffering)
+    chain.py   ChainFollower: chooses a live upstream, fetches chunks with a window, emits
+               ReceivingStarted / VersionComplete on its event queue (never sees the node)
+    delta.py   delta mode: which chunks travel as "unchanged" markers
+    local.py   RelayProcs: real relay processes for tests and bench/weights.py
 
-The node that wires them is laminar/relay/node.py; the trainer and rollout ends are
-laminar/transport/weights.py (and weights_gpu.py for CUDA IPC / NCCL).
+Imports go one way: relay/ → laminar/transport/ (weight_layout.py for layouts and checksums,
+weights.py for the trainer / rollout ends the tests drive) → protocol/. The trainer and
+rollout reach relays only through the weights channel (laminar/transport/weights_channel.py).
 """

@@ -1,5 +1,15 @@
 """Pipelined chain broadcast between relays: each relay pulls chunks from its upstream.
 
+    chain = ChainFollower(cfg, index=i, store=store, ctx=ctx, opts=opts, node_id=node_id,
+                          log=log, metrics=metrics, spawn=spawn)
+    spawn(chain.run(), "chain")                 # the follow loop
+    ev = await chain.events.get()               # ReceivingStarted(vs) | VersionComplete(vs)
+
+The follower owns the chain view (order, epoch, head, dead relays) and the downstream
+half of one relay: it writes fetched chunks into the store and reports what happened
+as events; relay/node.py turns them into VersionOffers for its own downstream and
+WeightsReady for its rollouts. It never sees the node.
+
     master ◄─FetchChunk(v, i)── relay 1 ◄─FetchChunk(v, i)── relay 2 ◄── …
            ──WeightChunk(data)─►        ──WeightChunk(data)─►
     (data sockets: each relay's RpcServer at relay_data-k; the downstream is its client)
@@ -19,8 +29,8 @@ Pulling (rather than pushing) makes the hard cases simple:
   the same version from the first live one. No relay has to know who was cut out.
 * a dead master: the first relay that finds no live predecessor becomes the head
   (the lowest live index in the order); a partial version nobody can finish is
-  abandoned. The trainer finds the new master itself (WeightPusher asks the relays)
-  or the manager tells it (WeightPusher.set_master).
+  abandoned. The trainer finds the new master itself (WeightPusher asks the relays,
+  laminar/transport/weights.py) or the manager tells it (WeightPusher.set_master).
 * a newer version overtakes an older one: an upstream that freed version v answers
   "gone"; the downstream drops v and fetches the newest.
 
@@ -33,8 +43,14 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
+from structlog.typing import FilteringBoundLogger
+
+from laminar.config import LaminarConfig
+from laminar.metrics import Metrics
 from laminar.protocol.relay import (
     ChainInfo,
     ChainInfoRequest,
@@ -44,26 +60,25 @@ from laminar.protocol.relay import (
     WeightChunk,
 )
 from laminar.relay.delta import base_digest
-from laminar.relay.layout import (
+from laminar.relay.shm import VersionState, WeightStore
+from laminar.supervise import Spawn
+from laminar.transport.client import RpcClient
+from laminar.transport.codec import ProtocolError
+from laminar.transport.sockets import (
+    Context,
+    PeerDead,
+    RemoteError,
+    RequestTimeout,
+    SocketOptions,
+    TransportError,
+)
+from laminar.transport.weight_layout import (
     chunk_digest,
     chunk_range,
     crc_of,
     validate_layout,
     version_checksum,
 )
-from laminar.transport.codec import ProtocolError
-from laminar.transport.sockets import (
-    PeerDead,
-    RemoteError,
-    RequestTimeout,
-    RpcClient,
-    TransportError,
-)
-
-if TYPE_CHECKING:
-    from laminar.relay.node import RelayNode
-    from laminar.relay.shm import VersionState
-
 
 CATCH_UP_EVERY_S = 0.5
 
@@ -83,16 +98,21 @@ class VersionGone(Exception):
         self.version, self.permanent = version, permanent
 
 
-async def _request(cli: RpcClient, msg: Any, timeout: float) -> Any:
-    """One attempt; a CancelledError not meant for this task (the client dropped a dead
-    server's socket under a blocked send) becomes PeerDead."""
-    try:
-        return await cli.request(msg, timeout=timeout, retries=0)
-    except asyncio.CancelledError:
-        task = asyncio.current_task()
-        if task is not None and task.cancelling():
-            raise
-        raise PeerDead(f"{type(msg).__name__}: connection to {cli.endpoint} dropped") from None
+@dataclass(frozen=True)
+class ReceivingStarted:
+    """A version began arriving from upstream: offer it downstream now (pipelining)."""
+
+    vs: VersionState
+
+
+@dataclass(frozen=True)
+class VersionComplete:
+    """A version arrived whole and verified: announce it to the rollouts."""
+
+    vs: VersionState
+
+
+ChainEvent = ReceivingStarted | VersionComplete
 
 
 class Pacer:
@@ -114,12 +134,25 @@ class Pacer:
 class ChainFollower:
     """The downstream half of a relay: choose a live upstream and copy its newest version."""
 
-    def __init__(self, relay: RelayNode):
-        self.relay = relay
-        self.cfg = relay.cfg
-        self.rc = relay.cfg.relay
-        self.index = relay.index
-        self.n_relays = max(relay.cfg.cluster.roles.get("relay", 1), relay.index + 1)
+    def __init__(
+        self,
+        cfg: LaminarConfig,
+        *,
+        index: int,
+        store: WeightStore,
+        ctx: Context,
+        opts: SocketOptions,
+        node_id: str,
+        log: FilteringBoundLogger,
+        metrics: Metrics,
+        spawn: Spawn,
+    ):
+        self.cfg, self.rc, self.index, self.store = cfg, cfg.relay, index, store
+        self.ctx, self.opts, self.node_id = ctx, opts, node_id
+        self.log, self.metrics, self.spawn = log, metrics, spawn
+        self.events: asyncio.Queue[ChainEvent] = asyncio.Queue()
+        """What the relay must act on, in order (the follower never calls into it)."""
+        self.n_relays = max(cfg.cluster.roles.get("relay", 1), index + 1)
         self.epoch = 0
         self.manager_epoch = -1
         self.order: list[int] = list(range(self.n_relays))
@@ -170,7 +203,7 @@ class ChainFollower:
         was_head, self.head = self.head, bool(order) and order[0] == self.index
         if self.head and not was_head:
             self._catch_up_until = time.monotonic() + self.rc.catch_up_window_s
-        self.relay.log.info("chain_order", epoch=self.epoch, order=self.order, head=self.head)
+        self.log.info("chain_order", epoch=self.epoch, order=self.order, head=self.head)
         self._drop_upstream()
         self.changed.set()
 
@@ -183,20 +216,20 @@ class ChainFollower:
         self.order = [self.index] + [
             i for i in self.order if i != self.index and i not in self.dead
         ]
-        self.relay.metrics.count("became_master")
-        self.relay.log.warning("became_master", why=why, epoch=self.epoch, order=self.order)
+        self.metrics.count("became_master")
+        self.log.warning("became_master", why=why, epoch=self.epoch, order=self.order)
         self._drop_upstream()
         self.changed.set()
 
     def info(self) -> ChainInfo:
-        store = self.relay.store
+        store = self.store
         cur, inc = store.current, store.newest_incoming()
         return ChainInfo(
             index=self.index, epoch=self.epoch, order=self.order, master=self.master,
             upstream=-1 if self.upstream is None else self.upstream,
             version=cur.version if cur else -1, checksum=cur.checksum if cur else "",
             incoming_version=inc.version if inc else -1, incoming_have=inc.have_count if inc else 0,
-            incoming_chunks=inc.n if inc else 0, counters=dict(self.relay.metrics.counters),
+            incoming_chunks=inc.n if inc else 0, counters=dict(self.metrics.counters),
             state=f"{self.state}; offer={self.offer.version if self.offer else None}",
         )  # fmt: skip
 
@@ -204,8 +237,8 @@ class ChainFollower:
     def _drop_upstream(self) -> None:
         self._generation += 1
         client, self.client, self.upstream, self.offer = self.client, None, None, None
-        if client is not None:
-            asyncio.ensure_future(client.close())
+        if client is not None:  # may be called from a sync path (set_order): close it aside
+            self.spawn(client.close(), "close-upstream")
 
     def _on_upstream_dead(self) -> None:  # called from the client's heartbeat task: only flag it
         self._upstream_dead = True
@@ -217,18 +250,18 @@ class ChainFollower:
             self.changed.set()
 
     async def _probe(
-        self, idx: int, on_dead: Any = None, timeout: float | None = None
+        self, idx: int, on_dead: Callable[[], Any] | None = None, timeout: float | None = None
     ) -> RpcClient | None:
-        r = self.relay
         cli = RpcClient(
-            r.ctx, self.data_endpoint(idx), r.node_id, "relay", r.opts, on_server_dead=on_dead
-        )
+            self.ctx, self.data_endpoint(idx), self.node_id, "relay", self.opts,
+            on_server_dead=on_dead, spawn=self.spawn,
+        )  # fmt: skip
         cli.on(VersionOffer, self._on_offer)
         try:
             await cli.connect(timeout=timeout or self.rc.probe_timeout_s)
             return cli
         except (TransportError, OSError) as exc:
-            r.log.info("relay_unreachable", relay=idx, error=str(exc))
+            self.log.info("relay_unreachable", relay=idx, error=str(exc))
             await cli.close()
             return None
 
@@ -256,12 +289,12 @@ class ChainFollower:
                 return False
             if cli is None:
                 self.dead.add(idx)
-                self.relay.metrics.count("relays_cut_out")
-                self.relay.log.warning("relay_cut_out", relay=idx)
+                self.metrics.count("relays_cut_out")
+                self.log.warning("relay_cut_out", relay=idx)
                 continue
             self.client, self.upstream, self._upstream_dead = cli, idx, False
             self._ever_connected = True
-            self.relay.log.info("upstream", relay=idx, epoch=self.epoch)
+            self.log.info("upstream", relay=idx, epoch=self.epoch)
             return True
         # Electing itself splits the chain if a predecessor was only slow: ask them all once
         # more, with a longer deadline, before taking over as master.
@@ -276,17 +309,19 @@ class ChainFollower:
             if cli is not None:
                 self.dead.discard(idx)
                 self.client, self.upstream, self._upstream_dead = cli, idx, False
-                self.relay.log.info("upstream", relay=idx, epoch=self.epoch, second_chance=True)
+                self.log.info("upstream", relay=idx, epoch=self.epoch, second_chance=True)
                 return True
         self.become_head("no live predecessor")
         return False
 
     async def join(self) -> None:
         """At start: adopt a newer chain view from a live relay (e.g. a new master was elected)."""
-        r = self.relay
 
         async def ask(idx: int) -> ChainInfo | None:
-            cli = RpcClient(r.ctx, r.cfg.endpoint("relay", idx), r.node_id, "relay", r.opts)
+            cli = RpcClient(
+                self.ctx, self.cfg.endpoint("relay", idx), self.node_id, "relay", self.opts,
+                spawn=self.spawn,
+            )  # fmt: skip
             try:
                 await cli.connect(timeout=self.rc.probe_timeout_s)
                 info = await cli.request(
@@ -305,11 +340,11 @@ class ChainFollower:
         if best is not None and self.manager_epoch < 0:
             order = [i for i in best.order if i != self.index] + [self.index]
             self.epoch, self.order, self.head = best.epoch, order, False
-            r.log.info("joined_chain", epoch=self.epoch, order=order)
+            self.log.info("joined_chain", epoch=self.epoch, order=order)
 
     # ---- the follow loop -----------------------------------------------------------------
     async def run(self) -> None:
-        store = self.relay.store
+        store = self.store
         if self.n_relays > 1:
             await self.join()
         while True:
@@ -318,7 +353,7 @@ class ChainFollower:
                 self._drop_upstream()
                 inc = store.newest_incoming()
                 if self.head and inc is not None and inc.source == "upstream":
-                    self.relay.log.warning(
+                    self.log.warning(
                         "version_abandoned", version=inc.version, why="no upstream can finish it"
                     )
                     store.abandon(inc)
@@ -337,15 +372,18 @@ class ChainFollower:
             if self.client is None or self._upstream_dead:
                 if self._upstream_dead and self.upstream is not None:
                     # not cut out yet: _choose_upstream probes it first (it may only have been slow)
-                    self.relay.log.warning("upstream_silent", relay=self.upstream)
+                    self.log.warning("upstream_silent", relay=self.upstream)
                 self._drop_upstream()
                 self.state = "choosing upstream"
                 if not await self._choose_upstream():
                     continue
             try:
+                assert self.client is not None  # _choose_upstream returned True
                 if self.offer is None:
                     self.state = "asking offer"
-                    reply = await _request(self.client, OfferRequest(), self.rc.probe_timeout_s * 4)
+                    reply = await self.client.request(
+                        OfferRequest(), timeout=self.rc.probe_timeout_s * 4, retries=0
+                    )
                     if isinstance(reply, VersionOffer):
                         self._on_offer(None, reply)
                 newest = store.newest()
@@ -367,11 +405,11 @@ class ChainFollower:
                     await self._fetch(self.offer)  # resume a version after an upstream change
                     continue
             except (UpstreamLost, RequestTimeout, PeerDead) as exc:
-                self.relay.log.warning("upstream_lost", relay=self.upstream, error=str(exc))
+                self.log.warning("upstream_lost", relay=self.upstream, error=str(exc))
                 self._upstream_dead = True
                 continue
             except VersionGone as exc:
-                self.relay.log.info("version_gone", error=str(exc), permanent=exc.permanent)
+                self.log.info("version_gone", error=str(exc), permanent=exc.permanent)
                 if exc.permanent:  # never fetch it again; a newer version will come
                     self._given_up.add(exc.version)
                 if self.offer is not None and self.offer.version <= exc.version:
@@ -384,16 +422,18 @@ class ChainFollower:
         """A relay made head (by the manager or an election) that is behind a relay of its chain
         fetches that newer version once, so the chain does not serve an old version from its head
         until the trainer's next push."""
-        r, store = self.relay, self.relay.store
-        newest = store.newest()
+        newest = self.store.newest()
         mine = newest.version if newest else -1
         timeout = self.rc.probe_timeout_s
 
         async def ask(idx: int) -> ChainInfo | None:
-            cli = RpcClient(r.ctx, self.data_endpoint(idx), r.node_id, "relay", r.opts)
+            cli = RpcClient(
+                self.ctx, self.data_endpoint(idx), self.node_id, "relay", self.opts,
+                spawn=self.spawn,
+            )  # fmt: skip
             try:
                 await cli.connect(timeout=timeout)
-                info = await _request(cli, ChainInfoRequest(), timeout)
+                info = await cli.request(ChainInfoRequest(), timeout=timeout, retries=0)
                 return info if isinstance(info, ChainInfo) else None
             except (TransportError, OSError):
                 return None
@@ -409,17 +449,17 @@ class ChainFollower:
         if cli is None:
             return
         self.client, self.upstream = cli, best.index
-        r.log.info("catch_up", source=best.index, version=best.version, had=mine)
+        self.log.info("catch_up", source=best.index, version=best.version, had=mine)
         try:
-            offer = await _request(cli, OfferRequest(), timeout * 4)
+            offer = await cli.request(OfferRequest(), timeout=timeout * 4, retries=0)
             if isinstance(offer, VersionOffer) and offer.version > mine:
                 await self._fetch(offer)
-                r.metrics.count("caught_up")
+                self.metrics.count("caught_up")
         except (UpstreamLost, VersionGone, RequestTimeout, PeerDead, RemoteError) as exc:
-            r.log.warning("catch_up_failed", source=best.index, error=str(exc))
+            self.log.warning("catch_up_failed", source=best.index, error=str(exc))
 
     async def _fetch(self, offer: VersionOffer) -> None:
-        store, r = self.relay.store, self.relay
+        store = self.store
         if offer.layout is None or not 4096 <= offer.chunk_bytes <= 1 << 30:
             raise VersionGone(
                 offer.version, "offer without layout or with a bad chunk size", permanent=True
@@ -427,7 +467,7 @@ class ChainFollower:
         try:
             validate_layout(offer.layout)
         except ProtocolError as exc:
-            r.metrics.count("bad_offers")
+            self.metrics.count("bad_offers")
             raise VersionGone(offer.version, f"bad layout: {exc}", permanent=True) from None
         vs = store.versions.get(offer.version)
         if vs is None:
@@ -440,11 +480,12 @@ class ChainFollower:
                 )
             except ValueError as exc:  # the trainer staged this very version here meanwhile
                 raise VersionGone(offer.version, str(exc)) from None
-            r.started_receiving(vs)
+            self.events.put_nowait(ReceivingStarted(vs))
         t0 = time.monotonic()
         missing = deque(i for i in range(vs.n) if not vs.have[i])
+        # the fetch window: child tasks of this call, awaited and cancelled below (not background)
         workers = [
-            asyncio.ensure_future(self._worker(vs, missing))
+            asyncio.create_task(self._worker(vs, missing))
             for _ in range(min(self.rc.window, len(missing)) or 1)
         ]
         try:
@@ -462,8 +503,8 @@ class ChainFollower:
             raise VersionGone(vs.version, "abandoned")
         checksum = version_checksum(vs.layout, vs.chunk_bytes, vs.crcs)
         if vs.expected_checksum and checksum != vs.expected_checksum:
-            r.metrics.count("version_checksum_mismatch")
-            r.log.error(
+            self.metrics.count("version_checksum_mismatch")
+            self.log.error(
                 "version_checksum_mismatch",
                 version=vs.version,
                 got=checksum,
@@ -472,8 +513,8 @@ class ChainFollower:
             store.abandon(vs)
             raise VersionGone(vs.version, "version checksum mismatch", permanent=True)
         store.complete(vs, checksum)
-        r.metrics.add("receive_s", time.monotonic() - t0)
-        await r.version_complete(vs)
+        self.metrics.add("receive_s", time.monotonic() - t0)
+        self.events.put_nowait(VersionComplete(vs))
 
     async def _worker(self, vs: VersionState, missing: deque[int]) -> None:
         while missing and not vs.abandoned:
@@ -497,7 +538,7 @@ class ChainFollower:
         return cli or self.client
 
     async def _fetch_chunk(self, vs: VersionState, i: int) -> None:
-        r, store = self.relay, self.relay.store
+        store = self.store
         start, end = chunk_range(i, vs.chunk_bytes, vs.layout.total_bytes)
         base = store.current
         have_digest = base_digest(self.rc.delta, base, vs, i, end)
@@ -507,8 +548,10 @@ class ChainFollower:
             if src is None:
                 raise UpstreamLost("no upstream")
             try:
-                msg = await _request(
-                    src, FetchChunk(vs.version, i, have_digest), self.rc.fetch_timeout_s
+                msg = await src.request(
+                    FetchChunk(vs.version, i, have_digest),
+                    timeout=self.rc.fetch_timeout_s,
+                    retries=0,
                 )
             except RemoteError as exc:
                 if exc.code == "not_yet":
@@ -527,7 +570,7 @@ class ChainFollower:
                 or msg.index != i
                 or msg.offset != start
             ):
-                r.metrics.count("bad_chunks")
+                self.metrics.count("bad_chunks")
                 raise UpstreamLost(
                     f"unexpected reply {type(msg).__name__} to FetchChunk({vs.version}, {i})"
                 )
@@ -536,18 +579,18 @@ class ChainFollower:
                     have_digest = -1  # cannot reuse our copy: ask for the bytes
                     continue
                 data = base.buf[start:end]
-                r.metrics.count("chunks_unchanged")
+                self.metrics.count("chunks_unchanged")
             else:
                 data = msg.data
-                r.metrics.count("bytes_received", len(data))
+                self.metrics.count("bytes_received", len(data))
             if len(data) != end - start or chunk_digest(data) != crc_of(msg.digest):
                 corrupt += 1
-                r.metrics.count("chunks_corrupt")
+                self.metrics.count("chunks_corrupt")
                 if corrupt > 2 * self.rc.corrupt_retries + 2:  # the master's own copy is bad too
                     raise VersionGone(
                         vs.version, f"chunk {i} corrupt {corrupt} times", permanent=True
                     )
-                r.log.warning(
+                self.log.warning(
                     "chunk_corrupt",
                     version=vs.version,
                     index=i,
@@ -559,7 +602,6 @@ class ChainFollower:
             if msg.version_checksum:
                 vs.expected_checksum = msg.version_checksum
             store.mark(vs, i, msg.digest)
-            r.chunk_arrived(vs, i)
             return
 
     async def close(self) -> None:

@@ -2,7 +2,8 @@
 
     with RelayProcs(tmp_dir, n_relays=4, overrides={"relay.chunk_bytes": 1 << 20}) as procs:
         await procs.wait_ready(timeout=30)          # every relay answers ChainInfo
-        host = procs.host("trainer-0", "trainer")   # a minimal node for WeightPusher / WeightPuller
+        pusher = procs.pusher("trainer-0")           # WeightPusher to the master (this process)
+        puller = procs.puller("rollout-0", relay_index=1)   # WeightPuller of relay 1
         procs.kill(1)                               # SIGKILL by pid (only processes started here)
 
 Each relay is `python -m laminar node --role relay --index i --config <tmp>/config.yaml`,
@@ -26,22 +27,16 @@ from typing import Any
 
 import yaml
 
-from laminar.config import LaminarConfig, apply_overrides, config_from_dict
+from laminar.config import apply_overrides, config_from_dict
+from laminar.logs import get_logger
 from laminar.protocol.relay import ChainInfo, ChainInfoRequest, ChainUpdate
 from laminar.relay.shm import default_shm_dir
-
-
-class ClientHost:
-    """What WeightPusher / WeightPuller need from a node: cfg, ctx, opts, node_id, role, log."""
-
-    def __init__(self, cfg: LaminarConfig, node_id: str, role: str, ctx: Any):
-        from laminar.logs import get_logger
-        from laminar.transport.security import security_from_config
-        from laminar.transport.sockets import SocketOptions
-
-        self.cfg, self.node_id, self.role, self.ctx = cfg, node_id, role, ctx
-        self.opts = SocketOptions.from_config(cfg, security_from_config(cfg))
-        self.log = get_logger(role=role, node_id=node_id)
+from laminar.supervise import detached_spawn
+from laminar.transport.client import RpcClient
+from laminar.transport.codec import Message
+from laminar.transport.security import security_from_config
+from laminar.transport.sockets import Context, SocketOptions, TransportError, new_context
+from laminar.transport.weights import WeightPuller, WeightPusher
 
 
 class RelayProcs:
@@ -77,7 +72,8 @@ class RelayProcs:
         self.log_dir = Path(log_dir) if log_dir else self.dir / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, subprocess.Popen] = {}
-        self._ctx: Any = None
+        self.opts = SocketOptions.from_config(self.cfg, security_from_config(self.cfg))
+        self._ctx: Context | None = None
 
     # ---- processes -------------------------------------------------------------------------
     def _spawn(self, role: str, index: int) -> None:
@@ -165,21 +161,29 @@ class RelayProcs:
 
     # ---- clients ---------------------------------------------------------------------------
     @property
-    def ctx(self) -> Any:
+    def ctx(self) -> Context:
         if self._ctx is None:
-            from laminar.transport.sockets import new_context
-
             self._ctx = new_context()
         return self._ctx
 
-    def host(self, node_id: str, role: str) -> ClientHost:
-        return ClientHost(self.cfg, node_id, role, self.ctx)
+    def pusher(self, node_id: str = "trainer-0") -> WeightPusher:
+        """A trainer end in this process (its background tasks are detached: logged if they die)."""
+        log = get_logger(role="trainer", node_id=node_id)
+        return WeightPusher(
+            self.cfg, ctx=self.ctx, opts=self.opts, node_id=node_id, log=log, spawn=detached_spawn
+        )
 
-    async def _rpc(self, index: int, msg: Any, timeout: float) -> Any:
-        from laminar.transport.sockets import RpcClient
+    def puller(self, node_id: str = "rollout-0", relay_index: int = 0) -> WeightPuller:
+        """A rollout end in this process, reading relay `relay_index`."""
+        log = get_logger(role="rollout", node_id=node_id)
+        return WeightPuller(
+            self.cfg, ctx=self.ctx, opts=self.opts, node_id=node_id, log=log,
+            spawn=detached_spawn, relay_index=relay_index,
+        )  # fmt: skip
 
-        h = self.host(f"probe-{uuid.uuid4().hex[:6]}", "cli")
-        cli = RpcClient(self.ctx, self.cfg.endpoint("relay", index), h.node_id, "cli", h.opts)
+    async def _rpc(self, index: int, msg: Message, timeout: float) -> Message:
+        node_id = f"probe-{uuid.uuid4().hex[:6]}"
+        cli = RpcClient(self.ctx, self.cfg.endpoint("relay", index), node_id, "cli", self.opts)
         try:
             await cli.connect(timeout=timeout)
             return await cli.request(msg, timeout=timeout, retries=0)
@@ -187,8 +191,6 @@ class RelayProcs:
             await cli.close(say_bye=True)
 
     async def info(self, index: int, timeout: float = 1.0) -> ChainInfo | None:
-        from laminar.transport.sockets import TransportError
-
         try:
             reply = await self._rpc(index, ChainInfoRequest(), timeout)
         except TransportError:

@@ -18,8 +18,13 @@ a relay that dies is cut out by its downstream, which resumes from the next live
 predecessor; if the master dies, the first relay with no live predecessor becomes
 master and the trainer finds it (WeightPusher asks the relays; the manager may also
 send ChainUpdate / tell the trainer). A relay that is not the master answers a
-trainer's StageRequest with "not_master: master=<i>" and the pusher follows it, so
-a chain order changed by the manager never strands the trainer on a follower.
+trainer's StageRequest with NotMaster(master=i) and the pusher follows it, so a
+chain order changed by the manager never strands the trainer on a follower.
+
+Parts: the store (relay/shm.py) holds the versions; the chain follower (relay/chain.py)
+fetches from upstream and reports ReceivingStarted / VersionComplete on its event
+queue, which `_chain_events` turns into offers downstream and WeightsReady for the
+rollouts. Layout and checksums come from laminar/transport/weight_layout.py.
 
 Run: laminar node --role relay --index 0 --config configs/skeleton.yaml
 """
@@ -34,6 +39,7 @@ import time
 from laminar.node import Node
 from laminar.protocol.core import Ack, ErrorReply, NodeStatus
 from laminar.protocol.relay import (
+    ChainInfo,
     ChainInfoRequest,
     ChainUpdate,
     CommitReply,
@@ -41,6 +47,7 @@ from laminar.protocol.relay import (
     FetchChunk,
     LatestReply,
     LatestRequest,
+    NotMaster,
     OfferRequest,
     PullReply,
     PullRequest,
@@ -53,12 +60,18 @@ from laminar.protocol.relay import (
     WeightChunk,
     WeightsReady,
 )  # fmt: skip
-from laminar.relay.chain import ChainFollower, Pacer
+from laminar.relay.chain import ChainFollower, Pacer, ReceivingStarted
 from laminar.relay.delta import is_unchanged
-from laminar.relay.layout import chunk_digest, chunk_range, validate_layout, version_checksum
 from laminar.relay.shm import OutOfSlots, VersionState, WeightStore, default_shm_dir
 from laminar.transport.codec import ProtocolError
-from laminar.transport.sockets import Peer, Publisher, TransportError
+from laminar.transport.sockets import Peer, TransportError
+from laminar.transport.streams import Publisher
+from laminar.transport.weight_layout import (
+    chunk_digest,
+    chunk_range,
+    validate_layout,
+    version_checksum,
+)
 
 DIGEST_BATCH = 8  # chunks hashed per thread hop: keeps the loop responsive, the overhead small
 
@@ -72,7 +85,10 @@ class RelayNode(Node):
             rc.shm_dir or default_shm_dir(), f"{rc.shm_prefix}-{cfg.name}-relay{self.index}",
             spare_slots=rc.spare_slots, max_slots=rc.max_slots,
         )  # fmt: skip
-        self.chain = ChainFollower(self)
+        self.chain = ChainFollower(
+            cfg, index=self.index, store=self.store, ctx=self.ctx, opts=self.opts,
+            node_id=self.node_id, log=self.log, metrics=self.metrics, spawn=self.spawn,
+        )  # fmt: skip
         self._staging: dict[int, tuple[str, VersionState, float]] = {}
         self._tokens = itertools.count(1)
         self._pacers: dict[str, Pacer] = {}
@@ -93,15 +109,16 @@ class RelayNode(Node):
         self.data.on(FetchChunk, self._on_fetch)
         self.data.on(ChainInfoRequest, self._on_chain_info)
         self.pub = Publisher(
-            self.ctx, cfg.bind_endpoint("relay_pub", self.index), self.node_id, self.opts
-        )
+            self.ctx, cfg.bind_endpoint("relay_pub", self.index), self.node_id, self.opts,
+            spawn=self.spawn,  # its READY-barrier watcher: a death stops the relay
+        )  # fmt: skip
         await self.srv.start()
         await self.data.start()
         await self.pub.start()
-        self._supervise(self.pub)  # type: ignore[arg-type]
 
     async def main(self) -> None:
         self.spawn(self.chain.run(), "chain")
+        self.spawn(self._chain_events(), "chain-events")
         interval = self.cfg.transport.heartbeat_interval_s
         while True:  # housekeeping: readers that left without releasing, abandoned staging
             await asyncio.sleep(interval * 2)  # a timer
@@ -119,8 +136,6 @@ class RelayNode(Node):
         self.store.close()
 
     def status(self) -> NodeStatus:
-        if not hasattr(self, "chain"):  # heartbeats may ask before setup() finished
-            return NodeStatus(node_id=self.node_id, role=self.role)
         cur, inc = self.store.current, self.store.newest_incoming()
         extra = {"master": self.chain.master, "upstream": self.chain.upstream, "epoch": self.chain.epoch,
                  "incoming": inc.version if inc else -1, "pinned": self.store.pinned()}  # fmt: skip
@@ -128,17 +143,19 @@ class RelayNode(Node):
             node_id=self.node_id, role=self.role, version=cur.version if cur else -1, extra=extra
         )
 
-    # ---- chain callbacks -----------------------------------------------------------------
+    # ---- what the chain follower reports ---------------------------------------------------
     def _offer(self, vs: VersionState) -> VersionOffer:
         return VersionOffer(version=vs.version, layout=vs.layout, chunk_bytes=vs.chunk_bytes)
 
-    def started_receiving(self, vs: VersionState) -> None:
-        asyncio.ensure_future(self.data.broadcast(self._offer(vs), role="relay"))
+    async def _chain_events(self) -> None:
+        while True:
+            ev = await self.chain.events.get()
+            if isinstance(ev, ReceivingStarted):  # offer it downstream while it still arrives
+                await self.data.broadcast(self._offer(ev.vs), role="relay")
+            else:
+                await self._version_ready(ev.vs)
 
-    def chunk_arrived(self, vs: VersionState, index: int) -> None:
-        pass
-
-    async def version_complete(self, vs: VersionState) -> None:
+    async def _version_ready(self, vs: VersionState) -> None:
         self.log.info(
             "version_ready",
             version=vs.version,
@@ -157,7 +174,7 @@ class RelayNode(Node):
         await self.pub.publish("weights", ready)
 
     # ---- trainer handoff -------------------------------------------------------------------
-    async def _on_stage(self, peer: Peer, msg: StageRequest) -> StageReply | ErrorReply:
+    async def _on_stage(self, peer: Peer, msg: StageRequest) -> StageReply | NotMaster | ErrorReply:
         validate_layout(msg.layout)
         newest = self.store.newest()
         if newest is not None and msg.version <= newest.version:
@@ -169,7 +186,7 @@ class RelayNode(Node):
                 self._drop_staging(token, "restaged")
         master = self.chain.named_master()
         if not msg.takeover and master not in (self.index, -1):
-            return ErrorReply(code="not_master", message=f"master={master}")
+            return NotMaster(master=master)
         self.chain.become_head(
             f"trainer {peer.node_id} pushes here (takeover={msg.takeover})", catch_up=False
         )
@@ -248,7 +265,7 @@ class RelayNode(Node):
                 self.store.mark(vs, i, d)
         self.store.complete(vs, vs.expected_checksum)
         self.metrics.add("digest_s", time.monotonic() - t0)
-        await self.version_complete(vs)
+        await self._version_ready(vs)
 
     # ---- chunk service (data socket) -------------------------------------------------------
     async def _on_offer_request(self, peer: Peer, msg: OfferRequest) -> VersionOffer:
@@ -342,7 +359,7 @@ class RelayNode(Node):
         self.chain.set_order(msg.epoch, msg.order, msg.data_endpoints, from_manager=True)
         return Ack()
 
-    async def _on_chain_info(self, peer: Peer, msg: ChainInfoRequest):
+    async def _on_chain_info(self, peer: Peer, msg: ChainInfoRequest) -> ChainInfo:
         return self.chain.info()
 
     async def _on_reset(self, peer: Peer, msg: RelayReset) -> Ack:

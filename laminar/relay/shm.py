@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from laminar.protocol.relay import WeightLayout
-from laminar.relay.layout import n_chunks
+from laminar.transport.weight_layout import n_chunks
 
 MIN_SEGMENT = 4096
 
@@ -103,8 +103,8 @@ class VersionState:
     slot: Slot
     source: str
     n: int = 0
-    have: np.ndarray = field(default=None)  # type: ignore[assignment]
-    digests: np.ndarray = field(default=None)  # type: ignore[assignment]
+    have: np.ndarray = field(init=False)
+    digests: np.ndarray = field(init=False)
     checksum: str = ""
     expected_checksum: str = ""
     """The version checksum announced by the sender (from the last chunk), checked at completion."""

@@ -66,6 +66,13 @@ _START_TIMEOUT_S = 60.0
 _LEN = struct.Struct("<I")
 
 
+class _ThreadLoops(threading.local):
+    """Each reward thread's own event loops for async reward functions (made on first use)."""
+
+    def __init__(self) -> None:
+        self.loops: list[Any] = []
+
+
 class RewardSpecError(ConfigError):
     """cfg.reward.fn does not name an importable callable; the message says what to fix."""
 
@@ -291,7 +298,7 @@ class RewardRunner:
         self._bg_loop: asyncio.AbstractEventLoop | None = None
         self._bg_thread: threading.Thread | None = None
         self._replacing: set[asyncio.Task] = set()
-        self._tls = threading.local()
+        self._tls = _ThreadLoops()
         self._closed = False
 
     @classmethod
@@ -383,10 +390,7 @@ class RewardRunner:
 
     def _run_on_thread(self, prompt: str, completion: str, row: dict[str, Any]) -> tuple:
         assert self._fn is not None
-        loops = getattr(self._tls, "loops", None)
-        if loops is None:
-            loops = self._tls.loops = []
-        return _call(self._fn, prompt, completion, row, loops)
+        return _call(self._fn, prompt, completion, row, self._tls.loops)
 
     async def _score_process(
         self, prompt: str, completion: str, row: dict[str, Any]

@@ -1,1 +1,1 @@
-"""Rollout-side helpers: acked outbox, weight sources, per-trajectory tracking (the node is laminar/rollout/node.py)."""
+"""The rollout role: node.py wires the parts (versions.py, sequences.py, feeder.py, deliver.py, outbox.py, tracking.py); weights arrive through laminar.transport.weights_channel."""

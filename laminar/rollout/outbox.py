@@ -1,7 +1,7 @@
 """Acked delivery of finished trajectories from a rollout to the buffer.
 
     outbox = Outbox(buffer_client, log, concurrency=8, timeout_s=10)
-    node.spawn(outbox.run(), "outbox")
+    spawn(outbox.run(), "outbox")     # the node's supervised spawn
     outbox.put(trajectory)            # or TrajectoryAbandoned: anything with a .uid
     await outbox.flush(timeout=5.0)   # drain: True when everything was acked
 
@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
 
+import structlog
+
+from laminar.transport.client import RpcClient
 from laminar.transport.codec import Message
-from laminar.transport.sockets import RemoteError, RpcClient, TransportError
+from laminar.transport.sockets import RemoteError, TransportError
 
 __all__ = ["Outbox"]
 
@@ -31,7 +33,7 @@ _PERMANENT = frozenset({"protocol"})
 
 
 class Outbox:
-    def __init__(self, client: RpcClient, log: Any, concurrency: int = 8, timeout_s: float = 10.0,
+    def __init__(self, client: RpcClient, log: structlog.typing.FilteringBoundLogger, concurrency: int = 8, timeout_s: float = 10.0,
                  backoff_s: float = 0.05, backoff_max_s: float = 2.0):  # fmt: skip
         self.client, self.log = client, log
         self.concurrency, self.timeout_s = concurrency, timeout_s

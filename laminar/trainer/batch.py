@@ -47,6 +47,8 @@ class TrainBatch:
     groups: torch.Tensor
     """[B] dense group ids."""
     dropped: Counter = field(default_factory=Counter)
+    source: list[Trajectory] = field(default_factory=list)
+    """The trajectories it was built from (what rank 0 sends the other ranks to rebuild it)."""
 
     @property
     def n_seqs(self) -> int:
@@ -70,7 +72,7 @@ class TrainBatch:
         dropped: Counter = Counter()
         for t in trajs:
             reason = _reject_reason(t, vocab_size, max_len)
-            if reason:
+            if reason or t.reward is None:
                 dropped[reason] += 1
                 continue
             samples.append(
@@ -86,7 +88,7 @@ class TrainBatch:
             )
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
         groups = group_index([s.group_id for s in samples])
-        return cls(samples, rewards, groups, dropped)
+        return cls(samples, rewards, groups, dropped, list(trajs))
 
 
 def _reject_reason(t: Trajectory, vocab_size: int | None, max_len: int | None) -> str:
@@ -141,19 +143,9 @@ class MicroBatch:
     behav_logp: torch.Tensor
 
     def to(self, device: str | torch.device) -> MicroBatch:
-        return MicroBatch(
-            *(
-                getattr(self, f).to(device)
-                for f in (
-                    "index",
-                    "input_ids",
-                    "attention_mask",
-                    "targets",
-                    "resp_mask",
-                    "behav_logp",
-                )
-            )
-        )
+        return MicroBatch(self.index.to(device), self.input_ids.to(device),
+                          self.attention_mask.to(device), self.targets.to(device),
+                          self.resp_mask.to(device), self.behav_logp.to(device))  # fmt: skip
 
     @property
     def n_tokens(self) -> int:

@@ -9,7 +9,7 @@ A checkpoint is built in `.tmp-step_N-<pid>` and renamed into place, so a crash
 mid-write leaves no half checkpoint that `latest_checkpoint` could pick up; the
 oldest complete checkpoints beyond `keep` are deleted after the rename.
 
-The consumption frontier (see laminar/trainer/node.py "Exactly-once") records which
+The consumption frontier (see laminar/trainer/commits.py) records which
 buffer batches the saved weights contain: the last committed batch, and in
 commit=checkpoint mode the batches not yet committed, which a restarted trainer
 commits before asking for new data.
@@ -23,10 +23,13 @@ import random
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from laminar.trainer.policy import Policy
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5")
 _SKIP_FILES = {
@@ -72,7 +75,7 @@ def resolve_resume(resume: str, run_dir: str | os.PathLike) -> Path | None:
 
 
 def rng_state() -> dict[str, Any]:
-    np_state = np.random.get_state()
+    np_state: tuple[Any, ...] = tuple(np.random.get_state(legacy=True))
     py_state = random.getstate()
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
@@ -130,14 +133,16 @@ def copy_tokenizer_files(src: str | os.PathLike | None, dst: Path) -> None:
 def write_checkpoint(
     run_dir: str | os.PathLike,
     step: int,
-    model: torch.nn.Module | None,
+    model: Any,
     model_state: dict[str, torch.Tensor] | None,
     trainer_state: dict[str, Any],
     meta: dict[str, Any],
     tokenizer_src: str | os.PathLike | None = None,
     keep: int = 2,
 ) -> Path:
-    """Write one checkpoint atomically; returns its directory. Runs on rank 0 only."""
+    """Write one checkpoint atomically; returns its directory. Runs on rank 0 only.
+
+    `model` is an HF PreTrainedModel (save_pretrained writes its directory) or None (sim)."""
     root = checkpoint_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:08d}"
@@ -184,7 +189,7 @@ def remove_partial(run_dir: str | os.PathLike) -> int:
     return n
 
 
-def save_policy(policy: Any, run_dir: str | os.PathLike, step: int, meta: dict[str, Any],
+def save_policy(policy: Policy, run_dir: str | os.PathLike, step: int, meta: dict[str, Any],
                 tokenizer_src: str | os.PathLike | None = None, keep: int = 2) -> Path | None:  # fmt: skip
     """Gather the policy's full state (collective on every rank) and write it on rank 0."""
     model_sd = policy.full_state_dict()
@@ -198,7 +203,7 @@ def save_policy(policy: Any, run_dir: str | os.PathLike, step: int, meta: dict[s
     return write_checkpoint(run_dir, step, policy.model, model_sd, state, meta, tokenizer_src, keep)
 
 
-def load_policy_state(policy: Any, path: str | os.PathLike) -> dict[str, Any]:
+def load_policy_state(policy: Policy, path: str | os.PathLike) -> dict[str, Any]:
     """Restore optimizer, scheduler and RNG into a policy built from path/model; returns meta."""
     meta, state = read_checkpoint(path)
     policy.load_optimizer_state(state["optimizer"])

@@ -3,21 +3,25 @@
     torchrun --nproc_per_node 2 -m laminar node --role trainer --config FILE
     srun ... python -m laminar node --role trainer --config FILE   (RANK/WORLD_SIZE from the launcher)
 
-Rank 0 is the only rank on the cluster network; it sends every other rank a
-RankCommand (step + the batch, checkpoint, stop) with `broadcast_message`. Commands
-travel as our codec's frames in a uint8 tensor over a gloo group, so no pickle and
-no GPU memory is involved. world_size 1 never initialises torch.distributed.
+Rank 0 is the only rank on the cluster network; before each collective it tells every
+other rank which one comes next with `lead(ctx, RankCommand(...))` (init + the resume
+path, step + the batch, export, checkpoint, stop); the other ranks wait for it in
+laminar/trainer/follower.py. Commands travel as our codec's frames in a uint8 tensor
+over a gloo group, so no pickle and no GPU memory is involved. world_size 1 never
+initialises torch.distributed.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from laminar.protocol.trainer import RankCommand
 from laminar.transport.codec import Limits, Message, decode, encode
 
 # a batch of thousands of trajectories is 3 frames each: far more than a network message may hold
@@ -91,6 +95,7 @@ def broadcast_message(ctx: DistContext, msg: Message | None) -> Message:
         payload = torch.zeros(sum(lengths), dtype=torch.uint8)
     dist.broadcast(payload, 0, group=ctx.cpu_group)
     if ctx.is_main:
+        assert msg is not None
         return msg
     raw = payload.numpy().tobytes()
     out, pos = [], 0
@@ -100,9 +105,29 @@ def broadcast_message(ctx: DistContext, msg: Message | None) -> Message:
     return decode(out, _RANK_LIMITS)
 
 
+def lead(ctx: DistContext, cmd: RankCommand) -> None:
+    """Rank 0: announce the next collective to the other ranks (a no-op anywhere else)."""
+    if ctx.enabled and ctx.is_main:
+        broadcast_message(ctx, cmd)
+
+
+def agree_on_path(ctx: DistContext, path: Path | None) -> Path | None:
+    """Every rank gets rank 0's `path` (the checkpoint to resume from; rank 0 alone reads run_dir)."""
+    if not ctx.enabled:
+        return path
+    cmd = broadcast_message(
+        ctx, RankCommand(kind="init", path=str(path or "")) if ctx.is_main else None
+    )
+    assert isinstance(cmd, RankCommand)
+    return Path(cmd.path) if cmd.path else None
+
+
 def destroy(ctx: DistContext) -> None:
+    """Every rank calls it: none tears the group down while a peer is still mid-collective
+    (gloo aborts the process whose peer's connection closes under it)."""
     if ctx.enabled:
         import torch.distributed as dist
 
         if dist.is_initialized():
+            dist.barrier(group=ctx.cpu_group)
             dist.destroy_process_group()

@@ -19,6 +19,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import structlog
+
+from laminar.config import LaminarConfig
+
 
 def _clean(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
@@ -31,9 +35,8 @@ def _clean(value: Any) -> Any:
 
 
 class MetricsLogger:
-    def __init__(
-        self, run_dir: str | os.PathLike, cfg: Any = None, tensorboard: bool = True, log=None
-    ):
+    def __init__(self, run_dir: str | os.PathLike, cfg: LaminarConfig | None = None, tensorboard: bool = True,
+                 log: structlog.typing.FilteringBoundLogger | None = None):  # fmt: skip
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._jsonl = open(
@@ -51,14 +54,14 @@ class MetricsLogger:
             ) as exc:  # tensorboard missing or broken: metrics.jsonl still has everything
                 if log is not None:
                     log.warning("tensorboard_unavailable", error=str(exc))
-        settings = (getattr(cfg, "extra", None) or {}).get("wandb") if cfg is not None else None
-        if isinstance(settings, dict):
+        settings = cfg.extra.get("wandb") if cfg is not None else None
+        if cfg is not None and isinstance(settings, dict):
             try:
-                import wandb  # type: ignore[import-not-found]
+                import wandb
             except ImportError:
                 wandb = None
             if wandb is not None:
-                kw = {"name": getattr(cfg, "name", None), "dir": str(self.run_dir), **settings}
+                kw = {"name": cfg.name, "dir": str(self.run_dir), **settings}
                 kw.setdefault("config", cfg.model_dump(mode="json"))
                 self._wandb = wandb.init(**kw)
 

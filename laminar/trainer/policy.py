@@ -1,8 +1,13 @@
 """The trained policy: HF causal LM + AdamW + warmup/cosine schedule, FSDP2 across ranks.
+The torch implementation of the `Trainer` protocol (laminar/trainer/engine.py).
 
     policy = Policy(cfg, model_path, DistContext())        # world 1: plain module
-    metrics = policy.train_step(TrainBatch.build(trajectories))
-    weights = policy.export_weights("bfloat16")             # rank 0: full state dict (collective)
+    metrics = policy.step(policy.prepare(trajectories))
+    weights = policy.export()                               # rank 0: full state dict (collective)
+    policy.save(run_dir, step, meta, keep)                  # checkpoint (collective, rank 0 writes)
+
+Protocol methods are collectives under torch.distributed: on rank 0 each first tells the
+other ranks to run the same method (dist.lead), which they do from follower.py.
 
 One optimizer step per batch:
     pack micro-batches by length (token budget) ─► [k1-in-reward: no-grad pass for KL]
@@ -28,7 +33,8 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from typing import Any
+from pathlib import Path
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -36,8 +42,12 @@ import torch.nn.functional as F
 from laminar.algo.advantages import broadcast_to_tokens, compute_advantages, kl_penalized_rewards
 from laminar.algo.losses import LossSettings, policy_loss
 from laminar.algo.metrics import StatAccumulator, length_stats
+from laminar.config import LaminarConfig
+from laminar.protocol.data import Trajectory
+from laminar.protocol.trainer import RankCommand
+from laminar.trainer import checkpoint as ck
 from laminar.trainer.batch import MicroBatch, TrainBatch, collate, pack_micro_batches
-from laminar.trainer.dist import DistContext
+from laminar.trainer.dist import DistContext, destroy, lead
 
 
 def lr_lambda(warmup: int, total: int, min_ratio: float):
@@ -52,7 +62,7 @@ def lr_lambda(warmup: int, total: int, min_ratio: float):
     return f
 
 
-def _fp32_head(head: torch.nn.Module) -> None:
+def _fp32_head(head: torch.nn.Linear) -> None:
     """Compute the LM head outside autocast in fp32 (FP32 logits: algorithms.md §7)."""
 
     def forward(x: torch.Tensor) -> torch.Tensor:
@@ -60,7 +70,7 @@ def _fp32_head(head: torch.nn.Module) -> None:
             bias = None if head.bias is None else head.bias.float()
             return F.linear(x.float(), head.weight.float(), bias)
 
-    head.forward = forward
+    head.forward = forward  # type: ignore[method-assign,assignment]  # this instance only
 
 
 def _apply_fsdp(model: torch.nn.Module, ctx: DistContext, device: torch.device) -> None:
@@ -76,13 +86,15 @@ def _apply_fsdp(model: torch.nn.Module, ctx: DistContext, device: torch.device) 
 
 
 class Policy:
-    def __init__(self, cfg: Any, model_path: str, ctx: DistContext | None = None):
+    def __init__(self, cfg: LaminarConfig, model_path: str, ctx: DistContext | None = None):
         from transformers.utils import logging as hf_logging
 
         from laminar.models.tiny import load_causal_lm
 
         hf_logging.disable_progress_bar()
         self.cfg, self.ctx = cfg, ctx or DistContext()
+        self.model_path = model_path
+        """Where the weights came from; its tokenizer files go into every checkpoint."""
         tc, algo = cfg.trainer, cfg.algo
         dev = cfg.model.device
         if dev.startswith("cuda") and self.ctx.enabled:
@@ -113,7 +125,7 @@ class Policy:
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
             lr=tc.lr,
-            betas=tuple(tc.betas),
+            betas=(tc.betas[0], tc.betas[1]),
             weight_decay=tc.weight_decay,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -124,6 +136,29 @@ class Policy:
         self.temperature = temp if temp > 0 else 1.0
         self.loss_settings = LossSettings.from_algo(algo, cfg.rollout.sampling.max_tokens)
         self.pad_id = int(self.model.config.pad_token_id or 0)
+
+    # ---- the Trainer protocol ---------------------------------------------------------------
+    def prepare(self, trajectories: list[Trajectory]) -> TrainBatch:
+        return TrainBatch.build(trajectories, self.vocab_size, self.max_len)
+
+    def step(self, batch: TrainBatch) -> dict[str, float]:
+        lead(self.ctx, RankCommand(kind="step", trajectories=batch.source))
+        return self.train_step(batch)
+
+    def export(self) -> dict[str, torch.Tensor]:
+        lead(self.ctx, RankCommand(kind="export"))
+        return self.export_weights(self.cfg.model.dtype)
+
+    def save(self, run_dir: Path, step: int, meta: dict[str, Any], keep: int) -> Path | None:
+        lead(self.ctx, RankCommand(kind="checkpoint", step=step))
+        return ck.save_policy(self, run_dir, step, meta, self.model_path, keep)
+
+    def restore(self, checkpoint: Path) -> dict[str, Any]:
+        return ck.load_policy_state(self, checkpoint)
+
+    def close(self) -> None:
+        lead(self.ctx, RankCommand(kind="stop"))
+        destroy(self.ctx)
 
     # ---- forward ------------------------------------------------------------------------
     def _amp(self):
@@ -201,17 +236,14 @@ class Policy:
             st.add("entropy", ent.detach(), mb.resp_mask)
             st.add("logp", logp.detach(), mb.resp_mask)
             (loss * (weight * self.ctx.world)).backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.model.parameters(), self.cfg.trainer.grad_clip
-        )
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
-        grad_norm = float(grad_norm)
-        lr = self.scheduler.get_last_lr()[0]
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
+        if hasattr(norm, "full_tensor"):  # a DTensor under FSDP2
+            norm = norm.full_tensor()
+        grad_norm = float(norm)
+        lr = float(self.scheduler.get_last_lr()[0])
         skipped = not math.isfinite(grad_norm)
-        if (
-            skipped
-        ):  # a NaN/inf gradient must not reach the weights; the batch still counts as consumed
+        # a NaN/inf gradient must not reach the weights; the batch still counts as consumed
+        if skipped:
             self.optimizer.zero_grad(set_to_none=True)
         else:
             self.optimizer.step()
@@ -261,15 +293,15 @@ class Policy:
     # ---- weights and state ------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full model state dict on rank 0 (CPU when distributed), {} elsewhere. Collective."""
+        sd: dict[str, torch.Tensor]
         if self.ctx.enabled:
             from torch.distributed.checkpoint.state_dict import (
                 StateDictOptions,
                 get_model_state_dict,
             )
 
-            sd = get_model_state_dict(
-                self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-            )
+            opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            sd = cast(dict[str, torch.Tensor], get_model_state_dict(self.model, options=opts))
         else:
             sd = self.model.state_dict()
         return (

@@ -1,35 +1,50 @@
 """The sim trainer: no model, step time = sim_time_per_token_s x tokens consumed.
+The emulated implementation of the `Trainer` protocol (laminar/trainer/engine.py).
 
     TrainerConfig.engine == "sim"   (emulated-scale benchmarks: 128 sim rollouts on one host)
 
 Consumed tokens are prompt + response tokens of the usable trajectories (what a real
-forward/backward would process). The emulated compute is an asyncio.sleep: it models
-compute time, it does not synchronise anything. Advantages are still computed so the
-logged reward/advantage figures mean the same as with the torch trainer.
+forward/backward would process). The emulated compute is a sleep on the node's worker
+thread, like real compute would be: it models compute time, it does not synchronise
+anything. Advantages are still computed so the logged reward/advantage figures mean the
+same as with the torch trainer. Its checkpoint is the counters and the frontier (no
+model); its export is a small blob (`extra.sim_weight_bytes`, default 4096) so a relay
+tier has bytes to move; a handoff without one only announces the version.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
+from pathlib import Path
 from typing import Any
+
+import torch
 
 from laminar.algo.advantages import compute_advantages
 from laminar.algo.metrics import length_stats
+from laminar.config import LaminarConfig
+from laminar.protocol.data import Trajectory
+from laminar.trainer import checkpoint as ck
 from laminar.trainer.batch import TrainBatch
 
 
 class SimTrainer:
-    def __init__(self, cfg: Any):
+    def __init__(self, cfg: LaminarConfig):
         self.cfg = cfg
         self.time_per_token = cfg.trainer.sim_time_per_token_s
+        self.weight_bytes = int(cfg.extra.get("sim_weight_bytes", 4096))
+        self.steps = 0
 
-    async def train_step(self, batch: TrainBatch) -> dict[str, float]:
+    def prepare(self, trajectories: list[Trajectory]) -> TrainBatch:
+        return TrainBatch.build(trajectories)
+
+    def step(self, batch: TrainBatch) -> dict[str, float]:
         t0 = time.perf_counter()
         adv = compute_advantages(
             batch.rewards, batch.groups, self.cfg.algo.advantage, self.cfg.algo.norm_std
         )
-        await asyncio.sleep(self.time_per_token * batch.total_tokens)  # the emulated compute
+        time.sleep(self.time_per_token * batch.total_tokens)  # the emulated compute
+        self.steps += 1
         out = {
             "reward": float(batch.rewards.mean()), "adv/mean": float(adv.mean()),
             "adv/max": float(adv.max()), "adv/min": float(adv.min()),
@@ -38,3 +53,20 @@ class SimTrainer:
         }  # fmt: skip
         out.update(length_stats([len(s.response_ids) for s in batch.samples]))
         return out
+
+    def export(self) -> dict[str, torch.Tensor]:
+        n = max(1, self.weight_bytes // 4)
+        return {"sim.weight": torch.full((n,), float(self.steps), dtype=torch.float32)}
+
+    def save(self, run_dir: Path, step: int, meta: dict[str, Any], keep: int) -> Path | None:
+        return ck.write_checkpoint(
+            run_dir, step, None, None, {"rng": ck.rng_state()}, meta, keep=keep
+        )
+
+    def restore(self, checkpoint: Path) -> dict[str, Any]:
+        meta, _ = ck.read_checkpoint(checkpoint)
+        self.steps = int(meta["step"])
+        return meta
+
+    def close(self) -> None:
+        pass

@@ -1,6 +1,6 @@
-"""RpcClient: the DEALER side of sockets.py's RPC (handshake, heartbeats, deadlines, reconnects).
+"""RpcClient: the DEALER side of the RPC pair (handshake, heartbeats, deadlines, reconnects).
 
-    client = RpcClient(ctx, endpoint, node_id="rollout-0", role="rollout", opts=opts)
+    client = RpcClient(ctx, endpoint, node_id="rollout-0", role="rollout", opts=opts, spawn=node.spawn)
     await client.connect()                          # HELLO/WELCOME with a deadline
     reply = await client.request(PromptRequest(...), timeout=2.0)
 
@@ -8,7 +8,13 @@ A client whose server goes silent for `dead_after_s` declares it dead, fails eve
 pending request, and reconnects on a fresh socket with doubling backoff. A server that
 restarted under the same endpoint faster than that answers `unknown_peer` (to a
 request, or to a heartbeat): the client handshakes again on the live socket.
-Also importable as `laminar.transport.sockets.RpcClient`.
+
+`request()` fails only with a TransportError (RequestTimeout after its attempts, RemoteError
+for an error reply): when the client's own machinery cancels something the caller waits on
+(a socket dropped under a blocked send, a handshake-again ended by `close()`), the caller gets
+a transport error, never a CancelledError; a cancellation of the caller's task propagates.
+The reader, heartbeat, reconnect and handler tasks start through `spawn` (a node's
+supervised spawn): if one dies, its node stops loudly.
 """
 
 from __future__ import annotations
@@ -24,20 +30,22 @@ import zmq
 import zmq.asyncio
 
 from laminar.protocol.core import Ack, Bye, ErrorReply, Heartbeat, Hello, NodeStatus, Welcome
+from laminar.supervise import Spawn, detached_spawn
 from laminar.transport.codec import PROTOCOL_VERSION, Message, ProtocolError, decode, encode
 from laminar.transport.sockets import (
+    Dispatcher,
     Handler,
     PeerDead,
+    Pending,
     RemoteError,
     RequestTimeout,
     SendTimeout,
     SocketOptions,
     SocketStats,
     TransportError,
-    _attach,
-    _Dispatcher,
-    _Pending,
-    _send_within,
+    attach,
+    being_cancelled,
+    send_within,
 )
 
 log = structlog.get_logger("laminar.transport")
@@ -57,6 +65,7 @@ class RpcClient:
         on_server_dead: Callable[[], Any] | None = None,
         on_connect: Callable[[], Any] | None = None,
         info: dict[str, Any] | None = None,
+        spawn: Spawn = detached_spawn,
     ):
         self.ctx, self.endpoint, self.node_id, self.role = ctx, endpoint, node_id, role
         self.opts = opts or SocketOptions()
@@ -64,17 +73,18 @@ class RpcClient:
         self.server_id: str | None = None
         self._status, self._on_server_dead, self._on_connect = status, on_server_dead, on_connect
         self._info = info or {}
-        self._disp = _Dispatcher()
-        self._pending = _Pending()
+        self._spawn = spawn
+        self._disp = Dispatcher()
+        self._pending = Pending()
         self._sock: zmq.asyncio.Socket | None = None
-        self._reader_task: asyncio.Task | None = None
-        self._hb_task: asyncio.Task | None = None
+        self._reader_task: asyncio.Task[Any] | None = None
+        self._hb_task: asyncio.Task[Any] | None = None
         self._connected = asyncio.Event()
         self._last_seen = time.monotonic()
         self._seq = 0
         self._closed = False
-        self._reconnecting: asyncio.Task | None = None
-        self._rehello: asyncio.Task | None = None
+        self._reconnecting: asyncio.Task[Any] | None = None
+        self._rehello: asyncio.Task[TransportError | None] | None = None
         self.log = log.bind(node_id=node_id, socket="client", endpoint=endpoint)
 
     def on(self, msg_type: type[Message], handler: Handler) -> None:
@@ -86,8 +96,8 @@ class RpcClient:
         return self._connected.is_set()
 
     @property
-    def tasks(self) -> list[asyncio.Task]:
-        return [t for t in (self._hb_task,) if t is not None]
+    def tasks(self) -> list[asyncio.Task[Any]]:
+        return [t for t in (self._hb_task, self._reader_task) if t is not None]
 
     def _new_socket(self) -> zmq.asyncio.Socket:
         sock = self.ctx.socket(zmq.DEALER)
@@ -97,7 +107,7 @@ class RpcClient:
         sock.setsockopt(zmq.MAXMSGSIZE, self.opts.limits.max_message_bytes)
         # queue only to completed connections, so nothing piles up for a dead server
         sock.setsockopt(zmq.IMMEDIATE, 1)
-        _attach(sock, self.endpoint, False, self.opts)
+        attach(sock, self.endpoint, False, self.opts)
         return sock
 
     async def connect(self, timeout: float | None = None) -> None:
@@ -106,7 +116,9 @@ class RpcClient:
         backoff = self.opts.reconnect_backoff_s
         while True:
             try:
-                await self._open_and_handshake(min(self.opts.handshake_timeout_s, max(0.05, deadline - time.monotonic())))
+                await self._open_and_handshake(
+                    min(self.opts.handshake_timeout_s, max(0.05, deadline - time.monotonic()))
+                )
                 break
             except (RequestTimeout, RemoteError, PeerDead) as exc:
                 if isinstance(exc, RemoteError) and exc.code == "protocol_version":
@@ -116,16 +128,18 @@ class RpcClient:
                 await asyncio.sleep(backoff)  # reconnect backoff, not synchronisation
                 backoff = min(backoff * 2, self.opts.reconnect_backoff_max_s)
         if self._hb_task is None:
-            self._hb_task = asyncio.create_task(self._heartbeat(), name=f"{self.node_id}:client-heartbeat")
+            self._hb_task = self._spawn(self._heartbeat(), "client-heartbeat")
 
     async def _open_and_handshake(self, timeout: float) -> None:
         await self._close_socket()
         self._sock = self._new_socket()
-        self._reader_task = asyncio.create_task(self._reader(self._sock), name=f"{self.node_id}:client-reader")
+        self._reader_task = self._spawn(self._reader(self._sock), "client-reader")
         await self._handshake(timeout)
 
     async def _handshake(self, timeout: float) -> None:
-        hello = Hello(protocol=PROTOCOL_VERSION, node_id=self.node_id, role=self.role, info=self._info)
+        hello = Hello(
+            protocol=PROTOCOL_VERSION, node_id=self.node_id, role=self.role, info=self._info
+        )
         reply = await self._request_once(hello, timeout)
         if not isinstance(reply, Welcome):
             raise TransportError(f"handshake: expected Welcome, got {type(reply).__name__}")
@@ -141,17 +155,17 @@ class RpcClient:
     async def _handshake_again(self) -> None:
         """The server answered `unknown_peer`: it restarted under the same endpoint and the socket reconnected
         underneath us before heartbeats noticed. Handshake again on the live socket (one attempt shared by all
-        callers that hit it); if that fails, fall back to a full reconnect."""
-        await asyncio.shield(self._rehello_task())
-
-    def _rehello_task(self) -> asyncio.Task:
-        """The handshake-again in progress, or a new one (its failure is also logged and acted on inside)."""
+        callers that hit it); if that fails, fall back to a full reconnect. Raises TransportError on failure."""
         if self._rehello is None or self._rehello.done():
-            self._rehello = asyncio.create_task(self._run_handshake_again(), name=f"{self.node_id}:client-rehello")
-            self._rehello.add_done_callback(_consume_exception)
-        return self._rehello
+            self._rehello = self._spawn(self._run_handshake_again(), "client-rehello")
+        # shielded: one caller giving up must not end the attempt the others wait on
+        failed = await asyncio.shield(self._rehello)
+        if failed is not None:
+            raise failed
 
-    async def _run_handshake_again(self) -> None:
+    async def _run_handshake_again(self) -> TransportError | None:
+        """One handshake-again; its failure is returned (to the callers waiting on it), not raised,
+        so the supervised task ends cleanly either way."""
         self.stats.rehandshakes += 1
         self.log.info("server_forgot_us", server=self.server_id)
         try:
@@ -160,8 +174,13 @@ class RpcClient:
             self.log.warning("rehandshake_failed", error=str(exc))
             if not self._closed and (self._reconnecting is None or self._reconnecting.done()):
                 self._connected.clear()
-                self._reconnecting = asyncio.create_task(self._reconnect_forever())
-            raise
+                self._reconnecting = self._spawn(self._reconnect_forever(), "client-reconnect")
+            return (
+                exc
+                if isinstance(exc, TransportError)
+                else TransportError(f"handshake again: {exc}")
+            )
+        return None
 
     async def _close_socket(self) -> None:
         self._connected.clear()
@@ -178,7 +197,9 @@ class RpcClient:
         self._closed = True
         if say_bye and self._sock is not None and self.connected:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._send_raw(b"", Bye(node_id=self.node_id, reason="close")), 0.5)
+                await asyncio.wait_for(
+                    self._send_raw(b"", Bye(node_id=self.node_id, reason="close")), 0.5
+                )
         for t in (self._hb_task, self._reconnecting, self._rehello):
             if t is not None:
                 t.cancel()
@@ -191,7 +212,7 @@ class RpcClient:
     async def _send_raw(self, rid: bytes, msg: Message, timeout: float | None = None) -> None:
         if self._sock is None:
             raise PeerDead(f"not connected to {self.endpoint}")
-        await _send_within(self._sock, [rid, *encode(msg)], timeout or self.opts.request_timeout_s)
+        await send_within(self._sock, [rid, *encode(msg)], timeout or self.opts.request_timeout_s)
         self.stats.sent += 1
 
     async def send(self, msg: Message) -> None:
@@ -207,15 +228,24 @@ class RpcClient:
             return await asyncio.wait_for(fut, max(0.0, deadline - time.monotonic()))
         except SendTimeout:
             self.stats.timeouts += 1
-            raise RequestTimeout(f"{type(msg).__name__} to {self.endpoint}: could not send in {timeout:.2f}s") from None
+            raise RequestTimeout(
+                f"{type(msg).__name__} to {self.endpoint}: could not send in {timeout:.2f}s"
+            ) from None
         except TimeoutError:
             self.stats.timeouts += 1
-            raise RequestTimeout(f"{type(msg).__name__} to {self.endpoint}: no reply in {timeout:.2f}s") from None
+            raise RequestTimeout(
+                f"{type(msg).__name__} to {self.endpoint}: no reply in {timeout:.2f}s"
+            ) from None
         finally:
             self._pending.drop(rid)
 
-    async def request(self, msg: Message, timeout: float | None = None, retries: int | None = None) -> Message:
-        """Send a request and await its reply; each attempt has a deadline. Requests must be idempotent."""
+    async def request(
+        self, msg: Message, timeout: float | None = None, retries: int | None = None
+    ) -> Message:
+        """Send a request and await its reply; each attempt has a deadline. Requests must be idempotent.
+
+        Raises RequestTimeout when every attempt failed and RemoteError when the server answered
+        with an error; CancelledError only when the caller's own task is being cancelled."""
         timeout = timeout or self.opts.request_timeout_s
         retries = self.opts.request_retries if retries is None else retries
         last: Exception | None = None
@@ -232,17 +262,28 @@ class RpcClient:
                 return await self._request_once(msg, timeout)
             except (RequestTimeout, PeerDead) as exc:
                 last = exc
+                continue
             except RemoteError as exc:
                 if exc.code != "unknown_peer" or forgotten:
                     raise
-                # the server never processed the request: handshake again, then one extra attempt
                 forgotten, last = True, exc
-                try:
-                    await self._handshake_again()
-                except (TransportError, zmq.ZMQError) as hs_exc:
-                    last = hs_exc
-                    continue
-                attempts += 1
+            except asyncio.CancelledError:
+                if being_cancelled():
+                    raise
+                last = PeerDead(f"{type(msg).__name__} to {self.endpoint}: connection dropped")
+                continue
+            # the server never processed the request: handshake again, then one extra attempt
+            try:
+                await self._handshake_again()
+            except (TransportError, zmq.ZMQError) as exc:
+                last = exc
+                continue
+            except asyncio.CancelledError:  # close() ended the handshake the caller waited on
+                if being_cancelled():
+                    raise
+                last = PeerDead(f"handshake with {self.endpoint} dropped")
+                continue
+            attempts += 1
         assert last is not None
         raise last if isinstance(last, RequestTimeout) else RequestTimeout(str(last))
 
@@ -272,7 +313,8 @@ class RpcClient:
                 continue
             if isinstance(msg, ErrorReply) and msg.code == "unknown_peer" and self.connected:
                 # the server restarted and saw our heartbeat: handshake again in the background
-                self._rehello_task()
+                if self._rehello is None or self._rehello.done():
+                    self._rehello = self._spawn(self._run_handshake_again(), "client-rehello")
                 continue
             handler = self._disp.handlers.get(type(msg))
             if handler is None:
@@ -280,11 +322,11 @@ class RpcClient:
                 self._bad(f"no handler for {type(msg).__name__}")
                 if rid[:1] == b"Q":
                     with contextlib.suppress(Exception):
-                        await self._send_raw(b"R" + rid[1:], ErrorReply(code="unhandled", message=type(msg).__name__))
+                        await self._send_raw(
+                            b"R" + rid[1:], ErrorReply(code="unhandled", message=type(msg).__name__)
+                        )
                 continue
-            task = asyncio.create_task(self._handle(handler, rid, msg))
-            self._disp.tasks.add(task)
-            task.add_done_callback(self._disp.tasks.discard)
+            self._disp.track(self._spawn(self._handle(handler, rid, msg), "client-handler"))
 
     async def _handle(self, handler: Handler, rid: bytes, msg: Message) -> None:
         try:
@@ -307,14 +349,16 @@ class RpcClient:
                 continue
             if self.connected and time.monotonic() - self._last_seen > self.opts.dead_after_s:
                 self.stats.peers_dead += 1
-                self.log.warning("server_dead", silent_s=round(time.monotonic() - self._last_seen, 2))
+                self.log.warning(
+                    "server_dead", silent_s=round(time.monotonic() - self._last_seen, 2)
+                )
                 self._connected.clear()
                 self._pending.fail_all(PeerDead(f"server {self.endpoint} is dead"))
                 if self._on_server_dead is not None:
                     res = self._on_server_dead()
                     if asyncio.iscoroutine(res):
                         await res
-                self._reconnecting = asyncio.create_task(self._reconnect_forever())
+                self._reconnecting = self._spawn(self._reconnect_forever(), "client-reconnect")
                 continue
             if self.connected:
                 try:  # bounded: a blocked beat must not stop the liveness check above
@@ -327,7 +371,9 @@ class RpcClient:
         a node whose status just changed can push it early). Raises TransportError / ZMQError."""
         self._seq += 1
         status = self._status() if self._status else None
-        await self._send_raw(b"", Heartbeat(node_id=self.node_id, seq=self._seq, status=status), timeout)
+        await self._send_raw(
+            b"", Heartbeat(node_id=self.node_id, seq=self._seq, status=status), timeout
+        )
 
     async def _reconnect_forever(self) -> None:
         backoff = self.opts.reconnect_backoff_s
@@ -341,8 +387,3 @@ class RpcClient:
                 self.log.debug("reconnect_failed", error=str(exc), backoff_s=backoff)
             await asyncio.sleep(backoff)  # reconnect backoff
             backoff = min(backoff * 2, self.opts.reconnect_backoff_max_s)
-
-
-def _consume_exception(task: asyncio.Task) -> None:
-    if not task.cancelled():
-        task.exception()

@@ -1,153 +1,384 @@
 """Wire codec: one-byte type frame + msgpack header + out-of-band array frames.
 
-    frames = encode(TrajectoryDone(...))   # [b"\x21", header, ids_buffer, logprobs_buffer]
-    msg = decode(frames)                   # validated TrajectoryDone; arrays are zero-copy views
+    frames = encode(Trajectory(...))   # [b"\x21", header, prompt_ids, response_ids, logprobs]
+    msg = decode(frames)               # validated Trajectory; arrays are zero-copy views
 
-Every message is a dataclass registered with a unique one-byte type id. The
-header is a msgpack map of the fields; numpy arrays (anywhere, including inside
-nested messages and lists) are replaced by an ext reference `(frame, dtype,
-shape)` and travel as their own frame without copying. Decoding validates the
-type id, the field names and types, dtypes, shapes and size limits, and raises
-`ProtocolError` for anything wrong. Never pickle. The message base class, registry, `Arr`,
-`Limits` and `ProtocolError` live in wiretypes.py and are re-exported here.
+Every message is a `msgspec.Struct` subclass of `Message`, registered with a unique
+one-byte type id by `@message(0x21)`. The header is the struct as a msgpack map,
+written and read by msgspec. A numpy array (anywhere: nested messages, lists, dicts)
+travels as its own frame without copying; the header holds an ext reference
+`(frame index, dtype code, shape)` in its place.
 
-Field annotations the validator understands: bool, int, float, str, bytes,
-`X | None`, `list[X]`, `dict[str, X]`, `Any` (plain msgpack data, no arrays),
-another Message subclass, and `Arr(dtypes, ndim)` for numpy arrays.
-
-Speed (bench/transport.py): each class compiles a field plan once. Encoding fills the
-header map straight from the plan and turns top-level arrays into references without
-a msgpack callback. Decoding accepts a scalar field whose exact type already matches
-without calling its validator (msgpack only yields exact builtin types), and checks
-free-form `Any` fields by counting array references instead of walking them: every
-reference the unpacker created must be consumed by an `Arr` field, otherwise the
-message is decoded again in strict mode, which names the offending path.
+Decoding is msgspec's typed decoder, one per message type, which checks field names
+(unknown ones are refused), types and nesting. An array field is annotated
+`Annotated[np.ndarray, Arr(dtypes, ndim, max_elems)]`; before a type's first decoder is
+built, its runtime annotation becomes `msgspec.msgpack.Ext`, so msgspec itself checks
+that an array reference sits there, and the type gets an array plan: the fields (and
+the paths through lists, maps and nested messages) that hold arrays. After msgspec,
+the plan turns each reference into its array, checking it against its `Arr` (dtype,
+ndim, size) and the frames (exists, used once, byte count). An array reference in a
+free-form `Any` field is refused. Anything wrong raises `ProtocolError` naming the
+class and the field path. Never pickle.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
+import re
+import struct
 import threading
 import types
 import typing
 from collections.abc import Callable
-from typing import Any, get_args, get_origin, get_type_hints
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypeVar, get_args, get_origin, get_type_hints
 
-import msgpack
+import msgspec
 import numpy as np
+import zmq
 
-from laminar.transport.wiretypes import (  # noqa: F401 - public names re-exported
-    _ALLOWED_DTYPES,
-    _BY_NAME,
-    _CODE_DTYPE,
-    _DTYPE_CODE,
-    _DTYPE_NAMES,
-    _EXT_ARRAY,
-    _ITEMSIZE,
-    _NCODES,
-    _REF_1D,
-    _REF_HEAD,
-    DEFAULT_LIMITS,
-    PROTOCOL_VERSION,
-    REGISTRY,
-    Arr,
-    Limits,
-    Message,
-    ProtocolError,
-    _ArrayRef,
-    _ref_struct,
-    message,
-    message_types,
-)
+PROTOCOL_VERSION = 1
 
-_TYPE_BYTES = [bytes((i,)) for i in range(256)]
-# msgpack.ExtType.__new__ re-validates its arguments in Python (~0.5 us); ours are valid by construction
-_new_ext = functools.partial(tuple.__new__, msgpack.ExtType)
-_MISSING = object()
+_EXT_ARRAY = 1
+_DTYPE_NAMES = ("bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
+                "float16", "float32", "float64")  # fmt: skip
+_DTYPE_CODE = {np.dtype(n): i for i, n in enumerate(_DTYPE_NAMES)}
+_CODE_DTYPE = [np.dtype(n) for n in _DTYPE_NAMES]
+_NCODES = len(_CODE_DTYPE)
+# array reference inside the header: frame index (u16), dtype code (u8), ndim (u8), dims (u64 each)
+_REF_1D = struct.Struct("<HBBQ")  # the common case, unpacked in one call
+_REF_STRUCTS: dict[int, struct.Struct] = {}
+
+
+def _ref_struct(ndim: int) -> struct.Struct:
+    st = _REF_STRUCTS.get(ndim)
+    if st is None:
+        st = _REF_STRUCTS[ndim] = struct.Struct(f"<HBB{ndim}Q")
+    return st
+
+
+class ProtocolError(ValueError):
+    """A frame set that is not a valid message; the text says what was wrong."""
+
+
+@dataclass(frozen=True, slots=True)
+class Arr:
+    """Annotation for an array field: allowed dtypes and number of dims (None = any)."""
+
+    dtypes: tuple[str, ...]
+    ndim: int | None = 1
+    max_elems: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_frames: int = 4096
+    max_header_bytes: int = 1 << 20
+    max_message_bytes: int = 2 << 30
+    max_list_len: int = 1 << 20
+    """Items in one list or map."""
+    max_str_len: int = 1 << 20
+    """Characters in one string."""
+
+
+DEFAULT_LIMITS = Limits()
+
+
+class Message(msgspec.Struct, forbid_unknown_fields=True):
+    """Base of every wire message: a mutable msgspec Struct registered with @message."""
+
+    TYPE: ClassVar[int] = -1
+
+
+REGISTRY: dict[int, type[Message]] = {}
+M = TypeVar("M", bound=Message)
+
+
+def message(type_id: int) -> Callable[[type[M]], type[M]]:
+    """Class decorator: register a Message subclass under its one-byte type id."""
+
+    def wrap(cls: type[M]) -> type[M]:
+        if not 0 <= type_id <= 255:
+            raise ValueError(f"{cls.__name__}: type id must fit one byte, got {type_id}")
+        if type_id in REGISTRY and REGISTRY[type_id].__name__ != cls.__name__:
+            raise ValueError(
+                f"type id {type_id:#x} used by {REGISTRY[type_id].__name__} and {cls.__name__}"
+            )
+        cls.TYPE = type_id
+        REGISTRY[type_id] = cls
+        return cls
+
+    return wrap
+
+
+# ---- array fields: msgspec sees an Ext; a per-type plan turns it into the array --------
+
+
+class _ArrSpec:
+    """An Arr annotation, unpacked for the decoder."""
+
+    __slots__ = ("spec", "codes", "fast_codes", "max_n")
+
+    def __init__(self, spec: Arr) -> None:
+        bad = [d for d in spec.dtypes if d not in _DTYPE_NAMES]
+        if bad:
+            raise TypeError(f"Arr dtypes {bad} cannot travel; use {_DTYPE_NAMES}")
+        self.spec = spec
+        self.codes = frozenset(_DTYPE_NAMES.index(d) for d in spec.dtypes)
+        # the codes _array's fast path takes: a 1-d array with no size limit (else none)
+        fast = spec.ndim in (None, 1) and spec.max_elems is None
+        self.fast_codes = self.codes if fast else frozenset()
+        self.max_n = math.inf if spec.max_elems is None else spec.max_elems
+
+
+class _Frames(set[int]):
+    """The frames of one message being decoded; as a set, the indices arrays took so far.
+
+    A set subclass rather than an object holding one: it is built once per message.
+    """
+
+    __slots__ = ("frames", "nbytes")
+    frames: list[Any] | tuple[Any, ...]
+    nbytes: int
+    """The type byte, the header, and the bytes of every array so far."""
+
+
+# converts a decoded value at `path` (an Ext where an array belongs), returns the new value
+_Convert = Callable[[Any, _Frames, str], Any]
+_Plan = tuple[tuple[str, _Convert, str], ...]  # (field, converter, "Class.field") per array field
+_PLANS: dict[type[Message], _Plan] = {}
+_PREPARE_LOCK = threading.Lock()
+
+
+def _arr_spec(tp: Any) -> Arr | None:
+    if get_origin(tp) is typing.Annotated:
+        return next((m for m in get_args(tp)[1:] if isinstance(m, Arr)), None)
+    return None
+
+
+def _runtime_type(tp: Any) -> Any:
+    """`tp` as msgspec should see it: each Annotated[..., Arr] becomes an Ext."""
+    spec = _arr_spec(tp)
+    if spec is not None:
+        return typing.Annotated[msgspec.msgpack.Ext, spec]
+    origin, args = get_origin(tp), get_args(tp)
+    if not args or origin is typing.Annotated:
+        return tp
+    new = tuple(_runtime_type(a) for a in args)
+    if new == args:
+        return tp
+    if origin in (typing.Union, types.UnionType):
+        return typing.Union[new]  # noqa: UP007 - rebuilt from a tuple of members
+    return origin[new]
+
+
+def _converter(tp: Any) -> _Convert | None:
+    """How to turn the decoded value of annotation `tp` into arrays; None: it holds none."""
+    spec = _arr_spec(tp)
+    if spec is not None:
+        return functools.partial(_array, _ArrSpec(spec))
+    if isinstance(tp, type) and issubclass(tp, Message):
+        plan = _prepare(tp)
+        return functools.partial(_convert_message, plan) if plan else None
+    origin, args = get_origin(tp), get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        convs = [_converter(a) for a in inner]
+        if not any(convs):
+            return None
+        if len(inner) != 1:
+            raise TypeError(
+                f"codec: arrays inside a union of several types ({tp!r}) are not supported"
+            )
+        return functools.partial(_convert_optional, convs[0]) if convs[0] else None
+    if origin in (list, tuple) and args:
+        conv = _converter(args[0])
+        return functools.partial(_convert_list, conv) if conv else None
+    if origin is dict and args:
+        conv = _converter(args[1])
+        return functools.partial(_convert_dict, conv) if conv else None
+    return None
+
+
+def _convert_message(plan: _Plan, x: Message, fr: _Frames, path: str) -> Message:
+    for name, conv, _ in plan:
+        setattr(x, name, conv(getattr(x, name), fr, f"{path}.{name}"))
+    return x
+
+
+def _convert_optional(conv: _Convert, x: Any, fr: _Frames, path: str) -> Any:
+    return None if x is None else conv(x, fr, path)
+
+
+def _convert_list(conv: _Convert, x: list[Any], fr: _Frames, path: str) -> list[Any]:
+    for i, item in enumerate(x):
+        x[i] = conv(item, fr, f"{path}[{i}]")
+    return x
+
+
+def _convert_dict(conv: _Convert, x: dict[str, Any], fr: _Frames, path: str) -> dict[str, Any]:
+    for k, item in x.items():
+        x[k] = conv(item, fr, f"{path}.{k}")
+    return x
+
+
+def _prepare(cls: type[Message]) -> _Plan:
+    """The class's array plan; first time, also its array annotations rewritten to Ext.
+
+    msgspec reads (and caches) a Struct's annotations when the first decoder that
+    involves it is built, so nested message types are prepared first (all under
+    _PREPARE_LOCK). Static type checkers still read the source annotation, `np.ndarray`.
+    """
+    plan = _PLANS.get(cls)
+    if plan is not None:
+        return plan
+    _PLANS[cls] = ()  # a type that contains itself sees no arrays in its own recursion
+    try:
+        hints = get_type_hints(cls, include_extras=True)
+        steps = []
+        for name in cls.__struct_fields__:
+            conv = _converter(hints[name])
+            if conv is not None:
+                steps.append((name, conv, f"{cls.__name__}.{name}"))
+    except BaseException:
+        del _PLANS[cls]
+        raise
+    for klass in cls.__mro__:
+        own = klass.__dict__.get("__annotations__", {})
+        for name in own:
+            if name in cls.__struct_fields__:
+                own[name] = _runtime_type(hints[name])
+    plan = _PLANS[cls] = tuple(steps)
+    return plan
+
+
+def _array(arr: _ArrSpec, x: msgspec.msgpack.Ext, fr: _Frames, path: str) -> np.ndarray:
+    """The array an Ext reference stands for, after every check (ProtocolError naming `path`)."""
+    try:
+        index, code, ndim, n = _REF_1D.unpack(x.data)
+    except struct.error:  # not the common 1-d reference
+        ndim = 0
+    if ndim == 1 and x.code == _EXT_ARRAY:
+        # fast path: a 1-d reference of an allowed dtype to an unused frame of the right size
+        fi = index + 2
+        if code in arr.fast_codes and fi not in fr and fi < len(fr.frames):
+            buf = fr.frames[fi]
+            dtype = _CODE_DTYPE[code]
+            nbytes = n * dtype.itemsize
+            if nbytes and type(buf) in _BYTE_FRAMES and len(buf) == nbytes:
+                fr.add(fi)
+                fr.nbytes += nbytes
+                a = np.frombuffer(buf, dtype)
+                if type(buf) is zmq.Frame:  # not ours to write to (its .buffer is read-only)
+                    a.setflags(write=False)
+                return a
+    try:
+        return _array_checked(arr, x, fr)
+    except ProtocolError as exc:
+        raise ProtocolError(f"{path}: {exc}") from None
+
+
+def _array_checked(arr: _ArrSpec, x: msgspec.msgpack.Ext, fr: _Frames) -> np.ndarray:
+    """Every case of _array, each check spelled out."""
+    data = bytes(x.data)
+    if x.code != _EXT_ARRAY:
+        raise ProtocolError(f"unknown msgpack ext type {x.code}")
+    if len(data) < 4 or len(data) != 4 + 8 * data[3]:
+        raise ProtocolError(f"array reference of {len(data)} bytes is malformed")
+    index, code, ndim, *dims = _ref_struct(data[3]).unpack(data)
+    shape = tuple(dims)
+    if code not in arr.codes:
+        name = _CODE_DTYPE[code].name if code < _NCODES else f"code {code}"
+        raise ProtocolError(f"dtype {name!r} not allowed (want one of {list(arr.spec.dtypes)})")
+    if arr.spec.ndim is not None and ndim != arr.spec.ndim:
+        raise ProtocolError(f"expected {arr.spec.ndim}-d array, got shape {shape}")
+    n = math.prod(shape)
+    if n > arr.max_n:
+        raise ProtocolError(f"array has {n} elements, limit {arr.spec.max_elems}")
+    fi = index + 2
+    if fi >= len(fr.frames):
+        raise ProtocolError(f"array refers to missing frame {index}")
+    if fi in fr:
+        raise ProtocolError(f"frame {index} referenced twice")
+    fr.add(fi)
+    buf = fr.frames[fi]
+    if type(buf) not in _BYTE_FRAMES:
+        buf = _as_buffer(buf)
+    dtype = _CODE_DTYPE[code]
+    nbytes = n * dtype.itemsize
+    if len(buf) != nbytes:
+        raise ProtocolError(
+            f"frame has {len(buf)} bytes, shape {shape} of {dtype.name} needs {nbytes}"
+        )
+    fr.nbytes += nbytes
+    if not n:
+        try:
+            return np.zeros(shape, dtype)
+        except ValueError:  # numpy refuses dims that large even when empty
+            raise ProtocolError(f"shape {shape} is not a valid array shape") from None
+    a = np.frombuffer(buf, dtype)
+    if type(buf) is zmq.Frame:
+        a.setflags(write=False)
+    return a.reshape(shape)
 
 
 # ---- encoding -------------------------------------------------------------------------
 
 
-def _to_array(obj: Any) -> np.ndarray | None:
-    if isinstance(obj, np.ndarray):
-        return obj
+def _other_value(obj: Any) -> Any:
+    """What msgspec cannot encode itself: a CPU torch tensor (as an array) or a numpy scalar."""
     if type(obj).__module__ == "torch" and type(obj).__name__ == "Tensor":
         # CPU tensors only; a CUDA tensor must move through a weight transport, not here.
         return obj.detach().numpy()
-    return None
+    if isinstance(obj, np.ndarray | np.generic):
+        return obj
+    raise TypeError(f"cannot encode {type(obj).__name__}")
 
 
-def _array_ref(arr: np.ndarray, frames: list[Any]) -> msgpack.ExtType:
-    """Append the array's bytes as a frame (zero-copy when contiguous); return its header reference."""
-    code = _DTYPE_CODE.get(arr.dtype)
-    if code is None:
-        raise TypeError(f"array dtype {arr.dtype} cannot travel; use one of {_DTYPE_NAMES}")
-    if arr.size:
-        view = memoryview(arr)
-        if not view.c_contiguous:
-            view = memoryview(np.ascontiguousarray(arr))
-        frames.append(view.cast("B"))  # flat bytes: len() of the frame is its byte count
-    else:
-        frames.append(b"")
-    ndim = arr.ndim
-    return _new_ext((_EXT_ARRAY, _ref_struct(ndim).pack(len(frames) - 3, code, ndim, *arr.shape)))
+class _EncodeState:
+    """One per thread: msgspec's encoder and the frame list its enc_hook appends arrays to."""
 
-
-def _enc_plan(cls: type[Message]) -> tuple[tuple[str, bool], ...]:
-    """(field name, is an Arr field) per field, in order."""
-    plan = cls.__dict__.get("_enc_plan")
-    if plan is None:
-        hints = get_type_hints(cls, include_extras=True)
-        plan = tuple((f.name, _is_arr(hints[f.name])) for f in dataclasses.fields(cls))
-        cls._enc_plan = plan
-    return plan
-
-
-def _is_arr(tp: Any) -> bool:
-    if isinstance(tp, Arr):
-        return True
-    return get_origin(tp) is typing.Annotated and any(isinstance(m, Arr) for m in get_args(tp)[1:])
-
-
-class _EncodeState(threading.local):
     def __init__(self) -> None:
         self.frames: list[Any] = []
-        self.packer = msgpack.Packer(default=self._default, use_bin_type=True, autoreset=True)
+        self.encoder = msgspec.msgpack.Encoder(enc_hook=self.enc_hook)
 
-    def _default(self, obj: Any) -> Any:
-        arr = _to_array(obj)
-        if arr is not None:
-            return _array_ref(arr, self.frames)
-        if isinstance(obj, Message):
-            return obj.to_dict()
-        if isinstance(obj, tuple):
-            return list(obj)
-        if isinstance(obj, np.generic):
-            return obj.item()
-        raise TypeError(f"cannot encode {type(obj).__name__}")
+    def enc_hook(self, obj: Any) -> Any:
+        if type(obj) is not np.ndarray:
+            obj = _other_value(obj)
+            if isinstance(obj, np.generic):
+                return obj.item()
+        code = _DTYPE_CODE.get(obj.dtype)
+        if code is None:
+            raise TypeError(f"array dtype {obj.dtype} cannot travel; use one of {_DTYPE_NAMES}")
+        view = obj.data
+        if not view.c_contiguous:
+            view = np.ascontiguousarray(obj).data
+        frames = self.frames
+        frames.append(view.cast("B") if view.nbytes else b"")  # flat bytes: len() is the byte count
+        index, ndim = len(frames) - 3, view.ndim
+        if ndim == 1:
+            return msgspec.msgpack.Ext(_EXT_ARRAY, _REF_1D.pack(index, code, 1, len(obj)))
+        return msgspec.msgpack.Ext(
+            _EXT_ARRAY, _ref_struct(ndim).pack(index, code, ndim, *obj.shape)
+        )
 
 
-_ENC = _EncodeState()
+_TYPE_BYTES = [bytes((i,)) for i in range(256)]
+_ENC = threading.local()
 
 
 def encode(msg: Message) -> list[Any]:
     """Frames for a message: [type byte, header, *array buffers] (arrays zero-copy)."""
-    cls = type(msg)
-    plan = cls.__dict__.get("_enc_plan") or _enc_plan(cls)
-    st = _ENC
-    frames: list[Any] = [_TYPE_BYTES[cls.TYPE], b""]
-    st.frames = frames  # nested arrays (inside lists, nested messages) land here via _default
     try:
-        header = {}
-        for name, is_arr in plan:
-            value = getattr(msg, name)
-            header[name] = _array_ref(value, frames) if is_arr and type(value) is np.ndarray else value
-        frames[1] = st.packer.pack(header)
+        st = _ENC.state
+    except AttributeError:
+        st = _ENC.state = _EncodeState()
+    frames: list[Any] = [_TYPE_BYTES[msg.TYPE], b""]
+    st.frames = frames
+    try:
+        frames[1] = st.encoder.encode(msg)
     except TypeError as exc:
-        st.packer.reset()
         raise TypeError(f"{type(msg).__name__}: {exc}") from None
     finally:
         st.frames = []
@@ -157,279 +388,53 @@ def encode(msg: Message) -> list[Any]:
 # ---- decoding -------------------------------------------------------------------------
 
 
-def _ext_hook(code: int, data: bytes) -> Any:
+class _StrayArray(Exception):
+    """An array reference where msgspec expected free-form data (raised by _ext_stray)."""
+
+
+def _ext_stray(code: int, data: memoryview) -> Any:
+    # msgspec calls ext_hook only for an ext in an `Any` position: Arr fields are typed Ext
     if code != _EXT_ARRAY:
         raise ProtocolError(f"unknown msgpack ext type {code}")
-    if len(data) < 4:
-        raise ProtocolError("truncated array reference")
-    index, dcode, ndim = _REF_HEAD.unpack_from(data)
-    if len(data) != 4 + 8 * ndim:
-        raise ProtocolError(f"array reference of {len(data)} bytes does not fit ndim={ndim}")
-    shape = _ref_struct(ndim).unpack(data)[3:]
-    if dcode >= _NCODES:
-        raise ProtocolError(f"unknown array dtype code {dcode}")
-    return _ArrayRef(index, dcode, shape)
+    raise _StrayArray
 
 
-class _Ctx:
-    __slots__ = ("frames", "used", "limits", "nrefs", "strict")
-
-    def __init__(self, frames: list[Any], limits: Limits, strict: bool = False):
-        self.frames, self.used, self.limits, self.nrefs, self.strict = frames, set(), limits, 0, strict
-
-    def ext_hook(self, code: int, data: bytes) -> Any:
-        # the common 1-d reference inline (once per array per message); anything else via _ext_hook
-        if code == _EXT_ARRAY and len(data) == 12:
-            index, dcode, ndim, dim0 = _REF_1D.unpack(data)
-            if ndim == 1 and dcode < _NCODES:
-                self.nrefs += 1
-                return _ArrayRef(index, dcode, (dim0,))
-        ref = _ext_hook(code, data)
-        self.nrefs += 1
-        return ref
+def _ext_mark(code: int, data: memoryview) -> Any:
+    return _STRAY  # the second, rare decode that finds where the stray reference was
 
 
-def _fail(path: str, what: str) -> typing.NoReturn:
-    raise ProtocolError(f"{path}: {what}")
+_STRAY = object()
+_DECODERS: dict[type[Message], msgspec.msgpack.Decoder[Any]] = {}
 
 
-def _build_validator(tp: Any):  # noqa: C901 - a small type interpreter
-    """Compile an annotation into fn(value, ctx, path) -> converted value."""
-    if tp is Any:
-
-        def v_any(x, ctx, path):
-            if isinstance(x, _ArrayRef):
-                _fail(path, "arrays are not allowed in a free-form field")
-            if not ctx.strict:  # stray references are caught by counting (see decode)
-                return x
-            if isinstance(x, list):
-                for i, item in enumerate(x):
-                    v_any(item, ctx, f"{path}[{i}]")
-            elif isinstance(x, dict):
-                for k, item in x.items():
-                    v_any(item, ctx, f"{path}.{k}")
-            return x
-
-        return v_any
-    if isinstance(tp, Arr):
-        spec = tp
-        bad = [d for d in spec.dtypes if d not in _ALLOWED_DTYPES]
-        if bad:
-            raise TypeError(f"Arr dtypes {bad} cannot travel; use {_DTYPE_NAMES}")
-        codes = frozenset(_DTYPE_NAMES.index(d) for d in spec.dtypes)
-        want_ndim, max_elems = spec.ndim, spec.max_elems
-
-        def v_arr(x, ctx, path):
-            if type(x) is not _ArrayRef:
-                _fail(path, f"expected an array, got {type(x).__name__}")
-            code, shape = x.dtype, x.shape
-            if code not in codes:
-                _fail(path, f"dtype {_CODE_DTYPE[code].name!r} not allowed (want one of {list(spec.dtypes)})")
-            if want_ndim is not None and len(shape) != want_ndim:
-                _fail(path, f"expected {want_ndim}-d array, got shape {shape}")
-            n = shape[0] if len(shape) == 1 else math.prod(shape)
-            if max_elems is not None and n > max_elems:
-                _fail(path, f"array has {n} elements, limit {max_elems}")
-            fi = x.index + 2
-            frames, used = ctx.frames, ctx.used
-            if fi >= len(frames):
-                _fail(path, f"array refers to missing frame {x.index}")
-            if fi in used:
-                _fail(path, f"frame {x.index} referenced twice")
-            used.add(fi)
-            buf = frames[fi]
-            nbytes = n * _ITEMSIZE[code]
-            if len(buf) != nbytes:
-                _fail(path, f"frame has {len(buf)} bytes, shape {shape} of {_CODE_DTYPE[code].name} needs {nbytes}")
-            if not n:
-                return np.zeros(shape, _CODE_DTYPE[code])
-            a = np.frombuffer(buf, dtype=_CODE_DTYPE[code])
-            return a if len(shape) == 1 else a.reshape(shape)
-
-        return v_arr
-    if isinstance(tp, type) and issubclass(tp, Message):
-        cls = tp
-
-        def v_msg(x, ctx, path):
-            if not isinstance(x, dict):
-                _fail(path, f"expected a {cls.__name__} map, got {type(x).__name__}")
-            return _build_message(cls, x, ctx, path)
-
-        return v_msg
-    origin = get_origin(tp)
-    if origin is typing.Annotated:
-        base, *meta = get_args(tp)
-        for m in meta:
-            if isinstance(m, Arr):
-                return _build_validator(m)
-        return _build_validator(base)
-    if origin in (typing.Union, types.UnionType):
-        args = get_args(tp)
-        inner = [a for a in args if a is not type(None)]
-        subs = [_build_validator(a) for a in inner]
-        nullable = len(inner) != len(args)
-
-        def v_union(x, ctx, path):
-            if x is None:
-                if nullable:
-                    return None
-                _fail(path, "must not be null")
-            errors = []
-            for sub in subs:
-                try:
-                    return sub(x, ctx, path)
-                except ProtocolError as exc:
-                    errors.append(str(exc))
-            _fail(path, "; ".join(errors) if len(errors) == 1 else f"matches no allowed type ({errors})")
-
-        return v_union
-    if origin in (list, tuple):
-        args = get_args(tp)
-        item = _build_validator(args[0] if args else Any)
-
-        def v_list(x, ctx, path):
-            if not isinstance(x, list):
-                _fail(path, f"expected a list, got {type(x).__name__}")
-            if len(x) > ctx.limits.max_list_len:
-                _fail(path, f"list of {len(x)} items exceeds {ctx.limits.max_list_len}")
-            return [item(e, ctx, f"{path}[{i}]") for i, e in enumerate(x)]
-
-        return v_list
-    if origin is dict:
-        args = get_args(tp)
-        val_tp = args[1] if args else Any
-        val = _build_validator(val_tp)
-        fast_vals = _fast_types(val_tp)
-
-        def v_dict(x, ctx, path):
-            if type(x) is dict and not ctx.strict:
-                # common case: str keys, values whose exact type needs no conversion or check
-                for k, e in x.items():
-                    if type(k) is not str or type(e) not in fast_vals:
-                        break
-                else:
-                    return x
-            if not isinstance(x, dict):
-                _fail(path, f"expected a map, got {type(x).__name__}")
-            out = {}
-            for k, e in x.items():
-                if not isinstance(k, str):
-                    _fail(path, f"map keys must be strings, got {type(k).__name__}")
-                out[k] = val(e, ctx, f"{path}.{k}")
-            return out
-
-        return v_dict
-    if tp is bool:
-
-        def v_bool(x, ctx, path):
-            if not isinstance(x, bool):
-                _fail(path, f"expected bool, got {type(x).__name__}")
-            return x
-
-        return v_bool
-    if tp is int:
-
-        def v_int(x, ctx, path):
-            if not isinstance(x, int) or isinstance(x, bool):
-                _fail(path, f"expected int, got {type(x).__name__}")
-            return x
-
-        return v_int
-    if tp is float:
-
-        def v_float(x, ctx, path):
-            if isinstance(x, bool) or not isinstance(x, int | float):
-                _fail(path, f"expected float, got {type(x).__name__}")
-            return float(x)
-
-        return v_float
-    if tp is str:
-
-        def v_str(x, ctx, path):
-            if not isinstance(x, str):
-                _fail(path, f"expected str, got {type(x).__name__}")
-            return x
-
-        return v_str
-    if tp is bytes:
-
-        def v_bytes(x, ctx, path):
-            if not isinstance(x, bytes):
-                _fail(path, f"expected bytes, got {type(x).__name__}")
-            return x
-
-        return v_bytes
-    raise TypeError(f"codec cannot validate annotation {tp!r}")
+def _decoder(cls: type[Message]) -> msgspec.msgpack.Decoder[Any]:
+    with _PREPARE_LOCK:
+        _prepare(cls)
+        dec = _DECODERS[cls] = msgspec.msgpack.Decoder(cls, ext_hook=_ext_stray)
+    return dec
 
 
-_SCALARS = {bool: bool, int: int, float: float, str: str, bytes: bytes}
-_PLAIN = frozenset((type(None), bool, int, float, str, bytes, list, dict))
+# msgspec's error suffix: " - at `$.a[0].b`" or " - at `key` in `$.a`"
+_AT = re.compile(r" - at `(?:(key)` in `)?\$([^`]*)`$")
 
 
-def _fast_types(tp: Any) -> frozenset:
-    """Exact types a value of annotation `tp` may have to be accepted as decoded, unconverted."""
-    if tp is Any:
-        return _PLAIN  # arrays in free-form fields are caught by reference counting
-    if tp in _SCALARS:
-        return frozenset((tp,))
-    origin = get_origin(tp)
-    if origin is typing.Annotated:
-        return frozenset() if _is_arr(tp) else _fast_types(get_args(tp)[0])
-    if origin in (typing.Union, types.UnionType):
-        inner = [a for a in get_args(tp) if a is not type(None)]
-        if len(inner) == 1 and inner[0] in _SCALARS:  # X | None; wider unions keep their validator's order
-            return frozenset((inner[0], type(None)) if len(inner) < len(get_args(tp)) else (inner[0],))
-    return frozenset()
+def _where(cls: type[Message], exc: Exception) -> str:
+    """msgspec's message with its JSON-path suffix turned into `Class.a[0].b: ...`."""
+    text = str(exc)
+    m = _AT.search(text)
+    if m is None:
+        return f"{cls.__name__}: {text}"
+    key = " (a map key)" if m.group(1) else ""
+    return f"{cls.__name__}{m.group(2)}{key}: {text[: m.start()]}"
 
 
-def _validators(cls: type[Message]) -> list[tuple[str, Any, bool]]:
-    vals = cls._validators
-    if vals is None:
-        hints = get_type_hints(cls, include_extras=True)
-        vals = []
-        for f in dataclasses.fields(cls):
-            required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-            vals.append((f.name, _build_validator(hints[f.name]), required))
-        cls._validators = vals
-    return vals
-
-
-def _plans(cls: type[Message]) -> tuple[tuple, tuple]:
-    """(fast plan, strict plan): per field (name, exact types accepted as is, validator, required, path)."""
-    plans = cls.__dict__.get("_plans")
-    if plans is None:
-        hints = get_type_hints(cls, include_extras=True)
-        fast, strict = [], []
-        for name, validate, required in _validators(cls):
-            types_ = _fast_types(hints[name])
-            path = f"{cls.__name__}.{name}"
-            fast.append((name, types_, validate, required, path))
-            strict.append((name, frozenset() if hints[name] is Any else types_, validate, required, path))
-        plans = cls._plans = (tuple(fast), tuple(strict))
-    return plans
-
-
-def _build_message(cls: type[Message], data: dict, ctx: _Ctx, path: str) -> Message:
-    plan = (cls.__dict__.get("_plans") or _plans(cls))[ctx.strict]
-    top = path == cls.__name__  # top-level fields use precomputed paths
-    kwargs = {}
-    for name, fast, validate, required, fpath in plan:
-        x = data.get(name, _MISSING)
-        if x is _MISSING:
-            if required:
-                _fail(path, f"missing field {name!r}")
-            continue
-        kwargs[name] = x if type(x) in fast else validate(x, ctx, fpath if top else f"{path}.{name}")
-    if len(data) != len(kwargs):  # kwargs keys are a subset of data keys: equal sizes, equal sets
-        known = {p[0] for p in plan}
-        extra = sorted(str(k) for k in data if k not in known)
-        _fail(path, f"unknown field(s) {extra}")
-    return cls(**kwargs)
+# frame types whose len() is their byte count, used as they are (no memoryview per frame)
+_BYTE_FRAMES = frozenset((bytes, bytearray, zmq.Frame))
 
 
 def _as_buffer(frame: Any) -> Any:
-    """A frame's bytes as something with len() in bytes: bytes, zmq.Frame.buffer, flat memoryview."""
-    buf = getattr(frame, "buffer", frame)  # zmq.Frame -> its memoryview (1-d, unsigned bytes)
+    """A frame's bytes as something with len() in bytes: bytes, zmq.Frame, flat memoryview."""
+    buf = frame.buffer if isinstance(frame, zmq.Frame) else frame
     if type(buf) is memoryview:
         if buf.itemsize == 1 and buf.ndim == 1:
             return buf
@@ -440,103 +445,122 @@ def _as_buffer(frame: Any) -> Any:
     raise ProtocolError(f"a frame must be bytes, got {type(frame).__name__}")
 
 
-def _unknown_fields(cls: type[Message], data: dict) -> typing.NoReturn:
-    known = {f.name for f in dataclasses.fields(cls)}
-    _fail(cls.__name__, f"unknown field(s) {sorted(str(k) for k in data if k not in known)}")
+def _stray_array(x: Any, path: str) -> str | None:
+    """Path of the first array reference outside an Arr field (i.e. in a free-form field)."""
+    if x is _STRAY:
+        return path
+    if isinstance(x, Message):
+        for name in x.__struct_fields__:
+            found = _stray_array(getattr(x, name), f"{path}.{name}")
+            if found:
+                return found
+    elif isinstance(x, list):
+        for i, item in enumerate(x):
+            found = _stray_array(item, f"{path}[{i}]")
+            if found:
+                return found
+    elif isinstance(x, dict):
+        for k, item in x.items():
+            found = _stray_array(item, f"{path}.{k}")
+            if found:
+                return found
+    return None
 
 
-def _compile_builder(cls: type[Message]) -> Callable[[dict, _Ctx], Message]:
-    """Straight-line `build(data, ctx)` for a top-level message: the fast plan unrolled.
+def _check_sizes(x: Any, limits: Limits, path: str) -> None:
+    """Limits on strings and list/map lengths (only needed when they are below the header size)."""
+    try:
+        _walk_sizes(x, limits, path)
+    except RecursionError:
+        raise ProtocolError(f"{path}: the header nests too deeply") from None
 
-    Same checks as _build_message (it stays the reference, and handles nested and strict
-    decoding); unrolling removes the per-field loop overhead, which is most of the
-    decode time of a flat message like Trajectory.
-    """
-    fields = dataclasses.fields(cls)
-    if any(not f.init for f in fields):
-        return lambda data, ctx: _build_message(cls, data, ctx, cls.__name__)
-    env: dict[str, Any] = {"_MISSING": _MISSING, "_fail": _fail, "_cls": cls, "_unknown": _unknown_fields}
-    lines = ["def build(data, ctx):", "    get = data.get", "    miss = 0"]
-    for i, ((name, fast, validate, required, path), f) in enumerate(zip(_plans(cls)[0], fields, strict=True)):
-        env[f"V{i}"], env[f"P{i}"], env[f"F{i}"] = validate, path, fast
-        if len(fast) == 1:
-            env[f"T{i}"] = next(iter(fast))
-            cond = f"type(x{i}) is not T{i}"
+
+def _walk_sizes(x: Any, limits: Limits, path: str) -> None:
+    if isinstance(x, str):
+        if len(x) > limits.max_str_len:
+            raise ProtocolError(
+                f"{path}: string of {len(x)} characters exceeds max_str_len {limits.max_str_len}"
+            )
+    elif isinstance(x, Message):
+        for name in x.__struct_fields__:
+            _walk_sizes(getattr(x, name), limits, f"{path}.{name}")
+    elif isinstance(x, list | dict):
+        if len(x) > limits.max_list_len:
+            raise ProtocolError(f"{path}: {len(x)} items exceed max_list_len {limits.max_list_len}")
+        if isinstance(x, dict):
+            for k, item in x.items():
+                _walk_sizes(k, limits, f"{path} (a map key)")
+                _walk_sizes(item, limits, f"{path}.{k}")
         else:
-            cond = f"type(x{i}) not in F{i}" if fast else "True"
-        lines += [f"    x{i} = get({name!r}, _MISSING)", f"    if {cond}:"]
-        if required:
-            lines.append(f"        if x{i} is _MISSING: _fail({cls.__name__!r}, {f'missing field {name!r}'!r})")
-            lines.append(f"        x{i} = V{i}(x{i}, ctx, P{i})")
-        else:
-            if f.default is not dataclasses.MISSING:
-                env[f"D{i}"], default = f.default, f"D{i}"
-            else:
-                env[f"D{i}"], default = f.default_factory, f"D{i}()"
-            lines.append(f"        if x{i} is _MISSING: x{i} = {default}; miss += 1")
-            lines.append(f"        else: x{i} = V{i}(x{i}, ctx, P{i})")
-    lines.append(f"    if len(data) + miss != {len(fields)}: _unknown(_cls, data)")
-    lines.append(f"    return _cls({', '.join(f'{f.name}=x{i}' for i, f in enumerate(fields))})")
-    exec("\n".join(lines), env)  # noqa: S102 - generated from the class's own field list
-    return env["build"]
+            for i, item in enumerate(x):
+                _walk_sizes(item, limits, f"{path}[{i}]")
 
 
 def decode(frames: list[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
     """Validate and decode frames (bytes or zmq.Frame) into a message, or raise ProtocolError."""
     if type(frames) is not list and not isinstance(frames, list | tuple):
         raise ProtocolError(f"a message is a list of frames, got {type(frames).__name__}")
-    if len(frames) < 2:
-        raise ProtocolError(f"a message needs at least 2 frames (type, header), got {len(frames)}")
-    if len(frames) > limits.max_frames:
-        raise ProtocolError(f"{len(frames)} frames exceeds the limit {limits.max_frames}")
-    bufs = [f if type(f) is bytes else _as_buffer(f) for f in frames]
-    tframe = bufs[0]
+    nframes = len(frames)
+    if nframes < 2:
+        raise ProtocolError(f"a message needs at least 2 frames (type, header), got {nframes}")
+    if nframes > limits.max_frames:
+        raise ProtocolError(f"{nframes} frames exceeds the limit {limits.max_frames}")
+    tframe = frames[0]
+    if type(tframe) is not bytes:
+        tframe = tframe.bytes if type(tframe) is zmq.Frame else bytes(_as_buffer(tframe))
     if len(tframe) != 1:
         raise ProtocolError(f"type frame must be 1 byte, got {len(tframe)}")
-    type_id = tframe[0]
-    cls = REGISTRY.get(type_id)
+    cls = REGISTRY.get(tframe[0])
     if cls is None:
-        raise ProtocolError(f"unknown message type {type_id:#04x}")
-    header = bufs[1]
-    if len(header) > limits.max_header_bytes:
-        raise ProtocolError(f"{cls.__name__}: header of {len(header)} bytes exceeds {limits.max_header_bytes}")
-    total = sum(map(len, bufs))
-    if total > limits.max_message_bytes:
-        raise ProtocolError(f"{cls.__name__}: message of {total} bytes exceeds {limits.max_message_bytes}")
-    ctx = _Ctx(bufs, limits)
-    try:
-        data = msgpack.unpackb(
-            header,
-            raw=False,
-            ext_hook=ctx.ext_hook,
-            strict_map_key=True,
-            max_str_len=limits.max_str_len,
-            max_bin_len=limits.max_header_bytes,
-            max_array_len=limits.max_list_len,
-            max_map_len=limits.max_list_len,
+        raise ProtocolError(f"unknown message type {tframe[0]:#04x}")
+    header = frames[1]
+    if type(header) not in _BYTE_FRAMES:
+        header = _as_buffer(header)
+    hlen = len(header)
+    if hlen > limits.max_header_bytes:
+        raise ProtocolError(
+            f"{cls.__name__}: header of {hlen} bytes exceeds {limits.max_header_bytes}"
         )
-    except ProtocolError as exc:
-        raise ProtocolError(f"{cls.__name__}: {exc}") from None
-    except Exception as exc:  # msgpack raises many types on garbage
-        raise ProtocolError(f"{cls.__name__}: header is not valid msgpack ({type(exc).__name__}: {exc})") from None
-    if type(data) is not dict:
-        raise ProtocolError(f"{cls.__name__}: header must be a map, got {type(data).__name__}")
     try:
-        build = cls.__dict__.get("_builder")
-        if build is None:
-            build = cls._builder = _compile_builder(cls)
-        msg = build(data, ctx)
-        if ctx.nrefs != len(ctx.used):  # an array reference sits where no Arr field consumed it
-            strict = _Ctx(bufs, limits, strict=True)
-            _build_message(cls, data, strict, cls.__name__)  # raises, naming the path
-            raise ProtocolError(f"{cls.__name__}: {ctx.nrefs - len(ctx.used)} array reference(s) outside Arr fields")
-    except ProtocolError:
-        raise
-    except (TypeError, ValueError, RecursionError) as exc:
-        raise ProtocolError(f"{cls.__name__}: {type(exc).__name__}: {exc}") from None
-    if len(ctx.used) != len(bufs) - 2:
-        raise ProtocolError(f"{cls.__name__}: {len(bufs) - 2 - len(ctx.used)} array frame(s) not referenced by the header")
+        msg = (_DECODERS.get(cls) or _decoder(cls)).decode(header)
+    except msgspec.ValidationError as exc:
+        raise ProtocolError(_where(cls, exc)) from None
+    except ProtocolError as exc:  # from the ext hook
+        raise ProtocolError(f"{cls.__name__}: {exc}") from None
+    except _StrayArray:
+        raise ProtocolError(
+            f"{_stray_path(cls, header)}: arrays are not allowed in a free-form field"
+        ) from None
+    except (msgspec.DecodeError, RecursionError, ValueError) as exc:  # bad msgpack or UTF-8
+        raise ProtocolError(
+            f"{cls.__name__}: header is not valid msgpack ({type(exc).__name__}: {exc})"
+        ) from None
+    fr = _Frames()
+    fr.frames, fr.nbytes = frames, 1 + hlen
+    for name, conv, path in _PLANS[cls]:
+        setattr(msg, name, conv(getattr(msg, name), fr, path))
+    if len(fr) != nframes - 2:
+        raise ProtocolError(
+            f"{cls.__name__}: {nframes - 2 - len(fr)} array frame(s) not referenced by the header"
+        )
+    # every frame is accounted for now: the type byte, the header and the arrays' checked sizes
+    if fr.nbytes > limits.max_message_bytes:
+        raise ProtocolError(
+            f"{cls.__name__}: message of {fr.nbytes} bytes exceeds {limits.max_message_bytes}"
+        )
+    # a string or list longer than the header is impossible: only tighter limits need a walk
+    if hlen > limits.max_str_len or hlen > limits.max_list_len:
+        _check_sizes(msg, limits, cls.__name__)
     return msg
+
+
+def _stray_path(cls: type[Message], header: Any) -> str:
+    """Where the array reference in a free-form field is: decode again, marking it, and look."""
+    try:
+        msg = msgspec.msgpack.Decoder(cls, ext_hook=_ext_mark).decode(header)
+        return _stray_array(msg, cls.__name__) or cls.__name__
+    except (ValueError, RecursionError):
+        return cls.__name__
 
 
 def roundtrip(msg: Message) -> Message:

@@ -6,7 +6,8 @@
 Every node of a cluster holds a key pair; servers accept only clients whose public
 key is in `authorized/` (pyzmq's ZAP authenticator), clients pin the server key
 (the same cluster key by default). A peer without a known key gets nothing through:
-the handshake never completes, so its requests time out.
+the handshake never completes, so its requests time out. `sockets.attach` applies a
+node's `Security` to its tcp sockets only (ipc and inproc never leave the host).
 """
 
 from __future__ import annotations
@@ -20,9 +21,13 @@ import zmq
 import zmq.auth
 from zmq.auth.asyncio import AsyncioAuthenticator
 
+from laminar.config import LaminarConfig
+
 # Keyed by the context object itself (weakly), never by id(): a dead context's id can be reused
 # by a new one, which would then run without an authenticator and accept any client key.
-_AUTHENTICATORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_AUTHENTICATORS: weakref.WeakKeyDictionary[zmq.Context, AsyncioAuthenticator] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def generate_keys(keys_dir: str | os.PathLike, name: str = "node") -> tuple[Path, Path]:
@@ -39,11 +44,15 @@ def generate_keys(keys_dir: str | os.PathLike, name: str = "node") -> tuple[Path
 class Security:
     """CURVE settings shared by a node's tcp sockets."""
 
-    def __init__(self, keys_dir: str | os.PathLike, name: str = "node", server_key: str | None = None):
+    def __init__(
+        self, keys_dir: str | os.PathLike, name: str = "node", server_key: str | None = None
+    ):
         self.root = Path(keys_dir)
         secret_file = self.root / f"{name}.key_secret"
         if not secret_file.exists():
-            raise FileNotFoundError(f"no secret key {secret_file}; create one with `laminar keys {self.root}`")
+            raise FileNotFoundError(
+                f"no secret key {secret_file}; create one with `laminar keys {self.root}`"
+            )
         self.public, self.secret = zmq.auth.load_certificate(str(secret_file))
         server_file = Path(server_key) if server_key else self.root / "node.key"
         self.server_public, _ = zmq.auth.load_certificate(str(server_file))
@@ -51,14 +60,13 @@ class Security:
 
     def ensure_authenticator(self, ctx: zmq.Context) -> None:
         """One ZAP authenticator per context, allowing only keys in authorized/."""
-        key = ctx
-        auth = _AUTHENTICATORS.get(key)
-        if auth is not None and getattr(auth, "zap_socket", None) is not None:
+        auth = _AUTHENTICATORS.get(ctx)
+        if auth is not None and auth.zap_socket is not None:  # stop() clears it
             return
         auth = AsyncioAuthenticator(ctx)
         auth.start()
         auth.configure_curve(domain="*", location=str(self.authorized))
-        _AUTHENTICATORS[key] = auth
+        _AUTHENTICATORS[ctx] = auth
 
     def apply_server(self, sock: zmq.Socket) -> None:
         self.ensure_authenticator(sock.context)
@@ -78,7 +86,8 @@ def stop_authenticators() -> None:
     _AUTHENTICATORS.clear()
 
 
-def security_from_config(cfg) -> Security | None:
+def security_from_config(cfg: LaminarConfig) -> Security | None:
+    """The node's CURVE settings, or None when `security.keys_dir` is unset (no CURVE)."""
     if not cfg.security.keys_dir:
         return None
     return Security(cfg.security.keys_dir)

@@ -1,30 +1,34 @@
-"""PUB/SUB with a READY barrier and PUSH/PULL streams (asyncio ZeroMQ).
+"""PUB/SUB with a READY barrier and PUSH/PULL streams (asyncio ZeroMQ), on sockets.py's basics.
 
-    pub = Publisher(ctx, endpoint, node_id, opts); await pub.start()
+    pub = Publisher(ctx, endpoint, node_id, opts, spawn=node.spawn); await pub.start()
     await pub.wait_for({"rollout-0"}, timeout=5)      # exact: no sleeping for slow joiners
     await pub.publish("weights", WeightsReady(...))
     sub = Subscriber(ctx, endpoint, "rollout-0", ["weights"]); sub.start(); topic, msg = await sub.recv(timeout=5)
     push = PushStream(ctx, endpoint, opts=opts); await push.send(msg)   # bounded HWM: back-pressure
     msg = await PullStream(ctx, endpoint, bind=True).recv(timeout=5)
 
-Malformed frames are counted in `stats` and skipped; they never stop a reader.
+Malformed frames are counted in `stats` and skipped; they never stop a reader. The
+publisher's subscription watcher is its one background task; it starts through `spawn`
+(a node's supervised spawn), so its death stops the node loudly.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from typing import Any
 
 import zmq
 import zmq.asyncio
 
+from laminar.supervise import Spawn, detached_spawn
 from laminar.transport.codec import Message, ProtocolError, decode, encode
 from laminar.transport.sockets import (
     RequestTimeout,
     SocketOptions,
     SocketStats,
-    _attach,
-    _send_within,
+    attach,
+    send_within,
 )
 
 # ---- PUB/SUB with a READY barrier ------------------------------------------------------
@@ -40,13 +44,21 @@ class Publisher:
     subscriber. So the barrier is exact, with no sleeping for slow joiners.
     """
 
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, node_id: str, opts: SocketOptions | None = None):
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        endpoint: str,
+        node_id: str,
+        opts: SocketOptions | None = None,
+        spawn: Spawn = detached_spawn,
+    ):
         self.ctx, self.endpoint, self.node_id = ctx, endpoint, node_id
         self.opts = opts or SocketOptions()
         self.subscribers: set[str] = set()
         self._changed = asyncio.Condition()
+        self._spawn = spawn
         self._sock: zmq.asyncio.Socket | None = None
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[Any] | None = None
         self.stats = SocketStats()
 
     async def start(self) -> None:
@@ -54,18 +66,17 @@ class Publisher:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.XPUB_VERBOSE, 1)
         sock.setsockopt(zmq.SNDHWM, self.opts.sndhwm)
-        _attach(sock, self.endpoint, True, self.opts)
+        attach(sock, self.endpoint, True, self.opts)
         self._sock = sock
-        self._task = asyncio.create_task(self._watch(), name=f"{self.node_id}:xpub")
+        self._task = self._spawn(self._watch(sock), "xpub-watch")
 
     @property
-    def tasks(self) -> list[asyncio.Task]:
+    def tasks(self) -> list[asyncio.Task[Any]]:
         return [self._task] if self._task else []
 
-    async def _watch(self) -> None:
-        assert self._sock is not None
+    async def _watch(self, sock: zmq.asyncio.Socket) -> None:
         while True:
-            frame = await self._sock.recv()
+            frame = await sock.recv()
             if len(frame) > 1 and frame[1:].startswith(_READY_PREFIX):
                 sub_id = frame[1 + len(_READY_PREFIX) :].decode(errors="replace")
                 async with self._changed:
@@ -87,7 +98,9 @@ class Publisher:
             try:
                 await asyncio.wait_for(self._changed.wait_for(ok), timeout)
             except TimeoutError:
-                raise RequestTimeout(f"subscribers {node_ids} not ready in {timeout}s (have {sorted(self.subscribers)})") from None
+                raise RequestTimeout(
+                    f"subscribers {node_ids} not ready in {timeout}s (have {sorted(self.subscribers)})"
+                ) from None
 
     async def publish(self, topic: str, msg: Message) -> None:
         assert self._sock is not None
@@ -105,7 +118,14 @@ class Publisher:
 
 
 class Subscriber:
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, node_id: str, topics: list[str], opts: SocketOptions | None = None):
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        endpoint: str,
+        node_id: str,
+        topics: list[str],
+        opts: SocketOptions | None = None,
+    ):
         self.ctx, self.endpoint, self.node_id, self.topics = ctx, endpoint, node_id, topics
         self.opts = opts or SocketOptions()
         self.stats = SocketStats()
@@ -119,7 +139,7 @@ class Subscriber:
         for t in self.topics:
             sock.setsockopt(zmq.SUBSCRIBE, t.encode())
         sock.setsockopt(zmq.SUBSCRIBE, _READY_PREFIX + self.node_id.encode())
-        _attach(sock, self.endpoint, False, self.opts)
+        attach(sock, self.endpoint, False, self.opts)
         self._sock = sock
 
     async def recv(self, timeout: float | None = None) -> tuple[str, Message]:
@@ -151,18 +171,24 @@ class Subscriber:
 class PushStream:
     """PUSH with a bounded high-water mark: send() waits when the peer is slow (back-pressure)."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, bind: bool = False, opts: SocketOptions | None = None):
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        endpoint: str,
+        bind: bool = False,
+        opts: SocketOptions | None = None,
+    ):
         self.opts = opts or SocketOptions()
         sock = ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, self.opts.sndhwm)
-        _attach(sock, endpoint, bind, self.opts)
+        attach(sock, endpoint, bind, self.opts)
         self._sock = sock
         self.stats = SocketStats()
 
     async def send(self, msg: Message, timeout: float | None = None) -> None:
         """Queue one message; waits while the HWM is full, raising TimeoutError (SendTimeout) after `timeout`."""
-        await _send_within(self._sock, encode(msg), timeout)
+        await send_within(self._sock, encode(msg), timeout)
         self.stats.sent += 1
 
     def close(self) -> None:
@@ -170,20 +196,26 @@ class PushStream:
 
 
 class PullStream:
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, bind: bool = True, opts: SocketOptions | None = None):
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        endpoint: str,
+        bind: bool = True,
+        opts: SocketOptions | None = None,
+    ):
         self.opts = opts or SocketOptions()
         sock = ctx.socket(zmq.PULL)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, self.opts.rcvhwm)
         sock.setsockopt(zmq.MAXMSGSIZE, self.opts.limits.max_message_bytes)
-        _attach(sock, endpoint, bind, self.opts)
+        attach(sock, endpoint, bind, self.opts)
         self._sock = sock
         self.stats = SocketStats()
 
     async def recv(self, timeout: float | None = None) -> Message:
         """Next valid message; malformed ones are counted and skipped."""
         while True:
-            fut = self._sock.recv_multipart(copy=False)
+            fut: asyncio.Future[list[zmq.Frame]] = self._sock.recv_multipart(copy=False)  # type: ignore[assignment]
             # a message already queued resolves at once: skip wait_for's timer bookkeeping
             frames = fut.result() if fut.done() else await asyncio.wait_for(fut, timeout)
             try:

@@ -1,11 +1,19 @@
-"""Weight transports: the trainer's push to the master relay and a rollout's pull from its relay.
+"""Relay variant of the weights channel: the trainer's push to the master relay and a
+rollout's pull from its host's relay (laminar/transport/weights_channel.py picks the variant).
 
-    trainer:  pusher = WeightPusher(node); await pusher.start()
+    trainer:  pusher = WeightPusher(cfg, ctx=ctx, opts=opts, node_id="trainer-0", log=log, spawn=spawn)
+              await pusher.start()
               stall_s = await pusher.push(version, model.state_dict())   # returns after the handoff
-    rollout:  puller = WeightPuller(node, relay_index=cfg.rollout.relay_index); await puller.start()
+    rollout:  puller = WeightPuller(cfg, ctx=ctx, opts=opts, node_id="rollout-0", log=log, spawn=spawn,
+                                    relay_index=cfg.rollout.relay_index)
+              await puller.start()                                        # spawns its WeightsReady listener
               await puller.wait_version(v, timeout=30)
               async with await puller.pull() as w:                        # pins the version at the relay
                   for name, t in w.named_tensors(): param[name].copy_(t)  # zero-copy views into /dev/shm
+
+Both take explicit dependencies: the config (endpoints, timeouts, relay knobs), a zmq
+context and SocketOptions, this end's node id, a logger and a supervised `spawn` for the
+background tasks they start (the puller's subscription listener, closing a replaced client).
 
 Push, same host (the common case): StageRequest → the master relay reserves a slot and
 answers with its /dev/shm path → the pusher copies every tensor into it (one memcpy,
@@ -14,7 +22,8 @@ the trainer resumes. The chain broadcast runs afterwards inside the relays, so t
 stall does not grow with the number of relays or rollouts. When the relay's segment
 is not visible (trainer on another host) the pusher streams PushChunk messages instead.
 
-Master failover: if the master does not answer, the pusher asks every relay for its
+Master failover: a relay that is not the master answers NotMaster(master=i) and the
+pusher follows it. If the master does not answer, the pusher asks every relay for its
 chain view (ChainInfo) and pushes to the master named by the newest view when that
 relay is alive, else to the lowest live index; that relay becomes master. The manager
 can also call `set_master(endpoint)` (e.g. after its own chain rebuild).
@@ -27,7 +36,8 @@ already warm: a rollout's load costs about one memcpy. The views are read-only (
 rollout copies them into its engine); `WeightPuller(..., writable=True)` maps each
 pull privately (copy-on-write) instead, at the cost of page faults on first touch.
 
-GPU transports (CUDA IPC, NCCL) live in laminar/transport/weights_gpu.py.
+Layout and checksums: laminar/transport/weight_layout.py. GPU variants (CUDA IPC,
+NCCL): laminar/transport/weights_gpu.py.
 """
 
 from __future__ import annotations
@@ -40,17 +50,21 @@ import os
 import socket
 import time
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+import zmq.asyncio
+from structlog.typing import FilteringBoundLogger
 
+from laminar.config import LaminarConfig
 from laminar.protocol.relay import (
     ChainInfo,
     ChainInfoRequest,
     CommitRequest,
     LatestReply,
     LatestRequest,
+    NotMaster,
     PullReply,
     PullRequest,
     PushChunk,
@@ -60,69 +74,43 @@ from laminar.protocol.relay import (
     WeightLayout,
     WeightsReady,
 )  # fmt: skip
-from laminar.relay.layout import (
-    build_layout,
-    checksum_buffer,
-    chunk_range,
-    n_chunks,
-    validate_layout,
-)
+from laminar.supervise import Spawn
+from laminar.transport.client import RpcClient
 from laminar.transport.sockets import (
     PeerDead,
     RemoteError,
     RequestTimeout,
-    RpcClient,
-    Subscriber,
+    SocketOptions,
     TransportError,
+)
+from laminar.transport.streams import Subscriber
+from laminar.transport.weight_layout import (
+    NamedTensors,
+    checksum_buffer,
+    chunk_range,
+    layout_of,
+    n_chunks,
+    named_list,
+    tensor_spans,
+    validate_layout,
 )
 
 _ids = itertools.count()
+MAX_REDIRECTS = 4  # NotMaster hops followed per push before giving up
 
 
 class WeightsUnavailable(RuntimeError):
-    """The relay has no (such) version to serve."""
-
-
-def _master_index(text: str) -> int:
-    try:
-        return int(text.rsplit("master=", 1)[1].split()[0])
-    except (IndexError, ValueError):
-        raise WeightsUnavailable(f"relay redirect without a master index: {text!r}") from None
-
-
-def _dtype_name(t: Any) -> str:
-    return str(t.dtype).removeprefix("torch.")
-
-
-def _named_list(
-    named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
-) -> list[tuple[str, Any]]:
-    items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
-    return [(str(n), t) for n, t in items]
-
-
-async def _request(cli: RpcClient, msg: Any, timeout: float) -> Any:
-    """One attempt. A send still blocked when the client drops a dead server's socket ends in a
-    CancelledError that was not meant for us: report it as PeerDead unless we were cancelled."""
-    try:
-        return await cli.request(msg, timeout=timeout, retries=0)
-    except asyncio.CancelledError:
-        task = asyncio.current_task()
-        if task is not None and task.cancelling():
-            raise
-        raise PeerDead(f"{type(msg).__name__}: connection to {cli.endpoint} dropped") from None
-
-
-def layout_of(items: list[tuple[str, Any]]) -> WeightLayout:
-    return build_layout((n, _dtype_name(t), tuple(t.shape)) for n, t in items)
+    """No weights to move right now (no live relay, no such version, a file vanished): retry later."""
 
 
 def _bytes_of(t: Any) -> Any:
     """A tensor as a flat uint8 tensor (same device); one copy only if it is not contiguous."""
+    import torch
+
     t = t.detach()
     if not t.is_contiguous():
         t = t.contiguous()
-    return t.reshape(-1).view(__import__("torch").uint8)
+    return t.reshape(-1).view(torch.uint8)
 
 
 def write_flat(dst: Any, items: list[tuple[str, Any]], layout: WeightLayout) -> None:
@@ -160,7 +148,7 @@ class _Map:
         finally:
             os.close(fd)
         self.path, self.size = path, size
-        self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)
+        self.tensor: Any = torch.frombuffer(self.mm, dtype=torch.uint8)
         self.cuda_registered = False
 
     def close(self) -> None:
@@ -172,9 +160,21 @@ class _Map:
 class WeightPusher:
     """Trainer side: hand each new version to the master relay and return at once."""
 
-    def __init__(self, node: Any, master_endpoint: str | None = None):
-        self.node, self.cfg = node, node.cfg
-        self.endpoint = master_endpoint or self.cfg.endpoint("relay", 0)
+    def __init__(
+        self,
+        cfg: LaminarConfig,
+        *,
+        ctx: zmq.asyncio.Context,
+        opts: SocketOptions,
+        node_id: str,
+        log: FilteringBoundLogger,
+        spawn: Spawn,
+        role: str = "trainer",
+        master_endpoint: str | None = None,
+    ):
+        self.cfg, self.ctx, self.opts, self.node_id, self.role = cfg, ctx, opts, node_id, role
+        self.log, self.spawn = log, spawn
+        self.endpoint = master_endpoint or cfg.endpoint("relay", 0)
         self.client: RpcClient | None = None
         self._maps: dict[str, _Map] = {}
         self.last_stall_s = float("nan")
@@ -185,8 +185,7 @@ class WeightPusher:
         self.timings: dict[str, float] = {}
 
     def _new_client(self, endpoint: str) -> RpcClient:
-        n = self.node
-        return RpcClient(n.ctx, endpoint, n.node_id, getattr(n, "role", "trainer"), n.opts)
+        return RpcClient(self.ctx, endpoint, self.node_id, self.role, self.opts, spawn=self.spawn)
 
     async def start(self) -> None:
         self.client = self._new_client(self.endpoint)
@@ -200,8 +199,8 @@ class WeightPusher:
         if endpoint != self.endpoint:
             self.endpoint = endpoint
             old, self.client = self.client, None
-            if old is not None:
-                asyncio.ensure_future(old.close())
+            if old is not None:  # a request may still be unwinding on it: close it aside
+                self.spawn(old.close(), "close-old-master")
 
     async def _failover(self) -> None:
         """Find the master: the one the newest live chain view names, else the lowest live relay."""
@@ -229,7 +228,7 @@ class WeightPusher:
         newest = max(live.values(), key=lambda info: info.epoch)
         master = newest.master if newest.master in live else min(live)
         self.failovers += 1
-        self.node.log.warning("relay_master_failover", old=self.endpoint, master=master)
+        self.log.warning("relay_master_failover", old=self.endpoint, master=master)
         self.set_master(self.cfg.endpoint("relay", master))
 
     async def _master_alive(self) -> bool:
@@ -237,16 +236,14 @@ class WeightPusher:
         old, self.client = self.client, None
         if old is not None:
             await old.close()
+        cli = self._new_client(self.endpoint)
         try:
-            self.client = self._new_client(self.endpoint)
-            await self.client.connect(
-                timeout=max(self.cfg.relay.probe_timeout_s, self.node.opts.dead_after_s)
-            )
-            return True
+            await cli.connect(timeout=max(self.cfg.relay.probe_timeout_s, self.opts.dead_after_s))
         except TransportError:
-            await self.client.close()
-            self.client = None
+            await cli.close()
             return False
+        self.client = cli
+        return True
 
     async def _client(self) -> RpcClient:
         if self.client is None:
@@ -254,12 +251,10 @@ class WeightPusher:
             await self.client.connect(timeout=self.cfg.relay.probe_timeout_s * 4)
         return self.client
 
-    async def push(
-        self, version: int, named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]
-    ) -> float:
+    async def push(self, version: int, named_tensors: NamedTensors) -> float:
         """Hand `version` to the master relay; returns the trainer's stall in seconds."""
         t0 = time.perf_counter()
-        items = _named_list(named_tensors)
+        items = named_list(named_tensors)
         layout = layout_of(items)
         timeout = self.cfg.transport.request_timeout_s
         last: Exception | None = None
@@ -268,8 +263,19 @@ class WeightPusher:
             try:
                 cli = await self._client()
                 stage = StageRequest(version=version, layout=layout, takeover=self._takeover)
-                reply = await _request(cli, stage, timeout)
-                assert isinstance(reply, StageReply)
+                reply = await cli.request(stage, timeout=timeout, retries=0)
+                if isinstance(reply, NotMaster):  # the relay names the master: push there
+                    if redirects >= MAX_REDIRECTS:
+                        raise WeightsUnavailable(
+                            f"push of version {version}: still redirected after {redirects} hops"
+                        )
+                    redirects += 1
+                    self.set_master(self.cfg.endpoint("relay", reply.master))
+                    continue
+                if not isinstance(reply, StageReply):
+                    raise WeightsUnavailable(
+                        f"unexpected reply {type(reply).__name__} to StageRequest"
+                    )
                 t1 = time.perf_counter()
                 if self._same_host(reply):
                     self.mode = "shm"
@@ -278,7 +284,8 @@ class WeightPusher:
                     self.mode = "stream"
                     await self._stream(cli, reply, items, layout, version)
                 t2 = time.perf_counter()
-                await _request(cli, CommitRequest(version=version, token=reply.token), timeout)
+                commit = CommitRequest(version=version, token=reply.token)
+                await cli.request(commit, timeout=timeout, retries=0)
                 self.timings = {
                     "stage_s": t1 - t0,
                     "copy_s": t2 - t1,
@@ -289,11 +296,7 @@ class WeightPusher:
                 self.last_stall_s = time.perf_counter() - t0
                 return self.last_stall_s
             except RemoteError as exc:
-                if exc.code == "not_master" and redirects < 4:  # the relay names the master
-                    redirects += 1
-                    self.set_master(self.cfg.endpoint("relay", _master_index(str(exc))))
-                    continue
-                if exc.code in ("stale_version", "protocol", "out_of_slots", "not_master"):
+                if exc.code in ("stale_version", "protocol", "out_of_slots"):
                     raise
                 last = exc
             except (RequestTimeout, PeerDead) as exc:
@@ -301,7 +304,7 @@ class WeightPusher:
             failures += 1
             if failures >= 3:
                 break
-            self.node.log.warning(
+            self.log.warning(
                 "push_failed", version=version, endpoint=self.endpoint, error=str(last)
             )
             if not await self._master_alive():
@@ -349,7 +352,7 @@ class WeightPusher:
             while pending:
                 s, e = chunk_range(pending.pop(0), cb, layout.total_bytes)
                 msg = PushChunk(version=version, token=reply.token, offset=s, data=arr[s:e])
-                await _request(cli, msg, timeout)
+                await cli.request(msg, timeout=timeout, retries=0)
 
         await asyncio.gather(*(sender() for _ in range(self.cfg.relay.window)))
 
@@ -382,14 +385,8 @@ class PulledWeights:
         writing into one crashes the process (SIGSEGV) instead of corrupting the relay."""
         import torch
 
-        lay = self.layout
-        for name, dtype, shape, off in zip(
-            lay.names, lay.dtypes, lay.shapes, lay.offsets, strict=True
-        ):
+        for name, dtype, shape, off, nbytes in tensor_spans(self.layout):
             tdtype = getattr(torch, dtype)
-            nbytes = tdtype.itemsize
-            for d in shape:
-                nbytes *= d
             if nbytes == 0:
                 yield name, torch.empty(shape, dtype=tdtype)
                 continue
@@ -434,35 +431,48 @@ def _map_segment(path: str, size: int, writable: bool) -> tuple[mmap.mmap, int]:
 class WeightPuller:
     """Rollout side: follow WeightsReady of the local relay and pull versions on demand."""
 
-    def __init__(self, node: Any, relay_index: int = 0, writable: bool = False):
-        self.node, self.cfg, self.relay_index = node, node.cfg, relay_index
-        self.writable = writable
+    def __init__(
+        self,
+        cfg: LaminarConfig,
+        *,
+        ctx: zmq.asyncio.Context,
+        opts: SocketOptions,
+        node_id: str,
+        log: FilteringBoundLogger,
+        spawn: Spawn,
+        role: str = "rollout",
+        relay_index: int = 0,
+        writable: bool = False,
+    ):
+        self.cfg, self.ctx, self.opts, self.node_id, self.role = cfg, ctx, opts, node_id, role
+        self.log, self.spawn, self.relay_index, self.writable = log, spawn, relay_index, writable
         self._maps: dict[str, tuple[mmap.mmap, int, int]] = {}  # path -> (mapping, size, inode)
         self.latest_version = -1
         self.latest_checksum = ""
         self.latest_layout: WeightLayout | None = None
         self._cond = asyncio.Condition()
-        self._sub_id = f"{node.node_id}.w{next(_ids)}"
+        self._sub_id = f"{node_id}.w{next(_ids)}"
         self.client: RpcClient | None = None
         self.sub: Subscriber | None = None
         self._task: asyncio.Task | None = None
         self._held: list[PulledWeights] = []
 
     async def start(self) -> None:
-        n, cfg = self.node, self.cfg
+        cfg = self.cfg
         self.client = RpcClient(
-            n.ctx,
-            cfg.endpoint("relay", self.relay_index),
-            n.node_id,
-            getattr(n, "role", "rollout"),
-            n.opts,
-        )
+            self.ctx, cfg.endpoint("relay", self.relay_index), self.node_id, self.role, self.opts,
+            spawn=self.spawn,
+        )  # fmt: skip
         await self.client.connect(timeout=cfg.transport.startup_timeout_s)
         self.sub = Subscriber(
-            n.ctx, cfg.endpoint("relay_pub", self.relay_index), self._sub_id, ["weights"], n.opts
+            self.ctx,
+            cfg.endpoint("relay_pub", self.relay_index),
+            self._sub_id,
+            ["weights"],
+            self.opts,
         )
         self.sub.start()
-        self._task = asyncio.create_task(self._listen(), name=f"{n.node_id}:weights-sub")
+        self._task = self.spawn(self._listen(), "weights-sub")
         # the relay answers once our subscription is live: nothing announced after this is missed
         reply = await self.client.request(
             LatestRequest(subscriber=self._sub_id), timeout=cfg.transport.startup_timeout_s

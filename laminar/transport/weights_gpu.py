@@ -1,4 +1,6 @@
-"""GPU weight transports: CUDA IPC (same host) and NCCL / torch.distributed broadcast (across hosts).
+"""GPU variants of the weights channel: CUDA IPC (same host) and NCCL / torch.distributed
+broadcast (across hosts). Their receiving ends return FlatWeights, which has the surface of the
+relay variant's PulledWeights (named_tensors, verify, release), so a rollout loads either alike.
 
     # trainer (GPU), same host as its rollouts
     exp = CudaIpcExporter(device="cuda:0", keep=2)
@@ -13,7 +15,7 @@
     group.send(version, named_tensors)                  # rank 0 (trainer)
     w = group.recv()                                    # every other rank: a PulledWeights-like object
 
-Both pack a version into one flat uint8 buffer with the relay layout (laminar/relay/layout.py),
+Both pack a version into one flat uint8 buffer with the channel's layout (laminar/transport/weight_layout.py),
 so offsets, dtypes (bf16 included) and the checksum are the ones the CPU path uses.
 Control data travels as our codec's messages (CudaIpcHandle, NcclAnnounce encoded to
 bytes), never pickle. torch.cuda / torch.distributed are imported lazily: this module
@@ -24,12 +26,20 @@ the CUDA paths are covered by `gpu`-marked tests that were not run on this CPU m
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from laminar.protocol.relay import CudaIpcHandle, NcclAnnounce, WeightLayout
-from laminar.relay.layout import chunk_range, n_chunks, version_checksum
 from laminar.transport.codec import decode, encode
+from laminar.transport.weight_layout import (
+    NamedTensors,
+    chunk_range,
+    layout_of,
+    n_chunks,
+    named_list,
+    tensor_spans,
+    version_checksum,
+)
 
 IPC_CHUNK = 64 << 20  # checksum granularity of GPU versions (computed on the host copy)
 
@@ -56,15 +66,11 @@ def _flat_checksum(layout: WeightLayout, flat: Any) -> str:
     return version_checksum(layout, IPC_CHUNK, crcs)
 
 
-def pack_flat(
-    named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]], device: Any
-) -> tuple[WeightLayout, Any]:
+def pack_flat(named_tensors: NamedTensors, device: Any) -> tuple[WeightLayout, Any]:
     """Named tensors -> (layout, flat uint8 tensor on `device`), padding zeroed."""
     import torch
 
-    from laminar.transport.weights import _named_list, layout_of
-
-    items = _named_list(named_tensors)
+    items = named_list(named_tensors)
     layout = layout_of(items)
     flat = torch.zeros(layout.total_bytes, dtype=torch.uint8, device=device)
     for (_n, t), off in zip(items, layout.offsets, strict=True):
@@ -79,7 +85,12 @@ class FlatWeights:
     """A version held in one flat uint8 tensor (any device): the PulledWeights surface."""
 
     def __init__(
-        self, version: int, checksum: str, layout: WeightLayout, flat: Any, on_release: Any = None
+        self,
+        version: int,
+        checksum: str,
+        layout: WeightLayout,
+        flat: Any,
+        on_release: Callable[[int], None] | None = None,
     ):
         self.version, self.checksum, self.layout, self.flat = version, checksum, layout, flat
         self.nbytes = layout.total_bytes
@@ -89,15 +100,8 @@ class FlatWeights:
     def named_tensors(self) -> Iterator[tuple[str, Any]]:
         import torch
 
-        lay = self.layout
-        for name, dtype, shape, off in zip(
-            lay.names, lay.dtypes, lay.shapes, lay.offsets, strict=True
-        ):
-            tdtype = getattr(torch, dtype)
-            n = tdtype.itemsize
-            for d in shape:
-                n *= d
-            yield name, self.flat[off : off + n].view(tdtype).reshape(shape)
+        for name, dtype, shape, off, n in tensor_spans(self.layout):
+            yield name, self.flat[off : off + n].view(getattr(torch, dtype)).reshape(shape)
 
     def verify(self) -> bool:
         return _flat_checksum(self.layout, self.flat) == self.checksum
@@ -127,9 +131,7 @@ class CudaIpcExporter:
         self.device, self.keep = device, keep
         self.buffers: dict[int, tuple[Any, CudaIpcHandle]] = {}
 
-    def export(
-        self, version: int, named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]
-    ) -> CudaIpcHandle:
+    def export(self, version: int, named_tensors: NamedTensors) -> CudaIpcHandle:
         layout, flat = pack_flat(named_tensors, self.device)
         storage = flat.untyped_storage()
         (device, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync) = (
@@ -150,7 +152,9 @@ class CudaIpcExporter:
         self.buffers.pop(version, None)
 
 
-def open_cuda_ipc(msg: CudaIpcHandle, on_release: Any = None) -> FlatWeights:
+def open_cuda_ipc(
+    msg: CudaIpcHandle, on_release: Callable[[int], None] | None = None
+) -> FlatWeights:
     """Rollout side (another process on the trainer's host): map the trainer's device buffer."""
     import torch
 
@@ -196,9 +200,7 @@ class WeightBroadcastGroup:
 
         dist.broadcast(t, src=0, group=self.group)
 
-    def send(
-        self, version: int, named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]
-    ) -> str:
+    def send(self, version: int, named_tensors: NamedTensors) -> str:
         import numpy as np
         import torch
 

@@ -1,6 +1,10 @@
-"""Flat weight layout and checksums (numpy only: the relay process never imports torch).
+"""Flat weight layout and checksums: how every weights variant lays out and checks a version.
+
+Numpy only (a relay process never imports torch). Used by both ends of the weights
+channel (laminar/transport/weights.py, weights_gpu.py) and by the relays (laminar/relay/).
 
     layout = build_layout([("w", "bfloat16", (4, 8)), ("b", "float32", (8,))])
+    layout = layout_of(named_list(model.state_dict()))   # the same from tensors
     validate_layout(layout)                    # bad layouts from the network raise ProtocolError
     chunk_range(i, chunk_bytes, total)          # byte range of chunk i
     d = chunk_digest(view, with_adler=False)    # crc32 (+ adler32 << 32 in delta mode)
@@ -17,7 +21,8 @@ from __future__ import annotations
 
 import hashlib
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -69,6 +74,24 @@ def build_layout(specs: Iterable[tuple[str, str, Sequence[int]]]) -> WeightLayou
     )
 
 
+def dtype_name(t: Any) -> str:
+    """A tensor's dtype as the layout names it (torch names without the prefix)."""
+    return str(t.dtype).removeprefix("torch.")
+
+
+NamedTensors = Mapping[str, Any] | Iterable[tuple[str, Any]]
+"""A state dict or (name, tensor) pairs, in layout order."""
+
+
+def named_list(named_tensors: NamedTensors) -> list[tuple[str, Any]]:
+    items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+    return [(str(n), t) for n, t in items]
+
+
+def layout_of(items: list[tuple[str, Any]]) -> WeightLayout:
+    return build_layout((n, dtype_name(t), tuple(t.shape)) for n, t in items)
+
+
 def validate_layout(layout: WeightLayout) -> None:
     """Reject a layout that would map outside the buffer, overlap, or misalign (ProtocolError)."""
     n = len(layout.names)
@@ -99,6 +122,14 @@ def validate_layout(layout: WeightLayout) -> None:
             )
 
 
+def tensor_spans(layout: WeightLayout) -> Iterator[tuple[str, str, list[int], int, int]]:
+    """(name, dtype, shape, offset, nbytes) of every tensor: where a reader views each one."""
+    for name, dtype, shape, off in zip(
+        layout.names, layout.dtypes, layout.shapes, layout.offsets, strict=True
+    ):
+        yield name, dtype, shape, off, tensor_nbytes(dtype, shape)
+
+
 def n_chunks(total: int, chunk_bytes: int) -> int:
     return max(1, -(-total // chunk_bytes))
 
@@ -111,8 +142,9 @@ def chunk_range(index: int, chunk_bytes: int, total: int) -> tuple[int, int]:
 def chunk_digest(buf: np.ndarray | memoryview, with_adler: bool = False) -> int:
     """crc32 of a chunk (fast, releases the GIL); delta mode adds adler32 in the high bits so
     that "unchanged" is decided on 64 bits, not 32."""
-    crc = zlib.crc32(buf)
-    return crc | (zlib.adler32(buf) << 32) if with_adler else crc
+    view = buf.data if isinstance(buf, np.ndarray) else buf
+    crc = zlib.crc32(view)
+    return crc | (zlib.adler32(view) << 32) if with_adler else crc
 
 
 def crc_of(digest: int) -> int:
@@ -139,7 +171,7 @@ def checksum_buffer(layout: WeightLayout, chunk_bytes: int, buf: np.ndarray) -> 
     """Recompute a version checksum from the bytes themselves (readers verifying what they read)."""
     total = layout.total_bytes
     crcs = [
-        zlib.crc32(buf[s:e])
+        zlib.crc32(buf[s:e].data)
         for s, e in (
             chunk_range(i, chunk_bytes, total) for i in range(n_chunks(total, chunk_bytes))
         )

@@ -1,0 +1,66 @@
+"""Finished and abandoned samples: a Trajectory / TrajectoryAbandoned -> a journaled Ack.
+
+    intake = Intake(ledger, partials, metrics, log)
+    reply = await intake.trajectory(t, peer_id)     # Ack after the "traj" record is durable
+    reply = await intake.abandoned(msg)             # Ack after the "abandon" record is durable
+
+A trajectory is checked by ExperienceState.check_trajectory: bad input gets an
+ErrorReply (the sender drops it), a duplicate or a late member an Ack that says so
+(the sender stops resending; nothing is stored twice), a new member is journaled and
+acked only once durable. Either way the sample's partial-pool record is dropped: it
+finished. Abandons follow the same rules with check_abandoned.
+"""
+
+from __future__ import annotations
+
+import structlog
+
+from laminar.buffer.ledger import Ledger
+from laminar.buffer.partials import PartialPool
+from laminar.metrics import Metrics
+from laminar.protocol.buffer import TrajectoryAbandoned
+from laminar.protocol.core import Ack, ErrorReply
+from laminar.protocol.data import Trajectory
+
+__all__ = ["Intake"]
+
+
+class Intake:
+    def __init__(self, ledger: Ledger, partials: PartialPool, metrics: Metrics,
+                 log: structlog.typing.FilteringBoundLogger):  # fmt: skip
+        self.ledger = ledger
+        self.partials = partials
+        self.metrics = metrics
+        self.log = log
+
+    async def trajectory(self, t: Trajectory, peer_id: str) -> Ack | ErrorReply:
+        st = self.ledger.state
+        verdict, why = st.check_trajectory(t)
+        if verdict == "bad":
+            self.metrics.count("trajectories_rejected")
+            self.log.warning("bad_trajectory", uid=t.uid, error=why, peer=peer_id)
+            return ErrorReply(code="protocol", message=why)
+        self.partials.remove(t.uid)
+        if verdict != "ok":
+            self.metrics.count(f"trajectories_{verdict}")
+            await self.ledger.durable()  # the first copy may still be on its way to the disk
+            return Ack(info={"duplicate": verdict == "duplicate", "ignored": why})
+        t.staleness_at_finish = st.trainer_version - t.version
+        off = self.ledger.record("traj", {}, [t])
+        await self.ledger.durable(off)
+        return Ack()
+
+    async def abandoned(self, msg: TrajectoryAbandoned) -> Ack | ErrorReply:
+        verdict, why, idx = self.ledger.state.check_abandoned(msg.uid, msg.group_id)
+        if verdict == "bad":
+            self.metrics.count("abandons_rejected")
+            return ErrorReply(code="protocol", message=why)
+        self.partials.remove(msg.uid)
+        if verdict != "ok":
+            self.metrics.count("abandons_ignored")
+            return Ack(info={"ignored": why})
+        off = self.ledger.record("abandon", {"group_id": msg.group_id, "sample_index": idx,
+                                             "uid": msg.uid, "reason": msg.reason})  # fmt: skip
+        self.log.info("trajectory_abandoned", uid=msg.uid, reason=msg.reason)
+        await self.ledger.durable(off)
+        return Ack()

@@ -1,0 +1,92 @@
+"""The buffer's durable state: every change is a journal record, appended, then applied.
+
+    ledger = Ledger(state, journal, compact_bytes, metrics, log)   # journal None: memory only
+    n = ledger.replay()                        # at start (blocking: run it off the event loop)
+    off = ledger.record("traj", {}, [t])       # write() to the OS, then ExperienceState.apply
+    await ledger.durable(off)                  # per buffer.fsync; only then is anything acked
+    changed = ledger.changed; await changed.wait()   # a batch long-poll waking on new groups
+    await ledger.compact_if_due()              # snapshot rewrite once the file outgrew its mark
+
+The one writer of ExperienceState (laminar/buffer/experience.py): the prompt server,
+the intake and the batch server all change it through `record`, so the live state and
+a replay of the file are the same sequence of `apply` calls. A record that fails to
+append is not applied (the caller undoes whatever it had taken, e.g. the pool cursor).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import structlog
+
+from laminar.buffer.experience import ExperienceState
+from laminar.buffer.journal import Journal
+from laminar.metrics import Metrics
+from laminar.transport.codec import Message
+
+__all__ = ["Ledger"]
+
+_WAKES = frozenset({"traj", "abandon", "commit", "requeue"})
+"""Record kinds that may make a waiting batch servable (or change its version)."""
+
+
+class Ledger:
+    def __init__(self, state: ExperienceState, journal: Journal | None, compact_bytes: int,
+                 metrics: Metrics, log: structlog.typing.FilteringBoundLogger):  # fmt: skip
+        self.state = state
+        self.journal = journal
+        self.compact_bytes = compact_bytes
+        self._compact_at = compact_bytes
+        self.metrics = metrics
+        self.log = log
+        self.changed = asyncio.Event()
+        """Set (and replaced by a fresh one) when a record of a kind in _WAKES was applied."""
+
+    def replay(self) -> int:
+        """Apply every record of the journal (blocking I/O); returns how many."""
+        if self.journal is None:
+            return 0
+        t0 = time.monotonic()
+        n = 0
+        for kind, body, msgs in self.journal.replay():
+            self.state.apply(kind, body, msgs)
+            n += 1
+        summary = self.state.summary()
+        self.log.info("journal_replayed", path=str(self.journal.path), records=n, bytes=self.journal.size,
+                      torn_bytes=self.journal.stats["torn_bytes"], seconds=round(time.monotonic() - t0, 3),
+                      **{k: summary[k] for k in ("held", "groups_ready", "outstanding_batches")})  # fmt: skip
+        if self.journal.stats["torn_bytes"]:
+            self.log.warning("journal_torn_tail", bytes=self.journal.stats["torn_bytes"])
+        return n
+
+    def record(self, kind: str, body: dict[str, Any], msgs: Sequence[Message] = ()) -> int:
+        """Append a record (when journaling) and apply it; returns the offset to make durable."""
+        off = self.journal.append(kind, body, msgs) if self.journal is not None else 0
+        self.state.apply(kind, body, msgs)
+        if kind in _WAKES:
+            self.changed.set()
+            self.changed = asyncio.Event()
+        return off
+
+    async def durable(self, offset: int | None = None) -> None:
+        """Return once the record ending at `offset` (default: everything written) is durable."""
+        if self.journal is not None:
+            await self.journal.durable(self.journal.written if offset is None else offset)
+
+    async def compact_if_due(self) -> None:
+        if self.journal is None or self.journal.size <= self._compact_at:
+            return
+        await self.journal.quiesce()  # no fsync in flight on the file being replaced
+        before = self.journal.size
+        t0 = time.monotonic()
+        self.journal.rewrite(self.state.snapshot_records())
+        after = self.journal.size
+        # a snapshot already near the mark would be rewritten at every commit
+        self._compact_at = max(self.compact_bytes, 2 * after)
+        self.metrics.count("compactions")
+        self.log.info(
+            "journal_compacted", before=before, after=after, seconds=round(time.monotonic() - t0, 3)
+        )

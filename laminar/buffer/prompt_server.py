@@ -1,0 +1,111 @@
+"""Serving prompts: a PromptRequest -> admission, capacity, the pool -> a journaled PromptReply.
+
+    server = PromptServer(cfg.buffer, cfg.rollout.group_size, admission, ledger, pool, metrics)
+    reply = await server.serve(req)           # acked only after its "served" record is durable
+
+Order of the checks (the reply's reason names the first that says no):
+  1. a retry of the rollout's last request (same request_id): the same groups again;
+  2. no prompt dataset: empty;
+  3. global_update (sync / one_step / stream): no work at a new version while older groups
+     are still generating, so the update reaches every rollout at once;
+  4. admission (laminar/buffer/admission.py): need_version (+ min_version) | staleness;
+  5. capacity (held + generating + n <= buffer.capacity): full;
+  6. the pool: empty | epochs_done.
+A refusal carries retry_after_s. The served groups, the pool cursor after them and the
+request id go into one "served" record; if it cannot be written the cursor is put back,
+so those rows are served again later.
+"""
+
+from __future__ import annotations
+
+import structlog
+
+from laminar.buffer.admission import Admission, admit
+from laminar.buffer.experience import OPEN
+from laminar.buffer.ledger import Ledger
+from laminar.buffer.prompts import PromptPool
+from laminar.config import BufferConfig, LaminarConfig
+from laminar.metrics import Metrics
+from laminar.protocol.buffer import PromptReply, PromptRequest
+
+__all__ = ["PromptServer", "check_capacity"]
+
+
+def check_capacity(cfg: LaminarConfig, log: structlog.typing.FilteringBoundLogger) -> None:
+    """Warn when buffer.capacity can never hold what the trainer asks for."""
+    n, cap, b = cfg.rollout.group_size, cfg.buffer.capacity, cfg.trainer.batch_groups
+    if cap < n * b:
+        log.warning("capacity_below_batch", capacity=cap, needed=n * b,
+                    hint="buffer.capacity < rollout.group_size * trainer.batch_groups: no batch can ever fill")  # fmt: skip
+    if cfg.trainer.commit == "checkpoint":
+        need = (cfg.trainer.checkpoint_every + 1) * b * n
+        if cap < need:
+            log.warning("capacity_below_uncommitted", capacity=cap, needed=need,
+                        hint="trainer.commit=checkpoint keeps checkpoint_every batches uncommitted in the buffer")  # fmt: skip
+
+
+class PromptServer:
+    def __init__(self, bc: BufferConfig, group_size: int, admission: Admission, ledger: Ledger,
+                 pool: PromptPool | None, metrics: Metrics):  # fmt: skip
+        self.capacity = bc.capacity
+        self.retry_after_s = bc.retry_after_s
+        self.n = group_size
+        self.admission = admission
+        self.ledger = ledger
+        self.pool = pool
+        self.metrics = metrics
+        self.rollout_versions: dict[str, int] = {}
+        """The version each rollout reported with its last request (stats)."""
+
+    async def serve(self, req: PromptRequest) -> PromptReply:
+        st = self.ledger.state
+        self.rollout_versions[req.rollout_id] = req.version
+        if req.request_id:
+            last = st.last_reply.get(req.rollout_id)
+            if last is not None and last[0] == req.request_id:  # a retry of a request we served
+                self.metrics.count("prompt_request_retries")
+                items = [
+                    g.item
+                    for gid in last[1]
+                    if (g := st.groups.get(gid)) is not None and g.item is not None
+                ]
+                await self.ledger.durable()  # the first reply may still be on its way to the disk
+                return PromptReply(items=items)
+        wait = self.retry_after_s
+        if self.pool is None:
+            return PromptReply(retry_after_s=wait, reason="empty")
+        if self.admission.policy.global_update and any(
+            g.state == OPEN and g.version < req.version for g in st.groups.values()
+        ):
+            self.metrics.count("prompts_refused_global_update")
+            return PromptReply(retry_after_s=wait, reason="global_update")
+        n = self.n
+        room = (self.capacity - st.held - st.pending) // n
+        dec = admit(self.admission, rollout_version=req.version, requested=max(0, req.max_groups),
+                    trainer_version=st.trainer_version, next_version=st.next_version,
+                    unconsumed=st.unconsumed_by_version() if self.admission.bound is not None else {})  # fmt: skip
+        if dec.groups <= 0 and dec.reason:
+            self.metrics.count(f"prompts_refused_{dec.reason}")
+            return PromptReply(retry_after_s=wait, reason=dec.reason, min_version=dec.min_version)
+        if room <= 0:
+            self.metrics.count("prompts_refused_full")
+            return PromptReply(retry_after_s=wait, reason="full", min_version=dec.min_version)
+        k = min(req.max_groups, room, dec.groups)
+        if k <= 0:
+            return PromptReply(retry_after_s=wait, min_version=dec.min_version)
+        cursor = self.pool.cursor()
+        items, why = self.pool.next_items(k, n)
+        if not items:
+            return PromptReply(retry_after_s=wait, reason=why, min_version=dec.min_version)
+        body = {"rollout_id": req.rollout_id, "version": req.version, "request_id": req.request_id,
+                "cursor": self.pool.cursor(),
+                "groups": [{"group_id": it.group_id, "uid": it.uid, "n": n, "version": req.version, "item": i}
+                           for i, it in enumerate(items)]}  # fmt: skip
+        try:
+            off = self.ledger.record("served", body, items)
+        except Exception:
+            self.pool.restore(cursor)  # not journaled: serve these rows again later
+            raise
+        self.metrics.count("prompts_served", len(items))
+        await self.ledger.durable(off)
+        return PromptReply(items=items, min_version=dec.min_version)

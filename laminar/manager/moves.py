@@ -1,0 +1,146 @@
+"""One repack round on a live cluster: plan from the rollouts' statuses, run the moves.
+
+    repacker = Repacker(srv, placer, cfg, metrics, log)
+    entry = await repacker.round(trainer_version)    # {} when nothing moved, else the round's record
+
+    statuses (NodeStatus.rollout: per-trajectory KV) ──► rollout_loads() ──► plan_repack (repack.py)
+    each move: ExportRequest ──► source ──partials──► placer.place(prefer=dest) ──ImportRequest──► dest
+               RefreshRequest ──► the emptied source     (new weights, then new prompts)
+
+The moves of one round run concurrently, at most manager.repack.max_concurrent_moves at once,
+so a round costs about one export + one import round trip. A slow or dead rollout makes one
+move fail (logged, counted); every RPC has a deadline.
+
+Planning view: the statuses rollouts send with every beat and, in laminar mode, push as soon
+as they change (rollout.status_push), so a round plans on what holds now; a plan on a view
+half a beat old found a third of its sources' trajectories already finished (and sent some
+to destinations that had refreshed meanwhile). Each round records how old its view was
+(repack_status_age_s), what it found missing (move_export_missing / move_export_empty) and
+how long exports and imports took (move_export_s / move_place_s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import structlog
+
+from laminar.config import LaminarConfig
+from laminar.manager.placement import ORPHAN, Placer
+from laminar.manager.repack import Move, RolloutLoad, TrajLoad, is_candidate, plan_repack
+from laminar.metrics import Metrics
+from laminar.protocol.rollout import ExportReply, ExportRequest, RefreshRequest
+from laminar.transport.server import RpcServer
+from laminar.transport.sockets import RemoteError, TransportError
+
+
+class Repacker:
+    def __init__(self, srv: RpcServer, placer: Placer, cfg: LaminarConfig, metrics: Metrics,
+                 log: structlog.typing.FilteringBoundLogger):  # fmt: skip
+        self.srv, self.placer, self.cfg = srv, placer, cfg
+        self.metrics, self.log = metrics, log
+        self.prev_kv: dict[str, float] = {}
+        """KV use of each rollout at the previous round: rising KV means it is not draining."""
+
+    def rollout_loads(self) -> list[RolloutLoad]:
+        loads = []
+        for p in self.placer.live():
+            s = p.status
+            if s is None or s.version < 0 or not self.placer.usable(p):
+                continue
+            prev = self.prev_kv.get(p.node_id)
+            self.prev_kv[p.node_id] = s.kv_use
+            if s.rollout is not None and s.rollout.traj_tokens:
+                cap = float(s.rollout.kv_capacity_tokens) or 1.0  # 0: capacity unknown
+                tl = tuple(TrajLoad(u, t / cap) for u, t in sorted(s.rollout.traj_tokens.items()))
+            else:  # no per-trajectory report: split the rollout's KV evenly over what it runs
+                n = max(1, s.inflight)
+                tl = tuple(TrajLoad(f"*{i}", s.kv_use / n) for i in range(s.inflight))
+            loads.append(RolloutLoad(node_id=p.node_id, version=s.version, kv_use=s.kv_use,
+                                     kv_rising=prev is not None and s.kv_use > prev + 1e-9,
+                                     running=s.running, waiting=s.waiting, trajectories=tl))  # fmt: skip
+        return loads
+
+    async def round(self, trainer_version: int) -> dict[str, Any]:
+        """Plan one round from the latest statuses and run its moves concurrently; returns the
+        round's record ({"moves": 0} when the plan was empty)."""
+        t0 = time.monotonic()
+        loads = self.rollout_loads()
+        c_max, bound = self.cfg.manager.repack.c_max, self.cfg.repack_bound_b()
+        plan = plan_repack(loads, c_max, bound)
+        self.metrics.count("repack_rounds")
+        self.metrics.count("repack_candidates", sum(is_candidate(r, c_max, bound) for r in loads))
+        self.metrics.count(
+            "repack_rising", sum(r.kv_rising and 0 < r.running < bound for r in loads)
+        )
+        if not plan:
+            return {"moves": 0}
+        now_wall = time.time()
+        by_id = {p.node_id: p for p in self.placer.live()}
+        for (
+            mv
+        ) in plan.moves:  # how old the view each move was planned on is (source and destination)
+            for node in (mv.source, mv.dest):
+                s = by_id[node].status if node in by_id else None
+                if s is not None and s.rollout is not None:
+                    self.metrics.add("repack_status_age_s", now_wall - s.rollout.measured_at)
+        emptied = set(plan.emptied)
+        # concurrent (a round costs about one move's round trips), bounded (a round of a thousand
+        # rollouts does not put hundreds of exports on the wire at once)
+        slots = asyncio.Semaphore(self.cfg.manager.repack.max_concurrent_moves)
+
+        async def bounded(mv: Move) -> dict[str, int]:
+            async with slots:
+                return await self.move(mv, mv.source in emptied, trainer_version)
+
+        results = await asyncio.gather(*(bounded(mv) for mv in plan.moves))
+        moved = sum(r["moved"] for r in results)
+        overhead_s = round(time.monotonic() - t0, 4)
+        entry = {"t": time.time(), "moves": len(plan.moves), "trajectories": moved, "emptied": list(plan.emptied),
+                 "failed": sum(r["failed"] for r in results), "elsewhere": sum(r["elsewhere"] for r in results),
+                 "orphaned": sum(r["orphaned"] for r in results), "overhead_s": overhead_s,
+                 "sources": [m.source for m in plan.moves], "dests": [m.dest for m in plan.moves]}  # fmt: skip
+        self.metrics.add("repack_overhead_s", overhead_s)
+        self.metrics.count("repack_trajectories", moved)
+        return entry
+
+    async def move(self, mv: Move, refresh: bool, trainer_version: int) -> dict[str, int]:
+        """One move: export everything listed on the source, import it on the destination (or the
+        next rollout of that version), then send the emptied source to refresh its weights."""
+        out = {"moved": 0, "failed": 0, "elsewhere": 0, "orphaned": 0}
+        uids = [] if any(t.startswith("*") for t in mv.traj_ids) else list(mv.traj_ids)
+        timeout = self.cfg.transport.request_timeout_s
+        t0 = time.monotonic()
+        try:
+            exp = await self.srv.request(mv.source, ExportRequest(uids=uids), timeout=timeout)
+        except (TransportError, RemoteError) as exc:
+            out["failed"] = 1
+            self.metrics.count("repack_export_failed")
+            self.log.warning("repack_move_failed", source=mv.source, dest=mv.dest, error=str(exc))
+            return out
+        if not isinstance(exp, ExportReply):
+            out["failed"] = 1
+            return out
+        t1 = time.monotonic()
+        self.metrics.add("move_export_s", t1 - t0)
+        self.metrics.count("move_export_missing", len(exp.missing))
+        if not exp.partials:
+            self.metrics.count("move_export_empty")
+        if exp.partials:
+            placed = await self.placer.place(
+                exp.partials, trainer_version, prefer=mv.dest, source=mv.source
+            )
+            self.metrics.add("move_place_s", time.monotonic() - t1)
+            out["moved"] = len(exp.partials)
+            out["elsewhere"] = sum(n for node, n in placed.items() if node not in (mv.dest, ORPHAN))
+            out["orphaned"] = placed.get(ORPHAN, 0)
+        if refresh:  # the source holds nothing now: new weights, then new prompts
+            try:
+                await self.srv.request(
+                    mv.source, RefreshRequest(min_version=trainer_version), timeout=timeout
+                )
+            except (TransportError, RemoteError) as exc:
+                self.log.warning("refresh_failed", rollout=mv.source, error=str(exc))
+        return out

@@ -1,0 +1,144 @@
+"""Placing partial trajectories on live rollouts: repack moves, recovery, orphans.
+
+    placer = Placer(srv, cfg, metrics, log)            # srv: the manager's RpcServer (peers + requests)
+    placed = await placer.place(partials, trainer_version, prefer="rollout-3", source="rollout-1")
+    #  {node_id or ORPHAN: count}
+    await placer.place(placer.take_orphans(), trainer_version)   # the recovery loop, every second
+
+Each trajectory keeps one policy version: partials go to a live rollout of their own version.
+The manager's view of versions comes from heartbeats and may be a beat old: a destination
+that refreshed meanwhile answers version_mismatch, is marked stale until its next status,
+and the partials try the next rollout of that version (at most PLACE_TRIES in all, the
+source last). Only when no live rollout holds the version does a trajectory restart from
+its prompt at another version (its generated tokens are lost); partials that nobody took
+are kept as orphans and placed again by the recovery loop.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+import structlog
+
+from laminar.config import LaminarConfig
+from laminar.metrics import Metrics
+from laminar.protocol.data import PartialTrajectory
+from laminar.protocol.rollout import VERSION_MISMATCH, ImportReply, ImportRequest
+from laminar.transport.server import RpcServer
+from laminar.transport.sockets import Peer, RemoteError, TransportError
+
+PLACE_TRIES = 4
+"""Rollouts one batch of partials is offered to before it restarts from the prompt elsewhere."""
+ORPHAN = "<orphan>"
+"""The key in `place()`'s answer for partials nobody took (kept as orphans)."""
+
+
+class Placer:
+    def __init__(
+        self,
+        srv: RpcServer,
+        cfg: LaminarConfig,
+        metrics: Metrics,
+        log: structlog.typing.FilteringBoundLogger,
+    ):
+        self.srv, self.cfg = srv, cfg
+        self.metrics, self.log = metrics, log
+        self.orphans: list[PartialTrajectory] = []
+        self.stale: dict[str, int] = {}
+        """rollout id -> id() of the status it had when it answered version_mismatch: skipped until a new one."""
+
+    def live(self) -> list[Peer]:
+        return [p for p in self.srv.peers.values() if p.alive and p.role == "rollout"]
+
+    def usable(self, p: Peer) -> bool:
+        """A rollout whose last status is not known to be stale (it answered version_mismatch)."""
+        return p.status is not None and self.stale.get(p.node_id) != id(p.status)
+
+    def take_orphans(self) -> list[PartialTrajectory]:
+        orphans, self.orphans = self.orphans, []
+        return orphans
+
+    def _candidates(
+        self, version: int, trainer_version: int, prefer: str | None, source: str | None
+    ) -> list[Peer]:
+        """Live rollouts that may hold `version` now, best first: the preferred one, then those
+        decoding (a rollout with work cannot have changed version: it refreshes only when empty),
+        emptiest first; idle ones only when the version is the newest (an idle rollout behind it
+        refreshes at once); the source of a move last (it may not have refreshed yet)."""
+        live = [(p, p.status) for p in self.live() if p.status is not None]
+        newest = max((s.version for _, s in live), default=-1)
+        bound = self.cfg.repack_bound_b()
+        ranked = []
+        for p, s in live:
+            if not self.usable(p) or s.version != version or p.node_id == source:
+                continue
+            if p.node_id != prefer and s.running == 0 and version < max(newest, trainer_version):
+                continue
+            ranked.append(((p.node_id != prefer, s.running >= bound, s.kv_use, p.node_id), p))
+        out = [p for _, p in sorted(ranked, key=lambda r: r[0])]
+        if source is not None and source in self.srv.peers and self.srv.peers[source].alive:
+            out.append(self.srv.peers[source])
+        return out[:PLACE_TRIES]
+
+    async def _import(self, peer: Peer, items: list[PartialTrajectory]) -> bool:
+        try:
+            rep = await self.srv.request(peer.node_id, ImportRequest(partials=items),
+                                         timeout=self.cfg.transport.request_timeout_s)  # fmt: skip
+        except RemoteError as exc:
+            if (
+                exc.code == VERSION_MISMATCH
+            ):  # refreshed since its last beat: skip it until the next one
+                self.stale[peer.node_id] = id(peer.status)
+                self.metrics.count("import_version_mismatch")
+            else:
+                self.log.warning("import_failed", dest=peer.node_id, error=str(exc))
+            return False
+        except TransportError as exc:
+            self.log.warning("import_failed", dest=peer.node_id, error=str(exc))
+            return False
+        return isinstance(rep, ImportReply)
+
+    async def place(self, partials: list[PartialTrajectory], trainer_version: int, prefer: str | None = None,
+                    source: str | None = None) -> dict[str, int]:  # fmt: skip
+        """Import partials onto live rollouts of their own version (prefer `prefer`, `source` last);
+        when none takes them, restart them from the prompt on a rollout of the newest version;
+        what still finds no home becomes an orphan. Returns how many went where ({node_id or ORPHAN: count})."""
+        by_version: dict[int, list[PartialTrajectory]] = defaultdict(list)
+        for p in partials:
+            by_version[p.version].append(p)
+        placed: dict[str, int] = defaultdict(int)
+        for version, items in by_version.items():
+            dest = None
+            for peer in self._candidates(version, trainer_version, prefer, source):
+                if await self._import(peer, items):
+                    dest = peer.node_id
+                    break
+            if dest is None:
+                dest = await self._restart_elsewhere(items)
+            if dest is None:
+                self.orphans.extend(items)
+                dest = ORPHAN
+            placed[dest] += len(items)
+        return dict(placed)
+
+    async def _restart_elsewhere(self, items: list[PartialTrajectory]) -> str | None:
+        """No live rollout holds their version: start them over, from the prompt, on the least
+        loaded rollout of the newest version (their generated tokens are lost)."""
+        live = [(p, p.status) for p in self.live() if p.status is not None and self.usable(p)]
+        live.sort(key=lambda ps: (-ps[1].version, ps[1].running, ps[1].kv_use, ps[0].node_id))
+        for peer, status in live[:PLACE_TRIES]:
+            if await self._import(peer, [restart(p, status.version) for p in items]):
+                self.metrics.count("restarted_from_prompt", len(items))
+                self.log.info("restarted_from_prompt", dest=peer.node_id, count=len(items),
+                              lost_tokens=int(sum(len(p.response_ids) for p in items)))  # fmt: skip
+                return peer.node_id
+        return None
+
+
+def restart(p: PartialTrajectory, version: int) -> PartialTrajectory:
+    """The same trajectory from its prompt, at `version`: every generated token dropped."""
+    return PartialTrajectory(uid=p.uid, group_id=p.group_id, prompt_uid=p.prompt_uid, sample_index=p.sample_index,
+                             prompt_ids=p.prompt_ids, response_ids=np.zeros(0, np.int32),
+                             logprobs=np.zeros(0, np.float32), version=version, n=p.n, prompt=p.prompt, row=p.row,
+                             rollout_id=p.rollout_id, resumed=p.resumed + 1, t_start=p.t_start)  # fmt: skip

@@ -1,0 +1,190 @@
+"""The prompt feeder: asks the buffer for prompt groups when there is room, and loads new
+weights in between (the only place a rollout's version changes).
+
+    buffer ──PromptReply(items)──► [feeder.run()] ──table.start_group──► engine
+                                     │ credits = groups in hand (rollout.credits)
+                                     └─ gate.load() only when the table is empty
+
+What blocks and what unblocks the loop:
+  * no free credit                                       -> a group finishing or being exported
+  * a newer version is wanted (gate.target() > version)  -> stop asking for prompts, let every
+    in-flight trajectory finish, load, then ask again. So every trajectory is generated on one
+    version and a GRPO group never straddles two.
+  * a PromptRequest whose reply never came                -> the same request (same request_id)
+    is retried before anything else: the buffer may have served and journaled it, and gives
+    the same groups back rather than losing them.
+  * the buffer has nothing (retry_after_s) or is down     -> a timer / reconnect backoff
+
+Refill: an idle rollout that has a newer version to load asks the buffer for prompts (for
+that version) while the load runs, so a drained or repack-emptied rollout is back to work
+after the longer of the two round trips, not their sum; the groups start once it is loaded.
+Groups served for a version whose load then failed are held (`held`) until it is loaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import structlog
+
+from laminar.config import RolloutConfig
+from laminar.metrics import Metrics
+from laminar.protocol.buffer import PromptReply, PromptRequest
+from laminar.protocol.data import PromptItem
+from laminar.rollout.deliver import Deliverer
+from laminar.rollout.sequences import SequenceTable, is_valid
+from laminar.rollout.versions import VersionGate
+from laminar.supervise import Spawn
+from laminar.transport.client import RpcClient
+from laminar.transport.sockets import RemoteError, TransportError
+
+
+class PromptFeeder:
+    def __init__(self, rollout_id: str, cfg: RolloutConfig, backoff_max_s: float, buffer: RpcClient,
+                 gate: VersionGate, table: SequenceTable, deliverer: Deliverer, wake: asyncio.Event,
+                 spawn: Spawn, metrics: Metrics, log: structlog.typing.FilteringBoundLogger):  # fmt: skip
+        self.rollout_id, self.cfg, self.backoff_max_s = rollout_id, cfg, backoff_max_s
+        self.buffer, self.gate, self.table, self.deliverer = buffer, gate, table, deliverer
+        self.wake = wake
+        """Set by whatever the loop may be waiting on: a credit freed, a new version, a refresh asked."""
+        self.spawn = spawn
+        self.metrics, self.log = metrics, log
+        self.held: list[PromptItem] = []
+        self._held_version = -1
+        """Prompt groups served for a version not loaded yet (its load failed): started once it is."""
+        self._stop = asyncio.Event()
+        self._requests = 0
+        self._incarnation = uuid.uuid4().hex[:8]
+        """Makes request ids unique across restarts of this rollout id."""
+
+    def free_credits(self) -> int:
+        return self.cfg.credits - len(self.table.groups) - len(self.held)
+
+    def stop(self) -> None:
+        """No more prompts (stopping): the loop ends at its next turn, timers are cut short."""
+        self._stop.set()
+        self.wake.set()
+
+    async def run(self) -> None:
+        backoff = self.cfg.prompt_retry_s
+        unanswered: PromptRequest | None = None
+        while not self._stop.is_set():
+            load: asyncio.Task[bool] | None = None
+            # a request that may have been served is retried as is, before any weight load
+            if unanswered is None:
+                self._start_held()
+                free = self.free_credits()
+                declared = self.gate.version
+                if self.gate.behind():
+                    nxt = self.gate.loadable()
+                    if not self.table.seqs and nxt >= 0 and free > 0:
+                        # idle and a newer version is there: ask for the prompts to run on it while
+                        # it loads, so a refill (a drained or repack-emptied rollout) waits for the
+                        # longer of the two round trips, not their sum; they start once it is loaded
+                        # (the load takes the newest there is: never older than the version asked for)
+                        load = self.spawn(self._load_then_start_held(), "weights-load")
+                        declared = nxt
+                    else:
+                        if not self.table.seqs and nxt >= 0 and await self.refresh():
+                            continue
+                        # until in-flight work drains, or the wanted version appears
+                        await self._wait(1.0)
+                        continue
+                else:
+                    self.gate.settle()
+                    if free <= 0:
+                        await self._wait(1.0)
+                        continue
+                self._requests += 1
+                unanswered = PromptRequest(rollout_id=self.rollout_id, max_groups=free, version=declared,
+                                           request_id=f"{self._incarnation}-{self._requests}")  # fmt: skip
+            t_req, idle = time.monotonic(), not self.table.seqs
+            idle_s = self.table.idle_for()
+            if idle and idle_s is not None and load is not None:
+                self.metrics.add("refill_wake_s", idle_s)  # idle -> asking again
+            failed: Exception | None = None
+            try:
+                reply = await self.buffer.request(unanswered, retries=0)
+            except (TransportError, RemoteError) as exc:
+                failed = exc
+            if load is not None:
+                await load  # the weights first: the groups must start on them
+            if failed is not None:
+                # the buffer may have served (and journaled) it before the reply was lost: the retry carries
+                # the same request_id, so it gets those groups back instead of new ones
+                self.metrics.count("prompt_request_failed")
+                self.log.debug("prompt_request_failed", error=str(failed))
+                await self._sleep(backoff)
+                backoff = min(2 * backoff, self.backoff_max_s * 4)
+                continue
+            declared, unanswered = unanswered.version, None
+            backoff = self.cfg.prompt_retry_s
+            if idle:
+                self.metrics.add("prompt_rtt_idle_s", time.monotonic() - t_req)
+            if not isinstance(reply, PromptReply):
+                self.metrics.count("bad_prompt_reply")
+                self.log.warning("bad_prompt_reply", got=type(reply).__name__)
+                await self._sleep(backoff)
+                continue
+            self.gate.require(reply.min_version)
+            if self.gate.version >= declared:
+                for item in reply.items:
+                    self._start(item)
+            elif reply.items:
+                # served for a version whose load failed (or an import slipped in first): they wait
+                # for it (never run below the version they were asked for), and it is now required
+                self.metrics.count("prompts_deferred", len(reply.items))
+                self.held.extend(reply.items)
+                self._held_version = max(self._held_version, declared)
+                self.gate.require(declared)
+            if not reply.items and reply.min_version <= self.gate.version:
+                await self._sleep(reply.retry_after_s or backoff)
+
+    async def refresh(self) -> bool:
+        """Load the newest weights now that nothing is in flight; False if none is loadable yet."""
+        if self.gate.loadable() < 0:
+            return False
+        async with self.gate.lock:  # an import cannot slip in between the idle check and the load
+            if self.table.seqs:
+                return False
+            return await self.gate.load()
+
+    async def _load_then_start_held(self) -> bool:
+        loaded = await self.refresh()
+        self._start_held()  # held ones: at once, not after the prompt reply
+        return loaded
+
+    def _start_held(self) -> None:
+        """Start the groups held for a version once this rollout runs it (or a newer one)."""
+        if self.held and self.gate.version >= self._held_version:
+            items, self.held = self.held, []
+            for item in items:
+                self._start(item)
+
+    def _start(self, item: PromptItem) -> None:
+        if not is_valid(item):
+            self.metrics.count("bad_prompt_item")
+            self.log.warning(
+                "bad_prompt_item", group_id=item.group_id, n=item.n, prompt_len=len(item.prompt_ids)
+            )
+            for i in range(max(item.n, 0)):
+                self.deliverer.abandon(f"{item.group_id}/{i}", item.group_id, "bad prompt item")
+            return
+        self.table.start_group(item, self.gate.version)
+
+    async def _wait(self, timeout: float) -> None:
+        """Until something the loop waits on changed (or `timeout`, a safety net)."""
+        self.wake.clear()
+        try:
+            await asyncio.wait_for(self.wake.wait(), timeout)
+        except TimeoutError:
+            pass
+
+    async def _sleep(self, seconds: float) -> None:
+        """A timer (buffer said retry later / backoff) that a stop cuts short."""
+        try:
+            await asyncio.wait_for(self._stop.wait(), seconds)
+        except TimeoutError:
+            pass

@@ -1,0 +1,220 @@
+"""The trajectories a rollout has in flight, grouped by GRPO group, and moving them in and out.
+
+    table = SequenceTable(engine, params, notify=(wake, status_changed), metrics=...)
+    table.start_group(item, version)        # n fresh samples -> engine.submit    (prompt feeder)
+    seq = table.on_event(ev)                # tokens appended to their sequence   (engine events)
+    table.forget(uid)                       # finished: its credit is free again
+    partials, missing = await table.export(uids, rollout_id)   # abort in the engine, hand them over
+    accepted, duplicate = table.resume(partials)               # imported partials -> engine.submit
+    table.mark_dirty(uid)                   # tokens for the partial stream (table.unsent, table.dirty)
+
+A group holds one credit until each of its samples here finished or left (export). uids
+that finished here lately are remembered (bounded), so a retried import never generates a
+trajectory twice. Every change of the set of sequences sets the `notify` events (the feeder
+waits for a free credit or for idleness; the status push sends the new view to the manager).
+Idle gaps are measured here: after an export emptied the table, the gap until work comes
+back is the repack refill latency (`refill_after_export_s`), else `idle_gap_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import structlog
+
+from laminar.engines.base import Engine, GenRequest, PartialState, SamplingParams, TokenEvent
+from laminar.metrics import Metrics
+from laminar.protocol.data import PartialTrajectory, PromptItem
+from laminar.rollout.tracking import GroupState, SeqState
+
+RECENT = 8192
+"""How many finished uids a rollout remembers, so a retried ImportRequest never generates one twice."""
+
+
+class SequenceTable:
+    def __init__(self, engine: Engine, params: SamplingParams, notify: Sequence[asyncio.Event], metrics: Metrics,
+                 log: structlog.typing.FilteringBoundLogger):  # fmt: skip
+        self.engine, self.params = engine, params
+        self.notify = tuple(notify)
+        self.metrics, self.log = metrics, log
+        self.seqs: dict[str, SeqState] = {}
+        self.groups: dict[str, GroupState] = {}
+        self._recent: dict[str, None] = {}
+        """uids that finished here lately (insertion-ordered, bounded)."""
+        self.unsent: set[str] = set()
+        """uids with tokens (or a header) the partial pool has not got yet; the deliverer streams them."""
+        self.dirty = asyncio.Event()
+        """Set by `mark_dirty`: the partial stream has something to send."""
+        self._empty = asyncio.Event()
+        self._empty.set()
+        self._idle_since: float | None = None
+        self._exported_empty = False
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def _changed(self) -> None:
+        if self.seqs:
+            self._empty.clear()
+        else:
+            self._empty.set()
+        for evt in self.notify:
+            evt.set()
+
+    def _busy(self) -> None:
+        """Work arrived: how long the engine sat idle (after an export: the repack refill latency)."""
+        if self._idle_since is not None:
+            gap = time.monotonic() - self._idle_since
+            self.metrics.add("refill_after_export_s" if self._exported_empty else "idle_gap_s", gap)
+            self._idle_since, self._exported_empty = None, False
+
+    def idle_for(self) -> float | None:
+        """Seconds since the table last emptied (None: busy)."""
+        return None if self._idle_since is None else time.monotonic() - self._idle_since
+
+    # ---- in ---------------------------------------------------------------------------
+    def start_group(self, item: PromptItem, version: int) -> bool:
+        """Start n samples of a prompt at `version`; False if the group runs here already (a retried
+        request served it twice). The caller rejects malformed items (see `is_valid`)."""
+        if item.group_id in self.groups:
+            self.metrics.count("duplicate_prompt_item")
+            return False
+        self._busy()
+        now = time.time()
+        group = GroupState(item.group_id)
+        for i in range(item.n):
+            seq = SeqState.from_item(item, i, version, now)
+            self.seqs[seq.uid] = seq
+            group.open.add(seq.uid)
+        self.groups[item.group_id] = group
+        self.engine.submit(GenRequest(item.group_id, np.asarray(item.prompt_ids, np.int32), self.params,
+                                      n=item.n, version=version))  # fmt: skip
+        self._changed()
+        return True
+
+    def resume(self, partials: Iterable[PartialTrajectory]) -> tuple[list[str], list[str]]:
+        """Resume imported partials (already checked to be at the engine's version). Returns
+        (accepted, duplicate): uids running or recently finished here are left alone."""
+        accepted, duplicate = [], []
+        now = time.time()
+        for p in partials:
+            if p.uid in self.seqs or p.uid in self._recent:
+                duplicate.append(p.uid)
+                continue
+            self._busy()
+            seq = SeqState.from_partial(p, now)
+            self.seqs[seq.uid] = seq
+            self.groups.setdefault(seq.group_id, GroupState(seq.group_id)).open.add(seq.uid)
+            state = PartialState(
+                seq.uid, seq.prompt_ids, seq.ids.copy(), seq.logprobs.copy(), seq.version
+            )
+            self.engine.submit(GenRequest.resume(state, self.params))
+            # header + every token so far: the partial pool now knows it runs here
+            self.mark_dirty(seq.uid)
+            accepted.append(seq.uid)
+        if accepted:
+            self._changed()
+        return accepted, duplicate
+
+    def on_event(self, ev: TokenEvent) -> SeqState | None:
+        """Append an engine event's tokens to its sequence; None when it is not ours (exported)."""
+        seq = self.seqs.get(ev.seq_id)
+        if seq is None:  # exported (its abort event) or never ours
+            self.metrics.count("stray_events")
+            return None
+        if ev.version != seq.version:
+            self.metrics.count("version_mismatch_events")
+            self.log.error(
+                "event_version_mismatch",
+                uid=seq.uid,
+                seq_version=seq.version,
+                ev_version=ev.version,
+            )
+        if len(ev.token_ids):
+            seq.append(ev.token_ids, ev.logprobs, time.time())
+        return seq
+
+    # ---- out --------------------------------------------------------------------------
+    def forget(self, uid: str, finished: bool = True) -> None:
+        seq = self.seqs.pop(uid, None)
+        self.unsent.discard(uid)
+        if seq is None:
+            return
+        # a retried import of a finished one must not generate it twice (an exported one may come back)
+        if finished:
+            self._recent[uid] = None
+            if len(self._recent) > RECENT:
+                del self._recent[next(iter(self._recent))]
+        group = self.groups.get(seq.group_id)
+        if group is not None:
+            group.open.discard(uid)
+            if not group.open:
+                del self.groups[seq.group_id]
+        if not self.seqs and self._idle_since is None:
+            self._idle_since = time.monotonic()
+        self._changed()
+
+    async def export(
+        self, uids: list[str], rollout_id: str
+    ) -> tuple[list[PartialTrajectory], list[str]]:
+        """Abort these trajectories (empty: all) in the engine and hand back each with every token
+        so far, forgetting them here. Returns (partials, requested uids not exported)."""
+        uids = uids or list(self.seqs)
+        here = [u for u in uids if u in self.seqs and not self.seqs[u].exporting]
+        for u in here:
+            self.seqs[u].exporting = True
+        states = await self.engine.abort(here) if here else []
+        by_id = {p.seq_id: p for p in states}
+        partials: list[PartialTrajectory] = []
+        for u in here:
+            seq = self.seqs.get(u)
+            p = by_id.get(u)
+            if seq is None:  # finished (final event handled) while the abort was on its way
+                continue
+            if p is None:
+                # finished inside the engine before the abort: its queued final event completes it here
+                seq.exporting = False
+                continue
+            partials.append(seq.partial(p.output_ids, p.logprobs, rollout_id))
+            self.forget(u, finished=False)
+        if partials and not self.seqs:
+            self._exported_empty = True
+            self.metrics.count("emptied_by_export")
+        exported = {p.uid for p in partials}
+        return partials, [u for u in uids if u not in exported]
+
+    async def wait_empty(self, timeout: float) -> bool:
+        try:
+            await asyncio.wait_for(self._empty.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    # ---- what the partial pool has not got yet --------------------------------------------
+    def mark_dirty(self, uid: str) -> None:
+        self.unsent.add(uid)
+        self.dirty.set()
+
+    def restream_all(self) -> None:
+        """A (re)connected buffer may have lost the partial records: restream each from offset 0."""
+        for seq in self.seqs.values():
+            seq.sent_upto = 0
+            self.unsent.add(seq.uid)
+        self.dirty.set()
+
+    def mark_unsent(self) -> None:
+        """Stopping: every sequence with tokens (or a header) the pool has not got is sent once more."""
+        for seq in self.seqs.values():
+            if seq.length > seq.sent_upto or seq.sent_upto == 0:
+                self.unsent.add(seq.uid)
+
+    def kv_tokens(self) -> dict[str, int]:
+        """uid -> tokens it holds in the KV cache (prompt + generated): what repack moves."""
+        return {u: len(q.prompt_ids) + q.length for u, q in self.seqs.items()}
+
+
+def is_valid(item: PromptItem) -> bool:
+    return item.n >= 1 and len(item.prompt_ids) > 0

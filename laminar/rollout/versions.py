@@ -1,0 +1,126 @@
+"""Which weight version a rollout runs, which one it loads next, and the load itself.
+
+    gate = VersionGate(source, engine, auto_refresh=..., refresh_wait_s=..., notify=(evt,), ...)
+    gate.require(reply.min_version)        # the buffer's min_version: hard, waited for as long as it takes
+    gate.ask(refresh.min_version)          # a manager RefreshRequest: soft, waited for refresh_wait_s
+    gate.target()                          # the version new prompts should run at
+    gate.loadable()                        # the version a load would bring now (-1: none worth loading)
+    async with gate.lock:                  # held by whoever needs the version not to change (an import)
+        await gate.load()                  # newest from the source -> engine; the caller checked idleness
+    await gate.watch(wake)                 # sets `wake` whenever the source gets a newer version
+
+The gate never decides *when* to load: the prompt feeder (laminar/rollout/feeder.py) loads
+only when no trajectory is in flight, so every trajectory runs on one version. The target:
+never below the buffer's min_version; the source's newest when refreshing (laminar mode with
+rollout.refresh_when_idle, or a RefreshRequest); a RefreshRequest's min_version while it is
+worth waiting for (the relay chain may still be delivering it), after which the newest
+version the source has is loaded instead of idling forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+
+import structlog
+
+from laminar.engines.base import Engine
+from laminar.metrics import Metrics
+from laminar.transport.weights import WeightsUnavailable
+from laminar.transport.weights_channel import WeightSubscriber
+
+
+class VersionGate:
+    def __init__(self, source: WeightSubscriber, engine: Engine, *, auto_refresh: bool, refresh_wait_s: float,
+                 notify: Sequence[asyncio.Event], metrics: Metrics, log: structlog.typing.FilteringBoundLogger):  # fmt: skip
+        self.source, self.engine = source, engine
+        self.notify = tuple(notify)
+        """Set after each load (the status push: repack must see the new version at once)."""
+        self.auto_refresh = auto_refresh
+        """Laminar mode: load the source's newest whenever idle (other modes wait to be told)."""
+        self.refresh_wait_s = refresh_wait_s
+        self.metrics, self.log = metrics, log
+        self.version = engine.version
+        """The version loaded in the engine: every new trajectory runs at it."""
+        self.required = 0
+        """Lowest version new prompts may run at (the buffer's min_version, or a version prompts were served for)."""
+        self.refresh_asked = False
+        """A RefreshRequest asked for the newest version (cleared once at or past `required`)."""
+        self._soft_min, self._soft_until = -1, 0.0
+        """A RefreshRequest's min_version, waited for until _soft_until (then: the newest there is)."""
+        self.lock = asyncio.Lock()
+        """Held while the version may change; an import holds it so its version check stays true."""
+
+    def latest(self) -> int:
+        """Newest version the source offers (-1: none)."""
+        return self.source.latest_version()
+
+    def _soft(self) -> int:
+        return self._soft_min if time.monotonic() < self._soft_until else -1
+
+    def target(self) -> int:
+        """The version new prompts should run at."""
+        want = self.required
+        if self.auto_refresh or self.refresh_asked:
+            want = max(want, self.latest())
+        return max(want, self._soft())
+
+    def behind(self) -> bool:
+        return self.target() > self.version
+
+    def loadable(self) -> int:
+        """The version a load would bring now (newer than ours and at least what is wanted), else -1."""
+        available = self.latest()
+        if available <= self.version or available < max(self.required, self._soft()):
+            return -1
+        return available
+
+    def require(self, version: int) -> None:
+        """New prompts must not run below `version` (hard: no deadline)."""
+        if version > self.required:
+            self.required = version
+            self.source.announce(version)
+
+    def ask(self, min_version: int) -> bool:
+        """A manager RefreshRequest: load the newest (>= min_version, waited for refresh_wait_s) when
+        idle. Returns whether a load is pending."""
+        self.source.announce(min_version)
+        self._soft_min = max(self._soft_min, min_version)
+        self._soft_until = time.monotonic() + self.refresh_wait_s
+        self.refresh_asked = True
+        return self.behind()
+
+    def settle(self) -> None:
+        """Nothing newer is wanted now: a past RefreshRequest is answered."""
+        self.refresh_asked = False
+
+    async def load(self) -> bool:
+        """Load the source's newest version into the engine; False if it failed (retried later).
+        The caller holds `lock` and has checked that nothing is in flight."""
+        assert self.lock.locked()
+        t0, old = time.monotonic(), self.version
+        try:
+            version = await self.source.load_into(self.engine)
+        except WeightsUnavailable as exc:
+            self.metrics.count("weight_load_failed")
+            self.log.warning("weight_load_failed", error=str(exc))
+            return False
+        self.version = max(version, self.version)
+        for evt in self.notify:
+            evt.set()
+        load_s = time.monotonic() - t0
+        self.metrics.add("weight_load_s", load_s)
+        self.log.info("weights_loaded", version=self.version, previous=old, load_s=round(load_s, 3))
+        if self.version >= self.required:
+            self.refresh_asked = False
+        return True
+
+    async def watch(self, wake: asyncio.Event) -> None:
+        """Set `wake` whenever the source gets a newer version (the feeder may be waiting for one)."""
+        seen = self.latest()
+        while True:
+            v = await self.source.wait_newer(seen, timeout=1.0)
+            if v > seen:
+                seen = v
+                wake.set()

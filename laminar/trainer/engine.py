@@ -1,0 +1,99 @@
+"""The `Trainer` protocol (what the node needs of a trainer) and the one place that picks it.
+
+    opened = open_trainer(cfg)          # worker thread: torch imports, process group, resume
+    batch = opened.trainer.prepare(trajectories)
+    metrics = opened.trainer.step(batch)            # one optimizer step (or its emulation)
+    weights = opened.trainer.export()               # what the handoff publishes
+    opened.trainer.save(run_dir, step, meta, keep)  # a checkpoint holding `meta`
+
+Two implementations, chosen once from `trainer.engine`: the torch `Policy`
+(laminar/trainer/policy.py; FSDP2 when launched on several ranks) and `SimTrainer`
+(laminar/trainer/sim.py; no model, emulated step time). Every method but `prepare` is
+blocking compute: the node runs it on its worker thread. Under torch.distributed the
+methods are collectives: rank 0 calls them from the node and they first tell the other
+ranks what to do (a RankCommand), which run the same method from laminar/trainer/follower.py.
+
+Resume: rank 0 resolves `trainer.resume` (auto = newest checkpoint in run_dir) and the
+other ranks receive its answer, so every rank loads the same checkpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from laminar.config import LaminarConfig
+
+if TYPE_CHECKING:
+    import torch
+
+    from laminar.protocol.data import Trajectory
+    from laminar.trainer.batch import TrainBatch
+    from laminar.trainer.dist import DistContext
+
+
+class Trainer(Protocol):
+    def prepare(self, trajectories: list[Trajectory]) -> TrainBatch:
+        """Validate against this model's limits (vocabulary, context): drops are counted, not raised."""
+        ...
+
+    def step(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimizer step on a batch with at least one usable sequence; returns its metrics."""
+        ...
+
+    def export(self) -> dict[str, torch.Tensor]:
+        """The weights the rollouts load (rank 0; {} on the other ranks)."""
+        ...
+
+    def save(self, run_dir: Path, step: int, meta: dict[str, Any], keep: int) -> Path | None:
+        """Write checkpoint step_N holding `meta`; its path on rank 0, None elsewhere."""
+        ...
+
+    def restore(self, checkpoint: Path) -> dict[str, Any]:
+        """Load optimizer/scheduler/RNG state (the weights came with construction); returns meta."""
+        ...
+
+    def close(self) -> None:
+        """Release the process group (rank 0 first tells the other ranks to stop)."""
+        ...
+
+
+@dataclass
+class Opened:
+    trainer: Trainer
+    dist: DistContext
+    checkpoint: Path | None
+    """The checkpoint the trainer resumed from (None: fresh start)."""
+    meta: dict[str, Any] | None
+    """That checkpoint's meta.json: step, version, consumption frontier."""
+
+
+def open_trainer(cfg: LaminarConfig) -> Opened:
+    """Build the configured trainer, resumed from its checkpoint if there is one. Blocking."""
+    from laminar.trainer import checkpoint as ck
+    from laminar.trainer.dist import DistContext, agree_on_path, init_distributed
+
+    tc = cfg.trainer
+    dist = DistContext() if tc.engine == "sim" else init_distributed(cfg.model.device)
+    ckpt = None
+    if dist.is_main:
+        run_dir = cfg.resolved_run_dir()
+        run_dir.mkdir(parents=True, exist_ok=True)
+        ck.remove_partial(run_dir)
+        ckpt = ck.resolve_resume(tc.resume, run_dir)
+    trainer: Trainer
+    if tc.engine == "sim":
+        from laminar.trainer.sim import SimTrainer
+
+        trainer = SimTrainer(cfg)
+    else:
+        from laminar.trainer.policy import Policy
+
+        ckpt = agree_on_path(dist, ckpt)
+        model_path = str(ckpt / "model") if ckpt is not None else cfg.model.path
+        if not model_path:
+            raise ValueError("the torch trainer needs model.path (a local HF model directory)")
+        trainer = Policy(cfg, model_path, dist)
+    meta = trainer.restore(ckpt) if ckpt is not None else None
+    return Opened(trainer, dist, ckpt, meta)

@@ -1,0 +1,327 @@
+"""RpcServer: the ROUTER side of the RPC pair, for the stable nodes (manager, buffer, relay).
+
+    server = RpcServer(ctx, "ipc:///tmp/x/buffer-0.sock", node_id="buffer-0", role="buffer",
+                       opts=opts, spawn=node.spawn)
+    server.on(PromptRequest, handle_prompts)        # async (peer, msg) -> reply | None
+    await server.start()                            # bind; reader + heartbeat tasks via `spawn`
+    await server.request("rollout-0", ExportRequest(...), timeout=2.0)   # server -> client
+
+Clients join with HELLO (answered with WELCOME) and are tracked as `peers`. A peer silent
+for `opts.dead_after_s` is marked dead (`on_peer_dead`); traffic from it brings it back.
+Each request runs its handler in its own task, so a slow handler never blocks the reader.
+
+Bad input from the network (undecodable frames, unknown message types, messages from peers
+that never said HELLO) is answered with an ErrorReply where a reply is possible, logged,
+counted in `stats`, and never stops the socket. The reader and heartbeat tasks start through
+`spawn` (a node's supervised spawn): if one dies, its node stops loudly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+import zmq
+import zmq.asyncio
+
+from laminar.protocol.core import Ack, Bye, ErrorReply, Heartbeat, Hello, NodeStatus, Welcome
+from laminar.supervise import Spawn, detached_spawn
+from laminar.transport.codec import PROTOCOL_VERSION, Message, ProtocolError, decode, encode
+from laminar.transport.sockets import (
+    Dispatcher,
+    Handler,
+    Peer,
+    PeerDead,
+    Pending,
+    RequestTimeout,
+    SocketOptions,
+    SocketStats,
+    TransportError,
+    attach,
+    send_within,
+)
+
+log = structlog.get_logger("laminar.transport")
+
+
+class RpcServer:
+    """ROUTER side: the stable node (manager, buffer, relay) that clients connect to."""
+
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        endpoint: str,
+        node_id: str,
+        role: str,
+        opts: SocketOptions | None = None,
+        on_peer_dead: Callable[[Peer], Any] | None = None,
+        on_peer_join: Callable[[Peer], Any] | None = None,
+        status: Callable[[], NodeStatus | None] | None = None,
+        spawn: Spawn = detached_spawn,
+    ):
+        self.ctx, self.endpoint, self.node_id, self.role = ctx, endpoint, node_id, role
+        self.opts = opts or SocketOptions()
+        self.peers: dict[str, Peer] = {}
+        self._by_identity: dict[bytes, Peer] = {}
+        self.stats = SocketStats()
+        self._disp = Dispatcher()
+        self._pending = Pending()
+        self._on_peer_dead, self._on_peer_join, self._status = on_peer_dead, on_peer_join, status
+        self._spawn = spawn
+        self._sock: zmq.asyncio.Socket | None = None
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._seq = 0
+        self.log = log.bind(node_id=node_id, socket="server", endpoint=endpoint)
+
+    def on(self, msg_type: type[Message], handler: Handler) -> None:
+        """Register `async handler(peer, msg) -> reply | None` for a message type."""
+        self._disp.on(msg_type, handler)
+
+    async def start(self) -> None:
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.SNDHWM, self.opts.sndhwm)
+        sock.setsockopt(zmq.RCVHWM, self.opts.rcvhwm)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.opts.limits.max_message_bytes)
+        attach(sock, self.endpoint, True, self.opts)
+        self._sock = sock
+        self._tasks = [
+            self._spawn(self._reader(sock), "server-reader"),
+            self._spawn(self._heartbeat(), "server-heartbeat"),
+        ]
+
+    @property
+    def tasks(self) -> list[asyncio.Task[Any]]:
+        return self._tasks
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        self._disp.cancel_all()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._pending.fail_all(PeerDead("server closed"))
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+    # -- sending --------------------------------------------------------------------
+    async def _send(
+        self, identity: bytes, rid: bytes, msg: Message, timeout: float | None = None
+    ) -> None:
+        if self._sock is None:
+            raise PeerDead("server closed")
+        frames = [identity, rid, *encode(msg)]
+        try:
+            await send_within(self._sock, frames, timeout or self.opts.request_timeout_s)
+            self.stats.sent += 1
+        except zmq.ZMQError as exc:  # peer gone (ROUTER_MANDATORY) or HWM: not fatal for the server
+            if exc.errno == zmq.EHOSTUNREACH:
+                raise PeerDead(f"peer {identity!r} is not connected") from None
+            raise TransportError(f"send failed: {exc}") from None
+
+    def _peer(self, node_id: str) -> Peer:
+        peer = self.peers.get(node_id)
+        if peer is None or not peer.alive:
+            raise PeerDead(f"no live peer {node_id!r}")
+        return peer
+
+    async def send(self, node_id: str, msg: Message) -> None:
+        """One-way message to a connected client (a command that needs no reply)."""
+        await self._send(self._peer(node_id).identity, b"", msg)
+
+    async def request(self, node_id: str, msg: Message, timeout: float | None = None) -> Message:
+        """Server-initiated request to a client (e.g. manager -> rollout export)."""
+        peer = self._peer(node_id)
+        rid, fut = self._pending.new()
+        timeout = timeout or self.opts.request_timeout_s
+        deadline = time.monotonic() + timeout
+        try:
+            await self._send(peer.identity, rid, msg, timeout)
+            return await asyncio.wait_for(fut, max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            self.stats.timeouts += 1
+            raise RequestTimeout(f"{type(msg).__name__} to {node_id} got no reply") from None
+        finally:
+            self._pending.drop(rid)
+
+    async def broadcast(self, msg: Message, role: str | None = None) -> int:
+        n = 0
+        for peer in list(self.peers.values()):
+            if peer.alive and (role is None or peer.role == role):
+                with contextlib.suppress(TransportError):
+                    await self._send(peer.identity, b"", msg)
+                    n += 1
+        return n
+
+    # -- receiving --------------------------------------------------------------------
+    def _bad(self, what: str) -> None:
+        self.stats.bad_frames += 1
+        self.stats.last_error = what
+        self.log.warning("bad_message", error=what)
+
+    async def _reply_error(self, identity: bytes, rid: bytes, code: str, text: str) -> None:
+        if rid[:1] == b"Q":
+            with contextlib.suppress(TransportError):
+                await self._send(identity, b"R" + rid[1:], ErrorReply(code=code, message=text))
+
+    async def _reader(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            frames = await sock.recv_multipart(copy=False)
+            self.stats.received += 1
+            if len(frames) < 3:
+                self._bad(f"{len(frames)} frames is too few for an envelope")
+                continue
+            identity = frames[0].bytes
+            rid = frames[1].bytes
+            if rid and (len(rid) != 9 or rid[:1] not in (b"Q", b"R")):
+                self._bad("malformed request-id frame")
+                continue
+            try:
+                msg = decode(frames[2:], self.opts.limits)
+            except ProtocolError as exc:
+                self._bad(str(exc))
+                await self._reply_error(identity, rid, "protocol", str(exc))
+                continue
+            peer = self._by_identity.get(identity)
+            if isinstance(msg, Hello):
+                await self._on_hello(identity, rid, msg)
+                continue
+            if peer is None:
+                self.stats.unknown_peer += 1
+                self.log.warning("unknown_peer", msg=type(msg).__name__)
+                # a heartbeat is one-way: tell the client (e.g. after our restart) to handshake again
+                if isinstance(msg, Heartbeat):
+                    with contextlib.suppress(TransportError):
+                        await self._send(
+                            identity,
+                            b"",
+                            ErrorReply(code="unknown_peer", message="send Hello first"),
+                        )
+                else:
+                    await self._reply_error(identity, rid, "unknown_peer", "send Hello first")
+                continue
+            peer.last_seen = time.monotonic()
+            if not peer.alive:  # traffic from a peer we had declared dead: it is back
+                peer.alive = True
+            if isinstance(msg, Heartbeat):
+                if msg.status is not None:
+                    peer.status = msg.status
+                continue
+            if isinstance(msg, Bye):
+                self._forget(peer)
+                continue
+            if rid[:1] == b"R":
+                if not self._pending.resolve(rid, msg):
+                    self.log.debug("late_reply", msg=type(msg).__name__)
+                continue
+            handler = self._disp.handlers.get(type(msg))
+            if handler is None:
+                self.stats.unhandled += 1
+                self._bad(f"no handler for {type(msg).__name__}")
+                await self._reply_error(
+                    identity, rid, "unhandled", f"{self.role} does not handle {type(msg).__name__}"
+                )
+                continue
+            self._disp.track(
+                self._spawn(self._handle(handler, peer, identity, rid, msg), "server-handler")
+            )
+
+    async def _handle(
+        self, handler: Handler, peer: Peer, identity: bytes, rid: bytes, msg: Message
+    ) -> None:
+        try:
+            reply = await self._disp.call(handler, peer, msg)
+        except ProtocolError as exc:  # handler-level validation of a well-formed but wrong request
+            self._bad(str(exc))
+            await self._reply_error(identity, rid, "protocol", str(exc))
+            return
+        except TransportError as exc:
+            # the handler's own peer (or one it asked) went away: the requester gets no reply and
+            # times out, as it would had the reply been lost; one bad request never stops the node
+            self.stats.handler_errors += 1
+            self.log.warning(
+                "handler_transport_error",
+                msg=type(msg).__name__,
+                error=f"{type(exc).__name__}: {exc}",
+            )
+            return
+        except Exception as exc:
+            self.stats.handler_errors += 1
+            self.log.exception("handler_error", msg=type(msg).__name__)
+            await self._reply_error(identity, rid, "handler", f"{type(exc).__name__}: {exc}")
+            return
+        if rid[:1] == b"Q":
+            with contextlib.suppress(TransportError):
+                await self._send(identity, b"R" + rid[1:], reply if reply is not None else Ack())
+
+    async def _on_hello(self, identity: bytes, rid: bytes, msg: Hello) -> None:
+        if msg.protocol != PROTOCOL_VERSION:
+            self._bad(f"protocol {msg.protocol} from {msg.node_id}, want {PROTOCOL_VERSION}")
+            await self._reply_error(
+                identity,
+                rid,
+                "protocol_version",
+                f"server speaks {PROTOCOL_VERSION}, got {msg.protocol}",
+            )
+            return
+        old = self.peers.get(msg.node_id)
+        if old is not None:
+            self._by_identity.pop(old.identity, None)
+        peer = Peer(node_id=msg.node_id, role=msg.role, identity=identity, info=dict(msg.info))
+        self.peers[msg.node_id] = peer
+        self._by_identity[identity] = peer
+        self.log.info("peer_join", peer=msg.node_id, peer_role=msg.role, rejoin=old is not None)
+        if rid[:1] == b"Q":
+            with contextlib.suppress(TransportError):
+                await self._send(
+                    identity,
+                    b"R" + rid[1:],
+                    Welcome(protocol=PROTOCOL_VERSION, node_id=self.node_id, role=self.role),
+                )
+        if self._on_peer_join is not None:
+            res = self._on_peer_join(peer)
+            if asyncio.iscoroutine(res):
+                await res
+
+    def _forget(self, peer: Peer) -> None:
+        self.log.info("peer_leave", peer=peer.node_id)
+        self.peers.pop(peer.node_id, None)
+        self._by_identity.pop(peer.identity, None)
+
+    async def _heartbeat(self) -> None:
+        interval = self.opts.heartbeat_interval_s
+        while True:
+            await asyncio.sleep(interval)  # a timer, not synchronisation
+            self._seq += 1
+            now = time.monotonic()
+            status = self._status() if self._status else None
+            for peer in list(self.peers.values()):
+                if not peer.alive:
+                    continue
+                if now - peer.last_seen > self.opts.dead_after_s:
+                    peer.alive = False
+                    self.stats.peers_dead += 1
+                    self.log.warning(
+                        "peer_dead", peer=peer.node_id, silent_s=round(now - peer.last_seen, 2)
+                    )
+                    if self._on_peer_dead is not None:
+                        res = self._on_peer_dead(peer)
+                        if asyncio.iscoroutine(res):
+                            await res
+                    continue
+                try:  # a peer that does not read must not stall the beats (and checks) of the others
+                    await self._send(
+                        peer.identity,
+                        b"",
+                        Heartbeat(node_id=self.node_id, seq=self._seq, status=status),
+                        interval,
+                    )
+                except TransportError:
+                    self.stats.heartbeats_dropped += 1
