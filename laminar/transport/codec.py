@@ -407,10 +407,22 @@ _STRAY = object()
 _DECODERS: dict[type[Message], msgspec.msgpack.Decoder[Any]] = {}
 
 
+# per class: its decoder, its top-level array fields (name, spec, path) and its other steps
+_Fast = tuple[msgspec.msgpack.Decoder[Any], tuple[tuple[str, "_ArrSpec", str], ...], _Plan]
+_FAST: dict[type[Message], _Fast] = {}
+
+
 def _decoder(cls: type[Message]) -> msgspec.msgpack.Decoder[Any]:
     with _PREPARE_LOCK:
-        _prepare(cls)
+        plan = _prepare(cls)
         dec = _DECODERS[cls] = msgspec.msgpack.Decoder(cls, ext_hook=_ext_stray)
+        top, rest = [], []
+        for name, conv, path in plan:
+            if isinstance(conv, functools.partial) and conv.func is _array:
+                top.append((name, conv.args[0], path))
+            else:
+                rest.append((name, conv, path))
+        _FAST[cls] = (dec, tuple(top), tuple(rest))
     return dec
 
 
@@ -521,8 +533,13 @@ def decode(frames: list[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
         raise ProtocolError(
             f"{cls.__name__}: header of {hlen} bytes exceeds {limits.max_header_bytes}"
         )
+    fast = _FAST.get(cls)
+    if fast is None:
+        _decoder(cls)
+        fast = _FAST[cls]
+    dec, top, rest = fast
     try:
-        msg = (_DECODERS.get(cls) or _decoder(cls)).decode(header)
+        msg = dec.decode(header)
     except msgspec.ValidationError as exc:
         raise ProtocolError(_where(cls, exc)) from None
     except ProtocolError as exc:  # from the ext hook
@@ -537,7 +554,29 @@ def decode(frames: list[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
         ) from None
     fr = _Frames()
     fr.frames, fr.nbytes = frames, 1 + hlen
-    for name, conv, path in _PLANS[cls]:
+    # top-level arrays, _array's fast path inlined (the common case: 1-d, unused frame, right
+    # size); anything else goes through _array, which checks every case and names the field
+    for name, spec, path in top:
+        x = getattr(msg, name)
+        data = x.data
+        if len(data) == 12 and x.code == _EXT_ARRAY:
+            index, code, ndim, n = _REF_1D.unpack(data)
+            fi = index + 2
+            if ndim == 1 and code in spec.fast_codes and fi < nframes and fi not in fr:
+                buf = frames[fi]
+                dtype = _CODE_DTYPE[code]
+                nbytes = n * dtype.itemsize
+                tb = type(buf)
+                if nbytes and len(buf) == nbytes and tb in _BYTE_FRAMES:
+                    fr.add(fi)
+                    fr.nbytes += nbytes
+                    a = np.frombuffer(buf, dtype)
+                    if tb is zmq.Frame:  # not ours to write to (its .buffer is read-only)
+                        a.setflags(write=False)
+                    setattr(msg, name, a)
+                    continue
+        setattr(msg, name, _array(spec, x, fr, path))
+    for name, conv, path in rest:
         setattr(msg, name, conv(getattr(msg, name), fr, path))
     if len(fr) != nframes - 2:
         raise ProtocolError(
