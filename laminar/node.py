@@ -36,7 +36,7 @@ from laminar.supervise import Supervisor
 from laminar.transport.client import RpcClient
 from laminar.transport.security import security_from_config
 from laminar.transport.server import RpcServer
-from laminar.transport.sockets import Context, SocketOptions, new_context
+from laminar.transport.sockets import Context, SocketOptions, Wiring, new_context
 
 T = TypeVar("T")
 
@@ -113,6 +113,10 @@ class Node:
         )
         self._servers.append(srv)
         return srv
+
+    def wiring(self) -> Wiring:
+        """What a transport object needs to open sockets on this node's behalf."""
+        return Wiring(self.ctx, self.opts, self.node_id, self.role, self.log, self.spawn)
 
     def client(self, endpoint: str, **kw: Any) -> RpcClient:
         """An RpcClient whose tasks run under this node's supervisor; closed at shutdown."""

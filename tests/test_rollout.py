@@ -33,7 +33,7 @@ from laminar.protocol.rollout import (
     RefreshRequest,
 )
 from laminar.rollout.node import RolloutNode
-from laminar.transport.sockets import RemoteError
+from laminar.transport.sockets import RemoteError, Wiring
 
 # ---- tests -------------------------------------------------------------------------------
 
@@ -152,10 +152,11 @@ async def test_weights_from_the_relay(tmp_path):
         node = await h.add_rollout(engine)
         assert node.source.name == "relay"
         await h.wait_stored(uids_of(items), 10)
-        pusher = WeightPusher(
-            cfg, ctx=h.ctx, opts=SocketOptions.from_config(cfg), node_id="trainer-0",
-            log=get_logger(role="trainer", node_id="trainer-0"), spawn=detached_spawn,
-        )  # fmt: skip
+        log = get_logger(role="trainer", node_id="trainer-0")
+        wiring = Wiring(
+            h.ctx, SocketOptions.from_config(cfg), "trainer-0", "trainer", log, detached_spawn
+        )
+        pusher = WeightPusher(cfg, wiring)
         await pusher.start()
         try:
             await pusher.push(1, {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)})

@@ -23,7 +23,7 @@ from laminar.protocol.buffer import BatchCommit, BatchReply, BatchRequest
 from laminar.protocol.core import Ack
 from laminar.protocol.trainer import VersionPublished
 from laminar.transport.server import RpcServer
-from laminar.transport.sockets import SocketOptions, new_context
+from laminar.transport.sockets import SocketOptions, Wiring, new_context
 from tests.test_trainer import make_trajs
 
 
@@ -283,7 +283,7 @@ async def test_weights_go_through_the_relay_tier_when_there_is_one(tiny, tmp_pat
         assert [(m.version, m.handoff) for m in mgr.published] == [(1, "relay"), (2, "relay")]
         assert all(m.stall_s >= 0 and m.num_bytes > 0 for m in mgr.published)
         puller = WeightPuller(
-            cfg, ctx=ctx, opts=relay.opts, node_id="reader-0", log=relay.log, spawn=detached_spawn
+            cfg, Wiring(ctx, relay.opts, "reader-0", "rollout", relay.log, detached_spawn)
         )
         await puller.start()
         try:

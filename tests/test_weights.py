@@ -20,7 +20,7 @@ from laminar.relay.local import RelayProcs
 from laminar.relay.node import RelayNode
 from laminar.supervise import detached_spawn
 from laminar.transport.security import security_from_config
-from laminar.transport.sockets import RemoteError, SocketOptions
+from laminar.transport.sockets import RemoteError, SocketOptions, Wiring
 from laminar.transport.weights import WeightPuller, WeightPusher
 
 
@@ -66,14 +66,14 @@ async def inproc(short_dir, zctx):
 def _pusher(cfg, zctx, node_id: str = "trainer-0") -> WeightPusher:
     opts = SocketOptions.from_config(cfg, security_from_config(cfg))
     log = get_logger(role="trainer", node_id=node_id)
-    return WeightPusher(cfg, ctx=zctx, opts=opts, node_id=node_id, log=log, spawn=detached_spawn)
+    return WeightPusher(cfg, Wiring(zctx, opts, node_id, "trainer", log, detached_spawn))
 
 
 def _puller(cfg, zctx, node_id: str = "rollout-0", relay_index: int = 0) -> WeightPuller:
     opts = SocketOptions.from_config(cfg, security_from_config(cfg))
     log = get_logger(role="rollout", node_id=node_id)
-    return WeightPuller(cfg, ctx=zctx, opts=opts, node_id=node_id, log=log, spawn=detached_spawn,
-                        relay_index=relay_index)  # fmt: skip
+    wiring = Wiring(zctx, opts, node_id, "rollout", log, detached_spawn)
+    return WeightPuller(cfg, wiring, relay_index=relay_index)
 
 
 async def test_reader_holding_v_never_sees_a_torn_tensor_while_newer_versions_arrive(short_dir):

@@ -35,7 +35,7 @@ from laminar.supervise import detached_spawn
 from laminar.transport.client import RpcClient
 from laminar.transport.codec import Message
 from laminar.transport.security import security_from_config
-from laminar.transport.sockets import Context, SocketOptions, TransportError, new_context
+from laminar.transport.sockets import Context, SocketOptions, TransportError, Wiring, new_context
 from laminar.transport.weights import WeightPuller, WeightPusher
 
 
@@ -168,18 +168,15 @@ class RelayProcs:
 
     def pusher(self, node_id: str = "trainer-0") -> WeightPusher:
         """A trainer end in this process (its background tasks are detached: logged if they die)."""
-        log = get_logger(role="trainer", node_id=node_id)
-        return WeightPusher(
-            self.cfg, ctx=self.ctx, opts=self.opts, node_id=node_id, log=log, spawn=detached_spawn
-        )
+        return WeightPusher(self.cfg, self._wiring(node_id, "trainer"))
 
     def puller(self, node_id: str = "rollout-0", relay_index: int = 0) -> WeightPuller:
         """A rollout end in this process, reading relay `relay_index`."""
-        log = get_logger(role="rollout", node_id=node_id)
-        return WeightPuller(
-            self.cfg, ctx=self.ctx, opts=self.opts, node_id=node_id, log=log,
-            spawn=detached_spawn, relay_index=relay_index,
-        )  # fmt: skip
+        return WeightPuller(self.cfg, self._wiring(node_id, "rollout"), relay_index=relay_index)
+
+    def _wiring(self, node_id: str, role: str) -> Wiring:
+        log = get_logger(role=role, node_id=node_id)
+        return Wiring(self.ctx, self.opts, node_id, role, log, detached_spawn)
 
     async def _rpc(self, index: int, msg: Message, timeout: float) -> Message:
         node_id = f"probe-{uuid.uuid4().hex[:6]}"

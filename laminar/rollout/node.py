@@ -121,14 +121,7 @@ class RolloutNode(Node):
         self.outbox = Outbox(self.buffer, self.log, cfg.rollout.outbox_concurrency, t.request_timeout_s,
                              t.reconnect_backoff_s, t.reconnect_backoff_max_s)  # fmt: skip
         if self.source is None:
-            self.source = open_subscriber(
-                self.cfg,
-                ctx=self.ctx,
-                opts=self.opts,
-                node_id=self.node_id,
-                log=self.log,
-                spawn=self.spawn,
-            )
+            self.source = open_subscriber(self.cfg, self.wiring())
         source = self.source
         await source.start()
         self.on_close(source.close)

@@ -123,7 +123,7 @@ class TrainerNode(Node):
         # tensorboard/wandb imports take a while: off the loop, before any socket needs heartbeats
         self.logger = await self.compute(MetricsLogger, self.run_dir, self.cfg, log=self.log)
         await self.buffer.connect(timeout=self.cfg.transport.startup_timeout_s)
-        self.handoff = open_publisher(self.cfg, ctx=self.ctx, opts=self.opts, node_id=self.node_id, log=self.log, spawn=self.spawn)  # fmt: skip
+        self.handoff = open_publisher(self.cfg, self.wiring())
         await self.handoff.start()
 
     def _resume(self, meta: dict[str, Any], ckpt: Path | None) -> None:

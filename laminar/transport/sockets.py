@@ -31,9 +31,11 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
+from structlog.typing import FilteringBoundLogger
 
 from laminar.config import LaminarConfig
 from laminar.protocol.core import ErrorReply, NodeStatus
+from laminar.supervise import Spawn
 from laminar.transport.codec import DEFAULT_LIMITS, Limits, Message
 from laminar.transport.security import Security
 
@@ -143,6 +145,20 @@ Context = zmq.asyncio.Context
 
 def new_context() -> Context:
     return zmq.asyncio.Context()
+
+
+@dataclass(frozen=True)
+class Wiring:
+    """What an object that opens sockets for a node takes from it: the zmq context, the
+    socket options (CURVE, heartbeats), the node's id and role, a logger bound to the node,
+    and the node's supervised spawn. A node hands out `node.wiring()`; tests build their own."""
+
+    ctx: Context
+    opts: SocketOptions
+    node_id: str
+    role: str
+    log: FilteringBoundLogger
+    spawn: Spawn
 
 
 def attach(sock: zmq.Socket, endpoint: str, bind: bool, opts: SocketOptions) -> None:

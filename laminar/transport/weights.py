@@ -1,11 +1,10 @@
 """Relay variant of the weights channel: the trainer's push to the master relay and a
 rollout's pull from its host's relay (laminar/transport/weights_channel.py picks the variant).
 
-    trainer:  pusher = WeightPusher(cfg, ctx=ctx, opts=opts, node_id="trainer-0", log=log, spawn=spawn)
+    trainer:  pusher = WeightPusher(cfg, wiring)          # wiring: transport.sockets.Wiring
               await pusher.start()
               stall_s = await pusher.push(version, model.state_dict())   # returns after the handoff
-    rollout:  puller = WeightPuller(cfg, ctx=ctx, opts=opts, node_id="rollout-0", log=log, spawn=spawn,
-                                    relay_index=cfg.rollout.relay_index)
+    rollout:  puller = WeightPuller(cfg, wiring, relay_index=cfg.rollout.relay_index)
               await puller.start()                                        # spawns its WeightsReady listener
               await puller.wait_version(v, timeout=30)
               async with await puller.pull() as w:                        # pins the version at the relay
@@ -54,8 +53,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-import zmq.asyncio
-from structlog.typing import FilteringBoundLogger
 
 from laminar.config import LaminarConfig
 from laminar.protocol.relay import (
@@ -74,14 +71,13 @@ from laminar.protocol.relay import (
     WeightLayout,
     WeightsReady,
 )  # fmt: skip
-from laminar.supervise import Spawn
 from laminar.transport.client import RpcClient
 from laminar.transport.sockets import (
     PeerDead,
     RemoteError,
     RequestTimeout,
-    SocketOptions,
     TransportError,
+    Wiring,
 )
 from laminar.transport.streams import Subscriber
 from laminar.transport.weight_layout import (
@@ -157,23 +153,31 @@ class _Map:
             self.mm.close()
 
 
-class WeightPusher:
+class _End:
+    """What both ends keep of their config and wiring."""
+
+    def __init__(self, cfg: LaminarConfig, wiring: Wiring):
+        self.cfg = cfg
+        self.ctx, self.opts, self.node_id, self.role = (
+            wiring.ctx,
+            wiring.opts,
+            wiring.node_id,
+            wiring.role,
+        )
+        self.log, self.spawn = wiring.log, wiring.spawn
+
+
+class WeightPusher(_End):
     """Trainer side: hand each new version to the master relay and return at once."""
 
     def __init__(
         self,
         cfg: LaminarConfig,
+        wiring: Wiring,
         *,
-        ctx: zmq.asyncio.Context,
-        opts: SocketOptions,
-        node_id: str,
-        log: FilteringBoundLogger,
-        spawn: Spawn,
-        role: str = "trainer",
         master_endpoint: str | None = None,
     ):
-        self.cfg, self.ctx, self.opts, self.node_id, self.role = cfg, ctx, opts, node_id, role
-        self.log, self.spawn = log, spawn
+        super().__init__(cfg, wiring)
         self.endpoint = master_endpoint or cfg.endpoint("relay", 0)
         self.client: RpcClient | None = None
         self._maps: dict[str, _Map] = {}
@@ -428,30 +432,25 @@ def _map_segment(path: str, size: int, writable: bool) -> tuple[mmap.mmap, int]:
         os.close(fd)
 
 
-class WeightPuller:
+class WeightPuller(_End):
     """Rollout side: follow WeightsReady of the local relay and pull versions on demand."""
 
     def __init__(
         self,
         cfg: LaminarConfig,
+        wiring: Wiring,
         *,
-        ctx: zmq.asyncio.Context,
-        opts: SocketOptions,
-        node_id: str,
-        log: FilteringBoundLogger,
-        spawn: Spawn,
-        role: str = "rollout",
         relay_index: int = 0,
         writable: bool = False,
     ):
-        self.cfg, self.ctx, self.opts, self.node_id, self.role = cfg, ctx, opts, node_id, role
-        self.log, self.spawn, self.relay_index, self.writable = log, spawn, relay_index, writable
+        super().__init__(cfg, wiring)
+        self.relay_index, self.writable = relay_index, writable
         self._maps: dict[str, tuple[mmap.mmap, int, int]] = {}  # path -> (mapping, size, inode)
         self.latest_version = -1
         self.latest_checksum = ""
         self.latest_layout: WeightLayout | None = None
         self._cond = asyncio.Condition()
-        self._sub_id = f"{node_id}.w{next(_ids)}"
+        self._sub_id = f"{wiring.node_id}.w{next(_ids)}"
         self.client: RpcClient | None = None
         self.sub: Subscriber | None = None
         self._task: asyncio.Task | None = None

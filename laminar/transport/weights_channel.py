@@ -2,10 +2,10 @@
 
 One choice, made once from the config by `weights_mode(cfg)`, opens both ends:
 
-    trainer:  pub = open_publisher(cfg, ctx=ctx, opts=opts, node_id=node_id, log=log, spawn=spawn)
+    trainer:  pub = open_publisher(cfg, node.wiring())
               await pub.start()
               res = await pub.publish(version, step, named_tensors)   # -> Published(handoff, uri, bytes, stall_s)
-    rollout:  sub = open_subscriber(cfg, ctx=ctx, opts=opts, node_id=node_id, log=log, spawn=spawn)
+    rollout:  sub = open_subscriber(cfg, node.wiring())
               await sub.start()
               sub.latest_version()                         # newest version available (-1: none yet)
               v = await sub.wait_newer(than=3, timeout=1.0)  # wakes an idle rollout when one appears
@@ -43,12 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-import zmq.asyncio
-from structlog.typing import FilteringBoundLogger
-
 from laminar.config import LaminarConfig
-from laminar.supervise import Spawn
-from laminar.transport.sockets import SocketOptions
+from laminar.transport.sockets import Wiring
 from laminar.transport.weights import WeightPuller, WeightPusher, WeightsUnavailable
 
 WeightsMode = Literal["relay", "dir", "announce"]
@@ -163,21 +159,11 @@ class AnnouncePublisher:
         pass
 
 
-def open_publisher(
-    cfg: LaminarConfig,
-    *,
-    ctx: zmq.asyncio.Context,
-    opts: SocketOptions,
-    node_id: str,
-    log: FilteringBoundLogger,
-    spawn: Spawn,
-) -> WeightPublisher:
+def open_publisher(cfg: LaminarConfig, wiring: Wiring) -> WeightPublisher:
     """The trainer's end of the channel that `weights_mode(cfg)` names."""
     mode = weights_mode(cfg)
     if mode == "relay":
-        return RelayPublisher(
-            WeightPusher(cfg, ctx=ctx, opts=opts, node_id=node_id, log=log, spawn=spawn)
-        )
+        return RelayPublisher(WeightPusher(cfg, wiring))
     if mode == "dir":
         return DirPublisher(weights_dir(cfg))
     return AnnouncePublisher()
@@ -352,23 +338,12 @@ class RelaySubscriber(WeightSubscriber):
         await self.puller.close()
 
 
-def open_subscriber(
-    cfg: LaminarConfig,
-    *,
-    ctx: zmq.asyncio.Context,
-    opts: SocketOptions,
-    node_id: str,
-    log: FilteringBoundLogger,
-    spawn: Spawn,
-) -> WeightSubscriber:
+def open_subscriber(cfg: LaminarConfig, wiring: Wiring) -> WeightSubscriber:
     """A rollout's end of the channel that `weights_mode(cfg)` names (its host's relay:
     cfg.rollout.relay_index)."""
     mode = weights_mode(cfg)
     if mode == "relay":
-        puller = WeightPuller(
-            cfg, ctx=ctx, opts=opts, node_id=node_id, log=log, spawn=spawn,
-            relay_index=cfg.rollout.relay_index,
-        )  # fmt: skip
+        puller = WeightPuller(cfg, wiring, relay_index=cfg.rollout.relay_index)
         return RelaySubscriber(puller)
     if mode == "dir":
         return DirSubscriber(weights_dir(cfg))
