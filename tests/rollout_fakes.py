@@ -38,6 +38,7 @@ from laminar.protocol.buffer import PromptReply, PromptRequest, TrajectoryAbando
 from laminar.protocol.core import Ack
 from laminar.protocol.data import PartialChunk, PromptItem, Trajectory
 from laminar.rollout.node import RolloutNode
+from laminar.supervise import Spawn, detached_spawn
 from laminar.transport.server import RpcServer
 from laminar.transport.sockets import SocketOptions, new_context
 
@@ -66,8 +67,8 @@ class FakeEngine(Engine):
         self.peak_groups = 0
         self._task: asyncio.Task | None = None
 
-    async def start(self) -> None:
-        self._task = asyncio.create_task(self._loop())
+    async def start(self, spawn: Spawn = detached_spawn) -> None:
+        self._task = spawn(self._loop(), "fake-engine")
 
     async def close(self) -> None:
         if self._task is not None:

@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from laminar.supervise import Spawn, detached_spawn
+
 _EMPTY_I = np.zeros(0, np.int32)
 _EMPTY_F = np.zeros(0, np.float32)
 
@@ -134,7 +136,9 @@ class Engine(ABC):
 
     # ---- implementations provide -------------------------------------------------
     @abstractmethod
-    async def start(self) -> None: ...
+    async def start(self, spawn: Spawn = detached_spawn) -> None:
+        """Get ready to serve; a background loop the engine needs starts through `spawn`
+        (a rollout passes its node's, so a dying engine loop stops the node loudly)."""
 
     @abstractmethod
     async def close(self) -> None: ...

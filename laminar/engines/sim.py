@@ -40,6 +40,7 @@ from laminar.engines.base import (
     SamplingParams,
     TokenEvent,
 )
+from laminar.supervise import Spawn, detached_spawn
 
 _Z99 = NormalDist().inv_cdf(0.99)
 _NO_I = np.zeros(0, np.int32)
@@ -127,7 +128,8 @@ class SimEngine(Engine):
         opts.update(kw)
         return cls(**opts)
 
-    async def start(self) -> None:
+    async def start(self, spawn: Spawn = detached_spawn) -> None:
+        # no loop of its own: token emission runs on event-loop timers
         self._loop = asyncio.get_running_loop()
         self._t0 = self._loop.time()
 

@@ -44,6 +44,7 @@ from laminar.engines.base import (
 )
 from laminar.engines.kv_cache import SlotKVCache, StepLayout, use_slot_attention
 from laminar.engines.sampling import sample, sequence_key, uniform
+from laminar.supervise import Spawn, detached_spawn
 
 log = logging.getLogger(__name__)
 _NO_I = np.zeros(0, np.int32)
@@ -141,10 +142,10 @@ class TorchEngine(Engine):
         return cls(model, tokenizer, **opts)
 
     # ---- lifecycle ---------------------------------------------------------------------
-    async def start(self) -> None:
+    async def start(self, spawn: Spawn = detached_spawn) -> None:
         if self._task is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"{self.name}-engine")
-            self._task = asyncio.create_task(self._loop(), name="torch-engine-steps")
+            self._task = spawn(self._loop(), "torch-engine-steps")
 
     async def close(self) -> None:
         if self._task is not None:

@@ -49,6 +49,7 @@ from laminar.engines.base import (
     SamplingParams,
     TokenEvent,
 )
+from laminar.supervise import Spawn, detached_spawn
 
 log = logging.getLogger(__name__)
 _NO_I = np.zeros(0, np.int32)
@@ -117,6 +118,7 @@ class VllmEngine(Engine):
         self._weights_lock = asyncio.Lock()
         self.tokens_generated = 0
         self._v: Any = None
+        self._spawn: Spawn = detached_spawn
 
     @classmethod
     def from_config(cls, cfg: Any, **kw: Any) -> VllmEngine:
@@ -129,7 +131,9 @@ class VllmEngine(Engine):
         return cls(cfg.model.path, **opts)
 
     # ---- lifecycle ---------------------------------------------------------------------
-    async def start(self) -> None:
+    async def start(self, spawn: Spawn = detached_spawn) -> None:
+        # each request's output stream runs as its own task (cancelled by abort and close)
+        self._spawn = spawn
         self._v = _import_vllm()
         if self._llm is not None:
             return
@@ -194,7 +198,7 @@ class VllmEngine(Engine):
                 self._emit(TokenEvent(sid, _NO_I, _NO_F, "length", self.version))
                 continue
             self._seqs[sid] = s
-            s.task = asyncio.create_task(self._run(s, len(resumed)), name=f"vllm-{sid}")
+            s.task = self._spawn(self._run(s, len(resumed)), f"vllm-{sid}")
 
     def _sampling_params(self, s: _Seq, n_resumed: int) -> Any:
         p, v = s.params, self._v

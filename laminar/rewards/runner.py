@@ -57,7 +57,8 @@ from typing import Any
 
 import msgpack
 
-from laminar.config import ConfigError
+from laminar.config import ConfigError, LaminarConfig
+from laminar.supervise import Spawn, detached_spawn
 
 __all__ = ["RewardRunner", "RewardResult", "RewardSpecError", "load_reward_fn", "normalize_reward"]
 
@@ -300,13 +301,16 @@ class RewardRunner:
         self._replacing: set[asyncio.Task] = set()
         self._tls = _ThreadLoops()
         self._closed = False
+        self._spawn: Spawn = detached_spawn
 
     @classmethod
-    def from_config(cls, cfg: Any) -> RewardRunner:
+    def from_config(cls, cfg: LaminarConfig) -> RewardRunner:
         return cls(cfg.reward.fn, cfg.reward.timeout_s, cfg.reward.workers)
 
-    async def start(self) -> None:
-        """Import the function here first (a clear error at startup), then start the workers."""
+    async def start(self, spawn: Spawn = detached_spawn) -> None:
+        """Import the function here first (a clear error at startup), then start the workers.
+        A dead worker's replacement starts in the background through `spawn`."""
+        self._spawn = spawn
         self._fn = load_reward_fn(self.spec)
         self._is_async = inspect.iscoroutinefunction(self._fn)
         if self.workers == 0:
@@ -433,7 +437,7 @@ class RewardRunner:
     def _replace(self, worker: _Worker) -> None:
         """Kill a worker and start a fresh one in the background (the caller does not wait)."""
         self.stats["replaced"] += 1
-        task = asyncio.get_running_loop().create_task(self._respawn(worker))
+        task = self._spawn(self._respawn(worker), "reward-respawn")
         self._replacing.add(task)
         task.add_done_callback(self._replacing.discard)
 

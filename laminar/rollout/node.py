@@ -99,7 +99,7 @@ class RolloutNode(Node):
             from laminar.rewards.runner import RewardRunner
 
             self.rewards = RewardRunner.from_config(cfg)
-            await self.rewards.start()
+            await self.rewards.start(self.spawn)
             self.on_close(self.rewards.close)
         if self.engine is None:
             from laminar.engines import make_engine
@@ -110,7 +110,7 @@ class RolloutNode(Node):
             else:
                 self.engine = make_engine(cfg)
         engine = self.engine
-        await engine.start()
+        await engine.start(self.spawn)
         self.on_close(engine.close)
         params = SamplingParams.from_config(cfg.rollout.sampling)
         self.table = SequenceTable(engine, params, notify=(self.wake, self.status_changed),
