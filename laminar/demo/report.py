@@ -15,6 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from laminar.config import LaminarConfig
+
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
@@ -134,7 +136,11 @@ def steps_per_s(metrics: list[dict[str, Any]]) -> float | None:
 
 
 def summarize(
-    cfg: Any, runs: dict[str, dict], before: dict[str, Any], after: dict[str, Any], wall: float
+    cfg: LaminarConfig,
+    runs: dict[str, dict],
+    before: dict[str, Any],
+    after: dict[str, Any],
+    wall: float,
 ) -> dict[str, Any]:
     lam = runs["laminar"]
     m = lam.get("metrics", [])
@@ -323,7 +329,9 @@ def plot(run_dir: Path, runs: dict[str, dict]) -> Path:
     return out
 
 
-def write_outputs(run_dir: Path, cfg: Any, runs: dict[str, dict], summary: dict[str, Any]) -> None:
+def write_outputs(
+    run_dir: Path, cfg: LaminarConfig, runs: dict[str, dict], summary: dict[str, Any]
+) -> None:
     import shutil
 
     from laminar.config import write_resolved

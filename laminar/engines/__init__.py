@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from laminar.config import LaminarConfig
 from laminar.engines.base import (
     Engine,
     EngineStats,
@@ -24,7 +25,7 @@ __all__ = [
 ]
 
 
-def make_engine(cfg: Any, **kw: Any) -> Engine:
+def make_engine(cfg: LaminarConfig, **kw: Any) -> Engine:
     """Engine for cfg.rollout.engine (cfg is a LaminarConfig)."""
     kind = cfg.rollout.engine
     if kind == "sim":

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from laminar.config import SamplingConfig
 from laminar.supervise import Spawn, detached_spawn
 
 _EMPTY_I = np.zeros(0, np.int32)
@@ -49,7 +50,7 @@ class SamplingParams:
     """Keep generating past EOS (benchmarks with fixed lengths); stop_token_ids still stop."""
 
     @classmethod
-    def from_config(cls, s: Any, **kw: Any) -> SamplingParams:
+    def from_config(cls, s: SamplingConfig, **kw: Any) -> SamplingParams:
         return cls(
             temperature=s.temperature,
             top_p=s.top_p,

@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from laminar.config import LaminarConfig
 from laminar.engines.base import (
     Engine,
     EngineStats,
@@ -119,9 +120,9 @@ class SimEngine(Engine):
         self.wakes = 0
 
     @classmethod
-    def from_config(cls, cfg: Any, **kw: Any) -> SimEngine:
+    def from_config(cls, cfg: LaminarConfig, **kw: Any) -> SimEngine:
         s, r = cfg.rollout.sim, cfg.rollout
-        opts = dict(step_time_s=s.step_time_s, bound_b=s.bound_b, length_p50=s.length_p50,
+        opts: dict[str, Any] = dict(step_time_s=s.step_time_s, bound_b=s.bound_b, length_p50=s.length_p50,
                     length_p99_over_p50=s.length_p99_over_p50, kv_capacity_tokens=s.kv_capacity_tokens,
                     vocab_size=s.vocab_size, seed=s.seed, max_running=r.max_running,
                     chunk_tokens=s.chunk_tokens or r.partial_chunk_tokens, load_time_s=s.load_time_s)  # fmt: skip

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from laminar.config import LaminarConfig
 from laminar.engines.base import (
     Engine,
     EngineStats,
@@ -123,7 +124,7 @@ class TorchEngine(Engine):
 
     @classmethod
     def from_config(
-        cls, cfg: Any, model: Any = None, tokenizer: Any = None, **kw: Any
+        cls, cfg: LaminarConfig, model: Any = None, tokenizer: Any = None, **kw: Any
     ) -> TorchEngine:
         """Engine for cfg (a LaminarConfig); loads cfg.model.path unless a model is passed."""
         from laminar.models.tiny import load_causal_lm, load_tokenizer
@@ -136,7 +137,7 @@ class TorchEngine(Engine):
             model = load_causal_lm(cfg.model.path, dtype=cfg.model.dtype, device=cfg.model.device)
             tokenizer = tokenizer or load_tokenizer(cfg.model.path)
         r = cfg.rollout
-        opts = dict(max_running=r.max_running, max_model_len=r.max_model_len,
+        opts: dict[str, Any] = dict(max_running=r.max_running, max_model_len=r.max_model_len,
                     kv_capacity_tokens=r.kv_capacity_tokens, max_prefill_tokens=r.max_prefill_tokens)  # fmt: skip
         opts.update(kw)
         return cls(model, tokenizer, **opts)

@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from laminar.config import LaminarConfig
 from laminar.engines.base import (
     Engine,
     EngineStats,
@@ -121,11 +122,11 @@ class VllmEngine(Engine):
         self._spawn: Spawn = detached_spawn
 
     @classmethod
-    def from_config(cls, cfg: Any, **kw: Any) -> VllmEngine:
+    def from_config(cls, cfg: LaminarConfig, **kw: Any) -> VllmEngine:
         dtype = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}[
             cfg.model.dtype
         ]
-        opts = dict(dtype=dtype, max_running=cfg.rollout.max_running, max_model_len=cfg.rollout.max_model_len,
+        opts: dict[str, Any] = dict(dtype=dtype, max_running=cfg.rollout.max_running, max_model_len=cfg.rollout.max_model_len,
                     engine_args=cfg.rollout.vllm_args)  # fmt: skip
         opts.update(kw)
         return cls(cfg.model.path, **opts)
