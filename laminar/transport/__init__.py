@@ -7,5 +7,5 @@
     security.py        CURVE keys and the ZAP authenticator
     weight_layout.py, weights*.py   the weights channel (chunk layout, checksums, ends)
 
-Names are imported from the module that defines them; this package re-exports nothing.
+Import each name from the module above that defines it (`laminar.transport.client.RpcClient`).
 """
