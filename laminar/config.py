@@ -20,7 +20,7 @@ from typing import Any, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-Role = Literal["manager", "buffer", "relay", "trainer", "rollout"]
+Role = Literal["manager", "buffer", "relay", "trainer", "tools", "rollout"]
 """Every role, in the order `laminar run` starts them; the one list of roles (the CLI and
 the node registry derive theirs from it)."""
 ROLES: tuple[Role, ...] = get_args(Role)
@@ -31,6 +31,7 @@ _PORT_OFFSETS = {
     "manager": 0,
     "buffer": 1,
     "trainer": 2,
+    "tools": 3,
     "relay": 10,
     "relay_pub": 60,
     "relay_data": 110,
@@ -208,6 +209,55 @@ class RewardConfig(Section):
     """Process-pool workers (0 = run in a thread, for trusted fast rewards)."""
     sim: Literal["uid_hash", "fn"] = "uid_hash"
     """Sim engines make no text: uid_hash = deterministic 0/1 reward from the trajectory uid; fn = call fn with completion ""."""
+
+
+class EnvLimits(Section):
+    max_turns: int = Field(8, ge=1)
+    """Model turns per episode; the episode ends (finish_reason "turns") after this many."""
+    max_tool_calls: int = Field(8, ge=0)
+    """Tool calls per episode; a call past it gets an error observation, not a run."""
+    max_total_tokens: int | None = Field(None, ge=1)
+    """Response tokens per episode, model and environment together (null: rollout.sampling.max_tokens)."""
+    max_turn_tokens: int | None = Field(None, ge=1)
+    """Model tokens per turn (null: no cap besides the episode's)."""
+    turn_timeout_s: float = Field(60.0, gt=0)
+    """One environment step (its tool calls included); past it the step ends with a timeout observation."""
+    episode_timeout_s: float = Field(900.0, gt=0)
+    """Wall-clock per episode (generation + environment); past it the episode ends (finish_reason "timeout")."""
+
+
+class EnvConfig(Section):
+    fn: str | None = None
+    """Multi-turn environment as module:Class or module:function returning one (see laminar/envs);
+    null = single-turn prompts, scored by reward.fn."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Passed to the class / function."""
+    limits: EnvLimits = Field(default_factory=EnvLimits)
+
+
+class ToolsConfig(Section):
+    tools: list[str] = Field(default_factory=lambda: ["python", "calculator"])
+    """Tools the tools node serves: built-in names or module:function (a plain Python callable)."""
+    workers: int = Field(2, ge=1)
+    """Sandbox worker processes: at most this many calls run at once; more wait (bounded queue)."""
+    max_queue: int = Field(256, ge=1)
+    """Calls waiting for a worker beyond which a call is refused at once (error_kind busy)."""
+    wall_s: float = Field(10.0, gt=0)
+    """Wall-clock limit per call; a call past it is killed (error_kind timeout)."""
+    cpu_s: float = Field(5.0, gt=0)
+    """CPU-seconds limit per call (RLIMIT_CPU)."""
+    memory_mb: int = Field(512, ge=16)
+    """Address-space limit per call (RLIMIT_AS)."""
+    max_output_bytes: int = Field(16384, ge=64)
+    """Output beyond this is cut and the call reports error_kind output_limit."""
+    network: Literal["auto", "netns", "none"] = "auto"
+    """netns: each worker in a fresh network namespace (no interfaces but a down loopback);
+    none: sockets refused inside the worker only (the documented fallback, not an OS boundary);
+    auto: netns where the OS allows it, else none."""
+    journal: bool = True
+    """Journal results by call id (run_dir/tools/): a call never runs twice, across restarts too."""
+    call_timeout_s: float = Field(30.0, gt=0)
+    """Client side: a call with no reply by then gets an error observation."""
 
 
 class DataConfig(Section):
@@ -425,6 +475,8 @@ class LaminarConfig(Section):
     relay: RelayConfig = Field(default_factory=RelayConfig)
     manager: ManagerConfig = Field(default_factory=ManagerConfig)
     buffer: BufferConfig = Field(default_factory=BufferConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    tools: ToolsConfig = Field(default_factory=ToolsConfig)
     extra: dict[str, Any] = Field(default_factory=dict)
     """Free-form settings for tasks and experiments (not validated here)."""
 
@@ -436,7 +488,7 @@ class LaminarConfig(Section):
         return self.cluster.ipc_dir or f"/tmp/laminar-{self.name}-{os.getuid()}"
 
     def endpoint(self, service: str, index: int = 0) -> str:
-        """Address of a service: manager, buffer, trainer, relay, relay_pub, relay_data."""
+        """Address of a service: manager, buffer, trainer, tools, relay, relay_pub, relay_data."""
         key = service if index == 0 and service in self.cluster.endpoints else f"{service}-{index}"
         if key in self.cluster.endpoints:
             return self.cluster.endpoints[key]

@@ -72,6 +72,11 @@ class GenRequest:
     resume_logprobs: np.ndarray = field(default_factory=lambda: _EMPTY_F)
     single: bool = False
     """n == 1 and the sequence id is req_id itself (used for resumed trajectories)."""
+    turn: int = 0
+    """Multi-turn episodes: index of the model turn this request generates (0: the first)."""
+    turn_start: int = 0
+    """Multi-turn: index in the response (resume_ids) where this model turn began; the sim engine
+    draws each turn's length from (seq_id, turn) and ends the turn with "stop"."""
 
     def seq_ids(self) -> list[str]:
         if self.single:

@@ -8,9 +8,10 @@ Type-id ranges, one module each, so areas never collide:
     0x70-0x8F manager (status, repack, recovery, chain)          manager.py
     0x90-0x9F rollout                                            rollout.py
     0xA0-0xAF trainer                                            trainer.py
+    0xB0-0xBF tools (sandboxed tool calls)                       tools.py
     0xF0-0xFF tests only
 """
 
-from laminar.protocol import buffer, core, data, manager, relay, rollout, trainer  # noqa: F401
+from laminar.protocol import buffer, core, data, manager, relay, rollout, tools, trainer  # noqa: F401
 from laminar.protocol.core import *  # noqa: F401,F403
 from laminar.protocol.data import *  # noqa: F401,F403

@@ -9,10 +9,29 @@ from msgspec import field
 
 from laminar.transport.codec import Arr, Message, message
 
-__all__ = ["PromptItem", "Trajectory", "PartialTrajectory", "PartialChunk", "TokenIds", "Logprobs"]
+__all__ = ["PromptItem", "Trajectory", "PartialTrajectory", "PartialChunk", "ToolRecord", "TokenIds",
+           "Logprobs", "LossMask"]  # fmt: skip
 
 TokenIds = Annotated[np.ndarray, Arr(("int32", "int64"), ndim=1)]
 Logprobs = Annotated[np.ndarray, Arr(("float32",), ndim=1)]
+LossMask = Annotated[np.ndarray, Arr(("uint8",), ndim=1)]
+"""Per response token: 1 = sampled by the policy (trained), 0 = written by the environment
+(tool results, user turns: masked out of the loss, logprob 0.0). None on a message = all 1."""
+
+
+class ToolRecord(Message):
+    """One tool call of a multi-turn episode (metrics, and what a replay must reproduce)."""
+
+    call_id: str
+    """Deterministic: f"{uid}#t{turn}#c{k}", so a replay or a retry finds the cached result."""
+    name: str
+    turn: int
+    ok: bool = True
+    error_kind: str = ""
+    """"" | timeout | crash | memory | output_limit | network | bad_call | unknown_tool | ..."""
+    seconds: float = 0.0
+    cached: bool = False
+    """Answered from the tool server's cache (a replay or a retried call), not executed again."""
 
 
 @message(0x20)
@@ -56,6 +75,11 @@ class Trajectory(Message):  # rollout -> buffer (finished), buffer -> trainer (i
     resumed: int = 0
     """How many times this trajectory moved between rollouts (repack / recovery)."""
     staleness_at_finish: int = 0
+    loss_mask: LossMask | None = None
+    """Multi-turn: 1 per model token, 0 per environment token (None: every token is the model's)."""
+    turns: int = 1
+    """Model turns in the episode (1 for single-turn)."""
+    tool_calls: list[ToolRecord] = field(default_factory=list)
 
 
 @message(0x22)
@@ -77,6 +101,8 @@ class PartialTrajectory(
     rollout_id: str = ""
     resumed: int = 0
     t_start: float = 0.0
+    loss_mask: LossMask | None = None
+    """Multi-turn: same length as response_ids (None: all model tokens)."""
 
 
 @message(0x23)
@@ -92,3 +118,5 @@ class PartialChunk(
     rollout_id: str = ""
     header: PartialTrajectory | None = None
     """Sent with the first chunk (offset 0): everything needed to resume the trajectory."""
+    loss_mask: LossMask | None = None
+    """Multi-turn: the chunk's slice of the loss mask (None: all model tokens)."""
