@@ -221,7 +221,7 @@ class EnvLimits(Section):
     max_turn_tokens: int | None = Field(None, ge=1)
     """Model tokens per turn (null: no cap besides the episode's)."""
     turn_timeout_s: float = Field(60.0, gt=0)
-    """One environment step (its tool calls included); past it the step ends with a timeout observation."""
+    """One environment step (its tool calls included); past it the episode ends (finish_reason "timeout")."""
     episode_timeout_s: float = Field(900.0, gt=0)
     """Wall-clock per episode (generation + environment); past it the episode ends (finish_reason "timeout")."""
 

@@ -6,7 +6,8 @@ All tensors are [B, T] in the response-token frame (T = padded response position
     logp      log pi_theta   (grad)          the policy being optimised
     prox_logp log pi_prox    (no grad)       trainer recompute at the start of the step
     behav_logp log mu        (data)          what the sampler actually used
-    adv       advantages broadcast to tokens; mask = response tokens (1) / padding (0)
+    adv       advantages broadcast to tokens; mask = model-written response tokens (1) /
+              prompt, padding and environment tokens of multi-turn episodes (0)
 
     u = pi_theta / pi_prox        PPO ratio, clipped to [1 - eps_low, 1 + eps_high]
     w = sg[pi_prox / mu]          behaviour weight, truncated at is_cap or masked outside
@@ -19,6 +20,8 @@ decoupling ("bypass") the caller passes prox_logp = behav_logp and is_mode = non
 Aggregation (algorithms.md §2.9) uses *global* denominators passed in by the caller, so
 the sum of micro-batch losses equals the full-batch loss, and a masked token keeps its
 place in the token count (it contributes 0, it does not inflate the others).
+Every count is of model tokens: n_tokens from the caller and |y_i| (mask.sum per row)
+exclude environment tokens, which are neither targets nor part of any denominator.
 """
 
 from __future__ import annotations

@@ -160,6 +160,15 @@ class ExperienceState:
                 "bad",
                 f"{t.uid}: {len(t.response_ids)} response tokens but {len(t.logprobs)} logprobs",
             )
+        if t.loss_mask is not None and len(t.loss_mask) != len(t.response_ids):
+            return (
+                "bad",
+                f"{t.uid}: loss_mask has {len(t.loss_mask)} entries for {len(t.response_ids)} response tokens",
+            )
+        if t.loss_mask is not None and len(t.loss_mask) and int(t.loss_mask.max()) > 1:
+            return "bad", f"{t.uid}: loss_mask values must be 0 (environment) or 1 (model)"
+        if t.turns < 1:
+            return "bad", f"{t.uid}: turns {t.turns} < 1"
         if not t.group_id or not t.uid:
             return "bad", "trajectory needs uid and group_id"
         if t.version < 0:

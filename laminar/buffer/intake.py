@@ -9,10 +9,17 @@ ErrorReply (the sender drops it), a duplicate or a late member an Ack that says 
 (the sender stops resending; nothing is stored twice), a new member is journaled and
 acked only once durable. Either way the sample's partial-pool record is dropped: it
 finished. Abandons follow the same rules with check_abandoned.
+
+Multi-turn trajectories: a loss_mask whose length differs from the response (or with
+values other than 0/1) is bad input, rejected with the reason. Environment tokens (mask 0)
+should carry logprob 0.0; one that does not is accepted and counted
+(`env_logprob_nonzero`): the trainer never reads an environment token's logprob (it is
+masked out of the loss), so the sample is still exact, but the count shows a rollout bug.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import structlog
 
 from laminar.buffer.ledger import Ledger
@@ -45,6 +52,8 @@ class Intake:
             self.metrics.count(f"trajectories_{verdict}")
             await self.ledger.durable()  # the first copy may still be on its way to the disk
             return Ack(info={"duplicate": verdict == "duplicate", "ignored": why})
+        if t.loss_mask is not None and np.any(t.logprobs[t.loss_mask == 0] != 0.0):
+            self.metrics.count("env_logprob_nonzero")
         t.staleness_at_finish = st.trainer_version - t.version
         off = self.ledger.record("traj", {}, [t])
         await self.ledger.durable(off)

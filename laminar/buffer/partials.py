@@ -17,6 +17,12 @@ connection came back sends one again. The pool keeps a contiguous prefix:
   * unknown uid without a header, or a version that differs from the record: counted, ignored.
 The pool lives in memory only: after a buffer restart it fills again from headers.
 
+Multi-turn trajectories send each chunk's slice of the loss mask (1 = model token,
+0 = environment token). The pool keeps it next to the tokens; a chunk without one is
+all model tokens. A recovered record carries the mask, or None when no chunk had one
+(single-turn records stay exactly as they were). A mask whose length differs from its
+tokens (chunk or header), or with a value other than 0/1, makes the chunk bad input.
+
 Recovery (PartialsRequest from the manager, for a dead rollout): `recover` answers with
 the pool's records plus, for each sample of an open group that was handed out but never
 reported a header, an empty PartialTrajectory built from the group's prompt: resuming a
@@ -40,30 +46,51 @@ _EMPTY_I = np.zeros(0, np.int32)
 _EMPTY_F = np.zeros(0, np.float32)
 
 
+def _bad_mask(mask: np.ndarray | None, n: int) -> bool:
+    return mask is not None and (len(mask) != n or (n > 0 and int(mask.max()) > 1))
+
+
 @dataclass
 class _Record:
     header: PartialTrajectory
     ids: list[np.ndarray] = field(default_factory=list)
     logprobs: list[np.ndarray] = field(default_factory=list)
+    masks: list[np.ndarray | None] = field(default_factory=list)
+    """Per stored piece: its loss mask, None = all model tokens (no array kept for single-turn)."""
     length: int = 0
+    awaiting_env: bool = False
+    """Multi-turn: as the latest chunk reaching the record's end said (the resumer runs the env step)."""
 
-    def add(self, ids: np.ndarray, logprobs: np.ndarray) -> None:
+    def add(self, ids: np.ndarray, logprobs: np.ndarray, mask: np.ndarray | None) -> None:
         if len(ids):
             # copies: the received frames would otherwise stay pinned for the trajectory's lifetime
             self.ids.append(np.array(ids, dtype=np.int32))
             self.logprobs.append(np.array(logprobs, dtype=np.float32))
+            self.masks.append(None if mask is None else np.array(mask, dtype=np.uint8))
             self.length += len(ids)
+
+    def loss_mask(self) -> np.ndarray | None:
+        if all(m is None for m in self.masks):
+            return None
+        return np.concatenate(
+            [
+                np.ones(len(i), np.uint8) if m is None else m
+                for i, m in zip(self.ids, self.masks, strict=True)
+            ]
+        )
 
     def materialize(self) -> PartialTrajectory:
         h = self.header
         ids = np.concatenate(self.ids) if self.ids else np.zeros(0, np.int32)
         lps = np.concatenate(self.logprobs) if self.logprobs else np.zeros(0, np.float32)
+        mask = self.loss_mask()
         if len(self.ids) > 1:  # keep it compact for the next query
-            self.ids, self.logprobs = [ids], [lps]
+            self.ids, self.logprobs, self.masks = [ids], [lps], [mask]
         return PartialTrajectory(uid=h.uid, group_id=h.group_id, prompt_uid=h.prompt_uid,
                                  sample_index=h.sample_index, prompt_ids=h.prompt_ids, response_ids=ids,
                                  logprobs=lps, version=h.version, n=h.n, prompt=h.prompt, row=h.row,
-                                 rollout_id=h.rollout_id, resumed=h.resumed, t_start=h.t_start)  # fmt: skip
+                                 rollout_id=h.rollout_id, resumed=h.resumed, t_start=h.t_start,
+                                 loss_mask=mask, awaiting_env=self.awaiting_env)  # fmt: skip
 
 
 class PartialPool:
@@ -83,16 +110,23 @@ class PartialPool:
         if len(c.token_ids) != len(c.logprobs) or c.offset < 0:
             self.counts["bad"] += 1
             return "bad"
+        if _bad_mask(c.loss_mask, len(c.token_ids)):
+            self.counts["bad_loss_mask"] += 1
+            return "bad"
         if c.header is not None:
             h = c.header
             if h.uid != c.uid or len(h.response_ids) != len(h.logprobs) or h.version != c.version:
                 self.counts["bad"] += 1
                 return "bad"
+            if _bad_mask(h.loss_mask, len(h.response_ids)):
+                self.counts["bad_loss_mask"] += 1
+                return "bad"
             if not h.rollout_id:
                 h.rollout_id = c.rollout_id
             rec = _Record(header=h)
-            rec.add(h.response_ids, h.logprobs)
+            rec.add(h.response_ids, h.logprobs, h.loss_mask)
             h.response_ids, h.logprobs = np.zeros(0, np.int32), np.zeros(0, np.float32)
+            h.loss_mask = None
             self.records[c.uid] = rec
             self.counts["headers"] += 1
         found = self.records.get(c.uid)
@@ -107,13 +141,16 @@ class PartialPool:
             self.counts["gaps"] += 1
             return "gap"
         skip = rec.length - c.offset
+        if c.offset + len(c.token_ids) >= rec.length:  # the chunk reaches the end: its flag holds
+            rec.awaiting_env = c.awaiting_env
         if skip >= len(c.token_ids):
             if len(c.token_ids):
                 self.counts["duplicates"] += 1
             return "duplicate"
         if skip:
             self.counts["overlaps"] += 1
-        rec.add(c.token_ids[skip:], c.logprobs[skip:])
+        mask = None if c.loss_mask is None else c.loss_mask[skip:]
+        rec.add(c.token_ids[skip:], c.logprobs[skip:], mask)
         if c.rollout_id:
             rec.header.rollout_id = c.rollout_id
         self.counts["chunks"] += 1

@@ -21,6 +21,8 @@ the recorded ones and counts any difference (`replay_mismatch`).
 
 from __future__ import annotations
 
+import json
+import zlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -55,9 +57,20 @@ class ToolClient(Protocol):
     ) -> ToolResult: ...
 
 
-def call_id(uid: str, turn: int, k: int) -> str:
-    """The deterministic id of the k-th tool call of turn `turn` of episode `uid`."""
-    return f"{uid}#t{turn}#c{k}"
+def call_id(
+    uid: str, turn: int, k: int, name: str = "", arguments: dict[str, Any] | None = None
+) -> str:
+    """The deterministic id of the k-th tool call of turn `turn` of episode `uid`.
+
+    With the call's name and arguments, their digest is part of the id: a replay (same text,
+    same call) finds the cached result, while an episode restarted from its prompt that writes
+    a different call at the same place runs it instead of being answered for the old one.
+    """
+    base = f"{uid}#t{turn}#c{k}"
+    if not name:
+        return base
+    text = json.dumps([name, arguments or {}], sort_keys=True, separators=(",", ":"), default=str)
+    return f"{base}#{zlib.crc32(text.encode()):08x}"
 
 
 @dataclass
@@ -78,8 +91,8 @@ class StepContext:
     replay: bool = False
     """True while the episode is being rebuilt on another rollout (tool calls hit the cache)."""
 
-    def call_id(self, k: int) -> str:
-        return call_id(self.uid, self.turn, k)
+    def call_id(self, k: int, name: str = "", arguments: dict[str, Any] | None = None) -> str:
+        return call_id(self.uid, self.turn, k, name, arguments)
 
     def calls_left(self) -> int:
         return max(0, self.max_tool_calls - self.tool_calls_so_far)
@@ -87,8 +100,9 @@ class StepContext:
 
 @dataclass
 class StepResult:
-    observation: str | None = None
-    """Text the environment answers with, rendered in `role` by the turn template; None = nothing."""
+    observation: str | list[str] | None = None
+    """Text the environment answers with, rendered in `role` by the turn template; a list = one
+    message of `role` per item (one tool message per call); None = nothing."""
     observation_ids: list[int] | None = None
     """Or the exact tokens to append (token-level environments, the sim); wins over observation."""
     role: str = "tool"

@@ -23,7 +23,7 @@ class ToolRecord(Message):
     """One tool call of a multi-turn episode (metrics, and what a replay must reproduce)."""
 
     call_id: str
-    """Deterministic: f"{uid}#t{turn}#c{k}", so a replay or a retry finds the cached result."""
+    """Deterministic: f"{uid}#t{turn}#c{k}#<digest of name+arguments>", so a replay or a retry finds the cached result."""
     name: str
     turn: int
     ok: bool = True
@@ -103,6 +103,9 @@ class PartialTrajectory(
     t_start: float = 0.0
     loss_mask: LossMask | None = None
     """Multi-turn: same length as response_ids (None: all model tokens)."""
+    awaiting_env: bool = False
+    """Multi-turn: the response ends with a complete model turn whose environment answer is not in
+    yet (whoever resumes it runs that step first instead of generating)."""
 
 
 @message(0x23)
@@ -120,3 +123,6 @@ class PartialChunk(
     """Sent with the first chunk (offset 0): everything needed to resume the trajectory."""
     loss_mask: LossMask | None = None
     """Multi-turn: the chunk's slice of the loss mask (None: all model tokens)."""
+    awaiting_env: bool = False
+    """Multi-turn: the response up to this chunk's end ends a complete model turn whose environment
+    answer is not in yet (the latest chunk reaching the end decides; see PartialTrajectory)."""

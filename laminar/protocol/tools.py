@@ -3,7 +3,7 @@
     rollout ──ToolCallRequest(call_id, name, arguments)──► tools node ──► sandbox worker
             ◄──ToolCallReply(ok, output | error, seconds, cached)──┘
 
-The call id is deterministic (`f"{uid}#t{turn}#c{k}"`, see laminar.protocol.data.ToolRecord):
+The call id is deterministic (`f"{uid}#t{turn}#c{k}#<digest of name+arguments>"`, see laminar.protocol.data.ToolRecord):
 the tools node runs each id at most once and answers a repeat (a retried request, an episode
 replayed on another rollout after its first one died) from its journaled cache, waiting for
 the first run when it is still going.

@@ -32,6 +32,9 @@ from laminar.supervise import Spawn
 from laminar.transport.client import RpcClient
 from laminar.transport.weights_channel import WeightSubscriber
 
+EnvScore = tuple[float | None, dict[str, Any]]
+"""A multi-turn episode's reward as its environment gave it: (reward or None, info)."""
+
 if TYPE_CHECKING:  # imported by the node only when a reward function is configured
     from laminar.rewards.runner import RewardRunner
 
@@ -68,7 +71,11 @@ class Deliverer:
         for uid in list(table.unsent):
             seq = table.seqs.get(uid)
             table.unsent.discard(uid)
-            if seq is None or seq.length == seq.sent_upto and seq.sent_upto > 0:
+            if seq is None or (
+                seq.length == seq.sent_upto
+                and seq.sent_upto > 0
+                and seq.awaiting_env == seq.sent_awaiting
+            ):
                 continue
             if not self.buffer.connected:
                 table.unsent.add(uid)  # kept: resent from 0 on reconnect anyway
@@ -82,6 +89,7 @@ class Deliverer:
                 table.unsent.add(uid)
                 return
             seq.sent_upto = max(seq.sent_upto, upto)
+            seq.sent_awaiting = msg.awaiting_env
             self.metrics.count("partial_chunks")
 
     # ---- finished, abandoned ------------------------------------------------------------------
@@ -89,17 +97,18 @@ class Deliverer:
         """Nobody will finish it (a bad prompt item, an engine abort): the buffer drops its group."""
         self.outbox.put(TrajectoryAbandoned(uid=uid, group_id=group_id, reason=reason))
 
-    def finished(self, seq: SeqState, reason: str) -> None:
-        """A trajectory the engine finished (already forgotten by the table): reward, then deliver."""
+    def finished(self, seq: SeqState, reason: str, env_score: EnvScore | None = None) -> None:
+        """A trajectory the engine (or its episode) finished, already forgotten by the table: reward,
+        then deliver. `env_score`: the environment scored it, (reward, info); None: reward.fn."""
         if reason == "abort":  # aborted by the engine itself: nobody will resume it
             self.metrics.count("engine_aborts")
             self.abandon(seq.uid, seq.group_id, "engine abort")
             return
-        task = self.spawn(self._deliver(seq, reason), "reward")
+        task = self.spawn(self._deliver(seq, reason, env_score), "reward")
         self._scoring.add(task)
         task.add_done_callback(self._scoring.discard)
 
-    async def _deliver(self, seq: SeqState, reason: str) -> None:
+    async def _deliver(self, seq: SeqState, reason: str, env_score: EnvScore | None) -> None:
         now = time.time()
         traj = seq.trajectory(reason, self.rollout_id, now)
         traj.staleness_at_finish = max(0, self.source.latest_version() - seq.version)
@@ -107,7 +116,9 @@ class Deliverer:
             traj.completion = self.tokenizer.decode(
                 traj.response_ids.tolist(), skip_special_tokens=True
             )
-        if reason == "error":
+        if env_score is not None:  # the episode's environment scored it (errors included)
+            traj.reward, traj.reward_info = env_score[0], dict(env_score[1])
+        elif reason == "error":
             # the engine could not run it (e.g. prompt too long): delivered, excluded from training
             self.metrics.count("engine_errors")
             traj.reward, traj.reward_info = None, {"error": "engine error", "error_kind": "engine"}

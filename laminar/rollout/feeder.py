@@ -15,6 +15,13 @@ What blocks and what unblocks the loop:
     the same groups back rather than losing them.
   * the buffer has nothing (retry_after_s) or is down     -> a timer / reconnect backoff
 
+Credits and multi-turn episodes: a group holds a credit while one of its samples is in the
+engine. A group whose open samples all wait on their environment (a tool call, a replay)
+holds none, so the engine takes other work meanwhile; a hard cap of 2 x credits on the
+groups in hand (waiting or not) bounds the environment work and memory one rollout piles
+up. Waiting episodes still count as in flight for weights: a load waits for them (one
+version per trajectory; see laminar/rollout/episodes.py).
+
 Refill: an idle rollout that has a newer version to load asks the buffer for prompts (for
 that version) while the load runs, so a drained or repack-emptied rollout is back to work
 after the longer of the two round trips, not their sum; the groups start once it is loaded.
@@ -60,7 +67,9 @@ class PromptFeeder:
         """Makes request ids unique across restarts of this rollout id."""
 
     def free_credits(self) -> int:
-        return self.cfg.credits - len(self.table.groups) - len(self.held)
+        busy = self.cfg.credits - self.table.busy_groups() - len(self.held)
+        cap = 2 * self.cfg.credits - len(self.table.groups) - len(self.held)
+        return min(busy, cap)
 
     def stop(self) -> None:
         """No more prompts (stopping): the loop ends at its next turn, timers are cut short."""

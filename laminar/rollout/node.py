@@ -26,6 +26,11 @@ spawns their loops in main(), and answers the manager's commands:
   * RefreshRequest asks the gate for the newest version (soft: min_version is waited for
     rollout.refresh_wait_s); the feeder loads it once the table is empty.
 
+Multi-turn (env.fn set, or an env passed in): EpisodeDriver (episodes.py) takes each model turn
+the engine finishes (stop | length) instead of the deliverer: the environment steps (tools via
+the tools node when the cluster has one), its answer is appended with loss mask 0 and the
+episode goes back into the engine at its own version; imports are rebuilt by replay first.
+
 Heartbeats carry engine stats plus RolloutStatus (per-trajectory KV tokens, so repack can
 choose what to move). In laminar mode with repack on, the status is also pushed as soon as it
 changes (a sequence finished, work came or left, new weights; at most every
@@ -68,17 +73,25 @@ from laminar.transport.sockets import Peer
 from laminar.transport.weights_channel import WeightSubscriber, open_subscriber
 
 if TYPE_CHECKING:
+    from laminar.envs.base import Environment, ToolClient
     from laminar.rewards.runner import RewardRunner
+    from laminar.rollout.episodes import EpisodeDriver
 
 
 class RolloutNode(Node):
     role = "rollout"
 
     def __init__(self, cfg: LaminarConfig, index: int = 0, ctx: Any = None, node_id: str | None = None,
-                 engine: Engine | None = None, weight_source: WeightSubscriber | None = None):  # fmt: skip
+                 engine: Engine | None = None, weight_source: WeightSubscriber | None = None,
+                 env: Environment | None = None, tools: ToolClient | None = None):  # fmt: skip
         super().__init__(cfg, index, ctx, node_id)
         self.engine: Engine | None = engine
         self.source: WeightSubscriber | None = weight_source
+        self.env: Environment | None = env
+        """Multi-turn environment (else built from env.fn in setup; None: single-turn)."""
+        self.tools: ToolClient | None = tools
+        """Tool client of the environment (else the tools node's, when the cluster has one)."""
+        self.episodes: EpisodeDriver | None = None
         self.rewards: RewardRunner | None = None
         self.wake = asyncio.Event()
         """The feeder's: a credit freed, a new version, a refresh asked, stopping."""
@@ -113,8 +126,19 @@ class RolloutNode(Node):
         await engine.start(self.spawn)
         self.on_close(engine.close)
         params = SamplingParams.from_config(cfg.rollout.sampling)
-        self.table = SequenceTable(engine, params, notify=(self.wake, self.status_changed),
-                                   metrics=self.metrics, log=self.log)  # fmt: skip
+        if self.env is None and cfg.env.fn:
+            from laminar.envs.loader import load_env
+
+            self.env = load_env(cfg.env)
+        env, limits = self.env, cfg.env.limits
+        max_total = limits.max_total_tokens or params.max_tokens
+        first = params
+        if env is not None:
+            from laminar.rollout.episodes import episode_params
+
+            first = episode_params(params, tuple(env.stop), max_total, limits.max_turn_tokens, 0)
+        self.table = SequenceTable(engine, first, notify=(self.wake, self.status_changed), metrics=self.metrics,
+                                   log=self.log, multi_turn=env is not None)  # fmt: skip
         # (re)connected: the buffer may have lost the partial records, so each restarts from offset 0
         self.buffer = self.client(cfg.endpoint("buffer"), on_connect=self.table.restream_all)
         await self.buffer.connect(timeout=t.startup_timeout_s)
@@ -135,6 +159,20 @@ class RolloutNode(Node):
                                 metrics=self.metrics, log=self.log)  # fmt: skip
         self.deliverer = Deliverer(self.node_id, self.buffer, self.outbox, self.table, source, self.rewards,
                                    tokenizer, self.spawn, self.metrics, self.log)  # fmt: skip
+        if env is not None:
+            from laminar.envs.template import TurnTemplate
+            from laminar.rollout.episodes import EpisodeDriver
+
+            if self.tools is None and (
+                cfg.cluster.roles.get("tools", 0) > 0 or "tools" in cfg.cluster.endpoints
+            ):
+                from laminar.tools.client import RemoteToolClient
+
+                tools_rpc = self.client(cfg.endpoint("tools"))
+                await tools_rpc.connect(timeout=t.startup_timeout_s)
+                self.tools = RemoteToolClient(tools_rpc, cfg.tools.call_timeout_s)
+            self.episodes = EpisodeDriver(env, TurnTemplate(tokenizer), self.tools, limits, params, max_total, engine,
+                                          self.table, self.deliverer, self.spawn, self.metrics, self.log)  # fmt: skip
         self.feeder = PromptFeeder(self.node_id, cfg.rollout, t.reconnect_backoff_max_s, self.buffer, self.gate,
                                    self.table, self.deliverer, self.wake, self.spawn, self.metrics, self.log)  # fmt: skip
 
@@ -150,6 +188,8 @@ class RolloutNode(Node):
         self.spawn(self.deliverer.stream(), "partials")
         self.spawn(self.outbox.run(), "outbox")
         self.spawn(self.gate.watch(self.wake), "versions")
+        if self.episodes is not None:
+            self.spawn(self.episodes.watch(), "episode-clock")
         if (
             self.cfg.rollout.status_push
             and self.cfg.mode == "laminar"
@@ -164,6 +204,12 @@ class RolloutNode(Node):
         budget = self.cfg.transport.stop_timeout_s * 0.9
         deadline = time.monotonic() + budget
         await self.table.wait_empty(budget / 2)
+        if (
+            self.episodes is not None and self.episodes.finishing
+        ):  # environments scoring the last ones
+            await asyncio.wait(
+                set(self.episodes.finishing), timeout=max(0.0, deadline - time.monotonic())
+            )
         ok = await self.deliverer.drain(max(0.0, deadline - time.monotonic()))
         self.log.info(
             "drained", unfinished=len(self.table), outbox_left=len(self.outbox), flushed=ok
@@ -196,6 +242,11 @@ class RolloutNode(Node):
             if ev.finished:
                 if seq.exporting and ev.finish_reason == "abort":
                     continue  # the export handler owns it now
+                if self.episodes is not None and ev.finish_reason in ("stop", "length"):
+                    self.episodes.turn_ended(
+                        seq, ev.finish_reason
+                    )  # its environment answers, or it ends
+                    continue
                 self.table.forget(seq.uid)
                 self.deliverer.finished(seq, ev.finish_reason or "stop")
             elif seq.length - seq.sent_upto >= chunk:
@@ -241,15 +292,20 @@ class RolloutNode(Node):
             bad = [
                 p.uid
                 for p in msg.partials
-                if len(p.prompt_ids) == 0 or len(p.response_ids) != len(p.logprobs)
+                if len(p.prompt_ids) == 0
+                or len(p.response_ids) != len(p.logprobs)
+                or (p.loss_mask is not None and len(p.loss_mask) != len(p.response_ids))
             ]
             if bad:
                 self.metrics.count("import_bad", len(bad))
                 return ErrorReply(
                     code="bad_partial",
-                    message=f"empty prompt or ids/logprobs length mismatch: {bad[:3]}",
+                    message=f"empty prompt or ids/logprobs/loss_mask length mismatch: {bad[:3]}",
                 )
             accepted, duplicate = self.table.resume(msg.partials)
+            if self.episodes is not None:  # their environment state is rebuilt by replay first
+                for uid in accepted:
+                    self.episodes.adopt(self.table.seqs[uid])
         self.metrics.count("imported", len(accepted))
         self.log.info("imported", count=len(accepted), duplicate=len(duplicate))
         return ImportReply(accepted=accepted, duplicate=duplicate, version=version)

@@ -7,6 +7,7 @@
     partials, missing = await table.export(uids, rollout_id)   # abort in the engine, hand them over
     accepted, duplicate = table.resume(partials)               # imported partials -> engine.submit
     table.mark_dirty(uid)                   # tokens for the partial stream (table.unsent, table.dirty)
+    table.set_waiting(seq, True)            # multi-turn: out of the engine while its env step runs
 
 A group holds one credit until each of its samples here finished or left (export). uids
 that finished here lately are remembered (bounded), so a retried import never generates a
@@ -14,6 +15,15 @@ trajectory twice. Every change of the set of sequences sets the `notify` events 
 waits for a free credit or for idleness; the status push sends the new view to the manager).
 Idle gaps are measured here: after an export emptied the table, the gap until work comes
 back is the repack refill latency (`refill_after_export_s`), else `idle_gap_s`.
+
+Multi-turn (`multi_turn=True`: the rollout has an environment, laminar/rollout/episodes.py
+drives it): a sequence between model turns is `waiting` (no engine sequence, its env step runs
+in `seq.step_task`). It stays in the table (so weights never load under it: one version per
+trajectory) but its group may stop counting as busy (`busy_groups`, see the feeder). Export
+hands waiting ones over too: their step task is cancelled and the partial says
+`awaiting_env` when the model turn was complete (the importer runs that step; its tool calls
+hit the tools node's cache). Imported partials are not submitted here: they are admitted as
+waiting and the episode driver rebuilds their environment state by replay first.
 """
 
 from __future__ import annotations
@@ -36,8 +46,10 @@ RECENT = 8192
 
 class SequenceTable:
     def __init__(self, engine: Engine, params: SamplingParams, notify: Sequence[asyncio.Event], metrics: Metrics,
-                 log: structlog.typing.FilteringBoundLogger):  # fmt: skip
+                 log: structlog.typing.FilteringBoundLogger, multi_turn: bool = False):  # fmt: skip
         self.engine, self.params = engine, params
+        self.multi_turn = multi_turn
+        """The rollout has an environment: sequences carry loss masks, imports wait for a replay."""
         self.notify = tuple(notify)
         self.metrics, self.log = metrics, log
         self.seqs: dict[str, SeqState] = {}
@@ -86,7 +98,7 @@ class SequenceTable:
         now = time.time()
         group = GroupState(item.group_id)
         for i in range(item.n):
-            seq = SeqState.from_item(item, i, version, now)
+            seq = SeqState.from_item(item, i, version, now, self.multi_turn)
             self.seqs[seq.uid] = seq
             group.open.add(seq.uid)
         self.groups[item.group_id] = group
@@ -97,7 +109,8 @@ class SequenceTable:
 
     def resume(self, partials: Iterable[PartialTrajectory]) -> tuple[list[str], list[str]]:
         """Resume imported partials (already checked to be at the engine's version). Returns
-        (accepted, duplicate): uids running or recently finished here are left alone."""
+        (accepted, duplicate): uids running or recently finished here are left alone. Multi-turn:
+        accepted ones are admitted `waiting`, not submitted; the episode driver adopts them."""
         accepted, duplicate = [], []
         now = time.time()
         for p in partials:
@@ -105,13 +118,16 @@ class SequenceTable:
                 duplicate.append(p.uid)
                 continue
             self._busy()
-            seq = SeqState.from_partial(p, now)
+            seq = SeqState.from_partial(p, now, self.multi_turn)
             self.seqs[seq.uid] = seq
             self.groups.setdefault(seq.group_id, GroupState(seq.group_id)).open.add(seq.uid)
-            state = PartialState(
-                seq.uid, seq.prompt_ids, seq.ids.copy(), seq.logprobs.copy(), seq.version
-            )
-            self.engine.submit(GenRequest.resume(state, self.params))
+            if self.multi_turn:
+                seq.waiting = True  # the episode driver replays its environment, then resumes it
+            else:
+                state = PartialState(
+                    seq.uid, seq.prompt_ids, seq.ids.copy(), seq.logprobs.copy(), seq.version
+                )
+                self.engine.submit(GenRequest.resume(state, self.params))
             # header + every token so far: the partial pool now knows it runs here
             self.mark_dirty(seq.uid)
             accepted.append(seq.uid)
@@ -164,11 +180,24 @@ class SequenceTable:
         so far, forgetting them here. Returns (partials, requested uids not exported)."""
         uids = uids or list(self.seqs)
         here = [u for u in uids if u in self.seqs and not self.seqs[u].exporting]
+        partials: list[PartialTrajectory] = []
+        # waiting episodes (between turns, or replaying): no engine sequence; their step stops here
+        # and the importer runs it again (its tool calls answered from the tools node's cache)
+        for u in [u for u in here if self.seqs[u].waiting]:
+            waiting = self.seqs[u]
+            if waiting.step_task is not None:
+                waiting.step_task.cancel()
+                waiting.step_task = None
+            partials.append(
+                waiting.partial(waiting.ids.copy(), waiting.logprobs.copy(), rollout_id)
+            )
+            self.metrics.count("exported_waiting")
+            self.forget(u, finished=False)
+        here = [u for u in here if u in self.seqs]
         for u in here:
             self.seqs[u].exporting = True
         states = await self.engine.abort(here) if here else []
         by_id = {p.seq_id: p for p in states}
-        partials: list[PartialTrajectory] = []
         for u in here:
             seq = self.seqs.get(u)
             p = by_id.get(u)
@@ -194,6 +223,23 @@ class SequenceTable:
         return True
 
     # ---- what the partial pool has not got yet --------------------------------------------
+    def set_waiting(self, seq: SeqState, waiting: bool) -> None:
+        """Multi-turn: the sequence left the engine for an env step (True) or went back (False)."""
+        seq.waiting = waiting
+        if not waiting:
+            seq.step_task = None
+        self._changed()  # a group whose open samples all wait frees its credit (the feeder)
+
+    def busy_groups(self) -> int:
+        """Groups with a sample in the engine (or about to be): what credits count. A group whose
+        open samples all wait on their environment does not (see laminar/rollout/feeder.py)."""
+        if not self.multi_turn:
+            return len(self.groups)
+        seqs = self.seqs
+        return sum(
+            1 for g in self.groups.values() if any(not seqs[u].waiting for u in g.open if u in seqs)
+        )
+
     def mark_dirty(self, uid: str) -> None:
         self.unsent.add(uid)
         self.dirty.set()
@@ -208,7 +254,11 @@ class SequenceTable:
     def mark_unsent(self) -> None:
         """Stopping: every sequence with tokens (or a header) the pool has not got is sent once more."""
         for seq in self.seqs.values():
-            if seq.length > seq.sent_upto or seq.sent_upto == 0:
+            if (
+                seq.length > seq.sent_upto
+                or seq.sent_upto == 0
+                or seq.awaiting_env != seq.sent_awaiting
+            ):
                 self.unsent.add(seq.uid)
 
     def kv_tokens(self) -> dict[str, int]:

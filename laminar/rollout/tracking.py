@@ -2,7 +2,8 @@
 
     seq = SeqState.from_item(item, i, version, now)     # a fresh sample of a prompt group
     seq = SeqState.from_partial(partial, now)           # a trajectory resumed here (import)
-    seq.append(ev.token_ids, ev.logprobs)               # engine events
+    seq.append(ev.token_ids, ev.logprobs)               # engine events (loss mask 1)
+    seq.append_env(obs_ids)                             # an environment's answer (mask 0, logprob 0)
     chunk = seq.chunk(rollout_id)                        # PartialChunk of the tokens not yet streamed
     traj = seq.trajectory(reason, rollout_id)            # the finished Trajectory (reward filled later)
     part = seq.partial(ids, logprobs, rollout_id)        # PartialTrajectory for export
@@ -15,16 +16,29 @@ chunk). A rollout that resumes a trajectory (import) or whose buffer connection
 came back re-sends from offset 0 with a header, so a header always (re)starts the
 record, owned by header.rollout_id. Chunks are one-way and best-effort; the final
 Trajectory (acked) is what counts, and it supersedes the partial record.
+
+Multi-turn (a rollout with an environment): every chunk also carries its slice of the loss
+mask (1 = engine token, 0 = environment token) and `awaiting_env`, true when the response up
+to the chunk's end finishes a model turn whose environment answer is not appended yet; the
+latest chunk reaching the record's end decides, so a flip of that flag alone is sent as an
+empty chunk. A resumer uses it to tell "run the pending env step" from "keep generating".
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from laminar.protocol.data import PartialChunk, PartialTrajectory, PromptItem, Trajectory
+from laminar.protocol.data import (
+    PartialChunk,
+    PartialTrajectory,
+    PromptItem,
+    ToolRecord,
+    Trajectory,
+)
 
 _EMPTY_I = np.zeros(0, np.int32)
 _EMPTY_F = np.zeros(0, np.float32)
@@ -74,29 +88,75 @@ class SeqState:
     exporting: bool = False
     ids: Growable = field(default_factory=lambda: Growable(np.int32))
     logprobs: Growable = field(default_factory=lambda: Growable(np.float32))
+    # ---- multi-turn episodes (laminar/rollout/episodes.py); unused when the rollout has no env ----
+    mask: Growable | None = None
+    """Loss mask, uint8 per response token: 1 = sampled by the engine, 0 = the environment's
+    (logprob 0.0). None: no environment here, every token is the model's (messages carry None)."""
+    turn: int = 0
+    """0-based index of the model turn being generated (or whose env step runs)."""
+    turn_start: int = 0
+    """Index in the response where the current model turn began."""
+    tool_calls: list[ToolRecord] = field(default_factory=list)
+    env_state: Any = None
+    waiting: bool = False
+    """Not in the engine: its environment step (or a replay after an import) runs."""
+    awaiting_env: bool = False
+    """The response ends with a complete model turn whose environment answer is not appended yet."""
+    sent_awaiting: bool = False
+    """`awaiting_env` as the partial pool last got it (a flip alone is worth a chunk)."""
+    step_task: asyncio.Task[Any] | None = None
+    """The running env step / replay of a waiting episode (export cancels it)."""
 
     @classmethod
-    def from_item(cls, item: PromptItem, i: int, version: int, now: float) -> SeqState:
+    def from_item(
+        cls, item: PromptItem, i: int, version: int, now: float, multi_turn: bool = False
+    ) -> SeqState:
         return cls(uid=f"{item.group_id}/{i}", group_id=item.group_id, prompt_uid=item.uid, sample_index=i,
                    n=item.n, prompt_ids=np.asarray(item.prompt_ids, np.int32), version=version,
-                   prompt=item.prompt, row=dict(item.row), t_start=now)  # fmt: skip
+                   prompt=item.prompt, row=dict(item.row), t_start=now,
+                   mask=Growable(np.uint8) if multi_turn else None)  # fmt: skip
 
     @classmethod
-    def from_partial(cls, p: PartialTrajectory, now: float) -> SeqState:
+    def from_partial(cls, p: PartialTrajectory, now: float, multi_turn: bool = False) -> SeqState:
+        mask = None
+        if p.loss_mask is not None:
+            mask = Growable(np.uint8, p.loss_mask)
+        elif multi_turn:
+            mask = Growable(np.uint8, np.ones(len(p.response_ids), np.uint8))
         return cls(uid=p.uid, group_id=p.group_id, prompt_uid=p.prompt_uid, sample_index=p.sample_index, n=p.n,
                    prompt_ids=np.asarray(p.prompt_ids, np.int32), version=p.version, prompt=p.prompt,
                    row=dict(p.row), resumed=p.resumed + 1, t_start=p.t_start or now,
-                   ids=Growable(np.int32, p.response_ids), logprobs=Growable(np.float32, p.logprobs))  # fmt: skip
+                   ids=Growable(np.int32, p.response_ids), logprobs=Growable(np.float32, p.logprobs), mask=mask,
+                   awaiting_env=p.awaiting_env and mask is not None)  # fmt: skip
 
     @property
     def length(self) -> int:
         return self.ids.n
 
     def append(self, ids: np.ndarray, logprobs: np.ndarray, now: float) -> None:
+        """The engine's tokens (mask 1)."""
         if len(ids) and not self.t_first_token:
             self.t_first_token = now
         self.ids.append(ids)
         self.logprobs.append(logprobs)
+        if self.mask is not None:
+            self.mask.append(np.ones(len(ids), np.uint8))
+
+    def append_env(self, ids: np.ndarray) -> None:
+        """The environment's answer: mask 0, logprob 0.0 (context only, never trained)."""
+        assert self.mask is not None, "environment tokens on a rollout without an environment"
+        self.ids.append(np.asarray(ids, np.int32))
+        self.logprobs.append(np.zeros(len(ids), np.float32))
+        self.mask.append(np.zeros(len(ids), np.uint8))
+
+    def mask_for(self, n: int) -> np.ndarray | None:
+        """The loss mask of the first n response tokens (past what is known here: engine tokens)."""
+        if self.mask is None:
+            return None
+        have = self.mask.view(0, min(n, self.mask.n))
+        if len(have) == n:
+            return have.copy()
+        return np.concatenate([have, np.ones(n - len(have), np.uint8)])
 
     def header(self, rollout_id: str) -> PartialTrajectory:
         return PartialTrajectory(uid=self.uid, group_id=self.group_id, prompt_uid=self.prompt_uid,
@@ -108,25 +168,32 @@ class SeqState:
     def chunk(self, rollout_id: str) -> tuple[PartialChunk, int]:
         """The unsent tokens as one chunk, and the length it brings the pool up to once delivered."""
         start, end = self.sent_upto, self.length
+        mask = None if self.mask is None else self.mask.view(start, end).copy()
         msg = PartialChunk(uid=self.uid, version=self.version, offset=start,
                            token_ids=self.ids.view(start, end).copy(), logprobs=self.logprobs.view(start, end).copy(),
-                           rollout_id=rollout_id, header=self.header(rollout_id) if start == 0 else None)  # fmt: skip
+                           rollout_id=rollout_id, header=self.header(rollout_id) if start == 0 else None,
+                           loss_mask=mask, awaiting_env=self.awaiting_env)  # fmt: skip
         return msg, end
 
     def partial(self, ids: np.ndarray, logprobs: np.ndarray, rollout_id: str) -> PartialTrajectory:
         p = self.header(rollout_id)
         p.response_ids = np.asarray(ids, np.int32)
         p.logprobs = np.asarray(logprobs, np.float32)
+        p.loss_mask = self.mask_for(len(ids))
+        p.awaiting_env = self.awaiting_env and len(ids) == self.length
         return p
 
     def trajectory(self, finish_reason: str, rollout_id: str, now: float) -> Trajectory:
+        multi = self.mask is not None
         return Trajectory(uid=self.uid, group_id=self.group_id, prompt_uid=self.prompt_uid,
                           sample_index=self.sample_index, prompt_ids=self.prompt_ids,
                           response_ids=self.ids.copy(), logprobs=self.logprobs.copy(), version=self.version,
                           finish_reason=finish_reason, rollout_id=rollout_id, prompt=self.prompt, row=self.row,
                           resumed=self.resumed,
                           timings={"t_start": self.t_start, "t_first_token": self.t_first_token or now,
-                                   "t_finish": now, "gen_s": max(0.0, now - self.t_start)})  # fmt: skip
+                                   "t_finish": now, "gen_s": max(0.0, now - self.t_start)},
+                          loss_mask=self.mask.copy() if self.mask is not None else None,
+                          turns=self.turn + 1 if multi else 1, tool_calls=list(self.tool_calls))  # fmt: skip
 
 
 @dataclass

@@ -10,6 +10,12 @@ sample with P prompt tokens (input position P+k) sits at frame position P+k-1.
 A trajectory that cannot be trained on (no reward, logprobs not matching the
 response, empty, too long, token ids outside the vocabulary) is dropped and
 counted by reason, never raised: bad data must not stop the trainer.
+
+Multi-turn: input_ids are exactly prompt_ids + response_ids as the rollout delivered them
+(the sampled ids and the environment's ids, in order; nothing is re-encoded here), and
+resp_mask is the response frame times the trajectory's loss mask, so an environment token
+is never a target of the loss (zero gradient) and every count the loss divides by
+(TrainBatch.n_tokens, the per-sequence |y_i|) counts model tokens only.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import numpy as np
 import torch
 
 from laminar.algo.advantages import group_index
-from laminar.protocol.data import Trajectory
+from laminar.protocol.data import ToolRecord, Trajectory
 
 
 @dataclass
@@ -33,10 +39,19 @@ class Sample:
     behav_logp: np.ndarray
     reward: float
     version: int
+    loss_mask: np.ndarray | None = None
+    """bool per response token (False = environment token); None = all model tokens."""
+    turns: int = 1
+    tool_calls: list[ToolRecord] = field(default_factory=list)
 
     @property
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
+
+    @property
+    def n_model(self) -> int:
+        """Response tokens the policy sampled (the trained ones)."""
+        return len(self.response_ids) if self.loss_mask is None else int(self.loss_mask.sum())
 
 
 @dataclass
@@ -56,7 +71,12 @@ class TrainBatch:
 
     @property
     def n_tokens(self) -> int:
-        """Response (trained) tokens."""
+        """Trained tokens: model-written response tokens (environment tokens excluded)."""
+        return sum(s.n_model for s in self.samples)
+
+    @property
+    def n_response_tokens(self) -> int:
+        """Every response token, the environment's included."""
         return sum(len(s.response_ids) for s in self.samples)
 
     @property
@@ -84,6 +104,9 @@ class TrainBatch:
                     prompt_ids=np.array(t.prompt_ids, dtype=np.int64),
                     response_ids=np.array(t.response_ids, dtype=np.int64),
                     behav_logp=np.array(t.logprobs, dtype=np.float32),
+                    loss_mask=None if t.loss_mask is None else np.asarray(t.loss_mask) == 1,
+                    turns=int(t.turns),
+                    tool_calls=list(t.tool_calls),
                 )  # fmt: skip
             )
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
@@ -103,6 +126,13 @@ def _reject_reason(t: Trajectory, vocab_size: int | None, max_len: int | None) -
         return "empty_prompt"
     if len(t.logprobs) != n:
         return "logprob_length"
+    if t.loss_mask is not None:
+        if len(t.loss_mask) != n:
+            return "loss_mask_length"
+        if int(t.loss_mask.max()) > 1:
+            return "bad_loss_mask"
+        if not t.loss_mask.any():
+            return "no_model_tokens"
     if max_len is not None and len(t.prompt_ids) + n > max_len:
         return "too_long"
     if vocab_size is not None:
@@ -165,7 +195,7 @@ def collate(batch: TrainBatch, index: list[int], pad_id: int = 0) -> MicroBatch:
         ids[r, :p] = torch.from_numpy(s.prompt_ids)
         ids[r, p : p + n] = torch.from_numpy(s.response_ids)
         att[r, : p + n] = 1
-        resp[r, p - 1 : p - 1 + n] = True
+        resp[r, p - 1 : p - 1 + n] = True if s.loss_mask is None else torch.from_numpy(s.loss_mask)
         behav[r, p - 1 : p - 1 + n] = torch.from_numpy(s.behav_logp)
     return MicroBatch(
         torch.tensor(index, dtype=torch.long), ids, att, ids[:, 1:].clone(), resp, behav

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from laminar.algo.advantages import broadcast_to_tokens, compute_advantages, kl_penalized_rewards
+from laminar.algo.episodes import episode_stats
 from laminar.algo.losses import LossSettings, policy_loss
 from laminar.algo.metrics import StatAccumulator, length_stats
 from laminar.config import LaminarConfig
@@ -253,6 +254,7 @@ class Policy:
             stats.all_reduce(self.ctx.cpu_group)
         out = stats.finalize()
         out.update(length_stats([len(x.response_ids) for x in batch.samples]))
+        out.update(episode_stats(batch.samples))
         out.update({
             "grad_norm": grad_norm, "lr": lr, "skipped_step": float(skipped),
             "reward": float(batch.rewards.mean()), "reward_max": float(batch.rewards.max()),

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from laminar.algo.advantages import compute_advantages
+from laminar.algo.episodes import episode_stats
 from laminar.algo.metrics import length_stats
 from laminar.config import LaminarConfig
 from laminar.protocol.data import Trajectory
@@ -52,6 +53,7 @@ class SimTrainer:
             "seqs": float(batch.n_seqs), "compute_s": time.perf_counter() - t0,
         }  # fmt: skip
         out.update(length_stats([len(s.response_ids) for s in batch.samples]))
+        out.update(episode_stats(batch.samples))
         return out
 
     def export(self) -> dict[str, torch.Tensor]:
