@@ -3,6 +3,8 @@
     countup  "37+8>60?" -> "37+8=45<60;45+8=53<60;53+8=61>60;#61": a chain of steps of
              long-tailed count, learnable by a tiny character-level model on CPU
              (the default demo)
+    tooluse  "47*86=?" -> a calculator call, its answer, "#4042"; "47+6=?" -> "#53": the
+             tool demo (python -m laminar.demo.tooldemo), where RL learns to call the tool
 
 Each task module offers `generate` (rows in memory), `write_splits` (train.jsonl /
 eval.jsonl), `solve`, `demonstration` (imperfect solutions for a warm-up),

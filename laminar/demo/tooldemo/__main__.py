@@ -1,0 +1,179 @@
+"""The tool demo: a tiny policy learns, with asynchronous multi-turn RL on CPU, to call a
+calculator for the products it cannot compute.
+
+    python -m laminar.demo.tooldemo [run_dir=runs/tool-demo] [key=value ...]
+
+    tooluse task ─► train.jsonl / eval.jsonl                 (laminar/tasks/tooluse.py)
+    demos: easy prompts answered, hard ones through the calculator 30% of the time and
+    with the estimate habit otherwise ─► supervised warm-up on the whole transcripts, the
+    tool responses masked out of the loss ─► policy v0 (cached in runs/.cache, reused)
+    greedy episodes of v0 on the held-out prompts (ToolEnv + the calculator in process)
+    laminar run configs/tool_demo.yaml   (manager, buffer, relay, trainer, tools node,
+                                          2 torch rollouts: processes over ZeroMQ)
+    the same episodes on every weight snapshot ─► accuracy and tool-call rate vs time and step
+    report.png, summary.json, summary.md in the run directory
+
+Overrides are the config's dotted keys (trainer.total_steps=40 ...) plus the demo's own
+under extra.demo (extra.demo.warmup_steps=1500 ...).
+
+What RL has to learn: on hard prompts ("47*86=?") the warm-up model's greedy choice is
+to answer its estimate (wrong), while sampling calls the calculator about a third of
+the time and then answers right; GRPO on the verifier's reward makes the call the
+greedy choice. Easy prompts ("47+6=?") it answers itself before and after.
+
+The run keeps Laminar's multi-turn rules (laminar/rollout/episodes.py, laminar/envs/):
+every model token of an episode comes from one weight version, the calculator's answer is
+tokenized once by the turn template and trained with loss mask 0, and an episode moved or
+lost mid-tool-call is rebuilt elsewhere by replay with its calls answered from the tools
+node's cache. The held-out episodes here run outside the cluster (tooldemo/evaluate.py)
+with the same ToolEnv and turn template, greedy.
+
+    .venv/bin/python -m pytest tests/test_tool_demo.py -q -m slow   # shortened, asserts the gain
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from laminar.config import LaminarConfig, load_config
+
+TOOL_DEMO_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "tool_demo.yaml"
+
+DEFAULTS: dict[str, Any] = {
+    "train_rows": 20000,
+    "eval_rows": 300,
+    "curve_eval_rows": 300,
+    "curve_points": 0,  # 0: every weight snapshot
+    "hard_share": 0.5,
+    "tool_rate": 0.3,  # hard-prompt demos that call the tool (< 0.5: greedy follows the habit)
+    "warmup_steps": 2000,
+    "warmup_batch": 32,
+    "warmup_lr": 1e-3,
+    "warmup_schedule": "cosine",
+    "model": {"hidden": 128, "layers": 3, "heads": 4, "kv_heads": 2, "max_positions": 192},
+    "cache_dir": "runs/.cache",
+    "policy": None,  # a local HF directory to start RL from instead of the warm-up
+    "progress_every_s": 5.0,
+}
+
+
+def demo_settings(cfg: LaminarConfig) -> dict[str, Any]:
+    out = json.loads(json.dumps(DEFAULTS))
+    for k, v in (cfg.extra.get("demo", {}) or {}).items():
+        if k == "model" and isinstance(v, dict):
+            out["model"].update(v)
+        else:
+            out[k] = v
+    return out
+
+
+def prepare_data(
+    run_dir: Path, s: dict[str, Any], seed: int
+) -> tuple[Path, Path, list[dict], list[dict]]:
+    from laminar.demo.__main__ import say
+    from laminar.tasks import tooluse as tu
+
+    hard = float(s["hard_share"])
+    train = tu.generate(int(s["train_rows"]), "train", seed, hard_share=hard)
+    ev = tu.generate(int(s["eval_rows"]), "eval", seed, hard_share=hard)
+    tp = tu.write_jsonl(train, run_dir / "data" / "train.jsonl")
+    ep = tu.write_jsonl(ev, run_dir / "data" / "eval.jsonl")
+    n_hard = sum(r["kind"] == "hard" for r in ev)
+    say(
+        f"task tooluse: {len(train)} train / {len(ev)} held-out prompts ({n_hard} hard, {len(ev) - n_hard} easy)"
+    )
+    return tp, ep, train, ev
+
+
+def warm_up(s: dict[str, Any], train: list[dict], seed: int) -> Path:
+    from laminar.demo.__main__ import say
+    from laminar.models.warmup import sft_warmup
+    from laminar.tasks import tooluse as tu
+
+    demos = tu.demonstrations(train, float(s["tool_rate"]), seed)
+    pairs = [(r["prompt"], d) for r, d in zip(train, demos, strict=True)]
+    out = Path(s["cache_dir"]) / f"tooluse-policy0-seed{seed}"
+    t0 = time.time()
+    say(f"warm-up: {s['warmup_steps']} supervised steps on transcripts (tool responses masked); hard prompts "
+        f"call the calculator in {s['tool_rate']:.0%} of the demos; cached in {out}")  # fmt: skip
+    path = sft_warmup(out, pairs, tu.ALPHABET, s["model"], steps=int(s["warmup_steps"]),
+                      batch_size=int(s["warmup_batch"]), lr=float(s["warmup_lr"]),
+                      schedule=str(s["warmup_schedule"]), seed=seed, log=say, log_every=250,
+                      token_norm="dataset")  # fmt: skip
+    say(f"warm-up policy ready at {path} ({time.time() - t0:.0f}s)")
+    return path
+
+
+def evaluate(
+    model: Any, rows: list[dict], cfg: LaminarConfig, tokenizer: Any = None
+) -> dict[str, Any]:
+    """Greedy episodes of `model` (a path or a loaded model) on `rows`, as the run's env sees them."""
+    from laminar.demo.tooldemo.evaluate import DirectToolClient, evaluate_tool_model
+    from laminar.envs.loader import load_env
+    from laminar.tasks import tooluse as tu
+
+    env = load_env(cfg.env)
+    if env is None:
+        raise SystemExit(
+            "the tool demo needs env.fn (configs/tool_demo.yaml: laminar.envs.tool_env:ToolEnv)"
+        )
+    return evaluate_tool_model(model, rows, env, DirectToolClient(cfg.tools.tools), tu.verify,
+                               cfg.env.limits, tokenizer=tokenizer,
+                               max_tokens=cfg.rollout.sampling.max_tokens)  # fmt: skip
+
+
+def line(res: dict[str, Any]) -> str:
+    hard, easy = res.get("hard", {}), res.get("easy", {})
+    return (f"accuracy {res['accuracy']:.3f} (hard {hard.get('accuracy', float('nan')):.3f}, "
+            f"easy {easy.get('accuracy', float('nan')):.3f}); tool-call rate on hard prompts "
+            f"{hard.get('tool_rate', float('nan')):.2f}, on easy {easy.get('tool_rate', float('nan')):.2f}")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    cfg = load_config(TOOL_DEMO_CONFIG, args)
+    s = demo_settings(cfg)
+    run_dir = cfg.resolved_run_dir()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    t_start = time.time()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from laminar.demo.__main__ import Clock, run_mode, say
+    from laminar.demo.tooldemo import report
+    from laminar.logs import configure_logging
+
+    configure_logging("warning", cfg.logging.json_logs)  # the nodes' logs go to the run's nodes.log
+
+    clock = Clock()
+    train_path, eval_path, train, ev = prepare_data(run_dir, s, cfg.seed)
+    policy0 = Path(s["policy"]) if s.get("policy") else warm_up(s, train, cfg.seed)
+    clock.lap("warmup")
+    before = evaluate(str(policy0), ev, cfg)
+    say(f"warm-up model on {before['prompts']} held-out prompts: {line(before)}")
+    clock.lap("eval_before")
+
+    common = [f"model.path={policy0}", f"data.train={train_path}", f"data.eval={eval_path}",
+              *[a for a in args if not a.startswith(("run_dir=", "mode=", "name="))]]  # fmt: skip
+    run = run_mode(TOOL_DEMO_CONFIG, run_dir / cfg.mode, cfg.mode, common, s)
+    clock.lap("rl")
+    say("evaluating the weight snapshots")
+    run["curve"] = report.eval_curve(Path(run["run_dir"]), policy0, ev, s, before, run["t0"],
+                                     lambda model, rows, tok: evaluate(model, rows, cfg, tok), log=say)  # fmt: skip
+    run["metrics"] = report.read_metrics(Path(run["run_dir"]))
+    clock.lap("eval_curve")
+    summary = report.summarize(cfg, run, before, time.time() - t_start)
+    summary["phases"] = clock.phases
+    report.write_outputs(run_dir, run, summary)
+    say(f"held-out accuracy {summary['eval_accuracy_before']:.3f} -> {summary['eval_accuracy_after']:.3f}, "
+        f"tool-call rate on hard prompts {summary['hard_tool_rate_before']:.2f} -> "
+        f"{summary['hard_tool_rate_after']:.2f} ({summary['eval_prompts']} prompts); "
+        f"report at {run_dir}/summary.md")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,237 @@
+"""The tool demo's outputs: accuracy and tool-call rate from weight snapshots, report.png,
+summary.json and summary.md.
+
+    curve = eval_curve(run_dir, policy0, rows, settings, before, t0, evaluate)  # [{t, step, accuracy, hard_tool_rate, ...}]
+    summary = summarize(cfg, run, before, wall)
+    write_outputs(run_dir, run, summary)
+
+Snapshots are evaluated after the run (never inside it), so evaluation does not slow RL.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from laminar.config import LaminarConfig
+from laminar.demo.report import read_jsonl
+
+Evaluate = Callable[[Any, list[dict], Any], dict[str, Any]]
+"""(model, rows, tokenizer) -> evaluate_tool_model's summary."""
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    return read_jsonl(run_dir / "metrics.jsonl")
+
+
+def point(res: dict[str, Any], **where: Any) -> dict[str, Any]:
+    """One curve point from an evaluation summary."""
+    hard, easy = res.get("hard", {}), res.get("easy", {})
+    return {**where, "accuracy": res["accuracy"], "prompts": res["prompts"], "tool_rate": res["tool_rate"],
+            "hard_accuracy": hard.get("accuracy"), "hard_tool_rate": hard.get("tool_rate"),
+            "easy_accuracy": easy.get("accuracy"), "easy_tool_rate": easy.get("tool_rate")}  # fmt: skip
+
+
+def eval_curve(run_dir: Path, policy0: Path, rows: list[dict], s: dict[str, Any], before: dict[str, Any],
+               t0: float, evaluate: Evaluate, log: Callable[[str], None] = print) -> list[dict[str, Any]]:  # fmt: skip
+    """The warm-up point, then every snapshot (or `curve_points` evenly spaced ones) on the first
+    `curve_eval_rows` rows, the last one on all rows."""
+    from laminar.demo.report import _load_snapshot
+    from laminar.models.tiny import load_tokenizer
+
+    curve = [point(before, t=0.0, step=0, version=0)]
+    snaps = run_dir / "snapshots"
+    index = [
+        e
+        for e in read_jsonl(snaps / "index.jsonl")
+        if (snaps / f"v{e['version']}.safetensors").exists()
+    ]
+    if not index:
+        log(f"no snapshots in {run_dir}; the curve has only the warm-up point")
+        return curve
+    k = int(s["curve_points"])
+    picks = list(range(len(index)))
+    if 0 < k < len(index):
+        picks = sorted(
+            {round(i * (len(index) - 1) / max(1, k - 1)) for i in range(k)} | {len(index) - 1}
+        )
+    tok = load_tokenizer(policy0)
+    subset = rows[: int(s["curve_eval_rows"])]
+    for i in picks:
+        e = index[i]
+        last = i == len(index) - 1
+        model = _load_snapshot(policy0, snaps / f"v{e['version']}.safetensors")
+        res = evaluate(model, rows if last else subset, tok)
+        curve.append(point(res, t=e["time"] - t0, step=e["step"], version=e["version"]))
+        if last:
+            curve[-1]["samples"] = res.get("samples", [])
+        log(f"  v{e['version']} (step {e['step']}, {e['time'] - t0:.0f}s): accuracy {res['accuracy']:.3f}, "
+            f"hard {curve[-1]['hard_accuracy']:.3f}, tool-call rate on hard {curve[-1]['hard_tool_rate']:.2f}")  # fmt: skip
+    return curve
+
+
+def _mean(vals: list[Any]) -> float:
+    xs = [float(v) for v in vals if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def summarize(
+    cfg: LaminarConfig, run: dict[str, Any], before: dict[str, Any], wall: float
+) -> dict[str, Any]:
+    m = run.get("metrics", [])
+    after = run["curve"][-1]
+    b = point(before)
+    k = max(5, len(m) // 10)
+    multiturn = {key: _mean([r.get(key) for r in m])
+                 for key in sorted({key for r in m for key in r}) if _is_multiturn_metric(key)}  # fmt: skip
+    return {
+        "mode": cfg.mode,
+        "eval_prompts": after["prompts"],
+        "eval_accuracy_before": b["accuracy"],
+        "eval_accuracy_after": after["accuracy"],
+        "hard_accuracy_before": b["hard_accuracy"],
+        "hard_accuracy_after": after["hard_accuracy"],
+        "easy_accuracy_before": b["easy_accuracy"],
+        "easy_accuracy_after": after["easy_accuracy"],
+        "hard_tool_rate_before": b["hard_tool_rate"],
+        "hard_tool_rate_after": after["hard_tool_rate"],
+        "easy_tool_rate_before": b["easy_tool_rate"],
+        "easy_tool_rate_after": after["easy_tool_rate"],
+        "steps": m[-1]["step"] if m else 0,
+        "reward_first": _mean([r.get("reward") for r in m[:k]]),
+        "reward_last": _mean([r.get("reward") for r in m[-k:]]),
+        "staleness_mean": _mean([r.get("staleness") for r in m]),
+        "multiturn_metrics_mean": multiturn,
+        "run_wall_clock_s": round(run["wall_clock_s"], 1),
+        "wall_clock_s": round(wall, 1),
+        "curve": [{k: v for k, v in p.items() if k != "samples"} for p in run["curve"]],
+        "samples_after": after.get("samples", [])[:6],
+    }
+
+
+def _is_multiturn_metric(key: str) -> bool:
+    return any(w in key for w in ("turn", "tool", "env_token")) and not key.startswith("staleness")
+
+
+def plot(run_dir: Path, run: dict[str, Any]) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curve, m = run["curve"], run.get("metrics", [])
+    fig, ax = plt.subplots(1, 3, figsize=(17, 4.8))
+    for a, x, label in (
+        (ax[0], "t", "wall-clock since launch (s)"),
+        (ax[1], "step", "trainer step"),
+    ):
+        xs = [p[x] for p in curve]
+        a.plot(
+            xs, [p["accuracy"] for p in curve], "o-", color="tab:blue", label="held-out accuracy"
+        )
+        a.plot(
+            xs,
+            [p["hard_accuracy"] for p in curve],
+            "s--",
+            color="tab:purple",
+            label="accuracy, hard prompts",
+        )
+        ys = [p["easy_accuracy"] for p in curve]
+        a.plot(xs, ys, "d--", color="tab:red", alpha=0.6, label="accuracy, easy prompts")
+        a.plot(
+            xs,
+            [p["hard_tool_rate"] for p in curve],
+            "^-",
+            color="tab:green",
+            label="tool-call rate, hard prompts",
+        )
+        a.plot(
+            xs,
+            [p["easy_tool_rate"] for p in curve],
+            "v:",
+            color="tab:olive",
+            label="tool-call rate, easy prompts",
+        )
+        a.set_xlabel(label)
+        a.set_ylim(-0.02, 1.02)
+        a.grid(alpha=0.3)
+        a.legend(fontsize=8)
+    ax[0].set_title("Greedy held-out episodes vs wall-clock")
+    ax[1].set_title("... vs trainer step")
+    a = ax[2]
+    steps = [r["step"] for r in m]
+    a.plot(
+        steps,
+        [r.get("reward", float("nan")) for r in m],
+        color="tab:blue",
+        alpha=0.6,
+        label="batch reward",
+    )
+    for key, color in (("episode/tool_calls", "tab:green"), ("episode/turns", "tab:orange"),
+                       ("episode/env_token_frac", "tab:gray")):  # fmt: skip
+        if any(key in r for r in m):
+            ys = [r.get(key, float("nan")) for r in m]
+            a.plot(steps, ys, color=color, alpha=0.8, label=key)
+    a.set_xlabel("trainer step")
+    a.set_title("Training batches")
+    a.grid(alpha=0.3)
+    a.legend(fontsize=8)
+    fig.tight_layout()
+    out = run_dir / "report.png"
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def summary_md(s: dict[str, Any]) -> str:
+    def f(v: Any, fmt: str = "{:.3f}") -> str:
+        return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v)
+
+    rows = [
+        ("held-out accuracy", "eval_accuracy"),
+        ("accuracy on hard prompts (products)", "hard_accuracy"),
+        ("accuracy on easy prompts (sums)", "easy_accuracy"),
+        ("tool-call rate on hard prompts", "hard_tool_rate"),
+        ("tool-call rate on easy prompts", "easy_tool_rate"),
+    ]
+    lines = ["# Tool demo: a tiny policy learns to call a calculator", "",
+             f"Greedy episodes on {s['eval_prompts']} held-out prompts (ToolEnv, calculator), "
+             "before RL (the warm-up policy) and at the last weight snapshot.", "",
+             "| figure | before | after |", "|---|---|---|"]  # fmt: skip
+    lines += [
+        f"| {name} | {f(s[key + '_before'])} | {f(s[key + '_after'])} |" for name, key in rows
+    ]
+    lines += ["", "| run | |", "|---|---|", f"| trainer steps | {s['steps']} |",
+              f"| batch reward, first → last tenth | {f(s['reward_first'])} → {f(s['reward_last'])} |",
+              f"| staleness mean | {f(s['staleness_mean'], '{:.2f}')} |",
+              f"| RL run wall-clock | {f(s['run_wall_clock_s'], '{:.0f}')} s |",
+              f"| whole demo wall-clock | {f(s['wall_clock_s'], '{:.0f}')} s |"]  # fmt: skip
+    lines += [
+        f"| {k} (run mean) | {f(v)} |" for k, v in s.get("multiturn_metrics_mean", {}).items()
+    ]
+    lines += ["", "## Curve", "", "| t (s) | step | accuracy | hard accuracy | tool-call rate, hard |",
+              "|---|---|---|---|---|"]  # fmt: skip
+    lines += [f"| {p['t']:.0f} | {p['step']} | {f(p['accuracy'])} | {f(p['hard_accuracy'])} | "
+              f"{f(p['hard_tool_rate'], '{:.2f}')} |" for p in s["curve"]]  # fmt: skip
+    if s.get("samples_after"):
+        lines += ["", "## Completions after RL (first held-out prompts)", ""]
+        lines += [f"- `{x['prompt']}` → `{x['completion']!r}` (answer {x['answer']}, score {x['score']:.0f})"
+                  for x in s["samples_after"]]  # fmt: skip
+    if s.get("phases"):
+        lines += ["", "| phase | wall-clock | CPU-seconds |", "|---|---|---|"]
+        lines += [
+            f"| {k} | {v['wall_s']:.0f} s | {v['cpu_s']:.0f} |" for k, v in s["phases"].items()
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(run_dir: Path, run: dict[str, Any], summary: dict[str, Any]) -> None:
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    (run_dir / "summary.md").write_text(summary_md(summary))
+    try:
+        plot(run_dir, run)
+    except ImportError:  # matplotlib is optional here; the summary has the numbers
+        pass
