@@ -40,8 +40,8 @@ bench: setup
 
 # ruff (lint + format) over the code, mypy (basic mode, settings in pyproject.toml) over the package
 lint: setup
-	$(BIN)/ruff check laminar tests bench
-	$(BIN)/ruff format --check laminar tests bench
+	$(BIN)/ruff check laminar tests bench examples
+	$(BIN)/ruff format --check laminar tests bench examples
 	$(BIN)/mypy
 
 clean:

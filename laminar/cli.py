@@ -1,9 +1,11 @@
 """`laminar` command line. Heavy modules (torch, zmq, transformers) load only inside commands.
 
 laminar node --role relay --config configs/demo.yaml [--index 0] [key=value ...]
-laminar run [configs/demo.yaml] [key=value ...]      # every role of the config on this host
+laminar run [configs/demo.yaml] [--resume | --overwrite] [key=value ...]   # every role on this host
 laminar status [--config F] [--json]                  # cluster table from the manager
-laminar keys DIR [--name NAME]                        # CURVE key pair + authorized keys
+laminar keys DIR [--name NAME] [--force]              # CURVE key pair + authorized keys
+laminar --version
+laminar report RUN_DIR                                # report.png + summary.md of a run
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from laminar import __version__
 from laminar.config import ROLES
 
 
@@ -18,6 +21,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="laminar", description="Asynchronous RL post-training for LLMs."
     )
+    p.add_argument("--version", action="version", version=f"laminar {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     node = sub.add_parser("node", help="run one node (per-host daemon, SLURM task)")
@@ -34,6 +38,13 @@ def _parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="start every role of a config on this host as child processes")
     run.add_argument("config", nargs="?", default=None, help="YAML run config")
+    again = run.add_mutually_exclusive_group()
+    again.add_argument(
+        "--resume", action="store_true", help="continue the run in run_dir, even a finished one"
+    )
+    again.add_argument(
+        "--overwrite", action="store_true", help="delete the run in run_dir and start over"
+    )
     run.add_argument("overrides", nargs="*", help="dotted key=value overrides")
 
     st = sub.add_parser("status", help="print the cluster's nodes (asks the manager)")
@@ -42,9 +53,13 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--timeout", type=float, default=3.0)
     st.add_argument("overrides", nargs="*")
 
+    rep = sub.add_parser("report", help="write report.png + summary.md for a run directory")
+    rep.add_argument("run_dir", help="the run's directory (run_dir, default runs/<name>)")
+
     keys = sub.add_parser("keys", help="create a CURVE key pair and authorized-keys directory")
     keys.add_argument("dir")
     keys.add_argument("--name", default="node")
+    keys.add_argument("--force", action="store_true", help="replace an existing key pair")
     return p
 
 
@@ -73,15 +88,23 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "run":
             from laminar.launch import run_main
 
-            return run_main(args.config, args.overrides)
+            return run_main(args.config, args.overrides, args.resume, args.overwrite)
         if args.cmd == "status":
             from laminar.launch import status_main
 
             return status_main(args.config, args.overrides, args.json, args.timeout)
+        if args.cmd == "report":
+            from laminar.report import report_main
+
+            return report_main(args.run_dir)
         if args.cmd == "keys":
             from laminar.transport.security import generate_keys
 
-            public, secret = generate_keys(args.dir, args.name)
+            try:
+                public, secret = generate_keys(args.dir, args.name, force=args.force)
+            except FileExistsError as exc:
+                print(f"laminar keys: {exc}", file=sys.stderr)
+                return 2
             print(f"wrote {public} and {secret}; authorized {args.name} in {args.dir}/authorized/")
             return 0
     except ConfigError as exc:

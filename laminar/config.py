@@ -4,8 +4,8 @@ Importing this module must not import torch, zmq or transformers (a test checks 
 `laminar --help` and config validation stay fast, and the manager/buffer/relay
 processes never pay for torch unless they need it.
 
-    cfg = load_config("configs/demo.yaml", ["trainer.lr=1e-5", "rollout.count=4"])
-    cfg.endpoint("buffer")          # -> "ipc:///tmp/laminar-demo/buffer-0.sock"
+    cfg = load_config("configs/demo.yaml", ["trainer.lr=1e-5", "cluster.roles.rollout=4"])
+    cfg.endpoint("buffer")          # -> "ipc:///tmp/laminar-demo-<uid>/buffer-0.sock"
 
 Overrides are dotted `key=value`; the value is parsed as YAML (`null`, `true`,
 numbers, `[1, 2]`) so every type a YAML file can hold can be overridden.
@@ -116,6 +116,11 @@ class LoggingConfig(Section):
     """Minimum log level."""
     json_logs: bool | None = None
     """JSON lines; default: JSON when stderr is not a TTY."""
+    wandb: dict[str, Any] | None = None
+    """Log the trainer's metrics and completions to Weights & Biases too: the keys go to wandb.init
+    (e.g. {project: my-project, mode: offline}); null = off. Needs `pip install wandb` (checked at start)."""
+    progress_every_s: float = Field(5.0, ge=0)
+    """`laminar run`: print the live progress line this often (0 = off)."""
 
 
 class ModelConfig(Section):
@@ -353,6 +358,13 @@ class TrainerConfig(Section):
     """Checkpoints kept in run_dir/checkpoints (oldest deleted first)."""
     batch_wait_s: float = Field(1.0, gt=0)
     """Long-poll of one BatchRequest; an empty reply is asked again."""
+    eval_every: int = Field(10, ge=0)
+    """Validate on data.eval before the first step, every N steps and at the last: greedy, scored
+    by reward.fn, as eval/accuracy in metrics.jsonl and TensorBoard (0 = off; needs data.eval)."""
+    eval_rows: int = Field(64, ge=1)
+    """Validation uses the first this many rows of data.eval."""
+    completions_per_step: int = Field(4, ge=0)
+    """Trajectories of each step written to run_dir/completions.jsonl and TensorBoard text (0 = off)."""
 
     @model_validator(mode="after")
     def _check_commit(self) -> TrainerConfig:
@@ -443,6 +455,12 @@ class BufferConfig(Section):
     """PromptReply.retry_after_s when no prompt can be served now."""
     max_wait_s: float = Field(30.0, gt=0)
     """Cap on a BatchRequest long-poll (wait_s)."""
+    stall_warn_none_frac: float = Field(0.5, gt=0, le=1)
+    """Warn (log, metrics, `laminar status`) when more than this fraction of the last stall_window trajectories has no usable reward (1.0: never)."""
+    stall_window: int = Field(64, ge=1)
+    """Trajectories the no-reward fraction is taken over (judged once min(stall_window, 8) arrived)."""
+    stall_warn_after_s: float = Field(30.0, gt=0)
+    """Warn when trajectories keep arriving but no whole group became ready for this long; a warning repeats at most this often."""
 
     @model_validator(mode="after")
     def _check_sampling(self) -> BufferConfig:

@@ -1,12 +1,20 @@
 """Process-level entry points behind the CLI: one node, a whole host, status.
 
-`laminar run` writes the resolved config into the run directory, starts one child
-process per node (`python -m laminar node ...`, each in its own session so the
-launcher alone decides who gets signals), and supervises them:
-  * the trainer exiting 0 means the job is done: the rest are stopped, exit 0;
+`laminar run [--resume | --overwrite]` first checks the inputs of every role it will
+start (laminar/preflight.py: model.path, data.train/eval, reward.fn, env.fn) and what the
+run directory holds (laminar/rundir.py): a finished run is refused unless --resume (nothing
+left to train: exit 0) or --overwrite (deleted, started over); an unfinished one resumes and
+says so. Both failures exit 2 before anything starts. Then it writes the resolved config into
+the run directory, starts one child process per node (`python -m laminar node ...`, each in
+its own session so the launcher alone decides who gets signals; its output is copied to
+run_dir/logs/<node>.log and to this terminal), and supervises them:
+  * the trainer exiting 0 means the job is done: the rest are stopped, exit 0 (a node that
+    had to be killed on the way out is reported, the exit stays 0: the run completed);
   * any other exit (a crash, or a node stopping by itself) is reported with the
     node's name, pid and code, the rest are stopped, exit 1;
-  * Ctrl-C / SIGTERM: every child gets SIGTERM, then SIGKILL after the stop budget.
+  * Ctrl-C / SIGTERM: every child gets SIGTERM, then SIGKILL after the stop budget; exit
+    128 + the signal (130, 143).
+On the way out the ipc sockets and their directory go (cluster.transport=ipc).
 
 `laminar node` runs one node (or `--count` of them sharing one zmq context) with
 `run_nodes`; `laminar status` asks the manager with a one-off RpcClient.
@@ -15,21 +23,34 @@ launcher alone decides who gets signals), and supervises them:
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import json
 import os
+import re
 import signal
+import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 from laminar.config import ROLES, LaminarConfig, Role, load_config, write_resolved
 
 if TYPE_CHECKING:  # the node runtime (zmq) loads inside the commands that need it
     from laminar.node import Node
     from laminar.protocol.manager import StatusReply
+
+EXIT_OK = 0
+"""The trainer finished (total_steps, or the data ran out), or there was nothing left to train."""
+EXIT_FAILED = 1
+"""A node crashed or stopped by itself before the trainer finished, or would not stop."""
+EXIT_USAGE = 2
+"""Nothing started: a config error, a missing input, or a run directory that needs a choice."""
+# stopped by a signal: 128 + its number (130 for Ctrl-C, 143 for SIGTERM), as shells report it
 
 
 def _setup_process(cfg: LaminarConfig) -> None:
@@ -61,6 +82,10 @@ def node_main(
     role: Role, config: str | None, overrides: list[str], index: int = 0, count: int = 1
 ) -> int:
     cfg = load_config(config, overrides)
+    if "LAMINAR_PARENT_PID" not in os.environ:  # `laminar run` checked every role already
+        from laminar.preflight import check_inputs
+
+        check_inputs(cfg, [role])
     _setup_process(cfg)
     from laminar.node import NodeFailed, node_class, run_nodes
     from laminar.supervise import detached_spawn
@@ -107,9 +132,56 @@ def _node_commands(cfg: LaminarConfig, config_path: Path) -> list[tuple[str, lis
     return cmds
 
 
-def run_main(config: str | None, overrides: list[str]) -> int:
+def _started_roles(cfg: LaminarConfig) -> list[Role]:
+    return [r for r in ROLES if cfg.cluster.roles.get(r, 0) > 0]
+
+
+def _prepare_run_dir(cfg: LaminarConfig, resume: bool, overwrite: bool) -> bool:
+    """Say what happens to the run directory; False when there is nothing to run (a finished
+    run with --resume). Raises RunDirError (exit 2) where the user must choose."""
+    from laminar.rundir import RunDirError, clear_run, inspect_run, refusal
+
+    prior = inspect_run(cfg)
+    say = functools.partial(print, file=sys.stderr, flush=True)
+    if overwrite:
+        if prior.state != "new":
+            clear_run(prior.run_dir)
+            say(
+                f"laminar run: --overwrite: deleted the previous run in {prior.run_dir} ({prior.why})"
+            )
+        return True
+    if prior.state == "finished":
+        if not resume:
+            raise RunDirError(refusal(prior))
+        say(f"laminar run: {prior.run_dir} is already finished ({prior.why}); nothing to train. "
+            f"Raise trainer.total_steps above {prior.step} to train further.")  # fmt: skip
+        return False
+    if prior.state == "unfinished":
+        say(f"laminar run: resuming the unfinished run in {prior.run_dir} ({prior.why}); "
+            "--overwrite starts over instead")  # fmt: skip
+    elif resume:
+        raise RunDirError(f"--resume: nothing to resume in {prior.run_dir} ({prior.why})")
+    return True
+
+
+def run_main(
+    config: str | None, overrides: list[str], resume: bool = False, overwrite: bool = False
+) -> int:
     cfg = load_config(config, overrides)
+    from laminar.preflight import check_inputs
+
+    check_inputs(cfg, _started_roles(cfg))  # model, data, reward: one line each, nothing started
+    from laminar.trainer.logger import require_wandb
+
+    require_wandb(cfg)  # logging.wandb without wandb installed: refuse before any node starts
+    if not _prepare_run_dir(cfg, resume, overwrite):
+        return EXIT_OK
+    from laminar.logs import configure_logging
+
+    configure_logging("warning", cfg.logging.json_logs)  # this process: the progress line's client
     run_dir = cfg.resolved_run_dir()
+    if cfg.logging.json_logs is None:  # children write into the tee's pipe: log as this terminal
+        cfg.logging.json_logs = not sys.stderr.isatty()
     cfg_path = write_resolved(cfg, run_dir)
     print(f"laminar run: {cfg.name} mode={cfg.mode} run_dir={run_dir}", file=sys.stderr, flush=True)
     env = dict(os.environ, LAMINAR_PARENT_PID=str(os.getpid()), PYTHONUNBUFFERED="1")
@@ -117,6 +189,7 @@ def run_main(config: str | None, overrides: list[str]) -> int:
         n = str(cfg.cluster.threads_per_process)
         env.update(OMP_NUM_THREADS=n, MKL_NUM_THREADS=n, OPENBLAS_NUM_THREADS=n)
     children: dict[str, subprocess.Popen[bytes]] = {}
+    tees: list[threading.Thread] = []
     stop_requested: dict[str, int | None] = {"sig": None}
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
@@ -125,13 +198,24 @@ def run_main(config: str | None, overrides: list[str]) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     log_dir = run_dir / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
     for name, cmd in _node_commands(cfg, cfg_path):
-        children[name] = subprocess.Popen(cmd, env=env, start_new_session=True)
+        children[name] = subprocess.Popen(cmd, env=env, start_new_session=True,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+        tees.append(_tee(children[name], log_dir / f"{name}.log"))
         print(f"laminar run: started {name} pid={children[name].pid}", file=sys.stderr, flush=True)
     (run_dir / "pids.json").write_text(json.dumps({k: p.pid for k, p in children.items()}))
+    from laminar.progress import Progress
 
-    code = 0
+    every = cfg.logging.progress_every_s
+    # the nodes' logs share the terminal (_tee): one line per tick, not a redrawn line
+    progress = (
+        Progress(run_dir, cfg.mode, time.time(), every, cfg=cfg, overwrite=False)
+        if every > 0
+        else None
+    )
+
+    code = EXIT_OK
+    trainer_finished = False
     try:
         while True:
             sig = stop_requested["sig"]
@@ -140,6 +224,7 @@ def run_main(config: str | None, overrides: list[str]) -> int:
                     f"laminar run: signal {signal.Signals(sig).name}, stopping all nodes",
                     file=sys.stderr,
                 )
+                code = 128 + sig
                 break
             ended = {k: p.returncode for k, p in children.items() if p.poll() is not None}
             trainer_done = any(k.startswith("trainer") and rc == 0 for k, rc in ended.items())
@@ -150,7 +235,7 @@ def run_main(config: str | None, overrides: list[str]) -> int:
                         f"laminar run: node {k} (pid {children[k].pid}) exited with code {rc}",
                         file=sys.stderr,
                     )
-                code = 1
+                code = EXIT_FAILED
                 break
             if (
                 trainer_done
@@ -158,10 +243,23 @@ def run_main(config: str | None, overrides: list[str]) -> int:
                 and all(k in ended for k in children if k.startswith("trainer"))
             ):
                 print("laminar run: trainer finished; stopping the other nodes", file=sys.stderr)
+                trainer_finished = True
                 break
+            if progress is not None:
+                progress.tick()  # the live progress line (laminar/progress.py)
             time.sleep(0.2)  # polling child processes; no network wait here
     finally:
-        code = max(code, _stop_children(children, cfg.transport.stop_timeout_s + 5))
+        unclean = _stop_children(children, cfg.transport.stop_timeout_s + 5)
+        for t in tees:
+            t.join(timeout=5.0)  # the children are gone: their pipes end
+        _remove_ipc_dir(cfg)
+        if unclean and trainer_finished:
+            print("laminar run: the run itself completed (final checkpoint written); exit 0",
+                  file=sys.stderr)  # fmt: skip
+        elif unclean and code == EXIT_OK:
+            code = EXIT_FAILED
+        if progress is not None:
+            progress.tick(final=True)
     return code
 
 
@@ -173,7 +271,7 @@ def _stop_children(children: dict[str, subprocess.Popen[bytes]], timeout: float)
         except ProcessLookupError:
             pass
     deadline = time.monotonic() + timeout
-    code = 0
+    code = EXIT_OK
     for k, p in alive.items():
         try:
             rc = p.wait(max(0.1, deadline - time.monotonic()))
@@ -183,15 +281,61 @@ def _stop_children(children: dict[str, subprocess.Popen[bytes]], timeout: float)
             )
             p.kill()
             p.wait()
-            code = 1
+            code = EXIT_FAILED
             continue
         if rc not in (0, -signal.SIGTERM):
             print(
                 f"laminar run: {k} (pid {p.pid}) exited with code {rc} while stopping",
                 file=sys.stderr,
             )
-            code = 1
+            code = EXIT_FAILED
     return code
+
+
+def _tee(proc: subprocess.Popen[bytes], log_path: Path) -> threading.Thread:
+    """Copy a child's output to this process's stderr and to run_dir/logs/<node>.log (made at
+    its first line: a node that says nothing leaves no file)."""
+    assert proc.stdout is not None
+    src = proc.stdout
+
+    def pump() -> None:
+        log: BinaryIO | None = None
+        try:
+            for line in iter(src.readline, b""):
+                if log is None:
+                    log_path.parent.mkdir(parents=True, exist_ok=True)
+                    log = open(log_path, "ab")  # held across the loop, closed below
+                log.write(line)
+                log.flush()
+                try:
+                    sys.stderr.write(line.decode("utf-8", "replace"))
+                    sys.stderr.flush()
+                except (OSError, ValueError):  # our stderr went away: the log file still gets it
+                    pass
+        finally:
+            if log is not None:
+                log.close()
+            src.close()
+
+    t = threading.Thread(target=pump, name=f"tee-{log_path.stem}", daemon=True)
+    t.start()
+    return t
+
+
+def _remove_ipc_dir(cfg: LaminarConfig) -> None:
+    """After every child stopped: remove the sockets they bound (a killed one leaves its file)
+    and the ipc directory once empty. Only `<service>-<index>.sock` sockets go: ipc_dir may be shared."""
+    if cfg.cluster.transport != "ipc":
+        return
+    root = Path(cfg.ipc_dir())
+    if not root.is_dir():
+        return
+    for f in root.iterdir():
+        with contextlib.suppress(OSError):
+            if re.fullmatch(r"[a-z_]+-\d+\.sock", f.name) and stat.S_ISSOCK(f.lstat().st_mode):
+                f.unlink()
+    with contextlib.suppress(OSError):
+        root.rmdir()  # fails (and stays) while anything else is in it
 
 
 def fetch_status(cfg: LaminarConfig, timeout: float = 3.0) -> StatusReply:
@@ -239,7 +383,7 @@ def status_main(config: str | None, overrides: list[str], as_json: bool, timeout
             "node": e.node_id, "role": e.role, "alive": e.alive, "pid": e.pid,
             "version": s.version if s else -1, "kv_use": round(s.kv_use, 3) if s else 0.0,
             "inflight": s.inflight if s else 0, "staleness": s.staleness if s else 0.0,
-            "last_beat_s": e.last_beat_s,
+            "last_beat_s": e.last_beat_s, "warnings": list(s.extra.get("warnings", [])) if s else [],
         })  # fmt: skip
     if as_json:
         print(
@@ -264,4 +408,7 @@ def status_main(config: str | None, overrides: list[str], as_json: bool, timeout
     print("  ".join(c.ljust(widths[c]) for c in cols))
     for r in rows:
         print("  ".join(str(r[c]).ljust(widths[c]) for c in cols))
+    for e in reply.nodes:  # e.g. the buffer's stall warning (laminar/buffer/health.py)
+        for w in e.status.extra.get("warnings", []) if e.status else []:
+            print(f"WARNING {e.node_id}: {w}")
     return 0

@@ -2,8 +2,8 @@
 # Per-host daemons without SLURM (systemd units, tmux panes, or this script).
 # Host 0 runs manager + buffer + trainer; every host runs one relay and its rollouts.
 #
-#   HOST_INDEX=0 HEAD_IP=10.0.0.1 ./launchers/host_daemons.sh configs/real_model.yaml
-#   HOST_INDEX=1 HEAD_IP=10.0.0.1 ./launchers/host_daemons.sh configs/real_model.yaml
+#   HOST_INDEX=0 HEAD_IP=10.0.0.1 ./launchers/host_daemons.sh configs/gpu_qwen.yaml
+#   HOST_INDEX=1 HEAD_IP=10.0.0.1 ./launchers/host_daemons.sh configs/gpu_qwen.yaml
 #
 # All hosts need the same config, the same keys directory (laminar keys DIR) and
 # explicit endpoints for every service (cluster.endpoints) when on tcp.

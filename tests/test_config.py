@@ -1,4 +1,4 @@
-"""Config: every YAML in configs/ loads; wrong input names the field; importing the config stays light.
+"""Config: every YAML in configs/ and examples/ loads; wrong input names the field; importing the config stays light.
 
 .venv/bin/python -m pytest tests/test_config.py -q
 """
@@ -13,14 +13,16 @@ import pytest
 
 from laminar.config import ConfigError, LaminarConfig, dump_config, load_config, write_resolved
 
-CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.y*ml"))
+_REPO = Path(__file__).resolve().parent.parent
+CONFIGS = sorted([*(_REPO / "configs").glob("*.y*ml"), *(_REPO / "examples").glob("*.y*ml")])
 
 
 def test_there_are_configs() -> None:
-    assert any(p.name == "skeleton.yaml" for p in CONFIGS)
+    names = {p.name for p in CONFIGS}
+    assert {"skeleton.yaml", "gpu_qwen.yaml", "config.yaml"} <= names  # config.yaml: examples/
 
 
-@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+@pytest.mark.parametrize("path", CONFIGS, ids=[f"{p.parent.name}/{p.name}" for p in CONFIGS])
 def test_every_config_loads_and_survives_a_resolve_roundtrip(path: Path, tmp_path: Path) -> None:
     cfg = load_config(path)
     assert isinstance(cfg, LaminarConfig)

@@ -91,7 +91,8 @@ async def test_status_cli_lists_every_node_with_its_columns(tmp_path, short_dir)
         table = await cli()
     assert doc["mode"] == "laminar" and doc["trainer_version"] >= 1
     rows = {r["node"]: r for r in doc["nodes"]}
-    assert set(rows) == {"buffer-0", "trainer-0", "rollout-0", "rollout-1"}
+    assert set(rows) == {"manager-0", "buffer-0", "trainer-0", "rollout-0", "rollout-1"}
+    assert rows["manager-0"]["version"] == doc["trainer_version"]  # the manager is a row too
     for r in rows.values():
         assert {
             "node",

@@ -5,8 +5,12 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
+from laminar.buffer.prompts import PromptEncoder, PromptPool, load_prompts
 from laminar.rewards import builtin as rb
 from laminar.tasks import countup
 
@@ -86,10 +90,66 @@ def test_helpers() -> None:
 
 
 def test_demo_task_is_the_countup_verifier() -> None:
-    assert rb.demo_task is countup.reward
     prompt = "37+8>60?"
+    assert rb.demo_task(prompt, "37+8=45<60;#45", answer="61") == countup.reward(
+        prompt, "37+8=45<60;#45", answer="61"
+    )
     assert rb.demo_task(prompt, countup.solve(prompt), answer="61") == {
         "reward": 1.0,
         "format": 1.0,
     }
     assert rb.demo_task(prompt, "37+8=45<60;#45", answer="61") == {"reward": 0.0, "format": 1.0}
+
+
+# ---- verl-style rows: the reference at reward_model.ground_truth -------------------------------
+
+
+@pytest.mark.parametrize("fn", [rb.exact_match, rb.math_verify, rb.demo_task])
+def test_verl_rows_are_read(fn) -> None:
+    prompt, right, wrong = "37+8>60?", countup.solve("37+8>60?"), "37+8=45<60;#45"
+    rm = {"style": "rule", "ground_truth": countup.answer_of(prompt)}
+
+    def score(completion: str, **row) -> float | None:
+        out = fn(prompt, completion, data_source="toy", **row)
+        return out["reward"] if isinstance(out, dict) else out
+
+    # a parquet struct (dict), a JSON string (flattened jsonl), a flattened column
+    ref_right = right if fn is rb.demo_task else rm["ground_truth"]
+    for row in ({"reward_model": rm}, {"reward_model": json.dumps(rm)},
+                {"reward_model.ground_truth": rm["ground_truth"]}):  # fmt: skip
+        assert score(ref_right, **row) == 1.0, row
+        assert score(wrong, **row) == 0.0, row
+    # no ground truth inside reward_model, or text that is not JSON: not applicable
+    assert score(ref_right, reward_model={"style": "rule"}) is None
+    assert score(ref_right, reward_model="rule") is None
+
+
+def test_top_level_reference_wins_over_reward_model() -> None:
+    assert rb.exact_match("p", "a", answer="a", reward_model={"ground_truth": "b"}) == 1.0
+    assert rb.exact_match("p", "b", ground_truth="b", reward_model={"ground_truth": "c"}) == 1.0
+    assert rb.reference({"reward_model": {"ground_truth": 12}}) == "12"
+    assert rb.reference({"answer": None, "reward_model": {"ground_truth": "x"}}) == "x"
+
+
+def test_verl_parquet_rows_reach_the_reward(tmp_path: Path) -> None:
+    """The loader -> pool -> reward path on verl-shaped parquet rows (chat prompt, nested struct)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"data_source": "toy/add", "prompt": [{"role": "system", "content": "add"},
+                                                  {"role": "user", "content": f"{i}+{i}="}],
+             "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(2 * i)},
+             "extra_info": {"index": i, "split": "train"}} for i in range(4)]  # fmt: skip
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    loaded, report = load_prompts(path)
+    assert report.rows == 4 and report.bad == 0
+    pool = PromptPool(loaded, PromptEncoder(None), shuffle=False)  # no chat template: joined text
+    items, _ = pool.next_items(4, n=2)
+    for i, it in enumerate(items):
+        assert bytes(it.prompt_ids.tolist()).decode() == f"system: add\nuser: {i}+{i}="
+        assert it.prompt == f"{i}+{i}="  # the reward sees the last user message
+        assert it.row["reward_model"] == {"style": "rule", "ground_truth": str(2 * i)}
+        assert it.row["extra_info"] == {"index": i, "split": "train"}
+        assert rb.math_verify(it.prompt, rf"\boxed{{{2 * i}}}", **it.row) == 1.0
+        assert rb.math_verify(it.prompt, "no idea", **it.row) == 0.0

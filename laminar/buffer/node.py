@@ -27,12 +27,15 @@ Run: laminar node --role buffer --config configs/skeleton.yaml
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
 from typing import Any
 
 from laminar.buffer.admission import Admission
 from laminar.buffer.batches import BatchServer
 from laminar.buffer.experience import ExperienceState
+from laminar.buffer.health import StallWatch
 from laminar.buffer.intake import Intake
 from laminar.buffer.journal import Journal
 from laminar.buffer.ledger import Ledger
@@ -65,9 +68,11 @@ class BufferNode(Node):
         self.state = ExperienceState(group_size=cfg.rollout.group_size, lost_member_policy=bc.lost_member_policy,
                                      admission=self.admission, sampling=bc.sampling, seed=cfg.seed)  # fmt: skip
         self.partials = PartialPool()
+        # before anything that awaits: status() reads it
+        self.health = StallWatch(bc, cfg.reward.fn, self.state, self.metrics, self.log)
+        self.journal: Journal | None = None  # set before anything can fail: teardown reads it
         check_capacity(cfg, self.log)
         self.pool: PromptPool | None = await self.compute(open_pool, cfg, self.metrics, self.log)
-        self.journal: Journal | None = None
         if bc.journal:
             path = cfg.resolved_run_dir() / f"buffer-{self.index}.journal"
             self.journal = Journal(path, bc.fsync, bc.fsync_interval_s)
@@ -99,7 +104,16 @@ class BufferNode(Node):
     async def main(self) -> None:
         if self.journal is not None:
             self.spawn(self.journal.run_flusher(), "journal-flusher")
+        self.spawn(self._watch_stall(), "stall-watch")
         await self.stopping.wait()
+
+    async def _watch_stall(self) -> None:
+        """The stall warning also when arrivals stopped (e.g. the last prompts all dropped)."""
+        every = self.cfg.buffer.stall_warn_after_s / 2
+        while not self.stopping.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stopping.wait(), every)
+            self.health.check()
 
     async def teardown(self) -> None:
         if self.journal is not None:
@@ -115,7 +129,10 @@ class BufferNode(Node):
             self.metrics.count(f"chunks_{res}")
 
     async def _on_trajectory(self, peer: Peer, t: Trajectory) -> Ack | ErrorReply:
-        return await self.intake.trajectory(t, peer.node_id)
+        reply = await self.intake.trajectory(t, peer.node_id)
+        if isinstance(reply, Ack) and not reply.info:  # stored now (not a duplicate or late)
+            self.health.observe(t)
+        return reply
 
     async def _on_abandoned(self, peer: Peer, msg: TrajectoryAbandoned) -> Ack | ErrorReply:
         return await self.intake.abandoned(msg)
@@ -144,6 +161,7 @@ class BufferNode(Node):
         out["partials"] = {"in_flight": len(self.partials), **self.partials.counts}
         out["counters"] = dict(self.metrics.counters)
         out["rollout_versions"] = dict(self.prompts.rollout_versions)
+        out["warnings"] = dict(self.health.warnings)
         if self.pool is not None:
             out["prompts"] = {"rows": len(self.pool.rows), "epoch": self.pool.epoch, "pos": self.pool.pos,
                               "serial": self.pool.serial, "bad_rows": len(self.pool.bad),
@@ -165,5 +183,6 @@ class BufferNode(Node):
             extra={"prompts_served": st.counts["groups_served"], "held": st.held,
                    "groups_ready": sum(1 for g in st.groups.values() if g.state == "ready"),
                    "outstanding_batches": len(st.outstanding()),
-                   "staleness_max": max(st.consumed_hist.counts, default=0)},
+                   "staleness_max": max(st.consumed_hist.counts, default=0),
+                   "warnings": list(self.health.warnings.values())},
         )  # fmt: skip

@@ -128,7 +128,7 @@ def run_mode(
     cfg_path: Path, run_dir: Path, mode: str, overrides: list[str], s: dict[str, Any]
 ) -> dict[str, Any]:
     """`laminar run` as a child process with a live progress line; returns timing info."""
-    from laminar.demo.progress import Progress
+    from laminar.progress import Progress
 
     if run_dir.exists():
         shutil.rmtree(run_dir)
@@ -182,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     from laminar.demo import report
     from laminar.demo.evaluate import evaluate_model
     from laminar.demo.habit import habit_share
+    from laminar.report import read_metrics
     from laminar.tasks import countup as cu
 
     clock = Clock()
@@ -193,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     say(f"held-out accuracy of the warm-up model: {before['accuracy']:.3f} on {before['prompts']} prompts "
         f"(answers the habit's value on {before['habit']:.0%} of the large-stride ones)")  # fmt: skip
 
-    common = [f"model.path={policy0}", f"data.train={train_path}", f"data.eval={eval_path}",
+    # trainer.eval_every=0: the demo evaluates weight snapshots after the run, not inside it
+    common = [f"model.path={policy0}", f"data.train={train_path}", f"data.eval={eval_path}", "trainer.eval_every=0",
               *[a for a in args if not a.startswith(("run_dir=", "mode=", "name="))]]  # fmt: skip
     clock.lap("eval_before")
     runs = {"laminar": run_mode(DEMO_CONFIG, run_dir / "laminar", cfg.mode, common, s)}
@@ -206,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         say(f"evaluating the weight snapshots of the {name} run")
         r["curve"] = report.eval_curve(Path(r["run_dir"]), policy0, ev, s, before, r["t0"], log=say,
                                        max_tokens=cfg.rollout.sampling.max_tokens)  # fmt: skip
-        r["metrics"] = report.read_metrics(Path(r["run_dir"]))
+        r["metrics"] = read_metrics(Path(r["run_dir"]))
     after = runs["laminar"]["curve"][-1]
     clock.lap("eval_curves")
     summary = report.summarize(cfg, runs, before, after, time.time() - t_start)

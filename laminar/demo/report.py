@@ -16,22 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from laminar.config import LaminarConfig
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:  # a torn last line of a killed writer
-            continue
-    return out
-
-
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    return read_jsonl(run_dir / "metrics.jsonl")
+from laminar.report import mean, read_jsonl, rolling
 
 
 def _load_snapshot(policy0: Path, weights: Path):
@@ -158,9 +143,9 @@ def summarize(
         "run_wall_clock_s": round(lam["wall_clock_s"], 1),
         "steps": m[-1]["step"] if m else 0,
         "reward_window_steps": k,
-        "reward_first": _mean([r.get("reward") for r in m[:k]]),
-        "reward_last": _mean([r.get("reward") for r in m[-k:]]),
-        "staleness_mean": _mean([r.get("staleness") for r in m]),
+        "reward_first": mean([r.get("reward") for r in m[:k]]),
+        "reward_last": mean([r.get("reward") for r in m[-k:]]),
+        "staleness_mean": mean([r.get("staleness") for r in m]),
         "staleness_max": max((r.get("staleness_max", 0) for r in m), default=0),
     }
     if "sync" in runs:
@@ -184,22 +169,6 @@ def summarize(
             "steps_per_s_ratio_laminar_over_sync": (lam_rate / sync_rate) if lam_rate and sync_rate else None,
         })  # fmt: skip
     return summary
-
-
-def _mean(vals) -> float:
-    vals = [
-        float(v) for v in vals if v is not None and not (isinstance(v, float) and math.isnan(v))
-    ]
-    return sum(vals) / len(vals) if vals else float("nan")
-
-
-def _rolling(vals: list[float], k: int) -> list[float]:
-    """Trailing mean over the last k values (fewer at the start); NaNs skipped."""
-    out = []
-    for i in range(len(vals)):
-        w = [v for v in vals[max(0, i - k + 1) : i + 1] if not math.isnan(v)]
-        out.append(sum(w) / len(w) if w else float("nan"))
-    return out
 
 
 def _resp_len(x: dict[str, Any]) -> float | None:
@@ -226,7 +195,7 @@ def plot(run_dir: Path, runs: dict[str, dict]) -> Path:
         a.plot(ts, rw, color=colors.get(name), alpha=0.2)
         a.plot(
             ts,
-            _rolling(rw, 8),
+            rolling(rw, 8),
             color=colors.get(name),
             alpha=0.7,
             lw=1.2,

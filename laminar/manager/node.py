@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from typing import Any, TextIO
 
@@ -167,8 +168,11 @@ class ManagerNode(Node):
         return out
 
     async def _on_status(self, peer: Peer, msg: StatusRequest) -> StatusReply:
+        me = NodeEntry(node_id=self.node_id, role=self.role, alive=True, last_beat_s=0.0,
+                       status=NodeStatus(node_id=self.node_id, role=self.role, version=self.trainer_version),
+                       pid=os.getpid())  # fmt: skip
         return StatusReply(
-            nodes=self.members(), trainer_version=self.trainer_version, mode=self.cfg.mode
+            nodes=[me, *self.members()], trainer_version=self.trainer_version, mode=self.cfg.mode
         )
 
     async def _on_version(self, peer: Peer, msg: VersionPublished) -> None:

@@ -1,9 +1,16 @@
 """Built-in reward functions, named in config as `laminar.rewards.builtin:<name>`.
 
-Every reward has the shape `(prompt, completion, **row) -> float | dict | None`:
-the reference is `row["answer"]` (or `row["ground_truth"]`), and a row without
-one gets None ("not applicable": the sample is left out of training, not
-scored 0). Dataflow:
+Every reward has the shape `(prompt, completion, **row) -> float | dict | None`.
+The reference is found by `reference(row)`, first match wins:
+
+    answer, ground_truth            TRL-style columns
+    reward_model.ground_truth       verl-style rows: `reward_model` as a dict (parquet
+                                    struct), as a JSON string, or a flattened
+                                    `reward_model.ground_truth` column
+
+A row without one gets None ("not applicable": the sample is left out of
+training, not scored 0; the buffer warns when that happens to most samples).
+Dataflow:
 
     rollout finishes a sample -> reward(prompt, completion, **row) -> Trajectory.reward
 
@@ -17,24 +24,44 @@ Run a reward by hand:
 
 from __future__ import annotations
 
+import json
 import re
+from collections.abc import Mapping
 from fractions import Fraction
 from typing import Any
 
-from laminar.tasks.countup import reward as demo_task
+from laminar.tasks import countup
 
-__all__ = ["exact_match", "math_verify", "demo_task", "reference", "last_boxed", "final_number"]
+__all__ = ["exact_match", "math_verify", "demo_task", "reference", "last_boxed", "final_number",
+           "REFERENCE_FIELDS"]  # fmt: skip
+
+REFERENCE_FIELDS = ("answer", "ground_truth", "reward_model.ground_truth")
+"""Where `reference` looks, in order (named by the buffer's missing-reward warning)."""
 
 
-def reference(row: dict[str, Any]) -> str | None:
-    """The row's reference answer as text, or None when it has none."""
-    ref = row.get("answer")
-    if ref is None:
-        ref = row.get("ground_truth")
-    if ref is None:
-        return None
-    ref = str(ref)
-    return ref if ref.strip() else None
+def _verl_ground_truth(row: Mapping[str, Any]) -> Any:
+    rm = row.get("reward_model")
+    if isinstance(rm, str | bytes):  # a row flattened to JSON text (jsonl/csv exports)
+        try:
+            rm = json.loads(rm)
+        except ValueError:
+            return None
+    if isinstance(rm, Mapping):
+        return rm.get("ground_truth")
+    return row.get("reward_model.ground_truth")
+
+
+def reference(row: Mapping[str, Any]) -> str | None:
+    """The row's reference answer as text, or None when it has none (see REFERENCE_FIELDS).
+
+    The first field that is present and not None decides: a blank one means "no reference"
+    (it does not fall through to the next field).
+    """
+    for ref in (row.get("answer"), row.get("ground_truth"), _verl_ground_truth(row)):
+        if ref is not None:
+            text = str(ref)
+            return text if text.strip() else None
+    return None
 
 
 def _squash(text: str) -> str:
@@ -47,6 +74,14 @@ def exact_match(prompt: str, completion: str, **row: Any) -> float | None:
     if ref is None:
         return None
     return float(_squash(completion) == _squash(ref))
+
+
+def demo_task(prompt: str, completion: str, **row: Any) -> dict[str, float] | None:
+    """The count-up task's verifier (laminar.tasks.countup.reward) on any row shape."""
+    ref = reference(row)
+    if ref is None:
+        return None
+    return countup.reward(prompt, completion, **{**row, "answer": ref})
 
 
 # ---- math answers -------------------------------------------------------------------

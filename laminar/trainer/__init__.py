@@ -12,7 +12,8 @@ commits.py     exactly-once: commits owed to the buffer, frontier, consumed.json
 checkpoint.py  atomic checkpoints (HF model dir + optimizer/scheduler/RNG + frontier), resume: auto
 snapshots.py   model-only weight snapshots for evaluation after the run
 batch.py       trajectories -> validated samples -> length-packed, right-padded micro-batches
-logger.py      metrics.jsonl + TensorBoard + optional wandb
+logger.py      metrics.jsonl, completions.jsonl, TensorBoard, optional wandb
+evaluation.py  periodic greedy validation on data.eval (eval/accuracy)
 
 New versions leave through the weights channel's publisher (laminar/transport/weights_channel.py).
 Imports go one way: node.py -> parts -> laminar.{algo,protocol,transport,config}; no part imports

@@ -12,10 +12,12 @@ batch, publishes every new version, commits what it consumed, checkpoints.
                           ─► version mark, snapshot (every snapshot_every), VersionPublished ─► manager
                           ─► commits.flush: BatchCommit ─► buffer  (commit=step; commit=checkpoint:
                              after the checkpoint that holds the step)
-                          ─► metrics.jsonl / tb / wandb ─► every checkpoint_every steps: checkpoint
+                          ─► metrics.jsonl / completions.jsonl / tb / wandb
+                          ─► every eval_every steps: greedy validation on data.eval (evaluation.py)
+                          ─► every checkpoint_every steps: checkpoint
 
 Parts (none sees this node): engine.py (the `Trainer` protocol: torch Policy or SimTrainer,
-chosen once), feed.py (BatchRequest long-poll, restart flag), commits.py (exactly-once:
+chosen once), feed.py (BatchRequest long-poll, restart flag), evaluation.py, logger.py, commits.py (exactly-once:
 owed commits, frontier, version mark), snapshots.py, follower.py (ranks > 0), and the
 weights channel's publisher (laminar/transport/weights_channel.py).
 
@@ -53,6 +55,7 @@ if TYPE_CHECKING:
     import torch
 
     from laminar.trainer.dist import DistContext
+    from laminar.trainer.evaluation import Evaluator
     from laminar.trainer.logger import MetricsLogger
     from laminar.transport.weights_channel import WeightPublisher
 
@@ -88,6 +91,8 @@ class TrainerNode(Node):
         self.dist: DistContext | None = None
         self.handoff: WeightPublisher | None = None
         self.logger: MetricsLogger | None = None
+        self.evaluator: Evaluator | None = None
+        self._evaluated_step = -1
         self.mark = VersionMark(self.run_dir)
         self.snapshots = Snapshots(self.run_dir, cfg.trainer.snapshot_every)
         self._step_lock = asyncio.Lock()
@@ -122,6 +127,11 @@ class TrainerNode(Node):
             self._resume(opened.meta, opened.checkpoint)
         # tensorboard/wandb imports take a while: off the loop, before any socket needs heartbeats
         self.logger = await self.compute(MetricsLogger, self.run_dir, self.cfg, log=self.log)
+        from laminar.trainer.evaluation import open_evaluator
+
+        self.evaluator = await self.compute(open_evaluator, self.cfg, self.log)
+        if self.evaluator is not None:
+            await self.evaluator.start()
         await self.buffer.connect(timeout=self.cfg.transport.startup_timeout_s)
         self.handoff = open_publisher(self.cfg, self.wiring())
         await self.handoff.start()
@@ -153,6 +163,8 @@ class TrainerNode(Node):
         if self._republish:
             self.version += 1
             await self._publish(await self.compute(self.trainer.export))
+        if self.evaluator is not None and self.step == 0:
+            await self._validate()  # the starting point of the eval curve
         while self.step < total and not self.stopping.is_set():
             reply = await self._next_batch()
             if reply is None:
@@ -161,6 +173,8 @@ class TrainerNode(Node):
                 if self.stopping.is_set():
                     break  # not trained, not committed: the buffer serves it again after a restart
                 await self._train_on(reply)
+            if self.evaluator is not None and self.evaluator.due(self.step, total):
+                await self._validate()
             every = self.cfg.trainer.checkpoint_every
             if every and self.step % every == 0:
                 async with self._step_lock:
@@ -186,6 +200,8 @@ class TrainerNode(Node):
     async def teardown(self) -> None:
         if self.handoff is not None:
             await self.handoff.close()
+        if self.evaluator is not None:
+            await self.evaluator.close()
         if self.logger is not None:
             self.logger.close()
         if self.trainer is not None:
@@ -213,6 +229,7 @@ class TrainerNode(Node):
 
     async def _train_on(self, reply: BatchReply) -> None:
         from laminar.algo.metrics import staleness_histogram
+        from laminar.trainer.logger import sample_completions
 
         assert self.trainer is not None and self.logger is not None
         t0 = time.perf_counter()
@@ -252,8 +269,23 @@ class TrainerNode(Node):
         self.last = metrics
         if self.step % self.cfg.trainer.log_every == 0:
             self.logger.log(self.step, metrics)
+        self.logger.log_completions(self.step, sample_completions(
+            reply.trajectories, self.cfg.trainer.completions_per_step, self.step, self.version))  # fmt: skip
         self.log.info("step", step=self.step, version=self.version, loss=round(metrics.get("loss", math.nan), 5),
                       reward=round(metrics["reward"], 4), step_s=round(step_s, 3))  # fmt: skip
+
+    async def _validate(self) -> None:
+        """Greedy eval of the weights just trained on data.eval (evaluation.py); once per step."""
+        assert self.evaluator is not None and self.trainer is not None and self.logger is not None
+        if self._evaluated_step == self.step:
+            return
+        self._evaluated_step = self.step
+        weights = await self.compute(self.trainer.export)
+        metrics, samples = await self.evaluator.run(weights, self.step)
+        self.logger.log(self.step, metrics)
+        self.logger.log_completions(self.step, samples)
+        self.log.info("eval", step=self.step, accuracy=round(metrics["eval/accuracy"], 4),
+                      n=int(metrics["eval/n"]), seconds=round(metrics["eval/seconds"], 2))  # fmt: skip
 
     # ---- publishing, committing, checkpointing ----------------------------------------------
     async def _publish(self, weights: dict[str, torch.Tensor]) -> tuple[float, int]:

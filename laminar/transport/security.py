@@ -30,9 +30,19 @@ _AUTHENTICATORS: weakref.WeakKeyDictionary[zmq.Context, AsyncioAuthenticator] = 
 )
 
 
-def generate_keys(keys_dir: str | os.PathLike, name: str = "node") -> tuple[Path, Path]:
-    """Write DIR/NAME.key + DIR/NAME.key_secret and authorize NAME in DIR/authorized/."""
+def generate_keys(
+    keys_dir: str | os.PathLike, name: str = "node", force: bool = False
+) -> tuple[Path, Path]:
+    """Write DIR/NAME.key + DIR/NAME.key_secret and authorize NAME in DIR/authorized/.
+    An existing pair raises FileExistsError unless force: replacing it locks out every host
+    that holds the old one."""
     root = Path(keys_dir)
+    existing = [p for p in (root / f"{name}.key", root / f"{name}.key_secret") if p.exists()]
+    if existing and not force:
+        raise FileExistsError(
+            f"{existing[0]} exists; every host holding it would be locked out by a new pair. "
+            "Use --force to replace it, or --name for another pair"
+        )
     root.mkdir(parents=True, exist_ok=True)
     (root / "authorized").mkdir(exist_ok=True)
     public, secret = zmq.auth.create_certificates(str(root), name)

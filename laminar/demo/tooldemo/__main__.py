@@ -156,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     say(f"warm-up model on {before['prompts']} held-out prompts: {line(before)}")
     clock.lap("eval_before")
 
-    common = [f"model.path={policy0}", f"data.train={train_path}", f"data.eval={eval_path}",
+    # trainer.eval_every=0: the demo evaluates weight snapshots after the run, not inside it
+    common = [f"model.path={policy0}", f"data.train={train_path}", f"data.eval={eval_path}", "trainer.eval_every=0",
               *[a for a in args if not a.startswith(("run_dir=", "mode=", "name="))]]  # fmt: skip
     run = run_mode(TOOL_DEMO_CONFIG, run_dir / cfg.mode, cfg.mode, common, s)
     clock.lap("rl")

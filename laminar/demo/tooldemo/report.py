@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from laminar.config import LaminarConfig
-from laminar.demo.report import read_jsonl
+from laminar.report import read_jsonl
 
 Evaluate = Callable[[Any, list[dict], Any], dict[str, Any]]
 """(model, rows, tokenizer) -> evaluate_tool_model's summary."""

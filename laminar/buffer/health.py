@@ -1,0 +1,188 @@
+"""The silent stall: warn when trajectories arrive but nothing becomes trainable, and say why.
+
+    health = StallWatch(cfg.buffer, cfg.reward.fn, state, metrics, log)   # clock= for tests
+    health.observe(t)        # every stored trajectory (the intake calls it)
+    health.check()           # also on a timer (the node): the stall needs no new arrival
+    health.warnings          # the active warnings, by kind: NodeStatus.extra["warnings"]
+
+A trajectory without a usable reward (None: the reward said "not applicable" or failed;
+an engine error) is stored but never trained on, and a group with no usable member
+is dropped. When every sample ends that way the trainer waits forever while every
+node looks healthy. Two checks catch it:
+
+    rewards_none   more than buffer.stall_warn_none_frac of the last buffer.stall_window
+                   trajectories have no usable reward (checked once min(window, 8) arrived)
+    stalled        trajectories arrived but no whole group became ready for
+                   buffer.stall_warn_after_s seconds
+
+Each warning names the causes with their counts (the reward's error, the row field it
+could not find, the row's fields, a hint for verl-style rows) and the groups dropped
+and why. A warning is logged when it first holds and then at most once per
+stall_warn_after_s while it still holds; it is counted (`warn_<kind>`) and stays in
+`warnings` until its condition clears.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+
+import structlog
+
+from laminar.buffer.experience import ExperienceState
+from laminar.config import BufferConfig
+from laminar.metrics import Metrics
+from laminar.protocol.data import Trajectory
+from laminar.rewards.builtin import REFERENCE_FIELDS
+
+__all__ = ["StallWatch", "none_cause"]
+
+_MIN_WINDOW = 8
+"""The None fraction is judged only over at least this many trajectories (or a full window)."""
+_BUILTIN_REWARDS = ("laminar.rewards.builtin:", "laminar.tasks.countup:reward")
+_KEY_ERROR = re.compile(r"^KeyError: '([^']+)'")
+_MISSING_ARG = re.compile(
+    r"missing \d+ required (?:positional |keyword-only )?arguments?: '([^']+)'"
+)
+
+
+def none_cause(t: Trajectory, builtin_reward: bool) -> tuple[str, str | None]:
+    """(cause, field) of a trajectory without a usable reward: field names the row field the
+    reward could not find, "" when it returned None for no stated reason, None when the
+    cause is not about the row (an engine error, a reward that crashed)."""
+    info = t.reward_info
+    err = str(info.get("error", ""))
+    if t.finish_reason == "error" or info.get("error_kind") == "engine":
+        return f"the engine failed to generate ({err or 'finish_reason error'})", None
+    if err:
+        found = _KEY_ERROR.match(err) or _MISSING_ARG.search(err)
+        if found:
+            field = found.group(1)
+            return f"the reward read a field the row does not have: {field!r} ({err[:120]})", field
+        return f"the reward failed ({info.get('error_kind', 'error')}): {err[:160]}", None
+    if t.reward is not None and not math.isfinite(t.reward):
+        return f"the reward is not finite ({t.reward})", None
+    if builtin_reward:
+        names = " or ".join(repr(f) for f in REFERENCE_FIELDS)
+        return f"the reward found no {names} in the row", "answer"
+    return "the reward returned None ('not applicable')", ""
+
+
+def _hint(field: str | None, row_keys: list[str]) -> str:
+    """A verl-shaped row whose reward looked for a TRL-style reference."""
+    trl_ref = "answer" in row_keys or "ground_truth" in row_keys
+    if "reward_model" in row_keys and not trl_ref and field in ("answer", "ground_truth", ""):
+        return (
+            "; verl-style rows keep the reference at reward_model.ground_truth (a custom reward "
+            "gets it as reward_model=dict; the built-in rewards read it)"
+        )
+    return ""
+
+
+class StallWatch:
+    def __init__(self, bc: BufferConfig, reward_fn: str, state: ExperienceState, metrics: Metrics,
+                 log: structlog.typing.FilteringBoundLogger,
+                 clock: Callable[[], float] = time.monotonic):  # fmt: skip
+        self.none_frac = bc.stall_warn_none_frac
+        self.after_s = bc.stall_warn_after_s
+        self.builtin_reward = reward_fn.startswith(_BUILTIN_REWARDS)
+        self.state = state
+        self.metrics = metrics
+        self.log = log
+        self.clock = clock
+        self.window: deque[str | None] = deque(maxlen=bc.stall_window)
+        """Per trajectory: None (usable) or its cause."""
+        self.causes: Counter[str] = Counter()
+        """Causes of the trajectories in the window."""
+        self.example: dict[str, tuple[str | None, list[str]]] = {}
+        """cause -> (missing field, row fields) of its latest trajectory."""
+        self.warnings: dict[str, str] = {}
+        self._logged: dict[str, float] = {}
+        self._ready = state.counts["groups_ready"]
+        self._ready_t = clock()
+        self._arrived = 0
+        """Trajectories stored since the last group became ready."""
+
+    # ---- inputs -------------------------------------------------------------------------
+    def observe(self, t: Trajectory) -> None:
+        """A trajectory was stored: window it, then check."""
+        cause: str | None = None
+        if t.reward is None or not math.isfinite(t.reward) or t.finish_reason == "error":
+            cause, field = none_cause(t, self.builtin_reward)
+            self.example[cause] = (field, sorted(t.row))
+            self.metrics.count("reward_none")
+        if len(self.window) == self.window.maxlen:
+            old = self.window[0]
+            if old is not None:
+                self.causes[old] -= 1
+                if self.causes[old] <= 0:
+                    del self.causes[old]
+        self.window.append(cause)
+        if cause is not None:
+            self.causes[cause] += 1
+        self._arrived += 1
+        self.check()
+
+    def check(self) -> None:
+        """Re-evaluate both warnings (cheap; rate-limited logging)."""
+        now = self.clock()
+        ready = self.state.counts["groups_ready"]
+        if ready != self._ready:
+            self._ready, self._ready_t, self._arrived = ready, now, 0
+        seen = len(self.window)
+        none = sum(self.causes.values())
+        enough = seen >= min(_MIN_WINDOW, self.window.maxlen or _MIN_WINDOW)
+        if enough and none > self.none_frac * seen:
+            text = f"reward None for {none}/{seen} of the last trajectories: {self._causes_text()}"
+            self._warn("rewards_none", f"{text}; {self._dropped_text()}", now)
+        else:
+            self._clear("rewards_none")
+        idle = now - self._ready_t
+        if self._arrived and idle >= self.after_s:
+            text = (f"no whole group became ready for {idle:.0f} s while {self._arrived} trajectories "
+                    f"arrived ({self.state.open_groups()} groups still open); {self._dropped_text()}")  # fmt: skip
+            if none:
+                text += f"; reward None for {none}/{seen}: {self._causes_text()}"
+            self._warn("stalled", text, now)
+        else:
+            self._clear("stalled")
+
+    # ---- text -------------------------------------------------------------------------
+    def _causes_text(self) -> str:
+        parts = []
+        for cause, n in self.causes.most_common(3):
+            field, keys = self.example.get(cause, (None, []))
+            parts.append(
+                f"{cause} [{n}] (row fields: {', '.join(keys) or 'none'}){_hint(field, keys)}"
+            )
+        return "; ".join(parts)
+
+    def _dropped_text(self) -> str:
+        counts = self.state.counts
+        why = {
+            k.removeprefix("dropped_"): v
+            for k, v in counts.items()
+            if k.startswith("dropped_") and v
+        }
+        reasons = ", ".join(f"{k}: {v}" for k, v in sorted(why.items()))
+        return f"{counts['groups_dropped']} groups dropped so far" + (
+            f" ({reasons})" if reasons else ""
+        )
+
+    # ---- state ------------------------------------------------------------------------
+    def _warn(self, kind: str, text: str, now: float) -> None:
+        self.warnings[kind] = text
+        last = self._logged.get(kind)
+        if last is None or now - last >= self.after_s:
+            self._logged[kind] = now
+            self.metrics.count(f"warn_{kind}")
+            self.log.warning(kind, detail=text)
+
+    def _clear(self, kind: str) -> None:
+        # the rate limit (_logged) survives a clear: a fraction hovering at the threshold
+        # must not log at every trajectory
+        if self.warnings.pop(kind, None) is not None:
+            self.log.info(f"{kind}_cleared")

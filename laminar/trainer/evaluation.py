@@ -1,0 +1,220 @@
+"""Periodic validation: the trainer's current weights, greedy, on the first rows of data.eval,
+scored by reward.fn.
+
+    ev = open_evaluator(cfg, log)          # blocking (reads rows, loads a model); None when off
+    await ev.start()                       # the reward runner
+    if ev.due(step, total):
+        metrics = await ev.run(weights)    # {"eval/accuracy", "eval/n", ...}; weights = trainer.export()
+    await ev.close()
+
+    data.eval ─► first trainer.eval_rows rows ─► PromptEncoder (as the buffer encodes them)
+    trainer.export() ─► a separate eval copy of the model (model.path architecture, model.device,
+                        model.dtype) ─► TorchEngine, temperature 0, rollout.sampling max_tokens/stop
+                     ─► decoded completions ─► RewardRunner(reward.fn) ─► mean reward = eval/accuracy
+
+Runs before the first step of a fresh run (step 0: the starting point), every
+`trainer.eval_every` steps and at the last step; the trainer waits for it (like a checkpoint)
+while rollouts keep generating. Generation runs on a thread of its own with its own event loop
+(asyncio.to_thread), so the trainer's heartbeats keep flowing, and it stops early when the
+node stops. The eval copy of the model costs one more model in memory (in the
+rollout dtype); the trained model itself is never touched.
+
+Metrics (one metrics.jsonl line per validation, and TensorBoard): eval/accuracy (mean reward of
+the scored rows), eval/n (rows scored), eval/excluded (reward None or failed), eval/mean_tokens,
+eval/seconds. The first samples go to completions.jsonl with "eval": true.
+
+Not run (one log line says why): trainer.engine=sim (no model), no data.eval, eval_every 0.
+Multi-turn runs (env.fn set) are validated single-turn only: one greedy completion per prompt,
+scored by reward.fn, without the environment's tools or turns (episodes would need the tools
+node and the env's own scoring; the line `eval_single_turn` says so at start).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import structlog
+
+from laminar.config import LaminarConfig
+
+_CANCEL_POLL_S = 0.1
+_GEN_TIMEOUT_S = 3600.0
+"""Deadline on one validation's generation (a stuck engine must not hang the trainer)."""
+
+
+@dataclass
+class EvalRow:
+    prompt_ids: np.ndarray
+    prompt: str
+    """Prompt text as the reward sees it."""
+    row: dict[str, Any]
+
+
+async def _generate(engine: Any, prompts: Sequence[np.ndarray], params: Any,
+                    cancel: threading.Event) -> list[np.ndarray]:  # fmt: skip
+    from laminar.engines.base import GenRequest
+
+    await engine.start()
+    try:
+        tasks = [
+            asyncio.ensure_future(
+                engine.generate_all(
+                    GenRequest(f"eval{i}", ids, params, single=True), timeout=_GEN_TIMEOUT_S
+                )
+            )
+            for i, ids in enumerate(prompts)
+        ]
+        everything = asyncio.gather(*tasks)
+        while not everything.done():
+            if cancel.is_set():
+                everything.cancel()
+                raise asyncio.CancelledError("validation cancelled: the node is stopping")
+            await asyncio.wait({everything}, timeout=_CANCEL_POLL_S)
+        results = everything.result()
+    finally:
+        await engine.close()
+    return [next(iter(r.values()))[0] for r in results]
+
+
+def greedy_generate(model: Any, tokenizer: Any, prompts: Sequence[np.ndarray], *, max_tokens: int,
+                    stop: Sequence[str] = (), max_running: int = 64, max_model_len: int | None = None,
+                    cancel: threading.Event | None = None) -> list[np.ndarray]:  # fmt: skip
+    """Greedy response ids for each prompt with the torch engine. Blocking: runs its own event loop."""
+    import torch
+
+    from laminar.engines.base import SamplingParams
+    from laminar.engines.torch_engine import TorchEngine
+
+    engine = TorchEngine(model, tokenizer, max_running=max(1, min(max_running, len(prompts))),
+                         max_model_len=max_model_len)  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop=tuple(stop))
+    with torch.inference_mode():
+        return asyncio.run(_generate(engine, prompts, params, cancel or threading.Event()))
+
+
+def load_eval_rows(cfg: LaminarConfig, tokenizer: Any,
+                   log: structlog.typing.FilteringBoundLogger) -> list[EvalRow]:  # fmt: skip
+    """The first trainer.eval_rows usable rows of data.eval; bad rows are logged and skipped."""
+    from laminar.buffer.prompts import BadRow, PromptEncoder, load_prompts
+
+    assert cfg.data.eval is not None
+    rows, report = load_prompts(cfg.data.eval)
+    for err in report.errors:
+        log.warning("bad_eval_row", error=err)
+    encoder = PromptEncoder(tokenizer, cfg.data.chat_template, cfg.data.max_prompt_tokens)
+    out: list[EvalRow] = []
+    for r in rows:
+        if len(out) >= cfg.trainer.eval_rows:
+            break
+        try:
+            ids, text = encoder.encode(r.prompt)
+        except BadRow as exc:
+            log.warning("bad_eval_row", error=f"{r.where}: {exc}")
+            continue
+        out.append(EvalRow(ids, text, r.row))
+    return out
+
+
+class Evaluator:
+    def __init__(self, cfg: LaminarConfig, model: Any, tokenizer: Any, rows: list[EvalRow],
+                 log: structlog.typing.FilteringBoundLogger) -> None:  # fmt: skip
+        from laminar.rewards.runner import RewardRunner
+
+        self.cfg, self.model, self.tokenizer, self.rows, self.log = cfg, model, tokenizer, rows, log
+        self.every = cfg.trainer.eval_every
+        self.rewards = RewardRunner.from_config(cfg)
+        self.samples = max(1, cfg.trainer.completions_per_step)
+        """Eval completions written to completions.jsonl per validation."""
+
+    def due(self, step: int, total: int) -> bool:
+        return step > 0 and (step % self.every == 0 or step == total)
+
+    async def start(self) -> None:
+        await self.rewards.start()
+
+    async def close(self) -> None:
+        await self.rewards.close()
+
+    def _load_weights(self, weights: dict[str, Any]) -> None:
+        missing, unexpected = self.model.load_state_dict(weights, strict=False)
+        tied = {k for k in missing if k.startswith("lm_head")}
+        if unexpected or set(missing) - tied:
+            raise ValueError(f"exported weights do not fit the eval model: missing {sorted(missing)[:5]}, "
+                             f"unexpected {sorted(unexpected)[:5]}")  # fmt: skip
+        if tied:
+            self.model.tie_weights()
+
+    def _generate(
+        self, weights: dict[str, Any], cancel: threading.Event
+    ) -> tuple[list[str], list[int]]:
+        self._load_weights(weights)
+        s = self.cfg.rollout
+        outs = greedy_generate(self.model, self.tokenizer, [r.prompt_ids for r in self.rows],
+                               max_tokens=s.sampling.max_tokens, stop=s.sampling.stop,
+                               max_running=s.max_running, max_model_len=s.max_model_len,
+                               cancel=cancel)  # fmt: skip
+        texts = [self.tokenizer.decode(o.tolist(), skip_special_tokens=True) for o in outs]
+        return texts, [len(o) for o in outs]
+
+    async def run(
+        self, weights: dict[str, Any], step: int
+    ) -> tuple[dict[str, float], list[dict[str, Any]]]:
+        """(metrics, a few sample records) of one validation of `weights`."""
+        t0 = time.perf_counter()
+        cancel = threading.Event()
+        try:
+            texts, lengths = await asyncio.to_thread(self._generate, weights, cancel)
+        except asyncio.CancelledError:
+            cancel.set()  # the thread ends its generation at the next poll
+            raise
+        scored = await asyncio.gather(
+            *(self.rewards.score(r.prompt, t, r.row) for r, t in zip(self.rows, texts, strict=True))
+        )
+        rewards = [s.reward for s in scored if s.reward is not None]
+        metrics = {
+            "eval/accuracy": statistics.fmean(rewards) if rewards else float("nan"),
+            "eval/n": float(len(rewards)),
+            "eval/excluded": float(len(scored) - len(rewards)),
+            "eval/mean_tokens": statistics.fmean(lengths) if lengths else 0.0,
+            "eval/seconds": time.perf_counter() - t0,
+        }  # fmt: skip
+        samples = [
+            {"step": step, "eval": True, "prompt": r.prompt, "completion": t, "reward": s.reward,
+             "answer": r.row.get("answer")}
+            for r, t, s in list(zip(self.rows, texts, scored, strict=True))[: self.samples]
+        ]  # fmt: skip
+        return metrics, samples
+
+
+def open_evaluator(
+    cfg: LaminarConfig, log: structlog.typing.FilteringBoundLogger
+) -> Evaluator | None:
+    """The evaluator the config asks for, or None (with one log line saying why). Blocking."""
+    if not cfg.data.eval or cfg.trainer.eval_every == 0:
+        return None
+    if cfg.trainer.engine == "sim":
+        log.info("eval_skipped", reason="trainer.engine=sim has no model to generate with")
+        return None
+    if not cfg.model.path:
+        log.info("eval_skipped", reason="model.path is not set")
+        return None
+    if cfg.env.fn:
+        log.warning("eval_single_turn", env=cfg.env.fn,
+                    note="validation generates one greedy turn per prompt, scored by reward.fn")  # fmt: skip
+    from laminar.models.tiny import load_causal_lm, load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.model.path)
+    rows = load_eval_rows(cfg, tokenizer, log)
+    if not rows:
+        log.error("eval_skipped", reason=f"no usable rows in data.eval={cfg.data.eval}")
+        return None
+    model = load_causal_lm(cfg.model.path, cfg.model.dtype, cfg.model.device)
+    log.info("eval_ready", rows=len(rows), every=cfg.trainer.eval_every, file=cfg.data.eval)
+    return Evaluator(cfg, model, tokenizer, rows, log)
