@@ -18,8 +18,16 @@ running sequences; each rollout holds 2 groups of 4 (= B); a global batch is 2 g
 the sim trainer spends 5e-4 / N s per consumed token (the trainer grows with the cluster), so it is
 busy about a third of the time under laminar and never the bottleneck.
 
+Multi-turn (--workload multiturn): the same comparison on tool-calling episodes: every rollout
+runs laminar.envs.sim:SimToolEnv (up to 8 tool calls with a long-tailed sandbox latency, tool
+output tokens between model turns; cluster_run.MULTITURN), the sim engine ends each model turn
+at a drawn length, and bench/simulate.py models the same episodes for the cross-check. Summary
+`laminar_vs_sync_64_multiturn` and `laminar_vs_baselines_64_multiturn` (mean of laminar over
+sync, one_step and stream), to set against the paper's 2.62x average over the baselines.
+
 Run:
     .venv/bin/python bench/cluster.py --quick --out bench/results/cluster.json     (< 10 min: N = 64)
+    .venv/bin/python bench/cluster.py --quick --workload multiturn --out bench/results/cluster_quick_multiturn.json
     .venv/bin/python bench/cluster.py                                                (N = 8..128, ~1 h)
     .venv/bin/python bench/cluster.py --resim bench/results/cluster.json --out bench/results/cluster.json
         (no emulation: only the simulator, cross-check and summary again, against the stored runs; ~1 min)
@@ -44,7 +52,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from cluster_run import MODES, BenchParams, make_config  # noqa: E402
+from cluster_run import MODES, MULTITURN, BenchParams, make_config  # noqa: E402
 
 SIM_SEEDS = 20
 """Seeds of the simulator per point in the cross-check (at least; more at small N, see sim_seeds)."""
@@ -220,6 +228,7 @@ def ratios(
 
     out = {f"{m}_vs_sync": per(m, "sync", "train_tok_s") for m in MODES if m != "sync"}
     out["laminar_vs_stream"] = per("laminar", "stream", "train_tok_s")
+    out["laminar_vs_one_step"] = per("laminar", "one_step", "train_tok_s")
     out["repack_vs_norepack_gen"] = per("laminar", "laminar_norepack", "gen_tok_s")
     out["repack_vs_norepack_train"] = per("laminar", "laminar_norepack", "train_tok_s")
     return out
@@ -283,6 +292,16 @@ def analyse(prm: BenchParams, ns: list[int], repeats: int, runs: dict[tuple[int,
         "wall_s": round(time.time() - t_start, 1) if wall_s is None else wall_s,
     }  # fmt: skip
     summary[f"laminar_vs_sync_{n0}_ge_2"] = summary[f"laminar_vs_sync_{n0}"] >= 2.0
+    if prm.workload != "single":  # the same figures, named for the workload (the files differ too)
+        sfx = f"_{prm.workload}"
+        summary["workload"] = prm.workload
+        summary[f"laminar_vs_sync_{n0}{sfx}"] = summary[f"laminar_vs_sync_{n0}"]
+        summary[f"laminar_vs_baselines_{n0}{sfx}"] = statistics.mean(
+            rat[n0][k]["median"]
+            for k in ("laminar_vs_sync", "laminar_vs_one_step", "laminar_vs_stream")
+        )
+        summary[f"sim_vs_emulation_max_rel_err{sfx}"] = summary["sim_vs_emulation_max_rel_err"]
+        summary["paper_laminar_vs_baselines_multiturn_avg"] = 2.62
     print("\nsummary:", json.dumps(summary, indent=1))
     return {
         "bench": "cluster",
@@ -459,6 +478,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--params", default="{}", help="JSON overrides of BenchParams")
+    ap.add_argument("--workload", choices=("single", "multiturn"), default="single",
+                    help="multiturn: tool-calling episodes (cluster_run.MULTITURN; summary *_multiturn)")  # fmt: skip
     ap.add_argument("--keep", type=Path, default=None, help="keep every run's directory here")
     ap.add_argument("--resim", type=Path, default=None, metavar="RESULTS.json",
                     help="no emulation: re-run only the simulation + cross-check + summary against the runs "
@@ -479,6 +500,8 @@ def main(argv: list[str] | None = None) -> int:
     prm = BenchParams(
         **({"warmup_s": 6.0, "window_s": 18.0} if args.quick else {})
     )  # quick: ~30 s a run
+    if args.workload == "multiturn":
+        prm = replace(prm, **MULTITURN)
     prm = replace(prm, **json.loads(args.params))
     t_start = time.time()
     load0 = os.getloadavg()

@@ -74,11 +74,45 @@ class BenchParams:
     warmup_s: float = 8.0
     window_s: float = 24.0
     sample_s: float = 0.1
+    workload: str = "single"
+    """single: one response per prompt. multiturn: tool-calling episodes (laminar.envs.sim:SimToolEnv,
+    the fields below; length_p50 is then per model turn), see MULTITURN."""
+    tool_calls_max: int = 8
+    p_call: float = 0.8
+    tool_latency_p50_s: float = 0.1
+    tool_latency_p99_s: float = 2.0
+    tool_latency_max_s: float = 6.0
+    """The sandbox's wall-clock limit (3x p99): without it one 1-in-10^4 draw (20-40 s) stalls
+    a whole quick window of the barrier modes."""
+    obs_tokens_min: int = 10
+    obs_tokens_max: int = 100
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> BenchParams:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
+
+
+MULTITURN: dict[str, Any] = {"workload": "multiturn", "length_p50": 50}
+"""The multi-turn workload's BenchParams (bench/cluster.py --workload multiturn): up to 8 tool calls
+(paper §8), a run of p_call = 0.8 coins (mean ~3.3 calls), model turns of median 50 tokens (p99 500:
+the same 10x tail) and a whole response still capped at 1024, sandbox latency lognormal with
+p50 0.1 s and p99 2 s, killed at 6 s (about a turn's decode time at the median, the time compression of the
+5 ms step: paper-scale estimates in bench/simscale.py MULTITURN), 10-100 tool-output tokens."""
+
+
+def env_section(prm: BenchParams, seed: int) -> dict[str, Any]:
+    """The config's env section: none single-turn, SimToolEnv with the bench's draws multi-turn."""
+    if prm.workload == "single":
+        return {}
+    if prm.workload != "multiturn":
+        raise ValueError(f"unknown workload {prm.workload!r}; expected single or multiturn")
+    kwargs = {"seed": seed, "max_calls": prm.tool_calls_max, "p_call": prm.p_call,
+              "latency_p50_s": prm.tool_latency_p50_s, "latency_p99_s": prm.tool_latency_p99_s,
+              "latency_max_s": prm.tool_latency_max_s,
+              "obs_min": prm.obs_tokens_min, "obs_max": prm.obs_tokens_max}  # fmt: skip
+    return {"fn": "laminar.envs.sim:SimToolEnv", "kwargs": kwargs,
+            "limits": {"max_turns": prm.tool_calls_max + 1, "max_tool_calls": prm.tool_calls_max}}  # fmt: skip
 
 
 def write_prompts(path: Path, rows: int, tokens: int = 32) -> Path:
@@ -118,6 +152,7 @@ def make_config(mode: str, n: int, seed: int, prm: BenchParams, work: Path, ipc_
         "buffer": {"capacity": 1_000_000, "fsync": "never", "retry_after_s": 0.05},
         "manager": {"repack": {"enabled": mode == "laminar", "interval_s": prm.repack_interval_s, "c_max": prm.c_max},
                     "timeline_interval_s": float(os.environ.get("LCB_TIMELINE", 0))},
+        "env": env_section(prm, seed),
         "logging": {"level": "warning"},
         "extra": {"sim_weight_bytes": 4096},
     })  # fmt: skip

@@ -15,6 +15,16 @@ laminar.manager; only the hardware is modelled:
   (new prompts, readmission, repack imports) stalls the rollout for tokens / prefill_tok_s.
 - Lengths: lognormal with median length_p50 and p99/p50 = length_p99_over_p50, clipped to
   max_tokens. Each GRPO group of group_size samples runs on one rollout at one version.
+- Multi-turn (tool_calls_max > 0, the tool-calling workload): a trajectory is model turns with
+  tool calls between them (`turn_plan`: a run of p_call coins, at most tool_calls_max calls;
+  per-turn lengths drawn like single-turn responses; lognormal sandbox latency; obs tokens of
+  tool output). A turn that ends in a call leaves the batch (its KV and decode slot are free for
+  the rollout's other sequences) and rejoins the same rollout's queue when the call returns,
+  prefilling only the tool output (prefix cache). A group whose open trajectories all wait on
+  tools holds no credit (the rollout takes other groups, at most 2x credits in hand, as
+  laminar/rollout/feeder.py does), but it keeps its version: the rollout loads no new weights
+  while one of its trajectories waits on a tool (one version per trajectory), repack does not
+  move a waiting one, and a global update waits for it (the baselines' barrier). Trained tokens count the tool output; generated tokens do not.
 - Trainer: an update on T tokens takes max(T * trainer_s_per_token, mini-batches *
   trainer_minibatch_floor_s); the floor is the FSDP traffic of one optimizer step, which does not
   shrink with more GPUs - why per-GPU trainer throughput falls at large scale (strong scaling).
@@ -70,18 +80,35 @@ from laminar.manager.repack import is_candidate, plan_repack  # noqa: E402,F401
 from laminar.manager.staleness import StalenessStats, may_start_group, policy_for  # noqa: E402
 
 SIM_MODES = ("sync", "one_step", "stream", "laminar_norepack", "laminar")
+EV_TOOL = 14  # a multi-turn trajectory's tool call answered (repack's events: bench/simrepack.py)
 Z99 = 2.3263478740408408  # standard-normal 99th percentile
 
 
 class Traj:
     """One sample. `gen0` tokens were generated before it was (re)admitted on its current
-    rollout at progress `start_p`; it finishes when the rollout's progress reaches `fin`."""
+    rollout at progress `start_p`; its current model run ends at response index `end` (the
+    whole `length` single-turn), when the rollout's progress reaches `fin`.
+    Multi-turn: `plan` = (ends, obs, lat): model turn k ends at response index ends[k], then
+    tool call k takes lat[k] seconds and adds obs[k] tokens; `length` is the whole response."""
 
-    __slots__ = ("id", "group", "length", "gen0", "start_p", "fin")
+    __slots__ = ("id", "group", "length", "gen0", "start_p", "fin", "end", "turn", "plan", "cached")
 
-    def __init__(self, tid: int, group: Group, length: int) -> None:
+    def __init__(self, tid: int, group: Group, length: int,
+                 plan: tuple[list[int], list[int], list[float]] | None = None) -> None:  # fmt: skip
         self.id, self.group, self.length, self.gen0, self.start_p = tid, group, length, 0, 0.0
         self.fin = -1.0
+        self.plan, self.turn = plan, 0
+        self.end = length if plan is None else plan[0][0]
+        self.cached = 0
+        """KV tokens its next admission need not prefill (prefix cache, after a tool call)."""
+
+    def restart(self) -> None:
+        """Back to the prompt (its tokens lost): turn 0 again."""
+        self.gen0, self.turn, self.cached = 0, 0, 0
+        self.end = self.length if self.plan is None else self.plan[0][0]
+
+    def model_tokens(self) -> int:
+        return self.length - (sum(self.plan[1]) if self.plan is not None else 0)
 
 
 class Group:
@@ -95,7 +122,7 @@ class Rollout:
     __slots__ = (
         "idx", "version", "prog", "t_ref", "stall_until", "running", "heap", "waiting", "kv_base",
         "gen", "in_hand", "pulling", "asking", "last_kv", "work_t", "decode_t", "util_a", "status",
-        "prompts_ready", "push_next", "push_pending",
+        "prompts_ready", "push_next", "push_pending", "tooling",
     )  # fmt: skip
 
     def __init__(self, idx: int) -> None:
@@ -103,6 +130,7 @@ class Rollout:
         self.running: dict[int, Traj] = {}  # insertion order = admission order (youngest last)
         self.heap: list[tuple[float, int]] = []  # (progress at which it finishes, traj id)
         self.waiting: deque[Traj] = deque()
+        self.tooling: dict[int, Traj] = {}  # multi-turn: waiting on a tool call (no KV, no slot)
         self.kv_base = 0.0  # KV tokens = kv_base + len(running) * prog
         self.gen = self.in_hand = 0
         self.pulling = self.asking = False
@@ -132,6 +160,10 @@ class Sim(RepackMixin):
         self.rng, self.seed = random.Random(seed), seed
         self.sigma = math.log(prm.length_p99_over_p50) / Z99
         self.mu = math.log(prm.length_p50)
+        # multi-turn draws on their own stream: the single-turn draws stay what they were
+        self.mt_rng = random.Random(seed * 1_000_003 + 11)
+        self.lat_mu = math.log(prm.tool_latency_p50_s)
+        self.lat_sigma = math.log(prm.tool_latency_p99_s / prm.tool_latency_p50_s) / Z99
         self.ro = [Rollout(i) for i in range(prm.n_rollouts)]
         self.events: list[tuple[float, int, int, Any]] = []
         self.ev_seq = 0
@@ -149,7 +181,8 @@ class Sim(RepackMixin):
         self.warm, self.measure = warmup_steps, measure_steps
         # Both the warm-up and the window also last at least two lifetimes of the longest
         # trajectory, so a window never sees only the burst of a synchronised start.
-        self.settle = 2 * prm.max_tokens * prm.step_time_s if prm.settle_s is None else prm.settle_s
+        life = prm.max_tokens * prm.step_time_s + prm.tool_calls_max * prm.tool_latency_p50_s
+        self.settle = 2 * life if prm.settle_s is None else prm.settle_s
         self.start_idx: int | None = None  # index in self.steps where the window starts
         self.done = False
         self.steps: list[tuple[float, int]] = []  # (update completion time, tokens)
@@ -223,9 +256,10 @@ class Sim(RepackMixin):
             t.start_p = r.prog
             r.kv_base += need - r.prog
             r.running[t.id] = t
-            t.fin = r.prog + t.length - t.gen0
+            t.fin = r.prog + t.end - t.gen0
             heapq.heappush(r.heap, (t.fin, t.id))
-            prefill += need
+            prefill += need - t.cached
+            t.cached = 0
         if prefill and self.prm.prefill_tok_s < math.inf:
             r.stall_until = max(r.stall_until, self.now) + prefill / self.prm.prefill_tok_s
 
@@ -247,8 +281,11 @@ class Sim(RepackMixin):
                 continue
             t = r.running[entry[1]]
             self.remove(r, t)
-            t.gen0 = t.length
-            self.finish(r, t)
+            t.gen0 = t.end
+            if t.plan is not None and t.turn + 1 < len(t.plan[0]):
+                self.tool_call(r, t)
+            else:
+                self.finish(r, t)
         if len(r.running) > 1 and self.kv(r) >= self.prm.kv_capacity_tokens - eps:
             floor = self.prm.kv_capacity_tokens * self.prm.admit_frac
             while len(r.running) > 1 and self.kv(r) > floor:
@@ -259,6 +296,25 @@ class Sim(RepackMixin):
         self.admit(r)
         self.after_change(r)
 
+    def tool_call(self, r: Rollout, t: Traj) -> None:
+        """Multi-turn: the model turn ended in a tool call; the trajectory waits off the batch."""
+        assert t.plan is not None
+        r.tooling[t.id] = t
+        self.push(self.now + t.plan[2][t.turn], EV_TOOL, (r.idx, t))
+
+    def on_tool_done(self, r: Rollout, t: Traj) -> None:
+        """The call answered: its output goes in (prefix-cached prompt and history), next turn queues."""
+        self.advance(r)
+        del r.tooling[t.id]
+        assert t.plan is not None
+        t.cached = self.prm.prompt_tokens + t.gen0
+        t.gen0 += t.plan[1][t.turn]
+        t.turn += 1
+        t.end = t.plan[0][t.turn]
+        r.waiting.append(t)
+        self.admit(r)
+        self.after_change(r)
+
     def finish(self, r: Rollout, t: Traj) -> None:
         g = t.group
         g.left -= 1
@@ -266,7 +322,7 @@ class Sim(RepackMixin):
         self.inflight -= 1
         if self.start_idx is not None:
             self.fin_stale.add(self.version - g.version)
-            self.win_gen_tokens += t.length
+            self.win_gen_tokens += t.model_tokens()
             self.win_prod_tokens += self.prm.prompt_tokens + t.length
         if g.left == 0:
             self.ro[g.origin].in_hand -= 1
@@ -292,9 +348,39 @@ class Sim(RepackMixin):
         r.in_hand += 1
         for _ in range(self.prm.group_size):
             x = self.rng.lognormvariate(self.mu, self.sigma)
-            r.waiting.append(Traj(self.next_tid, g, max(1, min(self.prm.max_tokens, round(x)))))
+            first = max(1, min(self.prm.max_tokens, round(x)))
+            if self.prm.tool_calls_max:
+                plan = self.turn_plan(first)
+                r.waiting.append(Traj(self.next_tid, g, plan[0][-1], plan))
+            else:
+                r.waiting.append(Traj(self.next_tid, g, first))
             self.next_tid += 1
         self.inflight += self.prm.group_size
+
+    def turn_plan(self, first: int) -> tuple[list[int], list[int], list[float]]:
+        """A multi-turn trajectory's turns (laminar/envs/sim.py's draws): a run of p_call coins
+        gives the tool calls; each adds obs tokens after lat seconds, then a model turn drawn like
+        the first. The max_tokens cap ends it (an output that would reach it: the episode ends)."""
+        p, rng = self.prm, self.mt_rng
+        n = 0
+        while n < p.tool_calls_max and rng.random() < p.p_call:
+            n += 1
+        ends, obs, lat = [first], [], []
+        for _ in range(n):
+            o = rng.randint(p.obs_tokens_min, p.obs_tokens_max)
+            wait = (
+                rng.lognormvariate(self.lat_mu, self.lat_sigma)
+                if self.lat_sigma > 0
+                else p.tool_latency_p50_s
+            )
+            wait = min(wait, p.tool_latency_max_s)
+            m = max(1, round(rng.lognormvariate(self.mu, self.sigma)))
+            if ends[-1] + o >= p.max_tokens:
+                break
+            obs.append(o)
+            lat.append(wait)
+            ends.append(min(p.max_tokens, ends[-1] + o + m))
+        return ends, obs, lat
 
     def may_start(self, r: Rollout) -> bool:
         return may_start_group(self.policy, trainer_version=self.version, rollout_version=r.version, groups_started=self.groups_started, batch_groups=self.prm.batch_groups)  # fmt: skip
@@ -324,8 +410,14 @@ class Sim(RepackMixin):
             self.schedule(r)
 
     def groups_held(self, r: Rollout) -> int:
-        """Groups with a trajectory on this rollout (imported ones too): the node's used credits."""
+        """Groups with a trajectory on this rollout (imported ones too): the node's used credits.
+        A group whose open trajectories all wait on a tool holds none (laminar/rollout/feeder.py)."""
         return len({t.group.seq for t in r.running.values()} | {t.group.seq for t in r.waiting})
+
+    def groups_in_hand(self, r: Rollout) -> int:
+        """Groups with a trajectory here in any state, tool waits included (capped at 2x credits)."""
+        return len({t.group.seq for t in r.running.values()} | {t.group.seq for t in r.waiting}
+                   | {t.group.seq for t in r.tooling.values()})  # fmt: skip
 
     def refill(self, r: Rollout, answered: bool = False) -> None:
         """Laminar: a rollout with nothing left pulls newer weights, then takes its own batch;
@@ -333,9 +425,11 @@ class Sim(RepackMixin):
         A dry rollout's prompts arrive prompt_rtt_s after it asks (`answered`: they are here)."""
         if r.pulling or r.asking:
             return
+        # nothing to decode; multi-turn: tool waits keep the version (a load waits for them) but
+        # not the decode slots, which take new groups meanwhile (feeder.py's credits)
         dry = not r.running and not r.waiting
         if self.newest_avail > r.version:
-            if not dry:
+            if not dry or r.tooling:
                 return  # drain first: every trajectory runs on one version
             r.pulling = True
             self.idle.discard(r.idx)
@@ -354,13 +448,16 @@ class Sim(RepackMixin):
         cap = self.prm.buffer_capacity_groups
         started = self.groups_held(r) if self.prm.refill_per_group and not dry else 0
         first = started
+        hand = self.groups_in_hand(r) if r.tooling else started
         while (
             started < self.prm.rollout_groups
+            and hand < 2 * self.prm.rollout_groups
             and (cap is None or len(self.buffer) < cap)
             and self.may_start(r)
         ):
             self.start_group(r)
             started += 1
+            hand += 1
         if started > first:
             self.idle.discard(r.idx)
             self.admit(r)
@@ -542,6 +639,8 @@ class Sim(RepackMixin):
                 self.take_snapshot("start")
             elif kind == 11:  # fixed window closes
                 self.done = True
+            elif kind == EV_TOOL:
+                self.on_tool_done(self.ro[data[0]], data[1])
             else:  # repack rounds, heartbeats, status pushes, exports, move arrivals (simrepack.py)
                 self.on_repack_event(kind, data)
         self.take_snapshot("end")

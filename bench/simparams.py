@@ -92,6 +92,25 @@ class SimParams:
     """Bound for stream (None = 1) and laminar (None = unbounded)."""
     settle_s: float | None = None
     """Least warm-up time and window length (None: two lifetimes of a max_tokens trajectory)."""
+    tool_calls_max: int = 0
+    """Multi-turn workload (0: single-turn): a trajectory makes up to this many tool calls, each
+    after a model turn whose length is drawn like a whole single-turn response (length_p50,
+    length_p99_over_p50: per-turn figures here); the turn after the last call answers. The
+    counts follow laminar/envs/sim.py: a run of p_call coins, at most tool_calls_max."""
+    p_call: float = 0.8
+    """Multi-turn: probability that a model turn ends in another tool call (truncated geometric)."""
+    tool_latency_p50_s: float = 1.0
+    tool_latency_p99_s: float = 10.0
+    """Multi-turn: lognormal sandbox latency of one call. The trajectory leaves its rollout's batch
+    meanwhile (no KV, no decode slot: the others use it) and rejoins it after, prefilling only the
+    tool output (prefix cache). A group all of whose open trajectories wait holds no credit (at
+    most 2x credits in hand); the trajectory keeps its version: a rollout with one waiting on a
+    tool does not load new weights, and repack does not move it."""
+    tool_latency_max_s: float = math.inf
+    """Multi-turn: the sandbox's wall-clock limit; a call drawn past it is killed there (an error)."""
+    obs_tokens_min: int = 20
+    obs_tokens_max: int = 200
+    """Multi-turn: tool-output tokens per call, uniform in [min, max] (loss mask 0; trained on)."""
     fixed_window_s: tuple[float, float] | None = None
     """(start, length) of a fixed measurement window, measured as bench/cluster_run.py does (steps
     ending in it, from the last step before it); None: the steady-state window of warmup/measure

@@ -196,7 +196,7 @@ class RepackMixin:
             live = [r for r in self.ro if not r.pulling] or self.ro
             r = min(live, key=lambda r: (-r.version, len(r.running), self.kv(r), r.idx))
             for t in trajs:
-                t.gen0 = 0
+                t.restart()
             self.counts["restarted_from_prompt"] += len(trajs)
         self.advance(r)
         r.waiting.extend(trajs)

@@ -98,6 +98,23 @@ gpu_memory_utilization (verl recipes use 0.4-0.6) and gets ~40% of a dedicated r
 PCIE_GB_S = 20.0  # pinned host -> GPU copy per GPU (relay pull)
 
 
+MULTITURN: dict[str, Any] = dict(
+    tool_calls_max=8,  # paper §8: "at most 8 tool calls" (DAPO-Math with a code sandbox, ReTool)
+    p_call=0.8,  # a run of calls: mean ~3.3 calls, 0.8^8 = 17% use all 8 (estimate)
+    length_p50=600.0,  # per model turn; p99 = 10x p50 as for whole responses (paper §2.2), so a
+    length_p99_over_p50=10.0,  # ~4-turn trajectory has a median near the math task's 2000
+    tool_latency_p50_s=1.0,  # sandbox run of a short Python snippet (estimate; paper Fig. 2 shows
+    tool_latency_p99_s=20.0,  # the latencies long-tailed but gives no numbers)
+    tool_latency_max_s=60.0,  # the sandbox's wall-clock limit (3x p99; a call past it is killed)
+    obs_tokens_min=20,
+    obs_tokens_max=200,
+)
+"""The multi-turn tool-calling workload (paper Fig. 12: the ReTool 7B checkpoint): overrides of
+params_for's single-turn SimParams. Run by bench/simulate.py (summary `*_multiturn`)."""
+MULTITURN_MODEL = "7B"
+"""The paper's tool-calling runs use the ReTool 7B checkpoint."""
+
+
 def balance(spec: ModelSpec, n_gpus: int) -> float:
     """Trainer capacity / saturated decode capacity for Laminar at n_gpus (1 = balanced)."""
     ro = laminar_rollout_gpus(spec, n_gpus)

@@ -9,6 +9,12 @@ The engine and its modelled mechanisms are described in bench/simcore.py, the pa
 constants in bench/simscale.py. The admission/staleness rules and the repack planner are the
 real ones (laminar.manager). This module re-exports the names tests and bench/cluster.py use.
 
+Multi-turn (tool calling, paper Fig. 12): the same sweep on simscale.MULTITURN (turns per
+trajectory, per-turn lengths, long-tailed sandbox latency: bench/simcore.py) for the paper's
+tool-calling model (7B) from 64 to 1024 GPUs; summary `laminar_scaling_efficiency_multiturn`
+next to `best_baseline_scaling_efficiency_multiturn` (paper: 46.5% and 12.9%) and
+`laminar_vs_baselines_multiturn_avg` (paper: 2.62x average over the baselines).
+
 Run: .venv/bin/python bench/simulate.py --quick --out bench/results/simulate.json   (~minutes)
 """
 
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -44,6 +51,8 @@ from simscale import (  # noqa: E402,F401
     LAMINAR_INFLIGHT,
     MINIBATCHES,
     MODELS,
+    MULTITURN,
+    MULTITURN_MODEL,
     PCIE_GB_S,
     ROLLOUT_MEM_UTIL,
     TRAIN_MFU,
@@ -101,8 +110,26 @@ def params_from_config(cfg: Any, n_rollouts: int, **overrides: Any) -> SimParams
         repack_period_restarts=True,
         refill_per_group=True,
         prompt_during_load=True,  # the pull loop asks while it loads, in every mode
+        **multiturn_from_config(cfg),
     )
     return replace(prm, **overrides)
+
+
+def multiturn_from_config(cfg: Any) -> dict[str, Any]:
+    """SimParams of the emulation's multi-turn workload (env.fn laminar.envs.sim:SimToolEnv): the
+    environment's own draws (its kwargs, its defaults) within the episode limits; {} otherwise."""
+    if cfg.env.fn is None:
+        return {}
+    if cfg.env.fn != "laminar.envs.sim:SimToolEnv":
+        raise ValueError(f"the simulator models only laminar.envs.sim:SimToolEnv, not {cfg.env.fn}")
+    from laminar.envs.sim import SimToolEnv
+
+    env, lim = SimToolEnv(**cfg.env.kwargs), cfg.env.limits
+    calls = min(env.max_calls, lim.max_tool_calls, lim.max_turns - 1)
+    return {"tool_calls_max": calls, "p_call": env.p_call, "tool_latency_p50_s": env.latency_p50_s,
+            "tool_latency_p99_s": env.latency_p99_s, "obs_tokens_min": env.obs_min,
+            "tool_latency_max_s": math.inf if env.latency_max_s is None else env.latency_max_s,
+            "obs_tokens_max": env.obs_max}  # fmt: skip
 
 
 def simulate(
@@ -247,6 +274,39 @@ def print_table(results: dict[str, dict[int, dict[str, Any]]]) -> None:
                       f"{row['decode_util']['median']:>5.2f} {row['trainer_busy_frac']['median']:>5.2f} {sc['p50']:>6}/{sc['max']:<6}")  # fmt: skip
 
 
+def multiturn_summary(tasks: list[tuple], runs: list[dict[str, Any]], scales: list[int], seeds: list[int],
+                      summary: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+    """The multi-turn sweep's rows, table and summary figures (added to `summary`), with the
+    paper's tool-calling figures next to them."""
+    per: dict[int, list[dict[str, Any]]] = {}
+    for t, r in zip(tasks, runs, strict=True):
+        per.setdefault(t[1], []).append(r)
+    rows = {n: point_rows(per[n], seeds) for n in scales}
+    print(f"\nmulti-turn tool calling ({MULTITURN_MODEL}, {MULTITURN}):")
+    print_table({MULTITURN_MODEL: rows})
+    lo, hi = min(scales), max(scales)
+    eff = {mode: rows[hi][mode]["throughput_per_gpu"]["median"] / rows[lo][mode]["throughput_per_gpu"]["median"]
+           for mode in SIM_MODES}  # fmt: skip
+    best = max(("sync", *BASELINE_MODES), key=lambda m: eff[m])
+    med = lambda n, mode: rows[n][mode]["throughput_tok_s"]["median"]  # noqa: E731
+    summary["laminar_scaling_efficiency_multiturn"] = eff["laminar"]
+    summary["best_baseline_scaling_efficiency_multiturn"] = eff[best]
+    summary["best_baseline_multiturn"] = best
+    summary["multiturn_scales"] = f"{MULTITURN_MODEL} {lo}->{hi} GPUs"
+    summary["laminar_vs_sync_multiturn_avg"] = statistics.mean(
+        rows[n]["laminar"]["vs_sync"]["median"] for n in scales
+    )
+    summary["laminar_vs_baselines_multiturn_avg"] = statistics.mean(
+        med(n, "laminar") / med(n, b) for n in scales for b in ("sync", *BASELINE_MODES)
+    )
+    summary[f"laminar_vs_sync_multiturn_{hi}"] = rows[hi]["laminar"]["vs_sync"]["median"]
+    summary["paper_multiturn"] = {"laminar_vs_baselines_avg": 2.62, "laminar_scaling_efficiency": 0.465,
+                                  "best_baseline_scaling_efficiency": 0.129}  # fmt: skip
+    print(f"scaling efficiency {lo}->{hi}: " + "  ".join(f"{k} {v:.1%}" for k, v in eff.items()))
+    return {"model": MULTITURN_MODEL, "workload": MULTITURN, "scales": scales,
+            "results": {str(n): r for n, r in rows.items()}, "scaling_efficiency": eff}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
@@ -259,8 +319,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--seeds", type=int, default=None, help="repeats per point (seeds 0..N-1)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
+    ap.add_argument("--workloads", nargs="+", default=["single", "multiturn"], choices=["single", "multiturn"],
+                    help="single-turn math (the model sweep) and/or multi-turn tool calling")  # fmt: skip
     args = ap.parse_args(argv)
-    models = args.models or list(MODELS)
+    if "single" not in args.workloads:
+        args.models = []
+    models = list(MODELS) if args.models is None else args.models
     full = [64, 128, 256, 512, 1024]
     scales = {m: args.gpus or ([64, 256, 1024] if args.quick else full) for m in models}
     if "7B" in scales and not args.gpus:
@@ -283,12 +347,21 @@ def main(argv: list[str] | None = None) -> int:
         ("32B", 128, mode, None, s, warm, meas, {"rollout_groups": 32})
         for mode in ("laminar_norepack", "laminar")
         for s in seeds
-    ]
+    ] if models else []  # fmt: skip
+    mt_scales = ([] if "multiturn" not in args.workloads
+                 else args.gpus or ([64, 1024] if args.quick else full))  # fmt: skip
+    mt_tasks = [(MULTITURN_MODEL, n, mode, frac, s, warm, meas, MULTITURN) for n in mt_scales
+                for mode in SIM_MODES for frac in (fracs if mode in BASELINE_MODES else [None])
+                for s in seeds]  # fmt: skip
     print(
-        f"simulating {len(tasks) + len(repack_tasks)} runs on {args.jobs} processes ...",
+        f"simulating {len(tasks) + len(repack_tasks) + len(mt_tasks)} runs on {args.jobs} processes ...",
         file=sys.stderr,
     )
-    runs = run_all(tasks + repack_tasks, args.jobs)
+    all_runs = run_all(tasks + repack_tasks + mt_tasks, args.jobs)
+    runs, mt_runs = (
+        all_runs[: len(tasks) + len(repack_tasks)],
+        all_runs[len(tasks) + len(repack_tasks) :],
+    )
     point_runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for t, r in zip(tasks, runs, strict=False):
         point_runs.setdefault((t[0], t[1]), []).append(r)
@@ -298,6 +371,19 @@ def main(argv: list[str] | None = None) -> int:
         b["gen_tok_s"] / a["gen_tok_s"]
         for a, b in zip(rep_runs[: len(seeds)], rep_runs[len(seeds) :], strict=True)
     ]
+    summary: dict[str, Any] = {}
+    multiturn: dict[str, Any] = {}
+    if mt_tasks:
+        multiturn = multiturn_summary(mt_tasks, mt_runs, mt_scales, seeds, summary)
+    if not models:
+        doc = {"bench": "simulate", "config": {"quick": args.quick, "workloads": args.workloads, "seeds": seeds,
+               "baseline_rollout_fracs": fracs, "warmup_steps": warm, "measure_steps": meas},
+               "git_commit": git_commit(), "multiturn": multiturn, "summary": summary}  # fmt: skip
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(doc, indent=1))
+        print("\nsummary:", json.dumps(summary, indent=1))
+        print(f"wrote {args.out}")
+        return 0
     print_table(results)
     scaling = {m: {mode: (per_n[max(per_n)][mode]["throughput_per_gpu"]["median"] / per_n[min(per_n)][mode]["throughput_per_gpu"]["median"]) for mode in SIM_MODES} for m, per_n in results.items()}  # fmt: skip
     print("\nscaling efficiency (throughput per GPU, largest / smallest scale):")
@@ -306,7 +392,6 @@ def main(argv: list[str] | None = None) -> int:
             f"  {m:>4} {min(scales[m])}->{max(scales[m])}: "
             + "  ".join(f"{k} {v:.0%}" for k, v in row.items())
         )
-    summary: dict[str, Any] = {}
     at_1024 = [m for m in models if 1024 in results[m]]
     if at_1024:
         per = {m: results[m][1024]["laminar"]["vs_sync"]["median"] for m in at_1024}
@@ -375,6 +460,7 @@ def main(argv: list[str] | None = None) -> int:
         "git_commit": git_commit(),
         "results": {m: {str(n): rows for n, rows in per_n.items()} for m, per_n in results.items()},
         "scaling_efficiency": scaling,
+        "multiturn": multiturn,
         "repack_32B_128": {
             "gen_gain": mmm([g - 1 for g in rep_gain]),
             "paper": 0.26,

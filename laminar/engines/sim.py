@@ -17,6 +17,12 @@ stats() it settles "how many steps fit since the last settle" in closed form and
 emits multi-token events. Token ids and logprobs are hashes of (seq, position),
 so they too are deterministic. Stop strings and stop token ids are not
 emulated; a sequence ends with "stop" at its drawn length, or "length" at max_tokens.
+
+Multi-turn (GenRequest.turn / turn_start, set by laminar/rollout/episodes.py): model turn k
+ends with "stop" at turn_start + a length drawn from (seed, seq_id, k) with the same
+lognormal (so length_p50 is the per-turn median), or with "length" at max_tokens (which
+counts the whole response, environment tokens included). Turn 0 draws exactly what a
+single-turn sequence draws. The environment between turns is laminar/envs/sim.py.
 """
 
 from __future__ import annotations
@@ -55,9 +61,12 @@ def _hash64(*parts: Any) -> int:
     )
 
 
-def target_length(seed: int, seq_id: str, p50: float, p99_over_p50: float) -> int:
-    """Drawn response length (>= 1, before the max_tokens clip) of a sequence: lognormal, from a hash."""
-    u = (_hash64("len", seed, seq_id) + 0.5) / 2.0**64
+def target_length(seed: int, seq_id: str, p50: float, p99_over_p50: float, turn: int = 0) -> int:
+    """Drawn response length (>= 1, before the max_tokens clip) of a sequence: lognormal, from a
+    hash. Multi-turn: the length of model turn `turn` (turn 0 draws what a single-turn sequence
+    of the same id draws, so a single-turn run is unchanged)."""
+    key = _hash64("len", seed, seq_id) if turn == 0 else _hash64("len", seed, seq_id, "turn", turn)
+    u = (key + 0.5) / 2.0**64
     sigma = math.log(p99_over_p50) / _Z99
     return max(1, round(p50 * math.exp(sigma * NormalDist().inv_cdf(u))))
 
@@ -151,7 +160,11 @@ class SimEngine(Engine):
         resumed = np.asarray(req.resume_ids, np.int32)
         resumed_lps = np.asarray(req.resume_logprobs, np.float32)
         for sid in req.seq_ids():
-            drawn = target_length(self.seed, sid, self.length_p50, self.length_p99_over_p50)
+            # a model turn ends turn_start + its drawn length into the response (single-turn: turn
+            # 0 from 0); it depends only on (seed, seq_id, turn, turn_start), so a resumed turn
+            # (repack, replay elsewhere) keeps its target
+            drawn = req.turn_start + target_length(self.seed, sid, self.length_p50, self.length_p99_over_p50,
+                                                   req.turn)  # fmt: skip
             target = min(drawn, req.params.max_tokens)
             reason = "stop" if drawn <= req.params.max_tokens else "length"
             if sid in self._seqs or len(req.prompt_ids) == 0:
