@@ -101,18 +101,24 @@ async def test_buffer_cut_off_and_restarted_loses_and_duplicates_nothing(tmp_pat
     cfg = make_cfg(tmp_path, tiny_model, "e2e-b", prompts, credits=3,
                    sampling={"max_tokens": 40, "temperature": 1.0})  # fmt: skip
     want = len(prompts) * cfg.rollout.group_size
+    n_rollouts = cfg.cluster.roles["rollout"]
+    cfg.cluster.roles["rollout"] = 0
     async with LocalCluster(cfg) as cluster:
-        rollouts = cluster.role("rollout")
+        # the rollouts start while this test watches: started one after the other by the cluster,
+        # the first could finish every group while the second is still loading its model
+        adding = [asyncio.ensure_future(cluster.add("rollout", i)) for i in range(n_rollouts)]
         # cut it off while groups are in hand, so finished work has to wait in the outboxes
         await wait_for(
             lambda: (
                 len(stored(cluster.node("buffer-0"))) >= 2
-                and sum(len(r.table.groups) for r in rollouts) >= 2
+                and sum(len(r.table.groups) for r in cluster.role("rollout") if r.ready.is_set())
+                >= 2
             ),
             60,
             "a few trajectories stored and more in hand",
             cluster,
         )
+        rollouts = list(await asyncio.gather(*adding))
         await cluster.kill_node("buffer-0")  # abrupt: no drain, sockets closed
         # the rollouts keep generating the groups in hand; finished ones wait in their outboxes
         await wait_for(
