@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
+_LOAD_LOCK = threading.Lock()
 DEFAULT_ALPHABET = "0123456789+-*=;#:,. abcdefghijklmnopqrstuvwxyz?\n"
 
 
@@ -97,7 +99,13 @@ def load_causal_lm(path: str | os.PathLike, dtype: str = "float32", device: str 
     import torch
     from transformers import AutoModelForCausalLM
 
-    model: Any = AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=getattr(torch, dtype), local_files_only=True, attn_implementation="eager"
-    )
+    # one load at a time per process: transformers builds the model under a process-wide
+    # meta-device context, and two loads in threads (rollouts starting together) break each other
+    with _LOAD_LOCK:
+        model: Any = AutoModelForCausalLM.from_pretrained(
+            str(path),
+            dtype=getattr(torch, dtype),
+            local_files_only=True,
+            attn_implementation="eager",
+        )
     return model.to(device).eval()
