@@ -32,6 +32,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import resource
 import shutil
 import signal
@@ -123,6 +124,46 @@ def write_prompts(path: Path, rows: int, tokens: int = 32) -> Path:
         "".join(json.dumps({"prompt": f"p{i:06d} {filler}"}) + "\n" for i in range(rows))
     )
     return path
+
+
+_BENCH_SEGMENT = re.compile(r"^laminar-cb(\d+)-relay\d+-")
+"""The relay's /dev/shm segments of a bench run: the config name carries the run's pid."""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    return True
+
+
+def remove_segments(pid: int | None = None) -> int:
+    """Unlink the bench's relay segments: this run's (`pid`), or (None) those of runs whose
+    process is gone. A run ends with os._exit, skipping the relay's own cleanup, and the
+    relay's stale-segment sweep only matches its own name, which carries the dead run's pid."""
+    from laminar.relay.shm import default_shm_dir
+
+    seg_dir = default_shm_dir()
+    n = 0
+    try:
+        names = os.listdir(seg_dir)
+    except FileNotFoundError:
+        return 0
+    for name in names:
+        m = _BENCH_SEGMENT.match(name)
+        if m is None:
+            continue
+        owner = int(m.group(1))
+        if (owner == pid) if pid is not None else (owner != os.getpid() and not _alive(owner)):
+            try:
+                os.unlink(os.path.join(seg_dir, name))
+                n += 1
+            except OSError:
+                pass
+    return n
 
 
 def make_config(mode: str, n: int, seed: int, prm: BenchParams, work: Path, ipc_dir: Path):
@@ -445,6 +486,7 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(worker_main(args.config, args.count, args.out, args.sample_s))
         return 0
     prm = BenchParams.from_dict(json.loads(args.params))
+    remove_segments()  # left by earlier runs that were killed
     work = args.work or Path(tempfile.mkdtemp(prefix="lam-cluster-"))
     work.mkdir(parents=True, exist_ok=True)
 
@@ -453,11 +495,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)
         sys.stdout.flush()
+        remove_segments(os.getpid())  # the relay's own cleanup is skipped by os._exit
         os._exit(0)  # the window is measured: skip the graceful stop of the control plane
 
     try:
         asyncio.run(run_main(args.mode, args.n, args.seed, prm, work, done))
     finally:
+        remove_segments(os.getpid())
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)
     return 1  # only reached when the run failed before its figures

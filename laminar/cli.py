@@ -3,9 +3,10 @@
 laminar node --role relay --config configs/demo.yaml [--index 0] [key=value ...]
 laminar run [configs/demo.yaml] [--resume | --overwrite] [key=value ...]   # every role on this host
 laminar status [--config F] [--json]                  # cluster table from the manager
-laminar keys DIR [--name NAME] [--force]              # CURVE key pair + authorized keys
+laminar keys DIR [--name NAME] [--roles R,..] [--force]  # CURVE pairs; --roles: identity per role
 laminar --version
 laminar report RUN_DIR                                # report.png + summary.md of a run
+laminar journal check RUN_DIR                         # verify every journal of a run offline
 """
 
 from __future__ import annotations
@@ -53,12 +54,24 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--timeout", type=float, default=3.0)
     st.add_argument("overrides", nargs="*")
 
+    jr = sub.add_parser("journal", help="inspect a run's journals offline")
+    jr_sub = jr.add_subparsers(dest="journal_cmd", required=True)
+    jr_check = jr_sub.add_parser("check", help="verify every journal in RUN_DIR (exit 1: problems)")
+    jr_check.add_argument("run_dir", help="the run's directory")
+
     rep = sub.add_parser("report", help="write report.png + summary.md for a run directory")
     rep.add_argument("run_dir", help="the run's directory (run_dir, default runs/<name>)")
 
     keys = sub.add_parser("keys", help="create a CURVE key pair and authorized-keys directory")
     keys.add_argument("dir")
-    keys.add_argument("--name", default="node")
+    keys.add_argument(
+        "--name", default=None, help="pair name (default node; with --roles: per host)"
+    )
+    keys.add_argument(
+        "--roles",
+        default=None,
+        help="comma list: one pair per role (or, with --name, one host pair) that may claim only these",
+    )
     keys.add_argument("--force", action="store_true", help="replace an existing key pair")
     return p
 
@@ -93,19 +106,33 @@ def main(argv: list[str] | None = None) -> int:
             from laminar.launch import status_main
 
             return status_main(args.config, args.overrides, args.json, args.timeout)
+        if args.cmd == "journal":
+            from laminar.journal_check import journal_check_main
+
+            return journal_check_main(args.run_dir)
         if args.cmd == "report":
             from laminar.report import report_main
 
             return report_main(args.run_dir)
         if args.cmd == "keys":
-            from laminar.transport.security import generate_keys
+            from laminar.transport.security import generate_keys, generate_role_keys
 
+            roles = [r for r in (args.roles or "").split(",") if r]
             try:
-                public, secret = generate_keys(args.dir, args.name, force=args.force)
+                if roles and args.name is None:
+                    written = generate_role_keys(args.dir, roles, force=args.force)
+                    print(
+                        f"wrote {len(written)} key pairs in {args.dir}; roles in {args.dir}/roles.json"
+                    )
+                    return 0
+                name = args.name or "node"
+                public, secret = generate_keys(
+                    args.dir, name, force=args.force, roles=roles or None
+                )
             except FileExistsError as exc:
                 print(f"laminar keys: {exc}", file=sys.stderr)
                 return 2
-            print(f"wrote {public} and {secret}; authorized {args.name} in {args.dir}/authorized/")
+            print(f"wrote {public} and {secret}; authorized {name} in {args.dir}/authorized/")
             return 0
     except ConfigError as exc:
         print(f"laminar: {exc}", file=sys.stderr)

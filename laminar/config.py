@@ -46,6 +46,19 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class RestartConfig(Section):
+    """How `laminar run` (and launchers/host_daemons.sh) restarts a node process that died."""
+
+    max_restarts: int = Field(5, ge=0)
+    """Restarts of one node within window_s before the job gives up (exit 1); 0 = never restart."""
+    window_s: float = Field(600.0, gt=0)
+    """Sliding window (seconds) over which max_restarts is counted."""
+    backoff_s: float = Field(1.0, ge=0)
+    """Delay before the first restart; it doubles with each restart of that node in the window."""
+    backoff_max_s: float = Field(30.0, ge=0)
+    """Cap on the restart delay."""
+
+
 class ClusterConfig(Section):
     transport: Literal["inproc", "ipc", "tcp"] = "ipc"
     """How nodes reach each other: inproc (one process), ipc (one host), tcp (many hosts)."""
@@ -66,6 +79,8 @@ class ClusterConfig(Section):
     On a small box, 1 avoids oversubscription when trainer and rollouts share the cores."""
     rollouts_per_process: int = Field(1, ge=1)
     """Emulated scale: several rollout nodes share one process (sim engines)."""
+    restart: RestartConfig = Field(default_factory=RestartConfig)
+    """Supervision of node processes: restart budget and backoff."""
 
     @model_validator(mode="after")
     def _check_roles(self) -> ClusterConfig:
@@ -79,7 +94,11 @@ class ClusterConfig(Section):
 
 class SecurityConfig(Section):
     keys_dir: str | None = None
-    """Directory made by `laminar keys DIR`; when set, tcp sockets use CURVE with these keys."""
+    """Directory made by `laminar keys DIR`; when set, tcp sockets use CURVE with these keys.
+    Unset, a HELLO's role and node id are unauthenticated (anyone can claim to be the trainer)."""
+    key_name: str | None = None
+    """This host's key pair in keys_dir (`laminar keys DIR --name HOST --roles ...`); null = the
+    role's own pair (`--roles`), else the shared `node` pair."""
 
 
 class TransportConfig(Section):
@@ -109,6 +128,14 @@ class TransportConfig(Section):
     """Largest accepted message (header + frames); bigger ones are rejected as protocol errors."""
     max_header_bytes: int = Field(1 << 20, ge=256)
     """Largest accepted msgpack header."""
+    control_max_message_bytes: int = Field(1 << 20, ge=4096)
+    """zmq MAXMSGSIZE of the manager's and other control sockets: a peer sending a bigger
+    frame is disconnected by zmq before Python sees it (they carry a few KB)."""
+    buffer_max_message_bytes: int | None = Field(None, ge=4096)
+    """MAXMSGSIZE of the buffer's socket; null = derived from the largest trajectory
+    (rollout.sampling.max_tokens and env limits), never below buffer_min_message_bytes."""
+    buffer_min_message_bytes: int = Field(16 << 20, ge=4096)
+    """Floor of the derived buffer limit (headers, ids, logprobs and masks of a long trajectory)."""
 
 
 class LoggingConfig(Section):
@@ -461,6 +488,8 @@ class BufferConfig(Section):
     """Trajectories the no-reward fraction is taken over (judged once min(stall_window, 8) arrived)."""
     stall_warn_after_s: float = Field(30.0, gt=0)
     """Warn when trajectories keep arriving but no whole group became ready for this long; a warning repeats at most this often."""
+    lease_s: float = Field(600.0, gt=0)
+    """A served group whose rollout sends no chunk, trajectory or abandon of it for this long is served again to another rollout (counted once either way)."""
 
     @model_validator(mode="after")
     def _check_sampling(self) -> BufferConfig:

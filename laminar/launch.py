@@ -7,14 +7,20 @@ left to train: exit 0) or --overwrite (deleted, started over); an unfinished one
 says so. Both failures exit 2 before anything starts. Then it writes the resolved config into
 the run directory, starts one child process per node (`python -m laminar node ...`, each in
 its own session so the launcher alone decides who gets signals; its output is copied to
-run_dir/logs/<node>.log and to this terminal), and supervises them:
+run_dir/logs/<node>.log and to this terminal), and supervises them (laminar/children.py):
   * the trainer exiting 0 means the job is done: the rest are stopped, exit 0 (a node that
     had to be killed on the way out is reported, the exit stays 0: the run completed);
-  * any other exit (a crash, or a node stopping by itself) is reported with the
-    node's name, pid and code, the rest are stopped, exit 1;
-  * Ctrl-C / SIGTERM: every child gets SIGTERM, then SIGKILL after the stop budget; exit
-    128 + the signal (130, 143).
-On the way out the ipc sockets and their directory go (cluster.transport=ipc).
+  * any other exit (a crash, kill -9, or a node stopping by itself) is reported with the
+    node's name, pid and code, and that node is restarted after a backoff while the rest
+    keep running; more than cluster.restart.max_restarts deaths of one node within
+    cluster.restart.window_s end the job: the rest are stopped, exit 1 naming the node.
+    Restarts are counted in run_dir/supervisor.json, which `laminar status` shows;
+  * Ctrl-C / SIGTERM: an ordered stop (trainer first: it checkpoints and commits while the
+    buffer and relays are still up; then rollouts flush their outboxes; then buffer and
+    tools, relays, manager), each stage SIGKILLed after its stop budget; exit 128 + the
+    signal (130, 143).
+The ipc directory (cluster.transport=ipc) is made 0700 and must be ours; on the way out its
+sockets and the directory go.
 
 `laminar node` runs one node (or `--count` of them sharing one zmq context) with
 `run_nodes`; `laminar status` asks the manager with a one-off RpcClient.
@@ -30,17 +36,16 @@ import os
 import re
 import signal
 import stat
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING
 
-from laminar.config import ROLES, LaminarConfig, Role, load_config, write_resolved
+from laminar.config import ROLES, ConfigError, LaminarConfig, Role, load_config, write_resolved
 
 if TYPE_CHECKING:  # the node runtime (zmq) loads inside the commands that need it
+    from laminar.children import ChildSpec
     from laminar.node import Node
     from laminar.protocol.manager import StatusReply
 
@@ -87,8 +92,9 @@ def node_main(
 
         check_inputs(cfg, [role])
     _setup_process(cfg)
+    prepare_ipc_dir(cfg)
     from laminar.node import NodeFailed, node_class, run_nodes
-    from laminar.supervise import detached_spawn
+    from laminar.supervise import EXIT_PERMANENT, PermanentFailure, detached_spawn
     from laminar.transport.sockets import new_context
 
     cls = node_class(role)
@@ -114,12 +120,14 @@ def node_main(
         asyncio.run(amain())
     except NodeFailed as exc:
         print(f"laminar node {role}-{index}: FAILED: {exc} ({exc.__cause__!r})", file=sys.stderr)
-        return 1
+        return EXIT_PERMANENT if isinstance(exc.__cause__, PermanentFailure) else EXIT_FAILED
     return 0
 
 
-def _node_commands(cfg: LaminarConfig, config_path: Path) -> list[tuple[str, list[str]]]:
-    cmds = []
+def _node_specs(cfg: LaminarConfig, config_path: Path) -> list[ChildSpec]:
+    from laminar.children import ChildSpec
+
+    specs = []
     for role in ROLES:
         n = cfg.cluster.roles.get(role, 0)
         per = cfg.cluster.rollouts_per_process if role == "rollout" else 1
@@ -128,8 +136,9 @@ def _node_commands(cfg: LaminarConfig, config_path: Path) -> list[tuple[str, lis
             name = f"{role}-{start}" if count == 1 else f"{role}-{start}..{start + count - 1}"
             cmd = [sys.executable, "-m", "laminar", "node", "--role", role, "--index", str(start),
                    "--count", str(count), "--config", str(config_path)]  # fmt: skip
-            cmds.append((name, cmd))
-    return cmds
+            ids = [f"{role}-{i}" for i in range(start, start + count)]
+            specs.append(ChildSpec(name, role, ids, cmd))
+    return specs
 
 
 def _started_roles(cfg: LaminarConfig) -> list[Role]:
@@ -183,13 +192,16 @@ def run_main(
     if cfg.logging.json_logs is None:  # children write into the tee's pipe: log as this terminal
         cfg.logging.json_logs = not sys.stderr.isatty()
     cfg_path = write_resolved(cfg, run_dir)
+    prepare_ipc_dir(cfg)  # before any child binds a socket in it
     print(f"laminar run: {cfg.name} mode={cfg.mode} run_dir={run_dir}", file=sys.stderr, flush=True)
     env = dict(os.environ, LAMINAR_PARENT_PID=str(os.getpid()), PYTHONUNBUFFERED="1")
     if cfg.cluster.threads_per_process:
         n = str(cfg.cluster.threads_per_process)
         env.update(OMP_NUM_THREADS=n, MKL_NUM_THREADS=n, OPENBLAS_NUM_THREADS=n)
-    children: dict[str, subprocess.Popen[bytes]] = {}
-    tees: list[threading.Thread] = []
+    from laminar.children import Children, Finished, GivingUp
+
+    kids = Children(_node_specs(cfg, cfg_path), env, run_dir, cfg.cluster.restart,
+                    stop_timeout_s=cfg.transport.stop_timeout_s + 5)  # fmt: skip
     stop_requested: dict[str, int | None] = {"sig": None}
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
@@ -197,17 +209,10 @@ def run_main(
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    log_dir = run_dir / "logs"
-    for name, cmd in _node_commands(cfg, cfg_path):
-        children[name] = subprocess.Popen(cmd, env=env, start_new_session=True,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
-        tees.append(_tee(children[name], log_dir / f"{name}.log"))
-        print(f"laminar run: started {name} pid={children[name].pid}", file=sys.stderr, flush=True)
-    (run_dir / "pids.json").write_text(json.dumps({k: p.pid for k, p in children.items()}))
     from laminar.progress import Progress
 
     every = cfg.logging.progress_every_s
-    # the nodes' logs share the terminal (_tee): one line per tick, not a redrawn line
+    # the nodes' logs share the terminal (children._tee): one line per tick, not a redrawn line
     progress = (
         Progress(run_dir, cfg.mode, time.time(), every, cfg=cfg, overwrite=False)
         if every > 0
@@ -217,109 +222,66 @@ def run_main(
     code = EXIT_OK
     trainer_finished = False
     try:
+        kids.start_all()
         while True:
             sig = stop_requested["sig"]
             if sig is not None:
                 print(
-                    f"laminar run: signal {signal.Signals(sig).name}, stopping all nodes",
+                    f"laminar run: signal {signal.Signals(sig).name}, stopping all nodes "
+                    "(trainer first, then rollouts, buffer, relays, manager)",
                     file=sys.stderr,
                 )
                 code = 128 + sig
                 break
-            ended = {k: p.returncode for k, p in children.items() if p.poll() is not None}
-            trainer_done = any(k.startswith("trainer") and rc == 0 for k, rc in ended.items())
-            failed = {k: rc for k, rc in ended.items() if not (k.startswith("trainer") and rc == 0)}
-            if failed:
-                for k, rc in failed.items():
-                    print(
-                        f"laminar run: node {k} (pid {children[k].pid}) exited with code {rc}",
-                        file=sys.stderr,
-                    )
+            end = kids.poll()
+            if isinstance(end, GivingUp):
                 code = EXIT_FAILED
                 break
-            if (
-                trainer_done
-                and all(rc == 0 for k, rc in ended.items() if k.startswith("trainer"))
-                and all(k in ended for k in children if k.startswith("trainer"))
-            ):
+            if isinstance(end, Finished):
                 print("laminar run: trainer finished; stopping the other nodes", file=sys.stderr)
                 trainer_finished = True
                 break
             if progress is not None:
                 progress.tick()  # the live progress line (laminar/progress.py)
             time.sleep(0.2)  # polling child processes; no network wait here
+    except BaseException:
+        kids.kill_all()  # the launcher itself failed: leave nothing running behind it
+        raise
     finally:
-        unclean = _stop_children(children, cfg.transport.stop_timeout_s + 5)
-        for t in tees:
-            t.join(timeout=5.0)  # the children are gone: their pipes end
+        clean = kids.stop()
         _remove_ipc_dir(cfg)
-        if unclean and trainer_finished:
+        if not clean and trainer_finished:
             print("laminar run: the run itself completed (final checkpoint written); exit 0",
                   file=sys.stderr)  # fmt: skip
-        elif unclean and code == EXIT_OK:
+        elif not clean and code == EXIT_OK:
             code = EXIT_FAILED
         if progress is not None:
             progress.tick(final=True)
     return code
 
 
-def _stop_children(children: dict[str, subprocess.Popen[bytes]], timeout: float) -> int:
-    alive = {k: p for k, p in children.items() if p.poll() is None}
-    for p in alive.values():
-        try:
-            p.send_signal(signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + timeout
-    code = EXIT_OK
-    for k, p in alive.items():
-        try:
-            rc = p.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            print(
-                f"laminar run: {k} (pid {p.pid}) did not stop in time; killing it", file=sys.stderr
-            )
-            p.kill()
-            p.wait()
-            code = EXIT_FAILED
-            continue
-        if rc not in (0, -signal.SIGTERM):
-            print(
-                f"laminar run: {k} (pid {p.pid}) exited with code {rc} while stopping",
-                file=sys.stderr,
-            )
-            code = EXIT_FAILED
-    return code
+def prepare_ipc_dir(cfg: LaminarConfig) -> None:
+    """Make the ipc directory private (0700) before any socket is bound in it; refuse one
+    that another user owns or that is not a plain directory (IpcDirError, exit 2)."""
+    if cfg.cluster.transport != "ipc":
+        return
+    root = Path(cfg.ipc_dir())
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        root.mkdir(mode=0o700)
+    st = root.lstat()
+    if not stat.S_ISDIR(st.st_mode):
+        raise IpcDirError(f"ipc directory {root} is not a directory (a symlink or a file); "
+                          "remove it or set cluster.ipc_dir")  # fmt: skip
+    if st.st_uid != os.getuid():
+        raise IpcDirError(f"ipc directory {root} is owned by uid {st.st_uid}, not by you "
+                          f"(uid {os.getuid()}); set cluster.ipc_dir to a directory of your own")  # fmt: skip
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        root.chmod(0o700)  # ours but open to others (an older laminar made it): close it
 
 
-def _tee(proc: subprocess.Popen[bytes], log_path: Path) -> threading.Thread:
-    """Copy a child's output to this process's stderr and to run_dir/logs/<node>.log (made at
-    its first line: a node that says nothing leaves no file)."""
-    assert proc.stdout is not None
-    src = proc.stdout
-
-    def pump() -> None:
-        log: BinaryIO | None = None
-        try:
-            for line in iter(src.readline, b""):
-                if log is None:
-                    log_path.parent.mkdir(parents=True, exist_ok=True)
-                    log = open(log_path, "ab")  # held across the loop, closed below
-                log.write(line)
-                log.flush()
-                try:
-                    sys.stderr.write(line.decode("utf-8", "replace"))
-                    sys.stderr.flush()
-                except (OSError, ValueError):  # our stderr went away: the log file still gets it
-                    pass
-        finally:
-            if log is not None:
-                log.close()
-            src.close()
-
-    t = threading.Thread(target=pump, name=f"tee-{log_path.stem}", daemon=True)
-    t.start()
-    return t
+class IpcDirError(ConfigError):
+    """The ipc directory is not ours to use (reported like a config error: exit 2)."""
 
 
 def _remove_ipc_dir(cfg: LaminarConfig) -> None:
@@ -376,6 +338,7 @@ def status_main(config: str | None, overrides: list[str], as_json: bool, timeout
             file=sys.stderr,
         )
         return 1
+    restarts = restarts_by_node(cfg)
     rows = []
     for e in sorted(reply.nodes, key=lambda e: (e.role, e.node_id)):
         s = e.status
@@ -384,11 +347,17 @@ def status_main(config: str | None, overrides: list[str], as_json: bool, timeout
             "version": s.version if s else -1, "kv_use": round(s.kv_use, 3) if s else 0.0,
             "inflight": s.inflight if s else 0, "staleness": s.staleness if s else 0.0,
             "last_beat_s": e.last_beat_s, "warnings": list(s.extra.get("warnings", [])) if s else [],
+            "restarts": restarts.get(e.node_id, 0),
         })  # fmt: skip
     if as_json:
         print(
             json.dumps(
-                {"mode": reply.mode, "trainer_version": reply.trainer_version, "nodes": rows},
+                {
+                    "mode": reply.mode,
+                    "trainer_version": reply.trainer_version,
+                    "nodes": rows,
+                    "restarts": sum(restarts.values()),
+                },  # fmt: skip
                 indent=2,
             )
         )
@@ -403,6 +372,7 @@ def status_main(config: str | None, overrides: list[str], as_json: bool, timeout
         "staleness",
         "last_beat_s",
         "pid",
+        "restarts",
     ]
     widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) if rows else len(c) for c in cols}
     print("  ".join(c.ljust(widths[c]) for c in cols))
@@ -412,3 +382,14 @@ def status_main(config: str | None, overrides: list[str], as_json: bool, timeout
         for w in e.status.extra.get("warnings", []) if e.status else []:
             print(f"WARNING {e.node_id}: {w}")
     return 0
+
+
+def restarts_by_node(cfg: LaminarConfig) -> dict[str, int]:
+    """Restarts per node id, from the launcher's run_dir/supervisor.json (none without one:
+    nodes started by hand or by host_daemons.sh, whose restarts are in its own output)."""
+    path = cfg.resolved_run_dir() / "supervisor.json"
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {nid: int(v["restarts"]) for v in state["nodes"].values() for nid in v["node_ids"]}

@@ -34,7 +34,7 @@ from laminar.metrics import Metrics
 from laminar.protocol.core import NodeStatus
 from laminar.supervise import Supervisor
 from laminar.transport.client import RpcClient
-from laminar.transport.security import security_from_config
+from laminar.transport.security import plaintext_tcp_warning, security_from_config
 from laminar.transport.server import RpcServer
 from laminar.transport.sockets import Context, SocketOptions, Wiring, new_context
 
@@ -61,7 +61,7 @@ class Node:
         self.node_id = node_id or f"{self.role}-{index}"
         self._own_ctx = ctx is None
         self.ctx = ctx if ctx is not None else new_context()
-        self.opts = SocketOptions.from_config(cfg, security_from_config(cfg))
+        self.opts = SocketOptions.from_config(cfg, security_from_config(cfg, self.role))
         self.log = get_logger(role=self.role, node_id=self.node_id)
         self.metrics = Metrics()
         self.ready = asyncio.Event()
@@ -99,14 +99,20 @@ class Node:
         return NodeStatus(node_id=self.node_id, role=self.role)
 
     # ---- helpers for subclasses ---------------------------------------------------
-    def server(self, endpoint: str, **kw: Any) -> RpcServer:
-        """An RpcServer whose tasks run under this node's supervisor; closed at shutdown."""
+    def server(self, endpoint: str, max_message_bytes: int | None = None, **kw: Any) -> RpcServer:
+        """An RpcServer whose tasks run under this node's supervisor; closed at shutdown.
+        `max_message_bytes`: its inbound limit (zmq MAXMSGSIZE; see socket_max_message_bytes)."""
+        opts = (
+            self.opts
+            if max_message_bytes is None
+            else self.opts.with_max_message_bytes(max_message_bytes)
+        )
         srv = RpcServer(
             self.ctx,
             endpoint,
             self.node_id,
             self.role,
-            self.opts,
+            opts,
             status=self.status,
             spawn=self.spawn,
             **kw,
@@ -182,6 +188,8 @@ class Node:
     async def run(self) -> None:
         """Run the whole lifecycle; raises NodeFailed if a supervised task died."""
         self.log.info("starting")
+        if (plaintext := plaintext_tcp_warning(self.cfg)) is not None:
+            self.log.warning("tcp_without_curve", warning=plaintext)
         try:
             await self.setup()
             if self.registers_with_manager:

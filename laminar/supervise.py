@@ -24,6 +24,16 @@ from typing import Any
 
 from laminar.logs import get_logger
 
+EXIT_PERMANENT = 3
+"""Exit code of a node process whose failure a restart cannot fix (a PermanentFailure): the
+process supervisors (laminar/children.py, launchers/host_daemons.sh) give up at once."""
+
+
+class PermanentFailure(RuntimeError):
+    """A node failure that a restart would only repeat (e.g. nothing to train): its process
+    exits EXIT_PERMANENT, and supervision ends the job instead of restarting it."""
+
+
 Spawn = Callable[[Coroutine[Any, Any, Any], str], "asyncio.Task[Any]"]
 """Start a supervised background task: `spawn(coro, name) -> Task`."""
 

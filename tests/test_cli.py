@@ -72,7 +72,7 @@ def test_status_without_a_manager_fails_fast(tmp_path: Path, short_dir: Path, ca
 class Launcher:
     """One `laminar run` subprocess with its own run_dir and ipc_dir."""
 
-    def __init__(self, tmp_path: Path, ipc_dir: Path):
+    def __init__(self, tmp_path: Path, ipc_dir: Path, *overrides: str):
         self.run_dir = tmp_path / "run"
         self.log = tmp_path / "launcher.log"
         cmd = [
@@ -82,6 +82,7 @@ class Launcher:
             f"run_dir={self.run_dir}",
             f"cluster.ipc_dir={ipc_dir}",
             "logging.level=warning",
+            *overrides,
         ]
         self.proc = subprocess.Popen(
             cmd, stdout=self.log.open("w"), stderr=subprocess.STDOUT, cwd=REPO
@@ -124,7 +125,7 @@ class Launcher:
 @pytest.fixture
 def launcher(tmp_path: Path, short_dir: Path):
     started: list[Launcher] = []
-    yield lambda: started.append(Launcher(tmp_path, short_dir)) or started[-1]
+    yield lambda *o: started.append(Launcher(tmp_path, short_dir, *o)) or started[-1]
     for lnch in started:
         lnch.kill_everything()
 
@@ -152,11 +153,12 @@ def test_run_starts_every_node_and_sigint_stops_them_all(launcher) -> None:
 
 
 def test_run_reports_a_killed_node_and_exits_nonzero(launcher) -> None:
-    lnch = launcher()
+    lnch = launcher("cluster.restart.max_restarts=0")  # no restarts: the first death ends the job
     lnch.wait_registered()
     victim = lnch.pids["rollout-0"]
     os.kill(victim, signal.SIGKILL)
     rc = lnch.proc.wait(30)
     assert rc != 0
     assert f"node rollout-0 (pid {victim}) exited with code -9" in lnch.output()
+    assert "node rollout-0: restart budget spent" in lnch.output()
     assert [n for n, pid in lnch.pids.items() if _alive(pid)] == []

@@ -115,7 +115,7 @@ async def test_status_cli_lists_every_node_with_its_columns(tmp_path, short_dir)
     assert rows["trainer-0"]["version"] >= 1
     lines = table.strip().splitlines()
     assert lines[0].split() == ["node", "role", "alive", "version", "kv_use", "inflight", "staleness",
-                                "last_beat_s", "pid"]  # fmt: skip
+                                "last_beat_s", "pid", "restarts"]  # fmt: skip
     assert sorted(line.split()[0] for line in lines[1:]) == sorted(rows)
 
 

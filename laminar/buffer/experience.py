@@ -5,6 +5,7 @@
     state.apply("traj", {}, [trajectory])     # live (after the append) and at replay alike,
     state.apply("batch", {...})               # so a restarted buffer reaches the same state
     state.apply("commit", {...})
+    state.apply("reserve", {...})             # an open group whose lease ran out: a new holder
 
 Group life:  open ──all n finished──► ready ──batch──► outstanding ──commit──► committed
                │                         ▲                 │
@@ -208,6 +209,7 @@ class ExperienceState:
             "served": self._apply_served, "traj": self._apply_traj, "abandon": self._apply_abandon,
             "drop": self._apply_drop, "batch": self._apply_batch, "commit": self._apply_commit,
             "requeue": self._apply_requeue, "snapshot": self._apply_snapshot, "stats": self._apply_stats,
+            "reserve": self._apply_reserve,
         }  # fmt: skip
         handler = handlers.get(kind)
         if handler is None:
@@ -230,6 +232,21 @@ class ExperienceState:
                 [s["group_id"] for s in body["groups"]],
             )
         self.counts["groups_served"] += len(body["groups"])
+
+    def _apply_reserve(self, body: dict[str, Any], msgs: list[Any]) -> None:
+        # an open group whose lease ran out, served again (laminar/buffer/leases.py): only its
+        # holder changes; its members stay keyed by sample index, so nothing is counted twice
+        rollout_id = body["rollout_id"]
+        gids = [
+            gid
+            for gid in body["group_ids"]
+            if (g := self.groups.get(gid)) is not None and g.state == OPEN
+        ]
+        for gid in gids:
+            self.groups[gid].rollout_id = rollout_id
+        if body.get("request_id"):
+            self.last_reply[rollout_id] = (body["request_id"], gids)
+        self.counts["groups_reserved"] += len(gids)
 
     def _new_group(self, gid: str, uid: str, n: int, version: int, rollout_id: str,
                    item: PromptItem | None, serial: int | None = None) -> Group:  # fmt: skip

@@ -14,6 +14,10 @@ node looks healthy. Two checks catch it:
                    trajectories have no usable reward (checked once min(window, 8) arrived)
     stalled        trajectories arrived but no whole group became ready for
                    buffer.stall_warn_after_s seconds
+    reward_timeouts  the reward timed out (reward.timeout_s) on any of the last stall_window
+                   trajectories: a hanging reward costs a whole timeout per sample, so
+                   throughput collapses even when most rewards still come back; the
+                   warning gives the count in the window and since start
 
 Each warning names the causes with their counts (the reward's error, the row field it
 could not find, the row's fields, a hint for verl-style rows) and the groups dropped
@@ -95,6 +99,10 @@ class StallWatch:
         self.clock = clock
         self.window: deque[str | None] = deque(maxlen=bc.stall_window)
         """Per trajectory: None (usable) or its cause."""
+        self.timed_out: deque[bool] = deque(maxlen=bc.stall_window)
+        """Per trajectory of the window: did its reward time out?"""
+        self.timeouts_total = 0
+        self._timeout_example = ""
         self.causes: Counter[str] = Counter()
         """Causes of the trajectories in the window."""
         self.example: dict[str, tuple[str | None, list[str]]] = {}
@@ -123,6 +131,11 @@ class StallWatch:
         self.window.append(cause)
         if cause is not None:
             self.causes[cause] += 1
+        timeout = t.reward_info.get("error_kind") == "timeout"
+        self.timed_out.append(timeout)
+        if timeout:
+            self.timeouts_total += 1
+            self._timeout_example = str(t.reward_info.get("error", ""))[:120]
         self._arrived += 1
         self.check()
 
@@ -149,6 +162,14 @@ class StallWatch:
             self._warn("stalled", text, now)
         else:
             self._clear("stalled")
+        timeouts = sum(self.timed_out)
+        if timeouts:
+            text = (f"the reward timed out on {timeouts}/{len(self.timed_out)} of the last trajectories "
+                    f"({self.timeouts_total} since start; {self._timeout_example}): each costs a whole "
+                    "reward.timeout_s, so throughput drops; fix the hanging reward or lower reward.timeout_s")  # fmt: skip
+            self._warn("reward_timeouts", text, now)
+        else:
+            self._clear("reward_timeouts")
 
     # ---- text -------------------------------------------------------------------------
     def _causes_text(self) -> str:

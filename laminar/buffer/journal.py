@@ -5,16 +5,29 @@
     off = j.append("traj", {}, [trajectory])                             # write() to the OS
     await j.durable(off)                                                  # per the fsync policy
     j.close()
+    report = check_journal(path)      # offline, read-only (`laminar journal check RUN_DIR`)
 
-On disk: an 8-byte file magic, then records `[u32 length][u32 crc32][payload]`
-(little endian). The payload is msgpack `[kind, body, msg_frames...]` where each
-message is stored as the frames of the wire codec (laminar.transport.codec), so a
-journaled Trajectory is decoded and validated by the very code that decodes it
-off the network, arrays included.
+On disk: a 12-byte header (`LAMJRNL-` + u32 SCHEMA_VERSION), then records
+`[u32 length][u32 crc32][payload]` (little endian). The payload is msgpack
+`[kind, body, msg_frames...]` where each message is stored as the frames of the wire
+codec (laminar.transport.codec), so a journaled Trajectory is decoded and validated by
+the very code that decodes it off the network, arrays included. This module imports
+laminar.protocol itself: a process that replays a journal knows every message type.
 
-A crash can leave a torn last record (short, or with a bad checksum). Replay stops
-at the first bad record, copies whatever follows it to `<file>.corrupt-<time>`
-for inspection, truncates the file there, and appends after the last good record.
+The schema version is the journal's own, independent of the wire's PROTOCOL_VERSION.
+Schema 1 (before the header existed) is the 8-byte magic `LAMJRNL1` and the same records.
+An older schema is read through `_UPGRADES` (payload n -> payload n+1) and, once the
+whole file replayed, rewritten atomically in the current schema; the old file is kept
+as `<file>.schema<n>` (a hard link: no copy).
+
+Damage, and what replay does (it never loses a record whose checksum is valid):
+  * a torn tail - the last record short or with a bad checksum, and no valid record
+    after it - is what a crash mid-write leaves: it is copied to `<file>.corrupt-<ms>`,
+    the file is cut there (stats torn_bytes / torn_path; the ledger logs an error);
+  * a record with a valid checksum that does not decode (unknown message type, failed
+    validation, not a record), or a bad checksum with valid records after it, raises
+    JournalCorrupt naming the file, the byte offset and the record kind, and changes
+    nothing on disk: a code or schema mismatch must be fixed, not papered over.
 
 Durability (BufferConfig.fsync), decided per record before the node acks it:
   * every record is written to the OS with os.write before anything is acked, so
@@ -35,29 +48,70 @@ Compaction: `rewrite(records)` atomically replaces the file with a snapshot
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import fcntl
 import os
 import struct
 import time
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import msgpack
 
-from laminar.transport.codec import Message, ProtocolError, decode, encode
+import laminar.protocol  # noqa: F401  - registers every message type that a record may hold
+from laminar.transport.codec import Limits, Message, ProtocolError, decode, encode
 
-__all__ = ["Journal", "JournalError", "encode_record", "decode_record"]
+__all__ = [
+    "Journal",
+    "JournalCorrupt",
+    "JournalError",
+    "JournalReport",
+    "SCHEMA_VERSION",
+    "check_journal",
+    "decode_record",
+    "encode_record",
+]
 
-MAGIC = b"LAMJRNL1"
+SCHEMA_VERSION = 2
+"""The journal's record format; bump it (and add an _UPGRADES step) when records change."""
+_SIGNATURE = b"LAMJRNL-"
+_FILE_HEAD = struct.Struct("<8sI")
+MAGIC = _FILE_HEAD.pack(_SIGNATURE, SCHEMA_VERSION)
+"""The first bytes of a journal of the current schema."""
+MAGIC_V1 = b"LAMJRNL1"
+"""Schema 1: this magic, then records (no version field)."""
 _HEAD = struct.Struct("<II")
 MAX_RECORD_BYTES = 1 << 31
 
+_UPGRADES: dict[int, Callable[[bytes], bytes]] = {
+    1: lambda payload: payload,  # 1 -> 2: only the file header changed
+}
+"""schema n -> a function turning a schema-n record payload into a schema n+1 one."""
+
+# replay is not the network: a record holds what this buffer accepted, whatever the
+# sockets' limits are today (they may shrink); only the record size bounds it
+_LIMITS = Limits(max_frames=1 << 20, max_header_bytes=MAX_RECORD_BYTES,
+                 max_message_bytes=MAX_RECORD_BYTES, max_list_len=1 << 31, max_str_len=1 << 31)  # fmt: skip
+
 
 class JournalError(RuntimeError):
-    """The journal file cannot be used (wrong magic, unreadable)."""
+    """The journal file cannot be used (wrong magic, newer schema, in use)."""
+
+
+class JournalCorrupt(JournalError):
+    """A record that cannot be replayed; nothing on disk was changed."""
+
+    def __init__(self, path: Path, offset: int, kind: str, reason: str):
+        self.path, self.offset, self.kind, self.reason = path, offset, kind, reason
+        super().__init__(
+            f"{path}: record at byte offset {offset} (kind {kind}) cannot be replayed: {reason}. "
+            "Nothing was truncated or moved. Check it with `laminar journal check <run_dir>`; "
+            "if laminar was upgraded, run the version that wrote it, or move the file away to start afresh."
+        )
 
 
 def _frame_bytes(frame: Any) -> bytes:
@@ -87,11 +141,137 @@ def decode_record(payload: bytes) -> tuple[str, dict[str, Any], list[Message]]:
     ):
         raise ProtocolError("journal record must be [kind, body, msgs...]")
     msgs = []
-    for frames in parts[2:]:
+    for i, frames in enumerate(parts[2:]):
         if not isinstance(frames, list):
-            raise ProtocolError("journal message must be a list of frames")
-        msgs.append(decode(frames))
+            raise ProtocolError(f"message {i} of the record is not a list of frames")
+        try:
+            msgs.append(decode(frames, _LIMITS))
+        except ProtocolError as exc:
+            raise ProtocolError(f"message {i} of the record: {exc}") from None
     return parts[0], parts[1], msgs
+
+
+def _kind_of(payload: bytes) -> str:
+    """The record's kind for an error message, as far as the payload tells it."""
+    try:
+        parts = msgpack.unpackb(payload, raw=False)
+    except Exception:
+        return "unknown (not msgpack)"
+    if isinstance(parts, list) and parts and isinstance(parts[0], str):
+        return repr(parts[0])
+    return "unknown (not a record)"
+
+
+def _read_header(path: Path, data: bytes) -> tuple[int, int] | None:
+    """(schema, offset of the first record), or None for a file torn while its header was written."""
+    if data.startswith(MAGIC_V1):
+        return 1, len(MAGIC_V1)
+    if data.startswith(_SIGNATURE) and len(data) >= _FILE_HEAD.size:
+        schema = _FILE_HEAD.unpack_from(data)[1]
+        if schema > SCHEMA_VERSION:
+            raise JournalError(f"{path} has journal schema {schema}, newer than this laminar's "
+                               f"{SCHEMA_VERSION}: run the laminar version that wrote it")  # fmt: skip
+        if schema != SCHEMA_VERSION and schema not in _UPGRADES:
+            raise JournalError(f"{path}: journal schema {schema} is not one this laminar can read")
+        return schema, _FILE_HEAD.size
+    if len(data) < _FILE_HEAD.size and MAGIC.startswith(data):
+        return None
+    raise JournalError(
+        f"{path} is not a laminar journal (bad magic); move it away or use another run_dir"
+    )
+
+
+def _upgrade(schema: int, payload: bytes) -> bytes:
+    for s in range(schema, SCHEMA_VERSION):
+        payload = _UPGRADES[s](payload)
+    return payload
+
+
+def _records(data: bytes, pos: int) -> Iterator[tuple[int, bytes]]:
+    """(offset, payload) of each record whose checksum holds, from `pos` up to the first that does not."""
+    view = memoryview(data)
+    while pos + _HEAD.size <= len(data):
+        length, crc = _HEAD.unpack_from(data, pos)
+        end = pos + _HEAD.size + length
+        if length == 0 or length > MAX_RECORD_BYTES or end > len(data):
+            return  # never written (a record is at least a msgpack list): torn, or damaged
+        payload = view[pos + _HEAD.size : end]
+        if zlib.crc32(payload) != crc:
+            return
+        yield pos, bytes(payload)
+        pos = end
+
+
+def _next_valid(data: bytes, start: int) -> int | None:
+    """Offset of the first record with a valid checksum at or after `start`, if any.
+
+    A crash tears only the last record: a valid record after a bad one means damage in
+    the middle of the file, which replay must not cut off with the tail.
+    """
+    n = len(data)
+    head = _HEAD
+    for pos in range(start, n - head.size + 1):
+        length, crc = head.unpack_from(data, pos)
+        if (
+            0 < length <= n - pos - head.size
+            and zlib.crc32(data[pos + 8 : pos + 8 + length]) == crc
+        ):
+            return pos
+    return None
+
+
+@dataclass
+class JournalReport:
+    """What `check_journal` found in one file (read-only)."""
+
+    path: Path
+    schema: int | None = None
+    size: int = 0
+    records: int = 0
+    kinds: collections.Counter[str] = field(default_factory=collections.Counter)
+    bad: list[tuple[int, str, str]] = field(default_factory=list)
+    """(offset, kind, reason) of each record with a valid checksum that does not decode."""
+    torn_offset: int | None = None
+    torn_bytes: int = 0
+    error: str | None = None
+    """A problem with the file as a whole (bad magic, newer schema, damage mid-file)."""
+
+    @property
+    def ok(self) -> bool:
+        return not self.bad and not self.torn_bytes and self.error is None
+
+
+def check_journal(path: str | os.PathLike[str]) -> JournalReport:
+    """Verify every record of a journal without changing it (no lock: safe beside a live buffer)."""
+    rep = JournalReport(Path(path))
+    data = rep.path.read_bytes()
+    rep.size = len(data)
+    try:
+        head = _read_header(rep.path, data)
+    except JournalError as exc:
+        rep.error = str(exc)
+        return rep
+    if head is None:
+        rep.schema, rep.torn_offset, rep.torn_bytes = SCHEMA_VERSION, 0, len(data)
+        return rep
+    rep.schema, stop = head
+    for off, payload in _records(data, stop):
+        stop = off + _HEAD.size + len(payload)
+        try:
+            kind, _, _ = decode_record(_upgrade(rep.schema, payload))
+        except ProtocolError as exc:
+            rep.bad.append((off, _kind_of(payload), str(exc)))
+            continue
+        rep.records += 1
+        rep.kinds[kind] += 1
+    if stop < len(data):
+        later = _next_valid(data, stop + 1)
+        if later is None:
+            rep.torn_offset, rep.torn_bytes = stop, len(data) - stop
+        else:
+            rep.error = (f"bad record at byte offset {stop} with a valid record at {later} after it: "
+                         "damage in the middle of the file (replay refuses it)")  # fmt: skip
+    return rep
 
 
 class Journal:
@@ -120,7 +300,13 @@ class Journal:
             "torn_bytes": 0,
             "replayed": 0,
             "bad_records": 0,
+            "torn_offset": -1,
+            "upgraded_from_schema": 0,
         }
+        self.torn_path: Path | None = None
+        """Where replay moved a torn tail."""
+        self.upgraded_from: tuple[int, Path] | None = None
+        """(schema, kept old file) when replay upgraded an older journal."""
 
     # ---- open + replay ---------------------------------------------------------------
     def _lock(self) -> None:
@@ -136,57 +322,89 @@ class Journal:
             ) from None
         self._lock_fd = fd
 
+    def _unlock(self) -> None:
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
     def replay(self) -> Iterator[tuple[str, dict[str, Any], list[Message]]]:
-        """Yield every good record, then leave the file open for appends after the last one."""
+        """Yield every record, then leave the file open for appends after the last one."""
+        for _, kind, body, msgs in self.replay_at():
+            yield kind, body, msgs
+
+    def replay_at(self) -> Iterator[tuple[int, str, dict[str, Any], list[Message]]]:
+        """replay(), each record with its byte offset (for errors that name it)."""
         if self._lock_fd < 0:
             self._lock()
         if not self.path.exists() or self.path.stat().st_size == 0:
             self._open_new()
             return
-        with open(self.path, "rb") as f:
-            data = f.read()
-        if not data.startswith(MAGIC):
-            if len(data) < len(MAGIC) and MAGIC.startswith(data):  # torn while writing the magic
-                self._open_new()
-                return
-            os.close(self._lock_fd)
-            self._lock_fd = -1
-            raise JournalError(
-                f"{self.path} is not a laminar journal (bad magic); move it away or use another run_dir"
-            )
-        pos = len(MAGIC)
-        good = pos
-        view = memoryview(data)
-        while pos < len(data):
-            if pos + _HEAD.size > len(data):
-                break
-            length, crc = _HEAD.unpack_from(data, pos)
-            end = pos + _HEAD.size + length
-            if length > MAX_RECORD_BYTES or end > len(data):
-                break
-            payload = view[pos + _HEAD.size : end]
-            if zlib.crc32(payload) != crc:
-                break
+        data = self.path.read_bytes()
+        try:
+            head = _read_header(self.path, data)
+        except JournalError:
+            self._unlock()
+            raise
+        if head is None:  # torn while writing the header of a new file
+            self._open_new()
+            return
+        schema, good = head
+        upgraded: list[bytes] = []
+        for off, payload in _records(data, good):
+            if schema != SCHEMA_VERSION:
+                payload = _upgrade(schema, payload)
+                upgraded.append(payload)
             try:
-                rec = decode_record(bytes(payload))
-            except ProtocolError:
+                kind, body, msgs = decode_record(payload)
+            except ProtocolError as exc:
                 self.stats["bad_records"] += 1
-                break
-            pos = good = end
+                self._unlock()
+                raise JournalCorrupt(self.path, off, _kind_of(payload), str(exc)) from None
+            good = off + _HEAD.size + len(payload)
             self.stats["replayed"] += 1
-            yield rec
+            yield off, kind, body, msgs
         if good < len(data):
+            later = _next_valid(data, good + 1)
+            if later is not None:
+                self.stats["bad_records"] += 1
+                self._unlock()
+                raise JournalCorrupt(self.path, good, _kind_of(data[good + _HEAD.size :][:1 << 16]),
+                                     f"bad checksum or length, and a valid record follows at byte "
+                                     f"offset {later}: damage in the middle of the file")  # fmt: skip
             self._quarantine(data[good:], good)
-        self._open_existing(good)
+        if schema != SCHEMA_VERSION:
+            self._upgrade_file(schema, upgraded)
+        else:
+            self._open_existing(good)
 
     def _quarantine(self, tail: bytes, offset: int) -> None:
-        self.stats["torn_bytes"] = len(tail)
+        """Keep the torn tail beside the journal (durably), then cut the journal before it."""
         aside = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time() * 1000)}")
-        aside.write_bytes(tail)
+        fd = os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            _write_all(fd, tail)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        _fsync_dir(self.path.parent)
         with open(self.path, "r+b") as f:
             f.truncate(offset)
             f.flush()
             os.fsync(f.fileno())
+        self.stats["torn_bytes"] = len(tail)
+        self.stats["torn_offset"] = offset
+        self.torn_path = aside
+
+    def _upgrade_file(self, schema: int, payloads: list[bytes]) -> None:
+        """Rewrite an older-schema journal in the current one; the old file stays as <file>.schema<n>."""
+        records = [_HEAD.pack(len(p), zlib.crc32(p)) + p for p in payloads]
+        old = self.path.with_name(f"{self.path.name}.schema{schema}")
+        if old.exists():
+            old = old.with_name(f"{old.name}-{int(time.time() * 1000)}")
+        os.link(self.path, old)  # the same inode: the old bytes stay, no copy
+        self.rewrite(records)
+        self.upgraded_from = (schema, old)
+        self.stats["upgraded_from_schema"] = schema
 
     def _open_new(self) -> None:
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)

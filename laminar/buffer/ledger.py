@@ -23,7 +23,7 @@ from typing import Any
 import structlog
 
 from laminar.buffer.experience import ExperienceState
-from laminar.buffer.journal import Journal
+from laminar.buffer.journal import SCHEMA_VERSION, Journal, JournalCorrupt
 from laminar.metrics import Metrics
 from laminar.transport.codec import Message
 
@@ -46,20 +46,38 @@ class Ledger:
         """Set (and replaced by a fresh one) when a record of a kind in _WAKES was applied."""
 
     def replay(self) -> int:
-        """Apply every record of the journal (blocking I/O); returns how many."""
+        """Apply every record of the journal (blocking I/O); returns how many.
+
+        Raises JournalCorrupt (file, offset, kind) for a record that does not decode or that
+        the state refuses; the journal is left exactly as it was.
+        """
         if self.journal is None:
             return 0
         t0 = time.monotonic()
         n = 0
-        for kind, body, msgs in self.journal.replay():
-            self.state.apply(kind, body, msgs)
+        for off, kind, body, msgs in self.journal.replay_at():
+            try:
+                self.state.apply(kind, body, msgs)
+            except (
+                Exception
+            ) as exc:  # a record this code cannot apply: stop, name it, keep the file
+                self.journal.close()
+                raise JournalCorrupt(self.journal.path, off, repr(kind),
+                                     f"the buffer state refused it ({type(exc).__name__}: {exc})") from exc  # fmt: skip
             n += 1
+        j = self.journal
         summary = self.state.summary()
-        self.log.info("journal_replayed", path=str(self.journal.path), records=n, bytes=self.journal.size,
-                      torn_bytes=self.journal.stats["torn_bytes"], seconds=round(time.monotonic() - t0, 3),
+        self.log.info("journal_replayed", path=str(j.path), records=n, bytes=j.size,
+                      torn_bytes=j.stats["torn_bytes"], seconds=round(time.monotonic() - t0, 3),
                       **{k: summary[k] for k in ("held", "groups_ready", "outstanding_batches")})  # fmt: skip
-        if self.journal.stats["torn_bytes"]:
-            self.log.warning("journal_torn_tail", bytes=self.journal.stats["torn_bytes"])
+        if j.torn_path is not None:
+            self.log.error("journal_torn_tail", path=str(j.path), bytes=j.stats["torn_bytes"],
+                           offset=j.stats["torn_offset"], moved_to=str(j.torn_path),
+                           detail="a record cut short by a crash (or a bad checksum at the end) was cut "
+                                  "from the journal and kept aside")  # fmt: skip
+        if j.upgraded_from is not None:
+            self.log.warning("journal_upgraded", path=str(j.path), from_schema=j.upgraded_from[0],
+                             to_schema=SCHEMA_VERSION, old_file=str(j.upgraded_from[1]))  # fmt: skip
         return n
 
     def record(self, kind: str, body: dict[str, Any], msgs: Sequence[Message] = ()) -> int:

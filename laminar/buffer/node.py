@@ -1,6 +1,6 @@
 """Buffer node: prompt pool, partial-response pool, experience buffer and its durable journal.
 
-    rollout ──PromptRequest(credits, version)──► PromptServer (retry table, admission, capacity, pool) ──► PromptReply
+    rollout ──PromptRequest(credits, version)──► PromptServer (retry table, expired leases, admission, capacity, pool) ──► PromptReply
     rollout ──PartialChunk (one-way)───────────► PartialPool ◄──PartialsRequest── manager (recover: records + unstarted samples)
     rollout ──Trajectory / TrajectoryAbandoned─► Intake ─► Ledger "traj" / "abandon" ─► Ack (after durable)
     trainer ──BatchRequest (long-poll)─────────► BatchServer: plan whole ready groups ─► Ledger "batch" ─► BatchReply
@@ -38,6 +38,7 @@ from laminar.buffer.experience import ExperienceState
 from laminar.buffer.health import StallWatch
 from laminar.buffer.intake import Intake
 from laminar.buffer.journal import Journal
+from laminar.buffer.leases import Leases
 from laminar.buffer.ledger import Ledger
 from laminar.buffer.partials import PartialPool, recover
 from laminar.buffer.prompt_server import PromptServer, check_capacity
@@ -56,7 +57,7 @@ from laminar.protocol.buffer import (
 )  # fmt: skip
 from laminar.protocol.core import Ack, ErrorReply, NodeStatus
 from laminar.protocol.data import PartialChunk, Trajectory
-from laminar.transport.sockets import Peer
+from laminar.transport.sockets import Peer, socket_max_message_bytes
 
 
 class BufferNode(Node):
@@ -84,13 +85,17 @@ class BufferNode(Node):
                 if warn:
                     self.log.warning("prompt_cursor_mismatch", detail=warn)
             await self.ledger.compact_if_due()
+        self.leases = Leases(bc.lease_s)
+        self.leases.seed(self.state.groups)  # replayed open groups: a fresh lease from now
         self.prompts = PromptServer(bc, cfg.rollout.group_size, self.admission, self.ledger, self.pool,
-                                    self.metrics)  # fmt: skip
+                                    self.metrics, self.leases, self.log)  # fmt: skip
         self.intake = Intake(self.ledger, self.partials, self.metrics, self.log)
         self.batches = BatchServer(
             bc, self.admission, self.ledger, self.pool, self.metrics, self.log
         )
-        self.srv = self.server(cfg.bind_endpoint("buffer"))
+        self.srv = self.server(
+            cfg.bind_endpoint("buffer"), max_message_bytes=socket_max_message_bytes(cfg, "buffer")
+        )
         self.srv.on(PromptRequest, self._on_prompts)
         self.srv.on(PartialChunk, self._on_chunk)
         self.srv.on(Trajectory, self._on_trajectory)
@@ -124,17 +129,20 @@ class BufferNode(Node):
         return await self.prompts.serve(req)
 
     def _on_chunk(self, peer: Peer, chunk: PartialChunk) -> None:
+        self.leases.touch(chunk.uid.rpartition("/")[0])  # progress on its group
         res = self.partials.apply(chunk)
         if res in ("bad", "unknown", "gap"):
             self.metrics.count(f"chunks_{res}")
 
     async def _on_trajectory(self, peer: Peer, t: Trajectory) -> Ack | ErrorReply:
+        self.leases.touch(t.group_id)
         reply = await self.intake.trajectory(t, peer.node_id)
         if isinstance(reply, Ack) and not reply.info:  # stored now (not a duplicate or late)
             self.health.observe(t)
         return reply
 
     async def _on_abandoned(self, peer: Peer, msg: TrajectoryAbandoned) -> Ack | ErrorReply:
+        self.leases.touch(msg.group_id)
         return await self.intake.abandoned(msg)
 
     def _on_partials(self, peer: Peer, req: PartialsRequest) -> PartialsReply:

@@ -1,11 +1,15 @@
 """Serving prompts: a PromptRequest -> admission, capacity, the pool -> a journaled PromptReply.
 
-    server = PromptServer(cfg.buffer, cfg.rollout.group_size, admission, ledger, pool, metrics)
+    server = PromptServer(cfg.buffer, cfg.rollout.group_size, admission, ledger, pool, metrics,
+                          leases, log)
     reply = await server.serve(req)           # acked only after its "served" record is durable
 
 Order of the checks (the reply's reason names the first that says no):
   1. a retry of the rollout's last request (same request_id): the same groups again;
   2. no prompt dataset: empty;
+  2b. open groups whose lease ran out (laminar/buffer/leases.py), held by another rollout:
+     served again to this one, alone in the reply (a journaled "reserve" record), when
+     admission lets this rollout take work at all;
   3. global_update (sync / one_step / stream): no work at a new version while older groups
      are still generating, so the update reaches every rollout at once;
   4. admission (laminar/buffer/admission.py): need_version (+ min_version) | staleness;
@@ -22,6 +26,7 @@ import structlog
 
 from laminar.buffer.admission import Admission, admit
 from laminar.buffer.experience import OPEN
+from laminar.buffer.leases import Leases
 from laminar.buffer.ledger import Ledger
 from laminar.buffer.prompts import PromptPool
 from laminar.config import BufferConfig, LaminarConfig
@@ -46,7 +51,8 @@ def check_capacity(cfg: LaminarConfig, log: structlog.typing.FilteringBoundLogge
 
 class PromptServer:
     def __init__(self, bc: BufferConfig, group_size: int, admission: Admission, ledger: Ledger,
-                 pool: PromptPool | None, metrics: Metrics):  # fmt: skip
+                 pool: PromptPool | None, metrics: Metrics, leases: Leases | None = None,
+                 log: structlog.typing.FilteringBoundLogger | None = None):  # fmt: skip
         self.capacity = bc.capacity
         self.retry_after_s = bc.retry_after_s
         self.n = group_size
@@ -54,6 +60,8 @@ class PromptServer:
         self.ledger = ledger
         self.pool = pool
         self.metrics = metrics
+        self.leases = leases if leases is not None else Leases(bc.lease_s)
+        self.log = log if log is not None else structlog.get_logger("buffer")
         self.rollout_versions: dict[str, int] = {}
         """The version each rollout reported with its last request (stats)."""
 
@@ -74,6 +82,9 @@ class PromptServer:
         wait = self.retry_after_s
         if self.pool is None:
             return PromptReply(retry_after_s=wait, reason="empty")
+        again = await self._serve_expired(req)
+        if again is not None:
+            return again
         if self.admission.policy.global_update and any(
             g.state == OPEN and g.version < req.version for g in st.groups.values()
         ):
@@ -106,6 +117,33 @@ class PromptServer:
         except Exception:
             self.pool.restore(cursor)  # not journaled: serve these rows again later
             raise
+        for it in items:
+            self.leases.served(it.group_id)
         self.metrics.count("prompts_served", len(items))
         await self.ledger.durable(off)
         return PromptReply(items=items, min_version=dec.min_version)
+
+    async def _serve_expired(self, req: PromptRequest) -> PromptReply | None:
+        """Open groups whose holder went silent for a lease, served again to this rollout."""
+        st = self.ledger.state
+        groups = self.leases.expired(st.groups, req.rollout_id, req.max_groups)
+        if not groups:
+            return None
+        dec = admit(self.admission, rollout_version=req.version, requested=len(groups),
+                    trainer_version=st.trainer_version, next_version=st.next_version,
+                    unconsumed=st.unconsumed_by_version() if self.admission.bound is not None else {})  # fmt: skip
+        if dec.groups <= 0:
+            return None  # this rollout may take no work now: the normal path says why
+        groups = groups[: dec.groups]
+        for g in groups:
+            self.log.warning("lease_expired", group_id=g.group_id, holder=g.rollout_id, to=req.rollout_id,
+                             silent_s=round(self.leases.silent_for(g.group_id), 1),
+                             finished=g.finished, n=g.n)  # fmt: skip
+        gids = [g.group_id for g in groups]
+        off = self.ledger.record("reserve", {"rollout_id": req.rollout_id, "request_id": req.request_id,
+                                             "group_ids": gids})  # fmt: skip
+        for gid in gids:
+            self.leases.served(gid)
+        self.metrics.count("groups_reserved", len(gids))
+        await self.ledger.durable(off)
+        return PromptReply(items=[g.item for g in groups if g.item is not None])

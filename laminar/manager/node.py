@@ -48,7 +48,7 @@ from laminar.protocol.relay import ChainUpdate
 from laminar.protocol.rollout import RefreshRequest
 from laminar.protocol.trainer import VersionPublished
 from laminar.transport.client import RpcClient
-from laminar.transport.sockets import Peer, RemoteError, TransportError
+from laminar.transport.sockets import Peer, RemoteError, TransportError, socket_max_message_bytes
 
 
 class ManagerNode(Node):
@@ -72,6 +72,7 @@ class ManagerNode(Node):
             self.on_close(self._timeline.close)
         self.srv = self.server(
             self.cfg.bind_endpoint("manager"),
+            max_message_bytes=socket_max_message_bytes(self.cfg, "manager"),
             on_peer_dead=self._on_dead,
             on_peer_join=self._on_join,
         )

@@ -64,7 +64,7 @@ from laminar.relay.chain import ChainFollower, Pacer, ReceivingStarted
 from laminar.relay.delta import is_unchanged
 from laminar.relay.shm import OutOfSlots, VersionState, WeightStore, default_shm_dir
 from laminar.transport.codec import ProtocolError
-from laminar.transport.sockets import Peer, TransportError
+from laminar.transport.sockets import Peer, TransportError, socket_max_message_bytes
 from laminar.transport.streams import Publisher
 from laminar.transport.weight_layout import (
     chunk_digest,
@@ -96,7 +96,9 @@ class RelayNode(Node):
         self._host = socket.gethostname()
 
         self.srv = self.server(
-            cfg.bind_endpoint("relay", self.index), on_peer_dead=self._on_peer_dead
+            cfg.bind_endpoint("relay", self.index),
+            max_message_bytes=socket_max_message_bytes(cfg, "relay"),
+            on_peer_dead=self._on_peer_dead,
         )
         for msg_type, handler in (
             (StageRequest, self._on_stage), (PushChunk, self._on_push_chunk), (CommitRequest, self._on_commit),
@@ -104,13 +106,17 @@ class RelayNode(Node):
             (ChainUpdate, self._on_chain_update), (ChainInfoRequest, self._on_chain_info), (RelayReset, self._on_reset),
         ):  # fmt: skip
             self.srv.on(msg_type, handler)
-        self.data = self.server(cfg.bind_endpoint("relay_data", self.index))
+        self.data = self.server(
+            cfg.bind_endpoint("relay_data", self.index),
+            max_message_bytes=socket_max_message_bytes(cfg, "relay_data"),
+        )
         self.data.on(OfferRequest, self._on_offer_request)
         self.data.on(FetchChunk, self._on_fetch)
         self.data.on(ChainInfoRequest, self._on_chain_info)
         self.pub = Publisher(
             self.ctx, cfg.bind_endpoint("relay_pub", self.index), self.node_id, self.opts,
             spawn=self.spawn,  # its READY-barrier watcher: a death stops the relay
+            members=lambda: {p.node_id for p in self.srv.peers.values() if p.alive},  # HELLO'd only
         )  # fmt: skip
         await self.srv.start()
         await self.data.start()

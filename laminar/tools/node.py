@@ -35,7 +35,7 @@ from laminar.tools.cache import ToolCache
 from laminar.tools.client import reply_of
 from laminar.tools.registry import Registry
 from laminar.tools.sandbox import SandboxPool
-from laminar.transport.sockets import Peer
+from laminar.transport.sockets import Peer, socket_max_message_bytes
 
 MAX_CALL_ID = 512
 
@@ -58,7 +58,10 @@ class ToolsNode(Node):
         self.on_close(self.cache.close)
         self.log.info("tools_ready", tools=self.registry.names(), network=self.pool.network,
                       journaled_results=loaded)  # fmt: skip
-        self.srv = self.server(self.cfg.bind_endpoint("tools", self.index))
+        self.srv = self.server(
+            self.cfg.bind_endpoint("tools", self.index),
+            max_message_bytes=socket_max_message_bytes(self.cfg, "tools"),
+        )
         self.srv.on(ToolCallRequest, self._on_call)
         self.srv.on(ToolStatsRequest, self._on_stats)
         await self.srv.start()

@@ -34,16 +34,19 @@ next version (see commits.py), so no version number names two weight sets.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from laminar.config import LaminarConfig
 from laminar.node import Node
-from laminar.protocol.buffer import BatchReply
+from laminar.protocol.buffer import BatchReply, BufferStats
 from laminar.protocol.core import NodeStatus
 from laminar.protocol.trainer import VersionPublished
+from laminar.supervise import PermanentFailure
 from laminar.trainer.commits import CommitLedger, VersionMark
 from laminar.trainer.engine import Trainer, open_trainer
 from laminar.trainer.feed import BatchFeed
@@ -57,7 +60,12 @@ if TYPE_CHECKING:
     from laminar.trainer.dist import DistContext
     from laminar.trainer.evaluation import Evaluator
     from laminar.trainer.logger import MetricsLogger
-    from laminar.transport.weights_channel import WeightPublisher
+    from laminar.transport.weights_channel import Published, WeightPublisher
+
+
+class NothingTrained(PermanentFailure):  # a restart would fail the same way
+    """The data ran out before a single step was trained (e.g. every reward failed): the run
+    failed, and the node exits non-zero with the buffer's reason (`laminar run` exits 1)."""
 
 
 class TrainerNode(Node):
@@ -183,12 +191,32 @@ class TrainerNode(Node):
             async with self._step_lock:
                 await self._checkpoint("final")
             why = "data exhausted" if self.step < total else "total_steps"
+            if self.step == 0:
+                raise NothingTrained(await self._why_nothing_trained())
             self.request_stop(f"done: {self.step} steps ({why})")
         elif self.stopping.is_set():
             # a stop that came during the last step: main may end before the node gets to
             # drain(), which would then be skipped; the second of the two is a no-op
             async with self._step_lock:
                 await self._checkpoint("stop")
+
+    async def _why_nothing_trained(self) -> str:
+        """The buffer's view of why no group ever became trainable (its warnings and drop counts)."""
+        text = "trained 0 steps: the data ran out and no group was ever trainable"
+        try:
+            reply = await self.buffer.request(BufferStats(), timeout=5.0, retries=1)
+        except Exception as exc:  # noqa: BLE001 - the failure stands without the buffer's detail
+            return f"{text} (buffer stats unavailable: {type(exc).__name__})"
+        st = reply.stats if isinstance(reply, BufferStats) else {}
+        dropped = ", ".join(f"{k.removeprefix('dropped_')}: {v}" for k, v in sorted(st.items())
+                            if k.startswith("dropped_") and v)  # fmt: skip
+        text += (f"; {st.get('trajectories', 0)} trajectories stored, {st.get('unusable', 0)} without a usable "
+                 f"reward, {st.get('groups_dropped', 0)} groups dropped ({dropped or 'none'})")  # fmt: skip
+        warnings = st.get("warnings") or {}
+        if warnings:
+            text += "; buffer: " + " | ".join(f"{k}: {v}" for k, v in warnings.items())
+        self.log.error("nothing_trained", reason=text)
+        return text
 
     async def drain(self) -> None:
         if self.rank != 0:
@@ -292,7 +320,9 @@ class TrainerNode(Node):
         """Hand the version off and announce it; (stall seconds, bytes), NaN stall if it failed."""
         assert self.handoff is not None and self.manager is not None
         try:
-            pub = await self.handoff.publish(self.version, self.step, weights)
+            pub = await self._unless_stopping(
+                self.handoff.publish(self.version, self.step, weights)
+            )
         except (TransportError, RuntimeError, OSError) as exc:
             # no relay reachable (or the disk is full): rollouts keep the last version they have;
             # the next step pushes again. Training must not stop for it.
@@ -312,6 +342,28 @@ class TrainerNode(Node):
             self.metrics.count("version_announce_failed")
             self.log.warning("version_announce_failed", error=str(exc))
         return pub.stall_s, pub.num_bytes
+
+    async def _unless_stopping(self, publish: Coroutine[Any, Any, Published]) -> Published:
+        """A stop must not wait on a relay that is gone: once stopping, a pending publish gets a
+        short grace, then is abandoned like a failed one (the stop checkpoint holds the step;
+        rollouts keep the version they have)."""
+        # both tasks are awaited or cancelled here, never left behind
+        push = asyncio.ensure_future(publish)
+        stop = asyncio.ensure_future(self.stopping.wait())
+        try:
+            await asyncio.wait({push, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if not push.done():
+                await asyncio.wait({push}, timeout=self.cfg.transport.stop_timeout_s / 4)
+            if not push.done():
+                push.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await push
+                raise TransportError("publish abandoned: the node is stopping")
+            return push.result()
+        finally:
+            stop.cancel()
+            if not push.done():  # we are being cancelled ourselves
+                push.cancel()
 
     async def _commit_before_restart(self) -> None:
         if self.commits.gated and self._last_ckpt_step < self.step:

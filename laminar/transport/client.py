@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -72,7 +74,9 @@ class RpcClient:
         self.stats = SocketStats()
         self.server_id: str | None = None
         self._status, self._on_server_dead, self._on_connect = status, on_server_dead, on_connect
-        self._info = info or {}
+        # pid + host let a server tell this process re-handshaking (takes its entry over) from
+        # another process claiming the same node id (refused while the holder is alive)
+        self._info = {"pid": os.getpid(), "host": socket.gethostname(), **(info or {})}
         self._spawn = spawn
         self._disp = Dispatcher()
         self._pending = Pending()
@@ -121,7 +125,10 @@ class RpcClient:
                 )
                 break
             except (RequestTimeout, RemoteError, PeerDead) as exc:
-                if isinstance(exc, RemoteError) and exc.code == "protocol_version":
+                if isinstance(exc, RemoteError) and exc.code in (
+                    "protocol_version",
+                    "identity_refused",  # our key may not claim this role: retrying cannot help
+                ):
                     raise
                 if time.monotonic() + backoff > deadline:
                     raise RequestTimeout(f"handshake with {self.endpoint} failed: {exc}") from None

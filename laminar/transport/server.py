@@ -28,9 +28,11 @@ import structlog
 import zmq
 import zmq.asyncio
 
+from laminar.logs import RateLimitedLog
 from laminar.protocol.core import Ack, Bye, ErrorReply, Heartbeat, Hello, NodeStatus, Welcome
 from laminar.supervise import Spawn, detached_spawn
 from laminar.transport.codec import PROTOCOL_VERSION, Message, ProtocolError, decode, encode
+from laminar.transport.security import IdentityRefused, peer_key
 from laminar.transport.sockets import (
     Dispatcher,
     Handler,
@@ -76,6 +78,9 @@ class RpcServer:
         self._tasks: list[asyncio.Task[Any]] = []
         self._seq = 0
         self.log = log.bind(node_id=node_id, socket="server", endpoint=endpoint)
+        # a fuzzer sends thousands: the first few in full, then a counted summary every few seconds
+        self._bad_log = RateLimitedLog(self.log, "bad_message")
+        self._unknown_log = RateLimitedLog(self.log, "unknown_peer")
 
     def on(self, msg_type: type[Message], handler: Handler) -> None:
         """Register `async handler(peer, msg) -> reply | None` for a message type."""
@@ -164,7 +169,7 @@ class RpcServer:
     def _bad(self, what: str) -> None:
         self.stats.bad_frames += 1
         self.stats.last_error = what
-        self.log.warning("bad_message", error=what)
+        self._bad_log.warning(error=what)
 
     async def _reply_error(self, identity: bytes, rid: bytes, code: str, text: str) -> None:
         if rid[:1] == b"Q":
@@ -191,11 +196,11 @@ class RpcServer:
                 continue
             peer = self._by_identity.get(identity)
             if isinstance(msg, Hello):
-                await self._on_hello(identity, rid, msg)
+                await self._on_hello(identity, rid, msg, peer_key(frames[2]))
                 continue
             if peer is None:
                 self.stats.unknown_peer += 1
-                self.log.warning("unknown_peer", msg=type(msg).__name__)
+                self._unknown_log.warning(msg=type(msg).__name__)
                 # a heartbeat is one-way: tell the client (e.g. after our restart) to handshake again
                 if isinstance(msg, Heartbeat):
                     with contextlib.suppress(TransportError):
@@ -261,7 +266,14 @@ class RpcServer:
             with contextlib.suppress(TransportError):
                 await self._send(identity, b"R" + rid[1:], reply if reply is not None else Ack())
 
-    async def _on_hello(self, identity: bytes, rid: bytes, msg: Hello) -> None:
+    async def _on_hello(
+        self, identity: bytes, rid: bytes, msg: Hello, key: str | None = None
+    ) -> None:
+        """Admit a peer, unless its CURVE key may not claim this role/id (`key`: the z85 public
+        key ZAP authenticated; None without CURVE, where the claim is unauthenticated) or the id
+        belongs to a live peer: a newcomer never evicts a live node (it retries and is admitted
+        once liveness declares the old one dead). The same process re-handshaking on a fresh
+        socket (same `info`: pid and start time) takes its own entry over."""
         if msg.protocol != PROTOCOL_VERSION:
             self._bad(f"protocol {msg.protocol} from {msg.node_id}, want {PROTOCOL_VERSION}")
             await self._reply_error(
@@ -271,7 +283,33 @@ class RpcServer:
                 f"server speaks {PROTOCOL_VERSION}, got {msg.protocol}",
             )
             return
+        if self.opts.security is not None:
+            try:
+                self.opts.security.check_claim(key, msg.role, msg.node_id)
+            except IdentityRefused as exc:
+                self.stats.refused_identity += 1
+                self.stats.last_error = str(exc)
+                self.log.warning(
+                    "hello_refused", peer=msg.node_id, peer_role=msg.role, error=str(exc)
+                )
+                await self._reply_error(identity, rid, "identity_refused", str(exc))
+                return
         old = self.peers.get(msg.node_id)
+        if (
+            old is not None
+            and old.identity != identity
+            and old.alive
+            and time.monotonic() - old.last_seen <= self.opts.dead_after_s
+            and not _same_process(old.info, dict(msg.info))
+        ):
+            self.stats.refused_id_in_use += 1
+            text = (
+                f"node id {msg.node_id!r} is held by a live peer; retry after it is declared dead"
+            )
+            self.stats.last_error = text
+            self.log.warning("hello_id_in_use", peer=msg.node_id, peer_role=msg.role)
+            await self._reply_error(identity, rid, "id_in_use", text)
+            return
         if old is not None:
             self._by_identity.pop(old.identity, None)
         peer = Peer(node_id=msg.node_id, role=msg.role, identity=identity, info=dict(msg.info))
@@ -300,6 +338,8 @@ class RpcServer:
         while True:
             await asyncio.sleep(interval)  # a timer, not synchronisation
             self._seq += 1
+            self._bad_log.flush()
+            self._unknown_log.flush()
             now = time.monotonic()
             status = self._status() if self._status else None
             for peer in list(self.peers.values()):
@@ -325,3 +365,10 @@ class RpcServer:
                     )
                 except TransportError:
                     self.stats.heartbeats_dropped += 1
+
+
+def _same_process(old: dict[str, Any], new: dict[str, Any]) -> bool:
+    """Whether two HELLOs came from one client process (a reconnect on a fresh socket), by the
+    pid/host/started that RpcClient and Node put in `info`. Unauthenticated without CURVE."""
+    keys = ("pid", "host", "started")
+    return old.get("pid") is not None and all(old.get(k) == new.get(k) for k in keys)

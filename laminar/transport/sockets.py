@@ -26,7 +26,7 @@ import itertools
 import os
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import zmq
@@ -101,6 +101,50 @@ class SocketOptions:
     def dead_after_s(self) -> float:
         return self.heartbeat_interval_s * self.heartbeat_liveness
 
+    def with_max_message_bytes(self, n: int) -> SocketOptions:
+        """These options with another inbound size limit: zmq MAXMSGSIZE (a peer sending a
+        bigger frame is disconnected before Python sees a byte) and the codec's total check."""
+        return replace(self, limits=replace(self.limits, max_message_bytes=n))
+
+
+# Sizing the per-socket limits (issue 15): a socket accepts what it carries, not 2 GiB.
+_BYTES_PER_TOKEN = 64
+"""Generous bytes per trajectory token on the wire: id + logprob + mask arrays (9 B) plus the
+token's share of text, info and msgpack overhead."""
+
+
+def trajectory_bytes(cfg: LaminarConfig) -> int:
+    """Upper bound of one trajectory on the wire: prompt plus the longest episode (multi-turn
+    env limits: model and environment tokens together) at `_BYTES_PER_TOKEN`."""
+    episode = cfg.rollout.sampling.max_tokens
+    if cfg.env.fn is not None:
+        limits = cfg.env.limits
+        episode = max(episode, limits.max_total_tokens or 0, limits.max_turns * episode)
+    return (cfg.data.max_prompt_tokens + episode) * _BYTES_PER_TOKEN
+
+
+def socket_max_message_bytes(cfg: LaminarConfig, service: str) -> int:
+    """MAXMSGSIZE of a server socket by what it carries:
+
+    - manager: heartbeats, status, moves; ExportReply hands over up to max_running partial
+      trajectories, so max(control limit, max_running x trajectory);
+    - buffer: a whole group of trajectories (derived; `transport.buffer_max_message_bytes`
+      overrides, `buffer_min_message_bytes` is the floor);
+    - relay / relay_data: one weight chunk plus its header;
+    - anything else (tools, control): `transport.control_max_message_bytes`.
+    Never above `transport.max_message_bytes`."""
+    t = cfg.transport
+    if service == "manager":
+        n = max(t.control_max_message_bytes, cfg.rollout.max_running * trajectory_bytes(cfg))
+    elif service == "buffer":
+        derived = max(t.buffer_min_message_bytes, cfg.rollout.group_size * trajectory_bytes(cfg))
+        n = t.buffer_max_message_bytes or derived
+    elif service in ("relay", "relay_data"):
+        n = cfg.relay.chunk_bytes + t.max_header_bytes + (64 << 10)
+    else:
+        n = t.control_max_message_bytes
+    return min(n, t.max_message_bytes)
+
 
 @dataclass
 class SocketStats:
@@ -115,6 +159,10 @@ class SocketStats:
     rehandshakes: int = 0
     peers_dead: int = 0
     heartbeats_dropped: int = 0
+    refused_identity: int = 0
+    """HELLOs whose claimed role or node id their CURVE key may not claim."""
+    refused_id_in_use: int = 0
+    """HELLOs claiming the node id of a live peer (never evicted: refused until it is dead)."""
     last_error: str = ""
 
     def as_dict(self) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable, Collection
 from typing import Any
 
 import zmq
@@ -51,10 +52,13 @@ class Publisher:
         node_id: str,
         opts: SocketOptions | None = None,
         spawn: Spawn = detached_spawn,
+        members: Callable[[], Collection[str]] | None = None,
     ):
         self.ctx, self.endpoint, self.node_id = ctx, endpoint, node_id
         self.opts = opts or SocketOptions()
         self.subscribers: set[str] = set()
+        """Every `ready/<id>` subscription seen, members or not (`ready` filters)."""
+        self._members = members
         self._changed = asyncio.Condition()
         self._spawn = spawn
         self._sock: zmq.asyncio.Socket | None = None
@@ -86,21 +90,37 @@ class Publisher:
                         self.subscribers.discard(sub_id)
                     self._changed.notify_all()
 
+    @property
+    def ready(self) -> set[str]:
+        """Attached subscribers that are members (`members()`: e.g. peers that said HELLO) by
+        their id or its node part (`rollout-0.w3`: one of rollout-0's subscribers); a
+        `ready/<id>` subscription from anyone else never satisfies the barrier."""
+        if self._members is None:
+            return set(self.subscribers)
+        members = set(self._members())
+        return {s for s in self.subscribers if s in members or s.partition(".")[0] in members}
+
     async def wait_for(self, node_ids: set[str] | int, timeout: float) -> None:
-        """Block until these subscribers (or this many) are attached, or raise RequestTimeout."""
+        """Block until these subscribers (or this many) are attached and members, or raise
+        RequestTimeout."""
 
         def ok() -> bool:
             if isinstance(node_ids, int):
-                return len(self.subscribers) >= node_ids
-            return set(node_ids) <= self.subscribers
+                return len(self.ready) >= node_ids
+            return set(node_ids) <= self.ready
 
+        deadline = asyncio.get_running_loop().time() + timeout
+        recheck = self.opts.heartbeat_interval_s  # membership changes without notifying us
         async with self._changed:
-            try:
-                await asyncio.wait_for(self._changed.wait_for(ok), timeout)
-            except TimeoutError:
-                raise RequestTimeout(
-                    f"subscribers {node_ids} not ready in {timeout}s (have {sorted(self.subscribers)})"
-                ) from None
+            while not ok():
+                left = deadline - asyncio.get_running_loop().time()
+                if left <= 0:
+                    raise RequestTimeout(
+                        f"subscribers {node_ids} not ready in {timeout}s "
+                        f"(members ready: {sorted(self.ready)}, all: {sorted(self.subscribers)})"
+                    )
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), min(left, recheck))
 
     async def publish(self, topic: str, msg: Message) -> None:
         assert self._sock is not None

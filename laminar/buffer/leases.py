@@ -1,0 +1,92 @@
+"""Leases on served groups: a group whose rollout went silent is served again to another one.
+
+    leases = Leases(cfg.buffer.lease_s)                  # clock= for tests
+    leases.seed(state.groups)                            # after replay: every open group, a fresh lease
+    leases.served(group_id)                              # served (again): a fresh lease
+    leases.touch(group_id)                               # progress: a chunk, a trajectory, an abandon
+    for g in leases.expired(state.groups, rollout_id, k): ...   # open groups to serve again (oldest first)
+
+A rollout that takes a group and then neither streams a chunk of it nor finishes or
+abandons any of its samples for `buffer.lease_s` seconds holds it for nothing: a rollout
+that is alive but wedged is never declared dead by the manager, so its groups would stay
+open forever (and, with a global update, block every new version). The prompt server
+then serves the group again, to a rollout other than its holder, recording a "reserve"
+journal record that names the new holder.
+
+Exactly once: members are keyed by (group_id, sample_index) in ExperienceState, so
+whichever copy of a sample arrives first is stored and the other is acked as a duplicate
+(or as late, once the group was released): a group served twice is still counted and
+trained once.
+
+The clock is the buffer's own, not journaled: after a restart every open group starts a
+fresh lease (`seed`). That only delays a re-serve by at most one lease; it never serves a
+group early.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+
+from laminar.buffer.experience import OPEN, Group
+
+__all__ = ["Leases"]
+
+
+class Leases:
+    def __init__(self, lease_s: float, clock: Callable[[], float] = time.monotonic):
+        self.lease_s = lease_s
+        self.clock = clock
+        self._last: OrderedDict[str, float] = OrderedDict()
+        """Open group id -> the time of its last progress, oldest first."""
+
+    def __len__(self) -> int:
+        return len(self._last)
+
+    def seed(self, groups: Mapping[str, Group]) -> None:
+        """Give every open group a fresh lease (at start, after the journal was replayed)."""
+        now = self.clock()
+        for gid, g in groups.items():
+            if g.state == OPEN and gid not in self._last:
+                self._last[gid] = now
+
+    def served(self, group_id: str) -> None:
+        """A new group was served: its lease starts now."""
+        self._last[group_id] = self.clock()
+        self._last.move_to_end(group_id)
+
+    def touch(self, group_id: str) -> None:
+        """Progress on a group (a chunk, a finished or abandoned sample): renew its lease."""
+        if group_id in self._last:
+            self._last[group_id] = self.clock()
+            self._last.move_to_end(group_id)
+
+    def silent_for(self, group_id: str) -> float:
+        """Seconds since the group's last progress (0 when it holds no lease)."""
+        last = self._last.get(group_id)
+        return 0.0 if last is None else self.clock() - last
+
+    def expired(self, groups: Mapping[str, Group], rollout_id: str, limit: int) -> list[Group]:
+        """Up to `limit` open groups whose lease ran out, held by a rollout other than
+        `rollout_id`, oldest first. Groups no longer open are forgotten on the way."""
+        if limit <= 0 or not self._last:
+            return []
+        deadline = self.clock() - self.lease_s
+        out: list[Group] = []
+        gone: list[str] = []
+        for gid, last in self._last.items():
+            if last > deadline:
+                break  # ordered by last progress: the rest are younger
+            g = groups.get(gid)
+            if g is None or g.state != OPEN:
+                gone.append(gid)
+                continue
+            if g.rollout_id == rollout_id or g.item is None:
+                continue  # the holder itself asking, or nothing to serve it with
+            out.append(g)
+            if len(out) >= limit:
+                break
+        for gid in gone:
+            del self._last[gid]
+        return out
