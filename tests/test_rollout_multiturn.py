@@ -9,6 +9,7 @@ process ToolClient that runs each call id at most once (tests/multiturn_fakes.py
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import numpy as np
@@ -16,6 +17,7 @@ import pytest
 from multiturn_fakes import FakeTools, ScriptedEnv, TurnEngine, expected_episode, turn_len
 from rollout_fakes import harness, make_cfg, make_items, uids_of, wait_for
 
+from laminar.engines.base import TokenEvent
 from laminar.envs.base import call_id
 from laminar.envs.replay import split_segments
 from laminar.protocol.rollout import ExportReply, ExportRequest, ImportReply, ImportRequest
@@ -230,3 +232,46 @@ def test_awaiting_env_reaches_the_partial_pool_and_comes_back():
     assert (
         back.mask is not None and back.mask.copy().tolist() == [1, 1, 1, 0, 0] and back.resumed == 1
     )
+
+
+class _TurnEndsDuringAbort(TurnEngine):
+    """An abort that loses the race: each sequence's model turn ends (final "stop" event) while
+    the abort is on its way, so the abort hands back nothing and the episode went to its env step."""
+
+    async def abort(self, seq_ids: Any) -> list[Any]:
+        for sid in list(seq_ids):
+            s = self.running.pop(sid, None)
+            if s is not None:
+                self._emit(TokenEvent(sid, np.zeros(0, np.int32), np.zeros(0, np.float32), "stop",
+                                      s["version"]))  # fmt: skip
+        await asyncio.sleep(0.05)  # the events loop handles those turn ends meanwhile
+        return []
+
+
+async def test_export_takes_an_episode_whose_turn_ended_during_the_abort(tmp_path):
+    items = make_items(2, n=2)
+    cfg = make_cfg(tmp_path)
+    tools = FakeTools()
+    src_engine = _TurnEndsDuringAbort(hold_turn=1)  # parked one token into turn 1
+    async with harness(cfg, items) as h:
+        src = await add(h, ScriptedEnv(turns=3), tools, src_engine)
+        all_uids = uids_of(items)
+        await wait_for(
+            lambda: (
+                set(src.table.seqs) == all_uids
+                and all(s.turn == 1 and not s.waiting for s in src.table.seqs.values())
+            ),
+            10,
+            "every episode generating turn 1",
+        )
+        await add(h, ScriptedEnv(turns=3), tools)
+        srv = h.manager.srv
+        reply = await srv.request("rollout-0", ExportRequest(uids=sorted(all_uids)), timeout=5)
+        # none is left behind half-owned (waiting, its step stood down): all of them moved
+        assert isinstance(reply, ExportReply) and {p.uid for p in reply.partials} == all_uids
+        assert all(p.awaiting_env for p in reply.partials) and not src.table.seqs
+        got = await srv.request("rollout-1", ImportRequest(partials=reply.partials), timeout=5)
+        assert isinstance(got, ImportReply) and set(got.accepted) == all_uids
+        await h.wait_stored(all_uids, 20)
+        assert all(h.state.stored[u].rollout_id == "rollout-1" for u in all_uids)
+        assert set(tools.runs.values()) == {1}  # no call id ran twice

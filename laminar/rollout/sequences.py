@@ -203,6 +203,17 @@ class SequenceTable:
             p = by_id.get(u)
             if seq is None:  # finished (final event handled) while the abort was on its way
                 continue
+            if p is None and seq.waiting:
+                # its turn ended while the abort was on its way: it went to an env step, which saw
+                # it exporting and stood down, so it leaves as a waiting episode (the importer runs
+                # that step; tool calls are answered from the tools node's cache)
+                if seq.step_task is not None:
+                    seq.step_task.cancel()
+                    seq.step_task = None
+                partials.append(seq.partial(seq.ids.copy(), seq.logprobs.copy(), rollout_id))
+                self.metrics.count("exported_waiting")
+                self.forget(u, finished=False)
+                continue
             if p is None:
                 # finished inside the engine before the abort: its queued final event completes it here
                 seq.exporting = False
