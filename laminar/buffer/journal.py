@@ -379,8 +379,15 @@ class Journal:
 
     def _quarantine(self, tail: bytes, offset: int) -> None:
         """Keep the torn tail beside the journal (durably), then cut the journal before it."""
-        aside = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time() * 1000)}")
-        fd = os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        stamp, n = int(time.time() * 1000), 0
+        while True:  # a unique name: two tails cut within one millisecond must not collide
+            suffix = f".corrupt-{stamp}" + (f"-{n}" if n else "")
+            aside = self.path.with_name(self.path.name + suffix)
+            try:
+                fd = os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                break
+            except FileExistsError:
+                n += 1
         try:
             _write_all(fd, tail)
             os.fsync(fd)
