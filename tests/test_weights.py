@@ -77,7 +77,9 @@ def _puller(cfg, zctx, node_id: str = "rollout-0", relay_index: int = 0) -> Weig
 
 
 async def test_reader_holding_v_never_sees_a_torn_tensor_while_newer_versions_arrive(short_dir):
-    procs = RelayProcs(short_dir / "p", 1, {"relay.chunk_bytes": 1 << 18, "relay.max_slots": 4})
+    # slots: the held v1, the reader's pin, the version being written, the newest, and a reader's
+    # release still on its way under load (4 was one short: out_of_slots on a busy box)
+    procs = RelayProcs(short_dir / "p", 1, {"relay.chunk_bytes": 1 << 18, "relay.max_slots": 6})
     procs.start()
     try:
         await procs.wait_ready(30)
