@@ -59,13 +59,9 @@ def evaluate_model(
     """Greedy accuracy of a model on rows ({"prompt", "answer"}); runs its own event loop."""
     import torch
 
-    from laminar.models.tiny import load_causal_lm, load_tokenizer
+    from laminar.models.tiny import open_model
 
-    if isinstance(model_or_path, str | bytes) or hasattr(model_or_path, "__fspath__"):
-        model = load_causal_lm(model_or_path)
-        tokenizer = tokenizer or load_tokenizer(model_or_path)
-    else:
-        model = model_or_path
+    model, tokenizer = open_model(model_or_path, tokenizer)
     with torch.inference_mode():
         outs = asyncio.run(
             _generate(model, tokenizer, [r["prompt"] for r in rows], max_tokens, max_running)

@@ -235,13 +235,9 @@ def evaluate_tool_model(
     """Run the episodes of `rows` (own event loop) and summarize them; see summarize_episodes."""
     import torch
 
-    from laminar.models.tiny import load_causal_lm, load_tokenizer
+    from laminar.models.tiny import open_model
 
-    if isinstance(model_or_path, str | bytes) or hasattr(model_or_path, "__fspath__"):
-        model = load_causal_lm(model_or_path)
-        tokenizer = tokenizer or load_tokenizer(model_or_path)
-    else:
-        model = model_or_path
+    model, tokenizer = open_model(model_or_path, tokenizer)
     with torch.inference_mode():
         eps = asyncio.run(
             run_episodes(model, tokenizer, rows, env, tools, limits or EnvLimits(), **kw)
