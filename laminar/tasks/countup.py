@@ -46,6 +46,7 @@ import json
 import random
 import re
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -244,18 +245,10 @@ def generate(
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
     rng = random.Random(f"countup/{split}/{seed}")
     weights = step_weights(max_steps, alpha)
-    want_eval = split == "eval"
     rows: list[dict[str, Any]] = []
-    seen: set[str] = set()
-    tries = 0
-    while len(rows) < n:
-        tries += 1
-        if tries > 1000 * (n + 10):
-            raise ValueError(f"could not draw {n} distinct {split} prompts; ask for fewer")
-        prompt, steps = sample_prompt(rng, weights)
-        if is_eval_prompt(prompt) != want_eval or (want_eval and prompt in seen):
-            continue
-        seen.add(prompt)
+    for prompt, steps in draw_prompts(
+        n, split, lambda: sample_prompt(rng, weights), is_eval_prompt
+    ):
         solution = solve(prompt)
         rows.append(
             {
@@ -267,6 +260,26 @@ def generate(
             }
         )
     return rows
+
+
+def draw_prompts(n: int, split: str, sample: Callable[[], tuple[str, Any]],
+                 is_eval: Callable[[str], bool]) -> list[tuple[str, Any]]:  # fmt: skip
+    """n draws of (prompt, info) whose prompts fall on `split`'s side of the eval slice; eval
+    prompts are distinct. Raises when the space cannot give that many."""
+    want_eval = split == "eval"
+    out: list[tuple[str, Any]] = []
+    seen: set[str] = set()
+    tries = 0
+    while len(out) < n:
+        tries += 1
+        if tries > 1000 * (n + 10):
+            raise ValueError(f"could not draw {n} distinct {split} prompts; ask for fewer")
+        prompt, info = sample()
+        if is_eval(prompt) != want_eval or (want_eval and prompt in seen):
+            continue
+        seen.add(prompt)
+        out.append((prompt, info))
+    return out
 
 
 def demonstrations(

@@ -60,6 +60,8 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+from laminar.tasks.countup import draw_prompts
+
 TOOL = "calculator"
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
@@ -233,18 +235,10 @@ def generate(
     if not 0.0 <= hard_share <= 1.0:
         raise ValueError(f"hard_share must be in [0, 1], got {hard_share}")
     rng = random.Random(f"tooluse/{split}/{seed}")
-    want_eval = split == "eval"
     rows: list[dict[str, Any]] = []
-    seen: set[str] = set()
-    tries = 0
-    while len(rows) < n:
-        tries += 1
-        if tries > 1000 * (n + 10):
-            raise ValueError(f"could not draw {n} distinct {split} prompts; ask for fewer")
-        prompt, kind = sample_prompt(rng, hard_share)
-        if is_eval_prompt(prompt) != want_eval or (want_eval and prompt in seen):
-            continue
-        seen.add(prompt)
+    for prompt, kind in draw_prompts(
+        n, split, lambda: sample_prompt(rng, hard_share), is_eval_prompt
+    ):
         rows.append({"uid": f"tooluse-{split}-{seed}-{len(rows):06d}", "prompt": prompt,
                      "answer": str(answer_of(prompt)), "kind": kind, "solution": solve(prompt)})  # fmt: skip
     return rows
