@@ -10,12 +10,12 @@ A bad entry raises EnvSpecError (a ConfigError) whose message names the entry an
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from typing import Any
 
 from laminar.config import ConfigError, EnvConfig
 from laminar.envs.base import Environment
+from laminar.rewards.runner import resolve_spec
 
 
 class EnvSpecError(ConfigError):
@@ -23,23 +23,8 @@ class EnvSpecError(ConfigError):
 
 
 def _resolve(spec: str) -> Any:
-    if spec.count(":") != 1 or spec.startswith(":") or spec.endswith(":"):
-        raise EnvSpecError(
-            f"env.fn must look like 'package.module:Class' or 'package.module:function', got {spec!r}"
-        )
-    mod_name, _, attr = spec.partition(":")
-    try:
-        obj: Any = importlib.import_module(mod_name)
-    except ImportError as exc:
-        raise EnvSpecError(f"env.fn {spec!r}: cannot import module {mod_name!r} ({exc})") from None
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise EnvSpecError(
-                f"env.fn {spec!r}: module {mod_name!r} has no attribute {attr!r}"
-            ) from None
-    return obj
+    return resolve_spec(spec, "env.fn", "'package.module:Class' or 'package.module:function'",
+                        EnvSpecError)  # fmt: skip
 
 
 def load_env(cfg: EnvConfig) -> Environment | None:

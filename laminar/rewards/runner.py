@@ -96,30 +96,31 @@ class RewardResult:
 # ---- the function and its return value ------------------------------------------------------
 
 
-def load_reward_fn(spec: str) -> Callable[..., Any]:
-    """Import `module:function`; raise RewardSpecError naming the fix."""
+def resolve_spec(spec: str, key: str, shape: str, error: type[Exception]) -> Any:
+    """The object `package.module:attr` names (attr may be dotted); `error` names `key` and the fix."""
     if (
         not isinstance(spec, str)
         or spec.count(":") != 1
         or spec.startswith(":")
         or spec.endswith(":")
     ):
-        raise RewardSpecError(f"reward.fn must look like 'package.module:function', got {spec!r}")
-    mod_name, _, fn_name = spec.partition(":")
+        raise error(f"{key} must look like {shape}, got {spec!r}")
+    mod_name, _, attr = spec.partition(":")
     try:
-        mod = importlib.import_module(mod_name)
+        obj: Any = importlib.import_module(mod_name)
     except ImportError as exc:
-        raise RewardSpecError(
-            f"reward.fn {spec!r}: cannot import module {mod_name!r} ({exc})"
-        ) from None
-    obj: Any = mod
-    for part in fn_name.split("."):
+        raise error(f"{key} {spec!r}: cannot import module {mod_name!r} ({exc})") from None
+    for part in attr.split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError:
-            raise RewardSpecError(
-                f"reward.fn {spec!r}: module {mod_name!r} has no attribute {fn_name!r}"
-            ) from None
+            raise error(f"{key} {spec!r}: module {mod_name!r} has no attribute {attr!r}") from None
+    return obj
+
+
+def load_reward_fn(spec: str) -> Callable[..., Any]:
+    """Import `module:function`; raise RewardSpecError naming the fix."""
+    obj = resolve_spec(spec, "reward.fn", "'package.module:function'", RewardSpecError)
     if not callable(obj):
         raise RewardSpecError(f"reward.fn {spec!r} is a {type(obj).__name__}, not a function")
     return obj
