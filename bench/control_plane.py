@@ -1,7 +1,7 @@
 """Control-plane headroom: one buffer and one manager under the message rates of a 1024-GPU cluster.
 
     server processes (`serve ROLE`):  ManagerNode, BufferNode (real nodes, ipc), each with a lag probe
-        ▲ PartialChunk (one-way) · Trajectory (acked) · PromptRequest · BatchRequest/Commit · heartbeats
+        ▲ PartialBatch (one-way) · Trajectory (acked) · PromptRequest · BatchRequest/Commit · heartbeats
         │                                                       ▲ Heartbeat(NodeStatus) = status pushes
     driver (this process, `run`): R synthetic rollouts ─────────┘ + one synthetic trainer
     ramp: offered rate = x * (1024-GPU rate), x = 0.25 ... ; each step `step_s` long
@@ -10,19 +10,44 @@ Rates (derivation, from the committed simulator results bench/results/simulate.j
 1024 GPUs in laminar mode; the heaviest row sets the target, the others are listed in the JSON):
     tokens/s        gen_tok_s (median over seeds)
     trajectories/s  staleness_finished.count / (counts.steps_measured * iteration_s)
-    chunks/s        tokens/s / rollout.partial_chunk_tokens (32): the rollout streams one
-                    PartialChunk per sequence per 32 new tokens (laminar/rollout/deliver.py)
+    entries/s       tokens/s / rollout.partial_chunk_tokens (32): a sequence is marked for the partial
+                    stream once per 32 new tokens (laminar/rollout/node.py), and each mark becomes one
+                    entry of the rollout's next PartialBatch (what a PartialChunk used to carry alone)
+    batches/s       rollouts / rollout.partial_flush_s (0.5 s): a rollout sends at most one
+                    PartialBatch per flush window (laminar/rollout/deliver.py), and at these rates
+                    every window has entries (entries/batch = entries/s * flush_s / rollouts ~ 65 for
+                    7B_multiturn), so this bound is the rate
     heartbeats/s    rollouts / transport.heartbeat_interval_s (0.5 s), to the buffer and to the manager
     status pushes/s rollouts / rollout.status_push_min_s (0.05 s): the upper bound; with thousands of
                     sequences finishing per second every rollout's status changes every push window
-Chunks per trajectory = chunks/s / trajectories/s; the driver streams that many chunks per synthetic
-trajectory (header on the first), then sends the finished Trajectory (acked), so both rates follow x.
+Offered at x: batches/s, trajectories/s and status pushes/s times x, with the entries per batch of
+1x (x as x-times the rollouts: the buffer's message rate grows with x, the conservative reading).
+Each synthetic rollout keeps in-flight samples; an entry moves one sample on by 32 tokens (the
+first entry of a sample carries its header), a sample finishes after tokens/trajectory (entries/s
+/ trajectories/s entries) with its Trajectory (acked), so both rates follow x. The samples of the
+first fill start part-way (their first entry carries the tokens so far), so trajectories finish
+at the steady rate from the start.
 
-A step is sustainable when the driver delivered >= 95 % of the offered chunks and trajectories, the
-trajectory ack p99 is under `--ack-bound-s`, and the event-loop lag p99 of both nodes (a probe task
-in each node's loop: sleep 10 ms, record the overshoot) is under `--lag-bound-ms`.
+A step is sustainable when the driver delivered >= 95 % of the offered batches and trajectories,
+the trajectory ack p99 is under `--ack-bound-s`, and the event-loop lag p99 of both nodes (a probe
+task in each node's loop: sleep 10 ms, record the overshoot) is under `--lag-bound-ms`.
 headroom_vs_1024gpu_rate = highest sustainable x. If the driver itself cannot offer a rate (it
 shares the machine's cores), the step says `driver_bound` and the figure is a lower bound.
+
+CPU: each step also records every node's CPU-seconds per second (/proc), and the run its idle
+CPU (heartbeats, prompts, trainer only). summary.cpu_core_s_per_1x_by_node is the CPU above idle
+that 1x costs each node, and summary.one_core_per_node_holds_x_estimate the x at which the busiest
+node would fill one core: a direction where the machine is shared and lag says little, never the
+headline figure.
+
+Shards: when one buffer holds less than 2x, the bench runs the ramp again (from 1x) with twice
+the buffer processes, up to --max-shards, keyed by rollout (synthetic rollout i talks to shard
+i % shards; each shard serves its own prompts, takes its own trajectories, has its own journal
+and its own synthetic trainer). summary.buffer_shards says which pass the figure is from, and
+summary.headroom_by_shards lists every pass. Shards add processes, not cores: on a machine with
+fewer free cores than processes a sharded pass cannot show more than one buffer does. (The
+system itself runs one buffer today; the sharded figure is what a buffer role keyed by rollout
+would hold.)
 
     .venv/bin/python bench/control_plane.py --quick --out bench/results/control_plane_quick.json
 """
@@ -51,10 +76,10 @@ import numpy as np  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CHUNK_TOKENS = 32
+FLUSH_S = 0.5  # rollout.partial_flush_s's default (tests/test_partial_batch.py checks they agree)
 HEARTBEAT_S = 0.5
 STATUS_PUSH_MIN_S = 0.05
 PROBE_S = 0.01
-TRAJ_LIFE_S = 1.0
 
 
 def workload_rates(sim_json: Path) -> dict[str, dict[str, float]]:
@@ -74,7 +99,7 @@ def workload_rates(sim_json: Path) -> dict[str, dict[str, float]]:
         traj_s = r["staleness_finished"]["count"] / window
         n = r["rollouts"]
         out[name] = {"rollouts": n, "tokens_s": tok_s, "trajectories_s": traj_s,
-                     "chunks_s": tok_s / CHUNK_TOKENS, "heartbeats_s": n / HEARTBEAT_S,
+                     "chunks_s": tok_s / CHUNK_TOKENS, "batches_s": n / FLUSH_S, "heartbeats_s": n / HEARTBEAT_S,
                      "status_pushes_s": n / STATUS_PUSH_MIN_S}  # fmt: skip
     return out
 
@@ -89,7 +114,8 @@ def make_cfg_dict(tmp: Path, rollouts: int) -> dict[str, Any]:
         "cluster": {"transport": "ipc", "ipc_dir": str(tmp / "ipc")},
         "transport": {"heartbeat_interval_s": HEARTBEAT_S, "request_timeout_s": 10.0},
         "data": {"train": str(data), "seed": 1},
-        "rollout": {"group_size": 4, "partial_chunk_tokens": CHUNK_TOKENS, "max_running": 128,
+        "rollout": {"group_size": 4, "partial_chunk_tokens": CHUNK_TOKENS, "partial_flush_s": FLUSH_S,
+                    "max_running": 128,
                     "status_push_min_s": STATUS_PUSH_MIN_S},
         "trainer": {"batch_groups": 16},
         "buffer": {"capacity": 1 << 20, "fsync": "batch"},
@@ -97,14 +123,14 @@ def make_cfg_dict(tmp: Path, rollouts: int) -> dict[str, Any]:
 
 
 # ---- server side -----------------------------------------------------------------------------
-async def _serve(role: str, cfg_path: str, lag_path: str) -> None:
+async def _serve(role: str, cfg_path: str, lag_path: str, index: int = 0) -> None:
     from laminar.config import config_from_dict
     from laminar.logs import configure_logging
     from laminar.node import node_class, run_nodes
 
     configure_logging("warning")
     cfg = config_from_dict(json.loads(Path(cfg_path).read_text()))
-    node = node_class(role)(cfg)  # type: ignore[arg-type]
+    node = node_class(role)(cfg, index=index)  # type: ignore[arg-type]
 
     async def probe() -> None:
         """Event-loop lag: overshoot of a 10 ms sleep, one line per second (t, p50, p99, max in ms)."""
@@ -136,48 +162,73 @@ async def _serve(role: str, cfg_path: str, lag_path: str) -> None:
         task.cancel()
         if prof is not None:
             prof.disable()
-            prof.dump_stats(os.environ["CONTROL_PLANE_PROFILE"] + f".{role}.prof")
+            prof.dump_stats(os.environ["CONTROL_PLANE_PROFILE"] + f".{role}{index}.prof")
 
 
 # ---- driver ----------------------------------------------------------------------------------
 class Driver:
-    def __init__(self, cfg: Any, rates: dict[str, float], ctx: Any):
+    def __init__(self, cfg: Any, rates: dict[str, float], ctx: Any, shards: list[str]):
         self.cfg, self.rates, self.ctx = cfg, rates, ctx
+        self.shards = shards
+        """Buffer endpoints; synthetic rollout i talks to shard i % len(shards) (keyed by rollout)."""
         self.rollouts = int(rates["rollouts"])
         self.chunks_per_traj = max(1, round(rates["chunks_s"] / rates["trajectories_s"]))
+        self.entries_per_batch = max(1, round(rates["chunks_s"] * FLUSH_S / self.rollouts))
         self.resp_len = self.chunks_per_traj * CHUNK_TOKENS
         self.ids = np.arange(self.resp_len, dtype=np.int32) % 1000
         self.lps = np.full(self.resp_len, -0.5, np.float32)
-        self.queue: asyncio.Queue[tuple[Any, int]] = asyncio.Queue()
-        self.sent = {"chunks": 0, "trajectories": 0, "acked": 0, "pushes": 0, "ack_failed": 0}
+        self.flat_ids = np.arange(self.entries_per_batch * self.resp_len, dtype=np.int32) % 1000
+        self.flat_lps = np.full(len(self.flat_ids), -0.5, np.float32)
+        self.queues: list[asyncio.Queue[tuple[Any, int]]] = [asyncio.Queue() for _ in shards]
+        """Served samples per shard: a group's samples go back to the shard that served it."""
+        self.sent = {
+            "batches": 0,
+            "chunks": 0,
+            "trajectories": 0,
+            "acked": 0,
+            "pushes": 0,
+            "ack_failed": 0,
+            "request_failed": 0,
+        }
         self.ack_lat: list[float] = []
         self.traj_sem = asyncio.Semaphore(256)
         self.bg: set[asyncio.Task[Any]] = set()
-        self.active: list[list[Any]] = []
+        self.active: list[list[list[Any]]] = [[] for _ in range(self.rollouts)]
+        """Per synthetic rollout: its in-flight samples [item, sample, next chunk]; kept across steps."""
+        self.next_rollout = 0
+        self._status: dict[int, Any] = {}
 
     def status(self, i: int) -> Any:
+        """Rollout i's status (128 sequences): built once, stamped per push (the driver's own cost
+        is not what is measured; the manager decodes the full status every time)."""
         from laminar.protocol.core import NodeStatus
         from laminar.protocol.rollout import RolloutStatus
 
-        toks = {f"syn{i}-{k}": 1000 + k for k in range(128)}
-        rs = RolloutStatus(traj_tokens=toks, kv_capacity_tokens=1 << 20, measured_at=time.time(),
-                           target_version=0, groups=32, credits_free=0)  # fmt: skip
-        return NodeStatus(node_id=f"rollout-{i}", role="rollout", version=0, kv_use=0.5, running=128,
-                          rollout=rs)  # fmt: skip
+        st = self._status.get(i)
+        if st is None:
+            toks = {f"syn{i}-{k}": 1000 + k for k in range(128)}
+            rs = RolloutStatus(traj_tokens=toks, kv_capacity_tokens=1 << 20, measured_at=time.time(),
+                               target_version=0, groups=32, credits_free=0)  # fmt: skip
+            st = self._status[i] = NodeStatus(node_id=f"rollout-{i}", role="rollout", version=0, kv_use=0.5,
+                                              running=128, rollout=rs)  # fmt: skip
+        assert st.rollout is not None
+        st.rollout.measured_at = time.time()
+        return st
 
     async def connect(self) -> None:
         from laminar.transport.client import RpcClient
         from laminar.transport.sockets import SocketOptions
 
         opts = SocketOptions.from_config(self.cfg)
-        self.buf = [RpcClient(self.ctx, self.cfg.endpoint("buffer"), f"rollout-{i}", "rollout", opts)
+        k = len(self.shards)
+        self.buf = [RpcClient(self.ctx, self.shards[i % k], f"rollout-{i}", "rollout", opts)
                     for i in range(self.rollouts)]  # fmt: skip
         self.mgr = [RpcClient(self.ctx, self.cfg.endpoint("manager"), f"rollout-{i}", "rollout", opts,
                               status=functools.partial(self.status, i)) for i in range(self.rollouts)]  # fmt: skip
-        self.trainer = RpcClient(
-            self.ctx, self.cfg.endpoint("buffer"), "trainer-0", "trainer", opts
-        )
-        for c in [*self.buf, *self.mgr, self.trainer]:
+        self.trainers = [
+            RpcClient(self.ctx, ep, "trainer-0", "trainer", opts) for ep in self.shards
+        ]
+        for c in [*self.buf, *self.mgr, *self.trainers]:
             await c.connect(timeout=30)
 
     def spawn(self, coro: Any) -> None:
@@ -185,37 +236,46 @@ class Driver:
         self.bg.add(t)
         t.add_done_callback(self.bg.discard)
 
-    async def supply(self) -> None:
+    async def supply(self, shard: int) -> None:
         """Keeps served samples queued: the synthetic rollouts ask for prompts like real ones."""
         from laminar.protocol.buffer import PromptReply, PromptRequest
 
-        k = 0
+        k, queue, mine = 0, self.queues[shard], self.buf[shard :: len(self.shards)]
         while True:
-            if self.queue.qsize() > 4096:
+            if queue.qsize() > 4096:
                 await asyncio.sleep(0.05)
                 continue
-            cli = self.buf[k % self.rollouts]
-            rep = await cli.request(PromptRequest(rollout_id=cli.node_id, max_groups=64, version=0))
+            cli = mine[k % len(mine)]
             k += 1
+            try:
+                rep = await cli.request(
+                    PromptRequest(rollout_id=cli.node_id, max_groups=64, version=0)
+                )
+            except Exception:  # an overloaded buffer: as a rollout would, ask again (counted)
+                self.sent["request_failed"] += 1
+                continue
             assert isinstance(rep, PromptReply)
             for it in rep.items:
                 for s in range(it.n):
-                    self.queue.put_nowait((it, s))
+                    queue.put_nowait((it, s))
             if not rep.items:
                 await asyncio.sleep(rep.retry_after_s or 0.05)
 
-    async def train(self) -> None:
+    async def train(self, shard: int) -> None:
         """A synthetic trainer: takes batches and commits them, so the buffer never fills."""
         from laminar.protocol.buffer import BatchCommit, BatchReply, BatchRequest
 
-        step = 0
+        step, trainer = 0, self.trainers[shard]
         while True:
-            rep = await self.trainer.request(BatchRequest(trainer_id="trainer-0", groups=16, trainer_version=0,
-                                                          wait_s=0.5, restart=step == 0))  # fmt: skip
-            assert isinstance(rep, BatchReply)
-            if rep.batch_id:
-                step += 1
-                await self.trainer.request(BatchCommit(batch_id=rep.batch_id, step=step, version=0))
+            try:
+                rep = await trainer.request(BatchRequest(trainer_id="trainer-0", groups=16, trainer_version=0,
+                                                         wait_s=0.5, restart=step == 0))  # fmt: skip
+                assert isinstance(rep, BatchReply)
+                if rep.batch_id:
+                    step += 1
+                    await trainer.request(BatchCommit(batch_id=rep.batch_id, step=step, version=0))
+            except Exception:  # an overloaded buffer: as the trainer would, ask again (counted)
+                self.sent["request_failed"] += 1
 
     async def finish(self, cli: Any, t: Any) -> None:
         async with self.traj_sem:
@@ -234,56 +294,72 @@ class Driver:
                           prompt_ids=it.prompt_ids, response_ids=self.ids, logprobs=self.lps, version=0,
                           reward=float(s % 2), rollout_id=rid, finish_reason="stop")  # fmt: skip
 
-    async def stream(self, x: float, until: float) -> None:
-        """Paced chunk stream at x * chunks/s over a pool of in-flight samples; a sample that has
-        sent its chunks finishes (Trajectory, acked)."""
-        from laminar.protocol.data import PartialChunk, PartialTrajectory
+    def batch(self, ci: int, first_fill: bool) -> Any:
+        """The next PartialBatch of synthetic rollout `ci`: one entry per in-flight sample (up to
+        entries_per_batch), each the sample's next 32 tokens; finished samples go as Trajectories."""
+        from laminar.protocol.data import PartialBatch, PartialTrajectory
 
-        rate = x * self.rates["chunks_s"]
-        active = self.active  # [item, sample, next_chunk, client index]; kept across steps
-        # each sample lives ~TRAJ_LIFE_S, so finished trajectories flow within a short step
-        target_active = max(8, int(x * self.rates["trajectories_s"] * TRAJ_LIFE_S))
-        t_start, due_sent, k = time.monotonic(), 0, 0
+        cli, active, e = self.buf[ci], self.active[ci], self.entries_per_batch
+        queue = self.queues[ci % len(self.shards)]
+        while len(active) < e and not queue.empty():
+            it, s = queue.get_nowait()
+            # the first fill starts part-way (the first entry brings the tokens so far): steady finishes
+            c0 = int(np.random.randint(self.chunks_per_traj)) if first_fill else 0
+            active.append([it, s, c0, True, f"{it.group_id}/{s}"])
+        if not active:
+            return None
+        uids, offs, lens, heads, at = [], [], [], [], []
+        for i, a in enumerate(active[:e]):
+            it, s, c, new, uid = a
+            lo, hi = (0 if new else c * CHUNK_TOKENS), (c + 1) * CHUNK_TOKENS
+            uids.append(uid)
+            offs.append(lo)
+            lens.append(hi - lo)
+            if new:
+                at.append(i)
+                heads.append(PartialTrajectory(uid=uid, group_id=it.group_id, prompt_uid=it.uid, sample_index=s,
+                                               prompt_ids=it.prompt_ids, response_ids=self.ids[:0],
+                                               logprobs=self.lps[:0], version=0, n=it.n, rollout_id=cli.node_id))  # fmt: skip
+            a[2], a[3] = c + 1, False
+        k, n = len(uids), sum(lens)
+        # token values do not matter to the buffer: views of one preallocated array (the driver's cost
+        # is not what is measured)
+        msg = PartialBatch(rollout_id=cli.node_id, uids=uids, versions=np.zeros(k, np.int64),
+                           offsets=np.array(offs, np.int64), lengths=np.array(lens, np.int64),
+                           token_ids=self.flat_ids[:n], logprobs=self.flat_lps[:n], awaiting_env=np.zeros(k, np.uint8),
+                           headers=heads, header_at=np.array(at, np.int64) if at else None)  # fmt: skip
+        # round robin within the rollout: the served samples go to the back; finished ones leave
+        served, rest = active[:e], active[e:]
+        active[:] = rest + [a for a in served if a[2] < self.chunks_per_traj]
+        for a in served:
+            if a[2] >= self.chunks_per_traj:
+                self.sent["trajectories"] += 1
+                self.spawn(self.finish(cli, self.trajectory(a[0], a[1], cli.node_id)))
+        return msg
+
+    async def stream(self, x: float, until: float, first_fill: bool = False) -> None:
+        """Paced PartialBatches at x * batches/s, rollouts in turn (see the module docstring)."""
+        rate = x * self.rates["batches_s"]
+        t_start, due_sent = time.monotonic(), 0
         while time.monotonic() < until:
             now = time.monotonic()
             due = int((now - t_start) * rate) - due_sent
             if due <= 0:
                 await asyncio.sleep(0.002)
                 continue
-            for _ in range(min(due, 2000)):
-                while len(active) < target_active and not self.queue.empty():
-                    it, s = self.queue.get_nowait()
-                    active.append([it, s, 0, k % self.rollouts])
-                    k += 1
-                if not active:
-                    break
-                j = due_sent % len(active)
-                a = active[j]
-                it, s, c, ci = a
-                cli = self.buf[ci]
-                lo = c * CHUNK_TOKENS
-                header = None
-                if c == 0:
-                    header = PartialTrajectory(uid=f"{it.group_id}/{s}", group_id=it.group_id, prompt_uid=it.uid,
-                                               sample_index=s, prompt_ids=it.prompt_ids, response_ids=self.ids[:0],
-                                               logprobs=self.lps[:0], version=0, n=it.n,
-                                               rollout_id=cli.node_id)  # fmt: skip
-                msg = PartialChunk(uid=f"{it.group_id}/{s}", version=0, offset=lo,
-                                   token_ids=self.ids[lo : lo + CHUNK_TOKENS],
-                                   logprobs=self.lps[lo : lo + CHUNK_TOKENS], rollout_id=cli.node_id,
-                                   header=header)  # fmt: skip
+            for _ in range(min(due, 500)):
+                ci = self.next_rollout
+                self.next_rollout = (ci + 1) % self.rollouts
+                msg = self.batch(ci, first_fill)
+                due_sent += 1
+                if msg is None:
+                    continue
                 try:
-                    await cli.send(msg)
-                    self.sent["chunks"] += 1
+                    await self.buf[ci].send(msg)
+                    self.sent["batches"] += 1
+                    self.sent["chunks"] += len(msg.uids)
                 except Exception:
                     pass
-                due_sent += 1
-                a[2] += 1
-                if a[2] >= self.chunks_per_traj:
-                    active[j] = active[-1]
-                    active.pop()
-                    self.sent["trajectories"] += 1
-                    self.spawn(self.finish(cli, self.trajectory(it, s, cli.node_id)))
             await asyncio.sleep(0)
 
     async def pushes(self, x: float, until: float) -> None:
@@ -305,8 +381,17 @@ class Driver:
     async def close(self) -> None:
         for t in list(self.bg):
             t.cancel()
-        for c in [*self.buf, *self.mgr, self.trainer]:
+        for c in [*self.buf, *self.mgr, *self.trainers]:
             await c.close()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc; 0 elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def read_lag(path: Path, t0: float, t1: float) -> dict[str, float]:
@@ -323,70 +408,97 @@ def read_lag(path: Path, t0: float, t1: float) -> dict[str, float]:
             "samples": len(lags)}  # fmt: skip
 
 
-async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
+async def run_pass(
+    args: argparse.Namespace, rates: dict[str, float], shards: int, ramp: list[float]
+) -> dict[str, Any]:
+    """One ramp against one manager and `shards` buffer processes (rollout i -> shard i % shards)."""
     from laminar.config import config_from_dict
-    from laminar.logs import configure_logging
     from laminar.transport.sockets import new_context
 
-    configure_logging("warning")
-
-    all_rates = workload_rates(ROOT / "bench/results/simulate.json")
-    target_name = max(all_rates, key=lambda k: all_rates[k]["chunks_s"])
-    rates = all_rates[target_name]
     tmp = Path(tempfile.mkdtemp(prefix="lamcp-"))
     cfg_d = make_cfg_dict(tmp, int(rates["rollouts"]))
     (tmp / "ipc").mkdir()
     (tmp / "cfg.json").write_text(json.dumps(cfg_d))
     cfg = config_from_dict(cfg_d)
+    endpoints = [f"ipc://{tmp}/ipc/buffer-shard{k}.sock" for k in range(shards)]
+    servers: list[tuple[str, str, int]] = [("manager", "manager", 0)]  # (name, role, index)
+    for k, ep in enumerate(endpoints):  # each shard: the same config, its own endpoint and journal
+        d = json.loads(json.dumps(cfg_d))
+        d["cluster"]["endpoints"] = {"buffer": ep}
+        (tmp / f"cfg-buffer{k}.json").write_text(json.dumps(d))
+        servers.append((f"buffer{k}" if shards > 1 else "buffer", "buffer", k))
     procs: dict[str, subprocess.Popen[bytes]] = {}
-    lag = {r: tmp / f"lag-{r}.jsonl" for r in ("manager", "buffer")}
+    lag = {name: tmp / f"lag-{name}.jsonl" for name, _, _ in servers}
     steps: list[dict[str, Any]] = []
     server_logs: dict[str, list[str]] = {}
     ctx = new_context()
-    drv = Driver(cfg, rates, ctx)
+    drv = Driver(cfg, rates, ctx, endpoints)
     try:
-        for role in ("manager", "buffer"):
-            procs[role] = subprocess.Popen([sys.executable, __file__, "serve", role, str(tmp / "cfg.json"), str(lag[role])],
-                                           stdout=open(tmp / f"{role}.log", "wb"), stderr=subprocess.STDOUT,
+        for name, role, k in servers:
+            cfg_path = tmp / ("cfg.json" if role == "manager" else f"cfg-buffer{k}.json")
+            procs[name] = subprocess.Popen([sys.executable, __file__, "serve", role, str(cfg_path), str(lag[name]), str(k)],
+                                           stdout=open(tmp / f"{name}.log", "wb"), stderr=subprocess.STDOUT,
                                            cwd=ROOT)  # fmt: skip
         await asyncio.wait_for(drv.connect(), 60)
-        drv.spawn(drv.supply())
-        drv.spawn(drv.train())
+        for k in range(shards):
+            drv.spawn(drv.supply(k))
+            drv.spawn(drv.train(k))
+        # the nodes' CPU with heartbeats, prompt supply and the trainer only (no partials, no pushes)
+        await asyncio.sleep(1.0)
+        c0, t0 = {name: cpu_seconds(p.pid) for name, p in procs.items()}, time.monotonic()
+        await asyncio.sleep(3.0)
+        idle_cpu = {name: round((cpu_seconds(p.pid) - c0[name]) / (time.monotonic() - t0), 3)
+                    for name, p in procs.items()}  # fmt: skip
         # warm-up (not measured): connections, first prompts, the journal's first writes
-        await asyncio.gather(drv.stream(args.ramp[0], time.monotonic() + args.warmup_s),
-                             drv.pushes(args.ramp[0], time.monotonic() + args.warmup_s))  # fmt: skip
+        await asyncio.gather(drv.stream(ramp[0], time.monotonic() + args.warmup_s, first_fill=True),
+                             drv.pushes(ramp[0], time.monotonic() + args.warmup_s))  # fmt: skip
         fails = 0
-        for x in args.ramp:
+        for x in ramp:
             for p in procs.values():
                 if p.poll() is not None:
                     raise RuntimeError(f"a server exited rc {p.returncode}; see {tmp}")
             before = dict(drv.sent)
             drv.ack_lat = []
+            cpu0 = {name: cpu_seconds(p.pid) for name, p in procs.items()}
             t0 = time.time()
             until = time.monotonic() + args.step_s
             await asyncio.gather(drv.stream(x, until), drv.pushes(x, until))
             await asyncio.sleep(1.0)  # acks of the step's last trajectories (a timer, bounded)
             t1 = time.time()
+            # CPU-seconds per second of each node: on a loaded machine the lag says little, this says
+            # how much of one core the offered rate costs (1 / it = the rate one core would hold)
+            cpu = {
+                name: round((cpu_seconds(p.pid) - cpu0[name]) / (t1 - t0), 3)
+                for name, p in procs.items()
+            }
             dt = args.step_s
             got = {k: (drv.sent[k] - before[k]) / dt for k in drv.sent}
             acks = sorted(drv.ack_lat)
             ack_p99 = acks[int(len(acks) * 0.99)] if acks else float("nan")
             offered = {
-                "chunks_s": x * rates["chunks_s"],
+                "batches_s": x * rates["batches_s"],
+                "chunks_s": x * rates["batches_s"] * drv.entries_per_batch,
                 "trajectories_s": x * rates["trajectories_s"],
+                "status_pushes_s": x * rates["status_pushes_s"],
             }
-            row = {"x": x, "offered": offered, "achieved": {k: round(v, 1) for k, v in got.items()},
-                   "ack_p99_s": round(ack_p99, 4), "lag": {r: read_lag(p, t0, t1) for r, p in lag.items()}}  # fmt: skip
-            delivered = (got["chunks"] >= 0.95 * offered["chunks_s"]
+            row = {"x": x, "buffer_shards": shards, "offered": offered,
+                   "achieved": {k: round(v, 1) for k, v in got.items()}, "ack_p99_s": round(ack_p99, 4),
+                   "lag": {r: read_lag(p, t0, t1) for r, p in lag.items()}, "cpu_per_s": cpu}  # fmt: skip
+            delivered = (got["batches"] >= 0.95 * offered["batches_s"]
                          and got["acked"] >= 0.95 * offered["trajectories_s"])  # fmt: skip
             lag_ok = all(row["lag"][r]["p99_ms"] < args.lag_bound_ms for r in lag)
-            row["driver_bound"] = got["chunks"] < 0.95 * offered["chunks_s"] and lag_ok
+            row["driver_bound"] = got["batches"] < 0.95 * offered["batches_s"] and lag_ok
             row["ok"] = bool(delivered and lag_ok and ack_p99 < args.ack_bound_s)
             steps.append(row)
-            print(f"x={x:5.2f} chunks/s {got['chunks']:9.0f}/{offered['chunks_s']:9.0f}  traj acked/s "
-                  f"{got['acked']:7.1f}/{offered['trajectories_s']:7.1f}  ack p99 {ack_p99 * 1e3:7.1f} ms  "
-                  f"lag p99 buffer {row['lag']['buffer']['p99_ms']:7.1f} ms manager "
-                  f"{row['lag']['manager']['p99_ms']:7.1f} ms  {'ok' if row['ok'] else 'FAIL'}"
+            buf_lag = max(
+                row["lag"][name]["p99_ms"] for name, role, _ in servers if role == "buffer"
+            )
+            print(f"shards={shards} x={x:5.2f} batches/s {got['batches']:7.0f}/{offered['batches_s']:7.0f} entries/s "
+                  f"{got['chunks']:7.0f}  traj acked/s "
+                  f"{got['acked']:7.1f}/{offered['trajectories_s']:7.1f}  pushes/s {got['pushes']:6.0f}  "
+                  f"ack p99 {ack_p99 * 1e3:7.1f} ms  lag p99 buffer {buf_lag:7.1f} ms manager "
+                  f"{row['lag']['manager']['p99_ms']:7.1f} ms  cpu/s {' '.join(f'{k} {v:.2f}' for k, v in cpu.items())}  "
+                  f"{'ok' if row['ok'] else 'FAIL'}"
                   f"{' (driver-bound)' if row['driver_bound'] else ''}", flush=True)  # fmt: skip
             fails = 0 if row["ok"] else fails + 1
             if fails >= 2:
@@ -403,13 +515,49 @@ async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                 p.kill()
                 p.wait(timeout=5)
         ctx.destroy(linger=0)
-        for role in procs:  # what went wrong in a node, if anything (warnings and errors only)
-            text = (tmp / f"{role}.log").read_text(errors="replace").splitlines()
-            server_logs[role] = [ln[:400] for ln in text if '"level": "info"' not in ln][-20:]
+        for name in procs:  # what went wrong in a node, if anything (warnings and errors only)
+            text = (tmp / f"{name}.log").read_text(errors="replace").splitlines()
+            server_logs[name] = [ln[:400] for ln in text if '"level": "info"' not in ln][-20:]
         if not args.keep:
             shutil.rmtree(tmp, ignore_errors=True)
-    ok = [s["x"] for s in steps if s["ok"]]
-    best = max(ok, default=0.0)
+    best = max((s["x"] for s in steps if s["ok"]), default=0.0)
+    return {"buffer_shards": shards, "best": best, "steps": steps, "server_logs": server_logs, "idle_cpu_per_s": idle_cpu,
+            "entries_per_batch": drv.entries_per_batch, "chunks_per_trajectory": drv.chunks_per_traj}  # fmt: skip
+
+
+async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
+    """One buffer first; while it holds less than 2x, again with twice the shards (up to
+    --max-shards), from 1x up: the figure is the last pass's (summary says how many shards)."""
+    from laminar.logs import configure_logging
+
+    configure_logging("warning")
+    all_rates = workload_rates(ROOT / "bench/results/simulate.json")
+    target_name = max(all_rates, key=lambda k: all_rates[k]["chunks_s"])
+    rates = all_rates[target_name]
+    passes = [await run_pass(args, rates, args.buffer_shards, args.ramp)]
+    while passes[-1]["best"] < 2 and passes[-1]["buffer_shards"] * 2 <= args.max_shards:
+        ramp = [x for x in args.ramp if x >= 1.0] or [1.0]
+        passes.append(await run_pass(args, rates, passes[-1]["buffer_shards"] * 2, ramp))
+    last = passes[-1]
+    best = last["best"]
+    # CPU per 1x of offered load, per node, from the most loaded step of the first pass, above the
+    # node's idle CPU (heartbeats, prompts, trainer): the load of a buffer as its batch rate, of the
+    # manager as its push rate (achieved / the 1x rate). x_one_core = (1 - idle) / per-1x: the rate
+    # at which the busiest node would fill one core. A direction on a loaded machine, where lag and
+    # acks say little; not the headroom figure.
+    first = passes[0]
+    cost: dict[str, tuple[float, float]] = {}
+    for st in first["steps"]:
+        for name, c in st["cpu_per_s"].items():
+            got = st["achieved"]["pushes"] / rates["status_pushes_s"] if name == "manager" else (
+                st["achieved"]["batches"] / rates["batches_s"] / first["buffer_shards"])  # fmt: skip
+            if got > 0 and (name not in cost or got > cost[name][1]):
+                cost[name] = (max(0.0, c - first["idle_cpu_per_s"][name]) / got, got)
+    cpu_per_1x = {k: round(v[0], 3) for k, v in cost.items()}
+    x_one_core = {
+        k: round((1 - first["idle_cpu_per_s"][k]) / v, 2) for k, v in cpu_per_1x.items() if v > 0
+    }
+    one = next((p["best"] for p in passes if p["buffer_shards"] == 1), None)
     return {
         "bench": "control_plane",
         "config": {
@@ -419,10 +567,14 @@ async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             "lag_bound_ms": args.lag_bound_ms,
             "ack_bound_s": args.ack_bound_s,
             "chunk_tokens": CHUNK_TOKENS,
+            "partial_flush_s": FLUSH_S,
+            "entries_per_batch": last["entries_per_batch"],
             "heartbeat_s": HEARTBEAT_S,
             "status_push_min_s": STATUS_PUSH_MIN_S,
             "target_workload": target_name,
-            "chunks_per_trajectory": drv.chunks_per_traj,
+            "chunks_per_trajectory": last["chunks_per_trajectory"],
+            "buffer_shards": args.buffer_shards,
+            "max_shards": args.max_shards,
         },  # fmt: skip
         "machine": {
             "python": platform.python_version(),
@@ -431,16 +583,23 @@ async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         },
         "git_commit": _git(),
         "rates_1024gpu": all_rates,
-        "steps": steps,
-        "server_logs": server_logs,
+        "passes": [{k: v for k, v in p.items() if k != "steps"} for p in passes],
+        "steps": [s for p in passes for s in p["steps"]],
         "summary": {
             "headroom_vs_1024gpu_rate": best,
+            "buffer_shards": last["buffer_shards"],
+            "headroom_by_shards": {str(p["buffer_shards"]): p["best"] for p in passes},
             "target_workload": target_name,
-            "highest_sustainable_chunks_s": best * rates["chunks_s"],
+            "highest_sustainable_batches_s": best * rates["batches_s"],
+            "highest_sustainable_chunks_s": best * rates["batches_s"] * last["entries_per_batch"],
             "highest_sustainable_trajectories_s": best * rates["trajectories_s"],
-            "driver_bound_steps": [s["x"] for s in steps if s["driver_bound"]],
-            "one_buffer_holds_2x": best >= 2,
-            # the same sustained chunk rate against each 1024-GPU workload's own rate
+            "highest_sustainable_status_pushes_s": best * rates["status_pushes_s"],
+            "driver_bound_steps": [s["x"] for s in last["steps"] if s["driver_bound"]],
+            "idle_cpu_per_s_by_node": first["idle_cpu_per_s"],
+            "cpu_core_s_per_1x_by_node": cpu_per_1x,
+            "one_core_per_node_holds_x_estimate": min(x_one_core.values()) if x_one_core else None,
+            "one_buffer_holds_2x": None if one is None else one >= 2,
+            # the same sustained token rate against each 1024-GPU workload's own rate
             "headroom_by_workload": {
                 k: round(best * rates["chunks_s"] / v["chunks_s"], 3) for k, v in all_rates.items()
             },
@@ -459,7 +618,7 @@ def _git() -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "serve":
-        asyncio.run(_serve(argv[1], argv[2], argv[3]))
+        asyncio.run(_serve(argv[1], argv[2], argv[3], int(argv[4]) if len(argv) > 4 else 0))
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="short steps (<= 5 min in all)")
@@ -470,13 +629,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory (node logs)")
     ap.add_argument("--lag-bound-ms", type=float, default=100.0)
     ap.add_argument("--ack-bound-s", type=float, default=1.0)
+    ap.add_argument(
+        "--buffer-shards", type=int, default=1, help="buffer processes of the first pass"
+    )
+    ap.add_argument("--max-shards", type=int, default=4,
+                    help="while a pass holds < 2x, run again with twice the shards, up to this (1: never)")  # fmt: skip
     args = ap.parse_args(argv)
     args.ramp = args.ramp or [0.05, 0.1, 0.15, 0.25, 0.5, 1.0, 2.0, 3.0]
     args.step_s = args.step_s or (15.0 if args.quick else 60.0)
     res = asyncio.run(run_bench(args))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=1))
-    print(f"headroom_vs_1024gpu_rate = {res['summary']['headroom_vs_1024gpu_rate']} ({res['summary']['target_workload']})"
+    print(f"headroom_vs_1024gpu_rate = {res['summary']['headroom_vs_1024gpu_rate']} ({res['summary']['target_workload']}, "
+          f"{res['summary']['buffer_shards']} buffer shard(s))"
           f" -> {args.out}")  # fmt: skip
     return 0
 

@@ -122,7 +122,7 @@ class Rollout:
     __slots__ = (
         "idx", "version", "prog", "t_ref", "stall_until", "running", "heap", "waiting", "kv_base",
         "gen", "in_hand", "pulling", "asking", "last_kv", "work_t", "decode_t", "util_a", "status",
-        "prompts_ready", "push_next", "push_pending", "tooling",
+        "prompts_ready", "push_next", "push_pending", "tooling", "retracted",
     )  # fmt: skip
 
     def __init__(self, idx: int) -> None:
@@ -131,6 +131,9 @@ class Rollout:
         self.heap: list[tuple[float, int]] = []  # (progress at which it finishes, traj id)
         self.waiting: deque[Traj] = deque()
         self.tooling: dict[int, Traj] = {}  # multi-turn: waiting on a tool call (no KV, no slot)
+        self.retracted: list[
+            Traj
+        ] = []  # unstarted groups taken back while draining (retract_waiting)
         self.kv_base = 0.0  # KV tokens = kv_base + len(running) * prog
         self.gen = self.in_hand = 0
         self.pulling = self.asking = False
@@ -190,7 +193,7 @@ class Sim(RepackMixin):
         self.snap: dict[str, float] = {}
         self.counts = {"repack_rounds": 0, "moves": 0, "moved_trajs": 0, "preemptions": 0, "dropped_groups": 0, "global_updates": 0, "pulls": 0,
                        "export_missing": 0, "export_empty": 0, "import_rejected": 0, "import_elsewhere": 0, "restarted_from_prompt": 0,
-                       "status_pushes": 0}  # fmt: skip
+                       "status_pushes": 0, "retracted_groups": 0}  # fmt: skip
         self.view_age = [0.0, 0]  # sum, count: how old the statuses moves were planned on
         self.win_gen_tokens = self.win_prod_tokens = 0
         self.step_tokens = self.mb_done = 0
@@ -427,6 +430,8 @@ class Sim(RepackMixin):
             return
         # nothing to decode; multi-turn: tool waits keep the version (a load waits for them) but
         # not the decode slots, which take new groups meanwhile (feeder.py's credits)
+        if self.newest_avail > r.version and self.prm.retract_waiting and r.waiting:
+            self.retract(r)
         dry = not r.running and not r.waiting
         if self.newest_avail > r.version:
             if not dry or r.tooling:
@@ -449,8 +454,15 @@ class Sim(RepackMixin):
         started = self.groups_held(r) if self.prm.refill_per_group and not dry else 0
         first = started
         hand = self.groups_in_hand(r) if r.tooling else started
+        slots = self.prm.refill_slots
+        if slots is not None:  # credits per sequence: room for a whole group among the open ones
+            open_seqs = len(r.running) + len(r.waiting) + len(r.retracted)
+            started, first = 0, 0
+            limit = max(0, slots - open_seqs) // self.prm.group_size
+        else:
+            limit = self.prm.rollout_groups
         while (
-            started < self.prm.rollout_groups
+            started < limit
             and hand < 2 * self.prm.rollout_groups
             and (cap is None or len(self.buffer) < cap)
             and self.may_start(r)
@@ -461,8 +473,33 @@ class Sim(RepackMixin):
         if started > first:
             self.idle.discard(r.idx)
             self.admit(r)
-        elif dry or started < self.prm.rollout_groups:
+        elif dry or started < limit:
             self.idle.add(r.idx)  # woken when buffer room or a version appears
+
+    def retract(self, r: Rollout) -> None:
+        """Take back the queued groups none of whose samples started (they run at the next version)."""
+        by_group: dict[int, list[Traj]] = {}
+        for t in r.waiting:
+            by_group.setdefault(t.group.seq, []).append(t)
+        out = [ts for ts in by_group.values()
+               if len(ts) == ts[0].group.left == self.prm.group_size and all(t.gen0 == 0 for t in ts)]  # fmt: skip
+        if not out:
+            return
+        gone = {t.id for ts in out for t in ts}
+        r.waiting = deque(t for t in r.waiting if t.id not in gone)
+        for ts in out:
+            r.retracted.extend(ts)
+        self.counts["retracted_groups"] += len(out)
+
+    def restart_retracted(self, r: Rollout) -> None:
+        """After a load: the taken-back groups start first, at the version just loaded."""
+        if not r.retracted:
+            return
+        for t in r.retracted:
+            t.group.version = r.version
+        r.waiting.extend(r.retracted)
+        r.retracted = []
+        self.admit(r)
 
     def wake_idle(self) -> None:
         for i in sorted(self.idle):
@@ -614,6 +651,7 @@ class Sim(RepackMixin):
                 r = self.ro[data[0]]
                 self.advance(r)
                 r.pulling, r.version = False, data[1]
+                self.restart_retracted(r)
                 ready, r.prompts_ready = r.prompts_ready, False
                 self.refill(r, answered=ready)  # prompts asked for during the load start now
                 self.try_train()
@@ -631,6 +669,10 @@ class Sim(RepackMixin):
                 self.note_change(r)
             elif kind == 4:
                 self.newest_avail = max(self.newest_avail, data)
+                if self.prm.retract_waiting:  # the rollout node's feeder wakes on a new version
+                    for r in self.ro:
+                        if r.waiting and r.version < self.newest_avail and not r.pulling:
+                            self.retract(r)
                 self.wake_idle()
             elif kind == 5:
                 self.on_update_done(data)

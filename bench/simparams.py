@@ -88,6 +88,15 @@ class SimParams:
     refill_per_group: bool = False
     """laminar: a rollout at the newest available version takes a new group whenever it holds
     fewer than rollout_groups (the rollout node's credit loop); False: only once it ran dry."""
+    refill_slots: int | None = None
+    """laminar with refill_per_group: a rollout takes a new group whenever its unfinished
+    sequences (running + queued) leave room for a whole group within this many (the rollout
+    node's rollout.refill_slots: credits per sequence, not per group); None: a credit per group
+    (rollout_groups groups in hand)."""
+    retract_waiting: bool = False
+    """laminar: once a newer version is out, a draining rollout takes back its groups that have not
+    started (all samples still queued, no token made) and starts them at the new version after its
+    load (the rollout node's rollout.retract_unstarted), so the queue never drains at the old one."""
     max_staleness: int | None = None
     """Bound for stream (None = 1) and laminar (None = unbounded)."""
     settle_s: float | None = None

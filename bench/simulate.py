@@ -109,6 +109,10 @@ def params_from_config(cfg: Any, n_rollouts: int, **overrides: Any) -> SimParams
         max_concurrent_moves=cfg.manager.repack.max_concurrent_moves,
         repack_period_restarts=True,
         refill_per_group=True,
+        # groups never started go to the next version (rollout.retract_unstarted; only matters
+        # with a queue: credits x group_size > max_running)
+        retract_waiting=ro.retract_unstarted,
+        refill_slots=ro.refill_slots,
         prompt_during_load=True,  # the pull loop asks while it loads, in every mode
         **multiturn_from_config(cfg),
     )

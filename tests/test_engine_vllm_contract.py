@@ -192,21 +192,55 @@ async def test_load_weights_pauses_rpcs_resets_prefix_cache(engine):
     kinds = [c[0] for c in fake.llm.calls]
     assert kinds == ["pause", "rpc", "reset_prefix_cache", "resume"]
     assert fake.llm.calls[0] == ("pause", "keep", True)
-    assert fake.llm.calls[1][1] == "laminar_load_weights" and isinstance(
-        fake.llm.calls[1][2][0], bytes
-    )
+    # plain tensors (no shared file under them) are staged once into /dev/shm, then unlinked
+    method, (spans,) = fake.llm.calls[1][1], fake.llm.calls[1][2]
+    assert method == "laminar_load_spans" and [s[0] for s in spans] == list(weights)
+    assert len({s[3] for s in spans}) == 1 and not os.path.exists(spans[0][3])
+    assert eng.last_load["path"] == "staged" and eng.last_load["tensors"] == 3
+    assert eng.last_load["bytes"] == 4 * 2 * 4 + 4 * 2 * 4 + 3 * 4
     assert fake.llm.salt == 17.5 and not fake.llm.paused
     after = []
     async for ev in eng.generate(GenRequest("a", PROMPT, params, single=True), timeout=T):
         assert ev.version == 7
         after.extend(ev.token_ids.tolist())
     assert after != before.tolist() and eng.stats().version == 7
-    # big weights go through a file in shared memory instead of the RPC message
-    eng.rpc_max_bytes = 16
-    await eng.load_weights([("w", torch.zeros(100))], version=8)
-    rpc = fake.llm.calls[-3]
-    assert rpc[0] == "rpc" and rpc[2] == () and rpc[3]["path"].endswith(".safetensors")
-    assert not os.path.exists(rpc[3]["path"])
+
+
+async def test_load_weights_from_shared_memory_passes_spans_without_copies(engine, tmp_path):
+    """Tensors that view a shared file mapping (the relay's segment) go to the worker as spans of
+    that very file: no staging file, no serialised bytes."""
+    import mmap
+
+    eng, fake = engine
+    src = {
+        "a": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+        "b": torch.full((5,), 2.0, dtype=torch.bfloat16),
+    }
+    seg = tmp_path / "segment"
+    raw = b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for t in src.values())
+    seg.write_bytes(raw + b"\0" * (4096 - len(raw)))
+    fd = os.open(seg, os.O_RDONLY)
+    mm = mmap.mmap(fd, 4096, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    os.close(fd)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        a = (
+            torch.frombuffer(mm, dtype=torch.uint8, count=24, offset=0)
+            .view(torch.float32)
+            .reshape(2, 3)
+        )
+        b = torch.frombuffer(mm, dtype=torch.uint8, count=10, offset=24).view(torch.bfloat16)
+    await eng.load_weights([("a", a), ("b", b)], version=3)
+    (spans,) = fake.llm.calls[1][2]
+    assert spans == [
+        ("a", "float32", [2, 3], str(seg), 0, 24),
+        ("b", "bfloat16", [5], str(seg), 24, 10),
+    ]
+    assert eng.last_load["path"] == "shared" and seg.exists()
+    assert fake.llm.salt == round(float(sum(t.double().sum() for t in src.values())), 6)
+    del a, b
 
 
 async def test_stats_from_stat_logger(engine):
@@ -245,14 +279,16 @@ async def test_engine_errors_become_error_events(engine):
     assert res["c"][2] == "length" and len(res["c"][0]) == 0
 
 
-def test_worker_extension_loads_through_reload_weights():
+def test_worker_extension_loads_through_reload_weights(tmp_path):
     import safetensors.torch
+
+    from laminar.engines.vllm_engine import spans_file
 
     blob = safetensors.torch.save({"a": torch.ones(2), "b": torch.zeros(3)})
 
     class Worker(LaminarWorkerExtension):  # vLLM's layerwise reload on the worker
         def reload_weights(self, weights_iterator=None, is_checkpoint_format=True):
-            self.got = dict(weights_iterator)
+            self.got = {k: v.clone() for k, v in weights_iterator}
 
     w = Worker()
     assert w.laminar_load_weights(blob) == 2 and set(w.got) == {"a", "b"}
@@ -263,6 +299,18 @@ def test_worker_extension_loads_through_reload_weights():
         assert w2.laminar_load_weights(path=f.name) == 2 and set(w2.got) == {"a", "b"}
     with pytest.raises(ValueError):
         w.laminar_load_weights()
+    # spans: views of a shared file, dtypes and shapes kept (a zero-size tensor too)
+    spans: list = []
+    src = [("x", torch.arange(12, dtype=torch.int32).reshape(3, 4)), ("e", torch.zeros(0)),
+           ("h", torch.tensor([1.5, -2.0], dtype=torch.float16))]  # fmt: skip
+    path = spans_file(src, spans)
+    try:
+        w3 = Worker()
+        assert w3.laminar_load_spans(spans) == 3
+        for name, t in src:
+            assert w3.got[name].dtype == t.dtype and torch.equal(w3.got[name], t)
+    finally:
+        os.unlink(path)
 
 
 def test_missing_vllm_is_a_clear_error(monkeypatch):
@@ -273,3 +321,38 @@ def test_missing_vllm_is_a_clear_error(monkeypatch):
     eng = VllmEngine("/models/tiny")
     with pytest.raises(RuntimeError, match="needs vllm installed"):
         asyncio.run(eng.start())
+
+
+def test_vllm_config_validates_and_reaches_the_engine():
+    """rollout.vllm (issue 19): bounds checked at load, each setting lands in vLLM's engine args
+    or the EngineCore's environment; rollout.vllm_args still overrides."""
+    from laminar.config import ConfigError, config_from_dict
+
+    cfg = config_from_dict({
+        "model": {"path": "/models/tiny", "dtype": "bfloat16", "device": "cuda"},
+        "rollout": {"engine": "vllm", "max_running": 8, "engine_start_timeout_s": 120,
+                    "vllm": {"gpu_memory_utilization": 0.4, "max_num_seqs": 64, "enable_prefix_caching": False,
+                             "dtype": "float16", "cpu_kvcache_space_gib": 2.5},
+                    "vllm_args": {"enforce_eager": True, "enable_prefix_caching": True}},
+    })  # fmt: skip
+    eng = VllmEngine.from_config(cfg, env={"VLLM_CPU_OMP_THREADS_BIND": "1"})
+    assert eng.dtype == "float16" and eng.max_running == 64
+    assert eng.engine_args == {
+        "enable_prefix_caching": True,
+        "gpu_memory_utilization": 0.4,
+        "enforce_eager": True,
+    }
+    assert eng.env == {"VLLM_CPU_KVCACHE_SPACE": "2.5", "VLLM_CPU_OMP_THREADS_BIND": "1"}
+    assert cfg.rollout.engine_start_timeout_s == 120
+    # defaults: model.dtype, rollout.max_running, no GPU share on a CPU device, vLLM's own KV space
+    plain = VllmEngine.from_config(
+        config_from_dict({"model": {"path": "/m"}, "rollout": {"engine": "vllm"}})
+    )
+    assert plain.dtype == "float32" and plain.max_running == 32 and plain.env == {}
+    assert plain.engine_args == {"enable_prefix_caching": True}
+    for bad in ({"gpu_memory_utilization": 1.5}, {"max_num_seqs": 0}, {"cpu_kvcache_space_gib": 0},
+                {"dtype": "int8"}, {"typo": 1}):  # fmt: skip
+        with pytest.raises(ConfigError, match="rollout.vllm"):
+            config_from_dict({"rollout": {"vllm": bad}})
+    with pytest.raises(ConfigError, match="engine_start_timeout_s"):
+        config_from_dict({"rollout": {"engine_start_timeout_s": 0}})

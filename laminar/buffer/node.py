@@ -1,7 +1,7 @@
 """Buffer node: prompt pool, partial-response pool, experience buffer and its durable journal.
 
     rollout ──PromptRequest(credits, version)──► PromptServer (retry table, expired leases, admission, capacity, pool) ──► PromptReply
-    rollout ──PartialChunk (one-way)───────────► PartialPool ◄──PartialsRequest── manager (recover: records + unstarted samples)
+    rollout ──PartialBatch (one-way)───────────► PartialPool ◄──PartialsRequest── manager (recover: records + unstarted samples)
     rollout ──Trajectory / TrajectoryAbandoned─► Intake ─► Ledger "traj" / "abandon" ─► Ack (after durable)
     trainer ──BatchRequest (long-poll)─────────► BatchServer: plan whole ready groups ─► Ledger "batch" ─► BatchReply
     trainer ──BatchCommit──────────────────────► BatchServer ─► Ledger "commit" ─► groups freed (maybe compaction)
@@ -56,7 +56,7 @@ from laminar.protocol.buffer import (
     TrajectoryAbandoned,
 )  # fmt: skip
 from laminar.protocol.core import Ack, ErrorReply, NodeStatus
-from laminar.protocol.data import PartialChunk, Trajectory
+from laminar.protocol.data import PartialBatch, PartialChunk, Trajectory
 from laminar.transport.sockets import Peer, socket_max_message_bytes
 
 
@@ -97,6 +97,7 @@ class BufferNode(Node):
             cfg.bind_endpoint("buffer"), max_message_bytes=socket_max_message_bytes(cfg, "buffer")
         )
         self.srv.on(PromptRequest, self._on_prompts)
+        self.srv.on(PartialBatch, self._on_partial_batch)
         self.srv.on(PartialChunk, self._on_chunk)
         self.srv.on(Trajectory, self._on_trajectory)
         self.srv.on(TrajectoryAbandoned, self._on_abandoned)
@@ -127,6 +128,13 @@ class BufferNode(Node):
     # ---- handlers: one part each --------------------------------------------------------
     async def _on_prompts(self, peer: Peer, req: PromptRequest) -> PromptReply:
         return await self.prompts.serve(req)
+
+    def _on_partial_batch(self, peer: Peer, b: PartialBatch) -> None:
+        for gid in {u.rpartition("/")[0] for u in b.uids}:  # progress on their groups
+            self.leases.touch(gid)
+        for res, k in self.partials.apply_batch(b).items():
+            if res in ("bad", "unknown", "gap"):
+                self.metrics.count(f"chunks_{res}", k)
 
     def _on_chunk(self, peer: Peer, chunk: PartialChunk) -> None:
         self.leases.touch(chunk.uid.rpartition("/")[0])  # progress on its group

@@ -1,27 +1,35 @@
 """Partial-response pool: the tokens of every in-flight trajectory, so a dead rollout loses nothing.
 
     pool = PartialPool()
-    pool.apply(chunk)                        # PartialChunk from a rollout (one-way, best-effort)
+    pool.apply_batch(batch)                  # PartialBatch from a rollout: one flush window (one-way)
+    pool.apply(chunk)                        # PartialChunk: one entry (older rollouts, tests)
     pool.remove(uid)                         # the trajectory finished (or was abandoned)
     pool.query(rollout_id="rollout-3")       # PartialTrajectory of each trajectory it last reported
     recover(pool, state.groups, rollout_id="rollout-3")   # the above + its never-started samples
 
-Contract with the rollouts (laminar.rollout.tracking): chunks cover the response in
-order, chunk.offset is the index of its first token, and the chunk at offset 0
-carries a header (a PartialTrajectory with prompt, version, owner...). A header
-always (re)starts the record: a resumed trajectory or a rollout whose buffer
-connection came back sends one again. The pool keeps a contiguous prefix:
+Contract with the rollouts (laminar.rollout.tracking): a trajectory's entries (a PartialChunk,
+or one entry of a PartialBatch) cover the response in order, entry.offset is the index of its
+first token, and the entry at offset 0 carries a header (a PartialTrajectory with prompt,
+version, owner...). A header always (re)starts the record: a resumed trajectory or a rollout
+whose buffer connection came back sends one again. The pool keeps a contiguous prefix:
   * offset == length: appended;
   * offset < length: the overlapping part is ignored (a resend), the rest appended;
-  * offset > length: a gap (a lost chunk) - counted, ignored until a header restarts it;
+  * offset > length: a gap (a lost entry) - counted, ignored until a header restarts it;
   * unknown uid without a header, or a version that differs from the record: counted, ignored.
+The entries of one batch fold in entry order, exactly as that many chunks would.
 The pool lives in memory only: after a buffer restart it fills again from headers.
 
-Multi-turn trajectories send each chunk's slice of the loss mask (1 = model token,
-0 = environment token). The pool keeps it next to the tokens; a chunk without one is
-all model tokens. A recovered record carries the mask, or None when no chunk had one
+Cost (bench/control_plane.py): the buffer pays per message, so rollouts batch a flush window
+per message; per entry the pool does one dict lookup and keeps a reference (array, lo, hi) into
+the batch's received arrays instead of copying. A record concatenates its pieces when it holds
+more than _COMPACT_PIECES (or when queried), which also lets go of the old batches' frames, so a
+record pins at most that many batches.
+
+Multi-turn trajectories send each entry's slice of the loss mask (1 = model token,
+0 = environment token). The pool keeps it next to the tokens; an entry without one is
+all model tokens. A recovered record carries the mask, or None when no entry had one
 (single-turn records stay exactly as they were). A mask whose length differs from its
-tokens (chunk or header), or with a value other than 0/1, makes the chunk bad input.
+tokens (chunk, batch or header), or with a value other than 0/1, makes the message bad input.
 
 Recovery (PartialsRequest from the manager, for a dead rollout): `recover` answers with
 the pool's records plus, for each sample of an open group that was handed out but never
@@ -38,54 +46,100 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from laminar.buffer.experience import OPEN, Group
-from laminar.protocol.data import PartialChunk, PartialTrajectory
+from laminar.protocol.data import PartialBatch, PartialChunk, PartialTrajectory
 
 __all__ = ["PartialPool", "recover"]
 
 _EMPTY_I = np.zeros(0, np.int32)
 _EMPTY_F = np.zeros(0, np.float32)
+_COMPACT_PIECES = 16
+
+Piece = tuple[np.ndarray, np.ndarray, "np.ndarray | None", int, int]
+"""ids, logprobs, loss mask (None: all model tokens), lo, hi: the tokens are ids[lo:hi]."""
 
 
 def _bad_mask(mask: np.ndarray | None, n: int) -> bool:
     return mask is not None and (len(mask) != n or (n > 0 and int(mask.max()) > 1))
 
 
-@dataclass
+def _batch_problem(b: PartialBatch) -> str:
+    """Why the batch is malformed as a whole ("" when it is not); checked before any entry folds."""
+    k = len(b.uids)
+    if not (len(b.versions) == len(b.offsets) == len(b.lengths) == len(b.awaiting_env) == k):
+        return "columns of different lengths"
+    if k and (int(b.lengths.min()) < 0 or int(b.offsets.min()) < 0):
+        return "negative offset or length"
+    n = len(b.token_ids)
+    if len(b.logprobs) != n or int(b.lengths.sum()) != n:
+        return "token arrays do not match the lengths"
+    if _bad_mask(b.loss_mask, n):
+        return "bad loss mask"
+    at = b.header_at
+    if at is None:
+        return "headers without header_at" if b.headers else ""
+    if len(at) != len(b.headers):
+        return "header_at does not match headers"
+    if len(at) and (
+        int(at.min()) < 0 or int(at.max()) >= k or (len(at) > 1 and int(np.diff(at).min()) <= 0)
+    ):
+        return "header_at out of range or not increasing"
+    for j, h in zip(at.tolist(), b.headers, strict=True):
+        if (
+            h.uid != b.uids[j]
+            or h.version != int(b.versions[j])
+            or len(h.response_ids) != len(h.logprobs)
+        ):
+            return f"header {h.uid!r} does not match its entry"
+        if _bad_mask(h.loss_mask, len(h.response_ids)):
+            return "bad loss mask"
+    return ""
+
+
+@dataclass(slots=True)
 class _Record:
     header: PartialTrajectory
-    ids: list[np.ndarray] = field(default_factory=list)
-    logprobs: list[np.ndarray] = field(default_factory=list)
-    masks: list[np.ndarray | None] = field(default_factory=list)
-    """Per stored piece: its loss mask, None = all model tokens (no array kept for single-turn)."""
+    pieces: list[Piece] = field(default_factory=list)
     length: int = 0
     awaiting_env: bool = False
-    """Multi-turn: as the latest chunk reaching the record's end said (the resumer runs the env step)."""
+    """Multi-turn: as the latest entry reaching the record's end said (the resumer runs the env step)."""
+    masked: bool = False
+    """Some piece carried a loss mask (the record is multi-turn)."""
 
-    def add(self, ids: np.ndarray, logprobs: np.ndarray, mask: np.ndarray | None) -> None:
-        if len(ids):
-            # copies: the received frames would otherwise stay pinned for the trajectory's lifetime
-            self.ids.append(np.array(ids, dtype=np.int32))
-            self.logprobs.append(np.array(logprobs, dtype=np.float32))
-            self.masks.append(None if mask is None else np.array(mask, dtype=np.uint8))
-            self.length += len(ids)
+    def add(
+        self, ids: np.ndarray, logprobs: np.ndarray, mask: np.ndarray | None, lo: int, hi: int
+    ) -> None:
+        if hi > lo:
+            self.pieces.append((ids, logprobs, mask, lo, hi))
+            self.length += hi - lo
+            if mask is not None:
+                self.masked = True
+            if len(self.pieces) > _COMPACT_PIECES:
+                self.compact()
 
-    def loss_mask(self) -> np.ndarray | None:
-        if all(m is None for m in self.masks):
-            return None
-        return np.concatenate(
-            [
-                np.ones(len(i), np.uint8) if m is None else m
-                for i, m in zip(self.ids, self.masks, strict=True)
-            ]
+    def compact(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """One piece of fresh arrays (the received frames are let go); returns them."""
+        ps = self.pieces
+        ids = (
+            np.concatenate([p[0][p[3] : p[4]] for p in ps]).astype(np.int32, copy=False)
+            if ps
+            else _EMPTY_I.copy()
         )
+        lps = (
+            np.concatenate([p[1][p[3] : p[4]] for p in ps]).astype(np.float32, copy=False)
+            if ps
+            else _EMPTY_F.copy()
+        )
+        mask = None
+        if self.masked:
+            mask = np.concatenate(
+                [np.ones(p[4] - p[3], np.uint8) if p[2] is None else p[2][p[3] : p[4]] for p in ps]
+            ).astype(np.uint8, copy=False)
+        self.pieces = [(ids, lps, mask, 0, len(ids))] if len(ids) else []
+        return ids, lps, mask
 
     def materialize(self) -> PartialTrajectory:
         h = self.header
-        ids = np.concatenate(self.ids) if self.ids else np.zeros(0, np.int32)
-        lps = np.concatenate(self.logprobs) if self.logprobs else np.zeros(0, np.float32)
-        mask = self.loss_mask()
-        if len(self.ids) > 1:  # keep it compact for the next query
-            self.ids, self.logprobs, self.masks = [ids], [lps], [mask]
+        ids, lps, mask = self.compact()
         return PartialTrajectory(uid=h.uid, group_id=h.group_id, prompt_uid=h.prompt_uid,
                                  sample_index=h.sample_index, prompt_ids=h.prompt_ids, response_ids=ids,
                                  logprobs=lps, version=h.version, n=h.n, prompt=h.prompt, row=h.row,
@@ -105,12 +159,52 @@ class PartialPool:
     def tokens(self) -> int:
         return sum(r.length for r in self.records.values())
 
+    def _restart(self, h: PartialTrajectory, rollout_id: str) -> None:
+        """A (validated) header: a fresh record from it (its own tokens, if any, first)."""
+        if not h.rollout_id:
+            h.rollout_id = rollout_id
+        rec = _Record(header=h)
+        rec.add(h.response_ids, h.logprobs, h.loss_mask, 0, len(h.response_ids))
+        h.response_ids, h.logprobs, h.loss_mask = _EMPTY_I, _EMPTY_F, None
+        self.records[h.uid] = rec
+        self.counts["headers"] += 1
+
+    def _fold(self, uid: str, version: int, offset: int, ids: np.ndarray, lps: np.ndarray,
+              mask: np.ndarray | None, lo: int, hi: int, awaiting: bool, rollout_id: str) -> str:  # fmt: skip
+        """One entry (tokens ids[lo:hi]) into its record: the contiguous-prefix rules above."""
+        rec = self.records.get(uid)
+        if rec is None:
+            self.counts["unknown"] += 1
+            return "unknown"
+        if version != rec.header.version:
+            self.counts["version_mismatch"] += 1
+            return "bad"
+        if offset > rec.length:
+            self.counts["gaps"] += 1
+            return "gap"
+        n = hi - lo
+        skip = rec.length - offset
+        if offset + n >= rec.length:  # the entry reaches the end: its flag holds
+            rec.awaiting_env = awaiting
+        if skip >= n:
+            if n:
+                self.counts["duplicates"] += 1
+            return "duplicate"
+        if skip:
+            self.counts["overlaps"] += 1
+        rec.add(ids, lps, mask, lo + skip, hi)
+        if rollout_id:
+            rec.header.rollout_id = rollout_id
+        self.counts["chunks"] += 1
+        return "appended"
+
     def apply(self, c: PartialChunk) -> str:
         """Fold one chunk in; returns what happened (appended | duplicate | gap | unknown | bad)."""
-        if len(c.token_ids) != len(c.logprobs) or c.offset < 0:
+        n = len(c.token_ids)
+        if n != len(c.logprobs) or c.offset < 0:
             self.counts["bad"] += 1
             return "bad"
-        if _bad_mask(c.loss_mask, len(c.token_ids)):
+        if _bad_mask(c.loss_mask, n):
             self.counts["bad_loss_mask"] += 1
             return "bad"
         if c.header is not None:
@@ -121,40 +215,51 @@ class PartialPool:
             if _bad_mask(h.loss_mask, len(h.response_ids)):
                 self.counts["bad_loss_mask"] += 1
                 return "bad"
-            if not h.rollout_id:
-                h.rollout_id = c.rollout_id
-            rec = _Record(header=h)
-            rec.add(h.response_ids, h.logprobs, h.loss_mask)
-            h.response_ids, h.logprobs = np.zeros(0, np.int32), np.zeros(0, np.float32)
-            h.loss_mask = None
-            self.records[c.uid] = rec
-            self.counts["headers"] += 1
-        found = self.records.get(c.uid)
-        if found is None:
-            self.counts["unknown"] += 1
-            return "unknown"
-        rec = found
-        if c.version != rec.header.version:
-            self.counts["version_mismatch"] += 1
-            return "bad"
-        if c.offset > rec.length:
-            self.counts["gaps"] += 1
-            return "gap"
-        skip = rec.length - c.offset
-        if c.offset + len(c.token_ids) >= rec.length:  # the chunk reaches the end: its flag holds
-            rec.awaiting_env = c.awaiting_env
-        if skip >= len(c.token_ids):
-            if len(c.token_ids):
-                self.counts["duplicates"] += 1
-            return "duplicate"
-        if skip:
-            self.counts["overlaps"] += 1
-        mask = None if c.loss_mask is None else c.loss_mask[skip:]
-        rec.add(c.token_ids[skip:], c.logprobs[skip:], mask)
-        if c.rollout_id:
-            rec.header.rollout_id = c.rollout_id
-        self.counts["chunks"] += 1
-        return "appended"
+            self._restart(h, c.rollout_id)
+        return self._fold(c.uid, c.version, c.offset, c.token_ids, c.logprobs, c.loss_mask, 0, n,
+                          c.awaiting_env, c.rollout_id)  # fmt: skip
+
+    def apply_batch(self, b: PartialBatch) -> Counter[str]:
+        """Fold a rollout's flush window in, entry by entry in order (as that many chunks would);
+        returns how many entries went each way other than appended (bad: the whole batch)."""
+        problem = _batch_problem(b)
+        if problem:
+            self.counts["bad_loss_mask" if problem == "bad loss mask" else "bad"] += 1
+            return Counter(bad=1)
+        out: Counter[str] = Counter()
+        ids, lps, mask, rid = b.token_ids, b.logprobs, b.loss_mask, b.rollout_id
+        heads = (
+            {} if b.header_at is None else dict(zip(b.header_at.tolist(), b.headers, strict=True))
+        )
+        records, masked = self.records, mask is not None
+        appended, lo = 0, 0
+        for i, (uid, ver, off, n, aw) in enumerate(zip(b.uids, b.versions.tolist(), b.offsets.tolist(),
+                                                       b.lengths.tolist(), b.awaiting_env.tolist(), strict=True)):  # fmt: skip
+            hi = lo + n
+            if heads and i in heads:
+                self._restart(heads[i], rid)
+            rec = records.get(uid)
+            if rec is not None and off == rec.length and ver == rec.header.version and n:
+                # the common case (the next tokens, same version): what _fold / add do, inline
+                rec.awaiting_env = bool(aw)
+                pieces = rec.pieces
+                pieces.append((ids, lps, mask, lo, hi))
+                rec.length += n
+                if masked:
+                    rec.masked = True
+                if len(pieces) > _COMPACT_PIECES:
+                    rec.compact()
+                if rid:
+                    rec.header.rollout_id = rid
+                appended += 1
+            else:
+                res = self._fold(uid, ver, off, ids, lps, mask, lo, hi, bool(aw), rid)
+                if res != "appended":
+                    out[res] += 1
+            lo = hi
+        self.counts["chunks"] += appended
+        self.counts["batches"] += 1
+        return out
 
     def remove(self, uid: str) -> bool:
         return self.records.pop(uid, None) is not None

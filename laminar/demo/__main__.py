@@ -137,7 +137,7 @@ def run_mode(
     say(f"starting {mode}: {' '.join(cmd[3:])}")
     run_dir.mkdir(parents=True, exist_ok=True)
     log = open(run_dir / "nodes.log", "w")
-    t0 = time.time()
+    t0, c0 = time.time(), Clock._cpu()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     progress = Progress(run_dir, mode, t0, float(s["progress_every_s"]))
     try:
@@ -161,8 +161,10 @@ def run_mode(
             f"demo: the {mode} run failed (exit {proc.returncode}); last log lines:\n"
             + "\n".join(tail)
         )
-    say(f"{mode} run finished in {wall:.0f}s")
-    return {"mode": mode, "wall_clock_s": wall, "t0": t0, "run_dir": str(run_dir)}
+    cpu = Clock._cpu() - c0  # the `laminar run` child waited for its nodes: every role counts
+    say(f"{mode} run finished in {wall:.0f}s ({cpu:.0f} CPU-s, {cpu / wall:.2f} cores)")
+    return {"mode": mode, "wall_clock_s": wall, "t0": t0, "run_dir": str(run_dir),
+            "cpu_s": round(cpu, 1), "cores": round(cpu / wall, 2) if wall > 0 else None}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -214,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = report.summarize(cfg, runs, before, after, time.time() - t_start)
     summary["phases"] = clock.phases
     report.write_outputs(run_dir, cfg, runs, summary)
+    if "target" in summary:
+        say(report.headline(summary).replace("**", ""))
     say(f"held-out accuracy: {summary['eval_accuracy_before']:.3f} -> {summary['eval_accuracy_after']:.3f} "
         f"({summary['eval_prompts']} prompts); report at {run_dir}/report.png, summary at {run_dir}/summary.md")  # fmt: skip
     return 0

@@ -168,7 +168,70 @@ def summarize(
             "sync_trainer_steps_per_s": sync_rate,
             "steps_per_s_ratio_laminar_over_sync": (lam_rate / sync_rate) if lam_rate and sync_rate else None,
         })  # fmt: skip
+        summary.update(fixed_target(lam_s, sync_s, TARGET))
+    for name, r in runs.items():  # how much of the machine each mode kept busy
+        key = "" if name == "laminar" else f"{name}_"
+        summary[f"{key}run_cpu_s"] = r.get("cpu_s")
+        summary[f"{key}cores_used"] = r.get("cores")
+        summary[f"{key}first_step_s"] = (
+            (m0[0]["time"] - r["t0"]) if (m0 := r.get("metrics")) and "t0" in r else None
+        )
     return summary
+
+
+TARGET = 0.90
+"""The demo's fixed time-to-target accuracy (smoothed held-out; the issue's acceptance target)."""
+
+
+def fixed_target(
+    lam_s: list[dict[str, Any]], sync_s: list[dict[str, Any]], target: float
+) -> dict[str, Any]:
+    """Time and steps to `target` on both smoothed curves, their ratio, and each mode's
+    shortfall (target - best smoothed accuracy) when it never got there. One run per mode."""
+    out: dict[str, Any] = {"target": target, "target_runs_per_mode": 1}
+    for name, c in (("laminar", lam_s), ("sync", sync_s)):
+        best = max(p["accuracy"] for p in c)
+        out[f"time_to_target_{name}_s"] = time_to_reach(c, target)
+        out[f"steps_to_target_{name}"] = _steps_to_reach(c, target)
+        out[f"best_smoothed_{name}"] = best
+        out[f"short_of_target_{name}"] = round(max(0.0, target - best), 3)
+    t_lam, t_sync = out["time_to_target_laminar_s"], out["time_to_target_sync_s"]
+    s_lam, s_sync = out["steps_to_target_laminar"], out["steps_to_target_sync"]
+    out["time_to_target_ratio_sync_over_laminar"] = t_sync / t_lam if t_lam and t_sync else None
+    out["steps_to_target_ratio_laminar_over_sync"] = s_lam / s_sync if s_lam and s_sync else None
+    return out
+
+
+def _steps_to_reach(curve: list[dict[str, Any]], target: float) -> float | None:
+    return time_to_reach([{**p, "t": p["step"]} for p in curve], target)
+
+
+def headline(s: dict[str, Any]) -> str:
+    """One sentence on time to the fixed target; never 'n/a': a mode that missed says by how much."""
+    tgt = s["target"]
+    t_lam, t_sync = s["time_to_target_laminar_s"], s["time_to_target_sync_s"]
+    lead = (
+        f"Time to {tgt:.2f} held-out accuracy (smoothed; one run per mode, not a median over seeds)"
+    )
+    if t_lam and t_sync:
+        r = s["time_to_target_ratio_sync_over_laminar"]
+        who = "laminar sooner" if r >= 1 else "sync sooner"
+        return (
+            f"{lead}: laminar {t_lam:.0f} s, sync {t_sync:.0f} s: **ratio sync/laminar {r:.2f}** "
+            f"({who}); steps {s['steps_to_target_laminar']:.0f} vs {s['steps_to_target_sync']:.0f}."
+        )
+    parts = []
+    for name, t in (("laminar", t_lam), ("sync", t_sync)):
+        if t:
+            parts.append(
+                f"{name} reached it at {t:.0f} s (step {s[f'steps_to_target_{name}']:.0f})"
+            )
+        else:
+            parts.append(
+                f"{name} never reached it: best {s[f'best_smoothed_{name}']:.3f}, "
+                f"**{s[f'short_of_target_{name}']:.3f} short**"
+            )
+    return f"{lead}: " + "; ".join(parts) + "."
 
 
 def _resp_len(x: dict[str, Any]) -> float | None:
@@ -325,8 +388,8 @@ def write_outputs(
 
 
 def summary_md(s: dict[str, Any]) -> str:
-    def f(v, fmt="{:.3f}"):
-        return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v)
+    def f(v, fmt="{:.3f}", missing="n/a"):
+        return missing if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v)
 
     lines = [
         "# Laminar demo summary",
@@ -378,24 +441,36 @@ def _comparison_md(s: dict[str, Any], f: Callable[..., str]) -> list[str]:
         )
     else:
         verdict = "A draw within the wobble of the curves (see below)."
+    head = [headline(s), ""] if "target" in s else []
     return [
         "",
         "## Against the synchronous baseline (same job, `mode=sync`, same steps)",
         "",
+        *head,
         "| figure | laminar | sync |",
         "|---|---|---|",
+        f"| trainer steps per second | {f(s.get('trainer_steps_per_s'), '{:.2f}')} | "
+        f"{f(s.get('sync_trainer_steps_per_s'), '{:.2f}')} |",
+        f"| CPU-seconds of the run (all its processes) | {f(s.get('run_cpu_s'), '{:.0f}')} | "
+        f"{f(s.get('sync_run_cpu_s'), '{:.0f}')} |",
+        f"| cores kept busy (CPU-s / wall-s) | {f(s.get('cores_used'), '{:.2f}')} | "
+        f"{f(s.get('sync_cores_used'), '{:.2f}')} |",
+        f"| `laminar run` to the first trainer step | {f(s.get('first_step_s'), '{:.1f} s')} | "
+        f"{f(s.get('sync_first_step_s'), '{:.1f} s')} |",
         f"| final held-out accuracy (last snapshot) | {f(s['eval_accuracy_after'])} | {f(s['sync_eval_accuracy_after'])} |",
         f"| final held-out accuracy (mean of the last 2 snapshots) | {f(s.get('eval_accuracy_after_smoothed'))} | "
         f"{f(s.get('sync_eval_accuracy_after_smoothed'))} |",
         f"| run wall-clock (process start to exit) | {f(s['run_wall_clock_s'], '{:.0f}')} s | "
         f"{f(s['sync_run_wall_clock_s'], '{:.0f}')} s |",
-        f"| trainer steps per second | {f(s.get('trainer_steps_per_s'), '{:.2f}')} | "
-        f"{f(s.get('sync_trainer_steps_per_s'), '{:.2f}')} |",
-        f"| time to reach sync's final accuracy | {f(s['time_to_sync_final_accuracy_laminar_s'], '{:.0f} s')} | "
-        f"{f(s['time_to_sync_final_accuracy_sync_s'], '{:.0f} s')} |",
+        f"| time to reach sync's final accuracy | {f(s['time_to_sync_final_accuracy_laminar_s'], '{:.0f} s', 'never')} | "
+        f"{f(s['time_to_sync_final_accuracy_sync_s'], '{:.0f} s', 'never')} |",
         "",
-        f"**Ratio** (sync time / laminar time to reach sync's final accuracy): "
-        f"**{f(ratio, '{:.2f}')}**; trainer step rate laminar / sync: **{f(rate, '{:.2f}')}**. {verdict}",
+        (
+            f"**Ratio** (sync time / laminar time to reach sync's final accuracy): **{ratio:.2f}**; "
+            if ratio is not None
+            else ""
+        )
+        + f"Trainer step rate laminar / sync: **{f(rate, '{:.2f}')}**. {verdict}",
         "",
         "How it is measured: every weight snapshot (every `trainer.snapshot_every` steps) is evaluated "
         "after the runs, greedy, on the held-out prompts; accuracy is averaged over 3 consecutive snapshots "
@@ -407,10 +482,10 @@ def _comparison_md(s: dict[str, Any], f: Callable[..., str]) -> list[str]:
         "Why the two modes differ here: in sync mode the rollouts generate the whole batch, wait for its "
         "longest trajectory, then sit idle while the trainer trains and the new weights go out; so on these "
         "2 cores one core idles for most of each step. In laminar mode generation and training overlap: "
-        "rollouts keep generating (within the staleness bound of 2 versions) while the trainer trains, "
+        "rollouts keep generating (within the staleness bound, buffer.max_staleness) while the trainer trains, "
         "and pull new weights whenever they are idle, which is where the higher step rate comes from. "
         "What limits the gain on this machine: the trainer and both rollouts share 2 CPU cores (a rollout "
         "that generates slows the trainer down, unlike on a GPU cluster where each role has its own "
         "devices), the trainer is the bottleneck rather than the long tail of generation, and laminar trains "
-        "on data up to 2 versions old, which can cost a little learning per step.",
+        "on data up to buffer.max_staleness versions old, which can cost learning per step (bench/learning.py).",
     ]

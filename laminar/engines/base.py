@@ -144,7 +144,14 @@ class Engine(ABC):
     @abstractmethod
     async def start(self, spawn: Spawn = detached_spawn) -> None:
         """Get ready to serve; a background loop the engine needs starts through `spawn`
-        (a rollout passes its node's, so a dying engine loop stops the node loudly)."""
+        (a rollout passes its node's, so a dying engine loop stops the node loudly).
+
+        Start-up may take long (vLLM: spawn a process, load, warm up), but it must never block
+        the caller's event loop: blocking work goes to a thread (asyncio.to_thread). The rollout
+        runs start() as a background task under rollout.engine_start_timeout_s, beating and
+        reporting starting_engine meanwhile, and cancels it (then calls close()) when it stops
+        or the deadline passes: close() must also work on an engine whose start was cut short,
+        and must leave no engine process behind (laminar/engines/lifeline.py covers kill -9)."""
 
     @abstractmethod
     async def close(self) -> None: ...

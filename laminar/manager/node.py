@@ -7,6 +7,7 @@
     manager ──RefreshRequest──► emptied source                      (pull newest weights, take new prompts)
     rollout dies / leaves / restarts ──► manager ──PartialsRequest(rollout_id)──► buffer ──partials──► healthy rollouts
     relay joins/dies ──► manager ──ChainUpdate(order)──► live relays
+    relay falls behind its upstream ──► manager ──ChainUpdate(straggler last)   (chain_order.py)
     laminar status ──StatusRequest──► manager ──StatusReply──► table
 
 The parts (laminar/manager/), each with typed dependencies (the server, the config, metrics,
@@ -38,13 +39,14 @@ import os
 import time
 from typing import Any, TextIO
 
+from laminar.manager.chain_order import ChainPlanner
 from laminar.manager.moves import Repacker
 from laminar.manager.placement import ORPHAN, Placer
 from laminar.node import Node
 from laminar.protocol.buffer import PartialsReply, PartialsRequest
 from laminar.protocol.core import NodeStatus
 from laminar.protocol.manager import NodeEntry, StatusReply, StatusRequest
-from laminar.protocol.relay import ChainUpdate
+from laminar.protocol.relay import ChainInfo, ChainInfoRequest, ChainUpdate
 from laminar.protocol.rollout import RefreshRequest
 from laminar.protocol.trainer import VersionPublished
 from laminar.transport.client import RpcClient
@@ -83,6 +85,7 @@ class ManagerNode(Node):
         self._buffer: RpcClient | None = None
         self._relay_clients: dict[int, RpcClient] = {}
         self._chain_lock = asyncio.Lock()
+        self.chain_planner = ChainPlanner(window=self.cfg.relay.window)
         self._incarnation: dict[str, tuple[Any, Any]] = {}
         """rollout id -> (pid, start time) of the incarnation last seen (rejoin detection)."""
         self._rollouts_seen: set[str] = set()
@@ -95,6 +98,8 @@ class ManagerNode(Node):
             self.spawn(self._timeline_loop(), "timeline")
         if self.cfg.mode == "laminar" and self.cfg.manager.repack.enabled:
             self.spawn(self._repack_loop(), "repack")
+        if self.cfg.cluster.roles.get("relay", 0) > 2:  # a straggler needs someone behind it
+            self.spawn(self._straggler_loop(), "chain-stragglers")
         await self.stopping.wait()
 
     # ---- membership ---------------------------------------------------------------------
@@ -220,7 +225,7 @@ class ManagerNode(Node):
         relays = sorted(self._live("relay"), key=lambda p: _index(p.node_id))
         # lowest live index first: the same rule the relays use to elect a master among themselves
         # and the trainer's default push target, so the head never depends on registration order
-        order = [_index(p.node_id) for p in relays]
+        order = self.chain_planner.order([_index(p.node_id) for p in relays])
         if order == self.chain_order:
             return
         self.chain_epoch += 1
@@ -237,6 +242,35 @@ class ManagerNode(Node):
                 await cli.request(msg, timeout=self.cfg.transport.request_timeout_s, retries=1)
             except (TransportError, RemoteError) as exc:
                 self.log.warning("chain_update_failed", relay=idx, error=str(exc))
+
+    async def _straggler_loop(self) -> None:
+        # sample the chain only while a version is moving (some relay reports one incoming)
+        while True:
+            await asyncio.sleep(self.cfg.transport.heartbeat_interval_s / 2)  # a sampling timer
+            moving = [p for p in self._live("relay") if p.status is not None
+                      and int(p.status.extra.get("incoming", -1)) > p.status.version]  # fmt: skip
+            if not moving or len(self.chain_order) < 3:
+                continue
+            infos: dict[int, tuple[int, int, int, int]] = {}
+            async with self._chain_lock:
+                order = list(self.chain_order)
+                for idx in order:
+                    cli = self._relay_clients.get(idx)
+                    if cli is None or not cli.connected:
+                        continue
+                    try:
+                        info = await cli.request(ChainInfoRequest(), timeout=1.0, retries=0)
+                    except (TransportError, RemoteError):
+                        continue
+                    if isinstance(info, ChainInfo):
+                        infos[idx] = (info.version, info.incoming_version, info.incoming_have,
+                                      info.incoming_chunks)  # fmt: skip
+            if self.chain_planner.observe(order, infos, time.monotonic()):
+                self.log.warning(
+                    "chain_stragglers", slow=sorted(self.chain_planner.slow), order=order
+                )
+                self.metrics.count("chain_reorders")
+                self._schedule_chain()
 
     # ---- repack ---------------------------------------------------------------------------
     async def _repack_loop(self) -> None:

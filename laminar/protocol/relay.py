@@ -179,8 +179,8 @@ class FetchChunk(
 ):  # relay k+1 -> relay k: chunk `index` of `version` (waits until k has it)
     version: int
     index: int
-    have_digest: int = -1
-    """Delta mode: the digest of this chunk in the requester's newest version (-1: none)."""
+    base_version: int = -1
+    """Delta mode: the complete version the requester holds and can rebuild on (-1: send it whole)."""
 
 
 @message(0x62)
@@ -189,10 +189,10 @@ class WeightChunk(Message):  # relay k -> relay k+1: one verified chunk, data as
     index: int
     offset: int
     digest: int
-    """crc32 of the data in the low 32 bits (adler32 in the high 32 bits in delta mode)."""
+    """crc32 of the full chunk (after a delta is applied) in the low 32 bits."""
     data: ChunkBytes
-    unchanged: bool = False
-    """Delta mode: the chunk equals the requester's copy (have_digest); data is empty."""
+    base_version: int = -1
+    """Delta mode: >= 0 when data is a sparse delta against that version (transport/weights_delta.py)."""
     version_checksum: str = ""
     """The whole version's checksum once the sender knows it (always on the last chunk)."""
 

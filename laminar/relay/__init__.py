@@ -7,7 +7,8 @@ the pipelined chain broadcast between hosts.
     shm.py     WeightStore: /dev/shm segments, slot pool, versions, reader pins (double buffering)
     chain.py   ChainFollower: chooses a live upstream, fetches chunks with a window, emits
                ReceivingStarted / VersionComplete on its event queue (never sees the node)
-    delta.py   delta mode: which chunks travel as "unchanged" markers
+    delta.py   delta mode: chunks travel as sparse element deltas against the previous version
+               (the encoding: laminar/transport/weights_delta.py)
     local.py   RelayProcs: real relay processes for tests and bench/weights.py
 
 Imports go one way: relay/ → laminar/transport/ (weight_layout.py for layouts and checksums,

@@ -33,6 +33,9 @@ Pulling (rather than pushing) makes the hard cases simple:
   laminar/transport/weights.py) or the manager tells it (WeightPusher.set_master).
 * a newer version overtakes an older one: an upstream that freed version v answers
   "gone"; the downstream drops v and fetches the newest.
+* delta mode (relay.delta, relay/delta.py): a fetch names the version this relay holds;
+  the chunk may come back as the changed elements against it, rebuilt here on that copy
+  and checked on the crc32 of the full chunk (a bad one is fetched again whole).
 
 The order comes from the manager (ChainUpdate) or defaults to relay-0 → relay-1 → ….
 """
@@ -59,7 +62,7 @@ from laminar.protocol.relay import (
     VersionOffer,
     WeightChunk,
 )
-from laminar.relay.delta import base_digest
+from laminar.relay.delta import DELTA_PIN, delta_base
 from laminar.relay.shm import VersionState, WeightStore
 from laminar.supervise import Spawn
 from laminar.transport.client import RpcClient
@@ -79,6 +82,7 @@ from laminar.transport.weight_layout import (
     validate_layout,
     version_checksum,
 )
+from laminar.transport.weights_delta import apply_delta
 
 CATCH_UP_EVERY_S = 0.5
 
@@ -482,10 +486,16 @@ class ChainFollower:
                 raise VersionGone(offer.version, str(exc)) from None
             self.events.put_nowait(ReceivingStarted(vs))
         t0 = time.monotonic()
+        base = store.current
+        base_v = delta_base(self.rc.delta, base, vs)
+        if base_v >= 0:
+            if vs.delta_base < 0 and not vs.deltas:
+                vs.delta_base = base_v  # the deltas we keep to forward are against this version
+            store.pin(DELTA_PIN, base_v)  # rebuilt chunks read it: keep its slot
         missing = deque(i for i in range(vs.n) if not vs.have[i])
         # the fetch window: child tasks of this call, awaited and cancelled below (not background)
         workers = [
-            asyncio.create_task(self._worker(vs, missing))
+            asyncio.create_task(self._worker(vs, missing, base if base_v >= 0 else None))
             for _ in range(min(self.rc.window, len(missing)) or 1)
         ]
         try:
@@ -499,6 +509,8 @@ class ChainFollower:
             for w in workers:
                 with contextlib.suppress(BaseException):
                     await w
+            if base_v >= 0:
+                store.unpin(DELTA_PIN, base_v)
         if vs.abandoned:
             raise VersionGone(vs.version, "abandoned")
         checksum = version_checksum(vs.layout, vs.chunk_bytes, vs.crcs)
@@ -516,11 +528,13 @@ class ChainFollower:
         self.metrics.add("receive_s", time.monotonic() - t0)
         self.events.put_nowait(VersionComplete(vs))
 
-    async def _worker(self, vs: VersionState, missing: deque[int]) -> None:
+    async def _worker(
+        self, vs: VersionState, missing: deque[int], base: VersionState | None
+    ) -> None:
         while missing and not vs.abandoned:
             i = missing.popleft()
             try:
-                await self._fetch_chunk(vs, i)
+                await self._fetch_chunk(vs, i, base)
             except BaseException:
                 missing.appendleft(i)
                 raise
@@ -537,11 +551,11 @@ class ChainFollower:
         self._master_client = (m, cli) if cli is not None else None
         return cli or self.client
 
-    async def _fetch_chunk(self, vs: VersionState, i: int) -> None:
+    async def _fetch_chunk(self, vs: VersionState, i: int, base: VersionState | None) -> None:
+        """Fetch chunk i whole, or as a delta rebuilt on `base` (relay/delta.py); verify its crc32."""
         store = self.store
         start, end = chunk_range(i, vs.chunk_bytes, vs.layout.total_bytes)
-        base = store.current
-        have_digest = base_digest(self.rc.delta, base, vs, i, end)
+        base_v = base.version if base is not None else -1
         corrupt = 0
         while True:
             src = self.client if corrupt < self.rc.corrupt_retries else await self._master_cli()
@@ -549,7 +563,7 @@ class ChainFollower:
                 raise UpstreamLost("no upstream")
             try:
                 msg = await src.request(
-                    FetchChunk(vs.version, i, have_digest),
+                    FetchChunk(vs.version, i, base_v if corrupt == 0 else -1),
                     timeout=self.rc.fetch_timeout_s,
                     retries=0,
                 )
@@ -574,16 +588,29 @@ class ChainFollower:
                 raise UpstreamLost(
                     f"unexpected reply {type(msg).__name__} to FetchChunk({vs.version}, {i})"
                 )
-            if msg.unchanged:
-                if base is None or have_digest < 0 or msg.digest != have_digest:
-                    have_digest = -1  # cannot reuse our copy: ask for the bytes
-                    continue
-                data = base.buf[start:end]
-                self.metrics.count("chunks_unchanged")
+            self.metrics.count("bytes_received", len(msg.data))
+            ok = True
+            if msg.base_version >= 0:  # a delta: rebuild the chunk in place on our base
+                data = vs.buf[start:end]
+                try:
+                    if base is None or msg.base_version != base_v:
+                        raise ProtocolError(f"delta against {msg.base_version}, we hold {base_v}")
+                    # off the loop: heartbeats keep flowing while a dense delta is applied
+                    changed = await asyncio.to_thread(
+                        apply_delta, data, base.buf[start:end], msg.data
+                    )
+                except ProtocolError as exc:
+                    self.metrics.count("bad_deltas")
+                    self.log.warning("bad_delta", version=vs.version, index=i, error=str(exc))
+                    ok = False
+                else:
+                    self.metrics.count("chunks_delta")
+                    self.metrics.count("delta_words_changed", changed)
+                    if changed == 0:
+                        self.metrics.count("chunks_unchanged")
             else:
                 data = msg.data
-                self.metrics.count("bytes_received", len(data))
-            if len(data) != end - start or chunk_digest(data) != crc_of(msg.digest):
+            if not ok or len(data) != end - start or chunk_digest(data) != crc_of(msg.digest):
                 corrupt += 1
                 self.metrics.count("chunks_corrupt")
                 if corrupt > 2 * self.rc.corrupt_retries + 2:  # the master's own copy is bad too
@@ -598,7 +625,10 @@ class ChainFollower:
                     source=src.server_id,
                 )
                 continue
-            vs.buf[start:end] = data
+            if msg.base_version < 0:
+                vs.buf[start:end] = data
+            elif msg.base_version == vs.delta_base:
+                vs.deltas[i] = msg.data  # forwarded as is to our own downstream
             if msg.version_checksum:
                 vs.expected_checksum = msg.version_checksum
             store.mark(vs, i, msg.digest)

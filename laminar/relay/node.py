@@ -61,17 +61,12 @@ from laminar.protocol.relay import (
     WeightsReady,
 )  # fmt: skip
 from laminar.relay.chain import ChainFollower, Pacer, ReceivingStarted
-from laminar.relay.delta import is_unchanged
+from laminar.relay.delta import DELTA_PIN, delta_base, digest_and_encode, words_for
 from laminar.relay.shm import OutOfSlots, VersionState, WeightStore, default_shm_dir
 from laminar.transport.codec import ProtocolError
 from laminar.transport.sockets import Peer, TransportError, socket_max_message_bytes
 from laminar.transport.streams import Publisher
-from laminar.transport.weight_layout import (
-    chunk_digest,
-    chunk_range,
-    validate_layout,
-    version_checksum,
-)
+from laminar.transport.weight_layout import chunk_range, validate_layout, version_checksum
 
 DIGEST_BATCH = 8  # chunks hashed per thread hop: keeps the loop responsive, the overhead small
 
@@ -129,7 +124,7 @@ class RelayNode(Node):
         while True:  # housekeeping: readers that left without releasing, abandoned staging
             await asyncio.sleep(interval * 2)  # a timer
             for peer in {p for c in self.store.pins.values() for p in c}:
-                if peer not in self.srv.peers:
+                if peer not in self.srv.peers and peer != DELTA_PIN:
                     self.log.info("reader_gone", peer=peer, released=self.store.unpin_peer(peer))
             deadline = time.monotonic() - 10 * self.cfg.transport.request_timeout_s
             for token, (_peer, _vs, t0) in list(self._staging.items()):
@@ -249,26 +244,36 @@ class RelayNode(Node):
         self.store.abandon(vs)
 
     async def _digest_pass(self, vs: VersionState) -> None:
-        """Chunk digests of a version the trainer handed off; each chunk becomes servable once hashed."""
+        """Chunk digests (and in delta mode the deltas against the previous version, relay/delta.py)
+        of a version the trainer handed off; each chunk becomes servable once hashed."""
         t0 = time.monotonic()
-        with_adler = self.cfg.relay.delta
-        total, cb = vs.layout.total_bytes, vs.chunk_bytes
-
-        def digests(lo: int, hi: int) -> list[int]:
-            return [
-                chunk_digest(vs.buf[slice(*chunk_range(i, cb, total))], with_adler)
-                for i in range(lo, hi)
-            ]
-
-        for lo in range(0, vs.n, DIGEST_BATCH):
-            if vs.abandoned:
-                return
-            hi = min(vs.n, lo + DIGEST_BATCH)
-            for i, d in zip(range(lo, hi), await asyncio.to_thread(digests, lo, hi), strict=True):
-                vs.digests[i] = d
-                if i == vs.n - 1:  # the last chunk carries the version checksum downstream
-                    vs.expected_checksum = version_checksum(vs.layout, cb, vs.crcs)
-                self.store.mark(vs, i, d)
+        cb = vs.chunk_bytes
+        base = self.store.current
+        base_v = delta_base(self.cfg.relay.delta, base, vs)
+        words = None
+        if base is not None and base_v >= 0:
+            vs.delta_base = base_v
+            self.store.pin(DELTA_PIN, base_v)  # its slot must not be reused while we compare
+            words = words_for(vs)
+        try:
+            for lo in range(0, vs.n, DIGEST_BATCH):
+                if vs.abandoned:
+                    return
+                hi = min(vs.n, lo + DIGEST_BATCH)
+                done = await asyncio.to_thread(
+                    digest_and_encode, vs, base if words is not None else None, words, lo, hi
+                )
+                for i, (d, blob) in zip(range(lo, hi), done, strict=True):
+                    vs.digests[i] = d
+                    if blob is not None:
+                        vs.deltas[i] = blob
+                        self.metrics.count("delta_bytes_encoded", len(blob))
+                    if i == vs.n - 1:  # the last chunk carries the version checksum downstream
+                        vs.expected_checksum = version_checksum(vs.layout, cb, vs.crcs)
+                    self.store.mark(vs, i, d)
+        finally:
+            if words is not None:
+                self.store.unpin(DELTA_PIN, base_v)
         self.store.complete(vs, vs.expected_checksum)
         self.metrics.add("digest_s", time.monotonic() - t0)
         await self._version_ready(vs)
@@ -294,11 +299,11 @@ class RelayNode(Node):
         start, end = chunk_range(msg.index, vs.chunk_bytes, vs.layout.total_bytes)
         digest = int(vs.digests[msg.index])
         checksum = vs.checksum or vs.expected_checksum
-        if is_unchanged(self.cfg.relay.delta, msg.have_digest, digest):
-            self.metrics.count("chunks_sent_unchanged")
-            return WeightChunk(version=vs.version, index=msg.index, offset=start, digest=digest,
-                               data=vs.buf[0:0], unchanged=True, version_checksum=checksum)  # fmt: skip
-        data = vs.buf[start:end]  # zero-copy: the frame points into the shared-memory slot
+        blob = None
+        if self.cfg.relay.delta and msg.base_version >= 0 and msg.base_version == vs.delta_base:
+            blob = vs.deltas.get(msg.index)  # None: this chunk travels whole (delta not smaller)
+        # zero-copy: the frame points into the shared-memory slot (or the kept delta)
+        data = vs.buf[start:end] if blob is None else blob
         key = (vs.version, msg.index)
         if msg.index in self.cfg.relay.inject_corrupt_chunks and key not in self._corrupted:
             self._corrupted.add(key)
@@ -309,14 +314,17 @@ class RelayNode(Node):
         pacer = self._pacers.get(peer.node_id)
         if pacer is None:
             pacer = self._pacers[peer.node_id] = Pacer(self.cfg.relay.link_bytes_per_s)
-        await pacer.take(end - start)
-        self.metrics.count("bytes_sent", end - start)
+        await pacer.take(len(data))
+        self.metrics.count("bytes_sent", len(data))
+        if blob is not None:
+            self.metrics.count("chunks_sent_delta")
         return WeightChunk(
             version=vs.version,
             index=msg.index,
             offset=start,
             digest=digest,
             data=data,
+            base_version=vs.delta_base if blob is not None else -1,
             version_checksum=checksum,
         )
 

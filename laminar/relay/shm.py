@@ -113,6 +113,10 @@ class VersionState:
     complete: bool = False
     abandoned: bool = False
     have_count: int = 0
+    delta_base: int = -1
+    """Delta mode: the version the deltas below are against (-1: none kept)."""
+    deltas: dict[int, np.ndarray] = field(default_factory=dict)
+    """Delta mode: chunk index -> its encoded delta against delta_base (what a hop forwards)."""
     waiters: dict[int, list[asyncio.Future]] = field(default_factory=dict)
     done: asyncio.Event = field(default_factory=asyncio.Event)
 

@@ -22,6 +22,15 @@ groups in hand (waiting or not) bounds the environment work and memory one rollo
 up. Waiting episodes still count as in flight for weights: a load waits for them (one
 version per trajectory; see laminar/rollout/episodes.py).
 
+Queue and retraction: with rollout.refill_slots (credits per sequence) a rollout asks for a
+group whenever its unfinished sequences leave room for one within refill_slots; set above the
+decode bound B the engine keeps the extra samples queued, and a slot one finished sequence
+frees is taken from that queue in the same decode step (per-group credits give the same queue
+with credits x group_size > B, but a credit comes back only when a whole group finished).
+Once a newer version is wanted (the drain), the groups that never started are taken back
+(rollout.retract_unstarted, SequenceTable.retract) and held for the new version: they start
+first once it is loaded, so the queue never runs at the old one.
+
 Refill: an idle rollout that has a newer version to load asks the buffer for prompts (for
 that version) while the load runs, so a drained or repack-emptied rollout is back to work
 after the longer of the two round trips, not their sum; the groups start once it is loaded.
@@ -61,15 +70,32 @@ class PromptFeeder:
         self.held: list[PromptItem] = []
         self._held_version = -1
         """Prompt groups served for a version not loaded yet (its load failed): started once it is."""
+        self.loading = False
+        """A weight load runs (bench/cluster_run.py's breakdown samples it)."""
         self._stop = asyncio.Event()
         self._requests = 0
         self._incarnation = uuid.uuid4().hex[:8]
         """Makes request ids unique across restarts of this rollout id."""
 
     def free_credits(self) -> int:
+        slots = self.cfg.refill_slots
+        if slots is not None:  # per sequence: room for whole groups among the unfinished ones
+            held = sum(item.n for item in self.held)
+            open_seqs = len(self.table.seqs) - self._waiting_seqs() + held
+            free = max(0, slots - open_seqs) // self.cfg.group_size
+            if self.table.multi_turn:
+                free = min(free, 2 * self.cfg.credits - len(self.table.groups) - len(self.held))
+            return free
         busy = self.cfg.credits - self.table.busy_groups() - len(self.held)
         cap = 2 * self.cfg.credits - len(self.table.groups) - len(self.held)
         return min(busy, cap)
+
+    def _waiting_seqs(self) -> int:
+        """Multi-turn: episodes waiting on their environment hold no decode slot (bounded by the
+        2 x credits cap on groups in hand instead, see the module docstring)."""
+        if not self.table.multi_turn:
+            return 0
+        return sum(1 for q in self.table.seqs.values() if q.waiting)
 
     def stop(self) -> None:
         """No more prompts (stopping): the loop ends at its next turn, timers are cut short."""
@@ -96,6 +122,8 @@ class PromptFeeder:
                         load = self.spawn(self._load_then_start_held(), "weights-load")
                         declared = nxt
                     else:
+                        if self.table.seqs and self.cfg.retract_unstarted:
+                            await self._retract()
                         if not self.table.seqs and nxt >= 0 and await self.refresh():
                             continue
                         # until in-flight work drains, or the wanted version appears
@@ -158,16 +186,32 @@ class PromptFeeder:
         async with self.gate.lock:  # an import cannot slip in between the idle check and the load
             if self.table.seqs:
                 return False
-            return await self.gate.load()
+            self.loading = True
+            try:
+                return await self.gate.load()
+            finally:
+                self.loading = False
 
     async def _load_then_start_held(self) -> bool:
         loaded = await self.refresh()
         self._start_held()  # held ones: at once, not after the prompt reply
         return loaded
 
+    async def _retract(self) -> None:
+        """Draining for a newer version: take back the queued groups that never started; they are
+        held for the next version (`held`), and start first once it is loaded."""
+        queued = self.table.engine.stats().waiting
+        if queued <= 0:
+            return
+        items = await self.table.retract(queued)
+        if items:
+            self.held.extend(items)
+            self._held_version = max(self._held_version, self.gate.version + 1)
+
     def _start_held(self) -> None:
         """Start the groups held for a version once this rollout runs it (or a newer one)."""
-        if self.held and self.gate.version >= self._held_version:
+        # (or once no newer version is wanted any more: a RefreshRequest's soft wait ran out)
+        if self.held and (self.gate.version >= self._held_version or not self.gate.behind()):
             items, self.held = self.held, []
             for item in items:
                 self._start(item)

@@ -4,7 +4,7 @@
        ▲                      │ credits, versions: VersionGate            │ TokenEvents
        │                      │ (loads only when the table is empty)       ▼
        │                      │                                    [events loop] ── table.on_event
-       │◄──PartialChunk (one-way, best-effort)──── [deliverer.stream()] ◄── table.mark_dirty
+       │◄──PartialBatch (one-way, best-effort)──── [deliverer.stream()] ◄── table.mark_dirty
        │◄──Trajectory (acked, resent) ◄── [outbox.run()] ◄── Deliverer (reward task) ◄── finished
     relay / run_dir/weights ──► WeightSubscriber ──► VersionGate.load ──► engine.load_weights
                                               └─► [gate.watch()] wakes the feeder on a new version
@@ -69,8 +69,16 @@ from laminar.rollout.feeder import PromptFeeder
 from laminar.rollout.outbox import Outbox
 from laminar.rollout.sequences import SequenceTable
 from laminar.rollout.versions import VersionGate
-from laminar.transport.sockets import Peer
+from laminar.transport.sockets import Peer, socket_max_message_bytes
 from laminar.transport.weights_channel import WeightSubscriber, open_subscriber
+
+STARTING_ENGINE = "starting_engine"
+"""NodeStatus.extra["state"] (and ErrorReply code) of a rollout whose engine has not started yet."""
+
+
+class EngineStartTimeout(RuntimeError):
+    """The engine did not start within rollout.engine_start_timeout_s: the rollout fails (exit non-zero)."""
+
 
 if TYPE_CHECKING:
     from laminar.envs.base import Environment, ToolClient
@@ -93,6 +101,11 @@ class RolloutNode(Node):
         """Tool client of the environment (else the tools node's, when the cluster has one)."""
         self.episodes: EpisodeDriver | None = None
         self.rewards: RewardRunner | None = None
+        self.tokenizer: Any = None
+        """HF tokenizer of model.path (torch/vllm engines), for completions and multi-turn templates."""
+        self.engine_ready = asyncio.Event()
+        """Set once the engine has started and the parts around it are built (status: starting_engine before)."""
+        self.engine_started_at = 0.0
         self.wake = asyncio.Event()
         """The feeder's: a credit freed, a new version, a refresh asked, stopping."""
         self.status_changed = asyncio.Event()
@@ -114,23 +127,91 @@ class RolloutNode(Node):
             self.rewards = RewardRunner.from_config(cfg)
             await self.rewards.start(self.spawn)
             self.on_close(self.rewards.close)
-        if self.engine is None:
-            from laminar.engines import make_engine
+        # (re)connected: the buffer may have lost the partial records, so each restarts from offset 0
+        self.buffer = self.client(cfg.endpoint("buffer"), on_connect=self._restream_all)
+        await self.buffer.connect(timeout=t.startup_timeout_s)
+        self.outbox = Outbox(self.buffer, self.log, cfg.rollout.outbox_concurrency, t.request_timeout_s,
+                             t.reconnect_backoff_s, t.reconnect_backoff_max_s)  # fmt: skip
+        if self.source is None:
+            self.source = open_subscriber(self.cfg, self.wiring())
+        await self.source.start()
+        self.on_close(self.source.close)
+        if cfg.rollout.engine != "sim" and cfg.model.path:
+            from laminar.models.tiny import load_tokenizer
 
-            # loading a torch model blocks for seconds: off the loop, so sibling nodes keep beating
-            if cfg.rollout.engine == "torch":
-                self.engine = await asyncio.to_thread(make_engine, cfg)
-            else:
-                self.engine = make_engine(cfg)
-        engine = self.engine
-        await engine.start(self.spawn)
-        self.on_close(engine.close)
-        params = SamplingParams.from_config(cfg.rollout.sampling)
+            self.tokenizer = await asyncio.to_thread(load_tokenizer, cfg.model.path)
         if self.env is None and cfg.env.fn:
             from laminar.envs.loader import load_env
 
             self.env = load_env(cfg.env)
-        env, limits = self.env, cfg.env.limits
+        if (
+            self.env is not None
+            and self.tools is None
+            and (cfg.cluster.roles.get("tools", 0) > 0 or "tools" in cfg.cluster.endpoints)
+        ):
+            from laminar.tools.client import RemoteToolClient
+
+            tools_rpc = self.client(cfg.endpoint("tools"))
+            await tools_rpc.connect(timeout=t.startup_timeout_s)
+            self.tools = RemoteToolClient(tools_rpc, cfg.tools.call_timeout_s)
+        # the engine starts in the background (vLLM: a minute, off the loop): the node registers
+        # meanwhile, beats and reports starting_engine; main() waits for it, under a deadline
+        self.engine_started_at = time.monotonic()
+        self.spawn(self._start_engine(), "engine-start")
+
+    async def _start_engine(self) -> None:
+        """Build and start the engine, then the parts around it; past the deadline the node fails."""
+        cfg = self.cfg
+        deadline = cfg.rollout.engine_start_timeout_s
+        try:
+            await asyncio.wait_for(self._make_and_start_engine(), deadline)
+        except TimeoutError:
+            raise EngineStartTimeout(
+                f"{self.node_id}: the {cfg.rollout.engine} engine did not start within {deadline:g} s "
+                "(rollout.engine_start_timeout_s; raise it for a big model or a slow host)"
+            ) from None
+        self.log.info("engine_started", engine=cfg.rollout.engine,
+                      start_s=round(time.monotonic() - self.engine_started_at, 3))  # fmt: skip
+        self._build_parts()
+        self.engine_ready.set()
+
+    async def _make_and_start_engine(self) -> None:
+        cfg = self.cfg
+        if self.engine is None:
+            from laminar.engines import make_engine
+
+            kw: dict[str, Any] = {}
+            if cfg.rollout.engine == "vllm":
+                kw["env"] = self._vllm_env()
+            # loading a torch model blocks for seconds: off the loop, so this node keeps beating
+            if cfg.rollout.engine == "torch":
+                self.engine = await asyncio.to_thread(make_engine, cfg, **kw)
+            else:
+                self.engine = make_engine(cfg, **kw)
+        self.on_close(self.engine.close)  # before start: a start cut short is closed too
+        await self.engine.start(self.spawn)
+
+    def _vllm_env(self) -> dict[str, str]:
+        """The vLLM EngineCore's cores or GPUs (placement), for its environment."""
+        from laminar.rollout.placement import Device, host_placement
+
+        env: dict[str, str] = {}
+        if self.cfg.rollout.vllm.placement:
+            device: Device = "cuda" if self.cfg.model.device.startswith("cuda") else "cpu"
+            tp = int(self.cfg.rollout.vllm_args.get("tensor_parallel_size", 1))
+            rollouts = max(1, self.cfg.cluster.roles.get("rollout", 1))
+            p = host_placement(self.index % rollouts, rollouts, device, tp)
+            self.log.info("engine_placement", placement=p.describe(), env=p.env, shared=p.shared)
+            if p.shared:
+                self.log.warning("engine_placement_shared", placement=p.describe())
+            env.update(p.env)
+        return env
+
+    def _build_parts(self) -> None:
+        cfg, engine, env = self.cfg, self.engine, self.env
+        assert engine is not None and self.source is not None
+        params = SamplingParams.from_config(cfg.rollout.sampling)
+        limits = cfg.env.limits
         max_total = limits.max_total_tokens or params.max_tokens
         first = params
         if env is not None:
@@ -139,42 +220,26 @@ class RolloutNode(Node):
             first = episode_params(params, tuple(env.stop), max_total, limits.max_turn_tokens, 0)
         self.table = SequenceTable(engine, first, notify=(self.wake, self.status_changed), metrics=self.metrics,
                                    log=self.log, multi_turn=env is not None)  # fmt: skip
-        # (re)connected: the buffer may have lost the partial records, so each restarts from offset 0
-        self.buffer = self.client(cfg.endpoint("buffer"), on_connect=self.table.restream_all)
-        await self.buffer.connect(timeout=t.startup_timeout_s)
-        self.outbox = Outbox(self.buffer, self.log, cfg.rollout.outbox_concurrency, t.request_timeout_s,
-                             t.reconnect_backoff_s, t.reconnect_backoff_max_s)  # fmt: skip
-        if self.source is None:
-            self.source = open_subscriber(self.cfg, self.wiring())
         source = self.source
-        await source.start()
-        self.on_close(source.close)
-        tokenizer = None
-        if cfg.rollout.engine != "sim" and cfg.model.path:
-            from laminar.models.tiny import load_tokenizer
-
-            tokenizer = await asyncio.to_thread(load_tokenizer, cfg.model.path)
         self.gate = VersionGate(source, engine, auto_refresh=cfg.rollout.refresh_when_idle and cfg.mode == "laminar",
                                 refresh_wait_s=cfg.rollout.refresh_wait_s, notify=(self.status_changed,),
                                 metrics=self.metrics, log=self.log)  # fmt: skip
         self.deliverer = Deliverer(self.node_id, self.buffer, self.outbox, self.table, source, self.rewards,
-                                   tokenizer, self.spawn, self.metrics, self.log)  # fmt: skip
+                                   self.tokenizer, self.spawn, self.metrics, self.log,
+                                   flush_s=cfg.rollout.partial_flush_s,
+                                   max_batch_bytes=socket_max_message_bytes(cfg, "buffer") // 2)  # fmt: skip
         if env is not None:
             from laminar.envs.template import TurnTemplate
             from laminar.rollout.episodes import EpisodeDriver
 
-            if self.tools is None and (
-                cfg.cluster.roles.get("tools", 0) > 0 or "tools" in cfg.cluster.endpoints
-            ):
-                from laminar.tools.client import RemoteToolClient
+            self.episodes = EpisodeDriver(env, TurnTemplate(self.tokenizer), self.tools, limits, params, max_total,
+                                          engine, self.table, self.deliverer, self.spawn, self.metrics, self.log)  # fmt: skip
+        self.feeder = PromptFeeder(self.node_id, cfg.rollout, self.cfg.transport.reconnect_backoff_max_s, self.buffer,
+                                   self.gate, self.table, self.deliverer, self.wake, self.spawn, self.metrics, self.log)  # fmt: skip
 
-                tools_rpc = self.client(cfg.endpoint("tools"))
-                await tools_rpc.connect(timeout=t.startup_timeout_s)
-                self.tools = RemoteToolClient(tools_rpc, cfg.tools.call_timeout_s)
-            self.episodes = EpisodeDriver(env, TurnTemplate(tokenizer), self.tools, limits, params, max_total, engine,
-                                          self.table, self.deliverer, self.spawn, self.metrics, self.log)  # fmt: skip
-        self.feeder = PromptFeeder(self.node_id, cfg.rollout, t.reconnect_backoff_max_s, self.buffer, self.gate,
-                                   self.table, self.deliverer, self.wake, self.spawn, self.metrics, self.log)  # fmt: skip
+    def _restream_all(self) -> Any:
+        # the buffer connects before the engine is up: nothing in flight to restream yet
+        return self.table.restream_all() if self.engine_ready.is_set() else None
 
     async def _register(self) -> None:
         await super()._register()
@@ -182,8 +247,12 @@ class RolloutNode(Node):
         self.manager.on(ExportRequest, self._on_export)
         self.manager.on(ImportRequest, self._on_import)
         self.manager.on(RefreshRequest, self._on_refresh)
+        # registered: the manager sees starting_engine in the beats while the engine starts; the
+        # node is ready once it has (a start that fails or times out stops the node instead)
+        await _first(self.engine_ready, self.stopping)
 
     async def main(self) -> None:
+        await self.engine_ready.wait()  # the engine-start task fails the node past its deadline
         self.spawn(self._events(), "events")
         self.spawn(self.deliverer.stream(), "partials")
         self.spawn(self.outbox.run(), "outbox")
@@ -200,6 +269,8 @@ class RolloutNode(Node):
         await asyncio.Event().wait()  # stopping: drain() runs while main is still alive
 
     async def drain(self) -> None:
+        if not self.engine_ready.is_set():
+            return  # stopped while the engine was starting: nothing was taken yet
         self.feeder.stop()
         budget = self.cfg.transport.stop_timeout_s * 0.9
         deadline = time.monotonic() + budget
@@ -211,11 +282,22 @@ class RolloutNode(Node):
                 set(self.episodes.finishing), timeout=max(0.0, deadline - time.monotonic())
             )
         ok = await self.deliverer.drain(max(0.0, deadline - time.monotonic()))
-        self.log.info(
-            "drained", unfinished=len(self.table), outbox_left=len(self.outbox), flushed=ok
-        )
+        self.log.info("drained", unfinished=len(self.table), outbox_left=len(self.outbox), flushed=ok,
+                      trajectories=self.deliverer.finished_count)  # fmt: skip
+        if self.cfg.rollout.engine == "vllm" and self.engine is not None:
+            # vLLM's shutdown takes seconds (EngineCore, worker): here, while the node still beats,
+            # not in teardown after the heartbeats stopped (peers would call this node dead)
+            await self.engine.close()
 
     def status(self) -> NodeStatus:
+        if not self.engine_ready.is_set():
+            waited = time.monotonic() - self.engine_started_at if self.engine_started_at else 0.0
+            deadline = self.cfg.rollout.engine_start_timeout_s
+            note = (f"starting_engine: {self.cfg.rollout.engine} engine starting for {waited:.0f} s "
+                    f"(deadline {deadline:g} s)")  # fmt: skip
+            return NodeStatus(node_id=self.node_id, role=self.role, version=-1,
+                              extra={"state": STARTING_ENGINE, "engine_start_s": round(waited, 1),
+                                     "engine_deadline_s": deadline, "warnings": [note]})  # fmt: skip
         assert self.engine is not None
         st = self.engine.stats()
         rollout = RolloutStatus(
@@ -275,13 +357,24 @@ class RolloutNode(Node):
             await asyncio.sleep(gap)
 
     # ---- manager commands ------------------------------------------------------------------
-    async def _on_export(self, peer: Peer, msg: ExportRequest) -> ExportReply:
+    def _not_ready(self) -> ErrorReply | None:
+        if self.engine_ready.is_set():
+            return None
+        return ErrorReply(
+            code=STARTING_ENGINE, message=f"{self.node_id} is still starting its engine"
+        )
+
+    async def _on_export(self, peer: Peer, msg: ExportRequest) -> ExportReply | ErrorReply:
+        if (busy := self._not_ready()) is not None:
+            return busy
         partials, missing = await self.table.export(list(msg.uids), self.node_id)
         self.metrics.count("exported", len(partials))
         self.log.info("exported", count=len(partials), missing=len(missing))
         return ExportReply(partials=partials, missing=missing, version=self.gate.version)
 
     async def _on_import(self, peer: Peer, msg: ImportRequest) -> ImportReply | ErrorReply:
+        if (busy := self._not_ready()) is not None:
+            return busy
         async with self.gate.lock:  # the version cannot change under an import
             version = self.gate.version
             wrong = [p.uid for p in msg.partials if p.version != version]
@@ -310,7 +403,19 @@ class RolloutNode(Node):
         self.log.info("imported", count=len(accepted), duplicate=len(duplicate))
         return ImportReply(accepted=accepted, duplicate=duplicate, version=version)
 
-    async def _on_refresh(self, peer: Peer, msg: RefreshRequest) -> RefreshReply:
+    async def _on_refresh(self, peer: Peer, msg: RefreshRequest) -> RefreshReply | ErrorReply:
+        if (busy := self._not_ready()) is not None:
+            return busy
         pending = self.gate.ask(msg.min_version)
         self.wake.set()
         return RefreshReply(version=self.gate.version, pending=pending)
+
+
+async def _first(*events: asyncio.Event) -> None:
+    """Wait until any of `events` is set."""
+    waits = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()

@@ -6,6 +6,7 @@
     table.forget(uid)                       # finished: its credit is free again
     partials, missing = await table.export(uids, rollout_id)   # abort in the engine, hand them over
     accepted, duplicate = table.resume(partials)               # imported partials -> engine.submit
+    items = await table.retract(max_seqs)   # a newer version is wanted: take back groups not started
     table.mark_dirty(uid)                   # tokens for the partial stream (table.unsent, table.dirty)
     table.set_waiting(seq, True)            # multi-turn: out of the engine while its env step runs
 
@@ -15,6 +16,15 @@ trajectory twice. Every change of the set of sequences sets the `notify` events 
 waits for a free credit or for idleness; the status push sends the new view to the manager).
 Idle gaps are measured here: after an export emptied the table, the gap until work comes
 back is the repack refill latency (`refill_after_export_s`), else `idle_gap_s`.
+
+Retraction (rollout.retract_unstarted): a rollout holds more groups than its decode bound B
+(rollout.credits x group_size > max_running), so the engine keeps a queue and a slot freed by
+one finished sequence is taken by a queued one within the same decode step. Once a newer
+version is wanted the rollout drains; the groups none of whose samples has made a token yet are
+then taken back (`retract`: aborted in the engine, forgotten here, their PromptItems returned)
+and started again once the new version is loaded, so the queue never drains at the old
+version (every trajectory still runs at one version, a group never straddles two). A group
+of which one sample did start stays, whole, at the old version.
 
 Multi-turn (`multi_turn=True`: the rollout has an environment, laminar/rollout/episodes.py
 drives it): a sequence between model turns is `waiting` (no engine sequence, its env step runs
@@ -64,6 +74,8 @@ class SequenceTable:
         self._empty.set()
         self._idle_since: float | None = None
         self._exported_empty = False
+        self._retract_aborts: dict[str, int] = {}
+        """uid -> abort events still to come from `retract` (not a sequence's end)."""
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -96,7 +108,7 @@ class SequenceTable:
             return False
         self._busy()
         now = time.time()
-        group = GroupState(item.group_id)
+        group = GroupState(item.group_id, item=item, started=time.monotonic())
         for i in range(item.n):
             seq = SeqState.from_item(item, i, version, now, self.multi_turn)
             self.seqs[seq.uid] = seq
@@ -137,6 +149,13 @@ class SequenceTable:
 
     def on_event(self, ev: TokenEvent) -> SeqState | None:
         """Append an engine event's tokens to its sequence; None when it is not ours (exported)."""
+        if ev.finished and ev.finish_reason == "abort" and ev.seq_id in self._retract_aborts:
+            # a retraction's abort: the sequence went back into the engine, or was taken back
+            # and may run here again (same uid) at the next version; either way not its end
+            left = self._retract_aborts.pop(ev.seq_id) - 1
+            if left:
+                self._retract_aborts[ev.seq_id] = left
+            return None
         seq = self.seqs.get(ev.seq_id)
         if seq is None:  # exported (its abort event) or never ours
             self.metrics.count("stray_events")
@@ -225,6 +244,55 @@ class SequenceTable:
             self.metrics.count("emptied_by_export")
         exported = {p.uid for p in partials}
         return partials, [u for u in uids if u not in exported]
+
+    async def retract(self, max_seqs: int) -> list[PromptItem]:
+        """Take back the youngest groups none of whose samples has made a token (single-turn
+        groups started here, at most `max_seqs` sequences: the engine's queue), for a start at a
+        newer version. Returns their PromptItems, in the order they were started. A sample that
+        turns out to have started (tokens came back with the abort) goes straight back into the
+        engine with its group's others, at the same version, and that group stays."""
+        if self.multi_turn or max_seqs <= 0:
+            return []
+        picked: list[GroupState] = []
+        n = 0
+        for g in sorted(self.groups.values(), key=lambda g: g.started, reverse=True):
+            seqs = [self.seqs[u] for u in g.open if u in self.seqs]
+            if (g.item is None or len(seqs) != g.item.n or n + len(seqs) > max_seqs
+                    or any(q.length or q.exporting for q in seqs)):  # fmt: skip
+                continue
+            picked.append(g)
+            n += len(seqs)
+        if not picked:
+            return []
+        uids = [u for g in picked for u in sorted(g.open)]
+        for u in uids:
+            self.seqs[u].exporting = True  # an export or the event loop leaves them to us meanwhile
+        states = {p.seq_id: p for p in await self.engine.abort(uids)}
+        for u in states:
+            self._retract_aborts[u] = self._retract_aborts.get(u, 0) + 1
+        items: list[PromptItem] = []
+        for g in picked:
+            members = [u for u in sorted(g.open) if u in self.seqs]
+            mine = [states.get(u) for u in members]
+            if len(members) == len(g.open) and all(
+                p is not None and not len(p.output_ids) for p in mine
+            ):
+                for u in members:
+                    self.forget(u, finished=False)
+                assert g.item is not None
+                items.append(g.item)
+                continue
+            # one of them started (or finished meanwhile): the group stays at this version, whole
+            for u, p in zip(members, mine, strict=True):
+                seq = self.seqs[u]
+                seq.exporting = False
+                if p is None:
+                    continue  # finished in the engine before the abort: its final event completes it
+                self.engine.submit(GenRequest.resume(p, self.params))
+            self.metrics.count("retract_kept_group")
+        if items:
+            self.metrics.count("retracted_groups", len(items))
+        return items[::-1]
 
     async def wait_empty(self, timeout: float) -> bool:
         try:

@@ -202,3 +202,8 @@ class GroupState:
 
     group_id: str
     open: set[str] = field(default_factory=set)
+    item: PromptItem | None = None
+    """The prompt it was started from (None: imported), so a group that never started can be
+    taken back and started again at a newer version (SequenceTable.retract)."""
+    started: float = 0.0
+    """time.monotonic() when it was started here (retraction takes the youngest first)."""

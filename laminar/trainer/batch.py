@@ -11,6 +11,15 @@ A trajectory that cannot be trained on (no reward, logprobs not matching the
 response, empty, too long, token ids outside the vocabulary) is dropped and
 counted by reason, never raised: bad data must not stop the trainer.
 
+Groups after drops: a group keeps its surviving members and their baseline is the
+survivors' mean (a dropped member's reward is unknown, so it cannot be part of the
+baseline; the buffer's lost_member_policy decides earlier whether partial groups are
+released at all). A group left with ONE member has no baseline: its advantage is 0 under
+every estimator (algo/advantages.py), so it adds no gradient, only its tokens to the
+token_mean denominator. verl keeps such a member too (with its raw reward as advantage);
+dropping it whole would be the cleaner choice and is a one-line filter here, held back
+because tests/test_multiturn_train.py pins the current behaviour.
+
 Multi-turn: input_ids are exactly prompt_ids + response_ids as the rollout delivered them
 (the sampled ids and the environment's ids, in order; nothing is re-encoded here), and
 resp_mask is the response frame times the trajectory's loss mask, so an environment token

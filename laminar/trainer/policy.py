@@ -9,17 +9,26 @@ The torch implementation of the `Trainer` protocol (laminar/trainer/engine.py).
 Protocol methods are collectives under torch.distributed: on rank 0 each first tells the
 other ranks to run the same method (dist.lead), which they do from follower.py.
 
-One optimizer step per batch:
+One trainer step per batch, trainer.minibatches optimizer steps inside it:
     pack micro-batches by length (token budget) ─► [k1-in-reward: no-grad pass for KL]
-    ─► advantages ─► per micro-batch: forward (bf16 autocast on GPU, fp32 logits / T)
-       ─► loss with the batch's global token/sequence counts ─► backward (accumulate)
-    ─► clip grad norm ─► AdamW step ─► schedule step
+    ─► advantages (whole batch) ─► split the groups into M mini-batches
+    ─► [M > 1, decoupled: no-grad pass for pi_prox on mini-batches 2..M]
+    ─► per mini-batch: per micro-batch: forward (bf16 autocast on GPU, fp32 logits / T)
+          ─► loss with the mini-batch's token/sequence counts ─► backward (accumulate)
+       ─► clip grad norm ─► AdamW step
+    ─► schedule step (one per trainer step: the lr schedule counts versions)
 
-The proximal policy pi_prox is the parameters at the start of the step. Gradients
-accumulate over micro-batches and the parameters only move at the optimizer step,
-so every micro-batch's forward runs at exactly those parameters: its logprobs,
+The proximal policy pi_prox is the parameters at the start of the step. With M = 1,
+gradients accumulate over micro-batches and the parameters only move at the optimizer
+step, so every micro-batch's forward runs at exactly those parameters: its logprobs,
 detached, *are* the recompute (no grad, before any update in this step) — no second
 forward pass is needed (tests check they are bit-identical to a separate no-grad pass).
+Then the PPO ratio pi_theta/pi_prox is 1 at the step and the clip cannot act: the
+update is REINFORCE with truncated behaviour weights (is_cap is the only brake).
+With M > 1, mini-batch 1 still uses its own detached logprobs, and mini-batches 2..M
+get pi_prox from one no-grad pass over them before the first optimizer step; by the
+time they are trained the parameters have moved, the ratio differs from 1 and the
+clip (clip_low/clip_high/dual_clip) bounds how far each step goes: a real trust region.
 With decoupled=False (bypass) the behaviour logprobs take the proximal role.
 
 FSDP2 (`fully_shard` per decoder layer, then the root) when world > 1: every rank
@@ -202,69 +211,123 @@ class Policy:
         )  # zero-weight dummies keep FSDP collectives aligned
         return mine
 
+    def _minibatches(self, batch: TrainBatch) -> list[list[int]]:
+        """Sample indices of each mini-batch: whole groups, in batch order, M near-equal parts."""
+        n_groups = int(batch.groups.max()) + 1 if batch.n_seqs else 0
+        m = max(1, min(self.cfg.trainer.minibatches, n_groups))
+        if m == 1:
+            return [list(range(batch.n_seqs))]
+        part_of = [g * m // n_groups for g in range(n_groups)]
+        parts: list[list[int]] = [[] for _ in range(m)]
+        for i, g in enumerate(batch.groups.tolist()):
+            parts[part_of[g]].append(i)
+        return parts
+
+    def _plan(self, batch: TrainBatch, idx: list[int]) -> list[tuple[list[int], float]]:
+        """This rank's micro-batches (batch indices, weight) of the samples `idx`."""
+        packed = pack_micro_batches(
+            [batch.samples[i].length for i in idx], self.cfg.trainer.micro_batch_tokens
+        )
+        return self._my_share([[idx[j] for j in mb] for mb in packed])
+
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         t0 = time.perf_counter()
         s, algo = self.loss_settings, self.cfg.algo
-        n_tok, n_seq = batch.n_tokens, batch.n_seqs
-        if n_seq == 0:
+        if batch.n_seqs == 0:
             raise ValueError("train_step needs at least one usable trajectory")
-        share = self._my_share(
-            pack_micro_batches(
-                [x.length for x in batch.samples], self.cfg.trainer.micro_batch_tokens
-            )
-        )
         stats = StatAccumulator()
         rewards = batch.rewards
         if algo.kl_coef > 0 and algo.kl_type == "k1_reward":
-            rewards = kl_penalized_rewards(rewards, self._sequence_kl(batch, share), algo.kl_coef)
-        adv = compute_advantages(rewards, batch.groups, algo.advantage, algo.norm_std)
-        self.optimizer.zero_grad(set_to_none=True)
-        for idx, weight in share:
-            mb = collate(batch, idx, self.pad_id).to(self.device)
-            st = stats if weight else StatAccumulator()
-            logp, ent = self.token_logprobs(mb, entropy_grad=s.entropy_coef > 0)
-            prox = logp.detach() if algo.decoupled else mb.behav_logp
-            ref = None
-            if self.ref is not None and s.kl_type == "k3_loss":
-                with torch.no_grad():
-                    ref, _ = self.token_logprobs(mb, self.ref)
-                st.add("kl_ref", (logp.detach() - ref), mb.resp_mask)
-            adv_tok = broadcast_to_tokens(adv.to(self.device)[mb.index], mb.resp_mask)
-            loss = policy_loss(
-                logp, prox, mb.behav_logp, adv_tok, mb.resp_mask, s, n_tok, n_seq, ref, ent, st
-            )
-            st.add("sum/loss", loss.detach())
-            st.add("entropy", ent.detach(), mb.resp_mask)
-            st.add("logp", logp.detach(), mb.resp_mask)
-            (loss * (weight * self.ctx.world)).backward()
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
-        if hasattr(norm, "full_tensor"):  # a DTensor under FSDP2
-            norm = norm.full_tensor()
-        grad_norm = float(norm)
+            whole = self._plan(batch, list(range(batch.n_seqs)))
+            rewards = kl_penalized_rewards(rewards, self._sequence_kl(batch, whole), algo.kl_coef)
+        adv = compute_advantages(rewards, batch.groups, algo.advantage, algo.norm_std).to(
+            self.device
+        )
+        parts = self._minibatches(batch)
+        plans = [self._plan(batch, idx) for idx in parts]
+        # pi_prox of mini-batches 2..M, before any parameter moves (mini-batch 1 reuses its own forward)
+        prox_of: dict[tuple[int, int], torch.Tensor] = {}
+        if len(parts) > 1 and algo.decoupled:
+            with torch.no_grad():
+                for k, plan in enumerate(plans[1:], start=1):
+                    for j, (idx, _) in enumerate(plan):
+                        prox_of[k, j], _ = self.token_logprobs(
+                            collate(batch, idx, self.pad_id).to(self.device)
+                        )
         lr = float(self.scheduler.get_last_lr()[0])
-        skipped = not math.isfinite(grad_norm)
-        # a NaN/inf gradient must not reach the weights; the batch still counts as consumed
-        if skipped:
+        norms: list[float] = []
+        n_micro = 0
+        for k, (idx_k, plan) in enumerate(zip(parts, plans, strict=True)):
+            n_tok = sum(batch.samples[i].n_model for i in idx_k)
             self.optimizer.zero_grad(set_to_none=True)
-        else:
-            self.optimizer.step()
+            for j, (idx, weight) in enumerate(plan):
+                mb = collate(batch, idx, self.pad_id).to(self.device)
+                st = stats if weight else StatAccumulator()
+                logp, ent = self.token_logprobs(mb, entropy_grad=s.entropy_coef > 0)
+                if not algo.decoupled:
+                    prox = mb.behav_logp
+                else:
+                    prox = prox_of.pop((k, j)) if k else logp.detach()
+                ref = None
+                if self.ref is not None and s.kl_type == "k3_loss":
+                    with torch.no_grad():
+                        ref, _ = self.token_logprobs(mb, self.ref)
+                    st.add("kl_ref", (logp.detach() - ref), mb.resp_mask)
+                adv_tok = broadcast_to_tokens(adv[mb.index], mb.resp_mask)
+                loss = policy_loss(
+                    logp,
+                    prox,
+                    mb.behav_logp,
+                    adv_tok,
+                    mb.resp_mask,
+                    s,
+                    n_tok,
+                    len(idx_k),
+                    ref,
+                    ent,
+                    st,
+                )
+                st.add("sum/loss", loss.detach())
+                st.add("entropy", ent.detach(), mb.resp_mask)
+                st.add("logp", logp.detach(), mb.resp_mask)
+                (loss * (weight * self.ctx.world)).backward()
+            n_micro += len(plan)
+            norms.append(self._optimizer_step())
         self.scheduler.step()
         if self.ctx.enabled:
             self._align_names(stats)
             stats.all_reduce(self.ctx.cpu_group)
         out = stats.finalize()
+        for name in [n for n in stats.parts if n.startswith("sum/")]:
+            out[name[4:]] /= len(parts)  # summed over mini-batches: report their mean
+        finite = [x for x in norms if math.isfinite(x)]
+        n_seq, adv_cpu = batch.n_seqs, adv.cpu()
         out.update(length_stats([len(x.response_ids) for x in batch.samples]))
         out.update(episode_stats(batch.samples))
         out.update({
-            "grad_norm": grad_norm, "lr": lr, "skipped_step": float(skipped),
+            "grad_norm": sum(finite) / len(finite) if finite else math.nan, "lr": lr,
+            "skipped_step": float(len(finite) < len(norms)), "minibatches": float(len(parts)),
             "reward": float(batch.rewards.mean()), "reward_max": float(batch.rewards.max()),
-            "reward_min": float(batch.rewards.min()), "adv/mean": float(adv.mean()),
-            "adv/std": float(adv.std()) if n_seq > 1 else 0.0, "adv/max": float(adv.max()),
-            "adv/min": float(adv.min()), "frac/zero_adv": float((adv == 0).float().mean()),
-            "tokens": float(n_tok), "tokens_total": float(batch.total_tokens), "seqs": float(n_seq),
-            "micro_batches": float(len(share)), "compute_s": time.perf_counter() - t0,
+            "reward_min": float(batch.rewards.min()), "adv/mean": float(adv_cpu.mean()),
+            "adv/std": float(adv_cpu.std()) if n_seq > 1 else 0.0, "adv/max": float(adv_cpu.max()),
+            "adv/min": float(adv_cpu.min()), "frac/zero_adv": float((adv_cpu == 0).float().mean()),
+            "tokens": float(batch.n_tokens), "tokens_total": float(batch.total_tokens),
+            "seqs": float(n_seq), "micro_batches": float(n_micro),
+            "compute_s": time.perf_counter() - t0,
         })  # fmt: skip
         return out
+
+    def _optimizer_step(self) -> float:
+        """Clip the global grad norm and step AdamW; a NaN/inf gradient never reaches the weights."""
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
+        if hasattr(norm, "full_tensor"):  # a DTensor under FSDP2
+            norm = norm.full_tensor()
+        grad_norm = float(norm)
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        else:  # the batch still counts as consumed
+            self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
 
     @torch.no_grad()
     def _sequence_kl(self, batch: TrainBatch, share: list[tuple[list[int], float]]) -> torch.Tensor:

@@ -7,7 +7,7 @@ channel (laminar/transport/weights.py, weights_gpu.py) and by the relays (lamina
     layout = layout_of(named_list(model.state_dict()))   # the same from tensors
     validate_layout(layout)                    # bad layouts from the network raise ProtocolError
     chunk_range(i, chunk_bytes, total)          # byte range of chunk i
-    d = chunk_digest(view, with_adler=False)    # crc32 (+ adler32 << 32 in delta mode)
+    d = chunk_digest(view)                      # crc32 (optionally + adler32 << 32)
     version_checksum(layout, chunk_bytes, crcs) # what WeightsReady / PulledWeights.checksum carry
 
 A version is one flat byte buffer: each tensor at an aligned offset (ALIGN bytes, so
@@ -140,8 +140,8 @@ def chunk_range(index: int, chunk_bytes: int, total: int) -> tuple[int, int]:
 
 
 def chunk_digest(buf: np.ndarray | memoryview, with_adler: bool = False) -> int:
-    """crc32 of a chunk (fast, releases the GIL); delta mode adds adler32 in the high bits so
-    that "unchanged" is decided on 64 bits, not 32."""
+    """crc32 of a chunk (fast, releases the GIL); `with_adler` adds adler32 in the high bits
+    (a 64-bit fingerprint; the relays' delta mode now checks rebuilt chunks on the crc32)."""
     view = buf.data if isinstance(buf, np.ndarray) else buf
     crc = zlib.crc32(view)
     return crc | (zlib.adler32(view) << 32) if with_adler else crc

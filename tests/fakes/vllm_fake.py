@@ -109,7 +109,13 @@ class FakeAsyncLLM:
         self.p12_bug = False  # final abort delta repeats the logprob history (vLLM <= 0.28)
         self.fail_next = False
         self.steps = 0
-        self._task = asyncio.get_running_loop().create_task(self._loop())
+        # like AsyncLLM built off the loop (VllmEngine.start: a worker thread), the step loop
+        # starts on first use, on the loop that uses it
+        self._task: asyncio.Task | None = None
+
+    def _ensure_loop(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop())
 
     @classmethod
     def from_engine_args(
@@ -130,6 +136,7 @@ class FakeAsyncLLM:
         if self.fail_next:
             self.fail_next = False
             raise RuntimeError("fake engine error")
+        self._ensure_loop()
         assert sampling_params.output_kind is RequestOutputKind.DELTA
         q: asyncio.Queue = asyncio.Queue()
         self.requests[request_id] = _Req(
@@ -169,16 +176,22 @@ class FakeAsyncLLM:
                              kwargs: dict | None = None) -> list[Any]:  # fmt: skip
         import safetensors.torch
 
+        from laminar.engines.vllm_ext import span_tensors
+
         self.calls.append(("rpc", method, args, kwargs))
-        assert method == "laminar_load_weights"
-        blob = args[0] if args else open(kwargs["path"], "rb").read()
-        tensors = safetensors.torch.load(blob)
+        if method == "laminar_load_spans":  # what the worker gets: views of shared files
+            tensors = {k: v.clone() for k, v in span_tensors(args[0])}
+        else:
+            assert method == "laminar_load_weights"
+            blob = args[0] if args else open(kwargs["path"], "rb").read()
+            tensors = safetensors.torch.load(blob)
         self.salt = round(float(sum(t.double().sum() for t in tensors.values())), 6)
         return [len(tensors)]
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float | None = None) -> None:
         self.calls.append(("shutdown",))
-        self._task.cancel()
+        if self._task is not None:
+            self._task.cancel()
 
     async def _loop(self) -> None:
         while True:

@@ -1,0 +1,429 @@
+"""Learning under staleness: the CPU count-up demo job per mode x staleness x correction x seed.
+
+    .venv/bin/python bench/learning.py --quick --out bench/results/learning_quick.json   # <= 15 min, 2 cores
+    .venv/bin/python bench/learning.py --out bench/results/learning.json                 # the full table (hours)
+    .venv/bin/python bench/learning.py --cells laminar:2:tis,laminar:2:ppo_mb --seeds 0,1,2 --out F
+
+Each run is the demo's own runner (laminar/demo/__main__.py run_mode: `laminar run
+configs/demo.yaml` as a child, every role its own process), started from the demo's
+cached warm-up policy (seed 0; built on first use, ~4 min) with seed=S and data.seed=S
+(sampling and prompt order differ per seed, the starting policy does not). Weight
+snapshots (every trainer.snapshot_every steps) are evaluated after each run, greedy, on
+the held-out prompts (report.eval_curve), so the timing of a run is not disturbed.
+
+    cells: sync (staleness 0 by construction) and laminar at max_staleness 1, 2, 4
+    corrections (on top of configs/demo.yaml):
+      default  the demo config as it is
+      none     decoupled, no behaviour weight (is_mode=none), 1 optimizer step per batch
+      tis      token TIS: w = min(pi_prox/mu, 2), 1 optimizer step per batch
+      ppo_mb   decoupled PPO with a trust region: TIS + trainer.minibatches=4 (the clip acts)
+      icepop   masked IS (IcePop, 2025): tokens whose pi_prox/mu leaves [1/2, 2] get no gradient
+
+Figures per run: the accuracy curve (step, seconds since launch), its 3-snapshot smoothing
+(report.smooth), steps and seconds to 0.85 / 0.90 on the smoothed curve (interpolated;
+null and `short_by_*` when never reached), trainer steps/s, CPU-seconds of the run (all its
+processes) and cores used (CPU-s / wall-s), and learning per step relative to the sync run
+of the same seed and correction (else the default sync run): the area under (accuracy -
+start) over the steps both ran, cell / sync.
+Per cell: min / median / max over seeds. Summary (paired by seed, median over seeds):
+steps_to_090_laminar_over_sync and time_to_090_sync_over_laminar at the demo's staleness
+with the default correction. A PNG (matplotlib if installed) shows median + range bands.
+Timings on a shared or loaded machine are not comparable to a quiet one's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from laminar.config import load_config  # noqa: E402
+from laminar.demo.__main__ import DEMO_CONFIG, demo_settings, prepare_data, run_mode, warm_up  # noqa: E402
+
+TARGETS = (0.85, 0.90)
+CORRECTIONS: dict[str, list[str]] = {
+    "default": [],
+    "none": ["algo.decoupled=true", "algo.is_mode=none", "trainer.minibatches=1"],
+    "tis": ["algo.decoupled=true", "algo.is_mode=truncate", "algo.is_cap=2.0", "trainer.minibatches=1"],
+    "ppo_mb": ["algo.decoupled=true", "algo.is_mode=truncate", "algo.is_cap=2.0", "trainer.minibatches=4"],
+    "icepop": ["algo.decoupled=true", "algo.is_mode=mask", "algo.is_low=0.5", "algo.is_high=2.0",
+               "trainer.minibatches=1"],
+}  # fmt: skip
+FULL_CELLS = ["sync:0:" + c for c in CORRECTIONS if c != "default"] + [
+    f"laminar:{k}:{c}" for k in (1, 2, 4) for c in CORRECTIONS if c != "default"
+]
+
+
+def say(msg: str) -> None:
+    print(f"[learning {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def _cpu_children() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def crossing(curve: list[dict[str, Any]], key: str, target: float) -> float | None:
+    """`key` (step or t) where the curve first reaches target, linear between points."""
+    prev = None
+    for p in curve:
+        if p["accuracy"] >= target - 1e-9:
+            if prev is None or p["accuracy"] == prev["accuracy"]:
+                return float(p[key])
+            frac = (target - prev["accuracy"]) / (p["accuracy"] - prev["accuracy"])
+            return float(prev[key] + frac * (p[key] - prev[key]))
+        prev = p
+    return None
+
+
+def gain_area(curve: list[dict[str, Any]], upto: float) -> float:
+    """Trapezoid area of (accuracy - accuracy at step 0) over steps [0, upto]."""
+    a0, area = curve[0]["accuracy"], 0.0
+    for p, q in zip(curve, curve[1:], strict=False):
+        if p["step"] >= upto:
+            break
+        hi = min(q["step"], upto)
+        frac = (hi - p["step"]) / (q["step"] - p["step"]) if q["step"] > p["step"] else 0.0
+        qa = p["accuracy"] + frac * (q["accuracy"] - p["accuracy"])
+        area += (hi - p["step"]) * ((p["accuracy"] + qa) / 2 - a0)
+    return area
+
+
+def run_cell(cell: str, seed: int, work: Path, base: list[str], s: dict[str, Any], policy0: Path,
+             ev: list[dict], before: dict[str, Any], max_tokens: int) -> dict[str, Any]:  # fmt: skip
+    from laminar.demo import report
+    from laminar.report import read_metrics
+
+    mode, staleness, corr = cell.split(":")
+    over = [*base, *CORRECTIONS[corr], f"seed={seed}", f"data.seed={seed}"]
+    if mode == "laminar":
+        over.append(f"buffer.max_staleness={staleness}")
+    run_dir = work / cell.replace(":", "_") / f"seed{seed}"
+    c0 = _cpu_children()
+    r = run_mode(DEMO_CONFIG, run_dir, mode, over, s)
+    cpu = _cpu_children() - c0
+    curve = report.eval_curve(run_dir, policy0, ev, s, before, r["t0"], log=lambda _m: None,
+                              max_tokens=max_tokens)  # fmt: skip
+    metrics = read_metrics(run_dir)
+    sm = report.smooth(curve)
+    out: dict[str, Any] = {
+        "cell": cell, "seed": seed, "overrides": over, "wall_s": round(r["wall_clock_s"], 1),
+        "cpu_s": round(cpu, 1), "cores": round(cpu / r["wall_clock_s"], 2) if r["wall_clock_s"] else None,
+        "steps": metrics[-1]["step"] if metrics else 0, "steps_per_s": report.steps_per_s(metrics),
+        "first_step_s": round(metrics[0]["time"] - r["t0"], 1) if metrics else None,
+        "staleness_mean": _mean([m.get("staleness") for m in metrics]),
+        "clip_frac_mean": _mean([m.get("frac/clip") for m in metrics]),
+        "curve": curve, "smoothed": sm, "best_smoothed": max(p["accuracy"] for p in sm),
+        "final": curve[-1]["accuracy"], "startup": startup_breakdown(run_dir, r["t0"]),
+    }  # fmt: skip
+    for tgt in TARGETS:
+        k = f"{round(tgt * 100):03d}"
+        out[f"steps_to_{k}"] = crossing(sm, "step", tgt)
+        out[f"seconds_to_{k}"] = crossing(sm, "t", tgt)
+        out[f"short_by_{k}"] = round(max(0.0, tgt - out["best_smoothed"]), 3)
+    say(f"{cell} seed {seed}: {out['steps']} steps in {out['wall_s']:.0f}s ({out['cores']} cores), "
+        f"best smoothed acc {out['best_smoothed']:.3f}, steps/s to 0.90: {out['steps_to_090']} / "
+        f"{out['seconds_to_090']}")  # fmt: skip
+    return out
+
+
+def startup_breakdown(run_dir: Path, t0: float) -> dict[str, Any]:
+    """Seconds after `laminar run` was launched at which each node logged `starting` (its
+    interpreter and laminar imports done), `ready` (setup: torch, model, sockets) and, for
+    rollouts, `engine_started`; and the first trainer step's end and compute time."""
+    from datetime import datetime
+
+    from laminar.report import read_jsonl
+
+    out: dict[str, Any] = {}
+    for log in sorted((run_dir / "logs").glob("*.log")):
+        marks: dict[str, float] = {}
+        for line in log.read_text(errors="replace").splitlines():
+            if not line.startswith("{"):
+                continue
+            try:
+                e = json.loads(line)
+            except ValueError:
+                continue
+            ev = e.get("event")
+            if (
+                ev in ("starting", "ready", "engine_started")
+                and ev not in marks
+                and "timestamp" in e
+            ):
+                ts = datetime.fromisoformat(e["timestamp"].replace("Z", "+00:00")).timestamp()
+                marks[ev] = round(ts - t0, 2)
+        if marks:
+            out[log.stem] = marks
+    m = read_jsonl(run_dir / "metrics.jsonl")
+    if m:
+        out["first_step_done_s"] = round(m[0]["time"] - t0, 2)
+        out["first_step_compute_s"] = round(m[0].get("compute_s", math.nan), 2)
+    return out
+
+
+def _mean(xs: list[Any]) -> float | None:
+    v = [float(x) for x in xs if isinstance(x, int | float) and math.isfinite(x)]
+    return sum(v) / len(v) if v else None
+
+
+def spread(xs: list[float | None]) -> dict[str, Any] | None:
+    """min / median / max of the values; None counts as +inf (never reached) in the median."""
+    if not xs:
+        return None
+    v = sorted(math.inf if x is None else float(x) for x in xs)
+    med = statistics.median(v)
+
+    def j(x: float) -> float | None:
+        return None if math.isinf(x) else round(x, 4)
+
+    return {"min": j(v[0]), "median": j(med), "max": j(v[-1]), "n": len(v),
+            "not_reached": sum(x is None for x in xs)}  # fmt: skip
+
+
+def learning_vs_sync(run: dict[str, Any], sync: dict[str, Any] | None) -> float | None:
+    if sync is None:
+        return None
+    upto = min(run["curve"][-1]["step"], sync["curve"][-1]["step"])
+    ref = gain_area(sync["smoothed"], upto)
+    return round(gain_area(run["smoothed"], upto) / ref, 3) if ref > 0 else None
+
+
+def _ratio(a: float | None, b: float | None, inf_when: str) -> float:
+    """a / b with 'never reached' (None) as inf: a None numerator is inf, a None denominator 0."""
+    if a is None and b is None:
+        return math.nan
+    if a is None:
+        return math.inf if inf_when == "num" else 0.0
+    if b is None:
+        return 0.0 if inf_when == "num" else math.inf
+    return a / b if b > 0 else math.inf
+
+
+def _json_num(x: float) -> float | None:
+    """inf (never reached) and nan (neither run reached it) as null: JSON has neither."""
+    return None if math.isinf(x) or math.isnan(x) else round(x, 3)
+
+
+def _median_json(xs: list[float]) -> float | None:
+    v = [x for x in xs if not math.isnan(x)]
+    if not v:
+        return None
+    m = statistics.median(v)
+    return None if math.isinf(m) else round(m, 3)
+
+
+def aggregate(runs: list[dict[str, Any]], headline: tuple[str, str]) -> dict[str, Any]:
+    by_cell: dict[str, list[dict[str, Any]]] = {}
+    for r in runs:
+        by_cell.setdefault(r["cell"], []).append(r)
+    sync_of = {
+        (r["cell"].split(":")[2], r["seed"]): r for r in runs if r["cell"].startswith("sync:")
+    }
+    cells: dict[str, Any] = {}
+    for cell, rs in by_cell.items():
+        corr = cell.split(":")[2]
+        c: dict[str, Any] = {}
+        for key in ("steps_to_085", "steps_to_090", "seconds_to_085", "seconds_to_090", "steps_per_s",
+                    "wall_s", "cpu_s", "cores", "best_smoothed", "final", "staleness_mean",
+                    "clip_frac_mean", "first_step_s", "short_by_090"):  # fmt: skip
+            c[key] = spread([r.get(key) for r in rs])
+        # against the sync run of the same correction and seed, else the default sync run
+        c["learning_per_step_vs_sync"] = spread(
+            [learning_vs_sync(r, sync_of.get((corr, r["seed"])) or sync_of.get(("default", r["seed"])))
+             for r in rs]
+        )  # fmt: skip
+        cells[cell] = c
+    lam, sync = headline
+    pairs = [(r, sync_of.get((sync.split(":")[2], r["seed"]))) for r in by_cell.get(lam, [])]
+    pairs = [(a, b) for a, b in pairs if b is not None]
+    steps = [_ratio(a["steps_to_090"], b["steps_to_090"], "num") for a, b in pairs]
+    times = [_ratio(b["seconds_to_090"], a["seconds_to_090"], "num") for a, b in pairs]
+    rate = [
+        a["steps_per_s"] / b["steps_per_s"]
+        for a, b in pairs
+        if a["steps_per_s"] and b["steps_per_s"]
+    ]
+    summary = {
+        "headline_cells": {"laminar": lam, "sync": sync},
+        "seeds": len(pairs),
+        "steps_to_090_laminar_over_sync": _median_json(steps),
+        "time_to_090_sync_over_laminar": _median_json(times),
+        "steps_to_090_laminar_over_sync_per_seed": [_json_num(x) for x in steps],
+        "time_to_090_sync_over_laminar_per_seed": [_json_num(x) for x in times],
+        "short_of_090_laminar": _median_json([a["short_by_090"] for a, _ in pairs]),
+        "short_of_090_sync": _median_json([b["short_by_090"] for _, b in pairs]),
+        "steps_per_s_laminar_over_sync": _median_json(rate),
+        "steps_to_090_goal": "<= 1.10", "time_to_090_goal": ">= 1.25",
+    }  # fmt: skip
+    return {"cells": cells, "summary": summary}
+
+
+def plot(path: Path, runs: list[dict[str, Any]]) -> Path | None:
+    try:
+        import matplotlib
+    except ImportError:
+        say("matplotlib is not installed: no PNG (the JSON has every figure)")
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by_cell: dict[str, list[dict[str, Any]]] = {}
+    for r in runs:
+        by_cell.setdefault(r["cell"], []).append(r)
+    fig, ax = plt.subplots(1, 2, figsize=(14, 5.5))
+    for cell, rs in sorted(by_cell.items()):
+        for a, key in ((ax[0], "step"), (ax[1], "t")):
+            top = max(r["smoothed"][-1][key] for r in rs)
+            grid = [top * i / 60 for i in range(61)]
+            ys = [[_interp(r["smoothed"], key, x) for r in rs] for x in grid]
+            ok = [(x, [v for v in y if v is not None]) for x, y in zip(grid, ys, strict=True)]
+            ok = [(x, y) for x, y in ok if y]
+            (line,) = a.plot(
+                [x for x, _ in ok],
+                [statistics.median(y) for _, y in ok],
+                label=f"{cell} (n={len(rs)})",
+            )
+            a.fill_between([x for x, _ in ok], [min(y) for _, y in ok], [max(y) for _, y in ok],
+                           color=line.get_color(), alpha=0.15)  # fmt: skip
+    for a, label in ((ax[0], "trainer step"), (ax[1], "seconds since `laminar run`")):
+        for tgt in TARGETS:
+            a.axhline(tgt, color="grey", lw=0.6, ls=":")
+        a.set_xlabel(label)
+        a.set_ylabel("held-out accuracy (3-snapshot smoothed)")
+        a.grid(alpha=0.3)
+        a.legend(fontsize=7)
+    ax[0].set_title("accuracy vs step: median and range over seeds")
+    ax[1].set_title("accuracy vs wall-clock: median and range over seeds")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def _interp(curve: list[dict[str, Any]], key: str, x: float) -> float | None:
+    if x > curve[-1][key]:
+        return None
+    for p, q in zip(curve, curve[1:], strict=False):
+        if p[key] <= x <= q[key]:
+            return p["accuracy"] + (x - p[key]) / max(q[key] - p[key], 1e-9) * (
+                q["accuracy"] - p["accuracy"]
+            )
+    return curve[0]["accuracy"]
+
+
+def machine() -> dict[str, Any]:
+    def git(*a: str) -> str:
+        try:
+            return subprocess.run(["git", *a], capture_output=True, text=True, timeout=10,
+                                  cwd=Path(__file__).parent).stdout.strip()  # fmt: skip
+        except OSError:
+            return ""
+
+    return {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
+            "git_commit": git("rev-parse", "HEAD"),
+            "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+            "loadavg_at_start": [round(x, 2) for x in os.getloadavg()]}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="sync vs laminar, default staleness and correction, 3 seeds",
+    )
+    ap.add_argument(
+        "--cells", default=None, help="comma list of mode:staleness:correction (default: all)"
+    )
+    ap.add_argument(
+        "--seeds", default="0,1,2", help="comma list of RL seeds (>= 3 for the acceptance figures)"
+    )
+    ap.add_argument(
+        "--out", default="bench/results/learning.json", help="JSON path; the PNG goes next to it"
+    )
+    ap.add_argument(
+        "--work", default="runs/bench-learning", help="run directories (snapshots, logs)"
+    )
+    ap.add_argument(
+        "overrides", nargs="*", help="config key=value for every run (e.g. trainer.total_steps=60)"
+    )
+    args = ap.parse_args(argv)
+    cfg = load_config(DEMO_CONFIG, args.overrides)
+    s = demo_settings(cfg)
+    s["progress_every_s"] = 1e9  # no live line per run: one summary line each
+    default_cell = f"laminar:{cfg.buffer.max_staleness}:default"
+    if args.cells:
+        cells = args.cells.split(",")
+    elif args.quick:
+        cells = [default_cell, "sync:0:default"]
+    else:
+        cells = FULL_CELLS + [default_cell, "sync:0:default"]
+    bad = [c for c in cells if len(c.split(":")) != 3 or c.split(":")[2] not in CORRECTIONS
+           or c.split(":")[0] not in ("sync", "laminar")]  # fmt: skip
+    if bad:
+        ap.error(f"bad cells {bad}: use mode:staleness:correction with mode sync|laminar, "
+                 f"correction one of {list(CORRECTIONS)}")  # fmt: skip
+    seeds = [int(x) for x in args.seeds.split(",")]
+    work = Path(args.work)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from laminar.demo.evaluate import evaluate_model
+    from laminar.logs import configure_logging
+    from laminar.tasks import countup as cu
+
+    configure_logging("warning", True)
+    t0 = time.time()
+    train_path, eval_path, train, ev = prepare_data(work, s, 0)
+    policy0 = Path(s["policy"]) if s.get("policy") else warm_up(s, train, 0)
+    max_tokens = cfg.rollout.sampling.max_tokens
+    before = evaluate_model(str(policy0), ev, cu.verify, max_tokens=max_tokens)
+    before.pop("completions", None)
+    base = [f"model.path={policy0}", f"data.train={train_path}", f"data.eval={eval_path}",
+            "trainer.eval_every=0", *args.overrides]  # fmt: skip
+    say(f"{len(cells)} cells x {len(seeds)} seeds; start accuracy {before['accuracy']:.3f}")
+    runs: list[dict[str, Any]] = []
+    # seed-major, cells alternating: machine drift hits every cell alike
+    for seed in seeds:
+        for cell in cells:
+            runs.append(run_cell(cell, seed, work, base, s, policy0, ev, before, max_tokens))
+            result = {"config": {"cells": cells, "seeds": seeds, "overrides": args.overrides,
+                                 "quick": args.quick, "targets": TARGETS},
+                      "machine": machine(), "wall_s": round(time.time() - t0, 1),
+                      **aggregate(runs, (default_cell, "sync:0:default")), "runs": runs}  # fmt: skip
+            out.write_text(json.dumps(result, indent=1))  # partial results survive an interrupt
+    png = plot(out.with_suffix(".png"), runs)
+    sm = result["summary"]
+    say(f"done in {time.time() - t0:.0f}s: steps_to_090_laminar_over_sync {sm['steps_to_090_laminar_over_sync']} "
+        f"(goal <= 1.10), time_to_090_sync_over_laminar {sm['time_to_090_sync_over_laminar']} (goal >= 1.25); "
+        f"{out}{' + ' + str(png) if png else ''}")  # fmt: skip
+    print(
+        f"{'cell':<24} {'steps->0.90':>14} {'s->0.90':>14} {'steps/s':>8} {'cores':>6} {'learn/sync':>10}"
+    )
+    for cell, c in result["cells"].items():
+
+        def med(k: str, c: dict[str, Any] = c) -> str:
+            v = c.get(k)
+            return "-" if not v or v["median"] is None else f"{v['median']:.2f}"
+
+        print(f"{cell:<24} {med('steps_to_090'):>14} {med('seconds_to_090'):>14} {med('steps_per_s'):>8} "
+              f"{med('cores'):>6} {med('learning_per_step_vs_sync'):>10}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,315 @@
+"""The batched partial stream: PartialBatch (one message per rollout per flush window) folds into
+the partial pool exactly as the same entries sent as PartialChunks, and the rollout's deliverer
+sends one batch per window.
+
+    .venv/bin/python -m pytest tests/test_partial_batch.py -q
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import pytest
+
+from laminar.buffer.partials import _COMPACT_PIECES, PartialPool
+from laminar.logs import get_logger
+from laminar.metrics import Metrics
+from laminar.protocol.data import PartialBatch, PartialChunk, PartialTrajectory, PromptItem
+from laminar.rollout.deliver import Deliverer, partial_batch
+from laminar.rollout.sequences import SequenceTable
+from laminar.rollout.tracking import SeqState
+from laminar.transport.codec import decode, encode
+
+
+def header(uid: str, version: int, rid: str) -> PartialTrajectory:
+    return PartialTrajectory(uid=uid, group_id=uid.rpartition("/")[0], prompt_uid="p", sample_index=int(uid[-1]),
+                             prompt_ids=np.arange(3, dtype=np.int32), response_ids=np.zeros(0, np.int32),
+                             logprobs=np.zeros(0, np.float32), version=version, n=4, rollout_id=rid)  # fmt: skip
+
+
+def random_chunks(rng: random.Random, masked: bool, n: int = 400) -> list[PartialChunk]:
+    """A stream with every case the pool's rules name: in-order, resends, overlaps, gaps, restarts
+    by a header, unknown uids, other versions, awaiting flips, empty entries."""
+    uids = [f"g{k}/{i}" for k in range(3) for i in range(2)]
+    oracle = PartialPool()  # where the receiving pool stands, so most entries are in order
+    out = []
+    for _ in range(n):
+        uid = rng.choice(uids)
+        rec = oracle.records.get(uid)
+        have = None if rec is None else rec.length
+        r = rng.random()
+        ver = 0 if rng.random() > 0.05 else 1
+        if have is None or r < 0.05:  # (re)start with a header (or an unknown uid, no header)
+            off, hdr = 0, (header(uid, ver, "r0") if rng.random() > 0.1 else None)
+        elif r < 0.15:
+            off, hdr = max(0, have - rng.randint(1, 5)), None  # a resend / an overlap
+        elif r < 0.2:
+            off, hdr = have + rng.randint(1, 3), None  # a gap
+        else:
+            off, hdr = have, None
+        k = rng.choice([0, 1, 2, 5, 8])
+        ids = np.arange(off, off + k, dtype=np.int32) + 1000 * uids.index(uid)
+        lps = -np.arange(off, off + k, dtype=np.float32) / 100
+        mask = np.array([rng.randint(0, 1) for _ in range(k)], np.uint8) if masked else None
+        out.append(PartialChunk(uid=uid, version=ver, offset=off, token_ids=ids, logprobs=lps, rollout_id="r0",
+                                header=hdr, loss_mask=mask, awaiting_env=rng.random() < 0.3))  # fmt: skip
+        oracle.apply(copy_chunk(out[-1]))
+    return out
+
+
+def as_batch(chunks: list[PartialChunk]) -> PartialBatch:
+    at = [i for i, c in enumerate(chunks) if c.header is not None]
+    masks = [c.loss_mask for c in chunks]
+    return PartialBatch(rollout_id="r0", uids=[c.uid for c in chunks],
+                        versions=np.array([c.version for c in chunks], np.int64),
+                        offsets=np.array([c.offset for c in chunks], np.int64),
+                        lengths=np.array([len(c.token_ids) for c in chunks], np.int64),
+                        token_ids=np.concatenate([c.token_ids for c in chunks]),
+                        logprobs=np.concatenate([c.logprobs for c in chunks]),
+                        awaiting_env=np.array([c.awaiting_env for c in chunks], np.uint8),
+                        loss_mask=None if masks[0] is None else np.concatenate(masks),  # type: ignore[arg-type]
+                        headers=[chunks[i].header for i in at],  # type: ignore[misc]
+                        header_at=np.array(at, np.int64) if at else None)  # fmt: skip
+
+
+def copy_chunk(c: PartialChunk) -> PartialChunk:
+    """Both pools take ownership of headers (they strip their arrays): each gets its own."""
+    return decode(encode(c))  # type: ignore[return-value]
+
+
+def snapshot(pool: PartialPool) -> dict[str, Any]:
+    out = {}
+    for p in pool.query(uids=sorted(pool.records)):
+        out[p.uid] = (p.response_ids.tolist(), p.logprobs.tolist(), None if p.loss_mask is None else p.loss_mask.tolist(),
+                      p.awaiting_env, p.version, p.rollout_id)  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("seed", range(4))
+def test_a_batch_folds_exactly_as_its_entries_sent_as_chunks(seed: int, masked: bool):
+    rng = random.Random(seed)
+    chunks = random_chunks(rng, masked)
+    one, batched = PartialPool(), PartialPool()
+    removed = set()
+    i = 0
+    while i < len(chunks):
+        k = rng.randint(1, 40)
+        part = chunks[i : i + k]
+        for c in part:
+            one.apply(copy_chunk(c))
+        # through the codec, as the buffer gets it
+        got = decode(encode(as_batch([copy_chunk(c) for c in part])))
+        assert isinstance(got, PartialBatch)
+        batched.apply_batch(got)
+        i += k
+        if rng.random() < 0.2 and one.records:  # a trajectory finished in between
+            uid = rng.choice(sorted(one.records))
+            assert one.remove(uid) == batched.remove(uid)
+            removed.add(uid)
+        assert snapshot(one) == snapshot(batched)  # also compacts: the next batches fold on top
+    c1, c2 = Counter(one.counts), Counter(batched.counts)
+    assert c2.pop("batches") > 1
+    assert c1 == c2 and c1["gaps"] and c1["overlaps"] and c1["headers"] and c1["unknown"]
+    assert one.tokens == batched.tokens > 0
+
+
+def test_records_compact_and_keep_every_token():
+    pool = PartialPool()
+    uid = "g/0"
+    pool.apply(PartialChunk(uid=uid, version=0, offset=0, token_ids=np.zeros(0, np.int32),
+                            logprobs=np.zeros(0, np.float32), rollout_id="r0", header=header(uid, 0, "")))  # fmt: skip
+    for k in range(3 * _COMPACT_PIECES):
+        b = as_batch([PartialChunk(uid=uid, version=0, offset=2 * k, token_ids=np.array([2 * k, 2 * k + 1], np.int32),
+                                   logprobs=np.full(2, -0.5, np.float32), rollout_id="r0")])  # fmt: skip
+        assert not pool.apply_batch(b)
+        assert len(pool.records[uid].pieces) <= _COMPACT_PIECES
+    (p,) = pool.query("r0")
+    assert (
+        p.response_ids.tolist() == list(range(6 * _COMPACT_PIECES))
+        and p.response_ids.dtype == np.int32
+    )
+    assert (
+        p.loss_mask is None
+        and p.rollout_id == "r0"
+        and pool.counts["chunks"] == 3 * _COMPACT_PIECES
+    )
+
+
+def test_a_malformed_batch_is_refused_whole_and_counted():
+    pool = PartialPool()
+    good = [PartialChunk(uid="g/0", version=0, offset=0, token_ids=np.arange(4, dtype=np.int32),
+                         logprobs=np.zeros(4, np.float32), rollout_id="r0", header=header("g/0", 0, "r0"))]  # fmt: skip
+
+    def bad(**kw: Any) -> PartialBatch:
+        b = as_batch([copy_chunk(c) for c in good])
+        for k, v in kw.items():
+            setattr(b, k, v)
+        return b
+
+    cases = [
+        bad(lengths=np.array([5], np.int64)),  # tokens do not match the lengths
+        bad(offsets=np.array([-1], np.int64)),
+        bad(versions=np.array([0, 0], np.int64)),  # columns of different lengths
+        bad(loss_mask=np.array([1, 1, 2, 1], np.uint8)),
+        bad(loss_mask=np.array([1, 1], np.uint8)),
+        bad(header_at=np.array([3], np.int64)),
+        bad(header_at=None),
+        bad(headers=[header("g/9", 0, "r0")]),  # a header of another uid
+        bad(headers=[header("g/0", 7, "r0")]),  # of another version
+    ]
+    for b in cases:
+        assert pool.apply_batch(b) == Counter(bad=1)
+    assert len(pool) == 0 and pool.counts["bad"] + pool.counts["bad_loss_mask"] == len(cases)
+    assert not pool.apply_batch(as_batch(good)) and pool.records["g/0"].length == 4
+
+
+# ---- the rollout side -------------------------------------------------------------------------
+class FakeBuffer:
+    connected = True
+
+    def __init__(self) -> None:
+        self.sent: list[Any] = []
+        self.fail = 0
+
+    async def send(self, msg: Any) -> None:
+        if self.fail:
+            self.fail -= 1
+            raise ConnectionError("pipe full")
+        self.sent.append(decode(encode(msg)))
+
+
+def item(k: int) -> PromptItem:
+    return PromptItem(uid=f"p{k}", group_id=f"g{k}", prompt_ids=np.arange(4, dtype=np.int32), n=1)
+
+
+def deliverer(
+    flush_s: float, buf: FakeBuffer, multi_turn: bool = False
+) -> tuple[Deliverer, SequenceTable]:
+    table = SequenceTable(engine=None, params=None, notify=(), multi_turn=multi_turn, metrics=Metrics(),
+                          log=get_logger(role="rollout", node_id="t"))  # type: ignore[arg-type]  # fmt: skip
+    d = Deliverer("rollout-0", buf, None, table, None, None, None, None, Metrics(),  # type: ignore[arg-type]
+                  get_logger(role="rollout", node_id="t"), flush_s=flush_s)  # fmt: skip
+    return d, table
+
+
+def add_seq(table: SequenceTable, k: int, multi_turn: bool = False) -> SeqState:
+    seq = SeqState.from_item(item(k), 0, version=3, now=1.0, multi_turn=multi_turn)
+    table.seqs[seq.uid] = seq
+    return seq
+
+
+async def test_the_deliverer_sends_one_batch_per_window_and_the_pool_rebuilds_each_sequence():
+    buf = FakeBuffer()
+    d, table = deliverer(0.2, buf, multi_turn=True)
+    seqs = [add_seq(table, k, multi_turn=True) for k in range(5)]
+    pool = PartialPool()
+    task = asyncio.create_task(d.stream())
+    try:
+        for step in range(3):
+            for s in seqs:
+                s.append(
+                    np.arange(7, dtype=np.int32) + 10 * step, np.full(7, -1.0, np.float32), 1.0
+                )
+                if step == 1 and s is seqs[0]:
+                    s.append_env(np.array([99, 98], np.int32))
+                    s.awaiting_env = True
+                table.mark_dirty(s.uid)
+            async with asyncio.timeout(5):
+                while len(buf.sent) < step + 1:
+                    await asyncio.sleep(0.01)
+        # three windows: three messages, each with every sequence, headers only in the first
+        assert len(buf.sent) == 3 and all(
+            isinstance(m, PartialBatch) and len(m.uids) == 5 for m in buf.sent
+        )
+        assert [len(m.headers) for m in buf.sent] == [5, 0, 0]
+        for m in buf.sent:
+            assert not pool.apply_batch(m)
+    finally:
+        task.cancel()
+    for s in seqs:
+        (p,) = pool.query(uids=[s.uid])
+        assert p.response_ids.tolist() == s.ids.copy().tolist() and p.version == 3
+        assert (
+            s.mask is not None
+            and p.loss_mask is not None
+            and p.loss_mask.tolist() == s.mask.copy().tolist()
+        )
+        assert (
+            p.awaiting_env == s.awaiting_env
+            and s.sent_upto == s.length
+            and p.rollout_id == "rollout-0"
+        )
+    assert d.metrics.counters["partial_batches"] == 3 and d.metrics.counters["partial_chunks"] == 15
+
+
+async def test_a_failed_send_keeps_the_marks_and_the_next_flush_resends():
+    buf = FakeBuffer()
+    d, table = deliverer(0.0, buf)
+    seqs = [add_seq(table, k) for k in range(3)]
+    for s in seqs:
+        s.append(np.arange(4, dtype=np.int32), np.zeros(4, np.float32), 1.0)
+        table.mark_dirty(s.uid)
+    buf.fail = 1
+    await d.flush_partials()
+    assert (
+        not buf.sent
+        and table.unsent == {s.uid for s in seqs}
+        and all(s.sent_upto == 0 for s in seqs)
+    )
+    await d.flush_partials()
+    (m,) = buf.sent
+    assert sorted(m.uids) == sorted(table.unsent | {s.uid for s in seqs}) and len(m.headers) == 3
+    assert not table.unsent and all(s.sent_upto == 4 for s in seqs)
+    await d.flush_partials()  # nothing new: nothing sent
+    assert len(buf.sent) == 1
+
+
+def test_a_large_flush_is_split_by_size():
+    table_seqs = []
+    for k in range(4):
+        s = SeqState.from_item(item(k), 0, version=0, now=1.0)
+        s.append(np.arange(100, dtype=np.int32), np.zeros(100, np.float32), 1.0)
+        table_seqs.append(s)
+    buf = FakeBuffer()
+    d, table = deliverer(0.0, buf)
+    d.max_batch_bytes = 2 * (100 * 9 + 64 + 4 * 4 + 512)  # two sequences with their headers
+    for s in table_seqs:
+        table.seqs[s.uid] = s
+        table.mark_dirty(s.uid)
+    asyncio.run(d.flush_partials())
+    assert [len(m.uids) for m in buf.sent] == [2, 2]
+    pool = PartialPool()
+    for m in buf.sent:
+        pool.apply_batch(m)
+    assert pool.tokens == 400
+
+
+def test_partial_batch_of_nothing_new_is_an_empty_entry_with_its_flag():
+    s = SeqState.from_item(item(0), 0, version=0, now=1.0, multi_turn=True)
+    s.append(np.arange(3, dtype=np.int32), np.zeros(3, np.float32), 1.0)
+    s.sent_upto = 3
+    s.awaiting_env = True
+    msg, upto = partial_batch([s], "rollout-0")
+    assert upto == [3] and msg.lengths.tolist() == [0] and msg.offsets.tolist() == [3]
+    assert msg.awaiting_env.tolist() == [1] and msg.header_at is None and len(msg.token_ids) == 0
+
+
+def test_the_control_plane_bench_drives_the_configured_flush_window():
+    import importlib.util
+    from pathlib import Path
+
+    from laminar.config import RolloutConfig
+
+    path = Path(__file__).resolve().parents[1] / "bench/control_plane.py"
+    spec = importlib.util.spec_from_file_location("control_plane", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    ro = RolloutConfig()
+    assert mod.FLUSH_S == ro.partial_flush_s and mod.CHUNK_TOKENS == ro.partial_chunk_tokens
+    assert mod.STATUS_PUSH_MIN_S == ro.status_push_min_s
