@@ -527,7 +527,7 @@ async def run_pass(
 
 async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     """One buffer first; while it holds less than 2x, again with twice the shards (up to
-    --max-shards), from 1x up: the figure is the last pass's (summary says how many shards)."""
+    --max-shards), from 1x up: the figure is the best pass's (summary says how many shards)."""
     from laminar.logs import configure_logging
 
     configure_logging("warning")
@@ -538,7 +538,9 @@ async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     while passes[-1]["best"] < 2 and passes[-1]["buffer_shards"] * 2 <= args.max_shards:
         ramp = [x for x in args.ramp if x >= 1.0] or [1.0]
         passes.append(await run_pass(args, rates, passes[-1]["buffer_shards"] * 2, ramp))
-    last = passes[-1]
+    # the headline is the best pass (fewest shards on a tie): on a machine with fewer cores than
+    # processes, more shards can hold less than one
+    last = max(passes, key=lambda p: (p["best"], -p["buffer_shards"]))
     best = last["best"]
     # CPU per 1x of offered load, per node, from the most loaded step of the first pass, above the
     # node's idle CPU (heartbeats, prompts, trainer): the load of a buffer as its batch rate, of the

@@ -219,9 +219,19 @@ def test_bad_masks_are_dropped_and_counted():
     short = multi_turn("g0/0")
     short.loss_mask = MASK[:4]
     env_only = multi_turn("g0/1", mask=np.zeros(9, np.uint8))
-    batch = TrainBatch.build([short, env_only, multi_turn("g0/2")])
-    assert batch.n_seqs == 1
+    batch = TrainBatch.build([short, env_only, multi_turn("g0/2"), multi_turn("g0/3")])
+    assert batch.n_seqs == 2
     assert batch.dropped == {"loss_mask_length": 1, "no_model_tokens": 1}
+
+
+def test_a_group_that_drops_leave_with_one_member_is_dropped_whole():
+    """One survivor has no baseline (advantage 0): it would only dilute token_mean."""
+    bad = multi_turn("g0/0", mask=np.zeros(9, np.uint8))
+    batch = TrainBatch.build([bad, multi_turn("g0/1"), multi_turn("g1/0"), multi_turn("g1/1")])
+    assert [s.uid for s in batch.samples] == ["g1/0", "g1/1"]
+    assert batch.dropped == {"no_model_tokens": 1, "singleton_group": 1}
+    # a group that arrives with one member (group_size 1, a released partial group) is kept
+    assert TrainBatch.build([multi_turn("g2/0")]).n_seqs == 1
 
 
 def test_token_mean_and_seq_mean_count_model_tokens_only():

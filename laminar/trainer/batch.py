@@ -14,11 +14,11 @@ counted by reason, never raised: bad data must not stop the trainer.
 Groups after drops: a group keeps its surviving members and their baseline is the
 survivors' mean (a dropped member's reward is unknown, so it cannot be part of the
 baseline; the buffer's lost_member_policy decides earlier whether partial groups are
-released at all). A group left with ONE member has no baseline: its advantage is 0 under
-every estimator (algo/advantages.py), so it adds no gradient, only its tokens to the
-token_mean denominator. verl keeps such a member too (with its raw reward as advantage);
-dropping it whole would be the cleaner choice and is a one-line filter here, held back
-because tests/test_multiturn_train.py pins the current behaviour.
+released at all). A group that drops leave with ONE member is dropped whole (counted as
+`singleton_group`): it has no baseline, its advantage is 0 under every estimator
+(algo/advantages.py), so it would add no gradient, only its tokens to the token_mean
+denominator, diluting every other sample's weight. A group that arrives with one member
+(group_size 1, or a partial group the buffer released) is kept as it is.
 
 Multi-turn: input_ids are exactly prompt_ids + response_ids as the rollout delivered them
 (the sampled ids and the environment's ids, in order; nothing is re-encoded here), and
@@ -118,6 +118,12 @@ class TrainBatch:
                     tool_calls=list(t.tool_calls),
                 )  # fmt: skip
             )
+        arrived = Counter(t.group_id for t in trajs)
+        kept = Counter(s.group_id for s in samples)
+        lone = {g for g, n in kept.items() if n == 1 and arrived[g] > 1}
+        if lone:
+            samples = [s for s in samples if s.group_id not in lone]
+            dropped["singleton_group"] += len(lone)
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
         groups = group_index([s.group_id for s in samples])
         return cls(samples, rewards, groups, dropped, list(trajs))
