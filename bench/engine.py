@@ -33,7 +33,6 @@ import math
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from benchinfo import git_state  # noqa: E402
 
 from laminar.engines.base import GenRequest, SamplingParams  # noqa: E402
 from laminar.engines.torch_engine import TorchEngine  # noqa: E402
@@ -123,17 +123,9 @@ def stats(xs: list[float]) -> dict[str, float]:
 
 
 def machine() -> dict[str, Any]:
-    def git(*a: str) -> str:
-        try:
-            return subprocess.run(["git", *a], capture_output=True, text=True, timeout=10,
-                                  cwd=Path(__file__).parent).stdout.strip()  # fmt: skip
-        except OSError:
-            return ""
-
     return {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-            "transformers": __import__("transformers").__version__, "git_commit": git("rev-parse", "HEAD"),
-            "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+            "transformers": __import__("transformers").__version__, **git_state(),
             "loadavg_at_start": [round(x, 2) for x in os.getloadavg()]}  # fmt: skip
 
 

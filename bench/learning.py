@@ -40,13 +40,14 @@ import os
 import platform
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchinfo import git_state  # noqa: E402
 
 from laminar.config import load_config  # noqa: E402
 from laminar.demo.__main__ import DEMO_CONFIG, demo_settings, prepare_data, run_mode, warm_up  # noqa: E402
@@ -324,16 +325,8 @@ def _interp(curve: list[dict[str, Any]], key: str, x: float) -> float | None:
 
 
 def machine() -> dict[str, Any]:
-    def git(*a: str) -> str:
-        try:
-            return subprocess.run(["git", *a], capture_output=True, text=True, timeout=10,
-                                  cwd=Path(__file__).parent).stdout.strip()  # fmt: skip
-        except OSError:
-            return ""
-
     return {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
-            "git_commit": git("rev-parse", "HEAD"),
-            "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+            **git_state(),
             "loadavg_at_start": [round(x, 2) for x in os.getloadavg()]}  # fmt: skip
 
 

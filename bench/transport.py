@@ -29,7 +29,6 @@ import multiprocessing as mp
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import zmq  # noqa: E402
 import zmq.asyncio  # noqa: E402
+from benchinfo import git_state  # noqa: E402
 
 import laminar.protocol  # noqa: E402,F401
 from laminar.protocol.data import Trajectory  # noqa: E402
@@ -245,19 +245,10 @@ def microbench(msg: Trajectory, seconds: float) -> dict:
 
 
 def machine() -> dict:
-    def git(*a: str) -> str:
-        try:
-            return subprocess.run(
-                ["git", *a], capture_output=True, text=True, timeout=10, cwd=Path(__file__).parent
-            ).stdout.strip()
-        except OSError:
-            return ""
-
     return {
         "platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
         "pyzmq": zmq.__version__, "libzmq": zmq.zmq_version(), "numpy": np.__version__,
-        "msgpack": __import__("msgpack").version, "git_commit": git("rev-parse", "HEAD"),
-        "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+        "msgpack": __import__("msgpack").version, **git_state(),
         "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
     }  # fmt: skip
 
