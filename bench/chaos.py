@@ -48,6 +48,8 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchinfo import git  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 GROUP = 2
 STOP_PAUSE_S = 10.0
@@ -378,7 +380,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "cpus": os.cpu_count(),
             "platform": platform.platform(),
         },
-        "git_commit": _git(),
+        "git_commit": git("rev-parse", "HEAD"),
         "wall_s": round(time.time() - t_wall0, 1),
         "faults": faults,
         "steps_per_s": {k: round(v, 3) for k, v in rates.items()},
@@ -404,14 +406,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _node_id(name: str) -> str:
     return {"manager": "manager-0", "buffer": "buffer-0", "trainer": "trainer-0"}.get(name, name)
-
-
-def _git() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=10).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -73,6 +73,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
+from benchinfo import git  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CHUNK_TOKENS = 32
@@ -583,7 +584,7 @@ async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             "cpus": os.cpu_count(),
             "platform": platform.platform(),
         },
-        "git_commit": _git(),
+        "git_commit": git("rev-parse", "HEAD"),
         "rates_1024gpu": all_rates,
         "passes": [{k: v for k, v in p.items() if k != "steps"} for p in passes],
         "steps": [s for p in passes for s in p["steps"]],
@@ -607,14 +608,6 @@ async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             },
         },  # fmt: skip
     }
-
-
-def _git() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=10).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
 
 
 def main(argv: list[str] | None = None) -> int:

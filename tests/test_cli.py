@@ -21,20 +21,13 @@ from pathlib import Path
 import pytest
 
 from laminar.cli import main as cli_main
+from laminar.engines.lifeline import alive
 
 REPO = Path(__file__).resolve().parent.parent
 SKELETON = REPO / "configs" / "skeleton.yaml"
 _script = Path(sys.executable).parent / "laminar"
 LAMINAR = [str(_script)] if _script.exists() else [sys.executable, "-m", "laminar"]
 STARTUP_DEADLINE_S = 90.0  # five Python processes importing numpy/zmq on 2 busy cores
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def test_help_is_fast() -> None:
@@ -117,7 +110,7 @@ class Launcher:
     def kill_everything(self) -> None:
         """Cleanup after a failed test: only our launcher and the children it recorded."""
         for pid in [self.proc.pid, *self.pids.values()]:
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
         self.proc.wait(10)
 
@@ -148,7 +141,7 @@ def test_run_starts_every_node_and_sigint_stops_them_all(launcher) -> None:
     }
     lnch.proc.send_signal(signal.SIGINT)
     assert lnch.proc.wait(30) == 128 + signal.SIGINT, lnch.output()  # stopped, not finished
-    assert [n for n, pid in lnch.pids.items() if _alive(pid)] == []
+    assert [n for n, pid in lnch.pids.items() if alive(pid)] == []
     assert "signal SIGINT, stopping all nodes" in lnch.output()
 
 
@@ -161,4 +154,4 @@ def test_run_reports_a_killed_node_and_exits_nonzero(launcher) -> None:
     assert rc != 0
     assert f"node rollout-0 (pid {victim}) exited with code -9" in lnch.output()
     assert "node rollout-0: restart budget spent" in lnch.output()
-    assert [n for n, pid in lnch.pids.items() if _alive(pid)] == []
+    assert [n for n, pid in lnch.pids.items() if alive(pid)] == []

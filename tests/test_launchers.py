@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from laminar.engines.lifeline import alive
+
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCHERS = ROOT / "launchers"
 SCRIPTS = sorted([*LAUNCHERS.glob("*.sh"), *LAUNCHERS.glob("*.sbatch")])
@@ -172,14 +174,6 @@ def _env(tmp: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def _wait_for(cond, what: str, timeout: float = 20.0) -> None:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout
     while not cond():
@@ -295,7 +289,7 @@ def test_sbatch_two_gpu_nodes_order_gpus_relays_and_cleanup(tmp_path: Path) -> N
     assert _stop_order(recs) == ["rollout", "buffer", "relay", "manager"]
     assert {x.node for x in recs if x.kind == "stop"} == set(by_node) - {"trainer-0"}
     assert all(x.fields[0] == "TERM" for x in recs if x.kind == "scancel")
-    assert not [x.pid for x in starts if _alive(x.pid)]
+    assert not [x.pid for x in starts if alive(x.pid)]
 
 
 def test_sbatch_multi_node_trainer_rendezvous_on_the_head(tmp_path: Path) -> None:
@@ -318,7 +312,7 @@ def test_sbatch_multi_node_trainer_rendezvous_on_the_head(tmp_path: Path) -> Non
     assert "--nodes=2" in trainer_srun.fields and "--nodelist=n0,n1" in trainer_srun.fields
     rollouts = [x for x in recs if x.kind == "start" and x.node.startswith("rollout")]
     assert sorted(x.fields[1] for x in rollouts) == ["n2"] * 8  # n0 and n1 belong to the trainer
-    assert not [x.pid for x in recs if x.kind == "start" and _alive(x.pid)]
+    assert not [x.pid for x in recs if x.kind == "start" and alive(x.pid)]
 
 
 def test_sbatch_cpu_nodes_hide_gpus(tmp_path: Path) -> None:
@@ -355,7 +349,7 @@ def test_sbatch_sigterm_stops_everything_trainer_first(tmp_path: Path) -> None:
     assert _stop_order(recs) == ["trainer", "rollout", "buffer", "relay", "manager"]
     starts = [x for x in recs if x.kind == "start"]
     assert {x.node for x in recs if x.kind == "stop"} == {x.node for x in starts}
-    assert not [x.pid for x in starts if _alive(x.pid)]
+    assert not [x.pid for x in starts if alive(x.pid)]
 
 
 def test_sbatch_refuses_more_rollouts_than_gpus(tmp_path: Path) -> None:
@@ -396,7 +390,7 @@ def test_host_daemons_tcp_endpoints_and_gpus(tmp_path: Path) -> None:
             assert tail[-1] == "rollout.relay_index=1" and tail[-2] == "trainer.lr=1e-6"
     # one node died: every sibling was stopped, none is left running
     assert {x.node for x in recs if x.kind == "stop"} == set(starts) - {"rollout-7"}
-    assert not [x.pid for x in starts.values() if _alive(x.pid)]
+    assert not [x.pid for x in starts.values() if alive(x.pid)]
 
 
 def test_host_daemons_head_ip_needs_host_ips(tmp_path: Path) -> None:

@@ -12,17 +12,11 @@ import sys
 import time
 from pathlib import Path
 
+from laminar.engines.lifeline import alive
+
 REPO = Path(__file__).resolve().parent.parent
 SKELETON = REPO / "configs" / "skeleton.yaml"
 DEADLINE_S = 180.0  # five Python processes on 2 busy cores, a few steps, a staged stop
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _events(log: Path) -> list[dict]:
@@ -63,7 +57,7 @@ def test_sigterm_checkpoints_first_flushes_rollouts_and_exits_143(
         out = log.read_text()
         assert rc == 128 + signal.SIGTERM, out[-3000:]
         assert "never retrieved" not in out
-        assert [n for n, pid in pids.items() if _alive(pid)] == []
+        assert [n for n, pid in pids.items() if alive(pid)] == []
         ev = {n: _events(run / "logs" / f"{n}.log") for n in pids}
         ckpt = [e for e in ev["trainer-0"] if e["event"] == "checkpoint"]
         assert ckpt and ckpt[-1]["reason"] == "stop", ev["trainer-0"][-5:]
@@ -84,5 +78,5 @@ def test_sigterm_checkpoints_first_flushes_rollouts_and_exits_143(
             proc.kill()
             proc.wait(10)
         for pid in pids.values():
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)

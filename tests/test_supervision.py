@@ -17,6 +17,7 @@ import pytest
 
 from laminar.children import Children, ChildSpec, Finished, GivingUp
 from laminar.config import RestartConfig, load_config
+from laminar.engines.lifeline import alive
 from laminar.launch import IpcDirError, prepare_ipc_dir, restarts_by_node
 from laminar.supervise import EXIT_PERMANENT
 
@@ -24,14 +25,6 @@ REPO = Path(__file__).resolve().parent.parent
 SKELETON = REPO / "configs" / "skeleton.yaml"
 SCRIPT = REPO / "launchers" / "host_daemons.sh"
 RUN_DEADLINE_S = 240.0  # five Python processes on 2 busy cores, a restart, a few steps
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _py(code: str) -> list[str]:
@@ -63,12 +56,12 @@ def test_a_crashing_node_is_restarted_until_its_budget_is_spent(tmp_path: Path) 
         state = json.loads((tmp_path / "supervisor.json").read_text())
         assert state["nodes"]["rollout-0"]["restarts"] == 2
         assert state["nodes"]["rollout-0"]["last_exit"] == 5
-        assert state["nodes"]["relay-0"]["restarts"] == 0 and _alive(relay_pid)  # untouched
+        assert state["nodes"]["relay-0"]["restarts"] == 0 and alive(relay_pid)  # untouched
         cfg = load_config(SKELETON, [f"run_dir={tmp_path}"])
         assert restarts_by_node(cfg) == {"rollout-0": 2, "relay-0": 0}  # `laminar status` column
     finally:
         assert kids.stop()  # the relay stops on SIGTERM: clean
-    assert not _alive(relay_pid)
+    assert not alive(relay_pid)
 
 
 def test_a_permanent_failure_is_not_restarted(tmp_path: Path) -> None:
@@ -154,7 +147,7 @@ def test_kill_9_of_a_rollout_under_laminar_run_is_restarted_and_the_job_complete
             proc.kill()
             proc.wait(10)
         for pid in seen:
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
 
 
