@@ -202,6 +202,47 @@ def test_roundtrip_every_message_type(type_id: int, cls: type[Message], variant:
     assert_same(msg, back, cls.__name__)
 
 
+@pytest.mark.parametrize("variant", [0, 1, 2], ids=["typical", "extremes", "minimal"])
+@pytest.mark.parametrize(("type_id", "cls"), MESSAGE_TYPES, ids=TYPE_IDS)
+def test_generated_encode_writes_the_hook_paths_bytes(
+    type_id: int, cls: type[Message], variant: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The per-type encode path (top-level arrays put in by generated code) and the generic
+    one (msgspec's enc_hook per array) write the same frames, and neither touches the message."""
+    from laminar.transport import codec
+
+    msg = sample_message(cls, random.Random(type_id * 5 + variant), variant)
+    before = {name: getattr(msg, name) for name in cls.__struct_fields__}
+    fast = [bytes(f) for f in encode(msg)]
+    assert {name: getattr(msg, name) for name in cls.__struct_fields__}.keys() == before.keys()
+    for name, value in before.items():
+        assert getattr(msg, name) is value, f"encode replaced {cls.__name__}.{name}"
+    monkeypatch.setattr(
+        codec, "_ENC_FAST", dict.fromkeys(REGISTRY.values())
+    )  # every type: the hook
+    assert [bytes(f) for f in encode(msg)] == fast
+
+
+def test_generated_encode_numbers_optional_arrays_in_field_order() -> None:
+    """Trajectory.loss_mask is optional: with and without it the references name the right frames."""
+    from laminar.transport import codec
+
+    ids = np.arange(5, dtype=np.int32)
+    encode(Trajectory(uid="u", group_id="g", prompt_uid="p", sample_index=0, prompt_ids=ids,
+                      response_ids=ids, logprobs=np.zeros(5, np.float32), version=1))  # fmt: skip
+    assert codec._ENC_FAST[Trajectory] is not None, "Trajectory should take the generated path"
+    for mask in (None, np.ones(5, np.uint8)):
+        msg = Trajectory(uid="u", group_id="g", prompt_uid="p", sample_index=0, prompt_ids=ids[:2],
+                         response_ids=ids, logprobs=np.zeros(5, np.float32), version=1, loss_mask=mask)  # fmt: skip
+        frames = encode(msg)
+        assert len(frames) == 5 + (mask is not None)
+        back = decode([bytes(f) for f in frames])
+        assert np.array_equal(back.prompt_ids, ids[:2]) and np.array_equal(back.response_ids, ids)
+        assert (back.loss_mask is None) == (mask is None)
+        if mask is not None:
+            assert np.array_equal(back.loss_mask, mask)
+
+
 def test_encode_is_thread_safe() -> None:
     """Nodes encode on worker threads too: the per-thread packer must not mix frames up."""
     from concurrent.futures import ThreadPoolExecutor

@@ -19,6 +19,13 @@ the plan turns each reference into its array, checking it against its `Arr` (dty
 ndim, size) and the frames (exists, used once, byte count). An array reference in a
 free-form `Any` field is refused. Anything wrong raises `ProtocolError` naming the
 class and the field path. Never pickle.
+
+Speed: a type whose arrays are all top-level fields (Trajectory, the hot one) gets two
+functions generated once: an encode path that puts the arrays in their frames and Ext
+references in a copy of the message, so msgspec runs no Python hook per array, and a decode
+path for the common frame layout; anything else takes the general path, which gives the same
+bytes and the same errors. Messages are not tracked by the cyclic GC (`gc=False`): they are
+trees of data, and a trajectory stream should not trigger collections.
 """
 
 from __future__ import annotations
@@ -85,8 +92,11 @@ class Limits:
 DEFAULT_LIMITS = Limits()
 
 
-class Message(msgspec.Struct, forbid_unknown_fields=True):
-    """Base of every wire message: a mutable msgspec Struct registered with @message."""
+class Message(msgspec.Struct, forbid_unknown_fields=True, gc=False):
+    """Base of every wire message: a mutable msgspec Struct registered with @message.
+
+    gc=False: a message must not hold a reference cycle through itself (none does: they are
+    data), or that cycle is never collected."""
 
     TYPE: ClassVar[int] = -1
 
@@ -107,6 +117,7 @@ def message(type_id: int) -> Callable[[type[M]], type[M]]:
             )
         cls.TYPE = type_id
         REGISTRY[type_id] = cls
+        _BY_TYPE_FRAME.pop(bytes((type_id,)), None)  # a re-registered type is looked up afresh
         return cls
 
     return wrap
@@ -394,6 +405,13 @@ def encode(msg: Message) -> list[Any]:
         st = _ENC.state
     except AttributeError:
         st = _ENC.state = _EncodeState()
+    fast = _ENC_FAST.get(type(msg), _UNPLANNED)
+    if fast is _UNPLANNED:
+        fast = _encode_plan(type(msg))
+    if fast is not None:
+        out = fast(msg, st)
+        if out is not None:
+            return out
     frames: list[Any] = [_TYPE_BYTES[msg.TYPE], b""]
     st.frames = frames
     try:
@@ -403,6 +421,82 @@ def encode(msg: Message) -> list[Any]:
     finally:
         st.frames = []
     return frames
+
+
+_UNPLANNED: Any = object()
+_ENC_FAST: dict[type[Message], Any] = {}
+
+
+def _encode_plan(cls: type[Message]) -> Any:
+    """The class's generated encode path (None: its arrays are not all top-level fields)."""
+    if cls not in _FAST:
+        _decoder(cls)  # the plan, under the lock, and the class's annotations fixed for msgspec
+    _, _, top, rest = _FAST[cls]
+    convs = dict((name, conv) for name, conv, _ in _PLANS[cls])
+    fast = (
+        None if rest or not top else _encode_fast(cls, [(name, convs[name]) for name, _, _ in top])
+    )
+    _ENC_FAST[cls] = fast
+    return fast
+
+
+def _encode_fast(cls: type[Message], top: list[tuple[str, Any]]) -> Any:
+    """A function, generated once per type, that encodes a message whose arrays are all top-level.
+
+    `fast(msg, st)` takes the common case: every array field None (where allowed) or a
+    non-empty 1-d C-contiguous numpy array of a dtype that travels. It puts each array in
+    its frame and an Ext reference in a copy of the message (`structs.replace`: the caller's
+    message is not touched), so msgspec encodes the header without calling the hook per
+    array. It returns None for anything else, and the generic path (the hook) handles it.
+    The references are those the hook writes: same frame order, same bytes.
+    """
+    optional = [_convert_optional_of(conv) for _, conv in top]
+    env: dict[str, Any] = {"_nd": np.ndarray, "_codes": _DTYPE_CODE, "_pack": _REF_1D.pack,
+                           "_Ext": _Ext, "_replace": msgspec.structs.replace,
+                           "_type_byte": _TYPE_BYTES[cls.TYPE], "_EXT": _EXT_ARRAY}  # fmt: skip
+    body = ["def fast(msg, st):", "    frames = [_type_byte, b'']"]
+    counted = any(optional)
+    if counted:
+        body.append("    k = 0")
+    for i, ((name, _), opt) in enumerate(zip(top, optional, strict=True)):
+        if not name.isidentifier():
+            return None
+        body.append(f"    x = msg.{name}")
+        pad = "    "
+        if opt:
+            body += [f"    e{i} = None", "    if x is not None:"]
+            pad = "        "
+        index = "k" if counted else str(i)
+        body += [pad + line for line in (
+            "if type(x) is not _nd or x.ndim != 1 or not x.flags.c_contiguous:",
+            "    return None",
+            "code = _codes.get(x.dtype)",
+            "n = len(x)",
+            "if code is None or not n:",
+            "    return None",
+            "frames.append(x)",
+            f"e{i} = _Ext(_EXT, _pack({index}, code, 1, n))",
+        )]  # fmt: skip
+        if counted:
+            body.append(pad + "k += 1")
+    args = ", ".join(f"{name}=e{i}" for i, (name, _) in enumerate(top))
+    body += [
+        f"    m = _replace(msg, {args})",
+        "    st.frames = frames",
+        "    try:",
+        "        frames[1] = st.encoder.encode(m)",
+        "    except TypeError:",
+        "        return None  # the generic path raises it again, naming the class",
+        "    finally:",
+        "        st.frames = []",
+        "    return frames",
+    ]
+    exec(compile("\n".join(body), f"<codec encode path for {cls.__name__}>", "exec"), env)  # noqa: S102
+    return env["fast"]
+
+
+def _convert_optional_of(conv: Any) -> bool:
+    return isinstance(conv, functools.partial) and conv.func is _convert_optional
 
 
 # ---- decoding -------------------------------------------------------------------------
@@ -460,15 +554,21 @@ def _decoder(cls: type[Message]) -> msgspec.msgpack.Decoder[Any]:
 def _fast_arrays(cls: type[Message], top: list[_Top], optional: list[bool]) -> Any:
     """A function, generated once per type, that turns its top-level array references into arrays.
 
-    `fast(msg, frames, nframes)` takes only the common case: every reference 1-d, of an
-    allowed dtype (no size limit), to a distinct frame of the right byte count, and every
-    array frame referenced. It returns the arrays' bytes, or -1, having changed nothing, for
-    anything else, which the checked path then handles. Written out per field rather than
-    looped, it costs about half of the loop: a trajectory's decode is dominated by it.
+    `fast(msg, frames, nframes)` takes only the common case, the frames `encode` writes: the
+    present arrays' references numbered 0, 1, ... in field order, each 1-d, of an allowed
+    dtype (no size limit), to a frame of the right byte count, and no other frame. It returns
+    the arrays' bytes, or -1, having changed nothing, for anything else, which the checked
+    path then handles. Written out per field rather than looped, it costs about half of the
+    loop: a trajectory's decode is dominated by it.
     """
     env: dict[str, Any] = {"_unpack": _REF_1D.unpack, "_frombuffer": np.frombuffer,
                            "_Frame": zmq.Frame, "_BYTES": _BYTE_FRAMES, "_zmq": zmq}  # fmt: skip
-    body = ["def fast(msg, frames, nframes):", "    used = 0", "    total = 0"]
+    counted = any(optional)
+    body = ["def fast(msg, frames, nframes):", "    total = 0"]
+    if counted:
+        body.append("    k = 0")
+    else:  # every field present: the frame count is known before anything is read
+        body += [f"    if nframes != {len(top) + 2}:", "        return -1"]
     for i, ((name, spec, _), opt) in enumerate(zip(top, optional, strict=True)):
         if not name.isidentifier() or not spec.fast:
             return None
@@ -478,27 +578,29 @@ def _fast_arrays(cls: type[Message], top: list[_Top], optional: list[bool]) -> A
         if opt:
             body += [f"    a{i} = None", "    if x is not None:"]
             pad = "        "
+        want, fi = ("k", "k + 2") if counted else (str(i), str(i + 2))
         body += [pad + line for line in (
             "data = x.data",
             f"if len(data) != 12 or x.code != {_EXT_ARRAY}:",
             "    return -1",
             "index, code, ndim, n = _unpack(data)",
             f"dtype = _dtypes{i}.get(code)",
-            "fi = index + 2",
-            "if dtype is None or ndim != 1 or fi >= nframes or used >> fi & 1:",
+            f"if index != {want} or dtype is None or ndim != 1" + (" or k + 2 >= nframes:" if counted else ":"),
             "    return -1",
-            "buf = frames[fi]",
+            f"buf = frames[{fi}]",
             "nbytes = n * dtype.itemsize",
             "kind = type(buf)",
             "if not nbytes or len(buf) != nbytes or kind not in _BYTES:",
             "    return -1",
-            "used |= 1 << fi",
             "total += nbytes",
             f"a{i} = _frombuffer(buf, dtype)",
             "if kind is _Frame and nbytes >= _zmq.COPY_THRESHOLD:",
             f"    a{i}.setflags(write=False)  # may be the sender's own memory (inproc zero-copy)",
         )]  # fmt: skip
-    body += ["    if used != (1 << nframes) - 4:", "        return -1"]
+        if counted:
+            body.append(pad + "k += 1")
+    if counted:
+        body += ["    if nframes != k + 2:", "        return -1"]
     for i, ((name, _, _), opt) in enumerate(zip(top, optional, strict=True)):
         body.append(f"    if a{i} is not None:" if opt else "    if True:")
         body.append(f"        msg.{name} = a{i}")
@@ -528,6 +630,8 @@ _BYTE_FRAMES = frozenset((bytes, bytearray, zmq.Frame))
 def _as_buffer(frame: Any) -> Any:
     """A frame's bytes as something with len() in bytes: bytes, zmq.Frame, flat memoryview."""
     buf = frame.buffer if isinstance(frame, zmq.Frame) else frame
+    if type(buf) is np.ndarray:  # encode's own array frames
+        buf = buf.data
     if type(buf) is memoryview:
         if buf.itemsize == 1 and buf.ndim == 1:
             return buf
@@ -589,6 +693,21 @@ def _walk_sizes(x: Any, limits: Limits, path: str) -> None:
                 _walk_sizes(item, limits, f"{path}[{i}]")
 
 
+_ZFrame = zmq.Frame
+_BY_TYPE_FRAME: dict[bytes, tuple[type[Message], Any, Any, tuple[_Top, ...], _Plan]] = {}
+"""Type frame -> (class, its decoder, fast path, top-level arrays, other steps): one lookup."""
+
+
+def _type_entry(tframe: bytes) -> tuple[type[Message], Any, Any, tuple[_Top, ...], _Plan]:
+    cls = REGISTRY.get(tframe[0])
+    if cls is None:
+        raise ProtocolError(f"unknown message type {tframe[0]:#04x}")
+    if cls not in _FAST:
+        _decoder(cls)
+    entry = _BY_TYPE_FRAME[tframe] = (cls, *_FAST[cls])
+    return entry
+
+
 def decode(frames: list[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
     """Validate and decode frames (bytes or zmq.Frame) into a message, or raise ProtocolError."""
     if type(frames) is not list and not isinstance(frames, list | tuple):
@@ -600,12 +719,13 @@ def decode(frames: list[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
         raise ProtocolError(f"{nframes} frames exceeds the limit {limits.max_frames}")
     tframe = frames[0]
     if type(tframe) is not bytes:
-        tframe = tframe.bytes if type(tframe) is zmq.Frame else bytes(_as_buffer(tframe))
+        tframe = tframe.bytes if type(tframe) is _ZFrame else bytes(_as_buffer(tframe))
     if len(tframe) != 1:
         raise ProtocolError(f"type frame must be 1 byte, got {len(tframe)}")
-    cls = REGISTRY.get(tframe[0])
-    if cls is None:
-        raise ProtocolError(f"unknown message type {tframe[0]:#04x}")
+    entry = _BY_TYPE_FRAME.get(tframe)
+    if entry is None:
+        entry = _type_entry(tframe)
+    cls, dec, arrays, top, rest = entry
     header = frames[1]
     if type(header) not in _BYTE_FRAMES:
         header = _as_buffer(header)
@@ -614,11 +734,6 @@ def decode(frames: list[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
         raise ProtocolError(
             f"{cls.__name__}: header of {hlen} bytes exceeds {limits.max_header_bytes}"
         )
-    fast = _FAST.get(cls)
-    if fast is None:
-        _decoder(cls)
-        fast = _FAST[cls]
-    dec, arrays, top, rest = fast
     try:
         msg = dec.decode(header)
     except msgspec.ValidationError as exc:
