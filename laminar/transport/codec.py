@@ -92,7 +92,7 @@ class Limits:
 DEFAULT_LIMITS = Limits()
 
 
-class Message(msgspec.Struct, forbid_unknown_fields=True, gc=False):
+class Message(msgspec.Struct, forbid_unknown_fields=True, gc=False, omit_defaults=True):
     """Base of every wire message: a mutable msgspec Struct registered with @message.
 
     gc=False: a message must not hold a reference cycle through itself (none does: they are
