@@ -12,6 +12,14 @@ The variants are the steps of bench/README.md "Decode utilisation": before (a cr
 repack every 1 s), per-sequence refill (rollout.refill_slots), retraction of unstarted groups
 (rollout.retract_unstarted), repack every 0.5 s.
 
+Staleness is counted in versions, and a version lasts one iteration, so a trajectory's staleness
+is about its age at consumption (queueing + its group's longest member + the wait for the
+batch) / iteration_s. The table prints p99 x iteration_s, that age: the workload fixes it (a
+1024-token member alone decodes for 5 s), so a variant that shortens the iteration (more
+tokens per second through the same batch size) raises p99 staleness in versions unless the
+bound (buffer.max_staleness) makes the trainer wait. (The simulator models a bound by dropping
+groups past it, where the buffer waits and never drops, so bounded runs belong to the emulation.)
+
 Run: .venv/bin/python bench/refill_sweep.py --n 64 1024 --out bench/results/refill_sweep.json  (~10 min)
 """
 
@@ -74,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
                            "variants": {k: VARIANTS[k] for k in args.variants or VARIANTS}, "results": {}}  # fmt: skip
     print(
         f"{'N':>5} {'variant':42} {'util':>6} {'/sync':>6} {'stale mean':>10} {'p50':>4} {'p99':>4} {'max':>4}"
+        f" {'iter s':>7} {'p99 x iter s':>13}"
     )
     for n in args.n:
         for name in args.variants or VARIANTS:
@@ -81,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
             doc["results"].setdefault(str(n), {})[name] = r
             lam, st = r["laminar"], r["laminar"]["staleness_consumed"]
             print(f"{n:>5} {name:42} {lam['decode_util']:6.3f} {r['laminar_vs_sync']:6.2f} {st['mean']:10.2f} "
-                  f"{st['p50']:>4} {st['p99']:>4} {st['max']:>4}", flush=True)  # fmt: skip
+                  f"{st['p50']:>4} {st['p99']:>4} {st['max']:>4} {lam['iteration_s']:7.2f}"
+                  f" {st['p99'] * lam['iteration_s']:13.2f}", flush=True)  # fmt: skip
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(doc, indent=1))
     print(f"wrote {args.out}")
