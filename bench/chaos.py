@@ -1,27 +1,28 @@
 """Chaos soak: a sim cluster under random faults; exactly-once, recovery times and the training-time ratio.
 
-    this process (supervisor + fault injector)
-        │ starts every node as `python -m laminar node --role R --index I --config cfg.yaml`
+    this process (fault injector)
+        │ starts `python -m laminar run --config cfg.yaml`: the launcher's supervisor
+        │ (laminar/children.py) starts every node and restarts one that dies (backoff, budget)
         ▼
-    manager · buffer · relay (master) · trainer (sim) · rollout-0..R-1 (sim), one process each, ipc
-    phase 1 (no faults, `baseline_s`) ─► phase 2 (a fault every `interval_s`, `chaos_s`) ─► tail ─► SIGTERM all
-    faults: kill -9 of any node (manager, buffer, master relay, trainer, a rollout); SIGSTOP for 10 s, then SIGCONT
-    a node that exits is restarted by this script after `restart_backoff_s` (the same command line)
-
-Why this script supervises: `laminar run` did not restart dead nodes when this bench was written
-(issue 15 item 1 lands restart-on-death in laminar/launch.py); with it landed, the launcher would
-do the restarts and this loop only injects. The nodes and the command lines are what `laminar run`
-starts.
+    manager · buffer · relay (master) · trainer (sim) · rollout-0..R-1 (sim, reward in a worker process)
+    phase 1 (no faults, `baseline_s`) ─► phase 2 (a fault every `interval_s`, `chaos_s`) ─► tail
+    ─► SIGTERM to `laminar run` (its ordered stop: trainer, rollouts, buffer, relays, manager)
+    faults (pids from run_dir/pids.json): kill -9 of any node (manager, buffer, master relay,
+    trainer, a rollout); SIGSTOP of a node for 10 s, then SIGCONT; a rollout's reward worker
+    stopped for 3 x reward.timeout_s (a hung reward: the runner's timeout kills and replaces it)
 
 Figures (from the files the nodes write, offline after the stop):
   lost / duplicated   trainer run_dir/consumed.jsonl (last record of each step counts: a restarted
-                      trainer re-logs the steps after its checkpoint) and the buffer journal replayed
-                      (tests/test_faults.py's check): uids consumed twice, groups consumed partly,
-                      groups the journal committed that the trainer never logged, abandoned/dropped
+                      trainer re-logs the steps after its checkpoint; a uid served but not trained
+                      on, e.g. its reward timed out, is in the line's "excluded") and the buffer
+                      journal replayed (tests/test_faults.py's check): uids consumed twice, groups
+                      consumed partly, groups the journal committed that the trainer never logged,
+                      abandoned/dropped
   detection_s         kill/stop -> the manager's `dead` event for that node (run_dir/timeline.jsonl)
   resume_s            fault -> the next trainer step (consumed.jsonl, polled every 0.25 s)
-  rss_growth_mb       per node and incarnation: last - first VmRSS sample (every 2 s, from 20 s
-                      after the incarnation started)
+  rss_growth_mb       per node and incarnation (a new pid in pids.json): last - first VmRSS
+                      sample (every 2 s, from 20 s after the incarnation was first seen)
+  restarts            the supervisor's count (run_dir/supervisor.json)
   effective_time_ratio steps/s during the chaos phase / steps/s during the no-fault phase, same run
 
     .venv/bin/python bench/chaos.py --quick --out bench/results/chaos_quick.json
@@ -54,18 +55,30 @@ from benchinfo import git  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 GROUP = 2
 STOP_PAUSE_S = 10.0
+REWARD_TIMEOUT_S = 2.0
+REWARD_HANG_S = 3 * REWARD_TIMEOUT_S
 RSS_WARM_S = 20.0
 
 
-def make_config(tmp: Path, rollouts: int, relays: int, prompts: int) -> dict[str, Any]:
+def make_config(
+    tmp: Path, rollouts: int, relays: int, prompts: int, backoff_s: float
+) -> dict[str, Any]:
     data = tmp / "prompts.jsonl"
     data.write_text(
-        "".join(json.dumps({"prompt": f"prompt {i:06d}"}) + "\n" for i in range(prompts))
+        "".join(
+            json.dumps({"prompt": f"prompt {i:06d}", "answer": "42"}) + "\n" for i in range(prompts)
+        )
     )
     return {
         "name": "chaos", "mode": "laminar", "run_dir": str(tmp / "run"),
         "cluster": {"transport": "ipc", "ipc_dir": str(tmp / "ipc"),
-                    "roles": {"manager": 1, "buffer": 1, "relay": relays, "trainer": 1, "rollout": rollouts}},
+                    "roles": {"manager": 1, "buffer": 1, "relay": relays, "trainer": 1, "rollout": rollouts},
+                    # a fault every 18-30 s over 5-7 nodes: the budget must outlast the soak
+                    "restart": {"max_restarts": 20, "window_s": 60.0, "backoff_s": backoff_s, "backoff_max_s": 4.0}},
+        # the reward runs in a worker process (sim engines make no text: fn is called with ""), so
+        # a hung reward worker is a fault the rollouts must contain
+        "reward": {"fn": "laminar.rewards.builtin:exact_match", "sim": "fn", "workers": 1,
+                   "timeout_s": REWARD_TIMEOUT_S},
         "transport": {"heartbeat_interval_s": 0.25, "heartbeat_liveness": 8, "request_timeout_s": 2.0,
                       "startup_timeout_s": 120.0, "stop_timeout_s": 5.0, "reconnect_backoff_s": 0.05,
                       "reconnect_backoff_max_s": 0.5},
@@ -84,122 +97,131 @@ def make_config(tmp: Path, rollouts: int, relays: int, prompts: int) -> dict[str
 
 
 @dataclass
-class NodeProc:
-    name: str
-    role: str
-    index: int
-    proc: subprocess.Popen[bytes] | None = None
-    incarnation: int = 0
-    restarts: int = 0
-    stopped_until: float = 0.0
-    """SIGSTOPped: SIGCONT is due at this monotonic time (0 = running)."""
-    rss: list[list[tuple[float, float]]] = field(default_factory=list)
-    """Per incarnation: (t, VmRSS MiB) samples, from RSS_WARM_S after its start (imports, first
-    weights and buffers are start-up, not growth)."""
-    started: list[float] = field(default_factory=list)
+class Incarnation:
+    pid: int
+    started: float
+    rss: list[tuple[float, float]] = field(default_factory=list)
+    """(t, VmRSS MiB) samples, from RSS_WARM_S after its start (imports, first weights and
+    buffers are start-up, not growth)."""
 
 
 class Cluster:
-    """The nodes of one soak: start, restart on exit, kill -9, stop/cont, stop all (only these pids)."""
+    """One `laminar run` (its supervisor restarts a node that dies, with backoff and a budget);
+    this class only injects faults into the pids it lists in run_dir/pids.json, samples their
+    RSS, and stops the run with SIGTERM (the launcher's ordered stop)."""
 
-    def __init__(self, tmp: Path, cfg_path: Path, rollouts: int, relays: int, backoff_s: float):
-        self.tmp, self.cfg_path, self.backoff_s = tmp, cfg_path, backoff_s
-        self.nodes = {n.name: n for n in [NodeProc("manager", "manager", 0), NodeProc("buffer", "buffer", 0),
-                                           *(NodeProc(f"relay-{i}", "relay", i) for i in range(relays)), NodeProc("trainer", "trainer", 0),
-                                           *(NodeProc(f"rollout-{i}", "rollout", i) for i in range(rollouts))]}  # fmt: skip
-        self.dead_since: dict[str, float] = {}
-        self.all_procs: list[subprocess.Popen[bytes]] = []
+    def __init__(self, tmp: Path, cfg_path: Path, run_dir: Path):
+        self.tmp, self.cfg_path, self.run_dir = tmp, cfg_path, run_dir
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.paused: dict[int, float] = {}
+        """SIGSTOPped pid -> monotonic time its SIGCONT is due."""
+        self.lives: dict[str, list[Incarnation]] = {}
         self.closing = False
 
-    def start(self, n: NodeProc) -> None:
-        cmd = [sys.executable, "-m", "laminar", "node", "--role", n.role, "--index", str(n.index),
-               "--config", str(self.cfg_path)]  # fmt: skip
-        log = open(self.tmp / f"{n.name}.{n.incarnation}.log", "wb")
-        n.proc = subprocess.Popen(
+    def start(self) -> None:
+        cmd = [sys.executable, "-m", "laminar", "run", str(self.cfg_path)]
+        log = open(self.tmp / "laminar-run.log", "wb")
+        self.proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True
         )
-        self.all_procs.append(n.proc)
-        n.rss.append([])
-        n.started.append(time.time())
-        n.incarnation += 1
 
-    def start_all(self) -> None:
-        for n in self.nodes.values():
-            self.start(n)
+    def pids(self) -> dict[str, int]:
+        """Current pid of each node (the supervisor rewrites pids.json on every start and exit)."""
+        try:
+            raw = json.loads((self.run_dir / "pids.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            return {}
+        return {name: pid for name, pid in raw.items() if isinstance(pid, int)}
+
+    def up(self) -> dict[str, int]:
+        """Nodes alive and not paused (fault candidates)."""
+        return {n: p for n, p in self.pids().items() if _alive(p) and p not in self.paused}
 
     def tick(self) -> None:
-        """Restart what exited (after the backoff); SIGCONT what is due."""
+        """SIGCONT what is due; the run must still be there."""
         now = time.monotonic()
-        for n in self.nodes.values():
-            assert n.proc is not None
-            if n.stopped_until and now >= n.stopped_until:
-                if n.proc.poll() is None:
-                    os.kill(n.proc.pid, signal.SIGCONT)
-                n.stopped_until = 0.0
-            if self.closing or n.proc.poll() is None:
-                continue
-            since = self.dead_since.setdefault(n.name, now)
-            if now - since >= self.backoff_s:
-                del self.dead_since[n.name]
-                n.restarts += 1
-                self.start(n)
+        for pid, due in list(self.paused.items()):
+            if now >= due:
+                if _alive(pid):
+                    os.kill(pid, signal.SIGCONT)
+                del self.paused[pid]
+        assert self.proc is not None
+        if not self.closing and self.proc.poll() is not None:
+            raise RuntimeError(
+                f"laminar run exited ({self.proc.returncode}); see {self.tmp}/laminar-run.log"
+            )
 
     def sample_rss(self) -> None:
-        for n in self.nodes.values():
-            if n.proc is None or n.proc.poll() is not None or n.stopped_until:
-                continue
-            if time.time() - n.started[-1] < RSS_WARM_S:
+        for name, pid in self.pids().items():
+            lives = self.lives.setdefault(name, [])
+            if not lives or lives[-1].pid != pid:
+                lives.append(Incarnation(pid, time.time()))
+            if pid in self.paused or time.time() - lives[-1].started < RSS_WARM_S:
                 continue
             try:
-                for line in Path(f"/proc/{n.proc.pid}/status").read_text().splitlines():
+                for line in Path(f"/proc/{pid}/status").read_text().splitlines():
                     if line.startswith("VmRSS:"):
-                        n.rss[-1].append((time.time(), int(line.split()[1]) / 1024))
+                        lives[-1].rss.append((time.time(), int(line.split()[1]) / 1024))
             except OSError:
                 pass
 
-    def kill9(self, name: str) -> None:
-        p = self.nodes[name].proc
-        assert p is not None
-        os.kill(p.pid, signal.SIGKILL)
-        p.wait(10)
+    def kill9(self, name: str, pid: int) -> None:
+        os.kill(pid, signal.SIGKILL)  # the supervisor reaps and restarts it
 
-    def pause(self, name: str) -> None:
-        n = self.nodes[name]
-        assert n.proc is not None
-        os.kill(n.proc.pid, signal.SIGSTOP)
-        n.stopped_until = time.monotonic() + STOP_PAUSE_S
+    def pause(self, name: str, pid: int) -> None:
+        os.kill(pid, signal.SIGSTOP)
+        self.paused[pid] = time.monotonic() + STOP_PAUSE_S
+
+    def reward_workers(self) -> list[int]:
+        """Reward worker processes (`python -m laminar.rewards.runner --worker`) of the rollouts."""
+        rollouts = {p for n, p in self.pids().items() if n.startswith("rollout")}
+        found = []
+        for d in Path("/proc").iterdir():
+            if not d.name.isdigit():
+                continue
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                if ppid in rollouts and b"laminar.rewards.runner" in (d / "cmdline").read_bytes():
+                    found.append(int(d.name))
+            except (OSError, ValueError, IndexError):
+                continue
+        return found
+
+    def hang_reward(self, pid: int) -> None:
+        """A reward call that never returns: the worker is stopped for longer than reward.timeout_s,
+        so its runner's timeout fires and replaces the worker (SIGKILL ends a stopped process)."""
+        os.kill(pid, signal.SIGSTOP)
+        self.paused[pid] = time.monotonic() + REWARD_HANG_S
 
     def stop_all(self) -> None:
         self.closing = True
-        for n in self.nodes.values():
-            if n.proc is not None and n.proc.poll() is None and n.stopped_until:
-                os.kill(n.proc.pid, signal.SIGCONT)
-        # the trainer first (it checkpoints and commits), then the rest
-        order = [
-            "trainer",
-            *[k for k in self.nodes if k.startswith("rollout")],
-            "buffer",
-            *[k for k in self.nodes if k.startswith("relay")],
-            "manager",
-        ]
-        try:
-            for name in order:
-                p = self.nodes[name].proc
-                if p is not None and p.poll() is None:
-                    p.send_signal(signal.SIGTERM)
-                    try:
-                        p.wait(20)
-                    except subprocess.TimeoutExpired:
-                        p.kill()
-                        p.wait(10)
-        finally:
-            self.kill_rest()
+        for pid in list(self.paused):
+            if _alive(pid):
+                os.kill(pid, signal.SIGCONT)
+        self.paused.clear()
+        if self.proc is None:
+            return
+        last = self.pids()
+        if self.proc.poll() is None:
+            self.proc.send_signal(
+                signal.SIGTERM
+            )  # trainer first, then rollouts, buffer, relays, manager
+            try:
+                self.proc.wait(180)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        for pid in {*last.values(), *self.pids().values()}:  # only what this run started, by pid
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
-    def kill_rest(self) -> None:
-        for p in self.all_procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 class Steps:
@@ -245,14 +267,19 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 def check_exactly_once(run_dir: Path, cfg_path: Path) -> dict[str, Any]:
     """Offline: consumed.jsonl against the replayed buffer journal (tests/test_faults.py's check)."""
     from laminar.buffer.admission import Admission
-    from laminar.buffer.experience import ExperienceState
+    from laminar.buffer.experience import ExperienceState, usable
     from laminar.buffer.journal import Journal
     from laminar.config import load_config
+    from laminar.protocol.data import Trajectory
 
     last: dict[int, dict[str, Any]] = {}
     for rec in read_jsonl(run_dir / "consumed.jsonl"):
         last[rec["step"]] = rec
-    uids = [u for k in sorted(last) for u in last[k]["uids"]]
+    trained = [u for k in sorted(last) for u in last[k]["uids"]]
+    # served in a batch but not trained on (no reward: a hung reward timed out; a group left with
+    # one member): accounted for, not lost
+    excluded = [u for k in sorted(last) for u in last[k].get("excluded", [])]
+    uids = trained + excluded
     dup_uids = sum(c - 1 for c in Counter(uids).values() if c > 1)
     groups = Counter(u.rpartition("/")[0] for u in set(uids))
     partial_groups = {g: c for g, c in groups.items() if c != GROUP}
@@ -261,17 +288,28 @@ def check_exactly_once(run_dir: Path, cfg_path: Path) -> dict[str, Any]:
     state = ExperienceState(group_size=GROUP, lost_member_policy="release_partial",
                             admission=Admission.from_config(cfg))  # fmt: skip
     journal = Journal(run_dir / "buffer-0.journal", "never")
+    unusable: set[str] = set()
     try:
         for kind, body, msgs in journal.replay():
             state.apply(kind, body, msgs)
+            for m in msgs:
+                if isinstance(m, Trajectory) and not usable(m):
+                    unusable.add(m.uid)
     finally:
         journal.close()
     s = state.summary()
     committed = int(s.get("groups_committed", 0))
-    lost = (sum(GROUP - c for c in partial_groups.values()) + int(s.get("abandoned", 0) or 0)
+    # a member the journal holds as unusable (reward None: a hung reward timed out) is not sent
+    # to the trainer, so its group arrives short: recorded and excluded, not lost
+    seen = set(uids)
+    missing = [f"{g}/{i}" for g in partial_groups for i in range(GROUP) if f"{g}/{i}" not in seen]
+    excused = [u for u in missing if u in unusable]
+    lost = (len(missing) - len(excused) + int(s.get("abandoned", 0) or 0)
             + GROUP * int(s.get("groups_dropped", 0) or 0) + GROUP * max(0, committed - len(groups)))  # fmt: skip
     return {
-        "steps": len(last), "uids_consumed": len(uids), "groups_consumed": len(groups),
+        "steps": len(last), "uids_consumed": len(uids), "excluded_uids": len(excluded) + len(excused),
+        "excluded_by_trainer": len(excluded), "unusable_in_journal": len(unusable),
+        "groups_consumed": len(groups),
         "prompts_consumed_more_than_once": sum(1 for c in prompts.values() if c > 1),
         "duplicate_uids": dup_uids, "partial_groups": len(partial_groups),
         "journal": {k: v for k, v in s.items() if isinstance(v, (int, float, str))},
@@ -290,17 +328,19 @@ def pct(xs: list[float], q: float) -> float | None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="lamchaos-", dir="/tmp"))
     (tmp / "ipc").mkdir()
-    cfg = make_config(tmp, args.rollouts, args.relays, prompts=200_000)
+    cfg = make_config(
+        tmp, args.rollouts, args.relays, prompts=200_000, backoff_s=args.restart_backoff_s
+    )
     cfg_path = tmp / "config.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg))
     run_dir = Path(cfg["run_dir"])
-    cl = Cluster(tmp, cfg_path, args.rollouts, args.relays, args.restart_backoff_s)
+    cl = Cluster(tmp, cfg_path, run_dir)
     steps = Steps(run_dir / "consumed.jsonl")
     rng = random.Random(args.seed)
     faults: list[dict[str, Any]] = []
     t_wall0 = time.time()
     try:
-        cl.start_all()
+        cl.start()
         end = time.monotonic() + args.startup_timeout_s
         while steps.poll() < 2:  # polling files of other processes: no event to wait on
             if time.monotonic() > end:
@@ -325,14 +365,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     last_rss = time.monotonic()
                 if phase == "chaos" and time.monotonic() >= next_fault:
                     next_fault += args.interval_s
-                    up = [n for n, p in cl.nodes.items() if p.proc is not None and p.proc.poll() is None
-                          and not p.stopped_until]  # fmt: skip
-                    victim = rng.choice(up)
-                    kind = "sigstop" if rng.random() < args.stop_frac else "kill9"
-                    t = time.time()
-                    (cl.pause if kind == "sigstop" else cl.kill9)(victim)
-                    faults.append({"t": t, "kind": kind, "node": victim, "step_at": steps.max_step})
-                    print(f"[{t - t_base0:6.1f}s] {kind:7s} {victim}", flush=True)
+                    fault = inject(cl, rng, args)
+                    if fault is not None:
+                        fault["step_at"] = steps.max_step
+                        faults.append(fault)
+                        print(
+                            f"[{fault['t'] - t_base0:6.1f}s] {fault['kind']:11s} {fault['node']}",
+                            flush=True,
+                        )
                 time.sleep(0.25)
             bounds[phase] = (t0, time.time())
         cl.sample_rss()
@@ -341,22 +381,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     steps.poll()
     timeline = read_jsonl(run_dir / "timeline.jsonl")
     for f in faults:
-        dead = [e["t"] for e in timeline if e.get("event") == "dead" and e.get("node") == _node_id(f["node"])
+        dead = [e["t"] for e in timeline if e.get("event") == "dead" and e.get("node") == f["node"]
                 and e["t"] >= f["t"]]  # fmt: skip
-        f["detection_s"] = round(min(dead) - f["t"], 3) if dead else None
+        # a hung reward worker is not a node: nothing is declared dead, the rollout carries on
+        f["detection_s"] = (
+            round(min(dead) - f["t"], 3) if dead and f["kind"] != "reward_hang" else None
+        )
         later = [ts for ts, s in steps.series if ts >= f["t"] and s > f["step_at"]]
         f["resume_s"] = round(later[0] - f["t"], 3) if later else None
     rates = {}
     for phase, (t0, t1) in bounds.items():
         rates[phase] = (steps.at(t1) - steps.at(t0)) / max(t1 - t0, 1e-9)
     check = check_exactly_once(run_dir, cfg_path)
+    supervisor = _read_json(run_dir / "supervisor.json")
     rss = {}
-    for n in cl.nodes.values():
-        growth = [s[-1][1] - s[0][1] for s in n.rss if len(s) >= 2]
-        rss[n.name] = {"restarts": n.restarts, "incarnations": n.incarnation,
-                       "growth_mb_max": round(max(growth), 1) if growth else None,
-                       "first_incarnation_mb": [round(n.rss[0][0][1], 1), round(n.rss[0][-1][1], 1)]
-                       if n.rss and n.rss[0] else None}  # fmt: skip
+    for name, lives in cl.lives.items():
+        growth = [life.rss[-1][1] - life.rss[0][1] for life in lives if len(life.rss) >= 2]
+        first = lives[0].rss
+        rss[name] = {"restarts": supervisor.get("nodes", {}).get(name, {}).get("restarts"),
+                     "incarnations_seen": len(lives),
+                     "growth_mb_max": round(max(growth), 1) if growth else None,
+                     "first_incarnation_mb": [round(first[0][1], 1), round(first[-1][1], 1)] if first else None}  # fmt: skip
     det = [f["detection_s"] for f in faults if f["detection_s"] is not None]
     res = [f["resume_s"] for f in faults if f["resume_s"] is not None]
     ratio = rates["chaos"] / rates["baseline"] if rates.get("baseline") else None
@@ -369,11 +414,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "tail_s": args.tail_s,
             "interval_s": args.interval_s,
             "stop_frac": args.stop_frac,
+            "reward_hang_frac": args.reward_hang_frac,
             "stop_pause_s": STOP_PAUSE_S,
+            "reward_hang_s": REWARD_HANG_S,
             "rollouts": args.rollouts,
             "seed": args.seed,
             "restart_backoff_s": args.restart_backoff_s,
-            "supervisor": "bench/chaos.py restarts exited nodes (laminar run had no restart-on-death)",
+            "supervisor": "laminar run (laminar/children.py restarts a node that dies)",
             "cluster": cfg,
         },  # fmt: skip
         "machine": {
@@ -387,15 +434,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "steps_per_s": {k: round(v, 3) for k, v in rates.items()},
         "exactly_once": check,
         "rss": rss,
+        "supervisor": supervisor,
         "summary": {
             "faults": len(faults),
             "faults_by_kind": dict(Counter(f["kind"] for f in faults)),
             "lost": check["lost"],
             "duplicated": check["duplicated"],
+            "excluded": check["excluded_uids"],
             "detection_s": {"p50": pct(det, 0.5), "p99": pct(det, 0.99), "n": len(det)},
             "resume_s": {"p50": pct(res, 0.5), "p99": pct(res, 0.99), "n": len(res)},
             "effective_time_ratio": round(ratio, 3) if ratio is not None else None,
-            "restarts": sum(n.restarts for n in cl.nodes.values()),
+            "restarts": supervisor.get("restarts"),
             "rss_growth_mb_max": max(
                 (v["growth_mb_max"] or 0.0 for v in rss.values()), default=0.0
             ),
@@ -405,8 +454,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _node_id(name: str) -> str:
-    return {"manager": "manager-0", "buffer": "buffer-0", "trainer": "trainer-0"}.get(name, name)
+def inject(cl: Cluster, rng: random.Random, args: argparse.Namespace) -> dict[str, Any] | None:
+    """One random fault: a reward worker hung, a node SIGSTOPped for STOP_PAUSE_S, or kill -9."""
+    up = cl.up()
+    if not up:
+        return None
+    draw = rng.random()
+    workers = cl.reward_workers() if draw < args.reward_hang_frac else []
+    t = time.time()
+    if workers:
+        pid = rng.choice(sorted(workers))
+        cl.hang_reward(pid)
+        return {"t": t, "kind": "reward_hang", "node": f"reward-worker pid {pid}"}
+    name = rng.choice(sorted(up))
+    kind = "sigstop" if draw < args.reward_hang_frac + args.stop_frac else "kill9"
+    (cl.pause if kind == "sigstop" else cl.kill9)(name, up[name])
+    return {"t": t, "kind": kind, "node": name}
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return dict(json.loads(path.read_text()))
+    except (OSError, json.JSONDecodeError):
+        return {}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -428,6 +498,12 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=0.25,
         help="share of faults that are SIGSTOP (else kill -9)",
+    )
+    ap.add_argument(
+        "--reward-hang-frac",
+        type=float,
+        default=0.15,
+        help="share of faults that hang a rollout's reward worker (SIGSTOP past reward.timeout_s)",
     )
     ap.add_argument("--restart-backoff-s", type=float, default=0.5)
     ap.add_argument("--startup-timeout-s", type=float, default=180.0)

@@ -192,6 +192,22 @@ async def test_sim_trainer_emulates_steps_and_resumes(tmp_path, harness):
     assert buf.requests[-2].restart is False and sum(r.restart for r in buf.requests) == 2
 
 
+async def test_audit_line_accounts_for_served_trajectories_not_trained_on(tmp_path, harness):
+    """consumed.jsonl: a sample without a reward (e.g. its reward timed out) and the member a
+    group is left with are listed as excluded, so every served uid is in the audit."""
+    ctx, make = harness
+    cfg = node_cfg(tmp_path, None, engine="sim", sim_time_per_token_s=1e-5, total_steps=1)
+    trajs = make_trajs(n_groups=2, group=2)
+    trajs[0].reward = None  # its group keeps one usable member: dropped whole (singleton_group)
+    buf, _ = await make(cfg, groups_of(trajs))
+    await run_trainer(cfg, ctx)
+    [line] = read_jsonl(cfg.resolved_run_dir() / "consumed.jsonl")
+    served = buf.served[0][1]
+    assert sorted(line["uids"] + line["excluded"]) == sorted(served)
+    assert sorted(line["excluded"]) == sorted([trajs[0].uid, trajs[1].uid])
+    assert trajs[0].group_id == trajs[1].group_id
+
+
 async def test_commit_checkpoint_mode_commits_only_what_a_checkpoint_holds(tmp_path, harness):
     ctx, make = harness
     cfg = node_cfg(

@@ -2,7 +2,7 @@
 
     ledger = CommitLedger(buffer_client, "step", run_dir, stopping, backoff_s, metrics, log)
     ledger.restore(meta["frontier"])                  # resume: commits the checkpoint still owed
-    ledger.consumed(step, version, batch_id, uids)    # run_dir/consumed.jsonl (fsync'ed audit line)
+    ledger.consumed(step, version, batch_id, uids, excluded)   # run_dir/consumed.jsonl (fsync'ed audit line)
     ledger.record(batch_id, step, version)            # the step is in the weights: a commit is owed
     await ledger.flush()                              # BatchCommit each, oldest first, until acked
     meta["frontier"] = ledger.frontier()              # what a checkpoint stores
@@ -75,11 +75,14 @@ class CommitLedger:
     def frontier(self) -> dict[str, Any]:
         return {"uncommitted": [asdict(c) for c in self.owed]}
 
-    def consumed(self, step: int, version: int, batch_id: str, uids: list[str]) -> None:
-        """The audit line of a trained step (a restarted trainer re-logs the steps after its checkpoint)."""
-        append_jsonl(
-            self.audit, {"step": step, "version": version, "batch_id": batch_id, "uids": uids}
-        )
+    def consumed(
+        self, step: int, version: int, batch_id: str, uids: list[str], excluded: list[str]
+    ) -> None:
+        """The audit line of a trained step (a restarted trainer re-logs the steps after its
+        checkpoint): `uids` trained on, `excluded` served in the batch but not trained on (no
+        reward, a bad one, a group left with one member), so every served uid is accounted for."""
+        append_jsonl(self.audit, {"step": step, "version": version, "batch_id": batch_id,
+                                  "uids": uids, "excluded": excluded})  # fmt: skip
 
     def record(self, batch_id: str, step: int, version: int) -> None:
         """`step` (which consumed batch_id) is in the weights: its commit is owed from now on."""

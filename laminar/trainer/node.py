@@ -276,9 +276,10 @@ class TrainerNode(Node):
         weights = await self.compute(self.trainer.export)
         self.step += 1
         self.version += 1
-        self.commits.consumed(
-            self.step, self.version, reply.batch_id, [s.uid for s in batch.samples]
-        )
+        trained = [s.uid for s in batch.samples]
+        kept = set(trained)
+        excluded = [t.uid for t in batch.source if t.uid not in kept]
+        self.commits.consumed(self.step, self.version, reply.batch_id, trained, excluded)
         self.commits.record(reply.batch_id, self.step, self.version)
         push_s, push_bytes = await self._publish(weights)
         if not self.commits.gated:
