@@ -18,7 +18,8 @@ Figures (from the files the nodes write, offline after the stop):
                       journal replayed (tests/test_faults.py's check): uids consumed twice, groups
                       consumed partly, groups the journal committed that the trainer never logged,
                       abandoned/dropped
-  detection_s         kill/stop -> the manager's `dead` event for that node (run_dir/timeline.jsonl)
+  detection_s         kill/stop -> the manager's `dead` event for that node, or the `join` of its
+                      restarted incarnation if that came first (run_dir/timeline.jsonl)
   resume_s            fault -> the next trainer step (consumed.jsonl, polled every 0.25 s)
   rss_growth_mb       per node and incarnation (a new pid in pids.json): last - first VmRSS
                       sample (every 2 s, from 20 s after the incarnation was first seen)
@@ -380,13 +381,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         cl.stop_all()
     steps.poll()
     timeline = read_jsonl(run_dir / "timeline.jsonl")
+    detect(faults, timeline)
     for f in faults:
-        dead = [e["t"] for e in timeline if e.get("event") == "dead" and e.get("node") == f["node"]
-                and e["t"] >= f["t"]]  # fmt: skip
-        # a hung reward worker is not a node: nothing is declared dead, the rollout carries on
-        f["detection_s"] = (
-            round(min(dead) - f["t"], 3) if dead and f["kind"] != "reward_hang" else None
-        )
         later = [ts for ts, s in steps.series if ts >= f["t"] and s > f["step_at"]]
         f["resume_s"] = round(later[0] - f["t"], 3) if later else None
     rates = {}
@@ -454,6 +450,36 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def detect(faults: list[dict[str, Any]], timeline: list[dict[str, Any]]) -> None:
+    """Each fault's detection_s: the manager's first word on that node after it, either `dead`
+    (liveness ran out) or the `join` of its restarted incarnation, whichever came first: the
+    launcher restarts a killed node in 0.5 s, so it may be back before liveness (2 s) runs
+    out, and the manager then handles it as a rejoin (its work recovered at once). None for
+    the manager itself (its own timeline) and for a hung reward worker (not a node), and when
+    nothing came before the next fault on the same node."""
+    for i, f in enumerate(faults):
+        f["detection_s"] = None
+        if f["kind"] == "reward_hang" or f["node"].startswith("manager"):
+            continue
+        nxt = min((g["t"] for g in faults[i + 1 :] if g["node"] == f["node"]), default=float("inf"))
+        seen = [e for e in timeline if e.get("node") == f["node"] and e.get("event") in ("dead", "join")
+                and f["t"] <= e["t"] < nxt]  # fmt: skip
+        if seen:
+            first = min(seen, key=lambda e: e["t"])
+            f["detection_s"] = round(first["t"] - f["t"], 3)
+            f["detected_by"] = first["event"]
+
+
+def rescore(path: Path) -> dict[str, Any]:
+    """Recompute detection from a finished run's timeline (its logs_dir) and rewrite the summary."""
+    res = json.loads(path.read_text())
+    timeline = read_jsonl(Path(res["logs_dir"]) / "run" / "timeline.jsonl")
+    detect(res["faults"], timeline)
+    det = [f["detection_s"] for f in res["faults"] if f["detection_s"] is not None]
+    res["summary"]["detection_s"] = {"p50": pct(det, 0.5), "p99": pct(det, 0.99), "n": len(det)}
+    return res
+
+
 def inject(cl: Cluster, rng: random.Random, args: argparse.Namespace) -> dict[str, Any] | None:
     """One random fault: a reward worker hung, a node SIGSTOPped for STOP_PAUSE_S, or kill -9."""
     up = cl.up()
@@ -508,7 +534,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--restart-backoff-s", type=float, default=0.5)
     ap.add_argument("--startup-timeout-s", type=float, default=180.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rescore", type=Path, default=None,
+                    help="no run: recompute detection in this result file from its run's timeline")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.rescore is not None:
+        res = rescore(args.rescore)
+        args.rescore.write_text(json.dumps(res, indent=1))
+        print(f"rescored {args.rescore}: detection {res['summary']['detection_s']}")
+        return 0
     args.interval_s = args.interval_s or (18.0 if args.quick else 30.0)
     args.baseline_s = args.baseline_s or (45.0 if args.quick else 300.0)
     args.chaos_s = args.chaos_s or (200.0 if args.quick else 1800.0)
