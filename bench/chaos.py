@@ -267,11 +267,9 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 def check_exactly_once(run_dir: Path, cfg_path: Path) -> dict[str, Any]:
     """Offline: consumed.jsonl against the replayed buffer journal (tests/test_faults.py's check)."""
-    from laminar.buffer.admission import Admission
-    from laminar.buffer.experience import ExperienceState, usable
-    from laminar.buffer.journal import Journal
+    from laminar.buffer.experience import usable
     from laminar.config import load_config
-    from laminar.protocol.data import Trajectory
+    from laminar.journal_check import replay_buffer_journal
 
     last: dict[int, dict[str, Any]] = {}
     for rec in read_jsonl(run_dir / "consumed.jsonl"):
@@ -286,18 +284,8 @@ def check_exactly_once(run_dir: Path, cfg_path: Path) -> dict[str, Any]:
     partial_groups = {g: c for g, c in groups.items() if c != GROUP}
     prompts = Counter(g.split("@")[0] for g in groups)
     cfg = load_config(cfg_path)
-    state = ExperienceState(group_size=GROUP, lost_member_policy="release_partial",
-                            admission=Admission.from_config(cfg))  # fmt: skip
-    journal = Journal(run_dir / "buffer-0.journal", "never")
-    unusable: set[str] = set()
-    try:
-        for kind, body, msgs in journal.replay():
-            state.apply(kind, body, msgs)
-            for m in msgs:
-                if isinstance(m, Trajectory) and not usable(m):
-                    unusable.add(m.uid)
-    finally:
-        journal.close()
+    state, trajs = replay_buffer_journal(run_dir / "buffer-0.journal", cfg)
+    unusable = {t.uid for t in trajs if not usable(t)}
     s = state.summary()
     committed = int(s.get("groups_committed", 0))
     # a member the journal holds as unusable (reward None: a hung reward timed out) is not sent

@@ -8,6 +8,10 @@ offsets, a torn tail (bytes), damage in the middle. Tools journals (`tools/*.jou
 JSON lines, laminar.tools.cache): lines that do not parse and a torn last line.
 Nothing is changed and no lock is taken, so it is safe beside a running buffer (a
 record being appended may then show as a torn tail).
+
+`replay_buffer_journal` is the audit the fault tests and bench/chaos.py run after a stop: the
+journal replayed into the buffer's state (summary: held, committed, dropped, abandoned, ...)
+and every trajectory it holds.
 """
 
 from __future__ import annotations
@@ -17,9 +21,29 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from laminar.buffer.journal import JournalReport, check_journal
+from laminar.buffer.experience import ExperienceState
+from laminar.buffer.journal import Journal, JournalReport, check_journal
+from laminar.config import LaminarConfig
+from laminar.protocol.data import Trajectory
 
-__all__ = ["check_run_dir", "check_tools_journal", "journal_check_main"]
+__all__ = ["check_run_dir", "check_tools_journal", "journal_check_main", "replay_buffer_journal"]
+
+
+def replay_buffer_journal(
+    path: Path, cfg: LaminarConfig
+) -> tuple[ExperienceState, list[Trajectory]]:
+    """Offline audit of a stopped run: the buffer journal at `path` replayed into the state a
+    buffer of `cfg` would restore, and every trajectory it recorded (usable or not)."""
+    state = ExperienceState.from_config(cfg)
+    trajs: list[Trajectory] = []
+    journal = Journal(path, "never")
+    try:
+        for kind, body, msgs in journal.replay():
+            state.apply(kind, body, msgs)
+            trajs += [m for m in msgs if isinstance(m, Trajectory)]
+    finally:
+        journal.close()
+    return state, trajs
 
 
 def check_tools_journal(path: Path) -> tuple[int, list[tuple[int, str]], int]:
@@ -60,8 +84,10 @@ def _print_buffer(rep: JournalReport, out: TextIO) -> None:
               "(replay would cut them and keep them as <file>.corrupt-<ms>)", file=out)  # fmt: skip
 
 
-def check_run_dir(run_dir: Path, out: TextIO = sys.stdout) -> int:
-    """Check every journal under run_dir and print what was found; returns the number with problems."""
+def check_run_dir(run_dir: Path, out: TextIO | None = None) -> int:
+    """Check every journal under run_dir and print what was found (to `out`, default the
+    sys.stdout of the call, not of the import); returns the number with problems."""
+    out = out if out is not None else sys.stdout
     problems = 0
     buffers = sorted(run_dir.glob("buffer-*.journal"))
     for path in buffers:

@@ -206,19 +206,9 @@ class HostCluster:
         return len(last)
 
     def _check_journal(self, n_groups: int) -> None:
-        from laminar.buffer.admission import Admission
-        from laminar.buffer.experience import ExperienceState
-        from laminar.buffer.journal import Journal
+        from laminar.journal_check import replay_buffer_journal
 
-        state = ExperienceState(group_size=GROUP, lost_member_policy="release_partial",
-                                admission=Admission.from_config(self.cfg))  # fmt: skip
-        journal = Journal(self.run_dir / "buffer-0.journal", "never")
-        try:
-            for kind, body, msgs in journal.replay():
-                state.apply(kind, body, msgs)
-        finally:
-            journal.close()
-        s = state.summary()
+        s = replay_buffer_journal(self.run_dir / "buffer-0.journal", self.cfg)[0].summary()
         assert s["held"] == 0 and s["pending"] == 0 and s["outstanding_batches"] == 0, s
         assert s.get("groups_committed") == n_groups and not s.get("groups_dropped"), s
         assert not s.get("abandoned"), s

@@ -150,20 +150,9 @@ def procs(tmp_path, short_dir):
 
 
 def journal_trajectories(p: Procs) -> tuple[dict, list[Trajectory]]:
-    from laminar.buffer.admission import Admission
-    from laminar.buffer.experience import ExperienceState
-    from laminar.buffer.journal import Journal
+    from laminar.journal_check import replay_buffer_journal
 
-    state = ExperienceState(group_size=GROUP, lost_member_policy="release_partial",
-                            admission=Admission.from_config(p.cfg))  # fmt: skip
-    trajs: list[Trajectory] = []
-    journal = Journal(p.run_dir / "buffer-0.journal", "never")
-    try:
-        for kind, body, msgs in journal.replay():
-            state.apply(kind, body, msgs)
-            trajs += [m for m in msgs if isinstance(m, Trajectory)]
-    finally:
-        journal.close()
+    state, trajs = replay_buffer_journal(p.run_dir / "buffer-0.journal", p.cfg)
     return state.summary(), trajs
 
 

@@ -44,6 +44,7 @@ from laminar.buffer.admission import (
 )
 from laminar.buffer.journal import encode_record
 from laminar.buffer.sampling import resolve_sampler
+from laminar.config import LaminarConfig
 from laminar.manager.staleness import StalenessStats
 from laminar.protocol.data import PromptItem, Trajectory
 
@@ -106,6 +107,13 @@ class BatchRecord:
 
 
 class ExperienceState:
+    @classmethod
+    def from_config(cls, cfg: LaminarConfig, admission: Admission | None = None) -> ExperienceState:
+        """The state a buffer of this config keeps (the node; offline replays of its journal)."""
+        bc = cfg.buffer
+        return cls(group_size=cfg.rollout.group_size, lost_member_policy=bc.lost_member_policy,
+                   admission=admission or Admission.from_config(cfg), sampling=bc.sampling, seed=cfg.seed)  # fmt: skip
+
     def __init__(self, *, group_size: int, lost_member_policy: str, admission: Admission,
                  sampling: str = "fifo", seed: int = 0):  # fmt: skip
         self.group_size = group_size

@@ -66,8 +66,7 @@ class BufferNode(Node):
     async def setup(self) -> None:
         cfg, bc = self.cfg, self.cfg.buffer
         self.admission = Admission.from_config(cfg)
-        self.state = ExperienceState(group_size=cfg.rollout.group_size, lost_member_policy=bc.lost_member_policy,
-                                     admission=self.admission, sampling=bc.sampling, seed=cfg.seed)  # fmt: skip
+        self.state = ExperienceState.from_config(cfg, self.admission)
         self.partials = PartialPool()
         # before anything that awaits: status() reads it
         self.health = StallWatch(bc, cfg.reward.fn, self.state, self.metrics, self.log)
