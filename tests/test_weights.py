@@ -3,7 +3,7 @@
     .venv/bin/python -m pytest tests/test_weights.py -q
 
 The torn-read test runs the relay as a real process; the others run relays inside the
-test process (no manager: `_Relay` skips registration) so they can look at relay state.
+test process (tests/inproc_relays.py: no manager, they skip registration) so they can look at relay state.
 """
 
 from __future__ import annotations
@@ -13,19 +13,15 @@ import os
 
 import pytest
 import torch
+from inproc_relays import InprocRelays
 
 from laminar.config import config_from_dict
 from laminar.logs import get_logger
 from laminar.relay.local import RelayProcs
-from laminar.relay.node import RelayNode
 from laminar.supervise import detached_spawn
 from laminar.transport.security import security_from_config
 from laminar.transport.sockets import RemoteError, SocketOptions, Wiring
 from laminar.transport.weights import WeightPuller, WeightPusher
-
-
-class _Relay(RelayNode):
-    registers_with_manager = False
 
 
 def _state(mb: float, seed: int) -> dict[str, torch.Tensor]:
@@ -41,7 +37,7 @@ def _state(mb: float, seed: int) -> dict[str, torch.Tensor]:
 @pytest.fixture
 async def inproc(short_dir, zctx):
     """start(n, **relay_overrides) -> (cfg, relays) running in this process over ipc."""
-    nodes, tasks = [], []
+    relays = InprocRelays(zctx)
 
     async def start(n: int, **relay: object):
         cfg = config_from_dict({
@@ -50,17 +46,10 @@ async def inproc(short_dir, zctx):
             "relay": {"shm_prefix": f"lamw{os.getpid()}{short_dir.name}", "chunk_bytes": 1 << 16, "probe_timeout_s": 0.3,
                       "upstream_grace_s": 5.0, **relay},
         })  # fmt: skip
-        for i in range(n):
-            node = _Relay(cfg, index=i, ctx=zctx)
-            nodes.append(node)
-            tasks.append(asyncio.create_task(node.run()))
-            await node.wait_ready(10)
-        return cfg, nodes
+        return cfg, await relays.start(cfg)
 
     yield start
-    for node in nodes:
-        node.request_stop("test done")
-    await asyncio.gather(*tasks, return_exceptions=True)
+    await relays.stop()
 
 
 def _pusher(cfg, zctx, node_id: str = "trainer-0") -> WeightPusher:

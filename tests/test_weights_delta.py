@@ -15,11 +15,11 @@ import os
 import numpy as np
 import pytest
 import torch
+from inproc_relays import InprocRelays
 
 from laminar.config import config_from_dict
 from laminar.logs import get_logger
 from laminar.protocol.relay import ChainUpdate, FetchChunk, WeightChunk
-from laminar.relay.node import RelayNode
 from laminar.supervise import detached_spawn
 from laminar.transport.client import RpcClient
 from laminar.transport.codec import ProtocolError
@@ -39,10 +39,6 @@ from laminar.transport.weights_delta import (
 )
 
 CHUNK = 1 << 16
-
-
-class _Relay(RelayNode):
-    registers_with_manager = False
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:
@@ -154,7 +150,7 @@ def test_malformed_deltas_are_protocol_errors():
 @pytest.fixture
 async def relays(short_dir, zctx):
     """start(n, **relay_overrides) -> (cfg, relays) in this process over ipc, delta mode on."""
-    nodes, tasks = [], []
+    relays = InprocRelays(zctx)
 
     async def start(n: int, **relay: object):
         cfg = config_from_dict({
@@ -163,17 +159,10 @@ async def relays(short_dir, zctx):
             "relay": {"shm_prefix": f"lamd{os.getpid()}{short_dir.name}", "chunk_bytes": CHUNK, "probe_timeout_s": 0.3,
                       "upstream_grace_s": 5.0, "delta": True, **relay},
         })  # fmt: skip
-        for i in range(n):
-            node = _Relay(cfg, index=i, ctx=zctx)
-            nodes.append(node)
-            tasks.append(asyncio.create_task(node.run()))
-            await node.wait_ready(10)
-        return cfg, nodes
+        return cfg, await relays.start(cfg)
 
     yield start
-    for node in nodes:
-        node.request_stop("test done")
-    await asyncio.gather(*tasks, return_exceptions=True)
+    await relays.stop()
 
 
 def _wiring(cfg, zctx, node_id: str, role: str) -> Wiring:
