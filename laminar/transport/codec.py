@@ -432,15 +432,13 @@ def _encode_plan(cls: type[Message]) -> Any:
     if cls not in _FAST:
         _decoder(cls)  # the plan, under the lock, and the class's annotations fixed for msgspec
     _, _, top, rest = _FAST[cls]
-    convs = dict((name, conv) for name, conv, _ in _PLANS[cls])
-    fast = (
-        None if rest or not top else _encode_fast(cls, [(name, convs[name]) for name, _, _ in top])
-    )
+    names = [name for name, _, _ in top]
+    fast = None if rest or not top else _encode_fast(cls, names, _OPTIONAL[cls])
     _ENC_FAST[cls] = fast
     return fast
 
 
-def _encode_fast(cls: type[Message], top: list[tuple[str, Any]]) -> Any:
+def _encode_fast(cls: type[Message], names: list[str], optional: tuple[bool, ...]) -> Any:
     """A function, generated once per type, that encodes a message whose arrays are all top-level.
 
     `fast(msg, st)` takes the common case: every array field None (where allowed) or a
@@ -450,7 +448,6 @@ def _encode_fast(cls: type[Message], top: list[tuple[str, Any]]) -> Any:
     array. It returns None for anything else, and the generic path (the hook) handles it.
     The references are those the hook writes: same frame order, same bytes.
     """
-    optional = [_convert_optional_of(conv) for _, conv in top]
     env: dict[str, Any] = {"_nd": np.ndarray, "_codes": _DTYPE_CODE, "_pack": _REF_1D.pack,
                            "_Ext": _Ext, "_replace": msgspec.structs.replace,
                            "_type_byte": _TYPE_BYTES[cls.TYPE], "_EXT": _EXT_ARRAY}  # fmt: skip
@@ -458,7 +455,7 @@ def _encode_fast(cls: type[Message], top: list[tuple[str, Any]]) -> Any:
     counted = any(optional)
     if counted:
         body.append("    k = 0")
-    for i, ((name, _), opt) in enumerate(zip(top, optional, strict=True)):
+    for i, (name, opt) in enumerate(zip(names, optional, strict=True)):
         if not name.isidentifier():
             return None
         body.append(f"    x = msg.{name}")
@@ -479,7 +476,7 @@ def _encode_fast(cls: type[Message], top: list[tuple[str, Any]]) -> Any:
         )]  # fmt: skip
         if counted:
             body.append(pad + "k += 1")
-    args = ", ".join(f"{name}=e{i}" for i, (name, _) in enumerate(top))
+    args = ", ".join(f"{name}=e{i}" for i, name in enumerate(names))
     body += [
         f"    m = _replace(msg, {args})",
         "    st.frames = frames",
@@ -493,10 +490,6 @@ def _encode_fast(cls: type[Message], top: list[tuple[str, Any]]) -> Any:
     ]
     exec(compile("\n".join(body), f"<codec encode path for {cls.__name__}>", "exec"), env)  # noqa: S102
     return env["fast"]
-
-
-def _convert_optional_of(conv: Any) -> bool:
-    return isinstance(conv, functools.partial) and conv.func is _convert_optional
 
 
 # ---- decoding -------------------------------------------------------------------------
@@ -528,6 +521,8 @@ _Fast = tuple[
     msgspec.msgpack.Decoder[Any], "Callable[[Any, Any, int], int] | None", tuple[_Top, ...], _Plan
 ]
 _FAST: dict[type[Message], _Fast] = {}
+_OPTIONAL: dict[type[Message], tuple[bool, ...]] = {}
+"""Per class: whether each of its top-level array fields (in _FAST's order) may be None."""
 
 
 def _decoder(cls: type[Message]) -> msgspec.msgpack.Decoder[Any]:
@@ -548,6 +543,7 @@ def _decoder(cls: type[Message]) -> msgspec.msgpack.Decoder[Any]:
                 rest.append((name, conv, path))
         fast = None if rest else _fast_arrays(cls, top, optional)
         _FAST[cls] = (dec, fast, tuple(top), tuple(rest))
+        _OPTIONAL[cls] = tuple(optional)
     return dec
 
 
