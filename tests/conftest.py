@@ -33,6 +33,17 @@ settings.register_profile("fuzz", parent=settings.get_profile("laminar"), max_ex
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "laminar"))
 
 
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A `hosts` test (tests/hosts.py) needs network namespaces: probed when it runs, not at
+    collection, so the default suite never touches the network."""
+    if item.get_closest_marker("hosts") is not None:
+        from tests.hosts import Hosts
+
+        why = Hosts.unavailable()
+        if why:
+            pytest.skip(f"no emulated hosts: {why}")
+
+
 @pytest.fixture
 def short_dir() -> Iterator[Path]:
     """A short private directory under /tmp (ipc socket paths must stay short)."""

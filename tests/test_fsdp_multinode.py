@@ -19,19 +19,10 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.hosts import Hosts
 
 pytestmark = pytest.mark.hosts
-
-
-@pytest.fixture(autouse=True)
-def _need_namespaces() -> None:
-    """Probed when a test runs, not at collection: the default suite never touches the network."""
-    why = Hosts.unavailable()
-    if why:
-        pytest.skip(f"no emulated hosts: {why}")
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,9 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_fsdp_ranks_on_two_hosts_match_one_process(tmp_path):
     from laminar.models.tiny import build_tiny_model
-    from laminar.trainer.batch import TrainBatch
-    from laminar.trainer.policy import Policy
-    from tests.test_trainer import make_cfg, make_trajs
+    from tests.test_trainer_fsdp import assert_matches_one_process
 
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     if torchrun is None:
@@ -67,20 +56,4 @@ def test_fsdp_ranks_on_two_hosts_match_one_process(tmp_path):
             p.wait(timeout=max(1.0, 240 - (time.monotonic() - t0)))
         logs = "\n".join((tmp_path / f"node{r}.log").read_text()[-3000:] for r in (0, 1))
         assert [p.returncode for p in procs] == [0, 0], logs
-    res = json.loads((out / "result.json").read_text())
-    assert res["world"] == 2
-
-    ref = Policy(make_cfg(model, tmp_path / "ref", micro_batch_tokens=48), model)
-    losses, norms = [], []
-    for seed in (1, 2, 1):
-        m = ref.train_step(TrainBatch.build(make_trajs(seed=seed)))
-        losses.append(m["loss"])
-        norms.append(m["grad_norm"])
-    print(f"\n2 hosts: losses {res['losses']} vs one process {losses}")
-    assert res["losses"] == pytest.approx(losses, abs=1e-5)
-    assert res["grad_norms"] == pytest.approx(norms, rel=1e-4)
-    weights = torch.load(out / "weights.pt", weights_only=True)
-    mine = ref.full_state_dict()
-    assert weights.keys() == mine.keys()
-    for k in mine:
-        assert torch.allclose(weights[k], mine[k], atol=1e-5), k
+    assert_matches_one_process(json.loads((out / "result.json").read_text()), out, model, tmp_path)

@@ -39,14 +39,6 @@ from tests.sim_cluster import read_jsonl, write_prompts
 pytestmark = pytest.mark.hosts
 
 
-@pytest.fixture(autouse=True)
-def _need_namespaces() -> None:
-    """Probed when a test runs, not at collection: the default suite never touches the network."""
-    why = Hosts.unavailable()
-    if why:
-        pytest.skip(f"no emulated hosts: {why}")
-
-
 K = 4
 PER_HOST = 2
 GROUP = 2

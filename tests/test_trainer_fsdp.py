@@ -30,6 +30,28 @@ from tests.test_trainer import make_cfg, make_trajs
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def assert_matches_one_process(res: dict, out: Path, model: str, tmp_path: Path) -> Policy:
+    """The three steps tests/fsdp_worker.py ran on 2 ranks (`res`, its result.json; `out`, its
+    directory), run again in this process: losses, grad norms and the gathered weights match.
+    Returns the one-process policy for further checks."""
+    assert res["world"] == 2
+    ref = Policy(make_cfg(model, tmp_path / "ref", micro_batch_tokens=48), model)
+    losses, norms = [], []
+    for seed in (1, 2, 1):
+        m = ref.train_step(TrainBatch.build(make_trajs(seed=seed)))
+        losses.append(m["loss"])
+        norms.append(m["grad_norm"])
+    print(f"\n2 ranks: losses {res['losses']} vs one process {losses}")
+    assert res["losses"] == pytest.approx(losses, abs=1e-5)
+    assert res["grad_norms"] == pytest.approx(norms, rel=1e-4)
+    weights = torch.load(out / "weights.pt", weights_only=True)
+    mine = ref.full_state_dict()
+    assert weights.keys() == mine.keys()
+    for k in mine:
+        assert torch.allclose(weights[k], mine[k], atol=1e-5), k
+    return ref
+
+
 @pytest.mark.slow
 def test_two_rank_fsdp_matches_one_process(tmp_path):
     from laminar.models.tiny import build_tiny_model
@@ -48,21 +70,8 @@ def test_two_rank_fsdp_matches_one_process(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads((out / "result.json").read_text())
-    assert res["world"] == 2
-
-    ref = Policy(make_cfg(model, tmp_path / "ref", micro_batch_tokens=48), model)
-    losses, norms = [], []
-    for seed in (1, 2, 1):
-        m = ref.train_step(TrainBatch.build(make_trajs(seed=seed)))
-        losses.append(m["loss"])
-        norms.append(m["grad_norm"])
-    assert res["losses"] == pytest.approx(losses, abs=1e-5)
-    assert res["grad_norms"] == pytest.approx(norms, rel=1e-4)
-    weights = torch.load(out / "weights.pt", weights_only=True)
+    ref = assert_matches_one_process(res, out, model, tmp_path)
     mine = ref.full_state_dict()
-    assert weights.keys() == mine.keys()
-    for k in mine:
-        assert torch.allclose(weights[k], mine[k], atol=1e-5), k
     # the checkpoint rank 0 gathered resumes in a single process
     resumed = Policy(make_cfg(model, tmp_path / "ref"), str(Path(res["checkpoint"]) / "model"))
     ck.load_policy_state(resumed, res["checkpoint"])
