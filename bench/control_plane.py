@@ -462,6 +462,7 @@ async def run_pass(
             before = dict(drv.sent)
             drv.ack_lat = []
             cpu0 = {name: cpu_seconds(p.pid) for name, p in procs.items()}
+            drv0 = time.process_time()
             t0 = time.time()
             until = time.monotonic() + args.step_s
             await asyncio.gather(drv.stream(x, until), drv.pushes(x, until))
@@ -473,6 +474,7 @@ async def run_pass(
                 name: round((cpu_seconds(p.pid) - cpu0[name]) / (t1 - t0), 3)
                 for name, p in procs.items()
             }
+            cpu["driver"] = round((time.process_time() - drv0) / (t1 - t0), 3)  # shares the same cores
             dt = args.step_s
             got = {k: (drv.sent[k] - before[k]) / dt for k in drv.sent}
             acks = sorted(drv.ack_lat)
@@ -553,6 +555,8 @@ async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     cost: dict[str, tuple[float, float]] = {}
     for st in first["steps"]:
         for name, c in st["cpu_per_s"].items():
+            if name not in first["idle_cpu_per_s"]:
+                continue  # the driver: what it costs is not the control plane's
             got = st["achieved"]["pushes"] / rates["status_pushes_s"] if name == "manager" else (
                 st["achieved"]["batches"] / rates["batches_s"] / first["buffer_shards"])  # fmt: skip
             if got > 0 and (name not in cost or got > cost[name][1]):

@@ -161,6 +161,16 @@ def _traj(gid: str, i: int, version: int, reward: float | None) -> Trajectory:
                       response_ids=z, logprobs=np.zeros(1, np.float32), version=version, reward=reward)  # fmt: skip
 
 
+def full_plan(st: ExperienceState, want: int, batch_version: int, final: bool = False):
+    """The planner over every unconsumed group, which ExperienceState.plan skips when too few are ready."""
+    groups = st.unconsumed()
+    infos = [GroupInfo(x.group_id, min([t.version for t in x.members.values()] or [x.served_version]),
+                       x.state == "ready", x.serial) for x in groups]  # fmt: skip
+    ready = [x for x in groups if x.state == "ready"]
+    return plan_batch(st.admission, want=want, batch_version=batch_version, groups=infos,
+                      preference=st.order(ready, st.rng), final=final)  # fmt: skip
+
+
 def simulate(
     mode: str, bound: int | None, seed: int, steps: int = 25, n: int = 2, rollouts: int = 4
 ) -> dict:
@@ -203,6 +213,12 @@ def simulate(
         else:
             bv = max(trainer, st.next_version)
             plan = st.plan(B, bv, final=False)
+            for final in (True, False):  # the shortcuts decide as the full planner would
+                short, full = st.plan(B, bv, final), full_plan(st, B, bv, final)
+                assert (short.take, short.expired, short.wait) == (full.take, full.expired, full.wait)
+            assert {x.group_id for x in st.in_state("ready")} == {
+                x.group_id for x in st.groups.values() if x.state == "ready"
+            }
             assert not plan.expired and not plan.doomed, f"admission let groups expire: {plan}"
             if plan.take:
                 st.apply("batch", {"batch_id": f"b{bv}", "version": bv, "group_ids": plan.take})

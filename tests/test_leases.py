@@ -41,6 +41,11 @@ def test_leases_expire_oldest_first_skip_the_holder_and_forget_closed_groups() -
     assert len(leases) == 2
     leases.touch("b")  # a late trajectory of a closed group does not bring its lease back
     assert len(leases) == 2
+    clock.t += 20  # a and c silent again; one partial batch with progress on both (and on b)
+    leases.touch_many(["a", "c", "b"])
+    assert leases.expired(groups, "r1", 10) == [] and len(leases) == 2
+    clock.t += 11
+    assert [g.group_id for g in leases.expired(groups, "r1", 10)] == ["a", "c"]
 
 
 async def test_silent_rollout_group_is_served_again_once_and_counted_once(tmp_path) -> None:

@@ -79,12 +79,19 @@ class Group:
     batch_id: str = ""
     ready_seq: int = 0
     front: bool = False
+    _oldest: tuple[int, int] = (0, 0)
+    """(members counted, their lowest version): `version` is asked for every group at every batch
+    plan, and members are only ever added, so the minimum is kept rather than recomputed."""
 
     @property
     def version(self) -> int:
-        return (
-            min(t.version for t in self.members.values()) if self.members else self.served_version
-        )
+        if not self.members:
+            return self.served_version
+        count, low = self._oldest
+        if count != len(self.members):
+            low = min(t.version for t in self.members.values())
+            self._oldest = (len(self.members), low)
+        return low
 
     @property
     def finished(self) -> int:
@@ -127,6 +134,8 @@ class ExperienceState:
         """Committed or dropped group id -> state (dedup forever)."""
         self.batches: dict[str, BatchRecord] = {}
         self._outstanding: dict[str, None] = {}
+        self._ready: dict[str, Group] = {}
+        """The groups in state READY (kept as they change: a waiting trainer asks at every arrival)."""
         """Ids of served, uncommitted batches (ordered)."""
         self.trainer_version = 0
         self.last_batch_version = -1
@@ -147,6 +156,8 @@ class ExperienceState:
         return next_batch_version(self.trainer_version, self.last_batch_version)
 
     def in_state(self, state: str) -> list[Group]:
+        if state == READY:
+            return list(self._ready.values())
         return [g for g in self.groups.values() if g.state == state]
 
     def unconsumed(self) -> list[Group]:
@@ -310,6 +321,7 @@ class ExperienceState:
                 self._drop(g, "no_usable_member")
             else:
                 g.state = READY
+                self._ready[g.group_id] = g
                 self.ready_seq += 1
                 g.ready_seq = self.ready_seq
                 self.counts["groups_ready"] += 1
@@ -320,6 +332,7 @@ class ExperienceState:
         if g.state == OPEN:
             self.pending -= g.n - g.finished
         self.held -= len(g.members)
+        self._ready.pop(g.group_id, None)
         g.state = DROPPED
         self.closed[g.group_id] = DROPPED
         del self.groups[g.group_id]
@@ -342,6 +355,7 @@ class ExperienceState:
         for gid in b.group_ids:
             g = self.groups[gid]
             g.state, g.batch_id, g.front = OUTSTANDING, b.batch_id, False
+            self._ready.pop(gid, None)
         self.batches[b.batch_id] = b
         self._outstanding[b.batch_id] = None
         self.last_batch_version = max(self.last_batch_version, b.version)
@@ -371,6 +385,7 @@ class ExperienceState:
             for gid in b.group_ids:
                 g = self.groups[gid]
                 g.state, g.batch_id, g.front = READY, "", True
+                self._ready[gid] = g
             self.counts["batches_requeued"] += 1
         self._outstanding.clear()
         # the restarted trainer's version is authoritative (it may have resumed an older checkpoint)
@@ -398,8 +413,20 @@ class ExperienceState:
 
     # ---- batches ----------------------------------------------------------------------
     def plan(self, want: int, batch_version: int, final: bool) -> BatchPlan:
+        # A waiting trainer asks again at every arrival, so the cases that need only the ready
+        # groups skip the full plan over every unconsumed group (what plan_batch would decide):
+        ready = self.in_state(READY)
+        k = self.admission.bound
+        if not self.admission.policy.whole_batch:
+            if k is None:  # unbounded: the first `want` ready groups in sampling order
+                if len(ready) < want and not (final and self.open_groups() == 0):
+                    return BatchPlan(wait="not_enough")
+                order = self.order(ready, self.rng)
+                return BatchPlan(take=order[:want])
+            if len(ready) < want and not final:  # too few to take any; past-bound ones still drop
+                expired = [g.group_id for g in ready if g.version + k < batch_version]
+                return BatchPlan(expired=expired, wait="not_enough")
         groups = self.unconsumed()
-        ready = [g for g in groups if g.state == READY]
         infos = [GroupInfo(g.group_id, g.version, g.state == READY, g.serial) for g in groups]
         return plan_batch(self.admission, want=want, batch_version=batch_version, groups=infos,
                           preference=self.order(ready, self.rng), final=final)  # fmt: skip

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from laminar.buffer.experience import OPEN, Group
 
@@ -61,6 +61,14 @@ class Leases:
         if group_id in self._last:
             self._last[group_id] = self.clock()
             self._last.move_to_end(group_id)
+
+    def touch_many(self, group_ids: Iterable[str]) -> None:
+        """Progress on several groups at once (a rollout's partial batch): one clock read."""
+        now, last = self.clock(), self._last
+        for gid in group_ids:
+            if gid in last:
+                last[gid] = now
+                last.move_to_end(gid)
 
     def silent_for(self, group_id: str) -> float:
         """Seconds since the group's last progress (0 when it holds no lease)."""

@@ -129,8 +129,7 @@ class BufferNode(Node):
         return await self.prompts.serve(req)
 
     def _on_partial_batch(self, peer: Peer, b: PartialBatch) -> None:
-        for gid in {u.rpartition("/")[0] for u in b.uids}:  # progress on their groups
-            self.leases.touch(gid)
+        self.leases.touch_many({u.rpartition("/")[0] for u in b.uids})  # progress on their groups
         for res, k in self.partials.apply_batch(b).items():
             if res in ("bad", "unknown", "gap"):
                 self.metrics.count(f"chunks_{res}", k)

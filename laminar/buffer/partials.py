@@ -52,7 +52,7 @@ __all__ = ["PartialPool", "recover"]
 
 _EMPTY_I = np.zeros(0, np.int32)
 _EMPTY_F = np.zeros(0, np.float32)
-_COMPACT_PIECES = 16
+_COMPACT_PIECES = 32
 
 Piece = tuple[np.ndarray, np.ndarray, "np.ndarray | None", int, int]
 """ids, logprobs, loss mask (None: all model tokens), lo, hi: the tokens are ids[lo:hi]."""

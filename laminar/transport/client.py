@@ -39,6 +39,7 @@ from laminar.transport.sockets import (
     Handler,
     PeerDead,
     Pending,
+    Receiver,
     RemoteError,
     RequestTimeout,
     SendTimeout,
@@ -300,8 +301,9 @@ class RpcClient:
         self.log.warning("bad_message", error=what)
 
     async def _reader(self, sock: zmq.asyncio.Socket) -> None:
+        rx = Receiver(sock)
         while True:
-            frames = await sock.recv_multipart(copy=False)
+            frames = await rx.recv()
             self.stats.received += 1
             self._last_seen = time.monotonic()
             if len(frames) < 2:

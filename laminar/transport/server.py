@@ -39,6 +39,7 @@ from laminar.transport.sockets import (
     Peer,
     PeerDead,
     Pending,
+    Receiver,
     RequestTimeout,
     SocketOptions,
     SocketStats,
@@ -177,8 +178,9 @@ class RpcServer:
                 await self._send(identity, b"R" + rid[1:], ErrorReply(code=code, message=text))
 
     async def _reader(self, sock: zmq.asyncio.Socket) -> None:
+        rx = Receiver(sock)
         while True:
-            frames = await sock.recv_multipart(copy=False)
+            frames = await rx.recv()
             self.stats.received += 1
             if len(frames) < 3:
                 self._bad(f"{len(frames)} frames is too few for an envelope")
