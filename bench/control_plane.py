@@ -474,7 +474,8 @@ async def run_pass(
                 name: round((cpu_seconds(p.pid) - cpu0[name]) / (t1 - t0), 3)
                 for name, p in procs.items()
             }
-            cpu["driver"] = round((time.process_time() - drv0) / (t1 - t0), 3)  # shares the same cores
+            # the driver shares the same cores
+            cpu["driver"] = round((time.process_time() - drv0) / (t1 - t0), 3)
             dt = args.step_s
             got = {k: (drv.sent[k] - before[k]) / dt for k in drv.sent}
             acks = sorted(drv.ack_lat)

@@ -215,7 +215,11 @@ def simulate(
             plan = st.plan(B, bv, final=False)
             for final in (True, False):  # the shortcuts decide as the full planner would
                 short, full = st.plan(B, bv, final), full_plan(st, B, bv, final)
-                assert (short.take, short.expired, short.wait) == (full.take, full.expired, full.wait)
+                assert (short.take, short.expired, short.wait) == (
+                    full.take,
+                    full.expired,
+                    full.wait,
+                )
             assert {x.group_id for x in st.in_state("ready")} == {
                 x.group_id for x in st.groups.values() if x.state == "ready"
             }

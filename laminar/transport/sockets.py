@@ -234,7 +234,7 @@ class Receiver:
 
     def __init__(self, sock: zmq.asyncio.Socket, burst: int = 64):
         self._sock = sock
-        self._raw = zmq.Socket.shadow(sock.underlying)
+        self._raw: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
         self._burst = burst
         self._left = 0
 
@@ -248,7 +248,7 @@ class Receiver:
         else:
             await asyncio.sleep(0)
         self._left = self._burst
-        return await self._sock.recv_multipart(copy=False)  # type: ignore[no-any-return]
+        return await self._sock.recv_multipart(copy=False)
 
 
 async def send_within(sock: zmq.asyncio.Socket, frames: list[Any], timeout: float | None) -> None:
