@@ -396,9 +396,9 @@ def open_pool(cfg: LaminarConfig, metrics: Metrics,
         log.warning("bad_row", error=err)
     tok = None
     if cfg.model.path:
-        from laminar.models.tiny import load_tokenizer
+        from laminar.models.prompt_tokenizer import load_prompt_tokenizer
 
-        tok = load_tokenizer(cfg.model.path)
+        tok = load_prompt_tokenizer(cfg.model.path, cfg.data.chat_template)
     else:
         log.info("byte_prompt_ids", reason="model.path not set: prompt ids are UTF-8 bytes")
 

@@ -1,0 +1,80 @@
+"""The tokenizer a prompt server needs, without transformers when the model directory allows.
+
+    tok = load_prompt_tokenizer(path, chat_template=cfg.data.chat_template)
+    tok("12 13", add_special_tokens=False)["input_ids"];  tok.bos_token_id;  tok.chat_template
+
+The buffer only encodes prompts. Loading a tokenizer through transformers' AutoTokenizer reads
+the model's config through code that imports torch: about 3 CPU-seconds at every buffer start,
+on a 2-core demo box where every node is starting at the same moment. A directory with a
+`tokenizer.json` and no chat template (or a run that turned templates off) is read with the
+`tokenizers` library alone, which encodes with the very same backend as the fast HF tokenizer
+(`tests/test_prompt_tokenizer.py` checks the ids against AutoTokenizer's). Anything else (a chat
+template to render, settings with which transformers rewrites the tokenizer at load, or only a
+slow tokenizer's files) goes through AutoTokenizer as before.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+__all__ = ["TokenizerFile", "load_prompt_tokenizer"]
+
+_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
+_REWRITING_KEYS = ("add_prefix_space", "do_lower_case", "legacy", "from_slow")
+"""tokenizer_config.json settings with which transformers may rebuild parts of tokenizer.json at
+load time: such a directory goes through AutoTokenizer, so the ids stay exactly its ids."""
+
+
+class TokenizerFile:
+    """A `tokenizer.json` (plus the BOS token named in `tokenizer_config.json`) as a prompt
+    encoder uses a tokenizer: `__call__`, `bos_token_id`, no chat template."""
+
+    chat_template = None
+
+    def __init__(self, path: str | os.PathLike[str]):
+        from tokenizers import Tokenizer
+
+        d = Path(path)
+        self._tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+        bos = _config(d).get("bos_token")
+        if isinstance(bos, dict):  # an AddedToken written out in full
+            bos = bos.get("content")
+        self.bos_token_id: int | None = self._tok.token_to_id(bos) if isinstance(bos, str) else None
+
+    def __call__(self, text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
+        return {"input_ids": self._tok.encode(text, add_special_tokens=add_special_tokens).ids}
+
+    def apply_chat_template(self, *args: Any, **kwargs: Any) -> str:
+        raise ValueError("loaded without a chat template (tokenizer.json alone)")
+
+
+def _config(d: Path) -> dict[str, Any]:
+    f = d / "tokenizer_config.json"
+    if not f.exists():
+        return {}
+    conf = json.loads(f.read_text())
+    return conf if isinstance(conf, dict) else {}
+
+
+def has_chat_template(path: str | os.PathLike[str]) -> bool:
+    d = Path(path)
+    return bool(_config(d).get("chat_template")) or any((d / f).exists() for f in _TEMPLATE_FILES)
+
+
+def load_prompt_tokenizer(path: str | os.PathLike[str], chat_template: bool = True) -> Any:
+    """`TokenizerFile` when `path` has a tokenizer.json and no template is to be rendered;
+    otherwise AutoTokenizer (laminar.models.tiny.load_tokenizer)."""
+    d = Path(path)
+    rewrites = any(k in _config(d) for k in _REWRITING_KEYS)
+    if (
+        (d / "tokenizer.json").exists()
+        and not rewrites
+        and not (chat_template and has_chat_template(d))
+    ):
+        return TokenizerFile(d)
+    from laminar.models.tiny import load_tokenizer
+
+    return load_tokenizer(d)
