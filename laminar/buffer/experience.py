@@ -134,9 +134,9 @@ class ExperienceState:
         """Committed or dropped group id -> state (dedup forever)."""
         self.batches: dict[str, BatchRecord] = {}
         self._outstanding: dict[str, None] = {}
+        """Ids of served, uncommitted batches (ordered)."""
         self._ready: dict[str, Group] = {}
         """The groups in state READY (kept as they change: a waiting trainer asks at every arrival)."""
-        """Ids of served, uncommitted batches (ordered)."""
         self.trainer_version = 0
         self.last_batch_version = -1
         self.held = 0

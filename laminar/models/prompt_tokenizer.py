@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TokenizerFile", "load_prompt_tokenizer"]
+__all__ = ["TokenizerFile", "has_chat_template", "load_prompt_tokenizer"]
 
 _TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 _REWRITING_KEYS = ("add_prefix_space", "do_lower_case", "legacy", "from_slow")
