@@ -58,9 +58,7 @@ class Leases:
 
     def touch(self, group_id: str) -> None:
         """Progress on a group (a chunk, a finished or abandoned sample): renew its lease."""
-        if group_id in self._last:
-            self._last[group_id] = self.clock()
-            self._last.move_to_end(group_id)
+        self.touch_many((group_id,))
 
     def touch_many(self, group_ids: Iterable[str]) -> None:
         """Progress on several groups at once (a rollout's partial batch): one clock read."""

@@ -34,12 +34,13 @@ class TokenizerFile:
 
     chat_template = None
 
-    def __init__(self, path: str | os.PathLike[str]):
+    def __init__(self, path: str | os.PathLike[str], config: dict[str, Any] | None = None):
+        """`config`: tokenizer_config.json as already read (read here when None)."""
         from tokenizers import Tokenizer
 
         d = Path(path)
         self._tok = Tokenizer.from_file(str(d / "tokenizer.json"))
-        bos = _config(d).get("bos_token")
+        bos = (_config(d) if config is None else config).get("bos_token")
         if isinstance(bos, dict):  # an AddedToken written out in full
             bos = bos.get("content")
         self.bos_token_id: int | None = self._tok.token_to_id(bos) if isinstance(bos, str) else None
@@ -59,22 +60,24 @@ def _config(d: Path) -> dict[str, Any]:
     return conf if isinstance(conf, dict) else {}
 
 
-def has_chat_template(path: str | os.PathLike[str]) -> bool:
+def has_chat_template(path: str | os.PathLike[str], config: dict[str, Any] | None = None) -> bool:
     d = Path(path)
-    return bool(_config(d).get("chat_template")) or any((d / f).exists() for f in _TEMPLATE_FILES)
+    conf = _config(d) if config is None else config
+    return bool(conf.get("chat_template")) or any((d / f).exists() for f in _TEMPLATE_FILES)
 
 
 def load_prompt_tokenizer(path: str | os.PathLike[str], chat_template: bool = True) -> Any:
     """`TokenizerFile` when `path` has a tokenizer.json and no template is to be rendered;
     otherwise AutoTokenizer (laminar.models.tiny.load_tokenizer)."""
     d = Path(path)
-    rewrites = any(k in _config(d) for k in _REWRITING_KEYS)
+    conf = _config(d)  # read once: the checks and the BOS token all come from it
+    rewrites = any(k in conf for k in _REWRITING_KEYS)
     if (
         (d / "tokenizer.json").exists()
         and not rewrites
-        and not (chat_template and has_chat_template(d))
+        and not (chat_template and has_chat_template(d, conf))
     ):
-        return TokenizerFile(d)
+        return TokenizerFile(d, conf)
     from laminar.models.tiny import load_tokenizer
 
     return load_tokenizer(d)
