@@ -537,11 +537,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "prompts":
         print(write_prompts(args.path, args.rows, BenchParams().prompt_tokens))
         return 0
-    from laminar.launch import _use_uvloop
+    from laminar.launch import use_uvloop
     from laminar.logs import configure_logging
 
     configure_logging("warning", True)
-    _use_uvloop()
+    use_uvloop()
     if args.cmd == "worker":
         asyncio.run(worker_main(args.config, args.count, args.out, args.sample_s))
         return 0

@@ -82,6 +82,10 @@ FLUSH_S = 0.5  # rollout.partial_flush_s's default (tests/test_partial_batch.py 
 HEARTBEAT_S = 0.5
 STATUS_PUSH_MIN_S = 0.05
 PROBE_S = 0.01
+TRAINER_BATCH_GROUPS = 128
+"""Groups per synthetic trainer batch (512 trajectories, ~1 s of the 1x rate): a 1024-GPU trainer
+step takes 512 groups of 16, and a trainer of 16-group batches would need 16 round trips a second
+at 2x, fall behind and let the buffer's held state grow without end."""
 
 
 def workload_rates(sim_json: Path) -> dict[str, dict[str, float]]:
@@ -113,13 +117,14 @@ def make_cfg_dict(tmp: Path, rollouts: int) -> dict[str, Any]:
     )
     return {
         "name": f"cp{uuid.uuid4().hex[:6]}", "run_dir": str(tmp / "run"), "mode": "laminar",
+        "logging": {"level": os.environ.get("CP_LOG", "warning")},
         "cluster": {"transport": "ipc", "ipc_dir": str(tmp / "ipc")},
         "transport": {"heartbeat_interval_s": HEARTBEAT_S, "request_timeout_s": 10.0},
         "data": {"train": str(data), "seed": 1},
         "rollout": {"group_size": 4, "partial_chunk_tokens": CHUNK_TOKENS, "partial_flush_s": FLUSH_S,
                     "max_running": 128,
                     "status_push_min_s": STATUS_PUSH_MIN_S},
-        "trainer": {"batch_groups": 16},
+        "trainer": {"batch_groups": TRAINER_BATCH_GROUPS},
         "buffer": {"capacity": 1 << 20, "fsync": "batch"},
     }  # fmt: skip
 
@@ -127,11 +132,11 @@ def make_cfg_dict(tmp: Path, rollouts: int) -> dict[str, Any]:
 # ---- server side -----------------------------------------------------------------------------
 async def _serve(role: str, cfg_path: str, lag_path: str, index: int = 0) -> None:
     from laminar.config import config_from_dict
-    from laminar.logs import configure_logging
+    from laminar.launch import setup_process
     from laminar.node import node_class, run_nodes
 
-    configure_logging("warning")
     cfg = config_from_dict(json.loads(Path(cfg_path).read_text()))
+    setup_process(cfg)  # as `laminar node` sets up its process: logging, the collector
     node = node_class(role)(cfg, index=index)  # type: ignore[arg-type]
 
     async def probe() -> None:
@@ -191,6 +196,7 @@ class Driver:
             "pushes": 0,
             "ack_failed": 0,
             "request_failed": 0,
+            "trained": 0,
         }
         self.ack_lat: list[float] = []
         self.traj_sem = asyncio.Semaphore(256)
@@ -267,12 +273,14 @@ class Driver:
         """A synthetic trainer: takes batches and commits them, so the buffer never fills."""
         from laminar.protocol.buffer import BatchCommit, BatchReply, BatchRequest
 
-        step, trainer = 0, self.trainers[shard]
+        step, trainer, first = 0, self.trainers[shard], True
         while True:
             try:
-                rep = await trainer.request(BatchRequest(trainer_id="trainer-0", groups=16, trainer_version=0,
-                                                         wait_s=0.5, restart=step == 0))  # fmt: skip
+                rep = await trainer.request(BatchRequest(trainer_id="trainer-0", groups=TRAINER_BATCH_GROUPS,
+                                                         trainer_version=0, wait_s=0.5, restart=first))  # fmt: skip
+                first = False
                 assert isinstance(rep, BatchReply)
+                self.sent["trained"] += len(rep.trajectories)
                 if rep.batch_id:
                     step += 1
                     await trainer.request(BatchCommit(batch_id=rep.batch_id, step=step, version=0))
@@ -441,6 +449,8 @@ async def run_pass(
             procs[name] = subprocess.Popen([sys.executable, __file__, "serve", role, str(cfg_path), str(lag[name]), str(k)],
                                            stdout=open(tmp / f"{name}.log", "wb"), stderr=subprocess.STDOUT,
                                            cwd=ROOT)  # fmt: skip
+        if args.driver_nice:  # after the servers started (they would inherit it)
+            os.nice(args.driver_nice)
         await asyncio.wait_for(drv.connect(), 60)
         for k in range(shards):
             drv.spawn(drv.supply(k))
@@ -619,6 +629,9 @@ async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "serve":
+        from laminar.launch import use_uvloop
+
+        use_uvloop()  # the event loop of `laminar node`
         asyncio.run(_serve(argv[1], argv[2], argv[3], int(argv[4]) if len(argv) > 4 else 0))
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -627,6 +640,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ramp", type=float, nargs="+", default=None)
     ap.add_argument("--step-s", type=float, default=None)
     ap.add_argument("--warmup-s", type=float, default=10.0)
+    ap.add_argument("--driver-nice", type=int, default=0,
+                    help="the driver's niceness above the nodes'")  # fmt: skip
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory (node logs)")
     ap.add_argument("--lag-bound-ms", type=float, default=100.0)
     ap.add_argument("--ack-bound-s", type=float, default=1.0)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import gc
 import json
 import os
 import re
@@ -66,10 +67,13 @@ EXIT_USAGE = 2
 # stopped by a signal: 128 + its number (130 for Ctrl-C, 143 for SIGTERM), as shells report it
 
 
-def _setup_process(cfg: LaminarConfig) -> None:
+def setup_process(cfg: LaminarConfig) -> None:
+    """What every node process sets before its nodes start: logging, the garbage collector."""
     from laminar.logs import configure_logging
 
     configure_logging(cfg.logging.level, cfg.logging.json_logs)
+    if cfg.cluster.gc_threshold is not None:  # a process of its own: its collector is ours to set
+        gc.set_threshold(*cfg.cluster.gc_threshold)
 
 
 def _heavy_imports(cfg: LaminarConfig, role: Role) -> list[str]:
@@ -99,7 +103,8 @@ def _prefetch_imports(modules: list[str]) -> None:
         threading.Thread(target=run, name="prefetch-imports", daemon=True).start()
 
 
-def _use_uvloop() -> None:
+def use_uvloop() -> None:
+    """uvloop's event loop for the next asyncio.run (every node process runs on it)."""
     try:
         import uvloop
 
@@ -126,7 +131,7 @@ def node_main(
         from laminar.preflight import check_inputs
 
         check_inputs(cfg, [role])
-    _setup_process(cfg)
+    setup_process(cfg)
     prepare_ipc_dir(cfg)
     from laminar.node import NodeFailed, node_class, run_nodes
     from laminar.supervise import EXIT_PERMANENT, PermanentFailure, detached_spawn
@@ -152,7 +157,7 @@ def node_main(
             if ctx is not None:
                 ctx.destroy(linger=0)
 
-    _use_uvloop()
+    use_uvloop()
     try:
         asyncio.run(amain())
     except NodeFailed as exc:

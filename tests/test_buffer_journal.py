@@ -1,4 +1,4 @@
-"""Buffer journal: round trip, torn tails, corruption, fsync policies, atomic rewrite.
+"""Buffer journal: round trip, torn tails, corruption, fsync policies, atomic rewrite, compaction.
 
 .venv/bin/python -m pytest tests/test_buffer_journal.py -q
 """
@@ -149,3 +149,77 @@ def test_second_writer_is_refused(tmp_path):
         read_all(tmp_path / "j")
     j.close()
     read_all(tmp_path / "j")[0].close()  # free again once the first one closed
+
+
+class GatedSnapshot(list):
+    """A snapshot whose encoding (on the compaction thread) waits until the test opens the gate:
+    the test appends records in between, deterministically, while the compaction is running."""
+
+    def __init__(self, items):
+        import threading
+
+        super().__init__(items)
+        self.started, self.gate = threading.Event(), threading.Event()
+
+    def __iter__(self):
+        self.started.set()
+        assert self.gate.wait(10), "the test never opened the gate"
+        return super().__iter__()
+
+
+async def _wait_thread_event(ev):
+    import asyncio
+
+    assert await asyncio.to_thread(ev.wait, 10), "the compaction thread never started"
+
+
+async def test_compaction_runs_off_the_loop_and_keeps_records_appended_meanwhile(tmp_path):
+    import asyncio
+
+    path = tmp_path / "j"
+    j, _ = read_all(path, fsync="always")
+    for i in range(10):
+        j.append("traj", {}, [traj(i, 100)])
+    before_size = j.size
+    first = j.written
+    snap = GatedSnapshot([("snapshot", {"v": 1}, []), ("traj", {}, [traj(7)])])
+    task = asyncio.ensure_future(j.compact(snap))
+    await _wait_thread_event(snap.started)
+    # the snapshot is being encoded on its thread: the loop still appends, acks and fsyncs
+    assert j.compacting
+    offs = [j.append("late", {"i": i}, [traj(100 + i)]) for i in range(3)]
+    await j.durable(offs[-1])
+    snap.gate.set()
+    await asyncio.wait_for(task, 10)
+    assert not j.compacting and j.size < before_size
+    assert not (tmp_path / "j.compact").exists()
+    # offsets handed out before the compaction stay valid: they are already durable
+    assert j.written >= offs[-1] > first and j.synced == j.written
+    await j.durable(offs[-1])
+    j.append("after", {})
+    j.close()
+    recs = records(path)
+    assert [k for k, _, _ in recs] == ["snapshot", "traj", "late", "late", "late", "after"]
+    assert [b["i"] for k, b, _ in recs if k == "late"] == [0, 1, 2]
+    assert recs[3][2][0].uid == "g101/0"
+
+
+async def test_a_cancelled_compaction_leaves_the_journal_whole(tmp_path):
+    import asyncio
+
+    path = tmp_path / "j"
+    j, _ = read_all(path)
+    for i in range(5):
+        j.append("traj", {}, [traj(i)])
+    snap = GatedSnapshot([("snapshot", {"v": 1}, [])])
+    task = asyncio.ensure_future(j.compact(snap))
+    await _wait_thread_event(snap.started)
+    j.append("meanwhile", {})
+    task.cancel()
+    snap.gate.set()  # the thread sees the stop between records
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not j.compacting and not (tmp_path / "j.compact").exists()
+    j.append("after", {})
+    j.close()
+    assert [k for k, _, _ in records(path)] == ["traj"] * 5 + ["meanwhile", "after"]

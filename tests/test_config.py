@@ -101,3 +101,23 @@ def test_import_config_pulls_in_no_torch_zmq_or_transformers() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     )
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_node_processes_set_the_garbage_collector_threshold() -> None:
+    import gc
+
+    from laminar.launch import setup_process
+
+    old = gc.get_threshold()
+    try:
+        cfg = load_config(None, ["cluster.gc_threshold=[1000, 20, 50]", "logging.level=warning"])
+        setup_process(cfg)
+        assert gc.get_threshold() == (1000, 20, 50)
+        gc.set_threshold(*old)
+        setup_process(load_config(None, ["cluster.gc_threshold=null", "logging.level=warning"]))
+        assert gc.get_threshold() == old  # null: left as it is
+        assert load_config(None).cluster.gc_threshold == (700, 10, 100)
+        with pytest.raises(ConfigError, match="gc_threshold"):
+            load_config(None, ["cluster.gc_threshold=[0, 10, 10]"])
+    finally:
+        gc.set_threshold(*old)

@@ -17,7 +17,7 @@ info.exhausted once the prompt epochs are done and no group is left.
 
 commit: an outstanding batch becomes a "commit" record (its groups are freed and never
 served again), durable before the Ack; a duplicate commit is acked again; a batch put
-back by a trainer restart gets ok=False. A commit may trigger journal compaction.
+back by a trainer restart gets ok=False.
 """
 
 from __future__ import annotations
@@ -136,5 +136,4 @@ class BatchServer:
             "commit", {"batch_id": c.batch_id, "step": c.step, "version": c.version}
         )
         await self.ledger.durable(off)
-        await self.ledger.compact_if_due()
         return Ack(info={"version": st.trainer_version})

@@ -435,33 +435,41 @@ class ExperienceState:
         return [t for gid in b.group_ids for t in self.groups[gid].usable_members()]
 
     # ---- compaction -------------------------------------------------------------------
-    def snapshot_records(self) -> list[bytes]:
-        """Records that rebuild this state from scratch (what compaction writes)."""
-        recs = [encode_record("snapshot", {
+    def snapshot(self) -> list[tuple[str, dict[str, Any], list[Trajectory | PromptItem]]]:
+        """(kind, body, msgs) records that rebuild this state from scratch (what compaction writes).
+
+        Cheap and detached: bodies are fresh containers and messages are the stored (never
+        mutated) Trajectory / PromptItem objects, so the records can be encoded on another
+        thread while this state keeps changing.
+        """
+        recs: list[tuple[str, dict[str, Any], list[Trajectory | PromptItem]]] = [("snapshot", {
             "trainer_version": self.trainer_version, "last_batch_version": self.last_batch_version,
-            "closed": self.closed, "serial": self.serial, "cursor": self.cursor,
+            "closed": dict(self.closed), "serial": self.serial,
+            "cursor": None if self.cursor is None else dict(self.cursor),
             "batches": {b.batch_id: [b.state, b.version] for b in self.batches.values() if b.state != OUTSTANDING},
-        })]  # fmt: skip
+        }, [])]  # fmt: skip
         live = sorted(self.groups.values(), key=lambda g: (g.state == OPEN, g.ready_seq, g.serial))
         for g in live:
             spec = {"group_id": g.group_id, "uid": g.prompt_uid, "n": g.n, "version": g.served_version,
                     "rollout_id": g.rollout_id, "serial": g.serial, "item": 0 if g.item is not None else -1,
                     "front": g.front}  # fmt: skip
-            recs.append(
-                encode_record("served", {"groups": [spec]}, [g.item] if g.item is not None else [])
-            )
+            recs.append(("served", {"groups": [spec]}, [g.item] if g.item is not None else []))
             for i in sorted(g.members):
-                recs.append(encode_record("traj", {}, [g.members[i]]))
+                recs.append(("traj", {}, [g.members[i]]))
             for i in sorted(g.lost - g.members.keys()):
-                recs.append(encode_record("abandon", {"group_id": g.group_id, "sample_index": i}))
+                recs.append(("abandon", {"group_id": g.group_id, "sample_index": i}, []))
         for b in self.outstanding():
-            recs.append(encode_record("batch", {"batch_id": b.batch_id, "version": b.version,
-                                                "group_ids": b.group_ids, "trainer_id": b.trainer_id}))  # fmt: skip
-        recs.append(encode_record("stats", {
+            recs.append(("batch", {"batch_id": b.batch_id, "version": b.version,
+                                   "group_ids": list(b.group_ids), "trainer_id": b.trainer_id}, []))  # fmt: skip
+        recs.append(("stats", {
             "counts": dict(self.counts), "finish_hist": {str(k): v for k, v in self.finish_hist.counts.items()},
             "consumed_hist": {str(k): v for k, v in self.consumed_hist.counts.items()},
-        }))  # fmt: skip
+        }, []))  # fmt: skip
         return recs
+
+    def snapshot_records(self) -> list[bytes]:
+        """snapshot(), encoded (what an offline rewrite writes)."""
+        return [encode_record(kind, body, msgs) for kind, body, msgs in self.snapshot()]
 
     # ---- stats ------------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:

@@ -41,8 +41,12 @@ Durability (BufferConfig.fsync), decided per record before the node acks it:
 One writer: `<file>.lock` is flock'ed while the journal is open, so a second
 buffer on the same run_dir fails at start instead of interleaving records.
 
-Compaction: `rewrite(records)` atomically replaces the file with a snapshot
-(write a temp file, fsync, rename, fsync the directory).
+Compaction: `await compact(snapshot)` replaces the file with a snapshot of the state
+plus the records appended while it was written; the snapshot is encoded and written on
+a thread of its own, so the event loop keeps serving (a live buffer's state can be GBs).
+`rewrite(records)` is the blocking form (replay, schema upgrade). Either writes a temp
+file, fsyncs it, renames it over the journal and fsyncs the directory. `written` and
+`synced` count bytes across compactions: a durable() offset stays valid through one.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ import concurrent.futures
 import fcntl
 import os
 import struct
+import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator, Sequence
@@ -286,11 +291,17 @@ class Journal:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fd = -1
         self._lock_fd = -1
+        self._pos = 0
+        """The file's size: where the next record goes."""
         self.written = 0
-        """Bytes handed to the OS (file offset of the end of the last record)."""
+        """Bytes handed to the OS so far, counted across compactions (durable() offsets are these)."""
         self.synced = 0
-        """Bytes known to be on disk (fsync'ed)."""
+        """Of `written`, the bytes known to be on disk (fsync'ed)."""
         self._io = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="journal")
+        self._compactor: concurrent.futures.ThreadPoolExecutor | None = None
+        """The thread that encodes and writes a snapshot (not `_io`: fsyncs must not queue behind it)."""
+        self._tail: list[bytes] | None = None
+        """While a compaction runs: the records appended since its snapshot was taken."""
         self._sync: asyncio.Future[None] | None = None
         """The fsync in flight (an executor future, not a task: its awaiters see its error)."""
         self.stats = {
@@ -419,17 +430,24 @@ class Journal:
         os.fsync(fd)
         _fsync_dir(self.path.parent)
         self._fd = fd
-        self.written = self.synced = len(MAGIC)
+        self._pos = len(MAGIC)
+        self.written = self.synced = self._pos
 
     def _open_existing(self, size: int) -> None:
         fd = os.open(self.path, os.O_WRONLY)
         os.lseek(fd, size, os.SEEK_SET)
         self._fd = fd
-        self.written = self.synced = size
+        self._pos = size
+        self.written = self.synced = max(self.written, size)
 
     @property
     def size(self) -> int:
-        return self.written
+        """The file's size in bytes."""
+        return self._pos
+
+    @property
+    def compacting(self) -> bool:
+        return self._tail is not None
 
     # ---- append + durability ---------------------------------------------------------
     def append(self, kind: str, body: dict[str, Any], msgs: Sequence[Message] = ()) -> int:
@@ -441,9 +459,12 @@ class Journal:
             _write_all(self._fd, rec)
         except OSError:
             # a half-written record would hide every later one at replay: cut it off
-            os.ftruncate(self._fd, self.written)
-            os.lseek(self._fd, self.written, os.SEEK_SET)
+            os.ftruncate(self._fd, self._pos)
+            os.lseek(self._fd, self._pos, os.SEEK_SET)
             raise
+        if self._tail is not None:
+            self._tail.append(rec)
+        self._pos += len(rec)
         self.written += len(rec)
         self.stats["records"] += 1
         self.stats["bytes"] += len(rec)
@@ -492,8 +513,58 @@ class Journal:
             self.synced = self.written
 
     # ---- compaction ------------------------------------------------------------------
+    async def compact(
+        self, snapshot: Sequence[tuple[str, dict[str, Any], Sequence[Message]]]
+    ) -> None:
+        """Replace the journal with `snapshot` plus every record appended while it is written.
+
+        The snapshot (the state when it was taken, as (kind, body, msgs) records that nobody
+        mutates) is encoded, written and fsync'ed on a thread of its own while appends go on
+        to the live file and are kept aside; those are then written after it, and the new
+        file replaces the old one (rename, directory fsync). A crash at any point leaves the
+        old file whole. The event loop never encodes or writes the snapshot itself.
+        """
+        if self._fd < 0:
+            raise JournalError("journal is not open (call replay() first)")
+        if self._tail is not None:
+            raise JournalError("a compaction is already running")
+        if self._compactor is None:
+            self._compactor = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="journal-compact"
+            )
+        tmp = self.path.with_name(self.path.name + ".compact")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        stop = threading.Event()
+        work: concurrent.futures.Future[int] | None = None
+        self._tail = []
+        try:
+            work = self._compactor.submit(_write_snapshot, fd, snapshot, stop)
+            size = await asyncio.wrap_future(work)
+            # catch up with the appends kept aside, on the thread while they are many
+            while sum(map(len, self._tail)) > _TAIL_ON_LOOP_BYTES:
+                recs, self._tail = self._tail, []
+                work = self._compactor.submit(_write_records, fd, recs, True)
+                size += await asyncio.wrap_future(work)
+            await self.quiesce()  # no fsync in flight on the file being replaced
+            size += _write_records(fd, self._tail, True)  # the last few, here: no append in between
+            os.replace(tmp, self.path)
+            _fsync_dir(self.path.parent)
+        except BaseException:
+            # cancelled (the node stops) or failed: the thread must be done with fd before it closes
+            stop.set()
+            if work is not None:
+                concurrent.futures.wait([work])
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        finally:
+            self._tail = None
+        os.close(self._fd)
+        self._fd, self._pos = fd, size
+        self.synced = self.written  # everything written is in the new file, fsync'ed
+
     def rewrite(self, records: list[bytes]) -> None:
-        """Atomically replace the journal with these encoded records (a snapshot)."""
+        """Atomically replace the journal with these encoded records (blocking: replay, upgrade)."""
         tmp = self.path.with_name(self.path.name + ".compact")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
@@ -513,6 +584,8 @@ class Journal:
 
     def close(self) -> None:
         self._io.shutdown(wait=True)  # an fsync still running must not see its fd closed
+        if self._compactor is not None:
+            self._compactor.shutdown(wait=True)
         if self._fd >= 0:
             try:
                 self.sync_now()
@@ -524,6 +597,35 @@ class Journal:
                 self._lock_fd
             )  # releases the flock (the kernel also does when the process dies)
             self._lock_fd = -1
+
+
+_TAIL_ON_LOOP_BYTES = 1 << 20
+"""A compaction writes at most this much of the records appended meanwhile on the event loop."""
+
+
+def _write_snapshot(fd: int, snapshot: Sequence[tuple[str, dict[str, Any], Sequence[Message]]],
+                    stop: threading.Event) -> int:  # fmt: skip
+    """Header + every record of the snapshot, encoded here, then fsync; returns the bytes written."""
+    _write_all(fd, MAGIC)
+    size = len(MAGIC)
+    for kind, body, msgs in snapshot:
+        if stop.is_set():
+            raise JournalError("compaction stopped")
+        rec = encode_record(kind, body, msgs)
+        _write_all(fd, rec)
+        size += len(rec)
+    os.fsync(fd)
+    return size
+
+
+def _write_records(fd: int, records: list[bytes], sync: bool) -> int:
+    size = 0
+    for rec in records:
+        _write_all(fd, rec)
+        size += len(rec)
+    if sync:
+        os.fsync(fd)
+    return size
 
 
 def _write_all(fd: int, data: bytes) -> None:

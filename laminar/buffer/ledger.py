@@ -5,7 +5,8 @@
     off = ledger.record("traj", {}, [t])       # write() to the OS, then ExperienceState.apply
     await ledger.durable(off)                  # per buffer.fsync; only then is anything acked
     changed = ledger.changed; await changed.wait()   # a batch long-poll waking on new groups
-    await ledger.compact_if_due()              # snapshot rewrite once the file outgrew its mark
+    await ledger.compact_if_due()              # at start: snapshot rewrite if the file outgrew its mark
+    await ledger.run_compactor()               # a node task: the same, off the loop, as records arrive
 
 The one writer of ExperienceState (laminar/buffer/experience.py): the prompt server,
 the intake and the batch server all change it through `record`, so the live state and
@@ -44,6 +45,8 @@ class Ledger:
         self.log = log
         self.changed = asyncio.Event()
         """Set (and replaced by a fresh one) when a record of a kind in _WAKES was applied."""
+        self._due = asyncio.Event()
+        """Set when the journal outgrew its compaction mark (run_compactor waits on it)."""
 
     def replay(self) -> int:
         """Apply every record of the journal (blocking I/O); returns how many.
@@ -82,7 +85,12 @@ class Ledger:
 
     def record(self, kind: str, body: dict[str, Any], msgs: Sequence[Message] = ()) -> int:
         """Append a record (when journaling) and apply it; returns the offset to make durable."""
-        off = self.journal.append(kind, body, msgs) if self.journal is not None else 0
+        if self.journal is None:
+            off = 0
+        else:
+            off = self.journal.append(kind, body, msgs)
+            if self.journal.size > self._compact_at and not self.journal.compacting:
+                self._due.set()
         self.state.apply(kind, body, msgs)
         if kind in _WAKES:
             self.changed.set()
@@ -95,16 +103,32 @@ class Ledger:
             await self.journal.durable(self.journal.written if offset is None else offset)
 
     async def compact_if_due(self) -> None:
-        if self.journal is None or self.journal.size <= self._compact_at:
-            return
-        await self.journal.quiesce()  # no fsync in flight on the file being replaced
+        """Compact now if the file outgrew its mark (at start, before serving)."""
+        if self.journal is not None and self.journal.size > self._compact_at:
+            await self.compact()
+
+    async def run_compactor(self) -> None:
+        """Compacts whenever a record took the file past its mark (runs until cancelled).
+
+        The snapshot is written on the journal's own thread while records go on being
+        appended and acked: a commit never waits for a compaction.
+        """
+        while True:
+            await self._due.wait()
+            self._due.clear()
+            if self.journal is not None and self.journal.size > self._compact_at:
+                await self.compact()
+
+    async def compact(self) -> None:
+        assert self.journal is not None
         before = self.journal.size
         t0 = time.monotonic()
-        self.journal.rewrite(self.state.snapshot_records())
+        snapshot = self.state.snapshot()  # on the loop: references only, encoded on the thread
+        taken_s = time.monotonic() - t0
+        await self.journal.compact(snapshot)
         after = self.journal.size
         # a snapshot already near the mark would be rewritten at every commit
         self._compact_at = max(self.compact_bytes, 2 * after)
         self.metrics.count("compactions")
-        self.log.info(
-            "journal_compacted", before=before, after=after, seconds=round(time.monotonic() - t0, 3)
-        )
+        self.log.info("journal_compacted", before=before, after=after, records=len(snapshot),
+                      snapshot_s=round(taken_s, 4), seconds=round(time.monotonic() - t0, 3))  # fmt: skip

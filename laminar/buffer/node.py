@@ -4,7 +4,7 @@
     rollout ──PartialBatch (one-way)───────────► PartialPool ◄──PartialsRequest── manager (recover: records + unstarted samples)
     rollout ──Trajectory / TrajectoryAbandoned─► Intake ─► Ledger "traj" / "abandon" ─► Ack (after durable)
     trainer ──BatchRequest (long-poll)─────────► BatchServer: plan whole ready groups ─► Ledger "batch" ─► BatchReply
-    trainer ──BatchCommit──────────────────────► BatchServer ─► Ledger "commit" ─► groups freed (maybe compaction)
+    trainer ──BatchCommit──────────────────────► BatchServer ─► Ledger "commit" ─► groups freed
     anyone  ──BufferStats──────────────────────► counters, staleness histograms
 
 This module only wires the parts (laminar/buffer/*): each handler hands the decoded
@@ -18,8 +18,9 @@ acked before its record is written (and fsync'ed when buffer.fsync=always).
 What blocks what: setup replays the journal and loads the prompts on the node's compute
 thread before the server binds; a BatchRequest long-polls (up to min(wait_s,
 buffer.max_wait_s)) and is woken by the Ledger when a member finishes or is abandoned,
-a batch is committed or requeued. The only loop of the node's own is the journal flusher
-(fsync=batch). Rules: admission / batch planning laminar/buffer/admission.py, prompt
+a batch is committed or requeued. The node's own loops are the journal flusher
+(fsync=batch) and the compactor: once the file outgrows its mark, a snapshot of the
+state is written on the journal's thread while records go on being appended and acked. Rules: admission / batch planning laminar/buffer/admission.py, prompt
 serving laminar/buffer/prompt_server.py, batches and commits laminar/buffer/batches.py.
 
 Run: laminar node --role buffer --config configs/skeleton.yaml
@@ -109,6 +110,7 @@ class BufferNode(Node):
     async def main(self) -> None:
         if self.journal is not None:
             self.spawn(self.journal.run_flusher(), "journal-flusher")
+            self.spawn(self.ledger.run_compactor(), "journal-compactor")
         self.spawn(self._watch_stall(), "stall-watch")
         await self.stopping.wait()
 
