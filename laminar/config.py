@@ -545,7 +545,9 @@ class BufferConfig(Section):
     fsync_interval_s: float = Field(0.05, gt=0)
     """fsync=batch: flush the journal to disk this often."""
     compact_bytes: int = Field(256 << 20, ge=1 << 16)
-    """Rewrite the journal as a snapshot of the live state once it grows past this size."""
+    """Rewrite the journal as a snapshot of the live state once it grows past this size (and past
+    twice the last snapshot). The snapshot is encoded and written on a thread of the journal's own
+    while records go on being appended and acked; nothing waits for it."""
     retry_after_s: float = Field(0.25, gt=0)
     """PromptReply.retry_after_s when no prompt can be served now."""
     max_wait_s: float = Field(30.0, gt=0)
