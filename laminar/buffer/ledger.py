@@ -125,6 +125,8 @@ class Ledger:
         t0 = time.monotonic()
         snapshot = self.state.snapshot()  # on the loop: references only, encoded on the thread
         taken_s = time.monotonic() - t0
+        # no await between the snapshot and compact() starting to keep appends aside (it does so
+        # before its first await): every record after the snapshot lands in the new file too
         await self.journal.compact(snapshot)
         after = self.journal.size
         # a snapshot already near the mark would be rewritten at every commit
