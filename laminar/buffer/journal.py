@@ -569,11 +569,7 @@ class Journal:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             _write_all(fd, MAGIC)
-            size = len(MAGIC)
-            for rec in records:
-                _write_all(fd, rec)
-                size += len(rec)
-            os.fsync(fd)
+            size = len(MAGIC) + _write_records(fd, records, True)
         finally:
             os.close(fd)
         os.replace(tmp, self.path)
