@@ -42,7 +42,6 @@ from laminar.buffer.admission import (
     next_batch_version,
     plan_batch,
 )
-from laminar.buffer.journal import encode_record
 from laminar.buffer.sampling import resolve_sampler
 from laminar.config import LaminarConfig
 from laminar.manager.staleness import StalenessStats
@@ -466,10 +465,6 @@ class ExperienceState:
             "consumed_hist": {str(k): v for k, v in self.consumed_hist.counts.items()},
         }, []))  # fmt: skip
         return recs
-
-    def snapshot_records(self) -> list[bytes]:
-        """snapshot(), encoded (what an offline rewrite writes)."""
-        return [encode_record(kind, body, msgs) for kind, body, msgs in self.snapshot()]
 
     # ---- stats ------------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:

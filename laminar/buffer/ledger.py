@@ -89,7 +89,7 @@ class Ledger:
             off = 0
         else:
             off = self.journal.append(kind, body, msgs)
-            if self.journal.size > self._compact_at and not self.journal.compacting:
+            if self._outgrown() and not self.journal.compacting:
                 self._due.set()
         self.state.apply(kind, body, msgs)
         if kind in _WAKES:
@@ -104,7 +104,7 @@ class Ledger:
 
     async def compact_if_due(self) -> None:
         """Compact now if the file outgrew its mark (at start, before serving)."""
-        if self.journal is not None and self.journal.size > self._compact_at:
+        if self._outgrown():
             await self.compact()
 
     async def run_compactor(self) -> None:
@@ -116,8 +116,11 @@ class Ledger:
         while True:
             await self._due.wait()
             self._due.clear()
-            if self.journal is not None and self.journal.size > self._compact_at:
+            if self._outgrown():
                 await self.compact()
+
+    def _outgrown(self) -> bool:
+        return self.journal is not None and self.journal.size > self._compact_at
 
     async def compact(self) -> None:
         assert self.journal is not None

@@ -20,7 +20,8 @@ thread before the server binds; a BatchRequest long-polls (up to min(wait_s,
 buffer.max_wait_s)) and is woken by the Ledger when a member finishes or is abandoned,
 a batch is committed or requeued. The node's own loops are the journal flusher
 (fsync=batch) and the compactor: once the file outgrows its mark, a snapshot of the
-state is written on the journal's thread while records go on being appended and acked. Rules: admission / batch planning laminar/buffer/admission.py, prompt
+state is written on the journal's thread while records go on being appended and acked.
+Rules: admission / batch planning laminar/buffer/admission.py, prompt
 serving laminar/buffer/prompt_server.py, batches and commits laminar/buffer/batches.py.
 
 Run: laminar node --role buffer --config configs/skeleton.yaml
