@@ -1,4 +1,5 @@
 """Torch engine: continuous batching equals one-at-a-time decoding, exact logprobs, abort/resume, weights.
+Every engine test runs on both step forwards (lean_forward.py and the HF model's own).
 
     .venv/bin/python -m pytest tests/test_engine_torch.py -q
 
@@ -34,13 +35,16 @@ def tiny(tmp_path_factory):
     return a, b
 
 
-@pytest.fixture
-async def engine_factory(tiny):
+@pytest.fixture(params=["lean", "hf"])
+async def engine_factory(tiny, request):
+    """Engines on either forward: every test here holds for the lean one and for HF's."""
     made: list[TorchEngine] = []
 
     async def make(path=None, **kw) -> TorchEngine:
         path = path or tiny[0]
+        kw.setdefault("forward", request.param)
         eng = TorchEngine(load_causal_lm(path), load_tokenizer(path), **kw)
+        assert (eng.lean is not None) == (request.param == "lean")
         await eng.start()
         made.append(eng)
         return eng

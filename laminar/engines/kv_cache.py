@@ -116,8 +116,15 @@ def slot_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: t
         raise NotImplementedError(
             "sliding-window / softcapped attention is not supported by the torch engine"
         )
+    return attend(cache, module.layer_idx, query, key, value, scaling), None
+
+
+def attend(cache: SlotKVCache, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+           scaling: float | None) -> torch.Tensor:  # fmt: skip
+    """Write one packed step's key/value (1, KV, T, D) into layer's slots and attend with query
+    (1, H, T, D) as cache.layout places the tokens; returns (1, T, H, D)."""
     lay = cache.layout
-    layer = module.layer_idx
+    assert lay is not None  # inside SlotKVCache.step()
     kc, vc = cache.k[layer], cache.v[layer]
     _, heads, t, hd = query.shape
     out = query.new_empty(1, t, heads, hd)
@@ -148,7 +155,7 @@ def slot_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: t
                                                attn_mask=mask, scale=scaling, enable_gqa=True)  # fmt: skip
         out[0, off : off + n] = o[0].transpose(0, 1)
         off += n
-    return out, None
+    return out
 
 
 def use_slot_attention(model: Any) -> None:

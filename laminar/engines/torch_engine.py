@@ -44,6 +44,7 @@ from laminar.engines.base import (
     TokenEvent,
 )
 from laminar.engines.kv_cache import SlotKVCache, StepLayout, use_slot_attention
+from laminar.engines.lean_forward import LeanDecoder, unsupported
 from laminar.engines.sampling import sample, sequence_key, uniform
 from laminar.supervise import Spawn, detached_spawn
 
@@ -86,7 +87,8 @@ class TorchEngine(Engine):
 
     def __init__(self, model: Any, tokenizer: Any = None, *, max_running: int = 32, max_model_len: int | None = None,
                  kv_capacity_tokens: int | None = None, max_prefill_tokens: int = 4096,
-                 eos_token_ids: Iterable[int] | None = None, recompute_on_load: bool = True) -> None:  # fmt: skip
+                 eos_token_ids: Iterable[int] | None = None, recompute_on_load: bool = True,
+                 forward: str = "auto") -> None:  # fmt: skip
         super().__init__()
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -108,6 +110,7 @@ class TorchEngine(Engine):
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
         use_slot_attention(model)
         self.cache = SlotKVCache.for_model(model, max_running, self.max_model_len)
+        self.lean = _lean_decoder(model, self.max_model_len, forward)
         self._running: list[_Seq] = []  # index == slot
         self._waiting: deque[_Seq] = deque()
         self._seqs: dict[str, _Seq] = {}
@@ -138,7 +141,8 @@ class TorchEngine(Engine):
             tokenizer = tokenizer or load_tokenizer(cfg.model.path)
         r = cfg.rollout
         opts: dict[str, Any] = dict(max_running=r.max_running, max_model_len=r.max_model_len,
-                    kv_capacity_tokens=r.kv_capacity_tokens, max_prefill_tokens=r.max_prefill_tokens)  # fmt: skip
+                    kv_capacity_tokens=r.kv_capacity_tokens, max_prefill_tokens=r.max_prefill_tokens,
+                    forward=r.torch_forward)  # fmt: skip
         opts.update(kw)
         return cls(model, tokenizer, **opts)
 
@@ -239,6 +243,8 @@ class TorchEngine(Engine):
         with torch.no_grad():
             for dst, src in staged:
                 dst.copy_(src.to(dtype=dst.dtype, device=dst.device))
+        if self.lean is not None:
+            self.lean.refresh()
 
     def stats(self) -> EngineStats:
         held = sum(s.kv_len for s in self._running)
@@ -323,10 +329,13 @@ class TorchEngine(Engine):
     def _compute(self, b: _Batch) -> tuple[list[int], list[float]]:
         """Worker thread: one packed forward + sampling."""
         with torch.inference_mode(), self.cache.step(b.layout):
-            logits = self.model(
-                input_ids=b.ids, position_ids=b.pos, use_cache=False, logits_to_keep=b.keep
-            ).logits
-            tokens, lps = sample(logits[0], b.temperature, b.top_p, b.uniforms)
+            if self.lean is not None:
+                logits = self.lean(b.ids[0], b.pos[0], b.keep, self.cache)
+            else:
+                logits = self.model(
+                    input_ids=b.ids, position_ids=b.pos, use_cache=False, logits_to_keep=b.keep
+                ).logits[0]
+            tokens, lps = sample(logits, b.temperature, b.top_p, b.uniforms)
         return tokens.tolist(), lps.tolist()
 
     def _commit(self, b: _Batch, tokens: list[int], lps: list[float]) -> None:
@@ -393,6 +402,20 @@ class TorchEngine(Engine):
         self._seqs.clear()
         self._running.clear()
         self._waiting.clear()
+
+
+def _lean_decoder(model: Any, max_len: int, forward: str) -> LeanDecoder | None:
+    """The forward a step runs: "auto" takes the lean one where it runs the model exactly, else HF's."""
+    if forward == "hf":
+        return None
+    if forward == "lean":
+        why = unsupported(model, max_len)
+        if why is not None:
+            raise ValueError(f"rollout.torch_forward=lean cannot run this model: {why}")
+        return LeanDecoder(model, max_len)
+    if forward != "auto":
+        raise ValueError(f"torch engine forward must be auto, lean or hf, not {forward!r}")
+    return LeanDecoder.for_model(model, max_len)
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
