@@ -1,4 +1,5 @@
-"""Torch engine (continuous batching) vs HF `generate` (static batches): useful tokens/s, same run.
+"""Torch engine (continuous batching) vs HF `generate` (static batches): useful tokens/s, same run;
+and the engine's lean forward vs the same engine on the HF model's forward.
 
     requests (prompt, target length) ──► TorchEngine(max_running=B): all submitted at t=0, slots refill
                                      └─► HF generate: consecutive batches of B, left-padded
@@ -136,9 +137,22 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     hf = load_causal_lm(path)
     hf.set_attn_implementation("sdpa")
     engine = TorchEngine(
-        load_causal_lm(path), None, max_running=args.batch, max_model_len=MODEL["max_positions"]
+        load_causal_lm(path),
+        None,
+        max_running=args.batch,
+        max_model_len=MODEL["max_positions"],
+        forward="lean",
+    )
+    # the same engine stepping the HF model's own forward (slot attention plugged in): what the lean forward saves
+    engine_hf = TorchEngine(
+        load_causal_lm(path),
+        None,
+        max_running=args.batch,
+        max_model_len=MODEL["max_positions"],
+        forward="hf",
     )
     await engine.start()
+    await engine_hf.start()
     vocab = hf.config.vocab_size
     workloads = {
         "longtail": make_workload(args.requests, args.p50, args.tail, args.max_len, vocab, seed=1),
@@ -148,13 +162,19 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     warm = make_workload(args.batch, 8, 1.0, 8, vocab, seed=3)
     run_hf(hf, warm, args.batch)
     await run_engine(engine, warm, "warm")
-    rows: dict[str, dict[str, list[float]]] = {w: {"hf": [], "engine": [], "ratio": [], "cpu_ratio": []}
+    await run_engine(engine_hf, warm, "warm")
+    rows: dict[str, dict[str, list[float]]] = {w: {"hf": [], "engine": [], "ratio": [], "cpu_ratio": [],
+                                                   "engine_hf": [], "lean_ratio": [], "lean_cpu_ratio": []}
                                                for w in workloads}  # fmt: skip
     extra: dict[str, dict[str, Any]] = {}
     for rep in range(args.repeats):
         for name, work in workloads.items():
             h = run_hf(hf, work, args.batch)
             e = await run_engine(engine, work, f"{name}{rep}")
+            eh = await run_engine(engine_hf, work, f"{name}{rep}")
+            rows[name]["engine_hf"].append(eh["tokens_per_s"])
+            rows[name]["lean_ratio"].append(e["tokens_per_s"] / eh["tokens_per_s"])
+            rows[name]["lean_cpu_ratio"].append(e["tokens_per_cpu_s"] / eh["tokens_per_cpu_s"])
             rows[name]["hf"].append(h["tokens_per_s"])
             rows[name]["engine"].append(e["tokens_per_s"])
             rows[name]["ratio"].append(e["tokens_per_s"] / h["tokens_per_s"])
@@ -163,9 +183,12 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                            "hf_padding_waste": round(1 - h["useful_tokens"] / h["computed_tokens"], 3),
                            "engine_steps": e["steps"]}  # fmt: skip
             print(f"  repeat {rep} {name:<9} hf {h['tokens_per_s']:8.1f} tok/s  engine {e['tokens_per_s']:8.1f} tok/s"
-                  f"  ratio {rows[name]['ratio'][-1]:.2f} (per CPU-second {rows[name]['cpu_ratio'][-1]:.2f})",
+                  f"  ratio {rows[name]['ratio'][-1]:.2f} (per CPU-second {rows[name]['cpu_ratio'][-1]:.2f})"
+                  f"  | engine on HF's forward {eh['tokens_per_s']:8.1f} tok/s, lean / HF forward "
+                  f"{rows[name]['lean_ratio'][-1]:.2f}",
                   flush=True)  # fmt: skip
     await engine.close()
+    await engine_hf.close()
     lengths = [t for _, t in workloads["longtail"]]
     summary = {"torch_engine_vs_hf_generate": round(statistics.median(rows["longtail"]["ratio"]), 3),
                "torch_engine_vs_hf_generate_uniform_lengths": round(statistics.median(rows["uniform"]["ratio"]), 3),
@@ -176,7 +199,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                "hf_tokens_per_s_longtail": round(statistics.median(rows["longtail"]["hf"]), 1),
                "engine_tokens_per_s_uniform": round(statistics.median(rows["uniform"]["engine"]), 1),
                "hf_tokens_per_s_uniform": round(statistics.median(rows["uniform"]["hf"]), 1),
-               "hf_padding_waste_longtail": extra["longtail"]["hf_padding_waste"]}  # fmt: skip
+               "hf_padding_waste_longtail": extra["longtail"]["hf_padding_waste"],
+               "lean_forward_vs_hf_forward": round(statistics.median(rows["longtail"]["lean_ratio"]), 3),
+               "lean_forward_vs_hf_forward_per_cpu_s": round(statistics.median(rows["longtail"]["lean_cpu_ratio"]), 3),
+               "lean_forward_vs_hf_forward_uniform": round(statistics.median(rows["uniform"]["lean_ratio"]), 3)}  # fmt: skip
     return {
         "benchmark": "engine",
         "config": {"quick": args.quick, "repeats": args.repeats, "model": MODEL, "vocab": vocab, "dtype": "float32",
@@ -187,13 +213,15 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                                "slots refilled as sequences finish; HF generate: consecutive static batches of B, "
                                "left-padded, each runs to its longest target; throughput counts useful tokens only",
                    "hf": "model.generate, attn sdpa, DynamicCache", "engine": "TorchEngine (slot KV cache, packed steps, "
-                   "computes logprobs)",
+                   "computes logprobs), lean forward", "engine_hf": "the same engine on the HF model's forward",
                    "longtail_lengths": {"p50": float(np.percentile(lengths, 50)), "p99": float(np.percentile(lengths, 99)),
                                         "max": max(lengths), "sum": sum(lengths)}},
         "machine": None,
         "summary": summary,
         "results": [{"workload": w, "hf_tokens_per_s": stats(r["hf"]), "engine_tokens_per_s": stats(r["engine"]),
-                     "ratio": stats(r["ratio"]), "ratio_per_cpu_s": stats(r["cpu_ratio"]), **extra[w]}
+                     "ratio": stats(r["ratio"]), "ratio_per_cpu_s": stats(r["cpu_ratio"]),
+                     "engine_hf_forward_tokens_per_s": stats(r["engine_hf"]), "lean_vs_hf_forward": stats(r["lean_ratio"]),
+                     "lean_vs_hf_forward_per_cpu_s": stats(r["lean_cpu_ratio"]), **extra[w]}
                     for w, r in rows.items()],
     }  # fmt: skip
 
@@ -236,6 +264,10 @@ def main() -> None:
     print(
         f"torch_engine_vs_hf_generate = {s['torch_engine_vs_hf_generate']} (long tail; HF padding waste "
         f"{s['hf_padding_waste_longtail']:.0%}), uniform lengths: {s['torch_engine_vs_hf_generate_uniform_lengths']}"
+    )
+    print(
+        f"lean_forward_vs_hf_forward = {s['lean_forward_vs_hf_forward']} (long tail; per CPU-second "
+        f"{s['lean_forward_vs_hf_forward_per_cpu_s']}), uniform lengths: {s['lean_forward_vs_hf_forward_uniform']}"
     )
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

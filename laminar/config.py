@@ -86,11 +86,6 @@ class ClusterConfig(Section):
     twice the 1024-GPU message rate: a tenth of its CPU, and its event-loop lag p99. Most
     of what a node allocates dies young or lives long without cycles, so full passes
     can be ten times rarer."""
-    nice: dict[str, int] = Field(default_factory=dict)
-    """Niceness each role's node processes add to their own (0-19; e.g. {rollout: 10}). Where the trainer
-    and rollouts share cores, the trainer is the critical path: at equal priority three busy processes on
-    two cores give it two thirds of one, while rollouts that run ahead of it only pile up staleness. The
-    scheduler still hands a lower-priority process every cycle nobody else wants."""
     restart: RestartConfig = Field(default_factory=RestartConfig)
     """Supervision of node processes: restart budget and backoff."""
 
@@ -105,11 +100,6 @@ class ClusterConfig(Section):
 
     @model_validator(mode="after")
     def _check_roles(self) -> ClusterConfig:
-        for role, n in self.nice.items():
-            if role not in ROLES:
-                raise ValueError(f"cluster.nice has unknown role {role!r}; use one of {ROLES}")
-            if not 0 <= n <= 19:
-                raise ValueError(f"cluster.nice.{role} must be 0-19 (a process can only lower its priority), got {n}")
         for role, count in self.roles.items():
             if role not in ROLES:
                 raise ValueError(f"cluster.roles has unknown role {role!r}; use one of {ROLES}")
@@ -269,7 +259,7 @@ class RolloutConfig(Section):
     """Torch engine: prompt tokens prefilled per step (bounds the step latency joiners add)."""
     torch_forward: Literal["auto", "lean", "hf"] = "auto"
     """Torch engine: the forward a step runs. lean = Llama-family layers as plain tensor ops (engines/lean_forward.py:
-    Llama, Mistral, Qwen2, Qwen3; several times fewer CPU-s per decode step on small models), hf = the model's own
+    Llama, Mistral, Qwen2, Qwen3; 1.1-1.2x the tokens/s on small models, bench/engine.py), hf = the model's own
     forward with the slot attention plugged in; auto = lean where it runs the model exactly, else hf."""
     weights: Literal["auto", "relay", "dir", "announce"] = "auto"
     """Weight source: host relay | run_dir/weights/v*.safetensors (trainer direct handoff) | announce (sim: versions from

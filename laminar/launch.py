@@ -76,13 +76,6 @@ def setup_process(cfg: LaminarConfig) -> None:
         gc.set_threshold(*cfg.cluster.gc_threshold)
 
 
-def lower_priority(cfg: LaminarConfig, role: Role) -> None:
-    """Add cluster.nice[role] to this process's niceness (a role that should yield shared cores)."""
-    n = cfg.cluster.nice.get(role, 0)
-    if n:
-        os.setpriority(os.PRIO_PROCESS, 0, min(19, os.getpriority(os.PRIO_PROCESS, 0) + n))
-
-
 def _heavy_imports(cfg: LaminarConfig, role: Role) -> list[str]:
     """The slow imports a role will make during setup (torch ~1.5, transformers' model code ~2.7
     CPU-s each): a torch rollout imports them only after the buffer answered, so started early
@@ -139,7 +132,6 @@ def node_main(
 
         check_inputs(cfg, [role])
     setup_process(cfg)
-    lower_priority(cfg, role)
     prepare_ipc_dir(cfg)
     from laminar.node import NodeFailed, node_class, run_nodes
     from laminar.supervise import EXIT_PERMANENT, PermanentFailure, detached_spawn

@@ -121,21 +121,3 @@ def test_node_processes_set_the_garbage_collector_threshold() -> None:
             load_config(None, ["cluster.gc_threshold=[0, 10, 10]"])
     finally:
         gc.set_threshold(*old)
-
-
-def test_roles_told_to_yield_lower_their_own_priority() -> None:
-    """cluster.nice raises the niceness of the role's processes (in a child: never this test's own)."""
-    code = (
-        "import os; from laminar.config import load_config; from laminar.launch import lower_priority; "
-        "cfg = load_config(None, ['cluster.nice.rollout=7']); before = os.getpriority(os.PRIO_PROCESS, 0); "
-        "lower_priority(cfg, 'trainer'); mid = os.getpriority(os.PRIO_PROCESS, 0); "
-        "lower_priority(cfg, 'rollout'); print(before, mid - before, os.getpriority(os.PRIO_PROCESS, 0) - before)"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
-    )
-    before, trainer, rollout = (int(x) for x in out.stdout.split())
-    assert (trainer, rollout) == (0, min(19, before + 7) - before)  # trainer untouched; rollout +7
-    for bad, match in (("cluster.nice.rollout=-2", "0-19"), ("cluster.nice.rollouts=3", "unknown role")):
-        with pytest.raises(ConfigError, match=match):
-            load_config(None, [bad])

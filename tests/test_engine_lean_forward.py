@@ -70,7 +70,9 @@ def test_lean_step_logits_equal_hf_forward(case):
         a2, b2 = a + [21], b + [22]
         lay = StepLayout(2, torch.tensor([len(a), len(b)]), len(a) + 1, [])
         with cache.step(lay):
-            got = lean(torch.tensor([21, 22]), torch.tensor([len(a), len(b)]), torch.tensor([0, 1]), cache)
+            got = lean(
+                torch.tensor([21, 22]), torch.tensor([len(a), len(b)]), torch.tensor([0, 1]), cache
+            )
     torch.testing.assert_close(got[0], _reference(model, a2), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got[1], _reference(model, b2), rtol=1e-5, atol=1e-5)
 
@@ -87,7 +89,9 @@ def test_models_it_cannot_run_exactly_fall_back_to_hf():
     with pytest.raises(ValueError, match="torch_forward=lean cannot run this model: rope_type"):
         TorchEngine(dynamic, max_running=2, max_model_len=64, eos_token_ids=[], forward="lean")
     with pytest.raises(ValueError, match="auto, lean or hf"):
-        TorchEngine(_model("llama"), max_running=2, max_model_len=64, eos_token_ids=[], forward="fast")
+        TorchEngine(
+            _model("llama"), max_running=2, max_model_len=64, eos_token_ids=[], forward="fast"
+        )
 
 
 async def test_weights_loaded_in_place_reach_the_fused_copies():
@@ -102,7 +106,9 @@ async def test_weights_loaded_in_place_reach_the_fused_copies():
     await eng.start()
     try:
         await eng.load_weights(other.state_dict().items(), version=1)
-        got = (await eng.generate_all(GenRequest("p", np.array([3, 4, 5]), params, single=True)))["p"][0]
+        got = (await eng.generate_all(GenRequest("p", np.array([3, 4, 5]), params, single=True)))[
+            "p"
+        ][0]
     finally:
         await eng.close()
     ref = [3, 4, 5]

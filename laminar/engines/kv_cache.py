@@ -1,4 +1,5 @@
-"""Slot KV cache + a ragged attention function that HF transformers models call into.
+"""Slot KV cache + a ragged attention function (`attend`): HF transformers models call into it
+through the attention interface, lean_forward.py calls it directly.
 
     cache = SlotKVCache.for_model(model, slots=32, max_len=1024)
     use_slot_attention(model)                        # model.config._attn_implementation = "laminar_slots"

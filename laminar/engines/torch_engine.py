@@ -12,7 +12,9 @@ so the event loop keeps serving sockets and heartbeats):
                      ▲                        │ finish / abort: leave, last slot moves in
                      └──── preempted (KV full, or weights reloaded: recompute) ◄┘
 
-Each step is one packed forward (kv_cache.py): a one-token decode query for every
+Each step is one packed forward over the slot KV cache (kv_cache.py; the layers run as
+lean_forward.py's plain tensor ops for Llama-family models, else as the HF model's own
+forward, `rollout.torch_forward`): a one-token decode query for every
 running sequence plus the whole prompt (+ resumed tokens) of each sequence that
 joins this step, up to `max_prefill_tokens`. Sampling (sampling.py) runs on the
 logits of the last position of each, so every emitted token carries its exact
