@@ -82,7 +82,15 @@ def test_every_correction_is_a_valid_config_override():
     for name, over in learning.CORRECTIONS.items():
         cfg = load_config(DEMO_CONFIG, [*over, "buffer.max_staleness=4"])
         assert cfg.buffer.max_staleness == 4, name
-    assert load_config(DEMO_CONFIG, learning.CORRECTIONS["ppo_mb"]).trainer.minibatches > 1
+    ppo = load_config(DEMO_CONFIG, learning.CORRECTIONS["ppo_mb"]).trainer
+    assert ppo.minibatches > 1 and ppo.lr == 5e-5
+    for one_step in (
+        "none",
+        "tis",
+        "icepop",
+    ):  # each correction pins its lr, whatever the demo's is
+        t = load_config(DEMO_CONFIG, learning.CORRECTIONS[one_step]).trainer
+        assert (t.minibatches, t.lr) == (1, 2e-4), one_step
     assert load_config(DEMO_CONFIG, learning.CORRECTIONS["icepop"]).algo.is_mode == "mask"
 
 
