@@ -99,7 +99,7 @@ def time_to_reach(curve: list[dict[str, Any]], target: float) -> float | None:
 def smooth(curve: list[dict[str, Any]], k: int = 3) -> list[dict[str, Any]]:
     """Accuracy averaged over k consecutive evaluated snapshots (centred, clipped at the ends).
 
-    Consecutive snapshots are 5 trainer steps apart; at lr 2e-4 the policy wobbles by a few
+    Consecutive snapshots are 5 trainer steps apart; the policy wobbles by a few
     points from one to the next and a 256-prompt eval adds +-0.02-0.03, so "the first time
     the curve reaches X" on raw points mostly measures luck. The t=0 point (the warm-up
     model, before any RL) is kept as measured.
