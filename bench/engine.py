@@ -136,20 +136,17 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     path = build_tiny_model(tmp / "model", seed=0, **MODEL)
     hf = load_causal_lm(path)
     hf.set_attn_implementation("sdpa")
-    engine = TorchEngine(
-        load_causal_lm(path),
-        None,
-        max_running=args.batch,
-        max_model_len=MODEL["max_positions"],
-        forward="lean",
-    )
-    # the same engine stepping the HF model's own forward (slot attention plugged in): what the lean forward saves
-    engine_hf = TorchEngine(
-        load_causal_lm(path),
-        None,
-        max_running=args.batch,
-        max_model_len=MODEL["max_positions"],
-        forward="hf",
+    # the engine on its lean forward, and the same engine stepping the HF model's own forward (slot
+    # attention plugged in): what the lean forward saves
+    engine, engine_hf = (
+        TorchEngine(
+            load_causal_lm(path),
+            None,
+            max_running=args.batch,
+            max_model_len=MODEL["max_positions"],
+            forward=fwd,
+        )  # fmt: skip
+        for fwd in ("lean", "hf")
     )
     await engine.start()
     await engine_hf.start()
