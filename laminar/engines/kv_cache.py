@@ -75,11 +75,7 @@ class SlotKVCache:
 
     @classmethod
     def for_model(cls, model: Any, slots: int, max_len: int) -> SlotKVCache:
-        cfg = (
-            model.config.get_text_config()
-            if hasattr(model.config, "get_text_config")
-            else model.config
-        )
+        cfg = text_config(model)
         heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
@@ -103,6 +99,12 @@ class SlotKVCache:
         finally:
             _local.cache = None
             self.layout = None
+
+
+def text_config(model: Any) -> Any:
+    """The decoder's config of an HF model (a multimodal model's text part, else model.config)."""
+    c = model.config
+    return c.get_text_config() if hasattr(c, "get_text_config") else c
 
 
 def slot_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -1,6 +1,6 @@
 """A lean decoder forward for the torch engine: Llama-family layers as plain tensor ops over the slot KV cache.
 
-    lean = LeanDecoder.for_model(model, max_len)   # None when the model is not one it can run
+    lean = lean_decoder(model, max_len, "auto")   # None when the model is not one it can run
     with cache.step(layout):
         logits = lean(ids, pos, keep, cache)       # (len(keep), vocab), like HF's logits_to_keep
     lean.refresh()                                  # after the model's weights change in place
@@ -15,7 +15,7 @@ engine on the HF forward: 1.17x the tokens/s on long-tailed lengths, 1.11x on eq
 
 What it runs: Llama, Mistral (no sliding window within max_len), Qwen2 (q/k/v biases) and
 Qwen3 (q/k RMSNorm on the head dimension), with any static RoPE type. Anything else
-(dynamic RoPE, sliding windows, soft caps, other layer shapes) gets None from for_model and
+(dynamic RoPE, sliding windows, soft caps, other layer shapes) gets None from lean_decoder (auto) and
 the engine runs the HF forward. The weights stay the model's own tensors; only the fused
 q/k/v and gate/up copies are built here (a second copy of about two thirds of the layer
 weights: `rollout.torch_forward: hf` where memory is tight), and refresh() rebuilds them
@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from laminar.engines.kv_cache import SlotKVCache, attend
+from laminar.engines.kv_cache import SlotKVCache, attend, text_config
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +51,8 @@ class _Layer:
 
 class LeanDecoder:
     def __init__(self, model: Any, max_len: int) -> None:
-        cfg = _text_config(model)
+        cfg = text_config(model)
         inner = model.model
-        self.model = model
         self.eps = float(cfg.rms_norm_eps)
         self.heads = int(cfg.num_attention_heads)
         self.kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self.heads)
@@ -81,15 +80,6 @@ class LeanDecoder:
             cos, sin = inner.rotary_emb(torch.zeros(1, dtype=p.dtype, device=p.device), positions)
             self.cos, self.sin = cos[0], sin[0]  # (max_len, head_dim)
         self.refresh()
-
-    @classmethod
-    def for_model(cls, model: Any, max_len: int) -> LeanDecoder | None:
-        """The lean forward for `model`, or None (with the reason logged) when it cannot run it exactly."""
-        why = unsupported(model, max_len)
-        if why is not None:
-            log.info("torch engine: HF forward (%s)", why)
-            return None
-        return cls(model, max_len)
 
     def refresh(self) -> None:
         """Rebuild the fused q/k/v and gate/up weights from the model's (after a weight load)."""
@@ -139,7 +129,7 @@ class LeanDecoder:
 
 def unsupported(model: Any, max_len: int) -> str | None:
     """Why the lean forward cannot run `model` exactly, or None when it can."""
-    cfg = _text_config(model)
+    cfg = text_config(model)
     kind = getattr(cfg, "model_type", None)
     if kind not in MODEL_TYPES:
         return f"model_type {kind!r} is not one of {MODEL_TYPES}"
@@ -176,6 +166,17 @@ def unsupported(model: Any, max_len: int) -> str | None:
     return None
 
 
-def _text_config(model: Any) -> Any:
-    c = model.config
-    return c.get_text_config() if hasattr(c, "get_text_config") else c
+def lean_decoder(model: Any, max_len: int, forward: str) -> LeanDecoder | None:
+    """The forward the engine steps with (`rollout.torch_forward`): "auto" takes the lean one where it
+    runs the model exactly (else None: the HF forward, the reason logged), "lean" insists, "hf" declines."""
+    if forward == "hf":
+        return None
+    if forward not in ("auto", "lean"):
+        raise ValueError(f"torch engine forward must be auto, lean or hf, not {forward!r}")
+    why = unsupported(model, max_len)
+    if why is None:
+        return LeanDecoder(model, max_len)
+    if forward == "lean":
+        raise ValueError(f"rollout.torch_forward=lean cannot run this model: {why}")
+    log.info("torch engine: HF forward (%s)", why)
+    return None

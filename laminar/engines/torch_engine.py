@@ -45,8 +45,8 @@ from laminar.engines.base import (
     SamplingParams,
     TokenEvent,
 )
-from laminar.engines.kv_cache import SlotKVCache, StepLayout, use_slot_attention
-from laminar.engines.lean_forward import LeanDecoder, unsupported
+from laminar.engines.kv_cache import SlotKVCache, StepLayout, text_config, use_slot_attention
+from laminar.engines.lean_forward import lean_decoder
 from laminar.engines.sampling import sample, sequence_key, uniform
 from laminar.supervise import Spawn, detached_spawn
 
@@ -95,11 +95,7 @@ class TorchEngine(Engine):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.max_running = max_running
-        cfg: Any = (
-            model.config.get_text_config()
-            if hasattr(model.config, "get_text_config")
-            else model.config
-        )
+        cfg = text_config(model)
         # an HF config (not ours) may lack the field
         self.max_model_len = int(
             max_model_len or getattr(cfg, "max_position_embeddings", None) or 2048
@@ -112,7 +108,7 @@ class TorchEngine(Engine):
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
         use_slot_attention(model)
         self.cache = SlotKVCache.for_model(model, max_running, self.max_model_len)
-        self.lean = _lean_decoder(model, self.max_model_len, forward)
+        self.lean = lean_decoder(model, self.max_model_len, forward)
         self._running: list[_Seq] = []  # index == slot
         self._waiting: deque[_Seq] = deque()
         self._seqs: dict[str, _Seq] = {}
@@ -404,20 +400,6 @@ class TorchEngine(Engine):
         self._seqs.clear()
         self._running.clear()
         self._waiting.clear()
-
-
-def _lean_decoder(model: Any, max_len: int, forward: str) -> LeanDecoder | None:
-    """The forward a step runs: "auto" takes the lean one where it runs the model exactly, else HF's."""
-    if forward == "hf":
-        return None
-    if forward == "lean":
-        why = unsupported(model, max_len)
-        if why is not None:
-            raise ValueError(f"rollout.torch_forward=lean cannot run this model: {why}")
-        return LeanDecoder(model, max_len)
-    if forward != "auto":
-        raise ValueError(f"torch engine forward must be auto, lean or hf, not {forward!r}")
-    return LeanDecoder.for_model(model, max_len)
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
