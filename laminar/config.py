@@ -428,7 +428,13 @@ class TrainerConfig(Section):
     batch_groups: int = Field(8, ge=1)
     """GRPO groups per optimizer step."""
     micro_batch_tokens: int = Field(8192, ge=1)
-    """Token budget per micro-batch (length-packed gradient accumulation)."""
+    """Token budget per micro-batch (gradient accumulation): packed tokens (each distinct prompt once
+    plus the responses) with the packed forward, rows x longest row with the HF padded one."""
+    forward: Literal["auto", "packed", "hf"] = "auto"
+    """The training forward. packed = Llama-family layers as plain tensor ops over a flat token sequence,
+    each distinct prompt of a micro-batch run once and no padding in the matmuls (trainer/packed.py:
+    Llama, Mistral, Qwen2, Qwen3; exact to float rounding); hf = the model's own forward over padded
+    rows; auto = packed where it runs the model exactly and the trainer is one process (not FSDP), else hf."""
     grad_clip: float = Field(1.0, gt=0)
     """Max global grad norm (per optimizer step)."""
     minibatches: int = Field(1, ge=1)

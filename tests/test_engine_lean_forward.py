@@ -16,8 +16,9 @@ import torch
 
 from laminar.engines.base import GenRequest, SamplingParams
 from laminar.engines.kv_cache import SlotKVCache, StepLayout
-from laminar.engines.lean_forward import LeanDecoder, unsupported
+from laminar.engines.lean_forward import LeanDecoder
 from laminar.engines.torch_engine import TorchEngine
+from laminar.models.decoder_ops import unsupported
 
 SMALL = dict(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,

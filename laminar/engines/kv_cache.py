@@ -33,6 +33,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from laminar.models.decoder_ops import text_config
+
 ATTN_NAME = "laminar_slots"
 _local = threading.local()
 
@@ -99,12 +101,6 @@ class SlotKVCache:
         finally:
             _local.cache = None
             self.layout = None
-
-
-def text_config(model: Any) -> Any:
-    """The decoder's config of an HF model (a multimodal model's text part, else model.config)."""
-    c = model.config
-    return c.get_text_config() if hasattr(c, "get_text_config") else c
 
 
 def slot_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

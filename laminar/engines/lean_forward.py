@@ -31,12 +31,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from laminar.engines.kv_cache import SlotKVCache, attend, text_config
+from laminar.engines.kv_cache import SlotKVCache, attend
+from laminar.models.decoder_ops import DecoderShape, rms, rope_table, rotate, unsupported
 
 log = logging.getLogger(__name__)
-
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass
@@ -51,13 +49,8 @@ class _Layer:
 
 class LeanDecoder:
     def __init__(self, model: Any, max_len: int) -> None:
-        cfg = text_config(model)
         inner = model.model
-        self.eps = float(cfg.rms_norm_eps)
-        self.heads = int(cfg.num_attention_heads)
-        self.kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self.heads)
-        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads)
-        self.scaling = float(inner.layers[0].self_attn.scaling)
+        self.shape = DecoderShape.of(model)
         self.embed = inner.embed_tokens.weight
         self.norm = inner.norm.weight
         self.lm_head = model.lm_head.weight
@@ -72,13 +65,7 @@ class LeanDecoder:
             )  # fmt: skip
             for layer in inner.layers
         ]
-        self.act = F.silu if cfg.hidden_act == "silu" else inner.layers[0].mlp.act_fn
-        p = self.embed
-        with torch.inference_mode():
-            # HF's own rotary module, asked once for every position: the same cos/sin it computes per call
-            positions = torch.arange(max_len, device=p.device)[None]
-            cos, sin = inner.rotary_emb(torch.zeros(1, dtype=p.dtype, device=p.device), positions)
-            self.cos, self.sin = cos[0], sin[0]  # (max_len, head_dim)
+        self.cos, self.sin = rope_table(model, max_len)
         self.refresh()
 
     def refresh(self) -> None:
@@ -94,76 +81,32 @@ class LeanDecoder:
         self.qkv: list[tuple[torch.Tensor, torch.Tensor | None]] = qkv
         self.gate_up: list[torch.Tensor] = gate_up
 
-    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        # as HF's RMSNorm: normalise in float32, back to the input dtype, then scale
-        return w * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
-
     def __call__(self, ids: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor,
                  cache: SlotKVCache) -> torch.Tensor:  # fmt: skip
         """Logits (len(keep), vocab) of one packed step: ids, pos (T,) long, placed as cache.layout says."""
         t = ids.shape[0]
-        h_q, h_kv, d = self.heads, self.kv_heads, self.head_dim
+        sh = self.shape
+        h_q, h_kv, d = sh.heads, sh.kv_heads, sh.head_dim
         rope = h_q + h_kv  # q and k heads, rotated together
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]
-        half = d // 2
         x = F.embedding(ids, self.embed)
         for i, ly in enumerate(self.layers):
-            y = self._rms(x, ly.norm_in)
+            y = rms(x, ly.norm_in, sh.eps)
             qkv = F.linear(y, *self.qkv[i]).view(t, rope + h_kv, d)
             qk, v = qkv[:, :rope], qkv[:, rope:]
             if ly.q_norm is not None and ly.k_norm is not None:
                 qk = torch.cat(
-                    [self._rms(qk[:, :h_q], ly.q_norm), self._rms(qk[:, h_q:], ly.k_norm)], 1
+                    [rms(qk[:, :h_q], ly.q_norm, sh.eps), rms(qk[:, h_q:], ly.k_norm, sh.eps)], 1
                 )
-            rotated = torch.cat([-qk[..., half:], qk[..., :half]], -1)
-            qk = qk * cos + rotated * sin
+            qk = rotate(qk, cos, sin)
             q, k = qk[:, :h_q], qk[:, h_q:]
             o = attend(cache, i, q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                       v.transpose(0, 1)[None], self.scaling)  # fmt: skip
+                       v.transpose(0, 1)[None], sh.scaling)  # fmt: skip
             x = x + F.linear(o.view(t, h_q * d), ly.attn.o_proj.weight, ly.attn.o_proj.bias)
-            y = self._rms(x, ly.norm_post)
+            y = rms(x, ly.norm_post, sh.eps)
             gate, up = F.linear(y, self.gate_up[i]).chunk(2, -1)
-            x = x + F.linear(self.act(gate) * up, ly.mlp.down_proj.weight)
-        return F.linear(self._rms(x[keep], self.norm), self.lm_head)
-
-
-def unsupported(model: Any, max_len: int) -> str | None:
-    """Why the lean forward cannot run `model` exactly, or None when it can."""
-    cfg = text_config(model)
-    kind = getattr(cfg, "model_type", None)
-    if kind not in MODEL_TYPES:
-        return f"model_type {kind!r} is not one of {MODEL_TYPES}"
-    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-    rope_type = (
-        rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "?"
-    )
-    if rope_type not in STATIC_ROPE:
-        return f"rope_type {rope_type!r} is not a static one {STATIC_ROPE}"
-    window = getattr(cfg, "sliding_window", None)
-    if (
-        window
-        and (getattr(cfg, "use_sliding_window", True) or kind == "mistral")
-        and window < max_len
-    ):
-        return f"sliding window {window} < max_len {max_len}"
-    if getattr(cfg, "pretraining_tp", 1) not in (1, None):
-        return "pretraining_tp > 1"
-    inner = getattr(model, "model", None)
-    needed = ("embed_tokens", "layers", "norm", "rotary_emb")
-    if inner is None or not all(hasattr(inner, a) for a in needed) or not hasattr(model, "lm_head"):
-        return "not a ForCausalLM with model.{embed_tokens, layers, norm, rotary_emb}"
-    for layer in inner.layers:
-        a, m = layer.self_attn, layer.mlp
-        if not all(hasattr(a, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling")):
-            return f"attention {type(a).__name__} lacks q/k/v/o projections"
-        if (
-            not all(hasattr(m, n) for n in ("gate_proj", "up_proj", "down_proj"))
-            or m.down_proj.bias is not None
-        ):
-            return f"MLP {type(m).__name__} is not a bias-free gated MLP"
-        if m.gate_proj.bias is not None or (a.q_proj.bias is None) != (a.k_proj.bias is None):
-            return "unexpected projection biases"
-    return None
+            x = x + F.linear(sh.act(gate) * up, ly.mlp.down_proj.weight)
+        return F.linear(rms(x[keep], self.norm, sh.eps), self.lm_head)
 
 
 def lean_decoder(model: Any, max_len: int, forward: str) -> LeanDecoder | None:

@@ -45,9 +45,10 @@ from laminar.engines.base import (
     SamplingParams,
     TokenEvent,
 )
-from laminar.engines.kv_cache import SlotKVCache, StepLayout, text_config, use_slot_attention
+from laminar.engines.kv_cache import SlotKVCache, StepLayout, use_slot_attention
 from laminar.engines.lean_forward import lean_decoder
 from laminar.engines.sampling import sample, sequence_key, uniform
+from laminar.models.decoder_ops import text_config
 from laminar.supervise import Spawn, detached_spawn
 
 log = logging.getLogger(__name__)

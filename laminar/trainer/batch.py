@@ -31,12 +31,16 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from laminar.algo.advantages import group_index
 from laminar.protocol.data import ToolRecord, Trajectory
+
+if TYPE_CHECKING:
+    from laminar.trainer.packed import PackedLayout
 
 
 @dataclass
@@ -186,11 +190,15 @@ class MicroBatch:
     targets: torch.Tensor
     resp_mask: torch.Tensor
     behav_logp: torch.Tensor
+    layout: PackedLayout | None = None
+    """The same samples for the packed forward (trainer/packed.py), when it runs."""
 
     def to(self, device: str | torch.device) -> MicroBatch:
-        return MicroBatch(self.index.to(device), self.input_ids.to(device),
-                          self.attention_mask.to(device), self.targets.to(device),
-                          self.resp_mask.to(device), self.behav_logp.to(device))  # fmt: skip
+        dev = torch.device(device)
+        return MicroBatch(self.index.to(dev), self.input_ids.to(dev),
+                          self.attention_mask.to(dev), self.targets.to(dev),
+                          self.resp_mask.to(dev), self.behav_logp.to(dev),
+                          None if self.layout is None else self.layout.to(dev))  # fmt: skip
 
     @property
     def n_tokens(self) -> int:

@@ -58,6 +58,7 @@ from laminar.protocol.trainer import RankCommand
 from laminar.trainer import checkpoint as ck
 from laminar.trainer.batch import MicroBatch, TrainBatch, collate, pack_micro_batches
 from laminar.trainer.dist import DistContext, destroy, lead
+from laminar.trainer.packed import PackedForward, PackedLayout, pack_by_prompt, packed_forward
 
 
 def lr_lambda(warmup: int, total: int, min_ratio: float):
@@ -146,6 +147,14 @@ class Policy:
         self.temperature = temp if temp > 0 else 1.0
         self.loss_settings = LossSettings.from_algo(algo, cfg.rollout.sampling.max_tokens)
         self.pad_id = int(self.model.config.pad_token_id or 0)
+        longest = int(self.max_len or cfg.rollout.max_model_len)
+        self.packed = packed_forward(
+            self.model, longest, tc.forward, self.ctx.enabled, self.autocast
+        )
+        """The packed training forward, or None: HF's padded forward (trainer.forward)."""
+        self.packed_ref = (
+            PackedForward(self.ref, self.autocast) if self.packed and self.ref is not None else None
+        )
 
     # ---- the Trainer protocol ---------------------------------------------------------------
     def prepare(self, trajectories: list[Trajectory]) -> TrainBatch:
@@ -184,13 +193,19 @@ class Policy:
         """(log pi(target), entropy), both [b, L-1] and 0 off the response; entropy has grad only if asked.
 
         Only response positions go through the fp32 log-softmax: long prompts cost no [*, V] memory.
+        With the packed forward only those positions reach the head at all.
         """
-        with self._amp():
-            out = (model or self.model)(
-                input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False
-            )
         sel = mb.resp_mask
-        logits = out.logits[:, :-1][sel].float()  # [N, V]
+        packed = self.packed_ref if model is not None and model is self.ref else self.packed
+        if packed is not None and (model is None or model is self.ref) and mb.layout is not None:
+            with self._amp():
+                logits = packed(mb.layout).float()  # [N, V], sel's positions in row-major order
+        else:
+            with self._amp():
+                out = (model or self.model)(
+                    input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False
+                )
+            logits = out.logits[:, :-1][sel].float()  # [N, V]
         if self.temperature != 1.0:
             logits = logits / self.temperature
         lse = torch.logsumexp(logits, dim=-1)
@@ -199,6 +214,14 @@ class Policy:
             flat_ent = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
         zeros = torch.zeros(sel.shape, dtype=torch.float32, device=sel.device)
         return zeros.masked_scatter(sel, flat), zeros.masked_scatter(sel, flat_ent)
+
+    def micro_batch(self, batch: TrainBatch, idx: list[int]) -> MicroBatch:
+        """The samples `idx` collated on the trainer's device, with their packed layout when the
+        packed forward runs."""
+        mb = collate(batch, idx, self.pad_id)
+        if self.packed is not None:
+            mb.layout = PackedLayout.build([batch.samples[i] for i in idx])
+        return mb.to(self.device)
 
     # ---- one optimizer step ---------------------------------------------------------------
     def _my_share(self, mbs: list[list[int]]) -> list[tuple[list[int], float]]:
@@ -225,9 +248,10 @@ class Policy:
 
     def _plan(self, batch: TrainBatch, idx: list[int]) -> list[tuple[list[int], float]]:
         """This rank's micro-batches (batch indices, weight) of the samples `idx`."""
-        packed = pack_micro_batches(
-            [batch.samples[i].length for i in idx], self.cfg.trainer.micro_batch_tokens
-        )
+        budget = self.cfg.trainer.micro_batch_tokens
+        if self.packed is not None:
+            return self._my_share(pack_by_prompt(batch.samples, idx, budget))
+        packed = pack_micro_batches([batch.samples[i].length for i in idx], budget)
         return self._my_share([[idx[j] for j in mb] for mb in packed])
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
@@ -251,9 +275,7 @@ class Policy:
             with torch.no_grad():
                 for k, plan in enumerate(plans[1:], start=1):
                     for j, (idx, _) in enumerate(plan):
-                        prox_of[k, j], _ = self.token_logprobs(
-                            collate(batch, idx, self.pad_id).to(self.device)
-                        )
+                        prox_of[k, j], _ = self.token_logprobs(self.micro_batch(batch, idx))
         lr = float(self.scheduler.get_last_lr()[0])
         norms: list[float] = []
         n_micro = 0
@@ -261,7 +283,7 @@ class Policy:
             n_tok = sum(batch.samples[i].n_model for i in idx_k)
             self.optimizer.zero_grad(set_to_none=True)
             for j, (idx, weight) in enumerate(plan):
-                mb = collate(batch, idx, self.pad_id).to(self.device)
+                mb = self.micro_batch(batch, idx)
                 st = stats if weight else StatAccumulator()
                 logp, ent = self.token_logprobs(mb, entropy_grad=s.entropy_coef > 0)
                 if not algo.decoupled:
@@ -334,7 +356,7 @@ class Policy:
         """sum_t (log pi_prox - log pi_ref) per sequence [B] (k1 for the reward), reduced over ranks."""
         kl = torch.zeros(batch.n_seqs, dtype=torch.float64)
         for idx, weight in share:
-            mb = collate(batch, idx, self.pad_id).to(self.device)
+            mb = self.micro_batch(batch, idx)
             logp, _ = self.token_logprobs(mb)
             ref, _ = self.token_logprobs(mb, self.ref)
             per_seq = (

@@ -1,0 +1,248 @@
+"""The trainer's packed forward: a micro-batch's tokens in one flat sequence, every distinct prompt
+run once, no padding in the matmuls.
+
+    plan = pack_by_prompt(samples, idx, micro_batch_tokens)   # micro-batches that keep a group together
+    layout = PackedLayout.build([samples[i] for i in mb])      # once per micro-batch
+    logits = PackedForward(model)(layout)                     # (N, V): mb.resp_mask's positions, row-major
+
+Why: a GRPO group is n samples of one prompt, and the padded forward (HF's, over collate's
+[b, L] rows) runs that prompt n times and pads every row to the longest. On the demo's batches
+(prompts ~20 tokens, answers ~40, 8 a group) the prompt copies and the padding are about half
+the tokens the matmuls see. Here the linear layers see each distinct prompt once and each
+response once; attention, the only part that mixes tokens, runs per row (a prompt row sees its
+own prompt causally, a response row its prompt and its own tokens causally) in chunks of rows of
+similar length, padded only there.
+
+Exactness: the same arithmetic as HF's forward of the padded rows (q/k/v and gate/up as one
+matmul each, RoPE from HF's own table): logprobs agree to float rounding and so do gradients
+(tests/test_trainer_packed.py). Models decoder_ops.unsupported() names, and FSDP-sharded ones
+(whose parameters are gathered only inside their modules' forward), keep the HF forward.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from laminar.models.decoder_ops import DecoderShape, rms, rope_table, rotate, unsupported
+from laminar.trainer.batch import Sample, pack_micro_batches
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class AttentionChunk:
+    """Rows (a prompt, or a response after its prompt) attended in one call, padded to the longest."""
+
+    q: torch.Tensor
+    """[n, Qmax] packed index of each row's queries (padding repeats a real one)."""
+    k: torch.Tensor
+    """[n, Kmax] packed index of each row's keys/values."""
+    mask: torch.Tensor
+    """[n, 1, Qmax, Kmax] bool: key is real and not after the query."""
+    real: torch.Tensor
+    """[n * Qmax] bool: the query slots that are real tokens."""
+
+    def to(self, device: torch.device) -> AttentionChunk:
+        return AttentionChunk(
+            self.q.to(device), self.k.to(device), self.mask.to(device), self.real.to(device)
+        )
+
+
+@dataclass
+class PackedLayout:
+    ids: torch.Tensor
+    """[T] the distinct prompts, then every response."""
+    pos: torch.Tensor
+    """[T] each token's position in its own sequence (a response continues its prompt)."""
+    chunks: list[AttentionChunk]
+    order: torch.Tensor
+    """[T] row of the chunks' concatenated outputs that holds packed token t."""
+    select: torch.Tensor
+    """[N] packed index of the position predicting each trained token, samples in order."""
+
+    @classmethod
+    def build(cls, samples: list[Sample], attn_tokens: int = 1024) -> PackedLayout:
+        """The layout of `samples` (a micro-batch, in order); attention chunks hold about
+        `attn_tokens` keys (rows x longest row)."""
+        ids: list[np.ndarray] = []
+        pos: list[np.ndarray] = []
+        prompt_at: dict[bytes, tuple[int, int]] = {}  # prompt bytes -> (start, length)
+        n_tok = 0
+        for s in samples:
+            key = s.prompt_ids.tobytes()
+            if key not in prompt_at:
+                prompt_at[key] = (n_tok, len(s.prompt_ids))
+                ids.append(s.prompt_ids)
+                pos.append(np.arange(len(s.prompt_ids)))
+                n_tok += len(s.prompt_ids)
+        rows_q: list[np.ndarray] = []  # per row: packed indices of its queries / keys
+        rows_k: list[np.ndarray] = []
+        for start, n in prompt_at.values():
+            rows_q.append(np.arange(start, start + n))
+            rows_k.append(rows_q[-1])
+        select: list[np.ndarray] = []
+        for s in samples:
+            p_start, p_len = prompt_at[s.prompt_ids.tobytes()]
+            r = len(s.response_ids)
+            ids.append(s.response_ids)
+            pos.append(np.arange(p_len, p_len + r))
+            resp = np.arange(n_tok, n_tok + r)
+            rows_q.append(resp)
+            rows_k.append(np.concatenate([np.arange(p_start, p_start + p_len), resp]))
+            # token j is predicted at the position before it: the prompt's last, then resp[j-1]
+            before = np.concatenate([[p_start + p_len - 1], resp[:-1]])
+            select.append(before if s.loss_mask is None else before[s.loss_mask])
+            n_tok += r
+        all_pos = np.concatenate(pos)
+        chunks: list[AttentionChunk] = []
+        chunk_rows: list[np.ndarray] = []
+        for members in pack_micro_batches([len(k) for k in rows_k], attn_tokens):
+            chunks.append(
+                _chunk([rows_q[m] for m in members], [rows_k[m] for m in members], all_pos)
+            )
+            chunk_rows.extend(rows_q[m] for m in members)
+        order = np.empty(n_tok, dtype=np.int64)
+        order[np.concatenate(chunk_rows)] = np.arange(n_tok)
+        return cls(
+            torch.from_numpy(np.concatenate(ids).astype(np.int64)),
+            torch.from_numpy(all_pos.astype(np.int64)),
+            chunks,
+            torch.from_numpy(order),
+            torch.from_numpy(np.concatenate(select).astype(np.int64)),
+        )
+
+    def to(self, device: torch.device) -> PackedLayout:
+        if device.type == "cpu":
+            return self
+        return PackedLayout(self.ids.to(device), self.pos.to(device),
+                            [c.to(device) for c in self.chunks], self.order.to(device),
+                            self.select.to(device))  # fmt: skip
+
+
+def _chunk(qs: list[np.ndarray], ks: list[np.ndarray], pos: np.ndarray) -> AttentionChunk:
+    n, q_max, k_max = len(qs), max(len(q) for q in qs), max(len(k) for k in ks)
+    q_idx = np.empty((n, q_max), dtype=np.int64)
+    k_idx = np.zeros((n, k_max), dtype=np.int64)
+    q_real = np.zeros((n, q_max), dtype=bool)
+    k_real = np.zeros((n, k_max), dtype=bool)
+    for r, (q, k) in enumerate(zip(qs, ks, strict=True)):
+        q_idx[r, : len(q)], q_idx[r, len(q) :] = q, q[-1]  # padded queries repeat the last real one
+        k_idx[r, : len(k)] = k
+        q_real[r, : len(q)], k_real[r, : len(k)] = True, True
+    # within a row positions are distinct and increasing, so "not after the query" is causality
+    mask = k_real[:, None, :] & (pos[k_idx][:, None, :] <= pos[q_idx][:, :, None])
+    return AttentionChunk(torch.from_numpy(q_idx), torch.from_numpy(k_idx),
+                          torch.from_numpy(mask[:, None]), torch.from_numpy(q_real.reshape(-1)))  # fmt: skip
+
+
+def pack_by_prompt(samples: list[Sample], idx: list[int], token_budget: int) -> list[list[int]]:
+    """Micro-batches of `idx` whose packed tokens (each distinct prompt once, plus every
+    response) stay within `token_budget`: samples of one prompt are kept together, longest
+    first within a prompt, so a group is split only when it alone exceeds the budget.
+    A sample longer than the budget gets a micro-batch of its own. Deterministic."""
+    by_prompt: dict[bytes, list[int]] = {}
+    for i in idx:
+        by_prompt.setdefault(samples[i].prompt_ids.tobytes(), []).append(i)
+    out: list[list[int]] = []
+    cur: list[int] = []
+    cost, seen = 0, set[bytes]()
+    for key, members in by_prompt.items():
+        for i in sorted(members, key=lambda i: (-len(samples[i].response_ids), i)):
+            add = len(samples[i].response_ids) + (0 if key in seen else len(samples[i].prompt_ids))
+            if cur and cost + add > token_budget:
+                out.append(cur)
+                cur, cost, seen = [], 0, set()
+                add = samples[i].length
+            cur.append(i)
+            cost += add
+            seen.add(key)
+    if cur:
+        out.append(cur)
+    return out
+
+
+class PackedForward:
+    """Logits of a PackedLayout's selected positions under `model` (an HF Llama-family
+    ForCausalLM), computed from the model's own parameters so gradients reach them."""
+
+    def __init__(self, model: Any, fp32_head: bool = False) -> None:
+        self.model = model
+        self.shape = DecoderShape.of(model)
+        self.cos, self.sin = rope_table(
+            model, 512
+        )  # grown on demand (a long-context model's full table is large)
+        self.fp32_head = fp32_head
+        """Project to the vocabulary in float32 under autocast (as the trainer's HF head does)."""
+
+    def __call__(self, lay: PackedLayout) -> torch.Tensor:
+        inner, sh = self.model.model, self.shape
+        t = lay.ids.shape[0]
+        h_q, h_kv, d = sh.heads, sh.kv_heads, sh.head_dim
+        rope = h_q + h_kv
+        longest = int(lay.pos.max()) + 1
+        if longest > self.cos.shape[0]:
+            self.cos, self.sin = rope_table(self.model, max(longest, 2 * self.cos.shape[0]))
+        cos, sin = self.cos[lay.pos][:, None], self.sin[lay.pos][:, None]
+        x = F.embedding(lay.ids, inner.embed_tokens.weight)
+        for layer in inner.layers:
+            a, m = layer.self_attn, layer.mlp
+            y = rms(x, layer.input_layernorm.weight, sh.eps)
+            w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+            b = (
+                None
+                if a.q_proj.bias is None
+                else torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+            )
+            qkv = F.linear(y, w, b).view(t, rope + h_kv, d)
+            qk, v = qkv[:, :rope], qkv[:, rope:]
+            if getattr(a, "q_norm", None) is not None:
+                qk = torch.cat([rms(qk[:, :h_q], a.q_norm.weight, sh.eps),
+                                rms(qk[:, h_q:], a.k_norm.weight, sh.eps)], 1)  # fmt: skip
+            qk = rotate(qk, cos, sin)
+            o = self._attend(qk[:, :h_q], qk[:, h_q:], v, lay)
+            x = x + F.linear(o, a.o_proj.weight, a.o_proj.bias)
+            y = rms(x, layer.post_attention_layernorm.weight, sh.eps)
+            gate, up = F.linear(y, torch.cat([m.gate_proj.weight, m.up_proj.weight])).chunk(2, -1)
+            x = x + F.linear(sh.act(gate) * up, m.down_proj.weight)
+        h = rms(x[lay.select], inner.norm.weight, sh.eps)
+        head = self.model.lm_head.weight
+        if self.fp32_head:
+            with torch.autocast(h.device.type, enabled=False):
+                return F.linear(h.float(), head.float())
+        return F.linear(h, head)
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay: PackedLayout
+    ) -> torch.Tensor:
+        """(T, H*D): each packed token's attention output, row by row as the layout's chunks say."""
+        sh = self.shape
+        outs = []
+        for c in lay.chunks:
+            o = F.scaled_dot_product_attention(
+                q[c.q].transpose(1, 2), k[c.k].transpose(1, 2), v[c.k].transpose(1, 2),
+                attn_mask=c.mask, scale=sh.scaling, enable_gqa=sh.kv_heads != sh.heads,
+            )  # fmt: skip
+            outs.append(o.transpose(1, 2).reshape(-1, sh.heads * sh.head_dim)[c.real])
+        return torch.cat(outs)[lay.order]
+
+
+def packed_forward(
+    model: Any, max_len: int, choice: str, sharded: bool, fp32_head: bool = False
+) -> PackedForward | None:
+    """The forward the trainer runs (`trainer.forward`): "auto" takes the packed one where it runs the
+    model exactly (else None: HF's padded forward, the reason logged), "packed" insists, "hf" declines."""
+    if choice == "hf":
+        return None
+    why = "FSDP-sharded parameters" if sharded else unsupported(model, max_len)
+    if why is None:
+        return PackedForward(model, fp32_head)
+    if choice == "packed":
+        raise ValueError(f"trainer.forward=packed cannot run this model: {why}")
+    log.info("trainer: HF padded forward (%s)", why)
+    return None
