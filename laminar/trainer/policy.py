@@ -147,7 +147,8 @@ class Policy:
         self.temperature = temp if temp > 0 else 1.0
         self.loss_settings = LossSettings.from_algo(algo, cfg.rollout.sampling.max_tokens)
         self.pad_id = int(self.model.config.pad_token_id or 0)
-        longest: int = self.max_len if self.max_len is not None else cfg.rollout.max_model_len
+        # the sliding-window check needs a length; unknown, any window binds
+        longest = int(self.max_len or cfg.rollout.max_model_len or 1 << 30)
         self.packed = packed_forward(
             self.model, longest, tc.forward, self.ctx.enabled, self.autocast
         )
