@@ -86,6 +86,14 @@ class ClusterConfig(Section):
     twice the 1024-GPU message rate: a tenth of its CPU, and its event-loop lag p99. Most
     of what a node allocates dies young or lives long without cycles, so full passes
     can be ten times rarer."""
+    nice: dict[str, int] = Field(default_factory=dict)
+    """Niceness each role's node processes add to their own (0-19; e.g. {rollout: 19}). Where the trainer
+    and rollouts share cores the trainer is the critical path: at equal priority three busy processes on
+    two cores leave it two thirds of one, while rollouts that run ahead of it only fill the staleness
+    bound. A lower-priority process still gets every cycle nobody else wants, and a role whose work
+    never overlaps the trainer's (sync mode) loses nothing. A node that leads its own session (as
+    `laminar run` starts them) raises its session's autogroup niceness too: with Linux's autogroup
+    scheduling CPU is shared between sessions first, where a plain nice would not act."""
     restart: RestartConfig = Field(default_factory=RestartConfig)
     """Supervision of node processes: restart budget and backoff."""
 
@@ -100,6 +108,13 @@ class ClusterConfig(Section):
 
     @model_validator(mode="after")
     def _check_roles(self) -> ClusterConfig:
+        for role, n in self.nice.items():
+            if role not in ROLES:
+                raise ValueError(f"cluster.nice has unknown role {role!r}; use one of {ROLES}")
+            if not 0 <= n <= 19:
+                raise ValueError(
+                    f"cluster.nice.{role} must be 0-19 (a process can only lower its priority), got {n}"
+                )
         for role, count in self.roles.items():
             if role not in ROLES:
                 raise ValueError(f"cluster.roles has unknown role {role!r}; use one of {ROLES}")

@@ -33,6 +33,7 @@ import contextlib
 import functools
 import gc
 import json
+import logging
 import os
 import re
 import signal
@@ -74,6 +75,26 @@ def setup_process(cfg: LaminarConfig) -> None:
     configure_logging(cfg.logging.level, cfg.logging.json_logs)
     if cfg.cluster.gc_threshold is not None:  # a process of its own: its collector is ours to set
         gc.set_threshold(*cfg.cluster.gc_threshold)
+
+
+AUTOGROUP = Path("/proc/self/autogroup")
+
+
+def lower_priority(cfg: LaminarConfig, role: Role, autogroup: Path = AUTOGROUP) -> None:
+    """Add cluster.nice[role] to this process's niceness, and to its autogroup's when it leads its
+    own session (never to a shell session a node was started from by hand)."""
+    n = cfg.cluster.nice.get(role, 0)
+    if not n:
+        return
+    # before any thread starts: on Linux niceness is per thread, and new threads inherit it
+    os.setpriority(os.PRIO_PROCESS, 0, min(19, os.getpriority(os.PRIO_PROCESS, 0) + n))
+    if os.getsid(0) != os.getpid():
+        return
+    try:  # "/autogroup-123 nice 0"; absent where the kernel has no autogroup scheduling
+        now = int(autogroup.read_text().split()[-1])
+        autogroup.write_text(str(min(19, now + n)))
+    except (OSError, ValueError, IndexError) as exc:
+        logging.getLogger(__name__).info("cluster.nice: autogroup left as is (%s)", exc)
 
 
 def _heavy_imports(cfg: LaminarConfig, role: Role) -> list[str]:
@@ -132,6 +153,7 @@ def node_main(
 
         check_inputs(cfg, [role])
     setup_process(cfg)
+    lower_priority(cfg, role)
     prepare_ipc_dir(cfg)
     from laminar.node import NodeFailed, node_class, run_nodes
     from laminar.supervise import EXIT_PERMANENT, PermanentFailure, detached_spawn

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -121,3 +122,48 @@ def test_node_processes_set_the_garbage_collector_threshold() -> None:
             load_config(None, ["cluster.gc_threshold=[0, 10, 10]"])
     finally:
         gc.set_threshold(*old)
+
+
+_NICE_CHILD = """
+import json, os, sys
+from pathlib import Path
+from laminar.config import load_config
+from laminar.launch import lower_priority
+cfg = load_config(None, ["cluster.nice.rollout=7"])
+fake = Path(sys.argv[1])
+real = Path("/proc/self/autogroup")
+group = lambda: int(real.read_text().split()[-1]) if real.exists() else None
+before, group_before = os.getpriority(os.PRIO_PROCESS, 0), group()
+lower_priority(cfg, "trainer", fake)
+mid = os.getpriority(os.PRIO_PROCESS, 0)
+lower_priority(cfg, "rollout", fake)
+lower_priority(cfg, "rollout")
+print(json.dumps({"before": before, "trainer": mid - before,
+                  "rollout": os.getpriority(os.PRIO_PROCESS, 0) - before,
+                  "group_before": group_before, "group_after": group(), "fake": fake.read_text()}))
+"""
+
+
+@pytest.mark.parametrize("own_session", [True, False])
+def test_roles_told_to_yield_lower_their_own_priority(tmp_path, own_session) -> None:
+    """cluster.nice raises the niceness of the role's processes (in a child: never this test's own),
+    and a node that leads its session (as `laminar run` starts them) raises its autogroup's too."""
+    fake = tmp_path / "autogroup"
+    fake.write_text("/autogroup-12 nice 3\n")
+    out = subprocess.run([sys.executable, "-c", _NICE_CHILD, str(fake)], capture_output=True,
+                         text=True, timeout=60, check=True, start_new_session=own_session)  # fmt: skip
+    got = json.loads(out.stdout)
+    b = got["before"]
+    # trainer untouched; the rollout's +7 applied twice (the fake group, then the real one)
+    assert (got["trainer"], got["rollout"]) == (0, min(19, b + 14) - b)
+    assert got["fake"] == ("10" if own_session else "/autogroup-12 nice 3\n")
+    if own_session and got["group_before"] is not None:
+        assert got["group_after"] == min(19, got["group_before"] + 7)
+    else:
+        assert got["group_after"] == got["group_before"]  # a shell's session is never touched
+    for bad, match in (
+        ("cluster.nice.rollout=-2", "0-19"),
+        ("cluster.nice.rollouts=3", "unknown role"),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            load_config(None, [bad])
