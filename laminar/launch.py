@@ -81,13 +81,18 @@ AUTOGROUP = Path("/proc/self/autogroup")
 
 
 def lower_priority(cfg: LaminarConfig, role: Role, autogroup: Path = AUTOGROUP) -> None:
-    """Add cluster.nice[role] to this process's niceness, and to its autogroup's when it leads its
-    own session (never to a shell session a node was started from by hand)."""
+    """Add cluster.nice[role] to the niceness of every thread of this process, and to its autogroup's
+    when it leads its own session (never to a shell session a node was started from by hand)."""
     n = cfg.cluster.nice.get(role, 0)
     if not n:
         return
-    # before any thread starts: on Linux niceness is per thread, and new threads inherit it
-    os.setpriority(os.PRIO_PROCESS, 0, min(19, os.getpriority(os.PRIO_PROCESS, 0) + n))
+    tasks = Path(
+        "/proc/self/task"
+    )  # on Linux niceness is per thread (new ones inherit their maker's)
+    for tid in [int(t) for t in os.listdir(tasks)] if tasks.is_dir() else [0]:
+        with contextlib.suppress(ProcessLookupError):  # a thread that just ended
+            now = os.getpriority(os.PRIO_PROCESS, tid)
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, now + n))
     if os.getsid(0) != os.getpid():
         return
     try:  # "/autogroup-123 nice 0"; absent where the kernel has no autogroup scheduling
@@ -98,12 +103,17 @@ def lower_priority(cfg: LaminarConfig, role: Role, autogroup: Path = AUTOGROUP) 
 
 
 def _heavy_imports(cfg: LaminarConfig, role: Role) -> list[str]:
-    """The slow imports a role will make during setup (torch ~1.5, transformers' model code ~2.7
-    CPU-s each): a torch rollout imports them only after the buffer answered, so started early
-    they overlap the wait for the buffer instead of following it."""
-    if role == "rollout" and cfg.rollout.engine == "torch":
-        return ["torch", "transformers.modeling_utils", "transformers.tokenization_utils_fast"]
-    return []
+    """The slow imports a role will make during setup (torch ~1.2 CPU-s; transformers' model code
+    ~2.1 more, only where the model cannot load module-free, models/decoder_lm.py): a torch rollout
+    imports them only after the buffer answered, so started early they overlap the wait for the
+    buffer instead of following it."""
+    if role != "rollout" or cfg.rollout.engine != "torch":
+        return []
+    if (
+        cfg.rollout.torch_forward != "hf"
+    ):  # a model the lean forward cannot run imports the rest later
+        return ["torch", "safetensors.torch", "tokenizers"]
+    return ["torch", "transformers.modeling_utils", "transformers.tokenization_utils_fast"]
 
 
 def _prefetch_imports(modules: list[str]) -> None:
@@ -153,7 +163,6 @@ def node_main(
 
         check_inputs(cfg, [role])
     setup_process(cfg)
-    lower_priority(cfg, role)
     prepare_ipc_dir(cfg)
     from laminar.node import NodeFailed, node_class, run_nodes
     from laminar.supervise import EXIT_PERMANENT, PermanentFailure, detached_spawn
@@ -171,11 +180,20 @@ def node_main(
         watcher = (
             detached_spawn(_watch_parent(nodes, int(parent)), "watch-parent") if parent else None
         )
+
+        async def yield_once_ready() -> None:
+            # not before: every role's start is on the way to the first step (the trainer waits for
+            # the rollouts' first batch), and a rollout that yields while starting only delays it
+            await asyncio.gather(*(n.ready.wait() for n in nodes))
+            lower_priority(cfg, role)
+
+        renice = detached_spawn(yield_once_ready(), "nice") if cfg.cluster.nice.get(role) else None
         try:
             await run_nodes(nodes)
         finally:
-            if watcher:
-                watcher.cancel()
+            for task in (watcher, renice):
+                if task:
+                    task.cancel()
             if ctx is not None:
                 ctx.destroy(linger=0)
 

@@ -35,6 +35,28 @@ def test_tokenizer_json_alone_gives_autotokenizers_ids_and_bos(tmp_path):
         assert ta == tb
 
 
+def test_tokenizer_json_alone_decodes_as_autotokenizer(tmp_path):
+    """What a rollout needs: completions decoded and the EOS id, both as AutoTokenizer gives them."""
+    char_tokenizer(DEFAULT_ALPHABET).save_pretrained(tmp_path / "plain")
+    fast, auto = load_prompt_tokenizer(tmp_path / "plain"), load_tokenizer(tmp_path / "plain")
+    assert fast.eos_token_id == auto.eos_token_id is not None
+    for text in TEXTS:
+        ids = [
+            auto.bos_token_id,
+            *auto(text, add_special_tokens=False)["input_ids"],
+            auto.eos_token_id,
+        ]
+        for skip in (True, False):
+            assert fast.decode(np.array(ids), skip_special_tokens=skip) == auto.decode(
+                ids, skip_special_tokens=skip
+            ), (text, skip)
+    conf = json.loads((tmp_path / "plain/tokenizer_config.json").read_text())
+    (tmp_path / "plain/tokenizer_config.json").write_text(
+        json.dumps({**conf, "clean_up_tokenization_spaces": True})
+    )  # transformers rewrites the decoded text: its tokenizer, then
+    assert not isinstance(load_prompt_tokenizer(tmp_path / "plain"), TokenizerFile)
+
+
 def test_a_template_or_a_rewriting_setting_goes_through_autotokenizer(tmp_path):
     tok = char_tokenizer(DEFAULT_ALPHABET)
     tok.chat_template = TEMPLATE

@@ -107,9 +107,10 @@ class TorchEngine(Engine):
         self.eos = set(eos_token_ids) if eos_token_ids is not None else _eos_ids(model, tokenizer)
         self.device = next(model.parameters()).device
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
-        use_slot_attention(model)
         self.cache = SlotKVCache.for_model(model, max_running, self.max_model_len)
         self.lean = lean_decoder(model, self.max_model_len, forward)
+        if self.lean is None:  # HF's forward, with the slot attention plugged in
+            use_slot_attention(model)
         self._running: list[_Seq] = []  # index == slot
         self._waiting: deque[_Seq] = deque()
         self._seqs: dict[str, _Seq] = {}
@@ -129,16 +130,19 @@ class TorchEngine(Engine):
         cls, cfg: LaminarConfig, model: Any = None, tokenizer: Any = None, **kw: Any
     ) -> TorchEngine:
         """Engine for cfg (a LaminarConfig); loads cfg.model.path unless a model is passed."""
-        from laminar.models.tiny import load_causal_lm, load_tokenizer
+        from laminar.models.decoder_lm import load_model
+        from laminar.models.prompt_tokenizer import load_prompt_tokenizer
 
+        r = cfg.rollout
         if model is None:
             if not cfg.model.path:
                 raise ValueError(
                     "rollout.engine=torch needs model.path (a local HF model directory)"
                 )
-            model = load_causal_lm(cfg.model.path, dtype=cfg.model.dtype, device=cfg.model.device)
-            tokenizer = tokenizer or load_tokenizer(cfg.model.path)
-        r = cfg.rollout
+            model = load_model(cfg.model.path, cfg.model.dtype, cfg.model.device,
+                               module_free=r.torch_forward != "hf", max_len=r.max_model_len)  # fmt: skip
+            # decode only (stop strings): no template to render
+            tokenizer = tokenizer or load_prompt_tokenizer(cfg.model.path, chat_template=False)
         opts: dict[str, Any] = dict(max_running=r.max_running, max_model_len=r.max_model_len,
                     kv_capacity_tokens=r.kv_capacity_tokens, max_prefill_tokens=r.max_prefill_tokens,
                     forward=r.torch_forward)  # fmt: skip

@@ -1,16 +1,18 @@
-"""The tokenizer a prompt server needs, without transformers when the model directory allows.
+"""The tokenizer a node needs when it renders no chat template, without transformers when the
+model directory allows.
 
     tok = load_prompt_tokenizer(path, chat_template=cfg.data.chat_template)
     tok("12 13", add_special_tokens=False)["input_ids"];  tok.bos_token_id;  tok.chat_template
+    tok.decode(ids, skip_special_tokens=True);  tok.eos_token_id
 
-The buffer only encodes prompts. Loading a tokenizer through transformers' AutoTokenizer reads
-the model's config through code that imports torch: about 3 CPU-seconds at every buffer start,
-on a 2-core demo box where every node is starting at the same moment. A directory with a
+The buffer only encodes prompts; a rollout only decodes completions. Loading a tokenizer through
+transformers' AutoTokenizer imports transformers' model code: 2-3 CPU-seconds at every node
+start, on a 2-core demo box where every node is starting at the same moment. A directory with a
 `tokenizer.json` and no chat template (or a run that turned templates off) is read with the
-`tokenizers` library alone, which encodes with the very same backend as the fast HF tokenizer
-(`tests/test_prompt_tokenizer.py` checks the ids against AutoTokenizer's). Anything else (a chat
-template to render, settings with which transformers rewrites the tokenizer at load, or only a
-slow tokenizer's files) goes through AutoTokenizer as before.
+`tokenizers` library alone, the very same backend as the fast HF tokenizer
+(`tests/test_prompt_tokenizer.py` checks ids and decoded text against AutoTokenizer's). Anything
+else (a chat template to render, settings with which transformers rewrites the tokenizer at load
+or its decoded text, or only a slow tokenizer's files) goes through AutoTokenizer as before.
 """
 
 from __future__ import annotations
@@ -24,13 +26,14 @@ __all__ = ["TokenizerFile", "has_chat_template", "load_prompt_tokenizer"]
 
 _TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 _REWRITING_KEYS = ("add_prefix_space", "do_lower_case", "legacy", "from_slow")
+_CLEANUP_KEY = "clean_up_tokenization_spaces"
 """tokenizer_config.json settings with which transformers may rebuild parts of tokenizer.json at
 load time: such a directory goes through AutoTokenizer, so the ids stay exactly its ids."""
 
 
 class TokenizerFile:
-    """A `tokenizer.json` (plus the BOS token named in `tokenizer_config.json`) as a prompt
-    encoder uses a tokenizer: `__call__`, `bos_token_id`, no chat template."""
+    """A `tokenizer.json` (plus the BOS/EOS tokens named in `tokenizer_config.json`) as a node uses
+    a tokenizer: `__call__`, `decode`, `bos_token_id`, `eos_token_id`, no chat template."""
 
     chat_template = None
 
@@ -40,13 +43,20 @@ class TokenizerFile:
 
         d = Path(path)
         self._tok = Tokenizer.from_file(str(d / "tokenizer.json"))
-        bos = (_config(d) if config is None else config).get("bos_token")
-        if isinstance(bos, dict):  # an AddedToken written out in full
-            bos = bos.get("content")
-        self.bos_token_id: int | None = self._tok.token_to_id(bos) if isinstance(bos, str) else None
+        conf = _config(d) if config is None else config
+        self.bos_token_id = self._special_id(conf.get("bos_token"))
+        self.eos_token_id = self._special_id(conf.get("eos_token"))
+
+    def _special_id(self, token: Any) -> int | None:
+        if isinstance(token, dict):  # an AddedToken written out in full
+            token = token.get("content")
+        return self._tok.token_to_id(token) if isinstance(token, str) else None
 
     def __call__(self, text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
         return {"input_ids": self._tok.encode(text, add_special_tokens=add_special_tokens).ids}
+
+    def decode(self, ids: Any, skip_special_tokens: bool = False) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, *args: Any, **kwargs: Any) -> str:
         raise ValueError("loaded without a chat template (tokenizer.json alone)")
@@ -71,7 +81,7 @@ def load_prompt_tokenizer(path: str | os.PathLike[str], chat_template: bool = Tr
     otherwise AutoTokenizer (laminar.models.tiny.load_tokenizer)."""
     d = Path(path)
     conf = _config(d)  # read once: the checks and the BOS token all come from it
-    rewrites = any(k in conf for k in _REWRITING_KEYS)
+    rewrites = any(k in conf for k in _REWRITING_KEYS) or bool(conf.get(_CLEANUP_KEY))
     if (
         (d / "tokenizer.json").exists()
         and not rewrites

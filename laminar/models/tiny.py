@@ -73,6 +73,9 @@ def build_tiny_model(
     """Write a randomly initialised tiny model + tokenizer to `path` (HF directory)."""
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
@@ -98,6 +101,9 @@ def load_causal_lm(path: str | os.PathLike, dtype: str = "float32", device: str 
     """Load a local HF causal LM (never from the hub), eval mode, on `device`."""
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
     # one load at a time per process: transformers builds the model under a process-wide
     # meta-device context, and two loads in threads (rollouts starting together) break each other

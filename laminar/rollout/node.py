@@ -137,9 +137,12 @@ class RolloutNode(Node):
         await self.source.start()
         self.on_close(self.source.close)
         if cfg.rollout.engine != "sim" and cfg.model.path:
-            from laminar.models.tiny import load_tokenizer
+            from laminar.models.prompt_tokenizer import load_prompt_tokenizer
 
-            self.tokenizer = await asyncio.to_thread(load_tokenizer, cfg.model.path)
+            # completions only need decoding; an environment's turns may render the chat template
+            self.tokenizer = await asyncio.to_thread(
+                load_prompt_tokenizer, cfg.model.path, chat_template=bool(cfg.env.fn)
+            )
         if self.env is None and cfg.env.fn:
             from laminar.envs.loader import load_env
 

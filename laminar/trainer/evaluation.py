@@ -208,13 +208,15 @@ def open_evaluator(
     if cfg.env.fn:
         log.warning("eval_single_turn", env=cfg.env.fn,
                     note="validation generates one greedy turn per prompt, scored by reward.fn")  # fmt: skip
-    from laminar.models.tiny import load_causal_lm, load_tokenizer
+    from laminar.models.decoder_lm import load_model
+    from laminar.models.prompt_tokenizer import load_prompt_tokenizer
 
-    tokenizer = load_tokenizer(cfg.model.path)
+    tokenizer = load_prompt_tokenizer(cfg.model.path, chat_template=cfg.data.chat_template)
     rows = load_eval_rows(cfg, tokenizer, log)
     if not rows:
         log.error("eval_skipped", reason=f"no usable rows in data.eval={cfg.data.eval}")
         return None
-    model = load_causal_lm(cfg.model.path, cfg.model.dtype, cfg.model.device)
+    model = load_model(cfg.model.path, cfg.model.dtype, cfg.model.device, module_free=True,
+                       max_len=cfg.rollout.max_model_len)  # fmt: skip
     log.info("eval_ready", rows=len(rows), every=cfg.trainer.eval_every, file=cfg.data.eval)
     return Evaluator(cfg, model, tokenizer, rows, log)

@@ -98,11 +98,8 @@ def _apply_fsdp(model: torch.nn.Module, ctx: DistContext, device: torch.device) 
 
 class Policy:
     def __init__(self, cfg: LaminarConfig, model_path: str, ctx: DistContext | None = None):
-        from transformers.utils import logging as hf_logging
+        from laminar.models.decoder_lm import load_model
 
-        from laminar.models.tiny import load_causal_lm
-
-        hf_logging.disable_progress_bar()
         self.cfg, self.ctx = cfg, ctx or DistContext()
         self.model_path = model_path
         """Where the weights came from; its tokenizer files go into every checkpoint."""
@@ -116,7 +113,10 @@ class Policy:
         self.autocast = self.device.type == "cuda"
         # fp32 master weights, eval() (no dropout); sharded from CPU so no GPU ever holds two full copies
         load_on = "cpu" if self.ctx.enabled else str(self.device)
-        self.model = load_causal_lm(model_path, "float32", load_on)
+        # the packed forward reads parameters only: no transformers needed where it runs (not FSDP)
+        module_free = tc.forward != "hf" and not self.ctx.enabled
+        max_len = cfg.rollout.max_model_len
+        self.model = load_model(model_path, "float32", load_on, module_free, max_len)
         self.vocab_size = int(self.model.config.vocab_size)
         self.max_len = getattr(self.model.config, "max_position_embeddings", None)
         dups = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
@@ -125,7 +125,9 @@ class Policy:
             _fp32_head(self.model.get_output_embeddings())
         self.ref = None
         if algo.kl_coef > 0:
-            self.ref = load_causal_lm(cfg.model.path or model_path, "float32", load_on)
+            self.ref = load_model(
+                cfg.model.path or model_path, "float32", load_on, module_free, max_len
+            )
             self.ref.requires_grad_(False)
         if self.ctx.enabled:
             _apply_fsdp(self.model, self.ctx, self.device)
