@@ -123,10 +123,14 @@ def _prefetch_imports(modules: list[str]) -> None:
     import importlib
     import threading
 
+    from laminar.models.tiny import IMPORT_LOCK
+
     def run() -> None:
         for name in modules:
+            lock = IMPORT_LOCK if name.split(".")[0] == "transformers" else contextlib.nullcontext()
             try:
-                importlib.import_module(name)
+                with lock:
+                    importlib.import_module(name)
             except Exception:  # noqa: BLE001 - the node's own import reports it
                 return
 

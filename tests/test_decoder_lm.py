@@ -152,3 +152,29 @@ print(sorted(m for m in sys.modules if m.split(".")[0] == "transformers"))
     saved = next((tmp_path / "run/checkpoints").glob("step_*/model"))
     back = AutoModelForCausalLM.from_pretrained(saved)
     assert np.isfinite(back.model.norm.weight.detach().numpy()).all()
+
+
+def test_import_prefetch_and_an_hf_load_at_once(tmp_path):
+    """A node's import prefetch (laminar/launch.py) and an HF model load on another thread at the
+    same moment: transformers' lazy module once handed the loader a half-built module (every
+    rollout with rollout.torch_forward=hf died with "cannot import name AutoModelForCausalLM")."""
+    from laminar.launch import _heavy_imports
+    from laminar.models.tiny import build_tiny_model
+
+    path = build_tiny_model(tmp_path / "tiny", hidden=32, layers=1, heads=2, kv_heads=1)
+    code = f"""
+from laminar.config import load_config
+from laminar.launch import _heavy_imports, _prefetch_imports
+from laminar.models.tiny import load_causal_lm, load_tokenizer
+_prefetch_imports(_heavy_imports(load_config(None, ["rollout.torch_forward=hf"]), "rollout"))
+print(type(load_causal_lm({str(path)!r})).__name__, type(load_tokenizer({str(path)!r})).__name__)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[0] == "LlamaForCausalLM"
+    from laminar.config import load_config
+
+    # the lean forward's rollouts never import transformers at all
+    assert not any(
+        m.startswith("transformers") for m in _heavy_imports(load_config(None, []), "rollout")
+    )

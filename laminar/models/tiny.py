@@ -20,6 +20,10 @@ from typing import Any
 
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 _LOAD_LOCK = threading.Lock()
+IMPORT_LOCK = threading.Lock()
+"""Held while a thread imports transformers: its lazy top-level module, imported from two threads at
+once (a node's import prefetch and a model or tokenizer load), can hand one of them a half-built
+module ("cannot import name 'AutoModelForCausalLM'")."""
 DEFAULT_ALPHABET = "0123456789+-*=;#:,. abcdefghijklmnopqrstuvwxyz?\n"
 
 
@@ -92,7 +96,8 @@ def build_tiny_model(
 
 
 def load_tokenizer(path: str | os.PathLike):
-    from transformers import AutoTokenizer
+    with IMPORT_LOCK:
+        from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
@@ -100,11 +105,12 @@ def load_tokenizer(path: str | os.PathLike):
 def load_causal_lm(path: str | os.PathLike, dtype: str = "float32", device: str = "cpu"):
     """Load a local HF causal LM (never from the hub), eval mode, on `device`."""
     import torch
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
+
+    with IMPORT_LOCK:
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-
     # one load at a time per process: transformers builds the model under a process-wide
     # meta-device context, and two loads in threads (rollouts starting together) break each other
     with _LOAD_LOCK:

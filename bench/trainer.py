@@ -1,0 +1,186 @@
+"""Trainer step time, packed forward vs HF's padded forward; and a model process's start, module-free
+vs through transformers. Same run, alternating, ratios against the baseline measured beside them.
+
+    GRPO batches (groups of n samples sharing a prompt) ──► Policy.train_step  (trainer.forward=packed | hf)
+    a fresh `python -c` that imports torch and loads the model ──► CPU-s and wall s (module_free | HF)
+
+Workload (stated in the JSON): the demo's policy shape (3 layers, hidden 128, char vocabulary),
+batches of `groups` x `group` samples, prompts of 12-30 tokens shared by a group, response
+lengths lognormal (median ~30, long tail clipped at 250): the count-up task's shape. Both
+forwards run the demo's trainer settings (4 PPO mini-batches, the pi_prox pass, 1024-token
+micro-batches, one thread). Reported: median step seconds over `steps` batches per repeat,
+tokens per second, and the packed / HF ratio; for the start, CPU seconds and wall seconds of
+the whole child (interpreter, imports, load) and which modules it imported.
+
+    .venv/bin/python bench/trainer.py --quick --out /tmp/trainer.json     # ~1 min on 2 cores
+    .venv/bin/python bench/trainer.py --out bench/results/trainer.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from benchinfo import git_state  # noqa: E402
+
+from laminar.config import config_from_dict  # noqa: E402
+from laminar.models.tiny import build_tiny_model  # noqa: E402
+from laminar.protocol.data import Trajectory  # noqa: E402
+from laminar.trainer.policy import Policy  # noqa: E402
+
+MODEL = dict(
+    hidden=128, layers=3, heads=4, kv_heads=2, max_positions=320
+)  # the demo policy's shape
+ALPHABET = "0123456789+<=>;#?"  # the count-up task's characters
+START_CHILD = """
+import resource, sys, time
+t = time.time()
+from laminar.models.decoder_lm import load_model
+model = load_model(sys.argv[1], module_free=sys.argv[2] == "1")
+r = resource.getrusage(resource.RUSAGE_SELF)
+print(r.ru_utime + r.ru_stime, time.time() - t, type(model).__name__,
+      int(any(m.split(".")[0] == "transformers" for m in sys.modules)))
+"""
+
+
+def batches(n: int, groups: int, group: int, vocab: int, seed: int) -> list[list[Trajectory]]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for b in range(n):
+        trajs = []
+        for g in range(groups):
+            prompt = rng.integers(3, vocab, size=int(rng.integers(12, 31)))
+            for i in range(group):
+                r = int(min(250, max(2, rng.lognormal(3.4, 0.6))))
+                trajs.append(Trajectory(uid=f"{b}-{g}/{i}", group_id=f"{b}-{g}", prompt_uid=f"{b}-{g}",
+                                        sample_index=i, prompt_ids=prompt, response_ids=rng.integers(3, vocab, size=r),
+                                        logprobs=np.full(r, -1.0, np.float32), version=0,
+                                        reward=float(rng.random() < 0.5)))  # fmt: skip
+        out.append(trajs)
+    return out
+
+
+def policy(path: Path, run_dir: Path, forward: str) -> Policy:
+    cfg = config_from_dict({
+        "run_dir": str(run_dir), "model": {"path": str(path)},
+        "rollout": {"max_model_len": 320, "sampling": {"max_tokens": 256}},
+        "trainer": {"lr": 5e-5, "minibatches": 4, "micro_batch_tokens": 1024, "forward": forward},
+        "algo": {"loss": "ppo", "decoupled": True, "is_mode": "truncate", "is_cap": 2.0},
+    })  # fmt: skip
+    return Policy(cfg, str(path))
+
+
+def time_steps(pol: Policy, work: list[list[Trajectory]]) -> list[float]:
+    out = []
+    for trajs in work:
+        batch = pol.prepare(trajs)
+        t = time.perf_counter()
+        pol.train_step(batch)
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def start_child(path: Path, module_free: bool) -> dict[str, Any]:
+    res = subprocess.run([sys.executable, "-c", START_CHILD, str(path), "1" if module_free else "0"],
+                         capture_output=True, text=True, timeout=300, check=True)  # fmt: skip
+    cpu, wall, kind, hf = res.stdout.split()
+    return {
+        "cpu_s": float(cpu),
+        "wall_s": float(wall),
+        "model": kind,
+        "imported_transformers": hf == "1",
+    }
+
+
+def stats(xs: list[float]) -> dict[str, float]:
+    return {
+        "min": round(min(xs), 4),
+        "median": round(statistics.median(xs), 4),
+        "max": round(max(xs), 4),
+    }
+
+
+def machine() -> dict[str, Any]:
+    return {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads(), **git_state(),
+            "loadavg_at_start": [round(x, 2) for x in os.getloadavg()]}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="2 repeats of 4 batches, 3 starts each")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=6, help="batches per repeat and forward")
+    ap.add_argument("--starts", type=int, default=5, help="child starts per loader")
+    ap.add_argument("--groups", type=int, default=16)
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.quick:
+        args.repeats, args.steps, args.starts = 2, 4, 3
+    torch.set_num_threads(1)
+    tmp = Path(tempfile.mkdtemp(prefix="lam-bench-trainer-"))
+    path = build_tiny_model(tmp / "model", alphabet=ALPHABET, seed=0, **MODEL)
+    vocab = int(json.loads((path / "config.json").read_text())["vocab_size"])
+    work = batches(args.steps + 1, args.groups, args.group, vocab, seed=0)
+    tokens = [sum(len(t.prompt_ids) + len(t.response_ids) for t in trajs) for trajs in work[1:]]
+    steps: dict[str, list[float]] = {"packed": [], "hf": []}
+    for rep in range(args.repeats):
+        for forward in ("packed", "hf") if rep % 2 == 0 else ("hf", "packed"):
+            pol = policy(path, tmp / f"run-{forward}", forward)
+            time_steps(pol, work[:1])  # warm-up step: allocator, first-call paths
+            ts = time_steps(pol, work[1:])
+            steps[forward] += ts
+            print(f"  repeat {rep} {forward:<6} median step {statistics.median(ts):.3f} s")
+    starts: dict[str, list[dict[str, Any]]] = {"module_free": [], "hf": []}
+    for i in range(args.starts):
+        for name in ("module_free", "hf") if i % 2 == 0 else ("hf", "module_free"):
+            starts[name].append(start_child(path, name == "module_free"))
+    per_tok = statistics.median(tokens)
+    step = {k: stats(v) for k, v in steps.items()}
+    start = {k: {"cpu_s": stats([r["cpu_s"] for r in v]), "wall_s": stats([r["wall_s"] for r in v]),
+                 "model": v[0]["model"], "imported_transformers": v[0]["imported_transformers"]}
+             for k, v in starts.items()}  # fmt: skip
+    result = {
+        "config": {**vars(args), "model": MODEL, "tokens_per_batch_median": per_tok},
+        "machine": machine(),
+        "step_s": step,
+        "tokens_per_s": {k: round(per_tok / v["median"], 1) for k, v in step.items()},
+        "start": start,
+        "summary": {
+            "packed_over_hf_step_speed": round(step["hf"]["median"] / step["packed"]["median"], 3),
+            "start_cpu_s_saved": round(start["hf"]["cpu_s"]["median"] - start["module_free"]["cpu_s"]["median"], 3),
+            "start_wall_hf_over_module_free": round(
+                start["hf"]["wall_s"]["median"] / start["module_free"]["wall_s"]["median"], 3
+            ),
+        },
+    }  # fmt: skip
+    print(f"\n{'':<24}{'packed / module-free':>22}{'hf':>12}{'ratio':>8}")
+    print(f"{'train step s (median)':<24}{step['packed']['median']:>22.3f}{step['hf']['median']:>12.3f}"
+          f"{result['summary']['packed_over_hf_step_speed']:>8.2f}x")  # fmt: skip
+    print(f"{'model start CPU-s':<24}{start['module_free']['cpu_s']['median']:>22.2f}"
+          f"{start['hf']['cpu_s']['median']:>12.2f}{start['hf']['cpu_s']['median'] / start['module_free']['cpu_s']['median']:>8.2f}x")  # fmt: skip
+    print(f"{'model start wall s':<24}{start['module_free']['wall_s']['median']:>22.2f}"
+          f"{start['hf']['wall_s']['median']:>12.2f}{result['summary']['start_wall_hf_over_module_free']:>8.2f}x")  # fmt: skip
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
