@@ -1,4 +1,5 @@
-"""The trained policy: HF causal LM + AdamW + warmup/cosine schedule, FSDP2 across ranks.
+"""The trained policy: a causal LM (models/decoder_lm.py module-free where the packed forward runs,
+else HF's) + AdamW + warmup/cosine schedule, FSDP2 across ranks.
 The torch implementation of the `Trainer` protocol (laminar/trainer/engine.py).
 
     policy = Policy(cfg, model_path, DistContext())        # world 1: plain module
@@ -10,7 +11,8 @@ Protocol methods are collectives under torch.distributed: on rank 0 each first t
 other ranks to run the same method (dist.lead), which they do from follower.py.
 
 One trainer step per batch, trainer.minibatches optimizer steps inside it:
-    pack micro-batches by length (token budget) ─► [k1-in-reward: no-grad pass for KL]
+    pack micro-batches (token budget; packed forward, trainer/packed.py: a prompt's samples together,
+    each prompt run once; HF's padded forward: by length) ─► [k1-in-reward: no-grad pass for KL]
     ─► advantages (whole batch) ─► split the groups into M mini-batches
     ─► [M > 1, decoupled: no-grad pass for pi_prox on mini-batches 2..M]
     ─► per mini-batch: per micro-batch: forward (bf16 autocast on GPU, fp32 logits / T)
@@ -199,16 +201,16 @@ class Policy:
         With the packed forward only those positions reach the head at all.
         """
         sel = mb.resp_mask
-        packed = self.packed_ref if model is not None and model is self.ref else self.packed
-        if packed is not None and (model is None or model is self.ref) and mb.layout is not None:
-            with self._amp():
+        model = model or self.model
+        packed = {id(self.model): self.packed, id(self.ref): self.packed_ref}.get(id(model))
+        with self._amp():
+            if packed is not None and mb.layout is not None:
                 logits = packed(mb.layout).float()  # [N, V], sel's positions in row-major order
-        else:
-            with self._amp():
-                out = (model or self.model)(
+            else:
+                out = model(
                     input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False
                 )
-            logits = out.logits[:, :-1][sel].float()  # [N, V]
+                logits = out.logits[:, :-1][sel].float()  # [N, V]
         if self.temperature != 1.0:
             logits = logits / self.temperature
         lse = torch.logsumexp(logits, dim=-1)
