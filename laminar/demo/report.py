@@ -484,8 +484,9 @@ def _comparison_md(s: dict[str, Any], f: Callable[..., str]) -> list[str]:
         "2 cores one core idles for most of each step. In laminar mode generation and training overlap: "
         "rollouts keep generating (within the staleness bound, buffer.max_staleness) while the trainer trains, "
         "and pull new weights whenever they are idle, which is where the higher step rate comes from. "
-        "What limits the gain on this machine: the trainer and both rollouts share 2 CPU cores (a rollout "
-        "that generates slows the trainer down, unlike on a GPU cluster where each role has its own "
-        "devices), the trainer is the bottleneck rather than the long tail of generation, and laminar trains "
-        "on data up to buffer.max_staleness versions old, which can cost learning per step (bench/learning.py).",
+        "What limits the gain on this machine: the trainer and both rollouts share 2 CPU cores (unlike on a "
+        "GPU cluster, where each role has its own devices): the trainer keeps one core (cluster.nice lowers "
+        "the rollouts' priority), so generation, on the other, sets laminar's pace, and there is little long "
+        "tail for the overlap to hide on a policy this small; and laminar trains on data up to "
+        "buffer.max_staleness versions old, which can cost learning per step (bench/learning.py).",
     ]
