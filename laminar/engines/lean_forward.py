@@ -24,7 +24,6 @@ after a weight load.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,9 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from laminar.engines.kv_cache import SlotKVCache, attend
-from laminar.models.decoder_ops import DecoderShape, rms, rope_table, rotate, unsupported
-
-log = logging.getLogger(__name__)
+from laminar.models import decoder_ops as ops
+from laminar.models.decoder_ops import DecoderShape, rms, rope_table, rotate
 
 
 @dataclass
@@ -110,16 +108,9 @@ class LeanDecoder:
 
 
 def lean_decoder(model: Any, max_len: int, forward: str) -> LeanDecoder | None:
-    """The forward the engine steps with (`rollout.torch_forward`): "auto" takes the lean one where it
-    runs the model exactly (else None: the HF forward, the reason logged), "lean" insists, "hf" declines."""
-    if forward == "hf":
-        return None
-    if forward not in ("auto", "lean"):
-        raise ValueError(f"torch engine forward must be auto, lean or hf, not {forward!r}")
-    why = unsupported(model, max_len)
-    if why is None:
+    """The forward the engine steps with (`rollout.torch_forward`): the lean one, or None (HF's)."""
+    if ops.use_plain_forward(
+        "rollout.torch_forward", forward, "lean", lambda: ops.unsupported(model, max_len)
+    ):
         return LeanDecoder(model, max_len)
-    if forward == "lean":
-        raise ValueError(f"rollout.torch_forward=lean cannot run this model: {why}")
-    log.info("torch engine: HF forward (%s)", why)
     return None

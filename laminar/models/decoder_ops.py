@@ -14,12 +14,15 @@ so anything unsupported() lets through has exactly these parameters and no other
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")
@@ -113,3 +116,22 @@ def unsupported(model: Any, max_len: int) -> str | None:
         if m.gate_proj.bias is not None or (a.q_proj.bias is None) != (a.k_proj.bias is None):
             return "unexpected projection biases"
     return None
+
+
+def use_plain_forward(
+    setting: str, choice: str, insist: str, why_not: Callable[[], str | None]
+) -> bool:
+    """Whether `setting` (auto | `insist` | hf) runs a plain-tensor forward: "auto" takes it where
+    `why_not()` finds nothing against it (else HF's forward, the reason logged), `insist` raises
+    the reason instead, "hf" declines."""
+    if choice == "hf":
+        return False
+    if choice not in ("auto", insist):
+        raise ValueError(f"{setting} must be auto, {insist} or hf, not {choice!r}")
+    why = why_not()
+    if why is None:
+        return True
+    if choice == insist:
+        raise ValueError(f"{setting}={insist} cannot run this model: {why}")
+    log.info("%s: HF forward (%s)", setting, why)
+    return False

@@ -21,7 +21,6 @@ matmul each, RoPE from HF's own table): logprobs agree to float rounding and so 
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,10 +28,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from laminar.models.decoder_ops import DecoderShape, rms, rope_table, rotate, unsupported
+from laminar.models import decoder_ops as ops
+from laminar.models.decoder_ops import DecoderShape, rms, rope_table, rotate
 from laminar.trainer.batch import Sample, pack_micro_batches
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -235,14 +233,11 @@ class PackedForward:
 def packed_forward(
     model: Any, max_len: int, choice: str, sharded: bool, fp32_head: bool = False
 ) -> PackedForward | None:
-    """The forward the trainer runs (`trainer.forward`): "auto" takes the packed one where it runs the
-    model exactly (else None: HF's padded forward, the reason logged), "packed" insists, "hf" declines."""
-    if choice == "hf":
-        return None
-    why = "FSDP-sharded parameters" if sharded else unsupported(model, max_len)
-    if why is None:
+    """The forward the trainer runs (`trainer.forward`): the packed one, or None (HF's padded one)."""
+
+    def why_not() -> str | None:
+        return "FSDP-sharded parameters" if sharded else ops.unsupported(model, max_len)
+
+    if ops.use_plain_forward("trainer.forward", choice, "packed", why_not):
         return PackedForward(model, fp32_head)
-    if choice == "packed":
-        raise ValueError(f"trainer.forward=packed cannot run this model: {why}")
-    log.info("trainer: HF padded forward (%s)", why)
     return None
