@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -35,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from benchinfo import git_state  # noqa: E402
+from engine import machine, stats  # noqa: E402  (the same figures' helpers as bench/engine.py)
 
 from laminar.config import config_from_dict  # noqa: E402
 from laminar.models.tiny import build_tiny_model  # noqa: E402
@@ -104,20 +102,6 @@ def start_child(path: Path, module_free: bool) -> dict[str, Any]:
         "model": kind,
         "imported_transformers": hf == "1",
     }
-
-
-def stats(xs: list[float]) -> dict[str, float]:
-    return {
-        "min": round(min(xs), 4),
-        "median": round(statistics.median(xs), 4),
-        "max": round(max(xs), 4),
-    }
-
-
-def machine() -> dict[str, Any]:
-    return {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
-            "torch": torch.__version__, "torch_threads": torch.get_num_threads(), **git_state(),
-            "loadavg_at_start": [round(x, 2) for x in os.getloadavg()]}  # fmt: skip
 
 
 def main() -> None:
