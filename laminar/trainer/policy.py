@@ -276,11 +276,13 @@ class Policy:
         plans = [self._plan(batch, idx) for idx in parts]
         # pi_prox of mini-batches 2..M, before any parameter moves (mini-batch 1 reuses its own forward)
         prox_of: dict[tuple[int, int], torch.Tensor] = {}
+        built: dict[tuple[int, int], MicroBatch] = {}  # collated (and laid out) once, used twice
         if len(parts) > 1 and algo.decoupled:
             with torch.no_grad():
                 for k, plan in enumerate(plans[1:], start=1):
                     for j, (idx, _) in enumerate(plan):
-                        prox_of[k, j], _ = self.token_logprobs(self.micro_batch(batch, idx))
+                        built[k, j] = self.micro_batch(batch, idx)
+                        prox_of[k, j], _ = self.token_logprobs(built[k, j])
         lr = float(self.scheduler.get_last_lr()[0])
         norms: list[float] = []
         n_micro = 0
@@ -288,7 +290,7 @@ class Policy:
             n_tok = sum(batch.samples[i].n_model for i in idx_k)
             self.optimizer.zero_grad(set_to_none=True)
             for j, (idx, weight) in enumerate(plan):
-                mb = self.micro_batch(batch, idx)
+                mb = built.pop((k, j), None) or self.micro_batch(batch, idx)
                 st = stats if weight else StatAccumulator()
                 logp, ent = self.token_logprobs(mb, entropy_grad=s.entropy_coef > 0)
                 if not algo.decoupled:
