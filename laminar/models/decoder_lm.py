@@ -30,20 +30,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from laminar.models.decoder_ops import MODEL_TYPES, DecoderShape, rms, rotate
+from laminar.models.decoder_ops import (
+    DecoderShape,
+    config_unsupported,
+    rms,
+    rope_parameters,
+    rotate,
+)
 
 ROPE_TYPES = ("default", "linear", "llama3")
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-
-
-def rope_parameters(cfg: Any) -> dict[str, Any]:
-    """RoPE settings from either config layout (transformers 5: rope_parameters with rope_theta in
-    it; 4.x: rope_theta + rope_scaling)."""
-    params = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
-    params.setdefault("rope_theta", getattr(cfg, "rope_theta", 10000.0))
-    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
-    return params
 
 
 def inverse_frequencies(cfg: Any, head_dim: int) -> torch.Tensor:
@@ -228,19 +225,18 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def _why_not(cfg: Any, raw: dict[str, Any], max_len: int | None) -> str | None:
-    if cfg.model_type not in MODEL_TYPES:
-        return f"model_type {cfg.model_type!r}"
+def _why_not(cfg: Any, raw: dict[str, Any], max_len: int) -> str | None:
+    """What keeps the checkpoint from loading here: what the plain forwards cannot run, and the
+    parts of HF's tree this one does not build (RoPE types beyond three, other activations, quantisation)."""
+    why = config_unsupported(cfg, max_len)
+    if why is not None:
+        return why
     if rope_parameters(cfg)["rope_type"] not in ROPE_TYPES:
         return f"rope_type {rope_parameters(cfg)['rope_type']!r}"
     if getattr(cfg, "hidden_act", "silu") != "silu":
         return f"hidden_act {cfg.hidden_act!r}"
-    if "quantization_config" in raw or getattr(cfg, "pretraining_tp", 1) not in (1, None):
-        return "quantized or tensor-parallel checkpoint"
-    window = getattr(cfg, "sliding_window", None)
-    binds = getattr(cfg, "use_sliding_window", True) or cfg.model_type == "mistral"
-    if window and binds and (max_len is None or window < max_len):
-        return f"sliding window {window}"
+    if "quantization_config" in raw:
+        return "quantized checkpoint"
     return None
 
 
@@ -266,7 +262,9 @@ def load_decoder_lm(path: str | Path, dtype: str = "float32", device: str = "cpu
     fields = {"num_key_value_heads": raw.get("num_attention_heads"), "pad_token_id": None,
               "tie_word_embeddings": False, "rms_norm_eps": 1e-6, "model_type": None, **raw}  # fmt: skip
     cfg = SimpleNamespace(**fields)
-    if _why_not(cfg, raw, max_len or raw.get("max_position_embeddings")) is not None:
+    # a length unknown to the caller and the config: any sliding window binds
+    longest = max_len or raw.get("max_position_embeddings") or 1 << 30
+    if _why_not(cfg, raw, longest) is not None:
         return None
     state: dict[str, torch.Tensor] = {}
     for f in files:

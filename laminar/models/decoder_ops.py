@@ -79,16 +79,22 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
 
 
-def unsupported(model: Any, max_len: int) -> str | None:
-    """Why the plain-tensor forwards cannot run `model` exactly, or None when they can."""
-    cfg = text_config(model)
+def rope_parameters(cfg: Any) -> dict[str, Any]:
+    """RoPE settings from either config layout (transformers 5: rope_parameters with rope_theta in
+    it; 4.x: rope_theta + rope_scaling), rope_type always set."""
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    params = dict(params) if isinstance(params, dict) else {"rope_type": "?"}
+    params.setdefault("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    return params
+
+
+def config_unsupported(cfg: Any, max_len: int) -> str | None:
+    """What in a decoder's config the plain-tensor forwards cannot run exactly, or None."""
     kind = getattr(cfg, "model_type", None)
     if kind not in MODEL_TYPES:
         return f"model_type {kind!r} is not one of {MODEL_TYPES}"
-    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-    rope_type = (
-        rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "?"
-    )
+    rope_type = rope_parameters(cfg)["rope_type"]
     if rope_type not in STATIC_ROPE:
         return f"rope_type {rope_type!r} is not a static one {STATIC_ROPE}"
     window = getattr(cfg, "sliding_window", None)
@@ -100,6 +106,14 @@ def unsupported(model: Any, max_len: int) -> str | None:
         return f"sliding window {window} < max_len {max_len}"
     if getattr(cfg, "pretraining_tp", 1) not in (1, None):
         return "pretraining_tp > 1"
+    return None
+
+
+def unsupported(model: Any, max_len: int) -> str | None:
+    """Why the plain-tensor forwards cannot run `model` exactly, or None when they can."""
+    why = config_unsupported(text_config(model), max_len)
+    if why is not None:
+        return why
     inner = getattr(model, "model", None)
     needed = ("embed_tokens", "layers", "norm", "rotary_emb")
     if inner is None or not all(hasattr(inner, a) for a in needed) or not hasattr(model, "lm_head"):
