@@ -86,9 +86,8 @@ def lower_priority(cfg: LaminarConfig, role: Role, autogroup: Path = AUTOGROUP) 
     n = cfg.cluster.nice.get(role, 0)
     if not n:
         return
-    tasks = Path(
-        "/proc/self/task"
-    )  # on Linux niceness is per thread (new ones inherit their maker's)
+    # on Linux niceness is per thread (new ones inherit their maker's)
+    tasks = Path("/proc/self/task")
     for tid in [int(t) for t in os.listdir(tasks)] if tasks.is_dir() else [0]:
         with contextlib.suppress(ProcessLookupError):  # a thread that just ended
             now = os.getpriority(os.PRIO_PROCESS, tid)
@@ -109,9 +108,8 @@ def _heavy_imports(cfg: LaminarConfig, role: Role) -> list[str]:
     buffer instead of following it."""
     if role != "rollout" or cfg.rollout.engine != "torch":
         return []
-    if (
-        cfg.rollout.torch_forward != "hf"
-    ):  # a model the lean forward cannot run imports the rest later
+    if cfg.rollout.torch_forward != "hf":
+        # module-free start; a model the lean forward cannot run imports transformers later
         return ["torch", "safetensors.torch", "tokenizers"]
     return ["torch", "transformers.modeling_utils", "transformers.tokenization_utils_fast"]
 
