@@ -116,8 +116,6 @@ class PackedLayout:
         )
 
     def to(self, device: torch.device) -> PackedLayout:
-        if device.type == "cpu":
-            return self
         return PackedLayout(self.ids.to(device), self.pos.to(device),
                             [c.to(device) for c in self.chunks], self.order.to(device),
                             self.select.to(device))  # fmt: skip
