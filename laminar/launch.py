@@ -80,6 +80,16 @@ def setup_process(cfg: LaminarConfig) -> None:
 AUTOGROUP = Path("/proc/self/autogroup")
 
 
+def autogroup_nice(autogroup: Path = AUTOGROUP) -> int | None:
+    """The niceness of this process's autogroup ("/autogroup-123 nice 0"), or None where there is
+    none: a kernel without autogroup scheduling has no file, and a process still in the root group
+    (a session never started by setsid, such as PID 1's) reads it empty."""
+    try:
+        return int(autogroup.read_text().split()[-1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def lower_priority(cfg: LaminarConfig, role: Role, autogroup: Path = AUTOGROUP) -> None:
     """Add cluster.nice[role] to the niceness of every thread of this process, and to its autogroup's
     when it leads its own session (never to a shell session a node was started from by hand)."""
@@ -94,10 +104,13 @@ def lower_priority(cfg: LaminarConfig, role: Role, autogroup: Path = AUTOGROUP) 
             os.setpriority(os.PRIO_PROCESS, tid, min(19, now + n))
     if os.getsid(0) != os.getpid():
         return
-    try:  # "/autogroup-123 nice 0"; absent where the kernel has no autogroup scheduling
-        now = int(autogroup.read_text().split()[-1])
-        autogroup.write_text(str(min(19, now + n)))
-    except (OSError, ValueError, IndexError) as exc:
+    group = autogroup_nice(autogroup)
+    if group is None:
+        logging.getLogger(__name__).info("cluster.nice: no autogroup at %s, left as is", autogroup)
+        return
+    try:
+        autogroup.write_text(str(min(19, group + n)))
+    except OSError as exc:
         logging.getLogger(__name__).info("cluster.nice: autogroup left as is (%s)", exc)
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from laminar.config import ConfigError, LaminarConfig, dump_config, load_config, write_resolved
+from laminar.launch import autogroup_nice
 
 _REPO = Path(__file__).resolve().parent.parent
 CONFIGS = sorted([*(_REPO / "configs").glob("*.y*ml"), *(_REPO / "examples").glob("*.y*ml")])
@@ -128,11 +129,9 @@ _NICE_CHILD = """
 import json, os, sys
 from pathlib import Path
 from laminar.config import load_config
-from laminar.launch import lower_priority
+from laminar.launch import autogroup_nice as group, lower_priority
 cfg = load_config(None, ["cluster.nice.rollout=7"])
 fake = Path(sys.argv[1])
-real = Path("/proc/self/autogroup")
-group = lambda: int(real.read_text().split()[-1]) if real.exists() else None
 before, group_before = os.getpriority(os.PRIO_PROCESS, 0), group()
 lower_priority(cfg, "trainer", fake)
 mid = os.getpriority(os.PRIO_PROCESS, 0)
@@ -144,23 +143,44 @@ print(json.dumps({"before": before, "trainer": mid - before,
 """
 
 
-@pytest.mark.parametrize("own_session", [True, False])
-def test_roles_told_to_yield_lower_their_own_priority(tmp_path, own_session) -> None:
+@pytest.mark.parametrize(
+    ("own_session", "group_file", "group_after"),
+    [
+        (True, "/autogroup-12 nice 3\n", "10"),
+        (False, "/autogroup-12 nice 3\n", "/autogroup-12 nice 3\n"),  # a shell's session: untouched
+        (True, "", ""),  # the root group (a session never made by setsid) reads empty: left as is
+    ],
+)
+def test_roles_told_to_yield_lower_their_own_priority(
+    tmp_path, own_session, group_file, group_after
+) -> None:
     """cluster.nice raises the niceness of the role's processes (in a child: never this test's own),
     and a node that leads its session (as `laminar run` starts them) raises its autogroup's too."""
     fake = tmp_path / "autogroup"
-    fake.write_text("/autogroup-12 nice 3\n")
+    fake.write_text(group_file)
     out = subprocess.run([sys.executable, "-c", _NICE_CHILD, str(fake)], capture_output=True,
-                         text=True, timeout=60, check=True, start_new_session=own_session)  # fmt: skip
+                         text=True, timeout=60, start_new_session=own_session)  # fmt: skip
+    assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)
     b = got["before"]
     # trainer untouched; the rollout's +7 applied twice (the fake group, then the real one)
     assert (got["trainer"], got["rollout"]) == (0, min(19, b + 14) - b)
-    assert got["fake"] == ("10" if own_session else "/autogroup-12 nice 3\n")
+    assert got["fake"] == group_after
     if own_session and got["group_before"] is not None:
         assert got["group_after"] == min(19, got["group_before"] + 7)
     else:
         assert got["group_after"] == got["group_before"]  # a shell's session is never touched
+
+
+def test_autogroup_nice_reads_the_group_or_none(tmp_path) -> None:
+    f = tmp_path / "autogroup"
+    assert autogroup_nice(f) is None  # a kernel without autogroup scheduling
+    for text, want in (("/autogroup-7 nice -3\n", -3), ("", None), ("garbage", None)):
+        f.write_text(text)
+        assert autogroup_nice(f) == want
+
+
+def test_nice_settings_are_checked() -> None:
     for bad, match in (
         ("cluster.nice.rollout=-2", "0-19"),
         ("cluster.nice.rollouts=3", "unknown role"),
