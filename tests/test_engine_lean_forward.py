@@ -116,3 +116,22 @@ async def test_weights_loaded_in_place_reach_the_fused_copies():
     for _ in range(8):
         ref.append(int(_reference(other, ref).argmax()))
     assert got.tolist() == ref[3:]
+
+
+def test_rolled_rotation_and_fused_norm_equal_hf_formulas() -> None:
+    """The decode step's three-op RoPE (rotate_rolled, the sign folded into sin) and the
+    single-call float32 RMSNorm are HF's formulas to float rounding (a fused multiply-add)."""
+    from laminar.models.decoder_ops import rms, rotate, rotate_rolled, signed_sin
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(7, 6, 16, generator=g)
+    ang = torch.randn(7, 1, 16, generator=g)
+    cos, sin = ang.cos(), ang.sin()
+    assert torch.allclose(
+        rotate_rolled(x, cos, signed_sin(sin)), rotate(x, cos, sin), rtol=0, atol=1e-6
+    )
+    w = torch.randn(16, generator=g)
+    hf = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    assert torch.allclose(rms(x, w, 1e-6), hf, rtol=1e-6, atol=1e-6)
+    xb = x.bfloat16()  # other dtypes: normalised in float32, back, then scaled
+    assert rms(xb, w.bfloat16(), 1e-6).dtype == torch.bfloat16

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from laminar.engines.base import GenRequest, SamplingParams
-from laminar.engines.sampling import processed_logprobs
+from laminar.engines.sampling import processed_logprobs, sample
 from laminar.engines.torch_engine import TorchEngine
 from laminar.models.tiny import build_tiny_model, load_causal_lm, load_tokenizer
 
@@ -331,3 +331,25 @@ async def test_bad_requests_get_error_events(engine_factory):
         GenRequest("ok", np.array(PROMPTS[2]), GREEDY, single=True), timeout=T
     )
     assert res["ok"][2] == "length" and len(res["ok"][0]) == 32 - len(PROMPTS[2])
+
+
+def test_plain_sampling_is_the_general_path_bit_for_bit() -> None:
+    """sample(plain=True) (every row at temperature 1, top_p 1) skips the greedy and nucleus
+    checks; its tokens and logprobs are exactly the general path's. A batch mixing greedy and
+    sampled rows still takes the argmax on the greedy ones."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(64, 50, generator=g) * 3
+    u = torch.rand(64, generator=g, dtype=torch.float64)
+    ones = torch.ones(64)
+    t_plain, lp_plain = sample(logits, ones, ones, u, plain=True)
+    t_gen, lp_gen = sample(logits, ones, ones, u)
+    assert torch.equal(t_plain, t_gen) and torch.equal(lp_plain, lp_gen)
+    assert len(set(t_plain.tolist())) > 5  # drawn, not argmax
+    temp = torch.where(torch.arange(64) % 2 == 0, 0.0, 0.7)
+    top_p = torch.full((64,), 0.9)
+    tokens, lps = sample(logits, temp, top_p, u)
+    greedy = torch.arange(64) % 2 == 0
+    assert torch.equal(tokens[greedy], logits[greedy].argmax(-1))
+    logp = processed_logprobs(logits, temp, top_p)
+    assert torch.equal(lps, logp.gather(1, tokens[:, None]).squeeze(1))
+    assert torch.isfinite(lps).all()  # every drawn token is inside its row's nucleus

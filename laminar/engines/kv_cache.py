@@ -73,6 +73,10 @@ class SlotKVCache:
             shape = (slots, kv_heads, max_len, head_dim)
             self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
             self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        # the same tensors as (slots, max_len, kv_heads, head_dim) views: a decode step writes each
+        # token's heads at (slot, position) with one index_put_
+        self.k_at = [k.transpose(1, 2) for k in self.k]
+        self.v_at = [v.transpose(1, 2) for v in self.v]
         self.layout: StepLayout | None = None
 
     @classmethod
@@ -155,6 +159,22 @@ def attend(cache: SlotKVCache, layer: int, query: torch.Tensor, key: torch.Tenso
         out[0, off : off + n] = o[0].transpose(0, 1)
         off += n
     return out
+
+
+def attend_decode(cache: SlotKVCache, layer: int, query: torch.Tensor, key: torch.Tensor,
+                  value: torch.Tensor, scaling: float | None) -> torch.Tensor:  # fmt: skip
+    """attend() for a step of decode queries only (no prefill segment), in the token-major layout
+    a plain forward has: query (d, H, D), key and value (d, KV, D); returns (d, H, D). The same
+    writes and the same attention call, without attend()'s layout round trip."""
+    lay = cache.layout
+    assert lay is not None and not lay.segments  # inside SlotKVCache.step(), decode only
+    rows, mask = lay.decode_index()
+    cache.k_at[layer].index_put_((rows, lay.decode_pos), key)
+    cache.v_at[layer].index_put_((rows, lay.decode_pos), value)
+    d, n = lay.n_decode, lay.decode_max
+    o = F.scaled_dot_product_attention(query.unsqueeze(2), cache.k[layer][:d, :, :n], cache.v[layer][:d, :, :n],
+                                       attn_mask=mask, scale=scaling, enable_gqa=True)  # fmt: skip
+    return o.squeeze(2)
 
 
 def use_slot_attention(model: Any) -> None:

@@ -30,9 +30,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from laminar.engines.kv_cache import SlotKVCache, attend
+from laminar.engines.kv_cache import SlotKVCache, attend, attend_decode
 from laminar.models import decoder_ops as ops
-from laminar.models.decoder_ops import DecoderShape, rms, rope_table, rotate
+from laminar.models.decoder_ops import DecoderShape, rms, rope_table, rotate_rolled, signed_sin
 
 
 @dataclass
@@ -63,7 +63,8 @@ class LeanDecoder:
             )  # fmt: skip
             for layer in inner.layers
         ]
-        self.cos, self.sin = rope_table(model, max_len)
+        self.cos, sin = rope_table(model, max_len)
+        self.sin = signed_sin(sin)
         self.refresh()
 
     def refresh(self) -> None:
@@ -87,6 +88,8 @@ class LeanDecoder:
         h_q, h_kv, d = sh.heads, sh.kv_heads, sh.head_dim
         rope = h_q + h_kv  # q and k heads, rotated together
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]
+        assert cache.layout is not None  # inside SlotKVCache.step()
+        decode_only = not cache.layout.segments
         x = F.embedding(ids, self.embed)
         for i, ly in enumerate(self.layers):
             y = rms(x, ly.norm_in, sh.eps)
@@ -96,15 +99,25 @@ class LeanDecoder:
                 qk = torch.cat(
                     [rms(qk[:, :h_q], ly.q_norm, sh.eps), rms(qk[:, h_q:], ly.k_norm, sh.eps)], 1
                 )
-            qk = rotate(qk, cos, sin)
+            qk = rotate_rolled(qk, cos, sin)
             q, k = qk[:, :h_q], qk[:, h_q:]
-            o = attend(cache, i, q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                       v.transpose(0, 1)[None], sh.scaling)  # fmt: skip
-            x = x + F.linear(o.view(t, h_q * d), ly.attn.o_proj.weight, ly.attn.o_proj.bias)
+            if decode_only:
+                o = attend_decode(cache, i, q, k, v, sh.scaling)
+            else:
+                o = attend(cache, i, q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                           v.transpose(0, 1)[None], sh.scaling)  # fmt: skip
+            x = _residual(x, o.reshape(t, h_q * d), ly.attn.o_proj.weight, ly.attn.o_proj.bias)
             y = rms(x, ly.norm_post, sh.eps)
             gate, up = F.linear(y, self.gate_up[i]).chunk(2, -1)
-            x = x + F.linear(sh.act(gate) * up, ly.mlp.down_proj.weight)
+            x = _residual(x, sh.act(gate) * up, ly.mlp.down_proj.weight, None)
         return F.linear(rms(x[keep], self.norm, sh.eps), self.lm_head)
+
+
+def _residual(
+    x: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
+) -> torch.Tensor:
+    """x + linear(h, w, b), the projection and the residual add in one matmul call where no bias."""
+    return torch.addmm(x, h, w.t()) if b is None else x + F.linear(h, w, b)
 
 
 def lean_decoder(model: Any, max_len: int, forward: str) -> LeanDecoder | None:

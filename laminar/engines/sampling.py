@@ -76,19 +76,33 @@ def processed_logprobs(
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
-           uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+           uniforms: torch.Tensor, *, plain: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Draw one token per row by inverse CDF with the given uniforms; return (tokens, logprobs).
 
-    Greedy rows (temperature 0) take the argmax and ignore their uniform.
+    Greedy rows (temperature 0) take the argmax and ignore their uniform. `plain`: the caller
+    knows every row samples at temperature 1 with top_p 1 (RL's usual setting), so the draw skips
+    the greedy and nucleus checks; the tokens and logprobs are the same tensors bit for bit.
     """
+    if plain:
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        return _draw(logp, uniforms, logits.shape[-1])
     logp = processed_logprobs(logits, temperature, top_p)
     greedy = temperature <= 0
-    tokens = logp.argmax(dim=-1)
-    if not bool(greedy.all()):
-        probs = logp.exp()
-        cdf = probs.cumsum(-1)
-        target = (uniforms.to(cdf.dtype) * cdf[:, -1])[:, None]
-        drawn = torch.searchsorted(cdf, target).squeeze(1).clamp_(max=logits.shape[-1] - 1)
-        tokens = torch.where(greedy, tokens, drawn)
-    lps = logp.gather(1, tokens[:, None]).squeeze(1)
-    return tokens, lps
+    if bool(greedy.all()):
+        tokens = logp.argmax(dim=-1)
+        return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+    drawn, lps = _draw(logp, uniforms, logits.shape[-1])
+    if not bool(greedy.any()):
+        return drawn, lps
+    tokens = torch.where(greedy, logp.argmax(dim=-1), drawn)
+    return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+
+
+def _draw(
+    logp: torch.Tensor, uniforms: torch.Tensor, vocab: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse-CDF draw of one token per row of logp (N, V); (tokens, their logprobs)."""
+    cdf = logp.exp().cumsum(-1)
+    target = (uniforms.to(cdf.dtype) * cdf[:, -1])[:, None]
+    tokens = torch.searchsorted(cdf, target).squeeze(1).clamp_(max=vocab - 1)
+    return tokens, logp.gather(1, tokens[:, None]).squeeze(1)

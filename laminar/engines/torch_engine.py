@@ -83,6 +83,8 @@ class _Batch:
     temperature: torch.Tensor
     top_p: torch.Tensor
     uniforms: torch.Tensor
+    plain: bool
+    """Every row samples at temperature 1, top_p 1 (sampling.sample's fast path)."""
 
 
 class TorchEngine(Engine):
@@ -327,6 +329,7 @@ class TorchEngine(Engine):
             torch.tensor([s.params.temperature for s in rows], dtype=torch.float32, device=dev),
             torch.tensor([s.params.top_p for s in rows], dtype=torch.float32, device=dev),
             torch.tensor([uniform(s.key, len(s.out)) for s in rows], dtype=torch.float64, device=dev),
+            all(s.params.temperature == 1.0 and s.params.top_p >= 1.0 for s in rows),
         )  # fmt: skip
 
     def _compute(self, b: _Batch) -> tuple[list[int], list[float]]:
@@ -338,7 +341,7 @@ class TorchEngine(Engine):
                 logits = self.model(
                     input_ids=b.ids, position_ids=b.pos, use_cache=False, logits_to_keep=b.keep
                 ).logits[0]
-            tokens, lps = sample(logits, b.temperature, b.top_p, b.uniforms)
+            tokens, lps = sample(logits, b.temperature, b.top_p, b.uniforms, plain=b.plain)
         return tokens.tolist(), lps.tolist()
 
     def _commit(self, b: _Batch, tokens: list[int], lps: list[float]) -> None:

@@ -69,7 +69,10 @@ def rope_table(model: Any, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's RMSNorm: normalise in float32, back to the input dtype, then scale."""
+    """HF's RMSNorm: normalise in float32, back to the input dtype, then scale. All float32: one
+    call with the weight (the same products, x * rstd * w, without three Python-level ops)."""
+    if x.dtype == w.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
     return w * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
@@ -77,6 +80,18 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     """RoPE in HF's half-split layout: x * cos + rotate_half(x) * sin."""
     half = x.shape[-1] // 2
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
+
+
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin with rotate_half's sign folded in (first half negated), for rotate_rolled."""
+    half = sin.shape[-1] // 2
+    return torch.cat([-sin[..., :half], sin[..., half:]], -1)
+
+
+def rotate_rolled(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """rotate() in three ops for a decode step: rotate_half(x) * sin is roll(x, half) *
+    signed_sin(sin) term by term; addcmul may fuse the multiply-add (a rounding apart)."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin_signed)
 
 
 def rope_parameters(cfg: Any) -> dict[str, Any]:
