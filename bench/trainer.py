@@ -55,28 +55,32 @@ print(r.ru_utime + r.ru_stime, time.time() - t, type(model).__name__,
 """
 
 
-def batches(n: int, groups: int, group: int, vocab: int, seed: int) -> list[list[Trajectory]]:
+def batches(n: int, groups: int, group: int, vocab: int, seed: int,
+            uniform: float = 0.0) -> list[list[Trajectory]]:  # fmt: skip
+    """`uniform`: the share of groups whose rewards all agree (advantage 0 on every sample)."""
     rng = np.random.default_rng(seed)
     out = []
     for b in range(n):
         trajs = []
         for g in range(groups):
             prompt = rng.integers(3, vocab, size=int(rng.integers(12, 31)))
+            same = float(rng.random() < 0.5) if g < round(uniform * groups) else None
             for i in range(group):
                 r = int(min(250, max(2, rng.lognormal(3.4, 0.6))))
                 trajs.append(Trajectory(uid=f"{b}-{g}/{i}", group_id=f"{b}-{g}", prompt_uid=f"{b}-{g}",
                                         sample_index=i, prompt_ids=prompt, response_ids=rng.integers(3, vocab, size=r),
                                         logprobs=np.full(r, -1.0, np.float32), version=0,
-                                        reward=float(rng.random() < 0.5)))  # fmt: skip
+                                        reward=same if same is not None else float(rng.random() < 0.5)))  # fmt: skip
         out.append(trajs)
     return out
 
 
-def policy(path: Path, run_dir: Path, forward: str) -> Policy:
+def policy(path: Path, run_dir: Path, forward: str, skip: bool = True) -> Policy:
     cfg = config_from_dict({
         "run_dir": str(run_dir), "model": {"path": str(path)},
         "rollout": {"max_model_len": 320, "sampling": {"max_tokens": 256}},
-        "trainer": {"lr": 5e-5, "minibatches": 4, "micro_batch_tokens": 1024, "forward": forward},
+        "trainer": {"lr": 5e-5, "minibatches": 4, "micro_batch_tokens": 1024, "forward": forward,
+                    "skip_zero_advantage": skip},
         "algo": {"loss": "ppo", "decoupled": True, "is_mode": "truncate", "is_cap": 2.0},
     })  # fmt: skip
     return Policy(cfg, str(path))
@@ -112,6 +116,12 @@ def main() -> None:
     ap.add_argument("--starts", type=int, default=5, help="child starts per loader")
     ap.add_argument("--groups", type=int, default=16)
     ap.add_argument("--group", type=int, default=8)
+    ap.add_argument(
+        "--uniform",
+        type=float,
+        default=0.5,
+        help="share of groups whose rewards agree, for the zero-advantage skip (the demo: 0.3-0.75)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.quick:
@@ -130,6 +140,18 @@ def main() -> None:
             ts = time_steps(pol, work[1:])
             steps[forward] += ts
             print(f"  repeat {rep} {forward:<6} median step {statistics.median(ts):.3f} s")
+    # the zero-advantage skip: the same packed trainer with it on and off, batches with uniform groups
+    skip_work = batches(
+        args.steps + 1, args.groups, args.group, vocab, seed=1, uniform=args.uniform
+    )
+    skip_steps: dict[str, list[float]] = {"skip": [], "no_skip": []}
+    for rep in range(args.repeats):
+        for name in ("skip", "no_skip") if rep % 2 == 0 else ("no_skip", "skip"):
+            pol = policy(path, tmp / f"run-{name}", "packed", skip=name == "skip")
+            time_steps(pol, skip_work[:1])
+            ts = time_steps(pol, skip_work[1:])
+            skip_steps[name] += ts
+            print(f"  repeat {rep} {name:<7} median step {statistics.median(ts):.3f} s")
     starts: dict[str, list[dict[str, Any]]] = {"module_free": [], "hf": []}
     for i in range(args.starts):
         for name in ("module_free", "hf") if i % 2 == 0 else ("hf", "module_free"):
@@ -144,9 +166,14 @@ def main() -> None:
         "machine": machine(),
         "step_s": step,
         "tokens_per_s": {k: round(per_tok / v["median"], 1) for k, v in step.items()},
+        "zero_advantage_skip": {"uniform_groups": args.uniform,
+                                "step_s": {k: stats(v) for k, v in skip_steps.items()}},
         "start": start,
         "summary": {
             "packed_over_hf_step_speed": round(step["hf"]["median"] / step["packed"]["median"], 3),
+            "skip_over_no_skip_step_speed": round(
+                statistics.median(skip_steps["no_skip"]) / statistics.median(skip_steps["skip"]), 3
+            ),
             "start_cpu_s_saved": round(start["hf"]["cpu_s"]["median"] - start["module_free"]["cpu_s"]["median"], 3),
             "start_wall_hf_over_module_free": round(
                 start["hf"]["wall_s"]["median"] / start["module_free"]["wall_s"]["median"], 3
@@ -156,6 +183,9 @@ def main() -> None:
     print(f"\n{'':<24}{'packed / module-free':>22}{'hf':>12}{'ratio':>8}")
     print(f"{'train step s (median)':<24}{step['packed']['median']:>22.3f}{step['hf']['median']:>12.3f}"
           f"{result['summary']['packed_over_hf_step_speed']:>8.2f}x")  # fmt: skip
+    print(f"{'step s, zero-adv skip':<24}{statistics.median(skip_steps['skip']):>22.3f}"
+          f"{statistics.median(skip_steps['no_skip']):>12.3f}"
+          f"{result['summary']['skip_over_no_skip_step_speed']:>8.2f}x  (off; {args.uniform:.0%} uniform groups)")  # fmt: skip
     print(f"{'model start CPU-s':<24}{start['module_free']['cpu_s']['median']:>22.2f}"
           f"{start['hf']['cpu_s']['median']:>12.2f}{start['hf']['cpu_s']['median'] / start['module_free']['cpu_s']['median']:>8.2f}x")  # fmt: skip
     print(f"{'model start wall s':<24}{start['module_free']['wall_s']['median']:>22.2f}"

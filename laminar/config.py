@@ -457,6 +457,13 @@ class TrainerConfig(Section):
     each its own AdamW step, pi_prox computed once before the first (one extra no-grad forward
     over mini-batches 2..M). > 1 is what makes the PPO clip act in decoupled mode (see
     algo.decoupled). One trainer step still makes one weight version and one lr-schedule step."""
+    skip_zero_advantage: bool = True
+    """Run no forward or backward for the samples whose advantage is exactly 0 (a GRPO group whose
+    rewards all agree: often half the batch). Their loss terms and gradients are exactly 0, so the
+    update is the same; the mini-batches, their token/sequence denominators and the optimizer steps
+    stay those of the whole batch. The per-token statistics (entropy, ratio, clip and IS fractions)
+    then cover the trained samples only; frac/zero_adv counts the rest. Off by itself wherever a
+    term does not vanish with the advantage (algo.entropy_coef > 0, or a k3_loss KL)."""
     checkpoint_every: int = Field(0, ge=0)
     """Checkpoint every N steps (0 = only on SIGTERM and at the end)."""
     resume: Literal["auto", "never"] | str = "auto"

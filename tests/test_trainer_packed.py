@@ -182,3 +182,33 @@ def _gpt2():
         "gpt2", vocab_size=40, n_embd=32, n_layer=1, n_head=2, n_positions=64
     )
     return AutoModelForCausalLM.from_config(cfg)
+
+
+@pytest.mark.parametrize("forward", ["packed", "hf"])
+def test_zero_advantage_samples_skipped_without_changing_the_update(tiny, tmp_path, forward):
+    """trainer.skip_zero_advantage: the groups whose rewards all agree (advantage exactly 0) get no
+    forward or backward, and the step is the one that trains them: same loss, same gradient norm,
+    weights moved to the same place. Here the whole first mini-batch is such groups, so its AdamW
+    step runs on zero gradients (momentum and weight decay still move the weights)."""
+    trajs = _trajs(n_groups=4, group=4, seed=7, vocab=20)
+    for t in trajs:
+        g = int(t.group_id[1:])
+        if g < 2:  # groups 0 and 1 (mini-batch 1 of 2): all right, all wrong
+            t.reward = float(g == 0)
+    stats, moved = {}, {}
+    for skip in (True, False):
+        pol = _policy(tiny, tmp_path / f"{forward}{skip}", forward)
+        pol.cfg.trainer.skip_zero_advantage = skip
+        pol.cfg.trainer.weight_decay = 0.1
+        for group in pol.optimizer.param_groups:
+            group["weight_decay"] = 0.1
+        before = {n: p.detach().clone() for n, p in pol.model.named_parameters()}
+        for _ in range(2):  # the second step's zero-gradient mini-batch moves by momentum
+            stats[skip] = pol.train_step(pol.prepare(trajs))
+        moved[skip] = {n: p.detach() - before[n] for n, p in pol.model.named_parameters()}
+    assert stats[True]["seqs_trained"] == 8 and stats[False]["seqs_trained"] == 16
+    assert stats[True]["micro_batches"] < stats[False]["micro_batches"]
+    for key in ("loss", "grad_norm"):
+        assert stats[True][key] == pytest.approx(stats[False][key], rel=1e-5, abs=1e-7), key
+    for name, d in moved[True].items():
+        torch.testing.assert_close(d, moved[False][name], rtol=1e-4, atol=1e-7, msg=name)

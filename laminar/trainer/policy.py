@@ -230,7 +230,7 @@ class Policy:
 
     # ---- one optimizer step ---------------------------------------------------------------
     def _my_share(self, mbs: list[list[int]]) -> list[tuple[list[int], float]]:
-        if not self.ctx.enabled:
+        if not self.ctx.enabled or not mbs:  # none: a mini-batch of zero advantages only
             return [(m, 1.0) for m in mbs]
         mine = [(m, 1.0) for m in mbs[self.ctx.rank :: self.ctx.world]]
         per_rank = -(-len(mbs) // self.ctx.world)
@@ -238,6 +238,15 @@ class Policy:
             per_rank - len(mine)
         )  # zero-weight dummies keep FSDP collectives aligned
         return mine
+
+    def _carries_gradient(self, adv: torch.Tensor) -> list[bool]:
+        """Per sample: may its loss have a gradient (trainer.skip_zero_advantage)? A sample with
+        advantage exactly 0 has none when every loss term is proportional to the advantage."""
+        s = self.loss_settings
+        has_other_terms = s.entropy_coef > 0 or (s.kl_coef > 0 and s.kl_type == "k3_loss")
+        if not self.cfg.trainer.skip_zero_advantage or has_other_terms:
+            return [True] * len(adv)
+        return (adv != 0).tolist()
 
     def _minibatches(self, batch: TrainBatch) -> list[list[int]]:
         """Sample indices of each mini-batch: whole groups, in batch order, M near-equal parts."""
@@ -273,7 +282,8 @@ class Policy:
             self.device
         )
         parts = self._minibatches(batch)
-        plans = [self._plan(batch, idx) for idx in parts]
+        live = self._carries_gradient(adv)
+        plans = [self._plan(batch, [i for i in idx if live[i]]) for idx in parts]
         # pi_prox of mini-batches 2..M, before any parameter moves (mini-batch 1 reuses its own forward)
         prox_of: dict[tuple[int, int], torch.Tensor] = {}
         built: dict[tuple[int, int], MicroBatch] = {}  # collated (and laid out) once, used twice
@@ -321,6 +331,11 @@ class Policy:
                 st.add("logp", logp.detach(), mb.resp_mask)
                 (loss * (weight * self.ctx.world)).backward()
             n_micro += len(plan)
+            if not plan:  # every sample of the mini-batch has advantage 0: the step still happens
+                for p in self.model.parameters():
+                    p.grad = torch.zeros_like(p)
+                stats.add("sum/loss", torch.zeros(()))
+                stats.add("sum/loss/pg", torch.zeros(()))
             norms.append(self._optimizer_step())
         self.scheduler.step()
         if self.ctx.enabled:
@@ -341,7 +356,7 @@ class Policy:
             "adv/std": float(adv_cpu.std()) if n_seq > 1 else 0.0, "adv/max": float(adv_cpu.max()),
             "adv/min": float(adv_cpu.min()), "frac/zero_adv": float((adv_cpu == 0).float().mean()),
             "tokens": float(batch.n_tokens), "tokens_total": float(batch.total_tokens),
-            "seqs": float(n_seq), "micro_batches": float(n_micro),
+            "seqs": float(n_seq), "seqs_trained": float(sum(live)), "micro_batches": float(n_micro),
             "compute_s": time.perf_counter() - t0,
         })  # fmt: skip
         return out
