@@ -68,6 +68,9 @@ CORRECTIONS: dict[str, list[str]] = {
 """Each correction pins its own learning rate: one optimizer step a batch at 2e-4, four at 5e-5 (a
 batch then moves the weights about as far). The full table of 2026-11-27 ran ppo_mb at 2e-4."""
 QUICK_STEPS = 60
+QUICK_SEEDS = "0,1,2,3,4"
+"""Five: on this shared 2-core box the same code's sync run to 0.90 took 12.2 s once and 17.4 s
+the next time, so a 3-seed median of paired ratios moved by +-0.2 between runs (bench/README.md)."""
 FULL_CELLS = ["sync:0:" + c for c in CORRECTIONS if c != "default"] + [
     f"laminar:{k}:{c}" for k in (1, 2, 4) for c in CORRECTIONS if c != "default"
 ]
@@ -344,13 +347,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--quick",
         action="store_true",
-        help="sync vs laminar, default staleness and correction, 3 seeds",
+        help=f"sync vs laminar, default staleness and correction, {len(QUICK_SEEDS.split(','))} seeds",
     )
     ap.add_argument(
         "--cells", default=None, help="comma list of mode:staleness:correction (default: all)"
     )
     ap.add_argument(
-        "--seeds", default="0,1,2", help="comma list of RL seeds (>= 3 for the acceptance figures)"
+        "--seeds", default=None,
+        help=f"comma list of RL seeds (>= 3 for the acceptance figures; default 0,1,2, --quick {QUICK_SEEDS})",
     )
     ap.add_argument(
         "--out", default="bench/results/learning.json", help="JSON path; the PNG goes next to it"
@@ -363,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     if args.quick and not any(o.startswith("trainer.total_steps=") for o in args.overrides):
-        # both modes cross 0.90 by step ~50 (the 120-step runs): 60 steps fit 3 seeds x 2 cells
+        # both modes cross 0.90 by step ~50 (the 120-step runs): 60 steps fit 5 seeds x 2 cells
         # in the 15-minute budget (the cosine learning rate then ends at step 60, in both alike)
         args.overrides.append(f"trainer.total_steps={QUICK_STEPS}")
     cfg = load_config(DEMO_CONFIG, args.overrides)
@@ -381,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         ap.error(f"bad cells {bad}: use mode:staleness:correction with mode sync|laminar, "
                  f"correction one of {list(CORRECTIONS)}")  # fmt: skip
-    seeds = [int(x) for x in args.seeds.split(",")]
+    seeds = [int(x) for x in (args.seeds or (QUICK_SEEDS if args.quick else "0,1,2")).split(",")]
     work = Path(args.work)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

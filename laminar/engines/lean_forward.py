@@ -8,10 +8,17 @@
 Why: the engine's models are small and its decode steps are short, so much of a step is the
 per-op overhead of the HF module tree (kwarg checks, output capture, module hooks, a rotary
 table recomputed every call): about a fifth of a decode step on the demo's 3-layer policy.
-This forward runs the same arithmetic as ~25 tensor ops a layer: q/k/v and gate/up fused
-into one matmul each, RoPE read from a table built once, attention through kv_cache.attend
-(the same function the HF path plugs in). bench/engine.py measures it against the same
-engine on the HF forward: 1.17x the tokens/s on long-tailed lengths, 1.11x on equal ones.
+This forward runs the same arithmetic as ~20 tensor ops a layer: q/k/v and gate/up fused
+into one matmul each, the residual adds inside the o/down matmuls (addmm), one-call RMSNorm,
+RoPE read from a table built once (rotate_half's sign folded into it: roll + addcmul), and
+attention through kv_cache.attend (the function the HF path plugs in), or, on a step of
+decode queries only, kv_cache.attend_decode (the same writes and attention call in the
+token-major layout, without the layout round trip). bench/engine.py measures it against the
+same engine on the HF forward.
+
+On a small model the step's cost is per op, not per token: a decode step of the demo's
+3-layer policy costs ~0.28 ms with 1 sequence and ~1.0 ms with 32 (1.37x and 1.19x less than
+before the last four changes above; /tmp-free A/B in bench/README.md "Generation cost").
 
 What it runs: Llama, Mistral (no sliding window within max_len), Qwen2 (q/k/v biases) and
 Qwen3 (q/k RMSNorm on the head dimension), with any static RoPE type. Anything else

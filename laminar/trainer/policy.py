@@ -14,6 +14,8 @@ One trainer step per batch, trainer.minibatches optimizer steps inside it:
     pack micro-batches (token budget; packed forward, trainer/packed.py: a prompt's samples together,
     each prompt run once; HF's padded forward: by length) ─► [k1-in-reward: no-grad pass for KL]
     ─► advantages (whole batch) ─► split the groups into M mini-batches
+    ─► [trainer.skip_zero_advantage: samples with advantage exactly 0 get no micro-batch; their
+        loss and gradient are 0, the mini-batch keeps its token/sequence counts and its AdamW step]
     ─► [M > 1, decoupled: no-grad pass for pi_prox on mini-batches 2..M]
     ─► per mini-batch: per micro-batch: forward (bf16 autocast on GPU, fp32 logits / T)
           ─► loss with the mini-batch's token/sequence counts ─► backward (accumulate)
