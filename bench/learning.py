@@ -353,7 +353,8 @@ def main(argv: list[str] | None = None) -> int:
         "--cells", default=None, help="comma list of mode:staleness:correction (default: all)"
     )
     ap.add_argument(
-        "--seeds", default=None,
+        "--seeds",
+        default=None,
         help=f"comma list of RL seeds (>= 3 for the acceptance figures; default 0,1,2, --quick {QUICK_SEEDS})",
     )
     ap.add_argument(
