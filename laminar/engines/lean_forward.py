@@ -16,9 +16,10 @@ decode queries only, kv_cache.attend_decode (the same writes and attention call 
 token-major layout, without the layout round trip). bench/engine.py measures it against the
 same engine on the HF forward.
 
-On a small model the step's cost is per op, not per token: a decode step of the demo's
-3-layer policy costs ~0.28 ms with 1 sequence and ~1.0 ms with 32 (1.37x and 1.19x less than
-before the last four changes above; /tmp-free A/B in bench/README.md "Generation cost").
+On a small model a step costs per op more than per token: a decode step of the demo's 3-layer
+policy takes ~0.28 ms of CPU with 1 sequence and ~1.0 ms with 32, 1.37x and 1.19x less than
+before the addmm residuals, the one-call norm, the three-op RoPE and attend_decode (bench/README.md,
+"The state since the fourth session").
 
 What it runs: Llama, Mistral (no sliding window within max_len), Qwen2 (q/k/v biases) and
 Qwen3 (q/k RMSNorm on the head dimension), with any static RoPE type. Anything else
