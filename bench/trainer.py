@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +97,22 @@ def time_steps(pol: Policy, work: list[list[Trajectory]]) -> list[float]:
     return out
 
 
+def alternate(repeats: int, work: list[list[Trajectory]],
+              variants: dict[str, Callable[[], Policy]]) -> dict[str, list[float]]:  # fmt: skip
+    """Step times of each variant's fresh trainer over `work` (its first batch a warm-up step:
+    allocator, first-call paths), the variants alternating in order from repeat to repeat."""
+    steps: dict[str, list[float]] = {name: [] for name in variants}
+    names = list(variants)
+    for rep in range(repeats):
+        for name in names if rep % 2 == 0 else names[::-1]:
+            pol = variants[name]()
+            time_steps(pol, work[:1])
+            ts = time_steps(pol, work[1:])
+            steps[name] += ts
+            print(f"  repeat {rep} {name:<7} median step {statistics.median(ts):.3f} s")
+    return steps
+
+
 def start_child(path: Path, module_free: bool) -> dict[str, Any]:
     res = subprocess.run([sys.executable, "-c", START_CHILD, str(path), "1" if module_free else "0"],
                          capture_output=True, text=True, timeout=300, check=True)  # fmt: skip
@@ -132,26 +149,17 @@ def main() -> None:
     vocab = int(json.loads((path / "config.json").read_text())["vocab_size"])
     work = batches(args.steps + 1, args.groups, args.group, vocab, seed=0)
     tokens = [sum(len(t.prompt_ids) + len(t.response_ids) for t in trajs) for trajs in work[1:]]
-    steps: dict[str, list[float]] = {"packed": [], "hf": []}
-    for rep in range(args.repeats):
-        for forward in ("packed", "hf") if rep % 2 == 0 else ("hf", "packed"):
-            pol = policy(path, tmp / f"run-{forward}", forward)
-            time_steps(pol, work[:1])  # warm-up step: allocator, first-call paths
-            ts = time_steps(pol, work[1:])
-            steps[forward] += ts
-            print(f"  repeat {rep} {forward:<6} median step {statistics.median(ts):.3f} s")
+    steps = alternate(args.repeats, work, {
+        forward: (lambda f=forward: policy(path, tmp / f"run-{f}", f)) for forward in ("packed", "hf")
+    })  # fmt: skip
     # the zero-advantage skip: the same packed trainer with it on and off, batches with uniform groups
     skip_work = batches(
         args.steps + 1, args.groups, args.group, vocab, seed=1, uniform=args.uniform
     )
-    skip_steps: dict[str, list[float]] = {"skip": [], "no_skip": []}
-    for rep in range(args.repeats):
-        for name in ("skip", "no_skip") if rep % 2 == 0 else ("no_skip", "skip"):
-            pol = policy(path, tmp / f"run-{name}", "packed", skip=name == "skip")
-            time_steps(pol, skip_work[:1])
-            ts = time_steps(pol, skip_work[1:])
-            skip_steps[name] += ts
-            print(f"  repeat {rep} {name:<7} median step {statistics.median(ts):.3f} s")
+    skip_steps = alternate(args.repeats, skip_work, {
+        name: (lambda n=name: policy(path, tmp / f"run-{n}", "packed", skip=n == "skip"))
+        for name in ("skip", "no_skip")
+    })  # fmt: skip
     starts: dict[str, list[dict[str, Any]]] = {"module_free": [], "hf": []}
     for i in range(args.starts):
         for name in ("module_free", "hf") if i % 2 == 0 else ("hf", "module_free"):
