@@ -119,16 +119,19 @@ async def test_weights_loaded_in_place_reach_the_fused_copies():
 
 
 def test_rolled_rotation_and_fused_norm_equal_hf_formulas() -> None:
-    """The decode step's three-op RoPE (rotate_rolled, the sign folded into sin) and the
+    """The three-op RoPE (rotate, the sign folded into sin) and the
     single-call float32 RMSNorm are HF's formulas to float rounding (a fused multiply-add)."""
-    from laminar.models.decoder_ops import rms, rotate, rotate_rolled, signed_sin
+    from laminar.models.decoder_ops import rms, rotate, signed_sin
 
     g = torch.Generator().manual_seed(1)
     x = torch.randn(7, 6, 16, generator=g)
     ang = torch.randn(7, 1, 16, generator=g)
     cos, sin = ang.cos(), ang.sin()
     assert torch.allclose(
-        rotate_rolled(x, cos, signed_sin(sin)), rotate(x, cos, sin), rtol=0, atol=1e-6
+        rotate(x, cos, signed_sin(sin)),
+        x * cos + torch.cat([-x[..., 8:], x[..., :8]], -1) * sin,
+        rtol=0,
+        atol=1e-6,
     )
     w = torch.randn(16, generator=g)
     hf = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))

@@ -133,13 +133,8 @@ def attend(cache: SlotKVCache, layer: int, query: torch.Tensor, key: torch.Tenso
     out = query.new_empty(1, t, heads, hd)
     d = lay.n_decode
     if d:
-        rows, mask = lay.decode_index()
-        kc[rows, :, lay.decode_pos] = key[0, :, :d].transpose(0, 1)
-        vc[rows, :, lay.decode_pos] = value[0, :, :d].transpose(0, 1)
-        q = query[0, :, :d].transpose(0, 1).unsqueeze(2)  # (d, H, 1, D)
-        o = F.scaled_dot_product_attention(q, kc[:d, :, : lay.decode_max], vc[:d, :, : lay.decode_max],
-                                           attn_mask=mask, scale=scaling, enable_gqa=True)  # fmt: skip
-        out[0, :d] = o[:, :, 0]
+        out[0, :d] = _decode(cache, layer, query[0, :, :d].transpose(0, 1), key[0, :, :d].transpose(0, 1),
+                             value[0, :, :d].transpose(0, 1), scaling)  # fmt: skip
     off = d
     for slot, start, n in lay.segments:
         k_new, v_new = key[:, :, off : off + n], value[:, :, off : off + n]
@@ -164,10 +159,18 @@ def attend(cache: SlotKVCache, layer: int, query: torch.Tensor, key: torch.Tenso
 def attend_decode(cache: SlotKVCache, layer: int, query: torch.Tensor, key: torch.Tensor,
                   value: torch.Tensor, scaling: float | None) -> torch.Tensor:  # fmt: skip
     """attend() for a step of decode queries only (no prefill segment), in the token-major layout
-    a plain forward has: query (d, H, D), key and value (d, KV, D); returns (d, H, D). The same
-    writes and the same attention call, without attend()'s layout round trip."""
+    a plain forward has: query (d, H, D), key and value (d, KV, D); returns (d, H, D), without
+    attend()'s layout round trip."""
+    assert cache.layout is not None and not cache.layout.segments  # inside step(), decode only
+    return _decode(cache, layer, query, key, value, scaling)
+
+
+def _decode(cache: SlotKVCache, layer: int, query: torch.Tensor, key: torch.Tensor,
+            value: torch.Tensor, scaling: float | None) -> torch.Tensor:  # fmt: skip
+    """The decode queries of a step, token-major (d, H, D) / (d, KV, D): each slot's key and value
+    written at its position, then one query per slot over its slot's first decode_max columns."""
     lay = cache.layout
-    assert lay is not None and not lay.segments  # inside SlotKVCache.step(), decode only
+    assert lay is not None
     rows, mask = lay.decode_index()
     cache.k_at[layer].index_put_((rows, lay.decode_pos), key)
     cache.v_at[layer].index_put_((rows, lay.decode_pos), value)

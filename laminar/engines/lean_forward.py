@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from laminar.engines.kv_cache import SlotKVCache, attend, attend_decode
 from laminar.models import decoder_ops as ops
-from laminar.models.decoder_ops import DecoderShape, rms, rope_table, rotate_rolled, signed_sin
+from laminar.models.decoder_ops import DecoderShape, rms, rope_table, rotate
 
 
 @dataclass
@@ -71,8 +71,7 @@ class LeanDecoder:
             )  # fmt: skip
             for layer in inner.layers
         ]
-        self.cos, sin = rope_table(model, max_len)
-        self.sin = signed_sin(sin)
+        self.cos, self.sin = rope_table(model, max_len)
         self.refresh()
 
     def refresh(self) -> None:
@@ -107,7 +106,7 @@ class LeanDecoder:
                 qk = torch.cat(
                     [rms(qk[:, :h_q], ly.q_norm, sh.eps), rms(qk[:, h_q:], ly.k_norm, sh.eps)], 1
                 )
-            qk = rotate_rolled(qk, cos, sin)
+            qk = rotate(qk, cos, sin)
             q, k = qk[:, :h_q], qk[:, h_q:]
             if decode_only:
                 o = attend_decode(cache, i, q, k, v, sh.scaling)

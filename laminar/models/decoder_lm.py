@@ -36,6 +36,7 @@ from laminar.models.decoder_ops import (
     rms,
     rope_parameters,
     rotate,
+    signed_sin,
 )
 
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -171,7 +172,7 @@ class DecoderLM(nn.Module):
         cos, sin = self.model.rotary_emb(
             self.model.embed_tokens.weight, torch.arange(n, device=input_ids.device)[None]
         )
-        cos, sin = cos[:, None], sin[:, None]  # (1, 1, L, D): broadcast over rows and heads
+        cos, sin = cos[:, None], signed_sin(sin)[:, None]  # (1, 1, L, D): over rows and heads
         mask = torch.ones(n, n, dtype=torch.bool, device=input_ids.device).tril()[None, None]
         if attention_mask is not None:
             mask = mask & attention_mask.bool()[:, None, None, :]

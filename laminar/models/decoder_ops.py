@@ -4,7 +4,7 @@ model's shape, its RoPE table, and the norm and rotation as HF computes them.
 
     why = unsupported(model, max_len)     # None: Llama, Mistral, Qwen2 or Qwen3 with a static RoPE
     shape = DecoderShape.of(model)
-    cos, sin = rope_table(model, max_len) # (max_len, head_dim), from HF's own rotary module
+    cos, sin = rope_table(model, max_len) # (max_len, head_dim), from HF's own rotary module (sin signed)
     y = rms(x, weight, shape.eps)
     qk = rotate(qk, cos[pos][:, None], sin[pos][:, None])
 
@@ -60,12 +60,13 @@ class DecoderShape:
 
 def rope_table(model: Any, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin (max_len, head_dim) for positions 0..max_len-1, asked once of HF's own rotary module
-    (the same values it computes per call, whatever the RoPE type's scaling)."""
+    (the same values it computes per call, whatever the RoPE type's scaling); sin comes signed for
+    rotate() (signed_sin)."""
     p = model.model.embed_tokens.weight
     with torch.no_grad():
         positions = torch.arange(max_len, device=p.device)[None]
         cos, sin = model.model.rotary_emb(torch.zeros(1, dtype=p.dtype, device=p.device), positions)
-    return cos[0], sin[0]
+    return cos[0], signed_sin(sin[0])
 
 
 def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -76,21 +77,16 @@ def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE in HF's half-split layout: x * cos + rotate_half(x) * sin."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
-
-
 def signed_sin(sin: torch.Tensor) -> torch.Tensor:
-    """sin with rotate_half's sign folded in (first half negated), for rotate_rolled."""
+    """sin with rotate_half's sign folded in (first half negated), as rotate() takes it."""
     half = sin.shape[-1] // 2
     return torch.cat([-sin[..., :half], sin[..., half:]], -1)
 
 
-def rotate_rolled(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """rotate() in three ops for a decode step: rotate_half(x) * sin is roll(x, half) *
-    signed_sin(sin) term by term; addcmul may fuse the multiply-add (a rounding apart)."""
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """RoPE in HF's half-split layout, x * cos + rotate_half(x) * sin, in three ops: rotate_half(x)
+    * sin is roll(x, half) * signed_sin(sin) term by term; addcmul may fuse the multiply-add (a
+    rounding apart)."""
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin_signed)
 
 
