@@ -13,8 +13,9 @@ from pathlib import Path
 def git(*args: str) -> str:
     """`git ARGS` in this checkout, stdout stripped; "" where git is missing or slow."""
     try:
-        return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
-                              cwd=Path(__file__).parent).stdout.strip()  # fmt: skip
+        return subprocess.run(
+            ["git", *args], capture_output=True, text=True, timeout=10, cwd=Path(__file__).parent
+        ).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         return ""
 

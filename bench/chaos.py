@@ -71,30 +71,75 @@ def make_config(
         )
     )
     return {
-        "name": "chaos", "mode": "laminar", "run_dir": str(tmp / "run"),
-        "cluster": {"transport": "ipc", "ipc_dir": str(tmp / "ipc"),
-                    "roles": {"manager": 1, "buffer": 1, "relay": relays, "trainer": 1, "rollout": rollouts},
-                    # a fault every 18-30 s over 5-7 nodes: the budget must outlast the soak
-                    "restart": {"max_restarts": 20, "window_s": 60.0, "backoff_s": backoff_s, "backoff_max_s": 4.0}},
+        "name": "chaos",
+        "mode": "laminar",
+        "run_dir": str(tmp / "run"),
+        "cluster": {
+            "transport": "ipc",
+            "ipc_dir": str(tmp / "ipc"),
+            "roles": {
+                "manager": 1,
+                "buffer": 1,
+                "relay": relays,
+                "trainer": 1,
+                "rollout": rollouts,
+            },
+            # a fault every 18-30 s over 5-7 nodes: the budget must outlast the soak
+            "restart": {
+                "max_restarts": 20,
+                "window_s": 60.0,
+                "backoff_s": backoff_s,
+                "backoff_max_s": 4.0,
+            },
+        },
         # the reward runs in a worker process (sim engines make no text: fn is called with ""), so
         # a hung reward worker is a fault the rollouts must contain
-        "reward": {"fn": "laminar.rewards.builtin:exact_match", "sim": "fn", "workers": 1,
-                   "timeout_s": REWARD_TIMEOUT_S},
-        "transport": {"heartbeat_interval_s": 0.25, "heartbeat_liveness": 8, "request_timeout_s": 2.0,
-                      "startup_timeout_s": 120.0, "stop_timeout_s": 5.0, "reconnect_backoff_s": 0.05,
-                      "reconnect_backoff_max_s": 0.5},
+        "reward": {
+            "fn": "laminar.rewards.builtin:exact_match",
+            "sim": "fn",
+            "workers": 1,
+            "timeout_s": REWARD_TIMEOUT_S,
+        },
+        "transport": {
+            "heartbeat_interval_s": 0.25,
+            "heartbeat_liveness": 8,
+            "request_timeout_s": 2.0,
+            "startup_timeout_s": 120.0,
+            "stop_timeout_s": 5.0,
+            "reconnect_backoff_s": 0.05,
+            "reconnect_backoff_max_s": 0.5,
+        },
         "data": {"train": str(data), "shuffle": False},
-        "rollout": {"engine": "sim", "group_size": GROUP, "credits": 2, "max_running": 8,
-                    "partial_chunk_tokens": 16, "prompt_retry_s": 0.1, "refresh_wait_s": 2.0,
-                    "sampling": {"max_tokens": 1000},
-                    "sim": {"step_time_s": 0.01, "bound_b": 8, "length_p50": 100, "length_p99_over_p50": 10,
-                            "kv_capacity_tokens": 8 * 1100}},
-        "trainer": {"engine": "sim", "batch_groups": 4, "total_steps": 1_000_000, "sim_time_per_token_s": 2e-4,
-                    "checkpoint_every": 1, "commit": "checkpoint", "batch_wait_s": 0.5},
+        "rollout": {
+            "engine": "sim",
+            "group_size": GROUP,
+            "credits": 2,
+            "max_running": 8,
+            "partial_chunk_tokens": 16,
+            "prompt_retry_s": 0.1,
+            "refresh_wait_s": 2.0,
+            "sampling": {"max_tokens": 1000},
+            "sim": {
+                "step_time_s": 0.01,
+                "bound_b": 8,
+                "length_p50": 100,
+                "length_p99_over_p50": 10,
+                "kv_capacity_tokens": 8 * 1100,
+            },
+        },
+        "trainer": {
+            "engine": "sim",
+            "batch_groups": 4,
+            "total_steps": 1_000_000,
+            "sim_time_per_token_s": 2e-4,
+            "checkpoint_every": 1,
+            "commit": "checkpoint",
+            "batch_wait_s": 0.5,
+        },
         "buffer": {"fsync": "always", "retry_after_s": 0.1},
         "manager": {"repack": {"interval_s": 1.0}, "timeline_interval_s": 0.25},
         "logging": {"level": "info"},
-    }  # fmt: skip
+    }
 
 
 @dataclass
@@ -293,18 +338,27 @@ def check_exactly_once(run_dir: Path, cfg_path: Path) -> dict[str, Any]:
     seen = set(uids)
     missing = [f"{g}/{i}" for g in partial_groups for i in range(GROUP) if f"{g}/{i}" not in seen]
     excused = [u for u in missing if u in unusable]
-    lost = (len(missing) - len(excused) + int(s.get("abandoned", 0) or 0)
-            + GROUP * int(s.get("groups_dropped", 0) or 0) + GROUP * max(0, committed - len(groups)))  # fmt: skip
+    lost = (
+        len(missing)
+        - len(excused)
+        + int(s.get("abandoned", 0) or 0)
+        + GROUP * int(s.get("groups_dropped", 0) or 0)
+        + GROUP * max(0, committed - len(groups))
+    )
     return {
-        "steps": len(last), "uids_consumed": len(uids), "excluded_uids": len(excluded) + len(excused),
-        "excluded_by_trainer": len(excluded), "unusable_in_journal": len(unusable),
+        "steps": len(last),
+        "uids_consumed": len(uids),
+        "excluded_uids": len(excluded) + len(excused),
+        "excluded_by_trainer": len(excluded),
+        "unusable_in_journal": len(unusable),
         "groups_consumed": len(groups),
         "prompts_consumed_more_than_once": sum(1 for c in prompts.values() if c > 1),
-        "duplicate_uids": dup_uids, "partial_groups": len(partial_groups),
+        "duplicate_uids": dup_uids,
+        "partial_groups": len(partial_groups),
         "journal": {k: v for k, v in s.items() if isinstance(v, (int, float, str))},
         "lost": lost,
         "duplicated": dup_uids + GROUP * max(0, len(groups) - committed),
-    }  # fmt: skip
+    }
 
 
 def pct(xs: list[float], q: float) -> float | None:
@@ -382,10 +436,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for name, lives in cl.lives.items():
         growth = [life.rss[-1][1] - life.rss[0][1] for life in lives if len(life.rss) >= 2]
         first = lives[0].rss
-        rss[name] = {"restarts": supervisor.get("nodes", {}).get(name, {}).get("restarts"),
-                     "incarnations_seen": len(lives),
-                     "growth_mb_max": round(max(growth), 1) if growth else None,
-                     "first_incarnation_mb": [round(first[0][1], 1), round(first[-1][1], 1)] if first else None}  # fmt: skip
+        rss[name] = {
+            "restarts": supervisor.get("nodes", {}).get(name, {}).get("restarts"),
+            "incarnations_seen": len(lives),
+            "growth_mb_max": round(max(growth), 1) if growth else None,
+            "first_incarnation_mb": [round(first[0][1], 1), round(first[-1][1], 1)]
+            if first
+            else None,
+        }
     det = [f["detection_s"] for f in faults if f["detection_s"] is not None]
     res = [f["resume_s"] for f in faults if f["resume_s"] is not None]
     ratio = rates["chaos"] / rates["baseline"] if rates.get("baseline") else None
@@ -406,7 +464,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "restart_backoff_s": args.restart_backoff_s,
             "supervisor": "laminar run (laminar/children.py restarts a node that dies)",
             "cluster": cfg,
-        },  # fmt: skip
+        },
         "machine": {
             "python": platform.python_version(),
             "cpus": os.cpu_count(),
@@ -433,7 +491,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 (v["growth_mb_max"] or 0.0 for v in rss.values()), default=0.0
             ),
             "steps": check["steps"],
-        },  # fmt: skip
+        },
         "logs_dir": str(tmp),
     }
 
@@ -450,8 +508,13 @@ def detect(faults: list[dict[str, Any]], timeline: list[dict[str, Any]]) -> None
         if f["kind"] == "reward_hang" or f["node"].startswith("manager"):
             continue
         nxt = min((g["t"] for g in faults[i + 1 :] if g["node"] == f["node"]), default=float("inf"))
-        seen = [e for e in timeline if e.get("node") == f["node"] and e.get("event") in ("dead", "join")
-                and f["t"] <= e["t"] < nxt]  # fmt: skip
+        seen = [
+            e
+            for e in timeline
+            if e.get("node") == f["node"]
+            and e.get("event") in ("dead", "join")
+            and f["t"] <= e["t"] < nxt
+        ]
         if seen:
             first = min(seen, key=lambda e: e["t"])
             f["detection_s"] = round(first["t"] - f["t"], 3)
@@ -522,8 +585,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--restart-backoff-s", type=float, default=0.5)
     ap.add_argument("--startup-timeout-s", type=float, default=180.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--rescore", type=Path, default=None,
-                    help="no run: recompute detection in this result file from its run's timeline")  # fmt: skip
+    ap.add_argument(
+        "--rescore",
+        type=Path,
+        default=None,
+        help="no run: recompute detection in this result file from its run's timeline",
+    )
     args = ap.parse_args(argv)
     if args.rescore is not None:
         res = rescore(args.rescore)
@@ -537,10 +604,12 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=1))
     s = res["summary"]
-    print(f"faults {s['faults']} {s['faults_by_kind']}  lost {s['lost']}  duplicated {s['duplicated']}  "
-          f"detection p50/p99 {s['detection_s']['p50']}/{s['detection_s']['p99']} s  "
-          f"resume p50/p99 {s['resume_s']['p50']}/{s['resume_s']['p99']} s  "
-          f"effective_time_ratio {s['effective_time_ratio']}  restarts {s['restarts']} -> {args.out}")  # fmt: skip
+    print(
+        f"faults {s['faults']} {s['faults_by_kind']}  lost {s['lost']}  duplicated {s['duplicated']}  "
+        f"detection p50/p99 {s['detection_s']['p50']}/{s['detection_s']['p99']} s  "
+        f"resume p50/p99 {s['resume_s']['p50']}/{s['resume_s']['p99']} s  "
+        f"effective_time_ratio {s['effective_time_ratio']}  restarts {s['restarts']} -> {args.out}"
+    )
     return 0
 
 

@@ -70,8 +70,16 @@ def sim_seeds(n: int, repeats: int) -> list[int]:
     return list(range(max(repeats, SIM_SEEDS, 320 // max(1, n))))
 
 
-FIGS = ("train_tok_s", "gen_tok_s", "rollout_idle_frac", "trainer_idle_frac", "decode_util", "kv_use",
-        "iteration_s", "trainer_push_s_median")  # fmt: skip
+FIGS = (
+    "train_tok_s",
+    "gen_tok_s",
+    "rollout_idle_frac",
+    "trainer_idle_frac",
+    "decode_util",
+    "kv_use",
+    "iteration_s",
+    "trainer_push_s_median",
+)
 
 
 def mmm(xs: list[float]) -> dict[str, float]:
@@ -84,8 +92,21 @@ def mmm(xs: list[float]) -> dict[str, float]:
 def run_one(mode: str, n: int, seed: int, prm: BenchParams, keep: Path | None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="lam-cb-") as tmp:
         out = Path(tmp) / "fig.json"
-        cmd = [sys.executable, str(HERE / "cluster_run.py"), "run", "--mode", mode, "--n", str(n),
-               "--seed", str(seed), "--params", json.dumps(asdict(prm)), "--out", str(out)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            str(HERE / "cluster_run.py"),
+            "run",
+            "--mode",
+            mode,
+            "--n",
+            str(n),
+            "--seed",
+            str(seed),
+            "--params",
+            json.dumps(asdict(prm)),
+            "--out",
+            str(out),
+        ]
         if keep is not None:
             cmd += ["--work", str(keep / f"{mode}-n{n}-s{seed}")]
         t0 = time.time()
@@ -130,8 +151,10 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
     bds = [r["breakdown"] for r in runs if "breakdown" in r]
     if bds:  # median share of each state over the repeats (see cluster_run.BREAKDOWN)
-        row["breakdown"] = {part: {k: statistics.median(b[part][k] for b in bds) for k in bds[0][part]}
-                            for part in ("time", "util")}  # fmt: skip
+        row["breakdown"] = {
+            part: {k: statistics.median(b[part][k] for b in bds) for k in bds[0][part]}
+            for part in ("time", "util")
+        }
     row["loadavg_1m"] = mmm(
         [r["loadavg_1m"]["start"] for r in runs] + [r["loadavg_1m"]["end"] for r in runs]
     )
@@ -195,11 +218,15 @@ def measured_latencies(runs: list[dict[str, Any]], mode: str) -> dict[str, Any]:
             out["status_age_s"] = 2 * age
         elif not pushed:
             out["status_push_min_s"] = 0.0
-    return out  # fmt: skip
+    return out
 
 
-def simulate_point(prm: BenchParams, n: int, seeds: list[int],
-                   runs: dict[tuple[int, str], list[dict]] | None = None) -> dict[str, dict[str, Any]]:  # fmt: skip
+def simulate_point(
+    prm: BenchParams,
+    n: int,
+    seeds: list[int],
+    runs: dict[tuple[int, str], list[dict]] | None = None,
+) -> dict[str, dict[str, Any]]:
     """bench/simulate.py on the same parameters: throughput per mode (min/median/max over seeds).
     With `runs`, the weight-load and push latencies the emulation measured go in as well."""
     from simulate import params_from_config, simulate
@@ -210,17 +237,35 @@ def simulate_point(prm: BenchParams, n: int, seeds: list[int],
             cfg = make_config(mode, n, 0, prm, Path(tmp), Path(tmp))
             lat = measured_latencies(runs[(n, mode)], mode) if runs else {}
             # measured over the emulation's own window (a fixed time after start, steps ending in it)
-            p = params_from_config(cfg, n, prompt_tokens=prm.prompt_tokens,
-                                   fixed_window_s=(prm.warmup_s, prm.window_s), **lat)  # fmt: skip
+            p = params_from_config(
+                cfg,
+                n,
+                prompt_tokens=prm.prompt_tokens,
+                fixed_window_s=(prm.warmup_s, prm.window_s),
+                **lat,
+            )
             rs = [simulate(mode, params=p, seed=s) for s in seeds]
-            out[mode] = {"train_tok_s": mmm([r["throughput_tok_s"] for r in rs]),
-                         "gen_tok_s": mmm([r["gen_tok_s"] for r in rs]),
-                         "rollout_idle_frac": mmm([r["rollout_idle_frac"] for r in rs]),
-                         "decode_util": mmm([r["decode_util"] for r in rs]),
-                         "trainer_busy_frac": mmm([r["trainer_busy_frac"] for r in rs]), "latencies": lat,
-                         "view_age_s": mmm([r["view_age_s"] for r in rs]),
-                         "counts": {k: mmm([r[k] for r in rs]) for k in ("moves", "moved_trajs", "export_missing",
-                                    "export_empty", "import_rejected", "restarted_from_prompt", "status_pushes")}}  # fmt: skip
+            out[mode] = {
+                "train_tok_s": mmm([r["throughput_tok_s"] for r in rs]),
+                "gen_tok_s": mmm([r["gen_tok_s"] for r in rs]),
+                "rollout_idle_frac": mmm([r["rollout_idle_frac"] for r in rs]),
+                "decode_util": mmm([r["decode_util"] for r in rs]),
+                "trainer_busy_frac": mmm([r["trainer_busy_frac"] for r in rs]),
+                "latencies": lat,
+                "view_age_s": mmm([r["view_age_s"] for r in rs]),
+                "counts": {
+                    k: mmm([r[k] for r in rs])
+                    for k in (
+                        "moves",
+                        "moved_trajs",
+                        "export_missing",
+                        "export_empty",
+                        "import_rejected",
+                        "restarted_from_prompt",
+                        "status_pushes",
+                    )
+                },
+            }
         return out
 
 
@@ -260,9 +305,18 @@ def cross_check(
     return out
 
 
-def analyse(prm: BenchParams, ns: list[int], repeats: int, runs: dict[tuple[int, str], list[dict[str, Any]]],
-            failed: list[dict[str, Any]], config: dict[str, Any], machine: dict[str, Any], commit: str,
-            t_start: float, wall_s: float | None = None) -> dict[str, Any]:  # fmt: skip
+def analyse(
+    prm: BenchParams,
+    ns: list[int],
+    repeats: int,
+    runs: dict[tuple[int, str], list[dict[str, Any]]],
+    failed: list[dict[str, Any]],
+    config: dict[str, Any],
+    machine: dict[str, Any],
+    commit: str,
+    t_start: float,
+    wall_s: float | None = None,
+) -> dict[str, Any]:
     """Everything after the emulation runs: aggregates, ratios, the simulator on the same
     parameters (+ the latencies the runs measured), the cross-check and the summary."""
     results = {n: {m: aggregate(runs[(n, m)]) for m in MODES} for n in ns}
@@ -284,21 +338,37 @@ def analyse(prm: BenchParams, ns: list[int], repeats: int, runs: dict[tuple[int,
         f"laminar_vs_stream_{n0}": rat[n0]["laminar_vs_stream"]["median"],
         "repack_vs_norepack": rat[n0]["repack_vs_norepack_gen"]["median"],
         "repack_vs_norepack_train": rat[n0]["repack_vs_norepack_train"]["median"],
-        "repack_kv_use": {"laminar": results[n0]["laminar"]["kv_use"]["median"],
-                          "laminar_norepack": results[n0]["laminar_norepack"]["kv_use"]["median"]},
-        "repack_gen_tok_s": {"laminar": results[n0]["laminar"]["gen_tok_s"]["median"],
-                             "laminar_norepack": results[n0]["laminar_norepack"]["gen_tok_s"]["median"]},
-        "laminar_ge_norepack_at": {str(n): rat[n]["repack_vs_norepack_train"]["median"] >= 1.0 for n in ns},
+        "repack_kv_use": {
+            "laminar": results[n0]["laminar"]["kv_use"]["median"],
+            "laminar_norepack": results[n0]["laminar_norepack"]["kv_use"]["median"],
+        },
+        "repack_gen_tok_s": {
+            "laminar": results[n0]["laminar"]["gen_tok_s"]["median"],
+            "laminar_norepack": results[n0]["laminar_norepack"]["gen_tok_s"]["median"],
+        },
+        "laminar_ge_norepack_at": {
+            str(n): rat[n]["repack_vs_norepack_train"]["median"] >= 1.0 for n in ns
+        },
         "laminar_vs_sync": {str(n): rat[n]["laminar_vs_sync"]["median"] for n in ns},
         "sim_vs_emulation_max_rel_err": max(errs),
-        "sim_vs_emulation_rel_err": {str(n): {k: round(v["rel_err"], 3) for k, v in c.items()} for n, c in checks.items()},
-        "sim_vs_emulation_max_rel_err_zero_latency": max(c["rel_err"] for per_n in checks_ideal.values() for c in per_n.values()),
-        "max_loop_lag_ms_p99": max(max(r["control"]["lag_ms_p99"]["max"], r["worker"]["lag_ms_p99"]["max"])
-                                   for rows in results.values() for r in rows.values()),
-        "max_cpu_frac": max(max(r["control"]["cpu_frac"]["max"], r["worker"]["cpu_frac"]["max"])
-                            for rows in results.values() for r in rows.values()),
+        "sim_vs_emulation_rel_err": {
+            str(n): {k: round(v["rel_err"], 3) for k, v in c.items()} for n, c in checks.items()
+        },
+        "sim_vs_emulation_max_rel_err_zero_latency": max(
+            c["rel_err"] for per_n in checks_ideal.values() for c in per_n.values()
+        ),
+        "max_loop_lag_ms_p99": max(
+            max(r["control"]["lag_ms_p99"]["max"], r["worker"]["lag_ms_p99"]["max"])
+            for rows in results.values()
+            for r in rows.values()
+        ),
+        "max_cpu_frac": max(
+            max(r["control"]["cpu_frac"]["max"], r["worker"]["cpu_frac"]["max"])
+            for rows in results.values()
+            for r in rows.values()
+        ),
         "wall_s": round(time.time() - t_start, 1) if wall_s is None else wall_s,
-    }  # fmt: skip
+    }
     summary[f"laminar_vs_sync_{n0}_ge_2"] = summary[f"laminar_vs_sync_{n0}"] >= 2.0
     # utilisation beside staleness (issue 18): every mode's decode_util next to the staleness
     # of the trajectories its trainer consumed, so more slots used never hides staler data
@@ -334,7 +404,7 @@ def analyse(prm: BenchParams, ns: list[int], repeats: int, runs: dict[tuple[int,
         "runs": {f"{n}/{m}": rs for (n, m), rs in runs.items()},
         "failed_runs": failed,
         "summary": summary,
-    }  # fmt: skip
+    }
 
 
 def resim(path: Path) -> dict[str, Any]:
@@ -349,12 +419,27 @@ def resim(path: Path) -> dict[str, Any]:
         runs[(int(n), mode)] = rs
     ns = [n for n in cfg["ns"] if all(runs.get((n, m)) for m in MODES)]
     t0 = time.time()
-    doc = analyse(prm, ns, cfg["repeats"], runs, old.get("failed_runs", []), cfg, old["machine"],
-                  old["git_commit"], t0, wall_s=old["summary"].get("wall_s"))  # fmt: skip
-    doc["resim"] = {"from": str(path), "git_commit": git_commit(), "sim_files_modified": sim_dirty(),"time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                    "sim_wall_s": round(time.time() - t0, 1),
-                    "note": "emulation runs (runs, results, ratios, machine, git_commit) are from the original sweep; "
-                            "simulation, cross_check and summary were recomputed by bench/cluster.py --resim"}  # fmt: skip
+    doc = analyse(
+        prm,
+        ns,
+        cfg["repeats"],
+        runs,
+        old.get("failed_runs", []),
+        cfg,
+        old["machine"],
+        old["git_commit"],
+        t0,
+        wall_s=old["summary"].get("wall_s"),
+    )
+    doc["resim"] = {
+        "from": str(path),
+        "git_commit": git_commit(),
+        "sim_files_modified": sim_dirty(),
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "sim_wall_s": round(time.time() - t0, 1),
+        "note": "emulation runs (runs, results, ratios, machine, git_commit) are from the original sweep; "
+        "simulation, cross_check and summary were recomputed by bench/cluster.py --resim",
+    }
     return doc
 
 
@@ -362,8 +447,13 @@ def sim_dirty() -> bool:
     """Do the simulator's files differ from the commit (the figures came from uncommitted code)?"""
     files = ["simulate.py", "simcore.py", "simrepack.py", "simscale.py", "cluster.py"]
     try:
-        out = subprocess.run(["git", "status", "--porcelain", "--", *files], capture_output=True, text=True,
-                             cwd=HERE, timeout=10).stdout  # fmt: skip
+        out = subprocess.run(
+            ["git", "status", "--porcelain", "--", *files],
+            capture_output=True,
+            text=True,
+            cwd=HERE,
+            timeout=10,
+        ).stdout
     except OSError:
         return True
     return bool(out.strip())
@@ -371,25 +461,33 @@ def sim_dirty() -> bool:
 
 def git_commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=HERE,
-                              timeout=10).stdout.strip() or "unknown"  # fmt: skip
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=HERE, timeout=10
+            ).stdout.strip()
+            or "unknown"
+        )
     except OSError:
         return "unknown"
 
 
 def print_table(results: dict[int, dict[str, Any]], rat: dict[int, dict[str, Any]]) -> None:
-    print(f"\n{'N':>4} {'mode':>16} {'train tok/s':>12} {'gen tok/s':>10} {'vs sync':>8} {'ro idle':>7} "
-          f"{'tr idle':>7} {'util':>5} {'KV':>5} {'stale p50/max':>13} {'lag p99 ms':>10} {'cpu':>9}")  # fmt: skip
+    print(
+        f"\n{'N':>4} {'mode':>16} {'train tok/s':>12} {'gen tok/s':>10} {'vs sync':>8} {'ro idle':>7} "
+        f"{'tr idle':>7} {'util':>5} {'KV':>5} {'stale p50/max':>13} {'lag p99 ms':>10} {'cpu':>9}"
+    )
     for n, rows in results.items():
         for mode, row in rows.items():
             vs = 1.0 if mode == "sync" else rat[n][f"{mode}_vs_sync"]["median"]
             st, c, w = row["staleness"], row["control"], row["worker"]
             lag = max(c["lag_ms_p99"]["median"], w["lag_ms_p99"]["median"])
             cpu = f"{c['cpu_frac']['median']:.2f}/{w['cpu_frac']['median']:.2f}"
-            print(f"{n:>4} {mode:>16} {row['train_tok_s']['median']:>12.0f} {row['gen_tok_s']['median']:>10.0f} "
-                  f"{vs:>7.2f}x {row['rollout_idle_frac']['median']:>7.2f} {row['trainer_idle_frac']['median']:>7.2f} "
-                  f"{row['decode_util']['median']:>5.2f} {row['kv_use']['median']:>5.3f} "
-                  f"{st['p50']:>6}/{st['max']:<6} {lag:>10.0f} {cpu:>9}")  # fmt: skip
+            print(
+                f"{n:>4} {mode:>16} {row['train_tok_s']['median']:>12.0f} {row['gen_tok_s']['median']:>10.0f} "
+                f"{vs:>7.2f}x {row['rollout_idle_frac']['median']:>7.2f} {row['trainer_idle_frac']['median']:>7.2f} "
+                f"{row['decode_util']['median']:>5.2f} {row['kv_use']['median']:>5.3f} "
+                f"{st['p50']:>6}/{st['max']:<6} {lag:>10.0f} {cpu:>9}"
+            )
 
 
 def print_checks(checks: dict[int, dict[str, Any]]) -> None:
@@ -404,16 +502,24 @@ def print_checks(checks: dict[int, dict[str, Any]]) -> None:
 def markdown_table(doc: dict[str, Any]) -> str:
     """The cross-check as bench/README.md's comparison table (emulation median and range over
     the repeats, simulation median over its seeds, relative error)."""
-    names = {"one_step_vs_sync": "one_step / sync", "stream_vs_sync": "stream / sync",
-             "laminar_norepack_vs_sync": "laminar_norepack / sync", "laminar_vs_sync": "laminar / sync",
-             "repack_vs_norepack_gen": "repack / no repack (gen)"}  # fmt: skip
-    rows = ["| N | ratio | emulation median (min-max over repeats) | simulation (median over seeds) | rel. err |",
-            "|---:|---|---:|---:|---:|"]  # fmt: skip
+    names = {
+        "one_step_vs_sync": "one_step / sync",
+        "stream_vs_sync": "stream / sync",
+        "laminar_norepack_vs_sync": "laminar_norepack / sync",
+        "laminar_vs_sync": "laminar / sync",
+        "repack_vs_norepack_gen": "repack / no repack (gen)",
+    }
+    rows = [
+        "| N | ratio | emulation median (min-max over repeats) | simulation (median over seeds) | rel. err |",
+        "|---:|---|---:|---:|---:|",
+    ]
     for n, per in doc["cross_check"].items():
         for k, c in per.items():
             r = doc["ratios"][n][k]
-            rows.append(f"| {n} | {names.get(k, k)} | {c['emulation']:.2f} ({r['min']:.2f}-{r['max']:.2f}) | "
-                        f"{c['simulation']:.2f} | {c['rel_err']:.3f} |")  # fmt: skip
+            rows.append(
+                f"| {n} | {names.get(k, k)} | {c['emulation']:.2f} ({r['min']:.2f}-{r['max']:.2f}) | "
+                f"{c['simulation']:.2f} | {c['rel_err']:.3f} |"
+            )
     rows.append(
         f"\nsim_vs_emulation_max_rel_err = {doc['summary']['sim_vs_emulation_max_rel_err']:.3f}"
     )
@@ -434,8 +540,17 @@ def plot(doc: dict[str, Any], path: Path) -> None:
         med = [results[n][mode]["train_tok_s"]["median"] for n in ns]
         lo = [results[n][mode]["train_tok_s"]["min"] for n in ns]
         hi = [results[n][mode]["train_tok_s"]["max"] for n in ns]
-        ax[0, 0].errorbar(ns, med, yerr=[[m - a for m, a in zip(med, lo, strict=True)], [b - m for m, b in zip(med, hi, strict=True)]],
-                          marker="o", capsize=3, label=mode)  # fmt: skip
+        ax[0, 0].errorbar(
+            ns,
+            med,
+            yerr=[
+                [m - a for m, a in zip(med, lo, strict=True)],
+                [b - m for m, b in zip(med, hi, strict=True)],
+            ],
+            marker="o",
+            capsize=3,
+            label=mode,
+        )
         ax[1, 0].plot(
             ns,
             [results[n][mode]["rollout_idle_frac"]["median"] for n in ns],
@@ -500,8 +615,14 @@ def plot_breakdown(doc: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"full": "tab:green", "drain": "tab:orange", "refill": "tab:blue", "move": "tab:purple",
-              "loading": "tab:red", "idle": "tab:gray"}  # fmt: skip
+    colors = {
+        "full": "tab:green",
+        "drain": "tab:orange",
+        "refill": "tab:blue",
+        "move": "tab:purple",
+        "loading": "tab:red",
+        "idle": "tab:gray",
+    }
     fig, ax = plt.subplots(figsize=(9, 5))
     for i, m in enumerate(modes):
         bd = results[n0][m]["breakdown"]
@@ -509,10 +630,23 @@ def plot_breakdown(doc: dict[str, Any], path: Path) -> None:
         for state in BREAKDOWN:
             t, u = bd["time"][state], bd["util"][state]
             if state in ("drain", "refill", "move"):
-                ax.bar(i, u, bottom=y, color=colors[state], hatch="//", edgecolor="white",
-                       label=f"{state}: decoding" if i == 0 else None)  # fmt: skip
-                ax.bar(i, t - u, bottom=y + u, color=colors[state], alpha=0.45,
-                       label=f"{state}: slots empty" if i == 0 else None)  # fmt: skip
+                ax.bar(
+                    i,
+                    u,
+                    bottom=y,
+                    color=colors[state],
+                    hatch="//",
+                    edgecolor="white",
+                    label=f"{state}: decoding" if i == 0 else None,
+                )
+                ax.bar(
+                    i,
+                    t - u,
+                    bottom=y + u,
+                    color=colors[state],
+                    alpha=0.45,
+                    label=f"{state}: slots empty" if i == 0 else None,
+                )
             else:
                 ax.bar(i, t, bottom=y, color=colors[state], label=state if i == 0 else None)
             y += t
@@ -520,8 +654,11 @@ def plot_breakdown(doc: dict[str, Any], path: Path) -> None:
             i, 1.01, f"util {results[n0][m]['decode_util']['median']:.2f}", ha="center", fontsize=8
         )
     ax.set_xticks(range(len(modes)), modes)
-    ax.set(ylim=(0, 1.08), ylabel="share of rollout-time",
-           title=f"where a rollout's time goes, N={n0} (decode at B / below B by cause / loading / idle)")  # fmt: skip
+    ax.set(
+        ylim=(0, 1.08),
+        ylabel="share of rollout-time",
+        title=f"where a rollout's time goes, N={n0} (decode at B / below B by cause / loading / idle)",
+    )
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -535,18 +672,31 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--out", type=Path, default=HERE / "results" / "cluster.json")
     ap.add_argument("--plot", type=Path, default=HERE / "results" / "cluster.png")
-    ap.add_argument("--breakdown-plot", type=Path, default=None,
-                    help="stacked bar of where rollout-time goes (default: --plot's name + _breakdown)")  # fmt: skip
+    ap.add_argument(
+        "--breakdown-plot",
+        type=Path,
+        default=None,
+        help="stacked bar of where rollout-time goes (default: --plot's name + _breakdown)",
+    )
     ap.add_argument("--ns", type=int, nargs="+", default=None, help="emulated rollout counts")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--params", default="{}", help="JSON overrides of BenchParams")
-    ap.add_argument("--workload", choices=("single", "multiturn"), default="single",
-                    help="multiturn: tool-calling episodes (cluster_run.MULTITURN; summary *_multiturn)")  # fmt: skip
+    ap.add_argument(
+        "--workload",
+        choices=("single", "multiturn"),
+        default="single",
+        help="multiturn: tool-calling episodes (cluster_run.MULTITURN; summary *_multiturn)",
+    )
     ap.add_argument("--keep", type=Path, default=None, help="keep every run's directory here")
-    ap.add_argument("--resim", type=Path, default=None, metavar="RESULTS.json",
-                    help="no emulation: re-run only the simulation + cross-check + summary against the runs "
-                         "stored in RESULTS.json (may be the same file as --out)")  # fmt: skip
+    ap.add_argument(
+        "--resim",
+        type=Path,
+        default=None,
+        metavar="RESULTS.json",
+        help="no emulation: re-run only the simulation + cross-check + summary against the runs "
+        "stored in RESULTS.json (may be the same file as --out)",
+    )
     args = ap.parse_args(argv)
     if args.resim is not None:
         doc = resim(args.resim)
@@ -589,24 +739,42 @@ def main(argv: list[str] | None = None) -> int:
                         fig = run_one(mode, n, seed, prm, args.keep)
                         break
                     except (RuntimeError, subprocess.TimeoutExpired) as exc:
-                        print(f"[{k}/{total}] N={n} {mode} seed={seed} attempt {attempt} failed: {exc}",
-                              file=sys.stderr, flush=True)  # fmt: skip
+                        print(
+                            f"[{k}/{total}] N={n} {mode} seed={seed} attempt {attempt} failed: {exc}",
+                            file=sys.stderr,
+                            flush=True,
+                        )
                         fig = None
                 if fig is None:
                     failed.append({"n": n, "mode": mode, "seed": seed})
                     continue
                 runs.setdefault((n, mode), []).append(fig)
-                print(f"[{k}/{total}] N={n} {mode} seed={seed}: train {fig['train_tok_s']:.0f} tok/s, gen "
-                      f"{fig.get('gen_tok_s', float('nan')):.0f} tok/s, {fig['wall_s']} s", file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"[{k}/{total}] N={n} {mode} seed={seed}: train {fig['train_tok_s']:.0f} tok/s, gen "
+                    f"{fig.get('gen_tok_s', float('nan')):.0f} tok/s, {fig['wall_s']} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
     ns = [
         n for n in ns if all(runs.get((n, m)) for m in MODES)
     ]  # a scale with a mode missing cannot compare
     if not ns:
         raise SystemExit(f"no scale has every mode measured; failed runs: {failed}")
-    machine = {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(),
-               "loadavg_1m_start": load0[0], "loadavg_1m_end": os.getloadavg()[0]}  # fmt: skip
-    config = {"quick": args.quick, "ns": ns, "modes": list(MODES), "repeats": repeats, "params": asdict(prm),
-              "seeds": list(range(repeats))}  # fmt: skip
+    machine = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "loadavg_1m_start": load0[0],
+        "loadavg_1m_end": os.getloadavg()[0],
+    }
+    config = {
+        "quick": args.quick,
+        "ns": ns,
+        "modes": list(MODES),
+        "repeats": repeats,
+        "params": asdict(prm),
+        "seeds": list(range(repeats)),
+    }
     doc = analyse(prm, ns, repeats, runs, failed, config, machine, git_commit(), t_start)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1))

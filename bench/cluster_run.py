@@ -121,12 +121,21 @@ def env_section(prm: BenchParams, seed: int) -> dict[str, Any]:
         return {}
     if prm.workload != "multiturn":
         raise ValueError(f"unknown workload {prm.workload!r}; expected single or multiturn")
-    kwargs = {"seed": seed, "max_calls": prm.tool_calls_max, "p_call": prm.p_call,
-              "latency_p50_s": prm.tool_latency_p50_s, "latency_p99_s": prm.tool_latency_p99_s,
-              "latency_max_s": prm.tool_latency_max_s,
-              "obs_min": prm.obs_tokens_min, "obs_max": prm.obs_tokens_max}  # fmt: skip
-    return {"fn": "laminar.envs.sim:SimToolEnv", "kwargs": kwargs,
-            "limits": {"max_turns": prm.tool_calls_max + 1, "max_tool_calls": prm.tool_calls_max}}  # fmt: skip
+    kwargs = {
+        "seed": seed,
+        "max_calls": prm.tool_calls_max,
+        "p_call": prm.p_call,
+        "latency_p50_s": prm.tool_latency_p50_s,
+        "latency_p99_s": prm.tool_latency_p99_s,
+        "latency_max_s": prm.tool_latency_max_s,
+        "obs_min": prm.obs_tokens_min,
+        "obs_max": prm.obs_tokens_max,
+    }
+    return {
+        "fn": "laminar.envs.sim:SimToolEnv",
+        "kwargs": kwargs,
+        "limits": {"max_turns": prm.tool_calls_max + 1, "max_tool_calls": prm.tool_calls_max},
+    }
 
 
 def write_prompts(path: Path, rows: int, tokens: int = 32) -> Path:
@@ -185,34 +194,72 @@ def make_config(mode: str, n: int, seed: int, prm: BenchParams, work: Path, ipc_
 
     data = write_prompts(work / "prompts.jsonl", 40 * n * prm.credits + 4000, prm.prompt_tokens)
     cap = prm.max_tokens
-    return config_from_dict({
-        "name": f"cb{os.getpid()}", "mode": "laminar" if mode.startswith("laminar") else mode, "seed": seed,
-        "run_dir": str(work / "run"),
-        "cluster": {"transport": "ipc", "ipc_dir": str(ipc_dir),
-                    "roles": {"manager": 1, "buffer": 1, "relay": 1, "trainer": 1, "rollout": n}},
-        # a loaded 2-core box: 5 s of silence before a death (nothing dies in a bench run)
-        "transport": {"heartbeat_interval_s": prm.heartbeat_s, "heartbeat_liveness": max(4, int(5 / prm.heartbeat_s)),
-                      "startup_timeout_s": 120, "stop_timeout_s": 3.0},
-        "data": {"train": str(data), "shuffle": True, "seed": seed},
-        "rollout": {"engine": "sim", "weights": "relay", "group_size": prm.group_size, "credits": prm.credits,
-                    "refill_slots": prm.refill_slots if mode.startswith("laminar") else None,
-                    "retract_unstarted": prm.retract_unstarted,
-                    "max_running": prm.bound_b, "partial_chunk_tokens": 256, "prompt_retry_s": 0.05,
-                    "sampling": {"max_tokens": cap},
-                    "sim": {"step_time_s": prm.step_time_s, "bound_b": prm.bound_b, "length_p50": prm.length_p50,
-                            "length_p99_over_p50": prm.length_p99_over_p50, "seed": seed,
-                            # sized for B worst-case sequences: the bound B, not memory, limits a rollout
-                            "kv_capacity_tokens": prm.bound_b * (prm.prompt_tokens + cap)}},
-        "trainer": {"engine": "sim", "batch_groups": prm.batch_groups_per_rollout * n, "total_steps": 1_000_000,
-                    "sim_time_per_token_s": prm.trainer_s_per_token_x_n / n, "batch_wait_s": 1.0},
-        "buffer": {"capacity": 1_000_000, "fsync": "never", "retry_after_s": 0.05,
-                   **({"max_staleness": prm.max_staleness} if mode.startswith("laminar") else {})},
-        "manager": {"repack": {"enabled": mode == "laminar", "interval_s": prm.repack_interval_s, "c_max": prm.c_max},
-                    "timeline_interval_s": float(os.environ.get("LCB_TIMELINE", 0))},
-        "env": env_section(prm, seed),
-        "logging": {"level": "warning"},
-        "extra": {"sim_weight_bytes": 4096},
-    })  # fmt: skip
+    return config_from_dict(
+        {
+            "name": f"cb{os.getpid()}",
+            "mode": "laminar" if mode.startswith("laminar") else mode,
+            "seed": seed,
+            "run_dir": str(work / "run"),
+            "cluster": {
+                "transport": "ipc",
+                "ipc_dir": str(ipc_dir),
+                "roles": {"manager": 1, "buffer": 1, "relay": 1, "trainer": 1, "rollout": n},
+            },
+            # a loaded 2-core box: 5 s of silence before a death (nothing dies in a bench run)
+            "transport": {
+                "heartbeat_interval_s": prm.heartbeat_s,
+                "heartbeat_liveness": max(4, int(5 / prm.heartbeat_s)),
+                "startup_timeout_s": 120,
+                "stop_timeout_s": 3.0,
+            },
+            "data": {"train": str(data), "shuffle": True, "seed": seed},
+            "rollout": {
+                "engine": "sim",
+                "weights": "relay",
+                "group_size": prm.group_size,
+                "credits": prm.credits,
+                "refill_slots": prm.refill_slots if mode.startswith("laminar") else None,
+                "retract_unstarted": prm.retract_unstarted,
+                "max_running": prm.bound_b,
+                "partial_chunk_tokens": 256,
+                "prompt_retry_s": 0.05,
+                "sampling": {"max_tokens": cap},
+                "sim": {
+                    "step_time_s": prm.step_time_s,
+                    "bound_b": prm.bound_b,
+                    "length_p50": prm.length_p50,
+                    "length_p99_over_p50": prm.length_p99_over_p50,
+                    "seed": seed,
+                    # sized for B worst-case sequences: the bound B, not memory, limits a rollout
+                    "kv_capacity_tokens": prm.bound_b * (prm.prompt_tokens + cap),
+                },
+            },
+            "trainer": {
+                "engine": "sim",
+                "batch_groups": prm.batch_groups_per_rollout * n,
+                "total_steps": 1_000_000,
+                "sim_time_per_token_s": prm.trainer_s_per_token_x_n / n,
+                "batch_wait_s": 1.0,
+            },
+            "buffer": {
+                "capacity": 1_000_000,
+                "fsync": "never",
+                "retry_after_s": 0.05,
+                **({"max_staleness": prm.max_staleness} if mode.startswith("laminar") else {}),
+            },
+            "manager": {
+                "repack": {
+                    "enabled": mode == "laminar",
+                    "interval_s": prm.repack_interval_s,
+                    "c_max": prm.c_max,
+                },
+                "timeline_interval_s": float(os.environ.get("LCB_TIMELINE", 0)),
+            },
+            "env": env_section(prm, seed),
+            "logging": {"level": "warning"},
+            "extra": {"sim_weight_bytes": 4096},
+        }
+    )
 
 
 class LoopProbe:
@@ -251,8 +298,12 @@ def probe_summary(dump: dict[str, Any], t0: float, t1: float) -> dict[str, float
     cpu = [(t, c) for t, c in dump["cpu"] if t0 <= t <= t1]
     q = lambda p: round(1000 * xs[min(len(xs) - 1, int(p * len(xs)))], 2)  # noqa: E731
     frac = (cpu[-1][1] - cpu[0][1]) / (cpu[-1][0] - cpu[0][0]) if len(cpu) >= 2 else float("nan")
-    return {"cpu_frac": round(frac, 3), "lag_ms_p50": q(0.5), "lag_ms_p99": q(0.99),
-            "lag_ms_max": round(1000 * xs[-1], 2)}  # fmt: skip
+    return {
+        "cpu_frac": round(frac, 3),
+        "lag_ms_p50": q(0.5),
+        "lag_ms_p99": q(0.99),
+        "lag_ms_max": round(1000 * xs[-1], 2),
+    }
 
 
 # ---- worker: N rollouts in one process ------------------------------------------------------
@@ -307,10 +358,19 @@ async def worker_main(cfg_path: Path, count: int, out: Path, sample_s: float) ->
             for k, v in n.metrics.counters.items():
                 counters[k] = counters.get(k, 0) + v
         load = parts.get("weight_load_s")
-        doc = {"series": series, "probe": probe.dump(), "max_rss_mb": rss, "counters": counters,
-               "partials": {k: {"mean": v.mean, "max": v.max, "count": v.count} for k, v in parts.items()},
-               "per_rollout": per_rollout,
-               "weight_load_s": {"mean": load.mean, "max": load.max, "count": load.count} if load else None}  # fmt: skip
+        doc = {
+            "series": series,
+            "probe": probe.dump(),
+            "max_rss_mb": rss,
+            "counters": counters,
+            "partials": {
+                k: {"mean": v.mean, "max": v.max, "count": v.count} for k, v in parts.items()
+            },
+            "per_rollout": per_rollout,
+            "weight_load_s": {"mean": load.mean, "max": load.max, "count": load.count}
+            if load
+            else None,
+        }
         tmp = out.with_suffix(".tmp")
         tmp.write_text(json.dumps(doc))
         os.replace(tmp, out)
@@ -358,8 +418,9 @@ async def worker_main(cfg_path: Path, count: int, out: Path, sample_s: float) ->
 # ---- run: control plane in this process -------------------------------------------------------
 
 
-async def run_main(mode: str, n: int, seed: int, prm: BenchParams, work: Path,
-                   done: Any = None) -> dict[str, Any]:  # fmt: skip
+async def run_main(
+    mode: str, n: int, seed: int, prm: BenchParams, work: Path, done: Any = None
+) -> dict[str, Any]:
     """One run; `done(fig)` is called with the figures before the control plane is stopped (the
     CLI writes them and exits there: after the window nothing needs a graceful stop)."""
     from laminar.config import write_resolved
@@ -375,13 +436,32 @@ async def run_main(mode: str, n: int, seed: int, prm: BenchParams, work: Path,
         t_start = time.time()
         load0 = os.getloadavg()
         # the worker first: its imports overlap ours, and its nodes wait for the services to come up
-        worker = subprocess.Popen([sys.executable, os.environ.get("LCB_WORKER", __file__), "worker", "--config",
-                                   str(cfg_path), "--count", str(n), "--out", str(series_path),
-                                   "--sample-s", str(prm.sample_s)], stderr=open(work / "worker.log", "w"))  # fmt: skip
+        worker = subprocess.Popen(
+            [
+                sys.executable,
+                os.environ.get("LCB_WORKER", __file__),
+                "worker",
+                "--config",
+                str(cfg_path),
+                "--count",
+                str(n),
+                "--out",
+                str(series_path),
+                "--sample-s",
+                str(prm.sample_s),
+            ],
+            stderr=open(work / "worker.log", "w"),
+        )
 
         def finish(fig: dict[str, Any]) -> None:
-            fig.update(mode=mode, n=n, seed=seed, startup_s=round(fig.pop("t_ready") - t_start, 2),
-                       loadavg_1m={"start": load0[0], "end": os.getloadavg()[0]}, params=asdict(prm))  # fmt: skip
+            fig.update(
+                mode=mode,
+                n=n,
+                seed=seed,
+                startup_s=round(fig.pop("t_ready") - t_start, 2),
+                loadavg_1m={"start": load0[0], "end": os.getloadavg()[0]},
+                params=asdict(prm),
+            )
             if done is not None:
                 shutil.rmtree(ipc_dir, ignore_errors=True)
                 done(fig)
@@ -395,8 +475,9 @@ async def run_main(mode: str, n: int, seed: int, prm: BenchParams, work: Path,
         shutil.rmtree(ipc_dir, ignore_errors=True)
 
 
-async def _control(cfg: Any, n: int, prm: BenchParams, worker: subprocess.Popen, series_path: Path,
-                   finish: Any) -> dict[str, Any]:  # fmt: skip
+async def _control(
+    cfg: Any, n: int, prm: BenchParams, worker: subprocess.Popen, series_path: Path, finish: Any
+) -> dict[str, Any]:
     """Start the control plane, wait for the N rollouts, measure the window, stop the worker."""
     # (no torch import here: the trainer imports it in a thread while it starts)
     from laminar.cluster import LocalCluster
@@ -409,8 +490,10 @@ async def _control(cfg: Any, n: int, prm: BenchParams, worker: subprocess.Popen,
             while len(manager._live("rollout")) < n:  # registration has no event of its own: poll
                 cluster.check()
                 if worker.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"{n} rollouts did not register (worker rc={worker.poll()}), "
-                                       f"see {series_path.parent}/worker.log")  # fmt: skip
+                    raise RuntimeError(
+                        f"{n} rollouts did not register (worker rc={worker.poll()}), "
+                        f"see {series_path.parent}/worker.log"
+                    )
                 await asyncio.sleep(0.2)
             t_ready = time.time()
             probe = LoopProbe()
@@ -441,17 +524,31 @@ async def _control(cfg: Any, n: int, prm: BenchParams, worker: subprocess.Popen,
             for x in (Path(cfg.resolved_run_dir()) / "metrics.jsonl").read_text().splitlines()
         ]
         fig = figures(steps, w["series"], manager_log, t0, t1, n)
-        fig.update(t_ready=t_ready, control=control, weight_load_s=w["weight_load_s"], rollout_counters=w["counters"],
-                   worker={**probe_summary(w["probe"], t0, t1), "max_rss_mb": w["max_rss_mb"]},
-                   manager_counters=mgr_counters, rollout_partials=w.get("partials", {}),
-                   manager_partials={k: {"mean": v.mean, "max": v.max, "count": v.count} for k, v in mgr_parts.items()},
-                   buffer={k: buf[k] for k in ("staleness_consumed", "counters") if k in buf})  # fmt: skip
+        fig.update(
+            t_ready=t_ready,
+            control=control,
+            weight_load_s=w["weight_load_s"],
+            rollout_counters=w["counters"],
+            worker={**probe_summary(w["probe"], t0, t1), "max_rss_mb": w["max_rss_mb"]},
+            manager_counters=mgr_counters,
+            rollout_partials=w.get("partials", {}),
+            manager_partials={
+                k: {"mean": v.mean, "max": v.max, "count": v.count} for k, v in mgr_parts.items()
+            },
+            buffer={k: buf[k] for k in ("staleness_consumed", "counters") if k in buf},
+        )
         finish(fig)
     return fig
 
 
-def figures(steps: list[dict], series: list[list[float]], repack_log: list[dict], t0: float, t1: float,
-            n: int) -> dict[str, Any]:  # fmt: skip
+def figures(
+    steps: list[dict],
+    series: list[list[float]],
+    repack_log: list[dict],
+    t0: float,
+    t1: float,
+    n: int,
+) -> dict[str, Any]:
     """The window's figures (see the module docstring)."""
     from laminar.manager.staleness import StalenessStats
 
@@ -470,8 +567,11 @@ def figures(steps: list[dict], series: list[list[float]], repack_log: list[dict]
         out["train_tok_s"], out["iteration_s"] = 0.0, float("nan")
     push = sorted(s["push_s"] for s in win if s.get("push_s") is not None)
     out["trainer_push_s_median"] = push[len(push) // 2] if push else float("nan")
-    busy = sum(min(s["time"], t1) - max(s["time"] - s["compute_s"], t0) for s in steps
-               if s["time"] - s["compute_s"] < t1 and s["time"] > t0)  # fmt: skip
+    busy = sum(
+        min(s["time"], t1) - max(s["time"] - s["compute_s"], t0)
+        for s in steps
+        if s["time"] - s["compute_s"] < t1 and s["time"] > t0
+    )
     out["trainer_idle_frac"] = max(0.0, 1 - busy / (t1 - t0))
     st = StalenessStats()
     for s in win:
@@ -490,9 +590,13 @@ def figures(steps: list[dict], series: list[list[float]], repack_log: list[dict]
     if len(rows) >= 2 and len(rows[0]) >= 6 + len(BREAKDOWN) + 3:
         out["breakdown"] = breakdown(rows, n)
     rp = [r for r in repack_log if t0 <= r["t"] <= t1]
-    out["repack"] = {"rounds_with_moves": len(rp), "moves": sum(r["moves"] for r in rp),
-                     "trajectories": sum(r["trajectories"] for r in rp), "failed": sum(r["failed"] for r in rp),
-                     "overhead_s_mean": round(sum(r["overhead_s"] for r in rp) / len(rp), 4) if rp else 0.0}  # fmt: skip
+    out["repack"] = {
+        "rounds_with_moves": len(rp),
+        "moves": sum(r["moves"] for r in rp),
+        "trajectories": sum(r["trajectories"] for r in rp),
+        "failed": sum(r["failed"] for r in rp),
+        "overhead_s_mean": round(sum(r["overhead_s"] for r in rp) / len(rp), 4) if rp else 0.0,
+    }
     return out
 
 
@@ -506,8 +610,10 @@ def breakdown(rows: list[list[float]], n: int) -> dict[str, Any]:
     util = {"full": time_frac["full"], "loading": 0.0, "idle": 0.0}
     for j, s in enumerate(("drain", "refill", "move")):
         util[s] = sum(r[6 + k + j] for r in rows) / total
-    return {"time": {s: round(v, 4) for s, v in time_frac.items()},
-            "util": {s: round(util[s], 4) for s in BREAKDOWN}}  # fmt: skip
+    return {
+        "time": {s: round(v, 4) for s, v in time_frac.items()},
+        "util": {s: round(util[s], 4) for s in BREAKDOWN},
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

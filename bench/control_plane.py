@@ -110,9 +110,15 @@ def workload_rates(sim_json: Path) -> dict[str, dict[str, float]]:
         window = r["counts"]["steps_measured"] * r["iteration_s"]["median"]
         traj_s = r["staleness_finished"]["count"] / window
         n = r["rollouts"]
-        out[name] = {"rollouts": n, "tokens_s": tok_s, "trajectories_s": traj_s,
-                     "chunks_s": tok_s / CHUNK_TOKENS, "batches_s": n / FLUSH_S, "heartbeats_s": n / HEARTBEAT_S,
-                     "status_pushes_s": n / STATUS_PUSH_MIN_S}  # fmt: skip
+        out[name] = {
+            "rollouts": n,
+            "tokens_s": tok_s,
+            "trajectories_s": traj_s,
+            "chunks_s": tok_s / CHUNK_TOKENS,
+            "batches_s": n / FLUSH_S,
+            "heartbeats_s": n / HEARTBEAT_S,
+            "status_pushes_s": n / STATUS_PUSH_MIN_S,
+        }
     return out
 
 
@@ -122,17 +128,23 @@ def make_cfg_dict(tmp: Path, rollouts: int) -> dict[str, Any]:
         "".join(json.dumps({"prompt": f"p{i}", "answer": "a"}) + "\n" for i in range(4096))
     )
     return {
-        "name": f"cp{uuid.uuid4().hex[:6]}", "run_dir": str(tmp / "run"), "mode": "laminar",
+        "name": f"cp{uuid.uuid4().hex[:6]}",
+        "run_dir": str(tmp / "run"),
+        "mode": "laminar",
         "logging": {"level": os.environ.get("CP_LOG", "warning")},
         "cluster": {"transport": "ipc", "ipc_dir": str(tmp / "ipc")},
         "transport": {"heartbeat_interval_s": HEARTBEAT_S, "request_timeout_s": 10.0},
         "data": {"train": str(data), "seed": 1},
-        "rollout": {"group_size": 4, "partial_chunk_tokens": CHUNK_TOKENS, "partial_flush_s": FLUSH_S,
-                    "max_running": 128,
-                    "status_push_min_s": STATUS_PUSH_MIN_S},
+        "rollout": {
+            "group_size": 4,
+            "partial_chunk_tokens": CHUNK_TOKENS,
+            "partial_flush_s": FLUSH_S,
+            "max_running": 128,
+            "status_push_min_s": STATUS_PUSH_MIN_S,
+        },
         "trainer": {"batch_groups": TRAINER_BATCH_GROUPS},
         "buffer": {"capacity": 1 << 20, "fsync": "batch"},
-    }  # fmt: skip
+    }
 
 
 # ---- server side -----------------------------------------------------------------------------
@@ -221,10 +233,22 @@ class Driver:
         st = self._status.get(i)
         if st is None:
             toks = {f"syn{i}-{k}": 1000 + k for k in range(128)}
-            rs = RolloutStatus(traj_tokens=toks, kv_capacity_tokens=1 << 20, measured_at=time.time(),
-                               target_version=0, groups=32, credits_free=0)  # fmt: skip
-            st = self._status[i] = NodeStatus(node_id=f"rollout-{i}", role="rollout", version=0, kv_use=0.5,
-                                              running=128, rollout=rs)  # fmt: skip
+            rs = RolloutStatus(
+                traj_tokens=toks,
+                kv_capacity_tokens=1 << 20,
+                measured_at=time.time(),
+                target_version=0,
+                groups=32,
+                credits_free=0,
+            )
+            st = self._status[i] = NodeStatus(
+                node_id=f"rollout-{i}",
+                role="rollout",
+                version=0,
+                kv_use=0.5,
+                running=128,
+                rollout=rs,
+            )
         assert st.rollout is not None
         st.rollout.measured_at = time.time()
         return st
@@ -235,10 +259,21 @@ class Driver:
 
         opts = SocketOptions.from_config(self.cfg)
         k = len(self.shards)
-        self.buf = [RpcClient(self.ctx, self.shards[i % k], f"rollout-{i}", "rollout", opts)
-                    for i in range(self.rollouts)]  # fmt: skip
-        self.mgr = [RpcClient(self.ctx, self.cfg.endpoint("manager"), f"rollout-{i}", "rollout", opts,
-                              status=functools.partial(self.status, i)) for i in range(self.rollouts)]  # fmt: skip
+        self.buf = [
+            RpcClient(self.ctx, self.shards[i % k], f"rollout-{i}", "rollout", opts)
+            for i in range(self.rollouts)
+        ]
+        self.mgr = [
+            RpcClient(
+                self.ctx,
+                self.cfg.endpoint("manager"),
+                f"rollout-{i}",
+                "rollout",
+                opts,
+                status=functools.partial(self.status, i),
+            )
+            for i in range(self.rollouts)
+        ]
         self.trainers = [
             RpcClient(self.ctx, ep, "trainer-0", "trainer", opts) for ep in self.shards
         ]
@@ -282,8 +317,15 @@ class Driver:
         step, trainer, first = 0, self.trainers[shard], True
         while True:
             try:
-                rep = await trainer.request(BatchRequest(trainer_id="trainer-0", groups=TRAINER_BATCH_GROUPS,
-                                                         trainer_version=0, wait_s=0.5, restart=first))  # fmt: skip
+                rep = await trainer.request(
+                    BatchRequest(
+                        trainer_id="trainer-0",
+                        groups=TRAINER_BATCH_GROUPS,
+                        trainer_version=0,
+                        wait_s=0.5,
+                        restart=first,
+                    )
+                )
                 first = False
                 assert isinstance(rep, BatchReply)
                 self.sent["trained"] += len(rep.trajectories)
@@ -306,9 +348,19 @@ class Driver:
     def trajectory(self, it: Any, s: int, rid: str) -> Any:
         from laminar.protocol.data import Trajectory
 
-        return Trajectory(uid=f"{it.group_id}/{s}", group_id=it.group_id, prompt_uid=it.uid, sample_index=s,
-                          prompt_ids=it.prompt_ids, response_ids=self.ids, logprobs=self.lps, version=0,
-                          reward=float(s % 2), rollout_id=rid, finish_reason="stop")  # fmt: skip
+        return Trajectory(
+            uid=f"{it.group_id}/{s}",
+            group_id=it.group_id,
+            prompt_uid=it.uid,
+            sample_index=s,
+            prompt_ids=it.prompt_ids,
+            response_ids=self.ids,
+            logprobs=self.lps,
+            version=0,
+            reward=float(s % 2),
+            rollout_id=rid,
+            finish_reason="stop",
+        )
 
     def batch(self, ci: int, first_fill: bool) -> Any:
         """The next PartialBatch of synthetic rollout `ci`: one entry per in-flight sample (up to
@@ -333,17 +385,36 @@ class Driver:
             lens.append(hi - lo)
             if new:
                 at.append(i)
-                heads.append(PartialTrajectory(uid=uid, group_id=it.group_id, prompt_uid=it.uid, sample_index=s,
-                                               prompt_ids=it.prompt_ids, response_ids=self.ids[:0],
-                                               logprobs=self.lps[:0], version=0, n=it.n, rollout_id=cli.node_id))  # fmt: skip
+                heads.append(
+                    PartialTrajectory(
+                        uid=uid,
+                        group_id=it.group_id,
+                        prompt_uid=it.uid,
+                        sample_index=s,
+                        prompt_ids=it.prompt_ids,
+                        response_ids=self.ids[:0],
+                        logprobs=self.lps[:0],
+                        version=0,
+                        n=it.n,
+                        rollout_id=cli.node_id,
+                    )
+                )
             a[2], a[3] = c + 1, False
         k, n = len(uids), sum(lens)
         # token values do not matter to the buffer: views of one preallocated array (the driver's cost
         # is not what is measured)
-        msg = PartialBatch(rollout_id=cli.node_id, uids=uids, versions=np.zeros(k, np.int64),
-                           offsets=np.array(offs, np.int64), lengths=np.array(lens, np.int64),
-                           token_ids=self.flat_ids[:n], logprobs=self.flat_lps[:n], awaiting_env=np.zeros(k, np.uint8),
-                           headers=heads, header_at=np.array(at, np.int64) if at else None)  # fmt: skip
+        msg = PartialBatch(
+            rollout_id=cli.node_id,
+            uids=uids,
+            versions=np.zeros(k, np.int64),
+            offsets=np.array(offs, np.int64),
+            lengths=np.array(lens, np.int64),
+            token_ids=self.flat_ids[:n],
+            logprobs=self.flat_lps[:n],
+            awaiting_env=np.zeros(k, np.uint8),
+            headers=heads,
+            header_at=np.array(at, np.int64) if at else None,
+        )
         # round robin within the rollout: the served samples go to the back; finished ones leave
         served, rest = active[:e], active[e:]
         active[:] = rest + [a for a in served if a[2] < self.chunks_per_traj]
@@ -427,8 +498,12 @@ def read_lag(path: Path, t0: float, t1: float) -> dict[str, float]:
     lags = sorted(v for r in rows if t0 <= r["t"] <= t1 for v in r["lags"])
     if not lags:
         return {"p99_ms": float("nan"), "max_ms": float("nan"), "samples": 0}
-    return {"p50_ms": lags[len(lags) // 2], "p99_ms": lags[int(len(lags) * 0.99)], "max_ms": lags[-1],
-            "samples": len(lags)}  # fmt: skip
+    return {
+        "p50_ms": lags[len(lags) // 2],
+        "p99_ms": lags[int(len(lags) * 0.99)],
+        "max_ms": lags[-1],
+        "samples": len(lags),
+    }
 
 
 _BASE_NICE = os.getpriority(os.PRIO_PROCESS, 0)
@@ -473,9 +548,15 @@ async def run_pass(
     try:
         for name, role, k in servers:
             cfg_path = tmp / ("cfg.json" if role == "manager" else f"cfg-buffer{k}.json")
-            procs[name] = subprocess.Popen([sys.executable, __file__, "serve", role, str(cfg_path), str(lag[name]), str(k)],
-                                           stdout=open(tmp / f"{name}.log", "wb"), stderr=subprocess.STDOUT,
-                                           cwd=ROOT, preexec_fn=None if os.getpriority(os.PRIO_PROCESS, 0) == _BASE_NICE else _server_priority)  # fmt: skip
+            procs[name] = subprocess.Popen(
+                [sys.executable, __file__, "serve", role, str(cfg_path), str(lag[name]), str(k)],
+                stdout=open(tmp / f"{name}.log", "wb"),
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+                preexec_fn=None
+                if os.getpriority(os.PRIO_PROCESS, 0) == _BASE_NICE
+                else _server_priority,
+            )
         # after the servers started (they would inherit it); absolute, so a second pass adds nothing
         os.setpriority(os.PRIO_PROCESS, 0, _BASE_NICE + args.driver_nice)
         await asyncio.wait_for(drv.connect(), 60)
@@ -486,11 +567,15 @@ async def run_pass(
         await asyncio.sleep(1.0)
         c0, t0 = {name: cpu_seconds(p.pid) for name, p in procs.items()}, time.monotonic()
         await asyncio.sleep(3.0)
-        idle_cpu = {name: round((cpu_seconds(p.pid) - c0[name]) / (time.monotonic() - t0), 3)
-                    for name, p in procs.items()}  # fmt: skip
+        idle_cpu = {
+            name: round((cpu_seconds(p.pid) - c0[name]) / (time.monotonic() - t0), 3)
+            for name, p in procs.items()
+        }
         # warm-up (not measured): connections, first prompts, the journal's first writes
-        await asyncio.gather(drv.stream(ramp[0], time.monotonic() + args.warmup_s, first_fill=True),
-                             drv.pushes(ramp[0], time.monotonic() + args.warmup_s))  # fmt: skip
+        await asyncio.gather(
+            drv.stream(ramp[0], time.monotonic() + args.warmup_s, first_fill=True),
+            drv.pushes(ramp[0], time.monotonic() + args.warmup_s),
+        )
         fails = 0
         for x in ramp:
             for p in procs.values():
@@ -523,13 +608,23 @@ async def run_pass(
                 "trajectories_s": x * rates["trajectories_s"],
                 "status_pushes_s": x * rates["status_pushes_s"],
             }
-            row = {"x": x, "buffer_shards": shards, "offered": offered,
-                   "nice": {"driver": os.getpriority(os.PRIO_PROCESS, 0),
-                            **{n: _nice_of(p.pid) for n, p in procs.items()}},
-                   "achieved": {k: round(v, 1) for k, v in got.items()}, "ack_p99_s": round(ack_p99, 4),
-                   "lag": {r: read_lag(p, t0, t1) for r, p in lag.items()}, "cpu_per_s": cpu}  # fmt: skip
-            delivered = (got["batches"] >= 0.95 * offered["batches_s"]
-                         and got["acked"] >= 0.95 * offered["trajectories_s"])  # fmt: skip
+            row = {
+                "x": x,
+                "buffer_shards": shards,
+                "offered": offered,
+                "nice": {
+                    "driver": os.getpriority(os.PRIO_PROCESS, 0),
+                    **{n: _nice_of(p.pid) for n, p in procs.items()},
+                },
+                "achieved": {k: round(v, 1) for k, v in got.items()},
+                "ack_p99_s": round(ack_p99, 4),
+                "lag": {r: read_lag(p, t0, t1) for r, p in lag.items()},
+                "cpu_per_s": cpu,
+            }
+            delivered = (
+                got["batches"] >= 0.95 * offered["batches_s"]
+                and got["acked"] >= 0.95 * offered["trajectories_s"]
+            )
             lag_ok = all(row["lag"][r]["p99_ms"] < args.lag_bound_ms for r in lag)
             row["driver_bound"] = got["batches"] < 0.95 * offered["batches_s"] and lag_ok
             row["ok"] = bool(delivered and lag_ok and ack_p99 < args.ack_bound_s)
@@ -537,13 +632,16 @@ async def run_pass(
             buf_lag = max(
                 row["lag"][name]["p99_ms"] for name, role, _ in servers if role == "buffer"
             )
-            print(f"shards={shards} x={x:5.2f} batches/s {got['batches']:7.0f}/{offered['batches_s']:7.0f} entries/s "
-                  f"{got['chunks']:7.0f}  traj acked/s "
-                  f"{got['acked']:7.1f}/{offered['trajectories_s']:7.1f}  pushes/s {got['pushes']:6.0f}  "
-                  f"ack p99 {ack_p99 * 1e3:7.1f} ms  lag p99 buffer {buf_lag:7.1f} ms manager "
-                  f"{row['lag']['manager']['p99_ms']:7.1f} ms  cpu/s {' '.join(f'{k} {v:.2f}' for k, v in cpu.items())}  "
-                  f"{'ok' if row['ok'] else 'FAIL'}"
-                  f"{' (driver-bound)' if row['driver_bound'] else ''}", flush=True)  # fmt: skip
+            print(
+                f"shards={shards} x={x:5.2f} batches/s {got['batches']:7.0f}/{offered['batches_s']:7.0f} entries/s "
+                f"{got['chunks']:7.0f}  traj acked/s "
+                f"{got['acked']:7.1f}/{offered['trajectories_s']:7.1f}  pushes/s {got['pushes']:6.0f}  "
+                f"ack p99 {ack_p99 * 1e3:7.1f} ms  lag p99 buffer {buf_lag:7.1f} ms manager "
+                f"{row['lag']['manager']['p99_ms']:7.1f} ms  cpu/s {' '.join(f'{k} {v:.2f}' for k, v in cpu.items())}  "
+                f"{'ok' if row['ok'] else 'FAIL'}"
+                f"{' (driver-bound)' if row['driver_bound'] else ''}",
+                flush=True,
+            )
             fails = 0 if row["ok"] else fails + 1
             if fails >= 2:
                 break
@@ -565,8 +663,15 @@ async def run_pass(
         if not args.keep:
             shutil.rmtree(tmp, ignore_errors=True)
     best = max((s["x"] for s in steps if s["ok"]), default=0.0)
-    return {"buffer_shards": shards, "best": best, "steps": steps, "server_logs": server_logs, "idle_cpu_per_s": idle_cpu,
-            "entries_per_batch": drv.entries_per_batch, "chunks_per_trajectory": drv.chunks_per_traj}  # fmt: skip
+    return {
+        "buffer_shards": shards,
+        "best": best,
+        "steps": steps,
+        "server_logs": server_logs,
+        "idle_cpu_per_s": idle_cpu,
+        "entries_per_batch": drv.entries_per_batch,
+        "chunks_per_trajectory": drv.chunks_per_traj,
+    }
 
 
 async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -597,8 +702,11 @@ async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         for name, c in st["cpu_per_s"].items():
             if name not in first["idle_cpu_per_s"]:
                 continue  # the driver: what it costs is not the control plane's
-            got = st["achieved"]["pushes"] / rates["status_pushes_s"] if name == "manager" else (
-                st["achieved"]["batches"] / rates["batches_s"] / first["buffer_shards"])  # fmt: skip
+            got = (
+                st["achieved"]["pushes"] / rates["status_pushes_s"]
+                if name == "manager"
+                else (st["achieved"]["batches"] / rates["batches_s"] / first["buffer_shards"])
+            )
             if got > 0 and (name not in cost or got > cost[name][1]):
                 cost[name] = (max(0.0, c - first["idle_cpu_per_s"][name]) / got, got)
     cpu_per_1x = {k: round(v[0], 3) for k, v in cost.items()}
@@ -624,7 +732,7 @@ async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             "buffer_shards": args.buffer_shards,
             "max_shards": args.max_shards,
             "driver_nice": args.driver_nice,
-        },  # fmt: skip
+        },
         "machine": {
             "python": platform.python_version(),
             "cpus": os.cpu_count(),
@@ -652,7 +760,7 @@ async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             "headroom_by_workload": {
                 k: round(best * rates["chunks_s"] / v["chunks_s"], 3) for k, v in all_rates.items()
             },
-        },  # fmt: skip
+        },
     }
 
 
@@ -670,25 +778,35 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ramp", type=float, nargs="+", default=None)
     ap.add_argument("--step-s", type=float, default=None)
     ap.add_argument("--warmup-s", type=float, default=10.0)
-    ap.add_argument("--driver-nice", type=int, default=10,
-                    help="the driver's niceness above the nodes' (0: the same priority)")  # fmt: skip
+    ap.add_argument(
+        "--driver-nice",
+        type=int,
+        default=10,
+        help="the driver's niceness above the nodes' (0: the same priority)",
+    )
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory (node logs)")
     ap.add_argument("--lag-bound-ms", type=float, default=100.0)
     ap.add_argument("--ack-bound-s", type=float, default=1.0)
     ap.add_argument(
         "--buffer-shards", type=int, default=1, help="buffer processes of the first pass"
     )
-    ap.add_argument("--max-shards", type=int, default=4,
-                    help="while a pass holds < 2x, run again with twice the shards, up to this (1: never)")  # fmt: skip
+    ap.add_argument(
+        "--max-shards",
+        type=int,
+        default=4,
+        help="while a pass holds < 2x, run again with twice the shards, up to this (1: never)",
+    )
     args = ap.parse_args(argv)
     args.ramp = args.ramp or [0.05, 0.1, 0.15, 0.25, 0.5, 1.0, 2.0, 3.0]
     args.step_s = args.step_s or (15.0 if args.quick else 60.0)
     res = asyncio.run(run_bench(args))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=1))
-    print(f"headroom_vs_1024gpu_rate = {res['summary']['headroom_vs_1024gpu_rate']} ({res['summary']['target_workload']}, "
-          f"{res['summary']['buffer_shards']} buffer shard(s))"
-          f" -> {args.out}")  # fmt: skip
+    print(
+        f"headroom_vs_1024gpu_rate = {res['summary']['headroom_vs_1024gpu_rate']} ({res['summary']['target_workload']}, "
+        f"{res['summary']['buffer_shards']} buffer shard(s))"
+        f" -> {args.out}"
+    )
     return 0
 
 

@@ -79,8 +79,14 @@ def run_hf(model: Any, work: list[tuple[list[int], int]], batch: int) -> dict[st
         ).long()
         longest = max(t for _, t in chunk)
         with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
-                                 do_sample=False, pad_token_id=0)  # fmt: skip
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=longest,
+                min_new_tokens=longest,
+                do_sample=False,
+                pad_token_id=0,
+            )
         assert out.shape[1] == width + longest
         computed += longest * len(chunk)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -99,8 +105,15 @@ async def run_engine(
 ) -> dict[str, float]:
     t0, c0 = time.perf_counter(), time.process_time()
     steps0 = engine.steps
-    reqs = [GenRequest(f"{tag}-{i}", np.array(p, np.int32), SamplingParams(temperature=0.0, max_tokens=t, ignore_eos=True),
-                       single=True) for i, (p, t) in enumerate(work)]  # fmt: skip
+    reqs = [
+        GenRequest(
+            f"{tag}-{i}",
+            np.array(p, np.int32),
+            SamplingParams(temperature=0.0, max_tokens=t, ignore_eos=True),
+            single=True,
+        )
+        for i, (p, t) in enumerate(work)
+    ]
     results = await asyncio.gather(*(engine.generate_all(r, timeout=600) for r in reqs))
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     for (_, target), res in zip(work, results, strict=True):
@@ -125,10 +138,16 @@ def stats(xs: list[float]) -> dict[str, float]:
 
 
 def machine() -> dict[str, Any]:
-    return {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
-            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-            "transformers": __import__("transformers").__version__, **git_state(),
-            "loadavg_at_start": [round(x, 2) for x in os.getloadavg()]}  # fmt: skip
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "transformers": __import__("transformers").__version__,
+        **git_state(),
+        "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
+    }
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
@@ -145,7 +164,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             max_running=args.batch,
             max_model_len=MODEL["max_positions"],
             forward=fwd,
-        )  # fmt: skip
+        )
         for fwd in ("lean", "hf")
     )
     await engine.start()
@@ -160,9 +179,18 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     run_hf(hf, warm, args.batch)
     await run_engine(engine, warm, "warm")
     await run_engine(engine_hf, warm, "warm")
-    rows: dict[str, dict[str, list[float]]] = {w: {"hf": [], "engine": [], "ratio": [], "cpu_ratio": [],
-                                                   "engine_hf": [], "lean_ratio": [], "lean_cpu_ratio": []}
-                                               for w in workloads}  # fmt: skip
+    rows: dict[str, dict[str, list[float]]] = {
+        w: {
+            "hf": [],
+            "engine": [],
+            "ratio": [],
+            "cpu_ratio": [],
+            "engine_hf": [],
+            "lean_ratio": [],
+            "lean_cpu_ratio": [],
+        }
+        for w in workloads
+    }
     extra: dict[str, dict[str, Any]] = {}
     for rep in range(args.repeats):
         for name, work in workloads.items():
@@ -176,51 +204,91 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             rows[name]["engine"].append(e["tokens_per_s"])
             rows[name]["ratio"].append(e["tokens_per_s"] / h["tokens_per_s"])
             rows[name]["cpu_ratio"].append(e["tokens_per_cpu_s"] / h["tokens_per_cpu_s"])
-            extra[name] = {"useful_tokens": h["useful_tokens"], "hf_computed_tokens": h["computed_tokens"],
-                           "hf_padding_waste": round(1 - h["useful_tokens"] / h["computed_tokens"], 3),
-                           "engine_steps": e["steps"]}  # fmt: skip
-            print(f"  repeat {rep} {name:<9} hf {h['tokens_per_s']:8.1f} tok/s  engine {e['tokens_per_s']:8.1f} tok/s"
-                  f"  ratio {rows[name]['ratio'][-1]:.2f} (per CPU-second {rows[name]['cpu_ratio'][-1]:.2f})"
-                  f"  | engine on HF's forward {eh['tokens_per_s']:8.1f} tok/s, lean / HF forward "
-                  f"{rows[name]['lean_ratio'][-1]:.2f}",
-                  flush=True)  # fmt: skip
+            extra[name] = {
+                "useful_tokens": h["useful_tokens"],
+                "hf_computed_tokens": h["computed_tokens"],
+                "hf_padding_waste": round(1 - h["useful_tokens"] / h["computed_tokens"], 3),
+                "engine_steps": e["steps"],
+            }
+            print(
+                f"  repeat {rep} {name:<9} hf {h['tokens_per_s']:8.1f} tok/s  engine {e['tokens_per_s']:8.1f} tok/s"
+                f"  ratio {rows[name]['ratio'][-1]:.2f} (per CPU-second {rows[name]['cpu_ratio'][-1]:.2f})"
+                f"  | engine on HF's forward {eh['tokens_per_s']:8.1f} tok/s, lean / HF forward "
+                f"{rows[name]['lean_ratio'][-1]:.2f}",
+                flush=True,
+            )
     await engine.close()
     await engine_hf.close()
     lengths = [t for _, t in workloads["longtail"]]
-    summary = {"torch_engine_vs_hf_generate": round(statistics.median(rows["longtail"]["ratio"]), 3),
-               "torch_engine_vs_hf_generate_uniform_lengths": round(statistics.median(rows["uniform"]["ratio"]), 3),
-               "torch_engine_vs_hf_generate_per_cpu_s": round(statistics.median(rows["longtail"]["cpu_ratio"]), 3),
-               "torch_engine_vs_hf_generate_uniform_per_cpu_s": round(statistics.median(rows["uniform"]["cpu_ratio"]),
-                                                                      3),
-               "engine_tokens_per_s_longtail": round(statistics.median(rows["longtail"]["engine"]), 1),
-               "hf_tokens_per_s_longtail": round(statistics.median(rows["longtail"]["hf"]), 1),
-               "engine_tokens_per_s_uniform": round(statistics.median(rows["uniform"]["engine"]), 1),
-               "hf_tokens_per_s_uniform": round(statistics.median(rows["uniform"]["hf"]), 1),
-               "hf_padding_waste_longtail": extra["longtail"]["hf_padding_waste"],
-               "lean_forward_vs_hf_forward": round(statistics.median(rows["longtail"]["lean_ratio"]), 3),
-               "lean_forward_vs_hf_forward_per_cpu_s": round(statistics.median(rows["longtail"]["lean_cpu_ratio"]), 3),
-               "lean_forward_vs_hf_forward_uniform": round(statistics.median(rows["uniform"]["lean_ratio"]), 3)}  # fmt: skip
+    summary = {
+        "torch_engine_vs_hf_generate": round(statistics.median(rows["longtail"]["ratio"]), 3),
+        "torch_engine_vs_hf_generate_uniform_lengths": round(
+            statistics.median(rows["uniform"]["ratio"]), 3
+        ),
+        "torch_engine_vs_hf_generate_per_cpu_s": round(
+            statistics.median(rows["longtail"]["cpu_ratio"]), 3
+        ),
+        "torch_engine_vs_hf_generate_uniform_per_cpu_s": round(
+            statistics.median(rows["uniform"]["cpu_ratio"]), 3
+        ),
+        "engine_tokens_per_s_longtail": round(statistics.median(rows["longtail"]["engine"]), 1),
+        "hf_tokens_per_s_longtail": round(statistics.median(rows["longtail"]["hf"]), 1),
+        "engine_tokens_per_s_uniform": round(statistics.median(rows["uniform"]["engine"]), 1),
+        "hf_tokens_per_s_uniform": round(statistics.median(rows["uniform"]["hf"]), 1),
+        "hf_padding_waste_longtail": extra["longtail"]["hf_padding_waste"],
+        "lean_forward_vs_hf_forward": round(statistics.median(rows["longtail"]["lean_ratio"]), 3),
+        "lean_forward_vs_hf_forward_per_cpu_s": round(
+            statistics.median(rows["longtail"]["lean_cpu_ratio"]), 3
+        ),
+        "lean_forward_vs_hf_forward_uniform": round(
+            statistics.median(rows["uniform"]["lean_ratio"]), 3
+        ),
+    }
     return {
         "benchmark": "engine",
-        "config": {"quick": args.quick, "repeats": args.repeats, "model": MODEL, "vocab": vocab, "dtype": "float32",
-                   "batch_B": args.batch, "requests": args.requests, "length_p50": args.p50,
-                   "length_p99_over_p50": args.tail, "max_len": args.max_len, "prompt_tokens": "uniform 16-48",
-                   "decoding": "greedy, EOS disabled (engine ignore_eos; HF min_new_tokens=max_new_tokens)",
-                   "workload": "all N requests available at t=0; engine: continuous batching with <= B running, "
-                               "slots refilled as sequences finish; HF generate: consecutive static batches of B, "
-                               "left-padded, each runs to its longest target; throughput counts useful tokens only",
-                   "hf": "model.generate, attn sdpa, DynamicCache", "engine": "TorchEngine (slot KV cache, packed steps, "
-                   "computes logprobs), lean forward", "engine_hf": "the same engine on the HF model's forward",
-                   "longtail_lengths": {"p50": float(np.percentile(lengths, 50)), "p99": float(np.percentile(lengths, 99)),
-                                        "max": max(lengths), "sum": sum(lengths)}},
+        "config": {
+            "quick": args.quick,
+            "repeats": args.repeats,
+            "model": MODEL,
+            "vocab": vocab,
+            "dtype": "float32",
+            "batch_B": args.batch,
+            "requests": args.requests,
+            "length_p50": args.p50,
+            "length_p99_over_p50": args.tail,
+            "max_len": args.max_len,
+            "prompt_tokens": "uniform 16-48",
+            "decoding": "greedy, EOS disabled (engine ignore_eos; HF min_new_tokens=max_new_tokens)",
+            "workload": "all N requests available at t=0; engine: continuous batching with <= B running, "
+            "slots refilled as sequences finish; HF generate: consecutive static batches of B, "
+            "left-padded, each runs to its longest target; throughput counts useful tokens only",
+            "hf": "model.generate, attn sdpa, DynamicCache",
+            "engine": "TorchEngine (slot KV cache, packed steps, computes logprobs), lean forward",
+            "engine_hf": "the same engine on the HF model's forward",
+            "longtail_lengths": {
+                "p50": float(np.percentile(lengths, 50)),
+                "p99": float(np.percentile(lengths, 99)),
+                "max": max(lengths),
+                "sum": sum(lengths),
+            },
+        },
         "machine": None,
         "summary": summary,
-        "results": [{"workload": w, "hf_tokens_per_s": stats(r["hf"]), "engine_tokens_per_s": stats(r["engine"]),
-                     "ratio": stats(r["ratio"]), "ratio_per_cpu_s": stats(r["cpu_ratio"]),
-                     "engine_hf_forward_tokens_per_s": stats(r["engine_hf"]), "lean_vs_hf_forward": stats(r["lean_ratio"]),
-                     "lean_vs_hf_forward_per_cpu_s": stats(r["lean_cpu_ratio"]), **extra[w]}
-                    for w, r in rows.items()],
-    }  # fmt: skip
+        "results": [
+            {
+                "workload": w,
+                "hf_tokens_per_s": stats(r["hf"]),
+                "engine_tokens_per_s": stats(r["engine"]),
+                "ratio": stats(r["ratio"]),
+                "ratio_per_cpu_s": stats(r["cpu_ratio"]),
+                "engine_hf_forward_tokens_per_s": stats(r["engine_hf"]),
+                "lean_vs_hf_forward": stats(r["lean_ratio"]),
+                "lean_vs_hf_forward_per_cpu_s": stats(r["lean_cpu_ratio"]),
+                **extra[w],
+            }
+            for w, r in rows.items()
+        ],
+    }
 
 
 def main() -> None:
@@ -256,8 +324,10 @@ def main() -> None:
         f"\n{'workload':<12}{'HF generate tok/s':>19}{'torch engine tok/s':>20}{'engine / HF':>13}"
     )
     for r in out["results"]:
-        print(f"{r['workload']:<12}{r['hf_tokens_per_s']['median']:>19.1f}{r['engine_tokens_per_s']['median']:>20.1f}"
-              f"{r['ratio']['median']:>13.2f}")  # fmt: skip
+        print(
+            f"{r['workload']:<12}{r['hf_tokens_per_s']['median']:>19.1f}{r['engine_tokens_per_s']['median']:>20.1f}"
+            f"{r['ratio']['median']:>13.2f}"
+        )
     print(
         f"torch_engine_vs_hf_generate = {s['torch_engine_vs_hf_generate']} (long tail; HF padding waste "
         f"{s['hf_padding_waste_longtail']:.0%}), uniform lengths: {s['torch_engine_vs_hf_generate_uniform_lengths']}"

@@ -57,14 +57,35 @@ from laminar.demo.__main__ import DEMO_CONFIG, demo_settings, prepare_data, run_
 TARGETS = (0.85, 0.90)
 CORRECTIONS: dict[str, list[str]] = {
     "default": [],
-    "none": ["algo.decoupled=true", "algo.is_mode=none", "trainer.minibatches=1", "trainer.lr=2e-4"],
-    "tis": ["algo.decoupled=true", "algo.is_mode=truncate", "algo.is_cap=2.0", "trainer.minibatches=1",
-            "trainer.lr=2e-4"],
-    "ppo_mb": ["algo.decoupled=true", "algo.is_mode=truncate", "algo.is_cap=2.0", "trainer.minibatches=4",
-               "trainer.lr=5e-5"],
-    "icepop": ["algo.decoupled=true", "algo.is_mode=mask", "algo.is_low=0.5", "algo.is_high=2.0",
-               "trainer.minibatches=1", "trainer.lr=2e-4"],
-}  # fmt: skip
+    "none": [
+        "algo.decoupled=true",
+        "algo.is_mode=none",
+        "trainer.minibatches=1",
+        "trainer.lr=2e-4",
+    ],
+    "tis": [
+        "algo.decoupled=true",
+        "algo.is_mode=truncate",
+        "algo.is_cap=2.0",
+        "trainer.minibatches=1",
+        "trainer.lr=2e-4",
+    ],
+    "ppo_mb": [
+        "algo.decoupled=true",
+        "algo.is_mode=truncate",
+        "algo.is_cap=2.0",
+        "trainer.minibatches=4",
+        "trainer.lr=5e-5",
+    ],
+    "icepop": [
+        "algo.decoupled=true",
+        "algo.is_mode=mask",
+        "algo.is_low=0.5",
+        "algo.is_high=2.0",
+        "trainer.minibatches=1",
+        "trainer.lr=2e-4",
+    ],
+}
 """Each correction pins its own learning rate: one optimizer step a batch at 2e-4, four at 5e-5 (a
 batch then moves the weights about as far). The full table of 2026-11-27 ran ppo_mb at 2e-4."""
 QUICK_STEPS = 60
@@ -111,8 +132,17 @@ def gain_area(curve: list[dict[str, Any]], upto: float) -> float:
     return area
 
 
-def run_cell(cell: str, seed: int, work: Path, base: list[str], s: dict[str, Any], policy0: Path,
-             ev: list[dict], before: dict[str, Any], max_tokens: int) -> dict[str, Any]:  # fmt: skip
+def run_cell(
+    cell: str,
+    seed: int,
+    work: Path,
+    base: list[str],
+    s: dict[str, Any],
+    policy0: Path,
+    ev: list[dict],
+    before: dict[str, Any],
+    max_tokens: int,
+) -> dict[str, Any]:
     from laminar.demo import report
     from laminar.report import read_metrics
 
@@ -124,28 +154,39 @@ def run_cell(cell: str, seed: int, work: Path, base: list[str], s: dict[str, Any
     c0 = _cpu_children()
     r = run_mode(DEMO_CONFIG, run_dir, mode, over, s)
     cpu = _cpu_children() - c0
-    curve = report.eval_curve(run_dir, policy0, ev, s, before, r["t0"], log=lambda _m: None,
-                              max_tokens=max_tokens)  # fmt: skip
+    curve = report.eval_curve(
+        run_dir, policy0, ev, s, before, r["t0"], log=lambda _m: None, max_tokens=max_tokens
+    )
     metrics = read_metrics(run_dir)
     sm = report.smooth(curve)
     out: dict[str, Any] = {
-        "cell": cell, "seed": seed, "overrides": over, "wall_s": round(r["wall_clock_s"], 1),
-        "cpu_s": round(cpu, 1), "cores": round(cpu / r["wall_clock_s"], 2) if r["wall_clock_s"] else None,
-        "steps": metrics[-1]["step"] if metrics else 0, "steps_per_s": report.steps_per_s(metrics),
+        "cell": cell,
+        "seed": seed,
+        "overrides": over,
+        "wall_s": round(r["wall_clock_s"], 1),
+        "cpu_s": round(cpu, 1),
+        "cores": round(cpu / r["wall_clock_s"], 2) if r["wall_clock_s"] else None,
+        "steps": metrics[-1]["step"] if metrics else 0,
+        "steps_per_s": report.steps_per_s(metrics),
         "first_step_s": round(metrics[0]["time"] - r["t0"], 1) if metrics else None,
         "staleness_mean": _mean([m.get("staleness") for m in metrics]),
         "clip_frac_mean": _mean([m.get("frac/clip") for m in metrics]),
-        "curve": curve, "smoothed": sm, "best_smoothed": max(p["accuracy"] for p in sm),
-        "final": curve[-1]["accuracy"], "startup": startup_breakdown(run_dir, r["t0"]),
-    }  # fmt: skip
+        "curve": curve,
+        "smoothed": sm,
+        "best_smoothed": max(p["accuracy"] for p in sm),
+        "final": curve[-1]["accuracy"],
+        "startup": startup_breakdown(run_dir, r["t0"]),
+    }
     for tgt in TARGETS:
         k = f"{round(tgt * 100):03d}"
         out[f"steps_to_{k}"] = crossing(sm, "step", tgt)
         out[f"seconds_to_{k}"] = crossing(sm, "t", tgt)
         out[f"short_by_{k}"] = round(max(0.0, tgt - out["best_smoothed"]), 3)
-    say(f"{cell} seed {seed}: {out['steps']} steps in {out['wall_s']:.0f}s ({out['cores']} cores), "
+    say(
+        f"{cell} seed {seed}: {out['steps']} steps in {out['wall_s']:.0f}s ({out['cores']} cores), "
         f"best smoothed acc {out['best_smoothed']:.3f}, steps/s to 0.90: {out['steps_to_090']} / "
-        f"{out['seconds_to_090']}")  # fmt: skip
+        f"{out['seconds_to_090']}"
+    )
     return out
 
 
@@ -199,8 +240,13 @@ def spread(xs: list[float | None]) -> dict[str, Any] | None:
     def j(x: float) -> float | None:
         return None if math.isinf(x) else round(x, 4)
 
-    return {"min": j(v[0]), "median": j(med), "max": j(v[-1]), "n": len(v),
-            "not_reached": sum(x is None for x in xs)}  # fmt: skip
+    return {
+        "min": j(v[0]),
+        "median": j(med),
+        "max": j(v[-1]),
+        "n": len(v),
+        "not_reached": sum(x is None for x in xs),
+    }
 
 
 def learning_vs_sync(run: dict[str, Any], sync: dict[str, Any] | None) -> float | None:
@@ -246,15 +292,32 @@ def aggregate(runs: list[dict[str, Any]], headline: tuple[str, str]) -> dict[str
     for cell, rs in by_cell.items():
         corr = cell.split(":")[2]
         c: dict[str, Any] = {}
-        for key in ("steps_to_085", "steps_to_090", "seconds_to_085", "seconds_to_090", "steps_per_s",
-                    "wall_s", "cpu_s", "cores", "best_smoothed", "final", "staleness_mean",
-                    "clip_frac_mean", "first_step_s", "short_by_090"):  # fmt: skip
+        for key in (
+            "steps_to_085",
+            "steps_to_090",
+            "seconds_to_085",
+            "seconds_to_090",
+            "steps_per_s",
+            "wall_s",
+            "cpu_s",
+            "cores",
+            "best_smoothed",
+            "final",
+            "staleness_mean",
+            "clip_frac_mean",
+            "first_step_s",
+            "short_by_090",
+        ):
             c[key] = spread([r.get(key) for r in rs])
         # against the sync run of the same correction and seed, else the default sync run
         c["learning_per_step_vs_sync"] = spread(
-            [learning_vs_sync(r, sync_of.get((corr, r["seed"])) or sync_of.get(("default", r["seed"])))
-             for r in rs]
-        )  # fmt: skip
+            [
+                learning_vs_sync(
+                    r, sync_of.get((corr, r["seed"])) or sync_of.get(("default", r["seed"]))
+                )
+                for r in rs
+            ]
+        )
         cells[cell] = c
     lam, sync = headline
     pairs = [(r, sync_of.get((sync.split(":")[2], r["seed"]))) for r in by_cell.get(lam, [])]
@@ -276,8 +339,9 @@ def aggregate(runs: list[dict[str, Any]], headline: tuple[str, str]) -> dict[str
         "short_of_090_laminar": _median_json([a["short_by_090"] for a, _ in pairs]),
         "short_of_090_sync": _median_json([b["short_by_090"] for _, b in pairs]),
         "steps_per_s_laminar_over_sync": _median_json(rate),
-        "steps_to_090_goal": "<= 1.10", "time_to_090_goal": ">= 1.25",
-    }  # fmt: skip
+        "steps_to_090_goal": "<= 1.10",
+        "time_to_090_goal": ">= 1.25",
+    }
     return {"cells": cells, "summary": summary}
 
 
@@ -306,8 +370,13 @@ def plot(path: Path, runs: list[dict[str, Any]]) -> Path | None:
                 [statistics.median(y) for _, y in ok],
                 label=f"{cell} (n={len(rs)})",
             )
-            a.fill_between([x for x, _ in ok], [min(y) for _, y in ok], [max(y) for _, y in ok],
-                           color=line.get_color(), alpha=0.15)  # fmt: skip
+            a.fill_between(
+                [x for x, _ in ok],
+                [min(y) for _, y in ok],
+                [max(y) for _, y in ok],
+                color=line.get_color(),
+                alpha=0.15,
+            )
     for a, label in ((ax[0], "trainer step"), (ax[1], "seconds since `laminar run`")):
         for tgt in TARGETS:
             a.axhline(tgt, color="grey", lw=0.6, ls=":")
@@ -335,9 +404,13 @@ def _interp(curve: list[dict[str, Any]], key: str, x: float) -> float | None:
 
 
 def machine() -> dict[str, Any]:
-    return {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
-            **git_state(),
-            "loadavg_at_start": [round(x, 2) for x in os.getloadavg()]}  # fmt: skip
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        **git_state(),
+        "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -381,11 +454,18 @@ def main(argv: list[str] | None = None) -> int:
         cells = [default_cell, "sync:0:default"]
     else:
         cells = FULL_CELLS + [default_cell, "sync:0:default"]
-    bad = [c for c in cells if len(c.split(":")) != 3 or c.split(":")[2] not in CORRECTIONS
-           or c.split(":")[0] not in ("sync", "laminar")]  # fmt: skip
+    bad = [
+        c
+        for c in cells
+        if len(c.split(":")) != 3
+        or c.split(":")[2] not in CORRECTIONS
+        or c.split(":")[0] not in ("sync", "laminar")
+    ]
     if bad:
-        ap.error(f"bad cells {bad}: use mode:staleness:correction with mode sync|laminar, "
-                 f"correction one of {list(CORRECTIONS)}")  # fmt: skip
+        ap.error(
+            f"bad cells {bad}: use mode:staleness:correction with mode sync|laminar, "
+            f"correction one of {list(CORRECTIONS)}"
+        )
     seeds = [int(x) for x in (args.seeds or (QUICK_SEEDS if args.quick else "0,1,2")).split(",")]
     work = Path(args.work)
     out = Path(args.out)
@@ -402,24 +482,40 @@ def main(argv: list[str] | None = None) -> int:
     max_tokens = cfg.rollout.sampling.max_tokens
     before = evaluate_model(str(policy0), ev, cu.verify, max_tokens=max_tokens)
     before.pop("completions", None)
-    base = [f"model.path={policy0}", f"data.train={train_path}", f"data.eval={eval_path}",
-            "trainer.eval_every=0", *args.overrides]  # fmt: skip
+    base = [
+        f"model.path={policy0}",
+        f"data.train={train_path}",
+        f"data.eval={eval_path}",
+        "trainer.eval_every=0",
+        *args.overrides,
+    ]
     say(f"{len(cells)} cells x {len(seeds)} seeds; start accuracy {before['accuracy']:.3f}")
     runs: list[dict[str, Any]] = []
     # seed-major, cells alternating: machine drift hits every cell alike
     for seed in seeds:
         for cell in cells:
             runs.append(run_cell(cell, seed, work, base, s, policy0, ev, before, max_tokens))
-            result = {"config": {"cells": cells, "seeds": seeds, "overrides": args.overrides,
-                                 "quick": args.quick, "targets": TARGETS},
-                      "machine": machine(), "wall_s": round(time.time() - t0, 1),
-                      **aggregate(runs, (default_cell, "sync:0:default")), "runs": runs}  # fmt: skip
+            result = {
+                "config": {
+                    "cells": cells,
+                    "seeds": seeds,
+                    "overrides": args.overrides,
+                    "quick": args.quick,
+                    "targets": TARGETS,
+                },
+                "machine": machine(),
+                "wall_s": round(time.time() - t0, 1),
+                **aggregate(runs, (default_cell, "sync:0:default")),
+                "runs": runs,
+            }
             out.write_text(json.dumps(result, indent=1))  # partial results survive an interrupt
     png = plot(out.with_suffix(".png"), runs)
     sm = result["summary"]
-    say(f"done in {time.time() - t0:.0f}s: steps_to_090_laminar_over_sync {sm['steps_to_090_laminar_over_sync']} "
+    say(
+        f"done in {time.time() - t0:.0f}s: steps_to_090_laminar_over_sync {sm['steps_to_090_laminar_over_sync']} "
         f"(goal <= 1.10), time_to_090_sync_over_laminar {sm['time_to_090_sync_over_laminar']} (goal >= 1.25); "
-        f"{out}{' + ' + str(png) if png else ''}")  # fmt: skip
+        f"{out}{' + ' + str(png) if png else ''}"
+    )
     print(
         f"{'cell':<24} {'steps->0.90':>14} {'s->0.90':>14} {'steps/s':>8} {'cores':>6} {'learn/sync':>10}"
     )
@@ -429,8 +525,10 @@ def main(argv: list[str] | None = None) -> int:
             v = c.get(k)
             return "-" if not v or v["median"] is None else f"{v['median']:.2f}"
 
-        print(f"{cell:<24} {med('steps_to_090'):>14} {med('seconds_to_090'):>14} {med('steps_per_s'):>8} "
-              f"{med('cores'):>6} {med('learning_per_step_vs_sync'):>10}")  # fmt: skip
+        print(
+            f"{cell:<24} {med('steps_to_090'):>14} {med('seconds_to_090'):>14} {med('steps_per_s'):>8} "
+            f"{med('cores'):>6} {med('learning_per_step_vs_sync'):>10}"
+        )
     return 0
 
 

@@ -40,15 +40,18 @@ sys.path.insert(0, str(HERE))
 from cluster_run import BenchParams, make_config  # noqa: E402
 
 VARIANTS: dict[str, dict[str, Any]] = {
-    "before: a credit per group, repack 1 s": {"refill_slots": None, "retract_unstarted": False,
-                                               "repack_interval_s": 1.0},
+    "before: a credit per group, repack 1 s": {
+        "refill_slots": None,
+        "retract_unstarted": False,
+        "repack_interval_s": 1.0,
+    },
     "per-sequence refill (refill_slots 12)": {"retract_unstarted": False, "repack_interval_s": 1.0},
     "+ retraction of unstarted groups": {"repack_interval_s": 1.0},
     "+ repack every 0.5 s (adopted)": {},
     "adopted without retraction": {"retract_unstarted": False},
     "adopted, refill_slots 10": {"refill_slots": 10},
     "adopted, refill_slots 8 (no queue)": {"refill_slots": 8},
-}  # fmt: skip
+}
 
 
 def run_variant(n: int, overrides: dict[str, Any], seed: int) -> dict[str, Any]:
@@ -62,8 +65,19 @@ def run_variant(n: int, overrides: dict[str, Any], seed: int) -> dict[str, Any]:
             p = params_from_config(cfg, n, prompt_tokens=prm.prompt_tokens)
         t0 = time.time()
         r = simulate(mode, params=p, seed=seed, warmup_steps=4, measure_steps=8)
-        out[mode] = {k: r[k] for k in ("decode_util", "throughput_tok_s", "iteration_s", "rollout_idle_frac",
-                                       "staleness_consumed", "staleness_finished", "retracted_groups", "moves")}  # fmt: skip
+        out[mode] = {
+            k: r[k]
+            for k in (
+                "decode_util",
+                "throughput_tok_s",
+                "iteration_s",
+                "rollout_idle_frac",
+                "staleness_consumed",
+                "staleness_finished",
+                "retracted_groups",
+                "moves",
+            )
+        }
         out[mode]["sim_s"] = round(time.time() - t0, 1)
     out["laminar_vs_sync"] = out["laminar"]["throughput_tok_s"] / out["sync"]["throughput_tok_s"]
     return out
@@ -78,8 +92,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", nargs="+", default=None, choices=list(VARIANTS))
     ap.add_argument("--out", type=Path, default=HERE / "results" / "refill_sweep.json")
     args = ap.parse_args(argv)
-    doc: dict[str, Any] = {"bench": "refill_sweep", "seed": args.seed, "params": BenchParams().__dict__,
-                           "variants": {k: VARIANTS[k] for k in args.variants or VARIANTS}, "results": {}}  # fmt: skip
+    doc: dict[str, Any] = {
+        "bench": "refill_sweep",
+        "seed": args.seed,
+        "params": BenchParams().__dict__,
+        "variants": {k: VARIANTS[k] for k in args.variants or VARIANTS},
+        "results": {},
+    }
     print(
         f"{'N':>5} {'variant':42} {'util':>6} {'/sync':>6} {'stale mean':>10} {'p50':>4} {'p99':>4} {'max':>4}"
         f" {'iter s':>7} {'p99 x iter s':>13}"
@@ -89,9 +108,12 @@ def main(argv: list[str] | None = None) -> int:
             r = run_variant(n, VARIANTS[name], args.seed)
             doc["results"].setdefault(str(n), {})[name] = r
             lam, st = r["laminar"], r["laminar"]["staleness_consumed"]
-            print(f"{n:>5} {name:42} {lam['decode_util']:6.3f} {r['laminar_vs_sync']:6.2f} {st['mean']:10.2f} "
-                  f"{st['p50']:>4} {st['p99']:>4} {st['max']:>4} {lam['iteration_s']:7.2f}"
-                  f" {st['p99'] * lam['iteration_s']:13.2f}", flush=True)  # fmt: skip
+            print(
+                f"{n:>5} {name:42} {lam['decode_util']:6.3f} {r['laminar_vs_sync']:6.2f} {st['mean']:10.2f} "
+                f"{st['p50']:>4} {st['p99']:>4} {st['max']:>4} {lam['iteration_s']:7.2f}"
+                f" {st['p99'] * lam['iteration_s']:13.2f}",
+                flush=True,
+            )
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(doc, indent=1))
     print(f"wrote {args.out}")

@@ -93,8 +93,13 @@ class Traj:
 
     __slots__ = ("id", "group", "length", "gen0", "start_p", "fin", "end", "turn", "plan", "cached")
 
-    def __init__(self, tid: int, group: Group, length: int,
-                 plan: tuple[list[int], list[int], list[float]] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        tid: int,
+        group: Group,
+        length: int,
+        plan: tuple[list[int], list[int], list[float]] | None = None,
+    ) -> None:
         self.id, self.group, self.length, self.gen0, self.start_p = tid, group, length, 0, 0.0
         self.fin = -1.0
         self.plan, self.turn = plan, 0
@@ -120,10 +125,30 @@ class Group:
 
 class Rollout:
     __slots__ = (
-        "idx", "version", "prog", "t_ref", "stall_until", "running", "heap", "waiting", "kv_base",
-        "gen", "in_hand", "pulling", "asking", "last_kv", "work_t", "decode_t", "util_a", "status",
-        "prompts_ready", "push_next", "push_pending", "tooling", "retracted",
-    )  # fmt: skip
+        "idx",
+        "version",
+        "prog",
+        "t_ref",
+        "stall_until",
+        "running",
+        "heap",
+        "waiting",
+        "kv_base",
+        "gen",
+        "in_hand",
+        "pulling",
+        "asking",
+        "last_kv",
+        "work_t",
+        "decode_t",
+        "util_a",
+        "status",
+        "prompts_ready",
+        "push_next",
+        "push_pending",
+        "tooling",
+        "retracted",
+    )
 
     def __init__(self, idx: int) -> None:
         self.idx, self.version, self.prog, self.t_ref, self.stall_until = idx, 0, 0.0, 0.0, 0.0
@@ -191,9 +216,22 @@ class Sim(RepackMixin):
         self.steps: list[tuple[float, int]] = []  # (update completion time, tokens)
         self.cons_stale, self.fin_stale = StalenessStats(), StalenessStats()
         self.snap: dict[str, float] = {}
-        self.counts = {"repack_rounds": 0, "moves": 0, "moved_trajs": 0, "preemptions": 0, "dropped_groups": 0, "global_updates": 0, "pulls": 0,
-                       "export_missing": 0, "export_empty": 0, "import_rejected": 0, "import_elsewhere": 0, "restarted_from_prompt": 0,
-                       "status_pushes": 0, "retracted_groups": 0}  # fmt: skip
+        self.counts = {
+            "repack_rounds": 0,
+            "moves": 0,
+            "moved_trajs": 0,
+            "preemptions": 0,
+            "dropped_groups": 0,
+            "global_updates": 0,
+            "pulls": 0,
+            "export_missing": 0,
+            "export_empty": 0,
+            "import_rejected": 0,
+            "import_elsewhere": 0,
+            "restarted_from_prompt": 0,
+            "status_pushes": 0,
+            "retracted_groups": 0,
+        }
         self.view_age = [0.0, 0]  # sum, count: how old the statuses moves were planned on
         self.win_gen_tokens = self.win_prod_tokens = 0
         self.step_tokens = self.mb_done = 0
@@ -386,7 +424,13 @@ class Sim(RepackMixin):
         return ends, obs, lat
 
     def may_start(self, r: Rollout) -> bool:
-        return may_start_group(self.policy, trainer_version=self.version, rollout_version=r.version, groups_started=self.groups_started, batch_groups=self.prm.batch_groups)  # fmt: skip
+        return may_start_group(
+            self.policy,
+            trainer_version=self.version,
+            rollout_version=r.version,
+            groups_started=self.groups_started,
+            batch_groups=self.prm.batch_groups,
+        )
 
     def dispatch_global(self) -> None:
         """Baselines: hand groups to the least-loaded rollouts while the mode's rules allow."""
@@ -419,8 +463,11 @@ class Sim(RepackMixin):
 
     def groups_in_hand(self, r: Rollout) -> int:
         """Groups with a trajectory here in any state, tool waits included (capped at 2x credits)."""
-        return len({t.group.seq for t in r.running.values()} | {t.group.seq for t in r.waiting}
-                   | {t.group.seq for t in r.tooling.values()})  # fmt: skip
+        return len(
+            {t.group.seq for t in r.running.values()}
+            | {t.group.seq for t in r.waiting}
+            | {t.group.seq for t in r.tooling.values()}
+        )
 
     def refill(self, r: Rollout, answered: bool = False) -> None:
         """Laminar: a rollout with nothing left pulls newer weights, then takes its own batch;
@@ -481,8 +528,11 @@ class Sim(RepackMixin):
         by_group: dict[int, list[Traj]] = {}
         for t in r.waiting:
             by_group.setdefault(t.group.seq, []).append(t)
-        out = [ts for ts in by_group.values()
-               if len(ts) == ts[0].group.left == self.prm.group_size and all(t.gen0 == 0 for t in ts)]  # fmt: skip
+        out = [
+            ts
+            for ts in by_group.values()
+            if len(ts) == ts[0].group.left == self.prm.group_size and all(t.gen0 == 0 for t in ts)
+        ]
         if not out:
             return
         gone = {t.id for ts in out for t in ts}

@@ -67,8 +67,11 @@ class RepackMixin:
                 self.push(phase.uniform(0.0, self.prm.status_age_s), EV_BEAT, r.idx)
 
     def pushes_status(self) -> bool:
-        return bool(getattr(self, "do_repack", False) and self.prm.status_age_s > 0
-                    and self.prm.status_push_min_s > 0)  # fmt: skip
+        return bool(
+            getattr(self, "do_repack", False)
+            and self.prm.status_age_s > 0
+            and self.prm.status_push_min_s > 0
+        )
 
     def note_change(self, r: Any) -> None:
         """Something repack plans from changed on `r`: push its status now, or once the rate bound
@@ -108,8 +111,10 @@ class RepackMixin:
         cap = self.prm.kv_capacity_tokens
         use = self.kv(r) / cap
         running = r.running.values()
-        trajs = tuple(TrajLoad(str(t.id), (self.prm.prompt_tokens + t.gen0 + r.prog - t.start_p) / cap)
-                      for t in running)  # fmt: skip
+        trajs = tuple(
+            TrajLoad(str(t.id), (self.prm.prompt_tokens + t.gen0 + r.prog - t.start_p) / cap)
+            for t in running
+        )
         trajs += tuple(
             TrajLoad(str(t.id), (self.prm.prompt_tokens + t.gen0) / cap) for t in r.waiting
         )
@@ -182,8 +187,14 @@ class RepackMixin:
         """Import on the planned destination, else another rollout of the version, else restart."""
         order = [self.ro[dest]]
         newest = max(r.version for r in self.ro)
-        others = [r for r in self.ro if r.idx != dest and r.version == version and not r.pulling
-                  and (r.running or r.waiting or version >= newest)]  # fmt: skip
+        others = [
+            r
+            for r in self.ro
+            if r.idx != dest
+            and r.version == version
+            and not r.pulling
+            and (r.running or r.waiting or version >= newest)
+        ]
         others.sort(key=lambda r: (len(r.running) >= self.rb, self.kv(r), r.idx))
         order += others[:3]  # PLACE_TRIES = 4 rollouts in all
         for i, r in enumerate(order):

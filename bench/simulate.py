@@ -130,10 +130,15 @@ def multiturn_from_config(cfg: Any) -> dict[str, Any]:
 
     env, lim = SimToolEnv(**cfg.env.kwargs), cfg.env.limits
     calls = min(env.max_calls, lim.max_tool_calls, lim.max_turns - 1)
-    return {"tool_calls_max": calls, "p_call": env.p_call, "tool_latency_p50_s": env.latency_p50_s,
-            "tool_latency_p99_s": env.latency_p99_s, "obs_tokens_min": env.obs_min,
-            "tool_latency_max_s": math.inf if env.latency_max_s is None else env.latency_max_s,
-            "obs_tokens_max": env.obs_max}  # fmt: skip
+    return {
+        "tool_calls_max": calls,
+        "p_call": env.p_call,
+        "tool_latency_p50_s": env.latency_p50_s,
+        "tool_latency_p99_s": env.latency_p99_s,
+        "obs_tokens_min": env.obs_min,
+        "tool_latency_max_s": math.inf if env.latency_max_s is None else env.latency_max_s,
+        "obs_tokens_max": env.obs_max,
+    }
 
 
 def simulate(
@@ -266,20 +271,29 @@ def git_commit() -> str:
 
 
 def print_table(results: dict[str, dict[int, dict[str, Any]]]) -> None:
-    print(f"\n{'model':>5} {'GPUs':>5} {'mode':>16} {'ro':>4} {'split':>5} {'tok/s':>9} {'vs sync':>8} "
-          f"{'idle':>5} {'util':>5} {'train':>5} {'stale p50/max':>13}")  # fmt: skip
+    print(
+        f"\n{'model':>5} {'GPUs':>5} {'mode':>16} {'ro':>4} {'split':>5} {'tok/s':>9} {'vs sync':>8} "
+        f"{'idle':>5} {'util':>5} {'train':>5} {'stale p50/max':>13}"
+    )
     for model, per_n in results.items():
         for n, rows in per_n.items():
             for mode, row in rows.items():
                 sc = row["staleness_consumed"]
                 split = "-" if row["rollout_frac"] is None else f"{row['rollout_frac']:.2f}"
-                print(f"{model:>5} {n:>5} {mode:>16} {row['rollouts']:>4} {split:>5} {row['throughput_tok_s']['median']:>9.0f} "
-                      f"{row['vs_sync']['median']:>7.2f}x {row['rollout_idle_frac']['median']:>5.2f} "
-                      f"{row['decode_util']['median']:>5.2f} {row['trainer_busy_frac']['median']:>5.2f} {sc['p50']:>6}/{sc['max']:<6}")  # fmt: skip
+                print(
+                    f"{model:>5} {n:>5} {mode:>16} {row['rollouts']:>4} {split:>5} {row['throughput_tok_s']['median']:>9.0f} "
+                    f"{row['vs_sync']['median']:>7.2f}x {row['rollout_idle_frac']['median']:>5.2f} "
+                    f"{row['decode_util']['median']:>5.2f} {row['trainer_busy_frac']['median']:>5.2f} {sc['p50']:>6}/{sc['max']:<6}"
+                )
 
 
-def multiturn_summary(tasks: list[tuple], runs: list[dict[str, Any]], scales: list[int], seeds: list[int],
-                      summary: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+def multiturn_summary(
+    tasks: list[tuple],
+    runs: list[dict[str, Any]],
+    scales: list[int],
+    seeds: list[int],
+    summary: dict[str, Any],
+) -> dict[str, Any]:
     """The multi-turn sweep's rows, table and summary figures (added to `summary`), with the
     paper's tool-calling figures next to them."""
     per: dict[int, list[dict[str, Any]]] = {}
@@ -289,8 +303,11 @@ def multiturn_summary(tasks: list[tuple], runs: list[dict[str, Any]], scales: li
     print(f"\nmulti-turn tool calling ({MULTITURN_MODEL}, {MULTITURN}):")
     print_table({MULTITURN_MODEL: rows})
     lo, hi = min(scales), max(scales)
-    eff = {mode: rows[hi][mode]["throughput_per_gpu"]["median"] / rows[lo][mode]["throughput_per_gpu"]["median"]
-           for mode in SIM_MODES}  # fmt: skip
+    eff = {
+        mode: rows[hi][mode]["throughput_per_gpu"]["median"]
+        / rows[lo][mode]["throughput_per_gpu"]["median"]
+        for mode in SIM_MODES
+    }
     best = max(("sync", *BASELINE_MODES), key=lambda m: eff[m])
     med = lambda n, mode: rows[n][mode]["throughput_tok_s"]["median"]  # noqa: E731
     summary["laminar_scaling_efficiency_multiturn"] = eff["laminar"]
@@ -304,11 +321,19 @@ def multiturn_summary(tasks: list[tuple], runs: list[dict[str, Any]], scales: li
         med(n, "laminar") / med(n, b) for n in scales for b in ("sync", *BASELINE_MODES)
     )
     summary[f"laminar_vs_sync_multiturn_{hi}"] = rows[hi]["laminar"]["vs_sync"]["median"]
-    summary["paper_multiturn"] = {"laminar_vs_baselines_avg": 2.62, "laminar_scaling_efficiency": 0.465,
-                                  "best_baseline_scaling_efficiency": 0.129}  # fmt: skip
+    summary["paper_multiturn"] = {
+        "laminar_vs_baselines_avg": 2.62,
+        "laminar_scaling_efficiency": 0.465,
+        "best_baseline_scaling_efficiency": 0.129,
+    }
     print(f"scaling efficiency {lo}->{hi}: " + "  ".join(f"{k} {v:.1%}" for k, v in eff.items()))
-    return {"model": MULTITURN_MODEL, "workload": MULTITURN, "scales": scales,
-            "results": {str(n): r for n, r in rows.items()}, "scaling_efficiency": eff}  # fmt: skip
+    return {
+        "model": MULTITURN_MODEL,
+        "workload": MULTITURN,
+        "scales": scales,
+        "results": {str(n): r for n, r in rows.items()},
+        "scaling_efficiency": eff,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -323,8 +348,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--seeds", type=int, default=None, help="repeats per point (seeds 0..N-1)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
-    ap.add_argument("--workloads", nargs="+", default=["single", "multiturn"], choices=["single", "multiturn"],
-                    help="single-turn math (the model sweep) and/or multi-turn tool calling")  # fmt: skip
+    ap.add_argument(
+        "--workloads",
+        nargs="+",
+        default=["single", "multiturn"],
+        choices=["single", "multiturn"],
+        help="single-turn math (the model sweep) and/or multi-turn tool calling",
+    )
     args = ap.parse_args(argv)
     if "single" not in args.workloads:
         args.models = []
@@ -347,16 +377,27 @@ def main(argv: list[str] | None = None) -> int:
                     tasks += [(m, n, mode, frac, s, warm, meas, {}) for s in seeds]
     # dynamic repack in isolation, as in paper §8.4 (32B, 128 GPUs, 16 rollouts; Fig. 9's
     # 512-trajectory batch per rollout): the paper measured +26% generation throughput
-    repack_tasks = [
-        ("32B", 128, mode, None, s, warm, meas, {"rollout_groups": 32})
-        for mode in ("laminar_norepack", "laminar")
+    repack_tasks = (
+        [
+            ("32B", 128, mode, None, s, warm, meas, {"rollout_groups": 32})
+            for mode in ("laminar_norepack", "laminar")
+            for s in seeds
+        ]
+        if models
+        else []
+    )
+    mt_scales = (
+        []
+        if "multiturn" not in args.workloads
+        else args.gpus or ([64, 1024] if args.quick else full)
+    )
+    mt_tasks = [
+        (MULTITURN_MODEL, n, mode, frac, s, warm, meas, MULTITURN)
+        for n in mt_scales
+        for mode in SIM_MODES
+        for frac in (fracs if mode in BASELINE_MODES else [None])
         for s in seeds
-    ] if models else []  # fmt: skip
-    mt_scales = ([] if "multiturn" not in args.workloads
-                 else args.gpus or ([64, 1024] if args.quick else full))  # fmt: skip
-    mt_tasks = [(MULTITURN_MODEL, n, mode, frac, s, warm, meas, MULTITURN) for n in mt_scales
-                for mode in SIM_MODES for frac in (fracs if mode in BASELINE_MODES else [None])
-                for s in seeds]  # fmt: skip
+    ]
     print(
         f"simulating {len(tasks) + len(repack_tasks) + len(mt_tasks)} runs on {args.jobs} processes ...",
         file=sys.stderr,
@@ -380,16 +421,36 @@ def main(argv: list[str] | None = None) -> int:
     if mt_tasks:
         multiturn = multiturn_summary(mt_tasks, mt_runs, mt_scales, seeds, summary)
     if not models:
-        doc = {"bench": "simulate", "config": {"quick": args.quick, "workloads": args.workloads, "seeds": seeds,
-               "baseline_rollout_fracs": fracs, "warmup_steps": warm, "measure_steps": meas},
-               "git_commit": git_commit(), "multiturn": multiturn, "summary": summary}  # fmt: skip
+        doc = {
+            "bench": "simulate",
+            "config": {
+                "quick": args.quick,
+                "workloads": args.workloads,
+                "seeds": seeds,
+                "baseline_rollout_fracs": fracs,
+                "warmup_steps": warm,
+                "measure_steps": meas,
+            },
+            "git_commit": git_commit(),
+            "multiturn": multiturn,
+            "summary": summary,
+        }
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(doc, indent=1))
         print("\nsummary:", json.dumps(summary, indent=1))
         print(f"wrote {args.out}")
         return 0
     print_table(results)
-    scaling = {m: {mode: (per_n[max(per_n)][mode]["throughput_per_gpu"]["median"] / per_n[min(per_n)][mode]["throughput_per_gpu"]["median"]) for mode in SIM_MODES} for m, per_n in results.items()}  # fmt: skip
+    scaling = {
+        m: {
+            mode: (
+                per_n[max(per_n)][mode]["throughput_per_gpu"]["median"]
+                / per_n[min(per_n)][mode]["throughput_per_gpu"]["median"]
+            )
+            for mode in SIM_MODES
+        }
+        for m, per_n in results.items()
+    }
     print("\nscaling efficiency (throughput per GPU, largest / smallest scale):")
     for m, row in scaling.items():
         print(
@@ -416,7 +477,11 @@ def main(argv: list[str] | None = None) -> int:
         summary[f"laminar_vs_{base}_avg"] = statistics.mean(
             med(rows, "laminar") / med(rows, base) for _, _, rows in pts
         )
-    order = {f"{m}@{n}": med(rows, "sync") <= min(med(rows, b) for b in BASELINE_MODES) and max(med(rows, b) for b in BASELINE_MODES) < med(rows, "laminar") for m, n, rows in pts}  # fmt: skip
+    order = {
+        f"{m}@{n}": med(rows, "sync") <= min(med(rows, b) for b in BASELINE_MODES)
+        and max(med(rows, b) for b in BASELINE_MODES) < med(rows, "laminar")
+        for m, n, rows in pts
+    }
     summary["ordering_holds"] = f"{sum(order.values())}/{len(order)}"
     summary["ordering_fails_at"] = [k for k, ok in order.items() if not ok]
     summary["one_step_over_stream_avg"] = statistics.mean(
@@ -455,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
             "params_laminar_at_max_scale": {
                 m: asdict(params_for(m, "laminar", max(scales[m]))) for m in models
             },
-        },  # fmt: skip
+        },
         "machine": {
             "python": platform.python_version(),
             "platform": platform.platform(),

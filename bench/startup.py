@@ -29,21 +29,45 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from learning import machine, startup_breakdown  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-BASE = ["model.path=runs/.cache/countup-policy0-seed0", "data.train=runs/bench-learning/data/train.jsonl",
-        "data.eval=runs/bench-learning/data/eval.jsonl", "trainer.eval_every=0", "trainer.total_steps=3"]  # fmt: skip
+BASE = [
+    "model.path=runs/.cache/countup-policy0-seed0",
+    "data.train=runs/bench-learning/data/train.jsonl",
+    "data.eval=runs/bench-learning/data/eval.jsonl",
+    "trainer.eval_every=0",
+    "trainer.total_steps=3",
+]
 VARIANTS = {"module_free": [], "hf": ["rollout.torch_forward=hf", "trainer.forward=hf"]}
 MARKS = ("buffer_ready", "trainer_ready", "rollouts_ready", "first_step")
 
 
 def one_start(run_dir: Path, extra: list[str]) -> dict[str, float]:
     t0 = time.time()
-    subprocess.run([sys.executable, "-m", "laminar", "run", "--overwrite", "configs/demo.yaml", f"run_dir={run_dir}",
-                    *BASE, *extra], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                   check=True, timeout=300)  # fmt: skip
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "laminar",
+            "run",
+            "--overwrite",
+            "configs/demo.yaml",
+            f"run_dir={run_dir}",
+            *BASE,
+            *extra,
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        check=True,
+        timeout=300,
+    )
     b = startup_breakdown(run_dir, t0)
     rollouts = [v["ready"] for k, v in b.items() if k.startswith("rollout-") and "ready" in v]
-    return {"buffer_ready": b["buffer-0"]["ready"], "trainer_ready": b["trainer-0"]["ready"],
-            "rollouts_ready": max(rollouts), "first_step": b["first_step_done_s"]}  # fmt: skip
+    return {
+        "buffer_ready": b["buffer-0"]["ready"],
+        "trainer_ready": b["trainer-0"]["ready"],
+        "rollouts_ready": max(rollouts),
+        "first_step": b["first_step_done_s"],
+    }
 
 
 def main() -> None:
@@ -69,9 +93,20 @@ def main() -> None:
         n: {k: round(statistics.median(r[k] for r in rs), 2) for k in MARKS}
         for n, rs in runs.items()
     }
-    result = {"config": {"pairs": args.pairs, "base": BASE, "variants": VARIANTS}, "machine": machine(), "runs": runs, "median_s": med,
-              "summary": {"first_step_hf_minus_module_free_s": round(med["hf"]["first_step"] - med["module_free"]["first_step"], 2),
-                          "first_step_hf_over_module_free": round(med["hf"]["first_step"] / med["module_free"]["first_step"], 3)}}  # fmt: skip
+    result = {
+        "config": {"pairs": args.pairs, "base": BASE, "variants": VARIANTS},
+        "machine": machine(),
+        "runs": runs,
+        "median_s": med,
+        "summary": {
+            "first_step_hf_minus_module_free_s": round(
+                med["hf"]["first_step"] - med["module_free"]["first_step"], 2
+            ),
+            "first_step_hf_over_module_free": round(
+                med["hf"]["first_step"] / med["module_free"]["first_step"], 3
+            ),
+        },
+    }
     print(f"\n{'median s after launch':<24}" + "".join(f"{k:>16}" for k in MARKS))
     for name, row in med.items():
         print(f"{name:<24}" + "".join(f"{row[k]:>16.2f}" for k in MARKS))

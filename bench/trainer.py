@@ -56,8 +56,9 @@ print(r.ru_utime + r.ru_stime, time.time() - t, type(model).__name__,
 """
 
 
-def batches(n: int, groups: int, group: int, vocab: int, seed: int,
-            uniform: float = 0.0) -> list[list[Trajectory]]:  # fmt: skip
+def batches(
+    n: int, groups: int, group: int, vocab: int, seed: int, uniform: float = 0.0
+) -> list[list[Trajectory]]:
     """`uniform`: the share of groups whose rewards all agree (advantage 0 on every sample)."""
     rng = np.random.default_rng(seed)
     out = []
@@ -68,22 +69,39 @@ def batches(n: int, groups: int, group: int, vocab: int, seed: int,
             same = float(rng.random() < 0.5) if g < round(uniform * groups) else None
             for i in range(group):
                 r = int(min(250, max(2, rng.lognormal(3.4, 0.6))))
-                trajs.append(Trajectory(uid=f"{b}-{g}/{i}", group_id=f"{b}-{g}", prompt_uid=f"{b}-{g}",
-                                        sample_index=i, prompt_ids=prompt, response_ids=rng.integers(3, vocab, size=r),
-                                        logprobs=np.full(r, -1.0, np.float32), version=0,
-                                        reward=same if same is not None else float(rng.random() < 0.5)))  # fmt: skip
+                trajs.append(
+                    Trajectory(
+                        uid=f"{b}-{g}/{i}",
+                        group_id=f"{b}-{g}",
+                        prompt_uid=f"{b}-{g}",
+                        sample_index=i,
+                        prompt_ids=prompt,
+                        response_ids=rng.integers(3, vocab, size=r),
+                        logprobs=np.full(r, -1.0, np.float32),
+                        version=0,
+                        reward=same if same is not None else float(rng.random() < 0.5),
+                    )
+                )
         out.append(trajs)
     return out
 
 
 def policy(path: Path, run_dir: Path, forward: str, skip: bool = True) -> Policy:
-    cfg = config_from_dict({
-        "run_dir": str(run_dir), "model": {"path": str(path)},
-        "rollout": {"max_model_len": 320, "sampling": {"max_tokens": 256}},
-        "trainer": {"lr": 5e-5, "minibatches": 4, "micro_batch_tokens": 1024, "forward": forward,
-                    "skip_zero_advantage": skip},
-        "algo": {"loss": "ppo", "decoupled": True, "is_mode": "truncate", "is_cap": 2.0},
-    })  # fmt: skip
+    cfg = config_from_dict(
+        {
+            "run_dir": str(run_dir),
+            "model": {"path": str(path)},
+            "rollout": {"max_model_len": 320, "sampling": {"max_tokens": 256}},
+            "trainer": {
+                "lr": 5e-5,
+                "minibatches": 4,
+                "micro_batch_tokens": 1024,
+                "forward": forward,
+                "skip_zero_advantage": skip,
+            },
+            "algo": {"loss": "ppo", "decoupled": True, "is_mode": "truncate", "is_cap": 2.0},
+        }
+    )
     return Policy(cfg, str(path))
 
 
@@ -97,8 +115,9 @@ def time_steps(pol: Policy, work: list[list[Trajectory]]) -> list[float]:
     return out
 
 
-def alternate(repeats: int, work: list[list[Trajectory]],
-              variants: dict[str, Callable[[], Policy]]) -> dict[str, list[float]]:  # fmt: skip
+def alternate(
+    repeats: int, work: list[list[Trajectory]], variants: dict[str, Callable[[], Policy]]
+) -> dict[str, list[float]]:
     """Step times of each variant's fresh trainer over `work` (its first batch a warm-up step:
     allocator, first-call paths), the variants alternating in order from repeat to repeat."""
     steps: dict[str, list[float]] = {name: [] for name in variants}
@@ -114,8 +133,13 @@ def alternate(repeats: int, work: list[list[Trajectory]],
 
 
 def start_child(path: Path, module_free: bool) -> dict[str, Any]:
-    res = subprocess.run([sys.executable, "-c", START_CHILD, str(path), "1" if module_free else "0"],
-                         capture_output=True, text=True, timeout=300, check=True)  # fmt: skip
+    res = subprocess.run(
+        [sys.executable, "-c", START_CHILD, str(path), "1" if module_free else "0"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
     cpu, wall, kind, hf = res.stdout.split()
     return {
         "cpu_s": float(cpu),
@@ -149,55 +173,82 @@ def main() -> None:
     vocab = int(json.loads((path / "config.json").read_text())["vocab_size"])
     work = batches(args.steps + 1, args.groups, args.group, vocab, seed=0)
     tokens = [sum(len(t.prompt_ids) + len(t.response_ids) for t in trajs) for trajs in work[1:]]
-    steps = alternate(args.repeats, work, {
-        forward: (lambda f=forward: policy(path, tmp / f"run-{f}", f)) for forward in ("packed", "hf")
-    })  # fmt: skip
+    steps = alternate(
+        args.repeats,
+        work,
+        {
+            forward: (lambda f=forward: policy(path, tmp / f"run-{f}", f))
+            for forward in ("packed", "hf")
+        },
+    )
     # the zero-advantage skip: the same packed trainer with it on and off, batches with uniform groups
     skip_work = batches(
         args.steps + 1, args.groups, args.group, vocab, seed=1, uniform=args.uniform
     )
-    skip_steps = alternate(args.repeats, skip_work, {
-        name: (lambda n=name: policy(path, tmp / f"run-{n}", "packed", skip=n == "skip"))
-        for name in ("skip", "no_skip")
-    })  # fmt: skip
+    skip_steps = alternate(
+        args.repeats,
+        skip_work,
+        {
+            name: (lambda n=name: policy(path, tmp / f"run-{n}", "packed", skip=n == "skip"))
+            for name in ("skip", "no_skip")
+        },
+    )
     starts: dict[str, list[dict[str, Any]]] = {"module_free": [], "hf": []}
     for i in range(args.starts):
         for name in ("module_free", "hf") if i % 2 == 0 else ("hf", "module_free"):
             starts[name].append(start_child(path, name == "module_free"))
     per_tok = statistics.median(tokens)
     step = {k: stats(v) for k, v in steps.items()}
-    start = {k: {"cpu_s": stats([r["cpu_s"] for r in v]), "wall_s": stats([r["wall_s"] for r in v]),
-                 "model": v[0]["model"], "imported_transformers": v[0]["imported_transformers"]}
-             for k, v in starts.items()}  # fmt: skip
+    start = {
+        k: {
+            "cpu_s": stats([r["cpu_s"] for r in v]),
+            "wall_s": stats([r["wall_s"] for r in v]),
+            "model": v[0]["model"],
+            "imported_transformers": v[0]["imported_transformers"],
+        }
+        for k, v in starts.items()
+    }
     result = {
         "config": {**vars(args), "model": MODEL, "tokens_per_batch_median": per_tok},
         "machine": machine(),
         "step_s": step,
         "tokens_per_s": {k: round(per_tok / v["median"], 1) for k, v in step.items()},
-        "zero_advantage_skip": {"uniform_groups": args.uniform,
-                                "step_s": {k: stats(v) for k, v in skip_steps.items()}},
+        "zero_advantage_skip": {
+            "uniform_groups": args.uniform,
+            "step_s": {k: stats(v) for k, v in skip_steps.items()},
+        },
         "start": start,
         "summary": {
             "packed_over_hf_step_speed": round(step["hf"]["median"] / step["packed"]["median"], 3),
             "skip_over_no_skip_step_speed": round(
                 statistics.median(skip_steps["no_skip"]) / statistics.median(skip_steps["skip"]), 3
             ),
-            "start_cpu_s_saved": round(start["hf"]["cpu_s"]["median"] - start["module_free"]["cpu_s"]["median"], 3),
+            "start_cpu_s_saved": round(
+                start["hf"]["cpu_s"]["median"] - start["module_free"]["cpu_s"]["median"], 3
+            ),
             "start_wall_hf_over_module_free": round(
                 start["hf"]["wall_s"]["median"] / start["module_free"]["wall_s"]["median"], 3
             ),
         },
-    }  # fmt: skip
+    }
     print(f"\n{'':<24}{'packed / module-free':>22}{'hf':>12}{'ratio':>8}")
-    print(f"{'train step s (median)':<24}{step['packed']['median']:>22.3f}{step['hf']['median']:>12.3f}"
-          f"{result['summary']['packed_over_hf_step_speed']:>8.2f}x")  # fmt: skip
-    print(f"{'step s, zero-adv skip':<24}{statistics.median(skip_steps['skip']):>22.3f}"
-          f"{statistics.median(skip_steps['no_skip']):>12.3f}"
-          f"{result['summary']['skip_over_no_skip_step_speed']:>8.2f}x  (off; {args.uniform:.0%} uniform groups)")  # fmt: skip
-    print(f"{'model start CPU-s':<24}{start['module_free']['cpu_s']['median']:>22.2f}"
-          f"{start['hf']['cpu_s']['median']:>12.2f}{start['hf']['cpu_s']['median'] / start['module_free']['cpu_s']['median']:>8.2f}x")  # fmt: skip
-    print(f"{'model start wall s':<24}{start['module_free']['wall_s']['median']:>22.2f}"
-          f"{start['hf']['wall_s']['median']:>12.2f}{result['summary']['start_wall_hf_over_module_free']:>8.2f}x")  # fmt: skip
+    print(
+        f"{'train step s (median)':<24}{step['packed']['median']:>22.3f}{step['hf']['median']:>12.3f}"
+        f"{result['summary']['packed_over_hf_step_speed']:>8.2f}x"
+    )
+    print(
+        f"{'step s, zero-adv skip':<24}{statistics.median(skip_steps['skip']):>22.3f}"
+        f"{statistics.median(skip_steps['no_skip']):>12.3f}"
+        f"{result['summary']['skip_over_no_skip_step_speed']:>8.2f}x  (off; {args.uniform:.0%} uniform groups)"
+    )
+    print(
+        f"{'model start CPU-s':<24}{start['module_free']['cpu_s']['median']:>22.2f}"
+        f"{start['hf']['cpu_s']['median']:>12.2f}{start['hf']['cpu_s']['median'] / start['module_free']['cpu_s']['median']:>8.2f}x"
+    )
+    print(
+        f"{'model start wall s':<24}{start['module_free']['wall_s']['median']:>22.2f}"
+        f"{start['hf']['wall_s']['median']:>12.2f}{result['summary']['start_wall_hf_over_module_free']:>8.2f}x"
+    )
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

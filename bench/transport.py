@@ -56,14 +56,23 @@ PROMPT_TOKENS = 256
 def make_trajectory(n: int) -> Trajectory:
     rng = np.random.default_rng(n)
     return Trajectory(
-        uid="grp-000123/3", group_id="grp-000123", prompt_uid="gsm8k-train-004711", sample_index=3,
+        uid="grp-000123/3",
+        group_id="grp-000123",
+        prompt_uid="gsm8k-train-004711",
+        sample_index=3,
         prompt_ids=rng.integers(0, 150_000, PROMPT_TOKENS, dtype=np.int32),
         response_ids=rng.integers(0, 150_000, n, dtype=np.int32),
         logprobs=-rng.exponential(1.0, n).astype(np.float32),
-        version=17, finish_reason="stop", reward=1.0, reward_info={"correct": 1.0, "format": 1.0},
-        rollout_id="rollout-3", timings={"t_start": 1.7e9, "t_first_token": 1.7e9 + 0.21, "t_finish": 1.7e9 + 9.8},
-        row={"answer": "42"}, resumed=1, staleness_at_finish=2,
-    )  # fmt: skip
+        version=17,
+        finish_reason="stop",
+        reward=1.0,
+        reward_info={"correct": 1.0, "format": 1.0},
+        rollout_id="rollout-3",
+        timings={"t_start": 1.7e9, "t_first_token": 1.7e9 + 0.21, "t_finish": 1.7e9 + 9.8},
+        row={"answer": "42"},
+        resumed=1,
+        staleness_at_finish=2,
+    )
 
 
 def frame_bytes(frames: list[Any]) -> int:
@@ -248,11 +257,16 @@ def microbench(msg: Trajectory, seconds: float) -> dict:
 
 def machine() -> dict:
     return {
-        "platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
-        "pyzmq": zmq.__version__, "libzmq": zmq.zmq_version(), "numpy": np.__version__,
-        "msgpack": __import__("msgpack").version, **git_state(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "pyzmq": zmq.__version__,
+        "libzmq": zmq.zmq_version(),
+        "numpy": np.__version__,
+        "msgpack": __import__("msgpack").version,
+        **git_state(),
         "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
-    }  # fmt: skip
+    }
 
 
 def main() -> None:
@@ -326,12 +340,20 @@ def main() -> None:
                         ratios.append(runs["codec"][-1] / runs["raw"][-1])
                     key = f"{size}_{transport}" + ("" if api == "sync" else "_asyncio")
                     for mode in ("codec", "raw"):
-                        results.append({
-                            "name": f"{mode}_{key}", "api": api, "transport": transport, "size": size, "mode": mode,
-                            "messages": n_api, "bytes_per_msg": nbytes, "msg_per_s": stats(runs[mode]),
-                            "gb_per_s": stats([r * nbytes / 1e9 for r in runs[mode]]),
-                            "cpu_us_per_msg": stats(cpus[mode]),
-                        })  # fmt: skip
+                        results.append(
+                            {
+                                "name": f"{mode}_{key}",
+                                "api": api,
+                                "transport": transport,
+                                "size": size,
+                                "mode": mode,
+                                "messages": n_api,
+                                "bytes_per_msg": nbytes,
+                                "msg_per_s": stats(runs[mode]),
+                                "gb_per_s": stats([r * nbytes / 1e9 for r in runs[mode]]),
+                                "cpu_us_per_msg": stats(cpus[mode]),
+                            }
+                        )
                         summary[f"{mode}_cpu_us_per_msg_{key}"] = round(
                             statistics.median(cpus[mode]), 1
                         )
@@ -354,14 +376,21 @@ def main() -> None:
         actx.destroy(linger=0)
     out = {
         "benchmark": "transport",
-        "config": {"quick": args.quick, "repeats": repeats, "trial_s": trial_s, "apis": apis, "sizes": SIZES,
-                   "prompt_tokens": PROMPT_TOKENS, "socket": "PUSH/PULL, default HWM, copy=False both ways"},
+        "config": {
+            "quick": args.quick,
+            "repeats": repeats,
+            "trial_s": trial_s,
+            "apis": apis,
+            "sizes": SIZES,
+            "prompt_tokens": PROMPT_TOKENS,
+            "socket": "PUSH/PULL, default HWM, copy=False both ways",
+        },
         "machine": info,
         "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
         "wall_s": round(time.perf_counter() - t_start, 1),
         "summary": summary,
         "results": results,
-    }  # fmt: skip
+    }
     print_table(summary, apis)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -370,16 +399,20 @@ def main() -> None:
 
 
 def print_table(summary: dict, apis: list[str]) -> None:
-    print(f"{'case':<22}{'codec msg/s':>13}{'raw msg/s':>13}{'codec GB/s':>12}{'raw GB/s':>10}{'codec/raw':>11}"
-          f"{'cpu us/msg codec':>18}{'raw':>7}{'cpu ratio':>11}")  # fmt: skip
+    print(
+        f"{'case':<22}{'codec msg/s':>13}{'raw msg/s':>13}{'codec GB/s':>12}{'raw GB/s':>10}{'codec/raw':>11}"
+        f"{'cpu us/msg codec':>18}{'raw':>7}{'cpu ratio':>11}"
+    )
     for api in apis:
         for size in SIZES:
             for transport in ("ipc", "tcp"):
                 key = f"{size}_{transport}" + ("" if api == "sync" else "_asyncio")
-                print(f"{key:<22}{summary[f'codec_msg_per_s_{key}']:>13,}{summary[f'raw_msg_per_s_{key}']:>13,}"
-                      f"{summary[f'codec_gb_per_s_{key}']:>12.3f}{summary[f'raw_gb_per_s_{key}']:>10.3f}"
-                      f"{summary[f'codec_vs_raw_msg_rate_{key}']:>11.3f}{summary[f'codec_cpu_us_per_msg_{key}']:>18.1f}"
-                      f"{summary[f'raw_cpu_us_per_msg_{key}']:>7.1f}{summary[f'codec_vs_raw_cpu_rate_{key}']:>11.3f}")  # fmt: skip
+                print(
+                    f"{key:<22}{summary[f'codec_msg_per_s_{key}']:>13,}{summary[f'raw_msg_per_s_{key}']:>13,}"
+                    f"{summary[f'codec_gb_per_s_{key}']:>12.3f}{summary[f'raw_gb_per_s_{key}']:>10.3f}"
+                    f"{summary[f'codec_vs_raw_msg_rate_{key}']:>11.3f}{summary[f'codec_cpu_us_per_msg_{key}']:>18.1f}"
+                    f"{summary[f'raw_cpu_us_per_msg_{key}']:>7.1f}{summary[f'codec_vs_raw_cpu_rate_{key}']:>11.3f}"
+                )
     for size in SIZES:
         print(
             f"in-process {size}: encode {summary[f'encode_us_{size}']} us, decode {summary[f'decode_us_{size}']} us"

@@ -153,8 +153,16 @@ def _copy_private(src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor]) ->
 
 
 def _cluster(root: Path, name: str, extra: dict) -> RelayProcs:
-    ov = {"transport.heartbeat_interval_s": 0.5, "transport.heartbeat_liveness": 8, "transport.request_timeout_s": 60.0,
-          "relay.probe_timeout_s": 3.0, "relay.max_slots": 3, "relay.spare_slots": 1, "logging.level": "info", **extra}  # fmt: skip
+    ov = {
+        "transport.heartbeat_interval_s": 0.5,
+        "transport.heartbeat_liveness": 8,
+        "transport.request_timeout_s": 60.0,
+        "relay.probe_timeout_s": 3.0,
+        "relay.max_slots": 3,
+        "relay.spare_slots": 1,
+        "logging.level": "info",
+        **extra,
+    }
     return RelayProcs(root / name, N_RELAYS, ov).start()
 
 
@@ -180,8 +188,10 @@ async def run_size(
                 for _ in range(2):  # warm-up: slots created, mappings cached
                     await b.push()
                 runs[k] += [await b.push(settle_s=settle_s) for _ in range(stall_repeats)]
-                log(f"  {nbytes >> 20} MB k={k}: stall {statistics.median(s for s, _ in runs[k]):.3f}s "
-                    f"bcast {statistics.median(c for _, c in runs[k]):.3f}s")  # fmt: skip
+                log(
+                    f"  {nbytes >> 20} MB k={k}: stall {statistics.median(s for s, _ in runs[k]):.3f}s "
+                    f"bcast {statistics.median(c for _, c in runs[k]):.3f}s"
+                )
         for k, r in runs.items():
             res[f"stall_s_{k}"] = stats([s for s, _ in r])
         res["hop_unthrottled_s"] = stats([c for _, c in runs[2]])
@@ -247,8 +257,11 @@ async def run_delta(root: Path, nbytes: int, repeats: int, log) -> dict:
         n for n in state if "mlp" in n
     ]  # ~all the bytes: the fraction of these is a byte fraction
     for delta in (False, True):
-        procs = _cluster(root, f"d{int(delta)}", {"relay.chunk_bytes": 1 << 20, "relay.delta": delta,
-                                                   "relay.link_bytes_per_s": 100e6})  # fmt: skip
+        procs = _cluster(
+            root,
+            f"d{int(delta)}",
+            {"relay.chunk_bytes": 1 << 20, "relay.delta": delta, "relay.link_bytes_per_s": 100e6},
+        )
         b = Bench(procs, state)
         try:
             await b.start()
@@ -272,9 +285,14 @@ async def run_delta(root: Path, nbytes: int, repeats: int, log) -> dict:
 
 def machine() -> dict:
     du = shutil.disk_usage("/dev/shm") if os.path.isdir("/dev/shm") else None
-    return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-            "torch": torch.__version__, "mem_gib": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30,
-            "dev_shm_gib": du.total / 2**30 if du else None}  # fmt: skip
+    return {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "mem_gib": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30,
+        "dev_shm_gib": du.total / 2**30 if du else None,
+    }
 
 
 def git_commit() -> str:
@@ -308,15 +326,29 @@ def main() -> int:
         default=12.0,
         help="emulated link = unthrottled hop speed / this",
     )
-    ap.add_argument("--settle", type=float, default=1.0,
-                    help="seconds between a broadcast's end and the next stall-measured push (0: none)")  # fmt: skip
+    ap.add_argument(
+        "--settle",
+        type=float,
+        default=1.0,
+        help="seconds between a broadcast's end and the next stall-measured push (0: none)",
+    )
     ap.add_argument("--out", default=None, help="default bench/results/weights[_delta].json")
-    ap.add_argument("--delta", action="store_true",
-                    help="sparse weight deltas on a 100M model (bench/weights_delta.py; its own flags follow)")  # fmt: skip
-    ap.add_argument("--vllm", action="store_true",
-                    help="version loads into vLLM: safetensors bytes vs shared-memory views (bench/weights_vllm.py)")  # fmt: skip
-    ap.add_argument("--hosts", type=int, default=None,
-                    help="K emulated hosts on tbf-shaped links, tcp + CURVE (bench/weights_hosts.py; root)")  # fmt: skip
+    ap.add_argument(
+        "--delta",
+        action="store_true",
+        help="sparse weight deltas on a 100M model (bench/weights_delta.py; its own flags follow)",
+    )
+    ap.add_argument(
+        "--vllm",
+        action="store_true",
+        help="version loads into vLLM: safetensors bytes vs shared-memory views (bench/weights_vllm.py)",
+    )
+    ap.add_argument(
+        "--hosts",
+        type=int,
+        default=None,
+        help="K emulated hosts on tbf-shaped links, tcp + CURVE (bench/weights_hosts.py; root)",
+    )
     args, rest = ap.parse_known_args()
     if args.hosts:
         from weights_hosts import main as hosts_main
@@ -373,12 +405,24 @@ def main() -> int:
         ),
         "delta_pays_off_at": [
             k for k, v in results["delta"].items() if v["full_s"]["min"] > v["delta_s"]["max"]
-        ],  # fmt: skip
+        ],
     }
-    doc = {"bench": "weights", "config": {"sizes": sizes, "repeats": repeats, "relays": N_RELAYS, "quick": args.quick,
-                                          "link_divisor": args.link_divisor, "settle_s": args.settle},
-           "machine": machine(), "git_commit": git_commit(), "elapsed_s": time.time() - t_start,
-           "summary": summary, "results": results}  # fmt: skip
+    doc = {
+        "bench": "weights",
+        "config": {
+            "sizes": sizes,
+            "repeats": repeats,
+            "relays": N_RELAYS,
+            "quick": args.quick,
+            "link_divisor": args.link_divisor,
+            "settle_s": args.settle,
+        },
+        "machine": machine(),
+        "git_commit": git_commit(),
+        "elapsed_s": time.time() - t_start,
+        "summary": summary,
+        "results": results,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=2))
     print(

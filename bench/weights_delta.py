@@ -103,8 +103,11 @@ def train_versions(lr: float, args, seed: int, log) -> tuple[list[dict[str, torc
         opt.step()
         times.append(time.perf_counter() - t0)
         if step >= args.warmup - 1:
-            versions.append(bf16_state(model) if not args.pure_bf16 else {
-                k: v.detach().clone() for k, v in model.state_dict().items()})  # fmt: skip
+            versions.append(
+                bf16_state(model)
+                if not args.pure_bf16
+                else {k: v.detach().clone() for k, v in model.state_dict().items()}
+            )
         log(f"  lr {lr:g} step {step}: loss {loss.item():.4f} ({times[-1]:.1f}s)")
     return versions, statistics.mean(times)
 
@@ -143,8 +146,14 @@ def wire_cost(prev: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> di
         x, y = prev[k].view(torch.int16), t.view(torch.int16)
         n_el += t.numel()
         changed += int((x != y).sum())
-    return {"bytes": sent, "full_bytes": total, "bytes_frac": sent / total, "encode_s": encode_s,
-            "changed_frac": changed / max(1, n_el), "chunks": encs}  # fmt: skip
+    return {
+        "bytes": sent,
+        "full_bytes": total,
+        "bytes_frac": sent / total,
+        "encode_s": encode_s,
+        "changed_frac": changed / max(1, n_el),
+        "chunks": encs,
+    }
 
 
 async def push_and_wait(procs: RelayProcs, pusher, pullers, version: int, state: dict) -> tuple:
@@ -164,11 +173,18 @@ async def broadcast(root: Path, all_versions: dict[float, list], args, log) -> d
     """Push every lr's versions through a real relay chain, delta off and on."""
     out: dict = {}
     for delta in (False, True):
-        ov = {"relay.chunk_bytes": CHUNK, "relay.delta": delta, "relay.max_slots": 3,
-              "relay.spare_slots": 1, "relay.link_bytes_per_s": args.link_MBps * 1e6,
-              "transport.heartbeat_interval_s": 0.5, "transport.heartbeat_liveness": 8,
-              "transport.request_timeout_s": 60.0, "relay.probe_timeout_s": 3.0,
-              "logging.level": "warning"}  # fmt: skip
+        ov = {
+            "relay.chunk_bytes": CHUNK,
+            "relay.delta": delta,
+            "relay.max_slots": 3,
+            "relay.spare_slots": 1,
+            "relay.link_bytes_per_s": args.link_MBps * 1e6,
+            "transport.heartbeat_interval_s": 0.5,
+            "transport.heartbeat_liveness": 8,
+            "transport.request_timeout_s": 60.0,
+            "relay.probe_timeout_s": 3.0,
+            "logging.level": "warning",
+        }
         procs = RelayProcs(root / f"d{int(delta)}", args.relays, ov).start()
         pullers = [procs.puller(f"rollout-{i}", relay_index=i) for i in range(args.relays)]
         try:
@@ -194,8 +210,10 @@ async def broadcast(root: Path, all_versions: dict[float, list], args, log) -> d
                 key = LRS[lr]
                 out.setdefault(key, {})["delta_s" if delta else "full_s"] = times
                 out[key]["wire_bytes_delta" if delta else "wire_bytes_full"] = wire
-                log(f"  broadcast lr {lr:g} delta={delta}: {statistics.median(times):.3f}s, "
-                    f"{statistics.median(wire) / 1e6:.1f} MB into the last relay")  # fmt: skip
+                log(
+                    f"  broadcast lr {lr:g} delta={delta}: {statistics.median(times):.3f}s, "
+                    f"{statistics.median(wire) / 1e6:.1f} MB into the last relay"
+                )
             await pusher.close()
         finally:
             for q in pullers:
@@ -214,16 +232,21 @@ def run(args, log) -> dict:
         costs = [wire_cost(a, b) for a, b in zip(vs, vs[1:], strict=False)]
         n_params = sum(t.numel() for t in vs[0].values())
         results["lrs"][LRS[lr]] = {"step_s": step_s, "params": n_params, "steps": costs}
-        log(f"  lr {lr:g}: changed {[round(c['changed_frac'], 4) for c in costs]}, "
-            f"bytes/full {[round(c['bytes_frac'], 4) for c in costs]}")  # fmt: skip
+        log(
+            f"  lr {lr:g}: changed {[round(c['changed_frac'], 4) for c in costs]}, "
+            f"bytes/full {[round(c['bytes_frac'], 4) for c in costs]}"
+        )
         versions[lr] = vs
     root = Path(tempfile.mkdtemp(prefix="lam-wdelta-", dir="/tmp"))
     try:
         results["broadcast"] = asyncio.run(broadcast(root, versions, args, log))
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    summary: dict = {"params": results["lrs"]["lr1e-6"]["params"],
-                     "fp32_master": not args.pure_bf16, "published_changed_frac": 0.02}  # fmt: skip
+    summary: dict = {
+        "params": results["lrs"]["lr1e-6"]["params"],
+        "fp32_master": not args.pure_bf16,
+        "published_changed_frac": 0.02,
+    }
     for key in LRS.values():
         costs = results["lrs"][key]["steps"]
         b = results["broadcast"][key]
@@ -255,10 +278,17 @@ def main(argv: list[str] | None, quick: bool, out: str, common: dict) -> int:
     ap.add_argument("--batch", type=int, default=1 if quick else 2)
     ap.add_argument("--seq", type=int, default=32 if quick else 64)
     ap.add_argument("--relays", type=int, default=3, help="relays in the chain (hops + 1)")
-    ap.add_argument("--link-MBps", type=float, default=100.0,
-                    help="emulated link per hop (100 MB/s: a 1 Gb/s-class host link)")  # fmt: skip
-    ap.add_argument("--pure-bf16", action="store_true",
-                    help="bf16 parameters and optimizer (no fp32 master): updates round in bf16")  # fmt: skip
+    ap.add_argument(
+        "--link-MBps",
+        type=float,
+        default=100.0,
+        help="emulated link per hop (100 MB/s: a 1 Gb/s-class host link)",
+    )
+    ap.add_argument(
+        "--pure-bf16",
+        action="store_true",
+        help="bf16 parameters and optimizer (no fp32 master): updates round in bf16",
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     configure_logging("warning")  # the pushers and pullers of this process
@@ -268,8 +298,13 @@ def main(argv: list[str] | None, quick: bool, out: str, common: dict) -> int:
         print(f"[{time.time() - t_start:6.1f}s] {msg}", flush=True)
 
     doc = run(args, log)
-    doc = {"bench": "weights_delta", "config": {**vars(args), "quick": quick, "chunk_bytes": CHUNK},
-           **common, "elapsed_s": time.time() - t_start, **doc}  # fmt: skip
+    doc = {
+        "bench": "weights_delta",
+        "config": {**vars(args), "quick": quick, "chunk_bytes": CHUNK},
+        **common,
+        "elapsed_s": time.time() - t_start,
+        **doc,
+    }
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(doc, indent=2))
     print()

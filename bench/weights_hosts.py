@@ -73,8 +73,14 @@ class NsRelays(RelayProcs):
 
 
 # ---- the worker: runs inside host 0's namespace ---------------------------------------------
-async def worker(config_path: Path, k_max: int, nbytes: int, repeats: int, straggler: int | None,
-                 slow_link: tuple[str, str, float] | None = None) -> dict:  # fmt: skip
+async def worker(
+    config_path: Path,
+    k_max: int,
+    nbytes: int,
+    repeats: int,
+    straggler: int | None,
+    slow_link: tuple[str, str, float] | None = None,
+) -> dict:
     import weights as wb  # bench/weights.py: the same Bench (push, wait on every relay's puller)
 
     wb.N_RELAYS = k_max
@@ -92,8 +98,11 @@ async def worker(config_path: Path, k_max: int, nbytes: int, repeats: int, strag
                     await b.chain(k)
                     await b.push()  # warm-up: slots made, mappings cached
                     runs[k] += [await b.push(settle_s=1.0) for _ in range(repeats)]
-                    print(f"  k={k}: stall {statistics.median(s for s, _ in runs[k]):.3f}s bcast "
-                          f"{statistics.median(c for _, c in runs[k]):.3f}s", flush=True)  # fmt: skip
+                    print(
+                        f"  k={k}: stall {statistics.median(s for s, _ in runs[k]):.3f}s bcast "
+                        f"{statistics.median(c for _, c in runs[k]):.3f}s",
+                        flush=True,
+                    )
             for k, r in runs.items():
                 res[f"stall_s_{k}"] = wb.stats([s for s, _ in r])
                 res[f"bcast_s_{k}"] = wb.stats([c for _, c in r])
@@ -128,30 +137,53 @@ async def worker(config_path: Path, k_max: int, nbytes: int, repeats: int, strag
                     fast_t.append(t_fast)
                     all_t.append(time.perf_counter() - t0)
             order = (await procs.infos([0]))[0]
-            res[f"straggler_{name}"] = {"order": order.order if order else None,
-                                        "fast_relays_s": wb.stats(fast_t), "all_relays_s": wb.stats(all_t)}  # fmt: skip
-            print(f"  straggler relay-{straggler}, chain {res[f'straggler_{name}']['order']}: others "
-                  f"{statistics.median(fast_t):.2f}s, all {statistics.median(all_t):.2f}s", flush=True)  # fmt: skip
+            res[f"straggler_{name}"] = {
+                "order": order.order if order else None,
+                "fast_relays_s": wb.stats(fast_t),
+                "all_relays_s": wb.stats(all_t),
+            }
+            print(
+                f"  straggler relay-{straggler}, chain {res[f'straggler_{name}']['order']}: others "
+                f"{statistics.median(fast_t):.2f}s, all {statistics.median(all_t):.2f}s",
+                flush=True,
+            )
         return res
     finally:
         await b.close()
 
 
 # ---- the driver: makes the hosts, starts the relays, runs the worker in host 0 ---------------
-def run_cluster(root: Path, k: int, rate: float, nbytes: int, repeats: int, straggler: int | None,
-                log) -> dict:  # fmt: skip
+def run_cluster(
+    root: Path, k: int, rate: float, nbytes: int, repeats: int, straggler: int | None, log
+) -> dict:
     with Hosts(k) as hosts:
         d = root / f"k{k}{'s' if straggler is not None else ''}"
         d.mkdir(parents=True)
         cfg = {
-            "name": f"wh{os.getpid()}", "run_dir": str(d / "run"),
-            "cluster": {"transport": "tcp", "endpoints": tcp_endpoints(hosts, k), "roles": {"manager": 1, "relay": k}},
+            "name": f"wh{os.getpid()}",
+            "run_dir": str(d / "run"),
+            "cluster": {
+                "transport": "tcp",
+                "endpoints": tcp_endpoints(hosts, k),
+                "roles": {"manager": 1, "relay": k},
+            },
             "security": {"keys_dir": str(make_keys(d / "keys", "manager,relay,trainer,rollout"))},
-            "transport": {"heartbeat_interval_s": 0.25, "heartbeat_liveness": 20, "request_timeout_s": 60.0},
-            "relay": {"chunk_bytes": CHUNK, "shm_prefix": f"lamwh{os.getpid()}", "max_slots": 3, "spare_slots": 1,
-                      "probe_timeout_s": 3.0, "fetch_timeout_s": 120.0, "chunk_wait_s": 60.0},
+            "transport": {
+                "heartbeat_interval_s": 0.25,
+                "heartbeat_liveness": 20,
+                "request_timeout_s": 60.0,
+            },
+            "relay": {
+                "chunk_bytes": CHUNK,
+                "shm_prefix": f"lamwh{os.getpid()}",
+                "max_slots": 3,
+                "spare_slots": 1,
+                "probe_timeout_s": 3.0,
+                "fetch_timeout_s": 120.0,
+                "chunk_wait_s": 60.0,
+            },
             "logging": {"level": "info", "json_logs": True},
-        }  # fmt: skip
+        }
         path = d / "config.yaml"
         path.write_text(yaml.safe_dump(cfg))
         for i in range(k):
@@ -160,8 +192,20 @@ def run_cluster(root: Path, k: int, rate: float, nbytes: int, repeats: int, stra
         for i in range(k):
             hosts.popen(i, node_cmd("relay", path, i), d / f"relay-{i}.log")
         out = d / "worker.json"
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(path), "--hosts", str(k),
-               "--bytes", str(nbytes), "--repeats", str(repeats), "--out", str(out)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--worker",
+            str(path),
+            "--hosts",
+            str(k),
+            "--bytes",
+            str(nbytes),
+            "--repeats",
+            str(repeats),
+            "--out",
+            str(out),
+        ]
         if straggler is not None:  # the worker slows this link itself, after a healthy push
             cmd += [
                 "--straggler",
@@ -260,11 +304,27 @@ def main(argv: list[str] | None = None) -> int:
             ]
     import weights as wb
 
-    doc = {"bench": "weights_hosts", "config": {"hosts": args.hosts, "bytes": m, "chunk_bytes": CHUNK, "rate_mbps": args.rate_mbps,
-                                                "repeats": repeats, "quick": args.quick, "transport": "tcp+curve", "shaping": "tbf"},
-           "machine": wb.machine(), "git_commit": wb.git_commit(), "elapsed_s": time.time() - t_start,
-           "load_avg": os.getloadavg(), "summary": summary, "results": res, "straggler": strag,
-           "model_s": {str(k): v for k, v in model.items()}}  # fmt: skip
+    doc = {
+        "bench": "weights_hosts",
+        "config": {
+            "hosts": args.hosts,
+            "bytes": m,
+            "chunk_bytes": CHUNK,
+            "rate_mbps": args.rate_mbps,
+            "repeats": repeats,
+            "quick": args.quick,
+            "transport": "tcp+curve",
+            "shaping": "tbf",
+        },
+        "machine": wb.machine(),
+        "git_commit": wb.git_commit(),
+        "elapsed_s": time.time() - t_start,
+        "load_avg": os.getloadavg(),
+        "summary": summary,
+        "results": res,
+        "straggler": strag,
+        "model_s": {str(k): v for k, v in model.items()},
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=2))
     print(f"\n{'k':>3} {'bcast_s':>9} {'model_s':>9} {'stall_s':>9}")

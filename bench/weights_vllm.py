@@ -110,16 +110,35 @@ async def run(quick: bool, repeats: int, log: Any) -> dict[str, Any]:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     shape = dict(hidden=256, layers=4) if quick else dict(hidden=512, layers=8)
     root = Path(tempfile.mkdtemp(prefix="lam-wvllm-"))
-    a = build_tiny_model(root / "a", seed=0, heads=shape["hidden"] // 64, kv_heads=1, initializer_range=0.5,
-                         hidden=shape["hidden"], layers=shape["layers"])  # fmt: skip
-    b = build_tiny_model(root / "b", seed=1, heads=shape["hidden"] // 64, kv_heads=1, initializer_range=0.5,
-                         hidden=shape["hidden"], layers=shape["layers"])  # fmt: skip
+    a = build_tiny_model(
+        root / "a",
+        seed=0,
+        heads=shape["hidden"] // 64,
+        kv_heads=1,
+        initializer_range=0.5,
+        hidden=shape["hidden"],
+        layers=shape["layers"],
+    )
+    b = build_tiny_model(
+        root / "b",
+        seed=1,
+        heads=shape["hidden"] // 64,
+        kv_heads=1,
+        initializer_range=0.5,
+        hidden=shape["hidden"],
+        layers=shape["layers"],
+    )
     states = {"A": load_causal_lm(a).state_dict(), "B": load_causal_lm(b).state_dict()}
     nbytes = sum(t.numel() * t.element_size() for t in states["A"].values())
     log(f"model: {shape}, {nbytes / 2**20:.1f} MiB fp32")
     cuda = torch.cuda.is_available()
-    engine = VllmEngine(str(a), dtype="float32", max_running=4, max_model_len=128,
-                        engine_args=dict(enforce_eager=True, **({"gpu_memory_utilization": 0.3} if cuda else {})))  # fmt: skip
+    engine = VllmEngine(
+        str(a),
+        dtype="float32",
+        max_running=4,
+        max_model_len=128,
+        engine_args=dict(enforce_eager=True, **({"gpu_memory_utilization": 0.3} if cuda else {})),
+    )
     t0 = time.perf_counter()
     await engine.start()
     log(f"engine started in {time.perf_counter() - t0:.1f}s")
@@ -189,8 +208,13 @@ def main(argv: list[str], quick: bool, out_path: str, meta: dict[str, Any]) -> i
         print(f"[{time.time() - t_start:6.1f}s] {msg}", flush=True)
 
     res = asyncio.run(run(quick, repeats, log))
-    doc = {"bench": "weights_vllm", "config": {"quick": quick, "repeats": repeats, "vllm": vllm.__version__},
-           **meta, "elapsed_s": time.time() - t_start, "results": res}  # fmt: skip
+    doc = {
+        "bench": "weights_vllm",
+        "config": {"quick": quick, "repeats": repeats, "vllm": vllm.__version__},
+        **meta,
+        "elapsed_s": time.time() - t_start,
+        "results": res,
+    }
     Path(out_path).parent.mkdir(parents=True, exist_ok=True)
     Path(out_path).write_text(json.dumps(doc, indent=2))
     print(

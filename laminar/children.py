@@ -116,12 +116,20 @@ class Children:
         self._write_state()
 
     def _start(self, kid: _Child) -> None:
-        kid.proc = subprocess.Popen(kid.spec.cmd, env=self.env, start_new_session=True,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+        kid.proc = subprocess.Popen(
+            kid.spec.cmd,
+            env=self.env,
+            start_new_session=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
         kid.tee = _tee(kid.proc, self.run_dir / "logs" / f"{kid.spec.name}.log")
         kid.restart_at = None
-        what = f"restarted {kid.spec.name} (restart {kid.restarts})" if kid.restarts else (
-            f"started {kid.spec.name}")  # fmt: skip
+        what = (
+            f"restarted {kid.spec.name} (restart {kid.restarts})"
+            if kid.restarts
+            else (f"started {kid.spec.name}")
+        )
         _say(f"{what} pid={kid.proc.pid}")
 
     def poll(self, now: float | None = None) -> Finished | GivingUp | None:
@@ -142,24 +150,30 @@ class Children:
                 continue
             _say(f"node {kid.spec.name} (pid {proc.pid}) exited with code {rc}")
             if rc == EXIT_PERMANENT:
-                _say(f"node {kid.spec.name} failed in a way a restart cannot fix "
-                     f"(exit {EXIT_PERMANENT}, see its log); stopping the job")  # fmt: skip
+                _say(
+                    f"node {kid.spec.name} failed in a way a restart cannot fix "
+                    f"(exit {EXIT_PERMANENT}, see its log); stopping the job"
+                )
                 return GivingUp(kid.spec.name, rc)
             while kid.recent and now - kid.recent[0] > self.policy.window_s:
                 kid.recent.popleft()
             if len(kid.recent) >= self.policy.max_restarts:
                 self._write_state()
-                _say(f"node {kid.spec.name}: restart budget spent ({len(kid.recent)} restarts "
-                     f"within {self.policy.window_s:g}s, cluster.restart.max_restarts="
-                     f"{self.policy.max_restarts}); stopping the job")  # fmt: skip
+                _say(
+                    f"node {kid.spec.name}: restart budget spent ({len(kid.recent)} restarts "
+                    f"within {self.policy.window_s:g}s, cluster.restart.max_restarts="
+                    f"{self.policy.max_restarts}); stopping the job"
+                )
                 return GivingUp(kid.spec.name, rc)
             kid.recent.append(now)
             delay = min(
                 self.policy.backoff_max_s, self.policy.backoff_s * 2 ** (len(kid.recent) - 1)
             )
             kid.restart_at = now + delay
-            _say(f"node {kid.spec.name}: restarting in {delay:.1f}s "
-                 f"({len(kid.recent)}/{self.policy.max_restarts} within {self.policy.window_s:g}s)")  # fmt: skip
+            _say(
+                f"node {kid.spec.name}: restarting in {delay:.1f}s "
+                f"({len(kid.recent)}/{self.policy.max_restarts} within {self.policy.window_s:g}s)"
+            )
         for kid in self.kids.values():
             if kid.restart_at is not None and now >= kid.restart_at and not self.stopping:
                 kid.restarts += 1
@@ -177,11 +191,14 @@ class Children:
         for name, kid in self.kids.items():
             alive = kid.proc is not None and kid.proc.poll() is None
             nodes[name] = {
-                "role": kid.spec.role, "node_ids": kid.spec.node_ids,
-                "pid": kid.proc.pid if kid.proc else None, "alive": alive,
-                "restarts": kid.restarts, "last_exit": kid.last_exit,
+                "role": kid.spec.role,
+                "node_ids": kid.spec.node_ids,
+                "pid": kid.proc.pid if kid.proc else None,
+                "alive": alive,
+                "restarts": kid.restarts,
+                "last_exit": kid.last_exit,
                 "restart_pending": kid.restart_at is not None,
-            }  # fmt: skip
+            }
         state = {"restarts": sum(k.restarts for k in self.kids.values()), "nodes": nodes}
         _write_json(self.run_dir / "supervisor.json", state)
         _write_json(self.run_dir / "pids.json", {n: v["pid"] for n, v in nodes.items()})
@@ -193,8 +210,11 @@ class Children:
         self.stopping = True
         clean = True
         for stage in STOP_ORDER:
-            group = {n: k.proc for n, k in self.kids.items()
-                     if k.spec.role in stage and k.proc is not None}  # fmt: skip
+            group = {
+                n: k.proc
+                for n, k in self.kids.items()
+                if k.spec.role in stage and k.proc is not None
+            }
             clean &= _stop_group(group, self.stop_timeout_s)
         for kid in self.kids.values():
             kid.restart_at = None

@@ -80,8 +80,11 @@ def _print_buffer(rep: JournalReport, out: TextIO) -> None:
     for off, kind, why in rep.bad:
         print(f"  bad record at byte offset {off} (kind {kind}): {why}", file=out)
     if rep.torn_bytes:
-        print(f"  torn tail: {rep.torn_bytes} bytes from byte offset {rep.torn_offset} "
-              "(replay would cut them and keep them as <file>.corrupt-<ms>)", file=out)  # fmt: skip
+        print(
+            f"  torn tail: {rep.torn_bytes} bytes from byte offset {rep.torn_offset} "
+            "(replay would cut them and keep them as <file>.corrupt-<ms>)",
+            file=out,
+        )
 
 
 def check_run_dir(run_dir: Path, out: TextIO | None = None) -> int:

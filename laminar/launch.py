@@ -231,8 +231,20 @@ def _node_specs(cfg: LaminarConfig, config_path: Path) -> list[ChildSpec]:
         for start in range(0, n, per):
             count = min(per, n - start)
             name = f"{role}-{start}" if count == 1 else f"{role}-{start}..{start + count - 1}"
-            cmd = [sys.executable, "-m", "laminar", "node", "--role", role, "--index", str(start),
-                   "--count", str(count), "--config", str(config_path)]  # fmt: skip
+            cmd = [
+                sys.executable,
+                "-m",
+                "laminar",
+                "node",
+                "--role",
+                role,
+                "--index",
+                str(start),
+                "--count",
+                str(count),
+                "--config",
+                str(config_path),
+            ]
             ids = [f"{role}-{i}" for i in range(start, start + count)]
             specs.append(ChildSpec(name, role, ids, cmd))
     return specs
@@ -259,12 +271,16 @@ def _prepare_run_dir(cfg: LaminarConfig, resume: bool, overwrite: bool) -> bool:
     if prior.state == "finished":
         if not resume:
             raise RunDirError(refusal(prior))
-        say(f"laminar run: {prior.run_dir} is already finished ({prior.why}); nothing to train. "
-            f"Raise trainer.total_steps above {prior.step} to train further.")  # fmt: skip
+        say(
+            f"laminar run: {prior.run_dir} is already finished ({prior.why}); nothing to train. "
+            f"Raise trainer.total_steps above {prior.step} to train further."
+        )
         return False
     if prior.state == "unfinished":
-        say(f"laminar run: resuming the unfinished run in {prior.run_dir} ({prior.why}); "
-            "--overwrite starts over instead")  # fmt: skip
+        say(
+            f"laminar run: resuming the unfinished run in {prior.run_dir} ({prior.why}); "
+            "--overwrite starts over instead"
+        )
     elif resume:
         raise RunDirError(f"--resume: nothing to resume in {prior.run_dir} ({prior.why})")
     return True
@@ -299,8 +315,13 @@ def run_main(
         env.update(OMP_NUM_THREADS=n, MKL_NUM_THREADS=n, OPENBLAS_NUM_THREADS=n)
     from laminar.children import Children, Finished, GivingUp
 
-    kids = Children(_node_specs(cfg, cfg_path), env, run_dir, cfg.cluster.restart,
-                    stop_timeout_s=cfg.transport.stop_timeout_s + 5)  # fmt: skip
+    kids = Children(
+        _node_specs(cfg, cfg_path),
+        env,
+        run_dir,
+        cfg.cluster.restart,
+        stop_timeout_s=cfg.transport.stop_timeout_s + 5,
+    )
     stop_requested: dict[str, int | None] = {"sig": None}
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
@@ -350,8 +371,10 @@ def run_main(
         clean = kids.stop()
         _remove_ipc_dir(cfg)
         if not clean and trainer_finished:
-            print("laminar run: the run itself completed (final checkpoint written); exit 0",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                "laminar run: the run itself completed (final checkpoint written); exit 0",
+                file=sys.stderr,
+            )
         elif not clean and code == EXIT_OK:
             code = EXIT_FAILED
         if progress is not None:
@@ -370,11 +393,15 @@ def prepare_ipc_dir(cfg: LaminarConfig) -> None:
         root.mkdir(mode=0o700)
     st = root.lstat()
     if not stat.S_ISDIR(st.st_mode):
-        raise IpcDirError(f"ipc directory {root} is not a directory (a symlink or a file); "
-                          "remove it or set cluster.ipc_dir")  # fmt: skip
+        raise IpcDirError(
+            f"ipc directory {root} is not a directory (a symlink or a file); "
+            "remove it or set cluster.ipc_dir"
+        )
     if st.st_uid != os.getuid():
-        raise IpcDirError(f"ipc directory {root} is owned by uid {st.st_uid}, not by you "
-                          f"(uid {os.getuid()}); set cluster.ipc_dir to a directory of your own")  # fmt: skip
+        raise IpcDirError(
+            f"ipc directory {root} is owned by uid {st.st_uid}, not by you "
+            f"(uid {os.getuid()}); set cluster.ipc_dir to a directory of your own"
+        )
     if stat.S_IMODE(st.st_mode) & 0o077:
         root.chmod(0o700)  # ours but open to others (an older laminar made it): close it
 
@@ -407,8 +434,13 @@ def fetch_status(cfg: LaminarConfig, timeout: float = 3.0) -> StatusReply:
 
     async def ask() -> StatusReply:
         ctx = new_context()
-        cli = RpcClient(ctx, cfg.endpoint("manager"), f"status-{os.getpid()}", "cli",
-                        SocketOptions.from_config(cfg, security_from_config(cfg)))  # fmt: skip
+        cli = RpcClient(
+            ctx,
+            cfg.endpoint("manager"),
+            f"status-{os.getpid()}",
+            "cli",
+            SocketOptions.from_config(cfg, security_from_config(cfg)),
+        )
         try:
             await cli.connect(timeout=timeout)
             reply = await cli.request(StatusRequest(), timeout=timeout, retries=0)
@@ -441,13 +473,21 @@ def status_main(config: str | None, overrides: list[str], as_json: bool, timeout
     rows = []
     for e in sorted(reply.nodes, key=lambda e: (e.role, e.node_id)):
         s = e.status
-        rows.append({
-            "node": e.node_id, "role": e.role, "alive": e.alive, "pid": e.pid,
-            "version": s.version if s else -1, "kv_use": round(s.kv_use, 3) if s else 0.0,
-            "inflight": s.inflight if s else 0, "staleness": s.staleness if s else 0.0,
-            "last_beat_s": e.last_beat_s, "warnings": list(s.extra.get("warnings", [])) if s else [],
-            "restarts": restarts.get(e.node_id, 0),
-        })  # fmt: skip
+        rows.append(
+            {
+                "node": e.node_id,
+                "role": e.role,
+                "alive": e.alive,
+                "pid": e.pid,
+                "version": s.version if s else -1,
+                "kv_use": round(s.kv_use, 3) if s else 0.0,
+                "inflight": s.inflight if s else 0,
+                "staleness": s.staleness if s else 0.0,
+                "last_beat_s": e.last_beat_s,
+                "warnings": list(s.extra.get("warnings", [])) if s else [],
+                "restarts": restarts.get(e.node_id, 0),
+            }
+        )
     if as_json:
         print(
             json.dumps(
@@ -456,7 +496,7 @@ def status_main(config: str | None, overrides: list[str], as_json: bool, timeout
                     "trainer_version": reply.trainer_version,
                     "nodes": rows,
                     "restarts": sum(restarts.values()),
-                },  # fmt: skip
+                },
                 indent=2,
             )
         )

@@ -55,22 +55,28 @@ def _where(path: str) -> str:
 def model_problem(path: str | None, needed_by: list[str]) -> str | None:
     if not path:
         if needed_by:
-            return (f"model.path is not set; {', '.join(needed_by)} need a local Hugging Face model "
-                    "directory (config.json, weights, tokenizer)")  # fmt: skip
+            return (
+                f"model.path is not set; {', '.join(needed_by)} need a local Hugging Face model "
+                "directory (config.json, weights, tokenizer)"
+            )
         return None
     if looks_like_hub_id(path):
         local = f"models/{path.rsplit('/', 1)[1]}"
-        return (f"model.path {path!r} looks like a Hugging Face hub id, but models load from a local "
-                f"path only: download it first (`huggingface-cli download {path} --local-dir {local}`) "
-                f"and set model.path={local}")  # fmt: skip
+        return (
+            f"model.path {path!r} looks like a Hugging Face hub id, but models load from a local "
+            f"path only: download it first (`huggingface-cli download {path} --local-dir {local}`) "
+            f"and set model.path={local}"
+        )
     p = Path(path).expanduser()
     if not p.exists():
         return f"model.path {path!r} does not exist{_where(path)}"
     if not p.is_dir():
         return f"model.path {path!r} is a file; give the model's directory (the one holding config.json)"
     if not (p / "config.json").is_file():
-        return (f"model.path {path!r} has no config.json; give a Hugging Face model directory "
-                "(save_pretrained output: config.json, *.safetensors, tokenizer files)")  # fmt: skip
+        return (
+            f"model.path {path!r} has no config.json; give a Hugging Face model directory "
+            "(save_pretrained output: config.json, *.safetensors, tokenizer files)"
+        )
     return None
 
 
@@ -121,16 +127,21 @@ def function_problem(key: str, spec: str | None) -> str | None:
             obj: object = importlib.import_module(mod_name)
         except ModuleNotFoundError as exc:
             if exc.name and mod_name.startswith(exc.name):
-                return (f"{key} {spec!r}: no module named {exc.name!r} (importable from "
-                        f"{os.getcwd()} or PYTHONPATH; a file my_reward.py here is 'my_reward:fn')")  # fmt: skip
+                return (
+                    f"{key} {spec!r}: no module named {exc.name!r} (importable from "
+                    f"{os.getcwd()} or PYTHONPATH; a file my_reward.py here is 'my_reward:fn')"
+                )
             return f"{key} {spec!r}: module {mod_name!r} fails to import: {exc}"
         except Exception as exc:  # the user's module ran and raised: say so, with its error
             return f"{key} {spec!r}: importing {mod_name!r} raised {type(exc).__name__}: {exc}"
     for part in attr.split("."):
         if not hasattr(obj, part):
             home = getattr(obj, "__name__", None)
-            names = sorted(n for n, v in vars(obj).items() if not n.startswith("_") and callable(v)
-                           and getattr(v, "__module__", None) == home)[:12]  # fmt: skip
+            names = sorted(
+                n
+                for n, v in vars(obj).items()
+                if not n.startswith("_") and callable(v) and getattr(v, "__module__", None) == home
+            )[:12]
             return (
                 f"{key} {spec!r}: module {mod_name!r} has no {attr!r} (it has: {', '.join(names)})"
             )
@@ -152,15 +163,19 @@ def input_problems(cfg: LaminarConfig, roles: Collection[Role | str]) -> list[st
         out.append(model_problem(cfg.model.path, needs_model))
     if "buffer" in roles or "rollout" in roles:
         if not cfg.data.train and "rollout" in roles and cfg.rollout.engine != "sim":
-            out.append(f"data.train is not set; rollout.engine={cfg.rollout.engine} needs prompts "
-                       "(a jsonl or parquet file with a `prompt` column)")  # fmt: skip
+            out.append(
+                f"data.train is not set; rollout.engine={cfg.rollout.engine} needs prompts "
+                "(a jsonl or parquet file with a `prompt` column)"
+            )
         out.append(data_problem("data.train", cfg.data.train))
     if "trainer" in roles:
         out.append(data_problem("data.eval", cfg.data.eval))
         resume = cfg.trainer.resume
         if resume not in ("auto", "never") and not (Path(resume) / "meta.json").is_file():
-            out.append(f"trainer.resume {resume!r} is not a checkpoint directory (no meta.json); "
-                       "use auto, never or a run_dir/checkpoints/step_N directory")  # fmt: skip
+            out.append(
+                f"trainer.resume {resume!r} is not a checkpoint directory (no meta.json); "
+                "use auto, never or a run_dir/checkpoints/step_N directory"
+            )
     if "rollout" in roles or ("trainer" in roles and cfg.data.eval):
         out.append(function_problem("reward.fn", cfg.reward.fn))
     if "rollout" in roles:

@@ -47,9 +47,16 @@ def _eta(seconds: float) -> str:
 
 
 class Progress:
-    def __init__(self, run_dir: str | Path, label: str, t0: float, every_s: float = 5.0,
-                 cfg: LaminarConfig | None = None, stream: TextIO | None = None,
-                 overwrite: bool | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        run_dir: str | Path,
+        label: str,
+        t0: float,
+        every_s: float = 5.0,
+        cfg: LaminarConfig | None = None,
+        stream: TextIO | None = None,
+        overwrite: bool | None = None,
+    ) -> None:
         """overwrite: redraw one line with a carriage return (default: when the stream is a
         terminal); False where other output shares the terminal (`laminar run` copies the
         nodes' logs there), so each tick is a line of its own."""

@@ -107,18 +107,40 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         "reward_window_steps": k,
         "reward_first": mean(m.get("reward") for m in steps[:k]),
         "reward_last": mean(m.get("reward") for m in steps[-k:]),
-        "eval_first": ({"step": evals[0]["step"], "accuracy": evals[0]["eval/accuracy"],
-                        "n": evals[0].get("eval/n")} if evals else None),
-        "eval_last": ({"step": evals[-1]["step"], "accuracy": evals[-1]["eval/accuracy"],
-                       "n": evals[-1].get("eval/n")} if evals else None),
-        "eval_best": max((m["eval/accuracy"] for m in evals if m["eval/accuracy"] is not None), default=None),
+        "eval_first": (
+            {
+                "step": evals[0]["step"],
+                "accuracy": evals[0]["eval/accuracy"],
+                "n": evals[0].get("eval/n"),
+            }
+            if evals
+            else None
+        ),
+        "eval_last": (
+            {
+                "step": evals[-1]["step"],
+                "accuracy": evals[-1]["eval/accuracy"],
+                "n": evals[-1].get("eval/n"),
+            }
+            if evals
+            else None
+        ),
+        "eval_best": max(
+            (m["eval/accuracy"] for m in evals if m["eval/accuracy"] is not None), default=None
+        ),
         "tokens_per_s_median": statistics.median(tps) if tps else float("nan"),
         "step_s_mean": mean(m.get("step_s") for m in steps),
         "staleness_mean": mean(m.get("staleness") for m in steps),
-        "staleness_max": max((int(_num(m, "staleness_max")) for m in steps
-                              if math.isfinite(_num(m, "staleness_max"))), default=0),
+        "staleness_max": max(
+            (
+                int(_num(m, "staleness_max"))
+                for m in steps
+                if math.isfinite(_num(m, "staleness_max"))
+            ),
+            default=0,
+        ),
         "dropped": int(sum(v for m in steps if math.isfinite(v := _num(m, "dropped")))),
-    }  # fmt: skip
+    }
 
 
 def plot(run_dir: Path, out: Path | None = None) -> Path:
@@ -143,11 +165,22 @@ def plot(run_dir: Path, out: Path | None = None) -> Path:
         rw = [_num(m, "reward") for m in steps]
         if steps:
             a.plot(xs, rw, color="tab:blue", alpha=0.25, lw=0.8, label="batch reward")
-            a.plot(xs, rolling(rw, _WINDOW), color="tab:blue", lw=1.6,
-                   label=f"batch reward (mean of {_WINDOW})")  # fmt: skip
+            a.plot(
+                xs,
+                rolling(rw, _WINDOW),
+                color="tab:blue",
+                lw=1.6,
+                label=f"batch reward (mean of {_WINDOW})",
+            )
         if evals:
-            a.plot([xof(m) for m in evals], [m["eval/accuracy"] for m in evals], "o-",
-                   color="tab:green", lw=1.4, label="eval accuracy (greedy, data.eval)")  # fmt: skip
+            a.plot(
+                [xof(m) for m in evals],
+                [m["eval/accuracy"] for m in evals],
+                "o-",
+                color="tab:green",
+                lw=1.4,
+                label="eval accuracy (greedy, data.eval)",
+            )
         a.set_ylabel("reward / accuracy")
         a.set_title(f"Reward and eval accuracy vs {xlabel.split(' (')[0]}")
         # 2. throughput
@@ -159,18 +192,37 @@ def plot(run_dir: Path, out: Path | None = None) -> Path:
         # 3. staleness
         c = ax[2, col]
         if steps:
-            c.plot(xs, [_num(m, "staleness") for m in steps], color="tab:orange", lw=1.2,
-                   label="mean staleness of the batch")  # fmt: skip
-            c.step(xs, [_num(m, "staleness_max") for m in steps], where="mid", color="tab:red",
-                   lw=1.0, alpha=0.7, label="max staleness")  # fmt: skip
+            c.plot(
+                xs,
+                [_num(m, "staleness") for m in steps],
+                color="tab:orange",
+                lw=1.2,
+                label="mean staleness of the batch",
+            )
+            c.step(
+                xs,
+                [_num(m, "staleness_max") for m in steps],
+                where="mid",
+                color="tab:red",
+                lw=1.0,
+                alpha=0.7,
+                label="max staleness",
+            )
         c.set_ylabel("versions behind")
         c.set_xlabel(xlabel)
         c.set_title("Staleness at consumption (trainer version - trajectory version)")
         for p in (a, b, c):
             p.grid(alpha=0.3)
             if not steps and not (p is a and evals):
-                p.text(0.5, 0.5, "no data in metrics.jsonl", ha="center", va="center",
-                       transform=p.transAxes, color="gray")  # fmt: skip
+                p.text(
+                    0.5,
+                    0.5,
+                    "no data in metrics.jsonl",
+                    ha="center",
+                    va="center",
+                    transform=p.transAxes,
+                    color="gray",
+                )
         if steps or evals:
             a.legend(fontsize=8, loc="best")
         if steps:
@@ -234,17 +286,35 @@ def summary_md(s: dict[str, Any], completions: list[dict[str, Any]]) -> str:
     train = [c for c in completions if not c.get("eval")]
     if train:
         last = max(int(c.get("step", 0)) for c in train)
-        lines += ["", f"## Completions of step {last} (from completions.jsonl)", "",
-                  "| version | reward | prompt | completion |", "|---|---|---|---|"]  # fmt: skip
-        lines += [f"| {c.get('version')} | {_fmt(c.get('reward'))} | {_cell(c.get('prompt'))} | "
-                  f"{_cell(c.get('completion'))} |" for c in train if c.get("step") == last]  # fmt: skip
+        lines += [
+            "",
+            f"## Completions of step {last} (from completions.jsonl)",
+            "",
+            "| version | reward | prompt | completion |",
+            "|---|---|---|---|",
+        ]
+        lines += [
+            f"| {c.get('version')} | {_fmt(c.get('reward'))} | {_cell(c.get('prompt'))} | "
+            f"{_cell(c.get('completion'))} |"
+            for c in train
+            if c.get("step") == last
+        ]
     evals = [c for c in completions if c.get("eval")]
     if evals:
         last = max(int(c.get("step", 0)) for c in evals)
-        lines += ["", f"## Eval completions at step {last} (greedy)", "",
-                  "| reward | prompt | completion | answer |", "|---|---|---|---|"]  # fmt: skip
-        lines += [f"| {_fmt(c.get('reward'))} | {_cell(c.get('prompt'))} | {_cell(c.get('completion'))} | "
-                  f"{_cell(c.get('answer'))} |" for c in evals if c.get("step") == last]  # fmt: skip
+        lines += [
+            "",
+            f"## Eval completions at step {last} (greedy)",
+            "",
+            "| reward | prompt | completion | answer |",
+            "|---|---|---|---|",
+        ]
+        lines += [
+            f"| {_fmt(c.get('reward'))} | {_cell(c.get('prompt'))} | {_cell(c.get('completion'))} | "
+            f"{_cell(c.get('answer'))} |"
+            for c in evals
+            if c.get("step") == last
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -264,8 +334,11 @@ def report_main(run_dir: str) -> int:
     path = Path(run_dir)
     if not (path / "metrics.jsonl").exists():
         where = "is not a directory" if not path.is_dir() else "has no metrics.jsonl"
-        print(f"laminar report: {path} {where}; give the run_dir of a `laminar run` "
-              "(default runs/<name>) after its trainer logged a step", file=sys.stderr)  # fmt: skip
+        print(
+            f"laminar report: {path} {where}; give the run_dir of a `laminar run` "
+            "(default runs/<name>) after its trainer logged a step",
+            file=sys.stderr,
+        )
         return 1
     png, md = write_report(path)
     print(f"wrote {png} and {md}")

@@ -42,8 +42,17 @@ def main() -> None:
     path = policy.save(out / "run", 3, {"version": 3}, keep=2)
     policy.close()
     torch.save(weights, out / "weights.pt")
-    (out / "result.json").write_text(json.dumps({"losses": losses, "grad_norms": norms, "world": ctx.world,
-                                                 "micro_batches": m["micro_batches"], "checkpoint": str(path)}))  # fmt: skip
+    (out / "result.json").write_text(
+        json.dumps(
+            {
+                "losses": losses,
+                "grad_norms": norms,
+                "world": ctx.world,
+                "micro_batches": m["micro_batches"],
+                "checkpoint": str(path),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

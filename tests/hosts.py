@@ -104,11 +104,40 @@ class Hosts:
             _ip("-n", probe, "link", "add", "pb", "type", "bridge")
             _ip("-n", probe, "link", "add", "pa", "type", "veth", "peer", "name", "pz")
             _ip("-n", probe, "link", "set", "pa", "up")
-            _tc(probe, "qdisc", "add", "dev", "pa", "root", "tbf", "rate", "10mbit", "burst", "64kb", "latency", "50ms")  # fmt: skip
-            Hosts._netem = subprocess.run(
-                ["tc", "-n", probe, "qdisc", "replace", "dev", "pa", "root", "netem", "delay", "1ms"],
-                capture_output=True,
-            ).returncode == 0  # fmt: skip
+            _tc(
+                probe,
+                "qdisc",
+                "add",
+                "dev",
+                "pa",
+                "root",
+                "tbf",
+                "rate",
+                "10mbit",
+                "burst",
+                "64kb",
+                "latency",
+                "50ms",
+            )
+            Hosts._netem = (
+                subprocess.run(
+                    [
+                        "tc",
+                        "-n",
+                        probe,
+                        "qdisc",
+                        "replace",
+                        "dev",
+                        "pa",
+                        "root",
+                        "netem",
+                        "delay",
+                        "1ms",
+                    ],
+                    capture_output=True,
+                ).returncode
+                == 0
+            )
         except (subprocess.CalledProcessError, RuntimeError) as exc:
             msg = exc.stderr.strip() if isinstance(exc, subprocess.CalledProcessError) else str(exc)
             return f"namespaces work but bridge/veth/tbf do not: {msg}"
@@ -159,7 +188,20 @@ class Hosts:
             for i, ns in enumerate(self.names):
                 self._netns_add(ns)
                 # made inside the bridge namespace, one end moved into the host: never in root
-                _ip("-n", b, "link", "add", f"p{i}", "type", "veth", "peer", "name", "eth0", "netns", ns)  # fmt: skip
+                _ip(
+                    "-n",
+                    b,
+                    "link",
+                    "add",
+                    f"p{i}",
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    "eth0",
+                    "netns",
+                    ns,
+                )
                 _ip("-n", b, "link", "set", f"p{i}", "master", "br0")
                 _ip("-n", b, "link", "set", f"p{i}", "up")
                 _ip("-n", ns, "link", "set", "lo", "up")
@@ -196,13 +238,23 @@ class Hosts:
     def ns(self, i: int) -> str:
         return self.names[i]
 
-    def popen(self, i: int, cmd: Sequence[str], log: Path | IO | None = None,
-              env: dict[str, str] | None = None) -> subprocess.Popen:  # fmt: skip
+    def popen(
+        self,
+        i: int,
+        cmd: Sequence[str],
+        log: Path | IO | None = None,
+        env: dict[str, str] | None = None,
+    ) -> subprocess.Popen:
         """Start `cmd` in host i (`ip netns exec` execs it: the pid is the command's own)."""
         out = open(log, "ab") if isinstance(log, Path) else log  # noqa: SIM115 - the child owns it
         try:
-            p = subprocess.Popen(["ip", "netns", "exec", self.names[i], *cmd], stdout=out or subprocess.DEVNULL,
-                                 stderr=subprocess.STDOUT, env=env, start_new_session=True)  # fmt: skip
+            p = subprocess.Popen(
+                ["ip", "netns", "exec", self.names[i], *cmd],
+                stdout=out or subprocess.DEVNULL,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
         finally:
             if isinstance(log, Path) and out is not None:
                 out.close()
@@ -210,8 +262,12 @@ class Hosts:
         return p
 
     def run(self, i: int, cmd: Sequence[str], timeout: float = 60) -> subprocess.CompletedProcess:
-        return subprocess.run(["ip", "netns", "exec", self.names[i], *cmd], capture_output=True,
-                              text=True, timeout=timeout)  # fmt: skip
+        return subprocess.run(
+            ["ip", "netns", "exec", self.names[i], *cmd],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
 
     def pids_in(self, i: int) -> list[int]:
         """Every process whose network namespace is host i's (ours, and any they forked)."""
@@ -256,8 +312,13 @@ class Hosts:
         self.kill_host(i)
 
     # ---- links -----------------------------------------------------------------------------
-    def shape(self, i: int, rate_bytes_s: float | None = None, delay_ms: float = 0.0,
-              loss_pct: float = 0.0) -> None:  # fmt: skip
+    def shape(
+        self,
+        i: int,
+        rate_bytes_s: float | None = None,
+        delay_ms: float = 0.0,
+        loss_pct: float = 0.0,
+    ) -> None:
         """Shape host i's link, both directions: rate (tbf), delay and loss (netem). None/0 for
         all three removes the shaping."""
         self.shaping[i] = {"rate_bytes_s": rate_bytes_s, "delay_ms": delay_ms, "loss_pct": loss_pct}
@@ -273,8 +334,14 @@ class Hosts:
         return time.time()
 
 
-def shape_link(host_ns: str, bridge_ns: str, i: int, rate_bytes_s: float | None = None,
-               delay_ms: float = 0.0, loss_pct: float = 0.0) -> None:  # fmt: skip
+def shape_link(
+    host_ns: str,
+    bridge_ns: str,
+    i: int,
+    rate_bytes_s: float | None = None,
+    delay_ms: float = 0.0,
+    loss_pct: float = 0.0,
+) -> None:
     """Hosts.shape by names (for a process that runs inside one of the namespaces: `tc -n`
     reaches any named namespace)."""
     for ns, dev in ((host_ns, "eth0"), (bridge_ns, f"p{i}")):
@@ -293,8 +360,21 @@ def shape_link(host_ns: str, bridge_ns: str, i: int, rate_bytes_s: float | None 
         elif rate_bytes_s:
             # burst: >= one 64 KiB GSO segment and ~4 ms of the rate; queue: 100 ms of it
             burst = max(64 << 10, int(rate_bytes_s / 250))
-            _tc(ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{int(rate_bytes_s * 8)}bit",
-                "burst", str(burst), "latency", "100ms")  # fmt: skip
+            _tc(
+                ns,
+                "qdisc",
+                "add",
+                "dev",
+                dev,
+                "root",
+                "tbf",
+                "rate",
+                f"{int(rate_bytes_s * 8)}bit",
+                "burst",
+                str(burst),
+                "latency",
+                "100ms",
+            )
 
 
 @atexit.register
@@ -326,8 +406,12 @@ def make_keys(keys_dir: Path, roles: str = "manager,buffer,relay,trainer,rollout
     """CURVE keys with an identity per role, made by the real CLI (`laminar keys`)."""
     import sys
 
-    subprocess.run([sys.executable, "-m", "laminar", "keys", str(keys_dir), "--roles", roles],
-                   check=True, capture_output=True, timeout=60)  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-m", "laminar", "keys", str(keys_dir), "--roles", roles],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     return keys_dir
 
 
@@ -335,5 +419,18 @@ def node_cmd(role: str, config: Path, index: int = 0, count: int = 1, *overrides
     """`laminar node --role ROLE --index I --count N --config F [k=v ...]` (launchers' argument order)."""
     import sys
 
-    return [sys.executable, "-m", "laminar", "node", "--role", role, "--index", str(index),
-            "--count", str(count), "--config", str(config), *overrides]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "laminar",
+        "node",
+        "--role",
+        role,
+        "--index",
+        str(index),
+        "--count",
+        str(count),
+        "--config",
+        str(config),
+        *overrides,
+    ]

@@ -73,10 +73,16 @@ class TurnEngine(Engine):
         self.submitted.append(req)
         for sid in req.seq_ids():
             ids = [int(i) for i in req.resume_ids]
-            self.running[sid] = dict(prompt=np.asarray(req.prompt_ids, np.int32), ids=ids,
-                                     lps=[float(x) for x in req.resume_logprobs], turn=req.turn,
-                                     end=req.turn_start + turn_len(sid, req.turn), cap=req.params.max_tokens,
-                                     start=req.turn_start, version=req.version)  # fmt: skip
+            self.running[sid] = dict(
+                prompt=np.asarray(req.prompt_ids, np.int32),
+                ids=ids,
+                lps=[float(x) for x in req.resume_logprobs],
+                turn=req.turn,
+                end=req.turn_start + turn_len(sid, req.turn),
+                cap=req.params.max_tokens,
+                start=req.turn_start,
+                version=req.version,
+            )
 
     async def _loop(self) -> None:
         while True:
@@ -93,8 +99,15 @@ class TurnEngine(Engine):
                 reason = "stop" if i + 1 >= s["end"] else "length" if i + 1 >= s["cap"] else None
                 if reason:
                     del self.running[sid]
-                self._emit(TokenEvent(sid, np.array([tok], np.int32), np.array([lp], np.float32), reason,
-                                      s["version"]))  # fmt: skip
+                self._emit(
+                    TokenEvent(
+                        sid,
+                        np.array([tok], np.int32),
+                        np.array([lp], np.float32),
+                        reason,
+                        s["version"],
+                    )
+                )
 
     async def abort(self, seq_ids: Iterable[str]) -> list[PartialState]:
         out = []
@@ -102,8 +115,15 @@ class TurnEngine(Engine):
             s = self.running.pop(sid, None)
             if s is None:
                 continue
-            out.append(PartialState(sid, s["prompt"], np.asarray(s["ids"], np.int32),
-                                    np.asarray(s["lps"], np.float32), s["version"]))  # fmt: skip
+            out.append(
+                PartialState(
+                    sid,
+                    s["prompt"],
+                    np.asarray(s["ids"], np.int32),
+                    np.asarray(s["lps"], np.float32),
+                    s["version"],
+                )
+            )
             self._emit(
                 TokenEvent(
                     sid, np.zeros(0, np.int32), np.zeros(0, np.float32), "abort", s["version"]
@@ -118,8 +138,13 @@ class TurnEngine(Engine):
         self.version = version
 
     def stats(self) -> EngineStats:
-        return EngineStats(min(1.0, len(self.running) / 64), len(self.running), 0, self.version,
-                           self.tokens_generated)  # fmt: skip
+        return EngineStats(
+            min(1.0, len(self.running) / 64),
+            len(self.running),
+            0,
+            self.version,
+            self.tokens_generated,
+        )
 
 
 def obs_ids(turn: int, results: list[ToolResult]) -> list[int]:
@@ -150,8 +175,11 @@ class ScriptedEnv(Environment):
             results.append(await ctx.tools.call(ctx.call_id(k), self.tool, args, ctx.timeout_s))
         state["calls"] += len(results)
         done = ctx.turn + 1 >= state["turns"]
-        return StepResult(observation_ids=None if done else obs_ids(ctx.turn, results), done=done,
-                          tool_results=results)  # fmt: skip
+        return StepResult(
+            observation_ids=None if done else obs_ids(ctx.turn, results),
+            done=done,
+            tool_results=results,
+        )
 
     async def score(self, state: dict[str, Any], ctx: StepContext) -> dict[str, Any]:
         return {"reward": 1.0, "seen": len(state["seen"]), "calls": state["calls"]}

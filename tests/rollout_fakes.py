@@ -82,8 +82,13 @@ class FakeEngine(Engine):
         self.submitted.append(req)
         for sid in req.seq_ids():
             target = min(fake_length(sid, self.base, self.span), req.params.max_tokens)
-            self.running[sid] = dict(prompt=np.asarray(req.prompt_ids, np.int32), ids=list(req.resume_ids),
-                                     lps=list(req.resume_logprobs), target=target, version=req.version)  # fmt: skip
+            self.running[sid] = dict(
+                prompt=np.asarray(req.prompt_ids, np.int32),
+                ids=list(req.resume_ids),
+                lps=list(req.resume_logprobs),
+                target=target,
+                version=req.version,
+            )
 
     async def _loop(self) -> None:
         while True:
@@ -102,8 +107,15 @@ class FakeEngine(Engine):
                 done = len(s["ids"]) >= s["target"]
                 if done:
                     del self.running[sid]
-                self._emit(TokenEvent(sid, np.array([tok], np.int32), np.array([lp], np.float32),
-                                      "length" if done else None, s["version"]))  # fmt: skip
+                self._emit(
+                    TokenEvent(
+                        sid,
+                        np.array([tok], np.int32),
+                        np.array([lp], np.float32),
+                        "length" if done else None,
+                        s["version"],
+                    )
+                )
 
     async def abort(self, seq_ids: Iterable[str]) -> list[PartialState]:
         out = []
@@ -111,8 +123,15 @@ class FakeEngine(Engine):
             s = self.running.pop(sid, None)
             if s is None:
                 continue
-            out.append(PartialState(sid, s["prompt"], np.asarray(s["ids"], np.int32),
-                                    np.asarray(s["lps"], np.float32), s["version"]))  # fmt: skip
+            out.append(
+                PartialState(
+                    sid,
+                    s["prompt"],
+                    np.asarray(s["ids"], np.int32),
+                    np.asarray(s["lps"], np.float32),
+                    s["version"],
+                )
+            )
             self._emit(
                 TokenEvent(
                     sid, np.zeros(0, np.int32), np.zeros(0, np.float32), "abort", s["version"]
@@ -145,8 +164,17 @@ def expected_response(uid: str, base: int = 8, span: int = 40) -> list[int]:
 
 
 def make_items(count: int, n: int, prefix: str = "p") -> list[PromptItem]:
-    return [PromptItem(uid=f"{prefix}{k}", group_id=f"{prefix}{k}@0", prompt_ids=np.arange(1, 6, dtype=np.int32) + k,
-                       n=n, prompt=f"prompt {k}", row={"answer": str(k)}) for k in range(count)]  # fmt: skip
+    return [
+        PromptItem(
+            uid=f"{prefix}{k}",
+            group_id=f"{prefix}{k}@0",
+            prompt_ids=np.arange(1, 6, dtype=np.int32) + k,
+            n=n,
+            prompt=f"prompt {k}",
+            row={"answer": str(k)},
+        )
+        for k in range(count)
+    ]
 
 
 @dataclass
@@ -257,14 +285,26 @@ def make_cfg(run_dir: Path, **over: Any):
         "run_dir": str(run_dir),
         "cluster": {"transport": "inproc"},
         # death after 1 s of silence: 2 cores shared with other test processes must not fake deaths
-        "transport": {"heartbeat_interval_s": 0.1, "heartbeat_liveness": 10, "handshake_timeout_s": 2.0,
-                      "request_timeout_s": 1.0, "startup_timeout_s": 15.0, "stop_timeout_s": 5.0,
-                      "reconnect_backoff_s": 0.02, "reconnect_backoff_max_s": 0.1},
+        "transport": {
+            "heartbeat_interval_s": 0.1,
+            "heartbeat_liveness": 10,
+            "handshake_timeout_s": 2.0,
+            "request_timeout_s": 1.0,
+            "startup_timeout_s": 15.0,
+            "stop_timeout_s": 5.0,
+            "reconnect_backoff_s": 0.02,
+            "reconnect_backoff_max_s": 0.1,
+        },
         # the tests send repack commands themselves; the manager's own repack would race them
         "manager": {"repack": {"enabled": False}},
-        "rollout": {"engine": "sim", "credits": 2, "partial_chunk_tokens": 8, "weights": "dir",
-                    "prompt_retry_s": 0.05},
-    }  # fmt: skip
+        "rollout": {
+            "engine": "sim",
+            "credits": 2,
+            "partial_chunk_tokens": 8,
+            "weights": "dir",
+            "prompt_retry_s": 0.05,
+        },
+    }
     for key, value in over.items():
         section, _, field = key.partition("__")
         if field:

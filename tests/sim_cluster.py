@@ -33,30 +33,73 @@ def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return base
 
 
-def sim_config(tmp: Path, *, mode: str = "laminar", rollouts: int = 2, relays: int = 0,
-               total_steps: int = 5, prompts: int = 400, net: str = "inproc",
-               **over: Any) -> LaminarConfig:  # fmt: skip
+def sim_config(
+    tmp: Path,
+    *,
+    mode: str = "laminar",
+    rollouts: int = 2,
+    relays: int = 0,
+    total_steps: int = 5,
+    prompts: int = 400,
+    net: str = "inproc",
+    **over: Any,
+) -> LaminarConfig:
     """A small all-sim cluster; `over` is merged into the config dict (nested sections merge)."""
     data = write_prompts(tmp / "prompts.jsonl", prompts)
     base = {
-        "name": f"t{abs(hash(str(tmp))) % 10**8}", "mode": mode, "run_dir": str(tmp / "run"),
-        "cluster": {"transport": net, "ipc_dir": str(tmp / "ipc") if net == "ipc" else None,
-                    "roles": {"manager": 1, "buffer": 1, "relay": relays, "trainer": 1, "rollout": rollouts}},
+        "name": f"t{abs(hash(str(tmp))) % 10**8}",
+        "mode": mode,
+        "run_dir": str(tmp / "run"),
+        "cluster": {
+            "transport": net,
+            "ipc_dir": str(tmp / "ipc") if net == "ipc" else None,
+            "roles": {
+                "manager": 1,
+                "buffer": 1,
+                "relay": relays,
+                "trainer": 1,
+                "rollout": rollouts,
+            },
+        },
         # 2 busy cores: a node is dead after 2 s of silence (the default), beats every 0.25 s
-        "transport": {"heartbeat_interval_s": 0.25, "heartbeat_liveness": 8, "request_timeout_s": 2.0,
-                      "startup_timeout_s": 60.0, "stop_timeout_s": 3.0, "reconnect_backoff_s": 0.02,
-                      "reconnect_backoff_max_s": 0.2},
+        "transport": {
+            "heartbeat_interval_s": 0.25,
+            "heartbeat_liveness": 8,
+            "request_timeout_s": 2.0,
+            "startup_timeout_s": 60.0,
+            "stop_timeout_s": 3.0,
+            "reconnect_backoff_s": 0.02,
+            "reconnect_backoff_max_s": 0.2,
+        },
         "data": {"train": str(data), "shuffle": False},
-        "rollout": {"engine": "sim", "group_size": 2, "credits": 2, "max_running": 8, "partial_chunk_tokens": 8,
-                    "prompt_retry_s": 0.05, "refresh_wait_s": 2.0, "sampling": {"max_tokens": 120},
-                    "sim": {"step_time_s": 0.002, "bound_b": 8, "length_p50": 20, "length_p99_over_p50": 6,
-                            "kv_capacity_tokens": 8 * 140}},
-        "trainer": {"engine": "sim", "batch_groups": 2, "total_steps": total_steps, "sim_time_per_token_s": 1e-5,
-                    "batch_wait_s": 0.5},
+        "rollout": {
+            "engine": "sim",
+            "group_size": 2,
+            "credits": 2,
+            "max_running": 8,
+            "partial_chunk_tokens": 8,
+            "prompt_retry_s": 0.05,
+            "refresh_wait_s": 2.0,
+            "sampling": {"max_tokens": 120},
+            "sim": {
+                "step_time_s": 0.002,
+                "bound_b": 8,
+                "length_p50": 20,
+                "length_p99_over_p50": 6,
+                "kv_capacity_tokens": 8 * 140,
+            },
+        },
+        "trainer": {
+            "engine": "sim",
+            "batch_groups": 2,
+            "total_steps": total_steps,
+            "sim_time_per_token_s": 1e-5,
+            "batch_wait_s": 0.5,
+        },
         "buffer": {"fsync": "never", "retry_after_s": 0.05},
         "manager": {"repack": {"interval_s": 0.5}, "timeline_interval_s": 0.5},
         "logging": {"level": "warning"},
-    }  # fmt: skip
+    }
     return config_from_dict(merge(base, over))
 
 

@@ -19,8 +19,13 @@ import control_plane  # noqa: E402
 
 
 def test_1024_gpu_rates_follow_the_simulator_results(tmp_path):
-    row = {"rollouts": 128, "gen_tok_s": {"median": 320_000.0}, "iteration_s": {"median": 10.0},
-           "counts": {"steps_measured": 5}, "staleness_finished": {"count": 5000}}  # fmt: skip
+    row = {
+        "rollouts": 128,
+        "gen_tok_s": {"median": 320_000.0},
+        "iteration_s": {"median": 10.0},
+        "counts": {"steps_measured": 5},
+        "staleness_finished": {"count": 5000},
+    }
     path = tmp_path / "sim.json"
     path.write_text(json.dumps({"results": {"32B": {"64": {}, "1024": {"laminar": row}}}}))
     rates = control_plane.workload_rates(path)

@@ -157,18 +157,40 @@ def test_plan_whole_batch_follows_serve_order():
 
 def _traj(gid: str, i: int, version: int, reward: float | None) -> Trajectory:
     z = np.zeros(1, np.int32)
-    return Trajectory(uid=f"{gid}/{i}", group_id=gid, prompt_uid=gid, sample_index=i, prompt_ids=z,
-                      response_ids=z, logprobs=np.zeros(1, np.float32), version=version, reward=reward)  # fmt: skip
+    return Trajectory(
+        uid=f"{gid}/{i}",
+        group_id=gid,
+        prompt_uid=gid,
+        sample_index=i,
+        prompt_ids=z,
+        response_ids=z,
+        logprobs=np.zeros(1, np.float32),
+        version=version,
+        reward=reward,
+    )
 
 
 def full_plan(st: ExperienceState, want: int, batch_version: int, final: bool = False):
     """The planner over every unconsumed group, which ExperienceState.plan skips when too few are ready."""
     groups = st.unconsumed()
-    infos = [GroupInfo(x.group_id, min([t.version for t in x.members.values()] or [x.served_version]),
-                       x.state == "ready", x.serial) for x in groups]  # fmt: skip
+    infos = [
+        GroupInfo(
+            x.group_id,
+            min([t.version for t in x.members.values()] or [x.served_version]),
+            x.state == "ready",
+            x.serial,
+        )
+        for x in groups
+    ]
     ready = [x for x in groups if x.state == "ready"]
-    return plan_batch(st.admission, want=want, batch_version=batch_version, groups=infos,
-                      preference=st.order(ready, st.rng), final=final)  # fmt: skip
+    return plan_batch(
+        st.admission,
+        want=want,
+        batch_version=batch_version,
+        groups=infos,
+        preference=st.order(ready, st.rng),
+        final=final,
+    )
 
 
 def simulate(
@@ -190,8 +212,14 @@ def simulate(
             r = rng.randrange(rollouts)
             if rng.random() < 0.3:
                 versions[r] = trainer  # idle rollouts pull the newest weights, sometimes
-            d = admit(a, rollout_version=versions[r], requested=rng.randint(1, 3), trainer_version=st.trainer_version,
-                      next_version=st.next_version, unconsumed=st.unconsumed_by_version())  # fmt: skip
+            d = admit(
+                a,
+                rollout_version=versions[r],
+                requested=rng.randint(1, 3),
+                trainer_version=st.trainer_version,
+                next_version=st.next_version,
+                unconsumed=st.unconsumed_by_version(),
+            )
             if d.reason == "need_version":
                 versions[r] = max(versions[r], min(d.min_version, trainer))
             for _ in range(d.groups):
@@ -232,10 +260,18 @@ def simulate(
     return {"steps": trainer, "max": max(consumed, default=0), "consumed": len(consumed)}
 
 
-@pytest.mark.parametrize("mode,bound,expect", [
-    ("sync", None, 0), ("one_step", None, 1), ("stream", None, 1), ("stream", 2, 2),
-    ("laminar", 0, 0), ("laminar", 1, 1), ("laminar", 3, 3),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "mode,bound,expect",
+    [
+        ("sync", None, 0),
+        ("one_step", None, 1),
+        ("stream", None, 1),
+        ("stream", 2, 2),
+        ("laminar", 0, 0),
+        ("laminar", 1, 1),
+        ("laminar", 3, 3),
+    ],
+)
 def test_randomized_staleness_never_exceeds_the_bound(mode, bound, expect):
     for seed in range(6):
         out = simulate(mode, bound, seed)

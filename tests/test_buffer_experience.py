@@ -18,8 +18,12 @@ N = 3
 def state(
     policy: str = "release_partial", mode: str = "laminar", sampling: str = "fifo"
 ) -> ExperienceState:
-    return ExperienceState(group_size=N, lost_member_policy=policy, admission=Admission.for_mode(mode, 2),
-                           sampling=sampling)  # fmt: skip
+    return ExperienceState(
+        group_size=N,
+        lost_member_policy=policy,
+        admission=Admission.for_mode(mode, 2),
+        sampling=sampling,
+    )
 
 
 def serve(st: ExperienceState, *gids: str, version: int = 0, rollout: str = "r0") -> None:
@@ -27,16 +31,33 @@ def serve(st: ExperienceState, *gids: str, version: int = 0, rollout: str = "r0"
         PromptItem(uid="u-" + g, group_id=g, prompt_ids=np.arange(2, dtype=np.int32), n=N)
         for g in gids
     ]
-    st.apply("served", {"rollout_id": rollout, "groups": [{"group_id": g, "n": N, "version": version, "item": i}
-                                                         for i, g in enumerate(gids)]}, items)  # fmt: skip
+    st.apply(
+        "served",
+        {
+            "rollout_id": rollout,
+            "groups": [
+                {"group_id": g, "n": N, "version": version, "item": i} for i, g in enumerate(gids)
+            ],
+        },
+        items,
+    )
 
 
 def tr(
     gid: str, i: int, version: int = 0, reward: float | None = 1.0, reason: str = "stop"
 ) -> Trajectory:
-    return Trajectory(uid=f"{gid}/{i}", group_id=gid, prompt_uid="u-" + gid, sample_index=i,
-                      prompt_ids=np.arange(2, dtype=np.int32), response_ids=np.arange(4, dtype=np.int32),
-                      logprobs=np.zeros(4, np.float32), version=version, reward=reward, finish_reason=reason)  # fmt: skip
+    return Trajectory(
+        uid=f"{gid}/{i}",
+        group_id=gid,
+        prompt_uid="u-" + gid,
+        sample_index=i,
+        prompt_ids=np.arange(2, dtype=np.int32),
+        response_ids=np.arange(4, dtype=np.int32),
+        logprobs=np.zeros(4, np.float32),
+        version=version,
+        reward=reward,
+        finish_reason=reason,
+    )
 
 
 def arrive(st: ExperienceState, t: Trajectory) -> str:

@@ -15,9 +15,18 @@ from laminar.protocol.data import Trajectory
 
 
 def traj(i: int, n_tokens: int = 5) -> Trajectory:
-    return Trajectory(uid=f"g{i}/0", group_id=f"g{i}", prompt_uid="p", sample_index=0,
-                      prompt_ids=np.arange(3, dtype=np.int32), response_ids=np.arange(n_tokens, dtype=np.int32) + i,
-                      logprobs=np.full(n_tokens, -0.5, np.float32), version=i, reward=1.0, row={"answer": "x"})  # fmt: skip
+    return Trajectory(
+        uid=f"g{i}/0",
+        group_id=f"g{i}",
+        prompt_uid="p",
+        sample_index=0,
+        prompt_ids=np.arange(3, dtype=np.int32),
+        response_ids=np.arange(n_tokens, dtype=np.int32) + i,
+        logprobs=np.full(n_tokens, -0.5, np.float32),
+        version=i,
+        reward=1.0,
+        row={"answer": "x"},
+    )
 
 
 def read_all(path, **kw):
@@ -42,8 +51,12 @@ def test_round_trip_with_arrays(tmp_path):
     j.append("commit", {"batch_id": "b1", "version": 2})
     j.close()
     j2, recs = read_all(path)
-    assert [(k, b) for k, b, _ in recs] == [("traj", {"i": 0}), ("traj", {"i": 1}), ("traj", {"i": 2}),
-                                           ("commit", {"batch_id": "b1", "version": 2})]  # fmt: skip
+    assert [(k, b) for k, b, _ in recs] == [
+        ("traj", {"i": 0}),
+        ("traj", {"i": 1}),
+        ("traj", {"i": 2}),
+        ("commit", {"batch_id": "b1", "version": 2}),
+    ]
     t = recs[2][2][0]
     assert isinstance(t, Trajectory) and t.uid == "g2/0" and t.row == {"answer": "x"}
     assert t.response_ids.tolist() == [2, 3, 4, 5, 6] and t.logprobs.dtype == np.float32

@@ -34,7 +34,7 @@ from laminar.protocol.buffer import (
     PromptReply,
     PromptRequest,
     TrajectoryAbandoned,
-)  # fmt: skip
+)
 from laminar.protocol.core import Ack
 from laminar.protocol.data import PartialChunk, PartialTrajectory, PromptItem, Trajectory
 from laminar.transport.client import RpcClient
@@ -53,15 +53,27 @@ def make_cfg(tmp: Path, rows: int = 20, transport: str = "inproc", **sections):
             )
         )
     base = {
-        "name": f"bt{uuid.uuid4().hex[:8]}", "run_dir": str(tmp / "run"), "mode": "laminar",
+        "name": f"bt{uuid.uuid4().hex[:8]}",
+        "run_dir": str(tmp / "run"),
+        "mode": "laminar",
         # restart tests use ipc: an inproc name stays taken until zmq reaps the closed socket
-        "cluster": {"transport": transport, "ipc_dir": tempfile.mkdtemp(prefix="lamb-", dir="/tmp")},
-        "transport": {"heartbeat_interval_s": 0.05, "heartbeat_liveness": 20, "handshake_timeout_s": 1.0,
-                      "request_timeout_s": 5.0, "request_retries": 0, "stop_timeout_s": 2.0},
+        "cluster": {
+            "transport": transport,
+            "ipc_dir": tempfile.mkdtemp(prefix="lamb-", dir="/tmp"),
+        },
+        "transport": {
+            "heartbeat_interval_s": 0.05,
+            "heartbeat_liveness": 20,
+            "handshake_timeout_s": 1.0,
+            "request_timeout_s": 5.0,
+            "request_retries": 0,
+            "stop_timeout_s": 2.0,
+        },
         "data": {"train": str(data), "seed": 1},
-        "rollout": {"group_size": N}, "trainer": {"batch_groups": B},
+        "rollout": {"group_size": N},
+        "trainer": {"batch_groups": B},
         "buffer": {"fsync": "batch"},
-    }  # fmt: skip
+    }
     for key, val in sections.items():
         if isinstance(val, dict):
             base.setdefault(key, {}).update(val)
@@ -144,9 +156,20 @@ def finished(
     tokens: int = 3,
 ) -> Trajectory:
     ids = np.arange(tokens, dtype=np.int32) + i
-    return Trajectory(uid=f"{item.group_id}/{i}", group_id=item.group_id, prompt_uid=item.uid, sample_index=i,
-                      prompt_ids=item.prompt_ids, response_ids=ids, logprobs=np.full(tokens, -1.0, np.float32),
-                      version=version, reward=reward, rollout_id=rollout, prompt=item.prompt, row=item.row)  # fmt: skip
+    return Trajectory(
+        uid=f"{item.group_id}/{i}",
+        group_id=item.group_id,
+        prompt_uid=item.uid,
+        sample_index=i,
+        prompt_ids=item.prompt_ids,
+        response_ids=ids,
+        logprobs=np.full(tokens, -1.0, np.float32),
+        version=version,
+        reward=reward,
+        rollout_id=rollout,
+        prompt=item.prompt,
+        row=item.row,
+    )
 
 
 async def prompts(cli: RpcClient, k: int, version: int = 0, rid: str = "r0", **kw) -> PromptReply:
@@ -166,8 +189,11 @@ async def complete(
 async def batch(
     cli: RpcClient, version: int, wait_s: float = 0.0, restart: bool = False, groups: int = B
 ) -> BatchReply:
-    reply = await cli.request(BatchRequest(trainer_id="t0", groups=groups, trainer_version=version, wait_s=wait_s,
-                                           restart=restart))  # fmt: skip
+    reply = await cli.request(
+        BatchRequest(
+            trainer_id="t0", groups=groups, trainer_version=version, wait_s=wait_s, restart=restart
+        )
+    )
     assert isinstance(reply, BatchReply)
     return reply
 
@@ -263,9 +289,16 @@ async def test_full_buffer_stops_serving_prompts(harness):
     assert (await stats(tr))["counters"]["prompts_refused_full"] == 3
 
 
-@pytest.mark.parametrize("mode,bound,limit", [
-    ("laminar", 1, 1), ("laminar", 0, 0), ("sync", None, 0), ("one_step", None, 1), ("stream", None, 1),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "mode,bound,limit",
+    [
+        ("laminar", 1, 1),
+        ("laminar", 0, 0),
+        ("sync", None, 0),
+        ("one_step", None, 1),
+        ("stream", None, 1),
+    ],
+)
 async def test_staleness_bound_with_fake_rollouts(harness, mode, bound, limit):
     """Rollouts at lagging versions, long-tailed sample times; no consumed trajectory is staler than the bound."""
     h = await harness(rows=200, mode=mode, buffer={"max_staleness": bound})
@@ -320,13 +353,29 @@ async def test_partial_pool_and_recovery_query(harness):
     ro, mgr = await h.client("r0"), await h.client("m0", "manager")
     item = (await prompts(ro, 1, rid="r0")).items[0]
     uid = f"{item.group_id}/0"
-    header = PartialTrajectory(uid=uid, group_id=item.group_id, prompt_uid=item.uid, sample_index=0,
-                               prompt_ids=item.prompt_ids, response_ids=np.zeros(0, np.int32),
-                               logprobs=np.zeros(0, np.float32), version=0, n=N, rollout_id="r0")  # fmt: skip
+    header = PartialTrajectory(
+        uid=uid,
+        group_id=item.group_id,
+        prompt_uid=item.uid,
+        sample_index=0,
+        prompt_ids=item.prompt_ids,
+        response_ids=np.zeros(0, np.int32),
+        logprobs=np.zeros(0, np.float32),
+        version=0,
+        n=N,
+        rollout_id="r0",
+    )
 
     def chunk(offset, ids, hdr=None):
-        return PartialChunk(uid=uid, version=0, offset=offset, token_ids=np.asarray(ids, np.int32),
-                            logprobs=np.full(len(ids), -0.1, np.float32), rollout_id="r0", header=hdr)  # fmt: skip
+        return PartialChunk(
+            uid=uid,
+            version=0,
+            offset=offset,
+            token_ids=np.asarray(ids, np.int32),
+            logprobs=np.full(len(ids), -0.1, np.float32),
+            rollout_id="r0",
+            header=hdr,
+        )
 
     await ro.send(chunk(0, [1, 2, 3], header))
     await ro.send(chunk(3, [4, 5]))
@@ -373,8 +422,15 @@ async def test_bad_input_is_rejected_and_counted(harness):
         await ro.request(TrajectoryAbandoned(uid="nonsense", group_id=item.group_id))
     with pytest.raises(RemoteError, match="protocol"):
         await tr.request(BatchRequest(trainer_id="t0", groups=0, trainer_version=0))
-    await ro.send(PartialChunk(uid="nobody/0", version=0, offset=3, token_ids=np.zeros(1, np.int32),
-                               logprobs=np.zeros(1, np.float32)))  # fmt: skip
+    await ro.send(
+        PartialChunk(
+            uid="nobody/0",
+            version=0,
+            offset=3,
+            token_ids=np.zeros(1, np.int32),
+            logprobs=np.zeros(1, np.float32),
+        )
+    )
     s = await stats(tr)
     assert s["counters"]["trajectories_rejected"] == 2 and s["partials"]["unknown"] == 1
     assert isinstance(await ro.request(finished(item, 0, 0)), Ack)  # still serving

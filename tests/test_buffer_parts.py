@@ -38,17 +38,35 @@ def parts(journal: Journal | None = None, rows: int = 3):
     ledger = Ledger(state, journal, cfg.buffer.compact_bytes, metrics, log)
     if journal is not None:
         ledger.replay()
-    pool = PromptPool([PromptRow(f"p{i}", f"prompt {i}", {}, f"mem:{i}") for i in range(rows)],
-                      PromptEncoder(None), shuffle=False, epochs=1)  # fmt: skip
+    pool = PromptPool(
+        [PromptRow(f"p{i}", f"prompt {i}", {}, f"mem:{i}") for i in range(rows)],
+        PromptEncoder(None),
+        shuffle=False,
+        epochs=1,
+    )
     partials = PartialPool()
-    return (ledger, PromptServer(cfg.buffer, N, adm, ledger, pool, metrics),
-            Intake(ledger, partials, metrics, log), BatchServer(cfg.buffer, adm, ledger, pool, metrics, log), partials)  # fmt: skip
+    return (
+        ledger,
+        PromptServer(cfg.buffer, N, adm, ledger, pool, metrics),
+        Intake(ledger, partials, metrics, log),
+        BatchServer(cfg.buffer, adm, ledger, pool, metrics, log),
+        partials,
+    )
 
 
 def finished(item: PromptItem, i: int) -> Trajectory:
-    return Trajectory(uid=f"{item.group_id}/{i}", group_id=item.group_id, prompt_uid=item.uid, sample_index=i,
-                      prompt_ids=item.prompt_ids, response_ids=np.arange(3, dtype=np.int32),
-                      logprobs=np.zeros(3, np.float32), version=0, reward=1.0, finish_reason="stop")  # fmt: skip
+    return Trajectory(
+        uid=f"{item.group_id}/{i}",
+        group_id=item.group_id,
+        prompt_uid=item.uid,
+        sample_index=i,
+        prompt_ids=item.prompt_ids,
+        response_ids=np.arange(3, dtype=np.int32),
+        logprobs=np.zeros(3, np.float32),
+        version=0,
+        reward=1.0,
+        finish_reason="stop",
+    )
 
 
 async def test_parts_serve_a_group_into_a_batch_and_commit_it():

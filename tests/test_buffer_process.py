@@ -54,17 +54,32 @@ def procs():
 def node(cfg_path: Path, role: str, log: Path, procs: list) -> subprocess.Popen:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     with open(log, "ab") as out:
-        p = subprocess.Popen([sys.executable, "-m", "laminar", "node", "--role", role, "--config", str(cfg_path)],
-                             stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)  # fmt: skip
+        p = subprocess.Popen(
+            [sys.executable, "-m", "laminar", "node", "--role", role, "--config", str(cfg_path)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
     procs.append(p)
     return p
 
 
 def trajectory(item, i: int) -> Trajectory:
     ids = np.arange(5 + i, dtype=np.int32)
-    return Trajectory(uid=f"{item.group_id}/{i}", group_id=item.group_id, prompt_uid=item.uid, sample_index=i,
-                      prompt_ids=item.prompt_ids, response_ids=ids, logprobs=np.full(len(ids), -0.3, np.float32),
-                      version=0, reward=float(i % 2), finish_reason="stop", rollout_id="r0")  # fmt: skip
+    return Trajectory(
+        uid=f"{item.group_id}/{i}",
+        group_id=item.group_id,
+        prompt_uid=item.uid,
+        sample_index=i,
+        prompt_ids=item.prompt_ids,
+        response_ids=ids,
+        logprobs=np.full(len(ids), -0.3, np.float32),
+        version=0,
+        reward=float(i % 2),
+        finish_reason="stop",
+        rollout_id="r0",
+    )
 
 
 @pytest.mark.parametrize("fsync", ["never", "always"])
@@ -75,15 +90,27 @@ async def test_kill_9_mid_stream_keeps_every_acked_trajectory_once(tmp_path, pro
         "".join(json.dumps({"prompt": f"q{i}", "answer": str(i)}) + "\n" for i in range(50))
     )
     cfg_path = tmp_path / "cfg.yaml"
-    cfg_path.write_text(yaml.safe_dump({
-        "name": f"kill{uuid.uuid4().hex[:6]}", "run_dir": str(tmp_path / "run"),
-        "cluster": {"transport": "ipc", "ipc_dir": ipc_dir},
-        "transport": {"heartbeat_interval_s": 0.1, "heartbeat_liveness": 5, "request_timeout_s": 2.0,
-                      "request_retries": 0, "startup_timeout_s": 30.0},
-        "logging": {"level": "info", "json_logs": True},
-        "data": {"train": str(data)}, "rollout": {"group_size": N}, "trainer": {"batch_groups": 2},
-        "buffer": {"fsync": fsync},
-    }))  # fmt: skip
+    cfg_path.write_text(
+        yaml.safe_dump(
+            {
+                "name": f"kill{uuid.uuid4().hex[:6]}",
+                "run_dir": str(tmp_path / "run"),
+                "cluster": {"transport": "ipc", "ipc_dir": ipc_dir},
+                "transport": {
+                    "heartbeat_interval_s": 0.1,
+                    "heartbeat_liveness": 5,
+                    "request_timeout_s": 2.0,
+                    "request_retries": 0,
+                    "startup_timeout_s": 30.0,
+                },
+                "logging": {"level": "info", "json_logs": True},
+                "data": {"train": str(data)},
+                "rollout": {"group_size": N},
+                "trainer": {"batch_groups": 2},
+                "buffer": {"fsync": fsync},
+            }
+        )
+    )
     cfg = load_config(cfg_path)
     logs = tmp_path / "logs"
     logs.mkdir()
@@ -156,8 +183,12 @@ async def test_kill_9_mid_stream_keeps_every_acked_trajectory_once(tmp_path, pro
         seen: list[str] = []
         restart = True
         while len(seen) < GROUPS * N:
-            b = await trainer.request(BatchRequest(trainer_id="t1", groups=2, trainer_version=0, wait_s=2,
-                                                   restart=restart), timeout=5)  # fmt: skip
+            b = await trainer.request(
+                BatchRequest(
+                    trainer_id="t1", groups=2, trainer_version=0, wait_s=2, restart=restart
+                ),
+                timeout=5,
+            )
             if restart:
                 assert sorted(t.uid for t in b.trajectories) == sorted(
                     t.uid for t in before.trajectories

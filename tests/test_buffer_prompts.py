@@ -30,14 +30,24 @@ def write_jsonl(path: Path, rows: list) -> Path:
 
 
 def test_jsonl_and_parquet_string_and_chat(tmp_path):
-    write_jsonl(tmp_path / "a.jsonl", [
-        {"prompt": "1+1?", "answer": "2", "level": 3},
-        {"prompt": CHAT, "ground_truth": 4, "uid": "chat-1"},
-        {"prompt": "3+3?", "answer": "6", "uid": 17},
-    ])  # fmt: skip
-    pq.write_table(pa.table({
-        "prompt": ["1+1?", "5+5?"], "answer": ["2", "10"], "source": ["x", "y"],
-    }), tmp_path / "b.parquet")  # fmt: skip
+    write_jsonl(
+        tmp_path / "a.jsonl",
+        [
+            {"prompt": "1+1?", "answer": "2", "level": 3},
+            {"prompt": CHAT, "ground_truth": 4, "uid": "chat-1"},
+            {"prompt": "3+3?", "answer": "6", "uid": 17},
+        ],
+    )
+    pq.write_table(
+        pa.table(
+            {
+                "prompt": ["1+1?", "5+5?"],
+                "answer": ["2", "10"],
+                "source": ["x", "y"],
+            }
+        ),
+        tmp_path / "b.parquet",
+    )
     pq.write_table(pa.table({"prompt": [CHAT], "ground_truth": ["4"]}), tmp_path / "c.parquet")
 
     rows, report = load_prompts(tmp_path)  # a directory: every jsonl/parquet in name order
@@ -60,19 +70,22 @@ def test_jsonl_and_parquet_string_and_chat(tmp_path):
 
 
 def test_bad_rows_are_reported_with_file_and_line_and_skipped(tmp_path):
-    path = write_jsonl(tmp_path / "bad.jsonl", [
-        {"prompt": "ok 1", "answer": "1"},
-        "{not json",
-        {"answer": "no prompt"},
-        {"prompt": 42},
-        {"prompt": [{"role": "user"}]},
-        '["a", "list"]',
-        {"prompt": "ok 2", "uid": {"nested": 1}},
-        "",
-        {"prompt": "   "},
-        {"prompt": "ok 3"},
-        '{"prompt": "huge", "n": 123456789012345678901234567890}',
-    ])  # fmt: skip
+    path = write_jsonl(
+        tmp_path / "bad.jsonl",
+        [
+            {"prompt": "ok 1", "answer": "1"},
+            "{not json",
+            {"answer": "no prompt"},
+            {"prompt": 42},
+            {"prompt": [{"role": "user"}]},
+            '["a", "list"]',
+            {"prompt": "ok 2", "uid": {"nested": 1}},
+            "",
+            {"prompt": "   "},
+            {"prompt": "ok 3"},
+            '{"prompt": "huge", "n": 123456789012345678901234567890}',
+        ],
+    )
     rows, report = load_prompts(path)
     assert [r.prompt for r in rows] == ["ok 1", "ok 3"]
     assert report.bad == 8
@@ -176,8 +189,10 @@ def test_tokenizer_chat_template_and_bos(tmp_path):
 
     plain = char_tokenizer("abcdefghijklmnopqrstuvwxyz+?:2 \n")
     plain.save_pretrained(tmp_path / "plain")
-    plain.chat_template = ("{% for m in messages %}{{ m['role'] }}:{{ m['content'] }}\n{% endfor %}"
-                           "{% if add_generation_prompt %}assistant:{% endif %}")  # fmt: skip
+    plain.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}:{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
     plain.save_pretrained(tmp_path / "chat")
     tok = load_tokenizer(tmp_path / "plain")
     ids, _ = PromptEncoder(tok).encode("2+2?")

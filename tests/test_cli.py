@@ -128,8 +128,12 @@ def test_run_starts_every_node_and_sigint_stops_them_all(launcher) -> None:
     rows = lnch.wait_registered()
     assert set(lnch.pids) == {"manager-0", "buffer-0", "relay-0", "trainer-0", "rollout-0"}
     assert {n: rows[n].pid for n in rows} == lnch.pids  # the manager lists itself too
-    out = subprocess.run([*LAMINAR, "status", "--config", str(lnch.run_dir / "config.yaml"), "--json"],
-                         capture_output=True, text=True, timeout=30)  # fmt: skip
+    out = subprocess.run(
+        [*LAMINAR, "status", "--config", str(lnch.run_dir / "config.yaml"), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode == 0, out.stderr
     table = json.loads(out.stdout)
     assert {r["node"] for r in table["nodes"] if r["alive"]} == {

@@ -228,12 +228,31 @@ def test_generated_encode_numbers_optional_arrays_in_field_order() -> None:
     from laminar.transport import codec
 
     ids = np.arange(5, dtype=np.int32)
-    encode(Trajectory(uid="u", group_id="g", prompt_uid="p", sample_index=0, prompt_ids=ids,
-                      response_ids=ids, logprobs=np.zeros(5, np.float32), version=1))  # fmt: skip
+    encode(
+        Trajectory(
+            uid="u",
+            group_id="g",
+            prompt_uid="p",
+            sample_index=0,
+            prompt_ids=ids,
+            response_ids=ids,
+            logprobs=np.zeros(5, np.float32),
+            version=1,
+        )
+    )
     assert codec._ENC_FAST[Trajectory] is not None, "Trajectory should take the generated path"
     for mask in (None, np.ones(5, np.uint8)):
-        msg = Trajectory(uid="u", group_id="g", prompt_uid="p", sample_index=0, prompt_ids=ids[:2],
-                         response_ids=ids, logprobs=np.zeros(5, np.float32), version=1, loss_mask=mask)  # fmt: skip
+        msg = Trajectory(
+            uid="u",
+            group_id="g",
+            prompt_uid="p",
+            sample_index=0,
+            prompt_ids=ids[:2],
+            response_ids=ids,
+            logprobs=np.zeros(5, np.float32),
+            version=1,
+            loss_mask=mask,
+        )
         frames = encode(msg)
         assert len(frames) == 5 + (mask is not None)
         back = decode([bytes(f) for f in frames])
@@ -270,17 +289,32 @@ def test_arrays_decode_as_zero_copy_views() -> None:
 def test_noncontiguous_and_nan_arrays_roundtrip() -> None:
     ids = np.arange(40, dtype=np.int64)[::3]
     lp = np.array([np.nan, -np.inf, 0.5], dtype=np.float32)
-    msg = Trajectory(uid="u", group_id="g", prompt_uid="p", sample_index=0, prompt_ids=ids,
-                     response_ids=ids[:3], logprobs=lp, version=3)  # fmt: skip
+    msg = Trajectory(
+        uid="u",
+        group_id="g",
+        prompt_uid="p",
+        sample_index=0,
+        prompt_ids=ids,
+        response_ids=ids[:3],
+        logprobs=lp,
+        version=3,
+    )
     back = decode(frames_of(msg))
     assert np.array_equal(back.prompt_ids, ids) and back.prompt_ids.dtype == np.int64
     assert np.array_equal(back.logprobs, lp, equal_nan=True)
 
 
 def test_encode_refuses_what_cannot_travel() -> None:
-    bad = Trajectory(uid="u", group_id="g", prompt_uid="p", sample_index=0, version=0,
-                     prompt_ids=np.array([object()], dtype=object),
-                     response_ids=np.zeros(1, np.int32), logprobs=np.zeros(1, np.float32))  # fmt: skip
+    bad = Trajectory(
+        uid="u",
+        group_id="g",
+        prompt_uid="p",
+        sample_index=0,
+        version=0,
+        prompt_ids=np.array([object()], dtype=object),
+        response_ids=np.zeros(1, np.int32),
+        logprobs=np.zeros(1, np.float32),
+    )
     with pytest.raises(TypeError, match="Trajectory"):
         encode(bad)
     with pytest.raises(TypeError, match="cannot encode"):
@@ -404,8 +438,10 @@ def test_limits_are_enforced() -> None:
     with pytest.raises(ProtocolError, match="Ping.payload: string of 100 characters exceeds"):
         decode(frames_of(Ping(payload="x" * 100)), Limits(max_str_len=10))
     with pytest.raises(ProtocolError, match=r"Hello.info.k: 40 items exceed max_list_len 8"):
-        decode(frames_of(Hello(protocol=1, node_id="n", role="r", info={"k": list(range(40))})),
-               Limits(max_list_len=8))  # fmt: skip
+        decode(
+            frames_of(Hello(protocol=1, node_id="n", role="r", info={"k": list(range(40))})),
+            Limits(max_list_len=8),
+        )
     decode(frames, Limits(max_str_len=64, max_list_len=64))  # tight limits a valid message meets
 
 
@@ -435,8 +471,11 @@ def test_decode_rejects_what_is_not_a_list_of_byte_frames(frames: Any) -> None:
 def test_decode_accepts_any_byte_buffer() -> None:
     msg = sample_message(Trajectory, random.Random(2))
     frames = encode(msg)
-    views = [bytearray(frames[0]), memoryview(frames[1]), *(np.frombuffer(f, np.int32) if i == 0 else f
-                                                            for i, f in enumerate(frames[2:]))]  # fmt: skip
+    views = [
+        bytearray(frames[0]),
+        memoryview(frames[1]),
+        *(np.frombuffer(f, np.int32) if i == 0 else f for i, f in enumerate(frames[2:])),
+    ]
     views[2] = memoryview(views[2])  # a 4-byte-item view: its len() is not its byte count
     assert_same(msg, decode(views), "Trajectory")
 
@@ -457,8 +496,14 @@ def test_fuzz_random_frames(frames: list[bytes]) -> None:
     _decode_or_protocol_error(frames)
 
 
-_any_frame = st.one_of(st.binary(max_size=24), st.builds(bytearray, st.binary(max_size=8)),
-                       st.builds(memoryview, st.binary(max_size=8)), st.none(), st.integers(), st.text(max_size=4))  # fmt: skip
+_any_frame = st.one_of(
+    st.binary(max_size=24),
+    st.builds(bytearray, st.binary(max_size=8)),
+    st.builds(memoryview, st.binary(max_size=8)),
+    st.none(),
+    st.integers(),
+    st.text(max_size=4),
+)
 
 
 @given(st.one_of(st.lists(_any_frame, max_size=5), st.tuples(_any_frame, _any_frame), _any_frame))
@@ -467,11 +512,17 @@ def test_fuzz_frames_of_any_type(frames: Any) -> None:
 
 
 _msgpack_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=8)
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=8)
     | st.binary(max_size=8),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4)
+    ),
     max_leaves=12,
-)  # fmt: skip
+)
 
 
 @given(st.data())

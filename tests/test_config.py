@@ -33,8 +33,17 @@ def test_every_config_loads_and_survives_a_resolve_roundtrip(path: Path, tmp_pat
 
 
 def test_overrides_are_parsed_as_yaml() -> None:
-    cfg = load_config(None, ["trainer.lr=3e-6", "cluster.roles={rollout: 3, manager: 1}", "data.epochs=null",
-                             "rollout.sampling.stop=[a, b]", "logging.json_logs=true", "extra.my.knob=5"])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            "trainer.lr=3e-6",
+            "cluster.roles={rollout: 3, manager: 1}",
+            "data.epochs=null",
+            "rollout.sampling.stop=[a, b]",
+            "logging.json_logs=true",
+            "extra.my.knob=5",
+        ],
+    )
     assert cfg.trainer.lr == 3e-6 and cfg.cluster.roles == {"rollout": 3, "manager": 1}
     assert cfg.data.epochs is None and cfg.rollout.sampling.stop == ["a", "b"]
     assert cfg.logging.json_logs is True and cfg.extra == {"my": {"knob": 5}}
@@ -158,8 +167,13 @@ def test_roles_told_to_yield_lower_their_own_priority(
     and a node that leads its session (as `laminar run` starts them) raises its autogroup's too."""
     fake = tmp_path / "autogroup"
     fake.write_text(group_file)
-    out = subprocess.run([sys.executable, "-c", _NICE_CHILD, str(fake)], capture_output=True,
-                         text=True, timeout=60, start_new_session=own_session)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", _NICE_CHILD, str(fake)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        start_new_session=own_session,
+    )
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)
     b = got["before"]

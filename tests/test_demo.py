@@ -163,8 +163,10 @@ def test_summary_without_a_crossing_says_so():
     lam = _curve([(0, 0.3), (20, 0.4), (40, 0.45)])
     sync = _curve([(0, 0.3), (20, 0.7), (40, 0.8)])
     m = [{"step": i, "time": i, "reward": 0.5} for i in range(1, 5)]
-    runs = {"laminar": {"curve": lam, "metrics": m, "wall_clock_s": 50.0},
-            "sync": {"curve": sync, "metrics": m, "wall_clock_s": 50.0}}  # fmt: skip
+    runs = {
+        "laminar": {"curve": lam, "metrics": m, "wall_clock_s": 50.0},
+        "sync": {"curve": sync, "metrics": m, "wall_clock_s": 50.0},
+    }
     s = summarize(Cfg(), runs, {"accuracy": 0.3, "prompts": 10}, {**lam[-1], "prompts": 10}, 100.0)
     assert s["sync_over_laminar_time_ratio"] is None
     md = summary_md(s)
@@ -183,9 +185,19 @@ def test_shortened_demo_learns(short_dir: Path):
     """Warm-up (cut short) -> laminar RL -> held-out greedy accuracy goes up and the habit goes away."""
     run_dir = short_dir / "demo"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "laminar.demo", f"run_dir={run_dir}", f"extra.demo.cache_dir={short_dir / 'cache'}",
-           "extra.demo.warmup_steps=1100", "trainer.total_steps=40", "extra.demo.skip_sync=true",
-           "extra.demo.eval_rows=200", "extra.demo.curve_eval_rows=64", "extra.demo.curve_points=3"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "laminar.demo",
+        f"run_dir={run_dir}",
+        f"extra.demo.cache_dir={short_dir / 'cache'}",
+        "extra.demo.warmup_steps=1100",
+        "trainer.total_steps=40",
+        "extra.demo.skip_sync=true",
+        "extra.demo.eval_rows=200",
+        "extra.demo.curve_eval_rows=64",
+        "extra.demo.curve_points=3",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     s = json.loads((run_dir / "summary.json").read_text())

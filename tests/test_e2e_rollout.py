@@ -22,16 +22,34 @@ from laminar.cluster import LocalCluster
 from laminar.config import config_from_dict
 from laminar.tasks import countup
 
-PROMPTS = [countup.make_prompt(a, b, t) for a, b, t in [(10, 3, 20), (37, 8, 60), (5, 9, 40), (21, 4, 33),
-                                                         (50, 7, 70), (12, 2, 19), (3, 5, 30), (44, 6, 58)]]  # fmt: skip
+PROMPTS = [
+    countup.make_prompt(a, b, t)
+    for a, b, t in [
+        (10, 3, 20),
+        (37, 8, 60),
+        (5, 9, 40),
+        (21, 4, 33),
+        (50, 7, 70),
+        (12, 2, 19),
+        (3, 5, 30),
+        (44, 6, 58),
+    ]
+]
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
     from laminar.models.tiny import build_tiny_model
 
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", alphabet=countup.ALPHABET,
-                            hidden=32, layers=1, heads=2, kv_heads=1, max_positions=128)  # fmt: skip
+    return build_tiny_model(
+        tmp_path_factory.mktemp("tiny") / "model",
+        alphabet=countup.ALPHABET,
+        hidden=32,
+        layers=1,
+        heads=2,
+        kv_heads=1,
+        max_positions=128,
+    )
 
 
 def make_cfg(tmp: Path, model: Path, name: str, prompts: list[str], **rollout: Any):
@@ -39,21 +57,38 @@ def make_cfg(tmp: Path, model: Path, name: str, prompts: list[str], **rollout: A
     data.write_text(
         "".join(json.dumps({"prompt": p, "answer": countup.answer_of(p)}) + "\n" for p in prompts)
     )
-    return config_from_dict({
-        "name": name, "run_dir": str(tmp / "run"),
-        "cluster": {"transport": "inproc", "roles": {"manager": 1, "buffer": 1, "rollout": 2}},
-        # 2 busy cores: death after 1 s of silence, not 0.2 s (torch steps hold the GIL in bursts)
-        "transport": {"heartbeat_interval_s": 0.1, "heartbeat_liveness": 10, "request_timeout_s": 1.0,
-                      "startup_timeout_s": 30.0, "stop_timeout_s": 5.0, "reconnect_backoff_s": 0.02,
-                      "reconnect_backoff_max_s": 0.1},
-        "model": {"path": str(model)},
-        "data": {"train": str(data), "epochs": 1, "shuffle": False},
-        "reward": {"fn": "laminar.tasks.countup:reward", "workers": 1, "timeout_s": 10.0},
-        "rollout": {"engine": "torch", "group_size": 2, "credits": 2, "max_running": 8, "partial_chunk_tokens": 4,
-                    "weights": "dir", "prompt_retry_s": 0.05,
-                    "sampling": {"max_tokens": 12, "temperature": 1.0}, **rollout},
-        "buffer": {"retry_after_s": 0.05},
-    })  # fmt: skip
+    return config_from_dict(
+        {
+            "name": name,
+            "run_dir": str(tmp / "run"),
+            "cluster": {"transport": "inproc", "roles": {"manager": 1, "buffer": 1, "rollout": 2}},
+            # 2 busy cores: death after 1 s of silence, not 0.2 s (torch steps hold the GIL in bursts)
+            "transport": {
+                "heartbeat_interval_s": 0.1,
+                "heartbeat_liveness": 10,
+                "request_timeout_s": 1.0,
+                "startup_timeout_s": 30.0,
+                "stop_timeout_s": 5.0,
+                "reconnect_backoff_s": 0.02,
+                "reconnect_backoff_max_s": 0.1,
+            },
+            "model": {"path": str(model)},
+            "data": {"train": str(data), "epochs": 1, "shuffle": False},
+            "reward": {"fn": "laminar.tasks.countup:reward", "workers": 1, "timeout_s": 10.0},
+            "rollout": {
+                "engine": "torch",
+                "group_size": 2,
+                "credits": 2,
+                "max_running": 8,
+                "partial_chunk_tokens": 4,
+                "weights": "dir",
+                "prompt_retry_s": 0.05,
+                "sampling": {"max_tokens": 12, "temperature": 1.0},
+                **rollout,
+            },
+            "buffer": {"retry_after_s": 0.05},
+        }
+    )
 
 
 def stored(buffer: Any) -> dict[str, Any]:
@@ -98,8 +133,14 @@ async def test_buffer_and_two_torch_rollouts_produce_rewarded_trajectories(tmp_p
 async def test_buffer_cut_off_and_restarted_loses_and_duplicates_nothing(tmp_path, tiny_model):
     prompts = PROMPTS * 2  # the same prompt served twice is two groups (distinct group ids)
     # longer samples than the first test: the cut must land while groups are still being generated
-    cfg = make_cfg(tmp_path, tiny_model, "e2e-b", prompts, credits=3,
-                   sampling={"max_tokens": 40, "temperature": 1.0})  # fmt: skip
+    cfg = make_cfg(
+        tmp_path,
+        tiny_model,
+        "e2e-b",
+        prompts,
+        credits=3,
+        sampling={"max_tokens": 40, "temperature": 1.0},
+    )
     want = len(prompts) * cfg.rollout.group_size
     n_rollouts = cfg.cluster.roles["rollout"]
     cfg.cluster.roles["rollout"] = 0

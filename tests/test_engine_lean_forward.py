@@ -20,9 +20,16 @@ from laminar.engines.lean_forward import LeanDecoder
 from laminar.engines.torch_engine import TorchEngine
 from laminar.models.decoder_ops import unsupported
 
-SMALL = dict(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-             initializer_range=0.3)  # fmt: skip
+SMALL = dict(
+    vocab_size=40,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    initializer_range=0.3,
+)
 
 
 def _model(kind: str, **extra):
@@ -37,12 +44,20 @@ def _model(kind: str, **extra):
 CASES = {
     "llama": dict(kind="llama"),
     "llama-bias": dict(kind="llama", attention_bias=True),
-    "llama3-rope": dict(kind="llama", rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+    "llama3-rope": dict(
+        kind="llama",
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+    ),
     "mistral": dict(kind="mistral", sliding_window=None),
     "qwen2": dict(kind="qwen2"),
     "qwen3": dict(kind="qwen3", head_dim=8),
-}  # fmt: skip
+}
 
 
 def _reference(model, seq: list[int]) -> torch.Tensor:

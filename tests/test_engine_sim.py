@@ -37,8 +37,18 @@ async def drain(
 
 async def test_256_engines_in_one_process():
     step, n_engines = 0.001, 256
-    engines = [SimEngine(step_time_s=step, bound_b=64, length_p50=200, length_p99_over_p50=4, max_running=32,
-                         chunk_tokens=32, seed=i) for i in range(n_engines)]  # fmt: skip
+    engines = [
+        SimEngine(
+            step_time_s=step,
+            bound_b=64,
+            length_p50=200,
+            length_p99_over_p50=4,
+            max_running=32,
+            chunk_tokens=32,
+            seed=i,
+        )
+        for i in range(n_engines)
+    ]
     params = SamplingParams(max_tokens=1000)
     for e in engines:
         await e.start()
@@ -79,8 +89,18 @@ async def test_256_engines_in_one_process():
 
 async def test_lengths_follow_configured_long_tail():
     p50, tail, n_engines, per = 100, 10.0, 32, 320
-    engines = [SimEngine(step_time_s=2e-4, bound_b=per, length_p50=p50, length_p99_over_p50=tail, max_running=per,
-                         chunk_tokens=512, seed=42) for _ in range(n_engines)]  # fmt: skip
+    engines = [
+        SimEngine(
+            step_time_s=2e-4,
+            bound_b=per,
+            length_p50=p50,
+            length_p99_over_p50=tail,
+            max_running=per,
+            chunk_tokens=512,
+            seed=42,
+        )
+        for _ in range(n_engines)
+    ]
     params = SamplingParams(max_tokens=5000)
     for i, e in enumerate(engines):
         await e.start()
@@ -103,8 +123,14 @@ async def test_step_time_flat_until_bound_then_linear():
     assert [e0.step_time(b) for b in (1, 4, 6, 8)] == pytest.approx([0.004, 0.004, 0.006, 0.008])
 
     async def run(n: int) -> float:
-        e = SimEngine(step_time_s=0.004, bound_b=4, length_p50=10_000, length_p99_over_p50=1.0, max_running=16,
-                      chunk_tokens=1000)  # fmt: skip
+        e = SimEngine(
+            step_time_s=0.004,
+            bound_b=4,
+            length_p50=10_000,
+            length_p99_over_p50=1.0,
+            max_running=16,
+            chunk_tokens=1000,
+        )
         await e.start()
         t = time.monotonic()
         e.submit(GenRequest("x", PROMPT, SamplingParams(max_tokens=50), n=n))
@@ -150,13 +176,22 @@ async def test_abort_and_resume_keep_target_and_tokens():
     resumed = await drain(dst, len(parts))
     for p in parts:
         assert p.output_ids.tolist() + resumed[p.seq_id][0] == full[p.seq_id][0]
-        np.testing.assert_array_equal(np.concatenate([p.logprobs, resumed[p.seq_id][1]]).astype(np.float32),
-                                      np.array(full[p.seq_id][1], np.float32))  # fmt: skip
+        np.testing.assert_array_equal(
+            np.concatenate([p.logprobs, resumed[p.seq_id][1]]).astype(np.float32),
+            np.array(full[p.seq_id][1], np.float32),
+        )
 
 
 async def test_stats_capacity_and_weight_load_pause():
-    e = SimEngine(step_time_s=0.002, length_p50=10_000, length_p99_over_p50=1.0, max_running=2,
-                  kv_capacity_tokens=1000, chunk_tokens=10, load_time_s=0.05)  # fmt: skip
+    e = SimEngine(
+        step_time_s=0.002,
+        length_p50=10_000,
+        length_p99_over_p50=1.0,
+        max_running=2,
+        kv_capacity_tokens=1000,
+        chunk_tokens=10,
+        load_time_s=0.05,
+    )
     await e.start()
     e.submit(GenRequest("w", PROMPT, SamplingParams(max_tokens=40), n=3))
     first = await e.next_event(5)

@@ -107,8 +107,9 @@ class ChildProcessEngine(FakeEngine):
 
     async def start(self, spawn: Spawn = detached_spawn) -> None:
         env = {**os.environ, **lifeline_env()}
-        self.proc = subprocess.Popen([sys.executable, str(CHILD), "engine"], env=env,
-                                     stdout=subprocess.PIPE)  # fmt: skip
+        self.proc = subprocess.Popen(
+            [sys.executable, str(CHILD), "engine"], env=env, stdout=subprocess.PIPE
+        )
         line = await asyncio.to_thread(_read_line, self.proc, 20.0)
         self.pids = [int(p) for p in line.split()]
         await super().start(spawn)
@@ -135,8 +136,11 @@ async def test_heartbeats_flow_and_status_says_starting_engine_while_the_engine_
         h.rollouts.append(node)
         try:
             peers = h.manager.srv.peers
-            await wait_for(lambda: "rollout-0" in peers and peers["rollout-0"].status is not None, 10,
-                           "the rollout registered while its engine starts")  # fmt: skip
+            await wait_for(
+                lambda: "rollout-0" in peers and peers["rollout-0"].status is not None,
+                10,
+                "the rollout registered while its engine starts",
+            )
             st = peers["rollout-0"].status
             assert st.extra["state"] == STARTING_ENGINE and st.version == -1
             assert any(
@@ -158,8 +162,11 @@ async def test_heartbeats_flow_and_status_says_starting_engine_while_the_engine_
             engine.gate.set()
             await asyncio.wait_for(node.ready.wait(), 10)
             await h.wait_stored(uids_of(items), 20)
-            await wait_for(lambda: peers["rollout-0"].status.extra.get("state") != STARTING_ENGINE,
-                           5, "a serving status")  # fmt: skip
+            await wait_for(
+                lambda: peers["rollout-0"].status.extra.get("state") != STARTING_ENGINE,
+                5,
+                "a serving status",
+            )
             assert peers["rollout-0"].status.rollout is not None
         finally:
             engine.gate.set()
@@ -210,8 +217,12 @@ async def test_normal_stop_stops_the_engine_process(tmp_path):
 def _rollout_process(tmp_path: Path, how: str) -> tuple[subprocess.Popen, list[int]]:
     """A rollout-like process (a Node whose engine has a child and a grandchild, like vLLM's
     EngineCore and its worker); returns it with the engine pids it reports."""
-    proc = subprocess.Popen([sys.executable, str(CHILD), "rollout", how], stdout=subprocess.PIPE,
-                            cwd=tmp_path, start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, str(CHILD), "rollout", how],
+        stdout=subprocess.PIPE,
+        cwd=tmp_path,
+        start_new_session=True,
+    )
     line = _read_line(proc, 30.0)
     pids = [int(p) for p in line.split()]
     assert len(pids) == 2 and all(alive(p) for p in pids)

@@ -280,8 +280,14 @@ async def test_stop_token_stop_string_eos_and_length(tiny, engine_factory):
     assert reason == "length" and len(ids) == 24
     # max_tokens counts resumed tokens
     sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    req = GenRequest("r", np.array(PROMPTS[0]), sp, resume_ids=np.array(base[:4], np.int32),
-                     resume_logprobs=np.zeros(4, np.float32), single=True)  # fmt: skip
+    req = GenRequest(
+        "r",
+        np.array(PROMPTS[0]),
+        sp,
+        resume_ids=np.array(base[:4], np.int32),
+        resume_logprobs=np.zeros(4, np.float32),
+        single=True,
+    )
     ids, _, reason = (await eng.generate_all(req))["r"]
     assert reason == "length" and ids.tolist() == base[4:10]
 

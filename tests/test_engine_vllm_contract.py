@@ -301,8 +301,11 @@ def test_worker_extension_loads_through_reload_weights(tmp_path):
         w.laminar_load_weights()
     # spans: views of a shared file, dtypes and shapes kept (a zero-size tensor too)
     spans: list = []
-    src = [("x", torch.arange(12, dtype=torch.int32).reshape(3, 4)), ("e", torch.zeros(0)),
-           ("h", torch.tensor([1.5, -2.0], dtype=torch.float16))]  # fmt: skip
+    src = [
+        ("x", torch.arange(12, dtype=torch.int32).reshape(3, 4)),
+        ("e", torch.zeros(0)),
+        ("h", torch.tensor([1.5, -2.0], dtype=torch.float16)),
+    ]
     path = spans_file(src, spans)
     try:
         w3 = Worker()
@@ -328,13 +331,24 @@ def test_vllm_config_validates_and_reaches_the_engine():
     or the EngineCore's environment; rollout.vllm_args still overrides."""
     from laminar.config import ConfigError, config_from_dict
 
-    cfg = config_from_dict({
-        "model": {"path": "/models/tiny", "dtype": "bfloat16", "device": "cuda"},
-        "rollout": {"engine": "vllm", "max_running": 8, "engine_start_timeout_s": 120,
-                    "vllm": {"gpu_memory_utilization": 0.4, "max_num_seqs": 64, "enable_prefix_caching": False,
-                             "dtype": "float16", "cpu_kvcache_space_gib": 2.5},
-                    "vllm_args": {"enforce_eager": True, "enable_prefix_caching": True}},
-    })  # fmt: skip
+    cfg = config_from_dict(
+        {
+            "model": {"path": "/models/tiny", "dtype": "bfloat16", "device": "cuda"},
+            "rollout": {
+                "engine": "vllm",
+                "max_running": 8,
+                "engine_start_timeout_s": 120,
+                "vllm": {
+                    "gpu_memory_utilization": 0.4,
+                    "max_num_seqs": 64,
+                    "enable_prefix_caching": False,
+                    "dtype": "float16",
+                    "cpu_kvcache_space_gib": 2.5,
+                },
+                "vllm_args": {"enforce_eager": True, "enable_prefix_caching": True},
+            },
+        }
+    )
     eng = VllmEngine.from_config(cfg, env={"VLLM_CPU_OMP_THREADS_BIND": "1"})
     assert eng.dtype == "float16" and eng.max_running == 64
     assert eng.engine_args == {
@@ -350,8 +364,13 @@ def test_vllm_config_validates_and_reaches_the_engine():
     )
     assert plain.dtype == "float32" and plain.max_running == 32 and plain.env == {}
     assert plain.engine_args == {"enable_prefix_caching": True}
-    for bad in ({"gpu_memory_utilization": 1.5}, {"max_num_seqs": 0}, {"cpu_kvcache_space_gib": 0},
-                {"dtype": "int8"}, {"typo": 1}):  # fmt: skip
+    for bad in (
+        {"gpu_memory_utilization": 1.5},
+        {"max_num_seqs": 0},
+        {"cpu_kvcache_space_gib": 0},
+        {"dtype": "int8"},
+        {"typo": 1},
+    ):
         with pytest.raises(ConfigError, match="rollout.vllm"):
             config_from_dict({"rollout": {"vllm": bad}})
     with pytest.raises(ConfigError, match="engine_start_timeout_s"):

@@ -79,18 +79,42 @@ def test_laminar_run_on_vllm_two_rollouts(tmp_path: Path, short_dir: Path, mode:
     from laminar.models.tiny import build_tiny_model
     from laminar.tasks import countup as cu
 
-    model = build_tiny_model(tmp_path / "model", seed=0, hidden=128, layers=2, heads=2, kv_heads=1,
-                             initializer_range=0.02)  # fmt: skip
+    model = build_tiny_model(
+        tmp_path / "model",
+        seed=0,
+        hidden=128,
+        layers=2,
+        heads=2,
+        kv_heads=1,
+        initializer_range=0.02,
+    )
     data = cu.write_jsonl(cu.generate(2000, "train", 0), tmp_path / "train.jsonl")
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "laminar", "run", str(ROOT / "configs" / "demo.yaml"),
-           f"mode={mode}", f"run_dir={run}", f"cluster.ipc_dir={short_dir / 'ipc'}", f"model.path={model}",
-           f"data.train={data}", "rollout.engine=vllm", f"trainer.total_steps={STEPS}",
-           "trainer.batch_groups=4", "trainer.snapshot_every=0", "trainer.warmup_steps=1",
-           "rollout.group_size=4", "rollout.max_running=16", "rollout.max_model_len=128",
-           "rollout.sampling.max_tokens=48", "rollout.vllm.cpu_kvcache_space_gib=1",
-           "rollout.vllm_args.enforce_eager=true", "logging.progress_every_s=0",
-           "transport.startup_timeout_s=600"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "laminar",
+        "run",
+        str(ROOT / "configs" / "demo.yaml"),
+        f"mode={mode}",
+        f"run_dir={run}",
+        f"cluster.ipc_dir={short_dir / 'ipc'}",
+        f"model.path={model}",
+        f"data.train={data}",
+        "rollout.engine=vllm",
+        f"trainer.total_steps={STEPS}",
+        "trainer.batch_groups=4",
+        "trainer.snapshot_every=0",
+        "trainer.warmup_steps=1",
+        "rollout.group_size=4",
+        "rollout.max_running=16",
+        "rollout.max_model_len=128",
+        "rollout.sampling.max_tokens=48",
+        "rollout.vllm.cpu_kvcache_space_gib=1",
+        "rollout.vllm_args.enforce_eager=true",
+        "logging.progress_every_s=0",
+        "transport.startup_timeout_s=600",
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     log = tmp_path / "launcher.log"
     t0 = time.monotonic()
@@ -162,10 +186,21 @@ def test_laminar_run_on_vllm_two_rollouts(tmp_path: Path, short_dir: Path, mode:
         time.sleep(0.2)  # the lifeline's SIGKILL lands within milliseconds; bounded wait
     assert not left, f"orphan engine processes: {left}"
     figures = {
-        "mode": mode, "wall_s": round(wall, 1), "steps": STEPS, "trajectories": trajectories, "placement": placement,
-        "published": published, "skipped": skipped, "engine_processes_seen": len(seen_engines),
-        "loads": {r: [(e["version"], e["load_s"], engine_loads[r][e["version"]]["engine_load_s"]) for e in ls]
-                  for r, ls in loads.items()},
-    }  # fmt: skip
+        "mode": mode,
+        "wall_s": round(wall, 1),
+        "steps": STEPS,
+        "trajectories": trajectories,
+        "placement": placement,
+        "published": published,
+        "skipped": skipped,
+        "engine_processes_seen": len(seen_engines),
+        "loads": {
+            r: [
+                (e["version"], e["load_s"], engine_loads[r][e["version"]]["engine_load_s"])
+                for e in ls
+            ]
+            for r, ls in loads.items()
+        },
+    }
     (run / f"e2e_vllm_{mode}.json").write_text(json.dumps(figures, indent=2))
     print(json.dumps(figures, indent=2))

@@ -49,8 +49,13 @@ async def test_vllm_engine_end_to_end(tmp_path):
     b = build_tiny_model(tmp_path / "b", seed=1, **kw)
     ref_a, ref_b = load_causal_lm(a), load_causal_lm(b)
     cuda = torch.cuda.is_available()
-    eng = VllmEngine(str(a), dtype="float32", max_running=8, max_model_len=256,
-                     engine_args=dict(enforce_eager=True, **({"gpu_memory_utilization": 0.2} if cuda else {})))  # fmt: skip
+    eng = VllmEngine(
+        str(a),
+        dtype="float32",
+        max_running=8,
+        max_model_len=256,
+        engine_args=dict(enforce_eager=True, **({"gpu_memory_utilization": 0.2} if cuda else {})),
+    )
     await eng.start()
     try:
         # 1. sampled logprobs = processed (temperature + top-p) logprobs of an HF recompute

@@ -113,10 +113,15 @@ def enc(tok: Any, text: str) -> list[int]:
 def test_chat_template_renders_as_expected() -> None:
     tok = chat_tokenizer()
     text = tok.apply_chat_template(
-        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "A"},
-         {"role": "tool", "content": "1"}, {"role": "tool", "content": "2"}],
-        tokenize=False, add_generation_prompt=True,
-    )  # fmt: skip
+        [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "A"},
+            {"role": "tool", "content": "1"},
+            {"role": "tool", "content": "2"},
+        ],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     assert text == (
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nA<|im_end|>\n"
         "<|im_start|>user\n<tool_response>\n1\n</tool_response>\n<tool_response>\n2\n"
@@ -125,8 +130,9 @@ def test_chat_template_renders_as_expected() -> None:
 
 
 @pytest.mark.parametrize("sampled_eot", [False, True])
-@pytest.mark.parametrize("role,obs", [("tool", ["4042"]), ("tool", ["1", "error: x"]),
-                                      ("user", ["are you sure?"])])  # fmt: skip
+@pytest.mark.parametrize(
+    "role,obs", [("tool", ["4042"]), ("tool", ["1", "error: x"]), ("user", ["are you sure?"])]
+)
 def test_chat_template_no_drift(sampled_eot: bool, role: str, obs: list[str]) -> None:
     """prompt + model ids + observation ids + model ids == the template's whole conversation."""
     tok = chat_tokenizer()
@@ -199,8 +205,9 @@ class FakeTools:
         self.cache: dict[str, ToolResult] = {}
         self.gate: dict[str, asyncio.Event] = {}
 
-    async def call(self, call_id: str, name: str, arguments: dict[str, Any],
-                   timeout_s: float = 0.0) -> ToolResult:  # fmt: skip
+    async def call(
+        self, call_id: str, name: str, arguments: dict[str, Any], timeout_s: float = 0.0
+    ) -> ToolResult:
         if call_id in self.cache:
             r = self.cache[call_id]
             return ToolResult(r.call_id, r.name, r.ok, r.output, r.error, r.error_kind, 0.0, True)
@@ -222,8 +229,14 @@ class FakeTools:
 
 
 def ctx(tools: Any, turn: int = 0, so_far: int = 0, max_calls: int = 8) -> StepContext:
-    return StepContext(uid="g/0", turn=turn, tools=tools, tool_calls_so_far=so_far,
-                       max_tool_calls=max_calls, timeout_s=5.0)  # fmt: skip
+    return StepContext(
+        uid="g/0",
+        turn=turn,
+        tools=tools,
+        tool_calls_so_far=so_far,
+        max_tool_calls=max_calls,
+        timeout_s=5.0,
+    )
 
 
 async def test_tool_env_answer_ends_episode() -> None:
@@ -316,8 +329,9 @@ def test_split_segments() -> None:
         split_segments([1, 2], [1])
 
 
-async def record_episode(env: Environment, tt: TurnTemplate, tools: FakeTools,
-                         turns: list[list[int]]) -> tuple[Any, list[int], list[int]]:  # fmt: skip
+async def record_episode(
+    env: Environment, tt: TurnTemplate, tools: FakeTools, turns: list[list[int]]
+) -> tuple[Any, list[int], list[int]]:
     """Drive an episode the way a rollout does: model ids, step, observation ids (mask 0)."""
     state = env.reset({"answer": "4046"}, "47*86+4=?")
     ids: list[int] = []
@@ -339,8 +353,11 @@ async def record_episode(env: Environment, tt: TurnTemplate, tools: FakeTools,
 async def test_replay_rebuilds_state_from_cache() -> None:
     tok = char_tokenizer(ALPHABET)
     tt, env, tools = TurnTemplate(tok), ToolEnv(tools=["calculator"]), FakeTools()
-    turns = [enc(tok, call("calculator", expression="47*86")),
-             enc(tok, call("calculator", expression="4042+4")), enc(tok, "#40")]  # fmt: skip
+    turns = [
+        enc(tok, call("calculator", expression="47*86")),
+        enc(tok, call("calculator", expression="4042+4")),
+        enc(tok, "#40"),
+    ]
     state, ids, mask = await record_episode(env, tt, tools, turns)
     assert [_base(c) for c in tools.runs] == ["g/0#t0#c0", "g/0#t1#c0"]
 
@@ -355,8 +372,9 @@ async def test_replay_rebuilds_state_from_cache() -> None:
     assert rep.state == state and rep.turns_done == 2 and rep.tool_calls == 2
     assert rep.mismatches == 0 and not rep.last_turn_complete  # "#40": cut mid-turn
     assert [(_base(r.call_id), r.turn, r.cached) for r in rep.tool_records] == [
-        ("g/0#t0#c0", 0, True), ("g/0#t1#c0", 1, True)
-    ]  # fmt: skip
+        ("g/0#t0#c0", 0, True),
+        ("g/0#t1#c0", 1, True),
+    ]
     # the last model run ended its turn (stop string): its step must still run
     done_turns = turns[:2]
     _, ids2, mask2 = await record_episode(env, tt, FakeTools(), done_turns)
@@ -424,11 +442,15 @@ async def test_readme_environment_example() -> None:
     exec(compile(code, "README.md", "exec"), ns)
     env = ns["GuessEnv"](max_guesses=3)
     state = env.reset({"answer": "7"}, "guess 0..9")
-    steps = [await env.step(state, ctx(None, t), text)
-             for t, text in enumerate(["hmm", "<guess>3</guess>", "<guess>7</guess>"])]  # fmt: skip
+    steps = [
+        await env.step(state, ctx(None, t), text)
+        for t, text in enumerate(["hmm", "<guess>3</guess>", "<guess>7</guess>"])
+    ]
     assert [(s.observation, s.done) for s in steps] == [
-        ("Write <guess>N</guess>.", False), ("higher", False), (None, True)
-    ]  # fmt: skip
+        ("Write <guess>N</guess>.", False),
+        ("higher", False),
+        (None, True),
+    ]
     assert await env.score(state, ctx(None)) == 1.0
 
 

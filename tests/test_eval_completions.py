@@ -57,16 +57,34 @@ def countup_model(tmp_path_factory) -> tuple[str, str]:
 def cfg_for(tmp_path: Path, model: str, **trainer: Any) -> LaminarConfig:
     rows = countup.generate(EVAL_ROWS + 3, "eval", 0)
     data = countup.write_jsonl(rows, tmp_path / "eval.jsonl")
-    t = {"lr": 1e-3, "total_steps": 2, "batch_groups": 2, "batch_wait_s": 0.2, "micro_batch_tokens": 256,
-         "eval_every": 1, "eval_rows": EVAL_ROWS, "completions_per_step": 2, **trainer}  # fmt: skip
-    return config_from_dict({
-        "name": f"ev{abs(hash(str(tmp_path))) % 10**8}", "run_dir": str(tmp_path / "run"),
-        "model": {"path": model}, "data": {"eval": str(data)}, "trainer": t,
-        "reward": {"fn": "laminar.tasks.countup:reward", "workers": 0},
-        "cluster": {"transport": "inproc", "roles": {"relay": 0}},
-        "transport": {"heartbeat_interval_s": 0.05, "request_timeout_s": 2.0, "startup_timeout_s": 5.0},
-        "rollout": {"sampling": {"max_tokens": 24}},
-    })  # fmt: skip
+    t = {
+        "lr": 1e-3,
+        "total_steps": 2,
+        "batch_groups": 2,
+        "batch_wait_s": 0.2,
+        "micro_batch_tokens": 256,
+        "eval_every": 1,
+        "eval_rows": EVAL_ROWS,
+        "completions_per_step": 2,
+        **trainer,
+    }
+    return config_from_dict(
+        {
+            "name": f"ev{abs(hash(str(tmp_path))) % 10**8}",
+            "run_dir": str(tmp_path / "run"),
+            "model": {"path": model},
+            "data": {"eval": str(data)},
+            "trainer": t,
+            "reward": {"fn": "laminar.tasks.countup:reward", "workers": 0},
+            "cluster": {"transport": "inproc", "roles": {"relay": 0}},
+            "transport": {
+                "heartbeat_interval_s": 0.05,
+                "request_timeout_s": 2.0,
+                "startup_timeout_s": 5.0,
+            },
+            "rollout": {"sampling": {"max_tokens": 24}},
+        }
+    )
 
 
 async def test_evaluator_scores_greedy_completions_of_the_weights_it_is_given(

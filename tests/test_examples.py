@@ -54,8 +54,14 @@ def run_documented(command: str, work: Path, ipc_dir: Path) -> str:
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     log = work / "command.log"
     with log.open("w") as out:
-        proc = subprocess.Popen(["bash", "-c", command], cwd=work, env=env, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            ["bash", "-c", command],
+            cwd=work,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             rc = proc.wait(timeout=RUN_DEADLINE_S)
         except subprocess.TimeoutExpired:

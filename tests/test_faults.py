@@ -49,24 +49,58 @@ class Procs:
     def __init__(self, tmp: Path, ipc_dir: Path):
         self.tmp = tmp
         cfg = {
-            "name": "faults", "mode": "laminar", "run_dir": str(tmp / "run"),
-            "cluster": {"transport": "ipc", "ipc_dir": str(ipc_dir),
-                        "roles": {"manager": 1, "buffer": 1, "relay": 0, "trainer": 1, "rollout": 4}},
-            "transport": {"heartbeat_interval_s": 0.25, "heartbeat_liveness": 8, "request_timeout_s": 2.0,
-                          "startup_timeout_s": 90.0, "stop_timeout_s": 3.0, "reconnect_backoff_s": 0.05,
-                          "reconnect_backoff_max_s": 0.5},
-            "data": {"train": str(write_prompts(tmp / "prompts.jsonl", PROMPTS)), "epochs": 1, "shuffle": False},
-            "rollout": {"engine": "sim", "group_size": GROUP, "credits": 2, "max_running": 8,
-                        "partial_chunk_tokens": 16, "prompt_retry_s": 0.1, "refresh_wait_s": 2.0,
-                        "sampling": {"max_tokens": 1000},
-                        "sim": {"step_time_s": 0.01, "bound_b": 8, "length_p50": 100, "length_p99_over_p50": 10,
-                                "kv_capacity_tokens": 8 * 1100}},
-            "trainer": {"engine": "sim", "batch_groups": 4, "total_steps": 1000, "sim_time_per_token_s": 2e-4,
-                        "checkpoint_every": 1, "commit": "checkpoint", "batch_wait_s": 0.5},
+            "name": "faults",
+            "mode": "laminar",
+            "run_dir": str(tmp / "run"),
+            "cluster": {
+                "transport": "ipc",
+                "ipc_dir": str(ipc_dir),
+                "roles": {"manager": 1, "buffer": 1, "relay": 0, "trainer": 1, "rollout": 4},
+            },
+            "transport": {
+                "heartbeat_interval_s": 0.25,
+                "heartbeat_liveness": 8,
+                "request_timeout_s": 2.0,
+                "startup_timeout_s": 90.0,
+                "stop_timeout_s": 3.0,
+                "reconnect_backoff_s": 0.05,
+                "reconnect_backoff_max_s": 0.5,
+            },
+            "data": {
+                "train": str(write_prompts(tmp / "prompts.jsonl", PROMPTS)),
+                "epochs": 1,
+                "shuffle": False,
+            },
+            "rollout": {
+                "engine": "sim",
+                "group_size": GROUP,
+                "credits": 2,
+                "max_running": 8,
+                "partial_chunk_tokens": 16,
+                "prompt_retry_s": 0.1,
+                "refresh_wait_s": 2.0,
+                "sampling": {"max_tokens": 1000},
+                "sim": {
+                    "step_time_s": 0.01,
+                    "bound_b": 8,
+                    "length_p50": 100,
+                    "length_p99_over_p50": 10,
+                    "kv_capacity_tokens": 8 * 1100,
+                },
+            },
+            "trainer": {
+                "engine": "sim",
+                "batch_groups": 4,
+                "total_steps": 1000,
+                "sim_time_per_token_s": 2e-4,
+                "checkpoint_every": 1,
+                "commit": "checkpoint",
+                "batch_wait_s": 0.5,
+            },
             "buffer": {"fsync": "always", "retry_after_s": 0.1},
             "manager": {"repack": {"interval_s": 1.0}, "timeline_interval_s": 0.25},
             "logging": {"level": "info"},
-        }  # fmt: skip
+        }
         self.cfg_path = tmp / "config.yaml"
         self.cfg_path.write_text(yaml.safe_dump(cfg))
         self.cfg = load_config(self.cfg_path)
@@ -76,8 +110,20 @@ class Procs:
         self.log_files: dict[str, list[Path]] = {}
 
     def start(self, name: str, role: str, index: int = 0, count: int = 1) -> None:
-        cmd = [sys.executable, "-m", "laminar", "node", "--role", role, "--index", str(index),
-               "--count", str(count), "--config", str(self.cfg_path)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "laminar",
+            "node",
+            "--role",
+            role,
+            "--index",
+            str(index),
+            "--count",
+            str(count),
+            "--config",
+            str(self.cfg_path),
+        ]
         path = self.tmp / f"{name}.{len(self.started)}.log"
         self.log_files.setdefault(name, []).append(path)
         log = open(path, "w")
@@ -199,8 +245,10 @@ def events(p: Procs, kind: str, node: str) -> list[dict]:
 def test_killed_rollout_is_detected_within_3s_its_work_recovered_and_it_rejoins(procs):
     procs.start_all()
     procs.wait_all_registered()
-    procs.wait(lambda: len(procs.steps()) >= 2 and procs.status()["rollout-0"].status.inflight > 0,
-               "training under way, rollout-0 generating")  # fmt: skip
+    procs.wait(
+        lambda: len(procs.steps()) >= 2 and procs.status()["rollout-0"].status.inflight > 0,
+        "training under way, rollout-0 generating",
+    )
     t_kill = procs.kill9("rollout-0")
     dead = procs.wait(
         lambda: events(procs, "dead", "rollout-0"), "the manager declaring rollout-0 dead", 10
@@ -217,8 +265,14 @@ def test_killed_rollout_is_detected_within_3s_its_work_recovered_and_it_rejoins(
         lambda: [e for e in events(procs, "join", "rollout-0") if e.get("rejoin")],
         "rollout-0 rejoining",
     )
-    procs.wait(lambda: [e for e in events(procs, "rollout", "rollout-0") if e["t"] > dead[0]["t"] and e["inflight"]],
-               "the rejoined rollout generating")  # fmt: skip
+    procs.wait(
+        lambda: [
+            e
+            for e in events(procs, "rollout", "rollout-0")
+            if e["t"] > dead[0]["t"] and e["inflight"]
+        ],
+        "the rejoined rollout generating",
+    )
     procs.wait_trainer_done()
     procs.stop_all()
     procs.check_exactly_once()

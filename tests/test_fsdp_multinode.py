@@ -45,12 +45,29 @@ def test_fsdp_ranks_on_two_hosts_match_one_process(tmp_path):
     }
     with Hosts(2) as hosts:
         procs = [
-            hosts.popen(r, [torchrun, "--nnodes", "2", "--nproc_per_node", "1", "--node_rank", str(r),
-                            "--master_addr", hosts.addr(0), "--master_port", "29511",
-                            str(ROOT / "tests" / "fsdp_worker.py"), model, str(out)],
-                        tmp_path / f"node{r}.log", env=env)
+            hosts.popen(
+                r,
+                [
+                    torchrun,
+                    "--nnodes",
+                    "2",
+                    "--nproc_per_node",
+                    "1",
+                    "--node_rank",
+                    str(r),
+                    "--master_addr",
+                    hosts.addr(0),
+                    "--master_port",
+                    "29511",
+                    str(ROOT / "tests" / "fsdp_worker.py"),
+                    model,
+                    str(out),
+                ],
+                tmp_path / f"node{r}.log",
+                env=env,
+            )
             for r in (0, 1)
-        ]  # fmt: skip
+        ]
         t0 = time.monotonic()
         for p in procs:
             p.wait(timeout=max(1.0, 240 - (time.monotonic() - t0)))

@@ -51,28 +51,74 @@ class HostCluster:
     def __init__(self, tmp: Path, hosts: Hosts, prompts: int = 48, **extra: dict):
         self.tmp, self.hosts, self.prompts = tmp, hosts, prompts
         cfg = {
-            "name": "hosts", "mode": "laminar", "run_dir": str(tmp / "run"),
-            "cluster": {"transport": "tcp", "endpoints": tcp_endpoints(hosts, K),
-                        "roles": {"manager": 1, "buffer": 1, "relay": K, "trainer": 1, "rollout": K * PER_HOST}},
+            "name": "hosts",
+            "mode": "laminar",
+            "run_dir": str(tmp / "run"),
+            "cluster": {
+                "transport": "tcp",
+                "endpoints": tcp_endpoints(hosts, K),
+                "roles": {
+                    "manager": 1,
+                    "buffer": 1,
+                    "relay": K,
+                    "trainer": 1,
+                    "rollout": K * PER_HOST,
+                },
+            },
             "security": {"keys_dir": str(make_keys(tmp / "keys"))},
-            "transport": {"heartbeat_interval_s": 0.25, "heartbeat_liveness": 12, "request_timeout_s": 3.0,
-                          "handshake_timeout_s": 3.0, "startup_timeout_s": 90.0, "stop_timeout_s": 3.0,
-                          "reconnect_backoff_s": 0.05, "reconnect_backoff_max_s": 0.5},
-            "data": {"train": str(write_prompts(tmp / "prompts.jsonl", prompts)), "epochs": 1, "shuffle": False},
-            "rollout": {"engine": "sim", "weights": "relay", "group_size": GROUP, "credits": 2, "max_running": 8,
-                        "partial_chunk_tokens": 16, "prompt_retry_s": 0.1, "refresh_wait_s": 2.0,
-                        "sampling": {"max_tokens": 600},
-                        "sim": {"step_time_s": 0.01, "bound_b": 8, "length_p50": 60, "length_p99_over_p50": 10,
-                                "kv_capacity_tokens": 8 * 700}},
-            "trainer": {"engine": "sim", "batch_groups": 4, "total_steps": 1000, "sim_time_per_token_s": 2e-4,
-                        "checkpoint_every": 1, "commit": "checkpoint", "batch_wait_s": 0.5},
-            "relay": {"chunk_bytes": 64 << 10, "shm_prefix": f"lamh{hosts.names[0][3:]}",
-                      "probe_timeout_s": 1.0, "upstream_grace_s": 10.0},
+            "transport": {
+                "heartbeat_interval_s": 0.25,
+                "heartbeat_liveness": 12,
+                "request_timeout_s": 3.0,
+                "handshake_timeout_s": 3.0,
+                "startup_timeout_s": 90.0,
+                "stop_timeout_s": 3.0,
+                "reconnect_backoff_s": 0.05,
+                "reconnect_backoff_max_s": 0.5,
+            },
+            "data": {
+                "train": str(write_prompts(tmp / "prompts.jsonl", prompts)),
+                "epochs": 1,
+                "shuffle": False,
+            },
+            "rollout": {
+                "engine": "sim",
+                "weights": "relay",
+                "group_size": GROUP,
+                "credits": 2,
+                "max_running": 8,
+                "partial_chunk_tokens": 16,
+                "prompt_retry_s": 0.1,
+                "refresh_wait_s": 2.0,
+                "sampling": {"max_tokens": 600},
+                "sim": {
+                    "step_time_s": 0.01,
+                    "bound_b": 8,
+                    "length_p50": 60,
+                    "length_p99_over_p50": 10,
+                    "kv_capacity_tokens": 8 * 700,
+                },
+            },
+            "trainer": {
+                "engine": "sim",
+                "batch_groups": 4,
+                "total_steps": 1000,
+                "sim_time_per_token_s": 2e-4,
+                "checkpoint_every": 1,
+                "commit": "checkpoint",
+                "batch_wait_s": 0.5,
+            },
+            "relay": {
+                "chunk_bytes": 64 << 10,
+                "shm_prefix": f"lamh{hosts.names[0][3:]}",
+                "probe_timeout_s": 1.0,
+                "upstream_grace_s": 10.0,
+            },
             "buffer": {"fsync": "always", "retry_after_s": 0.1},
             "manager": {"repack": {"interval_s": 1.0}, "timeline_interval_s": 0.25},
             "logging": {"level": "info", "json_logs": True},
             "extra": {"sim_weight_bytes": 256 << 10},  # 4 chunks a version through the chain
-        }  # fmt: skip
+        }
         for section, over in extra.items():
             cfg.setdefault(section, {}).update(over)
         self.cfg_path = tmp / "config.yaml"
@@ -125,8 +171,10 @@ class HostCluster:
             f.unlink(missing_ok=True)
 
     def logs(self, tail: int = 2500) -> str:
-        return "\n".join(f"--- {f.name}\n{f.read_text(errors='replace')[-tail:]}"
-                         for f in sorted(self.tmp.glob("*.log")))  # fmt: skip
+        return "\n".join(
+            f"--- {f.name}\n{f.read_text(errors='replace')[-tail:]}"
+            for f in sorted(self.tmp.glob("*.log"))
+        )
 
     def events(self, name_glob: str, event: str) -> list[dict]:
         """JSON log lines with this event name from the logs of processes matching `name_glob`."""
@@ -146,8 +194,12 @@ class HostCluster:
     # ---- what the nodes wrote ----------------------------------------------------------------
     def timeline(self, kind: str | None = None, node: str | None = None) -> list[dict]:
         evs = read_jsonl(self.run_dir / "timeline.jsonl")
-        return [e for e in evs if (kind is None or e["event"] == kind)
-                and (node is None or e.get("node", e.get("rollout")) == node)]  # fmt: skip
+        return [
+            e
+            for e in evs
+            if (kind is None or e["event"] == kind)
+            and (node is None or e.get("node", e.get("rollout")) == node)
+        ]
 
     def steps(self) -> list[dict]:
         return read_jsonl(self.run_dir / "consumed.jsonl")
@@ -219,8 +271,11 @@ class HostCluster:
         pid = self.procs[f"rollouts-{host}"].pid
         out = self.hosts.run(host, ["ss", "-Htnp", "state", "established"]).stdout
         peers = set()
-        relay_ports = {int(ep.rsplit(":", 1)[1]) for k, ep in self.cfg.cluster.endpoints.items()
-                       if k.startswith(("relay-", "relay_pub-"))}  # fmt: skip
+        relay_ports = {
+            int(ep.rsplit(":", 1)[1])
+            for k, ep in self.cfg.cluster.endpoints.items()
+            if k.startswith(("relay-", "relay_pub-"))
+        }
         for line in out.splitlines():
             if f"pid={pid}," not in line:
                 continue
@@ -282,8 +337,10 @@ def test_job_across_4_hosts_every_rollout_pulls_from_its_own_relay(cluster):
         mine = {f"rollout-{r}" for r in range(i * PER_HOST, (i + 1) * PER_HOST)}
         assert loaded and {n for n, _ in loaded} <= mine, loaded
         assert {v for _, v in loaded} <= got  # every load is a version this host's relay had
-        print(f"  host {i}: relay peers {sorted(peers[i])}, rollouts loaded "
-              f"{sorted(Counter(v for _, v in loaded).items())}")  # fmt: skip
+        print(
+            f"  host {i}: relay peers {sorted(peers[i])}, rollouts loaded "
+            f"{sorted(Counter(v for _, v in loaded).items())}"
+        )
 
 
 def test_killed_host_work_resumes_elsewhere_and_chain_heals(long_cluster):
@@ -291,28 +348,49 @@ def test_killed_host_work_resumes_elsewhere_and_chain_heals(long_cluster):
     c.start_all()
     c.wait_registered()
     victims = [f"rollout-{r}" for r in range(3 * PER_HOST, 4 * PER_HOST)]
-    c.wait(lambda: len(c.steps()) >= 2 and any(e["inflight"] for v in victims for e in c.timeline("rollout", v)[-1:]),
-           "training under way, host 3 generating")  # fmt: skip
+    c.wait(
+        lambda: (
+            len(c.steps()) >= 2
+            and any(e["inflight"] for v in victims for e in c.timeline("rollout", v)[-1:])
+        ),
+        "training under way, host 3 generating",
+    )
     before = max(c.versions_ready(0), default=-1)
     t_kill = c.hosts.kill_host(3)
-    dead = c.wait(lambda: all(c.timeline("dead", n) for n in [*victims, "relay-3"]) and
-                  {n: c.timeline("dead", n)[0]["t"] for n in [*victims, "relay-3"]},
-                  "host 3's nodes declared dead", 20)  # fmt: skip
-    recs = c.wait(lambda: all(c.timeline("recovery", v) for v in victims) and
-                  [c.timeline("recovery", v)[0] for v in victims], "recovery of host 3's work", 20)  # fmt: skip
+    dead = c.wait(
+        lambda: (
+            all(c.timeline("dead", n) for n in [*victims, "relay-3"])
+            and {n: c.timeline("dead", n)[0]["t"] for n in [*victims, "relay-3"]}
+        ),
+        "host 3's nodes declared dead",
+        20,
+    )
+    recs = c.wait(
+        lambda: (
+            all(c.timeline("recovery", v) for v in victims)
+            and [c.timeline("recovery", v)[0] for v in victims]
+        ),
+        "recovery of host 3's work",
+        20,
+    )
     # partials whose version no live rollout holds wait as orphans and are placed again every
     # second (manager recovery loop); the exactly-once check at the end says none was lost
     assert sum(r["trajectories"] for r in recs) >= 1, recs
     # the chain heals: a version pushed after the kill reaches every surviving relay
-    c.wait(lambda: all(max(c.versions_ready(i), default=-1) > before + 1 for i in range(3)),
-           "a new version on relays 0-2 after the kill", 60)  # fmt: skip
+    c.wait(
+        lambda: all(max(c.versions_ready(i), default=-1) > before + 1 for i in range(3)),
+        "a new version on relays 0-2 after the kill",
+        60,
+    )
     c.wait_trainer_done()
     c.stop_all()
     c.check_exactly_once()
     detect = {n: round(t - t_kill, 2) for n, t in dead.items()}
     resume = {r["rollout"]: round(r["t"] - t_kill, 2) for r in recs}
-    print(f"\nhost kill: detected {detect}; resumed {resume} (trajectories "
-          f"{[r['trajectories'] for r in recs]}, orphans first {[r['orphans'] for r in recs]}); {_summary(c)}")  # fmt: skip
+    print(
+        f"\nhost kill: detected {detect}; resumed {resume} (trajectories "
+        f"{[r['trajectories'] for r in recs]}, orphans first {[r['orphans'] for r in recs]}); {_summary(c)}"
+    )
     assert max(detect.values()) <= 8.0
 
 
@@ -323,14 +401,25 @@ def test_partitioned_host_is_declared_dead_and_rejoins_without_duplicates(long_c
     members = [f"rollout-{r}" for r in range(2 * PER_HOST, 3 * PER_HOST)] + ["relay-2"]
     c.wait(lambda: len(c.steps()) >= 2, "training under way")
     t_cut = c.hosts.partition(2)
-    dead = c.wait(lambda: all(c.timeline("dead", n) for n in members) and
-                  {n: c.timeline("dead", n)[0]["t"] for n in members}, "host 2 declared dead", 20)  # fmt: skip
+    dead = c.wait(
+        lambda: (
+            all(c.timeline("dead", n) for n in members)
+            and {n: c.timeline("dead", n)[0]["t"] for n in members}
+        ),
+        "host 2 declared dead",
+        20,
+    )
     # a 10 s partition, measured from the cut: the wait is the scenario, not a synchronisation
     time.sleep(max(0.0, t_cut + 10.0 - time.time()))
     t_heal = c.hosts.heal(2)
-    back = c.wait(lambda: all([e for e in c.timeline("join", n) if e["t"] > t_heal] for n in members) and
-                  {n: [e for e in c.timeline("join", n) if e["t"] > t_heal][0]["t"] for n in members},
-                  "host 2's nodes rejoining", 40)  # fmt: skip
+    back = c.wait(
+        lambda: (
+            all([e for e in c.timeline("join", n) if e["t"] > t_heal] for n in members)
+            and {n: [e for e in c.timeline("join", n) if e["t"] > t_heal][0]["t"] for n in members}
+        ),
+        "host 2's nodes rejoining",
+        40,
+    )
     c.wait_trainer_done()
     c.stop_all()
     c.check_exactly_once()
@@ -351,8 +440,10 @@ def test_a_straggler_relay_link_does_not_slow_the_relays_behind_it(tmp_path):
     rate = 200e6 / 8  # 25 MB/s links, relay 1 at 2.5 MB/s
     res = run_cluster(tmp_path, 4, rate, 8 << 20, 1, 1, print)
     fixed, forced = res["straggler_reordered"], res["straggler_index_order"]
-    print(f"\nstraggler relay-1 (8 MB, 25 vs 2.5 MB/s): other relays {fixed['fast_relays_s']['median']:.2f}s "
-          f"with the manager's order {fixed['order']}, {forced['fast_relays_s']['median']:.2f}s in index order "
-          f"{forced['order']}; all relays {fixed['all_relays_s']['median']:.2f}s / {forced['all_relays_s']['median']:.2f}s")  # fmt: skip
+    print(
+        f"\nstraggler relay-1 (8 MB, 25 vs 2.5 MB/s): other relays {fixed['fast_relays_s']['median']:.2f}s "
+        f"with the manager's order {fixed['order']}, {forced['fast_relays_s']['median']:.2f}s in index order "
+        f"{forced['order']}; all relays {fixed['all_relays_s']['median']:.2f}s / {forced['all_relays_s']['median']:.2f}s"
+    )
     assert fixed["order"][-1] == 1 and forced["order"] == [0, 1, 2, 3]
     assert fixed["fast_relays_s"]["median"] * 3 < forced["fast_relays_s"]["median"]

@@ -62,9 +62,12 @@ async def test_curve_per_role_refuses_a_spoofed_role(zctx, tcp, fast_opts, role_
     assert srv.stats.refused_identity == 2 and set(srv.peers) == {"rollout-0"}
     # only the trainer key may be the trainer
     trainer = RpcClient(
-        zctx, srv.endpoint, "trainer-0", "trainer",
+        zctx,
+        srv.endpoint,
+        "trainer-0",
+        "trainer",
         fast_opts(security=Security.for_role(role_keys, "trainer")),
-    )  # fmt: skip
+    )
     await trainer.connect(timeout=5)
     assert (await trainer.request(Ping(payload="b"), timeout=2)).payload == "trainer-0:b"
     assert (await good.request(Ping(payload="c"), timeout=2)).payload == "rollout-0:c"
@@ -190,8 +193,9 @@ def test_json_logs_carry_no_bare_nan(capsys):
 def test_rate_limited_log_counts_and_summarises():
     now = [0.0]
     with capture_logs() as logs:
-        bad = RateLimitedLog(structlog.get_logger(), "bad_message", first=3, every_s=5.0,
-                             clock=lambda: now[0])  # fmt: skip
+        bad = RateLimitedLog(
+            structlog.get_logger(), "bad_message", first=3, every_s=5.0, clock=lambda: now[0]
+        )
         for i in range(1000):
             now[0] = i * 0.01  # 1000 bad messages over 10 s
             bad.warning(error=f"e{i}")

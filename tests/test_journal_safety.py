@@ -40,9 +40,18 @@ from laminar.transport.codec import REGISTRY, encode
 
 
 def traj(i: int) -> Trajectory:
-    return Trajectory(uid=f"g{i}/0", group_id=f"g{i}", prompt_uid="p", sample_index=0,
-                      prompt_ids=np.arange(3, dtype=np.int32), response_ids=np.arange(4, dtype=np.int32) + i,
-                      logprobs=np.full(4, -0.5, np.float32), version=i, reward=1.0, row={"answer": "x"})  # fmt: skip
+    return Trajectory(
+        uid=f"g{i}/0",
+        group_id=f"g{i}",
+        prompt_uid="p",
+        sample_index=0,
+        prompt_ids=np.arange(3, dtype=np.int32),
+        response_ids=np.arange(4, dtype=np.int32) + i,
+        logprobs=np.full(4, -0.5, np.float32),
+        version=i,
+        reward=1.0,
+        row={"answer": "x"},
+    )
 
 
 def raw_record(parts: list) -> bytes:
@@ -208,8 +217,10 @@ def test_replay_in_a_fresh_process_knows_every_message(tmp_path):
     # the incident: a process that had not imported laminar.protocol decoded nothing
     path = tmp_path / "j"
     write_journal(path, [encode_record("traj", {}, [traj(i)]) for i in range(2)])
-    code = ("import sys; from laminar.buffer.journal import Journal; j = Journal(sys.argv[1]); "
-            "print(sorted(m[0].uid for _, _, m in j.replay())); j.close()")  # fmt: skip
+    code = (
+        "import sys; from laminar.buffer.journal import Journal; j = Journal(sys.argv[1]); "
+        "print(sorted(m[0].uid for _, _, m in j.replay())); j.close()"
+    )
     out = subprocess.run(
         [sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=60
     )

@@ -152,8 +152,14 @@ def _records(log: Path) -> list[Rec]:
 def _stubs(tmp: Path) -> Path:
     bin_dir = tmp / "bin"
     bin_dir.mkdir()
-    for name, text in {"laminar": _LAMINAR, "torchrun": _TORCHRUN, "srun": _SRUN,
-                       "scontrol": _SCONTROL, "squeue": _SQUEUE, "scancel": _SCANCEL}.items():  # fmt: skip
+    for name, text in {
+        "laminar": _LAMINAR,
+        "torchrun": _TORCHRUN,
+        "srun": _SRUN,
+        "scontrol": _SCONTROL,
+        "squeue": _SQUEUE,
+        "scancel": _SCANCEL,
+    }.items():
         p = bin_dir / name
         p.write_text(text)
         p.chmod(0o755)
@@ -166,10 +172,15 @@ def _env(tmp: Path, **extra: str) -> dict[str, str]:
     bin_dir = _stubs(tmp)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "CUDA_", "PET_"))}
     env.update(
-        PATH=f"{bin_dir}:{env['PATH']}", STUB_LOG=str(tmp / "log"), STUB_DIR=str(tmp),
-        LAMINAR=str(bin_dir / "laminar"), TORCHRUN=str(bin_dir / "torchrun"),
-        LAUNCHERS=str(LAUNCHERS), RUN_DIR=str(tmp / "run"), STOP_TIMEOUT_S="10",
-    )  # fmt: skip
+        PATH=f"{bin_dir}:{env['PATH']}",
+        STUB_LOG=str(tmp / "log"),
+        STUB_DIR=str(tmp),
+        LAMINAR=str(bin_dir / "laminar"),
+        TORCHRUN=str(bin_dir / "torchrun"),
+        LAUNCHERS=str(LAUNCHERS),
+        RUN_DIR=str(tmp / "run"),
+        STOP_TIMEOUT_S="10",
+    )
     env.update(extra)
     return env
 
@@ -189,8 +200,12 @@ def _after_config(argv: list[str]) -> list[str]:
 def _sbatch(tmp: Path, env: dict[str, str], *overrides: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         ["bash", str(LAUNCHERS / "slurm_laminar.sbatch"), "configs/x.yaml", *overrides],
-        cwd=tmp, env=env, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        cwd=tmp,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def _stop_order(recs: list[Rec]) -> list[str]:
@@ -231,8 +246,14 @@ def test_shellcheck(script: Path) -> None:
 
 def test_sbatch_two_gpu_nodes_order_gpus_relays_and_cleanup(tmp_path: Path) -> None:
     # 2 nodes x 8 GPUs: the trainer takes GPUs 0-3 of n0; rollouts get 4-7 on n0 and 0-7 on n1
-    env = _env(tmp_path, SLURM_JOB_ID="77", SLURM_JOB_NODELIST="n0,n1", SLURM_GPUS_PER_NODE="h100:8",
-               SLURM_CPUS_ON_NODE="16", STUB_EXPECT=str(2 + 2 + 12 + 1))  # fmt: skip
+    env = _env(
+        tmp_path,
+        SLURM_JOB_ID="77",
+        SLURM_JOB_NODELIST="n0,n1",
+        SLURM_GPUS_PER_NODE="h100:8",
+        SLURM_CPUS_ON_NODE="16",
+        STUB_EXPECT=str(2 + 2 + 12 + 1),
+    )
     r = _sbatch(tmp_path, env)  # no overrides: an empty OVERRIDES under set -u
     assert r.returncode == 0, r.stderr
     recs = _records(tmp_path / "log")
@@ -293,14 +314,23 @@ def test_sbatch_two_gpu_nodes_order_gpus_relays_and_cleanup(tmp_path: Path) -> N
 
 
 def test_sbatch_multi_node_trainer_rendezvous_on_the_head(tmp_path: Path) -> None:
-    env = _env(tmp_path, SLURM_JOB_ID="78", SLURM_JOB_NODELIST="n0,n1,n2", SLURM_GPUS_PER_NODE="8",
-               SLURM_CPUS_ON_NODE="8", TRAINER_NODES="2", TRAINER_GPUS="8",
-               STUB_EXPECT=str(2 + 3 + 8 + 2))  # fmt: skip
+    env = _env(
+        tmp_path,
+        SLURM_JOB_ID="78",
+        SLURM_JOB_NODELIST="n0,n1,n2",
+        SLURM_GPUS_PER_NODE="8",
+        SLURM_CPUS_ON_NODE="8",
+        TRAINER_NODES="2",
+        TRAINER_GPUS="8",
+        STUB_EXPECT=str(2 + 3 + 8 + 2),
+    )
     r = _sbatch(tmp_path, env, "trainer.total_steps=3")
     assert r.returncode == 0, r.stderr
     recs = _records(tmp_path / "log")
-    trainers = sorted((x for x in recs if x.kind == "start" and x.node.startswith("trainer")),
-                      key=lambda x: x.node)  # fmt: skip
+    trainers = sorted(
+        (x for x in recs if x.kind == "start" and x.node.startswith("trainer")),
+        key=lambda x: x.node,
+    )
     assert [(t.fields[1], t.fields[3]) for t in trainers] == [("n0", "0"), ("n1", "1")]
     for t in trainers:
         argv = t.fields[5:]
@@ -316,8 +346,14 @@ def test_sbatch_multi_node_trainer_rendezvous_on_the_head(tmp_path: Path) -> Non
 
 
 def test_sbatch_cpu_nodes_hide_gpus(tmp_path: Path) -> None:
-    env = _env(tmp_path, SLURM_JOB_ID="79", SLURM_JOB_NODELIST="n0", SLURM_GPUS_PER_NODE="0",
-               ROLLOUTS_PER_NODE="2", STUB_EXPECT=str(2 + 1 + 2 + 1))  # fmt: skip
+    env = _env(
+        tmp_path,
+        SLURM_JOB_ID="79",
+        SLURM_JOB_NODELIST="n0",
+        SLURM_GPUS_PER_NODE="0",
+        ROLLOUTS_PER_NODE="2",
+        STUB_EXPECT=str(2 + 1 + 2 + 1),
+    )
     r = _sbatch(tmp_path, env)
     assert r.returncode == 0, r.stderr
     starts = [x for x in _records(tmp_path / "log") if x.kind == "start"]
@@ -329,12 +365,23 @@ def test_sbatch_cpu_nodes_hide_gpus(tmp_path: Path) -> None:
 
 
 def test_sbatch_sigterm_stops_everything_trainer_first(tmp_path: Path) -> None:
-    env = _env(tmp_path, SLURM_JOB_ID="80", SLURM_JOB_NODELIST="n0,n1", SLURM_GPUS_PER_NODE="2",
-               TRAINER_GPUS="1", STUB_EXPECT="1000", STUB_TRAINER_HOLD="1")  # fmt: skip
+    env = _env(
+        tmp_path,
+        SLURM_JOB_ID="80",
+        SLURM_JOB_NODELIST="n0,n1",
+        SLURM_GPUS_PER_NODE="2",
+        TRAINER_GPUS="1",
+        STUB_EXPECT="1000",
+        STUB_TRAINER_HOLD="1",
+    )
     proc = subprocess.Popen(
         ["bash", str(LAUNCHERS / "slurm_laminar.sbatch"), "configs/x.yaml"],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         log = tmp_path / "log"
         # manager, buffer, 2 relays, 1 + 2 rollouts, trainer
@@ -353,8 +400,14 @@ def test_sbatch_sigterm_stops_everything_trainer_first(tmp_path: Path) -> None:
 
 
 def test_sbatch_refuses_more_rollouts_than_gpus(tmp_path: Path) -> None:
-    env = _env(tmp_path, SLURM_JOB_ID="81", SLURM_JOB_NODELIST="n0", SLURM_GPUS_PER_NODE="8",
-               ROLLOUTS_PER_NODE="8", STUB_EXPECT="0")  # fmt: skip
+    env = _env(
+        tmp_path,
+        SLURM_JOB_ID="81",
+        SLURM_JOB_NODELIST="n0",
+        SLURM_GPUS_PER_NODE="8",
+        ROLLOUTS_PER_NODE="8",
+        STUB_EXPECT="0",
+    )
     r = _sbatch(tmp_path, env)
     assert r.returncode == 2
     assert "8 rollouts x 1 GPU(s) + 4 trainer GPU(s) > GPUS_PER_NODE=8" in r.stderr
@@ -367,13 +420,25 @@ def test_sbatch_refuses_more_rollouts_than_gpus(tmp_path: Path) -> None:
 def _host_daemons(tmp: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         ["bash", str(LAUNCHERS / "host_daemons.sh"), "configs/x.yaml", "trainer.lr=1e-6"],
-        cwd=tmp, env=env, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        cwd=tmp,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_host_daemons_tcp_endpoints_and_gpus(tmp_path: Path) -> None:
-    env = _env(tmp_path, HOST_INDEX="1", HOST_IPS="10.0.0.1,10.0.0.2", GPUS="4", KEYS_DIR="/k",
-               STUB_EXPECT="5", STUB_CRASH="rollout-7", MAX_RESTARTS="0")  # fmt: skip
+    env = _env(
+        tmp_path,
+        HOST_INDEX="1",
+        HOST_IPS="10.0.0.1,10.0.0.2",
+        GPUS="4",
+        KEYS_DIR="/k",
+        STUB_EXPECT="5",
+        STUB_CRASH="rollout-7",
+        MAX_RESTARTS="0",
+    )
     r = _host_daemons(tmp_path, env)
     assert r.returncode == 1, r.stderr  # rollout-7 died with no restart budget: the host stops
     recs = _records(tmp_path / "log")

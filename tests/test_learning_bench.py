@@ -23,8 +23,18 @@ def curve(accs, dt=10.0):
 
 def fake_run(cell, seed, accs, dt, rate):
     c = curve(accs, dt)
-    out = {"cell": cell, "seed": seed, "curve": c, "smoothed": c, "steps_per_s": rate,
-           "best_smoothed": max(accs), "final": accs[-1], "wall_s": 100.0, "cpu_s": 150.0, "cores": 1.5}  # fmt: skip
+    out = {
+        "cell": cell,
+        "seed": seed,
+        "curve": c,
+        "smoothed": c,
+        "steps_per_s": rate,
+        "best_smoothed": max(accs),
+        "final": accs[-1],
+        "wall_s": 100.0,
+        "cpu_s": 150.0,
+        "cores": 1.5,
+    }
     for tgt in learning.TARGETS:
         k = f"{round(tgt * 100):03d}"
         out[f"steps_to_{k}"] = learning.crossing(c, "step", tgt)
@@ -66,8 +76,10 @@ def test_summary_pairs_runs_by_seed_and_takes_medians(tmp_path):
 
 
 def test_a_mode_that_never_reaches_the_target_reads_as_such():
-    runs = [fake_run("sync:0:default", 0, [0.5, 0.8, 0.95], 10.0, 0.5),
-            fake_run("laminar:2:default", 0, [0.5, 0.7, 0.8], 6.0, 0.8)]  # fmt: skip
+    runs = [
+        fake_run("sync:0:default", 0, [0.5, 0.8, 0.95], 10.0, 0.5),
+        fake_run("laminar:2:default", 0, [0.5, 0.7, 0.8], 6.0, 0.8),
+    ]
     res = learning.aggregate(runs, ("laminar:2:default", "sync:0:default"))
     assert res["summary"]["steps_to_090_laminar_over_sync"] is None  # infinitely many steps
     assert res["summary"]["time_to_090_sync_over_laminar"] == 0.0
@@ -120,8 +132,10 @@ def test_plot_draws_median_and_range(tmp_path):
 
 
 def test_neither_mode_reaching_the_target_gives_strict_json():
-    runs = [fake_run("sync:0:default", 0, [0.5, 0.7, 0.8], 10.0, 0.5),
-            fake_run("laminar:1:default", 0, [0.5, 0.7, 0.85], 6.0, 0.8)]  # fmt: skip
+    runs = [
+        fake_run("sync:0:default", 0, [0.5, 0.7, 0.8], 10.0, 0.5),
+        fake_run("laminar:1:default", 0, [0.5, 0.7, 0.85], 6.0, 0.8),
+    ]
     res = learning.aggregate(runs, ("laminar:1:default", "sync:0:default"))
     sm = res["summary"]
     assert sm["steps_to_090_laminar_over_sync"] is None and sm[

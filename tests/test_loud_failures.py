@@ -55,15 +55,25 @@ def hangs_on_odd(prompt: str, completion: str, **row: Any) -> float:
 
 
 def traj(i: int, reward: float | None, info: dict[str, Any]) -> Trajectory:
-    return Trajectory(uid=f"g{i}/0", group_id=f"g{i}", prompt_uid=f"p{i}", sample_index=0,
-                      prompt_ids=np.arange(2, dtype=np.int32), response_ids=np.arange(3, dtype=np.int32),
-                      logprobs=np.full(3, -1.0, np.float32), version=0, reward=reward, reward_info=info)  # fmt: skip
+    return Trajectory(
+        uid=f"g{i}/0",
+        group_id=f"g{i}",
+        prompt_uid=f"p{i}",
+        sample_index=0,
+        prompt_ids=np.arange(2, dtype=np.int32),
+        response_ids=np.arange(3, dtype=np.int32),
+        logprobs=np.full(3, -1.0, np.float32),
+        version=0,
+        reward=reward,
+        reward_info=info,
+    )
 
 
 def watch(tmp_path: Path, fn: str) -> StallWatch:
     cfg = sim_config(tmp_path, buffer={"stall_window": 16, "stall_warn_after_s": 600})
-    state = ExperienceState(group_size=1, lost_member_policy="release_partial",
-                            admission=Admission.from_config(cfg))  # fmt: skip
+    state = ExperienceState(
+        group_size=1, lost_member_policy="release_partial", admission=Admission.from_config(cfg)
+    )
     return StallWatch(cfg.buffer, fn, state, Metrics(), structlog.get_logger("test"))
 
 
@@ -116,9 +126,14 @@ async def test_hanging_reward_warns_with_the_timeout_count(tmp_path: Path) -> No
 
 
 def _broken_cfg(tmp_path: Path) -> Any:
-    return sim_config(tmp_path, prompts=8, total_steps=5, data={"epochs": 1},
-                      reward={"sim": "fn", "fn": "tests.test_loud_failures:raises", "workers": 0},
-                      buffer={"stall_window": 16})  # fmt: skip
+    return sim_config(
+        tmp_path,
+        prompts=8,
+        total_steps=5,
+        data={"epochs": 1},
+        reward={"sim": "fn", "fn": "tests.test_loud_failures:raises", "workers": 0},
+        buffer={"stall_window": 16},
+    )
 
 
 async def test_zero_steps_because_every_reward_failed_fails_the_trainer(tmp_path: Path) -> None:
@@ -152,8 +167,13 @@ def test_laminar_run_exits_nonzero_when_nothing_was_trained(tmp_path: Path) -> N
     dump["cluster"]["ipc_dir"] = None
     path.write_text(yaml.safe_dump(dump))
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    proc = subprocess.run([sys.executable, "-m", "laminar", "run", str(path)],
-                          capture_output=True, text=True, timeout=180, env=env)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "laminar", "run", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "trained 0 steps" in proc.stderr
     assert "node trainer-0" in proc.stderr

@@ -29,9 +29,15 @@ LENGTH = 400  # tokens per response, at 2 ms a step: 0.8 s of decoding
 
 def long_config(tmp: Path, rollouts: int = 3, **over):
     """Rollouts that each hold one group of 2 samples of exactly LENGTH tokens (2 < B = 8)."""
-    base = {"cluster": {"roles": {"trainer": 0}}, "manager": {"repack": {"interval_s": 3600}},
-            "rollout": {"credits": 1, "sampling": {"max_tokens": 1000},
-                        "sim": {"length_p50": LENGTH, "length_p99_over_p50": 1.0, "kv_capacity_tokens": 8000}}}  # fmt: skip
+    base = {
+        "cluster": {"roles": {"trainer": 0}},
+        "manager": {"repack": {"interval_s": 3600}},
+        "rollout": {
+            "credits": 1,
+            "sampling": {"max_tokens": 1000},
+            "sim": {"length_p50": LENGTH, "length_p99_over_p50": 1.0, "kv_capacity_tokens": 8000},
+        },
+    }
     return sim_config(tmp, rollouts=rollouts, total_steps=1, **merge(base, over))
 
 
@@ -70,8 +76,13 @@ async def all_running(cluster, n_each: int = 2) -> None:
 
 
 async def test_status_cli_lists_every_node_with_its_columns(tmp_path, short_dir):
-    cfg = sim_config(tmp_path, rollouts=2, net="ipc", cluster={"ipc_dir": str(short_dir)},
-                     trainer={"total_steps": 1000, "sim_time_per_token_s": 1e-4})  # fmt: skip
+    cfg = sim_config(
+        tmp_path,
+        rollouts=2,
+        net="ipc",
+        cluster={"ipc_dir": str(short_dir)},
+        trainer={"total_steps": 1000, "sim_time_per_token_s": 1e-4},
+    )
     async with LocalCluster(cfg, transport="ipc") as cluster:
         path = write_resolved(cluster.cfg, tmp_path / "status")
         await wait_for(
@@ -81,8 +92,16 @@ async def test_status_cli_lists_every_node_with_its_columns(tmp_path, short_dir)
 
         async def cli(*extra: str) -> str:
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "laminar", "status", "--config", str(path), *extra,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)  # fmt: skip
+                sys.executable,
+                "-m",
+                "laminar",
+                "status",
+                "--config",
+                str(path),
+                *extra,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+            )
             out, err = await asyncio.wait_for(proc.communicate(), 60)
             assert proc.returncode == 0, err.decode()
             return out.decode()
@@ -114,16 +133,30 @@ async def test_status_cli_lists_every_node_with_its_columns(tmp_path, short_dir)
         )  # versions behind the trainer
     assert rows["trainer-0"]["version"] >= 1
     lines = table.strip().splitlines()
-    assert lines[0].split() == ["node", "role", "alive", "version", "kv_use", "inflight", "staleness",
-                                "last_beat_s", "pid", "restarts"]  # fmt: skip
+    assert lines[0].split() == [
+        "node",
+        "role",
+        "alive",
+        "version",
+        "kv_use",
+        "inflight",
+        "staleness",
+        "last_beat_s",
+        "pid",
+        "restarts",
+    ]
     assert sorted(line.split()[0] for line in lines[1:]) == sorted(rows)
 
 
 async def all_ready(cluster) -> None:
     mgr = cluster.node("manager-0")
     want = {n.node_id for n in cluster.nodes.values() if n.role != "manager"}
-    await wait_for(lambda: {p.node_id for p in mgr.srv.peers.values() if p.alive and p.status} >= want, 20,
-                   "every node beating", cluster)  # fmt: skip
+    await wait_for(
+        lambda: {p.node_id for p in mgr.srv.peers.values() if p.alive and p.status} >= want,
+        20,
+        "every node beating",
+        cluster,
+    )
 
 
 # ---- repack on a live cluster ------------------------------------------------------------------
@@ -144,8 +177,14 @@ async def test_repack_consolidates_draining_rollouts_and_frees_the_sources(tmp_p
         moved = set().union(*(before[k] for k in entry["emptied"]))
         assert running(rollouts[dest]) == before[dest] | moved
         # the emptied sources take new prompts at once (same version: nothing to load first)
-        await wait_for(lambda: all(running(rollouts[k]) and not running(rollouts[k]) & moved
-                                   for k in entry["emptied"]), 10, "sources running new groups", cluster)  # fmt: skip
+        await wait_for(
+            lambda: all(
+                running(rollouts[k]) and not running(rollouts[k]) & moved for k in entry["emptied"]
+            ),
+            10,
+            "sources running new groups",
+            cluster,
+        )
         await wait_for(
             lambda: moved | before[dest] <= set(stored(buf)),
             30,
@@ -163,23 +202,48 @@ async def test_repack_fires_on_its_own_while_rollouts_drain_long_tails(tmp_path)
     """No trainer, so no new versions: rollouts refill their credits as groups finish, and the
     periodic rounds find the ones draining a group's tail (running < B, nothing waiting, KV not
     rising since the last round) and consolidate them. Moved trajectories keep their tokens."""
-    cfg = sim_config(tmp_path, rollouts=6, cluster={"roles": {"trainer": 0}},
-                     rollout={"credits": 2, "group_size": 4, "partial_chunk_tokens": 32, "sampling": {"max_tokens": 600},
-                              "sim": {"step_time_s": 0.002, "length_p50": 40, "length_p99_over_p50": 10,
-                                      "kv_capacity_tokens": 8 * 620}},
-                     manager={"repack": {"interval_s": 0.25}})  # fmt: skip
+    cfg = sim_config(
+        tmp_path,
+        rollouts=6,
+        cluster={"roles": {"trainer": 0}},
+        rollout={
+            "credits": 2,
+            "group_size": 4,
+            "partial_chunk_tokens": 32,
+            "sampling": {"max_tokens": 600},
+            "sim": {
+                "step_time_s": 0.002,
+                "length_p50": 40,
+                "length_p99_over_p50": 10,
+                "kv_capacity_tokens": 8 * 620,
+            },
+        },
+        manager={"repack": {"interval_s": 0.25}},
+    )
     async with LocalCluster(cfg) as cluster:
         mgr, buf = cluster.node("manager-0"), cluster.node("buffer-0")
-        await wait_for(lambda: sum(e["trajectories"] for e in mgr.repack_log) >= 8, 30, "repack rounds moving work",
-                       cluster)  # fmt: skip
+        await wait_for(
+            lambda: sum(e["trajectories"] for e in mgr.repack_log) >= 8,
+            30,
+            "repack rounds moving work",
+            cluster,
+        )
         moved_rounds = [e for e in mgr.repack_log if e["moves"]]
         assert all(e["failed"] == 0 for e in moved_rounds), moved_rounds
-        await wait_for(lambda: any(t.resumed for t in stored(buf).values()), 20, "a moved trajectory finishing",
-                       cluster)  # fmt: skip
+        await wait_for(
+            lambda: any(t.resumed for t in stored(buf).values()),
+            20,
+            "a moved trajectory finishing",
+            cluster,
+        )
         resumed = [t for t in stored(buf).values() if t.resumed]
         for t in resumed:
-            ids, lps = sim_tokens(_hash64("tok", cfg.rollout.sim.seed, t.uid), 0, len(t.response_ids),
-                                  cfg.rollout.sim.vocab_size)  # fmt: skip
+            ids, lps = sim_tokens(
+                _hash64("tok", cfg.rollout.sim.seed, t.uid),
+                0,
+                len(t.response_ids),
+                cfg.rollout.sim.vocab_size,
+            )
             np.testing.assert_array_equal(t.response_ids, ids)
             np.testing.assert_array_equal(t.logprobs, lps)
     print(
@@ -197,8 +261,14 @@ async def test_a_stale_destination_falls_back_and_an_unheld_version_restarts_fro
         await all_running(cluster)
         # rollout-1 moves on to version 3 (it drains its group first, then loads and takes new prompts)
         await mgr.srv.request("rollout-1", RefreshRequest(min_version=3))
-        await wait_for(lambda: cluster.node("rollout-1").gate.version == 3 and running(cluster.node("rollout-1")), 20,
-                       "rollout-1 at version 3", cluster)  # fmt: skip
+        await wait_for(
+            lambda: (
+                cluster.node("rollout-1").gate.version == 3 and running(cluster.node("rollout-1"))
+            ),
+            20,
+            "rollout-1 at version 3",
+            cluster,
+        )
         exp = await mgr.srv.request("rollout-0", ExportRequest(uids=[]))
         assert len(exp.partials) == 2 and all(p.version == 0 for p in exp.partials)
         # the manager's view of rollout-1 is a beat old: it still says version 0
@@ -210,8 +280,12 @@ async def test_a_stale_destination_falls_back_and_an_unheld_version_restarts_fro
         assert (
             mgr.metrics.counters["import_version_mismatch"] == 1 and "rollout-1" in mgr.placer.stale
         )
-        await wait_for(lambda: {p.uid for p in exp.partials} <= set(stored(buf)), 30, "placed partials finishing",
-                       cluster)  # fmt: skip
+        await wait_for(
+            lambda: {p.uid for p in exp.partials} <= set(stored(buf)),
+            30,
+            "placed partials finishing",
+            cluster,
+        )
         for p in exp.partials:
             check_tokens(cfg, stored(buf)[p.uid])
         # a version nobody holds any more: start over from the prompt on a rollout of the newest version
@@ -232,8 +306,12 @@ async def test_a_stale_destination_falls_back_and_an_unheld_version_restarts_fro
         assert placed2[dest] == len(exp2.partials) and dest != "rollout-2", placed2
         assert cluster.node(dest).gate.version == 3, (dest, cluster.node(dest).gate.version)
         assert mgr.metrics.counters["restarted_from_prompt"] == len(exp2.partials)
-        await wait_for(lambda: {p.uid for p in exp2.partials} <= set(stored(buf)), 30, "restarted ones finishing",
-                       cluster)  # fmt: skip
+        await wait_for(
+            lambda: {p.uid for p in exp2.partials} <= set(stored(buf)),
+            30,
+            "restarted ones finishing",
+            cluster,
+        )
         for p in exp2.partials:
             t = stored(buf)[p.uid]
             assert t.version == 3 and t.resumed >= 1
@@ -252,8 +330,15 @@ async def test_a_dead_rollouts_trajectories_resume_elsewhere_with_their_tokens(t
         await all_running(cluster)
         victim = cluster.node("rollout-0")
         lost = running(victim)
-        await wait_for(lambda: all(buf.partials.records.get(u) is not None and buf.partials.records[u].length >= 32
-                                   for u in lost), 10, "tokens in the partial pool", cluster)  # fmt: skip
+        await wait_for(
+            lambda: all(
+                buf.partials.records.get(u) is not None and buf.partials.records[u].length >= 32
+                for u in lost
+            ),
+            10,
+            "tokens in the partial pool",
+            cluster,
+        )
         victim.say_bye = False  # a crash: no Bye, no drain
         await cluster.kill_node("rollout-0")
         took = await wait_for(lambda: mgr.recovery_log, 10, "recovery of rollout-0", cluster)
@@ -278,8 +363,12 @@ async def test_a_rollout_that_stops_gracefully_hands_over_its_unfinished_work(tm
         await all_running(cluster)
         left = running(cluster.node("rollout-1"))
         await cluster.stop_node("rollout-1")  # drains for half the stop budget, then says Bye
-        await wait_for(lambda: any(e["rollout"] == "rollout-1" for e in mgr.recovery_log), 10,
-                       "recovery after the leave", cluster)  # fmt: skip
+        await wait_for(
+            lambda: any(e["rollout"] == "rollout-1" for e in mgr.recovery_log),
+            10,
+            "recovery after the leave",
+            cluster,
+        )
         await wait_for(
             lambda: left <= set(stored(buf)), 30, "handed-over trajectories finishing", cluster
         )
@@ -298,8 +387,12 @@ async def test_a_restarted_rollout_is_readmitted_and_its_old_work_recovered(tmp_
         await cluster.kill_node("rollout-2")
         # back at once, before its death could be noticed: a new incarnation under the same id
         new = await cluster.add("rollout", 2)
-        await wait_for(lambda: any(e["rollout"] == "rollout-2" for e in mgr.recovery_log), 10,
-                       "recovery of the old incarnation", cluster)  # fmt: skip
+        await wait_for(
+            lambda: any(e["rollout"] == "rollout-2" for e in mgr.recovery_log),
+            10,
+            "recovery of the old incarnation",
+            cluster,
+        )
         # normally the new incarnation's hello beats the 2 s death detector ("restarted"); on a
         # loaded box the death may be noticed first ("dead"): either way, recovered once
         c = mgr.metrics.counters

@@ -51,29 +51,78 @@ class Procs:
         self.tmp = tmp
         self.effects = tmp / "effects.txt"
         cfg = {
-            "name": "mtfaults", "mode": "laminar", "run_dir": str(tmp / "run"),
-            "cluster": {"transport": "ipc", "ipc_dir": str(ipc_dir),
-                        "roles": {"manager": 1, "buffer": 1, "relay": 0, "trainer": 1, "tools": 1, "rollout": 3}},
-            "transport": {"heartbeat_interval_s": 0.25, "heartbeat_liveness": 8, "request_timeout_s": 2.0,
-                          "startup_timeout_s": 90.0, "stop_timeout_s": 3.0, "reconnect_backoff_s": 0.05,
-                          "reconnect_backoff_max_s": 0.5},
-            "data": {"train": str(write_prompts(tmp / "prompts.jsonl", PROMPTS)), "epochs": 1, "shuffle": False},
-            "rollout": {"engine": "sim", "group_size": GROUP, "credits": 2, "max_running": 8,
-                        "partial_chunk_tokens": 8, "prompt_retry_s": 0.1, "refresh_wait_s": 2.0,
-                        "sampling": {"max_tokens": 400},
-                        "sim": {"step_time_s": 0.01, "bound_b": 8, "length_p50": 12, "length_p99_over_p50": 3,
-                                "kv_capacity_tokens": 8 * 500}},
-            "env": {"fn": "multiturn_fakes:ScriptedEnv",
-                    "kwargs": {"turns": TURNS, "tool": "append_call", "path": str(self.effects)},
-                    "limits": {"turn_timeout_s": 30.0, "episode_timeout_s": 120.0}},
-            "tools": {"tools": ["multiturn_fakes:append_call"], "workers": 6, "wall_s": 10.0, "cpu_s": 5.0,
-                      "memory_mb": 2048, "call_timeout_s": 30.0},
-            "trainer": {"engine": "sim", "batch_groups": 2, "total_steps": 1000, "sim_time_per_token_s": 2e-4,
-                        "checkpoint_every": 1, "commit": "checkpoint", "batch_wait_s": 0.5},
+            "name": "mtfaults",
+            "mode": "laminar",
+            "run_dir": str(tmp / "run"),
+            "cluster": {
+                "transport": "ipc",
+                "ipc_dir": str(ipc_dir),
+                "roles": {
+                    "manager": 1,
+                    "buffer": 1,
+                    "relay": 0,
+                    "trainer": 1,
+                    "tools": 1,
+                    "rollout": 3,
+                },
+            },
+            "transport": {
+                "heartbeat_interval_s": 0.25,
+                "heartbeat_liveness": 8,
+                "request_timeout_s": 2.0,
+                "startup_timeout_s": 90.0,
+                "stop_timeout_s": 3.0,
+                "reconnect_backoff_s": 0.05,
+                "reconnect_backoff_max_s": 0.5,
+            },
+            "data": {
+                "train": str(write_prompts(tmp / "prompts.jsonl", PROMPTS)),
+                "epochs": 1,
+                "shuffle": False,
+            },
+            "rollout": {
+                "engine": "sim",
+                "group_size": GROUP,
+                "credits": 2,
+                "max_running": 8,
+                "partial_chunk_tokens": 8,
+                "prompt_retry_s": 0.1,
+                "refresh_wait_s": 2.0,
+                "sampling": {"max_tokens": 400},
+                "sim": {
+                    "step_time_s": 0.01,
+                    "bound_b": 8,
+                    "length_p50": 12,
+                    "length_p99_over_p50": 3,
+                    "kv_capacity_tokens": 8 * 500,
+                },
+            },
+            "env": {
+                "fn": "multiturn_fakes:ScriptedEnv",
+                "kwargs": {"turns": TURNS, "tool": "append_call", "path": str(self.effects)},
+                "limits": {"turn_timeout_s": 30.0, "episode_timeout_s": 120.0},
+            },
+            "tools": {
+                "tools": ["multiturn_fakes:append_call"],
+                "workers": 6,
+                "wall_s": 10.0,
+                "cpu_s": 5.0,
+                "memory_mb": 2048,
+                "call_timeout_s": 30.0,
+            },
+            "trainer": {
+                "engine": "sim",
+                "batch_groups": 2,
+                "total_steps": 1000,
+                "sim_time_per_token_s": 2e-4,
+                "checkpoint_every": 1,
+                "commit": "checkpoint",
+                "batch_wait_s": 0.5,
+            },
             "buffer": {"fsync": "always", "retry_after_s": 0.1},
             "manager": {"repack": {"interval_s": 1.0}, "timeline_interval_s": 0.25},
             "logging": {"level": "info"},
-        }  # fmt: skip
+        }
         self.cfg_path = tmp / "config.yaml"
         self.cfg_path.write_text(yaml.safe_dump(cfg))
         self.cfg = load_config(self.cfg_path)
@@ -88,8 +137,20 @@ class Procs:
         )
 
     def start(self, name: str, role: str, index: int = 0, count: int = 1) -> None:
-        cmd = [sys.executable, "-m", "laminar", "node", "--role", role, "--index", str(index),
-               "--count", str(count), "--config", str(self.cfg_path)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "laminar",
+            "node",
+            "--role",
+            role,
+            "--index",
+            str(index),
+            "--count",
+            str(count),
+            "--config",
+            str(self.cfg_path),
+        ]
         log = open(self.tmp / f"{name}.{len(self.started)}.log", "w")
         proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=self.env
@@ -157,9 +218,14 @@ def journal_trajectories(p: Procs) -> tuple[dict, list[Trajectory]]:
 
 
 def test_rollout_killed_mid_tool_call_loses_nothing_and_runs_no_call_twice(procs):
-    for name, role, index, count in [("manager", "manager", 0, 1), ("buffer", "buffer", 0, 1),
-                                     ("trainer", "trainer", 0, 1), ("tools", "tools", 0, 1),
-                                     ("rollout-0", "rollout", 0, 1), ("rollouts", "rollout", 1, 2)]:  # fmt: skip
+    for name, role, index, count in [
+        ("manager", "manager", 0, 1),
+        ("buffer", "buffer", 0, 1),
+        ("trainer", "trainer", 0, 1),
+        ("tools", "tools", 0, 1),
+        ("rollout-0", "rollout", 0, 1),
+        ("rollouts", "rollout", 1, 2),
+    ]:
         procs.start(name, role, index, count)
     want = {"buffer-0", "trainer-0", "tools-0", "rollout-0", "rollout-1", "rollout-2"}
     procs.wait(
@@ -167,8 +233,10 @@ def test_rollout_killed_mid_tool_call_loses_nothing_and_runs_no_call_twice(procs
     )
     # rollout-0 mid-episode: it has episodes in hand and tool calls have started (~1 s each, so its
     # episodes spend most of their time waiting on one)
-    procs.wait(lambda: procs.status()["rollout-0"].status.inflight >= 2 and procs.effects_lines(),
-               "rollout-0 with episodes in flight, tool calls under way")  # fmt: skip
+    procs.wait(
+        lambda: procs.status()["rollout-0"].status.inflight >= 2 and procs.effects_lines(),
+        "rollout-0 with episodes in flight, tool calls under way",
+    )
     procs.kill9("rollout-0")
     procs.wait(lambda: procs.procs["trainer"].poll() == 0, "the trainer finishing the epoch")
     procs.stop_all()

@@ -49,30 +49,64 @@ def multi_turn(
 ) -> Trajectory:
     lp = np.where(mask == 1, -1.5, 0.0).astype(np.float32)
     group_id, _, idx = uid.rpartition("/")
-    return Trajectory(uid=uid, group_id=group_id, prompt_uid="p", sample_index=int(idx), prompt_ids=PROMPT,
-                      response_ids=np.array(resp, np.int32), logprobs=lp, version=0, reward=reward,
-                      loss_mask=np.array(mask, np.uint8), turns=3, tool_calls=list(calls), **kw)  # fmt: skip
+    return Trajectory(
+        uid=uid,
+        group_id=group_id,
+        prompt_uid="p",
+        sample_index=int(idx),
+        prompt_ids=PROMPT,
+        response_ids=np.array(resp, np.int32),
+        logprobs=lp,
+        version=0,
+        reward=reward,
+        loss_mask=np.array(mask, np.uint8),
+        turns=3,
+        tool_calls=list(calls),
+        **kw,
+    )
 
 
 def tool(
     k: int, ok: bool = True, seconds: float = 0.1, kind: str = "", cached: bool = False
 ) -> ToolRecord:
-    return ToolRecord(call_id=f"g0/0#t0#c{k}", name="python", turn=0, ok=ok, error_kind=kind,
-                      seconds=seconds, cached=cached)  # fmt: skip
+    return ToolRecord(
+        call_id=f"g0/0#t0#c{k}",
+        name="python",
+        turn=0,
+        ok=ok,
+        error_kind=kind,
+        seconds=seconds,
+        cached=cached,
+    )
 
 
 # ---- partial pool ------------------------------------------------------------------------------
 def _header(uid: str, mask: np.ndarray | None) -> PartialTrajectory:
     n = 0 if mask is None else len(mask)
-    return PartialTrajectory(uid=uid, group_id="g0", prompt_uid="p", sample_index=0, prompt_ids=PROMPT,
-                             response_ids=RESP[:n], logprobs=np.zeros(n, np.float32), version=2,
-                             loss_mask=mask)  # fmt: skip
+    return PartialTrajectory(
+        uid=uid,
+        group_id="g0",
+        prompt_uid="p",
+        sample_index=0,
+        prompt_ids=PROMPT,
+        response_ids=RESP[:n],
+        logprobs=np.zeros(n, np.float32),
+        version=2,
+        loss_mask=mask,
+    )
 
 
 def _chunk(uid: str, lo: int, hi: int, mask: bool = True, header=None) -> PartialChunk:
-    return PartialChunk(uid=uid, version=2, offset=lo, token_ids=RESP[lo:hi],
-                        logprobs=np.zeros(hi - lo, np.float32), rollout_id="r0", header=header,
-                        loss_mask=MASK[lo:hi] if mask else None)  # fmt: skip
+    return PartialChunk(
+        uid=uid,
+        version=2,
+        offset=lo,
+        token_ids=RESP[lo:hi],
+        logprobs=np.zeros(hi - lo, np.float32),
+        rollout_id="r0",
+        header=header,
+        loss_mask=MASK[lo:hi] if mask else None,
+    )
 
 
 def test_partial_pool_stores_and_recovers_the_loss_mask():
@@ -261,12 +295,15 @@ def tiny(tmp_path_factory):
 
 
 def make_cfg(model_path, run_dir, **algo):
-    return config_from_dict({
-        "run_dir": str(run_dir), "model": {"path": model_path},
-        "trainer": {"lr": 3e-3, "total_steps": 20, "micro_batch_tokens": 4096},
-        "algo": {"advantage": "grpo", "is_mode": "truncate", **algo},
-        "rollout": {"sampling": {"temperature": 1.0, "max_tokens": 16}},
-    })  # fmt: skip
+    return config_from_dict(
+        {
+            "run_dir": str(run_dir),
+            "model": {"path": model_path},
+            "trainer": {"lr": 3e-3, "total_steps": 20, "micro_batch_tokens": 4096},
+            "algo": {"advantage": "grpo", "is_mode": "truncate", **algo},
+            "rollout": {"sampling": {"temperature": 1.0, "max_tokens": 16}},
+        }
+    )
 
 
 @pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean"])
@@ -313,8 +350,10 @@ def test_env_tokens_get_exactly_zero_gradient(tiny, tmp_path, agg):
 
 def test_train_step_on_multi_turn_counts_model_tokens_and_logs_episodes(tiny, tmp_path):
     policy = Policy(make_cfg(tiny, tmp_path), tiny)
-    trajs = [multi_turn("g0/0", reward=1.0, calls=[tool(0, seconds=0.2)]),
-             multi_turn("g0/1", resp=RESP[:5], mask=MASK[:5], reward=0.0)]  # fmt: skip
+    trajs = [
+        multi_turn("g0/0", reward=1.0, calls=[tool(0, seconds=0.2)]),
+        multi_turn("g0/1", resp=RESP[:5], mask=MASK[:5], reward=0.0),
+    ]
     batch = TrainBatch.build(trajs)
     with torch.no_grad():  # on-policy behaviour logprobs on model tokens, junk on env tokens
         mb = collate(batch, [0, 1])

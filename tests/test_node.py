@@ -30,15 +30,23 @@ SLACK_S = 0.3
 
 @pytest.fixture
 def cfg(short_dir):
-    return config_from_dict({
-        "name": f"t{os.getpid()}",
-        "cluster": {"transport": "ipc", "ipc_dir": str(short_dir)},
-        "transport": {
-            "heartbeat_interval_s": 0.1, "heartbeat_liveness": 4, "handshake_timeout_s": 1.0,
-            "startup_timeout_s": 5.0, "stop_timeout_s": 0.4, "request_timeout_s": 1.0,
-            "request_retries": 0, "reconnect_backoff_s": 0.02, "reconnect_backoff_max_s": 0.1,
-        },
-    })  # fmt: skip
+    return config_from_dict(
+        {
+            "name": f"t{os.getpid()}",
+            "cluster": {"transport": "ipc", "ipc_dir": str(short_dir)},
+            "transport": {
+                "heartbeat_interval_s": 0.1,
+                "heartbeat_liveness": 4,
+                "handshake_timeout_s": 1.0,
+                "startup_timeout_s": 5.0,
+                "stop_timeout_s": 0.4,
+                "request_timeout_s": 1.0,
+                "request_retries": 0,
+                "reconnect_backoff_s": 0.02,
+                "reconnect_backoff_max_s": 0.1,
+            },
+        }
+    )
 
 
 class Solo(Node):
@@ -192,8 +200,13 @@ async def test_node_registers_with_the_manager_and_heartbeats_its_status(cfg, zc
     nodes = [Member(cfg, index=i, ctx=zctx) for i in range(2)]
     tasks = [asyncio.create_task(n.run()) for n in nodes]
     await asyncio.gather(*(n.wait_ready(5) for n in nodes))
-    await wait_until(lambda: all(p.status is not None for p in manager.peers.values()) and len(manager.peers) == 2,
-                     2, "both nodes' status at the manager")  # fmt: skip
+    await wait_until(
+        lambda: (
+            all(p.status is not None for p in manager.peers.values()) and len(manager.peers) == 2
+        ),
+        2,
+        "both nodes' status at the manager",
+    )
     assert (
         manager.peers["member-1"].status.version == 7
         and manager.peers["member-0"].info["pid"] == os.getpid()

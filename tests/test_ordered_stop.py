@@ -36,9 +36,19 @@ def test_sigterm_checkpoints_first_flushes_rollouts_and_exits_143(
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"q{i}"}) + "\n" for i in range(64)))
     run, ipc = tmp_path / "run", short_dir / "ipc"
-    cmd = [sys.executable, "-m", "laminar", "run", str(SKELETON), f"run_dir={run}",
-           f"cluster.ipc_dir={ipc}", f"data.train={data}", "trainer.total_steps=100000",
-           "trainer.batch_groups=1", "logging.progress_every_s=0"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "laminar",
+        "run",
+        str(SKELETON),
+        f"run_dir={run}",
+        f"cluster.ipc_dir={ipc}",
+        f"data.train={data}",
+        "trainer.total_steps=100000",
+        "trainer.batch_groups=1",
+        "logging.progress_every_s=0",
+    ]
     log = tmp_path / "launcher.log"
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=tmp_path)
     pids: dict[str, int] = {}

@@ -26,9 +26,18 @@ from laminar.transport.codec import decode, encode
 
 
 def header(uid: str, version: int, rid: str) -> PartialTrajectory:
-    return PartialTrajectory(uid=uid, group_id=uid.rpartition("/")[0], prompt_uid="p", sample_index=int(uid[-1]),
-                             prompt_ids=np.arange(3, dtype=np.int32), response_ids=np.zeros(0, np.int32),
-                             logprobs=np.zeros(0, np.float32), version=version, n=4, rollout_id=rid)  # fmt: skip
+    return PartialTrajectory(
+        uid=uid,
+        group_id=uid.rpartition("/")[0],
+        prompt_uid="p",
+        sample_index=int(uid[-1]),
+        prompt_ids=np.arange(3, dtype=np.int32),
+        response_ids=np.zeros(0, np.int32),
+        logprobs=np.zeros(0, np.float32),
+        version=version,
+        n=4,
+        rollout_id=rid,
+    )
 
 
 def random_chunks(rng: random.Random, masked: bool, n: int = 400) -> list[PartialChunk]:
@@ -55,8 +64,19 @@ def random_chunks(rng: random.Random, masked: bool, n: int = 400) -> list[Partia
         ids = np.arange(off, off + k, dtype=np.int32) + 1000 * uids.index(uid)
         lps = -np.arange(off, off + k, dtype=np.float32) / 100
         mask = np.array([rng.randint(0, 1) for _ in range(k)], np.uint8) if masked else None
-        out.append(PartialChunk(uid=uid, version=ver, offset=off, token_ids=ids, logprobs=lps, rollout_id="r0",
-                                header=hdr, loss_mask=mask, awaiting_env=rng.random() < 0.3))  # fmt: skip
+        out.append(
+            PartialChunk(
+                uid=uid,
+                version=ver,
+                offset=off,
+                token_ids=ids,
+                logprobs=lps,
+                rollout_id="r0",
+                header=hdr,
+                loss_mask=mask,
+                awaiting_env=rng.random() < 0.3,
+            )
+        )
         oracle.apply(copy_chunk(out[-1]))
     return out
 
@@ -64,16 +84,19 @@ def random_chunks(rng: random.Random, masked: bool, n: int = 400) -> list[Partia
 def as_batch(chunks: list[PartialChunk]) -> PartialBatch:
     at = [i for i, c in enumerate(chunks) if c.header is not None]
     masks = [c.loss_mask for c in chunks]
-    return PartialBatch(rollout_id="r0", uids=[c.uid for c in chunks],
-                        versions=np.array([c.version for c in chunks], np.int64),
-                        offsets=np.array([c.offset for c in chunks], np.int64),
-                        lengths=np.array([len(c.token_ids) for c in chunks], np.int64),
-                        token_ids=np.concatenate([c.token_ids for c in chunks]),
-                        logprobs=np.concatenate([c.logprobs for c in chunks]),
-                        awaiting_env=np.array([c.awaiting_env for c in chunks], np.uint8),
-                        loss_mask=None if masks[0] is None else np.concatenate(masks),  # type: ignore[arg-type]
-                        headers=[chunks[i].header for i in at],  # type: ignore[misc]
-                        header_at=np.array(at, np.int64) if at else None)  # fmt: skip
+    return PartialBatch(
+        rollout_id="r0",
+        uids=[c.uid for c in chunks],
+        versions=np.array([c.version for c in chunks], np.int64),
+        offsets=np.array([c.offset for c in chunks], np.int64),
+        lengths=np.array([len(c.token_ids) for c in chunks], np.int64),
+        token_ids=np.concatenate([c.token_ids for c in chunks]),
+        logprobs=np.concatenate([c.logprobs for c in chunks]),
+        awaiting_env=np.array([c.awaiting_env for c in chunks], np.uint8),
+        loss_mask=None if masks[0] is None else np.concatenate(masks),  # type: ignore[arg-type]
+        headers=[chunks[i].header for i in at],  # type: ignore[misc]
+        header_at=np.array(at, np.int64) if at else None,
+    )
 
 
 def copy_chunk(c: PartialChunk) -> PartialChunk:
@@ -84,8 +107,14 @@ def copy_chunk(c: PartialChunk) -> PartialChunk:
 def snapshot(pool: PartialPool) -> dict[str, Any]:
     out = {}
     for p in pool.query(uids=sorted(pool.records)):
-        out[p.uid] = (p.response_ids.tolist(), p.logprobs.tolist(), None if p.loss_mask is None else p.loss_mask.tolist(),
-                      p.awaiting_env, p.version, p.rollout_id)  # fmt: skip
+        out[p.uid] = (
+            p.response_ids.tolist(),
+            p.logprobs.tolist(),
+            None if p.loss_mask is None else p.loss_mask.tolist(),
+            p.awaiting_env,
+            p.version,
+            p.rollout_id,
+        )
     return out
 
 
@@ -121,11 +150,30 @@ def test_a_batch_folds_exactly_as_its_entries_sent_as_chunks(seed: int, masked: 
 def test_records_compact_and_keep_every_token():
     pool = PartialPool()
     uid = "g/0"
-    pool.apply(PartialChunk(uid=uid, version=0, offset=0, token_ids=np.zeros(0, np.int32),
-                            logprobs=np.zeros(0, np.float32), rollout_id="r0", header=header(uid, 0, "")))  # fmt: skip
+    pool.apply(
+        PartialChunk(
+            uid=uid,
+            version=0,
+            offset=0,
+            token_ids=np.zeros(0, np.int32),
+            logprobs=np.zeros(0, np.float32),
+            rollout_id="r0",
+            header=header(uid, 0, ""),
+        )
+    )
     for k in range(3 * _COMPACT_PIECES):
-        b = as_batch([PartialChunk(uid=uid, version=0, offset=2 * k, token_ids=np.array([2 * k, 2 * k + 1], np.int32),
-                                   logprobs=np.full(2, -0.5, np.float32), rollout_id="r0")])  # fmt: skip
+        b = as_batch(
+            [
+                PartialChunk(
+                    uid=uid,
+                    version=0,
+                    offset=2 * k,
+                    token_ids=np.array([2 * k, 2 * k + 1], np.int32),
+                    logprobs=np.full(2, -0.5, np.float32),
+                    rollout_id="r0",
+                )
+            ]
+        )
         assert not pool.apply_batch(b)
         assert len(pool.records[uid].pieces) <= _COMPACT_PIECES
     (p,) = pool.query("r0")
@@ -142,8 +190,17 @@ def test_records_compact_and_keep_every_token():
 
 def test_a_malformed_batch_is_refused_whole_and_counted():
     pool = PartialPool()
-    good = [PartialChunk(uid="g/0", version=0, offset=0, token_ids=np.arange(4, dtype=np.int32),
-                         logprobs=np.zeros(4, np.float32), rollout_id="r0", header=header("g/0", 0, "r0"))]  # fmt: skip
+    good = [
+        PartialChunk(
+            uid="g/0",
+            version=0,
+            offset=0,
+            token_ids=np.arange(4, dtype=np.int32),
+            logprobs=np.zeros(4, np.float32),
+            rollout_id="r0",
+            header=header("g/0", 0, "r0"),
+        )
+    ]
 
     def bad(**kw: Any) -> PartialBatch:
         b = as_batch([copy_chunk(c) for c in good])
@@ -190,10 +247,27 @@ def item(k: int) -> PromptItem:
 def deliverer(
     flush_s: float, buf: FakeBuffer, multi_turn: bool = False
 ) -> tuple[Deliverer, SequenceTable]:
-    table = SequenceTable(engine=None, params=None, notify=(), multi_turn=multi_turn, metrics=Metrics(),
-                          log=get_logger(role="rollout", node_id="t"))  # type: ignore[arg-type]  # fmt: skip
-    d = Deliverer("rollout-0", buf, None, table, None, None, None, None, Metrics(),  # type: ignore[arg-type]
-                  get_logger(role="rollout", node_id="t"), flush_s=flush_s)  # fmt: skip
+    table = SequenceTable(
+        engine=None,
+        params=None,
+        notify=(),
+        multi_turn=multi_turn,
+        metrics=Metrics(),
+        log=get_logger(role="rollout", node_id="t"),
+    )  # type: ignore[arg-type]
+    d = Deliverer(
+        "rollout-0",
+        buf,
+        None,
+        table,
+        None,
+        None,
+        None,
+        None,
+        Metrics(),  # type: ignore[arg-type]
+        get_logger(role="rollout", node_id="t"),
+        flush_s=flush_s,
+    )
     return d, table
 
 

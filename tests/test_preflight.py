@@ -39,9 +39,16 @@ def inputs(tmp_path: Path) -> Iterator[dict[str, Path]]:
 
 
 def _torch_cfg(inputs: dict[str, Path], *extra: str):
-    return load_config(SKELETON, ["trainer.engine=torch", "rollout.engine=torch",
-                                  f"model.path={inputs['model']}", f"data.train={inputs['data']}",
-                                  *extra])  # fmt: skip
+    return load_config(
+        SKELETON,
+        [
+            "trainer.engine=torch",
+            "rollout.engine=torch",
+            f"model.path={inputs['model']}",
+            f"data.train={inputs['data']}",
+            *extra,
+        ],
+    )
 
 
 def test_good_inputs_pass_and_a_reward_module_in_the_current_directory_imports(
@@ -117,9 +124,17 @@ def test_unset_model_and_data_for_torch_engines_are_named() -> None:
 
 def test_laminar_run_refuses_before_starting_anything(tmp_path: Path, capsys) -> None:
     run_dir = tmp_path / "run"
-    rc = cli_main(["run", str(SKELETON), f"run_dir={run_dir}", "trainer.engine=torch",
-                   "model.path=Qwen/Qwen2.5-0.5B", f"data.train={tmp_path}/missing.jsonl",
-                   "reward.fn=laminar.rewards.builtin:no_such_reward"])  # fmt: skip
+    rc = cli_main(
+        [
+            "run",
+            str(SKELETON),
+            f"run_dir={run_dir}",
+            "trainer.engine=torch",
+            "model.path=Qwen/Qwen2.5-0.5B",
+            f"data.train={tmp_path}/missing.jsonl",
+            "reward.fn=laminar.rewards.builtin:no_such_reward",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2
     assert "3 problems with the run's inputs" in err
@@ -132,7 +147,15 @@ def test_laminar_node_outside_run_checks_its_role(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
 ) -> None:
     monkeypatch.delenv("LAMINAR_PARENT_PID", raising=False)
-    rc = cli_main(["node", "--role", "buffer", "--config", str(SKELETON),
-                   f"data.train={tmp_path}/nope.parquet"])  # fmt: skip
+    rc = cli_main(
+        [
+            "node",
+            "--role",
+            "buffer",
+            "--config",
+            str(SKELETON),
+            f"data.train={tmp_path}/nope.parquet",
+        ]
+    )
     assert rc == 2
     assert f"data.train '{tmp_path}/nope.parquet' does not exist" in capsys.readouterr().err

@@ -33,17 +33,33 @@ def item(k: int, n: int = 4) -> PromptItem:
 
 
 def engine(max_running: int, seed: int = 3) -> SimEngine:
-    return SimEngine(step_time_s=STEP, bound_b=max_running, max_running=max_running, length_p50=12,
-                     length_p99_over_p50=3.0, seed=seed, chunk_tokens=1)  # fmt: skip
+    return SimEngine(
+        step_time_s=STEP,
+        bound_b=max_running,
+        max_running=max_running,
+        length_p50=12,
+        length_p99_over_p50=3.0,
+        seed=seed,
+        chunk_tokens=1,
+    )
 
 
 def table_of(eng: SimEngine, metrics: Metrics | None = None) -> SequenceTable:
-    return SequenceTable(eng, PARAMS, notify=(asyncio.Event(),), metrics=metrics or Metrics(),
-                         log=get_logger(role="rollout", node_id="t"))  # fmt: skip
+    return SequenceTable(
+        eng,
+        PARAMS,
+        notify=(asyncio.Event(),),
+        metrics=metrics or Metrics(),
+        log=get_logger(role="rollout", node_id="t"),
+    )
 
 
-async def run_until_empty(eng: SimEngine, table: SequenceTable, done: dict[str, tuple[int, int, list[int]]],
-                          timeout: float = 20.0) -> None:  # fmt: skip
+async def run_until_empty(
+    eng: SimEngine,
+    table: SequenceTable,
+    done: dict[str, tuple[int, int, list[int]]],
+    timeout: float = 20.0,
+) -> None:
     """The rollout node's event loop, reduced: tokens into the table, finished ones out (uid ->
     (version of its events, finish count, token ids))."""
     async with asyncio.timeout(timeout):
@@ -159,9 +175,23 @@ def test_simulator_models_the_queue_and_retraction():
     when it started decoding it (counted: retracted groups start after the load)."""
     from simcore import Sim, SimParams
 
-    base = SimParams(n_rollouts=8, step_time_s=0.005, bound_b=8, max_running=8, prompt_tokens=32, length_p50=100,
-                     length_p99_over_p50=10.0, max_tokens=1024, group_size=4, batch_groups=16, rollout_groups=2,
-                     trainer_s_per_token=5e-4 / 8, repack=False, refill_per_group=True, settle_s=10.0)  # fmt: skip
+    base = SimParams(
+        n_rollouts=8,
+        step_time_s=0.005,
+        bound_b=8,
+        max_running=8,
+        prompt_tokens=32,
+        length_p50=100,
+        length_p99_over_p50=10.0,
+        max_tokens=1024,
+        group_size=4,
+        batch_groups=16,
+        rollout_groups=2,
+        trainer_s_per_token=5e-4 / 8,
+        repack=False,
+        refill_per_group=True,
+        settle_s=10.0,
+    )
     plain = Sim("laminar_norepack", base, 1, 2, 6).run()
     from dataclasses import replace
 

@@ -24,7 +24,7 @@ from laminar.transport.weight_layout import (
     n_chunks,
     validate_layout,
     version_checksum,
-)  # fmt: skip
+)
 
 
 def test_layout_aligns_every_tensor_and_roundtrips_the_codec():

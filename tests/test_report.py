@@ -33,14 +33,40 @@ def make_run(tmp_path: Path, steps: int = STEPS) -> Path:
     lines, comps = [], []
     for s in range(1, steps + 1):
         t = t0 + 1.5 * s
-        lines.append({"step": s, "time": t, "reward": 0.2 + 0.5 * s / steps, "tokens_per_s": 1000.0 + s,
-                      "staleness": 0.5, "staleness_max": 1 + s % 2, "step_s": 1.5, "dropped": 0.0})  # fmt: skip
-        comps += [{"step": s, "version": s - 1, "prompt": f"p{s}-{i}", "completion": f"c{s}|{i}\nx",
-                   "reward": float(i)} for i in range(2)]  # fmt: skip
+        lines.append(
+            {
+                "step": s,
+                "time": t,
+                "reward": 0.2 + 0.5 * s / steps,
+                "tokens_per_s": 1000.0 + s,
+                "staleness": 0.5,
+                "staleness_max": 1 + s % 2,
+                "step_s": 1.5,
+                "dropped": 0.0,
+            }
+        )
+        comps += [
+            {
+                "step": s,
+                "version": s - 1,
+                "prompt": f"p{s}-{i}",
+                "completion": f"c{s}|{i}\nx",
+                "reward": float(i),
+            }
+            for i in range(2)
+        ]
         if s % 10 == 0:
             lines.append({"step": s, "time": t + 0.5, "eval/accuracy": s / 40, "eval/n": 8.0})
-            comps.append({"step": s, "eval": True, "prompt": "q", "completion": "a", "reward": 1.0,
-                          "answer": "a"})  # fmt: skip
+            comps.append(
+                {
+                    "step": s,
+                    "eval": True,
+                    "prompt": "q",
+                    "completion": "a",
+                    "reward": 1.0,
+                    "answer": "a",
+                }
+            )
     (run / "metrics.jsonl").write_text(
         "".join(json.dumps(x) + "\n" for x in lines) + '{"step": 31, "ti'
     )
@@ -115,8 +141,13 @@ def test_wandb_requested_but_missing_is_a_clear_error(tmp_path: Path, monkeypatc
     from laminar.trainer.logger import MetricsLogger, require_wandb
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # not importable, whether installed or not
-    cfg = config_from_dict({"name": "wb", "run_dir": str(tmp_path / "run"),
-                            "logging": {"wandb": {"project": "p", "mode": "offline"}}})  # fmt: skip
+    cfg = config_from_dict(
+        {
+            "name": "wb",
+            "run_dir": str(tmp_path / "run"),
+            "logging": {"wandb": {"project": "p", "mode": "offline"}},
+        }
+    )
     with pytest.raises(
         ConfigError, match=r"logging.wandb is set but wandb is not installed: `pip install wandb`"
     ):

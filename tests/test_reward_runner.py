@@ -120,8 +120,18 @@ async def test_bad_spec_is_a_clear_config_error(spec, fragment):
     await runner.close()
 
 
-NAMES = ("sync_match", "async_match", "dict_reward", "single_value_dict", "ambiguous_dict",
-         "none_reward", "raising", "wrong_type", "nan_reward", "noisy")  # fmt: skip
+NAMES = (
+    "sync_match",
+    "async_match",
+    "dict_reward",
+    "single_value_dict",
+    "ambiguous_dict",
+    "none_reward",
+    "raising",
+    "wrong_type",
+    "nan_reward",
+    "noisy",
+)
 
 
 def dispatch(prompt, completion, kind="", **row):

@@ -115,8 +115,11 @@ def test_verl_rows_are_read(fn) -> None:
 
     # a parquet struct (dict), a JSON string (flattened jsonl), a flattened column
     ref_right = right if fn is rb.demo_task else rm["ground_truth"]
-    for row in ({"reward_model": rm}, {"reward_model": json.dumps(rm)},
-                {"reward_model.ground_truth": rm["ground_truth"]}):  # fmt: skip
+    for row in (
+        {"reward_model": rm},
+        {"reward_model": json.dumps(rm)},
+        {"reward_model.ground_truth": rm["ground_truth"]},
+    ):
         assert score(ref_right, **row) == 1.0, row
         assert score(wrong, **row) == 0.0, row
     # no ground truth inside reward_model, or text that is not JSON: not applicable
@@ -136,10 +139,19 @@ def test_verl_parquet_rows_reach_the_reward(tmp_path: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    rows = [{"data_source": "toy/add", "prompt": [{"role": "system", "content": "add"},
-                                                  {"role": "user", "content": f"{i}+{i}="}],
-             "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(2 * i)},
-             "extra_info": {"index": i, "split": "train"}} for i in range(4)]  # fmt: skip
+    rows = [
+        {
+            "data_source": "toy/add",
+            "prompt": [
+                {"role": "system", "content": "add"},
+                {"role": "user", "content": f"{i}+{i}="},
+            ],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": str(2 * i)},
+            "extra_info": {"index": i, "split": "train"},
+        }
+        for i in range(4)
+    ]
     path = tmp_path / "train.parquet"
     pq.write_table(pa.Table.from_pylist(rows), path)
     loaded, report = load_prompts(path)

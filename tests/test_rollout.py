@@ -22,7 +22,7 @@ from rollout_fakes import (
     uids_of,
     wait_for,
     write_weights,
-)  # fmt: skip
+)
 
 from laminar.protocol.rollout import (
     ExportReply,
@@ -195,9 +195,15 @@ async def test_export_then_import_completes_the_trajectory(tmp_path):
         src = await h.add_rollout(FakeEngine(hold=True))  # never finishes: a draining long tail
         await h.add_rollout(FakeEngine())
         all_uids = uids_of(items)
-        await wait_for(lambda: set(src.table.seqs) == all_uids and not src.engine.running.keys() - all_uids
-                       and all(len(s["ids"]) >= s["target"] - 1 for s in src.engine.running.values()),
-                       10, "the source to generate all it can")  # fmt: skip
+        await wait_for(
+            lambda: (
+                set(src.table.seqs) == all_uids
+                and not src.engine.running.keys() - all_uids
+                and all(len(s["ids"]) >= s["target"] - 1 for s in src.engine.running.values())
+            ),
+            10,
+            "the source to generate all it can",
+        )
         srv = h.manager.srv
         reply = await srv.request(
             "rollout-0", ExportRequest(uids=[*sorted(all_uids), "nope/0"]), timeout=5
@@ -297,8 +303,11 @@ def reward_raises(prompt, completion, **row):
 async def test_reward_runner_on_the_rollout(tmp_path, fn):
     items = make_items(3, n=2)
     # torch kind with an injected engine and no model: no tokenizer, the completion is "", the reward fn runs
-    cfg = make_cfg(tmp_path, reward={"fn": f"{__name__}:{fn}", "workers": 0, "timeout_s": 5.0},
-                   rollout__engine="torch")  # fmt: skip
+    cfg = make_cfg(
+        tmp_path,
+        reward={"fn": f"{__name__}:{fn}", "workers": 0, "timeout_s": 5.0},
+        rollout__engine="torch",
+    )
     async with harness(cfg, items) as h:
         node = await h.add_rollout(FakeEngine())
         await h.wait_stored(uids_of(items), 10)
@@ -344,12 +353,26 @@ def test_rollout_messages_round_trip_through_the_codec():
     from laminar.protocol.data import PartialTrajectory
     from laminar.transport.codec import decode, encode
 
-    p = PartialTrajectory(uid="g/0", group_id="g", prompt_uid="u", sample_index=0,
-                          prompt_ids=np.arange(5, dtype=np.int32), response_ids=np.arange(3, dtype=np.int32),
-                          logprobs=np.full(3, -0.5, np.float32), version=2, n=4, row={"answer": "7"})  # fmt: skip
-    for msg in (ExportRequest(uids=["g/0"]), ExportReply(partials=[p], missing=["x/1"], version=2),
-                ImportRequest(partials=[p]), ImportReply(accepted=["g/0"], version=2),
-                RefreshRequest(min_version=3), RefreshReply(version=2, pending=True)):  # fmt: skip
+    p = PartialTrajectory(
+        uid="g/0",
+        group_id="g",
+        prompt_uid="u",
+        sample_index=0,
+        prompt_ids=np.arange(5, dtype=np.int32),
+        response_ids=np.arange(3, dtype=np.int32),
+        logprobs=np.full(3, -0.5, np.float32),
+        version=2,
+        n=4,
+        row={"answer": "7"},
+    )
+    for msg in (
+        ExportRequest(uids=["g/0"]),
+        ExportReply(partials=[p], missing=["x/1"], version=2),
+        ImportRequest(partials=[p]),
+        ImportReply(accepted=["g/0"], version=2),
+        RefreshRequest(min_version=3),
+        RefreshReply(version=2, pending=True),
+    ):
         back = decode(encode(msg))
         assert type(back) is type(msg)
         if isinstance(msg, (ExportReply, ImportRequest)):

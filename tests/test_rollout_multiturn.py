@@ -120,8 +120,16 @@ async def test_episode_limits(tmp_path, limits, env_kw, reason, turns, calls):
 
 async def test_a_waiting_episode_frees_the_engine_for_other_work(tmp_path):
     items = make_items(4, n=2)
-    cfg = make_cfg(tmp_path, rollout={"engine": "sim", "credits": 1, "partial_chunk_tokens": 8, "weights": "dir",
-                                       "prompt_retry_s": 0.05})  # fmt: skip
+    cfg = make_cfg(
+        tmp_path,
+        rollout={
+            "engine": "sim",
+            "credits": 1,
+            "partial_chunk_tokens": 8,
+            "weights": "dir",
+            "prompt_retry_s": 0.05,
+        },
+    )
     tools, env = FakeTools(gate_turn=0), ScriptedEnv(turns=2)
     engine = TurnEngine()
     async with harness(cfg, items) as h:
@@ -133,8 +141,13 @@ async def test_a_waiting_episode_frees_the_engine_for_other_work(tmp_path):
         )
         assert all(node.table.seqs[u].waiting for u in node.table.groups[first].open)
         # hard cap: 2 x credits groups in hand, however many wait
-        await wait_for(lambda: len(node.table.groups) == 2 and all(s.waiting for s in node.table.seqs.values()),
-                       10, "both groups waiting")  # fmt: skip
+        await wait_for(
+            lambda: (
+                len(node.table.groups) == 2 and all(s.waiting for s in node.table.seqs.values())
+            ),
+            10,
+            "both groups waiting",
+        )
         assert node.feeder.free_credits() == 0 and "p2@0" not in node.table.groups
         assert node.engine.stats().running == 0  # nothing of theirs held in the engine
         tools.gate.set()
@@ -242,8 +255,11 @@ class _TurnEndsDuringAbort(TurnEngine):
         for sid in list(seq_ids):
             s = self.running.pop(sid, None)
             if s is not None:
-                self._emit(TokenEvent(sid, np.zeros(0, np.int32), np.zeros(0, np.float32), "stop",
-                                      s["version"]))  # fmt: skip
+                self._emit(
+                    TokenEvent(
+                        sid, np.zeros(0, np.int32), np.zeros(0, np.float32), "stop", s["version"]
+                    )
+                )
         await asyncio.sleep(0.05)  # the events loop handles those turn ends meanwhile
         return []
 

@@ -47,8 +47,14 @@ async def test_sim_export_import_resumes_identically(tmp_path):
     async with harness(cfg, items) as h:
         src = await h.start_node(RolloutNode(cfg, index=0, ctx=h.ctx))
         all_uids = uids_of(items)
-        await wait_for(lambda: set(src.table.seqs) == all_uids and min(s.length for s in src.table.seqs.values()) >= 40, 10,
-                       "the source to be mid-way through every trajectory")  # fmt: skip
+        await wait_for(
+            lambda: (
+                set(src.table.seqs) == all_uids
+                and min(s.length for s in src.table.seqs.values()) >= 40
+            ),
+            10,
+            "the source to be mid-way through every trajectory",
+        )
         await h.start_node(RolloutNode(cfg, index=1, ctx=h.ctx))
         exp = await h.manager.srv.request(
             "rollout-0", ExportRequest(uids=sorted(all_uids)), timeout=5
@@ -92,8 +98,13 @@ async def test_sim_import_at_another_version_is_rejected(tmp_path):
 
 async def test_sim_without_relay_learns_versions_from_refresh_requests(tmp_path):
     # rollout.weights=auto, no relays, sim engine: the announce subscriber (no tensors to move)
-    cfg = make_cfg(tmp_path, cluster={"transport": "inproc", "roles": {"relay": 0, "rollout": 1}},
-                   rollout__sim=SIM, rollout__weights="auto", rollout__sampling={"max_tokens": 20})  # fmt: skip
+    cfg = make_cfg(
+        tmp_path,
+        cluster={"transport": "inproc", "roles": {"relay": 0, "rollout": 1}},
+        rollout__sim=SIM,
+        rollout__weights="auto",
+        rollout__sampling={"max_tokens": 20},
+    )
     async with harness(cfg, []) as h:
         node = await h.start_node(RolloutNode(cfg, index=0, ctx=h.ctx))
         assert node.source.name == "announce"

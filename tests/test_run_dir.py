@@ -128,8 +128,9 @@ def test_keys_refuse_to_overwrite_without_force(tmp_path: Path, capsys) -> None:
 
 
 def test_version() -> None:
-    out = subprocess.run([sys.executable, "-m", "laminar", "--version"],
-                         capture_output=True, text=True, timeout=30)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "laminar", "--version"], capture_output=True, text=True, timeout=30
+    )
     assert out.returncode == 0 and out.stdout.strip() == f"laminar {__version__}"
 
 
@@ -139,9 +140,19 @@ def test_a_finished_run_keeps_node_logs_removes_its_ipc_dir_and_is_refused_again
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"q{i}"}) + "\n" for i in range(16)))
     run, ipc = tmp_path / "run", short_dir / "ipc"
-    cmd = [sys.executable, "-m", "laminar", "run", str(SKELETON), f"run_dir={run}",
-           f"cluster.ipc_dir={ipc}", f"data.train={data}", "trainer.total_steps=2",
-           "trainer.batch_groups=1", "logging.progress_every_s=0"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "laminar",
+        "run",
+        str(SKELETON),
+        f"run_dir={run}",
+        f"cluster.ipc_dir={ipc}",
+        f"data.train={data}",
+        "trainer.total_steps=2",
+        "trainer.batch_groups=1",
+        "logging.progress_every_s=0",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_DEADLINE_S, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "trainer finished" in out.stderr

@@ -57,8 +57,17 @@ async def test_turn_lengths_are_drawn_per_turn_and_end_in_stop():
     await e.start()
     prior = np.arange(37, dtype=np.int32)  # turn 0 and the environment's answer
     lps = np.zeros(37, np.float32)
-    req = GenRequest("ep", PROMPT, SamplingParams(max_tokens=4000), 1, resume_ids=prior, resume_logprobs=lps,
-                     single=True, turn=2, turn_start=37)  # fmt: skip
+    req = GenRequest(
+        "ep",
+        PROMPT,
+        SamplingParams(max_tokens=4000),
+        1,
+        resume_ids=prior,
+        resume_logprobs=lps,
+        single=True,
+        turn=2,
+        turn_start=37,
+    )
     ids, _, reason = (await e.generate_all(req, timeout=10))["ep"]
     drawn = target_length(7, "ep", P50, TAIL, turn=2)
     assert reason == "stop" and len(ids) == drawn  # new tokens only: the turn is its drawn length
@@ -86,8 +95,17 @@ async def test_turn_zero_is_the_single_turn_draw_and_resume_keeps_the_target():
     full = turn_start = 50
     drawn = target_length(7, "m", P50, TAIL, turn=1)
     cut = turn_start + drawn // 2
-    req = GenRequest("m", PROMPT, SamplingParams(max_tokens=4000), 1, resume_ids=np.zeros(cut, np.int32),
-                     resume_logprobs=np.zeros(cut, np.float32), single=True, turn=1, turn_start=full)  # fmt: skip
+    req = GenRequest(
+        "m",
+        PROMPT,
+        SamplingParams(max_tokens=4000),
+        1,
+        resume_ids=np.zeros(cut, np.int32),
+        resume_logprobs=np.zeros(cut, np.float32),
+        single=True,
+        turn=1,
+        turn_start=full,
+    )
     ids, _, reason = (await e.generate_all(req, timeout=10))["m"]
     assert reason == "stop" and cut + len(ids) == turn_start + drawn
     # the episode's cap (max_tokens counts the whole response) ends a turn with "length"
@@ -104,8 +122,15 @@ def ctx(uid: str, turn: int, replay: bool = False, calls: int = 0) -> StepContex
 
 
 def test_sim_tool_env_draws():
-    env = SimToolEnv(seed=3, max_calls=8, p_call=0.8, latency_p50_s=0.5, latency_p99_s=10.0, obs_min=20,
-                     obs_max=200)  # fmt: skip
+    env = SimToolEnv(
+        seed=3,
+        max_calls=8,
+        p_call=0.8,
+        latency_p50_s=0.5,
+        latency_p99_s=10.0,
+        obs_min=20,
+        obs_max=200,
+    )
     again = SimToolEnv(seed=3, max_calls=8, p_call=0.8, latency_p50_s=0.5, latency_p99_s=10.0)
     uids = [f"u{i}" for i in range(4000)]
     calls = [env.tool_calls(u) for u in uids]
@@ -176,9 +201,17 @@ async def test_episodes_on_the_sim_engine():
         mask: list[int] = []
         turn, calls = 0, 0
         while True:
-            req = GenRequest(uid, PROMPT, SamplingParams(max_tokens=4000), 1, resume_ids=np.asarray(ids, np.int32),
-                             resume_logprobs=np.zeros(len(ids), np.float32), single=True, turn=turn,
-                             turn_start=len(ids))  # fmt: skip
+            req = GenRequest(
+                uid,
+                PROMPT,
+                SamplingParams(max_tokens=4000),
+                1,
+                resume_ids=np.asarray(ids, np.int32),
+                resume_logprobs=np.zeros(len(ids), np.float32),
+                single=True,
+                turn=turn,
+                turn_start=len(ids),
+            )
             new, _, reason = (await e.generate_all(req, timeout=10))[uid]
             assert reason == "stop" and len(new) == target_length(2, uid, P50, TAIL, turn)
             ids += new.tolist()
@@ -208,10 +241,27 @@ async def test_episodes_on_the_sim_engine():
 
 # ---- the simulator ------------------------------------------------------------------------------------
 
-SMALL = sim.SimParams(n_rollouts=16, trainer_s_per_token=1e-4, step_time_s=0.02, bound_b=16, max_running=32,
-                      kv_capacity_tokens=12000, prompt_tokens=16, length_p50=20, max_tokens=600, group_size=4,
-                      batch_groups=16, rollout_groups=4, buffer_capacity_groups=32, tool_calls_max=8, p_call=0.8,
-                      tool_latency_p50_s=0.2, tool_latency_p99_s=4.0, obs_tokens_min=5, obs_tokens_max=30)  # fmt: skip
+SMALL = sim.SimParams(
+    n_rollouts=16,
+    trainer_s_per_token=1e-4,
+    step_time_s=0.02,
+    bound_b=16,
+    max_running=32,
+    kv_capacity_tokens=12000,
+    prompt_tokens=16,
+    length_p50=20,
+    max_tokens=600,
+    group_size=4,
+    batch_groups=16,
+    rollout_groups=4,
+    buffer_capacity_groups=32,
+    tool_calls_max=8,
+    p_call=0.8,
+    tool_latency_p50_s=0.2,
+    tool_latency_p99_s=4.0,
+    obs_tokens_min=5,
+    obs_tokens_max=30,
+)
 
 
 def run(mode: str, seed: int = 0, **kw) -> dict:
@@ -260,8 +310,13 @@ def test_simulator_single_turn_unchanged_by_the_multiturn_fields():
         SMALL, tool_calls_max=0, length_p50=40, max_tokens=400, kv_capacity_tokens=6000
     )
     a = sim.simulate("laminar", params=single, seed=1, warmup_steps=3, measure_steps=8)
-    b = sim.simulate("laminar", params=replace(single, p_call=0.1, tool_latency_p50_s=9.0, tool_latency_p99_s=99.0),
-                     seed=1, warmup_steps=3, measure_steps=8)  # fmt: skip
+    b = sim.simulate(
+        "laminar",
+        params=replace(single, p_call=0.1, tool_latency_p50_s=9.0, tool_latency_p99_s=99.0),
+        seed=1,
+        warmup_steps=3,
+        measure_steps=8,
+    )
     assert a == b
 
 
@@ -277,7 +332,11 @@ def test_params_from_config_reads_the_sim_tool_env():
     )
     p = sim.params_from_config(cfg, 4)
     assert (p.tool_calls_max, p.p_call, p.tool_latency_p50_s, p.tool_latency_p99_s) == (
-        8, prm.p_call, prm.tool_latency_p50_s, prm.tool_latency_p99_s)  # fmt: skip
+        8,
+        prm.p_call,
+        prm.tool_latency_p50_s,
+        prm.tool_latency_p99_s,
+    )
     assert p.tool_latency_max_s == prm.tool_latency_max_s
     assert p.length_p50 == 50 and (p.obs_tokens_min, p.obs_tokens_max) == (
         prm.obs_tokens_min,
@@ -295,9 +354,24 @@ def test_emulated_multiturn_run(tmp_path):
     """One bench/cluster_run.py run on the multi-turn workload: the real rollouts drive SimToolEnv."""
     out = tmp_path / "fig.json"
     params = {"workload": "multiturn", "length_p50": 50, "warmup_s": 3, "window_s": 6}
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "cluster_run.py"), "run", "--mode", "laminar",
-                           "--n", "4", "--params", json.dumps(params), "--out", str(out)],
-                          capture_output=True, text=True, timeout=240)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "cluster_run.py"),
+            "run",
+            "--mode",
+            "laminar",
+            "--n",
+            "4",
+            "--params",
+            json.dumps(params),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     fig = json.loads(out.read_text())
     assert fig["steps_in_window"] >= 1 and fig["train_tok_s"] > 0

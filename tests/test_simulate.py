@@ -171,16 +171,30 @@ def test_measured_latencies_from_emulation_runs():
     sys.path.insert(0, str(ROOT / "bench"))
     import cluster  # noqa: E402  (bench/cluster.py)
 
-    old = {"weight_load_s": {"mean": 0.03}, "trainer_push_s_median": 0.006,
-           "repack": {"moves": 10, "overhead_s_mean": 0.08}}  # fmt: skip
+    old = {
+        "weight_load_s": {"mean": 0.03},
+        "trainer_push_s_median": 0.006,
+        "repack": {"moves": 10, "overhead_s_mean": 0.08},
+    }
     # runs of the code before status pushes and prompts-during-load: both mechanisms off
     assert cluster.measured_latencies([old], "laminar") == pytest.approx(
-        {"relay_pull_s": 0.03, "actor_push_s": 0.006, "repack_move_s": 0.08,
-         "prompt_during_load": False, "status_push_min_s": 0.0}
-    )  # fmt: skip
-    new = {**old, "manager_partials": {"move_export_s": {"mean": 0.02}, "move_place_s": {"mean": 0.03},
-                                       "repack_status_age_s": {"mean": 0.05}},
-           "rollout_partials": {"prompt_rtt_idle_s": {"mean": 0.025}}}  # fmt: skip
+        {
+            "relay_pull_s": 0.03,
+            "actor_push_s": 0.006,
+            "repack_move_s": 0.08,
+            "prompt_during_load": False,
+            "status_push_min_s": 0.0,
+        }
+    )
+    new = {
+        **old,
+        "manager_partials": {
+            "move_export_s": {"mean": 0.02},
+            "move_place_s": {"mean": 0.03},
+            "repack_status_age_s": {"mean": 0.05},
+        },
+        "rollout_partials": {"prompt_rtt_idle_s": {"mean": 0.025}},
+    }
     lat = cluster.measured_latencies([new], "laminar")
     assert lat["repack_move_s"] == pytest.approx(0.04)  # half the export + the import
     assert lat["status_age_s"] == pytest.approx(0.1) and lat["prompt_rtt_s"] == pytest.approx(0.025)
@@ -229,8 +243,10 @@ def test_prompts_asked_during_the_load():
         assert b["rollout_idle_frac"] < a["rollout_idle_frac"]
         assert b["pulls"] > 0
     # with no round trip to hide there is nothing to gain: the same run
-    assert run("laminar_norepack", relay_pull_s=0.3, prompt_during_load=True)["throughput_tok_s"] == (
-        run("laminar_norepack", relay_pull_s=0.3)["throughput_tok_s"])  # fmt: skip
+    assert (
+        run("laminar_norepack", relay_pull_s=0.3, prompt_during_load=True)["throughput_tok_s"]
+        == (run("laminar_norepack", relay_pull_s=0.3)["throughput_tok_s"])
+    )
 
 
 def test_bounded_concurrent_moves_wait_for_a_slot():
@@ -281,8 +297,13 @@ def test_params_from_config_matches_the_emulation():
     assert p.status_push_min_s == cfg.rollout.status_push_min_s > 0
     off = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"status_push": False})})
     assert sim.params_from_config(off, 8).status_push_min_s == 0.0
-    norepack = cfg.model_copy(update={"manager": cfg.manager.model_copy(
-        update={"repack": cfg.manager.repack.model_copy(update={"enabled": False})})})  # fmt: skip
+    norepack = cfg.model_copy(
+        update={
+            "manager": cfg.manager.model_copy(
+                update={"repack": cfg.manager.repack.model_copy(update={"enabled": False})}
+            )
+        }
+    )
     assert sim.params_from_config(norepack, 8).status_push_min_s == 0.0
     out = sim.simulate("laminar", params=p, warmup_steps=2, measure_steps=3)
     assert out["throughput_tok_s"] > 0 and out["n_rollouts"] == 8

@@ -34,10 +34,15 @@ from laminar.rewards.runner import RewardRunner
 from tests.test_buffer_node import Harness, make_cfg, prompts
 
 VERL_ROWS = [
-    {"data_source": "toy/add", "prompt": [{"role": "user", "content": f"{i}+{i}="}], "ability": "math",
-     "reward_model": {"style": "rule", "ground_truth": str(2 * i)}, "extra_info": {"index": i}}
+    {
+        "data_source": "toy/add",
+        "prompt": [{"role": "user", "content": f"{i}+{i}="}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": str(2 * i)},
+        "extra_info": {"index": i},
+    }
     for i in range(12)
-]  # fmt: skip
+]
 
 
 def reads_answer(prompt: str, completion: str, **row: Any) -> float:
@@ -48,10 +53,20 @@ def reads_answer(prompt: str, completion: str, **row: Any) -> float:
 def traj(
     item: PromptItem, i: int, reward: float | None, info: dict[str, Any] | None = None
 ) -> Trajectory:
-    return Trajectory(uid=f"{item.group_id}/{i}", group_id=item.group_id, prompt_uid=item.uid, sample_index=i,
-                      prompt_ids=item.prompt_ids, response_ids=np.arange(3, dtype=np.int32),
-                      logprobs=np.full(3, -1.0, np.float32), version=0, reward=reward,
-                      reward_info=info or {}, prompt=item.prompt, row=item.row)  # fmt: skip
+    return Trajectory(
+        uid=f"{item.group_id}/{i}",
+        group_id=item.group_id,
+        prompt_uid=item.uid,
+        sample_index=i,
+        prompt_ids=item.prompt_ids,
+        response_ids=np.arange(3, dtype=np.int32),
+        logprobs=np.full(3, -1.0, np.float32),
+        version=0,
+        reward=reward,
+        reward_info=info or {},
+        prompt=item.prompt,
+        row=item.row,
+    )
 
 
 async def test_missing_field_warns_with_counts_and_shows_in_status(tmp_path: Path, capsys) -> None:
@@ -118,21 +133,42 @@ async def test_missing_field_warns_with_counts_and_shows_in_status(tmp_path: Pat
 
 
 def _watch(tmp_path: Path, clock: list[float], **knobs: Any) -> tuple[StallWatch, Ledger, Metrics]:
-    state = ExperienceState(group_size=2, lost_member_policy="release_partial",
-                            admission=Admission.for_mode("laminar", 2))  # fmt: skip
+    state = ExperienceState(
+        group_size=2,
+        lost_member_policy="release_partial",
+        admission=Admission.for_mode("laminar", 2),
+    )
     metrics = Metrics()
     ledger = Ledger(state, None, 1 << 20, metrics, structlog.get_logger("test"))
     bc = BufferConfig(**{"stall_window": 64, "stall_warn_after_s": 30.0, **knobs})
-    watch = StallWatch(bc, "my.rewards:score", state, metrics, structlog.get_logger("test"),
-                       clock=lambda: clock[0])  # fmt: skip
+    watch = StallWatch(
+        bc, "my.rewards:score", state, metrics, structlog.get_logger("test"), clock=lambda: clock[0]
+    )
     return watch, ledger, metrics
 
 
 def _serve(ledger: Ledger, k: int, start: int = 0) -> list[PromptItem]:
-    items = [PromptItem(uid=f"p{j}", group_id=f"p{j}@0#{j}", prompt_ids=np.arange(2, dtype=np.int32), n=2,
-                        prompt=f"q{j}", row={"question": f"q{j}"}) for j in range(start, start + k)]  # fmt: skip
-    ledger.record("served", {"groups": [{"group_id": it.group_id, "uid": it.uid, "n": 2, "version": 0,
-                                         "item": i} for i, it in enumerate(items)]}, items)  # fmt: skip
+    items = [
+        PromptItem(
+            uid=f"p{j}",
+            group_id=f"p{j}@0#{j}",
+            prompt_ids=np.arange(2, dtype=np.int32),
+            n=2,
+            prompt=f"q{j}",
+            row={"question": f"q{j}"},
+        )
+        for j in range(start, start + k)
+    ]
+    ledger.record(
+        "served",
+        {
+            "groups": [
+                {"group_id": it.group_id, "uid": it.uid, "n": 2, "version": 0, "item": i}
+                for i, it in enumerate(items)
+            ]
+        },
+        items,
+    )
     return items
 
 
@@ -200,18 +236,54 @@ def test_none_fraction_is_judged_over_the_window(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("info", "finish", "builtin", "cause", "field"),
     [
-        ({"error": "KeyError: 'answer'", "error_kind": "exception"}, "stop", False,
-         "the reward read a field the row does not have: 'answer'", "answer"),
-        ({"error": "TypeError: score() missing 1 required positional argument: 'solution'",
-          "error_kind": "exception"}, "stop", False, "does not have: 'solution'", "solution"),
-        ({"error": "ValueError: bad", "error_kind": "exception"}, "stop", False,
-         "the reward failed (exception): ValueError: bad", None),
-        ({"error": "reward exceeded 10.0s", "error_kind": "timeout"}, "stop", False, "failed (timeout)", None),
-        ({"error": "engine error", "error_kind": "engine"}, "error", False, "the engine failed", None),
-        ({}, "stop", True, "found no 'answer' or 'ground_truth' or 'reward_model.ground_truth'", "answer"),
+        (
+            {"error": "KeyError: 'answer'", "error_kind": "exception"},
+            "stop",
+            False,
+            "the reward read a field the row does not have: 'answer'",
+            "answer",
+        ),
+        (
+            {
+                "error": "TypeError: score() missing 1 required positional argument: 'solution'",
+                "error_kind": "exception",
+            },
+            "stop",
+            False,
+            "does not have: 'solution'",
+            "solution",
+        ),
+        (
+            {"error": "ValueError: bad", "error_kind": "exception"},
+            "stop",
+            False,
+            "the reward failed (exception): ValueError: bad",
+            None,
+        ),
+        (
+            {"error": "reward exceeded 10.0s", "error_kind": "timeout"},
+            "stop",
+            False,
+            "failed (timeout)",
+            None,
+        ),
+        (
+            {"error": "engine error", "error_kind": "engine"},
+            "error",
+            False,
+            "the engine failed",
+            None,
+        ),
+        (
+            {},
+            "stop",
+            True,
+            "found no 'answer' or 'ground_truth' or 'reward_model.ground_truth'",
+            "answer",
+        ),
         ({}, "stop", False, "the reward returned None", ""),
     ],
-)  # fmt: skip
+)
 def test_none_cause(
     info: dict[str, Any], finish: str, builtin: bool, cause: str, field: str | None
 ) -> None:
@@ -231,20 +303,33 @@ async def test_verl_parquet_with_builtin_reward_trains_on_a_real_cluster(tmp_pat
     from laminar.config import config_from_dict
     from laminar.models.tiny import build_tiny_model
 
-    model = build_tiny_model(tmp_path / "model", hidden=32, layers=1, heads=2, kv_heads=1,
-                             max_positions=128)  # fmt: skip
+    model = build_tiny_model(
+        tmp_path / "model", hidden=32, layers=1, heads=2, kv_heads=1, max_positions=128
+    )
     pq.write_table(pa.Table.from_pylist(VERL_ROWS[:4]), tmp_path / "train.parquet")
-    cfg = config_from_dict({
-        "name": "verl-e2e", "run_dir": str(tmp_path / "run"),
-        "cluster": {"transport": "inproc", "roles": {"manager": 1, "buffer": 1, "rollout": 1}},
-        "transport": {"heartbeat_interval_s": 0.1, "heartbeat_liveness": 10, "startup_timeout_s": 30.0,
-                      "stop_timeout_s": 5.0},
-        "model": {"path": str(model)},
-        "data": {"train": str(tmp_path / "train.parquet"), "epochs": 1, "shuffle": False},
-        "reward": {"fn": "laminar.rewards.builtin:math_verify", "workers": 0},
-        "rollout": {"engine": "torch", "group_size": 2, "credits": 4, "sampling": {"max_tokens": 6}},
-        "buffer": {"retry_after_s": 0.05, "stall_window": 8},
-    })  # fmt: skip
+    cfg = config_from_dict(
+        {
+            "name": "verl-e2e",
+            "run_dir": str(tmp_path / "run"),
+            "cluster": {"transport": "inproc", "roles": {"manager": 1, "buffer": 1, "rollout": 1}},
+            "transport": {
+                "heartbeat_interval_s": 0.1,
+                "heartbeat_liveness": 10,
+                "startup_timeout_s": 30.0,
+                "stop_timeout_s": 5.0,
+            },
+            "model": {"path": str(model)},
+            "data": {"train": str(tmp_path / "train.parquet"), "epochs": 1, "shuffle": False},
+            "reward": {"fn": "laminar.rewards.builtin:math_verify", "workers": 0},
+            "rollout": {
+                "engine": "torch",
+                "group_size": 2,
+                "credits": 4,
+                "sampling": {"max_tokens": 6},
+            },
+            "buffer": {"retry_after_s": 0.05, "stall_window": 8},
+        }
+    )
     async with LocalCluster(cfg) as cluster:
         buf = cluster.node("buffer-0")
         deadline = asyncio.get_running_loop().time() + 60

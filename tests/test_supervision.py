@@ -111,10 +111,20 @@ def test_kill_9_of_a_rollout_under_laminar_run_is_restarted_and_the_job_complete
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"q{i}"}) + "\n" for i in range(64)))
     run, ipc = tmp_path / "run", short_dir / "ipc"
-    cmd = [sys.executable, "-m", "laminar", "run", str(SKELETON), f"run_dir={run}",
-           f"cluster.ipc_dir={ipc}", f"data.train={data}", "trainer.total_steps=4",
-           "trainer.batch_groups=1", "logging.progress_every_s=0",
-           "cluster.restart.backoff_s=0.2"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "laminar",
+        "run",
+        str(SKELETON),
+        f"run_dir={run}",
+        f"cluster.ipc_dir={ipc}",
+        f"data.train={data}",
+        "trainer.total_steps=4",
+        "trainer.batch_groups=1",
+        "logging.progress_every_s=0",
+        "cluster.restart.backoff_s=0.2",
+    ]
     log = tmp_path / "launcher.log"
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=tmp_path)
     seen: set[int] = set()
@@ -174,10 +184,23 @@ def test_host_daemons_restarts_a_dead_node_and_ends_when_the_trainer_finishes(
     fake = tmp_path / "laminar"
     fake.write_text(FAKE_LAMINAR)
     fake.chmod(0o755)
-    env = dict(os.environ, HOST_INDEX="0", ROLLOUTS="1", LAMINAR=str(fake), BACKOFF_S="0",
-               MARK=str(tmp_path / "died"), STOP_TIMEOUT_S="5")  # fmt: skip
-    proc = subprocess.Popen(["bash", str(SCRIPT), "cfg.yaml"], env=env, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    env = dict(
+        os.environ,
+        HOST_INDEX="0",
+        ROLLOUTS="1",
+        LAMINAR=str(fake),
+        BACKOFF_S="0",
+        MARK=str(tmp_path / "died"),
+        STOP_TIMEOUT_S="5",
+    )
+    proc = subprocess.Popen(
+        ["bash", str(SCRIPT), "cfg.yaml"],
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         out, _ = proc.communicate(timeout=60)
     finally:
@@ -205,10 +228,17 @@ def test_host_daemons_stops_in_order_on_sigterm(tmp_path: Path) -> None:
     fake.write_text(FAKE_NODE)
     fake.chmod(0o755)
     up.mkdir()
-    env = dict(os.environ, HOST_INDEX="0", ROLLOUTS="1", LAMINAR=str(fake), UP=str(up),
-               STOP_TIMEOUT_S="5")  # fmt: skip
-    proc = subprocess.Popen(["bash", str(SCRIPT), "cfg.yaml"], env=env, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    env = dict(
+        os.environ, HOST_INDEX="0", ROLLOUTS="1", LAMINAR=str(fake), UP=str(up), STOP_TIMEOUT_S="5"
+    )
+    proc = subprocess.Popen(
+        ["bash", str(SCRIPT), "cfg.yaml"],
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     roles = ["trainer", "rollout", "buffer", "relay", "manager"]
     try:
         deadline = time.monotonic() + 60

@@ -25,10 +25,18 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_shortened_tool_demo_learns_to_call_the_tool(tmp_path: Path):
     run_dir = tmp_path / "tool-demo"
-    cmd = [sys.executable, "-m", "laminar.demo.tooldemo", f"run_dir={run_dir}",
-           f"extra.demo.cache_dir={tmp_path / 'cache'}", "extra.demo.warmup_steps=1500",
-           "trainer.total_steps=40", "extra.demo.eval_rows=300", "extra.demo.curve_eval_rows=150",
-           "extra.demo.curve_points=3"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "laminar.demo.tooldemo",
+        f"run_dir={run_dir}",
+        f"extra.demo.cache_dir={tmp_path / 'cache'}",
+        "extra.demo.warmup_steps=1500",
+        "trainer.total_steps=40",
+        "extra.demo.eval_rows=300",
+        "extra.demo.curve_eval_rows=150",
+        "extra.demo.curve_points=3",
+    ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -153,9 +153,12 @@ def test_alphabet_covers_every_character(tok):
             for s in ("tool", "direct", "habit")
         ]
     # what the environment may answer besides a number: error observations
-    texts += ["error: CalculatorError: not an expression: invalid syntax",
-              "error: unknown tool 'python' (tools: calculator)", "error: tool call limit reached (max_tool_calls=2)",
-              "error: bad_call: tool call is not valid JSON: Expecting value: line 1 column 1 (char 0)"]  # fmt: skip
+    texts += [
+        "error: CalculatorError: not an expression: invalid syntax",
+        "error: unknown tool 'python' (tools: calculator)",
+        "error: tool call limit reached (max_tool_calls=2)",
+        "error: bad_call: tool call is not valid JSON: Expecting value: line 1 column 1 (char 0)",
+    ]
     chars = set("".join(texts))
     assert chars <= set(tu.ALPHABET), chars - set(tu.ALPHABET)
     for t in texts:
@@ -182,9 +185,19 @@ class _ScriptedEngine:
 def _episode(tok, turns: list[str], limits: EnvLimits | None = None, max_tokens: int = 160):
     engine = _ScriptedEngine(tok, turns)
     row = {"prompt": "47*86=?", "answer": "4042", "kind": "hard"}
-    ep = asyncio.run(run_episode(engine, tok, ToolEnv(tools=["calculator"]), DirectToolClient(), row, "u1",
-                                 SamplingParams(temperature=0.0, max_tokens=max_tokens), limits or EnvLimits(max_turns=3),
-                                 TurnTemplate(tok)))  # fmt: skip
+    ep = asyncio.run(
+        run_episode(
+            engine,
+            tok,
+            ToolEnv(tools=["calculator"]),
+            DirectToolClient(),
+            row,
+            "u1",
+            SamplingParams(temperature=0.0, max_tokens=max_tokens),
+            limits or EnvLimits(max_turns=3),
+            TurnTemplate(tok),
+        )
+    )
     return ep, engine
 
 
@@ -216,8 +229,13 @@ def test_episode_loop_limits_and_tool_errors(tok):
 
 def test_summary_and_markdown():
     def res(acc, rate):
-        return {"accuracy": acc, "prompts": 300, "tool_rate": rate,
-                "hard": {"accuracy": acc, "tool_rate": rate}, "easy": {"accuracy": 0.9, "tool_rate": 0.0}}  # fmt: skip
+        return {
+            "accuracy": acc,
+            "prompts": 300,
+            "tool_rate": rate,
+            "hard": {"accuracy": acc, "tool_rate": rate},
+            "easy": {"accuracy": 0.9, "tool_rate": 0.0},
+        }
 
     before = res(0.2, 0.0)
     curve = [

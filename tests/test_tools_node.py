@@ -32,14 +32,32 @@ APPEND = "test_tools_sandbox:append_line"
 
 
 def make_cfg(tmp: Path) -> LaminarConfig:
-    return config_from_dict({
-        "name": f"tn{os.getpid()}", "run_dir": str(tmp / "run"),
-        "cluster": {"transport": "ipc", "ipc_dir": tempfile.mkdtemp(prefix="lamt-", dir="/tmp")},
-        "transport": {"heartbeat_interval_s": 0.05, "heartbeat_liveness": 20, "handshake_timeout_s": 1.0,
-                      "request_timeout_s": 5.0, "request_retries": 0, "stop_timeout_s": 2.0},
-        "tools": {"tools": ["python", "calculator", APPEND], "workers": 2, "wall_s": 1.0,
-                  "memory_mb": 64, "max_output_bytes": 1024, "call_timeout_s": 10.0},
-    })  # fmt: skip
+    return config_from_dict(
+        {
+            "name": f"tn{os.getpid()}",
+            "run_dir": str(tmp / "run"),
+            "cluster": {
+                "transport": "ipc",
+                "ipc_dir": tempfile.mkdtemp(prefix="lamt-", dir="/tmp"),
+            },
+            "transport": {
+                "heartbeat_interval_s": 0.05,
+                "heartbeat_liveness": 20,
+                "handshake_timeout_s": 1.0,
+                "request_timeout_s": 5.0,
+                "request_retries": 0,
+                "stop_timeout_s": 2.0,
+            },
+            "tools": {
+                "tools": ["python", "calculator", APPEND],
+                "workers": 2,
+                "wall_s": 1.0,
+                "memory_mb": 64,
+                "max_output_bytes": 1024,
+                "call_timeout_s": 10.0,
+            },
+        }
+    )
 
 
 async def start(node: Node) -> asyncio.Task[None]:

@@ -53,8 +53,14 @@ async def make_pool() -> AsyncIterator[MakePool]:
     pools: list[SandboxPool] = []
 
     async def make(tools: list[str] | None = None, **kw: object) -> SandboxPool:
-        base: dict[str, object] = {"workers": 1, "wall_s": 1.0, "cpu_s": 5.0, "memory_mb": 64,
-                                   "max_output_bytes": 1024, "network": "auto"}  # fmt: skip
+        base: dict[str, object] = {
+            "workers": 1,
+            "wall_s": 1.0,
+            "cpu_s": 5.0,
+            "memory_mb": 64,
+            "max_output_bytes": 1024,
+            "network": "auto",
+        }
         base.update(kw)
         pool = SandboxPool(
             ToolsConfig(**base), Registry.from_entries(tools or ["python", "calculator"])
@@ -85,11 +91,14 @@ async def test_hostile_calls_get_error_observations_and_the_worker_keeps_serving
         ("import ctypes; ctypes.string_at(0)", "crash"),
         ("b'x' * (10**10)", "memory"),
         ("l = []\nwhile True: l.append(bytearray(10**6))", "memory"),
-        (f"import socket; s = socket.socket(); s.settimeout(0.5); s.connect(('127.0.0.1', {port}))", "network"),
+        (
+            f"import socket; s = socket.socket(); s.settimeout(0.5); s.connect(('127.0.0.1', {port}))",
+            "network",
+        ),
         ("import socket; socket.create_connection(('1.1.1.1', 80), timeout=0.5)", "network"),
         ("print('x' * 5000)", "output_limit"),
         ("while True: print('flood')", "output_limit"),
-    ]  # fmt: skip
+    ]
     try:
         for i, (code, kind) in enumerate(cases):
             t0 = time.monotonic()
@@ -148,8 +157,20 @@ def test_calculator_is_safe_arithmetic():
     assert calculator("7 // 2 + 7 % 3") == "4"
     assert calculator("1 / 4") == "0.25"
     assert calculator(" 10**30 + 1 ") == str(10**30 + 1)
-    for expr in ["9**9**9", "2**100000", "x + 1", "abs(-1)", "[1]", "'a' * 3", "1 if 1 else 2",
-                 "(10**4000) * (10**4000)", "1 +", "True + 1", "1j * 1j", "1" * 3000]:  # fmt: skip
+    for expr in [
+        "9**9**9",
+        "2**100000",
+        "x + 1",
+        "abs(-1)",
+        "[1]",
+        "'a' * 3",
+        "1 if 1 else 2",
+        "(10**4000) * (10**4000)",
+        "1 +",
+        "True + 1",
+        "1j * 1j",
+        "1" * 3000,
+    ]:
         with pytest.raises(CalculatorError):
             calculator(expr)
     with pytest.raises(ZeroDivisionError):

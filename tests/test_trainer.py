@@ -29,11 +29,15 @@ def tiny(tmp_path_factory):
 
 def make_cfg(model_path, run_dir, **trainer):
     tr = {"lr": 3e-3, "total_steps": 20, "micro_batch_tokens": 4096, "grad_clip": 10.0, **trainer}
-    return config_from_dict({
-        "run_dir": str(run_dir), "model": {"path": model_path},
-        "trainer": tr, "algo": {"advantage": "grpo", "is_mode": "truncate"},
-        "rollout": {"sampling": {"temperature": 1.0, "max_tokens": 16}},
-    })  # fmt: skip
+    return config_from_dict(
+        {
+            "run_dir": str(run_dir),
+            "model": {"path": model_path},
+            "trainer": tr,
+            "algo": {"advantage": "grpo", "is_mode": "truncate"},
+            "rollout": {"sampling": {"temperature": 1.0, "max_tokens": 16}},
+        }
+    )
 
 
 def make_trajs(n_groups=4, group=4, seed=0, vocab=(4, 40), version=0, behav=None):
@@ -45,9 +49,19 @@ def make_trajs(n_groups=4, group=4, seed=0, vocab=(4, 40), version=0, behav=None
         for i in range(group):
             resp = rng.integers(*vocab, size=rng.integers(2, 9)).astype(np.int32)
             lp = np.full(len(resp), -3.0, dtype=np.float32) if behav is None else behav(resp)
-            out.append(Trajectory(uid=f"s{seed}g{g}/{i}", group_id=f"s{seed}g{g}", prompt_uid=f"p{g}", sample_index=i,
-                                  prompt_ids=prompt, response_ids=resp, logprobs=lp, version=version,
-                                  reward=float(resp[0] % 2 == 0)))  # fmt: skip
+            out.append(
+                Trajectory(
+                    uid=f"s{seed}g{g}/{i}",
+                    group_id=f"s{seed}g{g}",
+                    prompt_uid=f"p{g}",
+                    sample_index=i,
+                    prompt_ids=prompt,
+                    response_ids=resp,
+                    logprobs=lp,
+                    version=version,
+                    reward=float(resp[0] % 2 == 0),
+                )
+            )
     return out
 
 
@@ -93,8 +107,22 @@ def test_loss_decreases_and_parameters_change(tiny, tmp_path):
 def test_step_metrics_cover_the_algorithm(tiny, tmp_path):
     policy = Policy(make_cfg(tiny, tmp_path), tiny)
     m = policy.train_step(TrainBatch.build(on_policy(policy, make_trajs())))
-    for key in ("loss", "grad_norm", "lr", "reward", "adv/mean", "entropy", "is/w", "is/w_max", "is/ess",
-                "mismatch/kl_k3", "frac/clip", "frac/is_truncated", "response_len/mean", "tokens"):  # fmt: skip
+    for key in (
+        "loss",
+        "grad_norm",
+        "lr",
+        "reward",
+        "adv/mean",
+        "entropy",
+        "is/w",
+        "is/w_max",
+        "is/ess",
+        "mismatch/kl_k3",
+        "frac/clip",
+        "frac/is_truncated",
+        "response_len/mean",
+        "tokens",
+    ):
         assert key in m and math.isfinite(m[key]), key
     # on-policy data: the behaviour weight is ~1 everywhere
     assert abs(m["is/w"] - 1) < 1e-4 and m["is/ess"] > 0.999

@@ -65,9 +65,21 @@ def test_two_rank_fsdp_matches_one_process(tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [torchrun, "--standalone", "--nproc_per_node", "2", str(ROOT / "tests" / "fsdp_worker.py"), model, str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            torchrun,
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(ROOT / "tests" / "fsdp_worker.py"),
+            model,
+            str(out),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads((out / "result.json").read_text())
     ref = assert_matches_one_process(res, out, model, tmp_path)
@@ -101,13 +113,29 @@ async def test_two_rank_trainer_node_against_the_buffer_protocol(tmp_path, short
         pytest.skip("torchrun not found")
     model = str(build_tiny_model(tmp_path / "model", hidden=32, layers=2, heads=2, kv_heads=1))
     cfg_path = tmp_path / "cfg.yaml"
-    cfg_path.write_text(yaml.safe_dump({
-        "name": "fsdpnode", "run_dir": str(tmp_path / "run"), "model": {"path": model},
-        "cluster": {"transport": "ipc", "ipc_dir": str(short_dir), "roles": {"relay": 0}},
-        "transport": {"heartbeat_interval_s": 0.2, "heartbeat_liveness": 10, "startup_timeout_s": 120},
-        "trainer": {"total_steps": 3, "batch_groups": 2, "checkpoint_every": 2, "batch_wait_s": 0.5,
-                    "micro_batch_tokens": 48, "lr": 1e-3},
-    }))  # fmt: skip
+    cfg_path.write_text(
+        yaml.safe_dump(
+            {
+                "name": "fsdpnode",
+                "run_dir": str(tmp_path / "run"),
+                "model": {"path": model},
+                "cluster": {"transport": "ipc", "ipc_dir": str(short_dir), "roles": {"relay": 0}},
+                "transport": {
+                    "heartbeat_interval_s": 0.2,
+                    "heartbeat_liveness": 10,
+                    "startup_timeout_s": 120,
+                },
+                "trainer": {
+                    "total_steps": 3,
+                    "batch_groups": 2,
+                    "checkpoint_every": 2,
+                    "batch_wait_s": 0.5,
+                    "micro_batch_tokens": 48,
+                    "lr": 1e-3,
+                },
+            }
+        )
+    )
     cfg = load_config(cfg_path)
     ctx = new_context()
     opts = SocketOptions.from_config(cfg)
@@ -117,10 +145,22 @@ async def test_two_rank_trainer_node_against_the_buffer_protocol(tmp_path, short
     await mgr.srv.start()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = await asyncio.create_subprocess_exec(
-        torchrun, "--standalone", "--nproc_per_node", "2", "-m", "laminar", "node", "--role", "trainer",
-        "--config", str(cfg_path), cwd=str(ROOT), env=env,
-        stdout=subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
+        torchrun,
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "laminar",
+        "node",
+        "--role",
+        "trainer",
+        "--config",
+        str(cfg_path),
+        cwd=str(ROOT),
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
     try:
         _, err = await asyncio.wait_for(proc.communicate(), 300)
     except TimeoutError:

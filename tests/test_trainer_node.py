@@ -92,12 +92,21 @@ def node_cfg(tmp_path: Path, model_path: str | None, **trainer):
         "micro_batch_tokens": 256,
         **trainer,
     }
-    return config_from_dict({
-        "name": f"tn{abs(hash(str(tmp_path))) % 10**8}", "run_dir": str(tmp_path / "run"),
-        "model": {"path": model_path}, "trainer": t, "cluster": {"transport": "inproc", "roles": {"relay": 0}},
-        "transport": {"heartbeat_interval_s": 0.05, "request_timeout_s": 2.0, "startup_timeout_s": 5.0},
-        "rollout": {"sampling": {"max_tokens": 16}},
-    })  # fmt: skip
+    return config_from_dict(
+        {
+            "name": f"tn{abs(hash(str(tmp_path))) % 10**8}",
+            "run_dir": str(tmp_path / "run"),
+            "model": {"path": model_path},
+            "trainer": t,
+            "cluster": {"transport": "inproc", "roles": {"relay": 0}},
+            "transport": {
+                "heartbeat_interval_s": 0.05,
+                "request_timeout_s": 2.0,
+                "startup_timeout_s": 5.0,
+            },
+            "rollout": {"sampling": {"max_tokens": 16}},
+        }
+    )
 
 
 @pytest.fixture

@@ -34,10 +34,20 @@ def _trajs(n_groups: int = 3, group: int = 4, seed: int = 0, vocab: int = 40) ->
             if g == 1 and i == 0 and n > 3:  # a tool turn: tokens 1..2 are the environment's
                 mask = np.ones(n, dtype=np.int8)
                 mask[1:3] = 0
-            out.append(Trajectory(uid=f"g{g}/{i}", group_id=f"g{g}", prompt_uid=f"p{g}", sample_index=i,
-                                  prompt_ids=prompt, response_ids=rng.integers(3, vocab, size=n),
-                                  logprobs=np.full(n, -3.0, dtype=np.float32), version=0,
-                                  reward=float(i % 2), loss_mask=mask))  # fmt: skip
+            out.append(
+                Trajectory(
+                    uid=f"g{g}/{i}",
+                    group_id=f"g{g}",
+                    prompt_uid=f"p{g}",
+                    sample_index=i,
+                    prompt_ids=prompt,
+                    response_ids=rng.integers(3, vocab, size=n),
+                    logprobs=np.full(n, -3.0, dtype=np.float32),
+                    version=0,
+                    reward=float(i % 2),
+                    loss_mask=mask,
+                )
+            )
     return out
 
 
@@ -85,9 +95,17 @@ def test_rope_table_grows_past_its_first_length():
     model = _model("llama")  # max_position_embeddings 64; the table starts at 512 and must grow
     fwd = PackedForward(model)
     n0 = fwd.cos.shape[0]
-    long = Trajectory(uid="a/0", group_id="a", prompt_uid="a", sample_index=0,
-                      prompt_ids=np.arange(3, 3 + n0 + 5) % 37 + 3, response_ids=np.array([5, 6]),
-                      logprobs=np.zeros(2, np.float32), version=0, reward=1.0)  # fmt: skip
+    long = Trajectory(
+        uid="a/0",
+        group_id="a",
+        prompt_uid="a",
+        sample_index=0,
+        prompt_ids=np.arange(3, 3 + n0 + 5) % 37 + 3,
+        response_ids=np.array([5, 6]),
+        logprobs=np.zeros(2, np.float32),
+        version=0,
+        reward=1.0,
+    )
     batch = TrainBatch.build([long])
     mb = collate(batch, [0])
     mb.layout = PackedLayout.build(batch.samples)
@@ -118,13 +136,21 @@ def test_pack_by_prompt_keeps_groups_together_within_budget():
 
 
 def _policy(model_path, run_dir, forward: str, **algo) -> Policy:
-    cfg = config_from_dict({
-        "run_dir": str(run_dir), "model": {"path": model_path},
-        "trainer": {"lr": 1e-2, "total_steps": 5, "micro_batch_tokens": 40, "minibatches": 2,
-                    "forward": forward},
-        "algo": {"advantage": "grpo", "is_mode": "truncate", **algo},
-        "rollout": {"sampling": {"temperature": 0.7, "max_tokens": 16}},
-    })  # fmt: skip
+    cfg = config_from_dict(
+        {
+            "run_dir": str(run_dir),
+            "model": {"path": model_path},
+            "trainer": {
+                "lr": 1e-2,
+                "total_steps": 5,
+                "micro_batch_tokens": 40,
+                "minibatches": 2,
+                "forward": forward,
+            },
+            "algo": {"advantage": "grpo", "is_mode": "truncate", **algo},
+            "rollout": {"sampling": {"temperature": 0.7, "max_tokens": 16}},
+        }
+    )
     torch.manual_seed(0)
     return Policy(cfg, model_path)
 

@@ -55,16 +55,33 @@ def write_config(tmp: Path, ipc_dir: Path, model: str) -> Path:
         )
     )
     cfg = {
-        "name": "recov", "run_dir": str(tmp / "run"), "model": {"path": model},
-        "cluster": {"transport": "ipc", "ipc_dir": str(ipc_dir), "roles": {"manager": 1, "buffer": 1, "relay": 0, "trainer": 1, "rollout": 0}},
-        "transport": {"heartbeat_interval_s": 0.2, "heartbeat_liveness": 10, "startup_timeout_s": 60, "request_timeout_s": 5},
+        "name": "recov",
+        "run_dir": str(tmp / "run"),
+        "model": {"path": model},
+        "cluster": {
+            "transport": "ipc",
+            "ipc_dir": str(ipc_dir),
+            "roles": {"manager": 1, "buffer": 1, "relay": 0, "trainer": 1, "rollout": 0},
+        },
+        "transport": {
+            "heartbeat_interval_s": 0.2,
+            "heartbeat_liveness": 10,
+            "startup_timeout_s": 60,
+            "request_timeout_s": 5,
+        },
         "data": {"train": str(data), "chat_template": False, "shuffle": False},
         "rollout": {"group_size": 2, "sampling": {"max_tokens": 8}},
         "buffer": {"fsync": "never"},
-        "trainer": {"total_steps": 3, "batch_groups": 2, "checkpoint_every": 1, "batch_wait_s": 0.5,
-                    "lr": 1e-3, "micro_batch_tokens": 512},
+        "trainer": {
+            "total_steps": 3,
+            "batch_groups": 2,
+            "checkpoint_every": 1,
+            "batch_wait_s": 0.5,
+            "lr": 1e-3,
+            "micro_batch_tokens": 512,
+        },
         "logging": {"level": "info", "json_logs": True},
-    }  # fmt: skip
+    }
     path = tmp / "cfg.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -87,9 +104,19 @@ async def fill_buffer(cfg, ctx, groups: int) -> None:
             for item in reply.items:
                 for i in range(item.n):
                     resp = rng.integers(4, 20, size=int(rng.integers(2, 6))).astype(np.int32)
-                    t = Trajectory(uid=f"{item.group_id}/{i}", group_id=item.group_id, prompt_uid=item.uid, sample_index=i,
-                                   prompt_ids=item.prompt_ids, response_ids=resp, logprobs=np.full(len(resp), -2.0, np.float32),
-                                   version=0, finish_reason="stop", reward=float(i % 2), rollout_id="rollout-0")  # fmt: skip
+                    t = Trajectory(
+                        uid=f"{item.group_id}/{i}",
+                        group_id=item.group_id,
+                        prompt_uid=item.uid,
+                        sample_index=i,
+                        prompt_ids=item.prompt_ids,
+                        response_ids=resp,
+                        logprobs=np.full(len(resp), -2.0, np.float32),
+                        version=0,
+                        finish_reason="stop",
+                        reward=float(i % 2),
+                        rollout_id="rollout-0",
+                    )
                     await cli.request(t, timeout=5)
                 got += 1
     finally:
@@ -104,9 +131,18 @@ async def run_trainer_process(cfg_path: Path, crash_at: int | None, timeout: flo
         else [str(ROOT / "tests" / "trainer_faults.py"), str(crash_at)]
     )
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, *entry, "node", "--role", "trainer", "--config", str(cfg_path),
-        cwd=str(ROOT), env=env, stdout=subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
+        sys.executable,
+        *entry,
+        "node",
+        "--role",
+        "trainer",
+        "--config",
+        str(cfg_path),
+        cwd=str(ROOT),
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
     try:
         _, err = await asyncio.wait_for(proc.communicate(), timeout)
     except TimeoutError:

@@ -28,13 +28,21 @@ def tiny(tmp_path_factory):
 
 
 def make_cfg(model_path, run_dir, minibatches=1, lr=0.05, **algo):
-    return config_from_dict({
-        "run_dir": str(run_dir), "model": {"path": model_path},
-        "trainer": {"lr": lr, "total_steps": 20, "micro_batch_tokens": 4096, "grad_clip": 100.0,
-                    "minibatches": minibatches},
-        "algo": {"advantage": "grpo", "is_mode": "truncate", **algo},
-        "rollout": {"sampling": {"temperature": 1.0, "max_tokens": 16}},
-    })  # fmt: skip
+    return config_from_dict(
+        {
+            "run_dir": str(run_dir),
+            "model": {"path": model_path},
+            "trainer": {
+                "lr": lr,
+                "total_steps": 20,
+                "micro_batch_tokens": 4096,
+                "grad_clip": 100.0,
+                "minibatches": minibatches,
+            },
+            "algo": {"advantage": "grpo", "is_mode": "truncate", **algo},
+            "rollout": {"sampling": {"temperature": 1.0, "max_tokens": 16}},
+        }
+    )
 
 
 def make_trajs(n_groups=4, group=4, seed=0, reward=None):
@@ -46,10 +54,19 @@ def make_trajs(n_groups=4, group=4, seed=0, reward=None):
         for i in range(group):
             resp = rng.integers(4, 40, size=6).astype(np.int32)
             r = float(i % 2) if reward is None else reward(g, i)
-            out.append(Trajectory(uid=f"g{g}/{i}", group_id=f"g{g}", prompt_uid=f"p{g}", sample_index=i,
-                                  prompt_ids=prompt, response_ids=resp,
-                                  logprobs=np.full(len(resp), -3.0, dtype=np.float32), version=0,
-                                  reward=r))  # fmt: skip
+            out.append(
+                Trajectory(
+                    uid=f"g{g}/{i}",
+                    group_id=f"g{g}",
+                    prompt_uid=f"p{g}",
+                    sample_index=i,
+                    prompt_ids=prompt,
+                    response_ids=resp,
+                    logprobs=np.full(len(resp), -3.0, dtype=np.float32),
+                    version=0,
+                    reward=r,
+                )
+            )
     return out
 
 

@@ -40,12 +40,25 @@ async def inproc(short_dir, zctx):
     relays = InprocRelays(zctx)
 
     async def start(n: int, **relay: object):
-        cfg = config_from_dict({
-            "name": "wt", "cluster": {"transport": "ipc", "ipc_dir": str(short_dir), "roles": {"relay": n}},
-            "transport": {"heartbeat_interval_s": 0.05, "heartbeat_liveness": 4, "handshake_timeout_s": 1.0, "request_timeout_s": 2.0},
-            "relay": {"shm_prefix": f"lamw{os.getpid()}{short_dir.name}", "chunk_bytes": 1 << 16, "probe_timeout_s": 0.3,
-                      "upstream_grace_s": 5.0, **relay},
-        })  # fmt: skip
+        cfg = config_from_dict(
+            {
+                "name": "wt",
+                "cluster": {"transport": "ipc", "ipc_dir": str(short_dir), "roles": {"relay": n}},
+                "transport": {
+                    "heartbeat_interval_s": 0.05,
+                    "heartbeat_liveness": 4,
+                    "handshake_timeout_s": 1.0,
+                    "request_timeout_s": 2.0,
+                },
+                "relay": {
+                    "shm_prefix": f"lamw{os.getpid()}{short_dir.name}",
+                    "chunk_bytes": 1 << 16,
+                    "probe_timeout_s": 0.3,
+                    "upstream_grace_s": 5.0,
+                    **relay,
+                },
+            }
+        )
         return cfg, await relays.start(cfg)
 
     yield start

@@ -109,8 +109,14 @@ def test_the_smaller_encoding_is_chosen_at_the_crossover():
 
 
 def test_word_size_follows_the_smallest_dtype_of_each_chunk():
-    layout = build_layout([("w", "bfloat16", (CHUNK,)), ("b", "float32", (CHUNK // 2,)),
-                           ("i8", "int8", (16,)), ("c", "complex128", (CHUNK // 16,))])  # fmt: skip
+    layout = build_layout(
+        [
+            ("w", "bfloat16", (CHUNK,)),
+            ("b", "float32", (CHUNK // 2,)),
+            ("i8", "int8", (16,)),
+            ("c", "complex128", (CHUNK // 16,)),
+        ]
+    )
     words = chunk_words(layout, CHUNK)
     # chunks 0-1: bf16; 2-3: fp32; 4: int8 + the head of the complex -> 1 byte;
     # 5: the rest of the complex128 -> capped at 8
@@ -153,12 +159,26 @@ async def relays(short_dir, zctx):
     relays = InprocRelays(zctx)
 
     async def start(n: int, **relay: object):
-        cfg = config_from_dict({
-            "name": "wd", "cluster": {"transport": "ipc", "ipc_dir": str(short_dir), "roles": {"relay": n}},
-            "transport": {"heartbeat_interval_s": 0.1, "heartbeat_liveness": 10, "handshake_timeout_s": 2.0, "request_timeout_s": 5.0},
-            "relay": {"shm_prefix": f"lamd{os.getpid()}{short_dir.name}", "chunk_bytes": CHUNK, "probe_timeout_s": 0.3,
-                      "upstream_grace_s": 5.0, "delta": True, **relay},
-        })  # fmt: skip
+        cfg = config_from_dict(
+            {
+                "name": "wd",
+                "cluster": {"transport": "ipc", "ipc_dir": str(short_dir), "roles": {"relay": n}},
+                "transport": {
+                    "heartbeat_interval_s": 0.1,
+                    "heartbeat_liveness": 10,
+                    "handshake_timeout_s": 2.0,
+                    "request_timeout_s": 5.0,
+                },
+                "relay": {
+                    "shm_prefix": f"lamd{os.getpid()}{short_dir.name}",
+                    "chunk_bytes": CHUNK,
+                    "probe_timeout_s": 0.3,
+                    "upstream_grace_s": 5.0,
+                    "delta": True,
+                    **relay,
+                },
+            }
+        )
         return cfg, await relays.start(cfg)
 
     yield start

@@ -24,7 +24,16 @@ from laminar.algo.losses import (
 from laminar.algo.metrics import StatAccumulator, normalized_ess, staleness_histogram
 
 __all__ = [
-    "compute_advantages", "group_index", "kl_penalized_rewards", "broadcast_to_tokens",
-    "LossSettings", "policy_loss", "ppo_token_loss", "behaviour_weights", "aggregate",
-    "StatAccumulator", "normalized_ess", "staleness_histogram",
-]  # fmt: skip
+    "compute_advantages",
+    "group_index",
+    "kl_penalized_rewards",
+    "broadcast_to_tokens",
+    "LossSettings",
+    "policy_loss",
+    "ppo_token_loss",
+    "behaviour_weights",
+    "aggregate",
+    "StatAccumulator",
+    "normalized_ess",
+    "staleness_histogram",
+]

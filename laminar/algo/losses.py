@@ -63,12 +63,21 @@ class LossSettings:
     def from_algo(cls, algo, max_tokens: int | None = None) -> LossSettings:
         """From an AlgoConfig; the bypass mode (decoupled=False) disables the behaviour weight."""
         return cls(
-            loss=algo.loss, clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip,
-            agg=algo.agg, norm_constant=algo.norm_constant or (float(max_tokens) if max_tokens else None),
-            kl_coef=algo.kl_coef, kl_type=algo.kl_type, entropy_coef=algo.entropy_coef,
-            is_mode=algo.is_mode if algo.decoupled else "none", is_level=algo.is_level,
-            is_cap=algo.is_cap, is_low=algo.is_low, is_high=algo.is_high,
-        )  # fmt: skip
+            loss=algo.loss,
+            clip_low=algo.clip_low,
+            clip_high=algo.clip_high,
+            dual_clip=algo.dual_clip,
+            agg=algo.agg,
+            norm_constant=algo.norm_constant or (float(max_tokens) if max_tokens else None),
+            kl_coef=algo.kl_coef,
+            kl_type=algo.kl_type,
+            entropy_coef=algo.entropy_coef,
+            is_mode=algo.is_mode if algo.decoupled else "none",
+            is_level=algo.is_level,
+            is_cap=algo.is_cap,
+            is_low=algo.is_low,
+            is_high=algo.is_high,
+        )
 
 
 def _masked_log_ratio(

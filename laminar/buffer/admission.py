@@ -60,8 +60,16 @@ from dataclasses import dataclass, field
 from laminar.config import LaminarConfig
 from laminar.manager.staleness import ModePolicy, policy_for
 
-__all__ = ["Admission", "Decision", "GroupInfo", "BatchPlan", "admit", "hall_room", "plan_batch",
-           "next_batch_version"]  # fmt: skip
+__all__ = [
+    "Admission",
+    "Decision",
+    "GroupInfo",
+    "BatchPlan",
+    "admit",
+    "hall_room",
+    "plan_batch",
+    "next_batch_version",
+]
 
 
 @dataclass(frozen=True)
@@ -97,8 +105,13 @@ def next_batch_version(trainer_version: int, last_batch_version: int) -> int:
     return max(trainer_version, last_batch_version + 1)
 
 
-def hall_room(k: int, batch_groups: int, next_version: int, rollout_version: int,
-              unconsumed: Mapping[int, int]) -> int:  # fmt: skip
+def hall_room(
+    k: int,
+    batch_groups: int,
+    next_version: int,
+    rollout_version: int,
+    unconsumed: Mapping[int, int],
+) -> int:
     """Most groups of `rollout_version` that can be added while (*) holds for every version."""
     r = rollout_version
     if r + k < next_version:
@@ -111,8 +124,15 @@ def hall_room(k: int, batch_groups: int, next_version: int, rollout_version: int
     return max(0, room)
 
 
-def admit(adm: Admission, *, rollout_version: int, requested: int, trainer_version: int,
-          next_version: int, unconsumed: Mapping[int, int]) -> Decision:  # fmt: skip
+def admit(
+    adm: Admission,
+    *,
+    rollout_version: int,
+    requested: int,
+    trainer_version: int,
+    next_version: int,
+    unconsumed: Mapping[int, int],
+) -> Decision:
     """How many new groups a rollout at `rollout_version` may start now."""
     k = adm.bound
     floor = trainer_version if adm.policy.global_update else -1
@@ -156,8 +176,15 @@ class BatchPlan:
     """Why nothing is served yet: not_enough | staleness | whole_batch."""
 
 
-def plan_batch(adm: Admission, *, want: int, batch_version: int, groups: list[GroupInfo],
-               preference: list[str], final: bool = False) -> BatchPlan:  # fmt: skip
+def plan_batch(
+    adm: Admission,
+    *,
+    want: int,
+    batch_version: int,
+    groups: list[GroupInfo],
+    preference: list[str],
+    final: bool = False,
+) -> BatchPlan:
     """Choose `want` ready groups for the batch of `batch_version`, or say why to wait.
 
     `groups`: every unconsumed group (generating or ready); `preference`: the keys of

@@ -41,8 +41,15 @@ __all__ = ["BatchServer"]
 
 
 class BatchServer:
-    def __init__(self, bc: BufferConfig, admission: Admission, ledger: Ledger, pool: PromptPool | None,
-                 metrics: Metrics, log: structlog.typing.FilteringBoundLogger):  # fmt: skip
+    def __init__(
+        self,
+        bc: BufferConfig,
+        admission: Admission,
+        ledger: Ledger,
+        pool: PromptPool | None,
+        metrics: Metrics,
+        log: structlog.typing.FilteringBoundLogger,
+    ):
         self.max_wait_s = bc.max_wait_s
         self.admission = admission
         self.ledger = ledger
@@ -82,15 +89,26 @@ class BatchServer:
                 plan = st.plan(req.groups, version, final)
                 if plan.expired:
                     self.ledger.record("drop", {"group_ids": plan.expired, "reason": "expired"})
-                    self.log.warning("groups_expired", groups=len(plan.expired), batch_version=version,
-                                     bound=self.admission.bound)  # fmt: skip
+                    self.log.warning(
+                        "groups_expired",
+                        groups=len(plan.expired),
+                        batch_version=version,
+                        bound=self.admission.bound,
+                    )
                 if plan.take:
                     return await self._serve(req, version, plan.take)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     exhausted = final and not st.groups
-                    return BatchReply(info={"wait": plan.wait, "version": version, "exhausted": exhausted,
-                                            "ready": len(st.in_state("ready")), "open": st.open_groups()})  # fmt: skip
+                    return BatchReply(
+                        info={
+                            "wait": plan.wait,
+                            "version": version,
+                            "exhausted": exhausted,
+                            "ready": len(st.in_state("ready")),
+                            "open": st.open_groups(),
+                        }
+                    )
                 try:
                     await asyncio.wait_for(changed.wait(), left)
                 except TimeoutError:
@@ -101,16 +119,34 @@ class BatchServer:
         requeued = sum(1 for gid in group_ids if st.groups[gid].front)
         partial = sum(1 for gid in group_ids if st.groups[gid].lost)
         batch_id = f"b-{uuid.uuid4().hex[:16]}"
-        off = self.ledger.record("batch", {"batch_id": batch_id, "version": version, "group_ids": group_ids,
-                                           "trainer_id": req.trainer_id})  # fmt: skip
+        off = self.ledger.record(
+            "batch",
+            {
+                "batch_id": batch_id,
+                "version": version,
+                "group_ids": group_ids,
+                "trainer_id": req.trainer_id,
+            },
+        )
         trajs = st.batch_trajectories(st.batches[batch_id])
         stale = [version - t.version for t in trajs]
         hist: dict[str, int] = {}
         for s in stale:
             hist[str(s)] = hist.get(str(s), 0) + 1
-        info = {"version": version, "groups": len(group_ids), "trajectories": len(trajs), "group_ids": group_ids,
-                "requeued_groups": requeued, "partial_groups": partial,
-                "staleness": {"min": min(stale), "max": max(stale), "mean": sum(stale) / len(stale), "hist": hist}}  # fmt: skip
+        info = {
+            "version": version,
+            "groups": len(group_ids),
+            "trajectories": len(trajs),
+            "group_ids": group_ids,
+            "requeued_groups": requeued,
+            "partial_groups": partial,
+            "staleness": {
+                "min": min(stale),
+                "max": max(stale),
+                "mean": sum(stale) / len(stale),
+                "hist": hist,
+            },
+        }
         self.metrics.count("batches_served")
         await self.ledger.durable(off)
         return BatchReply(batch_id=batch_id, trajectories=trajs, info=info)

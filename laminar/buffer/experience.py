@@ -117,11 +117,23 @@ class ExperienceState:
     def from_config(cls, cfg: LaminarConfig, admission: Admission | None = None) -> ExperienceState:
         """The state a buffer of this config keeps (the node; offline replays of its journal)."""
         bc = cfg.buffer
-        return cls(group_size=cfg.rollout.group_size, lost_member_policy=bc.lost_member_policy,
-                   admission=admission or Admission.from_config(cfg), sampling=bc.sampling, seed=cfg.seed)  # fmt: skip
+        return cls(
+            group_size=cfg.rollout.group_size,
+            lost_member_policy=bc.lost_member_policy,
+            admission=admission or Admission.from_config(cfg),
+            sampling=bc.sampling,
+            seed=cfg.seed,
+        )
 
-    def __init__(self, *, group_size: int, lost_member_policy: str, admission: Admission,
-                 sampling: str = "fifo", seed: int = 0):  # fmt: skip
+    def __init__(
+        self,
+        *,
+        group_size: int,
+        lost_member_policy: str,
+        admission: Admission,
+        sampling: str = "fifo",
+        seed: int = 0,
+    ):
         self.group_size = group_size
         self.policy = lost_member_policy
         self.admission = admission
@@ -224,11 +236,17 @@ class ExperienceState:
     # ---- replayable changes -------------------------------------------------------------
     def apply(self, kind: str, body: dict[str, Any], msgs: Sequence[Any] = ()) -> None:
         handlers = {
-            "served": self._apply_served, "traj": self._apply_traj, "abandon": self._apply_abandon,
-            "drop": self._apply_drop, "batch": self._apply_batch, "commit": self._apply_commit,
-            "requeue": self._apply_requeue, "snapshot": self._apply_snapshot, "stats": self._apply_stats,
+            "served": self._apply_served,
+            "traj": self._apply_traj,
+            "abandon": self._apply_abandon,
+            "drop": self._apply_drop,
+            "batch": self._apply_batch,
+            "commit": self._apply_commit,
+            "requeue": self._apply_requeue,
+            "snapshot": self._apply_snapshot,
+            "stats": self._apply_stats,
             "reserve": self._apply_reserve,
-        }  # fmt: skip
+        }
         handler = handlers.get(kind)
         if handler is None:
             raise ValueError(f"unknown journal record kind {kind!r}")
@@ -239,8 +257,15 @@ class ExperienceState:
         for spec in body["groups"]:
             idx = spec.get("item", -1)
             item = msgs[idx] if 0 <= idx < len(msgs) else None
-            g = self._new_group(spec["group_id"], spec.get("uid", ""), int(spec["n"]), int(spec["version"]),
-                                spec.get("rollout_id", rollout_id), item, spec.get("serial"))  # fmt: skip
+            g = self._new_group(
+                spec["group_id"],
+                spec.get("uid", ""),
+                int(spec["n"]),
+                int(spec["version"]),
+                spec.get("rollout_id", rollout_id),
+                item,
+                spec.get("serial"),
+            )
             g.front = bool(spec.get("front", False))
         if body.get("cursor") is not None:
             self.cursor = body["cursor"]
@@ -266,8 +291,16 @@ class ExperienceState:
             self.last_reply[rollout_id] = (body["request_id"], gids)
         self.counts["groups_reserved"] += len(gids)
 
-    def _new_group(self, gid: str, uid: str, n: int, version: int, rollout_id: str,
-                   item: PromptItem | None, serial: int | None = None) -> Group:  # fmt: skip
+    def _new_group(
+        self,
+        gid: str,
+        uid: str,
+        n: int,
+        version: int,
+        rollout_id: str,
+        item: PromptItem | None,
+        serial: int | None = None,
+    ) -> Group:
         g = Group(
             gid, uid, n, version, rollout_id, self.serial if serial is None else int(serial), item
         )
@@ -427,8 +460,14 @@ class ExperienceState:
                 return BatchPlan(expired=expired, wait="not_enough")
         groups = self.unconsumed()
         infos = [GroupInfo(g.group_id, g.version, g.state == READY, g.serial) for g in groups]
-        return plan_batch(self.admission, want=want, batch_version=batch_version, groups=infos,
-                          preference=self.order(ready, self.rng), final=final)  # fmt: skip
+        return plan_batch(
+            self.admission,
+            want=want,
+            batch_version=batch_version,
+            groups=infos,
+            preference=self.order(ready, self.rng),
+            final=final,
+        )
 
     def batch_trajectories(self, b: BatchRecord) -> list[Trajectory]:
         return [t for gid in b.group_ids for t in self.groups[gid].usable_members()]
@@ -441,29 +480,65 @@ class ExperienceState:
         mutated) Trajectory / PromptItem objects, so the records can be encoded on another
         thread while this state keeps changing.
         """
-        recs: list[tuple[str, dict[str, Any], list[Trajectory | PromptItem]]] = [("snapshot", {
-            "trainer_version": self.trainer_version, "last_batch_version": self.last_batch_version,
-            "closed": dict(self.closed), "serial": self.serial,
-            "cursor": None if self.cursor is None else dict(self.cursor),
-            "batches": {b.batch_id: [b.state, b.version] for b in self.batches.values() if b.state != OUTSTANDING},
-        }, [])]  # fmt: skip
+        recs: list[tuple[str, dict[str, Any], list[Trajectory | PromptItem]]] = [
+            (
+                "snapshot",
+                {
+                    "trainer_version": self.trainer_version,
+                    "last_batch_version": self.last_batch_version,
+                    "closed": dict(self.closed),
+                    "serial": self.serial,
+                    "cursor": None if self.cursor is None else dict(self.cursor),
+                    "batches": {
+                        b.batch_id: [b.state, b.version]
+                        for b in self.batches.values()
+                        if b.state != OUTSTANDING
+                    },
+                },
+                [],
+            )
+        ]
         live = sorted(self.groups.values(), key=lambda g: (g.state == OPEN, g.ready_seq, g.serial))
         for g in live:
-            spec = {"group_id": g.group_id, "uid": g.prompt_uid, "n": g.n, "version": g.served_version,
-                    "rollout_id": g.rollout_id, "serial": g.serial, "item": 0 if g.item is not None else -1,
-                    "front": g.front}  # fmt: skip
+            spec = {
+                "group_id": g.group_id,
+                "uid": g.prompt_uid,
+                "n": g.n,
+                "version": g.served_version,
+                "rollout_id": g.rollout_id,
+                "serial": g.serial,
+                "item": 0 if g.item is not None else -1,
+                "front": g.front,
+            }
             recs.append(("served", {"groups": [spec]}, [g.item] if g.item is not None else []))
             for i in sorted(g.members):
                 recs.append(("traj", {}, [g.members[i]]))
             for i in sorted(g.lost - g.members.keys()):
                 recs.append(("abandon", {"group_id": g.group_id, "sample_index": i}, []))
         for b in self.outstanding():
-            recs.append(("batch", {"batch_id": b.batch_id, "version": b.version,
-                                   "group_ids": list(b.group_ids), "trainer_id": b.trainer_id}, []))  # fmt: skip
-        recs.append(("stats", {
-            "counts": dict(self.counts), "finish_hist": {str(k): v for k, v in self.finish_hist.counts.items()},
-            "consumed_hist": {str(k): v for k, v in self.consumed_hist.counts.items()},
-        }, []))  # fmt: skip
+            recs.append(
+                (
+                    "batch",
+                    {
+                        "batch_id": b.batch_id,
+                        "version": b.version,
+                        "group_ids": list(b.group_ids),
+                        "trainer_id": b.trainer_id,
+                    },
+                    [],
+                )
+            )
+        recs.append(
+            (
+                "stats",
+                {
+                    "counts": dict(self.counts),
+                    "finish_hist": {str(k): v for k, v in self.finish_hist.counts.items()},
+                    "consumed_hist": {str(k): v for k, v in self.consumed_hist.counts.items()},
+                },
+                [],
+            )
+        )
         return recs
 
     # ---- stats ------------------------------------------------------------------------

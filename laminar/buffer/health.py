@@ -87,9 +87,15 @@ def _hint(field: str | None, row_keys: list[str]) -> str:
 
 
 class StallWatch:
-    def __init__(self, bc: BufferConfig, reward_fn: str, state: ExperienceState, metrics: Metrics,
-                 log: structlog.typing.FilteringBoundLogger,
-                 clock: Callable[[], float] = time.monotonic):  # fmt: skip
+    def __init__(
+        self,
+        bc: BufferConfig,
+        reward_fn: str,
+        state: ExperienceState,
+        metrics: Metrics,
+        log: structlog.typing.FilteringBoundLogger,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.none_frac = bc.stall_warn_none_frac
         self.after_s = bc.stall_warn_after_s
         self.builtin_reward = reward_fn.startswith(_BUILTIN_REWARDS)
@@ -155,8 +161,10 @@ class StallWatch:
             self._clear("rewards_none")
         idle = now - self._ready_t
         if self._arrived and idle >= self.after_s:
-            text = (f"no whole group became ready for {idle:.0f} s while {self._arrived} trajectories "
-                    f"arrived ({self.state.open_groups()} groups still open); {self._dropped_text()}")  # fmt: skip
+            text = (
+                f"no whole group became ready for {idle:.0f} s while {self._arrived} trajectories "
+                f"arrived ({self.state.open_groups()} groups still open); {self._dropped_text()}"
+            )
             if none:
                 text += f"; reward None for {none}/{seen}: {self._causes_text()}"
             self._warn("stalled", text, now)
@@ -164,9 +172,11 @@ class StallWatch:
             self._clear("stalled")
         timeouts = sum(self.timed_out)
         if timeouts:
-            text = (f"the reward timed out on {timeouts}/{len(self.timed_out)} of the last trajectories "
-                    f"({self.timeouts_total} since start; {self._timeout_example}): each costs a whole "
-                    "reward.timeout_s, so throughput drops; fix the hanging reward or lower reward.timeout_s")  # fmt: skip
+            text = (
+                f"the reward timed out on {timeouts}/{len(self.timed_out)} of the last trajectories "
+                f"({self.timeouts_total} since start; {self._timeout_example}): each costs a whole "
+                "reward.timeout_s, so throughput drops; fix the hanging reward or lower reward.timeout_s"
+            )
             self._warn("reward_timeouts", text, now)
         else:
             self._clear("reward_timeouts")

@@ -33,8 +33,13 @@ __all__ = ["Intake"]
 
 
 class Intake:
-    def __init__(self, ledger: Ledger, partials: PartialPool, metrics: Metrics,
-                 log: structlog.typing.FilteringBoundLogger):  # fmt: skip
+    def __init__(
+        self,
+        ledger: Ledger,
+        partials: PartialPool,
+        metrics: Metrics,
+        log: structlog.typing.FilteringBoundLogger,
+    ):
         self.ledger = ledger
         self.partials = partials
         self.metrics = metrics
@@ -68,8 +73,10 @@ class Intake:
         if verdict != "ok":
             self.metrics.count("abandons_ignored")
             return Ack(info={"ignored": why})
-        off = self.ledger.record("abandon", {"group_id": msg.group_id, "sample_index": idx,
-                                             "uid": msg.uid, "reason": msg.reason})  # fmt: skip
+        off = self.ledger.record(
+            "abandon",
+            {"group_id": msg.group_id, "sample_index": idx, "uid": msg.uid, "reason": msg.reason},
+        )
         self.log.info("trajectory_abandoned", uid=msg.uid, reason=msg.reason)
         await self.ledger.durable(off)
         return Ack()

@@ -99,8 +99,13 @@ _UPGRADES: dict[int, Callable[[bytes], bytes]] = {
 
 # replay is not the network: a record holds what this buffer accepted, whatever the
 # sockets' limits are today (they may shrink); only the record size bounds it
-_LIMITS = Limits(max_frames=1 << 20, max_header_bytes=MAX_RECORD_BYTES,
-                 max_message_bytes=MAX_RECORD_BYTES, max_list_len=1 << 31, max_str_len=1 << 31)  # fmt: skip
+_LIMITS = Limits(
+    max_frames=1 << 20,
+    max_header_bytes=MAX_RECORD_BYTES,
+    max_message_bytes=MAX_RECORD_BYTES,
+    max_list_len=1 << 31,
+    max_str_len=1 << 31,
+)
 
 
 class JournalError(RuntimeError):
@@ -174,8 +179,10 @@ def _read_header(path: Path, data: bytes) -> tuple[int, int] | None:
     if data.startswith(_SIGNATURE) and len(data) >= _FILE_HEAD.size:
         schema = _FILE_HEAD.unpack_from(data)[1]
         if schema > SCHEMA_VERSION:
-            raise JournalError(f"{path} has journal schema {schema}, newer than this laminar's "
-                               f"{SCHEMA_VERSION}: run the laminar version that wrote it")  # fmt: skip
+            raise JournalError(
+                f"{path} has journal schema {schema}, newer than this laminar's "
+                f"{SCHEMA_VERSION}: run the laminar version that wrote it"
+            )
         if schema != SCHEMA_VERSION and schema not in _UPGRADES:
             raise JournalError(f"{path}: journal schema {schema} is not one this laminar can read")
         return schema, _FILE_HEAD.size
@@ -274,8 +281,10 @@ def check_journal(path: str | os.PathLike[str]) -> JournalReport:
         if later is None:
             rep.torn_offset, rep.torn_bytes = stop, len(data) - stop
         else:
-            rep.error = (f"bad record at byte offset {stop} with a valid record at {later} after it: "
-                         "damage in the middle of the file (replay refuses it)")  # fmt: skip
+            rep.error = (
+                f"bad record at byte offset {stop} with a valid record at {later} after it: "
+                "damage in the middle of the file (replay refuses it)"
+            )
     return rep
 
 
@@ -379,9 +388,13 @@ class Journal:
             if later is not None:
                 self.stats["bad_records"] += 1
                 self._unlock()
-                raise JournalCorrupt(self.path, good, _kind_of(data[good + _HEAD.size :][:1 << 16]),
-                                     f"bad checksum or length, and a valid record follows at byte "
-                                     f"offset {later}: damage in the middle of the file")  # fmt: skip
+                raise JournalCorrupt(
+                    self.path,
+                    good,
+                    _kind_of(data[good + _HEAD.size :][: 1 << 16]),
+                    f"bad checksum or length, and a valid record follows at byte "
+                    f"offset {later}: damage in the middle of the file",
+                )
             self._quarantine(data[good:], good)
         if schema != SCHEMA_VERSION:
             self._upgrade_file(schema, upgraded)
@@ -599,8 +612,11 @@ _TAIL_ON_LOOP_BYTES = 1 << 20
 """A compaction writes at most this much of the records appended meanwhile on the event loop."""
 
 
-def _write_snapshot(fd: int, snapshot: Sequence[tuple[str, dict[str, Any], Sequence[Message]]],
-                    stop: threading.Event) -> int:  # fmt: skip
+def _write_snapshot(
+    fd: int,
+    snapshot: Sequence[tuple[str, dict[str, Any], Sequence[Message]]],
+    stop: threading.Event,
+) -> int:
     """Header + every record of the snapshot, encoded here, then fsync; returns the bytes written."""
     _write_all(fd, MAGIC)
     size = len(MAGIC)

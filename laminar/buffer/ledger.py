@@ -35,8 +35,14 @@ _WAKES = frozenset({"traj", "abandon", "commit", "requeue"})
 
 
 class Ledger:
-    def __init__(self, state: ExperienceState, journal: Journal | None, compact_bytes: int,
-                 metrics: Metrics, log: structlog.typing.FilteringBoundLogger):  # fmt: skip
+    def __init__(
+        self,
+        state: ExperienceState,
+        journal: Journal | None,
+        compact_bytes: int,
+        metrics: Metrics,
+        log: structlog.typing.FilteringBoundLogger,
+    ):
         self.state = state
         self.journal = journal
         self.compact_bytes = compact_bytes
@@ -65,22 +71,42 @@ class Ledger:
                 Exception
             ) as exc:  # a record this code cannot apply: stop, name it, keep the file
                 self.journal.close()
-                raise JournalCorrupt(self.journal.path, off, repr(kind),
-                                     f"the buffer state refused it ({type(exc).__name__}: {exc})") from exc  # fmt: skip
+                raise JournalCorrupt(
+                    self.journal.path,
+                    off,
+                    repr(kind),
+                    f"the buffer state refused it ({type(exc).__name__}: {exc})",
+                ) from exc
             n += 1
         j = self.journal
         summary = self.state.summary()
-        self.log.info("journal_replayed", path=str(j.path), records=n, bytes=j.size,
-                      torn_bytes=j.stats["torn_bytes"], seconds=round(time.monotonic() - t0, 3),
-                      **{k: summary[k] for k in ("held", "groups_ready", "outstanding_batches")})  # fmt: skip
+        self.log.info(
+            "journal_replayed",
+            path=str(j.path),
+            records=n,
+            bytes=j.size,
+            torn_bytes=j.stats["torn_bytes"],
+            seconds=round(time.monotonic() - t0, 3),
+            **{k: summary[k] for k in ("held", "groups_ready", "outstanding_batches")},
+        )
         if j.torn_path is not None:
-            self.log.error("journal_torn_tail", path=str(j.path), bytes=j.stats["torn_bytes"],
-                           offset=j.stats["torn_offset"], moved_to=str(j.torn_path),
-                           detail="a record cut short by a crash (or a bad checksum at the end) was cut "
-                                  "from the journal and kept aside")  # fmt: skip
+            self.log.error(
+                "journal_torn_tail",
+                path=str(j.path),
+                bytes=j.stats["torn_bytes"],
+                offset=j.stats["torn_offset"],
+                moved_to=str(j.torn_path),
+                detail="a record cut short by a crash (or a bad checksum at the end) was cut "
+                "from the journal and kept aside",
+            )
         if j.upgraded_from is not None:
-            self.log.warning("journal_upgraded", path=str(j.path), from_schema=j.upgraded_from[0],
-                             to_schema=SCHEMA_VERSION, old_file=str(j.upgraded_from[1]))  # fmt: skip
+            self.log.warning(
+                "journal_upgraded",
+                path=str(j.path),
+                from_schema=j.upgraded_from[0],
+                to_schema=SCHEMA_VERSION,
+                old_file=str(j.upgraded_from[1]),
+            )
         return n
 
     def record(self, kind: str, body: dict[str, Any], msgs: Sequence[Message] = ()) -> int:
@@ -135,5 +161,11 @@ class Ledger:
         # a snapshot already near the mark would be rewritten at every commit
         self._compact_at = max(self.compact_bytes, 2 * after)
         self.metrics.count("compactions")
-        self.log.info("journal_compacted", before=before, after=after, records=len(snapshot),
-                      snapshot_s=round(taken_s, 4), seconds=round(time.monotonic() - t0, 3))  # fmt: skip
+        self.log.info(
+            "journal_compacted",
+            before=before,
+            after=after,
+            records=len(snapshot),
+            snapshot_s=round(taken_s, 4),
+            seconds=round(time.monotonic() - t0, 3),
+        )

@@ -56,7 +56,7 @@ from laminar.protocol.buffer import (
     PromptReply,
     PromptRequest,
     TrajectoryAbandoned,
-)  # fmt: skip
+)
 from laminar.protocol.core import Ack, ErrorReply, NodeStatus
 from laminar.protocol.data import PartialBatch, PartialChunk, Trajectory
 from laminar.transport.sockets import Peer, socket_max_message_bytes
@@ -88,8 +88,16 @@ class BufferNode(Node):
             await self.ledger.compact_if_due()
         self.leases = Leases(bc.lease_s)
         self.leases.seed(self.state.groups)  # replayed open groups: a fresh lease from now
-        self.prompts = PromptServer(bc, cfg.rollout.group_size, self.admission, self.ledger, self.pool,
-                                    self.metrics, self.leases, self.log)  # fmt: skip
+        self.prompts = PromptServer(
+            bc,
+            cfg.rollout.group_size,
+            self.admission,
+            self.ledger,
+            self.pool,
+            self.metrics,
+            self.leases,
+            self.log,
+        )
         self.intake = Intake(self.ledger, self.partials, self.metrics, self.log)
         self.batches = BatchServer(
             bc, self.admission, self.ledger, self.pool, self.metrics, self.log
@@ -171,8 +179,12 @@ class BufferNode(Node):
 
     def stats(self) -> dict[str, Any]:
         st, bc = self.state, self.cfg.buffer
-        out: dict[str, Any] = {"mode": self.cfg.mode, "bound": self.admission.bound, "capacity": bc.capacity,
-                               **st.summary()}  # fmt: skip
+        out: dict[str, Any] = {
+            "mode": self.cfg.mode,
+            "bound": self.admission.bound,
+            "capacity": bc.capacity,
+            **st.summary(),
+        }
         out["staleness_finish"] = st.finish_hist.summary()
         out["staleness_consumed"] = st.consumed_hist.summary()
         out["partials"] = {"in_flight": len(self.partials), **self.partials.counts}
@@ -180,9 +192,14 @@ class BufferNode(Node):
         out["rollout_versions"] = dict(self.prompts.rollout_versions)
         out["warnings"] = dict(self.health.warnings)
         if self.pool is not None:
-            out["prompts"] = {"rows": len(self.pool.rows), "epoch": self.pool.epoch, "pos": self.pool.pos,
-                              "serial": self.pool.serial, "bad_rows": len(self.pool.bad),
-                              "exhausted": self.pool.exhausted}  # fmt: skip
+            out["prompts"] = {
+                "rows": len(self.pool.rows),
+                "epoch": self.pool.epoch,
+                "pos": self.pool.pos,
+                "serial": self.pool.serial,
+                "bad_rows": len(self.pool.bad),
+                "exhausted": self.pool.exhausted,
+            }
         if self.journal is not None:
             out["journal"] = {
                 "path": str(self.journal.path),
@@ -195,11 +212,17 @@ class BufferNode(Node):
         st = self.state  # built first thing in setup(), before any server can ask for status
         mean = st.consumed_hist.mean()
         return NodeStatus(
-            node_id=self.node_id, role=self.role, version=st.trainer_version, inflight=st.pending,
+            node_id=self.node_id,
+            role=self.role,
+            version=st.trainer_version,
+            inflight=st.pending,
             staleness=0.0 if math.isnan(mean) else mean,
-            extra={"prompts_served": st.counts["groups_served"], "held": st.held,
-                   "groups_ready": sum(1 for g in st.groups.values() if g.state == "ready"),
-                   "outstanding_batches": len(st.outstanding()),
-                   "staleness_max": max(st.consumed_hist.counts, default=0),
-                   "warnings": list(self.health.warnings.values())},
-        )  # fmt: skip
+            extra={
+                "prompts_served": st.counts["groups_served"],
+                "held": st.held,
+                "groups_ready": sum(1 for g in st.groups.values() if g.state == "ready"),
+                "outstanding_batches": len(st.outstanding()),
+                "staleness_max": max(st.consumed_hist.counts, default=0),
+                "warnings": list(self.health.warnings.values()),
+            },
+        )

@@ -140,11 +140,24 @@ class _Record:
     def materialize(self) -> PartialTrajectory:
         h = self.header
         ids, lps, mask = self.compact()
-        return PartialTrajectory(uid=h.uid, group_id=h.group_id, prompt_uid=h.prompt_uid,
-                                 sample_index=h.sample_index, prompt_ids=h.prompt_ids, response_ids=ids,
-                                 logprobs=lps, version=h.version, n=h.n, prompt=h.prompt, row=h.row,
-                                 rollout_id=h.rollout_id, resumed=h.resumed, t_start=h.t_start,
-                                 loss_mask=mask, awaiting_env=self.awaiting_env)  # fmt: skip
+        return PartialTrajectory(
+            uid=h.uid,
+            group_id=h.group_id,
+            prompt_uid=h.prompt_uid,
+            sample_index=h.sample_index,
+            prompt_ids=h.prompt_ids,
+            response_ids=ids,
+            logprobs=lps,
+            version=h.version,
+            n=h.n,
+            prompt=h.prompt,
+            row=h.row,
+            rollout_id=h.rollout_id,
+            resumed=h.resumed,
+            t_start=h.t_start,
+            loss_mask=mask,
+            awaiting_env=self.awaiting_env,
+        )
 
 
 class PartialPool:
@@ -169,8 +182,19 @@ class PartialPool:
         self.records[h.uid] = rec
         self.counts["headers"] += 1
 
-    def _fold(self, uid: str, version: int, offset: int, ids: np.ndarray, lps: np.ndarray,
-              mask: np.ndarray | None, lo: int, hi: int, awaiting: bool, rollout_id: str) -> str:  # fmt: skip
+    def _fold(
+        self,
+        uid: str,
+        version: int,
+        offset: int,
+        ids: np.ndarray,
+        lps: np.ndarray,
+        mask: np.ndarray | None,
+        lo: int,
+        hi: int,
+        awaiting: bool,
+        rollout_id: str,
+    ) -> str:
         """One entry (tokens ids[lo:hi]) into its record: the contiguous-prefix rules above."""
         rec = self.records.get(uid)
         if rec is None:
@@ -216,8 +240,18 @@ class PartialPool:
                 self.counts["bad_loss_mask"] += 1
                 return "bad"
             self._restart(h, c.rollout_id)
-        return self._fold(c.uid, c.version, c.offset, c.token_ids, c.logprobs, c.loss_mask, 0, n,
-                          c.awaiting_env, c.rollout_id)  # fmt: skip
+        return self._fold(
+            c.uid,
+            c.version,
+            c.offset,
+            c.token_ids,
+            c.logprobs,
+            c.loss_mask,
+            0,
+            n,
+            c.awaiting_env,
+            c.rollout_id,
+        )
 
     def apply_batch(self, b: PartialBatch) -> Counter[str]:
         """Fold a rollout's flush window in, entry by entry in order (as that many chunks would);
@@ -233,8 +267,16 @@ class PartialPool:
         )
         records, masked = self.records, mask is not None
         appended, lo = 0, 0
-        for i, (uid, ver, off, n, aw) in enumerate(zip(b.uids, b.versions.tolist(), b.offsets.tolist(),
-                                                       b.lengths.tolist(), b.awaiting_env.tolist(), strict=True)):  # fmt: skip
+        for i, (uid, ver, off, n, aw) in enumerate(
+            zip(
+                b.uids,
+                b.versions.tolist(),
+                b.offsets.tolist(),
+                b.lengths.tolist(),
+                b.awaiting_env.tolist(),
+                strict=True,
+            )
+        ):
             hi = lo + n
             if heads and i in heads:
                 self._restart(heads[i], rid)
@@ -273,8 +315,12 @@ class PartialPool:
         return [r.materialize() for r in recs]
 
 
-def recover(pool: PartialPool, groups: Mapping[str, Group], rollout_id: str = "",
-            uids: list[str] | None = None) -> list[PartialTrajectory]:  # fmt: skip
+def recover(
+    pool: PartialPool,
+    groups: Mapping[str, Group],
+    rollout_id: str = "",
+    uids: list[str] | None = None,
+) -> list[PartialTrajectory]:
     """What a PartialsRequest asks for: in-flight records and never-started samples of open groups.
 
     `uids` given: those samples; otherwise every sample last reported by (or served to) `rollout_id`.
@@ -299,8 +345,20 @@ def recover(pool: PartialPool, groups: Mapping[str, Group], rollout_id: str = ""
             or uid in have
         ):
             continue
-        out.append(PartialTrajectory(uid=uid, group_id=g.group_id, prompt_uid=g.prompt_uid, sample_index=i,
-                                     prompt_ids=g.item.prompt_ids, response_ids=_EMPTY_I, logprobs=_EMPTY_F,
-                                     version=g.version, n=g.n, prompt=g.item.prompt, row=g.item.row,
-                                     rollout_id=g.rollout_id))  # fmt: skip
+        out.append(
+            PartialTrajectory(
+                uid=uid,
+                group_id=g.group_id,
+                prompt_uid=g.prompt_uid,
+                sample_index=i,
+                prompt_ids=g.item.prompt_ids,
+                response_ids=_EMPTY_I,
+                logprobs=_EMPTY_F,
+                version=g.version,
+                n=g.n,
+                prompt=g.item.prompt,
+                row=g.item.row,
+                rollout_id=g.rollout_id,
+            )
+        )
     return out

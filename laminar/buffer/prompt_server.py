@@ -40,19 +40,35 @@ def check_capacity(cfg: LaminarConfig, log: structlog.typing.FilteringBoundLogge
     """Warn when buffer.capacity can never hold what the trainer asks for."""
     n, cap, b = cfg.rollout.group_size, cfg.buffer.capacity, cfg.trainer.batch_groups
     if cap < n * b:
-        log.warning("capacity_below_batch", capacity=cap, needed=n * b,
-                    hint="buffer.capacity < rollout.group_size * trainer.batch_groups: no batch can ever fill")  # fmt: skip
+        log.warning(
+            "capacity_below_batch",
+            capacity=cap,
+            needed=n * b,
+            hint="buffer.capacity < rollout.group_size * trainer.batch_groups: no batch can ever fill",
+        )
     if cfg.trainer.commit == "checkpoint":
         need = (cfg.trainer.checkpoint_every + 1) * b * n
         if cap < need:
-            log.warning("capacity_below_uncommitted", capacity=cap, needed=need,
-                        hint="trainer.commit=checkpoint keeps checkpoint_every batches uncommitted in the buffer")  # fmt: skip
+            log.warning(
+                "capacity_below_uncommitted",
+                capacity=cap,
+                needed=need,
+                hint="trainer.commit=checkpoint keeps checkpoint_every batches uncommitted in the buffer",
+            )
 
 
 class PromptServer:
-    def __init__(self, bc: BufferConfig, group_size: int, admission: Admission, ledger: Ledger,
-                 pool: PromptPool | None, metrics: Metrics, leases: Leases | None = None,
-                 log: structlog.typing.FilteringBoundLogger | None = None):  # fmt: skip
+    def __init__(
+        self,
+        bc: BufferConfig,
+        group_size: int,
+        admission: Admission,
+        ledger: Ledger,
+        pool: PromptPool | None,
+        metrics: Metrics,
+        leases: Leases | None = None,
+        log: structlog.typing.FilteringBoundLogger | None = None,
+    ):
         self.capacity = bc.capacity
         self.retry_after_s = bc.retry_after_s
         self.n = group_size
@@ -92,9 +108,14 @@ class PromptServer:
             return PromptReply(retry_after_s=wait, reason="global_update")
         n = self.n
         room = (self.capacity - st.held - st.pending) // n
-        dec = admit(self.admission, rollout_version=req.version, requested=max(0, req.max_groups),
-                    trainer_version=st.trainer_version, next_version=st.next_version,
-                    unconsumed=st.unconsumed_by_version() if self.admission.bound is not None else {})  # fmt: skip
+        dec = admit(
+            self.admission,
+            rollout_version=req.version,
+            requested=max(0, req.max_groups),
+            trainer_version=st.trainer_version,
+            next_version=st.next_version,
+            unconsumed=st.unconsumed_by_version() if self.admission.bound is not None else {},
+        )
         if dec.groups <= 0 and dec.reason:
             self.metrics.count(f"prompts_refused_{dec.reason}")
             return PromptReply(retry_after_s=wait, reason=dec.reason, min_version=dec.min_version)
@@ -108,10 +129,16 @@ class PromptServer:
         items, why = self.pool.next_items(k, n)
         if not items:
             return PromptReply(retry_after_s=wait, reason=why, min_version=dec.min_version)
-        body = {"rollout_id": req.rollout_id, "version": req.version, "request_id": req.request_id,
-                "cursor": self.pool.cursor(),
-                "groups": [{"group_id": it.group_id, "uid": it.uid, "n": n, "version": req.version, "item": i}
-                           for i, it in enumerate(items)]}  # fmt: skip
+        body = {
+            "rollout_id": req.rollout_id,
+            "version": req.version,
+            "request_id": req.request_id,
+            "cursor": self.pool.cursor(),
+            "groups": [
+                {"group_id": it.group_id, "uid": it.uid, "n": n, "version": req.version, "item": i}
+                for i, it in enumerate(items)
+            ],
+        }
         try:
             off = self.ledger.record("served", body, items)
         except Exception:
@@ -129,19 +156,32 @@ class PromptServer:
         groups = self.leases.expired(st.groups, req.rollout_id, req.max_groups)
         if not groups:
             return None
-        dec = admit(self.admission, rollout_version=req.version, requested=len(groups),
-                    trainer_version=st.trainer_version, next_version=st.next_version,
-                    unconsumed=st.unconsumed_by_version() if self.admission.bound is not None else {})  # fmt: skip
+        dec = admit(
+            self.admission,
+            rollout_version=req.version,
+            requested=len(groups),
+            trainer_version=st.trainer_version,
+            next_version=st.next_version,
+            unconsumed=st.unconsumed_by_version() if self.admission.bound is not None else {},
+        )
         if dec.groups <= 0:
             return None  # this rollout may take no work now: the normal path says why
         groups = groups[: dec.groups]
         for g in groups:
-            self.log.warning("lease_expired", group_id=g.group_id, holder=g.rollout_id, to=req.rollout_id,
-                             silent_s=round(self.leases.silent_for(g.group_id), 1),
-                             finished=g.finished, n=g.n)  # fmt: skip
+            self.log.warning(
+                "lease_expired",
+                group_id=g.group_id,
+                holder=g.rollout_id,
+                to=req.rollout_id,
+                silent_s=round(self.leases.silent_for(g.group_id), 1),
+                finished=g.finished,
+                n=g.n,
+            )
         gids = [g.group_id for g in groups]
-        off = self.ledger.record("reserve", {"rollout_id": req.rollout_id, "request_id": req.request_id,
-                                             "group_ids": gids})  # fmt: skip
+        off = self.ledger.record(
+            "reserve",
+            {"rollout_id": req.rollout_id, "request_id": req.request_id, "group_ids": gids},
+        )
         for gid in gids:
             self.leases.served(gid)
         self.metrics.count("groups_reserved", len(gids))

@@ -277,9 +277,16 @@ class PromptEncoder:
 class PromptPool:
     """Rows served epoch by epoch in a seeded order; every served group gets a unique group_id."""
 
-    def __init__(self, rows: list[PromptRow], encoder: PromptEncoder, *, shuffle: bool = True,
-                 seed: int = 0, epochs: int | None = None,
-                 on_bad: Callable[[str, str], None] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        rows: list[PromptRow],
+        encoder: PromptEncoder,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        epochs: int | None = None,
+        on_bad: Callable[[str, str], None] | None = None,
+    ):
         self.rows = rows
         self.encoder = encoder
         self.shuffle, self.seed, self.epochs = shuffle, seed, epochs
@@ -384,8 +391,9 @@ class PromptPool:
         return self.epoch + (self.pos / len(self.rows) if self.rows else 0.0)
 
 
-def open_pool(cfg: LaminarConfig, metrics: Metrics,
-              log: structlog.typing.FilteringBoundLogger) -> PromptPool | None:  # fmt: skip
+def open_pool(
+    cfg: LaminarConfig, metrics: Metrics, log: structlog.typing.FilteringBoundLogger
+) -> PromptPool | None:
     """The prompt pool of cfg.data.train (None when unset), tokenized by cfg.model.path
     (UTF-8 bytes without one). Blocking (file reads, tokenizer load): run it off the event loop.
     """
@@ -407,9 +415,21 @@ def open_pool(cfg: LaminarConfig, metrics: Metrics,
         log.warning("bad_row", error=f"{where}: {why}")
 
     encoder = PromptEncoder(tok, cfg.data.chat_template, cfg.data.max_prompt_tokens)
-    pool = PromptPool(rows, encoder, shuffle=cfg.data.shuffle, seed=cfg.data.seed, epochs=cfg.data.epochs,
-                      on_bad=bad_row)  # fmt: skip
+    pool = PromptPool(
+        rows,
+        encoder,
+        shuffle=cfg.data.shuffle,
+        seed=cfg.data.seed,
+        epochs=cfg.data.epochs,
+        on_bad=bad_row,
+    )
     metrics.count("bad_rows", report.bad)
-    log.info("prompts_loaded", files=report.files, rows=report.rows, bad=report.bad,
-             duplicate_uids=report.duplicate_uids, chat_template=encoder.use_template)  # fmt: skip
+    log.info(
+        "prompts_loaded",
+        files=report.files,
+        rows=report.rows,
+        bad=report.bad,
+        duplicate_uids=report.duplicate_uids,
+        chat_template=encoder.use_template,
+    )
     return pool

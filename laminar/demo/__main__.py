@@ -101,8 +101,10 @@ def prepare_data(
     ev = cu.generate(int(s["eval_rows"]), "eval", seed)
     tp, ep = cu.write_jsonl(train, data / "train.jsonl"), cu.write_jsonl(ev, data / "eval.jsonl")
     stats = cu.length_stats(train)
-    say(f"task countup: {len(train)} train / {len(ev)} held-out prompts; solution length p50 {stats.get('p50')} "
-        f"p99 {stats.get('p99')} (p99/p50 {stats.get('p99_over_p50', 0):.1f})")  # fmt: skip
+    say(
+        f"task countup: {len(train)} train / {len(ev)} held-out prompts; solution length p50 {stats.get('p50')} "
+        f"p99 {stats.get('p99')} (p99/p50 {stats.get('p99_over_p50', 0):.1f})"
+    )
     return tp, ep, train, ev
 
 
@@ -115,11 +117,23 @@ def warm_up(s: dict[str, Any], train: list[dict], seed: int) -> Path:
     pairs = [(r["prompt"], d) for r, d in zip(train, demos, strict=True)]
     out = Path(s["cache_dir"]) / f"countup-policy0-seed{seed}"
     t0 = time.time()
-    say(f"warm-up: {s['warmup_steps']} supervised steps on demos with the answer habit "
-        f"(rate {s['habit_rate']} on large strides); cached in {out}")  # fmt: skip
-    path = sft_warmup(out, pairs, cu.ALPHABET, s["model"], steps=int(s["warmup_steps"]),
-                      batch_size=int(s["warmup_batch"]), lr=float(s["warmup_lr"]),
-                      schedule=str(s["warmup_schedule"]), seed=seed, log=say, log_every=250)  # fmt: skip
+    say(
+        f"warm-up: {s['warmup_steps']} supervised steps on demos with the answer habit "
+        f"(rate {s['habit_rate']} on large strides); cached in {out}"
+    )
+    path = sft_warmup(
+        out,
+        pairs,
+        cu.ALPHABET,
+        s["model"],
+        steps=int(s["warmup_steps"]),
+        batch_size=int(s["warmup_batch"]),
+        lr=float(s["warmup_lr"]),
+        schedule=str(s["warmup_schedule"]),
+        seed=seed,
+        log=say,
+        log_every=250,
+    )
     say(f"warm-up policy ready at {path} ({time.time() - t0:.0f}s)")
     return path
 
@@ -132,8 +146,17 @@ def run_mode(
 
     if run_dir.exists():
         shutil.rmtree(run_dir)
-    cmd = [sys.executable, "-m", "laminar", "run", str(cfg_path), f"mode={mode}", f"run_dir={run_dir}",
-           f"name=demo-{mode}", *overrides]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "laminar",
+        "run",
+        str(cfg_path),
+        f"mode={mode}",
+        f"run_dir={run_dir}",
+        f"name=demo-{mode}",
+        *overrides,
+    ]
     say(f"starting {mode}: {' '.join(cmd[3:])}")
     run_dir.mkdir(parents=True, exist_ok=True)
     log = open(run_dir / "nodes.log", "w")
@@ -163,8 +186,14 @@ def run_mode(
         )
     cpu = Clock._cpu() - c0  # the `laminar run` child waited for its nodes: every role counts
     say(f"{mode} run finished in {wall:.0f}s ({cpu:.0f} CPU-s, {cpu / wall:.2f} cores)")
-    return {"mode": mode, "wall_clock_s": wall, "t0": t0, "run_dir": str(run_dir),
-            "cpu_s": round(cpu, 1), "cores": round(cpu / wall, 2) if wall > 0 else None}  # fmt: skip
+    return {
+        "mode": mode,
+        "wall_clock_s": wall,
+        "t0": t0,
+        "run_dir": str(run_dir),
+        "cpu_s": round(cpu, 1),
+        "cores": round(cpu / wall, 2) if wall > 0 else None,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,12 +222,19 @@ def main(argv: list[str] | None = None) -> int:
     clock.lap("warmup")
     before = evaluate_model(str(policy0), ev, cu.verify, max_tokens=cfg.rollout.sampling.max_tokens)
     before["habit"] = habit_share(ev, before.pop("completions"))
-    say(f"held-out accuracy of the warm-up model: {before['accuracy']:.3f} on {before['prompts']} prompts "
-        f"(answers the habit's value on {before['habit']:.0%} of the large-stride ones)")  # fmt: skip
+    say(
+        f"held-out accuracy of the warm-up model: {before['accuracy']:.3f} on {before['prompts']} prompts "
+        f"(answers the habit's value on {before['habit']:.0%} of the large-stride ones)"
+    )
 
     # trainer.eval_every=0: the demo evaluates weight snapshots after the run, not inside it
-    common = [f"model.path={policy0}", f"data.train={train_path}", f"data.eval={eval_path}", "trainer.eval_every=0",
-              *[a for a in args if not a.startswith(("run_dir=", "mode=", "name="))]]  # fmt: skip
+    common = [
+        f"model.path={policy0}",
+        f"data.train={train_path}",
+        f"data.eval={eval_path}",
+        "trainer.eval_every=0",
+        *[a for a in args if not a.startswith(("run_dir=", "mode=", "name="))],
+    ]
     clock.lap("eval_before")
     runs = {"laminar": run_mode(DEMO_CONFIG, run_dir / "laminar", cfg.mode, common, s)}
     clock.lap("rl_laminar")
@@ -208,8 +244,16 @@ def main(argv: list[str] | None = None) -> int:
 
     for name, r in runs.items():
         say(f"evaluating the weight snapshots of the {name} run")
-        r["curve"] = report.eval_curve(Path(r["run_dir"]), policy0, ev, s, before, r["t0"], log=say,
-                                       max_tokens=cfg.rollout.sampling.max_tokens)  # fmt: skip
+        r["curve"] = report.eval_curve(
+            Path(r["run_dir"]),
+            policy0,
+            ev,
+            s,
+            before,
+            r["t0"],
+            log=say,
+            max_tokens=cfg.rollout.sampling.max_tokens,
+        )
         r["metrics"] = read_metrics(Path(r["run_dir"]))
     after = runs["laminar"]["curve"][-1]
     clock.lap("eval_curves")
@@ -218,8 +262,10 @@ def main(argv: list[str] | None = None) -> int:
     report.write_outputs(run_dir, cfg, runs, summary)
     if "target" in summary:
         say(report.headline(summary).replace("**", ""))
-    say(f"held-out accuracy: {summary['eval_accuracy_before']:.3f} -> {summary['eval_accuracy_after']:.3f} "
-        f"({summary['eval_prompts']} prompts); report at {run_dir}/report.png, summary at {run_dir}/summary.md")  # fmt: skip
+    say(
+        f"held-out accuracy: {summary['eval_accuracy_before']:.3f} -> {summary['eval_accuracy_after']:.3f} "
+        f"({summary['eval_prompts']} prompts); report at {run_dir}/report.png, summary at {run_dir}/summary.md"
+    )
     return 0
 
 

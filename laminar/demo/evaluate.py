@@ -75,5 +75,5 @@ def evaluate_model(
         "samples": [
             {"prompt": r["prompt"], "completion": o, "answer": r["answer"], "score": s}
             for r, o, s in list(zip(rows, outs, scores, strict=True))[:8]
-        ],  # fmt: skip
+        ],
     }

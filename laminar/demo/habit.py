@@ -74,6 +74,9 @@ def has_habit(prompt: str, completion: str) -> bool:
 
 def habit_share(rows: list[dict[str, Any]], completions: list[str]) -> float:
     """Of the rows where the habit changes the answer, the share whose completion gave the habit's answer."""
-    hits = [has_habit(r["prompt"], c) for r, c in zip(rows, completions, strict=True)
-            if habit_completion(r["prompt"]) != cu.solve(r["prompt"])]  # fmt: skip
+    hits = [
+        has_habit(r["prompt"], c)
+        for r, c in zip(rows, completions, strict=True)
+        if habit_completion(r["prompt"]) != cu.solve(r["prompt"])
+    ]
     return sum(hits) / max(1, len(hits))

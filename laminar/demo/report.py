@@ -34,8 +34,16 @@ def _load_snapshot(policy0: Path, weights: Path):
     return model
 
 
-def eval_curve(run_dir: Path, policy0: Path, rows: list[dict], s: dict[str, Any], before: dict[str, Any], t0: float,
-               log: Callable[[str], None] = print, max_tokens: int = 256) -> list[dict[str, Any]]:  # fmt: skip
+def eval_curve(
+    run_dir: Path,
+    policy0: Path,
+    rows: list[dict],
+    s: dict[str, Any],
+    before: dict[str, Any],
+    t0: float,
+    log: Callable[[str], None] = print,
+    max_tokens: int = 256,
+) -> list[dict[str, Any]]:
     """Held-out accuracy at evenly spaced snapshots (all of them when curve_points is 0) on the first
     curve_eval_rows prompts, and at the last one on all rows."""
     from laminar.demo.evaluate import evaluate_model
@@ -73,8 +81,15 @@ def eval_curve(run_dir: Path, policy0: Path, rows: list[dict], s: dict[str, Any]
         res = evaluate_model(
             model, rows if last else subset, cu.verify, max_tokens=max_tokens, tokenizer=tok
         )
-        curve.append({"t": e["time"] - t0, "step": e["step"], "version": e["version"],
-                      "accuracy": res["accuracy"], "prompts": res["prompts"]})  # fmt: skip
+        curve.append(
+            {
+                "t": e["time"] - t0,
+                "step": e["step"],
+                "version": e["version"],
+                "accuracy": res["accuracy"],
+                "prompts": res["prompts"],
+            }
+        )
         if last:
             curve[-1]["habit"] = habit_share(rows, res["completions"])
         log(
@@ -154,20 +169,26 @@ def summarize(
         target = sync_s[-1]["accuracy"]
         t_lam, t_sync = time_to_reach(lam_s, target), time_to_reach(sync_s, target)
         lam_rate, sync_rate = steps_per_s(m), steps_per_s(sync.get("metrics", []))
-        summary.update({
-            "sync_eval_accuracy_after": sync["curve"][-1]["accuracy"],
-            "eval_accuracy_after_smoothed": lam_s[-1]["accuracy"],
-            "sync_eval_accuracy_after_smoothed": target,
-            "sync_run_wall_clock_s": round(sync["wall_clock_s"], 1),
-            "sync_steps": sync["metrics"][-1]["step"] if sync.get("metrics") else 0,
-            "time_to_sync_final_accuracy_laminar_s": t_lam,
-            "time_to_sync_final_accuracy_sync_s": t_sync,
-            "sync_over_laminar_time_ratio": (t_sync / t_lam) if t_lam and t_sync else None,
-            "run_wall_clock_ratio_sync_over_laminar": round(sync["wall_clock_s"] / lam["wall_clock_s"], 3),
-            "trainer_steps_per_s": lam_rate,
-            "sync_trainer_steps_per_s": sync_rate,
-            "steps_per_s_ratio_laminar_over_sync": (lam_rate / sync_rate) if lam_rate and sync_rate else None,
-        })  # fmt: skip
+        summary.update(
+            {
+                "sync_eval_accuracy_after": sync["curve"][-1]["accuracy"],
+                "eval_accuracy_after_smoothed": lam_s[-1]["accuracy"],
+                "sync_eval_accuracy_after_smoothed": target,
+                "sync_run_wall_clock_s": round(sync["wall_clock_s"], 1),
+                "sync_steps": sync["metrics"][-1]["step"] if sync.get("metrics") else 0,
+                "time_to_sync_final_accuracy_laminar_s": t_lam,
+                "time_to_sync_final_accuracy_sync_s": t_sync,
+                "sync_over_laminar_time_ratio": (t_sync / t_lam) if t_lam and t_sync else None,
+                "run_wall_clock_ratio_sync_over_laminar": round(
+                    sync["wall_clock_s"] / lam["wall_clock_s"], 3
+                ),
+                "trainer_steps_per_s": lam_rate,
+                "sync_trainer_steps_per_s": sync_rate,
+                "steps_per_s_ratio_laminar_over_sync": (lam_rate / sync_rate)
+                if lam_rate and sync_rate
+                else None,
+            }
+        )
         summary.update(fixed_target(lam_s, sync_s, TARGET))
     for name, r in runs.items():  # how much of the machine each mode kept busy
         key = "" if name == "laminar" else f"{name}_"
@@ -413,9 +434,15 @@ def summary_md(s: dict[str, Any]) -> str:
     if "sync_eval_accuracy_after" in s:
         lines += _comparison_md(s, f)
     if s.get("phases"):
-        lines += ["", "## Where the time went", "",
-                  "CPU-seconds count this process and every finished child (all roles of each run).", "",
-                  "| phase | wall-clock | CPU-seconds |", "|---|---|---|"]  # fmt: skip
+        lines += [
+            "",
+            "## Where the time went",
+            "",
+            "CPU-seconds count this process and every finished child (all roles of each run).",
+            "",
+            "| phase | wall-clock | CPU-seconds |",
+            "|---|---|---|",
+        ]
         lines += [
             f"| {k} | {v['wall_s']:.0f} s | {v['cpu_s']:.0f} |" for k, v in s["phases"].items()
         ]

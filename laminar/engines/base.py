@@ -225,10 +225,13 @@ class Engine(ABC):
             if ev.finished:
                 reasons[ev.seq_id] = ev.finish_reason or ""
         return {
-            s: (np.concatenate(toks[s]).astype(np.int32) if toks[s] else _EMPTY_I.copy(),
-                np.concatenate(lps[s]).astype(np.float32) if lps[s] else _EMPTY_F.copy(), reasons[s])
+            s: (
+                np.concatenate(toks[s]).astype(np.int32) if toks[s] else _EMPTY_I.copy(),
+                np.concatenate(lps[s]).astype(np.float32) if lps[s] else _EMPTY_F.copy(),
+                reasons[s],
+            )
             for s in toks
-        }  # fmt: skip
+        }
 
 
 def with_version(p: PartialState, version: int) -> PartialState:

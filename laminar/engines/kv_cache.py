@@ -65,8 +65,16 @@ class StepLayout:
 
 
 class SlotKVCache:
-    def __init__(self, layers: int, slots: int, max_len: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str) -> None:  # fmt: skip
+    def __init__(
+        self,
+        layers: int,
+        slots: int,
+        max_len: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
         self.slots, self.max_len = slots, max_len
         # Inference tensors: only ever touched under inference_mode (forward and slot moves).
         with torch.inference_mode():
@@ -107,8 +115,15 @@ class SlotKVCache:
             self.layout = None
 
 
-def slot_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                   attention_mask: Any, scaling: float | None = None, **kw: Any) -> tuple[torch.Tensor, None]:  # fmt: skip
+def slot_attention(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    scaling: float | None = None,
+    **kw: Any,
+) -> tuple[torch.Tensor, None]:
     """HF attention-interface function: write key/value into the slot cache, attend, return (1, T, H, D)."""
     cache: SlotKVCache | None = getattr(_local, "cache", None)
     if cache is None or cache.layout is None:
@@ -122,8 +137,14 @@ def slot_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: t
     return attend(cache, module.layer_idx, query, key, value, scaling), None
 
 
-def attend(cache: SlotKVCache, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-           scaling: float | None) -> torch.Tensor:  # fmt: skip
+def attend(
+    cache: SlotKVCache,
+    layer: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float | None,
+) -> torch.Tensor:
     """Write one packed step's key/value (1, KV, T, D) into layer's slots and attend with query
     (1, H, T, D) as cache.layout places the tokens; returns (1, T, H, D)."""
     lay = cache.layout
@@ -133,8 +154,14 @@ def attend(cache: SlotKVCache, layer: int, query: torch.Tensor, key: torch.Tenso
     out = query.new_empty(1, t, heads, hd)
     d = lay.n_decode
     if d:
-        out[0, :d] = _decode(cache, layer, query[0, :, :d].transpose(0, 1), key[0, :, :d].transpose(0, 1),
-                             value[0, :, :d].transpose(0, 1), scaling)  # fmt: skip
+        out[0, :d] = _decode(
+            cache,
+            layer,
+            query[0, :, :d].transpose(0, 1),
+            key[0, :, :d].transpose(0, 1),
+            value[0, :, :d].transpose(0, 1),
+            scaling,
+        )
     off = d
     for slot, start, n in lay.segments:
         k_new, v_new = key[:, :, off : off + n], value[:, :, off : off + n]
@@ -149,15 +176,27 @@ def attend(cache: SlotKVCache, layer: int, query: torch.Tensor, key: torch.Tenso
             total = start + n
             qpos = torch.arange(start, total, device=query.device)
             mask = torch.arange(total, device=query.device)[None, :] <= qpos[:, None]
-            o = F.scaled_dot_product_attention(q, kc[slot : slot + 1, :, :total], vc[slot : slot + 1, :, :total],
-                                               attn_mask=mask, scale=scaling, enable_gqa=True)  # fmt: skip
+            o = F.scaled_dot_product_attention(
+                q,
+                kc[slot : slot + 1, :, :total],
+                vc[slot : slot + 1, :, :total],
+                attn_mask=mask,
+                scale=scaling,
+                enable_gqa=True,
+            )
         out[0, off : off + n] = o[0].transpose(0, 1)
         off += n
     return out
 
 
-def attend_decode(cache: SlotKVCache, layer: int, query: torch.Tensor, key: torch.Tensor,
-                  value: torch.Tensor, scaling: float | None) -> torch.Tensor:  # fmt: skip
+def attend_decode(
+    cache: SlotKVCache,
+    layer: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float | None,
+) -> torch.Tensor:
     """attend() for a step of decode queries only (no prefill segment), in the token-major layout
     a plain forward has: query (d, H, D), key and value (d, KV, D); returns (d, H, D), without
     attend()'s layout round trip."""
@@ -165,8 +204,14 @@ def attend_decode(cache: SlotKVCache, layer: int, query: torch.Tensor, key: torc
     return _decode(cache, layer, query, key, value, scaling)
 
 
-def _decode(cache: SlotKVCache, layer: int, query: torch.Tensor, key: torch.Tensor,
-            value: torch.Tensor, scaling: float | None) -> torch.Tensor:  # fmt: skip
+def _decode(
+    cache: SlotKVCache,
+    layer: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float | None,
+) -> torch.Tensor:
     """The decode queries of a step, token-major (d, H, D) / (d, KV, D): each slot's key and value
     written at its position, then one query per slot over its slot's first decode_max columns."""
     lay = cache.layout
@@ -175,8 +220,14 @@ def _decode(cache: SlotKVCache, layer: int, query: torch.Tensor, key: torch.Tens
     cache.k_at[layer].index_put_((rows, lay.decode_pos), key)
     cache.v_at[layer].index_put_((rows, lay.decode_pos), value)
     d, n = lay.n_decode, lay.decode_max
-    o = F.scaled_dot_product_attention(query.unsqueeze(2), cache.k[layer][:d, :, :n], cache.v[layer][:d, :, :n],
-                                       attn_mask=mask, scale=scaling, enable_gqa=True)  # fmt: skip
+    o = F.scaled_dot_product_attention(
+        query.unsqueeze(2),
+        cache.k[layer][:d, :, :n],
+        cache.v[layer][:d, :, :n],
+        attn_mask=mask,
+        scale=scaling,
+        enable_gqa=True,
+    )
     return o.squeeze(2)
 
 

@@ -68,7 +68,7 @@ class LeanDecoder:
                 layer.post_attention_layernorm.weight,
                 getattr(getattr(layer.self_attn, "q_norm", None), "weight", None),
                 getattr(getattr(layer.self_attn, "k_norm", None), "weight", None),
-            )  # fmt: skip
+            )
             for layer in inner.layers
         ]
         self.cos, self.sin = rope_table(model, max_len)
@@ -81,14 +81,19 @@ class LeanDecoder:
             for ly in self.layers:
                 a, m = ly.attn, ly.mlp
                 bias = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
-                qkv.append((torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
-                            None if bias[0] is None else torch.cat(bias)))  # fmt: skip
+                qkv.append(
+                    (
+                        torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+                        None if bias[0] is None else torch.cat(bias),
+                    )
+                )
                 gate_up.append(torch.cat([m.gate_proj.weight, m.up_proj.weight]))
         self.qkv: list[tuple[torch.Tensor, torch.Tensor | None]] = qkv
         self.gate_up: list[torch.Tensor] = gate_up
 
-    def __call__(self, ids: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor,
-                 cache: SlotKVCache) -> torch.Tensor:  # fmt: skip
+    def __call__(
+        self, ids: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor, cache: SlotKVCache
+    ) -> torch.Tensor:
         """Logits (len(keep), vocab) of one packed step: ids, pos (T,) long, placed as cache.layout says."""
         t = ids.shape[0]
         sh = self.shape
@@ -111,8 +116,14 @@ class LeanDecoder:
             if decode_only:
                 o = attend_decode(cache, i, q, k, v, sh.scaling)
             else:
-                o = attend(cache, i, q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                           v.transpose(0, 1)[None], sh.scaling)  # fmt: skip
+                o = attend(
+                    cache,
+                    i,
+                    q.transpose(0, 1)[None],
+                    k.transpose(0, 1)[None],
+                    v.transpose(0, 1)[None],
+                    sh.scaling,
+                )
             x = _residual(x, o.reshape(t, h_q * d), ly.attn.o_proj.weight, ly.attn.o_proj.bias)
             y = rms(x, ly.norm_post, sh.eps)
             gate, up = F.linear(y, self.gate_up[i]).chunk(2, -1)

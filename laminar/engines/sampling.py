@@ -75,8 +75,14 @@ def processed_logprobs(
     return logp
 
 
-def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
-           uniforms: torch.Tensor, *, plain: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    uniforms: torch.Tensor,
+    *,
+    plain: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row by inverse CDF with the given uniforms; return (tokens, logprobs).
 
     Greedy rows (temperature 0) take the argmax and ignore their uniform. `plain`: the caller

@@ -106,9 +106,20 @@ class _Seq:
 class SimEngine(Engine):
     name = "sim"
 
-    def __init__(self, *, step_time_s: float = 0.02, bound_b: int = 64, length_p50: float = 200,
-                 length_p99_over_p50: float = 10.0, kv_capacity_tokens: int = 200_000, vocab_size: int = 32000,
-                 seed: int = 0, max_running: int = 32, chunk_tokens: int = 32, load_time_s: float = 0.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        step_time_s: float = 0.02,
+        bound_b: int = 64,
+        length_p50: float = 200,
+        length_p99_over_p50: float = 10.0,
+        kv_capacity_tokens: int = 200_000,
+        vocab_size: int = 32000,
+        seed: int = 0,
+        max_running: int = 32,
+        chunk_tokens: int = 32,
+        load_time_s: float = 0.0,
+    ) -> None:
         super().__init__()
         self.step_time_s, self.bound_b = step_time_s, bound_b
         self.length_p50, self.length_p99_over_p50 = length_p50, length_p99_over_p50
@@ -131,10 +142,18 @@ class SimEngine(Engine):
     @classmethod
     def from_config(cls, cfg: LaminarConfig, **kw: Any) -> SimEngine:
         s, r = cfg.rollout.sim, cfg.rollout
-        opts: dict[str, Any] = dict(step_time_s=s.step_time_s, bound_b=s.bound_b, length_p50=s.length_p50,
-                    length_p99_over_p50=s.length_p99_over_p50, kv_capacity_tokens=s.kv_capacity_tokens,
-                    vocab_size=s.vocab_size, seed=s.seed, max_running=r.max_running,
-                    chunk_tokens=s.chunk_tokens or r.partial_chunk_tokens, load_time_s=s.load_time_s)  # fmt: skip
+        opts: dict[str, Any] = dict(
+            step_time_s=s.step_time_s,
+            bound_b=s.bound_b,
+            length_p50=s.length_p50,
+            length_p99_over_p50=s.length_p99_over_p50,
+            kv_capacity_tokens=s.kv_capacity_tokens,
+            vocab_size=s.vocab_size,
+            seed=s.seed,
+            max_running=r.max_running,
+            chunk_tokens=s.chunk_tokens or r.partial_chunk_tokens,
+            load_time_s=s.load_time_s,
+        )
         opts.update(kw)
         return cls(**opts)
 
@@ -163,8 +182,9 @@ class SimEngine(Engine):
             # a model turn ends turn_start + its drawn length into the response (single-turn: turn
             # 0 from 0); it depends only on (seed, seq_id, turn, turn_start), so a resumed turn
             # (repack, replay elsewhere) keeps its target
-            drawn = req.turn_start + target_length(self.seed, sid, self.length_p50, self.length_p99_over_p50,
-                                                   req.turn)  # fmt: skip
+            drawn = req.turn_start + target_length(
+                self.seed, sid, self.length_p50, self.length_p99_over_p50, req.turn
+            )
             target = min(drawn, req.params.max_tokens)
             reason = "stop" if drawn <= req.params.max_tokens else "length"
             if sid in self._seqs or len(req.prompt_ids) == 0:
@@ -173,8 +193,19 @@ class SimEngine(Engine):
             if len(resumed) >= target:
                 self._emit(TokenEvent(sid, _NO_I, _NO_F, reason, self.version))
                 continue
-            s = _Seq(sid, np.asarray(req.prompt_ids, np.int32), req.params, req.version, _hash64("tok", self.seed, sid),
-                     target, reason, len(resumed), [resumed.copy()], [resumed_lps.copy()], len(resumed))  # fmt: skip
+            s = _Seq(
+                sid,
+                np.asarray(req.prompt_ids, np.int32),
+                req.params,
+                req.version,
+                _hash64("tok", self.seed, sid),
+                target,
+                reason,
+                len(resumed),
+                [resumed.copy()],
+                [resumed_lps.copy()],
+                len(resumed),
+            )
             self._seqs[sid] = s
             self._waiting.append(s)
         self._admit()
@@ -221,8 +252,13 @@ class SimEngine(Engine):
             self._settle(self._now())
             self._reschedule()
         held = sum(len(s.prompt) + s.done for s in self._running)
-        return EngineStats(min(1.0, held / self.capacity), len(self._running), len(self._waiting), self.version,
-                           self.tokens_generated)  # fmt: skip
+        return EngineStats(
+            min(1.0, held / self.capacity),
+            len(self._running),
+            len(self._waiting),
+            self.version,
+            self.tokens_generated,
+        )
 
     # ---- the latency model ---------------------------------------------------------------
     def step_time(self, batch: int) -> float:

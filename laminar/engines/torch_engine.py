@@ -90,10 +90,19 @@ class _Batch:
 class TorchEngine(Engine):
     name = "torch"
 
-    def __init__(self, model: Any, tokenizer: Any = None, *, max_running: int = 32, max_model_len: int | None = None,
-                 kv_capacity_tokens: int | None = None, max_prefill_tokens: int = 4096,
-                 eos_token_ids: Iterable[int] | None = None, recompute_on_load: bool = True,
-                 forward: str = "auto") -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any = None,
+        *,
+        max_running: int = 32,
+        max_model_len: int | None = None,
+        kv_capacity_tokens: int | None = None,
+        max_prefill_tokens: int = 4096,
+        eos_token_ids: Iterable[int] | None = None,
+        recompute_on_load: bool = True,
+        forward: str = "auto",
+    ) -> None:
         super().__init__()
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -141,13 +150,22 @@ class TorchEngine(Engine):
                 raise ValueError(
                     "rollout.engine=torch needs model.path (a local HF model directory)"
                 )
-            model = load_model(cfg.model.path, cfg.model.dtype, cfg.model.device,
-                               module_free=r.torch_forward != "hf", max_len=r.max_model_len)  # fmt: skip
+            model = load_model(
+                cfg.model.path,
+                cfg.model.dtype,
+                cfg.model.device,
+                module_free=r.torch_forward != "hf",
+                max_len=r.max_model_len,
+            )
             # decode only (stop strings): no template to render
             tokenizer = tokenizer or load_prompt_tokenizer(cfg.model.path, chat_template=False)
-        opts: dict[str, Any] = dict(max_running=r.max_running, max_model_len=r.max_model_len,
-                    kv_capacity_tokens=r.kv_capacity_tokens, max_prefill_tokens=r.max_prefill_tokens,
-                    forward=r.torch_forward)  # fmt: skip
+        opts: dict[str, Any] = dict(
+            max_running=r.max_running,
+            max_model_len=r.max_model_len,
+            kv_capacity_tokens=r.kv_capacity_tokens,
+            max_prefill_tokens=r.max_prefill_tokens,
+            forward=r.torch_forward,
+        )
         opts.update(kw)
         return cls(model, tokenizer, **opts)
 
@@ -176,8 +194,16 @@ class TorchEngine(Engine):
         if len(resumed_lps) != len(resumed):
             resumed_lps = (resumed_lps + [float("nan")] * len(resumed))[: len(resumed)]
         for sid in req.seq_ids():
-            s = _Seq(sid, prompt, req.params, req.version, sequence_key(req.params.seed, sid),
-                     list(resumed), list(resumed_lps), order=next(self._order))  # fmt: skip
+            s = _Seq(
+                sid,
+                prompt,
+                req.params,
+                req.version,
+                sequence_key(req.params.seed, sid),
+                list(resumed),
+                list(resumed_lps),
+                order=next(self._order),
+            )
             problem = self._reject_reason(s)
             if problem is not None:
                 log.warning("torch engine rejected %s: %s", sid, problem)
@@ -215,8 +241,16 @@ class TorchEngine(Engine):
                     self._leave(s)
                 else:
                     self._waiting.remove(s)
-                out.append(PartialState(sid, np.asarray(s.prompt, np.int32), np.asarray(s.out, np.int32),
-                                        np.asarray(s.lps, np.float32), s.version, s.params))  # fmt: skip
+                out.append(
+                    PartialState(
+                        sid,
+                        np.asarray(s.prompt, np.int32),
+                        np.asarray(s.out, np.int32),
+                        np.asarray(s.lps, np.float32),
+                        s.version,
+                        s.params,
+                    )
+                )
                 self._emit(TokenEvent(sid, _NO_I, _NO_F, "abort", s.version))
             return out
 
@@ -253,8 +287,13 @@ class TorchEngine(Engine):
 
     def stats(self) -> EngineStats:
         held = sum(s.kv_len for s in self._running)
-        return EngineStats(min(1.0, held / self.capacity), len(self._running), len(self._waiting), self.version,
-                           self.tokens_generated)  # fmt: skip
+        return EngineStats(
+            min(1.0, held / self.capacity),
+            len(self._running),
+            len(self._waiting),
+            self.version,
+            self.tokens_generated,
+        )
 
     # ---- step loop ---------------------------------------------------------------------
     async def _loop(self) -> None:
@@ -323,14 +362,19 @@ class TorchEngine(Engine):
             len(decode), decode_pos, max(pos[: len(decode)], default=-1) + 1, segments
         )
         return _Batch(
-            decode, prefill,
-            torch.tensor([ids], dtype=torch.long, device=dev), torch.tensor([pos], dtype=torch.long, device=dev),
-            torch.tensor(keep, dtype=torch.long, device=dev), layout,
+            decode,
+            prefill,
+            torch.tensor([ids], dtype=torch.long, device=dev),
+            torch.tensor([pos], dtype=torch.long, device=dev),
+            torch.tensor(keep, dtype=torch.long, device=dev),
+            layout,
             torch.tensor([s.params.temperature for s in rows], dtype=torch.float32, device=dev),
             torch.tensor([s.params.top_p for s in rows], dtype=torch.float32, device=dev),
-            torch.tensor([uniform(s.key, len(s.out)) for s in rows], dtype=torch.float64, device=dev),
+            torch.tensor(
+                [uniform(s.key, len(s.out)) for s in rows], dtype=torch.float64, device=dev
+            ),
             all(s.params.temperature == 1.0 and s.params.top_p >= 1.0 for s in rows),
-        )  # fmt: skip
+        )
 
     def _compute(self, b: _Batch) -> tuple[list[int], list[float]]:
         """Worker thread: one packed forward + sampling."""

@@ -118,9 +118,18 @@ def sampled_logprobs(token_ids: list[int], logprobs: Any) -> list[float]:
 class VllmEngine(Engine):
     name = "vllm"
 
-    def __init__(self, model_path: str | None, *, dtype: str = "auto", max_running: int = 32,
-                 max_model_len: int | None = None, engine_args: dict[str, Any] | None = None, llm: Any = None,
-                 abort_timeout_s: float = 10.0, env: dict[str, str] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model_path: str | None,
+        *,
+        dtype: str = "auto",
+        max_running: int = 32,
+        max_model_len: int | None = None,
+        engine_args: dict[str, Any] | None = None,
+        llm: Any = None,
+        abort_timeout_s: float = 10.0,
+        env: dict[str, str] | None = None,
+    ) -> None:
         super().__init__()
         if model_path is None and llm is None:
             raise ValueError("rollout.engine=vllm needs model.path (a local HF model directory)")
@@ -158,8 +167,13 @@ class VllmEngine(Engine):
         if v.cpu_kvcache_space_gib is not None:
             env["VLLM_CPU_KVCACHE_SPACE"] = f"{v.cpu_kvcache_space_gib:g}"
         env.update(kw.pop("env", None) or {})  # the rollout's placement
-        opts: dict[str, Any] = dict(dtype=dtype, max_running=v.max_num_seqs or cfg.rollout.max_running,
-                                    max_model_len=cfg.rollout.max_model_len, engine_args=args, env=env)  # fmt: skip
+        opts: dict[str, Any] = dict(
+            dtype=dtype,
+            max_running=v.max_num_seqs or cfg.rollout.max_running,
+            max_model_len=cfg.rollout.max_model_len,
+            engine_args=args,
+            env=env,
+        )
         opts.update(kw)
         return cls(cfg.model.path, **opts)
 
@@ -175,10 +189,14 @@ class VllmEngine(Engine):
         # importing vllm alone takes seconds of CPU: in the thread too, or the loop misses beats
         self._v = await asyncio.to_thread(_import_vllm)
         args: dict[str, Any] = dict(
-            model=self.model_path, dtype=self.dtype, max_num_seqs=self.max_running,
-            logprobs_mode="processed_logprobs", enable_prefix_caching=True,
-            worker_extension_cls=EXTENSION, disable_log_stats=True,
-        )  # fmt: skip
+            model=self.model_path,
+            dtype=self.dtype,
+            max_num_seqs=self.max_running,
+            logprobs_mode="processed_logprobs",
+            enable_prefix_caching=True,
+            worker_extension_cls=EXTENSION,
+            disable_log_stats=True,
+        )
         if self.max_model_len:
             args["max_model_len"] = self.max_model_len
         args.update(self.engine_args)
@@ -239,8 +257,11 @@ class VllmEngine(Engine):
                 self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kw: Any
             ) -> None:
                 if scheduler_stats is not None:
-                    engine._sched = (int(scheduler_stats.num_running_reqs), int(scheduler_stats.num_waiting_reqs),
-                                     float(scheduler_stats.kv_cache_usage))  # fmt: skip
+                    engine._sched = (
+                        int(scheduler_stats.num_running_reqs),
+                        int(scheduler_stats.num_waiting_reqs),
+                        float(scheduler_stats.kv_cache_usage),
+                    )
 
             def log_engine_initialized(self) -> None:
                 pass
@@ -258,8 +279,15 @@ class VllmEngine(Engine):
             if sid in self._seqs or len(prompt) == 0:
                 self._emit(TokenEvent(sid, _NO_I, _NO_F, "error", self.version))
                 continue
-            s = _Seq(sid, f"{sid}#{next(self._ids)}", prompt, req.params, req.version, list(resumed),
-                     (resumed_lps + [float("nan")] * len(resumed))[: len(resumed)])  # fmt: skip
+            s = _Seq(
+                sid,
+                f"{sid}#{next(self._ids)}",
+                prompt,
+                req.params,
+                req.version,
+                list(resumed),
+                (resumed_lps + [float("nan")] * len(resumed))[: len(resumed)],
+            )
             if len(resumed) >= req.params.max_tokens:
                 self._emit(TokenEvent(sid, _NO_I, _NO_F, "length", self.version))
                 continue
@@ -274,11 +302,19 @@ class VllmEngine(Engine):
 
             seed = sequence_key(p.seed, s.seq_id) >> 1
         return v.SamplingParams(
-            n=1, temperature=p.temperature, top_p=p.top_p, max_tokens=p.max_tokens - n_resumed,
-            stop=list(p.stop) or None, stop_token_ids=list(p.stop_token_ids) or None, seed=seed,
-            ignore_eos=p.ignore_eos, logprobs=0, include_stop_str_in_output=True,
-            detokenize=bool(p.stop), output_kind=v.RequestOutputKind.DELTA,
-        )  # fmt: skip
+            n=1,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            max_tokens=p.max_tokens - n_resumed,
+            stop=list(p.stop) or None,
+            stop_token_ids=list(p.stop_token_ids) or None,
+            seed=seed,
+            ignore_eos=p.ignore_eos,
+            logprobs=0,
+            include_stop_str_in_output=True,
+            detokenize=bool(p.stop),
+            output_kind=v.RequestOutputKind.DELTA,
+        )
 
     async def _run(self, s: _Seq, n_resumed: int) -> None:
         v = self._v
@@ -303,8 +339,15 @@ class VllmEngine(Engine):
                     # an abort's own tokens (if any) stream first; the final abort event is bare
                     last = reason if reason != "abort" else None
                     if ids or last is not None:
-                        self._emit(TokenEvent(s.seq_id, np.asarray(ids, np.int32), np.asarray(lps, np.float32), last,
-                                              self.version))  # fmt: skip
+                        self._emit(
+                            TokenEvent(
+                                s.seq_id,
+                                np.asarray(ids, np.int32),
+                                np.asarray(lps, np.float32),
+                                last,
+                                self.version,
+                            )
+                        )
                         final_sent = last is not None
             if reason is None:
                 reason = "abort" if s.aborting else "error"
@@ -334,8 +377,18 @@ class VllmEngine(Engine):
         for t in late:  # no final output arrived: cancelling generate() aborts the request too
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        return [PartialState(s.seq_id, s.prompt, np.asarray(s.out, np.int32), np.asarray(s.lps, np.float32),
-                             s.version, s.params) for s in targets if s.reason == "abort"]  # fmt: skip
+        return [
+            PartialState(
+                s.seq_id,
+                s.prompt,
+                np.asarray(s.out, np.int32),
+                np.asarray(s.lps, np.float32),
+                s.version,
+                s.params,
+            )
+            for s in targets
+            if s.reason == "abort"
+        ]
 
     # ---- weights and stats -------------------------------------------------------------
     async def load_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
@@ -361,8 +414,12 @@ class VllmEngine(Engine):
         finally:
             if staged is not None:
                 os.unlink(staged)
-        self.last_load = {"path": "staged" if staged else "shared", "tensors": len(spans),
-                          "bytes": sum(sp[5] for sp in spans), "engine_load_s": round(time.perf_counter() - t0, 4)}  # fmt: skip
+        self.last_load = {
+            "path": "staged" if staged else "shared",
+            "tensors": len(spans),
+            "bytes": sum(sp[5] for sp in spans),
+            "engine_load_s": round(time.perf_counter() - t0, 4),
+        }
         _slog().info("vllm_weights_loaded", version=version, **self.last_load)
 
     def stats(self) -> EngineStats:

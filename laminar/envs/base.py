@@ -45,8 +45,15 @@ class ToolResult:
     truncated: bool = False
 
     def record(self, turn: int) -> ToolRecord:
-        return ToolRecord(call_id=self.call_id, name=self.name, turn=turn, ok=self.ok,
-                          error_kind=self.error_kind, seconds=self.seconds, cached=self.cached)  # fmt: skip
+        return ToolRecord(
+            call_id=self.call_id,
+            name=self.name,
+            turn=turn,
+            ok=self.ok,
+            error_kind=self.error_kind,
+            seconds=self.seconds,
+            cached=self.cached,
+        )
 
 
 class ToolClient(Protocol):

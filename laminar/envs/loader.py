@@ -23,8 +23,9 @@ class EnvSpecError(ConfigError):
 
 
 def _resolve(spec: str) -> Any:
-    return resolve_spec(spec, "env.fn", "'package.module:Class' or 'package.module:function'",
-                        EnvSpecError)  # fmt: skip
+    return resolve_spec(
+        spec, "env.fn", "'package.module:Class' or 'package.module:function'", EnvSpecError
+    )
 
 
 def load_env(cfg: EnvConfig) -> Environment | None:

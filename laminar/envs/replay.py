@@ -55,8 +55,9 @@ class Segment:
     """Half-open range of response token positions."""
 
 
-def split_segments(response_ids: Sequence[int] | np.ndarray,
-                   loss_mask: Sequence[int] | np.ndarray | None) -> list[Segment]:  # fmt: skip
+def split_segments(
+    response_ids: Sequence[int] | np.ndarray, loss_mask: Sequence[int] | np.ndarray | None
+) -> list[Segment]:
     """The response split into runs by loss mask (1 = model, 0 = env); None mask = all model."""
     n = len(response_ids)
     if n == 0:
@@ -89,10 +90,15 @@ class Replayed:
     """The record ends with a model run that ended its turn: its step still has to run."""
 
 
-async def replay(env: Environment, row: dict[str, Any], prompt: str,
-                 response_ids: Sequence[int] | np.ndarray,
-                 loss_mask: Sequence[int] | np.ndarray | None, template: TurnTemplate,
-                 ctx_for_turn: Callable[[int, int], StepContext]) -> Replayed:  # fmt: skip
+async def replay(
+    env: Environment,
+    row: dict[str, Any],
+    prompt: str,
+    response_ids: Sequence[int] | np.ndarray,
+    loss_mask: Sequence[int] | np.ndarray | None,
+    template: TurnTemplate,
+    ctx_for_turn: Callable[[int, int], StepContext],
+) -> Replayed:
     """Rebuild the episode's state from its recorded response (see the module docstring)."""
     ids = [int(i) for i in response_ids]
     segs = split_segments(ids, loss_mask)

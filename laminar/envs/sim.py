@@ -67,9 +67,19 @@ class SimToolEnv(Environment):
 
     stop = ("</tool_call>",)  # what a real tool env stops on; the sim engine ends turns by length
 
-    def __init__(self, seed: int = 0, max_calls: int = 8, p_call: float = 0.8, latency_p50_s: float = 0.1,
-                 latency_p99_s: float = 2.0, obs_min: int = 20, obs_max: int = 200, vocab_size: int = 32000,
-                 tool: str = "python", latency_max_s: float | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        seed: int = 0,
+        max_calls: int = 8,
+        p_call: float = 0.8,
+        latency_p50_s: float = 0.1,
+        latency_p99_s: float = 2.0,
+        obs_min: int = 20,
+        obs_max: int = 200,
+        vocab_size: int = 32000,
+        tool: str = "python",
+        latency_max_s: float | None = None,
+    ) -> None:
         if not 0.0 <= p_call <= 1.0:
             raise ValueError(f"p_call must be in [0, 1], got {p_call}")
         if max_calls < 0:
@@ -121,13 +131,25 @@ class SimToolEnv(Environment):
         killed = self.latency_max_s is not None and drawn > self.latency_max_s
         seconds = min(drawn, self.latency_max_s) if self.latency_max_s is not None else drawn
         if ctx.calls_left() <= 0:  # over the episode's budget: an error observation, no run
-            return StepResult(observation_ids=self.observation_ids(cid)[: self.obs_min],
-                              tool_results=[ToolResult(cid, self.tool, ok=False, error="too many tool calls",
-                                                       error_kind="limit")])  # fmt: skip
+            return StepResult(
+                observation_ids=self.observation_ids(cid)[: self.obs_min],
+                tool_results=[
+                    ToolResult(
+                        cid, self.tool, ok=False, error="too many tool calls", error_kind="limit"
+                    )
+                ],
+            )
         if not ctx.replay:
             await asyncio.sleep(seconds)  # the emulated sandbox run
-        result = ToolResult(cid, self.tool, ok=not killed, error="wall-clock limit" if killed else "",
-                            error_kind="timeout" if killed else "", seconds=seconds, cached=ctx.replay)  # fmt: skip
+        result = ToolResult(
+            cid,
+            self.tool,
+            ok=not killed,
+            error="wall-clock limit" if killed else "",
+            error_kind="timeout" if killed else "",
+            seconds=seconds,
+            cached=ctx.replay,
+        )
         return StepResult(observation_ids=self.observation_ids(cid), tool_results=[result])
 
     async def score(self, state: SimEpisode, ctx: StepContext) -> float:

@@ -59,8 +59,9 @@ class TemplateError(ValueError):
 
 
 class TurnTemplate:
-    def __init__(self, tokenizer: Any, *, use_chat_template: bool = True,
-                 system: str | None = None):  # fmt: skip
+    def __init__(
+        self, tokenizer: Any, *, use_chat_template: bool = True, system: str | None = None
+    ):
         """`use_chat_template` false forces the plain format; `system` is the system message
         the prompts are rendered with (only the template's rendering of it matters).
         `tokenizer`: a HF tokenizer, or None (UTF-8 bytes as ids, plain format)."""
@@ -79,8 +80,10 @@ class TurnTemplate:
             probe = self._render(self._base, generation_prompt=False)
             cut = probe.rfind(_MARK)
             if cut < 0:
-                raise TemplateError("the chat template does not render the assistant's content "
-                                    "verbatim; set use_chat_template=False for the plain format")  # fmt: skip
+                raise TemplateError(
+                    "the chat template does not render the assistant's content "
+                    "verbatim; set use_chat_template=False for the plain format"
+                )
             self.turn_end = probe[cut + len(_MARK) :]
             first = self._encode(self.turn_end)[:1]
             special = set(self.tok.all_special_ids)
@@ -107,8 +110,9 @@ class TurnTemplate:
             return list(text.encode("utf-8"))
         return [int(i) for i in self.tok(text, add_special_tokens=False)["input_ids"]]
 
-    def observation_text(self, text: str | Sequence[str], role: str = "tool",
-                         after_eot: bool = False) -> str:  # fmt: skip
+    def observation_text(
+        self, text: str | Sequence[str], role: str = "tool", after_eot: bool = False
+    ) -> str:
         """The text `observation_ids` tokenizes (a list = several messages of `role`)."""
         texts = [text] if isinstance(text, str) else list(text)
         if not self.chat:
@@ -132,8 +136,9 @@ class TurnTemplate:
                 obs = obs[len(eot_text) :]
         return obs
 
-    def observation_ids(self, text: str | Sequence[str], role: str = "tool",
-                        after_eot: bool = False) -> list[int]:  # fmt: skip
+    def observation_ids(
+        self, text: str | Sequence[str], role: str = "tool", after_eot: bool = False
+    ) -> list[int]:
         """The exact tokens the environment adds after a model turn, up to and including the
         header of the next assistant turn. `after_eot`: the model's turn ended on the
         end-of-turn token it sampled (see `ended_with_eot`), which is then not repeated."""

@@ -44,10 +44,15 @@ from laminar.envs.base import Environment, StepContext, StepResult, ToolResult
 from laminar.envs.toolcall import CALL_CLOSE, ParsedCall, parse_tool_calls, tool_messages
 
 BUILTIN_DESCRIPTIONS: dict[str, tuple[str, dict[str, str]]] = {
-    "calculator": ("Evaluate an arithmetic expression (+ - * / // % **).", {"expression": "string"}),
-    "python": ("Run Python code; what it prints and its last expression's value come back.",
-               {"code": "string"}),
-}  # fmt: skip
+    "calculator": (
+        "Evaluate an arithmetic expression (+ - * / // % **).",
+        {"expression": "string"},
+    ),
+    "python": (
+        "Run Python code; what it prints and its last expression's value come back.",
+        {"code": "string"},
+    ),
+}
 """Descriptions of the tools node's built-ins (laminar/tools/builtin.py) for `system_prompt`."""
 
 
@@ -56,8 +61,12 @@ class ToolEnv(Environment):
 
     stop = (CALL_CLOSE,)
 
-    def __init__(self, tools: Sequence[str] = ("python", "calculator"), concurrent: bool = True,
-                 descriptions: Mapping[str, str] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        tools: Sequence[str] = ("python", "calculator"),
+        concurrent: bool = True,
+        descriptions: Mapping[str, str] | None = None,
+    ):
         """`tools`: the names the model may call (what the tools node serves); `concurrent`:
         run a turn's calls at once (results stay in call order); `descriptions`: text per
         tool name for `system_prompt` (built-ins have their own)."""
@@ -74,8 +83,14 @@ class ToolEnv(Environment):
         lines = []
         for name in self.tools:
             desc, params = BUILTIN_DESCRIPTIONS.get(name, ("", {}))
-            spec = {"name": name, "description": self.descriptions.get(name, desc),
-                    "parameters": {"type": "object", "properties": {k: {"type": v} for k, v in params.items()}}}  # fmt: skip
+            spec = {
+                "name": name,
+                "description": self.descriptions.get(name, desc),
+                "parameters": {
+                    "type": "object",
+                    "properties": {k: {"type": v} for k, v in params.items()},
+                },
+            }
             lines.append(json.dumps(spec))
         return (
             "You may call tools. The tools are:\n<tools>\n" + "\n".join(lines) + "\n</tools>\n"
@@ -91,17 +106,32 @@ class ToolEnv(Environment):
     async def _run(self, ctx: StepContext, call: ParsedCall) -> ToolResult:
         cid = ctx.call_id(call.index, call.name, call.arguments)
         if call.name not in self.tools:
-            return ToolResult(cid, call.name, ok=False, error_kind="unknown_tool",
-                              error=f"unknown tool {call.name!r} (tools: {', '.join(self.tools)})")  # fmt: skip
+            return ToolResult(
+                cid,
+                call.name,
+                ok=False,
+                error_kind="unknown_tool",
+                error=f"unknown tool {call.name!r} (tools: {', '.join(self.tools)})",
+            )
         if ctx.tools is None:
-            return ToolResult(cid, call.name, ok=False, error_kind="unavailable",
-                              error="tools are not available (no tools node)")  # fmt: skip
+            return ToolResult(
+                cid,
+                call.name,
+                ok=False,
+                error_kind="unavailable",
+                error="tools are not available (no tools node)",
+            )
         try:
             return await ctx.tools.call(cid, call.name, call.arguments, ctx.timeout_s)
         # a client must answer with a ToolResult; a bug in one is an error observation
         except Exception as exc:
-            return ToolResult(cid, call.name, ok=False, error_kind="client_error",
-                              error=f"{type(exc).__name__}: {exc}")  # fmt: skip
+            return ToolResult(
+                cid,
+                call.name,
+                ok=False,
+                error_kind="client_error",
+                error=f"{type(exc).__name__}: {exc}",
+            )
 
     async def step(self, state: dict[str, Any], ctx: StepContext, model_text: str) -> StepResult:
         calls, errors = parse_tool_calls(model_text)
@@ -131,11 +161,20 @@ class ToolEnv(Environment):
             limit = ctx.max_tool_calls
             shown += [f"tool call limit reached (max_tool_calls={limit})"] * refused
         state["tool_calls"] += len(results)
-        state["history"].append({
-            "turn": ctx.turn,
-            "calls": [{"name": r.name, "ok": r.ok, "output": r.output, "error": r.error}
-                      for r in results],
-            "refused": max(0, refused),
-        })  # fmt: skip
-        return StepResult(observation=tool_messages(shown), role="tool", done=False,
-                          tool_results=results, info={"refused": max(0, refused)})  # fmt: skip
+        state["history"].append(
+            {
+                "turn": ctx.turn,
+                "calls": [
+                    {"name": r.name, "ok": r.ok, "output": r.output, "error": r.error}
+                    for r in results
+                ],
+                "refused": max(0, refused),
+            }
+        )
+        return StepResult(
+            observation=tool_messages(shown),
+            role="tool",
+            done=False,
+            tool_results=results,
+            info={"refused": max(0, refused)},
+        )

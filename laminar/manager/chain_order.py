@@ -86,8 +86,11 @@ class ChainPlanner:
             if h_up is None or h_me is None or h_me >= chunks:
                 continue
             if pos == 0:  # the head's successor: judged by its rate, not its gap
-                blamed = (me in rates and self.best_rate > 0
-                          and rates[me] * self.rate_factor < self.best_rate)  # fmt: skip
+                blamed = (
+                    me in rates
+                    and self.best_rate > 0
+                    and rates[me] * self.rate_factor < self.best_rate
+                )
             else:
                 blamed = h_up - h_me > limit
             self._blamed[me] = self._blamed.get(me, False) or blamed

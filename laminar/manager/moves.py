@@ -37,8 +37,14 @@ from laminar.transport.sockets import RemoteError, TransportError
 
 
 class Repacker:
-    def __init__(self, srv: RpcServer, placer: Placer, cfg: LaminarConfig, metrics: Metrics,
-                 log: structlog.typing.FilteringBoundLogger):  # fmt: skip
+    def __init__(
+        self,
+        srv: RpcServer,
+        placer: Placer,
+        cfg: LaminarConfig,
+        metrics: Metrics,
+        log: structlog.typing.FilteringBoundLogger,
+    ):
         self.srv, self.placer, self.cfg = srv, placer, cfg
         self.metrics, self.log = metrics, log
         self.prev_kv: dict[str, float] = {}
@@ -58,9 +64,17 @@ class Repacker:
             else:  # no per-trajectory report: split the rollout's KV evenly over what it runs
                 n = max(1, s.inflight)
                 tl = tuple(TrajLoad(f"*{i}", s.kv_use / n) for i in range(s.inflight))
-            loads.append(RolloutLoad(node_id=p.node_id, version=s.version, kv_use=s.kv_use,
-                                     kv_rising=prev is not None and s.kv_use > prev + 1e-9,
-                                     running=s.running, waiting=s.waiting, trajectories=tl))  # fmt: skip
+            loads.append(
+                RolloutLoad(
+                    node_id=p.node_id,
+                    version=s.version,
+                    kv_use=s.kv_use,
+                    kv_rising=prev is not None and s.kv_use > prev + 1e-9,
+                    running=s.running,
+                    waiting=s.waiting,
+                    trajectories=tl,
+                )
+            )
         return loads
 
     async def round(self, trainer_version: int) -> dict[str, Any]:
@@ -98,10 +112,18 @@ class Repacker:
         results = await asyncio.gather(*(bounded(mv) for mv in plan.moves))
         moved = sum(r["moved"] for r in results)
         overhead_s = round(time.monotonic() - t0, 4)
-        entry = {"t": time.time(), "moves": len(plan.moves), "trajectories": moved, "emptied": list(plan.emptied),
-                 "failed": sum(r["failed"] for r in results), "elsewhere": sum(r["elsewhere"] for r in results),
-                 "orphaned": sum(r["orphaned"] for r in results), "overhead_s": overhead_s,
-                 "sources": [m.source for m in plan.moves], "dests": [m.dest for m in plan.moves]}  # fmt: skip
+        entry = {
+            "t": time.time(),
+            "moves": len(plan.moves),
+            "trajectories": moved,
+            "emptied": list(plan.emptied),
+            "failed": sum(r["failed"] for r in results),
+            "elsewhere": sum(r["elsewhere"] for r in results),
+            "orphaned": sum(r["orphaned"] for r in results),
+            "overhead_s": overhead_s,
+            "sources": [m.source for m in plan.moves],
+            "dests": [m.dest for m in plan.moves],
+        }
         self.metrics.add("repack_overhead_s", overhead_s)
         self.metrics.count("repack_trajectories", moved)
         return entry

@@ -169,14 +169,27 @@ class ManagerNode(Node):
             ):
                 status.staleness = float(self.trainer_version - status.version)
             pid = p.info.get("pid", 0)
-            out.append(NodeEntry(node_id=p.node_id, role=p.role, alive=p.alive, last_beat_s=round(now - p.last_seen, 3),
-                                 status=status, pid=pid if isinstance(pid, int) else 0))  # fmt: skip
+            out.append(
+                NodeEntry(
+                    node_id=p.node_id,
+                    role=p.role,
+                    alive=p.alive,
+                    last_beat_s=round(now - p.last_seen, 3),
+                    status=status,
+                    pid=pid if isinstance(pid, int) else 0,
+                )
+            )
         return out
 
     async def _on_status(self, peer: Peer, msg: StatusRequest) -> StatusReply:
-        me = NodeEntry(node_id=self.node_id, role=self.role, alive=True, last_beat_s=0.0,
-                       status=NodeStatus(node_id=self.node_id, role=self.role, version=self.trainer_version),
-                       pid=os.getpid())  # fmt: skip
+        me = NodeEntry(
+            node_id=self.node_id,
+            role=self.role,
+            alive=True,
+            last_beat_s=0.0,
+            status=NodeStatus(node_id=self.node_id, role=self.role, version=self.trainer_version),
+            pid=os.getpid(),
+        )
         return StatusReply(
             nodes=[me, *self.members()], trainer_version=self.trainer_version, mode=self.cfg.mode
         )
@@ -192,9 +205,17 @@ class ManagerNode(Node):
             self.repack_now.set()  # the paper repacks right after each update: free rollouts for the new version
 
     def status(self) -> NodeStatus:
-        return NodeStatus(node_id=self.node_id, role=self.role, version=self.trainer_version,
-                          extra={"members": len(self.srv.peers), "repacks": len(self.repack_log),
-                                 "recoveries": len(self.recovery_log), "orphans": len(self.placer.orphans)})  # fmt: skip
+        return NodeStatus(
+            node_id=self.node_id,
+            role=self.role,
+            version=self.trainer_version,
+            extra={
+                "members": len(self.srv.peers),
+                "repacks": len(self.repack_log),
+                "recoveries": len(self.recovery_log),
+                "orphans": len(self.placer.orphans),
+            },
+        )
 
     # ---- timeline (report.png's utilisation panel, bench idle fractions) -------------------
     def _event(self, kind: str, **fields: Any) -> None:
@@ -209,8 +230,15 @@ class ManagerNode(Node):
             for p in self._live("rollout"):
                 s = p.status
                 if s is not None:
-                    self._event("rollout", node=p.node_id, version=s.version, running=s.running,
-                                waiting=s.waiting, kv=round(s.kv_use, 4), inflight=s.inflight)  # fmt: skip
+                    self._event(
+                        "rollout",
+                        node=p.node_id,
+                        version=s.version,
+                        running=s.running,
+                        waiting=s.waiting,
+                        kv=round(s.kv_use, 4),
+                        inflight=s.inflight,
+                    )
             self._event("trainer", version=self.trainer_version)
 
     # ---- relay chain ----------------------------------------------------------------------
@@ -247,8 +275,12 @@ class ManagerNode(Node):
         # sample the chain only while a version is moving (some relay reports one incoming)
         while True:
             await asyncio.sleep(self.cfg.transport.heartbeat_interval_s / 2)  # a sampling timer
-            moving = [p for p in self._live("relay") if p.status is not None
-                      and int(p.status.extra.get("incoming", -1)) > p.status.version]  # fmt: skip
+            moving = [
+                p
+                for p in self._live("relay")
+                if p.status is not None
+                and int(p.status.extra.get("incoming", -1)) > p.status.version
+            ]
             if not moving or len(self.chain_order) < 3:
                 continue
             infos: dict[int, tuple[int, int, int, int]] = {}
@@ -263,8 +295,12 @@ class ManagerNode(Node):
                     except (TransportError, RemoteError):
                         continue
                     if isinstance(info, ChainInfo):
-                        infos[idx] = (info.version, info.incoming_version, info.incoming_have,
-                                      info.incoming_chunks)  # fmt: skip
+                        infos[idx] = (
+                            info.version,
+                            info.incoming_version,
+                            info.incoming_have,
+                            info.incoming_chunks,
+                        )
             if self.chain_planner.observe(order, infos, time.monotonic()):
                 self.log.warning(
                     "chain_stragglers", slow=sorted(self.chain_planner.slow), order=order
@@ -295,8 +331,14 @@ class ManagerNode(Node):
             return entry
         sources, dests = entry.pop("sources"), entry.pop("dests")
         self.repack_log.append(entry)
-        self._event("repack", moves=entry["moves"], trajectories=entry["trajectories"], emptied=entry["emptied"],
-                    sources=sources, dests=dests)  # fmt: skip
+        self._event(
+            "repack",
+            moves=entry["moves"],
+            trajectories=entry["trajectories"],
+            emptied=entry["emptied"],
+            sources=sources,
+            dests=dests,
+        )
         self.log.info("repack", **{k: v for k, v in entry.items() if k != "t"})
         return entry
 
@@ -339,10 +381,15 @@ class ManagerNode(Node):
             await self.placer.place(reply.partials, self.trainer_version) if reply.partials else {}
         )
         orphaned = placed.get(ORPHAN, 0)
-        entry = {"t": time.time(), "rollout": rollout_id, "trajectories": len(reply.partials),
-                 "tokens": int(sum(len(p.response_ids) for p in reply.partials)), "orphans": orphaned,
-                 "placed": {k: v for k, v in placed.items() if k != ORPHAN},
-                 "seconds": round(time.monotonic() - t0, 4)}  # fmt: skip
+        entry = {
+            "t": time.time(),
+            "rollout": rollout_id,
+            "trajectories": len(reply.partials),
+            "tokens": int(sum(len(p.response_ids) for p in reply.partials)),
+            "orphans": orphaned,
+            "placed": {k: v for k, v in placed.items() if k != ORPHAN},
+            "seconds": round(time.monotonic() - t0, 4),
+        }
         self.recovery_log.append(entry)
         self._event(
             "recovery", rollout=rollout_id, trajectories=len(reply.partials), orphans=orphaned

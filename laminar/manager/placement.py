@@ -83,8 +83,11 @@ class Placer:
 
     async def _import(self, peer: Peer, items: list[PartialTrajectory]) -> bool:
         try:
-            rep = await self.srv.request(peer.node_id, ImportRequest(partials=items),
-                                         timeout=self.cfg.transport.request_timeout_s)  # fmt: skip
+            rep = await self.srv.request(
+                peer.node_id,
+                ImportRequest(partials=items),
+                timeout=self.cfg.transport.request_timeout_s,
+            )
         except RemoteError as exc:
             if (
                 exc.code == VERSION_MISMATCH
@@ -99,8 +102,13 @@ class Placer:
             return False
         return isinstance(rep, ImportReply)
 
-    async def place(self, partials: list[PartialTrajectory], trainer_version: int, prefer: str | None = None,
-                    source: str | None = None) -> dict[str, int]:  # fmt: skip
+    async def place(
+        self,
+        partials: list[PartialTrajectory],
+        trainer_version: int,
+        prefer: str | None = None,
+        source: str | None = None,
+    ) -> dict[str, int]:
         """Import partials onto live rollouts of their own version (prefer `prefer`, `source` last);
         when none takes them, restart them from the prompt on a rollout of the newest version;
         what still finds no home becomes an orphan. Returns how many went where ({node_id or ORPHAN: count})."""
@@ -130,15 +138,31 @@ class Placer:
         for peer, status in live[:PLACE_TRIES]:
             if await self._import(peer, [restart(p, status.version) for p in items]):
                 self.metrics.count("restarted_from_prompt", len(items))
-                self.log.info("restarted_from_prompt", dest=peer.node_id, count=len(items),
-                              lost_tokens=int(sum(len(p.response_ids) for p in items)))  # fmt: skip
+                self.log.info(
+                    "restarted_from_prompt",
+                    dest=peer.node_id,
+                    count=len(items),
+                    lost_tokens=int(sum(len(p.response_ids) for p in items)),
+                )
                 return peer.node_id
         return None
 
 
 def restart(p: PartialTrajectory, version: int) -> PartialTrajectory:
     """The same trajectory from its prompt, at `version`: every generated token dropped."""
-    return PartialTrajectory(uid=p.uid, group_id=p.group_id, prompt_uid=p.prompt_uid, sample_index=p.sample_index,
-                             prompt_ids=p.prompt_ids, response_ids=np.zeros(0, np.int32),
-                             logprobs=np.zeros(0, np.float32), version=version, n=p.n, prompt=p.prompt, row=p.row,
-                             rollout_id=p.rollout_id, resumed=p.resumed + 1, t_start=p.t_start)  # fmt: skip
+    return PartialTrajectory(
+        uid=p.uid,
+        group_id=p.group_id,
+        prompt_uid=p.prompt_uid,
+        sample_index=p.sample_index,
+        prompt_ids=p.prompt_ids,
+        response_ids=np.zeros(0, np.int32),
+        logprobs=np.zeros(0, np.float32),
+        version=version,
+        n=p.n,
+        prompt=p.prompt,
+        row=p.row,
+        rollout_id=p.rollout_id,
+        resumed=p.resumed + 1,
+        t_start=p.t_start,
+    )

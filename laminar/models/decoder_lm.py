@@ -135,8 +135,14 @@ class DecoderLM(nn.Module):
     """HF's ForCausalLM module tree for the Llama family: its names and parameters, and a plain
     padded forward; the engines and the trainer mostly run their own (lean, packed) on it."""
 
-    def __init__(self, cfg: Any, raw: dict[str, Any], bias: dict[str, bool], qk_norm: bool,
-                 generation: dict[str, Any] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cfg: Any,
+        raw: dict[str, Any],
+        bias: dict[str, bool],
+        qk_norm: bool,
+        generation: dict[str, Any] | None = None,
+    ) -> None:
         super().__init__()
         self.config = cfg
         self.raw_config = raw
@@ -163,8 +169,9 @@ class DecoderLM(nn.Module):
     def get_output_embeddings(self) -> nn.Linear:
         return self.lm_head
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                **_: Any) -> SimpleNamespace:  # fmt: skip
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **_: Any
+    ) -> SimpleNamespace:
         """HF's call for right-padded rows, `.logits` (b, L, V): positions 0..L-1, causal attention
         over the real tokens (the trainer's padded path and tests; the engines use their own)."""
         sh = DecoderShape.of(self)
@@ -186,15 +193,25 @@ class DecoderLM(nn.Module):
             v = a.v_proj(y).view(b, n, sh.kv_heads, sh.head_dim).transpose(1, 2)
             if hasattr(a, "q_norm"):
                 q, k = a.q_norm(q), a.k_norm(k)
-            o = F.scaled_dot_product_attention(rotate(q, cos, sin), rotate(k, cos, sin), v, attn_mask=mask,
-                                               scale=sh.scaling, enable_gqa=sh.kv_heads != sh.heads)  # fmt: skip
+            o = F.scaled_dot_product_attention(
+                rotate(q, cos, sin),
+                rotate(k, cos, sin),
+                v,
+                attn_mask=mask,
+                scale=sh.scaling,
+                enable_gqa=sh.kv_heads != sh.heads,
+            )
             x = x + a.o_proj(o.transpose(1, 2).reshape(b, n, -1))
             y = layer.post_attention_layernorm(x)
             x = x + m.down_proj(m.act_fn(m.gate_proj(y)) * m.up_proj(y))
         return SimpleNamespace(logits=self.lm_head(self.model.norm(x)))
 
-    def save_pretrained(self, out: str | Path, state_dict: dict[str, torch.Tensor] | None = None,
-                        safe_serialization: bool = True) -> None:  # fmt: skip
+    def save_pretrained(
+        self,
+        out: str | Path,
+        state_dict: dict[str, torch.Tensor] | None = None,
+        safe_serialization: bool = True,
+    ) -> None:
         """config.json (+ generation_config.json) and model.safetensors as transformers writes
         them: a tied head is stored once, under the embedding's name."""
         from safetensors.torch import save_file
@@ -215,8 +232,11 @@ class DecoderLM(nn.Module):
             (out / "generation_config.json").write_text(
                 json.dumps(self._generation, indent=2) + "\n"
             )
-        save_file({k: v.detach().contiguous() for k, v in sd.items()}, str(out / WEIGHTS),
-                  metadata={"format": "pt"})  # fmt: skip
+        save_file(
+            {k: v.detach().contiguous() for k, v in sd.items()},
+            str(out / WEIGHTS),
+            metadata={"format": "pt"},
+        )
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -248,8 +268,9 @@ def _weight_names(d: Path) -> list[Path] | None:
     return [d / WEIGHTS] if (d / WEIGHTS).exists() else None
 
 
-def load_decoder_lm(path: str | Path, dtype: str = "float32", device: str = "cpu",
-                    max_len: int | None = None) -> DecoderLM | None:  # fmt: skip
+def load_decoder_lm(
+    path: str | Path, dtype: str = "float32", device: str = "cpu", max_len: int | None = None
+) -> DecoderLM | None:
     """The model at `path` as a DecoderLM, or None when it is not one this loads exactly (the
     caller loads it through transformers). `max_len`: the longest sequence it will see (a
     sliding window shorter than that needs HF's attention)."""
@@ -260,8 +281,14 @@ def load_decoder_lm(path: str | Path, dtype: str = "float32", device: str = "cpu
     files = _weight_names(d)
     if raw is None or files is None or not all(f.exists() for f in files):
         return None
-    fields = {"num_key_value_heads": raw.get("num_attention_heads"), "pad_token_id": None,
-              "tie_word_embeddings": False, "rms_norm_eps": 1e-6, "model_type": None, **raw}  # fmt: skip
+    fields = {
+        "num_key_value_heads": raw.get("num_attention_heads"),
+        "pad_token_id": None,
+        "tie_word_embeddings": False,
+        "rms_norm_eps": 1e-6,
+        "model_type": None,
+        **raw,
+    }
     cfg = SimpleNamespace(**fields)
     # a length unknown to the caller and the config: any sliding window binds
     longest = max_len or raw.get("max_position_embeddings") or 1 << 30
@@ -291,8 +318,13 @@ def load_decoder_lm(path: str | Path, dtype: str = "float32", device: str = "cpu
     return model.to(device).eval()
 
 
-def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu",
-               module_free: bool = True, max_len: int | None = None) -> Any:  # fmt: skip
+def load_model(
+    path: str | Path,
+    dtype: str = "float32",
+    device: str = "cpu",
+    module_free: bool = True,
+    max_len: int | None = None,
+) -> Any:
     """The model at `path` for a plain-tensor forward: a DecoderLM where `module_free` and it loads
     exactly, else the HF model (transformers imported only then)."""
     model = load_decoder_lm(path, dtype, device, max_len) if module_free else None

@@ -49,8 +49,16 @@ def char_tokenizer(alphabet: str = DEFAULT_ALPHABET):
     return tok
 
 
-def tiny_config(vocab_size: int, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
-                intermediate: int | None = None, max_positions: int = 512, **kw: Any):  # fmt: skip
+def tiny_config(
+    vocab_size: int,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int | None = None,
+    max_positions: int = 512,
+    **kw: Any,
+):
     """A small Llama-style config (RMSNorm, RoPE, SwiGLU, GQA, tied embeddings)."""
     from transformers import LlamaConfig
 

@@ -134,8 +134,17 @@ def sft_warmup(
         raise ValueError(f"schedule must be 'constant' or 'cosine', got {schedule!r}")
     out = Path(out_dir)
     model_kw = dict(model_kw or {})
-    meta = {"alphabet": alphabet, "model": model_kw, "steps": steps, "batch": batch_size, "lr": lr, "seed": seed,
-            "warmup_steps": warmup_steps, "schedule": schedule, "recipe": 2}  # fmt: skip
+    meta = {
+        "alphabet": alphabet,
+        "model": model_kw,
+        "steps": steps,
+        "batch": batch_size,
+        "lr": lr,
+        "seed": seed,
+        "warmup_steps": warmup_steps,
+        "schedule": schedule,
+        "recipe": 2,
+    }
     if token_norm not in ("batch", "dataset"):
         raise ValueError(f"token_norm must be 'batch' or 'dataset', got {token_norm!r}")
     if token_norm != "batch":  # only when set, so earlier warm-ups' fingerprints still match
@@ -188,8 +197,10 @@ def sft_warmup(
         sched.step()
         losses.append(loss.item())
         if log_every and (step + 1) % log_every == 0:
-            log(f"warmup: step {step + 1}/{steps} loss {sum(losses[-log_every:]) / log_every:.4f} "
-                f"({time.time() - t0:.0f}s, {time.process_time() - cpu0:.0f} cpu-s)")  # fmt: skip
+            log(
+                f"warmup: step {step + 1}/{steps} loss {sum(losses[-log_every:]) / log_every:.4f} "
+                f"({time.time() - t0:.0f}s, {time.process_time() - cpu0:.0f} cpu-s)"
+            )
         if time_budget_s is not None and time.time() - t0 > time_budget_s:
             log(f"warmup: time budget {time_budget_s:.0f}s reached at step {step + 1}")
             break
@@ -197,7 +208,16 @@ def sft_warmup(
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
-    stamp.write_text(json.dumps({"fingerprint": fp, "steps_done": step + 1, "final_loss": losses[-1] if losses else None,
-                                 "seconds": round(time.time() - t0, 1), "cpu_seconds": round(time.process_time() - cpu0, 1),
-                                 **meta}))  # fmt: skip
+    stamp.write_text(
+        json.dumps(
+            {
+                "fingerprint": fp,
+                "steps_done": step + 1,
+                "final_loss": losses[-1] if losses else None,
+                "seconds": round(time.time() - t0, 1),
+                "cpu_seconds": round(time.process_time() - cpu0, 1),
+                **meta,
+            }
+        )
+    )
     return out

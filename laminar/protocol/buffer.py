@@ -21,9 +21,16 @@ from laminar.protocol.data import PartialTrajectory, PromptItem, Trajectory
 from laminar.transport.codec import Message, message
 
 __all__ = [
-    "PromptRequest", "PromptReply", "BatchRequest", "BatchReply", "BatchCommit",
-    "PartialsRequest", "PartialsReply", "TrajectoryAbandoned", "BufferStats",
-]  # fmt: skip
+    "PromptRequest",
+    "PromptReply",
+    "BatchRequest",
+    "BatchReply",
+    "BatchCommit",
+    "PartialsRequest",
+    "PartialsReply",
+    "TrajectoryAbandoned",
+    "BufferStats",
+]
 
 
 @message(0x30)

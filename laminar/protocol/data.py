@@ -9,8 +9,19 @@ from msgspec import field
 
 from laminar.transport.codec import Arr, Message, message
 
-__all__ = ["PromptItem", "Trajectory", "PartialTrajectory", "PartialChunk", "PartialBatch", "ToolRecord",
-           "TokenIds", "Logprobs", "LossMask", "Ints", "Flags"]  # fmt: skip
+__all__ = [
+    "PromptItem",
+    "Trajectory",
+    "PartialTrajectory",
+    "PartialChunk",
+    "PartialBatch",
+    "ToolRecord",
+    "TokenIds",
+    "Logprobs",
+    "LossMask",
+    "Ints",
+    "Flags",
+]
 
 TokenIds = Annotated[np.ndarray, Arr(("int32", "int64"), ndim=1)]
 Logprobs = Annotated[np.ndarray, Arr(("float32",), ndim=1)]

@@ -24,11 +24,30 @@ from msgspec import field
 from laminar.transport.codec import Arr, Message, message
 
 __all__ = [
-    "WeightLayout", "WeightsReady", "StageRequest", "StageReply", "PushChunk", "CommitRequest",
-    "CommitReply", "PullRequest", "PullReply", "ReleaseRequest", "LatestRequest", "LatestReply",
-    "ChainUpdate", "ChainInfoRequest", "ChainInfo", "VersionOffer", "OfferRequest", "FetchChunk",
-    "WeightChunk", "RelayReset", "CudaIpcHandle", "NcclAnnounce", "NotMaster",
-]  # fmt: skip
+    "WeightLayout",
+    "WeightsReady",
+    "StageRequest",
+    "StageReply",
+    "PushChunk",
+    "CommitRequest",
+    "CommitReply",
+    "PullRequest",
+    "PullReply",
+    "ReleaseRequest",
+    "LatestRequest",
+    "LatestReply",
+    "ChainUpdate",
+    "ChainInfoRequest",
+    "ChainInfo",
+    "VersionOffer",
+    "OfferRequest",
+    "FetchChunk",
+    "WeightChunk",
+    "RelayReset",
+    "CudaIpcHandle",
+    "NcclAnnounce",
+    "NotMaster",
+]
 
 ChunkBytes = Annotated[np.ndarray, Arr(("uint8",), ndim=1)]
 

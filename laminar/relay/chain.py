@@ -229,13 +229,19 @@ class ChainFollower:
         store = self.store
         cur, inc = store.current, store.newest_incoming()
         return ChainInfo(
-            index=self.index, epoch=self.epoch, order=self.order, master=self.master,
+            index=self.index,
+            epoch=self.epoch,
+            order=self.order,
+            master=self.master,
             upstream=-1 if self.upstream is None else self.upstream,
-            version=cur.version if cur else -1, checksum=cur.checksum if cur else "",
-            incoming_version=inc.version if inc else -1, incoming_have=inc.have_count if inc else 0,
-            incoming_chunks=inc.n if inc else 0, counters=dict(self.metrics.counters),
+            version=cur.version if cur else -1,
+            checksum=cur.checksum if cur else "",
+            incoming_version=inc.version if inc else -1,
+            incoming_have=inc.have_count if inc else 0,
+            incoming_chunks=inc.n if inc else 0,
+            counters=dict(self.metrics.counters),
             state=f"{self.state}; offer={self.offer.version if self.offer else None}",
-        )  # fmt: skip
+        )
 
     # ---- connections ---------------------------------------------------------------------
     def _drop_upstream(self) -> None:
@@ -257,9 +263,14 @@ class ChainFollower:
         self, idx: int, on_dead: Callable[[], Any] | None = None, timeout: float | None = None
     ) -> RpcClient | None:
         cli = RpcClient(
-            self.ctx, self.data_endpoint(idx), self.node_id, "relay", self.opts,
-            on_server_dead=on_dead, spawn=self.spawn,
-        )  # fmt: skip
+            self.ctx,
+            self.data_endpoint(idx),
+            self.node_id,
+            "relay",
+            self.opts,
+            on_server_dead=on_dead,
+            spawn=self.spawn,
+        )
         cli.on(VersionOffer, self._on_offer)
         try:
             await cli.connect(timeout=timeout or self.rc.probe_timeout_s)
@@ -323,9 +334,13 @@ class ChainFollower:
 
         async def ask(idx: int) -> ChainInfo | None:
             cli = RpcClient(
-                self.ctx, self.cfg.endpoint("relay", idx), self.node_id, "relay", self.opts,
+                self.ctx,
+                self.cfg.endpoint("relay", idx),
+                self.node_id,
+                "relay",
+                self.opts,
                 spawn=self.spawn,
-            )  # fmt: skip
+            )
             try:
                 await cli.connect(timeout=self.rc.probe_timeout_s)
                 info = await cli.request(
@@ -432,9 +447,13 @@ class ChainFollower:
 
         async def ask(idx: int) -> ChainInfo | None:
             cli = RpcClient(
-                self.ctx, self.data_endpoint(idx), self.node_id, "relay", self.opts,
+                self.ctx,
+                self.data_endpoint(idx),
+                self.node_id,
+                "relay",
+                self.opts,
                 spawn=self.spawn,
-            )  # fmt: skip
+            )
             try:
                 await cli.connect(timeout=timeout)
                 info = await cli.request(ChainInfoRequest(), timeout=timeout, retries=0)

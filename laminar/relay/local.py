@@ -44,8 +44,13 @@ class RelayProcs:
         set()
     )  # started and not yet stopped (a bench's SIGTERM handler stops them)
 
-    def __init__(self, tmp_dir: str | Path, n_relays: int, overrides: dict[str, Any] | None = None,
-                 log_dir: str | Path | None = None):  # fmt: skip
+    def __init__(
+        self,
+        tmp_dir: str | Path,
+        n_relays: int,
+        overrides: dict[str, Any] | None = None,
+        log_dir: str | Path | None = None,
+    ):
         self.dir = Path(tmp_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.n = n_relays
@@ -53,12 +58,20 @@ class RelayProcs:
         data: dict[str, Any] = {
             "name": f"rt{tag}",
             "run_dir": str(self.dir / "run"),  # the manager's timeline etc. stay in the temp dir
-            "cluster": {"transport": "ipc", "ipc_dir": str(self.dir / "ipc"), "roles": {"manager": 1, "relay": n_relays}},
-            "transport": {"heartbeat_interval_s": 0.2, "heartbeat_liveness": 5, "handshake_timeout_s": 1.0,
-                          "request_timeout_s": 5.0},
+            "cluster": {
+                "transport": "ipc",
+                "ipc_dir": str(self.dir / "ipc"),
+                "roles": {"manager": 1, "relay": n_relays},
+            },
+            "transport": {
+                "heartbeat_interval_s": 0.2,
+                "heartbeat_liveness": 5,
+                "handshake_timeout_s": 1.0,
+                "request_timeout_s": 5.0,
+            },
             "relay": {"shm_prefix": f"lamt{tag}", "probe_timeout_s": 0.5, "upstream_grace_s": 20.0},
             "logging": {"level": "info", "json_logs": True},
-        }  # fmt: skip
+        }
         apply_overrides(
             data,
             [

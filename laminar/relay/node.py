@@ -59,7 +59,7 @@ from laminar.protocol.relay import (
     VersionOffer,
     WeightChunk,
     WeightsReady,
-)  # fmt: skip
+)
 from laminar.relay.chain import ChainFollower, Pacer, ReceivingStarted
 from laminar.relay.delta import DELTA_PIN, delta_base, digest_and_encode, words_for
 from laminar.relay.shm import OutOfSlots, VersionState, WeightStore, default_shm_dir
@@ -77,13 +77,22 @@ class RelayNode(Node):
     async def setup(self) -> None:
         cfg, rc = self.cfg, self.cfg.relay
         self.store = WeightStore(
-            rc.shm_dir or default_shm_dir(), f"{rc.shm_prefix}-{cfg.name}-relay{self.index}",
-            spare_slots=rc.spare_slots, max_slots=rc.max_slots,
-        )  # fmt: skip
+            rc.shm_dir or default_shm_dir(),
+            f"{rc.shm_prefix}-{cfg.name}-relay{self.index}",
+            spare_slots=rc.spare_slots,
+            max_slots=rc.max_slots,
+        )
         self.chain = ChainFollower(
-            cfg, index=self.index, store=self.store, ctx=self.ctx, opts=self.opts,
-            node_id=self.node_id, log=self.log, metrics=self.metrics, spawn=self.spawn,
-        )  # fmt: skip
+            cfg,
+            index=self.index,
+            store=self.store,
+            ctx=self.ctx,
+            opts=self.opts,
+            node_id=self.node_id,
+            log=self.log,
+            metrics=self.metrics,
+            spawn=self.spawn,
+        )
         self._staging: dict[int, tuple[str, VersionState, float]] = {}
         self._tokens = itertools.count(1)
         self._pacers: dict[str, Pacer] = {}
@@ -96,10 +105,16 @@ class RelayNode(Node):
             on_peer_dead=self._on_peer_dead,
         )
         for msg_type, handler in (
-            (StageRequest, self._on_stage), (PushChunk, self._on_push_chunk), (CommitRequest, self._on_commit),
-            (PullRequest, self._on_pull), (ReleaseRequest, self._on_release), (LatestRequest, self._on_latest),
-            (ChainUpdate, self._on_chain_update), (ChainInfoRequest, self._on_chain_info), (RelayReset, self._on_reset),
-        ):  # fmt: skip
+            (StageRequest, self._on_stage),
+            (PushChunk, self._on_push_chunk),
+            (CommitRequest, self._on_commit),
+            (PullRequest, self._on_pull),
+            (ReleaseRequest, self._on_release),
+            (LatestRequest, self._on_latest),
+            (ChainUpdate, self._on_chain_update),
+            (ChainInfoRequest, self._on_chain_info),
+            (RelayReset, self._on_reset),
+        ):
             self.srv.on(msg_type, handler)
         self.data = self.server(
             cfg.bind_endpoint("relay_data", self.index),
@@ -109,10 +124,13 @@ class RelayNode(Node):
         self.data.on(FetchChunk, self._on_fetch)
         self.data.on(ChainInfoRequest, self._on_chain_info)
         self.pub = Publisher(
-            self.ctx, cfg.bind_endpoint("relay_pub", self.index), self.node_id, self.opts,
+            self.ctx,
+            cfg.bind_endpoint("relay_pub", self.index),
+            self.node_id,
+            self.opts,
             spawn=self.spawn,  # its READY-barrier watcher: a death stops the relay
             members=lambda: {p.node_id for p in self.srv.peers.values() if p.alive},  # HELLO'd only
-        )  # fmt: skip
+        )
         await self.srv.start()
         await self.data.start()
         await self.pub.start()
@@ -138,8 +156,13 @@ class RelayNode(Node):
 
     def status(self) -> NodeStatus:
         cur, inc = self.store.current, self.store.newest_incoming()
-        extra = {"master": self.chain.master, "upstream": self.chain.upstream, "epoch": self.chain.epoch,
-                 "incoming": inc.version if inc else -1, "pinned": self.store.pinned()}  # fmt: skip
+        extra = {
+            "master": self.chain.master,
+            "upstream": self.chain.upstream,
+            "epoch": self.chain.epoch,
+            "incoming": inc.version if inc else -1,
+            "pinned": self.store.pinned(),
+        }
         return NodeStatus(
             node_id=self.node_id, role=self.role, version=cur.version if cur else -1, extra=extra
         )
@@ -339,8 +362,14 @@ class RelayNode(Node):
             )
         self.store.pin(peer.node_id, vs.version)
         seg = vs.slot.seg
-        return PullReply(version=vs.version, checksum=vs.checksum, segment=seg.path, size=seg.size,
-                         layout=vs.layout, chunk_bytes=vs.chunk_bytes)  # fmt: skip
+        return PullReply(
+            version=vs.version,
+            checksum=vs.checksum,
+            segment=seg.path,
+            size=seg.size,
+            layout=vs.layout,
+            chunk_bytes=vs.chunk_bytes,
+        )
 
     async def _on_release(self, peer: Peer, msg: ReleaseRequest) -> Ack:
         return Ack(ok=self.store.unpin(peer.node_id, msg.version))

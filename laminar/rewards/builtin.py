@@ -32,8 +32,15 @@ from typing import Any
 
 from laminar.tasks import countup
 
-__all__ = ["exact_match", "math_verify", "demo_task", "reference", "last_boxed", "final_number",
-           "REFERENCE_FIELDS"]  # fmt: skip
+__all__ = [
+    "exact_match",
+    "math_verify",
+    "demo_task",
+    "reference",
+    "last_boxed",
+    "final_number",
+    "REFERENCE_FIELDS",
+]
 
 REFERENCE_FIELDS = ("answer", "ground_truth", "reward_model.ground_truth")
 """Where `reference` looks, in order (named by the buffer's missing-reward warning)."""

@@ -234,9 +234,15 @@ class _Worker:
             [p for p in sys.path if p] + [env.get("PYTHONPATH", "")]
         )
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "laminar.rewards.runner", "--worker", spec,
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env,
-        )  # fmt: skip
+            sys.executable,
+            "-m",
+            "laminar.rewards.runner",
+            "--worker",
+            spec,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            env=env,
+        )
         w = cls(proc)
         try:
             hello = await asyncio.wait_for(w._read(), _START_TIMEOUT_S)

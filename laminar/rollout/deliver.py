@@ -63,26 +63,46 @@ def partial_batch(seqs: list[SeqState], rollout_id: str) -> tuple[PartialBatch, 
     masked = any(s.mask is not None for s in seqs)
     mask = None
     if masked:  # one rollout is all multi-turn or not; a mixed batch marks the others all-model
-        mask = np.concatenate([np.ones(b - a, np.uint8) if s.mask is None else s.mask.view(a, b)
-                               for s, a, b in zip(seqs, starts, upto, strict=True)]).astype(np.uint8)  # fmt: skip
+        mask = np.concatenate(
+            [
+                np.ones(b - a, np.uint8) if s.mask is None else s.mask.view(a, b)
+                for s, a, b in zip(seqs, starts, upto, strict=True)
+            ]
+        ).astype(np.uint8)
     at = [i for i, a in enumerate(starts) if a == 0]
     headers: list[PartialTrajectory] = [seqs[i].header(rollout_id) for i in at]
-    msg = PartialBatch(rollout_id=rollout_id, uids=[s.uid for s in seqs],
-                       versions=np.array([s.version for s in seqs], np.int64),
-                       offsets=np.array(starts, np.int64),
-                       lengths=np.array([b - a for a, b in zip(starts, upto, strict=True)], np.int64),
-                       token_ids=np.concatenate(ids).astype(np.int32) if ids else np.zeros(0, np.int32),
-                       logprobs=np.concatenate(lps).astype(np.float32) if lps else np.zeros(0, np.float32),
-                       awaiting_env=np.array([s.awaiting_env for s in seqs], np.uint8), loss_mask=mask,
-                       headers=headers, header_at=np.array(at, np.int64) if at else None)  # fmt: skip
+    msg = PartialBatch(
+        rollout_id=rollout_id,
+        uids=[s.uid for s in seqs],
+        versions=np.array([s.version for s in seqs], np.int64),
+        offsets=np.array(starts, np.int64),
+        lengths=np.array([b - a for a, b in zip(starts, upto, strict=True)], np.int64),
+        token_ids=np.concatenate(ids).astype(np.int32) if ids else np.zeros(0, np.int32),
+        logprobs=np.concatenate(lps).astype(np.float32) if lps else np.zeros(0, np.float32),
+        awaiting_env=np.array([s.awaiting_env for s in seqs], np.uint8),
+        loss_mask=mask,
+        headers=headers,
+        header_at=np.array(at, np.int64) if at else None,
+    )
     return msg, upto
 
 
 class Deliverer:
-    def __init__(self, rollout_id: str, buffer: RpcClient, outbox: Outbox, table: SequenceTable,
-                 source: WeightSubscriber, rewards: RewardRunner | None, tokenizer: Any, spawn: Spawn,
-                 metrics: Metrics, log: structlog.typing.FilteringBoundLogger, flush_s: float = 0.0,
-                 max_batch_bytes: int = 64 << 20):  # fmt: skip
+    def __init__(
+        self,
+        rollout_id: str,
+        buffer: RpcClient,
+        outbox: Outbox,
+        table: SequenceTable,
+        source: WeightSubscriber,
+        rewards: RewardRunner | None,
+        tokenizer: Any,
+        spawn: Spawn,
+        metrics: Metrics,
+        log: structlog.typing.FilteringBoundLogger,
+        flush_s: float = 0.0,
+        max_batch_bytes: int = 64 << 20,
+    ):
         self.rollout_id = rollout_id
         self.flush_s = flush_s
         """Least time between two partial batches (rollout.partial_flush_s; 0: as soon as marked)."""

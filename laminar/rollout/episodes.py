@@ -80,8 +80,13 @@ from laminar.rollout.tracking import SeqState
 from laminar.supervise import Spawn
 
 
-def episode_params(base: SamplingParams, stop: tuple[str, ...], max_total: int, max_turn_tokens: int | None,
-                   used: int) -> SamplingParams:  # fmt: skip
+def episode_params(
+    base: SamplingParams,
+    stop: tuple[str, ...],
+    max_total: int,
+    max_turn_tokens: int | None,
+    used: int,
+) -> SamplingParams:
     """Sampling params of a model turn starting at response index `used`: the env's stop strings
     added, max_tokens (which counts resumed tokens) capped by the episode and the turn budget."""
     cap = max_total if max_turn_tokens is None else min(max_total, used + max_turn_tokens)
@@ -90,10 +95,21 @@ def episode_params(base: SamplingParams, stop: tuple[str, ...], max_total: int, 
 
 
 class EpisodeDriver:
-    def __init__(self, env: Environment, template: TurnTemplate, tools: ToolClient | None, limits: EnvLimits,
-                 params: SamplingParams, max_total: int, engine: Engine, table: SequenceTable,
-                 deliverer: Deliverer, spawn: Spawn, metrics: Metrics,
-                 log: structlog.typing.FilteringBoundLogger):  # fmt: skip
+    def __init__(
+        self,
+        env: Environment,
+        template: TurnTemplate,
+        tools: ToolClient | None,
+        limits: EnvLimits,
+        params: SamplingParams,
+        max_total: int,
+        engine: Engine,
+        table: SequenceTable,
+        deliverer: Deliverer,
+        spawn: Spawn,
+        metrics: Metrics,
+        log: structlog.typing.FilteringBoundLogger,
+    ):
         self.env, self.template, self.tools, self.limits = env, template, tools, limits
         self.base_params = params
         """The rollout's sampling params, before the per-turn caps and the env's stop strings."""
@@ -104,8 +120,13 @@ class EpisodeDriver:
         self.finishing: set[asyncio.Task[Any]] = set()
 
     def turn_params(self, used: int) -> SamplingParams:
-        return episode_params(self.base_params, tuple(self.env.stop), self.max_total,
-                              self.limits.max_turn_tokens, used)  # fmt: skip
+        return episode_params(
+            self.base_params,
+            tuple(self.env.stop),
+            self.max_total,
+            self.limits.max_turn_tokens,
+            used,
+        )
 
     # ---- from the events loop ----------------------------------------------------------------
     def turn_ended(self, seq: SeqState, reason: str) -> None:
@@ -138,8 +159,15 @@ class EpisodeDriver:
     def _ctx(
         self, seq: SeqState, turn: int, tool_calls: int, budget: float, replay: bool
     ) -> StepContext:
-        return StepContext(uid=seq.uid, turn=turn, tools=self.tools, tool_calls_so_far=tool_calls,
-                           max_tool_calls=self.limits.max_tool_calls, timeout_s=budget, replay=replay)  # fmt: skip
+        return StepContext(
+            uid=seq.uid,
+            turn=turn,
+            tools=self.tools,
+            tool_calls_so_far=tool_calls,
+            max_tool_calls=self.limits.max_tool_calls,
+            timeout_s=budget,
+            replay=replay,
+        )
 
     async def _step(self, seq: SeqState) -> None:
         if not self._ours(seq):
@@ -220,14 +248,26 @@ class EpisodeDriver:
         if self.engine.version != seq.version:
             # one version per trajectory: weights load only when the table is empty, and a waiting
             # episode keeps it non-empty; getting here is a bug, and it must not train silently
-            raise RuntimeError(f"{seq.uid}: episode at version {seq.version} would resume on an "
-                               f"engine at version {self.engine.version}")  # fmt: skip
+            raise RuntimeError(
+                f"{seq.uid}: episode at version {seq.version} would resume on an "
+                f"engine at version {self.engine.version}"
+            )
         self.table.set_waiting(seq, False)
         self.table.mark_dirty(seq.uid)
-        self.engine.submit(GenRequest(seq.uid, seq.prompt_ids, self.turn_params(seq.length), n=1,
-                                      version=seq.version, resume_ids=seq.ids.copy(),
-                                      resume_logprobs=seq.logprobs.copy(), single=True, turn=seq.turn,
-                                      turn_start=seq.turn_start))  # fmt: skip
+        self.engine.submit(
+            GenRequest(
+                seq.uid,
+                seq.prompt_ids,
+                self.turn_params(seq.length),
+                n=1,
+                version=seq.version,
+                resume_ids=seq.ids.copy(),
+                resume_logprobs=seq.logprobs.copy(),
+                single=True,
+                turn=seq.turn,
+                turn_start=seq.turn_start,
+            )
+        )
 
     # ---- replay (an imported episode) -------------------------------------------------------
     async def _replay(self, seq: SeqState) -> None:
@@ -292,8 +332,14 @@ class EpisodeDriver:
             turn=seq.turn,
             error=f"{type(exc).__name__}: {exc}",
         )
-        self._finish(seq, "error", (None, {"error": f"env {where}: {type(exc).__name__}: {exc}"[:500],
-                                           "error_kind": "env"}))  # fmt: skip
+        self._finish(
+            seq,
+            "error",
+            (
+                None,
+                {"error": f"env {where}: {type(exc).__name__}: {exc}"[:500], "error_kind": "env"},
+            ),
+        )
 
     def _finish(self, seq: SeqState, reason: str, score: EnvScore | None = None) -> None:
         """The episode is over: it leaves the table (its credit is free), then score and deliver."""
@@ -341,8 +387,13 @@ class EpisodeDriver:
         while True:
             await asyncio.sleep(period)  # a timer: the deadline check of every generating episode
             now = time.time()
-            late = [s for s in self.table.seqs.values()
-                    if not s.waiting and not s.exporting and now - s.t_start > self.limits.episode_timeout_s]  # fmt: skip
+            late = [
+                s
+                for s in self.table.seqs.values()
+                if not s.waiting
+                and not s.exporting
+                and now - s.t_start > self.limits.episode_timeout_s
+            ]
             for seq in late:
                 await self._cut(seq)
 

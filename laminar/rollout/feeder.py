@@ -58,9 +58,20 @@ from laminar.transport.sockets import RemoteError, TransportError
 
 
 class PromptFeeder:
-    def __init__(self, rollout_id: str, cfg: RolloutConfig, backoff_max_s: float, buffer: RpcClient,
-                 gate: VersionGate, table: SequenceTable, deliverer: Deliverer, wake: asyncio.Event,
-                 spawn: Spawn, metrics: Metrics, log: structlog.typing.FilteringBoundLogger):  # fmt: skip
+    def __init__(
+        self,
+        rollout_id: str,
+        cfg: RolloutConfig,
+        backoff_max_s: float,
+        buffer: RpcClient,
+        gate: VersionGate,
+        table: SequenceTable,
+        deliverer: Deliverer,
+        wake: asyncio.Event,
+        spawn: Spawn,
+        metrics: Metrics,
+        log: structlog.typing.FilteringBoundLogger,
+    ):
         self.rollout_id, self.cfg, self.backoff_max_s = rollout_id, cfg, backoff_max_s
         self.buffer, self.gate, self.table, self.deliverer = buffer, gate, table, deliverer
         self.wake = wake
@@ -135,8 +146,12 @@ class PromptFeeder:
                         await self._wait(1.0)
                         continue
                 self._requests += 1
-                unanswered = PromptRequest(rollout_id=self.rollout_id, max_groups=free, version=declared,
-                                           request_id=f"{self._incarnation}-{self._requests}")  # fmt: skip
+                unanswered = PromptRequest(
+                    rollout_id=self.rollout_id,
+                    max_groups=free,
+                    version=declared,
+                    request_id=f"{self._incarnation}-{self._requests}",
+                )
             t_req, idle = time.monotonic(), not self.table.seqs
             idle_s = self.table.idle_for()
             if idle and idle_s is not None and load is not None:

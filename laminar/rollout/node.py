@@ -89,9 +89,17 @@ if TYPE_CHECKING:
 class RolloutNode(Node):
     role = "rollout"
 
-    def __init__(self, cfg: LaminarConfig, index: int = 0, ctx: Any = None, node_id: str | None = None,
-                 engine: Engine | None = None, weight_source: WeightSubscriber | None = None,
-                 env: Environment | None = None, tools: ToolClient | None = None):  # fmt: skip
+    def __init__(
+        self,
+        cfg: LaminarConfig,
+        index: int = 0,
+        ctx: Any = None,
+        node_id: str | None = None,
+        engine: Engine | None = None,
+        weight_source: WeightSubscriber | None = None,
+        env: Environment | None = None,
+        tools: ToolClient | None = None,
+    ):
         super().__init__(cfg, index, ctx, node_id)
         self.engine: Engine | None = engine
         self.source: WeightSubscriber | None = weight_source
@@ -130,8 +138,14 @@ class RolloutNode(Node):
         # (re)connected: the buffer may have lost the partial records, so each restarts from offset 0
         self.buffer = self.client(cfg.endpoint("buffer"), on_connect=self._restream_all)
         await self.buffer.connect(timeout=t.startup_timeout_s)
-        self.outbox = Outbox(self.buffer, self.log, cfg.rollout.outbox_concurrency, t.request_timeout_s,
-                             t.reconnect_backoff_s, t.reconnect_backoff_max_s)  # fmt: skip
+        self.outbox = Outbox(
+            self.buffer,
+            self.log,
+            cfg.rollout.outbox_concurrency,
+            t.request_timeout_s,
+            t.reconnect_backoff_s,
+            t.reconnect_backoff_max_s,
+        )
         if self.source is None:
             self.source = open_subscriber(self.cfg, self.wiring())
         await self.source.start()
@@ -173,8 +187,11 @@ class RolloutNode(Node):
                 f"{self.node_id}: the {cfg.rollout.engine} engine did not start within {deadline:g} s "
                 "(rollout.engine_start_timeout_s; raise it for a big model or a slow host)"
             ) from None
-        self.log.info("engine_started", engine=cfg.rollout.engine,
-                      start_s=round(time.monotonic() - self.engine_started_at, 3))  # fmt: skip
+        self.log.info(
+            "engine_started",
+            engine=cfg.rollout.engine,
+            start_s=round(time.monotonic() - self.engine_started_at, 3),
+        )
         self._build_parts()
         self.engine_ready.set()
 
@@ -221,24 +238,69 @@ class RolloutNode(Node):
             from laminar.rollout.episodes import episode_params
 
             first = episode_params(params, tuple(env.stop), max_total, limits.max_turn_tokens, 0)
-        self.table = SequenceTable(engine, first, notify=(self.wake, self.status_changed), metrics=self.metrics,
-                                   log=self.log, multi_turn=env is not None)  # fmt: skip
+        self.table = SequenceTable(
+            engine,
+            first,
+            notify=(self.wake, self.status_changed),
+            metrics=self.metrics,
+            log=self.log,
+            multi_turn=env is not None,
+        )
         source = self.source
-        self.gate = VersionGate(source, engine, auto_refresh=cfg.rollout.refresh_when_idle and cfg.mode == "laminar",
-                                refresh_wait_s=cfg.rollout.refresh_wait_s, notify=(self.status_changed,),
-                                metrics=self.metrics, log=self.log)  # fmt: skip
-        self.deliverer = Deliverer(self.node_id, self.buffer, self.outbox, self.table, source, self.rewards,
-                                   self.tokenizer, self.spawn, self.metrics, self.log,
-                                   flush_s=cfg.rollout.partial_flush_s,
-                                   max_batch_bytes=socket_max_message_bytes(cfg, "buffer") // 2)  # fmt: skip
+        self.gate = VersionGate(
+            source,
+            engine,
+            auto_refresh=cfg.rollout.refresh_when_idle and cfg.mode == "laminar",
+            refresh_wait_s=cfg.rollout.refresh_wait_s,
+            notify=(self.status_changed,),
+            metrics=self.metrics,
+            log=self.log,
+        )
+        self.deliverer = Deliverer(
+            self.node_id,
+            self.buffer,
+            self.outbox,
+            self.table,
+            source,
+            self.rewards,
+            self.tokenizer,
+            self.spawn,
+            self.metrics,
+            self.log,
+            flush_s=cfg.rollout.partial_flush_s,
+            max_batch_bytes=socket_max_message_bytes(cfg, "buffer") // 2,
+        )
         if env is not None:
             from laminar.envs.template import TurnTemplate
             from laminar.rollout.episodes import EpisodeDriver
 
-            self.episodes = EpisodeDriver(env, TurnTemplate(self.tokenizer), self.tools, limits, params, max_total,
-                                          engine, self.table, self.deliverer, self.spawn, self.metrics, self.log)  # fmt: skip
-        self.feeder = PromptFeeder(self.node_id, cfg.rollout, self.cfg.transport.reconnect_backoff_max_s, self.buffer,
-                                   self.gate, self.table, self.deliverer, self.wake, self.spawn, self.metrics, self.log)  # fmt: skip
+            self.episodes = EpisodeDriver(
+                env,
+                TurnTemplate(self.tokenizer),
+                self.tools,
+                limits,
+                params,
+                max_total,
+                engine,
+                self.table,
+                self.deliverer,
+                self.spawn,
+                self.metrics,
+                self.log,
+            )
+        self.feeder = PromptFeeder(
+            self.node_id,
+            cfg.rollout,
+            self.cfg.transport.reconnect_backoff_max_s,
+            self.buffer,
+            self.gate,
+            self.table,
+            self.deliverer,
+            self.wake,
+            self.spawn,
+            self.metrics,
+            self.log,
+        )
 
     def _restream_all(self) -> Any:
         # the buffer connects before the engine is up: nothing in flight to restream yet
@@ -285,8 +347,13 @@ class RolloutNode(Node):
                 set(self.episodes.finishing), timeout=max(0.0, deadline - time.monotonic())
             )
         ok = await self.deliverer.drain(max(0.0, deadline - time.monotonic()))
-        self.log.info("drained", unfinished=len(self.table), outbox_left=len(self.outbox), flushed=ok,
-                      trajectories=self.deliverer.finished_count)  # fmt: skip
+        self.log.info(
+            "drained",
+            unfinished=len(self.table),
+            outbox_left=len(self.outbox),
+            flushed=ok,
+            trajectories=self.deliverer.finished_count,
+        )
         if self.cfg.rollout.engine == "vllm" and self.engine is not None:
             # vLLM's shutdown takes seconds (EngineCore, worker): here, while the node still beats,
             # not in teardown after the heartbeats stopped (peers would call this node dead)
@@ -296,24 +363,48 @@ class RolloutNode(Node):
         if not self.engine_ready.is_set():
             waited = time.monotonic() - self.engine_started_at if self.engine_started_at else 0.0
             deadline = self.cfg.rollout.engine_start_timeout_s
-            note = (f"starting_engine: {self.cfg.rollout.engine} engine starting for {waited:.0f} s "
-                    f"(deadline {deadline:g} s)")  # fmt: skip
-            return NodeStatus(node_id=self.node_id, role=self.role, version=-1,
-                              extra={"state": STARTING_ENGINE, "engine_start_s": round(waited, 1),
-                                     "engine_deadline_s": deadline, "warnings": [note]})  # fmt: skip
+            note = (
+                f"starting_engine: {self.cfg.rollout.engine} engine starting for {waited:.0f} s "
+                f"(deadline {deadline:g} s)"
+            )
+            return NodeStatus(
+                node_id=self.node_id,
+                role=self.role,
+                version=-1,
+                extra={
+                    "state": STARTING_ENGINE,
+                    "engine_start_s": round(waited, 1),
+                    "engine_deadline_s": deadline,
+                    "warnings": [note],
+                },
+            )
         assert self.engine is not None
         st = self.engine.stats()
         rollout = RolloutStatus(
             # per-trajectory KV (tokens held) lets the manager's repack pick what to move
-            traj_tokens=self.table.kv_tokens(), kv_capacity_tokens=self.engine.capacity,
-            measured_at=round(time.time(), 4), target_version=self.gate.target(),
-            groups=len(self.table.groups), held=len(self.feeder.held), credits_free=self.feeder.free_credits(),
-            outbox=len(self.outbox), outbox_oldest_s=round(self.outbox.oldest_age_s(), 3),
-            finished=self.deliverer.finished_count, tokens=st.tokens_generated,
+            traj_tokens=self.table.kv_tokens(),
+            kv_capacity_tokens=self.engine.capacity,
+            measured_at=round(time.time(), 4),
+            target_version=self.gate.target(),
+            groups=len(self.table.groups),
+            held=len(self.feeder.held),
+            credits_free=self.feeder.free_credits(),
+            outbox=len(self.outbox),
+            outbox_oldest_s=round(self.outbox.oldest_age_s(), 3),
+            finished=self.deliverer.finished_count,
+            tokens=st.tokens_generated,
             reward_errors=self.rewards.stats["errors"] if self.rewards is not None else 0,
-        )  # fmt: skip
-        return NodeStatus(node_id=self.node_id, role=self.role, version=self.gate.version, kv_use=st.kv_use,
-                          running=st.running, waiting=st.waiting, inflight=len(self.table), rollout=rollout)  # fmt: skip
+        )
+        return NodeStatus(
+            node_id=self.node_id,
+            role=self.role,
+            version=self.gate.version,
+            kv_use=st.kv_use,
+            running=st.running,
+            waiting=st.waiting,
+            inflight=len(self.table),
+            rollout=rollout,
+        )
 
     # ---- loops ------------------------------------------------------------------------------
     async def _events(self) -> None:
@@ -383,8 +474,11 @@ class RolloutNode(Node):
             wrong = [p.uid for p in msg.partials if p.version != version]
             if wrong:
                 self.metrics.count("import_rejected", len(msg.partials))
-                return ErrorReply(code=VERSION_MISMATCH, message=f"{self.node_id} is at version {version}; "
-                                  f"{len(wrong)} partial(s) are not (e.g. {wrong[0]})")  # fmt: skip
+                return ErrorReply(
+                    code=VERSION_MISMATCH,
+                    message=f"{self.node_id} is at version {version}; "
+                    f"{len(wrong)} partial(s) are not (e.g. {wrong[0]})",
+                )
             bad = [
                 p.uid
                 for p in msg.partials

@@ -33,8 +33,15 @@ _PERMANENT = frozenset({"protocol"})
 
 
 class Outbox:
-    def __init__(self, client: RpcClient, log: structlog.typing.FilteringBoundLogger, concurrency: int = 8, timeout_s: float = 10.0,
-                 backoff_s: float = 0.05, backoff_max_s: float = 2.0):  # fmt: skip
+    def __init__(
+        self,
+        client: RpcClient,
+        log: structlog.typing.FilteringBoundLogger,
+        concurrency: int = 8,
+        timeout_s: float = 10.0,
+        backoff_s: float = 0.05,
+        backoff_max_s: float = 2.0,
+    ):
         self.client, self.log = client, log
         self.concurrency, self.timeout_s = concurrency, timeout_s
         self.backoff_s, self.backoff_max_s = backoff_s, backoff_max_s

@@ -78,8 +78,15 @@ def _ranges(cores: Sequence[int]) -> str:
     return ",".join(out)
 
 
-def derive_placement(index: int, rollouts: int, device: Device, cpus: Sequence[int], gpus: int,
-                     gpus_per_rollout: int = 1, env: Mapping[str, str] | None = None) -> Placement:  # fmt: skip
+def derive_placement(
+    index: int,
+    rollouts: int,
+    device: Device,
+    cpus: Sequence[int],
+    gpus: int,
+    gpus_per_rollout: int = 1,
+    env: Mapping[str, str] | None = None,
+) -> Placement:
     """The cores (cpu) or GPUs (cuda) of rollout `index` among `rollouts` on a host with `cpus`
     usable core ids and `gpus` visible devices. Pure: no side effects, no host reads."""
     if rollouts < 1 or not 0 <= index:
@@ -107,8 +114,14 @@ def derive_placement(index: int, rollouts: int, device: Device, cpus: Sequence[i
         )
     ids, shared = _slice(list(range(gpus)), index, max(1, gpus // per), per)
     shared = shared or rollouts * per > gpus
-    return Placement(index, rollouts, device, gpus=ids, shared=shared,
-                     env={CUDA_DEVICES: ",".join(map(str, ids))})  # fmt: skip
+    return Placement(
+        index,
+        rollouts,
+        device,
+        gpus=ids,
+        shared=shared,
+        env={CUDA_DEVICES: ",".join(map(str, ids))},
+    )
 
 
 def host_cpus() -> list[int]:

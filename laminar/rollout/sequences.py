@@ -55,8 +55,15 @@ RECENT = 8192
 
 
 class SequenceTable:
-    def __init__(self, engine: Engine, params: SamplingParams, notify: Sequence[asyncio.Event], metrics: Metrics,
-                 log: structlog.typing.FilteringBoundLogger, multi_turn: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        engine: Engine,
+        params: SamplingParams,
+        notify: Sequence[asyncio.Event],
+        metrics: Metrics,
+        log: structlog.typing.FilteringBoundLogger,
+        multi_turn: bool = False,
+    ):
         self.engine, self.params = engine, params
         self.multi_turn = multi_turn
         """The rollout has an environment: sequences carry loss masks, imports wait for a replay."""
@@ -114,8 +121,15 @@ class SequenceTable:
             self.seqs[seq.uid] = seq
             group.open.add(seq.uid)
         self.groups[item.group_id] = group
-        self.engine.submit(GenRequest(item.group_id, np.asarray(item.prompt_ids, np.int32), self.params,
-                                      n=item.n, version=version))  # fmt: skip
+        self.engine.submit(
+            GenRequest(
+                item.group_id,
+                np.asarray(item.prompt_ids, np.int32),
+                self.params,
+                n=item.n,
+                version=version,
+            )
+        )
         self._changed()
         return True
 
@@ -257,8 +271,12 @@ class SequenceTable:
         n = 0
         for g in sorted(self.groups.values(), key=lambda g: g.started, reverse=True):
             seqs = [self.seqs[u] for u in g.open if u in self.seqs]
-            if (g.item is None or len(seqs) != g.item.n or n + len(seqs) > max_seqs
-                    or any(q.length or q.exporting for q in seqs)):  # fmt: skip
+            if (
+                g.item is None
+                or len(seqs) != g.item.n
+                or n + len(seqs) > max_seqs
+                or any(q.length or q.exporting for q in seqs)
+            ):
                 continue
             picked.append(g)
             n += len(seqs)

@@ -111,10 +111,19 @@ class SeqState:
     def from_item(
         cls, item: PromptItem, i: int, version: int, now: float, multi_turn: bool = False
     ) -> SeqState:
-        return cls(uid=f"{item.group_id}/{i}", group_id=item.group_id, prompt_uid=item.uid, sample_index=i,
-                   n=item.n, prompt_ids=np.asarray(item.prompt_ids, np.int32), version=version,
-                   prompt=item.prompt, row=dict(item.row), t_start=now,
-                   mask=Growable(np.uint8) if multi_turn else None)  # fmt: skip
+        return cls(
+            uid=f"{item.group_id}/{i}",
+            group_id=item.group_id,
+            prompt_uid=item.uid,
+            sample_index=i,
+            n=item.n,
+            prompt_ids=np.asarray(item.prompt_ids, np.int32),
+            version=version,
+            prompt=item.prompt,
+            row=dict(item.row),
+            t_start=now,
+            mask=Growable(np.uint8) if multi_turn else None,
+        )
 
     @classmethod
     def from_partial(cls, p: PartialTrajectory, now: float, multi_turn: bool = False) -> SeqState:
@@ -123,11 +132,23 @@ class SeqState:
             mask = Growable(np.uint8, p.loss_mask)
         elif multi_turn:
             mask = Growable(np.uint8, np.ones(len(p.response_ids), np.uint8))
-        return cls(uid=p.uid, group_id=p.group_id, prompt_uid=p.prompt_uid, sample_index=p.sample_index, n=p.n,
-                   prompt_ids=np.asarray(p.prompt_ids, np.int32), version=p.version, prompt=p.prompt,
-                   row=dict(p.row), resumed=p.resumed + 1, t_start=p.t_start or now,
-                   ids=Growable(np.int32, p.response_ids), logprobs=Growable(np.float32, p.logprobs), mask=mask,
-                   awaiting_env=p.awaiting_env and mask is not None)  # fmt: skip
+        return cls(
+            uid=p.uid,
+            group_id=p.group_id,
+            prompt_uid=p.prompt_uid,
+            sample_index=p.sample_index,
+            n=p.n,
+            prompt_ids=np.asarray(p.prompt_ids, np.int32),
+            version=p.version,
+            prompt=p.prompt,
+            row=dict(p.row),
+            resumed=p.resumed + 1,
+            t_start=p.t_start or now,
+            ids=Growable(np.int32, p.response_ids),
+            logprobs=Growable(np.float32, p.logprobs),
+            mask=mask,
+            awaiting_env=p.awaiting_env and mask is not None,
+        )
 
     @property
     def length(self) -> int:
@@ -159,20 +180,38 @@ class SeqState:
         return np.concatenate([have, np.ones(n - len(have), np.uint8)])
 
     def header(self, rollout_id: str) -> PartialTrajectory:
-        return PartialTrajectory(uid=self.uid, group_id=self.group_id, prompt_uid=self.prompt_uid,
-                                 sample_index=self.sample_index, prompt_ids=self.prompt_ids,
-                                 response_ids=_EMPTY_I, logprobs=_EMPTY_F, version=self.version, n=self.n,
-                                 prompt=self.prompt, row=self.row, rollout_id=rollout_id,
-                                 resumed=self.resumed, t_start=self.t_start)  # fmt: skip
+        return PartialTrajectory(
+            uid=self.uid,
+            group_id=self.group_id,
+            prompt_uid=self.prompt_uid,
+            sample_index=self.sample_index,
+            prompt_ids=self.prompt_ids,
+            response_ids=_EMPTY_I,
+            logprobs=_EMPTY_F,
+            version=self.version,
+            n=self.n,
+            prompt=self.prompt,
+            row=self.row,
+            rollout_id=rollout_id,
+            resumed=self.resumed,
+            t_start=self.t_start,
+        )
 
     def chunk(self, rollout_id: str) -> tuple[PartialChunk, int]:
         """The unsent tokens as one chunk, and the length it brings the pool up to once delivered."""
         start, end = self.sent_upto, self.length
         mask = None if self.mask is None else self.mask.view(start, end).copy()
-        msg = PartialChunk(uid=self.uid, version=self.version, offset=start,
-                           token_ids=self.ids.view(start, end).copy(), logprobs=self.logprobs.view(start, end).copy(),
-                           rollout_id=rollout_id, header=self.header(rollout_id) if start == 0 else None,
-                           loss_mask=mask, awaiting_env=self.awaiting_env)  # fmt: skip
+        msg = PartialChunk(
+            uid=self.uid,
+            version=self.version,
+            offset=start,
+            token_ids=self.ids.view(start, end).copy(),
+            logprobs=self.logprobs.view(start, end).copy(),
+            rollout_id=rollout_id,
+            header=self.header(rollout_id) if start == 0 else None,
+            loss_mask=mask,
+            awaiting_env=self.awaiting_env,
+        )
         return msg, end
 
     def partial(self, ids: np.ndarray, logprobs: np.ndarray, rollout_id: str) -> PartialTrajectory:
@@ -185,15 +224,30 @@ class SeqState:
 
     def trajectory(self, finish_reason: str, rollout_id: str, now: float) -> Trajectory:
         multi = self.mask is not None
-        return Trajectory(uid=self.uid, group_id=self.group_id, prompt_uid=self.prompt_uid,
-                          sample_index=self.sample_index, prompt_ids=self.prompt_ids,
-                          response_ids=self.ids.copy(), logprobs=self.logprobs.copy(), version=self.version,
-                          finish_reason=finish_reason, rollout_id=rollout_id, prompt=self.prompt, row=self.row,
-                          resumed=self.resumed,
-                          timings={"t_start": self.t_start, "t_first_token": self.t_first_token or now,
-                                   "t_finish": now, "gen_s": max(0.0, now - self.t_start)},
-                          loss_mask=self.mask.copy() if self.mask is not None else None,
-                          turns=self.turn + 1 if multi else 1, tool_calls=list(self.tool_calls))  # fmt: skip
+        return Trajectory(
+            uid=self.uid,
+            group_id=self.group_id,
+            prompt_uid=self.prompt_uid,
+            sample_index=self.sample_index,
+            prompt_ids=self.prompt_ids,
+            response_ids=self.ids.copy(),
+            logprobs=self.logprobs.copy(),
+            version=self.version,
+            finish_reason=finish_reason,
+            rollout_id=rollout_id,
+            prompt=self.prompt,
+            row=self.row,
+            resumed=self.resumed,
+            timings={
+                "t_start": self.t_start,
+                "t_first_token": self.t_first_token or now,
+                "t_finish": now,
+                "gen_s": max(0.0, now - self.t_start),
+            },
+            loss_mask=self.mask.copy() if self.mask is not None else None,
+            turns=self.turn + 1 if multi else 1,
+            tool_calls=list(self.tool_calls),
+        )
 
 
 @dataclass

@@ -32,8 +32,17 @@ from laminar.transport.weights_channel import WeightSubscriber
 
 
 class VersionGate:
-    def __init__(self, source: WeightSubscriber, engine: Engine, *, auto_refresh: bool, refresh_wait_s: float,
-                 notify: Sequence[asyncio.Event], metrics: Metrics, log: structlog.typing.FilteringBoundLogger):  # fmt: skip
+    def __init__(
+        self,
+        source: WeightSubscriber,
+        engine: Engine,
+        *,
+        auto_refresh: bool,
+        refresh_wait_s: float,
+        notify: Sequence[asyncio.Event],
+        metrics: Metrics,
+        log: structlog.typing.FilteringBoundLogger,
+    ):
         self.source, self.engine = source, engine
         self.notify = tuple(notify)
         """Set after each load (the status push: repack must see the new version at once)."""

@@ -262,8 +262,9 @@ def generate(
     return rows
 
 
-def draw_prompts(n: int, split: str, sample: Callable[[], tuple[str, Any]],
-                 is_eval: Callable[[str], bool]) -> list[tuple[str, Any]]:  # fmt: skip
+def draw_prompts(
+    n: int, split: str, sample: Callable[[], tuple[str, Any]], is_eval: Callable[[str], bool]
+) -> list[tuple[str, Any]]:
     """n draws of (prompt, info) whose prompts fall on `split`'s side of the eval slice; eval
     prompts are distinct. Raises when the space cannot give that many."""
     want_eval = split == "eval"

@@ -137,8 +137,11 @@ def transcript(prompt: str, style: str) -> Segments:
     answer), or "habit" (the estimate, on hard prompts)."""
     if style == "tool":
         value = str(answer_of(prompt))
-        return [(tool_call_text(expression(prompt)), True), (tool_response_text(value), False),
-                (f"#{value}", True)]  # fmt: skip
+        return [
+            (tool_call_text(expression(prompt)), True),
+            (tool_response_text(value), False),
+            (f"#{value}", True),
+        ]
     if style == "direct":
         return [(f"#{answer_of(prompt)}", True)]
     if style == "habit":
@@ -201,8 +204,11 @@ def reward(prompt: str, completion: str, **row: Any) -> dict[str, float] | None:
     ref = row.get("ground_truth") if ref is None else ref
     if ref is None or str(ref).strip() == "":
         return None
-    return {"reward": verify(completion, ref), "tool_calls": float(tool_calls(completion)),
-            "format": float(final_answer(completion) is not None)}  # fmt: skip
+    return {
+        "reward": verify(completion, ref),
+        "tool_calls": float(tool_calls(completion)),
+        "format": float(final_answer(completion) is not None),
+    }
 
 
 # ---- dataset generation -------------------------------------------------------------
@@ -239,8 +245,15 @@ def generate(
     for prompt, kind in draw_prompts(
         n, split, lambda: sample_prompt(rng, hard_share), is_eval_prompt
     ):
-        rows.append({"uid": f"tooluse-{split}-{seed}-{len(rows):06d}", "prompt": prompt,
-                     "answer": str(answer_of(prompt)), "kind": kind, "solution": solve(prompt)})  # fmt: skip
+        rows.append(
+            {
+                "uid": f"tooluse-{split}-{seed}-{len(rows):06d}",
+                "prompt": prompt,
+                "answer": str(answer_of(prompt)),
+                "kind": kind,
+                "solution": solve(prompt),
+            }
+        )
     return rows
 
 
@@ -262,8 +275,12 @@ def write_splits(
         generate(train, "train", seed, hard_share=hard_share),
         generate(eval, "eval", seed, hard_share=hard_share),
     )
-    return {"train": str(write_jsonl(tr, out / "train.jsonl")), "eval": str(write_jsonl(ev, out / "eval.jsonl")),
-            "train_hard": sum(r["kind"] == "hard" for r in tr), "eval_hard": sum(r["kind"] == "hard" for r in ev)}  # fmt: skip
+    return {
+        "train": str(write_jsonl(tr, out / "train.jsonl")),
+        "eval": str(write_jsonl(ev, out / "eval.jsonl")),
+        "train_hard": sum(r["kind"] == "hard" for r in tr),
+        "eval_hard": sum(r["kind"] == "hard" for r in ev),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -86,8 +86,13 @@ class ToolCache:
                         self._remember(_result(rec), here)
         self._file = open(self.path, "ab")  # noqa: SIM115 - closed by close()
         for cid, rec in started.items():  # ran (or was running) when the node stopped: never again
-            res = ToolResult(cid, rec.get("name", ""), False, error_kind="interrupted",
-                             error="the tools node stopped while this call ran; it is not run twice")  # fmt: skip
+            res = ToolResult(
+                cid,
+                rec.get("name", ""),
+                False,
+                error_kind="interrupted",
+                error="the tools node stopped while this call ran; it is not run twice",
+            )
             self._remember(res, self._append_sync(_done_record(res)))
             self.counts["interrupted"] += 1
         return max(len(self._results), len(self._offsets))
@@ -163,8 +168,13 @@ class ToolCache:
         except BaseException:
             # abandoned mid-run (the node is stopping): a side-effecting call may have acted, so it
             # is recorded as interrupted and never run again; a pure one may run on a later attempt
-            res = ToolResult(call_id, name, False, error_kind="interrupted",
-                             error="the first run of this call was abandoned")  # fmt: skip
+            res = ToolResult(
+                call_id,
+                name,
+                False,
+                error_kind="interrupted",
+                error="the first run of this call was abandoned",
+            )
             if side_effects:
                 offset = self._append_sync(_done_record(res)) if self._file else -1
                 self._remember(res, offset)
@@ -176,8 +186,11 @@ class ToolCache:
             self._running.pop(call_id, None)
 
     def stats(self) -> dict[str, Any]:
-        return {"cache_entries": max(len(self._results), len(self._offsets)),
-                "cache_running": len(self._running), **{f"cache_{k}": v for k, v in self.counts.items()}}  # fmt: skip
+        return {
+            "cache_entries": max(len(self._results), len(self._offsets)),
+            "cache_running": len(self._running),
+            **{f"cache_{k}": v for k, v in self.counts.items()},
+        }
 
     def close(self) -> None:
         if self._file is not None:

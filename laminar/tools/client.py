@@ -23,15 +23,30 @@ from laminar.transport.sockets import RemoteError, RequestTimeout, TransportErro
 
 
 def reply_of(res: ToolResult) -> ToolCallReply:
-    return ToolCallReply(call_id=res.call_id, ok=res.ok, output=res.output, error=res.error,
-                         error_kind=res.error_kind, seconds=res.seconds, cached=res.cached,
-                         truncated=res.truncated)  # fmt: skip
+    return ToolCallReply(
+        call_id=res.call_id,
+        ok=res.ok,
+        output=res.output,
+        error=res.error,
+        error_kind=res.error_kind,
+        seconds=res.seconds,
+        cached=res.cached,
+        truncated=res.truncated,
+    )
 
 
 def result_of(name: str, rep: ToolCallReply) -> ToolResult:
-    return ToolResult(call_id=rep.call_id, name=name, ok=rep.ok, output=rep.output, error=rep.error,
-                      error_kind=rep.error_kind, seconds=rep.seconds, cached=rep.cached,
-                      truncated=rep.truncated)  # fmt: skip
+    return ToolResult(
+        call_id=rep.call_id,
+        name=name,
+        ok=rep.ok,
+        output=rep.output,
+        error=rep.error,
+        error_kind=rep.error_kind,
+        seconds=rep.seconds,
+        cached=rep.cached,
+        truncated=rep.truncated,
+    )
 
 
 class RemoteToolClient:

@@ -56,8 +56,12 @@ class ToolsNode(Node):
         await self.pool.start()
         self.on_close(self.pool.close)
         self.on_close(self.cache.close)
-        self.log.info("tools_ready", tools=self.registry.names(), network=self.pool.network,
-                      journaled_results=loaded)  # fmt: skip
+        self.log.info(
+            "tools_ready",
+            tools=self.registry.names(),
+            network=self.pool.network,
+            journaled_results=loaded,
+        )
         self.srv = self.server(
             self.cfg.bind_endpoint("tools", self.index),
             max_message_bytes=socket_max_message_bytes(self.cfg, "tools"),
@@ -93,12 +97,21 @@ class ToolsNode(Node):
         return ToolStatsReply(stats=self.stats())
 
     def stats(self) -> dict[str, Any]:
-        return {**self.pool.stats(), **self.cache.stats(), "bad_requests": self.bad_requests,
-                "tools": self.registry.names()}  # fmt: skip
+        return {
+            **self.pool.stats(),
+            **self.cache.stats(),
+            "bad_requests": self.bad_requests,
+            "tools": self.registry.names(),
+        }
 
     def status(self) -> NodeStatus:
         # the pool and cache are built in setup() before the server and the manager client exist,
         # so nothing asks for a status before them
         st = self.stats()
-        return NodeStatus(node_id=self.node_id, role=self.role, running=st["running"],
-                          waiting=st["queue_depth"], extra=st)  # fmt: skip
+        return NodeStatus(
+            node_id=self.node_id,
+            role=self.role,
+            running=st["running"],
+            waiting=st["queue_depth"],
+            extra=st,
+        )

@@ -29,8 +29,13 @@ from laminar.tools.builtin import BUILTINS
 F = TypeVar("F", bound=Callable[..., Any])
 
 _JSON_TYPES: dict[Any, tuple[type, ...]] = {
-    str: (str,), int: (int,), float: (int, float), bool: (bool,), list: (list,), dict: (dict,)
-}  # fmt: skip
+    str: (str,),
+    int: (int,),
+    float: (int, float),
+    bool: (bool,),
+    list: (list,),
+    dict: (dict,),
+}
 
 
 def tool(side_effects: bool = True, description: str = "") -> Callable[[F], F]:
@@ -80,8 +85,15 @@ class Tool:
                 types[p.name] = _JSON_TYPES[hint]
                 type_names[p.name] = getattr(hint, "__name__", str(hint))
         schema = {"required": required, "optional": optional, "types": type_names}
-        return cls(name, fn, side_effects, description or (fn.__doc__ or "").strip(), schema,
-                   types, extra_ok)  # fmt: skip
+        return cls(
+            name,
+            fn,
+            side_effects,
+            description or (fn.__doc__ or "").strip(),
+            schema,
+            types,
+            extra_ok,
+        )
 
     def check(self, arguments: Any) -> str | None:
         """Why a call with these arguments is bad (error_kind bad_call), or None if it is fine."""
@@ -129,8 +141,9 @@ def load_tool(entry: str) -> Tool:
     if not callable(fn):
         raise ToolLoadError(f"tools.tools entry {entry!r}: {module_name} has no function {attr}")
     meta = getattr(fn, "__laminar_tool__", {})
-    return Tool.from_function(attr, fn, bool(meta.get("side_effects", True)),
-                              str(meta.get("description", "")))  # fmt: skip
+    return Tool.from_function(
+        attr, fn, bool(meta.get("side_effects", True)), str(meta.get("description", ""))
+    )
 
 
 class Registry:

@@ -82,8 +82,16 @@ GRACE_S = 2.0
 START_TIMEOUT_S = 30.0
 """A worker must say HELLO within this."""
 MAX_ERROR_CHARS = 2000
-NET_ERRNOS = {errno.ENETUNREACH, errno.EHOSTUNREACH, errno.EAFNOSUPPORT, errno.ECONNREFUSED,
-              errno.EADDRNOTAVAIL, errno.ENETDOWN, errno.EPERM, errno.EACCES}  # fmt: skip
+NET_ERRNOS = {
+    errno.ENETUNREACH,
+    errno.EHOSTUNREACH,
+    errno.EAFNOSUPPORT,
+    errno.ECONNREFUSED,
+    errno.EADDRNOTAVAIL,
+    errno.ENETDOWN,
+    errno.EPERM,
+    errno.EACCES,
+}
 _WORKER_CMD = "from laminar.tools.sandbox import worker_main; worker_main()"
 
 
@@ -277,8 +285,13 @@ def _child(registry: Registry, req: dict[str, Any], result_fd: int) -> NoReturn:
     limit_as = _vm_bytes() + int(req["memory_mb"]) * 1024 * 1024
     resource.setrlimit(resource.RLIMIT_AS, (limit_as, limit_as))
     limit = int(req["max_output_bytes"])
-    memory_report = _frame(Outcome(ok=False, error_kind="memory",
-                                   error=f"MemoryError: over the {req['memory_mb']} MB limit"))  # fmt: skip
+    memory_report = _frame(
+        Outcome(
+            ok=False,
+            error_kind="memory",
+            error=f"MemoryError: over the {req['memory_mb']} MB limit",
+        )
+    )
     cap = _Capture(limit)
     sys.stdout = sys.stderr = cap
     kind = error = ""
@@ -307,8 +320,13 @@ def _child(registry: Registry, req: dict[str, Any], result_fd: int) -> NoReturn:
         kind = kind or "output_limit"
     if kind == "output_limit":
         error = f"output exceeded {limit} bytes and was cut"
-    res = Outcome(ok=not kind, output=out.decode("utf-8", "ignore"), error=error[:MAX_ERROR_CHARS],
-                  error_kind=kind, truncated=truncated)  # fmt: skip
+    res = Outcome(
+        ok=not kind,
+        output=out.decode("utf-8", "ignore"),
+        error=error[:MAX_ERROR_CHARS],
+        error_kind=kind,
+        truncated=truncated,
+    )
     _write_all(result_fd, _frame(res))
     os._exit(0)
 
@@ -348,24 +366,41 @@ def _serve_one(registry: Registry, req: dict[str, Any], keep: tuple[int, ...]) -
         res.seconds = seconds
         return res
     if timed_out:
-        return Outcome(ok=False, error_kind="timeout", seconds=seconds,
-                       error=f"timed out after {wall:g}s (killed)")  # fmt: skip
+        return Outcome(
+            ok=False,
+            error_kind="timeout",
+            seconds=seconds,
+            error=f"timed out after {wall:g}s (killed)",
+        )
     cpu_used = usage.ru_utime + usage.ru_stime
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
         cpu_limit = max(1, math.ceil(float(req["cpu_s"])))
         if sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu_used >= cpu_limit - 0.05):
-            return Outcome(ok=False, error_kind="timeout", seconds=seconds,
-                           error=f"CPU limit of {cpu_limit}s exceeded (killed)")  # fmt: skip
+            return Outcome(
+                ok=False,
+                error_kind="timeout",
+                seconds=seconds,
+                error=f"CPU limit of {cpu_limit}s exceeded (killed)",
+            )
         name = signal.Signals(sig).name if sig in signal.Signals.__members__.values() else str(sig)
-        return Outcome(ok=False, error_kind="crash", seconds=seconds,
-                       error=f"the tool crashed (signal {name})")  # fmt: skip
+        return Outcome(
+            ok=False, error_kind="crash", seconds=seconds, error=f"the tool crashed (signal {name})"
+        )
     code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else -1
     if code == MEMORY_EXIT:
-        return Outcome(ok=False, error_kind="memory", seconds=seconds,
-                       error=f"MemoryError: over the {req['memory_mb']} MB limit")  # fmt: skip
-    return Outcome(ok=False, error_kind="crash", seconds=seconds,
-                   error=f"the tool exited with status {code} before answering")  # fmt: skip
+        return Outcome(
+            ok=False,
+            error_kind="memory",
+            seconds=seconds,
+            error=f"MemoryError: over the {req['memory_mb']} MB limit",
+        )
+    return Outcome(
+        ok=False,
+        error_kind="crash",
+        seconds=seconds,
+        error=f"the tool exited with status {code} before answering",
+    )
 
 
 def worker_main() -> None:
@@ -414,9 +449,15 @@ class _Worker:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", _WORKER_CMD, spec, stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE, start_new_session=True, env=env,
-        )  # fmt: skip
+            sys.executable,
+            "-c",
+            _WORKER_CMD,
+            spec,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            start_new_session=True,
+            env=env,
+        )
         worker = cls(proc, "")
         try:
             hello = msgspec.msgpack.decode(await worker._read(START_TIMEOUT_S), type=dict[str, Any])
@@ -524,8 +565,13 @@ class SandboxPool:
         tool = self.registry.get(name)
         if tool is None:
             known = ", ".join(self.registry.names())
-            return ToolResult(call_id, name, False, error_kind="unknown_tool",
-                              error=f"unknown tool {name!r}; available: {known}")  # fmt: skip
+            return ToolResult(
+                call_id,
+                name,
+                False,
+                error_kind="unknown_tool",
+                error=f"unknown tool {name!r}; available: {known}",
+            )
         problem = tool.check(arguments)
         if problem is not None:
             return ToolResult(call_id, name, False, error=problem, error_kind="bad_call")
@@ -555,8 +601,14 @@ class SandboxPool:
             self._waiting -= 1
         self._running += 1
         self.peak_running = max(self.peak_running, self._running)
-        req = {"name": name, "args": arguments, "wall_s": wall, "cpu_s": self.cfg.cpu_s,
-               "memory_mb": self.cfg.memory_mb, "max_output_bytes": self.cfg.max_output_bytes}  # fmt: skip
+        req = {
+            "name": name,
+            "args": arguments,
+            "wall_s": wall,
+            "cpu_s": self.cfg.cpu_s,
+            "memory_mb": self.cfg.memory_mb,
+            "max_output_bytes": self.cfg.max_output_bytes,
+        }
         try:
             out = await worker.call(req, wall + GRACE_S)
         except _WorkerLost as exc:
@@ -569,8 +621,15 @@ class SandboxPool:
         finally:
             self._running -= 1
         self._idle.put_nowait(worker)
-        res = ToolResult(call_id, name, out.ok, output=out.output, error=out.error,
-                         error_kind=out.error_kind, truncated=out.truncated)  # fmt: skip
+        res = ToolResult(
+            call_id,
+            name,
+            out.ok,
+            output=out.output,
+            error=out.error,
+            error_kind=out.error_kind,
+            truncated=out.truncated,
+        )
         return self._finish(res, t0)
 
     def _replace(self, worker: _Worker, why: str) -> None:
@@ -614,9 +673,16 @@ class SandboxPool:
         lat = list(self._latency)
         calls = self.counts["calls"]
         return {
-            "calls": calls, "errors": sum(self.errors.values()), "errors_by_kind": dict(self.errors),
+            "calls": calls,
+            "errors": sum(self.errors.values()),
+            "errors_by_kind": dict(self.errors),
             "error_rate": sum(self.errors.values()) / calls if calls else 0.0,
-            "latency_p50_s": round(percentile(lat, 0.5), 4), "latency_p99_s": round(percentile(lat, 0.99), 4),
-            "restarts": self.restarts, "queue_depth": self._waiting, "running": self._running,
-            "peak_running": self.peak_running, "workers": len(self._workers), "network": self.network,
-        }  # fmt: skip
+            "latency_p50_s": round(percentile(lat, 0.5), 4),
+            "latency_p99_s": round(percentile(lat, 0.99), 4),
+            "restarts": self.restarts,
+            "queue_depth": self._waiting,
+            "running": self._running,
+            "peak_running": self.peak_running,
+            "workers": len(self._workers),
+            "network": self.network,
+        }

@@ -120,7 +120,7 @@ class TrainBatch:
                     loss_mask=None if t.loss_mask is None else np.asarray(t.loss_mask) == 1,
                     turns=int(t.turns),
                     tool_calls=list(t.tool_calls),
-                )  # fmt: skip
+                )
             )
         arrived = Counter(t.group_id for t in trajs)
         kept = Counter(s.group_id for s in samples)
@@ -195,10 +195,15 @@ class MicroBatch:
 
     def to(self, device: str | torch.device) -> MicroBatch:
         dev = torch.device(device)
-        return MicroBatch(self.index.to(dev), self.input_ids.to(dev),
-                          self.attention_mask.to(dev), self.targets.to(dev),
-                          self.resp_mask.to(dev), self.behav_logp.to(dev),
-                          None if self.layout is None else self.layout.to(dev))  # fmt: skip
+        return MicroBatch(
+            self.index.to(dev),
+            self.input_ids.to(dev),
+            self.attention_mask.to(dev),
+            self.targets.to(dev),
+            self.resp_mask.to(dev),
+            self.behav_logp.to(dev),
+            None if self.layout is None else self.layout.to(dev),
+        )
 
     @property
     def n_tokens(self) -> int:

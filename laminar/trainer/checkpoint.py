@@ -189,8 +189,14 @@ def remove_partial(run_dir: str | os.PathLike) -> int:
     return n
 
 
-def save_policy(policy: Policy, run_dir: str | os.PathLike, step: int, meta: dict[str, Any],
-                tokenizer_src: str | os.PathLike | None = None, keep: int = 2) -> Path | None:  # fmt: skip
+def save_policy(
+    policy: Policy,
+    run_dir: str | os.PathLike,
+    step: int,
+    meta: dict[str, Any],
+    tokenizer_src: str | os.PathLike | None = None,
+    keep: int = 2,
+) -> Path | None:
     """Gather the policy's full state (collective on every rank) and write it on rank 0."""
     model_sd = policy.full_state_dict()
     state = {

@@ -56,9 +56,16 @@ class Owed:
 
 
 class CommitLedger:
-    def __init__(self, buffer: RpcClient, mode: Literal["step", "checkpoint"], run_dir: Path,
-                 stopping: asyncio.Event, backoff_s: float, metrics: Metrics,
-                 log: structlog.typing.FilteringBoundLogger):  # fmt: skip
+    def __init__(
+        self,
+        buffer: RpcClient,
+        mode: Literal["step", "checkpoint"],
+        run_dir: Path,
+        stopping: asyncio.Event,
+        backoff_s: float,
+        metrics: Metrics,
+        log: structlog.typing.FilteringBoundLogger,
+    ):
         self.buffer = buffer
         self.gated = mode == "checkpoint"
         """Commits wait for a checkpoint holding their step."""
@@ -81,8 +88,16 @@ class CommitLedger:
         """The audit line of a trained step (a restarted trainer re-logs the steps after its
         checkpoint): `uids` trained on, `excluded` served in the batch but not trained on (no
         reward, a bad one, a group left with one member), so every served uid is accounted for."""
-        append_jsonl(self.audit, {"step": step, "version": version, "batch_id": batch_id,
-                                  "uids": uids, "excluded": excluded})  # fmt: skip
+        append_jsonl(
+            self.audit,
+            {
+                "step": step,
+                "version": version,
+                "batch_id": batch_id,
+                "uids": uids,
+                "excluded": excluded,
+            },
+        )
 
     def record(self, batch_id: str, step: int, version: int) -> None:
         """`step` (which consumed batch_id) is in the weights: its commit is owed from now on."""

@@ -57,8 +57,9 @@ class EvalRow:
     row: dict[str, Any]
 
 
-async def _generate(engine: Any, prompts: Sequence[np.ndarray], params: Any,
-                    cancel: threading.Event) -> list[np.ndarray]:  # fmt: skip
+async def _generate(
+    engine: Any, prompts: Sequence[np.ndarray], params: Any, cancel: threading.Event
+) -> list[np.ndarray]:
     from laminar.engines.base import GenRequest
 
     await engine.start()
@@ -83,24 +84,37 @@ async def _generate(engine: Any, prompts: Sequence[np.ndarray], params: Any,
     return [next(iter(r.values()))[0] for r in results]
 
 
-def greedy_generate(model: Any, tokenizer: Any, prompts: Sequence[np.ndarray], *, max_tokens: int,
-                    stop: Sequence[str] = (), max_running: int = 64, max_model_len: int | None = None,
-                    cancel: threading.Event | None = None) -> list[np.ndarray]:  # fmt: skip
+def greedy_generate(
+    model: Any,
+    tokenizer: Any,
+    prompts: Sequence[np.ndarray],
+    *,
+    max_tokens: int,
+    stop: Sequence[str] = (),
+    max_running: int = 64,
+    max_model_len: int | None = None,
+    cancel: threading.Event | None = None,
+) -> list[np.ndarray]:
     """Greedy response ids for each prompt with the torch engine. Blocking: runs its own event loop."""
     import torch
 
     from laminar.engines.base import SamplingParams
     from laminar.engines.torch_engine import TorchEngine
 
-    engine = TorchEngine(model, tokenizer, max_running=max(1, min(max_running, len(prompts))),
-                         max_model_len=max_model_len)  # fmt: skip
+    engine = TorchEngine(
+        model,
+        tokenizer,
+        max_running=max(1, min(max_running, len(prompts))),
+        max_model_len=max_model_len,
+    )
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop=tuple(stop))
     with torch.inference_mode():
         return asyncio.run(_generate(engine, prompts, params, cancel or threading.Event()))
 
 
-def load_eval_rows(cfg: LaminarConfig, tokenizer: Any,
-                   log: structlog.typing.FilteringBoundLogger) -> list[EvalRow]:  # fmt: skip
+def load_eval_rows(
+    cfg: LaminarConfig, tokenizer: Any, log: structlog.typing.FilteringBoundLogger
+) -> list[EvalRow]:
     """The first trainer.eval_rows usable rows of data.eval; bad rows are logged and skipped."""
     from laminar.buffer.prompts import BadRow, PromptEncoder, load_prompts
 
@@ -123,8 +137,14 @@ def load_eval_rows(cfg: LaminarConfig, tokenizer: Any,
 
 
 class Evaluator:
-    def __init__(self, cfg: LaminarConfig, model: Any, tokenizer: Any, rows: list[EvalRow],
-                 log: structlog.typing.FilteringBoundLogger) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cfg: LaminarConfig,
+        model: Any,
+        tokenizer: Any,
+        rows: list[EvalRow],
+        log: structlog.typing.FilteringBoundLogger,
+    ) -> None:
         from laminar.rewards.runner import RewardRunner
 
         self.cfg, self.model, self.tokenizer, self.rows, self.log = cfg, model, tokenizer, rows, log
@@ -146,8 +166,10 @@ class Evaluator:
         missing, unexpected = self.model.load_state_dict(weights, strict=False)
         tied = {k for k in missing if k.startswith("lm_head")}
         if unexpected or set(missing) - tied:
-            raise ValueError(f"exported weights do not fit the eval model: missing {sorted(missing)[:5]}, "
-                             f"unexpected {sorted(unexpected)[:5]}")  # fmt: skip
+            raise ValueError(
+                f"exported weights do not fit the eval model: missing {sorted(missing)[:5]}, "
+                f"unexpected {sorted(unexpected)[:5]}"
+            )
         if tied:
             self.model.tie_weights()
 
@@ -156,10 +178,16 @@ class Evaluator:
     ) -> tuple[list[str], list[int]]:
         self._load_weights(weights)
         s = self.cfg.rollout
-        outs = greedy_generate(self.model, self.tokenizer, [r.prompt_ids for r in self.rows],
-                               max_tokens=s.sampling.max_tokens, stop=s.sampling.stop,
-                               max_running=s.max_running, max_model_len=s.max_model_len,
-                               cancel=cancel)  # fmt: skip
+        outs = greedy_generate(
+            self.model,
+            self.tokenizer,
+            [r.prompt_ids for r in self.rows],
+            max_tokens=s.sampling.max_tokens,
+            stop=s.sampling.stop,
+            max_running=s.max_running,
+            max_model_len=s.max_model_len,
+            cancel=cancel,
+        )
         texts = [self.tokenizer.decode(o.tolist(), skip_special_tokens=True) for o in outs]
         return texts, [len(o) for o in outs]
 
@@ -184,12 +212,18 @@ class Evaluator:
             "eval/excluded": float(len(scored) - len(rewards)),
             "eval/mean_tokens": statistics.fmean(lengths) if lengths else 0.0,
             "eval/seconds": time.perf_counter() - t0,
-        }  # fmt: skip
+        }
         samples = [
-            {"step": step, "eval": True, "prompt": r.prompt, "completion": t, "reward": s.reward,
-             "answer": r.row.get("answer")}
+            {
+                "step": step,
+                "eval": True,
+                "prompt": r.prompt,
+                "completion": t,
+                "reward": s.reward,
+                "answer": r.row.get("answer"),
+            }
             for r, t, s in list(zip(self.rows, texts, scored, strict=True))[: self.samples]
-        ]  # fmt: skip
+        ]
         return metrics, samples
 
 
@@ -206,8 +240,11 @@ def open_evaluator(
         log.info("eval_skipped", reason="model.path is not set")
         return None
     if cfg.env.fn:
-        log.warning("eval_single_turn", env=cfg.env.fn,
-                    note="validation generates one greedy turn per prompt, scored by reward.fn")  # fmt: skip
+        log.warning(
+            "eval_single_turn",
+            env=cfg.env.fn,
+            note="validation generates one greedy turn per prompt, scored by reward.fn",
+        )
     from laminar.models.decoder_lm import load_model
     from laminar.models.prompt_tokenizer import load_prompt_tokenizer
 
@@ -216,7 +253,12 @@ def open_evaluator(
     if not rows:
         log.error("eval_skipped", reason=f"no usable rows in data.eval={cfg.data.eval}")
         return None
-    model = load_model(cfg.model.path, cfg.model.dtype, cfg.model.device, module_free=True,
-                       max_len=cfg.rollout.max_model_len)  # fmt: skip
+    model = load_model(
+        cfg.model.path,
+        cfg.model.dtype,
+        cfg.model.device,
+        module_free=True,
+        max_len=cfg.rollout.max_model_len,
+    )
     log.info("eval_ready", rows=len(rows), every=cfg.trainer.eval_every, file=cfg.data.eval)
     return Evaluator(cfg, model, tokenizer, rows, log)

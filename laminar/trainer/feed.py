@@ -27,8 +27,15 @@ from laminar.transport.sockets import RemoteError, RequestTimeout, TransportErro
 
 
 class BatchFeed:
-    def __init__(self, buffer: RpcClient, cfg: LaminarConfig, trainer_id: str,
-                 stopping: asyncio.Event, metrics: Metrics, log: structlog.typing.FilteringBoundLogger):  # fmt: skip
+    def __init__(
+        self,
+        buffer: RpcClient,
+        cfg: LaminarConfig,
+        trainer_id: str,
+        stopping: asyncio.Event,
+        metrics: Metrics,
+        log: structlog.typing.FilteringBoundLogger,
+    ):
         self.buffer = buffer
         self.tc, self.transport = cfg.trainer, cfg.transport
         self.trainer_id = trainer_id
@@ -41,8 +48,13 @@ class BatchFeed:
     async def ask(self, version: int) -> BatchReply | None:
         """One request; a batch with trajectories, or None (nothing yet, an error, or exhausted)."""
         tc, t = self.tc, self.transport
-        req = BatchRequest(trainer_id=self.trainer_id, groups=tc.batch_groups, trainer_version=version,
-                           wait_s=tc.batch_wait_s, restart=self.restart)  # fmt: skip
+        req = BatchRequest(
+            trainer_id=self.trainer_id,
+            groups=tc.batch_groups,
+            trainer_version=version,
+            wait_s=tc.batch_wait_s,
+            restart=self.restart,
+        )
         try:
             reply = await self.buffer.request(
                 req, timeout=tc.batch_wait_s + t.request_timeout_s, retries=0

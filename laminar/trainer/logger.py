@@ -70,8 +70,9 @@ def require_wandb(cfg: LaminarConfig) -> None:
         )
 
 
-def sample_completions(trajectories: Sequence[Trajectory], k: int, step: int,
-                       trainer_version: int) -> list[dict[str, Any]]:  # fmt: skip
+def sample_completions(
+    trajectories: Sequence[Trajectory], k: int, step: int, trainer_version: int
+) -> list[dict[str, Any]]:
     """k trajectories spread evenly over the batch (so several groups show), as plain records."""
     if k <= 0 or not trajectories:
         return []
@@ -80,12 +81,20 @@ def sample_completions(trajectories: Sequence[Trajectory], k: int, step: int,
     out = []
     for i in picks:
         t = trajectories[i]
-        out.append({
-            "step": step, "trainer_version": trainer_version, "version": t.version, "uid": t.uid,
-            "prompt": t.prompt, "completion": t.completion, "reward": t.reward,
-            "finish_reason": t.finish_reason, "response_tokens": len(t.response_ids),
-            "turns": t.turns,
-        })  # fmt: skip
+        out.append(
+            {
+                "step": step,
+                "trainer_version": trainer_version,
+                "version": t.version,
+                "uid": t.uid,
+                "prompt": t.prompt,
+                "completion": t.completion,
+                "reward": t.reward,
+                "finish_reason": t.finish_reason,
+                "response_tokens": len(t.response_ids),
+                "turns": t.turns,
+            }
+        )
     return out
 
 
@@ -100,14 +109,21 @@ def completions_markdown(records: Sequence[dict[str, Any]]) -> str:
     rows = ["| version | reward | prompt | completion |", "|---|---|---|---|"]
     for r in records:
         reward = "None" if r.get("reward") is None else f"{r['reward']:.3f}"
-        rows.append(f"| {r.get('version')} | {reward} | {_md_cell(r.get('prompt', ''))} | "
-                    f"{_md_cell(r.get('completion', ''))} |")  # fmt: skip
+        rows.append(
+            f"| {r.get('version')} | {reward} | {_md_cell(r.get('prompt', ''))} | "
+            f"{_md_cell(r.get('completion', ''))} |"
+        )
     return "\n".join(rows)
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: str | os.PathLike, cfg: LaminarConfig | None = None, tensorboard: bool = True,
-                 log: structlog.typing.FilteringBoundLogger | None = None):  # fmt: skip
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        cfg: LaminarConfig | None = None,
+        tensorboard: bool = True,
+        log: structlog.typing.FilteringBoundLogger | None = None,
+    ):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # line-buffered: a crash loses <= 1 line

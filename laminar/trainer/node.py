@@ -129,8 +129,15 @@ class TrainerNode(Node):
         self.feed = BatchFeed(
             self.buffer, self.cfg, self.node_id, self.stopping, self.metrics, self.log
         )
-        self.commits = CommitLedger(self.buffer, tc.commit, self.run_dir, self.stopping,
-                                    self.cfg.transport.reconnect_backoff_max_s, self.metrics, self.log)  # fmt: skip
+        self.commits = CommitLedger(
+            self.buffer,
+            tc.commit,
+            self.run_dir,
+            self.stopping,
+            self.cfg.transport.reconnect_backoff_max_s,
+            self.metrics,
+            self.log,
+        )
         if opened.meta is not None:
             self._resume(opened.meta, opened.checkpoint)
         # tensorboard/wandb imports take a while: off the loop, before any socket needs heartbeats
@@ -153,8 +160,13 @@ class TrainerNode(Node):
         if published > self.version:  # versions after the checkpoint were published, then lost
             self.version = published
             self._republish = True
-        self.log.info("resumed", checkpoint=str(ckpt), step=self.step, version=self.version,
-                      uncommitted=len(self.commits.owed))  # fmt: skip
+        self.log.info(
+            "resumed",
+            checkpoint=str(ckpt),
+            step=self.step,
+            version=self.version,
+            uncommitted=len(self.commits.owed),
+        )
 
     async def main(self) -> None:
         assert self.trainer is not None and self.dist is not None
@@ -208,10 +220,15 @@ class TrainerNode(Node):
         except Exception as exc:  # noqa: BLE001 - the failure stands without the buffer's detail
             return f"{text} (buffer stats unavailable: {type(exc).__name__})"
         st = reply.stats if isinstance(reply, BufferStats) else {}
-        dropped = ", ".join(f"{k.removeprefix('dropped_')}: {v}" for k, v in sorted(st.items())
-                            if k.startswith("dropped_") and v)  # fmt: skip
-        text += (f"; {st.get('trajectories', 0)} trajectories stored, {st.get('unusable', 0)} without a usable "
-                 f"reward, {st.get('groups_dropped', 0)} groups dropped ({dropped or 'none'})")  # fmt: skip
+        dropped = ", ".join(
+            f"{k.removeprefix('dropped_')}: {v}"
+            for k, v in sorted(st.items())
+            if k.startswith("dropped_") and v
+        )
+        text += (
+            f"; {st.get('trajectories', 0)} trajectories stored, {st.get('unusable', 0)} without a usable "
+            f"reward, {st.get('groups_dropped', 0)} groups dropped ({dropped or 'none'})"
+        )
         warnings = st.get("warnings") or {}
         if warnings:
             text += "; buffer: " + " | ".join(f"{k}: {v}" for k, v in warnings.items())
@@ -240,8 +257,13 @@ class TrainerNode(Node):
         for k in ("tokens_per_s", "step_s", "reward", "loss"):
             if k in self.last:
                 extra[k] = self.last[k]
-        return NodeStatus(node_id=self.node_id, role=self.role, version=self.version,
-                          staleness=self.last.get("staleness", 0.0), extra=extra)  # fmt: skip
+        return NodeStatus(
+            node_id=self.node_id,
+            role=self.role,
+            version=self.version,
+            staleness=self.last.get("staleness", 0.0),
+            extra=extra,
+        )
 
     # ---- the step ------------------------------------------------------------------------
     async def _next_batch(self) -> BatchReply | None:
@@ -285,12 +307,18 @@ class TrainerNode(Node):
         if not self.commits.gated:
             await self.commits.flush()
         step_s = time.perf_counter() - t0
-        metrics.update({
-            "version": self.version, "step_s": step_s, "push_s": push_s, "push_bytes": push_bytes,
-            "tokens_per_s": metrics["tokens_total"] / max(metrics["compute_s"], 1e-9),
-            "staleness": sum(staleness) / len(staleness), "staleness_max": max(staleness),
-            "dropped": float(sum(batch.dropped.values())),
-        })  # fmt: skip
+        metrics.update(
+            {
+                "version": self.version,
+                "step_s": step_s,
+                "push_s": push_s,
+                "push_bytes": push_bytes,
+                "tokens_per_s": metrics["tokens_total"] / max(metrics["compute_s"], 1e-9),
+                "staleness": sum(staleness) / len(staleness),
+                "staleness_max": max(staleness),
+                "dropped": float(sum(batch.dropped.values())),
+            }
+        )
         metrics.update(staleness_histogram(staleness))
         metrics.update(
             {f"buffer/{k}": v for k, v in reply.info.items() if isinstance(v, int | float)}
@@ -298,10 +326,20 @@ class TrainerNode(Node):
         self.last = metrics
         if self.step % self.cfg.trainer.log_every == 0:
             self.logger.log(self.step, metrics)
-        self.logger.log_completions(self.step, sample_completions(
-            reply.trajectories, self.cfg.trainer.completions_per_step, self.step, self.version))  # fmt: skip
-        self.log.info("step", step=self.step, version=self.version, loss=round(metrics.get("loss", math.nan), 5),
-                      reward=round(metrics["reward"], 4), step_s=round(step_s, 3))  # fmt: skip
+        self.logger.log_completions(
+            self.step,
+            sample_completions(
+                reply.trajectories, self.cfg.trainer.completions_per_step, self.step, self.version
+            ),
+        )
+        self.log.info(
+            "step",
+            step=self.step,
+            version=self.version,
+            loss=round(metrics.get("loss", math.nan), 5),
+            reward=round(metrics["reward"], 4),
+            step_s=round(step_s, 3),
+        )
 
     async def _validate(self) -> None:
         """Greedy eval of the weights just trained on data.eval (evaluation.py); once per step."""
@@ -313,8 +351,13 @@ class TrainerNode(Node):
         metrics, samples = await self.evaluator.run(weights, self.step)
         self.logger.log(self.step, metrics)
         self.logger.log_completions(self.step, samples)
-        self.log.info("eval", step=self.step, accuracy=round(metrics["eval/accuracy"], 4),
-                      n=int(metrics["eval/n"]), seconds=round(metrics["eval/seconds"], 2))  # fmt: skip
+        self.log.info(
+            "eval",
+            step=self.step,
+            accuracy=round(metrics["eval/accuracy"], 4),
+            n=int(metrics["eval/n"]),
+            seconds=round(metrics["eval/seconds"], 2),
+        )
 
     # ---- publishing, committing, checkpointing ----------------------------------------------
     async def _publish(self, weights: dict[str, torch.Tensor]) -> tuple[float, int]:
@@ -335,8 +378,15 @@ class TrainerNode(Node):
         self.mark.write(self.version, self.step)
         if self.snapshots.due(self.version):
             await self.compute(self.snapshots.save, self.version, self.step, weights)
-        msg = VersionPublished(trainer_id=self.node_id, version=self.version, step=self.step, uri=pub.uri,
-                               handoff=pub.handoff, num_bytes=pub.num_bytes, stall_s=pub.stall_s)  # fmt: skip
+        msg = VersionPublished(
+            trainer_id=self.node_id,
+            version=self.version,
+            step=self.step,
+            uri=pub.uri,
+            handoff=pub.handoff,
+            num_bytes=pub.num_bytes,
+            stall_s=pub.stall_s,
+        )
         try:
             await self.manager.send(msg)
         except TransportError as exc:  # the manager learns the version from heartbeats too
@@ -387,7 +437,12 @@ class TrainerNode(Node):
             self.trainer.save, self.run_dir, self.step, meta, tc.keep_checkpoints
         )
         self._last_ckpt_step = self.step
-        self.log.info("checkpoint", path=str(path), step=self.step, reason=reason,
-                      seconds=round(time.perf_counter() - t0, 3))  # fmt: skip
+        self.log.info(
+            "checkpoint",
+            path=str(path),
+            step=self.step,
+            reason=reason,
+            seconds=round(time.perf_counter() - t0, 3),
+        )
         if self.commits.gated:
             await self.commits.flush()

@@ -116,9 +116,13 @@ class PackedLayout:
         )
 
     def to(self, device: torch.device) -> PackedLayout:
-        return PackedLayout(self.ids.to(device), self.pos.to(device),
-                            [c.to(device) for c in self.chunks], self.order.to(device),
-                            self.select.to(device))  # fmt: skip
+        return PackedLayout(
+            self.ids.to(device),
+            self.pos.to(device),
+            [c.to(device) for c in self.chunks],
+            self.order.to(device),
+            self.select.to(device),
+        )
 
 
 def _chunk(qs: list[np.ndarray], ks: list[np.ndarray], pos: np.ndarray) -> AttentionChunk:
@@ -133,8 +137,12 @@ def _chunk(qs: list[np.ndarray], ks: list[np.ndarray], pos: np.ndarray) -> Atten
         q_real[r, : len(q)], k_real[r, : len(k)] = True, True
     # within a row positions are distinct and increasing, so "not after the query" is causality
     mask = k_real[:, None, :] & (pos[k_idx][:, None, :] <= pos[q_idx][:, :, None])
-    return AttentionChunk(torch.from_numpy(q_idx), torch.from_numpy(k_idx),
-                          torch.from_numpy(mask[:, None]), torch.from_numpy(q_real.reshape(-1)))  # fmt: skip
+    return AttentionChunk(
+        torch.from_numpy(q_idx),
+        torch.from_numpy(k_idx),
+        torch.from_numpy(mask[:, None]),
+        torch.from_numpy(q_real.reshape(-1)),
+    )
 
 
 def pack_by_prompt(samples: list[Sample], idx: list[int], token_budget: int) -> list[list[int]]:
@@ -198,8 +206,13 @@ class PackedForward:
             qkv = F.linear(y, w, b).view(t, rope + h_kv, d)
             qk, v = qkv[:, :rope], qkv[:, rope:]
             if getattr(a, "q_norm", None) is not None:
-                qk = torch.cat([rms(qk[:, :h_q], a.q_norm.weight, sh.eps),
-                                rms(qk[:, h_q:], a.k_norm.weight, sh.eps)], 1)  # fmt: skip
+                qk = torch.cat(
+                    [
+                        rms(qk[:, :h_q], a.q_norm.weight, sh.eps),
+                        rms(qk[:, h_q:], a.k_norm.weight, sh.eps),
+                    ],
+                    1,
+                )
             qk = rotate(qk, cos, sin)
             o = self._attend(qk[:, :h_q], qk[:, h_q:], v, lay)
             x = x + F.linear(o, a.o_proj.weight, a.o_proj.bias)
@@ -221,9 +234,13 @@ class PackedForward:
         outs = []
         for c in lay.chunks:
             o = F.scaled_dot_product_attention(
-                q[c.q].transpose(1, 2), k[c.k].transpose(1, 2), v[c.k].transpose(1, 2),
-                attn_mask=c.mask, scale=sh.scaling, enable_gqa=sh.kv_heads != sh.heads,
-            )  # fmt: skip
+                q[c.q].transpose(1, 2),
+                k[c.k].transpose(1, 2),
+                v[c.k].transpose(1, 2),
+                attn_mask=c.mask,
+                scale=sh.scaling,
+                enable_gqa=sh.kv_heads != sh.heads,
+            )
             outs.append(o.transpose(1, 2).reshape(-1, sh.heads * sh.head_dim)[c.real])
         return torch.cat(outs)[lay.order]
 

@@ -350,17 +350,28 @@ class Policy:
         n_seq, adv_cpu = batch.n_seqs, adv.cpu()
         out.update(length_stats([len(x.response_ids) for x in batch.samples]))
         out.update(episode_stats(batch.samples))
-        out.update({
-            "grad_norm": sum(finite) / len(finite) if finite else math.nan, "lr": lr,
-            "skipped_step": float(len(finite) < len(norms)), "minibatches": float(len(parts)),
-            "reward": float(batch.rewards.mean()), "reward_max": float(batch.rewards.max()),
-            "reward_min": float(batch.rewards.min()), "adv/mean": float(adv_cpu.mean()),
-            "adv/std": float(adv_cpu.std()) if n_seq > 1 else 0.0, "adv/max": float(adv_cpu.max()),
-            "adv/min": float(adv_cpu.min()), "frac/zero_adv": float((adv_cpu == 0).float().mean()),
-            "tokens": float(batch.n_tokens), "tokens_total": float(batch.total_tokens),
-            "seqs": float(n_seq), "seqs_trained": float(sum(live)), "micro_batches": float(n_micro),
-            "compute_s": time.perf_counter() - t0,
-        })  # fmt: skip
+        out.update(
+            {
+                "grad_norm": sum(finite) / len(finite) if finite else math.nan,
+                "lr": lr,
+                "skipped_step": float(len(finite) < len(norms)),
+                "minibatches": float(len(parts)),
+                "reward": float(batch.rewards.mean()),
+                "reward_max": float(batch.rewards.max()),
+                "reward_min": float(batch.rewards.min()),
+                "adv/mean": float(adv_cpu.mean()),
+                "adv/std": float(adv_cpu.std()) if n_seq > 1 else 0.0,
+                "adv/max": float(adv_cpu.max()),
+                "adv/min": float(adv_cpu.min()),
+                "frac/zero_adv": float((adv_cpu == 0).float().mean()),
+                "tokens": float(batch.n_tokens),
+                "tokens_total": float(batch.total_tokens),
+                "seqs": float(n_seq),
+                "seqs_trained": float(sum(live)),
+                "micro_batches": float(n_micro),
+                "compute_s": time.perf_counter() - t0,
+            }
+        )
         return out
 
     def _optimizer_step(self) -> float:

@@ -47,11 +47,15 @@ class SimTrainer:
         time.sleep(self.time_per_token * batch.total_tokens)  # the emulated compute
         self.steps += 1
         out = {
-            "reward": float(batch.rewards.mean()), "adv/mean": float(adv.mean()),
-            "adv/max": float(adv.max()), "adv/min": float(adv.min()),
-            "tokens": float(batch.n_tokens), "tokens_total": float(batch.total_tokens),
-            "seqs": float(batch.n_seqs), "compute_s": time.perf_counter() - t0,
-        }  # fmt: skip
+            "reward": float(batch.rewards.mean()),
+            "adv/mean": float(adv.mean()),
+            "adv/max": float(adv.max()),
+            "adv/min": float(adv.min()),
+            "tokens": float(batch.n_tokens),
+            "tokens_total": float(batch.total_tokens),
+            "seqs": float(batch.n_seqs),
+            "compute_s": time.perf_counter() - t0,
+        }
         out.update(length_stats([len(s.response_ids) for s in batch.samples]))
         out.update(episode_stats(batch.samples))
         return out

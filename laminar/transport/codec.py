@@ -48,8 +48,20 @@ import zmq
 PROTOCOL_VERSION = 1
 
 _EXT_ARRAY = 1
-_DTYPE_NAMES = ("bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
-                "float16", "float32", "float64")  # fmt: skip
+_DTYPE_NAMES = (
+    "bool",
+    "int8",
+    "uint8",
+    "int16",
+    "uint16",
+    "int32",
+    "uint32",
+    "int64",
+    "uint64",
+    "float16",
+    "float32",
+    "float64",
+)
 _DTYPE_CODE = {np.dtype(n): i for i, n in enumerate(_DTYPE_NAMES)}
 _CODE_DTYPE = [np.dtype(n) for n in _DTYPE_NAMES]
 _NCODES = len(_CODE_DTYPE)
@@ -448,9 +460,15 @@ def _encode_fast(cls: type[Message], names: list[str], optional: tuple[bool, ...
     array. It returns None for anything else, and the generic path (the hook) handles it.
     The references are those the hook writes: same frame order, same bytes.
     """
-    env: dict[str, Any] = {"_nd": np.ndarray, "_codes": _DTYPE_CODE, "_pack": _REF_1D.pack,
-                           "_Ext": _Ext, "_replace": msgspec.structs.replace,
-                           "_type_byte": _TYPE_BYTES[cls.TYPE], "_EXT": _EXT_ARRAY}  # fmt: skip
+    env: dict[str, Any] = {
+        "_nd": np.ndarray,
+        "_codes": _DTYPE_CODE,
+        "_pack": _REF_1D.pack,
+        "_Ext": _Ext,
+        "_replace": msgspec.structs.replace,
+        "_type_byte": _TYPE_BYTES[cls.TYPE],
+        "_EXT": _EXT_ARRAY,
+    }
     body = ["def fast(msg, st):", "    frames = [_type_byte, b'']"]
     counted = any(optional)
     if counted:
@@ -464,16 +482,19 @@ def _encode_fast(cls: type[Message], names: list[str], optional: tuple[bool, ...
             body += [f"    e{i} = None", "    if x is not None:"]
             pad = "        "
         index = "k" if counted else str(i)
-        body += [pad + line for line in (
-            "if type(x) is not _nd or x.ndim != 1 or not x.flags.c_contiguous:",
-            "    return None",
-            "code = _codes.get(x.dtype)",
-            "n = len(x)",
-            "if code is None or not n:",
-            "    return None",
-            "frames.append(x)",
-            f"e{i} = _Ext(_EXT, _pack({index}, code, 1, n))",
-        )]  # fmt: skip
+        body += [
+            pad + line
+            for line in (
+                "if type(x) is not _nd or x.ndim != 1 or not x.flags.c_contiguous:",
+                "    return None",
+                "code = _codes.get(x.dtype)",
+                "n = len(x)",
+                "if code is None or not n:",
+                "    return None",
+                "frames.append(x)",
+                f"e{i} = _Ext(_EXT, _pack({index}, code, 1, n))",
+            )
+        ]
         if counted:
             body.append(pad + "k += 1")
     args = ", ".join(f"{name}=e{i}" for i, name in enumerate(names))
@@ -557,8 +578,13 @@ def _fast_arrays(cls: type[Message], top: list[_Top], optional: list[bool]) -> A
     path then handles. Written out per field rather than looped, it costs about half of the
     loop: a trajectory's decode is dominated by it.
     """
-    env: dict[str, Any] = {"_unpack": _REF_1D.unpack, "_frombuffer": np.frombuffer,
-                           "_Frame": zmq.Frame, "_BYTES": _BYTE_FRAMES, "_zmq": zmq}  # fmt: skip
+    env: dict[str, Any] = {
+        "_unpack": _REF_1D.unpack,
+        "_frombuffer": np.frombuffer,
+        "_Frame": zmq.Frame,
+        "_BYTES": _BYTE_FRAMES,
+        "_zmq": zmq,
+    }
     counted = any(optional)
     body = ["def fast(msg, frames, nframes):", "    total = 0"]
     if counted:
@@ -575,24 +601,28 @@ def _fast_arrays(cls: type[Message], top: list[_Top], optional: list[bool]) -> A
             body += [f"    a{i} = None", "    if x is not None:"]
             pad = "        "
         want, fi = ("k", "k + 2") if counted else (str(i), str(i + 2))
-        body += [pad + line for line in (
-            "data = x.data",
-            f"if len(data) != 12 or x.code != {_EXT_ARRAY}:",
-            "    return -1",
-            "index, code, ndim, n = _unpack(data)",
-            f"dtype = _dtypes{i}.get(code)",
-            f"if index != {want} or dtype is None or ndim != 1" + (" or k + 2 >= nframes:" if counted else ":"),
-            "    return -1",
-            f"buf = frames[{fi}]",
-            "nbytes = n * dtype.itemsize",
-            "kind = type(buf)",
-            "if not nbytes or len(buf) != nbytes or kind not in _BYTES:",
-            "    return -1",
-            "total += nbytes",
-            f"a{i} = _frombuffer(buf, dtype)",
-            "if kind is _Frame and nbytes >= _zmq.COPY_THRESHOLD:",
-            f"    a{i}.setflags(write=False)  # may be the sender's own memory (inproc zero-copy)",
-        )]  # fmt: skip
+        body += [
+            pad + line
+            for line in (
+                "data = x.data",
+                f"if len(data) != 12 or x.code != {_EXT_ARRAY}:",
+                "    return -1",
+                "index, code, ndim, n = _unpack(data)",
+                f"dtype = _dtypes{i}.get(code)",
+                f"if index != {want} or dtype is None or ndim != 1"
+                + (" or k + 2 >= nframes:" if counted else ":"),
+                "    return -1",
+                f"buf = frames[{fi}]",
+                "nbytes = n * dtype.itemsize",
+                "kind = type(buf)",
+                "if not nbytes or len(buf) != nbytes or kind not in _BYTES:",
+                "    return -1",
+                "total += nbytes",
+                f"a{i} = _frombuffer(buf, dtype)",
+                "if kind is _Frame and nbytes >= _zmq.COPY_THRESHOLD:",
+                f"    a{i}.setflags(write=False)  # may be the sender's own memory (inproc zero-copy)",
+            )
+        ]
         if counted:
             body.append(pad + "k += 1")
     if counted:

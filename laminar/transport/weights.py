@@ -70,7 +70,7 @@ from laminar.protocol.relay import (
     StageRequest,
     WeightLayout,
     WeightsReady,
-)  # fmt: skip
+)
 from laminar.transport.client import RpcClient
 from laminar.transport.sockets import (
     PeerDead,
@@ -340,8 +340,14 @@ class WeightPusher(_End):
             m.cuda_registered = pin_host_tensor(m.tensor)  # pinned: faster device-to-host copies
         write_flat(m.tensor, items, layout)
 
-    async def _stream(self, cli: RpcClient, reply: StageReply, items: list[tuple[str, Any]],
-                      layout: WeightLayout, version: int) -> None:  # fmt: skip
+    async def _stream(
+        self,
+        cli: RpcClient,
+        reply: StageReply,
+        items: list[tuple[str, Any]],
+        layout: WeightLayout,
+        version: int,
+    ) -> None:
         """Remote trainer: send the flat buffer in chunks, a few requests in flight."""
         import torch
 
@@ -459,9 +465,13 @@ class WeightPuller(_End):
     async def start(self) -> None:
         cfg = self.cfg
         self.client = RpcClient(
-            self.ctx, cfg.endpoint("relay", self.relay_index), self.node_id, self.role, self.opts,
+            self.ctx,
+            cfg.endpoint("relay", self.relay_index),
+            self.node_id,
+            self.role,
+            self.opts,
             spawn=self.spawn,
-        )  # fmt: skip
+        )
         await self.client.connect(timeout=cfg.transport.startup_timeout_s)
         self.sub = Subscriber(
             self.ctx,

@@ -39,8 +39,11 @@ from laminar.transport.weight_layout import ITEMSIZE, chunk_range, n_chunks, ten
 INDICES, BITMASK = 1, 2
 HEADER = struct.Struct("<BBxxII")  # encoding, word bytes, words in chunk, changed words
 WORD_DTYPES: dict[int, np.dtype] = {
-    1: np.dtype(np.uint8), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8"),
-}  # fmt: skip
+    1: np.dtype(np.uint8),
+    2: np.dtype("<u2"),
+    4: np.dtype("<u4"),
+    8: np.dtype("<u8"),
+}
 MAX_WORD = 8
 BLOCK_BITS = 16  # positions are uint16 inside blocks of 65536 words
 

@@ -61,8 +61,10 @@ def pin_host_tensor(t: Any) -> bool:
 def _flat_checksum(layout: WeightLayout, flat: Any) -> str:
     """Version checksum of a flat device buffer: crc32 per IPC_CHUNK of its host copy."""
     host = flat.cpu().numpy()
-    crcs = [zlib.crc32(host[slice(*chunk_range(i, IPC_CHUNK, layout.total_bytes))])
-            for i in range(n_chunks(layout.total_bytes, IPC_CHUNK))]  # fmt: skip
+    crcs = [
+        zlib.crc32(host[slice(*chunk_range(i, IPC_CHUNK, layout.total_bytes))])
+        for i in range(n_chunks(layout.total_bytes, IPC_CHUNK))
+    ]
     return version_checksum(layout, IPC_CHUNK, crcs)
 
 
@@ -138,11 +140,18 @@ class CudaIpcExporter:
             storage._share_cuda_()
         )
         msg = CudaIpcHandle(
-            version=version, checksum=_flat_checksum(layout, flat), layout=layout, device=int(device),
-            handle=bytes(handle), storage_size=int(size), storage_offset=int(offset),
-            ref_counter_handle=bytes(ref_handle), ref_counter_offset=int(ref_offset),
-            event_handle=bytes(event_handle or b""), event_sync_required=bool(event_sync),
-        )  # fmt: skip
+            version=version,
+            checksum=_flat_checksum(layout, flat),
+            layout=layout,
+            device=int(device),
+            handle=bytes(handle),
+            storage_size=int(size),
+            storage_offset=int(offset),
+            ref_counter_handle=bytes(ref_handle),
+            ref_counter_offset=int(ref_offset),
+            event_handle=bytes(event_handle or b""),
+            event_sync_required=bool(event_sync),
+        )
         self.buffers[version] = (flat, msg)
         for old in sorted(self.buffers)[: -self.keep]:
             self.buffers.pop(old)
@@ -159,9 +168,15 @@ def open_cuda_ipc(
     import torch
 
     storage = torch.UntypedStorage._new_shared_cuda(
-        msg.device, msg.handle, msg.storage_size, msg.storage_offset, msg.ref_counter_handle,
-        msg.ref_counter_offset, msg.event_handle or None, msg.event_sync_required,
-    )  # fmt: skip
+        msg.device,
+        msg.handle,
+        msg.storage_size,
+        msg.storage_offset,
+        msg.ref_counter_handle,
+        msg.ref_counter_offset,
+        msg.event_handle or None,
+        msg.event_sync_required,
+    )
     flat = torch.empty(0, dtype=torch.uint8, device=f"cuda:{msg.device}")
     flat.set_(storage, 0, (msg.layout.total_bytes,), (1,))
     return FlatWeights(msg.version, msg.checksum, msg.layout, flat, on_release)

@@ -172,8 +172,13 @@ class FakeAsyncLLM:
         self.calls.append(("reset_prefix_cache",))
         return True
 
-    async def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
-                             kwargs: dict | None = None) -> list[Any]:  # fmt: skip
+    async def collective_rpc(
+        self,
+        method: str,
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict | None = None,
+    ) -> list[Any]:
         import safetensors.torch
 
         from laminar.engines.vllm_ext import span_tensors
@@ -203,8 +208,11 @@ class FakeAsyncLLM:
                 self._step(self.requests[rid])
             self.steps += 1
             used = sum(len(self.requests[r].context) for r in self.order[: self.max_num_seqs])
-            stats = SchedulerStats(len(self.order[: self.max_num_seqs]), max(0, len(self.order) - self.max_num_seqs),
-                                   min(1.0, used / self.KV_BLOCKS))  # fmt: skip
+            stats = SchedulerStats(
+                len(self.order[: self.max_num_seqs]),
+                max(0, len(self.order) - self.max_num_seqs),
+                min(1.0, used / self.KV_BLOCKS),
+            )
             for lg in self.loggers:
                 lg.record(stats, None, None, 0)
 
@@ -245,9 +253,18 @@ class FakeVllm:
 def install(monkeypatch: Any) -> FakeVllm:
     """Put the fake package into sys.modules for this test (monkeypatch undoes it)."""
     _state.clear()
-    mods = {name: types.ModuleType(name) for name in
-            ["vllm", "vllm.sampling_params", "vllm.v1", "vllm.v1.engine", "vllm.v1.engine.async_llm",
-             "vllm.v1.metrics", "vllm.v1.metrics.loggers"]}  # fmt: skip
+    mods = {
+        name: types.ModuleType(name)
+        for name in [
+            "vllm",
+            "vllm.sampling_params",
+            "vllm.v1",
+            "vllm.v1.engine",
+            "vllm.v1.engine.async_llm",
+            "vllm.v1.metrics",
+            "vllm.v1.metrics.loggers",
+        ]
+    }
     v = mods["vllm"]
     v.AsyncEngineArgs, v.SamplingParams, v.TokensPrompt = (
         AsyncEngineArgs,

@@ -99,12 +99,24 @@ def warm_up(s: dict[str, Any], train: list[dict], seed: int) -> Path:
     pairs = [(r["prompt"], d) for r, d in zip(train, demos, strict=True)]
     out = Path(s["cache_dir"]) / f"tooluse-policy0-seed{seed}"
     t0 = time.time()
-    say(f"warm-up: {s['warmup_steps']} supervised steps on transcripts (tool responses masked); hard prompts "
-        f"call the calculator in {s['tool_rate']:.0%} of the demos; cached in {out}")  # fmt: skip
-    path = sft_warmup(out, pairs, tu.ALPHABET, s["model"], steps=int(s["warmup_steps"]),
-                      batch_size=int(s["warmup_batch"]), lr=float(s["warmup_lr"]),
-                      schedule=str(s["warmup_schedule"]), seed=seed, log=say, log_every=250,
-                      token_norm="dataset")  # fmt: skip
+    say(
+        f"warm-up: {s['warmup_steps']} supervised steps on transcripts (tool responses masked); hard prompts "
+        f"call the calculator in {s['tool_rate']:.0%} of the demos; cached in {out}"
+    )
+    path = sft_warmup(
+        out,
+        pairs,
+        tu.ALPHABET,
+        s["model"],
+        steps=int(s["warmup_steps"]),
+        batch_size=int(s["warmup_batch"]),
+        lr=float(s["warmup_lr"]),
+        schedule=str(s["warmup_schedule"]),
+        seed=seed,
+        log=say,
+        log_every=250,
+        token_norm="dataset",
+    )
     say(f"warm-up policy ready at {path} ({time.time() - t0:.0f}s)")
     return path
 
@@ -122,16 +134,25 @@ def evaluate(
         raise SystemExit(
             "the tool demo needs env.fn (configs/tool_demo.yaml: laminar.envs.tool_env:ToolEnv)"
         )
-    return evaluate_tool_model(model, rows, env, DirectToolClient(cfg.tools.tools), tu.verify,
-                               cfg.env.limits, tokenizer=tokenizer,
-                               max_tokens=cfg.rollout.sampling.max_tokens)  # fmt: skip
+    return evaluate_tool_model(
+        model,
+        rows,
+        env,
+        DirectToolClient(cfg.tools.tools),
+        tu.verify,
+        cfg.env.limits,
+        tokenizer=tokenizer,
+        max_tokens=cfg.rollout.sampling.max_tokens,
+    )
 
 
 def line(res: dict[str, Any]) -> str:
     hard, easy = res.get("hard", {}), res.get("easy", {})
-    return (f"accuracy {res['accuracy']:.3f} (hard {hard.get('accuracy', float('nan')):.3f}, "
-            f"easy {easy.get('accuracy', float('nan')):.3f}); tool-call rate on hard prompts "
-            f"{hard.get('tool_rate', float('nan')):.2f}, on easy {easy.get('tool_rate', float('nan')):.2f}")  # fmt: skip
+    return (
+        f"accuracy {res['accuracy']:.3f} (hard {hard.get('accuracy', float('nan')):.3f}, "
+        f"easy {easy.get('accuracy', float('nan')):.3f}); tool-call rate on hard prompts "
+        f"{hard.get('tool_rate', float('nan')):.2f}, on easy {easy.get('tool_rate', float('nan')):.2f}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,22 +178,37 @@ def main(argv: list[str] | None = None) -> int:
     clock.lap("eval_before")
 
     # trainer.eval_every=0: the demo evaluates weight snapshots after the run, not inside it
-    common = [f"model.path={policy0}", f"data.train={train_path}", f"data.eval={eval_path}", "trainer.eval_every=0",
-              *[a for a in args if not a.startswith(("run_dir=", "mode=", "name="))]]  # fmt: skip
+    common = [
+        f"model.path={policy0}",
+        f"data.train={train_path}",
+        f"data.eval={eval_path}",
+        "trainer.eval_every=0",
+        *[a for a in args if not a.startswith(("run_dir=", "mode=", "name="))],
+    ]
     run = run_mode(TOOL_DEMO_CONFIG, run_dir / cfg.mode, cfg.mode, common, s)
     clock.lap("rl")
     say("evaluating the weight snapshots")
-    run["curve"] = report.eval_curve(Path(run["run_dir"]), policy0, ev, s, before, run["t0"],
-                                     lambda model, rows, tok: evaluate(model, rows, cfg, tok), log=say)  # fmt: skip
+    run["curve"] = report.eval_curve(
+        Path(run["run_dir"]),
+        policy0,
+        ev,
+        s,
+        before,
+        run["t0"],
+        lambda model, rows, tok: evaluate(model, rows, cfg, tok),
+        log=say,
+    )
     run["metrics"] = report.read_metrics(Path(run["run_dir"]))
     clock.lap("eval_curve")
     summary = report.summarize(cfg, run, before, time.time() - t_start)
     summary["phases"] = clock.phases
     report.write_outputs(run_dir, run, summary)
-    say(f"held-out accuracy {summary['eval_accuracy_before']:.3f} -> {summary['eval_accuracy_after']:.3f}, "
+    say(
+        f"held-out accuracy {summary['eval_accuracy_before']:.3f} -> {summary['eval_accuracy_after']:.3f}, "
         f"tool-call rate on hard prompts {summary['hard_tool_rate_before']:.2f} -> "
         f"{summary['hard_tool_rate_after']:.2f} ({summary['eval_prompts']} prompts); "
-        f"report at {run_dir}/summary.md")  # fmt: skip
+        f"report at {run_dir}/summary.md"
+    )
     return 0
 
 

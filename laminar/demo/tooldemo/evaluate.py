@@ -56,14 +56,21 @@ class DirectToolClient:
     ) -> ToolResult:
         fn = self.fns.get(name)
         if fn is None:
-            return ToolResult(call_id, name, False, error=f"unknown tool {name!r}",
-                              error_kind="unknown_tool")  # fmt: skip
+            return ToolResult(
+                call_id, name, False, error=f"unknown tool {name!r}", error_kind="unknown_tool"
+            )
         t0 = time.perf_counter()
         try:
             out = fn(**arguments)
         except Exception as exc:  # the tool's error is the model's observation
-            return ToolResult(call_id, name, False, error=f"{type(exc).__name__}: {exc}",
-                              error_kind="error", seconds=time.perf_counter() - t0)  # fmt: skip
+            return ToolResult(
+                call_id,
+                name,
+                False,
+                error=f"{type(exc).__name__}: {exc}",
+                error_kind="error",
+                seconds=time.perf_counter() - t0,
+            )
         return ToolResult(call_id, name, True, output=str(out), seconds=time.perf_counter() - t0)
 
 
@@ -117,9 +124,17 @@ async def run_episode(
         turn_params = params
         if limits.max_turn_tokens:
             turn_params = replace(params, max_tokens=min(cap, len(resp) + limits.max_turn_tokens))
-        req = GenRequest(f"{uid}.t{turn}", ids, turn_params, version=0, single=True, turn=turn,
-                         turn_start=len(resp), resume_ids=np.asarray(resp, np.int32),
-                         resume_logprobs=np.zeros(len(resp), np.float32))  # fmt: skip
+        req = GenRequest(
+            f"{uid}.t{turn}",
+            ids,
+            turn_params,
+            version=0,
+            single=True,
+            turn=turn,
+            turn_start=len(resp),
+            resume_ids=np.asarray(resp, np.int32),
+            resume_logprobs=np.zeros(len(resp), np.float32),
+        )
         out = await engine.generate_all(req, timeout=limits.episode_timeout_s)
         new, _, reason = out[req.req_id]
         resp += new.tolist()
@@ -127,8 +142,14 @@ async def run_episode(
         if reason != "stop":  # length / error / abort: the episode ends here
             finish = reason
             break
-        ctx = StepContext(uid=uid, turn=turn, tools=tools, tool_calls_so_far=calls,
-                          max_tool_calls=limits.max_tool_calls, timeout_s=limits.turn_timeout_s)  # fmt: skip
+        ctx = StepContext(
+            uid=uid,
+            turn=turn,
+            tools=tools,
+            tool_calls_so_far=calls,
+            max_tool_calls=limits.max_tool_calls,
+            timeout_s=limits.turn_timeout_s,
+        )
         text = template.decode(new.tolist())
         try:
             res = await asyncio.wait_for(env.step(state, ctx, text), limits.turn_timeout_s)
@@ -184,10 +205,14 @@ async def run_episodes(
     await engine.start()
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed)
     try:
-        return list(await asyncio.gather(*[
-            run_episode(engine, tok, env, tools, r, f"eval{i}", params, limits, template)
-            for i, r in enumerate(rows)
-        ]))  # fmt: skip
+        return list(
+            await asyncio.gather(
+                *[
+                    run_episode(engine, tok, env, tools, r, f"eval{i}", params, limits, template)
+                    for i, r in enumerate(rows)
+                ]
+            )
+        )
     finally:
         await engine.close()
 
@@ -206,9 +231,12 @@ def summarize_episodes(
 
     def part(idx: list[int]) -> dict[str, Any]:
         n = max(1, len(idx))
-        return {"prompts": len(idx), "accuracy": sum(scores[i] for i in idx) / n,
-                "tool_rate": sum(episodes[i].tool_calls > 0 for i in idx) / n,
-                "tool_calls_mean": sum(episodes[i].tool_calls for i in idx) / n}  # fmt: skip
+        return {
+            "prompts": len(idx),
+            "accuracy": sum(scores[i] for i in idx) / n,
+            "tool_rate": sum(episodes[i].tool_calls > 0 for i in idx) / n,
+            "tool_calls_mean": sum(episodes[i].tool_calls for i in idx) / n,
+        }
 
     out: dict[str, Any] = part(list(range(len(rows))))
     for kind in sorted({str(r.get("kind", "")) for r in rows} - {""}):
@@ -217,8 +245,10 @@ def summarize_episodes(
     out["tool_errors"] = sum(e.tool_errors for e in episodes)
     out["finish"] = {k: sum(e.finish == k for e in episodes) for k in {e.finish for e in episodes}}
     out["completions"] = [e.completion for e in episodes]
-    out["samples"] = [{"prompt": r["prompt"], "completion": e.completion, "answer": r["answer"],
-                       "score": s} for r, e, s in list(zip(rows, episodes, scores, strict=True))[:8]]  # fmt: skip
+    out["samples"] = [
+        {"prompt": r["prompt"], "completion": e.completion, "answer": r["answer"], "score": s}
+        for r, e, s in list(zip(rows, episodes, scores, strict=True))[:8]
+    ]
     return out
 
 

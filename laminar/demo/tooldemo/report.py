@@ -30,13 +30,28 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
 def point(res: dict[str, Any], **where: Any) -> dict[str, Any]:
     """One curve point from an evaluation summary."""
     hard, easy = res.get("hard", {}), res.get("easy", {})
-    return {**where, "accuracy": res["accuracy"], "prompts": res["prompts"], "tool_rate": res["tool_rate"],
-            "hard_accuracy": hard.get("accuracy"), "hard_tool_rate": hard.get("tool_rate"),
-            "easy_accuracy": easy.get("accuracy"), "easy_tool_rate": easy.get("tool_rate")}  # fmt: skip
+    return {
+        **where,
+        "accuracy": res["accuracy"],
+        "prompts": res["prompts"],
+        "tool_rate": res["tool_rate"],
+        "hard_accuracy": hard.get("accuracy"),
+        "hard_tool_rate": hard.get("tool_rate"),
+        "easy_accuracy": easy.get("accuracy"),
+        "easy_tool_rate": easy.get("tool_rate"),
+    }
 
 
-def eval_curve(run_dir: Path, policy0: Path, rows: list[dict], s: dict[str, Any], before: dict[str, Any],
-               t0: float, evaluate: Evaluate, log: Callable[[str], None] = print) -> list[dict[str, Any]]:  # fmt: skip
+def eval_curve(
+    run_dir: Path,
+    policy0: Path,
+    rows: list[dict],
+    s: dict[str, Any],
+    before: dict[str, Any],
+    t0: float,
+    evaluate: Evaluate,
+    log: Callable[[str], None] = print,
+) -> list[dict[str, Any]]:
     """The warm-up point, then every snapshot (or `curve_points` evenly spaced ones) on the first
     `curve_eval_rows` rows, the last one on all rows."""
     from laminar.demo.report import _load_snapshot
@@ -68,8 +83,10 @@ def eval_curve(run_dir: Path, policy0: Path, rows: list[dict], s: dict[str, Any]
         curve.append(point(res, t=e["time"] - t0, step=e["step"], version=e["version"]))
         if last:
             curve[-1]["samples"] = res.get("samples", [])
-        log(f"  v{e['version']} (step {e['step']}, {e['time'] - t0:.0f}s): accuracy {res['accuracy']:.3f}, "
-            f"hard {curve[-1]['hard_accuracy']:.3f}, tool-call rate on hard {curve[-1]['hard_tool_rate']:.2f}")  # fmt: skip
+        log(
+            f"  v{e['version']} (step {e['step']}, {e['time'] - t0:.0f}s): accuracy {res['accuracy']:.3f}, "
+            f"hard {curve[-1]['hard_accuracy']:.3f}, tool-call rate on hard {curve[-1]['hard_tool_rate']:.2f}"
+        )
     return curve
 
 
@@ -85,8 +102,11 @@ def summarize(
     after = run["curve"][-1]
     b = point(before)
     k = max(5, len(m) // 10)
-    multiturn = {key: _mean([r.get(key) for r in m])
-                 for key in sorted({key for r in m for key in r}) if _is_multiturn_metric(key)}  # fmt: skip
+    multiturn = {
+        key: _mean([r.get(key) for r in m])
+        for key in sorted({key for r in m for key in r})
+        if _is_multiturn_metric(key)
+    }
     return {
         "mode": cfg.mode,
         "eval_prompts": after["prompts"],
@@ -170,8 +190,11 @@ def plot(run_dir: Path, run: dict[str, Any]) -> Path:
         alpha=0.6,
         label="batch reward",
     )
-    for key, color in (("episode/tool_calls", "tab:green"), ("episode/turns", "tab:orange"),
-                       ("episode/env_token_frac", "tab:gray")):  # fmt: skip
+    for key, color in (
+        ("episode/tool_calls", "tab:green"),
+        ("episode/turns", "tab:orange"),
+        ("episode/env_token_frac", "tab:gray"),
+    ):
         if any(key in r for r in m):
             ys = [r.get(key, float("nan")) for r in m]
             a.plot(steps, ys, color=color, alpha=0.8, label=key)
@@ -197,29 +220,49 @@ def summary_md(s: dict[str, Any]) -> str:
         ("tool-call rate on hard prompts", "hard_tool_rate"),
         ("tool-call rate on easy prompts", "easy_tool_rate"),
     ]
-    lines = ["# Tool demo: a tiny policy learns to call a calculator", "",
-             f"Greedy episodes on {s['eval_prompts']} held-out prompts (ToolEnv, calculator), "
-             "before RL (the warm-up policy) and at the last weight snapshot.", "",
-             "| figure | before | after |", "|---|---|---|"]  # fmt: skip
+    lines = [
+        "# Tool demo: a tiny policy learns to call a calculator",
+        "",
+        f"Greedy episodes on {s['eval_prompts']} held-out prompts (ToolEnv, calculator), "
+        "before RL (the warm-up policy) and at the last weight snapshot.",
+        "",
+        "| figure | before | after |",
+        "|---|---|---|",
+    ]
     lines += [
         f"| {name} | {f(s[key + '_before'])} | {f(s[key + '_after'])} |" for name, key in rows
     ]
-    lines += ["", "| run | |", "|---|---|", f"| trainer steps | {s['steps']} |",
-              f"| batch reward, first → last tenth | {f(s['reward_first'])} → {f(s['reward_last'])} |",
-              f"| staleness mean | {f(s['staleness_mean'], '{:.2f}')} |",
-              f"| RL run wall-clock | {f(s['run_wall_clock_s'], '{:.0f}')} s |",
-              f"| whole demo wall-clock | {f(s['wall_clock_s'], '{:.0f}')} s |"]  # fmt: skip
+    lines += [
+        "",
+        "| run | |",
+        "|---|---|",
+        f"| trainer steps | {s['steps']} |",
+        f"| batch reward, first → last tenth | {f(s['reward_first'])} → {f(s['reward_last'])} |",
+        f"| staleness mean | {f(s['staleness_mean'], '{:.2f}')} |",
+        f"| RL run wall-clock | {f(s['run_wall_clock_s'], '{:.0f}')} s |",
+        f"| whole demo wall-clock | {f(s['wall_clock_s'], '{:.0f}')} s |",
+    ]
     lines += [
         f"| {k} (run mean) | {f(v)} |" for k, v in s.get("multiturn_metrics_mean", {}).items()
     ]
-    lines += ["", "## Curve", "", "| t (s) | step | accuracy | hard accuracy | tool-call rate, hard |",
-              "|---|---|---|---|---|"]  # fmt: skip
-    lines += [f"| {p['t']:.0f} | {p['step']} | {f(p['accuracy'])} | {f(p['hard_accuracy'])} | "
-              f"{f(p['hard_tool_rate'], '{:.2f}')} |" for p in s["curve"]]  # fmt: skip
+    lines += [
+        "",
+        "## Curve",
+        "",
+        "| t (s) | step | accuracy | hard accuracy | tool-call rate, hard |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {p['t']:.0f} | {p['step']} | {f(p['accuracy'])} | {f(p['hard_accuracy'])} | "
+        f"{f(p['hard_tool_rate'], '{:.2f}')} |"
+        for p in s["curve"]
+    ]
     if s.get("samples_after"):
         lines += ["", "## Completions after RL (first held-out prompts)", ""]
-        lines += [f"- `{x['prompt']}` → `{x['completion']!r}` (answer {x['answer']}, score {x['score']:.0f})"
-                  for x in s["samples_after"]]  # fmt: skip
+        lines += [
+            f"- `{x['prompt']}` → `{x['completion']!r}` (answer {x['answer']}, score {x['score']:.0f})"
+            for x in s["samples_after"]
+        ]
     if s.get("phases"):
         lines += ["", "| phase | wall-clock | CPU-seconds |", "|---|---|---|"]
         lines += [

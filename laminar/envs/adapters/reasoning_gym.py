@@ -45,8 +45,14 @@ def _plain(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))
 
 
-def write_dataset(name: str, out: str | Path, size: int, seed: int = 0,
-                  config: dict[str, Any] | None = None, instruction: str = INSTRUCTION) -> Path:  # fmt: skip
+def write_dataset(
+    name: str,
+    out: str | Path,
+    size: int,
+    seed: int = 0,
+    config: dict[str, Any] | None = None,
+    instruction: str = INSTRUCTION,
+) -> Path:
     """Write `size` rows of generator `name` to jsonl at `out`; returns the path."""
     rg = _rg()
     cfg = {"size": size, "seed": seed, **(config or {})}
@@ -74,10 +80,16 @@ def _generator(name: str, config_json: str) -> Any:
     return _rg().create_dataset(name, **json.loads(config_json))
 
 
-def reward(prompt: str, completion: str, answer: str | None = None,
-           rg_dataset: str | None = None, rg_config: dict[str, Any] | None = None,
-           metadata: dict[str, Any] | None = None, question: str | None = None,
-           **_: Any) -> float | None:  # fmt: skip
+def reward(
+    prompt: str,
+    completion: str,
+    answer: str | None = None,
+    rg_dataset: str | None = None,
+    rg_config: dict[str, Any] | None = None,
+    metadata: dict[str, Any] | None = None,
+    question: str | None = None,
+    **_: Any,
+) -> float | None:
     """Score with the generator's own verifier; None (not applicable) for a row without one."""
     if rg_dataset is None or answer is None:
         return None
