@@ -1,10 +1,11 @@
-"""Chaos soak: a sim cluster under random faults; exactly-once, recovery times and the training-time ratio.
+"""Chaos soak: a sim cluster under random faults; exactly-once, recovery times and the training-time
+ratio.
 
     this process (fault injector)
         │ starts `python -m laminar run --config cfg.yaml`: the launcher's supervisor
         │ (laminar/children.py) starts every node and restarts one that dies (backoff, budget)
         ▼
-    manager · buffer · relay (master) · trainer (sim) · rollout-0..R-1 (sim, reward in a worker process)
+    manager · buffer · relay (master) · trainer (sim) · rollout-0..R-1 (sim, reward in a worker)
     phase 1 (no faults, `baseline_s`) ─► phase 2 (a fault every `interval_s`, `chaos_s`) ─► tail
     ─► SIGTERM to `laminar run` (its ordered stop: trainer, rollouts, buffer, relays, manager)
     faults (pids from run_dir/pids.json): kill -9 of any node (manager, buffer, master relay,
@@ -311,8 +312,10 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def check_exactly_once(run_dir: Path, cfg_path: Path) -> dict[str, Any]:
-    """Offline: consumed.jsonl against the replayed buffer journal (tests/test_faults.py's check)."""
+    """Offline: consumed.jsonl against the replayed buffer journal (tests/test_faults.py's
+    check)."""
     from laminar.buffer.experience import usable
+    from laminar.buffer.node import experience_state
     from laminar.config import load_config
     from laminar.journal_check import replay_buffer_journal
 
@@ -329,7 +332,7 @@ def check_exactly_once(run_dir: Path, cfg_path: Path) -> dict[str, Any]:
     partial_groups = {g: c for g, c in groups.items() if c != GROUP}
     prompts = Counter(g.split("@")[0] for g in groups)
     cfg = load_config(cfg_path)
-    state, trajs = replay_buffer_journal(run_dir / "buffer-0.journal", cfg)
+    state, trajs = replay_buffer_journal(run_dir / "buffer-0.journal", experience_state(cfg))
     unusable = {t.uid for t in trajs if not usable(t)}
     s = state.summary()
     committed = int(s.get("groups_committed", 0))
@@ -605,7 +608,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(res, indent=1))
     s = res["summary"]
     print(
-        f"faults {s['faults']} {s['faults_by_kind']}  lost {s['lost']}  duplicated {s['duplicated']}  "
+        f"faults {s['faults']} {s['faults_by_kind']}  lost {s['lost']}  duplicated "
+        f"{s['duplicated']}  "
         f"detection p50/p99 {s['detection_s']['p50']}/{s['detection_s']['p99']} s  "
         f"resume p50/p99 {s['resume_s']['p50']}/{s['resume_s']['p99']} s  "
         f"effective_time_ratio {s['effective_time_ratio']}  restarts {s['restarts']} -> {args.out}"

@@ -2,7 +2,7 @@
 sim rollout engines and a sim trainer, N = 8..128 emulated rollout GPUs on 2 CPU cores.
 
     for repeat r, for N, for mode in (sync, one_step, stream, laminar_norepack, laminar):
-        bench/cluster_run.py run ──► control process (manager, buffer, relay, trainer; LocalCluster/ipc)
+        bench/cluster_run.py run ──► control process (manager, buffer, relay, trainer; ipc)
                                       └─► worker process (N RolloutNodes with sim engines)
         ──► figures of one window (training / generation throughput, idle fractions, KV, staleness,
             event-loop lag and CPU of both processes)
@@ -10,17 +10,18 @@ sim rollout engines and a sim trainer, N = 8..128 emulated rollout GPUs on 2 CPU
     ──► cross-check: bench/simulate.py's simulate() on the very same parameters (params_from_config)
         plus the delays the runs measured (measured_latencies; mechanisms in bench/simrepack.py),
         measured over the emulation's own window (steps ending in [warmup_s, warmup_s + window_s])
-    ──► JSON (bench/results/cluster.json), a table, a plot (bench/results/cluster.png), and where each
-        mode's rollout-time goes (decode at B / below B: drain, refill, repack move / loading / idle;
-        cluster_run.BREAKDOWN) as a stacked bar per mode (bench/results/cluster_breakdown.png)
+    ──► JSON (--out F, default bench/results/cluster.json), a table, a plot beside F (F with .png),
+        and where each mode's rollout-time goes (decode at B / below B: drain, refill, repack move
+        / loading / idle; cluster_run.BREAKDOWN), a stacked bar per mode (F_breakdown.png); a run
+        writes only beside its --out, never over another run's committed plots
 
 Workload (BenchParams in bench/cluster_run.py, documented in bench/README.md): response lengths
 lognormal with p50 = 100 and p99 = 10 x p50, capped at 1024; decode step 5 ms flat up to B = 8
-running sequences; a baseline rollout holds 2 groups of 4 (= B), a laminar one asks for a group whenever
-its unfinished sequences leave room within 12 (rollout.refill_slots: up to 4 queued) and retracts the
-groups that never started when newer weights are wanted; a global batch is 2 groups per rollout;
-the sim trainer spends 5e-4 / N s per consumed token (the trainer grows with the cluster), so it is
-busy about a third of the time under laminar and never the bottleneck.
+running sequences; a baseline rollout holds 2 groups of 4 (= B), a laminar one asks for a group
+whenever its unfinished sequences leave room within 12 (rollout.refill_slots: up to 4 queued) and
+retracts the groups that never started when newer weights are wanted; a global batch is 2 groups per
+rollout; the sim trainer spends 5e-4 / N s per consumed token (the trainer grows with the cluster),
+so it is busy about a third of the time under laminar and never the bottleneck.
 
 Multi-turn (--workload multiturn): the same comparison on tool-calling episodes: every rollout
 runs laminar.envs.sim:SimToolEnv (up to 8 tool calls with a long-tailed sandbox latency, tool
@@ -30,11 +31,14 @@ at a drawn length, and bench/simulate.py models the same episodes for the cross-
 sync, one_step and stream), to set against the paper's 2.62x average over the baselines.
 
 Run:
-    .venv/bin/python bench/cluster.py --quick --out bench/results/cluster.json     (< 10 min: N = 64)
-    .venv/bin/python bench/cluster.py --quick --workload multiturn --out bench/results/cluster_quick_multiturn.json
-    .venv/bin/python bench/cluster.py                                                (N = 8..128, ~1 h)
-    .venv/bin/python bench/cluster.py --resim bench/results/cluster.json --out bench/results/cluster.json
-        (no emulation: only the simulator, cross-check and summary again, against the stored runs; ~1 min)
+    .venv/bin/python bench/cluster.py --quick --out bench/results/cluster.json    (< 10 min: N = 64)
+    .venv/bin/python bench/cluster.py --quick --workload multiturn \\
+        --out bench/results/cluster_quick_multiturn.json
+    .venv/bin/python bench/cluster.py                                             (N = 8..128, ~1 h)
+    .venv/bin/python bench/cluster.py --resim bench/results/cluster.json \\
+        --out bench/results/cluster.json
+        (no emulation: only the simulator, cross-check and summary again, against the stored runs;
+        ~1 min)
 """
 
 from __future__ import annotations
@@ -59,7 +63,8 @@ sys.path.insert(0, str(HERE))
 from cluster_run import MODES, MULTITURN, BenchParams, make_config  # noqa: E402
 
 SIM_SEEDS = 20
-"""Seeds of the simulator per point in the cross-check (at least; more at small N, see sim_seeds)."""
+"""Seeds of the simulator per point in the cross-check (at least; more at small N, see
+sim_seeds)."""
 
 
 def sim_seeds(n: int, repeats: int) -> list[int]:
@@ -123,7 +128,7 @@ def run_one(mode: str, n: int, seed: int, prm: BenchParams, keep: Path | None) -
 
 
 def merge_staleness(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    from laminar.manager.staleness import StalenessStats
+    from laminar.modes import StalenessStats
 
     st = StalenessStats()
     for r in runs:
@@ -236,7 +241,8 @@ def simulate_point(
         for mode in MODES:
             cfg = make_config(mode, n, 0, prm, Path(tmp), Path(tmp))
             lat = measured_latencies(runs[(n, mode)], mode) if runs else {}
-            # measured over the emulation's own window (a fixed time after start, steps ending in it)
+            # measured over the emulation's own window (a fixed time after start, steps ending in
+            # it)
             p = params_from_config(
                 cfg,
                 n,
@@ -437,8 +443,8 @@ def resim(path: Path) -> dict[str, Any]:
         "sim_files_modified": sim_dirty(),
         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "sim_wall_s": round(time.time() - t0, 1),
-        "note": "emulation runs (runs, results, ratios, machine, git_commit) are from the original sweep; "
-        "simulation, cross_check and summary were recomputed by bench/cluster.py --resim",
+        "note": "emulation runs (runs, results, ratios, machine, git_commit) are from the original "
+        "sweep; simulation, cross_check and summary were recomputed by bench/cluster.py --resim",
     }
     return doc
 
@@ -473,8 +479,9 @@ def git_commit() -> str:
 
 def print_table(results: dict[int, dict[str, Any]], rat: dict[int, dict[str, Any]]) -> None:
     print(
-        f"\n{'N':>4} {'mode':>16} {'train tok/s':>12} {'gen tok/s':>10} {'vs sync':>8} {'ro idle':>7} "
-        f"{'tr idle':>7} {'util':>5} {'KV':>5} {'stale p50/max':>13} {'lag p99 ms':>10} {'cpu':>9}"
+        f"\n{'N':>4} {'mode':>16} {'train tok/s':>12} {'gen tok/s':>10} {'vs sync':>8} "
+        f"{'ro idle':>7} {'tr idle':>7} {'util':>5} {'KV':>5} {'stale p50/max':>13} "
+        f"{'lag p99 ms':>10} {'cpu':>9}"
     )
     for n, rows in results.items():
         for mode, row in rows.items():
@@ -483,10 +490,12 @@ def print_table(results: dict[int, dict[str, Any]], rat: dict[int, dict[str, Any
             lag = max(c["lag_ms_p99"]["median"], w["lag_ms_p99"]["median"])
             cpu = f"{c['cpu_frac']['median']:.2f}/{w['cpu_frac']['median']:.2f}"
             print(
-                f"{n:>4} {mode:>16} {row['train_tok_s']['median']:>12.0f} {row['gen_tok_s']['median']:>10.0f} "
-                f"{vs:>7.2f}x {row['rollout_idle_frac']['median']:>7.2f} {row['trainer_idle_frac']['median']:>7.2f} "
-                f"{row['decode_util']['median']:>5.2f} {row['kv_use']['median']:>5.3f} "
-                f"{st['p50']:>6}/{st['max']:<6} {lag:>10.0f} {cpu:>9}"
+                f"{n:>4} {mode:>16} {row['train_tok_s']['median']:>12.0f} "
+                f"{row['gen_tok_s']['median']:>10.0f} {vs:>7.2f}x "
+                f"{row['rollout_idle_frac']['median']:>7.2f} "
+                f"{row['trainer_idle_frac']['median']:>7.2f} {row['decode_util']['median']:>5.2f} "
+                f"{row['kv_use']['median']:>5.3f} {st['p50']:>6}/{st['max']:<6} {lag:>10.0f} "
+                f"{cpu:>9}"
             )
 
 
@@ -495,7 +504,8 @@ def print_checks(checks: dict[int, dict[str, Any]]) -> None:
     for n, per in checks.items():
         for k, c in per.items():
             print(
-                f"{n:>4} {k:>26} {c['emulation']:>9.3f} {c['simulation']:>10.3f} {c['rel_err']:>7.3f}"
+                f"{n:>4} {k:>26} {c['emulation']:>9.3f} {c['simulation']:>10.3f} "
+                f"{c['rel_err']:>7.3f}"
             )
 
 
@@ -510,15 +520,16 @@ def markdown_table(doc: dict[str, Any]) -> str:
         "repack_vs_norepack_gen": "repack / no repack (gen)",
     }
     rows = [
-        "| N | ratio | emulation median (min-max over repeats) | simulation (median over seeds) | rel. err |",
+        "| N | ratio | emulation median (min-max over repeats) | simulation (median over seeds) | "
+        "rel. err |",
         "|---:|---|---:|---:|---:|",
     ]
     for n, per in doc["cross_check"].items():
         for k, c in per.items():
             r = doc["ratios"][n][k]
             rows.append(
-                f"| {n} | {names.get(k, k)} | {c['emulation']:.2f} ({r['min']:.2f}-{r['max']:.2f}) | "
-                f"{c['simulation']:.2f} | {c['rel_err']:.3f} |"
+                f"| {n} | {names.get(k, k)} | {c['emulation']:.2f} ({r['min']:.2f}-{r['max']:.2f}) "
+                f"| {c['simulation']:.2f} | {c['rel_err']:.3f} |"
             )
     rows.append(
         f"\nsim_vs_emulation_max_rel_err = {doc['summary']['sim_vs_emulation_max_rel_err']:.3f}"
@@ -657,7 +668,9 @@ def plot_breakdown(doc: dict[str, Any], path: Path) -> None:
     ax.set(
         ylim=(0, 1.08),
         ylabel="share of rollout-time",
-        title=f"where a rollout's time goes, N={n0} (decode at B / below B by cause / loading / idle)",
+        title=(
+            f"where a rollout's time goes, N={n0} (decode at B / below B by cause / loading / idle)"
+        ),
     )
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
@@ -671,7 +684,7 @@ def main(argv: list[str] | None = None) -> int:
         "--quick", action="store_true", help="N = 64 only, 3 repeats, shorter windows (< 10 min)"
     )
     ap.add_argument("--out", type=Path, default=HERE / "results" / "cluster.json")
-    ap.add_argument("--plot", type=Path, default=HERE / "results" / "cluster.png")
+    ap.add_argument("--plot", type=Path, default=None, help="line plot (default: --out with .png)")
     ap.add_argument(
         "--breakdown-plot",
         type=Path,
@@ -698,6 +711,8 @@ def main(argv: list[str] | None = None) -> int:
         "stored in RESULTS.json (may be the same file as --out)",
     )
     args = ap.parse_args(argv)
+    if args.plot is None:  # beside --out: a run never rewrites another run's (committed) plots
+        args.plot = args.out.with_suffix(".png")
     if args.resim is not None:
         doc = resim(args.resim)
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -740,7 +755,8 @@ def main(argv: list[str] | None = None) -> int:
                         break
                     except (RuntimeError, subprocess.TimeoutExpired) as exc:
                         print(
-                            f"[{k}/{total}] N={n} {mode} seed={seed} attempt {attempt} failed: {exc}",
+                            f"[{k}/{total}] N={n} {mode} seed={seed} attempt {attempt} failed: "
+                            f"{exc}",
                             file=sys.stderr,
                             flush=True,
                         )
@@ -750,8 +766,8 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 runs.setdefault((n, mode), []).append(fig)
                 print(
-                    f"[{k}/{total}] N={n} {mode} seed={seed}: train {fig['train_tok_s']:.0f} tok/s, gen "
-                    f"{fig.get('gen_tok_s', float('nan')):.0f} tok/s, {fig['wall_s']} s",
+                    f"[{k}/{total}] N={n} {mode} seed={seed}: train {fig['train_tok_s']:.0f} "
+                    f"tok/s, gen {fig.get('gen_tok_s', float('nan')):.0f} tok/s, {fig['wall_s']} s",
                     file=sys.stderr,
                     flush=True,
                 )

@@ -3,9 +3,9 @@
     run process (this file, `run`):  manager + buffer + relay + trainer (LocalCluster over ipc)
         │ spawns
         ▼
-    worker process (this file, `worker`): N RolloutNodes with sim engines, one zmq context, one loop;
+    worker process (this file, `worker`): N RolloutNodes with sim engines, one zmq context/loop;
         samples every rollout's engine (running, KV, tokens) every `sample_s` into a series file
-    run: wait until the manager lists N live rollouts ─► warm-up ─► window ─► SIGTERM worker ─► figures
+    run: wait for N live rollouts (manager) ─► warm-up ─► window ─► SIGTERM worker ─► figures
 
 Two processes, because the 2-core budget is the point: the rollouts' event handling and the
 buffer/trainer/manager each get a core (one Python process uses one). Both measure their own
@@ -54,7 +54,8 @@ class BenchParams:
     """The emulated workload; every run of a sweep uses the same values (see bench/README.md)."""
 
     step_time_s: float = 0.005
-    """Sim decode step, flat up to bound_b running sequences (time compression: ~10x a real step)."""
+    """Sim decode step, flat up to bound_b running sequences (time compression: ~10x a real
+    step)."""
     bound_b: int = 8
     """Decode bound B = rollout.max_running = repack bound."""
     group_size: int = 4
@@ -66,14 +67,16 @@ class BenchParams:
     wait in its engine's queue and a slot a finished sequence frees is refilled in the same
     decode step; when a newer version is wanted the groups not started go to it
     (rollout.retract_unstarted). The baselines keep `credits`: their global batch is spread
-    evenly, a queue would only unbalance it. None: a credit per group, as before (bench/README.md)."""
+    evenly, a queue would only unbalance it. None: a credit per group, as before
+    (bench/README.md)."""
     length_p50: int = 100
     length_p99_over_p50: float = 10.0
     max_tokens: int = 1024
     """Response cap (just above p99 = 1000)."""
     prompt_tokens: int = 32
     trainer_s_per_token_x_n: float = 5e-4
-    """Sim trainer time per token = this / N: the trainer grows with the cluster (a fixed share of it)."""
+    """Sim trainer time per token = this / N: the trainer grows with the cluster (a fixed share of
+    it)."""
     batch_groups_per_rollout: int = 2
     """trainer.batch_groups = this * N: one global batch = one full batch on every rollout."""
     retract_unstarted: bool = True
@@ -89,8 +92,9 @@ class BenchParams:
     window_s: float = 24.0
     sample_s: float = 0.1
     workload: str = "single"
-    """single: one response per prompt. multiturn: tool-calling episodes (laminar.envs.sim:SimToolEnv,
-    the fields below; length_p50 is then per model turn), see MULTITURN."""
+    """single: one response per prompt. multiturn: tool-calling episodes
+    (laminar.envs.sim:SimToolEnv, the fields below; length_p50 is then per model turn), see
+    MULTITURN."""
     tool_calls_max: int = 8
     p_call: float = 0.8
     tool_latency_p50_s: float = 0.1
@@ -111,8 +115,9 @@ MULTITURN: dict[str, Any] = {"workload": "multiturn", "length_p50": 50}
 """The multi-turn workload's BenchParams (bench/cluster.py --workload multiturn): up to 8 tool calls
 (paper §8), a run of p_call = 0.8 coins (mean ~3.3 calls), model turns of median 50 tokens (p99 500:
 the same 10x tail) and a whole response still capped at 1024, sandbox latency lognormal with
-p50 0.1 s and p99 2 s, killed at 6 s (about a turn's decode time at the median, the time compression of the
-5 ms step: paper-scale estimates in bench/simscale.py MULTITURN), 10-100 tool-output tokens."""
+p50 0.1 s and p99 2 s, killed at 6 s (about a turn's decode time at the median, the time compression
+of the 5 ms step: paper-scale estimates in bench/simscale.py MULTITURN), 10-100 tool-output
+tokens."""
 
 
 def env_section(prm: BenchParams, seed: int) -> dict[str, Any]:
@@ -166,7 +171,7 @@ def remove_segments(pid: int | None = None) -> int:
     """Unlink the bench's relay segments: this run's (`pid`), or (None) those of runs whose
     process is gone. A run ends with os._exit, skipping the relay's own cleanup, and the
     relay's stale-segment sweep only matches its own name, which carries the dead run's pid."""
-    from laminar.relay.shm import default_shm_dir
+    from laminar.weights.segment import default_shm_dir
 
     seg_dir = default_shm_dir()
     n = 0
@@ -239,6 +244,7 @@ def make_config(mode: str, n: int, seed: int, prm: BenchParams, work: Path, ipc_
                 "batch_groups": prm.batch_groups_per_rollout * n,
                 "total_steps": 1_000_000,
                 "sim_time_per_token_s": prm.trainer_s_per_token_x_n / n,
+                "sim_weight_bytes": 4096,
                 "batch_wait_s": 1.0,
             },
             "buffer": {
@@ -257,7 +263,6 @@ def make_config(mode: str, n: int, seed: int, prm: BenchParams, work: Path, ipc_
             },
             "env": env_section(prm, seed),
             "logging": {"level": "warning"},
-            "extra": {"sim_weight_bytes": 4096},
         }
     )
 
@@ -343,7 +348,8 @@ async def worker_main(cfg_path: Path, count: int, out: Path, sample_s: float) ->
     nodes = [RolloutNode(cfg, index=i, ctx=ctx) for i in range(count)]
     series: list[list[float]] = []
     per_rollout: list[list[float]] = []
-    """With LCB_DETAIL=1: [t, running of rollout 0, 1, ...] per sample (where repack loses, per rollout)."""
+    """With LCB_DETAIL=1: [t, running of rollout 0, 1, ...] per sample (where repack loses, per
+    rollout)."""
     detail = bool(os.environ.get("LCB_DETAIL"))
     probe = LoopProbe()
 
@@ -550,7 +556,7 @@ def figures(
     n: int,
 ) -> dict[str, Any]:
     """The window's figures (see the module docstring)."""
-    from laminar.manager.staleness import StalenessStats
+    from laminar.modes import StalenessStats
 
     win = [s for s in steps if t0 <= s["time"] <= t1]
     before = [s for s in steps if s["time"] < t0]
@@ -643,7 +649,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "prompts":
         print(write_prompts(args.path, args.rows, BenchParams().prompt_tokens))
         return 0
-    from laminar.launch import use_uvloop
+    from laminar.launch.tuning import use_uvloop
     from laminar.logs import configure_logging
 
     configure_logging("warning", True)

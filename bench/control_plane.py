@@ -1,25 +1,28 @@
 """Control-plane headroom: one buffer and one manager under the message rates of a 1024-GPU cluster.
 
-    server processes (`serve ROLE`):  ManagerNode, BufferNode (real nodes, ipc), each with a lag probe
-        ▲ PartialBatch (one-way) · Trajectory (acked) · PromptRequest · BatchRequest/Commit · heartbeats
-        │                                                       ▲ Heartbeat(NodeStatus) = status pushes
-    driver (this process, `run`): R synthetic rollouts ─────────┘ + one synthetic trainer
+    server processes (`serve ROLE`): ManagerNode, BufferNode (real, ipc), each with a lag probe
+        ▲ PartialBatch (one-way) · Trajectory (acked) · PromptRequest · BatchRequest/Commit · beats
+        │                                                   ▲ Heartbeat(NodeStatus) = status pushes
+    driver (this process, `run`): R synthetic rollouts ─────┘ + one synthetic trainer
     ramp: offered rate = x * (1024-GPU rate), x = 0.25 ... ; each step `step_s` long
 
 Rates (derivation, from the committed simulator results bench/results/simulate.json, every row at
 1024 GPUs in laminar mode; the heaviest row sets the target, the others are listed in the JSON):
     tokens/s        gen_tok_s (median over seeds)
     trajectories/s  staleness_finished.count / (counts.steps_measured * iteration_s)
-    entries/s       tokens/s / rollout.partial_chunk_tokens (32): a sequence is marked for the partial
-                    stream once per 32 new tokens (laminar/rollout/node.py), and each mark becomes one
-                    entry of the rollout's next PartialBatch (what a PartialChunk used to carry alone)
+    entries/s       tokens/s / rollout.partial_chunk_tokens (32): a sequence is marked for the
+                    partial stream once per 32 new tokens (laminar/rollout/node.py), and each mark
+                    becomes one entry of the rollout's next PartialBatch (what a PartialChunk used
+                    to carry alone)
     batches/s       rollouts / rollout.partial_flush_s (0.5 s): a rollout sends at most one
                     PartialBatch per flush window (laminar/rollout/deliver.py), and at these rates
-                    every window has entries (entries/batch = entries/s * flush_s / rollouts ~ 65 for
-                    7B_multiturn), so this bound is the rate
-    heartbeats/s    rollouts / transport.heartbeat_interval_s (0.5 s), to the buffer and to the manager
-    status pushes/s rollouts / rollout.status_push_min_s (0.05 s): the upper bound; with thousands of
-                    sequences finishing per second every rollout's status changes every push window
+                    every window has entries (entries/batch = entries/s * flush_s / rollouts ~ 65
+                    for 7B_multiturn), so this bound is the rate
+    heartbeats/s    rollouts / transport.heartbeat_interval_s (0.5 s), to the buffer and to the
+                    manager
+    status pushes/s rollouts / rollout.status_push_min_s (0.05 s): the upper bound; with thousands
+                    of sequences finishing per second every rollout's status changes every push
+                    window
 Offered at x: batches/s, trajectories/s and status pushes/s times x, with the entries per batch of
 1x (x as x-times the rollouts: the buffer's message rate grows with x, the conservative reading).
 Each synthetic rollout keeps in-flight samples; an entry moves one sample on by 32 tokens (the
@@ -150,7 +153,7 @@ def make_cfg_dict(tmp: Path, rollouts: int) -> dict[str, Any]:
 # ---- server side -----------------------------------------------------------------------------
 async def _serve(role: str, cfg_path: str, lag_path: str, index: int = 0) -> None:
     from laminar.config import config_from_dict
-    from laminar.launch import setup_process
+    from laminar.launch.tuning import setup_process
     from laminar.node import node_class, run_nodes
 
     cfg = config_from_dict(json.loads(Path(cfg_path).read_text()))
@@ -158,7 +161,8 @@ async def _serve(role: str, cfg_path: str, lag_path: str, index: int = 0) -> Non
     node = node_class(role)(cfg, index=index)  # type: ignore[arg-type]
 
     async def probe() -> None:
-        """Event-loop lag: overshoot of a 10 ms sleep, one line per second (t, p50, p99, max in ms)."""
+        """Event-loop lag: overshoot of a 10 ms sleep, one line per second (t, p50, p99, max in
+        ms)."""
         with open(lag_path, "a") as f:
             lags: list[float] = []
             t_flush = time.monotonic() + 1.0
@@ -195,7 +199,8 @@ class Driver:
     def __init__(self, cfg: Any, rates: dict[str, float], ctx: Any, shards: list[str]):
         self.cfg, self.rates, self.ctx = cfg, rates, ctx
         self.shards = shards
-        """Buffer endpoints; synthetic rollout i talks to shard i % len(shards) (keyed by rollout)."""
+        """Buffer endpoints; synthetic rollout i talks to shard i % len(shards) (keyed by
+        rollout)."""
         self.rollouts = int(rates["rollouts"])
         self.chunks_per_traj = max(1, round(rates["chunks_s"] / rates["trajectories_s"]))
         self.entries_per_batch = max(1, round(rates["chunks_s"] * FLUSH_S / self.rollouts))
@@ -220,7 +225,8 @@ class Driver:
         self.traj_sem = asyncio.Semaphore(256)
         self.bg: set[asyncio.Task[Any]] = set()
         self.active: list[list[list[Any]]] = [[] for _ in range(self.rollouts)]
-        """Per synthetic rollout: its in-flight samples [item, sample, next chunk]; kept across steps."""
+        """Per synthetic rollout: its in-flight samples [item, sample, next chunk]; kept across
+        steps."""
         self.next_rollout = 0
         self._status: dict[int, Any] = {}
 
@@ -254,10 +260,10 @@ class Driver:
         return st
 
     async def connect(self) -> None:
+        from laminar.node import socket_options
         from laminar.transport.client import RpcClient
-        from laminar.transport.sockets import SocketOptions
 
-        opts = SocketOptions.from_config(self.cfg)
+        opts = socket_options(self.cfg)
         k = len(self.shards)
         self.buf = [
             RpcClient(self.ctx, self.shards[i % k], f"rollout-{i}", "rollout", opts)
@@ -364,14 +370,16 @@ class Driver:
 
     def batch(self, ci: int, first_fill: bool) -> Any:
         """The next PartialBatch of synthetic rollout `ci`: one entry per in-flight sample (up to
-        entries_per_batch), each the sample's next 32 tokens; finished samples go as Trajectories."""
+        entries_per_batch), each the sample's next 32 tokens; finished samples go as
+        Trajectories."""
         from laminar.protocol.data import PartialBatch, PartialTrajectory
 
         cli, active, e = self.buf[ci], self.active[ci], self.entries_per_batch
         queue = self.queues[ci % len(self.shards)]
         while len(active) < e and not queue.empty():
             it, s = queue.get_nowait()
-            # the first fill starts part-way (the first entry brings the tokens so far): steady finishes
+            # the first fill starts part-way (the first entry brings the tokens so far): steady
+            # finishes
             c0 = int(np.random.randint(self.chunks_per_traj)) if first_fill else 0
             active.append([it, s, c0, True, f"{it.group_id}/{s}"])
         if not active:
@@ -401,8 +409,8 @@ class Driver:
                 )
             a[2], a[3] = c + 1, False
         k, n = len(uids), sum(lens)
-        # token values do not matter to the buffer: views of one preallocated array (the driver's cost
-        # is not what is measured)
+        # token values do not matter to the buffer: views of one preallocated array (the driver's
+        # cost is not what is measured)
         msg = PartialBatch(
             rollout_id=cli.node_id,
             uids=uids,
@@ -450,7 +458,8 @@ class Driver:
             await asyncio.sleep(0)
 
     async def pushes(self, x: float, until: float) -> None:
-        """Status pushes and the extra heartbeats above 1x (the client timers send 1x) to the manager."""
+        """Status pushes and the extra heartbeats above 1x (the client timers send 1x) to the
+        manager."""
         rate = x * self.rates["status_pushes_s"] + max(0.0, x - 1) * self.rates["heartbeats_s"]
         t_start, done = time.monotonic(), 0
         while time.monotonic() < until:
@@ -489,7 +498,8 @@ def _nice_of(pid: int) -> int | None:
 
 
 def read_lag(path: Path, t0: float, t1: float) -> dict[str, float]:
-    """p99 / max of every probe sample in [t0, t1] (the probe writes one line of samples per second)."""
+    """p99 / max of every probe sample in [t0, t1] (the probe writes one line of samples per
+    second)."""
     rows = (
         [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
         if path.exists()
@@ -507,7 +517,8 @@ def read_lag(path: Path, t0: float, t1: float) -> dict[str, float]:
 
 
 _BASE_NICE = os.getpriority(os.PRIO_PROCESS, 0)
-"""The niceness this process started with: the servers' (the driver's is raised after they start)."""
+"""The niceness this process started with: the servers' (the driver's is raised after they
+start)."""
 
 
 def _server_priority() -> None:
@@ -523,7 +534,8 @@ def _server_priority() -> None:
 async def run_pass(
     args: argparse.Namespace, rates: dict[str, float], shards: int, ramp: list[float]
 ) -> dict[str, Any]:
-    """One ramp against one manager and `shards` buffer processes (rollout i -> shard i % shards)."""
+    """One ramp against one manager and `shards` buffer processes (rollout i -> shard i %
+    shards)."""
     from laminar.config import config_from_dict
     from laminar.transport.sockets import new_context
 
@@ -563,7 +575,8 @@ async def run_pass(
         for k in range(shards):
             drv.spawn(drv.supply(k))
             drv.spawn(drv.train(k))
-        # the nodes' CPU with heartbeats, prompt supply and the trainer only (no partials, no pushes)
+        # the nodes' CPU with heartbeats, prompt supply and the trainer only (no partials, no
+        # pushes)
         await asyncio.sleep(1.0)
         c0, t0 = {name: cpu_seconds(p.pid) for name, p in procs.items()}, time.monotonic()
         await asyncio.sleep(3.0)
@@ -590,8 +603,9 @@ async def run_pass(
             await asyncio.gather(drv.stream(x, until), drv.pushes(x, until))
             await asyncio.sleep(1.0)  # acks of the step's last trajectories (a timer, bounded)
             t1 = time.time()
-            # CPU-seconds per second of each node: on a loaded machine the lag says little, this says
-            # how much of one core the offered rate costs (1 / it = the rate one core would hold)
+            # CPU-seconds per second of each node: on a loaded machine the lag says little, this
+            # says how much of one core the offered rate costs (1 / it = the rate one core would
+            # hold)
             cpu = {
                 name: round((cpu_seconds(p.pid) - cpu0[name]) / (t1 - t0), 3)
                 for name, p in procs.items()
@@ -632,12 +646,15 @@ async def run_pass(
             buf_lag = max(
                 row["lag"][name]["p99_ms"] for name, role, _ in servers if role == "buffer"
             )
+            cpu_s = " ".join(f"{k} {v:.2f}" for k, v in cpu.items())
             print(
-                f"shards={shards} x={x:5.2f} batches/s {got['batches']:7.0f}/{offered['batches_s']:7.0f} entries/s "
-                f"{got['chunks']:7.0f}  traj acked/s "
-                f"{got['acked']:7.1f}/{offered['trajectories_s']:7.1f}  pushes/s {got['pushes']:6.0f}  "
+                f"shards={shards} x={x:5.2f} "
+                f"batches/s {got['batches']:7.0f}/{offered['batches_s']:7.0f} "
+                f"entries/s {got['chunks']:7.0f}  "
+                f"traj acked/s {got['acked']:7.1f}/{offered['trajectories_s']:7.1f}  "
+                f"pushes/s {got['pushes']:6.0f}  "
                 f"ack p99 {ack_p99 * 1e3:7.1f} ms  lag p99 buffer {buf_lag:7.1f} ms manager "
-                f"{row['lag']['manager']['p99_ms']:7.1f} ms  cpu/s {' '.join(f'{k} {v:.2f}' for k, v in cpu.items())}  "
+                f"{row['lag']['manager']['p99_ms']:7.1f} ms  cpu/s {cpu_s}  "
                 f"{'ok' if row['ok'] else 'FAIL'}"
                 f"{' (driver-bound)' if row['driver_bound'] else ''}",
                 flush=True,
@@ -767,7 +784,7 @@ async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "serve":
-        from laminar.launch import use_uvloop
+        from laminar.launch.tuning import use_uvloop
 
         use_uvloop()  # the event loop of `laminar node`
         asyncio.run(_serve(argv[1], argv[2], argv[3], int(argv[4]) if len(argv) > 4 else 0))
@@ -802,9 +819,10 @@ def main(argv: list[str] | None = None) -> int:
     res = asyncio.run(run_bench(args))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=1))
+    sm = res["summary"]
     print(
-        f"headroom_vs_1024gpu_rate = {res['summary']['headroom_vs_1024gpu_rate']} ({res['summary']['target_workload']}, "
-        f"{res['summary']['buffer_shards']} buffer shard(s))"
+        f"headroom_vs_1024gpu_rate = {sm['headroom_vs_1024gpu_rate']} ({sm['target_workload']}, "
+        f"{sm['buffer_shards']} buffer shard(s))"
         f" -> {args.out}"
     )
     return 0

@@ -1,7 +1,7 @@
 """Torch engine (continuous batching) vs HF `generate` (static batches): useful tokens/s, same run;
 and the engine's lean forward vs the same engine on the HF model's forward.
 
-    requests (prompt, target length) ──► TorchEngine(max_running=B): all submitted at t=0, slots refill
+    requests (prompt, target length) ──► TorchEngine(max_running=B): all at t=0, slots refill
                                      └─► HF generate: consecutive batches of B, left-padded
 
 Workload (stated in the JSON): N requests, prompts of 16-48 random tokens, target
@@ -211,9 +211,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 "engine_steps": e["steps"],
             }
             print(
-                f"  repeat {rep} {name:<9} hf {h['tokens_per_s']:8.1f} tok/s  engine {e['tokens_per_s']:8.1f} tok/s"
-                f"  ratio {rows[name]['ratio'][-1]:.2f} (per CPU-second {rows[name]['cpu_ratio'][-1]:.2f})"
-                f"  | engine on HF's forward {eh['tokens_per_s']:8.1f} tok/s, lean / HF forward "
+                f"  repeat {rep} {name:<9} hf {h['tokens_per_s']:8.1f} tok/s  engine "
+                f"{e['tokens_per_s']:8.1f} tok/s  ratio {rows[name]['ratio'][-1]:.2f} (per "
+                f"CPU-second {rows[name]['cpu_ratio'][-1]:.2f})  | engine on HF's forward "
+                f"{eh['tokens_per_s']:8.1f} tok/s, lean / HF forward "
                 f"{rows[name]['lean_ratio'][-1]:.2f}",
                 flush=True,
             )
@@ -258,10 +259,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             "length_p99_over_p50": args.tail,
             "max_len": args.max_len,
             "prompt_tokens": "uniform 16-48",
-            "decoding": "greedy, EOS disabled (engine ignore_eos; HF min_new_tokens=max_new_tokens)",
-            "workload": "all N requests available at t=0; engine: continuous batching with <= B running, "
-            "slots refilled as sequences finish; HF generate: consecutive static batches of B, "
-            "left-padded, each runs to its longest target; throughput counts useful tokens only",
+            "decoding": (
+                "greedy, EOS disabled (engine ignore_eos; HF min_new_tokens=max_new_tokens)"
+            ),
+            "workload": "all N requests available at t=0; engine: continuous batching with <= B "
+            "running, slots refilled as sequences finish; HF generate: consecutive static batches "
+            "of B, left-padded, each runs to its longest target; throughput counts useful tokens "
+            "only",
             "hf": "model.generate, attn sdpa, DynamicCache",
             "engine": "TorchEngine (slot KV cache, packed steps, computes logprobs), lean forward",
             "engine_hf": "the same engine on the HF model's forward",
@@ -325,16 +329,19 @@ def main() -> None:
     )
     for r in out["results"]:
         print(
-            f"{r['workload']:<12}{r['hf_tokens_per_s']['median']:>19.1f}{r['engine_tokens_per_s']['median']:>20.1f}"
+            f"{r['workload']:<12}{r['hf_tokens_per_s']['median']:>19.1f}"
+            f"{r['engine_tokens_per_s']['median']:>20.1f}"
             f"{r['ratio']['median']:>13.2f}"
         )
     print(
-        f"torch_engine_vs_hf_generate = {s['torch_engine_vs_hf_generate']} (long tail; HF padding waste "
-        f"{s['hf_padding_waste_longtail']:.0%}), uniform lengths: {s['torch_engine_vs_hf_generate_uniform_lengths']}"
+        f"torch_engine_vs_hf_generate = {s['torch_engine_vs_hf_generate']} (long tail; HF padding "
+        f"waste {s['hf_padding_waste_longtail']:.0%}), uniform lengths: "
+        f"{s['torch_engine_vs_hf_generate_uniform_lengths']}"
     )
     print(
-        f"lean_forward_vs_hf_forward = {s['lean_forward_vs_hf_forward']} (long tail; per CPU-second "
-        f"{s['lean_forward_vs_hf_forward_per_cpu_s']}), uniform lengths: {s['lean_forward_vs_hf_forward_uniform']}"
+        f"lean_forward_vs_hf_forward = {s['lean_forward_vs_hf_forward']} (long tail; per "
+        f"CPU-second {s['lean_forward_vs_hf_forward_per_cpu_s']}), uniform lengths: "
+        f"{s['lean_forward_vs_hf_forward_uniform']}"
     )
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,8 @@
 """Learning under staleness: the CPU count-up demo job per mode x staleness x correction x seed.
 
-    .venv/bin/python bench/learning.py --quick --out bench/results/learning_quick.json   # <= 15 min, 2 cores
-    .venv/bin/python bench/learning.py --out bench/results/learning.json                 # the full table (hours)
+    # <= 15 min on 2 cores; then the full table (hours)
+    .venv/bin/python bench/learning.py --quick --out bench/results/learning_quick.json
+    .venv/bin/python bench/learning.py --out bench/results/learning.json
     .venv/bin/python bench/learning.py --cells laminar:2:tis,laminar:2:ppo_mb --seeds 0,1,2 --out F
 
 Each run is the demo's own runner (laminar/demo/__main__.py run_mode: `laminar run
@@ -16,7 +17,8 @@ the held-out prompts (report.eval_curve), so the timing of a run is not disturbe
       default  the demo config as it is (today: ppo_mb)
       none     decoupled, no behaviour weight (is_mode=none), 1 optimizer step per batch, lr 2e-4
       tis      token TIS: w = min(pi_prox/mu, 2), 1 optimizer step per batch, lr 2e-4
-      ppo_mb   decoupled PPO with a trust region: TIS + trainer.minibatches=4 (the clip acts), lr 5e-5
+      ppo_mb   decoupled PPO with a trust region: TIS + trainer.minibatches=4 (the clip acts),
+               lr 5e-5
       icepop   masked IS (IcePop, 2025): tokens whose pi_prox/mu leaves [1/2, 2] get no gradient,
                1 optimizer step per batch, lr 2e-4
 
@@ -52,7 +54,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchinfo, also when
 from benchinfo import git_state  # noqa: E402
 
 from laminar.config import load_config  # noqa: E402
-from laminar.demo.__main__ import DEMO_CONFIG, demo_settings, prepare_data, run_mode, warm_up  # noqa: E402
+from laminar.demo.__main__ import (  # noqa: E402
+    DEMO_CONFIG,
+    demo_settings,
+    prepare_data,
+    run_mode,
+    warm_up,
+)
 
 TARGETS = (0.85, 0.90)
 CORRECTIONS: dict[str, list[str]] = {
@@ -420,7 +428,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--quick",
         action="store_true",
-        help=f"sync vs laminar, default staleness and correction, {len(QUICK_SEEDS.split(','))} seeds",
+        help=(
+            f"sync vs laminar, default staleness and correction, {len(QUICK_SEEDS.split(','))} "
+            "seeds"
+        ),
     )
     ap.add_argument(
         "--cells", default=None, help="comma list of mode:staleness:correction (default: all)"
@@ -428,7 +439,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--seeds",
         default=None,
-        help=f"comma list of RL seeds (>= 3 for the acceptance figures; default 0,1,2, --quick {QUICK_SEEDS})",
+        help=(
+            "comma list of RL seeds (>= 3 for the acceptance figures; default 0,1,2, --quick "
+            f"{QUICK_SEEDS})"
+        ),
     )
     ap.add_argument(
         "--out", default="bench/results/learning.json", help="JSON path; the PNG goes next to it"
@@ -512,12 +526,14 @@ def main(argv: list[str] | None = None) -> int:
     png = plot(out.with_suffix(".png"), runs)
     sm = result["summary"]
     say(
-        f"done in {time.time() - t0:.0f}s: steps_to_090_laminar_over_sync {sm['steps_to_090_laminar_over_sync']} "
-        f"(goal <= 1.10), time_to_090_sync_over_laminar {sm['time_to_090_sync_over_laminar']} (goal >= 1.25); "
+        f"done in {time.time() - t0:.0f}s: steps_to_090_laminar_over_sync "
+        f"{sm['steps_to_090_laminar_over_sync']} (goal <= 1.10), time_to_090_sync_over_laminar "
+        f"{sm['time_to_090_sync_over_laminar']} (goal >= 1.25); "
         f"{out}{' + ' + str(png) if png else ''}"
     )
     print(
-        f"{'cell':<24} {'steps->0.90':>14} {'s->0.90':>14} {'steps/s':>8} {'cores':>6} {'learn/sync':>10}"
+        f"{'cell':<24} {'steps->0.90':>14} {'s->0.90':>14} {'steps/s':>8} {'cores':>6} "
+        f"{'learn/sync':>10}"
     )
     for cell, c in result["cells"].items():
 
@@ -526,8 +542,8 @@ def main(argv: list[str] | None = None) -> int:
             return "-" if not v or v["median"] is None else f"{v['median']:.2f}"
 
         print(
-            f"{cell:<24} {med('steps_to_090'):>14} {med('seconds_to_090'):>14} {med('steps_per_s'):>8} "
-            f"{med('cores'):>6} {med('learning_per_step_vs_sync'):>10}"
+            f"{cell:<24} {med('steps_to_090'):>14} {med('seconds_to_090'):>14} "
+            f"{med('steps_per_s'):>8} {med('cores'):>6} {med('learning_per_step_vs_sync'):>10}"
         )
     return 0
 

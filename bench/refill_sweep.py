@@ -20,7 +20,8 @@ tokens per second through the same batch size) raises p99 staleness in versions 
 bound (buffer.max_staleness) makes the trainer wait. (The simulator models a bound by dropping
 groups past it, where the buffer waits and never drops, so bounded runs belong to the emulation.)
 
-Run: .venv/bin/python bench/refill_sweep.py --n 64 1024 --out bench/results/refill_sweep.json  (~10 min)
+Run (~10 min):
+    .venv/bin/python bench/refill_sweep.py --n 64 1024 --out bench/results/refill_sweep.json
 """
 
 from __future__ import annotations
@@ -100,8 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         "results": {},
     }
     print(
-        f"{'N':>5} {'variant':42} {'util':>6} {'/sync':>6} {'stale mean':>10} {'p50':>4} {'p99':>4} {'max':>4}"
-        f" {'iter s':>7} {'p99 x iter s':>13}"
+        f"{'N':>5} {'variant':42} {'util':>6} {'/sync':>6} {'stale mean':>10} {'p50':>4} "
+        f"{'p99':>4} {'max':>4} {'iter s':>7} {'p99 x iter s':>13}"
     )
     for n in args.n:
         for name in args.variants or VARIANTS:
@@ -109,9 +110,9 @@ def main(argv: list[str] | None = None) -> int:
             doc["results"].setdefault(str(n), {})[name] = r
             lam, st = r["laminar"], r["laminar"]["staleness_consumed"]
             print(
-                f"{n:>5} {name:42} {lam['decode_util']:6.3f} {r['laminar_vs_sync']:6.2f} {st['mean']:10.2f} "
-                f"{st['p50']:>4} {st['p99']:>4} {st['max']:>4} {lam['iteration_s']:7.2f}"
-                f" {st['p99'] * lam['iteration_s']:13.2f}",
+                f"{n:>5} {name:42} {lam['decode_util']:6.3f} {r['laminar_vs_sync']:6.2f} "
+                f"{st['mean']:10.2f} {st['p50']:>4} {st['p99']:>4} {st['max']:>4} "
+                f"{lam['iteration_s']:7.2f} {st['p99'] * lam['iteration_s']:13.2f}",
                 flush=True,
             )
             args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,12 +1,13 @@
-"""Simulator engine: one discrete-event run of one mode (sync, one_step, stream, laminar[_norepack]).
+"""Simulator engine: one discrete-event run of one mode (sync, one_step, stream,
+laminar[_norepack]).
 
-    prompt pool ──groups──► rollout ×R (decode model, KV cache, preemption) ──finished groups──► buffer
-         ▲ admission: laminar.manager.staleness            │ repack: laminar.manager.repack  │
+    prompt pool ──groups──► rollout ×R (decode model, KV cache, preemption) ──finished──► buffer
+         ▲ admission: laminar.modes                        │ repack: laminar.manager.repack  │
          └──────────── trainer (time ∝ tokens) ◄──────────────────────────────────────────┘
                        │ new version: global update (sync/one_step/stream) or relay pull (laminar)
 
 The admission/staleness rules and the repack planner are the real ones, imported from
-laminar.manager; only the hardware is modelled:
+laminar.modes and laminar.manager.repack; only the hardware is modelled:
 
 - Decode: all sequences of a rollout advance one token per step; the step takes step_time_s up
   to bound_b sequences and grows linearly past it. A rollout runs at most max_running sequences
@@ -24,7 +25,8 @@ laminar.manager; only the hardware is modelled:
   tools holds no credit (the rollout takes other groups, at most 2x credits in hand, as
   laminar/rollout/feeder.py does), but it keeps its version: the rollout loads no new weights
   while one of its trajectories waits on a tool (one version per trajectory), repack does not
-  move a waiting one, and a global update waits for it (the baselines' barrier). Trained tokens count the tool output; generated tokens do not.
+  move a waiting one, and a global update waits for it (the baselines' barrier). Trained tokens
+  count the tool output; generated tokens do not.
 - Trainer: an update on T tokens takes max(T * trainer_s_per_token, mini-batches *
   trainer_minibatch_floor_s); the floor is the FSDP traffic of one optimizer step, which does not
   shrink with more GPUs - why per-GPU trainer throughput falls at large scale (strong scaling).
@@ -32,7 +34,7 @@ laminar.manager; only the hardware is modelled:
   the trainer actor_push_s, the version reaches relays relay_broadcast_s later, and a rollout
   pulls it (relay_pull_s) whenever it runs dry or is emptied by repack.
 
-Modes (rules from laminar.manager.staleness.policy_for):
+Modes (rules from laminar.modes.policy_for):
 - sync: co-located on every GPU; global batch j generated at version j, the trainer waits for
   all of it, then a global update. one_step: split GPUs; batch j+1 generated at version j while
   the trainer trains batch j. stream: like one_step, but the trainer takes each mini-batch as
@@ -50,14 +52,17 @@ Modes (rules from laminar.manager.staleness.policy_for):
 
 Figures: throughput = tokens consumed / time between trainer-update completions over the window
 (paper §8 metric; the window: after warm-up steps and settle_s, or with fixed_window_s the
-emulation's fixed window, steps ending in it timed from the last one before it); rollout idle = share of rollout time with nothing decoding (sync: includes the
-training phase on shared GPUs); decode_util = mean of min(running, B) / B; staleness = trainer
-version - trajectory version, at consumption and at finish.
+emulation's fixed window, steps ending in it timed from the last one before it); rollout idle =
+share of rollout time with nothing decoding (sync: includes the training phase on shared GPUs);
+decode_util = mean of min(running, B) / B; staleness = trainer version - trajectory version, at
+consumption and at finish.
 
-Parameters (bench/simparams.py) come from bench/simscale.py (`params_for`: paper scale) or bench/simulate.py
-(`params_from_config`: the emulated cluster of bench/cluster.py); `simulate()` there runs a Sim.
+Parameters (bench/simparams.py) come from bench/simscale.py (`params_for`: paper scale) or
+bench/simulate.py (`params_from_config`: the emulated cluster of bench/cluster.py); `simulate()`
+there runs a Sim.
 
-Run: .venv/bin/python bench/simulate.py --quick   (tests: .venv/bin/python -m pytest tests/test_simulate.py -q)
+Run: .venv/bin/python bench/simulate.py --quick
+(tests: .venv/bin/python -m pytest tests/test_simulate.py -q)
 """
 
 from __future__ import annotations
@@ -77,7 +82,7 @@ from simparams import SimParams  # noqa: E402,F401  (re-exported)
 from simrepack import RepackMixin  # noqa: E402
 
 from laminar.manager.repack import is_candidate, plan_repack  # noqa: E402,F401
-from laminar.manager.staleness import StalenessStats, may_start_group, policy_for  # noqa: E402
+from laminar.modes import StalenessStats, may_start_group, policy_for  # noqa: E402
 
 SIM_MODES = ("sync", "one_step", "stream", "laminar_norepack", "laminar")
 EV_TOOL = 14  # a multi-turn trajectory's tool call answered (repack's events: bench/simrepack.py)
@@ -238,7 +243,8 @@ class Sim(RepackMixin):
         self.train_t: list[float] = []  # start, end of every trainer update
         if prm.minibatches < 1 or prm.batch_groups % prm.minibatches:
             raise ValueError(
-                f"batch_groups {prm.batch_groups} must be a multiple of minibatches {prm.minibatches}"
+                f"batch_groups {prm.batch_groups} must be a multiple of minibatches "
+                f"{prm.minibatches}"
             )
 
     # ---- event plumbing ---------------------------------------------------------------------
@@ -344,7 +350,8 @@ class Sim(RepackMixin):
         self.push(self.now + t.plan[2][t.turn], EV_TOOL, (r.idx, t))
 
     def on_tool_done(self, r: Rollout, t: Traj) -> None:
-        """The call answered: its output goes in (prefix-cached prompt and history), next turn queues."""
+        """The call answered: its output goes in (prefix-cached prompt and history), next turn
+        queues."""
         self.advance(r)
         del r.tooling[t.id]
         assert t.plan is not None
@@ -458,11 +465,13 @@ class Sim(RepackMixin):
 
     def groups_held(self, r: Rollout) -> int:
         """Groups with a trajectory on this rollout (imported ones too): the node's used credits.
-        A group whose open trajectories all wait on a tool holds none (laminar/rollout/feeder.py)."""
+        A group whose open trajectories all wait on a tool holds none
+        (laminar/rollout/feeder.py)."""
         return len({t.group.seq for t in r.running.values()} | {t.group.seq for t in r.waiting})
 
     def groups_in_hand(self, r: Rollout) -> int:
-        """Groups with a trajectory here in any state, tool waits included (capped at 2x credits)."""
+        """Groups with a trajectory here in any state, tool waits included (capped at 2x
+        credits)."""
         return len(
             {t.group.seq for t in r.running.values()}
             | {t.group.seq for t in r.waiting}
@@ -524,7 +533,8 @@ class Sim(RepackMixin):
             self.idle.add(r.idx)  # woken when buffer room or a version appears
 
     def retract(self, r: Rollout) -> None:
-        """Take back the queued groups none of whose samples started (they run at the next version)."""
+        """Take back the queued groups none of whose samples started (they run at the next
+        version)."""
         by_group: dict[int, list[Traj]] = {}
         for t in r.waiting:
             by_group.setdefault(t.group.seq, []).append(t)

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 @dataclass
 class SimParams:
-    """Everything one run needs: paper scale via `params_for`, emulation via `params_from_config`."""
+    """Everything one run needs: paper scale via `params_for`, emulation via
+    `params_from_config`."""
 
     n_rollouts: int
     trainer_s_per_token: float
@@ -46,7 +47,8 @@ class SimParams:
     buffer_capacity_groups: int | None = None
     """Laminar: a dry rollout takes no new prompts while this many finished groups wait."""
     minibatches: int = 1
-    """Optimizer updates per global batch; stream/laminar train each one as soon as its groups finished."""
+    """Optimizer updates per global batch; stream/laminar train each one as soon as its groups
+    finished."""
     trainer_minibatch_floor_s: float = 0.0
     """A mini-batch update takes at least this long (FSDP traffic that compute cannot hide)."""
     global_update_s: float = 0.0
@@ -96,7 +98,8 @@ class SimParams:
     retract_waiting: bool = False
     """laminar: once a newer version is out, a draining rollout takes back its groups that have not
     started (all samples still queued, no token made) and starts them at the new version after its
-    load (the rollout node's rollout.retract_unstarted), so the queue never drains at the old one."""
+    load (the rollout node's rollout.retract_unstarted), so the queue never drains at the old
+    one."""
     max_staleness: int | None = None
     """Bound for stream (None = 1) and laminar (None = unbounded)."""
     settle_s: float | None = None
@@ -116,7 +119,8 @@ class SimParams:
     most 2x credits in hand); the trajectory keeps its version: a rollout with one waiting on a
     tool does not load new weights, and repack does not move it."""
     tool_latency_max_s: float = math.inf
-    """Multi-turn: the sandbox's wall-clock limit; a call drawn past it is killed there (an error)."""
+    """Multi-turn: the sandbox's wall-clock limit; a call drawn past it is killed there (an
+    error)."""
     obs_tokens_min: int = 20
     obs_tokens_max: int = 200
     """Multi-turn: tool-output tokens per call, uniform in [min, max] (loss mask 0; trained on)."""

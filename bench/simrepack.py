@@ -13,7 +13,8 @@ Mechanisms of laminar/manager/node.py modelled here, each with a measured or con
 - The planner sees each rollout's last heartbeat (`status_age_s` = transport.heartbeat_interval_s),
   not its state now: a "draining" rollout may have finished, refreshed or taken new groups since.
   KV "rising" compares the status seen at this round with the one seen at the previous round
-  (the same report twice counts as not rising), as `Repacker.rollout_loads` (laminar/manager/moves.py) does.
+  (the same report twice counts as not rising), as `Repacker.rollout_loads`
+  (laminar/manager/moves.py) does.
 - With `status_push_min_s` > 0 (rollout.status_push in laminar mode with repack on, as
   `RolloutNode.main` spawns its push loop) a rollout also reports as soon as something the
   planner uses changed (a sequence finished, work came or left, weights loaded), at most once
@@ -27,8 +28,8 @@ Mechanisms of laminar/manager/node.py modelled here, each with a measured or con
 - A destination whose version changed meanwhile (it drained and refreshed) rejects the import
   (version_mismatch); the partials go to another rollout of their version (busy, not full,
   emptiest first) or, with none left, restart from the prompt on the newest version's least
-  loaded rollout, losing their tokens (`Placer.place` / `_restart_elsewhere` in laminar/manager/placement.py; their group
-  keeps its version in the staleness figures).
+  loaded rollout, losing their tokens (`Placer.place` / `_restart_elsewhere` in
+  laminar/manager/placement.py; their group keeps its version in the staleness figures).
 - With `repack_period_restarts`, a round triggered by an update restarts the periodic timer.
 - `max_concurrent_moves`: past the bound, the k-th wave of a round's moves exports
   k * repack_move_s after the round (a slot frees when an earlier move is done).
@@ -57,7 +58,8 @@ class RepackMixin:
     rb: int
 
     def repack_start(self, seed: int) -> None:
-        """Schedule the first periodic round and, with status reports, every rollout's first beat."""
+        """Schedule the first periodic round and, with status reports, every rollout's first
+        beat."""
         self.repack_gen = 0
         self.push(self.prm.repack_interval_s, EV_REPACK, 0)
         if self.prm.status_age_s > 0:

@@ -272,8 +272,8 @@ def git_commit() -> str:
 
 def print_table(results: dict[str, dict[int, dict[str, Any]]]) -> None:
     print(
-        f"\n{'model':>5} {'GPUs':>5} {'mode':>16} {'ro':>4} {'split':>5} {'tok/s':>9} {'vs sync':>8} "
-        f"{'idle':>5} {'util':>5} {'train':>5} {'stale p50/max':>13}"
+        f"\n{'model':>5} {'GPUs':>5} {'mode':>16} {'ro':>4} {'split':>5} {'tok/s':>9} "
+        f"{'vs sync':>8} {'idle':>5} {'util':>5} {'train':>5} {'stale p50/max':>13}"
     )
     for model, per_n in results.items():
         for n, rows in per_n.items():
@@ -281,9 +281,11 @@ def print_table(results: dict[str, dict[int, dict[str, Any]]]) -> None:
                 sc = row["staleness_consumed"]
                 split = "-" if row["rollout_frac"] is None else f"{row['rollout_frac']:.2f}"
                 print(
-                    f"{model:>5} {n:>5} {mode:>16} {row['rollouts']:>4} {split:>5} {row['throughput_tok_s']['median']:>9.0f} "
-                    f"{row['vs_sync']['median']:>7.2f}x {row['rollout_idle_frac']['median']:>5.2f} "
-                    f"{row['decode_util']['median']:>5.2f} {row['trainer_busy_frac']['median']:>5.2f} {sc['p50']:>6}/{sc['max']:<6}"
+                    f"{model:>5} {n:>5} {mode:>16} {row['rollouts']:>4} {split:>5} "
+                    f"{row['throughput_tok_s']['median']:>9.0f} {row['vs_sync']['median']:>7.2f}x "
+                    f"{row['rollout_idle_frac']['median']:>5.2f} "
+                    f"{row['decode_util']['median']:>5.2f} "
+                    f"{row['trainer_busy_frac']['median']:>5.2f} {sc['p50']:>6}/{sc['max']:<6}"
                 )
 
 
@@ -399,7 +401,8 @@ def main(argv: list[str] | None = None) -> int:
         for s in seeds
     ]
     print(
-        f"simulating {len(tasks) + len(repack_tasks) + len(mt_tasks)} runs on {args.jobs} processes ...",
+        f"simulating {len(tasks) + len(repack_tasks) + len(mt_tasks)} runs on {args.jobs} "
+        "processes ...",
         file=sys.stderr,
     )
     all_runs = run_all(tasks + repack_tasks + mt_tasks, args.jobs)

@@ -1,15 +1,16 @@
 """Time from `laminar run` to the first trainer step of the demo job, module-free start vs through
 transformers, alternating in one run.
 
-    laminar run configs/demo.yaml trainer.total_steps=3 ──► each node's `ready` and the first step,
-                                                             seconds after the launch (bench/learning.py startup_breakdown)
-      module_free: the defaults (rollout.torch_forward=auto, trainer.forward=auto: no transformers import)
-      hf:          rollout.torch_forward=hf trainer.forward=hf (models and tokenizers through transformers)
+    laminar run configs/demo.yaml trainer.total_steps=3
+        ──► each node's `ready` and the first step, seconds after the launch
+            (bench/learning.py startup_breakdown)
+      module_free: the defaults (rollout.torch_forward=auto, trainer.forward=auto: no transformers)
+      hf:          rollout.torch_forward=hf trainer.forward=hf (models, tokenizers via transformers)
 
 The demo's data and warm-up policy come from bench/learning.py's cache (runs/bench-learning/data,
 runs/.cache/countup-policy0-seed0; `make run` or one bench/learning.py run makes them).
 
-    .venv/bin/python bench/startup.py --pairs 3 --out bench/results/startup.json   # ~2 min on 2 cores
+    .venv/bin/python bench/startup.py --pairs 3 --out bench/results/startup.json  # ~2 min, 2 cores
 """
 
 from __future__ import annotations
@@ -78,7 +79,8 @@ def main() -> None:
     for need in ("runs/.cache/countup-policy0-seed0", "runs/bench-learning/data/train.jsonl"):
         if not (ROOT / need).exists():
             sys.exit(
-                f"bench/startup.py: {need} is missing; run `make run` or bench/learning.py once first"
+                f"bench/startup.py: {need} is missing; run `make run` or bench/learning.py once "
+                "first"
             )
     work = Path(tempfile.mkdtemp(prefix="lam-bench-startup-"))
     runs: dict[str, list[dict[str, float]]] = {k: [] for k in VARIANTS}

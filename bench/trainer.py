@@ -1,8 +1,9 @@
-"""Trainer step time, packed forward vs HF's padded forward; and a model process's start, module-free
-vs through transformers. Same run, alternating, ratios against the baseline measured beside them.
+"""Trainer step time, packed forward vs HF's padded forward; and a model process's start,
+module-free vs through transformers. Same run, alternating, ratios against the baseline measured
+beside them.
 
-    GRPO batches (groups of n samples sharing a prompt) ──► Policy.train_step  (trainer.forward=packed | hf)
-    a fresh `python -c` that imports torch and loads the model ──► CPU-s and wall s (module_free | HF)
+    GRPO batches (groups of n samples, one prompt) ──► Policy.train_step (trainer.forward=packed|hf)
+    a fresh `python -c` that imports torch, loads the model ──► CPU-s and wall s (module_free | HF)
 
 Workload (stated in the JSON): the demo's policy shape (3 layers, hidden 128, char vocabulary),
 batches of `groups` x `group` samples, prompts of 12-30 tokens shared by a group, response
@@ -39,6 +40,7 @@ from engine import machine, stats  # noqa: E402  (the same figures' helpers as b
 from laminar.config import config_from_dict  # noqa: E402
 from laminar.models.tiny import build_tiny_model  # noqa: E402
 from laminar.protocol.data import Trajectory  # noqa: E402
+from laminar.trainer.node import trainer_settings  # noqa: E402
 from laminar.trainer.policy import Policy  # noqa: E402
 
 MODEL = dict(
@@ -102,7 +104,7 @@ def policy(path: Path, run_dir: Path, forward: str, skip: bool = True) -> Policy
             "algo": {"loss": "ppo", "decoupled": True, "is_mode": "truncate", "is_cap": 2.0},
         }
     )
-    return Policy(cfg, str(path))
+    return Policy(trainer_settings(cfg), str(path))
 
 
 def time_steps(pol: Policy, work: list[list[Trajectory]]) -> list[float]:
@@ -161,7 +163,9 @@ def main() -> None:
         "--uniform",
         type=float,
         default=0.5,
-        help="share of groups whose rewards agree, for the zero-advantage skip (the demo: 0.3-0.75)",
+        help=(
+            "share of groups whose rewards agree, for the zero-advantage skip (the demo: 0.3-0.75)"
+        ),
     )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -181,7 +185,8 @@ def main() -> None:
             for forward in ("packed", "hf")
         },
     )
-    # the zero-advantage skip: the same packed trainer with it on and off, batches with uniform groups
+    # the zero-advantage skip: the same packed trainer with it on and off, batches with uniform
+    # groups
     skip_work = batches(
         args.steps + 1, args.groups, args.group, vocab, seed=1, uniform=args.uniform
     )
@@ -233,21 +238,22 @@ def main() -> None:
     }
     print(f"\n{'':<24}{'packed / module-free':>22}{'hf':>12}{'ratio':>8}")
     print(
-        f"{'train step s (median)':<24}{step['packed']['median']:>22.3f}{step['hf']['median']:>12.3f}"
+        f"{'train step s (median)':<24}{step['packed']['median']:>22.3f}"
+        f"{step['hf']['median']:>12.3f}"
         f"{result['summary']['packed_over_hf_step_speed']:>8.2f}x"
     )
     print(
         f"{'step s, zero-adv skip':<24}{statistics.median(skip_steps['skip']):>22.3f}"
         f"{statistics.median(skip_steps['no_skip']):>12.3f}"
-        f"{result['summary']['skip_over_no_skip_step_speed']:>8.2f}x  (off; {args.uniform:.0%} uniform groups)"
+        f"{result['summary']['skip_over_no_skip_step_speed']:>8.2f}x  (off; {args.uniform:.0%} "
+        "uniform groups)"
     )
-    print(
-        f"{'model start CPU-s':<24}{start['module_free']['cpu_s']['median']:>22.2f}"
-        f"{start['hf']['cpu_s']['median']:>12.2f}{start['hf']['cpu_s']['median'] / start['module_free']['cpu_s']['median']:>8.2f}x"
-    )
+    cpu_free, cpu_hf = start["module_free"]["cpu_s"]["median"], start["hf"]["cpu_s"]["median"]
+    print(f"{'model start CPU-s':<24}{cpu_free:>22.2f}{cpu_hf:>12.2f}{cpu_hf / cpu_free:>8.2f}x")
     print(
         f"{'model start wall s':<24}{start['module_free']['wall_s']['median']:>22.2f}"
-        f"{start['hf']['wall_s']['median']:>12.2f}{result['summary']['start_wall_hf_over_module_free']:>8.2f}x"
+        f"{start['hf']['wall_s']['median']:>12.2f}"
+        f"{result['summary']['start_wall_hf_over_module_free']:>8.2f}x"
     )
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -364,7 +364,8 @@ def main() -> None:
                     summary[f"codec_vs_raw_msg_rate_{key}"] = round(
                         statistics.median(runs["codec"]) / statistics.median(runs["raw"]), 3
                     )
-                    # load-robust companion: messages per CPU-second (both processes, all threads), codec / raw
+                    # load-robust companion: messages per CPU-second (both processes, all threads),
+                    # codec / raw
                     summary[f"codec_vs_raw_cpu_rate_{key}"] = round(
                         statistics.median(cpus["raw"]) / statistics.median(cpus["codec"]), 3
                     )
@@ -400,7 +401,8 @@ def main() -> None:
 
 def print_table(summary: dict, apis: list[str]) -> None:
     print(
-        f"{'case':<22}{'codec msg/s':>13}{'raw msg/s':>13}{'codec GB/s':>12}{'raw GB/s':>10}{'codec/raw':>11}"
+        f"{'case':<22}{'codec msg/s':>13}{'raw msg/s':>13}{'codec GB/s':>12}{'raw GB/s':>10}"
+        f"{'codec/raw':>11}"
         f"{'cpu us/msg codec':>18}{'raw':>7}{'cpu ratio':>11}"
     )
     for api in apis:
@@ -415,7 +417,8 @@ def print_table(summary: dict, apis: list[str]) -> None:
                 )
     for size in SIZES:
         print(
-            f"in-process {size}: encode {summary[f'encode_us_{size}']} us, decode {summary[f'decode_us_{size}']} us"
+            f"in-process {size}: encode {summary[f'encode_us_{size}']} us, decode "
+            f"{summary[f'decode_us_{size}']} us"
         )
 
 

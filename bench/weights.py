@@ -1,9 +1,9 @@
 """Weight transport benchmark: trainer stall, chain broadcast, rollout pull (one run, ratios).
 
-    .venv/bin/python bench/weights.py            # 100 MB and 1 GB states (minutes)
-    .venv/bin/python bench/weights.py --quick    # 100 MB and 256 MB, fewer repeats (< 5 min on 2 cores)
-    .venv/bin/python bench/weights.py --hosts 8 --quick --out F   # relays on emulated hosts (root)
-    .venv/bin/python bench/weights.py --delta --quick --out F     # sparse deltas, 100M model (bench/weights_delta.py)
+    .venv/bin/python bench/weights.py          # 100 MB and 1 GB states (minutes)
+    .venv/bin/python bench/weights.py --quick  # 100 MB and 256 MB, fewer repeats (< 5 min, 2 cores)
+    .venv/bin/python bench/weights.py --hosts 8 --quick --out F  # relays on emulated hosts (root)
+    .venv/bin/python bench/weights.py --delta --quick --out F    # sparse deltas, 100M model
 
 Real processes: one manager + 8 relays (`python -m laminar node --role relay`); this
 process is the trainer (WeightPusher) and the rollouts (one WeightPuller per relay,
@@ -58,7 +58,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from laminar.protocol.relay import RelayReset  # noqa: E402
-from laminar.relay.local import RelayProcs  # noqa: E402
+from tests.relay_procs import RelayProcs  # noqa: E402
 
 N_RELAYS = 8
 
@@ -189,8 +189,9 @@ async def run_size(
                     await b.push()
                 runs[k] += [await b.push(settle_s=settle_s) for _ in range(stall_repeats)]
                 log(
-                    f"  {nbytes >> 20} MB k={k}: stall {statistics.median(s for s, _ in runs[k]):.3f}s "
-                    f"bcast {statistics.median(c for _, c in runs[k]):.3f}s"
+                    f"  {nbytes >> 20} MB k={k}: stall "
+                    f"{statistics.median(s for s, _ in runs[k]):.3f}s bcast "
+                    f"{statistics.median(c for _, c in runs[k]):.3f}s"
                 )
         for k, r in runs.items():
             res[f"stall_s_{k}"] = stats([s for s, _ in r])
@@ -221,7 +222,8 @@ async def run_size(
             copies.append(time.perf_counter() - t0)
         res["pull_s"], res["memcpy_s"] = stats(pulls), stats(copies)
         log(
-            f"  {nbytes >> 20} MB pull {res['pull_s']['median']:.3f}s memcpy {res['memcpy_s']['median']:.3f}s cold {res['pull_cold_s']:.3f}s"
+            f"  {nbytes >> 20} MB pull {res['pull_s']['median']:.3f}s memcpy "
+            f"{res['memcpy_s']['median']:.3f}s cold {res['pull_cold_s']:.3f}s"
         )
     finally:
         await b.close()
@@ -341,7 +343,10 @@ def main() -> int:
     ap.add_argument(
         "--vllm",
         action="store_true",
-        help="version loads into vLLM: safetensors bytes vs shared-memory views (bench/weights_vllm.py)",
+        help=(
+            "version loads into vLLM: safetensors bytes vs shared-memory views "
+            "(bench/weights_vllm.py)"
+        ),
     )
     ap.add_argument(
         "--hosts",
@@ -426,7 +431,8 @@ def main() -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=2))
     print(
-        f"\n{'size':>8} {'stall1':>8} {'stall8':>8} {'hop':>8} {'chain8':>8} {'hop_u':>8} {'chain8_u':>8} {'pull':>8} {'memcpy':>8}"
+        f"\n{'size':>8} {'stall1':>8} {'stall8':>8} {'hop':>8} {'chain8':>8} {'hop_u':>8} "
+        f"{'chain8_u':>8} {'pull':>8} {'memcpy':>8}"
     )
     for nb, r in results["sizes"].items():
         m = {

@@ -1,4 +1,5 @@
-"""Sparse weight deltas on a real optimizer step: changed fraction, bytes on the wire, broadcast time.
+"""Sparse weight deltas on a real optimizer step: changed fraction, bytes on the wire, broadcast
+time.
 
     .venv/bin/python bench/weights.py --delta --quick --out /tmp/wd.json   # ~3 min on 2 cores
     .venv/bin/python bench/weights.py --delta --out bench/results/weights_delta.json
@@ -17,7 +18,7 @@
    step moves every weight by exactly lr), then `--steps` measured steps.
 2. Per measured step: the fraction of bf16 elements whose bits changed (uint16 compare),
    and the bytes a version costs on each link: the relay codec run on the real chunking
-   (4 MiB chunks, per chunk indices / bitmask / whole, laminar/transport/weights_delta.py)
+   (4 MiB chunks, per chunk indices / bitmask / whole, laminar/weights/delta.py)
    divided by the full bf16 size.
 3. Broadcast: the versions pushed through a chain of `--relays` real relay processes on
    link-emulated hops (`--link-MBps`, relay.link_bytes_per_s), delta mode off and on:
@@ -41,6 +42,7 @@ import asyncio
 import json
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from functools import partial
@@ -50,10 +52,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from laminar.logs import configure_logging
-from laminar.relay.local import RelayProcs
-from laminar.transport.weight_layout import chunk_range, layout_of, n_chunks, tensor_spans
-from laminar.transport.weights_delta import chunk_words, delta_header, encode_delta
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: tests/ harness
+
+from laminar.logs import configure_logging  # noqa: E402
+from laminar.weights.delta import chunk_words, delta_header, encode_delta  # noqa: E402
+from laminar.weights.layout import chunk_range, layout_of, n_chunks, tensor_spans  # noqa: E402
+from tests.relay_procs import RelayProcs  # noqa: E402
 
 LRS = {1e-6: "lr1e-6", 1e-5: "lr1e-5"}  # lr -> its name in the summary keys
 CHUNK = 4 << 20

@@ -1,7 +1,7 @@
 """Chain broadcast across emulated hosts: relays in network namespaces on tbf-shaped links.
 
     .venv/bin/python bench/weights.py --hosts 8 --quick --out bench/results/weights_hosts_quick.json
-    .venv/bin/python bench/weights_hosts.py --hosts 8 [--quick] [--rate-mbps 200] --out F   # the same
+    .venv/bin/python bench/weights_hosts.py --hosts 8 [--quick] [--rate-mbps 200] --out F  # same
 
 Root only (tests/hosts.py makes the namespaces). K hosts on a private bridge; every host's link
 is shaped to `--rate-mbps` both ways (tbf), host i runs relay-i (`laminar node --role relay`),
@@ -46,9 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from laminar.config import load_config  # noqa: E402
-from laminar.relay.local import RelayProcs  # noqa: E402
-from laminar.transport.security import security_from_config  # noqa: E402
-from laminar.transport.sockets import SocketOptions  # noqa: E402
+from laminar.node import socket_options  # noqa: E402
 from tests.hosts import (  # noqa: E402
     Hosts,
     HostsUnavailable,
@@ -57,6 +55,7 @@ from tests.hosts import (  # noqa: E402
     shape_link,
     tcp_endpoints,
 )
+from tests.relay_procs import RelayProcs  # noqa: E402
 
 CHUNK = 1 << 20
 
@@ -69,7 +68,7 @@ class NsRelays(RelayProcs):
         self.cfg = load_config(config_path)
         self.n, self.procs, self._ctx = n_relays, {}, None
         # the server pair ("node": may claim any role) for the bench's trainer, rollout and cli ends
-        self.opts = SocketOptions.from_config(self.cfg, security_from_config(self.cfg, "node"))
+        self.opts = socket_options(self.cfg)
 
 
 # ---- the worker: runs inside host 0's namespace ---------------------------------------------
@@ -330,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{'k':>3} {'bcast_s':>9} {'model_s':>9} {'stall_s':>9}")
     for k in ks:
         print(
-            f"{k:>3} {res[f'bcast_s_{k}']['median']:9.3f} {model[k]:9.3f} {res[f'stall_s_{k}']['median']:9.4f}"
+            f"{k:>3} {res[f'bcast_s_{k}']['median']:9.3f} {model[k]:9.3f} "
+            f"{res[f'stall_s_{k}']['median']:9.4f}"
         )
     print()
     for key, v in summary.items():

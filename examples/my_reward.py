@@ -17,7 +17,8 @@ It returns a dict: "reward" is what trains, the other keys are logged with the s
 A row with no reference, or from a data source this function does not know, returns None:
 the sample is left out of training (not scored 0). Check it by hand:
 
-    python -c "from examples.my_reward import reverse_reward as r; print(r('reverse abc:', 'cbx', answer='cba'))"
+    python -c "from examples.my_reward import reverse_reward as r
+    print(r('reverse abc:', 'cbx', answer='cba'))"
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ KNOWN_SOURCES = ("example/reverse",)
 
 
 def reference(row: dict[str, Any]) -> str | None:
-    """The reference answer of a TRL-style (`answer`) or verl-style (`reward_model.ground_truth`) row."""
+    """The reference answer of a TRL-style (`answer`) or verl-style (`reward_model.ground_truth`)
+    row."""
     ref = row.get("answer")
     if ref is None and isinstance(row.get("reward_model"), dict):
         ref = row["reward_model"].get("ground_truth")

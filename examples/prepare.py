@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> None:
     write_jsonl(out / "eval.jsonl", held_out)
     write_parquet(out / "train.parquet", to_verl(train, "train"))
     print(
-        f"wrote {out}/model, train.jsonl ({len(train)} rows), eval.jsonl ({len(held_out)}), train.parquet"
+        f"wrote {out}/model, train.jsonl ({len(train)} rows), eval.jsonl ({len(held_out)}), "
+        "train.parquet"
     )
 
 

@@ -11,8 +11,8 @@ itself) is restarted after a backoff (backoff_s, doubling per restart of that no
 window_s, capped at backoff_max_s); the others keep running, since the nodes already survive
 a peer's death (liveness, resends, exactly-once). More than max_restarts deaths of one node
 within window_s, or one exit with EXIT_PERMANENT (laminar/supervise.py: a failure a restart
-would only repeat, e.g. nothing to train), ends the job: poll() returns `GivingUp(name, code)`. The trainer exiting 0 is the
-job being done: poll() returns `Finished()` once every trainer process did.
+would only repeat, e.g. nothing to train), ends the job: poll() returns `GivingUp(name, code)`. The
+trainer exiting 0 is the job being done: poll() returns `Finished()` once every trainer process did.
 
 The stop goes role by role so that no node's last work waits on a peer that is already gone:
 the trainer first (its drain checkpoints and commits, which needs the buffer and the relays it
@@ -133,7 +133,8 @@ class Children:
         _say(f"{what} pid={kid.proc.pid}")
 
     def poll(self, now: float | None = None) -> Finished | GivingUp | None:
-        """Reap children that exited, start the restarts that are due; what ends the job, if anything."""
+        """Reap children that exited, start the restarts that are due; what ends the job, if
+        anything."""
         now = time.monotonic() if now is None else now
         changed = False
         for kid in self.kids.values():

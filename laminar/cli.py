@@ -70,7 +70,10 @@ def _parser() -> argparse.ArgumentParser:
     keys.add_argument(
         "--roles",
         default=None,
-        help="comma list: one pair per role (or, with --name, one host pair) that may claim only these",
+        help=(
+            "comma list: one pair per role (or, with --name, one host pair) that may claim only "
+            "these"
+        ),
     )
     keys.add_argument("--force", action="store_true", help="replace an existing key pair")
     return p
@@ -95,15 +98,15 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.cmd == "node":
-            from laminar.launch import node_main
+            from laminar.launch.node import node_main
 
             return node_main(args.role, args.config, args.overrides, args.index, args.count)
         if args.cmd == "run":
-            from laminar.launch import run_main
+            from laminar.launch.run import run_main
 
             return run_main(args.config, args.overrides, args.resume, args.overwrite)
         if args.cmd == "status":
-            from laminar.launch import status_main
+            from laminar.launch.status import status_main
 
             return status_main(args.config, args.overrides, args.json, args.timeout)
         if args.cmd == "journal":
@@ -122,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
                 if roles and args.name is None:
                     written = generate_role_keys(args.dir, roles, force=args.force)
                     print(
-                        f"wrote {len(written)} key pairs in {args.dir}; roles in {args.dir}/roles.json"
+                        f"wrote {len(written)} key pairs in {args.dir}; roles in "
+                        f"{args.dir}/roles.json"
                     )
                     return 0
                 name = args.name or "node"

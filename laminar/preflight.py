@@ -71,7 +71,10 @@ def model_problem(path: str | None, needed_by: list[str]) -> str | None:
     if not p.exists():
         return f"model.path {path!r} does not exist{_where(path)}"
     if not p.is_dir():
-        return f"model.path {path!r} is a file; give the model's directory (the one holding config.json)"
+        return (
+            f"model.path {path!r} is a file; give the model's directory (the one holding "
+            "config.json)"
+        )
     if not (p / "config.json").is_file():
         return (
             f"model.path {path!r} has no config.json; give a Hugging Face model directory "
@@ -83,7 +86,7 @@ def model_problem(path: str | None, needed_by: list[str]) -> str | None:
 def data_problem(key: str, path: str | None) -> str | None:
     if not path:
         return None
-    from laminar.buffer.prompts import SUFFIXES  # what the buffer reads (numpy: loaded only here)
+    from laminar.data.prompts import SUFFIXES  # what the buffer reads (numpy: loaded only here)
 
     p = Path(path).expanduser()
     if not p.exists():

@@ -1,17 +1,19 @@
 """The live progress line of a run: step/total, reward, eval accuracy, tokens/s, staleness,
 versions per rollout, ETA. Shown by `laminar run` and by the demo (python -m laminar.demo).
 
-    progress = Progress(run_dir, "laminar", t0=time.time(), every_s=5.0)
+    status = functools.partial(fetch_status, cfg, timeout=0.5)   # laminar/launch/status.py
+    progress = Progress(run_dir, "laminar", time.time(), 5.0, total_steps=40, status=status)
     while running:
         progress.tick()              # prints at most every every_s seconds
     progress.tick(final=True)
 
-    [laminar   42s] step   12/20  reward 0.412  eval 0.531  tok/s    1234  staleness 0.80 (max 2)  ETA 28s  rollouts(v/running) 0:v11/8 1:v12/7
+    [laminar   42s] step   12/20  reward 0.412  eval 0.531  tok/s    1234  staleness 0.80 (max 2)
+    ETA 28s  rollouts(v/running) 0:v11/8 1:v12/7        (one line: cut here to fit the page)
 
 Reads what the trainer appends to run_dir/metrics.jsonl (only the new bytes each tick;
 keys merge across lines, so an eval line does not hide the step's reward) and asks the
-manager for the rollouts' versions (a 0.5 s deadline; nothing shown while the cluster
-starts or stops). The run's config comes from run_dir/config.yaml unless one is given.
+manager for the rollouts' versions through `status` (nothing shown while the cluster starts
+or stops, or without one).
 On a terminal the line overwrites itself (unless other output shares it); otherwise one
 line per tick.
 """
@@ -23,11 +25,12 @@ import math
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-if TYPE_CHECKING:  # config loads lazily: the demo may tick before config.yaml exists
-    from laminar.config import LaminarConfig
+if TYPE_CHECKING:
+    from laminar.protocol.manager import StatusReply
 
 
 def _num(m: dict[str, Any], key: str) -> float:
@@ -53,11 +56,15 @@ class Progress:
         label: str,
         t0: float,
         every_s: float = 5.0,
-        cfg: LaminarConfig | None = None,
+        *,
+        total_steps: int | None = None,
+        status: Callable[[], StatusReply] | None = None,
         stream: TextIO | None = None,
         overwrite: bool | None = None,
     ) -> None:
-        """overwrite: redraw one line with a carriage return (default: when the stream is a
+        """total_steps: trainer.total_steps (shown as step/total, and the ETA). status: asks the
+        manager (short deadline; it may raise while the cluster starts or stops).
+        overwrite: redraw one line with a carriage return (default: when the stream is a
         terminal); False where other output shares the terminal (`laminar run` copies the
         nodes' logs there), so each tick is a line of its own."""
         self.run_dir, self.label, self.t0, self.every_s = Path(run_dir), label, t0, every_s
@@ -69,17 +76,7 @@ class Progress:
         self._pos = 0
         self._first: tuple[int, float] | None = None  # (step, time) of the first step line
         self._latest: tuple[int, float] | None = None
-        self._cfg = cfg
-
-    def _config(self) -> LaminarConfig | None:
-        if self._cfg is None:
-            path = self.run_dir / "config.yaml"
-            if not path.exists():
-                return None
-            from laminar.config import load_config
-
-            self._cfg = load_config(path)
-        return self._cfg
+        self.total_steps, self.status = total_steps, status
 
     def read_metrics(self) -> None:
         path = self.run_dir / "metrics.jsonl"
@@ -113,13 +110,10 @@ class Progress:
         return (total - s1) * (t1 - t0) / (s1 - s0)
 
     def _versions(self) -> str:
-        cfg = self._config()
-        if cfg is None:
+        if self.status is None:
             return ""
         try:
-            from laminar.launch import fetch_status
-
-            reply = fetch_status(cfg, timeout=0.5)
+            reply = self.status()
         except Exception:  # the cluster is starting or stopping: no table this time
             return ""
         rows = sorted((e.node_id, e.status) for e in reply.nodes if e.role == "rollout" and e.alive)
@@ -134,8 +128,7 @@ class Progress:
         head = f"[{self.label} {now - self.t0:5.0f}s] "
         if "step" not in m:
             return head + "starting nodes ..."
-        cfg = self._cfg
-        total = cfg.trainer.total_steps if cfg is not None else None
+        total = self.total_steps
         text = head + f"step {int(m['step']):4d}" + (f"/{total}" if total else "")
         text += f"  reward {_num(m, 'reward'):.3f}"
         if "eval/accuracy" in m:
@@ -151,7 +144,6 @@ class Progress:
         if not final and now - self.last_print < self.every_s:
             return
         self.last_print = now
-        self._config()
         self.read_metrics()
         text = self.line(now)
         if not final:

@@ -11,8 +11,12 @@ and validation lines with eval/*), completions.jsonl (sampled completions) and c
     trainer tokens/s
     staleness at consumption (mean and max per step)
 
-summary.md gives the headline figures and a few completions of the last step. The demo
-(laminar/demo/report.py) uses the readers and averaging below for its own report.
+summary.md gives the headline figures and a few completions of the last step.
+
+This is the one report module: `write_outputs` writes report.png (a grid of panels),
+summary.json and summary.md for any caller. The demos (laminar/demo/results.py,
+laminar/demo/tooldemo/results.py) pass their own panels and summary lines in, and use the
+readers and averaging below; nothing here knows about them.
 """
 
 from __future__ import annotations
@@ -21,8 +25,12 @@ import json
 import math
 import statistics
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+Panel = Callable[[Any], None]
+"""Draws one subplot on the matplotlib Axes it is given."""
 
 _WINDOW = 8
 """Trailing-mean window of the reward curve (one batch's reward swings with its prompt mix)."""
@@ -143,96 +151,136 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     }
 
 
-def plot(run_dir: Path, out: Path | None = None) -> Path:
-    """Draw report.png (or `out`); panels with no data say so instead of staying blank."""
+def draw(
+    out: Path,
+    grid: Sequence[Sequence[Panel]],
+    *,
+    title: str = "",
+    size: tuple[float, float] = (13.0, 11.0),
+    dpi: int = 90,
+    sharex: Literal["none", "all", "row", "col"] | bool = False,
+) -> Path:
+    """Draw `grid` (rows of panels) into one figure at `out`."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    cols = max(len(row) for row in grid)
+    fig, ax = plt.subplots(len(grid), cols, figsize=size, sharex=sharex, squeeze=False)
+    for i, row in enumerate(grid):
+        for j, panel in enumerate(row):
+            panel(ax[i][j])
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out, dpi=dpi)
+    plt.close(fig)
+    return out
+
+
+def write_outputs(
+    run_dir: Path,
+    summary: dict[str, Any],
+    md: str,
+    grid: Sequence[Sequence[Panel]],
+    **figure: Any,
+) -> tuple[Path, Path]:
+    """summary.json (NaN as null), summary.md, then report.png (`draw(..., **figure)`) in
+    run_dir; returns (png, md). The figure comes last: without matplotlib the numbers stay."""
+    (run_dir / "summary.json").write_text(json.dumps(_finite(summary), indent=2, default=str))
+    md_path = run_dir / "summary.md"
+    md_path.write_text(md)
+    return draw(run_dir / "report.png", grid, **figure), md_path
+
+
+def _no_data(p: Any) -> None:
+    where = {"ha": "center", "va": "center", "transform": p.transAxes, "color": "gray"}
+    p.text(0.5, 0.5, "no data in metrics.jsonl", **where)
+
+
+def run_panels(run_dir: Path) -> list[list[Panel]]:
+    """The generic report's panels: reward and eval accuracy, throughput, staleness (rows),
+    each against trainer step and wall-clock (columns); a panel with no data says so."""
     metrics = read_metrics(run_dir)
     steps = [m for m in metrics if "reward" in m]
     evals = [m for m in metrics if "eval/accuracy" in m and m["eval/accuracy"] is not None]
     t0 = _start_time(run_dir, metrics)
-    name = _config(run_dir).get("name") or run_dir.name
-    fig, ax = plt.subplots(3, 2, figsize=(13, 11), sharex="col")
-    for col, (xlabel, xof) in enumerate(
-        [("trainer step", lambda m: m["step"]), ("wall-clock (s)", lambda m: m["time"] - t0)]
-    ):
+
+    def column(xlabel: str, xof: Callable[[dict[str, Any]], float]) -> list[Panel]:
         xs = [xof(m) for m in steps]
-        # 1. reward and eval accuracy
-        a = ax[0, col]
-        rw = [_num(m, "reward") for m in steps]
-        if steps:
-            a.plot(xs, rw, color="tab:blue", alpha=0.25, lw=0.8, label="batch reward")
-            a.plot(
-                xs,
-                rolling(rw, _WINDOW),
-                color="tab:blue",
-                lw=1.6,
-                label=f"batch reward (mean of {_WINDOW})",
-            )
-        if evals:
-            a.plot(
-                [xof(m) for m in evals],
-                [m["eval/accuracy"] for m in evals],
-                "o-",
-                color="tab:green",
-                lw=1.4,
-                label="eval accuracy (greedy, data.eval)",
-            )
-        a.set_ylabel("reward / accuracy")
-        a.set_title(f"Reward and eval accuracy vs {xlabel.split(' (')[0]}")
-        # 2. throughput
-        b = ax[1, col]
-        if steps:
-            b.plot(xs, [_num(m, "tokens_per_s") for m in steps], color="tab:purple", lw=1.2)
-        b.set_ylabel("trainer tokens/s")
-        b.set_title("Trainer throughput (tokens per second of compute)")
-        # 3. staleness
-        c = ax[2, col]
-        if steps:
-            c.plot(
-                xs,
-                [_num(m, "staleness") for m in steps],
-                color="tab:orange",
-                lw=1.2,
-                label="mean staleness of the batch",
-            )
-            c.step(
-                xs,
-                [_num(m, "staleness_max") for m in steps],
-                where="mid",
-                color="tab:red",
-                lw=1.0,
-                alpha=0.7,
-                label="max staleness",
-            )
-        c.set_ylabel("versions behind")
-        c.set_xlabel(xlabel)
-        c.set_title("Staleness at consumption (trainer version - trajectory version)")
-        for p in (a, b, c):
-            p.grid(alpha=0.3)
-            if not steps and not (p is a and evals):
-                p.text(
-                    0.5,
-                    0.5,
-                    "no data in metrics.jsonl",
-                    ha="center",
-                    va="center",
-                    transform=p.transAxes,
-                    color="gray",
+
+        def reward(a: Any) -> None:
+            rw = [_num(m, "reward") for m in steps]
+            if steps:
+                a.plot(xs, rw, color="tab:blue", alpha=0.25, lw=0.8, label="batch reward")
+                label = f"batch reward (mean of {_WINDOW})"
+                a.plot(xs, rolling(rw, _WINDOW), color="tab:blue", lw=1.6, label=label)
+            if evals:
+                a.plot(
+                    [xof(m) for m in evals],
+                    [m["eval/accuracy"] for m in evals],
+                    "o-",
+                    color="tab:green",
+                    lw=1.4,
+                    label="eval accuracy (greedy, data.eval)",
                 )
-        if steps or evals:
-            a.legend(fontsize=8, loc="best")
-        if steps:
-            c.legend(fontsize=8, loc="best")
-    fig.suptitle(f"{name}: {len(steps)} logged steps, {len(evals)} validations")
-    fig.tight_layout()
-    out = out or run_dir / "report.png"
-    fig.savefig(out, dpi=90)
-    plt.close(fig)
-    return out
+            a.set_ylabel("reward / accuracy")
+            a.set_title(f"Reward and eval accuracy vs {xlabel.split(' (')[0]}")
+            a.grid(alpha=0.3)
+            if steps or evals:
+                a.legend(fontsize=8, loc="best")
+            else:
+                _no_data(a)
+
+        def throughput(b: Any) -> None:
+            if steps:
+                b.plot(xs, [_num(m, "tokens_per_s") for m in steps], color="tab:purple", lw=1.2)
+            else:
+                _no_data(b)
+            b.set_ylabel("trainer tokens/s")
+            b.set_title("Trainer throughput (tokens per second of compute)")
+            b.grid(alpha=0.3)
+
+        def staleness(c: Any) -> None:
+            if steps:
+                c.plot(
+                    xs,
+                    [_num(m, "staleness") for m in steps],
+                    color="tab:orange",
+                    lw=1.2,
+                    label="mean staleness of the batch",
+                )
+                c.step(
+                    xs,
+                    [_num(m, "staleness_max") for m in steps],
+                    where="mid",
+                    color="tab:red",
+                    lw=1.0,
+                    alpha=0.7,
+                    label="max staleness",
+                )
+                c.legend(fontsize=8, loc="best")
+            else:
+                _no_data(c)
+            c.set_ylabel("versions behind")
+            c.set_xlabel(xlabel)
+            c.set_title("Staleness at consumption (trainer version - trajectory version)")
+            c.grid(alpha=0.3)
+
+        return [reward, throughput, staleness]
+
+    by_step = column("trainer step", lambda m: m["step"])
+    by_time = column("wall-clock (s)", lambda m: m["time"] - t0)
+    return [list(row) for row in zip(by_step, by_time, strict=True)]
+
+
+def run_title(run_dir: Path) -> str:
+    metrics = read_metrics(run_dir)
+    steps = sum(1 for m in metrics if "reward" in m)
+    evals = sum(1 for m in metrics if m.get("eval/accuracy") is not None)
+    name = _config(run_dir).get("name") or run_dir.name
+    return f"{name}: {steps} logged steps, {evals} validations"
 
 
 def _finite(value: Any) -> Any:
@@ -244,10 +292,11 @@ def _finite(value: Any) -> Any:
     return value
 
 
-def _fmt(v: Any, fmt: str = "{:.3f}") -> str:
+def fmt(v: Any, spec: str = "{:.3f}", missing: str = "n/a") -> str:
+    """A figure for a summary table; None and NaN read `missing`."""
     if v is None or (isinstance(v, float) and not math.isfinite(v)):
-        return "n/a"
-    return fmt.format(v)
+        return missing
+    return spec.format(v)
 
 
 def _cell(text: Any, limit: int = 160) -> str:
@@ -256,13 +305,15 @@ def _cell(text: Any, limit: int = 160) -> str:
     return s.replace("|", "\\|").replace("\n", " ⏎ ")
 
 
-def summary_md(s: dict[str, Any], completions: list[dict[str, Any]]) -> str:
+def summary_md(
+    s: dict[str, Any], completions: list[dict[str, Any]], extra_lines: Sequence[str] = ()
+) -> str:
     ev0, ev1 = s["eval_first"], s["eval_last"]
 
     def ev(e: dict[str, Any] | None) -> str:
         if e is None:
             return "n/a"
-        return f"{_fmt(e['accuracy'])} (step {e['step']}, {_fmt(e.get('n'), '{:.0f}')} prompts)"
+        return f"{fmt(e['accuracy'])} (step {e['step']}, {fmt(e.get('n'), '{:.0f}')} prompts)"
 
     lines = [
         f"# Run summary: {s.get('name') or Path(s['run_dir']).name}",
@@ -273,15 +324,17 @@ def summary_md(s: dict[str, Any], completions: list[dict[str, Any]]) -> str:
         "| figure | value |",
         "|---|---|",
         f"| trainer steps | {s['steps']} / {s.get('total_steps') or '?'} |",
-        f"| wall-clock (config written to last metrics line) | {_fmt(s['wall_clock_s'], '{:.0f}')} s |",
+        f"| wall-clock (config written to last metrics line) | {fmt(s['wall_clock_s'], '{:.0f}')}"
+        " s |",
         f"| batch reward, mean of the first → last {s['reward_window_steps']} steps | "
-        f"{_fmt(s['reward_first'])} → {_fmt(s['reward_last'])} |",
+        f"{fmt(s['reward_first'])} → {fmt(s['reward_last'])} |",
         f"| eval accuracy, first → last validation | {ev(ev0)} → {ev(ev1)} |",
-        f"| best eval accuracy | {_fmt(s['eval_best'])} |",
-        f"| trainer tokens/s (median over steps) | {_fmt(s['tokens_per_s_median'], '{:.0f}')} |",
-        f"| step time (mean) | {_fmt(s['step_s_mean'], '{:.2f}')} s |",
-        f"| staleness mean / max | {_fmt(s['staleness_mean'], '{:.2f}')} / {s['staleness_max']} |",
+        f"| best eval accuracy | {fmt(s['eval_best'])} |",
+        f"| trainer tokens/s (median over steps) | {fmt(s['tokens_per_s_median'], '{:.0f}')} |",
+        f"| step time (mean) | {fmt(s['step_s_mean'], '{:.2f}')} s |",
+        f"| staleness mean / max | {fmt(s['staleness_mean'], '{:.2f}')} / {s['staleness_max']} |",
         f"| trajectories dropped by the trainer | {s['dropped']} |",
+        *extra_lines,
     ]
     train = [c for c in completions if not c.get("eval")]
     if train:
@@ -294,7 +347,7 @@ def summary_md(s: dict[str, Any], completions: list[dict[str, Any]]) -> str:
             "|---|---|---|---|",
         ]
         lines += [
-            f"| {c.get('version')} | {_fmt(c.get('reward'))} | {_cell(c.get('prompt'))} | "
+            f"| {c.get('version')} | {fmt(c.get('reward'))} | {_cell(c.get('prompt'))} | "
             f"{_cell(c.get('completion'))} |"
             for c in train
             if c.get("step") == last
@@ -310,7 +363,7 @@ def summary_md(s: dict[str, Any], completions: list[dict[str, Any]]) -> str:
             "|---|---|---|---|",
         ]
         lines += [
-            f"| {_fmt(c.get('reward'))} | {_cell(c.get('prompt'))} | {_cell(c.get('completion'))} | "
+            f"| {fmt(c.get('reward'))} | {_cell(c.get('prompt'))} | {_cell(c.get('completion'))} | "
             f"{_cell(c.get('answer'))} |"
             for c in evals
             if c.get("step") == last
@@ -318,15 +371,21 @@ def summary_md(s: dict[str, Any], completions: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_report(run_dir: str | Path) -> tuple[Path, Path]:
-    """report.png, summary.md and summary.json in run_dir; returns (png, md)."""
+def write_report(
+    run_dir: str | Path,
+    extra_panels: Sequence[Panel] = (),
+    extra_lines: Sequence[str] = (),
+) -> tuple[Path, Path]:
+    """report.png, summary.md and summary.json in run_dir; returns (png, md). A caller's
+    `extra_panels` make one more row of the figure, `extra_lines` more rows of the table."""
     run_dir = Path(run_dir)
     s = summarize(run_dir)
-    png = plot(run_dir)
-    md = run_dir / "summary.md"
-    md.write_text(summary_md(s, read_jsonl(run_dir / "completions.jsonl")))
-    (run_dir / "summary.json").write_text(json.dumps(_finite(s), indent=2, default=str))
-    return png, md
+    md = summary_md(s, read_jsonl(run_dir / "completions.jsonl"), extra_lines)
+    grid = run_panels(run_dir) + ([list(extra_panels)] if extra_panels else [])
+    figure = {"title": run_title(run_dir), "size": (13.0, 11.0 * len(grid) / 3)}
+    # a caller's row has x axes of its own
+    sharex: Literal["col"] | bool = False if extra_panels else "col"
+    return write_outputs(run_dir, s, md, grid, sharex=sharex, **figure)
 
 
 def report_main(run_dir: str) -> int:

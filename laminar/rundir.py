@@ -30,7 +30,8 @@ RunState = Literal["new", "unfinished", "finished"]
 
 
 class RunDirError(ConfigError):
-    """The run directory is in a state the command cannot go on from; the message gives the options."""
+    """The run directory is in a state the command cannot go on from; the message gives the
+    options."""
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,13 @@ from typing import Any
 
 from laminar.logs import get_logger
 
+EXIT_OK = 0
+"""The trainer finished (total_steps, or the data ran out), or there was nothing left to train."""
+EXIT_FAILED = 1
+"""A node crashed or stopped by itself before the trainer finished, or would not stop."""
+EXIT_USAGE = 2
+"""Nothing started: a config error, a missing input, or a run directory that needs a choice."""
+# stopped by a signal: 128 + its number (130 for Ctrl-C, 143 for SIGTERM), as shells report it
 EXIT_PERMANENT = 3
 """Exit code of a node process whose failure a restart cannot fix (a PermanentFailure): the
 process supervisors (laminar/children.py, launchers/host_daemons.sh) give up at once."""

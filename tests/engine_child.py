@@ -1,8 +1,9 @@
-"""Processes for tests/test_engine_start.py: a rollout-like process, its engine, the engine's worker.
+"""Processes for tests/test_engine_start.py: a rollout-like process, its engine, the engine's
+worker.
 
-    python tests/engine_child.py rollout node|bare   # prints "PIDS <engine pid> <worker pid>", then runs
-    python tests/engine_child.py engine              # (started by the rollout) prints the same line
-    python tests/engine_child.py worker              # (started by the engine) prints "PIDS <pid>"
+    python tests/engine_child.py rollout node|bare  # prints "PIDS <engine pid> <worker pid>", runs
+    python tests/engine_child.py engine             # (started by the rollout) prints the same line
+    python tests/engine_child.py worker             # (started by the engine) prints "PIDS <pid>"
 
 The shape of vLLM on CPU: rollout -> EngineCore -> worker. The engine imports
 laminar.engines.vllm_ext, whose import-time hook ties it to the rollout (LAMINAR_ENGINE_PARENT);

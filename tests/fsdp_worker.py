@@ -20,6 +20,7 @@ import torch  # noqa: E402
 
 from laminar.trainer.dist import init_distributed  # noqa: E402
 from laminar.trainer.follower import follow  # noqa: E402
+from laminar.trainer.node import trainer_settings  # noqa: E402
 from laminar.trainer.policy import Policy  # noqa: E402
 from tests.test_trainer import make_cfg, make_trajs  # noqa: E402
 
@@ -28,7 +29,7 @@ def main() -> None:
     model, out = sys.argv[1], Path(sys.argv[2])
     ctx = init_distributed("cpu")
     cfg = make_cfg(model, out / "run", micro_batch_tokens=48)
-    policy = Policy(cfg, model, ctx)
+    policy = Policy(trainer_settings(cfg), model, ctx)
     if not ctx.is_main:
         follow(policy, ctx, out / "run", keep=2)
         policy.close()

@@ -416,7 +416,8 @@ def make_keys(keys_dir: Path, roles: str = "manager,buffer,relay,trainer,rollout
 
 
 def node_cmd(role: str, config: Path, index: int = 0, count: int = 1, *overrides: str) -> list[str]:
-    """`laminar node --role ROLE --index I --count N --config F [k=v ...]` (launchers' argument order)."""
+    """`laminar node --role ROLE --index I --count N --config F [k=v ...]` (launchers' argument
+    order)."""
     import sys
 
     return [

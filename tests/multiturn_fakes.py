@@ -186,7 +186,8 @@ class ScriptedEnv(Environment):
 
 
 def expected_episode(uid: str, turns: int, calls: int = 1) -> tuple[list[int], list[int]]:
-    """(response ids, loss mask) of an uninterrupted episode of ScriptedEnv with tools that all succeed."""
+    """(response ids, loss mask) of an uninterrupted episode of ScriptedEnv with tools that all
+    succeed."""
     ids: list[int] = []
     mask: list[int] = []
     for t in range(turns):

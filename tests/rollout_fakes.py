@@ -34,13 +34,13 @@ import numpy as np
 from laminar.config import config_from_dict
 from laminar.engines.base import Engine, EngineStats, GenRequest, PartialState, TokenEvent
 from laminar.manager.node import ManagerNode
-from laminar.protocol.buffer import PromptReply, PromptRequest, TrajectoryAbandoned
-from laminar.protocol.core import Ack
+from laminar.node import socket_options
+from laminar.protocol.buffer import PromptReply, PromptRequest, TrajectoryAbandoned, TrajectoryAck
 from laminar.protocol.data import PartialBatch, PartialChunk, PromptItem, Trajectory
 from laminar.rollout.node import RolloutNode
 from laminar.supervise import Spawn, detached_spawn
 from laminar.transport.server import RpcServer
-from laminar.transport.sockets import SocketOptions, new_context
+from laminar.transport.sockets import new_context
 
 
 def fake_token(uid: str, i: int, vocab: int = 50) -> int:
@@ -188,7 +188,8 @@ class FakeBufferState:
     requests: list[PromptRequest] = field(default_factory=list)
     last_reply: dict[str, tuple[str, list[PromptItem]]] = field(default_factory=dict)
     stall_next_reply_s: float = 0.0
-    """Serve the next request, then answer only after this long (the rollout times out and retries)."""
+    """Serve the next request, then answer only after this long (the rollout times out and
+    retries)."""
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -260,18 +261,18 @@ class FakeBuffer:
             return
         rec["ids"].extend(int(t) for t in token_ids)
 
-    def _trajectory(self, peer: Any, msg: Trajectory) -> Ack:
+    def _trajectory(self, peer: Any, msg: Trajectory) -> TrajectoryAck:
         st = self.state
         st.arrivals[msg.uid] += 1
         st.stored.setdefault(msg.uid, msg)
         st.partials.pop(msg.uid, None)
         st.changed.set()
-        return Ack()
+        return TrajectoryAck()
 
-    def _abandoned(self, peer: Any, msg: TrajectoryAbandoned) -> Ack:
+    def _abandoned(self, peer: Any, msg: TrajectoryAbandoned) -> TrajectoryAck:
         self.state.abandoned[msg.uid] = msg
         self.state.changed.set()
-        return Ack()
+        return TrajectoryAck()
 
 
 # ---- harness: manager + fake buffer + rollouts over inproc -------------------------------
@@ -319,7 +320,7 @@ class Harness:
         self.cfg = cfg
         self.ctx = new_context()
         self.state = FakeBufferState(prompts=list(items))
-        opts = SocketOptions.from_config(cfg)
+        opts = socket_options(cfg)
         self.buffer = FakeBuffer(self.ctx, cfg.endpoint("buffer"), self.state, opts)
         self.manager = ManagerNode(cfg, ctx=self.ctx)
         self.rollouts: list[RolloutNode] = []
@@ -362,7 +363,8 @@ class Harness:
         self.check()
 
     def check_arrivals(self) -> None:
-        """Stored once each; any extra arrival must be an outbox resend (an ack that came too late)."""
+        """Stored once each; any extra arrival must be an outbox resend (an ack that came too
+        late)."""
         extra = sum(c - 1 for c in self.state.arrivals.values())
         resends = sum(r.outbox.stats["retries"] for r in self.rollouts)
         assert extra <= resends, f"{extra} duplicate arrivals but only {resends} resends"

@@ -2,7 +2,7 @@
 
     cfg = sim_config(tmp_path, mode="sync", rollouts=3, total_steps=6)   # sim engines, sim trainer
     async with LocalCluster(cfg) as cluster: ...
-    steps = consumed(cfg)           # trainer run_dir/consumed.jsonl: [{"step", "version", "uids"}, ...]
+    steps = consumed(cfg)           # trainer run_dir/consumed.jsonl: [{"step", "version", "uids"}]
     metrics = trainer_metrics(cfg)  # trainer run_dir/metrics.jsonl (per-step staleness histograms)
 
 No model, no tokenizer: prompts are byte ids, rewards a uid hash, and the sim trainer's step
@@ -131,7 +131,8 @@ def staleness_hist(metrics: list[dict[str, Any]]) -> dict[int, int]:
 async def wait_for(
     cond: Any, timeout: float, what: str, cluster: Any = None, every: float = 0.05
 ) -> float:
-    """Poll `cond` (a state with no event of its own) against a deadline; returns the time it took."""
+    """Poll `cond` (a state with no event of its own) against a deadline; returns the time it
+    took."""
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     while not cond():

@@ -81,9 +81,17 @@ def test_ppo_clip_higher_and_dual_clip_hand_values():
     mask = torch.ones_like(ratio, dtype=torch.bool)
     stats = StatAccumulator()
     loss = ppo_token_loss(
-        ratio.log(), torch.zeros_like(ratio), adv, mask, 0.2, 0.28, 3.0, stats=stats
+        ratio.log(),
+        torch.zeros_like(ratio),
+        adv,
+        mask,
+        clip_low=0.2,
+        clip_high=0.28,
+        dual_clip=3.0,
+        stats=stats,
     )
-    # 1.5,A+ -> clipped at 1.28; 0.5,A+ -> -0.5; 1.0 -> 1; 5.0,A- -> 5 capped by dual clip at 3; 0.5,A- -> 0.8
+    # 1.5,A+ -> clipped at 1.28; 0.5,A+ -> -0.5; 1.0 -> 1; 5.0,A- -> 5 capped by dual clip at 3;
+    # 0.5,A- -> 0.8
     close(loss, [[-1.28, -0.5, 1.0, 3.0, 0.8]])
     out = stats.finalize()
     # the clipped term binds at tokens 0 and 4 only (at token 3 the unclipped -A r is the larger)
@@ -91,7 +99,15 @@ def test_ppo_clip_higher_and_dual_clip_hand_values():
     assert out["frac/clip_high"] == pytest.approx(1 / 5)
     assert out["frac/clip_low"] == pytest.approx(1 / 5)
     assert out["frac/clip_dual"] == pytest.approx(1 / 5)
-    no_dual = ppo_token_loss(ratio.log(), torch.zeros_like(ratio), adv, mask, 0.2, 0.28, None)
+    no_dual = ppo_token_loss(
+        ratio.log(),
+        torch.zeros_like(ratio),
+        adv,
+        mask,
+        clip_low=0.2,
+        clip_high=0.28,
+        dual_clip=None,
+    )
     assert no_dual[0, 3] == pytest.approx(5.0)
 
 
@@ -130,10 +146,12 @@ def test_decoupled_with_behaviour_equal_proximal_is_standard_ppo(mode, level, ag
     logp, prox, adv, mask = _batch()
     s = LossSettings(is_mode=mode, is_level=level, agg=agg, norm_constant=5.0)
     n_tok, n_seq = float(mask.sum()), 3.0
-    dec = policy_loss(logp, prox, prox.clone(), adv, mask, s, n_tok, n_seq)
+    dec = policy_loss(logp, prox, prox.clone(), adv, mask, s, n_tokens=n_tok, n_seqs=n_seq)
     (g_dec,) = torch.autograd.grad(dec, logp)
     std = aggregate(
-        ppo_token_loss(logp, prox, adv, mask, s.clip_low, s.clip_high, s.dual_clip),
+        ppo_token_loss(
+            logp, prox, adv, mask, clip_low=s.clip_low, clip_high=s.clip_high, dual_clip=s.dual_clip
+        ),
         mask,
         agg,
         n_tok,
@@ -186,12 +204,12 @@ def test_very_stale_batch_gives_finite_bounded_gradients():
     logp, prox, adv, mask = _batch(seed=1)
     stale = prox - 30.0  # behaviour logprobs far off: w = e^30 before the guard
     n_tok, n_seq = float(mask.sum()), 3.0
-    on = policy_loss(logp, prox, prox, adv, mask, LossSettings(), n_tok, n_seq)
+    on = policy_loss(logp, prox, prox, adv, mask, LossSettings(), n_tokens=n_tok, n_seqs=n_seq)
     (g_on,) = torch.autograd.grad(on, logp)
     for mode in ("truncate", "mask"):
         for level in ("token", "sequence", "geometric"):
             s = LossSettings(is_mode=mode, is_level=level, is_cap=2.0)
-            loss = policy_loss(logp, prox, stale, adv, mask, s, n_tok, n_seq)
+            loss = policy_loss(logp, prox, stale, adv, mask, s, n_tokens=n_tok, n_seqs=n_seq)
             (g,) = torch.autograd.grad(loss, logp)
             assert torch.isfinite(loss) and torch.isfinite(g).all()
             if (
@@ -201,7 +219,9 @@ def test_very_stale_batch_gives_finite_bounded_gradients():
             else:  # every token is masked: no gradient at all
                 assert torch.count_nonzero(g) == 0
     # the other direction (behaviour far more likely than proximal): weights -> ~0, still finite
-    loss = policy_loss(logp, prox, prox + 30.0, adv, mask, LossSettings(), n_tok, n_seq)
+    loss = policy_loss(
+        logp, prox, prox + 30.0, adv, mask, LossSettings(), n_tokens=n_tok, n_seqs=n_seq
+    )
     (g,) = torch.autograd.grad(loss, logp)
     assert torch.isfinite(g).all() and g.abs().max() < 1e-6
 
@@ -213,7 +233,15 @@ def test_non_finite_behaviour_logprobs_are_masked_and_counted():
     behav[2, 1] = float("nan")
     stats = StatAccumulator()
     loss = policy_loss(
-        logp, prox, behav, adv, mask, LossSettings(), float(mask.sum()), 3.0, stats=stats
+        logp,
+        prox,
+        behav,
+        adv,
+        mask,
+        LossSettings(),
+        n_tokens=float(mask.sum()),
+        n_seqs=3.0,
+        stats=stats,
     )
     (g,) = torch.autograd.grad(loss, logp)
     assert torch.isfinite(loss) and torch.isfinite(g).all()
@@ -240,7 +268,7 @@ def test_gspo_ratio_is_the_geometric_mean_and_its_gradient_is_the_sequence_gradi
         dual_clip=None,
         is_mode="none",
     )
-    loss = policy_loss(logp, prox, prox, adv, mask, s, float(mask.sum()), 3.0)
+    loss = policy_loss(logp, prox, prox, adv, mask, s, n_tokens=float(mask.sum()), n_seqs=3.0)
     (g,) = torch.autograd.grad(loss, logp)
     seq = torch.stack([torch.exp((logp[i][mask[i]] - prox[i][mask[i]]).mean()) for i in range(3)])
     direct = -(adv[:, 0] * seq).sum() / 3
@@ -256,10 +284,12 @@ def test_k3_kl_and_entropy_terms():
     zero = torch.zeros(1, 2)
     ent = T([[1.0, 3.0]])
     s = LossSettings(kl_coef=0.5, entropy_coef=0.1, is_mode="none")
-    loss = policy_loss(logp, zero, zero, zero, mask, s, 2, 1, ref_logp=ref, entropy=ent)
+    loss = policy_loss(
+        logp, zero, zero, zero, mask, s, n_tokens=2, n_seqs=1, ref_logp=ref, entropy=ent
+    )
     assert loss.item() == pytest.approx(0.5 * (2 - math.log(2) - 1) / 2 - 0.1 * 2.0)
     with pytest.raises(ValueError, match="reference"):
-        policy_loss(logp, zero, zero, zero, mask, s, 2, 1, entropy=ent)
+        policy_loss(logp, zero, zero, zero, mask, s, n_tokens=2, n_seqs=1, entropy=ent)
 
 
 # ---- metrics ------------------------------------------------------------------------------------

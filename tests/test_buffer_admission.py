@@ -1,5 +1,5 @@
-"""Admission rules and batch planning (pure): modes, the Hall bound, EDF planning, and a randomized check
-that no consumed trajectory is staler than the bound.
+"""Admission rules and batch planning (pure): modes, the Hall bound, EDF planning, and a randomized
+check that no consumed trajectory is staler than the bound.
 
     .venv/bin/python -m pytest tests/test_buffer_admission.py -q
 """
@@ -11,8 +11,16 @@ import random
 import numpy as np
 import pytest
 
-from laminar.buffer.admission import Admission, GroupInfo, admit, hall_room, plan_batch
 from laminar.buffer.experience import ExperienceState
+from laminar.buffer.records import (
+    BatchCommitted,
+    BatchServed,
+    GroupsServed,
+    MemberAbandoned,
+    ServedGroup,
+    TrajectoryAccepted,
+)
+from laminar.modes import Admission, GroupInfo, admit, hall_room, plan_batch
 from laminar.protocol.data import PromptItem, Trajectory
 
 B = 2
@@ -171,7 +179,8 @@ def _traj(gid: str, i: int, version: int, reward: float | None) -> Trajectory:
 
 
 def full_plan(st: ExperienceState, want: int, batch_version: int, final: bool = False):
-    """The planner over every unconsumed group, which ExperienceState.plan skips when too few are ready."""
+    """The planner over every unconsumed group, which ExperienceState.plan skips when too few are
+    ready."""
     groups = st.unconsumed()
     infos = [
         GroupInfo(
@@ -196,7 +205,8 @@ def full_plan(st: ExperienceState, want: int, batch_version: int, final: bool = 
 def simulate(
     mode: str, bound: int | None, seed: int, steps: int = 25, n: int = 2, rollouts: int = 4
 ) -> dict:
-    """Rollouts that lag and refresh at random, long-tailed completion, a trainer that commits at once."""
+    """Rollouts that lag and refresh at random, long-tailed completion, a trainer that commits at
+    once."""
     a = Admission.for_mode(mode, B, bound)
     st = ExperienceState(group_size=n, lost_member_policy="release_partial", admission=a)
     rng = random.Random(seed)
@@ -226,18 +236,15 @@ def simulate(
                 gid = f"g{serial}"
                 serial += 1
                 item = PromptItem(uid=gid, group_id=gid, prompt_ids=np.zeros(1, np.int32), n=n)
-                st.apply(
-                    "served",
-                    {"groups": [{"group_id": gid, "n": n, "version": versions[r], "item": 0}]},
-                    [item],
-                )
+                st.apply(GroupsServed([ServedGroup(gid, gid, n, versions[r], item=item)]))
                 inflight += [(gid, i, versions[r]) for i in range(n)]
         elif x < 0.8 and inflight:
             gid, i, v = inflight.pop(rng.randrange(len(inflight)))  # any sample may be the slow one
             if rng.random() < 0.05:
-                st.apply("abandon", {"group_id": gid, "sample_index": i})
+                st.apply(MemberAbandoned(gid, i))
             else:
-                st.apply("traj", {}, [_traj(gid, i, v, None if rng.random() < 0.05 else 1.0)])
+                reward = None if rng.random() < 0.05 else 1.0
+                st.apply(TrajectoryAccepted(_traj(gid, i, v, reward)))
         else:
             bv = max(trainer, st.next_version)
             plan = st.plan(B, bv, final=False)
@@ -253,9 +260,9 @@ def simulate(
             }
             assert not plan.expired and not plan.doomed, f"admission let groups expire: {plan}"
             if plan.take:
-                st.apply("batch", {"batch_id": f"b{bv}", "version": bv, "group_ids": plan.take})
+                st.apply(BatchServed(f"b{bv}", bv, plan.take))
                 consumed += [bv - t.version for t in st.batch_trajectories(st.batches[f"b{bv}"])]
-                st.apply("commit", {"batch_id": f"b{bv}", "step": bv, "version": bv + 1})
+                st.apply(BatchCommitted(f"b{bv}", bv, bv + 1))
                 trainer = bv + 1
     return {"steps": trainer, "max": max(consumed, default=0), "consumed": len(consumed)}
 

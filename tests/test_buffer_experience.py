@@ -1,4 +1,5 @@
-"""Experience state machine: group release, dedup, lost-member policies, batches, commits, snapshots.
+"""Experience state machine: group release, dedup, lost-member policies, batches, commits,
+snapshots.
 
 .venv/bin/python -m pytest tests/test_buffer_experience.py -q
 """
@@ -7,9 +8,20 @@ from __future__ import annotations
 
 import numpy as np
 
-from laminar.buffer.admission import Admission
 from laminar.buffer.experience import ExperienceState
 from laminar.buffer.journal import decode_record, encode_record
+from laminar.buffer.records import (
+    BatchCommitted,
+    BatchesRequeued,
+    BatchServed,
+    GroupsDropped,
+    GroupsServed,
+    MemberAbandoned,
+    PoolCursor,
+    ServedGroup,
+    TrajectoryAccepted,
+)
+from laminar.modes import Admission
 from laminar.protocol.data import PromptItem, Trajectory
 
 N = 3
@@ -31,16 +43,8 @@ def serve(st: ExperienceState, *gids: str, version: int = 0, rollout: str = "r0"
         PromptItem(uid="u-" + g, group_id=g, prompt_ids=np.arange(2, dtype=np.int32), n=N)
         for g in gids
     ]
-    st.apply(
-        "served",
-        {
-            "rollout_id": rollout,
-            "groups": [
-                {"group_id": g, "n": N, "version": version, "item": i} for i, g in enumerate(gids)
-            ],
-        },
-        items,
-    )
+    groups = [ServedGroup(it.group_id, it.uid, N, version, item=it) for it in items]
+    st.apply(GroupsServed(groups, rollout_id=rollout))
 
 
 def tr(
@@ -63,7 +67,7 @@ def tr(
 def arrive(st: ExperienceState, t: Trajectory) -> str:
     verdict, _ = st.check_trajectory(t)
     if verdict == "ok":
-        st.apply("traj", {}, [t])
+        st.apply(TrajectoryAccepted(t))
     return verdict
 
 
@@ -88,7 +92,7 @@ def test_release_partial_keeps_usable_members():
     arrive(st, tr("g", 0))
     arrive(st, tr("g", 1, reward=None))  # reward failed: lost for good, but stored
     assert st.check_abandoned("g/2", "g")[0] == "ok"
-    st.apply("abandon", {"group_id": "g", "sample_index": 2})
+    st.apply(MemberAbandoned("g", 2))
     grp = st.groups["g"]
     assert grp.state == "ready" and [t.sample_index for t in grp.usable_members()] == [0]
     assert (
@@ -107,7 +111,7 @@ def test_drop_group_policy_drops_at_first_loss():
     st = state("drop_group")
     serve(st, "g")
     arrive(st, tr("g", 0))
-    st.apply("abandon", {"group_id": "g", "sample_index": 1})
+    st.apply(MemberAbandoned("g", 1))
     assert st.closed["g"] == "dropped" and (st.held, st.pending) == (0, 0)
     assert arrive(st, tr("g", 2)) == "late"
 
@@ -120,16 +124,14 @@ def test_batches_commit_requeue_exactly_once():
             arrive(st, tr(gid, i))
     plan = st.plan(2, 0, final=False)
     assert plan.take == ["a", "b"]  # FIFO by completion
-    st.apply("batch", {"batch_id": "B1", "version": 0, "group_ids": plan.take})
+    st.apply(BatchServed("B1", 0, plan.take))
     assert st.plan(2, 1, final=False).take == []  # only "c" is left
-    st.apply("requeue", {"trainer_version": 0})  # the trainer restarted without committing B1
+    st.apply(BatchesRequeued(0))  # the trainer restarted without committing B1
     assert st.plan(2, 0, final=False).take == ["a", "b"]  # back at the front
-    st.apply("batch", {"batch_id": "B2", "version": 0, "group_ids": ["a", "b"]})
-    st.apply(
-        "commit", {"batch_id": "B1", "step": 1, "version": 1}
-    )  # the dead trainer's batch: no effect
+    st.apply(BatchServed("B2", 0, ["a", "b"]))
+    st.apply(BatchCommitted("B1", 1, 1))  # the dead trainer's batch: no effect
     assert st.groups["a"].state == "outstanding"
-    st.apply("commit", {"batch_id": "B2", "step": 1, "version": 1})
+    st.apply(BatchCommitted("B2", 1, 1))
     assert st.closed == {"a": "committed", "b": "committed"} and st.held == N
     assert arrive(st, tr("a", 0)) == "late"
     assert st.consumed_hist.total == 2 * N and st.trainer_version == 1 and st.next_version == 1
@@ -158,24 +160,20 @@ def test_snapshot_rebuilds_the_same_state():
         arrive(st, tr("a", i))
         arrive(st, tr("b", i, version=1))
     arrive(st, tr("c", 0))
-    st.apply("abandon", {"group_id": "c", "sample_index": 2})
-    st.apply("batch", {"batch_id": "B1", "version": 0, "group_ids": ["a"]})
-    st.apply("batch", {"batch_id": "B0", "version": 0, "group_ids": ["b"]})
-    st.apply("commit", {"batch_id": "B0", "step": 0, "version": 1})
-    st.apply("drop", {"group_ids": ["d"], "reason": "expired"})
-    st.apply("served", {"groups": [], "cursor": {"epoch": 2, "pos": 5, "serial": 9, "rows": 10}})
+    st.apply(MemberAbandoned("c", 2))
+    st.apply(BatchServed("B1", 0, ["a"]))
+    st.apply(BatchServed("B0", 0, ["b"]))
+    st.apply(BatchCommitted("B0", 0, 1))
+    st.apply(GroupsDropped(["d"], reason="expired"))
+    st.apply(GroupsServed([], cursor=PoolCursor(epoch=2, pos=5, serial=9, rows=10)))
     again = state()
-    for (
-        kind,
-        body,
-        msgs,
-    ) in st.snapshot():  # through the journal's encoding, as compaction writes it
-        again.apply(*decode_record(encode_record(kind, body, msgs)[8:]))
+    for rec in st.snapshot():  # through the journal's encoding, as compaction writes it
+        again.apply(decode_record(encode_record(rec)[8:]))
     assert again.summary() == st.summary()
     assert again.closed == st.closed and again.cursor == st.cursor
     assert {g: s.state for g, s in again.groups.items()} == {"a": "outstanding", "c": "open"}
     assert again.groups["c"].lost == {2} and again.batches["B0"].state == "committed"
     assert again.finish_hist.counts == st.finish_hist.counts
     assert again.consumed_hist.counts == st.consumed_hist.counts
-    again.apply("commit", {"batch_id": "B1", "step": 1, "version": 2})
+    again.apply(BatchCommitted("B1", 1, 2))
     assert again.closed["a"] == "committed"

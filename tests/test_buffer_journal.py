@@ -11,6 +11,12 @@ import numpy as np
 import pytest
 
 from laminar.buffer.journal import MAGIC, Journal, JournalError, encode_record
+from laminar.buffer.records import (
+    BatchCommitted,
+    GroupsDropped,
+    StateSnapshot,
+    TrajectoryAccepted,
+)
 from laminar.protocol.data import Trajectory
 
 
@@ -27,6 +33,28 @@ def traj(i: int, n_tokens: int = 5) -> Trajectory:
         reward=1.0,
         row={"answer": "x"},
     )
+
+
+def acc(i: int, n_tokens: int = 5) -> TrajectoryAccepted:
+    return TrajectoryAccepted(traj(i, n_tokens))
+
+
+def mark(name: str) -> GroupsDropped:
+    """A small record that carries a name (what the tests look for after a replay)."""
+    return GroupsDropped([name])
+
+
+def names(recs) -> list[str]:
+    """Each record as a word: a mark's name, a trajectory's uid, else the record type."""
+    out = []
+    for r in recs:
+        if isinstance(r, GroupsDropped):
+            out.append(r.group_ids[0])
+        elif isinstance(r, TrajectoryAccepted):
+            out.append(r.trajectory.uid)
+        else:
+            out.append(type(r).__name__)
+    return out
 
 
 def read_all(path, **kw):
@@ -47,20 +75,16 @@ def test_round_trip_with_arrays(tmp_path):
     j, recs = read_all(path)
     assert recs == [] and path.read_bytes() == MAGIC
     for i in range(3):
-        j.append("traj", {"i": i}, [traj(i)])
-    j.append("commit", {"batch_id": "b1", "version": 2})
+        j.append(acc(i))
+    j.append(BatchCommitted("b1", step=1, version=2))
     j.close()
     j2, recs = read_all(path)
-    assert [(k, b) for k, b, _ in recs] == [
-        ("traj", {"i": 0}),
-        ("traj", {"i": 1}),
-        ("traj", {"i": 2}),
-        ("commit", {"batch_id": "b1", "version": 2}),
-    ]
-    t = recs[2][2][0]
+    assert names(recs) == ["g0/0", "g1/0", "g2/0", "BatchCommitted"]
+    assert recs[3] == BatchCommitted("b1", step=1, version=2)
+    t = recs[2].trajectory
     assert isinstance(t, Trajectory) and t.uid == "g2/0" and t.row == {"answer": "x"}
     assert t.response_ids.tolist() == [2, 3, 4, 5, 6] and t.logprobs.dtype == np.float32
-    j2.append("traj", {"i": 3}, [traj(3)])  # appends continue after the last record
+    j2.append(acc(3))  # appends continue after the last record
     j2.close()
     assert len(records(path)) == 5
 
@@ -70,32 +94,32 @@ def test_torn_tail_is_dropped_and_kept_aside(tmp_path, cut):
     path = tmp_path / "j"
     j, _ = read_all(path)
     for i in range(4):
-        j.append("traj", {}, [traj(i)])
+        j.append(acc(i))
     j.close()
     size = path.stat().st_size
     with open(path, "r+b") as f:
         f.truncate(size - cut)  # the last record was being written when the process died
     j2, recs = read_all(path)
-    assert [r[2][0].uid for r in recs] == ["g0/0", "g1/0", "g2/0"]
+    assert names(recs) == ["g0/0", "g1/0", "g2/0"]
     assert j2.stats["torn_bytes"] > 0
     aside = [p for p in os.listdir(tmp_path) if ".corrupt-" in p]
     assert len(aside) == 1
-    j2.append("traj", {}, [traj(9)])
+    j2.append(acc(9))
     j2.close()
-    assert [r[2][0].uid for r in records(path)] == ["g0/0", "g1/0", "g2/0", "g9/0"]
+    assert names(records(path)) == ["g0/0", "g1/0", "g2/0", "g9/0"]
 
 
 def test_bad_checksum_and_garbage_tail(tmp_path):
     path = tmp_path / "j"
     j, _ = read_all(path)
-    j.append("a", {})
-    j.append("b", {})
+    j.append(mark("a"))
+    j.append(mark("b"))
     j.close()
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF  # flip a bit in the last payload
     path.write_bytes(bytes(data) + b"\x00garbage")
     j2, recs = read_all(path)
-    assert [k for k, _, _ in recs] == ["a"]
+    assert names(recs) == ["a"]
     j2.close()
     path.write_bytes(MAGIC + b"\x05\x00")  # a header cut short
     assert records(path) == []
@@ -114,7 +138,7 @@ async def test_fsync_always_waits_for_disk(tmp_path):
     import asyncio
 
     j, _ = read_all(tmp_path / "j", fsync="always")
-    offs = [j.append("traj", {}, [traj(i)]) for i in range(5)]
+    offs = [j.append(acc(i)) for i in range(5)]
     assert j.synced < offs[-1]
     await asyncio.gather(
         *(j.durable(o) for o in offs)
@@ -128,14 +152,14 @@ async def test_fsync_batch_flusher_and_never(tmp_path, wait_until):
 
     j, _ = read_all(tmp_path / "b", fsync="batch", fsync_interval_s=0.01)
     task = asyncio.ensure_future(j.run_flusher())
-    off = j.append("x", {})
+    off = j.append(mark("x"))
     await j.durable(off)  # batch: acked once written to the OS, flushed by the background task
     await wait_until(lambda: j.synced >= off, 5.0, "the batch flusher to fsync")
     assert j.stats["fsyncs"] >= 1
     task.cancel()
     j.close()
     n, _ = read_all(tmp_path / "n", fsync="never")
-    n.append("x", {})
+    n.append(mark("x"))
     await n.durable(n.written)
     assert n.stats["fsyncs"] == 0
     n.close()
@@ -147,13 +171,13 @@ def test_rewrite_replaces_atomically(tmp_path):
     path = tmp_path / "j"
     j, _ = read_all(path)
     for i in range(10):
-        j.append("traj", {}, [traj(i, 100)])
+        j.append(acc(i, 100))
     big = j.size
-    j.rewrite([encode_record("snapshot", {"v": 1}), encode_record("traj", {}, [traj(7)])])
+    j.rewrite([encode_record(StateSnapshot(1, 0)), encode_record(acc(7))])
     assert j.size < big and not (tmp_path / "j.compact").exists()
-    j.append("after", {})
+    j.append(mark("after"))
     j.close()
-    assert [k for k, _, _ in records(path)] == ["snapshot", "traj", "after"]
+    assert names(records(path)) == ["StateSnapshot", "g7/0", "after"]
 
 
 def test_second_writer_is_refused(tmp_path):
@@ -192,15 +216,15 @@ async def test_compaction_runs_off_the_loop_and_keeps_records_appended_meanwhile
     path = tmp_path / "j"
     j, _ = read_all(path, fsync="always")
     for i in range(10):
-        j.append("traj", {}, [traj(i, 100)])
+        j.append(acc(i, 100))
     before_size = j.size
     first = j.written
-    snap = GatedSnapshot([("snapshot", {"v": 1}, []), ("traj", {}, [traj(7)])])
+    snap = GatedSnapshot([StateSnapshot(1, 0), acc(7)])
     task = asyncio.ensure_future(j.compact(snap))
     await _wait_thread_event(snap.started)
     # the snapshot is being encoded on its thread: the loop still appends, acks and fsyncs
     assert j.compacting
-    offs = [j.append("late", {"i": i}, [traj(100 + i)]) for i in range(3)]
+    offs = [j.append(acc(100 + i)) for i in range(3)]
     await j.durable(offs[-1])
     snap.gate.set()
     await asyncio.wait_for(task, 10)
@@ -209,12 +233,10 @@ async def test_compaction_runs_off_the_loop_and_keeps_records_appended_meanwhile
     # offsets handed out before the compaction stay valid: they are already durable
     assert j.written >= offs[-1] > first and j.synced == j.written
     await j.durable(offs[-1])
-    j.append("after", {})
+    j.append(mark("after"))
     j.close()
     recs = records(path)
-    assert [k for k, _, _ in recs] == ["snapshot", "traj", "late", "late", "late", "after"]
-    assert [b["i"] for k, b, _ in recs if k == "late"] == [0, 1, 2]
-    assert recs[3][2][0].uid == "g101/0"
+    assert names(recs) == ["StateSnapshot", "g7/0", "g100/0", "g101/0", "g102/0", "after"]
 
 
 async def test_a_cancelled_compaction_leaves_the_journal_whole(tmp_path):
@@ -223,16 +245,16 @@ async def test_a_cancelled_compaction_leaves_the_journal_whole(tmp_path):
     path = tmp_path / "j"
     j, _ = read_all(path)
     for i in range(5):
-        j.append("traj", {}, [traj(i)])
-    snap = GatedSnapshot([("snapshot", {"v": 1}, [])])
+        j.append(acc(i))
+    snap = GatedSnapshot([StateSnapshot(1, 0)])
     task = asyncio.ensure_future(j.compact(snap))
     await _wait_thread_event(snap.started)
-    j.append("meanwhile", {})
+    j.append(mark("meanwhile"))
     task.cancel()
     snap.gate.set()  # the thread sees the stop between records
     with pytest.raises(asyncio.CancelledError):
         await task
     assert not j.compacting and not (tmp_path / "j.compact").exists()
-    j.append("after", {})
+    j.append(mark("after"))
     j.close()
-    assert [k for k, _, _ in records(path)] == ["traj"] * 5 + ["meanwhile", "after"]
+    assert names(records(path)) == [f"g{i}/0" for i in range(5)] + ["meanwhile", "after"]

@@ -1,11 +1,12 @@
-"""Buffer node over inproc (a manager and a buffer node in this process, RpcClients as rollouts/trainer).
+"""Buffer node over inproc (a manager and a buffer node in this process, RpcClients as
+rollouts/trainer).
 
     .venv/bin/python -m pytest tests/test_buffer_node.py -q
 
-Covers: prompts -> trajectories -> batches -> commits, trainer-crash semantics (requeue, exactly-once,
-also across a buffer restart), back-pressure, the staleness bound with fake rollouts in every mode,
-the partial pool and recovery query, bad input, the prompt cursor across restarts, long-poll wakeup.
-The kill -9 test with real processes is tests/test_buffer_process.py.
+Covers: prompts -> trajectories -> batches -> commits, trainer-crash semantics (requeue,
+exactly-once, also across a buffer restart), back-pressure, the staleness bound with fake rollouts
+in every mode, the partial pool and recovery query, bad input, the prompt cursor across restarts,
+long-poll wakeup. The kill -9 test with real processes is tests/test_buffer_process.py.
 """
 
 from __future__ import annotations
@@ -25,20 +26,23 @@ import pytest
 from laminar.buffer.node import BufferNode
 from laminar.config import config_from_dict
 from laminar.manager.node import ManagerNode
+from laminar.node import socket_options
 from laminar.protocol.buffer import (
     BatchCommit,
     BatchReply,
     BatchRequest,
     BufferStats,
+    BufferStatsRequest,
+    CommitAck,
     PartialsRequest,
     PromptReply,
     PromptRequest,
     TrajectoryAbandoned,
+    TrajectoryAck,
 )
-from laminar.protocol.core import Ack
 from laminar.protocol.data import PartialChunk, PartialTrajectory, PromptItem, Trajectory
 from laminar.transport.client import RpcClient
-from laminar.transport.sockets import RemoteError, SocketOptions, new_context
+from laminar.transport.sockets import RemoteError, new_context
 
 N, B = 2, 2
 
@@ -83,7 +87,8 @@ def make_cfg(tmp: Path, rows: int = 20, transport: str = "inproc", **sections):
 
 
 class Harness:
-    """A manager + a buffer node on one zmq context; clients speak to the buffer like rollouts do."""
+    """A manager + a buffer node on one zmq context; clients speak to the buffer like rollouts
+    do."""
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -116,7 +121,7 @@ class Harness:
         await asyncio.wait_for(self._buffer_task, 10)
 
     async def client(self, name: str, role: str = "rollout") -> RpcClient:
-        opts = SocketOptions.from_config(self.cfg)
+        opts = socket_options(self.cfg)
         cli = RpcClient(self.ctx, self.cfg.endpoint("buffer"), name, role, opts)
         await cli.connect(timeout=5)
         self.clients.append(cli)
@@ -183,7 +188,9 @@ async def complete(
 ) -> None:
     for it in items:
         for i in range(it.n):
-            assert isinstance(await cli.request(finished(it, i, version, tokens=tokens)), Ack)
+            assert isinstance(
+                await cli.request(finished(it, i, version, tokens=tokens)), TrajectoryAck
+            )
 
 
 async def batch(
@@ -202,8 +209,10 @@ def group_ids(reply: BatchReply) -> list[str]:
     return sorted({t.group_id for t in reply.trajectories})
 
 
-async def stats(cli: RpcClient) -> dict:
-    return (await cli.request(BufferStats())).stats
+async def stats(cli: RpcClient) -> BufferStats:
+    reply = await cli.request(BufferStatsRequest())
+    assert isinstance(reply, BufferStats)
+    return reply
 
 
 async def test_prompts_trajectories_batch_commit(harness):
@@ -217,24 +226,24 @@ async def test_prompts_trajectories_batch_commit(harness):
         and bytes(rep.items[0].prompt_ids.tolist()).decode() == rep.items[0].prompt
     )
     empty = await batch(tr, 0)
-    assert empty.trajectories == [] and empty.info["wait"] == "not_enough"
+    assert empty.trajectories == [] and empty.wait == "not_enough"
     await complete(ro, rep.items)
     dup = await ro.request(finished(rep.items[0], 0, 0))
-    assert isinstance(dup, Ack) and dup.info["duplicate"]
+    assert isinstance(dup, TrajectoryAck) and dup.duplicate
     b = await batch(tr, 0)
     assert (
         b.batch_id
         and len(b.trajectories) == B * N
         and group_ids(b) == sorted(it.group_id for it in rep.items[:B])
     )
-    assert b.info["staleness"]["max"] == 0 and b.info["version"] == 0
+    assert b.staleness is not None and b.staleness.max == 0 and b.version == 0
     ack = await tr.request(BatchCommit(batch_id=b.batch_id, step=1, version=1))
-    assert isinstance(ack, Ack) and ack.ok
+    assert isinstance(ack, CommitAck) and ack.ok
     again = await tr.request(BatchCommit(batch_id=b.batch_id, step=1, version=1))
-    assert again.ok and again.info["duplicate"]  # idempotent
+    assert again.ok and again.duplicate  # idempotent
     s = await stats(tr)
-    assert s["groups_committed"] == B and s["held"] == N and s["trajectories"] == 3 * N
-    assert s["staleness_consumed"]["count"] == B * N and s["trainer_version"] == 1
+    assert s.counts["groups_committed"] == B and s.held == N and s.counts["trajectories"] == 3 * N
+    assert s.staleness_consumed.count == B * N and s.trainer_version == 1
     st = h.buffer.status()
     assert st.version == 1 and st.extra["groups_ready"] == 1 and st.extra["held"] == N
 
@@ -248,9 +257,9 @@ async def test_trainer_restart_requeues_and_commits_are_never_served_again(harne
     # the trainer dies before committing; its replacement says restart=True
     second = await batch(tr, 0, restart=True)
     assert group_ids(second) == group_ids(first) and second.batch_id != first.batch_id
-    assert second.info["requeued_groups"] == B
+    assert second.requeued_groups == B
     late = await tr.request(BatchCommit(batch_id=first.batch_id, step=1, version=1))
-    assert late.ok is False and "restart" in late.info["reason"]  # the dead trainer's batch
+    assert late.ok is False and "restart" in late.reason  # the dead trainer's batch
     assert (await tr.request(BatchCommit(batch_id=second.batch_id, step=1, version=1))).ok
     third = await batch(tr, 1)
     assert set(group_ids(third)).isdisjoint(group_ids(second))
@@ -262,15 +271,15 @@ async def test_trainer_restart_requeues_and_commits_are_never_served_again(harne
     assert group_ids(again) == group_ids(third)
     assert (await tr2.request(BatchCommit(batch_id=again.batch_id, step=2, version=2))).ok
     dup = await tr2.request(BatchCommit(batch_id=second.batch_id, step=1, version=1))
-    assert dup.ok and dup.info["duplicate"]
+    assert dup.ok and dup.duplicate
     with pytest.raises(RemoteError, match="unknown_batch"):
         await tr2.request(BatchCommit(batch_id="b-nonexistent", step=3, version=3))
     assert (await batch(tr2, 2)).trajectories == []  # all four groups consumed exactly once
     ro2 = await h.client("r0b")
     resent = await ro2.request(finished(items[0], 0, 0))  # a rollout resending after the restart
-    assert resent.info["ignored"] and not resent.info["duplicate"]
+    assert resent.ignored and not resent.duplicate
     s = await stats(tr2)
-    assert s["groups_committed"] == 4 and s["held"] == 0 and s["batches_requeued"] == 2
+    assert s.counts["groups_committed"] == 4 and s.held == 0 and s.counts["batches_requeued"] == 2
 
 
 async def test_full_buffer_stops_serving_prompts(harness):
@@ -286,7 +295,7 @@ async def test_full_buffer_stops_serving_prompts(harness):
     assert (await prompts(ro, 1)).reason == "full"  # served but uncommitted still counts
     await tr.request(BatchCommit(batch_id=b.batch_id, step=1, version=1))
     assert len((await prompts(ro, 5)).items) == 2
-    assert (await stats(tr))["counters"]["prompts_refused_full"] == 3
+    assert (await stats(tr)).counters["prompts_refused_full"] == 3
 
 
 @pytest.mark.parametrize(
@@ -300,7 +309,8 @@ async def test_full_buffer_stops_serving_prompts(harness):
     ],
 )
 async def test_staleness_bound_with_fake_rollouts(harness, mode, bound, limit):
-    """Rollouts at lagging versions, long-tailed sample times; no consumed trajectory is staler than the bound."""
+    """Rollouts at lagging versions, long-tailed sample times; no consumed trajectory is staler than
+    the bound."""
     h = await harness(rows=200, mode=mode, buffer={"max_staleness": bound})
     trainer_cli = await h.client("t0", "trainer")
     published = {"v": 0}
@@ -332,9 +342,9 @@ async def test_staleness_bound_with_fake_rollouts(harness, mode, bound, limit):
             b = await batch(trainer_cli, v, wait_s=0.5)
             if not b.trajectories:
                 continue
-            seen.extend(b.info["version"] - t.version for t in b.trajectories)
-            assert b.info["staleness"]["max"] <= limit, b.info
-            v = b.info["version"] + 1
+            seen.extend(b.version - t.version for t in b.trajectories)
+            assert b.staleness is not None and b.staleness.max <= limit, b.staleness
+            v = b.version + 1
             await trainer_cli.request(BatchCommit(batch_id=b.batch_id, step=v, version=v))
             published["v"] = v
 
@@ -345,7 +355,7 @@ async def test_staleness_bound_with_fake_rollouts(harness, mode, bound, limit):
     await asyncio.gather(*workers, return_exceptions=True)
     s = await stats(trainer_cli)
     assert len(seen) >= steps * B * N - steps and max(seen) <= limit
-    assert s["staleness_consumed"]["max"] <= limit and s.get("groups_dropped", 0) == 0
+    assert s.staleness_consumed.max <= limit and s.counts.get("groups_dropped", 0) == 0
 
 
 async def test_partial_pool_and_recovery_query(harness):
@@ -382,7 +392,8 @@ async def test_partial_pool_and_recovery_query(harness):
     await ro.send(chunk(2, [3, 4, 5, 6]))  # overlap: only 6 is new
     await ro.send(chunk(4, [5]))  # duplicate
     await ro.send(chunk(9, [9]))  # gap: ignored
-    # asked on the same socket: handled after the one-way chunks before it (one connection is ordered)
+    # asked on the same socket: handled after the one-way chunks before it (one connection is
+    # ordered)
     reply = await ro.request(PartialsRequest(rollout_id="r0"))
     by_uid = {p.uid: p for p in reply.partials}
     assert by_uid[uid].response_ids.tolist() == [1, 2, 3, 4, 5, 6] and by_uid[
@@ -398,13 +409,9 @@ async def test_partial_pool_and_recovery_query(harness):
     )
     assert (await mgr.request(PartialsRequest(rollout_id="r0"))).partials == []
     s = await stats(mgr)
+    assert s.partials["gaps"] == 1 and s.partials["duplicates"] == 1 and s.partials["overlaps"] == 1
     assert (
-        s["partials"]["gaps"] == 1
-        and s["partials"]["duplicates"] == 1
-        and s["partials"]["overlaps"] == 1
-    )
-    assert (
-        s["groups_ready"] == 1 and s["abandoned"] == 1
+        s.counts["groups_ready"] == 1 and s.counts["abandoned"] == 1
     )  # release_partial: released with one member
 
 
@@ -432,8 +439,8 @@ async def test_bad_input_is_rejected_and_counted(harness):
         )
     )
     s = await stats(tr)
-    assert s["counters"]["trajectories_rejected"] == 2 and s["partials"]["unknown"] == 1
-    assert isinstance(await ro.request(finished(item, 0, 0)), Ack)  # still serving
+    assert s.counters["trajectories_rejected"] == 2 and s.partials["unknown"] == 1
+    assert isinstance(await ro.request(finished(item, 0, 0)), TrajectoryAck)  # still serving
 
 
 async def test_prompt_cursor_and_state_survive_restart(harness):
@@ -454,7 +461,7 @@ async def test_prompt_cursor_and_state_survive_restart(harness):
         "1#"
     )  # epoch 1 began
     s = await stats(ro2)
-    assert s["held"] == N and s["groups_ready"] == 1 and s["pending"] == 6 * N
+    assert s.held == N and s.counts["groups_ready"] == 1 and s.pending == 6 * N
 
 
 async def test_long_poll_wakes_when_a_group_completes(harness):
@@ -479,29 +486,23 @@ async def test_journal_compaction_keeps_the_live_state(harness):
     await complete(ro, (await prompts(ro, B + 1)).items, tokens=2000)
     outstanding = await batch(tr, 4)
     before = await stats(tr)
-    assert before["counters"]["compactions"] >= 1
-    assert (
-        before["journal"]["size"] < before["journal"]["bytes"]
-    )  # smaller than everything appended
+    assert before.counters["compactions"] >= 1 and before.journal is not None
+    assert before.journal.size < before.journal.bytes  # smaller than everything appended
     await h.stop_buffer()
     await h.start_buffer()
     tr2 = await h.client("t0b", "trainer")
     after = await stats(tr2)
-    for key in (
-        "held",
-        "groups_ready",
-        "groups_outstanding",
-        "groups_committed",
-        "trajectories",
-        "trainer_version",
-    ):
-        assert after[key] == before[key], key
-    assert after["staleness_consumed"] == before["staleness_consumed"]
-    assert after["prompts"]["serial"] == before["prompts"]["serial"]
+    for key in ("held", "groups_ready", "groups_outstanding", "trainer_version"):
+        assert getattr(after, key) == getattr(before, key), key
+    for key in ("groups_ready", "groups_committed", "trajectories"):
+        assert after.counts[key] == before.counts[key], key
+    assert after.staleness_consumed == before.staleness_consumed
+    assert after.prompts is not None and before.prompts is not None
+    assert after.prompts.serial == before.prompts.serial
     again = await batch(tr2, 4, restart=True)
     assert group_ids(again) == group_ids(outstanding)
     assert (await tr2.request(BatchCommit(batch_id=again.batch_id, step=5, version=5))).ok
-    assert (await stats(tr2))["groups_committed"] == 5 * B
+    assert (await stats(tr2)).counts["groups_committed"] == 5 * B
 
 
 async def test_epochs_done_gives_a_short_last_batch_then_exhausted(harness):
@@ -517,9 +518,9 @@ async def test_epochs_done_gives_a_short_last_batch_then_exhausted(harness):
     assert (await tr.request(BatchCommit(batch_id=first.batch_id, step=1, version=1))).ok
     last = await batch(tr, 1)
     assert len(group_ids(last)) == 1  # the data ran out: a shorter final batch
-    assert (await batch(tr, 2)).info["exhausted"] is False  # outstanding until committed
+    assert (await batch(tr, 2)).exhausted is False  # outstanding until committed
     assert (await tr.request(BatchCommit(batch_id=last.batch_id, step=2, version=2))).ok
-    assert (await batch(tr, 2)).info["exhausted"] is True
+    assert (await batch(tr, 2)).exhausted is True
 
 
 async def test_prompts_use_the_model_tokenizer_and_chat_template(harness, tmp_path):

@@ -1,4 +1,5 @@
-"""The buffer's parts wired by hand, without a node or sockets: prompts -> trajectories -> batch -> commit.
+"""The buffer's parts wired by hand, without a node or sockets: prompts -> trajectories -> batch ->
+commit.
 
 .venv/bin/python -m pytest tests/test_buffer_parts.py -q
 """
@@ -9,7 +10,6 @@ import asyncio
 
 import numpy as np
 
-from laminar.buffer.admission import Admission
 from laminar.buffer.batches import BatchServer
 from laminar.buffer.experience import ExperienceState
 from laminar.buffer.intake import Intake
@@ -17,12 +17,20 @@ from laminar.buffer.journal import Journal
 from laminar.buffer.ledger import Ledger
 from laminar.buffer.partials import PartialPool, recover
 from laminar.buffer.prompt_server import PromptServer
-from laminar.buffer.prompts import PromptEncoder, PromptPool, PromptRow
+from laminar.buffer.prompts import PromptPool
 from laminar.config import LaminarConfig
+from laminar.data.prompts import PromptEncoder, PromptRow
 from laminar.logs import get_logger
 from laminar.metrics import Metrics
-from laminar.protocol.buffer import BatchCommit, BatchRequest, PromptRequest, TrajectoryAbandoned
-from laminar.protocol.core import Ack
+from laminar.modes import Admission
+from laminar.protocol.buffer import (
+    BatchCommit,
+    BatchRequest,
+    CommitAck,
+    PromptRequest,
+    TrajectoryAbandoned,
+    TrajectoryAck,
+)
 from laminar.protocol.data import PromptItem, Trajectory
 
 N = 2
@@ -32,7 +40,7 @@ def parts(journal: Journal | None = None, rows: int = 3):
     cfg = LaminarConfig.model_validate(
         {"rollout": {"group_size": N}, "trainer": {"batch_groups": 1}}
     )
-    adm = Admission.from_config(cfg)
+    adm = Admission.for_mode(cfg.mode, cfg.trainer.batch_groups, cfg.buffer.max_staleness)
     state = ExperienceState(group_size=N, lost_member_policy="release_partial", admission=adm)
     metrics, log = Metrics(), get_logger(role="buffer", node_id="test")
     ledger = Ledger(state, journal, cfg.buffer.compact_bytes, metrics, log)
@@ -47,7 +55,7 @@ def parts(journal: Journal | None = None, rows: int = 3):
     partials = PartialPool()
     return (
         ledger,
-        PromptServer(cfg.buffer, N, adm, ledger, pool, metrics),
+        PromptServer(cfg.buffer, N, admission=adm, ledger=ledger, pool=pool, metrics=metrics),
         Intake(ledger, partials, metrics, log),
         BatchServer(cfg.buffer, adm, ledger, pool, metrics, log),
         partials,
@@ -88,19 +96,20 @@ async def test_parts_serve_a_group_into_a_batch_and_commit_it():
     waiting = asyncio.ensure_future(
         batches.serve(BatchRequest(trainer_id="t", groups=1, trainer_version=0, wait_s=10.0))
     )
-    assert isinstance(await intake.trajectory(finished(item, 0), "r0"), Ack)
+    assert isinstance(await intake.trajectory(finished(item, 0), "r0"), TrajectoryAck)
     dup = await intake.trajectory(finished(item, 0), "r0")
-    assert isinstance(dup, Ack) and dup.info["duplicate"]
-    assert isinstance(await intake.trajectory(finished(item, 1), "r0"), Ack)
+    assert isinstance(dup, TrajectoryAck) and dup.duplicate
+    assert isinstance(await intake.trajectory(finished(item, 1), "r0"), TrajectoryAck)
     batch = await asyncio.wait_for(
         waiting, 5.0
     )  # served as soon as the group is whole, not at wait_s
-    assert batch.batch_id and len(batch.trajectories) == N and batch.info["staleness"]["max"] == 0
-    ack = await batches.commit(BatchCommit(batch_id=batch.batch_id, step=1, version=1))
-    assert isinstance(ack, Ack) and ack.ok and ledger.state.trainer_version == 1
-    assert (await batches.commit(BatchCommit(batch_id=batch.batch_id, step=1, version=1))).info[
-        "duplicate"
-    ]
+    assert batch.batch_id and len(batch.trajectories) == N
+    assert batch.staleness is not None and batch.staleness.max == 0
+    commit = BatchCommit(batch_id=batch.batch_id, step=1, version=1)
+    ack = await batches.commit(commit)
+    assert isinstance(ack, CommitAck) and ack.ok and ledger.state.trainer_version == 1
+    again = await batches.commit(commit)
+    assert isinstance(again, CommitAck) and again.duplicate
     assert ledger.state.held == 0 and not ledger.state.groups
 
 
@@ -115,7 +124,7 @@ async def test_parts_replay_the_same_state_from_the_journal(tmp_path):
     batch = await batches.serve(
         BatchRequest(trainer_id="t", groups=1, trainer_version=0, wait_s=0.0)
     )
-    assert len(batch.trajectories) == 1 and batch.info["partial_groups"] == 1
+    assert len(batch.trajectories) == 1 and batch.partial_groups == 1
     live = ledger.state.summary()
     j.close()
     j2 = Journal(tmp_path / "b.journal", "never")

@@ -29,10 +29,11 @@ import pytest
 import yaml
 
 from laminar.config import load_config
-from laminar.protocol.buffer import BatchCommit, BatchRequest, BufferStats, PromptRequest
+from laminar.node import socket_options
+from laminar.protocol.buffer import BatchCommit, BatchRequest, BufferStatsRequest, PromptRequest
 from laminar.protocol.data import Trajectory
 from laminar.transport.client import RpcClient
-from laminar.transport.sockets import SocketOptions, TransportError, new_context
+from laminar.transport.sockets import TransportError, new_context
 
 GROUPS, N = 12, 4
 
@@ -117,7 +118,7 @@ async def test_kill_9_mid_stream_keeps_every_acked_trajectory_once(tmp_path, pro
     node(cfg_path, "manager", logs / "manager.log", procs)
     buffer = node(cfg_path, "buffer", logs / "buffer.log", procs)
     ctx = new_context()
-    opts = SocketOptions.from_config(cfg)
+    opts = socket_options(cfg)
     rollout = RpcClient(ctx, cfg.endpoint("buffer"), "r0", "rollout", opts)
     trainer = RpcClient(ctx, cfg.endpoint("buffer"), "t0", "trainer", opts)
     try:
@@ -154,7 +155,8 @@ async def test_kill_9_mid_stream_keeps_every_acked_trajectory_once(tmp_path, pro
                         break
                     except (TransportError, asyncio.CancelledError) as exc:
                         # a send pending while the client swaps its socket (reconnect) surfaces as
-                        # CancelledError from pyzmq (transport issue, reported); our task was not cancelled
+                        # CancelledError from pyzmq (transport issue, reported); our task was not
+                        # cancelled
                         if (
                             isinstance(exc, asyncio.CancelledError)
                             and asyncio.current_task().cancelling()
@@ -176,10 +178,11 @@ async def test_kill_9_mid_stream_keeps_every_acked_trajectory_once(tmp_path, pro
         await asyncio.wait_for(asyncio.gather(*senders), 90)
         assert len(acked) == GROUPS * N and acked_at_kill[0] < GROUPS * N
 
-        stats = (await trainer.request(BufferStats(), timeout=5)).stats
-        assert stats["trajectories"] == GROUPS * N and stats["held"] == GROUPS * N
-        assert stats["groups_outstanding"] == 2  # the batch served before the crash survived it
-        # a restarted trainer gets the uncommitted batch back first, then the rest, each trajectory once
+        stats = await trainer.request(BufferStatsRequest(), timeout=5)
+        assert stats.counts["trajectories"] == GROUPS * N and stats.held == GROUPS * N
+        assert stats.groups_outstanding == 2  # the batch served before the crash survived it
+        # a restarted trainer gets the uncommitted batch back first, then the rest, each trajectory
+        # once
         seen: list[str] = []
         restart = True
         while len(seen) < GROUPS * N:
@@ -194,7 +197,7 @@ async def test_kill_9_mid_stream_keeps_every_acked_trajectory_once(tmp_path, pro
                     t.uid for t in before.trajectories
                 )
             restart = False
-            assert b.trajectories, b.info
+            assert b.trajectories, b
             seen += [t.uid for t in b.trajectories]
             assert (
                 await trainer.request(
@@ -205,7 +208,7 @@ async def test_kill_9_mid_stream_keeps_every_acked_trajectory_once(tmp_path, pro
         again = await trainer.request(
             BatchRequest(trainer_id="t1", groups=1, trainer_version=0, wait_s=0), timeout=5
         )
-        assert again.trajectories == [] and again.info["exhausted"] is False
+        assert again.trajectories == [] and again.exhausted is False
     finally:
         await rollout.close()
         await trainer.close()

@@ -1,4 +1,5 @@
-"""Prompt pool: jsonl + parquet, string + chat prompts, stable uids, epochs, seeded shuffle, cursor, bad rows.
+"""Prompt pool: jsonl + parquet, string + chat prompts, stable uids, epochs, seeded shuffle, cursor,
+bad rows.
 
 .venv/bin/python -m pytest tests/test_buffer_prompts.py -q
 """
@@ -8,18 +9,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from laminar.buffer.prompts import (
-    ByteTokenizer,
-    PromptEncoder,
-    PromptPool,
-    derive_uid,
-    load_prompts,
-)
+from laminar.buffer.prompts import PromptPool
+from laminar.buffer.records import PoolCursor
+from laminar.data.prompts import ByteTokenizer, PromptEncoder, derive_uid, load_prompts
 
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}]
 
@@ -145,7 +143,7 @@ def test_cursor_survives_restart(tmp_path):
     expected = [it.group_id for it in ref.next_items(15, n=2)[0]]
     first = _pool(rows, seed=3)
     got = [it.group_id for it in first.next_items(8, n=2)[0]]
-    cursor = json.loads(json.dumps(first.cursor()))  # what the journal stores
+    cursor = msgspec.msgpack.decode(msgspec.msgpack.encode(first.cursor()), type=PoolCursor)
     again = _pool(rows, seed=3)
     assert again.restore(cursor) == ""
     got += [it.group_id for it in again.next_items(7, n=2)[0]]

@@ -1,4 +1,5 @@
-"""CLI and launcher: `laminar --help` is fast; `laminar run` starts, reports and stops real processes.
+"""CLI and launcher: `laminar --help` is fast; `laminar run` starts, reports and stops real
+processes.
 
     .venv/bin/python -m pytest tests/test_cli.py -q
 
@@ -86,9 +87,10 @@ class Launcher:
         return self.log.read_text()
 
     def wait_registered(self) -> dict:
-        """Poll the manager until every node of the skeleton is listed alive; returns the status rows."""
+        """Poll the manager until every node of the skeleton is listed alive; returns the status
+        rows."""
         from laminar.config import load_config
-        from laminar.launch import fetch_status
+        from laminar.launch.status import fetch_status
         from laminar.transport.sockets import TransportError
 
         deadline = time.monotonic() + STARTUP_DEADLINE_S

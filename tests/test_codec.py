@@ -1,4 +1,5 @@
-"""Codec: every registered message type round-trips; no input makes decode raise anything but ProtocolError.
+"""Codec: every registered message type round-trips; no input makes decode raise anything but
+ProtocolError.
 
     .venv/bin/python -m pytest tests/test_codec.py -q
 
@@ -26,19 +27,13 @@ from hypothesis import strategies as st
 from msgspec import field
 
 import laminar.protocol  # noqa: F401  (registers every message type)
+from laminar.message import REGISTRY, Arr, Limits, Message, ProtocolError, message
 from laminar.protocol.buffer import BatchReply
-from laminar.protocol.core import Hello, NodeStatus, Ping
+from laminar.protocol.core import NodeStatus
 from laminar.protocol.data import Trajectory
-from laminar.transport.codec import (
-    REGISTRY,
-    Arr,
-    Limits,
-    Message,
-    ProtocolError,
-    decode,
-    encode,
-    message,
-)
+from laminar.protocol.tools import ToolCallRequest
+from laminar.transport.codec import decode, encode
+from laminar.transport.session import Ping, StatusCodec
 
 Bytes1d = Annotated[np.ndarray, Arr(("uint8",), ndim=1)]
 
@@ -101,7 +96,8 @@ def sample_array(spec: Arr, rng: random.Random, variant: int) -> np.ndarray:
 
 
 def sample_value(tp: Any, rng: random.Random, variant: int, depth: int = 0) -> Any:  # noqa: C901
-    """A value of annotation `tp`. variant 0 = typical, 1 = other branch/extremes, 2 = empty/None."""
+    """A value of annotation `tp`. variant 0 = typical, 1 = other branch/extremes, 2 =
+    empty/None."""
     spec = _arr_spec(tp)
     if spec is not None:
         return sample_array(spec, rng, variant)
@@ -123,8 +119,9 @@ def sample_value(tp: Any, rng: random.Random, variant: int, depth: int = 0) -> A
         return [sample_value(item, rng, variant, depth + 1) for _ in range(n)]
     if origin is dict:
         n = 0 if variant == 2 or depth > 2 else 2
-        val = args[1] if args else Any
-        return {f"key{i}": sample_value(val, rng, variant, depth + 1) for i in range(n)}
+        key, val = args if args else (str, Any)
+        keys = range(n) if key is int else [f"key{i}" for i in range(n)]
+        return {k: sample_value(val, rng, variant, depth + 1) for k in keys}
     if tp is bool:
         return variant != 1
     if tp is int:
@@ -135,6 +132,9 @@ def sample_value(tp: Any, rng: random.Random, variant: int, depth: int = 0) -> A
         return ["héllo ✓ " + str(rng.random()), "", ""][variant] if variant else "héllo ✓"
     if tp is bytes:
         return [b"\x00\xffbytes", bytes(range(256)), b""][variant]
+    if tp is msgspec.Raw:  # a heartbeat's status: an encoded NodeStatus, or none
+        status = NodeStatus(node_id="n", role="r", version=variant)
+        return StatusCodec.pack(None if variant == 2 else status)
     raise TypeError(
         f"tests/test_codec.py cannot build a sample of annotation {tp!r}; extend sample_value"
     )
@@ -224,7 +224,8 @@ def test_generated_encode_writes_the_hook_paths_bytes(
 
 
 def test_generated_encode_numbers_optional_arrays_in_field_order() -> None:
-    """Trajectory.loss_mask is optional: with and without it the references name the right frames."""
+    """Trajectory.loss_mask is optional: with and without it the references name the right
+    frames."""
     from laminar.transport import codec
 
     ids = np.arange(5, dtype=np.int32)
@@ -437,25 +438,25 @@ def test_limits_are_enforced() -> None:
         decode(frames, Limits(max_message_bytes=64))
     with pytest.raises(ProtocolError, match="Ping.payload: string of 100 characters exceeds"):
         decode(frames_of(Ping(payload="x" * 100)), Limits(max_str_len=10))
-    with pytest.raises(ProtocolError, match=r"Hello.info.k: 40 items exceed max_list_len 8"):
-        decode(
-            frames_of(Hello(protocol=1, node_id="n", role="r", info={"k": list(range(40))})),
-            Limits(max_list_len=8),
-        )
+    with pytest.raises(
+        ProtocolError, match=r"ToolCallRequest.arguments.k: 40 items exceed max_list_len 8"
+    ):
+        call = ToolCallRequest(call_id="c", name="n", arguments={"k": list(range(40))})
+        decode(frames_of(call), Limits(max_list_len=8))
     decode(frames, Limits(max_str_len=64, max_list_len=64))  # tight limits a valid message meets
 
 
 @pytest.mark.parametrize(
     ("make_info", "path"),
     [
-        (lambda ref: {"a": ref}, "Hello.info.a"),
-        (lambda ref: {"a": [1, {"b": [ref]}]}, r"Hello.info.a\[1\].b\[0\]"),
+        (lambda ref: {"a": ref}, "ToolCallRequest.arguments.a"),
+        (lambda ref: {"a": [1, {"b": [ref]}]}, r"ToolCallRequest.arguments.a\[1\].b\[0\]"),
     ],
     ids=["direct", "nested"],
 )
 def test_free_form_fields_refuse_arrays_and_name_the_path(make_info, path: str) -> None:
-    frames = frames_of(Hello(protocol=1, node_id="n", role="r"))
-    bad = _with_header(frames, {**_header(frames), "info": make_info(_ref(0, 5, (1,)))})
+    frames = frames_of(ToolCallRequest(call_id="c", name="n"))
+    bad = _with_header(frames, {**_header(frames), "arguments": make_info(_ref(0, 5, (1,)))})
     with pytest.raises(ProtocolError, match=path + ": arrays are not allowed"):
         decode([*bad, b"\x00" * 4])
 

@@ -1,4 +1,5 @@
-"""Config: every YAML in configs/ and examples/ loads; wrong input names the field; importing the config stays light.
+"""Config: every YAML in configs/ and examples/ loads; wrong input names the field; importing the
+config stays light.
 
 .venv/bin/python -m pytest tests/test_config.py -q
 """
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from laminar.config import ConfigError, LaminarConfig, dump_config, load_config, write_resolved
-from laminar.launch import autogroup_nice
+from laminar.launch.tuning import autogroup_nice
 
 _REPO = Path(__file__).resolve().parent.parent
 CONFIGS = sorted([*(_REPO / "configs").glob("*.y*ml"), *(_REPO / "examples").glob("*.y*ml")])
@@ -41,12 +42,19 @@ def test_overrides_are_parsed_as_yaml() -> None:
             "data.epochs=null",
             "rollout.sampling.stop=[a, b]",
             "logging.json_logs=true",
-            "extra.my.knob=5",
+            "demo.model.hidden=64",
         ],
     )
     assert cfg.trainer.lr == 3e-6 and cfg.cluster.roles == {"rollout": 3, "manager": 1}
     assert cfg.data.epochs is None and cfg.rollout.sampling.stop == ["a", "b"]
-    assert cfg.logging.json_logs is True and cfg.extra == {"my": {"knob": 5}}
+    assert cfg.logging.json_logs is True and cfg.demo is not None and cfg.demo.model.hidden == 64
+
+
+def test_the_old_extra_section_names_its_replacements():
+    with pytest.raises(ConfigError, match=r"`extra` is gone: .*demo.*trainer.sim_weight_bytes"):
+        load_config(None, ["extra.demo.skip_sync=true"])
+    with pytest.raises(ConfigError, match="demo.curve_eval_rows"):
+        load_config(None, ["demo.eval_rows=10", "demo.curve_eval_rows=20"])
 
 
 def _write(tmp_path: Path, text: str) -> Path:
@@ -107,7 +115,10 @@ def test_dump_is_loadable_yaml() -> None:
 
 
 def test_import_config_pulls_in_no_torch_zmq_or_transformers() -> None:
-    code = "import sys, laminar.config, laminar.cli; print(sorted(m for m in ('torch', 'zmq', 'transformers') if m in sys.modules))"
+    code = (
+        "import sys, laminar.config, laminar.cli; print(sorted(m for m in ('torch', 'zmq', "
+        "'transformers') if m in sys.modules))"
+    )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     )
@@ -117,7 +128,7 @@ def test_import_config_pulls_in_no_torch_zmq_or_transformers() -> None:
 def test_node_processes_set_the_garbage_collector_threshold() -> None:
     import gc
 
-    from laminar.launch import setup_process
+    from laminar.launch.tuning import setup_process
 
     old = gc.get_threshold()
     try:
@@ -138,7 +149,7 @@ _NICE_CHILD = """
 import json, os, sys
 from pathlib import Path
 from laminar.config import load_config
-from laminar.launch import autogroup_nice as group, lower_priority
+from laminar.launch.tuning import autogroup_nice as group, lower_priority
 cfg = load_config(None, ["cluster.nice.rollout=7"])
 fake = Path(sys.argv[1])
 before, group_before = os.getpriority(os.PRIO_PROCESS, 0), group()

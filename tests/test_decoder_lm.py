@@ -118,7 +118,8 @@ def test_declines_what_it_cannot_load_exactly(tmp_path):
 
 
 def test_a_rollout_engine_and_a_trainer_start_without_transformers(tmp_path):
-    """The point of it all: a demo-sized model serves and trains with transformers never imported."""
+    """The point of it all: a demo-sized model serves and trains with transformers never
+    imported."""
     from laminar.models.tiny import build_tiny_model
 
     path = build_tiny_model(tmp_path / "tiny", hidden=32, layers=2, heads=4, kv_heads=2)
@@ -127,16 +128,19 @@ import sys, asyncio
 import numpy as np
 from laminar.config import config_from_dict
 from laminar.engines.torch_engine import TorchEngine
+from laminar.trainer.node import trainer_settings
 from laminar.trainer.policy import Policy
 from laminar.protocol.data import Trajectory
 cfg = config_from_dict({{"run_dir": {str(tmp_path / "run")!r}, "model": {{"path": {str(path)!r}}},
-                        "rollout": {{"max_running": 4, "max_model_len": 64}}, "trainer": {{"lr": 1e-3}}}})
-engine = TorchEngine.from_config(cfg)
+                        "rollout": {{"max_running": 4, "max_model_len": 64}},
+                        "trainer": {{"lr": 1e-3}}}})
+engine = TorchEngine.from_config(cfg.rollout, cfg.model)
 assert engine.lean is not None and engine.tokenizer.decode([5, 6]) != ""
-pol = Policy(cfg, {str(path)!r})
+pol = Policy(trainer_settings(cfg), {str(path)!r})
 assert pol.packed is not None
-trajs = [Trajectory(uid=f"g/{{i}}", group_id="g", prompt_uid="g", sample_index=i, prompt_ids=np.array([5, 6, 7]),
-                    response_ids=np.array([8 + i, 9]), logprobs=np.full(2, -2.0, np.float32), version=0,
+trajs = [Trajectory(uid=f"g/{{i}}", group_id="g", prompt_uid="g", sample_index=i,
+                    prompt_ids=np.array([5, 6, 7]), response_ids=np.array([8 + i, 9]),
+                    logprobs=np.full(2, -2.0, np.float32), version=0,
                     reward=float(i % 2)) for i in range(4)]
 before = pol.model.model.norm.weight.detach().clone()
 pol.train_step(pol.prepare(trajs))
@@ -155,18 +159,18 @@ print(sorted(m for m in sys.modules if m.split(".")[0] == "transformers"))
 
 
 def test_import_prefetch_and_an_hf_load_at_once(tmp_path):
-    """A node's import prefetch (laminar/launch.py) and an HF model load on another thread at the
-    same moment: transformers' lazy module once handed the loader a half-built module (every
+    """A node's import prefetch (laminar/launch/tuning.py) and an HF model load on another thread
+    at the same moment: transformers' lazy module once handed the loader a half-built module (every
     rollout with rollout.torch_forward=hf died with "cannot import name AutoModelForCausalLM")."""
-    from laminar.launch import _heavy_imports
+    from laminar.launch.tuning import heavy_imports
     from laminar.models.tiny import build_tiny_model
 
     path = build_tiny_model(tmp_path / "tiny", hidden=32, layers=1, heads=2, kv_heads=1)
     code = f"""
 from laminar.config import load_config
-from laminar.launch import _heavy_imports, _prefetch_imports
+from laminar.launch.tuning import heavy_imports, prefetch_imports
 from laminar.models.tiny import load_causal_lm, load_tokenizer
-_prefetch_imports(_heavy_imports(load_config(None, ["rollout.torch_forward=hf"]), "rollout"))
+prefetch_imports(heavy_imports(load_config(None, ["rollout.torch_forward=hf"]), "rollout"))
 print(type(load_causal_lm({str(path)!r})).__name__, type(load_tokenizer({str(path)!r})).__name__)
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -176,5 +180,5 @@ print(type(load_causal_lm({str(path)!r})).__name__, type(load_tokenizer({str(pat
 
     # the lean forward's rollouts never import transformers at all
     assert not any(
-        m.startswith("transformers") for m in _heavy_imports(load_config(None, []), "rollout")
+        m.startswith("transformers") for m in heavy_imports(load_config(None, []), "rollout")
     )

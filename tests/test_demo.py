@@ -1,7 +1,7 @@
 """The default job (`make run` = python -m laminar.demo): habit demos, warm-up batching, summary.
 
-    .venv/bin/python -m pytest tests/test_demo.py -q            # fast unit tests (seconds)
-    .venv/bin/python -m pytest tests/test_demo.py -q -m slow    # + a shortened demo end to end (minutes)
+    .venv/bin/python -m pytest tests/test_demo.py -q          # fast unit tests (seconds)
+    .venv/bin/python -m pytest tests/test_demo.py -q -m slow  # + a shortened demo run (minutes)
 
 The slow test runs the real pipeline (warm-up, held-out eval, `laminar run` with every
 role as its own process, snapshot evals, report) with fewer warm-up and RL steps, and
@@ -21,7 +21,7 @@ import pytest
 
 from laminar.demo import habit
 from laminar.demo.__main__ import Clock, demo_settings
-from laminar.demo.report import smooth, summarize, summary_md, time_to_reach
+from laminar.demo.results import smooth, summarize, summary_md, time_to_reach
 from laminar.models.warmup import length_batches, lr_factor
 from laminar.tasks import countup as cu
 
@@ -92,11 +92,11 @@ def test_demo_settings_merge_model_keys():
     from laminar.config import load_config
 
     cfg = load_config(
-        ROOT / "configs" / "demo.yaml", ["extra.demo.model.hidden=64", "extra.demo.skip_sync=true"]
+        ROOT / "configs" / "demo.yaml", ["demo.model.hidden=64", "demo.skip_sync=true"]
     )
     s = demo_settings(cfg)
-    assert s["model"]["hidden"] == 64 and s["model"]["layers"] == 3
-    assert s["skip_sync"] is True
+    assert s.model.hidden == 64 and s.model.layers == 3
+    assert s.skip_sync is True
     assert cfg.buffer.max_staleness is not None  # CPU rollouts must not race ahead of the trainer
 
 
@@ -118,9 +118,6 @@ def test_smooth_averages_neighbouring_snapshots_and_keeps_the_start():
 
 
 def test_summary_compares_modes_and_lists_phases():
-    class Cfg:
-        mode = "laminar"
-
     lam_curve = _curve([(0, 0.3), (20, 0.6), (40, 0.8), (60, 0.9), (80, 0.9)])
     lam_curve[-1]["habit"] = 0.02
     sync_curve = _curve([(0, 0.3), (30, 0.5), (60, 0.7), (90, 0.8), (120, 0.8)])
@@ -137,8 +134,9 @@ def test_summary_compares_modes_and_lists_phases():
         "sync": {"curve": sync_curve, "metrics": sync_m, "wall_clock_s": 160.0},
     }
     before = {"accuracy": 0.3, "prompts": 256, "habit": 0.9}
-    s = summarize(Cfg(), runs, before, {**lam_curve[-1], "prompts": 256}, 400.0)
-    # target: sync's smoothed final 0.8; laminar's smoothed curve crosses it between 40 s (0.767) and 60 s (0.867)
+    s = summarize("laminar", runs, before, {**lam_curve[-1], "prompts": 256}, 400.0)
+    # target: sync's smoothed final 0.8; laminar's smoothed curve crosses it between 40 s (0.767)
+    # and 60 s (0.867)
     assert s["sync_eval_accuracy_after_smoothed"] == pytest.approx(0.8)
     assert s["time_to_sync_final_accuracy_sync_s"] == pytest.approx(120)
     assert s["time_to_sync_final_accuracy_laminar_s"] == pytest.approx(40 + 20 / 3)
@@ -157,9 +155,6 @@ def test_summary_compares_modes_and_lists_phases():
 
 
 def test_summary_without_a_crossing_says_so():
-    class Cfg:
-        mode = "laminar"
-
     lam = _curve([(0, 0.3), (20, 0.4), (40, 0.45)])
     sync = _curve([(0, 0.3), (20, 0.7), (40, 0.8)])
     m = [{"step": i, "time": i, "reward": 0.5} for i in range(1, 5)]
@@ -167,7 +162,8 @@ def test_summary_without_a_crossing_says_so():
         "laminar": {"curve": lam, "metrics": m, "wall_clock_s": 50.0},
         "sync": {"curve": sync, "metrics": m, "wall_clock_s": 50.0},
     }
-    s = summarize(Cfg(), runs, {"accuracy": 0.3, "prompts": 10}, {**lam[-1], "prompts": 10}, 100.0)
+    before = {"accuracy": 0.3, "prompts": 10}
+    s = summarize("laminar", runs, before, {**lam[-1], "prompts": 10}, 100.0)
     assert s["sync_over_laminar_time_ratio"] is None
     md = summary_md(s)
     assert "never reached" in md and "n/a s" not in md
@@ -182,7 +178,8 @@ def test_clock_laps_count_cpu_of_children():
 
 @pytest.mark.slow
 def test_shortened_demo_learns(short_dir: Path):
-    """Warm-up (cut short) -> laminar RL -> held-out greedy accuracy goes up and the habit goes away."""
+    """Warm-up (cut short) -> laminar RL -> held-out greedy accuracy goes up and the habit goes
+    away."""
     run_dir = short_dir / "demo"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     cmd = [
@@ -190,13 +187,13 @@ def test_shortened_demo_learns(short_dir: Path):
         "-m",
         "laminar.demo",
         f"run_dir={run_dir}",
-        f"extra.demo.cache_dir={short_dir / 'cache'}",
-        "extra.demo.warmup_steps=1100",
+        f"demo.cache_dir={short_dir / 'cache'}",
+        "demo.warmup_steps=1100",
         "trainer.total_steps=40",
-        "extra.demo.skip_sync=true",
-        "extra.demo.eval_rows=200",
-        "extra.demo.curve_eval_rows=64",
-        "extra.demo.curve_points=3",
+        "demo.skip_sync=true",
+        "demo.eval_rows=200",
+        "demo.curve_eval_rows=64",
+        "demo.curve_points=3",
     ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

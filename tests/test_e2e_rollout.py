@@ -1,4 +1,5 @@
-"""End to end on CPU: the real buffer node, two torch rollouts with a tiny random model, a real reward.
+"""End to end on CPU: the real buffer node, two torch rollouts with a tiny random model, a real
+reward.
 
     .venv/bin/python -m pytest tests/test_rollout_e2e.py -q
 
@@ -62,7 +63,8 @@ def make_cfg(tmp: Path, model: Path, name: str, prompts: list[str], **rollout: A
             "name": name,
             "run_dir": str(tmp / "run"),
             "cluster": {"transport": "inproc", "roles": {"manager": 1, "buffer": 1, "rollout": 2}},
-            # 2 busy cores: death after 1 s of silence, not 0.2 s (torch steps hold the GIL in bursts)
+            # 2 busy cores: death after 1 s of silence, not 0.2 s (torch steps hold the GIL in
+            # bursts)
             "transport": {
                 "heartbeat_interval_s": 0.1,
                 "heartbeat_liveness": 10,

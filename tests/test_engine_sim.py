@@ -22,7 +22,8 @@ PROMPT = np.arange(4, 14, dtype=np.int32)
 async def drain(
     engine: SimEngine, n: int, timeout: float = 20.0
 ) -> dict[str, tuple[list[int], list[float], str, float]]:
-    """Consume events until n sequences finished -> {seq_id: (ids, logprobs, reason, finish time)}."""
+    """Consume events until n sequences finished -> {seq_id: (ids, logprobs, reason, finish
+    time)}."""
     out: dict[str, tuple[list[int], list[float], str, float]] = {}
     ids: dict[str, list[int]] = {}
     lps: dict[str, list[float]] = {}
@@ -67,7 +68,8 @@ async def test_256_engines_in_one_process():
                 "stop" if targets[sid] < 1000 else "length"
             )
             assert min(lps) >= -3 and max(lps) <= 0 and max(ids) < 32000
-        # 8 sequences <= B: every step takes `step`, so the engine is done after its longest sequence
+        # 8 sequences <= B: every step takes `step`, so the engine is done after its longest
+        # sequence
         expected = max(targets.values()) * step
         finished = max(r[3] for r in res.values()) - t0
         assert finished >= expected * 0.999, (i, finished, expected)
@@ -83,7 +85,8 @@ async def test_256_engines_in_one_process():
     wakes = sum(e.wakes for e in engines)
     assert wakes < steps / 8, (wakes, steps)
     print(
-        f"{n_engines} engines: {wakes} wakes for {steps} decode steps; cpu {cpu:.2f}s over wall {wall:.2f}s"
+        f"{n_engines} engines: {wakes} wakes for {steps} decode steps; cpu {cpu:.2f}s over wall "
+        f"{wall:.2f}s"
     )
 
 
@@ -210,7 +213,7 @@ def test_make_engine_from_config():
     cfg = LaminarConfig()
     cfg.rollout.engine = "sim"
     cfg.rollout.sim.step_time_s = 0.0
-    eng = make_engine(cfg)
+    eng = make_engine(cfg.rollout, cfg.model)
     assert isinstance(eng, SimEngine) and eng.chunk_tokens == cfg.rollout.partial_chunk_tokens
 
 

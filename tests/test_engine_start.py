@@ -1,4 +1,5 @@
-"""Engine start-up off the rollout's event loop, its deadline, and engines that die with their rollout.
+"""Engine start-up off the rollout's event loop, its deadline, and engines that die with their
+rollout.
 
     .venv/bin/python -m pytest tests/test_engine_start.py -q
 
@@ -35,7 +36,8 @@ CHILD = HERE / "engine_child.py"
 
 
 class SlowStartEngine(FakeEngine):
-    """start() blocks a worker thread until the test opens the gate (vLLM: spawn + load + warm-up)."""
+    """start() blocks a worker thread until the test opens the gate (vLLM: spawn + load +
+    warm-up)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -76,7 +78,8 @@ def _wait_gone(pids: Iterable[int], timeout: float) -> None:
 
 
 def _reap(pids: list[int]) -> None:
-    """Our own children become zombies until waited for: collect them (others are reaped elsewhere)."""
+    """Our own children become zombies until waited for: collect them (others are reaped
+    elsewhere)."""
     for p in pids:
         try:
             os.waitpid(p, os.WNOHANG)
@@ -142,10 +145,8 @@ async def test_heartbeats_flow_and_status_says_starting_engine_while_the_engine_
                 "the rollout registered while its engine starts",
             )
             st = peers["rollout-0"].status
-            assert st.extra["state"] == STARTING_ENGINE and st.version == -1
-            assert any(
-                w.startswith("starting_engine") for w in st.extra["warnings"]
-            )  # laminar status
+            assert st.state == STARTING_ENGINE and st.version == -1
+            assert any(w.startswith("starting_engine") for w in st.warnings)  # laminar status
             assert st.extra["engine_deadline_s"] == cfg.rollout.engine_start_timeout_s
             # beats keep arriving at the manager and the buffer while start() blocks its thread
             beats: set[float] = set()
@@ -163,7 +164,7 @@ async def test_heartbeats_flow_and_status_says_starting_engine_while_the_engine_
             await asyncio.wait_for(node.ready.wait(), 10)
             await h.wait_stored(uids_of(items), 20)
             await wait_for(
-                lambda: peers["rollout-0"].status.extra.get("state") != STARTING_ENGINE,
+                lambda: peers["rollout-0"].status.state != STARTING_ENGINE,
                 5,
                 "a serving status",
             )
@@ -235,7 +236,8 @@ def test_sigterm_to_the_rollout_stops_its_engine(tmp_path, how):
     try:
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(timeout=15)
-        # a Node closes its engine on SIGTERM (exit 0); a bare process dies of it and the lifeline acts
+        # a Node closes its engine on SIGTERM (exit 0); a bare process dies of it and the lifeline
+        # acts
         assert rc == (0 if how == "node" else -signal.SIGTERM)
         _wait_gone(pids, 10)
     finally:

@@ -1,5 +1,5 @@
-"""Torch engine: continuous batching equals one-at-a-time decoding, exact logprobs, abort/resume, weights.
-Every engine test runs on both step forwards (lean_forward.py and the HF model's own).
+"""Torch engine: continuous batching equals one-at-a-time decoding, exact logprobs, abort/resume,
+weights. Every engine test runs on both step forwards (lean_forward.py and the HF model's own).
 
     .venv/bin/python -m pytest tests/test_engine_torch.py -q
 

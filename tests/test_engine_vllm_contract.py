@@ -37,7 +37,7 @@ async def engine(monkeypatch):
     cfg.model.path = "/models/tiny"
     cfg.rollout.max_running = 3
     cfg.rollout.vllm_args = {"enforce_eager": True}
-    eng = make_engine(cfg)
+    eng = make_engine(cfg.rollout, cfg.model)
     assert isinstance(eng, VllmEngine)
     await eng.start()
     yield eng, fake
@@ -349,7 +349,7 @@ def test_vllm_config_validates_and_reaches_the_engine():
             },
         }
     )
-    eng = VllmEngine.from_config(cfg, env={"VLLM_CPU_OMP_THREADS_BIND": "1"})
+    eng = VllmEngine.from_config(cfg.rollout, cfg.model, env={"VLLM_CPU_OMP_THREADS_BIND": "1"})
     assert eng.dtype == "float16" and eng.max_running == 64
     assert eng.engine_args == {
         "enable_prefix_caching": True,
@@ -359,9 +359,8 @@ def test_vllm_config_validates_and_reaches_the_engine():
     assert eng.env == {"VLLM_CPU_KVCACHE_SPACE": "2.5", "VLLM_CPU_OMP_THREADS_BIND": "1"}
     assert cfg.rollout.engine_start_timeout_s == 120
     # defaults: model.dtype, rollout.max_running, no GPU share on a CPU device, vLLM's own KV space
-    plain = VllmEngine.from_config(
-        config_from_dict({"model": {"path": "/m"}, "rollout": {"engine": "vllm"}})
-    )
+    plain_cfg = config_from_dict({"model": {"path": "/m"}, "rollout": {"engine": "vllm"}})
+    plain = VllmEngine.from_config(plain_cfg.rollout, plain_cfg.model)
     assert plain.dtype == "float32" and plain.max_running == 32 and plain.env == {}
     assert plain.engine_args == {"enable_prefix_caching": True}
     for bad in (

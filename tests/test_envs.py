@@ -1,4 +1,5 @@
-"""laminar/envs: tool-call parsing, turn templates (no drift), ToolEnv, the loader, replay, adapters.
+"""laminar/envs: tool-call parsing, turn templates (no drift), ToolEnv, the loader, replay,
+adapters.
 
 .venv/bin/python -m pytest -q tests/test_envs.py
 """
@@ -59,7 +60,8 @@ def test_parse_variants_and_errors() -> None:
         '<tool_call>{"arguments": {}}</tool_call>'
         '<tool_call>{"name": "calculator", "arguments": [1, 2]}</tool_call>'
         '<tool_call>{"name": "noargs"}</tool_call>'
-        '<tool_call>{"name": "calculator", "arguments": {"expression": "9"}}'  # stop string stripped
+        # the last one's stop string was stripped
+        '<tool_call>{"name": "calculator", "arguments": {"expression": "9"}}'
     )
     calls, errors = parse_tool_calls(text)
     assert [(c.index, c.name, c.arguments) for c in calls] == [
@@ -89,9 +91,11 @@ def test_tool_messages_format() -> None:
 CHATML = (
     r"{%- for m in messages -%}"
     r"{%- if m.role == 'tool' -%}"
-    r"{%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}{{ '<|im_start|>user' }}{%- endif -%}"
+    r"{%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}"
+    r"{{ '<|im_start|>user' }}{%- endif -%}"
     r"{{ '\n<tool_response>\n' + m.content + '\n</tool_response>' }}"
-    r"{%- if loop.last or messages[loop.index0 + 1].role != 'tool' -%}{{ '<|im_end|>\n' }}{%- endif -%}"
+    r"{%- if loop.last or messages[loop.index0 + 1].role != 'tool' -%}"
+    r"{{ '<|im_end|>\n' }}{%- endif -%}"
     r"{%- else -%}{{ '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{%- endif -%}"
     r"{%- endfor -%}"
     r"{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"

@@ -1,4 +1,5 @@
-"""Periodic validation on data.eval and the completions log (laminar/trainer/evaluation.py, logger.py).
+"""Periodic validation on data.eval and the completions log (laminar/trainer/evaluation.py,
+logger.py).
 
     .venv/bin/python -m pytest tests/test_eval_completions.py -q
 
@@ -17,8 +18,9 @@ from typing import Any
 import pytest
 
 from laminar.config import LaminarConfig, config_from_dict
+from laminar.node import socket_options
 from laminar.tasks import countup
-from laminar.transport.sockets import SocketOptions, new_context
+from laminar.transport.sockets import new_context
 from tests.test_trainer import make_trajs
 from tests.test_trainer_node import FakeBuffer, FakeManager, groups_of
 
@@ -93,11 +95,12 @@ async def test_evaluator_scores_greedy_completions_of_the_weights_it_is_given(
     from laminar.demo.evaluate import evaluate_model
     from laminar.models.tiny import load_causal_lm
     from laminar.trainer.evaluation import open_evaluator
+    from laminar.trainer.node import eval_settings
 
     a, b = countup_model
     cfg = cfg_for(tmp_path, a, completions_per_step=EVAL_ROWS)
     log = Recorder()
-    ev = await asyncio.to_thread(open_evaluator, cfg, log)
+    ev = await asyncio.to_thread(open_evaluator, eval_settings(cfg), log)
     assert ev is not None and len(ev.rows) == EVAL_ROWS and "eval_ready" in log.events()
     rows = countup.generate(EVAL_ROWS + 3, "eval", 0)[:EVAL_ROWS]
     await ev.start()
@@ -119,16 +122,19 @@ async def test_evaluator_scores_greedy_completions_of_the_weights_it_is_given(
 
 def test_evaluator_is_skipped_with_a_reason(countup_model, tmp_path):
     from laminar.trainer.evaluation import open_evaluator
+    from laminar.trainer.node import eval_settings
 
     a, _ = countup_model
     log = Recorder()
     cfg = cfg_for(tmp_path, a, engine="sim")
-    assert open_evaluator(cfg, log) is None
+    assert open_evaluator(eval_settings(cfg), log) is None
     assert any(e == "eval_skipped" and "sim" in kw["reason"] for _, e, kw in log.lines)
-    assert open_evaluator(cfg_for(tmp_path, a, eval_every=0), log) is None
+    assert open_evaluator(eval_settings(cfg_for(tmp_path, a, eval_every=0)), log) is None
     cfg = cfg_for(tmp_path, a)
     cfg.env.fn = "laminar.envs.tool_env:ToolEnv"
-    assert open_evaluator(cfg, log) is not None and "eval_single_turn" in log.events()
+    assert (
+        open_evaluator(eval_settings(cfg), log) is not None and "eval_single_turn" in log.events()
+    )
 
 
 async def test_trainer_writes_eval_metrics_and_completions(countup_model, tmp_path):
@@ -140,7 +146,7 @@ async def test_trainer_writes_eval_metrics_and_completions(countup_model, tmp_pa
     for t in trajs:
         t.prompt, t.completion = f"prompt of {t.group_id}", f"completion {t.uid}"
     ctx = new_context()
-    opts = SocketOptions.from_config(cfg)
+    opts = socket_options(cfg)
     buf = FakeBuffer(ctx, cfg.endpoint("buffer"), opts, groups_of(trajs))
     mgr = FakeManager(ctx, cfg.endpoint("manager"), opts)
     await buf.srv.start()

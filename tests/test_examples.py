@@ -1,7 +1,8 @@
-"""The README's "Train your own" commands, run as written: examples/ builds its model and data, trains.
+"""The README's "Train your own" commands, run as written: examples/ builds its model and data,
+trains.
 
-    .venv/bin/python -m pytest tests/test_examples.py -q              # prepare + the jsonl run (~25 s)
-    .venv/bin/python -m pytest tests/test_examples.py -q -m slow      # every command of the section
+    .venv/bin/python -m pytest tests/test_examples.py -q           # prepare + the jsonl run (~25 s)
+    .venv/bin/python -m pytest tests/test_examples.py -q -m slow   # every command of the section
 
 The commands are read from the README section's first bash block and run with bash in a
 scratch directory that links `examples/` to the repository's (so relative paths resolve the
@@ -29,7 +30,8 @@ RUN_DEADLINE_S = 240.0  # five processes importing torch on 2 busy cores, then a
 
 
 def readme_commands() -> list[str]:
-    """The commands of the README's "Train your own" section (its first bash block), comments removed."""
+    """The commands of the README's "Train your own" section (its first bash block), comments
+    removed."""
     text = (REPO / "README.md").read_text()
     section = text.split("\n## Train your own\n", 1)[1].split("\n## ", 1)[0]
     block = re.search(r"```bash\n(.*?)```", section, re.S)
@@ -83,7 +85,8 @@ def work(tmp_path: Path) -> Path:
 
 
 def check_run(run_dir: Path) -> list[dict]:
-    """A finished example run: a loadable checkpoint, metrics for every step, completions with rewards."""
+    """A finished example run: a loadable checkpoint, metrics for every step, completions with
+    rewards."""
     ckpt = run_dir / "checkpoints" / f"step_{STEPS:08d}" / "model"
     found = sorted(run_dir.rglob("*"))
     assert (ckpt / "config.json").is_file() and list(ckpt.glob("*.safetensors")), found

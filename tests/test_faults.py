@@ -168,7 +168,7 @@ class Procs:
         return read_jsonl(self.run_dir / "consumed.jsonl")
 
     def status(self) -> dict:
-        from laminar.launch import fetch_status
+        from laminar.launch.status import fetch_status
 
         reply = fetch_status(self.cfg, timeout=1.0)
         return {e.node_id: e for e in reply.nodes}
@@ -200,7 +200,8 @@ class Procs:
         self.wait(lambda: self.procs["trainer"].poll() == 0, "the trainer finishing the epoch")
 
     def check_exactly_once(self) -> list[dict]:
-        """Every prompt consumed once, as a whole group; the journal agrees. Returns the effective steps."""
+        """Every prompt consumed once, as a whole group; the journal agrees. Returns the effective
+        steps."""
         last: dict[int, dict] = {}
         for rec in self.steps():  # a restarted trainer re-logs the steps after its checkpoint
             last[rec["step"]] = rec
@@ -218,9 +219,11 @@ class Procs:
         return eff
 
     def check_journal(self, n_groups: int) -> None:
+        from laminar.buffer.node import experience_state
         from laminar.journal_check import replay_buffer_journal
 
-        s = replay_buffer_journal(self.run_dir / "buffer-0.journal", self.cfg)[0].summary()
+        journal = self.run_dir / "buffer-0.journal"
+        s = replay_buffer_journal(journal, experience_state(self.cfg))[0].summary()
         assert s["held"] == 0 and s["pending"] == 0 and s["outstanding_batches"] == 0, s
         assert (
             s.get("groups_committed") == n_groups

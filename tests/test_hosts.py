@@ -32,7 +32,7 @@ import pytest
 import yaml
 
 from laminar.config import load_config
-from laminar.relay.shm import default_shm_dir
+from laminar.weights.segment import default_shm_dir
 from tests.hosts import Hosts, make_keys, node_cmd, tcp_endpoints
 from tests.sim_cluster import read_jsonl, write_prompts
 
@@ -104,6 +104,7 @@ class HostCluster:
                 "batch_groups": 4,
                 "total_steps": 1000,
                 "sim_time_per_token_s": 2e-4,
+                "sim_weight_bytes": 256 << 10,  # 4 chunks a version through the chain
                 "checkpoint_every": 1,
                 "commit": "checkpoint",
                 "batch_wait_s": 0.5,
@@ -117,7 +118,6 @@ class HostCluster:
             "buffer": {"fsync": "always", "retry_after_s": 0.1},
             "manager": {"repack": {"interval_s": 1.0}, "timeline_interval_s": 0.25},
             "logging": {"level": "info", "json_logs": True},
-            "extra": {"sim_weight_bytes": 256 << 10},  # 4 chunks a version through the chain
         }
         for section, over in extra.items():
             cfg.setdefault(section, {}).update(over)
@@ -250,9 +250,11 @@ class HostCluster:
         return len(last)
 
     def _check_journal(self, n_groups: int) -> None:
+        from laminar.buffer.node import experience_state
         from laminar.journal_check import replay_buffer_journal
 
-        s = replay_buffer_journal(self.run_dir / "buffer-0.journal", self.cfg)[0].summary()
+        journal = self.run_dir / "buffer-0.journal"
+        s = replay_buffer_journal(journal, experience_state(self.cfg))[0].summary()
         assert s["held"] == 0 and s["pending"] == 0 and s["outstanding_batches"] == 0, s
         assert s.get("groups_committed") == n_groups and not s.get("groups_dropped"), s
         assert not s.get("abandoned"), s
@@ -324,7 +326,8 @@ def test_job_across_4_hosts_every_rollout_pulls_from_its_own_relay(cluster):
     steps = c.check_exactly_once()
     pushed = sorted({e["version"] for e in c.events("relay-0", "version_ready")})
     print(
-        f"\n{K} hosts x {PER_HOST} rollouts: {steps} steps in {elapsed:.1f}s; versions {pushed}; {_summary(c)}"
+        f"\n{K} hosts x {PER_HOST} rollouts: {steps} steps in {elapsed:.1f}s; versions {pushed}; "
+        f"{_summary(c)}"
     )
     assert len(pushed) >= steps  # the master got every version the trainer pushed
     for i in range(K):
@@ -389,7 +392,8 @@ def test_killed_host_work_resumes_elsewhere_and_chain_heals(long_cluster):
     resume = {r["rollout"]: round(r["t"] - t_kill, 2) for r in recs}
     print(
         f"\nhost kill: detected {detect}; resumed {resume} (trajectories "
-        f"{[r['trajectories'] for r in recs]}, orphans first {[r['orphans'] for r in recs]}); {_summary(c)}"
+        f"{[r['trajectories'] for r in recs]}, orphans first {[r['orphans'] for r in recs]}); "
+        f"{_summary(c)}"
     )
     assert max(detect.values()) <= 8.0
 
@@ -441,9 +445,10 @@ def test_a_straggler_relay_link_does_not_slow_the_relays_behind_it(tmp_path):
     res = run_cluster(tmp_path, 4, rate, 8 << 20, 1, 1, print)
     fixed, forced = res["straggler_reordered"], res["straggler_index_order"]
     print(
-        f"\nstraggler relay-1 (8 MB, 25 vs 2.5 MB/s): other relays {fixed['fast_relays_s']['median']:.2f}s "
-        f"with the manager's order {fixed['order']}, {forced['fast_relays_s']['median']:.2f}s in index order "
-        f"{forced['order']}; all relays {fixed['all_relays_s']['median']:.2f}s / {forced['all_relays_s']['median']:.2f}s"
+        "\nstraggler relay-1 (8 MB, 25 vs 2.5 MB/s): other relays "
+        f"{fixed['fast_relays_s']['median']:.2f}s with the manager's order {fixed['order']}, "
+        f"{forced['fast_relays_s']['median']:.2f}s in index order {forced['order']}; all relays "
+        f"{fixed['all_relays_s']['median']:.2f}s / {forced['all_relays_s']['median']:.2f}s"
     )
     assert fixed["order"][-1] == 1 and forced["order"] == [0, 1, 2, 3]
     assert fixed["fast_relays_s"]["median"] * 3 < forced["fast_relays_s"]["median"]

@@ -16,10 +16,11 @@ import laminar.protocol  # noqa: F401
 from laminar.cli import main as cli_main
 from laminar.config import LaminarConfig
 from laminar.logs import RateLimitedLog, configure_logging, get_logger
-from laminar.protocol.core import Ping, Pong
+from laminar.node import plaintext_tcp_warning
 from laminar.transport.client import RpcClient
-from laminar.transport.security import Security, plaintext_tcp_warning
+from laminar.transport.security import Security
 from laminar.transport.server import RpcServer
+from laminar.transport.session import Ping, Pong
 from laminar.transport.sockets import RemoteError, RequestTimeout
 from laminar.transport.streams import Publisher, Subscriber
 
@@ -94,13 +95,11 @@ async def test_host_key_claims_only_its_roles(zctx, tcp, fast_opts, role_keys, c
 async def test_id_collision_never_evicts_a_live_peer(zctx, ipc, fast_opts, wait_until):
     opts = fast_opts()
     srv = await _server(zctx, ipc("mgr"), opts)
-    live = RpcClient(zctx, srv.endpoint, "rollout-0", "rollout", opts, info={"started": 1.0})
+    live = RpcClient(zctx, srv.endpoint, "rollout-0", "rollout", opts, started=1.0)
     await live.connect(timeout=5)
     holder = srv.peers["rollout-0"].identity
-    # another process (another pid) claims rollout-0 while the holder heartbeats
-    impostor = RpcClient(
-        zctx, srv.endpoint, "rollout-0", "rollout", opts, info={"pid": 1, "started": 2.0}
-    )
+    # another process (another start time) claims rollout-0 while the holder heartbeats
+    impostor = RpcClient(zctx, srv.endpoint, "rollout-0", "rollout", opts, started=2.0)
     with pytest.raises(RequestTimeout, match="id_in_use"):
         await impostor.connect(timeout=opts.dead_after_s * 2)
     assert srv.stats.refused_id_in_use >= 1
@@ -110,7 +109,7 @@ async def test_id_collision_never_evicts_a_live_peer(zctx, ipc, fast_opts, wait_
     await live.close(say_bye=False)
     await wait_until(lambda: not srv.peers["rollout-0"].alive, 5, "holder declared dead")
     await impostor.connect(timeout=5)
-    assert srv.peers["rollout-0"].info["pid"] == 1
+    assert srv.peers["rollout-0"].started == 2.0
     assert (await impostor.request(Ping(payload="y"), timeout=2)).payload == "rollout-0:y"
     await impostor.close()
     await srv.close()
@@ -119,7 +118,7 @@ async def test_id_collision_never_evicts_a_live_peer(zctx, ipc, fast_opts, wait_
 async def test_same_process_reconnect_takes_its_entry_over(zctx, ipc, fast_opts):
     opts = fast_opts()
     srv = await _server(zctx, ipc("mgr"), opts)
-    cli = RpcClient(zctx, srv.endpoint, "rollout-0", "rollout", opts, info={"started": 1.0})
+    cli = RpcClient(zctx, srv.endpoint, "rollout-0", "rollout", opts, started=1.0)
     await cli.connect(timeout=5)
     first = srv.peers["rollout-0"].identity
     await cli.connect(timeout=5)  # a fresh socket from the same process (its own reconnect)

@@ -48,8 +48,10 @@ done
 node=$role-$index
 spid=
 trap 'kill $spid 2>/dev/null; rec stop "$$" "$node"; exit 0' TERM
-rec start "$$" "$node" "${{SLURMD_NODENAME:-}}" "${{CUDA_VISIBLE_DEVICES-unset}}" "${{PET_NODE_RANK:-}}" "$0" "$@"
-if [[ " ${{STUB_CRASH:-}} " == *" $node "* ]]; then  # once every expected node started (deadline 20 s)
+rec start "$$" "$node" "${{SLURMD_NODENAME:-}}" "${{CUDA_VISIBLE_DEVICES-unset}}" \
+  "${{PET_NODE_RANK:-}}" "$0" "$@"
+# once every expected node started (deadline 20 s)
+if [[ " ${{STUB_CRASH:-}} " == *" $node "* ]]; then
   deadline=$((SECONDS + 20))
   while (( $(grep -c '^start' "$STUB_LOG") < STUB_EXPECT && SECONDS < deadline )); do
     sleep 0.05 & spid=$!; wait $spid
@@ -67,7 +69,8 @@ _TORCHRUN = f"""#!/usr/bin/env bash
 node=trainer-${{PET_NODE_RANK:-0}}
 spid=
 trap 'kill $spid 2>/dev/null; rec stop "$$" "$node"; exit 0' TERM
-rec start "$$" "$node" "${{SLURMD_NODENAME:-}}" "${{CUDA_VISIBLE_DEVICES-unset}}" "${{PET_NODE_RANK:-}}" "$0" "$@"
+rec start "$$" "$node" "${{SLURMD_NODENAME:-}}" "${{CUDA_VISIBLE_DEVICES-unset}}" \
+  "${{PET_NODE_RANK:-}}" "$0" "$@"
 deadline=$((SECONDS + 20))
 while (( $(grep -c '^start' "$STUB_LOG") < STUB_EXPECT && SECONDS < deadline )); do
   sleep 0.05 & spid=$!; wait $spid
@@ -84,7 +87,9 @@ _SRUN = f"""#!/usr/bin/env bash
 rec srun "$$" "$@"
 nodes=1 nodelist= name=
 while [[ $1 == --* ]]; do
-  case $1 in --nodes=*) nodes=${{1#*=}};; --nodelist=*) nodelist=${{1#*=}};; --job-name=*) name=${{1#*=}};; esac
+  case $1 in
+    --nodes=*) nodes=${{1#*=}};; --nodelist=*) nodelist=${{1#*=}};; --job-name=*) name=${{1#*=}};;
+  esac
   shift
 done
 echo "$name $$" >> "$STUB_DIR/steps"
@@ -105,7 +110,8 @@ exit $rc
 _SCONTROL = """#!/usr/bin/env bash
 if [[ $1 == show && $2 == hostnames ]]; then tr , '\\n' <<< "$3"; exit 0; fi
 if [[ $1 == show && $2 == node ]]; then
-  h=${@: -1}; echo "NodeName=$h Arch=x86_64 NodeAddr=10.9.0.$(( ${h#n} + 1 )) NodeHostName=$h"; exit 0
+  h=${@: -1}
+  echo "NodeName=$h Arch=x86_64 NodeAddr=10.9.0.$(( ${h#n} + 1 )) NodeHostName=$h"; exit 0
 fi
 exit 1
 """

@@ -1,4 +1,5 @@
-"""bench/learning.py's offline parts on synthetic curves (the bench itself runs the demo for minutes).
+"""bench/learning.py's offline parts on synthetic curves (the bench itself runs the demo for
+minutes).
 
 .venv/bin/python -m pytest tests/test_learning_bench.py -q
 """
@@ -107,7 +108,7 @@ def test_every_correction_is_a_valid_config_override():
 
 
 def test_demo_summary_headline_is_the_090_ratio_or_the_shortfall():
-    from laminar.demo.report import fixed_target, headline
+    from laminar.demo.results import fixed_target, headline
 
     lam = curve([0.5, 0.8, 0.92, 0.95], dt=6.0)
     sync = curve([0.5, 0.8, 0.9, 0.95], dt=10.0)

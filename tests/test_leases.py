@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from laminar.buffer.experience import OPEN, READY, Group
 from laminar.buffer.leases import Leases
-from laminar.protocol.core import Ack
+from laminar.protocol.buffer import TrajectoryAck
 from tests.test_buffer_node import Harness, batch, finished, group_ids, make_cfg, prompts, stats
 
 
@@ -59,7 +59,7 @@ async def test_silent_rollout_group_is_served_again_once_and_counted_once(tmp_pa
         (item,) = (await prompts(r0, 1, rid="r0")).items
         # r0 finishes one sample, then goes silent (it keeps heartbeating: the manager never
         # declares it dead)
-        assert isinstance(await r0.request(finished(item, 0, 0, rollout="r0")), Ack)
+        assert isinstance(await r0.request(finished(item, 0, 0, rollout="r0")), TrajectoryAck)
         clock.t += 59
         other = (await prompts(r1, 1, rid="r1")).items
         assert [it.group_id for it in other] != [item.group_id]  # still leased: r1 gets new work
@@ -79,16 +79,16 @@ async def test_silent_rollout_group_is_served_again_once_and_counted_once(tmp_pa
         # 1 completes the group; r0 wakes up and its late copy of sample 1 is acked, not stored
         assert item.n == 2
         dup = await r2.request(finished(item, 0, 0, rollout="r2"))
-        assert isinstance(dup, Ack) and dup.info["duplicate"]
-        assert isinstance(await r2.request(finished(item, 1, 0, rollout="r2")), Ack)
+        assert isinstance(dup, TrajectoryAck) and dup.duplicate
+        assert isinstance(await r2.request(finished(item, 1, 0, rollout="r2")), TrajectoryAck)
         late = await r0.request(finished(item, 1, 0, rollout="r0"))
-        assert isinstance(late, Ack) and late.info["duplicate"]
+        assert isinstance(late, TrajectoryAck) and late.duplicate
         g = st.groups[item.group_id]
         assert g.state == READY and len(g.members) == item.n
         assert [g.members[i].rollout_id for i in range(2)] == ["r0", "r2"]
         s = await stats(r0)
-        assert s["held"] == item.n and s["trajectories"] == item.n
-        assert s["counters"]["trajectories_duplicate"] == 2
+        assert s.held == item.n and s.counts["trajectories"] == item.n
+        assert s.counters["trajectories_duplicate"] == 2
         b = await batch(tr, 0, groups=1)
         assert group_ids(b) == [item.group_id] and len(b.trajectories) == item.n
         assert len({t.uid for t in b.trajectories}) == item.n
@@ -120,7 +120,7 @@ async def test_lease_state_survives_a_buffer_restart(tmp_path) -> None:
         r1, r2 = await h.client("r1b"), await h.client("r2")
         clock2.t += 30
         assert isinstance(
-            await r1.request(finished(a, 0, 0, rollout="r1")), Ack
+            await r1.request(finished(a, 0, 0, rollout="r1")), TrajectoryAck
         )  # r1 progresses on a
         fresh = (await prompts(r2, 1, rid="r2")).items
         assert [it.group_id for it in fresh] not in ([a.group_id], [b.group_id])

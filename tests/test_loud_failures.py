@@ -1,4 +1,5 @@
-"""Loud failure modes: a broken or hanging reward warns with its reason; 0 steps trained fails the run.
+"""Loud failure modes: a broken or hanging reward warns with its reason; 0 steps trained fails the
+run.
 
     .venv/bin/python -m pytest tests/test_loud_failures.py -q
 
@@ -21,11 +22,11 @@ import numpy as np
 import pytest
 import structlog
 
-from laminar.buffer.admission import Admission
 from laminar.buffer.experience import ExperienceState
 from laminar.buffer.health import StallWatch
 from laminar.cluster import LocalCluster
 from laminar.metrics import Metrics
+from laminar.modes import Admission
 from laminar.node import NodeFailed
 from laminar.protocol.data import Trajectory
 from laminar.rewards.runner import RewardRunner
@@ -54,7 +55,7 @@ def hangs_on_odd(prompt: str, completion: str, **row: Any) -> float:
     return 1.0
 
 
-def traj(i: int, reward: float | None, info: dict[str, Any]) -> Trajectory:
+def traj(i: int, reward: float | None, error: str = "", error_kind: str = "") -> Trajectory:
     return Trajectory(
         uid=f"g{i}/0",
         group_id=f"g{i}",
@@ -65,15 +66,15 @@ def traj(i: int, reward: float | None, info: dict[str, Any]) -> Trajectory:
         logprobs=np.full(3, -1.0, np.float32),
         version=0,
         reward=reward,
-        reward_info=info,
+        reward_error=error,
+        reward_error_kind=error_kind,
     )
 
 
 def watch(tmp_path: Path, fn: str) -> StallWatch:
     cfg = sim_config(tmp_path, buffer={"stall_window": 16, "stall_warn_after_s": 600})
-    state = ExperienceState(
-        group_size=1, lost_member_policy="release_partial", admission=Admission.from_config(cfg)
-    )
+    adm = Admission.for_mode(cfg.mode, cfg.trainer.batch_groups, cfg.buffer.max_staleness)
+    state = ExperienceState(group_size=1, lost_member_policy="release_partial", admission=adm)
     return StallWatch(cfg.buffer, fn, state, Metrics(), structlog.get_logger("test"))
 
 
@@ -92,8 +93,8 @@ async def test_broken_reward_warns_with_its_reason(tmp_path: Path, fn: str, reas
         health = watch(tmp_path, f"tests.test_loud_failures:{fn}")
         for i in range(8):
             res = await runner.score("p", "c", {"i": i})
-            assert res.reward is None and res.info["error_kind"] in ("exception", "format")
-            health.observe(traj(i, res.reward, res.info))
+            assert res.reward is None and res.error_kind in ("exception", "format")
+            health.observe(traj(i, res.reward, res.error, res.error_kind))
     finally:
         await runner.close()
     warning = health.warnings["rewards_none"]
@@ -110,7 +111,7 @@ async def test_hanging_reward_warns_with_the_timeout_count(tmp_path: Path) -> No
     try:
         for i in range(16):  # 2 of 16 hang: too few for the None-fraction warning
             res = await runner.score("p", "c", {"i": i})
-            health.observe(traj(i, res.reward, res.info))
+            health.observe(traj(i, res.reward, res.error, res.error_kind))
     finally:
         HANG.set()
         await runner.close()
@@ -121,7 +122,7 @@ async def test_hanging_reward_warns_with_the_timeout_count(tmp_path: Path) -> No
     assert "reward exceeded 0.2s" in warning
     # the window moves on: once no timeout is left in it, the warning clears
     for i in range(16):
-        health.observe(traj(100 + i, 1.0, {}))
+        health.observe(traj(100 + i, 1.0))
     assert "reward_timeouts" not in health.warnings
 
 
@@ -182,7 +183,7 @@ def test_laminar_run_exits_nonzero_when_nothing_was_trained(tmp_path: Path) -> N
 def test_bench_removes_its_relay_segments_and_those_of_dead_runs() -> None:
     import importlib.util
 
-    from laminar.relay.shm import default_shm_dir
+    from laminar.weights.segment import default_shm_dir
 
     root = Path(__file__).resolve().parents[1]
     spec = importlib.util.spec_from_file_location(

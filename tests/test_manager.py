@@ -1,4 +1,5 @@
-"""Manager node: `laminar status`, repack moves on a live cluster, placement fallbacks, recovery, rejoin.
+"""Manager node: `laminar status`, repack moves on a live cluster, placement fallbacks, recovery,
+rejoin.
 
     .venv/bin/python -m pytest tests/test_manager.py -q
 
@@ -169,7 +170,8 @@ async def test_repack_consolidates_draining_rollouts_and_frees_the_sources(tmp_p
         rollouts = {n.node_id: n for n in cluster.role("rollout")}
         await all_running(cluster)
         before = {k: running(n) for k, n in rollouts.items()}
-        mgr.repacker.rollout_loads()  # the previous round's KV: no heartbeat in between, so nothing is "rising"
+        # the previous round's KV: no heartbeat in between, so nothing is "rising"
+        mgr.repacker.rollout_loads()
         entry = await mgr.repack_once()
         # 3 candidates of 2 sequences, B = 8: the two emptiest go to the third one
         assert entry["moves"] == 2 and entry["trajectories"] == 4 and entry["failed"] == 0, entry
@@ -247,8 +249,8 @@ async def test_repack_fires_on_its_own_while_rollouts_drain_long_tails(tmp_path)
             np.testing.assert_array_equal(t.response_ids, ids)
             np.testing.assert_array_equal(t.logprobs, lps)
     print(
-        f"{len(moved_rounds)} rounds moved {sum(e['trajectories'] for e in moved_rounds)} trajectories; "
-        f"{len(resumed)} moved ones finished with their tokens"
+        f"{len(moved_rounds)} rounds moved {sum(e['trajectories'] for e in moved_rounds)} "
+        f"trajectories; {len(resumed)} moved ones finished with their tokens"
     )
 
 
@@ -259,7 +261,8 @@ async def test_a_stale_destination_falls_back_and_an_unheld_version_restarts_fro
     async with LocalCluster(cfg) as cluster:
         mgr, buf = cluster.node("manager-0"), cluster.node("buffer-0")
         await all_running(cluster)
-        # rollout-1 moves on to version 3 (it drains its group first, then loads and takes new prompts)
+        # rollout-1 moves on to version 3 (it drains its group first, then loads and takes new
+        # prompts)
         await mgr.srv.request("rollout-1", RefreshRequest(min_version=3))
         await wait_for(
             lambda: (
@@ -288,7 +291,8 @@ async def test_a_stale_destination_falls_back_and_an_unheld_version_restarts_fro
         )
         for p in exp.partials:
             check_tokens(cfg, stored(buf)[p.uid])
-        # a version nobody holds any more: start over from the prompt on a rollout of the newest version
+        # a version nobody holds any more: start over from the prompt on a rollout of the newest
+        # version
         await wait_for(
             lambda: mgr.srv.peers["rollout-1"].status.version == 3, 5, "a fresh beat", cluster
         )
@@ -301,7 +305,8 @@ async def test_a_stale_destination_falls_back_and_an_unheld_version_restarts_fro
             p.version = 1
         placed2 = await mgr.placer.place(exp2.partials, mgr.trainer_version)
         # rollout-1 holds version 3; rollout-0, emptied by the first export, may have pulled it too
-        # while idle, and then wins as the less loaded one: either is a rollout of the newest version
+        # while idle, and then wins as the less loaded one: either is a rollout of the newest
+        # version
         (dest,) = placed2
         assert placed2[dest] == len(exp2.partials) and dest != "rollout-2", placed2
         assert cluster.node(dest).gate.version == 3, (dest, cluster.node(dest).gate.version)

@@ -1,4 +1,5 @@
-"""Every mode end to end (sim rollouts, sim trainer), and its staleness at consumption matches its definition.
+"""Every mode end to end (sim rollouts, sim trainer), and its staleness at consumption matches its
+definition.
 
     .venv/bin/python -m pytest tests/test_modes.py -q
 
@@ -42,8 +43,8 @@ async def run_mode(tmp_path, mode: str, **over):
     async with LocalCluster(cfg) as cluster:
         await cluster.wait_trainer(timeout=90)
         buffer_stats = cluster.node("buffer-0").stats()
-        buffer_stats["rollout_versions_now"] = [r.gate.version for r in cluster.role("rollout")]
-    return cfg, trainer_metrics(cfg), consumed(cfg), buffer_stats
+        versions_now = [r.gate.version for r in cluster.role("rollout")]
+    return cfg, trainer_metrics(cfg), consumed(cfg), buffer_stats, versions_now
 
 
 def traj_versions(metrics) -> set[int]:
@@ -76,28 +77,29 @@ def check_exactly_once(cfg, steps) -> None:
     ids=["sync", "one_step", "stream", "laminar", "laminar-relay"],
 )
 async def test_mode_runs_and_staleness_matches_definition(tmp_path, mode, relays, bound):
-    cfg, metrics, steps, buf = await run_mode(tmp_path, mode, relays=relays)
+    cfg, metrics, steps, buf, versions_now = await run_mode(tmp_path, mode, relays=relays)
     check_exactly_once(cfg, steps)
     hist = staleness_hist(metrics)
     consumed_n = sum(len(s["uids"]) for s in steps)
     assert sum(hist.values()) == consumed_n, (
         "staleness must be reported for every consumed trajectory"
     )
-    assert buf["staleness_consumed"]["count"] == consumed_n
+    assert buf.staleness_consumed.count == consumed_n
     if bound is not None:
         assert max(hist) <= bound, f"{mode}: staleness {hist} exceeds its bound {bound}"
     if mode == "one_step":
         assert max(hist) == 1, f"one_step overlaps generation with training: {hist}"
     if mode == "laminar":
-        # rollouts pull newer versions as they go idle: later steps train on refreshed rollouts' work
+        # rollouts pull newer versions as they go idle: later steps train on refreshed rollouts'
+        # work
         assert [m["version"] for m in metrics] == list(range(1, STEPS + 1))
-        assert min(buf["rollout_versions_now"]) >= 1, buf["rollout_versions_now"]
+        assert min(versions_now) >= 1, versions_now
         assert max(traj_versions(metrics)) >= 1, f"no refreshed rollout's work was consumed: {hist}"
     print(f"{mode} relays={relays}: staleness at consumption {dict(sorted(hist.items()))}")
 
 
 async def test_laminar_with_max_staleness_1_never_consumes_older(tmp_path):
-    cfg, metrics, steps, _ = await run_mode(tmp_path, "laminar", buffer={"max_staleness": 1})
+    cfg, metrics, steps, _, _ = await run_mode(tmp_path, "laminar", buffer={"max_staleness": 1})
     check_exactly_once(cfg, steps)
     hist = staleness_hist(metrics)
     assert hist and max(hist) <= 1, hist

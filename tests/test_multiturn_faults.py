@@ -179,7 +179,7 @@ class Procs:
         )
 
     def status(self) -> dict:
-        from laminar.launch import fetch_status
+        from laminar.launch.status import fetch_status
 
         return {e.node_id: e for e in fetch_status(self.cfg, timeout=1.0).nodes}
 
@@ -211,9 +211,10 @@ def procs(tmp_path, short_dir):
 
 
 def journal_trajectories(p: Procs) -> tuple[dict, list[Trajectory]]:
+    from laminar.buffer.node import experience_state
     from laminar.journal_check import replay_buffer_journal
 
-    state, trajs = replay_buffer_journal(p.run_dir / "buffer-0.journal", p.cfg)
+    state, trajs = replay_buffer_journal(p.run_dir / "buffer-0.journal", experience_state(p.cfg))
     return state.summary(), trajs
 
 

@@ -14,19 +14,20 @@ import torch
 
 from laminar.algo.episodes import episode_stats, percentile
 from laminar.algo.losses import aggregate, policy_loss
-from laminar.buffer.admission import Admission
 from laminar.buffer.experience import ExperienceState
 from laminar.buffer.intake import Intake
 from laminar.buffer.journal import Journal
 from laminar.buffer.ledger import Ledger
 from laminar.buffer.partials import PartialPool, recover
 from laminar.buffer.prompt_server import PromptServer
-from laminar.buffer.prompts import PromptEncoder, PromptPool, PromptRow
+from laminar.buffer.prompts import PromptPool
+from laminar.buffer.records import TrajectoryAccepted
 from laminar.config import LaminarConfig, config_from_dict
+from laminar.data.prompts import PromptEncoder, PromptRow
 from laminar.logs import get_logger
 from laminar.metrics import Metrics
-from laminar.protocol.buffer import PromptRequest
-from laminar.protocol.core import Ack, ErrorReply
+from laminar.modes import Admission
+from laminar.protocol.buffer import PromptRequest, TrajectoryAck
 from laminar.protocol.data import (
     PartialChunk,
     PartialTrajectory,
@@ -35,11 +36,14 @@ from laminar.protocol.data import (
     Trajectory,
 )
 from laminar.trainer.batch import TrainBatch, collate
+from laminar.trainer.node import trainer_settings
 from laminar.trainer.policy import Policy
 from laminar.trainer.sim import SimTrainer
+from laminar.transport.session import ErrorReply
 
 PROMPT = np.array([5, 6, 7], np.int32)
-# turn 0: 3 model tokens, tool answer: 2 env tokens, turn 1: 2 model tokens, user: 1 env, turn 2: 1 model
+# turn 0: 3 model tokens, tool answer: 2 env tokens, turn 1: 2 model tokens, user: 1 env, turn 2: 1
+# model
 RESP = np.array([10, 11, 12, 20, 21, 13, 14, 22, 15], np.int32)
 MASK = np.array([1, 1, 1, 0, 0, 1, 1, 0, 1], np.uint8)
 
@@ -111,7 +115,8 @@ def _chunk(uid: str, lo: int, hi: int, mask: bool = True, header=None) -> Partia
 
 def test_partial_pool_stores_and_recovers_the_loss_mask():
     pool = PartialPool()
-    # the header carries the first turn (3 model tokens); then env tokens, a resend, a maskless chunk
+    # the header carries the first turn (3 model tokens); then env tokens, a resend, a maskless
+    # chunk
     assert pool.apply(_chunk("g0/0", 0, 0, header=_header("g0/0", MASK[:3]))) == "duplicate"
     assert pool.apply(_chunk("g0/0", 3, 5)) == "appended"
     assert (
@@ -159,7 +164,7 @@ def buffer_parts(journal: Journal | None):
     cfg = LaminarConfig.model_validate(
         {"rollout": {"group_size": 2}, "trainer": {"batch_groups": 1}}
     )
-    adm = Admission.from_config(cfg)
+    adm = Admission.for_mode(cfg.mode, cfg.trainer.batch_groups, cfg.buffer.max_staleness)
     state = ExperienceState(group_size=2, lost_member_policy="release_partial", admission=adm)
     metrics, log = Metrics(), get_logger(role="buffer", node_id="test")
     ledger = Ledger(state, journal, cfg.buffer.compact_bytes, metrics, log)
@@ -168,7 +173,7 @@ def buffer_parts(journal: Journal | None):
     pool = PromptPool(
         [PromptRow("p0", "prompt 0", {}, "mem:0")], PromptEncoder(None), shuffle=False, epochs=1
     )
-    prompts = PromptServer(cfg.buffer, 2, adm, ledger, pool, metrics)
+    prompts = PromptServer(cfg.buffer, 2, admission=adm, ledger=ledger, pool=pool, metrics=metrics)
     return ledger, prompts, Intake(ledger, PartialPool(), metrics, log), metrics
 
 
@@ -190,7 +195,7 @@ async def test_intake_rejects_a_wrong_length_mask_and_journal_round_trips_multi_
     calls = [tool(0, seconds=0.25), tool(1, ok=False, kind="timeout", seconds=5.0, cached=True)]
     good = for_item(item, 0, calls=calls, finish_reason="stop")
     good.logprobs[3] = -0.7  # an env token with a logprob: accepted, counted
-    assert isinstance(await intake.trajectory(good, "r0"), Ack)
+    assert isinstance(await intake.trajectory(good, "r0"), TrajectoryAck)
     assert metrics.counters["env_logprob_nonzero"] == 1
     j.close()
     # replay: the stored member is the same trajectory, mask, turns and tool calls included
@@ -210,11 +215,11 @@ def test_journal_record_round_trips_a_multi_turn_trajectory_exactly(tmp_path):
     single.loss_mask, single.turns = None, 1
     j = Journal(tmp_path / "x.journal", "always")
     list(j.replay())
-    j.append("traj", {}, [t])
-    j.append("traj", {}, [single])
+    j.append(TrajectoryAccepted(t))
+    j.append(TrajectoryAccepted(single))
     j.close()
     j2 = Journal(tmp_path / "x.journal", "never")
-    (_, _, (a,)), (_, _, (b,)) = list(j2.replay())
+    a, b = [rec.trajectory for rec in j2.replay() if isinstance(rec, TrajectoryAccepted)]
     j2.close()
     for got, want in ((a, t), (b, single)):
         for f in got.__struct_fields__:
@@ -308,7 +313,7 @@ def make_cfg(model_path, run_dir, **algo):
 
 @pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean"])
 def test_env_tokens_get_exactly_zero_gradient(tiny, tmp_path, agg):
-    policy = Policy(make_cfg(tiny, tmp_path, agg=agg), tiny)
+    policy = Policy(trainer_settings(make_cfg(tiny, tmp_path, agg=agg)), tiny)
     batch = TrainBatch.build([multi_turn("g0/0"), multi_turn("g0/1", resp=RESP[:5], mask=MASK[:5])])
     mb = collate(batch, [0, 1])
     seen: list[torch.Tensor] = []
@@ -326,7 +331,14 @@ def test_env_tokens_get_exactly_zero_gradient(tiny, tmp_path, agg):
             mb.resp_mask.shape
         )  # nonzero advantage at every position, env ones included
         return policy_loss(
-            logp, logp.detach(), behav, adv, mb.resp_mask, s, batch.n_tokens, batch.n_seqs
+            logp,
+            logp.detach(),
+            behav,
+            adv,
+            mb.resp_mask,
+            s,
+            n_tokens=batch.n_tokens,
+            n_seqs=batch.n_seqs,
         )
 
     loss = loss_of(mb.behav_logp)
@@ -349,7 +361,7 @@ def test_env_tokens_get_exactly_zero_gradient(tiny, tmp_path, agg):
 
 
 def test_train_step_on_multi_turn_counts_model_tokens_and_logs_episodes(tiny, tmp_path):
-    policy = Policy(make_cfg(tiny, tmp_path), tiny)
+    policy = Policy(trainer_settings(make_cfg(tiny, tmp_path)), tiny)
     trajs = [
         multi_turn("g0/0", reward=1.0, calls=[tool(0, seconds=0.2)]),
         multi_turn("g0/1", resp=RESP[:5], mask=MASK[:5], reward=0.0),
@@ -414,7 +426,7 @@ def test_sim_trainer_logs_episode_metrics(tmp_path):
     cfg = config_from_dict(
         {"run_dir": str(tmp_path), "trainer": {"engine": "sim", "sim_time_per_token_s": 0.0}}
     )
-    m = SimTrainer(cfg).step(
+    m = SimTrainer(cfg.trainer, cfg.algo).step(
         TrainBatch.build([multi_turn("g0/0", calls=[tool(0)]), multi_turn("g0/1")])
     )
     assert m["tokens"] == 12 and m["episode/tool_calls"] == 0.5

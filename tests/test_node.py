@@ -1,4 +1,5 @@
-"""Node lifecycle: supervision, graceful stop bounds, registration, and compute() that keeps heartbeats alive.
+"""Node lifecycle: supervision, graceful stop bounds, registration, and compute() that keeps
+heartbeats alive.
 
     .venv/bin/python -m pytest tests/test_node.py -q
 
@@ -19,10 +20,11 @@ import pytest
 
 import laminar.protocol  # noqa: F401
 from laminar.config import config_from_dict
-from laminar.node import Node, NodeFailed, run_nodes
-from laminar.protocol.core import NodeStatus, Ping, Pong
+from laminar.node import NODE_STATUS, Node, NodeFailed, run_nodes, socket_options
+from laminar.protocol.core import NodeStatus
 from laminar.transport.client import RpcClient
 from laminar.transport.server import RpcServer
+from laminar.transport.session import Ping, Pong
 from laminar.transport.sockets import SocketOptions, new_context
 
 SLACK_S = 0.3
@@ -194,7 +196,12 @@ async def test_node_registers_with_the_manager_and_heartbeats_its_status(cfg, zc
             return NodeStatus(node_id=self.node_id, role=self.role, version=7, kv_use=0.25)
 
     manager = RpcServer(
-        zctx, cfg.endpoint("manager"), "manager-0", "manager", SocketOptions.from_config(cfg)
+        zctx,
+        cfg.endpoint("manager"),
+        "manager-0",
+        "manager",
+        socket_options(cfg),
+        peer_status=NODE_STATUS,
     )
     await manager.start()
     nodes = [Member(cfg, index=i, ctx=zctx) for i in range(2)]
@@ -209,7 +216,7 @@ async def test_node_registers_with_the_manager_and_heartbeats_its_status(cfg, zc
     )
     assert (
         manager.peers["member-1"].status.version == 7
-        and manager.peers["member-0"].info["pid"] == os.getpid()
+        and manager.peers["member-0"].pid == os.getpid()
     )
     # a graceful stop says Bye (the node leaves); a crash does not (the manager sees a death)
     nodes[0].request_stop("done")
@@ -243,7 +250,8 @@ async def test_node_without_a_manager_fails_to_start_in_time(cfg, zctx):
 
 
 class PeerThread(threading.Thread):
-    """An RpcClient on its own thread and event loop: a peer that keeps running while ours blocks."""
+    """An RpcClient on its own thread and event loop: a peer that keeps running while ours
+    blocks."""
 
     def __init__(self, endpoint: str, opts: SocketOptions):
         super().__init__(daemon=True)

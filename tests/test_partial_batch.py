@@ -257,15 +257,15 @@ def deliverer(
     )  # type: ignore[arg-type]
     d = Deliverer(
         "rollout-0",
-        buf,
-        None,
+        buf,  # type: ignore[arg-type]
         table,
-        None,
-        None,
-        None,
-        None,
-        Metrics(),  # type: ignore[arg-type]
-        get_logger(role="rollout", node_id="t"),
+        outbox=None,  # type: ignore[arg-type]
+        latest_version=lambda: 3,
+        rewards=None,
+        tokenizer=None,
+        spawn=None,  # type: ignore[arg-type]
+        metrics=Metrics(),
+        log=get_logger(role="rollout", node_id="t"),
         flush_s=flush_s,
     )
     return d, table

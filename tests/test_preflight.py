@@ -24,7 +24,8 @@ ALL = ("manager", "buffer", "relay", "trainer", "rollout")
 
 @pytest.fixture
 def inputs(tmp_path: Path) -> Iterator[dict[str, Path]]:
-    """A model directory (just config.json: nothing loads it here), a prompts file, a reward module."""
+    """A model directory (just config.json: nothing loads it here), a prompts file, a reward
+    module."""
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")

@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 
-from laminar.buffer.prompts import PromptEncoder
+from laminar.data.prompts import PromptEncoder
 from laminar.models.prompt_tokenizer import TokenizerFile, load_prompt_tokenizer
 from laminar.models.tiny import DEFAULT_ALPHABET, char_tokenizer, load_tokenizer
 
@@ -36,7 +36,8 @@ def test_tokenizer_json_alone_gives_autotokenizers_ids_and_bos(tmp_path):
 
 
 def test_tokenizer_json_alone_decodes_as_autotokenizer(tmp_path):
-    """What a rollout needs: completions decoded and the EOS id, both as AutoTokenizer gives them."""
+    """What a rollout needs: completions decoded and the EOS id, both as AutoTokenizer gives
+    them."""
     char_tokenizer(DEFAULT_ALPHABET).save_pretrained(tmp_path / "plain")
     fast, auto = load_prompt_tokenizer(tmp_path / "plain"), load_tokenizer(tmp_path / "plain")
     assert fast.eos_token_id == auto.eos_token_id is not None

@@ -16,8 +16,8 @@ import time
 import pytest
 import torch
 
-from laminar.relay.local import RelayProcs
-from laminar.transport.weights import WeightPusher
+from laminar.weights.relay_client import WeightPusher
+from tests.relay_procs import RelayProcs
 
 
 def _state(mb: float, seed: int) -> dict[str, torch.Tensor]:
@@ -36,8 +36,10 @@ def _state(mb: float, seed: int) -> dict[str, torch.Tensor]:
 def relays(short_dir):
     started: list[RelayProcs] = []
 
-    def make(n: int, **overrides) -> RelayProcs:
-        procs = RelayProcs(short_dir / f"c{len(started)}", n, overrides)
+    def make(n: int, corrupt_chunks: list[int] | None = None, **overrides) -> RelayProcs:
+        procs = RelayProcs(
+            short_dir / f"c{len(started)}", n, overrides, corrupt_chunks=corrupt_chunks
+        )
         started.append(procs.start())
         return procs
 
@@ -82,8 +84,8 @@ async def test_push_is_bit_identical_at_every_relay_of_a_4_relay_chain(relays):
 
 
 async def test_corrupted_chunk_is_detected_and_refetched(relays):
-    # every relay corrupts chunks 1 and 3 the first time it sends them (test hook)
-    procs = relays(3, **{"relay.chunk_bytes": 1 << 18, "relay.inject_corrupt_chunks": [1, 3]})
+    # every relay corrupts chunks 1 and 3 the first time it sends them (tests/relay_faults.py)
+    procs = relays(3, corrupt_chunks=[1, 3], **{"relay.chunk_bytes": 1 << 18})
     try:
         order, pusher = await _setup(procs)
         await pusher.push(1, _state(1.5, seed=2))

@@ -12,9 +12,9 @@ import msgspec
 import numpy as np
 import pytest
 
-from laminar.relay.shm import OutOfSlots, WeightStore
-from laminar.transport.codec import ProtocolError, roundtrip
-from laminar.transport.weight_layout import (
+from laminar.message import ProtocolError
+from laminar.transport.codec import roundtrip
+from laminar.weights.layout import (
     ALIGN,
     build_layout,
     checksum_buffer,
@@ -25,6 +25,7 @@ from laminar.transport.weight_layout import (
     validate_layout,
     version_checksum,
 )
+from laminar.weights.segment import OutOfSlots, WeightStore
 
 
 def test_layout_aligns_every_tensor_and_roundtrips_the_codec():

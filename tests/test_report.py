@@ -115,7 +115,7 @@ def test_progress_line_has_step_total_reward_eval_and_eta(tmp_path: Path) -> Non
     run = make_run(tmp_path, steps=20)
     out = io.StringIO()
     start = (run / "config.yaml").stat().st_mtime
-    p = Progress(run, "laminar", start, every_s=5.0, stream=out)
+    p = Progress(run, "laminar", start, every_s=5.0, total_steps=40, stream=out)
     p.tick(final=True)  # final: no manager query
     line = out.getvalue().strip()
     assert line.startswith("[laminar")
@@ -138,7 +138,7 @@ def test_progress_before_the_first_step(tmp_path: Path) -> None:
 
 
 def test_wandb_requested_but_missing_is_a_clear_error(tmp_path: Path, monkeypatch, capsys) -> None:
-    from laminar.trainer.logger import MetricsLogger, require_wandb
+    from laminar.trainer.logger import require_wandb, wandb_init_kwargs
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # not importable, whether installed or not
     cfg = config_from_dict(
@@ -151,13 +151,13 @@ def test_wandb_requested_but_missing_is_a_clear_error(tmp_path: Path, monkeypatc
     with pytest.raises(
         ConfigError, match=r"logging.wandb is set but wandb is not installed: `pip install wandb`"
     ):
-        require_wandb(cfg)
+        require_wandb(cfg.logging)
     with pytest.raises(ConfigError, match="pip install wandb"):
-        MetricsLogger(tmp_path / "run", cfg, tensorboard=False)
-    legacy = config_from_dict({"name": "wb", "extra": {"wandb": {"project": "p"}}})
-    with pytest.raises(ConfigError, match="extra.wandb is set"):
-        require_wandb(legacy)
-    require_wandb(config_from_dict({"name": "wb"}))  # not asked for: fine
+        wandb_init_kwargs(cfg.logging, cfg.name, {})
+    with pytest.raises(ConfigError, match="wandb is logging.wandb"):  # the old extra.wandb
+        config_from_dict({"name": "wb", "extra": {"wandb": {"project": "p"}}})
+    plain = config_from_dict({"name": "wb"})
+    require_wandb(plain.logging)  # not asked for: fine
     # `laminar run` refuses before any node starts (exit 2, nothing written)
     sim = ["trainer.engine=sim", "rollout.engine=sim"]  # inputs that pass the other checks
     rc = main(["run", f"run_dir={tmp_path / 'cli'}", "logging.wandb={project: p}", *sim])

@@ -167,10 +167,10 @@ async def test_sync_async_dict_none_raising(workers):
     assert results["single_value_dict"].reward == 1.0
     assert results["none_reward"].reward is None and results["none_reward"].info == {}
     assert results["raising"].reward is None
-    assert results["raising"].info["error_kind"] == "exception"
-    assert "ValueError: bad completion 4" in results["raising"].info["error"]
+    assert results["raising"].error_kind == "exception" and results["raising"].info == {}
+    assert "ValueError: bad completion 4" in results["raising"].error
     for name in ("ambiguous_dict", "wrong_type", "nan_reward"):
-        assert results[name].reward is None and results[name].info["error_kind"] == "format", name
+        assert results[name].reward is None and results[name].error_kind == "format", name
 
 
 async def test_counters():
@@ -205,7 +205,7 @@ async def test_thread_mode_timeout_marks_sample_and_loop_keeps_running(name):
     finally:
         t.cancel()
         await runner.close()
-    assert res.reward is None and res.info["error_kind"] == "timeout"
+    assert res.reward is None and res.error_kind == "timeout"
     assert took < 1.0
     assert ticks >= 10, "the event loop stalled while the reward ran"
     assert ok.reward == 1.0
@@ -221,7 +221,7 @@ async def test_hung_worker_is_killed_and_replaced():
         t0 = time.monotonic()
         res = await runner.score("p", "c", {"seconds": 60})
         assert time.monotonic() - t0 < 5.0
-        assert res.reward is None and res.info["error_kind"] == "timeout"
+        assert res.reward is None and res.error_kind == "timeout"
         assert runner.stats["replaced"] == 1
         await runner.wait_workers(60)
         (new_pid,) = runner.worker_pids
@@ -239,7 +239,7 @@ async def test_dead_worker_is_replaced():
     await runner.start()
     try:
         res = await runner.score("p", "c", {})
-        assert res.reward is None and res.info["error_kind"] == "worker_died"
+        assert res.reward is None and res.error_kind == "worker_died"
         await runner.wait_workers(60)
         assert runner.stats["replaced"] == 1 and len(runner.worker_pids) == 1
     finally:

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from laminar.buffer.prompts import PromptEncoder, PromptPool, load_prompts
+from laminar.buffer.prompts import PromptPool
+from laminar.data.prompts import PromptEncoder, load_prompts
 from laminar.rewards import builtin as rb
 from laminar.tasks import countup
 
@@ -135,7 +136,8 @@ def test_top_level_reference_wins_over_reward_model() -> None:
 
 
 def test_verl_parquet_rows_reach_the_reward(tmp_path: Path) -> None:
-    """The loader -> pool -> reward path on verl-shaped parquet rows (chat prompt, nested struct)."""
+    """The loader -> pool -> reward path on verl-shaped parquet rows (chat prompt, nested
+    struct)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 

@@ -24,6 +24,7 @@ from rollout_fakes import (
     write_weights,
 )
 
+from laminar.node import relay_links, socket_options
 from laminar.protocol.rollout import (
     ExportReply,
     ExportRequest,
@@ -94,7 +95,8 @@ async def test_buffer_cut_off_loses_nothing_and_duplicates_nothing(tmp_path):
         await h.buffer.start()  # same endpoint, same (journaled) state
         await h.wait_stored(uids_of(items), 30)
         assert set(h.state.stored) == uids_of(items)
-        h.check_arrivals()  # a resend whose first copy was stored (ack lost in the cut) is deduplicated
+        # a resend whose first copy was stored (ack lost in the cut) is deduplicated
+        h.check_arrivals()
         assert sum(r.outbox.stats["retries"] for r in h.rollouts) > 0
         for uid, t in h.state.stored.items():
             assert t.response_ids.tolist() == expected_response(uid)
@@ -135,14 +137,14 @@ async def test_weights_load_only_when_idle_and_groups_keep_one_version(tmp_path)
 
 
 async def test_weights_from_the_relay(tmp_path):
-    """rollout.weights=relay: the trainer pushes v1 to the relay; the idle rollout pulls and loads it."""
+    """rollout.weights=relay: the trainer pushes v1 to the relay; the idle rollout pulls and loads
+    it."""
     import torch
 
     from laminar.logs import get_logger
     from laminar.relay.node import RelayNode
     from laminar.supervise import detached_spawn
-    from laminar.transport.sockets import SocketOptions
-    from laminar.transport.weights import WeightPusher
+    from laminar.weights.relay_client import WeightPusher
 
     items = make_items(2, n=2)
     cfg = make_cfg(tmp_path, rollout__weights="relay", relay={"shm_prefix": f"lamt{os.getpid()}"})
@@ -153,10 +155,8 @@ async def test_weights_from_the_relay(tmp_path):
         assert node.source.name == "relay"
         await h.wait_stored(uids_of(items), 10)
         log = get_logger(role="trainer", node_id="trainer-0")
-        wiring = Wiring(
-            h.ctx, SocketOptions.from_config(cfg), "trainer-0", "trainer", log, detached_spawn
-        )
-        pusher = WeightPusher(cfg, wiring)
+        wiring = Wiring(h.ctx, socket_options(cfg), "trainer-0", "trainer", log, detached_spawn)
+        pusher = WeightPusher(relay_links(cfg), wiring)
         await pusher.start()
         try:
             await pusher.push(1, {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)})
@@ -302,7 +302,8 @@ def reward_raises(prompt, completion, **row):
 @pytest.mark.parametrize("fn", ["reward_by_answer", "reward_raises"])
 async def test_reward_runner_on_the_rollout(tmp_path, fn):
     items = make_items(3, n=2)
-    # torch kind with an injected engine and no model: no tokenizer, the completion is "", the reward fn runs
+    # torch kind with an injected engine and no model: no tokenizer, the completion is "", the
+    # reward fn runs
     cfg = make_cfg(
         tmp_path,
         reward={"fn": f"{__name__}:{fn}", "workers": 0, "timeout_s": 5.0},
@@ -316,7 +317,8 @@ async def test_reward_runner_on_the_rollout(tmp_path, fn):
                 assert t.reward == 1.0 and t.reward_info == {"checked": 1.0}
                 assert "reward_s" in t.timings
             else:
-                assert t.reward is None and "judge unavailable" in t.reward_info["error"]
+                assert t.reward is None and "judge unavailable" in t.reward_error
+                assert t.reward_error_kind == "exception" and t.reward_info == {}
         if fn == "reward_raises":
             assert node.rewards.stats["errors"] == 6
 
@@ -388,12 +390,13 @@ def test_rollout_messages_round_trip_through_the_codec():
 
 
 class _FlakySource:
-    """A weight source (announce-style: no tensors) at version 1 from the start, whose first load fails."""
+    """A weight source (announce-style: no tensors) at version 1 from the start, whose first load
+    fails."""
 
     name = "flaky"
 
     def __init__(self) -> None:
-        from laminar.transport.weights_channel import AnnounceSubscriber
+        from laminar.weights.channel import AnnounceSubscriber
 
         self.inner = AnnounceSubscriber()
         self.inner.announce(1)
@@ -413,7 +416,7 @@ class _FlakySource:
         return await self.inner.wait_newer(than, timeout)
 
     async def load_into(self, engine) -> int:
-        from laminar.transport.weights import WeightsUnavailable
+        from laminar.weights.relay_client import WeightsUnavailable
 
         if self.failures:
             self.failures -= 1
@@ -421,7 +424,7 @@ class _FlakySource:
         return await self.inner.load_into(engine)
 
 
-async def test_an_idle_rollout_asks_for_prompts_while_it_loads_and_never_runs_them_below_that_version(
+async def test_idle_rollout_asks_for_prompts_while_loading_and_never_runs_them_below_that_version(
     tmp_path,
 ):
     """Refill: an idle rollout with a newer version available sends its PromptRequest (declaring

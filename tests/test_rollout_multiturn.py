@@ -216,7 +216,8 @@ async def test_repack_moves_an_episode_between_turns(tmp_path, where):
 
 
 def test_awaiting_env_reaches_the_partial_pool_and_comes_back():
-    """The flag travels with the chunk that reaches the record's end; a flip alone is an empty chunk."""
+    """The flag travels with the chunk that reaches the record's end; a flip alone is an empty
+    chunk."""
     from laminar.buffer.partials import PartialPool
     from laminar.rollout.tracking import SeqState
 
@@ -249,7 +250,8 @@ def test_awaiting_env_reaches_the_partial_pool_and_comes_back():
 
 class _TurnEndsDuringAbort(TurnEngine):
     """An abort that loses the race: each sequence's model turn ends (final "stop" event) while
-    the abort is on its way, so the abort hands back nothing and the episode went to its env step."""
+    the abort is on its way, so the abort hands back nothing and the episode went to its env
+    step."""
 
     async def abort(self, seq_ids: Any) -> list[Any]:
         for sid in list(seq_ids):

@@ -29,7 +29,7 @@ SIM = {
 
 
 async def reference(cfg, item) -> dict[str, list[int]]:
-    eng = SimEngine.from_config(cfg, step_time_s=0.0)
+    eng = SimEngine.from_config(cfg.rollout, step_time_s=0.0)
     await eng.start()
     try:
         params = SamplingParams.from_config(cfg.rollout.sampling)

@@ -1,4 +1,5 @@
-"""CURVE over tcp: keys from `laminar keys DIR`; an authorised client works, anyone else gets nothing through.
+"""CURVE over tcp: keys from `laminar keys DIR`; an authorised client works, anyone else gets
+nothing through.
 
 .venv/bin/python -m pytest tests/test_security.py -q
 """
@@ -11,10 +12,10 @@ import pytest
 
 import laminar.protocol  # noqa: F401
 from laminar.cli import main as cli_main
-from laminar.protocol.core import Ping, Pong
 from laminar.transport.client import RpcClient
 from laminar.transport.security import Security
 from laminar.transport.server import RpcServer
+from laminar.transport.session import Ping, Pong
 from laminar.transport.sockets import RequestTimeout
 from laminar.transport.streams import PullStream, PushStream
 
@@ -83,7 +84,8 @@ async def test_curve_streams_refuse_strangers(zctx, tcp, fast_opts, cluster_keys
         zctx, ep, opts=fast_opts(security=Security(stranger, server_key=str(root / "node.key")))
     )
     good = PushStream(zctx, ep, opts=fast_opts(security=Security(root)))
-    # PUSH queues until a connection completes; the stranger's never does, so its message never arrives
+    # PUSH queues until a connection completes; the stranger's never does, so its message never
+    # arrives
     await bad.send(Ping(payload="intruder"), timeout=1)
     await good.send(Ping(payload="member"), timeout=1)
     assert await pull.recv(timeout=5) == Ping(payload="member")

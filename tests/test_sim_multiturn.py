@@ -1,4 +1,5 @@
-"""Multi-turn in the emulation and the simulator: the sim engine's turns, SimToolEnv, bench/simcore.py.
+"""Multi-turn in the emulation and the simulator: the sim engine's turns, SimToolEnv,
+bench/simcore.py.
 
 .venv/bin/python -m pytest tests/test_sim_multiturn.py -q
 """
@@ -49,7 +50,7 @@ def engine(seed: int = 7) -> SimEngine:
     )
 
 
-# ---- the sim engine's model turns -----------------------------------------------------------------
+# ---- the sim engine's model turns ----------------------------------------------------------------
 
 
 async def test_turn_lengths_are_drawn_per_turn_and_end_in_stop():
@@ -114,7 +115,7 @@ async def test_turn_zero_is_the_single_turn_draw_and_resume_keeps_the_target():
     assert reason == "length" and cut + len(ids) == cut + 1
 
 
-# ---- SimToolEnv --------------------------------------------------------------------------------------
+# ---- SimToolEnv ----------------------------------------------------------------------------------
 
 
 def ctx(uid: str, turn: int, replay: bool = False, calls: int = 0) -> StepContext:
@@ -239,7 +240,7 @@ async def test_episodes_on_the_sim_engine():
         assert len(runs) == 2 * calls  # model, env, model, ..., model
 
 
-# ---- the simulator ------------------------------------------------------------------------------------
+# ---- the simulator -------------------------------------------------------------------------------
 
 SMALL = sim.SimParams(
     n_rollouts=16,
@@ -351,7 +352,8 @@ def test_params_from_config_reads_the_sim_tool_env():
 
 @pytest.mark.slow
 def test_emulated_multiturn_run(tmp_path):
-    """One bench/cluster_run.py run on the multi-turn workload: the real rollouts drive SimToolEnv."""
+    """One bench/cluster_run.py run on the multi-turn workload: the real rollouts drive
+    SimToolEnv."""
     out = tmp_path / "fig.json"
     params = {"workload": "multiturn", "length_p50": 50, "warmup_s": 3, "window_s": 6}
     proc = subprocess.run(

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import laminar.manager.repack as repack_mod
-import laminar.manager.staleness as st
+import laminar.modes as st
 from laminar.config import LaminarConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,7 +76,7 @@ def test_repack_plans_come_from_the_planner(monkeypatch):
     assert out["moves"] == sum(len(p.moves) for p in plans) > 0
 
 
-# ---- the paper's ordering and the modes' staleness -------------------------------------------------
+# ---- the paper's ordering and the modes' staleness -----------------------------------------------
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -126,7 +126,7 @@ def test_tokens_are_conserved_and_kv_respected(monkeypatch):
     assert 0.0 <= out["rollout_idle_frac"] <= 1.0 and 0.0 <= out["decode_util"] <= 1.0
 
 
-# ---- control-plane mechanisms (bench/simrepack.py; what the emulation showed the simulator missed) ----
+# ---- control-plane mechanisms (bench/simrepack.py: what the emulation showed the sim missed) -----
 
 
 def test_refill_per_group_keeps_rollouts_fuller():
@@ -333,7 +333,7 @@ def test_bad_arguments():
         sim.simulate("sync")
 
 
-# ---- laminar.manager.staleness -------------------------------------------------------------------
+# ---- laminar.modes -------------------------------------------------------------------------------
 
 
 def test_policies():

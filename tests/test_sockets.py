@@ -1,4 +1,5 @@
-"""Sockets: bad input never stops a server, liveness bounds, deadlines, no leaked cancellations, PUB/SUB barrier, PUSH/PULL HWM.
+"""Sockets: bad input never stops a server, liveness bounds, deadlines, no leaked cancellations,
+PUB/SUB barrier, PUSH/PULL HWM.
 
     .venv/bin/python -m pytest tests/test_sockets.py -q
 
@@ -18,11 +19,11 @@ import pytest
 import zmq
 
 import laminar.protocol  # noqa: F401
-from laminar.protocol.core import ErrorReply, Hello, Ping, Pong, Welcome
 from laminar.protocol.manager import StatusRequest
 from laminar.transport.client import RpcClient
-from laminar.transport.codec import PROTOCOL_VERSION, decode, encode
+from laminar.transport.codec import decode, encode
 from laminar.transport.server import RpcServer
+from laminar.transport.session import PROTOCOL_VERSION, ErrorReply, Hello, Ping, Pong, Welcome
 from laminar.transport.sockets import PeerDead, RemoteError, RequestTimeout, TransportError
 from laminar.transport.streams import Publisher, PullStream, PushStream, Subscriber
 
@@ -239,7 +240,8 @@ async def test_client_detects_dead_server_and_reconnects_on_a_fresh_socket(
 async def test_request_to_a_server_restarted_under_us_handshakes_again(zctx, ipc, fast_opts):
     """The server restarts on the same endpoint faster than heartbeats notice: the socket reconnects
     underneath, the new server answers unknown_peer, and the client handshakes again and retries."""
-    # beats far apart: neither death detection nor the heartbeat path can recover, only the request path
+    # beats far apart: neither death detection nor the heartbeat path can recover, only the request
+    # path
     opts = fast_opts(heartbeat_interval_s=30, heartbeat_liveness=100)
     ep = ipc("restart")
     srv = await _echo_server(zctx, ep, opts)
@@ -407,7 +409,8 @@ async def test_request_to_a_hung_handler_times_out(zctx, ipc, fast_opts):
         await cli.request(Ping(), timeout=0.15, retries=1)
     assert 0.3 <= time.monotonic() - t0 <= 0.3 + SLACK_S
     assert len(calls) == 2 and cli.stats.timeouts == 2
-    # server -> client request to a client that has no handler: an error reply, and to a gone client: PeerDead
+    # server -> client request to a client that has no handler: an error reply, and to a gone
+    # client: PeerDead
     with pytest.raises(RemoteError, match="unhandled"):
         await srv.request("cli-0", Ping(), timeout=1)
     await cli.close(say_bye=False)

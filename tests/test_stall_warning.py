@@ -22,13 +22,14 @@ import pytest
 import structlog
 import yaml
 
-from laminar.buffer.admission import Admission
 from laminar.buffer.experience import ExperienceState
 from laminar.buffer.health import StallWatch, none_cause
 from laminar.buffer.ledger import Ledger
+from laminar.buffer.records import GroupsServed, ServedGroup, TrajectoryAccepted
 from laminar.config import BufferConfig
 from laminar.metrics import Metrics
-from laminar.protocol.core import Ack
+from laminar.modes import Admission
+from laminar.protocol.buffer import TrajectoryAck
 from laminar.protocol.data import PromptItem, Trajectory
 from laminar.rewards.runner import RewardRunner
 from tests.test_buffer_node import Harness, make_cfg, prompts
@@ -51,7 +52,7 @@ def reads_answer(prompt: str, completion: str, **row: Any) -> float:
 
 
 def traj(
-    item: PromptItem, i: int, reward: float | None, info: dict[str, Any] | None = None
+    item: PromptItem, i: int, reward: float | None, error: str = "", error_kind: str = ""
 ) -> Trajectory:
     return Trajectory(
         uid=f"{item.group_id}/{i}",
@@ -63,7 +64,8 @@ def traj(
         logprobs=np.full(3, -1.0, np.float32),
         version=0,
         reward=reward,
-        reward_info=info or {},
+        reward_error=error,
+        reward_error_kind=error_kind,
         prompt=item.prompt,
         row=item.row,
     )
@@ -86,8 +88,9 @@ async def test_missing_field_warns_with_counts_and_shows_in_status(tmp_path: Pat
         for it in items:
             for i in range(it.n):
                 res = await runner.score(it.prompt, "4", it.row)
-                assert res.reward is None and res.info["error_kind"] == "exception"
-                assert isinstance(await ro.request(traj(it, i, res.reward, res.info)), Ack)
+                assert res.reward is None and res.error_kind == "exception"
+                t = traj(it, i, res.reward, res.error, res.error_kind)
+                assert isinstance(await ro.request(t), TrajectoryAck)
         buf = h.buffer
         warning = buf.health.warnings["rewards_none"]
         assert "reward None for 8/8 of the last trajectories" in warning
@@ -98,11 +101,11 @@ async def test_missing_field_warns_with_counts_and_shows_in_status(tmp_path: Pat
         # rate-limited: 12 trajectories, one warning logged and counted
         assert buf.metrics.counters["warn_rewards_none"] == 1
         assert buf.metrics.counters["reward_none"] == 12
-        assert buf.status().extra["warnings"] == [warning]
-        assert buf.stats()["warnings"] == {"rewards_none": warning}
+        assert buf.status().warnings == [warning]
+        assert buf.stats().warnings == {"rewards_none": warning}
 
         # `laminar status` shows it once the manager has the buffer's heartbeat
-        from laminar.launch import fetch_status, status_main
+        from laminar.launch.status import fetch_status, status_main
         from laminar.transport.sockets import TransportError
 
         def buffer_warnings() -> list[str]:
@@ -111,10 +114,7 @@ async def test_missing_field_warns_with_counts_and_shows_in_status(tmp_path: Pat
             except TransportError:
                 return []
             return [
-                w
-                for e in reply.nodes
-                if e.role == "buffer" and e.status
-                for w in e.status.extra.get("warnings", [])
+                w for e in reply.nodes if e.role == "buffer" and e.status for w in e.status.warnings
             ]
 
         deadline = asyncio.get_running_loop().time() + 10
@@ -159,21 +159,12 @@ def _serve(ledger: Ledger, k: int, start: int = 0) -> list[PromptItem]:
         )
         for j in range(start, start + k)
     ]
-    ledger.record(
-        "served",
-        {
-            "groups": [
-                {"group_id": it.group_id, "uid": it.uid, "n": 2, "version": 0, "item": i}
-                for i, it in enumerate(items)
-            ]
-        },
-        items,
-    )
+    ledger.record(GroupsServed([ServedGroup(it.group_id, it.uid, 2, 0, item=it) for it in items]))
     return items
 
 
 def _arrive(watch: StallWatch, ledger: Ledger, t: Trajectory) -> None:
-    ledger.record("traj", {}, [t])
+    ledger.record(TrajectoryAccepted(t))
     watch.observe(t)
 
 
@@ -234,61 +225,58 @@ def test_none_fraction_is_judged_over_the_window(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("info", "finish", "builtin", "cause", "field"),
+    ("err", "finish", "builtin", "cause", "field"),
     [
         (
-            {"error": "KeyError: 'answer'", "error_kind": "exception"},
+            ("KeyError: 'answer'", "exception"),
             "stop",
             False,
             "the reward read a field the row does not have: 'answer'",
             "answer",
         ),
         (
-            {
-                "error": "TypeError: score() missing 1 required positional argument: 'solution'",
-                "error_kind": "exception",
-            },
+            ("TypeError: score() missing 1 required positional argument: 'solution'", "exception"),
             "stop",
             False,
             "does not have: 'solution'",
             "solution",
         ),
         (
-            {"error": "ValueError: bad", "error_kind": "exception"},
+            ("ValueError: bad", "exception"),
             "stop",
             False,
             "the reward failed (exception): ValueError: bad",
             None,
         ),
         (
-            {"error": "reward exceeded 10.0s", "error_kind": "timeout"},
+            ("reward exceeded 10.0s", "timeout"),
             "stop",
             False,
             "failed (timeout)",
             None,
         ),
         (
-            {"error": "engine error", "error_kind": "engine"},
+            ("engine error", "engine"),
             "error",
             False,
             "the engine failed",
             None,
         ),
         (
-            {},
+            ("", ""),
             "stop",
             True,
             "found no 'answer' or 'ground_truth' or 'reward_model.ground_truth'",
             "answer",
         ),
-        ({}, "stop", False, "the reward returned None", ""),
+        (("", ""), "stop", False, "the reward returned None", ""),
     ],
 )
 def test_none_cause(
-    info: dict[str, Any], finish: str, builtin: bool, cause: str, field: str | None
+    err: tuple[str, str], finish: str, builtin: bool, cause: str, field: str | None
 ) -> None:
     item = PromptItem(uid="p", group_id="p@0#0", prompt_ids=np.arange(2, dtype=np.int32), n=1)
-    t = traj(item, 0, None, info)
+    t = traj(item, 0, None, *err)
     t.finish_reason = finish
     got, got_field = none_cause(t, builtin)
     assert cause in got and got_field == field
@@ -341,7 +329,7 @@ async def test_verl_parquet_with_builtin_reward_trains_on_a_real_cluster(tmp_pat
             )  # poll of a condition with no event of its own, under a deadline
         trajs = [t for g in buf.state.groups.values() for t in g.members.values()]
         assert len(trajs) == 8 and all(t.reward in (0.0, 1.0) for t in trajs), [
-            t.reward_info for t in trajs
+            (t.reward_error_kind, t.reward_error) for t in trajs
         ]
         assert buf.state.counts["groups_ready"] == 4 and buf.state.counts["groups_dropped"] == 0
-        assert buf.health.warnings == {} and buf.status().extra["warnings"] == []
+        assert buf.health.warnings == {} and buf.status().warnings == []

@@ -18,7 +18,8 @@ import pytest
 from laminar.children import Children, ChildSpec, Finished, GivingUp
 from laminar.config import RestartConfig, load_config
 from laminar.engines.lifeline import alive
-from laminar.launch import IpcDirError, prepare_ipc_dir, restarts_by_node
+from laminar.launch.ipc_dir import IpcDirError, prepare_ipc_dir
+from laminar.launch.status import restarts_by_node
 from laminar.supervise import EXIT_PERMANENT
 
 REPO = Path(__file__).resolve().parent.parent

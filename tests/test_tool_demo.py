@@ -30,12 +30,12 @@ def test_shortened_tool_demo_learns_to_call_the_tool(tmp_path: Path):
         "-m",
         "laminar.demo.tooldemo",
         f"run_dir={run_dir}",
-        f"extra.demo.cache_dir={tmp_path / 'cache'}",
-        "extra.demo.warmup_steps=1500",
+        f"demo.cache_dir={tmp_path / 'cache'}",
+        "demo.warmup_steps=1500",
         "trainer.total_steps=40",
-        "extra.demo.eval_rows=300",
-        "extra.demo.curve_eval_rows=150",
-        "extra.demo.curve_points=3",
+        "demo.eval_rows=300",
+        "demo.curve_eval_rows=150",
+        "demo.curve_points=3",
     ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)

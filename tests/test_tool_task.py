@@ -9,14 +9,13 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from laminar.config import EnvLimits
 from laminar.demo.tooldemo.evaluate import DirectToolClient, run_episode, summarize_episodes
-from laminar.demo.tooldemo.report import point, summarize, summary_md
+from laminar.demo.tooldemo.results import point, summarize, summary_md
 from laminar.engines.base import SamplingParams
 from laminar.envs.template import TurnTemplate
 from laminar.envs.tool_env import ToolEnv
@@ -167,7 +166,8 @@ def test_alphabet_covers_every_character(tok):
 
 
 class _ScriptedEngine:
-    """Answers each turn with scripted text; checks the episode loop resumes after every token so far."""
+    """Answers each turn with scripted text; checks the episode loop resumes after every token so
+    far."""
 
     def __init__(self, tok, turns: list[str]):
         self.tok, self.turns = tok, turns
@@ -247,10 +247,7 @@ def test_summary_and_markdown():
         for i in range(1, 21)
     ]
     run = {"curve": curve, "metrics": metrics, "wall_clock_s": 60.0}
-    from laminar.config import load_config
-
-    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "tool_demo.yaml")
-    s = summarize(cfg, run, before, 100.0)
+    s = summarize("laminar", run, before, 100.0)
     assert s["eval_accuracy_before"] == 0.2 and s["eval_accuracy_after"] == 0.8
     assert s["hard_tool_rate_before"] == 0.0 and s["hard_tool_rate_after"] == 1.0
     assert list(s["multiturn_metrics_mean"]) == ["episode/tool_calls"]

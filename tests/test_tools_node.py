@@ -1,4 +1,5 @@
-"""The tools node over ipc: a manager and a ToolsNode in this process, RemoteToolClient as a rollout.
+"""The tools node over ipc: a manager and a ToolsNode in this process, RemoteToolClient as a
+rollout.
 
     .venv/bin/python -m pytest tests/test_tools_node.py -q
 
@@ -21,12 +22,12 @@ import pytest
 
 from laminar.config import LaminarConfig, config_from_dict
 from laminar.manager.node import ManagerNode
-from laminar.node import Node
+from laminar.node import Node, socket_options
 from laminar.protocol.tools import ToolCallRequest, ToolStatsReply, ToolStatsRequest
 from laminar.tools.client import RemoteToolClient
 from laminar.tools.node import ToolsNode
 from laminar.transport.client import RpcClient
-from laminar.transport.sockets import RemoteError, SocketOptions, new_context
+from laminar.transport.sockets import RemoteError, new_context
 
 APPEND = "test_tools_sandbox:append_line"
 
@@ -86,9 +87,7 @@ async def test_tools_node_serves_calls_once_per_id(cfg, tmp_path):
     m_task = await start(manager)
     tools = ToolsNode(cfg, ctx=ctx)
     t_task = await start(tools)
-    cli = RpcClient(
-        ctx, cfg.endpoint("tools"), "rollout-0", "rollout", SocketOptions.from_config(cfg)
-    )
+    cli = RpcClient(ctx, cfg.endpoint("tools"), "rollout-0", "rollout", socket_options(cfg))
     try:
         await cli.connect(timeout=5)
         client = RemoteToolClient(cli, cfg.tools.call_timeout_s)
@@ -137,9 +136,7 @@ async def test_tools_node_serves_calls_once_per_id(cfg, tmp_path):
     # restarted on the same run_dir: the journal answers; nothing runs twice
     tools2 = ToolsNode(cfg, ctx=ctx)
     t2_task = await start(tools2)
-    cli2 = RpcClient(
-        ctx, cfg.endpoint("tools"), "rollout-1", "rollout", SocketOptions.from_config(cfg)
-    )
+    cli2 = RpcClient(ctx, cfg.endpoint("tools"), "rollout-1", "rollout", socket_options(cfg))
     try:
         await cli2.connect(timeout=5)
         client2 = RemoteToolClient(cli2, cfg.tools.call_timeout_s)
@@ -151,9 +148,7 @@ async def test_tools_node_serves_calls_once_per_id(cfg, tmp_path):
         await stop(tools2, t2_task)
 
     # the node is gone: a call is an observation, never an exception
-    cli3 = RpcClient(
-        ctx, cfg.endpoint("tools"), "rollout-2", "rollout", SocketOptions.from_config(cfg)
-    )
+    cli3 = RpcClient(ctx, cfg.endpoint("tools"), "rollout-2", "rollout", socket_options(cfg))
     try:
         lost = await RemoteToolClient(cli3, 0.3, retries=0).call("u#t4#c0", "python", {"code": "1"})
         assert not lost.ok and lost.error_kind in ("timeout", "unreachable")

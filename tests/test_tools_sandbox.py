@@ -92,7 +92,8 @@ async def test_hostile_calls_get_error_observations_and_the_worker_keeps_serving
         ("b'x' * (10**10)", "memory"),
         ("l = []\nwhile True: l.append(bytearray(10**6))", "memory"),
         (
-            f"import socket; s = socket.socket(); s.settimeout(0.5); s.connect(('127.0.0.1', {port}))",
+            "import socket; s = socket.socket(); s.settimeout(0.5); s.connect(('127.0.0.1', "
+            f"{port}))",
             "network",
         ),
         ("import socket; socket.create_connection(('1.1.1.1', 80), timeout=0.5)", "network"),

@@ -15,6 +15,7 @@ from laminar.config import config_from_dict
 from laminar.protocol.data import Trajectory
 from laminar.trainer import checkpoint as ck
 from laminar.trainer.batch import TrainBatch, collate, pack_micro_batches
+from laminar.trainer.node import trainer_settings
 from laminar.trainer.policy import Policy, lr_lambda
 
 
@@ -41,7 +42,8 @@ def make_cfg(model_path, run_dir, **trainer):
 
 
 def make_trajs(n_groups=4, group=4, seed=0, vocab=(4, 40), version=0, behav=None):
-    """Random prompts/responses; reward 1 when the first response token is even (varies inside groups)."""
+    """Random prompts/responses; reward 1 when the first response token is even (varies inside
+    groups)."""
     rng = np.random.default_rng(seed)
     out = []
     for g in range(n_groups):
@@ -81,7 +83,7 @@ def params(policy):
 
 
 def test_loss_decreases_and_parameters_change(tiny, tmp_path):
-    policy = Policy(make_cfg(tiny, tmp_path), tiny)
+    policy = Policy(trainer_settings(make_cfg(tiny, tmp_path)), tiny)
     trajs = on_policy(policy, make_trajs())
     batch = TrainBatch.build(trajs)
     before = params(policy)
@@ -105,7 +107,7 @@ def test_loss_decreases_and_parameters_change(tiny, tmp_path):
 
 
 def test_step_metrics_cover_the_algorithm(tiny, tmp_path):
-    policy = Policy(make_cfg(tiny, tmp_path), tiny)
+    policy = Policy(trainer_settings(make_cfg(tiny, tmp_path)), tiny)
     m = policy.train_step(TrainBatch.build(on_policy(policy, make_trajs())))
     for key in (
         "loss",
@@ -129,7 +131,7 @@ def test_step_metrics_cover_the_algorithm(tiny, tmp_path):
 
 
 def test_fused_proximal_logprobs_equal_a_separate_no_grad_pass(tiny, tmp_path):
-    policy = Policy(make_cfg(tiny, tmp_path), tiny)
+    policy = Policy(trainer_settings(make_cfg(tiny, tmp_path)), tiny)
     batch = TrainBatch.build(make_trajs())
     mb = collate(batch, list(range(batch.n_seqs)))
     with torch.no_grad():
@@ -142,7 +144,9 @@ def test_micro_batching_gives_the_full_batch_gradient(tiny, tmp_path):
     trajs = make_trajs(seed=3)
     grads, losses, n_mb = [], [], []
     for budget in (4096, 24):
-        policy = Policy(make_cfg(tiny, tmp_path, micro_batch_tokens=budget, lr=1e-9), tiny)
+        policy = Policy(
+            trainer_settings(make_cfg(tiny, tmp_path, micro_batch_tokens=budget, lr=1e-9)), tiny
+        )
         m = policy.train_step(TrainBatch.build(trajs))
         losses.append(m["loss"])
         n_mb.append(m["micro_batches"])
@@ -157,7 +161,7 @@ def test_micro_batching_gives_the_full_batch_gradient(tiny, tmp_path):
 def test_temperature_divides_the_logits(tiny, tmp_path):
     cfg = make_cfg(tiny, tmp_path)
     cfg.rollout.sampling.temperature = 2.0
-    policy = Policy(cfg, tiny)
+    policy = Policy(trainer_settings(cfg), tiny)
     mb = collate(TrainBatch.build(make_trajs(n_groups=1)), [0])
     with torch.no_grad():
         logp, _ = policy.token_logprobs(mb)
@@ -170,13 +174,13 @@ def test_temperature_divides_the_logits(tiny, tmp_path):
 
 def test_checkpoint_round_trip_and_resume_give_the_same_next_step(tiny, tmp_path):
     cfg = make_cfg(tiny, tmp_path, warmup_steps=2)
-    a = Policy(cfg, tiny)
+    a = Policy(trainer_settings(cfg), tiny)
     b1, b2 = TrainBatch.build(make_trajs(seed=1)), TrainBatch.build(make_trajs(seed=2))
     a.train_step(b1)
     a.train_step(b1)
     path = ck.save_policy(a, tmp_path, 2, {"version": 2, "frontier": {"uncommitted": []}}, tiny)
     assert ck.latest_checkpoint(tmp_path) == path and (path / "model" / "tokenizer.json").is_file()
-    b = Policy(cfg, str(path / "model"))
+    b = Policy(trainer_settings(cfg), str(path / "model"))
     meta = ck.load_policy_state(b, path)
     assert meta["step"] == 2 and meta["version"] == 2
     pa, pb = params(a), params(b)
@@ -199,7 +203,7 @@ def test_checkpoint_round_trip_and_resume_give_the_same_next_step(tiny, tmp_path
 
 
 def test_checkpoints_are_atomic_and_pruned(tiny, tmp_path):
-    policy = Policy(make_cfg(tiny, tmp_path), tiny)
+    policy = Policy(trainer_settings(make_cfg(tiny, tmp_path)), tiny)
     (ck.checkpoint_root(tmp_path) / ".tmp-step_00000009-1").mkdir(
         parents=True
     )  # a crashed writer's leftovers
@@ -266,7 +270,7 @@ def test_algorithm_variants_train(tiny, tmp_path, algo):
     cfg = make_cfg(tiny, tmp_path)
     for k, v in algo.items():
         setattr(cfg.algo, k, v)
-    policy = Policy(cfg, tiny)
+    policy = Policy(trainer_settings(cfg), tiny)
     assert (policy.ref is not None) == (cfg.algo.kl_coef > 0)
     before = params(policy)
     trajs = on_policy(policy, make_trajs())

@@ -22,8 +22,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from laminar.node import socket_options
 from laminar.trainer import checkpoint as ck
 from laminar.trainer.batch import TrainBatch
+from laminar.trainer.node import trainer_settings
 from laminar.trainer.policy import Policy
 from tests.test_trainer import make_cfg, make_trajs
 
@@ -35,7 +37,7 @@ def assert_matches_one_process(res: dict, out: Path, model: str, tmp_path: Path)
     directory), run again in this process: losses, grad norms and the gathered weights match.
     Returns the one-process policy for further checks."""
     assert res["world"] == 2
-    ref = Policy(make_cfg(model, tmp_path / "ref", micro_batch_tokens=48), model)
+    ref = Policy(trainer_settings(make_cfg(model, tmp_path / "ref", micro_batch_tokens=48)), model)
     losses, norms = [], []
     for seed in (1, 2, 1):
         m = ref.train_step(TrainBatch.build(make_trajs(seed=seed)))
@@ -85,7 +87,9 @@ def test_two_rank_fsdp_matches_one_process(tmp_path):
     ref = assert_matches_one_process(res, out, model, tmp_path)
     mine = ref.full_state_dict()
     # the checkpoint rank 0 gathered resumes in a single process
-    resumed = Policy(make_cfg(model, tmp_path / "ref"), str(Path(res["checkpoint"]) / "model"))
+    resumed = Policy(
+        trainer_settings(make_cfg(model, tmp_path / "ref")), str(Path(res["checkpoint"]) / "model")
+    )
     ck.load_policy_state(resumed, res["checkpoint"])
     assert resumed.scheduler.state_dict()["last_epoch"] == 3
     for k, v in resumed.full_state_dict().items():
@@ -103,7 +107,7 @@ async def test_two_rank_trainer_node_against_the_buffer_protocol(tmp_path, short
 
     from laminar.config import load_config
     from laminar.models.tiny import build_tiny_model
-    from laminar.transport.sockets import SocketOptions, new_context
+    from laminar.transport.sockets import new_context
     from tests.test_trainer_node import FakeBuffer, FakeManager, groups_of
 
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which(
@@ -138,7 +142,7 @@ async def test_two_rank_trainer_node_against_the_buffer_protocol(tmp_path, short
     )
     cfg = load_config(cfg_path)
     ctx = new_context()
-    opts = SocketOptions.from_config(cfg)
+    opts = socket_options(cfg)
     buf = FakeBuffer(ctx, cfg.endpoint("buffer"), opts, groups_of(make_trajs(n_groups=6, group=2)))
     mgr = FakeManager(ctx, cfg.endpoint("manager"), opts)
     await buf.srv.start()
@@ -177,7 +181,9 @@ async def test_two_rank_trainer_node_against_the_buffer_protocol(tmp_path, short
     run = cfg.resolved_run_dir()
     assert (run / "weights" / "v3.safetensors").is_file()
     assert ck.latest_checkpoint(run).name == "step_00000003"
-    resumed = Policy(make_cfg(model, tmp_path / "x"), str(ck.latest_checkpoint(run) / "model"))
+    resumed = Policy(
+        trainer_settings(make_cfg(model, tmp_path / "x")), str(ck.latest_checkpoint(run) / "model")
+    )
     ck.load_policy_state(resumed, ck.latest_checkpoint(run))
     from safetensors.torch import load_file
 

@@ -19,11 +19,11 @@ import pytest
 import torch
 
 from laminar.config import config_from_dict
-from laminar.protocol.buffer import BatchCommit, BatchReply, BatchRequest
-from laminar.protocol.core import Ack
+from laminar.node import relay_links, socket_options
+from laminar.protocol.buffer import BatchCommit, BatchReply, BatchRequest, CommitAck
 from laminar.protocol.trainer import VersionPublished
 from laminar.transport.server import RpcServer
-from laminar.transport.sockets import SocketOptions, Wiring, new_context
+from laminar.transport.sockets import Wiring, new_context
 from tests.test_trainer import make_trajs
 
 
@@ -59,14 +59,14 @@ class FakeBuffer:
         self.inflight[bid] = take
         trajs = [t for g in take for t in g]
         self.served.append((bid, [t.uid for t in trajs]))
-        return BatchReply(batch_id=bid, trajectories=trajs, info={"groups": len(take)})
+        return BatchReply(batch_id=bid, trajectories=trajs, group_ids=[g[0].group_id for g in take])
 
     async def on_commit(self, peer, c: BatchCommit):
         self.commits.append(c)
         if self.commit_hook is not None:
             await self.commit_hook(c)
         self.inflight.pop(c.batch_id, None)
-        return Ack()
+        return CommitAck()
 
 
 class FakeManager:
@@ -115,7 +115,7 @@ async def harness(tmp_path):
     made = []
 
     async def make(cfg, groups):
-        opts = SocketOptions.from_config(cfg)
+        opts = socket_options(cfg)
         buf = FakeBuffer(ctx, cfg.endpoint("buffer"), opts, groups)
         mgr = FakeManager(ctx, cfg.endpoint("manager"), opts)
         await buf.srv.start()
@@ -289,10 +289,11 @@ def tiny(tmp_path_factory):
 
 
 async def test_weights_go_through_the_relay_tier_when_there_is_one(tiny, tmp_path, harness):
-    """roles.relay > 0: the weights channel is the relay tier; the trainer pushes to the master relay."""
+    """roles.relay > 0: the weights channel is the relay tier; the trainer pushes to the master
+    relay."""
     from laminar.relay.node import RelayNode
     from laminar.supervise import detached_spawn
-    from laminar.transport.weights import WeightPuller
+    from laminar.weights.relay_client import WeightPuller
 
     ctx, make = harness
     cfg = node_cfg(tmp_path, tiny, total_steps=2)
@@ -308,7 +309,8 @@ async def test_weights_go_through_the_relay_tier_when_there_is_one(tiny, tmp_pat
         assert [(m.version, m.handoff) for m in mgr.published] == [(1, "relay"), (2, "relay")]
         assert all(m.stall_s >= 0 and m.num_bytes > 0 for m in mgr.published)
         puller = WeightPuller(
-            cfg, Wiring(ctx, relay.opts, "reader-0", "rollout", relay.log, detached_spawn)
+            relay_links(cfg),
+            Wiring(ctx, relay.opts, "reader-0", "rollout", relay.log, detached_spawn),
         )
         await puller.start()
         try:
@@ -319,10 +321,11 @@ async def test_weights_go_through_the_relay_tier_when_there_is_one(tiny, tmp_pat
         finally:
             await puller.close()
         from laminar.trainer import checkpoint as ck
+        from laminar.trainer.node import trainer_settings
         from laminar.trainer.policy import Policy
 
         final = ck.latest_checkpoint(cfg.resolved_run_dir())
-        expect = Policy(cfg, str(final / "model")).full_state_dict()
+        expect = Policy(trainer_settings(cfg), str(final / "model")).full_state_dict()
         assert got.keys() == expect.keys() and all(torch.equal(got[k], expect[k]) for k in expect)
         assert node.version == 2
     finally:
@@ -338,7 +341,7 @@ async def test_sim_trainer_pushes_a_tiny_blob_through_the_relay(tmp_path, harnes
     cfg.cluster.roles = {"manager": 1, "buffer": 1, "relay": 1, "trainer": 1, "rollout": 0}
     cfg.relay.shm_dir = str(tmp_path / "shm")
     (tmp_path / "shm").mkdir()
-    cfg.extra = {"sim_weight_bytes": 1024}
+    cfg.trainer.sim_weight_bytes = 1024
     buf, mgr = await make(cfg, groups_of(make_trajs(n_groups=4, group=2)))
     relay = RelayNode(cfg, ctx=ctx)
     relay_task = asyncio.create_task(relay.run())
@@ -391,7 +394,7 @@ async def test_trainer_finishes_when_the_buffer_says_data_is_exhausted(tmp_path,
     async def exhausted_when_empty(peer, req):
         reply = await plain(peer, req)
         if not reply.trajectories:
-            reply.info["exhausted"] = not buf.queue and not buf.inflight
+            reply.exhausted = not buf.queue and not buf.inflight
         return reply
 
     buf.srv.on(BatchRequest, exhausted_when_empty)

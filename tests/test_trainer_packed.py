@@ -18,6 +18,7 @@ import torch
 from laminar.config import config_from_dict
 from laminar.protocol.data import Trajectory
 from laminar.trainer.batch import TrainBatch, collate
+from laminar.trainer.node import trainer_settings
 from laminar.trainer.packed import PackedForward, PackedLayout, pack_by_prompt, packed_forward
 from laminar.trainer.policy import Policy
 from tests.test_engine_lean_forward import CASES, _model
@@ -152,7 +153,7 @@ def _policy(model_path, run_dir, forward: str, **algo) -> Policy:
         }
     )
     torch.manual_seed(0)
-    return Policy(cfg, model_path)
+    return Policy(trainer_settings(cfg), model_path)
 
 
 @pytest.fixture(scope="module")
@@ -224,8 +225,8 @@ def test_zero_advantage_samples_skipped_without_changing_the_update(tiny, tmp_pa
     stats, moved = {}, {}
     for skip in (True, False):
         pol = _policy(tiny, tmp_path / f"{forward}{skip}", forward)
-        pol.cfg.trainer.skip_zero_advantage = skip
-        pol.cfg.trainer.weight_decay = 0.1
+        pol.tc.skip_zero_advantage = skip
+        pol.tc.weight_decay = 0.1
         for group in pol.optimizer.param_groups:
             group["weight_decay"] = 0.1
         before = {n: p.detach().clone() for n, p in pol.model.named_parameters()}

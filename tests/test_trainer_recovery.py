@@ -28,10 +28,11 @@ import pytest
 import yaml
 
 from laminar.config import load_config
-from laminar.protocol.buffer import BufferStats, PromptReply, PromptRequest
+from laminar.node import socket_options
+from laminar.protocol.buffer import BufferStats, BufferStatsRequest, PromptReply, PromptRequest
 from laminar.protocol.data import Trajectory
 from laminar.transport.client import RpcClient
-from laminar.transport.sockets import SocketOptions, new_context
+from laminar.transport.sockets import new_context
 from tests.test_trainer_node import FakeManager
 from tests.trainer_faults import CRASH_EXIT_CODE, crash_before_commit
 
@@ -88,10 +89,9 @@ def write_config(tmp: Path, ipc_dir: Path, model: str) -> Path:
 
 
 async def fill_buffer(cfg, ctx, groups: int) -> None:
-    """A fake rollout: ask for prompt groups, answer every sample (behaviour logprob -2, reward 0/1)."""
-    cli = RpcClient(
-        ctx, cfg.endpoint("buffer"), "rollout-0", "rollout", SocketOptions.from_config(cfg)
-    )
+    """A fake rollout: ask for prompt groups, answer every sample (behaviour logprob -2, reward
+    0/1)."""
+    cli = RpcClient(ctx, cfg.endpoint("buffer"), "rollout-0", "rollout", socket_options(cfg))
     await cli.connect(timeout=10)
     rng = np.random.default_rng(0)
     got = 0
@@ -162,7 +162,7 @@ async def _scenario(tmp_path, short_dir, tiny, run_trainer) -> None:
     cfg_path = write_config(tmp_path, short_dir, tiny)
     cfg = load_config(cfg_path)
     ctx = new_context()
-    mgr = FakeManager(ctx, cfg.endpoint("manager"), SocketOptions.from_config(cfg))
+    mgr = FakeManager(ctx, cfg.endpoint("manager"), socket_options(cfg))
     await mgr.srv.start()
     buffer = BufferNode(cfg, ctx=ctx)
     task = asyncio.create_task(buffer.run())
@@ -173,7 +173,7 @@ async def _scenario(tmp_path, short_dir, tiny, run_trainer) -> None:
         run = cfg.resolved_run_dir()
         first = [json.loads(x) for x in (run / "consumed.jsonl").read_text().splitlines()]
         assert [c["step"] for c in first] == [1, 2]
-        assert buffer.stats()["counters"].get("batches_served") == 2
+        assert buffer.stats().counters.get("batches_served") == 2
         assert len(buffer.state.outstanding()) == 1  # step 2's batch: served, never committed
         await run_trainer(ctx, cfg_path, crash_at=None)
         consumed = [json.loads(x) for x in (run / "consumed.jsonl").read_text().splitlines()]
@@ -185,8 +185,8 @@ async def _scenario(tmp_path, short_dir, tiny, run_trainer) -> None:
         trained = [u for c in consumed[:1] + second for u in c["uids"]]
         assert len(trained) == len(set(trained)) == 12  # every trajectory trained exactly once
         stats = await _stats(cfg, ctx)
-        assert stats["counters"].get("batches_served") == 4
-        assert stats["counters"].get("commits_requeued", 0) == 0
+        assert stats.counters.get("batches_served") == 4
+        assert stats.counters.get("commits_requeued", 0) == 0
         assert not buffer.state.outstanding()
     finally:
         buffer.request_stop("test done")
@@ -227,10 +227,11 @@ async def test_uncommitted_batch_is_served_again_after_resume_real_processes(
 
 
 async def _stats(cfg, ctx):
-    cli = RpcClient(ctx, cfg.endpoint("buffer"), "probe", "cli", SocketOptions.from_config(cfg))
+    cli = RpcClient(ctx, cfg.endpoint("buffer"), "probe", "cli", socket_options(cfg))
     try:
         await cli.connect(timeout=5)
-        reply = await cli.request(BufferStats(), timeout=5)
-        return reply.stats
+        reply = await cli.request(BufferStatsRequest(), timeout=5)
+        assert isinstance(reply, BufferStats)
+        return reply
     finally:
         await cli.close()

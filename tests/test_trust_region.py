@@ -15,6 +15,7 @@ import torch
 from laminar.config import config_from_dict, config_warnings
 from laminar.protocol.data import Trajectory
 from laminar.trainer.batch import TrainBatch
+from laminar.trainer.node import trainer_settings
 from laminar.trainer.policy import Policy
 
 
@@ -71,10 +72,15 @@ def make_trajs(n_groups=4, group=4, seed=0, reward=None):
 
 
 def test_minibatches_make_the_clip_act_and_change_the_loss(tiny, tmp_path):
-    """A big lr moves pi_theta past 1 +- eps after mini-batch 1, so mini-batches 2..4 get clipped."""
+    """A big lr moves pi_theta past 1 +- eps after mini-batch 1, so mini-batches 2..4 get
+    clipped."""
     trajs = make_trajs()
-    one = Policy(make_cfg(tiny, tmp_path), tiny).train_step(TrainBatch.build(trajs))
-    four = Policy(make_cfg(tiny, tmp_path, minibatches=4), tiny).train_step(TrainBatch.build(trajs))
+    one = Policy(trainer_settings(make_cfg(tiny, tmp_path)), tiny).train_step(
+        TrainBatch.build(trajs)
+    )
+    four = Policy(trainer_settings(make_cfg(tiny, tmp_path, minibatches=4)), tiny).train_step(
+        TrainBatch.build(trajs)
+    )
     assert one["minibatches"] == 1 and four["minibatches"] == 4
     assert one["frac/clip"] == 0 and one["ratio_max"] == pytest.approx(1.0)
     assert four["frac/clip"] > 0, four
@@ -86,23 +92,25 @@ def test_minibatch_one_reuses_the_step_start_policy(tiny, tmp_path):
     """With a tiny lr the parameters barely move: every mini-batch's ratio stays ~1 (pi_prox is the
     step-start policy, not the moved one) and the loss matches the single-step loss."""
     trajs = make_trajs(seed=1)
-    one = Policy(make_cfg(tiny, tmp_path, lr=1e-9), tiny).train_step(TrainBatch.build(trajs))
-    two = Policy(make_cfg(tiny, tmp_path, minibatches=2, lr=1e-9), tiny).train_step(
+    one = Policy(trainer_settings(make_cfg(tiny, tmp_path, lr=1e-9)), tiny).train_step(
         TrainBatch.build(trajs)
     )
+    two = Policy(
+        trainer_settings(make_cfg(tiny, tmp_path, minibatches=2, lr=1e-9)), tiny
+    ).train_step(TrainBatch.build(trajs))
     assert two["ratio_max"] == pytest.approx(1.0, abs=1e-4) and two["frac/clip"] == 0
     assert two["loss"] == pytest.approx(one["loss"], abs=1e-4)
 
 
 def test_minibatches_split_whole_groups(tiny, tmp_path):
-    policy = Policy(make_cfg(tiny, tmp_path, minibatches=3), tiny)
+    policy = Policy(trainer_settings(make_cfg(tiny, tmp_path, minibatches=3)), tiny)
     batch = TrainBatch.build(make_trajs(n_groups=5))
     parts = policy._minibatches(batch)
     assert len(parts) == 3 and sorted(i for p in parts for i in p) == list(range(batch.n_seqs))
     groups = [{batch.samples[i].group_id for i in p} for p in parts]
     assert all(not (a & b) for k, a in enumerate(groups) for b in groups[k + 1 :])
     # more mini-batches than groups: one group each
-    policy = Policy(make_cfg(tiny, tmp_path, minibatches=9), tiny)
+    policy = Policy(trainer_settings(make_cfg(tiny, tmp_path, minibatches=9)), tiny)
     assert len(policy._minibatches(batch)) == 5
 
 
@@ -110,7 +118,7 @@ def test_params_move_more_with_minibatches(tiny, tmp_path):
     trajs = make_trajs(seed=2)
     moved = []
     for m in (1, 4):
-        policy = Policy(make_cfg(tiny, tmp_path, minibatches=m, lr=1e-3), tiny)
+        policy = Policy(trainer_settings(make_cfg(tiny, tmp_path, minibatches=m, lr=1e-3)), tiny)
         before = {k: v.clone() for k, v in policy.model.state_dict().items()}
         policy.train_step(TrainBatch.build(trajs))
         moved.append(
@@ -159,10 +167,11 @@ def test_demo_config_sets_no_clip_that_cannot_act():
 
 
 def test_masked_is_drops_tokens_outside_the_band(tiny, tmp_path):
-    """IcePop-style masking: behaviour weights outside [is_low, is_high] give those tokens no gradient."""
+    """IcePop-style masking: behaviour weights outside [is_low, is_high] give those tokens no
+    gradient."""
     trajs = make_trajs(seed=4)
     cfg = make_cfg(tiny, tmp_path, is_mode="mask", is_low=0.5, is_high=2.0)
-    m = Policy(cfg, tiny).train_step(TrainBatch.build(trajs))
+    m = Policy(trainer_settings(cfg), tiny).train_step(TrainBatch.build(trajs))
     # behaviour logprobs -3 vs a near-uniform policy over ~40+ ids (log ~ -4): w ~ e^-1 < 0.5
     assert m["frac/is_masked"] > 0.5
     assert torch.isfinite(torch.tensor(m["loss"]))

@@ -1,9 +1,11 @@
-"""WeightPusher / WeightPuller against relays: tearing, pins, reader death, slots, stream mode, delta.
+"""WeightPusher / WeightPuller against relays: tearing, pins, reader death, slots, stream mode,
+delta.
 
     .venv/bin/python -m pytest tests/test_weights.py -q
 
 The torn-read test runs the relay as a real process; the others run relays inside the
-test process (tests/inproc_relays.py: no manager, they skip registration) so they can look at relay state.
+test process (tests/inproc_relays.py: no manager, they skip registration) so they can look at relay
+state.
 """
 
 from __future__ import annotations
@@ -17,11 +19,11 @@ from inproc_relays import InprocRelays
 
 from laminar.config import config_from_dict
 from laminar.logs import get_logger
-from laminar.relay.local import RelayProcs
+from laminar.node import relay_links, socket_options
 from laminar.supervise import detached_spawn
-from laminar.transport.security import security_from_config
-from laminar.transport.sockets import RemoteError, SocketOptions, Wiring
-from laminar.transport.weights import WeightPuller, WeightPusher
+from laminar.transport.sockets import RemoteError, Wiring
+from laminar.weights.relay_client import WeightPuller, WeightPusher
+from tests.relay_procs import RelayProcs
 
 
 def _state(mb: float, seed: int) -> dict[str, torch.Tensor]:
@@ -66,16 +68,18 @@ async def inproc(short_dir, zctx):
 
 
 def _pusher(cfg, zctx, node_id: str = "trainer-0") -> WeightPusher:
-    opts = SocketOptions.from_config(cfg, security_from_config(cfg))
+    opts = socket_options(cfg)
     log = get_logger(role="trainer", node_id=node_id)
-    return WeightPusher(cfg, Wiring(zctx, opts, node_id, "trainer", log, detached_spawn))
+    return WeightPusher(
+        relay_links(cfg), Wiring(zctx, opts, node_id, "trainer", log, detached_spawn)
+    )
 
 
 def _puller(cfg, zctx, node_id: str = "rollout-0", relay_index: int = 0) -> WeightPuller:
-    opts = SocketOptions.from_config(cfg, security_from_config(cfg))
+    opts = socket_options(cfg)
     log = get_logger(role="rollout", node_id=node_id)
     wiring = Wiring(zctx, opts, node_id, "rollout", log, detached_spawn)
-    return WeightPuller(cfg, wiring, relay_index=relay_index)
+    return WeightPuller(relay_links(cfg), wiring, relay_index=relay_index)
 
 
 async def test_reader_holding_v_never_sees_a_torn_tensor_while_newer_versions_arrive(short_dir):

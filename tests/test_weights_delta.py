@@ -19,15 +19,13 @@ from inproc_relays import InprocRelays
 
 from laminar.config import config_from_dict
 from laminar.logs import get_logger
+from laminar.message import ProtocolError
+from laminar.node import relay_links, socket_options
 from laminar.protocol.relay import ChainUpdate, FetchChunk, WeightChunk
 from laminar.supervise import detached_spawn
 from laminar.transport.client import RpcClient
-from laminar.transport.codec import ProtocolError
-from laminar.transport.security import security_from_config
-from laminar.transport.sockets import SocketOptions, Wiring
-from laminar.transport.weight_layout import build_layout, checksum_buffer, chunk_digest
-from laminar.transport.weights import WeightPuller, WeightPusher
-from laminar.transport.weights_delta import (
+from laminar.transport.sockets import Wiring
+from laminar.weights.delta import (
     BITMASK,
     INDICES,
     apply_delta,
@@ -37,6 +35,9 @@ from laminar.transport.weights_delta import (
     encode_delta,
     encoded_sizes,
 )
+from laminar.weights.layout import build_layout, checksum_buffer, chunk_digest
+from laminar.weights.relay_client import WeightPuller, WeightPusher
+from tests.relay_faults import corrupt_chunks
 
 CHUNK = 1 << 16
 
@@ -186,7 +187,7 @@ async def relays(short_dir, zctx):
 
 
 def _wiring(cfg, zctx, node_id: str, role: str) -> Wiring:
-    opts = SocketOptions.from_config(cfg, security_from_config(cfg))
+    opts = socket_options(cfg)
     return Wiring(zctx, opts, node_id, role, get_logger(role=role, node_id=node_id), detached_spawn)
 
 
@@ -228,7 +229,7 @@ async def _assert_exact(cfg, zctx, relays, state) -> None:
         assert cur.checksum == want
         assert checksum_buffer(cur.layout, cur.chunk_bytes, cur.buf) == want
     puller = WeightPuller(
-        cfg, _wiring(cfg, zctx, "rollout-9", "rollout"), relay_index=len(relays) - 1
+        relay_links(cfg), _wiring(cfg, zctx, "rollout-9", "rollout"), relay_index=len(relays) - 1
     )
     await puller.start()
     try:
@@ -242,7 +243,7 @@ async def _assert_exact(cfg, zctx, relays, state) -> None:
 
 async def test_chain_forwards_sparse_deltas_and_rebuilds_bitwise(relays, zctx, wait_until):
     cfg, rs = await relays(3)
-    pusher = WeightPusher(cfg, _wiring(cfg, zctx, "trainer-0", "trainer"))
+    pusher = WeightPusher(relay_links(cfg), _wiring(cfg, zctx, "trainer-0", "trainer"))
     await pusher.start()
     state = _model(0)
     await pusher.push(1, state)
@@ -275,7 +276,7 @@ async def test_a_relay_that_missed_the_base_gets_full_weights(relays, zctx, wait
             await cli.request(ChainUpdate(epoch=epoch, order=chain))
             await cli.close()
 
-    pusher = WeightPusher(cfg, _wiring(cfg, zctx, "trainer-0", "trainer"))
+    pusher = WeightPusher(relay_links(cfg), _wiring(cfg, zctx, "trainer-0", "trainer"))
     await pusher.start()
     state = _model(1)
     await pusher.push(1, state)
@@ -307,8 +308,10 @@ async def test_a_relay_that_missed_the_base_gets_full_weights(relays, zctx, wait
 
 
 async def test_a_corrupt_delta_is_detected_and_the_chunk_refetched(relays, zctx, wait_until):
-    cfg, rs = await relays(2, inject_corrupt_chunks=[0, 3])
-    pusher = WeightPusher(cfg, _wiring(cfg, zctx, "trainer-0", "trainer"))
+    cfg, rs = await relays(2)
+    for r in rs:  # each sends chunks 0 and 3 of each version corrupted once
+        corrupt_chunks(r, [0, 3])
+    pusher = WeightPusher(relay_links(cfg), _wiring(cfg, zctx, "trainer-0", "trainer"))
     await pusher.start()
     state = _model(2)
     await pusher.push(1, state)
@@ -327,7 +330,7 @@ async def test_a_corrupt_delta_is_detected_and_the_chunk_refetched(relays, zctx,
 
 async def test_delta_off_sends_full_chunks(relays, zctx, wait_until):
     cfg, rs = await relays(2, delta=False)
-    pusher = WeightPusher(cfg, _wiring(cfg, zctx, "trainer-0", "trainer"))
+    pusher = WeightPusher(relay_links(cfg), _wiring(cfg, zctx, "trainer-0", "trainer"))
     await pusher.start()
     state = _model(3)
     await pusher.push(1, state)
@@ -342,8 +345,8 @@ async def test_delta_off_sends_full_chunks(relays, zctx, wait_until):
 
 
 def test_layout_mismatch_means_no_delta():
-    from laminar.relay.delta import delta_base
-    from laminar.relay.shm import WeightStore, default_shm_dir
+    from laminar.weights.delta import delta_base
+    from laminar.weights.segment import WeightStore, default_shm_dir
 
     store = WeightStore(default_shm_dir(), f"lamdl{os.getpid()}")
     try:
@@ -369,10 +372,10 @@ def test_layout_mismatch_means_no_delta():
 
 
 async def test_dense_updates_travel_whole(relays, zctx, wait_until):
-    from laminar.relay.delta import MAX_DELTA_FRAC
+    from laminar.weights.delta import MAX_DELTA_FRAC
 
     cfg, rs = await relays(2)
-    pusher = WeightPusher(cfg, _wiring(cfg, zctx, "trainer-0", "trainer"))
+    pusher = WeightPusher(relay_links(cfg), _wiring(cfg, zctx, "trainer-0", "trainer"))
     await pusher.start()
     state = _model(5)
     await pusher.push(1, state)

@@ -1,7 +1,7 @@
 """GPU weight transports: torch.distributed broadcast (gloo on CPU here; NCCL on GPUs) and CUDA IPC.
 
-    .venv/bin/python -m pytest tests/test_weights_gpu.py -q            # the gloo test
-    .venv/bin/python -m pytest tests/test_weights_gpu.py -q -m gpu     # CUDA IPC / NCCL (needs GPUs)
+    .venv/bin/python -m pytest tests/test_weights_gpu.py -q           # the gloo test
+    .venv/bin/python -m pytest tests/test_weights_gpu.py -q -m gpu    # CUDA IPC / NCCL (needs GPUs)
 
 Each test spawns its own worker processes (torch.multiprocessing, spawn) and joins them.
 """
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from laminar.transport.weights_gpu import FlatWeights, pack_flat
+from laminar.weights.gpu import FlatWeights, pack_flat
 
 
 def _state(device: str = "cpu") -> dict[str, torch.Tensor]:
@@ -25,7 +25,7 @@ def _state(device: str = "cpu") -> dict[str, torch.Tensor]:
 
 
 def _broadcast_worker(rank: int, world: int, url: str, backend: str, q) -> None:
-    from laminar.transport.weights_gpu import WeightBroadcastGroup
+    from laminar.weights.gpu import WeightBroadcastGroup
 
     if backend == "nccl":
         torch.cuda.set_device(rank)
@@ -94,7 +94,7 @@ def test_broadcast_group_with_nccl():
 
 def _ipc_reader(msg_bytes: list[bytes], q) -> None:
     from laminar.transport.codec import decode
-    from laminar.transport.weights_gpu import open_cuda_ipc
+    from laminar.weights.gpu import open_cuda_ipc
 
     w = open_cuda_ipc(decode(msg_bytes))
     got = dict(w.named_tensors())
@@ -106,7 +106,7 @@ def _ipc_reader(msg_bytes: list[bytes], q) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_ipc_handle_opens_in_another_process():
     from laminar.transport.codec import encode
-    from laminar.transport.weights_gpu import CudaIpcExporter
+    from laminar.weights.gpu import CudaIpcExporter
 
     exp = CudaIpcExporter(device="cuda:0", keep=2)
     msg = exp.export(5, _state("cuda:0"))

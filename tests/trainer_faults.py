@@ -1,4 +1,5 @@
-"""Fault injection for the trainer recovery tests: the tests know the crash points, the node does not.
+"""Fault injection for the trainer recovery tests: the tests know the crash points, the node does
+not.
 
     monkeypatch.setattr(CommitLedger, "record", crash_before_commit(2))     # in-process: raises
     python tests/trainer_faults.py 2 node --role trainer --config FILE      # a process: exit 17

@@ -1,9 +1,10 @@
 """RL algorithms as pure torch functions: advantages, policy losses, loss statistics.
 
     adv = compute_advantages(rewards, groups, "grpo")          # advantages.py
-    loss = policy_loss(logp, prox, behav, adv_tok, mask, LossSettings.from_algo(cfg.algo), n_tok, n_seq)
-    stats.finalize()                                           # metrics.py (IS weight, ESS, clip ...)
-    episode_stats(batch.samples)                               # episodes.py (turns, tool calls, latency)
+    s = LossSettings.from_algo(algo)                              # losses.py
+    loss = policy_loss(logp, prox, behav, adv_tok, mask, s, n_tokens=n_tok, n_seqs=n_seq)
+    stats.finalize()                                      # metrics.py (IS weight, ESS, clip ...)
+    episode_stats(batch.samples)                          # episodes.py (turns, tool calls, latency)
 
 No config tree, sockets or models here: the trainer (laminar/trainer/policy.py) wires them.
 """

@@ -54,7 +54,8 @@ def compute_advantages(
     """Per-trajectory advantages [B] (float32) for rewards [B] and dense group ids [B]."""
     if rewards.shape != groups.shape or rewards.dim() != 1:
         raise ValueError(
-            f"rewards {tuple(rewards.shape)} and groups {tuple(groups.shape)} must be equal 1-d shapes"
+            f"rewards {tuple(rewards.shape)} and groups {tuple(groups.shape)} must be equal 1-d "
+            "shapes"
         )
     if rewards.numel() == 0:
         return torch.zeros(0)
@@ -82,7 +83,8 @@ def compute_advantages(
             adv = torch.zeros_like(centred)
     else:
         raise ValueError(
-            f"unknown advantage estimator {estimator!r}; use grpo, dr_grpo, rloo or reinforce_pp_baseline"
+            f"unknown advantage estimator {estimator!r}; use grpo, dr_grpo, rloo or "
+            "reinforce_pp_baseline"
         )
     adv = torch.where(count > 1, adv, torch.zeros_like(adv))
     return adv.to(torch.float32)
@@ -91,7 +93,8 @@ def compute_advantages(
 def kl_penalized_rewards(
     rewards: torch.Tensor, seq_kl: torch.Tensor, kl_coef: float
 ) -> torch.Tensor:
-    """k1-in-reward: R_i - beta * sum_t (log pi_old - log pi_ref), before the baseline (REINFORCE++ style)."""
+    """k1-in-reward: R_i - beta * sum_t (log pi_old - log pi_ref), before the baseline (REINFORCE++
+    style)."""
     return rewards - kl_coef * seq_kl.to(rewards.dtype)
 
 

@@ -96,6 +96,7 @@ def behaviour_weights(
     mask: torch.Tensor,
     mode: str = "truncate",
     level: str = "token",
+    *,
     cap: float = 2.0,
     low: float = 0.5,
     high: float = 2.0,
@@ -148,6 +149,7 @@ def ppo_token_loss(
     prox_logp: torch.Tensor,
     adv: torch.Tensor,
     mask: torch.Tensor,
+    *,
     clip_low: float,
     clip_high: float,
     dual_clip: float | None,
@@ -233,6 +235,7 @@ def policy_loss(
     adv: torch.Tensor,
     mask: torch.Tensor,
     s: LossSettings,
+    *,
     n_tokens: float,
     n_seqs: float,
     ref_logp: torch.Tensor | None = None,
@@ -242,7 +245,15 @@ def policy_loss(
     """The full per-micro-batch loss (already divided by the global denominators)."""
     m = mask.to(torch.bool)
     w = behaviour_weights(
-        prox_logp, behav_logp, m, s.is_mode, s.is_level, s.is_cap, s.is_low, s.is_high, stats
+        prox_logp,
+        behav_logp,
+        m,
+        s.is_mode,
+        s.is_level,
+        cap=s.is_cap,
+        low=s.is_low,
+        high=s.is_high,
+        stats=stats,
     )
     if s.loss == "gspo":
         ratio = gspo_ratio(logp, prox_logp, m)
@@ -250,7 +261,17 @@ def policy_loss(
         ratio = None
     else:
         raise ValueError(f"unknown loss {s.loss!r}; use ppo or gspo")
-    pg = ppo_token_loss(logp, prox_logp, adv, m, s.clip_low, s.clip_high, s.dual_clip, ratio, stats)
+    pg = ppo_token_loss(
+        logp,
+        prox_logp,
+        adv,
+        m,
+        clip_low=s.clip_low,
+        clip_high=s.clip_high,
+        dual_clip=s.dual_clip,
+        ratio=ratio,
+        stats=stats,
+    )
     loss = aggregate(pg * w, m, s.agg, n_tokens, n_seqs, s.norm_constant)
     if stats is not None:
         stats.add("sum/loss/pg", loss.detach())

@@ -4,8 +4,8 @@ micro-batches and ranks, then one `finalize()` that turns them into the logged n
     acc = StatAccumulator()
     acc.add("is/w", w, mask)                    # masked tensor values -> one Partial
     acc.add_value("grad_norm", 0.7)
-    acc.merge(other_micro_batch_acc)            # or acc.all_reduce() across FSDP ranks
-    acc.finalize()                              # {"is/w_mean": .., "is/w_max": .., "is/ess": .., ...}
+    acc.merge(other_micro_batch_acc)          # or acc.all_reduce() across FSDP ranks
+    acc.finalize()                            # {"is/w_mean": .., "is/w_max": .., "is/ess": .., ...}
 
 NaN-safe: non-finite values are skipped and counted under `nonfinite/<name>`; a metric
 with no samples is NaN (the logger writes it as null) rather than a fake 0.
@@ -37,7 +37,8 @@ class StatAccumulator:
 
     @torch.no_grad()
     def add(self, name: str, values: torch.Tensor, mask: torch.Tensor | None = None) -> None:
-        """Add the masked elements of `values` (any shape); non-finite ones are skipped and counted."""
+        """Add the masked elements of `values` (any shape); non-finite ones are skipped and
+        counted."""
         v = values.detach().to(torch.float64)
         sel = (
             torch.ones_like(v, dtype=torch.bool)
@@ -64,7 +65,8 @@ class StatAccumulator:
             self._part(name).merge(part)
 
     def all_reduce(self, group=None) -> None:
-        """Reduce every partial over torch.distributed ranks (all ranks must hold the same names)."""
+        """Reduce every partial over torch.distributed ranks (all ranks must hold the same
+        names)."""
         import torch.distributed as dist
 
         names = sorted(self.parts)
@@ -114,7 +116,8 @@ def ess_from_sums(sum_w: float, sum_w2: float, n: int) -> float:
 
 
 def normalized_ess(w: torch.Tensor, mask: torch.Tensor | None = None) -> float:
-    """ESS of the (masked) weights, normalised by their count: 1 = all equal, 1/n = one dominates."""
+    """ESS of the (masked) weights, normalised by their count: 1 = all equal, 1/n = one
+    dominates."""
     x = w.detach().to(torch.float64)
     if mask is not None:
         x = x[mask.to(torch.bool)]

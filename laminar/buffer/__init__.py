@@ -8,9 +8,9 @@ ledger.py         journal + experience state: append, apply, durability, wake-up
 experience.py     groups -> batches -> commits, rebuilt from the journal (exactly-once)
 journal.py        append-only, checksummed msgpack records; fsync policy; torn-tail recovery
 prompts.py        jsonl/parquet rows -> PromptPool (epochs, seeded shuffle, cursor) -> PromptItems
-admission.py      modes and staleness bounds as pure rules
 sampling.py       batch sampling orders (fifo | lifo | random | module:function)
 
 Imports go one way: node -> {prompt_server, intake, batches} -> ledger -> experience ->
-{admission, journal, sampling}; partials -> experience; no part imports the node.
+{journal, sampling}; partials -> experience; no part imports the node. The mode rules
+(admission, batch planning) are laminar/modes.py, shared with the simulator.
 """

@@ -2,21 +2,21 @@
 
     batches = BatchServer(cfg.buffer, admission, ledger, pool, metrics, log)
     reply = await batches.serve(req)     # BatchReply (maybe empty, info.wait says why) | ErrorReply
-    reply = await batches.commit(c)      # Ack | Ack(ok=False) | ErrorReply
+    reply = await batches.commit(c)      # CommitAck (ok False: put back) | ErrorReply
 
 serve: one request at a time (a lock), so two trainers' long-polls never plan over the
-same ready groups. restart=True first journals a "requeue" (every outstanding batch goes
+same ready groups. restart=True first journals BatchesRequeued (every outstanding batch goes
 back to the queue front, the trainer's version is taken as it is). Then it plans with
-ExperienceState.plan (laminar/buffer/admission.py) until a plan takes groups or the
+ExperienceState.plan (laminar/modes.py) until a plan takes groups or the
 deadline, min(wait_s, buffer.max_wait_s), passes; each ledger change that may make a batch
 servable (a member finished or was abandoned, a commit, a requeue) wakes it. Groups past
-their staleness deadline are journaled as dropped on the way. A served batch is a "batch"
+their staleness deadline are journaled as dropped on the way. A served batch is a BatchServed
 record, durable before the reply; info carries its version and staleness (min/max/mean/hist).
 An empty reply carries info.wait (not_enough | staleness | whole_batch), and
 info.exhausted once the prompt epochs are done and no group is left.
 
-commit: an outstanding batch becomes a "commit" record (its groups are freed and never
-served again), durable before the Ack; a duplicate commit is acked again; a batch put
+commit: an outstanding batch becomes a BatchCommitted record (its groups are freed and never
+served again), durable before the CommitAck; a duplicate commit is acked again; a batch put
 back by a trainer restart gets ok=False.
 """
 
@@ -28,14 +28,21 @@ import uuid
 
 import structlog
 
-from laminar.buffer.admission import Admission
 from laminar.buffer.experience import COMMITTED, OUTSTANDING
 from laminar.buffer.ledger import Ledger
 from laminar.buffer.prompts import PromptPool
+from laminar.buffer.records import BatchCommitted, BatchesRequeued, BatchServed, GroupsDropped
 from laminar.config import BufferConfig
 from laminar.metrics import Metrics
-from laminar.protocol.buffer import BatchCommit, BatchReply, BatchRequest
-from laminar.protocol.core import Ack, ErrorReply
+from laminar.modes import Admission
+from laminar.protocol.buffer import (
+    BatchCommit,
+    BatchReply,
+    BatchRequest,
+    BatchStaleness,
+    CommitAck,
+)
+from laminar.transport.session import ErrorReply
 
 __all__ = ["BatchServer"]
 
@@ -67,10 +74,7 @@ class BatchServer:
         async with self._lock:
             if req.restart:
                 requeued = [b.batch_id for b in st.outstanding()]
-                off = self.ledger.record(
-                    "requeue",
-                    {"trainer_version": req.trainer_version, "trainer_id": req.trainer_id},
-                )
+                off = self.ledger.record(BatchesRequeued(req.trainer_version, req.trainer_id))
                 self.log.info(
                     "trainer_restart",
                     trainer=req.trainer_id,
@@ -88,7 +92,7 @@ class BatchServer:
                 final = self.pool is not None and self.pool.exhausted
                 plan = st.plan(req.groups, version, final)
                 if plan.expired:
-                    self.ledger.record("drop", {"group_ids": plan.expired, "reason": "expired"})
+                    self.ledger.record(GroupsDropped(plan.expired, reason="expired"))
                     self.log.warning(
                         "groups_expired",
                         groups=len(plan.expired),
@@ -101,13 +105,11 @@ class BatchServer:
                 if left <= 0:
                     exhausted = final and not st.groups
                     return BatchReply(
-                        info={
-                            "wait": plan.wait,
-                            "version": version,
-                            "exhausted": exhausted,
-                            "ready": len(st.in_state("ready")),
-                            "open": st.open_groups(),
-                        }
+                        version=version,
+                        wait=plan.wait,
+                        exhausted=exhausted,
+                        ready=len(st.in_state("ready")),
+                        open=st.open_groups(),
                     )
                 try:
                     await asyncio.wait_for(changed.wait(), left)
@@ -119,39 +121,28 @@ class BatchServer:
         requeued = sum(1 for gid in group_ids if st.groups[gid].front)
         partial = sum(1 for gid in group_ids if st.groups[gid].lost)
         batch_id = f"b-{uuid.uuid4().hex[:16]}"
-        off = self.ledger.record(
-            "batch",
-            {
-                "batch_id": batch_id,
-                "version": version,
-                "group_ids": group_ids,
-                "trainer_id": req.trainer_id,
-            },
-        )
+        off = self.ledger.record(BatchServed(batch_id, version, group_ids, req.trainer_id))
         trajs = st.batch_trajectories(st.batches[batch_id])
         stale = [version - t.version for t in trajs]
         hist: dict[str, int] = {}
         for s in stale:
             hist[str(s)] = hist.get(str(s), 0) + 1
-        info = {
-            "version": version,
-            "groups": len(group_ids),
-            "trajectories": len(trajs),
-            "group_ids": group_ids,
-            "requeued_groups": requeued,
-            "partial_groups": partial,
-            "staleness": {
-                "min": min(stale),
-                "max": max(stale),
-                "mean": sum(stale) / len(stale),
-                "hist": hist,
-            },
-        }
+        staleness = BatchStaleness(
+            min=min(stale), max=max(stale), mean=sum(stale) / len(stale), hist=hist
+        )
         self.metrics.count("batches_served")
         await self.ledger.durable(off)
-        return BatchReply(batch_id=batch_id, trajectories=trajs, info=info)
+        return BatchReply(
+            batch_id=batch_id,
+            trajectories=trajs,
+            version=version,
+            group_ids=group_ids,
+            requeued_groups=requeued,
+            partial_groups=partial,
+            staleness=staleness,
+        )
 
-    async def commit(self, c: BatchCommit) -> Ack | ErrorReply:
+    async def commit(self, c: BatchCommit) -> CommitAck | ErrorReply:
         st = self.ledger.state
         b = st.batches.get(c.batch_id)
         if b is None:
@@ -162,14 +153,12 @@ class BatchServer:
         if b.state == COMMITTED:
             self.metrics.count("commits_duplicate")
             await self.ledger.durable()
-            return Ack(info={"duplicate": True})
+            return CommitAck(duplicate=True)
         if b.state != OUTSTANDING:
             self.metrics.count("commits_requeued")
-            return Ack(
-                ok=False, info={"reason": f"batch {c.batch_id} was put back by a trainer restart"}
+            return CommitAck(
+                ok=False, reason=f"batch {c.batch_id} was put back by a trainer restart"
             )
-        off = self.ledger.record(
-            "commit", {"batch_id": c.batch_id, "step": c.step, "version": c.version}
-        )
+        off = self.ledger.record(BatchCommitted(c.batch_id, c.step, c.version))
         await self.ledger.durable(off)
-        return Ack(info={"version": st.trainer_version})
+        return CommitAck(version=st.trainer_version)

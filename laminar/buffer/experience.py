@@ -1,11 +1,11 @@
 """Experience buffer state: groups, batches and exactly-once consumption, rebuilt from the journal.
 
     state = ExperienceState(group_size=8, lost_member_policy="release_partial", admission=adm)
-    state.apply("served", {...}, [items])     # every change is a journal record applied here,
-    state.apply("traj", {}, [trajectory])     # live (after the append) and at replay alike,
-    state.apply("batch", {...})               # so a restarted buffer reaches the same state
-    state.apply("commit", {...})
-    state.apply("reserve", {...})             # an open group whose lease ran out: a new holder
+    state.apply(GroupsServed(groups=[...]))     # every change is a journal record applied here
+    state.apply(TrajectoryAccepted(t))          # (laminar/buffer/records.py), live (after the
+    state.apply(BatchServed(...))               # append) and at replay alike, so a restarted
+    state.apply(BatchCommitted(...))            # buffer reaches the same state
+    state.apply(GroupsReserved(...))            # an open group whose lease ran out: a new holder
 
 Group life:  open ──all n finished──► ready ──batch──► outstanding ──commit──► committed
                │                         ▲                 │
@@ -31,20 +31,34 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, assert_never
 
-from laminar.buffer.admission import (
+from laminar.buffer.records import (
+    BatchCommitted,
+    BatchesRequeued,
+    BatchServed,
+    ClosedBatch,
+    GroupsDropped,
+    GroupsReserved,
+    GroupsServed,
+    JournalRecord,
+    MemberAbandoned,
+    PoolCursor,
+    ServedGroup,
+    StateCounters,
+    StateSnapshot,
+    TrajectoryAccepted,
+)
+from laminar.buffer.sampling import resolve_sampler
+from laminar.modes import (
     Admission,
     BatchPlan,
     GroupInfo,
+    StalenessStats,
     next_batch_version,
     plan_batch,
 )
-from laminar.buffer.sampling import resolve_sampler
-from laminar.config import LaminarConfig
-from laminar.manager.staleness import StalenessStats
 from laminar.protocol.data import PromptItem, Trajectory
 
 __all__ = ["ExperienceState", "Group", "BatchRecord", "usable"]
@@ -113,17 +127,8 @@ class BatchRecord:
 
 
 class ExperienceState:
-    @classmethod
-    def from_config(cls, cfg: LaminarConfig, admission: Admission | None = None) -> ExperienceState:
-        """The state a buffer of this config keeps (the node; offline replays of its journal)."""
-        bc = cfg.buffer
-        return cls(
-            group_size=cfg.rollout.group_size,
-            lost_member_policy=bc.lost_member_policy,
-            admission=admission or Admission.from_config(cfg),
-            sampling=bc.sampling,
-            seed=cfg.seed,
-        )
+    """Built by the buffer node (laminar/buffer/node.py: experience_state), also for offline
+    replays of its journal."""
 
     def __init__(
         self,
@@ -147,14 +152,15 @@ class ExperienceState:
         self._outstanding: dict[str, None] = {}
         """Ids of served, uncommitted batches (ordered)."""
         self._ready: dict[str, Group] = {}
-        """The groups in state READY (kept as they change: a waiting trainer asks at every arrival)."""
+        """The groups in state READY (kept as they change: a waiting trainer asks at every
+        arrival)."""
         self.trainer_version = 0
         self.last_batch_version = -1
         self.held = 0
         self.pending = 0
         self.serial = 0
         self.ready_seq = 0
-        self.cursor: dict[str, Any] | None = None
+        self.cursor: PoolCursor | None = None
         self.last_reply: dict[str, tuple[str, list[str]]] = {}
         """rollout_id -> (request_id, group ids) of its last PromptRequest (idempotent retries)."""
         self.finish_hist = StalenessStats()
@@ -194,7 +200,8 @@ class ExperienceState:
         if t.loss_mask is not None and len(t.loss_mask) != len(t.response_ids):
             return (
                 "bad",
-                f"{t.uid}: loss_mask has {len(t.loss_mask)} entries for {len(t.response_ids)} response tokens",
+                f"{t.uid}: loss_mask has {len(t.loss_mask)} entries for {len(t.response_ids)} "
+                "response tokens",
             )
         if t.loss_mask is not None and len(t.loss_mask) and int(t.loss_mask.max()) > 1:
             return "bad", f"{t.uid}: loss_mask values must be 0 (environment) or 1 (model)"
@@ -234,61 +241,62 @@ class ExperienceState:
         return "ok", "", idx
 
     # ---- replayable changes -------------------------------------------------------------
-    def apply(self, kind: str, body: dict[str, Any], msgs: Sequence[Any] = ()) -> None:
-        handlers = {
-            "served": self._apply_served,
-            "traj": self._apply_traj,
-            "abandon": self._apply_abandon,
-            "drop": self._apply_drop,
-            "batch": self._apply_batch,
-            "commit": self._apply_commit,
-            "requeue": self._apply_requeue,
-            "snapshot": self._apply_snapshot,
-            "stats": self._apply_stats,
-            "reserve": self._apply_reserve,
-        }
-        handler = handlers.get(kind)
-        if handler is None:
-            raise ValueError(f"unknown journal record kind {kind!r}")
-        handler(body, list(msgs))
+    def apply(self, rec: JournalRecord) -> None:
+        """Apply one journal record (live, after its append, and at replay alike)."""
+        match rec:
+            case TrajectoryAccepted():
+                self._apply_traj(rec.trajectory)
+            case GroupsServed():
+                self._apply_served(rec)
+            case GroupsReserved():
+                self._apply_reserve(rec)
+            case MemberAbandoned():
+                self._apply_abandon(rec)
+            case GroupsDropped():
+                self._apply_drop(rec)
+            case BatchServed():
+                self._apply_batch(rec)
+            case BatchCommitted():
+                self._apply_commit(rec)
+            case BatchesRequeued():
+                self._apply_requeue(rec)
+            case StateSnapshot():
+                self._apply_snapshot(rec)
+            case StateCounters():
+                self._apply_counters(rec)
+            case _:
+                assert_never(rec)
 
-    def _apply_served(self, body: dict[str, Any], msgs: list[Any]) -> None:
-        rollout_id = body.get("rollout_id", "")
-        for spec in body["groups"]:
-            idx = spec.get("item", -1)
-            item = msgs[idx] if 0 <= idx < len(msgs) else None
+    def _apply_served(self, rec: GroupsServed) -> None:
+        for spec in rec.groups:
             g = self._new_group(
-                spec["group_id"],
-                spec.get("uid", ""),
-                int(spec["n"]),
-                int(spec["version"]),
-                spec.get("rollout_id", rollout_id),
-                item,
-                spec.get("serial"),
+                spec.group_id,
+                spec.uid,
+                spec.n,
+                spec.version,
+                spec.rollout_id or rec.rollout_id,
+                spec.item,
+                spec.serial,
             )
-            g.front = bool(spec.get("front", False))
-        if body.get("cursor") is not None:
-            self.cursor = body["cursor"]
-        if body.get("request_id"):
-            self.last_reply[rollout_id] = (
-                body["request_id"],
-                [s["group_id"] for s in body["groups"]],
-            )
-        self.counts["groups_served"] += len(body["groups"])
+            g.front = spec.front
+        if rec.cursor is not None:
+            self.cursor = rec.cursor
+        if rec.request_id:
+            self.last_reply[rec.rollout_id] = (rec.request_id, [s.group_id for s in rec.groups])
+        self.counts["groups_served"] += len(rec.groups)
 
-    def _apply_reserve(self, body: dict[str, Any], msgs: list[Any]) -> None:
+    def _apply_reserve(self, rec: GroupsReserved) -> None:
         # an open group whose lease ran out, served again (laminar/buffer/leases.py): only its
         # holder changes; its members stay keyed by sample index, so nothing is counted twice
-        rollout_id = body["rollout_id"]
         gids = [
             gid
-            for gid in body["group_ids"]
+            for gid in rec.group_ids
             if (g := self.groups.get(gid)) is not None and g.state == OPEN
         ]
         for gid in gids:
-            self.groups[gid].rollout_id = rollout_id
-        if body.get("request_id"):
-            self.last_reply[rollout_id] = (body["request_id"], gids)
+            self.groups[gid].rollout_id = rec.rollout_id
+        if rec.request_id:
+            self.last_reply[rec.rollout_id] = (rec.request_id, gids)
         self.counts["groups_reserved"] += len(gids)
 
     def _new_group(
@@ -309,8 +317,7 @@ class ExperienceState:
         self.pending += n
         return g
 
-    def _apply_traj(self, body: dict[str, Any], msgs: list[Any]) -> None:
-        t: Trajectory = msgs[0]
+    def _apply_traj(self, t: Trajectory) -> None:
         if t.group_id in self.closed:
             return
         g = self.groups.get(t.group_id)
@@ -334,9 +341,9 @@ class ExperienceState:
         self.counts["trajectories"] += 1
         self._settle(g)
 
-    def _apply_abandon(self, body: dict[str, Any], msgs: list[Any]) -> None:
-        g = self.groups.get(body["group_id"])
-        idx = int(body["sample_index"])
+    def _apply_abandon(self, rec: MemberAbandoned) -> None:
+        g = self.groups.get(rec.group_id)
+        idx = rec.sample_index
         if g is None or g.state != OPEN or idx in g.members or idx in g.lost:
             return
         g.lost.add(idx)
@@ -371,19 +378,14 @@ class ExperienceState:
         self.counts["groups_dropped"] += 1
         self.counts[f"dropped_{reason}"] += 1
 
-    def _apply_drop(self, body: dict[str, Any], msgs: list[Any]) -> None:
-        for gid in body["group_ids"]:
+    def _apply_drop(self, rec: GroupsDropped) -> None:
+        for gid in rec.group_ids:
             g = self.groups.get(gid)
             if g is not None and g.state in (OPEN, READY):
-                self._drop(g, body.get("reason", "dropped"))
+                self._drop(g, rec.reason)
 
-    def _apply_batch(self, body: dict[str, Any], msgs: list[Any]) -> None:
-        b = BatchRecord(
-            body["batch_id"],
-            int(body["version"]),
-            list(body["group_ids"]),
-            body.get("trainer_id", ""),
-        )
+    def _apply_batch(self, rec: BatchServed) -> None:
+        b = BatchRecord(rec.batch_id, rec.version, list(rec.group_ids), rec.trainer_id)
         for gid in b.group_ids:
             g = self.groups[gid]
             g.state, g.batch_id, g.front = OUTSTANDING, b.batch_id, False
@@ -393,8 +395,8 @@ class ExperienceState:
         self.last_batch_version = max(self.last_batch_version, b.version)
         self.counts["batches_served"] += 1
 
-    def _apply_commit(self, body: dict[str, Any], msgs: list[Any]) -> None:
-        b = self.batches.get(body["batch_id"])
+    def _apply_commit(self, rec: BatchCommitted) -> None:
+        b = self.batches.get(rec.batch_id)
         if b is None or b.state != OUTSTANDING:
             return
         for gid in b.group_ids:
@@ -407,11 +409,11 @@ class ExperienceState:
             self.closed[gid] = COMMITTED
         b.state = COMMITTED
         self._outstanding.pop(b.batch_id, None)
-        self.trainer_version = max(self.trainer_version, int(body["version"]))
+        self.trainer_version = max(self.trainer_version, rec.version)
         self.counts["batches_committed"] += 1
         self.counts["groups_committed"] += len(b.group_ids)
 
-    def _apply_requeue(self, body: dict[str, Any], msgs: list[Any]) -> None:
+    def _apply_requeue(self, rec: BatchesRequeued) -> None:
         for b in self.outstanding():
             b.state = "requeued"
             for gid in b.group_ids:
@@ -421,27 +423,24 @@ class ExperienceState:
             self.counts["batches_requeued"] += 1
         self._outstanding.clear()
         # the restarted trainer's version is authoritative (it may have resumed an older checkpoint)
-        self.trainer_version = int(body["trainer_version"])
+        self.trainer_version = rec.trainer_version
         self.last_batch_version = self.trainer_version - 1
 
-    def _apply_snapshot(self, body: dict[str, Any], msgs: list[Any]) -> None:
-        self.trainer_version = int(body["trainer_version"])
-        self.last_batch_version = int(body["last_batch_version"])
-        self.closed.update(body["closed"])
-        for bid, (state, version) in body["batches"].items():
-            self.batches[bid] = BatchRecord(bid, int(version), [], state=state)
-        self.cursor = body.get("cursor")
-        self.serial = max(self.serial, int(body.get("serial", 0)))
+    def _apply_snapshot(self, rec: StateSnapshot) -> None:
+        self.trainer_version = rec.trainer_version
+        self.last_batch_version = rec.last_batch_version
+        self.closed.update(rec.closed)
+        for bid, b in rec.batches.items():
+            self.batches[bid] = BatchRecord(bid, b.version, [], state=b.state)
+        self.cursor = rec.cursor
+        self.serial = max(self.serial, rec.serial)
 
-    def _apply_stats(self, body: dict[str, Any], msgs: list[Any]) -> None:
-        # last record of a snapshot: the counters as they were (replaying the live groups recounted them)
-        self.counts = Counter(body.get("counts", {}))
-        self.finish_hist.counts = Counter(
-            {int(k): v for k, v in body.get("finish_hist", {}).items()}
-        )
-        self.consumed_hist.counts = Counter(
-            {int(k): v for k, v in body.get("consumed_hist", {}).items()}
-        )
+    def _apply_counters(self, rec: StateCounters) -> None:
+        # last record of a snapshot: the counters as they were (replaying the live groups
+        # recounted them)
+        self.counts = Counter(rec.counts)
+        self.finish_hist.counts = Counter(rec.finish_hist)
+        self.consumed_hist.counts = Counter(rec.consumed_hist)
 
     # ---- batches ----------------------------------------------------------------------
     def plan(self, want: int, batch_version: int, final: bool) -> BatchPlan:
@@ -473,70 +472,52 @@ class ExperienceState:
         return [t for gid in b.group_ids for t in self.groups[gid].usable_members()]
 
     # ---- compaction -------------------------------------------------------------------
-    def snapshot(self) -> list[tuple[str, dict[str, Any], list[Trajectory | PromptItem]]]:
-        """(kind, body, msgs) records that rebuild this state from scratch (what compaction writes).
+    def snapshot(self) -> list[JournalRecord]:
+        """Records that rebuild this state from scratch (what compaction writes).
 
-        Cheap and detached: bodies are fresh containers and messages are the stored (never
-        mutated) Trajectory / PromptItem objects, so the records can be encoded on another
-        thread while this state keeps changing.
+        Cheap and detached: records hold fresh containers and the stored (never mutated)
+        Trajectory / PromptItem objects, so they can be encoded on another thread while this
+        state keeps changing.
         """
-        recs: list[tuple[str, dict[str, Any], list[Trajectory | PromptItem]]] = [
-            (
-                "snapshot",
-                {
-                    "trainer_version": self.trainer_version,
-                    "last_batch_version": self.last_batch_version,
-                    "closed": dict(self.closed),
-                    "serial": self.serial,
-                    "cursor": None if self.cursor is None else dict(self.cursor),
-                    "batches": {
-                        b.batch_id: [b.state, b.version]
-                        for b in self.batches.values()
-                        if b.state != OUTSTANDING
-                    },
-                },
-                [],
+        batches = {
+            b.batch_id: ClosedBatch(b.state, b.version)
+            for b in self.batches.values()
+            if b.state != OUTSTANDING
+        }
+        recs: list[JournalRecord] = [
+            StateSnapshot(
+                trainer_version=self.trainer_version,
+                last_batch_version=self.last_batch_version,
+                closed=dict(self.closed),
+                serial=self.serial,
+                cursor=self.cursor,  # never mutated: replaced by the next served record
+                batches=batches,
             )
         ]
         live = sorted(self.groups.values(), key=lambda g: (g.state == OPEN, g.ready_seq, g.serial))
         for g in live:
-            spec = {
-                "group_id": g.group_id,
-                "uid": g.prompt_uid,
-                "n": g.n,
-                "version": g.served_version,
-                "rollout_id": g.rollout_id,
-                "serial": g.serial,
-                "item": 0 if g.item is not None else -1,
-                "front": g.front,
-            }
-            recs.append(("served", {"groups": [spec]}, [g.item] if g.item is not None else []))
-            for i in sorted(g.members):
-                recs.append(("traj", {}, [g.members[i]]))
-            for i in sorted(g.lost - g.members.keys()):
-                recs.append(("abandon", {"group_id": g.group_id, "sample_index": i}, []))
-        for b in self.outstanding():
-            recs.append(
-                (
-                    "batch",
-                    {
-                        "batch_id": b.batch_id,
-                        "version": b.version,
-                        "group_ids": list(b.group_ids),
-                        "trainer_id": b.trainer_id,
-                    },
-                    [],
-                )
+            spec = ServedGroup(
+                group_id=g.group_id,
+                uid=g.prompt_uid,
+                n=g.n,
+                version=g.served_version,
+                rollout_id=g.rollout_id,
+                serial=g.serial,
+                item=g.item,
+                front=g.front,
             )
+            recs.append(GroupsServed(groups=[spec]))
+            for i in sorted(g.members):
+                recs.append(TrajectoryAccepted(g.members[i]))
+            for i in sorted(g.lost - g.members.keys()):
+                recs.append(MemberAbandoned(g.group_id, i))
+        for b in self.outstanding():
+            recs.append(BatchServed(b.batch_id, b.version, list(b.group_ids), b.trainer_id))
         recs.append(
-            (
-                "stats",
-                {
-                    "counts": dict(self.counts),
-                    "finish_hist": {str(k): v for k, v in self.finish_hist.counts.items()},
-                    "consumed_hist": {str(k): v for k, v in self.consumed_hist.counts.items()},
-                },
-                [],
+            StateCounters(
+                counts=dict(self.counts),
+                finish_hist=dict(self.finish_hist.counts),
+                consumed_hist=dict(self.consumed_hist.counts),
             )
         )
         return recs

@@ -3,7 +3,7 @@
     health = StallWatch(cfg.buffer, cfg.reward.fn, state, metrics, log)   # clock= for tests
     health.observe(t)        # every stored trajectory (the intake calls it)
     health.check()           # also on a timer (the node): the stall needs no new arrival
-    health.warnings          # the active warnings, by kind: NodeStatus.extra["warnings"]
+    health.warnings          # the active warnings, by kind: NodeStatus.warnings
 
 A trajectory without a usable reward (None: the reward said "not applicable" or failed;
 an engine error) is stored but never trained on, and a group with no usable member
@@ -57,16 +57,15 @@ def none_cause(t: Trajectory, builtin_reward: bool) -> tuple[str, str | None]:
     """(cause, field) of a trajectory without a usable reward: field names the row field the
     reward could not find, "" when it returned None for no stated reason, None when the
     cause is not about the row (an engine error, a reward that crashed)."""
-    info = t.reward_info
-    err = str(info.get("error", ""))
-    if t.finish_reason == "error" or info.get("error_kind") == "engine":
+    err = t.reward_error
+    if t.finish_reason == "error" or t.reward_error_kind == "engine":
         return f"the engine failed to generate ({err or 'finish_reason error'})", None
     if err:
         found = _KEY_ERROR.match(err) or _MISSING_ARG.search(err)
         if found:
             field = found.group(1)
             return f"the reward read a field the row does not have: {field!r} ({err[:120]})", field
-        return f"the reward failed ({info.get('error_kind', 'error')}): {err[:160]}", None
+        return f"the reward failed ({t.reward_error_kind or 'error'}): {err[:160]}", None
     if t.reward is not None and not math.isfinite(t.reward):
         return f"the reward is not finite ({t.reward})", None
     if builtin_reward:
@@ -137,11 +136,11 @@ class StallWatch:
         self.window.append(cause)
         if cause is not None:
             self.causes[cause] += 1
-        timeout = t.reward_info.get("error_kind") == "timeout"
+        timeout = t.reward_error_kind == "timeout"
         self.timed_out.append(timeout)
         if timeout:
             self.timeouts_total += 1
-            self._timeout_example = str(t.reward_info.get("error", ""))[:120]
+            self._timeout_example = t.reward_error[:120]
         self._arrived += 1
         self.check()
 
@@ -173,9 +172,10 @@ class StallWatch:
         timeouts = sum(self.timed_out)
         if timeouts:
             text = (
-                f"the reward timed out on {timeouts}/{len(self.timed_out)} of the last trajectories "
-                f"({self.timeouts_total} since start; {self._timeout_example}): each costs a whole "
-                "reward.timeout_s, so throughput drops; fix the hanging reward or lower reward.timeout_s"
+                f"the reward timed out on {timeouts}/{len(self.timed_out)} of the last "
+                f"trajectories ({self.timeouts_total} since start; {self._timeout_example}): each "
+                "costs a whole reward.timeout_s, so throughput drops; fix the hanging reward or "
+                "lower reward.timeout_s"
             )
             self._warn("reward_timeouts", text, now)
         else:

@@ -1,11 +1,11 @@
-"""Finished and abandoned samples: a Trajectory / TrajectoryAbandoned -> a journaled Ack.
+"""Finished and abandoned samples: Trajectory / TrajectoryAbandoned -> a journaled TrajectoryAck.
 
     intake = Intake(ledger, partials, metrics, log)
-    reply = await intake.trajectory(t, peer_id)     # Ack after the "traj" record is durable
-    reply = await intake.abandoned(msg)             # Ack after the "abandon" record is durable
+    reply = await intake.trajectory(t, peer_id)   # TrajectoryAck once its record is durable
+    reply = await intake.abandoned(msg)           # TrajectoryAck once its record is durable
 
 A trajectory is checked by ExperienceState.check_trajectory: bad input gets an
-ErrorReply (the sender drops it), a duplicate or a late member an Ack that says so
+ErrorReply (the sender drops it), a duplicate or a late member a TrajectoryAck that says so
 (the sender stops resending; nothing is stored twice), a new member is journaled and
 acked only once durable. Either way the sample's partial-pool record is dropped: it
 finished. Abandons follow the same rules with check_abandoned.
@@ -24,10 +24,11 @@ import structlog
 
 from laminar.buffer.ledger import Ledger
 from laminar.buffer.partials import PartialPool
+from laminar.buffer.records import MemberAbandoned, TrajectoryAccepted
 from laminar.metrics import Metrics
-from laminar.protocol.buffer import TrajectoryAbandoned
-from laminar.protocol.core import Ack, ErrorReply
+from laminar.protocol.buffer import TrajectoryAbandoned, TrajectoryAck
 from laminar.protocol.data import Trajectory
+from laminar.transport.session import ErrorReply
 
 __all__ = ["Intake"]
 
@@ -45,7 +46,7 @@ class Intake:
         self.metrics = metrics
         self.log = log
 
-    async def trajectory(self, t: Trajectory, peer_id: str) -> Ack | ErrorReply:
+    async def trajectory(self, t: Trajectory, peer_id: str) -> TrajectoryAck | ErrorReply:
         st = self.ledger.state
         verdict, why = st.check_trajectory(t)
         if verdict == "bad":
@@ -56,15 +57,17 @@ class Intake:
         if verdict != "ok":
             self.metrics.count(f"trajectories_{verdict}")
             await self.ledger.durable()  # the first copy may still be on its way to the disk
-            return Ack(info={"duplicate": verdict == "duplicate", "ignored": why})
+            if verdict == "duplicate":
+                return TrajectoryAck(duplicate=True)
+            return TrajectoryAck(ignored=why)
         if t.loss_mask is not None and np.any(t.logprobs[t.loss_mask == 0] != 0.0):
             self.metrics.count("env_logprob_nonzero")
         t.staleness_at_finish = st.trainer_version - t.version
-        off = self.ledger.record("traj", {}, [t])
+        off = self.ledger.record(TrajectoryAccepted(t))
         await self.ledger.durable(off)
-        return Ack()
+        return TrajectoryAck()
 
-    async def abandoned(self, msg: TrajectoryAbandoned) -> Ack | ErrorReply:
+    async def abandoned(self, msg: TrajectoryAbandoned) -> TrajectoryAck | ErrorReply:
         verdict, why, idx = self.ledger.state.check_abandoned(msg.uid, msg.group_id)
         if verdict == "bad":
             self.metrics.count("abandons_rejected")
@@ -72,11 +75,8 @@ class Intake:
         self.partials.remove(msg.uid)
         if verdict != "ok":
             self.metrics.count("abandons_ignored")
-            return Ack(info={"ignored": why})
-        off = self.ledger.record(
-            "abandon",
-            {"group_id": msg.group_id, "sample_index": idx, "uid": msg.uid, "reason": msg.reason},
-        )
+            return TrajectoryAck(ignored=why)
+        off = self.ledger.record(MemberAbandoned(msg.group_id, idx, msg.uid, msg.reason))
         self.log.info("trajectory_abandoned", uid=msg.uid, reason=msg.reason)
         await self.ledger.durable(off)
-        return Ack()
+        return TrajectoryAck()

@@ -1,21 +1,24 @@
 """Append-only journal of msgpack records: the buffer's durable memory.
 
     j = Journal(run_dir / "buffer-0.journal", fsync="batch")
-    for kind, body, msgs in j.replay(): state.apply(kind, body, msgs)   # at start
-    off = j.append("traj", {}, [trajectory])                             # write() to the OS
-    await j.durable(off)                                                  # per the fsync policy
+    for rec in j.replay(): state.apply(rec)             # at start
+    off = j.append(TrajectoryAccepted(trajectory=t))    # write() to the OS
+    await j.durable(off)                                 # per the fsync policy
     j.close()
     report = check_journal(path)      # offline, read-only (`laminar journal check RUN_DIR`)
 
 On disk: a 12-byte header (`LAMJRNL-` + u32 SCHEMA_VERSION), then records
-`[u32 length][u32 crc32][payload]` (little endian). The payload is msgpack
-`[kind, body, msg_frames...]` where each message is stored as the frames of the wire
-codec (laminar.transport.codec), so a journaled Trajectory is decoded and validated by
-the very code that decodes it off the network, arrays included. This module imports
-laminar.protocol itself: a process that replays a journal knows every message type.
+`[u32 length][u32 crc32][payload]` (little endian). The payload is a msgpack list of
+the frames of one typed record (laminar/buffer/records.py) as the wire codec
+(laminar.transport.codec) encodes it, so a journaled Trajectory is decoded and validated by
+the very code that decodes it off the network, arrays included; a decoded message that is
+not a record is refused. This module imports the records and laminar.protocol itself: a
+process that replays a journal knows every type.
 
 The schema version is the journal's own, independent of the wire's PROTOCOL_VERSION.
-Schema 1 (before the header existed) is the 8-byte magic `LAMJRNL1` and the same records.
+Schema 1 (before the header existed) is the 8-byte magic `LAMJRNL1` and schema-2 records.
+Schema 2's payload was msgpack `[kind: str, body: dict, msg_frames...]`; upgrade 2 -> 3
+turns each into its typed record (records.from_schema2).
 An older schema is read through `_UPGRADES` (payload n -> payload n+1) and, once the
 whole file replayed, rewritten atomically in the current schema; the old file is kept
 as `<file>.schema<n>` (a hard link: no copy).
@@ -26,8 +29,9 @@ Damage, and what replay does (it never loses a record whose checksum is valid):
     the file is cut there (stats torn_bytes / torn_path; the ledger logs an error);
   * a record with a valid checksum that does not decode (unknown message type, failed
     validation, not a record), or a bad checksum with valid records after it, raises
-    JournalCorrupt naming the file, the byte offset and the record kind, and changes
-    nothing on disk: a code or schema mismatch must be fixed, not papered over.
+    JournalCorrupt naming the file, the byte offset and the record type, and changes
+    nothing on disk: a code or schema mismatch must be fixed, not papered over (a schema-2
+    record that does not upgrade is refused alike).
 
 Durability (BufferConfig.fsync), decided per record before the node acks it:
   * every record is written to the OS with os.write before anything is acked, so
@@ -41,7 +45,7 @@ Durability (BufferConfig.fsync), decided per record before the node acks it:
 One writer: `<file>.lock` is flock'ed while the journal is open, so a second
 buffer on the same run_dir fails at start instead of interleaving records.
 
-Compaction: `await compact(snapshot)` replaces the file with a snapshot of the state
+Compaction: `await compact(snapshot)` replaces the file with a snapshot of the state (records)
 plus the records appended while it was written; the snapshot is encoded and written on
 a thread of its own, so the event loop keeps serving (a live buffer's state can be GBs).
 `rewrite(records)` is the blocking form (replay, schema upgrade). Either writes a temp
@@ -68,7 +72,9 @@ from typing import Any
 import msgpack
 
 import laminar.protocol  # noqa: F401  - registers every message type that a record may hold
-from laminar.transport.codec import Limits, Message, ProtocolError, decode, encode
+from laminar.buffer.records import RECORD_TYPES, JournalRecord, from_schema2
+from laminar.message import REGISTRY, Limits, ProtocolError
+from laminar.transport.codec import decode, encode
 
 __all__ = [
     "Journal",
@@ -81,7 +87,7 @@ __all__ = [
     "encode_record",
 ]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """The journal's record format; bump it (and add an _UPGRADES step) when records change."""
 _SIGNATURE = b"LAMJRNL-"
 _FILE_HEAD = struct.Struct("<8sI")
@@ -92,10 +98,42 @@ MAGIC_V1 = b"LAMJRNL1"
 _HEAD = struct.Struct("<II")
 MAX_RECORD_BYTES = 1 << 31
 
+
+def _upgrade_2(payload: bytes) -> bytes:
+    """A schema-2 payload, msgpack `[kind, body dict, msg_frames...]`, as its typed record."""
+    try:
+        parts = msgpack.unpackb(payload, raw=False)
+    except Exception as exc:  # msgpack raises several types for garbage
+        raise ProtocolError(f"journal record is not msgpack: {exc}") from None
+    if (
+        not isinstance(parts, list)
+        or len(parts) < 2
+        or not isinstance(parts[0], str)
+        or not isinstance(parts[1], dict)
+    ):
+        raise ProtocolError("schema-2 journal record must be [kind, body, msgs...]")
+    msgs = []
+    for i, frames in enumerate(parts[2:]):
+        if not isinstance(frames, list):
+            raise ProtocolError(f"message {i} of the record is not a list of frames")
+        try:
+            msgs.append(decode(frames, _LIMITS))
+        except ProtocolError as exc:
+            raise ProtocolError(f"message {i} of the record: {exc}") from None
+    try:
+        rec = from_schema2(parts[0], parts[1], msgs)
+    except (KeyError, TypeError, ValueError) as exc:
+        why = f"{type(exc).__name__}: {exc}"
+        raise ProtocolError(f"schema-2 record cannot be upgraded ({why})") from None
+    return _payload(rec)
+
+
 _UPGRADES: dict[int, Callable[[bytes], bytes]] = {
     1: lambda payload: payload,  # 1 -> 2: only the file header changed
+    2: _upgrade_2,  # 2 -> 3: (kind, body dict, msgs) -> a typed record
 }
-"""schema n -> a function turning a schema-n record payload into a schema n+1 one."""
+"""schema n -> a function turning a schema-n record payload into a schema n+1 one (raises
+ProtocolError when it cannot)."""
 
 # replay is not the network: a record holds what this buffer accepted, whatever the
 # sockets' limits are today (they may shrink); only the record size bounds it
@@ -120,7 +158,8 @@ class JournalCorrupt(JournalError):
         super().__init__(
             f"{path}: record at byte offset {offset} (kind {kind}) cannot be replayed: {reason}. "
             "Nothing was truncated or moved. Check it with `laminar journal check <run_dir>`; "
-            "if laminar was upgraded, run the version that wrote it, or move the file away to start afresh."
+            "if laminar was upgraded, run the version that wrote it, or move the file away to "
+            "start afresh."
         )
 
 
@@ -128,52 +167,47 @@ def _frame_bytes(frame: Any) -> bytes:
     return frame if isinstance(frame, bytes) else bytes(frame)
 
 
-def encode_record(kind: str, body: dict[str, Any], msgs: Sequence[Message] = ()) -> bytes:
+def _payload(rec: JournalRecord) -> bytes:
+    return msgpack.packb([_frame_bytes(f) for f in encode(rec)], use_bin_type=True)
+
+
+def encode_record(rec: JournalRecord) -> bytes:
     """One record (header + payload) ready to append."""
-    parts: list[Any] = [kind, body]
-    for m in msgs:
-        parts.append([_frame_bytes(f) for f in encode(m)])
-    payload = msgpack.packb(parts, use_bin_type=True)
+    payload = _payload(rec)
     return _HEAD.pack(len(payload), zlib.crc32(payload)) + payload
 
 
-def decode_record(payload: bytes) -> tuple[str, dict[str, Any], list[Message]]:
+def decode_record(payload: bytes) -> JournalRecord:
     """Inverse of encode_record's payload; raises ProtocolError when it is not a record."""
     try:
-        parts = msgpack.unpackb(payload, raw=False)
+        frames = msgpack.unpackb(payload, raw=False)
     except Exception as exc:  # msgpack raises several types for garbage
         raise ProtocolError(f"journal record is not msgpack: {exc}") from None
-    if (
-        not isinstance(parts, list)
-        or len(parts) < 2
-        or not isinstance(parts[0], str)
-        or not isinstance(parts[1], dict)
-    ):
-        raise ProtocolError("journal record must be [kind, body, msgs...]")
-    msgs = []
-    for i, frames in enumerate(parts[2:]):
-        if not isinstance(frames, list):
-            raise ProtocolError(f"message {i} of the record is not a list of frames")
-        try:
-            msgs.append(decode(frames, _LIMITS))
-        except ProtocolError as exc:
-            raise ProtocolError(f"message {i} of the record: {exc}") from None
-    return parts[0], parts[1], msgs
+    if not isinstance(frames, list) or not frames:
+        raise ProtocolError("journal record must be a list of codec frames")
+    rec = decode(frames, _LIMITS)
+    if not isinstance(rec, RECORD_TYPES):
+        raise ProtocolError(f"{type(rec).__name__} is a message, not a journal record")
+    return rec
 
 
 def _kind_of(payload: bytes) -> str:
-    """The record's kind for an error message, as far as the payload tells it."""
+    """The record's type (schema 2: its kind) for an error message, as far as the payload tells."""
     try:
         parts = msgpack.unpackb(payload, raw=False)
     except Exception:
         return "unknown (not msgpack)"
     if isinstance(parts, list) and parts and isinstance(parts[0], str):
-        return repr(parts[0])
+        return repr(parts[0])  # a schema-2 record that did not upgrade
+    if isinstance(parts, list) and parts and isinstance(parts[0], bytes) and len(parts[0]) == 1:
+        cls = REGISTRY.get(parts[0][0])
+        return cls.__name__ if cls is not None else f"unknown type {parts[0][0]:#04x}"
     return "unknown (not a record)"
 
 
 def _read_header(path: Path, data: bytes) -> tuple[int, int] | None:
-    """(schema, offset of the first record), or None for a file torn while its header was written."""
+    """(schema, offset of the first record), or None for a file torn while its header was
+    written."""
     if data.startswith(MAGIC_V1):
         return 1, len(MAGIC_V1)
     if data.startswith(_SIGNATURE) and len(data) >= _FILE_HEAD.size:
@@ -200,7 +234,8 @@ def _upgrade(schema: int, payload: bytes) -> bytes:
 
 
 def _records(data: bytes, pos: int) -> Iterator[tuple[int, bytes]]:
-    """(offset, payload) of each record whose checksum holds, from `pos` up to the first that does not."""
+    """(offset, payload) of each record whose checksum holds, from `pos` up to the first that does
+    not."""
     view = memoryview(data)
     while pos + _HEAD.size <= len(data):
         length, crc = _HEAD.unpack_from(data, pos)
@@ -241,6 +276,7 @@ class JournalReport:
     size: int = 0
     records: int = 0
     kinds: collections.Counter[str] = field(default_factory=collections.Counter)
+    """Record type name -> records."""
     bad: list[tuple[int, str, str]] = field(default_factory=list)
     """(offset, kind, reason) of each record with a valid checksum that does not decode."""
     torn_offset: int | None = None
@@ -270,12 +306,12 @@ def check_journal(path: str | os.PathLike[str]) -> JournalReport:
     for off, payload in _records(data, stop):
         stop = off + _HEAD.size + len(payload)
         try:
-            kind, _, _ = decode_record(_upgrade(rep.schema, payload))
+            rec = decode_record(_upgrade(rep.schema, payload))
         except ProtocolError as exc:
             rep.bad.append((off, _kind_of(payload), str(exc)))
             continue
         rep.records += 1
-        rep.kinds[kind] += 1
+        rep.kinds[type(rec).__name__] += 1
     if stop < len(data):
         later = _next_valid(data, stop + 1)
         if later is None:
@@ -303,12 +339,14 @@ class Journal:
         self._pos = 0
         """The file's size: where the next record goes."""
         self.written = 0
-        """Bytes handed to the OS so far, counted across compactions (durable() offsets are these)."""
+        """Bytes handed to the OS so far, counted across compactions (durable() offsets are
+        these)."""
         self.synced = 0
         """Of `written`, the bytes known to be on disk (fsync'ed)."""
         self._io = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="journal")
         self._compactor: concurrent.futures.ThreadPoolExecutor | None = None
-        """The thread that encodes and writes a snapshot (not `_io`: fsyncs must not queue behind it)."""
+        """The thread that encodes and writes a snapshot (not `_io`: fsyncs must not queue behind
+        it)."""
         self._tail: list[bytes] | None = None
         """While a compaction runs: the records appended since its snapshot was taken."""
         self._sync: asyncio.Future[None] | None = None
@@ -347,12 +385,12 @@ class Journal:
             os.close(self._lock_fd)
             self._lock_fd = -1
 
-    def replay(self) -> Iterator[tuple[str, dict[str, Any], list[Message]]]:
+    def replay(self) -> Iterator[JournalRecord]:
         """Yield every record, then leave the file open for appends after the last one."""
-        for _, kind, body, msgs in self.replay_at():
-            yield kind, body, msgs
+        for _, rec in self.replay_at():
+            yield rec
 
-    def replay_at(self) -> Iterator[tuple[int, str, dict[str, Any], list[Message]]]:
+    def replay_at(self) -> Iterator[tuple[int, JournalRecord]]:
         """replay(), each record with its byte offset (for errors that name it)."""
         if self._lock_fd < 0:
             self._lock()
@@ -371,18 +409,20 @@ class Journal:
         schema, good = head
         upgraded: list[bytes] = []
         for off, payload in _records(data, good):
-            if schema != SCHEMA_VERSION:
-                payload = _upgrade(schema, payload)
-                upgraded.append(payload)
+            good = off + _HEAD.size + len(payload)  # the record as it is on disk
             try:
-                kind, body, msgs = decode_record(payload)
+                if schema != SCHEMA_VERSION:
+                    current = _upgrade(schema, payload)
+                    upgraded.append(current)
+                else:
+                    current = payload
+                rec = decode_record(current)
             except ProtocolError as exc:
                 self.stats["bad_records"] += 1
                 self._unlock()
                 raise JournalCorrupt(self.path, off, _kind_of(payload), str(exc)) from None
-            good = off + _HEAD.size + len(payload)
             self.stats["replayed"] += 1
-            yield off, kind, body, msgs
+            yield off, rec
         if good < len(data):
             later = _next_valid(data, good + 1)
             if later is not None:
@@ -427,7 +467,8 @@ class Journal:
         self.torn_path = aside
 
     def _upgrade_file(self, schema: int, payloads: list[bytes]) -> None:
-        """Rewrite an older-schema journal in the current one; the old file stays as <file>.schema<n>."""
+        """Rewrite an older-schema journal in the current one; the old file stays as
+        <file>.schema<n>."""
         records = [_HEAD.pack(len(p), zlib.crc32(p)) + p for p in payloads]
         old = self.path.with_name(f"{self.path.name}.schema{schema}")
         if old.exists():
@@ -463,11 +504,11 @@ class Journal:
         return self._tail is not None
 
     # ---- append + durability ---------------------------------------------------------
-    def append(self, kind: str, body: dict[str, Any], msgs: Sequence[Message] = ()) -> int:
+    def append(self, record: JournalRecord) -> int:
         """Write one record to the OS; returns the offset that `durable()` must reach."""
         if self._fd < 0:
             raise JournalError("journal is not open (call replay() first)")
-        rec = encode_record(kind, body, msgs)
+        rec = encode_record(record)
         try:
             _write_all(self._fd, rec)
         except OSError:
@@ -511,7 +552,8 @@ class Journal:
             await asyncio.shield(self._sync)
 
     async def run_flusher(self) -> None:
-        """fsync=batch: flush every fsync_interval_s while there is unsynced data (runs until cancelled)."""
+        """fsync=batch: flush every fsync_interval_s while there is unsynced data (runs until
+        cancelled)."""
         if self.policy != "batch":
             return
         while True:
@@ -526,15 +568,13 @@ class Journal:
             self.synced = self.written
 
     # ---- compaction ------------------------------------------------------------------
-    async def compact(
-        self, snapshot: Sequence[tuple[str, dict[str, Any], Sequence[Message]]]
-    ) -> None:
+    async def compact(self, snapshot: Sequence[JournalRecord]) -> None:
         """Replace the journal with `snapshot` plus every record appended while it is written.
 
-        The snapshot (the state when it was taken, as (kind, body, msgs) records that nobody
-        mutates) is encoded, written and fsync'ed on a thread of its own while appends go on
-        to the live file and are kept aside; those are then written after it, and the new
-        file replaces the old one (rename, directory fsync). A crash at any point leaves the
+        The snapshot (the state when it was taken, as records that nobody mutates) is
+        encoded, written and fsync'ed on a thread of its own while appends go on to the live
+        file and are kept aside; those are then written after it, and the new file replaces
+        the old one (rename, directory fsync). A crash at any point leaves the
         old file whole. The event loop never encodes or writes the snapshot itself.
         """
         if self._fd < 0:
@@ -614,16 +654,17 @@ _TAIL_ON_LOOP_BYTES = 1 << 20
 
 def _write_snapshot(
     fd: int,
-    snapshot: Sequence[tuple[str, dict[str, Any], Sequence[Message]]],
+    snapshot: Sequence[JournalRecord],
     stop: threading.Event,
 ) -> int:
-    """Header + every record of the snapshot, encoded here, then fsync; returns the bytes written."""
+    """Header + every record of the snapshot, encoded here, then fsync; returns the bytes
+    written."""
     _write_all(fd, MAGIC)
     size = len(MAGIC)
-    for kind, body, msgs in snapshot:
+    for record in snapshot:
         if stop.is_set():
             raise JournalError("compaction stopped")
-        rec = encode_record(kind, body, msgs)
+        rec = encode_record(record)
         _write_all(fd, rec)
         size += len(rec)
     os.fsync(fd)

@@ -1,16 +1,16 @@
 """Leases on served groups: a group whose rollout went silent is served again to another one.
 
-    leases = Leases(cfg.buffer.lease_s)                  # clock= for tests
-    leases.seed(state.groups)                            # after replay: every open group, a fresh lease
-    leases.served(group_id)                              # served (again): a fresh lease
-    leases.touch(group_id)                               # progress: a chunk, a trajectory, an abandon
-    for g in leases.expired(state.groups, rollout_id, k): ...   # open groups to serve again (oldest first)
+    leases = Leases(cfg.buffer.lease_s)              # clock= for tests
+    leases.seed(state.groups)                        # after replay: every open group, a fresh lease
+    leases.served(group_id)                          # served (again): a fresh lease
+    leases.touch(group_id)                           # progress: a chunk, a trajectory, an abandon
+    for g in leases.expired(state.groups, rollout_id, k): ...  # to serve again, oldest first
 
 A rollout that takes a group and then neither streams a chunk of it nor finishes or
 abandons any of its samples for `buffer.lease_s` seconds holds it for nothing: a rollout
 that is alive but wedged is never declared dead by the manager, so its groups would stay
 open forever (and, with a global update, block every new version). The prompt server
-then serves the group again, to a rollout other than its holder, recording a "reserve"
+then serves the group again, to a rollout other than its holder, recording a GroupsReserved
 journal record that names the new holder.
 
 Exactly once: members are keyed by (group_id, sample_index) in ExperienceState, so

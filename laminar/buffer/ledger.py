@@ -2,11 +2,11 @@
 
     ledger = Ledger(state, journal, compact_bytes, metrics, log)   # journal None: memory only
     n = ledger.replay()                        # at start (blocking: run it off the event loop)
-    off = ledger.record("traj", {}, [t])       # write() to the OS, then ExperienceState.apply
+    off = ledger.record(TrajectoryAccepted(t))  # write() to the OS, then ExperienceState.apply
     await ledger.durable(off)                  # per buffer.fsync; only then is anything acked
     changed = ledger.changed; await changed.wait()   # a batch long-poll waking on new groups
-    await ledger.compact_if_due()              # at start: snapshot rewrite if the file outgrew its mark
-    await ledger.run_compactor()               # a node task: the same, off the loop, as records arrive
+    await ledger.compact_if_due()          # at start: snapshot rewrite if the file outgrew its mark
+    await ledger.run_compactor()           # a node task: the same, off the loop, as records arrive
 
 The one writer of ExperienceState (laminar/buffer/experience.py): the prompt server,
 the intake and the batch server all change it through `record`, so the live state and
@@ -18,20 +18,24 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
-from typing import Any
 
 import structlog
 
 from laminar.buffer.experience import ExperienceState
 from laminar.buffer.journal import SCHEMA_VERSION, Journal, JournalCorrupt
+from laminar.buffer.records import (
+    BatchCommitted,
+    BatchesRequeued,
+    JournalRecord,
+    MemberAbandoned,
+    TrajectoryAccepted,
+)
 from laminar.metrics import Metrics
-from laminar.transport.codec import Message
 
 __all__ = ["Ledger"]
 
-_WAKES = frozenset({"traj", "abandon", "commit", "requeue"})
-"""Record kinds that may make a waiting batch servable (or change its version)."""
+_WAKES = (TrajectoryAccepted, MemberAbandoned, BatchCommitted, BatchesRequeued)
+"""Record types that may make a waiting batch servable (or change its version)."""
 
 
 class Ledger:
@@ -50,7 +54,7 @@ class Ledger:
         self.metrics = metrics
         self.log = log
         self.changed = asyncio.Event()
-        """Set (and replaced by a fresh one) when a record of a kind in _WAKES was applied."""
+        """Set (and replaced by a fresh one) when a record of a type in _WAKES was applied."""
         self._due = asyncio.Event()
         """Set when the journal outgrew its compaction mark (run_compactor waits on it)."""
 
@@ -64,9 +68,9 @@ class Ledger:
             return 0
         t0 = time.monotonic()
         n = 0
-        for off, kind, body, msgs in self.journal.replay_at():
+        for off, rec in self.journal.replay_at():
             try:
-                self.state.apply(kind, body, msgs)
+                self.state.apply(rec)
             except (
                 Exception
             ) as exc:  # a record this code cannot apply: stop, name it, keep the file
@@ -74,7 +78,7 @@ class Ledger:
                 raise JournalCorrupt(
                     self.journal.path,
                     off,
-                    repr(kind),
+                    type(rec).__name__,
                     f"the buffer state refused it ({type(exc).__name__}: {exc})",
                 ) from exc
             n += 1
@@ -109,16 +113,16 @@ class Ledger:
             )
         return n
 
-    def record(self, kind: str, body: dict[str, Any], msgs: Sequence[Message] = ()) -> int:
+    def record(self, rec: JournalRecord) -> int:
         """Append a record (when journaling) and apply it; returns the offset to make durable."""
         if self.journal is None:
             off = 0
         else:
-            off = self.journal.append(kind, body, msgs)
+            off = self.journal.append(rec)
             if self._outgrown() and not self.journal.compacting:
                 self._due.set()
-        self.state.apply(kind, body, msgs)
-        if kind in _WAKES:
+        self.state.apply(rec)
+        if isinstance(rec, _WAKES):
             self.changed.set()
             self.changed = asyncio.Event()
         return off

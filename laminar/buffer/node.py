@@ -1,11 +1,16 @@
 """Buffer node: prompt pool, partial-response pool, experience buffer and its durable journal.
 
-    rollout ──PromptRequest(credits, version)──► PromptServer (retry table, expired leases, admission, capacity, pool) ──► PromptReply
-    rollout ──PartialBatch (one-way)───────────► PartialPool ◄──PartialsRequest── manager (recover: records + unstarted samples)
-    rollout ──Trajectory / TrajectoryAbandoned─► Intake ─► Ledger "traj" / "abandon" ─► Ack (after durable)
-    trainer ──BatchRequest (long-poll)─────────► BatchServer: plan whole ready groups ─► Ledger "batch" ─► BatchReply
-    trainer ──BatchCommit──────────────────────► BatchServer ─► Ledger "commit" ─► groups freed
-    anyone  ──BufferStats──────────────────────► counters, staleness histograms
+    rollout ──PromptRequest(credits, version)──► PromptServer ──► PromptReply
+    rollout ──PartialBatch (one-way)───────────► PartialPool ◄──PartialsRequest── manager
+    rollout ──Trajectory / TrajectoryAbandoned─► Intake ─► Ledger ─► TrajectoryAck
+    trainer ──BatchRequest (long-poll)─────────► BatchServer ─► Ledger ─► BatchReply
+    trainer ──BatchCommit──────────────────────► BatchServer ─► Ledger ─► groups freed
+    anyone  ──BufferStatsRequest───────────────► BufferStats: counters, staleness histograms
+
+    PromptServer: retry table, expired leases, admission, capacity, pool. PartialsRequest: the
+    manager's recovery (records + unstarted samples). TrajectoryAck: once the record is durable.
+    BatchServer: plans whole ready groups. Ledger: each change a typed journal record
+    (laminar/buffer/records.py: TrajectoryAccepted, MemberAbandoned, BatchServed, ...).
 
 This module only wires the parts (laminar/buffer/*): each handler hands the decoded
 request to one part and returns its reply. The parts share one Ledger
@@ -21,7 +26,7 @@ buffer.max_wait_s)) and is woken by the Ledger when a member finishes or is aban
 a batch is committed or requeued. The node's own loops are the journal flusher
 (fsync=batch) and the compactor: once the file outgrows its mark, a snapshot of the
 state is written on the journal's thread while records go on being appended and acked.
-Rules: admission / batch planning laminar/buffer/admission.py, prompt
+Rules: admission / batch planning laminar/modes.py, prompt
 serving laminar/buffer/prompt_server.py, batches and commits laminar/buffer/batches.py.
 
 Run: laminar node --role buffer --config configs/skeleton.yaml
@@ -32,11 +37,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-from typing import Any
+from collections import Counter
 
-from laminar.buffer.admission import Admission
+import msgspec
+
 from laminar.buffer.batches import BatchServer
-from laminar.buffer.experience import ExperienceState
+from laminar.buffer.experience import OPEN, OUTSTANDING, READY, ExperienceState
 from laminar.buffer.health import StallWatch
 from laminar.buffer.intake import Intake
 from laminar.buffer.journal import Journal
@@ -45,21 +51,43 @@ from laminar.buffer.ledger import Ledger
 from laminar.buffer.partials import PartialPool, recover
 from laminar.buffer.prompt_server import PromptServer, check_capacity
 from laminar.buffer.prompts import PromptPool, open_pool
-from laminar.node import Node
+from laminar.config import LaminarConfig
+from laminar.modes import Admission
+from laminar.node import Node, socket_max_message_bytes
 from laminar.protocol.buffer import (
     BatchCommit,
     BatchReply,
     BatchRequest,
     BufferStats,
+    BufferStatsRequest,
+    CommitAck,
+    JournalFigures,
     PartialsReply,
     PartialsRequest,
+    PromptPoolFigures,
     PromptReply,
     PromptRequest,
+    StalenessFigures,
     TrajectoryAbandoned,
+    TrajectoryAck,
 )
-from laminar.protocol.core import Ack, ErrorReply, NodeStatus
+from laminar.protocol.core import NodeStatus
 from laminar.protocol.data import PartialBatch, PartialChunk, Trajectory
-from laminar.transport.sockets import Peer, socket_max_message_bytes
+from laminar.transport.session import ErrorReply
+from laminar.transport.sockets import Peer
+
+
+def experience_state(cfg: LaminarConfig, admission: Admission | None = None) -> ExperienceState:
+    """The state a buffer of this config keeps (the node; offline replays of its journal)."""
+    bc = cfg.buffer
+    return ExperienceState(
+        group_size=cfg.rollout.group_size,
+        lost_member_policy=bc.lost_member_policy,
+        admission=admission
+        or Admission.for_mode(cfg.mode, cfg.trainer.batch_groups, bc.max_staleness),
+        sampling=bc.sampling,
+        seed=cfg.seed,
+    )
 
 
 class BufferNode(Node):
@@ -67,14 +95,16 @@ class BufferNode(Node):
 
     async def setup(self) -> None:
         cfg, bc = self.cfg, self.cfg.buffer
-        self.admission = Admission.from_config(cfg)
-        self.state = ExperienceState.from_config(cfg, self.admission)
+        self.admission = Admission.for_mode(cfg.mode, cfg.trainer.batch_groups, bc.max_staleness)
+        self.state = experience_state(cfg, self.admission)
         self.partials = PartialPool()
         # before anything that awaits: status() reads it
         self.health = StallWatch(bc, cfg.reward.fn, self.state, self.metrics, self.log)
         self.journal: Journal | None = None  # set before anything can fail: teardown reads it
-        check_capacity(cfg, self.log)
-        self.pool: PromptPool | None = await self.compute(open_pool, cfg, self.metrics, self.log)
+        check_capacity(bc.capacity, cfg.rollout.group_size, cfg.trainer, self.log)
+        self.pool: PromptPool | None = await self.compute(
+            open_pool, cfg.data, cfg.model.path, self.metrics, self.log
+        )
         if bc.journal:
             path = cfg.resolved_run_dir() / f"buffer-{self.index}.journal"
             self.journal = Journal(path, bc.fsync, bc.fsync_interval_s)
@@ -91,12 +121,12 @@ class BufferNode(Node):
         self.prompts = PromptServer(
             bc,
             cfg.rollout.group_size,
-            self.admission,
-            self.ledger,
-            self.pool,
-            self.metrics,
-            self.leases,
-            self.log,
+            admission=self.admission,
+            ledger=self.ledger,
+            pool=self.pool,
+            metrics=self.metrics,
+            leases=self.leases,
+            log=self.log,
         )
         self.intake = Intake(self.ledger, self.partials, self.metrics, self.log)
         self.batches = BatchServer(
@@ -113,7 +143,7 @@ class BufferNode(Node):
         self.srv.on(BatchRequest, self._on_batch)
         self.srv.on(BatchCommit, self._on_commit)
         self.srv.on(PartialsRequest, self._on_partials)
-        self.srv.on(BufferStats, self._on_stats)
+        self.srv.on(BufferStatsRequest, self._on_stats)
         await self.srv.start()
 
     async def main(self) -> None:
@@ -151,14 +181,18 @@ class BufferNode(Node):
         if res in ("bad", "unknown", "gap"):
             self.metrics.count(f"chunks_{res}")
 
-    async def _on_trajectory(self, peer: Peer, t: Trajectory) -> Ack | ErrorReply:
+    async def _on_trajectory(self, peer: Peer, t: Trajectory) -> TrajectoryAck | ErrorReply:
         self.leases.touch(t.group_id)
         reply = await self.intake.trajectory(t, peer.node_id)
-        if isinstance(reply, Ack) and not reply.info:  # stored now (not a duplicate or late)
+        if isinstance(reply, TrajectoryAck) and not (
+            reply.duplicate or reply.ignored
+        ):  # stored now
             self.health.observe(t)
         return reply
 
-    async def _on_abandoned(self, peer: Peer, msg: TrajectoryAbandoned) -> Ack | ErrorReply:
+    async def _on_abandoned(
+        self, peer: Peer, msg: TrajectoryAbandoned
+    ) -> TrajectoryAck | ErrorReply:
         self.leases.touch(msg.group_id)
         return await self.intake.abandoned(msg)
 
@@ -170,43 +204,53 @@ class BufferNode(Node):
     async def _on_batch(self, peer: Peer, req: BatchRequest) -> BatchReply | ErrorReply:
         return await self.batches.serve(req)
 
-    async def _on_commit(self, peer: Peer, c: BatchCommit) -> Ack | ErrorReply:
+    async def _on_commit(self, peer: Peer, c: BatchCommit) -> CommitAck | ErrorReply:
         return await self.batches.commit(c)
 
     # ---- stats --------------------------------------------------------------------------
-    def _on_stats(self, peer: Peer, req: BufferStats) -> BufferStats:
-        return BufferStats(stats=self.stats())
+    def _on_stats(self, peer: Peer, req: BufferStatsRequest) -> BufferStats:
+        return self.stats()
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> BufferStats:
         st, bc = self.state, self.cfg.buffer
-        out: dict[str, Any] = {
-            "mode": self.cfg.mode,
-            "bound": self.admission.bound,
-            "capacity": bc.capacity,
-            **st.summary(),
-        }
-        out["staleness_finish"] = st.finish_hist.summary()
-        out["staleness_consumed"] = st.consumed_hist.summary()
-        out["partials"] = {"in_flight": len(self.partials), **self.partials.counts}
-        out["counters"] = dict(self.metrics.counters)
-        out["rollout_versions"] = dict(self.prompts.rollout_versions)
-        out["warnings"] = dict(self.health.warnings)
+        states = Counter(g.state for g in st.groups.values())
+        prompts = journal = None
         if self.pool is not None:
-            out["prompts"] = {
-                "rows": len(self.pool.rows),
-                "epoch": self.pool.epoch,
-                "pos": self.pool.pos,
-                "serial": self.pool.serial,
-                "bad_rows": len(self.pool.bad),
-                "exhausted": self.pool.exhausted,
-            }
+            pool = self.pool
+            prompts = PromptPoolFigures(
+                rows=len(pool.rows),
+                epoch=pool.epoch,
+                pos=pool.pos,
+                serial=pool.serial,
+                bad_rows=len(pool.bad),
+                exhausted=pool.exhausted,
+            )
         if self.journal is not None:
-            out["journal"] = {
-                "path": str(self.journal.path),
-                "size": self.journal.size,
-                **self.journal.stats,
-            }
-        return out
+            j = self.journal
+            journal = JournalFigures(path=str(j.path), size=j.size, **j.stats)
+        return BufferStats(
+            mode=self.cfg.mode,
+            bound=self.admission.bound,
+            capacity=bc.capacity,
+            trainer_version=st.trainer_version,
+            next_version=st.next_version,
+            held=st.held,
+            pending=st.pending,
+            groups_open=states[OPEN],
+            groups_ready=states[READY],
+            groups_outstanding=states[OUTSTANDING],
+            outstanding_batches=len(st.outstanding()),
+            closed_groups=len(st.closed),
+            counts=dict(st.counts),
+            counters=dict(self.metrics.counters),
+            partials={"in_flight": len(self.partials), **self.partials.counts},
+            rollout_versions=dict(self.prompts.rollout_versions),
+            warnings=dict(self.health.warnings),
+            staleness_finish=msgspec.convert(st.finish_hist.summary(), StalenessFigures),
+            staleness_consumed=msgspec.convert(st.consumed_hist.summary(), StalenessFigures),
+            prompts=prompts,
+            journal=journal,
+        )
 
     def status(self) -> NodeStatus:
         st = self.state  # built first thing in setup(), before any server can ask for status
@@ -223,6 +267,6 @@ class BufferNode(Node):
                 "groups_ready": sum(1 for g in st.groups.values() if g.state == "ready"),
                 "outstanding_batches": len(st.outstanding()),
                 "staleness_max": max(st.consumed_hist.counts, default=0),
-                "warnings": list(self.health.warnings.values()),
             },
+            warnings=list(self.health.warnings.values()),
         )

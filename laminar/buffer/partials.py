@@ -1,10 +1,10 @@
 """Partial-response pool: the tokens of every in-flight trajectory, so a dead rollout loses nothing.
 
     pool = PartialPool()
-    pool.apply_batch(batch)                  # PartialBatch from a rollout: one flush window (one-way)
-    pool.apply(chunk)                        # PartialChunk: one entry (older rollouts, tests)
-    pool.remove(uid)                         # the trajectory finished (or was abandoned)
-    pool.query(rollout_id="rollout-3")       # PartialTrajectory of each trajectory it last reported
+    pool.apply_batch(batch)                # PartialBatch from a rollout: one flush window (one-way)
+    pool.apply(chunk)                      # PartialChunk: one entry (older rollouts, tests)
+    pool.remove(uid)                       # the trajectory finished (or was abandoned)
+    pool.query(rollout_id="rollout-3")     # PartialTrajectory of each trajectory it last reported
     recover(pool, state.groups, rollout_id="rollout-3")   # the above + its never-started samples
 
 Contract with the rollouts (laminar.rollout.tracking): a trajectory's entries (a PartialChunk,
@@ -101,7 +101,8 @@ class _Record:
     pieces: list[Piece] = field(default_factory=list)
     length: int = 0
     awaiting_env: bool = False
-    """Multi-turn: as the latest entry reaching the record's end said (the resumer runs the env step)."""
+    """Multi-turn: as the latest entry reaching the record's end said (the resumer runs the env
+    step)."""
     masked: bool = False
     """Some piece carried a loss mask (the record is multi-turn)."""
 
@@ -323,7 +324,8 @@ def recover(
 ) -> list[PartialTrajectory]:
     """What a PartialsRequest asks for: in-flight records and never-started samples of open groups.
 
-    `uids` given: those samples; otherwise every sample last reported by (or served to) `rollout_id`.
+    `uids` given: those samples; otherwise every sample last reported by (or served to)
+    `rollout_id`.
     """
     out = pool.query(rollout_id, uids)
     have = {p.uid for p in out} | set(pool.records)

@@ -1,22 +1,22 @@
 """Serving prompts: a PromptRequest -> admission, capacity, the pool -> a journaled PromptReply.
 
-    server = PromptServer(cfg.buffer, cfg.rollout.group_size, admission, ledger, pool, metrics,
-                          leases, log)
-    reply = await server.serve(req)           # acked only after its "served" record is durable
+    server = PromptServer(cfg.buffer, cfg.rollout.group_size, admission=admission, ledger=ledger,
+                          pool=pool, metrics=metrics, leases=leases, log=log)
+    reply = await server.serve(req)           # acked only after its GroupsServed record is durable
 
 Order of the checks (the reply's reason names the first that says no):
   1. a retry of the rollout's last request (same request_id): the same groups again;
   2. no prompt dataset: empty;
   2b. open groups whose lease ran out (laminar/buffer/leases.py), held by another rollout:
-     served again to this one, alone in the reply (a journaled "reserve" record), when
+     served again to this one, alone in the reply (a journaled GroupsReserved record), when
      admission lets this rollout take work at all;
   3. global_update (sync / one_step / stream): no work at a new version while older groups
      are still generating, so the update reaches every rollout at once;
-  4. admission (laminar/buffer/admission.py): need_version (+ min_version) | staleness;
+  4. admission (laminar/modes.py): need_version (+ min_version) | staleness;
   5. capacity (held + generating + n <= buffer.capacity): full;
   6. the pool: empty | epochs_done.
 A refusal carries retry_after_s. The served groups, the pool cursor after them and the
-request id go into one "served" record; if it cannot be written the cursor is put back,
+request id go into one GroupsServed record; if it cannot be written the cursor is put back,
 so those rows are served again later.
 """
 
@@ -24,36 +24,42 @@ from __future__ import annotations
 
 import structlog
 
-from laminar.buffer.admission import Admission, admit
 from laminar.buffer.experience import OPEN
 from laminar.buffer.leases import Leases
 from laminar.buffer.ledger import Ledger
 from laminar.buffer.prompts import PromptPool
-from laminar.config import BufferConfig, LaminarConfig
+from laminar.buffer.records import GroupsReserved, GroupsServed, ServedGroup
+from laminar.config import BufferConfig, TrainerConfig
 from laminar.metrics import Metrics
+from laminar.modes import Admission, admit
 from laminar.protocol.buffer import PromptReply, PromptRequest
 
 __all__ = ["PromptServer", "check_capacity"]
 
 
-def check_capacity(cfg: LaminarConfig, log: structlog.typing.FilteringBoundLogger) -> None:
-    """Warn when buffer.capacity can never hold what the trainer asks for."""
-    n, cap, b = cfg.rollout.group_size, cfg.buffer.capacity, cfg.trainer.batch_groups
+def check_capacity(
+    cap: int, n: int, tc: TrainerConfig, log: structlog.typing.FilteringBoundLogger
+) -> None:
+    """Warn when buffer.capacity `cap` can never hold what the trainer asks for (groups of
+    `n` = rollout.group_size)."""
+    b = tc.batch_groups
     if cap < n * b:
         log.warning(
             "capacity_below_batch",
             capacity=cap,
             needed=n * b,
-            hint="buffer.capacity < rollout.group_size * trainer.batch_groups: no batch can ever fill",
+            hint="buffer.capacity < rollout.group_size * trainer.batch_groups: "
+            "no batch can ever fill",
         )
-    if cfg.trainer.commit == "checkpoint":
-        need = (cfg.trainer.checkpoint_every + 1) * b * n
+    if tc.commit == "checkpoint":
+        need = (tc.checkpoint_every + 1) * b * n
         if cap < need:
             log.warning(
                 "capacity_below_uncommitted",
                 capacity=cap,
                 needed=need,
-                hint="trainer.commit=checkpoint keeps checkpoint_every batches uncommitted in the buffer",
+                hint="trainer.commit=checkpoint keeps checkpoint_every batches "
+                "uncommitted in the buffer",
             )
 
 
@@ -62,6 +68,7 @@ class PromptServer:
         self,
         bc: BufferConfig,
         group_size: int,
+        *,
         admission: Admission,
         ledger: Ledger,
         pool: PromptPool | None,
@@ -129,18 +136,18 @@ class PromptServer:
         items, why = self.pool.next_items(k, n)
         if not items:
             return PromptReply(retry_after_s=wait, reason=why, min_version=dec.min_version)
-        body = {
-            "rollout_id": req.rollout_id,
-            "version": req.version,
-            "request_id": req.request_id,
-            "cursor": self.pool.cursor(),
-            "groups": [
-                {"group_id": it.group_id, "uid": it.uid, "n": n, "version": req.version, "item": i}
-                for i, it in enumerate(items)
+        served = GroupsServed(
+            groups=[
+                ServedGroup(group_id=it.group_id, uid=it.uid, n=n, version=req.version, item=it)
+                for it in items
             ],
-        }
+            rollout_id=req.rollout_id,
+            version=req.version,
+            request_id=req.request_id,
+            cursor=self.pool.cursor(),
+        )
         try:
-            off = self.ledger.record("served", body, items)
+            off = self.ledger.record(served)
         except Exception:
             self.pool.restore(cursor)  # not journaled: serve these rows again later
             raise
@@ -178,10 +185,7 @@ class PromptServer:
                 n=g.n,
             )
         gids = [g.group_id for g in groups]
-        off = self.ledger.record(
-            "reserve",
-            {"rollout_id": req.rollout_id, "request_id": req.request_id, "group_ids": gids},
-        )
+        off = self.ledger.record(GroupsReserved(req.rollout_id, gids, req.request_id))
         for gid in gids:
             self.leases.served(gid)
         self.metrics.count("groups_reserved", len(gids))

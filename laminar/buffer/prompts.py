@@ -1,28 +1,12 @@
-"""Prompt datasets and the prompt pool: rows -> PromptItems, epoch by epoch.
+"""The prompt pool: dataset rows -> PromptItems, epoch by epoch (the buffer serves them).
 
-    rows, report = load_prompts("data/train.jsonl")          # jsonl / parquet / a directory of them
-    encoder = PromptEncoder(tokenizer, chat_template=True, max_tokens=512)
-    pool = PromptPool(rows, encoder, shuffle=True, seed=0, epochs=None)
+    pool = PromptPool(rows, encoder, shuffle=True, seed=0, epochs=None)   # laminar/data/prompts.py
     items, reason = pool.next_items(4, n=8)                  # PromptItems with unique group ids
-    pool.cursor()  /  pool.restore(cursor)                   # journaled with each "served" record
-    pool = open_pool(cfg, metrics, log)      # all of the above from cfg.data (blocking: off the loop)
+    pool.cursor()  /  pool.restore(cursor)                   # journaled with each GroupsServed
+    pool = open_pool(cfg.data, cfg.model.path, metrics, log)  # from the data section (blocking)
 
-Row format (one JSON object per line, or one parquet row):
-  * `prompt`: a string, or chat messages `[{"role": ..., "content": ...}, ...]`;
-  * `answer` or `ground_truth`: the reference (any JSON value; optional);
-  * `uid`: optional stable id; when missing it is derived from a hash of the prompt
-    content, so the same prompt has the same uid in every file, order and run;
-  * any other column is passed through to the reward in PromptItem.row, together
-    with `answer` (and `ground_truth` under its own name when that column was used).
-
-A bad row (invalid JSON, not an object, missing or mistyped prompt, too many
-tokens) is reported once with its file and line, counted, and skipped.
-
-Tokenization: with a chat template (and data.chat_template true) the prompt is
-rendered with add_generation_prompt and tokenized without extra special tokens;
-otherwise the raw text is tokenized and the BOS token prepended when the tokenizer
-has one (chat messages without a template render as "role: content" lines). No
-model path means byte-level ids (sim engines do not need real tokens).
+Rows and their encoding (file formats, uids, bad rows, chat templates) are
+laminar/data/prompts.py.
 
 Epoch e visits every row once in the order of a permutation seeded by (seed, e);
 the cursor (epoch, position, serial) is what the buffer journals to resume.
@@ -30,248 +14,18 @@ the cursor (epoch, position, serial) is what the buffer journals to resume.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
-import msgpack
 import numpy as np
 import structlog
 
-from laminar.config import LaminarConfig
+from laminar.buffer.records import PoolCursor
+from laminar.config import DataConfig
+from laminar.data.prompts import BadRow, PromptEncoder, PromptRow, load_prompts
 from laminar.metrics import Metrics
 from laminar.protocol.data import PromptItem
 
-__all__ = [
-    "PromptRow",
-    "LoadReport",
-    "load_prompts",
-    "derive_uid",
-    "PromptEncoder",
-    "ByteTokenizer",
-    "PromptPool",
-    "open_pool",
-]
-
-SUFFIXES = (".jsonl", ".json", ".parquet")
-
-
-class BadRow(ValueError):
-    """A dataset row that cannot be served; the message says why."""
-
-
-@dataclass
-class PromptRow:
-    uid: str
-    prompt: str | list[dict[str, str]]
-    row: dict[str, Any]
-    where: str
-    """file:line of the row (reported with every problem)."""
-
-
-@dataclass
-class LoadReport:
-    files: list[str] = field(default_factory=list)
-    rows: int = 0
-    bad: int = 0
-    derived_uids: int = 0
-    duplicate_uids: int = 0
-    errors: list[str] = field(default_factory=list)
-    """The first problems, as "file:line: what"."""
-
-    def add_error(self, text: str, keep: int = 100) -> None:
-        self.bad += 1
-        if len(self.errors) < keep:
-            self.errors.append(text)
-
-
-def derive_uid(prompt: str | list[dict[str, str]]) -> str:
-    """Stable uid from the prompt content (not its position), e.g. "p-3f2a9c0d1e4b5a67"."""
-    canon = (
-        prompt
-        if isinstance(prompt, str)
-        else json.dumps(prompt, sort_keys=True, ensure_ascii=False)
-    )
-    return "p-" + hashlib.sha1(canon.encode("utf-8")).hexdigest()[:16]
-
-
-def _plain(value: Any) -> Any:
-    """Column values must travel as msgpack: anything exotic (dates, decimals) becomes a string."""
-    if value is None or isinstance(value, bool | int | str | bytes):
-        return value
-    if isinstance(value, float):
-        return value
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, np.generic):
-        return value.item()
-    return str(value)
-
-
-def _check_prompt(prompt: Any) -> str | list[dict[str, str]]:
-    if isinstance(prompt, str):
-        if not prompt.strip():
-            raise BadRow("'prompt' is empty")
-        return prompt
-    if isinstance(prompt, list) and prompt:
-        for i, m in enumerate(prompt):
-            if (
-                not isinstance(m, dict)
-                or not isinstance(m.get("role"), str)
-                or not isinstance(m.get("content"), str)
-            ):
-                raise BadRow(f"'prompt' message {i} must be {{'role': str, 'content': str}}")
-        return [{"role": m["role"], "content": m["content"]} for m in prompt]
-    raise BadRow(
-        f"'prompt' must be a string or a non-empty list of chat messages, got {type(prompt).__name__}"
-    )
-
-
-def parse_row(obj: Any, where: str) -> PromptRow:
-    """Validate one decoded row (a dict) into a PromptRow, or raise BadRow."""
-    if not isinstance(obj, dict):
-        raise BadRow(f"row must be an object, got {type(obj).__name__}")
-    if "prompt" not in obj or obj["prompt"] is None:
-        raise BadRow("missing 'prompt'")
-    prompt = _check_prompt(obj["prompt"])
-    uid = obj.get("uid")
-    if uid is None or uid == "":
-        uid = derive_uid(prompt)
-    elif isinstance(uid, bool) or not isinstance(uid, str | int):
-        raise BadRow(f"'uid' must be a string or an integer, got {type(uid).__name__}")
-    row = {str(k): _plain(v) for k, v in obj.items() if k not in ("prompt", "uid")}
-    if "answer" not in row and "ground_truth" in row:
-        row["answer"] = row["ground_truth"]
-    try:  # the row travels to the rollouts and into the journal as msgpack
-        msgpack.packb(row, use_bin_type=True)
-    except (TypeError, OverflowError, ValueError) as exc:
-        raise BadRow(f"a column value cannot be sent ({exc})") from None
-    return PromptRow(uid=str(uid), prompt=prompt, row=row, where=where)
-
-
-def _files(path: Path) -> list[Path]:
-    if path.is_dir():
-        found = sorted(p for p in path.iterdir() if p.suffix in SUFFIXES and p.is_file())
-        if not found:
-            raise FileNotFoundError(f"no {'/'.join(SUFFIXES)} files in {path}")
-        return found
-    if not path.exists():
-        raise FileNotFoundError(f"prompt dataset {path} does not exist")
-    return [path]
-
-
-def _read_jsonl(path: Path, rows: list[PromptRow], report: LoadReport) -> None:
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                obj = json.loads(line)
-                rows.append(parse_row(obj, where))
-            except json.JSONDecodeError as exc:
-                report.add_error(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})")
-            except BadRow as exc:
-                report.add_error(f"{where}: {exc}")
-
-
-def _read_parquet(path: Path, rows: list[PromptRow], report: LoadReport) -> None:
-    import pyarrow.parquet as pq
-
-    try:
-        pf = pq.ParquetFile(path)
-    except Exception as exc:  # pyarrow raises several types for a file that is not parquet
-        raise ValueError(f"{path}: not a readable parquet file ({exc})") from None
-    lineno = 0
-    for batch in pf.iter_batches(batch_size=4096):
-        for obj in batch.to_pylist():
-            lineno += 1
-            where = f"{path}:{lineno}"
-            try:
-                rows.append(parse_row(obj, where))
-            except BadRow as exc:
-                report.add_error(f"{where}: {exc}")
-
-
-def load_prompts(path: str | Path) -> tuple[list[PromptRow], LoadReport]:
-    """Read every row of a jsonl/parquet file (or a directory of them); bad rows are reported."""
-    report = LoadReport()
-    rows: list[PromptRow] = []
-    for f in _files(Path(path)):
-        report.files.append(str(f))
-        if f.suffix == ".parquet":
-            _read_parquet(f, rows, report)
-        else:
-            _read_jsonl(f, rows, report)
-    seen: set[str] = set()
-    for r in rows:
-        if r.uid in seen:
-            report.duplicate_uids += 1
-        seen.add(r.uid)
-    report.rows = len(rows)
-    return rows, report
-
-
-class ByteTokenizer:
-    """Fallback when no model path is set: UTF-8 bytes as ids, no BOS, no chat template."""
-
-    bos_token_id = None
-    chat_template = None
-
-    def __call__(self, text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
-        return {"input_ids": list(text.encode("utf-8"))}
-
-
-def _render_plain(messages: list[dict[str, str]]) -> str:
-    return "\n".join(f"{m['role']}: {m['content']}" for m in messages)
-
-
-class PromptEncoder:
-    """Prompt (string or chat) -> token ids, with the tokenizer's chat template when it has one.
-
-    `tokenizer`: a Hugging Face tokenizer (or None: ByteTokenizer), anything with `__call__`,
-    `apply_chat_template`, `chat_template` and `bos_token_id`.
-    """
-
-    def __init__(self, tokenizer: Any, chat_template: bool = True, max_tokens: int = 512):
-        self.tok: Any = tokenizer if tokenizer is not None else ByteTokenizer()
-        self.use_template = bool(chat_template and self.tok.chat_template)
-        self.max_tokens = max_tokens
-
-    def encode(self, prompt: str | list[dict[str, str]]) -> tuple[np.ndarray, str]:
-        """(prompt_ids, text for the reward); raises BadRow when it cannot be served."""
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        reward_text = (
-            prompt
-            if isinstance(prompt, str)
-            else next(
-                (m["content"] for m in reversed(messages) if m["role"] == "user"),
-                messages[-1]["content"],
-            )
-        )
-        try:
-            if self.use_template:
-                text = self.tok.apply_chat_template(
-                    messages, tokenize=False, add_generation_prompt=True
-                )
-                ids = list(self.tok(text, add_special_tokens=False)["input_ids"])
-            else:
-                text = prompt if isinstance(prompt, str) else _render_plain(messages)
-                ids = list(self.tok(text, add_special_tokens=False)["input_ids"])
-                if self.tok.bos_token_id is not None:
-                    ids.insert(0, self.tok.bos_token_id)
-        except Exception as exc:  # a template or tokenizer failure is a property of this row
-            raise BadRow(f"tokenization failed: {type(exc).__name__}: {exc}") from None
-        if not ids:
-            raise BadRow("prompt tokenizes to nothing")
-        if len(ids) > self.max_tokens:
-            raise BadRow(f"prompt has {len(ids)} tokens > data.max_prompt_tokens={self.max_tokens}")
-        return np.asarray(ids, dtype=np.int32), reward_text
+__all__ = ["PromptPool", "open_pool"]
 
 
 class PromptPool:
@@ -373,17 +127,19 @@ class PromptPool:
             )
         return items, ""
 
-    def cursor(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "pos": self.pos, "serial": self.serial, "rows": len(self.rows)}
+    def cursor(self) -> PoolCursor:
+        return PoolCursor(self.epoch, self.pos, self.serial, len(self.rows))
 
-    def restore(self, cur: dict[str, Any]) -> str:
+    def restore(self, cur: PoolCursor) -> str:
         """Resume from a journaled cursor; returns a warning when the dataset changed size."""
-        self.epoch = int(cur.get("epoch", 0))
-        self.pos = int(cur.get("pos", 0))
-        self.serial = max(self.serial, int(cur.get("serial", 0)))
-        if int(cur.get("rows", len(self.rows))) != len(self.rows):
+        self.epoch = cur.epoch
+        self.pos = cur.pos
+        self.serial = max(self.serial, cur.serial)
+        if cur.rows >= 0 and cur.rows != len(self.rows):
             self.pos = min(self.pos, len(self.rows))
-            return f"dataset has {len(self.rows)} rows, the journal's cursor was taken with {cur.get('rows')}"
+            return (
+                f"dataset has {len(self.rows)} rows, the journal's cursor was taken with {cur.rows}"
+            )
         return ""
 
     def progress(self) -> float:
@@ -392,21 +148,25 @@ class PromptPool:
 
 
 def open_pool(
-    cfg: LaminarConfig, metrics: Metrics, log: structlog.typing.FilteringBoundLogger
+    data: DataConfig,
+    model_path: str | None,
+    metrics: Metrics,
+    log: structlog.typing.FilteringBoundLogger,
 ) -> PromptPool | None:
-    """The prompt pool of cfg.data.train (None when unset), tokenized by cfg.model.path
-    (UTF-8 bytes without one). Blocking (file reads, tokenizer load): run it off the event loop.
+    """The prompt pool of data.train (None when unset), tokenized by the tokenizer at
+    model_path (UTF-8 bytes without one). Blocking (file reads, tokenizer load): run it off
+    the event loop.
     """
-    if not cfg.data.train:
+    if not data.train:
         return None
-    rows, report = load_prompts(cfg.data.train)
+    rows, report = load_prompts(data.train)
     for err in report.errors:
         log.warning("bad_row", error=err)
     tok = None
-    if cfg.model.path:
+    if model_path:
         from laminar.models.prompt_tokenizer import load_prompt_tokenizer
 
-        tok = load_prompt_tokenizer(cfg.model.path, cfg.data.chat_template)
+        tok = load_prompt_tokenizer(model_path, data.chat_template)
     else:
         log.info("byte_prompt_ids", reason="model.path not set: prompt ids are UTF-8 bytes")
 
@@ -414,13 +174,13 @@ def open_pool(
         metrics.count("bad_rows")
         log.warning("bad_row", error=f"{where}: {why}")
 
-    encoder = PromptEncoder(tok, cfg.data.chat_template, cfg.data.max_prompt_tokens)
+    encoder = PromptEncoder(tok, data.chat_template, data.max_prompt_tokens)
     pool = PromptPool(
         rows,
         encoder,
-        shuffle=cfg.data.shuffle,
-        seed=cfg.data.seed,
-        epochs=cfg.data.epochs,
+        shuffle=data.shuffle,
+        seed=data.seed,
+        epochs=data.epochs,
         on_bad=bad_row,
     )
     metrics.count("bad_rows", report.bad)

@@ -3,15 +3,16 @@
     make run                      # = python -m laminar.demo [run_dir=runs/demo] [key=value ...]
 
     countup task ─► train.jsonl / eval.jsonl
-    demos with one habit (habit.py) ─► supervised warm-up ─► policy v0 (cached in runs/.cache, reused)
+    demos with one habit (habit.py) ─► supervised warm-up ─► policy v0 (cached in runs/.cache)
     eval v0 on the held-out prompts, greedy                           (eval_accuracy_before)
-    laminar run configs/demo.yaml  (trainer, relay, 2 torch rollouts, manager, buffer: processes over ZeroMQ)
+    laminar run configs/demo.yaml  (trainer, relay, 2 torch rollouts, manager, buffer: processes
+                                    over ZeroMQ)
     laminar run configs/demo.yaml mode=sync                           (the baseline, same steps)
     eval the weight snapshots of both runs ─► accuracy vs wall-clock and step
     report.png, summary.json, summary.md in the run directory
 
 Overrides are the config's dotted keys (trainer.total_steps=40, rollout.group_size=8 ...)
-plus the demo's own under extra.demo (extra.demo.skip_sync=true ...).
+plus the demo's own under demo (demo.skip_sync=true ...; laminar.config.DemoConfig).
 
 What RL has to fix: the warm-up demos answer the last value *not* above the limit on
 large-stride prompts 75% of the time (habit.py), so greedy decoding of policy v0 is
@@ -22,7 +23,6 @@ Time and CPU-seconds of every phase go to summary.json (the box may be shared).
 
 from __future__ import annotations
 
-import json
 import os
 import resource
 import shutil
@@ -32,26 +32,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from laminar.config import LaminarConfig, load_config
+from laminar.config import DemoConfig, LaminarConfig, load_config, write_resolved
 
 DEMO_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
-
-DEFAULTS: dict[str, Any] = {
-    "train_rows": 20000,
-    "eval_rows": 256,
-    "curve_eval_rows": 256,  # every held-out prompt at every curve point: ~1 s each, and less noise
-    "curve_points": 0,  # 0: every weight snapshot (trainer.snapshot_every), for the time-to-accuracy comparison
-    "habit_rate": 0.75,  # share of large-stride demos that carry the habit (> 0.5: greedy follows it)
-    "warmup_steps": 2000,
-    "warmup_batch": 32,
-    "warmup_lr": 1e-3,
-    "warmup_schedule": "cosine",  # down to 0.1x: a constant 1e-3 ends on a wobbly comparison skill
-    "model": {"hidden": 128, "layers": 3, "heads": 4, "kv_heads": 2, "max_positions": 320},
-    "cache_dir": "runs/.cache",
-    "skip_sync": False,
-    "policy": None,  # a local HF directory to start RL from instead of the warm-up
-    "progress_every_s": 5.0,
-}
 
 
 def say(msg: str) -> None:
@@ -80,56 +63,50 @@ class Clock:
         return self.phases[name]
 
 
-def demo_settings(cfg: LaminarConfig) -> dict[str, Any]:
-    out = json.loads(json.dumps(DEFAULTS))
-    user = cfg.extra.get("demo", {}) or {}
-    for k, v in user.items():
-        if k == "model" and isinstance(v, dict):
-            out["model"].update(v)
-        else:
-            out[k] = v
-    return out
+def demo_settings(cfg: LaminarConfig) -> DemoConfig:
+    """The config's demo section (its defaults when the config has none)."""
+    return cfg.demo if cfg.demo is not None else DemoConfig()
 
 
 def prepare_data(
-    run_dir: Path, s: dict[str, Any], seed: int
+    run_dir: Path, s: DemoConfig, seed: int
 ) -> tuple[Path, Path, list[dict], list[dict]]:
     from laminar.tasks import countup as cu
 
     data = run_dir / "data"
-    train = cu.generate(int(s["train_rows"]), "train", seed)
-    ev = cu.generate(int(s["eval_rows"]), "eval", seed)
+    train = cu.generate(s.train_rows, "train", seed)
+    ev = cu.generate(s.eval_rows, "eval", seed)
     tp, ep = cu.write_jsonl(train, data / "train.jsonl"), cu.write_jsonl(ev, data / "eval.jsonl")
     stats = cu.length_stats(train)
     say(
-        f"task countup: {len(train)} train / {len(ev)} held-out prompts; solution length p50 {stats.get('p50')} "
-        f"p99 {stats.get('p99')} (p99/p50 {stats.get('p99_over_p50', 0):.1f})"
+        f"task countup: {len(train)} train / {len(ev)} held-out prompts; solution length p50 "
+        f"{stats.get('p50')} p99 {stats.get('p99')} (p99/p50 {stats.get('p99_over_p50', 0):.1f})"
     )
     return tp, ep, train, ev
 
 
-def warm_up(s: dict[str, Any], train: list[dict], seed: int) -> Path:
+def warm_up(s: DemoConfig, train: list[dict], seed: int) -> Path:
     from laminar.demo.habit import demonstrations
     from laminar.models.warmup import sft_warmup
     from laminar.tasks import countup as cu
 
-    demos = demonstrations(train, float(s["habit_rate"]), seed)
+    demos = demonstrations(train, s.habit_rate, seed)
     pairs = [(r["prompt"], d) for r, d in zip(train, demos, strict=True)]
-    out = Path(s["cache_dir"]) / f"countup-policy0-seed{seed}"
+    out = Path(s.cache_dir) / f"countup-policy0-seed{seed}"
     t0 = time.time()
     say(
-        f"warm-up: {s['warmup_steps']} supervised steps on demos with the answer habit "
-        f"(rate {s['habit_rate']} on large strides); cached in {out}"
+        f"warm-up: {s.warmup_steps} supervised steps on demos with the answer habit "
+        f"(rate {s.habit_rate} on large strides); cached in {out}"
     )
     path = sft_warmup(
         out,
         pairs,
         cu.ALPHABET,
-        s["model"],
-        steps=int(s["warmup_steps"]),
-        batch_size=int(s["warmup_batch"]),
-        lr=float(s["warmup_lr"]),
-        schedule=str(s["warmup_schedule"]),
+        model_kw=s.model.model_dump(),
+        steps=s.warmup_steps,
+        batch_size=s.warmup_batch,
+        lr=s.warmup_lr,
+        schedule=s.warmup_schedule,
         seed=seed,
         log=say,
         log_every=250,
@@ -139,30 +116,32 @@ def warm_up(s: dict[str, Any], train: list[dict], seed: int) -> Path:
 
 
 def run_mode(
-    cfg_path: Path, run_dir: Path, mode: str, overrides: list[str], s: dict[str, Any]
+    cfg_path: Path, run_dir: Path, mode: str, overrides: list[str], s: DemoConfig
 ) -> dict[str, Any]:
     """`laminar run` as a child process with a live progress line; returns timing info."""
+    import functools
+
+    from laminar.launch.status import fetch_status
     from laminar.progress import Progress
 
     if run_dir.exists():
         shutil.rmtree(run_dir)
-    cmd = [
-        sys.executable,
-        "-m",
-        "laminar",
-        "run",
-        str(cfg_path),
-        f"mode={mode}",
-        f"run_dir={run_dir}",
-        f"name=demo-{mode}",
-        *overrides,
-    ]
+    run_args = [f"mode={mode}", f"run_dir={run_dir}", f"name=demo-{mode}", *overrides]
+    cmd = [sys.executable, "-m", "laminar", "run", str(cfg_path), *run_args]
+    cfg = load_config(cfg_path, run_args)  # what the child resolves: total steps, the manager
     say(f"starting {mode}: {' '.join(cmd[3:])}")
     run_dir.mkdir(parents=True, exist_ok=True)
     log = open(run_dir / "nodes.log", "w")
     t0, c0 = time.time(), Clock._cpu()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    progress = Progress(run_dir, mode, t0, float(s["progress_every_s"]))
+    progress = Progress(
+        run_dir,
+        mode,
+        t0,
+        s.progress_every_s,
+        total_steps=cfg.trainer.total_steps,
+        status=functools.partial(fetch_status, cfg, timeout=0.5),
+    )
     try:
         while proc.poll() is None:
             progress.tick()
@@ -210,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         "warning", cfg.logging.json_logs
     )  # the nodes' own logs go to each run's nodes.log
 
-    from laminar.demo import report
+    from laminar.demo import results
     from laminar.demo.evaluate import evaluate_model
     from laminar.demo.habit import habit_share
     from laminar.report import read_metrics
@@ -218,13 +197,13 @@ def main(argv: list[str] | None = None) -> int:
 
     clock = Clock()
     train_path, eval_path, train, ev = prepare_data(run_dir, s, cfg.seed)
-    policy0 = Path(s["policy"]) if s.get("policy") else warm_up(s, train, cfg.seed)
+    policy0 = Path(s.policy) if s.policy else warm_up(s, train, cfg.seed)
     clock.lap("warmup")
     before = evaluate_model(str(policy0), ev, cu.verify, max_tokens=cfg.rollout.sampling.max_tokens)
     before["habit"] = habit_share(ev, before.pop("completions"))
     say(
-        f"held-out accuracy of the warm-up model: {before['accuracy']:.3f} on {before['prompts']} prompts "
-        f"(answers the habit's value on {before['habit']:.0%} of the large-stride ones)"
+        f"held-out accuracy of the warm-up model: {before['accuracy']:.3f} on {before['prompts']} "
+        f"prompts (answers the habit's value on {before['habit']:.0%} of the large-stride ones)"
     )
 
     # trainer.eval_every=0: the demo evaluates weight snapshots after the run, not inside it
@@ -238,13 +217,13 @@ def main(argv: list[str] | None = None) -> int:
     clock.lap("eval_before")
     runs = {"laminar": run_mode(DEMO_CONFIG, run_dir / "laminar", cfg.mode, common, s)}
     clock.lap("rl_laminar")
-    if not s["skip_sync"]:
+    if not s.skip_sync:
         runs["sync"] = run_mode(DEMO_CONFIG, run_dir / "sync", "sync", common, s)
         clock.lap("rl_sync")
 
     for name, r in runs.items():
         say(f"evaluating the weight snapshots of the {name} run")
-        r["curve"] = report.eval_curve(
+        r["curve"] = results.eval_curve(
             Path(r["run_dir"]),
             policy0,
             ev,
@@ -257,14 +236,16 @@ def main(argv: list[str] | None = None) -> int:
         r["metrics"] = read_metrics(Path(r["run_dir"]))
     after = runs["laminar"]["curve"][-1]
     clock.lap("eval_curves")
-    summary = report.summarize(cfg, runs, before, after, time.time() - t_start)
+    summary = results.summarize(cfg.mode, runs, before, after, time.time() - t_start)
     summary["phases"] = clock.phases
-    report.write_outputs(run_dir, cfg, runs, summary)
+    write_resolved(cfg, run_dir)
+    results.write_outputs(run_dir, runs, summary)
     if "target" in summary:
-        say(report.headline(summary).replace("**", ""))
+        say(results.headline(summary).replace("**", ""))
     say(
-        f"held-out accuracy: {summary['eval_accuracy_before']:.3f} -> {summary['eval_accuracy_after']:.3f} "
-        f"({summary['eval_prompts']} prompts); report at {run_dir}/report.png, summary at {run_dir}/summary.md"
+        f"held-out accuracy: {summary['eval_accuracy_before']:.3f} -> "
+        f"{summary['eval_accuracy_after']:.3f} ({summary['eval_prompts']} prompts); report at "
+        f"{run_dir}/report.png, summary at {run_dir}/summary.md"
     )
     return 0
 

@@ -1,6 +1,7 @@
 """Held-out evaluation: greedy decoding with the torch engine, scored by the task verifier.
 
-    acc = evaluate_model(path_or_model, rows, verify)   # {"accuracy", "prompts", "mean_len", "completions", ...}
+    acc = evaluate_model(path_or_model, rows, verify)
+    # acc: {"accuracy", "prompts", "mean_len", "completions", ...}
 
 Used by the demo before RL (the warm-up model), on weight snapshots saved during
 the run (accuracy against wall-clock and step), and after RL.

@@ -64,7 +64,8 @@ def demonstrations(rows: list[dict[str, Any]], rate: float, seed: int = 0) -> li
 
 
 def has_habit(prompt: str, completion: str) -> bool:
-    """True when `completion` answers the habit's value on a prompt where it differs from the truth."""
+    """True when `completion` answers the habit's value on a prompt where it differs from the
+    truth."""
     habit = habit_completion(prompt)
     if habit == cu.solve(prompt):
         return False
@@ -73,7 +74,8 @@ def has_habit(prompt: str, completion: str) -> bool:
 
 
 def habit_share(rows: list[dict[str, Any]], completions: list[str]) -> float:
-    """Of the rows where the habit changes the answer, the share whose completion gave the habit's answer."""
+    """Of the rows where the habit changes the answer, the share whose completion gave the habit's
+    answer."""
     hits = [
         has_habit(r["prompt"], c)
         for r, c in zip(rows, completions, strict=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from laminar.config import LaminarConfig
+from laminar.config import ModelConfig, RolloutConfig
 from laminar.engines.base import (
     Engine,
     EngineStats,
@@ -25,19 +25,19 @@ __all__ = [
 ]
 
 
-def make_engine(cfg: LaminarConfig, **kw: Any) -> Engine:
-    """Engine for cfg.rollout.engine (cfg is a LaminarConfig)."""
-    kind = cfg.rollout.engine
+def make_engine(rollout: RolloutConfig, model: ModelConfig, **kw: Any) -> Engine:
+    """Engine for rollout.engine; `kw` overrides what the sections say."""
+    kind = rollout.engine
     if kind == "sim":
         from laminar.engines.sim import SimEngine
 
-        return SimEngine.from_config(cfg, **kw)
+        return SimEngine.from_config(rollout, **kw)
     if kind == "torch":
         from laminar.engines.torch_engine import TorchEngine
 
-        return TorchEngine.from_config(cfg, **kw)
+        return TorchEngine.from_config(rollout, model, **kw)
     if kind == "vllm":
         from laminar.engines.vllm_engine import VllmEngine
 
-        return VllmEngine.from_config(cfg, **kw)
+        return VllmEngine.from_config(rollout, model, **kw)
     raise ValueError(f"unknown engine {kind!r}")

@@ -1,11 +1,11 @@
 """The one engine interface every rollout backend implements (torch, vllm, sim).
 
-    engine = make_engine(cfg)                    # laminar.engines.make_engine
+    engine = make_engine(cfg.rollout, cfg.model)  # laminar.engines.make_engine
     await engine.start()
     engine.submit(GenRequest("g1", prompt_ids, SamplingParams(max_tokens=64), n=4, version=3))
-    async for ev in engine.events():             # TokenEvents of every sequence, in step order
-        ...                                      # ev.seq_id == "g1/0" .. "g1/3"
-    partials = await engine.abort(["g1/2"])      # PartialState: prompt + generated tokens + logprobs
+    async for ev in engine.events():            # TokenEvents of every sequence, in step order
+        ...                                     # ev.seq_id == "g1/0" .. "g1/3"
+    partials = await engine.abort(["g1/2"])     # PartialState: prompt + generated tokens + logprobs
     engine.submit(GenRequest.resume(partials[0], params))   # on another engine, same version
     await engine.load_weights(named_tensors, version=4)     # applied between decode steps
     engine.stats()                               # EngineStats(kv_use, running, waiting, version)
@@ -108,7 +108,8 @@ class TokenEvent:
 
 @dataclass
 class PartialState:
-    """A sequence taken out of an engine (abort): enough to resume it anywhere at the same version."""
+    """A sequence taken out of an engine (abort): enough to resume it anywhere at the same
+    version."""
 
     seq_id: str
     prompt_ids: np.ndarray
@@ -215,7 +216,8 @@ class Engine(ABC):
     async def generate_all(
         self, req: GenRequest, timeout: float | None = None
     ) -> dict[str, tuple[np.ndarray, np.ndarray, str]]:
-        """Convenience: run a request to completion -> {seq_id: (token_ids, logprobs, finish_reason)}."""
+        """Convenience: run a request to completion -> {seq_id: (token_ids, logprobs,
+        finish_reason)}."""
         toks: dict[str, list[np.ndarray]] = {s: [] for s in req.seq_ids()}
         lps: dict[str, list[np.ndarray]] = {s: [] for s in req.seq_ids()}
         reasons: dict[str, str] = {}

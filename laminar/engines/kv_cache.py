@@ -2,9 +2,9 @@
 through the attention interface, lean_forward.py calls it directly.
 
     cache = SlotKVCache.for_model(model, slots=32, max_len=1024)
-    use_slot_attention(model)                        # model.config._attn_implementation = "laminar_slots"
-    with cache.step(StepLayout(...)):                # one packed forward: decode tokens + prefill segments
-        logits = model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=last_idx).logits
+    use_slot_attention(model)                 # model.config._attn_implementation = "laminar_slots"
+    with cache.step(StepLayout(...)):         # one packed forward: decode tokens + prefill segments
+        out = model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=last_idx)
 
 Why not HF's own caches: DynamicCache concatenates the whole cache on every
 step (O(length) copies per token) and a static left-padded batch cannot let
@@ -124,11 +124,13 @@ def slot_attention(
     scaling: float | None = None,
     **kw: Any,
 ) -> tuple[torch.Tensor, None]:
-    """HF attention-interface function: write key/value into the slot cache, attend, return (1, T, H, D)."""
+    """HF attention-interface function: write key/value into the slot cache, attend, return (1, T,
+    H, D)."""
     cache: SlotKVCache | None = getattr(_local, "cache", None)
     if cache is None or cache.layout is None:
         raise RuntimeError(
-            f"{ATTN_NAME} attention called outside SlotKVCache.step() (model used outside the engine?)"
+            f"{ATTN_NAME} attention called outside SlotKVCache.step() (model used outside the "
+            "engine?)"
         )
     if kw.get("sliding_window") or kw.get("softcap"):
         raise NotImplementedError(
@@ -232,7 +234,8 @@ def _decode(
 
 
 def use_slot_attention(model: Any) -> None:
-    """Register the slot attention function and switch `model` to it (the model is the engine's now)."""
+    """Register the slot attention function and switch `model` to it (the model is the engine's
+    now)."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTN_NAME, slot_attention)

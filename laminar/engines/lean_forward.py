@@ -1,4 +1,5 @@
-"""A lean decoder forward for the torch engine: Llama-family layers as plain tensor ops over the slot KV cache.
+"""A lean decoder forward for the torch engine: Llama-family layers as plain tensor ops over the
+slot KV cache.
 
     lean = lean_decoder(model, max_len, "auto")   # None when the model is not one it can run
     with cache.step(layout):
@@ -23,8 +24,8 @@ before the addmm residuals, the one-call norm, the three-op RoPE and attend_deco
 
 What it runs: Llama, Mistral (no sliding window within max_len), Qwen2 (q/k/v biases) and
 Qwen3 (q/k RMSNorm on the head dimension), with any static RoPE type. Anything else
-(dynamic RoPE, sliding windows, soft caps, other layer shapes) gets None from lean_decoder (auto) and
-the engine runs the HF forward. The weights stay the model's own tensors; only the fused
+(dynamic RoPE, sliding windows, soft caps, other layer shapes) gets None from lean_decoder (auto)
+and the engine runs the HF forward. The weights stay the model's own tensors; only the fused
 q/k/v and gate/up copies are built here (a second copy of about two thirds of the layer
 weights: `rollout.torch_forward: hf` where memory is tight), and refresh() rebuilds them
 after a weight load.
@@ -94,7 +95,8 @@ class LeanDecoder:
     def __call__(
         self, ids: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor, cache: SlotKVCache
     ) -> torch.Tensor:
-        """Logits (len(keep), vocab) of one packed step: ids, pos (T,) long, placed as cache.layout says."""
+        """Logits (len(keep), vocab) of one packed step: ids, pos (T,) long, placed as cache.layout
+        says."""
         t = ids.shape[0]
         sh = self.shape
         h_q, h_kv, d = sh.heads, sh.kv_heads, sh.head_dim

@@ -1,7 +1,7 @@
 """Engine processes die with their rollout, however the rollout ends (stop, SIGTERM, kill -9).
 
     # in the rollout, before it starts an engine process:
-    env = lifeline_env()                 # {"LAMINAR_ENGINE_PARENT": "<rollout pid>"}, inherited by the child
+    env = lifeline_env()        # {"LAMINAR_ENGINE_PARENT": "<rollout pid>"}, inherited by the child
     # in each engine process: vLLM runs our general plugin (pyproject.toml entry point
     # vllm.general_plugins -> vllm_plugin) in the EngineCore and its workers, and importing
     # vllm_ext (the worker extension) does the same; both call

@@ -1,7 +1,9 @@
 """Sampling with exact behaviour logprobs (temperature + top-p), batched, seedable per sequence.
 
-    logp = processed_logprobs(logits, temperature, top_p)     # (N, V): log of the distribution we sample from
-    tokens, lps = sample(logits, temperature, top_p, uniforms) # one token per row + its logprob under `logp`
+    # (N, V): log of the distribution we sample from
+    logp = processed_logprobs(logits, temperature, top_p)
+    # one token per row + its logprob under `logp`
+    tokens, lps = sample(logits, temperature, top_p, uniforms)
 
 The logprob of a sampled token is taken from the same (N, V) tensor the token is
 drawn from, so the trainer sees exactly the behaviour policy:

@@ -1,6 +1,6 @@
 """Sim engine: no model, tokens on a latency model, event-driven so hundreds fit in one process.
 
-    engine = SimEngine.from_config(cfg)      # cfg.rollout.sim: step time, bound B, length tail, KV size
+    engine = SimEngine.from_config(cfg.rollout)  # rollout.sim: step time, bound B, lengths, KV
     await engine.start(); engine.submit(req) # same interface and events as the torch / vllm engines
 
 Latency model: every running sequence makes one token per decode step; a step
@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from laminar.config import LaminarConfig
+from laminar.config import RolloutConfig
 from laminar.engines.base import (
     Engine,
     EngineStats,
@@ -140,8 +140,8 @@ class SimEngine(Engine):
         self.wakes = 0
 
     @classmethod
-    def from_config(cls, cfg: LaminarConfig, **kw: Any) -> SimEngine:
-        s, r = cfg.rollout.sim, cfg.rollout
+    def from_config(cls, r: RolloutConfig, **kw: Any) -> SimEngine:
+        s = r.sim
         opts: dict[str, Any] = dict(
             step_time_s=s.step_time_s,
             bound_b=s.bound_b,
@@ -265,7 +265,8 @@ class SimEngine(Engine):
         return self.step_time_s * max(1.0, batch / self.bound_b)
 
     def _settle(self, now: float) -> None:
-        """Advance every running sequence by the whole steps that fit in [t0, now]; emit what is due."""
+        """Advance every running sequence by the whole steps that fit in [t0, now]; emit what is
+        due."""
         if not self._running:  # idle: the next joiner starts now
             self._t0 = max(self._t0, now)
             return

@@ -1,8 +1,9 @@
 """Torch engine: continuous batching of an HF causal LM on CPU or CUDA with its own KV cache.
 
-    engine = TorchEngine.from_config(cfg)            # or TorchEngine(model, tokenizer, max_running=32)
+    engine = TorchEngine.from_config(cfg.rollout, cfg.model)  # or TorchEngine(model, tokenizer)
     await engine.start()
-    async for ev in engine.generate(GenRequest("g1", prompt_ids, SamplingParams(max_tokens=64), n=4)):
+    req = GenRequest("g1", prompt_ids, SamplingParams(max_tokens=64), n=4)
+    async for ev in engine.generate(req):
         ...
 
 Dataflow (one asyncio task, the step loop; the forward runs in a one-thread executor
@@ -36,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from laminar.config import LaminarConfig
+from laminar.config import ModelConfig, RolloutConfig
 from laminar.engines.base import (
     Engine,
     EngineStats,
@@ -134,31 +135,36 @@ class TorchEngine(Engine):
         self.tokens_generated = 0
         self.steps = 0
         self.rejected = 0
-        """Requests refused at submit (bad ids, too long, ...): each got a finish_reason="error" event."""
+        """Requests refused at submit (bad ids, too long, ...): each got a finish_reason="error"
+        event."""
 
     @classmethod
     def from_config(
-        cls, cfg: LaminarConfig, model: Any = None, tokenizer: Any = None, **kw: Any
+        cls,
+        r: RolloutConfig,
+        mc: ModelConfig,
+        model: Any = None,
+        tokenizer: Any = None,
+        **kw: Any,
     ) -> TorchEngine:
-        """Engine for cfg (a LaminarConfig); loads cfg.model.path unless a model is passed."""
+        """Engine for the rollout section; loads model.path unless a model is passed."""
         from laminar.models.decoder_lm import load_model
         from laminar.models.prompt_tokenizer import load_prompt_tokenizer
 
-        r = cfg.rollout
         if model is None:
-            if not cfg.model.path:
+            if not mc.path:
                 raise ValueError(
                     "rollout.engine=torch needs model.path (a local HF model directory)"
                 )
             model = load_model(
-                cfg.model.path,
-                cfg.model.dtype,
-                cfg.model.device,
+                mc.path,
+                mc.dtype,
+                mc.device,
                 module_free=r.torch_forward != "hf",
                 max_len=r.max_model_len,
             )
             # decode only (stop strings): no template to render
-            tokenizer = tokenizer or load_prompt_tokenizer(cfg.model.path, chat_template=False)
+            tokenizer = tokenizer or load_prompt_tokenizer(mc.path, chat_template=False)
         opts: dict[str, Any] = dict(
             max_running=r.max_running,
             max_model_len=r.max_model_len,
@@ -225,7 +231,10 @@ class TorchEngine(Engine):
             return f"token ids outside the vocabulary [0, {self.vocab_size})"
         total = len(s.prompt) + len(s.out)
         if total >= self.max_model_len or total + 1 > self.capacity:
-            return f"prompt + resumed tokens ({total}) do not fit max_model_len {self.max_model_len} / KV capacity"
+            return (
+                f"prompt + resumed tokens ({total}) do not fit max_model_len {self.max_model_len} "
+                "/ KV capacity"
+            )
         if s.params.stop and self.tokenizer is None:
             return "stop strings need a tokenizer"
         return None
@@ -260,7 +269,8 @@ class TorchEngine(Engine):
             await asyncio.get_running_loop().run_in_executor(self._pool, self._copy_weights, items)
             self.version = version
             if self.recompute_on_load and self._running:
-                # KV computed by the old weights is stale: recompute it (like vLLM keep + clear_cache).
+                # KV computed by the old weights is stale: recompute it (like vLLM keep +
+                # clear_cache).
                 for s in sorted(self._running, key=lambda q: q.order, reverse=True):
                     self._preempt(s)
         self._wake.set()
@@ -276,7 +286,8 @@ class TorchEngine(Engine):
             t = value if isinstance(value, torch.Tensor) else torch.from_numpy(np.asarray(value))
             if tuple(t.shape) != tuple(state[name].shape):
                 raise ValueError(
-                    f"load_weights: {name} has shape {tuple(t.shape)}, model has {tuple(state[name].shape)}"
+                    f"load_weights: {name} has shape {tuple(t.shape)}, model has "
+                    f"{tuple(state[name].shape)}"
                 )
             staged.append((state[name], t))
         with torch.no_grad():
@@ -424,8 +435,8 @@ class TorchEngine(Engine):
         return None
 
     def _hit_stop_string(self, s: _Seq) -> bool:
-        # A window of tokens long enough for the longest stop string (each token decodes to >= 1 char
-        # except specials); stops spanning the resume boundary are found too.
+        # A window of tokens long enough for the longest stop string (each token decodes to >= 1
+        # char except specials); stops spanning the resume boundary are found too.
         window = max(len(x) for x in s.params.stop) + 4
         text = self.tokenizer.decode(s.out[-window:], skip_special_tokens=True)
         return any(x in text for x in s.params.stop)

@@ -1,7 +1,7 @@
 """vLLM engine: the engine interface on vLLM's AsyncLLM (V1), used from our event loop.
 
-    engine = VllmEngine.from_config(cfg, env=placement.env)   # model.path, rollout.vllm, rollout.vllm_args
-    await engine.start()                     # AsyncLLM.from_engine_args(...) on a worker thread: EngineCore child
+    engine = VllmEngine.from_config(cfg.rollout, cfg.model, env=placement.env)  # rollout.vllm
+    await engine.start()       # AsyncLLM.from_engine_args(...) on a worker thread: EngineCore child
     engine.submit(req); async for ev in engine.events(): ...
 
 Start-up (import, spawn, load, warm-up: half a minute on CPU) runs on a worker thread, so the
@@ -57,7 +57,7 @@ from typing import Any
 
 import numpy as np
 
-from laminar.config import LaminarConfig
+from laminar.config import ModelConfig, RolloutConfig
 from laminar.engines.base import (
     Engine,
     EngineStats,
@@ -81,7 +81,8 @@ _REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 class _Seq:
     seq_id: str
     rid: str
-    """vLLM request id: unique per submission (reusing ids makes abort hit every request with it)."""
+    """vLLM request id: unique per submission (reusing ids makes abort hit every request with
+    it)."""
     prompt: np.ndarray
     params: SamplingParams
     version: int
@@ -140,7 +141,8 @@ class VllmEngine(Engine):
         self.shutdown_timeout_s = 2.0
         """close(): how long the EngineCore gets to exit before vLLM kills it."""
         self.env = dict(env or {})
-        """Environment of the EngineCore process (placement, KV space, lifeline), set while it is spawned."""
+        """Environment of the EngineCore process (placement, KV space, lifeline), set while it is
+        spawned."""
         self._llm = llm
         self._closed = False
         self._seqs: dict[str, _Seq] = {}
@@ -156,26 +158,26 @@ class VllmEngine(Engine):
         self._spawn: Spawn = detached_spawn
 
     @classmethod
-    def from_config(cls, cfg: LaminarConfig, **kw: Any) -> VllmEngine:
-        v = cfg.rollout.vllm
-        dtype = cfg.model.dtype if v.dtype == "auto" else v.dtype
+    def from_config(cls, r: RolloutConfig, mc: ModelConfig, **kw: Any) -> VllmEngine:
+        v = r.vllm
+        dtype = mc.dtype if v.dtype == "auto" else v.dtype
         args: dict[str, Any] = {"enable_prefix_caching": v.enable_prefix_caching}
-        if cfg.model.device.startswith("cuda"):
+        if mc.device.startswith("cuda"):
             args["gpu_memory_utilization"] = v.gpu_memory_utilization
-        args.update(cfg.rollout.vllm_args)
+        args.update(r.vllm_args)
         env: dict[str, str] = {}
         if v.cpu_kvcache_space_gib is not None:
             env["VLLM_CPU_KVCACHE_SPACE"] = f"{v.cpu_kvcache_space_gib:g}"
         env.update(kw.pop("env", None) or {})  # the rollout's placement
         opts: dict[str, Any] = dict(
             dtype=dtype,
-            max_running=v.max_num_seqs or cfg.rollout.max_running,
-            max_model_len=cfg.rollout.max_model_len,
+            max_running=v.max_num_seqs or r.max_running,
+            max_model_len=r.max_model_len,
             engine_args=args,
             env=env,
         )
         opts.update(kw)
-        return cls(cfg.model.path, **opts)
+        return cls(mc.path, **opts)
 
     # ---- lifecycle ---------------------------------------------------------------------
     async def start(self, spawn: Spawn = detached_spawn) -> None:
@@ -406,7 +408,8 @@ class VllmEngine(Engine):
                     await self._llm.collective_rpc("laminar_load_spans", args=(spans,))
                     if not await self._llm.reset_prefix_cache():
                         log.warning(
-                            "vllm reset_prefix_cache() refused after a weight load (stale prefixes possible)"
+                            "vllm reset_prefix_cache() refused after a weight load (stale prefixes "
+                            "possible)"
                         )
                     self.version = version
                 finally:
@@ -462,7 +465,8 @@ def _import_vllm() -> Any:
 
 
 Span = tuple[str, str, list[int], str, int, int]
-"""(name, torch dtype name, shape, file path, byte offset, byte count): one tensor in a shared file."""
+"""(name, torch dtype name, shape, file path, byte offset, byte count): one tensor in a shared
+file."""
 
 
 def _spans(named_tensors: Iterable[tuple[str, Any]]) -> tuple[list[Span], str | None]:
@@ -559,7 +563,8 @@ def _shared_file_maps() -> list[tuple[int, int, int, str]]:
 
 
 def _in_shared_file(t: Any, maps: list[tuple[int, int, int, str]]) -> tuple[str, int] | None:
-    """(path, file offset) of a contiguous CPU tensor's bytes when one shared file mapping holds them."""
+    """(path, file offset) of a contiguous CPU tensor's bytes when one shared file mapping holds
+    them."""
     n = t.numel() * t.element_size()
     if n == 0:
         return None

@@ -1,8 +1,10 @@
 """vLLM worker extension: in-place weight loads called through AsyncLLM.collective_rpc.
 
     AsyncEngineArgs(..., worker_extension_cls="laminar.engines.vllm_ext.LaminarWorkerExtension")
-    await llm.collective_rpc("laminar_load_spans", args=(spans,))   # [(name, dtype, shape, path, offset, nbytes)]
-    await llm.collective_rpc("laminar_load_weights", args=(safetensors_bytes,))   # the older path (bench)
+    # spans: [(name, dtype, shape, path, offset, nbytes)]
+    await llm.collective_rpc("laminar_load_spans", args=(spans,))
+    # the older path (bench)
+    await llm.collective_rpc("laminar_load_weights", args=(safetensors_bytes,))
 
 vLLM appends this class to every worker's bases (in the worker processes), so it
 must import without vllm at module level and define no attribute a Worker
@@ -80,7 +82,8 @@ class LaminarWorkerExtension:
         return count
 
     def laminar_load_weights(self, blob: bytes | None = None, path: str | None = None) -> int:
-        """Load HF-named tensors from safetensors bytes or a file (the path before spans: bench/weights_vllm.py)."""
+        """Load HF-named tensors from safetensors bytes or a file (the path before spans:
+        bench/weights_vllm.py)."""
         import safetensors.torch
 
         if (blob is None) == (path is None):

@@ -1,6 +1,7 @@
 """Multi-turn environments: the model writes, the environment answers, until done.
 
-    base.py       the protocol: Environment (reset / step / score), StepContext, StepResult, ToolClient
+    base.py       the protocol: Environment (reset / step / score), StepContext, StepResult,
+                  ToolClient
     loader.py     load_env(cfg.env): env.fn as module:Class or module:function
     tool_env.py   ToolEnv: <tool_call>{json}</tool_call> turns answered by the tools node
     toolcall.py   the tool-call parser and the tool-response format

@@ -1,9 +1,9 @@
 """The environment protocol of multi-turn episodes: the model writes, the environment answers.
 
-    env = load_env(cfg.env)                         # module:Class or module:function (laminar/envs/loader.py)
-    state = env.reset(row, prompt)                  # per-episode state, deterministic (never kept on env)
-    res = await env.step(state, ctx, model_text)    # after each model turn: StepResult(observation, done, ...)
-    reward = await env.score(state, ctx)            # optional; None -> reward.fn on the whole completion
+    env = load_env(cfg.env)                       # module:Class or module:function (loader.py)
+    state = env.reset(row, prompt)                # per-episode state, deterministic (not on env)
+    res = await env.step(state, ctx, model_text)  # after each model turn: a StepResult
+    reward = await env.score(state, ctx)          # optional; None -> reward.fn on the completion
 
 Token in, token out. The rollout owns the token sequence: the model's tokens are exactly
 what the engine sampled (with their behaviour logprobs); the environment's answer is
@@ -133,7 +133,8 @@ class Environment(ABC):
 
     @abstractmethod
     async def step(self, state: Any, ctx: StepContext, model_text: str) -> StepResult:
-        """The model's turn `model_text` ended: answer it (tools, a user message) or end the episode."""
+        """The model's turn `model_text` ended: answer it (tools, a user message) or end the
+        episode."""
 
     async def score(self, state: Any, ctx: StepContext) -> float | dict[str, Any] | None:
         """The episode's reward, or None to score the whole completion with reward.fn."""

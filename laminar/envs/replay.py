@@ -1,8 +1,10 @@
 """Deterministic replay: rebuild an episode's environment state from its recorded tokens.
 
-    segs = split_segments(response_ids, loss_mask)   # [Segment("model", 0, 12), Segment("env", 12, 30), ...]
+    # segs: [Segment("model", 0, 12), Segment("env", 12, 30), ...]
+    segs = split_segments(response_ids, loss_mask)
     rep = await replay(env, row, prompt, response_ids, loss_mask, template, ctx_for_turn)
-    rep.state, rep.turns_done, rep.tool_calls, rep.tool_records, rep.mismatches, rep.last_turn_complete
+    rep.state, rep.turns_done, rep.tool_calls, rep.tool_records, rep.mismatches,
+    rep.last_turn_complete
 
 Why replay (and not environment workers): a trajectory in the partial pool already holds
 every token and its loss mask, so any rollout can rebuild the episode with no extra

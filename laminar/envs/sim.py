@@ -69,6 +69,7 @@ class SimToolEnv(Environment):
 
     def __init__(
         self,
+        *,
         seed: int = 0,
         max_calls: int = 8,
         p_call: float = 0.8,
@@ -99,7 +100,8 @@ class SimToolEnv(Environment):
 
     # ---- the draws (pure functions of the seed and the ids) ---------------------------------
     def tool_calls(self, uid: str) -> int:
-        """Tool-using turns of episode `uid`: a run of successes of a p_call coin, at most max_calls."""
+        """Tool-using turns of episode `uid`: a run of successes of a p_call coin, at most
+        max_calls."""
         n = 0
         while n < self.max_calls and _unit("call", self.seed, uid, n) < self.p_call:
             n += 1

@@ -51,7 +51,8 @@ from typing import Any
 from laminar.envs.toolcall import format_tool_response
 
 _MARK = "LAMINARTURNMARK"
-"""Stands in for the model's content when the template is probed (plain ASCII survives any template)."""
+"""Stands in for the model's content when the template is probed (plain ASCII survives any
+template)."""
 
 
 class TemplateError(ValueError):
@@ -70,7 +71,8 @@ class TurnTemplate:
         self._base: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
         self._base += [{"role": "user", "content": "?"}, {"role": "assistant", "content": _MARK}]
         self.turn_end = ""
-        """What the template writes after an assistant message's content ("" in the plain format)."""
+        """What the template writes after an assistant message's content ("" in the plain
+        format)."""
         self.eot_ids: list[int] = []
         """The end-of-turn token the model samples, when `turn_end` starts with one."""
         self.tool_as_user = False

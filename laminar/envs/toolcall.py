@@ -1,8 +1,8 @@
 """Tool calls as chat models write them, and tool results as they read them.
 
     calls, errors = parse_tool_calls(model_text)     # ParsedCall(index, name, arguments) in order
-    bodies = tool_messages(items)                      # one tool-role message body per call
-    text = format_tool_response(bodies)                # the plain rendering: <tool_response>..</tool_response>
+    bodies = tool_messages(items)           # one tool-role message body per call
+    text = format_tool_response(bodies)     # the plain rendering: <tool_response>..</tool_response>
 
 The format is the Hermes / Qwen one that chat models are trained on:
 
@@ -113,5 +113,6 @@ def tool_messages(items: Sequence[ToolResult | str]) -> list[str]:
 
 
 def format_tool_response(bodies: Sequence[str]) -> str:
-    """The plain rendering of one tool turn (no chat template): one <tool_response> block per call."""
+    """The plain rendering of one tool turn (no chat template): one <tool_response> block per
+    call."""
     return "\n".join(f"{RESPONSE_OPEN}{b}{RESPONSE_CLOSE}" for b in bodies)

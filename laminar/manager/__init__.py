@@ -1,3 +1,3 @@
 """The manager role: node.py (membership, repack rounds, recovery, relay chain order) and its
-pure policies, repack.py (the best-fit planner) and staleness.py (the modes' admission rules),
-which the buffer and bench/simulate.py import from those modules directly."""
+pure policy repack.py (the best-fit planner), which bench/simulate.py imports directly. The
+modes' rules live in laminar/modes.py (the buffer and the simulator use them too)."""

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 @dataclass
 class ChainPlanner:
     window: int
-    """Chunk fetches each relay keeps in flight: a healthy relay trails its upstream by about this."""
+    """Chunk fetches each relay keeps in flight: a healthy relay trails its upstream by about
+    this."""
     gap_frac: float = 0.25
     """A relay this fraction of a version behind its upstream (and > 2 windows) is slow."""
     rate_factor: float = 4.0

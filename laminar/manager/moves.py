@@ -1,10 +1,10 @@
 """One repack round on a live cluster: plan from the rollouts' statuses, run the moves.
 
-    repacker = Repacker(srv, placer, cfg, metrics, log)
-    entry = await repacker.round(trainer_version)    # {} when nothing moved, else the round's record
+    repacker = Repacker(srv, placer, cfg.manager.repack, metrics, log)   # bound, timeout: placer's
+    entry = await repacker.round(trainer_version)   # {} when nothing moved, else the round's record
 
     statuses (NodeStatus.rollout: per-trajectory KV) ──► rollout_loads() ──► plan_repack (repack.py)
-    each move: ExportRequest ──► source ──partials──► placer.place(prefer=dest) ──ImportRequest──► dest
+    each move: ExportRequest ──► source ──partials──► placer.place(prefer=dest) ──Import──► dest
                RefreshRequest ──► the emptied source     (new weights, then new prompts)
 
 The moves of one round run concurrently, at most manager.repack.max_concurrent_moves at once,
@@ -27,7 +27,7 @@ from typing import Any
 
 import structlog
 
-from laminar.config import LaminarConfig
+from laminar.config import RepackConfig
 from laminar.manager.placement import ORPHAN, Placer
 from laminar.manager.repack import Move, RolloutLoad, TrajLoad, is_candidate, plan_repack
 from laminar.metrics import Metrics
@@ -41,11 +41,11 @@ class Repacker:
         self,
         srv: RpcServer,
         placer: Placer,
-        cfg: LaminarConfig,
+        repack: RepackConfig,
         metrics: Metrics,
         log: structlog.typing.FilteringBoundLogger,
     ):
-        self.srv, self.placer, self.cfg = srv, placer, cfg
+        self.srv, self.placer, self.repack = srv, placer, repack
         self.metrics, self.log = metrics, log
         self.prev_kv: dict[str, float] = {}
         """KV use of each rollout at the previous round: rising KV means it is not draining."""
@@ -82,7 +82,7 @@ class Repacker:
         round's record ({"moves": 0} when the plan was empty)."""
         t0 = time.monotonic()
         loads = self.rollout_loads()
-        c_max, bound = self.cfg.manager.repack.c_max, self.cfg.repack_bound_b()
+        c_max, bound = self.repack.c_max, self.placer.bound_b
         plan = plan_repack(loads, c_max, bound)
         self.metrics.count("repack_rounds")
         self.metrics.count("repack_candidates", sum(is_candidate(r, c_max, bound) for r in loads))
@@ -103,7 +103,7 @@ class Repacker:
         emptied = set(plan.emptied)
         # concurrent (a round costs about one move's round trips), bounded (a round of a thousand
         # rollouts does not put hundreds of exports on the wire at once)
-        slots = asyncio.Semaphore(self.cfg.manager.repack.max_concurrent_moves)
+        slots = asyncio.Semaphore(self.repack.max_concurrent_moves)
 
         async def bounded(mv: Move) -> dict[str, int]:
             async with slots:
@@ -133,7 +133,7 @@ class Repacker:
         next rollout of that version), then send the emptied source to refresh its weights."""
         out = {"moved": 0, "failed": 0, "elsewhere": 0, "orphaned": 0}
         uids = [] if any(t.startswith("*") for t in mv.traj_ids) else list(mv.traj_ids)
-        timeout = self.cfg.transport.request_timeout_s
+        timeout = self.placer.request_timeout_s
         t0 = time.monotonic()
         try:
             exp = await self.srv.request(mv.source, ExportRequest(uids=uids), timeout=timeout)

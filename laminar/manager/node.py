@@ -2,10 +2,11 @@
 
     every node ──Hello / Heartbeat(NodeStatus)──► manager          membership + cluster state
     trainer ──VersionPublished──► manager ──► repack now            (and every repack.interval_s)
-                                          ──RefreshRequest──► rollouts   (laminar, no relay tier: sim handoff)
+                                          ──RefreshRequest──► rollouts  (laminar, sim handoff)
     manager ──ExportRequest──► source rollout ──partials──► manager ──ImportRequest──► destination
-    manager ──RefreshRequest──► emptied source                      (pull newest weights, take new prompts)
-    rollout dies / leaves / restarts ──► manager ──PartialsRequest(rollout_id)──► buffer ──partials──► healthy rollouts
+    manager ──RefreshRequest──► emptied source               (pull newest weights, take new prompts)
+    rollout dies / leaves / restarts ──► manager ──PartialsRequest(rollout_id)──► buffer
+                                     ──partials──► healthy rollouts
     relay joins/dies ──► manager ──ChainUpdate(order)──► live relays
     relay falls behind its upstream ──► manager ──ChainUpdate(straggler last)   (chain_order.py)
     laminar status ──StatusRequest──► manager ──StatusReply──► table
@@ -42,7 +43,7 @@ from typing import Any, TextIO
 from laminar.manager.chain_order import ChainPlanner
 from laminar.manager.moves import Repacker
 from laminar.manager.placement import ORPHAN, Placer
-from laminar.node import Node
+from laminar.node import Node, socket_max_message_bytes
 from laminar.protocol.buffer import PartialsReply, PartialsRequest
 from laminar.protocol.core import NodeStatus
 from laminar.protocol.manager import NodeEntry, StatusReply, StatusRequest
@@ -50,7 +51,7 @@ from laminar.protocol.relay import ChainInfo, ChainInfoRequest, ChainUpdate
 from laminar.protocol.rollout import RefreshRequest
 from laminar.protocol.trainer import VersionPublished
 from laminar.transport.client import RpcClient
-from laminar.transport.sockets import Peer, RemoteError, TransportError, socket_max_message_bytes
+from laminar.transport.sockets import Peer, RemoteError, TransportError
 
 
 class ManagerNode(Node):
@@ -80,13 +81,15 @@ class ManagerNode(Node):
         )
         self.srv.on(StatusRequest, self._on_status)
         self.srv.on(VersionPublished, self._on_version)
-        self.placer = Placer(self.srv, self.cfg, self.metrics, self.log)
-        self.repacker = Repacker(self.srv, self.placer, self.cfg, self.metrics, self.log)
+        cfg = self.cfg
+        timeout = cfg.transport.request_timeout_s
+        self.placer = Placer(self.srv, cfg.repack_bound_b(), timeout, self.metrics, self.log)
+        self.repacker = Repacker(self.srv, self.placer, cfg.manager.repack, self.metrics, self.log)
         self._buffer: RpcClient | None = None
         self._relay_clients: dict[int, RpcClient] = {}
         self._chain_lock = asyncio.Lock()
         self.chain_planner = ChainPlanner(window=self.cfg.relay.window)
-        self._incarnation: dict[str, tuple[Any, Any]] = {}
+        self._incarnation: dict[str, tuple[int, float]] = {}
         """rollout id -> (pid, start time) of the incarnation last seen (rejoin detection)."""
         self._rollouts_seen: set[str] = set()
         """Rollouts that were members since their last recovery (leave detection)."""
@@ -109,7 +112,7 @@ class ManagerNode(Node):
     def _on_join(self, peer: Peer) -> None:
         self.metrics.count("joins")
         if peer.role == "rollout":
-            inc = (peer.info.get("pid"), peer.info.get("started"))
+            inc = (peer.pid, peer.started)
             old = self._incarnation.get(peer.node_id)
             self._incarnation[peer.node_id] = inc
             rejoin = old is not None
@@ -168,7 +171,6 @@ class ManagerNode(Node):
                 and status.version >= 0
             ):
                 status.staleness = float(self.trainer_version - status.version)
-            pid = p.info.get("pid", 0)
             out.append(
                 NodeEntry(
                     node_id=p.node_id,
@@ -176,7 +178,7 @@ class ManagerNode(Node):
                     alive=p.alive,
                     last_beat_s=round(now - p.last_seen, 3),
                     status=status,
-                    pid=pid if isinstance(pid, int) else 0,
+                    pid=p.pid,
                 )
             )
         return out
@@ -202,7 +204,8 @@ class ManagerNode(Node):
                 # no relay tier carries this version (sim trainer, no relays): say it exists, so the
                 # rollouts pull it when idle as they would from a relay (one-way, best-effort)
                 await self.srv.broadcast(RefreshRequest(min_version=msg.version), role="rollout")
-            self.repack_now.set()  # the paper repacks right after each update: free rollouts for the new version
+            # the paper repacks right after each update: free rollouts for the new version
+            self.repack_now.set()
 
     def status(self) -> NodeStatus:
         return NodeStatus(
@@ -279,7 +282,8 @@ class ManagerNode(Node):
                 p
                 for p in self._live("relay")
                 if p.status is not None
-                and int(p.status.extra.get("incoming", -1)) > p.status.version
+                and p.status.relay is not None
+                and p.status.relay.incoming > p.status.version
             ]
             if not moving or len(self.chain_order) < 3:
                 continue

@@ -1,6 +1,6 @@
 """Placing partial trajectories on live rollouts: repack moves, recovery, orphans.
 
-    placer = Placer(srv, cfg, metrics, log)            # srv: the manager's RpcServer (peers + requests)
+    placer = Placer(srv, bound_b, request_timeout_s, metrics, log)  # srv: the manager's RpcServer
     placed = await placer.place(partials, trainer_version, prefer="rollout-3", source="rollout-1")
     #  {node_id or ORPHAN: count}
     await placer.place(placer.take_orphans(), trainer_version)   # the recovery loop, every second
@@ -21,7 +21,6 @@ from collections import defaultdict
 import numpy as np
 import structlog
 
-from laminar.config import LaminarConfig
 from laminar.metrics import Metrics
 from laminar.protocol.data import PartialTrajectory
 from laminar.protocol.rollout import VERSION_MISMATCH, ImportReply, ImportRequest
@@ -38,15 +37,20 @@ class Placer:
     def __init__(
         self,
         srv: RpcServer,
-        cfg: LaminarConfig,
+        bound_b: int,
+        request_timeout_s: float,
         metrics: Metrics,
         log: structlog.typing.FilteringBoundLogger,
     ):
-        self.srv, self.cfg = srv, cfg
+        self.srv = srv
+        self.bound_b = bound_b
+        """Running sequences a rollout takes (manager.repack.bound_b, else rollout.max_running)."""
+        self.request_timeout_s = request_timeout_s
         self.metrics, self.log = metrics, log
         self.orphans: list[PartialTrajectory] = []
         self.stale: dict[str, int] = {}
-        """rollout id -> id() of the status it had when it answered version_mismatch: skipped until a new one."""
+        """rollout id -> id() of the status it had when it answered version_mismatch: skipped until
+        a new one."""
 
     def live(self) -> list[Peer]:
         return [p for p in self.srv.peers.values() if p.alive and p.role == "rollout"]
@@ -68,7 +72,7 @@ class Placer:
         refreshes at once); the source of a move last (it may not have refreshed yet)."""
         live = [(p, p.status) for p in self.live() if p.status is not None]
         newest = max((s.version for _, s in live), default=-1)
-        bound = self.cfg.repack_bound_b()
+        bound = self.bound_b
         ranked = []
         for p, s in live:
             if not self.usable(p) or s.version != version or p.node_id == source:
@@ -86,7 +90,7 @@ class Placer:
             rep = await self.srv.request(
                 peer.node_id,
                 ImportRequest(partials=items),
-                timeout=self.cfg.transport.request_timeout_s,
+                timeout=self.request_timeout_s,
             )
         except RemoteError as exc:
             if (
@@ -111,7 +115,8 @@ class Placer:
     ) -> dict[str, int]:
         """Import partials onto live rollouts of their own version (prefer `prefer`, `source` last);
         when none takes them, restart them from the prompt on a rollout of the newest version;
-        what still finds no home becomes an orphan. Returns how many went where ({node_id or ORPHAN: count})."""
+        what still finds no home becomes an orphan. Returns how many went where ({node_id or ORPHAN:
+        count})."""
         by_version: dict[int, list[PartialTrajectory]] = defaultdict(list)
         for p in partials:
             by_version[p.version].append(p)

@@ -4,14 +4,15 @@ the plain-tensor ones (the torch engine's lean decode step, the trainer's packed
 also has a plain padded forward of its own (`model(input_ids, attention_mask).logits`).
 
     model = load_decoder_lm(path, "float32", "cpu")    # None: not one it loads exactly (use HF)
-    model.state_dict().keys() == HF's                    # model.layers.0.self_attn.q_proj.weight, ...
-    model.save_pretrained(out, state_dict=sd)            # config.json + model.safetensors, as HF writes them
+    model.state_dict().keys() == HF's           # model.layers.0.self_attn.q_proj.weight, ...
+    model.save_pretrained(out, state_dict=sd)   # config.json + model.safetensors, as HF writes them
 
 Why: importing transformers' model code costs ~2.1 CPU-seconds in every process that loads a
 model (each rollout, the trainer), all at the same moment on the demo's 2-core box, before the
 first step can run. Those forwards read only the parameters (decoder_ops.unsupported's list),
 so the modules here carry just those, under HF's names, and a checkpoint written here loads in
-transformers (tests/test_decoder_lm.py checks both ways, the RoPE table and the logits against HF's).
+transformers (tests/test_decoder_lm.py checks both ways, the RoPE table and the logits against
+HF's).
 
 What it loads: model_type llama, mistral, qwen2, qwen3 with SiLU MLPs and default, linear or
 llama3 RoPE, no sliding window inside max_len, every safetensors name matching. Anything else
@@ -248,7 +249,8 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 
 def _why_not(cfg: Any, raw: dict[str, Any], max_len: int) -> str | None:
     """What keeps the checkpoint from loading here: what the plain forwards cannot run, and the
-    parts of HF's tree this one does not build (RoPE types beyond three, other activations, quantisation)."""
+    parts of HF's tree this one does not build (RoPE types beyond three, other activations,
+    quantisation)."""
     why = config_unsupported(cfg, max_len)
     if why is not None:
         return why

@@ -4,7 +4,7 @@ model's shape, its RoPE table, and the norm and rotation as HF computes them.
 
     why = unsupported(model, max_len)     # None: Llama, Mistral, Qwen2 or Qwen3 with a static RoPE
     shape = DecoderShape.of(model)
-    cos, sin = rope_table(model, max_len) # (max_len, head_dim), from HF's own rotary module (sin signed)
+    cos, sin = rope_table(model, max_len) # (max_len, head_dim), HF's own rotary module (sin signed)
     y = rms(x, weight, shape.eps)
     qk = rotate(qk, cos[pos][:, None], sin[pos][:, None])
 

@@ -132,7 +132,8 @@ def load_causal_lm(path: str | os.PathLike, dtype: str = "float32", device: str 
 
 
 def open_model(model_or_path: Any, tokenizer: Any = None) -> tuple[Any, Any]:
-    """(model, tokenizer) from a local HF directory, or a model already loaded (its tokenizer as given)."""
+    """(model, tokenizer) from a local HF directory, or a model already loaded (its tokenizer as
+    given)."""
     if isinstance(model_or_path, str | bytes) or hasattr(model_or_path, "__fspath__"):
         return load_causal_lm(model_or_path), tokenizer or load_tokenizer(model_or_path)
     return model_or_path, tokenizer

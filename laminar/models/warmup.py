@@ -81,7 +81,8 @@ def _encode(tok, prompt: str, completion: Completion) -> tuple[list[int], list[f
 def length_batches(
     lengths: Sequence[int], batch_size: int, rng: random.Random, pool: int = 2048
 ) -> list[list[int]]:
-    """One epoch of index batches with little padding: shuffle, sort each pool by length, cut, shuffle the cuts."""
+    """One epoch of index batches with little padding: shuffle, sort each pool by length, cut,
+    shuffle the cuts."""
     order = list(range(len(lengths)))
     rng.shuffle(order)
     batches: list[list[int]] = []
@@ -106,6 +107,7 @@ def sft_warmup(
     out_dir: str | Path,
     pairs: Sequence[tuple[str, Completion]],
     alphabet: str,
+    *,
     model_kw: dict[str, Any] | None = None,
     steps: int = 1500,
     batch_size: int = 32,
@@ -163,7 +165,8 @@ def sft_warmup(
     data = [_encode(tok, p, c) for p, c in pairs]
     lengths = [len(ids) for ids, _ in data]
     per_example = sum(sum(w[1:]) for _, w in data) / max(1, len(data))
-    # no weight decay: the model is tiny and trained for a few epochs at most; decay only slowed it here
+    # no weight decay: the model is tiny and trained for a few epochs at most; decay only slowed it
+    # here
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda k: lr_factor(k, steps, warmup_steps, schedule)

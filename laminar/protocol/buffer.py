@@ -1,11 +1,12 @@
 """Buffer messages (0x30-0x4F): prompt pool, experience buffer, batches, partial pool queries.
 
-    rollout ──PromptRequest──► buffer ──PromptReply(items)──► rollout     (credit-based: ask for room)
-    rollout ──PartialChunk (one-way)──► buffer                               (partial-response pool)
-    rollout ──Trajectory (request)──► buffer ──Ack──► rollout                 (resent until acked, dedup by uid)
-    trainer ──BatchRequest──► buffer ──BatchReply(trajectories)──► trainer   (long-poll, whole groups)
-    trainer ──BatchCommit──► buffer ──Ack                                     (exactly-once consumption)
-    manager ──PartialsRequest──► buffer ──PartialsReply──► manager           (recovery of a dead rollout)
+    rollout ──PromptRequest──► buffer ──PromptReply(items)──► rollout    (credits: ask for room)
+    rollout ──PartialChunk (one-way)──► buffer                           (partial-response pool)
+    rollout ──Trajectory (request)──► buffer ──TrajectoryAck──► rollout  (resent until acked, dedup)
+    trainer ──BatchRequest──► buffer ──BatchReply(trajectories)──► trainer     (long-poll, groups)
+    trainer ──BatchCommit──► buffer ──CommitAck                          (exactly-once consumption)
+    manager ──PartialsRequest──► buffer ──PartialsReply──► manager       (recovering a dead rollout)
+    anyone ──BufferStatsRequest──► buffer ──BufferStats──► anyone        (figures: tests, benches)
 
 A reply that acknowledges a change (prompts served, a trajectory, a batch, a commit) is sent
 only once the buffer's journal record of it is durable (buffer.fsync).
@@ -13,12 +14,10 @@ only once the buffer's journal record of it is durable (buffer.fsync).
 
 from __future__ import annotations
 
-from typing import Any
-
 from msgspec import field
 
+from laminar.message import Message, message
 from laminar.protocol.data import PartialTrajectory, PromptItem, Trajectory
-from laminar.transport.codec import Message, message
 
 __all__ = [
     "PromptRequest",
@@ -30,6 +29,13 @@ __all__ = [
     "PartialsReply",
     "TrajectoryAbandoned",
     "BufferStats",
+    "BufferStatsRequest",
+    "BatchStaleness",
+    "StalenessFigures",
+    "PromptPoolFigures",
+    "JournalFigures",
+    "TrajectoryAck",
+    "CommitAck",
 ]
 
 
@@ -41,7 +47,8 @@ class PromptRequest(Message):  # rollout -> buffer
     version: int
     """The rollout's current weight version (admission control / modes)."""
     request_id: str = ""
-    """Optional: a retry with the same (rollout_id, request_id) gets the same groups back, not new ones."""
+    """Optional: a retry with the same (rollout_id, request_id) gets the same groups back, not new
+    ones."""
 
 
 @message(0x31)
@@ -50,9 +57,11 @@ class PromptReply(Message):  # buffer -> rollout
     retry_after_s: float = 0.0
     """When items is empty: ask again after this long."""
     reason: str = ""
-    """Why nothing was served: empty | full | staleness | need_version | epochs_done | global_update."""
+    """Why nothing was served: empty | full | staleness | need_version | epochs_done |
+    global_update."""
     min_version: int = -1
-    """The version the rollout must load before new prompts are served (modes with global updates)."""
+    """The version the rollout must load before new prompts are served (modes with global
+    updates)."""
 
 
 @message(0x32)
@@ -63,7 +72,16 @@ class BatchRequest(Message):  # trainer -> buffer
     wait_s: float = 1.0
     """Long-poll: wait up to this long for enough whole groups."""
     restart: bool = False
-    """First request after a trainer (re)start: batches served but never committed go back to the queue front."""
+    """First request after a trainer (re)start: batches served but never committed go back to the
+    queue front."""
+
+
+class BatchStaleness(Message):  # inside BatchReply: the served batch's staleness
+    min: int
+    max: int
+    mean: float
+    hist: dict[str, int] = field(default_factory=dict)
+    """Staleness (as text) -> trajectories."""
 
 
 @message(0x33)
@@ -71,7 +89,24 @@ class BatchReply(Message):  # buffer -> trainer
     batch_id: str = ""
     trajectories: list[Trajectory] = field(default_factory=list)
     """Whole groups, FIFO; empty when not enough groups arrived within wait_s."""
-    info: dict[str, Any] = field(default_factory=dict)
+    version: int = -1
+    """The batch version (trajectories are judged stale against it); when empty, the version
+    the next batch would have."""
+    group_ids: list[str] = field(default_factory=list)
+    requeued_groups: int = 0
+    """Groups served again after a trainer restart put their batch back."""
+    partial_groups: int = 0
+    """Groups released with fewer members than asked for (lost members)."""
+    staleness: BatchStaleness | None = None
+    """Of the served trajectories: version - trajectory version (None when empty)."""
+    wait: str = ""
+    """When empty: why no batch was served (the plan's reason, e.g. not_enough)."""
+    exhausted: bool = False
+    """When empty: the data's epochs are done and nothing is left in the buffer (trainer stops)."""
+    ready: int = 0
+    """When empty: groups ready to train."""
+    open: int = 0
+    """When empty: groups still generating."""
 
 
 @message(0x34)
@@ -101,6 +136,95 @@ class TrajectoryAbandoned(Message):  # rollout/manager -> buffer: this sample is
     reason: str = ""
 
 
+class StalenessFigures(Message):  # inside BufferStats: a staleness histogram, summarised
+    count: int = 0
+    mean: float | None = None
+    p50: int = 0
+    p99: int = 0
+    max: int = 0
+    hist: dict[str, int] = field(default_factory=dict)
+    """Staleness (as text) -> trajectories."""
+
+
+class PromptPoolFigures(Message):  # inside BufferStats: where the prompt pool stands
+    rows: int
+    epoch: int
+    pos: int
+    serial: int
+    bad_rows: int
+    exhausted: bool
+
+
+class JournalFigures(Message):  # inside BufferStats: the buffer journal's counters
+    path: str
+    size: int
+    records: int = 0
+    bytes: int = 0
+    fsyncs: int = 0
+    torn_bytes: int = 0
+    torn_offset: int = -1
+    replayed: int = 0
+    bad_records: int = 0
+    upgraded_from_schema: int = 0
+
+
 @message(0x38)
-class BufferStats(Message):  # buffer -> anyone asking (status, tests, benches)
-    stats: dict[str, Any] = field(default_factory=dict)
+class BufferStats(Message):  # buffer -> anyone asking (status, tests, benches): reply
+    mode: str
+    bound: int | None
+    """The staleness bound of the mode (None: unbounded)."""
+    capacity: int
+    trainer_version: int
+    next_version: int
+    held: int
+    """Trajectories of live groups."""
+    pending: int
+    """Samples still generating in open groups."""
+    groups_open: int
+    groups_ready: int
+    groups_outstanding: int
+    outstanding_batches: int
+    closed_groups: int
+    counts: dict[str, int] = field(default_factory=dict)
+    """The state's event counts by name (trajectories, unusable, groups_dropped,
+    dropped_<reason>, batches_served, groups_committed ...), journaled with it."""
+    counters: dict[str, int] = field(default_factory=dict)
+    """The node's metric counters by name (prompts_refused_full, batches_served ...)."""
+    partials: dict[str, int] = field(default_factory=dict)
+    """The partial-response pool: in_flight and its counts by name."""
+    rollout_versions: dict[str, int] = field(default_factory=dict)
+    """Rollout id -> the version its last PromptRequest said it holds."""
+    warnings: dict[str, str] = field(default_factory=dict)
+    """Active warnings by kind (laminar/buffer/health.py)."""
+    staleness_finish: StalenessFigures = field(default_factory=StalenessFigures)
+    """Staleness of trajectories when they finished."""
+    staleness_consumed: StalenessFigures = field(default_factory=StalenessFigures)
+    """Staleness of trajectories when a committed batch consumed them."""
+    prompts: PromptPoolFigures | None = None
+    """None without a prompt pool (prompts come from elsewhere)."""
+    journal: JournalFigures | None = None
+    """None without a journal (buffer.journal off)."""
+
+
+@message(0x39)
+class BufferStatsRequest(Message):  # anyone -> buffer: answered with BufferStats
+    pass
+
+
+@message(0x3A)
+class TrajectoryAck(Message):  # buffer -> rollout: a Trajectory / TrajectoryAbandoned is journaled
+    duplicate: bool = False
+    """The sample was stored before (a resent trajectory): stored once, acked again."""
+    ignored: str = ""
+    """Why it changed nothing though valid (a member of a closed group, already finished)."""
+
+
+@message(0x3B)
+class CommitAck(Message):  # buffer -> trainer: answer to BatchCommit, once durable
+    ok: bool = True
+    """False: a trainer restart put the batch back (it is served again); `reason` says so."""
+    duplicate: bool = False
+    """The batch was committed before: nothing changed."""
+    reason: str = ""
+    version: int = -1
+    """The buffer's trainer version after the commit (-1 when not ok or a duplicate)."""

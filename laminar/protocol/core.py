@@ -1,4 +1,9 @@
-"""Core messages: handshake, heartbeats, generic replies, node status."""
+"""Node status: what every node reports to the manager with its heartbeats.
+
+The wire's own messages (Hello, Welcome, Heartbeat, Bye, ErrorReply, Ack, Ping, Pong) live
+in `laminar/transport/session.py`; a heartbeat carries a NodeStatus encoded inline
+(`session.StatusCodec(NodeStatus)` at both ends, wired by `laminar/node.py`).
+"""
 
 from __future__ import annotations
 
@@ -6,36 +11,11 @@ from typing import Any
 
 from msgspec import field
 
+from laminar.message import Message, message
+from laminar.protocol.relay import RelayStatus
 from laminar.protocol.rollout import RolloutStatus
-from laminar.transport.codec import Message, message
 
-__all__ = [
-    "Hello",
-    "Welcome",
-    "Heartbeat",
-    "Bye",
-    "ErrorReply",
-    "Ack",
-    "NodeStatus",
-    "Ping",
-    "Pong",
-]
-
-
-@message(0x01)
-class Hello(Message):  # client -> server: first message on a fresh socket
-    protocol: int
-    node_id: str
-    role: str
-    info: dict[str, Any] = field(default_factory=dict)
-
-
-@message(0x02)
-class Welcome(Message):  # server -> client: handshake accepted
-    protocol: int
-    node_id: str
-    role: str
-    info: dict[str, Any] = field(default_factory=dict)
+__all__ = ["NodeStatus"]
 
 
 @message(0x03)
@@ -48,41 +28,15 @@ class NodeStatus(Message):  # carried by heartbeats: what the manager needs to k
     waiting: int = 0
     inflight: int = 0
     staleness: float = 0.0
+    state: str = ""
+    """Empty while the node serves; `starting_engine`: a rollout whose engine is still starting."""
+    warnings: list[str] = field(default_factory=list)
+    """What needs an operator's eye, one line each (`laminar status` prints them)."""
     rollout: RolloutStatus | None = None
-    """Rollouts only: per-trajectory KV and delivery state (typed: the manager's repack reads it)."""
+    """Rollouts only: per-trajectory KV and delivery state (typed: the manager's repack reads
+    it)."""
+    relay: RelayStatus | None = None
+    """Relays only: the chain as the relay sees it (the manager's straggler watch reads it)."""
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-@message(0x04)
-class Heartbeat(Message):  # both ways, every transport.heartbeat_interval_s
-    node_id: str
-    seq: int
-    status: NodeStatus | None = None
-
-
-@message(0x05)
-class Bye(Message):  # client -> server: leaving on purpose (not a death)
-    node_id: str
-    reason: str = ""
-
-
-@message(0x06)
-class ErrorReply(Message):  # server -> client: the request was rejected
-    code: str
-    message: str
-
-
-@message(0x07)
-class Ack(Message):  # generic positive reply
-    ok: bool = True
-    info: dict[str, Any] = field(default_factory=dict)
-
-
-@message(0x08)
-class Ping(Message):  # any -> any: echo test
-    payload: str = ""
-
-
-@message(0x09)
-class Pong(Message):  # reply to Ping
-    payload: str = ""
+    """Role figures for people and tests (step, loss, queue depth ...): logged and shown, never
+    read by code to decide anything; a figure something branches on gets a typed field."""

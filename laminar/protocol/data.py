@@ -7,7 +7,7 @@ from typing import Annotated, Any
 import numpy as np
 from msgspec import field
 
-from laminar.transport.codec import Arr, Message, message
+from laminar.message import Arr, Message, message
 
 __all__ = [
     "PromptItem",
@@ -38,7 +38,8 @@ class ToolRecord(Message):
     """One tool call of a multi-turn episode (metrics, and what a replay must reproduce)."""
 
     call_id: str
-    """Deterministic: f"{uid}#t{turn}#c{k}#<digest of name+arguments>", so a replay or a retry finds the cached result."""
+    """Deterministic: f"{uid}#t{turn}#c{k}#<digest of name+arguments>", so a replay or a retry finds
+    the cached result."""
     name: str
     turn: int
     ok: bool = True
@@ -81,6 +82,14 @@ class Trajectory(Message):  # rollout -> buffer (finished), buffer -> trainer (i
     reward: float | None = None
     """None = excluded from training (reward returned None or failed)."""
     reward_info: dict[str, Any] = field(default_factory=dict)
+    """The reward's named components (a dict reward's other keys): logged, never decided on."""
+    reward_error: str = ""
+    """Why there is no reward: the reward's exception, its timeout, the engine's or the
+    environment's error (empty: the reward returned, None included)."""
+    reward_error_kind: str = ""
+    """exception | format | timeout | worker_died (the reward runner) | env (an episode's
+    environment) | engine (finish_reason error); empty: no error. The buffer's warnings
+    (laminar/buffer/health.py) branch on it."""
     rollout_id: str = ""
     timings: dict[str, float] = field(default_factory=dict)
     """t_start, t_first_token, t_finish (unix seconds), reward_s, ..."""

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from msgspec import field
 
+from laminar.message import Message, message
 from laminar.protocol.core import NodeStatus
-from laminar.transport.codec import Message, message
 
 __all__ = ["StatusRequest", "StatusReply", "NodeEntry"]
 

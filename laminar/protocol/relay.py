@@ -2,16 +2,16 @@
 
 trainer ──StageRequest──► master relay ──StageReply(shm segment)──► trainer   (memcpy into shm)
                           (a relay that is not master answers NotMaster(master=<i>): push there)
-trainer ──PushChunk*──► master relay                                           (remote trainer: no shared shm)
-trainer ──CommitRequest──► master relay ──CommitReply──► trainer               (trainer resumes here)
-relay k ──VersionOffer (one-way, data socket)──► relay k+1                     (a version to fetch)
-relay k+1 ──FetchChunk──► relay k ──WeightChunk(data frame)──► relay k+1       (pipelined, windowed)
+trainer ──PushChunk*──► master relay                                      (remote trainer: no shm)
+trainer ──CommitRequest──► master relay ──CommitReply──► trainer          (trainer resumes here)
+relay k ──VersionOffer (one-way, data socket)──► relay k+1                (a version to fetch)
+relay k+1 ──FetchChunk──► relay k ──WeightChunk(data frame)──► relay k+1  (pipelined, windowed)
 relay ──WeightsReady (PUB)──► local rollouts
 rollout ──PullRequest──► relay ──PullReply(segment + layout)──► rollout ──ReleaseRequest──► relay
 manager ──ChainUpdate──► relay;  any ──ChainInfoRequest──► relay ──ChainInfo──► any
-trainer (GPU) ──CudaIpcHandle──► rollouts on the same host                     (laminar/transport/weights_gpu.py)
+trainer (GPU) ──CudaIpcHandle──► rollouts on the same host                (laminar/weights/gpu.py)
 
-Layouts and checksums: laminar/transport/weight_layout.py; the channel ends: laminar/transport/weights*.py.
+Layouts and checksums: laminar/weights/layout.py; the channel ends: laminar/weights/.
 """
 
 from __future__ import annotations
@@ -21,10 +21,11 @@ from typing import Annotated
 import numpy as np
 from msgspec import field
 
-from laminar.transport.codec import Arr, Message, message
+from laminar.message import Arr, Message, message
 
 __all__ = [
     "WeightLayout",
+    "RelayStatus",
     "WeightsReady",
     "StageRequest",
     "StageReply",
@@ -179,6 +180,19 @@ class ChainInfo(Message):  # relay -> any: this relay's view of the chain and it
     """What the chain follower is doing (diagnostics)."""
 
 
+class RelayStatus(Message):  # relay -> manager, inside NodeStatus.relay on every beat
+    master: int
+    """The head of the chain as this relay sees it."""
+    upstream: int
+    """The relay it fetches from (-1: none, it is the head)."""
+    epoch: int
+    incoming: int = -1
+    """The newest version it is receiving (-1: none): the manager's straggler watch samples
+    the chain only while some relay has one above its `NodeStatus.version`."""
+    pinned: int = 0
+    """Versions pinned by its rollouts (pins, counted)."""
+
+
 @message(0x5F)
 class VersionOffer(Message):  # relay k -> relay k+1 (data socket): a version k has or is receiving
     version: int
@@ -199,7 +213,8 @@ class FetchChunk(
     version: int
     index: int
     base_version: int = -1
-    """Delta mode: the complete version the requester holds and can rebuild on (-1: send it whole)."""
+    """Delta mode: the complete version the requester holds and can rebuild on (-1: send it
+    whole)."""
 
 
 @message(0x62)
@@ -211,7 +226,8 @@ class WeightChunk(Message):  # relay k -> relay k+1: one verified chunk, data as
     """crc32 of the full chunk (after a delta is applied) in the low 32 bits."""
     data: ChunkBytes
     base_version: int = -1
-    """Delta mode: >= 0 when data is a sparse delta against that version (transport/weights_delta.py)."""
+    """Delta mode: >= 0 when data is a sparse delta against that version
+    (laminar/weights/delta.py)."""
     version_checksum: str = ""
     """The whole version's checksum once the sender knows it (always on the last chunk)."""
 

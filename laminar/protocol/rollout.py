@@ -1,9 +1,10 @@
 """Rollout commands (0x90-0x9F): what the manager asks of a rollout, over the manager's ROUTER.
 
-    manager ──ExportRequest(uids)──► rollout ──ExportReply(partials)──► manager   (repack source)
-    manager ──ImportRequest(partials)──► rollout ──ImportReply──► manager         (repack destination / recovery)
-    manager ──RefreshRequest(min_version)──► rollout ──RefreshReply──► manager   (load newest weights when idle)
-    rollout ──Heartbeat(NodeStatus(rollout=RolloutStatus))──► manager             (what repack plans from)
+    manager ──ExportRequest(uids)──► rollout ──ExportReply(partials)──► manager  (repack source)
+    manager ──ImportRequest(partials)──► rollout ──ImportReply──► manager   (repack dest., recovery)
+    manager ──RefreshRequest(min_version)──► rollout ──RefreshReply──► manager
+                                                             (load the newest weights when idle)
+    rollout ──Heartbeat(NodeStatus(rollout=RolloutStatus))──► manager  (what repack plans from)
 
 The rollout is the manager's RpcClient, so these arrive through the manager's
 `RpcServer.request(node_id, msg)`. An import at a version other than the
@@ -15,8 +16,8 @@ from __future__ import annotations
 
 from msgspec import field
 
+from laminar.message import Message, message
 from laminar.protocol.data import PartialTrajectory
-from laminar.transport.codec import Message, message
 
 __all__ = [
     "RolloutStatus",
@@ -56,7 +57,8 @@ class ImportRequest(Message):  # manager -> rollout: resume these trajectories h
 class ImportReply(Message):  # rollout -> manager
     accepted: list[str] = field(default_factory=list)
     duplicate: list[str] = field(default_factory=list)
-    """uids this rollout is already running or recently finished (an idempotent retry): left alone."""
+    """uids this rollout is already running or recently finished (an idempotent retry): left
+    alone."""
     version: int = -1
 
 
@@ -80,7 +82,8 @@ class RolloutStatus(Message):  # rollout -> manager, inside NodeStatus.rollout o
     traj_tokens: dict[str, int]
     """uid -> KV tokens it holds (prompt + generated): repack picks what to move from these."""
     kv_capacity_tokens: int
-    """The engine's KV capacity in tokens (0: unknown; the manager then treats tokens as fractions)."""
+    """The engine's KV capacity in tokens (0: unknown; the manager then treats tokens as
+    fractions)."""
     measured_at: float
     """Wall-clock time of the report: the manager knows how old the view it plans on is."""
     target_version: int

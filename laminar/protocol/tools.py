@@ -3,10 +3,10 @@
     rollout ──ToolCallRequest(call_id, name, arguments)──► tools node ──► sandbox worker
             ◄──ToolCallReply(ok, output | error, seconds, cached)──┘
 
-The call id is deterministic (`f"{uid}#t{turn}#c{k}#<digest of name+arguments>"`, see laminar.protocol.data.ToolRecord):
-the tools node runs each id at most once and answers a repeat (a retried request, an episode
-replayed on another rollout after its first one died) from its journaled cache, waiting for
-the first run when it is still going.
+The call id is deterministic (`f"{uid}#t{turn}#c{k}#<digest of name+arguments>"`, see
+laminar.protocol.data.ToolRecord): the tools node runs each id at most once and answers a repeat (a
+retried request, an episode replayed on another rollout after its first one died) from its journaled
+cache, waiting for the first run when it is still going.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 from msgspec import field
 
-from laminar.transport.codec import Message, message
+from laminar.message import Message, message
 
 __all__ = ["ToolCallRequest", "ToolCallReply", "ToolStatsRequest", "ToolStatsReply"]
 
@@ -25,6 +25,7 @@ class ToolCallRequest(Message):
     call_id: str
     name: str
     arguments: dict[str, Any] = field(default_factory=dict)
+    """The model's arguments to the tool, as it wrote them: data the tool validates itself."""
     timeout_s: float = 0.0
     """Wall-clock limit for this call (0: the tools node's tools.wall_s); never above it."""
 
@@ -52,3 +53,5 @@ class ToolStatsRequest(Message):
 @message(0xB3)
 class ToolStatsReply(Message):
     stats: dict[str, Any] = field(default_factory=dict)
+    """Pool and cache counters by name (calls, errors_by_kind, latency_p99_s ...): shown to
+    people and tests, never read by code to decide anything."""

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from msgspec import field
 
+from laminar.message import Message, message
 from laminar.protocol.data import Trajectory
-from laminar.transport.codec import Message, message
 
 __all__ = ["VersionPublished", "RankCommand"]
 
@@ -24,7 +24,8 @@ class VersionPublished(Message):  # trainer -> manager (and anyone tracking the 
     uri: str = ""
     """Where the weights are when they did not go through the relay tier (direct handoff file)."""
     handoff: str = "direct"
-    """direct (safetensors file in run_dir/weights) | relay (pushed to the master relay) | sim (no weights)."""
+    """direct (safetensors file in run_dir/weights) | relay (pushed to the master relay) | sim (no
+    weights)."""
     num_bytes: int = 0
     stall_s: float = 0.0
     """How long the trainer was blocked handing the weights off."""

@@ -2,16 +2,16 @@
 the pipelined chain broadcast between hosts.
 
     node.py    RelayNode: wires the parts; serves the trainer's handoff (Stage/Push/Commit),
-               the rollouts' Pull/Release, chunk fetches from its downstream; publishes
-               WeightsReady; turns the chain follower's events into offers and announcements
-    shm.py     WeightStore: /dev/shm segments, slot pool, versions, reader pins (double buffering)
-    chain.py   ChainFollower: chooses a live upstream, fetches chunks with a window, emits
-               ReceivingStarted / VersionComplete on its event queue (never sees the node)
-    delta.py   delta mode: chunks travel as sparse element deltas against the previous version
-               (the encoding: laminar/transport/weights_delta.py)
-    local.py   RelayProcs: real relay processes for tests and bench/weights.py
+               the rollouts' Pull/Release; publishes WeightsReady; turns the chain follower's
+               events into offers and announcements
+    chain.py   one hop of the chain, both halves: ChainFollower (downstream: chooses a live
+               upstream, fetches chunks with a window, emits ReceivingStarted /
+               VersionComplete on its event queue) and ChunkService (upstream: answers
+               FetchChunk from the store, paced per downstream); neither sees the node
 
-Imports go one way: relay/ → laminar/transport/ (weight_layout.py for layouts and checksums,
-weights.py for the trainer / rollout ends the tests drive) → protocol/. The trainer and
-rollout reach relays only through the weights channel (laminar/transport/weights_channel.py).
+The store, layouts, checksums and deltas are laminar/weights/ (segment.py, layout.py,
+delta.py). Imports go one way: relay/ -> weights/ -> transport/ -> laminar/message.py.
+The trainer and rollout reach relays only through the weights channel
+(laminar/weights/channel.py). Test harnesses: tests/relay_procs.py (real relay processes),
+tests/inproc_relays.py, tests/relay_faults.py.
 """

@@ -1,7 +1,8 @@
 """Pipelined chain broadcast between relays: each relay pulls chunks from its upstream.
 
-    chain = ChainFollower(cfg, index=i, store=store, ctx=ctx, opts=opts, node_id=node_id,
-                          log=log, metrics=metrics, spawn=spawn)
+    chain = ChainFollower(cfg.relay, n_relays=n, endpoint=cfg.endpoint, index=i, store=store,
+                          ctx=ctx, opts=opts, node_id=node_id, log=log, metrics=metrics,
+                          spawn=spawn)
     spawn(chain.run(), "chain")                 # the follow loop
     ev = await chain.events.get()               # ReceivingStarted(vs) | VersionComplete(vs)
 
@@ -30,10 +31,10 @@ Pulling (rather than pushing) makes the hard cases simple:
 * a dead master: the first relay that finds no live predecessor becomes the head
   (the lowest live index in the order); a partial version nobody can finish is
   abandoned. The trainer finds the new master itself (WeightPusher asks the relays,
-  laminar/transport/weights.py) or the manager tells it (WeightPusher.set_master).
+  laminar/weights/relay_client.py) or the manager tells it (WeightPusher.set_master).
 * a newer version overtakes an older one: an upstream that freed version v answers
   "gone"; the downstream drops v and fetches the newest.
-* delta mode (relay.delta, relay/delta.py): a fetch names the version this relay holds;
+* delta mode (relay.delta, laminar/weights/delta.py): a fetch names the version this relay holds;
   the chunk may come back as the changed elements against it, rebuilt here on that copy
   and checked on the crc32 of the full chunk (a bad one is fetched again whole).
 
@@ -52,7 +53,8 @@ from typing import Any
 
 from structlog.typing import FilteringBoundLogger
 
-from laminar.config import LaminarConfig
+from laminar.config import RelayConfig
+from laminar.message import ProtocolError
 from laminar.metrics import Metrics
 from laminar.protocol.relay import (
     ChainInfo,
@@ -62,27 +64,27 @@ from laminar.protocol.relay import (
     VersionOffer,
     WeightChunk,
 )
-from laminar.relay.delta import DELTA_PIN, delta_base
-from laminar.relay.shm import VersionState, WeightStore
 from laminar.supervise import Spawn
 from laminar.transport.client import RpcClient
-from laminar.transport.codec import ProtocolError
+from laminar.transport.session import ErrorReply
 from laminar.transport.sockets import (
     Context,
+    Peer,
     PeerDead,
     RemoteError,
     RequestTimeout,
     SocketOptions,
     TransportError,
 )
-from laminar.transport.weight_layout import (
+from laminar.weights.delta import DELTA_PIN, apply_delta, delta_base
+from laminar.weights.layout import (
     chunk_digest,
     chunk_range,
     crc_of,
     validate_layout,
     version_checksum,
 )
-from laminar.transport.weights_delta import apply_delta
+from laminar.weights.segment import VersionState, WeightStore
 
 CATCH_UP_EVERY_S = 0.5
 
@@ -119,29 +121,15 @@ class VersionComplete:
 ChainEvent = ReceivingStarted | VersionComplete
 
 
-class Pacer:
-    """Emulated link of `rate` bytes/s (bench/tests): a chunk is 'on the wire' n/rate seconds."""
-
-    def __init__(self, rate: float | None):
-        self.rate = rate
-        self.next_free = 0.0
-
-    async def take(self, nbytes: int) -> None:
-        if not self.rate:
-            return
-        now = time.monotonic()
-        done = max(self.next_free, now) + nbytes / self.rate
-        self.next_free = done
-        await asyncio.sleep(done - now)  # emulated transmission time, not synchronisation
-
-
 class ChainFollower:
     """The downstream half of a relay: choose a live upstream and copy its newest version."""
 
     def __init__(
         self,
-        cfg: LaminarConfig,
+        rc: RelayConfig,
         *,
+        n_relays: int,
+        endpoint: Callable[[str, int], str],
         index: int,
         store: WeightStore,
         ctx: Context,
@@ -151,12 +139,14 @@ class ChainFollower:
         metrics: Metrics,
         spawn: Spawn,
     ):
-        self.cfg, self.rc, self.index, self.store = cfg, cfg.relay, index, store
+        self.rc, self.index, self.store = rc, index, store
+        self.endpoint = endpoint
+        """Address of a service by name and index (the cluster's endpoint map)."""
         self.ctx, self.opts, self.node_id = ctx, opts, node_id
         self.log, self.metrics, self.spawn = log, metrics, spawn
         self.events: asyncio.Queue[ChainEvent] = asyncio.Queue()
         """What the relay must act on, in order (the follower never calls into it)."""
-        self.n_relays = max(cfg.cluster.roles.get("relay", 1), index + 1)
+        self.n_relays = max(n_relays, index + 1)
         self.epoch = 0
         self.manager_epoch = -1
         self.order: list[int] = list(range(self.n_relays))
@@ -179,7 +169,7 @@ class ChainFollower:
 
     # ---- chain view ----------------------------------------------------------------------
     def data_endpoint(self, idx: int) -> str:
-        return self.endpoints.get(idx) or self.cfg.endpoint("relay_data", idx)
+        return self.endpoints.get(idx) or self.endpoint("relay_data", idx)
 
     @property
     def master(self) -> int:
@@ -187,7 +177,8 @@ class ChainFollower:
         return self.named_master() if self.index in self.order else -1
 
     def named_master(self) -> int:
-        """The master to send a trainer to: this relay's head, or the first live relay of the order."""
+        """The master to send a trainer to: this relay's head, or the first live relay of the
+        order."""
         if self.head:
             return self.index
         live = [i for i in self.order if i not in self.dead]
@@ -335,7 +326,7 @@ class ChainFollower:
         async def ask(idx: int) -> ChainInfo | None:
             cli = RpcClient(
                 self.ctx,
-                self.cfg.endpoint("relay", idx),
+                self.endpoint("relay", idx),
                 self.node_id,
                 "relay",
                 self.opts,
@@ -571,7 +562,8 @@ class ChainFollower:
         return cli or self.client
 
     async def _fetch_chunk(self, vs: VersionState, i: int, base: VersionState | None) -> None:
-        """Fetch chunk i whole, or as a delta rebuilt on `base` (relay/delta.py); verify its crc32."""
+        """Fetch chunk i whole, or as a delta rebuilt on `base` (laminar/weights/delta.py);
+        verify its crc32."""
         store = self.store
         start, end = chunk_range(i, vs.chunk_bytes, vs.layout.total_bytes)
         base_v = base.version if base is not None else -1
@@ -658,3 +650,81 @@ class ChainFollower:
         if self._master_client is not None:
             await self._master_client[1].close()
             self._master_client = None
+
+
+# ---- the upstream half of a hop -------------------------------------------------------
+
+
+class Pacer:
+    """Emulated link of `rate` bytes/s (bench/tests): a chunk is 'on the wire' n/rate seconds."""
+
+    def __init__(self, rate: float | None):
+        self.rate = rate
+        self.next_free = 0.0
+
+    async def take(self, nbytes: int) -> None:
+        if not self.rate:
+            return
+        now = time.monotonic()
+        done = max(self.next_free, now) + nbytes / self.rate
+        self.next_free = done
+        await asyncio.sleep(done - now)  # emulated transmission time, not synchronisation
+
+
+class ChunkService:
+    """The upstream half of a hop: answers a downstream relay's FetchChunk from the store.
+
+    A fetch for a chunk not received yet waits for it (up to `chunk_wait_s`): that wait is
+    what pipelines the chain. In delta mode the chunk goes as its kept delta when the
+    requester holds the base it was encoded against. Each downstream gets its own Pacer
+    (an emulated link when `link_bytes_per_s` is set)."""
+
+    def __init__(
+        self,
+        store: WeightStore,
+        node_id: str,
+        metrics: Metrics,
+        *,
+        chunk_wait_s: float,
+        delta: bool,
+        link_bytes_per_s: float | None = None,
+    ):
+        self.store, self.node_id, self.metrics = store, node_id, metrics
+        self.chunk_wait_s, self.delta, self.link_bytes_per_s = chunk_wait_s, delta, link_bytes_per_s
+        self._pacers: dict[str, Pacer] = {}
+
+    async def fetch(self, peer: Peer, msg: FetchChunk) -> WeightChunk | ErrorReply:
+        vs = self.store.versions.get(msg.version)
+        if vs is None or vs.abandoned or vs.staging:
+            return ErrorReply(
+                code="gone", message=f"{self.node_id} does not have version {msg.version}"
+            )
+        if not 0 <= msg.index < vs.n:
+            raise ProtocolError(f"chunk index {msg.index} out of range [0, {vs.n})")
+        if not await self.store.wait_chunk(vs, msg.index, self.chunk_wait_s):
+            code = "gone" if vs.abandoned else "not_yet"
+            return ErrorReply(
+                code=code, message=f"chunk {msg.index} of version {msg.version} not here"
+            )
+        start, end = chunk_range(msg.index, vs.chunk_bytes, vs.layout.total_bytes)
+        blob = None
+        if self.delta and msg.base_version >= 0 and msg.base_version == vs.delta_base:
+            blob = vs.deltas.get(msg.index)  # None: this chunk travels whole (delta not smaller)
+        # zero-copy: the frame points into the shared-memory slot (or the kept delta)
+        data = vs.buf[start:end] if blob is None else blob
+        pacer = self._pacers.get(peer.node_id)
+        if pacer is None:
+            pacer = self._pacers[peer.node_id] = Pacer(self.link_bytes_per_s)
+        await pacer.take(len(data))
+        self.metrics.count("bytes_sent", len(data))
+        if blob is not None:
+            self.metrics.count("chunks_sent_delta")
+        return WeightChunk(
+            version=vs.version,
+            index=msg.index,
+            offset=start,
+            digest=int(vs.digests[msg.index]),
+            data=data,
+            base_version=vs.delta_base if blob is not None else -1,
+            version_checksum=vs.checksum or vs.expected_checksum,
+        )

@@ -5,7 +5,7 @@
                                                        ▼                   data:    relay_data-k
                                          relay 1 ──► relay 2 ──► …         (laminar/relay/chain.py)
     every relay ──WeightsReady (PUB)──► its rollouts  pub:     relay_pub-k
-    rollout ──Pull/Release──► relay   (pins a version; the rollout maps its segment read-only, zero copy)
+    rollout ──Pull/Release──► relay  (pins a version; the rollout maps its segment read-only)
 
 What blocks what: the trainer waits only for its own memcpy and the commit reply; the
 master then computes chunk digests in a thread and serves chunks as they are ready;
@@ -21,10 +21,11 @@ send ChainUpdate / tell the trainer). A relay that is not the master answers a
 trainer's StageRequest with NotMaster(master=i) and the pusher follows it, so a
 chain order changed by the manager never strands the trainer on a follower.
 
-Parts: the store (relay/shm.py) holds the versions; the chain follower (relay/chain.py)
-fetches from upstream and reports ReceivingStarted / VersionComplete on its event
-queue, which `_chain_events` turns into offers downstream and WeightsReady for the
-rollouts. Layout and checksums come from laminar/transport/weight_layout.py.
+Parts: the store (laminar/weights/segment.py) holds the versions; one hop of the chain
+(relay/chain.py): the ChainFollower fetches from upstream and reports ReceivingStarted /
+VersionComplete on its event queue, which `_chain_events` turns into offers downstream and
+WeightsReady for the rollouts, and the ChunkService answers this relay's downstream.
+Layout, checksums and deltas come from laminar/weights/.
 
 Run: laminar node --role relay --index 0 --config configs/skeleton.yaml
 """
@@ -36,8 +37,9 @@ import itertools
 import socket
 import time
 
-from laminar.node import Node
-from laminar.protocol.core import Ack, ErrorReply, NodeStatus
+from laminar.message import ProtocolError
+from laminar.node import Node, socket_max_message_bytes
+from laminar.protocol.core import NodeStatus
 from laminar.protocol.relay import (
     ChainInfo,
     ChainInfoRequest,
@@ -53,20 +55,20 @@ from laminar.protocol.relay import (
     PullRequest,
     PushChunk,
     RelayReset,
+    RelayStatus,
     ReleaseRequest,
     StageReply,
     StageRequest,
     VersionOffer,
-    WeightChunk,
     WeightsReady,
 )
-from laminar.relay.chain import ChainFollower, Pacer, ReceivingStarted
-from laminar.relay.delta import DELTA_PIN, delta_base, digest_and_encode, words_for
-from laminar.relay.shm import OutOfSlots, VersionState, WeightStore, default_shm_dir
-from laminar.transport.codec import ProtocolError
-from laminar.transport.sockets import Peer, TransportError, socket_max_message_bytes
+from laminar.relay.chain import ChainFollower, ChunkService, ReceivingStarted
+from laminar.transport.session import Ack, ErrorReply
+from laminar.transport.sockets import Peer, TransportError
 from laminar.transport.streams import Publisher
-from laminar.transport.weight_layout import chunk_range, validate_layout, version_checksum
+from laminar.weights.delta import DELTA_PIN, delta_base, digest_and_encode, words_for
+from laminar.weights.layout import validate_layout, version_checksum
+from laminar.weights.segment import OutOfSlots, VersionState, WeightStore, default_shm_dir
 
 DIGEST_BATCH = 8  # chunks hashed per thread hop: keeps the loop responsive, the overhead small
 
@@ -83,7 +85,9 @@ class RelayNode(Node):
             max_slots=rc.max_slots,
         )
         self.chain = ChainFollower(
-            cfg,
+            rc,
+            n_relays=cfg.cluster.roles.get("relay", 1),
+            endpoint=cfg.endpoint,
             index=self.index,
             store=self.store,
             ctx=self.ctx,
@@ -95,8 +99,14 @@ class RelayNode(Node):
         )
         self._staging: dict[int, tuple[str, VersionState, float]] = {}
         self._tokens = itertools.count(1)
-        self._pacers: dict[str, Pacer] = {}
-        self._corrupted: set[tuple[int, int]] = set()
+        self.chunks = ChunkService(
+            self.store,
+            self.node_id,
+            self.metrics,
+            chunk_wait_s=rc.chunk_wait_s,
+            delta=rc.delta,
+            link_bytes_per_s=rc.link_bytes_per_s,
+        )
         self._host = socket.gethostname()
 
         self.srv = self.server(
@@ -121,7 +131,7 @@ class RelayNode(Node):
             max_message_bytes=socket_max_message_bytes(cfg, "relay_data"),
         )
         self.data.on(OfferRequest, self._on_offer_request)
-        self.data.on(FetchChunk, self._on_fetch)
+        self.data.on(FetchChunk, self.chunks.fetch)
         self.data.on(ChainInfoRequest, self._on_chain_info)
         self.pub = Publisher(
             self.ctx,
@@ -156,15 +166,16 @@ class RelayNode(Node):
 
     def status(self) -> NodeStatus:
         cur, inc = self.store.current, self.store.newest_incoming()
-        extra = {
-            "master": self.chain.master,
-            "upstream": self.chain.upstream,
-            "epoch": self.chain.epoch,
-            "incoming": inc.version if inc else -1,
-            "pinned": self.store.pinned(),
-        }
+        upstream = self.chain.upstream
+        relay = RelayStatus(
+            master=self.chain.master,
+            upstream=-1 if upstream is None else upstream,
+            epoch=self.chain.epoch,
+            incoming=inc.version if inc else -1,
+            pinned=self.store.pinned(),
+        )
         return NodeStatus(
-            node_id=self.node_id, role=self.role, version=cur.version if cur else -1, extra=extra
+            node_id=self.node_id, role=self.role, version=cur.version if cur else -1, relay=relay
         )
 
     # ---- what the chain follower reports ---------------------------------------------------
@@ -267,8 +278,9 @@ class RelayNode(Node):
         self.store.abandon(vs)
 
     async def _digest_pass(self, vs: VersionState) -> None:
-        """Chunk digests (and in delta mode the deltas against the previous version, relay/delta.py)
-        of a version the trainer handed off; each chunk becomes servable once hashed."""
+        """Chunk digests (and in delta mode the deltas against the previous version,
+        laminar/weights/delta.py) of a version the trainer handed off; each chunk becomes
+        servable once hashed."""
         t0 = time.monotonic()
         cb = vs.chunk_bytes
         base = self.store.current
@@ -305,51 +317,6 @@ class RelayNode(Node):
     async def _on_offer_request(self, peer: Peer, msg: OfferRequest) -> VersionOffer:
         vs = self.store.newest()
         return self._offer(vs) if vs is not None else VersionOffer(version=-1)
-
-    async def _on_fetch(self, peer: Peer, msg: FetchChunk) -> WeightChunk | ErrorReply:
-        vs = self.store.versions.get(msg.version)
-        if vs is None or vs.abandoned or vs.staging:
-            return ErrorReply(
-                code="gone", message=f"{self.node_id} does not have version {msg.version}"
-            )
-        if not 0 <= msg.index < vs.n:
-            raise ProtocolError(f"chunk index {msg.index} out of range [0, {vs.n})")
-        if not await self.store.wait_chunk(vs, msg.index, self.cfg.relay.chunk_wait_s):
-            code = "gone" if vs.abandoned else "not_yet"
-            return ErrorReply(
-                code=code, message=f"chunk {msg.index} of version {msg.version} not here"
-            )
-        start, end = chunk_range(msg.index, vs.chunk_bytes, vs.layout.total_bytes)
-        digest = int(vs.digests[msg.index])
-        checksum = vs.checksum or vs.expected_checksum
-        blob = None
-        if self.cfg.relay.delta and msg.base_version >= 0 and msg.base_version == vs.delta_base:
-            blob = vs.deltas.get(msg.index)  # None: this chunk travels whole (delta not smaller)
-        # zero-copy: the frame points into the shared-memory slot (or the kept delta)
-        data = vs.buf[start:end] if blob is None else blob
-        key = (vs.version, msg.index)
-        if msg.index in self.cfg.relay.inject_corrupt_chunks and key not in self._corrupted:
-            self._corrupted.add(key)
-            data = data.copy()
-            data[len(data) // 2] ^= 0xFF
-            self.metrics.count("chunks_corrupted_on_purpose")
-            self.log.warning("chunk_corrupted_on_purpose", version=vs.version, index=msg.index)
-        pacer = self._pacers.get(peer.node_id)
-        if pacer is None:
-            pacer = self._pacers[peer.node_id] = Pacer(self.cfg.relay.link_bytes_per_s)
-        await pacer.take(len(data))
-        self.metrics.count("bytes_sent", len(data))
-        if blob is not None:
-            self.metrics.count("chunks_sent_delta")
-        return WeightChunk(
-            version=vs.version,
-            index=msg.index,
-            offset=start,
-            digest=digest,
-            data=data,
-            base_version=vs.delta_base if blob is not None else -1,
-            version_checksum=checksum,
-        )
 
     # ---- readers ---------------------------------------------------------------------------
     async def _on_pull(self, peer: Peer, msg: PullRequest) -> PullReply | ErrorReply:

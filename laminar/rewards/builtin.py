@@ -19,7 +19,8 @@ Dataflow:
     demo_task    the count-up task's verifier (laminar.tasks.countup.reward)
 
 Run a reward by hand:
-    python -c "from laminar.rewards.builtin import math_verify; print(math_verify('', r'\\boxed{1/2}', answer='0.5'))"
+    python -c "from laminar.rewards.builtin import math_verify
+    print(math_verify('', r'\\boxed{1/2}', answer='0.5'))"
 """
 
 from __future__ import annotations

@@ -13,17 +13,19 @@ as `fn(prompt, completion, **row)` (row = the dataset row's other columns; keys
     None                    "not applicable": the sample is excluded (Trajectory.reward None)
     dict                    named components, all logged in Trajectory.reward_info; the reward is
                             dict["reward"] (None there excludes the sample), or, when there is
-                            no "reward" key, the dict's single numeric value. Anything else is an error.
+                            no "reward" key, the dict's single numeric value. Anything else is
+                            an error.
 
 A function that raises, returns something else, returns a non-finite number or
-runs past `timeout_s` marks its sample: reward None and reward_info {"error": ...,
-"error_kind": exception | format | timeout | worker_died}, counted in `stats`.
+runs past `timeout_s` marks its sample: reward None, RewardResult.error and error_kind
+(exception | format | timeout | worker_died; Trajectory.reward_error / reward_error_kind),
+counted in `stats`.
 Nothing here ever stalls the caller's event loop.
 
 Where it runs (`workers`):
     >= 1  that many worker processes (`python -m laminar.rewards.runner --worker SPEC`),
-          one call at a time each, driven with asyncio subprocess pipes: length-prefixed
-          msgpack frames, no pickle, and no re-import of the parent's __main__ (so a
+          one call at a time each (laminar/subprocess_pool.py: length-prefixed msgpack
+          frames on the pipes, no pickle, no re-import of the parent's __main__, so a
           notebook or an unguarded script can use them). The child's stdout is moved to
           stderr so a print() in a reward cannot corrupt the protocol. A call that times
           out kills its worker (SIGKILL) and a fresh one replaces it in the background,
@@ -41,13 +43,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import importlib
 import inspect
 import math
 import numbers
 import os
-import struct
 import sys
 import threading
 import time
@@ -55,16 +55,24 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
+import msgspec
 
-from laminar.config import ConfigError, LaminarConfig
+from laminar.config import ConfigError, RewardConfig
+from laminar.subprocess_pool import (
+    Worker,
+    WorkerLost,
+    WorkerPool,
+    WorkerTimeout,
+    protocol_fds,
+    read_frame,
+    write_frame,
+)
 from laminar.supervise import Spawn, detached_spawn
 
 __all__ = ["RewardRunner", "RewardResult", "RewardSpecError", "load_reward_fn", "normalize_reward"]
 
 _START_TIMEOUT_S = 60.0
 """A worker process must import the reward module within this long."""
-_LEN = struct.Struct("<I")
 
 
 class _ThreadLoops(threading.local):
@@ -86,18 +94,31 @@ class RewardFormatError(ValueError):
 class RewardResult:
     reward: float | None
     info: dict[str, Any] = field(default_factory=dict)
+    """The components a dict reward returned: logged (Trajectory.reward_info), never decided on."""
     seconds: float = 0.0
+    error: str = ""
+    """Why there is no reward (the exception, the timeout, ...); empty when the function
+    returned one (None included)."""
+    error_kind: str = ""
+    """exception | format | timeout | worker_died here; an episode's environment adds env, the
+    rollout engine; empty: no error."""
 
     @property
     def failed(self) -> bool:
-        return "error" in self.info
+        return bool(self.error_kind)
+
+    @classmethod
+    def failure(cls, kind: str, text: str) -> RewardResult:
+        """No reward, because of `kind`: `text` says what happened."""
+        return cls(None, error=text[:500], error_kind=kind)
 
 
 # ---- the function and its return value ------------------------------------------------------
 
 
 def resolve_spec(spec: str, key: str, shape: str, error: type[Exception]) -> Any:
-    """The object `package.module:attr` names (attr may be dotted); `error` names `key` and the fix."""
+    """The object `package.module:attr` names (attr may be dotted); `error` names `key` and the
+    fix."""
     if (
         not isinstance(spec, str)
         or spec.count(":") != 1
@@ -179,107 +200,43 @@ def _call(
     return normalize_reward(out)
 
 
-def _error(kind: str, text: str) -> dict[str, Any]:
-    return {"error": text[:500], "error_kind": kind}
-
-
 # ---- worker processes -------------------------------------------------------------------------
 
 
-def _frame(obj: Any) -> bytes:
-    body = msgpack.packb(obj, use_bin_type=True)
-    return _LEN.pack(len(body)) + body
-
-
 def worker_main(spec: str) -> None:
-    """Child: import the function, say hello, then answer [job_id, prompt, completion, row] frames."""
-    out = os.fdopen(os.dup(1), "wb", buffering=0)
-    os.dup2(2, 1)  # print() in a reward goes to stderr, never into the protocol stream
+    """Child: import the function, say hello, then answer [prompt, completion, row] frames with
+    [True, reward, info] or [False, error_kind, error]."""
+    inp, out = protocol_fds(stdout_to=2)  # print() in a reward goes to stderr, never the stream
     sys.stdout = sys.stderr
-    inp = sys.stdin.buffer
     try:
         fn = load_reward_fn(spec)
     except Exception as exc:
-        out.write(_frame({"ok": False, "error": f"{type(exc).__name__}: {exc}"}))
+        write_frame(out, {"ok": False, "error": f"{type(exc).__name__}: {exc}"})
         return
-    out.write(_frame({"ok": True, "pid": os.getpid()}))
+    write_frame(out, {"ok": True, "pid": os.getpid()})
     loops: list = []
-    while True:
-        head = inp.read(_LEN.size)
-        if len(head) < _LEN.size:
-            return  # parent gone
-        jid, prompt, completion, row = msgpack.unpackb(inp.read(_LEN.unpack(head)[0]), raw=False)
+    while (raw := read_frame(inp)) is not None:  # None: the parent is gone
+        prompt, completion, row = msgspec.msgpack.decode(raw)
         try:
             reward, info = _call(fn, prompt, completion, row, loops)
-            reply = [jid, True, reward, info]
+            reply = [True, reward, info]
         except RewardFormatError as exc:
-            reply = [jid, False, "format", str(exc)]
+            reply = [False, "format", str(exc)]
         except BaseException as exc:  # the user's code: any failure marks the sample only
-            reply = [jid, False, "exception", f"{type(exc).__name__}: {exc}"]
-        out.write(_frame(reply))
+            reply = [False, "exception", f"{type(exc).__name__}: {exc}"]
+        write_frame(out, reply)
 
 
-class _Worker:
-    """One reward process and the parent's ends of its pipes."""
-
-    def __init__(self, proc: asyncio.subprocess.Process):
-        self.proc = proc
-        self.pid = proc.pid
-
-    @classmethod
-    async def spawn(cls, spec: str) -> _Worker:
-        env = dict(os.environ)
-        # the child finds what the parent imports from (a tests/ dir, a notebook's cwd ...)
-        env["PYTHONPATH"] = os.pathsep.join(
-            [p for p in sys.path if p] + [env.get("PYTHONPATH", "")]
+async def _start_worker(spec: str) -> Worker:
+    worker = await Worker.start(
+        ["-m", "laminar.rewards.runner", "--worker", spec], hello_timeout_s=_START_TIMEOUT_S
+    )
+    if not worker.hello.get("ok"):
+        await worker.kill()
+        raise RewardSpecError(
+            f"reward worker failed to load the function: {worker.hello.get('error')}"
         )
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "laminar.rewards.runner",
-            "--worker",
-            spec,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            env=env,
-        )
-        w = cls(proc)
-        try:
-            hello = await asyncio.wait_for(w._read(), _START_TIMEOUT_S)
-        except BaseException:
-            await w.kill()
-            raise
-        if not hello.get("ok"):
-            await w.kill()
-            raise RewardSpecError(
-                f"reward worker failed to load the function: {hello.get('error')}"
-            )
-        return w
-
-    async def _read(self) -> Any:
-        assert self.proc.stdout is not None
-        head = await self.proc.stdout.readexactly(_LEN.size)  # IncompleteReadError: the child died
-        return msgpack.unpackb(await self.proc.stdout.readexactly(_LEN.unpack(head)[0]), raw=False)
-
-    async def call(self, job: list, timeout: float) -> list:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(_frame(job))
-        await self.proc.stdin.drain()
-        reply = await asyncio.wait_for(self._read(), timeout)
-        if reply[0] != job[0]:
-            raise RuntimeError(f"reward worker answered job {reply[0]}, expected {job[0]}")
-        return reply
-
-    @property
-    def alive(self) -> bool:
-        return self.proc.returncode is None
-
-    async def kill(self) -> None:
-        if self.proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.kill()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.proc.wait(), 5.0)
+    return worker
 
 
 # ---- the runner -------------------------------------------------------------------------------
@@ -293,31 +250,33 @@ class RewardRunner:
             int(workers),
             threads,
         )
-        self.stats: dict[str, int] = dict(
-            calls=0, ok=0, excluded=0, errors=0, timeouts=0, replaced=0, stuck=0
+        self._counts: dict[str, int] = dict(
+            calls=0, ok=0, excluded=0, errors=0, timeouts=0, stuck=0
         )
         self.seconds_total = 0.0
         self._fn: Callable[..., Any] | None = None
         self._is_async = False
-        self._jid = 0
-        self._idle: asyncio.Queue[_Worker] | None = None
-        self._all: set[_Worker] = set()
+        self._procs: WorkerPool | None = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._bg_loop: asyncio.AbstractEventLoop | None = None
         self._bg_thread: threading.Thread | None = None
-        self._replacing: set[asyncio.Task] = set()
         self._tls = _ThreadLoops()
-        self._closed = False
-        self._spawn: Spawn = detached_spawn
 
     @classmethod
-    def from_config(cls, cfg: LaminarConfig) -> RewardRunner:
-        return cls(cfg.reward.fn, cfg.reward.timeout_s, cfg.reward.workers)
+    def from_config(cls, rc: RewardConfig) -> RewardRunner:
+        return cls(rc.fn, rc.timeout_s, rc.workers)
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """calls, ok, excluded, errors, timeouts, stuck, replaced (+ respawn_failures)."""
+        out = dict(self._counts, replaced=self._procs.restarts if self._procs else 0)
+        if self._procs is not None and self._procs.restart_failures:
+            out["respawn_failures"] = self._procs.restart_failures
+        return out
 
     async def start(self, spawn: Spawn = detached_spawn) -> None:
         """Import the function here first (a clear error at startup), then start the workers.
         A dead worker's replacement starts in the background through `spawn`."""
-        self._spawn = spawn
         self._fn = load_reward_fn(self.spec)
         self._is_async = inspect.iscoroutinefunction(self._fn)
         if self.workers == 0:
@@ -331,22 +290,15 @@ class RewardRunner:
                 )
                 self._bg_thread.start()
             return
-        self._idle = asyncio.Queue()
-        results = await asyncio.gather(
-            *(_Worker.spawn(self.spec) for _ in range(self.workers)), return_exceptions=True
+        spec = self.spec
+        self._procs = WorkerPool(
+            lambda: _start_worker(spec), self.workers, name="reward", spawn=spawn, log=_log()
         )
-        for r in results:
-            if isinstance(r, _Worker):
-                self._all.add(r)
-                self._idle.put_nowait(r)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            await self.close()
-            raise errors[0]
+        await self._procs.start()
 
     @property
     def worker_pids(self) -> list[int]:
-        return sorted(w.pid for w in self._all)
+        return self._procs.pids() if self._procs is not None else []
 
     async def score(
         self, prompt: str, completion: str, row: Mapping[str, Any] | None = None
@@ -355,7 +307,7 @@ class RewardRunner:
         if self._fn is None:
             raise RuntimeError("RewardRunner.start() was not awaited")
         kwargs = {str(k): v for k, v in (row or {}).items() if k not in ("prompt", "completion")}
-        self.stats["calls"] += 1
+        self._counts["calls"] += 1
         t0 = time.monotonic()
         if self.workers == 0:
             res = await self._score_local(prompt, completion, kwargs)
@@ -364,11 +316,11 @@ class RewardRunner:
         res.seconds = time.monotonic() - t0
         self.seconds_total += res.seconds
         if res.failed:
-            self.stats["errors"] += 1
+            self._counts["errors"] += 1
         elif res.reward is None:
-            self.stats["excluded"] += 1
+            self._counts["excluded"] += 1
         else:
-            self.stats["ok"] += 1
+            self._counts["ok"] += 1
         return res
 
     async def _score_local(self, prompt: str, completion: str, row: dict[str, Any]) -> RewardResult:
@@ -384,20 +336,20 @@ class RewardRunner:
             out = await asyncio.wait_for(asyncio.wrap_future(fut), self.timeout_s)
         except TimeoutError:
             fut.cancel()  # cancels an async reward; a running sync one keeps its thread
-            self.stats["timeouts"] += 1
+            self._counts["timeouts"] += 1
             if not self._is_async:
-                self.stats["stuck"] += 1
-            return RewardResult(None, _error("timeout", f"reward exceeded {self.timeout_s}s"))
+                self._counts["stuck"] += 1
+            return RewardResult.failure("timeout", f"reward exceeded {self.timeout_s}s")
         except RewardFormatError as exc:
-            return RewardResult(None, _error("format", str(exc)))
+            return RewardResult.failure("format", str(exc))
         except Exception as exc:
-            return RewardResult(None, _error("exception", f"{type(exc).__name__}: {exc}"))
+            return RewardResult.failure("exception", f"{type(exc).__name__}: {exc}")
         if not self._is_async:
             return RewardResult(*out)
         try:
             return RewardResult(*normalize_reward(out))
         except RewardFormatError as exc:
-            return RewardResult(None, _error("format", str(exc)))
+            return RewardResult.failure("format", str(exc))
 
     def _run_on_thread(self, prompt: str, completion: str, row: dict[str, Any]) -> tuple:
         assert self._fn is not None
@@ -406,86 +358,40 @@ class RewardRunner:
     async def _score_process(
         self, prompt: str, completion: str, row: dict[str, Any]
     ) -> RewardResult:
-        assert self._idle is not None
-        worker = await self._idle.get()
+        procs = self._procs
+        assert procs is not None
+        worker = await procs.acquire()
         while not worker.alive:  # died between jobs: not this sample's fault
-            self._replace(worker)
-            worker = await self._idle.get()
-        self._jid += 1
+            procs.replace(worker, "exited while idle")
+            worker = await procs.acquire()
         try:
-            reply = await worker.call([self._jid, prompt, completion, row], self.timeout_s)
-        except TimeoutError:
-            self.stats["timeouts"] += 1
-            self._replace(worker)
-            return RewardResult(
-                None, _error("timeout", f"reward exceeded {self.timeout_s}s; worker replaced")
+            ok, a, b = await worker.call([prompt, completion, row], self.timeout_s)
+        except WorkerTimeout:
+            self._counts["timeouts"] += 1
+            procs.replace(worker, f"reward exceeded {self.timeout_s}s")
+            return RewardResult.failure(
+                "timeout", f"reward exceeded {self.timeout_s}s; worker replaced"
             )
         except asyncio.CancelledError:
-            self._replace(worker)  # its answer may still arrive: never reuse that pipe
+            procs.replace(worker, "call cancelled")  # its answer may still arrive: never reuse
             raise
-        except (
-            asyncio.IncompleteReadError,
-            ConnectionError,
-            RuntimeError,
-        ) as exc:  # the child died
-            self._replace(worker)
-            return RewardResult(
-                None, _error("worker_died", f"reward worker died ({type(exc).__name__}: {exc})")
-            )
-        except (TypeError, ValueError) as exc:  # a row msgpack cannot carry; the worker is fine
-            self._idle.put_nowait(worker)
-            return RewardResult(
-                None, _error("exception", f"cannot send the sample to the worker: {exc}")
-            )
-        self._idle.put_nowait(worker)
-        _jid, ok, a, b = reply
-        return RewardResult(a, b) if ok else RewardResult(None, _error(a, b))
-
-    def _replace(self, worker: _Worker) -> None:
-        """Kill a worker and start a fresh one in the background (the caller does not wait)."""
-        self.stats["replaced"] += 1
-        task = self._spawn(self._respawn(worker), "reward-respawn")
-        self._replacing.add(task)
-        task.add_done_callback(self._replacing.discard)
-
-    async def _respawn(self, old: _Worker) -> None:
-        self._all.discard(old)
-        await old.kill()
-        delay = 0.1
-        while not self._closed:
-            try:
-                new = await _Worker.spawn(self.spec)
-            except Exception as exc:
-                self.stats["respawn_failures"] = self.stats.get("respawn_failures", 0) + 1
-                _log().error(
-                    "reward_worker_respawn_failed",
-                    error=f"{type(exc).__name__}: {exc}",
-                    retry_s=delay,
-                )
-                await asyncio.sleep(delay)  # respawn backoff
-                delay = min(delay * 2, 5.0)
-                continue
-            if self._closed:
-                await new.kill()
-                return
-            self._all.add(new)
-            assert self._idle is not None
-            self._idle.put_nowait(new)
-            return
+        except WorkerLost as exc:  # the child died
+            procs.replace(worker, str(exc))
+            return RewardResult.failure("worker_died", f"reward worker died ({exc})")
+        except (TypeError, ValueError, OverflowError) as exc:  # a row msgpack cannot carry
+            procs.release(worker)  # nothing was sent: the worker is fine
+            return RewardResult.failure("exception", f"cannot send the sample to the worker: {exc}")
+        procs.release(worker)
+        return RewardResult(a, b) if ok else RewardResult.failure(a, b)
 
     async def wait_workers(self, timeout: float) -> None:
         """Until every replacement worker is up (tests; a drain)."""
-        if self._replacing:
-            await asyncio.wait_for(
-                asyncio.gather(*self._replacing, return_exceptions=True), timeout
-            )
+        if self._procs is not None:
+            await self._procs.wait_restarts(timeout)
 
     async def close(self) -> None:
-        self._closed = True
-        for t in list(self._replacing):
-            t.cancel()
-        workers, self._all = list(self._all), set()
-        await asyncio.gather(*(w.kill() for w in workers), return_exceptions=True)
+        if self._procs is not None:
+            await self._procs.close()
         if self._bg_loop is not None:
             self._bg_loop.call_soon_threadsafe(self._bg_loop.stop)
             if self._bg_thread is not None:

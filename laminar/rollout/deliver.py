@@ -1,8 +1,10 @@
 """Everything a rollout sends to the buffer: partial batches, finished and abandoned trajectories.
 
-    table.mark_dirty(uid) ──► [deliverer.stream()] ──PartialBatch (one-way, best-effort)──► buffer partial pool
-        (at most one flush per rollout.partial_flush_s; each batch = every marked sequence's new tokens)
-    deliverer.finished(seq, reason) ──► spawn(reward) ──► outbox.put(Trajectory) ──(acked, resent)──► buffer
+    table.mark_dirty(uid) ──► [deliverer.stream()] ──PartialBatch (one-way, best-effort)──► buffer
+        partial pool (at most one flush per rollout.partial_flush_s; each batch = every marked
+        sequence's new tokens)
+    deliverer.finished(seq, reason) ──► spawn(reward) ──► outbox.put(Trajectory)
+        ──(acked, resent)──► buffer
     deliverer.abandon(uid, group_id, why) ──────────────► outbox.put(TrajectoryAbandoned)
 
 Partial entries follow the contract in laminar/rollout/tracking.py (one PartialBatch entry says
@@ -27,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import time
 import zlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -34,23 +37,26 @@ import structlog
 
 from laminar.metrics import Metrics
 from laminar.protocol.buffer import TrajectoryAbandoned
-from laminar.protocol.data import PartialBatch, PartialTrajectory
+from laminar.protocol.data import PartialBatch, PartialTrajectory, Trajectory
 from laminar.rollout.outbox import Outbox
 from laminar.rollout.sequences import SequenceTable
 from laminar.rollout.tracking import SeqState
 from laminar.supervise import Spawn
 from laminar.transport.client import RpcClient
-from laminar.transport.weights_channel import WeightSubscriber
-
-EnvScore = tuple[float | None, dict[str, Any]]
-"""A multi-turn episode's reward as its environment gave it: (reward or None, info)."""
 
 if TYPE_CHECKING:  # imported by the node only when a reward function is configured
-    from laminar.rewards.runner import RewardRunner
+    from laminar.rewards.runner import RewardResult, RewardRunner
 
 MAX_BATCH_ENTRIES = 512
 """Entries per PartialBatch at most (each header adds ~3 frames; the codec takes 4096)."""
 _BYTES_PER_TOKEN = 9  # int32 id + float32 logprob + uint8 mask
+
+
+def _score(traj: Trajectory, res: RewardResult) -> None:
+    """The reward (or why there is none) onto the trajectory: the buffer branches on the typed
+    reward_error_kind; reward_info only carries the components, for the logs."""
+    traj.reward, traj.reward_info = res.reward, dict(res.info)
+    traj.reward_error, traj.reward_error_kind = res.error, res.error_kind
 
 
 def partial_batch(seqs: list[SeqState], rollout_id: str) -> tuple[PartialBatch, list[int]]:
@@ -92,9 +98,10 @@ class Deliverer:
         self,
         rollout_id: str,
         buffer: RpcClient,
-        outbox: Outbox,
         table: SequenceTable,
-        source: WeightSubscriber,
+        *,
+        outbox: Outbox,
+        latest_version: Callable[[], int],
         rewards: RewardRunner | None,
         tokenizer: Any,
         spawn: Spawn,
@@ -105,11 +112,14 @@ class Deliverer:
     ):
         self.rollout_id = rollout_id
         self.flush_s = flush_s
-        """Least time between two partial batches (rollout.partial_flush_s; 0: as soon as marked)."""
+        """Least time between two partial batches (rollout.partial_flush_s; 0: as soon as
+        marked)."""
         self.max_batch_bytes = max_batch_bytes
         """A batch is split above this (under the buffer socket's message limit)."""
         self.buffer, self.outbox, self.table = buffer, outbox, table
-        self.source, self.rewards = source, rewards
+        self.latest_version = latest_version
+        """The newest weight version this rollout knows of (its staleness at finish)."""
+        self.rewards = rewards
         self.tokenizer = tokenizer
         """A HF tokenizer (torch/vllm engines with a model), or None: completions stay empty."""
         self.spawn = spawn
@@ -181,12 +191,14 @@ class Deliverer:
 
     # ---- finished, abandoned ------------------------------------------------------------------
     def abandon(self, uid: str, group_id: str, reason: str) -> None:
-        """Nobody will finish it (a bad prompt item, an engine abort): the buffer drops its group."""
+        """Nobody will finish it (a bad prompt item, an engine abort): the buffer drops its
+        group."""
         self.outbox.put(TrajectoryAbandoned(uid=uid, group_id=group_id, reason=reason))
 
-    def finished(self, seq: SeqState, reason: str, env_score: EnvScore | None = None) -> None:
-        """A trajectory the engine (or its episode) finished, already forgotten by the table: reward,
-        then deliver. `env_score`: the environment scored it, (reward, info); None: reward.fn."""
+    def finished(self, seq: SeqState, reason: str, env_score: RewardResult | None = None) -> None:
+        """A trajectory the engine (or its episode) finished, already forgotten by the table:
+        reward, then deliver. `env_score`: the environment scored it, (reward, info); None:
+        reward.fn."""
         if reason == "abort":  # aborted by the engine itself: nobody will resume it
             self.metrics.count("engine_aborts")
             self.abandon(seq.uid, seq.group_id, "engine abort")
@@ -195,23 +207,23 @@ class Deliverer:
         self._scoring.add(task)
         task.add_done_callback(self._scoring.discard)
 
-    async def _deliver(self, seq: SeqState, reason: str, env_score: EnvScore | None) -> None:
+    async def _deliver(self, seq: SeqState, reason: str, env_score: RewardResult | None) -> None:
         now = time.time()
         traj = seq.trajectory(reason, self.rollout_id, now)
-        traj.staleness_at_finish = max(0, self.source.latest_version() - seq.version)
+        traj.staleness_at_finish = max(0, self.latest_version() - seq.version)
         if self.tokenizer is not None:
             traj.completion = self.tokenizer.decode(
                 traj.response_ids.tolist(), skip_special_tokens=True
             )
         if env_score is not None:  # the episode's environment scored it (errors included)
-            traj.reward, traj.reward_info = env_score[0], dict(env_score[1])
+            _score(traj, env_score)
         elif reason == "error":
             # the engine could not run it (e.g. prompt too long): delivered, excluded from training
             self.metrics.count("engine_errors")
-            traj.reward, traj.reward_info = None, {"error": "engine error", "error_kind": "engine"}
+            traj.reward, traj.reward_error, traj.reward_error_kind = None, "engine error", "engine"
         elif self.rewards is not None:
             res = await self.rewards.score(traj.prompt, traj.completion, traj.row)
-            traj.reward, traj.reward_info = res.reward, dict(res.info)
+            _score(traj, res)
             traj.timings["reward_s"] = res.seconds
             if res.failed:
                 self.metrics.count("reward_failed")
@@ -227,7 +239,8 @@ class Deliverer:
         """Stopping: every partial entry out, every reward scored, the outbox acked (within
         `timeout`); True when the outbox emptied."""
         deadline = time.monotonic() + timeout
-        self.table.mark_unsent()  # unfinished ones: the partial pool gets every token, for recovery elsewhere
+        # unfinished ones: the partial pool gets every token, for recovery elsewhere
+        self.table.mark_unsent()
         await self.flush_partials()
         if self._scoring:
             await asyncio.wait(set(self._scoring), timeout=max(0.0, deadline - time.monotonic()))

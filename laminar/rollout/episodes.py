@@ -73,8 +73,8 @@ from laminar.envs.base import Environment, StepContext, StepResult, ToolClient, 
 from laminar.envs.replay import replay, split_segments
 from laminar.envs.template import TurnTemplate
 from laminar.metrics import Metrics
-from laminar.rewards.runner import normalize_reward
-from laminar.rollout.deliver import Deliverer, EnvScore
+from laminar.rewards.runner import RewardResult, normalize_reward
+from laminar.rollout.deliver import Deliverer
 from laminar.rollout.sequences import SequenceTable
 from laminar.rollout.tracking import SeqState
 from laminar.supervise import Spawn
@@ -98,6 +98,7 @@ class EpisodeDriver:
     def __init__(
         self,
         env: Environment,
+        *,
         template: TurnTemplate,
         tools: ToolClient | None,
         limits: EnvLimits,
@@ -225,7 +226,8 @@ class EpisodeDriver:
                 self.metrics.count("tool_cached")
 
     def _answer(self, seq: SeqState, res: StepResult, obs: np.ndarray | None) -> None:
-        """The step of turn seq.turn answered: the episode ends, or its answer goes in and turn+1 starts."""
+        """The step of turn seq.turn answered: the episode ends, or its answer goes in and turn+1
+        starts."""
         if res.done:
             self._finish(seq, "stop")
         elif seq.turn + 1 >= self.limits.max_turns:
@@ -332,16 +334,10 @@ class EpisodeDriver:
             turn=seq.turn,
             error=f"{type(exc).__name__}: {exc}",
         )
-        self._finish(
-            seq,
-            "error",
-            (
-                None,
-                {"error": f"env {where}: {type(exc).__name__}: {exc}"[:500], "error_kind": "env"},
-            ),
-        )
+        why = f"env {where}: {type(exc).__name__}: {exc}"
+        self._finish(seq, "error", RewardResult.failure("env", why))
 
-    def _finish(self, seq: SeqState, reason: str, score: EnvScore | None = None) -> None:
+    def _finish(self, seq: SeqState, reason: str, score: RewardResult | None = None) -> None:
         """The episode is over: it leaves the table (its credit is free), then score and deliver."""
         seq.awaiting_env = False
         seq.step_task = None
@@ -356,7 +352,9 @@ class EpisodeDriver:
         self.finishing.add(task)
         task.add_done_callback(self.finishing.discard)
 
-    async def _score_and_deliver(self, seq: SeqState, reason: str, score: EnvScore | None) -> None:
+    async def _score_and_deliver(
+        self, seq: SeqState, reason: str, score: RewardResult | None
+    ) -> None:
         if score is None:
             try:
                 if seq.env_state is None:
@@ -368,16 +366,14 @@ class EpisodeDriver:
                     self.env.score(seq.env_state, ctx), self.limits.turn_timeout_s
                 )
                 if out is not None:
-                    score = normalize_reward(out)
+                    score = RewardResult(*normalize_reward(out))
             except Exception as exc:  # user code: no reward rather than a dead rollout
                 self.metrics.count("env_score_errors")
                 self.log.warning(
                     "env_score_error", uid=seq.uid, error=f"{type(exc).__name__}: {exc}"
                 )
-                score = (
-                    None,
-                    {"error": f"env score: {type(exc).__name__}: {exc}"[:500], "error_kind": "env"},
-                )
+                why = f"env score: {type(exc).__name__}: {exc}"
+                score = RewardResult.failure("env", why)
         self.deliverer.finished(seq, reason, score)
 
     # ---- the episode clock -------------------------------------------------------------------

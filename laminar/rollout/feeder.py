@@ -62,6 +62,7 @@ class PromptFeeder:
         self,
         rollout_id: str,
         cfg: RolloutConfig,
+        *,
         backoff_max_s: float,
         buffer: RpcClient,
         gate: VersionGate,
@@ -75,12 +76,14 @@ class PromptFeeder:
         self.rollout_id, self.cfg, self.backoff_max_s = rollout_id, cfg, backoff_max_s
         self.buffer, self.gate, self.table, self.deliverer = buffer, gate, table, deliverer
         self.wake = wake
-        """Set by whatever the loop may be waiting on: a credit freed, a new version, a refresh asked."""
+        """Set by whatever the loop may be waiting on: a credit freed, a new version, a refresh
+        asked."""
         self.spawn = spawn
         self.metrics, self.log = metrics, log
         self.held: list[PromptItem] = []
         self._held_version = -1
-        """Prompt groups served for a version not loaded yet (its load failed): started once it is."""
+        """Prompt groups served for a version not loaded yet (its load failed): started once it
+        is."""
         self.loading = False
         """A weight load runs (bench/cluster_run.py's breakdown samples it)."""
         self._stop = asyncio.Event()
@@ -129,7 +132,8 @@ class PromptFeeder:
                         # idle and a newer version is there: ask for the prompts to run on it while
                         # it loads, so a refill (a drained or repack-emptied rollout) waits for the
                         # longer of the two round trips, not their sum; they start once it is loaded
-                        # (the load takes the newest there is: never older than the version asked for)
+                        # (the load takes the newest there is: never older than the version asked
+                        # for)
                         load = self.spawn(self._load_then_start_held(), "weights-load")
                         declared = nxt
                     else:
@@ -164,8 +168,8 @@ class PromptFeeder:
             if load is not None:
                 await load  # the weights first: the groups must start on them
             if failed is not None:
-                # the buffer may have served (and journaled) it before the reply was lost: the retry carries
-                # the same request_id, so it gets those groups back instead of new ones
+                # the buffer may have served (and journaled) it before the reply was lost: the retry
+                # carries the same request_id, so it gets those groups back instead of new ones
                 self.metrics.count("prompt_request_failed")
                 self.log.debug("prompt_request_failed", error=str(failed))
                 await self._sleep(backoff)

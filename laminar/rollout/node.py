@@ -8,7 +8,7 @@
        │◄──Trajectory (acked, resent) ◄── [outbox.run()] ◄── Deliverer (reward task) ◄── finished
     relay / run_dir/weights ──► WeightSubscriber ──► VersionGate.load ──► engine.load_weights
                                               └─► [gate.watch()] wakes the feeder on a new version
-    manager ──Export/Import/RefreshRequest──► handlers below ──► table.export / table.resume / gate.ask
+    manager ──Export/Import/RefreshRequest──► handlers below ──► table.export/.resume, gate.ask
     manager ◄──Heartbeat(NodeStatus(rollout=RolloutStatus))── beats, and [status push] on change
 
 The parts (laminar/rollout/): VersionGate (versions.py: which version runs and loads next),
@@ -52,8 +52,8 @@ from typing import TYPE_CHECKING, Any
 
 from laminar.config import LaminarConfig
 from laminar.engines.base import Engine, SamplingParams
-from laminar.node import Node
-from laminar.protocol.core import ErrorReply, NodeStatus
+from laminar.node import Node, socket_max_message_bytes, weights_channel
+from laminar.protocol.core import NodeStatus
 from laminar.protocol.rollout import (
     VERSION_MISMATCH,
     ExportReply,
@@ -69,15 +69,17 @@ from laminar.rollout.feeder import PromptFeeder
 from laminar.rollout.outbox import Outbox
 from laminar.rollout.sequences import SequenceTable
 from laminar.rollout.versions import VersionGate
-from laminar.transport.sockets import Peer, socket_max_message_bytes
-from laminar.transport.weights_channel import WeightSubscriber, open_subscriber
+from laminar.transport.session import ErrorReply
+from laminar.transport.sockets import Peer
+from laminar.weights.channel import WeightSubscriber, open_subscriber
 
 STARTING_ENGINE = "starting_engine"
-"""NodeStatus.extra["state"] (and ErrorReply code) of a rollout whose engine has not started yet."""
+"""NodeStatus.state (and ErrorReply code) of a rollout whose engine has not started yet."""
 
 
 class EngineStartTimeout(RuntimeError):
-    """The engine did not start within rollout.engine_start_timeout_s: the rollout fails (exit non-zero)."""
+    """The engine did not start within rollout.engine_start_timeout_s: the rollout fails (exit
+    non-zero)."""
 
 
 if TYPE_CHECKING:
@@ -110,9 +112,11 @@ class RolloutNode(Node):
         self.episodes: EpisodeDriver | None = None
         self.rewards: RewardRunner | None = None
         self.tokenizer: Any = None
-        """HF tokenizer of model.path (torch/vllm engines), for completions and multi-turn templates."""
+        """HF tokenizer of model.path (torch/vllm engines), for completions and multi-turn
+        templates."""
         self.engine_ready = asyncio.Event()
-        """Set once the engine has started and the parts around it are built (status: starting_engine before)."""
+        """Set once the engine has started and the parts around it are built (status:
+        starting_engine before)."""
         self.engine_started_at = 0.0
         self.wake = asyncio.Event()
         """The feeder's: a credit freed, a new version, a refresh asked, stopping."""
@@ -132,10 +136,11 @@ class RolloutNode(Node):
         if cfg.rollout.engine != "sim" or cfg.reward.sim == "fn":
             from laminar.rewards.runner import RewardRunner
 
-            self.rewards = RewardRunner.from_config(cfg)
+            self.rewards = RewardRunner.from_config(cfg.reward)
             await self.rewards.start(self.spawn)
             self.on_close(self.rewards.close)
-        # (re)connected: the buffer may have lost the partial records, so each restarts from offset 0
+        # (re)connected: the buffer may have lost the partial records, so each restarts from offset
+        # 0
         self.buffer = self.client(cfg.endpoint("buffer"), on_connect=self._restream_all)
         await self.buffer.connect(timeout=t.startup_timeout_s)
         self.outbox = Outbox(
@@ -147,7 +152,7 @@ class RolloutNode(Node):
             t.reconnect_backoff_max_s,
         )
         if self.source is None:
-            self.source = open_subscriber(self.cfg, self.wiring())
+            self.source = open_subscriber(weights_channel(self.cfg), self.wiring())
         await self.source.start()
         self.on_close(self.source.close)
         if cfg.rollout.engine != "sim" and cfg.model.path:
@@ -177,15 +182,17 @@ class RolloutNode(Node):
         self.spawn(self._start_engine(), "engine-start")
 
     async def _start_engine(self) -> None:
-        """Build and start the engine, then the parts around it; past the deadline the node fails."""
+        """Build and start the engine, then the parts around it; past the deadline the node
+        fails."""
         cfg = self.cfg
         deadline = cfg.rollout.engine_start_timeout_s
         try:
             await asyncio.wait_for(self._make_and_start_engine(), deadline)
         except TimeoutError:
             raise EngineStartTimeout(
-                f"{self.node_id}: the {cfg.rollout.engine} engine did not start within {deadline:g} s "
-                "(rollout.engine_start_timeout_s; raise it for a big model or a slow host)"
+                f"{self.node_id}: the {cfg.rollout.engine} engine did not start within "
+                f"{deadline:g} s (rollout.engine_start_timeout_s; raise it for a big model or a "
+                "slow host)"
             ) from None
         self.log.info(
             "engine_started",
@@ -205,9 +212,9 @@ class RolloutNode(Node):
                 kw["env"] = self._vllm_env()
             # loading a torch model blocks for seconds: off the loop, so this node keeps beating
             if cfg.rollout.engine == "torch":
-                self.engine = await asyncio.to_thread(make_engine, cfg, **kw)
+                self.engine = await asyncio.to_thread(make_engine, cfg.rollout, cfg.model, **kw)
             else:
-                self.engine = make_engine(cfg, **kw)
+                self.engine = make_engine(cfg.rollout, cfg.model, **kw)
         self.on_close(self.engine.close)  # before start: a start cut short is closed too
         await self.engine.start(self.spawn)
 
@@ -259,14 +266,14 @@ class RolloutNode(Node):
         self.deliverer = Deliverer(
             self.node_id,
             self.buffer,
-            self.outbox,
             self.table,
-            source,
-            self.rewards,
-            self.tokenizer,
-            self.spawn,
-            self.metrics,
-            self.log,
+            outbox=self.outbox,
+            latest_version=source.latest_version,
+            rewards=self.rewards,
+            tokenizer=self.tokenizer,
+            spawn=self.spawn,
+            metrics=self.metrics,
+            log=self.log,
             flush_s=cfg.rollout.partial_flush_s,
             max_batch_bytes=socket_max_message_bytes(cfg, "buffer") // 2,
         )
@@ -276,30 +283,30 @@ class RolloutNode(Node):
 
             self.episodes = EpisodeDriver(
                 env,
-                TurnTemplate(self.tokenizer),
-                self.tools,
-                limits,
-                params,
-                max_total,
-                engine,
-                self.table,
-                self.deliverer,
-                self.spawn,
-                self.metrics,
-                self.log,
+                template=TurnTemplate(self.tokenizer),
+                tools=self.tools,
+                limits=limits,
+                params=params,
+                max_total=max_total,
+                engine=engine,
+                table=self.table,
+                deliverer=self.deliverer,
+                spawn=self.spawn,
+                metrics=self.metrics,
+                log=self.log,
             )
         self.feeder = PromptFeeder(
             self.node_id,
             cfg.rollout,
-            self.cfg.transport.reconnect_backoff_max_s,
-            self.buffer,
-            self.gate,
-            self.table,
-            self.deliverer,
-            self.wake,
-            self.spawn,
-            self.metrics,
-            self.log,
+            backoff_max_s=self.cfg.transport.reconnect_backoff_max_s,
+            buffer=self.buffer,
+            gate=self.gate,
+            table=self.table,
+            deliverer=self.deliverer,
+            wake=self.wake,
+            spawn=self.spawn,
+            metrics=self.metrics,
+            log=self.log,
         )
 
     def _restream_all(self) -> Any:
@@ -371,12 +378,9 @@ class RolloutNode(Node):
                 node_id=self.node_id,
                 role=self.role,
                 version=-1,
-                extra={
-                    "state": STARTING_ENGINE,
-                    "engine_start_s": round(waited, 1),
-                    "engine_deadline_s": deadline,
-                    "warnings": [note],
-                },
+                state=STARTING_ENGINE,
+                warnings=[note],
+                extra={"engine_start_s": round(waited, 1), "engine_deadline_s": deadline},
             )
         assert self.engine is not None
         st = self.engine.stats()
@@ -408,7 +412,8 @@ class RolloutNode(Node):
 
     # ---- loops ------------------------------------------------------------------------------
     async def _events(self) -> None:
-        """Engine events: tokens into the table; finished ones to the deliverer; chunks to stream."""
+        """Engine events: tokens into the table; finished ones to the deliverer; chunks to
+        stream."""
         assert self.engine is not None
         chunk = self.cfg.rollout.partial_chunk_tokens
         async for ev in self.engine.events():
@@ -429,10 +434,11 @@ class RolloutNode(Node):
                 self.table.mark_dirty(seq.uid)
 
     async def _status_push(self) -> None:
-        """Send the status as soon as it changed, not only on the next beat: repack plans from it, and a
-        plan made on a view up to a beat old moves trajectories that have finished meanwhile onto
-        rollouts that have refilled or refreshed meanwhile. At most one push per status_push_min_s;
-        changes in between go out together. Best effort: the beat timer still carries it."""
+        """Send the status as soon as it changed, not only on the next beat: repack plans from it,
+        and a plan made on a view up to a beat old moves trajectories that have finished meanwhile
+        onto rollouts that have refilled or refreshed meanwhile. At most one push per
+        status_push_min_s; changes in between go out together. Best effort: the beat timer still
+        carries it."""
         gap = self.cfg.rollout.status_push_min_s
         while True:
             await self.status_changed.wait()

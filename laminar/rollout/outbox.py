@@ -22,8 +22,8 @@ import time
 
 import structlog
 
+from laminar.message import Message
 from laminar.transport.client import RpcClient
-from laminar.transport.codec import Message
 from laminar.transport.sockets import RemoteError, TransportError
 
 __all__ = ["Outbox"]
@@ -56,7 +56,8 @@ class Outbox:
         return len(self.pending)
 
     def oldest_age_s(self) -> float:
-        """How long the oldest unacked message has waited (0 when empty): a buffer outage shows here."""
+        """How long the oldest unacked message has waited (0 when empty): a buffer outage shows
+        here."""
         return time.monotonic() - min(self.oldest_since.values()) if self.oldest_since else 0.0
 
     def put(self, msg: Message) -> None:

@@ -6,9 +6,9 @@
     table.forget(uid)                       # finished: its credit is free again
     partials, missing = await table.export(uids, rollout_id)   # abort in the engine, hand them over
     accepted, duplicate = table.resume(partials)               # imported partials -> engine.submit
-    items = await table.retract(max_seqs)   # a newer version is wanted: take back groups not started
-    table.mark_dirty(uid)                   # tokens for the partial stream (table.unsent, table.dirty)
-    table.set_waiting(seq, True)            # multi-turn: out of the engine while its env step runs
+    items = await table.retract(max_seqs)  # a newer version is wanted: take back groups not started
+    table.mark_dirty(uid)                  # tokens for the partial stream (unsent, dirty)
+    table.set_waiting(seq, True)           # multi-turn: out of the engine while its env step runs
 
 A group holds one credit until each of its samples here finished or left (export). uids
 that finished here lately are remembered (bounded), so a retried import never generates a
@@ -51,7 +51,8 @@ from laminar.protocol.data import PartialTrajectory, PromptItem
 from laminar.rollout.tracking import GroupState, SeqState
 
 RECENT = 8192
-"""How many finished uids a rollout remembers, so a retried ImportRequest never generates one twice."""
+"""How many finished uids a rollout remembers, so a retried ImportRequest never generates one
+twice."""
 
 
 class SequenceTable:
@@ -74,7 +75,8 @@ class SequenceTable:
         self._recent: dict[str, None] = {}
         """uids that finished here lately (insertion-ordered, bounded)."""
         self.unsent: set[str] = set()
-        """uids with tokens (or a header) the partial pool has not got yet; the deliverer streams them."""
+        """uids with tokens (or a header) the partial pool has not got yet; the deliverer streams
+        them."""
         self.dirty = asyncio.Event()
         """Set by `mark_dirty`: the partial stream has something to send."""
         self._empty = asyncio.Event()
@@ -96,7 +98,8 @@ class SequenceTable:
             evt.set()
 
     def _busy(self) -> None:
-        """Work arrived: how long the engine sat idle (after an export: the repack refill latency)."""
+        """Work arrived: how long the engine sat idle (after an export: the repack refill
+        latency)."""
         if self._idle_since is not None:
             gap = time.monotonic() - self._idle_since
             self.metrics.add("refill_after_export_s" if self._exported_empty else "idle_gap_s", gap)
@@ -192,7 +195,8 @@ class SequenceTable:
         self.unsent.discard(uid)
         if seq is None:
             return
-        # a retried import of a finished one must not generate it twice (an exported one may come back)
+        # a retried import of a finished one must not generate it twice (an exported one may come
+        # back)
         if finished:
             self._recent[uid] = None
             if len(self._recent) > RECENT:
@@ -248,7 +252,8 @@ class SequenceTable:
                 self.forget(u, finished=False)
                 continue
             if p is None:
-                # finished inside the engine before the abort: its queued final event completes it here
+                # finished inside the engine before the abort: its queued final event completes it
+                # here
                 seq.exporting = False
                 continue
             partials.append(seq.partial(p.output_ids, p.logprobs, rollout_id))
@@ -305,7 +310,8 @@ class SequenceTable:
                 seq = self.seqs[u]
                 seq.exporting = False
                 if p is None:
-                    continue  # finished in the engine before the abort: its final event completes it
+                    # finished in the engine before the abort: its final event completes it
+                    continue
                 self.engine.submit(GenRequest.resume(p, self.params))
             self.metrics.count("retract_kept_group")
         if items:
@@ -349,7 +355,8 @@ class SequenceTable:
         self.dirty.set()
 
     def mark_unsent(self) -> None:
-        """Stopping: every sequence with tokens (or a header) the pool has not got is sent once more."""
+        """Stopping: every sequence with tokens (or a header) the pool has not got is sent once
+        more."""
         for seq in self.seqs.values():
             if (
                 seq.length > seq.sent_upto

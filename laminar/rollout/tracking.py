@@ -1,12 +1,12 @@
 """What a rollout knows about each in-flight trajectory, and the messages built from it.
 
-    seq = SeqState.from_item(item, i, version, now)     # a fresh sample of a prompt group
-    seq = SeqState.from_partial(partial, now)           # a trajectory resumed here (import)
-    seq.append(ev.token_ids, ev.logprobs)               # engine events (loss mask 1)
-    seq.append_env(obs_ids)                             # an environment's answer (mask 0, logprob 0)
-    chunk = seq.chunk(rollout_id)                        # PartialChunk of the tokens not yet streamed
-    traj = seq.trajectory(reason, rollout_id)            # the finished Trajectory (reward filled later)
-    part = seq.partial(ids, logprobs, rollout_id)        # PartialTrajectory for export
+    seq = SeqState.from_item(item, i, version, now)    # a fresh sample of a prompt group
+    seq = SeqState.from_partial(partial, now)          # a trajectory resumed here (import)
+    seq.append(ev.token_ids, ev.logprobs)              # engine events (loss mask 1)
+    seq.append_env(obs_ids)                            # an environment's answer (mask 0, logprob 0)
+    chunk = seq.chunk(rollout_id)                    # PartialChunk of the tokens not yet streamed
+    traj = seq.trajectory(reason, rollout_id)        # the finished Trajectory (reward filled later)
+    part = seq.partial(ids, logprobs, rollout_id)    # PartialTrajectory for export
 
 Partial-pool streaming contract (rollout -> buffer): a trajectory's chunks cover
 its response tokens in order; chunk.offset is the index of its first token. The
@@ -88,7 +88,7 @@ class SeqState:
     exporting: bool = False
     ids: Growable = field(default_factory=lambda: Growable(np.int32))
     logprobs: Growable = field(default_factory=lambda: Growable(np.float32))
-    # ---- multi-turn episodes (laminar/rollout/episodes.py); unused when the rollout has no env ----
+    # ---- multi-turn episodes (laminar/rollout/episodes.py); unused when the rollout has no env
     mask: Growable | None = None
     """Loss mask, uint8 per response token: 1 = sampled by the engine, 0 = the environment's
     (logprob 0.0). None: no environment here, every token is the model's (messages carry None)."""
@@ -198,7 +198,8 @@ class SeqState:
         )
 
     def chunk(self, rollout_id: str) -> tuple[PartialChunk, int]:
-        """The unsent tokens as one chunk, and the length it brings the pool up to once delivered."""
+        """The unsent tokens as one chunk, and the length it brings the pool up to once
+        delivered."""
         start, end = self.sent_upto, self.length
         mask = None if self.mask is None else self.mask.view(start, end).copy()
         msg = PartialChunk(

@@ -1,13 +1,13 @@
 """Which weight version a rollout runs, which one it loads next, and the load itself.
 
     gate = VersionGate(source, engine, auto_refresh=..., refresh_wait_s=..., notify=(evt,), ...)
-    gate.require(reply.min_version)        # the buffer's min_version: hard, waited for as long as it takes
-    gate.ask(refresh.min_version)          # a manager RefreshRequest: soft, waited for refresh_wait_s
-    gate.target()                          # the version new prompts should run at
-    gate.loadable()                        # the version a load would bring now (-1: none worth loading)
-    async with gate.lock:                  # held by whoever needs the version not to change (an import)
-        await gate.load()                  # newest from the source -> engine; the caller checked idleness
-    await gate.watch(wake)                 # sets `wake` whenever the source gets a newer version
+    gate.require(reply.min_version)  # the buffer's min_version: hard, waited for however long
+    gate.ask(refresh.min_version)    # a manager RefreshRequest: soft, waited for refresh_wait_s
+    gate.target()                    # the version new prompts should run at
+    gate.loadable()                  # the version a load would bring now (-1: none worth loading)
+    async with gate.lock:            # held by whoever needs the version not to change (an import)
+        await gate.load()            # newest from the source -> engine; the caller checked idleness
+    await gate.watch(wake)           # sets `wake` whenever the source gets a newer version
 
 The gate never decides *when* to load: the prompt feeder (laminar/rollout/feeder.py) loads
 only when no trajectory is in flight, so every trajectory runs on one version. The target:
@@ -27,8 +27,8 @@ import structlog
 
 from laminar.engines.base import Engine
 from laminar.metrics import Metrics
-from laminar.transport.weights import WeightsUnavailable
-from laminar.transport.weights_channel import WeightSubscriber
+from laminar.weights.channel import WeightSubscriber
+from laminar.weights.relay_client import WeightsUnavailable
 
 
 class VersionGate:
@@ -53,11 +53,13 @@ class VersionGate:
         self.version = engine.version
         """The version loaded in the engine: every new trajectory runs at it."""
         self.required = 0
-        """Lowest version new prompts may run at (the buffer's min_version, or a version prompts were served for)."""
+        """Lowest version new prompts may run at (the buffer's min_version, or a version prompts
+        were served for)."""
         self.refresh_asked = False
         """A RefreshRequest asked for the newest version (cleared once at or past `required`)."""
         self._soft_min, self._soft_until = -1, 0.0
-        """A RefreshRequest's min_version, waited for until _soft_until (then: the newest there is)."""
+        """A RefreshRequest's min_version, waited for until _soft_until (then: the newest there
+        is)."""
         self.lock = asyncio.Lock()
         """Held while the version may change; an import holds it so its version check stays true."""
 
@@ -79,7 +81,8 @@ class VersionGate:
         return self.target() > self.version
 
     def loadable(self) -> int:
-        """The version a load would bring now (newer than ours and at least what is wanted), else -1."""
+        """The version a load would bring now (newer than ours and at least what is wanted), else
+        -1."""
         available = self.latest()
         if available <= self.version or available < max(self.required, self._soft()):
             return -1
@@ -92,8 +95,8 @@ class VersionGate:
             self.source.announce(version)
 
     def ask(self, min_version: int) -> bool:
-        """A manager RefreshRequest: load the newest (>= min_version, waited for refresh_wait_s) when
-        idle. Returns whether a load is pending."""
+        """A manager RefreshRequest: load the newest (>= min_version, waited for refresh_wait_s)
+        when idle. Returns whether a load is pending."""
         self.source.announce(min_version)
         self._soft_min = max(self._soft_min, min_version)
         self._soft_until = time.monotonic() + self.refresh_wait_s
@@ -126,7 +129,8 @@ class VersionGate:
         return True
 
     async def watch(self, wake: asyncio.Event) -> None:
-        """Set `wake` whenever the source gets a newer version (the feeder may be waiting for one)."""
+        """Set `wake` whenever the source gets a newer version (the feeder may be waiting for
+        one)."""
         seen = self.latest()
         while True:
             v = await self.source.wait_newer(seen, timeout=1.0)

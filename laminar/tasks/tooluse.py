@@ -6,8 +6,9 @@ Two kinds of prompt, mixed:
            solution     "#53"
     hard   "47*86=?"    a two-digit times a two-digit number: too large for the model's
                         arithmetic; the calculator gets it right
-           solution     '<tool_call>{"name":"calculator","arguments":{"expression":"47*86"}}</tool_call>'
-                        "\\n<tool_response>4042</tool_response>\\n"     (the environment's turn, loss mask 0)
+           solution     '<tool_call>{"name":"calculator","arguments":{"expression":"47*86"}}'
+                        '</tool_call>'
+                        "\\n<tool_response>4042</tool_response>\\n"  (the env's turn, loss mask 0)
                         "#4042"
 
 The model's turn ends at "</tool_call>" (ToolEnv's stop string) or EOS. The tool call
@@ -69,7 +70,8 @@ ALPHABET = (
     "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
     " \n+-*/=?#<>_{}[]():,.\"'!%&|^~;@$`\\"
 )
-"""Every character of prompts, tool calls and tool responses, error messages included (printable ASCII)."""
+"""Every character of prompts, tool calls and tool responses, error messages included (printable
+ASCII)."""
 EVAL_SLICE = 10
 """Percent of the prompt space reserved for eval prompts (by prompt hash)."""
 KINDS = ("easy", "hard")
@@ -124,12 +126,14 @@ def tool_call_text(expr: str) -> str:
 
 
 def tool_response_text(output: str) -> str:
-    """The environment's turn as a tokenizer without a chat template renders it (envs/template.py)."""
+    """The environment's turn as a tokenizer without a chat template renders it
+    (envs/template.py)."""
     return f"\n{RESPONSE_OPEN}{output}{RESPONSE_CLOSE}\n"
 
 
 Segments = list[tuple[str, bool]]
-"""A transcript: (text, is_model) pieces in order; is_model False = environment text (loss mask 0)."""
+"""A transcript: (text, is_model) pieces in order; is_model False = environment text (loss mask
+0)."""
 
 
 def transcript(prompt: str, style: str) -> Segments:

@@ -1,7 +1,7 @@
 """Results by call id: each call id executes at most once, across retries, replays and restarts.
 
     cache = ToolCache(run_dir / "tools" / "tools-0.journal")    # None: in memory only
-    cache.load()                                                 # before serving (blocking file read)
+    cache.load()                                               # before serving (blocking file read)
     res = await cache.run(call_id, name, side_effects, lambda: pool.run(...))
 
     first call of an id ──► "start" record (side-effecting tools only, fsync'ed) ──► run ──►
@@ -22,8 +22,8 @@ is answered with error_kind interrupted and never run again. Pure tools journal 
 so one interrupted by a crash simply runs again.
 
 Memory: the last `max_entries` results are kept whole; for every id only its journal offset is
-kept besides (tens of bytes), and a repeat of an older id reads its record back from the file. Without a
-journal, ids older than the last `max_entries` are forgotten (and could run again). The
+kept besides (tens of bytes), and a repeat of an older id reads its record back from the file.
+Without a journal, ids older than the last `max_entries` are forgotten (and could run again). The
 journal is never compacted: one line per call (~1 KB with output) is small next to a run's
 trajectory journal.
 """

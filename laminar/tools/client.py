@@ -1,6 +1,7 @@
 """Tool clients: what an environment step calls (laminar.envs.base.ToolClient).
 
-    tools = RemoteToolClient(node.client(cfg.endpoint("tools")), cfg.tools.call_timeout_s)  # a rollout
+    # in a rollout:
+    tools = RemoteToolClient(node.client(cfg.endpoint("tools")), cfg.tools.call_timeout_s)
     tools = LocalToolClient(pool, cache)                    # in process (tests, the embedded API)
     res = await tools.call(ctx.call_id(0), "python", {"code": "2**100"}, timeout_s=5.0)
 

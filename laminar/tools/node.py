@@ -28,14 +28,15 @@ import math
 from pathlib import Path
 from typing import Any
 
-from laminar.node import Node
-from laminar.protocol.core import ErrorReply, NodeStatus
+from laminar.node import Node, socket_max_message_bytes
+from laminar.protocol.core import NodeStatus
 from laminar.protocol.tools import ToolCallReply, ToolCallRequest, ToolStatsReply, ToolStatsRequest
 from laminar.tools.cache import ToolCache
 from laminar.tools.client import reply_of
 from laminar.tools.registry import Registry
 from laminar.tools.sandbox import SandboxPool
-from laminar.transport.sockets import Peer, socket_max_message_bytes
+from laminar.transport.session import ErrorReply
+from laminar.transport.sockets import Peer
 
 MAX_CALL_ID = 512
 

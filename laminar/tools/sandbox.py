@@ -2,8 +2,8 @@
 
     pool = SandboxPool(cfg.tools, registry, spawn)
     await pool.start()                                   # tools.workers workers, each says HELLO
-    res = await pool.run(call_id, "python", {"code": "1+1"}, timeout_s=5.0)   # ToolResult, never raises
-    pool.stats()                                         # calls, errors by kind, latency p50/p99, restarts
+    res = await pool.run(call_id, "python", {"code": "1+1"}, timeout_s=5.0)  # ToolResult, no raise
+    pool.stats()                       # calls, errors by kind, latency p50/p99, restarts
     await pool.close()
 
     SandboxPool ──frame(call)──► worker (own session, own netns) ──fork──► child: setpgid, rlimits,
@@ -11,19 +11,19 @@
         └──frame(outcome)──────────┘  until the wall limit, then SIGKILLs     runs the tool, writes
                                       the child's process group               its outcome, _exit
 
-Why workers are `subprocess` executables talking length-prefixed msgpack on stdin/stdout, not
-multiprocessing: a fresh interpreter (`python -c ...`, close_fds) inherits neither the node's
-zmq sockets nor its event loop, there is no pickle anywhere, and the pool side is plain asyncio
-streams. Why a fork per call: the worker is single-threaded and clean, so fork is safe and
-cheap (a few ms), and whatever a call does (loop forever, allocate without end, `os._exit`,
-segfault, leave files open) dies with its child while the worker survives and reports it.
+The workers, their framing, kill and restart are laminar/subprocess_pool.py's (shared with the
+reward runner): `subprocess` executables talking length-prefixed msgpack on stdin/stdout, each
+in its own session. Why a fork per call: the worker is single-threaded and clean, so fork is
+safe and cheap (a few ms), and whatever a call does (loop forever, allocate without end,
+`os._exit`, segfault, leave files open) dies with its child while the worker survives and
+reports it.
 
 Limits per call (tools.*): wall_s (the worker SIGKILLs the child's process group; the pool
 gives the worker a grace period more, then kills and restarts the worker), cpu_s
-(RLIMIT_CPU, whole seconds rounded up: SIGXCPU, then SIGKILL one second later), memory_mb (RLIMIT_AS set to the
-child's current address space plus memory_mb, so it is the tool's own allowance, not the
-interpreter's), max_output_bytes (stdout and the returned value together; beyond it the
-text is cut and the call fails with output_limit), no core dumps.
+(RLIMIT_CPU, whole seconds rounded up: SIGXCPU, then SIGKILL one second later), memory_mb
+(RLIMIT_AS set to the child's current address space plus memory_mb, so it is the tool's own
+allowance, not the interpreter's), max_output_bytes (stdout and the returned value together;
+beyond it the text is cut and the call fails with output_limit), no core dumps.
 
 Outcome classification (ToolResult.error_kind): killed by the wall timer or by the CPU
 limit -> timeout; MemoryError (RLIMIT_AS) -> memory; a socket refused or unreachable ->
@@ -46,7 +46,6 @@ Workers die with their pool (PR_SET_PDEATHSIG), and a call's child dies with its
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import contextlib
 import ctypes
@@ -55,7 +54,6 @@ import json
 import math
 import os
 import resource
-import select
 import shutil
 import signal
 import sys
@@ -69,6 +67,16 @@ import msgspec
 from laminar.config import ToolsConfig
 from laminar.envs.base import ToolResult
 from laminar.logs import get_logger
+from laminar.subprocess_pool import (
+    Worker,
+    WorkerLost,
+    WorkerPool,
+    frame,
+    protocol_fds,
+    read_frame,
+    write_all,
+    write_frame,
+)
 from laminar.supervise import Spawn, detached_spawn
 from laminar.tools.registry import Registry
 
@@ -108,46 +116,6 @@ class Outcome(msgspec.Struct):
 
 class SandboxError(RuntimeError):
     """The pool could not start (a worker failed to come up, or netns was demanded and refused)."""
-
-
-# ---- framing: 4-byte big-endian length + msgpack, on both sides -------------------------------
-def _frame(obj: Any) -> bytes:
-    payload = msgspec.msgpack.encode(obj)
-    return len(payload).to_bytes(4, "big") + payload
-
-
-def _read_exact(fd: int, n: int, deadline: float | None = None) -> bytes | None:
-    """n bytes from fd, or None on EOF / deadline (blocking; the worker side only)."""
-    buf = bytearray()
-    while len(buf) < n:
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None
-            ready, _, _ = select.select([fd], [], [], left)
-            if not ready:
-                return None
-        chunk = os.read(fd, n - len(buf))
-        if not chunk:
-            return None
-        buf += chunk
-    return bytes(buf)
-
-
-def _read_frame(fd: int, deadline: float | None = None, limit: int = 1 << 26) -> bytes | None:
-    head = _read_exact(fd, 4, deadline)
-    if head is None:
-        return None
-    n = int.from_bytes(head, "big")
-    if n > limit:
-        return None
-    return _read_exact(fd, n, deadline)
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
 
 
 # ---- worker process --------------------------------------------------------------------------
@@ -285,7 +253,7 @@ def _child(registry: Registry, req: dict[str, Any], result_fd: int) -> NoReturn:
     limit_as = _vm_bytes() + int(req["memory_mb"]) * 1024 * 1024
     resource.setrlimit(resource.RLIMIT_AS, (limit_as, limit_as))
     limit = int(req["max_output_bytes"])
-    memory_report = _frame(
+    memory_report = frame(
         Outcome(
             ok=False,
             error_kind="memory",
@@ -307,7 +275,7 @@ def _child(registry: Registry, req: dict[str, Any], result_fd: int) -> NoReturn:
     except BaseException as exc:  # noqa: BLE001 - every failure of the tool is an observation
         kind, error = _classify(exc)
     if kind == "memory":
-        _write_all(result_fd, memory_report)
+        write_all(result_fd, memory_report)
         os._exit(0)
     out = cap.getvalue()
     if returned:
@@ -327,7 +295,7 @@ def _child(registry: Registry, req: dict[str, Any], result_fd: int) -> NoReturn:
         error_kind=kind,
         truncated=truncated,
     )
-    _write_all(result_fd, _frame(res))
+    write_frame(result_fd, res)
     os._exit(0)
 
 
@@ -350,7 +318,7 @@ def _serve_one(registry: Registry, req: dict[str, Any], keep: tuple[int, ...]) -
     os.close(w)
     with contextlib.suppress(OSError):
         os.setpgid(pid, pid)  # also here: no window where a kill misses the group
-    payload = _read_frame(r, t0 + wall, limit=int(req["max_output_bytes"]) + 65536)
+    payload = read_frame(r, t0 + wall, limit=int(req["max_output_bytes"]) + 65536)
     timed_out = payload is None and time.monotonic() - t0 >= wall
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)  # the call is over: the child and anything it started
@@ -404,15 +372,13 @@ def _serve_one(registry: Registry, req: dict[str, Any], keep: tuple[int, ...]) -
 
 
 def worker_main() -> None:
-    """Entry point of a worker process (`python -c`): spec as JSON in argv[1], frames on stdin/stdout."""
+    """Entry point of a worker process (`python -c`): spec as JSON in argv[1], frames on
+    stdin/stdout."""
     spec = json.loads(sys.argv[1])
     _libc().prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != spec["parent"]:
         os._exit(0)  # the pool died before the death signal was armed
-    proto_in, proto_out = os.dup(0), os.dup(1)
-    devnull = os.open(os.devnull, os.O_RDWR)
-    os.dup2(devnull, 0)
-    os.dup2(devnull, 1)  # a stray print (a tool's import) must not corrupt the protocol
+    proto_in, proto_out = protocol_fds()  # a stray print (a tool's import) goes to /dev/null
     workdir = tempfile.mkdtemp(prefix="laminar-tool-")
     os.chdir(workdir)
     hello: dict[str, Any] = {"pid": os.getpid(), "network": "", "error": ""}
@@ -422,92 +388,32 @@ def worker_main() -> None:
         registry = Registry.from_entries(spec["tools"])
     except Exception as exc:  # noqa: BLE001 - reported to the pool, which fails its start
         hello["error"] = f"{type(exc).__name__}: {exc}"
-    _write_all(proto_out, _frame(hello))
+    write_frame(proto_out, hello)
     try:
         while registry is not None:
-            raw = _read_frame(proto_in)
+            raw = read_frame(proto_in)
             if raw is None:
                 break
             req = msgspec.msgpack.decode(raw)
-            _write_all(proto_out, _frame(_serve_one(registry, req, (proto_in, proto_out))))
+            write_frame(proto_out, _serve_one(registry, req, (proto_in, proto_out)))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
 # ---- pool side (asyncio) ----------------------------------------------------------------------
-class _WorkerLost(Exception):
-    pass
-
-
-class _Worker:
-    def __init__(self, proc: asyncio.subprocess.Process, network: str):
-        self.proc, self.network = proc, network
-
-    @classmethod
-    async def start(cls, tools: list[str], network: str) -> _Worker:
-        spec = json.dumps({"tools": tools, "network": network, "parent": os.getpid()})
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-c",
-            _WORKER_CMD,
-            spec,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            start_new_session=True,
-            env=env,
+async def _start_worker(tools: list[str], network: str) -> Worker:
+    """One worker in its own session (killed as a group), or SandboxError."""
+    spec = json.dumps({"tools": tools, "network": network, "parent": os.getpid()})
+    try:
+        worker = await Worker.start(
+            ["-c", _WORKER_CMD, spec], hello_timeout_s=START_TIMEOUT_S, new_session=True
         )
-        worker = cls(proc, "")
-        try:
-            hello = msgspec.msgpack.decode(await worker._read(START_TIMEOUT_S), type=dict[str, Any])
-        except (_WorkerLost, msgspec.DecodeError) as exc:
-            await worker.kill()
-            raise SandboxError(f"sandbox worker did not start: {exc}") from None
-        if hello.get("error"):
-            await worker.kill()
-            raise SandboxError(f"sandbox worker failed to start: {hello['error']}")
-        worker.network = str(hello["network"])
-        return worker
-
-    async def _read(self, timeout: float) -> bytes:
-        assert self.proc.stdout is not None
-        try:
-            async with asyncio.timeout(timeout):
-                head = await self.proc.stdout.readexactly(4)
-                return await self.proc.stdout.readexactly(int.from_bytes(head, "big"))
-        except asyncio.IncompleteReadError:
-            raise _WorkerLost(f"worker {self.proc.pid} exited") from None
-        except TimeoutError:
-            raise _WorkerLost(f"worker {self.proc.pid} gave no answer in {timeout:g}s") from None
-
-    async def call(self, req: dict[str, Any], timeout: float) -> Outcome:
-        assert self.proc.stdin is not None
-        try:
-            self.proc.stdin.write(_frame(req))
-            await self.proc.stdin.drain()
-        except (BrokenPipeError, ConnectionResetError) as exc:
-            raise _WorkerLost(f"worker {self.proc.pid}: {exc}") from None
-        try:
-            return msgspec.msgpack.decode(await self._read(timeout), type=Outcome)
-        except msgspec.DecodeError as exc:
-            raise _WorkerLost(f"worker {self.proc.pid} sent a malformed answer: {exc}") from None
-
-    async def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        with contextlib.suppress(TimeoutError, ProcessLookupError):
-            await asyncio.wait_for(self.proc.wait(), 5.0)
-
-    async def close(self) -> None:
-        """Ask the worker to leave (EOF on its stdin); kill it if it does not within a second."""
-        if self.proc.stdin is not None:
-            with contextlib.suppress(Exception):
-                self.proc.stdin.close()
-        try:
-            await asyncio.wait_for(self.proc.wait(), 1.0)
-        except TimeoutError:
-            await self.kill()
+    except WorkerLost as exc:
+        raise SandboxError(f"sandbox worker did not start: {exc}") from None
+    if worker.hello.get("error"):
+        await worker.kill()
+        raise SandboxError(f"sandbox worker failed to start: {worker.hello['error']}")
+    return worker
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -521,34 +427,28 @@ class SandboxPool:
     """At most tools.workers calls at once, up to tools.max_queue more waiting, the rest busy."""
 
     def __init__(self, cfg: ToolsConfig, registry: Registry, spawn: Spawn = detached_spawn):
-        self.cfg, self.registry, self._spawn = cfg, registry, spawn
+        self.cfg, self.registry = cfg, registry
         self.log = get_logger(role="tools", part="sandbox")
-        self._idle: asyncio.Queue[_Worker] = asyncio.Queue()
-        self._workers: set[_Worker] = set()
+        entries = registry.entries or registry.names()
+        self._procs = WorkerPool(
+            lambda: _start_worker(entries, cfg.network),
+            cfg.workers,
+            name="sandbox",
+            spawn=spawn,
+            log=self.log,
+            restart_attempts=5,
+            close_grace_s=1.0,
+        )
         self._waiting = self._running = 0
-        self._closed = False
         self.network = ""
         self.counts: collections.Counter[str] = collections.Counter()
         self.errors: collections.Counter[str] = collections.Counter()
         self._latency: collections.deque[float] = collections.deque(maxlen=4096)
-        self.restarts = 0
         self.peak_running = 0
 
     async def start(self) -> None:
-        entries = self.registry.entries or self.registry.names()
-        workers = await asyncio.gather(
-            *(_Worker.start(entries, self.cfg.network) for _ in range(self.cfg.workers)),
-            return_exceptions=True,
-        )
-        failed = [w for w in workers if isinstance(w, BaseException)]
-        for w in workers:
-            if isinstance(w, _Worker):
-                self._workers.add(w)
-                self._idle.put_nowait(w)
-        if failed:
-            await self.close()
-            raise failed[0]
-        self.network = ",".join(sorted({w.network for w in self._workers}))
+        await self._procs.start()
+        self.network = ",".join(sorted({str(w.hello["network"]) for w in self._procs.workers}))
         self.log.info("sandbox_started", workers=self.cfg.workers, network=self.network)
 
     def _finish(self, res: ToolResult, t0: float) -> ToolResult:
@@ -580,7 +480,8 @@ class SandboxPool:
     async def run(
         self, call_id: str, name: str, arguments: dict[str, Any], timeout_s: float = 0.0
     ) -> ToolResult:
-        """Run one call; every failure is a ToolResult(ok=False, error_kind=...), never an exception."""
+        """Run one call; every failure is a ToolResult(ok=False, error_kind=...), never an
+        exception."""
         t0 = time.monotonic()
 
         def fail(kind: str, error: str) -> ToolResult:
@@ -589,14 +490,14 @@ class SandboxPool:
         refused = self.refusal(call_id, name, arguments)
         if refused is not None:
             return self._finish(refused, t0)
-        if self._closed:
+        if self._procs.closed:
             return fail("unavailable", "the tool sandbox is shut down")
-        if self._idle.empty() and self._waiting >= self.cfg.max_queue:
+        if not self._procs.idle and self._waiting >= self.cfg.max_queue:
             return fail("busy", f"tool sandbox busy: {self._waiting} calls already waiting")
         wall = min(timeout_s, self.cfg.wall_s) if timeout_s > 0 else self.cfg.wall_s
         self._waiting += 1
         try:
-            worker = await self._idle.get()
+            worker = await self._procs.acquire()
         finally:
             self._waiting -= 1
         self._running += 1
@@ -610,17 +511,17 @@ class SandboxPool:
             "max_output_bytes": self.cfg.max_output_bytes,
         }
         try:
-            out = await worker.call(req, wall + GRACE_S)
-        except _WorkerLost as exc:
-            self._replace(worker, str(exc))
+            out = await worker.call(req, wall + GRACE_S, Outcome)
+        except WorkerLost as exc:
+            self._procs.replace(worker, str(exc))
             late = time.monotonic() - t0 >= wall
             return fail("timeout" if late else "crash", f"sandbox worker lost: {exc}")
         except BaseException:
-            self._replace(worker, "call cancelled")  # its answer would arrive out of turn
+            self._procs.replace(worker, "call cancelled")  # its answer would arrive out of turn
             raise
         finally:
             self._running -= 1
-        self._idle.put_nowait(worker)
+        self._procs.release(worker)
         res = ToolResult(
             call_id,
             name,
@@ -632,42 +533,11 @@ class SandboxPool:
         )
         return self._finish(res, t0)
 
-    def _replace(self, worker: _Worker, why: str) -> None:
-        self._workers.discard(worker)
-        self.restarts += 1
-        self.log.warning("sandbox_worker_restart", pid=worker.proc.pid, reason=why)
-        self._spawn(self._restart(worker), "tools-worker-restart")
-
-    async def _restart(self, old: _Worker) -> None:
-        await old.kill()
-        delay = 0.1
-        for attempt in range(5):
-            if self._closed:
-                return
-            try:
-                new = await _Worker.start(
-                    self.registry.entries or self.registry.names(), self.cfg.network
-                )
-            except SandboxError:
-                if attempt == 4:
-                    raise
-                await asyncio.sleep(delay)  # restart backoff, not synchronisation
-                delay *= 2
-                continue
-            if self._closed:
-                await new.kill()
-                return
-            self._workers.add(new)
-            self._idle.put_nowait(new)
-            return
-
     async def close(self) -> None:
-        self._closed = True
-        await asyncio.gather(*(w.close() for w in list(self._workers)), return_exceptions=True)
-        self._workers.clear()
+        await self._procs.close()
 
     def worker_pids(self) -> list[int]:
-        return sorted(w.proc.pid for w in self._workers)
+        return self._procs.pids()
 
     def stats(self) -> dict[str, Any]:
         lat = list(self._latency)
@@ -679,10 +549,10 @@ class SandboxPool:
             "error_rate": sum(self.errors.values()) / calls if calls else 0.0,
             "latency_p50_s": round(percentile(lat, 0.5), 4),
             "latency_p99_s": round(percentile(lat, 0.99), 4),
-            "restarts": self.restarts,
+            "restarts": self._procs.restarts,
             "queue_depth": self._waiting,
             "running": self._running,
             "peak_running": self.peak_running,
-            "workers": len(self._workers),
+            "workers": len(self._procs.workers),
             "network": self.network,
         }

@@ -15,7 +15,7 @@ batch.py       trajectories -> validated samples -> length-packed, right-padded 
 logger.py      metrics.jsonl, completions.jsonl, TensorBoard, optional wandb
 evaluation.py  periodic greedy validation on data.eval (eval/accuracy)
 
-New versions leave through the weights channel's publisher (laminar/transport/weights_channel.py).
+New versions leave through the weights channel's publisher (laminar/weights/channel.py).
 Imports go one way: node.py -> parts -> laminar.{algo,protocol,transport,config}; no part imports
 node.py; only dist.py, policy.py and follower.py speak rank commands.
 """

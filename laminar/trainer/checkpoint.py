@@ -1,7 +1,8 @@
 """Trainer checkpoints: written atomically, found again by `resume: auto`.
 
     run_dir/checkpoints/step_00000040/
-        model/                 HF directory: config.json + model.safetensors (save_pretrained) + tokenizer files
+        model/                 HF directory: config.json + model.safetensors (save_pretrained) +
+                               tokenizer files
         trainer_state.pt       optimizer (keyed by parameter name), scheduler, RNG states
         meta.json              step, version, consumption frontier, time   (written last)
 
@@ -61,7 +62,8 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
 
 
 def resolve_resume(resume: str, run_dir: str | os.PathLike) -> Path | None:
-    """`never` -> None; `auto` -> newest checkpoint in run_dir (or None); otherwise a checkpoint path."""
+    """`never` -> None; `auto` -> newest checkpoint in run_dir (or None); otherwise a checkpoint
+    path."""
     if resume == "never":
         return None
     if resume == "auto":
@@ -69,7 +71,8 @@ def resolve_resume(resume: str, run_dir: str | os.PathLike) -> Path | None:
     path = Path(resume)
     if not (path / "meta.json").is_file():
         raise FileNotFoundError(
-            f"trainer.resume={resume!r} is not a checkpoint (no meta.json); use auto, never or a step_N dir"
+            f"trainer.resume={resume!r} is not a checkpoint (no meta.json); use auto, never or a "
+            "step_N dir"
         )
     return path
 
@@ -122,7 +125,8 @@ def _fsync_dir(path: Path) -> None:
 
 
 def copy_tokenizer_files(src: str | os.PathLike | None, dst: Path) -> None:
-    """Copy everything of a model directory except weights and the config (save_pretrained wrote those)."""
+    """Copy everything of a model directory except weights and the config (save_pretrained wrote
+    those)."""
     if not src or not Path(src).is_dir():
         return
     for f in Path(src).iterdir():
@@ -137,6 +141,7 @@ def write_checkpoint(
     model_state: dict[str, torch.Tensor] | None,
     trainer_state: dict[str, Any],
     meta: dict[str, Any],
+    *,
     tokenizer_src: str | os.PathLike | None = None,
     keep: int = 2,
 ) -> Path:
@@ -206,7 +211,9 @@ def save_policy(
     }
     if not policy.ctx.is_main:
         return None
-    return write_checkpoint(run_dir, step, policy.model, model_sd, state, meta, tokenizer_src, keep)
+    return write_checkpoint(
+        run_dir, step, policy.model, model_sd, state, meta, tokenizer_src=tokenizer_src, keep=keep
+    )
 
 
 def load_policy_state(policy: Policy, path: str | os.PathLike) -> dict[str, Any]:

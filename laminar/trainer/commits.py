@@ -1,8 +1,9 @@
 """Exactly-once consumption: which buffer batches the weights hold, and telling the buffer.
 
-    ledger = CommitLedger(buffer_client, "step", run_dir, stopping, backoff_s, metrics, log)
+    ledger = CommitLedger(buffer_client, "step", run_dir, stopping=stopping, backoff_s=backoff_s,
+                          metrics=metrics, log=log)
     ledger.restore(meta["frontier"])                  # resume: commits the checkpoint still owed
-    ledger.consumed(step, version, batch_id, uids, excluded)   # run_dir/consumed.jsonl (fsync'ed audit line)
+    ledger.consumed(step, version, batch_id, uids, excluded)  # run_dir/consumed.jsonl (fsync'ed)
     ledger.record(batch_id, step, version)            # the step is in the weights: a commit is owed
     await ledger.flush()                              # BatchCommit each, oldest first, until acked
     meta["frontier"] = ledger.frontier()              # what a checkpoint stores
@@ -39,8 +40,7 @@ from typing import Any, Literal
 import structlog
 
 from laminar.metrics import Metrics
-from laminar.protocol.buffer import BatchCommit
-from laminar.protocol.core import Ack
+from laminar.protocol.buffer import BatchCommit, CommitAck
 from laminar.trainer.logger import append_jsonl
 from laminar.transport.client import RpcClient
 from laminar.transport.sockets import RemoteError, TransportError
@@ -61,6 +61,7 @@ class CommitLedger:
         buffer: RpcClient,
         mode: Literal["step", "checkpoint"],
         run_dir: Path,
+        *,
         stopping: asyncio.Event,
         backoff_s: float,
         metrics: Metrics,
@@ -114,9 +115,9 @@ class CommitLedger:
                     BatchCommit(batch_id=c.batch_id, step=c.step, version=c.version)
                 )
                 # not ok: the buffer re-queued it (a restart raced the commit); it is served again
-                if isinstance(ack, Ack) and not ack.ok:
+                if isinstance(ack, CommitAck) and not ack.ok:
                     self.metrics.count("commit_rejected")
-                    self.log.error("commit_rejected", batch_id=c.batch_id, info=ack.info)
+                    self.log.error("commit_rejected", batch_id=c.batch_id, reason=ack.reason)
             # refused (unknown batch / already committed): nothing to retry
             except RemoteError as exc:
                 self.metrics.count("commit_refused")

@@ -1,7 +1,7 @@
 """torch.distributed plumbing for the FSDP2 trainer: process group, rank commands.
 
     torchrun --nproc_per_node 2 -m laminar node --role trainer --config FILE
-    srun ... python -m laminar node --role trainer --config FILE   (RANK/WORLD_SIZE from the launcher)
+    srun ... python -m laminar node --role trainer --config FILE  # RANK/WORLD_SIZE: the launcher's
 
 Rank 0 is the only rank on the cluster network; before each collective it tells every
 other rank which one comes next with `lead(ctx, RankCommand(...))` (init + the resume
@@ -21,8 +21,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from laminar.message import Limits, Message
 from laminar.protocol.trainer import RankCommand
-from laminar.transport.codec import Limits, Message, decode, encode
+from laminar.transport.codec import decode, encode
 
 # a batch of thousands of trajectories is 3 frames each: far more than a network message may hold
 _RANK_LIMITS = Limits(
@@ -112,7 +113,8 @@ def lead(ctx: DistContext, cmd: RankCommand) -> None:
 
 
 def agree_on_path(ctx: DistContext, path: Path | None) -> Path | None:
-    """Every rank gets rank 0's `path` (the checkpoint to resume from; rank 0 alone reads run_dir)."""
+    """Every rank gets rank 0's `path` (the checkpoint to resume from; rank 0 alone reads
+    run_dir)."""
     if not ctx.enabled:
         return path
     cmd = broadcast_message(

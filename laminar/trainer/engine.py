@@ -1,6 +1,6 @@
 """The `Trainer` protocol (what the node needs of a trainer) and the one place that picks it.
 
-    opened = open_trainer(cfg)          # worker thread: torch imports, process group, resume
+    opened = open_trainer(settings, run_dir)  # worker thread: torch imports, process group, resume
     batch = opened.trainer.prepare(trajectories)
     metrics = opened.trainer.step(batch)            # one optimizer step (or its emulation)
     weights = opened.trainer.export()               # what the handoff publishes
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from laminar.config import LaminarConfig
+from laminar.config import AlgoConfig, ModelConfig, TrainerConfig
 
 if TYPE_CHECKING:
     import torch
@@ -35,7 +35,8 @@ if TYPE_CHECKING:
 
 class Trainer(Protocol):
     def prepare(self, trajectories: list[Trajectory]) -> TrainBatch:
-        """Validate against this model's limits (vocabulary, context): drops are counted, not raised."""
+        """Validate against this model's limits (vocabulary, context): drops are counted, not
+        raised."""
         ...
 
     def step(self, batch: TrainBatch) -> dict[str, float]:
@@ -59,6 +60,21 @@ class Trainer(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class TrainerSettings:
+    """What a trainer reads of the config; the trainer node builds it from its sections."""
+
+    trainer: TrainerConfig
+    algo: AlgoConfig
+    model: ModelConfig
+    max_model_len: int | None
+    """rollout.max_model_len: the context both sides cut at."""
+    temperature: float
+    """rollout.sampling.temperature: logprobs describe the distribution the sampler drew from."""
+    max_tokens: int
+    """rollout.sampling.max_tokens: the fixed horizon of the seq-mean-token-sum-norm loss."""
+
+
 @dataclass
 class Opened:
     trainer: Trainer
@@ -69,16 +85,16 @@ class Opened:
     """That checkpoint's meta.json: step, version, consumption frontier."""
 
 
-def open_trainer(cfg: LaminarConfig) -> Opened:
-    """Build the configured trainer, resumed from its checkpoint if there is one. Blocking."""
+def open_trainer(settings: TrainerSettings, run_dir: Path) -> Opened:
+    """Build the configured trainer, resumed from its checkpoint in run_dir if there is one.
+    Blocking."""
     from laminar.trainer import checkpoint as ck
     from laminar.trainer.dist import DistContext, agree_on_path, init_distributed
 
-    tc = cfg.trainer
-    dist = DistContext() if tc.engine == "sim" else init_distributed(cfg.model.device)
+    tc = settings.trainer
+    dist = DistContext() if tc.engine == "sim" else init_distributed(settings.model.device)
     ckpt = None
     if dist.is_main:
-        run_dir = cfg.resolved_run_dir()
         run_dir.mkdir(parents=True, exist_ok=True)
         ck.remove_partial(run_dir)
         ckpt = ck.resolve_resume(tc.resume, run_dir)
@@ -86,14 +102,14 @@ def open_trainer(cfg: LaminarConfig) -> Opened:
     if tc.engine == "sim":
         from laminar.trainer.sim import SimTrainer
 
-        trainer = SimTrainer(cfg)
+        trainer = SimTrainer(tc, settings.algo)
     else:
         from laminar.trainer.policy import Policy
 
         ckpt = agree_on_path(dist, ckpt)
-        model_path = str(ckpt / "model") if ckpt is not None else cfg.model.path
+        model_path = str(ckpt / "model") if ckpt is not None else settings.model.path
         if not model_path:
             raise ValueError("the torch trainer needs model.path (a local HF model directory)")
-        trainer = Policy(cfg, model_path, dist)
+        trainer = Policy(settings, model_path, dist)
     meta = trainer.restore(ckpt) if ckpt is not None else None
     return Opened(trainer, dist, ckpt, meta)

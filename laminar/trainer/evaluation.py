@@ -1,16 +1,16 @@
 """Periodic validation: the trainer's current weights, greedy, on the first rows of data.eval,
 scored by reward.fn.
 
-    ev = open_evaluator(cfg, log)          # blocking (reads rows, loads a model); None when off
+    ev = open_evaluator(settings, log)     # EvalSettings; blocking (rows, a model); None: off
     await ev.start()                       # the reward runner
     if ev.due(step, total):
-        metrics = await ev.run(weights)    # {"eval/accuracy", "eval/n", ...}; weights = trainer.export()
+        metrics = await ev.run(weights)  # weights = trainer.export(); {"eval/accuracy", ...}
     await ev.close()
 
     data.eval ─► first trainer.eval_rows rows ─► PromptEncoder (as the buffer encodes them)
     trainer.export() ─► a separate eval copy of the model (model.path architecture, model.device,
                         model.dtype) ─► TorchEngine, temperature 0, rollout.sampling max_tokens/stop
-                     ─► decoded completions ─► RewardRunner(reward.fn) ─► mean reward = eval/accuracy
+                     ─► decoded completions ─► RewardRunner(reward.fn) ─► mean = eval/accuracy
 
 Runs before the first step of a fresh run (step 0: the starting point), every
 `trainer.eval_every` steps and at the last step; the trainer waits for it (like a checkpoint)
@@ -42,11 +42,35 @@ from typing import Any
 import numpy as np
 import structlog
 
-from laminar.config import LaminarConfig
+from laminar.config import (
+    DataConfig,
+    ModelConfig,
+    RewardConfig,
+    RolloutConfig,
+    TrainerConfig,
+)
 
 _CANCEL_POLL_S = 0.1
 _GEN_TIMEOUT_S = 3600.0
 """Deadline on one validation's generation (a stuck engine must not hang the trainer)."""
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """The sections validation reads; the trainer node builds it."""
+
+    data: DataConfig
+    """data.eval, chat_template, max_prompt_tokens."""
+    trainer: TrainerConfig
+    """eval_every, eval_rows, completions_per_step, engine."""
+    model: ModelConfig
+    """The eval copy of the model: path, dtype, device."""
+    rollout: RolloutConfig
+    """sampling.max_tokens/stop, max_running, max_model_len: generation as the rollouts do it."""
+    reward: RewardConfig
+    """Scores the completions."""
+    env_fn: str | None = None
+    """env.fn: set, validation is single-turn (logged at start)."""
 
 
 @dataclass
@@ -95,7 +119,8 @@ def greedy_generate(
     max_model_len: int | None = None,
     cancel: threading.Event | None = None,
 ) -> list[np.ndarray]:
-    """Greedy response ids for each prompt with the torch engine. Blocking: runs its own event loop."""
+    """Greedy response ids for each prompt with the torch engine. Blocking: runs its own event
+    loop."""
     import torch
 
     from laminar.engines.base import SamplingParams
@@ -113,19 +138,19 @@ def greedy_generate(
 
 
 def load_eval_rows(
-    cfg: LaminarConfig, tokenizer: Any, log: structlog.typing.FilteringBoundLogger
+    data: DataConfig, limit: int, tokenizer: Any, log: structlog.typing.FilteringBoundLogger
 ) -> list[EvalRow]:
-    """The first trainer.eval_rows usable rows of data.eval; bad rows are logged and skipped."""
-    from laminar.buffer.prompts import BadRow, PromptEncoder, load_prompts
+    """The first `limit` usable rows of data.eval; bad rows are logged and skipped."""
+    from laminar.data.prompts import BadRow, PromptEncoder, load_prompts
 
-    assert cfg.data.eval is not None
-    rows, report = load_prompts(cfg.data.eval)
+    assert data.eval is not None
+    rows, report = load_prompts(data.eval)
     for err in report.errors:
         log.warning("bad_eval_row", error=err)
-    encoder = PromptEncoder(tokenizer, cfg.data.chat_template, cfg.data.max_prompt_tokens)
+    encoder = PromptEncoder(tokenizer, data.chat_template, data.max_prompt_tokens)
     out: list[EvalRow] = []
     for r in rows:
-        if len(out) >= cfg.trainer.eval_rows:
+        if len(out) >= limit:
             break
         try:
             ids, text = encoder.encode(r.prompt)
@@ -139,7 +164,7 @@ def load_eval_rows(
 class Evaluator:
     def __init__(
         self,
-        cfg: LaminarConfig,
+        settings: EvalSettings,
         model: Any,
         tokenizer: Any,
         rows: list[EvalRow],
@@ -147,10 +172,12 @@ class Evaluator:
     ) -> None:
         from laminar.rewards.runner import RewardRunner
 
-        self.cfg, self.model, self.tokenizer, self.rows, self.log = cfg, model, tokenizer, rows, log
-        self.every = cfg.trainer.eval_every
-        self.rewards = RewardRunner.from_config(cfg)
-        self.samples = max(1, cfg.trainer.completions_per_step)
+        self.rollout = settings.rollout
+        self.model, self.tokenizer, self.rows, self.log = model, tokenizer, rows, log
+        self.every = settings.trainer.eval_every
+        r = settings.reward
+        self.rewards = RewardRunner(r.fn, r.timeout_s, r.workers)
+        self.samples = max(1, settings.trainer.completions_per_step)
         """Eval completions written to completions.jsonl per validation."""
 
     def due(self, step: int, total: int) -> bool:
@@ -177,7 +204,7 @@ class Evaluator:
         self, weights: dict[str, Any], cancel: threading.Event
     ) -> tuple[list[str], list[int]]:
         self._load_weights(weights)
-        s = self.cfg.rollout
+        s = self.rollout
         outs = greedy_generate(
             self.model,
             self.tokenizer,
@@ -228,37 +255,38 @@ class Evaluator:
 
 
 def open_evaluator(
-    cfg: LaminarConfig, log: structlog.typing.FilteringBoundLogger
+    settings: EvalSettings, log: structlog.typing.FilteringBoundLogger
 ) -> Evaluator | None:
-    """The evaluator the config asks for, or None (with one log line saying why). Blocking."""
-    if not cfg.data.eval or cfg.trainer.eval_every == 0:
+    """The evaluator the settings ask for, or None (with one log line saying why). Blocking."""
+    data, tc, mc = settings.data, settings.trainer, settings.model
+    if not data.eval or tc.eval_every == 0:
         return None
-    if cfg.trainer.engine == "sim":
+    if tc.engine == "sim":
         log.info("eval_skipped", reason="trainer.engine=sim has no model to generate with")
         return None
-    if not cfg.model.path:
+    if not mc.path:
         log.info("eval_skipped", reason="model.path is not set")
         return None
-    if cfg.env.fn:
+    if settings.env_fn:
         log.warning(
             "eval_single_turn",
-            env=cfg.env.fn,
+            env=settings.env_fn,
             note="validation generates one greedy turn per prompt, scored by reward.fn",
         )
     from laminar.models.decoder_lm import load_model
     from laminar.models.prompt_tokenizer import load_prompt_tokenizer
 
-    tokenizer = load_prompt_tokenizer(cfg.model.path, chat_template=cfg.data.chat_template)
-    rows = load_eval_rows(cfg, tokenizer, log)
+    tokenizer = load_prompt_tokenizer(mc.path, chat_template=data.chat_template)
+    rows = load_eval_rows(data, tc.eval_rows, tokenizer, log)
     if not rows:
-        log.error("eval_skipped", reason=f"no usable rows in data.eval={cfg.data.eval}")
+        log.error("eval_skipped", reason=f"no usable rows in data.eval={data.eval}")
         return None
     model = load_model(
-        cfg.model.path,
-        cfg.model.dtype,
-        cfg.model.device,
+        mc.path,
+        mc.dtype,
+        mc.device,
         module_free=True,
-        max_len=cfg.rollout.max_model_len,
+        max_len=settings.rollout.max_model_len,
     )
-    log.info("eval_ready", rows=len(rows), every=cfg.trainer.eval_every, file=cfg.data.eval)
-    return Evaluator(cfg, model, tokenizer, rows, log)
+    log.info("eval_ready", rows=len(rows), every=tc.eval_every, file=data.eval)
+    return Evaluator(settings, model, tokenizer, rows, log)

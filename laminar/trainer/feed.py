@@ -1,6 +1,7 @@
 """Asking the buffer for the next batch: one long-poll BatchRequest per `ask`.
 
-    feed = BatchFeed(buffer_client, cfg, trainer_id, stopping, metrics, log)
+    feed = BatchFeed(buffer_client, cfg.trainer, cfg.transport, trainer_id=..., stopping=...,
+                     metrics=metrics, log=log)
     reply = await feed.ask(version)     # a BatchReply with trajectories, or None: ask again
     feed.restart                        # the next request re-queues what is in flight
     feed.exhausted                      # the buffer said no data will ever come (epochs done)
@@ -18,7 +19,7 @@ import asyncio
 
 import structlog
 
-from laminar.config import LaminarConfig
+from laminar.config import TrainerConfig, TransportConfig
 from laminar.metrics import Metrics
 from laminar.protocol.buffer import BatchReply, BatchRequest
 from laminar.trainer.commits import pause
@@ -30,14 +31,16 @@ class BatchFeed:
     def __init__(
         self,
         buffer: RpcClient,
-        cfg: LaminarConfig,
+        tc: TrainerConfig,
+        transport: TransportConfig,
+        *,
         trainer_id: str,
         stopping: asyncio.Event,
         metrics: Metrics,
         log: structlog.typing.FilteringBoundLogger,
     ):
         self.buffer = buffer
-        self.tc, self.transport = cfg.trainer, cfg.transport
+        self.tc, self.transport = tc, transport
         self.trainer_id = trainer_id
         self.stopping = stopping
         self.metrics = metrics
@@ -60,7 +63,8 @@ class BatchFeed:
                 req, timeout=tc.batch_wait_s + t.request_timeout_s, retries=0
             )
         except RequestTimeout:
-            # the reply (maybe a batch) may be lost: the next request re-queues whatever is in flight
+            # the reply (maybe a batch) may be lost: the next request re-queues whatever is in
+            # flight
             self.metrics.count("batch_request_timeouts")
             self.restart = True
             return None
@@ -76,6 +80,6 @@ class BatchFeed:
         self.restart = False
         if reply.trajectories:
             return reply
-        if reply.info.get("exhausted") is True:  # data epochs done and nothing left in the buffer
+        if reply.exhausted:  # data epochs done and nothing left in the buffer
             self.exhausted = True
         return None

@@ -1,7 +1,7 @@
 """What the trainer records: run_dir/metrics.jsonl, run_dir/completions.jsonl, TensorBoard
 (run_dir/tb) and, when `logging.wandb` is set, Weights & Biases.
 
-    log = MetricsLogger(run_dir, cfg)
+    log = MetricsLogger(run_dir, wandb_init_kwargs(cfg.logging, cfg.name, config))
     log.log(step, {"loss": 0.1, "reward": 0.4, ...})      # one JSON line, scalars to tb/wandb
     log.log(step, {"eval/accuracy": 0.6, "eval/n": 64})   # validation: a line of its own
     log.log_completions(step, sample_completions(trajectories, 4, step, version))
@@ -16,7 +16,7 @@ TensorBoard shows the same as a text table per step.
 wandb: `logging.wandb` is a mapping of wandb.init keyword arguments (e.g. {project: p,
 mode: offline}); when it is set and wandb is not installed the trainer refuses to start
 (`require_wandb`, also called by the launcher before any node starts). The old
-undocumented `extra.wandb` is still read, with a deprecation warning.
+undocumented `extra.wandb` is a config error naming logging.wandb (laminar/config.py).
 TensorBoard is skipped (with one warning) if it cannot load.
 NaN/inf become null in JSON so every line stays valid JSON.
 """
@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from laminar.config import ConfigError, LaminarConfig
+from laminar.config import ConfigError, LoggingConfig
 
 if TYPE_CHECKING:
     from laminar.protocol.data import Trajectory
@@ -53,21 +53,25 @@ def _clean(value: Any) -> Any:
     return value
 
 
-def wandb_settings(cfg: LaminarConfig) -> dict[str, Any] | None:
-    """wandb.init kwargs from logging.wandb (or the deprecated extra.wandb); None = off."""
-    if cfg.logging.wandb is not None:
-        return dict(cfg.logging.wandb)
-    legacy = cfg.extra.get("wandb")
-    return dict(legacy) if isinstance(legacy, dict) else None
-
-
-def require_wandb(cfg: LaminarConfig) -> None:
+def require_wandb(logging: LoggingConfig) -> None:
     """Raise a ConfigError naming the fix when wandb is asked for and not installed."""
-    if wandb_settings(cfg) is not None and importlib.util.find_spec("wandb") is None:
-        key = "logging.wandb" if cfg.logging.wandb is not None else "extra.wandb"
+    if logging.wandb is not None and importlib.util.find_spec("wandb") is None:
         raise ConfigError(
-            f"{key} is set but wandb is not installed: `pip install wandb`, or set {key}=null"
+            "logging.wandb is set but wandb is not installed: `pip install wandb`, "
+            "or set logging.wandb=null"
         )
+
+
+def wandb_init_kwargs(
+    logging: LoggingConfig, name: str, run_config: dict[str, Any]
+) -> dict[str, Any] | None:
+    """What wandb.init gets (None: wandb is off): the settings, the run's name and its
+    resolved config (`run_config`, unless the settings name one). Raises when wandb is
+    asked for and not installed."""
+    if logging.wandb is None:
+        return None
+    require_wandb(logging)
+    return {"name": name, "config": run_config, **logging.wandb}
 
 
 def sample_completions(
@@ -120,7 +124,7 @@ class MetricsLogger:
     def __init__(
         self,
         run_dir: str | os.PathLike,
-        cfg: LaminarConfig | None = None,
+        wandb_init: dict[str, Any] | None = None,
         tensorboard: bool = True,
         log: structlog.typing.FilteringBoundLogger | None = None,
     ):
@@ -141,23 +145,10 @@ class MetricsLogger:
             ) as exc:  # tensorboard missing or broken: the jsonl files have everything
                 if log is not None:
                     log.warning("tensorboard_unavailable", error=str(exc))
-        if cfg is not None:
-            self._wandb = self._open_wandb(cfg, log)
+        if wandb_init is not None:  # wandb_init_kwargs: settings, name, config
+            import wandb
 
-    def _open_wandb(
-        self, cfg: LaminarConfig, log: structlog.typing.FilteringBoundLogger | None
-    ) -> Any:
-        settings = wandb_settings(cfg)
-        if settings is None:
-            return None
-        if cfg.logging.wandb is None and log is not None:
-            log.warning("deprecated_setting", setting="extra.wandb", use="logging.wandb")
-        require_wandb(cfg)
-        import wandb
-
-        kw = {"name": cfg.name, "dir": str(self.run_dir), **settings}
-        kw.setdefault("config", cfg.model_dump(mode="json"))
-        return wandb.init(**kw)
+            self._wandb = wandb.init(**{"dir": str(self.run_dir), **wandb_init})
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         record = {"step": step, "time": time.time(), **metrics}

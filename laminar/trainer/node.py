@@ -9,7 +9,8 @@ batch, publishes every new version, commits what it consumed, checkpoints.
                                           ▼
             version += 1 ─► commits.consumed (consumed.jsonl) ─► commits.record (a commit is owed)
                           ─► handoff.publish (relay tier | safetensors dir | announce)
-                          ─► version mark, snapshot (every snapshot_every), VersionPublished ─► manager
+                          ─► version mark, snapshot (each snapshot_every), VersionPublished
+                             ─► manager
                           ─► commits.flush: BatchCommit ─► buffer  (commit=step; commit=checkpoint:
                              after the checkpoint that holds the step)
                           ─► metrics.jsonl / completions.jsonl / tb / wandb
@@ -17,9 +18,9 @@ batch, publishes every new version, commits what it consumed, checkpoints.
                           ─► every checkpoint_every steps: checkpoint
 
 Parts (none sees this node): engine.py (the `Trainer` protocol: torch Policy or SimTrainer,
-chosen once), feed.py (BatchRequest long-poll, restart flag), evaluation.py, logger.py, commits.py (exactly-once:
-owed commits, frontier, version mark), snapshots.py, follower.py (ranks > 0), and the
-weights channel's publisher (laminar/transport/weights_channel.py).
+chosen once), feed.py (BatchRequest long-poll, restart flag), evaluation.py, logger.py, commits.py
+(exactly-once: owed commits, frontier, version mark), snapshots.py, follower.py (ranks > 0), and the
+weights channel's publisher (laminar/weights/channel.py).
 
 What blocks: the step compute (off the event loop, so heartbeats flow) and the
 handoff (`publish` returns once the weights are handed off). What does not: the
@@ -42,13 +43,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from laminar.config import LaminarConfig
-from laminar.node import Node
-from laminar.protocol.buffer import BatchReply, BufferStats
+from laminar.node import Node, weights_channel
+from laminar.protocol.buffer import BatchReply, BufferStats, BufferStatsRequest
 from laminar.protocol.core import NodeStatus
 from laminar.protocol.trainer import VersionPublished
 from laminar.supervise import PermanentFailure
 from laminar.trainer.commits import CommitLedger, VersionMark
-from laminar.trainer.engine import Trainer, open_trainer
+from laminar.trainer.engine import Trainer, TrainerSettings, open_trainer
 from laminar.trainer.feed import BatchFeed
 from laminar.trainer.snapshots import Snapshots
 from laminar.transport.client import RpcClient
@@ -58,9 +59,36 @@ if TYPE_CHECKING:
     import torch
 
     from laminar.trainer.dist import DistContext
-    from laminar.trainer.evaluation import Evaluator
+    from laminar.trainer.evaluation import EvalSettings, Evaluator
     from laminar.trainer.logger import MetricsLogger
-    from laminar.transport.weights_channel import Published, WeightPublisher
+    from laminar.weights.channel import Published, WeightPublisher
+
+
+def trainer_settings(cfg: LaminarConfig) -> TrainerSettings:
+    """What the trainer (Policy or SimTrainer) reads of the config."""
+    sampling = cfg.rollout.sampling
+    return TrainerSettings(
+        trainer=cfg.trainer,
+        algo=cfg.algo,
+        model=cfg.model,
+        max_model_len=cfg.rollout.max_model_len,
+        temperature=sampling.temperature,
+        max_tokens=sampling.max_tokens,
+    )
+
+
+def eval_settings(cfg: LaminarConfig) -> EvalSettings:
+    """What validation reads of the config."""
+    from laminar.trainer.evaluation import EvalSettings
+
+    return EvalSettings(
+        data=cfg.data,
+        trainer=cfg.trainer,
+        model=cfg.model,
+        rollout=cfg.rollout,
+        reward=cfg.reward,
+        env_fn=cfg.env.fn,
+    )
 
 
 class NothingTrained(PermanentFailure):  # a restart would fail the same way
@@ -116,39 +144,48 @@ class TrainerNode(Node):
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def setup(self) -> None:
-        # torch takes seconds to import: on the worker thread, so nodes sharing this loop keep beating
-        opened = await self.compute(open_trainer, self.cfg)
+        # torch takes seconds to import: on the worker thread, so nodes sharing this loop keep
+        # beating
+        opened = await self.compute(open_trainer, trainer_settings(self.cfg), self.run_dir)
         self.trainer, self.dist = opened.trainer, opened.dist
         if self.rank != 0:
             return
-        from laminar.trainer.logger import MetricsLogger
-        from laminar.transport.weights_channel import open_publisher
+        from laminar.trainer.logger import MetricsLogger, wandb_init_kwargs
+        from laminar.weights.channel import open_publisher
 
         tc = self.cfg.trainer
         self.buffer = self.client(self.cfg.endpoint("buffer"))
         self.feed = BatchFeed(
-            self.buffer, self.cfg, self.node_id, self.stopping, self.metrics, self.log
+            self.buffer,
+            tc,
+            self.cfg.transport,
+            trainer_id=self.node_id,
+            stopping=self.stopping,
+            metrics=self.metrics,
+            log=self.log,
         )
         self.commits = CommitLedger(
             self.buffer,
             tc.commit,
             self.run_dir,
-            self.stopping,
-            self.cfg.transport.reconnect_backoff_max_s,
-            self.metrics,
-            self.log,
+            stopping=self.stopping,
+            backoff_s=self.cfg.transport.reconnect_backoff_max_s,
+            metrics=self.metrics,
+            log=self.log,
         )
         if opened.meta is not None:
             self._resume(opened.meta, opened.checkpoint)
         # tensorboard/wandb imports take a while: off the loop, before any socket needs heartbeats
-        self.logger = await self.compute(MetricsLogger, self.run_dir, self.cfg, log=self.log)
+        cfg = self.cfg
+        wandb = wandb_init_kwargs(cfg.logging, cfg.name, cfg.model_dump(mode="json"))
+        self.logger = await self.compute(MetricsLogger, self.run_dir, wandb, log=self.log)
         from laminar.trainer.evaluation import open_evaluator
 
-        self.evaluator = await self.compute(open_evaluator, self.cfg, self.log)
+        self.evaluator = await self.compute(open_evaluator, eval_settings(cfg), self.log)
         if self.evaluator is not None:
             await self.evaluator.start()
         await self.buffer.connect(timeout=self.cfg.transport.startup_timeout_s)
-        self.handoff = open_publisher(self.cfg, self.wiring())
+        self.handoff = open_publisher(weights_channel(self.cfg), self.wiring())
         await self.handoff.start()
 
     def _resume(self, meta: dict[str, Any], ckpt: Path | None) -> None:
@@ -213,25 +250,28 @@ class TrainerNode(Node):
                 await self._checkpoint("stop")
 
     async def _why_nothing_trained(self) -> str:
-        """The buffer's view of why no group ever became trainable (its warnings and drop counts)."""
+        """The buffer's view of why no group ever became trainable (its warnings and drop
+        counts)."""
         text = "trained 0 steps: the data ran out and no group was ever trainable"
         try:
-            reply = await self.buffer.request(BufferStats(), timeout=5.0, retries=1)
+            reply = await self.buffer.request(BufferStatsRequest(), timeout=5.0, retries=1)
         except Exception as exc:  # noqa: BLE001 - the failure stands without the buffer's detail
             return f"{text} (buffer stats unavailable: {type(exc).__name__})"
-        st = reply.stats if isinstance(reply, BufferStats) else {}
+        if not isinstance(reply, BufferStats):
+            return f"{text} (the buffer answered {type(reply).__name__}, not BufferStats)"
+        counts = reply.counts
         dropped = ", ".join(
             f"{k.removeprefix('dropped_')}: {v}"
-            for k, v in sorted(st.items())
+            for k, v in sorted(counts.items())
             if k.startswith("dropped_") and v
         )
+        stored, unusable = counts.get("trajectories", 0), counts.get("unusable", 0)
         text += (
-            f"; {st.get('trajectories', 0)} trajectories stored, {st.get('unusable', 0)} without a usable "
-            f"reward, {st.get('groups_dropped', 0)} groups dropped ({dropped or 'none'})"
+            f"; {stored} trajectories stored, {unusable} without a usable reward, "
+            f"{counts.get('groups_dropped', 0)} groups dropped ({dropped or 'none'})"
         )
-        warnings = st.get("warnings") or {}
-        if warnings:
-            text += "; buffer: " + " | ".join(f"{k}: {v}" for k, v in warnings.items())
+        if reply.warnings:
+            text += "; buffer: " + " | ".join(f"{k}: {v}" for k, v in reply.warnings.items())
         self.log.error("nothing_trained", reason=text)
         return text
 
@@ -321,7 +361,13 @@ class TrainerNode(Node):
         )
         metrics.update(staleness_histogram(staleness))
         metrics.update(
-            {f"buffer/{k}": v for k, v in reply.info.items() if isinstance(v, int | float)}
+            {
+                "buffer/version": reply.version,
+                "buffer/groups": len(reply.group_ids),
+                "buffer/trajectories": len(reply.trajectories),
+                "buffer/requeued_groups": reply.requeued_groups,
+                "buffer/partial_groups": reply.partial_groups,
+            }
         )
         self.last = metrics
         if self.step % self.cfg.trainer.log_every == 0:

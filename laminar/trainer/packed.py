@@ -1,9 +1,9 @@
 """The trainer's packed forward: a micro-batch's tokens in one flat sequence, every distinct prompt
 run once, no padding in the matmuls.
 
-    plan = pack_by_prompt(samples, idx, micro_batch_tokens)   # micro-batches that keep a group together
+    plan = pack_by_prompt(samples, idx, micro_batch_tokens)  # micro-batches, a group kept together
     layout = PackedLayout.build([samples[i] for i in mb])      # once per micro-batch
-    logits = PackedForward(model)(layout)                     # (N, V): mb.resp_mask's positions, row-major
+    logits = PackedForward(model)(layout)              # (N, V): mb.resp_mask's positions, row-major
 
 Why: a GRPO group is n samples of one prompt, and the padded forward (HF's, over collate's
 [b, L] rows) runs that prompt n times and pads every row to the longest. On the demo's batches
@@ -35,7 +35,8 @@ from laminar.trainer.batch import Sample, pack_micro_batches
 
 @dataclass
 class AttentionChunk:
-    """Rows (a prompt, or a response after its prompt) attended in one call, padded to the longest."""
+    """Rows (a prompt, or a response after its prompt) attended in one call, padded to the
+    longest."""
 
     q: torch.Tensor
     """[n, Qmax] packed index of each row's queries (padding repeats a real one)."""
@@ -248,7 +249,8 @@ class PackedForward:
 def packed_forward(
     model: Any, max_len: int, choice: str, sharded: bool, fp32_head: bool = False
 ) -> PackedForward | None:
-    """The forward the trainer runs (`trainer.forward`): the packed one, or None (HF's padded one)."""
+    """The forward the trainer runs (`trainer.forward`): the packed one, or None (HF's padded
+    one)."""
 
     def why_not() -> str | None:
         return "FSDP-sharded parameters" if sharded else ops.unsupported(model, max_len)

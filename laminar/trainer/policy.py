@@ -2,7 +2,7 @@
 else HF's) + AdamW + warmup/cosine schedule, FSDP2 across ranks.
 The torch implementation of the `Trainer` protocol (laminar/trainer/engine.py).
 
-    policy = Policy(cfg, model_path, DistContext())        # world 1: plain module
+    policy = Policy(settings, model_path, DistContext())   # world 1: plain module
     metrics = policy.step(policy.prepare(trajectories))
     weights = policy.export()                               # rank 0: full state dict (collective)
     policy.save(run_dir, step, meta, keep)                  # checkpoint (collective, rank 0 writes)
@@ -11,8 +11,9 @@ Protocol methods are collectives under torch.distributed: on rank 0 each first t
 other ranks to run the same method (dist.lead), which they do from follower.py.
 
 One trainer step per batch, trainer.minibatches optimizer steps inside it:
-    pack micro-batches (token budget; packed forward, trainer/packed.py: a prompt's samples together,
-    each prompt run once; HF's padded forward: by length) ─► [k1-in-reward: no-grad pass for KL]
+    pack micro-batches (token budget; packed forward, trainer/packed.py: a prompt's samples
+    together, each prompt run once; HF's padded forward: by length)
+    ─► [k1-in-reward: no-grad pass for KL]
     ─► advantages (whole batch) ─► split the groups into M mini-batches
     ─► [trainer.skip_zero_advantage: samples with advantage exactly 0 get no micro-batch; their
         loss and gradient are 0, the mini-batch keeps its token/sequence counts and its AdamW step]
@@ -56,12 +57,12 @@ from laminar.algo.advantages import broadcast_to_tokens, compute_advantages, kl_
 from laminar.algo.episodes import episode_stats
 from laminar.algo.losses import LossSettings, policy_loss
 from laminar.algo.metrics import StatAccumulator, length_stats
-from laminar.config import LaminarConfig
 from laminar.protocol.data import Trajectory
 from laminar.protocol.trainer import RankCommand
 from laminar.trainer import checkpoint as ck
 from laminar.trainer.batch import MicroBatch, TrainBatch, collate, pack_micro_batches
 from laminar.trainer.dist import DistContext, destroy, lead
+from laminar.trainer.engine import TrainerSettings
 from laminar.trainer.packed import PackedForward, PackedLayout, pack_by_prompt, packed_forward
 
 
@@ -101,25 +102,27 @@ def _apply_fsdp(model: torch.nn.Module, ctx: DistContext, device: torch.device) 
 
 
 class Policy:
-    def __init__(self, cfg: LaminarConfig, model_path: str, ctx: DistContext | None = None):
+    def __init__(self, settings: TrainerSettings, model_path: str, ctx: DistContext | None = None):
         from laminar.models.decoder_lm import load_model
 
-        self.cfg, self.ctx = cfg, ctx or DistContext()
+        self.settings, self.ctx = settings, ctx or DistContext()
+        self.tc, self.algo = settings.trainer, settings.algo
         self.model_path = model_path
         """Where the weights came from; its tokenizer files go into every checkpoint."""
-        tc, algo = cfg.trainer, cfg.algo
-        dev = cfg.model.device
+        tc, algo = settings.trainer, settings.algo
+        dev = settings.model.device
         if dev.startswith("cuda") and self.ctx.enabled:
             dev = f"cuda:{self.ctx.local_rank}"
         self.device = torch.device(dev)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.autocast = self.device.type == "cuda"
-        # fp32 master weights, eval() (no dropout); sharded from CPU so no GPU ever holds two full copies
+        # fp32 master weights, eval() (no dropout); sharded from CPU so no GPU ever holds two full
+        # copies
         load_on = "cpu" if self.ctx.enabled else str(self.device)
         # the packed forward reads parameters only: no transformers needed where it runs (not FSDP)
         module_free = tc.forward != "hf" and not self.ctx.enabled
-        max_len = cfg.rollout.max_model_len
+        max_len = settings.max_model_len
         self.model = load_model(model_path, "float32", load_on, module_free, max_len)
         self.vocab_size = int(self.model.config.vocab_size)
         self.max_len = getattr(self.model.config, "max_position_embeddings", None)
@@ -130,7 +133,7 @@ class Policy:
         self.ref = None
         if algo.kl_coef > 0:
             self.ref = load_model(
-                cfg.model.path or model_path, "float32", load_on, module_free, max_len
+                settings.model.path or model_path, "float32", load_on, module_free, max_len
             )
             self.ref.requires_grad_(False)
         if self.ctx.enabled:
@@ -148,13 +151,13 @@ class Policy:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(tc.warmup_steps, tc.total_steps, tc.min_lr_ratio)
         )
-        temp = cfg.rollout.sampling.temperature
+        temp = settings.temperature
         # logprobs must describe the distribution the sampler drew from: logits / T (greedy: T = 1)
         self.temperature = temp if temp > 0 else 1.0
-        self.loss_settings = LossSettings.from_algo(algo, cfg.rollout.sampling.max_tokens)
+        self.loss_settings = LossSettings.from_algo(algo, settings.max_tokens)
         self.pad_id = int(self.model.config.pad_token_id or 0)
         # the sliding-window check needs a length; unknown, any window binds
-        longest = int(self.max_len or cfg.rollout.max_model_len or 1 << 30)
+        longest = int(self.max_len or settings.max_model_len or 1 << 30)
         self.packed = packed_forward(
             self.model, longest, tc.forward, self.ctx.enabled, self.autocast
         )
@@ -173,7 +176,7 @@ class Policy:
 
     def export(self) -> dict[str, torch.Tensor]:
         lead(self.ctx, RankCommand(kind="export"))
-        return self.export_weights(self.cfg.model.dtype)
+        return self.export_weights(self.settings.model.dtype)
 
     def save(self, run_dir: Path, step: int, meta: dict[str, Any], keep: int) -> Path | None:
         lead(self.ctx, RankCommand(kind="checkpoint", step=step))
@@ -197,7 +200,8 @@ class Policy:
     def token_logprobs(
         self, mb: MicroBatch, model: torch.nn.Module | None = None, entropy_grad: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log pi(target), entropy), both [b, L-1] and 0 off the response; entropy has grad only if asked.
+        """(log pi(target), entropy), both [b, L-1] and 0 off the response; entropy has grad only if
+        asked.
 
         Only response positions go through the fp32 log-softmax: long prompts cost no [*, V] memory.
         With the packed forward only those positions reach the head at all.
@@ -246,14 +250,14 @@ class Policy:
         advantage exactly 0 has none when every loss term is proportional to the advantage."""
         s = self.loss_settings
         has_other_terms = s.entropy_coef > 0 or (s.kl_coef > 0 and s.kl_type == "k3_loss")
-        if not self.cfg.trainer.skip_zero_advantage or has_other_terms:
+        if not self.tc.skip_zero_advantage or has_other_terms:
             return [True] * len(adv)
         return (adv != 0).tolist()
 
     def _minibatches(self, batch: TrainBatch) -> list[list[int]]:
         """Sample indices of each mini-batch: whole groups, in batch order, M near-equal parts."""
         n_groups = int(batch.groups.max()) + 1 if batch.n_seqs else 0
-        m = max(1, min(self.cfg.trainer.minibatches, n_groups))
+        m = max(1, min(self.tc.minibatches, n_groups))
         if m == 1:
             return [list(range(batch.n_seqs))]
         part_of = [g * m // n_groups for g in range(n_groups)]
@@ -264,7 +268,7 @@ class Policy:
 
     def _plan(self, batch: TrainBatch, idx: list[int]) -> list[tuple[list[int], float]]:
         """This rank's micro-batches (batch indices, weight) of the samples `idx`."""
-        budget = self.cfg.trainer.micro_batch_tokens
+        budget = self.tc.micro_batch_tokens
         if self.packed is not None:
             return self._my_share(pack_by_prompt(batch.samples, idx, budget))
         packed = pack_micro_batches([batch.samples[i].length for i in idx], budget)
@@ -272,7 +276,7 @@ class Policy:
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         t0 = time.perf_counter()
-        s, algo = self.loss_settings, self.cfg.algo
+        s, algo = self.loss_settings, self.algo
         if batch.n_seqs == 0:
             raise ValueError("train_step needs at least one usable trajectory")
         stats = StatAccumulator()
@@ -286,7 +290,8 @@ class Policy:
         parts = self._minibatches(batch)
         live = self._carries_gradient(adv)
         plans = [self._plan(batch, [i for i in idx if live[i]]) for idx in parts]
-        # pi_prox of mini-batches 2..M, before any parameter moves (mini-batch 1 reuses its own forward)
+        # pi_prox of mini-batches 2..M, before any parameter moves (mini-batch 1 reuses its own
+        # forward)
         prox_of: dict[tuple[int, int], torch.Tensor] = {}
         built: dict[tuple[int, int], MicroBatch] = {}  # collated (and laid out) once, used twice
         if len(parts) > 1 and algo.decoupled:
@@ -322,11 +327,11 @@ class Policy:
                     adv_tok,
                     mb.resp_mask,
                     s,
-                    n_tok,
-                    len(idx_k),
-                    ref,
-                    ent,
-                    st,
+                    n_tokens=n_tok,
+                    n_seqs=len(idx_k),
+                    ref_logp=ref,
+                    entropy=ent,
+                    stats=st,
                 )
                 st.add("sum/loss", loss.detach())
                 st.add("entropy", ent.detach(), mb.resp_mask)
@@ -375,8 +380,9 @@ class Policy:
         return out
 
     def _optimizer_step(self) -> float:
-        """Clip the global grad norm and step AdamW; a NaN/inf gradient never reaches the weights."""
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
+        """Clip the global grad norm and step AdamW; a NaN/inf gradient never reaches the
+        weights."""
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tc.grad_clip)
         if hasattr(norm, "full_tensor"):  # a DTensor under FSDP2
             norm = norm.full_tensor()
         grad_norm = float(norm)
@@ -388,7 +394,8 @@ class Policy:
 
     @torch.no_grad()
     def _sequence_kl(self, batch: TrainBatch, share: list[tuple[list[int], float]]) -> torch.Tensor:
-        """sum_t (log pi_prox - log pi_ref) per sequence [B] (k1 for the reward), reduced over ranks."""
+        """sum_t (log pi_prox - log pi_ref) per sequence [B] (k1 for the reward), reduced over
+        ranks."""
         kl = torch.zeros(batch.n_seqs, dtype=torch.float64)
         for idx, weight in share:
             mb = self.micro_batch(batch, idx)

@@ -8,7 +8,7 @@ forward/backward would process). The emulated compute is a sleep on the node's w
 thread, like real compute would be: it models compute time, it does not synchronise
 anything. Advantages are still computed so the logged reward/advantage figures mean the
 same as with the torch trainer. Its checkpoint is the counters and the frontier (no
-model); its export is a small blob (`extra.sim_weight_bytes`, default 4096) so a relay
+model); its export is a small blob (`trainer.sim_weight_bytes`, default 4096) so a relay
 tier has bytes to move; a handoff without one only announces the version.
 """
 
@@ -23,17 +23,17 @@ import torch
 from laminar.algo.advantages import compute_advantages
 from laminar.algo.episodes import episode_stats
 from laminar.algo.metrics import length_stats
-from laminar.config import LaminarConfig
+from laminar.config import AlgoConfig, TrainerConfig
 from laminar.protocol.data import Trajectory
 from laminar.trainer import checkpoint as ck
 from laminar.trainer.batch import TrainBatch
 
 
 class SimTrainer:
-    def __init__(self, cfg: LaminarConfig):
-        self.cfg = cfg
-        self.time_per_token = cfg.trainer.sim_time_per_token_s
-        self.weight_bytes = int(cfg.extra.get("sim_weight_bytes", 4096))
+    def __init__(self, tc: TrainerConfig, algo: AlgoConfig):
+        self.algo = algo
+        self.time_per_token = tc.sim_time_per_token_s
+        self.weight_bytes = tc.sim_weight_bytes
         self.steps = 0
 
     def prepare(self, trajectories: list[Trajectory]) -> TrainBatch:
@@ -42,7 +42,7 @@ class SimTrainer:
     def step(self, batch: TrainBatch) -> dict[str, float]:
         t0 = time.perf_counter()
         adv = compute_advantages(
-            batch.rewards, batch.groups, self.cfg.algo.advantage, self.cfg.algo.norm_std
+            batch.rewards, batch.groups, self.algo.advantage, self.algo.norm_std
         )
         time.sleep(self.time_per_token * batch.total_tokens)  # the emulated compute
         self.steps += 1

@@ -1,6 +1,6 @@
 """RpcClient: the DEALER side of the RPC pair (handshake, heartbeats, deadlines, reconnects).
 
-    client = RpcClient(ctx, endpoint, node_id="rollout-0", role="rollout", opts=opts, spawn=node.spawn)
+    client = RpcClient(ctx, endpoint, "rollout-0", "rollout", opts=opts, spawn=node.spawn)
     await client.connect()                          # HELLO/WELCOME with a deadline
     reply = await client.request(PromptRequest(...), timeout=2.0)
 
@@ -31,9 +31,19 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from laminar.protocol.core import Ack, Bye, ErrorReply, Heartbeat, Hello, NodeStatus, Welcome
+from laminar.message import Message, ProtocolError
 from laminar.supervise import Spawn, detached_spawn
-from laminar.transport.codec import PROTOCOL_VERSION, Message, ProtocolError, decode, encode
+from laminar.transport.codec import decode, encode
+from laminar.transport.session import (
+    PROTOCOL_VERSION,
+    Ack,
+    Bye,
+    ErrorReply,
+    Heartbeat,
+    Hello,
+    StatusCodec,
+    Welcome,
+)
 from laminar.transport.sockets import (
     Dispatcher,
     Handler,
@@ -64,10 +74,10 @@ class RpcClient:
         node_id: str,
         role: str,
         opts: SocketOptions | None = None,
-        status: Callable[[], NodeStatus | None] | None = None,
+        status: Callable[[], Message | None] | None = None,
         on_server_dead: Callable[[], Any] | None = None,
         on_connect: Callable[[], Any] | None = None,
-        info: dict[str, Any] | None = None,
+        started: float = 0.0,
         spawn: Spawn = detached_spawn,
     ):
         self.ctx, self.endpoint, self.node_id, self.role = ctx, endpoint, node_id, role
@@ -75,9 +85,17 @@ class RpcClient:
         self.stats = SocketStats()
         self.server_id: str | None = None
         self._status, self._on_server_dead, self._on_connect = status, on_server_dead, on_connect
-        # pid + host let a server tell this process re-handshaking (takes its entry over) from
-        # another process claiming the same node id (refused while the holder is alive)
-        self._info = {"pid": os.getpid(), "host": socket.gethostname(), **(info or {})}
+        # pid + host (+ started: when this process's node started) let a server tell this process
+        # re-handshaking (takes its entry over) from another process claiming the same node id
+        # (refused while the holder is alive)
+        self._hello = Hello(
+            protocol=PROTOCOL_VERSION,
+            node_id=node_id,
+            role=role,
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            started=started,
+        )
         self._spawn = spawn
         self._disp = Dispatcher()
         self._pending = Pending()
@@ -116,7 +134,8 @@ class RpcClient:
         return sock
 
     async def connect(self, timeout: float | None = None) -> None:
-        """Open a socket and handshake, retrying with backoff until `timeout` (default handshake_timeout_s)."""
+        """Open a socket and handshake, retrying with backoff until `timeout` (default
+        handshake_timeout_s)."""
         deadline = time.monotonic() + (timeout or self.opts.handshake_timeout_s)
         backoff = self.opts.reconnect_backoff_s
         while True:
@@ -145,10 +164,7 @@ class RpcClient:
         await self._handshake(timeout)
 
     async def _handshake(self, timeout: float) -> None:
-        hello = Hello(
-            protocol=PROTOCOL_VERSION, node_id=self.node_id, role=self.role, info=self._info
-        )
-        reply = await self._request_once(hello, timeout)
+        reply = await self._request_once(self._hello, timeout)
         if not isinstance(reply, Welcome):
             raise TransportError(f"handshake: expected Welcome, got {type(reply).__name__}")
         self.server_id = reply.node_id
@@ -161,9 +177,10 @@ class RpcClient:
                 await res
 
     async def _handshake_again(self) -> None:
-        """The server answered `unknown_peer`: it restarted under the same endpoint and the socket reconnected
-        underneath us before heartbeats noticed. Handshake again on the live socket (one attempt shared by all
-        callers that hit it); if that fails, fall back to a full reconnect. Raises TransportError on failure."""
+        """The server answered `unknown_peer`: it restarted under the same endpoint and the socket
+        reconnected underneath us before heartbeats noticed. Handshake again on the live socket (one
+        attempt shared by all callers that hit it); if that fails, fall back to a full reconnect.
+        Raises TransportError on failure."""
         if self._rehello is None or self._rehello.done():
             self._rehello = self._spawn(self._run_handshake_again(), "client-rehello")
         # shielded: one caller giving up must not end the attempt the others wait on
@@ -250,7 +267,8 @@ class RpcClient:
     async def request(
         self, msg: Message, timeout: float | None = None, retries: int | None = None
     ) -> Message:
-        """Send a request and await its reply; each attempt has a deadline. Requests must be idempotent.
+        """Send a request and await its reply; each attempt has a deadline. Requests must be
+        idempotent.
 
         Raises RequestTimeout when every attempt failed and RemoteError when the server answered
         with an error; CancelledError only when the caller's own task is being cancelled."""
@@ -379,7 +397,7 @@ class RpcClient:
         """Send a heartbeat carrying the current status now (the timer does it every interval;
         a node whose status just changed can push it early). Raises TransportError / ZMQError."""
         self._seq += 1
-        status = self._status() if self._status else None
+        status = StatusCodec.pack(self._status() if self._status else None)
         await self._send_raw(
             b"", Heartbeat(node_id=self.node_id, seq=self._seq, status=status), timeout
         )

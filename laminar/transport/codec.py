@@ -3,8 +3,9 @@
     frames = encode(Trajectory(...))   # [b"\x21", header, prompt_ids, response_ids, logprobs]
     msg = decode(frames)               # validated Trajectory; arrays are zero-copy views
 
-Every message is a `msgspec.Struct` subclass of `Message`, registered with a unique
-one-byte type id by `@message(0x21)`. The header is the struct as a msgpack map,
+Every message is a `msgspec.Struct` subclass of `Message` (`laminar/message.py`),
+registered with a unique one-byte type id by `@message(0x21)`; the codec encodes whatever
+is registered and imports no message catalogue. The header is the struct as a msgpack map,
 written and read by msgspec. A numpy array (anywhere: nested messages, lists, dicts)
 travels as its own frame without copying; the header holds an ext reference
 `(frame index, dtype code, shape)` in its place.
@@ -38,14 +39,21 @@ import threading
 import types
 import typing
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar, get_args, get_origin, get_type_hints
+from typing import Any, get_args, get_origin, get_type_hints
 
 import msgspec
 import numpy as np
 import zmq
 
-PROTOCOL_VERSION = 1
+from laminar.message import (
+    DEFAULT_LIMITS,
+    ON_REGISTER,
+    REGISTRY,
+    Arr,
+    Limits,
+    Message,
+    ProtocolError,
+)
 
 _EXT_ARRAY = 1
 _DTYPE_NAMES = (
@@ -75,64 +83,6 @@ def _ref_struct(ndim: int) -> struct.Struct:
     if st is None:
         st = _REF_STRUCTS[ndim] = struct.Struct(f"<HBB{ndim}Q")
     return st
-
-
-class ProtocolError(ValueError):
-    """A frame set that is not a valid message; the text says what was wrong."""
-
-
-@dataclass(frozen=True, slots=True)
-class Arr:
-    """Annotation for an array field: allowed dtypes and number of dims (None = any)."""
-
-    dtypes: tuple[str, ...]
-    ndim: int | None = 1
-    max_elems: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Limits:
-    max_frames: int = 4096
-    max_header_bytes: int = 1 << 20
-    max_message_bytes: int = 2 << 30
-    max_list_len: int = 1 << 20
-    """Items in one list or map."""
-    max_str_len: int = 1 << 20
-    """Characters in one string."""
-
-
-DEFAULT_LIMITS = Limits()
-
-
-class Message(msgspec.Struct, forbid_unknown_fields=True, gc=False, omit_defaults=True):
-    """Base of every wire message: a mutable msgspec Struct registered with @message.
-
-    gc=False: a message must not hold a reference cycle through itself (none does: they are
-    data), or that cycle is never collected."""
-
-    TYPE: ClassVar[int] = -1
-
-
-REGISTRY: dict[int, type[Message]] = {}
-M = TypeVar("M", bound=Message)
-
-
-def message(type_id: int) -> Callable[[type[M]], type[M]]:
-    """Class decorator: register a Message subclass under its one-byte type id."""
-
-    def wrap(cls: type[M]) -> type[M]:
-        if not 0 <= type_id <= 255:
-            raise ValueError(f"{cls.__name__}: type id must fit one byte, got {type_id}")
-        if type_id in REGISTRY and REGISTRY[type_id].__name__ != cls.__name__:
-            raise ValueError(
-                f"type id {type_id:#x} used by {REGISTRY[type_id].__name__} and {cls.__name__}"
-            )
-        cls.TYPE = type_id
-        REGISTRY[type_id] = cls
-        _BY_TYPE_FRAME.pop(bytes((type_id,)), None)  # a re-registered type is looked up afresh
-        return cls
-
-    return wrap
 
 
 # ---- array fields: msgspec sees an Ext; a per-type plan turns it into the array --------
@@ -620,7 +570,8 @@ def _fast_arrays(cls: type[Message], top: list[_Top], optional: list[bool]) -> A
                 "total += nbytes",
                 f"a{i} = _frombuffer(buf, dtype)",
                 "if kind is _Frame and nbytes >= _zmq.COPY_THRESHOLD:",
-                f"    a{i}.setflags(write=False)  # may be the sender's own memory (inproc zero-copy)",
+                f"    a{i}.setflags(write=False)  # may be the sender's own memory (inproc "
+                "zero-copy)",
             )
         ]
         if counted:
@@ -788,7 +739,8 @@ def decode(frames: list[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
             setattr(msg, name, conv(getattr(msg, name), fr, path))
         if len(fr) != nframes - 2:
             raise ProtocolError(
-                f"{cls.__name__}: {nframes - 2 - len(fr)} array frame(s) not referenced by the header"
+                f"{cls.__name__}: {nframes - 2 - len(fr)} array frame(s) not referenced by the "
+                "header"
             )
         nbytes = fr.nbytes
     # every frame is accounted for now: the type byte, the header and the arrays' checked sizes
@@ -809,6 +761,13 @@ def _stray_path(cls: type[Message], header: Any) -> str:
         return _stray_array(msg, cls.__name__) or cls.__name__
     except (ValueError, RecursionError):
         return cls.__name__
+
+
+def _forget_type(type_id: int) -> None:
+    _BY_TYPE_FRAME.pop(bytes((type_id,)), None)  # a re-registered type is looked up afresh
+
+
+ON_REGISTER.append(_forget_type)
 
 
 def roundtrip(msg: Message) -> Message:

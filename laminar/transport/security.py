@@ -12,11 +12,12 @@ only public keys in `authorized/`, so a peer without a known key gets nothing th
 handshake never completes and its requests time out.
 
 Identity per role: `roles.json` maps each public key (z85) to the roles, and node ids, it may
-claim (the server pair: any, "*"; it lives only on the server hosts). An RpcServer reads the peer's key from the ZAP "User-Id" of its HELLO and refuses a
-claimed role or node id that the key does not allow (`Security.check_claim`). With no
-`roles.json` (one shared key) any key holder may claim any role. Without CURVE (no keys_dir, or
-ipc/inproc), a HELLO's role and node id are unauthenticated: whoever reaches the socket can
-claim any identity, so tcp without CURVE is warned about loudly at startup.
+claim (the server pair: any, "*"; it lives only on the server hosts). An RpcServer reads the peer's
+key from the ZAP "User-Id" of its HELLO and refuses a claimed role or node id that the key does not
+allow (`Security.check_claim`). With no `roles.json` (one shared key) any key holder may claim any
+role. Without CURVE (no keys_dir, or ipc/inproc), a HELLO's role and node id are unauthenticated:
+whoever reaches the socket can claim any identity, so tcp without CURVE is warned about loudly at
+startup.
 """
 
 from __future__ import annotations
@@ -31,8 +32,6 @@ from pathlib import Path
 import zmq
 import zmq.auth
 from zmq.auth.asyncio import AsyncioAuthenticator
-
-from laminar.config import ConfigError, LaminarConfig
 
 ROLES_FILE = "roles.json"
 """DIR/roles.json: {public_key_z85: {"name": NAME, "roles": [...], "node_ids": [glob, ...]}}."""
@@ -126,7 +125,8 @@ class IdentityRefused(ValueError):
 
 
 class Security:
-    """CURVE settings shared by a node's tcp sockets, and the key -> roles table its servers check."""
+    """CURVE settings shared by a node's tcp sockets, and the key -> roles table its servers
+    check."""
 
     def __init__(
         self,
@@ -168,7 +168,8 @@ class Security:
         allowed = entry.get("roles", [])
         if role not in allowed and "*" not in allowed:
             raise IdentityRefused(
-                f"key {entry.get('name', user_id[:8])!r} may claim {entry.get('roles')}, not {role!r}"
+                f"key {entry.get('name', user_id[:8])!r} may claim {entry.get('roles')}, not "
+                f"{role!r}"
             )
         patterns = entry.get("node_ids") or [role, f"{role}-*"]
         if not any(fnmatch.fnmatchcase(node_id, p) for p in patterns):
@@ -222,34 +223,3 @@ def stop_authenticators() -> None:
     for auth in list(_AUTHENTICATORS.values()):
         auth.stop()
     _AUTHENTICATORS.clear()
-
-
-def security_from_config(cfg: LaminarConfig, role: str = "node") -> Security | None:
-    """The node's CURVE settings, or None when `security.keys_dir` is unset (no CURVE)."""
-    if not cfg.security.keys_dir:
-        return None
-    return Security.for_role(cfg.security.keys_dir, role, cfg.security.key_name)
-
-
-def plaintext_tcp_warning(cfg: LaminarConfig) -> str | None:
-    """The loud startup warning when tcp endpoints run without CURVE, else None."""
-    if cfg.security.keys_dir:
-        return None
-    tcp = [e for e in _endpoints(cfg) if e.startswith("tcp://")]
-    if not tcp:
-        return None
-    return (
-        f"tcp endpoints {tcp[:3]} run WITHOUT CURVE: anyone who reaches them can read the "
-        "traffic and claim any role or node id (a fake trainer can take batches). Make keys with "
-        "`laminar keys DIR --roles ...` and set security.keys_dir"
-    )
-
-
-def _endpoints(cfg: LaminarConfig) -> list[str]:
-    out = []
-    for role in ("manager", "buffer", "relay", "tools"):
-        try:
-            out.append(cfg.endpoint(role))
-        except ConfigError:
-            continue
-    return out

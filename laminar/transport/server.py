@@ -22,17 +22,27 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import structlog
 import zmq
 import zmq.asyncio
 
 from laminar.logs import RateLimitedLog
-from laminar.protocol.core import Ack, Bye, ErrorReply, Heartbeat, Hello, NodeStatus, Welcome
+from laminar.message import Message, ProtocolError
 from laminar.supervise import Spawn, detached_spawn
-from laminar.transport.codec import PROTOCOL_VERSION, Message, ProtocolError, decode, encode
+from laminar.transport.codec import decode, encode
 from laminar.transport.security import IdentityRefused, peer_key
+from laminar.transport.session import (
+    PROTOCOL_VERSION,
+    Ack,
+    Bye,
+    ErrorReply,
+    Heartbeat,
+    Hello,
+    StatusCodec,
+    Welcome,
+)
 from laminar.transport.sockets import (
     Dispatcher,
     Handler,
@@ -50,9 +60,14 @@ from laminar.transport.sockets import (
 
 log = structlog.get_logger("laminar.transport")
 
+S = TypeVar("S", bound=Message)
 
-class RpcServer:
-    """ROUTER side: the stable node (manager, buffer, relay) that clients connect to."""
+
+class RpcServer(Generic[S]):
+    """ROUTER side: the stable node (manager, buffer, relay) that clients connect to.
+
+    `status` is this node's own status for its heartbeats; `peer_status` decodes what the
+    clients' heartbeats carry into `Peer.status` (None: their statuses are not kept)."""
 
     def __init__(
         self,
@@ -61,20 +76,22 @@ class RpcServer:
         node_id: str,
         role: str,
         opts: SocketOptions | None = None,
-        on_peer_dead: Callable[[Peer], Any] | None = None,
-        on_peer_join: Callable[[Peer], Any] | None = None,
-        status: Callable[[], NodeStatus | None] | None = None,
+        on_peer_dead: Callable[[Peer[S]], Any] | None = None,
+        on_peer_join: Callable[[Peer[S]], Any] | None = None,
+        status: Callable[[], Message | None] | None = None,
         spawn: Spawn = detached_spawn,
+        peer_status: StatusCodec[S] | None = None,
     ):
         self.ctx, self.endpoint, self.node_id, self.role = ctx, endpoint, node_id, role
         self.opts = opts or SocketOptions()
-        self.peers: dict[str, Peer] = {}
-        self._by_identity: dict[bytes, Peer] = {}
+        self.peers: dict[str, Peer[S]] = {}
+        self._by_identity: dict[bytes, Peer[S]] = {}
         self.stats = SocketStats()
         self._disp = Dispatcher()
         self._pending = Pending()
         self._on_peer_dead, self._on_peer_join, self._status = on_peer_dead, on_peer_join, status
         self._spawn = spawn
+        self._peer_status = peer_status
         self._sock: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._seq = 0
@@ -132,7 +149,7 @@ class RpcServer:
                 raise PeerDead(f"peer {identity!r} is not connected") from None
             raise TransportError(f"send failed: {exc}") from None
 
-    def _peer(self, node_id: str) -> Peer:
+    def _peer(self, node_id: str) -> Peer[S]:
         peer = self.peers.get(node_id)
         if peer is None or not peer.alive:
             raise PeerDead(f"no live peer {node_id!r}")
@@ -190,8 +207,11 @@ class RpcServer:
             if rid and (len(rid) != 9 or rid[:1] not in (b"Q", b"R")):
                 self._bad("malformed request-id frame")
                 continue
+            status: S | None = None
             try:
                 msg = decode(frames[2:], self.opts.limits)
+                if type(msg) is Heartbeat and self._peer_status is not None:
+                    status = self._peer_status.unpack(msg.status)
             except ProtocolError as exc:
                 self._bad(str(exc))
                 await self._reply_error(identity, rid, "protocol", str(exc))
@@ -203,7 +223,8 @@ class RpcServer:
             if peer is None:
                 self.stats.unknown_peer += 1
                 self._unknown_log.warning(msg=type(msg).__name__)
-                # a heartbeat is one-way: tell the client (e.g. after our restart) to handshake again
+                # a heartbeat is one-way: tell the client (e.g. after our restart) to handshake
+                # again
                 if isinstance(msg, Heartbeat):
                     with contextlib.suppress(TransportError):
                         await self._send(
@@ -218,8 +239,8 @@ class RpcServer:
             if not peer.alive:  # traffic from a peer we had declared dead: it is back
                 peer.alive = True
             if isinstance(msg, Heartbeat):
-                if msg.status is not None:
-                    peer.status = msg.status
+                if status is not None:
+                    peer.status = status
                 continue
             if isinstance(msg, Bye):
                 self._forget(peer)
@@ -241,7 +262,7 @@ class RpcServer:
             )
 
     async def _handle(
-        self, handler: Handler, peer: Peer, identity: bytes, rid: bytes, msg: Message
+        self, handler: Handler, peer: Peer[S], identity: bytes, rid: bytes, msg: Message
     ) -> None:
         try:
             reply = await self._disp.call(handler, peer, msg)
@@ -275,7 +296,7 @@ class RpcServer:
         key ZAP authenticated; None without CURVE, where the claim is unauthenticated) or the id
         belongs to a live peer: a newcomer never evicts a live node (it retries and is admitted
         once liveness declares the old one dead). The same process re-handshaking on a fresh
-        socket (same `info`: pid and start time) takes its own entry over."""
+        socket (same pid, host and start time) takes its own entry over."""
         if msg.protocol != PROTOCOL_VERSION:
             self._bad(f"protocol {msg.protocol} from {msg.node_id}, want {PROTOCOL_VERSION}")
             await self._reply_error(
@@ -302,7 +323,7 @@ class RpcServer:
             and old.identity != identity
             and old.alive
             and time.monotonic() - old.last_seen <= self.opts.dead_after_s
-            and not _same_process(old.info, dict(msg.info))
+            and not _same_process(old, msg)
         ):
             self.stats.refused_id_in_use += 1
             text = (
@@ -314,7 +335,14 @@ class RpcServer:
             return
         if old is not None:
             self._by_identity.pop(old.identity, None)
-        peer = Peer(node_id=msg.node_id, role=msg.role, identity=identity, info=dict(msg.info))
+        peer: Peer[S] = Peer(
+            node_id=msg.node_id,
+            role=msg.role,
+            identity=identity,
+            pid=msg.pid,
+            host=msg.host,
+            started=msg.started,
+        )
         self.peers[msg.node_id] = peer
         self._by_identity[identity] = peer
         self.log.info("peer_join", peer=msg.node_id, peer_role=msg.role, rejoin=old is not None)
@@ -330,7 +358,7 @@ class RpcServer:
             if asyncio.iscoroutine(res):
                 await res
 
-    def _forget(self, peer: Peer) -> None:
+    def _forget(self, peer: Peer[S]) -> None:
         self.log.info("peer_leave", peer=peer.node_id)
         self.peers.pop(peer.node_id, None)
         self._by_identity.pop(peer.identity, None)
@@ -343,7 +371,7 @@ class RpcServer:
             self._bad_log.flush()
             self._unknown_log.flush()
             now = time.monotonic()
-            status = self._status() if self._status else None
+            status = StatusCodec.pack(self._status() if self._status else None)
             for peer in list(self.peers.values()):
                 if not peer.alive:
                     continue
@@ -358,7 +386,8 @@ class RpcServer:
                         if asyncio.iscoroutine(res):
                             await res
                     continue
-                try:  # a peer that does not read must not stall the beats (and checks) of the others
+                # a peer that does not read must not stall the beats (and checks) of the others
+                try:
                     await self._send(
                         peer.identity,
                         b"",
@@ -369,8 +398,7 @@ class RpcServer:
                     self.stats.heartbeats_dropped += 1
 
 
-def _same_process(old: dict[str, Any], new: dict[str, Any]) -> bool:
+def _same_process(old: Peer[Any], new: Hello) -> bool:
     """Whether two HELLOs came from one client process (a reconnect on a fresh socket), by the
-    pid/host/started that RpcClient and Node put in `info`. Unauthenticated without CURVE."""
-    keys = ("pid", "host", "started")
-    return old.get("pid") is not None and all(old.get(k) == new.get(k) for k in keys)
+    pid/host/started that RpcClient and Node put in Hello. Unauthenticated without CURVE."""
+    return old.pid != 0 and (old.pid, old.host, old.started) == (new.pid, new.host, new.started)

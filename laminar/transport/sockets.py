@@ -1,9 +1,10 @@
-"""What the RPC and stream sockets share: errors, options, stats, peers, attach, sends with a deadline.
+"""What the RPC and stream sockets share: errors, options, stats, peers, attach, sends with a
+deadline.
 
-    opts = SocketOptions.from_config(cfg, security_from_config(cfg))
+    opts = socket_options(cfg, role)      # laminar/node.py: the node's config made plain settings
     ctx = new_context()
     attach(sock, "tcp://10.0.0.1:5555", bind=False, opts=opts)   # CURVE on tcp, then connect
-    await send_within(sock, frames, timeout=2.0)                   # SendTimeout / PeerDead, never a hang
+    await send_within(sock, frames, timeout=2.0)              # SendTimeout / PeerDead, never a hang
 
 The socket kinds build on this module and never on each other:
 
@@ -11,9 +12,9 @@ The socket kinds build on this module and never on each other:
                ◄── client.py   RpcClient (DEALER: handshake, heartbeats, reconnect)
                ◄── streams.py  Publisher/Subscriber (PUB/SUB + READY barrier), PushStream/PullStream
 
-Wire envelope of the RPC pair (after the ROUTER identity frame): [kind+rid, type byte, header, *arrays].
-The first frame is b"" (one-way), b"Q"+8 bytes (request) or b"R"+8 bytes (reply). `Pending`
-holds a side's outstanding requests by rid, `Dispatcher` its type -> handler table.
+Wire envelope of the RPC pair (after the ROUTER identity frame): [kind+rid, type byte, header,
+*arrays]. The first frame is b"" (one-way), b"Q"+8 bytes (request) or b"R"+8 bytes (reply).
+`Pending` holds a side's outstanding requests by rid, `Dispatcher` its type -> handler table.
 
 Liveness (Paranoid Pirate): both sides send a Heartbeat every `heartbeat_interval_s` and count
 any traffic as a beat; a peer silent for `heartbeat_liveness` intervals is dead.
@@ -27,17 +28,16 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import zmq
 import zmq.asyncio
 from structlog.typing import FilteringBoundLogger
 
-from laminar.config import LaminarConfig
-from laminar.protocol.core import ErrorReply, NodeStatus
+from laminar.message import DEFAULT_LIMITS, Limits, Message
 from laminar.supervise import Spawn
-from laminar.transport.codec import DEFAULT_LIMITS, Limits, Message
 from laminar.transport.security import Security
+from laminar.transport.session import ErrorReply
 
 
 class TransportError(RuntimeError):
@@ -49,7 +49,8 @@ class RequestTimeout(TransportError, TimeoutError):
 
 
 class SendTimeout(RequestTimeout):
-    """A send could not be queued within its deadline (no live connection, or the peer's HWM is full)."""
+    """A send could not be queued within its deadline (no live connection, or the peer's HWM is
+    full)."""
 
 
 class PeerDead(TransportError):
@@ -78,25 +79,6 @@ class SocketOptions:
     limits: Limits = DEFAULT_LIMITS
     security: Security | None = None
 
-    @classmethod
-    def from_config(cls, cfg: LaminarConfig, security: Security | None = None) -> SocketOptions:
-        t = cfg.transport
-        return cls(
-            heartbeat_interval_s=t.heartbeat_interval_s,
-            heartbeat_liveness=t.heartbeat_liveness,
-            handshake_timeout_s=t.handshake_timeout_s,
-            request_timeout_s=t.request_timeout_s,
-            request_retries=t.request_retries,
-            reconnect_backoff_s=t.reconnect_backoff_s,
-            reconnect_backoff_max_s=t.reconnect_backoff_max_s,
-            sndhwm=t.sndhwm,
-            rcvhwm=t.rcvhwm,
-            limits=Limits(
-                max_header_bytes=t.max_header_bytes, max_message_bytes=t.max_message_bytes
-            ),
-            security=security,
-        )
-
     @property
     def dead_after_s(self) -> float:
         return self.heartbeat_interval_s * self.heartbeat_liveness
@@ -105,45 +87,6 @@ class SocketOptions:
         """These options with another inbound size limit: zmq MAXMSGSIZE (a peer sending a
         bigger frame is disconnected before Python sees a byte) and the codec's total check."""
         return replace(self, limits=replace(self.limits, max_message_bytes=n))
-
-
-# Sizing the per-socket limits (issue 15): a socket accepts what it carries, not 2 GiB.
-_BYTES_PER_TOKEN = 64
-"""Generous bytes per trajectory token on the wire: id + logprob + mask arrays (9 B) plus the
-token's share of text, info and msgpack overhead."""
-
-
-def trajectory_bytes(cfg: LaminarConfig) -> int:
-    """Upper bound of one trajectory on the wire: prompt plus the longest episode (multi-turn
-    env limits: model and environment tokens together) at `_BYTES_PER_TOKEN`."""
-    episode = cfg.rollout.sampling.max_tokens
-    if cfg.env.fn is not None:
-        limits = cfg.env.limits
-        episode = max(episode, limits.max_total_tokens or 0, limits.max_turns * episode)
-    return (cfg.data.max_prompt_tokens + episode) * _BYTES_PER_TOKEN
-
-
-def socket_max_message_bytes(cfg: LaminarConfig, service: str) -> int:
-    """MAXMSGSIZE of a server socket by what it carries:
-
-    - manager: heartbeats, status, moves; ExportReply hands over up to max_running partial
-      trajectories, so max(control limit, max_running x trajectory);
-    - buffer: a whole group of trajectories (derived; `transport.buffer_max_message_bytes`
-      overrides, `buffer_min_message_bytes` is the floor);
-    - relay / relay_data: one weight chunk plus its header;
-    - anything else (tools, control): `transport.control_max_message_bytes`.
-    Never above `transport.max_message_bytes`."""
-    t = cfg.transport
-    if service == "manager":
-        n = max(t.control_max_message_bytes, cfg.rollout.max_running * trajectory_bytes(cfg))
-    elif service == "buffer":
-        derived = max(t.buffer_min_message_bytes, cfg.rollout.group_size * trajectory_bytes(cfg))
-        n = t.buffer_max_message_bytes or derived
-    elif service in ("relay", "relay_data"):
-        n = cfg.relay.chunk_bytes + t.max_header_bytes + (64 << 10)
-    else:
-        n = t.control_max_message_bytes
-    return min(n, t.max_message_bytes)
 
 
 @dataclass
@@ -169,21 +112,28 @@ class SocketStats:
         return dict(self.__dict__)
 
 
+S = TypeVar("S", bound=Message)
+
+
 @dataclass
-class Peer:
-    """A client known to a server (it said HELLO)."""
+class Peer(Generic[S]):
+    """A client known to a server (it said HELLO); `status` is what its heartbeats last
+    carried, decoded as the server's status type (see session.StatusCodec)."""
 
     node_id: str
     role: str
     identity: bytes
-    info: dict[str, Any] = field(default_factory=dict)
+    pid: int = 0
+    """The peer's process id, host and node start time, as its Hello said (0 / "": not said)."""
+    host: str = ""
+    started: float = 0.0
     last_seen: float = field(default_factory=time.monotonic)
     alive: bool = True
-    status: NodeStatus | None = None
+    status: S | None = None
     joined_at: float = field(default_factory=time.time)
 
 
-Handler = Callable[[Peer, Any], Awaitable[Message | None] | Message | None]
+Handler = Callable[[Peer[Any], Any], Awaitable[Message | None] | Message | None]
 """`handler(peer, msg) -> reply | None`, sync or async (a client's handlers get peer=None)."""
 
 

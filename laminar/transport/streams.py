@@ -3,7 +3,8 @@
     pub = Publisher(ctx, endpoint, node_id, opts, spawn=node.spawn); await pub.start()
     await pub.wait_for({"rollout-0"}, timeout=5)      # exact: no sleeping for slow joiners
     await pub.publish("weights", WeightsReady(...))
-    sub = Subscriber(ctx, endpoint, "rollout-0", ["weights"]); sub.start(); topic, msg = await sub.recv(timeout=5)
+    sub = Subscriber(ctx, endpoint, "rollout-0", ["weights"]); sub.start()
+    topic, msg = await sub.recv(timeout=5)
     push = PushStream(ctx, endpoint, opts=opts); await push.send(msg)   # bounded HWM: back-pressure
     msg = await PullStream(ctx, endpoint, bind=True).recv(timeout=5)
 
@@ -22,8 +23,9 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from laminar.message import Message, ProtocolError
 from laminar.supervise import Spawn, detached_spawn
-from laminar.transport.codec import Message, ProtocolError, decode, encode
+from laminar.transport.codec import decode, encode
 from laminar.transport.sockets import (
     RequestTimeout,
     SocketOptions,
@@ -207,7 +209,8 @@ class PushStream:
         self.stats = SocketStats()
 
     async def send(self, msg: Message, timeout: float | None = None) -> None:
-        """Queue one message; waits while the HWM is full, raising TimeoutError (SendTimeout) after `timeout`."""
+        """Queue one message; waits while the HWM is full, raising TimeoutError (SendTimeout) after
+        `timeout`."""
         await send_within(self._sock, encode(msg), timeout)
         self.stats.sent += 1
 

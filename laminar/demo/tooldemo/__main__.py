@@ -14,7 +14,7 @@ calculator for the products it cannot compute.
     report.png, summary.json, summary.md in the run directory
 
 Overrides are the config's dotted keys (trainer.total_steps=40 ...) plus the demo's own
-under extra.demo (extra.demo.warmup_steps=1500 ...).
+under demo (demo.warmup_steps=1500 ...; laminar.config.DemoConfig).
 
 What RL has to learn: on hard prompts ("47*86=?") the warm-up model's greedy choice is
 to answer its estimate (wrong), while sampling calls the calculator about a third of
@@ -33,85 +33,63 @@ with the same ToolEnv and turn template, greedy.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from laminar.config import LaminarConfig, load_config
+from laminar.config import DemoConfig, LaminarConfig, load_config
 
 TOOL_DEMO_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "tool_demo.yaml"
 
-DEFAULTS: dict[str, Any] = {
-    "train_rows": 20000,
-    "eval_rows": 300,
-    "curve_eval_rows": 300,
-    "curve_points": 0,  # 0: every weight snapshot
-    "hard_share": 0.5,
-    "tool_rate": 0.3,  # hard-prompt demos that call the tool (< 0.5: greedy follows the habit)
-    "warmup_steps": 2000,
-    "warmup_batch": 32,
-    "warmup_lr": 1e-3,
-    "warmup_schedule": "cosine",
-    "model": {"hidden": 128, "layers": 3, "heads": 4, "kv_heads": 2, "max_positions": 192},
-    "cache_dir": "runs/.cache",
-    "policy": None,  # a local HF directory to start RL from instead of the warm-up
-    "progress_every_s": 5.0,
-}
 
-
-def demo_settings(cfg: LaminarConfig) -> dict[str, Any]:
-    out = json.loads(json.dumps(DEFAULTS))
-    for k, v in (cfg.extra.get("demo", {}) or {}).items():
-        if k == "model" and isinstance(v, dict):
-            out["model"].update(v)
-        else:
-            out[k] = v
-    return out
+def demo_settings(cfg: LaminarConfig) -> DemoConfig:
+    """The config's demo section (configs/tool_demo.yaml sets the tool demo's values)."""
+    return cfg.demo if cfg.demo is not None else DemoConfig()
 
 
 def prepare_data(
-    run_dir: Path, s: dict[str, Any], seed: int
+    run_dir: Path, s: DemoConfig, seed: int
 ) -> tuple[Path, Path, list[dict], list[dict]]:
     from laminar.demo.__main__ import say
     from laminar.tasks import tooluse as tu
 
-    hard = float(s["hard_share"])
-    train = tu.generate(int(s["train_rows"]), "train", seed, hard_share=hard)
-    ev = tu.generate(int(s["eval_rows"]), "eval", seed, hard_share=hard)
+    hard = s.hard_share
+    train = tu.generate(s.train_rows, "train", seed, hard_share=hard)
+    ev = tu.generate(s.eval_rows, "eval", seed, hard_share=hard)
     tp = tu.write_jsonl(train, run_dir / "data" / "train.jsonl")
     ep = tu.write_jsonl(ev, run_dir / "data" / "eval.jsonl")
     n_hard = sum(r["kind"] == "hard" for r in ev)
     say(
-        f"task tooluse: {len(train)} train / {len(ev)} held-out prompts ({n_hard} hard, {len(ev) - n_hard} easy)"
+        f"task tooluse: {len(train)} train / {len(ev)} held-out prompts ({n_hard} hard, "
+        f"{len(ev) - n_hard} easy)"
     )
     return tp, ep, train, ev
 
 
-def warm_up(s: dict[str, Any], train: list[dict], seed: int) -> Path:
+def warm_up(s: DemoConfig, train: list[dict], seed: int) -> Path:
     from laminar.demo.__main__ import say
     from laminar.models.warmup import sft_warmup
     from laminar.tasks import tooluse as tu
 
-    demos = tu.demonstrations(train, float(s["tool_rate"]), seed)
+    demos = tu.demonstrations(train, s.tool_rate, seed)
     pairs = [(r["prompt"], d) for r, d in zip(train, demos, strict=True)]
-    out = Path(s["cache_dir"]) / f"tooluse-policy0-seed{seed}"
+    out = Path(s.cache_dir) / f"tooluse-policy0-seed{seed}"
     t0 = time.time()
     say(
-        f"warm-up: {s['warmup_steps']} supervised steps on transcripts (tool responses masked); hard prompts "
-        f"call the calculator in {s['tool_rate']:.0%} of the demos; cached in {out}"
+        f"warm-up: {s.warmup_steps} supervised steps on transcripts (tool responses masked); "
+        f"hard prompts call the calculator in {s.tool_rate:.0%} of the demos; cached in {out}"
     )
     path = sft_warmup(
         out,
         pairs,
         tu.ALPHABET,
-        s["model"],
-        steps=int(s["warmup_steps"]),
-        batch_size=int(s["warmup_batch"]),
-        lr=float(s["warmup_lr"]),
-        schedule=str(s["warmup_schedule"]),
+        model_kw=s.model.model_dump(),
+        steps=s.warmup_steps,
+        batch_size=s.warmup_batch,
+        lr=s.warmup_lr,
+        schedule=s.warmup_schedule,
         seed=seed,
         log=say,
         log_every=250,
@@ -124,7 +102,8 @@ def warm_up(s: dict[str, Any], train: list[dict], seed: int) -> Path:
 def evaluate(
     model: Any, rows: list[dict], cfg: LaminarConfig, tokenizer: Any = None
 ) -> dict[str, Any]:
-    """Greedy episodes of `model` (a path or a loaded model) on `rows`, as the run's env sees them."""
+    """Greedy episodes of `model` (a path or a loaded model) on `rows`, as the run's env sees
+    them."""
     from laminar.demo.tooldemo.evaluate import DirectToolClient, evaluate_tool_model
     from laminar.envs.loader import load_env
     from laminar.tasks import tooluse as tu
@@ -151,7 +130,8 @@ def line(res: dict[str, Any]) -> str:
     return (
         f"accuracy {res['accuracy']:.3f} (hard {hard.get('accuracy', float('nan')):.3f}, "
         f"easy {easy.get('accuracy', float('nan')):.3f}); tool-call rate on hard prompts "
-        f"{hard.get('tool_rate', float('nan')):.2f}, on easy {easy.get('tool_rate', float('nan')):.2f}"
+        f"{hard.get('tool_rate', float('nan')):.2f}, on easy "
+        f"{easy.get('tool_rate', float('nan')):.2f}"
     )
 
 
@@ -164,14 +144,15 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.time()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from laminar.demo.__main__ import Clock, run_mode, say
-    from laminar.demo.tooldemo import report
+    from laminar.demo.tooldemo import results
     from laminar.logs import configure_logging
+    from laminar.report import read_metrics
 
     configure_logging("warning", cfg.logging.json_logs)  # the nodes' logs go to the run's nodes.log
 
     clock = Clock()
     train_path, eval_path, train, ev = prepare_data(run_dir, s, cfg.seed)
-    policy0 = Path(s["policy"]) if s.get("policy") else warm_up(s, train, cfg.seed)
+    policy0 = Path(s.policy) if s.policy else warm_up(s, train, cfg.seed)
     clock.lap("warmup")
     before = evaluate(str(policy0), ev, cfg)
     say(f"warm-up model on {before['prompts']} held-out prompts: {line(before)}")
@@ -188,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     run = run_mode(TOOL_DEMO_CONFIG, run_dir / cfg.mode, cfg.mode, common, s)
     clock.lap("rl")
     say("evaluating the weight snapshots")
-    run["curve"] = report.eval_curve(
+    run["curve"] = results.eval_curve(
         Path(run["run_dir"]),
         policy0,
         ev,
@@ -198,16 +179,16 @@ def main(argv: list[str] | None = None) -> int:
         lambda model, rows, tok: evaluate(model, rows, cfg, tok),
         log=say,
     )
-    run["metrics"] = report.read_metrics(Path(run["run_dir"]))
+    run["metrics"] = read_metrics(Path(run["run_dir"]))
     clock.lap("eval_curve")
-    summary = report.summarize(cfg, run, before, time.time() - t_start)
+    summary = results.summarize(cfg.mode, run, before, time.time() - t_start)
     summary["phases"] = clock.phases
-    report.write_outputs(run_dir, run, summary)
+    results.write_outputs(run_dir, run, summary)
     say(
-        f"held-out accuracy {summary['eval_accuracy_before']:.3f} -> {summary['eval_accuracy_after']:.3f}, "
-        f"tool-call rate on hard prompts {summary['hard_tool_rate_before']:.2f} -> "
-        f"{summary['hard_tool_rate_after']:.2f} ({summary['eval_prompts']} prompts); "
-        f"report at {run_dir}/summary.md"
+        f"held-out accuracy {summary['eval_accuracy_before']:.3f} -> "
+        f"{summary['eval_accuracy_after']:.3f}, tool-call rate on hard prompts "
+        f"{summary['hard_tool_rate_before']:.2f} -> {summary['hard_tool_rate_after']:.2f} "
+        f"({summary['eval_prompts']} prompts); report at {run_dir}/summary.md"
     )
     return 0
 

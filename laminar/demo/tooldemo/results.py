@@ -1,30 +1,25 @@
-"""The tool demo's outputs: accuracy and tool-call rate from weight snapshots, report.png,
-summary.json and summary.md.
+"""The tool demo's results: accuracy and tool-call rate from weight snapshots, and the panels
+and summary lines it hands to the report module (laminar/report.py).
 
-    curve = eval_curve(run_dir, policy0, rows, settings, before, t0, evaluate)  # [{t, step, accuracy, hard_tool_rate, ...}]
-    summary = summarize(cfg, run, before, wall)
-    write_outputs(run_dir, run, summary)
+    curve = eval_curve(run_dir, policy0, rows, settings, before, t0, evaluate)  # [{t, step, ...}]
+    summary = summarize(mode, run, before, wall)
+    write_outputs(run_dir, run, summary)   # summary.json, summary.md, report.png (report.py)
 
 Snapshots are evaluated after the run (never inside it), so evaluation does not slow RL.
 """
 
 from __future__ import annotations
 
-import json
-import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from laminar.config import LaminarConfig
-from laminar.report import read_jsonl
+from laminar import report
+from laminar.config import DemoConfig
+from laminar.report import Panel, mean, read_jsonl
 
 Evaluate = Callable[[Any, list[dict], Any], dict[str, Any]]
 """(model, rows, tokenizer) -> evaluate_tool_model's summary."""
-
-
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    return read_jsonl(run_dir / "metrics.jsonl")
 
 
 def point(res: dict[str, Any], **where: Any) -> dict[str, Any]:
@@ -46,7 +41,7 @@ def eval_curve(
     run_dir: Path,
     policy0: Path,
     rows: list[dict],
-    s: dict[str, Any],
+    s: DemoConfig,
     before: dict[str, Any],
     t0: float,
     evaluate: Evaluate,
@@ -54,7 +49,7 @@ def eval_curve(
 ) -> list[dict[str, Any]]:
     """The warm-up point, then every snapshot (or `curve_points` evenly spaced ones) on the first
     `curve_eval_rows` rows, the last one on all rows."""
-    from laminar.demo.report import _load_snapshot
+    from laminar.demo.results import load_snapshot
     from laminar.models.tiny import load_tokenizer
 
     curve = [point(before, t=0.0, step=0, version=0)]
@@ -67,48 +62,44 @@ def eval_curve(
     if not index:
         log(f"no snapshots in {run_dir}; the curve has only the warm-up point")
         return curve
-    k = int(s["curve_points"])
+    k = s.curve_points
     picks = list(range(len(index)))
     if 0 < k < len(index):
         picks = sorted(
             {round(i * (len(index) - 1) / max(1, k - 1)) for i in range(k)} | {len(index) - 1}
         )
     tok = load_tokenizer(policy0)
-    subset = rows[: int(s["curve_eval_rows"])]
+    subset = rows[: s.curve_eval_rows]
     for i in picks:
         e = index[i]
         last = i == len(index) - 1
-        model = _load_snapshot(policy0, snaps / f"v{e['version']}.safetensors")
+        model = load_snapshot(policy0, snaps / f"v{e['version']}.safetensors")
         res = evaluate(model, rows if last else subset, tok)
         curve.append(point(res, t=e["time"] - t0, step=e["step"], version=e["version"]))
         if last:
             curve[-1]["samples"] = res.get("samples", [])
         log(
-            f"  v{e['version']} (step {e['step']}, {e['time'] - t0:.0f}s): accuracy {res['accuracy']:.3f}, "
-            f"hard {curve[-1]['hard_accuracy']:.3f}, tool-call rate on hard {curve[-1]['hard_tool_rate']:.2f}"
+            f"  v{e['version']} (step {e['step']}, {e['time'] - t0:.0f}s): accuracy "
+            f"{res['accuracy']:.3f}, hard {curve[-1]['hard_accuracy']:.3f}, tool-call rate on hard "
+            f"{curve[-1]['hard_tool_rate']:.2f}"
         )
     return curve
 
 
-def _mean(vals: list[Any]) -> float:
-    xs = [float(v) for v in vals if v is not None and not (isinstance(v, float) and math.isnan(v))]
-    return sum(xs) / len(xs) if xs else float("nan")
-
-
 def summarize(
-    cfg: LaminarConfig, run: dict[str, Any], before: dict[str, Any], wall: float
+    mode: str, run: dict[str, Any], before: dict[str, Any], wall: float
 ) -> dict[str, Any]:
     m = run.get("metrics", [])
     after = run["curve"][-1]
     b = point(before)
     k = max(5, len(m) // 10)
     multiturn = {
-        key: _mean([r.get(key) for r in m])
+        key: mean([r.get(key) for r in m])
         for key in sorted({key for r in m for key in r})
         if _is_multiturn_metric(key)
     }
     return {
-        "mode": cfg.mode,
+        "mode": mode,
         "eval_prompts": after["prompts"],
         "eval_accuracy_before": b["accuracy"],
         "eval_accuracy_after": after["accuracy"],
@@ -121,9 +112,9 @@ def summarize(
         "easy_tool_rate_before": b["easy_tool_rate"],
         "easy_tool_rate_after": after["easy_tool_rate"],
         "steps": m[-1]["step"] if m else 0,
-        "reward_first": _mean([r.get("reward") for r in m[:k]]),
-        "reward_last": _mean([r.get("reward") for r in m[-k:]]),
-        "staleness_mean": _mean([r.get("staleness") for r in m]),
+        "reward_first": mean([r.get("reward") for r in m[:k]]),
+        "reward_last": mean([r.get("reward") for r in m[-k:]]),
+        "staleness_mean": mean([r.get("staleness") for r in m]),
         "multiturn_metrics_mean": multiturn,
         "run_wall_clock_s": round(run["wall_clock_s"], 1),
         "wall_clock_s": round(wall, 1),
@@ -136,82 +127,66 @@ def _is_multiturn_metric(key: str) -> bool:
     return any(w in key for w in ("turn", "tool", "env_token")) and not key.startswith("staleness")
 
 
-def plot(run_dir: Path, run: dict[str, Any]) -> Path:
-    import matplotlib
+def _episodes(curve: list[dict[str, Any]], x: str, label: str) -> Panel:
+    """Held-out accuracy and tool-call rate, all / hard / easy prompts, against `x`."""
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    curve, m = run["curve"], run.get("metrics", [])
-    fig, ax = plt.subplots(1, 3, figsize=(17, 4.8))
-    for a, x, label in (
-        (ax[0], "t", "wall-clock since launch (s)"),
-        (ax[1], "step", "trainer step"),
-    ):
+    def draw(a: Any) -> None:
         xs = [p[x] for p in curve]
-        a.plot(
-            xs, [p["accuracy"] for p in curve], "o-", color="tab:blue", label="held-out accuracy"
-        )
-        a.plot(
-            xs,
-            [p["hard_accuracy"] for p in curve],
-            "s--",
-            color="tab:purple",
-            label="accuracy, hard prompts",
-        )
-        ys = [p["easy_accuracy"] for p in curve]
-        a.plot(xs, ys, "d--", color="tab:red", alpha=0.6, label="accuracy, easy prompts")
-        a.plot(
-            xs,
-            [p["hard_tool_rate"] for p in curve],
-            "^-",
-            color="tab:green",
-            label="tool-call rate, hard prompts",
-        )
-        a.plot(
-            xs,
-            [p["easy_tool_rate"] for p in curve],
-            "v:",
-            color="tab:olive",
-            label="tool-call rate, easy prompts",
-        )
+        for key, style, color, name in (
+            ("accuracy", "o-", "tab:blue", "held-out accuracy"),
+            ("hard_accuracy", "s--", "tab:purple", "accuracy, hard prompts"),
+            ("easy_accuracy", "d--", "tab:red", "accuracy, easy prompts"),
+            ("hard_tool_rate", "^-", "tab:green", "tool-call rate, hard prompts"),
+            ("easy_tool_rate", "v:", "tab:olive", "tool-call rate, easy prompts"),
+        ):
+            alpha = 0.6 if key == "easy_accuracy" else 1.0
+            a.plot(xs, [p[key] for p in curve], style, color=color, alpha=alpha, label=name)
         a.set_xlabel(label)
         a.set_ylim(-0.02, 1.02)
         a.grid(alpha=0.3)
         a.legend(fontsize=8)
-    ax[0].set_title("Greedy held-out episodes vs wall-clock")
-    ax[1].set_title("... vs trainer step")
-    a = ax[2]
-    steps = [r["step"] for r in m]
-    a.plot(
-        steps,
-        [r.get("reward", float("nan")) for r in m],
-        color="tab:blue",
-        alpha=0.6,
-        label="batch reward",
-    )
-    for key, color in (
-        ("episode/tool_calls", "tab:green"),
-        ("episode/turns", "tab:orange"),
-        ("episode/env_token_frac", "tab:gray"),
-    ):
-        if any(key in r for r in m):
-            ys = [r.get(key, float("nan")) for r in m]
-            a.plot(steps, ys, color=color, alpha=0.8, label=key)
-    a.set_xlabel("trainer step")
-    a.set_title("Training batches")
-    a.grid(alpha=0.3)
-    a.legend(fontsize=8)
-    fig.tight_layout()
-    out = run_dir / "report.png"
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+        a.set_title("Greedy held-out episodes vs wall-clock" if x == "t" else "... vs trainer step")
+
+    return draw
+
+
+def _training(m: list[dict[str, Any]]) -> Panel:
+    """Batch reward and the episode shape (tool calls, turns, environment tokens) per step."""
+
+    def draw(a: Any) -> None:
+        steps = [r["step"] for r in m]
+        rewards = [r.get("reward", float("nan")) for r in m]
+        a.plot(steps, rewards, color="tab:blue", alpha=0.6, label="batch reward")
+        for key, color in (
+            ("episode/tool_calls", "tab:green"),
+            ("episode/turns", "tab:orange"),
+            ("episode/env_token_frac", "tab:gray"),
+        ):
+            if any(key in r for r in m):
+                ys = [r.get(key, float("nan")) for r in m]
+                a.plot(steps, ys, color=color, alpha=0.8, label=key)
+        a.set_xlabel("trainer step")
+        a.set_title("Training batches")
+        a.grid(alpha=0.3)
+        a.legend(fontsize=8)
+
+    return draw
+
+
+def panels(run: dict[str, Any]) -> list[list[Panel]]:
+    """The tool demo's figure: one row, episodes vs wall-clock and vs step, training batches."""
+    curve = run["curve"]
+    return [
+        [
+            _episodes(curve, "t", "wall-clock since launch (s)"),
+            _episodes(curve, "step", "trainer step"),
+            _training(run.get("metrics", [])),
+        ]
+    ]
 
 
 def summary_md(s: dict[str, Any]) -> str:
-    def f(v: Any, fmt: str = "{:.3f}") -> str:
-        return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v)
+    f = report.fmt
 
     rows = [
         ("held-out accuracy", "eval_accuracy"),
@@ -260,7 +235,8 @@ def summary_md(s: dict[str, Any]) -> str:
     if s.get("samples_after"):
         lines += ["", "## Completions after RL (first held-out prompts)", ""]
         lines += [
-            f"- `{x['prompt']}` → `{x['completion']!r}` (answer {x['answer']}, score {x['score']:.0f})"
+            f"- `{x['prompt']}` → `{x['completion']!r}` (answer {x['answer']}, score "
+            f"{x['score']:.0f})"
             for x in s["samples_after"]
         ]
     if s.get("phases"):
@@ -272,9 +248,9 @@ def summary_md(s: dict[str, Any]) -> str:
 
 
 def write_outputs(run_dir: Path, run: dict[str, Any], summary: dict[str, Any]) -> None:
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-    (run_dir / "summary.md").write_text(summary_md(summary))
     try:
-        plot(run_dir, run)
+        report.write_outputs(
+            run_dir, summary, summary_md(summary), panels(run), size=(17, 4.8), dpi=110
+        )
     except ImportError:  # matplotlib is optional here; the summary has the numbers
         pass

@@ -29,14 +29,14 @@ import yaml
 
 from laminar.config import apply_overrides, config_from_dict
 from laminar.logs import get_logger
+from laminar.message import Message
+from laminar.node import relay_links, socket_options
 from laminar.protocol.relay import ChainInfo, ChainInfoRequest, ChainUpdate
-from laminar.relay.shm import default_shm_dir
 from laminar.supervise import detached_spawn
 from laminar.transport.client import RpcClient
-from laminar.transport.codec import Message
-from laminar.transport.security import security_from_config
-from laminar.transport.sockets import Context, SocketOptions, TransportError, Wiring, new_context
-from laminar.transport.weights import WeightPuller, WeightPusher
+from laminar.transport.sockets import Context, TransportError, Wiring, new_context
+from laminar.weights.relay_client import WeightPuller, WeightPusher
+from laminar.weights.segment import default_shm_dir
 
 
 class RelayProcs:
@@ -50,7 +50,10 @@ class RelayProcs:
         n_relays: int,
         overrides: dict[str, Any] | None = None,
         log_dir: str | Path | None = None,
+        corrupt_chunks: list[int] | None = None,
     ):
+        self.corrupt_chunks = corrupt_chunks or []
+        """Chunk indices every relay corrupts once per version (tests/relay_faults.py)."""
         self.dir = Path(tmp_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.n = n_relays
@@ -85,17 +88,20 @@ class RelayProcs:
         self.log_dir = Path(log_dir) if log_dir else self.dir / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, subprocess.Popen] = {}
-        self.opts = SocketOptions.from_config(self.cfg, security_from_config(self.cfg))
+        self.opts = socket_options(self.cfg)
         self._ctx: Context | None = None
 
     # ---- processes -------------------------------------------------------------------------
     def _spawn(self, role: str, index: int) -> None:
         name = f"{role}-{index}"
         log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
+        entry = ["-m", "laminar"]
+        if role == "relay" and self.corrupt_chunks:
+            faults = str(Path(__file__).with_name("relay_faults.py"))
+            entry = [faults, ",".join(map(str, self.corrupt_chunks))]
         cmd = [
             sys.executable,
-            "-m",
-            "laminar",
+            *entry,
             "node",
             "--role",
             role,
@@ -181,11 +187,13 @@ class RelayProcs:
 
     def pusher(self, node_id: str = "trainer-0") -> WeightPusher:
         """A trainer end in this process (its background tasks are detached: logged if they die)."""
-        return WeightPusher(self.cfg, self._wiring(node_id, "trainer"))
+        return WeightPusher(relay_links(self.cfg), self._wiring(node_id, "trainer"))
 
     def puller(self, node_id: str = "rollout-0", relay_index: int = 0) -> WeightPuller:
         """A rollout end in this process, reading relay `relay_index`."""
-        return WeightPuller(self.cfg, self._wiring(node_id, "rollout"), relay_index=relay_index)
+        return WeightPuller(
+            relay_links(self.cfg), self._wiring(node_id, "rollout"), relay_index=relay_index
+        )
 
     def _wiring(self, node_id: str, role: str) -> Wiring:
         log = get_logger(role=role, node_id=node_id)
@@ -234,7 +242,8 @@ class RelayProcs:
     async def wait_chain(
         self, indices: list[int] | None = None, timeout: float = 30.0
     ) -> list[int]:
-        """Until the listed relays agree on one chain that holds them all; returns its order (master first)."""
+        """Until the listed relays agree on one chain that holds them all; returns its order
+        (master first)."""
         idx = sorted(range(self.n) if indices is None else indices)
         deadline = time.monotonic() + timeout
         while True:

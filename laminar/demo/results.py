@@ -1,7 +1,9 @@
-"""The demo's outputs: accuracy curves from weight snapshots, report.png, summary.json/md.
+"""The demo's results: accuracy curves from weight snapshots, the laminar-vs-sync comparison,
+and the panels and summary lines it hands to the report module (laminar/report.py).
 
-    curve = eval_curve(run_dir, policy0, eval_rows, settings, before, t0)   # [{t, step, version, accuracy}]
-    write_outputs(run_dir, cfg, runs, summary)                              # report.png, summary.*
+    curve = eval_curve(run_dir, policy0, eval_rows, settings, before, t0)  # [{t, step, accuracy}]
+    summary = summarize(mode, runs, before, after, wall)
+    write_outputs(run_dir, runs, summary)   # report.png, summary.json, summary.md (report.py)
 
 Snapshots are evaluated after the run (never inside it) so the timing of each
 mode is not disturbed by evaluation.
@@ -10,16 +12,16 @@ mode is not disturbed by evaluation.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from laminar.config import LaminarConfig
-from laminar.report import mean, read_jsonl, rolling
+from laminar import report
+from laminar.config import DemoConfig
+from laminar.report import Panel, mean, read_jsonl, rolling
 
 
-def _load_snapshot(policy0: Path, weights: Path):
+def load_snapshot(policy0: Path, weights: Path):
     from safetensors.torch import load_file
 
     from laminar.models.tiny import load_causal_lm
@@ -38,14 +40,14 @@ def eval_curve(
     run_dir: Path,
     policy0: Path,
     rows: list[dict],
-    s: dict[str, Any],
+    s: DemoConfig,
     before: dict[str, Any],
     t0: float,
     log: Callable[[str], None] = print,
     max_tokens: int = 256,
 ) -> list[dict[str, Any]]:
-    """Held-out accuracy at evenly spaced snapshots (all of them when curve_points is 0) on the first
-    curve_eval_rows prompts, and at the last one on all rows."""
+    """Held-out accuracy at evenly spaced snapshots (all of them when curve_points is 0) on the
+    first curve_eval_rows prompts, and at the last one on all rows."""
     from laminar.demo.evaluate import evaluate_model
     from laminar.demo.habit import habit_share
     from laminar.models.tiny import load_tokenizer
@@ -65,7 +67,7 @@ def eval_curve(
     if not index:
         log(f"no snapshots in {run_dir}; the curve has only the warm-up point")
         return curve
-    k = int(s["curve_points"])
+    k = s.curve_points
     if k <= 0 or k >= len(index):  # 0: every snapshot
         picks = list(range(len(index)))
     else:
@@ -73,11 +75,11 @@ def eval_curve(
             {round(i * (len(index) - 1) / max(1, k - 1)) for i in range(k)} | {len(index) - 1}
         )
     tok = load_tokenizer(policy0)
-    subset = rows[: int(s["curve_eval_rows"])]
+    subset = rows[: s.curve_eval_rows]
     for i in picks:
         e = index[i]
         last = i == len(index) - 1
-        model = _load_snapshot(policy0, run_dir / "snapshots" / f"v{e['version']}.safetensors")
+        model = load_snapshot(policy0, run_dir / "snapshots" / f"v{e['version']}.safetensors")
         res = evaluate_model(
             model, rows if last else subset, cu.verify, max_tokens=max_tokens, tokenizer=tok
         )
@@ -93,13 +95,15 @@ def eval_curve(
         if last:
             curve[-1]["habit"] = habit_share(rows, res["completions"])
         log(
-            f"  v{e['version']} (step {e['step']}, {e['time'] - t0:.0f}s): accuracy {res['accuracy']:.3f} on {res['prompts']}"
+            f"  v{e['version']} (step {e['step']}, {e['time'] - t0:.0f}s): accuracy "
+            f"{res['accuracy']:.3f} on {res['prompts']}"
         )
     return curve
 
 
 def time_to_reach(curve: list[dict[str, Any]], target: float) -> float | None:
-    """Wall-clock at which the accuracy curve first reaches `target`, linear between evaluated snapshots."""
+    """Wall-clock at which the accuracy curve first reaches `target`, linear between evaluated
+    snapshots."""
     prev = None
     for p in curve:
         if p["accuracy"] >= target - 1e-9:
@@ -136,7 +140,7 @@ def steps_per_s(metrics: list[dict[str, Any]]) -> float | None:
 
 
 def summarize(
-    cfg: LaminarConfig,
+    mode: str,
     runs: dict[str, dict],
     before: dict[str, Any],
     after: dict[str, Any],
@@ -144,11 +148,11 @@ def summarize(
 ) -> dict[str, Any]:
     lam = runs["laminar"]
     m = lam.get("metrics", [])
-    k = max(
-        5, len(m) // 10
-    )  # a tenth of the run at each end (at least 5 steps): one batch's reward swings with its prompt mix
+    # a tenth of the run at each end (at least 5 steps): one batch's reward swings with its
+    # prompt mix
+    k = max(5, len(m) // 10)
     summary: dict[str, Any] = {
-        "mode": cfg.mode,
+        "mode": mode,
         "eval_accuracy_before": before["accuracy"],
         "eval_accuracy_after": after["accuracy"],
         "eval_prompts": after["prompts"],
@@ -228,7 +232,8 @@ def _steps_to_reach(curve: list[dict[str, Any]], target: float) -> float | None:
 
 
 def headline(s: dict[str, Any]) -> str:
-    """One sentence on time to the fixed target; never 'n/a': a mode that missed says by how much."""
+    """One sentence on time to the fixed target; never 'n/a': a mode that missed says by how
+    much."""
     tgt = s["target"]
     t_lam, t_sync = s["time_to_target_laminar_s"], s["time_to_target_sync_s"]
     lead = (
@@ -262,134 +267,145 @@ def _resp_len(x: dict[str, Any]) -> float | None:
     return None
 
 
-def plot(run_dir: Path, runs: dict[str, dict]) -> Path:
-    import matplotlib
+COLORS = {"laminar": "tab:blue", "sync": "tab:orange"}
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(2, 2, figsize=(13, 9))
-    colors = {"laminar": "tab:blue", "sync": "tab:orange"}
-    # 1. reward + held-out accuracy vs wall-clock (and step on a twin axis label)
-    a = ax[0, 0]
-    for name, r in runs.items():
-        m = r.get("metrics", [])
-        t0 = r["t0"]
-        ts, rw = [x["time"] - t0 for x in m], [x.get("reward", float("nan")) for x in m]
-        a.plot(ts, rw, color=colors.get(name), alpha=0.2)
-        a.plot(
-            ts,
-            rolling(rw, 8),
-            color=colors.get(name),
-            alpha=0.7,
-            lw=1.2,
-            label=f"{name} batch reward (mean of 8)",
-        )
-        c = r.get("curve", [])
-        a.plot(
-            [p["t"] for p in c],
-            [p["accuracy"] for p in c],
-            "o-",
-            color=colors.get(name),
-            label=f"{name} held-out acc",
-        )
-    a.set_xlabel("wall-clock (s)")
-    a.set_ylabel("reward / accuracy")
-    a.set_title("Reward and held-out accuracy vs wall-clock")
-    a.legend(fontsize=8)
-    a.grid(alpha=0.3)
-    # 2. accuracy vs step and response length
-    a = ax[0, 1]
-    b = a.twinx()
-    b.set_ylabel("mean response length (tokens)")
-    for name, r in runs.items():
-        c = r.get("curve", [])
-        a.plot(
-            [p["step"] for p in c],
-            [p["accuracy"] for p in c],
-            "o-",
-            color=colors.get(name),
-            label=f"{name} held-out acc",
-        )
-        m = [x for x in r.get("metrics", []) if _resp_len(x) is not None]
-        b.plot(
-            [x["step"] for x in m],
-            [_resp_len(x) for x in m],
-            "--",
-            color=colors.get(name),
-            alpha=0.5,
-        )
-    a.set_xlabel("trainer step")
-    a.set_ylabel("held-out accuracy")
-    a.set_title("Held-out accuracy vs step (dashed: response length)")
-    a.legend(fontsize=8, loc="upper left")
-    a.grid(alpha=0.3)
-    # 3. staleness histogram
-    a = ax[1, 0]
-    width = 0.4
-    for j, (name, r) in enumerate(runs.items()):
-        hist: dict[int, float] = {}
-        for x in r.get("metrics", []):
-            for k, v in x.items():
-                if k.startswith("staleness_hist/"):
-                    hist[int(k.split("/")[1])] = hist.get(int(k.split("/")[1]), 0) + v
-        if hist:
-            ks = sorted(hist)
-            shift = (
-                j - (len(runs) - 1) / 2
-            ) * width  # bars side by side, centred on the integer staleness
-            a.bar(
-                [k + shift for k in ks],
-                [hist[k] for k in ks],
-                width,
-                color=colors.get(name),
-                label=name,
+def _reward_and_accuracy(runs: dict[str, dict]) -> Panel:
+    """Reward and held-out accuracy vs wall-clock."""
+
+    def draw(a: Any) -> None:
+        for name, r in runs.items():
+            m = r.get("metrics", [])
+            t0 = r["t0"]
+            ts, rw = [x["time"] - t0 for x in m], [x.get("reward", float("nan")) for x in m]
+            a.plot(ts, rw, color=COLORS.get(name), alpha=0.2)
+            a.plot(
+                ts,
+                rolling(rw, 8),
+                color=COLORS.get(name),
+                alpha=0.7,
+                lw=1.2,
+                label=f"{name} batch reward (mean of 8)",
             )
-    a.xaxis.get_major_locator().set_params(integer=True)
-    a.set_xlabel("staleness at consumption (trainer version − trajectory version)")
-    a.set_ylabel("trajectories")
-    a.set_title("Staleness histogram")
-    a.legend(fontsize=8)
-    # 4. per-rollout utilisation timeline (laminar run): running sequences, weight loads, repacks
-    a = ax[1, 1]
-    r = runs["laminar"]
-    tl = read_jsonl(Path(r["run_dir"]) / "timeline.jsonl")
-    nodes = sorted({e["node"] for e in tl if e.get("event") == "rollout"})
-    for i, node in enumerate(nodes):
-        pts = [e for e in tl if e.get("event") == "rollout" and e["node"] == node]
-        ts = [e["t"] - r["t0"] for e in pts]
-        peak = max([e["running"] for e in pts] + [1])
-        a.fill_between(
-            ts, [i + 0.8 * e["running"] / peak for e in pts], i, step="post", alpha=0.5, label=None
-        )
-        prev = None
-        for e in pts:
-            if prev is not None and e["version"] != prev:
-                a.plot([e["t"] - r["t0"]] * 2, [i, i + 0.9], color="green", lw=1)
-            prev = e["version"]
-    for e in tl:
-        if e.get("event") == "repack" and e.get("trajectories", 0) > 0:
-            a.axvline(e["t"] - r["t0"], color="red", lw=0.8, alpha=0.6)
-        if e.get("event") == "dead":
-            a.axvline(e["t"] - r["t0"], color="black", lw=1.2, ls=":")
-    a.set_yticks([i + 0.4 for i in range(len(nodes))], nodes)
-    a.set_xlabel("wall-clock (s)")
-    a.set_title("Rollout utilisation (fill: running seqs; green: weight load; red: repack)")
-    fig.tight_layout()
-    out = run_dir / "report.png"
-    fig.savefig(out, dpi=90)
-    plt.close(fig)
-    return out
+            c = r.get("curve", [])
+            a.plot(
+                [p["t"] for p in c],
+                [p["accuracy"] for p in c],
+                "o-",
+                color=COLORS.get(name),
+                label=f"{name} held-out acc",
+            )
+        a.set_xlabel("wall-clock (s)")
+        a.set_ylabel("reward / accuracy")
+        a.set_title("Reward and held-out accuracy vs wall-clock")
+        a.legend(fontsize=8)
+        a.grid(alpha=0.3)
+
+    return draw
 
 
-def write_outputs(
-    run_dir: Path, cfg: LaminarConfig, runs: dict[str, dict], summary: dict[str, Any]
-) -> None:
+def _accuracy_by_step(runs: dict[str, dict]) -> Panel:
+    """Held-out accuracy vs step, response length dashed on a twin axis."""
+
+    def draw(a: Any) -> None:
+        b = a.twinx()
+        b.set_ylabel("mean response length (tokens)")
+        for name, r in runs.items():
+            c = r.get("curve", [])
+            a.plot(
+                [p["step"] for p in c],
+                [p["accuracy"] for p in c],
+                "o-",
+                color=COLORS.get(name),
+                label=f"{name} held-out acc",
+            )
+            m = [x for x in r.get("metrics", []) if _resp_len(x) is not None]
+            b.plot(
+                [x["step"] for x in m],
+                [_resp_len(x) for x in m],
+                "--",
+                color=COLORS.get(name),
+                alpha=0.5,
+            )
+        a.set_xlabel("trainer step")
+        a.set_ylabel("held-out accuracy")
+        a.set_title("Held-out accuracy vs step (dashed: response length)")
+        a.legend(fontsize=8, loc="upper left")
+        a.grid(alpha=0.3)
+
+    return draw
+
+
+def _staleness_histogram(runs: dict[str, dict]) -> Panel:
+    def draw(a: Any) -> None:
+        width = 0.4
+        for j, (name, r) in enumerate(runs.items()):
+            hist: dict[int, float] = {}
+            for x in r.get("metrics", []):
+                for k, v in x.items():
+                    if k.startswith("staleness_hist/"):
+                        hist[int(k.split("/")[1])] = hist.get(int(k.split("/")[1]), 0) + v
+            if hist:
+                ks = sorted(hist)
+                shift = (j - (len(runs) - 1) / 2) * width  # side by side, centred on the integer
+                a.bar(
+                    [k + shift for k in ks],
+                    [hist[k] for k in ks],
+                    width,
+                    color=COLORS.get(name),
+                    label=name,
+                )
+        a.xaxis.get_major_locator().set_params(integer=True)
+        a.set_xlabel("staleness at consumption (trainer version − trajectory version)")
+        a.set_ylabel("trajectories")
+        a.set_title("Staleness histogram")
+        a.legend(fontsize=8)
+
+    return draw
+
+
+def _rollout_timeline(r: dict[str, Any]) -> Panel:
+    """Per-rollout utilisation of one run: running sequences, weight loads, repacks, deaths."""
+
+    def draw(a: Any) -> None:
+        tl = read_jsonl(Path(r["run_dir"]) / "timeline.jsonl")
+        nodes = sorted({e["node"] for e in tl if e.get("event") == "rollout"})
+        for i, node in enumerate(nodes):
+            pts = [e for e in tl if e.get("event") == "rollout" and e["node"] == node]
+            ts = [e["t"] - r["t0"] for e in pts]
+            peak = max([e["running"] for e in pts] + [1])
+            fill = [i + 0.8 * e["running"] / peak for e in pts]
+            a.fill_between(ts, fill, i, step="post", alpha=0.5, label=None)
+            prev = None
+            for e in pts:
+                if prev is not None and e["version"] != prev:
+                    a.plot([e["t"] - r["t0"]] * 2, [i, i + 0.9], color="green", lw=1)
+                prev = e["version"]
+        for e in tl:
+            if e.get("event") == "repack" and e.get("trajectories", 0) > 0:
+                a.axvline(e["t"] - r["t0"], color="red", lw=0.8, alpha=0.6)
+            if e.get("event") == "dead":
+                a.axvline(e["t"] - r["t0"], color="black", lw=1.2, ls=":")
+        a.set_yticks([i + 0.4 for i in range(len(nodes))], nodes)
+        a.set_xlabel("wall-clock (s)")
+        a.set_title("Rollout utilisation (fill: running seqs; green: weight load; red: repack)")
+
+    return draw
+
+
+def panels(runs: dict[str, dict]) -> list[list[Panel]]:
+    """The demo's figure: 2 x 2 panels comparing the runs (the timeline: the laminar run)."""
+    return [
+        [_reward_and_accuracy(runs), _accuracy_by_step(runs)],
+        [_staleness_histogram(runs), _rollout_timeline(runs["laminar"])],
+    ]
+
+
+def write_outputs(run_dir: Path, runs: dict[str, dict], summary: dict[str, Any]) -> None:
+    """The laminar run's metrics, TensorBoard and last checkpoint copied into run_dir, the
+    curves, then the report (laminar/report.py) with this demo's panels and summary."""
     import shutil
 
-    from laminar.config import write_resolved
-
-    write_resolved(cfg, run_dir)
     lam = Path(runs["laminar"]["run_dir"])
     if (lam / "metrics.jsonl").exists():
         shutil.copy(lam / "metrics.jsonl", run_dir / "metrics.jsonl")
@@ -403,19 +419,17 @@ def write_outputs(
         shutil.copytree(ckpts[-1], final)
     curves = {k: r.get("curve", []) for k, r in runs.items()}
     (run_dir / "curves.json").write_text(json.dumps(curves, indent=1))
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    plot(run_dir, runs)
-    (run_dir / "summary.md").write_text(summary_md(summary))
+    report.write_outputs(run_dir, summary, summary_md(summary), panels(runs), size=(13.0, 9.0))
 
 
 def summary_md(s: dict[str, Any]) -> str:
-    def f(v, fmt="{:.3f}", missing="n/a"):
-        return missing if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v)
+    f = report.fmt
 
     lines = [
         "# Laminar demo summary",
         "",
-        f"A tiny character-level policy learned the count-up task with asynchronous RL ({s['mode']} mode) on CPU.",
+        "A tiny character-level policy learned the count-up task with asynchronous RL "
+        f"({s['mode']} mode) on CPU.",
         "",
         "| figure | value |",
         "|---|---|",
@@ -456,15 +470,15 @@ def _comparison_md(s: dict[str, Any], f: Callable[..., str]) -> list[str]:
     )
     if ratio is None:
         verdict = (
-            "One of the runs never reached the sync run's final (smoothed) accuracy, so there is no "
-            "time ratio for this run; the curves in report.png show where each one got to."
+            "One of the runs never reached the sync run's final (smoothed) accuracy, so there is "
+            "no time ratio for this run; the curves in report.png show where each one got to."
         )
     elif ratio >= 1.1:
         verdict = f"Laminar got there {ratio:.2f}x sooner."
     elif ratio <= 0.9:
         verdict = (
-            f"Sync got there first ({1 / ratio:.2f}x sooner) this time: laminar's higher step rate did "
-            "not make up for its stale batches and the wobble of the curves (see below)."
+            f"Sync got there first ({1 / ratio:.2f}x sooner) this time: laminar's higher step rate "
+            "did not make up for its stale batches and the wobble of the curves (see below)."
         )
     else:
         verdict = "A draw within the wobble of the curves (see below)."
@@ -484,36 +498,42 @@ def _comparison_md(s: dict[str, Any], f: Callable[..., str]) -> list[str]:
         f"{f(s.get('sync_cores_used'), '{:.2f}')} |",
         f"| `laminar run` to the first trainer step | {f(s.get('first_step_s'), '{:.1f} s')} | "
         f"{f(s.get('sync_first_step_s'), '{:.1f} s')} |",
-        f"| final held-out accuracy (last snapshot) | {f(s['eval_accuracy_after'])} | {f(s['sync_eval_accuracy_after'])} |",
-        f"| final held-out accuracy (mean of the last 2 snapshots) | {f(s.get('eval_accuracy_after_smoothed'))} | "
+        f"| final held-out accuracy (last snapshot) | {f(s['eval_accuracy_after'])} | "
+        f"{f(s['sync_eval_accuracy_after'])} |",
+        "| final held-out accuracy (mean of the last 2 snapshots) | "
+        f"{f(s.get('eval_accuracy_after_smoothed'))} | "
         f"{f(s.get('sync_eval_accuracy_after_smoothed'))} |",
         f"| run wall-clock (process start to exit) | {f(s['run_wall_clock_s'], '{:.0f}')} s | "
         f"{f(s['sync_run_wall_clock_s'], '{:.0f}')} s |",
-        f"| time to reach sync's final accuracy | {f(s['time_to_sync_final_accuracy_laminar_s'], '{:.0f} s', 'never')} | "
+        "| time to reach sync's final accuracy | "
+        f"{f(s['time_to_sync_final_accuracy_laminar_s'], '{:.0f} s', 'never')} | "
         f"{f(s['time_to_sync_final_accuracy_sync_s'], '{:.0f} s', 'never')} |",
         "",
         (
-            f"**Ratio** (sync time / laminar time to reach sync's final accuracy): **{ratio:.2f}**; "
+            "**Ratio** (sync time / laminar time to reach sync's final accuracy): "
+            f"**{ratio:.2f}**; "
             if ratio is not None
             else ""
         )
         + f"Trainer step rate laminar / sync: **{f(rate, '{:.2f}')}**. {verdict}",
         "",
-        "How it is measured: every weight snapshot (every `trainer.snapshot_every` steps) is evaluated "
-        "after the runs, greedy, on the held-out prompts; accuracy is averaged over 3 consecutive snapshots "
-        "(one 256-prompt eval is +-0.02-0.03, and at this learning rate the policy itself wobbles by a few "
-        "points between snapshots), the target is the sync run's smoothed final accuracy, and the crossing "
-        "time is interpolated between snapshots. Clocks start when `laminar run` is launched, so process "
-        "start-up counts for both modes.",
+        "How it is measured: every weight snapshot (every `trainer.snapshot_every` steps) is "
+        "evaluated after the runs, greedy, on the held-out prompts; accuracy is averaged over 3 "
+        "consecutive snapshots (one 256-prompt eval is +-0.02-0.03, and at this learning rate the "
+        "policy itself wobbles by a few points between snapshots), the target is the sync run's "
+        "smoothed final accuracy, and the crossing time is interpolated between snapshots. Clocks "
+        "start when `laminar run` is launched, so process start-up counts for both modes.",
         "",
-        "Why the two modes differ here: in sync mode the rollouts generate the whole batch, wait for its "
-        "longest trajectory, then sit idle while the trainer trains and the new weights go out; so on these "
-        "2 cores one core idles for most of each step. In laminar mode generation and training overlap: "
-        "rollouts keep generating (within the staleness bound, buffer.max_staleness) while the trainer trains, "
-        "and pull new weights whenever they are idle, which is where the higher step rate comes from. "
-        "What limits the gain on this machine: the trainer and both rollouts share 2 CPU cores (unlike on a "
-        "GPU cluster, where each role has its own devices): the trainer keeps one core (cluster.nice lowers "
-        "the rollouts' priority), so generation, on the other, sets laminar's pace, and there is little long "
-        "tail for the overlap to hide on a policy this small; and laminar trains on data up to "
-        "buffer.max_staleness versions old, which can cost learning per step (bench/learning.py).",
+        "Why the two modes differ here: in sync mode the rollouts generate the whole batch, wait "
+        "for its longest trajectory, then sit idle while the trainer trains and the new weights "
+        "go out; so on these 2 cores one core idles for most of each step. In laminar mode "
+        "generation and training overlap: rollouts keep generating (within the staleness bound, "
+        "buffer.max_staleness) while the trainer trains, and pull new weights whenever they are "
+        "idle, which is where the higher step rate comes from. What limits the gain on this "
+        "machine: the trainer and both rollouts share 2 CPU cores (unlike on a GPU cluster, where "
+        "each role has its own devices): the trainer keeps one core (cluster.nice lowers the "
+        "rollouts' priority), so generation, on the other, sets laminar's pace, and there is "
+        "little long tail for the overlap to hide on a policy this small; and laminar trains on "
+        "data up to buffer.max_staleness versions old, which can cost learning per step "
+        "(bench/learning.py).",
     ]

@@ -1,13 +1,19 @@
-"""Host shared-memory weight store of one relay: segments, a slot pool, versions and pins.
+"""The shared-memory segment of a weight version: every end that maps it, in one place.
 
-    segment files in /dev/shm ──mmap──► relay (writes) / trainer (writes a staged version)
-                                   └──► rollouts (MAP_PRIVATE read views, see transport/weights.py)
+    segment files in /dev/shm ──mmap──► relay (WeightStore: creates and writes them)
+                                   ├──► trainer (WriterMap: writes a staged version in place)
+                                   └──► rollouts (map_segment: shared read-only views, or
+                                                   private copy-on-write ones)
 
     store = WeightStore(seg_dir, "laminar-demo-relay0", spare_slots=1, max_slots=4)
     vs = store.begin(version, layout, chunk_bytes, source="upstream")   # takes a free slot
     vs.buf[s:e] = chunk; store.mark(vs, i, digest)                      # chunk i is present
     store.complete(vs, checksum)       # newest complete version; older unpinned ones are freed
     store.pin(peer, v) / store.unpin(peer, v) / store.unpin_peer(peer)   # reader refcounts
+
+A segment holds one version laid out flat (laminar/weights/layout.py: offsets, chunks,
+checksums); its size and path travel in StageReply / PullReply, and the reader checks the
+inode so a cached mapping never points at a recreated file.
 
 Double buffering: a version is written into its own slot, never into the slot of a
 version that is complete, so receiving v+1 never tears v while rollouts read it. A
@@ -30,17 +36,62 @@ import secrets
 import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from laminar.protocol.relay import WeightLayout
-from laminar.transport.weight_layout import n_chunks
+from laminar.weights.layout import n_chunks
 
 MIN_SEGMENT = 4096
 
 
 def default_shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+# ---- the ends: the trainer writes a staged version, a rollout reads one ----------------
+
+
+class WriterMap:
+    """A writable shared mapping of a relay segment (the trainer side), cached by path."""
+
+    def __init__(self, path: str, size: int):
+        import torch
+
+        fd = os.open(path, os.O_RDWR)
+        try:
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            self.mm = mmap.mmap(fd, size, flags=flags)
+            self.inode = os.fstat(fd).st_ino
+        finally:
+            os.close(fd)
+        self.path, self.size = path, size
+        self.tensor: Any = torch.frombuffer(self.mm, dtype=torch.uint8)
+        self.cuda_registered = False
+
+    def close(self) -> None:
+        self.tensor = None
+        with contextlib.suppress(BufferError, ValueError):
+            self.mm.close()
+
+
+def map_segment(path: str, size: int, writable: bool) -> tuple[mmap.mmap, int]:
+    """Read-only shared mapping (cacheable: it can never hold private stale pages), or a fresh
+    private copy-on-write mapping when the caller wants writable tensors."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        inode = os.fstat(fd).st_ino
+        if writable:
+            return mmap.mmap(
+                fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+            ), inode
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ), inode
+    finally:
+        os.close(fd)
+
+
+# ---- the relay's store -----------------------------------------------------------------
 
 
 class OutOfSlots(RuntimeError):
@@ -176,12 +227,14 @@ class WeightStore:
         if self._slot_count() + self._creating >= self.max_slots:
             pinned = {v: sum(c.values()) for v, c in self.pins.items() if c}
             raise OutOfSlots(
-                f"all {self.max_slots} slots in use (pinned versions: {pinned}); raise relay.max_slots"
+                f"all {self.max_slots} slots in use (pinned versions: {pinned}); raise "
+                "relay.max_slots"
             )
         serial = next(self._serial)
         path = os.path.join(self.seg_dir, f"{self.base_name}-{serial}-{secrets.token_hex(4)}")
         self._creating += 1
-        try:  # reserving and mapping a large file takes a while: keep the event loop (heartbeats) free
+        # reserving and mapping a large file takes a while: keep the event loop (heartbeats) free
+        try:
             seg = await asyncio.to_thread(Segment.create, path, size)
         finally:
             self._creating -= 1

@@ -1,16 +1,18 @@
 """The weights channel: how a new policy version gets from the trainer to the rollouts.
 
-One choice, made once from the config by `weights_mode(cfg)`, opens both ends:
+One choice, made once from the config by `weights_channel(cfg)` (laminar/node.py: the
+wiring layer), opens both ends:
 
-    trainer:  pub = open_publisher(cfg, node.wiring())
+    trainer:  pub = open_publisher(weights_channel(cfg), node.wiring())
               await pub.start()
-              res = await pub.publish(version, step, named_tensors)   # -> Published(handoff, uri, bytes, stall_s)
-    rollout:  sub = open_subscriber(cfg, node.wiring())
+              # res: Published(handoff, uri, bytes, stall_s)
+              res = await pub.publish(version, step, named_tensors)
+    rollout:  sub = open_subscriber(weights_channel(cfg), node.wiring())
               await sub.start()
-              sub.latest_version()                         # newest version available (-1: none yet)
-              v = await sub.wait_newer(than=3, timeout=1.0)  # wakes an idle rollout when one appears
-              v = await sub.load_into(engine)              # newest version -> engine.load_weights
-              sub.announce(v)                              # manager / buffer named a version (announce mode)
+              sub.latest_version()            # newest version available (-1: none yet)
+              v = await sub.wait_newer(than=3, timeout=1.0)  # wakes an idle rollout on a new one
+              v = await sub.load_into(engine)  # newest version -> engine.load_weights
+              sub.announce(v)                 # manager / buffer named a version (announce mode)
               await sub.close()
 
   mode      publisher (trainer)                         subscriber (rollout)
@@ -24,7 +26,7 @@ One choice, made once from the config by `weights_mode(cfg)`, opens both ends:
 `weights_mode`: `rollout.weights` when set; `auto` is relay when the config runs relays
 (cluster.roles.relay > 0), else announce when either end is a sim engine (one end has no
 tensors), else dir. The GPU variants (CUDA IPC on one host, NCCL across hosts) are in
-laminar/transport/weights_gpu.py; their receiving end has the PulledWeights surface.
+laminar/weights/gpu.py; their receiving end has the PulledWeights surface.
 
 `Published.handoff` keeps the names VersionPublished has always carried: relay, direct, sim.
 Version 0 is the model on disk (cfg.model.path); a subscriber only ever offers newer ones.
@@ -43,28 +45,37 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from laminar.config import LaminarConfig
 from laminar.transport.sockets import Wiring
-from laminar.transport.weights import WeightPuller, WeightPusher, WeightsUnavailable
+from laminar.weights.relay_client import (
+    RelayLinks,
+    WeightPuller,
+    WeightPusher,
+    WeightsUnavailable,
+)
 
 WeightsMode = Literal["relay", "dir", "announce"]
 
 _FILE = re.compile(r"^v(\d+)\.safetensors$")
 
 
-def weights_mode(cfg: LaminarConfig) -> WeightsMode:
-    """How weights move in this run; both ends call this, so they always agree."""
-    if cfg.rollout.weights != "auto":
-        return cfg.rollout.weights
-    if cfg.cluster.roles.get("relay", 0) > 0:
-        return "relay"
-    if cfg.trainer.engine == "sim" or cfg.rollout.engine == "sim":
-        return "announce"
-    return "dir"
+@dataclass(frozen=True)
+class ChannelSettings:
+    """How weights move in this run, the same at both ends (laminar/node.py
+    `weights_channel(cfg)` builds it from the config)."""
+
+    mode: WeightsMode
+    dir: Path
+    """dir mode: where versions are written (run_dir/weights)."""
+    relay: RelayLinks | None = None
+    """relay mode: the relays' endpoints and deadlines."""
+    relay_index: int = 0
+    """relay mode, a rollout's end: the relay of its host."""
 
 
-def weights_dir(cfg: LaminarConfig) -> Path:
-    return Path(cfg.resolved_run_dir()) / "weights"
+def _links(settings: ChannelSettings) -> RelayLinks:
+    if settings.relay is None:
+        raise ValueError("weights mode relay needs ChannelSettings.relay (the relays' endpoints)")
+    return settings.relay
 
 
 # ---- publisher end (trainer) ------------------------------------------------------------
@@ -159,13 +170,12 @@ class AnnouncePublisher:
         pass
 
 
-def open_publisher(cfg: LaminarConfig, wiring: Wiring) -> WeightPublisher:
-    """The trainer's end of the channel that `weights_mode(cfg)` names."""
-    mode = weights_mode(cfg)
-    if mode == "relay":
-        return RelayPublisher(WeightPusher(cfg, wiring))
-    if mode == "dir":
-        return DirPublisher(weights_dir(cfg))
+def open_publisher(settings: ChannelSettings, wiring: Wiring) -> WeightPublisher:
+    """The trainer's end of the channel that `settings.mode` names."""
+    if settings.mode == "relay":
+        return RelayPublisher(WeightPusher(_links(settings), wiring))
+    if settings.mode == "dir":
+        return DirPublisher(settings.dir)
     return AnnouncePublisher()
 
 
@@ -192,7 +202,8 @@ class WeightSubscriber(ABC):
 
     @abstractmethod
     async def wait_newer(self, than: int, timeout: float) -> int:
-        """Return as soon as latest_version() > than, or after `timeout`; returns latest_version()."""
+        """Return as soon as latest_version() > than, or after `timeout`; returns
+        latest_version()."""
 
     @abstractmethod
     async def load_into(self, engine: WeightSink) -> int:
@@ -200,7 +211,8 @@ class WeightSubscriber(ABC):
         Raises WeightsUnavailable when it cannot now (the caller retries later)."""
 
     def announce(self, version: int) -> None:  # noqa: B027 - optional hook
-        """Someone (manager, buffer) said `version` exists; subscribers that carry tensors ignore it."""
+        """Someone (manager, buffer) said `version` exists; subscribers that carry tensors ignore
+        it."""
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release what start() took."""
@@ -338,13 +350,12 @@ class RelaySubscriber(WeightSubscriber):
         await self.puller.close()
 
 
-def open_subscriber(cfg: LaminarConfig, wiring: Wiring) -> WeightSubscriber:
-    """A rollout's end of the channel that `weights_mode(cfg)` names (its host's relay:
-    cfg.rollout.relay_index)."""
-    mode = weights_mode(cfg)
-    if mode == "relay":
-        puller = WeightPuller(cfg, wiring, relay_index=cfg.rollout.relay_index)
+def open_subscriber(settings: ChannelSettings, wiring: Wiring) -> WeightSubscriber:
+    """A rollout's end of the channel that `settings.mode` names (its host's relay:
+    `settings.relay_index`)."""
+    if settings.mode == "relay":
+        puller = WeightPuller(_links(settings), wiring, relay_index=settings.relay_index)
         return RelaySubscriber(puller)
-    if mode == "dir":
-        return DirSubscriber(weights_dir(cfg))
+    if settings.mode == "dir":
+        return DirSubscriber(settings.dir)
     return AnnounceSubscriber()

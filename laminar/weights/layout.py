@@ -1,7 +1,7 @@
 """Flat weight layout and checksums: how every weights variant lays out and checks a version.
 
 Numpy only (a relay process never imports torch). Used by both ends of the weights
-channel (laminar/transport/weights.py, weights_gpu.py) and by the relays (laminar/relay/).
+channel (laminar/weights/relay_client.py, gpu.py) and by the relays (laminar/relay/).
 
     layout = build_layout([("w", "bfloat16", (4, 8)), ("b", "float32", (8,))])
     layout = layout_of(named_list(model.state_dict()))   # the same from tensors
@@ -27,8 +27,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from laminar.message import ProtocolError
 from laminar.protocol.relay import WeightLayout
-from laminar.transport.codec import ProtocolError
 
 ALIGN = 256
 MAX_TENSORS = 1 << 20

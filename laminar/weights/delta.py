@@ -24,6 +24,23 @@ Sizes with n words of w bytes, k of them changed, b = ⌈n/65536⌉ blocks:
     indices  12 + 4b + k·(2 + w)       bitmask  12 + ⌈n/8⌉ + k·w       full  n·w
 so indices win below about k/n = 1/16 and the bitmask above it; at the ~2% of bf16 words
 that change per RL step, a version costs ~4.5% of its size on each link.
+
+Delta mode (relay.delta) between relays (the second half of this module):
+
+    master (commit of v):  for each chunk i: crc32 of v[i], delta_i = encode(v[i], base[i])
+                           (base = its previous complete version b, pinned while it encodes)
+    downstream ──FetchChunk(v, i, base_version=b')──► upstream
+    upstream:   b' == the base its deltas are against and delta_i exists
+                    ──► WeightChunk(base_version=b, data=delta_i)   (indices or bitmask + values)
+                otherwise ──► WeightChunk(data=the full chunk)      (the requester missed b)
+    downstream: out = b[i] with the changed words set; check the master's crc32 of the full
+                chunk; keep delta_i to forward it unchanged to its own downstream
+
+The master encodes once; every hop forwards the same bytes. Checksums stay on the rebuilt
+full version: a bad delta (or a base that is not what the sender thought) fails the crc32,
+is counted, and the chunk is fetched again whole. A relay whose current version is not the
+base (it missed a version, or just started) asks with base_version=-1 and gets full chunks.
+Rollouts always read the full rebuilt version from their relay's shared memory.
 """
 
 from __future__ import annotations
@@ -32,9 +49,10 @@ import struct
 
 import numpy as np
 
+from laminar.message import ProtocolError
 from laminar.protocol.relay import WeightLayout
-from laminar.transport.codec import ProtocolError
-from laminar.transport.weight_layout import ITEMSIZE, chunk_range, n_chunks, tensor_spans
+from laminar.weights.layout import ITEMSIZE, chunk_digest, chunk_range, n_chunks, tensor_spans
+from laminar.weights.segment import VersionState
 
 INDICES, BITMASK = 1, 2
 HEADER = struct.Struct("<BBxxII")  # encoding, word bytes, words in chunk, changed words
@@ -164,3 +182,53 @@ def apply_delta(
             raise ProtocolError(f"delta bitmask marks {len(idx)} words, not {k}")
         dst[idx] = vals
     return k
+
+
+# ---- delta mode: a relay's versions, encoded against the previous one ------------------
+
+MAX_DELTA_FRAC = 0.5
+"""A delta larger than this fraction of its chunk is not kept: the chunk goes whole. Kept deltas
+live in the relay's heap next to the version, so this bounds that memory to half a model
+size per version, and a delta this dense saves little on the wire."""
+
+DELTA_PIN = "_delta"
+"""The pin owner that keeps a base version alive while a version is encoded or rebuilt on it."""
+
+
+def delta_base(enabled: bool, base: VersionState | None, incoming: VersionState) -> int:
+    """The version to rebuild `incoming` on: our newest complete one, if it has the same
+    layout and chunking and is older; -1 when there is none (ask for full chunks)."""
+    if (
+        not enabled
+        or base is None
+        or not base.complete
+        or base.abandoned
+        or base.version >= incoming.version
+        or base.chunk_bytes != incoming.chunk_bytes
+        or base.layout != incoming.layout
+    ):
+        return -1
+    return base.version
+
+
+def digest_and_encode(
+    vs: VersionState, base: VersionState | None, words: np.ndarray | None, lo: int, hi: int
+) -> list[tuple[int, np.ndarray | None]]:
+    """(crc32, delta against base or None) of chunks [lo, hi) of a version the trainer handed
+    off (runs in a thread; numpy releases the GIL for the compares)."""
+    total, cb = vs.layout.total_bytes, vs.chunk_bytes
+    out = []
+    for i in range(lo, hi):
+        s, e = chunk_range(i, cb, total)
+        data = vs.buf[s:e]
+        blob = None
+        if base is not None and words is not None:
+            blob = encode_delta(data, base.buf[s:e], int(words[i]))
+            if blob is not None and len(blob) > MAX_DELTA_FRAC * (e - s):
+                blob = None
+        out.append((chunk_digest(data), blob))
+    return out
+
+
+def words_for(vs: VersionState) -> np.ndarray:
+    return chunk_words(vs.layout, vs.chunk_bytes)

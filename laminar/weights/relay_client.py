@@ -1,16 +1,17 @@
 """Relay variant of the weights channel: the trainer's push to the master relay and a
-rollout's pull from its host's relay (laminar/transport/weights_channel.py picks the variant).
+rollout's pull from its host's relay (laminar/weights/channel.py picks the variant).
 
-    trainer:  pusher = WeightPusher(cfg, wiring)          # wiring: transport.sockets.Wiring
+    trainer:  pusher = WeightPusher(links, wiring)  # links: relay_links(cfg) (laminar/node.py)
               await pusher.start()
-              stall_s = await pusher.push(version, model.state_dict())   # returns after the handoff
-    rollout:  puller = WeightPuller(cfg, wiring, relay_index=cfg.rollout.relay_index)
-              await puller.start()                                        # spawns its WeightsReady listener
+              stall_s = await pusher.push(version, model.state_dict())  # returns after the handoff
+    rollout:  puller = WeightPuller(links, wiring, relay_index=cfg.rollout.relay_index)
+              await puller.start()                     # spawns its WeightsReady listener
               await puller.wait_version(v, timeout=30)
-              async with await puller.pull() as w:                        # pins the version at the relay
-                  for name, t in w.named_tensors(): param[name].copy_(t)  # zero-copy views into /dev/shm
+              async with await puller.pull() as w:     # pins the version at the relay
+                  for name, t in w.named_tensors():    # zero-copy views into /dev/shm
+                      param[name].copy_(t)
 
-Both take explicit dependencies: the config (endpoints, timeouts, relay knobs), a zmq
+Both take explicit dependencies: RelayLinks (endpoints, timeouts, chunking), a zmq
 context and SocketOptions, this end's node id, a logger and a supervised `spawn` for the
 background tasks they start (the puller's subscription listener, closing a replaced client).
 
@@ -35,8 +36,8 @@ already warm: a rollout's load costs about one memcpy. The views are read-only (
 rollout copies them into its engine); `WeightPuller(..., writable=True)` maps each
 pull privately (copy-on-write) instead, at the cost of page faults on first touch.
 
-Layout and checksums: laminar/transport/weight_layout.py. GPU variants (CUDA IPC,
-NCCL): laminar/transport/weights_gpu.py.
+Layout and checksums: laminar/weights/layout.py. GPU variants (CUDA IPC,
+NCCL): laminar/weights/gpu.py.
 """
 
 from __future__ import annotations
@@ -50,11 +51,11 @@ import socket
 import time
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from laminar.config import LaminarConfig
 from laminar.protocol.relay import (
     ChainInfo,
     ChainInfoRequest,
@@ -80,7 +81,7 @@ from laminar.transport.sockets import (
     Wiring,
 )
 from laminar.transport.streams import Subscriber
-from laminar.transport.weight_layout import (
+from laminar.weights.layout import (
     NamedTensors,
     checksum_buffer,
     chunk_range,
@@ -90,13 +91,15 @@ from laminar.transport.weight_layout import (
     tensor_spans,
     validate_layout,
 )
+from laminar.weights.segment import WriterMap, map_segment
 
 _ids = itertools.count()
 MAX_REDIRECTS = 4  # NotMaster hops followed per push before giving up
 
 
 class WeightsUnavailable(RuntimeError):
-    """No weights to move right now (no live relay, no such version, a file vanished): retry later."""
+    """No weights to move right now (no live relay, no such version, a file vanished): retry
+    later."""
 
 
 def _bytes_of(t: Any) -> Any:
@@ -131,33 +134,35 @@ def write_flat(dst: Any, items: list[tuple[str, Any]], layout: WeightLayout) -> 
         flat[pos : layout.total_bytes] = 0
 
 
-class _Map:
-    """A writable shared mapping of a relay segment (the trainer side), cached by path."""
+@dataclass(frozen=True)
+class RelayLinks:
+    """What the trainer's and a rollout's ends need to reach the relays (built from the
+    config by laminar/node.py `relay_links`)."""
 
-    def __init__(self, path: str, size: int):
-        import torch
+    control: tuple[str, ...]
+    """Relay i's control endpoint (Stage/Commit/Pull/ChainInfo), for every relay index."""
+    pub: tuple[str, ...]
+    """Relay i's WeightsReady publisher."""
+    startup_timeout_s: float = 30.0
+    request_timeout_s: float = 10.0
+    probe_timeout_s: float = 1.0
+    """A relay that does not answer a probe within this is taken for dead (failover)."""
+    chunk_bytes: int = 4 << 20
+    """Chunk size of a streamed push when the relay did not name one."""
+    window: int = 4
+    """Chunks of a streamed push in flight."""
 
-        fd = os.open(path, os.O_RDWR)
-        try:
-            self.mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-            self.inode = os.fstat(fd).st_ino
-        finally:
-            os.close(fd)
-        self.path, self.size = path, size
-        self.tensor: Any = torch.frombuffer(self.mm, dtype=torch.uint8)
-        self.cuda_registered = False
-
-    def close(self) -> None:
-        self.tensor = None
-        with contextlib.suppress(BufferError, ValueError):
-            self.mm.close()
+    def relay(self, index: int) -> str:
+        if not 0 <= index < len(self.control):
+            raise WeightsUnavailable(f"relay {index} is not one of the {len(self.control)}")
+        return self.control[index]
 
 
 class _End:
-    """What both ends keep of their config and wiring."""
+    """What both ends keep of their settings and wiring."""
 
-    def __init__(self, cfg: LaminarConfig, wiring: Wiring):
-        self.cfg = cfg
+    def __init__(self, links: RelayLinks, wiring: Wiring):
+        self.links = links
         self.ctx, self.opts, self.node_id, self.role = (
             wiring.ctx,
             wiring.opts,
@@ -172,15 +177,15 @@ class WeightPusher(_End):
 
     def __init__(
         self,
-        cfg: LaminarConfig,
+        links: RelayLinks,
         wiring: Wiring,
         *,
         master_endpoint: str | None = None,
     ):
-        super().__init__(cfg, wiring)
-        self.endpoint = master_endpoint or cfg.endpoint("relay", 0)
+        super().__init__(links, wiring)
+        self.endpoint = master_endpoint or links.relay(0)
         self.client: RpcClient | None = None
-        self._maps: dict[str, _Map] = {}
+        self._maps: dict[str, WriterMap] = {}
         self.last_stall_s = float("nan")
         self.pushes = 0
         self.failovers = 0
@@ -194,7 +199,7 @@ class WeightPusher(_End):
     async def start(self) -> None:
         self.client = self._new_client(self.endpoint)
         try:
-            await self.client.connect(timeout=self.cfg.transport.startup_timeout_s)
+            await self.client.connect(timeout=self.links.startup_timeout_s)
         except TransportError:
             await self._failover()
 
@@ -208,11 +213,11 @@ class WeightPusher(_End):
 
     async def _failover(self) -> None:
         """Find the master: the one the newest live chain view names, else the lowest live relay."""
-        n_relays = self.cfg.cluster.roles.get("relay", 1)
-        timeout = self.cfg.relay.probe_timeout_s
+        n_relays = len(self.links.control)
+        timeout = self.links.probe_timeout_s
 
         async def ask(i: int) -> tuple[int, ChainInfo | None]:
-            cli = self._new_client(self.cfg.endpoint("relay", i))
+            cli = self._new_client(self.links.relay(i))
             try:
                 await cli.connect(timeout=timeout)
                 info = await cli.request(ChainInfoRequest(), timeout=timeout, retries=0)
@@ -233,7 +238,7 @@ class WeightPusher(_End):
         master = newest.master if newest.master in live else min(live)
         self.failovers += 1
         self.log.warning("relay_master_failover", old=self.endpoint, master=master)
-        self.set_master(self.cfg.endpoint("relay", master))
+        self.set_master(self.links.relay(master))
 
     async def _master_alive(self) -> bool:
         """A busy master is not a dead one: re-handshake on a fresh socket before failing over."""
@@ -242,7 +247,7 @@ class WeightPusher(_End):
             await old.close()
         cli = self._new_client(self.endpoint)
         try:
-            await cli.connect(timeout=max(self.cfg.relay.probe_timeout_s, self.opts.dead_after_s))
+            await cli.connect(timeout=max(self.links.probe_timeout_s, self.opts.dead_after_s))
         except TransportError:
             await cli.close()
             return False
@@ -252,7 +257,7 @@ class WeightPusher(_End):
     async def _client(self) -> RpcClient:
         if self.client is None:
             self.client = self._new_client(self.endpoint)
-            await self.client.connect(timeout=self.cfg.relay.probe_timeout_s * 4)
+            await self.client.connect(timeout=self.links.probe_timeout_s * 4)
         return self.client
 
     async def push(self, version: int, named_tensors: NamedTensors) -> float:
@@ -260,7 +265,7 @@ class WeightPusher(_End):
         t0 = time.perf_counter()
         items = named_list(named_tensors)
         layout = layout_of(items)
-        timeout = self.cfg.transport.request_timeout_s
+        timeout = self.links.request_timeout_s
         last: Exception | None = None
         failures = redirects = 0
         while True:
@@ -274,7 +279,7 @@ class WeightPusher(_End):
                             f"push of version {version}: still redirected after {redirects} hops"
                         )
                     redirects += 1
-                    self.set_master(self.cfg.endpoint("relay", reply.master))
+                    self.set_master(self.links.relay(reply.master))
                     continue
                 if not isinstance(reply, StageReply):
                     raise WeightsUnavailable(
@@ -333,9 +338,9 @@ class WeightPusher(_End):
         if m is None or m.size != reply.size or m.inode != reply.inode:
             if m is not None:
                 m.close()
-            m = self._maps[reply.segment] = _Map(reply.segment, reply.size)
+            m = self._maps[reply.segment] = WriterMap(reply.segment, reply.size)
         if any(t.device.type == "cuda" for _, t in items) and not m.cuda_registered:
-            from laminar.transport.weights_gpu import pin_host_tensor
+            from laminar.weights.gpu import pin_host_tensor
 
             m.cuda_registered = pin_host_tensor(m.tensor)  # pinned: faster device-to-host copies
         write_flat(m.tensor, items, layout)
@@ -351,12 +356,12 @@ class WeightPusher(_End):
         """Remote trainer: send the flat buffer in chunks, a few requests in flight."""
         import torch
 
-        cb = reply.chunk_bytes or self.cfg.relay.chunk_bytes
+        cb = reply.chunk_bytes or self.links.chunk_bytes
         flat = torch.empty(layout.total_bytes, dtype=torch.uint8)
         await asyncio.to_thread(write_flat, flat, items, layout)
         arr = flat.numpy()
         pending = list(range(n_chunks(layout.total_bytes, cb)))
-        timeout = self.cfg.transport.request_timeout_s
+        timeout = self.links.request_timeout_s
 
         async def sender() -> None:
             while pending:
@@ -364,7 +369,7 @@ class WeightPusher(_End):
                 msg = PushChunk(version=version, token=reply.token, offset=s, data=arr[s:e])
                 await cli.request(msg, timeout=timeout, retries=0)
 
-        await asyncio.gather(*(sender() for _ in range(self.cfg.relay.window)))
+        await asyncio.gather(*(sender() for _ in range(self.links.window)))
 
     async def close(self) -> None:
         if self.client is not None:
@@ -423,33 +428,18 @@ class PulledWeights:
         await self.release()
 
 
-def _map_segment(path: str, size: int, writable: bool) -> tuple[mmap.mmap, int]:
-    """Read-only shared mapping (cacheable: it can never hold private stale pages), or a fresh
-    private copy-on-write mapping when the caller wants writable tensors."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        inode = os.fstat(fd).st_ino
-        if writable:
-            return mmap.mmap(
-                fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
-            ), inode
-        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ), inode
-    finally:
-        os.close(fd)
-
-
 class WeightPuller(_End):
     """Rollout side: follow WeightsReady of the local relay and pull versions on demand."""
 
     def __init__(
         self,
-        cfg: LaminarConfig,
+        links: RelayLinks,
         wiring: Wiring,
         *,
         relay_index: int = 0,
         writable: bool = False,
     ):
-        super().__init__(cfg, wiring)
+        super().__init__(links, wiring)
         self.relay_index, self.writable = relay_index, writable
         self._maps: dict[str, tuple[mmap.mmap, int, int]] = {}  # path -> (mapping, size, inode)
         self.latest_version = -1
@@ -463,19 +453,19 @@ class WeightPuller(_End):
         self._held: list[PulledWeights] = []
 
     async def start(self) -> None:
-        cfg = self.cfg
+        links = self.links
         self.client = RpcClient(
             self.ctx,
-            cfg.endpoint("relay", self.relay_index),
+            links.relay(self.relay_index),
             self.node_id,
             self.role,
             self.opts,
             spawn=self.spawn,
         )
-        await self.client.connect(timeout=cfg.transport.startup_timeout_s)
+        await self.client.connect(timeout=links.startup_timeout_s)
         self.sub = Subscriber(
             self.ctx,
-            cfg.endpoint("relay_pub", self.relay_index),
+            links.pub[self.relay_index],
             self._sub_id,
             ["weights"],
             self.opts,
@@ -484,7 +474,7 @@ class WeightPuller(_End):
         self._task = self.spawn(self._listen(), "weights-sub")
         # the relay answers once our subscription is live: nothing announced after this is missed
         reply = await self.client.request(
-            LatestRequest(subscriber=self._sub_id), timeout=cfg.transport.startup_timeout_s
+            LatestRequest(subscriber=self._sub_id), timeout=links.startup_timeout_s
         )
         if isinstance(reply, LatestReply):
             await self._update(reply.version, reply.checksum, None)
@@ -504,7 +494,8 @@ class WeightPuller(_End):
                 self._cond.notify_all()
 
     async def wait_version(self, min_version: int, timeout: float) -> int:
-        """Wait until the relay announced a version >= min_version; returns it (TimeoutError otherwise)."""
+        """Wait until the relay announced a version >= min_version; returns it (TimeoutError
+        otherwise)."""
         async with self._cond:
             await asyncio.wait_for(
                 self._cond.wait_for(lambda: self.latest_version >= min_version), timeout
@@ -540,11 +531,11 @@ class WeightPuller(_End):
         for p in [p for p in self._maps if not os.path.exists(p)]:  # the relay freed that slot
             self._maps.pop(p)  # unmapped once no tensor view of it is left
         if self.writable:
-            return _map_segment(path, size, True)[0]
+            return map_segment(path, size, True)[0]
         hit = self._maps.get(path)
         if hit is not None and hit[1] == size and hit[2] == os.stat(path).st_ino:
             return hit[0]  # warm page tables: a pull costs what a memcpy does
-        mm, inode = _map_segment(path, size, False)
+        mm, inode = map_segment(path, size, False)
         self._maps[path] = (mm, size, inode)
         return mm
 

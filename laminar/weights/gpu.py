@@ -11,13 +11,13 @@ relay variant's PulledWeights (named_tensors, verify, release), so a rollout loa
     await w.release(); exp.release(version)             # (the trainer frees after every reader did)
 
     # NCCL (backend "nccl" on GPUs, "gloo" on CPU: the tests run the same code on CPU)
-    group = WeightBroadcastGroup(rank, world_size, init_method="tcp://10.0.0.1:29555", backend="nccl")
-    group.send(version, named_tensors)                  # rank 0 (trainer)
-    w = group.recv()                                    # every other rank: a PulledWeights-like object
+    group = WeightBroadcastGroup(rank, world_size, init_method="tcp://10.0.0.1:29555")
+    group.send(version, named_tensors)               # rank 0 (trainer)
+    w = group.recv()                                 # every other rank: a PulledWeights-like object
 
-Both pack a version into one flat uint8 buffer with the channel's layout (laminar/transport/weight_layout.py),
-so offsets, dtypes (bf16 included) and the checksum are the ones the CPU path uses.
-Control data travels as our codec's messages (CudaIpcHandle, NcclAnnounce encoded to
+Both pack a version into one flat uint8 buffer with the channel's layout
+(laminar/weights/layout.py), so offsets, dtypes (bf16 included) and the checksum are the ones the
+CPU path uses. Control data travels as our codec's messages (CudaIpcHandle, NcclAnnounce encoded to
 bytes), never pickle. torch.cuda / torch.distributed are imported lazily: this module
 imports without CUDA. Status: written against torch's documented IPC and c10d APIs;
 the CUDA paths are covered by `gpu`-marked tests that were not run on this CPU machine.
@@ -31,7 +31,7 @@ from typing import Any
 
 from laminar.protocol.relay import CudaIpcHandle, NcclAnnounce, WeightLayout
 from laminar.transport.codec import decode, encode
-from laminar.transport.weight_layout import (
+from laminar.weights.layout import (
     NamedTensors,
     chunk_range,
     layout_of,

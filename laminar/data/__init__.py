@@ -1,0 +1,1 @@
+"""Datasets every role reads: prompt files and their encoding (prompts.py)."""

@@ -1,0 +1,88 @@
+"""The message base: what a wire message is, before any wire or catalogue exists.
+
+    @message(0x21)                               # one-byte type id, unique across the registry
+    class Trajectory(Message):
+        prompt_ids: Annotated[np.ndarray, Arr(("int32",))]
+
+A leaf: it imports nothing from laminar. The message catalogue (`laminar/protocol/`) and
+the wire's own session messages (`laminar/transport/session.py`) define their types on it;
+the codec (`laminar/transport/codec.py`) encodes and decodes whatever is in `REGISTRY`,
+so neither side imports the other:
+
+    laminar.message ◄── laminar.protocol.*      (the catalogue)
+                    ◄── laminar.transport.*     (codec, session messages, sockets)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar, TypeVar
+
+import msgspec
+
+
+class ProtocolError(ValueError):
+    """A frame set that is not a valid message; the text says what was wrong."""
+
+
+@dataclass(frozen=True, slots=True)
+class Arr:
+    """Annotation for an array field: allowed dtypes and number of dims (None = any)."""
+
+    dtypes: tuple[str, ...]
+    ndim: int | None = 1
+    max_elems: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What a decoder accepts from the network."""
+
+    max_frames: int = 4096
+    max_header_bytes: int = 1 << 20
+    max_message_bytes: int = 2 << 30
+    max_list_len: int = 1 << 20
+    """Items in one list or map."""
+    max_str_len: int = 1 << 20
+    """Characters in one string."""
+
+
+DEFAULT_LIMITS = Limits()
+
+
+class Message(msgspec.Struct, forbid_unknown_fields=True, gc=False, omit_defaults=True):
+    """Base of every wire message: a mutable msgspec Struct registered with @message.
+
+    gc=False: a message must not hold a reference cycle through itself (none does: they are
+    data), or that cycle is never collected."""
+
+    TYPE: ClassVar[int] = -1
+
+
+REGISTRY: dict[int, type[Message]] = {}
+"""Type id -> message class: every registered type, whichever module defined it."""
+
+ON_REGISTER: list[Callable[[int], None]] = []
+"""Called with a type id after (re-)registering it: the codec drops what it cached for it."""
+
+M = TypeVar("M", bound=Message)
+
+
+def message(type_id: int) -> Callable[[type[M]], type[M]]:
+    """Class decorator: register a Message subclass under its one-byte type id."""
+
+    def wrap(cls: type[M]) -> type[M]:
+        if not 0 <= type_id <= 255:
+            raise ValueError(f"{cls.__name__}: type id must fit one byte, got {type_id}")
+        if type_id in REGISTRY and REGISTRY[type_id].__name__ != cls.__name__:
+            raise ValueError(
+                f"type id {type_id:#x} used by {REGISTRY[type_id].__name__} and {cls.__name__}"
+            )
+        cls.TYPE = type_id
+        REGISTRY[type_id] = cls
+        for fn in ON_REGISTER:
+            fn(type_id)
+        return cls
+
+    return wrap
