@@ -44,6 +44,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 MODES = ("sync", "one_step", "stream", "laminar_norepack", "laminar")
@@ -541,7 +543,10 @@ async def _control(
             manager_partials={
                 k: {"mean": v.mean, "max": v.max, "count": v.count} for k, v in mgr_parts.items()
             },
-            buffer={k: buf[k] for k in ("staleness_consumed", "counters") if k in buf},
+            buffer={
+                "staleness_consumed": msgspec.to_builtins(buf.staleness_consumed),
+                "counters": dict(buf.counters),
+            },
         )
         finish(fig)
     return fig
