@@ -13,5 +13,5 @@
 Imports go one way: weights/ -> transport/ (the wire) and protocol/relay.py (the messages)
 -> laminar/message.py. The relay role (laminar/relay/) holds the chain between relays and
 uses layout, segment and delta; the trainer and rollout nodes open the channel. Nothing here
-reads LaminarConfig: the wiring layer (laminar/node.py) hands in RelayLinks / ChannelSettings.
+reads the config tree: the wiring layer (laminar/node.py) hands in RelayLinks and ChannelSettings.
 """
