@@ -144,6 +144,9 @@ def make_cfg_dict(tmp: Path, rollouts: int) -> dict[str, Any]:
             "partial_flush_s": FLUSH_S,
             "max_running": 128,
             "status_push_min_s": STATUS_PUSH_MIN_S,
+            # synthetic responses are chunks_per_traj x CHUNK_TOKENS long: the buffer refuses a
+            # response longer than any the config lets a rollout make
+            "sampling": {"max_tokens": 1 << 16},
         },
         "trainer": {"batch_groups": TRAINER_BATCH_GROUPS},
         "buffer": {"capacity": 1 << 20, "fsync": "batch"},
@@ -209,8 +212,11 @@ class Driver:
         self.lps = np.full(self.resp_len, -0.5, np.float32)
         self.flat_ids = np.arange(self.entries_per_batch * self.resp_len, dtype=np.int32) % 1000
         self.flat_lps = np.full(len(self.flat_ids), -0.5, np.float32)
-        self.queues: list[asyncio.Queue[tuple[Any, int]]] = [asyncio.Queue() for _ in shards]
-        """Served samples per shard: a group's samples go back to the shard that served it."""
+        self.queues: list[asyncio.Queue[tuple[Any, int]]] = [
+            asyncio.Queue() for _ in range(self.rollouts)
+        ]
+        """Served samples per synthetic rollout: a group's samples go back from the rollout it
+        was served to (the buffer takes them from no other), so to the shard that served it."""
         self.sent = {
             "batches": 0,
             "chunks": 0,
@@ -295,13 +301,16 @@ class Driver:
         """Keeps served samples queued: the synthetic rollouts ask for prompts like real ones."""
         from laminar.protocol.buffer import PromptReply, PromptRequest
 
-        k, queue, mine = 0, self.queues[shard], self.buf[shard :: len(self.shards)]
+        k, mine = 0, list(range(shard, self.rollouts, len(self.shards)))
+        most = max(64, 4096 // len(mine))
         while True:
-            if queue.qsize() > 4096:
-                await asyncio.sleep(0.05)
-                continue
-            cli = mine[k % len(mine)]
+            ci = mine[k % len(mine)]
             k += 1
+            queue, cli = self.queues[ci], self.buf[ci]
+            if queue.qsize() > most:
+                if k % len(mine) == 0:  # a whole round found every queue full
+                    await asyncio.sleep(0.05)
+                continue
             try:
                 rep = await cli.request(
                     PromptRequest(rollout_id=cli.node_id, max_groups=64, version=0)
@@ -375,7 +384,7 @@ class Driver:
         from laminar.protocol.data import PartialBatch, PartialTrajectory
 
         cli, active, e = self.buf[ci], self.active[ci], self.entries_per_batch
-        queue = self.queues[ci % len(self.shards)]
+        queue = self.queues[ci]
         while len(active) < e and not queue.empty():
             it, s = queue.get_nowait()
             # the first fill starts part-way (the first entry brings the tokens so far): steady

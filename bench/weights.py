@@ -108,7 +108,7 @@ class Bench:
         """One push into the idle chain; returns (stall, commit -> last relay ready)."""
         if reset:  # downstream relays drop their version but keep the slot: no new page faults
             for i in range(1, self.k):
-                await self.procs._rpc(i, RelayReset(keep_spare=True), timeout=10)
+                await self.procs._rpc(i, RelayReset(keep_spare=True), 10, role="trainer")
         if settle_s:  # let the relays' post-broadcast cleanup (frees, GC) end: on 2 shared cores it
             await asyncio.sleep(
                 settle_s

@@ -123,7 +123,7 @@ async def worker(
             fast_t, all_t = [], []
             for rep in range(repeats + 1):  # the first: warm-up (and the manager's detection)
                 for i in range(1, k_max):
-                    await procs._rpc(i, wb.RelayReset(keep_spare=True), timeout=30)
+                    await procs._rpc(i, wb.RelayReset(keep_spare=True), 30, role="trainer")
                 b.version += 1
                 state[next(iter(state))].view(-1)[0] += 1
                 await b.pusher.push(b.version, state)

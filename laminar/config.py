@@ -332,6 +332,20 @@ class RewardConfig(Section):
     sim: Literal["uid_hash", "fn"] = "uid_hash"
     """Sim engines make no text: uid_hash = deterministic 0/1 reward from the trajectory uid; fn =
     call fn with completion ""."""
+    min_value: float = Field(-10.0, allow_inf_nan=False)
+    """Lowest reward fn is documented to return (the built-in rewards and tasks give 0..1): the
+    buffer refuses a trajectory whose reward is below it or not finite, and never trains it."""
+    max_value: float = Field(10.0, allow_inf_nan=False)
+    """Highest reward fn is documented to return: the buffer refuses a trajectory above it."""
+
+    @model_validator(mode="after")
+    def _check_range(self) -> RewardConfig:
+        if not self.min_value < self.max_value:
+            raise ValueError(
+                f"reward.min_value ({self.min_value}) must be below reward.max_value "
+                f"({self.max_value}): set them to the range reward.fn is documented to return"
+            )
+        return self
 
 
 class EnvLimits(Section):
@@ -641,6 +655,10 @@ class BufferConfig(Section):
     lease_s: float = Field(600.0, gt=0)
     """A served group whose rollout sends no chunk, trajectory or abandon of it for this long is
     served again to another rollout (counted once either way)."""
+    max_groups_per_rollout: int | None = Field(None, ge=1)
+    """Open groups one rollout may hold at once (a PromptRequest asking for more gets fewer); null
+    = the larger of its share of capacity (capacity / group_size / cluster.roles.rollout) and what
+    its own credits ask for (2 x rollout.credits, or refill_slots / group_size + 2)."""
 
     @model_validator(mode="after")
     def _check_sampling(self) -> BufferConfig:
@@ -784,6 +802,23 @@ class LaminarConfig(Section):
 
     def repack_bound_b(self) -> int:
         return self.manager.repack.bound_b or self.rollout.max_running
+
+    def groups_per_rollout(self) -> int:
+        """Open groups one rollout may hold at once (buffer.max_groups_per_rollout, else derived:
+        its share of the buffer's capacity, and never below what its own credits ask for)."""
+        if self.buffer.max_groups_per_rollout is not None:
+            return self.buffer.max_groups_per_rollout
+        r, n = self.rollout, self.rollout.group_size
+        rollouts = max(1, self.cluster.roles.get("rollout", 1))
+        own = 2 * r.credits
+        if r.refill_slots is not None:
+            own = max(own, -(-r.refill_slots // n) + 2)
+        return max(own, self.buffer.capacity // (n * rollouts))
+
+    def inflight_per_rollout(self) -> int:
+        """Most samples one rollout can hold in flight: the buffer never has more than
+        buffer.capacity generating or held, whoever holds them (served, moved or recovered)."""
+        return self.buffer.capacity
 
 
 def config_warnings(cfg: LaminarConfig) -> list[str]:

@@ -1,8 +1,16 @@
 """The message base: what a wire message is, before any wire or catalogue exists.
 
-    @message(0x21)                               # one-byte type id, unique across the registry
-    class Trajectory(Message):
+    @message(0x21, senders=("rollout",), id_fields=("rollout_id",))   # one-byte type id
+    class Trajectory(Message):                   # unique across the registry; who may send it
         prompt_ids: Annotated[np.ndarray, Arr(("int32",))]
+        rollout_id: str
+
+Each type declares, with its fields, who may send it: the roles in `senders` (ANY_ROLE: every
+role; (): no one, a record that never goes on a socket), and the body fields (`id_fields`) that
+must name the sender's own node id. The rpc server (laminar/transport/server.py) checks both
+against the peer's handshake role and id before a handler runs, so this is the one table of
+who may do what: with CURVE the role is the one the peer's key may claim; without, the one it
+declared.
 
 A leaf: it imports nothing from laminar. The message catalogue (`laminar/protocol/`) and
 the wire's own session messages (`laminar/transport/session.py`) define their types on it;
@@ -58,7 +66,16 @@ class Message(msgspec.Struct, forbid_unknown_fields=True, gc=False, omit_default
     data), or that cycle is never collected."""
 
     TYPE: ClassVar[int] = -1
+    SENDERS: ClassVar[frozenset[str] | None] = frozenset()
+    """The roles that may send it (None: any role); set by @message, empty on unregistered
+    structs (they travel only inside a registered message)."""
+    ID_FIELDS: ClassVar[tuple[str, ...]] = ()
+    """Body fields that must equal the sender's node id; set by @message."""
 
+
+ANY_ROLE: tuple[str, ...] = ("*",)
+"""`senders=ANY_ROLE`: every role may send it (the wire's own handshake, liveness, echo and
+plain replies). Anything a role does to another's state names its roles instead."""
 
 REGISTRY: dict[int, type[Message]] = {}
 """Type id -> message class: every registered type, whichever module defined it."""
@@ -69,17 +86,28 @@ ON_REGISTER: list[Callable[[int], None]] = []
 M = TypeVar("M", bound=Message)
 
 
-def message(type_id: int) -> Callable[[type[M]], type[M]]:
-    """Class decorator: register a Message subclass under its one-byte type id."""
+def message(
+    type_id: int, *, senders: tuple[str, ...], id_fields: tuple[str, ...] = ()
+) -> Callable[[type[M]], type[M]]:
+    """Class decorator: register a Message subclass under its one-byte type id, with the roles
+    that may send it (`senders`: role names, ANY_ROLE, or () for none) and the fields that must
+    equal the sender's node id (`id_fields`)."""
+    if isinstance(senders, str) or ("*" in senders and senders != ANY_ROLE):
+        raise ValueError(f"senders must be a tuple of roles or ANY_ROLE, got {senders!r}")
 
     def wrap(cls: type[M]) -> type[M]:
         if not 0 <= type_id <= 255:
             raise ValueError(f"{cls.__name__}: type id must fit one byte, got {type_id}")
+        unknown = [f for f in id_fields if f not in cls.__struct_fields__]
+        if unknown:
+            raise ValueError(f"{cls.__name__}: id_fields {unknown} are not fields of it")
         if type_id in REGISTRY and REGISTRY[type_id].__name__ != cls.__name__:
             raise ValueError(
                 f"type id {type_id:#x} used by {REGISTRY[type_id].__name__} and {cls.__name__}"
             )
         cls.TYPE = type_id
+        cls.SENDERS = None if senders == ANY_ROLE else frozenset(senders)
+        cls.ID_FIELDS = tuple(id_fields)
         REGISTRY[type_id] = cls
         for fn in ON_REGISTER:
             fn(type_id)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import heapq
 import importlib
 import signal
 import time
@@ -33,7 +34,7 @@ from laminar.config import ROLES, ConfigError, LaminarConfig, Role
 from laminar.logs import get_logger
 from laminar.message import Limits
 from laminar.metrics import Metrics
-from laminar.protocol.core import NodeStatus
+from laminar.protocol.core import MAX_PEER_ROWS, NodeStatus, PeerRefusals, RefusalSummary
 from laminar.supervise import Supervisor
 from laminar.transport.client import RpcClient
 from laminar.transport.security import Security
@@ -104,8 +105,40 @@ class Node:
         """Release resources that setup() took (sockets are closed by the base)."""
 
     def status(self) -> NodeStatus:
-        """What goes to the manager with every heartbeat."""
+        """What goes to the manager with every heartbeat (the base adds `refusals`)."""
         return NodeStatus(node_id=self.node_id, role=self.role)
+
+    def refused_trajectories(self) -> dict[str, int]:
+        """Trajectories this node refused, per peer (the buffer's intake says; none elsewhere)."""
+        return {}
+
+    def refusal_summary(self) -> RefusalSummary | None:
+        """What this node's servers refused, in total and for the most refused peers (None:
+        nothing yet): `NodeStatus.refusals`, which `laminar status` shows."""
+        summary = RefusalSummary()
+        rows: dict[str, PeerRefusals] = {}
+        for peer, n in self.refused_trajectories().items():
+            summary.refused_trajectories += n
+            rows[peer] = PeerRefusals(peer=peer, refused_trajectories=n)
+        for srv in self._servers:
+            summary.unauthorized += srv.refused.unauthorized
+            summary.bad += srv.refused.bad
+            summary.refused_hellos += srv.refused.refused_hello
+            for peer, counts in srv.refusals.items():
+                row = rows.setdefault(peer, PeerRefusals(peer=peer))
+                row.unauthorized += counts.unauthorized
+                row.bad += counts.bad
+                row.refused_hellos += counts.refused_hello
+        if not summary.total():
+            return None
+        summary.peers = heapq.nlargest(MAX_PEER_ROWS, rows.values(), key=PeerRefusals.total)
+        return summary
+
+    def beat_status(self) -> NodeStatus:
+        """`status()` plus what every node reports alike: what its heartbeats carry."""
+        status = self.status()
+        status.refusals = self.refusal_summary()
+        return status
 
     # ---- helpers for subclasses ---------------------------------------------------
     def server(
@@ -124,7 +157,7 @@ class Node:
             self.node_id,
             self.role,
             opts,
-            status=self.status,
+            status=self.beat_status,
             spawn=self.spawn,
             peer_status=NODE_STATUS,
             **kw,
@@ -192,7 +225,7 @@ class Node:
     async def _register(self) -> None:
         self.manager = self.client(
             self.cfg.endpoint("manager"),
-            status=self.status,
+            status=self.beat_status,
             started=self.started_at,
         )
         await self.manager.connect(timeout=self.cfg.transport.startup_timeout_s)

@@ -199,9 +199,10 @@ class RelayProcs:
         log = get_logger(role=role, node_id=node_id)
         return Wiring(self.ctx, self.opts, node_id, role, log, detached_spawn)
 
-    async def _rpc(self, index: int, msg: Message, timeout: float) -> Message:
-        node_id = f"probe-{uuid.uuid4().hex[:6]}"
-        cli = RpcClient(self.ctx, self.cfg.endpoint("relay", index), node_id, "cli", self.opts)
+    async def _rpc(self, index: int, msg: Message, timeout: float, role: str = "cli") -> Message:
+        """One request to relay `index` from a fresh client of `role` (one that may send it)."""
+        node_id = f"{role}-probe-{uuid.uuid4().hex[:6]}"
+        cli = RpcClient(self.ctx, self.cfg.endpoint("relay", index), node_id, role, self.opts)
         try:
             await cli.connect(timeout=timeout)
             return await cli.request(msg, timeout=timeout, retries=0)
@@ -277,7 +278,7 @@ class RelayProcs:
     ) -> None:
         """Send ChainUpdate to relays (as the manager would)."""
         for i in range(self.n) if indices is None else indices:
-            await self._rpc(i, ChainUpdate(epoch=epoch, order=order), timeout=2.0)
+            await self._rpc(i, ChainUpdate(epoch=epoch, order=order), 2.0, role="manager")
 
     async def close_clients(self) -> None:
         if self._ctx is not None:

@@ -177,7 +177,11 @@ def finished(
     )
 
 
-async def prompts(cli: RpcClient, k: int, version: int = 0, rid: str = "r0", **kw) -> PromptReply:
+async def prompts(
+    cli: RpcClient, k: int, version: int = 0, rid: str | None = None, **kw
+) -> PromptReply:
+    """A PromptRequest from `cli`, whose id it names unless `rid` says otherwise."""
+    rid = cli.node_id if rid is None else rid
     reply = await cli.request(PromptRequest(rollout_id=rid, max_groups=k, version=version, **kw))
     assert isinstance(reply, PromptReply)
     return reply
@@ -198,7 +202,11 @@ async def batch(
 ) -> BatchReply:
     reply = await cli.request(
         BatchRequest(
-            trainer_id="t0", groups=groups, trainer_version=version, wait_s=wait_s, restart=restart
+            trainer_id=cli.node_id,
+            groups=groups,
+            trainer_version=version,
+            wait_s=wait_s,
+            restart=restart,
         )
     )
     assert isinstance(reply, BatchReply)
@@ -276,7 +284,8 @@ async def test_trainer_restart_requeues_and_commits_are_never_served_again(harne
         await tr2.request(BatchCommit(batch_id="b-nonexistent", step=3, version=3))
     assert (await batch(tr2, 2)).trajectories == []  # all four groups consumed exactly once
     ro2 = await h.client("r0b")
-    resent = await ro2.request(finished(items[0], 0, 0))  # a rollout resending after the restart
+    # a rollout resending after the restart
+    resent = await ro2.request(finished(items[0], 0, 0, rollout="r0b"))
     assert resent.ignored and not resent.duplicate
     s = await stats(tr2)
     assert s.counts["groups_committed"] == 4 and s.held == 0 and s.counts["batches_requeued"] == 2
@@ -392,10 +401,14 @@ async def test_partial_pool_and_recovery_query(harness):
     await ro.send(chunk(2, [3, 4, 5, 6]))  # overlap: only 6 is new
     await ro.send(chunk(4, [5]))  # duplicate
     await ro.send(chunk(9, [9]))  # gap: ignored
-    # asked on the same socket: handled after the one-way chunks before it (one connection is
-    # ordered)
-    reply = await ro.request(PartialsRequest(rollout_id="r0"))
-    by_uid = {p.uid: p for p in reply.partials}
+    # the manager asks (only it may), on another socket: until the one-way chunks are in
+    deadline = time.monotonic() + 5
+    while True:
+        reply = await mgr.request(PartialsRequest(rollout_id="r0"))
+        by_uid = {p.uid: p for p in reply.partials}
+        if (uid in by_uid and len(by_uid[uid].response_ids) == 6) or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.01)  # poll interval of a deadline-bounded wait
     assert by_uid[uid].response_ids.tolist() == [1, 2, 3, 4, 5, 6] and by_uid[
         uid
     ].logprobs.shape == (6,)
@@ -436,6 +449,7 @@ async def test_bad_input_is_rejected_and_counted(harness):
             offset=3,
             token_ids=np.zeros(1, np.int32),
             logprobs=np.zeros(1, np.float32),
+            rollout_id="r0",
         )
     )
     s = await stats(tr)
@@ -460,7 +474,7 @@ async def test_prompt_cursor_and_state_survive_restart(harness):
     assert len(set(uids[:5])) == 5 and after[-1].group_id.split("@")[1].startswith(
         "1#"
     )  # epoch 1 began
-    s = await stats(ro2)
+    s = await stats(await h.client("t0", "trainer"))
     assert s.held == N and s.counts["groups_ready"] == 1 and s.pending == 6 * N
 
 
@@ -477,7 +491,12 @@ async def test_long_poll_wakes_when_a_group_completes(harness):
 
 
 async def test_journal_compaction_keeps_the_live_state(harness):
-    h = await harness(rows=40, transport="ipc", buffer={"compact_bytes": 1 << 16})
+    h = await harness(
+        rows=40,
+        transport="ipc",
+        buffer={"compact_bytes": 1 << 16},
+        rollout={"sampling": {"max_tokens": 2000}},  # longer responses are refused
+    )
     ro, tr = await h.client("r0"), await h.client("t0", "trainer")
     for step in range(4):  # ~16 KiB per trajectory: the journal passes 64 KiB and gets rewritten
         await complete(ro, (await prompts(ro, B)).items, tokens=2000)

@@ -188,7 +188,7 @@ async def test_kill_9_mid_stream_keeps_every_acked_trajectory_once(tmp_path, pro
         while len(seen) < GROUPS * N:
             b = await trainer.request(
                 BatchRequest(
-                    trainer_id="t1", groups=2, trainer_version=0, wait_s=2, restart=restart
+                    trainer_id="t0", groups=2, trainer_version=0, wait_s=2, restart=restart
                 ),
                 timeout=5,
             )
@@ -206,7 +206,7 @@ async def test_kill_9_mid_stream_keeps_every_acked_trajectory_once(tmp_path, pro
             ).ok
         assert len(seen) == len(set(seen)) == GROUPS * N and set(seen) == acked
         again = await trainer.request(
-            BatchRequest(trainer_id="t1", groups=1, trainer_version=0, wait_s=0), timeout=5
+            BatchRequest(trainer_id="t0", groups=1, trainer_version=0, wait_s=0), timeout=5
         )
         assert again.trajectories == [] and again.exhausted is False
     finally:

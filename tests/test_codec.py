@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from msgspec import field
 
 import laminar.protocol  # noqa: F401  (registers every message type)
-from laminar.message import REGISTRY, Arr, Limits, Message, ProtocolError, message
+from laminar.message import ANY_ROLE, REGISTRY, Arr, Limits, Message, ProtocolError, message
 from laminar.protocol.buffer import BatchReply
 from laminar.protocol.core import NodeStatus
 from laminar.protocol.data import Trajectory
@@ -38,13 +38,13 @@ from laminar.transport.session import Ping, StatusCodec
 Bytes1d = Annotated[np.ndarray, Arr(("uint8",), ndim=1)]
 
 
-@message(0xF1)
+@message(0xF1, senders=ANY_ROLE)
 class CodecProbeInner(Message):  # tests only: a nested message that carries arrays
     values: Annotated[np.ndarray, Arr(("float32", "float64"), ndim=2)]
     label: str = ""
 
 
-@message(0xF0)
+@message(0xF0, senders=ANY_ROLE)
 class CodecProbe(Message):  # tests only: every annotation shape the codec supports, in one message
     ids: Annotated[np.ndarray, Arr(("int32",), ndim=1, max_elems=64)]
     anydim: Annotated[np.ndarray, Arr(("float16", "bool", "uint64", "int8"), ndim=None)]
@@ -113,6 +113,8 @@ def sample_value(tp: Any, rng: random.Random, variant: int, depth: int = 0) -> A
         if len(inner) < len(args) and (variant == 2 or depth > 2):
             return None
         return sample_value(inner[variant % len(inner)], rng, variant, depth)
+    if origin is typing.Literal:
+        return args[variant % len(args)]
     if origin in (list, tuple):
         n = 0 if variant == 2 or depth > 2 else 2
         item = args[0] if args else Any

@@ -98,8 +98,9 @@ async def test_id_collision_never_evicts_a_live_peer(zctx, ipc, fast_opts, wait_
     live = RpcClient(zctx, srv.endpoint, "rollout-0", "rollout", opts, started=1.0)
     await live.connect(timeout=5)
     holder = srv.peers["rollout-0"].identity
-    # another process (another start time) claims rollout-0 while the holder heartbeats
-    impostor = RpcClient(zctx, srv.endpoint, "rollout-0", "rollout", opts, started=2.0)
+    # another process (its own options, another start time) claims rollout-0 while the holder
+    # heartbeats
+    impostor = RpcClient(zctx, srv.endpoint, "rollout-0", "rollout", fast_opts(), started=2.0)
     with pytest.raises(RequestTimeout, match="id_in_use"):
         await impostor.connect(timeout=opts.dead_after_s * 2)
     assert srv.stats.refused_id_in_use >= 1
@@ -121,9 +122,102 @@ async def test_same_process_reconnect_takes_its_entry_over(zctx, ipc, fast_opts)
     cli = RpcClient(zctx, srv.endpoint, "rollout-0", "rollout", opts, started=1.0)
     await cli.connect(timeout=5)
     first = srv.peers["rollout-0"].identity
+    incarnation = srv.peers["rollout-0"].incarnation
     await cli.connect(timeout=5)  # a fresh socket from the same process (its own reconnect)
     assert srv.peers["rollout-0"].identity != first and srv.stats.refused_id_in_use == 0
+    assert srv.peers["rollout-0"].incarnation == incarnation  # not a restart
     await cli.close()
+    await srv.close()
+
+
+async def test_copying_pid_host_and_start_time_takes_no_live_entry(
+    zctx, ipc, fast_opts, wait_until
+):
+    """Issue 29: "same process" is the nonce the server issued, never what a HELLO says about
+    itself. Here both clients live in one process, so pid and host match, and the impostor copies
+    the start time and makes up a nonce: refused while the holder lives, counted per claimed id."""
+    opts = fast_opts()
+    srv = await _server(zctx, ipc("mgr"), opts)
+    live = RpcClient(zctx, srv.endpoint, "rollout-0", "rollout", opts, started=1.0)
+    await live.connect(timeout=5)
+    holder = srv.peers["rollout-0"]
+    assert len(holder.nonce) >= 16 and opts.nonces[(srv.endpoint, "rollout-0")] == holder.nonce
+    other = fast_opts()  # another process: its own options
+    other.nonces[(srv.endpoint, "rollout-0")] = b"\x00" * 16
+    impostor = RpcClient(zctx, srv.endpoint, "rollout-0", "rollout", other, started=1.0)
+    assert (impostor._hello.pid, impostor._hello.host) == (holder.pid, holder.host)
+    with pytest.raises(RequestTimeout, match="id_in_use"):
+        await impostor.connect(timeout=opts.dead_after_s * 2)
+    assert srv.peers["rollout-0"] is holder and holder.alive
+    assert srv.refusals["rollout-0"].refused_hello >= 1 and srv.refused.refused_hello >= 1
+    assert (await live.request(Ping(payload="x"), timeout=2)).payload == "rollout-0:x"
+    # the holder dies: the impostor is a new incarnation (a new nonce and number), not a reconnect
+    await live.close(say_bye=False)
+    await wait_until(lambda: not holder.alive, 5, "holder declared dead")
+    await impostor.connect(timeout=5)
+    new = srv.peers["rollout-0"]
+    assert new.incarnation != holder.incarnation and new.nonce != holder.nonce
+    await impostor.close()
+    await srv.close()
+
+
+async def test_a_reconnect_needs_the_nonce_and_the_same_key(zctx, tcp, fast_opts, role_keys):
+    """With CURVE, the nonce alone is not enough: another key that may claim the id (a host's
+    rollout key), presenting the holder's nonce, is refused; the holder's own reconnect on a
+    fresh socket (a new routing id) takes its entry over."""
+    assert cli_main(["keys", str(role_keys), "--name", "host-3", "--roles", "rollout"]) == 0
+    srv = await _server(zctx, tcp(), fast_opts(security=Security.for_role(role_keys, "manager")))
+    rollout_key = fast_opts(security=Security.for_role(role_keys, "rollout"))
+    live = RpcClient(zctx, srv.endpoint, "rollout-0", "rollout", rollout_key)
+    await live.connect(timeout=5)
+    holder = srv.peers["rollout-0"]
+    host_key = fast_opts(security=Security(role_keys, "host-3"))
+    host_key.nonces[(srv.endpoint, "rollout-0")] = holder.nonce  # a leaked nonce
+    other = RpcClient(zctx, srv.endpoint, "rollout-0", "rollout", host_key)
+    with pytest.raises(RequestTimeout, match="id_in_use"):
+        await other.connect(timeout=1.0)
+    assert srv.peers["rollout-0"] is holder
+    await live.connect(timeout=5)  # its own reconnect: same key, its nonce
+    again = srv.peers["rollout-0"]
+    assert again.identity != holder.identity and again.incarnation == holder.incarnation
+    assert again.key == holder.key is not None
+    assert (await live.request(Ping(payload="y"), timeout=2)).payload == "rollout-0:y"
+    await other.close()
+    await live.close()
+    await srv.close()
+
+
+async def test_every_socket_of_one_node_is_one_incarnation(zctx, ipc, fast_opts):
+    """A node's clients share its options and so the nonce: a second socket of the same node to
+    the same server (a relay probing its upstream again) takes the entry over at once."""
+    opts = fast_opts()
+    srv = await _server(zctx, ipc("mgr"), opts)
+    first = RpcClient(zctx, srv.endpoint, "relay-1", "relay", opts)
+    await first.connect(timeout=5)
+    holder = srv.peers["relay-1"]
+    second = RpcClient(zctx, srv.endpoint, "relay-1", "relay", opts)
+    await second.connect(timeout=2)
+    again = srv.peers["relay-1"]
+    assert again.identity != holder.identity and again.incarnation == holder.incarnation
+    assert srv.stats.refused_id_in_use == 0
+    assert (await second.request(Ping(payload="z"), timeout=2)).payload == "relay-1:z"
+    await second.close()
+    await first.close(say_bye=False)
+    await srv.close()
+
+
+async def test_routing_ids_are_random(zctx, ipc, fast_opts):
+    """zmq's own routing ids are a counter (0 + 4 bytes) that a stranger could claim once a
+    peer's connection dropped; ours are random, so a live entry cannot be reached by guessing."""
+    opts = fast_opts()
+    srv = await _server(zctx, ipc("mgr"), opts)
+    clients = [RpcClient(zctx, srv.endpoint, f"rollout-{i}", "rollout", opts) for i in range(2)]
+    for c in clients:
+        await c.connect(timeout=5)
+    ids = [srv.peers[f"rollout-{i}"].identity for i in range(2)]
+    assert all(len(i) == 16 and i[0] != 0 for i in ids) and ids[0] != ids[1]
+    for c in clients:
+        await c.close()
     await srv.close()
 
 

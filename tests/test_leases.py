@@ -86,7 +86,7 @@ async def test_silent_rollout_group_is_served_again_once_and_counted_once(tmp_pa
         g = st.groups[item.group_id]
         assert g.state == READY and len(g.members) == item.n
         assert [g.members[i].rollout_id for i in range(2)] == ["r0", "r2"]
-        s = await stats(r0)
+        s = await stats(tr)
         assert s.held == item.n and s.counts["trajectories"] == item.n
         assert s.counters["trajectories_duplicate"] == 2
         b = await batch(tr, 0, groups=1)
@@ -117,7 +117,7 @@ async def test_lease_state_survives_a_buffer_restart(tmp_path) -> None:
         clock2 = Clock()
         clock2.t = h.buffer.leases.clock()  # the seeded leases are on the real clock
         h.buffer.leases.clock = clock2
-        r1, r2 = await h.client("r1b"), await h.client("r2")
+        r2 = await h.client("r2")  # r1 is the same rollout: its client handshakes again
         clock2.t += 30
         assert isinstance(
             await r1.request(finished(a, 0, 0, rollout="r1")), TrajectoryAck

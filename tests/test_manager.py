@@ -145,8 +145,16 @@ async def test_status_cli_lists_every_node_with_its_columns(tmp_path, short_dir)
         "last_beat_s",
         "pid",
         "restarts",
+        "unauthorized",
+        "bad",
+        "refused_hellos",
+        "refused_trajectories",
     ]
     assert sorted(line.split()[0] for line in lines[1:]) == sorted(rows)
+    # an honest run: nothing refused anywhere
+    assert all(
+        r["unauthorized"] == r["bad"] == r["refused_trajectories"] == 0 for r in rows.values()
+    )
 
 
 async def all_ready(cluster) -> None:

@@ -190,7 +190,7 @@ async def test_a_stuck_drain_is_cut_at_stop_timeout(cfg, zctx):
 
 async def test_node_registers_with_the_manager_and_heartbeats_its_status(cfg, zctx, wait_until):
     class Member(Node):
-        role = "member"
+        role = "tools"  # a node role: only those report a NodeStatus
 
         def status(self) -> NodeStatus:
             return NodeStatus(node_id=self.node_id, role=self.role, version=7, kv_use=0.25)
@@ -215,17 +215,16 @@ async def test_node_registers_with_the_manager_and_heartbeats_its_status(cfg, zc
         "both nodes' status at the manager",
     )
     assert (
-        manager.peers["member-1"].status.version == 7
-        and manager.peers["member-0"].pid == os.getpid()
+        manager.peers["tools-1"].status.version == 7 and manager.peers["tools-0"].pid == os.getpid()
     )
     # a graceful stop says Bye (the node leaves); a crash does not (the manager sees a death)
     nodes[0].request_stop("done")
     await asyncio.wait_for(tasks[0], 5)
-    await wait_until(lambda: "member-0" not in manager.peers, 2, "member-0 leaving")
+    await wait_until(lambda: "tools-0" not in manager.peers, 2, "tools-0 leaving")
     nodes[1].say_bye = False
     tasks[1].cancel()
     await asyncio.gather(tasks[1], return_exceptions=True)
-    await wait_until(lambda: not manager.peers["member-1"].alive, 2, "member-1 declared dead")
+    await wait_until(lambda: not manager.peers["tools-1"].alive, 2, "tools-1 declared dead")
     assert manager.stats.peers_dead == 1
     await manager.close()
 

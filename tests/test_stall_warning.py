@@ -66,6 +66,7 @@ def traj(
         reward=reward,
         reward_error=error,
         reward_error_kind=error_kind,
+        rollout_id="r0",  # the sender's own id (tests' rollout client r0)
         prompt=item.prompt,
         row=item.row,
     )

@@ -122,7 +122,15 @@ async def test_tools_node_serves_calls_once_per_id(cfg, tmp_path):
         bad = await client.call("u#t3#c0", "python", {"code": "1"}, timeout_s=float("nan"))
         assert bad.error_kind == "bad_call"
 
-        stats = await cli.request(ToolStatsRequest())
+        # its figures are for people: asked as `cli` (a rollout may only call tools)
+        with pytest.raises(RemoteError, match="unauthorized"):
+            await cli.request(ToolStatsRequest())
+        probe = RpcClient(ctx, cfg.endpoint("tools"), "cli-0", "cli", socket_options(cfg))
+        await probe.connect(timeout=5)
+        try:
+            stats = await probe.request(ToolStatsRequest())
+        finally:
+            await probe.close()
         assert isinstance(stats, ToolStatsReply)
         st = stats.stats
         assert st["bad_requests"] == 2 and st["cache_hits"] >= 2 and st["cache_joined"] == 1

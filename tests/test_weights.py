@@ -217,10 +217,13 @@ async def test_bad_requests_get_clear_errors_and_the_relay_keeps_serving(inproc,
     await pusher.start()
     await pusher.push(1, _state(0.2, 1))
     await wait_until(lambda: relay.store.current is not None, 5, "v1 ready")
+    # one client per role that may send each request (the others are refused: unauthorized)
     ctl = RpcClient(zctx, cfg.endpoint("relay", 0), "evil-0", "trainer")
     data = RpcClient(zctx, cfg.endpoint("relay_data", 0), "evil-1", "relay")
-    await ctl.connect(timeout=2)
-    await data.connect(timeout=2)
+    reader = RpcClient(zctx, cfg.endpoint("relay", 0), "evil-2", "rollout")
+    mgr = RpcClient(zctx, cfg.endpoint("relay", 0), "evil-3", "manager")
+    for cli in (ctl, data, reader, mgr):
+        await cli.connect(timeout=2)
     overlap = WeightLayout(
         names=["a", "b"],
         dtypes=["float32", "float32"],
@@ -238,8 +241,9 @@ async def test_bad_requests_get_clear_errors_and_the_relay_keeps_serving(inproc,
             ),
             "stale_version",
         ),
-        (ctl, PullRequest(version=77), "no_version"),
-        (ctl, ChainUpdate(epoch=1, order=[0, 0]), "protocol"),
+        (reader, PullRequest(version=77), "no_version"),
+        (mgr, ChainUpdate(epoch=1, order=[0, 0]), "protocol"),
+        (reader, StageRequest(version=3, layout=overlap), "unauthorized"),
         (data, FetchChunk(version=1, index=10_000), "protocol"),
         (data, FetchChunk(version=55, index=0), "gone"),
     ]
@@ -250,8 +254,8 @@ async def test_bad_requests_get_clear_errors_and_the_relay_keeps_serving(inproc,
     assert relay.srv.stats.bad_frames >= 2 and not relay.stopping.is_set()
     await pusher.push(2, _state(0.2, 2))  # still serving
     await wait_until(lambda: relay.store.current.version == 2, 5, "v2 ready")
-    await ctl.close()
-    await data.close()
+    for cli in (ctl, data, reader, mgr):
+        await cli.close()
     await pusher.close()
 
 

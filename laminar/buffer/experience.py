@@ -6,6 +6,7 @@
     state.apply(BatchServed(...))               # append) and at replay alike, so a restarted
     state.apply(BatchCommitted(...))            # buffer reaches the same state
     state.apply(GroupsReserved(...))            # an open group whose lease ran out: a new holder
+    state.apply(SamplesMoved(dest, uids))       # open samples the manager placed elsewhere
 
 Group life:  open ──all n finished──► ready ──batch──► outstanding ──commit──► committed
                │                         ▲                 │
@@ -45,6 +46,7 @@ from laminar.buffer.records import (
     JournalRecord,
     MemberAbandoned,
     PoolCursor,
+    SamplesMoved,
     ServedGroup,
     StateCounters,
     StateSnapshot,
@@ -92,6 +94,8 @@ class Group:
     batch_id: str = ""
     ready_seq: int = 0
     front: bool = False
+    former: set[str] = field(default_factory=set)
+    """Rollouts that held the group before a lease ran out (their copies are still taken)."""
     _oldest: tuple[int, int] = (0, 0)
     """(members counted, their lowest version): `version` is asked for every group at every batch
     plan, and members are only ever added, so the minimum is kept rather than recomputed."""
@@ -161,6 +165,11 @@ class ExperienceState:
         self.serial = 0
         self.ready_seq = 0
         self.cursor: PoolCursor | None = None
+        self.open_held: Counter[str] = Counter()
+        """Rollout id -> open groups it holds (the prompt server's per-rollout cap)."""
+        self.placed: dict[str, str] = {}
+        """Unfinished sample (f"{group_id}/{index}" of an open group) -> the rollout the manager
+        placed it on (SamplesMoved): taken from that rollout alone (laminar/buffer/owners.py)."""
         self.last_reply: dict[str, tuple[str, list[str]]] = {}
         """rollout_id -> (request_id, group ids) of its last PromptRequest (idempotent retries)."""
         self.finish_hist = StalenessStats()
@@ -250,6 +259,8 @@ class ExperienceState:
                 self._apply_served(rec)
             case GroupsReserved():
                 self._apply_reserve(rec)
+            case SamplesMoved():
+                self._apply_moved(rec)
             case MemberAbandoned():
                 self._apply_abandon(rec)
             case GroupsDropped():
@@ -294,10 +305,25 @@ class ExperienceState:
             if (g := self.groups.get(gid)) is not None and g.state == OPEN
         ]
         for gid in gids:
-            self.groups[gid].rollout_id = rec.rollout_id
+            g = self.groups[gid]
+            g.former.add(g.rollout_id)
+            # placed samples go too: their rollout went silent as well, the new holder runs all
+            self._unhold(g)
+            self.open_held[rec.rollout_id] += 1
+            g.rollout_id = rec.rollout_id
         if rec.request_id:
             self.last_reply[rec.rollout_id] = (rec.request_id, gids)
         self.counts["groups_reserved"] += len(gids)
+
+    def _apply_moved(self, rec: SamplesMoved) -> None:
+        for uid in rec.uids:
+            gid, _, idx = uid.rpartition("/")
+            g = self.groups.get(gid)
+            if g is None or g.state != OPEN or not idx.isdigit() or int(idx) >= g.n:
+                continue  # finished or never served: nothing to take from anyone
+            i = int(idx)
+            if i not in g.members and i not in g.lost:
+                self.placed[f"{gid}/{i}"] = rec.dest
 
     def _new_group(
         self,
@@ -315,6 +341,7 @@ class ExperienceState:
         self.serial = max(self.serial, g.serial) + 1
         self.groups[gid] = g
         self.pending += n
+        self.open_held[rollout_id] += 1
         return g
 
     def _apply_traj(self, t: Trajectory) -> None:
@@ -331,6 +358,7 @@ class ExperienceState:
         was_finished = t.sample_index in g.lost
         g.lost.discard(t.sample_index)  # a member reported lost came back after all: keep its data
         g.members[t.sample_index] = t
+        self.placed.pop(f"{g.group_id}/{t.sample_index}", None)
         self.held += 1
         if not was_finished:
             self.pending -= 1
@@ -347,6 +375,7 @@ class ExperienceState:
         if g is None or g.state != OPEN or idx in g.members or idx in g.lost:
             return
         g.lost.add(idx)
+        self.placed.pop(f"{g.group_id}/{idx}", None)
         self.pending -= 1
         self.counts["abandoned"] += 1
         self._settle(g)
@@ -360,6 +389,7 @@ class ExperienceState:
                 self._drop(g, "no_usable_member")
             else:
                 g.state = READY
+                self._unhold(g)
                 self._ready[g.group_id] = g
                 self.ready_seq += 1
                 g.ready_seq = self.ready_seq
@@ -367,9 +397,22 @@ class ExperienceState:
                 if g.lost:
                     self.counts["groups_partial"] += 1
 
+    def _unhold(self, g: Group) -> None:
+        """An open group is no longer generating: its rollout holds one group fewer, and none of
+        its samples is placed anywhere."""
+        if self.placed:
+            for i in range(g.n):
+                self.placed.pop(f"{g.group_id}/{i}", None)
+        left = self.open_held[g.rollout_id] - 1
+        if left > 0:
+            self.open_held[g.rollout_id] = left
+        else:
+            self.open_held.pop(g.rollout_id, None)
+
     def _drop(self, g: Group, reason: str) -> None:
         if g.state == OPEN:
             self.pending -= g.n - g.finished
+            self._unhold(g)
         self.held -= len(g.members)
         self._ready.pop(g.group_id, None)
         g.state = DROPPED
@@ -511,6 +554,10 @@ class ExperienceState:
                 recs.append(TrajectoryAccepted(g.members[i]))
             for i in sorted(g.lost - g.members.keys()):
                 recs.append(MemberAbandoned(g.group_id, i))
+        moved: dict[str, list[str]] = {}
+        for uid, dest in self.placed.items():
+            moved.setdefault(dest, []).append(uid)
+        recs += [SamplesMoved(dest, uids) for dest, uids in sorted(moved.items())]
         for b in self.outstanding():
             recs.append(BatchServed(b.batch_id, b.version, list(b.group_ids), b.trainer_id))
         recs.append(

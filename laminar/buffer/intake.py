@@ -1,13 +1,16 @@
 """Finished and abandoned samples: Trajectory / TrajectoryAbandoned -> a journaled TrajectoryAck.
 
-    intake = Intake(ledger, partials, metrics, log)
+    intake = Intake(ledger, partials, metrics, log, owners=owners, limits=limits, refusals=r)
     reply = await intake.trajectory(t, peer_id)   # TrajectoryAck once its record is durable
-    reply = await intake.abandoned(msg)           # TrajectoryAck once its record is durable
+    reply = await intake.abandoned(msg, peer_id)  # TrajectoryAck once its record is durable
 
 A trajectory is checked by ExperienceState.check_trajectory: bad input gets an
 ErrorReply (the sender drops it), a duplicate or a late member a TrajectoryAck that says so
-(the sender stops resending; nothing is stored twice), a new member is journaled and
-acked only once durable. Either way the sample's partial-pool record is dropped: it
+(the sender stops resending; nothing is stored twice). A new member from a peer that may not
+send it (laminar/buffer/owners.py: never served to it, or moved to another rollout) or out of
+the configured limits (reward range, vocabulary, length) gets TrajectoryAck(refused=why):
+counted per peer, never stored. Any other new member is journaled and acked only once
+durable. Either way the sample's partial-pool record is dropped: it
 finished. Abandons follow the same rules with check_abandoned.
 
 Multi-turn trajectories: a loss_mask whose length differs from the response (or with
@@ -23,10 +26,11 @@ import numpy as np
 import structlog
 
 from laminar.buffer.ledger import Ledger
+from laminar.buffer.owners import Owners, Refusals, SampleLimits
 from laminar.buffer.partials import PartialPool
 from laminar.buffer.records import MemberAbandoned, TrajectoryAccepted
 from laminar.metrics import Metrics
-from laminar.protocol.buffer import TrajectoryAbandoned, TrajectoryAck
+from laminar.protocol.buffer import Refusal, TrajectoryAbandoned, TrajectoryAck
 from laminar.protocol.data import Trajectory
 from laminar.transport.session import ErrorReply
 
@@ -40,11 +44,19 @@ class Intake:
         partials: PartialPool,
         metrics: Metrics,
         log: structlog.typing.FilteringBoundLogger,
+        *,
+        owners: Owners | None = None,
+        limits: SampleLimits | None = None,
+        refusals: Refusals | None = None,
     ):
         self.ledger = ledger
         self.partials = partials
         self.metrics = metrics
         self.log = log
+        self.owners = owners
+        """None: any peer may send any sample (tests of the state alone)."""
+        self.limits = limits or SampleLimits()
+        self.refusals = refusals or Refusals(metrics, log)
 
     async def trajectory(self, t: Trajectory, peer_id: str) -> TrajectoryAck | ErrorReply:
         st = self.ledger.state
@@ -53,6 +65,15 @@ class Intake:
             self.metrics.count("trajectories_rejected")
             self.log.warning("bad_trajectory", uid=t.uid, error=why, peer=peer_id)
             return ErrorReply(code="protocol", message=why)
+        if verdict == "ok":
+            refused: Refusal | None = None
+            if self.owners is not None:
+                refused = self.owners.refusal(t.group_id, t.sample_index, peer_id)
+            if refused is None:
+                refused = self.limits.refusal(t)
+            if refused is not None:  # before anything changes: the owner's record stays
+                self.refusals.count(peer_id, refused, uid=t.uid)
+                return TrajectoryAck(refused=refused)
         self.partials.remove(t.uid)
         if verdict != "ok":
             self.metrics.count(f"trajectories_{verdict}")
@@ -67,11 +88,18 @@ class Intake:
         await self.ledger.durable(off)
         return TrajectoryAck()
 
-    async def abandoned(self, msg: TrajectoryAbandoned) -> TrajectoryAck | ErrorReply:
+    async def abandoned(
+        self, msg: TrajectoryAbandoned, peer_id: str = ""
+    ) -> TrajectoryAck | ErrorReply:
         verdict, why, idx = self.ledger.state.check_abandoned(msg.uid, msg.group_id)
         if verdict == "bad":
             self.metrics.count("abandons_rejected")
             return ErrorReply(code="protocol", message=why)
+        if verdict == "ok" and self.owners is not None:
+            refused = self.owners.refusal(msg.group_id, idx, peer_id)
+            if refused is not None:
+                self.refusals.count(peer_id, refused, uid=msg.uid)
+                return TrajectoryAck(refused=refused)
         self.partials.remove(msg.uid)
         if verdict != "ok":
             self.metrics.count("abandons_ignored")

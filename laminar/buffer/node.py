@@ -5,7 +5,15 @@
     rollout ──Trajectory / TrajectoryAbandoned─► Intake ─► Ledger ─► TrajectoryAck
     trainer ──BatchRequest (long-poll)─────────► BatchServer ─► Ledger ─► BatchReply
     trainer ──BatchCommit──────────────────────► BatchServer ─► Ledger ─► groups freed
+    manager ──SamplesPlaced(dest, uids)────────► Ledger (SamplesMoved): those come from dest now
     anyone  ──BufferStatsRequest───────────────► BufferStats: counters, staleness histograms
+
+Only what was served comes back (laminar/buffer/owners.py): a trajectory, an abandon or a
+partial entry is taken only from the rollout its group was served to (or the manager placed
+the sample on), judged by the authenticated peer, never a body field; rewards, token ids and
+lengths must lie in the configured ranges. What is refused is acked as refused, counted per
+peer and reason (BufferStats.refused) and never stored. A rollout holds at most its share of
+open groups (LaminarConfig.groups_per_rollout).
 
     PromptServer: retry table, expired leases, admission, capacity, pool. PartialsRequest: the
     manager's recovery (records + unstarted samples). TrajectoryAck: once the record is durable.
@@ -36,8 +44,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
 from collections import Counter
+from pathlib import Path
 
 import msgspec
 
@@ -48,9 +58,11 @@ from laminar.buffer.intake import Intake
 from laminar.buffer.journal import Journal
 from laminar.buffer.leases import Leases
 from laminar.buffer.ledger import Ledger
-from laminar.buffer.partials import PartialPool, recover
+from laminar.buffer.owners import Owners, Refusals, SampleLimits
+from laminar.buffer.partials import REFUSED, PartialPool, recover
 from laminar.buffer.prompt_server import PromptServer, check_capacity
 from laminar.buffer.prompts import PromptPool, open_pool
+from laminar.buffer.records import SamplesMoved
 from laminar.config import LaminarConfig
 from laminar.modes import Admission
 from laminar.node import Node, socket_max_message_bytes
@@ -67,13 +79,14 @@ from laminar.protocol.buffer import (
     PromptPoolFigures,
     PromptReply,
     PromptRequest,
+    SamplesPlaced,
     StalenessFigures,
     TrajectoryAbandoned,
     TrajectoryAck,
 )
 from laminar.protocol.core import NodeStatus
 from laminar.protocol.data import PartialBatch, PartialChunk, Trajectory
-from laminar.transport.session import ErrorReply
+from laminar.transport.session import Ack, ErrorReply
 from laminar.transport.sockets import Peer
 
 
@@ -90,6 +103,41 @@ def experience_state(cfg: LaminarConfig, admission: Admission | None = None) -> 
     )
 
 
+def model_vocab(model_path: str | None) -> int | None:
+    """vocab_size from the model's config.json (multimodal: its text_config); None without."""
+    if not model_path:
+        return None
+    try:
+        raw = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for section in (raw, raw.get("text_config") or {}):
+        v = section.get("vocab_size") if isinstance(section, dict) else None
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
+
+
+def sample_limits(cfg: LaminarConfig) -> SampleLimits:
+    """What a rollout's sample must satisfy (blocking: reads the model's config.json).
+
+    Token ids: below the model's vocab_size; a sim engine draws response ids below
+    rollout.sim.vocab_size and, without a model, its prompts are UTF-8 bytes (< 256). A real
+    engine whose model declares no vocab_size: ids are not checked."""
+    vocab = model_vocab(cfg.model.path)
+    if cfg.rollout.engine == "sim":
+        vocab = max(cfg.rollout.sim.vocab_size, vocab or 256)
+    longest = cfg.rollout.sampling.max_tokens
+    if cfg.env.fn is not None:
+        longest = cfg.env.limits.max_total_tokens or longest
+    return SampleLimits(
+        reward_min=cfg.reward.min_value,
+        reward_max=cfg.reward.max_value,
+        vocab=vocab,
+        max_response_tokens=longest,
+    )
+
+
 class BufferNode(Node):
     role = "buffer"
 
@@ -97,10 +145,25 @@ class BufferNode(Node):
         cfg, bc = self.cfg, self.cfg.buffer
         self.admission = Admission.for_mode(cfg.mode, cfg.trainer.batch_groups, bc.max_staleness)
         self.state = experience_state(cfg, self.admission)
-        self.partials = PartialPool()
-        # before anything that awaits: status() reads it
+        # before anything that awaits: status() reads them
+        self.refusals = Refusals(self.metrics, self.log)
         self.health = StallWatch(bc, cfg.reward.fn, self.state, self.metrics, self.log)
         self.journal: Journal | None = None  # set before anything can fail: teardown reads it
+        self.limits = await self.compute(sample_limits, cfg)
+        if self.limits.vocab is None and cfg.model.path:
+            self.log.warning(
+                "vocab_unknown",
+                model=cfg.model.path,
+                detail="no vocab_size in the model's config.json: token ids are not checked",
+            )
+        self.owners = Owners(self.state)
+        self.partials = PartialPool(
+            self.owners,
+            vocab=self.limits.vocab,
+            max_response_tokens=self.limits.max_response_tokens,
+            # a rollout holds at most the samples the buffer has generating
+            max_entries=cfg.inflight_per_rollout(),
+        )
         check_capacity(bc.capacity, cfg.rollout.group_size, cfg.trainer, self.log)
         self.pool: PromptPool | None = await self.compute(
             open_pool, cfg.data, cfg.model.path, self.metrics, self.log
@@ -127,8 +190,17 @@ class BufferNode(Node):
             metrics=self.metrics,
             leases=self.leases,
             log=self.log,
+            per_rollout=cfg.groups_per_rollout(),
         )
-        self.intake = Intake(self.ledger, self.partials, self.metrics, self.log)
+        self.intake = Intake(
+            self.ledger,
+            self.partials,
+            self.metrics,
+            self.log,
+            owners=self.owners,
+            limits=self.limits,
+            refusals=self.refusals,
+        )
         self.batches = BatchServer(
             bc, self.admission, self.ledger, self.pool, self.metrics, self.log
         )
@@ -143,6 +215,7 @@ class BufferNode(Node):
         self.srv.on(BatchRequest, self._on_batch)
         self.srv.on(BatchCommit, self._on_commit)
         self.srv.on(PartialsRequest, self._on_partials)
+        self.srv.on(SamplesPlaced, self._on_placed)
         self.srv.on(BufferStatsRequest, self._on_stats)
         await self.srv.start()
 
@@ -170,31 +243,58 @@ class BufferNode(Node):
         return await self.prompts.serve(req)
 
     def _on_partial_batch(self, peer: Peer, b: PartialBatch) -> None:
-        self.leases.touch_many({u.rpartition("/")[0] for u in b.uids})  # progress on their groups
-        for res, k in self.partials.apply_batch(b).items():
-            if res in ("bad", "unknown", "gap"):
+        results = self.partials.apply_batch(b, peer.node_id)
+        for res, k in results.items():
+            if res in REFUSED:
+                self.refusals.count(peer.node_id, res, k, what="partial_batch")
+            elif res in ("bad", "unknown", "gap", "late"):
                 self.metrics.count(f"chunks_{res}", k)
+        # progress on their groups: only the entries of records this peer holds
+        records = self.partials.records
+        self.leases.touch_many(
+            {
+                u.rpartition("/")[0]
+                for u in b.uids
+                if (r := records.get(u)) is not None and r.header.rollout_id == peer.node_id
+            }
+            if results
+            else {u.rpartition("/")[0] for u in b.uids}
+        )
 
     def _on_chunk(self, peer: Peer, chunk: PartialChunk) -> None:
+        res = self.partials.apply(chunk, peer.node_id)
+        if res in REFUSED:
+            self.refusals.count(peer.node_id, res, what="partial_chunk")
+            return
         self.leases.touch(chunk.uid.rpartition("/")[0])  # progress on its group
-        res = self.partials.apply(chunk)
-        if res in ("bad", "unknown", "gap"):
+        if res in ("bad", "unknown", "gap", "late"):
             self.metrics.count(f"chunks_{res}")
 
+    def _on_placed(self, peer: Peer, msg: SamplesPlaced) -> Ack:
+        # written to the OS before the ack (a kill -9 of the buffer keeps it); not awaited
+        # durable: a move waits for no fsync. Bounded: only unfinished samples of open groups
+        # are kept, at most what the buffer has generating
+        uids = msg.uids[: self.cfg.inflight_per_rollout()]
+        self.ledger.record(SamplesMoved(msg.dest, uids))
+        self.metrics.count("samples_placed", len(uids))
+        return Ack()
+
     async def _on_trajectory(self, peer: Peer, t: Trajectory) -> TrajectoryAck | ErrorReply:
-        self.leases.touch(t.group_id)
         reply = await self.intake.trajectory(t, peer.node_id)
-        if isinstance(reply, TrajectoryAck) and not (
-            reply.duplicate or reply.ignored
-        ):  # stored now
-            self.health.observe(t)
+        if isinstance(reply, TrajectoryAck) and reply.refused:
+            return reply  # no progress on the group: a refused copy renews no lease
+        self.leases.touch(t.group_id)
+        if isinstance(reply, TrajectoryAck) and not (reply.duplicate or reply.ignored):
+            self.health.observe(t)  # stored now
         return reply
 
     async def _on_abandoned(
         self, peer: Peer, msg: TrajectoryAbandoned
     ) -> TrajectoryAck | ErrorReply:
-        self.leases.touch(msg.group_id)
-        return await self.intake.abandoned(msg)
+        reply = await self.intake.abandoned(msg, peer.node_id)
+        if not (isinstance(reply, TrajectoryAck) and reply.refused):
+            self.leases.touch(msg.group_id)
+        return reply
 
     def _on_partials(self, peer: Peer, req: PartialsRequest) -> PartialsReply:
         return PartialsReply(
@@ -250,7 +350,11 @@ class BufferNode(Node):
             staleness_consumed=msgspec.convert(st.consumed_hist.summary(), StalenessFigures),
             prompts=prompts,
             journal=journal,
+            refused=self.refusals.figures(),
         )
+
+    def refused_trajectories(self) -> dict[str, int]:
+        return {peer: sum(c.values()) for peer, c in self.refusals.by_peer.items()}
 
     def status(self) -> NodeStatus:
         st = self.state  # built first thing in setup(), before any server can ask for status

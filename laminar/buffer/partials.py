@@ -17,6 +17,11 @@ whose buffer connection came back sends one again. The pool keeps a contiguous p
   * offset > length: a gap (a lost entry) - counted, ignored until a header restarts it;
   * unknown uid without a header, or a version that differs from the record: counted, ignored.
 The entries of one batch fold in entry order, exactly as that many chunks would.
+From the network (`sender`, the authenticated peer; the pool built with Owners): a header is
+taken only for a sample the sender may send (laminar/buffer/owners.py: its group's holder, or
+the rollout the manager placed it on), and the record is then the sender's alone; an entry
+for another rollout's record, a record longer than max_response_tokens, a token id outside the
+vocabulary or a batch of more than max_entries is refused (counted per peer by the node).
 The pool lives in memory only: after a buffer restart it fills again from headers.
 
 Cost (bench/control_plane.py): the buffer pays per message, so rollouts batch a flush window
@@ -46,6 +51,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from laminar.buffer.experience import OPEN, Group
+from laminar.buffer.owners import Owners, ids_out_of_range
 from laminar.protocol.data import PartialBatch, PartialChunk, PartialTrajectory
 
 __all__ = ["PartialPool", "recover"]
@@ -161,10 +167,58 @@ class _Record:
         )
 
 
+REFUSED = frozenset({"not_owner", "not_served", "token_range", "too_long", "batch_too_big"})
+"""What apply/apply_batch answer for entries refused from their sender (counted per peer)."""
+
+
 class PartialPool:
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        owners: Owners | None = None,
+        *,
+        vocab: int | None = None,
+        max_response_tokens: int | None = None,
+        max_entries: int | None = None,
+    ) -> None:
         self.records: dict[str, _Record] = {}
         self.counts: Counter[str] = Counter()
+        self.owners = owners
+        """With owners, a sender (apply*'s `sender`) may start a record only for a sample it
+        may send (laminar/buffer/owners.py) and add only to records it started."""
+        self.vocab = vocab
+        """Token ids must lie in [0, vocab) (None: not checked)."""
+        self.max_response_tokens = max_response_tokens
+        """No record grows past this many response tokens (None: not checked)."""
+        self.max_entries = max_entries
+        """Entries one PartialBatch may carry (None: not checked)."""
+
+    def _header_refusal(self, h: PartialTrajectory, sender: str) -> str:
+        """Why `sender` may not (re)start the record of header `h` ("" when it may)."""
+        if self.owners is None or not sender:
+            return ""
+        if h.uid != f"{h.group_id}/{h.sample_index}":
+            return "not_owner"
+        if h.group_id in self.owners.state.closed:
+            return "late"  # its group was released meanwhile: nothing to keep (not a refusal)
+        why = self.owners.refusal(h.group_id, h.sample_index, sender)
+        if why is not None:
+            return why
+        if ids_out_of_range(h.prompt_ids, self.vocab) or ids_out_of_range(
+            h.response_ids, self.vocab
+        ):
+            return "token_range"
+        if self.max_response_tokens is not None and len(h.response_ids) > self.max_response_tokens:
+            return "too_long"
+        return ""
+
+    def _entry_refusal(self, rec: _Record | None, sender: str, offset: int, n: int) -> str:
+        if not sender or rec is None:
+            return ""
+        if self.owners is not None and rec.header.rollout_id != sender:
+            return "not_owner"
+        if self.max_response_tokens is not None and offset + n > self.max_response_tokens:
+            return "too_long"
+        return ""
 
     def __len__(self) -> int:
         return len(self.records)
@@ -173,9 +227,11 @@ class PartialPool:
     def tokens(self) -> int:
         return sum(r.length for r in self.records.values())
 
-    def _restart(self, h: PartialTrajectory, rollout_id: str) -> None:
+    def _restart(self, h: PartialTrajectory, rollout_id: str, sender: str = "") -> None:
         """A (validated) header: a fresh record from it (its own tokens, if any, first)."""
-        if not h.rollout_id:
+        if sender:  # the authenticated sender owns the record, whatever the header says
+            h.rollout_id = sender
+        elif not h.rollout_id:
             h.rollout_id = rollout_id
         rec = _Record(header=h)
         rec.add(h.response_ids, h.logprobs, h.loss_mask, 0, len(h.response_ids))
@@ -218,17 +274,21 @@ class PartialPool:
         if skip:
             self.counts["overlaps"] += 1
         rec.add(ids, lps, mask, lo + skip, hi)
-        if rollout_id:
+        if rollout_id and self.owners is None:
             rec.header.rollout_id = rollout_id
         self.counts["chunks"] += 1
         return "appended"
 
-    def apply(self, c: PartialChunk) -> str:
-        """Fold one chunk in; returns what happened (appended | duplicate | gap | unknown | bad)."""
+    def apply(self, c: PartialChunk, sender: str = "") -> str:
+        """Fold one chunk in; returns what happened (appended | duplicate | gap | unknown | bad |
+        late | a refusal in REFUSED). `sender`: the authenticated peer (checked against owners)."""
         n = len(c.token_ids)
         if n != len(c.logprobs) or c.offset < 0:
             self.counts["bad"] += 1
             return "bad"
+        if sender and ids_out_of_range(c.token_ids, self.vocab):
+            self.counts["refused"] += 1
+            return "token_range"
         if _bad_mask(c.loss_mask, n):
             self.counts["bad_loss_mask"] += 1
             return "bad"
@@ -240,7 +300,15 @@ class PartialPool:
             if _bad_mask(h.loss_mask, len(h.response_ids)):
                 self.counts["bad_loss_mask"] += 1
                 return "bad"
-            self._restart(h, c.rollout_id)
+            why = self._header_refusal(h, sender)
+            if why:
+                self.counts["refused" if why in REFUSED else why] += 1
+                return why
+            self._restart(h, c.rollout_id, sender)
+        why = self._entry_refusal(self.records.get(c.uid), sender, c.offset, n)
+        if why:
+            self.counts["refused"] += 1
+            return why
         return self._fold(
             c.uid,
             c.version,
@@ -254,13 +322,24 @@ class PartialPool:
             c.rollout_id,
         )
 
-    def apply_batch(self, b: PartialBatch) -> Counter[str]:
+    def apply_batch(self, b: PartialBatch, sender: str = "") -> Counter[str]:
         """Fold a rollout's flush window in, entry by entry in order (as that many chunks would);
-        returns how many entries went each way other than appended (bad: the whole batch)."""
+        returns how many entries went each way other than appended (bad, batch_too_big,
+        token_range: the whole batch). `sender`: the authenticated peer (checked against owners,
+        and the size limits apply)."""
         problem = _batch_problem(b)
         if problem:
             self.counts["bad_loss_mask" if problem == "bad loss mask" else "bad"] += 1
             return Counter(bad=1)
+        if sender and self.max_entries is not None and len(b.uids) > self.max_entries:
+            self.counts["refused"] += 1
+            return Counter(batch_too_big=1)
+        if sender and ids_out_of_range(b.token_ids, self.vocab):
+            self.counts["refused"] += 1
+            return Counter(token_range=1)
+        # per entry, inline (the hot path): the record must be the sender's, and stay in length
+        own = sender if sender and self.owners is not None else None
+        longest = self.max_response_tokens if sender else None
         out: Counter[str] = Counter()
         ids, lps, mask, rid = b.token_ids, b.logprobs, b.loss_mask, b.rollout_id
         heads = (
@@ -280,9 +359,18 @@ class PartialPool:
         ):
             hi = lo + n
             if heads and i in heads:
-                self._restart(heads[i], rid)
+                why = self._header_refusal(heads[i], sender)
+                if why:
+                    out[why] += 1
+                    lo = hi
+                    continue
+                self._restart(heads[i], rid, sender)
             rec = records.get(uid)
-            if rec is not None and off == rec.length and ver == rec.header.version and n:
+            if rec is not None and own is not None and rec.header.rollout_id != own:
+                out["not_owner"] += 1
+            elif rec is not None and longest is not None and off + n > longest:
+                out["too_long"] += 1
+            elif rec is not None and off == rec.length and ver == rec.header.version and n:
                 # the common case (the next tokens, same version): what _fold / add do, inline
                 rec.awaiting_env = bool(aw)
                 pieces = rec.pieces
@@ -292,7 +380,7 @@ class PartialPool:
                     rec.masked = True
                 if len(pieces) > _COMPACT_PIECES:
                     rec.compact()
-                if rid:
+                if rid and own is None:
                     rec.header.rollout_id = rid
                 appended += 1
             else:

@@ -7,6 +7,8 @@
 Order of the checks (the reply's reason names the first that says no):
   1. a retry of the rollout's last request (same request_id): the same groups again;
   2. no prompt dataset: empty;
+  2a. max_groups is capped so the rollout holds at most its share of open groups
+     (buffer.max_groups_per_rollout, LaminarConfig.groups_per_rollout): rollout_full;
   2b. open groups whose lease ran out (laminar/buffer/leases.py), held by another rollout:
      served again to this one, alone in the reply (a journaled GroupsReserved record), when
      admission lets this rollout take work at all;
@@ -75,8 +77,11 @@ class PromptServer:
         metrics: Metrics,
         leases: Leases | None = None,
         log: structlog.typing.FilteringBoundLogger | None = None,
+        per_rollout: int | None = None,
     ):
         self.capacity = bc.capacity
+        self.per_rollout = per_rollout if per_rollout is not None else bc.capacity
+        """Open groups one rollout may hold (LaminarConfig.groups_per_rollout)."""
         self.retry_after_s = bc.retry_after_s
         self.n = group_size
         self.admission = admission
@@ -105,6 +110,14 @@ class PromptServer:
         wait = self.retry_after_s
         if self.pool is None:
             return PromptReply(retry_after_s=wait, reason="empty")
+        # a claim of room is capped by the rollout's share: it never holds more open groups
+        room_here = self.per_rollout - st.open_held[req.rollout_id]
+        if req.max_groups > room_here:
+            self.metrics.count("prompt_requests_capped")
+            if room_here <= 0:
+                self.metrics.count("prompts_refused_rollout_full")
+                return PromptReply(retry_after_s=wait, reason="rollout_full")
+            req.max_groups = room_here
         again = await self._serve_expired(req)
         if again is not None:
             return again

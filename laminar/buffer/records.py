@@ -12,7 +12,7 @@ removed or renamed needs a journal schema bump and an upgrade step (journal._UPG
 
 The state applies them with `match` on the type (ExperienceState.apply); compaction writes
 a StateSnapshot, the live groups as GroupsServed / TrajectoryAccepted / MemberAbandoned /
-BatchServed records, and a closing StateCounters.
+SamplesMoved / BatchServed records, and a closing StateCounters.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ __all__ = [
     "JournalRecord",
     "MemberAbandoned",
     "PoolCursor",
+    "SamplesMoved",
     "ServedGroup",
     "StateCounters",
     "StateSnapshot",
@@ -78,7 +79,7 @@ class ClosedBatch(Message):  # inside StateSnapshot: a batch committed or requeu
     version: int
 
 
-@message(0xC0)
+@message(0xC0, senders=())
 class GroupsServed(Message):  # prompts served to a rollout (prompt_server.py)
     groups: list[ServedGroup]
     rollout_id: str = ""
@@ -89,19 +90,26 @@ class GroupsServed(Message):  # prompts served to a rollout (prompt_server.py)
     """The prompt pool's cursor after these groups."""
 
 
-@message(0xC1)
+@message(0xC1, senders=())
 class GroupsReserved(Message):  # open groups whose lease ran out, served to another rollout
     rollout_id: str
     group_ids: list[str]
     request_id: str = ""
 
 
-@message(0xC2)
+@message(0xCA, senders=())
+class SamplesMoved(Message):  # open samples the manager placed on another rollout (SamplesPlaced)
+    dest: str
+    uids: list[str] = field(default_factory=list)
+    """f"{group_id}/{sample_index}": from now on taken from `dest` alone."""
+
+
+@message(0xC2, senders=())
 class TrajectoryAccepted(Message):  # a finished trajectory stored in its group (intake.py)
     trajectory: Trajectory
 
 
-@message(0xC3)
+@message(0xC3, senders=())
 class MemberAbandoned(Message):  # a group member that will never finish (TrajectoryAbandoned)
     group_id: str
     sample_index: int
@@ -109,13 +117,13 @@ class MemberAbandoned(Message):  # a group member that will never finish (Trajec
     reason: str = ""
 
 
-@message(0xC4)
+@message(0xC4, senders=())
 class GroupsDropped(Message):  # groups dropped before training (expired past the bound)
     group_ids: list[str]
     reason: str = "dropped"
 
 
-@message(0xC5)
+@message(0xC5, senders=())
 class BatchServed(Message):  # groups handed to a trainer as one batch (batches.py)
     batch_id: str
     version: int
@@ -123,7 +131,7 @@ class BatchServed(Message):  # groups handed to a trainer as one batch (batches.
     trainer_id: str = ""
 
 
-@message(0xC6)
+@message(0xC6, senders=())
 class BatchCommitted(Message):  # the trainer applied the batch: consumed exactly once
     batch_id: str
     step: int
@@ -131,14 +139,14 @@ class BatchCommitted(Message):  # the trainer applied the batch: consumed exactl
     """The trainer's version after the step."""
 
 
-@message(0xC7)
+@message(0xC7, senders=())
 class BatchesRequeued(Message):  # a trainer restarted: its outstanding batches go back
     trainer_version: int
     """The restarted trainer's version (authoritative: it may have resumed an older one)."""
     trainer_id: str = ""
 
 
-@message(0xC8)
+@message(0xC8, senders=())
 class StateSnapshot(Message):  # first record of a compacted journal
     trainer_version: int
     last_batch_version: int
@@ -150,7 +158,7 @@ class StateSnapshot(Message):  # first record of a compacted journal
     """Batch id -> state and version of every batch that is no longer outstanding."""
 
 
-@message(0xC9)
+@message(0xC9, senders=())
 class StateCounters(Message):  # last record of a compacted journal: the counters as they were
     counts: dict[str, int] = field(default_factory=dict)
     finish_hist: dict[int, int] = field(default_factory=dict)
@@ -162,6 +170,7 @@ class StateCounters(Message):  # last record of a compacted journal: the counter
 JournalRecord = (
     GroupsServed
     | GroupsReserved
+    | SamplesMoved
     | TrajectoryAccepted
     | MemberAbandoned
     | GroupsDropped

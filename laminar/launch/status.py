@@ -2,6 +2,10 @@
 
     laminar status [--json] [--config run_dir/config.yaml]
 
+Each node's refusals (`NodeStatus.refusals`: messages its servers refused as unauthorized or
+bad, refused handshakes, the buffer's refused trajectories) are columns of the table and, per
+peer, `refusals` in the JSON; a peer that sends what it may not gets a WARNING line.
+
 `fetch_status` (a one-off RpcClient) also feeds the live progress line (laminar/progress.py);
 restarts come from the launcher's run_dir/supervisor.json.
 """
@@ -14,10 +18,17 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from laminar.config import LaminarConfig, load_config
 
 if TYPE_CHECKING:  # the wire (zmq) loads inside fetch_status
+    from laminar.protocol.core import RefusalSummary
     from laminar.protocol.manager import StatusReply
+
+HELLOS_WARN = 10
+"""Refused handshakes from one claimed id before it is warned about: a restarted process retries
+a few times until its old incarnation is declared dead; a stranger keeps knocking."""
 
 
 def fetch_status(cfg: LaminarConfig, timeout: float = 3.0) -> StatusReply:
@@ -31,7 +42,7 @@ def fetch_status(cfg: LaminarConfig, timeout: float = 3.0) -> StatusReply:
         cli = RpcClient(
             ctx,
             cfg.endpoint("manager"),
-            f"status-{os.getpid()}",
+            f"cli-{os.getpid()}",  # a `cli` key (laminar keys --roles cli) may claim cli-*
             "cli",
             socket_options(cfg),
         )
@@ -67,6 +78,7 @@ def status_main(config: str | None, overrides: list[str], as_json: bool, timeout
     rows = []
     for e in sorted(reply.nodes, key=lambda e: (e.role, e.node_id)):
         s = e.status
+        refused = s.refusals if s else None
         rows.append(
             {
                 "node": e.node_id,
@@ -78,8 +90,13 @@ def status_main(config: str | None, overrides: list[str], as_json: bool, timeout
                 "inflight": s.inflight if s else 0,
                 "staleness": s.staleness if s else 0.0,
                 "last_beat_s": e.last_beat_s,
-                "warnings": list(s.warnings) if s else [],
+                "warnings": [*(s.warnings if s else []), *refusal_warnings(refused)],
                 "restarts": restarts.get(e.node_id, 0),
+                "unauthorized": refused.unauthorized if refused else 0,
+                "bad": refused.bad if refused else 0,
+                "refused_hellos": refused.refused_hellos if refused else 0,
+                "refused_trajectories": refused.refused_trajectories if refused else 0,
+                "refusals": msgspec.to_builtins(refused.peers) if refused else [],
             }
         )
     if as_json:
@@ -106,15 +123,32 @@ def status_main(config: str | None, overrides: list[str], as_json: bool, timeout
         "last_beat_s",
         "pid",
         "restarts",
+        "unauthorized",
+        "bad",
+        "refused_hellos",
+        "refused_trajectories",
     ]
     widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) if rows else len(c) for c in cols}
     print("  ".join(c.ljust(widths[c]) for c in cols))
     for r in rows:
         print("  ".join(str(r[c]).ljust(widths[c]) for c in cols))
-    for e in reply.nodes:  # e.g. the buffer's stall warning (laminar/buffer/health.py)
-        for w in e.status.warnings if e.status else []:
-            print(f"WARNING {e.node_id}: {w}")
+    for r in rows:  # e.g. the buffer's stall warning (laminar/buffer/health.py), refused peers
+        for w in r["warnings"]:
+            print(f"WARNING {r['node']}: {w}")
     return 0
+
+
+def refusal_warnings(refused: RefusalSummary | None) -> list[str]:
+    """One line per peer that sent what it may not (or malformed messages), or kept knocking
+    with refused handshakes."""
+    out = []
+    for p in refused.peers if refused else []:
+        if p.unauthorized or p.bad or p.refused_trajectories or p.refused_hellos >= HELLOS_WARN:
+            out.append(
+                f"peer {p.peer!r} was refused {p.unauthorized} unauthorized and {p.bad} bad "
+                f"messages, {p.refused_trajectories} trajectories and {p.refused_hellos} handshakes"
+            )
+    return out
 
 
 def restarts_by_node(cfg: LaminarConfig) -> dict[str, int]:

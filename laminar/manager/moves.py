@@ -1,6 +1,6 @@
 """One repack round on a live cluster: plan from the rollouts' statuses, run the moves.
 
-    repacker = Repacker(srv, placer, cfg.manager.repack, metrics, log)   # bound, timeout: placer's
+    repacker = Repacker(srv, placer, cfg.manager.repack, metrics, log, max_inflight=n)
     entry = await repacker.round(trainer_version)   # {} when nothing moved, else the round's record
 
     statuses (NodeStatus.rollout: per-trajectory KV) ──► rollout_loads() ──► plan_repack (repack.py)
@@ -17,12 +17,22 @@ half a beat old found a third of its sources' trajectories already finished (and
 to destinations that had refreshed meanwhile). Each round records how old its view was
 (repack_status_age_s), what it found missing (move_export_missing / move_export_empty) and
 how long exports and imports took (move_export_s / move_place_s).
+
+Claims are bounded (`max_inflight`: LaminarConfig.inflight_per_rollout, the most samples a
+rollout can hold since the buffer never has more generating): a status claiming more in flight
+is clamped to it, one listing more trajectories than that, or any count below 0, is left out of
+the round, and KV use is taken within [0, 1]; each such status is counted once per rollout
+(`status_claims_clamped`, `claims[node]`). An export answered with trajectories the move did not
+ask for (or more than the bound) is cut to what was asked (`move_export_unasked`). So a
+round's work is bounded by the config, whatever a rollout says about itself.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
+from collections import Counter
 from typing import Any
 
 import structlog
@@ -31,6 +41,7 @@ from laminar.config import RepackConfig
 from laminar.manager.placement import ORPHAN, Placer
 from laminar.manager.repack import Move, RolloutLoad, TrajLoad, is_candidate, plan_repack
 from laminar.metrics import Metrics
+from laminar.protocol.core import NodeStatus
 from laminar.protocol.rollout import ExportReply, ExportRequest, RefreshRequest
 from laminar.transport.server import RpcServer
 from laminar.transport.sockets import RemoteError, TransportError
@@ -44,33 +55,72 @@ class Repacker:
         repack: RepackConfig,
         metrics: Metrics,
         log: structlog.typing.FilteringBoundLogger,
+        *,
+        max_inflight: int,
     ):
         self.srv, self.placer, self.repack = srv, placer, repack
         self.metrics, self.log = metrics, log
+        self.max_inflight = max_inflight
+        """Most trajectories a rollout can hold (a claim above it is clamped or left out)."""
         self.prev_kv: dict[str, float] = {}
         """KV use of each rollout at the previous round: rising KV means it is not draining."""
+        self.claims: Counter[str] = Counter()
+        """Rollout id -> statuses of it whose claims were clamped or left out."""
+        self._judged: dict[str, int] = {}
+        """Rollout id -> id() of the status last judged (each status is counted once)."""
+
+    def _claim_problem(self, s: NodeStatus) -> str:
+        """What is out of bounds in a status ("" when nothing): the counts and KV it claims."""
+        cap = self.max_inflight
+        tokens = s.rollout.traj_tokens if s.rollout is not None else {}
+        if len(tokens) > cap or min(s.inflight, s.running, s.waiting) < 0:
+            return "refused"
+        if s.inflight > cap or s.running > cap or not 0.0 <= s.kv_use <= 1.0:
+            return "clamped"
+        return ""
 
     def rollout_loads(self) -> list[RolloutLoad]:
         loads = []
+        cap_n = self.max_inflight
         for p in self.placer.live():
             s = p.status
             if s is None or s.version < 0 or not self.placer.usable(p):
                 continue
+            problem = self._claim_problem(s)
+            if problem and self._judged.get(p.node_id) != id(s):
+                self._judged[p.node_id] = id(s)
+                self.claims[p.node_id] += 1
+                self.metrics.count(f"status_claims_{problem}")
+                self.log.warning(
+                    "status_claim_out_of_bounds",
+                    peer=p.node_id,
+                    action=problem,
+                    inflight=s.inflight,
+                    running=s.running,
+                    bound=cap_n,
+                )
+            if problem == "refused":
+                continue  # planned on nothing it says until a status within bounds
+            kv_use = min(1.0, max(0.0, s.kv_use)) if math.isfinite(s.kv_use) else 1.0
+            inflight = min(s.inflight, cap_n)
             prev = self.prev_kv.get(p.node_id)
-            self.prev_kv[p.node_id] = s.kv_use
+            self.prev_kv[p.node_id] = kv_use
             if s.rollout is not None and s.rollout.traj_tokens:
                 cap = float(s.rollout.kv_capacity_tokens) or 1.0  # 0: capacity unknown
-                tl = tuple(TrajLoad(u, t / cap) for u, t in sorted(s.rollout.traj_tokens.items()))
+                tl = tuple(
+                    TrajLoad(u, min(1.0, max(0.0, t / cap)))
+                    for u, t in sorted(s.rollout.traj_tokens.items())
+                )
             else:  # no per-trajectory report: split the rollout's KV evenly over what it runs
-                n = max(1, s.inflight)
-                tl = tuple(TrajLoad(f"*{i}", s.kv_use / n) for i in range(s.inflight))
+                n = max(1, inflight)
+                tl = tuple(TrajLoad(f"*{i}", kv_use / n) for i in range(inflight))
             loads.append(
                 RolloutLoad(
                     node_id=p.node_id,
                     version=s.version,
-                    kv_use=s.kv_use,
-                    kv_rising=prev is not None and s.kv_use > prev + 1e-9,
-                    running=s.running,
+                    kv_use=kv_use,
+                    kv_rising=prev is not None and kv_use > prev + 1e-9,
+                    running=min(s.running, cap_n),
                     waiting=s.waiting,
                     trajectories=tl,
                 )
@@ -150,6 +200,12 @@ class Repacker:
         self.metrics.count("move_export_missing", len(exp.missing))
         if not exp.partials:
             self.metrics.count("move_export_empty")
+        if uids or len(exp.partials) > self.max_inflight:  # only what the move asked for
+            asked = set(uids)
+            kept = [p for p in exp.partials if not asked or p.uid in asked][: self.max_inflight]
+            if len(kept) < len(exp.partials):
+                self.metrics.count("move_export_unasked", len(exp.partials) - len(kept))
+                exp.partials = kept
         if exp.partials:
             placed = await self.placer.place(
                 exp.partials, trainer_version, prefer=mv.dest, source=mv.source

@@ -25,9 +25,9 @@ second by the recovery loop.
 
 Whose work needs recovering: a rollout declared dead (missed heartbeats), one that
 left (Bye: a graceful stop leaves its unfinished trajectories in the partial pool),
-and one that came back as a new incarnation (pid/start time changed) before its
-death was noticed. A reconnect of the same incarnation is not a loss and is not
-recovered.
+and one that came back as a new incarnation (the server admitted a new process under its
+id: `Peer.incarnation`) before its death was noticed. A reconnect of the same incarnation is
+not a loss and is not recovered.
 
 Run: laminar node --role manager --config configs/demo.yaml
 """
@@ -45,13 +45,16 @@ from laminar.manager.moves import Repacker
 from laminar.manager.placement import ORPHAN, Placer
 from laminar.node import Node, socket_max_message_bytes
 from laminar.protocol.buffer import PartialsReply, PartialsRequest
-from laminar.protocol.core import NodeStatus
+from laminar.protocol.core import NodeStatus, RefusalSummary
 from laminar.protocol.manager import NodeEntry, StatusReply, StatusRequest
 from laminar.protocol.relay import ChainInfo, ChainInfoRequest, ChainUpdate
 from laminar.protocol.rollout import RefreshRequest
 from laminar.protocol.trainer import VersionPublished
 from laminar.transport.client import RpcClient
 from laminar.transport.sockets import Peer, RemoteError, TransportError
+
+_SERVING_ROLES = ("buffer", "relay", "tools")
+"""The roles besides the manager that run an RpcServer, so refuse what peers send."""
 
 
 class ManagerNode(Node):
@@ -83,14 +86,29 @@ class ManagerNode(Node):
         self.srv.on(VersionPublished, self._on_version)
         cfg = self.cfg
         timeout = cfg.transport.request_timeout_s
-        self.placer = Placer(self.srv, cfg.repack_bound_b(), timeout, self.metrics, self.log)
-        self.repacker = Repacker(self.srv, self.placer, cfg.manager.repack, self.metrics, self.log)
         self._buffer: RpcClient | None = None
+        self._buffer_lock = asyncio.Lock()
+        self.placer = Placer(
+            self.srv,
+            cfg.repack_bound_b(),
+            timeout,
+            self.metrics,
+            self.log,
+            buffer=self._buffer_client,
+        )
+        self.repacker = Repacker(
+            self.srv,
+            self.placer,
+            cfg.manager.repack,
+            self.metrics,
+            self.log,
+            max_inflight=cfg.inflight_per_rollout(),
+        )
         self._relay_clients: dict[int, RpcClient] = {}
         self._chain_lock = asyncio.Lock()
         self.chain_planner = ChainPlanner(window=self.cfg.relay.window)
-        self._incarnation: dict[str, tuple[int, float]] = {}
-        """rollout id -> (pid, start time) of the incarnation last seen (rejoin detection)."""
+        self._incarnation: dict[str, int] = {}
+        """rollout id -> the server's number of the incarnation last seen (rejoin detection)."""
         self._rollouts_seen: set[str] = set()
         """Rollouts that were members since their last recovery (leave detection)."""
         await self.srv.start()
@@ -112,7 +130,7 @@ class ManagerNode(Node):
     def _on_join(self, peer: Peer) -> None:
         self.metrics.count("joins")
         if peer.role == "rollout":
-            inc = (peer.pid, peer.started)
+            inc = peer.incarnation
             old = self._incarnation.get(peer.node_id)
             self._incarnation[peer.node_id] = inc
             rejoin = old is not None
@@ -189,7 +207,12 @@ class ManagerNode(Node):
             role=self.role,
             alive=True,
             last_beat_s=0.0,
-            status=NodeStatus(node_id=self.node_id, role=self.role, version=self.trainer_version),
+            status=NodeStatus(
+                node_id=self.node_id,
+                role=self.role,
+                version=self.trainer_version,
+                refusals=self.refusal_summary(),
+            ),
             pid=os.getpid(),
         )
         return StatusReply(
@@ -217,8 +240,29 @@ class ManagerNode(Node):
                 "repacks": len(self.repack_log),
                 "recoveries": len(self.recovery_log),
                 "orphans": len(self.placer.orphans),
+                "claims_clamped": sum(self.repacker.claims.values()),
             },
+            cluster_refusals=self.cluster_refusals(),
         )
+
+    def cluster_refusals(self) -> RefusalSummary:
+        """Every serving node's refusals summed, as their last heartbeats said, and the
+        manager's own (a restarted node's counts start again from 0). Only the roles that run
+        servers refuse anything: a rollout or trainer reporting refusals is not summed."""
+        total = RefusalSummary()
+        own = self.refusal_summary()
+        beats = [
+            p.status.refusals
+            for p in self.srv.peers.values()
+            if p.status is not None and p.role in _SERVING_ROLES
+        ]
+        for r in (own, *beats):
+            if r is not None:
+                total.unauthorized += r.unauthorized
+                total.bad += r.bad
+                total.refused_hellos += r.refused_hellos
+                total.refused_trajectories += r.refused_trajectories
+        return total
 
     # ---- timeline (report.png's utilisation panel, bench idle fractions) -------------------
     def _event(self, kind: str, **fields: Any) -> None:
@@ -348,10 +392,11 @@ class ManagerNode(Node):
 
     # ---- failure recovery -----------------------------------------------------------------
     async def _buffer_client(self) -> RpcClient:
-        if self._buffer is None:
-            self._buffer = self.client(self.cfg.endpoint("buffer"))
-            await self._buffer.connect(timeout=self.cfg.transport.startup_timeout_s)
-        return self._buffer
+        async with self._buffer_lock:  # recovery and placements ask for it concurrently
+            if self._buffer is None:
+                self._buffer = self.client(self.cfg.endpoint("buffer"))
+                await self._buffer.connect(timeout=self.cfg.transport.startup_timeout_s)
+            return self._buffer
 
     async def _recovery_loop(self) -> None:
         while True:

@@ -1,6 +1,6 @@
 """Placing partial trajectories on live rollouts: repack moves, recovery, orphans.
 
-    placer = Placer(srv, bound_b, request_timeout_s, metrics, log)  # srv: the manager's RpcServer
+    placer = Placer(srv, bound_b, request_timeout_s, metrics, log, buffer=connect_buffer)
     placed = await placer.place(partials, trainer_version, prefer="rollout-3", source="rollout-1")
     #  {node_id or ORPHAN: count}
     await placer.place(placer.take_orphans(), trainer_version)   # the recovery loop, every second
@@ -12,20 +12,33 @@ and the partials try the next rollout of that version (at most PLACE_TRIES in al
 source last). Only when no live rollout holds the version does a trajectory restart from
 its prompt at another version (its generated tokens are lost); partials that nobody took
 are kept as orphans and placed again by the recovery loop.
+
+Before partials are imported on a rollout, the buffer is told (SamplesPlaced): it takes those
+samples' tokens and trajectories from that rollout alone from then on (laminar/buffer/owners.py).
+When the buffer cannot be told, nothing is imported (the partials stay orphans and are placed
+again), so a placed sample is never refused from its new rollout.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Awaitable, Callable
 
 import numpy as np
 import structlog
 
 from laminar.metrics import Metrics
+from laminar.protocol.buffer import SamplesPlaced
 from laminar.protocol.data import PartialTrajectory
 from laminar.protocol.rollout import VERSION_MISMATCH, ImportReply, ImportRequest
+from laminar.transport.client import RpcClient
 from laminar.transport.server import RpcServer
 from laminar.transport.sockets import Peer, RemoteError, TransportError
+
+
+class _BufferAway(Exception):
+    """The buffer could not be told of a placement: nothing is imported."""
+
 
 PLACE_TRIES = 4
 """Rollouts one batch of partials is offered to before it restarts from the prompt elsewhere."""
@@ -41,8 +54,13 @@ class Placer:
         request_timeout_s: float,
         metrics: Metrics,
         log: structlog.typing.FilteringBoundLogger,
+        *,
+        buffer: Callable[[], Awaitable[RpcClient]] | None = None,
     ):
         self.srv = srv
+        self.buffer = buffer
+        """The buffer's client, connected (None: placements are not announced, e.g. tests of
+        placement alone)."""
         self.bound_b = bound_b
         """Running sequences a rollout takes (manager.repack.bound_b, else rollout.max_running)."""
         self.request_timeout_s = request_timeout_s
@@ -85,7 +103,23 @@ class Placer:
             out.append(self.srv.peers[source])
         return out[:PLACE_TRIES]
 
+    async def _announce(self, dest: str, items: list[PartialTrajectory]) -> None:
+        """Tell the buffer these samples now come from `dest`; raises _BufferAway when it could
+        not be told."""
+        if self.buffer is None:
+            return
+        uids = [f"{p.group_id}/{p.sample_index}" for p in items]
+        msg = SamplesPlaced(dest=dest, uids=uids)
+        try:
+            buf = await self.buffer()
+            await buf.request(msg, timeout=self.request_timeout_s, retries=1)
+        except (TransportError, RemoteError) as exc:
+            self.metrics.count("placement_unannounced")
+            self.log.warning("placement_unannounced", dest=dest, error=str(exc))
+            raise _BufferAway from exc
+
     async def _import(self, peer: Peer, items: list[PartialTrajectory]) -> bool:
+        await self._announce(peer.node_id, items)
         try:
             rep = await self.srv.request(
                 peer.node_id,
@@ -123,12 +157,15 @@ class Placer:
         placed: dict[str, int] = defaultdict(int)
         for version, items in by_version.items():
             dest = None
-            for peer in self._candidates(version, trainer_version, prefer, source):
-                if await self._import(peer, items):
-                    dest = peer.node_id
-                    break
-            if dest is None:
-                dest = await self._restart_elsewhere(items)
+            try:
+                for peer in self._candidates(version, trainer_version, prefer, source):
+                    if await self._import(peer, items):
+                        dest = peer.node_id
+                        break
+                if dest is None:
+                    dest = await self._restart_elsewhere(items)
+            except _BufferAway:  # imported nowhere: kept, placed again once the buffer answers
+                dest = None
             if dest is None:
                 self.orphans.extend(items)
                 dest = ORPHAN

@@ -6,13 +6,16 @@
     trainer ──BatchRequest──► buffer ──BatchReply(trajectories)──► trainer     (long-poll, groups)
     trainer ──BatchCommit──► buffer ──CommitAck                          (exactly-once consumption)
     manager ──PartialsRequest──► buffer ──PartialsReply──► manager       (recovering a dead rollout)
-    anyone ──BufferStatsRequest──► buffer ──BufferStats──► anyone        (figures: tests, benches)
+    manager ──SamplesPlaced──► buffer ──Ack                              (moved: who sends them now)
+    trainer, manager, cli ──BufferStatsRequest──► buffer ──BufferStats  (figures: tests, benches)
 
 A reply that acknowledges a change (prompts served, a trajectory, a batch, a commit) is sent
 only once the buffer's journal record of it is durable (buffer.fsync).
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 from msgspec import field
 
@@ -36,10 +39,17 @@ __all__ = [
     "JournalFigures",
     "TrajectoryAck",
     "CommitAck",
+    "Refusal",
+    "SamplesPlaced",
 ]
 
+Refusal = Literal["not_served", "not_owner", "reward_range", "token_range", "too_long"]
+"""Why a rollout's sample is refused: its group was never served to anyone; the sample is
+another rollout's (served or moved to it); its reward is not finite or outside reward.min_value
+..max_value; a token id lies outside the vocabulary; it is longer than any response can be."""
 
-@message(0x30)
+
+@message(0x30, senders=("rollout",), id_fields=("rollout_id",))
 class PromptRequest(Message):  # rollout -> buffer
     rollout_id: str
     max_groups: int
@@ -51,20 +61,20 @@ class PromptRequest(Message):  # rollout -> buffer
     ones."""
 
 
-@message(0x31)
+@message(0x31, senders=("buffer",))
 class PromptReply(Message):  # buffer -> rollout
     items: list[PromptItem] = field(default_factory=list)
     retry_after_s: float = 0.0
     """When items is empty: ask again after this long."""
     reason: str = ""
-    """Why nothing was served: empty | full | staleness | need_version | epochs_done |
-    global_update."""
+    """Why nothing was served: empty | full | rollout_full (this rollout holds its share of open
+    groups) | staleness | need_version | epochs_done | global_update."""
     min_version: int = -1
     """The version the rollout must load before new prompts are served (modes with global
     updates)."""
 
 
-@message(0x32)
+@message(0x32, senders=("trainer",), id_fields=("trainer_id",))
 class BatchRequest(Message):  # trainer -> buffer
     trainer_id: str
     groups: int
@@ -84,7 +94,7 @@ class BatchStaleness(Message):  # inside BatchReply: the served batch's stalenes
     """Staleness (as text) -> trajectories."""
 
 
-@message(0x33)
+@message(0x33, senders=("buffer",))
 class BatchReply(Message):  # buffer -> trainer
     batch_id: str = ""
     trajectories: list[Trajectory] = field(default_factory=list)
@@ -109,7 +119,7 @@ class BatchReply(Message):  # buffer -> trainer
     """When empty: groups still generating."""
 
 
-@message(0x34)
+@message(0x34, senders=("trainer",))
 class BatchCommit(Message):  # trainer -> buffer: the step that consumed batch_id committed
     batch_id: str
     step: int
@@ -117,20 +127,20 @@ class BatchCommit(Message):  # trainer -> buffer: the step that consumed batch_i
     """The trainer version after the step."""
 
 
-@message(0x35)
+@message(0x35, senders=("manager",))
 class PartialsRequest(Message):  # manager -> buffer
     rollout_id: str = ""
     """All in-flight trajectories last reported by this rollout (empty: use uids)."""
     uids: list[str] = field(default_factory=list)
 
 
-@message(0x36)
+@message(0x36, senders=("buffer",))
 class PartialsReply(Message):  # buffer -> manager
     partials: list[PartialTrajectory] = field(default_factory=list)
 
 
-@message(0x37)
-class TrajectoryAbandoned(Message):  # rollout/manager -> buffer: this sample is lost for good
+@message(0x37, senders=("rollout",))
+class TrajectoryAbandoned(Message):  # rollout -> buffer: this sample is lost for good
     uid: str
     group_id: str
     reason: str = ""
@@ -168,7 +178,7 @@ class JournalFigures(Message):  # inside BufferStats: the buffer journal's count
     upgraded_from_schema: int = 0
 
 
-@message(0x38)
+@message(0x38, senders=("buffer",))
 class BufferStats(Message):  # buffer -> anyone asking (status, tests, benches): reply
     mode: str
     bound: int | None
@@ -204,22 +214,35 @@ class BufferStats(Message):  # buffer -> anyone asking (status, tests, benches):
     """None without a prompt pool (prompts come from elsewhere)."""
     journal: JournalFigures | None = None
     """None without a journal (buffer.journal off)."""
+    refused: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Peer node id -> refusal reason (TrajectoryAck.refused, or a partial entry's) -> count:
+    trajectories and partial entries that were refused and never stored."""
 
 
-@message(0x39)
-class BufferStatsRequest(Message):  # anyone -> buffer: answered with BufferStats
+@message(0x3C, senders=("manager",))
+class SamplesPlaced(Message):  # manager -> buffer: these samples now run on `dest` (reply: Ack)
+    dest: str
+    """The rollout the manager is about to import them on (a repack move or a recovery)."""
+    uids: list[str] = field(default_factory=list)
+
+
+@message(0x39, senders=("trainer", "manager", "cli"))
+class BufferStatsRequest(Message):  # trainer, manager, cli -> buffer: answered with BufferStats
     pass
 
 
-@message(0x3A)
+@message(0x3A, senders=("buffer",))
 class TrajectoryAck(Message):  # buffer -> rollout: a Trajectory / TrajectoryAbandoned is journaled
     duplicate: bool = False
     """The sample was stored before (a resent trajectory): stored once, acked again."""
     ignored: str = ""
     """Why it changed nothing though valid (a member of a closed group, already finished)."""
+    refused: Refusal | Literal[""] = ""
+    """Why the buffer will never take it (not served to this sender, reward or token ids out of
+    range): not stored, not trained, counted per peer; the sender must not send it again."""
 
 
-@message(0x3B)
+@message(0x3B, senders=("buffer",))
 class CommitAck(Message):  # buffer -> trainer: answer to BatchCommit, once durable
     ok: bool = True
     """False: a trainer restart put the batch back (it is served again); `reason` says so."""

@@ -15,10 +15,50 @@ from laminar.message import Message, message
 from laminar.protocol.relay import RelayStatus
 from laminar.protocol.rollout import RolloutStatus
 
-__all__ = ["NodeStatus"]
+__all__ = ["NODE_ROLES", "NodeStatus", "PeerRefusals", "RefusalSummary", "MAX_PEER_ROWS"]
 
 
-@message(0x03)
+NODE_ROLES = ("manager", "buffer", "relay", "trainer", "tools", "rollout")
+"""Every node role (laminar.config.Role): each reports its status with its heartbeats."""
+
+
+MAX_PEER_ROWS = 16
+"""Peers listed in a RefusalSummary, most refused first: a heartbeat stays small however many
+ids a stranger claims."""
+
+
+class PeerRefusals(Message):  # inside RefusalSummary: one claimed node id's refused traffic
+    peer: str
+    """The node id the peer claimed (in its HELLO) or was admitted as."""
+    unauthorized: int = 0
+    bad: int = 0
+    refused_hellos: int = 0
+    refused_trajectories: int = 0
+
+    def total(self) -> int:
+        return self.unauthorized + self.bad + self.refused_hellos + self.refused_trajectories
+
+
+class RefusalSummary(Message):  # inside NodeStatus: what this node refused, since it started
+    unauthorized: int = 0
+    """Messages refused before a handler ran: the sender's role may not send the type, or an id
+    in its body is not the sender's (the senders table in laminar/message.py)."""
+    bad: int = 0
+    """Malformed or invalid messages (undecodable, no handler, a handler's ProtocolError)."""
+    refused_hellos: int = 0
+    """Handshakes refused: a key that may not claim the role or id, a live peer's node id without
+    its incarnation's nonce, another protocol version."""
+    refused_trajectories: int = 0
+    """Buffer only: trajectories refused (a group not served to the sender, a reward or token id
+    out of range); never trained."""
+    peers: list[PeerRefusals] = field(default_factory=list)
+    """Per peer, at most MAX_PEER_ROWS, most refused first (empty in cluster totals)."""
+
+    def total(self) -> int:
+        return self.unauthorized + self.bad + self.refused_hellos + self.refused_trajectories
+
+
+@message(0x03, senders=NODE_ROLES, id_fields=("node_id",))
 class NodeStatus(Message):  # carried by heartbeats: what the manager needs to know about a node
     node_id: str
     role: str
@@ -37,6 +77,12 @@ class NodeStatus(Message):  # carried by heartbeats: what the manager needs to k
     it)."""
     relay: RelayStatus | None = None
     """Relays only: the chain as the relay sees it (the manager's straggler watch reads it)."""
+    refusals: RefusalSummary | None = None
+    """What this node's servers refused, per peer (None: nothing yet): `laminar status` shows
+    it."""
+    cluster_refusals: RefusalSummary | None = None
+    """The manager only: every node's refusals summed (no per-peer rows); its heartbeats carry
+    it to the trainer, which writes it to metrics.jsonl."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Role figures for people and tests (step, loss, queue depth ...): logged and shown, never
     read by code to decide anything; a figure something branches on gets a typed field."""

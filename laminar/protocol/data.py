@@ -50,7 +50,7 @@ class ToolRecord(Message):
     """Answered from the tool server's cache (a replay or a retried call), not executed again."""
 
 
-@message(0x20)
+@message(0x20, senders=("buffer",))
 class PromptItem(Message):  # buffer -> rollout: one prompt = one GRPO group of n samples
     uid: str
     """Stable prompt uid (from the dataset row or derived)."""
@@ -64,7 +64,7 @@ class PromptItem(Message):  # buffer -> rollout: one prompt = one GRPO group of 
     """Reference answer and extra dataset columns, passed to the reward."""
 
 
-@message(0x21)
+@message(0x21, senders=("rollout",), id_fields=("rollout_id",))
 class Trajectory(Message):  # rollout -> buffer (finished), buffer -> trainer (in batches)
     uid: str
     """Unique per sample: f"{group_id}/{sample_index}"."""
@@ -106,7 +106,7 @@ class Trajectory(Message):  # rollout -> buffer (finished), buffer -> trainer (i
     tool_calls: list[ToolRecord] = field(default_factory=list)
 
 
-@message(0x22)
+@message(0x22, senders=("rollout", "manager", "buffer"))
 class PartialTrajectory(
     Message
 ):  # rollout -> buffer (partial pool), manager <-> rollout (export/import)
@@ -132,7 +132,7 @@ class PartialTrajectory(
     yet (whoever resumes it runs that step first instead of generating)."""
 
 
-@message(0x23)
+@message(0x23, senders=("rollout",), id_fields=("rollout_id",))
 class PartialChunk(
     Message
 ):  # rollout -> buffer: new tokens of an in-flight trajectory (partial pool)
@@ -152,7 +152,7 @@ class PartialChunk(
     answer is not in yet (the latest chunk reaching the end decides; see PartialTrajectory)."""
 
 
-@message(0x24)
+@message(0x24, senders=("rollout",), id_fields=("rollout_id",))
 class PartialBatch(
     Message
 ):  # rollout -> buffer: one flush window of a rollout's partial stream (partial pool)

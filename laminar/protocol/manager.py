@@ -10,12 +10,12 @@ from laminar.protocol.core import NodeStatus
 __all__ = ["StatusRequest", "StatusReply", "NodeEntry"]
 
 
-@message(0x70)
+@message(0x70, senders=("cli",))
 class StatusRequest(Message):  # cli -> manager
     pass
 
 
-@message(0x71)
+@message(0x71, senders=("manager",))
 class NodeEntry(Message):  # one row of `laminar status`
     node_id: str
     role: str
@@ -26,7 +26,7 @@ class NodeEntry(Message):  # one row of `laminar status`
     pid: int = 0
 
 
-@message(0x72)
+@message(0x72, senders=("manager",))
 class StatusReply(Message):  # manager -> cli
     nodes: list[NodeEntry] = field(default_factory=list)
     trainer_version: int = -1

@@ -8,7 +8,7 @@ relay k ──VersionOffer (one-way, data socket)──► relay k+1            
 relay k+1 ──FetchChunk──► relay k ──WeightChunk(data frame)──► relay k+1  (pipelined, windowed)
 relay ──WeightsReady (PUB)──► local rollouts
 rollout ──PullRequest──► relay ──PullReply(segment + layout)──► rollout ──ReleaseRequest──► relay
-manager ──ChainUpdate──► relay;  any ──ChainInfoRequest──► relay ──ChainInfo──► any
+manager ──ChainUpdate──► relay;  relay, trainer, manager, cli ──ChainInfoRequest──► relay
 trainer (GPU) ──CudaIpcHandle──► rollouts on the same host                (laminar/weights/gpu.py)
 
 Layouts and checksums: laminar/weights/layout.py; the channel ends: laminar/weights/.
@@ -53,7 +53,7 @@ __all__ = [
 ChunkBytes = Annotated[np.ndarray, Arr(("uint8",), ndim=1)]
 
 
-@message(0x50)
+@message(0x50, senders=("trainer", "relay"))
 class WeightLayout(Message):  # travels with every version: how to view the flat buffer as tensors
     names: list[str]
     dtypes: list[str]
@@ -64,7 +64,7 @@ class WeightLayout(Message):  # travels with every version: how to view the flat
     total_bytes: int
 
 
-@message(0x51)
+@message(0x51, senders=("relay",))
 class WeightsReady(Message):  # relay -> local rollouts (PUB topic "weights"): version v is servable
     version: int
     checksum: str
@@ -73,7 +73,7 @@ class WeightsReady(Message):  # relay -> local rollouts (PUB topic "weights"): v
     chunk_bytes: int = 0
 
 
-@message(0x52)
+@message(0x52, senders=("trainer",))
 class StageRequest(Message):  # trainer -> master relay: reserve a staging buffer for a version
     version: int
     layout: WeightLayout
@@ -81,7 +81,7 @@ class StageRequest(Message):  # trainer -> master relay: reserve a staging buffe
     """The trainer found the named master dead: the receiving relay becomes master."""
 
 
-@message(0x53)
+@message(0x53, senders=("relay",))
 class StageReply(Message):  # master relay -> trainer: where to write (or stream) the version
     token: int
     segment: str
@@ -92,7 +92,7 @@ class StageReply(Message):  # master relay -> trainer: where to write (or stream
     chunk_bytes: int = 0
 
 
-@message(0x54)
+@message(0x54, senders=("trainer",))
 class PushChunk(Message):  # trainer -> master relay: one chunk of a staged version (remote trainer)
     version: int
     token: int
@@ -100,24 +100,24 @@ class PushChunk(Message):  # trainer -> master relay: one chunk of a staged vers
     data: ChunkBytes
 
 
-@message(0x55)
+@message(0x55, senders=("trainer",))
 class CommitRequest(Message):  # trainer -> master relay: the staged bytes are complete
     version: int
     token: int
 
 
-@message(0x56)
+@message(0x56, senders=("relay",))
 class CommitReply(Message):  # master relay -> trainer: handed off; the trainer may resume
     version: int
     master: int
 
 
-@message(0x57)
+@message(0x57, senders=("rollout",))
 class PullRequest(Message):  # rollout -> relay: pin a version (-1 = newest) and tell me where it is
     version: int = -1
 
 
-@message(0x58)
+@message(0x58, senders=("relay",))
 class PullReply(Message):  # relay -> rollout
     version: int
     checksum: str
@@ -127,12 +127,12 @@ class PullReply(Message):  # relay -> rollout
     chunk_bytes: int
 
 
-@message(0x59)
+@message(0x59, senders=("rollout",))
 class ReleaseRequest(Message):  # rollout -> relay: unpin a version
     version: int
 
 
-@message(0x5A)
+@message(0x5A, senders=("rollout",))
 class LatestRequest(
     Message
 ):  # rollout -> relay: newest version (after my PUB subscription is live)
@@ -140,13 +140,13 @@ class LatestRequest(
     """When set, the relay first waits until this subscriber is attached to its PUB socket."""
 
 
-@message(0x5B)
+@message(0x5B, senders=("relay",))
 class LatestReply(Message):  # relay -> rollout
     version: int = -1
     checksum: str = ""
 
 
-@message(0x5C)
+@message(0x5C, senders=("manager",))
 class ChainUpdate(Message):  # manager -> relay: the chain order (head = master)
     epoch: int
     order: list[int]
@@ -155,12 +155,12 @@ class ChainUpdate(Message):  # manager -> relay: the chain order (head = master)
     """Optional relay index (as str) -> data endpoint, when not derivable from the config."""
 
 
-@message(0x5D)
+@message(0x5D, senders=("relay", "trainer", "manager", "cli"))
 class ChainInfoRequest(Message):  # any -> relay
     pass
 
 
-@message(0x5E)
+@message(0x5E, senders=("relay",))
 class ChainInfo(Message):  # relay -> any: this relay's view of the chain and its versions
     index: int
     epoch: int
@@ -193,7 +193,7 @@ class RelayStatus(Message):  # relay -> manager, inside NodeStatus.relay on ever
     """Versions pinned by its rollouts (pins, counted)."""
 
 
-@message(0x5F)
+@message(0x5F, senders=("relay",))
 class VersionOffer(Message):  # relay k -> relay k+1 (data socket): a version k has or is receiving
     version: int
     layout: WeightLayout | None = None
@@ -201,12 +201,12 @@ class VersionOffer(Message):  # relay k -> relay k+1 (data socket): a version k 
     """-1 version / None layout: nothing to offer yet."""
 
 
-@message(0x60)
+@message(0x60, senders=("relay",))
 class OfferRequest(Message):  # relay k+1 -> relay k (data socket): what is your newest version?
     pass
 
 
-@message(0x61)
+@message(0x61, senders=("relay",))
 class FetchChunk(
     Message
 ):  # relay k+1 -> relay k: chunk `index` of `version` (waits until k has it)
@@ -217,7 +217,7 @@ class FetchChunk(
     whole)."""
 
 
-@message(0x62)
+@message(0x62, senders=("relay",))
 class WeightChunk(Message):  # relay k -> relay k+1: one verified chunk, data as a zero-copy frame
     version: int
     index: int
@@ -232,12 +232,12 @@ class WeightChunk(Message):  # relay k -> relay k+1: one verified chunk, data as
     """The whole version's checksum once the sender knows it (always on the last chunk)."""
 
 
-@message(0x63)
-class RelayReset(Message):  # bench/tests -> relay: drop every unpinned version (and spare slots)
+@message(0x63, senders=("trainer",))
+class RelayReset(Message):  # trainer -> relay (benches): drop unpinned versions and spare slots
     keep_spare: bool = True
 
 
-@message(0x64)
+@message(0x64, senders=("trainer",))
 class CudaIpcHandle(Message):  # GPU trainer -> rollouts on its host: a version as a CUDA IPC handle
     version: int
     checksum: str
@@ -252,14 +252,14 @@ class CudaIpcHandle(Message):  # GPU trainer -> rollouts on its host: a version 
     event_sync_required: bool = False
 
 
-@message(0x65)
+@message(0x65, senders=("trainer",))
 class NcclAnnounce(Message):  # trainer -> NCCL group members: the next broadcast is this version
     version: int
     checksum: str
     layout: WeightLayout
 
 
-@message(0x66)
+@message(0x66, senders=("relay",))
 class NotMaster(Message):  # relay -> trainer: not master, StageRequest goes to `master`
     master: int
     """Index of the relay this one names as the chain's master."""

@@ -33,13 +33,13 @@ VERSION_MISMATCH = "version_mismatch"
 """ErrorReply.code of an ImportRequest whose partials are not at the rollout's version."""
 
 
-@message(0x90)
+@message(0x90, senders=("manager",))
 class ExportRequest(Message):  # manager -> rollout: abort these trajectories and hand them over
     uids: list[str] = field(default_factory=list)
     """Trajectory uids (f"{group_id}/{i}"); empty = every in-flight trajectory."""
 
 
-@message(0x91)
+@message(0x91, senders=("rollout",))
 class ExportReply(Message):  # rollout -> manager
     partials: list[PartialTrajectory] = field(default_factory=list)
     """Aborted trajectories, each with every token generated so far; the rollout forgot them."""
@@ -48,12 +48,12 @@ class ExportReply(Message):  # rollout -> manager
     version: int = -1
 
 
-@message(0x92)
+@message(0x92, senders=("manager",))
 class ImportRequest(Message):  # manager -> rollout: resume these trajectories here (same version)
     partials: list[PartialTrajectory] = field(default_factory=list)
 
 
-@message(0x93)
+@message(0x93, senders=("rollout",))
 class ImportReply(Message):  # rollout -> manager
     accepted: list[str] = field(default_factory=list)
     duplicate: list[str] = field(default_factory=list)
@@ -62,14 +62,14 @@ class ImportReply(Message):  # rollout -> manager
     version: int = -1
 
 
-@message(0x94)
+@message(0x94, senders=("manager",))
 class RefreshRequest(
     Message
 ):  # manager -> rollout: load the newest weights (>= min_version) when idle
     min_version: int = -1
 
 
-@message(0x95)
+@message(0x95, senders=("rollout",))
 class RefreshReply(Message):  # rollout -> manager: answered at once; the load happens when idle
     version: int
     """The rollout's version now."""
@@ -77,7 +77,7 @@ class RefreshReply(Message):  # rollout -> manager: answered at once; the load h
     """A load is queued (waiting for in-flight trajectories to finish or the version to appear)."""
 
 
-@message(0x96)
+@message(0x96, senders=("rollout",))
 class RolloutStatus(Message):  # rollout -> manager, inside NodeStatus.rollout on every beat
     traj_tokens: dict[str, int]
     """uid -> KV tokens it holds (prompt + generated): repack picks what to move from these."""

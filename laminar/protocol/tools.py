@@ -20,7 +20,7 @@ from laminar.message import Message, message
 __all__ = ["ToolCallRequest", "ToolCallReply", "ToolStatsRequest", "ToolStatsReply"]
 
 
-@message(0xB0)
+@message(0xB0, senders=("rollout",))
 class ToolCallRequest(Message):
     call_id: str
     name: str
@@ -30,7 +30,7 @@ class ToolCallRequest(Message):
     """Wall-clock limit for this call (0: the tools node's tools.wall_s); never above it."""
 
 
-@message(0xB1)
+@message(0xB1, senders=("tools",))
 class ToolCallReply(Message):
     call_id: str
     ok: bool
@@ -45,12 +45,12 @@ class ToolCallReply(Message):
     truncated: bool = False
 
 
-@message(0xB2)
+@message(0xB2, senders=("cli", "manager"))
 class ToolStatsRequest(Message):
     pass
 
 
-@message(0xB3)
+@message(0xB3, senders=("tools",))
 class ToolStatsReply(Message):
     stats: dict[str, Any] = field(default_factory=dict)
     """Pool and cache counters by name (calls, errors_by_kind, latency_p99_s ...): shown to

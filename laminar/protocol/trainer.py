@@ -14,7 +14,7 @@ from laminar.protocol.data import Trajectory
 __all__ = ["VersionPublished", "RankCommand"]
 
 
-@message(0xA0)
+@message(0xA0, senders=("trainer",), id_fields=("trainer_id",))
 class VersionPublished(Message):  # trainer -> manager (and anyone tracking the trainer version)
     trainer_id: str
     version: int
@@ -31,7 +31,7 @@ class VersionPublished(Message):  # trainer -> manager (and anyone tracking the 
     """How long the trainer was blocked handing the weights off."""
 
 
-@message(0xA1)
+@message(0xA1, senders=("trainer",))
 class RankCommand(Message):  # trainer rank 0 -> other ranks (codec frames over dist.broadcast)
     kind: str
     """init | step | export | checkpoint | stop: the collective every rank runs next."""

@@ -12,7 +12,9 @@ because the buffer deduplicates by uid and acks a duplicate as it acked the
 original; the outbox also keys its entries by uid, so a message is in it at most
 once. A buffer that rejects a message as malformed (code "protocol") will never
 accept it: that one is logged, counted (`rejected`) and dropped instead of retried
-forever. Order is not preserved and need not be: each trajectory stands alone.
+forever. So is one the buffer acks as refused (TrajectoryAck.refused: a sample it never served
+to this rollout, or a reward or token id out of the configured range): counted (`refused`),
+logged, never resent. Order is not preserved and need not be: each trajectory stands alone.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import time
 import structlog
 
 from laminar.message import Message
+from laminar.protocol.buffer import TrajectoryAck
 from laminar.transport.client import RpcClient
 from laminar.transport.sockets import RemoteError, TransportError
 
@@ -49,7 +52,9 @@ class Outbox:
         self._ready: asyncio.Queue[str] = asyncio.Queue()
         self._empty = asyncio.Event()
         self._empty.set()
-        self.stats: dict[str, int] = dict(put=0, acked=0, retries=0, rejected=0, duplicates_put=0)
+        self.stats: dict[str, int] = dict(
+            put=0, acked=0, retries=0, rejected=0, refused=0, duplicates_put=0
+        )
         self.oldest_since: dict[str, float] = {}
 
     def __len__(self) -> int:
@@ -83,7 +88,7 @@ class Outbox:
             if msg is None:
                 continue
             try:
-                await self.client.request(msg, timeout=self.timeout_s, retries=0)
+                reply = await self.client.request(msg, timeout=self.timeout_s, retries=0)
             except RemoteError as exc:
                 if exc.code in _PERMANENT:
                     self.stats["rejected"] += 1
@@ -95,7 +100,11 @@ class Outbox:
             except TransportError as exc:  # timeout, buffer dead or restarting, not connected
                 backoff = await self._retry(uid, backoff, str(exc))
                 continue
-            self.stats["acked"] += 1
+            if isinstance(reply, TrajectoryAck) and reply.refused:
+                self.stats["refused"] += 1
+                self.log.error("trajectory_refused", uid=uid, reason=reply.refused)
+            else:
+                self.stats["acked"] += 1
             self._done(uid)
             backoff = self.backoff_s
 

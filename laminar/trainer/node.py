@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from laminar.config import LaminarConfig
-from laminar.node import Node, weights_channel
+from laminar.node import NODE_STATUS, Node, weights_channel
 from laminar.protocol.buffer import BatchReply, BufferStats, BufferStatsRequest
 from laminar.protocol.core import NodeStatus
 from laminar.protocol.trainer import VersionPublished
@@ -369,6 +369,7 @@ class TrainerNode(Node):
                 "buffer/partial_groups": reply.partial_groups,
             }
         )
+        metrics.update(self._refusal_metrics())
         self.last = metrics
         if self.step % self.cfg.trainer.log_every == 0:
             self.logger.log(self.step, metrics)
@@ -404,6 +405,22 @@ class TrainerNode(Node):
             n=int(metrics["eval/n"]),
             seconds=round(metrics["eval/seconds"], 2),
         )
+
+    def _refusal_metrics(self) -> dict[str, float]:
+        """The cluster's refused and bad messages and refused trajectories, as the manager's last
+        heartbeat summed them (nothing before its first): no request of its own."""
+        if self.manager is None:
+            return {}
+        status = NODE_STATUS.unpack(self.manager.server_status)
+        r = status.cluster_refusals if status is not None else None
+        if r is None:
+            return {}
+        return {
+            "security/unauthorized": r.unauthorized,
+            "security/bad_messages": r.bad,
+            "security/refused_hellos": r.refused_hellos,
+            "buffer/refused_trajectories": r.refused_trajectories,
+        }
 
     # ---- publishing, committing, checkpointing ----------------------------------------------
     async def _publish(self, weights: dict[str, torch.Tensor]) -> tuple[float, int]:

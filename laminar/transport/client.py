@@ -22,11 +22,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import secrets
 import socket
 import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import structlog
 import zmq
 import zmq.asyncio
@@ -35,6 +37,7 @@ from laminar.message import Message, ProtocolError
 from laminar.supervise import Spawn, detached_spawn
 from laminar.transport.codec import decode, encode
 from laminar.transport.session import (
+    NO_STATUS,
     PROTOCOL_VERSION,
     Ack,
     Bye,
@@ -84,10 +87,14 @@ class RpcClient:
         self.opts = opts or SocketOptions()
         self.stats = SocketStats()
         self.server_id: str | None = None
+        self.server_status: msgspec.Raw = NO_STATUS
+        """What the server's last heartbeat carried, still encoded (decoded only by whoever
+        reads it: `StatusCodec.unpack`)."""
         self._status, self._on_server_dead, self._on_connect = status, on_server_dead, on_connect
-        # pid + host (+ started: when this process's node started) let a server tell this process
-        # re-handshaking (takes its entry over) from another process claiming the same node id
-        # (refused while the holder is alive)
+        # pid, host and started are facts for the server's logs; what lets this node take its own
+        # live entry over on a fresh socket is the nonce the server's Welcome gave it (kept in
+        # opts.nonces, which every client of the node shares)
+        self._nonce_key = (endpoint, node_id)
         self._hello = Hello(
             protocol=PROTOCOL_VERSION,
             node_id=node_id,
@@ -130,6 +137,10 @@ class RpcClient:
         sock.setsockopt(zmq.MAXMSGSIZE, self.opts.limits.max_message_bytes)
         # queue only to completed connections, so nothing piles up for a dead server
         sock.setsockopt(zmq.IMMEDIATE, 1)
+        # a random routing id per socket: the ROUTER keys its peers by it, and zmq's own ids are
+        # a counter that a stranger could claim once this connection drops (a leading 0 byte is
+        # zmq's own; 1 keeps ours apart)
+        sock.setsockopt(zmq.ROUTING_ID, b"\x01" + secrets.token_bytes(15))
         attach(sock, self.endpoint, False, self.opts)
         return sock
 
@@ -164,9 +175,13 @@ class RpcClient:
         await self._handshake(timeout)
 
     async def _handshake(self, timeout: float) -> None:
-        reply = await self._request_once(self._hello, timeout)
+        nonce = self.opts.nonces.get(self._nonce_key, b"")
+        hello = msgspec.structs.replace(self._hello, nonce=nonce)
+        reply = await self._request_once(hello, timeout)
         if not isinstance(reply, Welcome):
             raise TransportError(f"handshake: expected Welcome, got {type(reply).__name__}")
+        # kept for the next handshake: the server knows this incarnation by it
+        self.opts.nonces[self._nonce_key] = reply.nonce
         self.server_id = reply.node_id
         self._last_seen = time.monotonic()
         self._connected.set()
@@ -334,6 +349,7 @@ class RpcClient:
                 self._bad(str(exc))
                 continue
             if isinstance(msg, Heartbeat):
+                self.server_status = msg.status
                 continue
             if rid[:1] == b"R":
                 self._pending.resolve(rid, msg)

@@ -12,14 +12,20 @@ Each request runs its handler in its own task, so a slow handler never blocks th
 
 Bad input from the network (undecodable frames, unknown message types, messages from peers
 that never said HELLO) is answered with an ErrorReply where a reply is possible, logged,
-counted in `stats`, and never stops the socket. The reader and heartbeat tasks start through
-`spawn` (a node's supervised spawn): if one dies, its node stops loudly.
+counted in `stats` and per peer in `refusals`, and never stops the socket. Before any handler
+runs, a message is checked against its own table (laminar/message.py): the peer's role must be
+in its `senders` and its `id_fields` must name the peer's node id, else it is refused
+(ErrorReply "unauthorized", or dropped when one-way) and counted. The reader and heartbeat
+tasks start through `spawn` (a node's supervised spawn): if one dies, its node stops loudly.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
+import itertools
+import secrets
 import time
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
@@ -50,6 +56,7 @@ from laminar.transport.sockets import (
     PeerDead,
     Pending,
     Receiver,
+    RefusalCounts,
     RequestTimeout,
     SocketOptions,
     SocketStats,
@@ -61,6 +68,12 @@ from laminar.transport.sockets import (
 log = structlog.get_logger("laminar.transport")
 
 S = TypeVar("S", bound=Message)
+
+UNKNOWN_PEER = "(unknown)"
+"""`RpcServer.refusals` key of what came from no admitted peer (before or without a HELLO)."""
+OTHER_PEERS = "(other)"
+"""`RpcServer.refusals` key once MAX_REFUSAL_PEERS ids are counted: HELLOs may name any id."""
+MAX_REFUSAL_PEERS = 1024
 
 
 class RpcServer(Generic[S]):
@@ -87,6 +100,10 @@ class RpcServer(Generic[S]):
         self.peers: dict[str, Peer[S]] = {}
         self._by_identity: dict[bytes, Peer[S]] = {}
         self.stats = SocketStats()
+        self.refusals: dict[str, RefusalCounts] = {}
+        """Node id (as admitted, or as a refused HELLO claimed it) -> what was refused from it."""
+        self.refused = RefusalCounts()
+        """The same, over every peer."""
         self._disp = Dispatcher()
         self._pending = Pending()
         self._on_peer_dead, self._on_peer_join, self._status = on_peer_dead, on_peer_join, status
@@ -95,10 +112,12 @@ class RpcServer(Generic[S]):
         self._sock: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._seq = 0
+        self._incarnations = itertools.count(1)
         self.log = log.bind(node_id=node_id, socket="server", endpoint=endpoint)
         # a fuzzer sends thousands: the first few in full, then a counted summary every few seconds
         self._bad_log = RateLimitedLog(self.log, "bad_message")
         self._unknown_log = RateLimitedLog(self.log, "unknown_peer")
+        self._unauthorized_log = RateLimitedLog(self.log, "unauthorized_message")
 
     def on(self, msg_type: type[Message], handler: Handler) -> None:
         """Register `async handler(peer, msg) -> reply | None` for a message type."""
@@ -184,10 +203,38 @@ class RpcServer(Generic[S]):
         return n
 
     # -- receiving --------------------------------------------------------------------
-    def _bad(self, what: str) -> None:
+    def refusals_of(self, peer_id: str) -> RefusalCounts:
+        """The counts of one peer (created at 0): what `refusals` holds for it."""
+        counts = self.refusals.get(peer_id)
+        if counts is None:
+            if len(self.refusals) >= MAX_REFUSAL_PEERS:
+                peer_id = OTHER_PEERS
+            counts = self.refusals.setdefault(peer_id, RefusalCounts())
+        return counts
+
+    def _who(self, identity: bytes) -> str:
+        peer = self._by_identity.get(identity)
+        return UNKNOWN_PEER if peer is None else peer.node_id
+
+    def _bad(self, what: str, peer_id: str = UNKNOWN_PEER) -> None:
         self.stats.bad_frames += 1
         self.stats.last_error = what
-        self._bad_log.warning(error=what)
+        self.refused.bad += 1
+        self.refusals_of(peer_id).bad += 1
+        self._bad_log.warning(error=what, peer=peer_id)
+
+    async def _refuse(self, peer: Peer[S], identity: bytes, rid: bytes, msg: Message) -> None:
+        """`msg` is not the peer's to send (its role, or an id field naming another node): count
+        it, log (rate-limited), and answer a request with ErrorReply("unauthorized")."""
+        text = _unauthorized(peer.role, peer.node_id, msg) or "unauthorized"
+        self.stats.unauthorized += 1
+        self.stats.last_error = text
+        self.refused.unauthorized += 1
+        self.refusals_of(peer.node_id).unauthorized += 1
+        self._unauthorized_log.warning(
+            peer=peer.node_id, peer_role=peer.role, msg=type(msg).__name__, error=text
+        )
+        await self._reply_error(identity, rid, "unauthorized", text)
 
     async def _reply_error(self, identity: bytes, rid: bytes, code: str, text: str) -> None:
         if rid[:1] == b"Q":
@@ -200,12 +247,13 @@ class RpcServer(Generic[S]):
             frames = await rx.recv()
             self.stats.received += 1
             if len(frames) < 3:
-                self._bad(f"{len(frames)} frames is too few for an envelope")
+                who = self._who(frames[0].bytes) if frames else UNKNOWN_PEER
+                self._bad(f"{len(frames)} frames is too few for an envelope", who)
                 continue
             identity = frames[0].bytes
             rid = frames[1].bytes
             if rid and (len(rid) != 9 or rid[:1] not in (b"Q", b"R")):
-                self._bad("malformed request-id frame")
+                self._bad("malformed request-id frame", self._who(identity))
                 continue
             status: S | None = None
             try:
@@ -213,7 +261,7 @@ class RpcServer(Generic[S]):
                 if type(msg) is Heartbeat and self._peer_status is not None:
                     status = self._peer_status.unpack(msg.status)
             except ProtocolError as exc:
-                self._bad(str(exc))
+                self._bad(str(exc), self._who(identity))
                 await self._reply_error(identity, rid, "protocol", str(exc))
                 continue
             peer = self._by_identity.get(identity)
@@ -238,9 +286,22 @@ class RpcServer(Generic[S]):
             peer.last_seen = time.monotonic()
             if not peer.alive:  # traffic from a peer we had declared dead: it is back
                 peer.alive = True
+            # authorization, before anything acts on it: the message's own table (message.py)
+            # against the role and id the peer was admitted with. Cheap: a set lookup, and a
+            # getattr per id field (most types have none)
+            cls = type(msg)
+            senders = cls.SENDERS
+            if (senders is not None and peer.role not in senders) or (
+                cls.ID_FIELDS and _unauthorized(peer.role, peer.node_id, msg) is not None
+            ):
+                await self._refuse(peer, identity, rid, msg)
+                continue
             if isinstance(msg, Heartbeat):
                 if status is not None:
-                    peer.status = status
+                    if _unauthorized(peer.role, peer.node_id, status) is None:
+                        peer.status = status
+                    else:  # a status naming another node, or of a role not its own: dropped
+                        await self._refuse(peer, identity, rid, status)
                 continue
             if isinstance(msg, Bye):
                 self._forget(peer)
@@ -252,7 +313,7 @@ class RpcServer(Generic[S]):
             handler = self._disp.handlers.get(type(msg))
             if handler is None:
                 self.stats.unhandled += 1
-                self._bad(f"no handler for {type(msg).__name__}")
+                self._bad(f"no handler for {type(msg).__name__}", peer.node_id)
                 await self._reply_error(
                     identity, rid, "unhandled", f"{self.role} does not handle {type(msg).__name__}"
                 )
@@ -267,7 +328,7 @@ class RpcServer(Generic[S]):
         try:
             reply = await self._disp.call(handler, peer, msg)
         except ProtocolError as exc:  # handler-level validation of a well-formed but wrong request
-            self._bad(str(exc))
+            self._bad(str(exc), peer.node_id)
             await self._reply_error(identity, rid, "protocol", str(exc))
             return
         except TransportError as exc:
@@ -296,9 +357,12 @@ class RpcServer(Generic[S]):
         key ZAP authenticated; None without CURVE, where the claim is unauthenticated) or the id
         belongs to a live peer: a newcomer never evicts a live node (it retries and is admitted
         once liveness declares the old one dead). The same process re-handshaking on a fresh
-        socket (same pid, host and start time) takes its own entry over."""
+        socket takes its own entry over: it presents the nonce its Welcome gave it, under the
+        same CURVE key; pid, host and start time are the client's word, logged, never decisive."""
         if msg.protocol != PROTOCOL_VERSION:
-            self._bad(f"protocol {msg.protocol} from {msg.node_id}, want {PROTOCOL_VERSION}")
+            self._bad(
+                f"protocol {msg.protocol} from {msg.node_id}, want {PROTOCOL_VERSION}", msg.node_id
+            )
             await self._reply_error(
                 identity,
                 rid,
@@ -311,6 +375,8 @@ class RpcServer(Generic[S]):
                 self.opts.security.check_claim(key, msg.role, msg.node_id)
             except IdentityRefused as exc:
                 self.stats.refused_identity += 1
+                self.refused.refused_hello += 1
+                self.refusals_of(msg.node_id).refused_hello += 1
                 self.stats.last_error = str(exc)
                 self.log.warning(
                     "hello_refused", peer=msg.node_id, peer_role=msg.role, error=str(exc)
@@ -323,9 +389,11 @@ class RpcServer(Generic[S]):
             and old.identity != identity
             and old.alive
             and time.monotonic() - old.last_seen <= self.opts.dead_after_s
-            and not _same_process(old, msg)
+            and not _same_incarnation(old, msg, key)
         ):
             self.stats.refused_id_in_use += 1
+            self.refused.refused_hello += 1
+            self.refusals_of(msg.node_id).refused_hello += 1
             text = (
                 f"node id {msg.node_id!r} is held by a live peer; retry after it is declared dead"
             )
@@ -335,6 +403,7 @@ class RpcServer(Generic[S]):
             return
         if old is not None:
             self._by_identity.pop(old.identity, None)
+        same = old is not None and _same_incarnation(old, msg, key)
         peer: Peer[S] = Peer(
             node_id=msg.node_id,
             role=msg.role,
@@ -342,17 +411,27 @@ class RpcServer(Generic[S]):
             pid=msg.pid,
             host=msg.host,
             started=msg.started,
+            key=key,
+            nonce=old.nonce if same and old is not None else secrets.token_bytes(16),
+            incarnation=old.incarnation if same and old is not None else next(self._incarnations),
         )
         self.peers[msg.node_id] = peer
         self._by_identity[identity] = peer
-        self.log.info("peer_join", peer=msg.node_id, peer_role=msg.role, rejoin=old is not None)
+        self.log.info(
+            "peer_join",
+            peer=msg.node_id,
+            peer_role=msg.role,
+            rejoin=old is not None,
+            reconnect=same,
+            pid=msg.pid,
+            host=msg.host,
+        )
         if rid[:1] == b"Q":
+            welcome = Welcome(
+                protocol=PROTOCOL_VERSION, node_id=self.node_id, role=self.role, nonce=peer.nonce
+            )
             with contextlib.suppress(TransportError):
-                await self._send(
-                    identity,
-                    b"R" + rid[1:],
-                    Welcome(protocol=PROTOCOL_VERSION, node_id=self.node_id, role=self.role),
-                )
+                await self._send(identity, b"R" + rid[1:], welcome)
         if self._on_peer_join is not None:
             res = self._on_peer_join(peer)
             if asyncio.iscoroutine(res):
@@ -370,6 +449,7 @@ class RpcServer(Generic[S]):
             self._seq += 1
             self._bad_log.flush()
             self._unknown_log.flush()
+            self._unauthorized_log.flush()
             now = time.monotonic()
             status = StatusCodec.pack(self._status() if self._status else None)
             for peer in list(self.peers.values()):
@@ -398,7 +478,24 @@ class RpcServer(Generic[S]):
                     self.stats.heartbeats_dropped += 1
 
 
-def _same_process(old: Peer[Any], new: Hello) -> bool:
-    """Whether two HELLOs came from one client process (a reconnect on a fresh socket), by the
-    pid/host/started that RpcClient and Node put in Hello. Unauthenticated without CURVE."""
-    return old.pid != 0 and (old.pid, old.host, old.started) == (new.pid, new.host, new.started)
+def _same_incarnation(old: Peer[Any], new: Hello, key: str | None) -> bool:
+    """Whether a HELLO comes from the incarnation that holds `old` (its own reconnect on a fresh
+    socket): it presents the secret nonce the server's Welcome gave that incarnation, under the
+    same CURVE key (None = None without CURVE). Nothing the client merely says about itself (pid,
+    host, start time) counts: anyone can copy that."""
+    return bool(old.nonce) and old.key == key and hmac.compare_digest(old.nonce, new.nonce)
+
+
+def _unauthorized(role: str, node_id: str, msg: Message) -> str | None:
+    """Why a peer admitted as `role`/`node_id` may not send `msg` (None: it may), by the
+    message's `senders` and `id_fields` (laminar/message.py)."""
+    cls = type(msg)
+    if cls.SENDERS is not None and role not in cls.SENDERS:
+        return f"{cls.__name__} may not come from a {role} ({node_id}): senders are " + (
+            ", ".join(sorted(cls.SENDERS)) or "none (never sent on a socket)"
+        )
+    for name in cls.ID_FIELDS:
+        value = getattr(msg, name)
+        if value != node_id:
+            return f"{cls.__name__}.{name}={str(value)[:64]!r} is not the sender {node_id!r}"
+    return None

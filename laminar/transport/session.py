@@ -18,7 +18,7 @@ from typing import Generic, TypeVar
 
 import msgspec
 
-from laminar.message import Message, ProtocolError, message
+from laminar.message import ANY_ROLE, Message, ProtocolError, message
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -34,28 +34,35 @@ __all__ = [
     "StatusCodec",
 ]
 
-PROTOCOL_VERSION = 2
-"""Checked at the handshake: a peer speaking another version is refused."""
+PROTOCOL_VERSION = 3
+"""Checked at the handshake: a peer speaking another version is refused (3: the incarnation
+nonce in Welcome and Hello)."""
 
 
-@message(0x01)
+@message(0x01, senders=ANY_ROLE)  # not dispatched: the server admits it by its own rules
 class Hello(Message):  # client -> server: first message on a fresh socket
     protocol: int
     node_id: str
     role: str
     pid: int = 0
-    """The client's process id (0: not said): with host and started, tells the same process
-    re-handshaking on a fresh socket (it takes its entry over) from another one claiming the id."""
+    """The client's process id (0: not said), host and node start time (wall clock; 0: not
+    said): facts for logs and people, written by the client, so nothing is decided on them."""
     host: str = ""
     started: float = 0.0
-    """When the client's node started (wall clock; 0: not said): a restarted process differs."""
+    nonce: bytes = b""
+    """The secret the server's last Welcome gave this client (b"": none, a new incarnation).
+    Presented on a reconnect, with the same CURVE key, it lets the same process take its own
+    live entry over; anyone else claiming a live node id is refused until that peer is dead."""
 
 
-@message(0x02)
+@message(0x02, senders=ANY_ROLE)
 class Welcome(Message):  # server -> client: handshake accepted
     protocol: int
     node_id: str
     role: str
+    nonce: bytes = b""
+    """A secret for this incarnation of the client (random, from the server; the same on each
+    reconnect of the incarnation): the client keeps it and presents it in `Hello.nonce`."""
 
 
 # 0x03 is laminar.protocol.core.NodeStatus: the status a heartbeat carries
@@ -65,7 +72,7 @@ NO_STATUS = msgspec.Raw()
 (never another empty Raw, which would write a key with no value) stands for none."""
 
 
-@message(0x04)
+@message(0x04, senders=ANY_ROLE, id_fields=("node_id",))
 class Heartbeat(Message):  # both ways, every transport.heartbeat_interval_s
     node_id: str
     seq: int
@@ -73,29 +80,29 @@ class Heartbeat(Message):  # both ways, every transport.heartbeat_interval_s
     """The sender's status, msgpack-encoded by `StatusCodec.pack` (NO_STATUS: none)."""
 
 
-@message(0x05)
+@message(0x05, senders=ANY_ROLE, id_fields=("node_id",))
 class Bye(Message):  # client -> server: leaving on purpose (not a death)
     node_id: str
     reason: str = ""
 
 
-@message(0x06)
+@message(0x06, senders=ANY_ROLE)
 class ErrorReply(Message):  # server -> client: the request was rejected
     code: str
     message: str
 
 
-@message(0x07)
+@message(0x07, senders=ANY_ROLE)
 class Ack(Message):  # generic positive reply
     ok: bool = True
 
 
-@message(0x08)
+@message(0x08, senders=ANY_ROLE)
 class Ping(Message):  # any -> any: echo test
     payload: str = ""
 
 
-@message(0x09)
+@message(0x09, senders=ANY_ROLE)
 class Pong(Message):  # reply to Ping
     payload: str = ""
 

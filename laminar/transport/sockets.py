@@ -78,6 +78,10 @@ class SocketOptions:
     rcvhwm: int = 1000
     limits: Limits = DEFAULT_LIMITS
     security: Security | None = None
+    nonces: dict[tuple[str, str], bytes] = field(default_factory=dict, repr=False)
+    """(endpoint, node id) -> the secret that server's Welcome gave this node: every RpcClient
+    built with these options presents it, so all sockets of one node are one incarnation to the
+    server (`socket_options` makes one per node: a restarted node, or a stranger, has none)."""
 
     @property
     def dead_after_s(self) -> float:
@@ -106,10 +110,26 @@ class SocketStats:
     """HELLOs whose claimed role or node id their CURVE key may not claim."""
     refused_id_in_use: int = 0
     """HELLOs claiming the node id of a live peer (never evicted: refused until it is dead)."""
+    unauthorized: int = 0
+    """Messages a peer's role may not send, or naming another node in an id field."""
     last_error: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+
+@dataclass
+class RefusalCounts:
+    """What a server refused from one peer (`RpcServer.refusals`) or from all of them
+    (`RpcServer.refused`)."""
+
+    unauthorized: int = 0
+    """Messages its role may not send, or whose id fields name another node (message.py)."""
+    bad: int = 0
+    """Malformed messages: undecodable, unknown or unhandled types, failed validation, another
+    protocol version (SocketStats.bad_frames, per peer)."""
+    refused_hello: int = 0
+    """HELLOs refused: a role or node id its key may not claim, or a live peer's node id."""
 
 
 S = TypeVar("S", bound=Message)
@@ -124,9 +144,18 @@ class Peer(Generic[S]):
     role: str
     identity: bytes
     pid: int = 0
-    """The peer's process id, host and node start time, as its Hello said (0 / "": not said)."""
+    """The peer's process id, host and node start time, as its Hello said (0 / "": not said):
+    for logs and people only, since the client writes them."""
     host: str = ""
     started: float = 0.0
+    key: str | None = None
+    """The CURVE public key (z85) ZAP authenticated for its HELLO (None: no CURVE)."""
+    nonce: bytes = field(default=b"", repr=False)
+    """The secret this incarnation got in its Welcome: a HELLO presenting it (with the same key)
+    is this peer reconnecting."""
+    incarnation: int = 0
+    """Which admission of a new process under this id it is (the server's own count): the same
+    on a reconnect of one process, another after a restart."""
     last_seen: float = field(default_factory=time.monotonic)
     alive: bool = True
     status: S | None = None

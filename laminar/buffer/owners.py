@@ -1,0 +1,121 @@
+"""Who may send what: a rollout's samples come back only from it, and only in range.
+
+    owners = Owners(state)                       # the ExperienceState the ledger keeps
+    ledger.record(SamplesMoved("rollout-2", ["g/3"]))   # SamplesPlaced from the manager
+    owners.refusal("g", 3, "rollout-1")          # None: rollout-1 may send sample 3 of group g
+    limits = SampleLimits(reward_min=-10, reward_max=10, vocab=32000, max_response_tokens=256)
+    limits.refusal(t)                            # None, or why the trajectory can never be taken
+    refusals = Refusals(metrics, log); refusals.count("rollout-1", "not_owner")
+
+A sample (group_id, sample_index) may be sent by the rollout its group was served to (or
+served to before: a lease that ran out serves it again, and either copy may finish first), or,
+once the manager moved it (a repack move, a dead rollout's recovery: SamplesPlaced, sent
+before the ImportRequest), by the rollout it was placed on alone: the source exported it or
+died. The sender is the authenticated peer the transport names, never a field of the body.
+
+Placements are journaled (a SamplesMoved record, written to the OS before the manager is
+acked, so they survive a kill -9 of the buffer) and kept in ExperienceState.placed for
+unfinished samples of open groups only: an entry goes when its sample finishes or is
+abandoned, its group leaves the open state, or a lease that ran out serves the group to a new
+holder (who then runs every sample).
+
+Limits (SampleLimits, from the config by the node): a reward must be finite and within
+reward.min_value..max_value (the reward function's documented range; None, "no reward", stays
+allowed and makes the sample unusable), every token id (prompt and response) in [0, vocab),
+and a response no longer than max_response_tokens. A refused trajectory is acked with the
+reason (TrajectoryAck.refused) so its sender stops resending it, counted per peer and
+reason, and never stored: it is not journaled, not trained.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+import structlog
+
+from laminar.buffer.experience import ExperienceState
+from laminar.logs import RateLimitedLog
+from laminar.metrics import Metrics
+from laminar.protocol.buffer import Refusal
+from laminar.protocol.data import Trajectory
+
+__all__ = ["Owners", "Refusals", "SampleLimits", "ids_out_of_range"]
+
+
+class Owners:
+    """Who may send a sample, read off the experience state (holders, former holders,
+    placements); changes only through the ledger's records."""
+
+    def __init__(self, state: ExperienceState):
+        self.state = state
+
+    def refusal(self, group_id: str, index: int, sender: str) -> Refusal | None:
+        """Why `sender` may not send sample `index` of `group_id` (None: it may)."""
+        dest = self.state.placed.get(f"{group_id}/{index}")
+        if dest is not None:
+            return None if dest == sender else "not_owner"
+        g = self.state.groups.get(group_id)
+        if g is None:
+            # a closed group's late member changes nothing (the state says "late"); one never
+            # served to anyone is a forgery
+            return None if group_id in self.state.closed else "not_served"
+        if g.rollout_id == sender or sender in g.former:
+            return None
+        return "not_owner"
+
+
+def ids_out_of_range(ids: np.ndarray, vocab: int | None) -> bool:
+    """Does a token id lie outside [0, vocab)? One pass: read as unsigned, a negative id is huge."""
+    if vocab is None or not len(ids):
+        return False
+    if ids.dtype.kind == "i":
+        ids = ids.view(f"u{ids.dtype.itemsize}")
+    return int(ids.max()) >= vocab
+
+
+@dataclass(frozen=True)
+class SampleLimits:
+    reward_min: float = -math.inf
+    reward_max: float = math.inf
+    vocab: int | None = None
+    """Token ids lie in [0, vocab); None: the vocabulary is unknown and ids are not checked."""
+    max_response_tokens: int | None = None
+    """Longest response a rollout can make (None: not checked)."""
+
+    def refusal(self, t: Trajectory) -> Refusal | None:
+        r = t.reward
+        if r is not None and not (math.isfinite(r) and self.reward_min <= r <= self.reward_max):
+            return "reward_range"
+        if ids_out_of_range(t.prompt_ids, self.vocab) or ids_out_of_range(
+            t.response_ids, self.vocab
+        ):
+            return "token_range"
+        if self.max_response_tokens is not None and len(t.response_ids) > self.max_response_tokens:
+            return "too_long"
+        return None
+
+
+class Refusals:
+    """Refused samples and partial entries per peer and reason (BufferStats.refused)."""
+
+    def __init__(self, metrics: Metrics, log: structlog.typing.FilteringBoundLogger):
+        self.metrics = metrics
+        self.by_peer: defaultdict[str, Counter[str]] = defaultdict(Counter)
+        # a hostile peer sends thousands: the first few in full, then a counted summary
+        self._log = RateLimitedLog(log, "sample_refused")
+
+    def count(self, peer: str, reason: str, k: int = 1, **detail: object) -> None:
+        if k <= 0:
+            return
+        self.by_peer[peer][reason] += k
+        self.metrics.count(f"refused_{reason}", k)
+        self._log.warning(peer=peer, reason=reason, count=k, **detail)
+
+    def total(self) -> int:
+        return sum(sum(c.values()) for c in self.by_peer.values())
+
+    def figures(self) -> dict[str, dict[str, int]]:
+        return {peer: dict(c) for peer, c in self.by_peer.items()}
