@@ -150,6 +150,53 @@ async def test_token_ids_outside_the_vocabulary_are_refused(buffer_at):
     assert s.counts["trajectories"] == 1
 
 
+async def test_a_sample_with_another_prompt_than_served_is_refused(buffer_at):
+    """A served group's sample must come back with the prompt it was served with: another
+    prompt's token ids (or uid) under a served group id would train a forged prompt."""
+    h = await buffer_at(**SIM)
+    ro, tr = await h.client("r0"), await h.client("t0", "trainer")
+    mgr = await h.client("m0", "manager")
+    item = (await prompts(ro, 1)).items[0]
+    forged = finished(item, 0, 0)
+    forged.prompt_ids = np.asarray(item.prompt_ids, np.int32)[::-1].copy() + 1
+    assert (await ro.request(forged)).refused == "prompt_mismatch"
+    renamed = finished(item, 0, 0)
+    renamed.prompt_uid = item.uid + "-other"
+    assert (await ro.request(renamed)).refused == "prompt_mismatch"
+    # a partial header with another prompt starts no record
+    uid = f"{item.group_id}/1"
+    await ro.send(
+        PartialChunk(
+            uid=uid,
+            version=0,
+            offset=0,
+            token_ids=np.array([5, 6], np.int32),
+            logprobs=np.zeros(2, np.float32),
+            rollout_id="r0",
+            header=PartialTrajectory(
+                uid=uid,
+                group_id=item.group_id,
+                prompt_uid=item.uid,
+                sample_index=1,
+                prompt_ids=np.array([7, 7, 7], np.int32),
+                response_ids=np.zeros(0, np.int32),
+                logprobs=np.zeros(0, np.float32),
+                version=0,
+                n=N,
+                rollout_id="r0",
+            ),
+        )
+    )
+    assert (await mgr.request(PartialsRequest(uids=[uid]))).partials[0].response_ids.size == 0
+    for i in range(N):  # the served prompt: taken, trained
+        assert not (await ro.request(finished(item, i, 0))).refused
+    s = await stats(tr)
+    assert s.refused == {"r0": {"prompt_mismatch": 3}}
+    b = await batch(tr, 0, groups=1)
+    assert len(b.trajectories) == N
+    assert all(t.prompt_ids.tolist() == list(item.prompt_ids) for t in b.trajectories)
+
+
 async def test_a_moved_sample_comes_only_from_its_new_rollout(buffer_at):
     """The manager's SamplesPlaced (sent before its ImportRequest) moves a sample: from then on
     its tokens and its trajectory are taken from the destination alone."""

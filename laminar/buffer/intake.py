@@ -71,6 +71,8 @@ class Intake:
                 refused = self.owners.refusal(t.group_id, t.sample_index, peer_id)
             if refused is None:
                 refused = self.limits.refusal(t)
+            if refused is None and self.owners is not None:
+                refused = self.owners.prompt_refusal(t.group_id, t.prompt_uid, t.prompt_ids)
             if refused is not None:  # before anything changes: the owner's record stays
                 self.refusals.count(peer_id, refused, uid=t.uid)
                 return TrajectoryAck(refused=refused)

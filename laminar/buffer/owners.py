@@ -3,15 +3,18 @@
     owners = Owners(state)                       # the ExperienceState the ledger keeps
     ledger.record(SamplesMoved("rollout-2", ["g/3"]))   # SamplesPlaced from the manager
     owners.refusal("g", 3, "rollout-1")          # None: rollout-1 may send sample 3 of group g
+    owners.prompt_refusal("g", uid, prompt_ids)  # None: the prompt its group was served with
     limits = SampleLimits(reward_min=-10, reward_max=10, vocab=32000, max_response_tokens=256)
     limits.refusal(t)                            # None, or why the trajectory can never be taken
     refusals = Refusals(metrics, log); refusals.count("rollout-1", "not_owner")
 
-A sample (group_id, sample_index) may be sent by the rollout its group was served to (or
-served to before: a lease that ran out serves it again, and either copy may finish first), or,
-once the manager moved it (a repack move, a dead rollout's recovery: SamplesPlaced, sent
-before the ImportRequest), by the rollout it was placed on alone: the source exported it or
-died. The sender is the authenticated peer the transport names, never a field of the body.
+A sample (group_id, sample_index) comes back with the prompt its group was served with (the
+same prompt uid and token ids; prompt_refusal), and may be sent by the rollout its group was
+served to (or served to before: a lease that ran out serves it again, and either copy may
+finish first), or, once the manager moved it (a repack move, a dead rollout's recovery:
+SamplesPlaced, sent before the ImportRequest), by the rollout it was placed on alone: the source
+exported it or died. The sender is the authenticated peer the transport names, never a field of
+the body.
 
 Placements are journaled (a SamplesMoved record, written to the OS before the manager is
 acked, so they survive a kill -9 of the buffer) and kept in ExperienceState.placed for
@@ -65,6 +68,21 @@ class Owners:
         if g.rollout_id == sender or sender in g.former:
             return None
         return "not_owner"
+
+    def prompt_refusal(
+        self, group_id: str, prompt_uid: str, prompt_ids: np.ndarray
+    ) -> Refusal | None:
+        """Is the sample's prompt the one its group was served with? (None: it is, or the group
+        is not open here: refusal() and the state's late/duplicate rules decide those.)"""
+        g = self.state.groups.get(group_id)
+        if g is None or g.item is None:
+            return None
+        served = g.item.prompt_ids
+        if prompt_uid != g.prompt_uid or not (
+            len(prompt_ids) == len(served) and np.array_equal(prompt_ids, served)
+        ):
+            return "prompt_mismatch"
+        return None
 
 
 def ids_out_of_range(ids: np.ndarray, vocab: int | None) -> bool:

@@ -19,9 +19,10 @@ whose buffer connection came back sends one again. The pool keeps a contiguous p
 The entries of one batch fold in entry order, exactly as that many chunks would.
 From the network (`sender`, the authenticated peer; the pool built with Owners): a header is
 taken only for a sample the sender may send (laminar/buffer/owners.py: its group's holder, or
-the rollout the manager placed it on), and the record is then the sender's alone; an entry
-for another rollout's record, a record longer than max_response_tokens, a token id outside the
-vocabulary or a batch of more than max_entries is refused (counted per peer by the node).
+the rollout the manager placed it on) with the prompt its group was served with, and the
+record is then the sender's alone; an entry for another rollout's record, a record longer than
+max_response_tokens, a token id outside the vocabulary or a batch of more than max_entries is
+refused (counted per peer by the node).
 The pool lives in memory only: after a buffer restart it fills again from headers.
 
 Cost (bench/control_plane.py): the buffer pays per message, so rollouts batch a flush window
@@ -167,7 +168,9 @@ class _Record:
         )
 
 
-REFUSED = frozenset({"not_owner", "not_served", "token_range", "too_long", "batch_too_big"})
+REFUSED = frozenset(
+    {"not_owner", "not_served", "prompt_mismatch", "token_range", "too_long", "batch_too_big"}
+)
 """What apply/apply_batch answer for entries refused from their sender (counted per peer)."""
 
 
@@ -200,7 +203,9 @@ class PartialPool:
             return "not_owner"
         if h.group_id in self.owners.state.closed:
             return "late"  # its group was released meanwhile: nothing to keep (not a refusal)
-        why = self.owners.refusal(h.group_id, h.sample_index, sender)
+        why = self.owners.refusal(h.group_id, h.sample_index, sender) or self.owners.prompt_refusal(
+            h.group_id, h.prompt_uid, h.prompt_ids
+        )
         if why is not None:
             return why
         if ids_out_of_range(h.prompt_ids, self.vocab) or ids_out_of_range(
