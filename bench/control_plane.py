@@ -217,6 +217,10 @@ class Driver:
         ]
         """Served samples per synthetic rollout: a group's samples go back from the rollout it
         was served to (the buffer takes them from no other), so to the shard that served it."""
+        self.low = [asyncio.Event() for _ in range(self.rollouts)]
+        """Set when synthetic rollout i's queue is down to half: its feeder asks for prompts."""
+        for ev in self.low:
+            ev.set()
         self.sent = {
             "batches": 0,
             "chunks": 0,
@@ -298,25 +302,34 @@ class Driver:
         t.add_done_callback(self.bg.discard)
 
     async def supply(self, shard: int) -> None:
-        """Keeps served samples queued: the synthetic rollouts ask for prompts like real ones."""
+        """Keeps served samples queued: the synthetic rollouts of `shard` ask for prompts like
+        real ones, each on its own (a feeder per rollout)."""
+        await asyncio.gather(
+            *(self.feed(ci) for ci in range(shard, self.rollouts, len(self.shards)))
+        )
+
+    async def feed(self, ci: int) -> None:
+        """Synthetic rollout ci's prompt feeder. A real rollout asks for what its free credits
+        hold (laminar/rollout/feeder.py), so it holds about its running set: here one batch's
+        worth of samples in flight (`active`) and up to as many queued, asked for once the queue
+        is down to half. (Asking for 64 groups whenever a queue held under 64 samples leased
+        ~16x the groups a rollout runs: ~64k open samples the buffer kept and leased for
+        nothing.)"""
         from laminar.protocol.buffer import PromptReply, PromptRequest
 
-        k, mine = 0, list(range(shard, self.rollouts, len(self.shards)))
-        most = max(64, 4096 // len(mine))
+        most, n = self.entries_per_batch, self.cfg.rollout.group_size
+        queue, cli, low = self.queues[ci], self.buf[ci], self.low[ci]
         while True:
-            ci = mine[k % len(mine)]
-            k += 1
-            queue, cli = self.queues[ci], self.buf[ci]
-            if queue.qsize() > most:
-                if k % len(mine) == 0:  # a whole round found every queue full
-                    await asyncio.sleep(0.05)
-                continue
+            await low.wait()
+            low.clear()
+            want = max(1, -(-(most - queue.qsize()) // n))
             try:
                 rep = await cli.request(
-                    PromptRequest(rollout_id=cli.node_id, max_groups=64, version=0)
+                    PromptRequest(rollout_id=cli.node_id, max_groups=want, version=0)
                 )
             except Exception:  # an overloaded buffer: as a rollout would, ask again (counted)
                 self.sent["request_failed"] += 1
+                low.set()
                 continue
             assert isinstance(rep, PromptReply)
             for it in rep.items:
@@ -324,6 +337,8 @@ class Driver:
                     queue.put_nowait((it, s))
             if not rep.items:
                 await asyncio.sleep(rep.retry_after_s or 0.05)
+            if queue.qsize() <= most // 2:
+                low.set()
 
     async def train(self, shard: int) -> None:
         """A synthetic trainer: takes batches and commits them, so the buffer never fills."""
@@ -387,6 +402,8 @@ class Driver:
         queue = self.queues[ci]
         while len(active) < e and not queue.empty():
             it, s = queue.get_nowait()
+            if queue.qsize() <= e // 2:
+                self.low[ci].set()  # its feeder asks for more
             # the first fill starts part-way (the first entry brings the tokens so far): steady
             # finishes
             c0 = int(np.random.randint(self.chunks_per_traj)) if first_fill else 0
