@@ -44,7 +44,9 @@ def fetch_status(cfg: LaminarConfig, timeout: float = 3.0) -> StatusReply:
             cfg.endpoint("manager"),
             f"cli-{os.getpid()}",  # a `cli` key (laminar keys --roles cli) may claim cli-*
             "cli",
-            socket_options(cfg),
+            # its own pair when the host has one (`laminar keys DIR --roles cli`): a host with
+            # only the cli pair and the servers' public key can ask, the server pair stays home
+            socket_options(cfg, "cli"),
         )
         try:
             await cli.connect(timeout=timeout)
