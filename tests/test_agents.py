@@ -374,3 +374,74 @@ async def test_real_torch_engine_episode_matches_what_the_client_saw(tmp_path, t
         ]  # specials too
         assert np.allclose(t.logprobs[a:b], c["logprobs"], atol=1e-6)
         assert (t.logprobs[a:b] < 0).all()
+
+
+async def test_a_dead_rollouts_agent_episodes_start_again_elsewhere_once(
+    tmp_path, tiny, agent_files
+):
+    """rollout-0 dies with agent calls in flight: the manager recovers its episodes onto
+    rollout-1 (same version), where they start again from the prompt; every sample once."""
+    cfg = make_cfg(
+        tmp_path,
+        tiny,
+        "agent-death",
+        rows=4,
+        data={"epochs": 1},
+        rollout={"credits": 4},
+        agent={"fn": "tests.agent_fakes:tool_agent", "workers": 4},
+    )
+    tok = load_prompt_tokenizer(tiny, chat_template=True)
+    async with LocalCluster(cfg) as cluster:
+        r0 = await cluster.add("rollout", 0, engine=ScriptEngine(tok, hold=30.0))
+        in_flight = lambda: sum(1 for s in r0.table.seqs.values() if not s.waiting) >= 2  # noqa: E731
+        await wait_for(in_flight, 60, "calls in flight on rollout-0", cluster)
+        r1 = await cluster.add("rollout", 1, engine=ScriptEngine(tok))
+        trajs = capture(r1)
+        await cluster.kill_node("rollout-0")
+        buffer = cluster.node("buffer-0")
+        want = 4 * cfg.rollout.group_size
+
+        def stored() -> dict[str, Any]:
+            return {t.uid: t for g in buffer.state.groups.values() for t in g.members.values()}
+
+        await wait_for(lambda: len(stored()) == want, 90, f"{want} trajectories", cluster)
+        counters = dict(r1.metrics.counters)
+    done = stored()
+    assert {(t.group_id, t.sample_index) for t in done.values()} == {
+        (g.group_id, i) for g in buffer.state.groups.values() for i in range(g.n)
+    }
+    assert len(buffer.state.groups) == 4 and all(t.rollout_id == "rollout-1" for t in done.values())
+    assert counters.get("agent_restarted_on_import", 0) >= 2, counters
+    assert len({t.uid for t in trajs}) == len(trajs)  # each delivered once
+    assert all(t.reward in (0.0, 1.0) for t in done.values())
+
+
+async def test_openai_agents_sdk_agent_trains_unchanged(tmp_path, tiny, agent_files):
+    """A real agent framework from PyPI (the OpenAI Agents SDK) through the endpoint, offline."""
+    pytest.importorskip("agents")
+    cfg = make_cfg(
+        tmp_path,
+        tiny,
+        "agent-sdk",
+        rows=16,
+        cluster={"roles": {"manager": 1, "buffer": 1, "trainer": 1, "rollout": 0}},
+        trainer={"total_steps": 3, "batch_groups": 2, "lr": 1e-3, "warmup_steps": 0},
+        agent={"fn": "laminar.demo.tooldemo.sdk_agent:run", "workers": 2},
+    )
+    tok = load_prompt_tokenizer(tiny, chat_template=True)
+    engine = ScriptEngine(tok)
+    async with LocalCluster(cfg) as cluster:
+        rollout = await cluster.add("rollout", 0, engine=engine)
+        trajs = capture(rollout)
+        await cluster.wait_trainer(timeout=120)
+        counters = dict(rollout.metrics.counters)
+    assert len(read_jsonl(cfg.resolved_run_dir() / "consumed.jsonl")) == 3
+    assert not any(k.startswith("agent_failure") for k in counters), counters
+    hard = [t for t in trajs if "*" in t.prompt]
+    assert hard and all(t.turns == 2 and t.tool_calls == [] for t in hard)
+    for t in trajs:
+        model_runs = [r for r in runs(t.loss_mask) if r[0] == 1]
+        for turn, (_, a, b) in enumerate(model_runs):
+            assert t.response_ids[a:b].tolist() == engine.emitted[(t.uid, turn)][0]
+        # the SDK ran the calculator and sent its result back: the transcript is the task's
+        assert t.reward_info.get("format") == 1.0, t.completion
