@@ -386,8 +386,11 @@ class AgentConfig(Section):
     remote: bool = False
     """Episodes wait for agents running elsewhere to claim them over HTTP (docs/agents.md), instead
     of (or besides) local workers running `fn`."""
-    workers: int = Field(4, ge=1)
-    """Agent worker processes per rollout: at most this many local episodes run at once."""
+    workers: int = Field(2, ge=1)
+    """Agent worker processes per rollout."""
+    concurrency: int = Field(16, ge=1)
+    """Episodes one worker process runs at once (asyncio tasks): a rollout runs at most
+    workers x concurrency local episodes."""
     episode_timeout_s: float = Field(300.0, gt=0)
     """Wall clock per attempt of an episode (the agent's loop, its calls included); past it the
     worker is killed and the episode fails."""

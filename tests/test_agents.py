@@ -305,7 +305,12 @@ async def test_a_crashed_agent_worker_retries_its_episode_and_nothing_twice(
         "agent-crash",
         rows=3,
         data={"epochs": 1},
-        agent={"fn": "tests.agent_fakes:crashing_agent", "workers": 2, "retries": 1},
+        agent={
+            "fn": "tests.agent_fakes:crashing_agent",
+            "workers": 2,
+            "concurrency": 1,
+            "retries": 1,
+        },
     )
     tok = load_prompt_tokenizer(tiny, chat_template=True)
     async with LocalCluster(cfg) as cluster:

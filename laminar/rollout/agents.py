@@ -61,10 +61,11 @@ from laminar.config import AgentConfig
 from laminar.engines.base import Engine, GenRequest, SamplingParams
 from laminar.metrics import Metrics
 from laminar.rewards.runner import RewardResult, normalize_reward
+from laminar.rollout.agent_pool import AgentPool
 from laminar.rollout.deliver import Deliverer
 from laminar.rollout.sequences import SequenceTable
 from laminar.rollout.tracking import Growable, SeqState
-from laminar.subprocess_pool import Worker, WorkerLost, WorkerPool, WorkerTimeout
+from laminar.subprocess_pool import WorkerLost, WorkerTimeout
 from laminar.supervise import Spawn
 
 
@@ -148,7 +149,7 @@ class AgentDriver:
         self.by_uid: dict[str, AgentEpisode] = {}
         self.by_token: dict[str, AgentEpisode] = {}
         self.claims: asyncio.Queue[AgentEpisode] = asyncio.Queue()
-        self.pool: WorkerPool | None = None
+        self.pool: AgentPool | None = None
         self.base_url = ""
         """Set once the HTTP server listens (http://host:port/v1)."""
         self.delivered = 0
@@ -158,19 +159,13 @@ class AgentDriver:
         self.base_url = base_url
         if not self.cfg.fn:
             return
-        fn, timeout = self.cfg.fn, self.cfg.startup_timeout_s
-
-        async def start_one() -> Worker:
-            w = await Worker.start(
-                ["-m", "laminar.agents.worker", fn], hello_timeout_s=timeout, new_session=True
-            )
-            if w.hello.get("error"):
-                await w.kill()
-                raise RuntimeError(f"agent.fn {fn!r}: {w.hello['error']}")
-            return w
-
-        self.pool = WorkerPool(
-            start_one, self.cfg.workers, name="agent", spawn=self.spawn, log=self.log
+        self.pool = AgentPool(
+            self.cfg.fn,
+            workers=self.cfg.workers,
+            concurrency=self.cfg.concurrency,
+            hello_timeout_s=self.cfg.startup_timeout_s,
+            spawn=self.spawn,
+            log=self.log,
         )
         await self.pool.start()
 
@@ -231,11 +226,6 @@ class AgentDriver:
                 return
             await (self._returned(ep, out) if ok else self._failed(ep, *out))
             return
-        worker = await self.pool.acquire()
-        if not self._current(ep, token):
-            self.pool.release(worker)
-            return
-        ep.t_attempt = time.monotonic()
         request = {
             "base_url": self.base_url,
             "api_key": token,
@@ -243,17 +233,12 @@ class AgentDriver:
             "timeout_s": self.cfg.episode_timeout_s,
         }
         try:
-            reply = await worker.call(request, self.cfg.episode_timeout_s, dict[str, Any])
+            reply = await self.pool.run(request, self.cfg.episode_timeout_s)
         except WorkerLost as exc:
-            self.pool.replace(worker, str(exc))
             kind = "timeout" if isinstance(exc, WorkerTimeout) else "worker_died"
             if self._current(ep, token):
                 await self._failed(ep, kind, str(exc))
             return
-        except BaseException:
-            self.pool.replace(worker, "cancelled")
-            raise
-        self.pool.release(worker)
         if not self._current(ep, token):
             return
         if reply.get("ok"):
