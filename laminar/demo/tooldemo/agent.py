@@ -33,7 +33,8 @@ TOOLS = [
         },
     }
 ]
-MAX_TURNS = 4
+MAX_TURNS = 3
+"""A call, its answer, one more try: configs/tool_demo.yaml's env.limits.max_turns."""
 
 
 def run_tool(name: str, arguments: str) -> str:
