@@ -450,3 +450,23 @@ async def test_openai_agents_sdk_agent_trains_unchanged(tmp_path, tiny, agent_fi
             assert t.response_ids[a:b].tolist() == engine.emitted[(t.uid, turn)][0]
         # the SDK ran the calculator and sent its result back: the transcript is the task's
         assert t.reward_info.get("format") == 1.0, t.completion
+
+
+async def test_the_readme_agent_example_runs_as_written(tmp_path, tiny, monkeypatch):
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text.split("## Bring your own agent", 1)[1]
+    code = section.split("```python", 1)[1].split("```", 1)[0]
+    (tmp_path / "my_agent.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))  # the agent workers get this process's sys.path
+    cfg = make_cfg(
+        tmp_path, tiny, "agent-readme", rows=3, data={"epochs": 1}, agent={"fn": "my_agent:run"}
+    )
+    tok = load_prompt_tokenizer(tiny, chat_template=True)
+    async with LocalCluster(cfg) as cluster:
+        rollout = await cluster.add("rollout", 0, engine=ScriptEngine(tok))
+        trajs = capture(rollout)
+        want = 3 * cfg.rollout.group_size
+        await wait_for(lambda: len(trajs) == want, 60, f"{want} trajectories", cluster)
+    assert all(t.reward in (0.0, 1.0) and t.finish_reason == "stop" for t in trajs)
+    assert {t.turns for t in trajs if "*" in t.prompt} <= {2}
+    assert any(t.reward == 1.0 for t in trajs) and any(t.reward == 0.0 for t in trajs)
