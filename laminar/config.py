@@ -383,6 +383,8 @@ class AgentConfig(Section):
     """The agent as module:function, `async def run(row, client) -> float | dict | None` (client:
     an openai.AsyncOpenAI bound to the episode; None: reward.fn scores the transcript). Null with
     `remote` false: no agents."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Passed to `fn` as keyword arguments after (row, client)."""
     remote: bool = False
     """Episodes wait for agents running elsewhere to claim them over HTTP (docs/agents.md), instead
     of (or besides) local workers running `fn`."""

@@ -2,7 +2,7 @@
 
     python -m laminar.agents.worker my.module:run      (started by the rollout's AgentPool)
 
-    rollout ──frame({id, base_url, api_key, row, timeout_s})──► worker: task run(row, client)
+    rollout ──frame({id, base_url, api_key, row, kwargs, timeout_s})──► task run(row, client, **kw)
             ──frame({cancel: id})──► that episode's task is cancelled (its time is up)
             ◄──frame({id, ok: true, reward} | {id, ok: false, error})── as each one ends
 
@@ -67,7 +67,8 @@ async def _episode(fn: Any, req: dict[str, Any]) -> dict[str, Any]:
         timeout=float(req.get("timeout_s", 300.0)),
     )
     try:
-        return {"id": req["id"], "ok": True, "reward": _plain_reward(await fn(req["row"], client))}
+        out = await fn(req["row"], client, **req.get("kwargs", {}))
+        return {"id": req["id"], "ok": True, "reward": _plain_reward(out)}
     except Exception as exc:  # the user's agent: its failure is the episode's, not the worker's
         tb = traceback.format_exc(limit=4)
         return {"id": req["id"], "ok": False, "error": f"{type(exc).__name__}: {exc}\n{tb}"[-2000:]}

@@ -230,6 +230,7 @@ class AgentDriver:
             "base_url": self.base_url,
             "api_key": token,
             "row": self._row(ep.seq),
+            "kwargs": self.cfg.kwargs,
             "timeout_s": self.cfg.episode_timeout_s,
         }
         try:
