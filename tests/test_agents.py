@@ -284,8 +284,25 @@ async def test_bad_requests_get_openai_errors_and_the_endpoint_keeps_serving(
             with pytest.raises(openai.AuthenticationError):  # closed: its token is dead
                 await client.chat.completions.create(model="m", messages=msgs)
             await client.close()
+            # /v1/completions: a prompt that extends the episode's text adds only its new part
+            r = await http.post(f"{base}/laminar/v1/episodes/claim?wait_s=10", headers=key)
+            ep2 = await r.json()
+            c2 = openai.AsyncOpenAI(base_url=ep2["base_url"], api_key=ep2["episode"], max_retries=0)
+            p1 = ep2["row"]["prompt"]
+            out1 = await c2.completions.create(model="m", prompt=p1, logprobs=1)
+            text1 = out1.choices[0].text
+            assert out1.choices[0].logprobs.tokens and len(out1.choices[0].logprobs.tokens) >= 1
+            out2 = await c2.completions.create(model="m", prompt=p1 + text1 + "\n1+1=?")
+            assert out2.usage.prompt_tokens > out1.usage.prompt_tokens
+            await c2.close()
+            auth2 = {"Authorization": f"Bearer {ep2['episode']}"}
+            r = await http.post(
+                f"{base}/laminar/v1/episodes/close", json={"reward": 0.0}, headers=auth2
+            )
+            assert r.status == 200
         assert r1.choices[0].message.content is not None or r1.choices[0].message.tool_calls
         counters = rollout.metrics.counters
+        assert counters.get("agent_history_rewrites", 0) == 0  # both episodes extended their text
         for code in (
             "invalid_json",
             "invalid_api_key",
