@@ -166,3 +166,36 @@ async def rewriting_agent(row: dict[str, Any], client: Any) -> float:
     )
     _log("AGENT_TEST_CALLS", {"id": r3.id, "text": r3.choices[0].message.content})
     return 0.5
+
+
+async def _hold_pool() -> None:
+    """A stand-in rollout: an AgentPool with episodes in flight on an endpoint that never
+    answers; prints the worker pids, then waits to be killed (tests/test_agents.py)."""
+    import socket
+
+    import structlog
+
+    from laminar.rollout.agent_pool import AgentPool
+    from laminar.supervise import detached_spawn
+
+    pool = AgentPool(
+        "tests.agent_fakes:tool_agent",
+        workers=2,
+        concurrency=2,
+        hello_timeout_s=60,
+        spawn=detached_spawn,
+        log=structlog.get_logger(),
+    )
+    await pool.start()
+    silent = socket.socket()  # accepts connections (the backlog), never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    url = f"http://127.0.0.1:{silent.getsockname()[1]}/v1"
+    req = {"base_url": url, "api_key": "k", "row": {"prompt": "47*86=?"}, "timeout_s": 300}
+    calls = [asyncio.ensure_future(pool.run(req, 300)) for _ in range(4)]
+    print(" ".join(map(str, pool.pids())), flush=True)
+    await asyncio.gather(*calls)
+
+
+if __name__ == "__main__":
+    asyncio.run(_hold_pool())

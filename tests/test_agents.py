@@ -487,3 +487,41 @@ async def test_the_readme_agent_example_runs_as_written(tmp_path, tiny, monkeypa
     assert all(t.reward in (0.0, 1.0) and t.finish_reason == "stop" for t in trajs)
     assert {t.turns for t in trajs if "*" in t.prompt} <= {2}
     assert any(t.reward == 1.0 for t in trajs) and any(t.reward == 0.0 for t in trajs)
+
+
+def test_agent_workers_leave_with_a_killed_rollout(tmp_path):
+    """kill -9 of the process holding the agent pool, episodes in flight: its agent workers (own
+    sessions) see their pipe close and exit; nothing is left running."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.agent_fakes"],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    try:
+        assert proc.stdout is not None
+        pids = [int(p) for p in proc.stdout.readline().split()]  # after the pool's hello
+        assert len(pids) == 2
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    deadline = time.monotonic() + 20
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)  # poll of process exits, under a deadline
+    left = [p for p in pids if alive(p)]
+    for p in left:  # (only on failure) ours to stop
+        os.kill(p, signal.SIGKILL)
+    assert not left, f"agent workers outlived their rollout: {left}"
