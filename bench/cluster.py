@@ -701,6 +701,11 @@ def main(argv: list[str] | None = None) -> int:
         default="single",
         help="multiturn: tool-calling episodes (cluster_run.MULTITURN; summary *_multiturn)",
     )
+    ap.add_argument(
+        "--agents",
+        action="store_true",
+        help="multiturn episodes from a black-box agent through each rollout's OpenAI endpoint",
+    )
     ap.add_argument("--keep", type=Path, default=None, help="keep every run's directory here")
     ap.add_argument(
         "--resim",
@@ -733,6 +738,8 @@ def main(argv: list[str] | None = None) -> int:
     )  # quick: ~30 s a run
     if args.workload == "multiturn":
         prm = replace(prm, **MULTITURN)
+    if args.agents:
+        prm = replace(prm, agents=True)
     prm = replace(prm, **json.loads(args.params))
     t_start = time.time()
     load0 = os.getloadavg()

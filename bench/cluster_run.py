@@ -97,6 +97,12 @@ class BenchParams:
     """single: one response per prompt. multiturn: tool-calling episodes
     (laminar.envs.sim:SimToolEnv, the fields below; length_p50 is then per model turn), see
     MULTITURN."""
+    agents: bool = False
+    """multiturn only: the episodes are driven by a black-box agent through each rollout's
+    OpenAI-compatible endpoint (laminar.agents.sim:sim_tool_agent, the same draws) instead of
+    the in-process SimToolEnv."""
+    agent_workers: int = 1
+    """Agent worker processes per rollout (agents only)."""
     tool_calls_max: int = 8
     p_call: float = 0.8
     tool_latency_p50_s: float = 0.1
@@ -263,10 +269,29 @@ def make_config(mode: str, n: int, seed: int, prm: BenchParams, work: Path, ipc_
                 },
                 "timeline_interval_s": float(os.environ.get("LCB_TIMELINE", 0)),
             },
-            "env": env_section(prm, seed),
+            **episode_sections(prm, seed),
             "logging": {"level": "warning"},
         }
     )
+
+
+def episode_sections(prm: BenchParams, seed: int) -> dict[str, Any]:
+    """{"env": ...} (in-process environments), or with prm.agents {"agent": ...}: the same
+    episodes from an agent through the endpoint."""
+    env = env_section(prm, seed)
+    if not prm.agents:
+        return {"env": env}
+    if prm.workload != "multiturn":
+        raise ValueError("agents=true needs workload multiturn")
+    agent = {
+        "fn": "laminar.agents.sim:sim_tool_agent",
+        "kwargs": env["kwargs"],
+        "workers": prm.agent_workers,
+        "concurrency": 4 * prm.bound_b,
+        "max_calls": prm.tool_calls_max + 1,
+        "episode_timeout_s": 600,
+    }
+    return {"agent": agent}
 
 
 class LoopProbe:

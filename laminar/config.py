@@ -375,6 +375,46 @@ class EnvConfig(Section):
     limits: EnvLimits = Field(default_factory=EnvLimits)
 
 
+class AgentConfig(Section):
+    """A black-box agent (laminar/rollout/agents.py): the user's loop calls the rollout's
+    OpenAI-compatible endpoint; Laminar owns the tokens, the version and the training."""
+
+    fn: str | None = None
+    """The agent as module:function, `async def run(row, client) -> float | dict | None` (client:
+    an openai.AsyncOpenAI bound to the episode; None: reward.fn scores the transcript). Null with
+    `remote` false: no agents."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Passed to `fn` as keyword arguments after (row, client)."""
+    remote: bool = False
+    """Episodes wait for agents running elsewhere to claim them over HTTP (docs/agents.md), instead
+    of (or besides) local workers running `fn`."""
+    workers: int = Field(2, ge=1)
+    """Agent worker processes per rollout."""
+    concurrency: int = Field(16, ge=1)
+    """Episodes one worker process runs at once (asyncio tasks): a rollout runs at most
+    workers x concurrency local episodes."""
+    episode_timeout_s: float = Field(300.0, gt=0)
+    """Wall clock per attempt of an episode (the agent's loop, its calls included); past it the
+    worker is killed and the episode fails."""
+    retries: int = Field(2, ge=0)
+    """A failed episode (the agent raised, timed out or its worker died) starts again from its
+    prompt at most this many times; then it is delivered without a reward."""
+    max_calls: int = Field(16, ge=1)
+    """Model calls per episode; one past it is refused (HTTP 400)."""
+    host: str = "127.0.0.1"
+    """Address the endpoint binds (each rollout serves its own)."""
+    port: int = Field(0, ge=0, le=65535)
+    """Port of rollout 0's endpoint, rollout i uses port + i (0: any free port)."""
+    honor_sampling: bool = False
+    """Use a call's temperature / top_p. Off: the rollout's sampling settings (the trainer's
+    off-policy correction assumes them) and a call that asks otherwise is counted."""
+    startup_timeout_s: float = Field(60.0, gt=0)
+    """A worker that has not loaded `fn` by then fails the rollout."""
+    remote_key_env: str = "LAMINAR_AGENT_KEY"
+    """With `remote`: the environment variable holding the secret that agents elsewhere present
+    to claim episodes (unset: no claims are accepted)."""
+
+
 class ToolsConfig(Section):
     tools: list[str] = Field(default_factory=lambda: ["python", "calculator"])
     """Tools the tools node serves: built-in names or module:function (a plain Python callable)."""
@@ -766,9 +806,19 @@ class LaminarConfig(Section):
     buffer: BufferConfig = Field(default_factory=BufferConfig)
     env: EnvConfig = Field(default_factory=EnvConfig)
     tools: ToolsConfig = Field(default_factory=ToolsConfig)
+    agent: AgentConfig = Field(default_factory=AgentConfig)
     demo: DemoConfig | None = None
     """The demo drivers' own settings (`python -m laminar.demo`, `laminar.demo.tooldemo`);
     null for every other run."""
+
+    @model_validator(mode="after")
+    def _one_episode_kind(self) -> LaminarConfig:
+        if self.env.fn and (self.agent.fn or self.agent.remote):
+            raise ValueError(
+                "env.fn and agent.fn/agent.remote are both set: a rollout runs either in-process "
+                "environments or black-box agents; unset one of them"
+            )
+        return self
 
     # ---- derived values -------------------------------------------------------------
     def resolved_run_dir(self) -> Path:

@@ -31,6 +31,11 @@ the engine finishes (stop | length) instead of the deliverer: the environment st
 the tools node when the cluster has one), its answer is appended with loss mask 0 and the
 episode goes back into the engine at its own version; imports are rebuilt by replay first.
 
+Black-box agents (agent.fn or agent.remote set): AgentDriver (agents.py) starts each fresh sample
+as an episode of the user's agent, which calls this rollout's OpenAI-compatible endpoint
+(openai_api.py, aiohttp in this loop); each call is a turn at the episode's version. Exports are
+refused (an open HTTP call cannot move), imports start again from the prompt.
+
 Heartbeats carry engine stats plus RolloutStatus (per-trajectory KV tokens, so repack can
 choose what to move). In laminar mode with repack on, the status is also pushed as soon as it
 changes (a sequence finished, work came or left, new weights; at most every
@@ -85,7 +90,9 @@ class EngineStartTimeout(RuntimeError):
 if TYPE_CHECKING:
     from laminar.envs.base import Environment, ToolClient
     from laminar.rewards.runner import RewardRunner
+    from laminar.rollout.agents import AgentDriver
     from laminar.rollout.episodes import EpisodeDriver
+    from laminar.rollout.openai_api import OpenAIEndpoint
 
 
 class RolloutNode(Node):
@@ -110,6 +117,9 @@ class RolloutNode(Node):
         self.tools: ToolClient | None = tools
         """Tool client of the environment (else the tools node's, when the cluster has one)."""
         self.episodes: EpisodeDriver | None = None
+        self.agents: AgentDriver | None = None
+        """Black-box agents (agent.fn / agent.remote): their episodes and the HTTP endpoint."""
+        self.endpoint: OpenAIEndpoint | None = None
         self.rewards: RewardRunner | None = None
         self.tokenizer: Any = None
         """HF tokenizer of model.path (torch/vllm engines), for completions and multi-turn
@@ -160,7 +170,9 @@ class RolloutNode(Node):
 
             # completions only need decoding; an environment's turns may render the chat template
             self.tokenizer = await asyncio.to_thread(
-                load_prompt_tokenizer, cfg.model.path, chat_template=bool(cfg.env.fn)
+                load_prompt_tokenizer,
+                cfg.model.path,
+                chat_template=bool(cfg.env.fn or cfg.agent.fn or cfg.agent.remote),
             )
         if self.env is None and cfg.env.fn:
             from laminar.envs.loader import load_env
@@ -200,6 +212,8 @@ class RolloutNode(Node):
             start_s=round(time.monotonic() - self.engine_started_at, 3),
         )
         self._build_parts()
+        if self.agents is not None:  # listening (and its workers up) before the node is ready
+            await self._start_agents()
         self.engine_ready.set()
 
     async def _make_and_start_engine(self) -> None:
@@ -251,7 +265,7 @@ class RolloutNode(Node):
             notify=(self.wake, self.status_changed),
             metrics=self.metrics,
             log=self.log,
-            multi_turn=env is not None,
+            multi_turn=env is not None or self._has_agents(),
         )
         source = self.source
         self.gate = VersionGate(
@@ -295,6 +309,8 @@ class RolloutNode(Node):
                 metrics=self.metrics,
                 log=self.log,
             )
+        if self._has_agents():
+            self._build_agents(params)
         self.feeder = PromptFeeder(
             self.node_id,
             cfg.rollout,
@@ -308,6 +324,53 @@ class RolloutNode(Node):
             metrics=self.metrics,
             log=self.log,
         )
+
+    def _has_agents(self) -> bool:
+        return bool(self.cfg.agent.fn or self.cfg.agent.remote)
+
+    def _build_agents(self, params: SamplingParams) -> None:
+        import os
+
+        from laminar.agents.render import ChatRenderer
+        from laminar.rollout.agents import AgentDriver, AgentSettings
+        from laminar.rollout.openai_api import OpenAIEndpoint
+
+        cfg, ac = self.cfg, self.cfg.agent
+        assert self.engine is not None
+        settings = AgentSettings(
+            ac,
+            max_total=cfg.env.limits.max_total_tokens or params.max_tokens,
+            max_prompt_tokens=cfg.data.max_prompt_tokens,
+            model_name=cfg.model.path or cfg.name,
+            remote_key=os.environ.get(ac.remote_key_env, "") if ac.remote else "",
+        )
+        self.agents = AgentDriver(
+            settings,
+            renderer=ChatRenderer(self.tokenizer),
+            params=params,
+            engine=self.engine,
+            table=self.table,
+            deliverer=self.deliverer,
+            spawn=self.spawn,
+            metrics=self.metrics,
+            log=self.log,
+        )
+        self.table.on_start = self.agents.start
+        self.endpoint = OpenAIEndpoint(
+            self.agents,
+            host=ac.host,
+            port=ac.port + self.index if ac.port else 0,
+            metrics=self.metrics,
+            log=self.log,
+        )
+
+    async def _start_agents(self) -> None:
+        """The endpoint listens, then the agent workers start (they are handed its address)."""
+        assert self.agents is not None and self.endpoint is not None
+        url = await self.endpoint.start()
+        self.on_close(self.endpoint.close)
+        self.on_close(self.agents.close)
+        await self.agents.start_workers(url + "/v1")
 
     def _restream_all(self) -> Any:
         # the buffer connects before the engine is up: nothing in flight to restream yet
@@ -423,6 +486,9 @@ class RolloutNode(Node):
             if ev.finished:
                 if seq.exporting and ev.finish_reason == "abort":
                     continue  # the export handler owns it now
+                if self.agents is not None and self.agents.owns(seq.uid):
+                    self.agents.turn_ended(seq, ev.finish_reason or "stop")  # the call answers
+                    continue
                 if self.episodes is not None and ev.finish_reason in ("stop", "length"):
                     self.episodes.turn_ended(
                         seq, ev.finish_reason
@@ -467,6 +533,10 @@ class RolloutNode(Node):
     async def _on_export(self, peer: Peer, msg: ExportRequest) -> ExportReply | ErrorReply:
         if (busy := self._not_ready()) is not None:
             return busy
+        if self.agents is not None:
+            # an agent's open HTTP call cannot move with its episode: its episodes stay here
+            self.metrics.count("agent_export_refused", len(msg.uids) or len(self.table))
+            return ExportReply(partials=[], missing=list(msg.uids), version=self.gate.version)
         partials, missing = await self.table.export(list(msg.uids), self.node_id)
         self.metrics.count("exported", len(partials))
         self.log.info("exported", count=len(partials), missing=len(missing))
@@ -502,6 +572,9 @@ class RolloutNode(Node):
             if self.episodes is not None:  # their environment state is rebuilt by replay first
                 for uid in accepted:
                     self.episodes.adopt(self.table.seqs[uid])
+            if self.agents is not None:  # their agent died with its rollout: from the prompt
+                for uid in accepted:
+                    self.agents.adopt(self.table.seqs[uid])
         self.metrics.count("imported", len(accepted))
         self.log.info("imported", count=len(accepted), duplicate=len(duplicate))
         return ImportReply(accepted=accepted, duplicate=duplicate, version=version)

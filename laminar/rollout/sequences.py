@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import structlog
@@ -66,6 +66,9 @@ class SequenceTable:
         multi_turn: bool = False,
     ):
         self.engine, self.params = engine, params
+        self.on_start: Callable[[list[SeqState]], None] | None = None
+        """Set when a driver starts fresh samples itself (black-box agents: laminar/rollout/
+        agents.py): `start_group` hands it the new sequences instead of submitting them."""
         self.multi_turn = multi_turn
         """The rollout has an environment: sequences carry loss masks, imports wait for a replay."""
         self.notify = tuple(notify)
@@ -124,6 +127,10 @@ class SequenceTable:
             self.seqs[seq.uid] = seq
             group.open.add(seq.uid)
         self.groups[item.group_id] = group
+        if self.on_start is not None:
+            self.on_start([self.seqs[u] for u in sorted(group.open)])
+            self._changed()
+            return True
         self.engine.submit(
             GenRequest(
                 item.group_id,

@@ -29,6 +29,13 @@ node's cache. The held-out episodes here run outside the cluster (tooldemo/evalu
 with the same ToolEnv and turn template, greedy.
 
     .venv/bin/python -m pytest tests/test_tool_demo.py -q -m slow   # shortened, asserts the gain
+
+The same task as a black-box OpenAI-client agent (laminar/demo/tooldemo/agent.py, the calculator
+through `tools=`, trained through the rollouts' OpenAI-compatible endpoint); the held-out
+episodes stay the in-process ToolEnv's, which the agent's calls render into token for token:
+
+    python -m laminar.demo.tooldemo env.fn=null agent.fn=laminar.demo.tooldemo.agent:run \
+        run_dir=runs/tool-demo-agent
 """
 
 from __future__ import annotations
@@ -42,6 +49,9 @@ from typing import Any
 from laminar.config import DemoConfig, LaminarConfig, load_config
 
 TOOL_DEMO_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "tool_demo.yaml"
+AGENT_TASK_ENV = "laminar.envs.tool_env:ToolEnv"
+"""What held-out episodes run when the RL run trains an agent instead (agent.fn set, env.fn
+null): the task's own environment, greedy, in process."""
 
 
 def demo_settings(cfg: LaminarConfig) -> DemoConfig:
@@ -108,10 +118,16 @@ def evaluate(
     from laminar.envs.loader import load_env
     from laminar.tasks import tooluse as tu
 
-    env = load_env(cfg.env)
+    env_cfg = cfg.env
+    if env_cfg.fn is None and cfg.agent.fn:
+        # the run trains an agent (agent.fn): held-out episodes are the same task's ToolEnv
+        # episodes (laminar/demo/tooldemo/agent.py renders into exactly those tokens)
+        env_cfg = env_cfg.model_copy(update={"fn": AGENT_TASK_ENV, "kwargs": {"tools": [tu.TOOL]}})
+    env = load_env(env_cfg)
     if env is None:
         raise SystemExit(
-            "the tool demo needs env.fn (configs/tool_demo.yaml: laminar.envs.tool_env:ToolEnv)"
+            "the tool demo needs env.fn (configs/tool_demo.yaml: laminar.envs.tool_env:ToolEnv) "
+            "or agent.fn (laminar.demo.tooldemo.agent:run)"
         )
     return evaluate_tool_model(
         model,

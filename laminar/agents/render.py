@@ -1,0 +1,229 @@
+"""Chat messages <-> the exact tokens of an episode, for the OpenAI-compatible endpoint.
+
+    r = ChatRenderer(tokenizer)                       # HF tokenizer, TokenizerFile, or None
+    ids = r.first_ids(messages, tools)                # a whole conversation + generation prompt
+    ids = r.delta_ids(new_messages, after_eot=True)   # what follows the model's last turn
+    msg = r.assistant_message(text, tools_on, ids)    # the model's turn as an API message
+    key = canonical(message)                          # what "the same message" means
+
+Token in, token out. The endpoint renders a conversation once, at its first call; after that
+it tokenizes only the messages that follow the model's last turn (`delta_ids`), and the model's
+own tokens are never re-tokenized. Whether a call extends the episode is decided on messages,
+not on text: its messages must start with the ones the episode already holds, the assistant
+turns as the endpoint returned them (`canonical`: role, content, tool calls by name and
+parsed arguments; ids and null fields ignored, since clients echo them back differently).
+
+With a chat template (a tokenizer whose `chat_template` is set) the first call is
+`apply_chat_template(messages, tools=..., add_generation_prompt=True)`, so tools and
+tool_choice are rendered the way the model was trained to read them; a delta is what the
+template writes after an assistant turn's content, found by the marker diff of
+laminar/envs/template.py (TurnTemplate: its end-of-turn handling is reused). Without a chat
+template (the tiny char-level tokenizer) the format is the plain one of laminar/envs/template.py,
+so an OpenAI-client agent sees exactly the token sequences the in-process ToolEnv makes:
+
+    first call   BOS + system content + "\\n" + user content (later user: "\\n" + text + "\\n")
+    tool         "\\n<tool_response>" + content + "</tool_response>\\n" (consecutive ones joined)
+    assistant    its content and <tool_call>{...}</tool_call> blocks, verbatim
+    tools        not rendered (no place for them in the plain format); the model is trained on
+                 its tool. Its turn ends at "</tool_call>" (`TOOL_STOP`), as ToolEnv's does.
+
+The model's text becomes `tool_calls` by laminar/envs/toolcall.py (<tool_call>{"name": ...,
+"arguments": {...}}</tool_call> blocks, what Hermes/Qwen-style templates teach); the
+content is the text before the first block.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from laminar.envs.base import call_id
+from laminar.envs.template import _MARK, TemplateError, TurnTemplate
+from laminar.envs.toolcall import CALL_OPEN, parse_tool_calls
+
+TOOL_STOP = "</tool_call>"
+"""Ends a model turn in the plain format when the call has tools (the model writes no EOS after
+a call: the tool's answer follows)."""
+
+
+class BadMessages(ValueError):
+    """Messages the endpoint cannot render (the text says why); an HTTP 400."""
+
+
+def _content(m: dict[str, Any]) -> str:
+    c = m.get("content")
+    if c is None:
+        return ""
+    if isinstance(c, str):
+        return c
+    if isinstance(c, list):  # content parts: only text is supported
+        out = []
+        for part in c:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise BadMessages("only text content parts are supported")
+            out.append(str(part.get("text", "")))
+        return "".join(out)
+    raise BadMessages(f"message content must be a string or a list of parts, not {type(c)}")
+
+
+def _calls(m: dict[str, Any]) -> list[tuple[str, Any]]:
+    out = []
+    for tc in m.get("tool_calls") or []:
+        if not isinstance(tc, dict) or not isinstance(tc.get("function"), dict):
+            raise BadMessages("each tool_calls item needs a `function` object")
+        fn = tc["function"]
+        args: Any = fn.get("arguments", "")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args else {}
+            except ValueError:
+                pass  # compared as the string it is
+        out.append((str(fn.get("name", "")), args))
+    return out
+
+
+def canonical(m: Any) -> str:
+    """One message as a comparable string (role, content, tool calls by name and arguments)."""
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise BadMessages("each message must be an object with a string `role`")
+    role = m["role"]
+    if role not in ("system", "developer", "user", "assistant", "tool"):
+        raise BadMessages(f"unknown message role {role!r}")
+    body = [role, _content(m), _calls(m) if role == "assistant" else []]
+    return json.dumps(body, sort_keys=True, default=str)
+
+
+def _plain_message(m: dict[str, Any]) -> dict[str, Any]:
+    """A message as the chat template gets it (content as a string, tool arguments parsed)."""
+    out: dict[str, Any] = {"role": m["role"], "content": _content(m)}
+    if out["role"] == "developer":
+        out["role"] = "system"
+    if m.get("tool_calls"):
+        out["tool_calls"] = [
+            {"type": "function", "function": {"name": n, "arguments": a}} for n, a in _calls(m)
+        ]
+    if m.get("tool_call_id"):
+        out["tool_call_id"] = str(m["tool_call_id"])
+    if m.get("name"):
+        out["name"] = str(m["name"])
+    return out
+
+
+class ChatRenderer:
+    def __init__(self, tokenizer: Any):
+        self.tok = tokenizer
+        self.turns = TurnTemplate(tokenizer)
+        """The end-of-turn token and the plain format, as the in-process environments use them."""
+        self.chat = self.turns.chat
+        bos = getattr(tokenizer, "bos_token_id", None) if tokenizer is not None else None
+        self.bos: list[int] = [int(bos)] if bos is not None else []
+
+    def encode(self, text: str) -> list[int]:
+        if self.tok is None:
+            return list(text.encode("utf-8"))
+        return [int(i) for i in self.tok(text, add_special_tokens=False)["input_ids"]]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.turns.decode(ids)
+
+    def token_text(self, i: int) -> str:
+        """One token as text, special tokens included (what `logprobs` lists)."""
+        if self.tok is None:
+            return bytes([i]).decode("utf-8", errors="replace") if 0 <= i < 256 else ""
+        return str(self.tok.decode([int(i)], skip_special_tokens=False))
+
+    def stop_strings(self, tools_on: bool) -> tuple[str, ...]:
+        return (TOOL_STOP,) if tools_on and not self.chat else ()
+
+    # ---- into tokens ---------------------------------------------------------------------
+    def first_ids(self, messages: list[dict[str, Any]], tools: list[Any] | None) -> list[int]:
+        """A conversation's tokens up to the model's turn (the episode's prompt)."""
+        if not messages:
+            raise BadMessages("`messages` is empty")
+        if self.chat:
+            msgs = [_plain_message(m) for m in messages]
+            kw: dict[str, Any] = {"tools": tools} if tools else {}
+            try:
+                text = self.tok.apply_chat_template(
+                    msgs, tokenize=False, add_generation_prompt=True, **kw
+                )
+            except Exception as exc:  # jinja raises what the template's author chose
+                raise BadMessages(f"the chat template refused the messages: {exc}") from None
+            return self.encode(str(text))
+        parts, first_user = [], True
+        for m in messages:
+            role, text = m["role"], _content(m)
+            if role in ("system", "developer"):
+                parts.append(text + "\n")
+            elif role == "user":
+                parts.append(text if first_user else "\n" + text + "\n")
+                first_user = False
+            elif role == "assistant":
+                parts.append(text + "".join(_call_block(n, a) for n, a in _calls(m)))
+            else:
+                parts.append(self.turns.observation_text(text, "tool"))
+        return self.bos + self.encode("".join(parts))
+
+    def delta_ids(self, new: list[dict[str, Any]], after_eot: bool) -> list[int]:
+        """The tokens of messages that follow the model's last turn, up to its next turn.
+        `after_eot`: that turn ended on the end-of-turn token it sampled (not repeated)."""
+        if not new:
+            raise BadMessages("no new message after the model's last turn")
+        if not self.chat:
+            text, i = "", 0
+            while i < len(new):  # a run of one role: one observation, as ToolEnv renders it
+                role = "tool" if new[i]["role"] == "tool" else "user"
+                j = i
+                while j < len(new) and ("tool" if new[j]["role"] == "tool" else "user") == role:
+                    j += 1
+                text += self.turns.observation_text([_content(m) for m in new[i:j]], role)
+                i = j
+            return self.encode(text)
+        base = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _MARK}]
+        try:
+            full = str(
+                self.tok.apply_chat_template(
+                    base + [_plain_message(m) for m in new],
+                    tokenize=False,
+                    add_generation_prompt=True,
+                )
+            )
+        except Exception as exc:
+            raise BadMessages(f"the chat template refused the messages: {exc}") from None
+        cut = full.find(_MARK)
+        if cut < 0:
+            raise TemplateError("the chat template drops the assistant's content")
+        obs = full[cut + len(_MARK) :]
+        if after_eot and self.turns.eot_ids:
+            eot = self.tok.decode(self.turns.eot_ids, skip_special_tokens=False)
+            obs = obs[len(eot) :] if obs.startswith(eot) else obs
+        return self.encode(obs)
+
+    # ---- out of tokens -------------------------------------------------------------------
+    def assistant_message(
+        self, text: str, tools_on: bool, uid: str, turn: int
+    ) -> tuple[dict[str, Any], bool]:
+        """The model's turn as an API message, and whether it called tools. Tool call ids are
+        deterministic (uid, turn, index, name, arguments): laminar/envs/base.py `call_id`."""
+        msg: dict[str, Any] = {"role": "assistant", "content": text}
+        if not tools_on or CALL_OPEN not in text:
+            return msg, False
+        calls, _bad = parse_tool_calls(text)
+        if not calls:
+            return msg, False
+        msg["content"] = text[: text.find(CALL_OPEN)] or None
+        msg["tool_calls"] = [
+            {
+                "id": call_id(uid, turn, k, c.name, c.arguments),
+                "type": "function",
+                "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
+            }
+            for k, c in enumerate(calls)
+        ]
+        return msg, True
+
+
+def _call_block(name: str, args: Any) -> str:
+    body = json.dumps({"name": name, "arguments": args}, separators=(",", ":"))
+    return f"{CALL_OPEN}{body}{TOOL_STOP}"

@@ -1,0 +1,124 @@
+"""An agent worker process: runs the user's `agent.fn`, many episodes at once.
+
+    python -m laminar.agents.worker my.module:run      (started by the rollout's AgentPool)
+
+    rollout ──frame({id, base_url, api_key, row, kwargs, timeout_s})──► task run(row, client, **kw)
+            ──frame({cancel: id})──► that episode's task is cancelled (its time is up)
+            ◄──frame({id, ok: true, reward} | {id, ok: false, error})── as each one ends
+
+`client` is an `openai.AsyncOpenAI(base_url=<the rollout's endpoint>/v1, api_key=<the episode's
+token>)` with no retries (a failed call fails the attempt; the rollout starts the episode again
+from its prompt) and the episode's time limit as its timeout. Episodes are asyncio tasks of one
+loop, so an agent that blocks the loop (CPU work, a blocking call) holds up the others of its
+process: such agents want agent.concurrency 1 and more workers. The first frame is the hello:
+{pid} or {pid, error} when `fn` cannot be loaded. A thread reads the pipe (blocking reads of
+the framing in laminar/subprocess_pool.py); the loop writes replies. stdout goes to stderr, so
+the user's prints cannot corrupt the stream; EOF on the pipe (the rollout left) ends the process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import os
+import sys
+import threading
+import traceback
+from typing import Any
+
+import msgspec
+
+from laminar.rewards.runner import resolve_spec
+from laminar.subprocess_pool import protocol_fds, read_frame, write_frame
+
+
+class AgentLoadError(ValueError):
+    pass
+
+
+def load_agent(spec: str) -> Any:
+    fn = resolve_spec(spec, "agent.fn", "async def run(row, client)", AgentLoadError)
+    if not inspect.iscoroutinefunction(fn):
+        raise AgentLoadError(f"agent.fn {spec!r} must be `async def run(row, client)`")
+    return fn
+
+
+def _plain_reward(out: Any) -> Any:
+    """What crosses the pipe: numbers, None, or a dict of plain values."""
+    if out is None or isinstance(out, bool | int | float):
+        return out
+    if isinstance(out, dict):
+        return {
+            str(k): v if isinstance(v, bool | int | float | str) else str(v) for k, v in out.items()
+        }
+    if hasattr(out, "__float__"):
+        return float(out)
+    raise TypeError(f"the agent returned {type(out).__name__}; return a float, a dict or None")
+
+
+async def _episode(fn: Any, req: dict[str, Any]) -> dict[str, Any]:
+    import openai
+
+    client = openai.AsyncOpenAI(
+        base_url=req["base_url"],
+        api_key=req["api_key"],
+        max_retries=0,
+        timeout=float(req.get("timeout_s", 300.0)),
+    )
+    try:
+        out = await fn(req["row"], client, **req.get("kwargs", {}))
+        return {"id": req["id"], "ok": True, "reward": _plain_reward(out)}
+    except Exception as exc:  # the user's agent: its failure is the episode's, not the worker's
+        tb = traceback.format_exc(limit=4)
+        return {"id": req["id"], "ok": False, "error": f"{type(exc).__name__}: {exc}\n{tb}"[-2000:]}
+    finally:
+        await client.close()
+
+
+async def serve(fn: Any, proto_in: int, proto_out: int) -> None:
+    loop = asyncio.get_running_loop()
+    inbox: asyncio.Queue[bytes | None] = asyncio.Queue()
+
+    def read() -> None:
+        while True:
+            payload = read_frame(proto_in)
+            loop.call_soon_threadsafe(inbox.put_nowait, payload)
+            if payload is None:
+                return
+
+    threading.Thread(target=read, name="agent-pipe", daemon=True).start()
+    tasks: dict[int, asyncio.Task[Any]] = {}
+
+    def done(rid: int, task: asyncio.Task[dict[str, Any]]) -> None:
+        tasks.pop(rid, None)
+        if not task.cancelled():
+            write_frame(proto_out, task.result())
+
+    while (payload := await inbox.get()) is not None:
+        req = msgspec.msgpack.decode(payload, type=dict[str, Any])
+        if "cancel" in req:
+            if (t := tasks.get(int(req["cancel"]))) is not None:
+                t.cancel()
+            continue
+        rid = int(req["id"])
+        task = asyncio.ensure_future(_episode(fn, req))
+        tasks[rid] = task
+        task.add_done_callback(functools.partial(done, rid))
+    for t in list(tasks.values()):
+        t.cancel()
+
+
+def main() -> None:
+    proto_in, proto_out = protocol_fds(stdout_to=2)
+    try:
+        fn = load_agent(sys.argv[1])
+    except Exception as exc:
+        write_frame(proto_out, {"pid": os.getpid(), "error": f"{type(exc).__name__}: {exc}"})
+        return
+    write_frame(proto_out, {"pid": os.getpid()})
+    asyncio.run(serve(fn, proto_in, proto_out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,607 @@
+"""Black-box agents on a rollout: the user's loop calls this rollout's OpenAI-compatible endpoint.
+
+    feeder ──start_group──► SequenceTable ──on_start(seqs)──► AgentDriver.start: one episode per
+                                                              sample, waiting, with a secret token
+    [agent worker process] run(row, AsyncOpenAI(base_url=endpoint, api_key=token))
+        │ POST /v1/chat/completions ──► openai_api.py ──► driver.chat(token, body)
+        │                                  messages -> new tokens (mask 0) -> GenRequest(version=
+        │                                  the episode's) -> engine -> turn_ended -> the reply
+        └─ returns the reward ──► driver: deliver (reward.fn on the transcript when None);
+           raises / times out / its worker dies ──► the episode starts again from its prompt
+           (under agent.retries; then delivered without a reward)
+
+Built by the rollout node when `agent.fn` (or `agent.remote`) is set; the HTTP layer
+(openai_api.py) and the worker pool are its only callers besides the node's hooks.
+
+One version per trajectory: a sample is one episode; its calls all generate at the version it
+started on (the table is non-empty while the episode lives, so the rollout loads no weights
+under it), and each call goes into the engine as a resume of the episode's exact token sequence,
+like a turn of an in-process Environment (laminar/rollout/episodes.py).
+
+Token in, token out (laminar/agents/render.py): the first call's conversation is rendered once
+and becomes the sample's prompt; a later call whose messages start with the episode's messages
+(its assistant turns as this endpoint returned them) adds only its new messages' tokens (loss
+mask 0, logprob 0.0) and the model's tokens are the engine's sampled ids (mask 1, behaviour
+logprobs). A call whose messages do not extend the episode (the agent truncated or summarised
+its history, changed its tools) starts a new run: the trained sample is the last consistent run
+of calls, and the earlier runs' tokens are dropped and counted (`agent_history_rewrites`,
+`agent_rewrite_tokens_dropped`). Why not one sample per run: a prompt's group has
+`rollout.group_size` samples end to end (buffer, journal, advantages); extra samples would
+change what a group is. The last run is the one that led to the reward.
+
+Failures: the agent's code raising, its worker dying (kill -9) or passing agent.episode_timeout_s
+fail the attempt (`agent_failures`, `agent_failure_<kind>`); the episode's tokens are thrown
+away (the partial record restarts at offset 0), its token revoked (a late call of the old
+attempt gets 401) and it starts again from its prompt at the same version (`agent_retries`),
+at most agent.retries times; then it is delivered without a reward (`agent_gave_up`), so its
+group still completes and the sample is never trained. A sample is delivered once, whatever
+the attempts. A call over the context or the episode's token budget answers 400
+(context_length_exceeded) and marks the episode truncated: when the agent ends (or raises),
+the sample is delivered with finish_reason "length" and reward.fn scores it.
+
+Moving an agent episode (repack, recovery) cannot move the agent's open HTTP call: a rollout
+with agents refuses exports (repack leaves its episodes where they are), and an imported agent
+partial (its rollout died) starts again from its prompt here at the same version
+(`agent_restarted_on_import`), run by this rollout's workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import structlog
+
+from laminar.agents.render import BadMessages, ChatRenderer, canonical
+from laminar.config import AgentConfig
+from laminar.engines.base import Engine, GenRequest, SamplingParams
+from laminar.metrics import Metrics
+from laminar.rewards.runner import RewardResult, normalize_reward
+from laminar.rollout.agent_pool import AgentPool
+from laminar.rollout.deliver import Deliverer
+from laminar.rollout.sequences import SequenceTable
+from laminar.rollout.tracking import Growable, SeqState
+from laminar.subprocess_pool import WorkerLost, WorkerTimeout
+from laminar.supervise import Spawn
+
+
+class ApiError(Exception):
+    """An HTTP error in the OpenAI error shape: {"error": {message, type, param, code}}."""
+
+    def __init__(
+        self, status: int, message: str, code: str, kind: str = "invalid_request_error"
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.kind = status, message, code, kind
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {"message": self.message, "type": self.kind, "param": None, "code": self.code}
+        }
+
+
+@dataclass
+class CallParams:
+    """One call's sampling knobs, checked (see openai_api.parse_*)."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: tuple[str, ...] = ()
+    logprobs: bool = False
+
+
+@dataclass
+class AgentEpisode:
+    seq: SeqState
+    token: str
+    first_prompt: np.ndarray
+    """The served prompt ids (what the sample reverts to when it starts again)."""
+    attempt: int = 0
+    consumed: list[str] | None = None
+    """Canonical messages the episode's tokens hold (None: no call yet in this run)."""
+    text: str | None = None
+    """/v1/completions: the text the episode's tokens hold (prompt + completions)."""
+    tools_key: str = ""
+    after_eot: bool = False
+    calls: int = 0
+    busy: bool = False
+    truncated: bool = False
+    pending: asyncio.Future[str] | None = None
+    outcome: asyncio.Future[tuple[bool, Any]] | None = None
+    """Remote agents: (ok, reward or error text), set by the close call."""
+    t_attempt: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class AgentSettings:
+    cfg: AgentConfig
+    max_total: int
+    """Response tokens per episode (model and agent together)."""
+    max_prompt_tokens: int
+    model_name: str
+    remote_key: str = ""
+    """Secret that claims remote episodes (empty: remote claims refused)."""
+
+
+class AgentDriver:
+    def __init__(
+        self,
+        settings: AgentSettings,
+        *,
+        renderer: ChatRenderer,
+        params: SamplingParams,
+        engine: Engine,
+        table: SequenceTable,
+        deliverer: Deliverer,
+        spawn: Spawn,
+        metrics: Metrics,
+        log: structlog.typing.FilteringBoundLogger,
+    ):
+        self.s, self.cfg = settings, settings.cfg
+        self.render, self.base_params = renderer, params
+        self.engine, self.table, self.deliverer = engine, table, deliverer
+        self.spawn, self.metrics, self.log = spawn, metrics, log
+        self.by_uid: dict[str, AgentEpisode] = {}
+        self.by_token: dict[str, AgentEpisode] = {}
+        self.claims: asyncio.Queue[AgentEpisode] = asyncio.Queue()
+        self.pool: AgentPool | None = None
+        self.base_url = ""
+        """Set once the HTTP server listens (http://host:port/v1)."""
+        self.delivered = 0
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    async def start_workers(self, base_url: str) -> None:
+        self.base_url = base_url
+        if not self.cfg.fn:
+            return
+        self.pool = AgentPool(
+            self.cfg.fn,
+            workers=self.cfg.workers,
+            concurrency=self.cfg.concurrency,
+            hello_timeout_s=self.cfg.startup_timeout_s,
+            spawn=self.spawn,
+            log=self.log,
+        )
+        await self.pool.start()
+
+    async def close(self) -> None:
+        if self.pool is not None:
+            await self.pool.close()
+
+    # ---- from the table (feeder) and the node -------------------------------------------------
+    def start(self, seqs: list[SeqState]) -> None:
+        """Fresh samples: each an episode waiting for its agent's first call."""
+        for seq in seqs:
+            self.table.set_waiting(seq, True)
+            ep = AgentEpisode(seq, "", seq.prompt_ids.copy())
+            self.by_uid[seq.uid] = ep
+            self._launch(ep)
+
+    def adopt(self, seq: SeqState) -> None:
+        """An imported agent partial (its rollout died mid-episode): its agent and the open call
+        went with that rollout, so it starts again from its prompt here, at its version."""
+        self.metrics.count("agent_restarted_on_import")
+        ep = AgentEpisode(seq, "", seq.prompt_ids.copy())
+        self.by_uid[seq.uid] = ep
+        self._clear(ep)
+        self._launch(ep)
+
+    def owns(self, uid: str) -> bool:
+        return uid in self.by_uid
+
+    def turn_ended(self, seq: SeqState, reason: str) -> None:
+        """The engine finished a call's model turn (or gave up on it)."""
+        ep = self.by_uid.get(seq.uid)
+        self.table.set_waiting(seq, True)
+        self.table.mark_dirty(seq.uid)
+        if ep is not None and ep.pending is not None and not ep.pending.done():
+            ep.pending.set_result(reason)
+
+    # ---- attempts --------------------------------------------------------------------------
+    def _launch(self, ep: AgentEpisode) -> None:
+        ep.token = "lmn-" + secrets.token_urlsafe(24)
+        self.by_token[ep.token] = ep
+        ep.t_attempt = time.monotonic()
+        self.spawn(self._attempt(ep, ep.token), "agent-episode")
+
+    def _current(self, ep: AgentEpisode, token: str) -> bool:
+        return self.by_token.get(token) is ep and self.by_uid.get(ep.seq.uid) is ep
+
+    async def _attempt(self, ep: AgentEpisode, token: str) -> None:
+        if self.pool is None:  # remote agents claim it
+            ep.outcome = asyncio.get_running_loop().create_future()
+            self.claims.put_nowait(ep)
+            try:
+                ok, out = await asyncio.wait_for(
+                    asyncio.shield(ep.outcome), self.cfg.episode_timeout_s
+                )
+            except TimeoutError:
+                ok, out = False, ("timeout", f"no close within {self.cfg.episode_timeout_s:g}s")
+            if not self._current(ep, token):
+                return
+            await (self._returned(ep, out) if ok else self._failed(ep, *out))
+            return
+        request = {
+            "base_url": self.base_url,
+            "api_key": token,
+            "row": self._row(ep.seq),
+            "kwargs": self.cfg.kwargs,
+            "timeout_s": self.cfg.episode_timeout_s,
+        }
+        try:
+            reply = await self.pool.run(request, self.cfg.episode_timeout_s)
+        except WorkerLost as exc:
+            kind = "timeout" if isinstance(exc, WorkerTimeout) else "worker_died"
+            if self._current(ep, token):
+                await self._failed(ep, kind, str(exc))
+            return
+        if not self._current(ep, token):
+            return
+        if reply.get("ok"):
+            await self._returned(ep, reply.get("reward"))
+        else:
+            await self._failed(ep, "exception", str(reply.get("error", "?")))
+
+    @staticmethod
+    def _row(seq: SeqState) -> dict[str, Any]:
+        row = dict(seq.row)
+        row.setdefault("prompt", seq.prompt)
+        row.setdefault("uid", seq.prompt_uid)
+        return row
+
+    async def _returned(self, ep: AgentEpisode, reward: Any) -> None:
+        """The agent's run returned `reward`: deliver the sample."""
+        await self._stop_generating(ep)
+        score: RewardResult | None = None
+        if reward is not None:
+            try:
+                score = RewardResult(*normalize_reward(reward))
+            except Exception as exc:  # the agent's return value is user data
+                self.metrics.count("agent_bad_reward")
+                score = RewardResult.failure("format", f"agent reward: {exc}")
+        if ep.seq.length == 0:
+            self.metrics.count("agent_no_calls")
+            score = RewardResult.failure("agent", "the agent made no model call")
+            self._finish(ep, "error", score)
+            return
+        self._finish(ep, "length" if ep.truncated else "stop", score)
+
+    async def _failed(self, ep: AgentEpisode, kind: str, why: str) -> None:
+        self.metrics.count("agent_failures")
+        self.metrics.count(f"agent_failure_{kind}")
+        self.log.warning(
+            "agent_failed", uid=ep.seq.uid, kind=kind, attempt=ep.attempt, error=why[:300]
+        )
+        await self._stop_generating(ep)
+        if ep.truncated and ep.seq.length:  # it ran out of tokens; its transcript is scored
+            self._finish(ep, "length", None)
+            return
+        if ep.attempt >= self.cfg.retries:
+            self.metrics.count("agent_gave_up")
+            self._finish(ep, "error", RewardResult.failure("agent", f"{kind}: {why}"))
+            return
+        self.metrics.count("agent_retries")
+        ep.attempt += 1
+        self._clear(ep)
+        self._launch(ep)
+
+    async def _stop_generating(self, ep: AgentEpisode) -> None:
+        """Revoke the attempt's token; a call of it in the engine is aborted."""
+        self.by_token.pop(ep.token, None)
+        seq = ep.seq
+        if ep.pending is not None and not ep.pending.done():
+            ep.pending.set_result("abort")
+        if not seq.waiting and self.table.seqs.get(seq.uid) is seq:
+            seq.exporting = True  # its abort event is ours (the node's events loop skips it)
+            await self.engine.abort([seq.uid])
+            seq.exporting = False
+            self.table.set_waiting(seq, True)
+
+    def _clear(self, ep: AgentEpisode) -> None:
+        """Back to the served prompt with no tokens; the partial record restarts at offset 0."""
+        seq = ep.seq
+        seq.ids, seq.logprobs = Growable(np.int32), Growable(np.float32)
+        seq.mask = Growable(np.uint8)
+        seq.prompt_ids = ep.first_prompt.copy()
+        seq.sent_upto, seq.turn, seq.turn_start, seq.awaiting_env = 0, 0, 0, False
+        ep.consumed, ep.text, ep.tools_key = None, None, ""
+        ep.after_eot, ep.calls, ep.truncated = False, 0, False
+        self.table.mark_dirty(seq.uid)
+
+    def _finish(self, ep: AgentEpisode, reason: str, score: RewardResult | None) -> None:
+        seq = ep.seq
+        self.by_uid.pop(seq.uid, None)
+        self.by_token.pop(ep.token, None)
+        if self.table.seqs.get(seq.uid) is not seq:
+            return
+        self.table.forget(seq.uid)
+        self.metrics.add("agent_calls_per_episode", ep.calls)
+        self.metrics.count(f"agent_finish_{reason}")
+        self.delivered += 1
+        self.deliverer.finished(seq, reason, score)
+
+    # ---- remote agents --------------------------------------------------------------------
+    async def claim(self, key: str, wait_s: float) -> dict[str, Any] | None:
+        if not self.s.remote_key or not secrets.compare_digest(key, self.s.remote_key):
+            self.metrics.count("agent_http_error_invalid_api_key")
+            raise ApiError(401, "not a key that may claim episodes", "invalid_api_key")
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                ep = await asyncio.wait_for(
+                    self.claims.get(), max(0.0, deadline - time.monotonic())
+                )
+            except TimeoutError:
+                return None
+            if self.by_token.get(ep.token) is ep:  # not restarted or finished meanwhile
+                return {
+                    "episode": ep.token,
+                    "row": self._row(ep.seq),
+                    "base_url": self.base_url,
+                    "timeout_s": self.cfg.episode_timeout_s,
+                }
+
+    def close_episode(self, token: str, body: Any) -> None:
+        ep = self._episode(token)
+        if ep.outcome is None or ep.outcome.done():
+            raise ApiError(409, "this episode is not a remote one, or already closed", "closed")
+        if not isinstance(body, dict):
+            raise ApiError(400, "the body must be a JSON object", "bad_body")
+        if body.get("error"):
+            ep.outcome.set_result((False, ("remote_error", str(body["error"]))))
+        else:
+            ep.outcome.set_result((True, body.get("reward")))
+
+    # ---- the endpoint's calls -------------------------------------------------------------
+    def _episode(self, token: str) -> AgentEpisode:
+        ep = self.by_token.get(token)
+        if ep is None:
+            raise ApiError(
+                401,
+                "unknown or closed episode: the API key is not a live episode token",
+                "invalid_api_key",
+                "authentication_error",
+            )
+        return ep
+
+    async def chat(self, token: str, body: dict[str, Any], params: CallParams) -> dict[str, Any]:
+        ep = self._episode(token)
+        messages, tools = body["messages"], body.get("tools") or None
+        tools_on = bool(tools) and body.get("tool_choice") != "none"
+        try:
+            canon = [canonical(m) for m in messages]
+            key = canonical_tools(tools if tools_on else None)
+            n = len(ep.consumed) if ep.consumed is not None else -1
+            extends = (
+                ep.consumed is not None
+                and key == ep.tools_key
+                and canon[:n] == ep.consumed
+                and len(canon) > n
+            )
+            if extends:
+                new = self.render.delta_ids(messages[n:], ep.after_eot)
+                prompt = None
+            else:
+                new, prompt = [], self.render.first_ids(messages, tools if tools_on else None)
+        except BadMessages as exc:
+            raise ApiError(400, str(exc), "invalid_messages") from None
+        stops = self.render.stop_strings(tools_on)
+        async with self._call(ep, token):
+            if prompt is not None:
+                self._new_run(ep, prompt)
+                ep.tools_key = key
+            reason, ids, lps = await self._generate(ep, token, new, params, stops)
+            text = self.render.decode(ids.tolist())
+            msg, called = self.render.assistant_message(text, tools_on, ep.seq.uid, ep.seq.turn)
+            ep.consumed = canon + [canonical(msg)]
+        finish = "tool_calls" if called else ("length" if reason == "length" else "stop")
+        return {
+            "id": f"chatcmpl-{ep.seq.uid}-{ep.attempt}-{ep.seq.turn}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.s.model_name,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": msg,
+                    "finish_reason": finish,
+                    "logprobs": {"content": self._logprobs(ids, lps)} if params.logprobs else None,
+                }
+            ],
+            "usage": self._usage(ep, len(ids)),
+        }
+
+    async def completion(self, token: str, prompt: str, params: CallParams) -> dict[str, Any]:
+        ep = self._episode(token)
+        async with self._call(ep, token):
+            if ep.text is not None and prompt.startswith(ep.text) and len(prompt) > len(ep.text):
+                new = self.render.encode(prompt[len(ep.text) :])
+            else:
+                new = []
+                self._new_run(ep, self.render.bos + self.render.encode(prompt))
+            reason, ids, lps = await self._generate(ep, token, new, params, ())
+            text = self.render.decode(ids.tolist())
+            ep.text = prompt + text
+        lp = None
+        if params.logprobs:
+            toks = [self.render.token_text(int(i)) for i in ids]
+            lp = {
+                "tokens": toks,
+                "token_logprobs": [float(x) for x in lps],
+                "top_logprobs": None,
+                "text_offset": list(np.cumsum([0] + [len(t) for t in toks[:-1]]).tolist()),
+            }
+        return {
+            "id": f"cmpl-{ep.seq.uid}-{ep.attempt}-{ep.seq.turn}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.s.model_name,
+            "choices": [
+                {
+                    "index": 0,
+                    "text": text,
+                    "finish_reason": "length" if reason == "length" else "stop",
+                    "logprobs": lp,
+                }
+            ],
+            "usage": self._usage(ep, len(ids)),
+        }
+
+    def _call(self, ep: AgentEpisode, token: str) -> _OneCall:
+        if ep.busy:
+            raise ApiError(
+                409,
+                "a call of this episode is in flight: an episode's calls go one "
+                "at a time (its token sequence is one line)",
+                "call_in_flight",
+            )
+        if ep.calls >= self.cfg.max_calls:
+            raise ApiError(
+                400,
+                f"the episode made agent.max_calls ({self.cfg.max_calls}) calls already",
+                "max_calls_exceeded",
+            )
+        return _OneCall(ep)
+
+    def _new_run(self, ep: AgentEpisode, prompt: list[int]) -> None:
+        if len(prompt) > self.s.max_prompt_tokens:
+            ep.truncated = True
+            raise ApiError(
+                400,
+                f"the conversation is {len(prompt)} tokens; this model's "
+                f"prompts hold at most {self.s.max_prompt_tokens} "
+                "(data.max_prompt_tokens)",
+                "context_length_exceeded",
+            )
+        seq = ep.seq
+        if ep.consumed is not None or ep.text is not None:  # the agent rewrote its history
+            self.metrics.count("agent_history_rewrites")
+            self.metrics.count("agent_rewrite_tokens_dropped", seq.length)
+            self._clear(ep)
+        seq.prompt_ids = np.asarray(prompt, np.int32)
+        seq.sent_upto = 0
+        self.table.mark_dirty(seq.uid)  # the header (with this prompt) restarts the record
+
+    async def _generate(
+        self,
+        ep: AgentEpisode,
+        token: str,
+        new: list[int],
+        params: CallParams,
+        stops: tuple[str, ...],
+    ) -> tuple[str, np.ndarray, np.ndarray]:
+        seq = ep.seq
+        if seq.length + len(new) >= self.s.max_total:
+            ep.truncated = True
+            raise ApiError(
+                400,
+                f"the episode would hold {seq.length + len(new)} response tokens; "
+                f"at most {self.s.max_total} (env.limits.max_total_tokens or "
+                "rollout.sampling.max_tokens)",
+                "context_length_exceeded",
+            )
+        if self.engine.version != seq.version:
+            raise RuntimeError(
+                f"{seq.uid}: agent episode at version {seq.version} would run on an engine at "
+                f"version {self.engine.version}"
+            )
+        if new:
+            seq.append_env(np.asarray(new, np.int32))
+            self.metrics.count("agent_input_tokens", len(new))
+            seq.turn += 1
+        seq.turn_start = seq.length
+        sp = self.base_params
+        if params.temperature is not None or params.top_p is not None:
+            if self.cfg.honor_sampling:
+                sp = replace(
+                    sp,
+                    temperature=sp.temperature
+                    if params.temperature is None
+                    else params.temperature,
+                    top_p=sp.top_p if params.top_p is None else params.top_p,
+                )
+            elif (params.temperature, params.top_p) != (sp.temperature, sp.top_p):
+                self.metrics.count("agent_sampling_ignored")
+        cap = self.s.max_total
+        if params.max_tokens is not None:
+            cap = min(cap, seq.length + params.max_tokens)
+        extra = tuple(s for s in (*params.stop, *stops) if s not in sp.stop)
+        sp = replace(sp, max_tokens=cap, stop=tuple(sp.stop) + extra)
+        ep.pending = asyncio.get_running_loop().create_future()
+        self.table.set_waiting(seq, False)
+        self.table.mark_dirty(seq.uid)
+        t0 = time.monotonic()
+        self.engine.submit(
+            GenRequest(
+                seq.uid,
+                seq.prompt_ids,
+                sp,
+                n=1,
+                version=seq.version,
+                resume_ids=seq.ids.copy(),
+                resume_logprobs=seq.logprobs.copy(),
+                single=True,
+                turn=seq.turn,
+                turn_start=seq.turn_start,
+            )
+        )
+        left = self.cfg.episode_timeout_s - (time.monotonic() - ep.t_attempt)
+        try:
+            reason = await asyncio.wait_for(asyncio.shield(ep.pending), max(left, 0.001))
+        except TimeoutError:
+            raise ApiError(504, "the episode's time is up", "timeout", "server_error") from None
+        finally:
+            ep.pending = None
+        if not self._current(ep, token) or reason not in ("stop", "length"):
+            raise ApiError(409, f"the episode ended or started again ({reason})", "episode_closed")
+        ep.calls += 1
+        self.metrics.count("agent_calls")
+        self.metrics.add("agent_call_s", time.monotonic() - t0)
+        ids = seq.ids.view(seq.turn_start, seq.length).copy()
+        lps = seq.logprobs.view(seq.turn_start, seq.length).copy()
+        ep.after_eot = self.render.turns.ended_with_eot(ids.tolist())
+        return reason, ids, lps
+
+    def _logprobs(self, ids: np.ndarray, lps: np.ndarray) -> list[dict[str, Any]]:
+        out = []
+        for i, lp in zip(ids.tolist(), lps.tolist(), strict=True):
+            tok = self.render.token_text(i)
+            out.append(
+                {"token": tok, "logprob": lp, "bytes": list(tok.encode()), "top_logprobs": []}
+            )
+        return out
+
+    @staticmethod
+    def _usage(ep: AgentEpisode, completion: int) -> dict[str, int]:
+        prompt = len(ep.seq.prompt_ids) + ep.seq.turn_start
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
+
+
+class _OneCall:
+    """An episode's calls go one at a time."""
+
+    def __init__(self, ep: AgentEpisode):
+        self.ep = ep
+
+    async def __aenter__(self) -> None:
+        self.ep.busy = True
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self.ep.busy = False
+
+
+def canonical_tools(tools: Any) -> str:
+    if tools is None:
+        return ""
+    import json
+
+    return json.dumps(tools, sort_keys=True, default=str)

@@ -1,0 +1,201 @@
+"""Fakes for the black-box agent tests: an engine that writes scripted text, and test agents.
+
+ScriptEngine writes, per sequence and turn, the text a tool-using policy would write on the
+tool demo's task (laminar/tasks/tooluse.py): a hard prompt's turn 0 is the calculator call,
+turn 1 the answer; an easy prompt's turn 0 is the answer. Whether an answer is right depends
+on a hash of the sequence id, so GRPO groups hold both outcomes. Every token it makes is
+recorded with its logprob (`emitted[(uid, turn)]`), so a test can compare trajectories with
+what the engine really sampled.
+
+The agents run in agent worker processes (laminar/agents/worker.py): what they see is written
+to files named by environment variables the test sets before the rollout starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import re
+import zlib
+from typing import Any
+
+import numpy as np
+
+from laminar.engines.base import GenRequest, TokenEvent
+from laminar.tasks import tooluse
+from tests.multiturn_fakes import TurnEngine
+
+
+def script(uid: str, prompt: str, turn: int) -> str:
+    right = hashlib.sha256(uid.encode()).digest()[0] % 2 == 0  # (crc32's low bit is linear)
+    task = re.search(r"\d\d[*+]\d+=\?", prompt)
+    if task is None:
+        return "#0"
+    prompt = task.group(0)
+    answer = tooluse.answer_of(prompt) + (0 if right else 1)
+    if "*" in prompt and turn == 0:
+        return tooluse.tool_call_text(tooluse.expression(prompt))
+    return f"#{answer}"
+
+
+class ScriptEngine(TurnEngine):
+    name = "script"
+
+    def __init__(self, tokenizer: Any, step_s: float = 0.002, hold: float = 0.0):
+        super().__init__(step_s)
+        self.tok = tokenizer
+        self.hold = hold
+        """Seconds each turn's first token is held back (a call in flight, for fault tests)."""
+        self.emitted: dict[tuple[str, int], tuple[list[int], list[float]]] = {}
+
+    def submit(self, req: GenRequest) -> None:
+        super().submit(req)
+        prompt = self.tok.decode(req.prompt_ids.tolist(), skip_special_tokens=True)
+        for sid in req.seq_ids():
+            s = self.running[sid]
+            ids = self.tok(script(sid, prompt, req.turn), add_special_tokens=False)["input_ids"]
+            text = script(sid, prompt, req.turn)
+            s["script"] = list(ids) + ([] if text.endswith("</tool_call>") else [2])  # <eos>
+            s["end"] = s["start"] + len(s["script"])
+            s["stop"] = tuple(req.params.stop)
+            s["t0"] = asyncio.get_running_loop().time()
+            self.emitted[(sid, req.turn)] = ([], [])  # a new run of the episode starts afresh
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.step_s)  # the emulated decode step
+            for sid, s in list(self.running.items()):
+                i = len(s["ids"])
+                if i == s["start"] and loop.time() - s["t0"] < self.hold:
+                    continue
+                tok = int(s["script"][i - s["start"]])
+                lp = -0.01 * (i + 1) - 0.001 * (zlib.crc32(sid.encode()) % 7)
+                s["ids"].append(tok)
+                s["lps"].append(lp)
+                got = self.emitted.setdefault((sid, s["turn"]), ([], []))
+                got[0].append(tok)
+                got[1].append(lp)
+                self.tokens_generated += 1
+                reason = "stop" if i + 1 >= s["end"] else "length" if i + 1 >= s["cap"] else None
+                if reason:
+                    del self.running[sid]
+                self._emit(
+                    TokenEvent(
+                        sid,
+                        np.array([tok], np.int32),
+                        np.array([lp], np.float32),
+                        reason,
+                        s["version"],
+                    )
+                )
+
+
+def _log(var: str, record: dict[str, Any]) -> None:
+    path = os.environ.get(var)
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def effect(call_id: str, expression: str) -> str:
+    """A side-effecting calculator: each run appends its call id (the test checks: once each)."""
+    _log("AGENT_TEST_EFFECTS", {"call_id": call_id})
+    return str(tooluse.answer_of(expression + "=?"))
+
+
+async def tool_agent(row: dict[str, Any], client: Any) -> float:
+    """The calculator agent through the official client; logs what each call returned."""
+    from laminar.demo.tooldemo.agent import TOOLS
+
+    messages: list[Any] = [{"role": "user", "content": row["prompt"]}]
+    text = ""
+    for _ in range(4):
+        resp = await client.chat.completions.create(
+            model="policy", messages=messages, tools=TOOLS, logprobs=True
+        )
+        ch = resp.choices[0]
+        _log(
+            "AGENT_TEST_CALLS",
+            {
+                "id": resp.id,
+                "tokens": [t.token for t in ch.logprobs.content],
+                "logprobs": [t.logprob for t in ch.logprobs.content],
+                "finish": ch.finish_reason,
+            },
+        )
+        messages.append(ch.message)
+        if not ch.message.tool_calls:
+            text = ch.message.content or ""
+            break
+        for tc in ch.message.tool_calls:
+            args = json.loads(tc.function.arguments)
+            messages.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": tc.id,
+                    "content": effect(tc.id, args["expression"]),
+                }
+            )
+    return float(text.strip() == f"#{row['answer']}")
+
+
+async def crashing_agent(row: dict[str, Any], client: Any) -> float:
+    """Calls once, then kills its own worker process on the first attempt of each episode."""
+    resp = await client.chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": row["prompt"]}]
+    )
+    key = resp.id.rsplit("-", 2)[0]  # chatcmpl-<uid>: the episode, whatever the attempt
+    marker = os.path.join(os.environ["AGENT_TEST_DIR"], key.replace("/", "_"))
+    if not os.path.exists(marker):
+        open(marker, "w").close()
+        os.kill(os.getpid(), 9)
+    return 1.0 if zlib.crc32(resp.id.encode()) % 2 else 0.0
+
+
+async def rewriting_agent(row: dict[str, Any], client: Any) -> float:
+    """Two calls, then a third that drops the history (a summary): the last run is trained."""
+    msgs: list[Any] = [{"role": "user", "content": row["prompt"]}]
+    r1 = await client.chat.completions.create(model="p", messages=msgs)
+    msgs += [r1.choices[0].message, {"role": "user", "content": "again"}]
+    await client.chat.completions.create(model="p", messages=msgs)
+    r3 = await client.chat.completions.create(
+        model="p", messages=[{"role": "user", "content": "summary " + row["prompt"]}]
+    )
+    _log("AGENT_TEST_CALLS", {"id": r3.id, "text": r3.choices[0].message.content})
+    return 0.5
+
+
+async def _hold_pool() -> None:
+    """A stand-in rollout: an AgentPool with episodes in flight on an endpoint that never
+    answers; prints the worker pids, then waits to be killed (tests/test_agents.py)."""
+    import socket
+
+    import structlog
+
+    from laminar.rollout.agent_pool import AgentPool
+    from laminar.supervise import detached_spawn
+
+    pool = AgentPool(
+        "tests.agent_fakes:tool_agent",
+        workers=2,
+        concurrency=2,
+        hello_timeout_s=60,
+        spawn=detached_spawn,
+        log=structlog.get_logger(),
+    )
+    await pool.start()
+    silent = socket.socket()  # accepts connections (the backlog), never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    url = f"http://127.0.0.1:{silent.getsockname()[1]}/v1"
+    req = {"base_url": url, "api_key": "k", "row": {"prompt": "47*86=?"}, "timeout_s": 300}
+    calls = [asyncio.ensure_future(pool.run(req, 300)) for _ in range(4)]
+    print(" ".join(map(str, pool.pids())), flush=True)
+    await asyncio.gather(*calls)
+
+
+if __name__ == "__main__":
+    asyncio.run(_hold_pool())

@@ -1,0 +1,527 @@
+"""Black-box agents: a user's OpenAI-client loop trains through the rollout's endpoint.
+
+    .venv/bin/python -m pytest tests/test_agents.py -q
+
+In this process over inproc (LocalCluster): manager, buffer, a torch trainer on a tiny
+character-level model, and one rollout whose engine writes scripted text (tests/agent_fakes.py)
+or is the real torch engine. Agents run in agent worker processes (laminar/agents/worker.py)
+and call the endpoint with the official `openai` client on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+import openai
+import pytest
+
+from laminar.agents.render import ChatRenderer
+from laminar.cluster import LocalCluster
+from laminar.config import config_from_dict
+from laminar.models.prompt_tokenizer import load_prompt_tokenizer
+from laminar.protocol.data import Trajectory
+from laminar.tasks import tooluse
+from tests.agent_fakes import ScriptEngine
+from tests.sim_cluster import consumed, read_jsonl
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    from laminar.models.tiny import build_tiny_model
+
+    return build_tiny_model(
+        tmp_path_factory.mktemp("tiny") / "model",
+        alphabet=tooluse.ALPHABET,
+        hidden=32,
+        layers=1,
+        heads=2,
+        kv_heads=1,
+        max_positions=256,
+    )
+
+
+def make_cfg(tmp: Path, model: Path, name: str, rows: int, **over: Any):
+    data = tmp / "train.jsonl"
+    tooluse.write_jsonl(tooluse.generate(rows, "train", seed=1), data)
+    base: dict[str, Any] = {
+        "name": name,
+        "run_dir": str(tmp / "run"),
+        "cluster": {
+            "transport": "inproc",
+            "roles": {"manager": 1, "buffer": 1, "trainer": 0, "rollout": 0},
+        },
+        "transport": {
+            "heartbeat_interval_s": 0.1,
+            "heartbeat_liveness": 20,
+            "request_timeout_s": 2.0,
+            "startup_timeout_s": 30.0,
+            "stop_timeout_s": 5.0,
+            "reconnect_backoff_s": 0.02,
+            "reconnect_backoff_max_s": 0.1,
+        },
+        "model": {"path": str(model)},
+        "data": {"train": str(data), "epochs": 5, "shuffle": False},
+        "reward": {"fn": "laminar.tasks.tooluse:reward", "workers": 0},
+        "rollout": {
+            "engine": "torch",
+            "group_size": 2,
+            "credits": 2,
+            "weights": "dir",
+            "prompt_retry_s": 0.05,
+            "sampling": {"max_tokens": 160, "temperature": 1.0},
+        },
+        "buffer": {"retry_after_s": 0.05},
+        "agent": {"fn": "tests.agent_fakes:tool_agent", "workers": 2, "episode_timeout_s": 30},
+    }
+    for k, v in over.items():
+        base[k] = {**base.get(k, {}), **v} if isinstance(v, dict) else v
+    return config_from_dict(base)
+
+
+async def wait_for(cond: Any, timeout: float, what: str, cluster: LocalCluster) -> None:
+    end = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        cluster.check()
+        if asyncio.get_running_loop().time() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)  # poll of a condition with no event of its own, under a deadline
+
+
+def capture(rollout: Any) -> list[Trajectory]:
+    """Every trajectory the rollout delivers (scored), as it hands it to its outbox."""
+    got: list[Trajectory] = []
+    orig = rollout.outbox.put
+
+    def put(msg: Any) -> None:
+        if isinstance(msg, Trajectory):
+            got.append(msg)
+        orig(msg)
+
+    rollout.outbox.put = put
+    return got
+
+
+def runs(mask: np.ndarray) -> list[tuple[int, int, int]]:
+    """(value, start, end) of each run of equal mask values."""
+    out, start = [], 0
+    for i in range(1, len(mask) + 1):
+        if i == len(mask) or mask[i] != mask[start]:
+            out.append((int(mask[start]), start, i))
+            start = i
+    return out
+
+
+@pytest.fixture
+def agent_files(tmp_path, monkeypatch):
+    files = {
+        "AGENT_TEST_EFFECTS": tmp_path / "effects.jsonl",
+        "AGENT_TEST_CALLS": tmp_path / "calls.jsonl",
+    }
+    for k, v in files.items():
+        monkeypatch.setenv(k, str(v))
+    monkeypatch.setenv("AGENT_TEST_DIR", str(tmp_path))
+    return files
+
+
+async def test_tool_agent_through_the_openai_client_trains_ten_steps(tmp_path, tiny, agent_files):
+    cfg = make_cfg(
+        tmp_path,
+        tiny,
+        "agent-train",
+        rows=40,
+        cluster={"roles": {"manager": 1, "buffer": 1, "trainer": 1, "rollout": 0}},
+        trainer={"total_steps": 10, "batch_groups": 2, "lr": 1e-3, "warmup_steps": 0},
+    )
+    tok = load_prompt_tokenizer(tiny, chat_template=True)
+    engine = ScriptEngine(tok)
+    async with LocalCluster(cfg) as cluster:
+        rollout = await cluster.add("rollout", 0, engine=engine)
+        trajs = capture(rollout)
+        await cluster.wait_trainer(timeout=120)
+        metrics = dict(rollout.metrics.counters)
+    steps = read_jsonl(cfg.resolved_run_dir() / "metrics.jsonl")
+    assert len([m for m in steps if "step" in m]) >= 10
+    # the policy moved: some step had advantages (rewards differ within groups) and a gradient
+    assert any(m.get("grad_norm", 0.0) > 0 for m in steps), steps[-1]
+    assert rollout.gate.version >= 1 or any(t.version >= 1 for t in trajs)  # new weights came
+    used = [u for step in consumed(cfg) for u in step["uids"]]
+    assert len(used) >= 10 * 2 * 2
+    assert len(set(used)) == len(used)  # nothing trained twice
+    render = ChatRenderer(tok)
+    by_uid = {}
+    for t in trajs:
+        assert t.uid not in by_uid, "a sample delivered twice"
+        by_uid[t.uid] = t
+        prompt = tok.decode(t.prompt_ids.tolist(), skip_special_tokens=True)
+        assert t.prompt_ids.tolist() == render.first_ids(
+            [{"role": "user", "content": t.prompt}], None
+        )
+        assert prompt == t.prompt
+        mask = t.loss_mask
+        assert mask is not None and len(mask) == len(t.response_ids) == len(t.logprobs)
+        segs = runs(mask)
+        model_runs = [s for s in segs if s[0] == 1]
+        for turn, (_, a, b) in enumerate(model_runs):
+            ids, lps = engine.emitted[(t.uid, turn)]
+            assert t.response_ids[a:b].tolist() == ids  # the exact sampled tokens
+            assert np.allclose(t.logprobs[a:b], lps)  # their behaviour logprobs
+        for _, a, b in [s for s in segs if s[0] == 0]:
+            assert np.all(t.logprobs[a:b] == 0.0)
+            text = tok.decode(t.response_ids[a:b].tolist(), skip_special_tokens=True)
+            expr = tooluse.expression(t.prompt)
+            assert text == tooluse.tool_response_text(str(tooluse.answer_of(expr + "=?")))
+        hard = "*" in t.prompt
+        assert len(model_runs) == (2 if hard else 1) and t.turns == len(model_runs)
+        assert t.reward in (0.0, 1.0)
+    # what the client got back is what was trained: tokens and logprobs of each call
+    calls = read_jsonl(agent_files["AGENT_TEST_CALLS"])
+    assert calls
+    for c in calls:
+        uid = c["id"].removeprefix("chatcmpl-").rsplit("-", 2)[0]
+        if uid not in by_uid:
+            continue  # still in flight when the trainer stopped
+        turn = int(c["id"].rsplit("-", 1)[1])  # the episode's turn
+        ids, lps = engine.emitted[(uid, turn)]
+        assert "".join(c["tokens"]) == tok.decode(ids, skip_special_tokens=False)
+        assert np.allclose(c["logprobs"][: len(ids)], lps[: len(c["logprobs"])])
+        assert c["finish"] == ("tool_calls" if "</tool_call>" in "".join(c["tokens"]) else "stop")
+    # the side-effecting tool ran once per call id
+    effects = Counter(e["call_id"] for e in read_jsonl(agent_files["AGENT_TEST_EFFECTS"]))
+    assert effects and max(effects.values()) == 1
+    tool_calls = sum(1 for t in trajs if "*" in t.prompt)
+    assert len(effects) >= tool_calls
+    # the tool-call stop string went to the engine with the calls that declared tools
+    assert all("</tool_call>" in r.params.stop for r in engine.submitted)
+    assert metrics.get("agent_calls", 0) >= len(trajs)
+    assert not any(k.startswith("agent_failure") for k in metrics), metrics
+
+
+async def test_bad_requests_get_openai_errors_and_the_endpoint_keeps_serving(
+    tmp_path, tiny, monkeypatch
+):
+    """An agent elsewhere claims an episode (remote protocol), then bad calls, then good ones."""
+    monkeypatch.setenv("LAMINAR_AGENT_KEY", "secret-key")
+    cfg = make_cfg(tmp_path, tiny, "agent-errors", rows=4, agent={"fn": None, "remote": True})
+    tok = load_prompt_tokenizer(tiny, chat_template=True)
+    async with LocalCluster(cfg) as cluster:
+        rollout = await cluster.add("rollout", 0, engine=ScriptEngine(tok))
+        base = rollout.endpoint.url
+        async with aiohttp.ClientSession() as http:
+            bad_key = {"Authorization": "Bearer nope"}
+            r = await http.post(f"{base}/laminar/v1/episodes/claim?wait_s=5", headers=bad_key)
+            assert r.status == 401
+            key = {"Authorization": "Bearer secret-key"}
+            r = await http.post(f"{base}/laminar/v1/episodes/claim?wait_s=10", headers=key)
+            assert r.status == 200, await r.text()
+            ep = await r.json()
+            auth = {"Authorization": f"Bearer {ep['episode']}"}
+            url = f"{base}/v1/chat/completions"
+            msgs = [{"role": "user", "content": ep["row"]["prompt"]}]
+            cases = [
+                (b"{not json", auth, 400, "invalid_json"),
+                (json.dumps({"messages": msgs}).encode(), bad_key, 401, "invalid_api_key"),
+                (json.dumps({"messages": "hi"}).encode(), auth, 400, "invalid_messages"),
+                (
+                    json.dumps({"messages": msgs, "stream": True}).encode(),
+                    auth,
+                    400,
+                    "unsupported_parameter",
+                ),
+                (
+                    json.dumps({"messages": msgs, "n": 3}).encode(),
+                    auth,
+                    400,
+                    "unsupported_parameter",
+                ),
+                (
+                    json.dumps({"messages": msgs, "temperature": "hot"}).encode(),
+                    auth,
+                    400,
+                    "invalid_value",
+                ),
+                (
+                    json.dumps({"messages": [{"role": "robot", "content": "x"}]}).encode(),
+                    auth,
+                    400,
+                    "invalid_messages",
+                ),
+                (
+                    json.dumps({"messages": [{"role": "user", "content": "9" * 600}]}).encode(),
+                    auth,
+                    400,
+                    "context_length_exceeded",
+                ),
+            ]
+            for body, headers, status, code in cases:
+                r = await http.post(url, data=body, headers=headers)
+                assert r.status == status, (code, await r.text())
+                err = (await r.json())["error"]
+                assert err["code"] == code and err["message"] and "type" in err
+            r = await http.get(f"{base}/v1/models", headers=auth)
+            assert (await r.json())["data"][0]["owned_by"] == "laminar"
+            # the episode is fine: the official client drives it to the end
+            client = openai.AsyncOpenAI(
+                base_url=ep["base_url"], api_key=ep["episode"], max_retries=0
+            )
+            tools = [{"type": "function", "function": {"name": "calculator", "parameters": {}}}]
+            first = client.chat.completions.create(model="m", messages=msgs, tools=tools)
+            second = client.chat.completions.create(model="m", messages=msgs, tools=tools)
+            got = await asyncio.gather(first, second, return_exceptions=True)
+            conflicts = [g for g in got if isinstance(g, openai.ConflictError)]
+            assert len(conflicts) == 1  # one call of an episode at a time
+            r1 = next(g for g in got if not isinstance(g, BaseException))
+            r = await http.post(
+                f"{base}/laminar/v1/episodes/close", json={"reward": 1.0}, headers=auth
+            )
+            assert r.status == 200
+            with pytest.raises(openai.AuthenticationError):  # closed: its token is dead
+                await client.chat.completions.create(model="m", messages=msgs)
+            await client.close()
+            # /v1/completions: a prompt that extends the episode's text adds only its new part
+            r = await http.post(f"{base}/laminar/v1/episodes/claim?wait_s=10", headers=key)
+            ep2 = await r.json()
+            c2 = openai.AsyncOpenAI(base_url=ep2["base_url"], api_key=ep2["episode"], max_retries=0)
+            p1 = ep2["row"]["prompt"]
+            out1 = await c2.completions.create(model="m", prompt=p1, logprobs=1)
+            text1 = out1.choices[0].text
+            assert out1.choices[0].logprobs.tokens and len(out1.choices[0].logprobs.tokens) >= 1
+            out2 = await c2.completions.create(model="m", prompt=p1 + text1 + "\n1+1=?")
+            assert out2.usage.prompt_tokens > out1.usage.prompt_tokens
+            await c2.close()
+            auth2 = {"Authorization": f"Bearer {ep2['episode']}"}
+            r = await http.post(
+                f"{base}/laminar/v1/episodes/close", json={"reward": 0.0}, headers=auth2
+            )
+            assert r.status == 200
+        assert r1.choices[0].message.content is not None or r1.choices[0].message.tool_calls
+        counters = rollout.metrics.counters
+        assert counters.get("agent_history_rewrites", 0) == 0  # both episodes extended their text
+        for code in (
+            "invalid_json",
+            "invalid_api_key",
+            "invalid_messages",
+            "unsupported_parameter",
+            "call_in_flight",
+        ):
+            assert counters.get(f"agent_http_error_{code}", 0) >= 1, (code, counters)
+
+
+async def test_a_crashed_agent_worker_retries_its_episode_and_nothing_twice(
+    tmp_path, tiny, agent_files
+):
+    cfg = make_cfg(
+        tmp_path,
+        tiny,
+        "agent-crash",
+        rows=3,
+        data={"epochs": 1},
+        agent={
+            "fn": "tests.agent_fakes:crashing_agent",
+            "workers": 2,
+            "concurrency": 1,
+            "retries": 1,
+        },
+    )
+    tok = load_prompt_tokenizer(tiny, chat_template=True)
+    async with LocalCluster(cfg) as cluster:
+        rollout = await cluster.add("rollout", 0, engine=ScriptEngine(tok))
+        trajs = capture(rollout)
+        want = 3 * cfg.rollout.group_size
+        await wait_for(lambda: len(trajs) == want, 90, f"{want} trajectories", cluster)
+        counters = dict(rollout.metrics.counters)
+    assert len({t.uid for t in trajs}) == want  # each sample delivered once
+    assert counters["agent_failure_worker_died"] == want  # each episode's first attempt died
+    assert counters["agent_retries"] == want
+    assert all(t.reward in (0.0, 1.0) and t.finish_reason == "stop" for t in trajs)
+    assert all(t.turns == 1 and t.loss_mask is not None and t.loss_mask.all() for t in trajs)
+
+
+async def test_rewritten_history_trains_the_last_consistent_run(tmp_path, tiny, agent_files):
+    cfg = make_cfg(
+        tmp_path,
+        tiny,
+        "agent-rewrite",
+        rows=2,
+        data={"epochs": 1},
+        agent={"fn": "tests.agent_fakes:rewriting_agent"},
+    )
+    tok = load_prompt_tokenizer(tiny, chat_template=True)
+    engine = ScriptEngine(tok)
+    async with LocalCluster(cfg) as cluster:
+        rollout = await cluster.add("rollout", 0, engine=engine)
+        trajs = capture(rollout)
+        want = 2 * cfg.rollout.group_size
+        await wait_for(lambda: len(trajs) == want, 60, f"{want} trajectories", cluster)
+        counters = dict(rollout.metrics.counters)
+    assert counters["agent_history_rewrites"] == want
+    assert counters["agent_rewrite_tokens_dropped"] > 0
+    render = ChatRenderer(tok)
+    for t in trajs:
+        want_prompt = render.first_ids([{"role": "user", "content": "summary " + t.prompt}], None)
+        assert t.prompt_ids.tolist() == want_prompt  # the last run's conversation
+        assert t.turns == 1 and t.loss_mask.all() and t.reward == 0.5
+        assert t.response_ids.tolist() == engine.emitted[(t.uid, 0)][0]
+
+
+async def test_real_torch_engine_episode_matches_what_the_client_saw(tmp_path, tiny, agent_files):
+    cfg = make_cfg(
+        tmp_path,
+        tiny,
+        "agent-torch",
+        rows=2,
+        data={"epochs": 1},
+        rollout={"sampling": {"max_tokens": 40, "temperature": 1.0}},
+        agent={"fn": "tests.agent_fakes:tool_agent"},
+    )
+    async with LocalCluster(cfg) as cluster:
+        rollout = await cluster.add("rollout", 0)
+        trajs = capture(rollout)
+        want = 2 * cfg.rollout.group_size
+        await wait_for(lambda: len(trajs) == want, 90, f"{want} trajectories", cluster)
+    calls = {c["id"]: c for c in read_jsonl(Path(os.environ["AGENT_TEST_CALLS"]))}
+    tok = rollout.tokenizer
+    for t in trajs:
+        c = calls[f"chatcmpl-{t.uid}-0-0"]
+        a, b = runs(t.loss_mask)[0][1:]
+        assert runs(t.loss_mask)[0][0] == 1
+        assert [tok.decode([i]) for i in t.response_ids[a:b].tolist()] == c[
+            "tokens"
+        ]  # specials too
+        assert np.allclose(t.logprobs[a:b], c["logprobs"], atol=1e-6)
+        assert (t.logprobs[a:b] < 0).all()
+
+
+async def test_a_dead_rollouts_agent_episodes_start_again_elsewhere_once(
+    tmp_path, tiny, agent_files
+):
+    """rollout-0 dies with agent calls in flight: the manager recovers its episodes onto
+    rollout-1 (same version), where they start again from the prompt; every sample once."""
+    cfg = make_cfg(
+        tmp_path,
+        tiny,
+        "agent-death",
+        rows=4,
+        data={"epochs": 1},
+        rollout={"credits": 4},
+        agent={"fn": "tests.agent_fakes:tool_agent", "workers": 4},
+    )
+    tok = load_prompt_tokenizer(tiny, chat_template=True)
+    async with LocalCluster(cfg) as cluster:
+        r0 = await cluster.add("rollout", 0, engine=ScriptEngine(tok, hold=30.0))
+        in_flight = lambda: sum(1 for s in r0.table.seqs.values() if not s.waiting) >= 2  # noqa: E731
+        await wait_for(in_flight, 60, "calls in flight on rollout-0", cluster)
+        r1 = await cluster.add("rollout", 1, engine=ScriptEngine(tok))
+        trajs = capture(r1)
+        await cluster.kill_node("rollout-0")
+        buffer = cluster.node("buffer-0")
+        want = 4 * cfg.rollout.group_size
+
+        def stored() -> dict[str, Any]:
+            return {t.uid: t for g in buffer.state.groups.values() for t in g.members.values()}
+
+        await wait_for(lambda: len(stored()) == want, 90, f"{want} trajectories", cluster)
+        counters = dict(r1.metrics.counters)
+    done = stored()
+    assert {(t.group_id, t.sample_index) for t in done.values()} == {
+        (g.group_id, i) for g in buffer.state.groups.values() for i in range(g.n)
+    }
+    assert len(buffer.state.groups) == 4 and all(t.rollout_id == "rollout-1" for t in done.values())
+    assert counters.get("agent_restarted_on_import", 0) >= 2, counters
+    assert len({t.uid for t in trajs}) == len(trajs)  # each delivered once
+    assert all(t.reward in (0.0, 1.0) for t in done.values())
+
+
+async def test_openai_agents_sdk_agent_trains_unchanged(tmp_path, tiny, agent_files):
+    """A real agent framework from PyPI (the OpenAI Agents SDK) through the endpoint, offline."""
+    pytest.importorskip("agents")
+    cfg = make_cfg(
+        tmp_path,
+        tiny,
+        "agent-sdk",
+        rows=16,
+        cluster={"roles": {"manager": 1, "buffer": 1, "trainer": 1, "rollout": 0}},
+        trainer={"total_steps": 3, "batch_groups": 2, "lr": 1e-3, "warmup_steps": 0},
+        agent={"fn": "laminar.demo.tooldemo.sdk_agent:run", "workers": 2},
+    )
+    tok = load_prompt_tokenizer(tiny, chat_template=True)
+    engine = ScriptEngine(tok)
+    async with LocalCluster(cfg) as cluster:
+        rollout = await cluster.add("rollout", 0, engine=engine)
+        trajs = capture(rollout)
+        await cluster.wait_trainer(timeout=120)
+        counters = dict(rollout.metrics.counters)
+    assert len(read_jsonl(cfg.resolved_run_dir() / "consumed.jsonl")) == 3
+    assert not any(k.startswith("agent_failure") for k in counters), counters
+    hard = [t for t in trajs if "*" in t.prompt]
+    assert hard and all(t.turns == 2 and t.tool_calls == [] for t in hard)
+    for t in trajs:
+        model_runs = [r for r in runs(t.loss_mask) if r[0] == 1]
+        for turn, (_, a, b) in enumerate(model_runs):
+            assert t.response_ids[a:b].tolist() == engine.emitted[(t.uid, turn)][0]
+        # the SDK ran the calculator and sent its result back: the transcript is the task's
+        assert t.reward_info.get("format") == 1.0, t.completion
+
+
+async def test_the_readme_agent_example_runs_as_written(tmp_path, tiny, monkeypatch):
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text.split("## Bring your own agent", 1)[1]
+    code = section.split("```python", 1)[1].split("```", 1)[0]
+    (tmp_path / "my_agent.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))  # the agent workers get this process's sys.path
+    cfg = make_cfg(
+        tmp_path, tiny, "agent-readme", rows=3, data={"epochs": 1}, agent={"fn": "my_agent:run"}
+    )
+    tok = load_prompt_tokenizer(tiny, chat_template=True)
+    async with LocalCluster(cfg) as cluster:
+        rollout = await cluster.add("rollout", 0, engine=ScriptEngine(tok))
+        trajs = capture(rollout)
+        want = 3 * cfg.rollout.group_size
+        await wait_for(lambda: len(trajs) == want, 60, f"{want} trajectories", cluster)
+    assert all(t.reward in (0.0, 1.0) and t.finish_reason == "stop" for t in trajs)
+    assert {t.turns for t in trajs if "*" in t.prompt} <= {2}
+    assert any(t.reward == 1.0 for t in trajs) and any(t.reward == 0.0 for t in trajs)
+
+
+def test_agent_workers_leave_with_a_killed_rollout(tmp_path):
+    """kill -9 of the process holding the agent pool, episodes in flight: its agent workers (own
+    sessions) see their pipe close and exit; nothing is left running."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.agent_fakes"],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    try:
+        assert proc.stdout is not None
+        pids = [int(p) for p in proc.stdout.readline().split()]  # after the pool's hello
+        assert len(pids) == 2
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    deadline = time.monotonic() + 20
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)  # poll of process exits, under a deadline
+    left = [p for p in pids if alive(p)]
+    for p in left:  # (only on failure) ours to stop
+        os.kill(p, signal.SIGKILL)
+    assert not left, f"agent workers outlived their rollout: {left}"
