@@ -196,6 +196,57 @@ def _as_tensor(value: Any) -> torch.Tensor:
     return value if isinstance(value, torch.Tensor) else torch.from_numpy(np.asarray(value))
 
 
+def validate_adapter(
+    named: Mapping[str, Any], lora: LoraConfig, shapes: Mapping[str, tuple[int, int]] | None
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """(A, B) per target module of a version, or AdapterRejected naming what is wrong.
+
+    `shapes`: (in, out) of every target module by path, all of which must be there; None when
+    the model is not at hand (vLLM): the modules are then those the names give, each a target."""
+    if shapes is None:
+        modules = {n.removeprefix(PREFIX).rsplit(".lora_", 1)[0] for n in named}
+        strays = sorted(m for m in modules if m.rsplit(".", 1)[-1] not in lora.target_modules)
+        if strays or not named:
+            raise AdapterRejected(f"adapter modules {strays[:2]} are not in model.lora's targets")
+        expected = {version_names(m)[i] for m in modules for i in (0, 1)}
+    else:
+        modules = set(shapes)
+        expected = {version_names(m)[i] for m in shapes for i in (0, 1)}
+    missing, unexpected = sorted(expected - set(named)), sorted(set(named) - expected)
+    if missing or unexpected:
+        raise AdapterRejected(
+            f"adapter names do not match model.lora's targets: {len(missing)} missing "
+            f"{missing[:2]}, {len(unexpected)} unexpected {unexpected[:2]}"
+        )
+    staged = {}
+    r = lora.rank
+    for module in sorted(modules):
+        a_name, b_name = version_names(module)
+        a, b = _as_tensor(named[a_name]), _as_tensor(named[b_name])
+        i, o = shapes[module] if shapes is not None else (a.shape[-1], b.shape[0])
+        if tuple(a.shape) != (r, i) or tuple(b.shape) != (o, r):
+            raise AdapterRejected(
+                f"{module}: A {tuple(a.shape)} / B {tuple(b.shape)}, expected {(r, i)} / "
+                f"{(o, r)} (model.lora.rank {r})"
+            )
+        if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
+            raise AdapterRejected(f"{module}: the adapter holds NaN or inf")
+        staged[module] = (a, b)
+    return staged
+
+
+def config_target_shapes(cfg: Mapping[str, Any], lora: LoraConfig) -> dict[str, tuple[int, int]]:
+    """(in, out) of every target module of a Llama-family config.json, by module path (the HF
+    tree: model.layers.N.self_attn.q_proj, ... .mlp.down_proj)."""
+    shapes = _linear_shapes(cfg)
+    out = {}
+    for layer in range(int(cfg["num_hidden_layers"])):
+        for name in lora.target_modules:
+            block = "mlp" if name in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            out[f"model.layers.{layer}.{block}.{name}"] = shapes[name]
+    return out
+
+
 class MergedAdapter:
     """Serves adapter versions on a plain model by merging them into its target weights:
     W = W0 + alpha/r * B @ A, W0 a pristine copy of the base kept from construction."""
@@ -214,28 +265,8 @@ class MergedAdapter:
 
     def validate(self, named: Mapping[str, Any]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """(A, B) per target module, or AdapterRejected naming what is wrong; touches nothing."""
-        missing = sorted(set(self.expected) - set(named))
-        unexpected = sorted(set(named) - set(self.expected))
-        if missing or unexpected:
-            raise AdapterRejected(
-                f"adapter names do not match model.lora's targets: {len(missing)} missing "
-                f"{missing[:2]}, {len(unexpected)} unexpected {unexpected[:2]}"
-            )
-        staged = {}
-        r = self.lora.rank
-        for module, lin in self.targets.items():
-            a_name, b_name = version_names(module)
-            a, b = _as_tensor(named[a_name]), _as_tensor(named[b_name])
-            want_a, want_b = (r, lin.in_features), (lin.out_features, r)
-            if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
-                raise AdapterRejected(
-                    f"{module}: A {tuple(a.shape)} / B {tuple(b.shape)}, expected {want_a} / "
-                    f"{want_b} (model.lora.rank {r})"
-                )
-            if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
-                raise AdapterRejected(f"{module}: the adapter holds NaN or inf")
-            staged[module] = (a, b)
-        return staged
+        shapes = {n: (m.in_features, m.out_features) for n, m in self.targets.items()}
+        return validate_adapter(named, self.lora, shapes)
 
     def apply(self, named_tensors: Iterable[tuple[str, Any]] | Mapping[str, Any]) -> None:
         """Merge one version into the target weights (all of them, or none on AdapterRejected)."""
@@ -277,10 +308,23 @@ def write_adapter_dir(
 
 
 def adapter_config(lora: LoraConfig, base_path: str | None = None) -> dict[str, Any]:
-    """adapter_config.json's content (peft's own serialisation of its LoraConfig)."""
-    cfg = peft_config(lora, base_path).to_dict()
-    cfg["target_modules"] = sorted(cfg["target_modules"])  # peft keeps a set
-    return cfg
+    """adapter_config.json's content: the fields of peft's LoraConfig that describe this adapter
+    (peft fills the rest with its defaults; vLLM reads the same ones), without importing peft."""
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_path,
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
+        "target_modules": sorted(lora.target_modules),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+        "inference_mode": True,
+    }
 
 
 def read_adapter_dir(path: str | Path) -> tuple[LoraConfig, dict[str, torch.Tensor]]:
