@@ -28,6 +28,7 @@ from laminar.trainer.policy import Policy
 from laminar.weights.channel import DirPublisher, DirSubscriber
 from laminar.weights.layout import align_up, layout_of, named_list
 from tests.test_trainer import make_cfg, make_trajs, on_policy
+from tests.test_trainer_node import harness  # noqa: F401  (a fixture)
 
 LORA = {"rank": 4, "alpha": 8}
 
@@ -467,3 +468,74 @@ def test_two_rank_fsdp_lora_matches_one_process(tmp_path):
     assert mine_w.keys() == theirs["weights"].keys()
     for n, w in mine_w.items():
         torch.testing.assert_close(theirs["weights"][n], w, atol=1e-5, rtol=0, msg=n)
+
+
+# ---- the trainer node through the relay tier -----------------------------------------------
+
+
+async def test_adapter_versions_go_through_the_relay_tier(tiny, tmp_path, harness):  # noqa: F811
+    """The trainer node publishes adapters only, through a relay; a rollout's engine loads them
+    from the relay's shared memory (the base from model.path); push_bytes is the adapter's
+    bytes; snapshots carry their LoRA settings."""
+    from laminar.demo.results import load_snapshot
+    from laminar.node import relay_links
+    from laminar.relay.node import RelayNode
+    from laminar.rollout.versions import VersionGate
+    from laminar.supervise import detached_spawn
+    from laminar.transport.sockets import Wiring
+    from laminar.weights.channel import RelaySubscriber
+    from laminar.weights.relay_client import WeightPuller
+    from tests.test_trainer_node import groups_of, node_cfg, read_jsonl, run_trainer
+
+    ctx, make = harness
+    cfg = node_cfg(tmp_path, tiny, total_steps=2, snapshot_every=1, lr=3e-2)
+    cfg.model.lora = LoraConfig(**LORA)
+    cfg.cluster.roles = {"manager": 1, "buffer": 1, "relay": 1, "trainer": 1, "rollout": 0}
+    cfg.relay.shm_dir = str(tmp_path / "shm")
+    (tmp_path / "shm").mkdir()
+    await make(cfg, groups_of(make_trajs(n_groups=4, group=2)))
+    relay = RelayNode(cfg, ctx=ctx)
+    relay_task = asyncio.create_task(relay.run())
+    engine = TorchEngine.from_config(cfg.rollout, cfg.model, max_running=2)
+    try:
+        await asyncio.wait_for(relay.ready.wait(), 10)
+        node = await run_trainer(cfg, ctx)
+        assert node.version == 2
+        lines = read_jsonl(cfg.resolved_run_dir() / "metrics.jsonl")
+        run = cfg.resolved_run_dir()
+        final = ck.latest_checkpoint(run) / "adapter"
+        _, saved = lo.read_adapter_dir(final)
+        n_bytes = sum(v.numel() * v.element_size() for v in saved.values())
+        assert [x["push_bytes"] for x in lines] == [n_bytes, n_bytes]
+        assert (
+            n_bytes
+            == lo.lora_footprint(load_model(tiny).raw_config, cfg.model.lora, 4).version_bytes
+        )
+        wiring = Wiring(ctx, relay.opts, "reader-0", "rollout", relay.log, detached_spawn)
+        gate = VersionGate(
+            RelaySubscriber(WeightPuller(relay_links(cfg), wiring)),
+            engine,
+            auto_refresh=True,
+            refresh_wait_s=1.0,
+            notify=(),
+            metrics=Metrics(),
+            log=structlog.get_logger(),
+        )
+        await gate.source.start()
+        await engine.start()
+        try:
+            assert await gate.source.wait_newer(1, timeout=10) == 2
+            async with gate.lock:
+                assert await gate.load() and engine.version == 2
+        finally:
+            await gate.source.close()
+        ids = torch.tensor([[5, 9, 11, 7]])
+        with torch.no_grad():
+            served = engine.model(ids).logits
+            theirs = peft_model(tiny, final)(input_ids=ids).logits
+            snap = load_snapshot(tiny, run / "snapshots" / "v2.safetensors")(input_ids=ids).logits
+        assert (served - theirs).abs().max() < 1e-4 and (snap - theirs).abs().max() < 1e-4
+    finally:
+        await engine.close()
+        relay.request_stop("test done")
+        await asyncio.wait_for(relay_task, 10)
