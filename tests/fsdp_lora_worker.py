@@ -4,7 +4,8 @@
 
 Every rank runs the same steps on the same batches (what follower.py does on a rank command),
 taking its share of the micro-batches; after each step every rank gathers the adapter gradients
-(a collective), and rank 0 writes the losses, those gradients and the exported adapter.
+(a collective), and rank 0 writes the losses, those gradients and the exported adapter; then a
+checkpoint (adapter + AdamW state, gathered on rank 0).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch  # noqa: E402
 
 from laminar.config import LoraConfig  # noqa: E402
 from laminar.models.lora import is_adapter_name  # noqa: E402
+from laminar.trainer import checkpoint as ck  # noqa: E402
 from laminar.trainer.batch import TrainBatch  # noqa: E402
 from laminar.trainer.dist import destroy, init_distributed  # noqa: E402
 from laminar.trainer.node import trainer_settings  # noqa: E402
@@ -55,12 +57,15 @@ def main() -> None:
         norms.append(m["grad_norm"])
         grads.append(adapter_grads(policy))
     weights = policy.export_weights()
+    path = ck.save_policy(policy, out / "run", 3, {"version": 3}, keep=2)  # collective
     destroy(ctx)
     if ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
         torch.save({"grads": grads, "weights": weights}, out / "tensors.pt")
         (out / "result.json").write_text(
-            json.dumps({"losses": losses, "grad_norms": norms, "world": ctx.world})
+            json.dumps(
+                {"losses": losses, "grad_norms": norms, "world": ctx.world, "checkpoint": str(path)}
+            )
         )
 
 

@@ -468,6 +468,16 @@ def test_two_rank_fsdp_lora_matches_one_process(tmp_path):
     assert mine_w.keys() == theirs["weights"].keys()
     for n, w in mine_w.items():
         torch.testing.assert_close(theirs["weights"][n], w, atol=1e-5, rtol=0, msg=n)
+    # the checkpoint rank 0 gathered (adapter dir + AdamW state) resumes in one process
+    ckpt = Path(res["checkpoint"])
+    assert (ckpt / "adapter" / "adapter_config.json").is_file() and not (ckpt / "model").exists()
+    resumed = Policy(
+        trainer_settings(lora_fsdp_cfg(model, tmp_path / "r")), model, adapter=ckpt / "adapter"
+    )
+    ck.load_policy_state(resumed, ckpt)
+    for n, w in resumed.export_weights().items():
+        torch.testing.assert_close(w, mine_w[n], atol=1e-5, rtol=0, msg=n)
+    assert set(resumed.optimizer_state()["state"]) == set(ref.optimizer_state()["state"])
 
 
 # ---- the trainer node through the relay tier -----------------------------------------------
