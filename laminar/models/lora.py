@@ -60,11 +60,6 @@ def is_adapter_name(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
 
 
-def is_adapter_version(names: Iterable[str]) -> bool:
-    """Whether a version's tensor names are an adapter's (rather than a whole model's)."""
-    return any(is_adapter_name(n) for n in names)
-
-
 def target_linears(model: nn.Module, lora: LoraConfig) -> dict[str, nn.Linear]:
     """The linear layers `lora.target_modules` names, by module path, in model order."""
     wanted = set(lora.target_modules)
