@@ -36,6 +36,9 @@ time they are trained the parameters have moved, the ratio differs from 1 and th
 clip (clip_low/clip_high/dual_clip) bounds how far each step goes: a real trust region.
 With decoupled=False (bypass) the behaviour logprobs take the proximal role.
 
+LoRA (model.lora, laminar/models/lora.py): peft's LoRA layers on the frozen base, AdamW over the
+adapters only, both forwards add the adapters' share; export() returns the adapters alone.
+
 FSDP2 (`fully_shard` per decoder layer, then the root) when world > 1: every rank
 holds the whole batch (rank 0 broadcast it), takes micro-batches rank::world (padded
 with zero-weight dummies so collectives line up) and the loss is multiplied by the
@@ -463,7 +466,8 @@ class Policy:
             from laminar.models.lora import adapter_state
 
             sd = adapter_state(self.model)  # every rank gathers; rank 0 keeps
-            sd = {k: v.cpu() for k, v in sd.items()} if self.ctx.is_main else {}
+            if self.ctx.enabled:  # as full_state_dict: on rank 0's CPU
+                sd = {k: v.cpu() for k, v in sd.items()} if self.ctx.is_main else {}
         else:
             sd = self.full_state_dict()
         return {k: (v if v.dtype == want else v.to(want)) for k, v in sd.items()}
