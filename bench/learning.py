@@ -12,6 +12,9 @@ cached warm-up policy (seed 0; built on first use, ~4 min) with seed=S and data.
 snapshots (every trainer.snapshot_every steps) are evaluated after each run, greedy, on
 the held-out prompts (report.eval_curve), so the timing of a run is not disturbed.
 
+    # LoRA beside full fine-tuning (steps and seconds to 0.90, "lora_vs_full" in the JSON)
+    .venv/bin/python bench/learning.py --cells laminar:2:default,laminar:2:lora --seeds 0,1,2
+
     cells: sync (staleness 0 by construction) and laminar at max_staleness 1, 2, 4
     corrections (on top of configs/demo.yaml):
       default  the demo config as it is (today: ppo_mb)
@@ -21,6 +24,8 @@ the held-out prompts (report.eval_curve), so the timing of a run is not disturbe
                lr 5e-5
       icepop   masked IS (IcePop, 2025): tokens whose pi_prox/mu leaves [1/2, 2] get no gradient,
                1 optimizer step per batch, lr 2e-4
+      lora     ppo_mb training LoRA adapters (model.lora rank 16, alpha 32) on the frozen policy,
+               lr 5e-4 (`lora@LR` sets another rate)
 
 Figures per run: the accuracy curve (step, seconds since launch), its 3-snapshot smoothing
 (report.smooth), steps and seconds to 0.85 / 0.90 on the smoothed curve (interpolated;
@@ -53,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchinfo, also when
 
 from benchinfo import git_state  # noqa: E402
 
-from laminar.config import load_config  # noqa: E402
+from laminar.config import DemoConfig, load_config  # noqa: E402
 from laminar.demo.__main__ import (  # noqa: E402
     DEMO_CONFIG,
     demo_settings,
@@ -93,9 +98,20 @@ CORRECTIONS: dict[str, list[str]] = {
         "trainer.minibatches=1",
         "trainer.lr=2e-4",
     ],
+    "lora": [
+        "algo.decoupled=true",
+        "algo.is_mode=truncate",
+        "algo.is_cap=2.0",
+        "trainer.minibatches=4",
+        "model.lora={rank: 16, alpha: 32}",
+        "trainer.lr=5e-4",
+    ],
 }
 """Each correction pins its own learning rate: one optimizer step a batch at 2e-4, four at 5e-5 (a
-batch then moves the weights about as far). The full table of 2026-11-27 ran ppo_mb at 2e-4."""
+batch then moves the weights about as far). The full table of 2026-11-27 ran ppo_mb at 2e-4.
+`lora` is ppo_mb training rank-16 adapters (alpha 32, every projection) on the frozen policy: a
+version is the adapters; LoRA wants a higher rate than full fine-tuning. A cell's correction may
+name its own rate after `@` (laminar:2:lora@1e-3), for tuning."""
 QUICK_STEPS = 60
 QUICK_SEEDS = "0,1,2,3,4"
 """Five: on this shared 2-core box the same code's sync run to 0.90 took 12.2 s once and 17.4 s
@@ -145,17 +161,20 @@ def run_cell(
     seed: int,
     work: Path,
     base: list[str],
-    s: dict[str, Any],
+    s: DemoConfig,
     policy0: Path,
     ev: list[dict],
     before: dict[str, Any],
     max_tokens: int,
 ) -> dict[str, Any]:
-    from laminar.demo import report
+    from laminar.demo import results as report
     from laminar.report import read_metrics
 
     mode, staleness, corr = cell.split(":")
+    corr, _, lr = corr.partition("@")
     over = [*base, *CORRECTIONS[corr], f"seed={seed}", f"data.seed={seed}"]
+    if lr:
+        over.append(f"trainer.lr={lr}")
     if mode == "laminar":
         over.append(f"buffer.max_staleness={staleness}")
     run_dir = work / cell.replace(":", "_") / f"seed{seed}"
@@ -353,6 +372,32 @@ def aggregate(runs: list[dict[str, Any]], headline: tuple[str, str]) -> dict[str
     return {"cells": cells, "summary": summary}
 
 
+def lora_vs_full(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """LoRA cells against full fine-tuning (the default correction) at the same mode and
+    staleness, paired by seed: medians of steps and seconds to 0.90, and their ratios."""
+    by = {(r["cell"], r["seed"]): r for r in runs}
+    out: dict[str, Any] = {}
+    for cell in dict.fromkeys(r["cell"] for r in runs):
+        mode, k, corr = cell.split(":")
+        if not corr.startswith("lora"):
+            continue
+        full = f"{mode}:{k}:default"
+        pairs = [(r, by.get((full, r["seed"]))) for r in runs if r["cell"] == cell]
+        out[cell] = {
+            "against": full,
+            "lora_steps_to_090": spread([a["steps_to_090"] for a, _ in pairs]),
+            "lora_seconds_to_090": spread([a["seconds_to_090"] for a, _ in pairs]),
+            "lora_best_smoothed": spread([a["best_smoothed"] for a, _ in pairs]),
+            "steps_to_090_lora_over_full": _median_json(
+                [_ratio(a["steps_to_090"], b["steps_to_090"], "num") for a, b in pairs if b]
+            ),
+            "seconds_to_090_lora_over_full": _median_json(
+                [_ratio(a["seconds_to_090"], b["seconds_to_090"], "num") for a, b in pairs if b]
+            ),
+        }
+    return out or None
+
+
 def plot(path: Path, runs: list[dict[str, Any]]) -> Path | None:
     try:
         import matplotlib
@@ -460,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides.append(f"trainer.total_steps={QUICK_STEPS}")
     cfg = load_config(DEMO_CONFIG, args.overrides)
     s = demo_settings(cfg)
-    s["progress_every_s"] = 1e9  # no live line per run: one summary line each
+    s.progress_every_s = 1e9  # no live line per run: one summary line each
     default_cell = f"laminar:{cfg.buffer.max_staleness}:default"
     if args.cells:
         cells = args.cells.split(",")
@@ -472,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
         c
         for c in cells
         if len(c.split(":")) != 3
-        or c.split(":")[2] not in CORRECTIONS
+        or c.split(":")[2].partition("@")[0] not in CORRECTIONS
         or c.split(":")[0] not in ("sync", "laminar")
     ]
     if bad:
@@ -492,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging("warning", True)
     t0 = time.time()
     train_path, eval_path, train, ev = prepare_data(work, s, 0)
-    policy0 = Path(s["policy"]) if s.get("policy") else warm_up(s, train, 0)
+    policy0 = Path(s.policy) if s.policy else warm_up(s, train, 0)
     max_tokens = cfg.rollout.sampling.max_tokens
     before = evaluate_model(str(policy0), ev, cu.verify, max_tokens=max_tokens)
     before.pop("completions", None)
@@ -520,6 +565,7 @@ def main(argv: list[str] | None = None) -> int:
                 "machine": machine(),
                 "wall_s": round(time.time() - t0, 1),
                 **aggregate(runs, (default_cell, "sync:0:default")),
+                "lora_vs_full": lora_vs_full(runs),
                 "runs": runs,
             }
             out.write_text(json.dumps(result, indent=1))  # partial results survive an interrupt

@@ -1,6 +1,6 @@
-"""Trainer step time, packed forward vs HF's padded forward; and a model process's start,
-module-free vs through transformers. Same run, alternating, ratios against the baseline measured
-beside them.
+"""Trainer step time, packed forward vs HF's padded forward; a model process's start,
+module-free vs through transformers; the trainer's peak memory, LoRA vs full fine-tuning. Same
+run, alternating, ratios against the baseline measured beside them.
 
     GRPO batches (groups of n samples, one prompt) ──► Policy.train_step (trainer.forward=packed|hf)
     a fresh `python -c` that imports torch, loads the model ──► CPU-s and wall s (module_free | HF)
@@ -15,6 +15,14 @@ the whole child (interpreter, imports, load) and which modules it imported.
 
     .venv/bin/python bench/trainer.py --quick --out /tmp/trainer.json     # ~1 min on 2 cores
     .venv/bin/python bench/trainer.py --out bench/results/trainer.json
+    .venv/bin/python bench/trainer.py --memory-only --out /tmp/trainer_memory.json  # ~1 min
+
+Memory (model.lora rank 16, alpha 32, every projection, against full fine-tuning): each variant
+in a fresh child that builds the trainer and runs `steps` batches; its peak RSS (ru_maxrss: the
+process high-water mark, torch's runtime included, so also the RSS of a child that only imports
+the same modules, peft included, and loads), the peak CUDA allocation on a GPU, and the
+trainer's own tensors: parameters, their gradients and the AdamW state, summed from the live
+tensors after the last step.
 """
 
 from __future__ import annotations
@@ -88,11 +96,17 @@ def batches(
     return out
 
 
-def policy(path: Path, run_dir: Path, forward: str, skip: bool = True) -> Policy:
+def policy(
+    path: Path, run_dir: Path, forward: str, skip: bool = True, lora: bool = False
+) -> Policy:
+    """The demo's trainer settings; `lora`: rank-16 adapters at lr 5e-4 (bench/learning.py)."""
+    model: dict[str, Any] = {"path": str(path)}
+    if lora:
+        model["lora"] = {"rank": 16, "alpha": 32}
     cfg = config_from_dict(
         {
             "run_dir": str(run_dir),
-            "model": {"path": str(path)},
+            "model": model,
             "rollout": {"max_model_len": 320, "sampling": {"max_tokens": 256}},
             "trainer": {
                 "lr": 5e-5,
@@ -151,6 +165,109 @@ def start_child(path: Path, module_free: bool) -> dict[str, Any]:
     }
 
 
+MEMORY_CHILD = """
+import json, resource, sys, time
+sys.path.insert(0, sys.argv[4])
+import torch
+torch.set_num_threads(1)
+import peft  # every child imports what the LoRA one does (peft imports transformers): the RSS
+import trainer as tb  # figures then differ by memory, not by code loaded
+variant, path, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+vocab = json.loads(open(path + "/config.json").read())["vocab_size"]
+work = tb.batches(steps, 16, 8, vocab, seed=0)
+rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+pol = tb.policy(tb.Path(path), tb.Path(sys.argv[5]), "packed", lora=variant == "lora")
+if variant != "load_only":
+    for trajs in work:
+        pol.train_step(pol.prepare(trajs))
+ps = list(pol.model.parameters())
+opt = [t for st in pol.optimizer.state.values() for t in st.values() if torch.is_tensor(t)]
+nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)
+print(json.dumps({
+    "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    "rss_before_model_mib": rss0 / 1024,
+    "cuda_peak_mib": (
+        torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
+    ),
+    "params_mib": nbytes(ps) / 2**20,
+    "trainable_params": sum(p.numel() for p in ps if p.requires_grad),
+    "grads_mib": nbytes([p.grad for p in ps if p.grad is not None]) / 2**20,
+    "optimizer_state_mib": nbytes(opt) / 2**20,
+}))
+"""
+
+
+def memory_child(path: Path, run_dir: Path, variant: str, steps: int) -> dict[str, Any]:
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            MEMORY_CHILD,
+            variant,
+            str(path),
+            str(steps),
+            str(Path(__file__).resolve().parent),
+            str(run_dir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def memory(path: Path, tmp: Path, repeats: int, steps: int) -> dict[str, Any]:
+    """Peak memory of the trainer, LoRA vs full fine-tuning (and a child that only loads)."""
+    runs: dict[str, list[dict[str, Any]]] = {"full": [], "lora": [], "load_only": []}
+    for rep in range(repeats):
+        for v in ("full", "lora", "load_only") if rep % 2 == 0 else ("load_only", "lora", "full"):
+            runs[v].append(memory_child(path, tmp / f"mem-{v}", v, steps))
+            print(f"  repeat {rep} {v:<9} peak RSS {runs[v][-1]['peak_rss_mib']:.1f} MiB")
+    out: dict[str, Any] = {
+        v: {
+            "peak_rss_mib": stats([r["peak_rss_mib"] for r in rs]),
+            **{k: rs[0][k] for k in rs[0] if k != "peak_rss_mib"},
+        }
+        for v, rs in runs.items()
+    }
+    base = out["load_only"]["peak_rss_mib"]["median"]
+    for v in ("full", "lora"):
+        out[v]["peak_rss_over_load_mib"] = round(out[v]["peak_rss_mib"]["median"] - base, 1)
+        own = ("params_mib", "grads_mib", "optimizer_state_mib")
+        out[v]["trainer_tensors_mib"] = round(sum(out[v][k] for k in own), 3)
+    out["lora_over_full"] = {
+        "peak_rss": round(
+            out["lora"]["peak_rss_mib"]["median"] / out["full"]["peak_rss_mib"]["median"], 3
+        ),
+        "peak_rss_over_load": round(
+            out["lora"]["peak_rss_over_load_mib"]
+            / max(out["full"]["peak_rss_over_load_mib"], 1e-9),
+            3,
+        ),
+        "trainer_tensors": round(
+            out["lora"]["trainer_tensors_mib"] / out["full"]["trainer_tensors_mib"], 3
+        ),
+    }
+    return out
+
+
+def print_memory(m: dict[str, Any]) -> None:
+    print(f"\n{'trainer memory (MiB)':<28}{'full':>10}{'lora r16':>10}{'lora/full':>10}")
+    rows = [
+        ("peak RSS", m["full"]["peak_rss_mib"]["median"], m["lora"]["peak_rss_mib"]["median"]),
+        (
+            "peak RSS over a load",
+            m["full"]["peak_rss_over_load_mib"],
+            m["lora"]["peak_rss_over_load_mib"],
+        ),
+        ("params+grads+AdamW", m["full"]["trainer_tensors_mib"], m["lora"]["trainer_tensors_mib"]),
+        ("AdamW state", m["full"]["optimizer_state_mib"], m["lora"]["optimizer_state_mib"]),
+    ]
+    for name, full, lora in rows:
+        print(f"{name:<28}{full:>10.2f}{lora:>10.2f}{lora / max(full, 1e-9):>10.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="2 repeats of 4 batches, 3 starts each")
@@ -167,6 +284,9 @@ def main() -> None:
             "share of groups whose rewards agree, for the zero-advantage skip (the demo: 0.3-0.75)"
         ),
     )
+    ap.add_argument(
+        "--memory-only", action="store_true", help="only the LoRA vs full memory figures"
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.quick:
@@ -174,6 +294,15 @@ def main() -> None:
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="lam-bench-trainer-"))
     path = build_tiny_model(tmp / "model", alphabet=ALPHABET, seed=0, **MODEL)
+    mem = memory(path, tmp, args.repeats, args.steps)
+    if args.memory_only:
+        result = {"config": {**vars(args), "model": MODEL}, "machine": machine(), "memory": mem}
+        print_memory(mem)
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+            print(f"wrote {args.out}")
+        return
     vocab = int(json.loads((path / "config.json").read_text())["vocab_size"])
     work = batches(args.steps + 1, args.groups, args.group, vocab, seed=0)
     tokens = [sum(len(t.prompt_ids) + len(t.response_ids) for t in trajs) for trajs in work[1:]]
@@ -223,6 +352,7 @@ def main() -> None:
             "step_s": {k: stats(v) for k, v in skip_steps.items()},
         },
         "start": start,
+        "memory": mem,
         "summary": {
             "packed_over_hf_step_speed": round(step["hf"]["median"] / step["packed"]["median"], 3),
             "skip_over_no_skip_step_speed": round(
@@ -255,6 +385,7 @@ def main() -> None:
         f"{start['hf']['wall_s']['median']:>12.2f}"
         f"{result['summary']['start_wall_hf_over_module_free']:>8.2f}x"
     )
+    print_memory(mem)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

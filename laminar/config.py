@@ -185,6 +185,38 @@ class LoggingConfig(Section):
     """`laminar run`: print the live progress line this often (0 = off)."""
 
 
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class LoraConfig(Section):
+    """LoRA: the trainer trains low-rank adapters on the frozen base and a weight version is the
+    adapters only (docs/lora.md)."""
+
+    rank: int = Field(16, ge=1)
+    """Adapter rank r (peft's `r`)."""
+    alpha: int = Field(32, ge=1)
+    """Scaling numerator: the adapter's output is multiplied by alpha / rank (peft's
+    `lora_alpha`)."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input in the trainer's gradient passes only (no-grad passes and
+    the rollouts never drop)."""
+    target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGETS))
+    """Linear layers that get an adapter, by their last name (q_proj ... down_proj)."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _known_targets(cls, v: list[str]) -> list[str]:
+        if not v:
+            raise ValueError(f"model.lora.target_modules is empty: name some of {LORA_TARGETS}")
+        unknown = sorted(set(v) - set(LORA_TARGETS))
+        if unknown:
+            raise ValueError(
+                f"model.lora.target_modules: {unknown} are not decoder linear layers; "
+                f"use names from {LORA_TARGETS}"
+            )
+        return list(dict.fromkeys(v))
+
+
 class ModelConfig(Section):
     path: str | None = None
     """Local HF model directory (config.json + safetensors + tokenizer). Never a hub id."""
@@ -192,6 +224,8 @@ class ModelConfig(Section):
     """Parameter dtype for rollouts; the trainer keeps fp32 master weights."""
     device: str = "cpu"
     """Torch device: cpu, cuda, cuda:0 ..."""
+    lora: LoraConfig | None = None
+    """LoRA adapters on the frozen base (null: full fine-tuning); model.path stays the base."""
 
 
 class SamplingConfig(Section):

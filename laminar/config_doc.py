@@ -104,6 +104,13 @@ def section_of(info: FieldInfo) -> type[BaseModel] | None:
     return tp if isinstance(tp, type) and issubclass(tp, BaseModel) else None
 
 
+def optional_section_of(info: FieldInfo) -> type[BaseModel] | None:
+    """X of a `X | None` field whose X is a section (off when null): its fields get a table too."""
+    args = get_args(info.annotation)
+    subs = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
+    return subs[0] if len(subs) == 1 and type(None) in args else None
+
+
 def doc_of(cls: type[BaseModel], name: str, info: FieldInfo) -> str:
     return field_docstrings(cls).get(name) or info.description or ""
 
@@ -129,6 +136,9 @@ def render_section(cls: type[BaseModel], prefix: str, intro: str, depth: int) ->
             one_line(doc_of(cls, name, info)),
         ]
         rows.append("| " + " | ".join(cells) + " |")
+        optional = optional_section_of(info)
+        if optional is not None:
+            subsections.append((optional, key, doc_of(cls, name, info)))
     if rows:
         lines += ["| field | type | default | bounds | what it does |", "|---|---|---|---|---|"]
         lines += [*rows, ""]

@@ -22,11 +22,19 @@ from laminar.report import Panel, mean, read_jsonl, rolling
 
 
 def load_snapshot(policy0: Path, weights: Path):
+    """The policy at a snapshot: its weights, or (LoRA) its adapters merged into policy0."""
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
+    from laminar.models.lora import MergedAdapter, lora_of_metadata
     from laminar.models.tiny import load_causal_lm
 
     model = load_causal_lm(policy0)
+    with safe_open(str(weights), "pt") as f:
+        lora = lora_of_metadata(f.metadata())
+    if lora is not None:
+        MergedAdapter(model, lora).apply(load_file(str(weights)))
+        return model
     missing, unexpected = model.load_state_dict(load_file(str(weights)), strict=False)
     if unexpected or any(not k.startswith("lm_head") for k in missing):
         raise ValueError(

@@ -20,7 +20,9 @@ running sequence plus the whole prompt (+ resumed tokens) of each sequence that
 joins this step, up to `max_prefill_tokens`. Sampling (sampling.py) runs on the
 logits of the last position of each, so every emitted token carries its exact
 logprob. A lock serialises steps with abort() and load_weights(), so both take
-effect between two decode steps.
+effect between two decode steps. With model.lora a version is an adapter: it is merged into a
+pristine copy of the base weights (models/lora.py MergedAdapter), all of it or, when it does not
+fit (WeightsRejected), none of it, and the engine keeps serving and labelling its previous version.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from laminar.config import ModelConfig, RolloutConfig
+from laminar.config import LoraConfig, ModelConfig, RolloutConfig
 from laminar.engines.base import (
     Engine,
     EngineStats,
@@ -45,11 +47,13 @@ from laminar.engines.base import (
     PartialState,
     SamplingParams,
     TokenEvent,
+    WeightsRejected,
 )
 from laminar.engines.kv_cache import SlotKVCache, StepLayout, use_slot_attention
 from laminar.engines.lean_forward import lean_decoder
 from laminar.engines.sampling import sample, sequence_key, uniform
 from laminar.models.decoder_ops import text_config
+from laminar.models.lora import MergedAdapter
 from laminar.supervise import Spawn, detached_spawn
 
 log = logging.getLogger(__name__)
@@ -103,6 +107,7 @@ class TorchEngine(Engine):
         eos_token_ids: Iterable[int] | None = None,
         recompute_on_load: bool = True,
         forward: str = "auto",
+        lora: LoraConfig | None = None,
     ) -> None:
         super().__init__()
         self.model = model.eval()
@@ -120,6 +125,8 @@ class TorchEngine(Engine):
         self.device = next(model.parameters()).device
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
         self.cache = SlotKVCache.for_model(model, max_running, self.max_model_len)
+        self.adapter = MergedAdapter(model, lora) if lora is not None else None
+        """model.lora: a version is an adapter, merged into a pristine copy of the base."""
         self.lean = lean_decoder(model, self.max_model_len, forward)
         if self.lean is None:  # HF's forward, with the slot attention plugged in
             use_slot_attention(model)
@@ -171,6 +178,7 @@ class TorchEngine(Engine):
             kv_capacity_tokens=r.kv_capacity_tokens,
             max_prefill_tokens=r.max_prefill_tokens,
             forward=r.torch_forward,
+            lora=mc.lora,
         )
         opts.update(kw)
         return cls(model, tokenizer, **opts)
@@ -266,7 +274,13 @@ class TorchEngine(Engine):
     async def load_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
         items = list(named_tensors)
         async with self._lock:  # between two steps
-            await asyncio.get_running_loop().run_in_executor(self._pool, self._copy_weights, items)
+            try:
+                await asyncio.get_running_loop().run_in_executor(
+                    self._pool, self._copy_weights, items
+                )
+            except WeightsRejected as exc:  # nothing applied: the previous version still serves
+                exc.version = version
+                raise
             self.version = version
             if self.recompute_on_load and self._running:
                 # KV computed by the old weights is stale: recompute it (like vLLM keep +
@@ -276,6 +290,11 @@ class TorchEngine(Engine):
         self._wake.set()
 
     def _copy_weights(self, items: list[tuple[str, Any]]) -> None:
+        if self.adapter is not None:
+            self.adapter.apply(items)
+            if self.lean is not None:
+                self.lean.refresh()
+            return
         state = self.model.state_dict()
         staged = []
         for name, value in items:  # validate everything before touching any parameter

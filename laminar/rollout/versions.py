@@ -14,7 +14,10 @@ only when no trajectory is in flight, so every trajectory runs on one version. T
 never below the buffer's min_version; the source's newest when refreshing (laminar mode with
 rollout.refresh_when_idle, or a RefreshRequest); a RefreshRequest's min_version while it is
 worth waiting for (the relay chain may still be delivering it), after which the newest
-version the source has is loaded instead of idling forever.
+version the source has is loaded instead of idling forever. A version the engine refuses
+(WeightsRejected: a LoRA adapter that does not fit the model) is counted, logged as an error and
+skipped: the engine keeps serving and labelling the version it had, and prompts served for the
+refused one wait for a newer one.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from collections.abc import Sequence
 
 import structlog
 
-from laminar.engines.base import Engine
+from laminar.engines.base import Engine, WeightsRejected
 from laminar.metrics import Metrics
 from laminar.weights.channel import WeightSubscriber
 from laminar.weights.relay_client import WeightsUnavailable
@@ -60,6 +63,9 @@ class VersionGate:
         self._soft_min, self._soft_until = -1, 0.0
         """A RefreshRequest's min_version, waited for until _soft_until (then: the newest there
         is)."""
+        self.rejected = -1
+        """Newest version the engine refused (WeightsRejected): never offered again; prompts
+        served for it wait for a newer one (feeder.py)."""
         self.lock = asyncio.Lock()
         """Held while the version may change; an import holds it so its version check stays true."""
 
@@ -84,7 +90,9 @@ class VersionGate:
         """The version a load would bring now (newer than ours and at least what is wanted), else
         -1."""
         available = self.latest()
-        if available <= self.version or available < max(self.required, self._soft()):
+        if available <= max(self.version, self.rejected) or available < max(
+            self.required, self._soft()
+        ):
             return -1
         return available
 
@@ -117,6 +125,13 @@ class VersionGate:
         except WeightsUnavailable as exc:
             self.metrics.count("weight_load_failed")
             self.log.warning("weight_load_failed", error=str(exc))
+            return False
+        except WeightsRejected as exc:  # e.g. an adapter that fits no target: loud, never silent
+            self.rejected = max(self.rejected, exc.version)
+            self.metrics.count("weight_rejected")
+            self.log.error(
+                "weight_rejected", version=exc.version, serving=self.version, error=str(exc)
+            )
             return False
         self.version = max(version, self.version)
         for evt in self.notify:

@@ -3,6 +3,8 @@
     run_dir/checkpoints/step_00000040/
         model/                 HF directory: config.json + model.safetensors (save_pretrained) +
                                tokenizer files
+        adapter/               instead of model/ with model.lora: a peft adapter directory
+                               (adapter_config.json + adapter_model.safetensors; base: model.path)
         trainer_state.pt       optimizer (keyed by parameter name), scheduler, RNG states
         meta.json              step, version, consumption frontier, time   (written last)
 
@@ -30,6 +32,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
+    from laminar.config import LoraConfig
     from laminar.trainer.policy import Policy
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5")
@@ -144,10 +147,12 @@ def write_checkpoint(
     *,
     tokenizer_src: str | os.PathLike | None = None,
     keep: int = 2,
+    adapter: tuple[LoraConfig, dict[str, torch.Tensor], str | None] | None = None,
 ) -> Path:
     """Write one checkpoint atomically; returns its directory. Runs on rank 0 only.
 
-    `model` is an HF PreTrainedModel (save_pretrained writes its directory) or None (sim)."""
+    `model` is an HF PreTrainedModel (save_pretrained writes its directory) or None (sim);
+    `adapter` (settings, tensors, base path): LoRA's adapter directory instead of the model."""
     root = checkpoint_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:08d}"
@@ -158,7 +163,11 @@ def write_checkpoint(
     tmp = root / f".tmp-step_{step:08d}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    if model is not None:  # the sim trainer has no model: its checkpoint is the counters + frontier
+    if adapter is not None:
+        from laminar.models.lora import write_adapter_dir
+
+        write_adapter_dir(tmp / "adapter", adapter[0], adapter[1], base_path=adapter[2])
+    elif model is not None:  # the sim trainer has no model: its checkpoint is counters + frontier
         model.save_pretrained(tmp / "model", state_dict=model_state, safe_serialization=True)
         copy_tokenizer_files(tokenizer_src, tmp / "model")
     torch.save(trainer_state, tmp / "trainer_state.pt")
@@ -202,8 +211,14 @@ def save_policy(
     tokenizer_src: str | os.PathLike | None = None,
     keep: int = 2,
 ) -> Path | None:
-    """Gather the policy's full state (collective on every rank) and write it on rank 0."""
-    model_sd = policy.full_state_dict()
+    """Gather the policy's full state (collective on every rank) and write it on rank 0; with
+    LoRA the adapters (fp32) instead of the model."""
+    adapter = None
+    if policy.lora is not None:
+        model_sd = None
+        adapter = (policy.lora, policy.export_weights("float32"), policy.settings.model.path)
+    else:
+        model_sd = policy.full_state_dict()
     state = {
         "optimizer": policy.optimizer_state(),
         "scheduler": policy.scheduler.state_dict(),
@@ -212,8 +227,32 @@ def save_policy(
     if not policy.ctx.is_main:
         return None
     return write_checkpoint(
-        run_dir, step, policy.model, model_sd, state, meta, tokenizer_src=tokenizer_src, keep=keep
+        run_dir,
+        step,
+        policy.model,
+        model_sd,
+        state,
+        meta,
+        tokenizer_src=tokenizer_src,
+        keep=keep,
+        adapter=adapter,
     )
+
+
+def adapter_of(ckpt: Path | None, lora: bool) -> Path | None:
+    """The checkpoint's adapter directory (None: no checkpoint, or a full-model one); a checkpoint
+    of the other kind than the config's (model.lora set or not) is refused."""
+    if ckpt is None:
+        return None
+    adapter = ckpt / "adapter"
+    if lora != adapter.is_dir():
+        held = "LoRA adapters" if adapter.is_dir() else "a full model"
+        want = "set" if lora else "not set"
+        raise ValueError(
+            f"checkpoint {ckpt} holds {held} but model.lora is {want}: resume with the settings "
+            "it was trained with, or trainer.resume=never"
+        )
+    return adapter if lora else None
 
 
 def load_policy_state(policy: Policy, path: str | os.PathLike) -> dict[str, Any]:

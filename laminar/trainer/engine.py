@@ -107,9 +107,13 @@ def open_trainer(settings: TrainerSettings, run_dir: Path) -> Opened:
         from laminar.trainer.policy import Policy
 
         ckpt = agree_on_path(dist, ckpt)
-        model_path = str(ckpt / "model") if ckpt is not None else settings.model.path
+        adapter = ck.adapter_of(ckpt, settings.model.lora is not None)
+        model_path = settings.model.path
+        if ckpt is not None and adapter is None:
+            model_path = str(ckpt / "model")
+        # a LoRA checkpoint holds the adapters only: the base is model.path, as for the rollouts
         if not model_path:
             raise ValueError("the torch trainer needs model.path (a local HF model directory)")
-        trainer = Policy(settings, model_path, dist)
+        trainer = Policy(settings, model_path, dist, adapter)
     meta = trainer.restore(ckpt) if ckpt is not None else None
     return Opened(trainer, dist, ckpt, meta)

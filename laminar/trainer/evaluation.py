@@ -179,6 +179,12 @@ class Evaluator:
         self.rewards = RewardRunner(r.fn, r.timeout_s, r.workers)
         self.samples = max(1, settings.trainer.completions_per_step)
         """Eval completions written to completions.jsonl per validation."""
+        self.adapter = None
+        """model.lora: the exported weights are adapters, merged into a pristine base copy."""
+        if settings.model.lora is not None:
+            from laminar.models.lora import MergedAdapter
+
+            self.adapter = MergedAdapter(model, settings.model.lora)
 
     def due(self, step: int, total: int) -> bool:
         return step > 0 and (step % self.every == 0 or step == total)
@@ -190,6 +196,9 @@ class Evaluator:
         await self.rewards.close()
 
     def _load_weights(self, weights: dict[str, Any]) -> None:
+        if self.adapter is not None:
+            self.adapter.apply(weights)
+            return
         missing, unexpected = self.model.load_state_dict(weights, strict=False)
         tied = {k for k in missing if k.startswith("lm_head")}
         if unexpected or set(missing) - tied:

@@ -440,7 +440,12 @@ class TrainerNode(Node):
             return math.nan, 0
         self.mark.write(self.version, self.step)
         if self.snapshots.due(self.version):
-            await self.compute(self.snapshots.save, self.version, self.step, weights)
+            meta = None
+            if self.cfg.model.lora is not None:  # imports torch: not for the sim trainer
+                from laminar.models.lora import snapshot_metadata
+
+                meta = snapshot_metadata(self.cfg.model.lora)
+            await self.compute(self.snapshots.save, self.version, self.step, weights, meta)
         msg = VersionPublished(
             trainer_id=self.node_id,
             version=self.version,

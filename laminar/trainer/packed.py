@@ -17,6 +17,7 @@ Exactness: the same arithmetic as HF's forward of the padded rows (q/k/v and gat
 matmul each, RoPE from HF's own table): logprobs agree to float rounding and so do gradients
 (tests/test_trainer_packed.py). Models decoder_ops.unsupported() names, and FSDP-sharded ones
 (whose parameters are gathered only inside their modules' forward), keep the HF forward.
+LoRA (model.lora): each projection adds its peft adapter's share (models/lora.py fused_lora).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 
 from laminar.models import decoder_ops as ops
 from laminar.models.decoder_ops import DecoderShape, rms, rope_table, rotate
+from laminar.models.lora import fused_lora, lora_delta
 from laminar.trainer.batch import Sample, pack_micro_batches
 
 
@@ -204,7 +206,8 @@ class PackedForward:
                 if a.q_proj.bias is None
                 else torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
             )
-            qkv = F.linear(y, w, b).view(t, rope + h_kv, d)
+            qkv = _plus(F.linear(y, w, b), fused_lora((a.q_proj, a.k_proj, a.v_proj), y))
+            qkv = qkv.view(t, rope + h_kv, d)
             qk, v = qkv[:, :rope], qkv[:, rope:]
             if getattr(a, "q_norm", None) is not None:
                 qk = torch.cat(
@@ -216,10 +219,12 @@ class PackedForward:
                 )
             qk = rotate(qk, cos, sin)
             o = self._attend(qk[:, :h_q], qk[:, h_q:], v, lay)
-            x = x + F.linear(o, a.o_proj.weight, a.o_proj.bias)
+            x = x + _plus(F.linear(o, a.o_proj.weight, a.o_proj.bias), lora_delta(a.o_proj, o))
             y = rms(x, layer.post_attention_layernorm.weight, sh.eps)
-            gate, up = F.linear(y, torch.cat([m.gate_proj.weight, m.up_proj.weight])).chunk(2, -1)
-            x = x + F.linear(sh.act(gate) * up, m.down_proj.weight)
+            gate_up = F.linear(y, torch.cat([m.gate_proj.weight, m.up_proj.weight]))
+            gate, up = _plus(gate_up, fused_lora((m.gate_proj, m.up_proj), y)).chunk(2, -1)
+            h = sh.act(gate) * up
+            x = x + _plus(F.linear(h, m.down_proj.weight), lora_delta(m.down_proj, h))
         h = rms(x[lay.select], inner.norm.weight, sh.eps)
         head = self.model.lm_head.weight
         if self.fp32_head:
@@ -244,6 +249,11 @@ class PackedForward:
             )
             outs.append(o.transpose(1, 2).reshape(-1, sh.heads * sh.head_dim)[c.real])
         return torch.cat(outs)[lay.order]
+
+
+def _plus(x: torch.Tensor, lora: torch.Tensor | None) -> torch.Tensor:
+    """A projection plus its LoRA adapter's share, where it has one (model.lora)."""
+    return x if lora is None else x + lora
 
 
 def packed_forward(

@@ -36,6 +36,9 @@ time they are trained the parameters have moved, the ratio differs from 1 and th
 clip (clip_low/clip_high/dual_clip) bounds how far each step goes: a real trust region.
 With decoupled=False (bypass) the behaviour logprobs take the proximal role.
 
+LoRA (model.lora, laminar/models/lora.py): peft's LoRA layers on the frozen base, AdamW over the
+adapters only, both forwards add the adapters' share; export() returns the adapters alone.
+
 FSDP2 (`fully_shard` per decoder layer, then the root) when world > 1: every rank
 holds the whole batch (rank 0 broadcast it), takes micro-batches rank::world (padded
 with zero-weight dummies so collectives line up) and the loss is multiplied by the
@@ -102,7 +105,14 @@ def _apply_fsdp(model: torch.nn.Module, ctx: DistContext, device: torch.device) 
 
 
 class Policy:
-    def __init__(self, settings: TrainerSettings, model_path: str, ctx: DistContext | None = None):
+    def __init__(
+        self,
+        settings: TrainerSettings,
+        model_path: str,
+        ctx: DistContext | None = None,
+        adapter: Path | None = None,
+    ):
+        """`adapter`: a checkpoint's peft adapter directory to resume (model.lora runs)."""
         from laminar.models.decoder_lm import load_model
 
         self.settings, self.ctx = settings, ctx or DistContext()
@@ -124,6 +134,14 @@ class Policy:
         module_free = tc.forward != "hf" and not self.ctx.enabled
         max_len = settings.max_model_len
         self.model = load_model(model_path, "float32", load_on, module_free, max_len)
+        self.lora = settings.model.lora
+        """LoRA: only the adapters train and a version is the adapters (laminar/models/lora.py)."""
+        if self.lora is not None:
+            from laminar.models import lora as lo
+
+            lo.add_adapters(self.model, self.lora)
+            if adapter is not None:
+                lo.load_adapter_state(self.model, lo.read_adapter_dir(adapter)[1])
         self.vocab_size = int(self.model.config.vocab_size)
         self.max_len = getattr(self.model.config, "max_position_embeddings", None)
         dups = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
@@ -340,7 +358,8 @@ class Policy:
             n_micro += len(plan)
             if not plan:  # every sample of the mini-batch has advantage 0: the step still happens
                 for p in self.model.parameters():
-                    p.grad = torch.zeros_like(p)
+                    if p.requires_grad:  # a frozen base (LoRA) gets no gradient
+                        p.grad = torch.zeros_like(p)
                 stats.add("sum/loss", torch.zeros(()))
                 stats.add("sum/loss/pg", torch.zeros(()))
             norms.append(self._optimizer_step())
@@ -440,11 +459,18 @@ class Policy:
         )
 
     def export_weights(self, dtype: str = "float32") -> dict[str, torch.Tensor]:
-        """Weights for the rollouts (tied copies dropped, cast to the rollout dtype). Collective."""
+        """Weights for the rollouts (tied copies dropped, cast to the rollout dtype); with LoRA
+        the adapters alone, under peft's names. Collective."""
         want = getattr(torch, dtype)
-        return {
-            k: (v if v.dtype == want else v.to(want)) for k, v in self.full_state_dict().items()
-        }
+        if self.lora is not None:
+            from laminar.models.lora import adapter_state
+
+            sd = adapter_state(self.model)  # every rank gathers; rank 0 keeps
+            if self.ctx.enabled:  # as full_state_dict: on rank 0's CPU
+                sd = {k: v.cpu() for k, v in sd.items()} if self.ctx.is_main else {}
+        else:
+            sd = self.full_state_dict()
+        return {k: (v if v.dtype == want else v.to(want)) for k, v in sd.items()}
 
     def optimizer_state(self) -> dict[str, Any]:
         """Full optimizer state keyed by parameter name (rank 0; collective when distributed)."""

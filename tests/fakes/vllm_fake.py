@@ -83,12 +83,21 @@ class StatLoggerBase:
     def __init__(self, vllm_config: Any, engine_index: int = 0) -> None: ...
 
 
+@dataclass
+class LoRARequest:
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+
 @dataclass(eq=False)
 class _Req:
     rid: str
     context: list[int]
     sp: SamplingParams
     queue: asyncio.Queue
+    salt: float | None = None
+    """The LoRA adapter this request runs on (None: the engine's weights, whatever they are)."""
     made: int = 0
     history: list[dict[int, Logprob]] = field(default_factory=list)
 
@@ -109,6 +118,8 @@ class FakeAsyncLLM:
         self.p12_bug = False  # final abort delta repeats the logprob history (vLLM <= 0.28)
         self.fail_next = False
         self.steps = 0
+        self.loras: dict[int, float] = {}
+        """Added LoRA adapters: id -> salt (a sum over the adapter's tensors, read from its dir)."""
         # like AsyncLLM built off the loop (VllmEngine.start: a worker thread), the step loop
         # starts on first use, on the loop that uses it
         self._task: asyncio.Task | None = None
@@ -125,8 +136,9 @@ class FakeAsyncLLM:
         _state["llm"] = llm
         return llm
 
-    def next_token(self, context: list[int]) -> tuple[int, float]:
-        h = hashlib.blake2b(repr((self.salt, context)).encode(), digest_size=4).digest()
+    def next_token(self, context: list[int], salt: float | None = None) -> tuple[int, float]:
+        salt = self.salt if salt is None else salt
+        h = hashlib.blake2b(repr((salt, context)).encode(), digest_size=4).digest()
         tok = int.from_bytes(h, "little") % VOCAB
         return tok, -0.05 - (tok % 10) / 10
 
@@ -139,8 +151,10 @@ class FakeAsyncLLM:
         self._ensure_loop()
         assert sampling_params.output_kind is RequestOutputKind.DELTA
         q: asyncio.Queue = asyncio.Queue()
+        lora = kw.get("lora_request")
+        salt = None if lora is None else self.loras[lora.lora_int_id]  # KeyError: never added
         self.requests[request_id] = _Req(
-            request_id, list(prompt["prompt_token_ids"]), sampling_params, q
+            request_id, list(prompt["prompt_token_ids"]), sampling_params, q, salt
         )
         self.order.append(request_id)
         while True:
@@ -193,6 +207,31 @@ class FakeAsyncLLM:
         self.salt = round(float(sum(t.double().sum() for t in tensors.values())), 6)
         return [len(tensors)]
 
+    async def add_lora(self, request: LoRARequest) -> bool:
+        """Like vLLM: the adapter is read from its peft directory (adapter_config.json r must fit
+        max_lora_rank)."""
+        import json
+        from pathlib import Path
+
+        import safetensors.torch
+
+        self.calls.append(("add_lora", request.lora_int_id))
+        assert self.args.get("enable_lora"), "add_lora on an engine built without enable_lora"
+        cfg = json.loads((Path(request.lora_path) / "adapter_config.json").read_text())
+        if cfg["r"] > self.args["max_lora_rank"]:
+            raise ValueError(f"LoRA rank {cfg['r']} is greater than max_lora_rank")
+        tensors = safetensors.torch.load_file(
+            str(Path(request.lora_path) / "adapter_model.safetensors")
+        )
+        self.loras[request.lora_int_id] = round(
+            float(sum(t.double().sum() for t in tensors.values())), 6
+        )
+        return True
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        self.calls.append(("remove_lora", lora_id))
+        return self.loras.pop(lora_id, None) is not None
+
     def shutdown(self, timeout: float | None = None) -> None:
         self.calls.append(("shutdown",))
         if self._task is not None:
@@ -217,7 +256,7 @@ class FakeAsyncLLM:
                 lg.record(stats, None, None, 0)
 
     def _step(self, r: _Req) -> None:
-        tok, lp = self.next_token(r.context)
+        tok, lp = self.next_token(r.context, r.salt)
         r.context.append(tok)
         r.made += 1
         entry = {
@@ -258,6 +297,8 @@ def install(monkeypatch: Any) -> FakeVllm:
         for name in [
             "vllm",
             "vllm.sampling_params",
+            "vllm.lora",
+            "vllm.lora.request",
             "vllm.v1",
             "vllm.v1.engine",
             "vllm.v1.engine.async_llm",
@@ -276,6 +317,7 @@ def install(monkeypatch: Any) -> FakeVllm:
     mods["vllm.sampling_params"].SamplingParams = SamplingParams
     mods["vllm.v1.engine.async_llm"].AsyncLLM = FakeAsyncLLM
     mods["vllm.v1.metrics.loggers"].StatLoggerBase = StatLoggerBase
+    mods["vllm.lora.request"].LoRARequest = LoRARequest
     for name, mod in mods.items():
         monkeypatch.setitem(sys.modules, name, mod)
     return FakeVllm()
