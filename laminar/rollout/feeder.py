@@ -22,6 +22,10 @@ groups in hand (waiting or not) bounds the environment work and memory one rollo
 up. Waiting episodes still count as in flight for weights: a load waits for them (one
 version per trajectory; see laminar/rollout/episodes.py).
 
+Mode partial (SequenceTable.interrupts): a newer version does not wait for a drain. The loop
+interrupts every sequence in the engine, loads, and puts them back under the new version
+(`interrupt`, under the gate's lock so no import slips in between): AReaL's partial rollout.
+
 Queue and retraction: with rollout.refill_slots (credits per sequence) a rollout asks for a
 group whenever its unfinished sequences leave room for one within refill_slots; set above the
 decode bound B the engine keeps the extra samples queued, and a slot one finished sequence
@@ -128,6 +132,10 @@ class PromptFeeder:
                 declared = self.gate.version
                 if self.gate.behind():
                     nxt = self.gate.loadable()
+                    if self.table.interrupts and self.table.seqs and nxt >= 0:
+                        # mode partial: no drain, the in-flight ones continue under the new version
+                        await self.interrupt()
+                        continue
                     if not self.table.seqs and nxt >= 0 and free > 0:
                         # idle and a newer version is there: ask for the prompts to run on it while
                         # it loads, so a refill (a drained or repack-emptied rollout) waits for the
@@ -210,6 +218,23 @@ class PromptFeeder:
                 return await self.gate.load()
             finally:
                 self.loading = False
+
+    async def interrupt(self) -> bool:
+        """Mode partial: take every sequence out of the engine, load the newest version, and put
+        them back to continue under it (under the previous version if the load failed)."""
+        async with self.gate.lock:  # no import between the interrupt and the resubmission
+            if self.gate.loadable() < 0:
+                return False
+            self.loading = True
+            t0 = time.monotonic()
+            try:
+                states = await self.table.interrupt()
+                loaded = await self.gate.load()
+                self.table.continue_at(states, self.gate.version)
+            finally:
+                self.loading = False
+            self.metrics.add("interrupt_s", time.monotonic() - t0)
+            return loaded
 
     async def _load_then_start_held(self) -> bool:
         loaded = await self.refresh()
