@@ -1,7 +1,7 @@
 """Emulated-scale cluster benchmark: the real system (nodes, ZeroMQ, relay, manager, buffer) with
 sim rollout engines and a sim trainer, N = 8..128 emulated rollout GPUs on 2 CPU cores.
 
-    for repeat r, for N, for mode in (sync, one_step, stream, laminar_norepack, laminar):
+    for repeat r, for N, for mode in (sync, one_step, stream, partial, laminar_norepack, laminar):
         bench/cluster_run.py run ──► control process (manager, buffer, relay, trainer; ipc)
                                       └─► worker process (N RolloutNodes with sim engines)
         ──► figures of one window (training / generation throughput, idle fractions, KV, staleness,
@@ -29,6 +29,13 @@ output tokens between model turns; cluster_run.MULTITURN), the sim engine ends e
 at a drawn length, and bench/simulate.py models the same episodes for the cross-check. Summary
 `laminar_vs_sync_64_multiturn` and `laminar_vs_baselines_64_multiturn` (mean of laminar over
 sync, one_step and stream), to set against the paper's 2.62x average over the baselines.
+
+The strongest baseline (mode partial: AReaL-style partial rollout, configured as laminar is:
+the same queue and staleness bound, only the update differs: global, interrupting every
+in-flight trajectory, which continues under the new version): `laminar_vs_partial_64` (the
+paper: 1.39x average over AReaL, 1.81x at most), `breakdown_partial_64` beside
+`breakdown_laminar_64` (where the rollout-time goes in each), and with --workload multiturn
+`laminar_vs_partial_64_multiturn`.
 
 Run:
     .venv/bin/python bench/cluster.py --quick --out bench/results/cluster.json    (< 10 min: N = 64)
@@ -199,6 +206,9 @@ def measured_latencies(runs: list[dict[str, Any]], mode: str) -> dict[str, Any]:
     ]
     load = statistics.median(loads) if loads else 0.0
     push = statistics.median(pushes) if pushes else 0.0
+    if mode == "partial":  # the whole interrupt (abort + load + resubmission), where timed
+        held = _partial_mean(runs, "rollout_partials", "interrupt_s")
+        return {"global_update_s": load if held is None else held}
     if not mode.startswith("laminar"):
         return {"global_update_s": load}
     out: dict[str, Any] = {"relay_pull_s": load, "actor_push_s": push}
@@ -287,6 +297,7 @@ def ratios(
 
     out = {f"{m}_vs_sync": per(m, "sync", "train_tok_s") for m in MODES if m != "sync"}
     out["laminar_vs_stream"] = per("laminar", "stream", "train_tok_s")
+    out["laminar_vs_partial"] = per("laminar", "partial", "train_tok_s")
     out["laminar_vs_one_step"] = per("laminar", "one_step", "train_tok_s")
     out["repack_vs_norepack_gen"] = per("laminar", "laminar_norepack", "gen_tok_s")
     out["repack_vs_norepack_train"] = per("laminar", "laminar_norepack", "train_tok_s")
@@ -296,7 +307,8 @@ def ratios(
 def cross_check(
     emu: dict[str, Any], sim: dict[str, Any], emu_ratios: dict[str, Any]
 ) -> dict[str, Any]:
-    """Throughput ratios (mode / sync, and repack / no repack) in emulation vs simulation."""
+    """Throughput ratios (mode / sync, laminar / partial, and repack / no repack) in emulation vs
+    simulation."""
     out = {}
     sync_sim = sim["sync"]["train_tok_s"]["median"]
     for m in MODES:
@@ -305,6 +317,9 @@ def cross_check(
         e = emu_ratios[f"{m}_vs_sync"]["median"]
         s = sim[m]["train_tok_s"]["median"] / sync_sim
         out[f"{m}_vs_sync"] = {"emulation": e, "simulation": s, "rel_err": abs(e - s) / s}
+    e = emu_ratios["laminar_vs_partial"]["median"]
+    s = sim["laminar"]["train_tok_s"]["median"] / sim["partial"]["train_tok_s"]["median"]
+    out["laminar_vs_partial"] = {"emulation": e, "simulation": s, "rel_err": abs(e - s) / s}
     e = emu_ratios["repack_vs_norepack_gen"]["median"]
     s = sim["laminar"]["gen_tok_s"]["median"] / sim["laminar_norepack"]["gen_tok_s"]["median"]
     out["repack_vs_norepack_gen"] = {"emulation": e, "simulation": s, "rel_err": abs(e - s) / s}
@@ -342,6 +357,10 @@ def analyse(
     summary = {
         f"laminar_vs_sync_{n0}": rat[n0]["laminar_vs_sync"]["median"],
         f"laminar_vs_stream_{n0}": rat[n0]["laminar_vs_stream"]["median"],
+        # the strongest baseline (AReaL-style partial rollout); the paper: 1.39x average
+        f"laminar_vs_partial_{n0}": rat[n0]["laminar_vs_partial"]["median"],
+        "laminar_vs_partial": {str(n): rat[n]["laminar_vs_partial"]["median"] for n in ns},
+        "paper_laminar_vs_areal": {"avg": 1.39, "max": 1.81},
         "repack_vs_norepack": rat[n0]["repack_vs_norepack_gen"]["median"],
         "repack_vs_norepack_train": rat[n0]["repack_vs_norepack_train"]["median"],
         "repack_kv_use": {
@@ -383,12 +402,17 @@ def analyse(
         st = results[n0][m]["staleness"]
         summary[f"staleness_{m}_{n0}"] = {k: st.get(k) for k in ("mean", "p50", "p99", "max")}
     summary[f"staleness_p99_laminar_{n0}"] = results[n0]["laminar"]["staleness"].get("p99")
-    if "breakdown" in results[n0]["laminar"]:
-        summary[f"breakdown_laminar_{n0}"] = results[n0]["laminar"]["breakdown"]
+    for m in ("laminar", "partial"):  # where the time goes in each: the gap between the two
+        if "breakdown" in results[n0][m]:
+            summary[f"breakdown_{m}_{n0}"] = results[n0][m]["breakdown"]
+    summary[f"interrupted_partial_{n0}"] = mmm(
+        [(r.get("rollout_counters") or {}).get("interrupted", 0) for r in runs[(n0, "partial")]]
+    )
     if prm.workload != "single":  # the same figures, named for the workload (the files differ too)
         sfx = f"_{prm.workload}"
         summary["workload"] = prm.workload
         summary[f"laminar_vs_sync_{n0}{sfx}"] = summary[f"laminar_vs_sync_{n0}"]
+        summary[f"laminar_vs_partial_{n0}{sfx}"] = summary[f"laminar_vs_partial_{n0}"]
         summary[f"laminar_vs_baselines_{n0}{sfx}"] = statistics.mean(
             rat[n0][k]["median"]
             for k in ("laminar_vs_sync", "laminar_vs_one_step", "laminar_vs_stream")
@@ -515,6 +539,8 @@ def markdown_table(doc: dict[str, Any]) -> str:
     names = {
         "one_step_vs_sync": "one_step / sync",
         "stream_vs_sync": "stream / sync",
+        "partial_vs_sync": "partial / sync",
+        "laminar_vs_partial": "laminar / partial",
         "laminar_norepack_vs_sync": "laminar_norepack / sync",
         "laminar_vs_sync": "laminar / sync",
         "repack_vs_norepack_gen": "repack / no repack (gen)",

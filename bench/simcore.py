@@ -1,4 +1,4 @@
-"""Simulator engine: one discrete-event run of one mode (sync, one_step, stream,
+"""Simulator engine: one discrete-event run of one mode (sync, one_step, stream, partial,
 laminar[_norepack]).
 
     prompt pool ──groups──► rollout ×R (decode model, KV cache, preemption) ──finished──► buffer
@@ -40,6 +40,11 @@ Modes (rules from laminar.modes.policy_for):
   the trainer trains batch j. stream: like one_step, but the trainer takes each mini-batch as
   soon as its groups finished (staleness bound 1). With a global update that must wait for every
   rollout to drain, one_step and stream differ only in how much training hides behind the tail.
+- partial (AReaL's partial rollout): split GPUs, streamed consumption like stream, and a global
+  update as soon as each trainer step ends, without a drain: every rollout stops decoding for
+  global_update_s, then fills the KV prefix of each of its in-flight sequences again (prompt +
+  tokens so far, at prefill_tok_s) and continues them under the new version. A group's version
+  stays its first token's, so staleness (and the bound) is that of its oldest token.
 - laminar_norepack / laminar: each rollout takes its own batch, drains it, pulls the newest
   version from its relay and takes the next; the trainer consumes finished groups FIFO. With
   refill_per_group (the rollout node's credit loop, used for the emulation) a rollout also takes
@@ -84,7 +89,7 @@ from simrepack import RepackMixin  # noqa: E402
 from laminar.manager.repack import is_candidate, plan_repack  # noqa: E402,F401
 from laminar.modes import StalenessStats, may_start_group, policy_for  # noqa: E402
 
-SIM_MODES = ("sync", "one_step", "stream", "laminar_norepack", "laminar")
+SIM_MODES = ("sync", "one_step", "stream", "partial", "laminar_norepack", "laminar")
 EV_TOOL = 14  # a multi-turn trajectory's tool call answered (repack's events: bench/simrepack.py)
 Z99 = 2.3263478740408408  # standard-normal 99th percentile
 
@@ -186,7 +191,9 @@ class Sim(RepackMixin):
         self.mode, self.prm = mode, prm
         self.policy = policy_for(
             "laminar" if mode.startswith("laminar") else mode,
-            prm.max_staleness if mode in ("stream", "laminar", "laminar_norepack") else None,
+            prm.max_staleness
+            if mode in ("stream", "partial", "laminar", "laminar_norepack")
+            else None,
         )
         self.do_repack = mode == "laminar" and prm.repack
         self.rb = prm.repack_bound_b or prm.bound_b
@@ -236,6 +243,7 @@ class Sim(RepackMixin):
             "restarted_from_prompt": 0,
             "status_pushes": 0,
             "retracted_groups": 0,
+            "interrupted_trajs": 0,
         }
         self.view_age = [0.0, 0]  # sum, count: how old the statuses moves were planned on
         self.win_gen_tokens = self.win_prod_tokens = 0
@@ -443,7 +451,7 @@ class Sim(RepackMixin):
         """Baselines: hand groups to the least-loaded rollouts while the mode's rules allow."""
         if self.updating or not self.may_start(self.ro[0]):
             return  # one version everywhere in global modes: one check stands for all rollouts
-        heap = [(r.in_hand, r.idx) for r in self.ro if r.in_hand < self.prm.rollout_groups]
+        heap = [(self.load(r), r.idx) for r in self.ro if self.has_room(r)]
         heapq.heapify(heap)
         touched: dict[int, Rollout] = {}
         while heap:
@@ -455,13 +463,28 @@ class Sim(RepackMixin):
                 self.advance(r)
                 touched[i] = r
             self.start_group(r)
-            if r.in_hand < self.prm.rollout_groups:
-                heapq.heapreplace(heap, (r.in_hand, i))
+            if self.has_room(r):
+                heapq.heapreplace(heap, (self.load(r), i))
             else:
                 heapq.heappop(heap)
         for r in touched.values():
             self.admit(r)
             self.schedule(r)
+
+    def load(self, r: Rollout) -> int:
+        """What a global dispatch balances: groups in hand, or open sequences with refill_slots."""
+        return r.in_hand if self.prm.refill_slots is None else len(r.running) + len(r.waiting)
+
+    def has_room(self, r: Rollout) -> bool:
+        """May a global dispatch give this rollout one more group? Credits per group, or with
+        refill_slots (credits per sequence, as the rollout node's feeder counts them) room for a
+        whole group among its open sequences (multi-turn: at most 2x credits groups in hand)."""
+        slots = self.prm.refill_slots
+        if slots is None:
+            return r.in_hand < self.prm.rollout_groups
+        if len(r.running) + len(r.waiting) + self.prm.group_size > slots:
+            return False
+        return not r.tooling or self.groups_in_hand(r) < 2 * self.prm.rollout_groups
 
     def groups_held(self, r: Rollout) -> int:
         """Groups with a trajectory on this rollout (imported ones too): the node's used credits.
@@ -643,13 +666,30 @@ class Sim(RepackMixin):
         if (
             self.updating
             or self.trainer_busy
-            or self.inflight
+            or (self.inflight and not self.policy.interrupts)
             or self.version <= self.ro[0].version
         ):
             return
         self.updating = True
         self.counts["global_updates"] += 1
+        if self.policy.interrupts:
+            self.interrupt_all()
         self.push(self.now + self.prm.global_update_s, 5, self.version)
+
+    def interrupt_all(self) -> None:
+        """partial: every rollout stops for the update, then prefills each in-flight sequence's
+        prompt and tokens so far again (its KV was computed by the old weights) and continues it
+        under the new version; nothing is lost, a tool-waiting one just resumes later."""
+        upd = self.prm.global_update_s
+        for r in self.ro:
+            self.advance(r)
+            if not r.running and not r.waiting:
+                continue
+            held = self.kv(r) if r.running else 0.0
+            refill = held / self.prm.prefill_tok_s if self.prm.prefill_tok_s < math.inf else 0.0
+            r.stall_until = max(r.stall_until, self.now) + upd + refill
+            self.counts["interrupted_trajs"] += len(r.running)
+            self.schedule(r)
 
     def on_update_done(self, version: int) -> None:
         self.updating = False

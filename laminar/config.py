@@ -623,7 +623,7 @@ class BufferConfig(Section):
     when full."""
     max_staleness: int | None = Field(None, ge=0)
     """Bound on consumed staleness (batch version - trajectory version), enforced by admission (null
-    = unbounded; sync/one_step fix 0/1; stream/partial default to 1; partial: the version of a
+    = unbounded; sync/one_step fix 0/1; stream defaults to 1; partial: on the version of a
     trajectory's oldest token, AReaL's eta)."""
     fsync: Literal["always", "batch", "never"] = "batch"
     """Journal durability before an ack: always = fsync first, batch = fsync every fsync_interval_s,

@@ -24,7 +24,7 @@ global batch j) produces version j + 1. Groups are numbered in the order they ar
 | one_step | 1             | all at once, after every rollout drained | global batch j, whole  |
 | stream   | 1 (or set)    | all at once, after every rollout drained | the first G done groups |
 | laminar  | none (or set) | each pulls from its relay when idle      | the first G done groups |
-| partial  | 1 (or set)    | all at once, interrupting in-flight work | the first G done groups |
+| partial  | none (or set) | all at once, interrupting in-flight work | the first G done groups |
 
 The bound is enforced where generation starts (AReaL-style admission): a group may start only
 while fewer than (v + bound + 1) * G groups have been started, so no group can be consumed
@@ -86,8 +86,9 @@ Modes (policy_for above, shared with the simulator):
   * stream: k = 1 (or max_staleness), global updates, batches of the first ready groups.
   * laminar: k = max_staleness (None = unbounded: admission only by capacity),
     no global updates: rollouts refresh when idle; min_version only when the bound needs it.
-  * partial: k = 1 (or max_staleness) on the oldest token, global updates that interrupt
-    instead of draining (`interrupts`), batches of the first ready groups.
+  * partial: k = max_staleness (None = unbounded, as AReaL's throughput runs; its eta, e.g. 4,
+    when set) on the oldest token, global updates that interrupt instead of draining
+    (`interrupts`), batches of the first ready groups.
 
 Tests: .venv/bin/python -m pytest tests/test_buffer_admission.py tests/test_simulate.py -q
 """
@@ -168,8 +169,9 @@ def policy_for(mode: str, max_staleness: int | None = None) -> ModePolicy:
     if mode == "laminar":
         return ModePolicy("laminar", max_staleness, global_update=False, whole_batch=False)
     if mode == "partial":
-        bound = 1 if max_staleness is None else max_staleness
-        return ModePolicy("partial", bound, global_update=True, whole_batch=False, interrupts=True)
+        return ModePolicy(
+            "partial", max_staleness, global_update=True, whole_batch=False, interrupts=True
+        )
     raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
 
 
