@@ -12,7 +12,10 @@ cached warm-up policy (seed 0; built on first use, ~4 min) with seed=S and data.
 snapshots (every trainer.snapshot_every steps) are evaluated after each run, greedy, on
 the held-out prompts (report.eval_curve), so the timing of a run is not disturbed.
 
-    cells: sync (staleness 0 by construction) and laminar at max_staleness 1, 2, 4
+    cells: sync (staleness 0 by construction) and laminar at max_staleness 1, 2, 4; partial
+      (AReaL-style partial rollout: updates interrupt in-flight trajectories, which continue
+      under the new version; the staleness bounds the oldest token, e.g. partial:4:default as
+      AReaL's convergence runs), run on request with --cells
     corrections (on top of configs/demo.yaml):
       default  the demo config as it is (today: ppo_mb)
       none     decoupled, no behaviour weight (is_mode=none), 1 optimizer step per batch, lr 2e-4
@@ -156,7 +159,7 @@ def run_cell(
 
     mode, staleness, corr = cell.split(":")
     over = [*base, *CORRECTIONS[corr], f"seed={seed}", f"data.seed={seed}"]
-    if mode == "laminar":
+    if mode in ("laminar", "partial"):
         over.append(f"buffer.max_staleness={staleness}")
     run_dir = work / cell.replace(":", "_") / f"seed{seed}"
     c0 = _cpu_children()
@@ -179,6 +182,9 @@ def run_cell(
         "first_step_s": round(metrics[0]["time"] - r["t0"], 1) if metrics else None,
         "staleness_mean": _mean([m.get("staleness") for m in metrics]),
         "clip_frac_mean": _mean([m.get("frac/clip") for m in metrics]),
+        # mode partial: per-token staleness and trajectories that spanned versions (else None)
+        "staleness_token_mean": _mean([m.get("staleness_token") for m in metrics]),
+        "spanning_versions_mean": _mean([m.get("spanning_versions") for m in metrics]),
         "curve": curve,
         "smoothed": sm,
         "best_smoothed": max(p["accuracy"] for p in sm),
@@ -313,6 +319,8 @@ def aggregate(runs: list[dict[str, Any]], headline: tuple[str, str]) -> dict[str
             "final",
             "staleness_mean",
             "clip_frac_mean",
+            "staleness_token_mean",
+            "spanning_versions_mean",
             "first_step_s",
             "short_by_090",
         ):
@@ -350,6 +358,20 @@ def aggregate(runs: list[dict[str, Any]], headline: tuple[str, str]) -> dict[str
         "steps_to_090_goal": "<= 1.10",
         "time_to_090_goal": ">= 1.25",
     }
+    part = next((c for c in by_cell if c.startswith("partial:")), None)
+    if part is not None:  # the strongest baseline's learning per step, measured beside laminar's
+        lam_of = {r["seed"]: r for r in by_cell.get(lam, [])}
+        pp = [(a, lam_of[a["seed"]]) for a in by_cell[part] if a["seed"] in lam_of]
+        summary["partial_cell"] = part
+        summary["learning_per_step_vs_sync"] = {
+            c: cells[c]["learning_per_step_vs_sync"]["median"] for c in (part, lam) if c in cells
+        }
+        summary["steps_to_090_partial_over_laminar"] = _median_json(
+            [_ratio(a["steps_to_090"], b["steps_to_090"], "num") for a, b in pp]
+        )
+        summary["time_to_090_partial_over_laminar"] = _median_json(
+            [_ratio(a["seconds_to_090"], b["seconds_to_090"], "num") for a, b in pp]
+        )
     return {"cells": cells, "summary": summary}
 
 
@@ -473,11 +495,11 @@ def main(argv: list[str] | None = None) -> int:
         for c in cells
         if len(c.split(":")) != 3
         or c.split(":")[2] not in CORRECTIONS
-        or c.split(":")[0] not in ("sync", "laminar")
+        or c.split(":")[0] not in ("sync", "laminar", "partial")
     ]
     if bad:
         ap.error(
-            f"bad cells {bad}: use mode:staleness:correction with mode sync|laminar, "
+            f"bad cells {bad}: use mode:staleness:correction with mode sync|laminar|partial, "
             f"correction one of {list(CORRECTIONS)}"
         )
     seeds = [int(x) for x in (args.seeds or (QUICK_SEEDS if args.quick else "0,1,2")).split(",")]

@@ -183,6 +183,8 @@ class _Record:
     def materialize(self) -> PartialTrajectory:
         h = self.header
         ids, lps, mask, tv = self.compact()
+        if tv is not None and not (tv != h.version).any():
+            tv = None  # one version after all (a batch's column covers every entry)
         return PartialTrajectory(
             uid=h.uid,
             group_id=h.group_id,
