@@ -208,7 +208,14 @@ def measured_latencies(runs: list[dict[str, Any]], mode: str) -> dict[str, Any]:
     push = statistics.median(pushes) if pushes else 0.0
     if mode == "partial":  # the whole interrupt (abort + load + resubmission), where timed
         held = _partial_mean(runs, "rollout_partials", "interrupt_s")
-        return {"global_update_s": load if held is None else held}
+        part: dict[str, Any] = {
+            "global_update_s": load if held is None else held,
+            "actor_push_s": push,
+        }
+        rtt = _partial_mean(runs, "rollout_partials", "prompt_rtt_idle_s")
+        if rtt is not None:
+            part["prompt_rtt_s"] = rtt
+        return part
     if not mode.startswith("laminar"):
         return {"global_update_s": load}
     out: dict[str, Any] = {"relay_pull_s": load, "actor_push_s": push}

@@ -30,7 +30,8 @@ laminar.modes and laminar.manager.repack; only the hardware is modelled:
 - Trainer: an update on T tokens takes max(T * trainer_s_per_token, mini-batches *
   trainer_minibatch_floor_s); the floor is the FSDP traffic of one optimizer step, which does not
   shrink with more GPUs - why per-GPU trainer throughput falls at large scale (strong scaling).
-- Weights: global modes stop every rollout for global_update_s once all drained; laminar stalls
+- Weights: global modes stop every rollout for global_update_s once all drained (partial: at
+  once, interrupting, while the trainer, stalled actor_push_s, trains on); laminar stalls
   the trainer actor_push_s, the version reaches relays relay_broadcast_s later, and a rollout
   pulls it (relay_pull_s) whenever it runs dry or is emptied by repack.
 
@@ -44,7 +45,9 @@ Modes (rules from laminar.modes.policy_for):
   update as soon as each trainer step ends, without a drain: every rollout stops decoding for
   global_update_s, then fills the KV prefix of each of its in-flight sequences again (prompt +
   tokens so far, at prefill_tok_s) and continues them under the new version. A group's version
-  stays its first token's, so staleness (and the bound) is that of its oldest token.
+  stays its first token's, so staleness (and the bound) is that of its oldest token. Its
+  rollouts ask for their own groups as laminar's do (`refill`: credits, refill_slots, prompt
+  round trips); between a trainer step and the end of its update none may start (admission).
 - laminar_norepack / laminar: each rollout takes its own batch, drains it, pulls the newest
   version from its relay and takes the next; the trainer consumes finished groups FIFO. With
   refill_per_group (the rollout node's credit loop, used for the emulation) a rollout also takes
@@ -196,6 +199,9 @@ class Sim(RepackMixin):
             else None,
         )
         self.do_repack = mode == "laminar" and prm.repack
+        self.pulls_own_work = not self.policy.global_update or self.policy.interrupts
+        """Each rollout asks for its own groups (`refill`: laminar, and partial, whose rollouts
+        keep their concurrency topped up between updates) instead of a global dispatch."""
         self.rb = prm.repack_bound_b or prm.bound_b
         self.rng, self.seed = random.Random(seed), seed
         self.sigma = math.log(prm.length_p99_over_p50) / Z99
@@ -390,9 +396,10 @@ class Sim(RepackMixin):
     def after_change(self, r: Rollout) -> None:
         """Common tail of every rollout event: refill, update, train, reschedule."""
         if self.policy.global_update:
-            self.dispatch_global()
+            if not self.policy.interrupts:
+                self.dispatch_global()
             self.maybe_global_update()
-        else:
+        if self.pulls_own_work:
             self.refill(r)
         self.try_train()
         self.schedule(r)
@@ -451,7 +458,7 @@ class Sim(RepackMixin):
         """Baselines: hand groups to the least-loaded rollouts while the mode's rules allow."""
         if self.updating or not self.may_start(self.ro[0]):
             return  # one version everywhere in global modes: one check stands for all rollouts
-        heap = [(self.load(r), r.idx) for r in self.ro if self.has_room(r)]
+        heap = [(r.in_hand, r.idx) for r in self.ro if r.in_hand < self.prm.rollout_groups]
         heapq.heapify(heap)
         touched: dict[int, Rollout] = {}
         while heap:
@@ -463,28 +470,13 @@ class Sim(RepackMixin):
                 self.advance(r)
                 touched[i] = r
             self.start_group(r)
-            if self.has_room(r):
-                heapq.heapreplace(heap, (self.load(r), i))
+            if r.in_hand < self.prm.rollout_groups:
+                heapq.heapreplace(heap, (r.in_hand, i))
             else:
                 heapq.heappop(heap)
         for r in touched.values():
             self.admit(r)
             self.schedule(r)
-
-    def load(self, r: Rollout) -> int:
-        """What a global dispatch balances: groups in hand, or open sequences with refill_slots."""
-        return r.in_hand if self.prm.refill_slots is None else len(r.running) + len(r.waiting)
-
-    def has_room(self, r: Rollout) -> bool:
-        """May a global dispatch give this rollout one more group? Credits per group, or with
-        refill_slots (credits per sequence, as the rollout node's feeder counts them) room for a
-        whole group among its open sequences (multi-turn: at most 2x credits groups in hand)."""
-        slots = self.prm.refill_slots
-        if slots is None:
-            return r.in_hand < self.prm.rollout_groups
-        if len(r.running) + len(r.waiting) + self.prm.group_size > slots:
-            return False
-        return not r.tooling or self.groups_in_hand(r) < 2 * self.prm.rollout_groups
 
     def groups_held(self, r: Rollout) -> int:
         """Groups with a trajectory on this rollout (imported ones too): the node's used credits.
@@ -601,7 +593,7 @@ class Sim(RepackMixin):
         mini-batch of the first finished groups (stream, laminar: streamed consumption)."""
         if self.policy.global_update:
             self.maybe_global_update()  # a due update goes first once every rollout drained
-        if self.trainer_busy or self.updating:
+        if self.trainer_busy or (self.updating and not self.policy.interrupts):
             return
         if self.policy.whole_batch:
             batch = self.done_by_batch.get(self.version, [])
@@ -650,7 +642,11 @@ class Sim(RepackMixin):
             self.take_snapshot("start")
         elif self.start_idx is not None and len(self.steps) - self.start_idx >= self.measure:
             self.done = self.now - self.snap["start_t"] >= self.settle  # windows end on an update
-        if self.policy.global_update:
+        if self.policy.interrupts:
+            # partial: the trainer hands the version off (actor_push_s) and trains on while the
+            # rollouts' interrupting update runs
+            self.push(self.now + self.prm.actor_push_s, 2, None)
+        elif self.policy.global_update:
             self.trainer_busy = False
         else:
             self.push(self.now + self.prm.actor_push_s, 2, None)  # trainer free after the push
@@ -696,7 +692,10 @@ class Sim(RepackMixin):
         for r in self.ro:
             self.advance(r)
             r.version = version
-        self.dispatch_global()
+        if self.policy.interrupts:
+            self.wake_idle()  # partial: rollouts that could not start at the old version ask now
+        else:
+            self.dispatch_global()
         self.try_train()
 
     # ---- repack ------------------------------------------------------------------------------
@@ -714,7 +713,7 @@ class Sim(RepackMixin):
         self.snap[key + "_util"] = sum(r.util_a for r in self.ro)
 
     def run(self) -> dict[str, Any]:
-        if self.policy.global_update:
+        if not self.pulls_own_work:
             self.dispatch_global()
         else:
             for r in self.ro:

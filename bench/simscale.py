@@ -228,5 +228,9 @@ def params_for(
         repack_interval_s=5.0,
         c_max=0.9,
         repack_fixed_s=0.69,  # paper §8.4: measured repack overhead
+        # partial (AReaL): a rollout tops its concurrency up as groups finish (stream generation)
+        refill_per_group=mode == "partial",
     )
+    if mode == "partial":  # the trainer broadcasts each version itself (NCCL): it stalls for it
+        prm = replace(prm, actor_push_s=prm.global_update_s)
     return replace(prm, **overrides)

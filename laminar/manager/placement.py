@@ -98,7 +98,7 @@ class Placer:
         live = [(p, p.status) for p in self.live() if p.status is not None]
         newest = max((s.version for _, s in live), default=-1)
         bound = self.bound_b
-        ranked = []
+        ranked: list[tuple[tuple[object, ...], Peer]] = []
         for p, s in live:
             if not self.usable(p) or p.node_id == source:
                 continue

@@ -22,9 +22,12 @@ groups in hand (waiting or not) bounds the environment work and memory one rollo
 up. Waiting episodes still count as in flight for weights: a load waits for them (one
 version per trajectory; see laminar/rollout/episodes.py).
 
-Mode partial (SequenceTable.interrupts): a newer version does not wait for a drain. The loop
-interrupts every sequence in the engine, loads, and puts them back under the new version
-(`interrupt`, under the gate's lock so no import slips in between): AReaL's partial rollout.
+Mode partial (SequenceTable.interrupts): a newer version does not wait for a drain. Every
+sequence in the engine is interrupted, the version loaded, and the sequences put back under it
+(`interrupt`, under the gate's lock so no import or prompt start slips in between): AReaL's
+partial rollout. `interrupt_on_update` does it as soon as the version is loadable, also while
+this loop waits on a prompt reply (the update reaches every rollout at once, not after a
+round trip); groups that arrive meanwhile start once it is done, at the new version.
 
 Queue and retraction: with rollout.refill_slots (credits per sequence) a rollout asks for a
 group whenever its unfinished sequences leave room for one within refill_slots; set above the
@@ -193,7 +196,11 @@ class PromptFeeder:
                 await self._sleep(backoff)
                 continue
             self.gate.require(reply.min_version)
-            if self.gate.version >= declared:
+            if self.table.interrupts and reply.items:
+                async with self.gate.lock:  # not while an interrupt swaps the version under them
+                    for item in reply.items:
+                        self._start(item)
+            elif self.gate.version >= declared:
                 for item in reply.items:
                     self._start(item)
             elif reply.items:
@@ -235,6 +242,16 @@ class PromptFeeder:
                 self.loading = False
             self.metrics.add("interrupt_s", time.monotonic() - t0)
             return loaded
+
+    async def interrupt_on_update(self, new_version: asyncio.Event) -> None:
+        """Mode partial: interrupt as soon as a newer version is loadable (`new_version` is set
+        by the gate's watch), not when this loop next comes round."""
+        while True:
+            await new_version.wait()
+            new_version.clear()
+            if self.table.seqs and self.gate.behind() and self.gate.loadable() >= 0:
+                await self.interrupt()
+                self.wake.set()
 
     async def _load_then_start_held(self) -> bool:
         loaded = await self.refresh()

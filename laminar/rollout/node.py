@@ -334,6 +334,10 @@ class RolloutNode(Node):
         self.spawn(self.deliverer.stream(), "partials")
         self.spawn(self.outbox.run(), "outbox")
         self.spawn(self.gate.watch(self.wake), "versions")
+        if self.table.interrupts:  # mode partial: an update interrupts at once (feeder.py)
+            updated = asyncio.Event()
+            self.spawn(self.gate.watch(updated), "versions-interrupt")
+            self.spawn(self.feeder.interrupt_on_update(updated), "interrupts")
         if self.episodes is not None:
             self.spawn(self.episodes.watch(), "episode-clock")
         if (
