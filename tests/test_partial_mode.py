@@ -317,3 +317,43 @@ async def test_a_killed_rollout_in_partial_mode_loses_nothing_and_duplicates_not
             assert (tv[:k] == 0).all() and (tv[k:] == 1).all()
             if uid in lost:
                 assert t.rollout_id != "rollout-0" and t.resumed == 1 and k == bounds[uid]
+
+
+async def test_multi_turn_episodes_continue_across_versions(tmp_path):
+    """Episodes (SimToolEnv: model turns, tool waits, observations) in mode partial: a turn in
+    the engine is interrupted and resumed with its own turn caps; a turn submitted while the
+    version changes waits for the new one. Nothing is generated at a version the table did not
+    expect, and each episode is consumed once."""
+    cfg = sim_config(
+        tmp_path,
+        mode="partial",
+        rollouts=2,
+        total_steps=5,
+        trainer={"sim_time_per_token_s": 1e-3},
+        buffer={"capacity": 32},
+        rollout={
+            "sampling": {"max_tokens": 400},
+            # a load that takes a while: environment steps end while the version changes
+            "sim": {
+                "length_p50": 30,
+                "step_time_s": 0.004,
+                "kv_capacity_tokens": 8 * 420,
+                "load_time_s": 0.05,
+            },
+        },
+        env={
+            "fn": "laminar.envs.sim:SimToolEnv",
+            "kwargs": {"seed": 1, "p_call": 0.7, "latency_p50_s": 0.02, "latency_p99_s": 0.2},
+            "limits": {"max_turns": 5, "max_tool_calls": 4},
+        },
+    )
+    async with LocalCluster(cfg) as cluster:
+        await cluster.wait_trainer(timeout=90)
+        rollouts = cluster.role("rollout")
+        counters = Counter()
+        for r in rollouts:
+            counters.update(r.metrics.counters)
+    uids = [u for s in consumed(cfg) for u in s["uids"]]
+    assert uids and max(Counter(uids).values()) == 1
+    assert counters["interrupted"] > 0 and counters["env_tokens"] > 0
+    assert not counters.get("version_mismatch_events"), counters

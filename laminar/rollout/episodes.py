@@ -250,9 +250,7 @@ class EpisodeDriver:
     def _submit(self, seq: SeqState) -> None:
         """Back into the engine for the next model turn, at the episode's own version (mode
         partial: at the engine's, the episode continues across versions)."""
-        if self.table.interrupts:
-            seq.continue_at(self.engine.version)
-        elif self.engine.version != seq.version:
+        if not self.table.interrupts and self.engine.version != seq.version:
             # one version per trajectory: weights load only when the table is empty, and a waiting
             # episode keeps it non-empty; getting here is a bug, and it must not train silently
             raise RuntimeError(
@@ -261,7 +259,8 @@ class EpisodeDriver:
             )
         self.table.set_waiting(seq, False)
         self.table.mark_dirty(seq.uid)
-        self.engine.submit(
+        self.table.submit_turn(  # mode partial: at the engine's version (after an interrupt)
+            seq,
             GenRequest(
                 seq.uid,
                 seq.prompt_ids,
@@ -273,7 +272,7 @@ class EpisodeDriver:
                 single=True,
                 turn=seq.turn,
                 turn_start=seq.turn_start,
-            )
+            ),
         )
 
     # ---- replay (an imported episode) -------------------------------------------------------

@@ -83,6 +83,10 @@ class SequenceTable:
         self.interrupts = interrupts
         """Mode partial: trajectories continue across versions (interrupt, continue_at; imports
         of an older version continue at this rollout's)."""
+        self.interrupting = False
+        """Between `interrupt` and `continue_at`: the engine's version is changing."""
+        self._deferred: list[tuple[SeqState, GenRequest]] = []
+        """Multi-turn turns submitted meanwhile (`submit_turn`): they go in at the new version."""
         """The rollout has an environment: sequences carry loss masks, imports wait for a replay."""
         self.notify = tuple(notify)
         self.metrics, self.log = metrics, log
@@ -349,6 +353,7 @@ class SequenceTable:
         it here with its tokens; `continue_at` puts them back once the new version is loaded. Their
         abort events are not their end (ignored as a retraction's are)."""
         uids = [u for u, q in self.seqs.items() if not q.waiting and not q.exporting]
+        self.interrupting = True  # a turn submitted from here on waits for the new version
         if not uids:
             return []
         for u in uids:
@@ -372,7 +377,26 @@ class SequenceTable:
                 continue  # finished in the engine before the abort: its final event completed it
             seq.continue_at(version, at=len(p.output_ids))
             p.version = version
-            self.engine.submit(GenRequest.resume(p, self.params))
+            req = GenRequest.resume(p, p.params or self.params)  # a model turn keeps its own caps
+            if self.multi_turn:
+                req.turn, req.turn_start = seq.turn, seq.turn_start
+            self.engine.submit(req)
+        self.interrupting = False
+        deferred, self._deferred = self._deferred, []
+        for seq, req in deferred:
+            if seq.uid in self.seqs:
+                self.submit_turn(seq, req)
+
+    def submit_turn(self, seq: SeqState, req: GenRequest) -> None:
+        """Multi-turn: a next model turn into the engine (mode partial: at the engine's version,
+        held back while an interrupt swaps it)."""
+        if self.interrupting:
+            self._deferred.append((seq, req))
+            return
+        if self.interrupts:
+            seq.continue_at(self.engine.version)
+            req.version = seq.current_version
+        self.engine.submit(req)
 
     async def wait_empty(self, timeout: float) -> bool:
         try:
