@@ -38,7 +38,7 @@ paper: 1.39x average over AReaL, 1.81x at most), `breakdown_partial_64` beside
 `laminar_vs_partial_64_multiturn`.
 
 Run:
-    .venv/bin/python bench/cluster.py --quick --out bench/results/cluster.json    (< 10 min: N = 64)
+    .venv/bin/python bench/cluster.py --quick --out bench/results/cluster.json    (~12 min: N = 64)
     .venv/bin/python bench/cluster.py --quick --workload multiturn \\
         --out bench/results/cluster_quick_multiturn.json
     .venv/bin/python bench/cluster.py                                             (N = 8..128, ~1 h)
@@ -714,7 +714,7 @@ def plot_breakdown(doc: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
-        "--quick", action="store_true", help="N = 64 only, 3 repeats, shorter windows (< 10 min)"
+        "--quick", action="store_true", help="N = 64 only, 3 repeats, shorter windows (~12 min)"
     )
     ap.add_argument("--out", type=Path, default=HERE / "results" / "cluster.json")
     ap.add_argument("--plot", type=Path, default=None, help="line plot (default: --out with .png)")

@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchinfo, also when
 
 from benchinfo import git_state  # noqa: E402
 
-from laminar.config import load_config  # noqa: E402
+from laminar.config import DemoConfig, load_config  # noqa: E402
 from laminar.demo.__main__ import (  # noqa: E402
     DEMO_CONFIG,
     demo_settings,
@@ -148,7 +148,7 @@ def run_cell(
     seed: int,
     work: Path,
     base: list[str],
-    s: dict[str, Any],
+    s: DemoConfig,
     policy0: Path,
     ev: list[dict],
     before: dict[str, Any],
@@ -481,8 +481,8 @@ def main(argv: list[str] | None = None) -> int:
         # in the 15-minute budget (the cosine learning rate then ends at step 60, in both alike)
         args.overrides.append(f"trainer.total_steps={QUICK_STEPS}")
     cfg = load_config(DEMO_CONFIG, args.overrides)
-    s = demo_settings(cfg)
-    s["progress_every_s"] = 1e9  # no live line per run: one summary line each
+    # no live line per run: one summary line each (the settings are a pydantic section now)
+    s = demo_settings(cfg).model_copy(update={"progress_every_s": 1e9})
     default_cell = f"laminar:{cfg.buffer.max_staleness}:default"
     if args.cells:
         cells = args.cells.split(",")
@@ -514,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging("warning", True)
     t0 = time.time()
     train_path, eval_path, train, ev = prepare_data(work, s, 0)
-    policy0 = Path(s["policy"]) if s.get("policy") else warm_up(s, train, 0)
+    policy0 = Path(s.policy) if s.policy else warm_up(s, train, 0)
     max_tokens = cfg.rollout.sampling.max_tokens
     before = evaluate_model(str(policy0), ev, cu.verify, max_tokens=max_tokens)
     before.pop("completions", None)
