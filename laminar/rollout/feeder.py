@@ -196,18 +196,21 @@ class PromptFeeder:
                 await self._sleep(backoff)
                 continue
             self.gate.require(reply.min_version)
-            if self.table.interrupts and reply.items:
+            items = list(reply.items)
+            if self.table.interrupts and items:
                 async with self.gate.lock:  # not while an interrupt swaps the version under them
-                    for item in reply.items:
-                        self._start(item)
-            elif self.gate.version >= declared:
-                for item in reply.items:
+                    if self.gate.version >= declared:
+                        for item in items:
+                            self._start(item)
+                        items = []
+            if self.gate.version >= declared:
+                for item in items:
                     self._start(item)
-            elif reply.items:
+            elif items:
                 # served for a version whose load failed (or an import slipped in first): they wait
                 # for it (never run below the version they were asked for), and it is now required
-                self.metrics.count("prompts_deferred", len(reply.items))
-                self.held.extend(reply.items)
+                self.metrics.count("prompts_deferred", len(items))
+                self.held.extend(items)
                 self._held_version = max(self._held_version, declared)
                 self.gate.require(declared)
             if not reply.items and reply.min_version <= self.gate.version:

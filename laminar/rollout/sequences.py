@@ -80,6 +80,7 @@ class SequenceTable:
     ):
         self.engine, self.params = engine, params
         self.multi_turn = multi_turn
+        """The rollout has an environment: sequences carry loss masks, imports wait for a replay."""
         self.interrupts = interrupts
         """Mode partial: trajectories continue across versions (interrupt, continue_at; imports
         of an older version continue at this rollout's)."""
@@ -87,7 +88,6 @@ class SequenceTable:
         """Between `interrupt` and `continue_at`: the engine's version is changing."""
         self._deferred: list[tuple[SeqState, GenRequest]] = []
         """Multi-turn turns submitted meanwhile (`submit_turn`): they go in at the new version."""
-        """The rollout has an environment: sequences carry loss masks, imports wait for a replay."""
         self.notify = tuple(notify)
         self.metrics, self.log = metrics, log
         self.seqs: dict[str, SeqState] = {}
