@@ -619,14 +619,14 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     )
     ax[1, 0].set(title="rollout idle fraction", xlabel="N", ylim=(0, 1))
     n0 = 64 if 64 in results else ns[-1]
-    for i, mode in enumerate(("one_step", "stream", "laminar_norepack", "laminar")):
+    for i, mode in enumerate(("one_step", "stream", "partial", "laminar_norepack", "laminar")):
         hist = results[n0][mode]["staleness"]["hist"]
         xs = sorted(int(k) for k in hist)
         tot = sum(hist.values()) or 1
         ax[1, 1].bar(
-            [x + (i - 1.5) * 0.2 for x in xs],
+            [x + (i - 2) * 0.16 for x in xs],
             [hist[str(x)] / tot for x in xs],
-            width=0.2,
+            width=0.16,
             label=mode,
         )
     ax[1, 1].set(

@@ -10,7 +10,7 @@ configs/demo.yaml` as a child, every role its own process), started from the dem
 cached warm-up policy (seed 0; built on first use, ~4 min) with seed=S and data.seed=S
 (sampling and prompt order differ per seed, the starting policy does not). Weight
 snapshots (every trainer.snapshot_every steps) are evaluated after each run, greedy, on
-the held-out prompts (report.eval_curve), so the timing of a run is not disturbed.
+the held-out prompts (laminar/demo/results.py eval_curve), so the timing of a run is not disturbed.
 
     cells: sync (staleness 0 by construction) and laminar at max_staleness 1, 2, 4; partial
       (AReaL-style partial rollout: updates interrupt in-flight trajectories, which continue
@@ -26,7 +26,7 @@ the held-out prompts (report.eval_curve), so the timing of a run is not disturbe
                1 optimizer step per batch, lr 2e-4
 
 Figures per run: the accuracy curve (step, seconds since launch), its 3-snapshot smoothing
-(report.smooth), steps and seconds to 0.85 / 0.90 on the smoothed curve (interpolated;
+(results.smooth), steps and seconds to 0.85 / 0.90 on the smoothed curve (interpolated;
 null and `short_by_*` when never reached), trainer steps/s, CPU-seconds of the run (all its
 processes) and cores used (CPU-s / wall-s), and learning per step relative to the sync run
 of the same seed and correction (else the default sync run): the area under (accuracy -
@@ -154,7 +154,7 @@ def run_cell(
     before: dict[str, Any],
     max_tokens: int,
 ) -> dict[str, Any]:
-    from laminar.demo import report
+    from laminar.demo import results
     from laminar.report import read_metrics
 
     mode, staleness, corr = cell.split(":")
@@ -165,11 +165,11 @@ def run_cell(
     c0 = _cpu_children()
     r = run_mode(DEMO_CONFIG, run_dir, mode, over, s)
     cpu = _cpu_children() - c0
-    curve = report.eval_curve(
+    curve = results.eval_curve(
         run_dir, policy0, ev, s, before, r["t0"], log=lambda _m: None, max_tokens=max_tokens
     )
     metrics = read_metrics(run_dir)
-    sm = report.smooth(curve)
+    sm = results.smooth(curve)
     out: dict[str, Any] = {
         "cell": cell,
         "seed": seed,
@@ -178,7 +178,7 @@ def run_cell(
         "cpu_s": round(cpu, 1),
         "cores": round(cpu / r["wall_clock_s"], 2) if r["wall_clock_s"] else None,
         "steps": metrics[-1]["step"] if metrics else 0,
-        "steps_per_s": report.steps_per_s(metrics),
+        "steps_per_s": results.steps_per_s(metrics),
         "first_step_s": round(metrics[0]["time"] - r["t0"], 1) if metrics else None,
         "staleness_mean": _mean([m.get("staleness") for m in metrics]),
         "clip_frac_mean": _mean([m.get("frac/clip") for m in metrics]),
