@@ -1,7 +1,7 @@
 """Emulated-scale cluster benchmark: the real system (nodes, ZeroMQ, relay, manager, buffer) with
 sim rollout engines and a sim trainer, N = 8..128 emulated rollout GPUs on 2 CPU cores.
 
-    for repeat r, for N, for mode in (sync, one_step, stream, laminar_norepack, laminar):
+    for repeat r, for N, for mode in (sync, one_step, stream, partial, laminar_norepack, laminar):
         bench/cluster_run.py run ──► control process (manager, buffer, relay, trainer; ipc)
                                       └─► worker process (N RolloutNodes with sim engines)
         ──► figures of one window (training / generation throughput, idle fractions, KV, staleness,
@@ -30,8 +30,15 @@ at a drawn length, and bench/simulate.py models the same episodes for the cross-
 `laminar_vs_sync_64_multiturn` and `laminar_vs_baselines_64_multiturn` (mean of laminar over
 sync, one_step and stream), to set against the paper's 2.62x average over the baselines.
 
+The strongest baseline (mode partial: AReaL-style partial rollout, configured as laminar is:
+the same queue and staleness bound, only the update differs: global, interrupting every
+in-flight trajectory, which continues under the new version): `laminar_vs_partial_64` (the
+paper: 1.39x average over AReaL, 1.81x at most), `breakdown_partial_64` beside
+`breakdown_laminar_64` (where the rollout-time goes in each), and with --workload multiturn
+`laminar_vs_partial_64_multiturn`.
+
 Run:
-    .venv/bin/python bench/cluster.py --quick --out bench/results/cluster.json    (< 10 min: N = 64)
+    .venv/bin/python bench/cluster.py --quick --out bench/results/cluster.json    (~12 min: N = 64)
     .venv/bin/python bench/cluster.py --quick --workload multiturn \\
         --out bench/results/cluster_quick_multiturn.json
     .venv/bin/python bench/cluster.py                                             (N = 8..128, ~1 h)
@@ -199,6 +206,16 @@ def measured_latencies(runs: list[dict[str, Any]], mode: str) -> dict[str, Any]:
     ]
     load = statistics.median(loads) if loads else 0.0
     push = statistics.median(pushes) if pushes else 0.0
+    if mode == "partial":  # the whole interrupt (abort + load + resubmission), where timed
+        held = _partial_mean(runs, "rollout_partials", "interrupt_s")
+        part: dict[str, Any] = {
+            "global_update_s": load if held is None else held,
+            "actor_push_s": push,
+        }
+        rtt = _partial_mean(runs, "rollout_partials", "prompt_rtt_idle_s")
+        if rtt is not None:
+            part["prompt_rtt_s"] = rtt
+        return part
     if not mode.startswith("laminar"):
         return {"global_update_s": load}
     out: dict[str, Any] = {"relay_pull_s": load, "actor_push_s": push}
@@ -287,6 +304,7 @@ def ratios(
 
     out = {f"{m}_vs_sync": per(m, "sync", "train_tok_s") for m in MODES if m != "sync"}
     out["laminar_vs_stream"] = per("laminar", "stream", "train_tok_s")
+    out["laminar_vs_partial"] = per("laminar", "partial", "train_tok_s")
     out["laminar_vs_one_step"] = per("laminar", "one_step", "train_tok_s")
     out["repack_vs_norepack_gen"] = per("laminar", "laminar_norepack", "gen_tok_s")
     out["repack_vs_norepack_train"] = per("laminar", "laminar_norepack", "train_tok_s")
@@ -296,7 +314,8 @@ def ratios(
 def cross_check(
     emu: dict[str, Any], sim: dict[str, Any], emu_ratios: dict[str, Any]
 ) -> dict[str, Any]:
-    """Throughput ratios (mode / sync, and repack / no repack) in emulation vs simulation."""
+    """Throughput ratios (mode / sync, laminar / partial, and repack / no repack) in emulation vs
+    simulation."""
     out = {}
     sync_sim = sim["sync"]["train_tok_s"]["median"]
     for m in MODES:
@@ -305,6 +324,9 @@ def cross_check(
         e = emu_ratios[f"{m}_vs_sync"]["median"]
         s = sim[m]["train_tok_s"]["median"] / sync_sim
         out[f"{m}_vs_sync"] = {"emulation": e, "simulation": s, "rel_err": abs(e - s) / s}
+    e = emu_ratios["laminar_vs_partial"]["median"]
+    s = sim["laminar"]["train_tok_s"]["median"] / sim["partial"]["train_tok_s"]["median"]
+    out["laminar_vs_partial"] = {"emulation": e, "simulation": s, "rel_err": abs(e - s) / s}
     e = emu_ratios["repack_vs_norepack_gen"]["median"]
     s = sim["laminar"]["gen_tok_s"]["median"] / sim["laminar_norepack"]["gen_tok_s"]["median"]
     out["repack_vs_norepack_gen"] = {"emulation": e, "simulation": s, "rel_err": abs(e - s) / s}
@@ -342,6 +364,10 @@ def analyse(
     summary = {
         f"laminar_vs_sync_{n0}": rat[n0]["laminar_vs_sync"]["median"],
         f"laminar_vs_stream_{n0}": rat[n0]["laminar_vs_stream"]["median"],
+        # the strongest baseline (AReaL-style partial rollout); the paper: 1.39x average
+        f"laminar_vs_partial_{n0}": rat[n0]["laminar_vs_partial"]["median"],
+        "laminar_vs_partial": {str(n): rat[n]["laminar_vs_partial"]["median"] for n in ns},
+        "paper_laminar_vs_areal": {"avg": 1.39, "max": 1.81},
         "repack_vs_norepack": rat[n0]["repack_vs_norepack_gen"]["median"],
         "repack_vs_norepack_train": rat[n0]["repack_vs_norepack_train"]["median"],
         "repack_kv_use": {
@@ -383,12 +409,17 @@ def analyse(
         st = results[n0][m]["staleness"]
         summary[f"staleness_{m}_{n0}"] = {k: st.get(k) for k in ("mean", "p50", "p99", "max")}
     summary[f"staleness_p99_laminar_{n0}"] = results[n0]["laminar"]["staleness"].get("p99")
-    if "breakdown" in results[n0]["laminar"]:
-        summary[f"breakdown_laminar_{n0}"] = results[n0]["laminar"]["breakdown"]
+    for m in ("laminar", "partial"):  # where the time goes in each: the gap between the two
+        if "breakdown" in results[n0][m]:
+            summary[f"breakdown_{m}_{n0}"] = results[n0][m]["breakdown"]
+    summary[f"interrupted_partial_{n0}"] = mmm(
+        [(r.get("rollout_counters") or {}).get("interrupted", 0) for r in runs[(n0, "partial")]]
+    )
     if prm.workload != "single":  # the same figures, named for the workload (the files differ too)
         sfx = f"_{prm.workload}"
         summary["workload"] = prm.workload
         summary[f"laminar_vs_sync_{n0}{sfx}"] = summary[f"laminar_vs_sync_{n0}"]
+        summary[f"laminar_vs_partial_{n0}{sfx}"] = summary[f"laminar_vs_partial_{n0}"]
         summary[f"laminar_vs_baselines_{n0}{sfx}"] = statistics.mean(
             rat[n0][k]["median"]
             for k in ("laminar_vs_sync", "laminar_vs_one_step", "laminar_vs_stream")
@@ -515,6 +546,8 @@ def markdown_table(doc: dict[str, Any]) -> str:
     names = {
         "one_step_vs_sync": "one_step / sync",
         "stream_vs_sync": "stream / sync",
+        "partial_vs_sync": "partial / sync",
+        "laminar_vs_partial": "laminar / partial",
         "laminar_norepack_vs_sync": "laminar_norepack / sync",
         "laminar_vs_sync": "laminar / sync",
         "repack_vs_norepack_gen": "repack / no repack (gen)",
@@ -586,14 +619,14 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     )
     ax[1, 0].set(title="rollout idle fraction", xlabel="N", ylim=(0, 1))
     n0 = 64 if 64 in results else ns[-1]
-    for i, mode in enumerate(("one_step", "stream", "laminar_norepack", "laminar")):
+    for i, mode in enumerate(("one_step", "stream", "partial", "laminar_norepack", "laminar")):
         hist = results[n0][mode]["staleness"]["hist"]
         xs = sorted(int(k) for k in hist)
         tot = sum(hist.values()) or 1
         ax[1, 1].bar(
-            [x + (i - 1.5) * 0.2 for x in xs],
+            [x + (i - 2) * 0.16 for x in xs],
             [hist[str(x)] / tot for x in xs],
-            width=0.2,
+            width=0.16,
             label=mode,
         )
     ax[1, 1].set(
@@ -681,7 +714,7 @@ def plot_breakdown(doc: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
-        "--quick", action="store_true", help="N = 64 only, 3 repeats, shorter windows (< 10 min)"
+        "--quick", action="store_true", help="N = 64 only, 3 repeats, shorter windows (~12 min)"
     )
     ap.add_argument("--out", type=Path, default=HERE / "results" / "cluster.json")
     ap.add_argument("--plot", type=Path, default=None, help="line plot (default: --out with .png)")

@@ -48,7 +48,11 @@ import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-MODES = ("sync", "one_step", "stream", "laminar_norepack", "laminar")
+MODES = ("sync", "one_step", "stream", "partial", "laminar_norepack", "laminar")
+QUEUED = ("partial", "laminar_norepack", "laminar")
+"""Modes whose rollouts keep a queue (rollout.refill_slots) and run under buffer.max_staleness:
+laminar, and partial (AReaL-style, the strongest baseline) configured alike, so the two differ
+only in how a new version reaches the rollouts."""
 
 
 @dataclass
@@ -64,13 +68,13 @@ class BenchParams:
     credits: int = 2
     """Groups a rollout holds: credits * group_size = B, so a fresh rollout runs a full batch."""
     refill_slots: int | None = 12
-    """laminar modes: credits per sequence (rollout.refill_slots): a rollout asks for a group
-    whenever its unfinished sequences leave room for one within this many, so up to 12 - 8 = 4
-    wait in its engine's queue and a slot a finished sequence frees is refilled in the same
-    decode step; when a newer version is wanted the groups not started go to it
-    (rollout.retract_unstarted). The baselines keep `credits`: their global batch is spread
-    evenly, a queue would only unbalance it. None: a credit per group, as before
-    (bench/README.md)."""
+    """laminar modes and partial: credits per sequence (rollout.refill_slots): a rollout asks for
+    a group whenever its unfinished sequences leave room for one within this many, so up to
+    12 - 8 = 4 wait in its engine's queue and a slot a finished sequence frees is refilled in the
+    same decode step; when a newer version is wanted the groups not started go to it
+    (rollout.retract_unstarted; partial never drains: its queue continues under the new version).
+    The other baselines keep `credits`: their global batch is spread evenly and drained, a queue
+    would only unbalance it. None: a credit per group, as before (bench/README.md)."""
     length_p50: int = 100
     length_p99_over_p50: float = 10.0
     max_tokens: int = 1024
@@ -84,7 +88,8 @@ class BenchParams:
     retract_unstarted: bool = True
     """laminar modes: rollout.retract_unstarted (queued groups go to the next version)."""
     max_staleness: int | None = None
-    """laminar modes: buffer.max_staleness (None: unbounded, as measured; see bench/README.md)."""
+    """laminar modes and partial: buffer.max_staleness (None: unbounded, as measured, and as the
+    paper ran AReaL for throughput; see bench/README.md)."""
     heartbeat_s: float = 0.5
     repack_interval_s: float = 0.5
     """Manager repack period (and a round right after each update). 0.5 s (was 1 s): a source
@@ -203,6 +208,7 @@ def remove_segments(pid: int | None = None) -> int:
 
 def make_config(mode: str, n: int, seed: int, prm: BenchParams, work: Path, ipc_dir: Path):
     """The laminar config of one run (mode laminar_norepack = laminar with repack off)."""
+    queued = mode in QUEUED
     from laminar.config import config_from_dict
 
     data = write_prompts(work / "prompts.jsonl", 40 * n * prm.credits + 4000, prm.prompt_tokens)
@@ -231,7 +237,7 @@ def make_config(mode: str, n: int, seed: int, prm: BenchParams, work: Path, ipc_
                 "weights": "relay",
                 "group_size": prm.group_size,
                 "credits": prm.credits,
-                "refill_slots": prm.refill_slots if mode.startswith("laminar") else None,
+                "refill_slots": prm.refill_slots if queued else None,
                 "retract_unstarted": prm.retract_unstarted,
                 "max_running": prm.bound_b,
                 "partial_chunk_tokens": 256,
@@ -259,7 +265,7 @@ def make_config(mode: str, n: int, seed: int, prm: BenchParams, work: Path, ipc_
                 "capacity": 1_000_000,
                 "fsync": "never",
                 "retry_after_s": 0.05,
-                **({"max_staleness": prm.max_staleness} if mode.startswith("laminar") else {}),
+                **({"max_staleness": prm.max_staleness} if queued else {}),
             },
             "manager": {
                 "repack": {
@@ -345,7 +351,8 @@ BREAKDOWN = ("full", "drain", "refill", "move", "loading", "idle")
 below B while it drains before a refresh (a newer version is wanted: no new work at the old one),
 while it waits for a repack move (an export or import of its trajectories runs), or otherwise
 while it waits for work (refill: a credit comes back per finished group, prompts take a round
-trip); loading weights; idle (nothing to decode and no load running)."""
+trip); loading weights (mode partial: the whole interrupt, abort + load + resubmission, with its
+in-flight sequences held); idle (nothing to decode and no load running)."""
 
 
 def rollout_state(node: Any, running: int, b: int) -> int:

@@ -10,12 +10,15 @@ configs/demo.yaml` as a child, every role its own process), started from the dem
 cached warm-up policy (seed 0; built on first use, ~4 min) with seed=S and data.seed=S
 (sampling and prompt order differ per seed, the starting policy does not). Weight
 snapshots (every trainer.snapshot_every steps) are evaluated after each run, greedy, on
-the held-out prompts (report.eval_curve), so the timing of a run is not disturbed.
+the held-out prompts (laminar/demo/results.py eval_curve), so the timing of a run is not disturbed.
 
     # LoRA beside full fine-tuning (steps and seconds to 0.90, "lora_vs_full" in the JSON)
     .venv/bin/python bench/learning.py --cells laminar:2:default,laminar:2:lora --seeds 0,1,2
 
-    cells: sync (staleness 0 by construction) and laminar at max_staleness 1, 2, 4
+    cells: sync (staleness 0 by construction) and laminar at max_staleness 1, 2, 4; partial
+      (AReaL-style partial rollout: updates interrupt in-flight trajectories, which continue
+      under the new version; the staleness bounds the oldest token, e.g. partial:4:default as
+      AReaL's convergence runs), run on request with --cells
     corrections (on top of configs/demo.yaml):
       default  the demo config as it is (today: ppo_mb)
       none     decoupled, no behaviour weight (is_mode=none), 1 optimizer step per batch, lr 2e-4
@@ -28,7 +31,7 @@ the held-out prompts (report.eval_curve), so the timing of a run is not disturbe
                lr 5e-4 (`lora@LR` sets another rate)
 
 Figures per run: the accuracy curve (step, seconds since launch), its 3-snapshot smoothing
-(report.smooth), steps and seconds to 0.85 / 0.90 on the smoothed curve (interpolated;
+(results.smooth), steps and seconds to 0.85 / 0.90 on the smoothed curve (interpolated;
 null and `short_by_*` when never reached), trainer steps/s, CPU-seconds of the run (all its
 processes) and cores used (CPU-s / wall-s), and learning per step relative to the sync run
 of the same seed and correction (else the default sync run): the area under (accuracy -
@@ -167,7 +170,7 @@ def run_cell(
     before: dict[str, Any],
     max_tokens: int,
 ) -> dict[str, Any]:
-    from laminar.demo import results as report
+    from laminar.demo import results
     from laminar.report import read_metrics
 
     mode, staleness, corr = cell.split(":")
@@ -175,17 +178,17 @@ def run_cell(
     over = [*base, *CORRECTIONS[corr], f"seed={seed}", f"data.seed={seed}"]
     if lr:
         over.append(f"trainer.lr={lr}")
-    if mode == "laminar":
+    if mode in ("laminar", "partial"):
         over.append(f"buffer.max_staleness={staleness}")
     run_dir = work / cell.replace(":", "_") / f"seed{seed}"
     c0 = _cpu_children()
     r = run_mode(DEMO_CONFIG, run_dir, mode, over, s)
     cpu = _cpu_children() - c0
-    curve = report.eval_curve(
+    curve = results.eval_curve(
         run_dir, policy0, ev, s, before, r["t0"], log=lambda _m: None, max_tokens=max_tokens
     )
     metrics = read_metrics(run_dir)
-    sm = report.smooth(curve)
+    sm = results.smooth(curve)
     out: dict[str, Any] = {
         "cell": cell,
         "seed": seed,
@@ -194,10 +197,13 @@ def run_cell(
         "cpu_s": round(cpu, 1),
         "cores": round(cpu / r["wall_clock_s"], 2) if r["wall_clock_s"] else None,
         "steps": metrics[-1]["step"] if metrics else 0,
-        "steps_per_s": report.steps_per_s(metrics),
+        "steps_per_s": results.steps_per_s(metrics),
         "first_step_s": round(metrics[0]["time"] - r["t0"], 1) if metrics else None,
         "staleness_mean": _mean([m.get("staleness") for m in metrics]),
         "clip_frac_mean": _mean([m.get("frac/clip") for m in metrics]),
+        # mode partial: per-token staleness and trajectories that spanned versions (else None)
+        "staleness_token_mean": _mean([m.get("staleness_token") for m in metrics]),
+        "spanning_versions_mean": _mean([m.get("spanning_versions") for m in metrics]),
         "curve": curve,
         "smoothed": sm,
         "best_smoothed": max(p["accuracy"] for p in sm),
@@ -332,6 +338,8 @@ def aggregate(runs: list[dict[str, Any]], headline: tuple[str, str]) -> dict[str
             "final",
             "staleness_mean",
             "clip_frac_mean",
+            "staleness_token_mean",
+            "spanning_versions_mean",
             "first_step_s",
             "short_by_090",
         ):
@@ -369,6 +377,20 @@ def aggregate(runs: list[dict[str, Any]], headline: tuple[str, str]) -> dict[str
         "steps_to_090_goal": "<= 1.10",
         "time_to_090_goal": ">= 1.25",
     }
+    part = next((c for c in by_cell if c.startswith("partial:")), None)
+    if part is not None:  # the strongest baseline's learning per step, measured beside laminar's
+        lam_of = {r["seed"]: r for r in by_cell.get(lam, [])}
+        pp = [(a, lam_of[a["seed"]]) for a in by_cell[part] if a["seed"] in lam_of]
+        summary["partial_cell"] = part
+        summary["learning_per_step_vs_sync"] = {
+            c: cells[c]["learning_per_step_vs_sync"]["median"] for c in (part, lam) if c in cells
+        }
+        summary["steps_to_090_partial_over_laminar"] = _median_json(
+            [_ratio(a["steps_to_090"], b["steps_to_090"], "num") for a, b in pp]
+        )
+        summary["time_to_090_partial_over_laminar"] = _median_json(
+            [_ratio(a["seconds_to_090"], b["seconds_to_090"], "num") for a, b in pp]
+        )
     return {"cells": cells, "summary": summary}
 
 
@@ -504,8 +526,8 @@ def main(argv: list[str] | None = None) -> int:
         # in the 15-minute budget (the cosine learning rate then ends at step 60, in both alike)
         args.overrides.append(f"trainer.total_steps={QUICK_STEPS}")
     cfg = load_config(DEMO_CONFIG, args.overrides)
-    s = demo_settings(cfg)
-    s.progress_every_s = 1e9  # no live line per run: one summary line each
+    # no live line per run: one summary line each (the settings are a pydantic section now)
+    s = demo_settings(cfg).model_copy(update={"progress_every_s": 1e9})
     default_cell = f"laminar:{cfg.buffer.max_staleness}:default"
     if args.cells:
         cells = args.cells.split(",")
@@ -518,11 +540,11 @@ def main(argv: list[str] | None = None) -> int:
         for c in cells
         if len(c.split(":")) != 3
         or c.split(":")[2].partition("@")[0] not in CORRECTIONS
-        or c.split(":")[0] not in ("sync", "laminar")
+        or c.split(":")[0] not in ("sync", "laminar", "partial")
     ]
     if bad:
         ap.error(
-            f"bad cells {bad}: use mode:staleness:correction with mode sync|laminar, "
+            f"bad cells {bad}: use mode:staleness:correction with mode sync|laminar|partial, "
             f"correction one of {list(CORRECTIONS)}"
         )
     seeds = [int(x) for x in (args.seeds or (QUICK_SEEDS if args.quick else "0,1,2")).split(",")]

@@ -1,4 +1,4 @@
-"""Simulator engine: one discrete-event run of one mode (sync, one_step, stream,
+"""Simulator engine: one discrete-event run of one mode (sync, one_step, stream, partial,
 laminar[_norepack]).
 
     prompt pool ──groups──► rollout ×R (decode model, KV cache, preemption) ──finished──► buffer
@@ -30,7 +30,8 @@ laminar.modes and laminar.manager.repack; only the hardware is modelled:
 - Trainer: an update on T tokens takes max(T * trainer_s_per_token, mini-batches *
   trainer_minibatch_floor_s); the floor is the FSDP traffic of one optimizer step, which does not
   shrink with more GPUs - why per-GPU trainer throughput falls at large scale (strong scaling).
-- Weights: global modes stop every rollout for global_update_s once all drained; laminar stalls
+- Weights: global modes stop every rollout for global_update_s once all drained (partial: at
+  once, interrupting, while the trainer, stalled actor_push_s, trains on); laminar stalls
   the trainer actor_push_s, the version reaches relays relay_broadcast_s later, and a rollout
   pulls it (relay_pull_s) whenever it runs dry or is emptied by repack.
 
@@ -40,6 +41,13 @@ Modes (rules from laminar.modes.policy_for):
   the trainer trains batch j. stream: like one_step, but the trainer takes each mini-batch as
   soon as its groups finished (staleness bound 1). With a global update that must wait for every
   rollout to drain, one_step and stream differ only in how much training hides behind the tail.
+- partial (AReaL's partial rollout): split GPUs, streamed consumption like stream, and a global
+  update as soon as each trainer step ends, without a drain: every rollout stops decoding for
+  global_update_s, then fills the KV prefix of each of its in-flight sequences again (prompt +
+  tokens so far, at prefill_tok_s) and continues them under the new version. A group's version
+  stays its first token's, so staleness (and the bound) is that of its oldest token. Its
+  rollouts ask for their own groups as laminar's do (`refill`: credits, refill_slots, prompt
+  round trips); between a trainer step and the end of its update none may start (admission).
 - laminar_norepack / laminar: each rollout takes its own batch, drains it, pulls the newest
   version from its relay and takes the next; the trainer consumes finished groups FIFO. With
   refill_per_group (the rollout node's credit loop, used for the emulation) a rollout also takes
@@ -84,7 +92,7 @@ from simrepack import RepackMixin  # noqa: E402
 from laminar.manager.repack import is_candidate, plan_repack  # noqa: E402,F401
 from laminar.modes import StalenessStats, may_start_group, policy_for  # noqa: E402
 
-SIM_MODES = ("sync", "one_step", "stream", "laminar_norepack", "laminar")
+SIM_MODES = ("sync", "one_step", "stream", "partial", "laminar_norepack", "laminar")
 EV_TOOL = 14  # a multi-turn trajectory's tool call answered (repack's events: bench/simrepack.py)
 Z99 = 2.3263478740408408  # standard-normal 99th percentile
 
@@ -186,9 +194,14 @@ class Sim(RepackMixin):
         self.mode, self.prm = mode, prm
         self.policy = policy_for(
             "laminar" if mode.startswith("laminar") else mode,
-            prm.max_staleness if mode in ("stream", "laminar", "laminar_norepack") else None,
+            prm.max_staleness
+            if mode in ("stream", "partial", "laminar", "laminar_norepack")
+            else None,
         )
         self.do_repack = mode == "laminar" and prm.repack
+        self.pulls_own_work = not self.policy.global_update or self.policy.interrupts
+        """Each rollout asks for its own groups (`refill`: laminar, and partial, whose rollouts
+        keep their concurrency topped up between updates) instead of a global dispatch."""
         self.rb = prm.repack_bound_b or prm.bound_b
         self.rng, self.seed = random.Random(seed), seed
         self.sigma = math.log(prm.length_p99_over_p50) / Z99
@@ -236,6 +249,7 @@ class Sim(RepackMixin):
             "restarted_from_prompt": 0,
             "status_pushes": 0,
             "retracted_groups": 0,
+            "interrupted_trajs": 0,
         }
         self.view_age = [0.0, 0]  # sum, count: how old the statuses moves were planned on
         self.win_gen_tokens = self.win_prod_tokens = 0
@@ -382,9 +396,10 @@ class Sim(RepackMixin):
     def after_change(self, r: Rollout) -> None:
         """Common tail of every rollout event: refill, update, train, reschedule."""
         if self.policy.global_update:
-            self.dispatch_global()
+            if not self.policy.interrupts:
+                self.dispatch_global()
             self.maybe_global_update()
-        else:
+        if self.pulls_own_work:
             self.refill(r)
         self.try_train()
         self.schedule(r)
@@ -578,7 +593,7 @@ class Sim(RepackMixin):
         mini-batch of the first finished groups (stream, laminar: streamed consumption)."""
         if self.policy.global_update:
             self.maybe_global_update()  # a due update goes first once every rollout drained
-        if self.trainer_busy or self.updating:
+        if self.trainer_busy or (self.updating and not self.policy.interrupts):
             return
         if self.policy.whole_batch:
             batch = self.done_by_batch.get(self.version, [])
@@ -627,7 +642,11 @@ class Sim(RepackMixin):
             self.take_snapshot("start")
         elif self.start_idx is not None and len(self.steps) - self.start_idx >= self.measure:
             self.done = self.now - self.snap["start_t"] >= self.settle  # windows end on an update
-        if self.policy.global_update:
+        if self.policy.interrupts:
+            # partial: the trainer hands the version off (actor_push_s) and trains on while the
+            # rollouts' interrupting update runs
+            self.push(self.now + self.prm.actor_push_s, 2, None)
+        elif self.policy.global_update:
             self.trainer_busy = False
         else:
             self.push(self.now + self.prm.actor_push_s, 2, None)  # trainer free after the push
@@ -643,20 +662,40 @@ class Sim(RepackMixin):
         if (
             self.updating
             or self.trainer_busy
-            or self.inflight
+            or (self.inflight and not self.policy.interrupts)
             or self.version <= self.ro[0].version
         ):
             return
         self.updating = True
         self.counts["global_updates"] += 1
+        if self.policy.interrupts:
+            self.interrupt_all()
         self.push(self.now + self.prm.global_update_s, 5, self.version)
+
+    def interrupt_all(self) -> None:
+        """partial: every rollout stops for the update, then prefills each in-flight sequence's
+        prompt and tokens so far again (its KV was computed by the old weights) and continues it
+        under the new version; nothing is lost, a tool-waiting one just resumes later."""
+        upd = self.prm.global_update_s
+        for r in self.ro:
+            self.advance(r)
+            if not r.running and not r.waiting:
+                continue
+            held = self.kv(r) if r.running else 0.0
+            refill = held / self.prm.prefill_tok_s if self.prm.prefill_tok_s < math.inf else 0.0
+            r.stall_until = max(r.stall_until, self.now) + upd + refill
+            self.counts["interrupted_trajs"] += len(r.running)
+            self.schedule(r)
 
     def on_update_done(self, version: int) -> None:
         self.updating = False
         for r in self.ro:
             self.advance(r)
             r.version = version
-        self.dispatch_global()
+        if self.policy.interrupts:
+            self.wake_idle()  # partial: rollouts that could not start at the old version ask now
+        else:
+            self.dispatch_global()
         self.try_train()
 
     # ---- repack ------------------------------------------------------------------------------
@@ -674,7 +713,7 @@ class Sim(RepackMixin):
         self.snap[key + "_util"] = sum(r.util_a for r in self.ro)
 
     def run(self) -> dict[str, Any]:
-        if self.policy.global_update:
+        if not self.pulls_own_work:
             self.dispatch_global()
         else:
             for r in self.ro:

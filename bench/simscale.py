@@ -177,12 +177,15 @@ def params_for(
     model: str, mode: str, n_gpus: int, rollout_frac: float | None = None, **overrides: Any
 ) -> SimParams:
     """Paper-scale parameters: sync is co-located (every GPU generates, then trains); one_step
-    and stream split the GPUs at rollout_frac (default 0.5); laminar uses the paper's table."""
+    and stream split the GPUs at rollout_frac (default 0.5); laminar uses the paper's table;
+    partial (AReaL) splits at rollout_frac with Laminar's TP (the paper: TP 1 for 7B in Laminar
+    and AReaL, 2 in the others) and Laminar's in-flight budget per rollout (laminar_groups), so
+    the two differ only in how versions reach the rollouts."""
     spec = MODELS[model]
     if mode == "sync":
         tp, ro_gpus, train_gpus = spec.tp_baseline, n_gpus, n_gpus
-    elif mode in ("one_step", "stream"):
-        tp = spec.tp_baseline
+    elif mode in ("one_step", "stream", "partial"):
+        tp = spec.tp_laminar if mode == "partial" else spec.tp_baseline
         ro_gpus = min(
             n_gpus - tp, round_tp(n_gpus * (0.5 if rollout_frac is None else rollout_frac), tp)
         )
@@ -212,7 +215,9 @@ def params_for(
         max_tokens=16384,
         group_size=16,
         batch_groups=512,  # 8192 = 512 prompts x 16 (paper §6, strong scaling)
-        rollout_groups=laminar_groups(ro_gpus // tp) if mode.startswith("laminar") else 64,
+        rollout_groups=laminar_groups(ro_gpus // tp)
+        if mode.startswith("laminar") or mode == "partial"
+        else 64,
         buffer_capacity_groups=2 * 512,
         minibatches=MINIBATCHES,
         trainer_minibatch_floor_s=spec.minibatch_floor_s(),
@@ -223,5 +228,9 @@ def params_for(
         repack_interval_s=5.0,
         c_max=0.9,
         repack_fixed_s=0.69,  # paper §8.4: measured repack overhead
+        # partial (AReaL): a rollout tops its concurrency up as groups finish (stream generation)
+        refill_per_group=mode == "partial",
     )
+    if mode == "partial":  # the trainer broadcasts each version itself (NCCL): it stalls for it
+        prm = replace(prm, actor_push_s=prm.global_update_s)
     return replace(prm, **overrides)

@@ -24,7 +24,7 @@ Role = Literal["manager", "buffer", "relay", "trainer", "tools", "rollout"]
 """Every role, in the order `laminar run` starts them; the one list of roles (the CLI and
 the node registry derive theirs from it)."""
 ROLES: tuple[Role, ...] = get_args(Role)
-Mode = Literal["sync", "one_step", "stream", "laminar"]
+Mode = Literal["sync", "one_step", "stream", "laminar", "partial"]
 
 # Fixed offsets from cluster.base_port for tcp endpoints; relays and rollouts add their index.
 _PORT_OFFSETS = {
@@ -529,8 +529,9 @@ class AlgoConfig(Section):
     pi_theta/pi_prox (a trust region only with trainer.minibatches > 1). false (bypass): pi_prox =
     mu, no behaviour weight; the clip then bounds pi_theta/mu and is the only staleness correction.
     By mode: sync trains on data of its own version, so mu = pi_prox up to sampler numerics and
-    w ~ 1 (the weight only catches engine/trainer mismatch); one_step, stream and laminar train on
-    data up to buffer.max_staleness versions old, where w is the staleness correction."""
+    w ~ 1 (the weight only catches engine/trainer mismatch); one_step, stream, laminar and partial
+    train on data up to buffer.max_staleness versions old, where w is the staleness correction
+    (partial: per token, each with the logprob of the version that sampled it)."""
     is_mode: Literal["truncate", "mask", "none"] = "truncate"
     """Behaviour weight w = pi_prox/mu (decoupled only; ignored in bypass): truncate = token TIS,
     min(w, is_cap), keeps every token; mask = masked IS (IcePop-style): w where
@@ -696,7 +697,8 @@ class BufferConfig(Section):
     when full."""
     max_staleness: int | None = Field(None, ge=0)
     """Bound on consumed staleness (batch version - trajectory version), enforced by admission (null
-    = unbounded; sync/one_step fix 0/1)."""
+    = unbounded; sync/one_step fix 0/1; stream defaults to 1; partial: on the version of a
+    trajectory's oldest token, AReaL's eta)."""
     fsync: Literal["always", "batch", "never"] = "batch"
     """Journal durability before an ack: always = fsync first, batch = fsync every fsync_interval_s,
     never = the OS decides (all survive kill -9)."""
@@ -820,7 +822,8 @@ class LaminarConfig(Section):
     name: str = "laminar"
     """Run name (used in endpoints and the run directory)."""
     mode: Mode = "laminar"
-    """sync | one_step | stream | laminar (see DESIGN.md "Modes")."""
+    """sync | one_step | stream | laminar | partial (AReaL-style: updates interrupt in-flight
+    trajectories, which continue under the new version; see DESIGN.md "Modes")."""
     run_dir: str | None = None
     """Where metrics, checkpoints and the resolved config go (default runs/<name>)."""
     seed: int = 0

@@ -15,6 +15,9 @@ trainer finishes on its own ("data exhausted"). Then, from the files the nodes w
   * the manager's timeline (run_dir/timeline.jsonl): death detected within 3 s of the kill
     (heartbeats every 0.25 s, dead after 8 missed = 2 s), recovery, a rejoin.
 
+The rollout kill also runs in mode partial (AReaL-style partial rollout: trajectories span
+versions), where recovery continues a dead rollout's partials under a newer version.
+
 Trainer commits are checkpoint-gated (trainer.commit=checkpoint, checkpoint_every=1), which is
 the exactly-once setting; with commit=step a trainer crash loses (never repeats) the updates
 since its last checkpoint. Tests stop only the processes they started, by pid.
@@ -46,11 +49,11 @@ DEADLINE_S = 150.0  # start-up of five Python processes plus the run, on 2 busy 
 class Procs:
     """The nodes of one test: start by role, kill -9 by name, stop all (only these pids)."""
 
-    def __init__(self, tmp: Path, ipc_dir: Path):
+    def __init__(self, tmp: Path, ipc_dir: Path, mode: str = "laminar"):
         self.tmp = tmp
         cfg = {
             "name": "faults",
-            "mode": "laminar",
+            "mode": mode,
             "run_dir": str(tmp / "run"),
             "cluster": {
                 "transport": "ipc",
@@ -279,6 +282,35 @@ def test_killed_rollout_is_detected_within_3s_its_work_recovered_and_it_rejoins(
     procs.wait_trainer_done()
     procs.stop_all()
     procs.check_exactly_once()
+
+
+def test_killed_rollout_in_partial_mode_loses_nothing_and_duplicates_nothing(tmp_path, short_dir):
+    """Mode partial (AReaL-style): updates interrupt the rollouts' trajectories, which continue
+    under the new version. kill -9 of a rollout mid-trajectory: its partials (tokens spanning
+    versions) resume on a live rollout at their newest version or later; every prompt is still
+    consumed exactly once."""
+    procs = Procs(tmp_path, short_dir, mode="partial")
+    try:
+        procs.start_all()
+        procs.wait_all_registered()
+        procs.wait(
+            lambda: len(procs.steps()) >= 2 and procs.status()["rollout-0"].status.inflight > 0,
+            "training under way, rollout-0 generating",
+        )
+        procs.kill9("rollout-0")
+        rec = procs.wait(
+            lambda: events(procs, "recovery", "rollout-0"), "recovery of rollout-0's work", 15
+        )
+        assert rec[0]["trajectories"] >= 1 and rec[0]["orphans"] == 0, rec
+        procs.wait_trainer_done()
+        procs.stop_all()
+        procs.check_exactly_once()
+        spanned = sum(
+            m.get("spanning_versions", 0) for m in read_jsonl(procs.run_dir / "metrics.jsonl")
+        )
+        assert spanned > 0, "no consumed trajectory spanned versions: nothing was interrupted"
+    finally:
+        procs.stop_all()
 
 
 def test_killed_buffer_restarts_from_its_journal_and_training_continues(procs):

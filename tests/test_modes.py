@@ -12,6 +12,8 @@ run until the trainer has taken its steps. What is checked, from the trainer's o
   stream    staleness <= 1
   laminar   unbounded, but reported: the histogram covers every consumed trajectory
   laminar + buffer.max_staleness=1: no consumed trajectory has staleness > 1 (issue 4)
+  partial   unbounded (AReaL's throughput setting), reported on the oldest token; the bound and
+            the interrupts themselves: tests/test_partial_mode.py
 
 and in every mode each trajectory is consumed at most once and every consumed group is whole.
 """
@@ -73,8 +75,9 @@ def check_exactly_once(cfg, steps) -> None:
         ("stream", 0, 1),
         ("laminar", 0, None),
         ("laminar", 1, None),
+        ("partial", 0, None),
     ],
-    ids=["sync", "one_step", "stream", "laminar", "laminar-relay"],
+    ids=["sync", "one_step", "stream", "laminar", "laminar-relay", "partial"],
 )
 async def test_mode_runs_and_staleness_matches_definition(tmp_path, mode, relays, bound):
     cfg, metrics, steps, buf, versions_now = await run_mode(tmp_path, mode, relays=relays)

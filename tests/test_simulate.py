@@ -97,6 +97,21 @@ def test_staleness_per_mode():
     assert run("stream")["dropped_groups"] == 0  # admission alone keeps stream within its bound
 
 
+def test_partial_interrupts_instead_of_draining():
+    """partial (AReaL-style): each update interrupts the in-flight trajectories, which continue
+    under the new version; no drain, so the rollouts stay fuller than stream's, the bound holds on
+    the oldest token, and re-filling the KV prefix after each update costs throughput."""
+    stream, part = run("stream"), run("partial")
+    assert part["interrupted_trajs"] > 0 and part["global_updates"] > 0
+    assert stream["interrupted_trajs"] == 0
+    assert part["decode_util"] > stream["decode_util"]
+    assert part["throughput_tok_s"] > stream["throughput_tok_s"]
+    bounded = run("partial", max_staleness=2)
+    assert max(int(k) for k in bounded["staleness_consumed"]["hist"]) <= 2
+    slow = run("partial", prefill_tok_s=2000.0)
+    assert slow["throughput_tok_s"] < part["throughput_tok_s"]
+
+
 def test_repack_helps_the_tail():
     a, b = run("laminar_norepack"), run("laminar")
     assert b["moves"] > 0 and b["moved_trajs"] >= b["moves"]
@@ -345,8 +360,10 @@ def test_policies():
     assert st.policy_for("one_step", 5).max_staleness == 1  # one step by definition
     lam = st.policy_for("laminar")
     assert lam.max_staleness is None and not lam.global_update and not lam.whole_batch
+    part = st.policy_for("partial", 4)
+    assert part.global_update and part.interrupts and part.max_staleness == 4
     with pytest.raises(ValueError, match="unknown mode"):
-        st.policy_for("partial")
+        st.policy_for("areal")
     with pytest.raises(ValueError, match="max_staleness"):
         st.policy_for("laminar", -1)
 

@@ -35,6 +35,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, assert_never
 
+import numpy as np
+
 from laminar.buffer.records import (
     BatchCommitted,
     BatchesRequeued,
@@ -214,6 +216,16 @@ class ExperienceState:
             )
         if t.loss_mask is not None and len(t.loss_mask) and int(t.loss_mask.max()) > 1:
             return "bad", f"{t.uid}: loss_mask values must be 0 (environment) or 1 (model)"
+        tv = t.token_versions
+        if tv is not None and (
+            len(tv) != len(t.response_ids)
+            or (len(tv) and (int(tv.min()) < t.version or bool(np.any(np.diff(tv) < 0))))
+        ):
+            return (
+                "bad",
+                f"{t.uid}: token_versions must be one per response token, non-decreasing, none "
+                f"below the trajectory's version {t.version}",
+            )
         if t.turns < 1:
             return "bad", f"{t.uid}: turns {t.turns} < 1"
         if not t.group_id or not t.uid:

@@ -31,6 +31,11 @@ the batch's received arrays instead of copying. A record concatenates its pieces
 more than _COMPACT_PIECES (or when queried), which also lets go of the old batches' frames, so a
 record pins at most that many batches.
 
+Mode partial: a trajectory may span versions. Entries still carry the trajectory's version (its
+oldest token's, checked against the record's) and, beside the tokens, the version that sampled
+each one (`token_versions`, kept like the mask; a recovered record carries it, None when no
+entry had one).
+
 Multi-turn trajectories send each entry's slice of the loss mask (1 = model token,
 0 = environment token). The pool keeps it next to the tokens; an entry without one is
 all model tokens. A recovered record carries the mask, or None when no entry had one
@@ -61,8 +66,9 @@ _EMPTY_I = np.zeros(0, np.int32)
 _EMPTY_F = np.zeros(0, np.float32)
 _COMPACT_PIECES = 32
 
-Piece = tuple[np.ndarray, np.ndarray, "np.ndarray | None", int, int]
-"""ids, logprobs, loss mask (None: all model tokens), lo, hi: the tokens are ids[lo:hi]."""
+Piece = tuple[np.ndarray, np.ndarray, "np.ndarray | None", int, int, "np.ndarray | None"]
+"""ids, logprobs, loss mask (None: all model tokens), lo, hi, token versions (None: all at the
+record's version): the tokens are ids[lo:hi]."""
 
 
 def _bad_mask(mask: np.ndarray | None, n: int) -> bool:
@@ -81,6 +87,8 @@ def _batch_problem(b: PartialBatch) -> str:
         return "token arrays do not match the lengths"
     if _bad_mask(b.loss_mask, n):
         return "bad loss mask"
+    if b.token_versions is not None and len(b.token_versions) != n:
+        return "token_versions do not match the tokens"
     at = b.header_at
     if at is None:
         return "headers without header_at" if b.headers else ""
@@ -99,7 +107,16 @@ def _batch_problem(b: PartialBatch) -> str:
             return f"header {h.uid!r} does not match its entry"
         if _bad_mask(h.loss_mask, len(h.response_ids)):
             return "bad loss mask"
+        if _bad_versions(h):
+            return f"header {h.uid!r} has bad token_versions"
     return ""
+
+
+def _bad_versions(h: PartialTrajectory) -> bool:
+    tv = h.token_versions
+    return tv is not None and (
+        len(tv) != len(h.response_ids) or (len(tv) > 0 and int(tv.min()) < h.version)
+    )
 
 
 @dataclass(slots=True)
@@ -112,19 +129,29 @@ class _Record:
     step)."""
     masked: bool = False
     """Some piece carried a loss mask (the record is multi-turn)."""
+    versioned: bool = False
+    """Some piece carried token versions (mode partial: the trajectory spans versions)."""
 
     def add(
-        self, ids: np.ndarray, logprobs: np.ndarray, mask: np.ndarray | None, lo: int, hi: int
+        self,
+        ids: np.ndarray,
+        logprobs: np.ndarray,
+        mask: np.ndarray | None,
+        lo: int,
+        hi: int,
+        tv: np.ndarray | None = None,
     ) -> None:
         if hi > lo:
-            self.pieces.append((ids, logprobs, mask, lo, hi))
+            self.pieces.append((ids, logprobs, mask, lo, hi, tv))
             self.length += hi - lo
             if mask is not None:
                 self.masked = True
+            if tv is not None:
+                self.versioned = True
             if len(self.pieces) > _COMPACT_PIECES:
                 self.compact()
 
-    def compact(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    def compact(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
         """One piece of fresh arrays (the received frames are let go); returns them."""
         ps = self.pieces
         ids = (
@@ -142,12 +169,23 @@ class _Record:
             mask = np.concatenate(
                 [np.ones(p[4] - p[3], np.uint8) if p[2] is None else p[2][p[3] : p[4]] for p in ps]
             ).astype(np.uint8, copy=False)
-        self.pieces = [(ids, lps, mask, 0, len(ids))] if len(ids) else []
-        return ids, lps, mask
+        tv = None
+        if self.versioned:
+            v = self.header.version
+            tv = np.concatenate(
+                [
+                    np.full(p[4] - p[3], v, np.int32) if p[5] is None else p[5][p[3] : p[4]]
+                    for p in ps
+                ]
+            ).astype(np.int32, copy=False)
+        self.pieces = [(ids, lps, mask, 0, len(ids), tv)] if len(ids) else []
+        return ids, lps, mask, tv
 
     def materialize(self) -> PartialTrajectory:
         h = self.header
-        ids, lps, mask = self.compact()
+        ids, lps, mask, tv = self.compact()
+        if tv is not None and not (tv != h.version).any():
+            tv = None  # one version after all (a batch's column covers every entry)
         return PartialTrajectory(
             uid=h.uid,
             group_id=h.group_id,
@@ -165,6 +203,7 @@ class _Record:
             t_start=h.t_start,
             loss_mask=mask,
             awaiting_env=self.awaiting_env,
+            token_versions=tv,
         )
 
 
@@ -239,8 +278,8 @@ class PartialPool:
         elif not h.rollout_id:
             h.rollout_id = rollout_id
         rec = _Record(header=h)
-        rec.add(h.response_ids, h.logprobs, h.loss_mask, 0, len(h.response_ids))
-        h.response_ids, h.logprobs, h.loss_mask = _EMPTY_I, _EMPTY_F, None
+        rec.add(h.response_ids, h.logprobs, h.loss_mask, 0, len(h.response_ids), h.token_versions)
+        h.response_ids, h.logprobs, h.loss_mask, h.token_versions = _EMPTY_I, _EMPTY_F, None, None
         self.records[h.uid] = rec
         self.counts["headers"] += 1
 
@@ -256,6 +295,7 @@ class PartialPool:
         hi: int,
         awaiting: bool,
         rollout_id: str,
+        tv: np.ndarray | None = None,
     ) -> str:
         """One entry (tokens ids[lo:hi]) into its record: the contiguous-prefix rules above."""
         rec = self.records.get(uid)
@@ -278,7 +318,7 @@ class PartialPool:
             return "duplicate"
         if skip:
             self.counts["overlaps"] += 1
-        rec.add(ids, lps, mask, lo + skip, hi)
+        rec.add(ids, lps, mask, lo + skip, hi, tv)
         if rollout_id and self.owners is None:
             rec.header.rollout_id = rollout_id
         self.counts["chunks"] += 1
@@ -304,6 +344,9 @@ class PartialPool:
                 return "bad"
             if _bad_mask(h.loss_mask, len(h.response_ids)):
                 self.counts["bad_loss_mask"] += 1
+                return "bad"
+            if _bad_versions(h):
+                self.counts["bad"] += 1
                 return "bad"
             why = self._header_refusal(h, sender)
             if why:
@@ -346,7 +389,13 @@ class PartialPool:
         own = sender if sender and self.owners is not None else None
         longest = self.max_response_tokens if sender else None
         out: Counter[str] = Counter()
-        ids, lps, mask, rid = b.token_ids, b.logprobs, b.loss_mask, b.rollout_id
+        ids, lps, mask, rid, tvs = (
+            b.token_ids,
+            b.logprobs,
+            b.loss_mask,
+            b.rollout_id,
+            b.token_versions,
+        )
         heads = (
             {} if b.header_at is None else dict(zip(b.header_at.tolist(), b.headers, strict=True))
         )
@@ -379,17 +428,19 @@ class PartialPool:
                 # the common case (the next tokens, same version): what _fold / add do, inline
                 rec.awaiting_env = bool(aw)
                 pieces = rec.pieces
-                pieces.append((ids, lps, mask, lo, hi))
+                pieces.append((ids, lps, mask, lo, hi, tvs))
                 rec.length += n
                 if masked:
                     rec.masked = True
+                if tvs is not None:
+                    rec.versioned = True
                 if len(pieces) > _COMPACT_PIECES:
                     rec.compact()
                 if rid and own is None:
                     rec.header.rollout_id = rid
                 appended += 1
             else:
-                res = self._fold(uid, ver, off, ids, lps, mask, lo, hi, bool(aw), rid)
+                res = self._fold(uid, ver, off, ids, lps, mask, lo, hi, bool(aw), rid, tvs)
                 if res != "appended":
                     out[res] += 1
             lo = hi

@@ -13,7 +13,8 @@ Order of the checks (the reply's reason names the first that says no):
      served again to this one, alone in the reply (a journaled GroupsReserved record), when
      admission lets this rollout take work at all;
   3. global_update (sync / one_step / stream): no work at a new version while older groups
-     are still generating, so the update reaches every rollout at once;
+     are still generating, so the update reaches every rollout at once (not partial: its older
+     groups continue under the new version);
   4. admission (laminar/modes.py): need_version (+ min_version) | staleness;
   5. capacity (held + generating + n <= buffer.capacity): full;
   6. the pool: empty | epochs_done.
@@ -121,8 +122,10 @@ class PromptServer:
         again = await self._serve_expired(req)
         if again is not None:
             return again
-        if self.admission.policy.global_update and any(
-            g.state == OPEN and g.version < req.version for g in st.groups.values()
+        if (
+            self.admission.policy.global_update
+            and not self.admission.policy.interrupts  # partial: old groups continue at the new one
+            and any(g.state == OPEN and g.version < req.version for g in st.groups.values())
         ):
             self.metrics.count("prompts_refused_global_update")
             return PromptReply(retry_after_s=wait, reason="global_update")

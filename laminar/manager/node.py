@@ -95,6 +95,7 @@ class ManagerNode(Node):
             self.metrics,
             self.log,
             buffer=self._buffer_client,
+            continue_newer=cfg.mode == "partial",
         )
         self.repacker = Repacker(
             self.srv,
@@ -223,7 +224,7 @@ class ManagerNode(Node):
         if msg.version > self.trainer_version:
             self.trainer_version = msg.version
             self._event("version", version=msg.version, handoff=msg.handoff, stall_s=msg.stall_s)
-            if msg.handoff == "sim" and self.cfg.mode == "laminar":
+            if msg.handoff == "sim" and self.cfg.mode in ("laminar", "partial"):
                 # no relay tier carries this version (sim trainer, no relays): say it exists, so the
                 # rollouts pull it when idle as they would from a relay (one-way, best-effort)
                 await self.srv.broadcast(RefreshRequest(min_version=msg.version), role="rollout")

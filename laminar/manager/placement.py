@@ -17,6 +17,10 @@ Before partials are imported on a rollout, the buffer is told (SamplesPlaced): i
 samples' tokens and trajectories from that rollout alone from then on (laminar/buffer/owners.py).
 When the buffer cannot be told, nothing is imported (the partials stay orphans and are placed
 again), so a placed sample is never refused from its new rollout.
+
+Mode partial (`continue_newer`): a trajectory may continue under a newer version than its own
+(AReaL's partial rollout), so a partial goes to a live rollout at its newest token's version or
+later (the same version first, then the newest), and keeps every token it has.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import structlog
 
 from laminar.metrics import Metrics
 from laminar.protocol.buffer import SamplesPlaced
-from laminar.protocol.data import PartialTrajectory
+from laminar.protocol.data import PartialTrajectory, newest_version
 from laminar.protocol.rollout import VERSION_MISMATCH, ImportReply, ImportRequest
 from laminar.transport.client import RpcClient
 from laminar.transport.server import RpcServer
@@ -56,8 +60,11 @@ class Placer:
         log: structlog.typing.FilteringBoundLogger,
         *,
         buffer: Callable[[], Awaitable[RpcClient]] | None = None,
+        continue_newer: bool = False,
     ):
         self.srv = srv
+        self.continue_newer = continue_newer
+        """Mode partial: a rollout at a newer version may continue a partial (see above)."""
         self.buffer = buffer
         """The buffer's client, connected (None: placements are not announced, e.g. tests of
         placement alone)."""
@@ -91,9 +98,17 @@ class Placer:
         live = [(p, p.status) for p in self.live() if p.status is not None]
         newest = max((s.version for _, s in live), default=-1)
         bound = self.bound_b
-        ranked = []
+        ranked: list[tuple[tuple[object, ...], Peer]] = []
         for p, s in live:
-            if not self.usable(p) or s.version != version or p.node_id == source:
+            if not self.usable(p) or p.node_id == source:
+                continue
+            if self.continue_newer:  # same version first, then the newest; any at or past it
+                if s.version < version:
+                    continue
+                key = (p.node_id != prefer, s.version != version, -s.version, s.running >= bound)
+                ranked.append(((*key, s.kv_use, p.node_id), p))
+                continue
+            if s.version != version:
                 continue
             if p.node_id != prefer and s.running == 0 and version < max(newest, trainer_version):
                 continue
@@ -153,7 +168,7 @@ class Placer:
         count})."""
         by_version: dict[int, list[PartialTrajectory]] = defaultdict(list)
         for p in partials:
-            by_version[p.version].append(p)
+            by_version[newest_version(p) if self.continue_newer else p.version].append(p)
         placed: dict[str, int] = defaultdict(int)
         for version, items in by_version.items():
             dest = None

@@ -21,6 +21,7 @@ __all__ = [
     "LossMask",
     "Ints",
     "Flags",
+    "newest_version",
 ]
 
 TokenIds = Annotated[np.ndarray, Arr(("int32", "int64"), ndim=1)]
@@ -76,7 +77,8 @@ class Trajectory(Message):  # rollout -> buffer (finished), buffer -> trainer (i
     logprobs: Logprobs
     """Behaviour logprob of each response token under the sampling distribution."""
     version: int
-    """Weight version that generated every token."""
+    """Weight version that generated every token (mode partial: its oldest token's, see
+    token_versions)."""
     finish_reason: str = "length"
     """stop | length | abort | error."""
     reward: float | None = None
@@ -104,6 +106,9 @@ class Trajectory(Message):  # rollout -> buffer (finished), buffer -> trainer (i
     turns: int = 1
     """Model turns in the episode (1 for single-turn)."""
     tool_calls: list[ToolRecord] = field(default_factory=list)
+    token_versions: Ints | None = None
+    """Mode partial: the weight version that sampled each response token (non-decreasing, first =
+    `version`); None: every token at `version`."""
 
 
 @message(0x22, senders=("rollout", "manager", "buffer"))
@@ -130,6 +135,15 @@ class PartialTrajectory(
     awaiting_env: bool = False
     """Multi-turn: the response ends with a complete model turn whose environment answer is not in
     yet (whoever resumes it runs that step first instead of generating)."""
+    token_versions: Ints | None = None
+    """Mode partial: version of each response token, as Trajectory.token_versions (None: all at
+    `version`)."""
+
+
+def newest_version(p: PartialTrajectory) -> int:
+    """The version of a partial's newest token (mode partial: it may span several)."""
+    tv = p.token_versions
+    return max(p.version, int(tv.max())) if tv is not None and len(tv) else p.version
 
 
 @message(0x23, senders=("rollout",), id_fields=("rollout_id",))
@@ -177,5 +191,8 @@ class PartialBatch(
     """Multi-turn: concatenated like token_ids (None: every entry is all model tokens)."""
     headers: list[PartialTrajectory] = field(default_factory=list)
     """Headers of the entries that (re)start their record (offset 0), in entry order."""
+    token_versions: Ints | None = None
+    """Mode partial: the version that sampled each token, concatenated like token_ids (None: every
+    entry's tokens at its `versions[i]`, the trajectory's version)."""
     header_at: Ints | None = None
     """Entry index of each header (same length as headers; None when there are none)."""

@@ -75,6 +75,14 @@ def partial_batch(seqs: list[SeqState], rollout_id: str) -> tuple[PartialBatch, 
                 for s, a, b in zip(seqs, starts, upto, strict=True)
             ]
         ).astype(np.uint8)
+    tvs = None
+    if any(s.runs for s in seqs):  # mode partial: a sequence spans versions
+        tvs = np.concatenate(
+            [
+                np.full(b - a, s.version, np.int32) if not s.runs else s.token_versions(a, b)
+                for s, a, b in zip(seqs, starts, upto, strict=True)
+            ]
+        ).astype(np.int32)
     at = [i for i, a in enumerate(starts) if a == 0]
     headers: list[PartialTrajectory] = [seqs[i].header(rollout_id) for i in at]
     msg = PartialBatch(
@@ -89,6 +97,7 @@ def partial_batch(seqs: list[SeqState], rollout_id: str) -> tuple[PartialBatch, 
         loss_mask=mask,
         headers=headers,
         header_at=np.array(at, np.int64) if at else None,
+        token_versions=tvs,
     )
     return msg, upto
 

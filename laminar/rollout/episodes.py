@@ -18,7 +18,9 @@ Design (the issue's two choices, and why):
     non-empty. The off-policy correction stays exact (one behaviour version per
     trajectory, the paper's rule). The cost, a rollout with an episode waiting on a tool
     cannot load new weights, is bounded by the per-turn and episode timeouts, and repack
-    can move waiting episodes away.
+    can move waiting episodes away. Mode partial is the exception by definition: its next
+    turn goes in at the engine's version (per-token versions record it, the correction uses
+    each token's own behaviour logprob).
   * Environment state survives a rollout's loss by deterministic replay, not by env
     workers. The trajectory (partial pool, export) carries every token and the loss mask;
     elsewhere the episode is rebuilt by `env.reset(row, prompt)` then `env.step` over each
@@ -246,8 +248,9 @@ class EpisodeDriver:
             self._submit(seq)
 
     def _submit(self, seq: SeqState) -> None:
-        """Back into the engine for the next model turn, at the episode's own version."""
-        if self.engine.version != seq.version:
+        """Back into the engine for the next model turn, at the episode's own version (mode
+        partial: at the engine's, the episode continues across versions)."""
+        if not self.table.interrupts and self.engine.version != seq.version:
             # one version per trajectory: weights load only when the table is empty, and a waiting
             # episode keeps it non-empty; getting here is a bug, and it must not train silently
             raise RuntimeError(
@@ -256,19 +259,20 @@ class EpisodeDriver:
             )
         self.table.set_waiting(seq, False)
         self.table.mark_dirty(seq.uid)
-        self.engine.submit(
+        self.table.submit_turn(  # mode partial: at the engine's version (after an interrupt)
+            seq,
             GenRequest(
                 seq.uid,
                 seq.prompt_ids,
                 self.turn_params(seq.length),
                 n=1,
-                version=seq.version,
+                version=seq.current_version,
                 resume_ids=seq.ids.copy(),
                 resume_logprobs=seq.logprobs.copy(),
                 single=True,
                 turn=seq.turn,
                 turn_start=seq.turn_start,
-            )
+            ),
         )
 
     # ---- replay (an imported episode) -------------------------------------------------------

@@ -22,6 +22,13 @@ groups in hand (waiting or not) bounds the environment work and memory one rollo
 up. Waiting episodes still count as in flight for weights: a load waits for them (one
 version per trajectory; see laminar/rollout/episodes.py).
 
+Mode partial (SequenceTable.interrupts): a newer version does not wait for a drain. Every
+sequence in the engine is interrupted, the version loaded, and the sequences put back under it
+(`interrupt`, under the gate's lock so no import or prompt start slips in between): AReaL's
+partial rollout. `interrupt_on_update` does it as soon as the version is loadable, also while
+this loop waits on a prompt reply (the update reaches every rollout at once, not after a
+round trip); groups that arrive meanwhile start once it is done, at the new version.
+
 Queue and retraction: with rollout.refill_slots (credits per sequence) a rollout asks for a
 group whenever its unfinished sequences leave room for one within refill_slots; set above the
 decode bound B the engine keeps the extra samples queued, and a slot one finished sequence
@@ -128,6 +135,10 @@ class PromptFeeder:
                 declared = self.gate.version
                 if self.gate.behind():
                     nxt = self.gate.loadable()
+                    if self.table.interrupts and self.table.seqs and nxt >= 0:
+                        # mode partial: no drain, the in-flight ones continue under the new version
+                        await self.interrupt()
+                        continue
                     if not self.table.seqs and nxt >= 0 and free > 0:
                         # idle and a newer version is there: ask for the prompts to run on it while
                         # it loads, so a refill (a drained or repack-emptied rollout) waits for the
@@ -185,14 +196,21 @@ class PromptFeeder:
                 await self._sleep(backoff)
                 continue
             self.gate.require(reply.min_version)
+            items = list(reply.items)
+            if self.table.interrupts and items:
+                async with self.gate.lock:  # not while an interrupt swaps the version under them
+                    if self.gate.version >= declared:
+                        for item in items:
+                            self._start(item)
+                        items = []
             if self.gate.version >= declared:
-                for item in reply.items:
+                for item in items:
                     self._start(item)
-            elif reply.items:
+            elif items:
                 # served for a version whose load failed (or an import slipped in first): they wait
                 # for it (never run below the version they were asked for), and it is now required
-                self.metrics.count("prompts_deferred", len(reply.items))
-                self.held.extend(reply.items)
+                self.metrics.count("prompts_deferred", len(items))
+                self.held.extend(items)
                 self._held_version = max(self._held_version, declared)
                 self.gate.require(declared)
             if not reply.items and reply.min_version <= self.gate.version:
@@ -210,6 +228,33 @@ class PromptFeeder:
                 return await self.gate.load()
             finally:
                 self.loading = False
+
+    async def interrupt(self) -> bool:
+        """Mode partial: take every sequence out of the engine, load the newest version, and put
+        them back to continue under it (under the previous version if the load failed)."""
+        async with self.gate.lock:  # no import between the interrupt and the resubmission
+            if self.gate.loadable() < 0:
+                return False
+            self.loading = True
+            t0 = time.monotonic()
+            try:
+                states = await self.table.interrupt()
+                loaded = await self.gate.load()
+                self.table.continue_at(states, self.gate.version)
+            finally:
+                self.loading = False
+            self.metrics.add("interrupt_s", time.monotonic() - t0)
+            return loaded
+
+    async def interrupt_on_update(self, new_version: asyncio.Event) -> None:
+        """Mode partial: interrupt as soon as a newer version is loadable (`new_version` is set
+        by the gate's watch), not when this loop next comes round."""
+        while True:
+            await new_version.wait()
+            new_version.clear()
+            if self.table.seqs and self.gate.behind() and self.gate.loadable() >= 0:
+                await self.interrupt()
+                self.wake.set()
 
     async def _load_then_start_held(self) -> bool:
         loaded = await self.refresh()

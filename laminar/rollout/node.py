@@ -21,7 +21,8 @@ spawns their loops in main(), and answers the manager's commands:
   * ExportRequest aborts trajectories in the engine and hands back their PartialTrajectory
     (every token so far), forgetting them here.
   * ImportRequest resumes partials of this rollout's exact version (else ErrorReply
-    version_mismatch), idempotently (uids running or recently finished here are reported as
+    version_mismatch; mode partial: of this version or older, continuing under this one),
+    idempotently (uids running or recently finished here are reported as
     duplicate); it holds the gate's lock, so the version cannot change under it.
   * RefreshRequest asks the gate for the newest version (soft: min_version is waited for
     rollout.refresh_wait_s); the feeder loads it once the table is empty.
@@ -59,6 +60,7 @@ from laminar.config import LaminarConfig
 from laminar.engines.base import Engine, SamplingParams
 from laminar.node import Node, socket_max_message_bytes, weights_channel
 from laminar.protocol.core import NodeStatus
+from laminar.protocol.data import newest_version
 from laminar.protocol.rollout import (
     VERSION_MISMATCH,
     ExportReply,
@@ -266,12 +268,15 @@ class RolloutNode(Node):
             metrics=self.metrics,
             log=self.log,
             multi_turn=env is not None or self._has_agents(),
+            interrupts=cfg.mode == "partial",
         )
         source = self.source
         self.gate = VersionGate(
             source,
             engine,
-            auto_refresh=cfg.rollout.refresh_when_idle and cfg.mode == "laminar",
+            # partial: every rollout takes each version as soon as it is out (a global update)
+            auto_refresh=(cfg.rollout.refresh_when_idle and cfg.mode == "laminar")
+            or cfg.mode == "partial",
             refresh_wait_s=cfg.rollout.refresh_wait_s,
             notify=(self.status_changed,),
             metrics=self.metrics,
@@ -392,6 +397,10 @@ class RolloutNode(Node):
         self.spawn(self.deliverer.stream(), "partials")
         self.spawn(self.outbox.run(), "outbox")
         self.spawn(self.gate.watch(self.wake), "versions")
+        if self.table.interrupts:  # mode partial: an update interrupts at once (feeder.py)
+            updated = asyncio.Event()
+            self.spawn(self.gate.watch(updated), "versions-interrupt")
+            self.spawn(self.feeder.interrupt_on_update(updated), "interrupts")
         if self.episodes is not None:
             self.spawn(self.episodes.watch(), "episode-clock")
         if (
@@ -547,7 +556,13 @@ class RolloutNode(Node):
             return busy
         async with self.gate.lock:  # the version cannot change under an import
             version = self.gate.version
-            wrong = [p.uid for p in msg.partials if p.version != version]
+            # mode partial: an older one continues under this version (AReaL's partial rollout)
+            newer = self.table.interrupts
+            wrong = [
+                p.uid
+                for p in msg.partials
+                if (newest_version(p) > version if newer else p.version != version)
+            ]
             if wrong:
                 self.metrics.count("import_rejected", len(msg.partials))
                 return ErrorReply(
@@ -568,7 +583,7 @@ class RolloutNode(Node):
                     code="bad_partial",
                     message=f"empty prompt or ids/logprobs/loss_mask length mismatch: {bad[:3]}",
                 )
-            accepted, duplicate = self.table.resume(msg.partials)
+            accepted, duplicate = self.table.resume(msg.partials, version if newer else None)
             if self.episodes is not None:  # their environment state is rebuilt by replay first
                 for uid in accepted:
                     self.episodes.adopt(self.table.seqs[uid])

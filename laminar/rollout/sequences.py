@@ -9,6 +9,8 @@
     items = await table.retract(max_seqs)  # a newer version is wanted: take back groups not started
     table.mark_dirty(uid)                  # tokens for the partial stream (unsent, dirty)
     table.set_waiting(seq, True)           # multi-turn: out of the engine while its env step runs
+    states = await table.interrupt()       # mode partial, an update: all out of the engine
+    table.continue_at(states, version)     # ... and back in, under the version just loaded
 
 A group holds one credit until each of its samples here finished or left (export). uids
 that finished here lately are remembered (bounded), so a retried import never generates a
@@ -25,6 +27,16 @@ then taken back (`retract`: aborted in the engine, forgotten here, their PromptI
 and started again once the new version is loaded, so the queue never drains at the old
 version (every trajectory still runs at one version, a group never straddles two). A group
 of which one sample did start stays, whole, at the old version.
+
+Interrupt (mode partial, `interrupts=True`: AReaL's partial rollout): at a weight update the
+rollout takes every sequence out of the engine (`interrupt`: aborted, kept here with every
+token), loads the new version, and puts them back (`continue_at`): generation continues after
+their tokens (the engine fills the KV prefix again) under the new version. A sequence's tokens
+so far keep their version and logprobs; where the new version took over is recorded
+(SeqState.runs, at the engine's own count of tokens, since the abort's last tokens may still be
+on their way as events). Imports may then be of an older version too: they continue at this
+rollout's (`resume(..., at_version=)`). Multi-turn episodes waiting on their environment are
+not in the engine: their next turn goes in at whatever version the engine runs then.
 
 Multi-turn (`multi_turn=True`: the rollout has an environment, laminar/rollout/episodes.py
 drives it): a sequence between model turns is `waiting` (no engine sequence, its env step runs
@@ -64,6 +76,7 @@ class SequenceTable:
         metrics: Metrics,
         log: structlog.typing.FilteringBoundLogger,
         multi_turn: bool = False,
+        interrupts: bool = False,
     ):
         self.engine, self.params = engine, params
         self.on_start: Callable[[list[SeqState]], None] | None = None
@@ -71,6 +84,13 @@ class SequenceTable:
         agents.py): `start_group` hands it the new sequences instead of submitting them."""
         self.multi_turn = multi_turn
         """The rollout has an environment: sequences carry loss masks, imports wait for a replay."""
+        self.interrupts = interrupts
+        """Mode partial: trajectories continue across versions (interrupt, continue_at; imports
+        of an older version continue at this rollout's)."""
+        self.interrupting = False
+        """Between `interrupt` and `continue_at`: the engine's version is changing."""
+        self._deferred: list[tuple[SeqState, GenRequest]] = []
+        """Multi-turn turns submitted meanwhile (`submit_turn`): they go in at the new version."""
         self.notify = tuple(notify)
         self.metrics, self.log = metrics, log
         self.seqs: dict[str, SeqState] = {}
@@ -143,10 +163,13 @@ class SequenceTable:
         self._changed()
         return True
 
-    def resume(self, partials: Iterable[PartialTrajectory]) -> tuple[list[str], list[str]]:
-        """Resume imported partials (already checked to be at the engine's version). Returns
-        (accepted, duplicate): uids running or recently finished here are left alone. Multi-turn:
-        accepted ones are admitted `waiting`, not submitted; the episode driver adopts them."""
+    def resume(
+        self, partials: Iterable[PartialTrajectory], at_version: int | None = None
+    ) -> tuple[list[str], list[str]]:
+        """Resume imported partials (already checked to be at the engine's version; mode partial:
+        at or below `at_version`, and they continue at it). Returns (accepted, duplicate): uids
+        running or recently finished here are left alone. Multi-turn: accepted ones are admitted
+        `waiting`, not submitted; the episode driver adopts them."""
         accepted, duplicate = [], []
         now = time.time()
         for p in partials:
@@ -155,13 +178,19 @@ class SequenceTable:
                 continue
             self._busy()
             seq = SeqState.from_partial(p, now, self.multi_turn)
+            if at_version is not None:
+                seq.continue_at(at_version)
             self.seqs[seq.uid] = seq
             self.groups.setdefault(seq.group_id, GroupState(seq.group_id)).open.add(seq.uid)
             if self.multi_turn:
                 seq.waiting = True  # the episode driver replays its environment, then resumes it
             else:
                 state = PartialState(
-                    seq.uid, seq.prompt_ids, seq.ids.copy(), seq.logprobs.copy(), seq.version
+                    seq.uid,
+                    seq.prompt_ids,
+                    seq.ids.copy(),
+                    seq.logprobs.copy(),
+                    seq.current_version,
                 )
                 self.engine.submit(GenRequest.resume(state, self.params))
             # header + every token so far: the partial pool now knows it runs here
@@ -184,12 +213,13 @@ class SequenceTable:
         if seq is None:  # exported (its abort event) or never ours
             self.metrics.count("stray_events")
             return None
-        if ev.version != seq.version:
+        expected = seq.version_at(seq.length) if len(ev.token_ids) else seq.current_version
+        if ev.version != expected:
             self.metrics.count("version_mismatch_events")
             self.log.error(
                 "event_version_mismatch",
                 uid=seq.uid,
-                seq_version=seq.version,
+                seq_version=expected,
                 ev_version=ev.version,
             )
         if len(ev.token_ids):
@@ -324,6 +354,56 @@ class SequenceTable:
         if items:
             self.metrics.count("retracted_groups", len(items))
         return items[::-1]
+
+    async def interrupt(self) -> list[PartialState]:
+        """Mode partial, an update is due: take every sequence in the engine out (aborted), keeping
+        it here with its tokens; `continue_at` puts them back once the new version is loaded. Their
+        abort events are not their end (ignored as a retraction's are)."""
+        uids = [u for u, q in self.seqs.items() if not q.waiting and not q.exporting]
+        self.interrupting = True  # a turn submitted from here on waits for the new version
+        if not uids:
+            return []
+        for u in uids:
+            self.seqs[u].exporting = True  # an export leaves them to us meanwhile
+        states = await self.engine.abort(uids)
+        for p in states:
+            self._retract_aborts[p.seq_id] = self._retract_aborts.get(p.seq_id, 0) + 1
+        for u in uids:
+            if u in self.seqs:
+                self.seqs[u].exporting = False
+        self.metrics.count("interrupted", len(states))
+        return states
+
+    def continue_at(self, states: list[PartialState], version: int) -> None:
+        """Put interrupted sequences back into the engine, generating under `version` from the
+        engine's count of their tokens on (their last tokens may still be on their way as events:
+        those keep the version that sampled them)."""
+        for p in states:
+            seq = self.seqs.get(p.seq_id)
+            if seq is None:
+                continue  # finished in the engine before the abort: its final event completed it
+            seq.continue_at(version, at=len(p.output_ids))
+            p.version = version
+            req = GenRequest.resume(p, p.params or self.params)  # a model turn keeps its own caps
+            if self.multi_turn:
+                req.turn, req.turn_start = seq.turn, seq.turn_start
+            self.engine.submit(req)
+        self.interrupting = False
+        deferred, self._deferred = self._deferred, []
+        for seq, req in deferred:
+            if seq.uid in self.seqs:
+                self.submit_turn(seq, req)
+
+    def submit_turn(self, seq: SeqState, req: GenRequest) -> None:
+        """Multi-turn: a next model turn into the engine (mode partial: at the engine's version,
+        held back while an interrupt swaps it)."""
+        if self.interrupting:
+            self._deferred.append((seq, req))
+            return
+        if self.interrupts:
+            seq.continue_at(self.engine.version)
+            req.version = seq.current_version
+        self.engine.submit(req)
 
     async def wait_empty(self, timeout: float) -> bool:
         try:

@@ -17,6 +17,11 @@ came back re-sends from offset 0 with a header, so a header always (re)starts th
 record, owned by header.rollout_id. Chunks are one-way and best-effort; the final
 Trajectory (acked) is what counts, and it supersedes the partial record.
 
+Mode partial (an update interrupts in-flight trajectories, which continue under the new
+version): `version` stays the trajectory's first version (its oldest token: what staleness
+bounds) and `runs` records where each later version took over, so every token keeps the version
+that sampled it (`token_versions`: on the partial batch, the export, the finished Trajectory).
+
 Multi-turn (a rollout with an environment): every chunk also carries its slice of the loss
 mask (1 = engine token, 0 = environment token) and `awaiting_env`, true when the response up
 to the chunk's end finishes a model turn whose environment answer is not appended yet; the
@@ -106,6 +111,51 @@ class SeqState:
     """`awaiting_env` as the partial pool last got it (a flip alone is worth a chunk)."""
     step_task: asyncio.Task[Any] | None = None
     """The running env step / replay of a waiting episode (export cancels it)."""
+    runs: list[tuple[int, int]] = field(default_factory=list)
+    """Mode partial: (response index, version) where a newer version took over generating it
+    (empty: every token at `version`)."""
+
+    @property
+    def current_version(self) -> int:
+        """The version generating it now (its newest tokens'); `version` outside mode partial."""
+        return self.runs[-1][1] if self.runs else self.version
+
+    def continue_at(self, version: int, at: int | None = None) -> None:
+        """Mode partial: response tokens from index `at` (default: the next) on are sampled by
+        `version` (an interrupt at an update, or an import on a rollout of a newer version)."""
+        at = self.length if at is None else at
+        if version == self.current_version:
+            return
+        if version < self.current_version or (self.runs and at < self.runs[-1][0]):
+            raise ValueError(
+                f"{self.uid}: cannot continue at version {version} from token {at}: it runs at "
+                f"{self.current_version} (runs {self.runs})"
+            )
+        if at == 0:  # no token sampled yet: it simply starts at the new version
+            self.version, self.runs = version, []
+        elif self.runs and self.runs[-1][0] == at:  # the version before sampled none of it
+            self.runs[-1] = (at, version)
+        else:
+            self.runs.append((at, version))
+
+    def version_at(self, i: int) -> int:
+        """The version that sampled (or samples) response token i."""
+        v = self.version
+        for at, w in self.runs:
+            if at <= i:
+                v = w
+        return v
+
+    def token_versions(self, start: int = 0, end: int | None = None) -> np.ndarray | None:
+        """Version of each response token in [start, end) (None: all at `version`)."""
+        if not self.runs:
+            return None
+        end = self.length if end is None else end
+        out = np.full(max(0, end - start), self.version, np.int32)
+        for at, v in self.runs:
+            if at < end:
+                out[max(0, at - start) :] = v
+        return out
 
     @classmethod
     def from_item(
@@ -148,6 +198,7 @@ class SeqState:
             logprobs=Growable(np.float32, p.logprobs),
             mask=mask,
             awaiting_env=p.awaiting_env and mask is not None,
+            runs=version_runs(p.token_versions, p.version),
         )
 
     @property
@@ -220,6 +271,7 @@ class SeqState:
         p.response_ids = np.asarray(ids, np.int32)
         p.logprobs = np.asarray(logprobs, np.float32)
         p.loss_mask = self.mask_for(len(ids))
+        p.token_versions = self.token_versions(0, len(ids))  # past `length`: the newest version
         p.awaiting_env = self.awaiting_env and len(ids) == self.length
         return p
 
@@ -248,7 +300,20 @@ class SeqState:
             loss_mask=self.mask.copy() if self.mask is not None else None,
             turns=self.turn + 1 if multi else 1,
             tool_calls=list(self.tool_calls),
+            token_versions=self.token_versions(),
         )
+
+
+def version_runs(token_versions: np.ndarray | None, version: int) -> list[tuple[int, int]]:
+    """SeqState.runs from a per-token version column (None or all at `version`: no runs)."""
+    if token_versions is None or not len(token_versions):
+        return []
+    tv = np.asarray(token_versions, np.int64)
+    at = np.flatnonzero(np.diff(tv)) + 1
+    runs = [(int(i), int(tv[i])) for i in at]
+    if int(tv[0]) != version:
+        runs.insert(0, (0, int(tv[0])))
+    return runs
 
 
 @dataclass

@@ -56,6 +56,8 @@ class Sample:
     """bool per response token (False = environment token); None = all model tokens."""
     turns: int = 1
     tool_calls: list[ToolRecord] = field(default_factory=list)
+    token_versions: np.ndarray | None = None
+    """Mode partial: the version that sampled each response token (None: all at `version`)."""
 
     @property
     def length(self) -> int:
@@ -120,6 +122,9 @@ class TrainBatch:
                     loss_mask=None if t.loss_mask is None else np.asarray(t.loss_mask) == 1,
                     turns=int(t.turns),
                     tool_calls=list(t.tool_calls),
+                    token_versions=None
+                    if t.token_versions is None
+                    else np.asarray(t.token_versions, np.int64),
                 )
             )
         arrived = Counter(t.group_id for t in trajs)
@@ -228,3 +233,24 @@ def collate(batch: TrainBatch, index: list[int], pad_id: int = 0) -> MicroBatch:
     return MicroBatch(
         torch.tensor(index, dtype=torch.long), ids, att, ids[:, 1:].clone(), resp, behav
     )
+
+
+def token_staleness(version: int, samples: list[Sample]) -> dict[str, float]:
+    """Mode partial (some sample spans versions): staleness per model token (the trainer's
+    version before the step minus the version that sampled the token), and how many samples
+    span more than one version. Nothing otherwise (one version per sample: `staleness` says it)."""
+    if not any(s.token_versions is not None for s in samples):
+        return {}
+    total, n, spanning = 0, 0, 0
+    for s in samples:
+        tv = (
+            np.full(len(s.response_ids), s.version)
+            if s.token_versions is None
+            else s.token_versions
+        )
+        if s.loss_mask is not None:
+            tv = tv[s.loss_mask]
+        total += int((version - tv).sum())
+        n += len(tv)
+        spanning += int(len(tv) > 0 and tv.min() != tv.max())
+    return {"staleness_token": total / max(1, n), "spanning_versions": float(spanning)}

@@ -319,6 +319,7 @@ class TrainerNode(Node):
 
     async def _train_on(self, reply: BatchReply) -> None:
         from laminar.algo.metrics import staleness_histogram
+        from laminar.trainer.batch import token_staleness
         from laminar.trainer.logger import sample_completions
 
         assert self.trainer is not None and self.logger is not None
@@ -360,6 +361,7 @@ class TrainerNode(Node):
             }
         )
         metrics.update(staleness_histogram(staleness))
+        metrics.update(token_staleness(self.version - 1, batch.samples))
         metrics.update(
             {
                 "buffer/version": reply.version,
