@@ -1,0 +1,277 @@
+"""The per-length audit (laminar/buffer/audit.py, laminar/fates.py): what the staleness policy did
+to the data, counted from the buffer's own fates and checked against its journal.
+
+    .venv/bin/python -m pytest tests/test_fate_audit.py -q
+
+The cluster case: sim rollouts whose response lengths are lognormal (a long tail) and a
+tight staleness bound. Laminar's admission never lets a group expire
+(tests/test_buffer_admission.py: it waits for the old groups instead), so the rollouts here
+are served as a drop-based system serves them, without admission (`unadmitted`): the
+batch planner then drops every group that finishes past the bound, and the long responses
+finish last. The audit must count exactly what the journal holds, and warn; with the bound
+lifted nothing is dropped and it must not warn.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from laminar.buffer.audit import (
+    MIN_JUDGED,
+    AuditSettings,
+    FateAudit,
+    LiveGroup,
+    fate_summary,
+    fate_table,
+    fate_warning,
+)
+from laminar.buffer.experience import ExperienceState, usable
+from laminar.buffer.journal import decode_record, encode_record, read_records
+from laminar.buffer.prompt_server import PromptServer
+from laminar.buffer.records import (
+    BatchCommitted,
+    BatchServed,
+    FateCounts,
+    GroupsDropped,
+    GroupsServed,
+    MemberAbandoned,
+    ServedGroup,
+    TrajectoryAccepted,
+)
+from laminar.cli import main
+from laminar.cluster import LocalCluster
+from laminar.config import write_resolved
+from laminar.fates import run_fates
+from laminar.modes import Admission
+from laminar.protocol.data import PromptItem, Trajectory
+from tests.sim_cluster import sim_config, trainer_metrics
+
+N = 2
+
+
+def traj(gid: str, i: int, length: int, version: int = 0, reward: float | None = 1.0) -> Trajectory:
+    return Trajectory(
+        uid=f"{gid}/{i}",
+        group_id=gid,
+        prompt_uid="u-" + gid,
+        sample_index=i,
+        prompt_ids=np.arange(2, dtype=np.int32),
+        response_ids=np.zeros(length, np.int32),
+        logprobs=np.zeros(length, np.float32),
+        version=version,
+        reward=reward,
+    )
+
+
+def fresh(policy: str = "release_partial") -> ExperienceState:
+    return ExperienceState(
+        group_size=N, lost_member_policy=policy, admission=Admission.for_mode("laminar", 1, 1)
+    )
+
+
+def serve(st: ExperienceState, gid: str, version: int = 0) -> None:
+    item = PromptItem(uid="u-" + gid, group_id=gid, prompt_ids=np.arange(2, dtype=np.int32), n=N)
+    st.apply(GroupsServed([ServedGroup(gid, item.uid, N, version, item=item)]))
+
+
+def test_fates_are_counted_per_group_and_survive_compaction() -> None:
+    st = fresh()
+    for gid in "abcde":
+        serve(st, gid)
+    st.apply(TrajectoryAccepted(traj("a", 0, 5, reward=1.0)))
+    st.apply(TrajectoryAccepted(traj("a", 1, 50, reward=None)))  # a reward failure
+    st.apply(TrajectoryAccepted(traj("b", 0, 7, reward=0.0)))
+    st.apply(TrajectoryAccepted(traj("b", 1, 9, reward=1.0)))
+    st.apply(TrajectoryAccepted(traj("c", 0, 80)))
+    st.apply(TrajectoryAccepted(traj("c", 1, 90)))
+    st.apply(TrajectoryAccepted(traj("d", 0, 30)))
+    st.apply(MemberAbandoned("d", 1))
+    st.apply(TrajectoryAccepted(traj("e", 0, 11)))  # e stays open
+    assert st.fates.counts() == FateCounts()  # nothing decided yet: nothing counted
+    st.apply(BatchServed("B", 2, ["a", "b", "d"]))
+    st.apply(BatchCommitted("B", 1, 3))
+    st.apply(GroupsDropped(["c"], reason="expired"))
+    c = st.fates.counts()
+    assert c.lengths == {
+        "consumed": {5: 1, 7: 1, 9: 1, 30: 1},
+        "reward_failure": {50: 1},
+        "staleness": {80: 1, 90: 1},
+    }
+    assert c.staleness == {5: {2: 1}, 7: {2: 1}, 9: {2: 1}, 30: {2: 1}}
+    assert c.groups["consumed"] == {"1.00": 2, "0.50": 2} and c.abandoned == 1
+    assert c.group_tokens["staleness"] == {"1.00": 170}
+
+    again = fresh()  # through the journal's encoding, as compaction writes it
+    for rec in st.snapshot():
+        again.apply(decode_record(encode_record(rec)[8:]))
+    assert again.fates.counts() == c
+    assert [list(g.members) for g in again.groups.values()] == [[0]]  # e, still live
+
+    live = [LiveGroup(list(g.members.values())) for g in st.groups.values()]
+    table = fate_table(c, live, buckets=2)
+    assert [(r.lo, r.hi) for r in table.by_length] == [(5, 11), (30, 90)]
+    short, long = table.by_length
+    assert short.fates == {"consumed": 3, "in_buffer": 1} and short.kept == 1.0
+    assert long.fates == {"consumed": 1, "reward_failure": 1, "staleness": 2}
+    assert long.kept == 0.25 and long.staleness_mean == 2.0
+    gen, trained = table.share(long)
+    assert math.isclose(gen, 250 / 282) and math.isclose(trained, 30 / 51)
+    assert sum(table.share(r)[0] for r in table.by_length) == pytest.approx(1.0)
+    assert [r.label for r in table.by_difficulty] == ["0.50", "1.00"]
+
+
+def test_drop_group_policy_is_the_lost_member_fate() -> None:
+    st = fresh("drop_group")
+    serve(st, "a")
+    st.apply(TrajectoryAccepted(traj("a", 0, 40)))
+    st.apply(MemberAbandoned("a", 1))
+    assert st.fates.counts().lengths == {"lost_member": {40: 1}}
+    assert st.fates.counts().abandoned == 1
+
+
+def biased(long_kept: float, n: int = 40) -> FateCounts:
+    """n trajectories of length 10 all consumed; n of length 100, `long_kept` of them."""
+    keep = round(n * long_kept)
+    lengths = {"consumed": {10: n, 100: keep}}
+    if keep < n:
+        lengths["staleness"] = {100: n - keep}
+    return FateCounts(lengths=lengths)
+
+
+def test_warning_names_the_setting_and_judges_only_enough_data() -> None:
+    lam = AuditSettings(0.5, "laminar", 2, "release_partial")
+    table = fate_table(biased(0.25), [], buckets=4)
+    assert len(table.by_length) == 2  # two distinct lengths: two buckets, not four
+    s = fate_summary(table)
+    assert s is not None and s.long_vs_short == 0.25 and s.dropped == 30
+    text = fate_warning(table, lam)
+    assert text is not None and "buffer.max_staleness=2" in text and "staleness: 30" in text
+    sync = fate_warning(table, AuditSettings(0.5, "sync", 0, "release_partial"))
+    assert sync is not None and "mode=sync" in sync
+    assert fate_warning(fate_table(biased(0.75), [], 4), lam) is None  # 0.75 >= 0.5
+    assert fate_warning(fate_table(biased(0.75), [], 4), AuditSettings(0.8, "laminar", 2, "x"))
+    small = fate_table(biased(0.0, n=MIN_JUDGED - 1), [], 4)
+    assert fate_warning(small, lam) is None  # too few to judge
+    lost = FateCounts(lengths={"consumed": {10: 40, 100: 4}, "lost_member": {100: 36}})
+    text = fate_warning(fate_table(lost, [], 4), AuditSettings(0.5, "laminar", None, "drop_group"))
+    assert text is not None and "lost_member_policy=drop_group" in text
+
+
+def test_empty_audit() -> None:
+    table = fate_table(FateCounts(), [], 4)
+    assert table.by_length == [] and fate_summary(table) is None
+    assert FateAudit(None).counts() == FateCounts()
+
+
+# ---- the cluster: sim engine, tight bound ---------------------------------------------------
+@pytest.fixture
+def unadmitted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Serve prompts without admission (a drop-based staleness policy): the batch planner keeps
+    the bound and drops what finished past it."""
+    init = PromptServer.__init__
+
+    def without_admission(self, *a, admission: Admission, **kw) -> None:  # type: ignore[no-untyped-def]
+        init(self, *a, admission=Admission.for_mode("laminar", admission.batch_groups), **kw)
+
+    monkeypatch.setattr(PromptServer, "__init__", without_admission)
+
+
+def journal_fates(path: Path) -> Counter[tuple[str, int]]:
+    """(fate, response length) -> trajectories, straight from the journal's records."""
+    members: dict[str, dict[int, Trajectory]] = {}
+    batches: dict[str, list[str]] = {}
+    fate: dict[str, str] = {}
+    for rec in read_records(path):
+        match rec:
+            case TrajectoryAccepted(trajectory=t):
+                assert t.sample_index not in members.setdefault(t.group_id, {}), "stored twice"
+                members[t.group_id][t.sample_index] = t
+            case BatchServed():
+                batches[rec.batch_id] = rec.group_ids
+            case BatchCommitted():
+                fate.update(dict.fromkeys(batches[rec.batch_id], "consumed"))
+            case GroupsDropped():
+                assert rec.reason == "expired"
+                fate.update(dict.fromkeys(rec.group_ids, "staleness"))
+    out: Counter[tuple[str, int]] = Counter()
+    for gid, ms in members.items():
+        for t in ms.values():
+            f = fate.get(gid, "in_buffer") if usable(t) else "reward_failure"
+            out[f, len(t.response_ids)] += 1
+    return out
+
+
+@pytest.mark.parametrize("bound", [1, None], ids=["bound1", "unbounded"])
+async def test_tight_bound_drops_the_long_ones_and_the_audit_says_so(
+    tmp_path: Path, unadmitted: None, bound: int | None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    buffer: dict = {"capacity": 32, "audit_interval_s": 0.05}
+    if bound is not None:
+        buffer["max_staleness"] = bound
+    cfg = sim_config(
+        tmp_path,
+        mode="laminar",
+        rollouts=2,
+        total_steps=16,
+        trainer={"sim_time_per_token_s": 1e-3},
+        buffer=buffer,
+        rollout={
+            "group_size": 2,
+            "credits": 4,
+            "sim": {"length_p50": 20, "length_p99_over_p50": 8, "step_time_s": 0.002},
+        },
+    )
+    write_resolved(cfg)  # as `laminar run` does: the offline audit reads the bound from it
+    async with LocalCluster(cfg) as cluster:
+        await cluster.wait_trainer(timeout=120)
+    buf = cluster.node("buffer-0")  # stopped: its state is what the journal holds
+    journal = cfg.resolved_run_dir() / "buffer-0.journal"
+
+    # the counts match the journal exactly: live state, offline replay, and the records
+    expected = journal_fates(journal)
+    live = buf.fates.table()
+    offline = run_fates(cfg.resolved_run_dir())
+    assert offline is not None
+    for table in (live, offline.table):
+        got: Counter[tuple[str, int]] = Counter()
+        for fate, hist in buf.state.fates.counts().lengths.items():
+            got.update({(fate, n): c for n, c in hist.items()})
+        assert got + Counter({k: v for k, v in expected.items() if k[0] == "in_buffer"}) == expected
+        per_bucket = [Counter() for _ in table.by_length]
+        for (f, n), c in expected.items():
+            per_bucket[next(i for i, r in enumerate(table.by_length) if n <= r.hi)][f] += c
+        assert [Counter(r.fates) for r in table.by_length] == per_bucket
+        assert all(r.lo <= n <= r.hi for r in table.by_length for n in [r.lo, r.hi])
+        assert sum(r.generated for r in table.by_length) == sum(expected.values())
+
+    dropped = sum(c for (f, _), c in expected.items() if f == "staleness")
+    buf.refresh_audit()
+    warning = buf.health.warnings.get("long_underrepresented")
+    s = offline.summary
+    assert s is not None and s.long_vs_short is not None
+    if bound is None:
+        assert dropped == 0 and warning is None and offline.warning is None
+        assert s.long_vs_short == 1.0
+    else:
+        # the known bias: drops, most of them long; the warning names the setting and the fix
+        assert dropped > 0 and s.long_vs_short < 0.5, s
+        assert warning is not None and warning == offline.warning
+        assert "buffer.max_staleness=1" in warning and "raise it" in warning
+
+    # live: the trainer logged the buffer's figures as audit/* keys (metrics.jsonl, TensorBoard)
+    logged = [m for m in trainer_metrics(cfg) if "audit/long_vs_short" in m]
+    assert logged, "no step logged the audit"
+    assert {"audit/long_kept", "audit/short_kept", "audit/dropped"} <= set(logged[-1])
+
+    # `laminar report RUN_DIR`: the figure row and the section, with the warning when it holds
+    assert main(["report", str(cfg.resolved_run_dir())]) == 0
+    md = (cfg.resolved_run_dir() / "summary.md").read_text()
+    assert "What the staleness policy did to the data" in md
+    assert ("**Warning:**" in md) == (bound is not None)
+    assert (cfg.resolved_run_dir() / "report.png").stat().st_size > 10_000
+    print(f"bound {bound}: dropped {dropped}, long/short kept {s.long_vs_short:.2f}")
