@@ -196,8 +196,10 @@ def fate_panels(runs: Mapping[str, RunFates | None]) -> list[Any]:
     lines: the bucket's share of generated vs trained tokens; s̄: mean staleness at consumption)
     and by prompt difficulty (the group's mean reward). Several runs: side by side, one hatch
     each, buckets numbered shortest first (each run has its own quantiles)."""
-    names = " vs ".join(f"{n} ({'' if i == 0 else '//'})" for i, n in enumerate(runs))
-    suffix = f": {names}" if len(runs) > 1 else ""
+    hatched = ", ".join(n for i, n in enumerate(runs) if i > 0)
+    suffix = (
+        f"\n{next(iter(runs))}: left, plain; {hatched}: right, hatched" if len(runs) > 1 else ""
+    )
 
     def by_length(a: Any) -> None:
         _stacked(
