@@ -114,13 +114,19 @@ def test_fates_are_counted_per_group_and_survive_compaction() -> None:
 
     live = [LiveGroup(list(g.members.values())) for g in st.groups.values()]
     table = fate_table(c, live, buckets=2)
-    assert [(r.lo, r.hi) for r in table.by_length] == [(5, 11), (30, 90)]
+    # edges: quantiles of the decided lengths (5 7 9 30 | 50 80 90); the live 11 joins the first
+    assert [(r.lo, r.hi) for r in table.by_length] == [(5, 30), (50, 90)]
     short, long = table.by_length
-    assert short.fates == {"consumed": 3, "in_buffer": 1} and short.kept == 1.0
-    assert long.fates == {"consumed": 1, "reward_failure": 1, "staleness": 2}
-    assert long.kept == 0.25 and long.staleness_mean == 2.0
+    assert short.fates == {"consumed": 4, "in_buffer": 1} and short.kept == 1.0
+    assert short.staleness_mean == 2.0 and short.staleness_max == 2
+    assert long.fates == {"reward_failure": 1, "staleness": 2} and long.kept == 0.0
+    assert math.isnan(long.staleness_mean)
     gen, trained = table.share(long)
-    assert math.isclose(gen, 250 / 282) and math.isclose(trained, 30 / 51)
+    assert math.isclose(gen, 220 / 282) and trained == 0.0
+    s = fate_summary(table)
+    assert s is not None and s.long_vs_short == 0.0 and s.dropped == 3
+    assert s.long_token_share_generated == pytest.approx(220 / 271)  # of the decided tokens
+    assert fate_summary(fate_table(c, [], buckets=2)) == s  # the live figures: the same
     assert sum(table.share(r)[0] for r in table.by_length) == pytest.approx(1.0)
     assert [r.label for r in table.by_difficulty] == ["0.50", "1.00"]
 

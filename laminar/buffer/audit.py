@@ -29,8 +29,9 @@ no length: they are counted apart (`abandoned`). A lease that runs out or a roll
 retraction loses no finished trajectory (the group is served again, its members kept), so
 neither is a fate of its own.
 
-Length buckets are quantiles of the response length of every finished trajectory (ties keep
-a length in one bucket, so there may be fewer); difficulty is the group's mean usable reward
+Length buckets are quantiles of the response length of the trajectories with a fate (ties
+keep a length in one bucket, so there may be fewer; the first and last widen to hold the live
+ones); difficulty is the group's mean usable reward
 (rounded to 0.01), in at most `buckets` bins of equal width over the rewards seen.
 """
 
@@ -229,17 +230,26 @@ def fate_table(counts: FateCounts, live: Sequence[LiveGroup], buckets: int = 4) 
             lengths.setdefault(IN_BUFFER, Counter())[size] += 1
             groups.setdefault(IN_BUFFER, Counter())[key] += 1
             group_tokens.setdefault(IN_BUFFER, Counter())[key] += size
-    every: Counter[int] = Counter()
-    for hist in lengths.values():
-        every.update(hist)
+    decided: Counter[int] = Counter()
+    for fate, hist in lengths.items():
+        if fate != IN_BUFFER:
+            decided.update(hist)
+    every = decided + lengths.get(IN_BUFFER, Counter())
     table = FateTable(by_length=[], by_difficulty=[], abandoned=counts.abandoned)
     if not every:
         return table
-    rows, prev = [], -1
-    for hi in _quantile_edges(every, buckets):
-        lo = min(n for n in every if prev < n <= hi)  # the shortest length it holds
-        rows.append(Bucket(f"{lo}-{hi}" if lo != hi else f"{lo}", lo, hi))
+    # the edges are quantiles of the decided trajectories (of all while none is decided), so the
+    # table with the live groups and the one without (the live figures) share them
+    rows: list[Bucket] = []
+    prev = -1
+    basis = decided or every
+    for hi in _quantile_edges(basis, buckets):
+        lo = min(n for n in basis if prev < n <= hi)
+        rows.append(Bucket("", lo, hi))
         prev = hi
+    rows[0].lo, rows[-1].hi = min(rows[0].lo, min(every)), max(rows[-1].hi, max(every))
+    for r in rows:
+        r.label = f"{r.lo:g}-{r.hi:g}" if r.lo != r.hi else f"{r.lo:g}"
     for fate, hist in lengths.items():
         for size, n in hist.items():
             row = next(r for r in rows if size <= r.hi)
@@ -291,11 +301,17 @@ def _difficulty_rows(
 
 
 def fate_summary(table: FateTable) -> AuditSummary | None:
-    """The live keys: the longest length bucket against the shortest (None before any data)."""
+    """The live keys: the longest length bucket against the shortest, over the trajectories
+    with a fate (so the same with or without the live groups; None before any data)."""
     if not table.by_length:
         return None
     short, long = table.by_length[0], table.by_length[-1]
-    gen_share, trained_share = table.share(long)
+
+    def decided_tokens(b: Bucket) -> int:
+        return sum(n for fate, n in b.tokens.items() if fate != IN_BUFFER)
+
+    every = sum(decided_tokens(b) for b in table.by_length)
+    trained = table.trained_tokens
     ratio = long.kept / short.kept if short.kept else math.nan
     return AuditSummary(
         long_min_tokens=int(long.lo),
@@ -303,8 +319,8 @@ def fate_summary(table: FateTable) -> AuditSummary | None:
         long_kept=_finite(long.kept),
         short_kept=_finite(short.kept),
         long_vs_short=_finite(ratio),
-        long_token_share_generated=_finite(gen_share),
-        long_token_share_trained=_finite(trained_share),
+        long_token_share_generated=decided_tokens(long) / every if every else None,
+        long_token_share_trained=long.tokens.get(CONSUMED, 0) / trained if trained else None,
         long_decided=long.decided,
         short_decided=short.decided,
         dropped=sum(sum(r.dropped.values()) for r in table.by_length),

@@ -258,16 +258,19 @@ class FateWatch:
         self.warning: str | None = None
         self._at = -math.inf
 
-    def table(self) -> FateTable:
-        live = [LiveGroup(list(g.members.values())) for g in self.state.groups.values()]
-        return fate_table(self.state.fates.counts(), live, self.buckets)
+    def table(self, live: bool = True) -> FateTable:
+        """The audit; `live`: with the members of the live groups (in_buffer), read here."""
+        groups = self.state.groups.values() if live else ()
+        members = [LiveGroup(list(g.members.values())) for g in groups]
+        return fate_table(self.state.fates.counts(), members, self.buckets)
 
     def due(self) -> bool:
         return self.clock() - self._at >= self.every
 
     def refresh(self) -> None:
-        """Remake the table: O(distinct lengths + live trajectories), never per trajectory."""
+        """Remake the live figures and the warning from the decided trajectories alone:
+        O(distinct response lengths), whatever the buffer holds; never per trajectory."""
         self._at = self.clock()
-        table = self.table()
+        table = self.table(live=False)
         self.summary = fate_summary(table)
         self.warning = fate_warning(table, self.settings)

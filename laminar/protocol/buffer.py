@@ -96,6 +96,8 @@ class BatchStaleness(Message):  # inside BatchReply: the served batch's stalenes
 
 
 class AuditSummary(Message):  # inside BatchReply: the per-length audit's live figures
+    """Over the trajectories with a fate (committed or dropped), laminar/buffer/audit.py."""
+
     long_min_tokens: int
     """Shortest response of the longest length bucket (buckets: buffer.audit_buckets)."""
     short_max_tokens: int
@@ -106,7 +108,8 @@ class AuditSummary(Message):  # inside BatchReply: the per-length audit's live f
     long_vs_short: float | None = None
     """long_kept / short_kept: 1 = no length bias; below buffer.audit_warn_ratio warns."""
     long_token_share_generated: float | None = None
-    """The longest bucket's share of every generated response token."""
+    """The longest bucket's share of the response tokens generated (of trajectories with a
+    fate)."""
     long_token_share_trained: float | None = None
     """Its share of the trained (consumed) response tokens."""
     long_decided: int = 0
