@@ -281,3 +281,53 @@ async def test_tight_bound_drops_the_long_ones_and_the_audit_says_so(
     assert ("**Warning:**" in md) == (bound is not None)
     assert (cfg.resolved_run_dir() / "report.png").stat().st_size > 10_000
     print(f"bound {bound}: dropped {dropped}, long/short kept {s.long_vs_short:.2f}")
+
+
+# ---- across modes: the demo's summary and figure ---------------------------------------------
+def journal_run(run_dir: Path, mode: str, drop_long: bool) -> Path:
+    """A run directory whose buffer journal holds 40 short (10 tokens) and 40 long (100 tokens)
+    one-member groups, all consumed, or the long ones dropped past the bound."""
+    from laminar.buffer.journal import Journal
+    from laminar.config import config_from_dict
+
+    write_resolved(config_from_dict({"mode": mode, "rollout": {"group_size": 1}}), run_dir)
+    j = Journal(run_dir / "buffer-0.journal", "never")
+    for _ in j.replay():  # opens the new file
+        pass
+    for i in range(80):
+        gid, length = f"g{i}", 10 if i < 40 else 100
+        item = PromptItem(uid=gid, group_id=gid, prompt_ids=np.arange(2, dtype=np.int32), n=1)
+        j.append(GroupsServed([ServedGroup(gid, gid, 1, 0, item=item)]))
+        j.append(TrajectoryAccepted(traj(gid, 0, length)))
+    short, long = [f"g{i}" for i in range(40)], [f"g{i}" for i in range(40, 80)]
+    j.append(BatchServed("b0", 0, short if drop_long else short + long))
+    j.append(BatchCommitted("b0", 1, 1))
+    if drop_long:
+        j.append(GroupsDropped(long, reason="expired"))
+    j.close()
+    return run_dir
+
+
+def test_demo_reports_the_audit_for_both_modes(tmp_path: Path) -> None:
+    from laminar import report
+    from laminar.demo.results import panels, summarize, summary_md
+    from laminar.fates import fate_md
+
+    lam = journal_run(tmp_path / "laminar", "laminar", drop_long=True)
+    sync = journal_run(tmp_path / "sync", "sync", drop_long=False)
+    curve = [{"t": 0.0, "step": 0, "accuracy": 0.3}, {"t": 9.0, "step": 5, "accuracy": 0.5}]
+    metrics = [{"step": i, "time": float(i), "reward": 0.5} for i in range(1, 6)]
+    runs = {
+        name: {"run_dir": str(d), "curve": curve, "metrics": metrics, "wall_clock_s": 10.0}
+        for name, d in (("laminar", lam), ("sync", sync))
+    }
+    runs["laminar"]["t0"] = runs["sync"]["t0"] = 0.0
+    s = summarize("laminar", runs, {"accuracy": 0.3, "prompts": 8}, {**curve[-1], "prompts": 8}, 20)
+    assert s["audit_long_vs_short"] == 0.0 and s["sync_audit_long_vs_short"] == 1.0
+    assert "buffer.max_staleness" in s["audit_warning"] and s["sync_audit_warning"] is None
+    fates = {name: run_fates(Path(r["run_dir"])) for name, r in runs.items()}
+    md = summary_md(s, fate_md(fates))
+    assert "share trained on (per-length audit; 1 = no bias) | 0.00 | 1.00 |" in md
+    assert "### laminar" in md and "### sync" in md and md.count("**Warning:**") == 1
+    png = report.draw(tmp_path / "report.png", panels(runs, fates), size=(13.0, 13.5))
+    assert png.stat().st_size > 10_000
