@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -181,7 +182,7 @@ def unadmitted(monkeypatch: pytest.MonkeyPatch) -> None:
     the bound and drops what finished past it."""
     init = PromptServer.__init__
 
-    def without_admission(self, *a, admission: Admission, **kw) -> None:  # type: ignore[no-untyped-def]
+    def without_admission(self: PromptServer, *a: Any, admission: Admission, **kw: Any) -> None:
         init(self, *a, admission=Admission.for_mode("laminar", admission.batch_groups), **kw)
 
     monkeypatch.setattr(PromptServer, "__init__", without_admission)
