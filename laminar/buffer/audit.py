@@ -297,7 +297,7 @@ def _difficulty_rows(
                 row = next((r for r in rows if v <= r.hi + 1e-9), rows[-1])
             row.fates[fate] = row.fates.get(fate, 0) + n
             row.tokens[fate] = row.tokens.get(fate, 0) + tokens.get(fate, Counter())[key]
-    return rows + ([none] if none.fates else [])
+    return [r for r in rows if r.fates] + ([none] if none.fates else [])  # no empty bins
 
 
 def fate_summary(table: FateTable) -> AuditSummary | None:
