@@ -124,6 +124,8 @@ _FATE_COLORS = {
     IN_BUFFER: "lightgray",
 }
 _HATCH = {0: "", 1: "//", 2: "..", 3: "xx"}
+_LINE_COLORS = [("black", "tab:blue"), ("dimgray", "tab:orange"), ("gray", "tab:cyan")]
+"""Per run: (generated, trained) token-share lines."""
 
 
 def _fate_order(rows: list[Bucket]) -> list[str]:
@@ -174,8 +176,9 @@ def _stacked(
         if twin is not None:
             gen = [f.table.share(r)[0] for r in rows]
             trained = [f.table.share(r)[1] for r in rows]
-            twin.plot(xs, gen, "o--", color="black", ms=4, lw=0.8, label=f"{name}: generated")
-            twin.plot(xs, trained, "x-", color="tab:blue", ms=6, lw=1.0, label=f"{name}: trained")
+            gen_c, trained_c = _LINE_COLORS[j % len(_LINE_COLORS)]
+            twin.plot(xs, gen, "o--", color=gen_c, ms=4, lw=0.8, label=f"{name}: generated")
+            twin.plot(xs, trained, "x-", color=trained_c, ms=6, lw=1.0, label=f"{name}: trained")
     if len(present) == 1:
         rows = getattr(next(iter(present.values())).table, rows_of)
         a.set_xticks(range(len(rows)), [r.label for r in rows], fontsize=7)
@@ -219,15 +222,16 @@ def fate_panels(runs: Mapping[str, RunFates | None]) -> list[Any]:
 
 
 # ---- the summary ----------------------------------------------------------------------------
-def _row(f: RunFates, r: Bucket) -> str:
+def _row(f: RunFates, r: Bucket, staleness: bool = True) -> str:
     gen, trained = f.table.share(r)
     dropped = ", ".join(f"{k} {v}" for k, v in sorted(r.dropped.items())) or "0"
-    stale = "n/a" if math.isnan(r.staleness_mean) else f"{r.staleness_mean:.2f} / {r.staleness_max}"
     kept = "n/a" if math.isnan(r.kept) else f"{r.kept:.0%}"
-    return (
-        f"| {r.label} | {r.generated} | {r.consumed} | {dropped} | {r.fates.get(IN_BUFFER, 0)} | "
-        f"{kept} | {stale} | {gen:.1%} | {trained:.1%} |"
-    )
+    cells = [r.label, r.generated, r.consumed, dropped, r.fates.get(IN_BUFFER, 0), kept]
+    if staleness:
+        mean = r.staleness_mean
+        cells.append("n/a" if math.isnan(mean) else f"{mean:.2f} / {r.staleness_max}")
+    cells += [f"{gen:.1%}", f"{trained:.1%}"]
+    return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
 def fate_md(runs: Mapping[str, RunFates | None]) -> list[str]:
@@ -240,11 +244,11 @@ def fate_md(runs: Mapping[str, RunFates | None]) -> list[str]:
         "that training saw; 1.0 everywhere is no bias. Staleness at consumption: mean / max.",
     ]
     head = (
-        "| {what} | generated | consumed | dropped (why) | in buffer | kept | staleness | "
+        "| {what} | generated | consumed | dropped (why) | in buffer | kept |{stale} "
         "share of generated tokens | share of trained tokens |"
     )
     for name, f in runs.items():
-        lines += ["", f"### {name}" if len(runs) > 1 else ""]
+        lines += ["", f"### {name}", ""] if len(runs) > 1 else [""]
         if f is None or not f.table.by_length:
             lines.append("No buffer journal (buffer.journal=false) or no finished trajectory.")
             continue
@@ -256,10 +260,11 @@ def fate_md(runs: Mapping[str, RunFates | None]) -> list[str]:
                 f"abandoned before they finished: {f.table.abandoned}."
             )
         if f.warning:
-            lines.append(f"**Warning:** {f.warning}")
-        lines += ["", head.format(what="response tokens"), "|---" * 9 + "|"]
+            lines += ["", f"**Warning:** {f.warning}"]
+        stale = " staleness at consumption |"
+        lines += ["", head.format(what="response tokens", stale=stale), "|---" * 9 + "|"]
         lines += [_row(f, r) for r in f.table.by_length]
         if f.table.by_difficulty:
-            lines += ["", head.format(what="group mean reward"), "|---" * 9 + "|"]
-            lines += [_row(f, r) for r in f.table.by_difficulty]
+            lines += ["", head.format(what="group mean reward", stale=""), "|---" * 8 + "|"]
+            lines += [_row(f, r, staleness=False) for r in f.table.by_difficulty]
     return lines
