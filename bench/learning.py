@@ -38,7 +38,10 @@ of the same seed and correction (else the default sync run): the area under (acc
 start) over the steps both ran, cell / sync.
 Per cell: min / median / max over seeds. Summary (paired by seed, median over seeds):
 steps_to_090_laminar_over_sync and time_to_090_sync_over_laminar at the demo's staleness
-with the default correction. A PNG (matplotlib if installed) shows median + range bands.
+with the default correction, and what each mode's staleness policy did to the data:
+audit_long_vs_short_{laminar,sync}, the share of the longest response-length bucket trained
+on over the shortest's (1 = no length bias; the per-length audit of each run's buffer
+journal, laminar/fates.py). A PNG (matplotlib if installed) shows median + range bands.
 Timings on a shared or loaded machine are not comparable to a quiet one's.
 """
 
@@ -171,6 +174,7 @@ def run_cell(
     max_tokens: int,
 ) -> dict[str, Any]:
     from laminar.demo import results
+    from laminar.fates import run_fates, summary_keys
     from laminar.report import read_metrics
 
     mode, staleness, corr = cell.split(":")
@@ -209,6 +213,8 @@ def run_cell(
         "best_smoothed": max(p["accuracy"] for p in sm),
         "final": curve[-1]["accuracy"],
         "startup": startup_breakdown(run_dir, r["t0"]),
+        # the per-length audit of the run's buffer journal (laminar/fates.py)
+        **summary_keys(run_fates(run_dir)),
     }
     for tgt in TARGETS:
         k = f"{round(tgt * 100):03d}"
@@ -344,6 +350,9 @@ def aggregate(runs: list[dict[str, Any]], headline: tuple[str, str]) -> dict[str
             "short_by_090",
         ):
             c[key] = spread([r.get(key) for r in rs])
+        for key in ("audit_long_vs_short", "audit_long_kept", "audit_dropped"):
+            # None here is "no journal", not "never reached": left out
+            c[key] = spread([r[key] for r in rs if r.get(key) is not None])
         # against the sync run of the same correction and seed, else the default sync run
         c["learning_per_step_vs_sync"] = spread(
             [
@@ -355,8 +364,11 @@ def aggregate(runs: list[dict[str, Any]], headline: tuple[str, str]) -> dict[str
         )
         cells[cell] = c
     lam, sync = headline
-    pairs = [(r, sync_of.get((sync.split(":")[2], r["seed"]))) for r in by_cell.get(lam, [])]
-    pairs = [(a, b) for a, b in pairs if b is not None]
+    pairs = [
+        (r, b)
+        for r in by_cell.get(lam, [])
+        if (b := sync_of.get((sync.split(":")[2], r["seed"]))) is not None
+    ]
     steps = [_ratio(a["steps_to_090"], b["steps_to_090"], "num") for a, b in pairs]
     times = [_ratio(b["seconds_to_090"], a["seconds_to_090"], "num") for a, b in pairs]
     rate = [
@@ -374,6 +386,14 @@ def aggregate(runs: list[dict[str, Any]], headline: tuple[str, str]) -> dict[str
         "short_of_090_laminar": _median_json([a["short_by_090"] for a, _ in pairs]),
         "short_of_090_sync": _median_json([b["short_by_090"] for _, b in pairs]),
         "steps_per_s_laminar_over_sync": _median_json(rate),
+        # per-length audit: kept share of the longest length bucket over the shortest's (1 = no
+        # length bias), median over the seeds of each headline cell
+        "audit_long_vs_short_laminar": _median_json(
+            [x for a, _ in pairs if (x := a.get("audit_long_vs_short")) is not None]
+        ),
+        "audit_long_vs_short_sync": _median_json(
+            [x for _, b in pairs if (x := b.get("audit_long_vs_short")) is not None]
+        ),
         "steps_to_090_goal": "<= 1.10",
         "time_to_090_goal": ">= 1.25",
     }
@@ -601,7 +621,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"{'cell':<24} {'steps->0.90':>14} {'s->0.90':>14} {'steps/s':>8} {'cores':>6} "
-        f"{'learn/sync':>10}"
+        f"{'learn/sync':>10} {'long/short':>10}"
     )
     for cell, c in result["cells"].items():
 
@@ -611,7 +631,8 @@ def main(argv: list[str] | None = None) -> int:
 
         print(
             f"{cell:<24} {med('steps_to_090'):>14} {med('seconds_to_090'):>14} "
-            f"{med('steps_per_s'):>8} {med('cores'):>6} {med('learning_per_step_vs_sync'):>10}"
+            f"{med('steps_per_s'):>8} {med('cores'):>6} {med('learning_per_step_vs_sync'):>10} "
+            f"{med('audit_long_vs_short'):>10}"
         )
     return 0
 

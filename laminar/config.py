@@ -728,6 +728,15 @@ class BufferConfig(Section):
     stall_warn_after_s: float = Field(30.0, gt=0)
     """Warn when trajectories keep arriving but no whole group became ready for this long; a warning
     repeats at most this often."""
+    audit_buckets: int = Field(4, ge=2, le=20)
+    """Response-length buckets of the per-length audit (quantiles of the finished trajectories'
+    lengths; also the difficulty bins): what was generated, trained on and dropped (and why)."""
+    audit_warn_ratio: float = Field(0.5, gt=0, le=1)
+    """Warn (log, `laminar status`, `laminar report`) when the longest length bucket's share
+    trained on is below this fraction of the shortest's (1.0: warn at any bias)."""
+    audit_interval_s: float = Field(2.0, gt=0)
+    """Remake the audit (and re-judge its warning) at most this often, on a served batch: the
+    trainer logs its figures as audit/* keys."""
     lease_s: float = Field(600.0, gt=0)
     """A served group whose rollout sends no chunk, trajectory or abandon of it for this long is
     served again to another rollout (counted once either way)."""

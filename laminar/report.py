@@ -11,7 +11,10 @@ and validation lines with eval/*), completions.jsonl (sampled completions) and c
     trainer tokens/s
     staleness at consumption (mean and max per step)
 
-summary.md gives the headline figures and a few completions of the last step.
+and, when the run directory holds a buffer journal, a fourth: the per-length audit (what the
+staleness policy did to the data, laminar/fates.py): each trajectory's fate by response
+length and by the group's mean reward. summary.md gives the headline figures, the audit's
+tables (and its warning) and a few completions of the last step.
 
 This is the one report module: `write_outputs` writes report.png (a grid of panels),
 summary.json and summary.md for any caller. The demos (laminar/demo/results.py,
@@ -306,8 +309,13 @@ def _cell(text: Any, limit: int = 160) -> str:
 
 
 def summary_md(
-    s: dict[str, Any], completions: list[dict[str, Any]], extra_lines: Sequence[str] = ()
+    s: dict[str, Any],
+    completions: list[dict[str, Any]],
+    extra_lines: Sequence[str] = (),
+    sections: Sequence[str] = (),
 ) -> str:
+    """The table of headline figures (+ `extra_lines` rows), then `sections` (lines), then the
+    last step's completions."""
     ev0, ev1 = s["eval_first"], s["eval_last"]
 
     def ev(e: dict[str, Any] | None) -> str:
@@ -335,6 +343,7 @@ def summary_md(
         f"| staleness mean / max | {fmt(s['staleness_mean'], '{:.2f}')} / {s['staleness_max']} |",
         f"| trajectories dropped by the trainer | {s['dropped']} |",
         *extra_lines,
+        *sections,
     ]
     train = [c for c in completions if not c.get("eval")]
     if train:
@@ -378,13 +387,20 @@ def write_report(
 ) -> tuple[Path, Path]:
     """report.png, summary.md and summary.json in run_dir; returns (png, md). A caller's
     `extra_panels` make one more row of the figure, `extra_lines` more rows of the table."""
+    from laminar.fates import fate_md, fate_panels, run_fates, summary_keys
+
     run_dir = Path(run_dir)
     s = summarize(run_dir)
-    md = summary_md(s, read_jsonl(run_dir / "completions.jsonl"), extra_lines)
+    audit = run_fates(run_dir)
+    s.update(summary_keys(audit))
+    sections = fate_md({"run": audit}) if audit is not None else []
+    md = summary_md(s, read_jsonl(run_dir / "completions.jsonl"), extra_lines, sections)
     grid = run_panels(run_dir) + ([list(extra_panels)] if extra_panels else [])
+    if audit is not None:
+        grid.append(fate_panels({"run": audit}))
     figure = {"title": run_title(run_dir), "size": (13.0, 11.0 * len(grid) / 3)}
-    # a caller's row has x axes of its own
-    sharex: Literal["col"] | bool = False if extra_panels else "col"
+    # a caller's row (and the audit's) has x axes of its own
+    sharex: Literal["col"] | bool = "col" if len(grid) == 3 else False
     return write_outputs(run_dir, s, md, grid, sharex=sharex, **figure)
 
 

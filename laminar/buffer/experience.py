@@ -37,6 +37,7 @@ from typing import Any, assert_never
 
 import numpy as np
 
+from laminar.buffer.audit import FateAudit
 from laminar.buffer.records import (
     BatchCommitted,
     BatchesRequeued,
@@ -177,6 +178,9 @@ class ExperienceState:
         self.finish_hist = StalenessStats()
         self.consumed_hist = StalenessStats()
         self.counts: Counter[str] = Counter()
+        self.fates = FateAudit()
+        """Each finished trajectory's fate by length and difficulty (laminar/buffer/audit.py),
+        counted per group as it is committed or dropped."""
 
     # ---- views -----------------------------------------------------------------------
     @property
@@ -426,6 +430,7 @@ class ExperienceState:
             self.pending -= g.n - g.finished
             self._unhold(g)
         self.held -= len(g.members)
+        self.fates.drop(g.members.values(), len(g.lost - g.members.keys()), reason)
         self._ready.pop(g.group_id, None)
         g.state = DROPPED
         self.closed[g.group_id] = DROPPED
@@ -456,8 +461,11 @@ class ExperienceState:
             return
         for gid in b.group_ids:
             g = self.groups.pop(gid)
-            for t in g.usable_members():
+            usable = g.usable_members()
+            for t in usable:
                 self.consumed_hist.add(b.version - t.version)
+            failed = [g.members[i] for i in sorted(g.lost) if i in g.members]
+            self.fates.commit(usable, failed, b.version, len(g.lost) - len(failed))
             self.held -= len(g.members)
             g.state = COMMITTED
             g.members.clear()
@@ -496,6 +504,7 @@ class ExperienceState:
         self.counts = Counter(rec.counts)
         self.finish_hist.counts = Counter(rec.finish_hist)
         self.consumed_hist.counts = Counter(rec.consumed_hist)
+        self.fates = FateAudit(rec.fates)
 
     # ---- batches ----------------------------------------------------------------------
     def plan(self, want: int, batch_version: int, final: bool) -> BatchPlan:
@@ -577,6 +586,7 @@ class ExperienceState:
                 counts=dict(self.counts),
                 finish_hist=dict(self.finish_hist.counts),
                 consumed_hist=dict(self.consumed_hist.counts),
+                fates=self.fates.counts(),
             )
         )
         return recs

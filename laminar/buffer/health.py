@@ -36,13 +36,22 @@ from collections.abc import Callable
 
 import structlog
 
+from laminar.buffer.audit import (
+    AuditSettings,
+    FateTable,
+    LiveGroup,
+    fate_summary,
+    fate_table,
+    fate_warning,
+)
 from laminar.buffer.experience import ExperienceState
 from laminar.config import BufferConfig
 from laminar.metrics import Metrics
+from laminar.protocol.buffer import AuditSummary
 from laminar.protocol.data import Trajectory
 from laminar.rewards.builtin import REFERENCE_FIELDS
 
-__all__ = ["StallWatch", "none_cause"]
+__all__ = ["FateWatch", "StallWatch", "none_cause"]
 
 _MIN_WINDOW = 8
 """The None fraction is judged only over at least this many trajectories (or a full window)."""
@@ -203,6 +212,13 @@ class StallWatch:
             f" ({reasons})" if reasons else ""
         )
 
+    def hold(self, kind: str, text: str | None) -> None:
+        """Another check's verdict (FateWatch): warn `text` while it is not None, else clear."""
+        if text is None:
+            self._clear(kind)
+        else:
+            self._warn(kind, text, self.clock())
+
     # ---- state ------------------------------------------------------------------------
     def _warn(self, kind: str, text: str, now: float) -> None:
         self.warnings[kind] = text
@@ -217,3 +233,44 @@ class StallWatch:
         # must not log at every trajectory
         if self.warnings.pop(kind, None) is not None:
             self.log.info(f"{kind}_cleared")
+
+
+class FateWatch:
+    """The per-length audit (laminar/buffer/audit.py), remade at most every
+    buffer.audit_interval_s: its live figures for the trainer, and the warning when the longest
+    responses are under-represented in training (`long_underrepresented`)."""
+
+    KIND = "long_underrepresented"
+
+    def __init__(
+        self,
+        bc: BufferConfig,
+        settings: AuditSettings,
+        state: ExperienceState,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.buckets = bc.audit_buckets
+        self.every = bc.audit_interval_s
+        self.settings = settings
+        self.state = state
+        self.clock = clock
+        self.summary: AuditSummary | None = None
+        self.warning: str | None = None
+        self._at = -math.inf
+
+    def table(self, live: bool = True) -> FateTable:
+        """The audit; `live`: with the members of the live groups (in_buffer), read here."""
+        groups = self.state.groups.values() if live else ()
+        members = [LiveGroup(list(g.members.values())) for g in groups]
+        return fate_table(self.state.fates.counts(), members, self.buckets)
+
+    def due(self) -> bool:
+        return self.clock() - self._at >= self.every
+
+    def refresh(self) -> None:
+        """Remake the live figures and the warning from the decided trajectories alone:
+        O(distinct response lengths), whatever the buffer holds; never per trajectory."""
+        self._at = self.clock()
+        table = self.table(live=False)
+        self.summary = fate_summary(table)
+        self.warning = fate_warning(table, self.settings)

@@ -51,9 +51,10 @@ from pathlib import Path
 
 import msgspec
 
+from laminar.buffer.audit import AuditSettings
 from laminar.buffer.batches import BatchServer
 from laminar.buffer.experience import OPEN, OUTSTANDING, READY, ExperienceState
-from laminar.buffer.health import StallWatch
+from laminar.buffer.health import FateWatch, StallWatch
 from laminar.buffer.intake import Intake
 from laminar.buffer.journal import Journal
 from laminar.buffer.leases import Leases
@@ -103,6 +104,13 @@ def experience_state(cfg: LaminarConfig, admission: Admission | None = None) -> 
     )
 
 
+def audit_settings(cfg: LaminarConfig) -> AuditSettings:
+    """What the per-length audit's warning reads of the config (the node; `laminar report`)."""
+    bc = cfg.buffer
+    bound = Admission.for_mode(cfg.mode, cfg.trainer.batch_groups, bc.max_staleness).bound
+    return AuditSettings(bc.audit_warn_ratio, cfg.mode, bound, bc.lost_member_policy)
+
+
 def model_vocab(model_path: str | None) -> int | None:
     """vocab_size from the model's config.json (multimodal: its text_config); None without."""
     if not model_path:
@@ -148,6 +156,7 @@ class BufferNode(Node):
         # before anything that awaits: status() reads them
         self.refusals = Refusals(self.metrics, self.log)
         self.health = StallWatch(bc, cfg.reward.fn, self.state, self.metrics, self.log)
+        self.fates = FateWatch(bc, audit_settings(cfg), self.state)
         self.journal: Journal | None = None  # set before anything can fail: teardown reads it
         self.limits = await self.compute(sample_limits, cfg)
         if self.limits.vocab is None and cfg.model.path:
@@ -302,7 +311,17 @@ class BufferNode(Node):
         )
 
     async def _on_batch(self, peer: Peer, req: BatchRequest) -> BatchReply | ErrorReply:
-        return await self.batches.serve(req)
+        reply = await self.batches.serve(req)
+        if isinstance(reply, BatchReply) and reply.trajectories:
+            if self.fates.due():  # per served batch at most, never per trajectory
+                self.refresh_audit()
+            reply.audit = self.fates.summary
+        return reply
+
+    def refresh_audit(self) -> None:
+        """Remake the per-length audit and judge its warning (laminar/buffer/audit.py)."""
+        self.fates.refresh()
+        self.health.hold(FateWatch.KIND, self.fates.warning)
 
     async def _on_commit(self, peer: Peer, c: BatchCommit) -> CommitAck | ErrorReply:
         return await self.batches.commit(c)
@@ -351,6 +370,7 @@ class BufferNode(Node):
             prompts=prompts,
             journal=journal,
             refused=self.refusals.figures(),
+            audit=self.fates.summary,
         )
 
     def refused_trajectories(self) -> dict[str, int]:

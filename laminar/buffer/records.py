@@ -30,6 +30,7 @@ __all__ = [
     "BatchServed",
     "BatchesRequeued",
     "ClosedBatch",
+    "FateCounts",
     "GroupsDropped",
     "GroupsReserved",
     "GroupsServed",
@@ -158,6 +159,20 @@ class StateSnapshot(Message):  # first record of a compacted journal
     """Batch id -> state and version of every batch that is no longer outstanding."""
 
 
+class FateCounts(Message):  # inside StateCounters: the per-length audit (laminar/buffer/audit.py)
+    lengths: dict[str, dict[int, int]] = field(default_factory=dict)
+    """Fate (consumed, staleness, lost_member, reward_failure, ...) -> response length ->
+    trajectories of committed or dropped groups."""
+    staleness: dict[int, dict[int, int]] = field(default_factory=dict)
+    """Consumed: response length -> staleness at consumption -> trajectories."""
+    groups: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Fate -> group difficulty (mean usable reward to 0.01, or "none") -> trajectories."""
+    group_tokens: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Fate -> group difficulty -> response tokens."""
+    abandoned: int = 0
+    """Samples of committed or dropped groups that never finished (no length)."""
+
+
 @message(0xC9, senders=())
 class StateCounters(Message):  # last record of a compacted journal: the counters as they were
     counts: dict[str, int] = field(default_factory=dict)
@@ -165,6 +180,8 @@ class StateCounters(Message):  # last record of a compacted journal: the counter
     """Staleness at finish -> trajectories."""
     consumed_hist: dict[int, int] = field(default_factory=dict)
     """Staleness when consumed -> trajectories."""
+    fates: FateCounts | None = None
+    """The per-length audit (None: written before it existed, counted from then on)."""
 
 
 JournalRecord = (

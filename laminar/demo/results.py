@@ -18,6 +18,7 @@ from typing import Any
 
 from laminar import report
 from laminar.config import DemoConfig
+from laminar.fates import RunFates, fate_md, fate_panels, run_fates, summary_keys
 from laminar.report import Panel, mean, read_jsonl, rolling
 
 
@@ -202,14 +203,22 @@ def summarize(
             }
         )
         summary.update(fixed_target(lam_s, sync_s, TARGET))
+    for name, r in runs.items():  # what each mode's staleness policy did to the data
+        fates = run_fates(Path(r["run_dir"])) if "run_dir" in r else None
+        summary.update(summary_keys(fates, f"{_key(name)}audit_"))
     for name, r in runs.items():  # how much of the machine each mode kept busy
-        key = "" if name == "laminar" else f"{name}_"
+        key = _key(name)
         summary[f"{key}run_cpu_s"] = r.get("cpu_s")
         summary[f"{key}cores_used"] = r.get("cores")
         summary[f"{key}first_step_s"] = (
             (m0[0]["time"] - r["t0"]) if (m0 := r.get("metrics")) and "t0" in r else None
         )
     return summary
+
+
+def _key(name: str) -> str:
+    """Summary key prefix of a run: none for laminar, `sync_` for the baseline."""
+    return "" if name == "laminar" else f"{name}_"
 
 
 TARGET = 0.90
@@ -401,11 +410,13 @@ def _rollout_timeline(r: dict[str, Any]) -> Panel:
     return draw
 
 
-def panels(runs: dict[str, dict]) -> list[list[Panel]]:
-    """The demo's figure: 2 x 2 panels comparing the runs (the timeline: the laminar run)."""
+def panels(runs: dict[str, dict], fates: dict[str, RunFates | None]) -> list[list[Panel]]:
+    """The demo's figure: 3 x 2 panels comparing the runs (the timeline: the laminar run; the
+    last row: the per-length audit of both, laminar/fates.py)."""
     return [
         [_reward_and_accuracy(runs), _accuracy_by_step(runs)],
         [_staleness_histogram(runs), _rollout_timeline(runs["laminar"])],
+        fate_panels(fates),
     ]
 
 
@@ -427,10 +438,13 @@ def write_outputs(run_dir: Path, runs: dict[str, dict], summary: dict[str, Any])
         shutil.copytree(ckpts[-1], final)
     curves = {k: r.get("curve", []) for k, r in runs.items()}
     (run_dir / "curves.json").write_text(json.dumps(curves, indent=1))
-    report.write_outputs(run_dir, summary, summary_md(summary), panels(runs), size=(13.0, 9.0))
+    fates = {name: run_fates(Path(r["run_dir"])) for name, r in runs.items()}
+    md = summary_md(summary, fate_md(fates))
+    report.write_outputs(run_dir, summary, md, panels(runs, fates), size=(13.0, 13.5))
 
 
-def summary_md(s: dict[str, Any]) -> str:
+def summary_md(s: dict[str, Any], audit: list[str] | None = None) -> str:
+    """The demo's summary.md; `audit`: the per-length audit's section (laminar/fates.py)."""
     f = report.fmt
 
     lines = [
@@ -455,6 +469,7 @@ def summary_md(s: dict[str, Any]) -> str:
     ]
     if "sync_eval_accuracy_after" in s:
         lines += _comparison_md(s, f)
+    lines += audit or []
     if s.get("phases"):
         lines += [
             "",
@@ -513,6 +528,9 @@ def _comparison_md(s: dict[str, Any], f: Callable[..., str]) -> list[str]:
         f"{f(s.get('sync_eval_accuracy_after_smoothed'))} |",
         f"| run wall-clock (process start to exit) | {f(s['run_wall_clock_s'], '{:.0f}')} s | "
         f"{f(s['sync_run_wall_clock_s'], '{:.0f}')} s |",
+        "| longest / shortest length bucket, share trained on (per-length audit; 1 = no bias) | "
+        f"{f(s.get('audit_long_vs_short'), '{:.2f}')} | "
+        f"{f(s.get('sync_audit_long_vs_short'), '{:.2f}')} |",
         "| time to reach sync's final accuracy | "
         f"{f(s['time_to_sync_final_accuracy_laminar_s'], '{:.0f} s', 'never')} | "
         f"{f(s['time_to_sync_final_accuracy_sync_s'], '{:.0f} s', 'never')} |",

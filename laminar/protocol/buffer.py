@@ -23,6 +23,7 @@ from laminar.message import Message, message
 from laminar.protocol.data import PartialTrajectory, PromptItem, Trajectory
 
 __all__ = [
+    "AuditSummary",
     "PromptRequest",
     "PromptReply",
     "BatchRequest",
@@ -97,6 +98,29 @@ class BatchStaleness(Message):  # inside BatchReply: the served batch's stalenes
     """Staleness (as text) -> trajectories."""
 
 
+class AuditSummary(Message):  # inside BatchReply: the per-length audit's live figures
+    """Over the trajectories with a fate (committed or dropped), laminar/buffer/audit.py."""
+
+    long_min_tokens: int
+    """Shortest response of the longest length bucket (buckets: buffer.audit_buckets)."""
+    short_max_tokens: int
+    """Longest response of the shortest bucket."""
+    long_kept: float | None = None
+    """Of the longest bucket's trajectories with a fate: the share trained on (None: none yet)."""
+    short_kept: float | None = None
+    long_vs_short: float | None = None
+    """long_kept / short_kept: 1 = no length bias; below buffer.audit_warn_ratio warns."""
+    long_token_share_generated: float | None = None
+    """The longest bucket's share of the response tokens generated (of trajectories with a
+    fate)."""
+    long_token_share_trained: float | None = None
+    """Its share of the trained (consumed) response tokens."""
+    long_decided: int = 0
+    short_decided: int = 0
+    dropped: int = 0
+    """Finished trajectories dropped so far (every bucket, every reason)."""
+
+
 @message(0x33, senders=("buffer",))
 class BatchReply(Message):  # buffer -> trainer
     batch_id: str = ""
@@ -120,6 +144,9 @@ class BatchReply(Message):  # buffer -> trainer
     """When empty: groups ready to train."""
     open: int = 0
     """When empty: groups still generating."""
+    audit: AuditSummary | None = None
+    """The buffer's per-length audit as last made (every buffer.audit_interval_s); None before
+    its first."""
 
 
 @message(0x34, senders=("trainer",))
@@ -220,6 +247,8 @@ class BufferStats(Message):  # buffer -> anyone asking (status, tests, benches):
     refused: dict[str, dict[str, int]] = field(default_factory=dict)
     """Peer node id -> refusal reason (TrajectoryAck.refused, or a partial entry's) -> count:
     trajectories and partial entries that were refused and never stored."""
+    audit: AuditSummary | None = None
+    """The per-length audit as last made (None before the first served batch)."""
 
 
 @message(0x3C, senders=("manager",))

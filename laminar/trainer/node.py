@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from laminar.config import LaminarConfig
 from laminar.node import NODE_STATUS, Node, weights_channel
-from laminar.protocol.buffer import BatchReply, BufferStats, BufferStatsRequest
+from laminar.protocol.buffer import AuditSummary, BatchReply, BufferStats, BufferStatsRequest
 from laminar.protocol.core import NodeStatus
 from laminar.protocol.trainer import VersionPublished
 from laminar.supervise import PermanentFailure
@@ -75,6 +75,25 @@ def trainer_settings(cfg: LaminarConfig) -> TrainerSettings:
         temperature=sampling.temperature,
         max_tokens=sampling.max_tokens,
     )
+
+
+def audit_metrics(a: AuditSummary | None) -> dict[str, float]:
+    """The buffer's per-length audit as audit/* keys (nothing before its first)."""
+    if a is None:
+        return {}
+
+    def num(x: float | None) -> float:
+        return math.nan if x is None else x
+
+    return {
+        "audit/long_vs_short": num(a.long_vs_short),
+        "audit/long_kept": num(a.long_kept),
+        "audit/short_kept": num(a.short_kept),
+        "audit/long_token_share_generated": num(a.long_token_share_generated),
+        "audit/long_token_share_trained": num(a.long_token_share_trained),
+        "audit/long_min_tokens": float(a.long_min_tokens),
+        "audit/dropped": float(a.dropped),
+    }
 
 
 def eval_settings(cfg: LaminarConfig) -> EvalSettings:
@@ -372,6 +391,7 @@ class TrainerNode(Node):
             }
         )
         metrics.update(self._refusal_metrics())
+        metrics.update(audit_metrics(reply.audit))
         self.last = metrics
         if self.step % self.cfg.trainer.log_every == 0:
             self.logger.log(self.step, metrics)
