@@ -123,7 +123,15 @@ class VersionGate:
             evt.set()
         load_s = time.monotonic() - t0
         self.metrics.add("weight_load_s", load_s)
-        self.log.info("weights_loaded", version=self.version, previous=old, load_s=round(load_s, 3))
+        source = self.source.last_source or self.source.name
+        self.metrics.count(f"weight_loads_{source}")
+        self.log.info(
+            "weights_loaded",
+            version=self.version,
+            previous=old,
+            load_s=round(load_s, 3),
+            source=source,
+        )
         if self.version >= self.required:
             self.refresh_asked = False
         return True
