@@ -104,6 +104,10 @@ class Trajectory(Message):  # rollout -> buffer (finished), buffer -> trainer (i
     turns: int = 1
     """Model turns in the episode (1 for single-turn)."""
     tool_calls: list[ToolRecord] = field(default_factory=list)
+    weights_digest: str = ""
+    """Digest of the weights the rollout's engine served at `version`, read back after the load
+    (laminar/weights/digest.py); the trainer never trains a trajectory whose digest differs from
+    the one it published for that version. Empty: not attested (version 0, sim engines)."""
 
 
 @message(0x22, senders=("rollout", "manager", "buffer"))

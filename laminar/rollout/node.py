@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 
 from laminar.config import LaminarConfig
 from laminar.engines.base import Engine, SamplingParams
-from laminar.node import Node, socket_max_message_bytes, weights_channel
+from laminar.node import NODE_STATUS, Node, socket_max_message_bytes, weights_channel
 from laminar.protocol.core import NodeStatus
 from laminar.protocol.rollout import (
     VERSION_MISMATCH,
@@ -269,6 +269,7 @@ class RolloutNode(Node):
             self.table,
             outbox=self.outbox,
             latest_version=source.latest_version,
+            digest_of=self.gate.digest,
             rewards=self.rewards,
             tokenizer=self.tokenizer,
             spawn=self.spawn,
@@ -327,6 +328,7 @@ class RolloutNode(Node):
         await self.engine_ready.wait()  # the engine-start task fails the node past its deadline
         self.spawn(self._events(), "events")
         self.spawn(self.deliverer.stream(), "partials")
+        self.spawn(self._attest(), "attest")
         self.spawn(self.outbox.run(), "outbox")
         self.spawn(self.gate.watch(self.wake), "versions")
         if self.episodes is not None:
@@ -408,9 +410,26 @@ class RolloutNode(Node):
             waiting=st.waiting,
             inflight=len(self.table),
             rollout=rollout,
+            weights_digest=self.gate.digest(self.gate.version),
+            attest_mismatches=self.gate.mismatches,
         )
 
     # ---- loops ------------------------------------------------------------------------------
+    async def _attest(self) -> None:
+        """Compare the served digest with the trainer's, as the manager's heartbeats carry it
+        (laminar/rollout/versions.py: a mismatch quarantines and reloads)."""
+        every = self.cfg.transport.heartbeat_interval_s
+        while True:
+            assert self.manager is not None
+            status = NODE_STATUS.unpack(self.manager.server_status)
+            if (
+                status is not None
+                and status.expected_digests
+                and self.gate.attest(status.expected_digests)
+            ):
+                self.wake.set()  # the feeder stops taking prompts and reloads once idle
+            await asyncio.sleep(every)  # the manager's status changes only with its heartbeats
+
     async def _events(self) -> None:
         """Engine events: tokens into the table; finished ones to the deliverer; chunks to
         stream."""
