@@ -247,7 +247,7 @@ class VllmConfig(Section):
     placement: bool = True
     """Give each rollout's engine its own cores (CPU: VLLM_CPU_OMP_THREADS_BIND) or GPUs
     (CUDA_VISIBLE_DEVICES), derived from the rollout index (laminar/rollout/placement.py); an
-    explicit value in the environment wins."""
+    explicit value in the environment wins. The torch engine: rollout.gpu_placement."""
 
 
 class WeightsGroupConfig(Section):
@@ -315,6 +315,14 @@ class RolloutConfig(Section):
     GPU buffer). nccl and cuda_ipc fall back to the relays (when the run has any). auto = relay
     when relays run, else dir (torch/vllm) or announce (sim)."""
     weights_group: WeightsGroupConfig = Field(default_factory=WeightsGroupConfig)
+    gpu_placement: bool = True
+    """Torch engine with model.device=cuda: each rollout takes its own GPU, cuda:<index> dealt by
+    rollout index past the trainer's GPUs (laminar/rollout/placement.py), and logs it; an explicit
+    cuda:N or CUDA_VISIBLE_DEVICES wins."""
+    trainer_gpus: int | None = Field(None, ge=0)
+    """GPUs of this host kept for the trainer (the first ones); default 1 when this host runs a
+    trainer (cluster.roles.trainer > 0) on cuda, else 0. Rollouts share them only when no other
+    GPU is left (logged)."""
     refresh_wait_s: float = Field(10.0, gt=0)
     """A manager RefreshRequest(min_version) waits this long for that version to reach the source,
     then loads the newest there is."""
