@@ -2,9 +2,9 @@
 relay tier as their fallback, so every rollout always has a way to the newest version.
 
   mode      publisher (trainer)                           subscriber (rollout)
-  nccl      pack one flat buffer, hand it to the group's  group versions (GroupMember) while in the
-            thread (group.py); push to the relay tier     group; out of it (dropped, not yet
-            too; wait for the broadcast at most bound_s   joined) for bound_s: the host's relay
+  nccl      pack one flat buffer, hand it to the group's  group versions (GroupMember); a version
+            thread (group.py); push to the relay tier     the group did not bring within bound_s
+            too; wait for the broadcast at most bound_s   of the relay having it: the relay's
   cuda_ipc  export a device buffer + IPC handle (gpu.py), a rollout on the trainer's host (same
             handle and expected lease keys in the store,  boot id) maps it, leases it, copies
             push to the relay tier too                    device to device; other hosts: relay
@@ -94,8 +94,10 @@ class GroupPublisher:
 
 
 class GroupSubscriber(WeightSubscriber):
-    """nccl: a rollout's end. In the group, only group versions are offered (so every load while
-    a member arrived through the group); out of it for bound_s, the relay's too."""
+    """nccl: a rollout's end. The group goes first: a version the relay has and the group did not
+    bring is offered only bound_s after the relay had it (the trainer's own bound on a
+    broadcast), so a member in a working group loads every version through it, and a dropped one
+    falls back to the relay after that bound."""
 
     name = "nccl"
 
@@ -114,6 +116,8 @@ class GroupSubscriber(WeightSubscriber):
         self._changed = asyncio.Event()
         self.loads = {"group": 0, "relay": 0}
         """Versions loaded by path (status, tests)."""
+        self._relay_seen: dict[int, float] = {}
+        """When the relay first offered a version the group had not brought."""
         self.last_source = ""
 
     async def start(self) -> None:
@@ -135,18 +139,22 @@ class GroupSubscriber(WeightSubscriber):
     def _group_version(self) -> int:
         return self._flat.version if self._flat is not None else -1
 
-    def _relay_allowed(self) -> bool:
-        m = self.member
-        return self.relay is not None and (
-            not m.in_group and time.monotonic() - m.out_since >= self.settings.bound_s
-        )
+    def _relay_version(self) -> int:
+        """The relay's newest version once the group had bound_s to bring it and did not (a
+        dropped member, or one not yet in the group), else -1: the group always goes first."""
+        if self.relay is None:
+            return -1
+        rv = self.relay.latest_version()
+        if rv <= self._group_version():
+            return -1
+        now = time.monotonic()
+        first = self._relay_seen.setdefault(rv, now)
+        for old in [v for v in self._relay_seen if v < rv]:
+            del self._relay_seen[old]
+        return rv if now - first >= self.settings.bound_s else -1
 
     def latest_version(self) -> int:
-        v = self._group_version()
-        if self._relay_allowed():
-            assert self.relay is not None
-            v = max(v, self.relay.latest_version())
-        return v
+        return max(self._group_version(), self._relay_version())
 
     async def wait_newer(self, than: int, timeout: float) -> int:
         deadline = time.monotonic() + timeout
@@ -169,7 +177,7 @@ class GroupSubscriber(WeightSubscriber):
             self.loads["group"] += 1
             self.last_source = "group"
             return w.version
-        if self.relay is None or not self._relay_allowed():
+        if self.relay is None or self._relay_version() < 0:
             raise WeightsUnavailable("no version from the group yet")
         version = await self.relay.load_into(engine)
         self.loads["relay"] += 1
