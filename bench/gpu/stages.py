@@ -459,7 +459,11 @@ class StageTimeout(Exception):
     pass
 
 
+_FIRED: list[bool] = []
+
+
 def _alarm(signum: int, frame: Any) -> None:
+    _FIRED.append(True)  # a library may wrap the exception (transformers' lazy imports do)
     raise StageTimeout("past the stage's time limit")
 
 
@@ -469,6 +473,7 @@ def run_stage(name: str, dry: bool, out: Path, limit_s: int = 0) -> bool:
 
     t0 = time.perf_counter()
     result: dict[str, Any] = {"stage": name, "dry_run": dry, "limit_s": limit_s}
+    _FIRED.clear()
     if limit_s:
         signal.signal(signal.SIGALRM, _alarm)
         signal.alarm(limit_s)
@@ -478,6 +483,8 @@ def run_stage(name: str, dry: bool, out: Path, limit_s: int = 0) -> bool:
     except Exception as exc:  # noqa: BLE001 - the JSON says what failed; the rc says that it did
         result["ok"] = False
         result["error"] = f"{type(exc).__name__}: {exc}"
+        if _FIRED:
+            result["error"] = f"StageTimeout: past the stage's limit of {limit_s} s ({exc!r})"
         result["traceback"] = traceback.format_exc()[-4000:]
     finally:
         if limit_s:
