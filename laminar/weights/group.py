@@ -19,8 +19,10 @@ generation: the members whose beat moved within `bound_s`; when that set changes
 the old group and builds generation g+1 (`gen`, `gen/<g>` = members) as a fresh ProcessGroup
 of its own (PrefixStore "gen<g>"), so a dead or added member never needs a trainer restart.
 Each version: the announcement (NcclAnnounce, our codec) goes into the store under
-`gen<g>/ann/<seq>`, then one broadcast of the flat buffer. A member waits on the store, never
-inside a collective, so an idle member does not time out, and a collective lasts at most
+`gen<g>/ann/<seq>`, then one broadcast of the flat buffer. No checksum pass precedes it (it would
+hold the trainer): what each rollout's engine serves is attested after the load instead. A
+member waits on the store, never inside a collective, so an idle member does not time out, and
+a collective lasts at most
 `bound_s`: a member that is dead (kill -9: the trainer's send fails at once) or busy (its
 receive never posted) fails the broadcast, is dropped from the next generation (and benched for
 `bound_s` if it beats but never joins), and falls back to the relay path; the version is sent
@@ -304,10 +306,9 @@ class GroupBroadcaster:
     def _deliver(self, job: _Pending) -> Delivery:
         t0 = self.clock()
         out = Delivery(job.version)
-        checksum = flat_checksum(job.flat)  # here, not on the trainer's path
-        header = _announce_bytes(
-            NcclAnnounce(version=job.version, checksum=checksum, layout=job.layout)
-        )
+        # no checksum pass before the broadcast (the trainer waits for it): attestation checks
+        # end to end what each rollout's engine serves (docs/DESIGN.md, "Attested versions")
+        header = _announce_bytes(NcclAnnounce(version=job.version, checksum="", layout=job.layout))
         for attempt in range(2):  # the survivors of a failed broadcast get it again, once
             out.attempts = attempt + 1
             if self.pg is None:
@@ -458,7 +459,7 @@ class GroupMember:
             seq += 1
             flat = torch.empty(ann.layout.total_bytes, dtype=torch.uint8, device=self.device)
             broadcast(self._pg, flat, self.s.bound_s)
-            if flat_checksum(flat) != ann.checksum:
+            if ann.checksum and flat_checksum(flat) != ann.checksum:
                 self.bad_checksums += 1
                 self.log.error("weights_group_bad_checksum", version=ann.version)
                 continue
