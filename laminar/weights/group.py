@@ -19,15 +19,14 @@ generation: the members whose beat moved within `bound_s`; when that set changes
 the old group and builds generation g+1 (`gen`, `gen/<g>` = members) as a fresh ProcessGroup
 of its own (PrefixStore "gen<g>"), so a dead or added member never needs a trainer restart.
 Each version: the announcement (NcclAnnounce, our codec) goes into the store under
-`gen<g>/ann/<seq>`, then one broadcast of the flat buffer. No checksum pass precedes it (it would
-hold the trainer): what each rollout's engine serves is attested after the load instead. A
-member waits on the store, never inside a collective, so an idle member does not time out, and
-a collective lasts at most
-`bound_s`: a member that is dead (kill -9: the trainer's send fails at once) or busy (its
-receive never posted) fails the broadcast, is dropped from the next generation (and benched for
-`bound_s` if it beats but never joins), and falls back to the relay path; the version is sent
-again to the survivors. The trainer itself waits for a broadcast at most `bound_s`
-(laminar/weights/gpu_channel.py): that is the bound on its stall.
+`gen<g>/ann/<seq>`, then one broadcast of the flat buffer. No checksum pass precedes it (it
+would hold the trainer): what each rollout's engine serves is attested after the load instead.
+A member waits on the store, never inside a collective, so an idle member does not time out,
+and a collective lasts at most `bound_s`: a member that is dead (kill -9: the trainer's send
+fails at once) or busy (its receive never posted) fails the broadcast, is dropped from the next
+generation (and benched for `bound_s` if it beats but never joins), and falls back to the relay
+path; the version is sent again to the survivors. The trainer itself waits for a broadcast at
+most `bound_s` (laminar/weights/gpu_channel.py): that is the bound on its stall.
 """
 
 from __future__ import annotations
