@@ -261,3 +261,50 @@ def test_cuda_ipc_handle_opens_in_another_process_and_leases_hold_the_buffer():
         if p.is_alive():
             p.kill()
     exp.close()
+
+
+class _Relay:
+    """A relay subscriber stand-in: version 4, loads count."""
+
+    name = "relay"
+    last_source = ""
+
+    def __init__(self) -> None:
+        self.loads = 0
+
+    async def start(self) -> None:
+        pass
+
+    def latest_version(self) -> int:
+        return 4
+
+    async def load_into(self, engine) -> int:
+        self.loads += 1
+        return 4
+
+    async def close(self) -> None:
+        pass
+
+
+async def test_cuda_ipc_rollout_off_the_trainers_host_reads_its_relay():
+    """Path choice per process: the trainer's boot id is another host's (or no CUDA here), so
+    the rollout never maps a handle and loads from its relay, without any host list."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from laminar.weights.gpu_channel import CudaIpcSubscriber
+
+    s = _settings(("rollout-0",))
+    timeout = datetime.timedelta(seconds=30)
+    store = dist.TCPStore(s.host, s.port, is_master=True, wait_for_workers=False, timeout=timeout)
+    store.set("ipc/boot", "another-host-boot-id")
+    store.set("ipc/version", "7")  # what a local reader would see
+    relay = _Relay()
+    sub = CudaIpcSubscriber(relay, s, "rollout-0", LOG)  # type: ignore[arg-type]
+    await sub.start()
+    assert not sub.local
+    assert sub.latest_version() == 4  # the relay's, not the handle's
+    assert await sub.load_into(object()) == 4  # type: ignore[arg-type]
+    assert relay.loads == 1 and sub.loads == {"cuda_ipc": 0, "relay": 1}
+    await sub.close()
