@@ -4,6 +4,8 @@
     .venv/bin/python bench/weights.py --quick  # 100 MB and 256 MB, fewer repeats (< 5 min, 2 cores)
     .venv/bin/python bench/weights.py --hosts 8 --quick --out F  # relays on emulated hosts (root)
     .venv/bin/python bench/weights.py --delta --quick --out F    # sparse deltas, 100M model
+    .venv/bin/python bench/weights.py --paths relay,nccl --out F  # relay vs broadcast (8 rollouts)
+    .venv/bin/python bench/weights.py --digest --out F           # attestation digest, s per GB
 
 Real processes: one manager + 8 relays (`python -m laminar node --role relay`); this
 process is the trainer (WeightPusher) and the rollouts (one WeightPuller per relay,
@@ -354,7 +356,20 @@ def main() -> int:
         default=None,
         help="K emulated hosts on tbf-shaped links, tcp + CURVE (bench/weights_hosts.py; root)",
     )
+    ap.add_argument(
+        "--paths",
+        default=None,
+        help="relay,nccl: trainer stall and rollout wait per version, 8 rollouts, relay chain vs "
+        "broadcast group (gloo on CPU; bench/weights_paths.py)",
+    )
+    ap.add_argument("--mb", type=int, default=None, help="--paths: state size in MB")
+    ap.add_argument("--versions", type=int, default=None, help="--paths: versions per path")
+    ap.add_argument(
+        "--digest", action="store_true", help="attestation digest cost per GB (digest.py)"
+    )
     args, rest = ap.parse_known_args()
+    if args.paths or args.digest:
+        return paths_main(args)
     if args.hosts:
         from weights_hosts import main as hosts_main
 
@@ -453,6 +468,66 @@ def main() -> int:
     for k, v in summary.items():
         print(f"{k:>34}: {v:.3f}" if isinstance(v, float) else f"{k:>34}: {v}")
     print(f"wrote {args.out} in {time.time() - t_start:.0f}s")
+    return 0
+
+
+def digest_cost(sizes_mb: list[int], repeats: int) -> dict:
+    """Seconds per GB of weights_digest on this machine's CPU (and its GPU when there is one)."""
+    from laminar.weights.digest import weights_digest
+
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    out: dict = {}
+    for dev in devices:
+        for mb in sizes_mb:
+            state = {k: v.to(dev) for k, v in make_state(mb << 20).items()}
+            nbytes = sum(t.numel() * t.element_size() for t in state.values())
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                weights_digest(state.items())
+                times.append(time.perf_counter() - t0)
+            out[f"{dev}_{mb}MB"] = {
+                "bytes": nbytes,
+                "s": stats(times),
+                "s_per_GB": statistics.median(times) / (nbytes / 1e9),
+            }
+    return out
+
+
+def paths_main(args: argparse.Namespace) -> int:
+    t_start = time.time()
+
+    def log(msg: str) -> None:
+        print(f"[{time.time() - t_start:6.1f}s] {msg}", flush=True)
+
+    doc: dict = {"bench": "weights_paths", "machine": machine(), "git_commit": git_commit()}
+    if args.digest:
+        doc["digest"] = digest_cost([64, 256] if args.quick else [256, 1024], args.repeats or 3)
+        for k, v in doc["digest"].items():
+            print(f"digest {k:>12}: {v['s_per_GB']:.3f} s/GB")
+    if args.paths:
+        from weights_paths import run
+
+        mb = args.mb or (64 if args.quick else 256)
+        versions = args.versions or (3 if args.quick else 6)
+        root = Path(tempfile.mkdtemp(prefix="lam-wpaths-", dir="/tmp"))
+        try:
+            doc["paths"] = run(args.paths.split(","), mb << 20, versions, root, log)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        print(f"\n{'path':>6} {'stall':>8} {'mean wait':>10} {'max wait':>10}")
+        for p, r in doc["paths"]["paths"].items():
+            print(
+                f"{p:>6} {r['stall_s']['median']:8.3f} {r['mean_wait_s']['median']:10.3f} "
+                f"{r['max_wait_s']['median']:10.3f}"
+            )
+        for k, v in doc["paths"]["summary"].items():
+            print(f"{k:>26}: {v:.3f}")
+    doc["elapsed_s"] = time.time() - t_start
+    out = Path(args.out or "bench/results/weights_paths.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2))
+    print(f"wrote {out} in {time.time() - t_start:.0f}s")
     return 0
 
 

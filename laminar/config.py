@@ -32,6 +32,7 @@ _PORT_OFFSETS = {
     "buffer": 1,
     "trainer": 2,
     "tools": 3,
+    "weights_store": 4,
     "relay": 10,
     "relay_pub": 60,
     "relay_data": 110,
@@ -280,7 +281,23 @@ class VllmConfig(Section):
     placement: bool = True
     """Give each rollout's engine its own cores (CPU: VLLM_CPU_OMP_THREADS_BIND) or GPUs
     (CUDA_VISIBLE_DEVICES), derived from the rollout index (laminar/rollout/placement.py); an
-    explicit value in the environment wins."""
+    explicit value in the environment wins. The torch engine: rollout.gpu_placement."""
+
+
+class WeightsGroupConfig(Section):
+    """rollout.weights = nccl | cuda_ipc: the trainer's weights store (a c10d TCPStore on
+    cluster.base_port + 4, or cluster.endpoints.weights_store) and its broadcast group."""
+
+    bound_s: float = Field(10.0, gt=0)
+    """nccl: a broadcast or a group build lasts at most this, and so does the trainer's wait for
+    it; a member dead or busy past it leaves the group (relay path) and the group is rebuilt."""
+    beat_s: float = Field(0.5, gt=0)
+    """nccl: how often a member beats; silent for bound_s, it is left out of the next group."""
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """nccl: the collective backend; auto = nccl when model.device is cuda, else gloo (CPU)."""
+    lease_ttl_s: float = Field(60.0, gt=0)
+    """cuda_ipc: a reader's lease on a version; a reader killed mid-read pins it this long at
+    most."""
 
 
 class RolloutConfig(Section):
@@ -325,10 +342,21 @@ class RolloutConfig(Section):
     (engines/lean_forward.py: Llama, Mistral, Qwen2, Qwen3; 1.1-1.2x the tokens/s on small models,
     bench/engine.py), hf = the model's own forward with the slot attention plugged in; auto = lean
     where it runs the model exactly, else hf."""
-    weights: Literal["auto", "relay", "dir", "announce"] = "auto"
+    weights: Literal["auto", "relay", "dir", "announce", "nccl", "cuda_ipc"] = "auto"
     """Weight source: host relay | run_dir/weights/v*.safetensors (trainer direct handoff) |
-    announce (sim: versions from manager/buffer, no tensors). auto = relay when relays run, else dir
-    (torch/vllm) or announce (sim)."""
+    announce (sim: versions from manager/buffer, no tensors) | nccl (the trainer broadcasts each
+    version to a group of rollouts; gloo on CPU) | cuda_ipc (rollouts on the trainer's host map its
+    GPU buffer). nccl and cuda_ipc fall back to the relays (when the run has any). auto = relay
+    when relays run, else dir (torch/vllm) or announce (sim)."""
+    weights_group: WeightsGroupConfig = Field(default_factory=WeightsGroupConfig)
+    gpu_placement: bool = True
+    """Torch engine with model.device=cuda: each rollout takes its own GPU, cuda:<index> dealt by
+    rollout index past the trainer's GPUs (laminar/rollout/placement.py), and logs it; an explicit
+    cuda:N or CUDA_VISIBLE_DEVICES wins."""
+    trainer_gpus: int | None = Field(None, ge=0)
+    """GPUs of this host kept for the trainer (the first ones); default 1 when this host runs a
+    trainer (cluster.roles.trainer > 0) on cuda, else 0. Rollouts share them only when no other
+    GPU is left (logged)."""
     refresh_wait_s: float = Field(10.0, gt=0)
     """A manager RefreshRequest(min_version) waits this long for that version to reach the source,
     then loads the newest there is."""
@@ -866,6 +894,21 @@ class LaminarConfig(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _check_gpu_weights(self) -> LaminarConfig:
+        w = self.rollout.weights
+        if w in ("nccl", "cuda_ipc") and "sim" in (self.trainer.engine, self.rollout.engine):
+            raise ValueError(
+                f"rollout.weights={w} moves tensors: it needs torch/vllm engines at both ends "
+                "(trainer.engine, rollout.engine), or use rollout.weights=announce for sim"
+            )
+        if w == "cuda_ipc" and not self.model.device.startswith("cuda"):
+            raise ValueError(
+                "rollout.weights=cuda_ipc needs model.device=cuda (use nccl, which runs on gloo "
+                "on CPU, or relay)"
+            )
+        return self
+
     # ---- derived values -------------------------------------------------------------
     def resolved_run_dir(self) -> Path:
         return Path(self.run_dir or os.path.join("runs", self.name))
@@ -873,8 +916,23 @@ class LaminarConfig(Section):
     def ipc_dir(self) -> str:
         return self.cluster.ipc_dir or f"/tmp/laminar-{self.name}-{os.getuid()}"
 
+    def weights_store(self) -> tuple[str, int]:
+        """(host, port) of the trainer's weights store (rollout.weights nccl / cuda_ipc): a c10d
+        TCPStore is tcp whatever cluster.transport says; cluster.endpoints.weights_store
+        (tcp://HOST:PORT) overrides."""
+        ep = self.cluster.endpoints.get("weights_store")
+        if ep is None:
+            return self.cluster.host, self.cluster.base_port + _PORT_OFFSETS["weights_store"]
+        host, _, port = ep.removeprefix("tcp://").rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError(
+                f"cluster.endpoints.weights_store must be tcp://HOST:PORT, got {ep!r}"
+            )
+        return host, int(port)
+
     def endpoint(self, service: str, index: int = 0) -> str:
-        """Address of a service: manager, buffer, trainer, tools, relay, relay_pub, relay_data."""
+        """Address of a service: manager, buffer, trainer, tools, relay, relay_pub, relay_data,
+        weights_store."""
         key = service if index == 0 and service in self.cluster.endpoints else f"{service}-{index}"
         if key in self.cluster.endpoints:
             return self.cluster.endpoints[key]

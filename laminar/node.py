@@ -42,6 +42,7 @@ from laminar.transport.server import RpcServer
 from laminar.transport.session import StatusCodec
 from laminar.transport.sockets import Context, SocketOptions, Wiring, new_context
 from laminar.weights.channel import ChannelSettings, WeightsMode
+from laminar.weights.group import GroupSettings
 from laminar.weights.relay_client import RelayLinks
 
 T = TypeVar("T")
@@ -351,6 +352,26 @@ def relay_links(cfg: LaminarConfig) -> RelayLinks:
     )
 
 
+def weights_group(cfg: LaminarConfig) -> GroupSettings:
+    """The weights store and broadcast group of a run (rollout.weights nccl / cuda_ipc): the
+    rollouts rollout-0 .. rollout-{cluster.roles.rollout - 1} may join."""
+    g = cfg.rollout.weights_group
+    host, port = cfg.weights_store()
+    backend = g.backend
+    if backend == "auto":
+        backend = "nccl" if cfg.model.device.startswith("cuda") else "gloo"
+    rollouts = cfg.cluster.roles.get("rollout", 1)
+    return GroupSettings(
+        host=host,
+        port=port,
+        backend=backend,
+        members=tuple(f"rollout-{i}" for i in range(max(1, rollouts))),
+        bound_s=g.bound_s,
+        beat_s=g.beat_s,
+        connect_timeout_s=cfg.transport.startup_timeout_s,
+    )
+
+
 def weights_mode(cfg: LaminarConfig) -> WeightsMode:
     """How weights move in this run; both ends derive it from the same config, so they agree:
     `rollout.weights` when set; `auto` is relay when the config runs relays, else announce
@@ -367,11 +388,16 @@ def weights_mode(cfg: LaminarConfig) -> WeightsMode:
 def weights_channel(cfg: LaminarConfig) -> ChannelSettings:
     """The weights channel of this run, as both ends open it."""
     mode = weights_mode(cfg)
+    gpu = mode in ("nccl", "cuda_ipc")
+    relays = mode == "relay" or (gpu and cfg.cluster.roles.get("relay", 0) > 0)
     return ChannelSettings(
         mode=mode,
         dir=Path(cfg.resolved_run_dir()) / "weights",
-        relay=relay_links(cfg) if mode == "relay" else None,
+        relay=relay_links(cfg) if relays else None,
         relay_index=cfg.rollout.relay_index,
+        group=weights_group(cfg) if gpu else None,
+        device=cfg.model.device,
+        lease_ttl_s=cfg.rollout.weights_group.lease_ttl_s,
     )
 
 

@@ -149,12 +149,14 @@ async def test_status_cli_lists_every_node_with_its_columns(tmp_path, short_dir)
         "bad",
         "refused_hellos",
         "refused_trajectories",
+        "attest_mismatches",
     ]
     assert sorted(line.split()[0] for line in lines[1:]) == sorted(rows)
-    # an honest run: nothing refused anywhere
+    # an honest run: nothing refused anywhere, no rollout served other weights
     assert all(
         r["unauthorized"] == r["bad"] == r["refused_trajectories"] == 0 for r in rows.values()
     )
+    assert all(r["attest_mismatches"] == 0 for r in rows.values())
 
 
 async def all_ready(cluster) -> None:

@@ -77,3 +77,33 @@ def test_host_placement_uses_this_process_affinity(monkeypatch):
     mine = sorted(os.sched_getaffinity(0))
     p = host_placement(0, 1, "cpu")
     assert list(p.cores) == mine
+
+
+def test_torch_rollouts_get_distinct_gpus_past_the_trainers():
+    from laminar.rollout.placement import torch_device
+
+    # 4 GPUs, the trainer on GPU 0: three rollouts on 1, 2, 3, none shared
+    places = [derive_placement(i, 3, "cuda", [0], gpus=4, reserved=1) for i in range(3)]
+    assert [torch_device(p, "cuda") for p in places] == ["cuda:1", "cuda:2", "cuda:3"]
+    assert not any(p.shared for p in places)
+    assert "gpus [2]" in places[1].describe()
+    # 2 trainer GPUs on 8: rollouts from 2 up
+    p = derive_placement(5, 6, "cuda", [0], gpus=8, reserved=2)
+    assert torch_device(p, "cuda") == "cuda:7" and not p.shared
+
+
+def test_one_gpu_is_shared_with_the_trainer_and_says_so():
+    from laminar.rollout.placement import torch_device
+
+    p = derive_placement(1, 2, "cuda", [0], gpus=1, reserved=1)
+    assert torch_device(p, "cuda") == "cuda:0" and p.shared
+    assert "shared" in p.describe()
+
+
+def test_an_explicit_device_or_environment_wins_for_torch():
+    from laminar.rollout.placement import torch_device
+
+    p = derive_placement(1, 2, "cuda", [0], gpus=4, reserved=1)
+    assert torch_device(p, "cuda:3") == "cuda:3"  # the user named one
+    kept = derive_placement(1, 2, "cuda", [0], gpus=4, env={"CUDA_VISIBLE_DEVICES": "2"})
+    assert torch_device(kept, "cuda") == "cuda"  # the launcher narrowed it: its cuda:0

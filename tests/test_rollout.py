@@ -394,6 +394,7 @@ class _FlakySource:
     fails."""
 
     name = "flaky"
+    last_source = ""
 
     def __init__(self) -> None:
         from laminar.weights.channel import AnnounceSubscriber

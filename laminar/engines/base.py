@@ -184,6 +184,12 @@ class Engine(ABC):
     @abstractmethod
     def stats(self) -> EngineStats: ...
 
+    def served_weights(self) -> list[tuple[str, Any]] | None:
+        """The tensors this engine serves, under the names the last load_weights gave, read back
+        from the engine itself (not from what was loaded): what attestation digests. None: this
+        engine cannot say (sim), and its versions go unattested."""
+        return None
+
     # ---- shared ------------------------------------------------------------------
     def _emit(self, ev: TokenEvent) -> None:
         q = self._streams.get(ev.seq_id)

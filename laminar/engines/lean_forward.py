@@ -92,6 +92,25 @@ class LeanDecoder:
         self.qkv: list[tuple[torch.Tensor, torch.Tensor | None]] = qkv
         self.gate_up: list[torch.Tensor] = gate_up
 
+    def fused_views(self) -> dict[int, torch.Tensor]:
+        """What this forward actually multiplies by, keyed by the data_ptr of the model tensor
+        each part was copied from: the q/k/v and gate/up rows of the fused copies (attestation
+        reads these back, not the model's own tensors)."""
+        out: dict[int, torch.Tensor] = {}
+        for ly, (w, b), gu in zip(self.layers, self.qkv, self.gate_up, strict=True):
+            a, m = ly.attn, ly.mlp
+            parts = [a.q_proj, a.k_proj, a.v_proj]
+            rows = [p.weight.shape[0] for p in parts]
+            for p, view in zip(parts, torch.split(w, rows), strict=True):
+                out[p.weight.data_ptr()] = view
+            if b is not None:
+                for p, view in zip(parts, torch.split(b, rows), strict=True):
+                    out[p.bias.data_ptr()] = view
+            gate = m.gate_proj.weight.shape[0]
+            out[m.gate_proj.weight.data_ptr()] = gu[:gate]
+            out[m.up_proj.weight.data_ptr()] = gu[gate:]
+        return out
+
     def __call__(
         self, ids: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor, cache: SlotKVCache
     ) -> torch.Tensor:

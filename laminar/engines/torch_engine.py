@@ -121,6 +121,8 @@ class TorchEngine(Engine):
         self.capacity = int(kv_capacity_tokens or max_running * self.max_model_len)
         self.max_prefill_tokens = max_prefill_tokens
         self.recompute_on_load = recompute_on_load
+        self.loaded_names: list[str] = []
+        """The tensors the last load_weights set (what served_weights reads back)."""
         self.eos = set(eos_token_ids) if eos_token_ids is not None else _eos_ids(model, tokenizer)
         self.device = next(model.parameters()).device
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
@@ -312,8 +314,19 @@ class TorchEngine(Engine):
         with torch.no_grad():
             for dst, src in staged:
                 dst.copy_(src.to(dtype=dst.dtype, device=dst.device))
+        self.loaded_names = [name for name, _ in items]
         if self.lean is not None:
             self.lean.refresh()
+
+    def served_weights(self) -> list[tuple[str, Any]] | None:
+        if not self.loaded_names:
+            return None
+        state = self.model.state_dict()
+        # the lean forward multiplies by fused copies of q/k/v and gate/up: read those back
+        fused = self.lean.fused_views() if self.lean is not None else {}
+        return [
+            (n, fused.get(state[n].data_ptr(), state[n])) for n in self.loaded_names if n in state
+        ]
 
     def stats(self) -> EngineStats:
         held = sum(s.kv_len for s in self._running)

@@ -5,6 +5,8 @@
 Each node's refusals (`NodeStatus.refusals`: messages its servers refused as unauthorized or
 bad, refused handshakes, the buffer's refused trajectories) are columns of the table and, per
 peer, `refusals` in the JSON; a peer that sends what it may not gets a WARNING line.
+`attest_mismatches`: a rollout's loads whose served weights did not match the trainer's digest
+(each quarantined and reloaded; docs/DESIGN.md "Attested versions").
 
 `fetch_status` (a one-off RpcClient) also feeds the live progress line (laminar/progress.py);
 restarts come from the launcher's run_dir/supervisor.json.
@@ -99,6 +101,7 @@ def status_main(config: str | None, overrides: list[str], as_json: bool, timeout
                 "refused_hellos": refused.refused_hellos if refused else 0,
                 "refused_trajectories": refused.refused_trajectories if refused else 0,
                 "refusals": msgspec.to_builtins(refused.peers) if refused else [],
+                "attest_mismatches": s.attest_mismatches if s else 0,
             }
         )
     if as_json:
@@ -129,6 +132,7 @@ def status_main(config: str | None, overrides: list[str], as_json: bool, timeout
         "bad",
         "refused_hellos",
         "refused_trajectories",
+        "attest_mismatches",
     ]
     widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) if rows else len(c) for c in cols}
     print("  ".join(c.ljust(widths[c]) for c in cols))

@@ -74,10 +74,12 @@ def heavy_imports(cfg: LaminarConfig, role: Role) -> list[str]:
     buffer instead of following it."""
     if role != "rollout" or cfg.rollout.engine != "torch":
         return []
+    # the GPU weight paths' group and store (laminar/weights/group.py)
+    dist = ["torch.distributed"] if cfg.rollout.weights in ("nccl", "cuda_ipc") else []
     if cfg.rollout.torch_forward != "hf":
         # module-free start; a model the lean forward cannot run imports transformers later
-        return ["torch", "safetensors.torch", "tokenizers"]
-    return ["torch", "transformers.modeling_utils", "transformers.tokenization_utils_fast"]
+        return ["torch", *dist, "safetensors.torch", "tokenizers"]
+    return ["torch", *dist, "transformers.modeling_utils", "transformers.tokenization_utils_fast"]
 
 
 def prefetch_imports(modules: list[str]) -> None:

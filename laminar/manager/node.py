@@ -63,6 +63,8 @@ class ManagerNode(Node):
 
     async def setup(self) -> None:
         self.trainer_version = -1
+        self.expected_digests: dict[int, str] = {}
+        """The trainer's digest of each recent version (VersionPublished.digest): attestation."""
         self.repack_now = asyncio.Event()
         self.recovery_queue: asyncio.Queue[str] = asyncio.Queue()
         self.chain_epoch = 0
@@ -221,6 +223,10 @@ class ManagerNode(Node):
         )
 
     async def _on_version(self, peer: Peer, msg: VersionPublished) -> None:
+        if msg.digest:  # the rollouts compare their served digest with it (manager heartbeats)
+            self.expected_digests[msg.version] = msg.digest
+            for old in sorted(self.expected_digests)[:-16]:
+                del self.expected_digests[old]
         if msg.version > self.trainer_version:
             self.trainer_version = msg.version
             self._event("version", version=msg.version, handoff=msg.handoff, stall_s=msg.stall_s)
@@ -244,6 +250,7 @@ class ManagerNode(Node):
                 "claims_clamped": sum(self.repacker.claims.values()),
             },
             cluster_refusals=self.cluster_refusals(),
+            expected_digests=dict(self.expected_digests),
         )
 
     def cluster_refusals(self) -> RefusalSummary:

@@ -83,6 +83,14 @@ class NodeStatus(Message):  # carried by heartbeats: what the manager needs to k
     cluster_refusals: RefusalSummary | None = None
     """The manager only: every node's refusals summed (no per-peer rows); its heartbeats carry
     it to the trainer, which writes it to metrics.jsonl."""
+    weights_digest: str = ""
+    """Rollouts: the digest of what their engine serves at `version` (empty: not attested)."""
+    attest_mismatches: int = 0
+    """Rollouts: loads whose served digest differed from the trainer's (each quarantined and
+    reloaded); `laminar status` shows it."""
+    expected_digests: dict[int, str] = field(default_factory=dict)
+    """The manager only: the digests the trainer published for its recent versions (rollouts read
+    them from its heartbeats and compare their own)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Role figures for people and tests (step, loss, queue depth ...): logged and shown, never
     read by code to decide anything; a figure something branches on gets a typed field."""

@@ -109,6 +109,10 @@ class Trajectory(Message):  # rollout -> buffer (finished), buffer -> trainer (i
     token_versions: Ints | None = None
     """Mode partial: the weight version that sampled each response token (non-decreasing, first =
     `version`); None: every token at `version`."""
+    weights_digest: str = ""
+    """Digest of the weights the rollout's engine served at `version`, read back after the load
+    (laminar/weights/digest.py); the trainer never trains a trajectory whose digest differs from
+    the one it published for that version. Empty: not attested (version 0, sim engines)."""
 
 
 @message(0x22, senders=("rollout", "manager", "buffer"))

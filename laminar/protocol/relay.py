@@ -243,6 +243,7 @@ class CudaIpcHandle(Message):  # GPU trainer -> rollouts on its host: a version 
     checksum: str
     layout: WeightLayout
     device: int
+    """The trainer's index of its GPU (meaningless in another process: use device_uuid)."""
     handle: bytes
     storage_size: int
     storage_offset: int
@@ -250,6 +251,8 @@ class CudaIpcHandle(Message):  # GPU trainer -> rollouts on its host: a version 
     ref_counter_offset: int
     event_handle: bytes = b""
     event_sync_required: bool = False
+    device_uuid: str = ""
+    """The GPU's UUID: a reader maps it onto its own index (CUDA_VISIBLE_DEVICES renumbers)."""
 
 
 @message(0x65, senders=("trainer",))

@@ -24,11 +24,14 @@ class VersionPublished(Message):  # trainer -> manager (and anyone tracking the 
     uri: str = ""
     """Where the weights are when they did not go through the relay tier (direct handoff file)."""
     handoff: str = "direct"
-    """direct (safetensors file in run_dir/weights) | relay (pushed to the master relay) | sim (no
-    weights)."""
+    """direct (safetensors file in run_dir/weights) | relay (pushed to the master relay) | nccl
+    (broadcast group) | cuda_ipc (device buffer + IPC handle) | sim (no weights)."""
     num_bytes: int = 0
     stall_s: float = 0.0
     """How long the trainer was blocked handing the weights off."""
+    digest: str = ""
+    """What a rollout's engine must serve at this version (laminar/weights/digest.py over the
+    exported tensors); the manager passes it on in its status (NodeStatus.expected_digests)."""
 
 
 @message(0xA1, senders=("trainer",))

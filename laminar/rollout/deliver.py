@@ -111,6 +111,7 @@ class Deliverer:
         *,
         outbox: Outbox,
         latest_version: Callable[[], int],
+        digest_of: Callable[[int], str] = lambda version: "",
         rewards: RewardRunner | None,
         tokenizer: Any,
         spawn: Spawn,
@@ -127,6 +128,8 @@ class Deliverer:
         """A batch is split above this (under the buffer socket's message limit)."""
         self.buffer, self.outbox, self.table = buffer, outbox, table
         self.latest_version = latest_version
+        self.digest_of = digest_of
+        """The served-weights digest at a version (the gate's attestation; "" when none)."""
         """The newest weight version this rollout knows of (its staleness at finish)."""
         self.rewards = rewards
         self.tokenizer = tokenizer
@@ -220,6 +223,7 @@ class Deliverer:
         now = time.time()
         traj = seq.trajectory(reason, self.rollout_id, now)
         traj.staleness_at_finish = max(0, self.latest_version() - seq.version)
+        traj.weights_digest = self.digest_of(seq.version)
         if self.tokenizer is not None:
             traj.completion = self.tokenizer.decode(
                 traj.response_ids.tolist(), skip_special_tokens=True

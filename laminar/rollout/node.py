@@ -53,12 +53,13 @@ Run: laminar node --role rollout --config configs/skeleton.yaml [--index I]
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from typing import TYPE_CHECKING, Any
 
 from laminar.config import LaminarConfig
 from laminar.engines.base import Engine, SamplingParams
-from laminar.node import Node, socket_max_message_bytes, weights_channel
+from laminar.node import NODE_STATUS, Node, socket_max_message_bytes, weights_channel
 from laminar.protocol.core import NodeStatus
 from laminar.protocol.data import newest_version
 from laminar.protocol.rollout import (
@@ -113,6 +114,8 @@ class RolloutNode(Node):
     ):
         super().__init__(cfg, index, ctx, node_id)
         self.engine: Engine | None = engine
+        self.device = cfg.model.device
+        """Where the torch engine runs (cuda: its own GPU, placed in setup)."""
         self.source: WeightSubscriber | None = weight_source
         self.env: Environment | None = env
         """Multi-turn environment (else built from env.fn in setup; None: single-turn)."""
@@ -163,8 +166,10 @@ class RolloutNode(Node):
             t.reconnect_backoff_s,
             t.reconnect_backoff_max_s,
         )
+        self.device = self._torch_device()
         if self.source is None:
-            self.source = open_subscriber(weights_channel(self.cfg), self.wiring())
+            channel = dataclasses.replace(weights_channel(self.cfg), device=self.device)
+            self.source = open_subscriber(channel, self.wiring())
         await self.source.start()
         self.on_close(self.source.close)
         if cfg.rollout.engine != "sim" and cfg.model.path:
@@ -228,11 +233,38 @@ class RolloutNode(Node):
                 kw["env"] = self._vllm_env()
             # loading a torch model blocks for seconds: off the loop, so this node keeps beating
             if cfg.rollout.engine == "torch":
-                self.engine = await asyncio.to_thread(make_engine, cfg.rollout, cfg.model, **kw)
+                model = cfg.model.model_copy(update={"device": self.device})
+                self.engine = await asyncio.to_thread(make_engine, cfg.rollout, model, **kw)
             else:
                 self.engine = make_engine(cfg.rollout, cfg.model, **kw)
         self.on_close(self.engine.close)  # before start: a start cut short is closed too
         await self.engine.start(self.spawn)
+
+    def _reserved_gpus(self) -> int:
+        """The GPUs of this host kept for the trainer (rollout.trainer_gpus)."""
+        cfg = self.cfg
+        if cfg.rollout.trainer_gpus is not None:
+            return cfg.rollout.trainer_gpus
+        return 1 if cfg.cluster.roles.get("trainer", 0) > 0 else 0
+
+    def _torch_device(self) -> str:
+        """The torch engine's device: its own GPU by rollout index on cuda (placement.py)."""
+        cfg = self.cfg
+        if (
+            cfg.rollout.engine != "torch"
+            or cfg.model.device != "cuda"
+            or not cfg.rollout.gpu_placement
+        ):
+            return cfg.model.device
+        from laminar.rollout.placement import host_placement, torch_device
+
+        rollouts = max(1, cfg.cluster.roles.get("rollout", 1))
+        p = host_placement(self.index % rollouts, rollouts, "cuda", 1, self._reserved_gpus())
+        device = torch_device(p, cfg.model.device)
+        self.log.info("engine_placement", placement=p.describe(), device=device, shared=p.shared)
+        if p.shared:
+            self.log.warning("engine_placement_shared", placement=p.describe())
+        return device
 
     def _vllm_env(self) -> dict[str, str]:
         """The vLLM EngineCore's cores or GPUs (placement), for its environment."""
@@ -243,7 +275,7 @@ class RolloutNode(Node):
             device: Device = "cuda" if self.cfg.model.device.startswith("cuda") else "cpu"
             tp = int(self.cfg.rollout.vllm_args.get("tensor_parallel_size", 1))
             rollouts = max(1, self.cfg.cluster.roles.get("rollout", 1))
-            p = host_placement(self.index % rollouts, rollouts, device, tp)
+            p = host_placement(self.index % rollouts, rollouts, device, tp, self._reserved_gpus())
             self.log.info("engine_placement", placement=p.describe(), env=p.env, shared=p.shared)
             if p.shared:
                 self.log.warning("engine_placement_shared", placement=p.describe())
@@ -288,6 +320,7 @@ class RolloutNode(Node):
             self.table,
             outbox=self.outbox,
             latest_version=source.latest_version,
+            digest_of=self.gate.digest,
             rewards=self.rewards,
             tokenizer=self.tokenizer,
             spawn=self.spawn,
@@ -395,6 +428,7 @@ class RolloutNode(Node):
         await self.engine_ready.wait()  # the engine-start task fails the node past its deadline
         self.spawn(self._events(), "events")
         self.spawn(self.deliverer.stream(), "partials")
+        self.spawn(self._attest(), "attest")
         self.spawn(self.outbox.run(), "outbox")
         self.spawn(self.gate.watch(self.wake), "versions")
         if self.table.interrupts:  # mode partial: an update interrupts at once (feeder.py)
@@ -480,9 +514,26 @@ class RolloutNode(Node):
             waiting=st.waiting,
             inflight=len(self.table),
             rollout=rollout,
+            weights_digest=self.gate.digest(self.gate.version),
+            attest_mismatches=self.gate.mismatches,
         )
 
     # ---- loops ------------------------------------------------------------------------------
+    async def _attest(self) -> None:
+        """Compare the served digest with the trainer's, as the manager's heartbeats carry it
+        (laminar/rollout/versions.py: a mismatch quarantines and reloads)."""
+        every = self.cfg.transport.heartbeat_interval_s
+        while True:
+            assert self.manager is not None
+            status = NODE_STATUS.unpack(self.manager.server_status)
+            if (
+                status is not None
+                and status.expected_digests
+                and self.gate.attest(status.expected_digests)
+            ):
+                self.wake.set()  # the feeder stops taking prompts and reloads once idle
+            await asyncio.sleep(every)  # the manager's status changes only with its heartbeats
+
     async def _events(self) -> None:
         """Engine events: tokens into the table; finished ones to the deliverer; chunks to
         stream."""

@@ -14,7 +14,9 @@ Only when there are more rollouts than cores (or GPUs) do slices repeat, and the
 says so (`shared`), so an overcommitted host is visible in the log, never an accident.
 
 An explicit setting in the environment (CUDA_VISIBLE_DEVICES or VLLM_CPU_OMP_THREADS_BIND
-set by the user or a launcher) wins: `host_placement` keeps it and says so.
+set by the user or a launcher) wins: `host_placement` keeps it and says so. The trainer's GPUs
+(`reserved`, the first ones: the trainer of `laminar run` is on cuda:0) are kept apart; torch
+engines take `torch_device(p, model.device)` (cuda:<index>), vLLM engines the environment.
 A pure function plus a thin reader of the host, so the derivation is unit-tested without one.
 """
 
@@ -86,9 +88,12 @@ def derive_placement(
     gpus: int,
     gpus_per_rollout: int = 1,
     env: Mapping[str, str] | None = None,
+    reserved: int = 0,
 ) -> Placement:
     """The cores (cpu) or GPUs (cuda) of rollout `index` among `rollouts` on a host with `cpus`
-    usable core ids and `gpus` visible devices. Pure: no side effects, no host reads."""
+    usable core ids and `gpus` visible devices, the first `reserved` GPUs kept for the trainer
+    (when no other GPU is left, rollouts share them, and the placement says so). Pure: no side
+    effects, no host reads."""
     if rollouts < 1 or not 0 <= index:
         raise ValueError(f"placement needs index >= 0 and rollouts >= 1 (got {index}, {rollouts})")
     env = env or {}
@@ -112,8 +117,9 @@ def derive_placement(
         raise ValueError(
             f"placement: {per} GPUs per rollout (tensor_parallel_size) but {gpus} visible"
         )
-    ids, shared = _slice(list(range(gpus)), index, max(1, gpus // per), per)
-    shared = shared or rollouts * per > gpus
+    pool = list(range(min(reserved, gpus), gpus)) or list(range(gpus))
+    ids, shared = _slice(pool, index, max(1, len(pool) // per), per)
+    shared = shared or rollouts * per > len(pool) or pool[0] < reserved
     return Placement(
         index,
         rollouts,
@@ -143,10 +149,19 @@ def host_gpus() -> int:
 
 
 def host_placement(
-    index: int, rollouts: int, device: Device, gpus_per_rollout: int = 1
+    index: int, rollouts: int, device: Device, gpus_per_rollout: int = 1, reserved: int = 0
 ) -> Placement:
     """derive_placement with this host's cores, GPUs and environment."""
     gpus = host_gpus() if device == "cuda" and not os.environ.get(CUDA_DEVICES) else 0
     return derive_placement(
-        index, rollouts, device, host_cpus(), gpus, gpus_per_rollout, os.environ
+        index, rollouts, device, host_cpus(), gpus, gpus_per_rollout, os.environ, reserved
     )
+
+
+def torch_device(p: Placement, configured: str) -> str:
+    """The torch device a torch-engine rollout runs on: `cuda:<its GPU>` when the placement
+    dealt one (the process sees every GPU: CUDA is already initialised, so the environment
+    cannot narrow it any more), else what the config says."""
+    if p.device != "cuda" or p.kept or not p.gpus or configured != "cuda":
+        return configured
+    return f"cuda:{p.gpus[0]}"

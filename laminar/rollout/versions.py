@@ -8,6 +8,15 @@
     async with gate.lock:            # held by whoever needs the version not to change (an import)
         await gate.load()            # newest from the source -> engine; the caller checked idleness
     await gate.watch(wake)           # sets `wake` whenever the source gets a newer version
+    gate.attest(expected)            # the trainer's digests (manager status): a mismatch
+                                     # quarantines this rollout until it reloaded
+
+Attestation: after every load the gate reads the engine's parameters back and digests them
+(laminar/weights/digest.py), before any prompt runs at the new version; every trajectory
+carries that digest (the trainer drops one whose digest differs from the version's). When
+the trainer's digest for the version arrives and differs, the rollout is quarantined: it
+takes no new prompts (behind() is true), and once idle it loads again, the same version
+included; the mismatch is counted (NodeStatus.attest_mismatches).
 
 The gate never decides *when* to load: the prompt feeder (laminar/rollout/feeder.py) loads
 only when no trajectory is in flight, so every trajectory runs on one version. The target:
@@ -31,6 +40,7 @@ import structlog
 from laminar.engines.base import Engine, WeightsRejected
 from laminar.metrics import Metrics
 from laminar.weights.channel import WeightSubscriber
+from laminar.weights.digest import weights_digest
 from laminar.weights.relay_client import WeightsUnavailable
 
 
@@ -68,6 +78,13 @@ class VersionGate:
         served for it wait for a newer one (feeder.py)."""
         self.lock = asyncio.Lock()
         """Held while the version may change; an import holds it so its version check stays true."""
+        self.digests: dict[int, str] = {}
+        """Digest of what the engine served after each recent load, by version."""
+        self.quarantined = -1
+        """A version whose served digest differed from the trainer's: reload it (-1: none)."""
+        self.mismatches = 0
+        """Loads whose served digest differed from the trainer's (NodeStatus.attest_mismatches)."""
+        self._mismatched: set[int] = set()
 
     def latest(self) -> int:
         """Newest version the source offers (-1: none)."""
@@ -84,12 +101,46 @@ class VersionGate:
         return max(want, self._soft())
 
     def behind(self) -> bool:
-        return self.target() > self.version
+        return self.target() > self.version or self.quarantined >= 0
+
+    def digest(self, version: int) -> str:
+        """The served digest at `version` ("" when not attested)."""
+        return self.digests.get(version, "")
+
+    def attest(self, expected: dict[int, str]) -> bool:
+        """Compare the served digests of recent loads with the trainer's. Each mismatch is
+        counted once; when it is the version running now, quarantine (reload once idle).
+        Returns whether it quarantined now."""
+        quarantine = False
+        for version, have in self.digests.items():
+            want = expected.get(version, "")
+            if not want or want == have or version in self._mismatched:
+                continue
+            self._mismatched.add(version)
+            self.mismatches += 1
+            self.metrics.count("attest_mismatch")
+            now = version == self.version and self.quarantined != version
+            self.log.error(
+                "weights_attest_mismatch",
+                version=version,
+                served=have,
+                expected=want,
+                action="quarantined: no new prompts, reload once idle" if now else "replaced",
+            )
+            if now:
+                self.quarantined = version
+                quarantine = True
+        if quarantine:
+            for evt in self.notify:
+                evt.set()
+        return quarantine
 
     def loadable(self) -> int:
         """The version a load would bring now (newer than ours and at least what is wanted), else
         -1."""
         available = self.latest()
+        if self.quarantined >= 0 and available >= self.version:
+            return available  # the same version again, or a newer one
         if available <= max(self.version, self.rejected) or available < max(
             self.required, self._soft()
         ):
@@ -134,11 +185,26 @@ class VersionGate:
             )
             return False
         self.version = max(version, self.version)
+        served = self.engine.served_weights()
+        if served is not None:  # read back from the engine, before any prompt runs at it
+            self.digests[self.version] = await asyncio.to_thread(weights_digest, served)
+            self._mismatched.discard(self.version)  # a reload of it is checked afresh
+            for old in sorted(self.digests)[:-8]:
+                del self.digests[old]
+        self.quarantined = -1
         for evt in self.notify:
             evt.set()
         load_s = time.monotonic() - t0
         self.metrics.add("weight_load_s", load_s)
-        self.log.info("weights_loaded", version=self.version, previous=old, load_s=round(load_s, 3))
+        source = self.source.last_source or self.source.name
+        self.metrics.count(f"weight_loads_{source}")
+        self.log.info(
+            "weights_loaded",
+            version=self.version,
+            previous=old,
+            load_s=round(load_s, 3),
+            source=source,
+        )
         if self.version >= self.required:
             self.refresh_asked = False
         return True

@@ -48,12 +48,14 @@ from laminar.protocol.buffer import AuditSummary, BatchReply, BufferStats, Buffe
 from laminar.protocol.core import NodeStatus
 from laminar.protocol.trainer import VersionPublished
 from laminar.supervise import PermanentFailure
+from laminar.trainer.attest import AttestBook
 from laminar.trainer.commits import CommitLedger, VersionMark
 from laminar.trainer.engine import Trainer, TrainerSettings, open_trainer
 from laminar.trainer.feed import BatchFeed
 from laminar.trainer.snapshots import Snapshots
 from laminar.transport.client import RpcClient
 from laminar.transport.sockets import TransportError
+from laminar.weights.digest import weights_digest
 
 if TYPE_CHECKING:
     import torch
@@ -110,6 +112,10 @@ def eval_settings(cfg: LaminarConfig) -> EvalSettings:
     )
 
 
+def _digest_or_none(items: list[tuple[str, Any]]) -> str:
+    return weights_digest(items) if items else ""
+
+
 class NothingTrained(PermanentFailure):  # a restart would fail the same way
     """The data ran out before a single step was trained (e.g. every reward failed): the run
     failed, and the node exits non-zero with the buffer's reason (`laminar run` exits 1)."""
@@ -155,6 +161,7 @@ class TrainerNode(Node):
         self._last_ckpt_step = 0  # step 0 is the initial model: nothing to checkpoint
         self._followers_done = asyncio.Event()
         self.last: dict[str, float] = {}
+        self.attest = AttestBook()
 
     @property
     def exhausted(self) -> bool:
@@ -343,12 +350,25 @@ class TrainerNode(Node):
 
         assert self.trainer is not None and self.logger is not None
         t0 = time.perf_counter()
-        batch = self.trainer.prepare(reply.trajectories)
+        attested, rejected = await self.attest.check(reply.trajectories)
+        if rejected:
+            self.metrics.count("attest_excluded", len(rejected))
+            self.log.warning(
+                "attest_excluded",
+                batch_id=reply.batch_id,
+                trajectories=len(rejected),
+                rollouts=sorted({r for r, _ in self.attest.mismatched}),
+            )
+        batch = self.trainer.prepare(attested)
         for reason, n in batch.dropped.items():
             self.metrics.count(f"dropped_{reason}", n)
         if batch.dropped:
             self.log.warning("dropped_trajectories", batch_id=reply.batch_id, **dict(batch.dropped))
         if batch.n_seqs == 0:  # nothing trainable: consume it so it is not served forever
+            if rejected:
+                self.commits.consumed(
+                    self.step, self.version, reply.batch_id, [], rejected, rejected
+                )
             self.commits.record(reply.batch_id, self.step, self.version)
             if not self.commits.gated:
                 await self.commits.flush()
@@ -360,8 +380,8 @@ class TrainerNode(Node):
         self.version += 1
         trained = [s.uid for s in batch.samples]
         kept = set(trained)
-        excluded = [t.uid for t in batch.source if t.uid not in kept]
-        self.commits.consumed(self.step, self.version, reply.batch_id, trained, excluded)
+        excluded = [t.uid for t in batch.source if t.uid not in kept] + rejected
+        self.commits.consumed(self.step, self.version, reply.batch_id, trained, excluded, rejected)
         self.commits.record(reply.batch_id, self.step, self.version)
         push_s, push_bytes = await self._publish(weights)
         if not self.commits.gated:
@@ -377,6 +397,9 @@ class TrainerNode(Node):
                 "staleness": sum(staleness) / len(staleness),
                 "staleness_max": max(staleness),
                 "dropped": float(sum(batch.dropped.values())),
+                "attest/excluded": len(rejected),
+                "attest/excluded_total": self.attest.excluded,
+                "attest/mismatched_rollouts": len(self.attest.mismatched),
             }
         )
         metrics.update(staleness_histogram(staleness))
@@ -448,6 +471,11 @@ class TrainerNode(Node):
     async def _publish(self, weights: dict[str, torch.Tensor]) -> tuple[float, int]:
         """Hand the version off and announce it; (stall seconds, bytes), NaN stall if it failed."""
         assert self.handoff is not None and self.manager is not None
+        # the digest rollouts must serve at this version: beside the handoff, not after it (sim
+        # rollouts serve no tensors: nothing to attest)
+        items = list(weights.items()) if self.cfg.rollout.engine != "sim" else []
+        digest = asyncio.ensure_future(asyncio.to_thread(_digest_or_none, items))
+        self.attest.expect(self.version, digest)
         try:
             pub = await self._unless_stopping(
                 self.handoff.publish(self.version, self.step, weights)
@@ -476,6 +504,7 @@ class TrainerNode(Node):
             handoff=pub.handoff,
             num_bytes=pub.num_bytes,
             stall_s=pub.stall_s,
+            digest=await digest,
         )
         try:
             await self.manager.send(msg)

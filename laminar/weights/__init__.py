@@ -8,7 +8,11 @@
                      WeightPuller / PulledWeights (rollout <- its host's relay)
     channel.py       the channel a role opens: open_publisher / open_subscriber for the
                      relay, dir and announce modes (ChannelSettings from laminar/node.py)
-    gpu.py           GPU variants: CUDA IPC on one host, NCCL broadcast across hosts
+    gpu.py           flat device buffers, CUDA IPC export/open, device by UUID, pinned memory
+    group.py         the broadcast group (NCCL on GPUs, gloo on CPU): generations over a TCPStore
+    leases.py        reader leases: when a shared version's buffer may be freed
+    gpu_channel.py   the nccl and cuda_ipc modes of the channel (relays as their fallback)
+    digest.py        the weights digest attestation compares (computed on the tensors' device)
 
 Imports go one way: weights/ -> transport/ (the wire) and protocol/relay.py (the messages)
 -> laminar/message.py. The relay role (laminar/relay/) holds the chain between relays and

@@ -25,8 +25,8 @@ wiring layer), opens both ends:
 
 `weights_mode`: `rollout.weights` when set; `auto` is relay when the config runs relays
 (cluster.roles.relay > 0), else announce when either end is a sim engine (one end has no
-tensors), else dir. The GPU variants (CUDA IPC on one host, NCCL across hosts) are in
-laminar/weights/gpu.py; their receiving end has the PulledWeights surface.
+tensors), else dir. The GPU paths, nccl (a broadcast group; gloo on CPU) and cuda_ipc (one
+host), are laminar/weights/gpu_channel.py; both keep the relays as their fallback.
 
 `Published.handoff` keeps the names VersionPublished has always carried: relay, direct, sim.
 Version 0 is the model on disk (cfg.model.path); a subscriber only ever offers newer ones.
@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from laminar.transport.sockets import Wiring
+from laminar.weights.group import GroupSettings
 from laminar.weights.relay_client import (
     RelayLinks,
     WeightPuller,
@@ -53,7 +54,7 @@ from laminar.weights.relay_client import (
     WeightsUnavailable,
 )
 
-WeightsMode = Literal["relay", "dir", "announce"]
+WeightsMode = Literal["relay", "dir", "announce", "nccl", "cuda_ipc"]
 
 _FILE = re.compile(r"^v(\d+)\.safetensors$")
 
@@ -70,6 +71,12 @@ class ChannelSettings:
     """relay mode: the relays' endpoints and deadlines."""
     relay_index: int = 0
     """relay mode, a rollout's end: the relay of its host."""
+    group: GroupSettings | None = None
+    """nccl / cuda_ipc: the trainer's weights store and broadcast group (gpu_channel.py)."""
+    device: str = "cpu"
+    """nccl / cuda_ipc: where this end keeps a version (the model's device)."""
+    lease_ttl_s: float = 60.0
+    """cuda_ipc: a reader's lease on a version."""
 
 
 def _links(settings: ChannelSettings) -> RelayLinks:
@@ -170,8 +177,23 @@ class AnnouncePublisher:
         pass
 
 
+def _group(settings: ChannelSettings) -> GroupSettings:
+    if settings.group is None:
+        raise ValueError(f"weights mode {settings.mode} needs ChannelSettings.group")
+    return settings.group
+
+
 def open_publisher(settings: ChannelSettings, wiring: Wiring) -> WeightPublisher:
     """The trainer's end of the channel that `settings.mode` names."""
+    if settings.mode in ("nccl", "cuda_ipc"):
+        from laminar.weights.gpu_channel import CudaIpcPublisher, GroupPublisher
+        from laminar.weights.group import GroupBroadcaster
+
+        pusher = WeightPusher(settings.relay, wiring) if settings.relay is not None else None
+        if settings.mode == "cuda_ipc":
+            return CudaIpcPublisher(pusher, _group(settings), settings.device)
+        caster = GroupBroadcaster(_group(settings), wiring.log)
+        return GroupPublisher(pusher, caster, settings.device)
     if settings.mode == "relay":
         return RelayPublisher(WeightPusher(_links(settings), wiring))
     if settings.mode == "dir":
@@ -192,6 +214,8 @@ class WeightSink(Protocol):
 
 class WeightSubscriber(ABC):
     name = "subscriber"
+    last_source = ""
+    """The path the last load came by, where a mode has several (nccl: group | relay)."""
 
     async def start(self) -> None:  # noqa: B027 - optional hook
         """Connect / prepare; called once before any other method."""
@@ -353,6 +377,18 @@ class RelaySubscriber(WeightSubscriber):
 def open_subscriber(settings: ChannelSettings, wiring: Wiring) -> WeightSubscriber:
     """A rollout's end of the channel that `settings.mode` names (its host's relay:
     `settings.relay_index`)."""
+    if settings.mode in ("nccl", "cuda_ipc"):
+        from laminar.weights.gpu_channel import CudaIpcSubscriber, GroupSubscriber
+
+        relay = None
+        if settings.relay is not None:
+            puller = WeightPuller(settings.relay, wiring, relay_index=settings.relay_index)
+            relay = RelaySubscriber(puller)
+        if settings.mode == "cuda_ipc":
+            return CudaIpcSubscriber(
+                relay, _group(settings), wiring.node_id, wiring.log, settings.lease_ttl_s
+            )
+        return GroupSubscriber(relay, _group(settings), wiring.node_id, settings.device, wiring.log)
     if settings.mode == "relay":
         puller = WeightPuller(_links(settings), wiring, relay_index=settings.relay_index)
         return RelaySubscriber(puller)

@@ -1,52 +1,41 @@
-"""GPU variants of the weights channel: CUDA IPC (same host) and NCCL / torch.distributed
-broadcast (across hosts). Their receiving ends return FlatWeights, which has the surface of the
-relay variant's PulledWeights (named_tensors, verify, release), so a rollout loads either alike.
+"""CUDA pieces of the weights channel: flat device buffers, CUDA IPC on one host, pinned host
+memory. Their receiving ends return FlatWeights, which has the surface of the relay variant's
+PulledWeights (named_tensors, verify, release), so a rollout loads either alike. The broadcast
+group (NCCL on GPUs, gloo on CPU) is laminar/weights/group.py; the channel modes that use both are
+laminar/weights/gpu_channel.py.
 
     # trainer (GPU), same host as its rollouts
-    exp = CudaIpcExporter(device="cuda:0", keep=2)
+    exp = CudaIpcExporter(board, device="cuda:0")       # board: a LeaseBoard (leases.py)
     handle = exp.export(version, model.state_dict())    # CudaIpcHandle message (no pickle)
     # rollout process on that host
-    w = open_cuda_ipc(handle)                           # same surface as PulledWeights
+    w = open_cuda_ipc(handle, board, reader="rollout-1")  # None: withdrawn, read a newer one
     for name, t in w.named_tensors(): param[name].copy_(t)   # device-to-device
-    await w.release(); exp.release(version)             # (the trainer frees after every reader did)
+    await w.release()                                   # the lease goes; the trainer frees later
 
-    # NCCL (backend "nccl" on GPUs, "gloo" on CPU: the tests run the same code on CPU)
-    group = WeightBroadcastGroup(rank, world_size, init_method="tcp://10.0.0.1:29555")
-    group.send(version, named_tensors)               # rank 0 (trainer)
-    w = group.recv()                                 # every other rank: a PulledWeights-like object
-
-Both pack a version into one flat uint8 buffer with the channel's layout
-(laminar/weights/layout.py), so offsets, dtypes (bf16 included) and the checksum are the ones the
-CPU path uses. Control data travels as our codec's messages (CudaIpcHandle, NcclAnnounce encoded to
-bytes), never pickle. torch.cuda / torch.distributed are imported lazily: this module
-imports without CUDA. Status: written against torch's documented IPC and c10d APIs;
-the CUDA paths are covered by `gpu`-marked tests that were not run on this CPU machine.
+Lifetimes: a version's buffer is freed by the exporter only when no reader holds a live lease
+(leases.py), never by torch's per-share reference count: the exporter keeps its own reference
+to every buffer until then, so a reader's close cannot free memory another reader still uses.
+Devices: the handle names the trainer's GPU by UUID; a reader maps it onto the index that GPU
+has in its own process (CUDA_VISIBLE_DEVICES renumbers), and initialises CUDA lazily first, as
+torch's own rebuild_cuda_tensor does. Checksums are weights digests computed on the device
+(digest.py), never a host copy. torch.cuda is imported lazily: this module imports without CUDA.
 """
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from laminar.protocol.relay import CudaIpcHandle, NcclAnnounce, WeightLayout
-from laminar.transport.codec import decode, encode
-from laminar.weights.layout import (
-    NamedTensors,
-    chunk_range,
-    layout_of,
-    n_chunks,
-    named_list,
-    tensor_spans,
-    version_checksum,
-)
-
-IPC_CHUNK = 64 << 20  # checksum granularity of GPU versions (computed on the host copy)
+from laminar.protocol.relay import CudaIpcHandle, WeightLayout
+from laminar.weights.digest import weights_digest
+from laminar.weights.layout import NamedTensors, layout_of, named_list, tensor_spans
+from laminar.weights.leases import LeaseBoard, VersionBuffers
 
 
 def pin_host_tensor(t: Any) -> bool:
     """Page-lock a host tensor's memory (e.g. a mapped relay slot) so device-to-host copies run at
-    full PCIe speed. Returns False when CUDA is absent or registration fails (copies still work)."""
+    full PCIe speed. Returns False when CUDA is absent or registration fails (copies still work).
+    Undo with unpin_host_tensor before the memory is unmapped."""
     import torch
 
     if not torch.cuda.is_available():
@@ -58,26 +47,40 @@ def pin_host_tensor(t: Any) -> bool:
         return False
 
 
-def _flat_checksum(layout: WeightLayout, flat: Any) -> str:
-    """Version checksum of a flat device buffer: crc32 per IPC_CHUNK of its host copy."""
-    host = flat.cpu().numpy()
-    crcs = [
-        zlib.crc32(host[slice(*chunk_range(i, IPC_CHUNK, layout.total_bytes))])
-        for i in range(n_chunks(layout.total_bytes, IPC_CHUNK))
-    ]
-    return version_checksum(layout, IPC_CHUNK, crcs)
+def unpin_host_tensor(t: Any) -> bool:
+    """Undo pin_host_tensor (cudaHostUnregister); False when it was not registered."""
+    import torch
+
+    if t is None or not torch.cuda.is_available():
+        return False
+    try:
+        return int(torch.cuda.cudart().cudaHostUnregister(t.data_ptr())) == 0
+    except (RuntimeError, AttributeError):
+        return False
+
+
+def flat_checksum(flat: Any) -> str:
+    """Checksum of a flat buffer, computed where it lives (a weights digest: digest.py)."""
+    return weights_digest([("flat", flat)])
 
 
 def pack_flat(named_tensors: NamedTensors, device: Any) -> tuple[WeightLayout, Any]:
-    """Named tensors -> (layout, flat uint8 tensor on `device`), padding zeroed."""
+    """Named tensors -> (layout, flat uint8 tensor on `device`), padding zeroed. One copy of the
+    model: tensors on the host go straight into the device buffer (no intermediate)."""
     import torch
 
     items = named_list(named_tensors)
     layout = layout_of(items)
-    flat = torch.zeros(layout.total_bytes, dtype=torch.uint8, device=device)
+    flat = torch.empty(layout.total_bytes, dtype=torch.uint8, device=device)
+    end = 0
     for (_n, t), off in zip(items, layout.offsets, strict=True):
+        if off > end:
+            flat[end:off].zero_()
         src = t.detach().contiguous().reshape(-1).view(torch.uint8)
         flat[off : off + src.numel()].copy_(src, non_blocking=True)
+        end = off + src.numel()
+    if layout.total_bytes > end:
+        flat[end:].zero_()
     if flat.is_cuda:
         torch.cuda.current_stream(flat.device).synchronize()
     return layout, flat
@@ -106,9 +109,12 @@ class FlatWeights:
             yield name, self.flat[off : off + n].view(getattr(torch, dtype)).reshape(shape)
 
     def verify(self) -> bool:
-        return _flat_checksum(self.layout, self.flat) == self.checksum
+        return flat_checksum(self.flat) == self.checksum
 
     async def release(self) -> None:
+        self.release_now()
+
+    def release_now(self) -> None:
         if not self.released:
             self.released = True
             self.flat = None
@@ -122,28 +128,65 @@ class FlatWeights:
         await self.release()
 
 
+# ---- devices ------------------------------------------------------------------------------
+
+
+def device_uuid(index: int) -> str:
+    """The UUID of the GPU this process calls `index` ("" when torch does not say)."""
+    import torch
+
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def resolve_device(uuid: str, visible: list[str]) -> int:
+    """The index, among this process's visible GPUs (their UUIDs in order), of the GPU `uuid`.
+    Raises LookupError when this process does not see it (another host, or CUDA_VISIBLE_DEVICES
+    hides it): the caller falls back to the relay path."""
+    if uuid and uuid in visible:
+        return visible.index(uuid)
+    raise LookupError(f"GPU {uuid or '?'} is not visible to this process ({len(visible)} visible)")
+
+
+def visible_uuids() -> list[str]:
+    """UUIDs of the GPUs this process sees, in its own index order (CUDA initialised lazily)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    return [device_uuid(i) for i in range(torch.cuda.device_count())]
+
+
+# ---- CUDA IPC -----------------------------------------------------------------------------
+
+
 class CudaIpcExporter:
-    """Trainer side: keep the last `keep` versions in device buffers and hand out IPC handles.
+    """Trainer side: one flat device buffer per version, an IPC handle for it, reader leases.
 
-    A buffer must outlive every reader's use of it: the trainer releases version v (from
-    the readers' acks, or when `keep` newer versions exist) and pays `keep` model copies
-    of GPU memory for it, the cost the paper names for GPU-direct sync."""
+    GPU memory: the newest version (`keep`, default 1) plus any older one a reader still holds a
+    live lease on; nothing else. The trainer's own weights are not counted: they are the model."""
 
-    def __init__(self, device: Any = "cuda", keep: int = 2):
-        self.device, self.keep = device, keep
-        self.buffers: dict[int, tuple[Any, CudaIpcHandle]] = {}
+    def __init__(self, board: LeaseBoard, device: Any = "cuda", keep: int = 1):
+        self.device = device
+        self.buffers = VersionBuffers(board, keep)
+        self.handles: dict[int, CudaIpcHandle] = {}
 
     def export(self, version: int, named_tensors: NamedTensors) -> CudaIpcHandle:
+        """Pack `version` into a device buffer and return its handle (the checksum is computed
+        separately: checksum(), off the publish path)."""
+        import torch
+
         layout, flat = pack_flat(named_tensors, self.device)
         storage = flat.untyped_storage()
         (device, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync) = (
             storage._share_cuda_()
         )
+        index = flat.device.index if flat.device.index is not None else torch.cuda.current_device()
         msg = CudaIpcHandle(
             version=version,
-            checksum=_flat_checksum(layout, flat),
+            checksum="",
             layout=layout,
             device=int(device),
+            device_uuid=device_uuid(index),
             handle=bytes(handle),
             storage_size=int(size),
             storage_offset=int(offset),
@@ -152,102 +195,64 @@ class CudaIpcExporter:
             event_handle=bytes(event_handle or b""),
             event_sync_required=bool(event_sync),
         )
-        self.buffers[version] = (flat, msg)
-        for old in sorted(self.buffers)[: -self.keep]:
-            self.buffers.pop(old)
+        self.handles[version] = msg
+        for v in self.buffers.add(version, flat):
+            self.handles.pop(v, None)
         return msg
 
-    def release(self, version: int) -> None:
-        self.buffers.pop(version, None)
+    def checksum(self, version: int) -> str:
+        """The version's checksum, on its device (a digest: ~ms per GB on a GPU)."""
+        return flat_checksum(self.buffers.buffers[version])
+
+    def collect(self) -> list[int]:
+        """Free what no reader holds any more (called on every export, and when idle)."""
+        freed = self.buffers.collect()
+        for v in freed:
+            self.handles.pop(v, None)
+        return freed
+
+    def close(self) -> None:
+        self.buffers.clear()
+        self.handles.clear()
 
 
 def open_cuda_ipc(
-    msg: CudaIpcHandle, on_release: Callable[[int], None] | None = None
-) -> FlatWeights:
-    """Rollout side (another process on the trainer's host): map the trainer's device buffer."""
+    msg: CudaIpcHandle,
+    board: LeaseBoard,
+    reader: str,
+    ttl_s: float = 60.0,
+    visible: list[str] | None = None,
+) -> FlatWeights | None:
+    """Rollout side (another process on the trainer's host): lease the version, then map the
+    trainer's device buffer onto this process's index of that GPU. None: the version was
+    withdrawn (a newer one exists). Releasing the FlatWeights drops the lease."""
     import torch
 
-    storage = torch.UntypedStorage._new_shared_cuda(
-        msg.device,
-        msg.handle,
-        msg.storage_size,
-        msg.storage_offset,
-        msg.ref_counter_handle,
-        msg.ref_counter_offset,
-        msg.event_handle or None,
-        msg.event_sync_required,
-    )
-    flat = torch.empty(0, dtype=torch.uint8, device=f"cuda:{msg.device}")
-    flat.set_(storage, 0, (msg.layout.total_bytes,), (1,))
-    return FlatWeights(msg.version, msg.checksum, msg.layout, flat, on_release)
-
-
-class WeightBroadcastGroup:
-    """torch.distributed broadcast of versions from rank 0 (trainer) to every other rank.
-
-    Each version is two broadcasts: the NcclAnnounce message (our codec, as a uint8 tensor,
-    preceded by its length) and the flat buffer. Receivers allocate from the layout, so
-    nothing about the model needs to be known in advance."""
-
-    def __init__(
-        self,
-        rank: int,
-        world_size: int,
-        init_method: str,
-        backend: str = "nccl",
-        device: Any = None,
-    ):
-        import torch
-        import torch.distributed as dist
-
-        self.rank, self.world_size, self.backend = rank, world_size, backend
-        self.device = torch.device(
-            device or (f"cuda:{torch.cuda.current_device()}" if backend == "nccl" else "cpu")
-        )
-        self.group = dist.new_group(backend=backend) if dist.is_initialized() else None
-        if self.group is None:
-            dist.init_process_group(
-                backend=backend, init_method=init_method, rank=rank, world_size=world_size
+    torch.cuda.init()  # lazily, like torch's rebuild_cuda_tensor: a fresh process has no context
+    index = resolve_device(msg.device_uuid, visible if visible is not None else visible_uuids())
+    if not board.acquire(msg.version, reader, ttl_s):
+        return None
+    try:
+        with torch.cuda.device(index):
+            storage = torch.UntypedStorage._new_shared_cuda(
+                index,
+                msg.handle,
+                msg.storage_size,
+                msg.storage_offset,
+                msg.ref_counter_handle,
+                msg.ref_counter_offset,
+                msg.event_handle or None,
+                msg.event_sync_required,
             )
-
-    def _bcast(self, t: Any) -> None:
-        import torch.distributed as dist
-
-        dist.broadcast(t, src=0, group=self.group)
-
-    def send(self, version: int, named_tensors: NamedTensors) -> str:
-        import numpy as np
-        import torch
-
-        layout, flat = pack_flat(named_tensors, self.device)
-        checksum = _flat_checksum(layout, flat)
-        header = b"".join(
-            bytes(f)
-            for f in encode(NcclAnnounce(version=version, checksum=checksum, layout=layout))
-        )
-        head = torch.from_numpy(np.frombuffer(header, dtype=np.uint8).copy()).to(self.device)
-        self._bcast(torch.tensor([len(header)], dtype=torch.int64, device=self.device))
-        self._bcast(head)
-        self._bcast(flat)
-        return checksum
-
-    def recv(self) -> FlatWeights:
-        import torch
-
-        n = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self._bcast(n)
-        head = torch.empty(int(n.item()), dtype=torch.uint8, device=self.device)
-        self._bcast(head)
-        raw = head.cpu().numpy().tobytes()
-        msg = decode([raw[:1], raw[1:]])  # type byte + msgpack header (NcclAnnounce has no arrays)
-        if not isinstance(msg, NcclAnnounce):
-            raise TypeError(f"expected NcclAnnounce, got {type(msg).__name__}")
-        flat = torch.empty(msg.layout.total_bytes, dtype=torch.uint8, device=self.device)
-        self._bcast(flat)
-        return FlatWeights(msg.version, msg.checksum, msg.layout, flat)
-
-    def close(self) -> None:
-        import torch.distributed as dist
-
-        if self.group is None and dist.is_initialized():
-            dist.destroy_process_group()
+        flat = torch.empty(0, dtype=torch.uint8, device=f"cuda:{index}")
+        flat.set_(storage, 0, (msg.layout.total_bytes,), (1,))
+    except Exception:
+        board.release(msg.version, reader)
+        raise
+    return FlatWeights(
+        msg.version,
+        msg.checksum,
+        msg.layout,
+        flat,
+        on_release=lambda v: board.release(v, reader),
+    )

@@ -71,6 +71,11 @@ class WriterMap:
         self.cuda_registered = False
 
     def close(self) -> None:
+        if self.cuda_registered:  # unregister before the pages go away (laminar/weights/gpu.py)
+            from laminar.weights.gpu import unpin_host_tensor
+
+            unpin_host_tensor(self.tensor)
+            self.cuda_registered = False
         self.tensor = None
         with contextlib.suppress(BufferError, ValueError):
             self.mm.close()
