@@ -497,6 +497,19 @@ class TrainerConfig(Section):
     (trainer/packed.py: Llama, Mistral, Qwen2, Qwen3; exact to float rounding); hf = the model's own
     forward over padded rows; auto = packed where it runs the model exactly and the trainer is one
     process (not FSDP), else hf."""
+    logprob_chunk_tokens: int = Field(1024, ge=0)
+    """Tokens whose fp32 logits exist at once when log-probabilities are computed (recomputed in
+    backward; trainer/logprobs.py): the head's memory is chunk x vocab, not micro-batch x vocab.
+    0 = all of a micro-batch's at once (kept for backward)."""
+    activation_checkpointing: bool = False
+    """Keep only each decoder layer's input in forward and recompute the layer in backward: the
+    activations of one micro-batch shrink ~10x for ~1/3 more compute. On for large models (see
+    `laminar plan`)."""
+    param_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """FSDP2's mixed precision: the dtype parameters are gathered in and layers compute in (the
+    master weights and AdamW state stay fp32). auto = bfloat16 on GPU, float32 on CPU."""
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    """FSDP2's mixed precision: the dtype gradients are reduce-scattered in."""
     grad_clip: float = Field(1.0, gt=0)
     """Max global grad norm (per optimizer step)."""
     minibatches: int = Field(1, ge=1)

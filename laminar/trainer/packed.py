@@ -186,46 +186,63 @@ class PackedForward:
         """Project to the vocabulary in float32 under autocast (as the trainer's HF head does)."""
 
     def __call__(self, lay: PackedLayout) -> torch.Tensor:
+        h = self.hidden(lay)
+        head = self.model.lm_head.weight
+        if self.fp32_head:
+            with torch.autocast(h.device.type, enabled=False):
+                return F.linear(h.float(), head.float())
+        return F.linear(h, head)
+
+    def hidden(self, lay: PackedLayout, checkpoint: bool = False) -> torch.Tensor:
+        """(N, D): the final-norm hidden state at the selected positions (what the head projects).
+        `checkpoint`: each decoder layer's activations are recomputed in backward, not kept."""
         inner, sh = self.model.model, self.shape
-        t = lay.ids.shape[0]
-        h_q, h_kv, d = sh.heads, sh.kv_heads, sh.head_dim
-        rope = h_q + h_kv
         longest = int(lay.pos.max()) + 1
         if longest > self.cos.shape[0]:
             self.cos, self.sin = rope_table(self.model, max(longest, 2 * self.cos.shape[0]))
         cos, sin = self.cos[lay.pos][:, None], self.sin[lay.pos][:, None]
         x = F.embedding(lay.ids, inner.embed_tokens.weight)
         for layer in inner.layers:
-            a, m = layer.self_attn, layer.mlp
-            y = rms(x, layer.input_layernorm.weight, sh.eps)
-            w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
-            b = (
-                None
-                if a.q_proj.bias is None
-                else torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
-            )
-            qkv = F.linear(y, w, b).view(t, rope + h_kv, d)
-            qk, v = qkv[:, :rope], qkv[:, rope:]
-            if getattr(a, "q_norm", None) is not None:
-                qk = torch.cat(
-                    [
-                        rms(qk[:, :h_q], a.q_norm.weight, sh.eps),
-                        rms(qk[:, h_q:], a.k_norm.weight, sh.eps),
-                    ],
-                    1,
+            if checkpoint and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(
+                    self._layer, layer, x, cos, sin, lay, use_reentrant=False
                 )
-            qk = rotate(qk, cos, sin)
-            o = self._attend(qk[:, :h_q], qk[:, h_q:], v, lay)
-            x = x + F.linear(o, a.o_proj.weight, a.o_proj.bias)
-            y = rms(x, layer.post_attention_layernorm.weight, sh.eps)
-            gate, up = F.linear(y, torch.cat([m.gate_proj.weight, m.up_proj.weight])).chunk(2, -1)
-            x = x + F.linear(sh.act(gate) * up, m.down_proj.weight)
-        h = rms(x[lay.select], inner.norm.weight, sh.eps)
-        head = self.model.lm_head.weight
-        if self.fp32_head:
-            with torch.autocast(h.device.type, enabled=False):
-                return F.linear(h.float(), head.float())
-        return F.linear(h, head)
+            else:
+                x = self._layer(layer, x, cos, sin, lay)
+        return rms(x[lay.select], inner.norm.weight, sh.eps)
+
+    def _layer(
+        self, layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lay: PackedLayout
+    ) -> torch.Tensor:
+        sh = self.shape
+        t = x.shape[0]
+        h_q, h_kv, d = sh.heads, sh.kv_heads, sh.head_dim
+        rope = h_q + h_kv
+        a, m = layer.self_attn, layer.mlp
+        y = rms(x, layer.input_layernorm.weight, sh.eps)
+        w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+        b = (
+            None
+            if a.q_proj.bias is None
+            else torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+        )
+        qkv = F.linear(y, w, b).view(t, rope + h_kv, d)
+        qk, v = qkv[:, :rope], qkv[:, rope:]
+        if getattr(a, "q_norm", None) is not None:
+            qk = torch.cat(
+                [
+                    rms(qk[:, :h_q], a.q_norm.weight, sh.eps),
+                    rms(qk[:, h_q:], a.k_norm.weight, sh.eps),
+                ],
+                1,
+            )
+        qk = rotate(qk, cos, sin)
+        o = self._attend(qk[:, :h_q], qk[:, h_q:], v, lay)
+        x = x + F.linear(o, a.o_proj.weight, a.o_proj.bias)
+        y = rms(x, layer.post_attention_layernorm.weight, sh.eps)
+        gate, up = F.linear(y, torch.cat([m.gate_proj.weight, m.up_proj.weight])).chunk(2, -1)
+        x = x + F.linear(sh.act(gate) * up, m.down_proj.weight)
+        return x
 
     def _attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay: PackedLayout
@@ -246,9 +263,7 @@ class PackedForward:
         return torch.cat(outs)[lay.order]
 
 
-def packed_forward(
-    model: Any, max_len: int, choice: str, sharded: bool, fp32_head: bool = False
-) -> PackedForward | None:
+def packed_forward(model: Any, max_len: int, choice: str, sharded: bool) -> PackedForward | None:
     """The forward the trainer runs (`trainer.forward`): the packed one, or None (HF's padded
     one)."""
 
@@ -256,5 +271,5 @@ def packed_forward(
         return "FSDP-sharded parameters" if sharded else ops.unsupported(model, max_len)
 
     if ops.use_plain_forward("trainer.forward", choice, "packed", why_not):
-        return PackedForward(model, fp32_head)
+        return PackedForward(model)
     return None

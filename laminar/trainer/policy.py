@@ -63,6 +63,8 @@ from laminar.trainer import checkpoint as ck
 from laminar.trainer.batch import MicroBatch, TrainBatch, collate, pack_micro_batches
 from laminar.trainer.dist import DistContext, destroy, lead
 from laminar.trainer.engine import TrainerSettings
+from laminar.trainer.logprobs import full_token_logprobs
+from laminar.trainer.logprobs import token_logprobs as chunked_logprobs
 from laminar.trainer.packed import PackedForward, PackedLayout, pack_by_prompt, packed_forward
 
 
@@ -78,27 +80,69 @@ def lr_lambda(warmup: int, total: int, min_ratio: float):
     return f
 
 
-def _fp32_head(head: torch.nn.Linear) -> None:
-    """Compute the LM head outside autocast in fp32 (FP32 logits: algorithms.md §7)."""
+def _hidden_head(head: torch.nn.Module) -> None:
+    """Make the model's forward return the final hidden states: the head's projection to the
+    vocabulary runs in trainer/logprobs.py, in fp32 (algorithms.md §7), only at the trained
+    positions and a chunk of tokens at a time."""
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(device_type=x.device.type, enabled=False):
-            bias = None if head.bias is None else head.bias.float()
-            return F.linear(x.float(), head.weight.float(), bias)
+        return x
 
     head.forward = forward  # type: ignore[method-assign,assignment]  # this instance only
 
 
-def _apply_fsdp(model: torch.nn.Module, ctx: DistContext, device: torch.device) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+def param_dtype(choice: str, device: torch.device) -> torch.dtype:
+    """trainer.param_dtype: auto = bfloat16 on GPU, float32 on CPU."""
+    if choice == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return cast(torch.dtype, getattr(torch, choice))
 
-    mesh = init_device_mesh(device.type, (ctx.world,))
-    block_names = set(getattr(model, "_no_split_modules", None) or [])
-    for module in model.modules():
-        if type(module).__name__ in block_names:
-            fully_shard(module, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's decoder layers: the modules HF names as never to be split (`_no_split_modules`)."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def apply_activation_checkpointing(model: torch.nn.Module) -> bool:
+    """Recompute each decoder layer in backward: its forward runs under torch's non-reentrant
+    checkpoint (only the layer's input is kept), whatever train/eval mode the model is in (HF's own
+    switch acts in train mode only, and this trainer runs in eval mode: no dropout). Parameter
+    names do not change. Under FSDP2 the layer's pre-backward hook gathers its parameters before
+    the recompute. False where the model names no decoder layers."""
+    from torch.utils.checkpoint import checkpoint
+
+    layers = decoder_layers(model)
+    for layer in layers:
+        inner = layer.forward
+
+        def forward(*args: Any, _inner: Any = inner, **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled():
+                return _inner(*args, **kwargs)
+            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+
+        layer.forward = forward  # type: ignore[method-assign]  # this instance only
+    return bool(layers)
+
+
+def apply_fsdp(
+    model: torch.nn.Module,
+    world: int,
+    device: torch.device,
+    param: torch.dtype,
+    reduce: torch.dtype,
+) -> None:
+    """fully_shard every decoder layer, then the root, under a mixed-precision policy: parameters
+    gathered and computed in `param`, gradients reduce-scattered in `reduce`, the sharded master
+    weights (and so AdamW's state) stay as loaded (fp32)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (world,))
+    mp = MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
 
 
 class Policy:
@@ -128,19 +172,21 @@ class Policy:
         self.max_len = getattr(self.model.config, "max_position_embeddings", None)
         dups = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
         self._tied = dups - {n for n, _ in self.model.named_parameters()}
-        if self.autocast and self.model.get_output_embeddings() is not None:
-            _fp32_head(self.model.get_output_embeddings())
+        self.head = self.model.get_output_embeddings()
+        _hidden_head(self.head)
         self.ref = None
         if algo.kl_coef > 0:
             self.ref = load_model(
                 settings.model.path or model_path, "float32", load_on, module_free, max_len
             )
             self.ref.requires_grad_(False)
+            _hidden_head(self.ref.get_output_embeddings())
         if self.ctx.enabled:
-            _apply_fsdp(self.model, self.ctx, self.device)
+            mp = (param_dtype(tc.param_dtype, self.device), getattr(torch, tc.reduce_dtype))
+            apply_fsdp(self.model, self.ctx.world, self.device, *mp)
             self.model.to(self.device)  # moves this rank's shards only
             if self.ref is not None:
-                _apply_fsdp(self.ref, self.ctx, self.device)
+                apply_fsdp(self.ref, self.ctx.world, self.device, *mp)
                 self.ref.to(self.device)
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
@@ -158,13 +204,13 @@ class Policy:
         self.pad_id = int(self.model.config.pad_token_id or 0)
         # the sliding-window check needs a length; unknown, any window binds
         longest = int(self.max_len or settings.max_model_len or 1 << 30)
-        self.packed = packed_forward(
-            self.model, longest, tc.forward, self.ctx.enabled, self.autocast
-        )
+        self.packed = packed_forward(self.model, longest, tc.forward, self.ctx.enabled)
         """The packed training forward, or None: HF's padded forward (trainer.forward)."""
-        self.packed_ref = (
-            PackedForward(self.ref, self.autocast) if self.packed and self.ref is not None else None
+        self.packed_ref = PackedForward(self.ref) if self.packed and self.ref is not None else None
+        self.checkpointing = tc.activation_checkpointing and (
+            self.packed is not None or apply_activation_checkpointing(self.model)
         )
+        """Per-layer activation checkpointing is on (the packed forward's own, or HF's)."""
 
     # ---- the Trainer protocol ---------------------------------------------------------------
     def prepare(self, trajectories: list[Trajectory]) -> TrainBatch:
@@ -203,28 +249,45 @@ class Policy:
         """(log pi(target), entropy), both [b, L-1] and 0 off the response; entropy has grad only if
         asked.
 
-        Only response positions go through the fp32 log-softmax: long prompts cost no [*, V] memory.
-        With the packed forward only those positions reach the head at all.
+        Only response positions reach the head (trainer/logprobs.py: fp32, trainer.
+        logprob_chunk_tokens at a time): long prompts cost no [*, V] memory, and neither does a
+        long micro-batch.
         """
-        sel = mb.resp_mask
         model = model or self.model
         packed = {id(self.model): self.packed, id(self.ref): self.packed_ref}.get(id(model))
         with self._amp():
             if packed is not None and mb.layout is not None:
-                logits = packed(mb.layout).float()  # [N, V], sel's positions in row-major order
+                # resp_index's positions in row-major order
+                hidden = packed.hidden(mb.layout, self.checkpointing and model is self.model)
             else:
                 out = model(
                     input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False
                 )
-                logits = out.logits[:, :-1][sel].float()  # [N, V]
-        if self.temperature != 1.0:
-            logits = logits / self.temperature
-        lse = torch.logsumexp(logits, dim=-1)
-        flat = logits.gather(-1, mb.targets[sel].unsqueeze(-1)).squeeze(-1) - lse
-        with contextlib.nullcontext() if entropy_grad else torch.no_grad():
-            flat_ent = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
-        zeros = torch.zeros(sel.shape, dtype=torch.float32, device=sel.device)
-        return zeros.masked_scatter(sel, flat), zeros.masked_scatter(sel, flat_ent)
+                steps = mb.resp_mask.shape[1]  # the head's output "logits" are hidden states
+                rows, cols = mb.resp_index // steps, mb.resp_index % steps
+                hidden = out.logits[rows, cols]  # [N, D]
+        # the head's weight: read after the forward (under FSDP2 the root's parameters stay
+        # gathered until its backward)
+        head = model.get_output_embeddings()
+        targets = mb.targets.flatten()[mb.resp_index]
+        chunk = self.tc.logprob_chunk_tokens
+        if chunk:
+            flat, flat_ent = chunked_logprobs(
+                hidden, head.weight, head.bias, targets, self.temperature, chunk
+            )
+        else:
+            flat, flat_ent = full_token_logprobs(
+                hidden, head.weight, head.bias, targets, self.temperature
+            )
+        if not entropy_grad:
+            flat_ent = flat_ent.detach()
+        n = mb.resp_mask.numel()
+        zeros = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+        shape = mb.resp_mask.shape
+        return (
+            zeros.index_copy(0, mb.resp_index, flat).view(shape),
+            zeros.index_copy(0, mb.resp_index, flat_ent).view(shape),
+        )
 
     def micro_batch(self, batch: TrainBatch, idx: list[int]) -> MicroBatch:
         """The samples `idx` collated on the trainer's device, with their packed layout when the
