@@ -51,7 +51,6 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-import torch.nn.functional as F
 
 from laminar.algo.advantages import broadcast_to_tokens, compute_advantages, kl_penalized_rewards
 from laminar.algo.episodes import episode_stats
@@ -99,7 +98,7 @@ def param_dtype(choice: str, device: torch.device) -> torch.dtype:
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The model's decoder layers: the modules HF names as never to be split (`_no_split_modules`)."""
+    """The model's decoder layers: the modules HF says never to split (`_no_split_modules`)."""
     names = set(getattr(model, "_no_split_modules", None) or [])
     return [m for m in model.modules() if type(m).__name__ in names]
 
