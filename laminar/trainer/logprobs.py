@@ -31,7 +31,7 @@ def _logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, temp: floa
 
 class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         hidden: torch.Tensor,
         weight: torch.Tensor,
@@ -58,7 +58,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         return logp, ent
 
     @staticmethod
-    def backward(  # type: ignore[override]
+    def backward(
         ctx: Any, g_logp: torch.Tensor | None, g_ent: torch.Tensor | None
     ) -> tuple[Any, ...]:
         hidden, weight, bias, targets, lse = ctx.saved_tensors

@@ -87,7 +87,7 @@ def _hidden_head(head: torch.nn.Module) -> None:
     def forward(x: torch.Tensor) -> torch.Tensor:
         return x
 
-    head.forward = forward  # type: ignore[method-assign,assignment]  # this instance only
+    head.forward = forward  # this instance only
 
 
 def param_dtype(choice: str, device: torch.device) -> torch.dtype:
@@ -120,7 +120,7 @@ def apply_activation_checkpointing(model: torch.nn.Module) -> bool:
                 return _inner(*args, **kwargs)
             return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
 
-        layer.forward = forward  # type: ignore[method-assign]  # this instance only
+        layer.forward = forward  # this instance only
     return bool(layers)
 
 
@@ -267,7 +267,7 @@ class Policy:
                 hidden = out.logits[rows, cols]  # [N, D]
         # the head's weight: read after the forward (under FSDP2 the root's parameters stay
         # gathered until its backward)
-        head = model.get_output_embeddings()
+        head = cast(torch.nn.Linear, model.get_output_embeddings())
         targets = mb.targets.flatten()[mb.resp_index]
         chunk = self.tc.logprob_chunk_tokens
         if chunk:
