@@ -267,7 +267,7 @@ class Policy:
                 hidden = out.logits[rows, cols]  # [N, D]
         # the head's weight: read after the forward (under FSDP2 the root's parameters stay
         # gathered until its backward)
-        head = cast(torch.nn.Linear, model.get_output_embeddings())
+        head = cast(torch.nn.Linear, cast(Any, model).get_output_embeddings())
         targets = mb.targets.flatten()[mb.resp_index]
         chunk = self.tc.logprob_chunk_tokens
         if chunk:
