@@ -48,6 +48,7 @@ import contextlib
 import math
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -145,7 +146,15 @@ def apply_fsdp(
 
 
 class Policy:
-    def __init__(self, settings: TrainerSettings, model_path: str, ctx: DistContext | None = None):
+    def __init__(
+        self,
+        settings: TrainerSettings,
+        model_path: str,
+        ctx: DistContext | None = None,
+        load: Callable[[str], Any] | None = None,
+    ):
+        """`load`: builds the model from a path (default: its weights, fp32; the memory plan
+        passes one that builds the shape only, laminar/plan/trainer.py)."""
         from laminar.models.decoder_lm import load_model
 
         self.settings, self.ctx = settings, ctx or DistContext()
@@ -166,7 +175,12 @@ class Policy:
         # the packed forward reads parameters only: no transformers needed where it runs (not FSDP)
         module_free = tc.forward != "hf" and not self.ctx.enabled
         max_len = settings.max_model_len
-        self.model = load_model(model_path, "float32", load_on, module_free, max_len)
+
+        def load_weights(path: str) -> Any:
+            return load_model(path, "float32", load_on, module_free, max_len)
+
+        load = load or load_weights
+        self.model = load(model_path)
         self.vocab_size = int(self.model.config.vocab_size)
         self.max_len = getattr(self.model.config, "max_position_embeddings", None)
         dups = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
@@ -175,11 +189,19 @@ class Policy:
         _hidden_head(self.head)
         self.ref = None
         if algo.kl_coef > 0:
-            self.ref = load_model(
-                settings.model.path or model_path, "float32", load_on, module_free, max_len
-            )
+            self.ref = load(settings.model.path or model_path)
             self.ref.requires_grad_(False)
             _hidden_head(self.ref.get_output_embeddings())
+        # the sliding-window check needs a length; unknown, any window binds
+        longest = int(self.max_len or settings.max_model_len or 1 << 30)
+        self.packed = packed_forward(self.model, longest, tc.forward, self.ctx.enabled)
+        """The packed training forward, or None: HF's padded forward (trainer.forward)."""
+        self.packed_ref = PackedForward(self.ref) if self.packed and self.ref is not None else None
+        # before sharding: fully_shard renames the layers' classes
+        self.checkpointing = tc.activation_checkpointing and (
+            self.packed is not None or apply_activation_checkpointing(self.model)
+        )
+        """Per-layer activation checkpointing is on (the packed forward's own, or HF's)."""
         if self.ctx.enabled:
             mp = (param_dtype(tc.param_dtype, self.device), getattr(torch, tc.reduce_dtype))
             apply_fsdp(self.model, self.ctx.world, self.device, *mp)
@@ -201,15 +223,6 @@ class Policy:
         self.temperature = temp if temp > 0 else 1.0
         self.loss_settings = LossSettings.from_algo(algo, settings.max_tokens)
         self.pad_id = int(self.model.config.pad_token_id or 0)
-        # the sliding-window check needs a length; unknown, any window binds
-        longest = int(self.max_len or settings.max_model_len or 1 << 30)
-        self.packed = packed_forward(self.model, longest, tc.forward, self.ctx.enabled)
-        """The packed training forward, or None: HF's padded forward (trainer.forward)."""
-        self.packed_ref = PackedForward(self.ref) if self.packed and self.ref is not None else None
-        self.checkpointing = tc.activation_checkpointing and (
-            self.packed is not None or apply_activation_checkpointing(self.model)
-        )
-        """Per-layer activation checkpointing is on (the packed forward's own, or HF's)."""
 
     # ---- the Trainer protocol ---------------------------------------------------------------
     def prepare(self, trajectories: list[Trajectory]) -> TrainBatch:
