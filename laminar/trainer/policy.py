@@ -47,8 +47,8 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, cast
 
 import torch
