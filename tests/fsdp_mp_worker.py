@@ -33,7 +33,7 @@ def main() -> None:
     m = policy.train_step(TrainBatch.build(make_trajs(seed=1)))
     grads = {}
     for name, p in policy.model.named_parameters():
-        g = p.grad.full_tensor()  # type: ignore[union-attr]  # a DTensor under FSDP2
+        g = p.grad.full_tensor()  # a DTensor under FSDP2
         grads[name] = g.float()
     info = {
         "loss": m["loss"],
