@@ -51,7 +51,7 @@ def _one_process(model: str, run: Path, **trainer) -> tuple[Policy, dict, dict[s
     m = policy.train_step(TrainBatch.build(make_trajs(seed=1)))
     grads = {n: p.grad for n, p in policy.model.named_parameters()}
     assert all(g is not None for g in grads.values())
-    return policy, m, grads  # type: ignore[return-value]
+    return policy, m, grads
 
 
 @pytest.fixture
