@@ -7,6 +7,7 @@ laminar keys DIR [--name NAME] [--roles R,..] [--force]  # CURVE pairs; --roles:
 laminar --version
 laminar report RUN_DIR                                # report.png + summary.md of a run
 laminar journal check RUN_DIR                         # verify every journal of a run offline
+laminar plan CONFIG [--gpu-mem GiB] [--gpus-per-node N] [key=value ...]   # per-GPU memory plan
 """
 
 from __future__ import annotations
@@ -46,7 +47,29 @@ def _parser() -> argparse.ArgumentParser:
     again.add_argument(
         "--overwrite", action="store_true", help="delete the run in run_dir and start over"
     )
+    run.add_argument(
+        "--skip-plan",
+        action="store_true",
+        help="start even where `laminar plan` says a process does not fit its GPU",
+    )
     run.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+
+    pl = sub.add_parser("plan", help="per-GPU peak memory of each process, checked against a GPU")
+    pl.add_argument("config", help="YAML run config")
+    pl.add_argument("--gpu-mem", type=float, default=80.0, help="GiB of one GPU (default 80)")
+    pl.add_argument("--gpus-per-node", type=int, default=8)
+    pl.add_argument(
+        "--trainer-gpus",
+        type=int,
+        default=None,
+        help="trainer ranks per trainer node (default: half the node, as the sbatch)",
+    )
+    pl.add_argument("--trainer-nodes", type=int, default=1)
+    pl.add_argument(
+        "--limit", type=float, default=0.9, help="share of a GPU a process may use (default 0.9)"
+    )
+    pl.add_argument("--json", action="store_true", help="JSON instead of a table")
+    pl.add_argument("overrides", nargs="*", help="dotted key=value overrides")
 
     st = sub.add_parser("status", help="print the cluster's nodes (asks the manager)")
     st.add_argument("--config", default=None)
@@ -104,7 +127,21 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "run":
             from laminar.launch.run import run_main
 
-            return run_main(args.config, args.overrides, args.resume, args.overwrite)
+            return run_main(
+                args.config, args.overrides, args.resume, args.overwrite, args.skip_plan
+            )
+        if args.cmd == "plan":
+            from laminar.plan.command import plan_main
+            from laminar.plan.memory import Hardware
+
+            hw = Hardware(
+                gpu_gib=args.gpu_mem,
+                gpus_per_node=args.gpus_per_node,
+                trainer_gpus=args.trainer_gpus,
+                trainer_nodes=args.trainer_nodes,
+                limit=args.limit,
+            )
+            return plan_main(args.config, args.overrides, hw, args.json)
         if args.cmd == "status":
             from laminar.launch.status import status_main
 

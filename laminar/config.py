@@ -550,6 +550,11 @@ class TrainerConfig(Section):
     eval_every: int = Field(10, ge=0)
     """Validate on data.eval before the first step, every N steps and at the last: greedy, scored
     by reward.fn, as eval/accuracy in metrics.jsonl and TensorBoard (0 = off; needs data.eval)."""
+    eval_device: Literal["auto", "trainer", "cpu"] = "auto"
+    """Where validation's copy of the model and its KV cache live. trainer = the trainer's device
+    (on a GPU: rank 0's, on top of its FSDP share; `laminar plan` adds it to that rank); cpu = the
+    host (slow for a large model); auto = the trainer's device when that is the CPU, else off
+    (validation then does not run: it would share rank 0's GPU)."""
     eval_rows: int = Field(64, ge=1)
     """Validation uses the first this many rows of data.eval."""
     completions_per_step: int = Field(4, ge=0)

@@ -72,17 +72,20 @@ class _ChunkedLogprobs(torch.autograd.Function):
         for s in range(0, hidden.shape[0], chunk):
             h = hidden[s : s + chunk]
             z = _logits(h, w, b, temp)
-            p = torch.exp(z - lse[s : s + chunk, None])
-            g_z = torch.zeros_like(z)
-            if g_logp is not None:  # d logp / dz = onehot(target) - p
-                gl = g_logp[s : s + chunk, None]
-                g_z -= p * gl
-                g_z.scatter_add_(-1, targets[s : s + chunk, None], gl)
+            # one [chunk, V] buffer becomes p, then the gradient (two when the entropy has one)
+            p = (z if g_ent is None else z.clone()).sub_(lse[s : s + chunk, None]).exp_()
             if g_ent is not None:  # d H / dz = -p (z - E_p z)
                 mean_z = (p * z).sum(-1, keepdim=True)
-                g_z -= p * (z - mean_z) * g_ent[s : s + chunk, None]
+                z.sub_(mean_z).mul_(p).mul_(-g_ent[s : s + chunk, None])
+            if g_logp is not None:  # d logp / dz = onehot(target) - p
+                gl = g_logp[s : s + chunk, None]
+                g_z = p.mul_(-gl).scatter_add_(-1, targets[s : s + chunk, None], gl)
+                if g_ent is not None:
+                    g_z.add_(z)
+            else:
+                g_z = z
             if temp != 1.0:
-                g_z /= temp
+                g_z.div_(temp)
             if g_h is not None:
                 g_h[s : s + chunk] = (g_z @ w).to(hidden.dtype)
             if g_w is not None:

@@ -125,20 +125,12 @@ def apply_activation_checkpointing(model: torch.nn.Module) -> bool:
     return bool(layers)
 
 
-def apply_fsdp(
-    model: torch.nn.Module,
-    world: int,
-    device: torch.device,
-    param: torch.dtype,
-    reduce: torch.dtype,
-) -> None:
+def apply_fsdp(model: torch.nn.Module, mesh: Any, param: torch.dtype, reduce: torch.dtype) -> None:
     """fully_shard every decoder layer, then the root, under a mixed-precision policy: parameters
     gathered and computed in `param`, gradients reduce-scattered in `reduce`, the sharded master
     weights (and so AdamW's state) stay as loaded (fp32)."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mesh = init_device_mesh(device.type, (world,))
     mp = MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=mp)
@@ -177,7 +169,7 @@ class Policy:
         max_len = settings.max_model_len
 
         def load_weights(path: str) -> Any:
-            return load_model(path, "float32", load_on, module_free, max_len)
+            return load_model(path, "float32", load_on, module_free, max_len, attention="sdpa")
 
         load = load or load_weights
         self.model = load(model_path)
@@ -203,11 +195,14 @@ class Policy:
         )
         """Per-layer activation checkpointing is on (the packed forward's own, or HF's)."""
         if self.ctx.enabled:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = self.ctx.mesh or init_device_mesh(self.device.type, (self.ctx.world,))
             mp = (param_dtype(tc.param_dtype, self.device), getattr(torch, tc.reduce_dtype))
-            apply_fsdp(self.model, self.ctx.world, self.device, *mp)
+            apply_fsdp(self.model, mesh, *mp)
             self.model.to(self.device)  # moves this rank's shards only
             if self.ref is not None:
-                apply_fsdp(self.ref, self.ctx.world, self.device, *mp)
+                apply_fsdp(self.ref, mesh, *mp)
                 self.ref.to(self.device)
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
@@ -250,7 +245,7 @@ class Policy:
     # ---- forward ------------------------------------------------------------------------
     def _amp(self):
         return (
-            torch.autocast("cuda", dtype=torch.bfloat16)
+            torch.autocast(self.device.type, dtype=torch.bfloat16)
             if self.autocast
             else contextlib.nullcontext()
         )
