@@ -9,7 +9,8 @@ scored by reward.fn.
 
     data.eval ─► first trainer.eval_rows rows ─► PromptEncoder (as the buffer encodes them)
     trainer.export() ─► a separate eval copy of the model (model.path architecture,
-                        model.dtype, on trainer.eval_device) ─► TorchEngine, temperature 0, rollout.sampling max_tokens/stop
+                        model.dtype, on trainer.eval_device)
+                     ─► TorchEngine, temperature 0, rollout.sampling max_tokens/stop
                      ─► decoded completions ─► RewardRunner(reward.fn) ─► mean = eval/accuracy
 
 Runs before the first step of a fresh run (step 0: the starting point), every
