@@ -115,7 +115,13 @@ def _split_overrides(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    # key=value overrides may follow options (`laminar plan CFG --gpu-mem 80 k=v`)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if not hasattr(args, "overrides") or any("=" not in e or e.startswith("-") for e in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
     _split_overrides(args)
     from laminar.config import ConfigError
 

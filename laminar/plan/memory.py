@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from laminar.config import LaminarConfig
+from laminar.plan.trainer import TrainerMemory
 
 GIB = 1 << 30
 SHAPES = Path(__file__).resolve().parents[2] / "configs" / "shapes"
@@ -122,16 +123,21 @@ def _model_len(cfg: LaminarConfig, shape: dict[str, Any]) -> int:
     return int(cfg.rollout.max_model_len or shape.get("max_position_embeddings") or 4096)
 
 
-def _trainer_advice(cfg: LaminarConfig, peak: int, limit: int) -> tuple[str, str]:
+def _trainer_advice(cfg: LaminarConfig, mem: TrainerMemory, limit: int) -> tuple[str, str]:
     tc = cfg.trainer
     if not tc.activation_checkpointing:
         return "trainer.activation_checkpointing", "set it true (recompute each layer in backward)"
-    scale = max(limit / max(peak, 1), 0.0)
-    want = max(1, int(tc.micro_batch_tokens * scale * 0.9) // 256 * 256)
-    return (
-        "trainer.micro_batch_tokens",
-        f"lower it (about {want} to fit; activations scale with it), or add trainer GPUs",
+    # the state (sharded parameters, gradients, AdamW) stays; the rest scales with the tokens
+    state = sum(
+        v
+        for k, v in mem.parts.items()
+        if any(w in k.lower() for w in ("param", "grad", "opt")) and "unsharded" not in k.lower()
     )
+    if state >= limit:
+        return "trainer GPUs", "the sharded state alone exceeds the GPU: add trainer ranks"
+    share = (limit - state) / max(1, mem.peak_bytes - state)
+    want = max(256, int(tc.micro_batch_tokens * share * 0.95) // 256 * 256)
+    return "trainer.micro_batch_tokens", f"lower it to about {want}, or add trainer GPUs"
 
 
 def make_plan(cfg: LaminarConfig, hw: Hardware, config_name: str = "") -> Plan:
@@ -167,7 +173,7 @@ def make_plan(cfg: LaminarConfig, hw: Hardware, config_name: str = "") -> Plan:
         )
         tp = ProcessPlan("trainer rank", trainer_peak, limit, detail)
         if not tp.fits:
-            tp.field, tp.advice = _trainer_advice(cfg, trainer_peak, limit)
+            tp.field, tp.advice = _trainer_advice(cfg, mem, limit)
         plan.processes.append(tp)
     if not params:
         params = _param_count(shape)
@@ -199,12 +205,16 @@ def make_plan(cfg: LaminarConfig, hw: Hardware, config_name: str = "") -> Plan:
     if ro.engine == "vllm":
         util = float(ro.vllm_args.get("gpu_memory_utilization", ro.vllm.gpu_memory_utilization))
         seqs = int(ro.vllm_args.get("max_num_seqs", ro.vllm.max_num_seqs or ro.max_running))
+        tp = int(ro.vllm_args.get("tensor_parallel_size", 1))
         taken = int(util * hw.gpu_gib * GIB)
-        headroom = int(0.1 * weights) + GIB
-        kv_need = seqs * model_len * kv_token
-        kv_room = taken - weights - headroom
+        # tensor parallel: each GPU holds 1/tp of the weights and of every token's KV
+        weights_gpu = weights // tp
+        headroom = int(0.1 * weights_gpu) + GIB
+        kv_need = seqs * model_len * kv_token // tp
+        kv_room = taken - weights_gpu - headroom
         detail = (
-            f"vLLM takes {util:.2f} of the GPU: weights {weights / GIB:.1f}, headroom "
+            f"vLLM takes {util:.2f} of each of its {tp} GPU(s): weights {weights_gpu / GIB:.1f}, "
+            "headroom "
             f"{headroom / GIB:.1f} (est.), KV {seqs} x {model_len} tokens {kv_need / GIB:.1f} GiB "
             f"(room for {max(0, kv_room) / GIB:.1f})"
         )
@@ -213,10 +223,10 @@ def make_plan(cfg: LaminarConfig, hw: Hardware, config_name: str = "") -> Plan:
             rp.field, rp.advice = "rollout.vllm.gpu_memory_utilization", f"at most {hw.limit}"
         elif kv_room < kv_need:
             # vLLM still runs, with fewer sequences than asked: a plan failure, not a crash
-            rp.peak_bytes = weights + headroom + kv_need
+            rp.peak_bytes = weights_gpu + headroom + kv_need
             rp.limit_bytes = taken
             rp.field = "rollout.max_running"
-            fit = max(0, kv_room) // max(1, model_len * kv_token)
+            fit = max(0, kv_room) * tp // max(1, model_len * kv_token)
             rp.advice = f"the KV cache holds {fit} sequences of max_model_len; lower it"
         plan.processes.append(rp)
     elif ro.engine == "torch" and cfg.model.device.startswith("cuda"):

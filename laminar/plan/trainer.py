@@ -80,12 +80,14 @@ def micro_batch_shape(settings: TrainerSettings, model_len: int) -> tuple[int, i
 def _trajectories(rows: int, row: int, response: int, vocab: int) -> list[Trajectory]:
     rng = np.random.default_rng(0)
     prompt = row - response
+    # one group (rewards differ, so every sample has an advantage), a prompt of its own each:
+    # no prompt is shared (the packed forward's worst case)
     return [
         Trajectory(
             uid=f"plan/{i}",
-            group_id=f"plan{i}",  # one sample per prompt: no prompt shared (the packed worst case)
-            prompt_uid=f"plan{i}",
-            sample_index=0,
+            group_id="plan",
+            prompt_uid="plan",
+            sample_index=i,
             prompt_ids=rng.integers(0, vocab, prompt).astype(np.int32),
             response_ids=rng.integers(0, vocab, response).astype(np.int32),
             logprobs=np.full(response, -1.0, dtype=np.float32),
@@ -134,6 +136,7 @@ def _trace(
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -156,8 +159,13 @@ def _trace(
         # a GPU trainer computes under bf16 autocast: so does the trace (on the CPU's autocast)
         policy.autocast = gpu
         with fake:
-            tracker = FSDPMemTracker(policy.model, policy.optimizer)
-            tracker.track_inputs((mb.input_ids,))
+            tracker: Any
+            if world > 1:
+                tracker = FSDPMemTracker(policy.model, policy.optimizer)
+                tracker.track_inputs((mb.input_ids,))
+            else:  # one process, no FSDP: the plain tracker
+                tracker = MemTracker()
+                tracker.track_external(policy.model, policy.optimizer)
             with tracker:
                 for it in range(2):  # AdamW allocates its state at the first step
                     policy.optimizer.zero_grad(set_to_none=True)

@@ -45,7 +45,7 @@ class AttentionChunk:
     mask: torch.Tensor
     """[n, 1, Qmax, Kmax] bool: key is real and not after the query."""
     real: torch.Tensor
-    """[n * Qmax] bool: the query slots that are real tokens."""
+    """[R] indices of the query slots (of n * Qmax) that are real tokens."""
 
     def to(self, device: torch.device) -> AttentionChunk:
         return AttentionChunk(
@@ -64,6 +64,8 @@ class PackedLayout:
     """[T] row of the chunks' concatenated outputs that holds packed token t."""
     select: torch.Tensor
     """[N] packed index of the position predicting each trained token, samples in order."""
+    longest: int
+    """1 + the largest position (the RoPE table's length needed)."""
 
     @classmethod
     def build(cls, samples: list[Sample], attn_tokens: int = 1024) -> PackedLayout:
@@ -114,6 +116,7 @@ class PackedLayout:
             chunks,
             torch.from_numpy(order),
             torch.from_numpy(np.concatenate(select).astype(np.int64)),
+            int(all_pos.max()) + 1,
         )
 
     def to(self, device: torch.device) -> PackedLayout:
@@ -123,6 +126,7 @@ class PackedLayout:
             [c.to(device) for c in self.chunks],
             self.order.to(device),
             self.select.to(device),
+            self.longest,
         )
 
 
@@ -142,7 +146,7 @@ def _chunk(qs: list[np.ndarray], ks: list[np.ndarray], pos: np.ndarray) -> Atten
         torch.from_numpy(q_idx),
         torch.from_numpy(k_idx),
         torch.from_numpy(mask[:, None]),
-        torch.from_numpy(q_real.reshape(-1)),
+        torch.from_numpy(np.flatnonzero(q_real.reshape(-1))),
     )
 
 
@@ -197,7 +201,7 @@ class PackedForward:
         """(N, D): the final-norm hidden state at the selected positions (what the head projects).
         `checkpoint`: each decoder layer's activations are recomputed in backward, not kept."""
         inner, sh = self.model.model, self.shape
-        longest = int(lay.pos.max()) + 1
+        longest = lay.longest
         if longest > self.cos.shape[0]:
             self.cos, self.sin = rope_table(self.model, max(longest, 2 * self.cos.shape[0]))
         cos, sin = self.cos[lay.pos][:, None], self.sin[lay.pos][:, None]
