@@ -171,10 +171,10 @@ def make_plan(cfg: LaminarConfig, hw: Hardware, config_name: str = "") -> Plan:
             f"FSDP x{world}, micro-batch {mem.rows} x {mem.row_tokens} tokens, checkpointing "
             f"{'on' if cfg.trainer.activation_checkpointing else 'off'}; {parts} GiB; {traced}"
         )
-        tp = ProcessPlan("trainer rank", trainer_peak, limit, detail)
-        if not tp.fits:
-            tp.field, tp.advice = _trainer_advice(cfg, mem, limit)
-        plan.processes.append(tp)
+        trainer_plan = ProcessPlan("trainer rank", trainer_peak, limit, detail)
+        if not trainer_plan.fits:
+            trainer_plan.field, trainer_plan.advice = _trainer_advice(cfg, mem, limit)
+        plan.processes.append(trainer_plan)
     if not params:
         params = _param_count(shape)
     weights = params * model_bytes
