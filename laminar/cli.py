@@ -8,6 +8,7 @@ laminar --version
 laminar report RUN_DIR                                # report.png + summary.md of a run
 laminar journal check RUN_DIR                         # verify every journal of a run offline
 laminar plan CONFIG [--gpu-mem GiB] [--gpus-per-node N] [key=value ...]   # per-GPU memory plan
+laminar config CONFIG --get KEY [key=value ...]       # one resolved setting (for launchers)
 """
 
 from __future__ import annotations
@@ -70,6 +71,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     pl.add_argument("--json", action="store_true", help="JSON instead of a table")
     pl.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+
+    cg = sub.add_parser("config", help="print one setting of a config, overrides applied")
+    cg.add_argument("config", help="YAML run config")
+    cg.add_argument("--get", required=True, help="dotted key, e.g. transport.stop_timeout_s")
+    cg.add_argument("overrides", nargs="*", help="dotted key=value overrides")
 
     st = sub.add_parser("status", help="print the cluster's nodes (asks the manager)")
     st.add_argument("--config", default=None)
@@ -148,6 +154,17 @@ def main(argv: list[str] | None = None) -> int:
                 limit=args.limit,
             )
             return plan_main(args.config, args.overrides, hw, args.json)
+        if args.cmd == "config":
+            from laminar.config import load_config
+
+            value = load_config(args.config, args.overrides)
+            for part in args.get.split("."):
+                if not hasattr(value, part):
+                    print(f"laminar config: no setting {args.get!r}", file=sys.stderr)
+                    return 2
+                value = getattr(value, part)
+            print("" if value is None else value)
+            return 0
         if args.cmd == "status":
             from laminar.launch.status import status_main
 
