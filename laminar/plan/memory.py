@@ -164,8 +164,8 @@ def make_plan(cfg: LaminarConfig, hw: Hardware, config_name: str = "") -> Plan:
         traced = (
             "traced whole"
             if len(mem.traced_layers) == 1
-            else f"traced at {mem.traced_layers[0]} and {mem.traced_layers[1]} layers, "
-            f"extrapolated to {mem.layers}"
+            else f"traced at {mem.traced_layers[0]} and {mem.traced_layers[1]} layers (the split "
+            f"is at {mem.traced_layers[1]}), extrapolated to {mem.layers}"
         )
         detail = (
             f"FSDP x{world}, micro-batch {mem.rows} x {mem.row_tokens} tokens, checkpointing "

@@ -10,7 +10,8 @@ weights are read). Everything the policy does to it runs for real: FSDP2's shard
 mixed-precision policy, activation checkpointing, AdamW, the micro-batch's forward, the chunked
 log-probabilities, backward and the optimizer step. torch's FSDPMemTracker
 (torch.distributed._tools) counts every tensor's storage on the device through it. The step is
-run twice (AdamW creates its state at the first) and the second one's peak is the figure.
+run twice: the first untracked (AdamW creates its state, FSDP initialises), the second tracked,
+with the parameters, the gradients the first left and the AdamW state already there.
 
 What is not the real step: the loss arithmetic on the [tokens]-sized log-probabilities is a sum
 (its tensors are the size of one fp32 per token); the micro-batch is the largest the config
@@ -46,7 +47,8 @@ class TrainerMemory:
     """A trainer rank's peak device memory during a training step (bytes)."""
     parts: dict[str, int] = field(default_factory=dict)
     """The peak split by kind (FSDPMemTracker's: sharded/unsharded parameters and gradients,
-    optimizer state, activations, temporaries...)."""
+    optimizer state, activations, temporaries...) at the deepest traced depth (not extrapolated:
+    the split of a peak is not linear in depth)."""
     rows: int = 0
     """Sequences in the traced micro-batch."""
     row_tokens: int = 0
@@ -159,6 +161,18 @@ def _trace(
         # a GPU trainer computes under bf16 autocast: so does the trace (on the CPU's autocast)
         policy.autocast = gpu
         with fake:
+
+            def step() -> None:
+                policy.optimizer.zero_grad(set_to_none=True)
+                logp, ent = policy.token_logprobs(mb, entropy_grad=True)
+                if policy.ref is not None:
+                    with torch.no_grad():
+                        policy.token_logprobs(mb, policy.ref)
+                (logp.sum() + 0.0 * ent.sum()).backward()
+                torch.nn.utils.clip_grad_norm_(policy.model.parameters(), 1.0)
+                policy.optimizer.step()
+
+            step()  # untracked: AdamW creates its state, FSDP initialises lazily
             tracker: Any
             if world > 1:
                 tracker = FSDPMemTracker(policy.model, policy.optimizer)
@@ -166,18 +180,8 @@ def _trace(
             else:  # one process, no FSDP: the plain tracker
                 tracker = MemTracker()
                 tracker.track_external(policy.model, policy.optimizer)
-            with tracker:
-                for it in range(2):  # AdamW allocates its state at the first step
-                    policy.optimizer.zero_grad(set_to_none=True)
-                    logp, ent = policy.token_logprobs(mb, entropy_grad=True)
-                    if policy.ref is not None:
-                        with torch.no_grad():
-                            policy.token_logprobs(mb, policy.ref)
-                    (logp.sum() + 0.0 * ent.sum()).backward()
-                    torch.nn.utils.clip_grad_norm_(policy.model.parameters(), 1.0)
-                    policy.optimizer.step()
-                    if it == 0:
-                        tracker.reset_mod_stats()
+            with tracker:  # the steady state: parameters, gradients and AdamW state exist
+                step()
             snap = tracker.get_tracker_snapshot("peak")
         # a DTensor's numel is its full (global) size
         params = sum(p.numel() for p in policy.model.parameters())
@@ -217,10 +221,9 @@ def trace_trainer(
         traced.append(_trace(settings, one, world, trace_device, rows, row, response, gpu))
     peak, parts, params, trainable = traced[-1]
     if len(depths) == 2:
-        (p1, parts1, n1_params, n1_train), (p2, parts2, n2_params, n2_train) = traced
+        (p1, _, n1_params, n1_train), (p2, _, n2_params, n2_train) = traced
         k, extra = depths[0], layers - depths[1]
         peak = p2 + (p2 - p1) * extra // k
-        parts = {n: parts2[n] + (parts2[n] - parts1.get(n, 0)) * extra // k for n in parts2}
         params = n2_params + (n2_params - n1_params) * extra // k
         trainable = n2_train + (n2_train - n1_train) * extra // k
     return TrainerMemory(
