@@ -9,6 +9,7 @@ laminar report RUN_DIR                                # report.png + summary.md 
 laminar journal check RUN_DIR                         # verify every journal of a run offline
 laminar plan CONFIG [--gpu-mem GiB] [--gpus-per-node N] [key=value ...]   # per-GPU memory plan
 laminar config CONFIG --get KEY [key=value ...]       # one resolved setting (for launchers)
+laminar export CHECKPOINT OUT_DIR                     # an HF directory of a (sharded) checkpoint
 """
 
 from __future__ import annotations
@@ -71,6 +72,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     pl.add_argument("--json", action="store_true", help="JSON instead of a table")
     pl.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+
+    ex = sub.add_parser("export", help="write an HF model directory of a trainer checkpoint")
+    ex.add_argument("checkpoint", help="a run's checkpoints/step_N directory")
+    ex.add_argument("out", help="the HF directory to write")
 
     cg = sub.add_parser("config", help="print one setting of a config, overrides applied")
     cg.add_argument("config", help="YAML run config")
@@ -154,6 +159,11 @@ def main(argv: list[str] | None = None) -> int:
                 limit=args.limit,
             )
             return plan_main(args.config, args.overrides, hw, args.json)
+        if args.cmd == "export":
+            from laminar.trainer.checkpoint import export_hf
+
+            print(f"wrote {export_hf(args.checkpoint, args.out)}")
+            return 0
         if args.cmd == "config":
             from laminar.config import load_config
 

@@ -544,6 +544,11 @@ class TrainerConfig(Section):
     """When consumed batches are committed to the buffer: after each step (a crash loses the
     updates since the last checkpoint, never trains a batch twice) or only once a checkpoint
     holds the step (exactly-once; the buffer keeps up to checkpoint_every uncommitted batches)."""
+    checkpoint_format: Literal["auto", "sharded", "full"] = "auto"
+    """sharded = torch.distributed.checkpoint: each rank writes and reads its own shards of the
+    weights and AdamW state (no gather to one host; resumable on another rank count; `laminar
+    export` turns one into an HF directory); full = rank 0 gathers everything into an HF directory
+    + optimizer file. auto = sharded under FSDP (several ranks), full on one."""
     keep_checkpoints: int = Field(2, ge=1)
     """Checkpoints kept in run_dir/checkpoints (oldest deleted first)."""
     batch_wait_s: float = Field(1.0, gt=0)
