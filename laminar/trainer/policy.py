@@ -510,11 +510,35 @@ class Policy:
         )
 
     def export_weights(self, dtype: str = "float32") -> dict[str, torch.Tensor]:
-        """Weights for the rollouts (tied copies dropped, cast to the rollout dtype). Collective."""
+        """Weights for the rollouts (tied copies dropped, cast to the rollout dtype; rank 0, {}
+        elsewhere). Collective.
+
+        Under FSDP, tensor by tensor in layer order: each is all-gathered on the device, cast to
+        `dtype` there, and only that copy goes to rank 0's host (a bf16 version moves half the
+        bytes of the fp32 master weights, and no full fp32 copy is ever held); the copy to the
+        host is issued without waiting (pinned memory) while the next tensor gathers."""
         want = getattr(torch, dtype)
-        return {
-            k: (v if v.dtype == want else v.to(want)) for k, v in self.full_state_dict().items()
-        }
+        if not self.ctx.enabled:
+            return {
+                k: (v if v.dtype == want else v.to(want)) for k, v in self.full_state_dict().items()
+            }
+        cuda = self.device.type == "cuda"
+        out: dict[str, torch.Tensor] = {}
+        for name, value in self.model.state_dict().items():
+            if name in self._tied:
+                continue
+            full = value.full_tensor() if hasattr(value, "full_tensor") else value
+            if not self.ctx.is_main:
+                continue
+            cast = full.detach().to(want)
+            if cuda:
+                host = torch.empty(cast.shape, dtype=want, pin_memory=True)
+                out[name] = host.copy_(cast, non_blocking=True)
+            else:
+                out[name] = cast.clone() if cast is value else cast  # a live buffer: a copy
+        if cuda:
+            torch.cuda.current_stream().synchronize()  # every copy to the host has landed
+        return out
 
     def optimizer_state(self) -> dict[str, Any]:
         """Full optimizer state keyed by parameter name (rank 0; collective when distributed)."""
