@@ -282,10 +282,9 @@ def load_sharded(policy: Policy, path: Path) -> dict[str, Any]:
 
     # get_state_dict creates AdamW's state first, so every entry has a tensor to load into
     model_sd, optim_sd = get_state_dict(policy.model, policy.optimizer)
-    sd = {"model": model_sd, "optim": optim_sd}
-    dcp.load(sd, checkpoint_id=str(path / "dcp"))
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path / "dcp"))
     set_state_dict(
-        policy.model, policy.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"]
+        policy.model, policy.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd
     )
     meta = json.loads((path / "meta.json").read_text())
     state = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=True)

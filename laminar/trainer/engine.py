@@ -109,8 +109,8 @@ def open_trainer(settings: TrainerSettings, run_dir: Path) -> Opened:
         ckpt = agree_on_path(dist, ckpt)
         # a full checkpoint holds an HF directory; a sharded one is loaded over model.path's
         # weights by restore (each rank its own shards)
-        full = ckpt is not None and (ckpt / "model").is_dir()
-        model_path = str(ckpt / "model") if full else settings.model.path
+        full = ckpt / "model" if ckpt is not None else None
+        model_path = str(full) if full is not None and full.is_dir() else settings.model.path
         if not model_path:
             raise ValueError("the torch trainer needs model.path (a local HF model directory)")
         trainer = Policy(settings, model_path, dist)
