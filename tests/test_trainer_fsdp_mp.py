@@ -6,8 +6,8 @@ ranks (gloo), against the single-process step: same loss, same gradients.
 
 Tolerances: with param_dtype float32 the two differ only by the reduction order (loss 1e-6,
 gradients 1e-6 absolute); with bfloat16 parameters and compute (fp32 reduction) the 2-rank step
-rounds every layer's weights and activations to bf16, so the loss agrees to 1e-3 relative and
-every gradient tensor to cosine similarity 0.999 (and 2e-3 absolute).
+rounds every layer's weights and activations to bf16, so the loss (~0.016 here) agrees to 2e-4
+absolute and every gradient tensor to cosine similarity 0.999 (and 2e-3 absolute).
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def test_two_ranks_bf16_parameters_fp32_reduction_match_one_process(model, tmp_p
         model, tmp_path / "out", "activation_checkpointing=true", "param_dtype=bfloat16"
     )
     _, m, ref = _one_process(model, tmp_path / "ref")
-    assert res["loss"] == pytest.approx(m["loss"], rel=1e-3)
+    assert res["loss"] == pytest.approx(m["loss"], abs=2e-4)
     for n in ref:
         cos = torch.nn.functional.cosine_similarity(grads[n].flatten(), ref[n].flatten(), dim=0)
         assert float(cos) > 0.999, n
