@@ -132,6 +132,10 @@ def test_check_before_start_plans_gpu_configs_only(small_model, tmp_path):
     plan = check_before_start(cfg, 0.05)
     assert plan is not None and not plan.fits
     assert plan.processes[0].process == "trainer rank"
+    # one GPU on this host: trainer and torch rollout share it, and the plan adds them up
+    together = plan.processes[-1]
+    assert together.process == "trainer rank + rollout (torch)"
+    assert together.peak_bytes == plan.processes[0].peak_bytes + plan.processes[1].peak_bytes
 
 
 @pytest.mark.slow

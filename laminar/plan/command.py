@@ -12,7 +12,15 @@ import sys
 from pathlib import Path
 
 from laminar.config import LaminarConfig
-from laminar.plan.memory import Hardware, Plan, format_plan, make_plan, refusal
+from laminar.plan.memory import (
+    GIB,
+    Hardware,
+    Plan,
+    ProcessPlan,
+    format_plan,
+    make_plan,
+    refusal,
+)
 
 
 def plan_main(config: str, overrides: list[str], hw: Hardware, as_json: bool) -> int:
@@ -51,4 +59,19 @@ def check_before_start(cfg: LaminarConfig, gpu_gib: float | None) -> Plan | None
     else:
         gpus = 1
     # one host: the trainer runs as one process (laminar run starts no torchrun)
-    return make_plan(cfg, Hardware(gpu_gib=gpu_gib, gpus_per_node=gpus, trainer_gpus=1))
+    hw = Hardware(gpu_gib=gpu_gib, gpus_per_node=gpus, trainer_gpus=1)
+    plan = make_plan(cfg, hw)
+    if gpus == 1:  # every process on the one GPU: their figures add up
+        plan.processes.append(shared_gpu(plan.processes, int(gpu_gib * GIB * hw.limit)))
+    return plan
+
+
+def shared_gpu(processes: list[ProcessPlan], limit: int) -> ProcessPlan:
+    """The processes of a one-GPU host together (vLLM's figure is the share it takes)."""
+    names = [p.process for p in processes if not p.process.startswith("trainer rank 0 +")]
+    total = sum(p.peak_bytes for p in processes if p.process in names)
+    together = ProcessPlan(" + ".join(names), total, limit, "on the one GPU of this host")
+    if not together.fits:
+        together.field = "rollout.vllm.gpu_memory_utilization"
+        together.advice = "lower it, or the trainer's figure (see its line)"
+    return together

@@ -167,8 +167,9 @@ def make_plan(cfg: LaminarConfig, hw: Hardware, config_name: str = "") -> Plan:
             else f"traced at {mem.traced_layers[0]} and {mem.traced_layers[1]} layers (the split "
             f"is at {mem.traced_layers[1]}), extrapolated to {mem.layers}"
         )
+        sharding = f"FSDP x{world}" if world > 1 else "one process"
         detail = (
-            f"FSDP x{world}, micro-batch {mem.rows} x {mem.row_tokens} tokens, checkpointing "
+            f"{sharding}, micro-batch {mem.rows} x {mem.row_tokens} tokens, checkpointing "
             f"{'on' if cfg.trainer.activation_checkpointing else 'off'}; {parts} GiB; {traced}"
         )
         trainer_plan = ProcessPlan("trainer rank", trainer_peak, limit, detail)
