@@ -282,9 +282,8 @@ class RolloutConfig(Section):
     """Prompt + response cap in tokens (torch engine KV slot length; vllm max_model_len); default:
     the model's."""
     kv_capacity_tokens: int | None = Field(None, ge=1)
-    """Torch engine: KV tokens held at most (kv_use = held / this), which sizes its KV cache: slots
-    of max_model_len tokens, min(max_running, this / max_model_len) of them (fewer sequences
-    decode at once when it is lower); default max_running * max_model_len."""
+    """Torch engine: KV tokens held at most (kv_use = held / this); default max_running *
+    max_model_len."""
     max_prefill_tokens: int = Field(4096, ge=1)
     """Torch engine: prompt tokens prefilled per step (bounds the step latency joiners add)."""
     torch_forward: Literal["auto", "lean", "hf"] = "auto"

@@ -359,13 +359,3 @@ def test_plain_sampling_is_the_general_path_bit_for_bit() -> None:
     logp = processed_logprobs(logits, temp, top_p)
     assert torch.equal(lps, logp.gather(1, tokens[:, None]).squeeze(1))
     assert torch.isfinite(lps).all()  # every drawn token is inside its row's nucleus
-
-
-def test_kv_capacity_tokens_sizes_the_cache(tiny):
-    """kv_capacity_tokens bounds the KV cache's memory: slots of max_model_len, fewer of them."""
-    model = load_causal_lm(tiny[0])
-    big = TorchEngine(model, max_running=8, max_model_len=64)
-    small = TorchEngine(model, max_running=8, max_model_len=64, kv_capacity_tokens=3 * 64 + 10)
-    assert big.max_running == 8 and small.max_running == 3
-    assert small.cache.k[0].numel() * 8 == big.cache.k[0].numel() * 3
-    assert small.capacity == 3 * 64 + 10

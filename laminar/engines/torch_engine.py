@@ -114,15 +114,12 @@ class TorchEngine(Engine):
             max_model_len or getattr(cfg, "max_position_embeddings", None) or 2048
         )
         self.capacity = int(kv_capacity_tokens or max_running * self.max_model_len)
-        # the cache is max_model_len a slot: a capacity below max_running of them bounds the
-        # slots (and so the sequences decoding at once), never the memory above it
-        self.max_running = max(1, min(max_running, self.capacity // self.max_model_len))
         self.max_prefill_tokens = max_prefill_tokens
         self.recompute_on_load = recompute_on_load
         self.eos = set(eos_token_ids) if eos_token_ids is not None else _eos_ids(model, tokenizer)
         self.device = next(model.parameters()).device
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
-        self.cache = SlotKVCache.for_model(model, self.max_running, self.max_model_len)
+        self.cache = SlotKVCache.for_model(model, max_running, self.max_model_len)
         self.lean = lean_decoder(model, self.max_model_len, forward)
         if self.lean is None:  # HF's forward, with the slot attention plugged in
             use_slot_attention(model)

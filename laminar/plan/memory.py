@@ -13,8 +13,8 @@ Processes, each on its GPU(s):
   there (added to that rank's figure), else not on a GPU.
 - rollout: vLLM takes gpu_memory_utilization of its GPU and must hold the weights (model.dtype),
   an activation headroom (an estimate: vLLM profiles it at start) and the KV cache of
-  max_running x max_model_len tokens; the torch engine holds the weights and a KV cache of
-  kv_capacity_tokens.
+  max_running x max_model_len tokens; the torch engine holds the weights and its slot KV cache
+  (max_running x max_model_len tokens; kv_capacity_tokens only caps what it admits).
 - a weight version: its bytes (model.dtype) and estimated times (device-to-host copy, one relay
   hop) from stated bandwidths.
 
@@ -231,16 +231,18 @@ def make_plan(cfg: LaminarConfig, hw: Hardware, config_name: str = "") -> Plan:
             rp.advice = f"the KV cache holds {fit} sequences of max_model_len; lower it"
         plan.processes.append(rp)
     elif ro.engine == "torch" and cfg.model.device.startswith("cuda"):
-        cap = ro.kv_capacity_tokens or ro.max_running * model_len
+        # its slot cache is max_running slots of max_model_len, whatever kv_capacity_tokens says
+        cap = ro.max_running * model_len
         need = weights + cap * kv_token
         rp = ProcessPlan(
             "rollout (torch)",
             need,
             limit,
-            f"weights {weights / GIB:.1f} + KV {cap} tokens {cap * kv_token / GIB:.1f} GiB",
+            f"weights {weights / GIB:.1f} + KV {ro.max_running} slots x {model_len} tokens "
+            f"{cap * kv_token / GIB:.1f} GiB",
         )
         if not rp.fits:
-            rp.field, rp.advice = "rollout.kv_capacity_tokens", "lower it"
+            rp.field, rp.advice = "rollout.max_model_len", "set it (the model's default is long)"
         plan.processes.append(rp)
     # a weight version
     plan.weight_version_bytes = weights
