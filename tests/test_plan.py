@@ -164,3 +164,18 @@ def test_7b_with_eight_times_the_micro_batch_does_not_fit(capsys):
     assert not plan.fits and not trainer.fits
     assert trainer.field == "trainer.micro_batch_tokens"
     assert trainer.peak_bytes > 72 * GIB
+
+
+def test_config_get_prints_one_resolved_setting(capsys):
+    """What the sbatch reads its stop grace and thread count with."""
+    cfg = str(ROOT / "configs" / "qwen2.5-7b-vllm.yaml")
+    assert main(["config", cfg, "--get", "transport.stop_timeout_s"]) == 0
+    assert capsys.readouterr().out.strip() == "180.0"
+    assert (
+        main(
+            ["config", cfg, "--get", "cluster.threads_per_process", "cluster.threads_per_process=7"]
+        )
+        == 0
+    )
+    assert capsys.readouterr().out.strip() == "7"
+    assert main(["config", cfg, "--get", "transport.no_such_key"]) == 2
