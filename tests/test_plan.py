@@ -1,7 +1,7 @@
 """`laminar plan`: the trainer's traced peak against a real step, depth extrapolation, verdicts.
 
     .venv/bin/python -m pytest tests/test_plan.py -q              # small models, ~1 min
-    .venv/bin/python -m pytest tests/test_plan.py -q -m slow      # the 7B/32B/72B configs, minutes
+    .venv/bin/python -m pytest tests/test_plan.py -q -m slow      # 7B/32B/72B configs, minutes
 
 The real step's peak is measured in a child process from its resident set (tests/plan_measure.py:
 glibc's mmap threshold pinned low so freed tensors leave the resident set at once).
@@ -75,7 +75,9 @@ def small_model(tmp_path):
     return path
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize(
+    "checkpointing", [pytest.param(False, marks=pytest.mark.slow), True]
+)  # the default suite runs one (time); both agree within 8%
 def test_traced_trainer_peak_agrees_with_the_measured_real_step(
     small_model, tmp_path, checkpointing
 ):
