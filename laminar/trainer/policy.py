@@ -36,6 +36,12 @@ time they are trained the parameters have moved, the ratio differs from 1 and th
 clip (clip_low/clip_high/dual_clip) bounds how far each step goes: a real trust region.
 With decoupled=False (bypass) the behaviour logprobs take the proximal role.
 
+Memory (docs/planning.md; `laminar plan` traces this very code): the model's forward returns
+hidden states and the head runs in trainer/logprobs.py, fp32, trainer.logprob_chunk_tokens at a
+time and recomputed in backward; trainer.activation_checkpointing recomputes each decoder layer
+in backward; under FSDP2 a mixed-precision policy gathers parameters in trainer.param_dtype
+(bf16 on GPU) and reduces gradients in trainer.reduce_dtype (fp32).
+
 FSDP2 (`fully_shard` per decoder layer, then the root) when world > 1: every rank
 holds the whole batch (rank 0 broadcast it), takes micro-batches rank::world (padded
 with zero-weight dummies so collectives line up) and the loss is multiplied by the
