@@ -15,14 +15,25 @@ the whole child (interpreter, imports, load) and which modules it imported.
 
     .venv/bin/python bench/trainer.py --quick --out /tmp/trainer.json     # ~1 min on 2 cores
     .venv/bin/python bench/trainer.py --out bench/results/trainer.json
-    .venv/bin/python bench/trainer.py --memory-only --out /tmp/trainer_memory.json  # ~1 min
+    .venv/bin/python bench/trainer.py --lora-memory-only --out /tmp/trainer_lora.json  # ~1 min
 
-Memory (model.lora rank 16, alpha 32, every projection, against full fine-tuning): each variant
-in a fresh child that builds the trainer and runs `steps` batches; its peak RSS (ru_maxrss: the
-process high-water mark, torch's runtime included, so also the RSS of a child that only imports
-the same modules, peft included, and loads), the peak CUDA allocation on a GPU, and the
-trainer's own tensors: parameters, their gradients and the AdamW state, summed from the live
-tensors after the last step.
+LoRA memory (--lora-memory-only, and in every full run; model.lora rank 16, alpha 32, every
+projection, against full fine-tuning): each variant in a fresh child that builds the trainer and
+runs `steps` batches; its peak RSS (ru_maxrss: the process high-water mark, torch's runtime
+included, so also the RSS of a child that only imports the same modules, peft included, and
+loads), the peak CUDA allocation on a GPU, and the trainer's own tensors: parameters, their
+gradients and the AdamW state, summed from the live tensors after the last step.
+
+Memory (--memory, or --memory-only): one long micro-batch (2 rows of --seq-len tokens, the
+response 7/8 of each) through the same trainer with activation checkpointing off/on and
+log-probabilities chunked (trainer.logprob_chunk_tokens=1024) or all at once (0), each variant in
+a fresh child process: peak memory of the step (the tensors alive before it + the rise of the
+resident set during it, glibc's mmap threshold pinned so freed tensors leave at once; as
+tests/plan_measure.py), median step seconds, and `laminar plan`'s traced peak beside it. Two
+models: the demo's (its character vocabulary makes the head tiny) and the demo's shape with a
+32k vocabulary (where the head's [tokens, vocab] logits matter).
+
+    .venv/bin/python bench/trainer.py --memory-only --out bench/results/trainer_memory.json
 """
 
 from __future__ import annotations
@@ -197,7 +208,7 @@ print(json.dumps({
 """
 
 
-def memory_child(path: Path, run_dir: Path, variant: str, steps: int) -> dict[str, Any]:
+def lora_memory_child(path: Path, run_dir: Path, variant: str, steps: int) -> dict[str, Any]:
     res = subprocess.run(
         [
             sys.executable,
@@ -217,12 +228,12 @@ def memory_child(path: Path, run_dir: Path, variant: str, steps: int) -> dict[st
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def memory(path: Path, tmp: Path, repeats: int, steps: int) -> dict[str, Any]:
+def lora_memory(path: Path, tmp: Path, repeats: int, steps: int) -> dict[str, Any]:
     """Peak memory of the trainer, LoRA vs full fine-tuning (and a child that only loads)."""
     runs: dict[str, list[dict[str, Any]]] = {"full": [], "lora": [], "load_only": []}
     for rep in range(repeats):
         for v in ("full", "lora", "load_only") if rep % 2 == 0 else ("load_only", "lora", "full"):
-            runs[v].append(memory_child(path, tmp / f"mem-{v}", v, steps))
+            runs[v].append(lora_memory_child(path, tmp / f"mem-{v}", v, steps))
             print(f"  repeat {rep} {v:<9} peak RSS {runs[v][-1]['peak_rss_mib']:.1f} MiB")
     out: dict[str, Any] = {
         v: {
@@ -252,7 +263,7 @@ def memory(path: Path, tmp: Path, repeats: int, steps: int) -> dict[str, Any]:
     return out
 
 
-def print_memory(m: dict[str, Any]) -> None:
+def print_lora_memory(m: dict[str, Any]) -> None:
     print(f"\n{'trainer memory (MiB)':<28}{'full':>10}{'lora r16':>10}{'lora/full':>10}")
     rows = [
         ("peak RSS", m["full"]["peak_rss_mib"]["median"], m["lora"]["peak_rss_mib"]["median"]),
@@ -268,7 +279,134 @@ def print_memory(m: dict[str, Any]) -> None:
         print(f"{name:<28}{full:>10.2f}{lora:>10.2f}{lora / max(full, 1e-9):>10.3f}")
 
 
+VARIANTS = {  # name: (activation_checkpointing, logprob_chunk_tokens)
+    "baseline": (False, 0),
+    "chunked": (False, 1024),
+    "checkpointing": (True, 0),
+    "both": (True, 1024),
+}
+
+
+def _rss(key: str) -> int:
+    import re
+
+    text = Path("/proc/self/status").read_text()
+    found = re.search(rf"^{key}:\s+(\d+) kB", text, re.M)
+    assert found is not None
+    return int(found.group(1)) * 1024
+
+
+def memory_child(spec: dict[str, Any]) -> dict[str, Any]:
+    """One variant's step in this (fresh) process: peak bytes, step seconds, the plan's figure."""
+    from laminar.plan.trainer import _trajectories, trace_trainer
+
+    torch.set_num_threads(1)
+    ac, chunk = VARIANTS[spec["variant"]]
+    row = spec["seq_len"]
+    cfg = config_from_dict(
+        {
+            "run_dir": spec["run_dir"],
+            "model": {"path": spec["model"]},
+            "rollout": {"max_model_len": row, "sampling": {"max_tokens": row * 7 // 8}},
+            "trainer": {
+                "micro_batch_tokens": 2 * row,
+                "activation_checkpointing": ac,
+                "logprob_chunk_tokens": chunk,
+                "eval_every": 0,
+            },
+        }
+    )
+    settings = trainer_settings(cfg)
+    pol = Policy(settings, spec["model"])
+    batch = pol.prepare(_trajectories(2, row, row * 7 // 8, pol.vocab_size))
+    pol.train_step(batch)  # AdamW's state
+    before = sum(p.numel() * p.element_size() for p in pol.model.parameters())
+    before += sum(
+        p.grad.numel() * p.grad.element_size() for p in pol.model.parameters() if p.grad is not None
+    )
+    before += sum(
+        t.numel() * t.element_size()
+        for st in pol.optimizer.state.values()
+        for t in st.values()
+        if t.dim() > 0
+    )
+    Path("/proc/self/clear_refs").write_text("5")
+    rss = _rss("VmRSS")
+    times = []
+    for _ in range(spec["steps"]):
+        t0 = time.perf_counter()
+        pol.train_step(batch)
+        times.append(time.perf_counter() - t0)
+    peak = before + _rss("VmHWM") - rss
+    planned = trace_trainer(settings, spec["model"], world=1, device="cpu").peak_bytes
+    return {"peak_bytes": peak, "planned_peak_bytes": planned, "step_s": times}
+
+
+def memory_bench(tmp: Path, seq_len: int, steps: int) -> dict[str, Any]:
+    """Every variant on both models, each in a fresh child (see the module docstring)."""
+    import os
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out: dict[str, Any] = {}
+    for name, vocab in (("demo", 20), ("demo_32k_vocab", 32768)):
+        shape = dict(
+            model_type="qwen2",
+            hidden_size=MODEL["hidden"],
+            intermediate_size=4 * MODEL["hidden"],
+            num_hidden_layers=MODEL["layers"],
+            num_attention_heads=MODEL["heads"],
+            num_key_value_heads=MODEL["kv_heads"],
+            vocab_size=vocab,
+            max_position_embeddings=seq_len,
+            tie_word_embeddings=False,
+        )
+        path = tmp / f"model-{name}"
+        torch.manual_seed(0)
+        cfg = AutoConfig.for_model(**shape)
+        AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
+        out[name] = {}
+        for variant in VARIANTS:
+            spec = {
+                "variant": variant,
+                "model": str(path),
+                "seq_len": seq_len,
+                "steps": steps,
+                "run_dir": str(tmp / f"run-{name}-{variant}"),
+            }
+            env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+            proc = subprocess.run(
+                [sys.executable, __file__, "--memory-child", json.dumps(spec)],
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=3600,
+            )
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            res = json.loads(proc.stdout.strip().splitlines()[-1])
+            out[name][variant] = {
+                "peak_mib": round(res["peak_bytes"] / 2**20, 1),
+                "planned_peak_mib": round(res["planned_peak_bytes"] / 2**20, 1),
+                "step_s": stats(res["step_s"]),
+            }
+    print(f"\nmemory at {seq_len}-token rows (2 a micro-batch), one thread")
+    print(
+        f"{'model':<16}{'variant':<15}{'peak MiB':>10}{'plan MiB':>10}{'vs base':>9}{'step s':>9}"
+    )
+    for name, rows in out.items():
+        base = rows["baseline"]
+        for variant, r in rows.items():
+            print(
+                f"{name:<16}{variant:<15}{r['peak_mib']:>10.1f}{r['planned_peak_mib']:>10.1f}"
+                f"{r['peak_mib'] / base['peak_mib']:>8.2f}x{r['step_s']['median']:>9.3f}"
+            )
+    return out
+
+
 def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--memory-child":
+        print(json.dumps(memory_child(json.loads(sys.argv[2]))))
+        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="2 repeats of 4 batches, 3 starts each")
     ap.add_argument("--repeats", type=int, default=3)
@@ -284,8 +422,12 @@ def main() -> None:
             "share of groups whose rewards agree, for the zero-advantage skip (the demo: 0.3-0.75)"
         ),
     )
+    ap.add_argument("--memory", action="store_true", help="also the memory variants")
+    ap.add_argument("--memory-only", action="store_true", help="only the memory variants")
+    ap.add_argument("--seq-len", type=int, default=4096, help="memory: tokens a row")
+    ap.add_argument("--memory-steps", type=int, default=3, help="memory: timed steps a variant")
     ap.add_argument(
-        "--memory-only", action="store_true", help="only the LoRA vs full memory figures"
+        "--lora-memory-only", action="store_true", help="only the LoRA vs full memory figures"
     )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -293,11 +435,22 @@ def main() -> None:
         args.repeats, args.steps, args.starts = 2, 4, 3
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="lam-bench-trainer-"))
-    path = build_tiny_model(tmp / "model", alphabet=ALPHABET, seed=0, **MODEL)
-    mem = memory(path, tmp, args.repeats, args.steps)
     if args.memory_only:
+        result = {
+            "config": vars(args),
+            "machine": machine(),
+            "memory": memory_bench(tmp, args.seq_len, args.memory_steps),
+        }
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+            print(f"wrote {args.out}")
+        return
+    path = build_tiny_model(tmp / "model", alphabet=ALPHABET, seed=0, **MODEL)
+    mem = lora_memory(path, tmp, args.repeats, args.steps)
+    if args.lora_memory_only:
         result = {"config": {**vars(args), "model": MODEL}, "machine": machine(), "memory": mem}
-        print_memory(mem)
+        print_lora_memory(mem)
         if args.out:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
@@ -352,7 +505,8 @@ def main() -> None:
             "step_s": {k: stats(v) for k, v in skip_steps.items()},
         },
         "start": start,
-        "memory": mem,
+        "memory": memory_bench(tmp, args.seq_len, args.memory_steps) if args.memory else None,
+        "lora_memory": mem,
         "summary": {
             "packed_over_hf_step_speed": round(step["hf"]["median"] / step["packed"]["median"], 3),
             "skip_over_no_skip_step_speed": round(
@@ -385,7 +539,7 @@ def main() -> None:
         f"{start['hf']['wall_s']['median']:>12.2f}"
         f"{result['summary']['start_wall_hf_over_module_free']:>8.2f}x"
     )
-    print_memory(mem)
+    print_lora_memory(mem)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

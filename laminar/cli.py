@@ -7,6 +7,9 @@ laminar keys DIR [--name NAME] [--roles R,..] [--force]  # CURVE pairs; --roles:
 laminar --version
 laminar report RUN_DIR                                # report.png + summary.md of a run
 laminar journal check RUN_DIR                         # verify every journal of a run offline
+laminar plan CONFIG [--gpu-mem GiB] [--gpus-per-node N] [key=value ...]   # per-GPU memory plan
+laminar config CONFIG --get KEY [key=value ...]       # one resolved setting (for launchers)
+laminar export CHECKPOINT OUT_DIR                     # an HF directory of a (sharded) checkpoint
 """
 
 from __future__ import annotations
@@ -46,7 +49,38 @@ def _parser() -> argparse.ArgumentParser:
     again.add_argument(
         "--overwrite", action="store_true", help="delete the run in run_dir and start over"
     )
+    run.add_argument(
+        "--skip-plan",
+        action="store_true",
+        help="start even where `laminar plan` says a process does not fit its GPU",
+    )
     run.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+
+    pl = sub.add_parser("plan", help="per-GPU peak memory of each process, checked against a GPU")
+    pl.add_argument("config", help="YAML run config")
+    pl.add_argument("--gpu-mem", type=float, default=80.0, help="GiB of one GPU (default 80)")
+    pl.add_argument("--gpus-per-node", type=int, default=8)
+    pl.add_argument(
+        "--trainer-gpus",
+        type=int,
+        default=None,
+        help="trainer ranks per trainer node (default: half the node, as the sbatch)",
+    )
+    pl.add_argument("--trainer-nodes", type=int, default=1)
+    pl.add_argument(
+        "--limit", type=float, default=0.9, help="share of a GPU a process may use (default 0.9)"
+    )
+    pl.add_argument("--json", action="store_true", help="JSON instead of a table")
+    pl.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+
+    ex = sub.add_parser("export", help="write an HF model directory of a trainer checkpoint")
+    ex.add_argument("checkpoint", help="a run's checkpoints/step_N directory")
+    ex.add_argument("out", help="the HF directory to write")
+
+    cg = sub.add_parser("config", help="print one setting of a config, overrides applied")
+    cg.add_argument("config", help="YAML run config")
+    cg.add_argument("--get", required=True, help="dotted key, e.g. transport.stop_timeout_s")
+    cg.add_argument("overrides", nargs="*", help="dotted key=value overrides")
 
     st = sub.add_parser("status", help="print the cluster's nodes (asks the manager)")
     st.add_argument("--config", default=None)
@@ -92,7 +126,13 @@ def _split_overrides(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    # key=value overrides may follow options (`laminar plan CFG --gpu-mem 80 k=v`)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if not hasattr(args, "overrides") or any("=" not in e or e.startswith("-") for e in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
     _split_overrides(args)
     from laminar.config import ConfigError
 
@@ -104,7 +144,37 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "run":
             from laminar.launch.run import run_main
 
-            return run_main(args.config, args.overrides, args.resume, args.overwrite)
+            return run_main(
+                args.config, args.overrides, args.resume, args.overwrite, args.skip_plan
+            )
+        if args.cmd == "plan":
+            from laminar.plan.command import plan_main
+            from laminar.plan.memory import Hardware
+
+            hw = Hardware(
+                gpu_gib=args.gpu_mem,
+                gpus_per_node=args.gpus_per_node,
+                trainer_gpus=args.trainer_gpus,
+                trainer_nodes=args.trainer_nodes,
+                limit=args.limit,
+            )
+            return plan_main(args.config, args.overrides, hw, args.json)
+        if args.cmd == "export":
+            from laminar.trainer.checkpoint import export_hf
+
+            print(f"wrote {export_hf(args.checkpoint, args.out)}")
+            return 0
+        if args.cmd == "config":
+            from laminar.config import load_config
+
+            value = load_config(args.config, args.overrides)
+            for part in args.get.split("."):
+                if not hasattr(value, part):
+                    print(f"laminar config: no setting {args.get!r}", file=sys.stderr)
+                    return 2
+                value = getattr(value, part)
+            print("" if value is None else value)
+            return 0
         if args.cmd == "status":
             from laminar.launch.status import status_main
 

@@ -600,6 +600,19 @@ class TrainerConfig(Section):
     (trainer/packed.py: Llama, Mistral, Qwen2, Qwen3; exact to float rounding); hf = the model's own
     forward over padded rows; auto = packed where it runs the model exactly and the trainer is one
     process (not FSDP), else hf."""
+    logprob_chunk_tokens: int = Field(1024, ge=0)
+    """Tokens whose fp32 logits exist at once when log-probabilities are computed (recomputed in
+    backward; trainer/logprobs.py): the head's memory is chunk x vocab, not micro-batch x vocab.
+    0 = all of a micro-batch's at once (kept for backward)."""
+    activation_checkpointing: bool = False
+    """Keep only each decoder layer's input in forward and recompute the layer in backward: the
+    activations of one micro-batch shrink ~10x for ~1/3 more compute. On for large models (see
+    `laminar plan`)."""
+    param_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """FSDP2's mixed precision: the dtype parameters are gathered in and layers compute in (the
+    master weights and AdamW state stay fp32). auto = bfloat16 on GPU, float32 on CPU."""
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    """FSDP2's mixed precision: the dtype gradients are reduce-scattered in."""
     grad_clip: float = Field(1.0, gt=0)
     """Max global grad norm (per optimizer step)."""
     minibatches: int = Field(1, ge=1)
@@ -633,6 +646,11 @@ class TrainerConfig(Section):
     """When consumed batches are committed to the buffer: after each step (a crash loses the
     updates since the last checkpoint, never trains a batch twice) or only once a checkpoint
     holds the step (exactly-once; the buffer keeps up to checkpoint_every uncommitted batches)."""
+    checkpoint_format: Literal["auto", "sharded", "full"] = "auto"
+    """sharded = torch.distributed.checkpoint: each rank writes and reads its own shards of the
+    weights and AdamW state (no gather to one host; resumable on another rank count; `laminar
+    export` turns one into an HF directory); full = rank 0 gathers everything into an HF directory
+    + optimizer file. auto = sharded under FSDP (several ranks), full on one."""
     keep_checkpoints: int = Field(2, ge=1)
     """Checkpoints kept in run_dir/checkpoints (oldest deleted first)."""
     batch_wait_s: float = Field(1.0, gt=0)
@@ -640,6 +658,11 @@ class TrainerConfig(Section):
     eval_every: int = Field(10, ge=0)
     """Validate on data.eval before the first step, every N steps and at the last: greedy, scored
     by reward.fn, as eval/accuracy in metrics.jsonl and TensorBoard (0 = off; needs data.eval)."""
+    eval_device: Literal["auto", "trainer", "cpu"] = "auto"
+    """Where validation's copy of the model and its KV cache live. trainer = the trainer's device
+    (on a GPU: rank 0's, on top of its FSDP share; `laminar plan` adds it to that rank); cpu = the
+    host (slow for a large model); auto = the trainer's device when that is the CPU, else off
+    (validation then does not run: it would share rank 0's GPU)."""
     eval_rows: int = Field(64, ge=1)
     """Validation uses the first this many rows of data.eval."""
     completions_per_step: int = Field(4, ge=0)

@@ -28,7 +28,8 @@ from tests.test_trainer import make_cfg, make_trajs  # noqa: E402
 def main() -> None:
     model, out = sys.argv[1], Path(sys.argv[2])
     ctx = init_distributed("cpu")
-    cfg = make_cfg(model, out / "run", micro_batch_tokens=48)
+    # the gathered checkpoint (an HF directory), which this test resumes in one process
+    cfg = make_cfg(model, out / "run", micro_batch_tokens=48, checkpoint_format="full")
     policy = Policy(trainer_settings(cfg), model, ctx)
     if not ctx.is_main:
         follow(policy, ctx, out / "run", keep=2)

@@ -40,6 +40,8 @@ _REC = (
 _LAMINAR = f"""#!/usr/bin/env bash
 {_REC}
 if [[ $1 == keys ]]; then mkdir -p "$2"; exit 0; fi
+if [[ $1 == config ]]; then rec config "$$" "$@"; echo "${{STUB_CONFIG_VALUE:-3}}"; exit 0; fi
+if [[ $1 == plan ]]; then rec plan "$$" "$@"; exit "${{STUB_PLAN_RC:-0}}"; fi
 role=? index=0
 args=("$@")
 for ((i = 0; i < ${{#args[@]}}; i++)); do
@@ -186,6 +188,7 @@ def _env(tmp: Path, **extra: str) -> dict[str, str]:
         LAUNCHERS=str(LAUNCHERS),
         RUN_DIR=str(tmp / "run"),
         STOP_TIMEOUT_S="10",
+        GPU_MEM_GIB="80",
     )
     env.update(extra)
     return env
@@ -269,8 +272,17 @@ def test_sbatch_two_gpu_nodes_order_gpus_relays_and_cleanup(tmp_path: Path) -> N
         ["manager-0", "buffer-0", "relay-0", "relay-1", "trainer-0"]
         + [f"rollout-{i}" for i in range(12)]
     )
-    # every srun: overlapping step, the node's CPUs, one task per node
+    # the memory plan ran first, for these GPUs and this trainer
+    (plan,) = [x for x in recs if x.kind == "plan"]
+    assert plan.fields[plan.fields.index("--gpu-mem") + 1] == "80"
+    assert plan.fields[plan.fields.index("--trainer-gpus") + 1] == "4"
+    assert plan.fields[plan.fields.index("--gpus-per-node") + 1] == "8"
+    # one step on every node checked the run directory is shared
     sruns = [x for x in recs if x.kind == "srun"]
+    (check,) = [x for x in sruns if "--job-name=laminar-fscheck" in x.fields]
+    assert "--nodes=2" in check.fields
+    sruns.remove(check)
+    # every srun: overlapping step, the node's CPUs, one task per node
     assert len(sruns) == 17
     for s in sruns:
         assert "--overlap" in s.fields and "--cpus-per-task=16" in s.fields, s.fields
@@ -468,3 +480,21 @@ def test_host_daemons_head_ip_needs_host_ips(tmp_path: Path) -> None:
     env = _env(tmp_path, HOST_INDEX="0", HEAD_IP="10.0.0.1", STUB_EXPECT="0")
     r = _host_daemons(tmp_path, env)
     assert r.returncode == 2 and "HOST_IPS" in r.stderr
+
+
+def test_sbatch_refuses_a_config_the_plan_says_does_not_fit(tmp_path: Path) -> None:
+    env = _env(
+        tmp_path,
+        SLURM_JOB_ID="81",
+        SLURM_JOB_NODELIST="n0",
+        SLURM_GPUS_PER_NODE="8",
+        STUB_EXPECT="1",
+        STUB_PLAN_RC="1",
+    )
+    r = _sbatch(tmp_path, env, "trainer.micro_batch_tokens=131072")
+    assert r.returncode == 2
+    assert "does not fit" in r.stderr
+    recs = _records(tmp_path / "log")
+    (plan,) = [x for x in recs if x.kind == "plan"]
+    assert plan.fields[-1] == "trainer.micro_batch_tokens=131072"
+    assert not [x for x in recs if x.kind == "start"]  # nothing started

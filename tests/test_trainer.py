@@ -165,7 +165,8 @@ def test_temperature_divides_the_logits(tiny, tmp_path):
     mb = collate(TrainBatch.build(make_trajs(n_groups=1)), [0])
     with torch.no_grad():
         logp, _ = policy.token_logprobs(mb)
-        logits = policy.model(input_ids=mb.input_ids).logits[:, :-1] / 2.0
+        hidden = policy.model(input_ids=mb.input_ids).logits[:, :-1]  # the trainer's head: identity
+        logits = hidden @ policy.head.weight.T / 2.0
         ref = torch.log_softmax(logits, -1).gather(-1, mb.targets[..., None])[..., 0]
     m = mb.resp_mask
     assert torch.allclose(logp[m], ref[m], atol=1e-6)

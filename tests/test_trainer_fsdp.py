@@ -136,6 +136,7 @@ async def test_two_rank_trainer_node_against_the_buffer_protocol(tmp_path, short
                     "batch_wait_s": 0.5,
                     "micro_batch_tokens": 48,
                     "lr": 1e-3,
+                    "checkpoint_format": "full",  # resumed below in one process
                 },
             }
         )

@@ -113,13 +113,37 @@ def _prepare_run_dir(cfg: LaminarConfig, resume: bool, overwrite: bool) -> bool:
     return True
 
 
+def _plan_fits(cfg: LaminarConfig) -> bool:
+    """The memory plan of a config whose processes use this host's GPUs (laminar/plan): False,
+    with the table and a line naming process, figure and setting, when one does not fit."""
+    from laminar.plan.command import check_before_start
+    from laminar.plan.memory import format_plan, refusal
+
+    plan = check_before_start(cfg, None)
+    if plan is None or plan.fits:
+        return True
+    print(format_plan(plan), file=sys.stderr)
+    print(
+        f"laminar run: refusing to start: {refusal(plan)} (--skip-plan starts anyway)",
+        file=sys.stderr,
+        flush=True,
+    )
+    return False
+
+
 def run_main(
-    config: str | None, overrides: list[str], resume: bool = False, overwrite: bool = False
+    config: str | None,
+    overrides: list[str],
+    resume: bool = False,
+    overwrite: bool = False,
+    skip_plan: bool = False,
 ) -> int:
     cfg = load_config(config, overrides)
     from laminar.preflight import check_inputs
 
     check_inputs(cfg, _started_roles(cfg))  # model, data, reward: one line each, nothing started
+    if not skip_plan and not _plan_fits(cfg):
+        return EXIT_FAILED
     from laminar.trainer.logger import require_wandb
 
     # logging.wandb without wandb installed: refuse before any node starts

@@ -326,12 +326,14 @@ def load_model(
     device: str = "cpu",
     module_free: bool = True,
     max_len: int | None = None,
+    attention: str = "eager",
 ) -> Any:
     """The model at `path` for a plain-tensor forward: a DecoderLM where `module_free` and it loads
-    exactly, else the HF model (transformers imported only then)."""
+    exactly, else the HF model (transformers imported only then) with HF's `attention`
+    implementation."""
     model = load_decoder_lm(path, dtype, device, max_len) if module_free else None
     if model is None:
         from laminar.models.tiny import load_causal_lm
 
-        model = load_causal_lm(path, dtype, device)
+        model = load_causal_lm(path, dtype, device, attention)
     return model

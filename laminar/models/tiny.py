@@ -110,8 +110,11 @@ def load_tokenizer(path: str | os.PathLike):
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
-def load_causal_lm(path: str | os.PathLike, dtype: str = "float32", device: str = "cpu"):
-    """Load a local HF causal LM (never from the hub), eval mode, on `device`."""
+def load_causal_lm(
+    path: str | os.PathLike, dtype: str = "float32", device: str = "cpu", attention: str = "eager"
+):
+    """Load a local HF causal LM (never from the hub), eval mode, on `device`. `attention`: HF's
+    attn_implementation (the trainer's sdpa keeps no [rows, heads, L, L] weights for backward)."""
     import torch
 
     with IMPORT_LOCK:
@@ -126,7 +129,7 @@ def load_causal_lm(path: str | os.PathLike, dtype: str = "float32", device: str 
             str(path),
             dtype=getattr(torch, dtype),
             local_files_only=True,
-            attn_implementation="eager",
+            attn_implementation=attention,
         )
     return model.to(device).eval()
 

@@ -195,6 +195,9 @@ class MicroBatch:
     targets: torch.Tensor
     resp_mask: torch.Tensor
     behav_logp: torch.Tensor
+    resp_index: torch.Tensor
+    """[N] flat positions of resp_mask's True entries in [b * (L-1)], row-major: the positions
+    whose log-probabilities are computed (no data-dependent shapes on the device)."""
     layout: PackedLayout | None = None
     """The same samples for the packed forward (trainer/packed.py), when it runs."""
 
@@ -207,6 +210,7 @@ class MicroBatch:
             self.targets.to(dev),
             self.resp_mask.to(dev),
             self.behav_logp.to(dev),
+            self.resp_index.to(dev),
             None if self.layout is None else self.layout.to(dev),
         )
 
@@ -231,7 +235,13 @@ def collate(batch: TrainBatch, index: list[int], pad_id: int = 0) -> MicroBatch:
         resp[r, p - 1 : p - 1 + n] = True if s.loss_mask is None else torch.from_numpy(s.loss_mask)
         behav[r, p - 1 : p - 1 + n] = torch.from_numpy(s.behav_logp)
     return MicroBatch(
-        torch.tensor(index, dtype=torch.long), ids, att, ids[:, 1:].clone(), resp, behav
+        torch.tensor(index, dtype=torch.long),
+        ids,
+        att,
+        ids[:, 1:].clone(),
+        resp,
+        behav,
+        resp.flatten().nonzero().squeeze(1),
     )
 
 

@@ -8,6 +8,14 @@
         trainer_state.pt       optimizer (keyed by parameter name), scheduler, RNG states
         meta.json              step, version, consumption frontier, time   (written last)
 
+    sharded (trainer.checkpoint_format; FSDP's default), every rank writing its own shards:
+        dcp/                   torch.distributed.checkpoint: {"model", "optim"} as each rank holds
+                               them (.distcp files + .metadata), loadable on any rank count
+        hf_config/             the model's config.json + tokenizer files (`laminar export` makes an
+                               HF directory of dcp/ + these)
+        trainer_state.pt       scheduler, RNG states (rank 0's)
+        meta.json              (written last, by rank 0, after every rank's shards are written)
+
 A checkpoint is built in `.tmp-step_N-<pid>` and renamed into place, so a crash
 mid-write leaves no half checkpoint that `latest_checkpoint` could pick up; the
 oldest complete checkpoints beyond `keep` are deleted after the rename.
@@ -203,6 +211,131 @@ def remove_partial(run_dir: str | os.PathLike) -> int:
     return n
 
 
+def sharded(policy: Policy) -> bool:
+    """Does this policy write sharded checkpoints (trainer.checkpoint_format)?"""
+    fmt = policy.tc.checkpoint_format
+    return fmt == "sharded" or (fmt == "auto" and policy.ctx.enabled)
+
+
+def _all_agree(policy: Policy, flag: bool) -> bool:
+    """Rank 0's `flag` on every rank."""
+    if not policy.ctx.enabled:
+        return flag
+    import torch.distributed as dist
+
+    box = [flag]
+    dist.broadcast_object_list(box, src=0, group=policy.ctx.cpu_group)
+    return bool(box[0])
+
+
+def _barrier(policy: Policy) -> None:
+    if policy.ctx.enabled:
+        import torch.distributed as dist
+
+        dist.barrier(group=policy.ctx.cpu_group)
+
+
+def save_sharded(
+    policy: Policy,
+    run_dir: str | os.PathLike,
+    step: int,
+    meta: dict[str, Any],
+    tokenizer_src: str | os.PathLike | None = None,
+    keep: int = 2,
+) -> Path | None:
+    """Every rank writes its own shards of the weights and AdamW state (collective); rank 0 adds
+    the small files, then renames the directory into place. run_dir must be on a filesystem every
+    rank sees."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    root = checkpoint_root(run_dir)
+    final = root / f"step_{step:08d}"
+    if _all_agree(policy, policy.ctx.is_main and (final / "meta.json").is_file()):
+        return final if policy.ctx.is_main else None  # saved already (periodic, then SIGTERM)
+    tmp = root / f".tmp-step_{step:08d}"  # one name every rank knows (one trainer per run_dir)
+    if policy.ctx.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier(policy)
+    model_sd, optim_sd = get_state_dict(policy.model, policy.optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
+    _barrier(policy)
+    if policy.ctx.is_main:
+        state = {"scheduler": policy.scheduler.state_dict(), "rng": rng_state()}
+        torch.save(state, tmp / "trainer_state.pt")
+        (tmp / "hf_config").mkdir()
+        config = Path(policy.model_path) / "config.json"
+        if config.is_file():
+            shutil.copy2(config, tmp / "hf_config" / "config.json")
+        else:  # the model object knows its config
+            policy.model.config.to_json_file(str(tmp / "hf_config" / "config.json"))
+        copy_tokenizer_files(tokenizer_src, tmp / "hf_config")
+        (tmp / "meta.json").write_text(
+            json.dumps({**meta, "step": step, "saved_at": time.time()}, indent=1)
+        )
+        _fsync_tree(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        for old in list_checkpoints(run_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier(policy)
+    return final if policy.ctx.is_main else None
+
+
+def load_sharded(policy: Policy, path: Path) -> dict[str, Any]:
+    """Each rank reads its own shards of path/dcp into its model and optimizer (collective)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    # get_state_dict creates AdamW's state first, so every entry has a tensor to load into
+    model_sd, optim_sd = get_state_dict(policy.model, policy.optimizer)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path / "dcp"))
+    set_state_dict(
+        policy.model, policy.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd
+    )
+    meta = json.loads((path / "meta.json").read_text())
+    state = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=True)
+    policy.scheduler.load_state_dict(state["scheduler"])
+    set_rng_state(state["rng"])
+    return meta
+
+
+def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike) -> Path:
+    """An HF directory (config, safetensors, tokenizer) of a checkpoint's weights, in one process:
+    a sharded checkpoint's dcp/ is read whole (its model part only) on this host's CPU."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    src, dst = Path(checkpoint), Path(out)
+    if (src / "model").is_dir():  # a full checkpoint is an HF directory already
+        shutil.copytree(src / "model", dst, dirs_exist_ok=True)
+        return dst
+    if not (src / "dcp").is_dir():
+        raise FileNotFoundError(f"{src} is not a checkpoint (neither model/ nor dcp/ in it)")
+    sd: dict[str, Any] = {}
+    _load_state_dict(
+        sd,
+        storage_reader=FileSystemReader(str(src / "dcp")),
+        planner=_EmptyStateDictLoadPlanner(keys={"model"}),
+        no_dist=True,
+    )
+    weights = {k: v for k, v in sd["model"].items() if isinstance(v, torch.Tensor)}
+    from laminar.models.tiny import IMPORT_LOCK
+
+    with IMPORT_LOCK:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(str(src / "hf_config"))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    model.save_pretrained(dst, state_dict=weights, safe_serialization=True)
+    copy_tokenizer_files(src / "hf_config", dst)
+    return dst
+
+
 def save_policy(
     policy: Policy,
     run_dir: str | os.PathLike,
@@ -211,12 +344,15 @@ def save_policy(
     tokenizer_src: str | os.PathLike | None = None,
     keep: int = 2,
 ) -> Path | None:
-    """Gather the policy's full state (collective on every rank) and write it on rank 0; with
-    LoRA the adapters (fp32) instead of the model."""
+    """Write a checkpoint (collective on every rank): with LoRA the adapters (fp32, gathered:
+    they are small) instead of the model; else sharded, or gathered and written by rank 0
+    (trainer.checkpoint_format)."""
     adapter = None
     if policy.lora is not None:
         model_sd = None
         adapter = (policy.lora, policy.export_weights("float32"), policy.settings.model.path)
+    elif sharded(policy):
+        return save_sharded(policy, run_dir, step, meta, tokenizer_src, keep)
     else:
         model_sd = policy.full_state_dict()
     state = {
@@ -256,7 +392,10 @@ def adapter_of(ckpt: Path | None, lora: bool) -> Path | None:
 
 
 def load_policy_state(policy: Policy, path: str | os.PathLike) -> dict[str, Any]:
-    """Restore optimizer, scheduler and RNG into a policy built from path/model; returns meta."""
+    """Restore optimizer, scheduler and RNG into a policy built from path/model (a sharded
+    checkpoint: weights too, each rank its own shards); returns meta."""
+    if (Path(path) / "dcp").is_dir():
+        return load_sharded(policy, Path(path))
     meta, state = read_checkpoint(path)
     policy.load_optimizer_state(state["optimizer"])
     policy.scheduler.load_state_dict(state["scheduler"])

@@ -38,6 +38,8 @@ class DistContext:
     local_rank: int = 0
     cpu_group: Any = None
     """A gloo group for CPU tensors (commands, metric reduction); None when world == 1."""
+    mesh: Any = None
+    """The device mesh FSDP2 shards over; None: built from the default group when sharding."""
 
     @property
     def enabled(self) -> bool:

@@ -108,10 +108,11 @@ def open_trainer(settings: TrainerSettings, run_dir: Path) -> Opened:
 
         ckpt = agree_on_path(dist, ckpt)
         adapter = ck.adapter_of(ckpt, settings.model.lora is not None)
-        model_path = settings.model.path
-        if ckpt is not None and adapter is None:
-            model_path = str(ckpt / "model")
-        # a LoRA checkpoint holds the adapters only: the base is model.path, as for the rollouts
+        # a LoRA checkpoint holds the adapters only: the base is model.path, as for the rollouts;
+        # a full checkpoint holds an HF directory; a sharded one is loaded over model.path's
+        # weights by restore (each rank its own shards)
+        full = ckpt / "model" if ckpt is not None and adapter is None else None
+        model_path = str(full) if full is not None and full.is_dir() else settings.model.path
         if not model_path:
             raise ValueError("the torch trainer needs model.path (a local HF model directory)")
         trainer = Policy(settings, model_path, dist, adapter)

@@ -8,8 +8,9 @@ scored by reward.fn.
     await ev.close()
 
     data.eval ─► first trainer.eval_rows rows ─► PromptEncoder (as the buffer encodes them)
-    trainer.export() ─► a separate eval copy of the model (model.path architecture, model.device,
-                        model.dtype) ─► TorchEngine, temperature 0, rollout.sampling max_tokens/stop
+    trainer.export() ─► a separate eval copy of the model (model.path architecture,
+                        model.dtype, on trainer.eval_device)
+                     ─► TorchEngine, temperature 0, rollout.sampling max_tokens/stop
                      ─► decoded completions ─► RewardRunner(reward.fn) ─► mean = eval/accuracy
 
 Runs before the first step of a fresh run (step 0: the starting point), every
@@ -23,7 +24,9 @@ Metrics (one metrics.jsonl line per validation, and TensorBoard): eval/accuracy 
 the scored rows), eval/n (rows scored), eval/excluded (reward None or failed), eval/mean_tokens,
 eval/seconds. The first samples go to completions.jsonl with "eval": true.
 
-Not run (one log line says why): trainer.engine=sim (no model), no data.eval, eval_every 0.
+Not run (one log line says why): trainer.engine=sim (no model), no data.eval, eval_every 0, a
+trainer on a GPU with trainer.eval_device=auto (the eval copy and its KV cache would sit on rank
+0's GPU next to its FSDP share: `laminar plan` shows whether eval_device=trainer fits).
 Multi-turn runs (env.fn set) are validated single-turn only: one greedy completion per prompt,
 scored by reward.fn, without the environment's tools or turns (episodes would need the tools
 node and the env's own scoring; the line `eval_single_turn` says so at start).
@@ -276,6 +279,15 @@ def open_evaluator(
     if not mc.path:
         log.info("eval_skipped", reason="model.path is not set")
         return None
+    device = mc.device if tc.eval_device != "cpu" else "cpu"
+    if tc.eval_device == "auto" and device != "cpu":
+        log.info(
+            "eval_skipped",
+            reason=f"the trainer is on {device}: the evaluator would share rank 0's GPU with "
+            "its FSDP share; set trainer.eval_device=trainer (where `laminar plan` says it "
+            "fits) or cpu",
+        )
+        return None
     if settings.env_fn:
         log.warning(
             "eval_single_turn",
@@ -293,7 +305,7 @@ def open_evaluator(
     model = load_model(
         mc.path,
         mc.dtype,
-        mc.device,
+        device,
         module_free=True,
         max_len=settings.rollout.max_model_len,
     )

@@ -375,7 +375,9 @@ class TrainerNode(Node):
             return
         staleness = [self.version - s.version for s in batch.samples]
         metrics = await self.compute(self.trainer.step, batch)
+        t_export = time.perf_counter()
         weights = await self.compute(self.trainer.export)
+        export_s = time.perf_counter() - t_export
         self.step += 1
         self.version += 1
         trained = [s.uid for s in batch.samples]
@@ -393,6 +395,8 @@ class TrainerNode(Node):
                 "step_s": step_s,
                 "push_s": push_s,
                 "push_bytes": push_bytes,
+                "export_s": export_s,
+                "weights_stall_s": export_s + push_s,
                 "tokens_per_s": metrics["tokens_total"] / max(metrics["compute_s"], 1e-9),
                 "staleness": sum(staleness) / len(staleness),
                 "staleness_max": max(staleness),

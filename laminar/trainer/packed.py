@@ -47,7 +47,7 @@ class AttentionChunk:
     mask: torch.Tensor
     """[n, 1, Qmax, Kmax] bool: key is real and not after the query."""
     real: torch.Tensor
-    """[n * Qmax] bool: the query slots that are real tokens."""
+    """[R] indices of the query slots (of n * Qmax) that are real tokens."""
 
     def to(self, device: torch.device) -> AttentionChunk:
         return AttentionChunk(
@@ -66,6 +66,8 @@ class PackedLayout:
     """[T] row of the chunks' concatenated outputs that holds packed token t."""
     select: torch.Tensor
     """[N] packed index of the position predicting each trained token, samples in order."""
+    longest: int
+    """1 + the largest position (the RoPE table's length needed)."""
 
     @classmethod
     def build(cls, samples: list[Sample], attn_tokens: int = 1024) -> PackedLayout:
@@ -116,6 +118,7 @@ class PackedLayout:
             chunks,
             torch.from_numpy(order),
             torch.from_numpy(np.concatenate(select).astype(np.int64)),
+            int(all_pos.max()) + 1,
         )
 
     def to(self, device: torch.device) -> PackedLayout:
@@ -125,6 +128,7 @@ class PackedLayout:
             [c.to(device) for c in self.chunks],
             self.order.to(device),
             self.select.to(device),
+            self.longest,
         )
 
 
@@ -144,7 +148,7 @@ def _chunk(qs: list[np.ndarray], ks: list[np.ndarray], pos: np.ndarray) -> Atten
         torch.from_numpy(q_idx),
         torch.from_numpy(k_idx),
         torch.from_numpy(mask[:, None]),
-        torch.from_numpy(q_real.reshape(-1)),
+        torch.from_numpy(np.flatnonzero(q_real.reshape(-1))),
     )
 
 
@@ -188,49 +192,65 @@ class PackedForward:
         """Project to the vocabulary in float32 under autocast (as the trainer's HF head does)."""
 
     def __call__(self, lay: PackedLayout) -> torch.Tensor:
-        inner, sh = self.model.model, self.shape
-        t = lay.ids.shape[0]
-        h_q, h_kv, d = sh.heads, sh.kv_heads, sh.head_dim
-        rope = h_q + h_kv
-        longest = int(lay.pos.max()) + 1
-        if longest > self.cos.shape[0]:
-            self.cos, self.sin = rope_table(self.model, max(longest, 2 * self.cos.shape[0]))
-        cos, sin = self.cos[lay.pos][:, None], self.sin[lay.pos][:, None]
-        x = F.embedding(lay.ids, inner.embed_tokens.weight)
-        for layer in inner.layers:
-            a, m = layer.self_attn, layer.mlp
-            y = rms(x, layer.input_layernorm.weight, sh.eps)
-            w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
-            b = (
-                None
-                if a.q_proj.bias is None
-                else torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
-            )
-            qkv = _plus(F.linear(y, w, b), fused_lora((a.q_proj, a.k_proj, a.v_proj), y))
-            qkv = qkv.view(t, rope + h_kv, d)
-            qk, v = qkv[:, :rope], qkv[:, rope:]
-            if getattr(a, "q_norm", None) is not None:
-                qk = torch.cat(
-                    [
-                        rms(qk[:, :h_q], a.q_norm.weight, sh.eps),
-                        rms(qk[:, h_q:], a.k_norm.weight, sh.eps),
-                    ],
-                    1,
-                )
-            qk = rotate(qk, cos, sin)
-            o = self._attend(qk[:, :h_q], qk[:, h_q:], v, lay)
-            x = x + _plus(F.linear(o, a.o_proj.weight, a.o_proj.bias), lora_delta(a.o_proj, o))
-            y = rms(x, layer.post_attention_layernorm.weight, sh.eps)
-            gate_up = F.linear(y, torch.cat([m.gate_proj.weight, m.up_proj.weight]))
-            gate, up = _plus(gate_up, fused_lora((m.gate_proj, m.up_proj), y)).chunk(2, -1)
-            h = sh.act(gate) * up
-            x = x + _plus(F.linear(h, m.down_proj.weight), lora_delta(m.down_proj, h))
-        h = rms(x[lay.select], inner.norm.weight, sh.eps)
+        h = self.hidden(lay)
         head = self.model.lm_head.weight
         if self.fp32_head:
             with torch.autocast(h.device.type, enabled=False):
                 return F.linear(h.float(), head.float())
         return F.linear(h, head)
+
+    def hidden(self, lay: PackedLayout, checkpoint: bool = False) -> torch.Tensor:
+        """(N, D): the final-norm hidden state at the selected positions (what the head projects).
+        `checkpoint`: each decoder layer's activations are recomputed in backward, not kept."""
+        inner, sh = self.model.model, self.shape
+        longest = lay.longest
+        if longest > self.cos.shape[0]:
+            self.cos, self.sin = rope_table(self.model, max(longest, 2 * self.cos.shape[0]))
+        cos, sin = self.cos[lay.pos][:, None], self.sin[lay.pos][:, None]
+        x = F.embedding(lay.ids, inner.embed_tokens.weight)
+        for layer in inner.layers:
+            if checkpoint and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(
+                    self._layer, layer, x, cos, sin, lay, use_reentrant=False
+                )
+            else:
+                x = self._layer(layer, x, cos, sin, lay)
+        return rms(x[lay.select], inner.norm.weight, sh.eps)
+
+    def _layer(
+        self, layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lay: PackedLayout
+    ) -> torch.Tensor:
+        sh = self.shape
+        t = x.shape[0]
+        h_q, h_kv, d = sh.heads, sh.kv_heads, sh.head_dim
+        rope = h_q + h_kv
+        a, m = layer.self_attn, layer.mlp
+        y = rms(x, layer.input_layernorm.weight, sh.eps)
+        w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+        b = (
+            None
+            if a.q_proj.bias is None
+            else torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+        )
+        qkv = _plus(F.linear(y, w, b), fused_lora((a.q_proj, a.k_proj, a.v_proj), y))
+        qkv = qkv.view(t, rope + h_kv, d)
+        qk, v = qkv[:, :rope], qkv[:, rope:]
+        if getattr(a, "q_norm", None) is not None:
+            qk = torch.cat(
+                [
+                    rms(qk[:, :h_q], a.q_norm.weight, sh.eps),
+                    rms(qk[:, h_q:], a.k_norm.weight, sh.eps),
+                ],
+                1,
+            )
+        qk = rotate(qk, cos, sin)
+        o = self._attend(qk[:, :h_q], qk[:, h_q:], v, lay)
+        x = x + _plus(F.linear(o, a.o_proj.weight, a.o_proj.bias), lora_delta(a.o_proj, o))
+        y = rms(x, layer.post_attention_layernorm.weight, sh.eps)
+        gate_up = F.linear(y, torch.cat([m.gate_proj.weight, m.up_proj.weight]))
+        gate, up = _plus(gate_up, fused_lora((m.gate_proj, m.up_proj), y)).chunk(2, -1)
+        h = sh.act(gate) * up
+        return x + _plus(F.linear(h, m.down_proj.weight), lora_delta(m.down_proj, h))
 
     def _attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay: PackedLayout
@@ -256,9 +276,7 @@ def _plus(x: torch.Tensor, lora: torch.Tensor | None) -> torch.Tensor:
     return x if lora is None else x + lora
 
 
-def packed_forward(
-    model: Any, max_len: int, choice: str, sharded: bool, fp32_head: bool = False
-) -> PackedForward | None:
+def packed_forward(model: Any, max_len: int, choice: str, sharded: bool) -> PackedForward | None:
     """The forward the trainer runs (`trainer.forward`): the packed one, or None (HF's padded
     one)."""
 
@@ -266,5 +284,5 @@ def packed_forward(
         return "FSDP-sharded parameters" if sharded else ops.unsupported(model, max_len)
 
     if ops.use_plain_forward("trainer.forward", choice, "packed", why_not):
-        return PackedForward(model, fp32_head)
+        return PackedForward(model)
     return None

@@ -39,6 +39,12 @@ With decoupled=False (bypass) the behaviour logprobs take the proximal role.
 LoRA (model.lora, laminar/models/lora.py): peft's LoRA layers on the frozen base, AdamW over the
 adapters only, both forwards add the adapters' share; export() returns the adapters alone.
 
+Memory (docs/planning.md; `laminar plan` traces this very code): the model's forward returns
+hidden states and the head runs in trainer/logprobs.py, fp32, trainer.logprob_chunk_tokens at a
+time and recomputed in backward; trainer.activation_checkpointing recomputes each decoder layer
+in backward; under FSDP2 a mixed-precision policy gathers parameters in trainer.param_dtype
+(bf16 on GPU) and reduces gradients in trainer.reduce_dtype (fp32).
+
 FSDP2 (`fully_shard` per decoder layer, then the root) when world > 1: every rank
 holds the whole batch (rank 0 broadcast it), takes micro-batches rank::world (padded
 with zero-weight dummies so collectives line up) and the loss is multiplied by the
@@ -50,11 +56,11 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
 import torch
-import torch.nn.functional as F
 
 from laminar.algo.advantages import broadcast_to_tokens, compute_advantages, kl_penalized_rewards
 from laminar.algo.episodes import episode_stats
@@ -66,6 +72,8 @@ from laminar.trainer import checkpoint as ck
 from laminar.trainer.batch import MicroBatch, TrainBatch, collate, pack_micro_batches
 from laminar.trainer.dist import DistContext, destroy, lead
 from laminar.trainer.engine import TrainerSettings
+from laminar.trainer.logprobs import full_token_logprobs
+from laminar.trainer.logprobs import token_logprobs as chunked_logprobs
 from laminar.trainer.packed import PackedForward, PackedLayout, pack_by_prompt, packed_forward
 
 
@@ -81,27 +89,61 @@ def lr_lambda(warmup: int, total: int, min_ratio: float):
     return f
 
 
-def _fp32_head(head: torch.nn.Linear) -> None:
-    """Compute the LM head outside autocast in fp32 (FP32 logits: algorithms.md §7)."""
+def _hidden_head(head: torch.nn.Module) -> None:
+    """Make the model's forward return the final hidden states: the head's projection to the
+    vocabulary runs in trainer/logprobs.py, in fp32 (algorithms.md §7), only at the trained
+    positions and a chunk of tokens at a time."""
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(device_type=x.device.type, enabled=False):
-            bias = None if head.bias is None else head.bias.float()
-            return F.linear(x.float(), head.weight.float(), bias)
+        return x
 
-    head.forward = forward  # type: ignore[method-assign,assignment]  # this instance only
+    head.forward = forward  # this instance only
 
 
-def _apply_fsdp(model: torch.nn.Module, ctx: DistContext, device: torch.device) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+def param_dtype(choice: str, device: torch.device) -> torch.dtype:
+    """trainer.param_dtype: auto = bfloat16 on GPU, float32 on CPU."""
+    if choice == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return cast(torch.dtype, getattr(torch, choice))
 
-    mesh = init_device_mesh(device.type, (ctx.world,))
-    block_names = set(getattr(model, "_no_split_modules", None) or [])
-    for module in model.modules():
-        if type(module).__name__ in block_names:
-            fully_shard(module, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's decoder layers: the modules HF says never to split (`_no_split_modules`)."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def apply_activation_checkpointing(model: torch.nn.Module) -> bool:
+    """Recompute each decoder layer in backward: its forward runs under torch's non-reentrant
+    checkpoint (only the layer's input is kept), whatever train/eval mode the model is in (HF's own
+    switch acts in train mode only, and this trainer runs in eval mode: no dropout). Parameter
+    names do not change. Under FSDP2 the layer's pre-backward hook gathers its parameters before
+    the recompute. False where the model names no decoder layers."""
+    from torch.utils.checkpoint import checkpoint
+
+    layers = decoder_layers(model)
+    for layer in layers:
+        inner = layer.forward
+
+        def forward(*args: Any, _inner: Any = inner, **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled():
+                return _inner(*args, **kwargs)
+            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+
+        layer.forward = forward  # this instance only
+    return bool(layers)
+
+
+def apply_fsdp(model: torch.nn.Module, mesh: Any, param: torch.dtype, reduce: torch.dtype) -> None:
+    """fully_shard every decoder layer, then the root, under a mixed-precision policy: parameters
+    gathered and computed in `param`, gradients reduce-scattered in `reduce`, the sharded master
+    weights (and so AdamW's state) stay as loaded (fp32)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
 
 
 class Policy:
@@ -111,8 +153,11 @@ class Policy:
         model_path: str,
         ctx: DistContext | None = None,
         adapter: Path | None = None,
+        load: Callable[[str], Any] | None = None,
     ):
-        """`adapter`: a checkpoint's peft adapter directory to resume (model.lora runs)."""
+        """`adapter`: a checkpoint's peft adapter directory to resume (model.lora runs). `load`:
+        builds the model from a path (default: its weights, fp32; the memory plan passes one that
+        builds the shape only, laminar/plan/trainer.py)."""
         from laminar.models.decoder_lm import load_model
 
         self.settings, self.ctx = settings, ctx or DistContext()
@@ -133,9 +178,15 @@ class Policy:
         # the packed forward reads parameters only: no transformers needed where it runs (not FSDP)
         module_free = tc.forward != "hf" and not self.ctx.enabled
         max_len = settings.max_model_len
-        self.model = load_model(model_path, "float32", load_on, module_free, max_len)
+
+        def load_weights(path: str) -> Any:
+            return load_model(path, "float32", load_on, module_free, max_len, attention="sdpa")
+
+        load = load or load_weights
+        self.model = load(model_path)
         self.lora = settings.model.lora
-        """LoRA: only the adapters train and a version is the adapters (laminar/models/lora.py)."""
+        """LoRA: only the adapters train and a version is the adapters (laminar/models/lora.py);
+        added before checkpointing and sharding, so the memory plan traces them too."""
         if self.lora is not None:
             from laminar.models import lora as lo
 
@@ -146,19 +197,32 @@ class Policy:
         self.max_len = getattr(self.model.config, "max_position_embeddings", None)
         dups = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
         self._tied = dups - {n for n, _ in self.model.named_parameters()}
-        if self.autocast and self.model.get_output_embeddings() is not None:
-            _fp32_head(self.model.get_output_embeddings())
+        self.head = self.model.get_output_embeddings()
+        _hidden_head(self.head)
         self.ref = None
         if algo.kl_coef > 0:
-            self.ref = load_model(
-                settings.model.path or model_path, "float32", load_on, module_free, max_len
-            )
+            self.ref = load(settings.model.path or model_path)
             self.ref.requires_grad_(False)
+            _hidden_head(self.ref.get_output_embeddings())
+        # the sliding-window check needs a length; unknown, any window binds
+        longest = int(self.max_len or settings.max_model_len or 1 << 30)
+        self.packed = packed_forward(self.model, longest, tc.forward, self.ctx.enabled)
+        """The packed training forward, or None: HF's padded forward (trainer.forward)."""
+        self.packed_ref = PackedForward(self.ref) if self.packed and self.ref is not None else None
+        # before sharding: fully_shard renames the layers' classes
+        self.checkpointing = tc.activation_checkpointing and (
+            self.packed is not None or apply_activation_checkpointing(self.model)
+        )
+        """Per-layer activation checkpointing is on (the packed forward's own, or HF's)."""
         if self.ctx.enabled:
-            _apply_fsdp(self.model, self.ctx, self.device)
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = self.ctx.mesh or init_device_mesh(self.device.type, (self.ctx.world,))
+            mp = (param_dtype(tc.param_dtype, self.device), getattr(torch, tc.reduce_dtype))
+            apply_fsdp(self.model, mesh, *mp)
             self.model.to(self.device)  # moves this rank's shards only
             if self.ref is not None:
-                _apply_fsdp(self.ref, self.ctx, self.device)
+                apply_fsdp(self.ref, mesh, *mp)
                 self.ref.to(self.device)
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
@@ -174,15 +238,6 @@ class Policy:
         self.temperature = temp if temp > 0 else 1.0
         self.loss_settings = LossSettings.from_algo(algo, settings.max_tokens)
         self.pad_id = int(self.model.config.pad_token_id or 0)
-        # the sliding-window check needs a length; unknown, any window binds
-        longest = int(self.max_len or settings.max_model_len or 1 << 30)
-        self.packed = packed_forward(
-            self.model, longest, tc.forward, self.ctx.enabled, self.autocast
-        )
-        """The packed training forward, or None: HF's padded forward (trainer.forward)."""
-        self.packed_ref = (
-            PackedForward(self.ref, self.autocast) if self.packed and self.ref is not None else None
-        )
 
     # ---- the Trainer protocol ---------------------------------------------------------------
     def prepare(self, trajectories: list[Trajectory]) -> TrainBatch:
@@ -210,7 +265,7 @@ class Policy:
     # ---- forward ------------------------------------------------------------------------
     def _amp(self):
         return (
-            torch.autocast("cuda", dtype=torch.bfloat16)
+            torch.autocast(self.device.type, dtype=torch.bfloat16)
             if self.autocast
             else contextlib.nullcontext()
         )
@@ -221,28 +276,45 @@ class Policy:
         """(log pi(target), entropy), both [b, L-1] and 0 off the response; entropy has grad only if
         asked.
 
-        Only response positions go through the fp32 log-softmax: long prompts cost no [*, V] memory.
-        With the packed forward only those positions reach the head at all.
+        Only response positions reach the head (trainer/logprobs.py: fp32, trainer.
+        logprob_chunk_tokens at a time): long prompts cost no [*, V] memory, and neither does a
+        long micro-batch.
         """
-        sel = mb.resp_mask
         model = model or self.model
         packed = {id(self.model): self.packed, id(self.ref): self.packed_ref}.get(id(model))
         with self._amp():
             if packed is not None and mb.layout is not None:
-                logits = packed(mb.layout).float()  # [N, V], sel's positions in row-major order
+                # resp_index's positions in row-major order
+                hidden = packed.hidden(mb.layout, self.checkpointing and model is self.model)
             else:
                 out = model(
                     input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False
                 )
-                logits = out.logits[:, :-1][sel].float()  # [N, V]
-        if self.temperature != 1.0:
-            logits = logits / self.temperature
-        lse = torch.logsumexp(logits, dim=-1)
-        flat = logits.gather(-1, mb.targets[sel].unsqueeze(-1)).squeeze(-1) - lse
-        with contextlib.nullcontext() if entropy_grad else torch.no_grad():
-            flat_ent = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
-        zeros = torch.zeros(sel.shape, dtype=torch.float32, device=sel.device)
-        return zeros.masked_scatter(sel, flat), zeros.masked_scatter(sel, flat_ent)
+                steps = mb.resp_mask.shape[1]  # the head's output "logits" are hidden states
+                rows, cols = mb.resp_index // steps, mb.resp_index % steps
+                hidden = out.logits[rows, cols]  # [N, D]
+        # the head's weight: read after the forward (under FSDP2 the root's parameters stay
+        # gathered until its backward)
+        head = cast(torch.nn.Linear, cast(Any, model).get_output_embeddings())
+        targets = mb.targets.flatten()[mb.resp_index]
+        chunk = self.tc.logprob_chunk_tokens
+        if chunk:
+            flat, flat_ent = chunked_logprobs(
+                hidden, head.weight, head.bias, targets, self.temperature, chunk
+            )
+        else:
+            flat, flat_ent = full_token_logprobs(
+                hidden, head.weight, head.bias, targets, self.temperature
+            )
+        if not entropy_grad:
+            flat_ent = flat_ent.detach()
+        n = mb.resp_mask.numel()
+        zeros = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+        shape = mb.resp_mask.shape
+        return (
+            zeros.index_copy(0, mb.resp_index, flat).view(shape),
+            zeros.index_copy(0, mb.resp_index, flat_ent).view(shape),
+        )
 
     def micro_batch(self, batch: TrainBatch, idx: list[int]) -> MicroBatch:
         """The samples `idx` collated on the trainer's device, with their packed layout when the
@@ -459,8 +531,13 @@ class Policy:
         )
 
     def export_weights(self, dtype: str = "float32") -> dict[str, torch.Tensor]:
-        """Weights for the rollouts (tied copies dropped, cast to the rollout dtype); with LoRA
-        the adapters alone, under peft's names. Collective."""
+        """Weights for the rollouts (tied copies dropped, cast to the rollout dtype; rank 0, {}
+        elsewhere); with LoRA the adapters alone, under peft's names. Collective.
+
+        Under FSDP, tensor by tensor in layer order: each is all-gathered on the device, cast to
+        `dtype` there, and only that copy goes to rank 0's host (a bf16 version moves half the
+        bytes of the fp32 master weights, and no full fp32 copy is ever held); the copy to the
+        host is issued without waiting (pinned memory) while the next tensor gathers."""
         want = getattr(torch, dtype)
         if self.lora is not None:
             from laminar.models.lora import adapter_state
@@ -468,9 +545,28 @@ class Policy:
             sd = adapter_state(self.model)  # every rank gathers; rank 0 keeps
             if self.ctx.enabled:  # as full_state_dict: on rank 0's CPU
                 sd = {k: v.cpu() for k, v in sd.items()} if self.ctx.is_main else {}
-        else:
-            sd = self.full_state_dict()
-        return {k: (v if v.dtype == want else v.to(want)) for k, v in sd.items()}
+            return {k: (v if v.dtype == want else v.to(want)) for k, v in sd.items()}
+        if not self.ctx.enabled:
+            return {
+                k: (v if v.dtype == want else v.to(want)) for k, v in self.full_state_dict().items()
+            }
+        cuda = self.device.type == "cuda"
+        out: dict[str, torch.Tensor] = {}
+        for name, value in self.model.state_dict().items():
+            if name in self._tied:
+                continue
+            full = value.full_tensor() if hasattr(value, "full_tensor") else value
+            if not self.ctx.is_main:
+                continue
+            cast = full.detach().to(want)
+            if cuda:
+                host = torch.empty(cast.shape, dtype=want, pin_memory=True)
+                out[name] = host.copy_(cast, non_blocking=True)
+            else:
+                out[name] = cast.clone() if cast is value else cast  # a live buffer: a copy
+        if cuda:
+            torch.cuda.current_stream().synchronize()  # every copy to the host has landed
+        return out
 
     def optimizer_state(self) -> dict[str, Any]:
         """Full optimizer state keyed by parameter name (rank 0; collective when distributed)."""

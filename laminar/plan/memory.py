@@ -1,0 +1,300 @@
+"""The memory plan of a run: per-GPU peak of each process against the GPU, and what to change.
+
+    plan = make_plan(cfg, Hardware(gpu_gib=80, gpus_per_node=8, trainer_gpus=4))
+    print(format_plan(plan)); sys.exit(0 if plan.fits else 1)
+
+    laminar plan configs/qwen2.5-7b-vllm.yaml --gpu-mem 80 --gpus-per-node 8 [key=value ...]
+
+Processes, each on its GPU(s):
+- trainer rank: measured (laminar/plan/trainer.py: the real Policy and step on fake tensors under
+  torch's FSDPMemTracker) for the configured FSDP world, micro-batch, precision, checkpointing.
+- evaluator (trainer/evaluation.py): a copy of the model in model.dtype plus a KV cache of
+  rollout.max_running x max_model_len, on trainer rank 0's GPU when trainer.eval_device puts it
+  there (added to that rank's figure), else not on a GPU.
+- rollout: vLLM takes gpu_memory_utilization of its GPU and must hold the weights (model.dtype),
+  an activation headroom (an estimate: vLLM profiles it at start) and the KV cache of
+  max_running x max_model_len tokens; the torch engine holds the weights and its slot KV cache
+  (max_running x max_model_len tokens; kv_capacity_tokens only caps what it admits).
+- a weight version: its bytes (model.dtype) and estimated times (device-to-host copy, one relay
+  hop) from stated bandwidths.
+
+A process whose figure exceeds `limit` (default 90%) of the GPU fails the plan, and its line names
+the setting to change. Models are never downloaded: the shape is model.path/config.json, or the
+committed one in configs/shapes/<name of model.path>/config.json.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from laminar.config import LaminarConfig
+from laminar.plan.trainer import TrainerMemory
+
+GIB = 1 << 30
+SHAPES = Path(__file__).resolve().parents[2] / "configs" / "shapes"
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass
+class Hardware:
+    gpu_gib: float = 80.0
+    """Memory of one GPU (GiB)."""
+    gpus_per_node: int = 8
+    trainer_gpus: int | None = None
+    """Trainer ranks per trainer node (default: half the node, as the sbatch launcher)."""
+    trainer_nodes: int = 1
+    limit: float = 0.9
+    """The share of a GPU a process may plan to use."""
+    d2h_bytes_per_s: float = 20e9
+    """Device-to-host copy bandwidth assumed for a weight version (PCIe 4 x16, pinned)."""
+    link_bytes_per_s: float = 12.5e9
+    """Relay-to-relay bandwidth assumed (100 Gb/s) unless relay.link_bytes_per_s is set."""
+
+    @property
+    def trainer_world(self) -> int:
+        per_node = self.trainer_gpus if self.trainer_gpus is not None else self.gpus_per_node // 2
+        return max(1, per_node) * self.trainer_nodes
+
+
+@dataclass
+class ProcessPlan:
+    process: str
+    peak_bytes: int
+    limit_bytes: int
+    detail: str
+    field: str = ""
+    """The setting to change when it does not fit ("" when it fits)."""
+    advice: str = ""
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_bytes <= self.limit_bytes
+
+
+@dataclass
+class Plan:
+    config: str
+    hardware: Hardware
+    processes: list[ProcessPlan] = field(default_factory=list)
+    weight_version_bytes: int = 0
+    weight_stall_s: float = 0.0
+    """Estimated trainer stall per version: the bf16 copy to the host."""
+    weight_hop_s: float = 0.0
+    """Estimated time of one relay hop for a version."""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return all(p.fits for p in self.processes)
+
+    def to_json(self) -> str:
+        out = asdict(self)
+        out["fits"] = self.fits
+        for p, d in zip(self.processes, out["processes"], strict=True):
+            d["fits"] = p.fits
+        return json.dumps(out, indent=1)
+
+
+def shape_dir(cfg: LaminarConfig) -> Path:
+    """Where the model's config.json is: model.path, else configs/shapes/<its name>."""
+    path = Path(cfg.model.path or "")
+    if cfg.model.path and (path / "config.json").is_file():
+        return path
+    committed = SHAPES / path.name
+    if path.name and (committed / "config.json").is_file():
+        return committed
+    raise FileNotFoundError(
+        f"no config.json for model.path={cfg.model.path!r}: neither {path / 'config.json'} nor "
+        f"{committed / 'config.json'} exists (download the model, or commit its config.json there)"
+    )
+
+
+def _kv_bytes_per_token(shape: dict[str, Any], dtype_bytes: int) -> int:
+    heads = int(shape["num_attention_heads"])
+    head_dim = int(shape.get("head_dim") or int(shape["hidden_size"]) // heads)
+    kv_heads = int(shape.get("num_key_value_heads") or heads)
+    return 2 * int(shape["num_hidden_layers"]) * kv_heads * head_dim * dtype_bytes
+
+
+def _model_len(cfg: LaminarConfig, shape: dict[str, Any]) -> int:
+    return int(cfg.rollout.max_model_len or shape.get("max_position_embeddings") or 4096)
+
+
+def _trainer_advice(cfg: LaminarConfig, mem: TrainerMemory, limit: int) -> tuple[str, str]:
+    tc = cfg.trainer
+    if not tc.activation_checkpointing:
+        return "trainer.activation_checkpointing", "set it true (recompute each layer in backward)"
+    # the state (sharded parameters, gradients, AdamW) stays; the rest scales with the tokens
+    state = sum(
+        v
+        for k, v in mem.parts.items()
+        if any(w in k.lower() for w in ("param", "grad", "opt")) and "unsharded" not in k.lower()
+    )
+    if state >= limit:
+        return "trainer GPUs", "the sharded state alone exceeds the GPU: add trainer ranks"
+    share = (limit - state) / max(1, mem.peak_bytes - state)
+    want = max(256, int(tc.micro_batch_tokens * share * 0.95) // 256 * 256)
+    return "trainer.micro_batch_tokens", f"lower it to about {want}, or add trainer GPUs"
+
+
+def make_plan(cfg: LaminarConfig, hw: Hardware, config_name: str = "") -> Plan:
+    from laminar.plan.trainer import read_shape, trace_trainer
+    from laminar.trainer.node import trainer_settings
+
+    plan = Plan(config=config_name, hardware=hw)
+    limit = int(hw.gpu_gib * GIB * hw.limit)
+    shape_path = shape_dir(cfg)
+    shape = read_shape(shape_path)
+    model_bytes = _DTYPE_BYTES.get(cfg.model.dtype, 4)
+    model_len = _model_len(cfg, shape)
+    kv_token = _kv_bytes_per_token(shape, model_bytes)
+    params = 0
+    trainer_peak = 0
+    # trainer
+    if cfg.trainer.engine == "torch":
+        world = hw.trainer_world
+        mem = trace_trainer(trainer_settings(cfg), shape_path, world, device="cuda")
+        params = mem.params
+        trainer_peak = mem.peak_bytes
+        top = sorted(mem.parts.items(), key=lambda kv: -kv[1])[:4]
+        parts = ", ".join(f"{k.lower()} {v / GIB:.1f}" for k, v in top)
+        traced = (
+            "traced whole"
+            if len(mem.traced_layers) == 1
+            else f"traced at {mem.traced_layers[0]} and {mem.traced_layers[1]} layers (the split "
+            f"is at {mem.traced_layers[1]}), extrapolated to {mem.layers}"
+        )
+        sharding = f"FSDP x{world}" if world > 1 else "one process"
+        detail = (
+            f"{sharding}, micro-batch {mem.rows} x {mem.row_tokens} tokens, checkpointing "
+            f"{'on' if cfg.trainer.activation_checkpointing else 'off'}; {parts} GiB; {traced}"
+        )
+        trainer_plan = ProcessPlan("trainer rank", trainer_peak, limit, detail)
+        if not trainer_plan.fits:
+            trainer_plan.field, trainer_plan.advice = _trainer_advice(cfg, mem, limit)
+        plan.processes.append(trainer_plan)
+    if not params:
+        params = _param_count(shape)
+    weights = params * model_bytes
+    # evaluator
+    if cfg.trainer.engine == "torch" and cfg.trainer.eval_every > 0 and cfg.data.eval:
+        ev_kv = cfg.rollout.max_running * model_len * kv_token
+        ev = weights + ev_kv
+        where = cfg.trainer.eval_device
+        if where == "trainer":
+            ep = ProcessPlan(
+                "trainer rank 0 + evaluator",
+                trainer_peak + ev,
+                limit,
+                f"evaluator on rank 0's GPU: weights {weights / GIB:.1f} + KV "
+                f"{cfg.rollout.max_running} x {model_len} tokens {ev_kv / GIB:.1f} GiB",
+            )
+            if not ep.fits:
+                ep.field = "trainer.eval_device"
+                ep.advice = "auto (off on GPU trainers) or cpu"
+            plan.processes.append(ep)
+        else:
+            plan.notes.append(
+                f"evaluator: trainer.eval_device={where}: not on a GPU (it would add "
+                f"{ev / GIB:.1f} GiB to trainer rank 0)"
+            )
+    # rollouts
+    ro = cfg.rollout
+    if ro.engine == "vllm":
+        util = float(ro.vllm_args.get("gpu_memory_utilization", ro.vllm.gpu_memory_utilization))
+        seqs = int(ro.vllm_args.get("max_num_seqs", ro.vllm.max_num_seqs or ro.max_running))
+        tp = int(ro.vllm_args.get("tensor_parallel_size", 1))
+        taken = int(util * hw.gpu_gib * GIB)
+        # tensor parallel: each GPU holds 1/tp of the weights and of every token's KV
+        weights_gpu = weights // tp
+        headroom = int(0.1 * weights_gpu) + GIB
+        kv_need = seqs * model_len * kv_token // tp
+        kv_room = taken - weights_gpu - headroom
+        detail = (
+            f"vLLM takes {util:.2f} of each of its {tp} GPU(s): weights {weights_gpu / GIB:.1f}, "
+            "headroom "
+            f"{headroom / GIB:.1f} (est.), KV {seqs} x {model_len} tokens {kv_need / GIB:.1f} GiB "
+            f"(room for {max(0, kv_room) / GIB:.1f})"
+        )
+        rp = ProcessPlan("rollout (vllm)", taken, limit, detail)
+        if not rp.fits:
+            rp.field, rp.advice = "rollout.vllm.gpu_memory_utilization", f"at most {hw.limit}"
+        elif kv_room < kv_need:
+            # vLLM still runs, with fewer sequences than asked: a plan failure, not a crash
+            rp.peak_bytes = weights_gpu + headroom + kv_need
+            rp.limit_bytes = taken
+            rp.field = "rollout.max_running"
+            fit = max(0, kv_room) * tp // max(1, model_len * kv_token)
+            rp.advice = f"the KV cache holds {fit} sequences of max_model_len; lower it"
+        plan.processes.append(rp)
+    elif ro.engine == "torch" and cfg.model.device.startswith("cuda"):
+        # its slot cache is max_running slots of max_model_len, whatever kv_capacity_tokens says
+        cap = ro.max_running * model_len
+        need = weights + cap * kv_token
+        rp = ProcessPlan(
+            "rollout (torch)",
+            need,
+            limit,
+            f"weights {weights / GIB:.1f} + KV {ro.max_running} slots x {model_len} tokens "
+            f"{cap * kv_token / GIB:.1f} GiB",
+        )
+        if not rp.fits:
+            rp.field, rp.advice = "rollout.max_model_len", "set it (the model's default is long)"
+        plan.processes.append(rp)
+    # a weight version
+    plan.weight_version_bytes = weights
+    plan.weight_stall_s = weights / hw.d2h_bytes_per_s
+    link = cfg.relay.link_bytes_per_s or hw.link_bytes_per_s
+    plan.weight_hop_s = weights / link
+    plan.notes.append(
+        f"a weight version: {weights / GIB:.1f} GiB ({cfg.model.dtype}); trainer stall ~"
+        f"{plan.weight_stall_s:.2f} s at {hw.d2h_bytes_per_s / 1e9:.0f} GB/s device-to-host, "
+        f"~{plan.weight_hop_s:.2f} s a relay hop at {link / 1e9:.1f} GB/s (estimates)"
+    )
+    return plan
+
+
+def _param_count(shape: dict[str, Any]) -> int:
+    """Parameters of a Llama-family decoder from its config (used when no trainer is traced)."""
+    d, i, n = int(shape["hidden_size"]), int(shape["intermediate_size"]), shape["num_hidden_layers"]
+    heads = int(shape["num_attention_heads"])
+    head_dim = int(shape.get("head_dim") or d // heads)
+    kv = int(shape.get("num_key_value_heads") or heads)
+    v = int(shape["vocab_size"])
+    attn = d * heads * head_dim * 2 + d * kv * head_dim * 2
+    layer = attn + 3 * d * i + 2 * d
+    head = 0 if shape.get("tie_word_embeddings") else v * d
+    return int(n) * layer + v * d + head + d
+
+
+def format_plan(plan: Plan) -> str:
+    hw = plan.hardware
+    lim = hw.gpu_gib * hw.limit
+    lines = [
+        f"memory plan {plan.config}: GPU {hw.gpu_gib:g} GiB, limit {hw.limit:.0%} = {lim:.1f} GiB,"
+        f" {hw.gpus_per_node} GPUs/node, trainer {hw.trainer_world} rank(s)",
+        f"{'process':<28} {'peak GiB':>9} {'limit':>7}  verdict",
+    ]
+    for p in plan.processes:
+        verdict = "fits" if p.fits else f"DOES NOT FIT: change {p.field} ({p.advice})"
+        if p.fits and p.field:
+            verdict = f"fits; {p.field}: {p.advice}"
+        lines.append(
+            f"{p.process:<28} {p.peak_bytes / GIB:>9.1f} {p.limit_bytes / GIB:>7.1f}  {verdict}"
+        )
+        lines.append(f"{'':<28} {p.detail}")
+    lines += [f"note: {n}" for n in plan.notes]
+    return "\n".join(lines)
+
+
+def refusal(plan: Plan) -> str:
+    """One line per process that does not fit: process, figure, the setting to change."""
+    return "; ".join(
+        f"{p.process} needs {p.peak_bytes / GIB:.1f} GiB > {p.limit_bytes / GIB:.1f} GiB: change "
+        f"{p.field} ({p.advice})"
+        for p in plan.processes
+        if not p.fits
+    )
