@@ -24,6 +24,7 @@ from laminar.protocol.data import Trajectory
 from laminar.tasks import countup
 from laminar.trainer.attest import AttestBook
 from laminar.weights.digest import weights_digest
+from tests.sim_cluster import wait_for
 
 STEPS = 8
 
@@ -123,6 +124,9 @@ async def test_a_corrupted_parameter_is_caught_quarantined_reloaded_and_counted(
         assert len(corrupted) == 1
         target = corrupted[0]
         expected = await book.digest(target)
+        # the rollout compares digests when it next hears the trainer's (the trainer may finish
+        # first on a busy machine): the count must reach its status
+        await wait_for(lambda: r0.gate.mismatches >= 1, 60, "the mismatch counted", cluster)
         status = r0.status()
         served_now = weights_digest(engine.served_weights())
         latest = r0.gate.version
