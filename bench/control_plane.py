@@ -232,7 +232,12 @@ class Driver:
             "trained": 0,
         }
         self.ack_lat: list[float] = []
-        self.traj_sem = asyncio.Semaphore(256)
+        # unacked trajectories in flight per synthetic rollout, as a real rollout's outbox
+        # allows (rollout.outbox_concurrency); a global cap would bound the rate at cap / ack
+        # latency, which no real cluster has
+        self.traj_sem = [
+            asyncio.Semaphore(cfg.rollout.outbox_concurrency) for _ in range(self.rollouts)
+        ]
         self.bg: set[asyncio.Task[Any]] = set()
         self.active: list[list[list[Any]]] = [[] for _ in range(self.rollouts)]
         """Per synthetic rollout: its in-flight samples [item, sample, next chunk]; kept across
@@ -365,8 +370,8 @@ class Driver:
             except Exception:  # an overloaded buffer: as the trainer would, ask again (counted)
                 self.sent["request_failed"] += 1
 
-    async def finish(self, cli: Any, t: Any) -> None:
-        async with self.traj_sem:
+    async def finish(self, cli: Any, t: Any, ci: int) -> None:
+        async with self.traj_sem[ci]:
             t0 = time.monotonic()
             try:
                 await cli.request(t, timeout=10.0, retries=0)
@@ -455,7 +460,7 @@ class Driver:
         for a in served:
             if a[2] >= self.chunks_per_traj:
                 self.sent["trajectories"] += 1
-                self.spawn(self.finish(cli, self.trajectory(a[0], a[1], cli.node_id)))
+                self.spawn(self.finish(cli, self.trajectory(a[0], a[1], cli.node_id), ci))
         return msg
 
     async def stream(self, x: float, until: float, first_fill: bool = False) -> None:
