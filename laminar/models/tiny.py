@@ -104,10 +104,12 @@ def build_tiny_model(
 
 
 def load_tokenizer(path: str | os.PathLike):
+    # the lock covers the load too: it imports the tokenizer's modules lazily, and the prefetch
+    # thread may be importing the same ones
     with IMPORT_LOCK:
         from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
 def load_causal_lm(
@@ -123,8 +125,10 @@ def load_causal_lm(
 
     hf_logging.disable_progress_bar()
     # one load at a time per process: transformers builds the model under a process-wide
-    # meta-device context, and two loads in threads (rollouts starting together) break each other
-    with _LOAD_LOCK:
+    # meta-device context, and two loads in threads (rollouts starting together) break each other;
+    # the import lock too: from_pretrained imports the model's config and modeling modules lazily
+    # (and through them tokenizers), which a node's import prefetch may be importing right then
+    with _LOAD_LOCK, IMPORT_LOCK:
         model: Any = AutoModelForCausalLM.from_pretrained(
             str(path),
             dtype=getattr(torch, dtype),
