@@ -70,7 +70,7 @@ def _reader(port: int, name: str, version: int, ttl_s: float, q, release) -> Non
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
     board = LeaseBoard(StoreKV(store))
     q.put((name, board.acquire(version, name, ttl_s)))
-    if release.wait(60):
+    if release.wait(300):  # the parent sets it within its own deadlines (a bound, not a sleep)
         board.release(version, name)
         q.put((name, "released"))
 
@@ -91,15 +91,17 @@ def test_two_reader_processes_one_killed_holding_its_lease():
     bufs = VersionBuffers(LeaseBoard(StoreKV(store)), keep=1)
     bufs.add(1, "v1")
     ctx = mp.get_context("spawn")
-    q = ctx.Queue()
+    # a queue each: a process killed while it holds a shared queue's lock would wedge the other's
+    q_dead, q = ctx.Queue(), ctx.Queue()
     release, never = ctx.Event(), ctx.Event()
     ttl_dead, ttl_live = 3.0, 120.0
-    dead = ctx.Process(target=_reader, args=(port, "dead", 1, ttl_dead, q, never))
+    dead = ctx.Process(target=_reader, args=(port, "dead", 1, ttl_dead, q_dead, never))
     live = ctx.Process(target=_reader, args=(port, "live", 1, ttl_live, q, release))
     try:
         dead.start()
         live.start()
-        assert sorted(q.get(timeout=60) for _ in range(2)) == [("dead", True), ("live", True)]
+        assert q_dead.get(timeout=60) == ("dead", True)
+        assert q.get(timeout=60) == ("live", True)
         os.kill(dead.pid, signal.SIGKILL)
         dead.join(10)
         leased_at = time.time()
