@@ -45,29 +45,19 @@ from laminar.protocol.rollout import (
 from laminar.rollout.outbox import Outbox
 from laminar.transport.session import Ack
 from laminar.transport.sockets import Peer
-from tests.test_buffer_node import Harness, N, batch, finished, make_cfg, prompts, stats
+from tests import test_buffer_node
+from tests.test_buffer_node import N, batch, finished, prompts, stats
 
 SIM = {"rollout": {"group_size": N, "engine": "sim"}}
 """A sim engine without a model: token ids lie below rollout.sim.vocab_size (32000)."""
 
 
-@pytest.fixture
-async def buffer_at(tmp_path):
-    """A manager + a buffer node (tests/test_buffer_node.py's Harness) of the given sections."""
-    made: list[Harness] = []
-
-    async def make(**sections) -> Harness:
-        h = await Harness(make_cfg(tmp_path, **sections)).start()
-        made.append(h)
-        return h
-
-    yield make
-    for h in made:
-        await h.close()
+harness = test_buffer_node.harness
+"""A manager + a buffer node of the given sections (tests/test_buffer_node.py's fixture)."""
 
 
-async def test_never_served_group_is_refused_and_not_trained(buffer_at):
-    h = await buffer_at(**SIM)
+async def test_never_served_group_is_refused_and_not_trained(harness):
+    h = await harness(**SIM)
     ro, tr = await h.client("r0"), await h.client("t0", "trainer")
     item = (await prompts(ro, 1)).items[0]
     forged = finished(item, 0, 0)
@@ -83,8 +73,8 @@ async def test_never_served_group_is_refused_and_not_trained(buffer_at):
     assert (await batch(tr, 0)).trajectories == []
 
 
-async def test_another_rollouts_sample_is_refused_and_the_owners_copy_taken(buffer_at):
-    h = await buffer_at(**SIM)
+async def test_another_rollouts_sample_is_refused_and_the_owners_copy_taken(harness):
+    h = await harness(**SIM)
     r0, r1, tr = await h.client("r0"), await h.client("r1"), await h.client("t0", "trainer")
     items = (await prompts(r0, 2, rid="r0")).items
     stolen = finished(items[0], 0, 0, reward=1.0, rollout="r1")
@@ -104,8 +94,8 @@ async def test_another_rollouts_sample_is_refused_and_the_owners_copy_taken(buff
     assert s.refused == {"r1": {"not_owner": 2}} and s.counters["refused_not_owner"] == 2
 
 
-async def test_rewards_out_of_range_or_not_finite_are_refused(buffer_at):
-    h = await buffer_at(**SIM)
+async def test_rewards_out_of_range_or_not_finite_are_refused(harness):
+    h = await harness(**SIM)
     ro, tr = await h.client("r0"), await h.client("t0", "trainer")
     item = (await prompts(ro, 1)).items[0]
     for bad in (1e6, -11.0, math.nan, math.inf):
@@ -121,8 +111,8 @@ async def test_rewards_out_of_range_or_not_finite_are_refused(buffer_at):
     assert [t.reward for t in b.trajectories] == [10.0]
 
 
-async def test_token_ids_outside_the_vocabulary_are_refused(buffer_at):
-    h = await buffer_at(**SIM)
+async def test_token_ids_outside_the_vocabulary_are_refused(harness):
+    h = await harness(**SIM)
     ro, tr = await h.client("r0"), await h.client("t0", "trainer")
     item = (await prompts(ro, 1)).items[0]
     high = finished(item, 0, 0)
@@ -150,10 +140,10 @@ async def test_token_ids_outside_the_vocabulary_are_refused(buffer_at):
     assert s.counts["trajectories"] == 1
 
 
-async def test_a_sample_with_another_prompt_than_served_is_refused(buffer_at):
+async def test_a_sample_with_another_prompt_than_served_is_refused(harness):
     """A served group's sample must come back with the prompt it was served with: another
     prompt's token ids (or uid) under a served group id would train a forged prompt."""
-    h = await buffer_at(**SIM)
+    h = await harness(**SIM)
     ro, tr = await h.client("r0"), await h.client("t0", "trainer")
     mgr = await h.client("m0", "manager")
     item = (await prompts(ro, 1)).items[0]
@@ -197,10 +187,10 @@ async def test_a_sample_with_another_prompt_than_served_is_refused(buffer_at):
     assert all(t.prompt_ids.tolist() == list(item.prompt_ids) for t in b.trajectories)
 
 
-async def test_a_moved_sample_comes_only_from_its_new_rollout(buffer_at):
+async def test_a_moved_sample_comes_only_from_its_new_rollout(harness):
     """The manager's SamplesPlaced (sent before its ImportRequest) moves a sample: from then on
     its tokens and its trajectory are taken from the destination alone."""
-    h = await buffer_at(**SIM)
+    h = await harness(**SIM)
     r0, r1 = await h.client("r0"), await h.client("r1")
     mgr = await h.client("m0", "manager")
     item = (await prompts(r0, 1, rid="r0")).items[0]
@@ -259,8 +249,8 @@ async def test_a_moved_sample_comes_only_from_its_new_rollout(buffer_at):
     assert s.groups_ready == 1
 
 
-async def test_a_placement_survives_a_buffer_restart(buffer_at):
-    h = await buffer_at(transport="ipc", **SIM)
+async def test_a_placement_survives_a_buffer_restart(harness):
+    h = await harness(transport="ipc", **SIM)
     r0, mgr = await h.client("r0"), await h.client("m0", "manager")
     item = (await prompts(r0, 1, rid="r0")).items[0]
     uids = [f"{item.group_id}/{i}" for i in range(N)]
@@ -277,9 +267,9 @@ async def test_a_placement_survives_a_buffer_restart(buffer_at):
     assert len((await batch(tr, 0, groups=1)).trajectories) == N
 
 
-async def test_a_rollout_leases_at_most_its_share(buffer_at):
+async def test_a_rollout_leases_at_most_its_share(harness):
     # capacity 128 over 4 rollouts of groups of N=2: a share of 16 open groups each
-    h = await buffer_at(buffer={"capacity": 128}, cluster={"roles": {"rollout": 4}})
+    h = await harness(buffer={"capacity": 128}, cluster={"roles": {"rollout": 4}})
     r0, r1 = await h.client("r0"), await h.client("r1")
     assert h.cfg.groups_per_rollout() == 16
     got = await prompts(r0, 10**12, rid="r0")
