@@ -472,6 +472,10 @@ class AgentConfig(Section):
     off-policy correction assumes them) and a call that asks otherwise is counted."""
     startup_timeout_s: float = Field(60.0, gt=0)
     """A worker that has not loaded `fn` by then fails the rollout."""
+    reconnect_timeout_s: float = Field(30.0, gt=0)
+    """An episode moved to this rollout (a repack move, or its rollout died) waits this long for
+    its agent to call or close it here; then it starts again from its prompt (counted). An agent
+    worker's client looks this long for the rollout that holds its episode."""
     remote_key_env: str = "LAMINAR_AGENT_KEY"
     """With `remote`: the environment variable holding the secret that agents elsewhere present
     to claim episodes (unset: no claims are accepted)."""

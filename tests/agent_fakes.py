@@ -43,11 +43,20 @@ def script(uid: str, prompt: str, turn: int) -> str:
 class ScriptEngine(TurnEngine):
     name = "script"
 
-    def __init__(self, tokenizer: Any, step_s: float = 0.002, hold: float = 0.0):
+    def __init__(
+        self,
+        tokenizer: Any,
+        step_s: float = 0.002,
+        hold: float = 0.0,
+        hold_at: int = 0,
+        hold_turn: int | None = None,
+    ):
         super().__init__(step_s)
         self.tok = tokenizer
         self.hold = hold
-        """Seconds each turn's first token is held back (a call in flight, for fault tests)."""
+        """Seconds each turn's token `hold_at` is held back (a call in flight, for fault tests)."""
+        self.hold_at, self.hold_turn = hold_at, hold_turn
+        """... of turn `hold_turn` only (None: every turn)."""
         self.emitted: dict[tuple[str, int], tuple[list[int], list[float]]] = {}
 
     def submit(self, req: GenRequest) -> None:
@@ -69,7 +78,8 @@ class ScriptEngine(TurnEngine):
             await asyncio.sleep(self.step_s)  # the emulated decode step
             for sid, s in list(self.running.items()):
                 i = len(s["ids"])
-                if i == s["start"] and loop.time() - s["t0"] < self.hold:
+                held = self.hold_turn is None or s["turn"] == self.hold_turn
+                if held and i == s["start"] + self.hold_at and loop.time() - s["t0"] < self.hold:
                     continue
                 tok = int(s["script"][i - s["start"]])
                 lp = -0.01 * (i + 1) - 0.001 * (zlib.crc32(sid.encode()) % 7)

@@ -398,11 +398,13 @@ async def test_real_torch_engine_episode_matches_what_the_client_saw(tmp_path, t
         assert (t.logprobs[a:b] < 0).all()
 
 
-async def test_a_dead_rollouts_agent_episodes_start_again_elsewhere_once(
+async def test_agents_lost_with_their_rollout_start_again_from_the_prompt_once(
     tmp_path, tiny, agent_files
 ):
-    """rollout-0 dies with agent calls in flight: the manager recovers its episodes onto
-    rollout-1 (same version), where they start again from the prompt; every sample once."""
+    """rollout-0 dies with agent calls in flight and its agents cannot reach rollout-1 (its
+    endpoint is not listed where their clients look): the manager recovers the episodes onto
+    rollout-1 (same version, token and tokens kept), which waits agent.reconnect_timeout_s for
+    their agents, then starts them again from the prompt; every sample once."""
     cfg = make_cfg(
         tmp_path,
         tiny,
@@ -410,14 +412,15 @@ async def test_a_dead_rollouts_agent_episodes_start_again_elsewhere_once(
         rows=4,
         data={"epochs": 1},
         rollout={"credits": 4},
-        agent={"fn": "tests.agent_fakes:tool_agent", "workers": 4},
+        agent={"fn": "tests.agent_fakes:tool_agent", "workers": 4, "reconnect_timeout_s": 2.0},
     )
     tok = load_prompt_tokenizer(tiny, chat_template=True)
     async with LocalCluster(cfg) as cluster:
-        r0 = await cluster.add("rollout", 0, engine=ScriptEngine(tok, hold=30.0))
-        in_flight = lambda: sum(1 for s in r0.table.seqs.values() if not s.waiting) >= 2  # noqa: E731
+        r0 = await cluster.add("rollout", 0, engine=ScriptEngine(tok, hold=30.0, hold_at=1))
+        in_flight = lambda: sum(1 for s in r0.table.seqs.values() if s.length) >= 2  # noqa: E731
         await wait_for(in_flight, 60, "calls in flight on rollout-0", cluster)
         r1 = await cluster.add("rollout", 1, engine=ScriptEngine(tok))
+        (cfg.resolved_run_dir() / "agents" / "endpoints" / "rollout-1").unlink()
         trajs = capture(r1)
         await cluster.kill_node("rollout-0")
         buffer = cluster.node("buffer-0")
@@ -433,9 +436,91 @@ async def test_a_dead_rollouts_agent_episodes_start_again_elsewhere_once(
         (g.group_id, i) for g in buffer.state.groups.values() for i in range(g.n)
     }
     assert len(buffer.state.groups) == 4 and all(t.rollout_id == "rollout-1" for t in done.values())
-    assert counters.get("agent_restarted_on_import", 0) >= 2, counters
+    assert counters.get("agent_moved_in", 0) >= 2, counters
+    assert counters.get("agent_failure_lost", 0) >= 2, counters
+    assert not counters.get("agent_calls_resumed"), counters
     assert len({t.uid for t in trajs}) == len(trajs)  # each delivered once
     assert all(t.reward in (0.0, 1.0) for t in done.values())
+
+
+async def test_a_repack_move_mid_call_resumes_the_call_on_the_other_rollout(
+    tmp_path, tiny, agent_files
+):
+    """Repack moves rollout-0's agent episodes to rollout-1 while some agents' second calls are in
+    flight with 2 tokens made: the call answers 421 on rollout-0, the agent's client repeats it on
+    rollout-1, which continues the turn after the recorded tokens; the agent sees one normal
+    answer. Every sample once; each trajectory holds the first call's tokens and the second's
+    (rollout-0's 2, then rollout-1's) exactly as the engines made them; each tool call id ran
+    once."""
+    from laminar.manager.repack import Move
+
+    cfg = make_cfg(
+        tmp_path,
+        tiny,
+        "agent-repack",
+        rows=2,
+        data={"epochs": 1},
+        rollout={"credits": 2},
+        agent={"fn": "tests.agent_fakes:tool_agent", "workers": 1},
+    )
+    tok = load_prompt_tokenizer(tiny, chat_template=True)
+    render = ChatRenderer(tok)
+    e0 = ScriptEngine(tok, hold=60.0, hold_at=2, hold_turn=1)
+    e1 = ScriptEngine(tok)
+    async with LocalCluster(cfg) as cluster:
+        r0 = await cluster.add("rollout", 0, engine=e0)
+        r1 = await cluster.add("rollout", 1, engine=e1)
+        trajs0, trajs1 = capture(r0), capture(r1)
+
+        def held() -> list[str]:
+            return [
+                s.uid
+                for s in r0.table.seqs.values()
+                if s.turn == 1 and not s.waiting and s.length - s.turn_start == 2
+            ]
+
+        await wait_for(lambda: len(held()) >= 1, 60, "a second call in flight", cluster)
+        hard = set(held())
+        moving = set(r0.table.seqs)
+        mgr = cluster.node("manager-0")
+        out = await mgr.repacker.move(
+            Move("rollout-0", "rollout-1", ("*",), 0), refresh=False, trainer_version=0
+        )
+        assert out["moved"] == len(moving), out
+        buffer = cluster.node("buffer-0")
+        want = 2 * cfg.rollout.group_size
+
+        def stored() -> dict[str, Any]:
+            return {t.uid: t for g in buffer.state.groups.values() for t in g.members.values()}
+
+        await wait_for(lambda: len(stored()) == want, 60, f"{want} trajectories", cluster)
+        c0, c1 = dict(r0.metrics.counters), dict(r1.metrics.counters)
+    done = stored()
+    assert len(trajs0) + len(trajs1) == want and len({t.uid for t in trajs0 + trajs1}) == want
+    assert {t.uid for t in trajs1} == moving and c0.get("agent_moved_out") == len(moving)
+    assert c1.get("agent_moved_in") == len(moving) and c1.get("agent_calls_resumed", 0) >= len(hard)
+    for c in (c0, c1):
+        assert not any(k.startswith("agent_failure") or "mismatch" in k for k in c), c
+    calls = {c["id"]: c for c in read_jsonl(agent_files["AGENT_TEST_CALLS"])}
+    for uid in hard:
+        t = done[uid]
+        model = [(a, b) for v, a, b in runs(t.loss_mask) if v == 1]
+        assert len(model) == 2, runs(t.loss_mask)
+        (a0, b0), (a1, b1) = model
+        first, second = e0.emitted[(uid, 0)], e0.emitted[(uid, 1)]
+        assert t.response_ids[a0:b0].tolist() == first[0]
+        assert np.allclose(t.logprobs[a0:b0], first[1])
+        assert len(second[0]) == 2  # made on rollout-0 before the move ...
+        rest = e1.emitted[(uid, 1)]  # ... and the rest of the turn on rollout-1
+        assert t.response_ids[a1:b1].tolist() == second[0] + rest[0]
+        assert np.allclose(t.logprobs[a1:b1], second[1] + rest[1])
+        # the agent's one answer to its second call is that whole turn
+        got = calls[f"chatcmpl-{uid}-0-1"]
+        assert got["tokens"] == [render.token_text(int(i)) for i in t.response_ids[a1:b1]]
+        assert np.allclose(got["logprobs"], t.logprobs[a1:b1])
+        assert t.rollout_id == "rollout-1" and t.reward in (0.0, 1.0)
+    effects = Counter(e["call_id"] for e in read_jsonl(agent_files["AGENT_TEST_EFFECTS"]))
+    assert effects and set(effects.values()) == {1}
 
 
 async def test_openai_agents_sdk_agent_trains_unchanged(tmp_path, tiny, agent_files):

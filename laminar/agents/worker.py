@@ -8,12 +8,17 @@
 
 `client` is an `openai.AsyncOpenAI(base_url=<the rollout's endpoint>/v1, api_key=<the episode's
 token>)` with no retries (a failed call fails the attempt; the rollout starts the episode again
-from its prompt) and the episode's time limit as its timeout. Episodes are asyncio tasks of one
+from its prompt) and the episode's time limit as its timeout. Its transport follows the episode
+(laminar/agents/failover.py): when the episode is moved by repack or its rollout dies, the call
+is repeated on the rollout that imported it, and the episode's result goes there by HTTP
+(`/laminar/v1/episodes/close`), since the pipe leads to the rollout it left. EOF on the pipe
+(the rollout left or died) lets the running episodes finish within their time limit, then the
+process ends. Episodes are asyncio tasks of one
 loop, so an agent that blocks the loop (CPU work, a blocking call) holds up the others of its
 process: such agents want agent.concurrency 1 and more workers. The first frame is the hello:
 {pid} or {pid, error} when `fn` cannot be loaded. A thread reads the pipe (blocking reads of
 the framing in laminar/subprocess_pool.py); the loop writes replies. stdout goes to stderr, so
-the user's prints cannot corrupt the stream; EOF on the pipe (the rollout left) ends the process.
+the user's prints cannot corrupt the stream.
 """
 
 from __future__ import annotations
@@ -25,10 +30,12 @@ import os
 import sys
 import threading
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
+from laminar.agents.failover import FailoverTransport, close_episode, http_client
 from laminar.rewards.runner import resolve_spec
 from laminar.subprocess_pool import protocol_fds, read_frame, write_frame
 
@@ -57,23 +64,46 @@ def _plain_reward(out: Any) -> Any:
     raise TypeError(f"the agent returned {type(out).__name__}; return a float, a dict or None")
 
 
-async def _episode(fn: Any, req: dict[str, Any]) -> dict[str, Any]:
+class _Episode:
+    def __init__(self, req: dict[str, Any]):
+        self.req = req
+        self.transport = FailoverTransport(
+            req["base_url"], req.get("endpoints_dir", ""), float(req.get("reconnect_s", 30.0))
+        )
+
+    @property
+    def moved(self) -> bool:
+        """Its episode is held by another rollout now (the one that started it does not rule
+        it: its cancel is ignored, the result goes by HTTP)."""
+        return self.transport.moves > 0
+
+
+async def _episode(fn: Any, ep: _Episode, pipe_open: Callable[[], bool]) -> dict[str, Any]:
     import openai
 
+    req = ep.req
+    timeout = float(req.get("timeout_s", 300.0))
+    http = http_client(ep.transport, timeout)
     client = openai.AsyncOpenAI(
-        base_url=req["base_url"],
-        api_key=req["api_key"],
-        max_retries=0,
-        timeout=float(req.get("timeout_s", 300.0)),
+        base_url=req["base_url"], api_key=req["api_key"], max_retries=0, http_client=http
     )
     try:
-        out = await fn(req["row"], client, **req.get("kwargs", {}))
-        return {"id": req["id"], "ok": True, "reward": _plain_reward(out)}
+        out = await asyncio.wait_for(fn(req["row"], client, **req.get("kwargs", {})), timeout)
+        result = {"id": req["id"], "ok": True, "reward": _plain_reward(out)}
     except Exception as exc:  # the user's agent: its failure is the episode's, not the worker's
         tb = traceback.format_exc(limit=4)
-        return {"id": req["id"], "ok": False, "error": f"{type(exc).__name__}: {exc}\n{tb}"[-2000:]}
+        error = f"{type(exc).__name__}: {exc}\n{tb}"[-2000:]
+        result = {"id": req["id"], "ok": False, "error": error}
+    try:
+        if ep.moved or not pipe_open():  # the rollout that holds it now hears it by HTTP
+            body = {"reward": result["reward"]} if result["ok"] else {"error": result["error"]}
+            why = await close_episode(http, req["base_url"], req["api_key"], body)
+            if why:
+                print(f"agent worker: close of a moved episode: {why}", file=sys.stderr)
+            result["moved"] = True
     finally:
         await client.close()
+    return result
 
 
 async def serve(fn: Any, proto_in: int, proto_out: int) -> None:
@@ -88,25 +118,33 @@ async def serve(fn: Any, proto_in: int, proto_out: int) -> None:
                 return
 
     threading.Thread(target=read, name="agent-pipe", daemon=True).start()
-    tasks: dict[int, asyncio.Task[Any]] = {}
+    tasks: dict[int, tuple[asyncio.Task[Any], _Episode]] = {}
+    pipe = {"open": True}
 
     def done(rid: int, task: asyncio.Task[dict[str, Any]]) -> None:
         tasks.pop(rid, None)
-        if not task.cancelled():
-            write_frame(proto_out, task.result())
+        if not task.cancelled() and pipe["open"]:
+            try:
+                write_frame(proto_out, task.result())
+            except OSError:  # the rollout is gone
+                pipe["open"] = False
 
     while (payload := await inbox.get()) is not None:
         req = msgspec.msgpack.decode(payload, type=dict[str, Any])
         if "cancel" in req:
-            if (t := tasks.get(int(req["cancel"]))) is not None:
-                t.cancel()
+            got = tasks.get(int(req["cancel"]))
+            if got is not None and not got[1].moved:  # a moved one is its new rollout's to end
+                got[0].cancel()
             continue
         rid = int(req["id"])
-        task = asyncio.ensure_future(_episode(fn, req))
-        tasks[rid] = task
+        ep = _Episode(req)
+        task = asyncio.ensure_future(_episode(fn, ep, lambda: pipe["open"]))
+        tasks[rid] = (task, ep)
         task.add_done_callback(functools.partial(done, rid))
-    for t in list(tasks.values()):
-        t.cancel()
+    # the rollout left (or died): its episodes go on where they were moved (their calls find the
+    # rollout that recovered them), each within its own time limit; then this process ends
+    pipe["open"] = False
+    await asyncio.gather(*(t for t, _ in list(tasks.values())), return_exceptions=True)
 
 
 def main() -> None:

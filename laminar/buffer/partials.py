@@ -204,6 +204,7 @@ class _Record:
             loss_mask=mask,
             awaiting_env=self.awaiting_env,
             token_versions=tv,
+            agent_token=h.agent_token,
         )
 
 

@@ -142,6 +142,9 @@ class PartialTrajectory(
     token_versions: Ints | None = None
     """Mode partial: version of each response token, as Trajectory.token_versions (None: all at
     `version`)."""
+    agent_token: str = ""
+    """Black-box agents: the episode's secret token, so the rollout that resumes it (a repack
+    move, its rollout died) answers its agent's calls there (laminar/rollout/agents.py)."""
 
 
 def newest_version(p: PartialTrajectory) -> int:

@@ -51,6 +51,7 @@ import asyncio
 import secrets
 import time
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -59,6 +60,7 @@ import structlog
 from laminar.agents.render import BadMessages, ChatRenderer, canonical
 from laminar.config import AgentConfig
 from laminar.engines.base import Engine, GenRequest, SamplingParams
+from laminar.envs.replay import split_segments
 from laminar.metrics import Metrics
 from laminar.rewards.runner import RewardResult, normalize_reward
 from laminar.rollout.agent_pool import AgentPool
@@ -113,8 +115,12 @@ class AgentEpisode:
     truncated: bool = False
     pending: asyncio.Future[str] | None = None
     outcome: asyncio.Future[tuple[bool, Any]] | None = None
-    """Remote agents: (ok, reward or error text), set by the close call."""
+    """Remote agents and moved episodes: (ok, reward or error text), set by the close call."""
     t_attempt: float = field(default_factory=time.monotonic)
+    recorded: bool = False
+    """Moved here with tokens its agent's next call must be matched against (`_resume`)."""
+    touched: bool = False
+    """Its agent called or closed it on this rollout since it moved here."""
 
 
 @dataclass
@@ -126,6 +132,10 @@ class AgentSettings:
     model_name: str
     remote_key: str = ""
     """Secret that claims remote episodes (empty: remote claims refused)."""
+    endpoints_dir: str = ""
+    """Where each rollout writes its endpoint's URL (run_dir/agents/endpoints): an agent worker's
+    client looks there for the rollout that holds its episode after a move (empty: nowhere)."""
+    node_id: str = ""
 
 
 class AgentDriver:
@@ -150,6 +160,9 @@ class AgentDriver:
         self.by_token: dict[str, AgentEpisode] = {}
         self.claims: asyncio.Queue[AgentEpisode] = asyncio.Queue()
         self.pool: AgentPool | None = None
+        self.moved: dict[str, float] = {}
+        """Tokens of episodes exported from here (their calls answer 421 episode_moved), with
+        when; forgotten after agent.reconnect_timeout_s."""
         self.base_url = ""
         """Set once the HTTP server listens (http://host:port/v1)."""
         self.delivered = 0
@@ -157,6 +170,12 @@ class AgentDriver:
     # ---- lifecycle -----------------------------------------------------------------------
     async def start_workers(self, base_url: str) -> None:
         self.base_url = base_url
+        if self.s.endpoints_dir:  # agents of a moved episode find this endpoint here
+            d = Path(self.s.endpoints_dir)
+            d.mkdir(parents=True, exist_ok=True)
+            tmp = d / f".{self.s.node_id}.tmp"
+            tmp.write_text(base_url)
+            tmp.replace(d / self.s.node_id)
         if not self.cfg.fn:
             return
         self.pool = AgentPool(
@@ -170,6 +189,8 @@ class AgentDriver:
         await self.pool.start()
 
     async def close(self) -> None:
+        if self.s.endpoints_dir:
+            (Path(self.s.endpoints_dir) / self.s.node_id).unlink(missing_ok=True)
         if self.pool is not None:
             await self.pool.close()
 
@@ -183,13 +204,45 @@ class AgentDriver:
             self._launch(ep)
 
     def adopt(self, seq: SeqState) -> None:
-        """An imported agent partial (its rollout died mid-episode): its agent and the open call
-        went with that rollout, so it starts again from its prompt here, at its version."""
-        self.metrics.count("agent_restarted_on_import")
+        """An imported agent partial (a repack move, or its rollout died). With its episode token
+        (the partial carries it) the episode goes on here: its agent, wherever it runs, finds this
+        rollout after a 421 or a dropped connection and repeats its call, which resumes from the
+        recorded tokens (`_resume`). If the agent neither calls nor closes it within
+        agent.reconnect_timeout_s, the attempt fails (`agent_failure_lost`) and the episode starts
+        again from its prompt, run by this rollout. Without a token (recovered from its prompt, no
+        record of it) it starts again from its prompt at once."""
         ep = AgentEpisode(seq, "", seq.prompt_ids.copy())
         self.by_uid[seq.uid] = ep
-        self._clear(ep)
-        self._launch(ep)
+        token = seq.agent_token
+        if not token:
+            self.metrics.count("agent_restarted_on_import")
+            self._clear(ep)
+            self._launch(ep)
+            return
+        self.metrics.count("agent_moved_in")
+        self.moved.pop(token, None)
+        ep.token, ep.recorded = token, seq.length > 0
+        self.by_token[token] = ep
+        self.table.set_waiting(seq, True)
+        self.spawn(self._await_agent(ep, token, self.cfg.reconnect_timeout_s), "agent-episode")
+
+    def release(self, uids: list[str]) -> None:
+        """These episodes were exported (a repack move): their agents go on with the rollout that
+        imports them. A call in flight here answers 421 `episode_moved` (so do later ones), and the
+        agent's client repeats it there."""
+        now = time.monotonic()
+        for tok, t in list(self.moved.items()):
+            if now - t > self.cfg.reconnect_timeout_s:
+                del self.moved[tok]
+        for uid in uids:
+            ep = self.by_uid.pop(uid, None)
+            if ep is None:
+                continue
+            self.by_token.pop(ep.token, None)
+            self.moved[ep.token] = now
+            self.metrics.count("agent_moved_out")
+            if ep.pending is not None and not ep.pending.done():
+                ep.pending.set_result("moved")
 
     def owns(self, uid: str) -> bool:
         return uid in self.by_uid
@@ -197,6 +250,9 @@ class AgentDriver:
     def turn_ended(self, seq: SeqState, reason: str) -> None:
         """The engine finished a call's model turn (or gave up on it)."""
         ep = self.by_uid.get(seq.uid)
+        # the partial pool learns the turn is whole: whoever resumes the episode answers the
+        # repeated call from these tokens instead of generating after them
+        seq.awaiting_env = reason in ("stop", "length")
         self.table.set_waiting(seq, True)
         self.table.mark_dirty(seq.uid)
         if ep is not None and ep.pending is not None and not ep.pending.done():
@@ -205,6 +261,7 @@ class AgentDriver:
     # ---- attempts --------------------------------------------------------------------------
     def _launch(self, ep: AgentEpisode) -> None:
         ep.token = "lmn-" + secrets.token_urlsafe(24)
+        ep.seq.agent_token = ep.token  # the partial carries it (a move resumes the episode)
         self.by_token[ep.token] = ep
         ep.t_attempt = time.monotonic()
         self.spawn(self._attempt(ep, ep.token), "agent-episode")
@@ -212,19 +269,35 @@ class AgentDriver:
     def _current(self, ep: AgentEpisode, token: str) -> bool:
         return self.by_token.get(token) is ep and self.by_uid.get(ep.seq.uid) is ep
 
+    async def _await_agent(self, ep: AgentEpisode, token: str, first_s: float) -> None:
+        """The episode's agent is not ours to run (remote, or it moved here): wait for its close.
+        Within `first_s` the agent must have called or closed it here, else it is lost."""
+        ep.outcome = asyncio.get_running_loop().create_future()
+        ep.t_attempt = time.monotonic()
+        total = self.cfg.episode_timeout_s
+        try:
+            await asyncio.wait_for(asyncio.shield(ep.outcome), min(first_s, total))
+        except TimeoutError:
+            pass
+        if ep.outcome.done():
+            ok, out = ep.outcome.result()
+        elif not ep.touched:
+            ok, out = False, ("lost", f"its agent did not call or close it within {first_s:g}s")
+        else:
+            try:
+                left = total - (time.monotonic() - ep.t_attempt)
+                ok, out = await asyncio.wait_for(asyncio.shield(ep.outcome), max(left, 0.0))
+            except TimeoutError:
+                ok, out = False, ("timeout", f"no close within {total:g}s")
+        if not self._current(ep, token):
+            return
+        await (self._returned(ep, out) if ok else self._failed(ep, *out))
+
     async def _attempt(self, ep: AgentEpisode, token: str) -> None:
         if self.pool is None:  # remote agents claim it
-            ep.outcome = asyncio.get_running_loop().create_future()
             self.claims.put_nowait(ep)
-            try:
-                ok, out = await asyncio.wait_for(
-                    asyncio.shield(ep.outcome), self.cfg.episode_timeout_s
-                )
-            except TimeoutError:
-                ok, out = False, ("timeout", f"no close within {self.cfg.episode_timeout_s:g}s")
-            if not self._current(ep, token):
-                return
-            await (self._returned(ep, out) if ok else self._failed(ep, *out))
+            ep.touched = True
+            await self._await_agent(ep, token, self.cfg.episode_timeout_s)
             return
         request = {
             "base_url": self.base_url,
@@ -232,6 +305,8 @@ class AgentDriver:
             "row": self._row(ep.seq),
             "kwargs": self.cfg.kwargs,
             "timeout_s": self.cfg.episode_timeout_s,
+            "endpoints_dir": self.s.endpoints_dir,
+            "reconnect_s": self.cfg.reconnect_timeout_s,
         }
         try:
             reply = await self.pool.run(request, self.cfg.episode_timeout_s)
@@ -310,7 +385,7 @@ class AgentDriver:
         seq.prompt_ids = ep.first_prompt.copy()
         seq.sent_upto, seq.turn, seq.turn_start, seq.awaiting_env = 0, 0, 0, False
         ep.consumed, ep.text, ep.tools_key = None, None, ""
-        ep.after_eot, ep.calls, ep.truncated = False, 0, False
+        ep.after_eot, ep.calls, ep.truncated, ep.recorded = False, 0, False, False
         self.table.mark_dirty(seq.uid)
 
     def _finish(self, ep: AgentEpisode, reason: str, score: RewardResult | None) -> None:
@@ -360,6 +435,10 @@ class AgentDriver:
     # ---- the endpoint's calls -------------------------------------------------------------
     def _episode(self, token: str) -> AgentEpisode:
         ep = self.by_token.get(token)
+        if ep is None and token in self.moved:
+            raise _moved()
+        if ep is not None:
+            ep.touched = True
         if ep is None:
             raise ApiError(
                 401,
@@ -392,10 +471,21 @@ class AgentDriver:
             raise ApiError(400, str(exc), "invalid_messages") from None
         stops = self.render.stop_strings(tools_on)
         async with self._call(ep, token):
+            keep: int | None = None
+            if ep.recorded:  # moved here: the call repeats or extends what the tokens hold
+                ep.recorded = False
+                got = self._resume(ep, messages, tools if tools_on else None, tools_on, key)
+                if got is None:
+                    self.metrics.count("agent_resume_mismatch")
+                    self.metrics.count("agent_rewrite_tokens_dropped", ep.seq.length)
+                    self._clear(ep)
+                else:
+                    self.metrics.count("agent_calls_resumed")
+                    (new, keep), prompt = got, None
             if prompt is not None:
                 self._new_run(ep, prompt)
                 ep.tools_key = key
-            reason, ids, lps = await self._generate(ep, token, new, params, stops)
+            reason, ids, lps = await self._generate(ep, token, new, params, stops, keep)
             text = self.render.decode(ids.tolist())
             msg, called = self.render.assistant_message(text, tools_on, ep.seq.uid, ep.seq.turn)
             ep.consumed = canon + [canonical(msg)]
@@ -419,6 +509,11 @@ class AgentDriver:
     async def completion(self, token: str, prompt: str, params: CallParams) -> dict[str, Any]:
         ep = self._episode(token)
         async with self._call(ep, token):
+            if ep.recorded:  # moved here: completions are not matched, a new run starts
+                ep.recorded = False
+                self.metrics.count("agent_resume_mismatch")
+                self.metrics.count("agent_rewrite_tokens_dropped", ep.seq.length)
+                self._clear(ep)
             if ep.text is not None and prompt.startswith(ep.text) and len(prompt) > len(ep.text):
                 new = self.render.encode(prompt[len(ep.text) :])
             else:
@@ -494,8 +589,14 @@ class AgentDriver:
         new: list[int],
         params: CallParams,
         stops: tuple[str, ...],
+        keep: int | None = None,
     ) -> tuple[str, np.ndarray, np.ndarray]:
+        """Run one call's model turn. `keep`: a resumed call, whose turn began at that response
+        index with tokens recorded before the move (generation continues after them; a turn the
+        record says was whole is answered from it)."""
         seq = ep.seq
+        if keep is not None and keep < seq.length and seq.awaiting_env:
+            return self._answered(ep, "stop", keep)
         if seq.length + len(new) >= self.s.max_total:
             ep.truncated = True
             raise ApiError(
@@ -514,7 +615,7 @@ class AgentDriver:
             seq.append_env(np.asarray(new, np.int32))
             self.metrics.count("agent_input_tokens", len(new))
             seq.turn += 1
-        seq.turn_start = seq.length
+        seq.turn_start = seq.length if keep is None else keep
         sp = self.base_params
         if params.temperature is not None or params.top_p is not None:
             if self.cfg.honor_sampling:
@@ -529,10 +630,11 @@ class AgentDriver:
                 self.metrics.count("agent_sampling_ignored")
         cap = self.s.max_total
         if params.max_tokens is not None:
-            cap = min(cap, seq.length + params.max_tokens)
+            cap = min(cap, seq.turn_start + params.max_tokens)
         extra = tuple(s for s in (*params.stop, *stops) if s not in sp.stop)
         sp = replace(sp, max_tokens=cap, stop=tuple(sp.stop) + extra)
         ep.pending = asyncio.get_running_loop().create_future()
+        seq.awaiting_env = False
         self.table.set_waiting(seq, False)
         self.table.mark_dirty(seq.uid)
         t0 = time.monotonic()
@@ -557,15 +659,108 @@ class AgentDriver:
             raise ApiError(504, "the episode's time is up", "timeout", "server_error") from None
         finally:
             ep.pending = None
+        if reason == "moved":
+            raise _moved()
         if not self._current(ep, token) or reason not in ("stop", "length"):
             raise ApiError(409, f"the episode ended or started again ({reason})", "episode_closed")
+        self.metrics.add("agent_call_s", time.monotonic() - t0)
+        return self._answered(ep, reason, seq.turn_start)
+
+    def _answered(
+        self, ep: AgentEpisode, reason: str, start: int
+    ) -> tuple[str, np.ndarray, np.ndarray]:
+        seq = ep.seq
+        seq.turn_start = start
         ep.calls += 1
         self.metrics.count("agent_calls")
-        self.metrics.add("agent_call_s", time.monotonic() - t0)
         ids = seq.ids.view(seq.turn_start, seq.length).copy()
         lps = seq.logprobs.view(seq.turn_start, seq.length).copy()
         ep.after_eot = self.render.turns.ended_with_eot(ids.tolist())
         return reason, ids, lps
+
+    def _resume(
+        self,
+        ep: AgentEpisode,
+        messages: list[dict[str, Any]],
+        tools: list[Any] | None,
+        tools_on: bool,
+        key: str,
+    ) -> tuple[list[int], int | None] | None:
+        """The first call of an episode moved here, against the tokens recorded before the move.
+
+        The call either repeats the one in flight at the move (its model turn recorded in part,
+        or whole) or is the next one. Its messages must render to exactly the recorded tokens:
+        the prompt is the first call's conversation (`first_ids` of what precedes the run's first
+        assistant answer), each recorded model run decodes to the assistant message the agent
+        echoes, each recorded non-model run is the `delta_ids` of the messages between two
+        answers. The model's tokens are never re-tokenized: they are decoded and compared as
+        messages. Returns (new tokens still to append, the response index where the call's model
+        turn began if it is recorded, in part or whole), with the episode's state set as if its
+        calls had run here; None when the call does not match (the caller starts a new run).
+        """
+        seq = ep.seq
+        assert seq.mask is not None
+        ids, mask = seq.ids.copy(), seq.mask.copy()
+        segs = split_segments(ids, mask)
+        if not segs or segs[0].kind != "model":
+            return None
+        n_model = sum(1 for g in segs if g.kind == "model")
+        answers = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+        tail_model = segs[-1].kind == "model"
+        for done in (n_model, n_model - 1):  # calls answered before the move
+            if done < 0 or done > len(answers) or (done == n_model - 1 and not tail_model):
+                continue
+            try:
+                got = self._match(ep, messages, tools, tools_on, answers, segs, done, ids)
+            except BadMessages:
+                got = None
+            if got is not None:
+                ep.tools_key, ep.calls = key, done
+                return got
+        return None
+
+    def _match(
+        self,
+        ep: AgentEpisode,
+        messages: list[dict[str, Any]],
+        tools: list[Any] | None,
+        tools_on: bool,
+        answers: list[int],
+        segs: list[Any],
+        done: int,
+        ids: np.ndarray,
+    ) -> tuple[list[int], int | None] | None:
+        seq = ep.seq
+        mine = answers[len(answers) - done :]  # the run's answers, in call order
+        first = messages[: mine[0]] if mine else messages
+        if self.render.first_ids(first, tools) != seq.prompt_ids.tolist():
+            return None
+        after_eot, turn, k = False, 0, 0  # k: the next recorded segment
+        for j, at in enumerate(mine):
+            g = segs[k]
+            text = self.render.decode(ids[g.start : g.end].tolist())
+            msg, _ = self.render.assistant_message(text, tools_on, seq.uid, turn)
+            if canonical(msg) != canonical(messages[at]):
+                return None
+            after_eot = self.render.turns.ended_with_eot(ids[g.start : g.end].tolist())
+            k += 1
+            upto = mine[j + 1] if j + 1 < len(mine) else len(messages)
+            delta = self.render.delta_ids(messages[at + 1 : upto], after_eot)
+            if k == len(segs) and j + 1 == len(mine):  # the call's messages were not recorded yet
+                ep.after_eot, seq.turn = after_eot, turn
+                return delta, None
+            g = segs[k]
+            if g.kind != "env" or ids[g.start : g.end].tolist() != delta:
+                return None
+            k += 1
+            turn += 1
+        ep.after_eot, seq.turn = after_eot, turn
+        if k == len(segs):  # the call's messages recorded, no model token yet
+            return [], seq.length
+        g = segs[k]
+        if k + 1 != len(segs) or g.kind != "model":
+            return None
+        return [], g.start  # its model turn recorded in part (or whole: awaiting_env)
 
     def _logprobs(self, ids: np.ndarray, lps: np.ndarray) -> list[dict[str, Any]]:
         out = []
@@ -584,6 +779,15 @@ class AgentDriver:
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
         }
+
+
+def _moved() -> ApiError:
+    return ApiError(
+        421,
+        "this episode moved to another rollout: repeat the call on the one that holds it "
+        "(run_dir/agents/endpoints lists them)",
+        "episode_moved",
+    )
 
 
 class _OneCall:

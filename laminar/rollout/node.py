@@ -34,8 +34,9 @@ episode goes back into the engine at its own version; imports are rebuilt by rep
 
 Black-box agents (agent.fn or agent.remote set): AgentDriver (agents.py) starts each fresh sample
 as an episode of the user's agent, which calls this rollout's OpenAI-compatible endpoint
-(openai_api.py, aiohttp in this loop); each call is a turn at the episode's version. Exports are
-refused (an open HTTP call cannot move), imports start again from the prompt.
+(openai_api.py, aiohttp in this loop); each call is a turn at the episode's version. An exported
+episode's agent follows it (its calls here answer 421 episode_moved; the importer resumes the
+call from the recorded tokens).
 
 Heartbeats carry engine stats plus RolloutStatus (per-trajectory KV tokens, so repack can
 choose what to move). In laminar mode with repack on, the status is also pushed as soon as it
@@ -381,6 +382,8 @@ class RolloutNode(Node):
             max_prompt_tokens=cfg.data.max_prompt_tokens,
             model_name=cfg.model.path or cfg.name,
             remote_key=os.environ.get(ac.remote_key_env, "") if ac.remote else "",
+            endpoints_dir=str(cfg.resolved_run_dir() / "agents" / "endpoints"),
+            node_id=self.node_id,
         )
         self.agents = AgentDriver(
             settings,
@@ -593,11 +596,9 @@ class RolloutNode(Node):
     async def _on_export(self, peer: Peer, msg: ExportRequest) -> ExportReply | ErrorReply:
         if (busy := self._not_ready()) is not None:
             return busy
-        if self.agents is not None:
-            # an agent's open HTTP call cannot move with its episode: its episodes stay here
-            self.metrics.count("agent_export_refused", len(msg.uids) or len(self.table))
-            return ExportReply(partials=[], missing=list(msg.uids), version=self.gate.version)
         partials, missing = await self.table.export(list(msg.uids), self.node_id)
+        if self.agents is not None:  # their agents follow them (a call in flight answers 421)
+            self.agents.release([p.uid for p in partials])
         self.metrics.count("exported", len(partials))
         self.log.info("exported", count=len(partials), missing=len(missing))
         return ExportReply(partials=partials, missing=missing, version=self.gate.version)
@@ -638,7 +639,7 @@ class RolloutNode(Node):
             if self.episodes is not None:  # their environment state is rebuilt by replay first
                 for uid in accepted:
                     self.episodes.adopt(self.table.seqs[uid])
-            if self.agents is not None:  # their agent died with its rollout: from the prompt
+            if self.agents is not None:  # their agents call here next (or they start again)
                 for uid in accepted:
                     self.agents.adopt(self.table.seqs[uid])
         self.metrics.count("imported", len(accepted))

@@ -111,6 +111,8 @@ class SeqState:
     """`awaiting_env` as the partial pool last got it (a flip alone is worth a chunk)."""
     step_task: asyncio.Task[Any] | None = None
     """The running env step / replay of a waiting episode (export cancels it)."""
+    agent_token: str = ""
+    """Black-box agents: the current attempt's episode token (travels with the partial)."""
     runs: list[tuple[int, int]] = field(default_factory=list)
     """Mode partial: (response index, version) where a newer version took over generating it
     (empty: every token at `version`)."""
@@ -199,6 +201,7 @@ class SeqState:
             mask=mask,
             awaiting_env=p.awaiting_env and mask is not None,
             runs=version_runs(p.token_versions, p.version),
+            agent_token=p.agent_token,
         )
 
     @property
@@ -246,6 +249,7 @@ class SeqState:
             rollout_id=rollout_id,
             resumed=self.resumed,
             t_start=self.t_start,
+            agent_token=self.agent_token,
         )
 
     def chunk(self, rollout_id: str) -> tuple[PartialChunk, int]:
