@@ -178,6 +178,36 @@ async def rewriting_agent(row: dict[str, Any], client: Any) -> float:
     return 0.5
 
 
+async def three_call_agent(row: dict[str, Any], client: Any) -> float:
+    """Three calls, each adding a user message; logs each call's start and its answer (with this
+    worker's pid and its rollout's, the parent) to AGENT_TEST_CALLS; a failed call too."""
+    import time
+
+    from laminar.agents.sim import episode_uid
+
+    messages: list[Any] = [{"role": "user", "content": str(row["prompt"])}]
+    uid, me = "", {"pid": os.getpid(), "ppid": os.getppid()}
+    for k in range(3):
+        t0 = time.time()
+        _log("AGENT_TEST_CALLS", {"event": "start", "uid": uid, "k": k, "t": t0, **me})
+        try:
+            resp = await client.chat.completions.create(
+                model="sim", messages=messages, logprobs=True
+            )
+        except Exception as exc:
+            why = {"error": repr(exc), "t": time.time()}
+            _log("AGENT_TEST_CALLS", {"event": "error", "uid": uid, "k": k, **why, **me})
+            raise
+        uid = episode_uid(resp.id)
+        ch = resp.choices[0]
+        lps = [t.logprob for t in ch.logprobs.content]
+        end = {"event": "end", "uid": uid, "k": k, "t0": t0, "t": time.time(), "id": resp.id}
+        end["logprobs"] = lps
+        _log("AGENT_TEST_CALLS", {**end, **me})
+        messages += [ch.message, {"role": "user", "content": f"go on {k}"}]
+    return float(zlib.crc32(uid.encode()) % 2)
+
+
 async def _hold_pool() -> None:
     """A stand-in rollout: an AgentPool with episodes in flight on an endpoint that never
     answers; prints the worker pids, then waits to be killed (tests/test_agents.py)."""

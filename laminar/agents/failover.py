@@ -46,16 +46,18 @@ class FailoverTransport(httpx.AsyncBaseTransport):
         self.reconnect_s = reconnect_s
         self.moves = 0
         """Times a call had to find the episode on another rollout."""
+        self.lost = False
+        """A search found no rollout holding the episode: later calls do not search again."""
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         body = await request.aread()
         try:
             resp = await self.inner.handle_async_request(_to(request, self.origin, body))
         except _LOST:
-            if not self.dir:
+            if not self.dir or self.lost:
                 raise
         else:
-            if resp.status_code != 421 or not self.dir:
+            if resp.status_code != 421 or not self.dir or self.lost:
                 return resp
             await resp.aread()
             await resp.aclose()
@@ -78,6 +80,7 @@ class FailoverTransport(httpx.AsyncBaseTransport):
                 self.moves += 1
                 return resp
             if time.monotonic() + delay > deadline:
+                self.lost = True
                 raise httpx.ConnectError(
                     f"no rollout in {self.dir} holds this episode after {self.reconnect_s:g}s",
                     request=request,

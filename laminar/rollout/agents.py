@@ -482,6 +482,15 @@ class AgentDriver:
                 else:
                     self.metrics.count("agent_calls_resumed")
                     (new, keep), prompt = got, None
+                    kept = 0 if keep is None else ep.seq.length - keep
+                    self.metrics.count("agent_resume_kept_tokens", kept)
+                    self.log.info(
+                        "agent_call_resumed",
+                        uid=ep.seq.uid,
+                        calls_before=ep.calls,
+                        recorded=ep.seq.length,
+                        kept=kept,
+                    )
             if prompt is not None:
                 self._new_run(ep, prompt)
                 ep.tools_key = key
@@ -663,6 +672,9 @@ class AgentDriver:
             raise _moved()
         if not self._current(ep, token) or reason not in ("stop", "length"):
             raise ApiError(409, f"the episode ended or started again ({reason})", "episode_closed")
+        # the turn goes to the partial pool before the agent sees it, so a resume elsewhere finds
+        # every answer the agent holds (else its repeated call cannot match: a new run, counted)
+        await self.deliverer.flush_partials()
         self.metrics.add("agent_call_s", time.monotonic() - t0)
         return self._answered(ep, reason, seq.turn_start)
 
