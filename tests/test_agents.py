@@ -523,6 +523,61 @@ async def test_a_repack_move_mid_call_resumes_the_call_on_the_other_rollout(
     assert effects and set(effects.values()) == {1}
 
 
+async def test_moved_episodes_whose_version_is_gone_start_again_from_the_prompt_once(
+    tmp_path, tiny, agent_files
+):
+    """No live rollout serves a moved episode's version (here: the export's partials are offered
+    at a version nobody holds): the manager restarts them from their prompts on a rollout of the
+    newest version (`restarted_from_prompt`), without their token, so their agents' repeated
+    calls find no rollout holding them and fail after agent.reconnect_timeout_s; rollout-1 runs
+    them again with its own agents (`agent_restarted_on_import`). Every sample once."""
+    from laminar.protocol.rollout import ExportReply, ExportRequest
+
+    cfg = make_cfg(
+        tmp_path,
+        tiny,
+        "agent-version-gone",
+        rows=2,
+        data={"epochs": 1},
+        rollout={"credits": 2},
+        agent={"fn": "tests.agent_fakes:tool_agent", "workers": 1, "reconnect_timeout_s": 1.0},
+    )
+    tok = load_prompt_tokenizer(tiny, chat_template=True)
+    async with LocalCluster(cfg) as cluster:
+        r0 = await cluster.add("rollout", 0, engine=ScriptEngine(tok, hold=60.0, hold_at=1))
+        r1 = await cluster.add("rollout", 1, engine=ScriptEngine(tok))
+        trajs1 = capture(r1)
+        calls = lambda: sum(1 for s in r0.table.seqs.values() if s.length)  # noqa: E731
+        await wait_for(lambda: calls() == 4, 60, "every first call in flight", cluster)
+        mgr = cluster.node("manager-0")
+        exp = await mgr.srv.request("rollout-0", ExportRequest(uids=[]), timeout=5)
+        assert isinstance(exp, ExportReply) and len(exp.partials) == 4
+        for p in exp.partials:
+            p.version += 7  # a version no live rollout serves
+        placed = await mgr.placer.place(exp.partials, 0)
+        assert placed == {"rollout-1": 4}, placed
+        assert mgr.metrics.counters["restarted_from_prompt"] == 4
+        buffer = cluster.node("buffer-0")
+
+        def stored() -> dict[str, Any]:
+            return {t.uid: t for g in buffer.state.groups.values() for t in g.members.values()}
+
+        await wait_for(lambda: len(stored()) == 4, 60, "4 trajectories", cluster)
+        # the old agents' calls (waiting on rollout-0) got 421, found no rollout holding their
+        # episode and failed: their worker's episodes end (their results ignored by rollout-0)
+        pool = r0.agents.pool
+        assert pool is not None
+        gone = lambda: not any(s.inflight for s in pool.slots)  # noqa: E731
+        await wait_for(gone, 30, "rollout-0's agents giving up", cluster)
+        c1 = dict(r1.metrics.counters)
+    done = stored()
+    assert len(trajs1) == 4 and {t.uid for t in trajs1} == set(done)
+    assert c1.get("agent_restarted_on_import") == 4 and not c1.get("agent_moved_in"), c1
+    assert all(t.rollout_id == "rollout-1" and t.reward in (0.0, 1.0) for t in done.values())
+    effects = Counter(e["call_id"] for e in read_jsonl(agent_files["AGENT_TEST_EFFECTS"]))
+    assert set(effects.values()) <= {1}
+
+
 async def test_openai_agents_sdk_agent_trains_unchanged(tmp_path, tiny, agent_files):
     """A real agent framework from PyPI (the OpenAI Agents SDK) through the endpoint, offline."""
     pytest.importorskip("agents")
