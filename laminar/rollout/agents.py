@@ -39,10 +39,17 @@ the attempts. A call over the context or the episode's token budget answers 400
 (context_length_exceeded) and marks the episode truncated: when the agent ends (or raises),
 the sample is delivered with finish_reason "length" and reward.fn scores it.
 
-Moving an agent episode (repack, recovery) cannot move the agent's open HTTP call: a rollout
-with agents refuses exports (repack leaves its episodes where they are), and an imported agent
-partial (its rollout died) starts again from its prompt here at the same version
-(`agent_restarted_on_import`), run by this rollout's workers.
+Moves (repack, a dead rollout's recovery): the agent follows its episode. The episode's token
+travels in its partial (`SeqState.agent_token` -> PartialTrajectory.agent_token), and each
+call's turn is flushed to the partial pool before the answer goes out. Exported here
+(`release`): the episode's calls answer 421 episode_moved (a call in flight too). Imported here
+(`adopt`): the episode waits for its agent (`_await_agent`, like a remote one); the agent's
+client (laminar/agents/failover.py) repeats its call here, and `_resume` matches it against the
+recorded tokens: the answers before the move are kept, the call in flight continues after its
+recorded tokens (or is answered from them when its turn was whole), at the episode's version.
+No agent within agent.reconnect_timeout_s (`agent_failure_lost`), or a partial without a token
+(restarted from its prompt by the manager: its version is gone): it starts again from its
+prompt here, run by this rollout's workers (`agent_restarted_on_import`).
 """
 
 from __future__ import annotations
