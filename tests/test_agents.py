@@ -631,7 +631,8 @@ async def test_the_readme_agent_example_runs_as_written(tmp_path, tiny, monkeypa
 
 def test_agent_workers_leave_with_a_killed_rollout(tmp_path):
     """kill -9 of the process holding the agent pool, episodes in flight: its agent workers (own
-    sessions) see their pipe close and exit; nothing is left running."""
+    sessions) see their pipe close, finish their episodes (their calls' server died with it, and
+    no endpoint directory was given: they fail at once) and exit; nothing is left running."""
     import signal
     import subprocess
     import sys
