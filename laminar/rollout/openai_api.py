@@ -8,7 +8,8 @@
     POST /laminar/v1/episodes/close            ... and end it with a reward
 
 Every /v1 call carries an episode token as its API key (`Authorization: Bearer <token>`); the
-driver (laminar/rollout/agents.py) issued it and knows the episode, its version and its tokens.
+driver (laminar/rollout/agents.py) issued it (or imported it with a moved episode's partial) and
+knows the episode, its version and its tokens. A moved episode's calls answer 421 here.
 Bad input is answered in the OpenAI error shape ({"error": {message, type, param, code}}) with
 a 4xx status, counted (`agent_http_error_<code>`), and the endpoint goes on serving. What is
 not supported is refused by name: stream, n > 1, top_logprobs, several prompts per completion.
