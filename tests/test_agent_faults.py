@@ -15,9 +15,10 @@ Then, from what the processes wrote:
   * no agent call failed, and a call that started before the kill returned after it;
   * every prompt consumed exactly once as a whole group, and the buffer journal agrees;
   * each trajectory's model runs are exactly the answers its agent got (the logprobs of each
-    call, in order): the calls answered before the kill are kept as they were, and the call in
-    flight was continued from the tokens recorded before the kill (rollout-1's log:
-    agent_call_resumed with kept > 0), at the episode's version;
+    call, in order): the calls answered before the kill are kept as they were; each resumed
+    episode's trajectory starts with the tokens recorded before the kill (rollout-1's log:
+    agent_call_resumed, their count and crc32), and some call in flight was continued after
+    tokens it had made before the kill (kept > 0);
   * rollout-0's orphaned agent workers leave once their episodes are done.
 """
 
@@ -29,6 +30,7 @@ import signal
 import subprocess
 import sys
 import time
+import zlib
 from collections import Counter
 from pathlib import Path
 
@@ -280,5 +282,8 @@ def test_rollout_killed_mid_agent_call_the_call_returns_and_nothing_twice(procs)
         if '"agent_call_resumed"' in line
     ]
     assert resumed and any(r["kept"] > 0 for r in resumed), resumed
+    for r in resumed:  # the finished episode extends the tokens recorded before the kill
+        head = by_uid[r["uid"]].response_ids[: r["recorded"]].astype(np.int32)
+        assert len(head) == r["recorded"] and zlib.crc32(head.tobytes()) == r["recorded_crc32"]
     assert "agent_failed" not in (procs.tmp / "rollout-1.log").read_text()
     assert "restarted_from_prompt" not in (procs.tmp / "manager.log").read_text()

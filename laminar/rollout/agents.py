@@ -57,6 +57,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
+import zlib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -491,11 +492,13 @@ class AgentDriver:
                     (new, keep), prompt = got, None
                     kept = 0 if keep is None else ep.seq.length - keep
                     self.metrics.count("agent_resume_kept_tokens", kept)
+                    recorded = ep.seq.ids.view(0, ep.seq.length)
                     self.log.info(
                         "agent_call_resumed",
                         uid=ep.seq.uid,
                         calls_before=ep.calls,
-                        recorded=ep.seq.length,
+                        recorded=len(recorded),
+                        recorded_crc32=zlib.crc32(recorded.astype(np.int32).tobytes()),
                         kept=kept,
                     )
             if prompt is not None:
