@@ -1,0 +1,142 @@
+"""The agent client's transport follows a moved episode (laminar/agents/failover.py).
+
+    .venv/bin/python -m pytest tests/test_agent_failover.py -q
+
+Three local aiohttp servers stand in for rollouts: `old` answers 421 episode_moved (or is
+closed: a dead rollout), `other` never held the episode (401), `new` holds it after a few
+tries (401 until then, as a rollout the manager has not imported it on yet). The official
+openai client, given the transport, sees one normal answer.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from aiohttp import web
+
+from laminar.agents.failover import FailoverTransport, close_episode, http_client
+
+ANSWER = {
+    "id": "chatcmpl-x",
+    "object": "chat.completion",
+    "created": 0,
+    "model": "m",
+    "choices": [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "hi"},
+            "finish_reason": "stop",
+            "logprobs": None,
+        }
+    ],
+    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+}
+
+
+def _err(status: int, code: str) -> web.Response:
+    body = {"error": {"message": code, "type": "x", "param": None, "code": code}}
+    return web.json_response(body, status=status)
+
+
+class Rollout:
+    def __init__(self, name: str, answer: Any):
+        self.name, self.answer = name, answer
+        self.seen: list[tuple[str, str, Any]] = []
+        self.app = web.Application()
+        self.app.add_routes(
+            [
+                web.post("/v1/chat/completions", self._handle),
+                web.post("/laminar/v1/episodes/close", self._handle),
+            ]
+        )
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def _handle(self, request: web.Request) -> web.Response:
+        body = json.loads(await request.read())
+        self.seen.append((request.path, request.headers.get("Authorization", ""), body))
+        return self.answer(self, request.path)
+
+    async def start(self, registry: Path) -> None:
+        self.runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+        (registry / self.name).write_text(self.url + "/v1")
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+
+@pytest.fixture
+async def cluster(tmp_path):
+    reg = tmp_path / "endpoints"
+    reg.mkdir()
+    roll: dict[str, Rollout] = {
+        "old": Rollout("old", lambda r, path: _err(421, "episode_moved")),
+        "other": Rollout("other", lambda r, path: _err(401, "invalid_api_key")),
+        "new": Rollout(
+            "new",
+            lambda r, path: (
+                _err(401, "invalid_api_key")
+                if len(r.seen) < 3
+                else web.json_response(ANSWER if path.startswith("/v1") else {"ok": True})
+            ),
+        ),
+    }
+    for r in roll.values():
+        await r.start(reg)
+    yield reg, roll
+    for r in roll.values():
+        await r.stop()
+
+
+@pytest.mark.parametrize("how", ["moved", "died"])
+async def test_a_call_on_a_moved_or_dead_rollout_is_answered_by_the_one_holding_it(cluster, how):
+    reg, roll = cluster
+    if how == "died":
+        await roll["old"].stop()  # connection refused, as after a kill -9
+    transport = FailoverTransport(roll["old"].url + "/v1", str(reg), reconnect_s=20.0)
+    http = http_client(transport, 20.0)
+    client = openai.AsyncOpenAI(
+        base_url=roll["old"].url + "/v1", api_key="tok", max_retries=0, http_client=http
+    )
+    msgs = [{"role": "user", "content": "hello"}]
+    resp = await client.chat.completions.create(model="m", messages=msgs)
+    assert resp.choices[0].message.content == "hi" and transport.moves == 1
+    got = roll["new"].seen[-1]
+    assert got[0] == "/v1/chat/completions" and got[1] == "Bearer tok"
+    assert got[2]["messages"] == msgs  # the same call, repeated unchanged
+    assert roll["other"].seen  # asked, said 401, passed over
+    # later calls and the close go straight to the rollout that holds the episode
+    n_old = len(roll["old"].seen)
+    await client.chat.completions.create(model="m", messages=msgs)
+    why = await close_episode(http, roll["old"].url + "/v1", "tok", {"reward": 1.0})
+    assert why == "" and len(roll["old"].seen) == n_old
+    assert roll["new"].seen[-1][0] == "/laminar/v1/episodes/close"
+    assert roll["new"].seen[-1][2] == {"reward": 1.0}
+    await client.close()
+
+
+async def test_no_rollout_holding_the_episode_fails_the_call_after_the_bound(cluster):
+    reg, roll = cluster
+    (reg / "new").unlink()  # only the one that moved it and one that never had it
+    transport = FailoverTransport(roll["old"].url + "/v1", str(reg), reconnect_s=0.5)
+    http = http_client(transport, 20.0)
+    client = openai.AsyncOpenAI(
+        base_url=roll["old"].url + "/v1", api_key="tok", max_retries=0, http_client=http
+    )
+    with pytest.raises(openai.APIConnectionError):
+        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+    assert transport.lost and transport.moves == 0
+    # the episode was started again elsewhere: the close fails at once, without a new search
+    n = sum(len(r.seen) for r in roll.values())
+    why = await close_episode(http, roll["old"].url + "/v1", "tok", {"reward": 1.0})
+    assert "421" in why and sum(len(r.seen) for r in roll.values()) == n + 1
+    await client.close()
