@@ -105,3 +105,61 @@ def test_the_same_message_whatever_the_client_echoes() -> None:
         "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
     }
     assert canonical(parts) == canonical({"role": "user", "content": "ab"})
+
+
+def _episode(r: ChatRenderer, tok: Any, answers: list[str], uid: str = "g/0") -> Any:
+    """An episode's record as the endpoint builds it: the prompt, then per call the model's run
+    (mask 1) and the next call's new messages (mask 0); and the messages the agent holds."""
+    import numpy as np
+
+    msgs: list[dict[str, Any]] = [{"role": "user", "content": "12*3=?"}]
+    prompt = r.first_ids(msgs, TOOLS)
+    ids: list[int] = []
+    mask: list[int] = []
+    for turn, text in enumerate(answers):
+        run = enc(tok, text) + r.turns.eot_ids
+        ids += run
+        mask += [1] * len(run)
+        msg, _ = r.assistant_message(r.decode(run), True, uid, turn)
+        new = [{"role": "tool", "tool_call_id": "x", "content": str(turn)}]
+        delta = r.delta_ids(new, r.turns.ended_with_eot(run))
+        msgs += [msg, *new]
+        if turn + 1 < len(answers):
+            ids += delta
+            mask += [0] * len(delta)
+    return np.asarray(prompt), np.asarray(ids, np.int32), np.asarray(mask, np.uint8), msgs
+
+
+def test_a_moved_episodes_repeated_call_matches_its_record() -> None:
+    import numpy as np
+
+    from laminar.agents.resume import match_record
+
+    tok = chat_tokenizer()
+    r = ChatRenderer(tok)
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "12*3"}}</tool_call>'
+    prompt, ids, mask, msgs = _episode(r, tok, [call, "#36"])
+    # the record ends with answer 2; the agent's call 3 (its new message) is not in it yet
+    got = match_record(r, "g/0", prompt, ids, mask, msgs, TOOLS, True)
+    assert got is not None and got.calls == 2 and got.keep is None and got.turn == 1
+    assert got.new == r.delta_ids(msgs[-1:], got.after_eot) and got.after_eot
+    # call 2 in flight at the move: its new message and 3 of its tokens recorded
+    n2 = len(enc(tok, "#36")) + len(r.turns.eot_ids)
+    cut = len(ids) - n2 + 3
+    got = match_record(r, "g/0", prompt, ids[:cut], mask[:cut], msgs[:-2], TOOLS, True)
+    assert got is not None and got.calls == 1 and got.new == [] and got.turn == 1
+    assert got.keep == len(ids) - n2  # the turn continues after its 3 recorded tokens
+    # the first call in flight: only its partial run recorded
+    got = match_record(r, "g/0", prompt, ids[:4], mask[:4], msgs[:1], TOOLS, True)
+    assert got is not None and (got.calls, got.new, got.keep, got.turn) == (0, [], 0, 0)
+    # the agent rewrote an answer, or its first messages, or dropped a tool: no match
+    bad = [dict(m) for m in msgs[:-2]]
+    bad[1] = {"role": "assistant", "content": "#35"}
+    assert match_record(r, "g/0", prompt, ids[:cut], mask[:cut], bad, TOOLS, True) is None
+    bad = [{"role": "user", "content": "13*3=?"}, *msgs[1:-2]]
+    assert match_record(r, "g/0", prompt, ids[:cut], mask[:cut], bad, TOOLS, True) is None
+    assert match_record(r, "g/0", prompt, ids[:cut], mask[:cut], msgs[:-2], None, False) is None
+    # a record whose last answer was not streamed whole (the agent holds more than it): no match
+    short = len(enc(tok, call)) - 2
+    assert match_record(r, "g/0", prompt, ids[:short], mask[:short], msgs[:-2], TOOLS, True) is None
+    assert np.array_equal(prompt, r.first_ids(msgs[:1], TOOLS))

@@ -66,9 +66,9 @@ import numpy as np
 import structlog
 
 from laminar.agents.render import BadMessages, ChatRenderer, canonical
+from laminar.agents.resume import match_record
 from laminar.config import AgentConfig
 from laminar.engines.base import Engine, GenRequest, SamplingParams
-from laminar.envs.replay import split_segments
 from laminar.metrics import Metrics
 from laminar.rewards.runner import RewardResult, normalize_reward
 from laminar.rollout.agent_pool import AgentPool
@@ -708,81 +708,26 @@ class AgentDriver:
         tools_on: bool,
         key: str,
     ) -> tuple[list[int], int | None] | None:
-        """The first call of an episode moved here, against the tokens recorded before the move.
-
-        The call either repeats the one in flight at the move (its model turn recorded in part,
-        or whole) or is the next one. Its messages must render to exactly the recorded tokens:
-        the prompt is the first call's conversation (`first_ids` of what precedes the run's first
-        assistant answer), each recorded model run decodes to the assistant message the agent
-        echoes, each recorded non-model run is the `delta_ids` of the messages between two
-        answers. The model's tokens are never re-tokenized: they are decoded and compared as
-        messages. Returns (new tokens still to append, the response index where the call's model
-        turn began if it is recorded, in part or whole), with the episode's state set as if its
-        calls had run here; None when the call does not match (the caller starts a new run).
-        """
+        """The first call of an episode moved here, against the tokens recorded before the move
+        (laminar/agents/resume.py). On a match the episode's state is set as if its calls had
+        run here; returns (new tokens still to append, where the call's model turn began when
+        the record holds it), or None (the caller starts a new run)."""
         seq = ep.seq
         assert seq.mask is not None
-        ids, mask = seq.ids.copy(), seq.mask.copy()
-        segs = split_segments(ids, mask)
-        if not segs or segs[0].kind != "model":
+        got = match_record(
+            self.render,
+            seq.uid,
+            seq.prompt_ids,
+            seq.ids.copy(),
+            seq.mask.copy(),
+            messages,
+            tools,
+            tools_on,
+        )
+        if got is None:
             return None
-        n_model = sum(1 for g in segs if g.kind == "model")
-        answers = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
-        tail_model = segs[-1].kind == "model"
-        for done in (n_model, n_model - 1):  # calls answered before the move
-            if done < 0 or done > len(answers) or (done == n_model - 1 and not tail_model):
-                continue
-            try:
-                got = self._match(ep, messages, tools, tools_on, answers, segs, done, ids)
-            except BadMessages:
-                got = None
-            if got is not None:
-                ep.tools_key, ep.calls = key, done
-                return got
-        return None
-
-    def _match(
-        self,
-        ep: AgentEpisode,
-        messages: list[dict[str, Any]],
-        tools: list[Any] | None,
-        tools_on: bool,
-        answers: list[int],
-        segs: list[Any],
-        done: int,
-        ids: np.ndarray,
-    ) -> tuple[list[int], int | None] | None:
-        seq = ep.seq
-        mine = answers[len(answers) - done :]  # the run's answers, in call order
-        first = messages[: mine[0]] if mine else messages
-        if self.render.first_ids(first, tools) != seq.prompt_ids.tolist():
-            return None
-        after_eot, turn, k = False, 0, 0  # k: the next recorded segment
-        for j, at in enumerate(mine):
-            g = segs[k]
-            text = self.render.decode(ids[g.start : g.end].tolist())
-            msg, _ = self.render.assistant_message(text, tools_on, seq.uid, turn)
-            if canonical(msg) != canonical(messages[at]):
-                return None
-            after_eot = self.render.turns.ended_with_eot(ids[g.start : g.end].tolist())
-            k += 1
-            upto = mine[j + 1] if j + 1 < len(mine) else len(messages)
-            delta = self.render.delta_ids(messages[at + 1 : upto], after_eot)
-            if k == len(segs) and j + 1 == len(mine):  # the call's messages were not recorded yet
-                ep.after_eot, seq.turn = after_eot, turn
-                return delta, None
-            g = segs[k]
-            if g.kind != "env" or ids[g.start : g.end].tolist() != delta:
-                return None
-            k += 1
-            turn += 1
-        ep.after_eot, seq.turn = after_eot, turn
-        if k == len(segs):  # the call's messages recorded, no model token yet
-            return [], seq.length
-        g = segs[k]
-        if k + 1 != len(segs) or g.kind != "model":
-            return None
-        return [], g.start  # its model turn recorded in part (or whole: awaiting_env)
+        ep.tools_key, ep.calls, ep.after_eot, seq.turn = key, got.calls, got.after_eot, got.turn
+        return got.new, got.keep
 
     def _logprobs(self, ids: np.ndarray, lps: np.ndarray) -> list[dict[str, Any]]:
         out = []
