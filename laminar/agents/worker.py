@@ -35,7 +35,6 @@ from typing import Any
 
 import msgspec
 
-from laminar.agents.failover import FailoverTransport, close_episode, http_client
 from laminar.rewards.runner import resolve_spec
 from laminar.subprocess_pool import protocol_fds, read_frame, write_frame
 
@@ -67,23 +66,34 @@ def _plain_reward(out: Any) -> Any:
 class _Episode:
     def __init__(self, req: dict[str, Any]):
         self.req = req
+        self.transport: Any = None
+        """laminar/agents/failover.py's FailoverTransport, once the episode runs (openai's HTTP
+        library is imported there: without the `agents` extra, each episode fails, counted)."""
+
+    def open(self) -> Any:
+        from laminar.agents.failover import FailoverTransport, http_client
+
+        req = self.req
         self.transport = FailoverTransport(
             req["base_url"], req.get("endpoints_dir", ""), float(req.get("reconnect_s", 30.0))
         )
+        return http_client(self.transport, float(req.get("timeout_s", 300.0)))
 
     @property
     def moved(self) -> bool:
         """Its episode is held by another rollout now (the one that started it does not rule
         it: its cancel is ignored, the result goes by HTTP)."""
-        return self.transport.moves > 0
+        return self.transport is not None and self.transport.moves > 0
 
 
 async def _episode(fn: Any, ep: _Episode, pipe_open: Callable[[], bool]) -> dict[str, Any]:
     import openai
 
+    from laminar.agents.failover import close_episode
+
     req = ep.req
     timeout = float(req.get("timeout_s", 300.0))
-    http = http_client(ep.transport, timeout)
+    http = ep.open()
     client = openai.AsyncOpenAI(
         base_url=req["base_url"], api_key=req["api_key"], max_retries=0, http_client=http
     )
