@@ -25,8 +25,10 @@ laminar.modes and laminar.manager.repack; only the hardware is modelled:
   tools holds no credit (the rollout takes other groups, at most 2x credits in hand, as
   laminar/rollout/feeder.py does), but it keeps its version: the rollout loads no new weights
   while one of its trajectories waits on a tool (one version per trajectory), repack does not
-  move a waiting one, and a global update waits for it (the baselines' barrier). Trained tokens
-  count the tool output; generated tokens do not.
+  move a waiting one, and a global update waits for it (the baselines' barrier). partial is the
+  exception: its update interrupts whatever a rollout holds, tool waits included, and the load
+  resets the prefix cache, so a call that returns after it prefills the whole history again.
+  Trained tokens count the tool output; generated tokens do not.
 - Trainer: an update on T tokens takes max(T * trainer_s_per_token, mini-batches *
   trainer_minibatch_floor_s); the floor is the FSDP traffic of one optimizer step, which does not
   shrink with more GPUs - why per-GPU trainer throughput falls at large scale (strong scaling).
@@ -48,6 +50,10 @@ Modes (rules from laminar.modes.policy_for):
   stays its first token's, so staleness (and the bound) is that of its oldest token. Its
   rollouts ask for their own groups as laminar's do (`refill`: credits, refill_slots, prompt
   round trips); between a trainer step and the end of its update none may start (admission).
+  Credits per sequence (refill_slots) bound only the open sequences; the 2x credits cap on
+  groups in hand applies with them only multi-turn, as the rollout node's feeder does: with a
+  queue that never drains, the single-turn groups a rollout holds pile up behind their long
+  tails (4-6 of them with 12 slots), and a cap there would leave it under B.
 - laminar_norepack / laminar: each rollout takes its own batch, drains it, pulls the newest
   version from its relay and takes the next; the trainer consumes finished groups FIFO. With
   refill_per_group (the rollout node's credit loop, used for the emulation) a rollout also takes
@@ -104,7 +110,19 @@ class Traj:
     Multi-turn: `plan` = (ends, obs, lat): model turn k ends at response index ends[k], then
     tool call k takes lat[k] seconds and adds obs[k] tokens; `length` is the whole response."""
 
-    __slots__ = ("id", "group", "length", "gen0", "start_p", "fin", "end", "turn", "plan", "cached")
+    __slots__ = (
+        "id",
+        "group",
+        "length",
+        "gen0",
+        "start_p",
+        "fin",
+        "end",
+        "turn",
+        "plan",
+        "cached",
+        "call_loads",
+    )
 
     def __init__(
         self,
@@ -119,6 +137,8 @@ class Traj:
         self.end = length if plan is None else plan[0][0]
         self.cached = 0
         """KV tokens its next admission need not prefill (prefix cache, after a tool call)."""
+        self.call_loads = 0
+        """Its rollout's `loads` when its tool call began: a load since reset the prefix cache."""
 
     def restart(self) -> None:
         """Back to the prompt (its tokens lost): turn 0 again."""
@@ -161,6 +181,7 @@ class Rollout:
         "push_pending",
         "tooling",
         "retracted",
+        "loads",
     )
 
     def __init__(self, idx: int) -> None:
@@ -181,6 +202,9 @@ class Rollout:
         self.last_kv = 0.0
         self.status: Any = None  # (RolloutLoad, trajectory loads, time) of its latest report
         self.work_t = self.decode_t = self.util_a = 0.0
+        self.loads = 0
+        """partial: updates taken with sequences held; each reset the prefix cache (the engine's
+        reset_prefix_cache after a weight load)."""
 
 
 class Sim(RepackMixin):
@@ -361,6 +385,7 @@ class Sim(RepackMixin):
         """Multi-turn: the model turn ended in a tool call; the trajectory waits off the batch."""
         assert t.plan is not None
         r.tooling[t.id] = t
+        t.call_loads = r.loads
         self.push(self.now + t.plan[2][t.turn], EV_TOOL, (r.idx, t))
 
     def on_tool_done(self, r: Rollout, t: Traj) -> None:
@@ -369,7 +394,8 @@ class Sim(RepackMixin):
         self.advance(r)
         del r.tooling[t.id]
         assert t.plan is not None
-        t.cached = self.prm.prompt_tokens + t.gen0
+        # partial: weights loaded during the call reset the prefix cache: the whole history again
+        t.cached = self.prm.prompt_tokens + t.gen0 if t.call_loads == r.loads else 0
         t.gen0 += t.plan[1][t.turn]
         t.turn += 1
         t.end = t.plan[0][t.turn]
@@ -526,15 +552,21 @@ class Sim(RepackMixin):
         first = started
         hand = self.groups_in_hand(r) if r.tooling else started
         slots = self.prm.refill_slots
+        # the cap on groups in hand, 2x credits (feeder.free_credits): with credits per group it
+        # always applies; with credits per sequence only multi-turn, where groups whose episodes
+        # all wait on tools hold no slot (single-turn, the slots alone bound a rollout's groups)
+        hand_cap = 2 * self.prm.rollout_groups
         if slots is not None:  # credits per sequence: room for a whole group among the open ones
             open_seqs = len(r.running) + len(r.waiting) + len(r.retracted)
             started, first = 0, 0
             limit = max(0, slots - open_seqs) // self.prm.group_size
+            if not self.prm.tool_calls_max:
+                hand_cap = math.inf
         else:
             limit = self.prm.rollout_groups
         while (
             started < limit
-            and hand < 2 * self.prm.rollout_groups
+            and hand < hand_cap
             and (cap is None or len(self.buffer) < cap)
             and self.may_start(r)
         ):
@@ -675,14 +707,20 @@ class Sim(RepackMixin):
     def interrupt_all(self) -> None:
         """partial: every rollout stops for the update, then prefills each in-flight sequence's
         prompt and tokens so far again (its KV was computed by the old weights) and continues it
-        under the new version; nothing is lost, a tool-waiting one just resumes later."""
+        under the new version; nothing is lost. A rollout whose episodes all wait on tools takes
+        the update too (laminar/rollout/feeder.py interrupts whenever it holds a sequence): a turn
+        whose call returns meanwhile waits for the new weights. One holding nothing is not stalled.
+        """
         upd = self.prm.global_update_s
         for r in self.ro:
             self.advance(r)
-            if not r.running and not r.waiting:
+            if not r.running and not r.waiting and not r.tooling:
                 continue
             held = self.kv(r) if r.running else 0.0
             refill = held / self.prm.prefill_tok_s if self.prm.prefill_tok_s < math.inf else 0.0
+            r.loads += 1  # the new weights reset the prefix cache: queued turns prefill it all
+            for t in r.waiting:
+                t.cached = 0
             r.stall_until = max(r.stall_until, self.now) + upd + refill
             self.counts["interrupted_trajs"] += len(r.running)
             self.schedule(r)

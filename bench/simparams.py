@@ -91,10 +91,11 @@ class SimParams:
     """laminar: a rollout at the newest available version takes a new group whenever it holds
     fewer than rollout_groups (the rollout node's credit loop); False: only once it ran dry."""
     refill_slots: int | None = None
-    """laminar with refill_per_group: a rollout takes a new group whenever its unfinished
-    sequences (running + queued) leave room for a whole group within this many (the rollout
-    node's rollout.refill_slots: credits per sequence, not per group); None: a credit per group
-    (rollout_groups groups in hand)."""
+    """laminar and partial with refill_per_group: a rollout takes a new group whenever its
+    unfinished sequences (running + queued) leave room for a whole group within this many (the
+    rollout node's rollout.refill_slots: credits per sequence, not per group), however many
+    groups it holds (multi-turn: at most 2x rollout_groups, as the node caps them); None: a
+    credit per group (rollout_groups groups in hand)."""
     retract_waiting: bool = False
     """laminar: once a newer version is out, a draining rollout takes back its groups that have not
     started (all samples still queued, no token made) and starts them at the new version after its

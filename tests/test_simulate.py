@@ -7,6 +7,7 @@ import math
 import sys
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -110,6 +111,90 @@ def test_partial_interrupts_instead_of_draining():
     assert max(int(k) for k in bounded["staleness_consumed"]["hist"]) <= 2
     slow = run("partial", prefill_tok_s=2000.0)
     assert slow["throughput_tok_s"] < part["throughput_tok_s"]
+
+
+def _feeder_free_credits(cfg, groups: list[list[bool]]) -> int:
+    """The rollout node's own rule (PromptFeeder.free_credits) on a table holding `groups`: one
+    list per group in hand, a flag per open sequence (True: waiting on its environment)."""
+    from laminar.rollout.feeder import PromptFeeder
+
+    seqs = {
+        f"g{i}/{j}": SimpleNamespace(waiting=w)
+        for i, g in enumerate(groups)
+        for j, w in enumerate(g)
+    }
+    feeder = PromptFeeder.__new__(PromptFeeder)  # only the credit rule: no node, no sockets
+    feeder.cfg, feeder.held = cfg, []
+    feeder.table = SimpleNamespace(
+        seqs=seqs,
+        groups=dict.fromkeys(range(len(groups))),
+        multi_turn=any(w for g in groups for w in g) or cfg.multi_turn,
+        busy_groups=lambda: sum(1 for g in groups if not all(g)),
+    )
+    return feeder.free_credits()
+
+
+@pytest.mark.parametrize("multi_turn", [False, True])
+def test_refill_takes_as_many_groups_as_the_rollout_node(multi_turn):
+    """A rollout with credits per sequence (refill_slots 12, groups of 4, 2 credits) holding 4
+    groups, one straggler each: the node asks for (12 - 4) // 4 = 2 more single-turn, and none
+    multi-turn, where 2 x credits caps the groups in hand. The simulator starts the same."""
+    cfg = SimpleNamespace(refill_slots=12, group_size=4, credits=2, multi_turn=multi_turn)
+    want = _feeder_free_credits(cfg, [[False]] * 4)
+    assert want == (0 if multi_turn else 2)
+    prm = replace(
+        SMALL,
+        refill_slots=12,
+        refill_per_group=True,
+        rollout_groups=2,
+        tool_calls_max=3 if multi_turn else 0,
+    )
+    s = sim.Sim("partial", prm, 0, 0, 0)
+    r = s.ro[0]
+    for seq in range(4):  # each group down to its one long sample
+        g = sim.simcore.Group(seq, 0, 1, r.idx)
+        r.waiting.append(sim.simcore.Traj(s.next_tid, g, 300))
+        s.next_tid += 1
+    s.groups_started = 4
+    s.refill(r)
+    assert s.groups_started - 4 == want
+
+
+def test_partial_update_resets_the_prefix_cache_of_tool_waits():
+    """partial, multi-turn: a rollout whose only episode waits on a tool takes the update too
+    (the node interrupts whenever it holds a sequence), and when the call returns the new weights
+    have reset the prefix cache: the whole history is prefilled, not only the tool output."""
+    prm = replace(
+        SMALL,
+        tool_calls_max=3,
+        p_call=1.0,
+        global_update_s=0.5,
+        prefill_tok_s=1000.0,
+        buffer_capacity_groups=0,  # no new groups: only the returning turn is prefilled
+    )
+
+    def tool_return(interrupted: bool) -> tuple[float, float, int, int]:
+        """(stall before the call returns, prefill it costs, history before it, tool output)."""
+        s = sim.Sim("partial", prm, 0, 0, 0)
+        r = s.ro[0]
+        s.start_group(r)
+        t = r.waiting.popleft()
+        r.waiting.clear()
+        assert len(t.plan[0]) > 1  # its first turn ends in a call
+        t.gen0 = t.end
+        s.tool_call(r, t)
+        if interrupted:
+            s.interrupt_all()
+        stalled, history, obs = r.stall_until, prm.prompt_tokens + t.gen0, t.plan[1][0]
+        s.on_tool_done(r, t)
+        return stalled, r.stall_until - stalled, history, obs
+
+    stalled, prefill_s, history, obs = tool_return(interrupted=True)
+    assert stalled == pytest.approx(0.5)  # no decode until the new weights are in
+    assert prefill_s == pytest.approx((history + obs) / 1000.0)
+    stalled, prefill_s, history, obs = tool_return(interrupted=False)
+    assert stalled == 0.0
+    assert prefill_s == pytest.approx(obs / 1000.0)  # the prompt and earlier turns are cached
 
 
 def test_repack_helps_the_tail():
