@@ -404,11 +404,18 @@ class TrainerNode(Node):
         excluded = [t.uid for t in batch.source if t.uid not in kept] + rejected
         self.commits.consumed(self.step, self.version, reply.batch_id, trained, excluded, rejected)
         self.commits.record(reply.batch_id, self.step, self.version)
+        t_publish = time.perf_counter()
         if weights is not None:
             push_s, push_bytes = await self._publish(weights)
         else:
             assert layout is not None
             export_s, push_s, push_bytes = await self._publish_streamed(layout)
+        # what the step loop waited for the version: the export, the handoff, the attestation
+        # digest, a snapshot when due, the announcement (NaN: the version was not published)
+        published_s = time.perf_counter() - t_publish
+        stall_s = (export_s if weights is not None else 0.0) + published_s
+        if not math.isfinite(push_s):
+            stall_s = math.nan
         if not self.commits.gated:
             await self.commits.flush()
         step_s = time.perf_counter() - t0
@@ -419,7 +426,7 @@ class TrainerNode(Node):
                 "push_s": push_s,
                 "push_bytes": push_bytes,
                 "export_s": export_s,
-                "weights_stall_s": export_s + push_s,
+                "weights_stall_s": stall_s,
                 "tokens_per_s": metrics["tokens_total"] / max(metrics["compute_s"], 1e-9),
                 "staleness": sum(staleness) / len(staleness),
                 "staleness_max": max(staleness),
