@@ -390,7 +390,7 @@ class TrainerNode(Node):
         # streamed into the handoff as it gathers, unless this version is snapshotted (the
         # snapshot needs it whole) or the trainer cannot name its shapes before exporting
         streamed = not self.snapshots.due(self.version + 1)
-        layout = self.trainer.stream_layout() if streamed else None
+        layout = await self.compute(self.trainer.stream_layout) if streamed else None
         weights: dict[str, torch.Tensor] | None = None
         export_s = 0.0
         if layout is None:
