@@ -657,6 +657,12 @@ class TrainerConfig(Section):
     + optimizer file. auto = sharded under FSDP (several ranks), full on one."""
     keep_checkpoints: int = Field(2, ge=1)
     """Checkpoints kept in run_dir/checkpoints (oldest deleted first)."""
+    checkpoint_async: bool = True
+    """Sharded checkpoints: training resumes once the state is copied to host memory and the
+    shards are written in the background (torch.distributed.checkpoint.async_save); the checkpoint
+    counts (meta.json, commit=checkpoint commits) only once every shard is on disk. At most one
+    save is in flight: the next waits for it (metric checkpoint_stall_s). Costs one host copy of
+    the rank's shards and optimizer state. Periodic checkpoints only; final and stop ones wait."""
     batch_wait_s: float = Field(1.0, gt=0)
     """Long-poll of one BatchRequest; an empty reply is asked again."""
     eval_every: int = Field(10, ge=0)

@@ -57,7 +57,7 @@ def main() -> None:
         norms.append(m["grad_norm"])
         grads.append(adapter_grads(policy))
     weights = policy.export_weights()
-    path = ck.save_policy(policy, out / "run", 3, {"version": 3}, keep=2)  # collective
+    path = ck.save_policy(policy, out / "run", 3, {"version": 3}, keep=2).wait()  # collective
     destroy(ctx)
     if ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)

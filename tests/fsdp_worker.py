@@ -41,7 +41,7 @@ def main() -> None:
         losses.append(m["loss"])
         norms.append(m["grad_norm"])
     weights = policy.export()  # float32 (the config's rollout dtype): the full state dict
-    path = policy.save(out / "run", 3, {"version": 3}, keep=2)
+    path = policy.save(out / "run", 3, {"version": 3}, keep=2).wait()
     policy.close()
     torch.save(weights, out / "weights.pt")
     (out / "result.json").write_text(

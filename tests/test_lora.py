@@ -192,7 +192,7 @@ def test_engine_serves_the_version_peft_loads_from_the_checkpoint(tiny, tmp_path
     """Acceptance: the exported adapter, loaded with peft onto the base, gives the engine's logits
     for that version within 1e-4 (fp32, CPU), and the engine's sampled logprobs are peft's."""
     policy = trained(tiny, tmp_path)
-    path = ck.save_policy(policy, tmp_path, 3, {"version": 3}, tiny)
+    path = ck.save_policy(policy, tmp_path, 3, {"version": 3}, tiny).wait()
     assert path is not None and not (path / "model").exists()
     adapter_dir = path / "adapter"
     assert (adapter_dir / "adapter_config.json").is_file()
@@ -232,7 +232,7 @@ def test_checkpoint_resumes_adapters_and_optimizer(tiny, tmp_path):
     b1, b2 = TrainBatch.build(make_trajs(seed=1)), TrainBatch.build(make_trajs(seed=2))
     a.train_step(b1)
     a.train_step(b1)
-    ck.save_policy(a, tmp_path, 2, {"version": 2, "frontier": {}}, tiny)
+    ck.save_policy(a, tmp_path, 2, {"version": 2, "frontier": {}}, tiny).wait()
     cfg.trainer.resume = "auto"
     opened = open_trainer(trainer_settings(cfg), tmp_path)
     b = opened.trainer

@@ -179,7 +179,9 @@ def test_checkpoint_round_trip_and_resume_give_the_same_next_step(tiny, tmp_path
     b1, b2 = TrainBatch.build(make_trajs(seed=1)), TrainBatch.build(make_trajs(seed=2))
     a.train_step(b1)
     a.train_step(b1)
-    path = ck.save_policy(a, tmp_path, 2, {"version": 2, "frontier": {"uncommitted": []}}, tiny)
+    path = ck.save_policy(
+        a, tmp_path, 2, {"version": 2, "frontier": {"uncommitted": []}}, tiny
+    ).wait()
     assert ck.latest_checkpoint(tmp_path) == path and (path / "model" / "tokenizer.json").is_file()
     b = Policy(trainer_settings(cfg), str(path / "model"))
     meta = ck.load_policy_state(b, path)
@@ -210,7 +212,7 @@ def test_checkpoints_are_atomic_and_pruned(tiny, tmp_path):
     )  # a crashed writer's leftovers
     assert ck.latest_checkpoint(tmp_path) is None
     for step in (1, 2, 3):
-        ck.save_policy(policy, tmp_path, step, {"version": step}, tiny, keep=2)
+        ck.save_policy(policy, tmp_path, step, {"version": step}, tiny, keep=2).wait()
     assert [p.name for p in ck.list_checkpoints(tmp_path)] == ["step_00000002", "step_00000003"]
     assert ck.remove_partial(tmp_path) == 1
     assert ck.resolve_resume("auto", tmp_path).name == "step_00000003"

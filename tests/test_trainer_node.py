@@ -328,6 +328,14 @@ async def test_weights_go_through_the_relay_tier_when_there_is_one(tiny, tmp_pat
         expect = Policy(trainer_settings(cfg), str(final / "model")).full_state_dict()
         assert got.keys() == expect.keys() and all(torch.equal(got[k], expect[k]) for k in expect)
         assert node.version == 2
+        # streamed into the relay's slot (laminar/weights/sink.py); the digest rollouts attest
+        # against came from the streamed bytes
+        assert node.trainer is not None and node.trainer.stream_layout() is not None
+        from laminar.weights.digest import weights_digest
+
+        assert mgr.published[-1].digest == weights_digest(got.items())
+        for line in read_jsonl(cfg.resolved_run_dir() / "metrics.jsonl"):
+            assert line["weights_stall_s"] >= line["export_s"] + line["push_s"] > 0
     finally:
         relay.request_stop("test done")
         await asyncio.wait_for(relay_task, 10)

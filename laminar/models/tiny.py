@@ -138,6 +138,45 @@ def load_causal_lm(
     return model.to(device).eval()
 
 
+def empty_causal_lm(path: str | os.PathLike, attention: str = "eager") -> Any:
+    """The HF causal LM of `path`'s config.json on the meta device: its shapes, no bytes, nothing
+    read or initialised (the weights come later: a sharded checkpoint's shards, each rank its own).
+    Fill the parameters with `to_empty`, then `fill_buffers`."""
+    import torch
+
+    with IMPORT_LOCK:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(
+                config, dtype=torch.float32, attn_implementation=attention
+            )
+    return model.eval()
+
+
+def computed_buffers(model: Any) -> list[Any]:
+    """The modules whose buffers are computed, not stored (not in the state dict): a checkpoint
+    cannot fill them. Raises where `fill_buffers` could not recompute one."""
+    stored = set(model.state_dict())
+    out = []
+    for name, module in model.named_modules():
+        own = [f"{name}.{b}" if name else b for b, _ in module.named_buffers(recurse=False)]
+        if all(b in stored for b in own):
+            continue
+        if not hasattr(module, "original_inv_freq"):  # HF's rotary embeddings: see fill_buffers
+            raise ValueError(f"{type(module).__name__} ({name}) has a buffer no checkpoint holds")
+        out.append(module)
+    return out
+
+
+def fill_buffers(model: Any, modules: list[Any]) -> None:
+    """Recompute the computed buffers of `modules` (from `computed_buffers`) after `to_empty`:
+    HF's own initialiser for them (rotary frequencies), which touches no parameter."""
+    for module in modules:
+        model._init_weights(module)
+
+
 def open_model(model_or_path: Any, tokenizer: Any = None) -> tuple[Any, Any]:
     """(model, tokenizer) from a local HF directory, or a model already loaded (its tokenizer as
     given)."""

@@ -32,7 +32,10 @@ import json
 import os
 import random
 import shutil
+import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +43,8 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
+    from torch.distributed.checkpoint import StorageWriter
+
     from laminar.config import LoraConfig
     from laminar.trainer.policy import Policy
 
@@ -235,6 +240,53 @@ def _barrier(policy: Policy) -> None:
         dist.barrier(group=policy.ctx.cpu_group)
 
 
+class PendingSave:
+    """A checkpoint on its way to disk. `wait()` (any thread; idempotent) blocks until every
+    rank's shards are durable, then, on rank 0, writes the small files and meta.json and renames
+    the directory into place: only then is it a checkpoint `latest_checkpoint` finds, so a crash
+    before that resumes from the previous one. Returns the path on rank 0, None elsewhere."""
+
+    def __init__(
+        self,
+        step: int,
+        upload: Future[Any] | None = None,
+        finish: Callable[[], Path | None] | None = None,
+        path: Path | None = None,
+    ):
+        self.step = step
+        self.waited_s = 0.0
+        """Seconds the save that made this one waited for the one before it (trainer time)."""
+        self._upload, self._finish, self._path = upload, finish, path
+        self._lock = threading.Lock()
+        self._done = upload is None and finish is None
+
+    @classmethod
+    def completed(cls, step: int, path: Path | None) -> PendingSave:
+        return cls(step, path=path)
+
+    def done(self) -> bool:
+        """Landed (wait() returns at once), or its shards are written and only rank 0's small
+        files remain."""
+        return self._done or (self._upload is not None and self._upload.done())
+
+    def wait(self) -> Path | None:
+        with self._lock:
+            if not self._done:
+                if self._upload is not None:
+                    self._upload.result()  # raises what the writer raised: no meta.json then
+                if self._finish is not None:
+                    self._path = self._finish()
+                self._done = True
+            return self._path
+
+
+def storage_writer(path: str) -> StorageWriter:
+    """Where DCP writes a checkpoint's shards (tests swap in a writer that waits on a gate)."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    return FileSystemWriter(path)
+
+
 def save_sharded(
     policy: Policy,
     run_dir: str | os.PathLike,
@@ -242,64 +294,116 @@ def save_sharded(
     meta: dict[str, Any],
     tokenizer_src: str | os.PathLike | None = None,
     keep: int = 2,
-) -> Path | None:
+    asynchronous: bool = False,
+) -> PendingSave:
     """Every rank writes its own shards of the weights and AdamW state (collective); rank 0 adds
     the small files, then renames the directory into place. run_dir must be on a filesystem every
-    rank sees."""
+    rank sees.
+
+    asynchronous: returns once the state is staged (copied to host memory: training may change
+    the weights from then on) and the shards are written by DCP's `async_save` on a thread, over
+    `policy.checkpoint_group` (its own gloo group, so its collectives never interleave with the
+    training step's); the returned PendingSave lands it. Everything rank 0 writes besides the
+    shards (scheduler, RNG, meta with the consumption frontier) is taken now, at staging time."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     root = checkpoint_root(run_dir)
     final = root / f"step_{step:08d}"
     if _all_agree(policy, policy.ctx.is_main and (final / "meta.json").is_file()):
-        return final if policy.ctx.is_main else None  # saved already (periodic, then SIGTERM)
+        return PendingSave.completed(step, final if policy.ctx.is_main else None)
     tmp = root / f".tmp-step_{step:08d}"  # one name every rank knows (one trainer per run_dir)
     if policy.ctx.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier(policy)
     model_sd, optim_sd = get_state_dict(policy.model, policy.optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
-    _barrier(policy)
-    if policy.ctx.is_main:
-        state = {"scheduler": policy.scheduler.state_dict(), "rng": rng_state()}
-        torch.save(state, tmp / "trainer_state.pt")
-        (tmp / "hf_config").mkdir()
-        config = Path(policy.model_path) / "config.json"
-        if config.is_file():
-            shutil.copy2(config, tmp / "hf_config" / "config.json")
-        else:  # the model object knows its config
-            policy.model.config.to_json_file(str(tmp / "hf_config" / "config.json"))
-        copy_tokenizer_files(tokenizer_src, tmp / "hf_config")
-        (tmp / "meta.json").write_text(
-            json.dumps({**meta, "step": step, "saved_at": time.time()}, indent=1)
-        )
-        _fsync_tree(tmp)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        _fsync_dir(root)
+    state = {"scheduler": policy.scheduler.state_dict(), "rng": rng_state()}
+    meta = {**meta, "step": step}
+    sd = {"model": model_sd, "optim": optim_sd}
+    writer = storage_writer(str(tmp / "dcp"))
+    upload: Future[Any] | None = None
+    if asynchronous and policy.ctx.enabled and policy.checkpoint_group is None:
+        import torch.distributed as dist
+
+        policy.checkpoint_group = dist.new_group(backend="gloo")  # every rank, here, in order
+    if asynchronous:
+        saved = dcp.async_save(sd, storage_writer=writer, process_group=policy.checkpoint_group)
+        assert isinstance(saved, Future)  # the default stager stages before returning
+        upload = saved
+    else:
+        dcp.save(sd, storage_writer=writer)
+
+    def finish() -> Path | None:
+        if not policy.ctx.is_main:
+            return None
+        _finish_sharded(policy, tmp, final, state, meta, tokenizer_src)
         for old in list_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
-    _barrier(policy)
-    return final if policy.ctx.is_main else None
+        return final
+
+    pending = PendingSave(step, upload, finish)
+    if not asynchronous:
+        _barrier(policy)  # every rank's shards are on disk
+        pending.wait()
+        _barrier(policy)
+    return pending
+
+
+def _finish_sharded(
+    policy: Policy,
+    tmp: Path,
+    final: Path,
+    state: dict[str, Any],
+    meta: dict[str, Any],
+    tokenizer_src: str | os.PathLike | None,
+) -> None:
+    """Rank 0, once every rank's shards are durable: the small files, meta.json last, rename."""
+    torch.save(state, tmp / "trainer_state.pt")
+    (tmp / "hf_config").mkdir()
+    config = Path(policy.model_path) / "config.json"
+    if config.is_file():
+        shutil.copy2(config, tmp / "hf_config" / "config.json")
+    else:  # the model object knows its config
+        policy.model.config.to_json_file(str(tmp / "hf_config" / "config.json"))
+    copy_tokenizer_files(tokenizer_src, tmp / "hf_config")
+    (tmp / "meta.json").write_text(json.dumps({**meta, "saved_at": time.time()}, indent=1))
+    _fsync_tree(tmp)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
 
 
 def load_sharded(policy: Policy, path: Path) -> dict[str, Any]:
-    """Each rank reads its own shards of path/dcp into its model and optimizer (collective)."""
+    """Each rank reads its own shards of path/dcp into its model, then its optimizer (collective).
+    The weights first: a model built empty (Policy(empty=True)) holds its share from then on, and
+    AdamW's state is created only after."""
+    read_sharded_weights(policy, path)
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    # get_state_dict creates AdamW's state first, so every entry has a tensor to load into
-    model_sd, optim_sd = get_state_dict(policy.model, policy.optimizer)
-    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path / "dcp"))
-    set_state_dict(
-        policy.model, policy.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
     )
+
+    # creates AdamW's state first, so every entry has a tensor to load into
+    optim_sd = get_optimizer_state_dict(policy.model, policy.optimizer)
+    dcp.load({"optim": optim_sd}, checkpoint_id=str(path / "dcp"))
+    set_optimizer_state_dict(policy.model, policy.optimizer, optim_state_dict=optim_sd)
     meta = json.loads((path / "meta.json").read_text())
     state = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=True)
     policy.scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"])
     return meta
+
+
+def read_sharded_weights(policy: Policy, path: Path) -> None:
+    """Each rank reads its own shards of the weights in path/dcp into its model (collective)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    model_sd = get_model_state_dict(policy.model)
+    dcp.load({"model": model_sd}, checkpoint_id=str(path / "dcp"))
+    set_model_state_dict(policy.model, model_sd)
 
 
 def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike) -> Path:
@@ -343,16 +447,17 @@ def save_policy(
     meta: dict[str, Any],
     tokenizer_src: str | os.PathLike | None = None,
     keep: int = 2,
-) -> Path | None:
+    asynchronous: bool = False,
+) -> PendingSave:
     """Write a checkpoint (collective on every rank): with LoRA the adapters (fp32, gathered:
-    they are small) instead of the model; else sharded, or gathered and written by rank 0
-    (trainer.checkpoint_format)."""
+    they are small) instead of the model; else sharded (`asynchronous`: see save_sharded), or
+    gathered and written by rank 0 (trainer.checkpoint_format)."""
     adapter = None
     if policy.lora is not None:
         model_sd = None
         adapter = (policy.lora, policy.export_weights("float32"), policy.settings.model.path)
     elif sharded(policy):
-        return save_sharded(policy, run_dir, step, meta, tokenizer_src, keep)
+        return save_sharded(policy, run_dir, step, meta, tokenizer_src, keep, asynchronous)
     else:
         model_sd = policy.full_state_dict()
     state = {
@@ -361,8 +466,8 @@ def save_policy(
         "rng": rng_state(),
     }
     if not policy.ctx.is_main:
-        return None
-    return write_checkpoint(
+        return PendingSave.completed(step, None)
+    path = write_checkpoint(
         run_dir,
         step,
         policy.model,
@@ -373,6 +478,7 @@ def save_policy(
         keep=keep,
         adapter=adapter,
     )
+    return PendingSave.completed(step, path)
 
 
 def adapter_of(ckpt: Path | None, lora: bool) -> Path | None:

@@ -6,6 +6,7 @@
     ledger.consumed(step, version, batch_id, uids, excluded)  # run_dir/consumed.jsonl (fsync'ed)
     ledger.record(batch_id, step, version)            # the step is in the weights: a commit is owed
     await ledger.flush()                              # BatchCommit each, oldest first, until acked
+    await ledger.flush(upto_step=40)                  # only those checkpoint step_40 holds
     meta["frontier"] = ledger.frontier()              # what a checkpoint stores
 
 A batch the buffer served is "in flight" until the trainer commits it; the first
@@ -112,11 +113,11 @@ class CommitLedger:
         """`step` (which consumed batch_id) is in the weights: its commit is owed from now on."""
         self.owed.append(Owed(batch_id, step, version))
 
-    async def flush(self) -> bool:
-        """Commit every owed batch, oldest first, retrying until acknowledged; False if it
-        stopped early because the node is stopping (the rest stay owed: the stop checkpoint
-        records them)."""
-        while self.owed:
+    async def flush(self, upto_step: int | None = None) -> bool:
+        """Commit every owed batch (of steps <= upto_step: those a checkpoint on disk holds),
+        oldest first, retrying until acknowledged; False if it stopped early because the node is
+        stopping (the rest stay owed: the stop checkpoint records them)."""
+        while self.owed and (upto_step is None or self.owed[0].step <= upto_step):
             c = self.owed[0]
             try:
                 ack = await self.buffer.request(

@@ -4,7 +4,8 @@
     batch = opened.trainer.prepare(trajectories)
     metrics = opened.trainer.step(batch)            # one optimizer step (or its emulation)
     weights = opened.trainer.export()               # what the handoff publishes
-    opened.trainer.save(run_dir, step, meta, keep)  # a checkpoint holding `meta`
+    opened.trainer.export_into(sink)                # or streamed into it (laminar/weights/sink.py)
+    opened.trainer.save(run_dir, step, meta, keep).wait()  # a checkpoint holding `meta`
 
 Two implementations, chosen once from `trainer.engine`: the torch `Policy`
 (laminar/trainer/policy.py; FSDP2 when launched on several ranks) and `SimTrainer`
@@ -14,7 +15,8 @@ methods are collectives: rank 0 calls them from the node and they first tell the
 ranks what to do (a RankCommand), which run the same method from laminar/trainer/follower.py.
 
 Resume: rank 0 resolves `trainer.resume` (auto = newest checkpoint in run_dir) and the
-other ranks receive its answer, so every rank loads the same checkpoint.
+other ranks receive its answer, so every rank loads the same checkpoint. From a sharded
+checkpoint under FSDP each rank builds the model on the meta device and reads only its shards.
 """
 
 from __future__ import annotations
@@ -29,8 +31,11 @@ if TYPE_CHECKING:
     import torch
 
     from laminar.protocol.data import Trajectory
+    from laminar.protocol.relay import WeightLayout
     from laminar.trainer.batch import TrainBatch
+    from laminar.trainer.checkpoint import PendingSave
     from laminar.trainer.dist import DistContext
+    from laminar.weights.sink import VersionSink
 
 
 class Trainer(Protocol):
@@ -47,8 +52,21 @@ class Trainer(Protocol):
         """The weights the rollouts load (rank 0; {} on the other ranks)."""
         ...
 
-    def save(self, run_dir: Path, step: int, meta: dict[str, Any], keep: int) -> Path | None:
-        """Write checkpoint step_N holding `meta`; its path on rank 0, None elsewhere."""
+    def stream_layout(self) -> WeightLayout | None:
+        """The layout of the version `export_into` gives (rank 0), or None where the version
+        cannot be streamed (its shapes are known only once exported: LoRA, sim)."""
+        ...
+
+    def export_into(self, sink: VersionSink) -> None:
+        """`export`, tensor by tensor into `sink` as each is gathered (rank 0; every rank runs
+        the gathers). A failing sink does not stop the gathers (the other ranks are in them):
+        the first error is raised once they are done."""
+        ...
+
+    def save(self, run_dir: Path, step: int, meta: dict[str, Any], keep: int) -> PendingSave:
+        """Write checkpoint step_N holding `meta`. The PendingSave's wait() gives its path on
+        rank 0 (None elsewhere) once it is on disk; it may still be in flight on return
+        (trainer.checkpoint_async)."""
         ...
 
     def restore(self, checkpoint: Path) -> dict[str, Any]:
@@ -115,6 +133,9 @@ def open_trainer(settings: TrainerSettings, run_dir: Path) -> Opened:
         model_path = str(full) if full is not None and full.is_dir() else settings.model.path
         if not model_path:
             raise ValueError("the torch trainer needs model.path (a local HF model directory)")
-        trainer = Policy(settings, model_path, dist, adapter)
+        # resuming FSDP from a sharded checkpoint: each rank builds the model without weights and
+        # reads only its own shards (host memory: its share, not the whole model)
+        empty = ckpt is not None and (ckpt / "dcp").is_dir()
+        trainer = Policy(settings, model_path, dist, adapter, empty=empty)
     meta = trainer.restore(ckpt) if ckpt is not None else None
     return Opened(trainer, dist, ckpt, meta)

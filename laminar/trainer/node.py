@@ -8,14 +8,17 @@ batch, publishes every new version, commits what it consumed, checkpoints.
                                           │ ranks 1..N-1 run each collective too (follower.py)
                                           ▼
             version += 1 ─► commits.consumed (consumed.jsonl) ─► commits.record (a commit is owed)
-                          ─► handoff.publish (relay tier | safetensors dir | announce)
+                          ─► handoff (relay tier | safetensors dir | announce): the export streamed
+                             into the relay's slot tensor by tensor as it gathers (publish_streamed)
                           ─► version mark, snapshot (each snapshot_every), VersionPublished
                              ─► manager
                           ─► commits.flush: BatchCommit ─► buffer  (commit=step; commit=checkpoint:
                              after the checkpoint that holds the step)
                           ─► metrics.jsonl / completions.jsonl / tb / wandb
                           ─► every eval_every steps: greedy validation on data.eval (evaluation.py)
-                          ─► every checkpoint_every steps: checkpoint
+                          ─► every checkpoint_every steps: checkpoint (sharded + checkpoint_async:
+                             the step loop goes on once it is staged; it lands in the background,
+                             then its gated commits go out)
 
 Parts (none sees this node): engine.py (the `Trainer` protocol: torch Policy or SimTrainer,
 chosen once), feed.py (BatchRequest long-poll, restart flag), evaluation.py, logger.py, commits.py
@@ -40,7 +43,7 @@ import math
 import time
 from collections.abc import Coroutine
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from laminar.config import LaminarConfig
 from laminar.node import NODE_STATUS, Node, weights_channel
@@ -60,10 +63,15 @@ from laminar.weights.digest import weights_digest
 if TYPE_CHECKING:
     import torch
 
+    from laminar.protocol.relay import WeightLayout
+    from laminar.trainer.checkpoint import PendingSave
     from laminar.trainer.dist import DistContext
     from laminar.trainer.evaluation import EvalSettings, Evaluator
     from laminar.trainer.logger import MetricsLogger
     from laminar.weights.channel import Published, WeightPublisher
+    from laminar.weights.sink import VersionSink
+
+T = TypeVar("T")
 
 
 def trainer_settings(cfg: LaminarConfig) -> TrainerSettings:
@@ -159,6 +167,10 @@ class TrainerNode(Node):
         self._step_lock = asyncio.Lock()
         self._republish = False
         self._last_ckpt_step = 0  # step 0 is the initial model: nothing to checkpoint
+        self._durable_step = 0
+        """The newest checkpoint on disk (a checkpoint in flight is not)."""
+        self._landing: asyncio.Task[None] | None = None
+        self._checkpoint_metrics: dict[str, float] = {}
         self._followers_done = asyncio.Event()
         self.last: dict[str, float] = {}
         self.attest = AttestBook()
@@ -217,7 +229,7 @@ class TrainerNode(Node):
     def _resume(self, meta: dict[str, Any], ckpt: Path | None) -> None:
         self.step = int(meta["step"])
         self.version = int(meta["version"])
-        self._last_ckpt_step = self.step
+        self._last_ckpt_step = self._durable_step = self.step
         self.commits.restore(meta.get("frontier", {}))
         published = self.mark.read()
         if published > self.version:  # versions after the checkpoint were published, then lost
@@ -375,9 +387,16 @@ class TrainerNode(Node):
             return
         staleness = [self.version - s.version for s in batch.samples]
         metrics = await self.compute(self.trainer.step, batch)
-        t_export = time.perf_counter()
-        weights = await self.compute(self.trainer.export)
-        export_s = time.perf_counter() - t_export
+        # streamed into the handoff as it gathers, unless this version is snapshotted (the
+        # snapshot needs it whole) or the trainer cannot name its shapes before exporting
+        streamed = not self.snapshots.due(self.version + 1)
+        layout = await self.compute(self.trainer.stream_layout) if streamed else None
+        weights: dict[str, torch.Tensor] | None = None
+        export_s = 0.0
+        if layout is None:
+            t_export = time.perf_counter()
+            weights = await self.compute(self.trainer.export)
+            export_s = time.perf_counter() - t_export
         self.step += 1
         self.version += 1
         trained = [s.uid for s in batch.samples]
@@ -385,7 +404,18 @@ class TrainerNode(Node):
         excluded = [t.uid for t in batch.source if t.uid not in kept] + rejected
         self.commits.consumed(self.step, self.version, reply.batch_id, trained, excluded, rejected)
         self.commits.record(reply.batch_id, self.step, self.version)
-        push_s, push_bytes = await self._publish(weights)
+        t_publish = time.perf_counter()
+        if weights is not None:
+            push_s, push_bytes = await self._publish(weights)
+        else:
+            assert layout is not None
+            export_s, push_s, push_bytes = await self._publish_streamed(layout)
+        # what the step loop waited for the version: the export, the handoff, the attestation
+        # digest, a snapshot when due, the announcement (NaN: the version was not published)
+        published_s = time.perf_counter() - t_publish
+        stall_s = (export_s if weights is not None else 0.0) + published_s
+        if not math.isfinite(push_s):
+            stall_s = math.nan
         if not self.commits.gated:
             await self.commits.flush()
         step_s = time.perf_counter() - t0
@@ -396,7 +426,7 @@ class TrainerNode(Node):
                 "push_s": push_s,
                 "push_bytes": push_bytes,
                 "export_s": export_s,
-                "weights_stall_s": export_s + push_s,
+                "weights_stall_s": stall_s,
                 "tokens_per_s": metrics["tokens_total"] / max(metrics["compute_s"], 1e-9),
                 "staleness": sum(staleness) / len(staleness),
                 "staleness_max": max(staleness),
@@ -418,6 +448,8 @@ class TrainerNode(Node):
             }
         )
         metrics.update(self._refusal_metrics())
+        metrics.update(self._checkpoint_metrics)
+        self._checkpoint_metrics = {}
         metrics.update(audit_metrics(reply.audit))
         self.last = metrics
         if self.step % self.cfg.trainer.log_every == 0:
@@ -500,6 +532,55 @@ class TrainerNode(Node):
 
                 meta = snapshot_metadata(self.cfg.model.lora)
             await self.compute(self.snapshots.save, self.version, self.step, weights, meta)
+        await self._announce(pub, await digest)
+        return pub.stall_s, pub.num_bytes
+
+    async def _publish_streamed(self, layout: WeightLayout) -> tuple[float, float, int]:
+        """Export the version into the handoff tensor by tensor (the relay: into its slot while
+        the next tensor gathers; laminar/weights/sink.py) and announce it; (export seconds, the
+        rest of the trainer's stall, bytes), NaN stall if it failed (nothing was published: the
+        relay commits only a whole version)."""
+        from laminar.weights.channel import publish_streamed
+
+        assert self.handoff is not None and self.trainer is not None
+        trainer = self.trainer
+        digest: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self.attest.expect(self.version, digest)
+        export_s = math.nan
+
+        async def produce(sink: VersionSink) -> None:
+            nonlocal export_s
+            t = time.perf_counter()
+            await self.compute(trainer.export_into, sink)
+            export_s = time.perf_counter() - t
+
+        t0 = time.perf_counter()
+        handoff = publish_streamed(
+            self.handoff,
+            self.version,
+            self.step,
+            layout,
+            produce,
+            digest=self.cfg.rollout.engine != "sim",
+        )
+        try:
+            pub, digest_hex = await self._unless_stopping(handoff)
+        except (TransportError, RuntimeError, OSError) as exc:
+            digest.set_result("")
+            self.metrics.count("publish_failed")
+            self.log.error(
+                "publish_failed", version=self.version, error=f"{type(exc).__name__}: {exc}"
+            )
+            return export_s, math.nan, 0
+        stall = time.perf_counter() - t0
+        digest.set_result(digest_hex)
+        self.mark.write(self.version, self.step)
+        await self._announce(pub, digest_hex)
+        return export_s, stall - export_s, pub.num_bytes
+
+    async def _announce(self, pub: Published, digest: str) -> None:
+        """VersionPublished to the manager (a lost one: it learns the version from heartbeats)."""
+        assert self.manager is not None
         msg = VersionPublished(
             trainer_id=self.node_id,
             version=self.version,
@@ -508,16 +589,15 @@ class TrainerNode(Node):
             handoff=pub.handoff,
             num_bytes=pub.num_bytes,
             stall_s=pub.stall_s,
-            digest=await digest,
+            digest=digest,
         )
         try:
             await self.manager.send(msg)
         except TransportError as exc:  # the manager learns the version from heartbeats too
             self.metrics.count("version_announce_failed")
             self.log.warning("version_announce_failed", error=str(exc))
-        return pub.stall_s, pub.num_bytes
 
-    async def _unless_stopping(self, publish: Coroutine[Any, Any, Published]) -> Published:
+    async def _unless_stopping(self, publish: Coroutine[Any, Any, T]) -> T:
         """A stop must not wait on a relay that is gone: once stopping, a pending publish gets a
         short grace, then is abandoned like a failed one (the stop checkpoint holds the step;
         rollouts keep the version they have)."""
@@ -542,30 +622,68 @@ class TrainerNode(Node):
     async def _commit_before_restart(self) -> None:
         if self.commits.gated and self._last_ckpt_step < self.step:
             await self._checkpoint("before_restart")  # commits what it holds
-        await self.commits.flush()
+        await self._landed()
+        await self.commits.flush(self._durable_step if self.commits.gated else None)
 
     async def _checkpoint(self, reason: str) -> None:
-        if self.rank != 0 or self.step == self._last_ckpt_step:
+        """Periodic checkpoints may land in the background (trainer.checkpoint_async): training
+        goes on meanwhile, and what the checkpoint holds counts (meta.json on disk, gated commits
+        sent) only once it has landed. Every other reason waits for it, and for the one before."""
+        if self.rank != 0:
             return
-        assert self.trainer is not None
-        t0 = time.perf_counter()
-        tc = self.cfg.trainer
-        meta = {
-            "version": self.version,
-            "frontier": self.commits.frontier(),
-            "reason": reason,
-            "engine": tc.engine,
-        }
-        path = await self.compute(
-            self.trainer.save, self.run_dir, self.step, meta, tc.keep_checkpoints
-        )
-        self._last_ckpt_step = self.step
+        if self.step != self._last_ckpt_step:
+            assert self.trainer is not None
+            t0 = time.perf_counter()
+            tc = self.cfg.trainer
+            meta = {
+                "version": self.version,
+                "frontier": self.commits.frontier(),
+                "reason": reason,
+                "engine": tc.engine,
+            }
+            pending = await self.compute(
+                self.trainer.save, self.run_dir, self.step, meta, tc.keep_checkpoints
+            )
+            stall = time.perf_counter() - t0
+            self._last_ckpt_step = self.step
+            if pending.waited_s > 0.0:
+                self.metrics.count("checkpoint_waits")
+            land = self._land(self._landing, pending, reason, t0, stall)
+            self._landing = self.spawn(land, "checkpoint-land")
+        if reason != "periodic":
+            await self._landed()
+
+    async def _landed(self) -> None:
+        """Wait for the checkpoint in flight (if any) to land and its commits to go out."""
+        if self._landing is not None:
+            await asyncio.shield(self._landing)
+
+    async def _land(
+        self,
+        previous: asyncio.Task[None] | None,
+        pending: PendingSave,
+        reason: str,
+        t0: float,
+        stall: float,
+    ) -> None:
+        if previous is not None:  # its commits go out first, and only once
+            await asyncio.shield(previous)
+        path = await asyncio.to_thread(pending.wait)  # every rank's shards durable, then meta.json
+        self._durable_step = max(self._durable_step, pending.step)
+        seconds = time.perf_counter() - t0
         self.log.info(
             "checkpoint",
             path=str(path),
-            step=self.step,
+            step=pending.step,
             reason=reason,
-            seconds=round(time.perf_counter() - t0, 3),
+            seconds=round(seconds, 3),
+            stall_s=round(stall, 3),
         )
+        # on the next step's line (one line per step; the last checkpoint's are in the log only)
+        self._checkpoint_metrics = {
+            "checkpoint_stall_s": stall,
+            "checkpoint_s": seconds,
+            "checkpoint_wait_previous_s": pending.waited_s,
+        }
         if self.commits.gated:
-            await self.commits.flush()
+            await self.commits.flush(pending.step)

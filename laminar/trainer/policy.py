@@ -56,9 +56,9 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -75,6 +75,10 @@ from laminar.trainer.engine import TrainerSettings
 from laminar.trainer.logprobs import full_token_logprobs
 from laminar.trainer.logprobs import token_logprobs as chunked_logprobs
 from laminar.trainer.packed import PackedForward, PackedLayout, pack_by_prompt, packed_forward
+from laminar.weights.sink import VersionSink
+
+if TYPE_CHECKING:
+    from laminar.protocol.relay import WeightLayout
 
 
 def lr_lambda(warmup: int, total: int, min_ratio: float):
@@ -154,10 +158,13 @@ class Policy:
         ctx: DistContext | None = None,
         adapter: Path | None = None,
         load: Callable[[str], Any] | None = None,
+        empty: bool = False,
     ):
         """`adapter`: a checkpoint's peft adapter directory to resume (model.lora runs). `load`:
         builds the model from a path (default: its weights, fp32; the memory plan passes one that
-        builds the shape only, laminar/plan/trainer.py)."""
+        builds the shape only, laminar/plan/trainer.py). `empty` (FSDP, resuming from a sharded
+        checkpoint): the model is built on the meta device and each rank allocates only its own
+        shards, uninitialised, for `restore` to fill: no rank ever holds the full weights."""
         from laminar.models.decoder_lm import load_model
 
         self.settings, self.ctx = settings, ctx or DistContext()
@@ -182,8 +189,20 @@ class Policy:
         def load_weights(path: str) -> Any:
             return load_model(path, "float32", load_on, module_free, max_len, attention="sdpa")
 
-        load = load or load_weights
+        def load_empty(path: str) -> Any:
+            from laminar.models.tiny import empty_causal_lm
+
+            return empty_causal_lm(path, attention="sdpa")
+
+        self.empty = empty and self.ctx.enabled and settings.model.lora is None
+        """Built without weights (the sharded checkpoint's shards fill it)."""
+        load = load or (load_empty if self.empty else load_weights)
         self.model = load(model_path)
+        computed: list[Any] = []
+        if self.empty:
+            from laminar.models.tiny import computed_buffers
+
+            computed = computed_buffers(self.model)
         self.lora = settings.model.lora
         """LoRA: only the adapters train and a version is the adapters (laminar/models/lora.py);
         added before checkpointing and sharding, so the memory plan traces them too."""
@@ -201,7 +220,7 @@ class Policy:
         _hidden_head(self.head)
         self.ref = None
         if algo.kl_coef > 0:
-            self.ref = load(settings.model.path or model_path)
+            self.ref = (load_weights if self.empty else load)(settings.model.path or model_path)
             self.ref.requires_grad_(False)
             _hidden_head(self.ref.get_output_embeddings())
         # the sliding-window check needs a length; unknown, any window binds
@@ -220,10 +239,22 @@ class Policy:
             mesh = self.ctx.mesh or init_device_mesh(self.device.type, (self.ctx.world,))
             mp = (param_dtype(tc.param_dtype, self.device), getattr(torch, tc.reduce_dtype))
             apply_fsdp(self.model, mesh, *mp)
-            self.model.to(self.device)  # moves this rank's shards only
+            if self.empty:  # this rank's shards only, uninitialised: restore() reads them
+                from laminar.models.tiny import fill_buffers
+
+                self.model.to_empty(device=self.device)
+                fill_buffers(self.model, computed)
+            else:
+                self.model.to(self.device)  # moves this rank's shards only
             if self.ref is not None:
                 apply_fsdp(self.ref, mesh, *mp)
                 self.ref.to(self.device)
+        self.checkpoint_group: Any = None
+        """Async sharded checkpoints: a gloo group of their own, so DCP's collectives on the
+        writer thread never interleave with the training step's (made by the first such save,
+        on every rank; None: one process, or none saved yet)."""
+        self.pending_save: ck.PendingSave | None = None
+        """The async checkpoint in flight (at most one)."""
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
             lr=tc.lr,
@@ -251,15 +282,33 @@ class Policy:
         lead(self.ctx, RankCommand(kind="export"))
         return self.export_weights(self.settings.model.dtype)
 
-    def save(self, run_dir: Path, step: int, meta: dict[str, Any], keep: int) -> Path | None:
+    def save(self, run_dir: Path, step: int, meta: dict[str, Any], keep: int) -> ck.PendingSave:
+        """A checkpoint; with trainer.checkpoint_async (sharded) returns once staged, after the
+        previous save in flight has landed (its wait: PendingSave.waited_s)."""
         lead(self.ctx, RankCommand(kind="checkpoint", step=step))
-        return ck.save_policy(self, run_dir, step, meta, self.model_path, keep)
+        busy = self.pending_save is not None and not self.pending_save.done()
+        t0 = time.perf_counter()
+        self.settle()
+        waited = time.perf_counter() - t0 if busy else 0.0
+        pending = ck.save_policy(
+            self, run_dir, step, meta, self.model_path, keep, self.tc.checkpoint_async
+        )
+        pending.waited_s = waited
+        self.pending_save = None if pending.done() else pending
+        return pending
+
+    def settle(self) -> None:
+        """Wait for the checkpoint in flight, if any, to land (every rank: its own shards)."""
+        if self.pending_save is not None:
+            self.pending_save.wait()
+            self.pending_save = None
 
     def restore(self, checkpoint: Path) -> dict[str, Any]:
         return ck.load_policy_state(self, checkpoint)
 
     def close(self) -> None:
         lead(self.ctx, RankCommand(kind="stop"))
+        self.settle()
         destroy(self.ctx)
 
     # ---- forward ------------------------------------------------------------------------
@@ -552,21 +601,63 @@ class Policy:
             }
         cuda = self.device.type == "cuda"
         out: dict[str, torch.Tensor] = {}
-        for name, value in self.model.state_dict().items():
-            if name in self._tied:
-                continue
-            full = value.full_tensor() if hasattr(value, "full_tensor") else value
-            if not self.ctx.is_main:
-                continue
-            cast = full.detach().to(want)
+        for name, tensor in self._gathered(want, own=not cuda):
             if cuda:
-                host = torch.empty(cast.shape, dtype=want, pin_memory=True)
-                out[name] = host.copy_(cast, non_blocking=True)
+                host = torch.empty(tensor.shape, dtype=want, pin_memory=True)
+                out[name] = host.copy_(tensor, non_blocking=True)
             else:
-                out[name] = cast.clone() if cast is value else cast  # a live buffer: a copy
+                out[name] = tensor
         if cuda:
             torch.cuda.current_stream().synchronize()  # every copy to the host has landed
         return out
+
+    def _gathered(self, want: torch.dtype, own: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, the whole tensor cast to `want` on the device) in state-dict order, tied copies
+        dropped: rank 0 gets them, every rank runs the gathers (FSDP: one tensor at a time, so
+        no full copy of the model is ever held). Without `own` a tensor already in `want` and not
+        sharded is the live one (the caller copies it before the next step)."""
+        for name, value in self.model.state_dict().items():
+            if name in self._tied:
+                continue
+            sharded = hasattr(value, "full_tensor")
+            full = value.full_tensor() if sharded else value
+            if not self.ctx.is_main:
+                continue
+            cast = full.detach().to(want)
+            live = not sharded and cast.data_ptr() == value.data_ptr()
+            yield name, (cast.clone() if own and live else cast)
+
+    def stream_layout(self) -> WeightLayout | None:
+        """The exported version's layout, from the shapes alone (nothing gathered); None with
+        LoRA (the adapters are gathered to be named)."""
+        if self.lora is not None:
+            return None
+        from laminar.weights.layout import build_layout
+
+        dtype = self.settings.model.dtype
+        sd = self.model.state_dict()  # a DTensor's shape is the whole tensor's
+        return build_layout(
+            (n, dtype, tuple(v.shape)) for n, v in sd.items() if n not in self._tied
+        )
+
+    def export_into(self, sink: VersionSink) -> None:
+        """The version tensor by tensor into `sink`: each gathered and cast on the device, handed
+        over while the next one gathers (the sink writes it meanwhile: laminar/weights/sink.py)."""
+        lead(self.ctx, RankCommand(kind="export"))
+        want = getattr(torch, self.settings.model.dtype)
+        if self.lora is not None:
+            items = list(self.export_weights(self.settings.model.dtype).items())
+        else:
+            items = self._gathered(want, own=False)  # type: ignore[assignment]
+        failed: Exception | None = None
+        for name, tensor in items:
+            if failed is None:
+                try:
+                    sink.put(name, tensor)
+                except Exception as exc:  # noqa: BLE001 - the gathers go on: every rank is in them
+                    failed = exc
+        if failed is not None:
+            raise failed
 
     def optimizer_state(self) -> dict[str, Any]:
         """Full optimizer state keyed by parameter name (rank 0; collective when distributed)."""

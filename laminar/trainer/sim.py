@@ -25,8 +25,10 @@ from laminar.algo.episodes import episode_stats
 from laminar.algo.metrics import length_stats
 from laminar.config import AlgoConfig, TrainerConfig
 from laminar.protocol.data import Trajectory
+from laminar.protocol.relay import WeightLayout
 from laminar.trainer import checkpoint as ck
 from laminar.trainer.batch import TrainBatch
+from laminar.weights.sink import VersionSink
 
 
 class SimTrainer:
@@ -64,10 +66,18 @@ class SimTrainer:
         n = max(1, self.weight_bytes // 4)
         return {"sim.weight": torch.full((n,), float(self.steps), dtype=torch.float32)}
 
-    def save(self, run_dir: Path, step: int, meta: dict[str, Any], keep: int) -> Path | None:
-        return ck.write_checkpoint(
+    def stream_layout(self) -> WeightLayout | None:
+        return None
+
+    def export_into(self, sink: VersionSink) -> None:
+        for name, tensor in self.export().items():
+            sink.put(name, tensor)
+
+    def save(self, run_dir: Path, step: int, meta: dict[str, Any], keep: int) -> ck.PendingSave:
+        path = ck.write_checkpoint(
             run_dir, step, None, None, {"rng": ck.rng_state()}, meta, keep=keep
         )
+        return ck.PendingSave.completed(step, path)
 
     def restore(self, checkpoint: Path) -> dict[str, Any]:
         meta, _ = ck.read_checkpoint(checkpoint)

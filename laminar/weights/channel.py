@@ -7,6 +7,8 @@ wiring layer), opens both ends:
               await pub.start()
               # res: Published(handoff, uri, bytes, stall_s)
               res = await pub.publish(version, step, named_tensors)
+              # or exported into the channel tensor by tensor (the relay streams it into its slot)
+              res, digest = await publish_streamed(pub, version, step, layout, produce, digest=True)
     rollout:  sub = open_subscriber(weights_channel(cfg), node.wiring())
               await sub.start()
               sub.latest_version()            # newest version available (-1: none yet)
@@ -40,19 +42,23 @@ import re
 import sys
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+from laminar.protocol.relay import WeightLayout
 from laminar.transport.sockets import Wiring
+from laminar.weights.digest import weights_digest
 from laminar.weights.group import GroupSettings
+from laminar.weights.layout import tensor_spans
 from laminar.weights.relay_client import (
     RelayLinks,
     WeightPuller,
     WeightPusher,
     WeightsUnavailable,
 )
+from laminar.weights.sink import DictSink, VersionSink
 
 WeightsMode = Literal["relay", "dir", "announce", "nccl", "cuda_ipc"]
 
@@ -175,6 +181,31 @@ class AnnouncePublisher:
 
     async def close(self) -> None:
         pass
+
+
+async def publish_streamed(
+    pub: WeightPublisher,
+    version: int,
+    step: int,
+    layout: WeightLayout,
+    produce: Callable[[VersionSink], Awaitable[None]],
+    *,
+    digest: bool,
+) -> tuple[Published, str]:
+    """Hand `version` off as `produce(sink)` exports it tensor by tensor; (Published, the version's
+    weights_digest, "" unless `digest`). The relay channel streams it into the staged slot while
+    the next tensor gathers, and commits only a complete version (WeightPusher.push_stream); the
+    other channels take the whole version, then publish it as `publish` does."""
+    if isinstance(pub, RelayPublisher):
+        stall, digest_hex = await pub.pusher.push_stream(version, layout, produce, digest=digest)
+        nbytes = sum(span[4] for span in tensor_spans(layout))
+        return Published(pub.kind, "", nbytes, stall), digest_hex
+    sink = DictSink()
+    await produce(sink)
+    items = list(sink.tensors.items())
+    hashing = asyncio.ensure_future(asyncio.to_thread(weights_digest, items)) if digest else None
+    published = await pub.publish(version, step, sink.tensors)
+    return published, (await hashing if hashing is not None else "")
 
 
 def _group(settings: ChannelSettings) -> GroupSettings:

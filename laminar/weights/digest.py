@@ -80,9 +80,17 @@ def tensor_fold(t: Any) -> tuple[int, int]:
 def weights_digest(named_tensors: Iterable[tuple[str, Any]]) -> str:
     """Digest of named tensors (order-free: sorted by name). A missing tensor, another dtype or
     shape, or any changed word changes it."""
-    h = hashlib.blake2b(digest_size=16)
-    for name, t in sorted(named_tensors, key=lambda kv: kv[0]):
+    folds = []
+    for name, t in named_tensors:
         s1, s2 = tensor_fold(t)
-        dtype = str(t.dtype).removeprefix("torch.")
-        h.update(f"{name}|{dtype}|{tuple(t.shape)}|{s1}|{s2};".encode())
+        folds.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), s1, s2))
+    return digest_of_folds(folds)
+
+
+def digest_of_folds(folds: Iterable[tuple[str, str, tuple[int, ...], int, int]]) -> str:
+    """weights_digest from each tensor's (name, dtype, shape, sum, weighted sum), in any order (a
+    streamed export folds each tensor as it is written: laminar/weights/sink.py)."""
+    h = hashlib.blake2b(digest_size=16)
+    for name, dtype, shape, s1, s2 in sorted(folds, key=lambda f: f[0]):
+        h.update(f"{name}|{dtype}|{tuple(shape)}|{s1}|{s2};".encode())
     return h.hexdigest()

@@ -50,7 +50,7 @@ import os
 import socket
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,6 +92,7 @@ from laminar.weights.layout import (
     validate_layout,
 )
 from laminar.weights.segment import WriterMap, map_segment
+from laminar.weights.sink import FlatSink, VersionSink, bytes_of
 
 _ids = itertools.count()
 MAX_REDIRECTS = 4  # NotMaster hops followed per push before giving up
@@ -100,16 +101,6 @@ MAX_REDIRECTS = 4  # NotMaster hops followed per push before giving up
 class WeightsUnavailable(RuntimeError):
     """No weights to move right now (no live relay, no such version, a file vanished): retry
     later."""
-
-
-def _bytes_of(t: Any) -> Any:
-    """A tensor as a flat uint8 tensor (same device); one copy only if it is not contiguous."""
-    import torch
-
-    t = t.detach()
-    if not t.is_contiguous():
-        t = t.contiguous()
-    return t.reshape(-1).view(torch.uint8)
 
 
 def write_flat(dst: Any, items: list[tuple[str, Any]], layout: WeightLayout) -> None:
@@ -122,7 +113,7 @@ def write_flat(dst: Any, items: list[tuple[str, Any]], layout: WeightLayout) -> 
     for (_name, t), off in zip(items, layout.offsets, strict=True):
         if off > pos:
             flat[pos:off] = 0
-        src = _bytes_of(t)
+        src = bytes_of(t)
         n = src.numel()
         if n:
             if src.device.type == "cpu":
@@ -332,6 +323,12 @@ class WeightPusher(_End):
     def _copy_into(
         self, reply: StageReply, items: list[tuple[str, Any]], layout: WeightLayout
     ) -> None:
+        cuda = any(t.device.type == "cuda" for _, t in items)
+        write_flat(self._writer_map(reply, cuda).tensor, items, layout)
+
+    def _writer_map(self, reply: StageReply, cuda: bool) -> WriterMap:
+        """The staged slot's segment, mapped writable (cached: slots are reused); `cuda`: pinned
+        for device-to-host copies."""
         for path in [p for p in self._maps if not os.path.exists(p)]:  # the relay freed that slot
             self._maps.pop(path).close()
         m = self._maps.get(reply.segment)
@@ -339,11 +336,96 @@ class WeightPusher(_End):
             if m is not None:
                 m.close()
             m = self._maps[reply.segment] = WriterMap(reply.segment, reply.size)
-        if any(t.device.type == "cuda" for _, t in items) and not m.cuda_registered:
+        if cuda and not m.cuda_registered:
             from laminar.weights.gpu import pin_host_tensor
 
             m.cuda_registered = pin_host_tensor(m.tensor)  # pinned: faster device-to-host copies
-        write_flat(m.tensor, items, layout)
+        return m
+
+    async def push_stream(
+        self,
+        version: int,
+        layout: WeightLayout,
+        produce: Callable[[VersionSink], Awaitable[None]],
+        *,
+        digest: bool,
+    ) -> tuple[float, str]:
+        """Stream `version` into the master relay while the trainer exports it: stage its layout,
+        `produce(sink)` puts each tensor as it is gathered and the sink writes it into the staged
+        slot meanwhile (laminar/weights/sink.py), commit once every tensor is written. Returns
+        (the trainer's stall in seconds, the version's weights_digest; "" unless `digest`).
+
+        A failure of `produce` or of a write (or a cancellation) commits nothing: the relay never
+        offers the version, and drops the staging at the next StageRequest. Only staging is
+        retried (with failover, as `push`); once tensors were produced there is no second try."""
+        import torch
+
+        t0 = time.perf_counter()
+        cli, reply = await self._stage(version, layout)
+        t1 = time.perf_counter()
+        timeout = self.links.request_timeout_s
+        if self._same_host(reply):
+            self.mode = "shm"
+            cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+            dst = self._writer_map(reply, cuda).tensor
+        else:  # another host: the whole version into a local buffer, then sent in chunks
+            self.mode = "stream"
+            dst = torch.empty(layout.total_bytes, dtype=torch.uint8)
+        sink = FlatSink(dst, layout, digest=digest)
+        try:
+            await produce(sink)
+            digest_hex = await asyncio.to_thread(sink.finish, self.links.startup_timeout_s)
+        except BaseException:
+            sink.close()
+            raise
+        if self.mode == "stream":
+            await self._send(cli, reply, dst, layout, version)
+        t2 = time.perf_counter()
+        await cli.request(CommitRequest(version=version, token=reply.token), timeout=timeout)
+        self.timings = {"stage_s": t1 - t0, "copy_s": t2 - t1, "commit_s": time.perf_counter() - t2}
+        self.pushes += 1
+        self._takeover = False
+        self.last_stall_s = time.perf_counter() - t0
+        return self.last_stall_s, digest_hex
+
+    async def _stage(self, version: int, layout: WeightLayout) -> tuple[RpcClient, StageReply]:
+        """A StageReply from the master relay (following NotMaster, failing over as `push`)."""
+        timeout = self.links.request_timeout_s
+        last: Exception | None = None
+        failures = redirects = 0
+        while True:
+            try:
+                cli = await self._client()
+                stage = StageRequest(version=version, layout=layout, takeover=self._takeover)
+                reply = await cli.request(stage, timeout=timeout, retries=0)
+                if isinstance(reply, NotMaster):
+                    if redirects >= MAX_REDIRECTS:
+                        raise WeightsUnavailable(
+                            f"push of version {version}: still redirected after {redirects} hops"
+                        )
+                    redirects += 1
+                    self.set_master(self.links.relay(reply.master))
+                    continue
+                if not isinstance(reply, StageReply):
+                    raise WeightsUnavailable(
+                        f"unexpected reply {type(reply).__name__} to StageRequest"
+                    )
+                return cli, reply
+            except RemoteError as exc:
+                if exc.code in ("stale_version", "protocol", "out_of_slots"):
+                    raise
+                last = exc
+            except (RequestTimeout, PeerDead) as exc:
+                last = exc
+            failures += 1
+            if failures >= 3:
+                raise WeightsUnavailable(f"staging of version {version} failed: {last}")
+            self.log.warning(
+                "push_failed", version=version, endpoint=self.endpoint, error=str(last)
+            )
+            if not await self._master_alive():
+                await self._failover()
+                self._takeover = True
 
     async def _stream(
         self,
@@ -356,9 +438,14 @@ class WeightPusher(_End):
         """Remote trainer: send the flat buffer in chunks, a few requests in flight."""
         import torch
 
-        cb = reply.chunk_bytes or self.links.chunk_bytes
         flat = torch.empty(layout.total_bytes, dtype=torch.uint8)
         await asyncio.to_thread(write_flat, flat, items, layout)
+        await self._send(cli, reply, flat, layout, version)
+
+    async def _send(
+        self, cli: RpcClient, reply: StageReply, flat: Any, layout: WeightLayout, version: int
+    ) -> None:
+        cb = reply.chunk_bytes or self.links.chunk_bytes
         arr = flat.numpy()
         pending = list(range(n_chunks(layout.total_bytes, cb)))
         timeout = self.links.request_timeout_s
