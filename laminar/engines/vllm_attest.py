@@ -34,7 +34,7 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from laminar.weights.digest import FoldRecord, fold_record, tensor_fold
+from laminar.weights.digest import FoldRecord, fold_record
 
 PEFT_PREFIX = "base_model.model."
 _FOLD = [False]
@@ -72,7 +72,7 @@ def folding_packed_weights() -> Iterator[None]:
         def folding_dispatch(layer: Any, remove_weight: bool) -> None:
             w = getattr(layer, "weight", None)
             if _FOLD[0] and remove_weight and w is not None and w.ndim == 2 and not w.is_meta:
-                layer._laminar_folds = _row_block_folds(layer, w)
+                layer._laminar_folds = _row_block_folds(layer)
             dispatch(layer, remove_weight)
 
         folding_dispatch.laminar_folds = True  # type: ignore[attr-defined]
@@ -96,16 +96,22 @@ def _row_blocks(layer: Any, rows: int) -> list[tuple[int, int]]:
     return out
 
 
-def _row_block_folds(layer: Any, w: Any) -> dict[tuple[int, int], FoldRecord]:
-    return {
-        (a, b): (
-            "",
-            str(w.dtype).removeprefix("torch."),
-            (b - a, *w.shape[1:]),
-            *tensor_fold(w[a:b]),
-        )
-        for a, b in _row_blocks(layer, int(w.shape[0]))
-    }
+def _row_block_folds(layer: Any) -> dict[tuple[str, int, int], FoldRecord]:
+    """Records of the weight's (and bias's) row blocks, keyed (attribute, start, stop): the
+    bias too, because the AMX path turns a bf16 bias into fp32 as it packs."""
+    out = {}
+    rows = int(layer.weight.shape[0])
+    for attr in ("weight", "bias"):
+        t = getattr(layer, attr, None)
+        if t is None or t.ndim == 0 or t.shape[0] != rows:
+            continue
+        for a, b in _row_blocks(layer, rows):
+            out[attr, a, b] = fold_record("", t[a:b])
+    return out
+
+
+def _dtype(t: Any) -> str:
+    return str(t.dtype).removeprefix("torch.")
 
 
 def _submodule(model: Any, path: str) -> Any:
@@ -148,11 +154,10 @@ def weight_records(model: Any, wanted: Sequence[Sequence[Any]]) -> list[WireReco
             continue
         layer, attr, start, count = where
         t = getattr(layer, attr)
-        packed = getattr(layer, "_laminar_folds", None)
-        if attr == "weight" and t.numel() == 0 and packed is not None:  # repacked at load
-            stop = start + count if count >= 0 else start + (shape[0] if shape else 0)
-            rec = packed.get((start, stop))
-            out.append(_wire((str(name), *rec[1:])) if rec is not None else _missing(name))
+        stop = start + count if count >= 0 else (shape[0] if shape else 0)
+        packed = (getattr(layer, "_laminar_folds", None) or {}).get((attr, start, stop))
+        if packed is not None and (t.numel() == 0 or packed[1] != _dtype(t)):  # repacked
+            out.append(_wire((str(name), *packed[1:])))
             continue
         if count >= 0:
             t = t[start : start + count]

@@ -502,6 +502,9 @@ class VllmEngine(Engine):
             self._unattested("sharded workers (tensor or pipeline parallel)")
             return None
         records = [from_wire(r) for r in per_worker[0]]
+        missing = [r[0] for r in records if r[1] == "missing"]
+        if missing:  # a mismatch, loudly: a tensor vLLM does not hold (or names differently)
+            _slog().warning("vllm_attest_missing", count=len(missing), names=missing[:3])
         other = sorted({r[1] for r in records if r[1] not in ("missing", want.get(r[0]))})
         if other:  # e.g. rollout.vllm.dtype != model.dtype: the bytes cannot be equal
             self._unattested(f"vLLM serves {other} weights, the versions are not")
