@@ -283,8 +283,11 @@ class MergedAdapter:
         """Merge one version into the target weights (all of them, or none on AdapterRejected)."""
         items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
         staged = self.validate(dict(items))
+        # copies: the version's tensors may view the relay's segment, released after the load
         factors = [
-            (n, t) for m, ab in staged.items() for n, t in zip(version_names(m), ab, strict=True)
+            (n, t.detach().clone())
+            for m, ab in staged.items()
+            for n, t in zip(version_names(m), ab, strict=True)
         ]
         self.served = served_factors(factors, self.lora)
         with torch.no_grad():
