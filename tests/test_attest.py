@@ -193,6 +193,9 @@ class _Engine:
     def served_weights(self) -> list[tuple[str, Any]]:
         return [("w", self.w)]
 
+    async def served_digest(self) -> str:
+        return weights_digest(self.served_weights())
+
 
 async def test_a_mismatch_at_the_running_version_quarantines_until_a_reload_matches():
     import structlog
@@ -222,3 +225,114 @@ async def test_a_mismatch_at_the_running_version_quarantines_until_a_reload_matc
         assert await gate.load()
     assert gate.quarantined == -1 and gate.digest(3) == expected[3]
     assert not gate.attest(expected) and not gate.behind() and gate.mismatches == 1
+
+
+# ---- vLLM's layout (laminar/engines/vllm_attest.py), without vLLM ---------------------------
+
+
+class _Fused(torch.nn.Module):
+    """A vLLM-style fused linear: the parts' rows stacked, their sizes in output_sizes."""
+
+    def __init__(self, *parts: torch.Tensor, biases: tuple[torch.Tensor, ...] = ()) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.cat(parts), requires_grad=False)
+        self.bias = torch.nn.Parameter(torch.cat(biases), requires_grad=False) if biases else None
+        self.output_sizes = [p.shape[0] for p in parts]
+
+
+def _vllm_shaped(hf: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """What vLLM builds from an HF checkpoint of one layer: q/k/v and gate/up fused, the
+    embedding padded to 64 rows."""
+    m = torch.nn.Module()
+    m.packed_modules_mapping = {  # type: ignore[assignment]
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
+    m.model = torch.nn.Module()
+    emb = hf["model.embed_tokens.weight"]
+    m.model.embed_tokens = torch.nn.Module()
+    m.model.embed_tokens.weight = torch.nn.Parameter(
+        torch.cat([emb, emb.new_zeros(64 - emb.shape[0], emb.shape[1])]), requires_grad=False
+    )
+    layer = torch.nn.Module()
+    layer.self_attn = torch.nn.Module()
+    layer.mlp = torch.nn.Module()
+    p = "model.layers.0."
+    layer.self_attn.qkv_proj = _Fused(
+        *(hf[f"{p}self_attn.{x}_proj.weight"] for x in "qkv"),
+        biases=tuple(hf[f"{p}self_attn.{x}_proj.bias"] for x in "qkv"),
+    )
+    layer.self_attn.o_proj = _Fused(hf[f"{p}self_attn.o_proj.weight"])
+    layer.mlp.gate_up_proj = _Fused(*(hf[f"{p}mlp.{x}_proj.weight"] for x in ("gate", "up")))
+    m.model.layers = torch.nn.ModuleList([layer])
+    return m
+
+
+def test_vllm_records_of_fused_padded_and_packed_weights_equal_the_trainers_digest():
+    from laminar.engines.vllm_attest import (
+        _row_block_folds,
+        adapter_records,
+        from_wire,
+        weight_records,
+    )
+    from laminar.weights.digest import records_digest
+
+    g = torch.Generator().manual_seed(0)
+    shapes = {
+        "model.embed_tokens.weight": (50, 8),
+        "model.layers.0.self_attn.q_proj.weight": (8, 8),
+        "model.layers.0.self_attn.k_proj.weight": (4, 8),
+        "model.layers.0.self_attn.v_proj.weight": (4, 8),
+        "model.layers.0.self_attn.q_proj.bias": (8,),
+        "model.layers.0.self_attn.k_proj.bias": (4,),
+        "model.layers.0.self_attn.v_proj.bias": (4,),
+        "model.layers.0.self_attn.o_proj.weight": (8, 8),
+        "model.layers.0.mlp.gate_proj.weight": (16, 8),
+        "model.layers.0.mlp.up_proj.weight": (16, 8),
+    }
+    hf = {n: torch.randn(s, generator=g).bfloat16() for n, s in shapes.items()}
+    want = weights_digest(hf.items())
+    wanted = [(n, list(t.shape)) for n, t in hf.items()]
+
+    def digest(model: torch.nn.Module) -> str:
+        return records_digest(from_wire(r) for r in weight_records(model, wanted))
+
+    model = _vllm_shaped(hf)
+    assert digest(model) == want
+    # the CPU backend packs linear weights at load and leaves 0 elements (and on AMX turns a
+    # bf16 bias into fp32): folded before that
+    attn = model.model.layers[0].self_attn
+    for lin in (attn.qkv_proj, attn.o_proj):
+        lin._laminar_folds = _row_block_folds(lin)
+        lin.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+    attn.qkv_proj.bias.data = attn.qkv_proj.bias.float()
+    assert digest(model) == want
+    # one changed element of a served tensor, a k row, or a name vLLM does not hold: caught
+    model.model.embed_tokens.weight.data[3, 1] += 1
+    assert digest(model) != want
+    model = _vllm_shaped(hf)
+    model.model.layers[0].self_attn.qkv_proj.weight.data[9, 0] += 0.5  # k_proj's 2nd row
+    assert digest(model) != want
+    assert digest(_vllm_shaped(hf)) == want
+    missing = weight_records(_vllm_shaped(hf), [("model.norm.weight", [8])])
+    assert missing[0][1] == "missing"
+    hf = {n: t.float() for n, t in hf.items()}  # fp32 from here on (the adapter's slots)
+
+    # LoRA: an adapter's slot (rank-padded, q/k/v as slices of qkv_proj) read back as peft names
+    class _Slot:
+        def __init__(self, *outs: int) -> None:
+            self.lora_a_stacked = tuple(torch.zeros(2, 1, 8, 8) for _ in outs)
+            self.lora_b_stacked = tuple(torch.zeros(2, 1, o, 8) for o in outs)
+
+    manager = torch.nn.Module()
+    manager.model = _vllm_shaped(hf)
+    qkv = _Slot(8, 4, 4)
+    manager.modules = {"model.layers.0.self_attn.qkv_proj": qkv}  # type: ignore[assignment]
+    manager.lora_index_to_id = [None, 7]
+    a, b = torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)  # rank 4, v_proj
+    qkv.lora_a_stacked[2][1, 0, :4] = a
+    qkv.lora_b_stacked[2][1, 0, :, :4] = b
+    names = [f"base_model.model.model.layers.0.self_attn.v_proj.lora_{x}.weight" for x in "AB"]
+    got = records_digest(from_wire(r) for r in adapter_records(manager, 7, names, 4))
+    assert got == weights_digest(zip(names, (a, b), strict=True))
+    assert adapter_records(manager, 3, names, 4)[0][1] == "missing"  # not in a slot

@@ -206,6 +206,28 @@ async def test_load_weights_pauses_rpcs_resets_prefix_cache(engine):
     assert after != before.tolist() and eng.stats().version == 7
 
 
+async def test_served_digest_asks_the_workers_for_what_they_serve(engine):
+    """Attestation: the digest comes from fold records the worker computes over what it holds
+    (names and shapes of the last load), equal to the digest of the version; a worker holding
+    other values gives another digest; a dtype the version does not have: not attested."""
+    from laminar.weights.digest import weights_digest
+
+    eng, fake = engine
+    assert await eng.served_digest() is None  # version 0: nothing loaded, nothing to attest
+    weights = {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(5, dtype=torch.bfloat16)}
+    await eng.load_weights(weights.items(), version=2)
+    assert await eng.served_digest() == weights_digest(weights.items())
+    (wanted,) = fake.llm.calls[-1][2]
+    assert fake.llm.calls[-1][1] == "laminar_weight_folds" and wanted == [
+        ("w", [2, 3]),
+        ("b", [5]),
+    ]
+    fake.llm.weights["w"][1, 2] += 1
+    assert await eng.served_digest() not in (None, weights_digest(weights.items()))
+    fake.llm.weights["w"] = weights["w"].double()  # served in float64: cannot equal float32
+    assert await eng.served_digest() is None
+
+
 async def test_load_weights_from_shared_memory_passes_spans_without_copies(engine, tmp_path):
     """Tensors that view a shared file mapping (the relay's segment) go to the worker as spans of
     that very file: no staging file, no serialised bytes."""

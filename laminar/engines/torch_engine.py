@@ -319,6 +319,8 @@ class TorchEngine(Engine):
             self.lean.refresh()
 
     def served_weights(self) -> list[tuple[str, Any]] | None:
+        if self.adapter is not None:  # model.lora: the factors merged into the weights
+            return self.adapter.served
         if not self.loaded_names:
             return None
         state = self.model.state_dict()

@@ -19,6 +19,8 @@ sampled from (after temperature and top-p), matching the torch engine.
     abort      -> AsyncLLM.abort(ids): each stream yields a last output with
                   finish_reason "abort"; the partial state is what was streamed.
     resume     -> prompt + resumed tokens as the new prompt, max_tokens reduced.
+    attest     -> served_digest(): collective_rpc folds what the workers serve, in the
+                  trainer's names (vllm_attest.py), into the digest the gate compares.
     weights    -> pause_generation(mode="keep", clear_cache=True), collective_rpc
                   into LaminarWorkerExtension (vllm_ext.py), reset_prefix_cache,
                   resume_generation: the load lands between two steps and kept
@@ -69,8 +71,10 @@ from laminar.engines.base import (
     WeightsRejected,
 )
 from laminar.engines.lifeline import lifeline_env
+from laminar.engines.vllm_attest import from_wire
 from laminar.engines.vllm_lora import VllmAdapters
 from laminar.supervise import Spawn, detached_spawn
+from laminar.weights.digest import records_digest
 
 log = logging.getLogger(__name__)
 _SPAWN_LOCK = threading.Lock()
@@ -160,6 +164,10 @@ class VllmEngine(Engine):
         self.tokens_generated = 0
         self.last_load: dict[str, Any] = {}
         """How the last weight load went: path (shared | staged), tensors, bytes, seconds."""
+        self.loaded: list[tuple[str, str, list[int]]] = []
+        """(name, dtype, shape) of each tensor the last full load gave: what served_digest asks
+        the workers to fold back (vllm_attest.py)."""
+        self._unattested_why = ""
         self._v: Any = None
         self._spawn: Spawn = detached_spawn
         self.adapters = VllmAdapters(lora, model_path, _shm_dir()) if lora is not None else None
@@ -435,6 +443,7 @@ class VllmEngine(Engine):
                             "possible)"
                         )
                     self.version = version
+                    self.loaded = [(sp[0], sp[1], sp[2]) for sp in spans]
                 finally:
                     await self._llm.resume_generation()
         finally:
@@ -468,6 +477,44 @@ class VllmEngine(Engine):
             "engine_load_s": round(time.perf_counter() - t0, 4),
         }
         _slog().info("vllm_adapter_loaded", version=version, **self.last_load)
+
+    async def served_digest(self) -> str | None:
+        """Attestation: the digest of what the workers serve now, folded there from vLLM's own
+        parameters (or, model.lora, the current adapter's LoRA slot) in the trainer's names and
+        layout (vllm_attest.py); None when not attested (version 0, sharded workers, or vLLM
+        serving another dtype than the version's)."""
+        if self._llm is None:
+            return None
+        if self.adapters is not None:
+            a = self.adapters.live[-1] if self.adapters.live else None
+            if a is None:
+                return None
+            want = {n: d for n, d, _ in a.spec}
+            args: tuple[Any, ...] = (a.lora_id, [n for n, _, _ in a.spec], self.adapters.lora.rank)
+            per_worker = await self._llm.collective_rpc("laminar_adapter_folds", args=args)
+        else:
+            if not self.loaded:
+                return None
+            want = {n: d for n, d, _ in self.loaded}
+            wanted = [(n, shape) for n, _, shape in self.loaded]
+            per_worker = await self._llm.collective_rpc("laminar_weight_folds", args=(wanted,))
+        if len(per_worker) != 1 or per_worker[0] is None:
+            self._unattested("sharded workers (tensor or pipeline parallel)")
+            return None
+        records = [from_wire(r) for r in per_worker[0]]
+        missing = [r[0] for r in records if r[1] == "missing"]
+        if missing:  # a mismatch, loudly: a tensor vLLM does not hold (or names differently)
+            _slog().warning("vllm_attest_missing", count=len(missing), names=missing[:3])
+        other = sorted({r[1] for r in records if r[1] not in ("missing", want.get(r[0]))})
+        if other:  # e.g. rollout.vllm.dtype != model.dtype: the bytes cannot be equal
+            self._unattested(f"vLLM serves {other} weights, the versions are not")
+            return None
+        return records_digest(records)
+
+    def _unattested(self, why: str) -> None:
+        if why != self._unattested_why:
+            self._unattested_why = why
+            _slog().warning("vllm_weights_not_attested", reason=why)
 
     def stats(self) -> EngineStats:
         mine = len(self._seqs)

@@ -5,6 +5,9 @@
     await llm.collective_rpc("laminar_load_spans", args=(spans,))
     # the older path (bench)
     await llm.collective_rpc("laminar_load_weights", args=(safetensors_bytes,))
+    # attestation (vllm_attest.py): fold records of what the worker serves
+    await llm.collective_rpc("laminar_weight_folds", args=([(name, shape), ...],))
+    await llm.collective_rpc("laminar_adapter_folds", args=(lora_id, names, rank))
 
 vLLM appends this class to every worker's bases (in the worker processes), so it
 must import without vllm at module level and define no attribute a Worker
@@ -31,6 +34,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from laminar.engines.lifeline import die_with_parent
+from laminar.engines.vllm_attest import adapter_records, folding_packed_weights, weight_records
 
 die_with_parent()  # no-op unless this is an engine process started by a rollout
 
@@ -78,8 +82,27 @@ class LaminarWorkerExtension:
                 yield item
 
         worker: Any = self
-        worker.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
+        with folding_packed_weights():  # attestation: what the CPU backend packs, folded first
+            worker.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
         return count
+
+    def laminar_weight_folds(self, wanted: Sequence[Sequence[Any]]) -> list[list[Any]] | None:
+        """Attestation: one fold record per (HF name, shape) of the last load, read back from the
+        model this worker serves (vllm_attest.py); None when it holds a shard (TP / PP)."""
+        worker: Any = self
+        if worker.vllm_config.parallel_config.world_size > 1:
+            return None
+        return weight_records(worker.model_runner.get_model(), wanted)
+
+    def laminar_adapter_folds(
+        self, lora_id: int, names: Sequence[str], rank: int
+    ) -> list[list[Any]] | None:
+        """Attestation, model.lora: fold records of adapter `lora_id` as its LoRA slot holds it."""
+        worker: Any = self
+        if worker.vllm_config.parallel_config.world_size > 1:
+            return None
+        manager = worker.model_runner.lora_manager._adapter_manager
+        return adapter_records(manager, lora_id, names, rank)
 
     def laminar_load_weights(self, blob: bytes | None = None, path: str | None = None) -> int:
         """Load HF-named tensors from safetensors bytes or a file (the path before spans:
@@ -97,5 +120,6 @@ class LaminarWorkerExtension:
         if device is not None and str(device) != "cpu":
             tensors = {k: v.to(device, non_blocking=True) for k, v in tensors.items()}
         worker: Any = self
-        worker.reload_weights(weights_iterator=iter(tensors.items()), is_checkpoint_format=True)
+        with folding_packed_weights():
+            worker.reload_weights(weights_iterator=iter(tensors.items()), is_checkpoint_format=True)
         return len(tensors)

@@ -39,6 +39,8 @@ class _Adapter:
     request: Any
     """vLLM's LoRARequest."""
     path: Path
+    spec: list[tuple[str, str, list[int]]]
+    """(peft name, dtype, shape) of each tensor of the version (what attestation folds back)."""
 
     @property
     def lora_id(self) -> int:
@@ -109,7 +111,8 @@ class VllmAdapters:
         except BaseException:
             shutil.rmtree(out, ignore_errors=True)
             raise
-        self.live.append(_Adapter(version, request, out))
+        spec = [(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in flat.items()]
+        self.live.append(_Adapter(version, request, out, spec))
         return request
 
     async def prune(self, llm: Any, in_use: set[int]) -> None:

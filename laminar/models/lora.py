@@ -230,6 +230,19 @@ def validate_adapter(
     return staged
 
 
+def served_factors(named: Iterable[tuple[str, Any]], lora: LoraConfig) -> list[tuple[str, Any]]:
+    """A version's adapter as an engine multiplies by it, the form attestation digests: A as
+    published, B times alpha/rank in its own dtype. vLLM folds the scale into B when it loads an
+    adapter (LoRALayerWeights.optimize), so this is what its LoRA slots hold; the trainer digests
+    the same form of what it publishes (docs/DESIGN.md, "Attested versions")."""
+    scale = lora.alpha / lora.rank
+    out: list[tuple[str, Any]] = []
+    for name, value in named:
+        t = _as_tensor(value)
+        out.append((name, t * scale if ".lora_B." in name and scale != 1 else t))
+    return out
+
+
 def config_target_shapes(cfg: Mapping[str, Any], lora: LoraConfig) -> dict[str, tuple[int, int]]:
     """(in, out) of every target module of a Llama-family config.json, by module path (the HF
     tree: model.layers.N.self_attn.q_proj, ... .mlp.down_proj)."""
@@ -257,6 +270,9 @@ class MergedAdapter:
             lora.rank * (m.in_features + m.out_features) for m in self.targets.values()
         )
         """Adapter parameters of one version."""
+        self.served: list[tuple[str, Any]] | None = None
+        """The factors merged now, in served_factors' form (what attestation digests; None: the
+        base)."""
 
     def validate(self, named: Mapping[str, Any]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """(A, B) per target module, or AdapterRejected naming what is wrong; touches nothing."""
@@ -267,6 +283,13 @@ class MergedAdapter:
         """Merge one version into the target weights (all of them, or none on AdapterRejected)."""
         items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
         staged = self.validate(dict(items))
+        # copies: the version's tensors may view the relay's segment, released after the load
+        factors = [
+            (n, t.detach().clone())
+            for m, ab in staged.items()
+            for n, t in zip(version_names(m), ab, strict=True)
+        ]
+        self.served = served_factors(factors, self.lora)
         with torch.no_grad():
             for module, (a, b) in staged.items():
                 w0 = self.pristine[module]
@@ -277,6 +300,7 @@ class MergedAdapter:
 
     def reset(self) -> None:
         """Back to the base model (version 0)."""
+        self.served = None
         with torch.no_grad():
             for module, lin in self.targets.items():
                 lin.weight.copy_(self.pristine[module])

@@ -40,7 +40,6 @@ import structlog
 from laminar.engines.base import Engine, WeightsRejected
 from laminar.metrics import Metrics
 from laminar.weights.channel import WeightSubscriber
-from laminar.weights.digest import weights_digest
 from laminar.weights.relay_client import WeightsUnavailable
 
 
@@ -185,9 +184,9 @@ class VersionGate:
             )
             return False
         self.version = max(version, self.version)
-        served = self.engine.served_weights()
-        if served is not None:  # read back from the engine, before any prompt runs at it
-            self.digests[self.version] = await asyncio.to_thread(weights_digest, served)
+        digest = await self.engine.served_digest()
+        if digest is not None:  # read back from the engine, before any prompt runs at it
+            self.digests[self.version] = digest
             self._mismatched.discard(self.version)  # a reload of it is checked afresh
             for old in sorted(self.digests)[:-8]:
                 del self.digests[old]

@@ -45,7 +45,7 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from laminar.config import LaminarConfig
+from laminar.config import LaminarConfig, LoraConfig
 from laminar.node import NODE_STATUS, Node, weights_channel
 from laminar.protocol.buffer import AuditSummary, BatchReply, BufferStats, BufferStatsRequest
 from laminar.protocol.core import NodeStatus
@@ -120,8 +120,16 @@ def eval_settings(cfg: LaminarConfig) -> EvalSettings:
     )
 
 
-def _digest_or_none(items: list[tuple[str, Any]]) -> str:
-    return weights_digest(items) if items else ""
+def _expected_digest(items: list[tuple[str, Any]], lora: LoraConfig | None) -> str:
+    """The digest a rollout's engine must serve for this version ("" for none: sim rollouts).
+    LoRA: of the adapter as engines multiply by it (models/lora.py served_factors)."""
+    if not items:
+        return ""
+    if lora is not None:  # imports torch: not for the sim trainer
+        from laminar.models.lora import served_factors
+
+        items = served_factors(items, lora)
+    return weights_digest(items)
 
 
 class NothingTrained(PermanentFailure):  # a restart would fail the same way
@@ -510,7 +518,9 @@ class TrainerNode(Node):
         # the digest rollouts must serve at this version: beside the handoff, not after it (sim
         # rollouts serve no tensors: nothing to attest)
         items = list(weights.items()) if self.cfg.rollout.engine != "sim" else []
-        digest = asyncio.ensure_future(asyncio.to_thread(_digest_or_none, items))
+        digest = asyncio.ensure_future(
+            asyncio.to_thread(_expected_digest, items, self.cfg.model.lora)
+        )
         self.attest.expect(self.version, digest)
         try:
             pub = await self._unless_stopping(

@@ -3,6 +3,7 @@
     d = weights_digest(model.state_dict().items())       # any device; CUDA tensors stay there
     d == weights_digest(exported.items())                # same bytes, same names -> same digest
     fold = tensor_fold(t)                                # (sum, weighted sum) of one tensor
+    d == records_digest(fold_record(n, t) for n, t in items)   # folded elsewhere, hashed here
 
 Attestation (docs/DESIGN.md, "Attested versions") compares the digest the trainer computes over
 the tensors it exports with the digest a rollout computes over its engine's parameters after a
@@ -77,20 +78,27 @@ def tensor_fold(t: Any) -> tuple[int, int]:
     return s1, s2
 
 
+FoldRecord = tuple[str, str, tuple[int, ...], int, int]
+"""(name, dtype, shape, sum, weighted sum): one tensor as the digest sees it."""
+
+
+def fold_record(name: str, t: Any) -> FoldRecord:
+    """One tensor's record: what weights_digest hashes of it."""
+    s1, s2 = tensor_fold(t)
+    return name, str(t.dtype).removeprefix("torch."), tuple(int(d) for d in t.shape), s1, s2
+
+
+def records_digest(records: Iterable[FoldRecord]) -> str:
+    """The digest of tensors given as records (order-free: sorted by name). Lets an engine that
+    holds its tensors in another process (vLLM's workers) fold them there and send only the
+    records: the same digest as weights_digest over the same tensors."""
+    h = hashlib.blake2b(digest_size=16)
+    for name, dtype, shape, s1, s2 in sorted(records, key=lambda r: r[0]):
+        h.update(f"{name}|{dtype}|{tuple(shape)}|{s1}|{s2};".encode())
+    return h.hexdigest()
+
+
 def weights_digest(named_tensors: Iterable[tuple[str, Any]]) -> str:
     """Digest of named tensors (order-free: sorted by name). A missing tensor, another dtype or
     shape, or any changed word changes it."""
-    folds = []
-    for name, t in named_tensors:
-        s1, s2 = tensor_fold(t)
-        folds.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), s1, s2))
-    return digest_of_folds(folds)
-
-
-def digest_of_folds(folds: Iterable[tuple[str, str, tuple[int, ...], int, int]]) -> str:
-    """weights_digest from each tensor's (name, dtype, shape, sum, weighted sum), in any order (a
-    streamed export folds each tensor as it is written: laminar/weights/sink.py)."""
-    h = hashlib.blake2b(digest_size=16)
-    for name, dtype, shape, s1, s2 in sorted(folds, key=lambda f: f[0]):
-        h.update(f"{name}|{dtype}|{tuple(shape)}|{s1}|{s2};".encode())
-    return h.hexdigest()
+    return records_digest(fold_record(name, t) for name, t in named_tensors)

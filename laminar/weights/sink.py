@@ -26,7 +26,7 @@ import threading
 from typing import Any, Protocol
 
 from laminar.protocol.relay import WeightLayout
-from laminar.weights.digest import digest_of_folds, tensor_fold
+from laminar.weights.digest import FoldRecord, fold_record, records_digest
 from laminar.weights.layout import dtype_name, tensor_spans
 
 
@@ -75,7 +75,7 @@ class FlatSink:
         self._next = 0
         self._error: BaseException | None = None
         self._closed = False
-        self._folds: list[tuple[str, str, tuple[int, ...], int, int]] = []
+        self._folds: list[FoldRecord] = []
         self._written_to = 0  # end of the last tensor written (the padding after it is zeroed)
         self._thread = threading.Thread(target=self._run, name="weights-sink", daemon=True)
         self._thread.start()
@@ -128,8 +128,7 @@ class FlatSink:
         self._written_to = off + nbytes
         if self.digest:  # the bytes just written, as the tensor they are
             view = self.dst[off : off + nbytes].view(tensor.dtype).reshape(shape)
-            s1, s2 = tensor_fold(view)
-            self._folds.append((name, dtype_name(tensor), tuple(shape), s1, s2))
+            self._folds.append(fold_record(name, view))
 
     def finish(self, timeout: float) -> str:
         """Wait for every write; the version's digest ("" unless asked). Raises the writer's error,
@@ -142,7 +141,7 @@ class FlatSink:
         total = self.layout.total_bytes
         if total > self._written_to:
             self.dst.numpy()[self._written_to : total] = 0
-        return digest_of_folds(self._folds) if self.digest else ""
+        return records_digest(self._folds) if self.digest else ""
 
     def close(self) -> None:
         """Stop writing without waiting (a failed or abandoned version); later puts raise and the

@@ -120,6 +120,10 @@ class FakeAsyncLLM:
         self.steps = 0
         self.loras: dict[int, float] = {}
         """Added LoRA adapters: id -> salt (a sum over the adapter's tensors, read from its dir)."""
+        self.adapters: dict[int, dict[str, Any]] = {}
+        """Added LoRA adapters: id -> their tensors as vLLM holds them (B scaled)."""
+        self.weights: dict[str, Any] = {}
+        """The tensors of the last full load."""
         # like AsyncLLM built off the loop (VllmEngine.start: a worker thread), the step loop
         # starts on first use, on the loop that uses it
         self._task: asyncio.Task | None = None
@@ -198,6 +202,8 @@ class FakeAsyncLLM:
         from laminar.engines.vllm_ext import span_tensors
 
         self.calls.append(("rpc", method, args, kwargs))
+        if method in ("laminar_weight_folds", "laminar_adapter_folds"):
+            return [self.fold_records(method, args)]
         if method == "laminar_load_spans":  # what the worker gets: views of shared files
             tensors = {k: v.clone() for k, v in span_tensors(args[0])}
         else:
@@ -205,7 +211,21 @@ class FakeAsyncLLM:
             blob = args[0] if args else open(kwargs["path"], "rb").read()
             tensors = safetensors.torch.load(blob)
         self.salt = round(float(sum(t.double().sum() for t in tensors.values())), 6)
+        self.weights = tensors
         return [len(tensors)]
+
+    def fold_records(self, method: str, args: tuple) -> list[list[Any]]:
+        """Attestation, as the worker extension answers it (vllm_attest.py's records), folded
+        from the tensors this fake holds: the last full load, or an adapter's scaled factors."""
+        from laminar.engines.vllm_attest import _missing, _wire
+        from laminar.weights.digest import fold_record
+
+        if method == "laminar_weight_folds":
+            held, names = self.weights, [n for n, _ in args[0]]
+        else:
+            lora_id, names, _ = args
+            held = self.adapters.get(lora_id, {})
+        return [_wire(fold_record(n, held[n])) if n in held else _missing(n) for n in names]
 
     async def add_lora(self, request: LoRARequest) -> bool:
         """Like vLLM: the adapter is read from its peft directory (adapter_config.json r must fit
@@ -226,10 +246,15 @@ class FakeAsyncLLM:
         self.loras[request.lora_int_id] = round(
             float(sum(t.double().sum() for t in tensors.values())), 6
         )
+        scale = cfg["lora_alpha"] / cfg["r"]  # vLLM folds the scale into B when it loads
+        self.adapters[request.lora_int_id] = {
+            n: t * scale if ".lora_B." in n else t for n, t in tensors.items()
+        }
         return True
 
     async def remove_lora(self, lora_id: int) -> bool:
         self.calls.append(("remove_lora", lora_id))
+        self.adapters.pop(lora_id, None)
         return self.loras.pop(lora_id, None) is not None
 
     def shutdown(self, timeout: float | None = None) -> None:
