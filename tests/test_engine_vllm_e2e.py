@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -120,7 +121,12 @@ def test_laminar_run_on_vllm_two_rollouts(tmp_path: Path, short_dir: Path, mode:
     log = tmp_path / "launcher.log"
     t0 = time.monotonic()
     proc = subprocess.Popen(
-        cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=tmp_path, env=env
+        cmd,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        cwd=tmp_path,
+        env=env,
+        start_new_session=True,  # its own session: on the deadline, only what this test started
     )
     rollout_pids: set[int] = set()
     seen_engines: dict[int, str] = {}
@@ -140,7 +146,14 @@ def test_laminar_run_on_vllm_two_rollouts(tmp_path: Path, short_dir: Path, mode:
         rc = proc.wait(timeout=max(1.0, DEADLINE_S - (time.monotonic() - t0)))
     finally:
         if proc.poll() is None:
-            proc.kill()
+            # past the deadline: the launcher's session, then the rollouts and engines it started
+            # (they may sit in sessions of their own), by pid
+            os.killpg(proc.pid, signal.SIGKILL)
+            for pid in rollout_pids | set(seen_engines):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             proc.wait(10)
     wall = time.monotonic() - t0
     out = log.read_text()
