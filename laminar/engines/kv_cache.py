@@ -68,7 +68,7 @@ class Segment:
 
 @dataclass
 class StepLayout:
-    """Where the tokens of one packed forward live in the cache (built by PagedKVCache.step_layout)."""
+    """Where the tokens of one packed forward live in the cache (PagedKVCache.step_layout)."""
 
     n_decode: int
     decode_pos: torch.Tensor
