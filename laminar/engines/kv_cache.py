@@ -56,6 +56,12 @@ BLOCK_TOKENS = 16
 _local = threading.local()
 
 
+def pool_positions(capacity_tokens: int, block_tokens: int = BLOCK_TOKENS) -> int:
+    """Positions a pool for `capacity_tokens` allocates per layer: whole blocks, + the null block
+    (what laminar plan counts)."""
+    return (-(-capacity_tokens // block_tokens) + 1) * block_tokens
+
+
 @dataclass
 class Segment:
     """One sequence's prefill tokens [start, start + length) in a packed step."""
