@@ -254,7 +254,9 @@ def _torch_rollout(
     model_len: int,
     limit: int,
 ) -> ProcessPlan:
-    """The torch engine's GPU: weights, the lean forward's fused copies, the paged KV pool."""
+    """The torch engine's GPU: weights, the lean forward's fused copies, the paged KV pool, and a
+    decode step's gather of one layer's blocks (max_running rows of the longest sequence, K and V;
+    freed after each layer). SDPA's own workspace is not counted (the limit's margin)."""
     from laminar.engines.kv_cache import BLOCK_TOKENS, pool_positions
 
     ro = cfg.rollout
@@ -263,6 +265,8 @@ def _torch_rollout(
     kv_token = _kv_bytes_per_token(shape, dtype_bytes)
     kv = positions * kv_token
     fused = 0 if ro.torch_forward == "hf" else _fused_bytes(shape, dtype_bytes)
+    longest = min(pool_positions(model_len) - BLOCK_TOKENS, positions - BLOCK_TOKENS)
+    gather = ro.max_running * longest * kv_token // int(shape["num_hidden_layers"])
     source = (
         "rollout.kv_capacity_tokens"
         if ro.kv_capacity_tokens
@@ -270,14 +274,14 @@ def _torch_rollout(
     )
     rp = ProcessPlan(
         "rollout (torch)",
-        weights + fused + kv,
+        weights + fused + kv + gather,
         limit,
         f"weights {weights / GIB:.1f} + fused q/k/v, gate/up copies {fused / GIB:.1f} + KV pool "
-        f"{positions} positions ({source}) {kv / GIB:.1f} GiB",
+        f"{positions} positions ({source}) {kv / GIB:.1f} + decode gather {gather / GIB:.1f} GiB",
     )
     if rp.fits:
         return rp
-    room = limit - weights - fused
+    room = limit - weights - fused - gather
     if room >= BLOCK_TOKENS * kv_token:
         fit = room // kv_token // BLOCK_TOKENS * BLOCK_TOKENS - BLOCK_TOKENS
         rp.field = "rollout.kv_capacity_tokens"
