@@ -226,12 +226,13 @@ class PagedKVCache:
             blocks = self.table[row, : self.blocks_for(start + n)]
             at = np.arange(start, start + n)
             rows.append(blocks[at // bt] * bt + at % bt)
-            segments.append(Segment(start, n, torch.from_numpy(blocks).to(dev)))
+            segments.append(Segment(start, n, torch.tensor(blocks, device=dev)))
+        # copies (torch.tensor), never views of the tables the scheduler goes on editing
         return StepLayout(
             d,
-            torch.from_numpy(pos).to(dev),
-            torch.from_numpy(np.ascontiguousarray(tables).reshape(-1)).to(dev),
-            torch.from_numpy(np.concatenate(rows)).to(dev),
+            torch.tensor(pos, device=dev),
+            torch.tensor(tables.reshape(-1), device=dev),
+            torch.tensor(np.concatenate(rows), device=dev),
             segments,
         )
 
