@@ -342,7 +342,7 @@ class RolloutConfig(Section):
     torch_forward: Literal["auto", "lean", "hf"] = "auto"
     """Torch engine: the forward a step runs. lean = Llama-family layers as plain tensor ops
     (engines/lean_forward.py: Llama, Mistral, Qwen2, Qwen3; 1.1-1.2x the tokens/s on small models,
-    bench/engine.py), hf = the model's own forward with the slot attention plugged in; auto = lean
+    bench/engine.py), hf = the model's own forward with the paged attention plugged in; auto = lean
     where it runs the model exactly, else hf."""
     weights: Literal["auto", "relay", "dir", "announce", "nccl", "cuda_ipc"] = "auto"
     """Weight source: host relay | run_dir/weights/v*.safetensors (trainer direct handoff) |
