@@ -267,7 +267,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             "of B, left-padded, each runs to its longest target; throughput counts useful tokens "
             "only",
             "hf": "model.generate, attn sdpa, DynamicCache",
-            "engine": "TorchEngine (slot KV cache, packed steps, computes logprobs), lean forward",
+            "engine": "TorchEngine (paged KV cache, packed steps, computes logprobs), lean forward",
             "engine_hf": "the same engine on the HF model's forward",
             "longtail_lengths": {
                 "p50": float(np.percentile(lengths, 50)),

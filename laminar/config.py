@@ -330,17 +330,19 @@ class RolloutConfig(Section):
     relay_index: int = Field(0, ge=0)
     """Which relay this rollout reads from (its host's relay)."""
     max_model_len: int | None = Field(None, ge=2)
-    """Prompt + response cap in tokens (torch engine KV slot length; vllm max_model_len); default:
-    the model's."""
+    """Prompt + response cap in tokens (torch engine: longest sequence; vllm max_model_len);
+    default: the model's."""
     kv_capacity_tokens: int | None = Field(None, ge=1)
-    """Torch engine: KV tokens held at most (kv_use = held / this); default max_running *
-    max_model_len."""
+    """Torch engine: KV cache size in token positions, a pool of 16-position blocks the running
+    sequences share (whole blocks; kv_use = blocks taken / all). Requests wait for free blocks and
+    the newest running sequence is preempted (recomputed later) when none is left; default
+    max_running * max_model_len."""
     max_prefill_tokens: int = Field(4096, ge=1)
     """Torch engine: prompt tokens prefilled per step (bounds the step latency joiners add)."""
     torch_forward: Literal["auto", "lean", "hf"] = "auto"
     """Torch engine: the forward a step runs. lean = Llama-family layers as plain tensor ops
     (engines/lean_forward.py: Llama, Mistral, Qwen2, Qwen3; 1.1-1.2x the tokens/s on small models,
-    bench/engine.py), hf = the model's own forward with the slot attention plugged in; auto = lean
+    bench/engine.py), hf = the model's own forward with the paged attention plugged in; auto = lean
     where it runs the model exactly, else hf."""
     weights: Literal["auto", "relay", "dir", "announce", "nccl", "cuda_ipc"] = "auto"
     """Weight source: host relay | run_dir/weights/v*.safetensors (trainer direct handoff) |

@@ -3,7 +3,8 @@
     .venv/bin/python -m pytest tests/test_engine_lean_forward.py -q
 
 Each case builds a tiny random model of one family in memory (no files, no hub), runs one
-packed prefill step (two sequences) and one packed decode step through the slot KV cache
+packed prefill step (two sequences), one packed decode step and a mixed step (a decode query and
+a segment continuing a cached prefix) through the paged KV cache
 with LeanDecoder, and compares the logits with a plain full-sequence HF forward (eager
 attention, no cache) of the same model. Families it must not run fall back to HF.
 """
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from laminar.engines.base import GenRequest, SamplingParams
-from laminar.engines.kv_cache import SlotKVCache, StepLayout
+from laminar.engines.kv_cache import PagedKVCache
 from laminar.engines.lean_forward import LeanDecoder
 from laminar.engines.torch_engine import TorchEngine
 from laminar.models.decoder_ops import unsupported
@@ -71,11 +72,14 @@ def test_lean_step_logits_equal_hf_forward(case):
     model = _model(spec.pop("kind"), **spec)
     assert unsupported(model, 64) is None
     lean = LeanDecoder(model, 64)
-    cache = SlotKVCache.for_model(model, slots=2, max_len=64)
+    # 3 positions a block: both sequences span several blocks, interleaved in the pool
+    cache = PagedKVCache.for_model(model, capacity_tokens=30, rows=2, max_len=64, block_tokens=3)
     a, b = [5, 6, 7, 8, 9], [11, 12, 13]
     with torch.inference_mode():
-        # step 1: both prompts prefilled in one packed forward (slot 0: a, slot 1: b)
-        lay = StepLayout(0, torch.zeros(0, dtype=torch.long), 0, [(0, 0, len(a)), (1, 0, len(b))])
+        # step 1: both prompts prefilled in one packed forward (row 0: a, row 1: b)
+        assert cache.reserve(0, 3) and cache.reserve(1, 3) and cache.reserve(0, len(a) + 1)
+        assert cache.reserve(1, len(b) + 1)
+        lay = cache.step_layout([], [(0, 0, len(a)), (1, 0, len(b))])
         ids = torch.tensor(a + b)
         pos = torch.tensor(list(range(len(a))) + list(range(len(b))))
         with cache.step(lay):
@@ -84,11 +88,22 @@ def test_lean_step_logits_equal_hf_forward(case):
         torch.testing.assert_close(got[1], _reference(model, b), rtol=1e-5, atol=1e-5)
         # step 2: one decode token each, at each sequence's own position
         a2, b2 = a + [21], b + [22]
-        lay = StepLayout(2, torch.tensor([len(a), len(b)]), len(a) + 1, [])
+        lay = cache.step_layout([len(a), len(b)], [])
         with cache.step(lay):
             got = lean(
                 torch.tensor([21, 22]), torch.tensor([len(a), len(b)]), torch.tensor([0, 1]), cache
             )
+        # step 3: b continues with a 3-token segment after its cached prefix (start > 0) while a
+        # decodes
+        a3, b3 = a2 + [23], b2 + [24, 25, 26]
+        assert cache.reserve(0, len(a3)) and cache.reserve(1, len(b3))
+        lay = cache.step_layout([len(a2)], [(1, len(b2), 3)])
+        ids = torch.tensor([23, 24, 25, 26])
+        pos = torch.tensor([len(a2), len(b2), len(b2) + 1, len(b2) + 2])
+        with cache.step(lay):
+            got3 = lean(ids, pos, torch.tensor([0, 3]), cache)
+    torch.testing.assert_close(got3[0], _reference(model, a3), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got3[1], _reference(model, b3), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got[0], _reference(model, a2), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got[1], _reference(model, b2), rtol=1e-5, atol=1e-5)
 

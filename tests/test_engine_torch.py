@@ -156,6 +156,7 @@ async def test_abort_then_resume_elsewhere_equals_uninterrupted(engine_factory, 
         streamed[ev.seq_id].extend(ev.token_ids.tolist())
         last[ev.seq_id] = ev.finish_reason
     assert src.stats().running == 0 and src.stats().waiting == 0
+    assert src.cache.free_blocks == src.cache.blocks  # an export frees the sequences' blocks
     for p in partials:
         assert streamed[p.seq_id] == p.output_ids.tolist()
 
@@ -318,6 +319,8 @@ async def test_kv_pressure_preempts_and_recomputes(tiny, engine_factory):
     results = await asyncio.gather(*(eng.generate_all(r, timeout=T) for r in reqs))
     for i, res in enumerate(results):
         assert res[f"k{i}"][0].tolist() == greedy_reference(ref, PROMPTS[i], 22)
+    assert eng.preemptions > 0 and eng.stats().preemptions == eng.preemptions
+    assert eng.cache.free_blocks == eng.cache.blocks and eng.stats().kv_use == 0.0
 
 
 async def test_bad_requests_get_error_events(engine_factory):
@@ -359,3 +362,109 @@ def test_plain_sampling_is_the_general_path_bit_for_bit() -> None:
     logp = processed_logprobs(logits, temp, top_p)
     assert torch.equal(lps, logp.gather(1, tokens[:, None]).squeeze(1))
     assert torch.isfinite(lps).all()  # every drawn token is inside its row's nucleus
+
+
+# ---- the paged KV cache (kv_cache.py) ----------------------------------------------------------
+LONG_TAIL = [2, 45, 6, 70, 11, 3, 33, 18]
+"""Response lengths of a long-tailed batch: most short, a few long."""
+
+
+@pytest.mark.parametrize("temperature,top_p", [(0.0, 1.0), (0.8, 0.9)])
+async def test_long_tailed_batch_on_small_blocks_equals_full_forward(
+    tiny, engine_factory, temperature, top_p
+):
+    """4-position blocks: every sequence spans many blocks, interleaved in the pool as sequences
+    join and leave; tokens (greedy) and logprobs (any sampling) equal a plain full forward, and a
+    seeded sequence draws the same tokens in the batch as alone."""
+    ref = load_causal_lm(tiny[0])
+    eng = await engine_factory(max_running=4, block_tokens=4)
+    alone = await engine_factory(max_running=1, block_tokens=4)
+
+    def req(i: int, n: int) -> GenRequest:
+        sp = SamplingParams(temperature, top_p, max_tokens=n, seed=5, ignore_eos=True)
+        return GenRequest(f"t{i}", np.array(PROMPTS[i % 5]), sp, single=True)
+
+    reqs = [req(i, n) for i, n in enumerate(LONG_TAIL)]
+    batched = await asyncio.gather(*(eng.generate_all(r, timeout=30) for r in reqs))
+    for i, (r, res) in enumerate(zip(reqs, batched, strict=True)):
+        ids, lps, reason = res[r.req_id]
+        assert reason == "length" and len(ids) == LONG_TAIL[i]
+        prompt = PROMPTS[i % 5]
+        rec = recompute_logprobs(ref, prompt, ids.tolist(), temperature, top_p)
+        np.testing.assert_allclose(lps, rec, atol=1e-4, rtol=0)
+        if temperature == 0.0:
+            assert ids.tolist() == greedy_reference(ref, prompt, LONG_TAIL[i])
+        elif LONG_TAIL[i] >= 33:  # the long ones, again alone
+            solo = (await alone.generate_all(r, timeout=30))[r.req_id][0]
+            assert solo.tolist() == ids.tolist()
+    assert eng.cache.free_blocks == eng.cache.blocks and eng.preemptions == 0
+
+
+async def test_kv_memory_is_the_capacity_pool_not_rows_times_max_len(engine_factory):
+    eng = await engine_factory(max_running=8, max_model_len=512, kv_capacity_tokens=100)
+    cache, cfg = eng.cache, eng.model.config
+    kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    per_position = 2 * cfg.num_hidden_layers * kv_heads * head_dim * 4  # K and V, fp32
+    # 100 positions in 16-position blocks: 7 blocks, + the null block
+    assert (cache.blocks, cache.block_tokens, eng.capacity) == (7, 16, 112)
+    assert cache.nbytes == 8 * 16 * per_position
+    assert (
+        cache.nbytes < 8 * 512 * per_position / 30
+    )  # rows x max_model_len would be 4096 positions
+    default = await engine_factory(max_running=8, max_model_len=512)
+    assert default.capacity == 8 * 512  # unset: what the rows could hold at most
+
+
+async def test_requests_wait_for_blocks_and_nothing_is_lost(tiny, engine_factory):
+    """A pool of 48 positions for 6 sequences of up to 36: requests wait for blocks though rows
+    are free, running ones are preempted and recomputed; every sequence ends with the tokens and
+    logprobs of a plain full forward."""
+    ref = load_causal_lm(tiny[0])
+    eng = await engine_factory(max_running=6, kv_capacity_tokens=48, block_tokens=8)
+    lengths = [30, 12, 28, 6, 31, 20]
+    sp = [SamplingParams(0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    for i in range(6):
+        eng.submit(GenRequest(f"w{i}", np.array(PROMPTS[i % 5]), sp[i], single=True))
+    got: dict[str, list[int]] = {f"w{i}": [] for i in range(6)}
+    lps: dict[str, list[float]] = {f"w{i}": [] for i in range(6)}
+    waited_for_blocks = False
+    done = 0
+    while done < 6:
+        ev = await eng.next_event(timeout=T)
+        got[ev.seq_id] += ev.token_ids.tolist()
+        lps[ev.seq_id] += ev.logprobs.tolist()
+        st = eng.stats()
+        waited_for_blocks |= st.waiting > 0 and st.running < 6
+        assert 0.0 <= st.kv_use <= 1.0
+        if ev.finished:
+            assert ev.finish_reason == "length"
+            done += 1
+    assert waited_for_blocks and eng.preemptions > 0 and eng.kv_truncated == 0
+    for i in range(6):
+        prompt = PROMPTS[i % 5]
+        assert got[f"w{i}"] == greedy_reference(ref, prompt, lengths[i])
+        rec = recompute_logprobs(ref, prompt, got[f"w{i}"], 0.0, 1.0)
+        np.testing.assert_allclose(lps[f"w{i}"], rec, atol=1e-4, rtol=0)
+    assert eng.cache.free_blocks == eng.cache.blocks
+
+
+async def test_a_sequence_outgrowing_the_whole_pool_ends_with_length(tiny, engine_factory):
+    """24 positions: a sequence alone can hold 24; at 5 prompt + 20 response tokens it needs a 25th,
+    so it ends there ("length", counted) with every token it made; others keep running."""
+    ref = load_causal_lm(tiny[0])
+    eng = await engine_factory(
+        max_running=2, max_model_len=64, kv_capacity_tokens=24, block_tokens=8
+    )
+    long = SamplingParams(0.0, max_tokens=40, ignore_eos=True)
+    ids, _, reason = (await eng.generate_all(GenRequest("big", np.array(PROMPTS[0]), long)))[
+        "big/0"
+    ]
+    assert reason == "length" and ids.tolist() == greedy_reference(ref, PROMPTS[0], 20)
+    assert eng.kv_truncated == 1
+    short = SamplingParams(0.0, max_tokens=8, ignore_eos=True)
+    ids, _, reason = (await eng.generate_all(GenRequest("s", np.array(PROMPTS[1]), short)))["s/0"]
+    assert reason == "length" and ids.tolist() == greedy_reference(ref, PROMPTS[1], 8)
+    # a prompt that cannot fit even alone is refused at submit
+    res = await eng.generate_all(GenRequest("huge", np.arange(4, 30) % 30 + 4, short), timeout=T)
+    assert res["huge/0"][2] == "error"

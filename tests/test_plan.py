@@ -181,3 +181,42 @@ def test_config_get_prints_one_resolved_setting(capsys):
     )
     assert capsys.readouterr().out.strip() == "7"
     assert main(["config", cfg, "--get", "transport.no_such_key"]) == 2
+
+
+def test_torch_rollout_kv_figure_is_the_engines_own_pool(small_model, tmp_path):
+    """The plan's torch-rollout figure counts the paged pool of rollout.kv_capacity_tokens (not
+    max_running x max_model_len) and the lean forward's fused copies; both equal what an engine
+    built from the same settings allocates."""
+    from laminar.engines.torch_engine import TorchEngine
+    from laminar.models.decoder_lm import load_model
+
+    overrides = ["trainer.engine=sim", "model.device=cuda", "rollout.max_running=64"]
+    cfg = load_config(
+        _config(tmp_path, small_model), [*overrides, "rollout.kv_capacity_tokens=1000"]
+    )
+    (rollout,) = [p for p in make_plan(cfg, Hardware()).processes if p.process == "rollout (torch)"]
+    cfg.model.device = "cpu"
+    engine = TorchEngine.from_config(
+        cfg.rollout, cfg.model, model=load_model(str(small_model), "float32", "cpu")
+    )
+    assert engine.lean is not None and engine.capacity == 1008  # 63 blocks of 16
+    fused = sum(w.numel() * 4 for w, _ in engine.lean.qkv) + sum(
+        w.numel() * 4 for w in engine.lean.gate_up
+    )
+    weights = make_plan(cfg, Hardware()).weight_version_bytes
+    # a decode step gathers one layer's K and V for 64 rows of up to 512 positions
+    gather = 64 * 512 * 2 * engine.cache.k[0][0, 0].numel() * 4
+    assert rollout.peak_bytes == weights + fused + engine.cache.nbytes + gather
+    # unset: the pool is what the rows could hold at most, 64 x 512 positions
+    unset = load_config(_config(tmp_path, small_model), overrides)
+    (big,) = [p for p in make_plan(unset, Hardware()).processes if p.process == "rollout (torch)"]
+    per_position = engine.cache.nbytes // (64 * 16)  # 63 blocks + the null block
+    assert big.peak_bytes - rollout.peak_bytes == (64 * 512 + 16 - 64 * 16) * per_position
+    # too big for the GPU: the verdict names kv_capacity_tokens
+    tiny_gpu = make_plan(unset, Hardware(gpu_gib=0.08)).processes[-1]
+    assert not tiny_gpu.fits and tiny_gpu.field == "rollout.kv_capacity_tokens", tiny_gpu
+    fit = int(tiny_gpu.advice.split()[1])
+    capped = load_config(
+        _config(tmp_path, small_model), [*overrides, f"rollout.kv_capacity_tokens={fit}"]
+    )
+    assert make_plan(capped, Hardware(gpu_gib=0.08)).processes[-1].fits

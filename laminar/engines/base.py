@@ -137,6 +137,8 @@ class EngineStats:
     waiting: int
     version: int
     tokens_generated: int = 0
+    preemptions: int = 0
+    """Running sequences sent back to waiting for lack of KV cache (recomputed later), so far."""
 
 
 class Engine(ABC):

@@ -1,10 +1,12 @@
-"""Slot KV cache + a ragged attention function (`attend`): HF transformers models call into it
+"""Paged KV cache + a ragged attention function (`attend`): HF transformers models call into it
 through the attention interface, lean_forward.py calls it directly.
 
-    cache = SlotKVCache.for_model(model, slots=32, max_len=1024)
-    use_slot_attention(model)                 # model.config._attn_implementation = "laminar_slots"
-    with cache.step(StepLayout(...)):         # one packed forward: decode tokens + prefill segments
+    cache = PagedKVCache.for_model(model, capacity_tokens=65_536, rows=32, max_len=4096)
+    use_paged_attention(model)                # model.config._attn_implementation = "laminar_paged"
+    cache.reserve(row, n_tokens)              # False: not enough free blocks (nothing taken)
+    with cache.step(cache.step_layout(decode_pos, prefill)):  # one packed forward
         out = model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=last_idx)
+    cache.release(row)                        # a sequence leaves: its blocks are free again
 
 Why not HF's own caches: DynamicCache concatenates the whole cache on every
 step (O(length) copies per token) and a static left-padded batch cannot let
@@ -15,93 +17,224 @@ the attention interface (every modern HF decoder calls `ALL_ATTENTION_FUNCTIONS`
 with RoPE'd query/key/value and its `layer_idx`); HF builds no mask for a custom
 implementation, so the forward costs nothing beyond the layers themselves.
 
-Layout: per layer one K and one V tensor (slots, kv_heads, max_len, head_dim).
-Running sequences always occupy slots 0..R-1 (a leaving sequence's slot is
-filled by moving the last one in), so a decode step reads the view K[:R, :, :Lmax]
-with no gather. A packed step holds `n_decode` one-token decode queries (slots
-0..n_decode-1, written at each slot's own position) followed by prefill segments
-(one slot each, tokens [start, start+len)).
+Why paged (vLLM's PagedAttention): the memory is `rollout.kv_capacity_tokens`, not
+max_running x max_model_len. Per layer one K and one V pool of `blocks + 1` blocks of
+`block_tokens` positions, token-major (block, position, kv_head, head_dim); block 0 is the
+null block, never written, that unused block-table entries point at (masked out: zeros, so
+no stale value reaches a softmax). Each engine row (a running sequence; rows 0..R-1, a leaving
+sequence's row is refilled by moving the last one's block table in, a few ints) has a block
+table, a row of `table` (numpy, host side). A sequence takes blocks as it grows and returns
+them all when it leaves, so long-tailed batches share the pool: memory follows the tokens
+held, not the longest sequence allowed.
+
+A packed step holds `n_decode` one-token decode queries followed by prefill segments (one
+sequence each, tokens [start, start+len)). Every token's key/value is written with one
+index_copy_ per layer to its flat pool row (block x block_tokens + offset), computed once per
+step (StepLayout.write_rows). Decode attention gathers each decode row's blocks with one
+index_select (the padded (d, blocks x block_tokens) view SDPA reads, masked past each row's
+position); a prefill segment from position 0 attends to its own new keys (causal SDPA), one that
+continues a cached prefix gathers its blocks.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from laminar.models.decoder_ops import text_config
 
-ATTN_NAME = "laminar_slots"
+ATTN_NAME = "laminar_paged"
+BLOCK_TOKENS = 16
+"""Positions per block (vLLM's default on GPU): a sequence wastes under one block at its end."""
 _local = threading.local()
+
+
+def pool_positions(capacity_tokens: int, block_tokens: int = BLOCK_TOKENS) -> int:
+    """Positions a pool for `capacity_tokens` allocates per layer: whole blocks, + the null block
+    (what laminar plan counts)."""
+    return (-(-capacity_tokens // block_tokens) + 1) * block_tokens
+
+
+@dataclass
+class Segment:
+    """One sequence's prefill tokens [start, start + length) in a packed step."""
+
+    start: int
+    length: int
+    blocks: torch.Tensor
+    """(ceil((start + length) / block_tokens),) long: its block table, read when start > 0."""
 
 
 @dataclass
 class StepLayout:
-    """Where the tokens of one packed forward live in the cache."""
+    """Where the tokens of one packed forward live in the cache (PagedKVCache.step_layout)."""
 
     n_decode: int
     decode_pos: torch.Tensor
-    """(n_decode,) long: write position (= current length) of decode slots 0..n_decode-1."""
-    decode_max: int
-    """max(decode_pos) + 1: how many cache columns decode attention reads."""
-    segments: list[tuple[int, int, int]]
-    """Prefill segments (slot, start position, length), packed after the decode tokens in order."""
-    _rows: torch.Tensor | None = None
+    """(n_decode,) long: write position (= current length) of each decode query."""
+    decode_blocks: torch.Tensor
+    """(n_decode * nb,) long: each decode row's first nb block ids (null-padded), row-major."""
+    write_rows: torch.Tensor
+    """(T,) long: the flat pool row (block * block_tokens + offset) each token's key/value goes
+    to, decode tokens first, then the segments in order."""
+    segments: list[Segment]
     _mask: torch.Tensor | None = None
 
-    def decode_index(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows, mask) of the decode queries, built once per step and shared by every layer."""
-        if self._rows is None:
-            dev = self.decode_pos.device
-            self._rows = torch.arange(self.n_decode, device=dev)
-            cols = torch.arange(self.decode_max, device=dev)
+    def decode_mask(self, columns: int) -> torch.Tensor:
+        """(n_decode, 1, 1, columns) bool: column c is visible to row i when c <= decode_pos[i];
+        built once per step and shared by every layer."""
+        if self._mask is None:
+            cols = torch.arange(columns, device=self.decode_pos.device)
             self._mask = (cols[None, :] <= self.decode_pos[:, None])[:, None, None, :]
-        assert self._mask is not None  # built together with _rows
-        return self._rows, self._mask
+        return self._mask
 
 
-class SlotKVCache:
+class PagedKVCache:
     def __init__(
         self,
         layers: int,
-        slots: int,
+        *,
+        blocks: int,
+        rows: int,
         max_len: int,
         kv_heads: int,
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        block_tokens: int = BLOCK_TOKENS,
     ) -> None:
-        self.slots, self.max_len = slots, max_len
-        # Inference tensors: only ever touched under inference_mode (forward and slot moves).
+        if blocks < 1 or rows < 1 or block_tokens < 1:
+            raise ValueError(f"a KV cache needs blocks, rows, block_tokens >= 1: {blocks=} {rows=}")
+        self.blocks, self.block_tokens = blocks, block_tokens
+        self.kv_heads, self.head_dim = kv_heads, head_dim
+        self.device = torch.device(device)
+        # Inference tensors: only ever touched under inference_mode (the forward).
         with torch.inference_mode():
-            shape = (slots, kv_heads, max_len, head_dim)
+            shape = (blocks + 1, block_tokens, kv_heads, head_dim)  # + the null block 0
             self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
             self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        # the same tensors as (slots, max_len, kv_heads, head_dim) views: a decode step writes each
-        # token's heads at (slot, position) with one index_put_
-        self.k_at = [k.transpose(1, 2) for k in self.k]
-        self.v_at = [v.transpose(1, 2) for v in self.v]
+        # the same pools as (rows, kv_heads, head_dim): one index_copy_ writes a step's tokens
+        self.k_flat = [k.view(-1, kv_heads, head_dim) for k in self.k]
+        self.v_flat = [v.view(-1, kv_heads, head_dim) for v in self.v]
+        self.table = np.zeros((rows, min(blocks, -(-max_len // block_tokens))), np.int64)
+        """Block table of each row: block ids in position order, 0 past its last block."""
+        self.held = [0] * rows
+        """Blocks each row holds (its table's filled prefix)."""
+        # a stack, lowest id on top: a fresh cache hands out 1, 2, 3 ... (easy to read in tests)
+        self._free = list(range(blocks, 0, -1))
         self.layout: StepLayout | None = None
 
     @classmethod
-    def for_model(cls, model: Any, slots: int, max_len: int) -> SlotKVCache:
+    def for_model(
+        cls,
+        model: Any,
+        *,
+        capacity_tokens: int,
+        rows: int,
+        max_len: int,
+        block_tokens: int = BLOCK_TOKENS,
+    ) -> PagedKVCache:
+        """The pool for `capacity_tokens` positions (rounded up to whole blocks) of `model`'s
+        layers, in its parameters' dtype and device."""
         cfg = text_config(model)
         heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
         p = next(model.parameters())
-        return cls(cfg.num_hidden_layers, slots, max_len, kv_heads, head_dim, p.dtype, p.device)
+        return cls(
+            cfg.num_hidden_layers,
+            blocks=-(-capacity_tokens // block_tokens),
+            rows=rows,
+            max_len=max_len,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            dtype=p.dtype,
+            device=p.device,
+            block_tokens=block_tokens,
+        )
 
-    def move(self, src: int, dst: int, length: int) -> None:
-        """Copy slot src's first `length` positions into slot dst (compaction after a leave)."""
-        with torch.inference_mode():
-            for k, v in zip(self.k, self.v, strict=True):
-                k[dst, :, :length] = k[src, :, :length]
-                v[dst, :, :length] = v[src, :, :length]
+    # ---- blocks ------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        """Positions the pool holds (kv_capacity_tokens rounded up to whole blocks)."""
+        return self.blocks * self.block_tokens
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every pool (what the cache allocated)."""
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_tokens)
+
+    def reserve(self, row: int, tokens: int) -> bool:
+        """Give `row` blocks for its first `tokens` positions; False (and nothing taken) when too
+        few blocks are free."""
+        have = self.held[row]
+        want = self.blocks_for(tokens)
+        if want <= have:
+            return True
+        if want > self.table.shape[1] or want - have > len(self._free):
+            return False
+        for i in range(have, want):
+            self.table[row, i] = self._free.pop()
+        self.held[row] = want
+        return True
+
+    def release(self, row: int) -> None:
+        """Return row's blocks to the pool."""
+        n = self.held[row]
+        self._free.extend(self.table[row, :n][::-1].tolist())
+        self.table[row, :n] = 0
+        self.held[row] = 0
+
+    def move(self, src: int, dst: int) -> None:
+        """Row src's blocks become row dst's (dst released first); src is left empty."""
+        n = self.held[src]
+        self.table[dst] = 0
+        self.table[dst, :n] = self.table[src, :n]
+        self.held[dst] = n
+        self.table[src, :n] = 0
+        self.held[src] = 0
+
+    # ---- steps -------------------------------------------------------------------------
+    def step_layout(
+        self, decode_pos: Sequence[int], prefill: Sequence[tuple[int, int, int]]
+    ) -> StepLayout:
+        """The layout of one packed step: decode queries for rows 0..len(decode_pos)-1, each at
+        its position (its reserved blocks must cover it), then prefill segments (row, start,
+        length) in order."""
+        bt, dev = self.block_tokens, self.device
+        d = len(decode_pos)
+        pos = np.asarray(decode_pos, np.int64)
+        nb = self.blocks_for(int(pos.max()) + 1) if d else 0
+        tables = self.table[:d, :nb]
+        rows = [tables[np.arange(d), pos // bt] * bt + pos % bt]
+        segments = []
+        for row, start, n in prefill:
+            blocks = self.table[row, : self.blocks_for(start + n)]
+            at = np.arange(start, start + n)
+            rows.append(blocks[at // bt] * bt + at % bt)
+            segments.append(Segment(start, n, torch.tensor(blocks, device=dev)))
+        # copies (torch.tensor), never views of the tables the scheduler goes on editing
+        return StepLayout(
+            d,
+            torch.tensor(pos, device=dev),
+            torch.tensor(tables.reshape(-1), device=dev),
+            torch.tensor(np.concatenate(rows), device=dev),
+            segments,
+        )
 
     @contextmanager
     def step(self, layout: StepLayout):
@@ -114,8 +247,23 @@ class SlotKVCache:
             _local.cache = None
             self.layout = None
 
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store a step's keys and values, token-major (T, KV, D), at the layout's rows."""
+        assert self.layout is not None  # inside step()
+        rows = self.layout.write_rows
+        self.k_flat[layer].index_copy_(0, rows, key)
+        self.v_flat[layer].index_copy_(0, rows, value)
 
-def slot_attention(
+    def gather(self, layer: int, blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of `n` sequences' blocks (blocks: (n * nb,) ids) as (n, KV, nb *
+        block_tokens, D) views, the layout SDPA reads."""
+        shape = (n, -1, self.kv_heads, self.head_dim)
+        k = self.k[layer].index_select(0, blocks).view(shape).transpose(1, 2)
+        v = self.v[layer].index_select(0, blocks).view(shape).transpose(1, 2)
+        return k, v
+
+
+def paged_attention(
     module: Any,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -124,12 +272,12 @@ def slot_attention(
     scaling: float | None = None,
     **kw: Any,
 ) -> tuple[torch.Tensor, None]:
-    """HF attention-interface function: write key/value into the slot cache, attend, return (1, T,
-    H, D)."""
-    cache: SlotKVCache | None = getattr(_local, "cache", None)
+    """HF attention-interface function: write key/value into the paged cache, attend, return (1,
+    T, H, D)."""
+    cache: PagedKVCache | None = getattr(_local, "cache", None)
     if cache is None or cache.layout is None:
         raise RuntimeError(
-            f"{ATTN_NAME} attention called outside SlotKVCache.step() (model used outside the "
+            f"{ATTN_NAME} attention called outside PagedKVCache.step() (model used outside the "
             "engine?)"
         )
     if kw.get("sliding_window") or kw.get("softcap"):
@@ -140,51 +288,39 @@ def slot_attention(
 
 
 def attend(
-    cache: SlotKVCache,
+    cache: PagedKVCache,
     layer: int,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     scaling: float | None,
 ) -> torch.Tensor:
-    """Write one packed step's key/value (1, KV, T, D) into layer's slots and attend with query
+    """Write one packed step's key/value (1, KV, T, D) into layer's pools and attend with query
     (1, H, T, D) as cache.layout places the tokens; returns (1, T, H, D)."""
     lay = cache.layout
-    assert lay is not None  # inside SlotKVCache.step()
-    kc, vc = cache.k[layer], cache.v[layer]
+    assert lay is not None  # inside PagedKVCache.step()
+    cache.write(layer, key[0].transpose(0, 1), value[0].transpose(0, 1))
     _, heads, t, hd = query.shape
     out = query.new_empty(1, t, heads, hd)
     d = lay.n_decode
     if d:
-        out[0, :d] = _decode(
-            cache,
-            layer,
-            query[0, :, :d].transpose(0, 1),
-            key[0, :, :d].transpose(0, 1),
-            value[0, :, :d].transpose(0, 1),
-            scaling,
-        )
+        out[0, :d] = _decode(cache, layer, query[0, :, :d].transpose(0, 1), scaling)
     off = d
-    for slot, start, n in lay.segments:
-        k_new, v_new = key[:, :, off : off + n], value[:, :, off : off + n]
-        kc[slot, :, start : start + n] = k_new[0]
-        vc[slot, :, start : start + n] = v_new[0]
+    for seg in lay.segments:
+        n = seg.length
         q = query[:, :, off : off + n]
-        if start == 0:
+        if seg.start == 0:
+            k_new, v_new = key[:, :, off : off + n], value[:, :, off : off + n]
             o = F.scaled_dot_product_attention(
                 q, k_new, v_new, is_causal=True, scale=scaling, enable_gqa=True
             )
         else:
-            total = start + n
-            qpos = torch.arange(start, total, device=query.device)
+            total = seg.start + n
+            k, v = cache.gather(layer, seg.blocks, 1)
+            qpos = torch.arange(seg.start, total, device=query.device)
             mask = torch.arange(total, device=query.device)[None, :] <= qpos[:, None]
             o = F.scaled_dot_product_attention(
-                q,
-                kc[slot : slot + 1, :, :total],
-                vc[slot : slot + 1, :, :total],
-                attn_mask=mask,
-                scale=scaling,
-                enable_gqa=True,
+                q, k[:, :, :total], v[:, :, :total], attn_mask=mask, scale=scaling, enable_gqa=True
             )
         out[0, off : off + n] = o[0].transpose(0, 1)
         off += n
@@ -192,7 +328,7 @@ def attend(
 
 
 def attend_decode(
-    cache: SlotKVCache,
+    cache: PagedKVCache,
     layer: int,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -203,42 +339,36 @@ def attend_decode(
     a plain forward has: query (d, H, D), key and value (d, KV, D); returns (d, H, D), without
     attend()'s layout round trip."""
     assert cache.layout is not None and not cache.layout.segments  # inside step(), decode only
-    return _decode(cache, layer, query, key, value, scaling)
+    cache.write(layer, key, value)
+    return _decode(cache, layer, query, scaling)
 
 
 def _decode(
-    cache: SlotKVCache,
-    layer: int,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    scaling: float | None,
+    cache: PagedKVCache, layer: int, query: torch.Tensor, scaling: float | None
 ) -> torch.Tensor:
-    """The decode queries of a step, token-major (d, H, D) / (d, KV, D): each slot's key and value
-    written at its position, then one query per slot over its slot's first decode_max columns."""
+    """The decode queries of a step, token-major (d, H, D), their keys and values already written:
+    one query per row over its blocks, masked past its position."""
     lay = cache.layout
     assert lay is not None
-    rows, mask = lay.decode_index()
-    cache.k_at[layer].index_put_((rows, lay.decode_pos), key)
-    cache.v_at[layer].index_put_((rows, lay.decode_pos), value)
-    d, n = lay.n_decode, lay.decode_max
+    d = lay.n_decode
+    k, v = cache.gather(layer, lay.decode_blocks, d)
     o = F.scaled_dot_product_attention(
         query.unsqueeze(2),
-        cache.k[layer][:d, :, :n],
-        cache.v[layer][:d, :, :n],
-        attn_mask=mask,
+        k,
+        v,
+        attn_mask=lay.decode_mask(k.shape[2]),
         scale=scaling,
         enable_gqa=True,
     )
     return o.squeeze(2)
 
 
-def use_slot_attention(model: Any) -> None:
-    """Register the slot attention function and switch `model` to it (the model is the engine's
+def use_paged_attention(model: Any) -> None:
+    """Register the paged attention function and switch `model` to it (the model is the engine's
     now)."""
     from transformers import AttentionInterface
 
-    AttentionInterface.register(ATTN_NAME, slot_attention)
+    AttentionInterface.register(ATTN_NAME, paged_attention)
     try:
         model.set_attn_implementation(ATTN_NAME)
     except (AttributeError, ValueError):

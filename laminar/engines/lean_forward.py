@@ -1,5 +1,5 @@
 """A lean decoder forward for the torch engine: Llama-family layers as plain tensor ops over the
-slot KV cache.
+paged KV cache.
 
     lean = lean_decoder(model, max_len, "auto")   # None when the model is not one it can run
     with cache.step(layout):
@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from laminar.engines.kv_cache import SlotKVCache, attend, attend_decode
+from laminar.engines.kv_cache import PagedKVCache, attend, attend_decode
 from laminar.models import decoder_ops as ops
 from laminar.models.decoder_ops import DecoderShape, rms, rope_table, rotate
 
@@ -112,7 +112,7 @@ class LeanDecoder:
         return out
 
     def __call__(
-        self, ids: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor, cache: SlotKVCache
+        self, ids: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor, cache: PagedKVCache
     ) -> torch.Tensor:
         """Logits (len(keep), vocab) of one packed step: ids, pos (T,) long, placed as cache.layout
         says."""
@@ -121,7 +121,7 @@ class LeanDecoder:
         h_q, h_kv, d = sh.heads, sh.kv_heads, sh.head_dim
         rope = h_q + h_kv  # q and k heads, rotated together
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]
-        assert cache.layout is not None  # inside SlotKVCache.step()
+        assert cache.layout is not None  # inside PagedKVCache.step()
         decode_only = not cache.layout.segments
         x = F.embedding(ids, self.embed)
         for i, ly in enumerate(self.layers):

@@ -9,17 +9,32 @@
 Dataflow (one asyncio task, the step loop; the forward runs in a one-thread executor
 so the event loop keeps serving sockets and heartbeats):
 
-    submit() ──► waiting (FIFO) ──admit──► running slots 0..R-1 ──step──► TokenEvent per sequence
-                     ▲                        │ finish / abort: leave, last slot moves in
-                     └──── preempted (KV full, or weights reloaded: recompute) ◄┘
+    submit() ──► waiting (FIFO) ──admit──► running rows 0..R-1 ──step──► TokenEvent per sequence
+                     ▲   (blocks for its      │ finish / abort: blocks freed, last row moves in
+                     │    tokens, or it waits) │
+                     └──── preempted (no free block, or weights reloaded: recompute) ◄┘
 
-Each step is one packed forward over the slot KV cache (kv_cache.py; the layers run as
+Each step is one packed forward over the paged KV cache (kv_cache.py; the layers run as
 lean_forward.py's plain tensor ops for Llama-family models, else as the HF model's own
 forward, `rollout.torch_forward`): a one-token decode query for every
 running sequence plus the whole prompt (+ resumed tokens) of each sequence that
 joins this step, up to `max_prefill_tokens`. Sampling (sampling.py) runs on the
 logits of the last position of each, so every emitted token carries its exact
-logprob. A lock serialises steps with abort() and load_weights(), so both take
+logprob.
+
+Memory: the cache is a pool of `rollout.kv_capacity_tokens` positions in blocks of 16
+(default max_running x max_model_len, the most the rows could ever hold). A sequence is admitted
+only when the pool has blocks for its prompt (+ resumed tokens) and the token it samples; the
+head of the queue waits for blocks otherwise (FIFO, like vLLM). When a running sequence needs a
+block and none is free, the newest running sequence is preempted (vLLM's default, recompute): its
+blocks are freed and it goes back to the head of the queue with its tokens, to be prefilled again
+when blocks free up (counted in `preemptions`). Recompute rather than swapping to host memory:
+the engine already re-prefills sequences after a weight load and on resume from another rollout,
+so this adds no second path, and a rollout's prefill is cheap next to the decode it saves. A
+sequence that alone outgrows the whole pool ends with finish_reason "length" (counted in
+`kv_truncated`, logged): set kv_capacity_tokens >= max_model_len where that must not happen.
+
+A lock serialises steps with abort() and load_weights(), so both take
 effect between two decode steps. With model.lora a version is an adapter: it is merged into a
 pristine copy of the base weights (models/lora.py MergedAdapter), all of it or, when it does not
 fit (WeightsRejected), none of it, and the engine keeps serving and labelling its previous version.
@@ -49,7 +64,7 @@ from laminar.engines.base import (
     TokenEvent,
     WeightsRejected,
 )
-from laminar.engines.kv_cache import SlotKVCache, StepLayout, use_slot_attention
+from laminar.engines.kv_cache import BLOCK_TOKENS, PagedKVCache, StepLayout, use_paged_attention
 from laminar.engines.lean_forward import lean_decoder
 from laminar.engines.sampling import sample, sequence_key, uniform
 from laminar.models.decoder_ops import text_config
@@ -72,8 +87,9 @@ class _Seq:
     """Response so far, resumed tokens included."""
     lps: list[float] = field(default_factory=list)
     slot: int = -1
+    """Its row (block table) in the cache while running, else -1."""
     kv_len: int = 0
-    """Positions of this sequence held in its slot (prompt + out[:-1] while decoding)."""
+    """Positions of this sequence in the cache (prompt + out[:-1] while decoding)."""
     order: int = 0
 
 
@@ -108,6 +124,7 @@ class TorchEngine(Engine):
         recompute_on_load: bool = True,
         forward: str = "auto",
         lora: LoraConfig | None = None,
+        block_tokens: int = BLOCK_TOKENS,
     ) -> None:
         super().__init__()
         self.model = model.eval()
@@ -118,7 +135,6 @@ class TorchEngine(Engine):
         self.max_model_len = int(
             max_model_len or getattr(cfg, "max_position_embeddings", None) or 2048
         )
-        self.capacity = int(kv_capacity_tokens or max_running * self.max_model_len)
         self.max_prefill_tokens = max_prefill_tokens
         self.recompute_on_load = recompute_on_load
         self.loaded_names: list[str] = []
@@ -126,12 +142,20 @@ class TorchEngine(Engine):
         self.eos = set(eos_token_ids) if eos_token_ids is not None else _eos_ids(model, tokenizer)
         self.device = next(model.parameters()).device
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
-        self.cache = SlotKVCache.for_model(model, max_running, self.max_model_len)
+        self.cache = PagedKVCache.for_model(
+            model,
+            capacity_tokens=int(kv_capacity_tokens or max_running * self.max_model_len),
+            rows=max_running,
+            max_len=self.max_model_len,
+            block_tokens=block_tokens,
+        )
+        self.capacity = self.cache.capacity
+        """KV positions the pool holds (kv_capacity_tokens rounded up to whole blocks)."""
         self.adapter = MergedAdapter(model, lora) if lora is not None else None
         """model.lora: a version is an adapter, merged into a pristine copy of the base."""
         self.lean = lean_decoder(model, self.max_model_len, forward)
-        if self.lean is None:  # HF's forward, with the slot attention plugged in
-            use_slot_attention(model)
+        if self.lean is None:  # HF's forward, with the paged attention plugged in
+            use_paged_attention(model)
         self._running: list[_Seq] = []  # index == slot
         self._waiting: deque[_Seq] = deque()
         self._seqs: dict[str, _Seq] = {}
@@ -146,6 +170,10 @@ class TorchEngine(Engine):
         self.rejected = 0
         """Requests refused at submit (bad ids, too long, ...): each got a finish_reason="error"
         event."""
+        self.preemptions = 0
+        """Running sequences sent back to waiting because no KV block was free (recomputed)."""
+        self.kv_truncated = 0
+        """Sequences ended with "length" because they alone outgrew the whole KV pool."""
 
     @classmethod
     def from_config(
@@ -331,13 +359,13 @@ class TorchEngine(Engine):
         ]
 
     def stats(self) -> EngineStats:
-        held = sum(s.kv_len for s in self._running)
         return EngineStats(
-            min(1.0, held / self.capacity),
+            1.0 - self.cache.free_blocks / self.cache.blocks,  # blocks taken, as vLLM reports
             len(self._running),
             len(self._waiting),
             self.version,
             self.tokens_generated,
+            self.preemptions,
         )
 
     # ---- step loop ---------------------------------------------------------------------
@@ -362,31 +390,35 @@ class TorchEngine(Engine):
             # asyncio hands over in FIFO order, so they still get in between two steps.
 
     def _schedule(self) -> _Batch | None:
-        held = sum(s.kv_len for s in self._running)
-        while self._running and held + len(self._running) > self.capacity:
-            # No room for every running sequence to grow by one: the newest goes back to waiting and
-            # is recomputed later (its tokens are kept).
-            victim = max(self._running, key=lambda q: q.order)
-            held -= victim.kv_len
-            self._preempt(victim)
-        decode = list(self._running)  # slot order: row i is slot i
+        self._grow_running()
+        decode = list(self._running)  # row order: row i is slot i
         prefill: list[Any] = []
         budget = self.max_prefill_tokens
         while self._waiting and len(self._running) < self.max_running:
             s = self._waiting[0]
             need = len(s.prompt) + len(s.out)
-            if not self._running and need + 1 > self.capacity:  # grew past the whole cache alone
+            if need + 1 > self.capacity:  # preempted after it grew past the whole pool alone
                 self._waiting.popleft()
                 self._seqs.pop(s.seq_id, None)
+                self.kv_truncated += 1
+                log.warning(
+                    "torch engine: %s ends at %d tokens: it outgrew the whole KV pool (%d "
+                    "positions, rollout.kv_capacity_tokens)",
+                    s.seq_id,
+                    need,
+                    self.capacity,
+                )
                 self._emit(TokenEvent(s.seq_id, _NO_I, _NO_F, "length", self.version))
                 continue
-            if held + len(decode) + need > self.capacity or (prefill and need > budget):
+            if prefill and need > budget:
+                break
+            # blocks for its tokens and the one it samples now, or the queue waits for them
+            if not self.cache.reserve(len(self._running), need + 1):
                 break
             self._waiting.popleft()
             s.slot = len(self._running)
             self._running.append(s)
             prefill.append(s)
-            held += need
             budget -= need
         if not decode and not prefill:
             return None
@@ -402,10 +434,7 @@ class TorchEngine(Engine):
             keep.append(len(ids) - 1)
         rows = decode + prefill
         dev = self.device
-        decode_pos = torch.tensor(pos[: len(decode)], dtype=torch.long, device=dev)
-        layout = StepLayout(
-            len(decode), decode_pos, max(pos[: len(decode)], default=-1) + 1, segments
-        )
+        layout = self.cache.step_layout(pos[: len(decode)], segments)
         return _Batch(
             decode,
             prefill,
@@ -475,12 +504,23 @@ class TorchEngine(Engine):
         text = self.tokenizer.decode(s.out[-window:], skip_special_tokens=True)
         return any(x in text for x in s.params.stop)
 
-    # ---- slots -------------------------------------------------------------------------
+    # ---- rows and blocks ---------------------------------------------------------------
+    def _grow_running(self) -> None:
+        """Every running sequence gets a block for the token it writes this step where it needs
+        one; when none is free the newest running sequence is preempted (it may be the one
+        growing). Oldest first, so a victim is never one already grown."""
+        for s in sorted(self._running, key=lambda q: q.order):
+            while s.slot >= 0 and not self.cache.reserve(s.slot, s.kv_len + 1):
+                self.preemptions += 1
+                self._preempt(max(self._running, key=lambda q: q.order))
+
     def _leave(self, s: _Seq) -> None:
-        """Free s's slot; the last running sequence moves into it so slots stay 0..R-1."""
+        """Free s's blocks and row; the last running sequence's block table moves into the row so
+        rows stay 0..R-1."""
+        self.cache.release(s.slot)
         last = self._running.pop()
         if last is not s:
-            self.cache.move(last.slot, s.slot, last.kv_len)
+            self.cache.move(last.slot, s.slot)
             last.slot = s.slot
             self._running[s.slot] = last
         s.slot, s.kv_len = -1, 0
@@ -495,6 +535,8 @@ class TorchEngine(Engine):
         for s in list(self._seqs.values()):
             self._emit(TokenEvent(s.seq_id, _NO_I, _NO_F, "error", self.version))
         self._seqs.clear()
+        for s in self._running:
+            self.cache.release(s.slot)
         self._running.clear()
         self._waiting.clear()
 

@@ -13,8 +13,9 @@ Processes, each on its GPU(s):
   there (added to that rank's figure), else not on a GPU.
 - rollout: vLLM takes gpu_memory_utilization of its GPU and must hold the weights (model.dtype),
   an activation headroom (an estimate: vLLM profiles it at start) and the KV cache of
-  max_running x max_model_len tokens; the torch engine holds the weights and its slot KV cache
-  (max_running x max_model_len tokens; kv_capacity_tokens only caps what it admits).
+  max_running x max_model_len tokens; the torch engine holds the weights, the lean forward's fused
+  q/k/v and gate/up copies (unless rollout.torch_forward is hf) and its paged KV pool of
+  rollout.kv_capacity_tokens positions (default max_running x max_model_len), in whole blocks.
 - a weight version: its bytes (model.dtype) and estimated times (device-to-host copy, one relay
   hop) from stated bandwidths.
 
@@ -231,19 +232,7 @@ def make_plan(cfg: LaminarConfig, hw: Hardware, config_name: str = "") -> Plan:
             rp.advice = f"the KV cache holds {fit} sequences of max_model_len; lower it"
         plan.processes.append(rp)
     elif ro.engine == "torch" and cfg.model.device.startswith("cuda"):
-        # its slot cache is max_running slots of max_model_len, whatever kv_capacity_tokens says
-        cap = ro.max_running * model_len
-        need = weights + cap * kv_token
-        rp = ProcessPlan(
-            "rollout (torch)",
-            need,
-            limit,
-            f"weights {weights / GIB:.1f} + KV {ro.max_running} slots x {model_len} tokens "
-            f"{cap * kv_token / GIB:.1f} GiB",
-        )
-        if not rp.fits:
-            rp.field, rp.advice = "rollout.max_model_len", "set it (the model's default is long)"
-        plan.processes.append(rp)
+        plan.processes.append(_torch_rollout(cfg, shape, weights, model_bytes, model_len, limit))
     # a weight version
     plan.weight_version_bytes = weights
     plan.weight_stall_s = weights / hw.d2h_bytes_per_s
@@ -255,6 +244,63 @@ def make_plan(cfg: LaminarConfig, hw: Hardware, config_name: str = "") -> Plan:
         f"~{plan.weight_hop_s:.2f} s a relay hop at {link / 1e9:.1f} GB/s (estimates)"
     )
     return plan
+
+
+def _torch_rollout(
+    cfg: LaminarConfig,
+    shape: dict[str, Any],
+    weights: int,
+    dtype_bytes: int,
+    model_len: int,
+    limit: int,
+) -> ProcessPlan:
+    """The torch engine's GPU: weights, the lean forward's fused copies, the paged KV pool, and a
+    decode step's gather of one layer's blocks (max_running rows of the longest sequence, K and V;
+    freed after each layer). SDPA's own workspace is not counted (the limit's margin)."""
+    from laminar.engines.kv_cache import BLOCK_TOKENS, pool_positions
+
+    ro = cfg.rollout
+    asked = ro.kv_capacity_tokens or ro.max_running * model_len
+    positions = pool_positions(asked)
+    kv_token = _kv_bytes_per_token(shape, dtype_bytes)
+    kv = positions * kv_token
+    fused = 0 if ro.torch_forward == "hf" else _fused_bytes(shape, dtype_bytes)
+    longest = min(pool_positions(model_len) - BLOCK_TOKENS, positions - BLOCK_TOKENS)
+    gather = ro.max_running * longest * kv_token // int(shape["num_hidden_layers"])
+    source = (
+        "rollout.kv_capacity_tokens"
+        if ro.kv_capacity_tokens
+        else f"kv_capacity_tokens unset: {ro.max_running} x {model_len}"
+    )
+    rp = ProcessPlan(
+        "rollout (torch)",
+        weights + fused + kv + gather,
+        limit,
+        f"weights {weights / GIB:.1f} + fused q/k/v, gate/up copies {fused / GIB:.1f} + KV pool "
+        f"{positions} positions ({source}) {kv / GIB:.1f} + decode gather {gather / GIB:.1f} GiB",
+    )
+    if rp.fits:
+        return rp
+    room = limit - weights - fused - gather
+    if room >= BLOCK_TOKENS * kv_token:
+        fit = room // kv_token // BLOCK_TOKENS * BLOCK_TOKENS - BLOCK_TOKENS
+        rp.field = "rollout.kv_capacity_tokens"
+        rp.advice = f"about {fit} positions fit next to the weights; set it at most that"
+    elif fused and weights < limit:
+        rp.field, rp.advice = "rollout.torch_forward", "hf (no fused weight copies)"
+    else:
+        rp.field, rp.advice = "rollout.engine", "vllm with tensor_parallel_size > 1"
+    return rp
+
+
+def _fused_bytes(shape: dict[str, Any], dtype_bytes: int) -> int:
+    """The lean forward's fused q/k/v and gate/up weights (engines/lean_forward.py): a second copy
+    of those projections."""
+    d, i, n = int(shape["hidden_size"]), int(shape["intermediate_size"]), shape["num_hidden_layers"]
+    heads = int(shape["num_attention_heads"])
+    head_dim = int(shape.get("head_dim") or d // heads)
+    kv = int(shape.get("num_key_value_heads") or heads)
+    return int(n) * (d * (heads + 2 * kv) * head_dim + 2 * d * i) * dtype_bytes
 
 
 def _param_count(shape: dict[str, Any]) -> int:
