@@ -123,7 +123,10 @@ def run_one(mode: str, n: int, seed: int, prm: BenchParams, keep: Path | None) -
             cmd += ["--work", str(keep / f"{mode}-n{n}-s{seed}")]
         t0 = time.time()
         proc = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=prm.warmup_s + prm.window_s + 300
+            cmd,
+            capture_output=True,
+            text=True,
+            timeout=prm.warmup_s + prm.window_s + prm.ready_timeout_s + 300,
         )
         if proc.returncode != 0 or not out.exists():
             raise RuntimeError(
@@ -132,6 +135,21 @@ def run_one(mode: str, n: int, seed: int, prm: BenchParams, keep: Path | None) -
         fig = json.loads(out.read_text())
         fig["wall_s"] = round(time.time() - t0, 1)
         return fig
+
+
+def trained_nothing(fig: dict[str, Any]) -> str | None:
+    """Why a run is void (no trainer step ended in its window: every ratio against it would be
+    0 or a division by zero), with what the rollouts counted; None when it trained."""
+    if fig.get("steps_in_window", 0) > 0 and fig.get("train_tok_s", 0.0) > 0:
+        return None
+    c = fig.get("rollout_counters", {})
+    agent = {k: v for k, v in c.items() if k.startswith("agent_")}
+    return (
+        f"{fig.get('mode')} N={fig.get('n')} seed={fig.get('seed')} trained nothing in its "
+        f"{fig.get('window_s')} s window (gen {fig.get('gen_tok_s', float('nan')):.0f} tok/s, "
+        f"start-up {fig.get('startup_s')} s, load {fig.get('loadavg_1m')}, agent counters "
+        f"{agent or 'none'}): the rollouts did not deliver whole batches in time"
+    )
 
 
 def merge_staleness(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -792,6 +810,8 @@ def main(argv: list[str] | None = None) -> int:
                 ):  # one retry: a run can die of the machine (e.g. a start-up timeout)
                     try:
                         fig = run_one(mode, n, seed, prm, args.keep)
+                        if (why := trained_nothing(fig)) is not None:
+                            raise RuntimeError(why)
                         break
                     except (RuntimeError, subprocess.TimeoutExpired) as exc:
                         print(
@@ -800,9 +820,9 @@ def main(argv: list[str] | None = None) -> int:
                             file=sys.stderr,
                             flush=True,
                         )
-                        fig = None
+                        fig, reason = None, str(exc)
                 if fig is None:
-                    failed.append({"n": n, "mode": mode, "seed": seed})
+                    failed.append({"n": n, "mode": mode, "seed": seed, "why": reason[-400:]})
                     continue
                 runs.setdefault((n, mode), []).append(fig)
                 print(
@@ -815,7 +835,10 @@ def main(argv: list[str] | None = None) -> int:
         n for n in ns if all(runs.get((n, m)) for m in MODES)
     ]  # a scale with a mode missing cannot compare
     if not ns:
-        raise SystemExit(f"no scale has every mode measured; failed runs: {failed}")
+        raise SystemExit(
+            "no scale has every mode measured (a ratio needs them all); failed runs:\n"
+            + "\n".join(f"  N={f['n']} {f['mode']} seed={f['seed']}: {f['why']}" for f in failed)
+        )
     machine = {
         "python": platform.python_version(),
         "platform": platform.platform(),

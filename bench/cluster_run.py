@@ -5,7 +5,7 @@
         ▼
     worker process (this file, `worker`): N RolloutNodes with sim engines, one zmq context/loop;
         samples every rollout's engine (running, KV, tokens) every `sample_s` into a series file
-    run: wait for N live rollouts (manager) ─► warm-up ─► window ─► SIGTERM worker ─► figures
+    run: wait for N serving rollouts (manager) ─► warm-up ─► window ─► SIGTERM worker ─► figures
 
 Two processes, because the 2-core budget is the point: the rollouts' event handling and the
 buffer/trainer/manager each get a core (one Python process uses one). Both measure their own
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -108,6 +109,12 @@ class BenchParams:
     the in-process SimToolEnv."""
     agent_workers: int = 1
     """Agent worker processes per rollout (agents only)."""
+    agent_startup_timeout_s: float = 600.0
+    """agent.startup_timeout_s: N rollouts start N x agent_workers processes at once, each
+    importing the client (a second of CPU each: a minute of wall clock for 64 on 2 busy cores)."""
+    ready_timeout_s: float = 600.0
+    """How long the run waits, after the N rollouts registered, for all of them to serve (engine
+    up, agent workers said hello) before the warm-up starts."""
     tool_calls_max: int = 8
     p_call: float = 0.8
     tool_latency_p50_s: float = 0.1
@@ -296,6 +303,7 @@ def episode_sections(prm: BenchParams, seed: int) -> dict[str, Any]:
         "concurrency": 4 * prm.bound_b,
         "max_calls": prm.tool_calls_max + 1,
         "episode_timeout_s": 600,
+        "startup_timeout_s": prm.agent_startup_timeout_s,
     }
     return {"agent": agent}
 
@@ -370,6 +378,38 @@ def rollout_state(node: Any, running: int, b: int) -> int:
     return 2
 
 
+def agent_workers_cpu_s(nodes: list[Any]) -> float | None:
+    """CPU seconds (user + system, since their start) of the rollouts' agent worker processes
+    alive now (None: no agents): the endpoint path's client side, which the worker's own probe
+    does not see, so a run the agents made CPU-bound says so."""
+    pids = [
+        pid
+        for n in nodes
+        if n.agents is not None and n.agents.pool is not None
+        for pid in n.agents.pool.pids()
+    ]
+    if not pids:
+        return None
+    tick, total = os.sysconf("SC_CLK_TCK"), 0
+    for pid in pids:
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(stat[11]) + int(stat[12])  # utime, stime (fields 14, 15)
+    return round(total / tick, 2)
+
+
+def kill_agent_workers(nodes: list[Any]) -> None:
+    """SIGKILL the rollouts' agent worker processes (each its own process group), which os._exit
+    would leave behind: a worker whose rollout is gone finishes its episodes elsewhere
+    (laminar/agents/worker.py), here retrying dead endpoints for agent.reconnect_timeout_s,
+    64 of them at once into the next run's start-up."""
+    for n in nodes:
+        pool = n.agents.pool if n.agents is not None else None
+        for pid in pool.pids() if pool is not None else []:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+
+
 async def worker_main(cfg_path: Path, count: int, out: Path, sample_s: float) -> None:
     import importlib
 
@@ -410,10 +450,12 @@ async def worker_main(cfg_path: Path, count: int, out: Path, sample_s: float) ->
             "weight_load_s": {"mean": load.mean, "max": load.max, "count": load.count}
             if load
             else None,
+            "agent_workers_cpu_s": agent_workers_cpu_s(nodes),
         }
         tmp = out.with_suffix(".tmp")
         tmp.write_text(json.dumps(doc))
         os.replace(tmp, out)
+        kill_agent_workers(nodes)
         # the window is over and nothing here needs a graceful stop: exit at once (as a crash
         # would) instead of draining 128 rollouts for seconds
         os._exit(0)
@@ -535,6 +577,7 @@ async def _control(
                         f"see {series_path.parent}/worker.log"
                     )
                 await asyncio.sleep(0.2)
+            await _wait_ready(manager, cluster, n, prm, worker, series_path)
             t_ready = time.time()
             probe = LoopProbe()
             probe.start()
@@ -570,6 +613,7 @@ async def _control(
             weight_load_s=w["weight_load_s"],
             rollout_counters=w["counters"],
             worker={**probe_summary(w["probe"], t0, t1), "max_rss_mb": w["max_rss_mb"]},
+            agent_workers_cpu_s=w.get("agent_workers_cpu_s"),
             manager_counters=mgr_counters,
             rollout_partials=w.get("partials", {}),
             manager_partials={
@@ -582,6 +626,28 @@ async def _control(
         )
         finish(fig)
     return fig
+
+
+async def _wait_ready(
+    manager: Any, cluster: Any, n: int, prm: BenchParams, worker: subprocess.Popen, where: Path
+) -> None:
+    """Until every rollout serves (its heartbeats no longer say starting_engine: its engine is up
+    and, with agents, its endpoint listens and its agent workers said hello): a rollout registers
+    before that, and a window opened at registration would measure start-up (with 64 rollouts'
+    agent workers importing their client, all of it)."""
+    deadline = time.monotonic() + prm.ready_timeout_s
+    while True:
+        peers = manager._live("rollout")
+        serving = [p for p in peers if p.status is not None and not p.status.state]
+        if len(serving) >= n:
+            return
+        cluster.check()
+        if worker.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(
+                f"{len(serving)} of {n} rollouts serving after {prm.ready_timeout_s:g} s "
+                f"(ready_timeout_s; worker rc={worker.poll()}), see {where.parent}/worker.log"
+            )
+        await asyncio.sleep(0.2)  # heartbeats carry the state: poll them
 
 
 def figures(

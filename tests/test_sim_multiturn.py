@@ -383,3 +383,68 @@ def test_emulated_multiturn_run(tmp_path):
         and counters["env_tokens"] > 0
         and counters["episode_finish_stop"] > 0
     )
+
+
+def test_a_run_that_trained_nothing_is_void_with_its_reason():
+    """bench/cluster.py refuses a run with no trainer step in its window (every ratio against it
+    would be 0 or a division by zero) and says what the rollouts counted."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from cluster import trained_nothing
+
+    fig = {"mode": "sync", "n": 64, "seed": 0, "window_s": 18.0, "steps_in_window": 0}
+    fig |= {"train_tok_s": 0.0, "startup_s": 40.0, "loadavg_1m": {"start": 1.0, "end": 2.0}}
+    fig["rollout_counters"] = {"agent_calls": 10, "agent_failure_timeout": 3, "tool_calls": 2}
+    why = trained_nothing(fig)
+    assert why is not None and "sync N=64 seed=0 trained nothing" in why
+    assert "agent_failure_timeout" in why and "tool_calls" not in why
+    assert trained_nothing({**fig, "steps_in_window": 2, "train_tok_s": 900.0}) is None
+
+
+class _Status:
+    def __init__(self, state: str):
+        self.state = state
+
+
+class _Peer:
+    def __init__(self, state: str | None):
+        self.status = None if state is None else _Status(state)
+
+
+def test_the_window_waits_until_every_rollout_serves():
+    """Registered is not serving: a rollout whose engine or agent workers are still starting
+    says starting_engine in its beats, and the bench's warm-up starts only when none does."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from cluster_run import BenchParams, _wait_ready
+
+    class Manager:
+        polls = 0
+
+        def _live(self, role):
+            self.polls += 1
+            late = "starting_engine" if self.polls < 4 else ""
+            return [_Peer(""), _Peer(None if self.polls < 2 else late)]
+
+    class Cluster:
+        def check(self):
+            pass
+
+    class Worker:
+        def poll(self):
+            return None
+
+    m = Manager()
+    asyncio.run(_wait_ready(m, Cluster(), 2, BenchParams(), Worker(), Path("/tmp/x/w.json")))
+    assert m.polls == 4
+    never = Manager()
+    never.polls = -(10**9)
+    with pytest.raises(RuntimeError, match="1 of 2 rollouts serving after 0.3 s"):
+        asyncio.run(
+            _wait_ready(
+                never,
+                Cluster(),
+                2,
+                BenchParams(ready_timeout_s=0.3),
+                Worker(),
+                Path("/tmp/x/w.json"),
+            )
+        )
