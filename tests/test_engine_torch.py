@@ -468,3 +468,27 @@ async def test_a_sequence_outgrowing_the_whole_pool_ends_with_length(tiny, engin
     # a prompt that cannot fit even alone is refused at submit
     res = await eng.generate_all(GenRequest("huge", np.arange(4, 30) % 30 + 4, short), timeout=T)
     assert res["huge/0"][2] == "error"
+
+
+async def test_contiguous_rows_by_default_and_both_layouts_agree(engine_factory):
+    """A pool that covers every row at max_model_len (the default) gives each row a fixed
+    contiguous range, read as a slice; one position short it is paged (gathered). The long tail
+    (rows leave and are moved, mixed positions, masks) ends with the same tokens and logprobs."""
+    dense = await engine_factory(max_running=4, max_model_len=256, block_tokens=4)
+    paged = await engine_factory(
+        max_running=4, max_model_len=256, block_tokens=4, kv_capacity_tokens=4 * 256 - 1
+    )
+    assert dense.cache.contiguous and not paged.cache.contiguous
+    assert dense.cache.table[1, 0] == 1 + 256 // 4  # row 1's range follows row 0's
+
+    def req(i: int, n: int) -> GenRequest:
+        sp = SamplingParams(1.0, 0.9, max_tokens=n, seed=9, ignore_eos=True)
+        return GenRequest(f"c{i}", np.array(PROMPTS[i % 5]), sp, single=True)
+
+    reqs = [req(i, n) for i, n in enumerate(LONG_TAIL)]
+    a = await asyncio.gather(*(dense.generate_all(r, timeout=30) for r in reqs))
+    b = await asyncio.gather(*(paged.generate_all(r, timeout=30) for r in reqs))
+    for r, x, y in zip(reqs, a, b, strict=True):
+        assert x[r.req_id][0].tolist() == y[r.req_id][0].tolist()
+        np.testing.assert_allclose(x[r.req_id][1], y[r.req_id][1], atol=1e-5, rtol=0)
+    assert dense.cache.free_blocks == dense.cache.blocks == 4 * 256 // 4

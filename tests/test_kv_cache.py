@@ -7,6 +7,7 @@ its blocks, and a step's write rows and decode block table follow the tables.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from laminar.engines.kv_cache import PagedKVCache
@@ -72,3 +73,42 @@ def test_step_layout_follows_the_block_tables():
     lay = c.step_layout([], [(2, 1, 3)])  # a segment continuing a 1-position prefix
     assert lay.write_rows.tolist() == [6 * 4 + 1, 6 * 4 + 2, 6 * 4 + 3]
     assert lay.segments[0].blocks.tolist() == [6] and lay.decode_blocks.numel() == 0
+
+
+def test_contiguous_rows_own_fixed_ranges_and_a_move_copies_the_positions():
+    c = PagedKVCache(
+        1,
+        blocks=9,
+        rows=3,
+        max_len=10,
+        kv_heads=2,
+        head_dim=4,
+        dtype=torch.float32,
+        device="cpu",
+        block_tokens=4,
+        contiguous=True,
+    )
+    assert c.blocks == 9 and c.table.tolist() == [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    assert c.reserve(0, 5) and c.reserve(2, 6) and not c.reserve(2, 13)
+    assert c.free_blocks == 5 and _blocks(c, 2) == [7, 8]
+    lay = c.step_layout([4, 1, 5], [])
+    assert lay.write_rows.tolist() == [2 * 4, 4 * 4 + 1, 8 * 4 + 1] and lay.decode_cols == 6
+    with torch.inference_mode():
+        c.k[0][7:9] = torch.arange(2 * 4 * 2 * 4, dtype=torch.float32).view(2, 4, 2, 4)
+    c.release(1)
+    c.move(2, 1)  # row 2's positions are copied into row 1's range
+    assert torch.equal(c.k[0][4:6], c.k[0][7:9]) and c.held[1] == 2 and c.held[2] == 0
+    assert c.free_blocks == 5  # the same 4 blocks held, now by rows 0 and 1
+    with pytest.raises(ValueError, match="contiguous"):
+        PagedKVCache(
+            1,
+            blocks=8,
+            rows=3,
+            max_len=10,
+            kv_heads=2,
+            head_dim=4,
+            dtype=torch.float32,
+            device="cpu",
+            contiguous=True,
+            block_tokens=4,
+        )

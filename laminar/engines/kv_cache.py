@@ -25,15 +25,20 @@ no stale value reaches a softmax). Each engine row (a running sequence; rows 0..
 sequence's row is refilled by moving the last one's block table in, a few ints) has a block
 table, a row of `table` (numpy, host side). A sequence takes blocks as it grows and returns
 them all when it leaves, so long-tailed batches share the pool: memory follows the tokens
-held, not the longest sequence allowed.
+held, not the longest sequence allowed. When the pool covers every row at max_len (the default:
+kv_capacity_tokens unset) the layout is contiguous instead: row r owns the fixed blocks
+[1 + r x M, 1 + (r + 1) x M), M = ceil(max_len / block_tokens), so decode reads rows 0..d-1 as
+one slice of the pool (no gather, as fast as a dense slot cache) and a moved row's positions are
+copied.
 
 A packed step holds `n_decode` one-token decode queries followed by prefill segments (one
 sequence each, tokens [start, start+len)). Every token's key/value is written with one
 index_copy_ per layer to its flat pool row (block x block_tokens + offset), computed once per
-step (StepLayout.write_rows). Decode attention gathers each decode row's blocks with one
-index_select (the padded (d, blocks x block_tokens) view SDPA reads, masked past each row's
-position); a prefill segment from position 0 attends to its own new keys (causal SDPA), one that
-continues a cached prefix gathers its blocks.
+step (StepLayout.write_rows). Decode attention reads each decode row's first max(pos) + 1
+positions, a view of the pool (contiguous) or gathered with one index_select of its blocks
+(paged), masked past each row's position (no mask when every row is at the same one); a prefill
+segment from position 0 attends to its own new keys (causal SDPA), one that continues a cached
+prefix reads its row's positions (a view, or gathered).
 """
 
 from __future__ import annotations
@@ -56,10 +61,23 @@ BLOCK_TOKENS = 16
 _local = threading.local()
 
 
-def pool_positions(capacity_tokens: int, block_tokens: int = BLOCK_TOKENS) -> int:
-    """Positions a pool for `capacity_tokens` allocates per layer: whole blocks, + the null block
-    (what laminar plan counts)."""
-    return (-(-capacity_tokens // block_tokens) + 1) * block_tokens
+def pool_blocks(
+    capacity_tokens: int, rows: int = 0, max_len: int = 0, block_tokens: int = BLOCK_TOKENS
+) -> tuple[int, bool]:
+    """(blocks, contiguous) of the pool for `capacity_tokens` positions: when they cover every
+    row at max_len (the default, kv_capacity_tokens unset) each row owns a fixed contiguous range
+    of ceil(max_len / block_tokens) blocks, else the blocks are shared (paged)."""
+    if rows and capacity_tokens >= rows * max_len:
+        return rows * -(-max_len // block_tokens), True
+    return -(-capacity_tokens // block_tokens), False
+
+
+def pool_positions(
+    capacity_tokens: int, rows: int = 0, max_len: int = 0, block_tokens: int = BLOCK_TOKENS
+) -> int:
+    """Positions a pool for `capacity_tokens` allocates per layer (pool_blocks): whole blocks, +
+    the null block (what laminar plan counts)."""
+    return (pool_blocks(capacity_tokens, rows, max_len, block_tokens)[0] + 1) * block_tokens
 
 
 @dataclass
@@ -70,6 +88,8 @@ class Segment:
     length: int
     blocks: torch.Tensor
     """(ceil((start + length) / block_tokens),) long: its block table, read when start > 0."""
+    first: int = -1
+    """Contiguous layout: its row's first block (its blocks are first, first + 1, ...), else -1."""
 
 
 @dataclass
@@ -80,7 +100,12 @@ class StepLayout:
     decode_pos: torch.Tensor
     """(n_decode,) long: write position (= current length) of each decode query."""
     decode_blocks: torch.Tensor
-    """(n_decode * nb,) long: each decode row's first nb block ids (null-padded), row-major."""
+    """(n_decode * nb,) long: each decode row's first nb block ids (null-padded), row-major; empty
+    in the contiguous layout (rows 0..n_decode-1 are one slice of the pool)."""
+    decode_cols: int
+    """max(decode_pos) + 1: the cache columns decode attention reads."""
+    decode_masked: bool
+    """False when every decode row is at the same position (every column read is visible)."""
     write_rows: torch.Tensor
     """(T,) long: the flat pool row (block * block_tokens + offset) each token's key/value goes
     to, decode tokens first, then the segments in order."""
@@ -109,9 +134,21 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: torch.device | str,
         block_tokens: int = BLOCK_TOKENS,
+        contiguous: bool = False,
     ) -> None:
         if blocks < 1 or rows < 1 or block_tokens < 1:
             raise ValueError(f"a KV cache needs blocks, rows, block_tokens >= 1: {blocks=} {rows=}")
+        per_row = -(-max_len // block_tokens)
+        if contiguous and blocks < rows * per_row:
+            raise ValueError(
+                f"a contiguous KV cache needs rows x ceil(max_len / block_tokens) = "
+                f"{rows * per_row} blocks, got {blocks}"
+            )
+        self.contiguous = contiguous
+        """Row r owns blocks [1 + r * M, 1 + (r + 1) * M) (M = table width): decode reads rows
+        0..d-1 as one slice of the pool, no gather; a moved row's positions are copied."""
+        if contiguous:
+            blocks = rows * per_row
         self.blocks, self.block_tokens = blocks, block_tokens
         self.kv_heads, self.head_dim = kv_heads, head_dim
         self.device = torch.device(device)
@@ -123,12 +160,17 @@ class PagedKVCache:
         # the same pools as (rows, kv_heads, head_dim): one index_copy_ writes a step's tokens
         self.k_flat = [k.view(-1, kv_heads, head_dim) for k in self.k]
         self.v_flat = [v.view(-1, kv_heads, head_dim) for v in self.v]
-        self.table = np.zeros((rows, min(blocks, -(-max_len // block_tokens))), np.int64)
-        """Block table of each row: block ids in position order, 0 past its last block."""
+        self.table = np.zeros((rows, min(blocks, per_row)), np.int64)
+        """Block table of each row: block ids in position order, 0 past its last block (the
+        contiguous layout: its fixed range, whole)."""
+        if contiguous:
+            self.table[:] = 1 + np.arange(rows * per_row).reshape(rows, per_row)
         self.held = [0] * rows
         """Blocks each row holds (its table's filled prefix)."""
         # a stack, lowest id on top: a fresh cache hands out 1, 2, 3 ... (easy to read in tests)
-        self._free = list(range(blocks, 0, -1))
+        self._free = [] if contiguous else list(range(blocks, 0, -1))
+        self._taken = 0
+        """Blocks the rows hold (the contiguous layout's count; the paged one reads _free)."""
         self.layout: StepLayout | None = None
 
     @classmethod
@@ -141,16 +183,18 @@ class PagedKVCache:
         max_len: int,
         block_tokens: int = BLOCK_TOKENS,
     ) -> PagedKVCache:
-        """The pool for `capacity_tokens` positions (rounded up to whole blocks) of `model`'s
-        layers, in its parameters' dtype and device."""
+        """The pool for `capacity_tokens` positions (rounded up to whole blocks; pool_blocks) of
+        `model`'s layers, in its parameters' dtype and device: contiguous rows when it covers
+        every row at max_len."""
         cfg = text_config(model)
         heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
         p = next(model.parameters())
+        blocks, contiguous = pool_blocks(capacity_tokens, rows, max_len, block_tokens)
         return cls(
             cfg.num_hidden_layers,
-            blocks=-(-capacity_tokens // block_tokens),
+            blocks=blocks,
             rows=rows,
             max_len=max_len,
             kv_heads=kv_heads,
@@ -158,6 +202,7 @@ class PagedKVCache:
             dtype=p.dtype,
             device=p.device,
             block_tokens=block_tokens,
+            contiguous=contiguous,
         )
 
     # ---- blocks ------------------------------------------------------------------------
@@ -168,7 +213,7 @@ class PagedKVCache:
 
     @property
     def free_blocks(self) -> int:
-        return len(self._free)
+        return self.blocks - self._taken if self.contiguous else len(self._free)
 
     @property
     def nbytes(self) -> int:
@@ -185,8 +230,12 @@ class PagedKVCache:
         want = self.blocks_for(tokens)
         if want <= have:
             return True
-        if want > self.table.shape[1] or want - have > len(self._free):
+        if want > self.table.shape[1] or want - have > self.free_blocks:
             return False
+        if self.contiguous:  # its own range: the blocks are already in its table
+            self._taken += want - have
+            self.held[row] = want
+            return True
         for i in range(have, want):
             self.table[row, i] = self._free.pop()
         self.held[row] = want
@@ -195,13 +244,24 @@ class PagedKVCache:
     def release(self, row: int) -> None:
         """Return row's blocks to the pool."""
         n = self.held[row]
+        self.held[row] = 0
+        if self.contiguous:
+            self._taken -= n
+            return
         self._free.extend(self.table[row, :n][::-1].tolist())
         self.table[row, :n] = 0
-        self.held[row] = 0
 
     def move(self, src: int, dst: int) -> None:
-        """Row src's blocks become row dst's (dst released first); src is left empty."""
+        """Row src's blocks become row dst's (dst released first); src is left empty. The
+        contiguous layout copies src's positions into dst's range (what the slot cache did)."""
         n = self.held[src]
+        if self.contiguous:
+            a, b = int(self.table[src, 0]), int(self.table[dst, 0])
+            with torch.inference_mode():
+                for pool in self.k + self.v:
+                    pool[b : b + n] = pool[a : a + n]
+            self.held[dst], self.held[src] = n, 0
+            return
         self.table[dst] = 0
         self.table[dst, :n] = self.table[src, :n]
         self.held[dst] = n
@@ -218,7 +278,8 @@ class PagedKVCache:
         bt, dev = self.block_tokens, self.device
         d = len(decode_pos)
         pos = np.asarray(decode_pos, np.int64)
-        nb = self.blocks_for(int(pos.max()) + 1) if d else 0
+        cols = int(pos.max()) + 1 if d else 0
+        nb = self.blocks_for(cols)
         tables = self.table[:d, :nb]
         rows = [tables[np.arange(d), pos // bt] * bt + pos % bt]
         segments = []
@@ -226,12 +287,15 @@ class PagedKVCache:
             blocks = self.table[row, : self.blocks_for(start + n)]
             at = np.arange(start, start + n)
             rows.append(blocks[at // bt] * bt + at % bt)
-            segments.append(Segment(start, n, torch.tensor(blocks, device=dev)))
+            first = int(blocks[0]) if self.contiguous else -1
+            segments.append(Segment(start, n, torch.tensor(blocks, device=dev), first))
         # copies (torch.tensor), never views of the tables the scheduler goes on editing
         return StepLayout(
             d,
             torch.tensor(pos, device=dev),
-            torch.tensor(tables.reshape(-1), device=dev),
+            torch.tensor(tables.reshape(-1)[: 0 if self.contiguous else None], device=dev),
+            cols,
+            bool(d) and int(pos.min()) + 1 < cols,
             torch.tensor(np.concatenate(rows), device=dev),
             segments,
         )
@@ -260,6 +324,17 @@ class PagedKVCache:
         shape = (n, -1, self.kv_heads, self.head_dim)
         k = self.k[layer].index_select(0, blocks).view(shape).transpose(1, 2)
         v = self.v[layer].index_select(0, blocks).view(shape).transpose(1, 2)
+        return k, v
+
+    def rows_view(
+        self, layer: int, first: int, n: int, cols: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Contiguous layout: the first `cols` positions of the `n` rows whose blocks start at
+        block `first`, as (n, KV, cols, D) views of the pools (nothing copied)."""
+        m = self.table.shape[1]
+        shape = (n, m * self.block_tokens, self.kv_heads, self.head_dim)
+        k = self.k[layer][first : first + n * m].view(shape)[:, :cols].transpose(1, 2)
+        v = self.v[layer][first : first + n * m].view(shape)[:, :cols].transpose(1, 2)
         return k, v
 
 
@@ -316,7 +391,10 @@ def attend(
             )
         else:
             total = seg.start + n
-            k, v = cache.gather(layer, seg.blocks, 1)
+            if seg.first >= 0:
+                k, v = cache.rows_view(layer, seg.first, 1, total)
+            else:
+                k, v = cache.gather(layer, seg.blocks, 1)
             qpos = torch.arange(seg.start, total, device=query.device)
             mask = torch.arange(total, device=query.device)[None, :] <= qpos[:, None]
             o = F.scaled_dot_product_attention(
@@ -347,16 +425,21 @@ def _decode(
     cache: PagedKVCache, layer: int, query: torch.Tensor, scaling: float | None
 ) -> torch.Tensor:
     """The decode queries of a step, token-major (d, H, D), their keys and values already written:
-    one query per row over its blocks, masked past its position."""
+    one query per row over its first decode_cols positions (a slice of the pool in the contiguous
+    layout, its gathered blocks in the paged one), masked past its position."""
     lay = cache.layout
     assert lay is not None
-    d = lay.n_decode
-    k, v = cache.gather(layer, lay.decode_blocks, d)
+    d, cols = lay.n_decode, lay.decode_cols
+    if cache.contiguous:
+        k, v = cache.rows_view(layer, 1, d, cols)
+    else:
+        k, v = cache.gather(layer, lay.decode_blocks, d)
+        k, v = k[:, :, :cols], v[:, :, :cols]
     o = F.scaled_dot_product_attention(
         query.unsqueeze(2),
         k,
         v,
-        attn_mask=lay.decode_mask(k.shape[2]),
+        attn_mask=lay.decode_mask(cols) if lay.decode_masked else None,
         scale=scaling,
         enable_gqa=True,
     )

@@ -261,7 +261,7 @@ def _torch_rollout(
 
     ro = cfg.rollout
     asked = ro.kv_capacity_tokens or ro.max_running * model_len
-    positions = pool_positions(asked)
+    positions = pool_positions(asked, ro.max_running, model_len)
     kv_token = _kv_bytes_per_token(shape, dtype_bytes)
     kv = positions * kv_token
     fused = 0 if ro.torch_forward == "hf" else _fused_bytes(shape, dtype_bytes)
