@@ -52,7 +52,7 @@ import time
 import warnings
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -96,6 +96,7 @@ from laminar.weights.sink import FlatSink, VersionSink, bytes_of
 
 _ids = itertools.count()
 MAX_REDIRECTS = 4  # NotMaster hops followed per push before giving up
+T = TypeVar("T")
 
 
 class WeightsUnavailable(RuntimeError):
@@ -256,61 +257,29 @@ class WeightPusher(_End):
         t0 = time.perf_counter()
         items = named_list(named_tensors)
         layout = layout_of(items)
-        timeout = self.links.request_timeout_s
-        last: Exception | None = None
-        failures = redirects = 0
-        while True:
-            try:
-                cli = await self._client()
-                stage = StageRequest(version=version, layout=layout, takeover=self._takeover)
-                reply = await cli.request(stage, timeout=timeout, retries=0)
-                if isinstance(reply, NotMaster):  # the relay names the master: push there
-                    if redirects >= MAX_REDIRECTS:
-                        raise WeightsUnavailable(
-                            f"push of version {version}: still redirected after {redirects} hops"
-                        )
-                    redirects += 1
-                    self.set_master(self.links.relay(reply.master))
-                    continue
-                if not isinstance(reply, StageReply):
-                    raise WeightsUnavailable(
-                        f"unexpected reply {type(reply).__name__} to StageRequest"
-                    )
-                t1 = time.perf_counter()
-                if self._same_host(reply):
-                    self.mode = "shm"
-                    await asyncio.to_thread(self._copy_into, reply, items, layout)
-                else:
-                    self.mode = "stream"
-                    await self._stream(cli, reply, items, layout, version)
-                t2 = time.perf_counter()
-                commit = CommitRequest(version=version, token=reply.token)
-                await cli.request(commit, timeout=timeout, retries=0)
-                self.timings = {
-                    "stage_s": t1 - t0,
-                    "copy_s": t2 - t1,
-                    "commit_s": time.perf_counter() - t2,
-                }
-                self.pushes += 1
-                self._takeover = False
-                self.last_stall_s = time.perf_counter() - t0
-                return self.last_stall_s
-            except RemoteError as exc:
-                if exc.code in ("stale_version", "protocol", "out_of_slots"):
-                    raise
-                last = exc
-            except (RequestTimeout, PeerDead) as exc:
-                last = exc
-            failures += 1
-            if failures >= 3:
-                break
-            self.log.warning(
-                "push_failed", version=version, endpoint=self.endpoint, error=str(last)
-            )
-            if not await self._master_alive():
-                await self._failover()
-                self._takeover = True
-        raise WeightsUnavailable(f"push of version {version} failed: {last}")
+
+        async def fill_and_commit(cli: RpcClient, reply: StageReply) -> float:
+            t1 = time.perf_counter()
+            if self._same_host(reply):
+                self.mode = "shm"
+                await asyncio.to_thread(self._copy_into, reply, items, layout)
+            else:
+                self.mode = "stream"
+                await self._stream(cli, reply, items, layout, version)
+            t2 = time.perf_counter()
+            commit = CommitRequest(version=version, token=reply.token)
+            await cli.request(commit, timeout=self.links.request_timeout_s, retries=0)
+            self.timings = {
+                "stage_s": t1 - t0,
+                "copy_s": t2 - t1,
+                "commit_s": time.perf_counter() - t2,
+            }
+            self.pushes += 1
+            self._takeover = False
+            self.last_stall_s = time.perf_counter() - t0
+            return self.last_stall_s
+
+        return await self._at_master(version, layout, "push", fill_and_commit)
 
     def _same_host(self, reply: StageReply) -> bool:
         if not reply.segment or reply.host != socket.gethostname():
@@ -390,6 +359,22 @@ class WeightPusher(_End):
 
     async def _stage(self, version: int, layout: WeightLayout) -> tuple[RpcClient, StageReply]:
         """A StageReply from the master relay (following NotMaster, failing over as `push`)."""
+
+        async def staged(cli: RpcClient, reply: StageReply) -> tuple[RpcClient, StageReply]:
+            return cli, reply
+
+        return await self._at_master(version, layout, "staging", staged)
+
+    async def _at_master(
+        self,
+        version: int,
+        layout: WeightLayout,
+        what: str,
+        then: Callable[[RpcClient, StageReply], Awaitable[T]],
+    ) -> T:
+        """Stage `version` at the master relay (following NotMaster), then `then(cli, reply)`; a
+        timeout, a dead peer or a retryable RemoteError in either retries the whole attempt, up
+        to 3 failures, failing over to a new master when this one is dead."""
         timeout = self.links.request_timeout_s
         last: Exception | None = None
         failures = redirects = 0
@@ -398,7 +383,7 @@ class WeightPusher(_End):
                 cli = await self._client()
                 stage = StageRequest(version=version, layout=layout, takeover=self._takeover)
                 reply = await cli.request(stage, timeout=timeout, retries=0)
-                if isinstance(reply, NotMaster):
+                if isinstance(reply, NotMaster):  # the relay names the master: push there
                     if redirects >= MAX_REDIRECTS:
                         raise WeightsUnavailable(
                             f"push of version {version}: still redirected after {redirects} hops"
@@ -410,7 +395,7 @@ class WeightPusher(_End):
                     raise WeightsUnavailable(
                         f"unexpected reply {type(reply).__name__} to StageRequest"
                     )
-                return cli, reply
+                return await then(cli, reply)
             except RemoteError as exc:
                 if exc.code in ("stale_version", "protocol", "out_of_slots"):
                     raise
@@ -419,7 +404,7 @@ class WeightPusher(_End):
                 last = exc
             failures += 1
             if failures >= 3:
-                raise WeightsUnavailable(f"staging of version {version} failed: {last}")
+                raise WeightsUnavailable(f"{what} of version {version} failed: {last}")
             self.log.warning(
                 "push_failed", version=version, endpoint=self.endpoint, error=str(last)
             )
