@@ -399,7 +399,7 @@ def stage_run(dry: bool) -> dict[str, Any]:
     import tempfile
 
     dev = "cuda" if _cuda(dry) else "cpu"
-    steps = 3 if dry else 20
+    steps = 5 if dry else 20  # dry: enough versions for the broadcast group to form and carry one
     # CPU has no CUDA IPC: the dry run exercises the other GPU path (nccl, on gloo) instead
     paths = ["nccl", "relay"] if dev == "cpu" else ["cuda_ipc", "relay"]
     if dry:
