@@ -11,6 +11,7 @@ it loads its first version: what a faulty load path would leave behind.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -128,9 +129,16 @@ async def test_a_corrupted_parameter_is_caught_quarantined_reloaded_and_counted(
         # first on a busy machine): the count must reach its status
         await wait_for(lambda: r0.gate.mismatches >= 1, 60, "the mismatch counted", cluster)
         status = r0.status()
-        served_now = weights_digest(engine.served_weights())
-        latest = r0.gate.version
-        want_latest = await book.digest(latest)
+        # after the reload it serves the trainer's digest of its version; read the pair only
+        # while no load is under way (a load in flight changes the weights before the version)
+        latest, served_now, want_latest = -1, "", "x"
+        for _ in range(600):  # <= 60 s: the rollout may still be loading the trainer's last push
+            latest = r0.gate.version
+            want_latest = await book.digest(latest)
+            served_now = weights_digest(engine.served_weights())
+            if served_now == want_latest and r0.gate.version == latest:
+                break
+            await asyncio.sleep(0.1)  # polling under the bound above
 
     assert expected and len(expected) == 32
     bad = [t for t in sent if t.version == target and t.weights_digest != expected]
