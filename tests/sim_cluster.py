@@ -18,6 +18,19 @@ from typing import Any
 
 from laminar.config import LaminarConfig, config_from_dict
 
+PROCESS_FAULT_TRANSPORT: dict[str, Any] = {
+    "heartbeat_interval_s": 0.25,
+    "heartbeat_liveness": 8,
+    "request_timeout_s": 2.0,
+    "startup_timeout_s": 90.0,
+    "stop_timeout_s": 3.0,
+    "reconnect_backoff_s": 0.05,
+    "reconnect_backoff_max_s": 0.5,
+}
+"""Transport settings of the fault tests that kill real node processes (test_faults,
+test_multiturn_faults, test_agent_faults): fast death detection, a start-up bound for a loaded
+box."""
+
 
 def write_prompts(path: Path, n: int) -> Path:
     path.write_text("".join(json.dumps({"prompt": f"prompt {i:05d}"}) + "\n" for i in range(n)))

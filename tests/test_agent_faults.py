@@ -39,7 +39,7 @@ import pytest
 import yaml
 
 from laminar.config import load_config
-from tests.sim_cluster import read_jsonl, write_prompts
+from tests.sim_cluster import PROCESS_FAULT_TRANSPORT, read_jsonl, write_prompts
 
 PROMPTS = 6
 GROUP = 2
@@ -62,15 +62,7 @@ class Procs:
                 "ipc_dir": str(ipc_dir),
                 "roles": {"manager": 1, "buffer": 1, "relay": 0, "trainer": 1, "rollout": 2},
             },
-            "transport": {
-                "heartbeat_interval_s": 0.25,
-                "heartbeat_liveness": 8,
-                "request_timeout_s": 2.0,
-                "startup_timeout_s": 90.0,
-                "stop_timeout_s": 3.0,
-                "reconnect_backoff_s": 0.05,
-                "reconnect_backoff_max_s": 0.5,
-            },
+            "transport": dict(PROCESS_FAULT_TRANSPORT),
             "data": {
                 "train": str(write_prompts(tmp / "prompts.jsonl", PROMPTS)),
                 "epochs": 1,
