@@ -24,7 +24,7 @@ from pydantic import ValidationError
 
 from laminar.config import RewardConfig, config_from_dict
 from laminar.manager.moves import Repacker
-from laminar.manager.placement import Placer
+from laminar.manager.placement import ORPHAN, Placer
 from laminar.manager.repack import Move
 from laminar.metrics import Metrics
 from laminar.protocol.buffer import (
@@ -36,6 +36,7 @@ from laminar.protocol.buffer import (
 from laminar.protocol.core import NodeStatus
 from laminar.protocol.data import PartialChunk, PartialTrajectory
 from laminar.protocol.rollout import (
+    VERSION_MISMATCH,
     ExportReply,
     ExportRequest,
     ImportReply,
@@ -44,7 +45,7 @@ from laminar.protocol.rollout import (
 )
 from laminar.rollout.outbox import Outbox
 from laminar.transport.session import Ack
-from laminar.transport.sockets import Peer
+from laminar.transport.sockets import Peer, RemoteError
 from tests import test_buffer_node
 from tests.test_buffer_node import N, batch, finished, prompts, stats
 
@@ -319,7 +320,10 @@ class _Server:
 
     async def request(self, node_id: str, msg: object, timeout: float | None = None) -> object:
         self.sent.append((node_id, msg))
-        return self.replies[type(msg)]
+        reply = self.replies[type(msg)]
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
 
 
 def _repacker(
@@ -392,6 +396,21 @@ async def test_an_export_answered_with_more_than_asked_moves_only_what_was_asked
     imports = [m for _, m in srv.sent if isinstance(m, ImportRequest)]
     assert out["moved"] == 1 and [p.uid for m in imports for p in m.partials] == ["g/0"]
     assert metrics.counters["move_export_unasked"] == 2
+
+
+async def test_a_rollout_that_answered_version_mismatch_is_usable_again_on_its_next_status():
+    def status() -> NodeStatus:
+        return NodeStatus(node_id="rollout-0", role="rollout", version=0, running=1, inflight=1)
+
+    replies = {ImportRequest: RemoteError(VERSION_MISMATCH, "refreshed")}
+    rep, metrics = _repacker([status()], bound=64, replies=replies)
+    placer, peer = rep.placer, rep.srv.peers["rollout-0"]
+    assert await placer.place([_partial("g/0")], trainer_version=0) == {ORPHAN: 1}
+    assert metrics.counters["import_version_mismatch"] == 1 and not placer.usable(peer)
+    for _ in range(20):  # each beat brings a new status; a freed one's id() is often reused
+        peer.status = None
+        peer.status = status()
+        assert placer.usable(peer)
 
 
 class _Client:

@@ -66,8 +66,9 @@ class Repacker:
         """KV use of each rollout at the previous round: rising KV means it is not draining."""
         self.claims: Counter[str] = Counter()
         """Rollout id -> statuses of it whose claims were clamped or left out."""
-        self._judged: dict[str, int] = {}
-        """Rollout id -> id() of the status last judged (each status is counted once)."""
+        self._judged: dict[str, object] = {}
+        """Rollout id -> the status last judged (each status is counted once; the object, as a freed
+        status's id() is reused)."""
 
     def _claim_problem(self, s: NodeStatus) -> str:
         """What is out of bounds in a status ("" when nothing): the counts and KV it claims."""
@@ -87,8 +88,8 @@ class Repacker:
             if s is None or s.version < 0 or not self.placer.usable(p):
                 continue
             problem = self._claim_problem(s)
-            if problem and self._judged.get(p.node_id) != id(s):
-                self._judged[p.node_id] = id(s)
+            if problem and self._judged.get(p.node_id) is not s:
+                self._judged[p.node_id] = s
                 self.claims[p.node_id] += 1
                 self.metrics.count(f"status_claims_{problem}")
                 self.log.warning(

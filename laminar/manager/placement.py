@@ -73,16 +73,16 @@ class Placer:
         self.request_timeout_s = request_timeout_s
         self.metrics, self.log = metrics, log
         self.orphans: list[PartialTrajectory] = []
-        self.stale: dict[str, int] = {}
-        """rollout id -> id() of the status it had when it answered version_mismatch: skipped until
-        a new one."""
+        self.stale: dict[str, object] = {}
+        """rollout id -> the status it had when it answered version_mismatch: skipped until a new
+        one. The object itself, not its id(): a freed status's id() is reused by the next one."""
 
     def live(self) -> list[Peer]:
         return [p for p in self.srv.peers.values() if p.alive and p.role == "rollout"]
 
     def usable(self, p: Peer) -> bool:
         """A rollout whose last status is not known to be stale (it answered version_mismatch)."""
-        return p.status is not None and self.stale.get(p.node_id) != id(p.status)
+        return p.status is not None and self.stale.get(p.node_id) is not p.status
 
     def take_orphans(self) -> list[PartialTrajectory]:
         orphans, self.orphans = self.orphans, []
@@ -145,7 +145,7 @@ class Placer:
             if (
                 exc.code == VERSION_MISMATCH
             ):  # refreshed since its last beat: skip it until the next one
-                self.stale[peer.node_id] = id(peer.status)
+                self.stale[peer.node_id] = peer.status
                 self.metrics.count("import_version_mismatch")
             else:
                 self.log.warning("import_failed", dest=peer.node_id, error=str(exc))
