@@ -94,6 +94,18 @@ async def wait_for(cond: Any, timeout: float, what: str, cluster: LocalCluster) 
         await asyncio.sleep(0.02)  # poll of a condition with no event of its own, under a deadline
 
 
+async def manager_sees(cluster: LocalCluster, rollout: str) -> None:
+    """Until the manager has a status of the rollout holding weights (version 0), placement
+    cannot choose it."""
+    peers = cluster.node("manager-0").srv.peers
+
+    def seen() -> bool:
+        status = peers[rollout].status if rollout in peers else None
+        return status is not None and status.version >= 0
+
+    await wait_for(seen, 30, f"the manager's status of {rollout} with weights", cluster)
+
+
 def capture(rollout: Any) -> list[Trajectory]:
     """Every trajectory the rollout delivers (scored), as it hands it to its outbox."""
     got: list[Trajectory] = []
@@ -471,6 +483,7 @@ async def test_a_repack_move_mid_call_resumes_the_call_on_the_other_rollout(
         r0 = await cluster.add("rollout", 0, engine=e0)
         r1 = await cluster.add("rollout", 1, engine=e1)
         trajs0, trajs1 = capture(r0), capture(r1)
+        await manager_sees(cluster, "rollout-1")  # else the move's one destination is its source
 
         def held() -> list[str]:
             return [
@@ -547,6 +560,7 @@ async def test_moved_episodes_whose_version_is_gone_start_again_from_the_prompt_
         r0 = await cluster.add("rollout", 0, engine=ScriptEngine(tok, hold=60.0, hold_at=1))
         r1 = await cluster.add("rollout", 1, engine=ScriptEngine(tok))
         trajs1 = capture(r1)
+        await manager_sees(cluster, "rollout-1")
         calls = lambda: sum(1 for s in r0.table.seqs.values() if s.length)  # noqa: E731
         await wait_for(lambda: calls() == 4, 60, "every first call in flight", cluster)
         mgr = cluster.node("manager-0")
@@ -554,7 +568,7 @@ async def test_moved_episodes_whose_version_is_gone_start_again_from_the_prompt_
         assert isinstance(exp, ExportReply) and len(exp.partials) == 4
         for p in exp.partials:
             p.version += 7  # a version no live rollout serves
-        placed = await mgr.placer.place(exp.partials, 0)
+        placed = await mgr.placer.place(exp.partials, 0, source="rollout-0")
         assert placed == {"rollout-1": 4}, placed
         assert mgr.metrics.counters["restarted_from_prompt"] == 4
         buffer = cluster.node("buffer-0")

@@ -15,8 +15,9 @@ is repeated on the rollout that imported it, and the episode's result goes there
 (the rollout left or died) lets the running episodes finish within their time limit, then the
 process ends. Episodes are asyncio tasks of one
 loop, so an agent that blocks the loop (CPU work, a blocking call) holds up the others of its
-process: such agents want agent.concurrency 1 and more workers. The first frame is the hello:
-{pid} or {pid, error} when `fn` cannot be loaded. A thread reads the pipe (blocking reads of
+process: such agents want agent.concurrency 1 and more workers. The first frame is the hello,
+sent once `fn` and the client's libraries are imported (`warm_imports`): {pid}, or {pid, error}
+when `fn` cannot be loaded. A thread reads the pipe (blocking reads of
 the framing in laminar/subprocess_pool.py); the loop writes replies. stdout goes to stderr, so
 the user's prints cannot corrupt the stream.
 """
@@ -24,6 +25,7 @@ the user's prints cannot corrupt the stream.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import os
@@ -157,10 +159,22 @@ async def serve(fn: Any, proto_in: int, proto_out: int) -> None:
     await asyncio.gather(*(t for t, _ in list(tasks.values())), return_exceptions=True)
 
 
+def warm_imports() -> None:
+    """Import the client's libraries before the hello (~1 s of CPU for openai), so a rollout's
+    first episodes do not each wait for it, and a host starting many workers pays it during
+    start-up, not while it serves. Without the `agents` extra this does nothing: each episode
+    fails, counted."""
+    with contextlib.suppress(ImportError):
+        import openai  # noqa: F401
+
+        import laminar.agents.failover  # noqa: F401
+
+
 def main() -> None:
     proto_in, proto_out = protocol_fds(stdout_to=2)
     try:
         fn = load_agent(sys.argv[1])
+        warm_imports()
     except Exception as exc:
         write_frame(proto_out, {"pid": os.getpid(), "error": f"{type(exc).__name__}: {exc}"})
         return

@@ -10,7 +10,8 @@ The manager's view of versions comes from heartbeats and may be a beat old: a de
 that refreshed meanwhile answers version_mismatch, is marked stale until its next status,
 and the partials try the next rollout of that version (at most PLACE_TRIES in all, the
 source last). Only when no live rollout holds the version does a trajectory restart from
-its prompt at another version (its generated tokens are lost); partials that nobody took
+its prompt at another version, on the least loaded rollout of the newest (the source last
+again; its generated tokens are lost); partials that nobody took
 are kept as orphans and placed again by the recovery loop.
 
 Before partials are imported on a rollout, the buffer is told (SamplesPlaced): it takes those
@@ -178,7 +179,7 @@ class Placer:
                         dest = peer.node_id
                         break
                 if dest is None:
-                    dest = await self._restart_elsewhere(items)
+                    dest = await self._restart_elsewhere(items, source)
             except _BufferAway:  # imported nowhere: kept, placed again once the buffer answers
                 dest = None
             if dest is None:
@@ -187,11 +188,22 @@ class Placer:
             placed[dest] += len(items)
         return dict(placed)
 
-    async def _restart_elsewhere(self, items: list[PartialTrajectory]) -> str | None:
+    async def _restart_elsewhere(
+        self, items: list[PartialTrajectory], source: str | None
+    ) -> str | None:
         """No live rollout holds their version: start them over, from the prompt, on the least
-        loaded rollout of the newest version (their generated tokens are lost)."""
+        loaded rollout of the newest version, the source of a move last among those (their
+        generated tokens are lost)."""
         live = [(p, p.status) for p in self.live() if p.status is not None and self.usable(p)]
-        live.sort(key=lambda ps: (-ps[1].version, ps[1].running, ps[1].kv_use, ps[0].node_id))
+        live.sort(
+            key=lambda ps: (
+                -ps[1].version,
+                ps[0].node_id == source,
+                ps[1].running,
+                ps[1].kv_use,
+                ps[0].node_id,
+            )
+        )
         for peer, status in live[:PLACE_TRIES]:
             if await self._import(peer, [restart(p, status.version) for p in items]):
                 self.metrics.count("restarted_from_prompt", len(items))
