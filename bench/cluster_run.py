@@ -107,11 +107,17 @@ class BenchParams:
     """multiturn only: the episodes are driven by a black-box agent through each rollout's
     OpenAI-compatible endpoint (laminar.agents.sim:sim_tool_agent, the same draws) instead of
     the in-process SimToolEnv."""
-    agent_workers: int = 1
-    """Agent worker processes per rollout (agents only)."""
+    agent_workers: int = 4
+    """Agent worker processes (agents only): shared by the N rollouts of the worker process
+    (agent.shared_workers), as one host's agents would be; per rollout when agent_shared is
+    off."""
+    agent_shared: bool = True
+    """agent.shared_workers. Off: N x agent_workers processes, each importing the client (a
+    second of CPU each) and running its own loop: at N = 64 on 2 cores they, not the control
+    plane, were what the run measured."""
     agent_startup_timeout_s: float = 600.0
-    """agent.startup_timeout_s: N rollouts start N x agent_workers processes at once, each
-    importing the client (a second of CPU each: a minute of wall clock for 64 on 2 busy cores)."""
+    """agent.startup_timeout_s: the workers import the client before their hello (a second of
+    CPU each: a minute of wall clock for 64 unshared ones on 2 busy cores)."""
     ready_timeout_s: float = 600.0
     """How long the run waits, after the N rollouts registered, for all of them to serve (engine
     up, agent workers said hello) before the warm-up starts."""
@@ -282,13 +288,13 @@ def make_config(mode: str, n: int, seed: int, prm: BenchParams, work: Path, ipc_
                 },
                 "timeline_interval_s": float(os.environ.get("LCB_TIMELINE", 0)),
             },
-            **episode_sections(prm, seed),
+            **episode_sections(prm, seed, n),
             "logging": {"level": "warning"},
         }
     )
 
 
-def episode_sections(prm: BenchParams, seed: int) -> dict[str, Any]:
+def episode_sections(prm: BenchParams, seed: int, n: int) -> dict[str, Any]:
     """{"env": ...} (in-process environments), or with prm.agents {"agent": ...}: the same
     episodes from an agent through the endpoint."""
     env = env_section(prm, seed)
@@ -300,7 +306,9 @@ def episode_sections(prm: BenchParams, seed: int) -> dict[str, Any]:
         "fn": "laminar.agents.sim:sim_tool_agent",
         "kwargs": env["kwargs"],
         "workers": prm.agent_workers,
-        "concurrency": 4 * prm.bound_b,
+        "shared_workers": prm.agent_shared,
+        # room for every episode a rollout holds (4B: running, waiting on tools, refilling)
+        "concurrency": 4 * prm.bound_b * (-(-n // prm.agent_workers) if prm.agent_shared else 1),
         "max_calls": prm.tool_calls_max + 1,
         "episode_timeout_s": 600,
         "startup_timeout_s": prm.agent_startup_timeout_s,
@@ -382,12 +390,12 @@ def agent_workers_cpu_s(nodes: list[Any]) -> float | None:
     """CPU seconds (user + system, since their start) of the rollouts' agent worker processes
     alive now (None: no agents): the endpoint path's client side, which the worker's own probe
     does not see, so a run the agents made CPU-bound says so."""
-    pids = [
+    pids = {  # a shared pool (agent.shared_workers) is listed by every rollout
         pid
         for n in nodes
         if n.agents is not None and n.agents.pool is not None
         for pid in n.agents.pool.pids()
-    ]
+    }
     if not pids:
         return None
     tick, total = os.sysconf("SC_CLK_TCK"), 0

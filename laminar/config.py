@@ -453,10 +453,14 @@ class AgentConfig(Section):
     """Episodes wait for agents running elsewhere to claim them over HTTP (docs/agents.md), instead
     of (or besides) local workers running `fn`."""
     workers: int = Field(2, ge=1)
-    """Agent worker processes per rollout."""
+    """Agent worker processes per rollout (with `shared_workers`: per process)."""
     concurrency: int = Field(16, ge=1)
     """Episodes one worker process runs at once (asyncio tasks): a rollout runs at most
     workers x concurrency local episodes."""
+    shared_workers: bool = False
+    """The rollouts of one process share one pool of `workers` agent workers (an embedded
+    LocalCluster, or many sim rollouts per process as in bench/cluster.py); size `concurrency`
+    for all of their episodes. False: each rollout starts its own."""
     episode_timeout_s: float = Field(300.0, gt=0)
     """Wall clock per attempt of an episode (the agent's loop, its calls included); past it the
     worker is killed and the episode fails."""

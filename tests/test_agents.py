@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -643,6 +644,46 @@ async def test_the_readme_agent_example_runs_as_written(tmp_path, tiny, monkeypa
     assert any(t.reward == 1.0 for t in trajs) and any(t.reward == 0.0 for t in trajs)
 
 
+async def test_rollouts_of_one_process_share_one_agent_pool(tmp_path, tiny, agent_files):
+    """agent.shared_workers: two rollouts in one process run their episodes on one pool of
+    agent.workers processes; a rollout that stops leaves it serving the other; the last one
+    closes it (its workers exit)."""
+    cfg = make_cfg(
+        tmp_path,
+        tiny,
+        "agent-shared",
+        rows=8,
+        agent={"workers": 2, "concurrency": 8, "shared_workers": True},
+    )
+    tok = load_prompt_tokenizer(tiny, chat_template=True)
+    async with LocalCluster(cfg) as cluster:
+        r0 = await cluster.add("rollout", 0, engine=ScriptEngine(tok))
+        r1 = await cluster.add("rollout", 1, engine=ScriptEngine(tok))
+        trajs0, trajs1 = capture(r0), capture(r1)
+        pool = r0.agents.pool
+        assert pool is not None and r1.agents.pool is pool
+        pids = pool.pids()
+        assert len(pids) == 2
+        await wait_for(lambda: trajs0 and trajs1, 60, "trajectories from both rollouts", cluster)
+        await cluster.stop_node("rollout-0")
+        assert pool.pids() == pids  # still rollout-1's
+        before = len(trajs1)
+        await wait_for(lambda: len(trajs1) > before, 60, "rollout-1 going on alone", cluster)
+    deadline = time.monotonic() + 20
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)  # poll of process exits, under a deadline
+    assert not [p for p in pids if _alive(p)], "the shared pool outlived its last rollout"
+    assert all(t.reward in (0.0, 1.0) for t in trajs0 + trajs1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def test_agent_workers_leave_with_a_killed_rollout(tmp_path):
     """kill -9 of the process holding the agent pool, episodes in flight: its agent workers (own
     sessions) see their pipe close, finish their episodes (their calls' server died with it, and
@@ -650,7 +691,6 @@ def test_agent_workers_leave_with_a_killed_rollout(tmp_path):
     import signal
     import subprocess
     import sys
-    import time
 
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.agent_fakes"],
@@ -666,17 +706,10 @@ def test_agent_workers_leave_with_a_killed_rollout(tmp_path):
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
 
-    def alive(pid: int) -> bool:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
-
     deadline = time.monotonic() + 20
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)  # poll of process exits, under a deadline
-    left = [p for p in pids if alive(p)]
+    left = [p for p in pids if _alive(p)]
     for p in left:  # (only on failure) ours to stop
         os.kill(p, signal.SIGKILL)
     assert not left, f"agent workers outlived their rollout: {left}"

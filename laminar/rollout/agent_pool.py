@@ -12,6 +12,16 @@
 A request goes to the live worker with the fewest episodes; a semaphore bounds the episodes
 in flight to workers x concurrency (the rest wait their turn here). Workers are started with
 laminar/subprocess_pool.py's `Worker.start` (hello, PYTHONPATH, own session, killed as a group).
+
+    pool = await shared_pool(spec, workers=4, concurrency=256, hello_timeout_s=60, log=...)
+    ...                                                 # every rollout of this process: one pool
+    await release_shared(pool)                          # the last user closes it
+
+agent.shared_workers: the rollouts of one process (an embedded LocalCluster, the emulated
+cluster bench's many sim rollouts) share one pool, so a host runs agent.workers processes, not
+that many per rollout. A request carries its rollout's endpoint, so any worker serves any
+rollout's episodes; the shared pool's reader tasks belong to the pool (its own Supervisor), not
+to the rollout that happened to start it first.
 """
 
 from __future__ import annotations
@@ -24,7 +34,7 @@ from typing import Any
 import msgspec
 
 from laminar.subprocess_pool import Worker, WorkerLost, WorkerTimeout, frame
-from laminar.supervise import Spawn
+from laminar.supervise import Spawn, Supervisor
 
 
 class _Slot:
@@ -151,3 +161,63 @@ class AgentPool:
         self._closed = True
         slots, self.slots = list(self.slots), []
         await asyncio.gather(*(s.worker.close(2.0) for s in slots), return_exceptions=True)
+
+
+class _Shared:
+    def __init__(self, pool: AgentPool, tasks: Supervisor):
+        self.pool, self.tasks = pool, tasks
+        self.users = 0
+        self.started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+
+_SHARED: dict[tuple[str, int, int, int], _Shared] = {}
+"""(spec, workers, concurrency, id of the event loop) -> the pool its rollouts share."""
+
+
+async def shared_pool(
+    spec: str, *, workers: int, concurrency: int, hello_timeout_s: float, log: Any
+) -> AgentPool:
+    """This process's pool for `spec` (started by the first caller, the others wait for it);
+    each call is one user, to be given back with `release_shared`."""
+    key = (spec, workers, concurrency, id(asyncio.get_running_loop()))
+    entry = _SHARED.get(key)
+    if entry is None:
+        tasks = Supervisor("agent-pool")
+        pool = AgentPool(
+            spec,
+            workers=workers,
+            concurrency=concurrency,
+            hello_timeout_s=hello_timeout_s,
+            spawn=tasks.spawn,
+            log=log,
+        )
+        entry = _SHARED[key] = _Shared(pool, tasks)
+        try:
+            await pool.start()
+        except BaseException as exc:
+            del _SHARED[key]
+            entry.started.set_exception(exc)
+            entry.started.exception()  # retrieved: the waiters get it too
+            await _close(entry)
+            raise
+        entry.started.set_result(None)
+    else:
+        await asyncio.shield(entry.started)
+    entry.users += 1
+    return entry.pool
+
+
+async def release_shared(pool: AgentPool) -> None:
+    """One user less; the last one closes the pool (its workers, its reader tasks)."""
+    for key, entry in list(_SHARED.items()):
+        if entry.pool is pool:
+            entry.users -= 1
+            if entry.users <= 0:
+                del _SHARED[key]
+                await _close(entry)
+            return
+
+
+async def _close(entry: _Shared) -> None:
+    await entry.pool.close()
+    await entry.tasks.cancel_all()

@@ -71,7 +71,7 @@ from laminar.config import AgentConfig
 from laminar.engines.base import Engine, GenRequest, SamplingParams
 from laminar.metrics import Metrics
 from laminar.rewards.runner import RewardResult, normalize_reward
-from laminar.rollout.agent_pool import AgentPool
+from laminar.rollout.agent_pool import AgentPool, release_shared, shared_pool
 from laminar.rollout.deliver import Deliverer
 from laminar.rollout.sequences import SequenceTable
 from laminar.rollout.tracking import Growable, SeqState
@@ -186,10 +186,15 @@ class AgentDriver:
             tmp.replace(d / self.s.node_id)
         if not self.cfg.fn:
             return
+        sizes = {"workers": self.cfg.workers, "concurrency": self.cfg.concurrency}
+        if self.cfg.shared_workers:  # one pool for every rollout of this process
+            self.pool = await shared_pool(
+                self.cfg.fn, **sizes, hello_timeout_s=self.cfg.startup_timeout_s, log=self.log
+            )
+            return
         self.pool = AgentPool(
             self.cfg.fn,
-            workers=self.cfg.workers,
-            concurrency=self.cfg.concurrency,
+            **sizes,
             hello_timeout_s=self.cfg.startup_timeout_s,
             spawn=self.spawn,
             log=self.log,
@@ -200,7 +205,8 @@ class AgentDriver:
         if self.s.endpoints_dir:
             (Path(self.s.endpoints_dir) / self.s.node_id).unlink(missing_ok=True)
         if self.pool is not None:
-            await self.pool.close()
+            pool = self.pool
+            await (release_shared(pool) if self.cfg.shared_workers else pool.close())
 
     # ---- from the table (feeder) and the node -------------------------------------------------
     def start(self, seqs: list[SeqState]) -> None:
