@@ -115,6 +115,11 @@ class BenchParams:
     """agent.shared_workers. Off: N x agent_workers processes, each importing the client (a
     second of CPU each) and running its own loop: at N = 64 on 2 cores they, not the control
     plane, were what the run measured."""
+    agent_client_call: str = "post"
+    """How the sim agent calls the endpoint (laminar/agents/sim.py): "post" skips the openai
+    client's per-call parameter transform (~2.5 ms of CPU a call on this box's 2 cores, shared
+    with the 64 rollouts; a real agent's client runs on its own host), "create" is the full
+    `chat.completions.create` path."""
     agent_startup_timeout_s: float = 600.0
     """agent.startup_timeout_s: the workers import the client before their hello (a second of
     CPU each: a minute of wall clock for 64 unshared ones on 2 busy cores)."""
@@ -304,7 +309,7 @@ def episode_sections(prm: BenchParams, seed: int, n: int) -> dict[str, Any]:
         raise ValueError("agents=true needs workload multiturn")
     agent = {
         "fn": "laminar.agents.sim:sim_tool_agent",
-        "kwargs": env["kwargs"],
+        "kwargs": {**env["kwargs"], "client_call": prm.agent_client_call},
         "workers": prm.agent_workers,
         "shared_workers": prm.agent_shared,
         # room for every episode a rollout holds (4B: running, waiting on tools, refilling)

@@ -25,7 +25,7 @@ from laminar.engines.base import GenRequest, SamplingParams
 from laminar.engines.sim import SimEngine, target_length
 from laminar.envs.base import StepContext
 from laminar.envs.loader import load_env
-from laminar.envs.sim import SimToolEnv
+from laminar.envs.sim import SimToolEnv, _unit
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = np.arange(4, 14, dtype=np.int32)
@@ -448,3 +448,91 @@ def test_the_window_waits_until_every_rollout_serves():
                 Path("/tmp/x/w.json"),
             )
         )
+
+
+def test_emulated_multiturn_run_through_agents(tmp_path):
+    """The same workload driven by laminar.agents.sim:sim_tool_agent through each rollout's
+    OpenAI endpoint, the rollouts of the run's worker process sharing one agent pool."""
+    out = tmp_path / "fig.json"
+    params = {
+        "workload": "multiturn",
+        "length_p50": 50,
+        "warmup_s": 3,
+        "window_s": 6,
+        "agents": True,
+        "agent_workers": 2,
+    }
+    cmd = [sys.executable, str(ROOT / "bench" / "cluster_run.py"), "run", "--mode", "laminar"]
+    cmd += ["--n", "4", "--params", json.dumps(params), "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    fig = json.loads(out.read_text())
+    assert fig["steps_in_window"] >= 1 and fig["train_tok_s"] > 0
+    counters = fig["rollout_counters"]
+    assert counters["agent_calls"] > 0 and counters["agent_finish_stop"] > 0
+    # an episode past its token budget ends "length" (its agent's next call is refused): the
+    # only failures allowed
+    assert counters.get("agent_failures", 0) == counters.get("agent_finish_length", 0), counters
+    assert fig["agent_workers_cpu_s"] is not None
+
+
+class _FakeClient:
+    """What sim_tool_agent uses of an openai.AsyncOpenAI, recording each request's messages."""
+
+    def __init__(self, uid: str):
+        self.uid, self.sent = uid, []
+        self.chat = self
+        self.completions = self
+
+    def _answer(self, messages):
+        from openai.types.chat import ChatCompletion
+
+        self.sent.append([dict(m) for m in messages])
+        turn = len(self.sent) - 1
+        return ChatCompletion.model_validate(
+            {
+                "id": f"chatcmpl-{self.uid}-0-{turn}",
+                "object": "chat.completion",
+                "created": 0,
+                "model": "sim",
+                "choices": [
+                    {
+                        "index": 0,
+                        "finish_reason": "stop",
+                        "message": {"role": "assistant", "content": f"turn {turn}"},
+                    }
+                ],
+            }
+        )
+
+    async def create(self, model, messages):
+        return self._answer(messages)
+
+    async def post(self, path, body, cast_to):
+        assert path == "/chat/completions" and body["model"] == "sim"
+        return self._answer(body["messages"])
+
+
+@pytest.mark.parametrize("client_call", ["create", "post"])
+async def test_the_sim_agent_makes_sim_tool_envs_episode(client_call):
+    """One call per model turn (the env's tool calls + 1), tool outputs of the env's drawn
+    lengths (n - 2 bytes: n tokens with the newlines around them), the env's reward; both ways
+    of calling send the same conversation."""
+    from laminar.agents.sim import sim_tool_agent
+    from laminar.envs.base import call_id
+
+    kw = {"seed": 3, "p_call": 0.9, "latency_p50_s": 0.001, "latency_p99_s": 0.002}
+    kw |= {"obs_min": 10, "obs_max": 40}
+    env = SimToolEnv(**kw)
+    uid = next(f"g/{i}" for i in range(50) if env.tool_calls(f"g/{i}") >= 2)
+    client = _FakeClient(uid)
+    reward = await sim_tool_agent({"prompt": "p"}, client, client_call=client_call, **kw)
+    calls = env.tool_calls(uid)
+    assert len(client.sent) == calls + 1
+    last = client.sent[-1]
+    outputs = [m["content"] for m in last[2::2]]
+    assert [len(o) + 2 for o in outputs] == [
+        len(env.observation_ids(call_id(uid, t, 0))) for t in range(calls)
+    ]
+    assert [m["content"] for m in last[1::2]] == [f"turn {t}" for t in range(calls)]
+    assert reward == _unit("reward", 3, uid)  # the env's, for this episode
