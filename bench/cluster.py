@@ -67,7 +67,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from cluster_run import MODES, MULTITURN, BenchParams, make_config  # noqa: E402
+from cluster_run import MODES, MULTITURN, BenchParams, dilate, make_config  # noqa: E402
 
 SIM_SEEDS = 20
 """Seeds of the simulator per point in the cross-check (at least; more at small N, see
@@ -757,6 +757,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="multiturn episodes from a black-box agent through each rollout's OpenAI endpoint",
     )
+    ap.add_argument(
+        "--time-scale",
+        type=float,
+        default=None,
+        help="run the workload k times slower in every time constant (cluster_run.dilate; "
+        "default 3 with --agents, whose clients share the host's cores, else 1)",
+    )
     ap.add_argument("--keep", type=Path, default=None, help="keep every run's directory here")
     ap.add_argument(
         "--resim",
@@ -792,6 +799,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.agents:
         prm = replace(prm, agents=True)
     prm = replace(prm, **json.loads(args.params))
+    time_scale = args.time_scale if args.time_scale is not None else (3.0 if args.agents else 1.0)
+    prm = dilate(prm, time_scale)
     t_start = time.time()
     load0 = os.getloadavg()
     runs: dict[tuple[int, str], list[dict[str, Any]]] = {}
@@ -852,6 +861,7 @@ def main(argv: list[str] | None = None) -> int:
         "modes": list(MODES),
         "repeats": repeats,
         "params": asdict(prm),
+        "time_scale": time_scale,
         "seeds": list(range(repeats)),
     }
     doc = analyse(prm, ns, repeats, runs, failed, config, machine, git_commit(), t_start)

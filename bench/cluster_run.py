@@ -41,7 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +140,33 @@ class BenchParams:
     def from_dict(cls, d: dict[str, Any]) -> BenchParams:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
+
+
+TIMED = (
+    "step_time_s",
+    "trainer_s_per_token_x_n",
+    "repack_interval_s",
+    "warmup_s",
+    "window_s",
+    "sample_s",
+    "tool_latency_p50_s",
+    "tool_latency_p99_s",
+    "tool_latency_max_s",
+)
+"""The workload's time constants: `dilate` scales them together (the control plane's own
+heartbeats and timeouts stay as they are)."""
+
+
+def dilate(prm: BenchParams, k: float) -> BenchParams:
+    """The same workload k times slower: every time constant of the emulated cluster (decode
+    step, trainer time, tool latencies, repack period) and the run's windows x k, so each mode's
+    shape (steps per tool call, per repack round, per trainer step) is unchanged while the host's
+    CPU has k times longer per emulated step. bench/cluster.py --agents uses k = 3: 15 ms decode
+    steps (a 7B GPU's, where 5 ms compressed it ~10x), because the agents' clients, which in a
+    deployment run on the rollouts' own hosts, share this box's 2 cores with 64 rollouts."""
+    if k == 1:
+        return prm
+    return replace(prm, **{f: getattr(prm, f) * k for f in TIMED})
 
 
 MULTITURN: dict[str, Any] = {"workload": "multiturn", "length_p50": 50}

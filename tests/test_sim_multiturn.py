@@ -14,7 +14,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -348,6 +348,29 @@ def test_params_from_config_reads_the_sim_tool_env():
     assert math.isfinite(
         sim.simulate("laminar", params=p, warmup_steps=1, measure_steps=2)["throughput_tok_s"]
     )
+
+
+def test_a_dilated_workload_is_the_same_workload_slower():
+    """bench/cluster.py --time-scale k: every time constant x k, nothing else; the simulator
+    then gives each mode 1/k of the throughput, so the ratios between modes stay."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from cluster_run import MULTITURN, TIMED, BenchParams, dilate, make_config
+
+    prm = replace(BenchParams(), **MULTITURN)
+    slow = dilate(prm, 3.0)
+    for f in fields(BenchParams):
+        want = getattr(prm, f.name) * 3.0 if f.name in TIMED else getattr(prm, f.name)
+        assert getattr(slow, f.name) == pytest.approx(want), f.name
+    tput = {}
+    for k, p in ((1, prm), (3, slow)):
+        cfg = make_config("laminar", 8, 0, p, Path("/tmp/lam-h6-unused"), Path("/tmp"))
+        sp = sim.params_from_config(cfg, 8)
+        for mode in ("laminar", "sync"):
+            out = sim.simulate(mode, params=sp, seed=0, warmup_steps=2, measure_steps=6)
+            tput[(k, mode)] = out["throughput_tok_s"]
+    assert tput[(3, "laminar")] == pytest.approx(tput[(1, "laminar")] / 3, rel=0.1)
+    ratio = {k: tput[(k, "laminar")] / tput[(k, "sync")] for k in (1, 3)}
+    assert ratio[3] == pytest.approx(ratio[1], rel=0.1), ratio
 
 
 @pytest.mark.slow
