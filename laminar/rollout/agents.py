@@ -65,6 +65,7 @@ from typing import Any
 import numpy as np
 import structlog
 
+from laminar.agents import MOVED_TO
 from laminar.agents.render import BadMessages, ChatRenderer, canonical
 from laminar.agents.resume import match_record
 from laminar.config import AgentConfig
@@ -83,10 +84,17 @@ class ApiError(Exception):
     """An HTTP error in the OpenAI error shape: {"error": {message, type, param, code}}."""
 
     def __init__(
-        self, status: int, message: str, code: str, kind: str = "invalid_request_error"
+        self,
+        status: int,
+        message: str,
+        code: str,
+        kind: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.code, self.kind = status, message, code, kind
+        self.headers = headers or {}
+        """Extra response headers (a moved episode's `Laminar-Moved-To`)."""
 
     def body(self) -> dict[str, Any]:
         return {
@@ -168,9 +176,10 @@ class AgentDriver:
         self.by_token: dict[str, AgentEpisode] = {}
         self.claims: asyncio.Queue[AgentEpisode] = asyncio.Queue()
         self.pool: AgentPool | None = None
-        self.moved: dict[str, float] = {}
+        self.moved: dict[str, tuple[float, str]] = {}
         """Tokens of episodes exported from here (their calls answer 421 episode_moved), with
-        when; forgotten after agent.reconnect_timeout_s."""
+        when and the rollout the manager meant to import them on ("" unknown); forgotten after
+        agent.reconnect_timeout_s."""
         self.base_url = ""
         """Set once the HTTP server listens (http://host:port/v1)."""
         self.delivered = 0
@@ -234,20 +243,24 @@ class AgentDriver:
         self.table.set_waiting(seq, True)
         self.spawn(self._await_agent(ep, token, self.cfg.reconnect_timeout_s), "agent-episode")
 
-    def release(self, uids: list[str]) -> None:
+    def release(self, uids: list[str], dest: str = "") -> None:
         """These episodes were exported (a repack move): their agents go on with the rollout that
         imports them. A call in flight here answers 421 `episode_moved` (so do later ones), and the
-        agent's client repeats it there."""
+        agent's client repeats it there. `dest`: the rollout the manager means to import them on
+        (ExportRequest.dest; placement may still choose another): the 421 names it in its
+        `Laminar-Moved-To` header, so the client asks there first instead of every rollout."""
         now = time.monotonic()
-        for tok, t in list(self.moved.items()):
+        for tok, (t, _) in list(self.moved.items()):
             if now - t > self.cfg.reconnect_timeout_s:
                 del self.moved[tok]
+        if dest == self.s.node_id:
+            dest = ""
         for uid in uids:
             ep = self.by_uid.pop(uid, None)
             if ep is None:
                 continue
             self.by_token.pop(ep.token, None)
-            self.moved[ep.token] = now
+            self.moved[ep.token] = (now, dest)
             self.metrics.count("agent_moved_out")
             if ep.pending is not None and not ep.pending.done():
                 ep.pending.set_result("moved")
@@ -444,7 +457,7 @@ class AgentDriver:
     def _episode(self, token: str) -> AgentEpisode:
         ep = self.by_token.get(token)
         if ep is None and token in self.moved:
-            raise _moved()
+            raise self._moved(token)
         if ep is not None:
             ep.touched = True
         if ep is None:
@@ -679,7 +692,7 @@ class AgentDriver:
         finally:
             ep.pending = None
         if reason == "moved":
-            raise _moved()
+            raise self._moved(token)
         if not self._current(ep, token) or reason not in ("stop", "length"):
             raise ApiError(409, f"the episode ended or started again ({reason})", "episode_closed")
         # the turn goes to the partial pool before the agent sees it, so a resume elsewhere finds
@@ -729,6 +742,20 @@ class AgentDriver:
         ep.tools_key, ep.calls, ep.after_eot, seq.turn = key, got.calls, got.after_eot, got.turn
         return got.new, got.keep
 
+    def _moved(self, token: str) -> ApiError:
+        """421 for an exported episode's call; it names the rollout meant to import it, when
+        known (counted: `agent_moved_hinted`)."""
+        dest = self.moved[token][1] if token in self.moved else ""
+        if dest:
+            self.metrics.count("agent_moved_hinted")
+        return ApiError(
+            421,
+            "this episode moved to another rollout: repeat the call on the one that holds it "
+            f"({'likely ' + dest + '; ' if dest else ''}run_dir/agents/endpoints lists them)",
+            "episode_moved",
+            headers={MOVED_TO: dest} if dest else None,
+        )
+
     def _logprobs(self, ids: np.ndarray, lps: np.ndarray) -> list[dict[str, Any]]:
         out = []
         for i, lp in zip(ids.tolist(), lps.tolist(), strict=True):
@@ -746,15 +773,6 @@ class AgentDriver:
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
         }
-
-
-def _moved() -> ApiError:
-    return ApiError(
-        421,
-        "this episode moved to another rollout: repeat the call on the one that holds it "
-        "(run_dir/agents/endpoints lists them)",
-        "episode_moved",
-    )
 
 
 class _OneCall:
