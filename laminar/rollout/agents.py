@@ -42,7 +42,9 @@ the sample is delivered with finish_reason "length" and reward.fn scores it.
 Moves (repack, a dead rollout's recovery): the agent follows its episode. The episode's token
 travels in its partial (`SeqState.agent_token` -> PartialTrajectory.agent_token), and each
 call's turn is flushed to the partial pool before the answer goes out. Exported here
-(`release`): the episode's calls answer 421 episode_moved (a call in flight too). Imported here
+(`release`): the episode's calls answer 421 episode_moved (a call in flight too), naming the
+rollout the manager means to import it on (header `Laminar-Moved-To`, from ExportRequest.dest;
+`agent_moved_hinted`), so the client asks there first instead of every rollout. Imported here
 (`adopt`): the episode waits for its agent (`_await_agent`, like a remote one); the agent's
 client (laminar/agents/failover.py) repeats its call here, and `_resume` matches it against the
 recorded tokens: the answers before the move are kept, the call in flight continues after its
