@@ -464,7 +464,12 @@ async def test_a_repack_move_mid_call_resumes_the_call_on_the_other_rollout(
     rollout-1, which continues the turn after the recorded tokens; the agent sees one normal
     answer. Every sample once; each trajectory holds the first call's tokens and the second's
     (rollout-0's 2, then rollout-1's) exactly as the engines made them; each tool call id ran
-    once."""
+    once. The 421s name rollout-1 (`Laminar-Moved-To`), so the agents' clients ask it alone: a
+    decoy endpoint listed first in run_dir/agents/endpoints (answering 401, as a rollout without
+    the episode) is asked by fewer searches than there were (each search without the hint asks
+    it in its first round)."""
+    from aiohttp import web
+
     from laminar.manager.repack import Move
 
     cfg = make_cfg(
@@ -484,6 +489,19 @@ async def test_a_repack_move_mid_call_resumes_the_call_on_the_other_rollout(
         r0 = await cluster.add("rollout", 0, engine=e0)
         r1 = await cluster.add("rollout", 1, engine=e1)
         trajs0, trajs1 = capture(r0), capture(r1)
+        decoy_hits: list[str] = []
+
+        async def decoy(request: web.Request) -> web.Response:
+            decoy_hits.append(request.path)
+            return web.json_response({"error": {"code": "invalid_api_key"}}, status=401)
+
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", decoy)
+        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        endpoints = Path(r0.agents.s.endpoints_dir)
+        (endpoints / "a-decoy").write_text(f"http://127.0.0.1:{runner.addresses[0][1]}/v1")
         await manager_sees(cluster, "rollout-1")  # else the move's one destination is its source
 
         def held() -> list[str]:
@@ -509,8 +527,14 @@ async def test_a_repack_move_mid_call_resumes_the_call_on_the_other_rollout(
 
         await wait_for(lambda: len(stored()) == want, 60, f"{want} trajectories", cluster)
         c0, c1 = dict(r0.metrics.counters), dict(r1.metrics.counters)
+        await runner.cleanup()
     done = stored()
     assert len(trajs0) + len(trajs1) == want and len({t.uid for t in trajs0 + trajs1}) == want
+    # every 421 named rollout-1; each was a search (a call in flight, or a later call or close
+    # sent to rollout-0), and the hinted searches left the decoy (almost always) alone
+    searches = c0.get("agent_http_error_episode_moved", 0)
+    assert searches >= len(moving) and c0.get("agent_moved_hinted") == searches, c0
+    assert len(decoy_hits) < searches, (decoy_hits, searches)
     assert {t.uid for t in trajs1} == moving and c0.get("agent_moved_out") == len(moving)
     assert c1.get("agent_moved_in") == len(moving) and c1.get("agent_calls_resumed", 0) >= len(hard)
     for c in (c0, c1):

@@ -395,6 +395,8 @@ async def test_an_export_answered_with_more_than_asked_moves_only_what_was_asked
     srv: _Server = rep.srv  # type: ignore[assignment]
     imports = [m for _, m in srv.sent if isinstance(m, ImportRequest)]
     assert out["moved"] == 1 and [p.uid for m in imports for p in m.partials] == ["g/0"]
+    # the export names the destination: the agents of moved episodes look there first
+    assert [m.dest for _, m in srv.sent if isinstance(m, ExportRequest)] == ["rollout-1"]
     assert metrics.counters["move_export_unasked"] == 2
 
 

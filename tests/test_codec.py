@@ -325,6 +325,18 @@ def test_encode_refuses_what_cannot_travel() -> None:
     assert decode(frames_of(Ping(payload="ok"))) == Ping(payload="ok")  # the packer recovered
 
 
+def test_an_added_optional_field_decodes_from_a_message_without_it() -> None:
+    """ExportRequest.dest came later: an empty one is not sent, and a message without it (an
+    older manager's) decodes with it empty; a set one round-trips."""
+    from laminar.protocol.rollout import ExportRequest
+
+    old = frames_of(ExportRequest(uids=["g/0"]))
+    assert "dest" not in _header(old)
+    assert decode(old) == ExportRequest(uids=["g/0"], dest="")
+    new = ExportRequest(uids=["g/0"], dest="rollout-3")
+    assert _header(frames_of(new))["dest"] == "rollout-3" and decode(frames_of(new)) == new
+
+
 # ---- clear rejections -------------------------------------------------------------------------
 
 

@@ -6,16 +6,31 @@
     call ──► the rollout it last reached ──► answer (most calls)
                  │ 421 episode_moved (a repack move), or the connection drops (the rollout died)
                  ▼
-             every endpoint in endpoints_dir (run_dir/agents/endpoints: one file per rollout,
-             its URL), again with backoff, until one answers other than 401 / 421: the rollout
-             that imported the episode. It resumes the same call from the recorded tokens
-             (laminar/rollout/agents.py `_resume`), so the agent's call only takes longer.
+             the search, in rounds with backoff, until a rollout answers other than 401 / 421:
+             the one that imported the episode. It resumes the same call from the recorded
+             tokens (laminar/rollout/agents.py `_resume`), so the agent's call only takes longer.
+               with a hint (the 421's `Laminar-Moved-To: <node id>`, a repack move): every round
+                 asks that rollout (endpoints_dir/<node id>); the others only in a sweep, at
+                 most every third round and 1 s apart, in case placement chose another
+               without (a dropped connection, or a hint naming no endpoint): every round asks
+                 every endpoint in endpoints_dir (run_dir/agents/endpoints: one file per rollout,
+                 named by its node id, holding its URL), the one it last reached last
+
+Why the hint: the manager imports a moved episode on the move's destination unless that one
+refuses it, and each probe of a rollout that does not hold the episode costs that rollout a
+request (answered 401). Without it a move cost about a dozen such probes at 64 rollouts; with
+it, one per round until the import lands. If the import went elsewhere, the sweep finds it a
+few seconds later at most (three rounds of the backoff, which stops doubling at 1 s). A hint
+whose rollout refuses the connection (it died) is dropped: the search sweeps every round again.
+A 421 from another rollout met during the search (the episode moved on again) may bring a
+newer hint.
 
 The request is repeated as it was (same body, same API key: the episode token travels with the
 partial), so the agent code sees one call and one answer. A rollout that does not hold the
 episode answers 401 (never issued here) or 421 (moved on); one that does not hold it *yet* (the
 manager's recovery takes a few heartbeats) answers 401 too, so the search goes on until
-`reconnect_s`, then the call fails as a connection error would have.
+`reconnect_s`, then the call fails as a connection error would have. `probes` and `searches`
+count what the searches cost.
 
 Used by the agent worker (laminar/agents/worker.py) for `agent.fn` agents; agents elsewhere can
 pass it as their client's transport, or follow the protocol in docs/agents.md themselves. The
@@ -33,6 +48,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from laminar.agents import MOVED_TO
+
 try:  # the HTTP library under the installed openai client (openai 3 is built on httpx2)
     import httpx2 as httpx
 except ImportError:  # openai 1.x / 2.x: httpx
@@ -40,6 +57,12 @@ except ImportError:  # openai 1.x / 2.x: httpx
 
 _LOST = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 """The rollout went away (kill -9: its sockets are reset); a timeout is the call's own."""
+
+
+_SWEEP_ROUNDS = 3
+_SWEEP_S = 1.0
+"""With a hint, the other rollouts are asked at most every `_SWEEP_ROUNDS` rounds and
+`_SWEEP_S` apart (both): a sweep costs one request per rollout."""
 
 
 class FailoverTransport(httpx.AsyncBaseTransport):
@@ -52,9 +75,16 @@ class FailoverTransport(httpx.AsyncBaseTransport):
         """Times a call had to find the episode on another rollout."""
         self.lost = False
         """A search found no rollout holding the episode: later calls do not search again."""
+        self.searches = 0
+        """Searches started (a 421 or a dropped connection), found or not."""
+        self.hinted = 0
+        """... of which started with a usable hint (a 421 naming a rollout with an endpoint)."""
+        self.probes = 0
+        """Requests the searches sent (each one asks one rollout), all searches together."""
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         body = await request.aread()
+        hint = ""
         try:
             resp = await self.inner.handle_async_request(_to(request, self.origin, body))
         except _LOST:
@@ -63,20 +93,38 @@ class FailoverTransport(httpx.AsyncBaseTransport):
         else:
             if resp.status_code != 421 or not self.dir or self.lost:
                 return resp
+            hint = resp.headers.get(MOVED_TO, "")
             await resp.aread()
             await resp.aclose()
-        return await self._follow(request, body)
+        return await self._follow(request, body, hint)
 
-    async def _follow(self, request: httpx.Request, body: bytes) -> httpx.Response:
-        deadline = time.monotonic() + self.reconnect_s
+    async def _follow(self, request: httpx.Request, body: bytes, hint_id: str) -> httpx.Response:
+        start = time.monotonic()
+        deadline = start + self.reconnect_s
         delay = 0.05
+        hint = self._hint(hint_id)
+        self.searches += 1
+        self.hinted += hint is not None
+        rounds, swept_at = 0, start  # since the last sweep (or the start)
         while True:
-            for origin in self._endpoints():
+            now = time.monotonic()
+            sweep = hint is None or (rounds >= _SWEEP_ROUNDS and now - swept_at >= _SWEEP_S)
+            ask = [] if hint is None else [hint]
+            if sweep:
+                ask += [o for o in self._endpoints() if o != hint]
+                rounds, swept_at = 0, now
+            rounds += 1
+            for origin in ask:
+                self.probes += 1
                 try:
                     resp = await self.inner.handle_async_request(_to(request, origin, body))
                 except _LOST:
+                    if origin == hint:  # its rollout died: look everywhere again
+                        hint = None
                     continue
                 if resp.status_code in (401, 421):  # not (or no longer) there
+                    if resp.status_code == 421 and origin != self.origin:  # it moved on again
+                        hint = self._hint(resp.headers.get(MOVED_TO, "")) or hint
                     await resp.aread()
                     await resp.aclose()
                     continue
@@ -93,17 +141,26 @@ class FailoverTransport(httpx.AsyncBaseTransport):
             await asyncio.sleep(delay)
             delay = min(2 * delay, 1.0)
 
+    def _hint(self, node_id: str) -> httpx.URL | None:
+        """The endpoint of the rollout a 421 named; None when it names none, or none with an
+        endpoint file (gone, or not a node id: the header is input), or the one it came from."""
+        if not node_id or node_id.startswith(".") or "/" in node_id or "\\" in node_id:
+            return None
+        url = self._read(node_id)
+        return None if url is None or url == self.origin else url
+
+    def _read(self, name: str) -> httpx.URL | None:
+        try:
+            return _origin(httpx.URL(Path(self.dir, name).read_text().strip()))
+        except (OSError, httpx.InvalidURL, UnicodeDecodeError):
+            return None  # a rollout writing or removing its file
+
     def _endpoints(self) -> list[httpx.URL]:
         try:
             names = sorted(n for n in os.listdir(self.dir) if not n.startswith("."))
         except OSError:
             return []
-        out = []
-        for n in names:
-            try:
-                out.append(_origin(httpx.URL(Path(self.dir, n).read_text().strip())))
-            except (OSError, httpx.InvalidURL):
-                continue  # a rollout writing or removing its file
+        out = [u for u in map(self._read, names) if u is not None]
         # the one it last reached last: it is the one that moved the episode away or died
         return [o for o in out if o != self.origin] + [o for o in out if o == self.origin]
 

@@ -187,7 +187,8 @@ class Repacker:
         timeout = self.placer.request_timeout_s
         t0 = time.monotonic()
         try:
-            exp = await self.srv.request(mv.source, ExportRequest(uids=uids), timeout=timeout)
+            ask = ExportRequest(uids=uids, dest=mv.dest)  # dest: where the agents look first
+            exp = await self.srv.request(mv.source, ask, timeout=timeout)
         except (TransportError, RemoteError) as exc:
             out["failed"] = 1
             self.metrics.count("repack_export_failed")

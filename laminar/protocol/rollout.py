@@ -1,6 +1,6 @@
 """Rollout commands (0x90-0x9F): what the manager asks of a rollout, over the manager's ROUTER.
 
-    manager ──ExportRequest(uids)──► rollout ──ExportReply(partials)──► manager  (repack source)
+    manager ──ExportRequest(uids, dest)──► rollout ──ExportReply(partials)──► manager (repack src)
     manager ──ImportRequest(partials)──► rollout ──ImportReply──► manager   (repack dest., recovery)
     manager ──RefreshRequest(min_version)──► rollout ──RefreshReply──► manager
                                                              (load the newest weights when idle)
@@ -37,6 +37,10 @@ VERSION_MISMATCH = "version_mismatch"
 class ExportRequest(Message):  # manager -> rollout: abort these trajectories and hand them over
     uids: list[str] = field(default_factory=list)
     """Trajectory uids (f"{group_id}/{i}"); empty = every in-flight trajectory."""
+    dest: str = ""
+    """The rollout the manager means to import them on (a hint for their agents, whose calls here
+    answer 421 naming it: placement may still choose another); empty: not said. Omitted on
+    the wire when empty, and a message without it (an older manager's) decodes with it empty."""
 
 
 @message(0x91, senders=("rollout",))

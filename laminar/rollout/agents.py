@@ -42,7 +42,9 @@ the sample is delivered with finish_reason "length" and reward.fn scores it.
 Moves (repack, a dead rollout's recovery): the agent follows its episode. The episode's token
 travels in its partial (`SeqState.agent_token` -> PartialTrajectory.agent_token), and each
 call's turn is flushed to the partial pool before the answer goes out. Exported here
-(`release`): the episode's calls answer 421 episode_moved (a call in flight too). Imported here
+(`release`): the episode's calls answer 421 episode_moved (a call in flight too), naming the
+rollout the manager means to import it on (header `Laminar-Moved-To`, from ExportRequest.dest;
+`agent_moved_hinted`), so the client asks there first instead of every rollout. Imported here
 (`adopt`): the episode waits for its agent (`_await_agent`, like a remote one); the agent's
 client (laminar/agents/failover.py) repeats its call here, and `_resume` matches it against the
 recorded tokens: the answers before the move are kept, the call in flight continues after its
@@ -65,6 +67,7 @@ from typing import Any
 import numpy as np
 import structlog
 
+from laminar.agents import MOVED_TO
 from laminar.agents.render import BadMessages, ChatRenderer, canonical
 from laminar.agents.resume import match_record
 from laminar.config import AgentConfig
@@ -83,10 +86,17 @@ class ApiError(Exception):
     """An HTTP error in the OpenAI error shape: {"error": {message, type, param, code}}."""
 
     def __init__(
-        self, status: int, message: str, code: str, kind: str = "invalid_request_error"
+        self,
+        status: int,
+        message: str,
+        code: str,
+        kind: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.code, self.kind = status, message, code, kind
+        self.headers = headers or {}
+        """Extra response headers (a moved episode's `Laminar-Moved-To`)."""
 
     def body(self) -> dict[str, Any]:
         return {
@@ -168,9 +178,10 @@ class AgentDriver:
         self.by_token: dict[str, AgentEpisode] = {}
         self.claims: asyncio.Queue[AgentEpisode] = asyncio.Queue()
         self.pool: AgentPool | None = None
-        self.moved: dict[str, float] = {}
+        self.moved: dict[str, tuple[float, str]] = {}
         """Tokens of episodes exported from here (their calls answer 421 episode_moved), with
-        when; forgotten after agent.reconnect_timeout_s."""
+        when and the rollout the manager meant to import them on ("" unknown); forgotten after
+        agent.reconnect_timeout_s."""
         self.base_url = ""
         """Set once the HTTP server listens (http://host:port/v1)."""
         self.delivered = 0
@@ -240,20 +251,24 @@ class AgentDriver:
         self.table.set_waiting(seq, True)
         self.spawn(self._await_agent(ep, token, self.cfg.reconnect_timeout_s), "agent-episode")
 
-    def release(self, uids: list[str]) -> None:
+    def release(self, uids: list[str], dest: str = "") -> None:
         """These episodes were exported (a repack move): their agents go on with the rollout that
         imports them. A call in flight here answers 421 `episode_moved` (so do later ones), and the
-        agent's client repeats it there."""
+        agent's client repeats it there. `dest`: the rollout the manager means to import them on
+        (ExportRequest.dest; placement may still choose another): the 421 names it in its
+        `Laminar-Moved-To` header, so the client asks there first instead of every rollout."""
         now = time.monotonic()
-        for tok, t in list(self.moved.items()):
+        for tok, (t, _) in list(self.moved.items()):
             if now - t > self.cfg.reconnect_timeout_s:
                 del self.moved[tok]
+        if dest == self.s.node_id:
+            dest = ""
         for uid in uids:
             ep = self.by_uid.pop(uid, None)
             if ep is None:
                 continue
             self.by_token.pop(ep.token, None)
-            self.moved[ep.token] = now
+            self.moved[ep.token] = (now, dest)
             self.metrics.count("agent_moved_out")
             if ep.pending is not None and not ep.pending.done():
                 ep.pending.set_result("moved")
@@ -450,7 +465,7 @@ class AgentDriver:
     def _episode(self, token: str) -> AgentEpisode:
         ep = self.by_token.get(token)
         if ep is None and token in self.moved:
-            raise _moved()
+            raise self._moved(token)
         if ep is not None:
             ep.touched = True
         if ep is None:
@@ -685,7 +700,7 @@ class AgentDriver:
         finally:
             ep.pending = None
         if reason == "moved":
-            raise _moved()
+            raise self._moved(token)
         if not self._current(ep, token) or reason not in ("stop", "length"):
             raise ApiError(409, f"the episode ended or started again ({reason})", "episode_closed")
         # the turn goes to the partial pool before the agent sees it, so a resume elsewhere finds
@@ -735,6 +750,20 @@ class AgentDriver:
         ep.tools_key, ep.calls, ep.after_eot, seq.turn = key, got.calls, got.after_eot, got.turn
         return got.new, got.keep
 
+    def _moved(self, token: str) -> ApiError:
+        """421 for an exported episode's call; it names the rollout meant to import it, when
+        known (counted: `agent_moved_hinted`)."""
+        dest = self.moved[token][1] if token in self.moved else ""
+        if dest:
+            self.metrics.count("agent_moved_hinted")
+        return ApiError(
+            421,
+            "this episode moved to another rollout: repeat the call on the one that holds it "
+            f"({'likely ' + dest + '; ' if dest else ''}run_dir/agents/endpoints lists them)",
+            "episode_moved",
+            headers={MOVED_TO: dest} if dest else None,
+        )
+
     def _logprobs(self, ids: np.ndarray, lps: np.ndarray) -> list[dict[str, Any]]:
         out = []
         for i, lp in zip(ids.tolist(), lps.tolist(), strict=True):
@@ -752,15 +781,6 @@ class AgentDriver:
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
         }
-
-
-def _moved() -> ApiError:
-    return ApiError(
-        421,
-        "this episode moved to another rollout: repeat the call on the one that holds it "
-        "(run_dir/agents/endpoints lists them)",
-        "episode_moved",
-    )
 
 
 class _OneCall:

@@ -19,7 +19,8 @@ takes typed dependencies and never sees this node; this module builds them in se
 spawns their loops in main(), and answers the manager's commands:
 
   * ExportRequest aborts trajectories in the engine and hands back their PartialTrajectory
-    (every token so far), forgetting them here.
+    (every token so far), forgetting them here (agent episodes' calls answer 421 naming
+    ExportRequest.dest, the rollout meant to import them).
   * ImportRequest resumes partials of this rollout's exact version (else ErrorReply
     version_mismatch; mode partial: of this version or older, continuing under this one),
     idempotently (uids running or recently finished here are reported as
@@ -598,7 +599,7 @@ class RolloutNode(Node):
             return busy
         partials, missing = await self.table.export(list(msg.uids), self.node_id)
         if self.agents is not None:  # their agents follow them (a call in flight answers 421)
-            self.agents.release([p.uid for p in partials])
+            self.agents.release([p.uid for p in partials], msg.dest)
         self.metrics.count("exported", len(partials))
         self.log.info("exported", count=len(partials), missing=len(missing))
         return ExportReply(partials=partials, missing=missing, version=self.gate.version)

@@ -9,7 +9,8 @@
 
 Every /v1 call carries an episode token as its API key (`Authorization: Bearer <token>`); the
 driver (laminar/rollout/agents.py) issued it (or imported it with a moved episode's partial) and
-knows the episode, its version and its tokens. A moved episode's calls answer 421 here.
+knows the episode, its version and its tokens. A moved episode's calls answer 421 here, with a
+`Laminar-Moved-To: <node id>` header naming the rollout it was exported to when that is known.
 Bad input is answered in the OpenAI error shape ({"error": {message, type, param, code}}) with
 a 4xx status, counted (`agent_http_error_<code>`), and the endpoint goes on serving. What is
 not supported is refused by name: stream, n > 1, top_logprobs, several prompts per completion.
@@ -165,7 +166,7 @@ class OpenAIEndpoint:
             return await handler(request)
         except ApiError as exc:
             self.metrics.count(f"agent_http_error_{exc.code}")
-            return web.json_response(exc.body(), status=exc.status)
+            return web.json_response(exc.body(), status=exc.status, headers=exc.headers)
         except web.HTTPException as exc:  # aiohttp's own: unknown path, body too large ...
             self.metrics.count(f"agent_http_error_{exc.status}")
             err = ApiError(exc.status, exc.reason, f"http_{exc.status}")
