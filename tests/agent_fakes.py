@@ -178,6 +178,16 @@ async def rewriting_agent(row: dict[str, Any], client: Any) -> float:
     return 0.5
 
 
+async def endless_agent(row: dict[str, Any], client: Any) -> float:
+    """Calls until the endpoint refuses (the episode's token budget), and raises as most agents
+    would: the refusal propagates out of the agent."""
+    messages: list[Any] = [{"role": "user", "content": str(row["prompt"])}]
+    for k in range(1000):
+        resp = await client.chat.completions.create(model="sim", messages=messages)
+        messages += [resp.choices[0].message, {"role": "user", "content": f"again {k}"}]
+    return 1.0
+
+
 async def three_call_agent(row: dict[str, Any], client: Any) -> float:
     """Three calls, each adding a user message; logs each call's start and its answer (with this
     worker's pid and its rollout's, the parent) to AGENT_TEST_CALLS; a failed call too."""

@@ -356,6 +356,36 @@ async def test_a_crashed_agent_worker_retries_its_episode_and_nothing_twice(
     assert all(t.turns == 1 and t.loss_mask is not None and t.loss_mask.all() for t in trajs)
 
 
+async def test_an_agent_raising_on_its_token_budget_ends_its_episode_truncated(
+    tmp_path, tiny, agent_files
+):
+    """The endpoint refuses a call past the episode's token budget (400 context_length_exceeded)
+    and the agent raises on it: the episode is delivered once, finish_reason "length", scored by
+    reward.fn, not failed nor retried."""
+    cfg = make_cfg(
+        tmp_path,
+        tiny,
+        "agent-budget",
+        rows=2,
+        data={"epochs": 1},
+        rollout={"sampling": {"max_tokens": 60, "temperature": 1.0}},
+        agent={"fn": "tests.agent_fakes:endless_agent"},
+    )
+    tok = load_prompt_tokenizer(tiny, chat_template=True)
+    async with LocalCluster(cfg) as cluster:
+        rollout = await cluster.add("rollout", 0, engine=ScriptEngine(tok))
+        trajs = capture(rollout)
+        want = 2 * cfg.rollout.group_size
+        await wait_for(lambda: len(trajs) == want, 60, f"{want} trajectories", cluster)
+        counters = dict(rollout.metrics.counters)
+    assert len({t.uid for t in trajs}) == want
+    assert all(t.finish_reason == "length" and len(t.response_ids) >= 60 for t in trajs)
+    assert all(t.reward in (0.0, 1.0) for t in trajs)  # reward.fn scored the transcript
+    assert counters["agent_raised_truncated"] == want, counters
+    assert counters["agent_http_error_context_length_exceeded"] == want
+    assert not any(k.startswith("agent_failure") or k == "agent_retries" for k in counters)
+
+
 async def test_rewritten_history_trains_the_last_consistent_run(tmp_path, tiny, agent_files):
     cfg = make_cfg(
         tmp_path,

@@ -376,15 +376,18 @@ class AgentDriver:
         self._finish(ep, "length" if ep.truncated else "stop", score)
 
     async def _failed(self, ep: AgentEpisode, kind: str, why: str) -> None:
+        await self._stop_generating(ep)
+        if ep.truncated and ep.seq.length:
+            # it ran out of tokens and its agent raised on the refusal: an episode's end, not a
+            # failure; its transcript is scored
+            self.metrics.count("agent_raised_truncated")
+            self._finish(ep, "length", None)
+            return
         self.metrics.count("agent_failures")
         self.metrics.count(f"agent_failure_{kind}")
         self.log.warning(
             "agent_failed", uid=ep.seq.uid, kind=kind, attempt=ep.attempt, error=why[:300]
         )
-        await self._stop_generating(ep)
-        if ep.truncated and ep.seq.length:  # it ran out of tokens; its transcript is scored
-            self._finish(ep, "length", None)
-            return
         if ep.attempt >= self.cfg.retries:
             self.metrics.count("agent_gave_up")
             self._finish(ep, "error", RewardResult.failure("agent", f"{kind}: {why}"))
