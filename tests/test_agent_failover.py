@@ -137,7 +137,7 @@ async def test_no_rollout_holding_the_episode_fails_the_call_after_the_bound(clu
         base_url=roll["old"].url + "/v1", api_key="tok", max_retries=0, http_client=http
     )
     with pytest.raises(openai.APIConnectionError):
-        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+        await _ask(client)
     assert transport.lost and transport.moves == 0
     # the episode was started again elsewhere: the close fails at once, without a new search
     n = sum(len(r.seen) for r in roll.values())
@@ -155,6 +155,12 @@ def _client(roll: dict[str, Rollout], reg: Path, reconnect_s: float = 20.0):
         http_client=http_client(transport, 20.0),
     )
     return transport, client
+
+
+async def _ask(client: Any) -> Any:
+    return await client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "x"}]
+    )
 
 
 def _answers_after(n: int):
@@ -187,9 +193,7 @@ async def test_a_wrong_hint_still_finds_the_episode_elsewhere(cluster):
     roll["old"].answer = lambda r, path: _err(421, "episode_moved", moved_to="other")
     roll["new"].answer = _answers_after(0)
     transport, client = _client(roll, reg)
-    resp = await client.chat.completions.create(
-        model="m", messages=[{"role": "user", "content": "x"}]
-    )
+    resp = await _ask(client)
     assert resp.choices[0].message.content == "hi" and transport.moves == 1
     assert len(roll["new"].seen) == 1  # found by the first sweep
     # rounds before the sweep asked the hint alone (at least 3 of them), the sweep asked it too
@@ -205,9 +209,7 @@ async def test_an_episode_that_moved_twice_is_followed_by_the_newer_hint(cluster
     roll["other"].answer = lambda r, path: _err(421, "episode_moved", moved_to="new")
     roll["new"].answer = _answers_after(0)
     transport, client = _client(roll, reg)
-    resp = await client.chat.completions.create(
-        model="m", messages=[{"role": "user", "content": "x"}]
-    )
+    resp = await _ask(client)
     assert resp.choices[0].message.content == "hi" and transport.probes == 2
     assert len(roll["other"].seen) == len(roll["new"].seen) == len(roll["old"].seen) == 1
     await client.close()
@@ -225,9 +227,7 @@ async def test_an_unusable_hint_searches_as_without_one(cluster, hint):
         await dead.start(reg)
         await dead.stop()
     transport, client = _client(roll, reg)
-    resp = await client.chat.completions.create(
-        model="m", messages=[{"role": "user", "content": "x"}]
-    )
+    resp = await _ask(client)
     assert resp.choices[0].message.content == "hi" and transport.moves == 1
     assert transport.hinted == (hint == "dead")
     # `new` answers its 3rd request: three rounds, each asking `new`, then `other` and `old`
