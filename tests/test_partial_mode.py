@@ -357,3 +357,60 @@ async def test_multi_turn_episodes_continue_across_versions(tmp_path):
     assert uids and max(Counter(uids).values()) == 1
     assert counters["interrupted"] > 0 and counters["env_tokens"] > 0
     assert not counters.get("version_mismatch_events"), counters
+
+
+async def test_agent_episodes_continue_across_versions(tmp_path):
+    """The same episodes driven by a black-box agent through the rollouts' endpoints (the sim
+    agent, one shared pool): a call after an update runs at the new version (its tokens recorded
+    so), a turn in the engine is interrupted and continued; no attempt fails, each episode is
+    consumed once, and some span versions."""
+    cfg = sim_config(
+        tmp_path,
+        mode="partial",
+        rollouts=2,
+        total_steps=5,
+        trainer={"sim_time_per_token_s": 1e-3},
+        buffer={"capacity": 32},
+        rollout={
+            "sampling": {"max_tokens": 400},
+            "sim": {
+                "length_p50": 30,
+                "step_time_s": 0.004,
+                "kv_capacity_tokens": 8 * 420,
+                "load_time_s": 0.05,
+            },
+        },
+        agent={
+            "fn": "laminar.agents.sim:sim_tool_agent",
+            "kwargs": {
+                "seed": 1,
+                "max_calls": 4,
+                "p_call": 0.7,
+                "latency_p50_s": 0.02,
+                "latency_p99_s": 0.2,
+                "client_call": "post",
+            },
+            "workers": 1,
+            "concurrency": 64,
+            "shared_workers": True,
+            "max_calls": 5,
+        },
+    )
+    async with LocalCluster(cfg) as cluster:
+        await cluster.wait_trainer(timeout=120)
+        counters = Counter()
+        for r in cluster.role("rollout"):
+            counters.update(r.metrics.counters)
+        done = list(stored(cluster.node("buffer-0")).values())
+    uids = [u for s in consumed(cfg) for u in s["uids"]]
+    assert uids and max(Counter(uids).values()) == 1
+    assert counters["interrupted"] > 0 and counters["agent_calls"] > len(uids), counters
+    assert not any(k.startswith("agent_failure") for k in counters), counters
+    assert not counters.get("version_mismatch_events"), counters
+    # the episodes that spanned an update: their tokens name the versions that sampled them, in
+    # order, the first being the episode's own
+    spanning = [t for t in done if t.token_versions is not None]
+    assert spanning, counters
+    for t in spanning:
+        tv = t.token_versions
+        assert tv[0] == t.version and (np.diff(tv) >= 0).all() and tv[-1] > t.version

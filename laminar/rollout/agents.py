@@ -649,7 +649,8 @@ class AgentDriver:
                 "rollout.sampling.max_tokens)",
                 "context_length_exceeded",
             )
-        if self.engine.version != seq.version:
+        if not self.table.interrupts and self.engine.version != seq.version:
+            # (mode partial: a call runs at the engine's version, its tokens recorded as such)
             raise RuntimeError(
                 f"{seq.uid}: agent episode at version {seq.version} would run on an engine at "
                 f"version {self.engine.version}"
@@ -681,20 +682,19 @@ class AgentDriver:
         self.table.set_waiting(seq, False)
         self.table.mark_dirty(seq.uid)
         t0 = time.monotonic()
-        self.engine.submit(
-            GenRequest(
-                seq.uid,
-                seq.prompt_ids,
-                sp,
-                n=1,
-                version=seq.version,
-                resume_ids=seq.ids.copy(),
-                resume_logprobs=seq.logprobs.copy(),
-                single=True,
-                turn=seq.turn,
-                turn_start=seq.turn_start,
-            )
+        req = GenRequest(
+            seq.uid,
+            seq.prompt_ids,
+            sp,
+            n=1,
+            version=seq.version,
+            resume_ids=seq.ids.copy(),
+            resume_logprobs=seq.logprobs.copy(),
+            single=True,
+            turn=seq.turn,
+            turn_start=seq.turn_start,
         )
+        self.table.submit_turn(seq, req)  # mode partial: at the engine's version, after a swap
         left = self.cfg.episode_timeout_s - (time.monotonic() - ep.t_attempt)
         try:
             reason = await asyncio.wait_for(asyncio.shield(ep.pending), max(left, 0.001))
