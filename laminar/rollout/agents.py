@@ -5,7 +5,8 @@
     [agent worker process] run(row, AsyncOpenAI(base_url=endpoint, api_key=token))
         │ POST /v1/chat/completions ──► openai_api.py ──► driver.chat(token, body)
         │                                  messages -> new tokens (mask 0) -> GenRequest(version=
-        │                                  the episode's) -> engine -> turn_ended -> the reply
+        │                                  the episode's; mode partial: the engine's, per-token
+        │                                  versions kept) -> engine -> turn_ended -> the reply
         └─ returns the reward ──► driver: deliver (reward.fn on the transcript when None);
            raises / times out / its worker dies ──► the episode starts again from its prompt
            (under agent.retries; then delivered without a reward)
