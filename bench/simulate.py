@@ -126,17 +126,27 @@ def params_from_config(cfg: Any, n_rollouts: int, **overrides: Any) -> SimParams
     return replace(prm, **overrides)
 
 
+SIM_AGENT = "laminar.agents.sim:sim_tool_agent"
+
+
 def multiturn_from_config(cfg: Any) -> dict[str, Any]:
-    """SimParams of the emulation's multi-turn workload (env.fn laminar.envs.sim:SimToolEnv): the
-    environment's own draws (its kwargs, its defaults) within the episode limits; {} otherwise."""
-    if cfg.env.fn is None:
-        return {}
-    if cfg.env.fn != "laminar.envs.sim:SimToolEnv":
-        raise ValueError(f"the simulator models only laminar.envs.sim:SimToolEnv, not {cfg.env.fn}")
+    """SimParams of the emulation's multi-turn workload (env.fn laminar.envs.sim:SimToolEnv, or
+    the same draws from the black-box agent laminar.agents.sim:sim_tool_agent): the environment's
+    own draws (its kwargs, its defaults) within the episode limits; {} otherwise. The agent's
+    HTTP path is not modelled."""
     from laminar.envs.sim import SimToolEnv
 
-    env, lim = SimToolEnv(**cfg.env.kwargs), cfg.env.limits
-    calls = min(env.max_calls, lim.max_tool_calls, lim.max_turns - 1)
+    if cfg.env.fn is None and cfg.agent.fn == SIM_AGENT:
+        kwargs = {k: v for k, v in cfg.agent.kwargs.items() if k != "client_call"}
+        env = SimToolEnv(**kwargs)
+        calls = min(env.max_calls, cfg.agent.max_calls - 1)
+    elif cfg.env.fn is None:
+        return {}
+    elif cfg.env.fn != "laminar.envs.sim:SimToolEnv":
+        raise ValueError(f"the simulator models only laminar.envs.sim:SimToolEnv, not {cfg.env.fn}")
+    else:
+        env, lim = SimToolEnv(**cfg.env.kwargs), cfg.env.limits
+        calls = min(env.max_calls, lim.max_tool_calls, lim.max_turns - 1)
     return {
         "tool_calls_max": calls,
         "p_call": env.p_call,

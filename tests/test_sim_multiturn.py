@@ -343,6 +343,12 @@ def test_params_from_config_reads_the_sim_tool_env():
         prm.obs_tokens_min,
         prm.obs_tokens_max,
     )
+    # the same draws from the black-box sim agent (bench/cluster.py --agents) give the same params
+    agents = make_config(
+        "laminar", 4, 0, replace(prm, agents=True), Path("/tmp/lam-h6-unused"), Path("/tmp")
+    )
+    assert agents.env.fn is None and agents.agent.fn == "laminar.agents.sim:sim_tool_agent"
+    assert sim.params_from_config(agents, 4) == p
     single = make_config("laminar", 4, 0, BenchParams(), Path("/tmp/lam-h6-unused"), Path("/tmp"))
     assert single.env.fn is None and sim.params_from_config(single, 4).tool_calls_max == 0
     assert math.isfinite(
