@@ -27,7 +27,10 @@ from laminar.trainer.attest import AttestBook
 from laminar.weights.digest import weights_digest
 from tests.sim_cluster import wait_for
 
-STEPS = 8
+STEPS = 24
+"""Long enough that rollout-0 loads a trained version while the trainer runs: with 8, on a quiet
+box the trainer once took all its steps from version 0's first batches (0.01 s a step) while
+rollout-0, never empty, had not refreshed yet."""
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +125,7 @@ async def test_a_corrupted_parameter_is_caught_quarantined_reloaded_and_counted(
         await cluster.wait_trainer(300)
         trainer = cluster.node("trainer-0")
         book: AttestBook = trainer.attest
-        assert len(corrupted) == 1
+        assert len(corrupted) == 1, "rollout-0 loaded no trained version while the trainer ran"
         target = corrupted[0]
         expected = await book.digest(target)
         # the rollout compares digests when it next hears the trainer's (the trainer may finish
