@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from typing import Any
 
 import numpy as np
 import pytest
@@ -319,12 +320,10 @@ async def test_a_killed_rollout_in_partial_mode_loses_nothing_and_duplicates_not
                 assert t.rollout_id != "rollout-0" and t.resumed == 1 and k == bounds[uid]
 
 
-async def test_multi_turn_episodes_continue_across_versions(tmp_path):
-    """Episodes (SimToolEnv: model turns, tool waits, observations) in mode partial: a turn in
-    the engine is interrupted and resumed with its own turn caps; a turn submitted while the
-    version changes waits for the new one. Nothing is generated at a version the table did not
-    expect, and each episode is consumed once."""
-    cfg = sim_config(
+def _multiturn_partial_config(tmp_path, **episodes: Any):
+    """Two sim rollouts in mode partial, updates landing mid-episode; `episodes`: the env or
+    agent section."""
+    return sim_config(
         tmp_path,
         mode="partial",
         rollouts=2,
@@ -341,6 +340,17 @@ async def test_multi_turn_episodes_continue_across_versions(tmp_path):
                 "load_time_s": 0.05,
             },
         },
+        **episodes,
+    )
+
+
+async def test_multi_turn_episodes_continue_across_versions(tmp_path):
+    """Episodes (SimToolEnv: model turns, tool waits, observations) in mode partial: a turn in
+    the engine is interrupted and resumed with its own turn caps; a turn submitted while the
+    version changes waits for the new one. Nothing is generated at a version the table did not
+    expect, and each episode is consumed once."""
+    cfg = _multiturn_partial_config(
+        tmp_path,
         env={
             "fn": "laminar.envs.sim:SimToolEnv",
             "kwargs": {"seed": 1, "p_call": 0.7, "latency_p50_s": 0.02, "latency_p99_s": 0.2},
@@ -364,22 +374,8 @@ async def test_agent_episodes_continue_across_versions(tmp_path):
     agent, one shared pool): a call after an update runs at the new version (its tokens recorded
     so), a turn in the engine is interrupted and continued; no attempt fails, each episode is
     consumed once, and some span versions."""
-    cfg = sim_config(
+    cfg = _multiturn_partial_config(
         tmp_path,
-        mode="partial",
-        rollouts=2,
-        total_steps=5,
-        trainer={"sim_time_per_token_s": 1e-3},
-        buffer={"capacity": 32},
-        rollout={
-            "sampling": {"max_tokens": 400},
-            "sim": {
-                "length_p50": 30,
-                "step_time_s": 0.004,
-                "kv_capacity_tokens": 8 * 420,
-                "load_time_s": 0.05,
-            },
-        },
         agent={
             "fn": "laminar.agents.sim:sim_tool_agent",
             "kwargs": {

@@ -72,7 +72,7 @@ from laminar.agents import MOVED_TO
 from laminar.agents.render import BadMessages, ChatRenderer, canonical
 from laminar.agents.resume import match_record
 from laminar.config import AgentConfig
-from laminar.engines.base import Engine, GenRequest, SamplingParams
+from laminar.engines.base import Engine, SamplingParams
 from laminar.metrics import Metrics
 from laminar.rewards.runner import RewardResult, normalize_reward
 from laminar.rollout.agent_pool import AgentPool, release_shared, shared_pool
@@ -683,19 +683,7 @@ class AgentDriver:
         self.table.set_waiting(seq, False)
         self.table.mark_dirty(seq.uid)
         t0 = time.monotonic()
-        req = GenRequest(
-            seq.uid,
-            seq.prompt_ids,
-            sp,
-            n=1,
-            version=seq.version,
-            resume_ids=seq.ids.copy(),
-            resume_logprobs=seq.logprobs.copy(),
-            single=True,
-            turn=seq.turn,
-            turn_start=seq.turn_start,
-        )
-        self.table.submit_turn(seq, req)  # mode partial: at the engine's version, after a swap
+        self.table.submit_turn(seq, sp)  # mode partial: at the engine's version, after a swap
         left = self.cfg.episode_timeout_s - (time.monotonic() - ep.t_attempt)
         try:
             reason = await asyncio.wait_for(asyncio.shield(ep.pending), max(left, 0.001))

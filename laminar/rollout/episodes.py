@@ -70,7 +70,7 @@ import numpy as np
 import structlog
 
 from laminar.config import EnvLimits
-from laminar.engines.base import Engine, GenRequest, SamplingParams
+from laminar.engines.base import Engine, SamplingParams
 from laminar.envs.base import Environment, StepContext, StepResult, ToolClient, ToolResult
 from laminar.envs.replay import replay, split_segments
 from laminar.envs.template import TurnTemplate
@@ -259,21 +259,8 @@ class EpisodeDriver:
             )
         self.table.set_waiting(seq, False)
         self.table.mark_dirty(seq.uid)
-        self.table.submit_turn(  # mode partial: at the engine's version (after an interrupt)
-            seq,
-            GenRequest(
-                seq.uid,
-                seq.prompt_ids,
-                self.turn_params(seq.length),
-                n=1,
-                version=seq.current_version,
-                resume_ids=seq.ids.copy(),
-                resume_logprobs=seq.logprobs.copy(),
-                single=True,
-                turn=seq.turn,
-                turn_start=seq.turn_start,
-            ),
-        )
+        # mode partial: at the engine's version (after an interrupt)
+        self.table.submit_turn(seq, self.turn_params(seq.length))
 
     # ---- replay (an imported episode) -------------------------------------------------------
     async def _replay(self, seq: SeqState) -> None:

@@ -89,7 +89,7 @@ class SequenceTable:
         of an older version continue at this rollout's)."""
         self.interrupting = False
         """Between `interrupt` and `continue_at`: the engine's version is changing."""
-        self._deferred: list[tuple[SeqState, GenRequest]] = []
+        self._deferred: list[tuple[SeqState, SamplingParams]] = []
         """Multi-turn turns submitted meanwhile (`submit_turn`): they go in at the new version."""
         self.notify = tuple(notify)
         self.metrics, self.log = metrics, log
@@ -390,19 +390,30 @@ class SequenceTable:
             self.engine.submit(req)
         self.interrupting = False
         deferred, self._deferred = self._deferred, []
-        for seq, req in deferred:
+        for seq, params in deferred:
             if seq.uid in self.seqs:
-                self.submit_turn(seq, req)
+                self.submit_turn(seq, params)
 
-    def submit_turn(self, seq: SeqState, req: GenRequest) -> None:
-        """Multi-turn: a next model turn into the engine (mode partial: at the engine's version,
-        held back while an interrupt swaps it)."""
+    def submit_turn(self, seq: SeqState, params: SamplingParams) -> None:
+        """Multi-turn: the sequence's next model turn into the engine, after every token it holds
+        (mode partial: at the engine's version, held back while an interrupt swaps it)."""
         if self.interrupting:
-            self._deferred.append((seq, req))
+            self._deferred.append((seq, params))
             return
         if self.interrupts:
             seq.continue_at(self.engine.version)
-            req.version = seq.current_version
+        req = GenRequest(
+            seq.uid,
+            seq.prompt_ids,
+            params,
+            n=1,
+            version=seq.current_version,
+            resume_ids=seq.ids.copy(),
+            resume_logprobs=seq.logprobs.copy(),
+            single=True,
+            turn=seq.turn,
+            turn_start=seq.turn_start,
+        )
         self.engine.submit(req)
 
     async def wait_empty(self, timeout: float) -> bool:
