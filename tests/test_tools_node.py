@@ -24,7 +24,7 @@ from laminar.config import LaminarConfig, config_from_dict
 from laminar.manager.node import ManagerNode
 from laminar.node import Node, socket_options
 from laminar.protocol.tools import ToolCallRequest, ToolStatsReply, ToolStatsRequest
-from laminar.tools.client import RemoteToolClient
+from laminar.rollout.tool_client import RemoteToolClient
 from laminar.tools.node import ToolsNode
 from laminar.transport.client import RpcClient
 from laminar.transport.sockets import RemoteError, new_context

@@ -192,7 +192,7 @@ class RolloutNode(Node):
             and self.tools is None
             and (cfg.cluster.roles.get("tools", 0) > 0 or "tools" in cfg.cluster.endpoints)
         ):
-            from laminar.tools.client import RemoteToolClient
+            from laminar.rollout.tool_client import RemoteToolClient
 
             tools_rpc = self.client(cfg.endpoint("tools"))
             await tools_rpc.connect(timeout=t.startup_timeout_s)

@@ -4,6 +4,6 @@ registry.py   Tool + Registry: built-ins (builtin.py) and `module:function` entr
 builtin.py    the `python` REPL tool and the `calculator`
 sandbox.py    SandboxPool: worker processes (fresh netns, fork per call, rlimits, wall-clock kill)
 cache.py      ToolCache: each call id runs at most once; results journaled under run_dir/tools/
-client.py     RemoteToolClient (over the transport) and LocalToolClient (in process)
+client.py     LocalToolClient: the tools in process (a rollout's client: rollout/tool_client.py)
 node.py       ToolsNode: the "tools" role serving ToolCallRequest / ToolStatsRequest
 """

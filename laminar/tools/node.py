@@ -28,17 +28,30 @@ import math
 from pathlib import Path
 from typing import Any
 
+from laminar.envs.base import ToolResult
 from laminar.node import Node, socket_max_message_bytes
 from laminar.protocol.core import NodeStatus
 from laminar.protocol.tools import ToolCallReply, ToolCallRequest, ToolStatsReply, ToolStatsRequest
 from laminar.tools.cache import ToolCache
-from laminar.tools.client import reply_of
 from laminar.tools.registry import Registry
 from laminar.tools.sandbox import SandboxPool
 from laminar.transport.session import ErrorReply
 from laminar.transport.sockets import Peer
 
 MAX_CALL_ID = 512
+
+
+def reply_of(res: ToolResult) -> ToolCallReply:
+    return ToolCallReply(
+        call_id=res.call_id,
+        ok=res.ok,
+        output=res.output,
+        error=res.error,
+        error_kind=res.error_kind,
+        seconds=res.seconds,
+        cached=res.cached,
+        truncated=res.truncated,
+    )
 
 
 class ToolsNode(Node):
