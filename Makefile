@@ -46,11 +46,13 @@ vllm-env:
 test-vllm: vllm-env
 	.venv-vllm/bin/python -m pytest -q -p no:cacheprovider -m vllm -s $(ARGS)
 
-# ruff (lint + format) over the code, mypy (basic mode, settings in pyproject.toml) over the package
+# ruff (lint + format) over the code, mypy (basic mode, settings in pyproject.toml) over the package,
+# and the import rules of docs/DESIGN.md (import-linter contracts in pyproject.toml)
 lint: setup
 	$(BIN)/ruff check laminar tests bench examples
 	$(BIN)/ruff format --check laminar tests bench examples
 	$(BIN)/mypy
+	$(BIN)/lint-imports --no-cache --no-logo
 
 clean:
 	rm -rf $(VENV) build *.egg-info
