@@ -13,8 +13,9 @@
 
 Built by the rollout node when `agent.fn` (or `agent.remote`) is set; the HTTP layer
 (openai_api.py) and the worker pool are its only callers besides the node's hooks. It knows no
-HTTP: a call it refuses raises EpisodeUnknown, EpisodeMoved (with the rollout it went to) or
-CallRefused (a Refusal), which openai_shapes.py turns into a status and an OpenAI error body.
+HTTP: its turns are typed (agent_turns.py), and a call it refuses raises EpisodeUnknown,
+EpisodeMoved (with the rollout it went to) or CallRefused (a Refusal), which openai_shapes.py
+turns into a status and an OpenAI error body.
 
 One version per trajectory: a sample is one episode; its calls all generate at the version it
 started on (the table is non-empty while the episode lives, so the rollout loads no weights
@@ -60,7 +61,6 @@ prompt here, run by this rollout's workers (`agent_restarted_on_import`).
 from __future__ import annotations
 
 import asyncio
-import enum
 import secrets
 import time
 import zlib
@@ -78,114 +78,22 @@ from laminar.engines.base import Engine, SamplingParams
 from laminar.metrics import Metrics
 from laminar.rewards.runner import RewardResult, normalize_reward
 from laminar.rollout.agent_pool import AgentPool, release_shared, shared_pool
+from laminar.rollout.agent_turns import (
+    CallRefused,
+    ChatTurn,
+    EpisodeClaim,
+    EpisodeMoved,
+    EpisodeUnknown,
+    Refusal,
+    Sampling,
+    TextTurn,
+    TurnResult,
+)
 from laminar.rollout.deliver import Deliverer
 from laminar.rollout.sequences import SequenceTable
 from laminar.rollout.tracking import Growable, SeqState
 from laminar.subprocess_pool import WorkerLost, WorkerTimeout
 from laminar.supervise import Spawn
-
-
-class EpisodeUnknown(Exception):
-    """The token is no live episode here (never issued, revoked, or its episode ended)."""
-
-
-class EpisodeMoved(Exception):
-    """The token's episode was exported from here (a repack move): its agent repeats the call on
-    the rollout that imports it."""
-
-    def __init__(self, dest: str) -> None:
-        super().__init__(dest)
-        self.dest = dest
-        """The node id of the rollout the manager meant to import it on ("" unknown)."""
-
-
-class Refusal(enum.Enum):
-    """Why the driver refused a call of a live episode."""
-
-    IN_FLIGHT = "in_flight"
-    """Another call of the episode is in flight (its calls go one at a time)."""
-    MAX_CALLS = "max_calls"
-    """The episode made agent.max_calls calls already."""
-    TOO_LONG = "too_long"
-    """The conversation or the episode's tokens would pass their cap (the episode is truncated)."""
-    BAD_MESSAGES = "bad_messages"
-    """The messages cannot be rendered (laminar/agents/render.py BadMessages)."""
-    ENDED = "ended"
-    """The episode ended or started again while the call ran."""
-    TIME_UP = "time_up"
-    """agent.episode_timeout_s passed while the call ran."""
-    NOT_CLOSABLE = "not_closable"
-    """A close of an episode whose agent is ours to run, or one already closed."""
-    BAD_CLAIM_KEY = "bad_claim_key"
-    """A claim without the remote key."""
-
-
-class CallRefused(Exception):
-    """A call the driver refuses; the text says why."""
-
-    def __init__(self, reason: Refusal, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """A turn's sampling knobs as its caller asked (None: the rollout's own)."""
-
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class ChatTurn:
-    """A turn asked as a conversation: the episode's messages so far, then the new ones."""
-
-    messages: list[dict[str, Any]]
-    tools: list[Any] | None
-    """The tools the model may call (None: none offered, or its caller forbade calling them)."""
-    sampling: Sampling
-
-
-@dataclass(frozen=True)
-class TextTurn:
-    """A turn asked as one text: the episode's text so far, then the new text."""
-
-    prompt: str
-    sampling: Sampling
-
-
-@dataclass(frozen=True)
-class TurnResult:
-    """The model's turn, as the engine sampled it."""
-
-    turn_id: str
-    """<sample uid>-<attempt>-<turn>: unique per turn of a sample."""
-    ids: np.ndarray
-    """The sampled token ids."""
-    logprobs: np.ndarray
-    """Their behaviour logprobs."""
-    text: str
-    """The sampled tokens decoded."""
-    reason: str
-    """Why sampling stopped: "stop" or "length" (the turn's token cap)."""
-    prompt_tokens: int
-    """Tokens before the turn (the episode's prompt and every earlier token)."""
-    message: dict[str, Any] | None = None
-    """A chat turn: the model's turn as a message (laminar/agents/render.py)."""
-    tool_called: bool = False
-    """A chat turn: the message calls tools."""
-
-
-@dataclass(frozen=True)
-class EpisodeClaim:
-    """A remote episode handed to an agent elsewhere."""
-
-    token: str
-    row: dict[str, Any]
-    base_url: str
-    timeout_s: float
 
 
 @dataclass

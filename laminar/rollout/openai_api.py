@@ -36,7 +36,8 @@ import structlog
 from aiohttp import web
 
 from laminar.metrics import Metrics
-from laminar.rollout.agents import AgentDriver, CallRefused, EpisodeMoved, EpisodeUnknown
+from laminar.rollout.agent_turns import CallRefused, EpisodeMoved, EpisodeUnknown
+from laminar.rollout.agents import AgentDriver
 from laminar.rollout.openai_shapes import (
     ApiError,
     TokenText,

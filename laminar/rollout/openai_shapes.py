@@ -7,8 +7,8 @@
     EpisodeUnknown / EpisodeMoved / CallRefused ──api_error──► ApiError: status, headers and the
                                                                OpenAI error body
 
-Pure functions and types: no I/O, no episode state. The HTTP server is openai_api.py, the turns'
-driver laminar/rollout/agents.py. What is not supported is refused by name: stream, n > 1,
+Pure functions and types: no I/O, no episode state. The HTTP server is openai_api.py; the
+driver's turn types are agent_turns.py. What is not supported is refused by name: stream, n > 1,
 top_logprobs, legacy functions, several prompts per completion, echo / suffix / best_of.
 """
 
@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from laminar.agents import MOVED_TO
-from laminar.rollout.agents import (
+from laminar.rollout.agent_turns import (
     CallRefused,
     ChatTurn,
     EpisodeClaim,
