@@ -381,14 +381,14 @@ class RolloutNode(Node):
             ac,
             max_total=cfg.env.limits.max_total_tokens or params.max_tokens,
             max_prompt_tokens=cfg.data.max_prompt_tokens,
-            model_name=cfg.model.path or cfg.name,
             remote_key=os.environ.get(ac.remote_key_env, "") if ac.remote else "",
             endpoints_dir=str(cfg.resolved_run_dir() / "agents" / "endpoints"),
             node_id=self.node_id,
         )
+        renderer = ChatRenderer(self.tokenizer)
         self.agents = AgentDriver(
             settings,
-            renderer=ChatRenderer(self.tokenizer),
+            renderer=renderer,
             params=params,
             engine=self.engine,
             table=self.table,
@@ -400,6 +400,8 @@ class RolloutNode(Node):
         self.table.on_start = self.agents.start
         self.endpoint = OpenAIEndpoint(
             self.agents,
+            model_name=cfg.model.path or cfg.name,
+            token_text=renderer.token_text,
             host=ac.host,
             port=ac.port + self.index if ac.port else 0,
             metrics=self.metrics,
