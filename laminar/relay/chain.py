@@ -31,7 +31,7 @@ Pulling (rather than pushing) makes the hard cases simple:
 * a dead master: the first relay that finds no live predecessor becomes the head
   (the lowest live index in the order); a partial version nobody can finish is
   abandoned. The trainer finds the new master itself (WeightPusher asks the relays,
-  laminar/weights/relay_client.py) or the manager tells it (WeightPusher.set_master).
+  laminar/weights/pusher.py) or the manager tells it (WeightPusher.set_master).
 * a newer version overtakes an older one: an upstream that freed version v answers
   "gone"; the downstream drops v and fetches the newest.
 * delta mode (relay.delta, laminar/weights/delta.py): a fetch names the version this relay holds;
