@@ -38,19 +38,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-import structlog
-
 from laminar.protocol.relay import CudaIpcHandle
 from laminar.transport.codec import decode, encode
 from laminar.weights.channel import Published, WeightSink, WeightSubscriber, WeightsUnavailable
 from laminar.weights.gpu import FlatWeights, flat_checksum, pack_flat
-from laminar.weights.group import GroupSettings
+from laminar.weights.group import GroupSettings, Log
 from laminar.weights.layout import NamedTensors
 from laminar.weights.leases import LeaseBoard, StoreKV, VersionBuffers
 from laminar.weights.pusher import WeightPusher
 from laminar.weights.relay import RelaySubscriber
-
-Log = structlog.typing.FilteringBoundLogger
 
 
 def boot_id() -> str:

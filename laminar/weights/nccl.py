@@ -20,15 +20,11 @@ import asyncio
 import time
 from typing import Any
 
-import structlog
-
 from laminar.weights.channel import Published, WeightSink, WeightSubscriber, WeightsUnavailable
 from laminar.weights.gpu import FlatWeights, pack_flat
-from laminar.weights.group import Delivery, GroupBroadcaster, GroupMember, GroupSettings
+from laminar.weights.group import Delivery, GroupBroadcaster, GroupMember, GroupSettings, Log
 from laminar.weights.pusher import WeightPusher
 from laminar.weights.relay import RelaySubscriber
-
-Log = structlog.typing.FilteringBoundLogger
 
 
 def _import_dist() -> None:
