@@ -82,8 +82,8 @@ async def nccl_path(nbytes: int, versions: int, log) -> list[dict[str, Any]]:
     import structlog
     from weights import make_state
 
-    from laminar.weights.gpu_channel import GroupPublisher
     from laminar.weights.group import GroupBroadcaster, GroupMember, GroupSettings
+    from laminar.weights.nccl import GroupPublisher
     from tests.conftest import free_port
 
     state = make_state(nbytes)

@@ -41,9 +41,8 @@ from laminar.transport.security import Security
 from laminar.transport.server import RpcServer
 from laminar.transport.session import StatusCodec
 from laminar.transport.sockets import Context, SocketOptions, Wiring, new_context
-from laminar.weights.channel import ChannelSettings, WeightsMode
+from laminar.weights.channel import ChannelSettings, RelayLinks, WeightsMode
 from laminar.weights.group import GroupSettings
-from laminar.weights.relay_client import RelayLinks
 
 T = TypeVar("T")
 

@@ -35,7 +35,8 @@ from laminar.protocol.relay import ChainInfo, ChainInfoRequest, ChainUpdate
 from laminar.supervise import detached_spawn
 from laminar.transport.client import RpcClient
 from laminar.transport.sockets import Context, TransportError, Wiring, new_context
-from laminar.weights.relay_client import WeightPuller, WeightPusher
+from laminar.weights.puller import WeightPuller
+from laminar.weights.pusher import WeightPusher
 from laminar.weights.segment import default_shm_dir
 
 

@@ -25,7 +25,7 @@ from laminar.trainer.batch import TrainBatch, collate
 from laminar.trainer.engine import open_trainer
 from laminar.trainer.node import trainer_settings
 from laminar.trainer.policy import Policy
-from laminar.weights.channel import DirPublisher, DirSubscriber
+from laminar.weights.dir import DirPublisher, DirSubscriber
 from laminar.weights.layout import align_up, layout_of, named_list
 from tests.test_trainer import make_cfg, make_trajs, on_policy
 from tests.test_trainer_node import harness  # noqa: F401  (a fixture)
@@ -494,8 +494,8 @@ async def test_adapter_versions_go_through_the_relay_tier(tiny, tmp_path, harnes
     from laminar.rollout.versions import VersionGate
     from laminar.supervise import detached_spawn
     from laminar.transport.sockets import Wiring
-    from laminar.weights.channel import RelaySubscriber
-    from laminar.weights.relay_client import WeightPuller
+    from laminar.weights.puller import WeightPuller
+    from laminar.weights.relay import RelaySubscriber
     from tests.test_trainer_node import groups_of, node_cfg, read_jsonl, run_trainer
 
     ctx, make = harness

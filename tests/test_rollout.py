@@ -144,7 +144,7 @@ async def test_weights_from_the_relay(tmp_path):
     from laminar.logs import get_logger
     from laminar.relay.node import RelayNode
     from laminar.supervise import detached_spawn
-    from laminar.weights.relay_client import WeightPusher
+    from laminar.weights.pusher import WeightPusher
 
     items = make_items(2, n=2)
     cfg = make_cfg(tmp_path, rollout__weights="relay", relay={"shm_prefix": f"lamt{os.getpid()}"})
@@ -397,7 +397,7 @@ class _FlakySource:
     last_source = ""
 
     def __init__(self) -> None:
-        from laminar.weights.channel import AnnounceSubscriber
+        from laminar.weights.announce import AnnounceSubscriber
 
         self.inner = AnnounceSubscriber()
         self.inner.announce(1)
@@ -417,7 +417,7 @@ class _FlakySource:
         return await self.inner.wait_newer(than, timeout)
 
     async def load_into(self, engine) -> int:
-        from laminar.weights.relay_client import WeightsUnavailable
+        from laminar.weights.channel import WeightsUnavailable
 
         if self.failures:
             self.failures -= 1

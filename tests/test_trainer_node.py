@@ -293,7 +293,7 @@ async def test_weights_go_through_the_relay_tier_when_there_is_one(tiny, tmp_pat
     relay."""
     from laminar.relay.node import RelayNode
     from laminar.supervise import detached_spawn
-    from laminar.weights.relay_client import WeightPuller
+    from laminar.weights.puller import WeightPuller
 
     ctx, make = harness
     cfg = node_cfg(tmp_path, tiny, total_steps=2)

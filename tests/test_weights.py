@@ -22,7 +22,8 @@ from laminar.logs import get_logger
 from laminar.node import relay_links, socket_options
 from laminar.supervise import detached_spawn
 from laminar.transport.sockets import RemoteError, Wiring
-from laminar.weights.relay_client import WeightPuller, WeightPusher
+from laminar.weights.puller import WeightPuller
+from laminar.weights.pusher import WeightPusher
 from tests.relay_procs import RelayProcs
 
 

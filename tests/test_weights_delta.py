@@ -36,7 +36,8 @@ from laminar.weights.delta import (
     encoded_sizes,
 )
 from laminar.weights.layout import build_layout, checksum_buffer, chunk_digest
-from laminar.weights.relay_client import WeightPuller, WeightPusher
+from laminar.weights.puller import WeightPuller
+from laminar.weights.pusher import WeightPusher
 from tests.relay_faults import corrupt_chunks
 
 CHUNK = 1 << 16

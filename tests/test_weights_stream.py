@@ -19,7 +19,7 @@ from laminar.trainer.node import trainer_settings
 from laminar.trainer.policy import Policy
 from laminar.weights.digest import weights_digest
 from laminar.weights.layout import layout_of, named_list
-from laminar.weights.relay_client import write_flat
+from laminar.weights.pusher import write_flat
 from laminar.weights.sink import FlatSink, IncompleteVersion, VersionSink
 from tests.test_trainer import make_cfg, make_trajs
 from tests.test_weights import _puller, _pusher, inproc  # noqa: F401 - inproc: a fixture

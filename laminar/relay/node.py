@@ -3,7 +3,8 @@
     trainer ──Stage/Commit (memcpy into /dev/shm)──► master relay            control: relay-k
                                                        │ VersionOffer, FetchChunk/WeightChunk
                                                        ▼                   data:    relay_data-k
-                                         relay 1 ──► relay 2 ──► …         (laminar/relay/chain.py)
+                                         relay 1 ──► relay 2 ──► …         (laminar/relay/fetch.py,
+                                                                            serve.py)
     every relay ──WeightsReady (PUB)──► its rollouts  pub:     relay_pub-k
     rollout ──Pull/Release──► relay  (pins a version; the rollout maps its segment read-only)
 
@@ -21,11 +22,14 @@ send ChainUpdate / tell the trainer). A relay that is not the master answers a
 trainer's StageRequest with NotMaster(master=i) and the pusher follows it, so a
 chain order changed by the manager never strands the trainer on a follower.
 
-Parts: the store (laminar/weights/segment.py) holds the versions; one hop of the chain
-(relay/chain.py): the ChainFollower fetches from upstream and reports ReceivingStarted /
-VersionComplete on its event queue, which `_chain_events` turns into offers downstream and
-WeightsReady for the rollouts, and the ChunkService answers this relay's downstream.
-Layout, checksums and deltas come from laminar/weights/.
+Parts, wired here and never calling back: the store (laminar/weights/segment.py) holds the
+versions; the chain view (relay/view.py: order, epoch, head election); one hop of the chain in
+two halves: the ChainFollower (relay/fetch.py) fetches from upstream into the store and has the
+ChunkService (relay/serve.py) offer the version downstream as it begins to arrive, the
+ChunkService answers the downstream's OfferRequest / FetchChunk on the data socket, and the
+follower's VersionComplete events become WeightsReady for the rollouts (`_chain_events`).
+One hop's call path goes down: node → follower → store / chunk service; the node only turns
+completed versions into WeightsReady. Layout, checksums and deltas come from laminar/weights/.
 
 Run: laminar node --role relay --index 0 --config configs/skeleton.yaml
 """
@@ -59,10 +63,11 @@ from laminar.protocol.relay import (
     ReleaseRequest,
     StageReply,
     StageRequest,
-    VersionOffer,
     WeightsReady,
 )
-from laminar.relay.chain import ChainFollower, ChunkService, ReceivingStarted
+from laminar.relay.fetch import ChainFollower
+from laminar.relay.serve import ChunkService
+from laminar.relay.view import ChainView
 from laminar.transport.session import Ack, ErrorReply
 from laminar.transport.sockets import Peer, TransportError
 from laminar.transport.streams import Publisher
@@ -84,29 +89,8 @@ class RelayNode(Node):
             spare_slots=rc.spare_slots,
             max_slots=rc.max_slots,
         )
-        self.chain = ChainFollower(
-            rc,
-            n_relays=cfg.cluster.roles.get("relay", 1),
-            endpoint=cfg.endpoint,
-            index=self.index,
-            store=self.store,
-            ctx=self.ctx,
-            opts=self.opts,
-            node_id=self.node_id,
-            log=self.log,
-            metrics=self.metrics,
-            spawn=self.spawn,
-        )
         self._staging: dict[int, tuple[str, VersionState, float]] = {}
         self._tokens = itertools.count(1)
-        self.chunks = ChunkService(
-            self.store,
-            self.node_id,
-            self.metrics,
-            chunk_wait_s=rc.chunk_wait_s,
-            delta=rc.delta,
-            link_bytes_per_s=rc.link_bytes_per_s,
-        )
         self._host = socket.gethostname()
 
         self.srv = self.server(
@@ -130,7 +114,36 @@ class RelayNode(Node):
             cfg.bind_endpoint("relay_data", self.index),
             max_message_bytes=socket_max_message_bytes(cfg, "relay_data"),
         )
-        self.data.on(OfferRequest, self._on_offer_request)
+        self.view = ChainView(
+            rc,
+            n_relays=cfg.cluster.roles.get("relay", 1),
+            index=self.index,
+            endpoint=cfg.endpoint,
+            log=self.log,
+            metrics=self.metrics,
+        )
+        self.chunks = ChunkService(
+            self.store,
+            self.data,
+            self.node_id,
+            self.metrics,
+            chunk_wait_s=rc.chunk_wait_s,
+            delta=rc.delta,
+            link_bytes_per_s=rc.link_bytes_per_s,
+        )
+        self.follower = ChainFollower(
+            rc,
+            self.view,
+            store=self.store,
+            chunks=self.chunks,
+            ctx=self.ctx,
+            opts=self.opts,
+            node_id=self.node_id,
+            log=self.log,
+            metrics=self.metrics,
+            spawn=self.spawn,
+        )
+        self.data.on(OfferRequest, self.chunks.offer)
         self.data.on(FetchChunk, self.chunks.fetch)
         self.data.on(ChainInfoRequest, self._on_chain_info)
         self.pub = Publisher(
@@ -146,7 +159,7 @@ class RelayNode(Node):
         await self.pub.start()
 
     async def main(self) -> None:
-        self.spawn(self.chain.run(), "chain")
+        self.spawn(self.follower.run(), "chain")
         self.spawn(self._chain_events(), "chain-events")
         interval = self.cfg.transport.heartbeat_interval_s
         while True:  # housekeeping: readers that left without releasing, abandoned staging
@@ -160,17 +173,17 @@ class RelayNode(Node):
                     self._drop_staging(token, "stage timeout")
 
     async def teardown(self) -> None:
-        await self.chain.close()
+        await self.follower.close()
         await self.pub.close()
         self.store.close()
 
     def status(self) -> NodeStatus:
         cur, inc = self.store.current, self.store.newest_incoming()
-        upstream = self.chain.upstream
+        upstream = self.follower.upstream
         relay = RelayStatus(
-            master=self.chain.master,
+            master=self.view.master,
             upstream=-1 if upstream is None else upstream,
-            epoch=self.chain.epoch,
+            epoch=self.view.epoch,
             incoming=inc.version if inc else -1,
             pinned=self.store.pinned(),
         )
@@ -179,16 +192,10 @@ class RelayNode(Node):
         )
 
     # ---- what the chain follower reports ---------------------------------------------------
-    def _offer(self, vs: VersionState) -> VersionOffer:
-        return VersionOffer(version=vs.version, layout=vs.layout, chunk_bytes=vs.chunk_bytes)
-
     async def _chain_events(self) -> None:
         while True:
-            ev = await self.chain.events.get()
-            if isinstance(ev, ReceivingStarted):  # offer it downstream while it still arrives
-                await self.data.broadcast(self._offer(ev.vs), role="relay")
-            else:
-                await self._version_ready(ev.vs)
+            ev = await self.follower.events.get()  # VersionComplete
+            await self._version_ready(ev.vs)
 
     async def _version_ready(self, vs: VersionState) -> None:
         self.log.info(
@@ -219,10 +226,10 @@ class RelayNode(Node):
         for token, (owner, _vs, _t) in list(self._staging.items()):
             if owner == peer.node_id:
                 self._drop_staging(token, "restaged")
-        master = self.chain.named_master()
+        master = self.view.named_master()
         if not msg.takeover and master not in (self.index, -1):
             return NotMaster(master=master)
-        self.chain.become_head(
+        self.follower.become_head(
             f"trainer {peer.node_id} pushes here (takeover={msg.takeover})", catch_up=False
         )
         try:
@@ -269,7 +276,7 @@ class RelayNode(Node):
         vs.staging = False
         self.metrics.count("versions_pushed")
         self.spawn(self._digest_pass(vs), f"digest-v{vs.version}")
-        await self.data.broadcast(self._offer(vs), role="relay")
+        await self.chunks.offer_downstream(vs)
         return CommitReply(version=vs.version, master=self.index)
 
     def _drop_staging(self, token: int, why: str) -> None:
@@ -312,11 +319,6 @@ class RelayNode(Node):
         self.store.complete(vs, vs.expected_checksum)
         self.metrics.add("digest_s", time.monotonic() - t0)
         await self._version_ready(vs)
-
-    # ---- chunk service (data socket) -------------------------------------------------------
-    async def _on_offer_request(self, peer: Peer, msg: OfferRequest) -> VersionOffer:
-        vs = self.store.newest()
-        return self._offer(vs) if vs is not None else VersionOffer(version=-1)
 
     # ---- readers ---------------------------------------------------------------------------
     async def _on_pull(self, peer: Peer, msg: PullRequest) -> PullReply | ErrorReply:
@@ -362,15 +364,15 @@ class RelayNode(Node):
 
     # ---- chain control ---------------------------------------------------------------------
     async def _on_chain_update(self, peer: Peer, msg: ChainUpdate) -> Ack | ErrorReply:
-        if msg.epoch < self.chain.manager_epoch:
+        if msg.epoch < self.view.manager_epoch:
             return ErrorReply(
-                code="stale_epoch", message=f"epoch {msg.epoch} < {self.chain.manager_epoch}"
+                code="stale_epoch", message=f"epoch {msg.epoch} < {self.view.manager_epoch}"
             )
-        self.chain.set_order(msg.epoch, msg.order, msg.data_endpoints, from_manager=True)
+        self.follower.set_order(msg.epoch, msg.order, msg.data_endpoints, from_manager=True)
         return Ack()
 
     async def _on_chain_info(self, peer: Peer, msg: ChainInfoRequest) -> ChainInfo:
-        return self.chain.info()
+        return self.follower.info()
 
     async def _on_reset(self, peer: Peer, msg: RelayReset) -> Ack:
         self.store.reset(keep_spare=msg.keep_spare)

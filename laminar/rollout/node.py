@@ -81,7 +81,8 @@ from laminar.rollout.sequences import SequenceTable
 from laminar.rollout.versions import VersionGate
 from laminar.transport.session import ErrorReply
 from laminar.transport.sockets import Peer
-from laminar.weights.channel import WeightSubscriber, open_subscriber
+from laminar.weights.channel import WeightSubscriber
+from laminar.weights.factory import open_subscriber
 
 STARTING_ENGINE = "starting_engine"
 """NodeStatus.state (and ErrorReply code) of a rollout whose engine has not started yet."""

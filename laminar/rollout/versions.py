@@ -39,8 +39,7 @@ import structlog
 
 from laminar.engines.base import Engine, WeightsRejected
 from laminar.metrics import Metrics
-from laminar.weights.channel import WeightSubscriber
-from laminar.weights.relay_client import WeightsUnavailable
+from laminar.weights.channel import WeightSubscriber, WeightsUnavailable
 
 
 class VersionGate:

@@ -197,7 +197,7 @@ class TrainerNode(Node):
         if self.rank != 0:
             return
         from laminar.trainer.logger import MetricsLogger, wandb_init_kwargs
-        from laminar.weights.channel import open_publisher
+        from laminar.weights.factory import open_publisher
 
         tc = self.cfg.trainer
         self.buffer = self.client(self.cfg.endpoint("buffer"))
@@ -550,7 +550,7 @@ class TrainerNode(Node):
         the next tensor gathers; laminar/weights/sink.py) and announce it; (export seconds, the
         rest of the trainer's stall, bytes), NaN stall if it failed (nothing was published: the
         relay commits only a whole version)."""
-        from laminar.weights.channel import publish_streamed
+        from laminar.weights.factory import publish_streamed
 
         assert self.handoff is not None and self.trainer is not None
         trainer = self.trainer

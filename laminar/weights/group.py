@@ -26,7 +26,7 @@ and a collective lasts at most `bound_s`: a member that is dead (kill -9: the tr
 fails at once) or busy (its receive never posted) fails the broadcast, is dropped from the next
 generation (and benched for `bound_s` if it beats but never joins), and falls back to the relay
 path; the version is sent again to the survivors. The trainer itself waits for a broadcast at
-most `bound_s` (laminar/weights/gpu_channel.py): that is the bound on its stall.
+most `bound_s` (laminar/weights/nccl.py): that is the bound on its stall.
 """
 
 from __future__ import annotations
