@@ -1,6 +1,6 @@
 """The one engine interface every rollout backend implements (torch, vllm, sim).
 
-    engine = make_engine(cfg.rollout, cfg.model)  # laminar.engines.make_engine
+    engine = make_engine(cfg.rollout, cfg.model)  # laminar.engines.factory.make_engine
     await engine.start()
     engine.submit(GenRequest("g1", prompt_ids, SamplingParams(max_tokens=64), n=4, version=3))
     async for ev in engine.events():            # TokenEvents of every sequence, in step order
