@@ -36,15 +36,6 @@ _EMPTY_I = np.zeros(0, np.int32)
 _EMPTY_F = np.zeros(0, np.float32)
 
 
-class WeightsRejected(ValueError):
-    """An engine refused a version it was given (it does not fit the model: names, shapes,
-    values). Nothing of it was applied: the engine still serves, and labels its tokens with, its
-    previous version."""
-
-    version: int = -1
-    """The version refused (set by the engine that refused it)."""
-
-
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0
