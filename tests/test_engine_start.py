@@ -24,7 +24,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
-from rollout_fakes import FakeEngine, harness, make_cfg, make_items, uids_of, wait_for
+from fake_engine import FakeEngine
+from rollout_fakes import harness, make_cfg, make_items, uids_of, wait_for
 
 from laminar.engines.lifeline import alive, lifeline_env
 from laminar.node import NodeFailed

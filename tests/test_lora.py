@@ -14,11 +14,12 @@ import structlog
 import torch
 
 from laminar.config import ConfigError, LoraConfig, config_from_dict
-from laminar.engines.base import GenRequest, SamplingParams, WeightsRejected
+from laminar.engines.base import GenRequest, SamplingParams
 from laminar.engines.torch_engine import TorchEngine
 from laminar.metrics import Metrics
 from laminar.models import lora as lo
 from laminar.models.decoder_lm import load_model
+from laminar.models.rejected import WeightsRejected
 from laminar.rollout.versions import VersionGate
 from laminar.trainer import checkpoint as ck
 from laminar.trainer.batch import TrainBatch, collate

@@ -13,8 +13,8 @@ import os
 
 import numpy as np
 import pytest
+from fake_engine import FakeEngine
 from rollout_fakes import (
-    FakeEngine,
     expected_response,
     harness,
     make_cfg,
@@ -199,7 +199,10 @@ async def test_export_then_import_completes_the_trajectory(tmp_path):
             lambda: (
                 set(src.table.seqs) == all_uids
                 and not src.engine.running.keys() - all_uids
-                and all(len(s["ids"]) >= s["target"] - 1 for s in src.engine.running.values())
+                and all(
+                    len(s["ids"]) >= min(s["end"], s["cap"]) - 1
+                    for s in src.engine.running.values()
+                )
             ),
             10,
             "the source to generate all it can",

@@ -1,4 +1,5 @@
-"""Held-out evaluation: greedy decoding with the torch engine, scored by the task verifier.
+"""Held-out evaluation: greedy decoding with the torch engine (laminar/engines/greedy.py),
+scored by the task verifier.
 
     acc = evaluate_model(path_or_model, rows, verify)
     # acc: {"accuracy", "prompts", "mean_len", "completions", ...}
@@ -9,7 +10,6 @@ the run (accuracy against wall-clock and step), and after RL.
 
 from __future__ import annotations
 
-import asyncio
 import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -25,30 +25,6 @@ def prompt_ids(tok: Any, prompt: str) -> np.ndarray:
     return np.asarray(ids, dtype=np.int32)
 
 
-async def _generate(
-    model: Any, tok: Any, prompts: Sequence[str], max_tokens: int, max_running: int
-) -> list[str]:
-    from laminar.engines.base import GenRequest, SamplingParams
-    from laminar.engines.torch_engine import TorchEngine
-
-    engine = TorchEngine(model, tok, max_running=max_running)
-    await engine.start()
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-        tasks = [
-            engine.generate_all(
-                GenRequest(f"eval{i}", prompt_ids(tok, p), params, single=True), timeout=600
-            )
-            for i, p in enumerate(prompts)
-        ]
-        results = await asyncio.gather(*tasks)
-    finally:
-        await engine.close()
-    return [
-        tok.decode(next(iter(r.values()))[0].tolist(), skip_special_tokens=True) for r in results
-    ]
-
-
 def evaluate_model(
     model_or_path: Any,
     rows: Sequence[dict[str, Any]],
@@ -58,15 +34,18 @@ def evaluate_model(
     tokenizer: Any = None,
 ) -> dict[str, Any]:
     """Greedy accuracy of a model on rows ({"prompt", "answer"}); runs its own event loop."""
-    import torch
-
+    from laminar.engines.greedy import greedy_generate
     from laminar.models.tiny import open_model
 
     model, tokenizer = open_model(model_or_path, tokenizer)
-    with torch.inference_mode():
-        outs = asyncio.run(
-            _generate(model, tokenizer, [r["prompt"] for r in rows], max_tokens, max_running)
-        )
+    ids = greedy_generate(
+        model,
+        tokenizer,
+        [prompt_ids(tokenizer, r["prompt"]) for r in rows],
+        max_tokens=max_tokens,
+        max_running=max_running,
+    )
+    outs = [tokenizer.decode(o.tolist(), skip_special_tokens=True) for o in ids]
     scores = [float(verify(o, r["answer"])) for o, r in zip(outs, rows, strict=True)]
     return {
         "accuracy": sum(scores) / max(1, len(scores)),

@@ -229,7 +229,7 @@ class RolloutNode(Node):
     async def _make_and_start_engine(self) -> None:
         cfg = self.cfg
         if self.engine is None:
-            from laminar.engines import make_engine
+            from laminar.engines.factory import make_engine
 
             kw: dict[str, Any] = {}
             if cfg.rollout.engine == "vllm":

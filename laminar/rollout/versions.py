@@ -37,8 +37,9 @@ from collections.abc import Sequence
 
 import structlog
 
-from laminar.engines.base import Engine, WeightsRejected
+from laminar.engines.base import Engine
 from laminar.metrics import Metrics
+from laminar.models.rejected import WeightsRejected
 from laminar.weights.channel import WeightSubscriber, WeightsUnavailable
 
 

@@ -38,7 +38,6 @@ import asyncio
 import statistics
 import threading
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,10 +51,7 @@ from laminar.config import (
     RolloutConfig,
     TrainerConfig,
 )
-
-_CANCEL_POLL_S = 0.1
-_GEN_TIMEOUT_S = 3600.0
-"""Deadline on one validation's generation (a stuck engine must not hang the trainer)."""
+from laminar.engines.greedy import greedy_generate
 
 
 @dataclass(frozen=True)
@@ -82,62 +78,6 @@ class EvalRow:
     prompt: str
     """Prompt text as the reward sees it."""
     row: dict[str, Any]
-
-
-async def _generate(
-    engine: Any, prompts: Sequence[np.ndarray], params: Any, cancel: threading.Event
-) -> list[np.ndarray]:
-    from laminar.engines.base import GenRequest
-
-    await engine.start()
-    try:
-        tasks = [
-            asyncio.ensure_future(
-                engine.generate_all(
-                    GenRequest(f"eval{i}", ids, params, single=True), timeout=_GEN_TIMEOUT_S
-                )
-            )
-            for i, ids in enumerate(prompts)
-        ]
-        everything = asyncio.gather(*tasks)
-        while not everything.done():
-            if cancel.is_set():
-                everything.cancel()
-                raise asyncio.CancelledError("validation cancelled: the node is stopping")
-            await asyncio.wait({everything}, timeout=_CANCEL_POLL_S)
-        results = everything.result()
-    finally:
-        await engine.close()
-    return [next(iter(r.values()))[0] for r in results]
-
-
-def greedy_generate(
-    model: Any,
-    tokenizer: Any,
-    prompts: Sequence[np.ndarray],
-    *,
-    max_tokens: int,
-    stop: Sequence[str] = (),
-    max_running: int = 64,
-    max_model_len: int | None = None,
-    cancel: threading.Event | None = None,
-) -> list[np.ndarray]:
-    """Greedy response ids for each prompt with the torch engine. Blocking: runs its own event
-    loop."""
-    import torch
-
-    from laminar.engines.base import SamplingParams
-    from laminar.engines.torch_engine import TorchEngine
-
-    engine = TorchEngine(
-        model,
-        tokenizer,
-        max_running=max(1, min(max_running, len(prompts))),
-        max_model_len=max_model_len,
-    )
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop=tuple(stop))
-    with torch.inference_mode():
-        return asyncio.run(_generate(engine, prompts, params, cancel or threading.Event()))
 
 
 def load_eval_rows(

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from laminar.config import EnvLimits
+from laminar.demo.evaluate import prompt_ids
 from laminar.engines.base import GenRequest, SamplingParams
 from laminar.envs.base import Environment, StepContext, ToolClient, ToolResult
 from laminar.envs.template import TurnTemplate
@@ -88,14 +89,6 @@ class Episode:
     """stop | length | turns | timeout | error"""
     reward: float | None = None
     info: dict[str, Any] = field(default_factory=dict)
-
-
-def prompt_ids(tok: Any, prompt: str) -> np.ndarray:
-    """BOS + prompt tokens: the same encoding as the buffer's prompt pool and the warm-up."""
-    ids = tok(prompt, add_special_tokens=False)["input_ids"]
-    if tok.bos_token_id is not None:
-        ids = [tok.bos_token_id, *ids]
-    return np.asarray(ids, dtype=np.int32)
 
 
 async def run_episode(
