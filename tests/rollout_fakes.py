@@ -33,14 +33,14 @@ import numpy as np
 
 from laminar.config import config_from_dict
 from laminar.engines.base import Engine, EngineStats, GenRequest, PartialState, TokenEvent
-from laminar.manager.node import ManagerNode
-from laminar.node import socket_options
 from laminar.protocol.buffer import PromptReply, PromptRequest, TrajectoryAbandoned, TrajectoryAck
 from laminar.protocol.data import PartialBatch, PartialChunk, PromptItem, Trajectory
 from laminar.rollout.node import RolloutNode
 from laminar.supervise import Spawn, detached_spawn
 from laminar.transport.server import RpcServer
 from laminar.transport.sockets import new_context
+from laminar.wiring.common import socket_options
+from laminar.wiring.nodes import build_node
 
 
 def fake_token(uid: str, i: int, vocab: int = 50) -> int:
@@ -322,7 +322,7 @@ class Harness:
         self.state = FakeBufferState(prompts=list(items))
         opts = socket_options(cfg)
         self.buffer = FakeBuffer(self.ctx, cfg.endpoint("buffer"), self.state, opts)
-        self.manager = ManagerNode(cfg, ctx=self.ctx)
+        self.manager = build_node(cfg, "manager", ctx=self.ctx)
         self.rollouts: list[RolloutNode] = []
         self.tasks: list[asyncio.Task] = []
         self.nodes: list[Any] = []
@@ -344,7 +344,7 @@ class Harness:
         self, engine: FakeEngine | None = None, index: int | None = None
     ) -> RolloutNode:
         idx = len(self.rollouts) if index is None else index
-        node = RolloutNode(self.cfg, index=idx, ctx=self.ctx, engine=engine or FakeEngine())
+        node = build_node(self.cfg, "rollout", idx, ctx=self.ctx, engine=engine or FakeEngine())
         return await self.start_node(node)
 
     async def wait_stored(self, uids: set[str], timeout: float) -> None:

@@ -233,8 +233,8 @@ def test_rollout_killed_mid_agent_call_the_call_returns_and_nothing_twice(procs)
     assert not [u for u, c in Counter(uids).items() if c > 1], "consumed twice"
     groups = Counter(u.rpartition("/")[0] for u in uids)
     assert set(groups.values()) == {GROUP} and len({g.split("@")[0] for g in groups}) == PROMPTS
-    from laminar.buffer.node import experience_state
     from laminar.journal_check import replay_buffer_journal
+    from laminar.wiring.buffer import experience_state
 
     state, trajs = replay_buffer_journal(
         procs.run_dir / "buffer-0.journal", experience_state(procs.cfg)

@@ -203,8 +203,8 @@ def procs(tmp_path, short_dir):
 
 
 def journal_trajectories(p: Procs) -> tuple[dict, list[Trajectory]]:
-    from laminar.buffer.node import experience_state
     from laminar.journal_check import replay_buffer_journal
+    from laminar.wiring.buffer import experience_state
 
     state, trajs = replay_buffer_journal(p.run_dir / "buffer-0.journal", experience_state(p.cfg))
     return state.summary(), trajs

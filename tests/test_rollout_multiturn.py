@@ -22,13 +22,20 @@ from laminar.envs.base import call_id
 from laminar.envs.replay import split_segments
 from laminar.protocol.rollout import ExportReply, ExportRequest, ImportReply, ImportRequest
 from laminar.rollout.node import RolloutNode
+from laminar.wiring.nodes import build_node
 
 
 async def add(
     h: Any, env: ScriptedEnv, tools: Any, engine: TurnEngine | None = None
 ) -> RolloutNode:
-    node = RolloutNode(
-        h.cfg, index=len(h.rollouts), ctx=h.ctx, engine=engine or TurnEngine(), env=env, tools=tools
+    node = build_node(
+        h.cfg,
+        "rollout",
+        len(h.rollouts),
+        ctx=h.ctx,
+        engine=engine or TurnEngine(),
+        env=env,
+        tools=tools,
     )
     return await h.start_node(node)
 

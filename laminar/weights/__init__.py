@@ -7,7 +7,7 @@
     relay_client.py  the relay's clients: WeightPusher (trainer -> master relay) and
                      WeightPuller / PulledWeights (rollout <- its host's relay)
     channel.py       the channel a role opens: open_publisher / open_subscriber for the
-                     relay, dir and announce modes (ChannelSettings from laminar/node.py)
+                     relay, dir and announce modes (ChannelSettings from laminar/wiring/common.py)
     gpu.py           flat device buffers, CUDA IPC export/open, device by UUID, pinned memory
     group.py         the broadcast group (NCCL on GPUs, gloo on CPU): generations over a TCPStore
     leases.py        reader leases: when a shared version's buffer may be freed
@@ -17,5 +17,6 @@
 Imports go one way: weights/ -> transport/ (the wire) and protocol/relay.py (the messages)
 -> laminar/message.py. The relay role (laminar/relay/) holds the chain between relays and
 uses layout, segment and delta; the trainer and rollout nodes open the channel. Nothing here
-reads the config tree: the wiring layer (laminar/node.py) hands in RelayLinks and ChannelSettings.
+reads the config tree: the wiring layer (laminar/wiring/common.py) hands in RelayLinks and
+ChannelSettings.
 """

@@ -1,6 +1,6 @@
 """The weights channel: how a new policy version gets from the trainer to the rollouts.
 
-One choice, made once from the config by `weights_channel(cfg)` (laminar/node.py: the
+One choice, made once from the config by `weights_channel(cfg)` (laminar/wiring/common.py: the
 wiring layer), opens both ends:
 
     trainer:  pub = open_publisher(weights_channel(cfg), node.wiring())
@@ -67,7 +67,7 @@ _FILE = re.compile(r"^v(\d+)\.safetensors$")
 
 @dataclass(frozen=True)
 class ChannelSettings:
-    """How weights move in this run, the same at both ends (laminar/node.py
+    """How weights move in this run, the same at both ends (laminar/wiring/common.py
     `weights_channel(cfg)` builds it from the config)."""
 
     mode: WeightsMode

@@ -1,7 +1,7 @@
 """Relay variant of the weights channel: the trainer's push to the master relay and a
 rollout's pull from its host's relay (laminar/weights/channel.py picks the variant).
 
-    trainer:  pusher = WeightPusher(links, wiring)  # links: relay_links(cfg) (laminar/node.py)
+    trainer:  pusher = WeightPusher(links, wiring)  # links: laminar/wiring/common.py relay_links
               await pusher.start()
               stall_s = await pusher.push(version, model.state_dict())  # returns after the handoff
     rollout:  puller = WeightPuller(links, wiring, relay_index=cfg.rollout.relay_index)
@@ -129,7 +129,7 @@ def write_flat(dst: Any, items: list[tuple[str, Any]], layout: WeightLayout) -> 
 @dataclass(frozen=True)
 class RelayLinks:
     """What the trainer's and a rollout's ends need to reach the relays (built from the
-    config by laminar/node.py `relay_links`)."""
+    config by laminar/wiring/common.py `relay_links`)."""
 
     control: tuple[str, ...]
     """Relay i's control endpoint (Stage/Commit/Pull/ChainInfo), for every relay index."""
