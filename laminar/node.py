@@ -14,6 +14,11 @@ parts that build transport objects get `node.spawn` as a `Spawn` dependency). On
 that raises stops the node loudly: the error is logged, `run()` re-raises it as
 NodeFailed, and the process exits non-zero. Nothing hangs silently.
 
+A node never sees the config tree: the base reads its NodeSettings (node id, socket options,
+the manager's endpoint, start and stop bounds) and each role's node its own settings object
+(laminar/<role>/settings.py), both built by the wiring layer (laminar/wiring/; `build_node`
+makes a node of a role from the config).
+
 Subclasses set `role`, and override `setup`, `main`, `drain`, `teardown`, `status`.
 """
 

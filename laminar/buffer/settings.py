@@ -56,9 +56,9 @@ class BufferNodeSettings:
     reward_fn: str
     group_size: int
     groups_per_rollout: int
-    """Open groups one rollout may hold (LaminarConfig.groups_per_rollout)."""
+    """Open groups one rollout may hold (laminar/config.py groups_per_rollout())."""
     inflight_per_rollout: int
-    """Most samples one rollout holds in flight (LaminarConfig.inflight_per_rollout)."""
+    """Most samples one rollout holds in flight (laminar/config.py inflight_per_rollout())."""
     run_dir: Path
     endpoint: str
     """Where the buffer binds."""

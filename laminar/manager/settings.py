@@ -30,6 +30,6 @@ class ManagerNodeSettings:
     chain_window: int
     """relay.window: the chain planner's fetch window."""
     repack_bound_b: int
-    """LaminarConfig.repack_bound_b: most samples one placement claims."""
+    """laminar/config.py repack_bound_b(): most samples one placement claims."""
     inflight_per_rollout: int
-    """Most samples one rollout holds in flight (LaminarConfig.inflight_per_rollout)."""
+    """Most samples one rollout holds in flight (laminar/config.py inflight_per_rollout())."""

@@ -73,15 +73,15 @@ class ChannelSettings:
     mode: WeightsMode
     dir: Path
     """dir mode: where versions are written (run_dir/weights)."""
-    relay: RelayLinks | None = None
+    relay: RelayLinks | None
     """relay mode: the relays' endpoints and deadlines."""
-    relay_index: int = 0
+    relay_index: int
     """relay mode, a rollout's end: the relay of its host."""
-    group: GroupSettings | None = None
+    group: GroupSettings | None
     """nccl / cuda_ipc: the trainer's weights store and broadcast group (gpu_channel.py)."""
-    device: str = "cpu"
+    device: str
     """nccl / cuda_ipc: where this end keeps a version (the model's device)."""
-    lease_ttl_s: float = 60.0
+    lease_ttl_s: float
     """cuda_ipc: a reader's lease on a version."""
 
 

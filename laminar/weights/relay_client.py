@@ -135,13 +135,13 @@ class RelayLinks:
     """Relay i's control endpoint (Stage/Commit/Pull/ChainInfo), for every relay index."""
     pub: tuple[str, ...]
     """Relay i's WeightsReady publisher."""
-    startup_timeout_s: float = 30.0
-    request_timeout_s: float = 10.0
-    probe_timeout_s: float = 1.0
+    startup_timeout_s: float
+    request_timeout_s: float
+    probe_timeout_s: float
     """A relay that does not answer a probe within this is taken for dead (failover)."""
-    chunk_bytes: int = 4 << 20
+    chunk_bytes: int
     """Chunk size of a streamed push when the relay did not name one."""
-    window: int = 4
+    window: int
     """Chunks of a streamed push in flight."""
 
     def relay(self, index: int) -> str:
