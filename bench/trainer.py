@@ -59,8 +59,8 @@ from engine import machine, stats  # noqa: E402  (the same figures' helpers as b
 from laminar.config import config_from_dict  # noqa: E402
 from laminar.models.tiny import build_tiny_model  # noqa: E402
 from laminar.protocol.data import Trajectory  # noqa: E402
-from laminar.trainer.node import trainer_settings  # noqa: E402
 from laminar.trainer.policy import Policy  # noqa: E402
+from laminar.wiring.trainer import trainer_settings  # noqa: E402
 
 MODEL = dict(
     hidden=128, layers=3, heads=4, kv_heads=2, max_positions=320

@@ -88,7 +88,9 @@ async def nccl_path(nbytes: int, versions: int, log) -> list[dict[str, Any]]:
 
     state = make_state(nbytes)
     names = tuple(f"rollout-{i}" for i in range(N))
-    s = GroupSettings("127.0.0.1", free_port(), "gloo", names, bound_s=120.0, beat_s=0.2)
+    s = GroupSettings(
+        "127.0.0.1", free_port(), "gloo", names, bound_s=120.0, beat_s=0.2, connect_timeout_s=120.0
+    )
     quiet = structlog.get_logger()
     caster = GroupBroadcaster(s, quiet)
     pub = GroupPublisher(None, caster, "cpu")

@@ -39,10 +39,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchinfo import git_state  # noqa: E402
 
-from laminar.trainer.node import trainer_settings  # noqa: E402
 from laminar.trainer.policy import Policy  # noqa: E402
 from laminar.weights.digest import weights_digest  # noqa: E402
 from laminar.weights.sink import VersionSink  # noqa: E402
+from laminar.wiring.trainer import trainer_settings  # noqa: E402
 from tests.relay_procs import RelayProcs  # noqa: E402
 from tests.test_trainer import make_cfg  # noqa: E402
 

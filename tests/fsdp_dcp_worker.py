@@ -30,11 +30,11 @@ from laminar.trainer.dist import (  # noqa: E402
     destroy,
     init_distributed,
 )
-from laminar.trainer.node import trainer_settings  # noqa: E402
 from laminar.trainer.policy import Policy  # noqa: E402
 from laminar.weights.layout import layout_of, named_list  # noqa: E402
 from laminar.weights.pusher import write_flat  # noqa: E402
 from laminar.weights.sink import FlatSink  # noqa: E402
+from laminar.wiring.trainer import trainer_settings  # noqa: E402
 from tests.test_trainer import make_cfg, make_trajs  # noqa: E402
 
 META = {"version": 2, "frontier": {"committed": [0, 1], "uncommitted": []}}

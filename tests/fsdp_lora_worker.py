@@ -23,8 +23,8 @@ from laminar.models.lora import is_adapter_name  # noqa: E402
 from laminar.trainer import checkpoint as ck  # noqa: E402
 from laminar.trainer.batch import TrainBatch  # noqa: E402
 from laminar.trainer.dist import destroy, init_distributed  # noqa: E402
-from laminar.trainer.node import trainer_settings  # noqa: E402
 from laminar.trainer.policy import Policy  # noqa: E402
+from laminar.wiring.trainer import trainer_settings  # noqa: E402
 from tests.test_trainer import make_cfg, make_trajs  # noqa: E402
 
 SEEDS = (1, 2, 1)

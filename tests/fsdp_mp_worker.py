@@ -19,8 +19,8 @@ import torch  # noqa: E402
 
 from laminar.trainer.batch import TrainBatch  # noqa: E402
 from laminar.trainer.dist import destroy, init_distributed  # noqa: E402
-from laminar.trainer.node import trainer_settings  # noqa: E402
 from laminar.trainer.policy import Policy  # noqa: E402
+from laminar.wiring.trainer import trainer_settings  # noqa: E402
 from tests.test_trainer import make_cfg, make_trajs  # noqa: E402
 
 

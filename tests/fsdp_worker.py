@@ -20,8 +20,8 @@ import torch  # noqa: E402
 
 from laminar.trainer.dist import init_distributed  # noqa: E402
 from laminar.trainer.follower import follow  # noqa: E402
-from laminar.trainer.node import trainer_settings  # noqa: E402
 from laminar.trainer.policy import Policy  # noqa: E402
+from laminar.wiring.trainer import trainer_settings  # noqa: E402
 from tests.test_trainer import make_cfg, make_trajs  # noqa: E402
 
 

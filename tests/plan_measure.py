@@ -24,8 +24,8 @@ import torch  # noqa: E402
 from laminar.config import load_config  # noqa: E402
 from laminar.plan.trainer import _trajectories, micro_batch_shape, read_shape  # noqa: E402
 from laminar.trainer.batch import TrainBatch  # noqa: E402
-from laminar.trainer.node import trainer_settings  # noqa: E402
 from laminar.trainer.policy import Policy  # noqa: E402
+from laminar.wiring.trainer import trainer_settings  # noqa: E402
 
 
 def _status(key: str) -> int:

@@ -30,7 +30,6 @@ import yaml
 from laminar.config import apply_overrides, config_from_dict
 from laminar.logs import get_logger
 from laminar.message import Message
-from laminar.node import relay_links, socket_options
 from laminar.protocol.relay import ChainInfo, ChainInfoRequest, ChainUpdate
 from laminar.supervise import detached_spawn
 from laminar.transport.client import RpcClient
@@ -38,6 +37,7 @@ from laminar.transport.sockets import Context, TransportError, Wiring, new_conte
 from laminar.weights.puller import WeightPuller
 from laminar.weights.pusher import WeightPusher
 from laminar.weights.segment import default_shm_dir
+from laminar.wiring.common import relay_links, socket_options
 
 
 class RelayProcs:

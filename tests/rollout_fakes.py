@@ -31,13 +31,13 @@ import numpy as np
 from fake_engine import FakeEngine, fake_length, fake_token
 
 from laminar.config import config_from_dict
-from laminar.manager.node import ManagerNode
-from laminar.node import socket_options
 from laminar.protocol.buffer import PromptReply, PromptRequest, TrajectoryAbandoned, TrajectoryAck
 from laminar.protocol.data import PartialBatch, PartialChunk, PromptItem, Trajectory
 from laminar.rollout.node import RolloutNode
 from laminar.transport.server import RpcServer
 from laminar.transport.sockets import new_context
+from laminar.wiring.common import socket_options
+from laminar.wiring.nodes import build_node
 
 
 def expected_response(uid: str, base: int = 8, span: int = 40) -> list[int]:
@@ -203,7 +203,7 @@ class Harness:
         self.state = FakeBufferState(prompts=list(items))
         opts = socket_options(cfg)
         self.buffer = FakeBuffer(self.ctx, cfg.endpoint("buffer"), self.state, opts)
-        self.manager = ManagerNode(cfg, ctx=self.ctx)
+        self.manager = build_node(cfg, "manager", ctx=self.ctx)
         self.rollouts: list[RolloutNode] = []
         self.tasks: list[asyncio.Task] = []
         self.nodes: list[Any] = []
@@ -225,7 +225,7 @@ class Harness:
         self, engine: FakeEngine | None = None, index: int | None = None
     ) -> RolloutNode:
         idx = len(self.rollouts) if index is None else index
-        node = RolloutNode(self.cfg, index=idx, ctx=self.ctx, engine=engine or FakeEngine())
+        node = build_node(self.cfg, "rollout", idx, ctx=self.ctx, engine=engine or FakeEngine())
         return await self.start_node(node)
 
     async def wait_stored(self, uids: set[str], timeout: float) -> None:

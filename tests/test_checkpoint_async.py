@@ -23,8 +23,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from laminar.trainer import checkpoint as ck
 from laminar.trainer.batch import TrainBatch
-from laminar.trainer.node import trainer_settings
 from laminar.trainer.policy import Policy
+from laminar.wiring.trainer import trainer_settings
 from tests.test_trainer import make_cfg, make_trajs, params
 from tests.test_trainer_node import harness  # noqa: F401 - a fixture
 

@@ -128,7 +128,7 @@ import sys, asyncio
 import numpy as np
 from laminar.config import config_from_dict
 from laminar.engines.torch_engine import TorchEngine
-from laminar.trainer.node import trainer_settings
+from laminar.wiring.trainer import trainer_settings
 from laminar.trainer.policy import Policy
 from laminar.protocol.data import Trajectory
 cfg = config_from_dict({{"run_dir": {str(tmp_path / "run")!r}, "model": {{"path": {str(path)!r}}},

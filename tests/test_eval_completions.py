@@ -18,9 +18,10 @@ from typing import Any
 import pytest
 
 from laminar.config import LaminarConfig, config_from_dict
-from laminar.node import socket_options
 from laminar.tasks import countup
 from laminar.transport.sockets import new_context
+from laminar.wiring.common import socket_options
+from laminar.wiring.nodes import build_node
 from tests.test_trainer import make_trajs
 from tests.test_trainer_node import FakeBuffer, FakeManager, groups_of
 
@@ -95,7 +96,7 @@ async def test_evaluator_scores_greedy_completions_of_the_weights_it_is_given(
     from laminar.demo.evaluate import evaluate_model
     from laminar.models.tiny import load_causal_lm
     from laminar.trainer.evaluation import open_evaluator
-    from laminar.trainer.node import eval_settings
+    from laminar.wiring.trainer import eval_settings
 
     a, b = countup_model
     cfg = cfg_for(tmp_path, a, completions_per_step=EVAL_ROWS)
@@ -122,7 +123,7 @@ async def test_evaluator_scores_greedy_completions_of_the_weights_it_is_given(
 
 def test_evaluator_is_skipped_with_a_reason(countup_model, tmp_path):
     from laminar.trainer.evaluation import open_evaluator
-    from laminar.trainer.node import eval_settings
+    from laminar.wiring.trainer import eval_settings
 
     a, _ = countup_model
     log = Recorder()
@@ -138,7 +139,6 @@ def test_evaluator_is_skipped_with_a_reason(countup_model, tmp_path):
 
 
 async def test_trainer_writes_eval_metrics_and_completions(countup_model, tmp_path):
-    from laminar.trainer.node import TrainerNode
 
     a, _ = countup_model
     cfg = cfg_for(tmp_path, a)
@@ -152,7 +152,7 @@ async def test_trainer_writes_eval_metrics_and_completions(countup_model, tmp_pa
     await buf.srv.start()
     await mgr.srv.start()
     try:
-        node = TrainerNode(cfg, ctx=ctx)
+        node = build_node(cfg, "trainer", ctx=ctx)
         await asyncio.wait_for(node.run(), 90)
     finally:
         await buf.srv.close()

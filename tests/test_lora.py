@@ -24,10 +24,11 @@ from laminar.rollout.versions import VersionGate
 from laminar.trainer import checkpoint as ck
 from laminar.trainer.batch import TrainBatch, collate
 from laminar.trainer.engine import open_trainer
-from laminar.trainer.node import trainer_settings
 from laminar.trainer.policy import Policy
 from laminar.weights.dir import DirPublisher, DirSubscriber
 from laminar.weights.layout import align_up, layout_of, named_list
+from laminar.wiring.nodes import build_node
+from laminar.wiring.trainer import trainer_settings
 from tests.test_trainer import make_cfg, make_trajs, on_policy
 from tests.test_trainer_node import harness  # noqa: F401  (a fixture)
 
@@ -490,13 +491,12 @@ async def test_adapter_versions_go_through_the_relay_tier(tiny, tmp_path, harnes
     from the relay's shared memory (the base from model.path); push_bytes is the adapter's
     bytes; snapshots carry their LoRA settings."""
     from laminar.demo.results import load_snapshot
-    from laminar.node import relay_links
-    from laminar.relay.node import RelayNode
     from laminar.rollout.versions import VersionGate
     from laminar.supervise import detached_spawn
     from laminar.transport.sockets import Wiring
     from laminar.weights.puller import WeightPuller
     from laminar.weights.relay import RelaySubscriber
+    from laminar.wiring.common import relay_links
     from tests.test_trainer_node import groups_of, node_cfg, read_jsonl, run_trainer
 
     ctx, make = harness
@@ -506,7 +506,7 @@ async def test_adapter_versions_go_through_the_relay_tier(tiny, tmp_path, harnes
     cfg.relay.shm_dir = str(tmp_path / "shm")
     (tmp_path / "shm").mkdir()
     await make(cfg, groups_of(make_trajs(n_groups=4, group=2)))
-    relay = RelayNode(cfg, ctx=ctx)
+    relay = build_node(cfg, "relay", ctx=ctx)
     relay_task = asyncio.create_task(relay.run())
     engine = TorchEngine.from_config(cfg.rollout, cfg.model, max_running=2)
     try:

@@ -36,10 +36,10 @@ from laminar.protocol.data import (
     Trajectory,
 )
 from laminar.trainer.batch import TrainBatch, collate
-from laminar.trainer.node import trainer_settings
 from laminar.trainer.policy import Policy
 from laminar.trainer.sim import SimTrainer
 from laminar.transport.session import ErrorReply
+from laminar.wiring.trainer import trainer_settings
 
 PROMPT = np.array([5, 6, 7], np.int32)
 # turn 0: 3 model tokens, tool answer: 2 env tokens, turn 1: 2 model tokens, user: 1 env, turn 2: 1

@@ -23,14 +23,16 @@ from laminar.envs.base import call_id
 from laminar.envs.replay import split_segments
 from laminar.protocol.rollout import ExportReply, ExportRequest, ImportReply, ImportRequest
 from laminar.rollout.node import RolloutNode
+from laminar.wiring.nodes import build_node
 
 
 async def add(
     h: Any, env: ScriptedEnv, tools: Any, engine: FakeEngine | None = None
 ) -> RolloutNode:
-    node = RolloutNode(
+    node = build_node(
         h.cfg,
-        index=len(h.rollouts),
+        "rollout",
+        len(h.rollouts),
         ctx=h.ctx,
         engine=engine or FakeEngine(turns=True),
         env=env,

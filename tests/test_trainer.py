@@ -15,8 +15,8 @@ from laminar.config import config_from_dict
 from laminar.protocol.data import Trajectory
 from laminar.trainer import checkpoint as ck
 from laminar.trainer.batch import TrainBatch, collate, pack_micro_batches
-from laminar.trainer.node import trainer_settings
 from laminar.trainer.policy import Policy, lr_lambda
+from laminar.wiring.trainer import trainer_settings
 
 
 @pytest.fixture(scope="module")

@@ -22,11 +22,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from laminar.node import socket_options
 from laminar.trainer import checkpoint as ck
 from laminar.trainer.batch import TrainBatch
-from laminar.trainer.node import trainer_settings
 from laminar.trainer.policy import Policy
+from laminar.wiring.common import socket_options
+from laminar.wiring.trainer import trainer_settings
 from tests.test_trainer import make_cfg, make_trajs
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from laminar.trainer.batch import TrainBatch
-from laminar.trainer.node import trainer_settings
 from laminar.trainer.policy import Policy
+from laminar.wiring.trainer import trainer_settings
 from tests.test_trainer import make_cfg, make_trajs
 
 ROOT = Path(__file__).resolve().parents[1]

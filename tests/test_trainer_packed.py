@@ -18,9 +18,9 @@ import torch
 from laminar.config import config_from_dict
 from laminar.protocol.data import Trajectory
 from laminar.trainer.batch import TrainBatch, collate
-from laminar.trainer.node import trainer_settings
 from laminar.trainer.packed import PackedForward, PackedLayout, pack_by_prompt, packed_forward
 from laminar.trainer.policy import Policy
+from laminar.wiring.trainer import trainer_settings
 from tests.test_engine_lean_forward import CASES, _model
 
 

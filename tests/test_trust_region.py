@@ -15,8 +15,8 @@ import torch
 from laminar.config import config_from_dict, config_warnings
 from laminar.protocol.data import Trajectory
 from laminar.trainer.batch import TrainBatch
-from laminar.trainer.node import trainer_settings
 from laminar.trainer.policy import Policy
+from laminar.wiring.trainer import trainer_settings
 
 
 @pytest.fixture(scope="module")

@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from laminar.trainer.batch import TrainBatch
-from laminar.trainer.node import trainer_settings
 from laminar.trainer.policy import Policy
 from laminar.weights.digest import weights_digest
 from laminar.weights.layout import layout_of, named_list
 from laminar.weights.pusher import write_flat
 from laminar.weights.sink import FlatSink, IncompleteVersion, VersionSink
+from laminar.wiring.trainer import trainer_settings
 from tests.test_trainer import make_cfg, make_trajs
 from tests.test_weights import _puller, _pusher, inproc  # noqa: F401 - inproc: a fixture
 

@@ -143,7 +143,7 @@ def _trainer_advice(cfg: LaminarConfig, mem: TrainerMemory, limit: int) -> tuple
 
 def make_plan(cfg: LaminarConfig, hw: Hardware, config_name: str = "") -> Plan:
     from laminar.plan.trainer import read_shape, trace_trainer
-    from laminar.trainer.node import trainer_settings
+    from laminar.wiring.trainer import trainer_settings
 
     plan = Plan(config=config_name, hardware=hw)
     limit = int(hw.gpu_gib * GIB * hw.limit)

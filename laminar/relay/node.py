@@ -42,7 +42,7 @@ import socket
 import time
 
 from laminar.message import ProtocolError
-from laminar.node import Node, socket_max_message_bytes
+from laminar.node import Node
 from laminar.protocol.core import NodeStatus
 from laminar.protocol.relay import (
     ChainInfo,
@@ -67,9 +67,10 @@ from laminar.protocol.relay import (
 )
 from laminar.relay.fetch import ChainFollower
 from laminar.relay.serve import ChunkService
+from laminar.relay.settings import RelayNodeSettings
 from laminar.relay.view import ChainView
 from laminar.transport.session import Ack, ErrorReply
-from laminar.transport.sockets import Peer, TransportError
+from laminar.transport.sockets import Context, Peer, TransportError
 from laminar.transport.streams import Publisher
 from laminar.weights.delta import DELTA_PIN, delta_base, digest_and_encode, words_for
 from laminar.weights.layout import validate_layout, version_checksum
@@ -81,11 +82,20 @@ DIGEST_BATCH = 8  # chunks hashed per thread hop: keeps the loop responsive, the
 class RelayNode(Node):
     role = "relay"
 
+    def __init__(self, settings: RelayNodeSettings, ctx: Context | None = None):
+        super().__init__(settings.node, ctx)
+        self.settings = settings
+
+    def _endpoint(self, service: str, index: int) -> str:
+        """A relay's endpoint by service (relay | relay_data) and index: what the chain dials."""
+        s = self.settings
+        return (s.controls if service == "relay" else s.data)[index]
+
     async def setup(self) -> None:
-        cfg, rc = self.cfg, self.cfg.relay
+        s, rc = self.settings, self.settings.relay
         self.store = WeightStore(
             rc.shm_dir or default_shm_dir(),
-            f"{rc.shm_prefix}-{cfg.name}-relay{self.index}",
+            s.shm_name,
             spare_slots=rc.spare_slots,
             max_slots=rc.max_slots,
         )
@@ -94,8 +104,8 @@ class RelayNode(Node):
         self._host = socket.gethostname()
 
         self.srv = self.server(
-            cfg.bind_endpoint("relay", self.index),
-            max_message_bytes=socket_max_message_bytes(cfg, "relay"),
+            s.bind,
+            max_message_bytes=s.max_message_bytes,
             on_peer_dead=self._on_peer_dead,
         )
         for msg_type, handler in (
@@ -111,14 +121,14 @@ class RelayNode(Node):
         ):
             self.srv.on(msg_type, handler)
         self.data = self.server(
-            cfg.bind_endpoint("relay_data", self.index),
-            max_message_bytes=socket_max_message_bytes(cfg, "relay_data"),
+            s.bind_data,
+            max_message_bytes=s.data_max_message_bytes,
         )
         self.view = ChainView(
             rc,
-            n_relays=cfg.cluster.roles.get("relay", 1),
+            n_relays=len(s.controls),
             index=self.index,
-            endpoint=cfg.endpoint,
+            endpoint=self._endpoint,
             log=self.log,
             metrics=self.metrics,
         )
@@ -148,7 +158,7 @@ class RelayNode(Node):
         self.data.on(ChainInfoRequest, self._on_chain_info)
         self.pub = Publisher(
             self.ctx,
-            cfg.bind_endpoint("relay_pub", self.index),
+            s.bind_pub,
             self.node_id,
             self.opts,
             spawn=self.spawn,  # its READY-barrier watcher: a death stops the relay
@@ -161,13 +171,13 @@ class RelayNode(Node):
     async def main(self) -> None:
         self.spawn(self.follower.run(), "chain")
         self.spawn(self._chain_events(), "chain-events")
-        interval = self.cfg.transport.heartbeat_interval_s
+        interval = self.settings.transport.heartbeat_interval_s
         while True:  # housekeeping: readers that left without releasing, abandoned staging
             await asyncio.sleep(interval * 2)  # a timer
             for peer in {p for c in self.store.pins.values() for p in c}:
                 if peer not in self.srv.peers and peer != DELTA_PIN:
                     self.log.info("reader_gone", peer=peer, released=self.store.unpin_peer(peer))
-            deadline = time.monotonic() - 10 * self.cfg.transport.request_timeout_s
+            deadline = time.monotonic() - 10 * self.settings.transport.request_timeout_s
             for token, (_peer, _vs, t0) in list(self._staging.items()):
                 if t0 < deadline:
                     self._drop_staging(token, "stage timeout")
@@ -234,7 +244,11 @@ class RelayNode(Node):
         )
         try:
             vs = await self.store.begin(
-                msg.version, msg.layout, self.cfg.relay.chunk_bytes, source="trainer", staging=True
+                msg.version,
+                msg.layout,
+                self.settings.relay.chunk_bytes,
+                source="trainer",
+                staging=True,
             )
         except OutOfSlots as exc:
             return ErrorReply(code="out_of_slots", message=str(exc))
@@ -291,7 +305,7 @@ class RelayNode(Node):
         t0 = time.monotonic()
         cb = vs.chunk_bytes
         base = self.store.current
-        base_v = delta_base(self.cfg.relay.delta, base, vs)
+        base_v = delta_base(self.settings.relay.delta, base, vs)
         words = None
         if base is not None and base_v >= 0:
             vs.delta_base = base_v
@@ -347,7 +361,7 @@ class RelayNode(Node):
         if msg.subscriber:
             try:
                 await self.pub.wait_for(
-                    {msg.subscriber}, timeout=self.cfg.transport.handshake_timeout_s
+                    {msg.subscriber}, timeout=self.settings.transport.handshake_timeout_s
                 )
             except TransportError as exc:
                 return ErrorReply(code="not_subscribed", message=str(exc))

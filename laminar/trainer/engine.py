@@ -80,7 +80,7 @@ class Trainer(Protocol):
 
 @dataclass(frozen=True)
 class TrainerSettings:
-    """What a trainer reads of the config; the trainer node builds it from its sections."""
+    """What a trainer reads of the config (laminar/wiring/trainer.py `trainer_settings`)."""
 
     trainer: TrainerConfig
     algo: AlgoConfig

@@ -56,7 +56,7 @@ from laminar.engines.greedy import greedy_generate
 
 @dataclass(frozen=True)
 class EvalSettings:
-    """The sections validation reads; the trainer node builds it."""
+    """The sections validation reads (laminar/wiring/trainer.py `eval_settings`)."""
 
     data: DataConfig
     """data.eval, chat_template, max_prompt_tokens."""
@@ -68,7 +68,7 @@ class EvalSettings:
     """sampling.max_tokens/stop, max_running, max_model_len: generation as the rollouts do it."""
     reward: RewardConfig
     """Scores the completions."""
-    env_fn: str | None = None
+    env_fn: str | None
     """env.fn: set, validation is single-turn (logged at start)."""
 
 

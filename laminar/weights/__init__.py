@@ -3,7 +3,8 @@
     channel.py     the interfaces: WeightPublisher / WeightSubscriber / WeightSink, Published,
                    ChannelSettings, RelayLinks, WeightsMode, WeightsUnavailable (no implementation)
     factory.py     open_publisher / open_subscriber for the mode ChannelSettings names (from
-                   laminar/node.py), and publish_streamed; only the trainer and rollout import it
+                   laminar/wiring/common.py), and publish_streamed; only the trainer and
+                   rollout import it
     relay.py       the relay mode: RelayPublisher / RelaySubscriber over the pusher and puller
     pusher.py      WeightPusher: trainer -> master relay (memcpy into its /dev/shm slot, failover)
     puller.py      WeightPuller / PulledWeights: rollout <- its host's relay (zero-copy views)
@@ -29,5 +30,5 @@ puller -> channel.py (the interfaces) -> group.py (GroupSettings) -> gpu, layout
 weights/ -> transport/ (the wire) and protocol/relay.py (the messages) -> laminar/message.py.
 The relay role (laminar/relay/) holds the chain between relays and uses layout, segment and
 delta; the trainer and rollout nodes open the channel (factory.py). Nothing here reads the
-config tree: the wiring layer (laminar/node.py) hands in RelayLinks and ChannelSettings.
+config tree: the wiring layer (laminar/wiring/common.py) hands in RelayLinks and ChannelSettings.
 """

@@ -2,7 +2,7 @@
 
 No implementation lives here: the settings and result types, the two ends' interfaces and the
 error a subscriber raises. One choice, made once from the config by `weights_channel(cfg)`
-(laminar/node.py: the wiring layer), opens both ends (laminar/weights/factory.py):
+(laminar/wiring/common.py: the wiring layer), opens both ends (laminar/weights/factory.py):
 
     trainer:  pub = open_publisher(weights_channel(cfg), node.wiring())
               await pub.start()
@@ -60,19 +60,19 @@ class WeightsUnavailable(RuntimeError):
 @dataclass(frozen=True)
 class RelayLinks:
     """What the trainer's and a rollout's ends need to reach the relays (built from the
-    config by laminar/node.py `relay_links`)."""
+    config by laminar/wiring/common.py `relay_links`)."""
 
     control: tuple[str, ...]
     """Relay i's control endpoint (Stage/Commit/Pull/ChainInfo), for every relay index."""
     pub: tuple[str, ...]
     """Relay i's WeightsReady publisher."""
-    startup_timeout_s: float = 30.0
-    request_timeout_s: float = 10.0
-    probe_timeout_s: float = 1.0
+    startup_timeout_s: float
+    request_timeout_s: float
+    probe_timeout_s: float
     """A relay that does not answer a probe within this is taken for dead (failover)."""
-    chunk_bytes: int = 4 << 20
+    chunk_bytes: int
     """Chunk size of a streamed push when the relay did not name one."""
-    window: int = 4
+    window: int
     """Chunks of a streamed push in flight."""
 
     def relay(self, index: int) -> str:
@@ -83,21 +83,21 @@ class RelayLinks:
 
 @dataclass(frozen=True)
 class ChannelSettings:
-    """How weights move in this run, the same at both ends (laminar/node.py
+    """How weights move in this run, the same at both ends (laminar/wiring/common.py
     `weights_channel(cfg)` builds it from the config)."""
 
     mode: WeightsMode
     dir: Path
     """dir mode: where versions are written (run_dir/weights)."""
-    relay: RelayLinks | None = None
+    relay: RelayLinks | None
     """relay mode: the relays' endpoints and deadlines."""
-    relay_index: int = 0
+    relay_index: int
     """relay mode, a rollout's end: the relay of its host."""
-    group: GroupSettings | None = None
+    group: GroupSettings | None
     """nccl / cuda_ipc: the trainer's weights store and broadcast group (nccl.py, cuda_ipc.py)."""
-    device: str = "cpu"
+    device: str
     """nccl / cuda_ipc: where this end keeps a version (the model's device)."""
-    lease_ttl_s: float = 60.0
+    lease_ttl_s: float
     """cuda_ipc: a reader's lease on a version."""
 
 

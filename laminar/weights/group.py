@@ -51,7 +51,8 @@ Log = structlog.typing.FilteringBoundLogger
 
 @dataclass(frozen=True)
 class GroupSettings:
-    """The broadcast group of a run, the same at both ends (laminar/node.py builds it)."""
+    """The broadcast group of a run, the same at both ends (laminar/wiring/common.py
+    `weights_group` builds it from rollout.weights_group, whose fields hold the defaults)."""
 
     host: str
     """Where the trainer's store listens (the trainer's host)."""
@@ -60,11 +61,11 @@ class GroupSettings:
     """nccl (GPUs) | gloo (CPU)."""
     members: tuple[str, ...]
     """Node ids that may join (rollout-0 ... rollout-{n-1})."""
-    bound_s: float = 10.0
+    bound_s: float
     """A broadcast, a group build and the trainer's wait for either last at most this."""
-    beat_s: float = 0.5
+    beat_s: float
     """A member's beat interval; silent for bound_s = out of the next generation."""
-    connect_timeout_s: float = 120.0
+    connect_timeout_s: float
     """A member waits this long for the trainer's store at start (the trainer may start later)."""
 
 

@@ -1,6 +1,6 @@
 """The trainer's push to the master relay (the publisher end of the relay mode, relay.py).
 
-    pusher = WeightPusher(links, wiring)  # links: relay_links(cfg) (laminar/node.py)
+    pusher = WeightPusher(links, wiring)  # links: relay_links(cfg) (laminar/wiring/common.py)
     await pusher.start()
     stall_s = await pusher.push(version, model.state_dict())  # returns after the handoff
     stall_s, digest = await pusher.push_stream(version, layout, produce, digest=True)
