@@ -17,9 +17,8 @@ from laminar.message import Limits
 from laminar.node import NodeSettings
 from laminar.transport.security import Security
 from laminar.transport.sockets import SocketOptions
-from laminar.weights.channel import ChannelSettings, WeightsMode
+from laminar.weights.channel import ChannelSettings, RelayLinks, WeightsMode
 from laminar.weights.group import GroupSettings
-from laminar.weights.relay_client import RelayLinks
 
 
 def node_settings(
