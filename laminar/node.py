@@ -31,40 +31,22 @@ import heapq
 import signal
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
 from laminar.logs import get_logger
 from laminar.metrics import Metrics
+from laminar.node_settings import NodeSettings
 from laminar.protocol.core import MAX_PEER_ROWS, NodeStatus, PeerRefusals, RefusalSummary
 from laminar.supervise import Supervisor
 from laminar.transport.client import RpcClient
 from laminar.transport.server import RpcServer
 from laminar.transport.session import StatusCodec
-from laminar.transport.sockets import Context, SocketOptions, Wiring, new_context
+from laminar.transport.sockets import Context, Wiring, new_context
 
 T = TypeVar("T")
 
 NODE_STATUS = StatusCodec(NodeStatus)
 """What every node's heartbeats carry, and how a server reads its clients' (Peer.status)."""
-
-
-@dataclass(frozen=True)
-class NodeSettings:
-    """What the Node base reads (laminar/wiring/common.py `node_settings` builds it)."""
-
-    index: int
-    node_id: str
-    socket: SocketOptions
-    """Heartbeats, deadlines, limits and CURVE keys of every socket the node opens."""
-    manager: str
-    """The manager's endpoint, which the node dials to register."""
-    startup_timeout_s: float
-    """transport.startup_timeout_s: how long registration waits for the manager."""
-    stop_timeout_s: float
-    """transport.stop_timeout_s: the bound of drain() and of teardown()."""
-    plaintext_warning: str | None = None
-    """The startup warning of tcp endpoints without CURVE (None: nothing to say)."""
 
 
 class NodeFailed(RuntimeError):

@@ -201,8 +201,8 @@ class Procs:
         (every group committed, nothing held, dropped or abandoned). Returns the effective steps
         (a restarted trainer re-logs the steps after its checkpoint: the last record of each step
         counts) and the journal's trajectories."""
-        from laminar.wiring.buffer import experience_state
         from laminar.journal_check import replay_buffer_journal
+        from laminar.wiring.buffer import experience_state
 
         last: dict[int, dict[str, Any]] = {}
         for rec in self.steps():

@@ -319,11 +319,11 @@ async def test_weights_go_through_the_relay_tier_when_there_is_one(tiny, tmp_pat
         finally:
             await puller.close()
         from laminar.trainer import checkpoint as ck
-        from laminar.trainer.policy import Policy
+        from laminar.trainer.torch_trainer import TorchTrainer
         from laminar.wiring.trainer import trainer_settings
 
         final = ck.latest_checkpoint(cfg.resolved_run_dir())
-        expect = Policy(trainer_settings(cfg), str(final / "model")).full_state_dict()
+        expect = TorchTrainer(trainer_settings(cfg), str(final / "model")).model.full_state_dict()
         assert got.keys() == expect.keys() and all(torch.equal(got[k], expect[k]) for k in expect)
         assert node.version == 2
         # streamed into the relay's slot (laminar/weights/sink.py); the digest rollouts attest

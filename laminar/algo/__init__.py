@@ -6,5 +6,5 @@
     stats.finalize()                                      # metrics.py (IS weight, ESS, clip ...)
     episode_stats(batch.samples)                          # episodes.py (turns, tool calls, latency)
 
-No config tree, sockets or models here: the trainer (laminar/trainer/policy.py) wires them.
+No config tree, sockets or models here: the trainer (laminar/trainer/torch_trainer.py) wires them.
 """

@@ -1,7 +1,7 @@
 """Multi-turn episode metrics of one training batch: turns, tool calls, tool errors and
 latency, environment-token fraction, and reward by number of tool calls.
 
-    out.update(episode_stats(batch.samples))     # trainer step (policy.py, sim.py) -> metrics.jsonl
+    out.update(episode_stats(batch.samples))  # the trainer's step (torch or sim) -> metrics.jsonl
 
 Computed over the batch's usable episodes (what the step trains on), next to `reward` and
 `response_len/*`. A single-turn batch (no loss mask, one turn, no tool call anywhere)

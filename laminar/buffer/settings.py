@@ -16,7 +16,7 @@ from laminar.buffer.experience import ExperienceState
 from laminar.buffer.owners import SampleLimits
 from laminar.config import BufferConfig, DataConfig, TrainerConfig
 from laminar.modes import Admission
-from laminar.node import NodeSettings
+from laminar.node_settings import NodeSettings
 
 
 @dataclass(frozen=True)

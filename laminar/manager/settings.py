@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from laminar.config import ManagerConfig, TransportConfig
-from laminar.node import NodeSettings
+from laminar.node_settings import NodeSettings
 
 
 @dataclass(frozen=True)

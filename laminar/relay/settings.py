@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from laminar.config import RelayConfig, TransportConfig
-from laminar.node import NodeSettings
+from laminar.node_settings import NodeSettings
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from laminar.config import (
     RolloutConfig,
     TransportConfig,
 )
-from laminar.node import NodeSettings
+from laminar.node_settings import NodeSettings
 from laminar.weights.channel import ChannelSettings
 
 

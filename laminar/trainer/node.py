@@ -20,10 +20,10 @@ batch, publishes every new version, commits what it consumed, checkpoints.
                              the step loop goes on once it is staged; it lands in the background,
                              then its gated commits go out)
 
-Parts (none sees this node): engine.py (the `Trainer` protocol: torch Policy or SimTrainer,
-chosen once), feed.py (BatchRequest long-poll, restart flag), evaluation.py, logger.py, commits.py
-(exactly-once: owed commits, frontier, version mark), snapshots.py, follower.py (ranks > 0), and the
-weights channel's publisher (laminar/weights/channel.py).
+Parts (none sees this node): protocol.py (the `Trainer` protocol: TorchTrainer or SimTrainer,
+chosen once by factory.py), feed.py (BatchRequest long-poll, restart flag), evaluation.py,
+logger.py, commits.py (exactly-once: owed commits, frontier, version mark), snapshots.py,
+follower.py (ranks > 0), and the weights channel's publisher (laminar/weights/channel.py).
 
 What blocks: the step compute (off the event loop, so heartbeats flow) and the
 handoff (`publish` returns once the weights are handed off). What does not: the
@@ -53,8 +53,9 @@ from laminar.protocol.trainer import VersionPublished
 from laminar.supervise import PermanentFailure
 from laminar.trainer.attest import AttestBook
 from laminar.trainer.commits import CommitLedger, VersionMark
-from laminar.trainer.engine import Trainer, open_trainer
+from laminar.trainer.factory import open_trainer
 from laminar.trainer.feed import BatchFeed
+from laminar.trainer.protocol import PendingSave, Trainer
 from laminar.trainer.settings import TrainerNodeSettings
 from laminar.trainer.snapshots import Snapshots
 from laminar.transport.client import RpcClient
@@ -65,7 +66,6 @@ if TYPE_CHECKING:
     import torch
 
     from laminar.protocol.relay import WeightLayout
-    from laminar.trainer.checkpoint import PendingSave
     from laminar.trainer.dist import DistContext
     from laminar.trainer.evaluation import Evaluator
     from laminar.trainer.logger import MetricsLogger

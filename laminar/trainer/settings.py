@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from laminar.config import LoggingConfig, TransportConfig
-from laminar.node import NodeSettings
-from laminar.trainer.engine import TrainerSettings
+from laminar.node_settings import NodeSettings
+from laminar.trainer.protocol import TrainerSettings
 from laminar.weights.channel import ChannelSettings
 
 if TYPE_CHECKING:
@@ -24,7 +24,7 @@ class TrainerNodeSettings:
     rank: int
     """This process's rank (only rank 0 is on the cluster network)."""
     train: TrainerSettings
-    """What the trainer (Policy or SimTrainer) reads: trainer, algo, model sections."""
+    """What the trainer (TorchTrainer or SimTrainer) reads: trainer, algo, model sections."""
     eval: EvalSettings
     """What validation reads."""
     transport: TransportConfig

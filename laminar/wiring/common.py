@@ -14,7 +14,7 @@ from pathlib import Path
 
 from laminar.config import ConfigError, LaminarConfig
 from laminar.message import Limits
-from laminar.node import NodeSettings
+from laminar.node_settings import NodeSettings
 from laminar.transport.security import Security
 from laminar.transport.sockets import SocketOptions
 from laminar.weights.channel import ChannelSettings, RelayLinks, WeightsMode

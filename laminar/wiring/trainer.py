@@ -1,9 +1,9 @@
 """The trainer's settings from the config: the node's TrainerNodeSettings, what the trainer
-engine reads (TrainerSettings: `laminar plan`, tests and benches build a Policy from it) and
+engine reads (TrainerSettings: `laminar plan`, tests and benches build a TorchTrainer from it) and
 what validation reads (EvalSettings).
 
     node = TrainerNode(trainer_node_settings(cfg))
-    policy = Policy(trainer_settings(cfg), model_path)
+    trainer = TorchTrainer(trainer_settings(cfg), model_path)
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from laminar.config import LaminarConfig
-from laminar.trainer.engine import TrainerSettings
+from laminar.trainer.protocol import TrainerSettings
 from laminar.trainer.settings import TrainerNodeSettings
 from laminar.wiring.common import node_settings, weights_channel
 
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 
 def trainer_settings(cfg: LaminarConfig) -> TrainerSettings:
-    """What the trainer (Policy or SimTrainer) reads of the config."""
+    """What the trainer (TorchTrainer or SimTrainer) reads of the config."""
     sampling = cfg.rollout.sampling
     return TrainerSettings(
         trainer=cfg.trainer,
