@@ -266,33 +266,32 @@ class ChainFollower:
     async def join(self) -> None:
         """At start: adopt a newer chain view from a live relay (e.g. a new master was elected)."""
 
-        async def ask(idx: int) -> ChainInfo | None:
-            cli = RpcClient(
-                self.ctx,
-                self.view.control_endpoint(idx),
-                self.node_id,
-                "relay",
-                self.opts,
-                spawn=self.spawn,
-            )
-            try:
-                await cli.connect(timeout=self.rc.probe_timeout_s)
-                info = await cli.request(
-                    ChainInfoRequest(), timeout=self.rc.probe_timeout_s, retries=0
-                )
-                return info if isinstance(info, ChainInfo) else None
-            except (TransportError, OSError):
-                return None
-            finally:
-                await cli.close()
-
         n_relays = self.view.n_relays
-        infos = await asyncio.gather(*(ask(i) for i in range(n_relays) if i != self.index))
+        infos = await asyncio.gather(
+            *(
+                self._chain_info(self.view.control_endpoint(i))
+                for i in range(n_relays)
+                if i != self.index
+            )
+        )
         best = max(
             (i for i in infos if i is not None and i.epoch > 0), key=lambda i: i.epoch, default=None
         )
         if best is not None and self.view.manager_epoch < 0:
             self.view.adopt(best)
+
+    async def _chain_info(self, endpoint: str) -> ChainInfo | None:
+        """One relay's view of the chain (None: it did not answer within probe_timeout_s)."""
+        timeout = self.rc.probe_timeout_s
+        cli = RpcClient(self.ctx, endpoint, self.node_id, "relay", self.opts, spawn=self.spawn)
+        try:
+            await cli.connect(timeout=timeout)
+            info = await cli.request(ChainInfoRequest(), timeout=timeout, retries=0)
+            return info if isinstance(info, ChainInfo) else None
+        except (TransportError, OSError):
+            return None
+        finally:
+            await cli.close()
 
     # ---- the follow loop -----------------------------------------------------------------
     async def run(self) -> None:
@@ -379,25 +378,13 @@ class ChainFollower:
         mine = newest.version if newest else -1
         timeout = self.rc.probe_timeout_s
 
-        async def ask(idx: int) -> ChainInfo | None:
-            cli = RpcClient(
-                self.ctx,
-                self.view.data_endpoint(idx),
-                self.node_id,
-                "relay",
-                self.opts,
-                spawn=self.spawn,
+        infos = await asyncio.gather(
+            *(
+                self._chain_info(self.view.data_endpoint(i))
+                for i in self.view.order
+                if i != self.index
             )
-            try:
-                await cli.connect(timeout=timeout)
-                info = await cli.request(ChainInfoRequest(), timeout=timeout, retries=0)
-                return info if isinstance(info, ChainInfo) else None
-            except (TransportError, OSError):
-                return None
-            finally:
-                await cli.close()
-
-        infos = await asyncio.gather(*(ask(i) for i in self.view.order if i != self.index))
+        )
         newer = [i for i in infos if i is not None and i.version > mine]
         if not newer:
             return
