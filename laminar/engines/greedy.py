@@ -26,7 +26,7 @@ from laminar.engines.base import GenRequest, SamplingParams
 T = TypeVar("T")
 
 _CANCEL_POLL_S = 0.1
-GEN_TIMEOUT_S = 3600.0
+_GEN_TIMEOUT_S = 3600.0
 """Deadline on one prompt's generation (a stuck engine must not hang the trainer)."""
 
 
@@ -74,7 +74,7 @@ async def _generate(
     try:
         requests = [
             engine.generate_all(
-                GenRequest(f"eval{i}", ids, params, single=True), timeout=GEN_TIMEOUT_S
+                GenRequest(f"eval{i}", ids, params, single=True), timeout=_GEN_TIMEOUT_S
             )
             for i, ids in enumerate(prompts)
         ]
