@@ -3,8 +3,9 @@ logger.py).
 
     .venv/bin/python -m pytest tests/test_eval_completions.py -q
 
-The evaluator is checked against an independent greedy decode (the demo's evaluate_model)
-on the same rows and weights; the trainer node runs against the fake buffer/manager of
+The trainer's evaluator is checked against the demos' entry to the same held-out evaluator
+(laminar/tasks/evaluate.py: evaluate_model, its own prompt encoding and verifier) on the same
+rows and weights; the trainer node runs against the fake buffer/manager of
 tests/test_trainer_node.py with a tiny countup model and a handful of eval rows.
 """
 
@@ -93,8 +94,8 @@ def cfg_for(tmp_path: Path, model: str, **trainer: Any) -> LaminarConfig:
 async def test_evaluator_scores_greedy_completions_of_the_weights_it_is_given(
     countup_model, tmp_path
 ):
-    from laminar.demo.evaluate import evaluate_model
     from laminar.models.tiny import load_causal_lm
+    from laminar.tasks.evaluate import evaluate_model
     from laminar.trainer.evaluation import open_evaluator
     from laminar.wiring.trainer import eval_settings
 
@@ -102,7 +103,7 @@ async def test_evaluator_scores_greedy_completions_of_the_weights_it_is_given(
     cfg = cfg_for(tmp_path, a, completions_per_step=EVAL_ROWS)
     log = Recorder()
     ev = await asyncio.to_thread(open_evaluator, eval_settings(cfg), log)
-    assert ev is not None and len(ev.rows) == EVAL_ROWS and "eval_ready" in log.events()
+    assert ev is not None and len(ev.task.prompts) == EVAL_ROWS and "eval_ready" in log.events()
     rows = countup.generate(EVAL_ROWS + 3, "eval", 0)[:EVAL_ROWS]
     await ev.start()
     try:
