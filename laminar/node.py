@@ -40,7 +40,7 @@ from laminar.transport.client import RpcClient
 from laminar.transport.security import Security
 from laminar.transport.server import RpcServer
 from laminar.transport.session import StatusCodec
-from laminar.transport.sockets import Context, SocketOptions, Wiring, new_context
+from laminar.transport.sockets import Context, IdBound, SocketOptions, Wiring, new_context
 from laminar.weights.channel import ChannelSettings, WeightsMode
 from laminar.weights.group import GroupSettings
 from laminar.weights.relay_client import RelayLinks
@@ -125,11 +125,13 @@ class Node:
             summary.unauthorized += srv.refused.unauthorized
             summary.bad += srv.refused.bad
             summary.refused_hellos += srv.refused.refused_hello
+            summary.refused_ids += srv.refused.refused_ids
             for peer, counts in srv.refusals.items():
                 row = rows.setdefault(peer, PeerRefusals(peer=peer))
                 row.unauthorized += counts.unauthorized
                 row.bad += counts.bad
                 row.refused_hellos += counts.refused_hello
+                row.refused_ids += counts.refused_ids
         if not summary.total():
             return None
         summary.peers = heapq.nlargest(MAX_PEER_ROWS, rows.values(), key=PeerRefusals.total)
@@ -295,6 +297,9 @@ def socket_options(cfg: LaminarConfig, role: str = "node") -> SocketOptions:
         rcvhwm=t.rcvhwm,
         limits=Limits(max_header_bytes=t.max_header_bytes, max_message_bytes=t.max_message_bytes),
         security=Security.for_role(keys, role, cfg.security.key_name) if keys else None,
+        id_bound=IdBound(
+            "rollout", cfg.cluster.live_rollouts_bound(), frozenset(cfg.cluster.rollout_ids())
+        ),
     )
 
 
