@@ -41,6 +41,7 @@ async def serving_rollout(
     node_id: str,
     opts: SocketOptions | None = None,
     max_running: int | None = None,
+    timeout: float = 10.0,
 ) -> RpcClient:
     """A client of the manager under `node_id` that beats a serving rollout's status."""
     running = cfg.rollout.max_running if max_running is None else max_running
@@ -52,7 +53,7 @@ async def serving_rollout(
         opts or socket_options(cfg, "rollout"),
         status=lambda: rollout_status(node_id, running),
     )
-    await cli.connect(timeout=10)
+    await cli.connect(timeout=timeout)
     await cli.beat()
     return cli
 
