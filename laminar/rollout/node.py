@@ -494,6 +494,7 @@ class RolloutNode(Node):
             finished=self.deliverer.finished_count,
             tokens=st.tokens_generated,
             reward_errors=self.rewards.stats["errors"] if self.rewards is not None else 0,
+            max_running=self.engine.max_running or self.settings.rollout.max_running,
         )
         return NodeStatus(
             node_id=self.node_id,
