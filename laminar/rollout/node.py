@@ -311,6 +311,7 @@ class RolloutNode(Node):
             # partial: every rollout takes each version as soon as it is out (a global update)
             auto_refresh=(cfg.rollout.refresh_when_idle and cfg.mode == "laminar")
             or cfg.mode == "partial",
+            refill_versions=cfg.rollout.refill_versions if cfg.mode == "laminar" else 0,
             refresh_wait_s=cfg.rollout.refresh_wait_s,
             notify=(self.status_changed,),
             metrics=self.metrics,
