@@ -9,7 +9,7 @@ Same episodes on the same engine, two ways (LocalCluster in this process, one si
           message "continue", `turns` model turns per episode (laminar/rollout/episodes.py);
   agent   a black-box agent (fixed_turns_agent) in an agent worker process makes the same
           `turns` calls through the official openai client, adding the same user message
-          each time (laminar/rollout/agents.py, openai_api.py).
+          each time (laminar/rollout/agents.py, openai_api.py, openai_shapes.py).
 
 The figure is the gap of each turn: from the engine finishing model turn k (the table sees
 its final event) to turn k+1 entering the engine (engine.submit), per episode and turn. For

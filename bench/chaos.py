@@ -315,9 +315,9 @@ def check_exactly_once(run_dir: Path, cfg_path: Path) -> dict[str, Any]:
     """Offline: consumed.jsonl against the replayed buffer journal (tests/test_faults.py's
     check)."""
     from laminar.buffer.experience import usable
-    from laminar.buffer.node import experience_state
     from laminar.config import load_config
     from laminar.journal_check import replay_buffer_journal
+    from laminar.wiring.buffer import experience_state
 
     last: dict[int, dict[str, Any]] = {}
     for rec in read_jsonl(run_dir / "consumed.jsonl"):

@@ -489,12 +489,12 @@ async def worker_main(cfg_path: Path, count: int, out: Path, sample_s: float) ->
     import importlib
 
     from laminar.config import load_config
-    from laminar.rollout.node import RolloutNode
     from laminar.transport.sockets import new_context
+    from laminar.wiring.nodes import build_node
 
     cfg = load_config(cfg_path)
     ctx = new_context()  # one context (one I/O thread) for all N nodes, not N of them
-    nodes = [RolloutNode(cfg, index=i, ctx=ctx) for i in range(count)]
+    nodes = [build_node(cfg, "rollout", i, ctx=ctx) for i in range(count)]
     series: list[list[float]] = []
     per_rollout: list[list[float]] = []
     """With LCB_DETAIL=1: [t, running of rollout 0, 1, ...] per sample (where repack loses, per

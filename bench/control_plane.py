@@ -157,11 +157,12 @@ def make_cfg_dict(tmp: Path, rollouts: int) -> dict[str, Any]:
 async def _serve(role: str, cfg_path: str, lag_path: str, index: int = 0) -> None:
     from laminar.config import config_from_dict
     from laminar.launch.tuning import setup_process
-    from laminar.node import node_class, run_nodes
+    from laminar.node import run_nodes
+    from laminar.wiring.nodes import build_node
 
     cfg = config_from_dict(json.loads(Path(cfg_path).read_text()))
     setup_process(cfg)  # as `laminar node` sets up its process: logging, the collector
-    node = node_class(role)(cfg, index=index)  # type: ignore[arg-type]
+    node = build_node(cfg, role, index)  # type: ignore[arg-type]
 
     async def probe() -> None:
         """Event-loop lag: overshoot of a 10 ms sleep, one line per second (t, p50, p99, max in
@@ -275,8 +276,8 @@ class Driver:
         return st
 
     async def connect(self) -> None:
-        from laminar.node import socket_options
         from laminar.transport.client import RpcClient
+        from laminar.wiring.common import socket_options
 
         opts = socket_options(self.cfg)
         k = len(self.shards)

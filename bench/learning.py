@@ -572,9 +572,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from laminar.demo.evaluate import evaluate_model
     from laminar.logs import configure_logging
     from laminar.tasks import countup as cu
+    from laminar.tasks.evaluate import evaluate_model
 
     configure_logging("warning", True)
     t0 = time.time()

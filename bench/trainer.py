@@ -2,7 +2,8 @@
 module-free vs through transformers; the trainer's peak memory, LoRA vs full fine-tuning. Same
 run, alternating, ratios against the baseline measured beside them.
 
-    GRPO batches (groups of n samples, one prompt) ──► Policy.train_step (trainer.forward=packed|hf)
+    GRPO batches (groups of n samples, one prompt) ──► TorchTrainer.train_step
+                                                        (trainer.forward=packed|hf)
     a fresh `python -c` that imports torch, loads the model ──► CPU-s and wall s (module_free | HF)
 
 Workload (stated in the JSON): the demo's policy shape (3 layers, hidden 128, char vocabulary),
@@ -59,8 +60,8 @@ from engine import machine, stats  # noqa: E402  (the same figures' helpers as b
 from laminar.config import config_from_dict  # noqa: E402
 from laminar.models.tiny import build_tiny_model  # noqa: E402
 from laminar.protocol.data import Trajectory  # noqa: E402
-from laminar.trainer.node import trainer_settings  # noqa: E402
-from laminar.trainer.policy import Policy  # noqa: E402
+from laminar.trainer.torch_trainer import TorchTrainer  # noqa: E402
+from laminar.wiring.trainer import trainer_settings  # noqa: E402
 
 MODEL = dict(
     hidden=128, layers=3, heads=4, kv_heads=2, max_positions=320
@@ -109,7 +110,7 @@ def batches(
 
 def policy(
     path: Path, run_dir: Path, forward: str, skip: bool = True, lora: bool = False
-) -> Policy:
+) -> TorchTrainer:
     """The demo's trainer settings; `lora`: rank-16 adapters at lr 5e-4 (bench/learning.py)."""
     model: dict[str, Any] = {"path": str(path)}
     if lora:
@@ -129,10 +130,10 @@ def policy(
             "algo": {"loss": "ppo", "decoupled": True, "is_mode": "truncate", "is_cap": 2.0},
         }
     )
-    return Policy(trainer_settings(cfg), str(path))
+    return TorchTrainer(trainer_settings(cfg), str(path))
 
 
-def time_steps(pol: Policy, work: list[list[Trajectory]]) -> list[float]:
+def time_steps(pol: TorchTrainer, work: list[list[Trajectory]]) -> list[float]:
     out = []
     for trajs in work:
         batch = pol.prepare(trajs)
@@ -143,7 +144,7 @@ def time_steps(pol: Policy, work: list[list[Trajectory]]) -> list[float]:
 
 
 def alternate(
-    repeats: int, work: list[list[Trajectory]], variants: dict[str, Callable[[], Policy]]
+    repeats: int, work: list[list[Trajectory]], variants: dict[str, Callable[[], TorchTrainer]]
 ) -> dict[str, list[float]]:
     """Step times of each variant's fresh trainer over `work` (its first batch a warm-up step:
     allocator, first-call paths), the variants alternating in order from repeat to repeat."""
@@ -191,7 +192,7 @@ pol = tb.policy(tb.Path(path), tb.Path(sys.argv[5]), "packed", lora=variant == "
 if variant != "load_only":
     for trajs in work:
         pol.train_step(pol.prepare(trajs))
-ps = list(pol.model.parameters())
+ps = list(pol.model.module.parameters())
 opt = [t for st in pol.optimizer.state.values() for t in st.values() if torch.is_tensor(t)]
 nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)
 print(json.dumps({
@@ -317,12 +318,14 @@ def memory_child(spec: dict[str, Any]) -> dict[str, Any]:
         }
     )
     settings = trainer_settings(cfg)
-    pol = Policy(settings, spec["model"])
-    batch = pol.prepare(_trajectories(2, row, row * 7 // 8, pol.vocab_size))
+    pol = TorchTrainer(settings, spec["model"])
+    batch = pol.prepare(_trajectories(2, row, row * 7 // 8, pol.model.vocab_size))
     pol.train_step(batch)  # AdamW's state
-    before = sum(p.numel() * p.element_size() for p in pol.model.parameters())
+    before = sum(p.numel() * p.element_size() for p in pol.model.module.parameters())
     before += sum(
-        p.grad.numel() * p.grad.element_size() for p in pol.model.parameters() if p.grad is not None
+        p.grad.numel() * p.grad.element_size()
+        for p in pol.model.module.parameters()
+        if p.grad is not None
     )
     before += sum(
         t.numel() * t.element_size()

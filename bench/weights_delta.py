@@ -6,7 +6,7 @@ time.
 
 1. Model: a ~106M-parameter decoder built here from torch.nn (embedding 32000x768, 8
    pre-norm TransformerEncoderLayers d=768 ff=3072 with a causal mask, untied LM head),
-   random init, nothing downloaded. Trained the way laminar's trainer does it (policy.py):
+   random init, nothing downloaded. Trained the way laminar's trainer does it (torch_trainer.py):
    **fp32 master weights** + AdamW (betas 0.9/0.999, weight decay 0.01), and each version is
    the bf16 copy of the master that the trainer exports and the relays broadcast. So a bf16
    element changes only when the fp32 master crossed a bf16 rounding boundary. (With

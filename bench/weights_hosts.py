@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from laminar.config import load_config  # noqa: E402
-from laminar.node import socket_options  # noqa: E402
+from laminar.wiring.common import socket_options  # noqa: E402
 from tests.hosts import (  # noqa: E402
     Hosts,
     HostsUnavailable,

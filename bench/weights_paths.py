@@ -82,13 +82,15 @@ async def nccl_path(nbytes: int, versions: int, log) -> list[dict[str, Any]]:
     import structlog
     from weights import make_state
 
-    from laminar.weights.gpu_channel import GroupPublisher
     from laminar.weights.group import GroupBroadcaster, GroupMember, GroupSettings
+    from laminar.weights.nccl import GroupPublisher
     from tests.conftest import free_port
 
     state = make_state(nbytes)
     names = tuple(f"rollout-{i}" for i in range(N))
-    s = GroupSettings("127.0.0.1", free_port(), "gloo", names, bound_s=120.0, beat_s=0.2)
+    s = GroupSettings(
+        "127.0.0.1", free_port(), "gloo", names, bound_s=120.0, beat_s=0.2, connect_timeout_s=120.0
+    )
     quiet = structlog.get_logger()
     caster = GroupBroadcaster(s, quiet)
     pub = GroupPublisher(None, caster, "cpu")

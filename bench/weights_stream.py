@@ -7,7 +7,7 @@ first, then pushed (one run, ratio).
     .venv/bin/python bench/weights_stream.py --hidden 1024 --layers 16 --out F.json
 
 One relay process (`python -m laminar node --role relay`), this process the trainer: a real
-`Policy` (one process, fp32 master weights, model.dtype=bfloat16) and a WeightPusher to the
+`TorchTrainer` (one process, fp32 master weights, model.dtype=bfloat16) and a WeightPusher to the
 relay's shared memory. Each repeat publishes one version both ways, alternating which goes first
 (machine drift hits both):
   unstreamed_s  policy.export() (the whole bf16 version on the host) + digest (in a thread beside
@@ -39,10 +39,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchinfo import git_state  # noqa: E402
 
-from laminar.trainer.node import trainer_settings  # noqa: E402
-from laminar.trainer.policy import Policy  # noqa: E402
+from laminar.trainer.torch_trainer import TorchTrainer  # noqa: E402
 from laminar.weights.digest import weights_digest  # noqa: E402
 from laminar.weights.sink import VersionSink  # noqa: E402
+from laminar.wiring.trainer import trainer_settings  # noqa: E402
 from tests.relay_procs import RelayProcs  # noqa: E402
 from tests.test_trainer import make_cfg  # noqa: E402
 
@@ -51,7 +51,7 @@ def stats(values: list[float]) -> dict[str, float]:
     return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
-async def measure(policy: Policy, procs: RelayProcs, repeats: int) -> dict[str, list[float]]:
+async def measure(policy: TorchTrainer, procs: RelayProcs, repeats: int) -> dict[str, list[float]]:
     layout = policy.stream_layout()
     assert layout is not None
     pusher = procs.pusher("trainer-0")
@@ -106,7 +106,7 @@ def main() -> int:
         model = str(build_tiny_model(root / "model", **shape))
         cfg = make_cfg(model, root / "run")
         cfg.model.dtype = "bfloat16"
-        policy = Policy(trainer_settings(cfg), model)
+        policy = TorchTrainer(trainer_settings(cfg), model)
         layout = policy.stream_layout()
         assert layout is not None
         overrides = {"relay.max_slots": 3, "transport.request_timeout_s": 60.0}

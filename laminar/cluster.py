@@ -20,8 +20,9 @@ import contextlib
 from typing import Any
 
 from laminar.config import ROLES, LaminarConfig, Role
-from laminar.node import Node, node_class
+from laminar.node import Node
 from laminar.transport.sockets import new_context
+from laminar.wiring.nodes import build_node
 
 
 class LocalCluster:
@@ -45,7 +46,7 @@ class LocalCluster:
 
     async def add(self, role: Role, index: int, timeout: float | None = None, **kw: Any) -> Node:
         """Start one more node (e.g. restart a killed rollout) and wait until it is ready."""
-        node = node_class(role)(self.cfg, index=index, ctx=self.ctx, **kw)
+        node = build_node(self.cfg, role, index, ctx=self.ctx, **kw)
         self.nodes[node.node_id] = node
         task = asyncio.create_task(node.run(), name=node.node_id)
         self._tasks[node.node_id] = task

@@ -32,10 +32,10 @@ from laminar.buffer.audit import (
     fate_warning,
 )
 from laminar.buffer.journal import JournalError, read_records
-from laminar.buffer.node import audit_settings, experience_state
 from laminar.buffer.records import FateCounts
 from laminar.config import ConfigError, LaminarConfig, load_config
 from laminar.protocol.buffer import AuditSummary
+from laminar.wiring.buffer import audit_settings, experience_state
 
 __all__ = ["RunFates", "fate_md", "fate_panels", "merge_counts", "run_fates", "summary_keys"]
 

@@ -33,7 +33,7 @@ def replay_buffer_journal(
     path: Path, state: ExperienceState
 ) -> tuple[ExperienceState, list[Trajectory]]:
     """Offline audit of a stopped run: the buffer journal at `path` replayed into a fresh
-    `state` (laminar.buffer.node.experience_state of the run's config), and every trajectory
+    `state` (laminar.wiring.buffer.experience_state of the run's config), and every trajectory
     it recorded (usable or not)."""
     trajs: list[Trajectory] = []
     journal = Journal(path, "never")

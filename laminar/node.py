@@ -14,6 +14,11 @@ parts that build transport objects get `node.spawn` as a `Spawn` dependency). On
 that raises stops the node loudly: the error is logged, `run()` re-raises it as
 NodeFailed, and the process exits non-zero. Nothing hangs silently.
 
+A node never sees the config tree: the base reads its NodeSettings (node id, socket options,
+the manager's endpoint, start and stop bounds) and each role's node its own settings object
+(laminar/<role>/settings.py), both built by the wiring layer (laminar/wiring/; `build_node`
+makes a node of a role from the config).
+
 Subclasses set `role`, and override `setup`, `main`, `drain`, `teardown`, `status`.
 """
 
@@ -23,27 +28,20 @@ import asyncio
 import concurrent.futures
 import contextlib
 import heapq
-import importlib
 import signal
 import time
 from collections.abc import Callable, Coroutine
-from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
-from laminar.config import ROLES, ConfigError, LaminarConfig, Role
 from laminar.logs import get_logger
-from laminar.message import Limits
 from laminar.metrics import Metrics
+from laminar.node_settings import NodeSettings
 from laminar.protocol.core import MAX_PEER_ROWS, NodeStatus, PeerRefusals, RefusalSummary
 from laminar.supervise import Supervisor
 from laminar.transport.client import RpcClient
-from laminar.transport.security import Security
 from laminar.transport.server import RpcServer
 from laminar.transport.session import StatusCodec
-from laminar.transport.sockets import Context, SocketOptions, Wiring, new_context
-from laminar.weights.channel import ChannelSettings, WeightsMode
-from laminar.weights.group import GroupSettings
-from laminar.weights.relay_client import RelayLinks
+from laminar.transport.sockets import Context, Wiring, new_context
 
 T = TypeVar("T")
 
@@ -59,19 +57,13 @@ class Node:
     role: ClassVar[str] = "node"
     registers_with_manager: bool = True
 
-    def __init__(
-        self,
-        cfg: LaminarConfig,
-        index: int = 0,
-        ctx: Context | None = None,
-        node_id: str | None = None,
-    ):
-        self.cfg = cfg
-        self.index = index
-        self.node_id = node_id or f"{self.role}-{index}"
+    def __init__(self, settings: NodeSettings, ctx: Context | None = None):
+        self.node_settings = settings
+        self.index = settings.index
+        self.node_id = settings.node_id
         self._own_ctx = ctx is None
         self.ctx = ctx if ctx is not None else new_context()
-        self.opts = socket_options(cfg, self.role)
+        self.opts = settings.socket
         self.log = get_logger(role=self.role, node_id=self.node_id)
         self.metrics = Metrics()
         self.ready = asyncio.Event()
@@ -146,7 +138,8 @@ class Node:
         self, endpoint: str, max_message_bytes: int | None = None, **kw: Any
     ) -> RpcServer[NodeStatus]:
         """An RpcServer whose tasks run under this node's supervisor; closed at shutdown.
-        `max_message_bytes`: its inbound limit (zmq MAXMSGSIZE; see socket_max_message_bytes)."""
+        `max_message_bytes`: its inbound limit (zmq MAXMSGSIZE; laminar/wiring/common.py
+        `socket_max_message_bytes` sizes it)."""
         opts = (
             self.opts
             if max_message_bytes is None
@@ -225,17 +218,15 @@ class Node:
     # ---- lifecycle ------------------------------------------------------------------
     async def _register(self) -> None:
         self.manager = self.client(
-            self.cfg.endpoint("manager"),
-            status=self.beat_status,
-            started=self.started_at,
+            self.node_settings.manager, status=self.beat_status, started=self.started_at
         )
-        await self.manager.connect(timeout=self.cfg.transport.startup_timeout_s)
+        await self.manager.connect(timeout=self.node_settings.startup_timeout_s)
 
     async def run(self) -> None:
         """Run the whole lifecycle; raises NodeFailed if a supervised task died."""
         self.log.info("starting")
-        if (plaintext := plaintext_tcp_warning(self.cfg)) is not None:
-            self.log.warning("tcp_without_curve", warning=plaintext)
+        if self.node_settings.plaintext_warning is not None:
+            self.log.warning("tcp_without_curve", warning=self.node_settings.plaintext_warning)
         try:
             await self.setup()
             if self.registers_with_manager:
@@ -246,9 +237,9 @@ class Node:
             await self.stopping.wait()
             if not main.done():
                 try:
-                    await asyncio.wait_for(self.drain(), self.cfg.transport.stop_timeout_s)
+                    await asyncio.wait_for(self.drain(), self.node_settings.stop_timeout_s)
                 except TimeoutError:
-                    self.log.warning("drain_timeout", timeout_s=self.cfg.transport.stop_timeout_s)
+                    self.log.warning("drain_timeout", timeout_s=self.node_settings.stop_timeout_s)
         finally:
             await self._shutdown()
         if self.failure is not None:
@@ -258,7 +249,7 @@ class Node:
         self.stopping.set()
         await self.supervisor.cancel_all(timeout=2.0)
         try:
-            await asyncio.wait_for(self.teardown(), self.cfg.transport.stop_timeout_s)
+            await asyncio.wait_for(self.teardown(), self.node_settings.stop_timeout_s)
         except Exception as exc:  # teardown must not mask the original failure
             self.log.error("teardown_failed", error=f"{type(exc).__name__}: {exc}")
         for fn in reversed(self._closers):
@@ -276,153 +267,6 @@ class Node:
             self.ctx.destroy(linger=0)
         self.stopped.set()
         self.log.info("stopped", reason=self.stop_reason or "done")
-
-
-def socket_options(cfg: LaminarConfig, role: str = "node") -> SocketOptions:
-    """The transport settings of a node of `role`: heartbeats, deadlines, limits and its
-    CURVE keys (none when `security.keys_dir` is unset)."""
-    t = cfg.transport
-    keys = cfg.security.keys_dir
-    return SocketOptions(
-        heartbeat_interval_s=t.heartbeat_interval_s,
-        heartbeat_liveness=t.heartbeat_liveness,
-        handshake_timeout_s=t.handshake_timeout_s,
-        request_timeout_s=t.request_timeout_s,
-        request_retries=t.request_retries,
-        reconnect_backoff_s=t.reconnect_backoff_s,
-        reconnect_backoff_max_s=t.reconnect_backoff_max_s,
-        sndhwm=t.sndhwm,
-        rcvhwm=t.rcvhwm,
-        limits=Limits(max_header_bytes=t.max_header_bytes, max_message_bytes=t.max_message_bytes),
-        security=Security.for_role(keys, role, cfg.security.key_name) if keys else None,
-    )
-
-
-# Sizing the per-socket limits (issue 15): a socket accepts what it carries, not 2 GiB.
-_BYTES_PER_TOKEN = 64
-"""Generous bytes per trajectory token on the wire: id + logprob + mask arrays (9 B) plus the
-token's share of text, info and msgpack overhead."""
-
-
-def trajectory_bytes(cfg: LaminarConfig) -> int:
-    """Upper bound of one trajectory on the wire: prompt plus the longest episode (multi-turn
-    env limits: model and environment tokens together) at `_BYTES_PER_TOKEN`."""
-    episode = cfg.rollout.sampling.max_tokens
-    if cfg.env.fn is not None:
-        limits = cfg.env.limits
-        episode = max(episode, limits.max_total_tokens or 0, limits.max_turns * episode)
-    return (cfg.data.max_prompt_tokens + episode) * _BYTES_PER_TOKEN
-
-
-def socket_max_message_bytes(cfg: LaminarConfig, service: str) -> int:
-    """MAXMSGSIZE of a server socket by what it carries:
-
-    - manager: heartbeats, status, moves; ExportReply hands over up to max_running partial
-      trajectories, so max(control limit, max_running x trajectory);
-    - buffer: a whole group of trajectories (derived; `transport.buffer_max_message_bytes`
-      overrides, `buffer_min_message_bytes` is the floor);
-    - relay / relay_data: one weight chunk plus its header;
-    - anything else (tools, control): `transport.control_max_message_bytes`.
-    Never above `transport.max_message_bytes`."""
-    t = cfg.transport
-    if service == "manager":
-        n = max(t.control_max_message_bytes, cfg.rollout.max_running * trajectory_bytes(cfg))
-    elif service == "buffer":
-        derived = max(t.buffer_min_message_bytes, cfg.rollout.group_size * trajectory_bytes(cfg))
-        n = t.buffer_max_message_bytes or derived
-    elif service in ("relay", "relay_data"):
-        n = cfg.relay.chunk_bytes + t.max_header_bytes + (64 << 10)
-    else:
-        n = t.control_max_message_bytes
-    return min(n, t.max_message_bytes)
-
-
-def relay_links(cfg: LaminarConfig) -> RelayLinks:
-    """Where the relays listen and how long their clients wait (every relay index the
-    cluster runs, and at least this rollout's `rollout.relay_index`)."""
-    n = max(1, cfg.cluster.roles.get("relay", 1), cfg.rollout.relay_index + 1)
-    return RelayLinks(
-        control=tuple(cfg.endpoint("relay", i) for i in range(n)),
-        pub=tuple(cfg.endpoint("relay_pub", i) for i in range(n)),
-        startup_timeout_s=cfg.transport.startup_timeout_s,
-        request_timeout_s=cfg.transport.request_timeout_s,
-        probe_timeout_s=cfg.relay.probe_timeout_s,
-        chunk_bytes=cfg.relay.chunk_bytes,
-        window=cfg.relay.window,
-    )
-
-
-def weights_group(cfg: LaminarConfig) -> GroupSettings:
-    """The weights store and broadcast group of a run (rollout.weights nccl / cuda_ipc): the
-    rollouts rollout-0 .. rollout-{cluster.roles.rollout - 1} may join."""
-    g = cfg.rollout.weights_group
-    host, port = cfg.weights_store()
-    backend = g.backend
-    if backend == "auto":
-        backend = "nccl" if cfg.model.device.startswith("cuda") else "gloo"
-    rollouts = cfg.cluster.roles.get("rollout", 1)
-    return GroupSettings(
-        host=host,
-        port=port,
-        backend=backend,
-        members=tuple(f"rollout-{i}" for i in range(max(1, rollouts))),
-        bound_s=g.bound_s,
-        beat_s=g.beat_s,
-        connect_timeout_s=cfg.transport.startup_timeout_s,
-    )
-
-
-def weights_mode(cfg: LaminarConfig) -> WeightsMode:
-    """How weights move in this run; both ends derive it from the same config, so they agree:
-    `rollout.weights` when set; `auto` is relay when the config runs relays, else announce
-    when either end is a sim engine (one end has no tensors), else dir."""
-    if cfg.rollout.weights != "auto":
-        return cfg.rollout.weights
-    if cfg.cluster.roles.get("relay", 0) > 0:
-        return "relay"
-    if cfg.trainer.engine == "sim" or cfg.rollout.engine == "sim":
-        return "announce"
-    return "dir"
-
-
-def weights_channel(cfg: LaminarConfig) -> ChannelSettings:
-    """The weights channel of this run, as both ends open it."""
-    mode = weights_mode(cfg)
-    gpu = mode in ("nccl", "cuda_ipc")
-    relays = mode == "relay" or (gpu and cfg.cluster.roles.get("relay", 0) > 0)
-    return ChannelSettings(
-        mode=mode,
-        dir=Path(cfg.resolved_run_dir()) / "weights",
-        relay=relay_links(cfg) if relays else None,
-        relay_index=cfg.rollout.relay_index,
-        group=weights_group(cfg) if gpu else None,
-        device=cfg.model.device,
-        lease_ttl_s=cfg.rollout.weights_group.lease_ttl_s,
-    )
-
-
-def plaintext_tcp_warning(cfg: LaminarConfig) -> str | None:
-    """The loud startup warning when tcp endpoints run without CURVE, else None."""
-    if cfg.security.keys_dir:
-        return None
-    tcp = [e for e in _endpoints(cfg) if e.startswith("tcp://")]
-    if not tcp:
-        return None
-    return (
-        f"tcp endpoints {tcp[:3]} run WITHOUT CURVE: anyone who reaches them can read the "
-        "traffic and claim any role or node id (a fake trainer can take batches). Make keys with "
-        "`laminar keys DIR --roles ...` and set security.keys_dir"
-    )
-
-
-def _endpoints(cfg: LaminarConfig) -> list[str]:
-    out = []
-    for role in ("manager", "buffer", "relay", "tools"):
-        try:
-            out.append(cfg.endpoint(role))
-        except ConfigError:
-            continue
-    return out
 
 
 def install_signal_handlers(nodes: list[Node]) -> None:
@@ -454,12 +298,3 @@ async def run_nodes(nodes: list[Node]) -> None:
         exc = t.exception()
         if exc is not None:
             raise exc
-
-
-def node_class(role: Role) -> type[Node]:
-    """The node class of a role: `laminar.<role>.node.<Role>Node`, imported on first use."""
-    if role not in ROLES:
-        raise ValueError(f"unknown role {role!r}; use one of {list(ROLES)}")
-    module = importlib.import_module(f"laminar.{role}.node")
-    cls: type[Node] = getattr(module, f"{role.capitalize()}Node")
-    return cls

@@ -21,7 +21,6 @@ here too. Importing runs the user's module's top level, once, in the launcher.
 
 from __future__ import annotations
 
-import importlib
 import os
 import re
 import sys
@@ -30,6 +29,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from laminar.config import ConfigError, LaminarConfig, Role
+from laminar.resolve import resolve_spec
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _LOCAL_DIRS = frozenset("models model runs data checkpoints ckpt outputs weights tmp".split())
@@ -122,35 +122,11 @@ def function_problem(key: str, spec: str | None) -> str | None:
     """`module:attr` importable, the attribute present and callable (a class counts)."""
     if not spec:
         return None
-    if spec.count(":") != 1 or spec.startswith(":") or spec.endswith(":"):
-        return f"{key} must look like 'package.module:function', got {spec!r}"
-    mod_name, _, attr = spec.partition(":")
     with _cwd_importable():
         try:
-            obj: object = importlib.import_module(mod_name)
-        except ModuleNotFoundError as exc:
-            if exc.name and mod_name.startswith(exc.name):
-                return (
-                    f"{key} {spec!r}: no module named {exc.name!r} (importable from "
-                    f"{os.getcwd()} or PYTHONPATH; a file my_reward.py here is 'my_reward:fn')"
-                )
-            return f"{key} {spec!r}: module {mod_name!r} fails to import: {exc}"
-        except Exception as exc:  # the user's module ran and raised: say so, with its error
-            return f"{key} {spec!r}: importing {mod_name!r} raised {type(exc).__name__}: {exc}"
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            home = getattr(obj, "__name__", None)
-            names = sorted(
-                n
-                for n, v in vars(obj).items()
-                if not n.startswith("_") and callable(v) and getattr(v, "__module__", None) == home
-            )[:12]
-            return (
-                f"{key} {spec!r}: module {mod_name!r} has no {attr!r} (it has: {', '.join(names)})"
-            )
-        obj = getattr(obj, part)
-    if not callable(obj):
-        return f"{key} {spec!r} is a {type(obj).__name__}, not a function"
+            resolve_spec(spec, key, "'package.module:function'", ValueError)
+        except ValueError as exc:
+            return str(exc)
     return None
 
 

@@ -21,11 +21,9 @@ import re
 import zlib
 from typing import Any
 
-import numpy as np
-
-from laminar.engines.base import GenRequest, TokenEvent
+from laminar.engines.base import GenRequest
 from laminar.tasks import tooluse
-from tests.multiturn_fakes import TurnEngine
+from tests.fake_engine import FakeEngine
 
 
 def script(uid: str, prompt: str, turn: int) -> str:
@@ -40,7 +38,7 @@ def script(uid: str, prompt: str, turn: int) -> str:
     return f"#{answer}"
 
 
-class ScriptEngine(TurnEngine):
+class ScriptEngine(FakeEngine):
     name = "script"
 
     def __init__(
@@ -51,7 +49,7 @@ class ScriptEngine(TurnEngine):
         hold_at: int = 0,
         hold_turn: int | None = None,
     ):
-        super().__init__(step_s)
+        super().__init__(step_s, turns=True)
         self.tok = tokenizer
         self.hold = hold
         """Seconds each turn's token `hold_at` is held back (a call in flight, for fault tests)."""
@@ -72,35 +70,18 @@ class ScriptEngine(TurnEngine):
             s["t0"] = asyncio.get_running_loop().time()
             self.emitted[(sid, req.turn)] = ([], [])  # a new run of the episode starts afresh
 
-    async def _loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            await asyncio.sleep(self.step_s)  # the emulated decode step
-            for sid, s in list(self.running.items()):
-                i = len(s["ids"])
-                held = self.hold_turn is None or s["turn"] == self.hold_turn
-                if held and i == s["start"] + self.hold_at and loop.time() - s["t0"] < self.hold:
-                    continue
-                tok = int(s["script"][i - s["start"]])
-                lp = -0.01 * (i + 1) - 0.001 * (zlib.crc32(sid.encode()) % 7)
-                s["ids"].append(tok)
-                s["lps"].append(lp)
-                got = self.emitted.setdefault((sid, s["turn"]), ([], []))
-                got[0].append(tok)
-                got[1].append(lp)
-                self.tokens_generated += 1
-                reason = "stop" if i + 1 >= s["end"] else "length" if i + 1 >= s["cap"] else None
-                if reason:
-                    del self.running[sid]
-                self._emit(
-                    TokenEvent(
-                        sid,
-                        np.array([tok], np.int32),
-                        np.array([lp], np.float32),
-                        reason,
-                        s["version"],
-                    )
-                )
+    def _token(self, sid: str, s: dict[str, Any]) -> tuple[int, float] | None:
+        i = len(s["ids"])
+        held = self.hold_turn is None or s["turn"] == self.hold_turn
+        now = asyncio.get_running_loop().time()
+        if held and i == s["start"] + self.hold_at and now - s["t0"] < self.hold:
+            return None
+        tok = int(s["script"][i - s["start"]])
+        lp = -0.01 * (i + 1) - 0.001 * (zlib.crc32(sid.encode()) % 7)
+        got = self.emitted.setdefault((sid, s["turn"]), ([], []))
+        got[0].append(tok)
+        got[1].append(lp)
+        return tok, lp
 
 
 def _log(var: str, record: dict[str, Any]) -> None:

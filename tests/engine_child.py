@@ -58,6 +58,7 @@ def rollout(how: str) -> None:
 
     from laminar.config import LaminarConfig
     from laminar.node import Node, run_nodes
+    from laminar.wiring.common import node_settings
 
     class EngineHost(Node):
         role = "rollout"
@@ -73,7 +74,7 @@ def rollout(how: str) -> None:
             self.on_close(close)
             print("PIDS", pids, flush=True)
 
-    asyncio.run(run_nodes([EngineHost(LaminarConfig())]))
+    asyncio.run(run_nodes([EngineHost(node_settings(LaminarConfig(), "rollout"))]))
 
 
 if __name__ == "__main__":

@@ -30,11 +30,11 @@ from laminar.trainer.dist import (  # noqa: E402
     destroy,
     init_distributed,
 )
-from laminar.trainer.node import trainer_settings  # noqa: E402
-from laminar.trainer.policy import Policy  # noqa: E402
+from laminar.trainer.torch_trainer import TorchTrainer  # noqa: E402
 from laminar.weights.layout import layout_of, named_list  # noqa: E402
-from laminar.weights.relay_client import write_flat  # noqa: E402
+from laminar.weights.pusher import write_flat  # noqa: E402
 from laminar.weights.sink import FlatSink  # noqa: E402
+from laminar.wiring.trainer import trainer_settings  # noqa: E402
 from tests.test_trainer import make_cfg, make_trajs  # noqa: E402
 
 META = {"version": 2, "frontier": {"committed": [0, 1], "uncommitted": []}}
@@ -63,7 +63,7 @@ class FailingSink:
         raise OSError("injected: the write failed")
 
 
-def stream_export(policy: Policy, ctx: DistContext) -> bool:
+def stream_export(policy: TorchTrainer, ctx: DistContext) -> bool:
     """The export streamed into a FlatSink (rank 0) equals the unstreamed export written flat,
     byte for byte; a sink failing at the first tensor raises on rank 0 once the gathers are done
     (the other ranks are in them: no hang)."""
@@ -71,8 +71,8 @@ def stream_export(policy: Policy, ctx: DistContext) -> bool:
     if not ctx.is_main:
         for _ in range(2):  # what follower.py runs for each export rank 0 leads
             broadcast_message(ctx, None)
-            policy.export_weights(dtype)
-        policy.export_weights(dtype)  # the unstreamed reference
+            policy.model.export_weights(dtype)
+        policy.model.export_weights(dtype)  # the unstreamed reference
         return True
     layout = policy.stream_layout()
     assert layout is not None
@@ -85,7 +85,7 @@ def stream_export(policy: Policy, ctx: DistContext) -> bool:
     flat = FlatSink(dst, layout, digest=False)
     policy.export_into(flat)
     flat.finish(60)
-    items = named_list(policy.export_weights(dtype))
+    items = named_list(policy.model.export_weights(dtype))
     want = torch.zeros(layout.total_bytes, dtype=torch.uint8)
     write_flat(want, items, layout_of(items))
     return bool(torch.equal(dst, want))
@@ -98,12 +98,12 @@ def main() -> None:
     settings = trainer_settings(cfg)
     result: dict = {"world": ctx.world}
     if mode == "run":
-        policy = Policy(settings, model, ctx)
+        policy = TorchTrainer(settings, model, ctx)
         losses = [policy.train_step(TrainBatch.build(make_trajs(seed=s)))["loss"] for s in (1, 2)]
-        weights = policy.full_state_dict()
+        weights = policy.model.full_state_dict()
         result.update(streamed_equal=stream_export(policy, ctx))
         # asynchronous (trainer.checkpoint_async): step 3 trains while the shards are written
-        pending = ck.save_policy(policy, out / "run", 2, META, model, keep=2, asynchronous=True)
+        pending = ck.save_trainer(policy, out / "run", 2, META, model, keep=2, asynchronous=True)
         losses.append(policy.train_step(TrainBatch.build(make_trajs(seed=3)))["loss"])
         path = pending.wait()
         result.update(losses=losses, checkpoint=str(path))
@@ -116,17 +116,17 @@ def main() -> None:
 
         empty_causal_lm(model)  # transformers and the model's modules imported: not measured
         base = host_peak_reset()
-        policy = Policy(settings, model, ctx, empty=mode == "resume")
-        ck.read_sharded_weights(policy, path)
+        policy = TorchTrainer(settings, model, ctx, empty=mode == "resume")
+        ck.read_sharded_weights(policy.model.module, path)
         weights_read = host_peak() - base  # the model built and its weights read
-        meta = ck.load_policy_state(policy, path)  # the whole resume (reads the weights again)
+        meta = ck.restore_trainer(policy, path)  # the whole resume (reads the weights again)
         resumed = host_peak() - base
-        weights_bytes = sum(p.numel() * p.element_size() for p in policy.model.parameters())
+        weights_bytes = sum(p.numel() * p.element_size() for p in policy.model.module.parameters())
         result.update(
             meta=meta,
             last_epoch=policy.scheduler.state_dict()["last_epoch"],
             loss=policy.train_step(TrainBatch.build(make_trajs(seed=3)))["loss"],
-            empty=policy.empty,
+            empty=policy.model.empty,
             weights_peak_bytes=weights_read,
             resume_peak_bytes=resumed,
             full_weights_bytes=weights_bytes,  # a DTensor's numel is the full tensor's

@@ -23,8 +23,8 @@ from laminar.models.lora import is_adapter_name  # noqa: E402
 from laminar.trainer import checkpoint as ck  # noqa: E402
 from laminar.trainer.batch import TrainBatch  # noqa: E402
 from laminar.trainer.dist import destroy, init_distributed  # noqa: E402
-from laminar.trainer.node import trainer_settings  # noqa: E402
-from laminar.trainer.policy import Policy  # noqa: E402
+from laminar.trainer.torch_trainer import TorchTrainer  # noqa: E402
+from laminar.wiring.trainer import trainer_settings  # noqa: E402
 from tests.test_trainer import make_cfg, make_trajs  # noqa: E402
 
 SEEDS = (1, 2, 1)
@@ -36,10 +36,10 @@ def lora_fsdp_cfg(model: str, run_dir: Path):
     return cfg
 
 
-def adapter_grads(policy: Policy) -> dict[str, torch.Tensor]:
+def adapter_grads(policy: TorchTrainer) -> dict[str, torch.Tensor]:
     """Full adapter gradients (collective under FSDP2: every rank calls it)."""
     out = {}
-    for name, p in policy.model.named_parameters():
+    for name, p in policy.model.module.named_parameters():
         if is_adapter_name(name) and p.grad is not None:
             g = p.grad
             out[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
@@ -49,15 +49,15 @@ def adapter_grads(policy: Policy) -> dict[str, torch.Tensor]:
 def main() -> None:
     model, out = sys.argv[1], Path(sys.argv[2])
     ctx = init_distributed("cpu")
-    policy = Policy(trainer_settings(lora_fsdp_cfg(model, out / "run")), model, ctx)
+    policy = TorchTrainer(trainer_settings(lora_fsdp_cfg(model, out / "run")), model, ctx)
     losses, norms, grads = [], [], []
     for seed in SEEDS:
         m = policy.train_step(TrainBatch.build(make_trajs(seed=seed)))
         losses.append(m["loss"])
         norms.append(m["grad_norm"])
         grads.append(adapter_grads(policy))
-    weights = policy.export_weights()
-    path = ck.save_policy(policy, out / "run", 3, {"version": 3}, keep=2).wait()  # collective
+    weights = policy.model.export_weights()
+    path = ck.save_trainer(policy, out / "run", 3, {"version": 3}, keep=2).wait()  # collective
     destroy(ctx)
     if ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)

@@ -19,8 +19,8 @@ import torch  # noqa: E402
 
 from laminar.trainer.batch import TrainBatch  # noqa: E402
 from laminar.trainer.dist import destroy, init_distributed  # noqa: E402
-from laminar.trainer.node import trainer_settings  # noqa: E402
-from laminar.trainer.policy import Policy  # noqa: E402
+from laminar.trainer.torch_trainer import TorchTrainer  # noqa: E402
+from laminar.wiring.trainer import trainer_settings  # noqa: E402
 from tests.test_trainer import make_cfg, make_trajs  # noqa: E402
 
 
@@ -29,16 +29,16 @@ def main() -> None:
     extra = dict(a.split("=", 1) for a in sys.argv[3:])
     ctx = init_distributed("cpu")
     cfg = make_cfg(model, out / "run", micro_batch_tokens=48, **extra)
-    policy = Policy(trainer_settings(cfg), model, ctx)
+    policy = TorchTrainer(trainer_settings(cfg), model, ctx)
     m = policy.train_step(TrainBatch.build(make_trajs(seed=1)))
     grads = {}
-    for name, p in policy.model.named_parameters():
+    for name, p in policy.model.module.named_parameters():
         g = p.grad.full_tensor()  # a DTensor under FSDP2
         grads[name] = g.float()
     info = {
         "loss": m["loss"],
         "grad_norm": m["grad_norm"],
-        "checkpointing": policy.checkpointing,
+        "checkpointing": policy.model.checkpointing,
     }
     destroy(ctx)
     if ctx.is_main:

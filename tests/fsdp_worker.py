@@ -20,8 +20,8 @@ import torch  # noqa: E402
 
 from laminar.trainer.dist import init_distributed  # noqa: E402
 from laminar.trainer.follower import follow  # noqa: E402
-from laminar.trainer.node import trainer_settings  # noqa: E402
-from laminar.trainer.policy import Policy  # noqa: E402
+from laminar.trainer.torch_trainer import TorchTrainer  # noqa: E402
+from laminar.wiring.trainer import trainer_settings  # noqa: E402
 from tests.test_trainer import make_cfg, make_trajs  # noqa: E402
 
 
@@ -30,7 +30,7 @@ def main() -> None:
     ctx = init_distributed("cpu")
     # the gathered checkpoint (an HF directory), which this test resumes in one process
     cfg = make_cfg(model, out / "run", micro_batch_tokens=48, checkpoint_format="full")
-    policy = Policy(trainer_settings(cfg), model, ctx)
+    policy = TorchTrainer(trainer_settings(cfg), model, ctx)
     if not ctx.is_main:
         follow(policy, ctx, out / "run", keep=2)
         policy.close()

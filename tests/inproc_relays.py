@@ -17,6 +17,7 @@ import zmq.asyncio
 
 from laminar.config import LaminarConfig
 from laminar.relay.node import RelayNode
+from laminar.wiring.relay import relay_node_settings
 
 
 class InprocRelay(RelayNode):
@@ -32,7 +33,7 @@ class InprocRelays:
     async def start(self, cfg: LaminarConfig) -> list[InprocRelay]:
         nodes = []
         for i in range(cfg.cluster.roles["relay"]):
-            node = InprocRelay(cfg, index=i, ctx=self.zctx)
+            node = InprocRelay(relay_node_settings(cfg, i), ctx=self.zctx)
             self.nodes.append(node)
             nodes.append(node)
             self.tasks.append(asyncio.create_task(node.run()))

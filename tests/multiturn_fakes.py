@@ -1,10 +1,5 @@
-"""Fakes for the multi-turn rollout tests: a turn-aware engine, a scripted environment, tools.
-
-TurnEngine: one token per sequence per step; token i of uid is fake_token(uid, i) with
-logprob -0.01 * (i + 1) (position-based, so an episode moved mid-turn or between turns
-comes out identical to one that never moved); model turn t of uid is turn_len(uid, t)
-tokens and ends with "stop" ("length" at max_tokens). `hold_turn` parks sequences one
-token into that turn (a draining tail to export mid-turn).
+"""Fakes for the multi-turn rollout tests: a scripted environment and tools (the engine is
+tests/fake_engine.py's FakeEngine(turns=True)).
 
 ScriptedEnv: every step calls the tool `tool` `calls` times with the deterministic call
 ids (ctx.call_id(k)), answers with observation ids [100 + turn, 200 + calls made,
@@ -23,128 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-import zlib
 from collections import Counter
-from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
 
-import numpy as np
+from fake_engine import fake_token, turn_len
 
-from laminar.engines.base import Engine, EngineStats, GenRequest, PartialState, TokenEvent
 from laminar.envs.base import Environment, StepContext, StepResult, ToolResult
-from laminar.supervise import Spawn, detached_spawn
-
-
-def fake_token(uid: str, i: int, vocab: int = 50) -> int:
-    """Token i of uid (the same formula as tests/rollout_fakes.py, without importing the node stack:
-    this module is also imported by tools-node sandbox workers and rollout processes)."""
-    return 4 + zlib.crc32(f"{uid}:{i}".encode()) % (vocab - 4)
-
-
-def turn_len(uid: str, turn: int, base: int = 3, span: int = 6) -> int:
-    return base + zlib.crc32(f"{uid}#turn{turn}".encode()) % span
-
-
-class TurnEngine(Engine):
-    name = "turns"
-
-    def __init__(self, step_s: float = 0.002, hold_turn: int | None = None):
-        super().__init__()
-        self.step_s, self.hold_turn = step_s, hold_turn
-        self.running: dict[str, dict[str, Any]] = {}
-        self.submitted: list[GenRequest] = []
-        self.peak_running = 0
-        self.tokens_generated = 0
-        self._task: asyncio.Task[Any] | None = None
-
-    async def start(self, spawn: Spawn = detached_spawn) -> None:
-        self._task = spawn(self._loop(), "turn-engine")
-
-    async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-
-    def submit(self, req: GenRequest) -> None:
-        assert req.version == self.version, (
-            f"request at v{req.version} on an engine at v{self.version}"
-        )
-        self.submitted.append(req)
-        for sid in req.seq_ids():
-            ids = [int(i) for i in req.resume_ids]
-            self.running[sid] = dict(
-                prompt=np.asarray(req.prompt_ids, np.int32),
-                ids=ids,
-                lps=[float(x) for x in req.resume_logprobs],
-                turn=req.turn,
-                end=req.turn_start + turn_len(sid, req.turn),
-                cap=req.params.max_tokens,
-                start=req.turn_start,
-                version=req.version,
-            )
-
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.step_s)  # the emulated decode step
-            self.peak_running = max(self.peak_running, len(self.running))
-            for sid, s in list(self.running.items()):
-                i = len(s["ids"])
-                if s["turn"] == self.hold_turn and i >= s["start"] + 1:
-                    continue
-                tok, lp = fake_token(sid, i), -0.01 * (i + 1)
-                s["ids"].append(tok)
-                s["lps"].append(lp)
-                self.tokens_generated += 1
-                reason = "stop" if i + 1 >= s["end"] else "length" if i + 1 >= s["cap"] else None
-                if reason:
-                    del self.running[sid]
-                self._emit(
-                    TokenEvent(
-                        sid,
-                        np.array([tok], np.int32),
-                        np.array([lp], np.float32),
-                        reason,
-                        s["version"],
-                    )
-                )
-
-    async def abort(self, seq_ids: Iterable[str]) -> list[PartialState]:
-        out = []
-        for sid in seq_ids:
-            s = self.running.pop(sid, None)
-            if s is None:
-                continue
-            out.append(
-                PartialState(
-                    sid,
-                    s["prompt"],
-                    np.asarray(s["ids"], np.int32),
-                    np.asarray(s["lps"], np.float32),
-                    s["version"],
-                )
-            )
-            self._emit(
-                TokenEvent(
-                    sid, np.zeros(0, np.int32), np.zeros(0, np.float32), "abort", s["version"]
-                )
-            )
-        return out
-
-    async def load_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
-        assert not self.running, "weights loaded while sequences were in flight"
-        for _ in named_tensors:
-            pass
-        self.version = version
-
-    def stats(self) -> EngineStats:
-        return EngineStats(
-            min(1.0, len(self.running) / 64),
-            len(self.running),
-            0,
-            self.version,
-            self.tokens_generated,
-        )
+from laminar.supervise import detached_spawn
 
 
 def obs_ids(turn: int, results: list[ToolResult]) -> list[int]:

@@ -24,8 +24,8 @@ import torch  # noqa: E402
 from laminar.config import load_config  # noqa: E402
 from laminar.plan.trainer import _trajectories, micro_batch_shape, read_shape  # noqa: E402
 from laminar.trainer.batch import TrainBatch  # noqa: E402
-from laminar.trainer.node import trainer_settings  # noqa: E402
-from laminar.trainer.policy import Policy  # noqa: E402
+from laminar.trainer.torch_trainer import TorchTrainer  # noqa: E402
+from laminar.wiring.trainer import trainer_settings  # noqa: E402
 
 
 def _status(key: str) -> int:
@@ -33,9 +33,9 @@ def _status(key: str) -> int:
     return int(re.search(rf"^{key}:\s+(\d+) kB", text, re.M).group(1)) * 1024  # type: ignore[union-attr]
 
 
-def _tensor_bytes(policy: Policy) -> int:
+def _tensor_bytes(policy: TorchTrainer) -> int:
     total = 0
-    for p in policy.model.parameters():
+    for p in policy.model.module.parameters():
         total += p.numel() * p.element_size()
         if p.grad is not None:
             total += p.grad.numel() * p.grad.element_size()
@@ -48,10 +48,10 @@ def main() -> None:
     torch.set_num_threads(1)
     cfg = load_config(sys.argv[1])
     settings = trainer_settings(cfg)
-    policy = Policy(settings, str(cfg.model.path))
+    policy = TorchTrainer(settings, str(cfg.model.path))
     model_len = int(read_shape(str(cfg.model.path)).get("max_position_embeddings") or 4096)
     rows, row, response = micro_batch_shape(settings, model_len)
-    batch = TrainBatch.build(_trajectories(rows, row, response, policy.vocab_size))
+    batch = TrainBatch.build(_trajectories(rows, row, response, policy.model.vocab_size))
     m = policy.train_step(batch)
     assert m["micro_batches"] == 1
     before = _tensor_bytes(policy)

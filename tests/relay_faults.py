@@ -6,7 +6,7 @@
 Each chosen chunk of each version goes out once with one byte flipped, counted in the
 relay's `chunks_corrupted_on_purpose`; the downstream must catch it on the master's crc32
 and fetch it again. The product has no hook for this: the test wraps the relay's
-ChunkService.fetch (laminar/relay/chain.py) from outside.
+ChunkService.fetch (laminar/relay/serve.py) from outside.
 """
 
 from __future__ import annotations

@@ -30,13 +30,14 @@ import yaml
 from laminar.config import apply_overrides, config_from_dict
 from laminar.logs import get_logger
 from laminar.message import Message
-from laminar.node import relay_links, socket_options
 from laminar.protocol.relay import ChainInfo, ChainInfoRequest, ChainUpdate
 from laminar.supervise import detached_spawn
 from laminar.transport.client import RpcClient
 from laminar.transport.sockets import Context, TransportError, Wiring, new_context
-from laminar.weights.relay_client import WeightPuller, WeightPusher
+from laminar.weights.puller import WeightPuller
+from laminar.weights.pusher import WeightPusher
 from laminar.weights.segment import default_shm_dir
+from laminar.wiring.common import relay_links, socket_options
 
 
 class RelayProcs:

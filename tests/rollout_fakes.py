@@ -1,9 +1,8 @@
-"""Fakes for the rollout tests: a deterministic engine and a minimal buffer server.
+"""Fakes for the rollout tests: a minimal buffer server and a harness around it.
 
-FakeEngine implements laminar.engines.base.Engine: one token per sequence per step,
-token i of trajectory uid is crc32(f"{uid}:{i}") % vocab, length crc32(uid) % span
-+ base. So a trajectory exported, then resumed elsewhere, must come out identical
-to one that ran uninterrupted: the tests compare them token for token.
+The engine is tests/fake_engine.py's FakeEngine; `expected_response(uid)` is what it
+generates for a single-turn trajectory, so one exported, then resumed elsewhere, must come
+out identical to one that ran uninterrupted: the tests compare them token for token.
 
 `harness(cfg, items)` runs a real ManagerNode and a FakeBuffer over inproc and adds
 RolloutNodes on demand (`await h.add_rollout(engine)`).
@@ -21,142 +20,24 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
-import zlib
 from collections import Counter
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from fake_engine import FakeEngine, fake_length, fake_token
 
 from laminar.config import config_from_dict
-from laminar.engines.base import Engine, EngineStats, GenRequest, PartialState, TokenEvent
-from laminar.manager.node import ManagerNode
-from laminar.node import socket_options
 from laminar.protocol.buffer import PromptReply, PromptRequest, TrajectoryAbandoned, TrajectoryAck
 from laminar.protocol.data import PartialBatch, PartialChunk, PromptItem, Trajectory
 from laminar.rollout.node import RolloutNode
-from laminar.supervise import Spawn, detached_spawn
 from laminar.transport.server import RpcServer
 from laminar.transport.sockets import new_context
-
-
-def fake_token(uid: str, i: int, vocab: int = 50) -> int:
-    return 4 + zlib.crc32(f"{uid}:{i}".encode()) % (vocab - 4)
-
-
-def fake_length(uid: str, base: int = 8, span: int = 40) -> int:
-    return base + zlib.crc32(uid.encode()) % span
-
-
-class FakeEngine(Engine):
-    name = "fake"
-
-    def __init__(self, step_s: float = 0.002, base: int = 8, span: int = 40, hold: bool = False):
-        super().__init__()
-        self.step_s, self.base, self.span = step_s, base, span
-        self.hold = hold
-        """True: sequences never finish (export tests)."""
-        self.running: dict[str, dict[str, Any]] = {}
-        self.loads: list[int] = []
-        self.last_weights: dict[str, np.ndarray] = {}
-        self.submitted: list[GenRequest] = []
-        self.tokens_generated = 0
-        self.peak_groups = 0
-        self._task: asyncio.Task | None = None
-
-    async def start(self, spawn: Spawn = detached_spawn) -> None:
-        self._task = spawn(self._loop(), "fake-engine")
-
-    async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-
-    def submit(self, req: GenRequest) -> None:
-        assert req.version == self.version, (
-            f"request at v{req.version} on an engine at v{self.version}"
-        )
-        self.submitted.append(req)
-        for sid in req.seq_ids():
-            target = min(fake_length(sid, self.base, self.span), req.params.max_tokens)
-            self.running[sid] = dict(
-                prompt=np.asarray(req.prompt_ids, np.int32),
-                ids=list(req.resume_ids),
-                lps=list(req.resume_logprobs),
-                target=target,
-                version=req.version,
-            )
-
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.step_s)  # the emulated decode step
-            self.peak_groups = max(
-                self.peak_groups, len({sid.rsplit("/", 1)[0] for sid in self.running})
-            )
-            for sid, s in list(self.running.items()):
-                i = len(s["ids"])
-                if self.hold and i >= s["target"] - 1:
-                    continue
-                tok, lp = fake_token(sid, i), -0.01 * (i + 1)
-                s["ids"].append(tok)
-                s["lps"].append(lp)
-                self.tokens_generated += 1
-                done = len(s["ids"]) >= s["target"]
-                if done:
-                    del self.running[sid]
-                self._emit(
-                    TokenEvent(
-                        sid,
-                        np.array([tok], np.int32),
-                        np.array([lp], np.float32),
-                        "length" if done else None,
-                        s["version"],
-                    )
-                )
-
-    async def abort(self, seq_ids: Iterable[str]) -> list[PartialState]:
-        out = []
-        for sid in seq_ids:
-            s = self.running.pop(sid, None)
-            if s is None:
-                continue
-            out.append(
-                PartialState(
-                    sid,
-                    s["prompt"],
-                    np.asarray(s["ids"], np.int32),
-                    np.asarray(s["lps"], np.float32),
-                    s["version"],
-                )
-            )
-            self._emit(
-                TokenEvent(
-                    sid, np.zeros(0, np.int32), np.zeros(0, np.float32), "abort", s["version"]
-                )
-            )
-        return out
-
-    async def load_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
-        assert not self.running, "weights loaded while sequences were in flight"
-        # the relay hands out torch views: through .numpy() (numpy's __array__ path warns on them)
-        self.last_weights = {
-            name: t.numpy().copy() if hasattr(t, "numpy") else np.array(t, copy=True)
-            for name, t in named_tensors
-        }
-        self.version = version
-        self.loads.append(version)
-
-    def stats(self) -> EngineStats:
-        return EngineStats(
-            min(1.0, len(self.running) / 64),
-            len(self.running),
-            0,
-            self.version,
-            self.tokens_generated,
-        )
+from laminar.wiring.common import socket_options
+from laminar.wiring.nodes import build_node
 
 
 def expected_response(uid: str, base: int = 8, span: int = 40) -> list[int]:
@@ -322,7 +203,7 @@ class Harness:
         self.state = FakeBufferState(prompts=list(items))
         opts = socket_options(cfg)
         self.buffer = FakeBuffer(self.ctx, cfg.endpoint("buffer"), self.state, opts)
-        self.manager = ManagerNode(cfg, ctx=self.ctx)
+        self.manager = build_node(cfg, "manager", ctx=self.ctx)
         self.rollouts: list[RolloutNode] = []
         self.tasks: list[asyncio.Task] = []
         self.nodes: list[Any] = []
@@ -344,7 +225,7 @@ class Harness:
         self, engine: FakeEngine | None = None, index: int | None = None
     ) -> RolloutNode:
         idx = len(self.rollouts) if index is None else index
-        node = RolloutNode(self.cfg, index=idx, ctx=self.ctx, engine=engine or FakeEngine())
+        node = build_node(self.cfg, "rollout", idx, ctx=self.ctx, engine=engine or FakeEngine())
         return await self.start_node(node)
 
     async def wait_stored(self, uids: set[str], timeout: float) -> None:

@@ -10,20 +10,17 @@ import math
 import pytest
 import torch
 
-from laminar.algo import (
+from laminar.algo.advantages import compute_advantages, group_index
+from laminar.algo.losses import (
     LossSettings,
-    StatAccumulator,
     aggregate,
     behaviour_weights,
-    compute_advantages,
-    group_index,
-    normalized_ess,
+    gspo_ratio,
+    kl_k3,
     policy_loss,
     ppo_token_loss,
-    staleness_histogram,
 )
-from laminar.algo.losses import gspo_ratio, kl_k3
-from laminar.algo.metrics import length_stats
+from laminar.algo.metrics import StatAccumulator, length_stats, normalized_ess, staleness_histogram
 
 T = torch.tensor
 

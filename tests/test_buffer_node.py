@@ -25,8 +25,6 @@ import pytest
 
 from laminar.buffer.node import BufferNode
 from laminar.config import config_from_dict
-from laminar.manager.node import ManagerNode
-from laminar.node import socket_options
 from laminar.protocol.buffer import (
     BatchCommit,
     BatchReply,
@@ -43,6 +41,8 @@ from laminar.protocol.buffer import (
 from laminar.protocol.data import PartialChunk, PartialTrajectory, PromptItem, Trajectory
 from laminar.transport.client import RpcClient
 from laminar.transport.sockets import RemoteError, new_context
+from laminar.wiring.common import socket_options
+from laminar.wiring.nodes import build_node
 
 N, B = 2, 2
 
@@ -106,13 +106,13 @@ class Harness:
         return task
 
     async def start(self) -> Harness:
-        self.manager = ManagerNode(self.cfg, ctx=self.ctx)
+        self.manager = build_node(self.cfg, "manager", ctx=self.ctx)
         self.tasks.append(await self._start(self.manager))
         await self.start_buffer()
         return self
 
     async def start_buffer(self) -> BufferNode:
-        self.buffer = BufferNode(self.cfg, ctx=self.ctx)
+        self.buffer = build_node(self.cfg, "buffer", ctx=self.ctx)
         self._buffer_task = await self._start(self.buffer)
         return self.buffer
 

@@ -29,11 +29,11 @@ import pytest
 import yaml
 
 from laminar.config import load_config
-from laminar.node import socket_options
 from laminar.protocol.buffer import BatchCommit, BatchRequest, BufferStatsRequest, PromptRequest
 from laminar.protocol.data import Trajectory
 from laminar.transport.client import RpcClient
 from laminar.transport.sockets import TransportError, new_context
+from laminar.wiring.common import socket_options
 
 GROUPS, N = 12, 4
 

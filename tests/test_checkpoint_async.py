@@ -23,8 +23,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from laminar.trainer import checkpoint as ck
 from laminar.trainer.batch import TrainBatch
-from laminar.trainer.node import trainer_settings
-from laminar.trainer.policy import Policy
+from laminar.trainer.torch_trainer import TorchTrainer
+from laminar.wiring.trainer import trainer_settings
 from tests.test_trainer import make_cfg, make_trajs, params
 from tests.test_trainer_node import harness  # noqa: F401 - a fixture
 
@@ -55,12 +55,12 @@ def tiny(tmp_path_factory):
     )
 
 
-def policy_of(tiny: str, run: Path) -> Policy:
+def policy_of(tiny: str, run: Path) -> TorchTrainer:
     cfg = make_cfg(tiny, run, checkpoint_format="sharded", checkpoint_async=True, warmup_steps=2)
-    return Policy(trainer_settings(cfg), tiny)
+    return TorchTrainer(trainer_settings(cfg), tiny)
 
 
-def step(policy: Policy, seed: int) -> float:
+def step(policy: TorchTrainer, seed: int) -> float:
     return policy.train_step(TrainBatch.build(make_trajs(seed=seed)))["loss"]
 
 
@@ -91,7 +91,7 @@ def test_training_goes_on_while_the_save_is_in_flight(tiny, tmp_path, monkeypatc
     assert meta["step"] == 2 and meta["version"] == 2
     # the checkpoint holds the weights as staged (after step 2), not as they were when written
     fresh = policy_of(tiny, run)
-    assert ck.load_policy_state(fresh, run / "checkpoints" / "step_00000002")["step"] == 2
+    assert ck.restore_trainer(fresh, run / "checkpoints" / "step_00000002")["step"] == 2
     got = params(fresh)
     assert all(torch.equal(got[k], at_save[k]) for k in at_save)
     assert fresh.scheduler.state_dict()["last_epoch"] == 2
@@ -175,7 +175,7 @@ def test_a_kill_after_staging_resumes_from_the_previous_checkpoint(tiny, tmp_pat
     assert ck.remove_partial(run) == 1  # what open_trainer does first
     assert ck.latest_checkpoint(run) == root / "step_00000001"
     resumed = policy_of(tiny, run)
-    meta = ck.load_policy_state(resumed, root / "step_00000001")
+    meta = ck.restore_trainer(resumed, root / "step_00000001")
     assert meta["frontier"] == meta1["frontier"] and meta["step"] == 1
     # the uninterrupted run: step 1, then step 2 on the same batch the resumed trainer is served
     straight = policy_of(tiny, tmp_path / "straight")
@@ -214,16 +214,16 @@ async def test_the_trainer_node_trains_on_while_a_checkpoint_lands_and_commits_a
 
     monkeypatch.setattr(ck, "storage_writer", writer)
     trained: list[bool] = []  # per step: was step_2's save in flight while it trained?
-    train_step = Policy.train_step
+    train_step = TorchTrainer.train_step
 
-    def counting(self: Policy, batch: TrainBatch) -> dict[str, float]:
+    def counting(self: TorchTrainer, batch: TrainBatch) -> dict[str, float]:
         out = train_step(self, batch)
         trained.append(entered.is_set() and not gate.is_set())
         if len(trained) == 3:
             gate.set()  # step 3 trained: let step_2's shards be written
         return out
 
-    monkeypatch.setattr(Policy, "train_step", counting)
+    monkeypatch.setattr(TorchTrainer, "train_step", counting)
     ckpts = cfg.resolved_run_dir() / "checkpoints"
     seen: list[tuple[int, list[str]]] = []
 

@@ -18,7 +18,8 @@ from safetensors.torch import load_file, save_file
 
 from laminar.models.decoder_lm import DecoderLM, load_decoder_lm, load_model
 from laminar.models.decoder_ops import rope_table, unsupported
-from laminar.trainer.batch import TrainBatch, collate
+from laminar.trainer.batch import TrainBatch
+from laminar.trainer.micro_batch import collate
 from laminar.trainer.packed import PackedForward, PackedLayout
 from tests.test_engine_lean_forward import CASES, _model
 from tests.test_trainer_packed import _packed_logp, _padded_logp, _trajs
@@ -128,23 +129,23 @@ import sys, asyncio
 import numpy as np
 from laminar.config import config_from_dict
 from laminar.engines.torch_engine import TorchEngine
-from laminar.trainer.node import trainer_settings
-from laminar.trainer.policy import Policy
+from laminar.wiring.trainer import trainer_settings
+from laminar.trainer.torch_trainer import TorchTrainer
 from laminar.protocol.data import Trajectory
 cfg = config_from_dict({{"run_dir": {str(tmp_path / "run")!r}, "model": {{"path": {str(path)!r}}},
                         "rollout": {{"max_running": 4, "max_model_len": 64}},
                         "trainer": {{"lr": 1e-3}}}})
 engine = TorchEngine.from_config(cfg.rollout, cfg.model)
 assert engine.lean is not None and engine.tokenizer.decode([5, 6]) != ""
-pol = Policy(trainer_settings(cfg), {str(path)!r})
-assert pol.packed is not None
+pol = TorchTrainer(trainer_settings(cfg), {str(path)!r})
+assert pol.model.packed is not None
 trajs = [Trajectory(uid=f"g/{{i}}", group_id="g", prompt_uid="g", sample_index=i,
                     prompt_ids=np.array([5, 6, 7]), response_ids=np.array([8 + i, 9]),
                     logprobs=np.full(2, -2.0, np.float32), version=0,
                     reward=float(i % 2)) for i in range(4)]
-before = pol.model.model.norm.weight.detach().clone()
+before = pol.model.module.model.norm.weight.detach().clone()
 pol.train_step(pol.prepare(trajs))
-assert not bool((pol.model.model.norm.weight == before).all())
+assert not bool((pol.model.module.model.norm.weight == before).all())
 pol.save({str(tmp_path / "run")!r}, 1, {{}}, 1)
 print(sorted(m for m in sys.modules if m.split(".")[0] == "transformers"))
 """

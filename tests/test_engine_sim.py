@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from laminar.config import LaminarConfig
-from laminar.engines import make_engine
 from laminar.engines.base import GenRequest, SamplingParams
+from laminar.engines.factory import make_engine
 from laminar.engines.sim import SimEngine, target_length
 
 PROMPT = np.arange(4, 14, dtype=np.int32)

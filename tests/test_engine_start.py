@@ -24,12 +24,14 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
-from rollout_fakes import FakeEngine, harness, make_cfg, make_items, uids_of, wait_for
+from fake_engine import FakeEngine
+from rollout_fakes import harness, make_cfg, make_items, uids_of, wait_for
 
 from laminar.engines.lifeline import alive, lifeline_env
 from laminar.node import NodeFailed
-from laminar.rollout.node import STARTING_ENGINE, EngineStartTimeout, RolloutNode
+from laminar.rollout.node import STARTING_ENGINE, EngineStartTimeout
 from laminar.supervise import Spawn, detached_spawn
+from laminar.wiring.nodes import build_node
 
 HERE = Path(__file__).parent
 CHILD = HERE / "engine_child.py"
@@ -132,7 +134,7 @@ async def test_heartbeats_flow_and_status_says_starting_engine_while_the_engine_
     cfg = make_cfg(tmp_path)
     async with harness(cfg, items) as h:
         engine = SlowStartEngine()
-        node = RolloutNode(cfg, index=0, ctx=h.ctx, engine=engine)
+        node = build_node(cfg, "rollout", 0, ctx=h.ctx, engine=engine)
         task = asyncio.create_task(node.run())
         h.tasks.append(task)
         h.nodes.append(node)
@@ -177,7 +179,7 @@ async def test_engine_start_deadline_fails_the_node_loudly(tmp_path):
     cfg = make_cfg(tmp_path, rollout__engine_start_timeout_s=0.5)
     async with harness(cfg, make_items(2, n=1)) as h:
         engine = NeverStartsEngine()
-        node = RolloutNode(cfg, index=0, ctx=h.ctx, engine=engine)
+        node = build_node(cfg, "rollout", 0, ctx=h.ctx, engine=engine)
         with pytest.raises(NodeFailed) as err:
             await asyncio.wait_for(node.run(), 15)
         cause = err.value.__cause__
@@ -190,7 +192,7 @@ async def test_stop_while_the_engine_starts_closes_it(tmp_path):
     cfg = make_cfg(tmp_path)
     async with harness(cfg, make_items(2, n=1)) as h:
         engine = SlowStartEngine()
-        node = RolloutNode(cfg, index=0, ctx=h.ctx, engine=engine)
+        node = build_node(cfg, "rollout", 0, ctx=h.ctx, engine=engine)
         task = asyncio.create_task(node.run())
         peers = h.manager.srv.peers
         await wait_for(lambda: "rollout-0" in peers, 10, "registration")

@@ -20,8 +20,8 @@ import torch
 from fakes.vllm_fake import EOS, RequestOutputKind, install
 
 from laminar.config import LaminarConfig
-from laminar.engines import make_engine
 from laminar.engines.base import GenRequest, SamplingParams
+from laminar.engines.factory import make_engine
 from laminar.engines.vllm_engine import VllmEngine, sampled_logprobs
 from laminar.engines.vllm_ext import LaminarWorkerExtension
 

@@ -309,7 +309,7 @@ def test_load_env(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     bad = {
         "my_envs": "must look like",
         "nope_mod_xyz:Env": "cannot import module",
-        "my_envs:Missing": "has no attribute",
+        "my_envs:Missing": "has no 'Missing'",
         "my_envs:Plain": "does not subclass",
         "my_envs:not_env": "not an Environment",
         "my_envs:VALUE": "not a class or function",

@@ -3,8 +3,9 @@ logger.py).
 
     .venv/bin/python -m pytest tests/test_eval_completions.py -q
 
-The evaluator is checked against an independent greedy decode (the demo's evaluate_model)
-on the same rows and weights; the trainer node runs against the fake buffer/manager of
+The trainer's evaluator is checked against the demos' entry to the same held-out evaluator
+(laminar/tasks/evaluate.py: evaluate_model, its own prompt encoding and verifier) on the same
+rows and weights; the trainer node runs against the fake buffer/manager of
 tests/test_trainer_node.py with a tiny countup model and a handful of eval rows.
 """
 
@@ -18,9 +19,10 @@ from typing import Any
 import pytest
 
 from laminar.config import LaminarConfig, config_from_dict
-from laminar.node import socket_options
 from laminar.tasks import countup
 from laminar.transport.sockets import new_context
+from laminar.wiring.common import socket_options
+from laminar.wiring.nodes import build_node
 from tests.test_trainer import make_trajs
 from tests.test_trainer_node import FakeBuffer, FakeManager, groups_of
 
@@ -92,16 +94,16 @@ def cfg_for(tmp_path: Path, model: str, **trainer: Any) -> LaminarConfig:
 async def test_evaluator_scores_greedy_completions_of_the_weights_it_is_given(
     countup_model, tmp_path
 ):
-    from laminar.demo.evaluate import evaluate_model
     from laminar.models.tiny import load_causal_lm
+    from laminar.tasks.evaluate import evaluate_model
     from laminar.trainer.evaluation import open_evaluator
-    from laminar.trainer.node import eval_settings
+    from laminar.wiring.trainer import eval_settings
 
     a, b = countup_model
     cfg = cfg_for(tmp_path, a, completions_per_step=EVAL_ROWS)
     log = Recorder()
     ev = await asyncio.to_thread(open_evaluator, eval_settings(cfg), log)
-    assert ev is not None and len(ev.rows) == EVAL_ROWS and "eval_ready" in log.events()
+    assert ev is not None and len(ev.task.prompts) == EVAL_ROWS and "eval_ready" in log.events()
     rows = countup.generate(EVAL_ROWS + 3, "eval", 0)[:EVAL_ROWS]
     await ev.start()
     try:
@@ -122,7 +124,7 @@ async def test_evaluator_scores_greedy_completions_of_the_weights_it_is_given(
 
 def test_evaluator_is_skipped_with_a_reason(countup_model, tmp_path):
     from laminar.trainer.evaluation import open_evaluator
-    from laminar.trainer.node import eval_settings
+    from laminar.wiring.trainer import eval_settings
 
     a, _ = countup_model
     log = Recorder()
@@ -138,7 +140,6 @@ def test_evaluator_is_skipped_with_a_reason(countup_model, tmp_path):
 
 
 async def test_trainer_writes_eval_metrics_and_completions(countup_model, tmp_path):
-    from laminar.trainer.node import TrainerNode
 
     a, _ = countup_model
     cfg = cfg_for(tmp_path, a)
@@ -152,7 +153,7 @@ async def test_trainer_writes_eval_metrics_and_completions(countup_model, tmp_pa
     await buf.srv.start()
     await mgr.srv.start()
     try:
-        node = TrainerNode(cfg, ctx=ctx)
+        node = build_node(cfg, "trainer", ctx=ctx)
         await asyncio.wait_for(node.run(), 90)
     finally:
         await buf.srv.close()

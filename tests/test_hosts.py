@@ -250,8 +250,8 @@ class HostCluster:
         return len(last)
 
     def _check_journal(self, n_groups: int) -> None:
-        from laminar.buffer.node import experience_state
         from laminar.journal_check import replay_buffer_journal
+        from laminar.wiring.buffer import experience_state
 
         journal = self.run_dir / "buffer-0.journal"
         s = replay_buffer_journal(journal, experience_state(self.cfg))[0].summary()

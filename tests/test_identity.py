@@ -16,13 +16,13 @@ import laminar.protocol  # noqa: F401
 from laminar.cli import main as cli_main
 from laminar.config import LaminarConfig
 from laminar.logs import RateLimitedLog, configure_logging, get_logger
-from laminar.node import plaintext_tcp_warning
 from laminar.transport.client import RpcClient
 from laminar.transport.security import Security
 from laminar.transport.server import RpcServer
 from laminar.transport.session import Ping, Pong
 from laminar.transport.sockets import RemoteError, RequestTimeout
 from laminar.transport.streams import Publisher, Subscriber
+from laminar.wiring.common import plaintext_tcp_warning
 
 
 @pytest.fixture

@@ -14,19 +14,22 @@ import structlog
 import torch
 
 from laminar.config import ConfigError, LoraConfig, config_from_dict
-from laminar.engines.base import GenRequest, SamplingParams, WeightsRejected
+from laminar.engines.base import GenRequest, SamplingParams
 from laminar.engines.torch_engine import TorchEngine
 from laminar.metrics import Metrics
 from laminar.models import lora as lo
 from laminar.models.decoder_lm import load_model
+from laminar.models.rejected import WeightsRejected
 from laminar.rollout.versions import VersionGate
 from laminar.trainer import checkpoint as ck
-from laminar.trainer.batch import TrainBatch, collate
-from laminar.trainer.engine import open_trainer
-from laminar.trainer.node import trainer_settings
-from laminar.trainer.policy import Policy
-from laminar.weights.channel import DirPublisher, DirSubscriber
+from laminar.trainer.batch import TrainBatch
+from laminar.trainer.factory import open_trainer
+from laminar.trainer.micro_batch import collate
+from laminar.trainer.torch_trainer import TorchTrainer
+from laminar.weights.dir import DirPublisher, DirSubscriber
 from laminar.weights.layout import align_up, layout_of, named_list
+from laminar.wiring.nodes import build_node
+from laminar.wiring.trainer import trainer_settings
 from tests.test_trainer import make_cfg, make_trajs, on_policy
 from tests.test_trainer_node import harness  # noqa: F401  (a fixture)
 
@@ -47,9 +50,9 @@ def lora_cfg(model_path, run_dir, lora=LORA, **trainer):
     return cfg
 
 
-def trained(tiny, tmp_path, steps=3, **trainer) -> Policy:
+def trained(tiny, tmp_path, steps=3, **trainer) -> TorchTrainer:
     """A LoRA policy after a few steps at a high rate (its B far from zero)."""
-    policy = Policy(trainer_settings(lora_cfg(tiny, tmp_path, lr=3e-2, **trainer)), tiny)
+    policy = TorchTrainer(trainer_settings(lora_cfg(tiny, tmp_path, lr=3e-2, **trainer)), tiny)
     batch = TrainBatch.build(on_policy(policy, make_trajs()))
     for _ in range(steps):
         policy.train_step(batch)
@@ -78,27 +81,27 @@ def test_config_names_the_fix_for_bad_targets():
 
 
 def test_only_the_adapters_train_and_hold_optimizer_state(tiny, tmp_path):
-    policy = Policy(trainer_settings(lora_cfg(tiny, tmp_path, lr=1e-2)), tiny)
-    base0 = {n: p.detach().clone() for n, p in policy.model.named_parameters()}
-    trainable = {n for n, p in policy.model.named_parameters() if p.requires_grad}
+    policy = TorchTrainer(trainer_settings(lora_cfg(tiny, tmp_path, lr=1e-2)), tiny)
+    base0 = {n: p.detach().clone() for n, p in policy.model.module.named_parameters()}
+    trainable = {n for n, p in policy.model.module.named_parameters() if p.requires_grad}
     # 2 layers x 7 targets x (A, B)
     assert len(trainable) == 28 and all(lo.is_adapter_name(n) for n in trainable)
     in_opt = {id(p) for g in policy.optimizer.param_groups for p in g["params"]}
-    assert in_opt == {id(p) for n, p in policy.model.named_parameters() if n in trainable}
+    assert in_opt == {id(p) for n, p in policy.model.module.named_parameters() if n in trainable}
     trajs = on_policy(policy, make_trajs())
     batch = TrainBatch.build(trajs)
     pos = batch.rewards > 0
 
     def mean_logp(sel):
         with torch.no_grad():
-            logp, _ = policy.token_logprobs(collate(batch, list(range(batch.n_seqs))))
+            logp, _ = policy.model.token_logprobs(collate(batch, list(range(batch.n_seqs))))
         mask = collate(batch, list(range(batch.n_seqs))).resp_mask
         return float(((logp * mask).sum(-1) / mask.sum(-1))[sel].mean())
 
     lp0 = mean_logp(pos)
     for _ in range(4):
         policy.train_step(batch)
-    after = dict(policy.model.named_parameters())
+    after = dict(policy.model.module.named_parameters())
     for n, p in base0.items():
         if n in trainable:
             if ".lora_B." in n:  # B starts at 0 and moves; A moves too
@@ -113,20 +116,20 @@ def test_only_the_adapters_train_and_hold_optimizer_state(tiny, tmp_path):
 def test_packed_and_hf_forwards_train_the_same_adapter(tiny, tmp_path):
     """The packed forward adds each adapter's share itself; HF's forward runs peft's layers."""
     packed = trained(tiny, tmp_path / "a")
-    assert packed.packed is not None
-    hf = Policy(trainer_settings(lora_cfg(tiny, tmp_path / "b", forward="hf")), tiny)
-    assert hf.packed is None
-    lo.load_adapter_state(hf.model, packed.export_weights())
+    assert packed.model.packed is not None
+    hf = TorchTrainer(trainer_settings(lora_cfg(tiny, tmp_path / "b", forward="hf")), tiny)
+    assert hf.model.packed is None
+    lo.load_adapter_state(hf.model.module, packed.model.export_weights())
     packed.optimizer.zero_grad(set_to_none=True)  # the last step's gradients
     batch = TrainBatch.build(make_trajs(seed=5))
     idx = list(range(batch.n_seqs))
-    a, _ = packed.token_logprobs(packed.micro_batch(batch, idx))
-    b, _ = hf.token_logprobs(hf.micro_batch(batch, idx))
+    a, _ = packed.model.token_logprobs(packed.model.micro_batch(batch, idx))
+    b, _ = hf.model.token_logprobs(hf.model.micro_batch(batch, idx))
     assert torch.allclose(a, b, atol=1e-5)
     a.sum().backward()
     b.sum().backward()
-    ga = {n: p.grad for n, p in packed.model.named_parameters() if p.grad is not None}
-    gb = {n: p.grad for n, p in hf.model.named_parameters() if p.grad is not None}
+    ga = {n: p.grad for n, p in packed.model.module.named_parameters() if p.grad is not None}
+    gb = {n: p.grad for n, p in hf.model.module.named_parameters() if p.grad is not None}
     assert ga.keys() == gb.keys() and len(ga) == 28
     for n in ga:
         assert torch.allclose(ga[n], gb[n], atol=1e-4), n
@@ -134,13 +137,13 @@ def test_packed_and_hf_forwards_train_the_same_adapter(tiny, tmp_path):
 
 def test_a_version_is_the_adapter_in_peft_names(tiny, tmp_path):
     policy = trained(tiny, tmp_path, steps=1)
-    w = policy.export_weights("bfloat16")
+    w = policy.model.export_weights("bfloat16")
     assert all(k.startswith(lo.PREFIX) and lo.is_adapter_name(k) for k in w)
     assert all(v.dtype == torch.bfloat16 for v in w.values())
     n_bytes = sum(v.numel() * v.element_size() for v in w.values())
     raw = load_model(tiny)
-    fp = lo.lora_footprint(raw.raw_config, policy.lora, rollout_dtype_bytes=2)
-    assert n_bytes == fp.version_bytes == 2 * lo.MergedAdapter(raw, policy.lora).params
+    fp = lo.lora_footprint(raw.raw_config, policy.model.lora, rollout_dtype_bytes=2)
+    assert n_bytes == fp.version_bytes == 2 * lo.MergedAdapter(raw, policy.model.lora).params
     full = sum(p.numel() for p in raw.parameters())
     assert fp.base_params == full
     # what the relay tier moves: the flat layout of exactly these tensors, each 256-byte aligned
@@ -175,16 +178,16 @@ def test_a_demo_model_version_is_its_adapter_bytes(tmp_path):
 
 def test_dropout_acts_in_gradient_passes_only(tiny, tmp_path):
     cfg = lora_cfg(tiny, tmp_path, lora={**LORA, "dropout": 0.5})
-    policy = Policy(trainer_settings(cfg), tiny)
+    policy = TorchTrainer(trainer_settings(cfg), tiny)
     with torch.no_grad():  # a non-zero B, so the adapter's input matters
-        for n, p in policy.model.named_parameters():
+        for n, p in policy.model.module.named_parameters():
             if ".lora_B." in n:
                 p.normal_(0, 0.5)
-    mb = policy.micro_batch(TrainBatch.build(make_trajs()), list(range(16)))
+    mb = policy.model.micro_batch(TrainBatch.build(make_trajs()), list(range(16)))
     with torch.no_grad():
-        x1, _ = policy.token_logprobs(mb)
-        x2, _ = policy.token_logprobs(mb)
-    g1, _ = policy.token_logprobs(mb)
+        x1, _ = policy.model.token_logprobs(mb)
+        x2, _ = policy.model.token_logprobs(mb)
+    g1, _ = policy.model.token_logprobs(mb)
     assert torch.equal(x1, x2) and not torch.allclose(g1.detach(), x1)
 
 
@@ -192,7 +195,7 @@ def test_engine_serves_the_version_peft_loads_from_the_checkpoint(tiny, tmp_path
     """Acceptance: the exported adapter, loaded with peft onto the base, gives the engine's logits
     for that version within 1e-4 (fp32, CPU), and the engine's sampled logprobs are peft's."""
     policy = trained(tiny, tmp_path)
-    path = ck.save_policy(policy, tmp_path, 3, {"version": 3}, tiny).wait()
+    path = ck.save_trainer(policy, tmp_path, 3, {"version": 3}, tiny).wait()
     assert path is not None and not (path / "model").exists()
     adapter_dir = path / "adapter"
     assert (adapter_dir / "adapter_config.json").is_file()
@@ -204,7 +207,7 @@ def test_engine_serves_the_version_peft_loads_from_the_checkpoint(tiny, tmp_path
     async def serve():
         await engine.start()
         try:
-            await engine.load_weights(policy.export_weights().items(), version=3)
+            await engine.load_weights(policy.model.export_weights().items(), version=3)
             req = GenRequest("g", np.array([5, 9, 11, 7]), SamplingParams(max_tokens=12, seed=1))
             return await engine.generate_all(req, timeout=60)
         finally:
@@ -228,18 +231,21 @@ def test_engine_serves_the_version_peft_loads_from_the_checkpoint(tiny, tmp_path
 
 def test_checkpoint_resumes_adapters_and_optimizer(tiny, tmp_path):
     cfg = lora_cfg(tiny, tmp_path, lr=1e-2, warmup_steps=2)
-    a = Policy(trainer_settings(cfg), tiny)
+    a = TorchTrainer(trainer_settings(cfg), tiny)
     b1, b2 = TrainBatch.build(make_trajs(seed=1)), TrainBatch.build(make_trajs(seed=2))
     a.train_step(b1)
     a.train_step(b1)
-    ck.save_policy(a, tmp_path, 2, {"version": 2, "frontier": {}}, tiny).wait()
+    ck.save_trainer(a, tmp_path, 2, {"version": 2, "frontier": {}}, tiny).wait()
     cfg.trainer.resume = "auto"
     opened = open_trainer(trainer_settings(cfg), tmp_path)
     b = opened.trainer
-    assert isinstance(b, Policy) and opened.meta is not None and opened.meta["step"] == 2
-    wa, wb = a.export_weights(), b.export_weights()
+    assert isinstance(b, TorchTrainer) and opened.meta is not None and opened.meta["step"] == 2
+    wa, wb = a.model.export_weights(), b.model.export_weights()
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
-    sa, sb = a.optimizer_state()["state"], b.optimizer_state()["state"]
+    sa, sb = (
+        ck.optimizer_state(a.model.module, a.optimizer)["state"],
+        ck.optimizer_state(b.model.module, b.optimizer)["state"],
+    )
     assert sa.keys() == sb.keys() and len(sa) == 28
     ma, mb = a.train_step(b2), b.train_step(b2)
     assert ma["loss"] == mb["loss"] and ma["grad_norm"] == mb["grad_norm"]
@@ -252,7 +258,9 @@ def test_checkpoint_resumes_adapters_and_optimizer(tiny, tmp_path):
 
 def test_merged_hf_export_equals_peft_merge(tiny, tmp_path):
     policy = trained(tiny, tmp_path, steps=2)
-    adapter = lo.write_adapter_dir(tmp_path / "ad", policy.lora, policy.export_weights(), tiny)
+    adapter = lo.write_adapter_dir(
+        tmp_path / "ad", policy.model.lora, policy.model.export_weights(), tiny
+    )
     out = lo.export_merged(tiny, adapter, tmp_path / "merged")
     from laminar.models.tiny import load_causal_lm
 
@@ -285,7 +293,7 @@ def _bad_versions(good: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Te
 
 def test_an_adapter_that_does_not_fit_leaves_the_previous_version_serving(tiny, tmp_path):
     policy = trained(tiny, tmp_path)
-    v1 = policy.export_weights()
+    v1 = policy.model.export_weights()
     cfg = lora_cfg(tiny, tmp_path)
     engine = TorchEngine.from_config(cfg.rollout, cfg.model, max_running=4)
     prompt = np.array([6, 10, 12])
@@ -324,7 +332,7 @@ def test_the_rollout_skips_a_refused_version_and_labels_tokens_with_the_one_it_s
     """The gate counts the refusal, never offers that version again, keeps serving (and labelling
     trajectories with) the version it had; the next good version loads."""
     policy = trained(tiny, tmp_path)
-    good = policy.export_weights()
+    good = policy.model.export_weights()
     cfg = lora_cfg(tiny, tmp_path)
     engine = TorchEngine.from_config(cfg.rollout, cfg.model, max_running=4)
     pub, metrics = DirPublisher(tmp_path / "w"), Metrics()
@@ -456,7 +464,7 @@ def test_two_rank_fsdp_lora_matches_one_process(tmp_path):
     res = json.loads((out / "result.json").read_text())
     theirs = torch.load(out / "tensors.pt", weights_only=True)
     assert res["world"] == 2
-    ref = Policy(trainer_settings(lora_fsdp_cfg(model, tmp_path / "ref")), model)
+    ref = TorchTrainer(trainer_settings(lora_fsdp_cfg(model, tmp_path / "ref")), model)
     for k, seed in enumerate(SEEDS):
         m = ref.train_step(TrainBatch.build(make_trajs(seed=seed)))
         assert res["losses"][k] == pytest.approx(m["loss"], abs=1e-5)
@@ -465,20 +473,22 @@ def test_two_rank_fsdp_lora_matches_one_process(tmp_path):
         assert mine.keys() == theirs["grads"][k].keys() and len(mine) == 28
         for n, g in mine.items():
             torch.testing.assert_close(theirs["grads"][k][n], g, atol=1e-5, rtol=1e-4, msg=n)
-    mine_w = ref.export_weights()
+    mine_w = ref.model.export_weights()
     assert mine_w.keys() == theirs["weights"].keys()
     for n, w in mine_w.items():
         torch.testing.assert_close(theirs["weights"][n], w, atol=1e-5, rtol=0, msg=n)
     # the checkpoint rank 0 gathered (adapter dir + AdamW state) resumes in one process
     ckpt = Path(res["checkpoint"])
     assert (ckpt / "adapter" / "adapter_config.json").is_file() and not (ckpt / "model").exists()
-    resumed = Policy(
+    resumed = TorchTrainer(
         trainer_settings(lora_fsdp_cfg(model, tmp_path / "r")), model, adapter=ckpt / "adapter"
     )
-    ck.load_policy_state(resumed, ckpt)
-    for n, w in resumed.export_weights().items():
+    ck.restore_trainer(resumed, ckpt)
+    for n, w in resumed.model.export_weights().items():
         torch.testing.assert_close(w, mine_w[n], atol=1e-5, rtol=0, msg=n)
-    assert set(resumed.optimizer_state()["state"]) == set(ref.optimizer_state()["state"])
+    assert set(ck.optimizer_state(resumed.model.module, resumed.optimizer)["state"]) == set(
+        ck.optimizer_state(ref.model.module, ref.optimizer)["state"]
+    )
 
 
 # ---- the trainer node through the relay tier -----------------------------------------------
@@ -489,13 +499,12 @@ async def test_adapter_versions_go_through_the_relay_tier(tiny, tmp_path, harnes
     from the relay's shared memory (the base from model.path); push_bytes is the adapter's
     bytes; snapshots carry their LoRA settings."""
     from laminar.demo.results import load_snapshot
-    from laminar.node import relay_links
-    from laminar.relay.node import RelayNode
     from laminar.rollout.versions import VersionGate
     from laminar.supervise import detached_spawn
     from laminar.transport.sockets import Wiring
-    from laminar.weights.channel import RelaySubscriber
-    from laminar.weights.relay_client import WeightPuller
+    from laminar.weights.puller import WeightPuller
+    from laminar.weights.relay import RelaySubscriber
+    from laminar.wiring.common import relay_links
     from tests.test_trainer_node import groups_of, node_cfg, read_jsonl, run_trainer
 
     ctx, make = harness
@@ -505,7 +514,7 @@ async def test_adapter_versions_go_through_the_relay_tier(tiny, tmp_path, harnes
     cfg.relay.shm_dir = str(tmp_path / "shm")
     (tmp_path / "shm").mkdir()
     await make(cfg, groups_of(make_trajs(n_groups=4, group=2)))
-    relay = RelayNode(cfg, ctx=ctx)
+    relay = build_node(cfg, "relay", ctx=ctx)
     relay_task = asyncio.create_task(relay.run())
     engine = TorchEngine.from_config(cfg.rollout, cfg.model, max_running=2)
     try:

@@ -21,10 +21,11 @@ import torch
 from fakes.vllm_fake import install
 
 from laminar.config import LaminarConfig, LoraConfig
-from laminar.engines.base import GenRequest, SamplingParams, WeightsRejected
+from laminar.engines.base import GenRequest, SamplingParams
 from laminar.engines.vllm_engine import VllmEngine
 from laminar.models import lora as lo
 from laminar.models.decoder_lm import load_model
+from laminar.models.rejected import WeightsRejected
 
 PROMPT = np.array([5, 6, 7, 8, 9, 10], np.int32)
 T = 10.0

@@ -35,11 +35,12 @@ from laminar.protocol.data import (
     ToolRecord,
     Trajectory,
 )
-from laminar.trainer.batch import TrainBatch, collate
-from laminar.trainer.node import trainer_settings
-from laminar.trainer.policy import Policy
+from laminar.trainer.batch import TrainBatch
+from laminar.trainer.micro_batch import collate
 from laminar.trainer.sim import SimTrainer
+from laminar.trainer.torch_trainer import TorchTrainer
 from laminar.transport.session import ErrorReply
+from laminar.wiring.trainer import trainer_settings
 
 PROMPT = np.array([5, 6, 7], np.int32)
 # turn 0: 3 model tokens, tool answer: 2 env tokens, turn 1: 2 model tokens, user: 1 env, turn 2: 1
@@ -313,7 +314,7 @@ def make_cfg(model_path, run_dir, **algo):
 
 @pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean"])
 def test_env_tokens_get_exactly_zero_gradient(tiny, tmp_path, agg):
-    policy = Policy(trainer_settings(make_cfg(tiny, tmp_path, agg=agg)), tiny)
+    policy = TorchTrainer(trainer_settings(make_cfg(tiny, tmp_path, agg=agg)), tiny)
     batch = TrainBatch.build([multi_turn("g0/0"), multi_turn("g0/1", resp=RESP[:5], mask=MASK[:5])])
     mb = collate(batch, [0, 1])
     seen: list[torch.Tensor] = []
@@ -322,11 +323,11 @@ def test_env_tokens_get_exactly_zero_gradient(tiny, tmp_path, agg):
         out.logits.retain_grad()
         seen.append(out.logits)
 
-    hook = policy.model.register_forward_hook(keep_logits)
+    hook = policy.model.module.register_forward_hook(keep_logits)
     s = policy.loss_settings
 
     def loss_of(behav: torch.Tensor) -> torch.Tensor:
-        logp, _ = policy.token_logprobs(mb)
+        logp, _ = policy.model.token_logprobs(mb)
         adv = torch.ones(
             mb.resp_mask.shape
         )  # nonzero advantage at every position, env ones included
@@ -361,7 +362,7 @@ def test_env_tokens_get_exactly_zero_gradient(tiny, tmp_path, agg):
 
 
 def test_train_step_on_multi_turn_counts_model_tokens_and_logs_episodes(tiny, tmp_path):
-    policy = Policy(trainer_settings(make_cfg(tiny, tmp_path)), tiny)
+    policy = TorchTrainer(trainer_settings(make_cfg(tiny, tmp_path)), tiny)
     trajs = [
         multi_turn("g0/0", reward=1.0, calls=[tool(0, seconds=0.2)]),
         multi_turn("g0/1", resp=RESP[:5], mask=MASK[:5], reward=0.0),
@@ -369,13 +370,13 @@ def test_train_step_on_multi_turn_counts_model_tokens_and_logs_episodes(tiny, tm
     batch = TrainBatch.build(trajs)
     with torch.no_grad():  # on-policy behaviour logprobs on model tokens, junk on env tokens
         mb = collate(batch, [0, 1])
-        logp, _ = policy.token_logprobs(mb)
+        logp, _ = policy.model.token_logprobs(mb)
     P = len(PROMPT)
     for r, t in enumerate(trajs):
         n = len(t.response_ids)
         own = logp[r, P - 1 : P - 1 + n].numpy()
         t.logprobs = np.where(t.loss_mask == 1, own, -25.0).astype(np.float32)
-    before = {k: v.clone() for k, v in policy.model.state_dict().items()}
+    before = {k: v.clone() for k, v in policy.model.module.state_dict().items()}
     m = policy.train_step(TrainBatch.build(trajs))
     assert m["tokens"] == 6 + 3 and m["response_len/mean"] == 7.0
     assert abs(m["is/w"] - 1) < 1e-4  # env tokens' junk behaviour logprobs never enter
@@ -383,7 +384,7 @@ def test_train_step_on_multi_turn_counts_model_tokens_and_logs_episodes(tiny, tm
     assert m["episode/turns"] == 3.0 and m["episode/tool_calls"] == 0.5
     assert m["episode/env_token_frac"] == pytest.approx(5 / 14)
     assert m["reward_by_tool_calls/1"] == 1.0 and m["reward_by_tool_calls/0"] == 0.0
-    assert any(not torch.equal(before[k], v) for k, v in policy.model.state_dict().items())
+    assert any(not torch.equal(before[k], v) for k, v in policy.model.module.state_dict().items())
 
 
 # ---- episode metrics ------------------------------------------------------------------------

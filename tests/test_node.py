@@ -15,17 +15,19 @@ import os
 import signal
 import threading
 import time
+from typing import TypeVar
 
 import pytest
 
 import laminar.protocol  # noqa: F401
-from laminar.config import config_from_dict
-from laminar.node import NODE_STATUS, Node, NodeFailed, run_nodes, socket_options
+from laminar.config import LaminarConfig, config_from_dict
+from laminar.node import NODE_STATUS, Node, NodeFailed, run_nodes
 from laminar.protocol.core import NodeStatus
 from laminar.transport.client import RpcClient
 from laminar.transport.server import RpcServer
 from laminar.transport.session import Ping, Pong
-from laminar.transport.sockets import SocketOptions, new_context
+from laminar.transport.sockets import Context, SocketOptions, new_context
+from laminar.wiring.common import node_settings, socket_options
 
 SLACK_S = 0.3
 
@@ -49,6 +51,14 @@ def cfg(short_dir):
             },
         }
     )
+
+
+N = TypeVar("N", bound=Node)
+
+
+def make(cls: type[N], cfg: LaminarConfig, ctx: Context, index: int = 0) -> N:
+    """A node of `cls` (its role from the class) wired from `cfg`."""
+    return cls(node_settings(cfg, cls.role, index), ctx)
 
 
 class Solo(Node):
@@ -89,7 +99,7 @@ async def test_a_dying_background_task_stops_the_node_loudly(cfg, zctx):
             await asyncio.sleep(0.05)  # some work, then a bug
             raise RuntimeError("kaput")
 
-    node = Boom(cfg, ctx=zctx)
+    node = make(Boom, cfg, zctx)
     node.on_close(lambda: node.events.append("closer"))
     t0 = time.monotonic()
     with pytest.raises(NodeFailed, match="worker died") as info:
@@ -109,9 +119,9 @@ async def test_a_dying_transport_task_stops_the_node_loudly(cfg, zctx):
 
     class Serving(Solo):
         async def setup(self) -> None:
-            await self.server(self.cfg.endpoint("trainer"), on_peer_join=boom).start()
+            await self.server(cfg.endpoint("trainer"), on_peer_join=boom).start()
 
-    node = Serving(cfg, ctx=zctx)
+    node = make(Serving, cfg, zctx)
     task = asyncio.ensure_future(node.run())
     await node.wait_ready(5)
     peer = RpcClient(zctx, cfg.endpoint("trainer"), "peer-0", "peer", node.opts)
@@ -126,9 +136,9 @@ async def test_a_dying_transport_task_stops_the_node_loudly(cfg, zctx):
 
     class Client(Solo):
         async def setup(self) -> None:
-            await self.client(self.cfg.endpoint("buffer"), on_server_dead=boom).connect(timeout=5)
+            await self.client(cfg.endpoint("buffer"), on_server_dead=boom).connect(timeout=5)
 
-    node = Client(cfg, ctx=zctx)
+    node = make(Client, cfg, zctx)
     task = asyncio.ensure_future(node.run())
     await node.wait_ready(5)
     await upstream.close()  # the node's client declares it dead and its callback raises
@@ -146,9 +156,9 @@ async def test_main_raising_is_a_node_failure_and_main_returning_is_a_clean_stop
             self.events.append("work")
 
     with pytest.raises(NodeFailed) as info:
-        await asyncio.wait_for(Bad(cfg, ctx=zctx).run(), 5)
+        await asyncio.wait_for(make(Bad, cfg, zctx).run(), 5)
     assert isinstance(info.value.__cause__, ValueError)
-    done = Done(cfg, ctx=zctx)
+    done = make(Done, cfg, zctx)
     await asyncio.wait_for(done.run(), 5)
     assert done.stop_reason == "main finished" and done.events == ["work", "teardown"]
 
@@ -157,7 +167,7 @@ async def test_main_raising_is_a_node_failure_and_main_returning_is_a_clean_stop
 
 
 async def test_sigterm_drains_and_stops_within_the_bound(cfg, zctx):
-    node = Solo(cfg, ctx=zctx)
+    node = make(Solo, cfg, zctx)
     runner = asyncio.create_task(run_nodes([node]))  # installs the SIGTERM/SIGINT handlers
     await node.wait_ready(5)
     t0 = time.monotonic()
@@ -172,7 +182,7 @@ async def test_a_stuck_drain_is_cut_at_stop_timeout(cfg, zctx):
         async def drain(self) -> None:
             await asyncio.Event().wait()  # never finishes
 
-    node = Stuck(cfg, ctx=zctx)
+    node = make(Stuck, cfg, zctx)
     task = asyncio.create_task(node.run())
     await node.wait_ready(5)
     t0 = time.monotonic()
@@ -204,7 +214,7 @@ async def test_node_registers_with_the_manager_and_heartbeats_its_status(cfg, zc
         peer_status=NODE_STATUS,
     )
     await manager.start()
-    nodes = [Member(cfg, index=i, ctx=zctx) for i in range(2)]
+    nodes = [make(Member, cfg, zctx, i) for i in range(2)]
     tasks = [asyncio.create_task(n.run()) for n in nodes]
     await asyncio.gather(*(n.wait_ready(5) for n in nodes))
     await wait_until(
@@ -233,11 +243,12 @@ async def test_node_without_a_manager_fails_to_start_in_time(cfg, zctx):
     class Lonely(Node):
         role = "lonely"
 
-    node = Lonely(
+    node = make(
+        Lonely,
         cfg.model_copy(
             update={"transport": cfg.transport.model_copy(update={"startup_timeout_s": 0.3})}
         ),
-        ctx=zctx,
+        zctx,
     )
     t0 = time.monotonic()
     with pytest.raises(TimeoutError):
@@ -285,13 +296,13 @@ class PeerThread(threading.Thread):
 async def test_compute_keeps_heartbeats_flowing_while_blocking_work_runs(cfg, zctx, wait_until):
     class Worker(Solo):
         async def setup(self) -> None:
-            self.srv = self.server(self.cfg.endpoint("trainer"))
+            self.srv = self.server(cfg.endpoint("trainer"))
             self.srv.on(Ping, lambda peer, m: Pong(payload=m.payload))
             await self.srv.start()
 
     # 0.1 s beats, dead after 0.4 s (the cfg fixture): far below the 1.5 s of work, yet tolerant
     # of a loaded machine where three threads (loop, worker, peer) share two cores with other jobs
-    node = Worker(cfg, ctx=zctx)
+    node = make(Worker, cfg, zctx)
     task = asyncio.create_task(node.run())
     await node.wait_ready(5)
     peer = PeerThread(cfg.endpoint("trainer"), node.opts)

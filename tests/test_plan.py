@@ -23,7 +23,7 @@ from laminar.config import load_config
 from laminar.plan.command import check_before_start
 from laminar.plan.memory import GIB, Hardware, make_plan
 from laminar.plan.trainer import trace_trainer
-from laminar.trainer.node import trainer_settings
+from laminar.wiring.trainer import trainer_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -35,7 +35,6 @@ from laminar.buffer.experience import OPEN
 from laminar.cluster import LocalCluster
 from laminar.config import LaminarConfig
 from laminar.message import Message
-from laminar.node import socket_options
 from laminar.protocol.buffer import (
     BatchCommit,
     BatchRequest,
@@ -57,6 +56,7 @@ from laminar.protocol.trainer import VersionPublished
 from laminar.transport.client import RpcClient
 from laminar.transport.security import generate_role_keys
 from laminar.transport.sockets import RemoteError, RequestTimeout, TransportError
+from laminar.wiring.common import socket_options
 from tests.sim_cluster import consumed, sim_config, trainer_metrics, wait_for
 
 ROLES = ["manager", "buffer", "relay", "trainer", "rollout", "tools", "cli"]
@@ -181,8 +181,8 @@ async def finish(cluster: LocalCluster, cfg: LaminarConfig, timeout: float = 120
 def audit(cfg: LaminarConfig) -> list[Trajectory]:
     """After the cluster stopped: the buffer's journal is clean, and every trained sample is one
     the buffer recorded, trained once; returns every trajectory the journal recorded."""
-    from laminar.buffer.node import experience_state
     from laminar.journal_check import check_run_dir, replay_buffer_journal
+    from laminar.wiring.buffer import experience_state
 
     run_dir = cfg.resolved_run_dir()
     report = io.StringIO()

@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from laminar.weights.relay_client import WeightPusher
+from laminar.weights.pusher import WeightPusher
 from tests.relay_procs import RelayProcs
 
 

@@ -108,7 +108,7 @@ def test_normalize_reward_rules():
         ("no_colon_here", "must look like"),
         ("a:b:c", "must look like"),
         ("laminar.no_such_module_xyz:fn", "cannot import module"),
-        (f"{HERE}:missing_fn", "has no attribute"),
+        (f"{HERE}:missing_fn", "has no 'missing_fn'"),
         (f"{HERE}:NOT_CALLABLE", "not a function"),
     ],
 )

@@ -13,8 +13,8 @@ import os
 
 import numpy as np
 import pytest
+from fake_engine import FakeEngine
 from rollout_fakes import (
-    FakeEngine,
     expected_response,
     harness,
     make_cfg,
@@ -24,7 +24,6 @@ from rollout_fakes import (
     write_weights,
 )
 
-from laminar.node import relay_links, socket_options
 from laminar.protocol.rollout import (
     ExportReply,
     ExportRequest,
@@ -33,8 +32,9 @@ from laminar.protocol.rollout import (
     RefreshReply,
     RefreshRequest,
 )
-from laminar.rollout.node import RolloutNode
 from laminar.transport.sockets import RemoteError, Wiring
+from laminar.wiring.common import relay_links, socket_options
+from laminar.wiring.nodes import build_node
 
 # ---- tests -------------------------------------------------------------------------------
 
@@ -142,14 +142,13 @@ async def test_weights_from_the_relay(tmp_path):
     import torch
 
     from laminar.logs import get_logger
-    from laminar.relay.node import RelayNode
     from laminar.supervise import detached_spawn
-    from laminar.weights.relay_client import WeightPusher
+    from laminar.weights.pusher import WeightPusher
 
     items = make_items(2, n=2)
     cfg = make_cfg(tmp_path, rollout__weights="relay", relay={"shm_prefix": f"lamt{os.getpid()}"})
     async with harness(cfg, items) as h:
-        await h.start_node(RelayNode(cfg, index=0, ctx=h.ctx))
+        await h.start_node(build_node(cfg, "relay", 0, ctx=h.ctx))
         engine = FakeEngine()
         node = await h.add_rollout(engine)
         assert node.source.name == "relay"
@@ -199,7 +198,10 @@ async def test_export_then_import_completes_the_trajectory(tmp_path):
             lambda: (
                 set(src.table.seqs) == all_uids
                 and not src.engine.running.keys() - all_uids
-                and all(len(s["ids"]) >= s["target"] - 1 for s in src.engine.running.values())
+                and all(
+                    len(s["ids"]) >= min(s["end"], s["cap"]) - 1
+                    for s in src.engine.running.values()
+                )
             ),
             10,
             "the source to generate all it can",
@@ -328,7 +330,7 @@ async def test_bad_reward_spec_fails_the_rollout_at_startup(tmp_path):
         tmp_path, reward={"fn": "laminar.no_such_mod:fn", "workers": 0}, rollout__engine="torch"
     )
     async with harness(cfg, []) as h:
-        node = RolloutNode(cfg, index=0, ctx=h.ctx, engine=FakeEngine())
+        node = build_node(cfg, "rollout", 0, ctx=h.ctx, engine=FakeEngine())
         with pytest.raises(Exception, match="cannot import module"):
             await asyncio.wait_for(node.run(), 10)
 
@@ -397,7 +399,7 @@ class _FlakySource:
     last_source = ""
 
     def __init__(self) -> None:
-        from laminar.weights.channel import AnnounceSubscriber
+        from laminar.weights.announce import AnnounceSubscriber
 
         self.inner = AnnounceSubscriber()
         self.inner.announce(1)
@@ -417,7 +419,7 @@ class _FlakySource:
         return await self.inner.wait_newer(than, timeout)
 
     async def load_into(self, engine) -> int:
-        from laminar.weights.relay_client import WeightsUnavailable
+        from laminar.weights.channel import WeightsUnavailable
 
         if self.failures:
             self.failures -= 1
@@ -435,7 +437,7 @@ async def test_idle_rollout_asks_for_prompts_while_loading_and_never_runs_them_b
     cfg = make_cfg(tmp_path, mode="laminar", rollout__weights="announce")
     async with harness(cfg, items) as h:
         engine = FakeEngine()
-        node = RolloutNode(cfg, index=0, ctx=h.ctx, engine=engine, weight_source=_FlakySource())
+        node = build_node(cfg, "rollout", 0, ctx=h.ctx, engine=engine, weight_source=_FlakySource())
         await h.start_node(node)
         await h.wait_stored(uids_of(items), 20)
         first = h.state.requests[0]

@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from multiturn_fakes import FakeTools, ScriptedEnv, TurnEngine, expected_episode, turn_len
+from fake_engine import FakeEngine, turn_len
+from multiturn_fakes import FakeTools, ScriptedEnv, expected_episode
 from rollout_fakes import harness, make_cfg, make_items, uids_of, wait_for
 
 from laminar.engines.base import TokenEvent
@@ -22,13 +23,20 @@ from laminar.envs.base import call_id
 from laminar.envs.replay import split_segments
 from laminar.protocol.rollout import ExportReply, ExportRequest, ImportReply, ImportRequest
 from laminar.rollout.node import RolloutNode
+from laminar.wiring.nodes import build_node
 
 
 async def add(
-    h: Any, env: ScriptedEnv, tools: Any, engine: TurnEngine | None = None
+    h: Any, env: ScriptedEnv, tools: Any, engine: FakeEngine | None = None
 ) -> RolloutNode:
-    node = RolloutNode(
-        h.cfg, index=len(h.rollouts), ctx=h.ctx, engine=engine or TurnEngine(), env=env, tools=tools
+    node = build_node(
+        h.cfg,
+        "rollout",
+        len(h.rollouts),
+        ctx=h.ctx,
+        engine=engine or FakeEngine(turns=True),
+        env=env,
+        tools=tools,
     )
     return await h.start_node(node)
 
@@ -62,7 +70,7 @@ async def test_episode_tokens_loss_mask_and_tool_records(tmp_path):
         assert set(tools.runs.values()) == {1} and len(tools.runs) == 4 * 3
         # every later turn went back in at the episode's version, after all its tokens so far
         engine = node.engine
-        assert isinstance(engine, TurnEngine)
+        assert isinstance(engine, FakeEngine)
         resubmits = [r for r in engine.submitted if r.single]
         assert len(resubmits) == 4 * 2
         for r in resubmits:
@@ -131,7 +139,7 @@ async def test_a_waiting_episode_frees_the_engine_for_other_work(tmp_path):
         },
     )
     tools, env = FakeTools(gate_turn=0), ScriptedEnv(turns=2)
-    engine = TurnEngine()
+    engine = FakeEngine(turns=True)
     async with harness(cfg, items) as h:
         node = await add(h, env, tools, engine)
         first = "p0@0"
@@ -165,7 +173,7 @@ async def test_repack_moves_an_episode_between_turns(tmp_path, where):
     cfg = make_cfg(tmp_path)
     gate_turn = {"waiting_turn0": 0, "waiting_turn1": 1, "mid_turn1": None}[where]
     tools = FakeTools(gate_turn=gate_turn)
-    src_engine = TurnEngine(hold_turn=1 if where == "mid_turn1" else None)
+    src_engine = FakeEngine(turns=True, hold_turn=1 if where == "mid_turn1" else None)
     env0, env1 = ScriptedEnv(turns=3), ScriptedEnv(turns=3)
     async with harness(cfg, items) as h:
         src = await add(h, env0, tools, src_engine)
@@ -248,7 +256,7 @@ def test_awaiting_env_reaches_the_partial_pool_and_comes_back():
     )
 
 
-class _TurnEndsDuringAbort(TurnEngine):
+class _TurnEndsDuringAbort(FakeEngine):
     """An abort that loses the race: each sequence's model turn ends (final "stop" event) while
     the abort is on its way, so the abort hands back nothing and the episode went to its env
     step."""
@@ -270,7 +278,7 @@ async def test_export_takes_an_episode_whose_turn_ended_during_the_abort(tmp_pat
     items = make_items(2, n=2)
     cfg = make_cfg(tmp_path)
     tools = FakeTools()
-    src_engine = _TurnEndsDuringAbort(hold_turn=1)  # parked one token into turn 1
+    src_engine = _TurnEndsDuringAbort(turns=True, hold_turn=1)  # parked one token into turn 1
     async with harness(cfg, items) as h:
         src = await add(h, ScriptedEnv(turns=3), tools, src_engine)
         all_uids = uids_of(items)

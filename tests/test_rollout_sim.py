@@ -16,8 +16,8 @@ from rollout_fakes import harness, make_cfg, make_items, uids_of, wait_for
 from laminar.engines.base import GenRequest, SamplingParams
 from laminar.engines.sim import SimEngine
 from laminar.protocol.rollout import ExportRequest, ImportRequest, RefreshRequest
-from laminar.rollout.node import RolloutNode
 from laminar.transport.sockets import RemoteError
+from laminar.wiring.nodes import build_node
 
 SIM = {
     "step_time_s": 0.002,
@@ -45,7 +45,7 @@ async def test_sim_export_import_resumes_identically(tmp_path):
     items = make_items(2, n=2)
     cfg = make_cfg(tmp_path, rollout__sim=SIM, rollout__sampling={"max_tokens": 1000})
     async with harness(cfg, items) as h:
-        src = await h.start_node(RolloutNode(cfg, index=0, ctx=h.ctx))
+        src = await h.start_node(build_node(cfg, "rollout", 0, ctx=h.ctx))
         all_uids = uids_of(items)
         await wait_for(
             lambda: (
@@ -55,7 +55,7 @@ async def test_sim_export_import_resumes_identically(tmp_path):
             10,
             "the source to be mid-way through every trajectory",
         )
-        await h.start_node(RolloutNode(cfg, index=1, ctx=h.ctx))
+        await h.start_node(build_node(cfg, "rollout", 1, ctx=h.ctx))
         exp = await h.manager.srv.request(
             "rollout-0", ExportRequest(uids=sorted(all_uids)), timeout=5
         )
@@ -80,7 +80,7 @@ async def test_sim_import_at_another_version_is_rejected(tmp_path):
     items = make_items(1, n=2)
     cfg = make_cfg(tmp_path, rollout__sim=SIM, rollout__sampling={"max_tokens": 1000})
     async with harness(cfg, items) as h:
-        src = await h.start_node(RolloutNode(cfg, index=0, ctx=h.ctx))
+        src = await h.start_node(build_node(cfg, "rollout", 0, ctx=h.ctx))
         await wait_for(
             lambda: len(src.table.seqs) == 2 and min(s.length for s in src.table.seqs.values()) > 0,
             10,
@@ -106,7 +106,7 @@ async def test_sim_without_relay_learns_versions_from_refresh_requests(tmp_path)
         rollout__sampling={"max_tokens": 20},
     )
     async with harness(cfg, []) as h:
-        node = await h.start_node(RolloutNode(cfg, index=0, ctx=h.ctx))
+        node = await h.start_node(build_node(cfg, "rollout", 0, ctx=h.ctx))
         assert node.source.name == "announce"
         reply = await h.manager.srv.request("rollout-0", RefreshRequest(min_version=3), timeout=5)
         assert reply.version == 0

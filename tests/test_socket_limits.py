@@ -13,10 +13,10 @@ from zmq.utils.monitor import parse_monitor_message
 
 import laminar.protocol  # noqa: F401
 from laminar.config import LaminarConfig
-from laminar.node import socket_max_message_bytes, trajectory_bytes
 from laminar.transport.client import RpcClient
 from laminar.transport.server import RpcServer
 from laminar.transport.session import Ping, Pong
+from laminar.wiring.common import socket_max_message_bytes, trajectory_bytes
 
 
 def test_limits_fit_what_each_socket_carries():

@@ -1,5 +1,5 @@
 """The tool-use task (laminar/tasks/tooluse.py), its warm-up transcripts and the tool demo's
-offline episode loop (laminar/demo/tooldemo/evaluate.py).
+offline episode loop (laminar/tasks/evaluate.py).
 
     .venv/bin/python -m pytest tests/test_tool_task.py -q
 """
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from laminar.config import EnvLimits
-from laminar.demo.tooldemo.evaluate import DirectToolClient, run_episode, summarize_episodes
+from laminar.demo.tooldemo.direct_tools import DirectToolClient
 from laminar.demo.tooldemo.results import point, summarize, summary_md
 from laminar.engines.base import SamplingParams
 from laminar.envs.template import TurnTemplate
@@ -23,6 +23,8 @@ from laminar.envs.toolcall import parse_tool_calls
 from laminar.models.tiny import char_tokenizer
 from laminar.models.warmup import _fingerprint, encode_transcript
 from laminar.tasks import tooluse as tu
+from laminar.tasks.base import Episodes, HeldOut, prompt_ids
+from laminar.tasks.evaluate import Outcome, run_episode, summarize_outcomes
 from laminar.tools.builtin import calculator
 
 TOOL_SOLUTION = (
@@ -185,16 +187,17 @@ class _ScriptedEngine:
 def _episode(tok, turns: list[str], limits: EnvLimits | None = None, max_tokens: int = 160):
     engine = _ScriptedEngine(tok, turns)
     row = {"prompt": "47*86=?", "answer": "4042", "kind": "hard"}
+    episodes = Episodes(
+        ToolEnv(tools=["calculator"]), DirectToolClient(), limits or EnvLimits(max_turns=3)
+    )
     ep = asyncio.run(
         run_episode(
             engine,
             tok,
-            ToolEnv(tools=["calculator"]),
-            DirectToolClient(),
-            row,
+            episodes,
+            HeldOut(prompt_ids(tok, row["prompt"]), row["prompt"], row),
             "u1",
             SamplingParams(temperature=0.0, max_tokens=max_tokens),
-            limits or EnvLimits(max_turns=3),
             TurnTemplate(tok),
         )
     )
@@ -221,9 +224,10 @@ def test_episode_loop_limits_and_tool_errors(tok):
     ep, _ = _episode(tok, [bad, bad, bad], EnvLimits(max_turns=2), max_tokens=1000)
     assert ep.finish == "turns" and ep.turns == 2 and ep.tool_calls == 2 and ep.tool_errors == 2
     assert "error:" in ep.completion and tu.verify(ep.completion, "4042") == 0.0
-    summary = summarize_episodes(
-        [{"prompt": "47*86=?", "answer": "4042", "kind": "hard"}], [ep], tu.verify
-    )
+    row = {"prompt": "47*86=?", "answer": "4042", "kind": "hard"}
+    prompt = HeldOut(prompt_ids(tok, row["prompt"]), row["prompt"], row)
+    reward = tu.verify(ep.completion, row["answer"])
+    summary = summarize_outcomes([Outcome(prompt, ep.completion, len(ep.response_ids), reward, ep)])
     assert summary["accuracy"] == 0.0 and summary["hard"]["tool_rate"] == 1.0
 
 

@@ -21,13 +21,13 @@ from pathlib import Path
 import pytest
 
 from laminar.config import LaminarConfig, config_from_dict
-from laminar.manager.node import ManagerNode
-from laminar.node import Node, socket_options
+from laminar.node import Node
 from laminar.protocol.tools import ToolCallRequest, ToolStatsReply, ToolStatsRequest
 from laminar.rollout.tool_client import RemoteToolClient
-from laminar.tools.node import ToolsNode
 from laminar.transport.client import RpcClient
 from laminar.transport.sockets import RemoteError, new_context
+from laminar.wiring.common import socket_options
+from laminar.wiring.nodes import build_node
 
 APPEND = "test_tools_sandbox:append_line"
 
@@ -83,9 +83,9 @@ def cfg(tmp_path):
 
 async def test_tools_node_serves_calls_once_per_id(cfg, tmp_path):
     ctx = new_context()
-    manager = ManagerNode(cfg, ctx=ctx)
+    manager = build_node(cfg, "manager", ctx=ctx)
     m_task = await start(manager)
-    tools = ToolsNode(cfg, ctx=ctx)
+    tools = build_node(cfg, "tools", ctx=ctx)
     t_task = await start(tools)
     cli = RpcClient(ctx, cfg.endpoint("tools"), "rollout-0", "rollout", socket_options(cfg))
     try:
@@ -142,7 +142,7 @@ async def test_tools_node_serves_calls_once_per_id(cfg, tmp_path):
         await stop(tools, t_task)
 
     # restarted on the same run_dir: the journal answers; nothing runs twice
-    tools2 = ToolsNode(cfg, ctx=ctx)
+    tools2 = build_node(cfg, "tools", ctx=ctx)
     t2_task = await start(tools2)
     cli2 = RpcClient(ctx, cfg.endpoint("tools"), "rollout-1", "rollout", socket_options(cfg))
     try:

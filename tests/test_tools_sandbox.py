@@ -195,7 +195,7 @@ def test_registry_schema_and_load_errors():
     )
     with pytest.raises(ToolLoadError, match="no_such_module_xyz:fn"):
         load_tool("no_such_module_xyz:fn")
-    with pytest.raises(ToolLoadError, match="has no function"):
+    with pytest.raises(ToolLoadError, match="has no 'missing'"):
         load_tool("test_tools_sandbox:missing")
     with pytest.raises(ToolLoadError, match="not a built-in"):
         load_tool("shell")

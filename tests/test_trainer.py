@@ -14,9 +14,11 @@ import torch
 from laminar.config import config_from_dict
 from laminar.protocol.data import Trajectory
 from laminar.trainer import checkpoint as ck
-from laminar.trainer.batch import TrainBatch, collate, pack_micro_batches
-from laminar.trainer.node import trainer_settings
-from laminar.trainer.policy import Policy, lr_lambda
+from laminar.trainer.batch import TrainBatch
+from laminar.trainer.micro_batch import collate
+from laminar.trainer.packing import pack_micro_batches
+from laminar.trainer.torch_trainer import TorchTrainer, lr_lambda
+from laminar.wiring.trainer import trainer_settings
 
 
 @pytest.fixture(scope="module")
@@ -67,23 +69,23 @@ def make_trajs(n_groups=4, group=4, seed=0, vocab=(4, 40), version=0, behav=None
     return out
 
 
-def on_policy(policy: Policy, trajs):
+def on_policy(policy: TorchTrainer, trajs):
     """Replace behaviour logprobs by the policy's own (what an exact sampler would have logged)."""
     batch = TrainBatch.build(trajs)
     with torch.no_grad():
         mb = collate(batch, list(range(batch.n_seqs)))
-        logp, _ = policy.token_logprobs(mb)
+        logp, _ = policy.model.token_logprobs(mb)
     for i, t in enumerate(trajs):
         t.logprobs = logp[i][mb.resp_mask[i]].numpy().astype(np.float32)
     return trajs
 
 
 def params(policy):
-    return {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
+    return {k: v.detach().clone() for k, v in policy.model.module.state_dict().items()}
 
 
 def test_loss_decreases_and_parameters_change(tiny, tmp_path):
-    policy = Policy(trainer_settings(make_cfg(tiny, tmp_path)), tiny)
+    policy = TorchTrainer(trainer_settings(make_cfg(tiny, tmp_path)), tiny)
     trajs = on_policy(policy, make_trajs())
     batch = TrainBatch.build(trajs)
     before = params(policy)
@@ -92,7 +94,7 @@ def test_loss_decreases_and_parameters_change(tiny, tmp_path):
     def mean_logp(sel):
         with torch.no_grad():
             mb = collate(batch, list(range(batch.n_seqs)))
-            logp, _ = policy.token_logprobs(mb)
+            logp, _ = policy.model.token_logprobs(mb)
         per_seq = (logp * mb.resp_mask).sum(-1) / mb.resp_mask.sum(-1)
         return float(per_seq[sel].mean())
 
@@ -107,7 +109,7 @@ def test_loss_decreases_and_parameters_change(tiny, tmp_path):
 
 
 def test_step_metrics_cover_the_algorithm(tiny, tmp_path):
-    policy = Policy(trainer_settings(make_cfg(tiny, tmp_path)), tiny)
+    policy = TorchTrainer(trainer_settings(make_cfg(tiny, tmp_path)), tiny)
     m = policy.train_step(TrainBatch.build(on_policy(policy, make_trajs())))
     for key in (
         "loss",
@@ -131,12 +133,12 @@ def test_step_metrics_cover_the_algorithm(tiny, tmp_path):
 
 
 def test_fused_proximal_logprobs_equal_a_separate_no_grad_pass(tiny, tmp_path):
-    policy = Policy(trainer_settings(make_cfg(tiny, tmp_path)), tiny)
+    policy = TorchTrainer(trainer_settings(make_cfg(tiny, tmp_path)), tiny)
     batch = TrainBatch.build(make_trajs())
     mb = collate(batch, list(range(batch.n_seqs)))
     with torch.no_grad():
-        prox, _ = policy.token_logprobs(mb)
-    logp, _ = policy.token_logprobs(mb)
+        prox, _ = policy.model.token_logprobs(mb)
+    logp, _ = policy.model.token_logprobs(mb)
     assert logp.requires_grad and torch.equal(prox, logp.detach())
 
 
@@ -144,14 +146,16 @@ def test_micro_batching_gives_the_full_batch_gradient(tiny, tmp_path):
     trajs = make_trajs(seed=3)
     grads, losses, n_mb = [], [], []
     for budget in (4096, 24):
-        policy = Policy(
+        policy = TorchTrainer(
             trainer_settings(make_cfg(tiny, tmp_path, micro_batch_tokens=budget, lr=1e-9)), tiny
         )
         m = policy.train_step(TrainBatch.build(trajs))
         losses.append(m["loss"])
         n_mb.append(m["micro_batches"])
         grads.append(
-            torch.cat([p.grad.flatten() for p in policy.model.parameters() if p.grad is not None])
+            torch.cat(
+                [p.grad.flatten() for p in policy.model.module.parameters() if p.grad is not None]
+            )
         )
     assert n_mb[0] == 1 and n_mb[1] >= 5
     assert losses[0] == pytest.approx(losses[1], abs=1e-6)
@@ -161,12 +165,14 @@ def test_micro_batching_gives_the_full_batch_gradient(tiny, tmp_path):
 def test_temperature_divides_the_logits(tiny, tmp_path):
     cfg = make_cfg(tiny, tmp_path)
     cfg.rollout.sampling.temperature = 2.0
-    policy = Policy(trainer_settings(cfg), tiny)
+    policy = TorchTrainer(trainer_settings(cfg), tiny)
     mb = collate(TrainBatch.build(make_trajs(n_groups=1)), [0])
     with torch.no_grad():
-        logp, _ = policy.token_logprobs(mb)
-        hidden = policy.model(input_ids=mb.input_ids).logits[:, :-1]  # the trainer's head: identity
-        logits = hidden @ policy.head.weight.T / 2.0
+        logp, _ = policy.model.token_logprobs(mb)
+        hidden = policy.model.module(input_ids=mb.input_ids).logits[
+            :, :-1
+        ]  # the trainer's head: identity
+        logits = hidden @ policy.model.head.weight.T / 2.0
         ref = torch.log_softmax(logits, -1).gather(-1, mb.targets[..., None])[..., 0]
     m = mb.resp_mask
     assert torch.allclose(logp[m], ref[m], atol=1e-6)
@@ -175,20 +181,23 @@ def test_temperature_divides_the_logits(tiny, tmp_path):
 
 def test_checkpoint_round_trip_and_resume_give_the_same_next_step(tiny, tmp_path):
     cfg = make_cfg(tiny, tmp_path, warmup_steps=2)
-    a = Policy(trainer_settings(cfg), tiny)
+    a = TorchTrainer(trainer_settings(cfg), tiny)
     b1, b2 = TrainBatch.build(make_trajs(seed=1)), TrainBatch.build(make_trajs(seed=2))
     a.train_step(b1)
     a.train_step(b1)
-    path = ck.save_policy(
+    path = ck.save_trainer(
         a, tmp_path, 2, {"version": 2, "frontier": {"uncommitted": []}}, tiny
     ).wait()
     assert ck.latest_checkpoint(tmp_path) == path and (path / "model" / "tokenizer.json").is_file()
-    b = Policy(trainer_settings(cfg), str(path / "model"))
-    meta = ck.load_policy_state(b, path)
+    b = TorchTrainer(trainer_settings(cfg), str(path / "model"))
+    meta = ck.restore_trainer(b, path)
     assert meta["step"] == 2 and meta["version"] == 2
     pa, pb = params(a), params(b)
     assert pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
-    sa, sb = a.optimizer_state()["state"], b.optimizer_state()["state"]
+    sa, sb = (
+        ck.optimizer_state(a.model.module, a.optimizer)["state"],
+        ck.optimizer_state(b.model.module, b.optimizer)["state"],
+    )
     assert sa.keys() == sb.keys()
     for name in sa:
         for k in ("exp_avg", "exp_avg_sq", "step"):
@@ -206,13 +215,13 @@ def test_checkpoint_round_trip_and_resume_give_the_same_next_step(tiny, tmp_path
 
 
 def test_checkpoints_are_atomic_and_pruned(tiny, tmp_path):
-    policy = Policy(trainer_settings(make_cfg(tiny, tmp_path)), tiny)
+    policy = TorchTrainer(trainer_settings(make_cfg(tiny, tmp_path)), tiny)
     (ck.checkpoint_root(tmp_path) / ".tmp-step_00000009-1").mkdir(
         parents=True
     )  # a crashed writer's leftovers
     assert ck.latest_checkpoint(tmp_path) is None
     for step in (1, 2, 3):
-        ck.save_policy(policy, tmp_path, step, {"version": step}, tiny, keep=2).wait()
+        ck.save_trainer(policy, tmp_path, step, {"version": step}, tiny, keep=2).wait()
     assert [p.name for p in ck.list_checkpoints(tmp_path)] == ["step_00000002", "step_00000003"]
     assert ck.remove_partial(tmp_path) == 1
     assert ck.resolve_resume("auto", tmp_path).name == "step_00000003"
@@ -273,8 +282,8 @@ def test_algorithm_variants_train(tiny, tmp_path, algo):
     cfg = make_cfg(tiny, tmp_path)
     for k, v in algo.items():
         setattr(cfg.algo, k, v)
-    policy = Policy(trainer_settings(cfg), tiny)
-    assert (policy.ref is not None) == (cfg.algo.kl_coef > 0)
+    policy = TorchTrainer(trainer_settings(cfg), tiny)
+    assert (policy.model.ref is not None) == (cfg.algo.kl_coef > 0)
     before = params(policy)
     trajs = on_policy(policy, make_trajs())
     for _ in range(2):

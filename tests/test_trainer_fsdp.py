@@ -22,22 +22,24 @@ from pathlib import Path
 import pytest
 import torch
 
-from laminar.node import socket_options
 from laminar.trainer import checkpoint as ck
 from laminar.trainer.batch import TrainBatch
-from laminar.trainer.node import trainer_settings
-from laminar.trainer.policy import Policy
+from laminar.trainer.torch_trainer import TorchTrainer
+from laminar.wiring.common import socket_options
+from laminar.wiring.trainer import trainer_settings
 from tests.test_trainer import make_cfg, make_trajs
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def assert_matches_one_process(res: dict, out: Path, model: str, tmp_path: Path) -> Policy:
+def assert_matches_one_process(res: dict, out: Path, model: str, tmp_path: Path) -> TorchTrainer:
     """The three steps tests/fsdp_worker.py ran on 2 ranks (`res`, its result.json; `out`, its
     directory), run again in this process: losses, grad norms and the gathered weights match.
     Returns the one-process policy for further checks."""
     assert res["world"] == 2
-    ref = Policy(trainer_settings(make_cfg(model, tmp_path / "ref", micro_batch_tokens=48)), model)
+    ref = TorchTrainer(
+        trainer_settings(make_cfg(model, tmp_path / "ref", micro_batch_tokens=48)), model
+    )
     losses, norms = [], []
     for seed in (1, 2, 1):
         m = ref.train_step(TrainBatch.build(make_trajs(seed=seed)))
@@ -47,7 +49,7 @@ def assert_matches_one_process(res: dict, out: Path, model: str, tmp_path: Path)
     assert res["losses"] == pytest.approx(losses, abs=1e-5)
     assert res["grad_norms"] == pytest.approx(norms, rel=1e-4)
     weights = torch.load(out / "weights.pt", weights_only=True)
-    mine = ref.full_state_dict()
+    mine = ref.model.full_state_dict()
     assert weights.keys() == mine.keys()
     for k in mine:
         assert torch.allclose(weights[k], mine[k], atol=1e-5), k
@@ -85,17 +87,17 @@ def test_two_rank_fsdp_matches_one_process(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads((out / "result.json").read_text())
     ref = assert_matches_one_process(res, out, model, tmp_path)
-    mine = ref.full_state_dict()
+    mine = ref.model.full_state_dict()
     # the checkpoint rank 0 gathered resumes in a single process
-    resumed = Policy(
+    resumed = TorchTrainer(
         trainer_settings(make_cfg(model, tmp_path / "ref")), str(Path(res["checkpoint"]) / "model")
     )
-    ck.load_policy_state(resumed, res["checkpoint"])
+    ck.restore_trainer(resumed, res["checkpoint"])
     assert resumed.scheduler.state_dict()["last_epoch"] == 3
-    for k, v in resumed.full_state_dict().items():
+    for k, v in resumed.model.full_state_dict().items():
         assert torch.allclose(v, mine[k], atol=1e-5), k
-    osd = resumed.optimizer_state()["state"]
-    assert set(osd) == set(ref.optimizer_state()["state"])
+    osd = ck.optimizer_state(resumed.model.module, resumed.optimizer)["state"]
+    assert set(osd) == set(ck.optimizer_state(ref.model.module, ref.optimizer)["state"])
 
 
 @pytest.mark.slow
@@ -182,12 +184,12 @@ async def test_two_rank_trainer_node_against_the_buffer_protocol(tmp_path, short
     run = cfg.resolved_run_dir()
     assert (run / "weights" / "v3.safetensors").is_file()
     assert ck.latest_checkpoint(run).name == "step_00000003"
-    resumed = Policy(
+    resumed = TorchTrainer(
         trainer_settings(make_cfg(model, tmp_path / "x")), str(ck.latest_checkpoint(run) / "model")
     )
-    ck.load_policy_state(resumed, ck.latest_checkpoint(run))
+    ck.restore_trainer(resumed, ck.latest_checkpoint(run))
     from safetensors.torch import load_file
 
     pushed = load_file(str(run / "weights" / "v3.safetensors"))
-    for k, v in resumed.full_state_dict().items():
+    for k, v in resumed.model.full_state_dict().items():
         assert torch.equal(pushed[k], v), k

@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from laminar.trainer.batch import TrainBatch
-from laminar.trainer.node import trainer_settings
-from laminar.trainer.policy import Policy
+from laminar.trainer.torch_trainer import TorchTrainer
+from laminar.wiring.trainer import trainer_settings
 from tests.test_trainer import make_cfg, make_trajs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,11 +45,13 @@ def _two_ranks(model: str, out: Path, *settings: str) -> tuple[dict, dict[str, t
     return res, torch.load(out / "grads.pt", weights_only=True)
 
 
-def _one_process(model: str, run: Path, **trainer) -> tuple[Policy, dict, dict[str, torch.Tensor]]:
+def _one_process(
+    model: str, run: Path, **trainer
+) -> tuple[TorchTrainer, dict, dict[str, torch.Tensor]]:
     cfg = make_cfg(model, run, micro_batch_tokens=48, forward="hf", **trainer)
-    policy = Policy(trainer_settings(cfg), model)
+    policy = TorchTrainer(trainer_settings(cfg), model)
     m = policy.train_step(TrainBatch.build(make_trajs(seed=1)))
-    grads = {n: p.grad for n, p in policy.model.named_parameters()}
+    grads = {n: p.grad for n, p in policy.model.module.named_parameters()}
     assert all(g is not None for g in grads.values())
     return policy, m, grads
 
@@ -64,7 +66,7 @@ def model(tmp_path):
 def test_checkpointing_changes_nothing_but_memory_in_one_process(model, tmp_path):
     _, m_off, g_off = _one_process(model, tmp_path / "a")
     policy, m_on, g_on = _one_process(model, tmp_path / "b", activation_checkpointing=True)
-    assert policy.checkpointing
+    assert policy.model.checkpointing
     assert m_on["loss"] == m_off["loss"]
     for n in g_off:
         assert torch.equal(g_on[n], g_off[n]), n

@@ -19,11 +19,12 @@ import pytest
 import torch
 
 from laminar.config import config_from_dict
-from laminar.node import relay_links, socket_options
 from laminar.protocol.buffer import BatchCommit, BatchReply, BatchRequest, CommitAck
 from laminar.protocol.trainer import VersionPublished
 from laminar.transport.server import RpcServer
 from laminar.transport.sockets import Wiring, new_context
+from laminar.wiring.common import relay_links, socket_options
+from laminar.wiring.nodes import build_node
 from tests.test_trainer import make_trajs
 
 
@@ -130,9 +131,8 @@ async def harness(tmp_path):
 
 
 async def run_trainer(cfg, ctx, timeout=60.0):
-    from laminar.trainer.node import TrainerNode
 
-    node = TrainerNode(cfg, ctx=ctx)
+    node = build_node(cfg, "trainer", ctx=ctx)
     await asyncio.wait_for(node.run(), timeout)
     return node
 
@@ -257,9 +257,8 @@ async def test_killed_before_commit_the_batch_is_served_again_after_resume(tiny,
             await asyncio.Event().wait()  # never acknowledged: the trainer dies waiting
 
     buf.commit_hook = hang_on_second_commit
-    from laminar.trainer.node import TrainerNode
 
-    node = TrainerNode(cfg, ctx=ctx)
+    node = build_node(cfg, "trainer", ctx=ctx)
     task = asyncio.create_task(node.run())
     await asyncio.wait_for(reached.wait(), 60)
     task.cancel()  # abrupt death: no drain, no checkpoint of step 2
@@ -291,9 +290,8 @@ def tiny(tmp_path_factory):
 async def test_weights_go_through_the_relay_tier_when_there_is_one(tiny, tmp_path, harness):
     """roles.relay > 0: the weights channel is the relay tier; the trainer pushes to the master
     relay."""
-    from laminar.relay.node import RelayNode
     from laminar.supervise import detached_spawn
-    from laminar.weights.relay_client import WeightPuller
+    from laminar.weights.puller import WeightPuller
 
     ctx, make = harness
     cfg = node_cfg(tmp_path, tiny, total_steps=2)
@@ -301,7 +299,7 @@ async def test_weights_go_through_the_relay_tier_when_there_is_one(tiny, tmp_pat
     cfg.relay.shm_dir = str(tmp_path / "shm")
     (tmp_path / "shm").mkdir()
     buf, mgr = await make(cfg, groups_of(make_trajs(n_groups=4, group=2)))
-    relay = RelayNode(cfg, ctx=ctx)
+    relay = build_node(cfg, "relay", ctx=ctx)
     relay_task = asyncio.create_task(relay.run())
     try:
         await asyncio.wait_for(relay.ready.wait(), 10)
@@ -321,11 +319,11 @@ async def test_weights_go_through_the_relay_tier_when_there_is_one(tiny, tmp_pat
         finally:
             await puller.close()
         from laminar.trainer import checkpoint as ck
-        from laminar.trainer.node import trainer_settings
-        from laminar.trainer.policy import Policy
+        from laminar.trainer.torch_trainer import TorchTrainer
+        from laminar.wiring.trainer import trainer_settings
 
         final = ck.latest_checkpoint(cfg.resolved_run_dir())
-        expect = Policy(trainer_settings(cfg), str(final / "model")).full_state_dict()
+        expect = TorchTrainer(trainer_settings(cfg), str(final / "model")).model.full_state_dict()
         assert got.keys() == expect.keys() and all(torch.equal(got[k], expect[k]) for k in expect)
         assert node.version == 2
         # streamed into the relay's slot (laminar/weights/sink.py); the digest rollouts attest
@@ -342,7 +340,6 @@ async def test_weights_go_through_the_relay_tier_when_there_is_one(tiny, tmp_pat
 
 
 async def test_sim_trainer_pushes_a_tiny_blob_through_the_relay(tmp_path, harness):
-    from laminar.relay.node import RelayNode
 
     ctx, make = harness
     cfg = node_cfg(tmp_path, None, engine="sim", sim_time_per_token_s=0, total_steps=2)
@@ -351,7 +348,7 @@ async def test_sim_trainer_pushes_a_tiny_blob_through_the_relay(tmp_path, harnes
     (tmp_path / "shm").mkdir()
     cfg.trainer.sim_weight_bytes = 1024
     buf, mgr = await make(cfg, groups_of(make_trajs(n_groups=4, group=2)))
-    relay = RelayNode(cfg, ctx=ctx)
+    relay = build_node(cfg, "relay", ctx=ctx)
     relay_task = asyncio.create_task(relay.run())
     try:
         await asyncio.wait_for(relay.ready.wait(), 10)
@@ -368,7 +365,6 @@ async def test_sim_trainer_pushes_a_tiny_blob_through_the_relay(tmp_path, harnes
 async def test_stop_request_drains_the_step_and_checkpoints(tiny, tmp_path, harness):
     """SIGTERM path: the step in flight finishes and commits, then a checkpoint holds it."""
     from laminar.trainer import checkpoint as ck
-    from laminar.trainer.node import TrainerNode
 
     ctx, make = harness
     cfg = node_cfg(tmp_path, tiny, total_steps=100)
@@ -380,7 +376,7 @@ async def test_stop_request_drains_the_step_and_checkpoints(tiny, tmp_path, harn
             two.set()
 
     buf.commit_hook = on_commit
-    node = TrainerNode(cfg, ctx=ctx)
+    node = build_node(cfg, "trainer", ctx=ctx)
     task = asyncio.create_task(node.run())
     await asyncio.wait_for(two.wait(), 60)
     node.request_stop("signal SIGTERM")

@@ -17,10 +17,12 @@ import torch
 
 from laminar.config import config_from_dict
 from laminar.protocol.data import Trajectory
-from laminar.trainer.batch import TrainBatch, collate
-from laminar.trainer.node import trainer_settings
-from laminar.trainer.packed import PackedForward, PackedLayout, pack_by_prompt, packed_forward
-from laminar.trainer.policy import Policy
+from laminar.trainer.batch import TrainBatch
+from laminar.trainer.micro_batch import collate
+from laminar.trainer.packed import PackedForward, PackedLayout, packed_forward
+from laminar.trainer.packing import pack_by_prompt
+from laminar.trainer.torch_trainer import TorchTrainer
+from laminar.wiring.trainer import trainer_settings
 from tests.test_engine_lean_forward import CASES, _model
 
 
@@ -136,7 +138,7 @@ def test_pack_by_prompt_keeps_groups_together_within_budget():
     assert pack_by_prompt(s, idx, 1) == [[i] for mb in pack_by_prompt(s, idx, 1) for i in mb]
 
 
-def _policy(model_path, run_dir, forward: str, **algo) -> Policy:
+def _policy(model_path, run_dir, forward: str, **algo) -> TorchTrainer:
     cfg = config_from_dict(
         {
             "run_dir": str(run_dir),
@@ -153,7 +155,7 @@ def _policy(model_path, run_dir, forward: str, **algo) -> Policy:
         }
     )
     torch.manual_seed(0)
-    return Policy(trainer_settings(cfg), model_path)
+    return TorchTrainer(trainer_settings(cfg), model_path)
 
 
 @pytest.fixture(scope="module")
@@ -172,10 +174,10 @@ def test_train_step_packed_matches_hf(tiny, tmp_path):
     stats, moved = {}, {}
     for forward in ("packed", "hf"):
         pol = _policy(tiny, tmp_path / forward, forward, kl_coef=0.01, kl_type="k3_loss")
-        assert (pol.packed is not None) == (forward == "packed")
-        before = {n: p.detach().clone() for n, p in pol.model.named_parameters()}
+        assert (pol.model.packed is not None) == (forward == "packed")
+        before = {n: p.detach().clone() for n, p in pol.model.module.named_parameters()}
         stats[forward] = pol.train_step(pol.prepare(trajs))
-        moved[forward] = {n: p.detach() - before[n] for n, p in pol.model.named_parameters()}
+        moved[forward] = {n: p.detach() - before[n] for n, p in pol.model.module.named_parameters()}
     for key in ("loss", "entropy", "logp", "frac/clip", "kl_ref", "grad_norm"):
         assert stats["packed"][key] == pytest.approx(stats["hf"][key], rel=1e-4, abs=1e-6), key
     assert stats["packed"]["micro_batches"] <= stats["hf"]["micro_batches"]
@@ -229,10 +231,10 @@ def test_zero_advantage_samples_skipped_without_changing_the_update(tiny, tmp_pa
         pol.tc.weight_decay = 0.1
         for group in pol.optimizer.param_groups:
             group["weight_decay"] = 0.1
-        before = {n: p.detach().clone() for n, p in pol.model.named_parameters()}
+        before = {n: p.detach().clone() for n, p in pol.model.module.named_parameters()}
         for _ in range(2):  # the second step's zero-gradient mini-batch moves by momentum
             stats[skip] = pol.train_step(pol.prepare(trajs))
-        moved[skip] = {n: p.detach() - before[n] for n, p in pol.model.named_parameters()}
+        moved[skip] = {n: p.detach() - before[n] for n, p in pol.model.module.named_parameters()}
     assert stats[True]["seqs_trained"] == 8 and stats[False]["seqs_trained"] == 16
     assert stats[True]["micro_batches"] < stats[False]["micro_batches"]
     for key in ("loss", "grad_norm"):

@@ -28,11 +28,12 @@ import pytest
 import yaml
 
 from laminar.config import load_config
-from laminar.node import socket_options
 from laminar.protocol.buffer import BufferStats, BufferStatsRequest, PromptReply, PromptRequest
 from laminar.protocol.data import Trajectory
 from laminar.transport.client import RpcClient
 from laminar.transport.sockets import new_context
+from laminar.wiring.common import socket_options
+from laminar.wiring.nodes import build_node
 from tests.test_trainer_node import FakeManager
 from tests.trainer_faults import CRASH_EXIT_CODE, crash_before_commit
 
@@ -157,14 +158,13 @@ async def run_trainer_process(cfg_path: Path, crash_at: int | None, timeout: flo
 
 
 async def _scenario(tmp_path, short_dir, tiny, run_trainer) -> None:
-    from laminar.buffer.node import BufferNode
 
     cfg_path = write_config(tmp_path, short_dir, tiny)
     cfg = load_config(cfg_path)
     ctx = new_context()
     mgr = FakeManager(ctx, cfg.endpoint("manager"), socket_options(cfg))
     await mgr.srv.start()
-    buffer = BufferNode(cfg, ctx=ctx)
+    buffer = build_node(cfg, "buffer", ctx=ctx)
     task = asyncio.create_task(buffer.run())
     try:
         await asyncio.wait_for(buffer.ready.wait(), 30)
@@ -198,10 +198,9 @@ async def _scenario(tmp_path, short_dir, tiny, run_trainer) -> None:
 async def test_uncommitted_batch_is_served_again_after_resume_in_process(tiny, tmp_path, short_dir):
     from laminar.node import NodeFailed
     from laminar.trainer.commits import CommitLedger
-    from laminar.trainer.node import TrainerNode
 
     async def run_in_process(ctx, cfg_path, crash_at):
-        node = TrainerNode(load_config(cfg_path), ctx=ctx)
+        node = build_node(load_config(cfg_path), "trainer", ctx=ctx)
         if crash_at is None:
             await asyncio.wait_for(node.run(), 120)
             return

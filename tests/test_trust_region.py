@@ -15,8 +15,9 @@ import torch
 from laminar.config import config_from_dict, config_warnings
 from laminar.protocol.data import Trajectory
 from laminar.trainer.batch import TrainBatch
-from laminar.trainer.node import trainer_settings
-from laminar.trainer.policy import Policy
+from laminar.trainer.packing import minibatches
+from laminar.trainer.torch_trainer import TorchTrainer
+from laminar.wiring.trainer import trainer_settings
 
 
 @pytest.fixture(scope="module")
@@ -75,10 +76,10 @@ def test_minibatches_make_the_clip_act_and_change_the_loss(tiny, tmp_path):
     """A big lr moves pi_theta past 1 +- eps after mini-batch 1, so mini-batches 2..4 get
     clipped."""
     trajs = make_trajs()
-    one = Policy(trainer_settings(make_cfg(tiny, tmp_path)), tiny).train_step(
+    one = TorchTrainer(trainer_settings(make_cfg(tiny, tmp_path)), tiny).train_step(
         TrainBatch.build(trajs)
     )
-    four = Policy(trainer_settings(make_cfg(tiny, tmp_path, minibatches=4)), tiny).train_step(
+    four = TorchTrainer(trainer_settings(make_cfg(tiny, tmp_path, minibatches=4)), tiny).train_step(
         TrainBatch.build(trajs)
     )
     assert one["minibatches"] == 1 and four["minibatches"] == 4
@@ -92,10 +93,10 @@ def test_minibatch_one_reuses_the_step_start_policy(tiny, tmp_path):
     """With a tiny lr the parameters barely move: every mini-batch's ratio stays ~1 (pi_prox is the
     step-start policy, not the moved one) and the loss matches the single-step loss."""
     trajs = make_trajs(seed=1)
-    one = Policy(trainer_settings(make_cfg(tiny, tmp_path, lr=1e-9)), tiny).train_step(
+    one = TorchTrainer(trainer_settings(make_cfg(tiny, tmp_path, lr=1e-9)), tiny).train_step(
         TrainBatch.build(trajs)
     )
-    two = Policy(
+    two = TorchTrainer(
         trainer_settings(make_cfg(tiny, tmp_path, minibatches=2, lr=1e-9)), tiny
     ).train_step(TrainBatch.build(trajs))
     assert two["ratio_max"] == pytest.approx(1.0, abs=1e-4) and two["frac/clip"] == 0
@@ -103,26 +104,31 @@ def test_minibatch_one_reuses_the_step_start_policy(tiny, tmp_path):
 
 
 def test_minibatches_split_whole_groups(tiny, tmp_path):
-    policy = Policy(trainer_settings(make_cfg(tiny, tmp_path, minibatches=3)), tiny)
+    policy = TorchTrainer(trainer_settings(make_cfg(tiny, tmp_path, minibatches=3)), tiny)
     batch = TrainBatch.build(make_trajs(n_groups=5))
-    parts = policy._minibatches(batch)
+    parts = minibatches(batch, policy.tc.minibatches)
     assert len(parts) == 3 and sorted(i for p in parts for i in p) == list(range(batch.n_seqs))
     groups = [{batch.samples[i].group_id for i in p} for p in parts]
     assert all(not (a & b) for k, a in enumerate(groups) for b in groups[k + 1 :])
     # more mini-batches than groups: one group each
-    policy = Policy(trainer_settings(make_cfg(tiny, tmp_path, minibatches=9)), tiny)
-    assert len(policy._minibatches(batch)) == 5
+    policy = TorchTrainer(trainer_settings(make_cfg(tiny, tmp_path, minibatches=9)), tiny)
+    assert len(minibatches(batch, policy.tc.minibatches)) == 5
 
 
 def test_params_move_more_with_minibatches(tiny, tmp_path):
     trajs = make_trajs(seed=2)
     moved = []
     for m in (1, 4):
-        policy = Policy(trainer_settings(make_cfg(tiny, tmp_path, minibatches=m, lr=1e-3)), tiny)
-        before = {k: v.clone() for k, v in policy.model.state_dict().items()}
+        policy = TorchTrainer(
+            trainer_settings(make_cfg(tiny, tmp_path, minibatches=m, lr=1e-3)), tiny
+        )
+        before = {k: v.clone() for k, v in policy.model.module.state_dict().items()}
         policy.train_step(TrainBatch.build(trajs))
         moved.append(
-            sum(float((v - before[k]).abs().sum()) for k, v in policy.model.state_dict().items())
+            sum(
+                float((v - before[k]).abs().sum())
+                for k, v in policy.model.module.state_dict().items()
+            )
         )
     assert moved[1] > moved[0] > 0
 
@@ -171,7 +177,7 @@ def test_masked_is_drops_tokens_outside_the_band(tiny, tmp_path):
     gradient."""
     trajs = make_trajs(seed=4)
     cfg = make_cfg(tiny, tmp_path, is_mode="mask", is_low=0.5, is_high=2.0)
-    m = Policy(trainer_settings(cfg), tiny).train_step(TrainBatch.build(trajs))
+    m = TorchTrainer(trainer_settings(cfg), tiny).train_step(TrainBatch.build(trajs))
     # behaviour logprobs -3 vs a near-uniform policy over ~40+ ids (log ~ -4): w ~ e^-1 < 0.5
     assert m["frac/is_masked"] > 0.5
     assert torch.isfinite(torch.tensor(m["loss"]))

@@ -19,10 +19,11 @@ from inproc_relays import InprocRelays
 
 from laminar.config import config_from_dict
 from laminar.logs import get_logger
-from laminar.node import relay_links, socket_options
 from laminar.supervise import detached_spawn
 from laminar.transport.sockets import RemoteError, Wiring
-from laminar.weights.relay_client import WeightPuller, WeightPusher
+from laminar.weights.puller import WeightPuller
+from laminar.weights.pusher import WeightPusher
+from laminar.wiring.common import relay_links, socket_options
 from tests.relay_procs import RelayProcs
 
 

@@ -20,7 +20,6 @@ from inproc_relays import InprocRelays
 from laminar.config import config_from_dict
 from laminar.logs import get_logger
 from laminar.message import ProtocolError
-from laminar.node import relay_links, socket_options
 from laminar.protocol.relay import ChainUpdate, FetchChunk, WeightChunk
 from laminar.supervise import detached_spawn
 from laminar.transport.client import RpcClient
@@ -36,7 +35,9 @@ from laminar.weights.delta import (
     encoded_sizes,
 )
 from laminar.weights.layout import build_layout, checksum_buffer, chunk_digest
-from laminar.weights.relay_client import WeightPuller, WeightPusher
+from laminar.weights.puller import WeightPuller
+from laminar.weights.pusher import WeightPusher
+from laminar.wiring.common import relay_links, socket_options
 from tests.relay_faults import corrupt_chunks
 
 CHUNK = 1 << 16

@@ -21,9 +21,10 @@ import structlog
 import torch
 import torch.multiprocessing as mp
 
-from laminar.weights.gpu import FlatWeights, flat_checksum, pack_flat, resolve_device
-from laminar.weights.gpu_channel import GroupPublisher
+from laminar.weights.cuda_ipc import resolve_device
+from laminar.weights.gpu import FlatWeights, flat_checksum, pack_flat
 from laminar.weights.group import GroupBroadcaster, GroupMember, GroupSettings
+from laminar.weights.nccl import GroupPublisher
 from tests.conftest import free_port
 
 LOG = structlog.get_logger()
@@ -213,7 +214,7 @@ def _ipc_reader(frames: list[bytes], host: str, port: int, hold_s: float, q) -> 
     import torch.distributed as dist
 
     from laminar.transport.codec import decode
-    from laminar.weights.gpu import open_cuda_ipc
+    from laminar.weights.cuda_ipc import open_cuda_ipc
     from laminar.weights.leases import LeaseBoard, StoreKV
 
     store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=30))
@@ -235,7 +236,7 @@ def test_cuda_ipc_handle_opens_in_another_process_and_leases_hold_the_buffer():
     import torch.distributed as dist
 
     from laminar.transport.codec import encode
-    from laminar.weights.gpu import CudaIpcExporter
+    from laminar.weights.cuda_ipc import CudaIpcExporter
     from laminar.weights.leases import LeaseBoard, StoreKV
 
     port = free_port()
@@ -293,7 +294,7 @@ async def test_cuda_ipc_rollout_off_the_trainers_host_reads_its_relay():
 
     import torch.distributed as dist
 
-    from laminar.weights.gpu_channel import CudaIpcSubscriber
+    from laminar.weights.cuda_ipc import CudaIpcSubscriber
 
     s = _settings(("rollout-0",))
     timeout = datetime.timedelta(seconds=30)

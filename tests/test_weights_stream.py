@@ -4,7 +4,7 @@ publishes a partial version.
 
     .venv/bin/python -m pytest tests/test_weights_stream.py -q
 
-A real trainer Policy (one process, bf16 export of fp32 master weights) exports into the sink;
+A real TorchTrainer (one process, bf16 export of fp32 master weights) exports into the sink;
 the relays run in this process (tests/inproc_relays.py), the rollout end is a WeightPuller.
 The FSDP version of the byte check (2 gloo ranks) is in tests/test_trainer_dcp.py.
 """
@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from laminar.trainer.batch import TrainBatch
-from laminar.trainer.node import trainer_settings
-from laminar.trainer.policy import Policy
+from laminar.trainer.torch_trainer import TorchTrainer
 from laminar.weights.digest import weights_digest
 from laminar.weights.layout import layout_of, named_list
-from laminar.weights.relay_client import write_flat
+from laminar.weights.pusher import write_flat
 from laminar.weights.sink import FlatSink, IncompleteVersion, VersionSink
+from laminar.wiring.trainer import trainer_settings
 from tests.test_trainer import make_cfg, make_trajs
 from tests.test_weights import _puller, _pusher, inproc  # noqa: F401 - inproc: a fixture
 
@@ -38,12 +38,12 @@ def tiny(tmp_path_factory):
 def policy(tiny, tmp_path):
     cfg = make_cfg(tiny, tmp_path / "run")
     cfg.model.dtype = "bfloat16"
-    p = Policy(trainer_settings(cfg), tiny)
+    p = TorchTrainer(trainer_settings(cfg), tiny)
     p.train_step(TrainBatch.build(make_trajs(seed=1)))
     return p
 
 
-def unstreamed(policy: Policy) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def unstreamed(policy: TorchTrainer) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The version as the whole-version path writes it (export, then write_flat)."""
     weights = policy.export()
     items = named_list(weights)

@@ -92,7 +92,7 @@ def _ipc_reader(frames: list[bytes], port: int, sizes: list[int], q: Any) -> Non
     import torch.distributed as dist
 
     from laminar.transport.codec import decode
-    from laminar.weights.gpu import open_cuda_ipc
+    from laminar.weights.cuda_ipc import open_cuda_ipc
     from laminar.weights.leases import LeaseBoard, StoreKV
 
     store = dist.TCPStore(
@@ -147,7 +147,7 @@ def stage_weights(dry: bool) -> dict[str, Any]:
             d2d[n].append(time.perf_counter() - t0)
     handoff: dict[int, list[float]] = {}
     if cuda:
-        from laminar.weights.gpu import CudaIpcExporter
+        from laminar.weights.cuda_ipc import CudaIpcExporter
         from tests.conftest import free_port
 
         port = free_port()

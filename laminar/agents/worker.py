@@ -37,7 +37,7 @@ from typing import Any
 
 import msgspec
 
-from laminar.rewards.runner import resolve_spec
+from laminar.resolve import resolve_spec
 from laminar.subprocess_pool import protocol_fds, read_frame, write_frame
 
 

@@ -6,35 +6,5 @@
     stats.finalize()                                      # metrics.py (IS weight, ESS, clip ...)
     episode_stats(batch.samples)                          # episodes.py (turns, tool calls, latency)
 
-No config tree, sockets or models here: the trainer (laminar/trainer/policy.py) wires them.
+No config tree, sockets or models here: the trainer (laminar/trainer/torch_trainer.py) wires them.
 """
-
-from laminar.algo.advantages import (
-    broadcast_to_tokens,
-    compute_advantages,
-    group_index,
-    kl_penalized_rewards,
-)
-from laminar.algo.losses import (
-    LossSettings,
-    aggregate,
-    behaviour_weights,
-    policy_loss,
-    ppo_token_loss,
-)
-from laminar.algo.metrics import StatAccumulator, normalized_ess, staleness_histogram
-
-__all__ = [
-    "compute_advantages",
-    "group_index",
-    "kl_penalized_rewards",
-    "broadcast_to_tokens",
-    "LossSettings",
-    "policy_loss",
-    "ppo_token_loss",
-    "behaviour_weights",
-    "aggregate",
-    "StatAccumulator",
-    "normalized_ess",
-    "staleness_histogram",
-]

@@ -1,7 +1,7 @@
 """Multi-turn episode metrics of one training batch: turns, tool calls, tool errors and
 latency, environment-token fraction, and reward by number of tool calls.
 
-    out.update(episode_stats(batch.samples))     # trainer step (policy.py, sim.py) -> metrics.jsonl
+    out.update(episode_stats(batch.samples))  # the trainer's step (torch or sim) -> metrics.jsonl
 
 Computed over the batch's usable episodes (what the step trains on), next to `reward` and
 `response_len/*`. A single-turn batch (no loss mask, one turn, no tool call anywhere)
@@ -14,7 +14,7 @@ reward bucket nobody fell in) is NaN, which the metrics logger writes as null.
     episode/env_token_frac    environment tokens / response tokens, over the batch
     tool/error_rate           failed calls / calls (timeouts, crashes, bad calls ...)
     tool/cached_frac          calls answered from the tools node's cache (replays, retries)
-    tool/latency_p50, _p99    seconds per call (ToolRecord.seconds), nearest rank
+    tool/latency_p50, _p99    seconds per call (ToolCall.seconds), nearest rank
     reward_by_tool_calls/0, /1, /2+   mean reward of the episodes with that many calls
 """
 
@@ -26,11 +26,21 @@ from typing import Protocol
 
 import numpy as np
 
-from laminar.protocol.data import ToolRecord
-
-__all__ = ["Episode", "episode_stats", "percentile"]
+__all__ = ["Episode", "ToolCall", "episode_stats", "percentile"]
 
 BUCKETS = ("0", "1", "2+")
+
+
+class ToolCall(Protocol):
+    """What the metrics read of one tool call (the wire's ToolRecord has it; algo imports no
+    wire type)."""
+
+    @property
+    def ok(self) -> bool: ...
+    @property
+    def cached(self) -> bool: ...
+    @property
+    def seconds(self) -> float: ...
 
 
 class Episode(Protocol):
@@ -45,7 +55,7 @@ class Episode(Protocol):
     @property
     def turns(self) -> int: ...
     @property
-    def tool_calls(self) -> list[ToolRecord]: ...
+    def tool_calls(self) -> Sequence[ToolCall]: ...
 
 
 def percentile(xs: Sequence[float], q: float) -> float:

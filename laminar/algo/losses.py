@@ -17,7 +17,7 @@ All tensors are [B, T] in the response-token frame (T = padded response position
 With mu == pi_prox, w == 1 and this is standard PPO exactly (tests check it). Without
 decoupling ("bypass") the caller passes prox_logp = behav_logp and is_mode = none.
 The clip only acts where u != 1: in decoupled mode that needs pi_theta to have moved since
-pi_prox was taken, i.e. trainer.minibatches > 1 (laminar/trainer/policy.py); with one
+pi_prox was taken, i.e. trainer.minibatches > 1 (laminar/trainer/torch_trainer.py); with one
 optimizer step per batch u == 1, GSPO's gradient equals PPO's, and w is the only brake.
 
 Aggregation (algorithms.md §2.9) uses *global* denominators passed in by the caller, so

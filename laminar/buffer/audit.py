@@ -333,7 +333,8 @@ def _finite(x: float) -> float | None:
 
 @dataclass(frozen=True)
 class AuditSettings:
-    """What the warning reads of the config (the buffer node and `laminar report` build it)."""
+    """What the warning reads of the config (laminar/wiring/buffer.py `audit_settings` builds it
+    for the buffer node and `laminar fates`)."""
 
     warn_ratio: float
     mode: str

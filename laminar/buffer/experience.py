@@ -134,7 +134,7 @@ class BatchRecord:
 
 
 class ExperienceState:
-    """Built by the buffer node (laminar/buffer/node.py: experience_state), also for offline
+    """Built from StateSettings (laminar/buffer/settings.py) by the buffer node, also for offline
     replays of its journal."""
 
     def __init__(

@@ -13,14 +13,15 @@ partial entry is taken only from the rollout its group was served to (or the man
 the sample on), judged by the authenticated peer, never a body field; rewards, token ids and
 lengths must lie in the configured ranges. What is refused is acked as refused, counted per
 peer and reason (BufferStats.refused) and never stored. A rollout holds at most its share of
-open groups (LaminarConfig.groups_per_rollout).
+open groups (BufferNodeSettings.groups_per_rollout).
 
     PromptServer: retry table, expired leases, admission, capacity, pool. PartialsRequest: the
     manager's recovery (records + unstarted samples). TrajectoryAck: once the record is durable.
     BatchServer: plans whole ready groups. Ledger: each change a typed journal record
     (laminar/buffer/records.py: TrajectoryAccepted, MemberAbandoned, BatchServed, ...).
 
-This module only wires the parts (laminar/buffer/*): each handler hands the decoded
+This module only wires the parts (laminar/buffer/*) from its BufferNodeSettings
+(laminar/buffer/settings.py, built by laminar/wiring/buffer.py): each handler hands the decoded
 request to one part and returns its reply. The parts share one Ledger
 (laminar/buffer/ledger.py): every change of the experience state is a journal record,
 appended then applied by laminar.buffer.experience.ExperienceState, live and at replay
@@ -44,29 +45,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import math
 from collections import Counter
-from pathlib import Path
 
 import msgspec
 
-from laminar.buffer.audit import AuditSettings
 from laminar.buffer.batches import BatchServer
-from laminar.buffer.experience import OPEN, OUTSTANDING, READY, ExperienceState
+from laminar.buffer.experience import OPEN, OUTSTANDING, READY
 from laminar.buffer.health import FateWatch, StallWatch
 from laminar.buffer.intake import Intake
 from laminar.buffer.journal import Journal
 from laminar.buffer.leases import Leases
 from laminar.buffer.ledger import Ledger
-from laminar.buffer.owners import Owners, Refusals, SampleLimits
+from laminar.buffer.owners import Owners, Refusals
 from laminar.buffer.partials import REFUSED, PartialPool, recover
 from laminar.buffer.prompt_server import PromptServer, check_capacity
 from laminar.buffer.prompts import PromptPool, open_pool
 from laminar.buffer.records import SamplesMoved
-from laminar.config import LaminarConfig
-from laminar.modes import Admission
-from laminar.node import Node, socket_max_message_bytes
+from laminar.buffer.settings import BufferNodeSettings
+from laminar.node import Node
 from laminar.protocol.buffer import (
     BatchCommit,
     BatchReply,
@@ -88,81 +85,30 @@ from laminar.protocol.buffer import (
 from laminar.protocol.core import NodeStatus
 from laminar.protocol.data import PartialBatch, PartialChunk, Trajectory
 from laminar.transport.session import Ack, ErrorReply
-from laminar.transport.sockets import Peer
-
-
-def experience_state(cfg: LaminarConfig, admission: Admission | None = None) -> ExperienceState:
-    """The state a buffer of this config keeps (the node; offline replays of its journal)."""
-    bc = cfg.buffer
-    return ExperienceState(
-        group_size=cfg.rollout.group_size,
-        lost_member_policy=bc.lost_member_policy,
-        admission=admission
-        or Admission.for_mode(cfg.mode, cfg.trainer.batch_groups, bc.max_staleness),
-        sampling=bc.sampling,
-        seed=cfg.seed,
-    )
-
-
-def audit_settings(cfg: LaminarConfig) -> AuditSettings:
-    """What the per-length audit's warning reads of the config (the node; `laminar report`)."""
-    bc = cfg.buffer
-    bound = Admission.for_mode(cfg.mode, cfg.trainer.batch_groups, bc.max_staleness).bound
-    return AuditSettings(bc.audit_warn_ratio, cfg.mode, bound, bc.lost_member_policy)
-
-
-def model_vocab(model_path: str | None) -> int | None:
-    """vocab_size from the model's config.json (multimodal: its text_config); None without."""
-    if not model_path:
-        return None
-    try:
-        raw = json.loads((Path(model_path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    for section in (raw, raw.get("text_config") or {}):
-        v = section.get("vocab_size") if isinstance(section, dict) else None
-        if isinstance(v, int) and v > 0:
-            return v
-    return None
-
-
-def sample_limits(cfg: LaminarConfig) -> SampleLimits:
-    """What a rollout's sample must satisfy (blocking: reads the model's config.json).
-
-    Token ids: below the model's vocab_size; a sim engine draws response ids below
-    rollout.sim.vocab_size and, without a model, its prompts are UTF-8 bytes (< 256). A real
-    engine whose model declares no vocab_size: ids are not checked."""
-    vocab = model_vocab(cfg.model.path)
-    if cfg.rollout.engine == "sim":
-        vocab = max(cfg.rollout.sim.vocab_size, vocab or 256)
-    longest = cfg.rollout.sampling.max_tokens
-    if cfg.env.fn is not None:
-        longest = cfg.env.limits.max_total_tokens or longest
-    return SampleLimits(
-        reward_min=cfg.reward.min_value,
-        reward_max=cfg.reward.max_value,
-        vocab=vocab,
-        max_response_tokens=longest,
-    )
+from laminar.transport.sockets import Context, Peer
 
 
 class BufferNode(Node):
     role = "buffer"
 
+    def __init__(self, settings: BufferNodeSettings, ctx: Context | None = None):
+        super().__init__(settings.node, ctx)
+        self.settings = settings
+
     async def setup(self) -> None:
-        cfg, bc = self.cfg, self.cfg.buffer
-        self.admission = Admission.for_mode(cfg.mode, cfg.trainer.batch_groups, bc.max_staleness)
-        self.state = experience_state(cfg, self.admission)
+        s, bc = self.settings, self.settings.buffer
+        self.admission = s.state.admission
+        self.state = s.state.new_state()
         # before anything that awaits: status() reads them
         self.refusals = Refusals(self.metrics, self.log)
-        self.health = StallWatch(bc, cfg.reward.fn, self.state, self.metrics, self.log)
-        self.fates = FateWatch(bc, audit_settings(cfg), self.state)
+        self.health = StallWatch(bc, s.reward_fn, self.state, self.metrics, self.log)
+        self.fates = FateWatch(bc, s.audit, self.state)
         self.journal: Journal | None = None  # set before anything can fail: teardown reads it
-        self.limits = await self.compute(sample_limits, cfg)
-        if self.limits.vocab is None and cfg.model.path:
+        self.limits = s.limits
+        if self.limits.vocab is None and s.model_path:
             self.log.warning(
                 "vocab_unknown",
-                model=cfg.model.path,
+                model=s.model_path,
                 detail="no vocab_size in the model's config.json: token ids are not checked",
             )
         self.owners = Owners(self.state)
@@ -171,14 +117,14 @@ class BufferNode(Node):
             vocab=self.limits.vocab,
             max_response_tokens=self.limits.max_response_tokens,
             # a rollout holds at most the samples the buffer has generating
-            max_entries=cfg.inflight_per_rollout(),
+            max_entries=s.inflight_per_rollout,
         )
-        check_capacity(bc.capacity, cfg.rollout.group_size, cfg.trainer, self.log)
+        check_capacity(bc.capacity, s.group_size, s.trainer, self.log)
         self.pool: PromptPool | None = await self.compute(
-            open_pool, cfg.data, cfg.model.path, self.metrics, self.log
+            open_pool, s.data, s.model_path, self.metrics, self.log
         )
         if bc.journal:
-            path = cfg.resolved_run_dir() / f"buffer-{self.index}.journal"
+            path = s.run_dir / f"buffer-{self.index}.journal"
             self.journal = Journal(path, bc.fsync, bc.fsync_interval_s)
         self.ledger = Ledger(self.state, self.journal, bc.compact_bytes, self.metrics, self.log)
         if self.journal is not None:
@@ -192,14 +138,14 @@ class BufferNode(Node):
         self.leases.seed(self.state.groups)  # replayed open groups: a fresh lease from now
         self.prompts = PromptServer(
             bc,
-            cfg.rollout.group_size,
+            s.group_size,
             admission=self.admission,
             ledger=self.ledger,
             pool=self.pool,
             metrics=self.metrics,
             leases=self.leases,
             log=self.log,
-            per_rollout=cfg.groups_per_rollout(),
+            per_rollout=s.groups_per_rollout,
         )
         self.intake = Intake(
             self.ledger,
@@ -213,9 +159,7 @@ class BufferNode(Node):
         self.batches = BatchServer(
             bc, self.admission, self.ledger, self.pool, self.metrics, self.log
         )
-        self.srv = self.server(
-            cfg.bind_endpoint("buffer"), max_message_bytes=socket_max_message_bytes(cfg, "buffer")
-        )
+        self.srv = self.server(s.endpoint, max_message_bytes=s.max_message_bytes)
         self.srv.on(PromptRequest, self._on_prompts)
         self.srv.on(PartialBatch, self._on_partial_batch)
         self.srv.on(PartialChunk, self._on_chunk)
@@ -237,7 +181,7 @@ class BufferNode(Node):
 
     async def _watch_stall(self) -> None:
         """The stall warning also when arrivals stopped (e.g. the last prompts all dropped)."""
-        every = self.cfg.buffer.stall_warn_after_s / 2
+        every = self.settings.buffer.stall_warn_after_s / 2
         while not self.stopping.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.stopping.wait(), every)
@@ -283,7 +227,7 @@ class BufferNode(Node):
         # written to the OS before the ack (a kill -9 of the buffer keeps it); not awaited
         # durable: a move waits for no fsync. Bounded: only unfinished samples of open groups
         # are kept, at most what the buffer has generating
-        uids = msg.uids[: self.cfg.inflight_per_rollout()]
+        uids = msg.uids[: self.settings.inflight_per_rollout]
         self.ledger.record(SamplesMoved(msg.dest, uids))
         self.metrics.count("samples_placed", len(uids))
         return Ack()
@@ -331,7 +275,7 @@ class BufferNode(Node):
         return self.stats()
 
     def stats(self) -> BufferStats:
-        st, bc = self.state, self.cfg.buffer
+        st, bc = self.state, self.settings.buffer
         states = Counter(g.state for g in st.groups.values())
         prompts = journal = None
         if self.pool is not None:
@@ -348,7 +292,7 @@ class BufferNode(Node):
             j = self.journal
             journal = JournalFigures(path=str(j.path), size=j.size, **j.stats)
         return BufferStats(
-            mode=self.cfg.mode,
+            mode=self.settings.mode,
             bound=self.admission.bound,
             capacity=bc.capacity,
             trainer_version=st.trainer_version,

@@ -8,7 +8,7 @@ Order of the checks (the reply's reason names the first that says no):
   1. a retry of the rollout's last request (same request_id): the same groups again;
   2. no prompt dataset: empty;
   2a. max_groups is capped so the rollout holds at most its share of open groups
-     (buffer.max_groups_per_rollout, LaminarConfig.groups_per_rollout): rollout_full;
+     (buffer.max_groups_per_rollout, laminar/config.py groups_per_rollout()): rollout_full;
   2b. open groups whose lease ran out (laminar/buffer/leases.py), held by another rollout:
      served again to this one, alone in the reply (a journaled GroupsReserved record), when
      admission lets this rollout take work at all;
@@ -82,7 +82,7 @@ class PromptServer:
     ):
         self.capacity = bc.capacity
         self.per_rollout = per_rollout if per_rollout is not None else bc.capacity
-        """Open groups one rollout may hold (LaminarConfig.groups_per_rollout)."""
+        """Open groups one rollout may hold (laminar/config.py groups_per_rollout())."""
         self.retry_after_s = bc.retry_after_s
         self.n = group_size
         self.admission = admission

@@ -12,10 +12,11 @@ the planner may still pull older groups forward (see admission.plan_batch).
 
 from __future__ import annotations
 
-import importlib
 import random
 from collections.abc import Callable
 from typing import Any
+
+from laminar.resolve import resolve_spec
 
 __all__ = ["Sampler", "resolve_sampler", "BUILTIN_SAMPLERS"]
 
@@ -46,12 +47,9 @@ def resolve_sampler(spec: str) -> Callable[[list[Any], random.Random], list[str]
     """The sampler named by the config, wrapped to return group ids with requeued groups first."""
     fn = BUILTIN_SAMPLERS.get(spec)
     if fn is None:
-        mod, sep, name = spec.partition(":")
-        if not sep:
-            raise ValueError(
-                f"buffer.sampling {spec!r}: use fifo | lifo | random | module:function"
-            )
-        fn = getattr(importlib.import_module(mod), name)
+        fn = resolve_spec(
+            spec, "buffer.sampling", "fifo | lifo | random | module:function", ValueError
+        )
 
     def order(groups: list[Any], rng: random.Random) -> list[str]:
         front = sorted((g for g in groups if g.front), key=lambda g: g.ready_seq)

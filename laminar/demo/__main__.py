@@ -190,10 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     )  # the nodes' own logs go to each run's nodes.log
 
     from laminar.demo import results
-    from laminar.demo.evaluate import evaluate_model
     from laminar.demo.habit import habit_share
     from laminar.report import read_metrics
     from laminar.tasks import countup as cu
+    from laminar.tasks.evaluate import evaluate_model
 
     clock = Clock()
     train_path, eval_path, train, ev = prepare_data(run_dir, s, cfg.seed)

@@ -13,7 +13,7 @@ above it:
     correct   "37+8=45<60;45+8=53<60;53+8=61>60;#61"
     habit     "37+8=45<60;45+8=53<60;53+8=61>60;#53"
 
-Why this shape for a demo judged by greedy decoding (evaluate.py, temperature 0):
+Why this shape for a demo judged by greedy decoding (laminar/tasks/evaluate.py, temperature 0):
   * the choice is *local*: after '#' the model copies either the number 6 characters
     back (right) or the one 11 back (habit), and whether the habit applies depends
     on the stride digit 8 characters back. A tiny model learns both copies and the

@@ -57,10 +57,10 @@ def eval_curve(
 ) -> list[dict[str, Any]]:
     """Held-out accuracy at evenly spaced snapshots (all of them when curve_points is 0) on the
     first curve_eval_rows prompts, and at the last one on all rows."""
-    from laminar.demo.evaluate import evaluate_model
     from laminar.demo.habit import habit_share
     from laminar.models.tiny import load_tokenizer
     from laminar.tasks import countup as cu
+    from laminar.tasks.evaluate import evaluate_model
 
     index = read_jsonl(run_dir / "snapshots" / "index.jsonl")
     index = [e for e in index if (run_dir / "snapshots" / f"v{e['version']}.safetensors").exists()]

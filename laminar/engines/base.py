@@ -1,6 +1,6 @@
 """The one engine interface every rollout backend implements (torch, vllm, sim).
 
-    engine = make_engine(cfg.rollout, cfg.model)  # laminar.engines.make_engine
+    engine = make_engine(cfg.rollout, cfg.model)  # laminar.engines.factory.make_engine
     await engine.start()
     engine.submit(GenRequest("g1", prompt_ids, SamplingParams(max_tokens=64), n=4, version=3))
     async for ev in engine.events():            # TokenEvents of every sequence, in step order
@@ -34,15 +34,6 @@ from laminar.weights.digest import weights_digest
 
 _EMPTY_I = np.zeros(0, np.int32)
 _EMPTY_F = np.zeros(0, np.float32)
-
-
-class WeightsRejected(ValueError):
-    """An engine refused a version it was given (it does not fit the model: names, shapes,
-    values). Nothing of it was applied: the engine still serves, and labels its tokens with, its
-    previous version."""
-
-    version: int = -1
-    """The version refused (set by the engine that refused it)."""
 
 
 @dataclass(frozen=True)

@@ -62,13 +62,13 @@ from laminar.engines.base import (
     PartialState,
     SamplingParams,
     TokenEvent,
-    WeightsRejected,
 )
 from laminar.engines.kv_cache import BLOCK_TOKENS, PagedKVCache, StepLayout, use_paged_attention
 from laminar.engines.lean_forward import lean_decoder
 from laminar.engines.sampling import sample, sequence_key, uniform
 from laminar.models.decoder_ops import text_config
 from laminar.models.lora import MergedAdapter
+from laminar.models.rejected import WeightsRejected
 from laminar.supervise import Spawn, detached_spawn
 
 log = logging.getLogger(__name__)

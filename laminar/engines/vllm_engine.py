@@ -68,11 +68,11 @@ from laminar.engines.base import (
     PartialState,
     SamplingParams,
     TokenEvent,
-    WeightsRejected,
 )
 from laminar.engines.lifeline import lifeline_env
 from laminar.engines.vllm_attest import from_wire
 from laminar.engines.vllm_lora import VllmAdapters
+from laminar.models.rejected import WeightsRejected
 from laminar.supervise import Spawn, detached_spawn
 from laminar.weights.digest import records_digest
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from laminar.config import ConfigError, EnvConfig
 from laminar.envs.base import Environment
-from laminar.rewards.runner import resolve_spec
+from laminar.resolve import resolve_spec
 
 
 class EnvSpecError(ConfigError):
@@ -24,7 +24,11 @@ class EnvSpecError(ConfigError):
 
 def _resolve(spec: str) -> Any:
     return resolve_spec(
-        spec, "env.fn", "'package.module:Class' or 'package.module:function'", EnvSpecError
+        spec,
+        "env.fn",
+        "'package.module:Class' or 'package.module:function'",
+        EnvSpecError,
+        what="a class or function",
     )
 
 
@@ -40,8 +44,6 @@ def load_env(cfg: EnvConfig) -> Environment | None:
                 f"env.fn {spec!r} is a class that does not subclass laminar.envs.base.Environment; "
                 "subclass it (reset / step / score)"
             )
-    elif not callable(obj):
-        raise EnvSpecError(f"env.fn {spec!r} is a {type(obj).__name__}, not a class or function")
     try:
         inspect.signature(obj).bind(**cfg.kwargs)
     except TypeError as exc:

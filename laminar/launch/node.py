@@ -48,7 +48,7 @@ def node_main(
         check_inputs(cfg, [role])
     setup_process(cfg)
     prepare_ipc_dir(cfg)
-    from laminar.node import NodeFailed, node_class, run_nodes
+    from laminar.node import NodeFailed, run_nodes
     from laminar.supervise import (
         EXIT_FAILED,
         EXIT_PERMANENT,
@@ -56,15 +56,16 @@ def node_main(
         detached_spawn,
     )
     from laminar.transport.sockets import new_context
+    from laminar.wiring.nodes import build_node, role_modules
 
-    cls = node_class(role)
+    role_modules(role)
     # after the node's own light imports (numpy, zmq): the thread only ever waits on torch's
     prefetch_imports(heavy_imports(cfg, role))
 
     async def amain() -> None:
         # several nodes in one process (emulated scale) share one zmq context: one I/O thread, not N
         ctx = new_context() if count > 1 else None
-        nodes = [cls(cfg, index=i, ctx=ctx) for i in range(index, index + count)]
+        nodes = [build_node(cfg, role, i, ctx=ctx) for i in range(index, index + count)]
         parent = os.environ.get("LAMINAR_PARENT_PID")
         watcher = (
             detached_spawn(_watch_parent(nodes, int(parent)), "watch-parent") if parent else None

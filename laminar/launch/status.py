@@ -34,10 +34,10 @@ a few times until its old incarnation is declared dead; a stranger keeps knockin
 
 
 def fetch_status(cfg: LaminarConfig, timeout: float = 3.0) -> StatusReply:
-    from laminar.node import socket_options
     from laminar.protocol.manager import StatusReply, StatusRequest
     from laminar.transport.client import RpcClient
     from laminar.transport.sockets import TransportError, new_context
+    from laminar.wiring.common import socket_options
 
     async def ask() -> StatusReply:
         ctx = new_context()

@@ -18,7 +18,7 @@ to destinations that had refreshed meanwhile). Each round records how old its vi
 (repack_status_age_s), what it found missing (move_export_missing / move_export_empty) and
 how long exports and imports took (move_export_s / move_place_s).
 
-Claims are bounded (`max_inflight`: LaminarConfig.inflight_per_rollout, the most samples a
+Claims are bounded (`max_inflight`: laminar/config.py inflight_per_rollout(), the most samples a
 rollout can hold since the buffer never has more generating): a status claiming more in flight
 is clamped to it, one listing more trajectories than that, or any count below 0, is left out of
 the round, and KV use is taken within [0, 1]; each such status is counted once per rollout

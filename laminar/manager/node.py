@@ -43,7 +43,8 @@ from typing import Any, TextIO
 from laminar.manager.chain_order import ChainPlanner
 from laminar.manager.moves import Repacker
 from laminar.manager.placement import ORPHAN, Placer
-from laminar.node import Node, socket_max_message_bytes
+from laminar.manager.settings import ManagerNodeSettings
+from laminar.node import Node
 from laminar.protocol.buffer import PartialsReply, PartialsRequest
 from laminar.protocol.core import NodeStatus, RefusalSummary
 from laminar.protocol.manager import NodeEntry, StatusReply, StatusRequest
@@ -51,7 +52,7 @@ from laminar.protocol.relay import ChainInfo, ChainInfoRequest, ChainUpdate
 from laminar.protocol.rollout import RefreshRequest
 from laminar.protocol.trainer import VersionPublished
 from laminar.transport.client import RpcClient
-from laminar.transport.sockets import Peer, RemoteError, TransportError
+from laminar.transport.sockets import Context, Peer, RemoteError, TransportError
 
 _SERVING_ROLES = ("buffer", "relay", "tools")
 """The roles besides the manager that run an RpcServer, so refuse what peers send."""
@@ -61,7 +62,12 @@ class ManagerNode(Node):
     role = "manager"
     registers_with_manager = False
 
+    def __init__(self, settings: ManagerNodeSettings, ctx: Context | None = None):
+        super().__init__(settings.node, ctx)
+        self.settings = settings
+
     async def setup(self) -> None:
+        s = self.settings
         self.trainer_version = -1
         self.expected_digests: dict[int, str] = {}
         """The trainer's digest of each recent version (VersionPublished.digest): attestation."""
@@ -73,43 +79,41 @@ class ManagerNode(Node):
         self.recovery_log: list[dict[str, Any]] = []
         self._timeline: TextIO | None = None
         # opened before anyone can join: no event is missed
-        if self.cfg.manager.timeline_interval_s > 0:
-            path = self.cfg.resolved_run_dir() / "timeline.jsonl"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._timeline = open(path, "a", buffering=1)
+        if s.timeline is not None:
+            s.timeline.parent.mkdir(parents=True, exist_ok=True)
+            self._timeline = open(s.timeline, "a", buffering=1)
             self.on_close(self._timeline.close)
         self.srv = self.server(
-            self.cfg.bind_endpoint("manager"),
-            max_message_bytes=socket_max_message_bytes(self.cfg, "manager"),
+            s.bind,
+            max_message_bytes=s.max_message_bytes,
             on_peer_dead=self._on_dead,
             on_peer_join=self._on_join,
         )
         self.srv.on(StatusRequest, self._on_status)
         self.srv.on(VersionPublished, self._on_version)
-        cfg = self.cfg
-        timeout = cfg.transport.request_timeout_s
+        timeout = s.transport.request_timeout_s
         self._buffer: RpcClient | None = None
         self._buffer_lock = asyncio.Lock()
         self.placer = Placer(
             self.srv,
-            cfg.repack_bound_b(),
+            s.repack_bound_b,
             timeout,
             self.metrics,
             self.log,
             buffer=self._buffer_client,
-            continue_newer=cfg.mode == "partial",
+            continue_newer=s.mode == "partial",
         )
         self.repacker = Repacker(
             self.srv,
             self.placer,
-            cfg.manager.repack,
+            s.manager.repack,
             self.metrics,
             self.log,
-            max_inflight=cfg.inflight_per_rollout(),
+            max_inflight=s.inflight_per_rollout,
         )
         self._relay_clients: dict[int, RpcClient] = {}
         self._chain_lock = asyncio.Lock()
-        self.chain_planner = ChainPlanner(window=self.cfg.relay.window)
+        self.chain_planner = ChainPlanner(window=s.chain_window)
         self._incarnation: dict[str, int] = {}
         """rollout id -> the server's number of the incarnation last seen (rejoin detection)."""
         self._rollouts_seen: set[str] = set()
@@ -118,11 +122,12 @@ class ManagerNode(Node):
 
     async def main(self) -> None:
         self.spawn(self._recovery_loop(), "recovery")
-        if self.cfg.manager.timeline_interval_s > 0:
+        s = self.settings
+        if s.timeline is not None:
             self.spawn(self._timeline_loop(), "timeline")
-        if self.cfg.mode == "laminar" and self.cfg.manager.repack.enabled:
+        if s.mode == "laminar" and s.manager.repack.enabled:
             self.spawn(self._repack_loop(), "repack")
-        if self.cfg.cluster.roles.get("relay", 0) > 2:  # a straggler needs someone behind it
+        if len(s.relays) > 2:  # a straggler needs someone behind it
             self.spawn(self._straggler_loop(), "chain-stragglers")
         await self.stopping.wait()
 
@@ -219,7 +224,9 @@ class ManagerNode(Node):
             pid=os.getpid(),
         )
         return StatusReply(
-            nodes=[me, *self.members()], trainer_version=self.trainer_version, mode=self.cfg.mode
+            nodes=[me, *self.members()],
+            trainer_version=self.trainer_version,
+            mode=self.settings.mode,
         )
 
     async def _on_version(self, peer: Peer, msg: VersionPublished) -> None:
@@ -230,7 +237,7 @@ class ManagerNode(Node):
         if msg.version > self.trainer_version:
             self.trainer_version = msg.version
             self._event("version", version=msg.version, handoff=msg.handoff, stall_s=msg.stall_s)
-            if msg.handoff == "sim" and self.cfg.mode in ("laminar", "partial"):
+            if msg.handoff == "sim" and self.settings.mode in ("laminar", "partial"):
                 # no relay tier carries this version (sim trainer, no relays): say it exists, so the
                 # rollouts pull it when idle as they would from a relay (one-way, best-effort)
                 await self.srv.broadcast(RefreshRequest(min_version=msg.version), role="rollout")
@@ -281,7 +288,7 @@ class ManagerNode(Node):
 
     async def _timeline_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.cfg.manager.timeline_interval_s)  # a sampling timer
+            await asyncio.sleep(self.settings.manager.timeline_interval_s)  # a sampling timer
             for p in self._live("rollout"):
                 s = p.status
                 if s is not None:
@@ -319,17 +326,19 @@ class ManagerNode(Node):
             try:
                 cli = self._relay_clients.get(idx)
                 if cli is None:  # relays serve ChainUpdate on their own ROUTER
-                    cli = self._relay_clients[idx] = self.client(self.cfg.endpoint("relay", idx))
+                    cli = self._relay_clients[idx] = self.client(self.settings.relays[idx])
                 if not cli.connected:
-                    await cli.connect(timeout=self.cfg.transport.handshake_timeout_s)
-                await cli.request(msg, timeout=self.cfg.transport.request_timeout_s, retries=1)
+                    await cli.connect(timeout=self.settings.transport.handshake_timeout_s)
+                await cli.request(msg, timeout=self.settings.transport.request_timeout_s, retries=1)
             except (TransportError, RemoteError) as exc:
                 self.log.warning("chain_update_failed", relay=idx, error=str(exc))
 
     async def _straggler_loop(self) -> None:
         # sample the chain only while a version is moving (some relay reports one incoming)
         while True:
-            await asyncio.sleep(self.cfg.transport.heartbeat_interval_s / 2)  # a sampling timer
+            await asyncio.sleep(
+                self.settings.transport.heartbeat_interval_s / 2
+            )  # a sampling timer
             moving = [
                 p
                 for p in self._live("relay")
@@ -368,7 +377,7 @@ class ManagerNode(Node):
     async def _repack_loop(self) -> None:
         # rounds start every interval_s (a slow round does not stretch the period) and right
         # after each trainer update (repack_now), when draining rollouts are worth freeing most
-        interval = self.cfg.manager.repack.interval_s
+        interval = self.settings.manager.repack.interval_s
         due = time.monotonic() + interval
         while True:
             try:
@@ -402,8 +411,8 @@ class ManagerNode(Node):
     async def _buffer_client(self) -> RpcClient:
         async with self._buffer_lock:  # recovery and placements ask for it concurrently
             if self._buffer is None:
-                self._buffer = self.client(self.cfg.endpoint("buffer"))
-                await self._buffer.connect(timeout=self.cfg.transport.startup_timeout_s)
+                self._buffer = self.client(self.settings.buffer)
+                await self._buffer.connect(timeout=self.settings.transport.startup_timeout_s)
             return self._buffer
 
     async def _recovery_loop(self) -> None:
@@ -424,7 +433,8 @@ class ManagerNode(Node):
         try:
             buf = await self._buffer_client()
             reply = await buf.request(
-                PartialsRequest(rollout_id=rollout_id), timeout=self.cfg.transport.request_timeout_s
+                PartialsRequest(rollout_id=rollout_id),
+                timeout=self.settings.transport.request_timeout_s,
             )
         except (TransportError, RemoteError) as exc:
             self.log.warning("recovery_partials_failed", rollout=rollout_id, error=str(exc))

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from laminar.config import LoraConfig
-from laminar.engines.base import WeightsRejected
+from laminar.models.rejected import WeightsRejected
 
 PREFIX = "base_model.model."
 """What peft puts before a module's name in a saved adapter (PeftModel -> LoraModel -> model)."""

@@ -6,8 +6,9 @@
     laminar plan configs/qwen2.5-7b-vllm.yaml --gpu-mem 80 --gpus-per-node 8 [key=value ...]
 
 Processes, each on its GPU(s):
-- trainer rank: measured (laminar/plan/trainer.py: the real Policy and step on fake tensors under
-  torch's FSDPMemTracker) for the configured FSDP world, micro-batch, precision, checkpointing.
+- trainer rank: measured (laminar/plan/trainer.py: the real TorchTrainer and step on fake
+  tensors under torch's FSDPMemTracker) for the configured FSDP world, micro-batch, precision,
+  checkpointing.
 - evaluator (trainer/evaluation.py): a copy of the model in model.dtype plus a KV cache of
   rollout.max_running x max_model_len, on trainer rank 0's GPU when trainer.eval_device puts it
   there (added to that rank's figure), else not on a GPU.
@@ -143,7 +144,7 @@ def _trainer_advice(cfg: LaminarConfig, mem: TrainerMemory, limit: int) -> tuple
 
 def make_plan(cfg: LaminarConfig, hw: Hardware, config_name: str = "") -> Plan:
     from laminar.plan.trainer import read_shape, trace_trainer
-    from laminar.trainer.node import trainer_settings
+    from laminar.wiring.trainer import trainer_settings
 
     plan = Plan(config=config_name, hardware=hw)
     limit = int(hw.gpu_gib * GIB * hw.limit)

@@ -4,11 +4,11 @@
     mem.peak_bytes, mem.parts  # the peak and what it is made of (params, grads, optimizer, ...)
 
 How: a fake process group of `world` ranks (this process is rank 0), then the trainer's own
-`Policy` (laminar/trainer/policy.py) under torch's FakeTensorMode with a loader that builds the
-model from `shape_dir/config.json` (meta device, then uninitialised fake tensors: no bytes and no
-weights are read). Everything the policy does to it runs for real: FSDP2's sharding with the
-mixed-precision policy, activation checkpointing, AdamW, the micro-batch's forward, the chunked
-log-probabilities, backward and the optimizer step. torch's FSDPMemTracker
+`TorchTrainer` (laminar/trainer/torch_trainer.py) under torch's FakeTensorMode with a loader that
+builds the model from `shape_dir/config.json` (meta device, then uninitialised fake tensors: no
+bytes and no weights are read). Everything the trainer does to it runs for real: FSDP2's sharding
+with the mixed-precision policy, activation checkpointing, AdamW, the micro-batch's forward, the
+chunked log-probabilities, backward and the optimizer step. torch's FSDPMemTracker
 (torch.distributed._tools) counts every tensor's storage on the device through it. The step is
 run twice: the first untracked (AdamW creates its state, FSDP initialises), the second tracked,
 with the parameters, the gradients the first left and the AdamW state already there.
@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from laminar.protocol.data import Trajectory
-from laminar.trainer.engine import TrainerSettings
+from laminar.trainer.protocol import TrainerSettings
 
 GIB = 1 << 30
 
@@ -101,8 +101,8 @@ def _trajectories(rows: int, row: int, response: int, vocab: int) -> list[Trajec
 
 
 def _shape_loader(shape: dict[str, Any], device: str, fake: Any):
-    """A Policy loader: the HF model of `shape` on the meta device, then moved to fake tensors on
-    `device` (uninitialised: nothing is computed or read)."""
+    """A model loader (TrainedModel's `load`): the HF model of `shape` on the meta device, then
+    moved to fake tensors on `device` (uninitialised: nothing is computed or read)."""
 
     def load(_path: str) -> Any:
         import torch
@@ -144,7 +144,7 @@ def _trace(
 
     from laminar.trainer.batch import TrainBatch
     from laminar.trainer.dist import DistContext
-    from laminar.trainer.policy import Policy
+    from laminar.trainer.torch_trainer import TorchTrainer
 
     ctx = DistContext()
     if world > 1:
@@ -154,38 +154,38 @@ def _trace(
         ctx = DistContext(rank=0, world=world, cpu_group=dist.group.WORLD, mesh=mesh)
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     try:
-        policy = Policy(settings, "<shape>", ctx, load=_shape_loader(shape, device, fake))
+        policy = TorchTrainer(settings, "<shape>", ctx, load=_shape_loader(shape, device, fake))
         batch = TrainBatch.build(_trajectories(rows, row, response, int(shape["vocab_size"])))
         idx = list(range(rows))
-        mb = policy.micro_batch(batch, idx)  # collated on the CPU, moved to the (fake) device
+        mb = policy.model.micro_batch(batch, idx)  # collated on the CPU, moved to the (fake) device
         # a GPU trainer computes under bf16 autocast: so does the trace (on the CPU's autocast)
-        policy.autocast = gpu
+        policy.model.autocast = gpu
         with fake:
 
             def step() -> None:
                 policy.optimizer.zero_grad(set_to_none=True)
-                logp, ent = policy.token_logprobs(mb, entropy_grad=True)
-                if policy.ref is not None:
+                logp, ent = policy.model.token_logprobs(mb, entropy_grad=True)
+                if policy.model.ref is not None:
                     with torch.no_grad():
-                        policy.token_logprobs(mb, policy.ref)
+                        policy.model.token_logprobs(mb, policy.model.ref)
                 (logp.sum() + 0.0 * ent.sum()).backward()
-                torch.nn.utils.clip_grad_norm_(policy.model.parameters(), 1.0)
+                torch.nn.utils.clip_grad_norm_(policy.model.module.parameters(), 1.0)
                 policy.optimizer.step()
 
             step()  # untracked: AdamW creates its state, FSDP initialises lazily
             tracker: Any
             if world > 1:
-                tracker = FSDPMemTracker(policy.model, policy.optimizer)
+                tracker = FSDPMemTracker(policy.model.module, policy.optimizer)
                 tracker.track_inputs((mb.input_ids,))
             else:  # one process, no FSDP: the plain tracker
                 tracker = MemTracker()
-                tracker.track_external(policy.model, policy.optimizer)
+                tracker.track_external(policy.model.module, policy.optimizer)
             with tracker:  # the steady state: parameters, gradients and AdamW state exist
                 step()
             snap = tracker.get_tracker_snapshot("peak")
         # a DTensor's numel is its full (global) size
-        params = sum(p.numel() for p in policy.model.parameters())
-        trainable = sum(p.numel() for p in policy.model.parameters() if p.requires_grad)
+        params = sum(p.numel() for p in policy.model.module.parameters())
+        trainable = sum(p.numel() for p in policy.model.module.parameters() if p.requires_grad)
     finally:
         if world > 1:
             dist.destroy_process_group()

@@ -9,7 +9,7 @@ relay k+1 ──FetchChunk──► relay k ──WeightChunk(data frame)──�
 relay ──WeightsReady (PUB)──► local rollouts
 rollout ──PullRequest──► relay ──PullReply(segment + layout)──► rollout ──ReleaseRequest──► relay
 manager ──ChainUpdate──► relay;  relay, trainer, manager, cli ──ChainInfoRequest──► relay
-trainer (GPU) ──CudaIpcHandle──► rollouts on the same host                (laminar/weights/gpu.py)
+trainer (GPU) ──CudaIpcHandle──► rollouts on the same host           (laminar/weights/cuda_ipc.py)
 
 Layouts and checksums: laminar/weights/layout.py; the channel ends: laminar/weights/.
 """

@@ -3,7 +3,8 @@
     trainer ──Stage/Commit (memcpy into /dev/shm)──► master relay            control: relay-k
                                                        │ VersionOffer, FetchChunk/WeightChunk
                                                        ▼                   data:    relay_data-k
-                                         relay 1 ──► relay 2 ──► …         (laminar/relay/chain.py)
+                                         relay 1 ──► relay 2 ──► …         (laminar/relay/fetch.py,
+                                                                            serve.py)
     every relay ──WeightsReady (PUB)──► its rollouts  pub:     relay_pub-k
     rollout ──Pull/Release──► relay  (pins a version; the rollout maps its segment read-only)
 
@@ -21,11 +22,14 @@ send ChainUpdate / tell the trainer). A relay that is not the master answers a
 trainer's StageRequest with NotMaster(master=i) and the pusher follows it, so a
 chain order changed by the manager never strands the trainer on a follower.
 
-Parts: the store (laminar/weights/segment.py) holds the versions; one hop of the chain
-(relay/chain.py): the ChainFollower fetches from upstream and reports ReceivingStarted /
-VersionComplete on its event queue, which `_chain_events` turns into offers downstream and
-WeightsReady for the rollouts, and the ChunkService answers this relay's downstream.
-Layout, checksums and deltas come from laminar/weights/.
+Parts, wired here and never calling back: the store (laminar/weights/segment.py) holds the
+versions; the chain view (relay/view.py: order, epoch, head election); one hop of the chain in
+two halves: the ChainFollower (relay/fetch.py) fetches from upstream into the store and has the
+ChunkService (relay/serve.py) offer the version downstream as it begins to arrive, the
+ChunkService answers the downstream's OfferRequest / FetchChunk on the data socket, and the
+follower's VersionComplete events become WeightsReady for the rollouts (`_chain_events`).
+One hop's call path goes down: node → follower → store / chunk service; the node only turns
+completed versions into WeightsReady. Layout, checksums and deltas come from laminar/weights/.
 
 Run: laminar node --role relay --index 0 --config configs/skeleton.yaml
 """
@@ -38,7 +42,7 @@ import socket
 import time
 
 from laminar.message import ProtocolError
-from laminar.node import Node, socket_max_message_bytes
+from laminar.node import Node
 from laminar.protocol.core import NodeStatus
 from laminar.protocol.relay import (
     ChainInfo,
@@ -59,12 +63,14 @@ from laminar.protocol.relay import (
     ReleaseRequest,
     StageReply,
     StageRequest,
-    VersionOffer,
     WeightsReady,
 )
-from laminar.relay.chain import ChainFollower, ChunkService, ReceivingStarted
+from laminar.relay.fetch import ChainFollower
+from laminar.relay.serve import ChunkService
+from laminar.relay.settings import RelayNodeSettings
+from laminar.relay.view import ChainView
 from laminar.transport.session import Ack, ErrorReply
-from laminar.transport.sockets import Peer, TransportError
+from laminar.transport.sockets import Context, Peer, TransportError
 from laminar.transport.streams import Publisher
 from laminar.weights.delta import DELTA_PIN, delta_base, digest_and_encode, words_for
 from laminar.weights.layout import validate_layout, version_checksum
@@ -76,42 +82,30 @@ DIGEST_BATCH = 8  # chunks hashed per thread hop: keeps the loop responsive, the
 class RelayNode(Node):
     role = "relay"
 
+    def __init__(self, settings: RelayNodeSettings, ctx: Context | None = None):
+        super().__init__(settings.node, ctx)
+        self.settings = settings
+
+    def _endpoint(self, service: str, index: int) -> str:
+        """A relay's endpoint by service (relay | relay_data) and index: what the chain dials."""
+        s = self.settings
+        return (s.controls if service == "relay" else s.data)[index]
+
     async def setup(self) -> None:
-        cfg, rc = self.cfg, self.cfg.relay
+        s, rc = self.settings, self.settings.relay
         self.store = WeightStore(
             rc.shm_dir or default_shm_dir(),
-            f"{rc.shm_prefix}-{cfg.name}-relay{self.index}",
+            s.shm_name,
             spare_slots=rc.spare_slots,
             max_slots=rc.max_slots,
         )
-        self.chain = ChainFollower(
-            rc,
-            n_relays=cfg.cluster.roles.get("relay", 1),
-            endpoint=cfg.endpoint,
-            index=self.index,
-            store=self.store,
-            ctx=self.ctx,
-            opts=self.opts,
-            node_id=self.node_id,
-            log=self.log,
-            metrics=self.metrics,
-            spawn=self.spawn,
-        )
         self._staging: dict[int, tuple[str, VersionState, float]] = {}
         self._tokens = itertools.count(1)
-        self.chunks = ChunkService(
-            self.store,
-            self.node_id,
-            self.metrics,
-            chunk_wait_s=rc.chunk_wait_s,
-            delta=rc.delta,
-            link_bytes_per_s=rc.link_bytes_per_s,
-        )
         self._host = socket.gethostname()
 
         self.srv = self.server(
-            cfg.bind_endpoint("relay", self.index),
-            max_message_bytes=socket_max_message_bytes(cfg, "relay"),
+            s.bind,
+            max_message_bytes=s.max_message_bytes,
             on_peer_dead=self._on_peer_dead,
         )
         for msg_type, handler in (
@@ -127,15 +121,44 @@ class RelayNode(Node):
         ):
             self.srv.on(msg_type, handler)
         self.data = self.server(
-            cfg.bind_endpoint("relay_data", self.index),
-            max_message_bytes=socket_max_message_bytes(cfg, "relay_data"),
+            s.bind_data,
+            max_message_bytes=s.data_max_message_bytes,
         )
-        self.data.on(OfferRequest, self._on_offer_request)
+        self.view = ChainView(
+            rc,
+            n_relays=len(s.controls),
+            index=self.index,
+            endpoint=self._endpoint,
+            log=self.log,
+            metrics=self.metrics,
+        )
+        self.chunks = ChunkService(
+            self.store,
+            self.data,
+            self.node_id,
+            self.metrics,
+            chunk_wait_s=rc.chunk_wait_s,
+            delta=rc.delta,
+            link_bytes_per_s=rc.link_bytes_per_s,
+        )
+        self.follower = ChainFollower(
+            rc,
+            self.view,
+            store=self.store,
+            chunks=self.chunks,
+            ctx=self.ctx,
+            opts=self.opts,
+            node_id=self.node_id,
+            log=self.log,
+            metrics=self.metrics,
+            spawn=self.spawn,
+        )
+        self.data.on(OfferRequest, self.chunks.offer)
         self.data.on(FetchChunk, self.chunks.fetch)
         self.data.on(ChainInfoRequest, self._on_chain_info)
         self.pub = Publisher(
             self.ctx,
-            cfg.bind_endpoint("relay_pub", self.index),
+            s.bind_pub,
             self.node_id,
             self.opts,
             spawn=self.spawn,  # its READY-barrier watcher: a death stops the relay
@@ -146,31 +169,31 @@ class RelayNode(Node):
         await self.pub.start()
 
     async def main(self) -> None:
-        self.spawn(self.chain.run(), "chain")
+        self.spawn(self.follower.run(), "chain")
         self.spawn(self._chain_events(), "chain-events")
-        interval = self.cfg.transport.heartbeat_interval_s
+        interval = self.settings.transport.heartbeat_interval_s
         while True:  # housekeeping: readers that left without releasing, abandoned staging
             await asyncio.sleep(interval * 2)  # a timer
             for peer in {p for c in self.store.pins.values() for p in c}:
                 if peer not in self.srv.peers and peer != DELTA_PIN:
                     self.log.info("reader_gone", peer=peer, released=self.store.unpin_peer(peer))
-            deadline = time.monotonic() - 10 * self.cfg.transport.request_timeout_s
+            deadline = time.monotonic() - 10 * self.settings.transport.request_timeout_s
             for token, (_peer, _vs, t0) in list(self._staging.items()):
                 if t0 < deadline:
                     self._drop_staging(token, "stage timeout")
 
     async def teardown(self) -> None:
-        await self.chain.close()
+        await self.follower.close()
         await self.pub.close()
         self.store.close()
 
     def status(self) -> NodeStatus:
         cur, inc = self.store.current, self.store.newest_incoming()
-        upstream = self.chain.upstream
+        upstream = self.follower.upstream
         relay = RelayStatus(
-            master=self.chain.master,
+            master=self.view.master,
             upstream=-1 if upstream is None else upstream,
-            epoch=self.chain.epoch,
+            epoch=self.view.epoch,
             incoming=inc.version if inc else -1,
             pinned=self.store.pinned(),
         )
@@ -179,16 +202,10 @@ class RelayNode(Node):
         )
 
     # ---- what the chain follower reports ---------------------------------------------------
-    def _offer(self, vs: VersionState) -> VersionOffer:
-        return VersionOffer(version=vs.version, layout=vs.layout, chunk_bytes=vs.chunk_bytes)
-
     async def _chain_events(self) -> None:
         while True:
-            ev = await self.chain.events.get()
-            if isinstance(ev, ReceivingStarted):  # offer it downstream while it still arrives
-                await self.data.broadcast(self._offer(ev.vs), role="relay")
-            else:
-                await self._version_ready(ev.vs)
+            ev = await self.follower.events.get()  # VersionComplete
+            await self._version_ready(ev.vs)
 
     async def _version_ready(self, vs: VersionState) -> None:
         self.log.info(
@@ -219,15 +236,19 @@ class RelayNode(Node):
         for token, (owner, _vs, _t) in list(self._staging.items()):
             if owner == peer.node_id:
                 self._drop_staging(token, "restaged")
-        master = self.chain.named_master()
+        master = self.view.named_master()
         if not msg.takeover and master not in (self.index, -1):
             return NotMaster(master=master)
-        self.chain.become_head(
+        self.follower.become_head(
             f"trainer {peer.node_id} pushes here (takeover={msg.takeover})", catch_up=False
         )
         try:
             vs = await self.store.begin(
-                msg.version, msg.layout, self.cfg.relay.chunk_bytes, source="trainer", staging=True
+                msg.version,
+                msg.layout,
+                self.settings.relay.chunk_bytes,
+                source="trainer",
+                staging=True,
             )
         except OutOfSlots as exc:
             return ErrorReply(code="out_of_slots", message=str(exc))
@@ -269,7 +290,7 @@ class RelayNode(Node):
         vs.staging = False
         self.metrics.count("versions_pushed")
         self.spawn(self._digest_pass(vs), f"digest-v{vs.version}")
-        await self.data.broadcast(self._offer(vs), role="relay")
+        await self.chunks.offer_downstream(vs)
         return CommitReply(version=vs.version, master=self.index)
 
     def _drop_staging(self, token: int, why: str) -> None:
@@ -284,7 +305,7 @@ class RelayNode(Node):
         t0 = time.monotonic()
         cb = vs.chunk_bytes
         base = self.store.current
-        base_v = delta_base(self.cfg.relay.delta, base, vs)
+        base_v = delta_base(self.settings.relay.delta, base, vs)
         words = None
         if base is not None and base_v >= 0:
             vs.delta_base = base_v
@@ -313,11 +334,6 @@ class RelayNode(Node):
         self.metrics.add("digest_s", time.monotonic() - t0)
         await self._version_ready(vs)
 
-    # ---- chunk service (data socket) -------------------------------------------------------
-    async def _on_offer_request(self, peer: Peer, msg: OfferRequest) -> VersionOffer:
-        vs = self.store.newest()
-        return self._offer(vs) if vs is not None else VersionOffer(version=-1)
-
     # ---- readers ---------------------------------------------------------------------------
     async def _on_pull(self, peer: Peer, msg: PullRequest) -> PullReply | ErrorReply:
         vs = self.store.current if msg.version < 0 else self.store.versions.get(msg.version)
@@ -345,7 +361,7 @@ class RelayNode(Node):
         if msg.subscriber:
             try:
                 await self.pub.wait_for(
-                    {msg.subscriber}, timeout=self.cfg.transport.handshake_timeout_s
+                    {msg.subscriber}, timeout=self.settings.transport.handshake_timeout_s
                 )
             except TransportError as exc:
                 return ErrorReply(code="not_subscribed", message=str(exc))
@@ -362,15 +378,15 @@ class RelayNode(Node):
 
     # ---- chain control ---------------------------------------------------------------------
     async def _on_chain_update(self, peer: Peer, msg: ChainUpdate) -> Ack | ErrorReply:
-        if msg.epoch < self.chain.manager_epoch:
+        if msg.epoch < self.view.manager_epoch:
             return ErrorReply(
-                code="stale_epoch", message=f"epoch {msg.epoch} < {self.chain.manager_epoch}"
+                code="stale_epoch", message=f"epoch {msg.epoch} < {self.view.manager_epoch}"
             )
-        self.chain.set_order(msg.epoch, msg.order, msg.data_endpoints, from_manager=True)
+        self.follower.set_order(msg.epoch, msg.order, msg.data_endpoints, from_manager=True)
         return Ack()
 
     async def _on_chain_info(self, peer: Peer, msg: ChainInfoRequest) -> ChainInfo:
-        return self.chain.info()
+        return self.follower.info()
 
     async def _on_reset(self, peer: Peer, msg: RelayReset) -> Ack:
         self.store.reset(keep_spare=msg.keep_spare)

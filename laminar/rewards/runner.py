@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import importlib
 import inspect
 import math
 import numbers
@@ -58,6 +57,7 @@ from typing import Any
 import msgspec
 
 from laminar.config import ConfigError, RewardConfig
+from laminar.resolve import resolve_spec
 from laminar.subprocess_pool import (
     Worker,
     WorkerLost,
@@ -116,35 +116,12 @@ class RewardResult:
 # ---- the function and its return value ------------------------------------------------------
 
 
-def resolve_spec(spec: str, key: str, shape: str, error: type[Exception]) -> Any:
-    """The object `package.module:attr` names (attr may be dotted); `error` names `key` and the
-    fix."""
-    if (
-        not isinstance(spec, str)
-        or spec.count(":") != 1
-        or spec.startswith(":")
-        or spec.endswith(":")
-    ):
-        raise error(f"{key} must look like {shape}, got {spec!r}")
-    mod_name, _, attr = spec.partition(":")
-    try:
-        obj: Any = importlib.import_module(mod_name)
-    except ImportError as exc:
-        raise error(f"{key} {spec!r}: cannot import module {mod_name!r} ({exc})") from None
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise error(f"{key} {spec!r}: module {mod_name!r} has no attribute {attr!r}") from None
-    return obj
-
-
 def load_reward_fn(spec: str) -> Callable[..., Any]:
     """Import `module:function`; raise RewardSpecError naming the fix."""
-    obj = resolve_spec(spec, "reward.fn", "'package.module:function'", RewardSpecError)
-    if not callable(obj):
-        raise RewardSpecError(f"reward.fn {spec!r} is a {type(obj).__name__}, not a function")
-    return obj
+    fn: Callable[..., Any] = resolve_spec(
+        spec, "reward.fn", "'package.module:function'", RewardSpecError
+    )
+    return fn
 
 
 def _number(value: Any, what: str) -> float:

@@ -1,18 +1,21 @@
-"""Black-box agents on a rollout: the user's loop calls this rollout's OpenAI-compatible endpoint.
+"""Black-box agents on a rollout: each episode's lifecycle, and each of its calls as a turn.
 
     feeder ──start_group──► SequenceTable ──on_start(seqs)──► AgentDriver.start: one episode per
                                                               sample, waiting, with a secret token
     [agent worker process] run(row, AsyncOpenAI(base_url=endpoint, api_key=token))
-        │ POST /v1/chat/completions ──► openai_api.py ──► driver.chat(token, body)
-        │                                  messages -> new tokens (mask 0) -> GenRequest(version=
-        │                                  the episode's; mode partial: the engine's, per-token
-        │                                  versions kept) -> engine -> turn_ended -> the reply
+        │ POST /v1/chat/completions ──► openai_api.py ──parse (openai_shapes.py)──►
+        │     driver.turn(token, ChatTurn | TextTurn): messages -> new tokens (mask 0) ->
+        │     GenRequest(version=the episode's; mode partial: the engine's, per-token versions
+        │     kept) -> engine -> turn_ended -> TurnResult ──► openai_shapes.py: the reply
         └─ returns the reward ──► driver: deliver (reward.fn on the transcript when None);
            raises / times out / its worker dies ──► the episode starts again from its prompt
            (under agent.retries; then delivered without a reward)
 
 Built by the rollout node when `agent.fn` (or `agent.remote`) is set; the HTTP layer
-(openai_api.py) and the worker pool are its only callers besides the node's hooks.
+(openai_api.py) and the worker pool are its only callers besides the node's hooks. It knows no
+HTTP: its turns are typed (agent_turns.py), and a call it refuses raises EpisodeUnknown,
+EpisodeMoved (with the rollout it went to) or CallRefused (a Refusal), which openai_shapes.py
+turns into a status and an OpenAI error body.
 
 One version per trajectory: a sample is one episode; its calls all generate at the version it
 started on (the table is non-empty while the episode lives, so the rollout loads no weights
@@ -68,7 +71,6 @@ from typing import Any
 import numpy as np
 import structlog
 
-from laminar.agents import MOVED_TO
 from laminar.agents.render import BadMessages, ChatRenderer, canonical
 from laminar.agents.resume import match_record
 from laminar.config import AgentConfig
@@ -76,44 +78,22 @@ from laminar.engines.base import Engine, SamplingParams
 from laminar.metrics import Metrics
 from laminar.rewards.runner import RewardResult, normalize_reward
 from laminar.rollout.agent_pool import AgentPool, release_shared, shared_pool
+from laminar.rollout.agent_turns import (
+    CallRefused,
+    ChatTurn,
+    EpisodeClaim,
+    EpisodeMoved,
+    EpisodeUnknown,
+    Refusal,
+    Sampling,
+    TextTurn,
+    TurnResult,
+)
 from laminar.rollout.deliver import Deliverer
 from laminar.rollout.sequences import SequenceTable
 from laminar.rollout.tracking import Growable, SeqState
 from laminar.subprocess_pool import WorkerLost, WorkerTimeout
 from laminar.supervise import Spawn
-
-
-class ApiError(Exception):
-    """An HTTP error in the OpenAI error shape: {"error": {message, type, param, code}}."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        code: str,
-        kind: str = "invalid_request_error",
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.code, self.kind = status, message, code, kind
-        self.headers = headers or {}
-        """Extra response headers (a moved episode's `Laminar-Moved-To`)."""
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {"message": self.message, "type": self.kind, "param": None, "code": self.code}
-        }
-
-
-@dataclass
-class CallParams:
-    """One call's sampling knobs, checked (see openai_api.parse_*)."""
-
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: tuple[str, ...] = ()
-    logprobs: bool = False
 
 
 @dataclass
@@ -126,7 +106,7 @@ class AgentEpisode:
     consumed: list[str] | None = None
     """Canonical messages the episode's tokens hold (None: no call yet in this run)."""
     text: str | None = None
-    """/v1/completions: the text the episode's tokens hold (prompt + completions)."""
+    """Text turns: the text the episode's tokens hold (prompt + completions)."""
     tools_key: str = ""
     after_eot: bool = False
     calls: int = 0
@@ -148,7 +128,6 @@ class AgentSettings:
     max_total: int
     """Response tokens per episode (model and agent together)."""
     max_prompt_tokens: int
-    model_name: str
     remote_key: str = ""
     """Secret that claims remote episodes (empty: remote claims refused)."""
     endpoints_dir: str = ""
@@ -434,10 +413,10 @@ class AgentDriver:
         self.deliverer.finished(seq, reason, score)
 
     # ---- remote agents --------------------------------------------------------------------
-    async def claim(self, key: str, wait_s: float) -> dict[str, Any] | None:
+    async def claim(self, key: str, wait_s: float) -> EpisodeClaim | None:
+        """A remote agent takes a waiting episode (None: none within `wait_s`)."""
         if not self.s.remote_key or not secrets.compare_digest(key, self.s.remote_key):
-            self.metrics.count("agent_http_error_invalid_api_key")
-            raise ApiError(401, "not a key that may claim episodes", "invalid_api_key")
+            raise CallRefused(Refusal.BAD_CLAIM_KEY, "not a key that may claim episodes")
         deadline = time.monotonic() + wait_s
         while True:
             try:
@@ -447,25 +426,27 @@ class AgentDriver:
             except TimeoutError:
                 return None
             if self.by_token.get(ep.token) is ep:  # not restarted or finished meanwhile
-                return {
-                    "episode": ep.token,
-                    "row": self._row(ep.seq),
-                    "base_url": self.base_url,
-                    "timeout_s": self.cfg.episode_timeout_s,
-                }
+                return EpisodeClaim(
+                    ep.token, self._row(ep.seq), self.base_url, self.cfg.episode_timeout_s
+                )
 
-    def close_episode(self, token: str, body: Any) -> None:
+    def close_episode(self, token: str, reward: Any, error: str | None) -> None:
+        """A remote (or moved-here) episode's agent ended: with `reward`, or raised `error`."""
         ep = self._episode(token)
         if ep.outcome is None or ep.outcome.done():
-            raise ApiError(409, "this episode is not a remote one, or already closed", "closed")
-        if not isinstance(body, dict):
-            raise ApiError(400, "the body must be a JSON object", "bad_body")
-        if body.get("error"):
-            ep.outcome.set_result((False, ("remote_error", str(body["error"]))))
+            raise CallRefused(
+                Refusal.NOT_CLOSABLE, "this episode is not a remote one, or already closed"
+            )
+        if error is not None:
+            ep.outcome.set_result((False, ("remote_error", error)))
         else:
-            ep.outcome.set_result((True, body.get("reward")))
+            ep.outcome.set_result((True, reward))
 
     # ---- the endpoint's calls -------------------------------------------------------------
+    def authorize(self, token: str) -> None:
+        """Raises EpisodeMoved or EpisodeUnknown unless `token` is a live episode here."""
+        self._episode(token)
+
     def _episode(self, token: str) -> AgentEpisode:
         ep = self.by_token.get(token)
         if ep is None and token in self.moved:
@@ -473,21 +454,22 @@ class AgentDriver:
         if ep is not None:
             ep.touched = True
         if ep is None:
-            raise ApiError(
-                401,
-                "unknown or closed episode: the API key is not a live episode token",
-                "invalid_api_key",
-                "authentication_error",
-            )
+            raise EpisodeUnknown
         return ep
 
-    async def chat(self, token: str, body: dict[str, Any], params: CallParams) -> dict[str, Any]:
+    async def turn(self, token: str, request: ChatTurn | TextTurn) -> TurnResult:
+        """One call of the episode `token` holds: a model turn after the request's new tokens."""
+        if isinstance(request, ChatTurn):
+            return await self._chat(token, request)
+        return await self._text(token, request)
+
+    async def _chat(self, token: str, request: ChatTurn) -> TurnResult:
         ep = self._episode(token)
-        messages, tools = body["messages"], body.get("tools") or None
-        tools_on = bool(tools) and body.get("tool_choice") != "none"
+        messages, tools = request.messages, request.tools
+        tools_on = tools is not None
         try:
             canon = [canonical(m) for m in messages]
-            key = canonical_tools(tools if tools_on else None)
+            key = canonical_tools(tools)
             n = len(ep.consumed) if ep.consumed is not None else -1
             extends = (
                 ep.consumed is not None
@@ -499,15 +481,15 @@ class AgentDriver:
                 new = self.render.delta_ids(messages[n:], ep.after_eot)
                 prompt = None
             else:
-                new, prompt = [], self.render.first_ids(messages, tools if tools_on else None)
+                new, prompt = [], self.render.first_ids(messages, tools)
         except BadMessages as exc:
-            raise ApiError(400, str(exc), "invalid_messages") from None
+            raise CallRefused(Refusal.BAD_MESSAGES, str(exc)) from None
         stops = self.render.stop_strings(tools_on)
         async with self._call(ep, token):
             keep: int | None = None
             if ep.recorded:  # moved here: the call repeats or extends what the tokens hold
                 ep.recorded = False
-                got = self._resume(ep, messages, tools if tools_on else None, tools_on, key)
+                got = self._resume(ep, messages, tools, tools_on, key)
                 if got is None:
                     self.metrics.count("agent_resume_mismatch")
                     self.metrics.count("agent_rewrite_tokens_dropped", ep.seq.length)
@@ -529,31 +511,17 @@ class AgentDriver:
             if prompt is not None:
                 self._new_run(ep, prompt)
                 ep.tools_key = key
-            reason, ids, lps = await self._generate(ep, token, new, params, stops, keep)
+            reason, ids, lps = await self._generate(ep, token, new, request.sampling, stops, keep)
             text = self.render.decode(ids.tolist())
             msg, called = self.render.assistant_message(text, tools_on, ep.seq.uid, ep.seq.turn)
             ep.consumed = canon + [canonical(msg)]
-        finish = "tool_calls" if called else ("length" if reason == "length" else "stop")
-        return {
-            "id": f"chatcmpl-{ep.seq.uid}-{ep.attempt}-{ep.seq.turn}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": self.s.model_name,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": msg,
-                    "finish_reason": finish,
-                    "logprobs": {"content": self._logprobs(ids, lps)} if params.logprobs else None,
-                }
-            ],
-            "usage": self._usage(ep, len(ids)),
-        }
+        return self._result(ep, reason, ids, lps, text, msg, called)
 
-    async def completion(self, token: str, prompt: str, params: CallParams) -> dict[str, Any]:
+    async def _text(self, token: str, request: TextTurn) -> TurnResult:
         ep = self._episode(token)
+        prompt = request.prompt
         async with self._call(ep, token):
-            if ep.recorded:  # moved here: completions are not matched, a new run starts
+            if ep.recorded:  # moved here: text turns are not matched, a new run starts
                 ep.recorded = False
                 self.metrics.count("agent_resume_mismatch")
                 self.metrics.count("agent_rewrite_tokens_dropped", ep.seq.length)
@@ -563,59 +531,55 @@ class AgentDriver:
             else:
                 new = []
                 self._new_run(ep, self.render.bos + self.render.encode(prompt))
-            reason, ids, lps = await self._generate(ep, token, new, params, ())
+            reason, ids, lps = await self._generate(ep, token, new, request.sampling, ())
             text = self.render.decode(ids.tolist())
             ep.text = prompt + text
-        lp = None
-        if params.logprobs:
-            toks = [self.render.token_text(int(i)) for i in ids]
-            lp = {
-                "tokens": toks,
-                "token_logprobs": [float(x) for x in lps],
-                "top_logprobs": None,
-                "text_offset": list(np.cumsum([0] + [len(t) for t in toks[:-1]]).tolist()),
-            }
-        return {
-            "id": f"cmpl-{ep.seq.uid}-{ep.attempt}-{ep.seq.turn}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": self.s.model_name,
-            "choices": [
-                {
-                    "index": 0,
-                    "text": text,
-                    "finish_reason": "length" if reason == "length" else "stop",
-                    "logprobs": lp,
-                }
-            ],
-            "usage": self._usage(ep, len(ids)),
-        }
+        return self._result(ep, reason, ids, lps, text)
+
+    @staticmethod
+    def _result(
+        ep: AgentEpisode,
+        reason: str,
+        ids: np.ndarray,
+        lps: np.ndarray,
+        text: str,
+        message: dict[str, Any] | None = None,
+        tool_called: bool = False,
+    ) -> TurnResult:
+        seq = ep.seq
+        return TurnResult(
+            turn_id=f"{seq.uid}-{ep.attempt}-{seq.turn}",
+            ids=ids,
+            logprobs=lps,
+            text=text,
+            reason=reason,
+            prompt_tokens=len(seq.prompt_ids) + seq.turn_start,
+            message=message,
+            tool_called=tool_called,
+        )
 
     def _call(self, ep: AgentEpisode, token: str) -> _OneCall:
         if ep.busy:
-            raise ApiError(
-                409,
+            raise CallRefused(
+                Refusal.IN_FLIGHT,
                 "a call of this episode is in flight: an episode's calls go one "
                 "at a time (its token sequence is one line)",
-                "call_in_flight",
             )
         if ep.calls >= self.cfg.max_calls:
-            raise ApiError(
-                400,
+            raise CallRefused(
+                Refusal.MAX_CALLS,
                 f"the episode made agent.max_calls ({self.cfg.max_calls}) calls already",
-                "max_calls_exceeded",
             )
         return _OneCall(ep)
 
     def _new_run(self, ep: AgentEpisode, prompt: list[int]) -> None:
         if len(prompt) > self.s.max_prompt_tokens:
             ep.truncated = True
-            raise ApiError(
-                400,
+            raise CallRefused(
+                Refusal.TOO_LONG,
                 f"the conversation is {len(prompt)} tokens; this model's "
                 f"prompts hold at most {self.s.max_prompt_tokens} "
                 "(data.max_prompt_tokens)",
-                "context_length_exceeded",
             )
         seq = ep.seq
         if ep.consumed is not None or ep.text is not None:  # the agent rewrote its history
@@ -631,7 +595,7 @@ class AgentDriver:
         ep: AgentEpisode,
         token: str,
         new: list[int],
-        params: CallParams,
+        params: Sampling,
         stops: tuple[str, ...],
         keep: int | None = None,
     ) -> tuple[str, np.ndarray, np.ndarray]:
@@ -643,12 +607,11 @@ class AgentDriver:
             return self._answered(ep, "stop", keep)
         if seq.length + len(new) >= self.s.max_total:
             ep.truncated = True
-            raise ApiError(
-                400,
+            raise CallRefused(
+                Refusal.TOO_LONG,
                 f"the episode would hold {seq.length + len(new)} response tokens; "
                 f"at most {self.s.max_total} (env.limits.max_total_tokens or "
                 "rollout.sampling.max_tokens)",
-                "context_length_exceeded",
             )
         if not self.table.interrupts and self.engine.version != seq.version:
             # (mode partial: a call runs at the engine's version, its tokens recorded as such)
@@ -688,13 +651,13 @@ class AgentDriver:
         try:
             reason = await asyncio.wait_for(asyncio.shield(ep.pending), max(left, 0.001))
         except TimeoutError:
-            raise ApiError(504, "the episode's time is up", "timeout", "server_error") from None
+            raise CallRefused(Refusal.TIME_UP, "the episode's time is up") from None
         finally:
             ep.pending = None
         if reason == "moved":
             raise self._moved(token)
         if not self._current(ep, token) or reason not in ("stop", "length"):
-            raise ApiError(409, f"the episode ended or started again ({reason})", "episode_closed")
+            raise CallRefused(Refusal.ENDED, f"the episode ended or started again ({reason})")
         # the turn goes to the partial pool before the agent sees it, so a resume elsewhere finds
         # every answer the agent holds (else its repeated call cannot match: a new run, counted)
         await self.deliverer.flush_partials()
@@ -742,37 +705,13 @@ class AgentDriver:
         ep.tools_key, ep.calls, ep.after_eot, seq.turn = key, got.calls, got.after_eot, got.turn
         return got.new, got.keep
 
-    def _moved(self, token: str) -> ApiError:
-        """421 for an exported episode's call; it names the rollout meant to import it, when
-        known (counted: `agent_moved_hinted`)."""
+    def _moved(self, token: str) -> EpisodeMoved:
+        """An exported episode's call; it names the rollout meant to import it, when known
+        (counted: `agent_moved_hinted`)."""
         dest = self.moved[token][1] if token in self.moved else ""
         if dest:
             self.metrics.count("agent_moved_hinted")
-        return ApiError(
-            421,
-            "this episode moved to another rollout: repeat the call on the one that holds it "
-            f"({'likely ' + dest + '; ' if dest else ''}run_dir/agents/endpoints lists them)",
-            "episode_moved",
-            headers={MOVED_TO: dest} if dest else None,
-        )
-
-    def _logprobs(self, ids: np.ndarray, lps: np.ndarray) -> list[dict[str, Any]]:
-        out = []
-        for i, lp in zip(ids.tolist(), lps.tolist(), strict=True):
-            tok = self.render.token_text(i)
-            out.append(
-                {"token": tok, "logprob": lp, "bytes": list(tok.encode()), "top_logprobs": []}
-            )
-        return out
-
-    @staticmethod
-    def _usage(ep: AgentEpisode, completion: int) -> dict[str, int]:
-        prompt = len(ep.seq.prompt_ids) + ep.seq.turn_start
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-        }
+        return EpisodeMoved(dest)
 
 
 class _OneCall:

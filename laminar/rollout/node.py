@@ -59,9 +59,8 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING, Any
 
-from laminar.config import LaminarConfig
 from laminar.engines.base import Engine, SamplingParams
-from laminar.node import NODE_STATUS, Node, socket_max_message_bytes, weights_channel
+from laminar.node import NODE_STATUS, Node
 from laminar.protocol.core import NodeStatus
 from laminar.protocol.data import newest_version
 from laminar.protocol.rollout import (
@@ -78,10 +77,12 @@ from laminar.rollout.deliver import Deliverer
 from laminar.rollout.feeder import PromptFeeder
 from laminar.rollout.outbox import Outbox
 from laminar.rollout.sequences import SequenceTable
+from laminar.rollout.settings import RolloutNodeSettings
 from laminar.rollout.versions import VersionGate
 from laminar.transport.session import ErrorReply
-from laminar.transport.sockets import Peer
-from laminar.weights.channel import WeightSubscriber, open_subscriber
+from laminar.transport.sockets import Context, Peer
+from laminar.weights.channel import WeightSubscriber
+from laminar.weights.factory import open_subscriber
 
 STARTING_ENGINE = "starting_engine"
 """NodeStatus.state (and ErrorReply code) of a rollout whose engine has not started yet."""
@@ -105,18 +106,17 @@ class RolloutNode(Node):
 
     def __init__(
         self,
-        cfg: LaminarConfig,
-        index: int = 0,
-        ctx: Any = None,
-        node_id: str | None = None,
+        settings: RolloutNodeSettings,
+        ctx: Context | None = None,
         engine: Engine | None = None,
         weight_source: WeightSubscriber | None = None,
         env: Environment | None = None,
         tools: ToolClient | None = None,
     ):
-        super().__init__(cfg, index, ctx, node_id)
+        super().__init__(settings.node, ctx)
+        self.settings = settings
         self.engine: Engine | None = engine
-        self.device = cfg.model.device
+        self.device = settings.model.device
         """Where the torch engine runs (cuda: its own GPU, placed in setup)."""
         self.source: WeightSubscriber | None = weight_source
         self.env: Environment | None = env
@@ -148,55 +148,51 @@ class RolloutNode(Node):
 
     # ---- lifecycle --------------------------------------------------------------------
     async def setup(self) -> None:
-        cfg, t = self.cfg, self.cfg.transport
+        s, t = self.settings, self.settings.transport
         # the reward first: a bad reward.fn fails the node at once, with the fix in the message
-        if cfg.rollout.engine != "sim" or cfg.reward.sim == "fn":
+        if s.rollout.engine != "sim" or s.reward.sim == "fn":
             from laminar.rewards.runner import RewardRunner
 
-            self.rewards = RewardRunner.from_config(cfg.reward)
+            self.rewards = RewardRunner.from_config(s.reward)
             await self.rewards.start(self.spawn)
             self.on_close(self.rewards.close)
         # (re)connected: the buffer may have lost the partial records, so each restarts from offset
         # 0
-        self.buffer = self.client(cfg.endpoint("buffer"), on_connect=self._restream_all)
+        self.buffer = self.client(s.buffer, on_connect=self._restream_all)
         await self.buffer.connect(timeout=t.startup_timeout_s)
         self.outbox = Outbox(
             self.buffer,
             self.log,
-            cfg.rollout.outbox_concurrency,
+            s.rollout.outbox_concurrency,
             t.request_timeout_s,
             t.reconnect_backoff_s,
             t.reconnect_backoff_max_s,
         )
         self.device = self._torch_device()
         if self.source is None:
-            channel = dataclasses.replace(weights_channel(self.cfg), device=self.device)
+            channel = dataclasses.replace(s.channel, device=self.device)
             self.source = open_subscriber(channel, self.wiring())
         await self.source.start()
         self.on_close(self.source.close)
-        if cfg.rollout.engine != "sim" and cfg.model.path:
+        if s.rollout.engine != "sim" and s.model.path:
             from laminar.models.prompt_tokenizer import load_prompt_tokenizer
 
             # completions only need decoding; an environment's turns may render the chat template
             self.tokenizer = await asyncio.to_thread(
                 load_prompt_tokenizer,
-                cfg.model.path,
-                chat_template=bool(cfg.env.fn or cfg.agent.fn or cfg.agent.remote),
+                s.model.path,
+                chat_template=bool(s.env.fn or s.agent.fn or s.agent.remote),
             )
-        if self.env is None and cfg.env.fn:
+        if self.env is None and s.env.fn:
             from laminar.envs.loader import load_env
 
-            self.env = load_env(cfg.env)
-        if (
-            self.env is not None
-            and self.tools is None
-            and (cfg.cluster.roles.get("tools", 0) > 0 or "tools" in cfg.cluster.endpoints)
-        ):
+            self.env = load_env(s.env)
+        if self.env is not None and self.tools is None and s.tools is not None:
             from laminar.rollout.tool_client import RemoteToolClient
 
-            tools_rpc = self.client(cfg.endpoint("tools"))
+            tools_rpc = self.client(s.tools)
             await tools_rpc.connect(timeout=t.startup_timeout_s)
-            self.tools = RemoteToolClient(tools_rpc, cfg.tools.call_timeout_s)
+            self.tools = RemoteToolClient(tools_rpc, s.tool_call_timeout_s)
         # the engine starts in the background (vLLM: a minute, off the loop): the node registers
         # meanwhile, beats and reports starting_engine; main() waits for it, under a deadline
         self.engine_started_at = time.monotonic()
@@ -205,19 +201,19 @@ class RolloutNode(Node):
     async def _start_engine(self) -> None:
         """Build and start the engine, then the parts around it; past the deadline the node
         fails."""
-        cfg = self.cfg
-        deadline = cfg.rollout.engine_start_timeout_s
+        ro = self.settings.rollout
+        deadline = ro.engine_start_timeout_s
         try:
             await asyncio.wait_for(self._make_and_start_engine(), deadline)
         except TimeoutError:
             raise EngineStartTimeout(
-                f"{self.node_id}: the {cfg.rollout.engine} engine did not start within "
+                f"{self.node_id}: the {ro.engine} engine did not start within "
                 f"{deadline:g} s (rollout.engine_start_timeout_s; raise it for a big model or a "
                 "slow host)"
             ) from None
         self.log.info(
             "engine_started",
-            engine=cfg.rollout.engine,
+            engine=ro.engine,
             start_s=round(time.monotonic() - self.engine_started_at, 3),
         )
         self._build_parts()
@@ -226,43 +222,32 @@ class RolloutNode(Node):
         self.engine_ready.set()
 
     async def _make_and_start_engine(self) -> None:
-        cfg = self.cfg
+        s = self.settings
         if self.engine is None:
-            from laminar.engines import make_engine
+            from laminar.engines.factory import make_engine
 
             kw: dict[str, Any] = {}
-            if cfg.rollout.engine == "vllm":
+            if s.rollout.engine == "vllm":
                 kw["env"] = self._vllm_env()
             # loading a torch model blocks for seconds: off the loop, so this node keeps beating
-            if cfg.rollout.engine == "torch":
-                model = cfg.model.model_copy(update={"device": self.device})
-                self.engine = await asyncio.to_thread(make_engine, cfg.rollout, model, **kw)
+            if s.rollout.engine == "torch":
+                model = s.model.model_copy(update={"device": self.device})
+                self.engine = await asyncio.to_thread(make_engine, s.rollout, model, **kw)
             else:
-                self.engine = make_engine(cfg.rollout, cfg.model, **kw)
+                self.engine = make_engine(s.rollout, s.model, **kw)
         self.on_close(self.engine.close)  # before start: a start cut short is closed too
         await self.engine.start(self.spawn)
 
-    def _reserved_gpus(self) -> int:
-        """The GPUs of this host kept for the trainer (rollout.trainer_gpus)."""
-        cfg = self.cfg
-        if cfg.rollout.trainer_gpus is not None:
-            return cfg.rollout.trainer_gpus
-        return 1 if cfg.cluster.roles.get("trainer", 0) > 0 else 0
-
     def _torch_device(self) -> str:
         """The torch engine's device: its own GPU by rollout index on cuda (placement.py)."""
-        cfg = self.cfg
-        if (
-            cfg.rollout.engine != "torch"
-            or cfg.model.device != "cuda"
-            or not cfg.rollout.gpu_placement
-        ):
-            return cfg.model.device
+        s = self.settings
+        if s.rollout.engine != "torch" or s.model.device != "cuda" or not s.rollout.gpu_placement:
+            return s.model.device
         from laminar.rollout.placement import host_placement, torch_device
 
-        rollouts = max(1, cfg.cluster.roles.get("rollout", 1))
-        p = host_placement(self.index % rollouts, rollouts, "cuda", 1, self._reserved_gpus())
-        device = torch_device(p, cfg.model.device)
+        rollouts = s.rollouts
+        p = host_placement(self.index % rollouts, rollouts, "cuda", 1, s.reserved_gpus)
+        device = torch_device(p, s.model.device)
         self.log.info("engine_placement", placement=p.describe(), device=device, shared=p.shared)
         if p.shared:
             self.log.warning("engine_placement_shared", placement=p.describe())
@@ -272,12 +257,13 @@ class RolloutNode(Node):
         """The vLLM EngineCore's cores or GPUs (placement), for its environment."""
         from laminar.rollout.placement import Device, host_placement
 
+        s = self.settings
         env: dict[str, str] = {}
-        if self.cfg.rollout.vllm.placement:
-            device: Device = "cuda" if self.cfg.model.device.startswith("cuda") else "cpu"
-            tp = int(self.cfg.rollout.vllm_args.get("tensor_parallel_size", 1))
-            rollouts = max(1, self.cfg.cluster.roles.get("rollout", 1))
-            p = host_placement(self.index % rollouts, rollouts, device, tp, self._reserved_gpus())
+        if s.rollout.vllm.placement:
+            device: Device = "cuda" if s.model.device.startswith("cuda") else "cpu"
+            tp = int(s.rollout.vllm_args.get("tensor_parallel_size", 1))
+            rollouts = s.rollouts
+            p = host_placement(self.index % rollouts, rollouts, device, tp, s.reserved_gpus)
             self.log.info("engine_placement", placement=p.describe(), env=p.env, shared=p.shared)
             if p.shared:
                 self.log.warning("engine_placement_shared", placement=p.describe())
@@ -285,10 +271,10 @@ class RolloutNode(Node):
         return env
 
     def _build_parts(self) -> None:
-        cfg, engine, env = self.cfg, self.engine, self.env
+        s, engine, env = self.settings, self.engine, self.env
         assert engine is not None and self.source is not None
-        params = SamplingParams.from_config(cfg.rollout.sampling)
-        limits = cfg.env.limits
+        params = SamplingParams.from_config(s.rollout.sampling)
+        limits = s.env.limits
         max_total = limits.max_total_tokens or params.max_tokens
         first = params
         if env is not None:
@@ -302,17 +288,17 @@ class RolloutNode(Node):
             metrics=self.metrics,
             log=self.log,
             multi_turn=env is not None or self._has_agents(),
-            interrupts=cfg.mode == "partial",
+            interrupts=s.mode == "partial",
         )
         source = self.source
         self.gate = VersionGate(
             source,
             engine,
             # partial: every rollout takes each version as soon as it is out (a global update)
-            auto_refresh=(cfg.rollout.refresh_when_idle and cfg.mode == "laminar")
-            or cfg.mode == "partial",
-            refill_versions=cfg.rollout.refill_versions if cfg.mode == "laminar" else 0,
-            refresh_wait_s=cfg.rollout.refresh_wait_s,
+            auto_refresh=(s.rollout.refresh_when_idle and s.mode == "laminar")
+            or s.mode == "partial",
+            refill_versions=s.rollout.refill_versions if s.mode == "laminar" else 0,
+            refresh_wait_s=s.rollout.refresh_wait_s,
             notify=(self.status_changed,),
             metrics=self.metrics,
             log=self.log,
@@ -329,8 +315,8 @@ class RolloutNode(Node):
             spawn=self.spawn,
             metrics=self.metrics,
             log=self.log,
-            flush_s=cfg.rollout.partial_flush_s,
-            max_batch_bytes=socket_max_message_bytes(cfg, "buffer") // 2,
+            flush_s=s.rollout.partial_flush_s,
+            max_batch_bytes=s.buffer_max_message_bytes // 2,
         )
         if env is not None:
             from laminar.envs.template import TurnTemplate
@@ -354,8 +340,8 @@ class RolloutNode(Node):
             self._build_agents(params)
         self.feeder = PromptFeeder(
             self.node_id,
-            cfg.rollout,
-            backoff_max_s=self.cfg.transport.reconnect_backoff_max_s,
+            s.rollout,
+            backoff_max_s=s.transport.reconnect_backoff_max_s,
             buffer=self.buffer,
             gate=self.gate,
             table=self.table,
@@ -367,7 +353,7 @@ class RolloutNode(Node):
         )
 
     def _has_agents(self) -> bool:
-        return bool(self.cfg.agent.fn or self.cfg.agent.remote)
+        return bool(self.settings.agent.fn or self.settings.agent.remote)
 
     def _build_agents(self, params: SamplingParams) -> None:
         import os
@@ -376,20 +362,20 @@ class RolloutNode(Node):
         from laminar.rollout.agents import AgentDriver, AgentSettings
         from laminar.rollout.openai_api import OpenAIEndpoint
 
-        cfg, ac = self.cfg, self.cfg.agent
+        s, ac = self.settings, self.settings.agent
         assert self.engine is not None
         settings = AgentSettings(
             ac,
-            max_total=cfg.env.limits.max_total_tokens or params.max_tokens,
-            max_prompt_tokens=cfg.data.max_prompt_tokens,
-            model_name=cfg.model.path or cfg.name,
+            max_total=s.env.limits.max_total_tokens or params.max_tokens,
+            max_prompt_tokens=s.max_prompt_tokens,
             remote_key=os.environ.get(ac.remote_key_env, "") if ac.remote else "",
-            endpoints_dir=str(cfg.resolved_run_dir() / "agents" / "endpoints"),
+            endpoints_dir=str(s.agent_endpoints),
             node_id=self.node_id,
         )
+        renderer = ChatRenderer(self.tokenizer)
         self.agents = AgentDriver(
             settings,
-            renderer=ChatRenderer(self.tokenizer),
+            renderer=renderer,
             params=params,
             engine=self.engine,
             table=self.table,
@@ -401,6 +387,8 @@ class RolloutNode(Node):
         self.table.on_start = self.agents.start
         self.endpoint = OpenAIEndpoint(
             self.agents,
+            model_name=s.model_name,
+            token_text=renderer.token_text,
             host=ac.host,
             port=ac.port + self.index if ac.port else 0,
             metrics=self.metrics,
@@ -442,11 +430,8 @@ class RolloutNode(Node):
             self.spawn(self.feeder.interrupt_on_update(updated), "interrupts")
         if self.episodes is not None:
             self.spawn(self.episodes.watch(), "episode-clock")
-        if (
-            self.cfg.rollout.status_push
-            and self.cfg.mode == "laminar"
-            and self.cfg.manager.repack.enabled
-        ):
+        s = self.settings
+        if s.rollout.status_push and s.mode == "laminar" and s.repack:
             self.spawn(self._status_push(), "status-push")  # only repack plans from a fresh view
         await self.feeder.run()
         await asyncio.Event().wait()  # stopping: drain() runs while main is still alive
@@ -455,7 +440,7 @@ class RolloutNode(Node):
         if not self.engine_ready.is_set():
             return  # stopped while the engine was starting: nothing was taken yet
         self.feeder.stop()
-        budget = self.cfg.transport.stop_timeout_s * 0.9
+        budget = self.settings.transport.stop_timeout_s * 0.9
         deadline = time.monotonic() + budget
         await self.table.wait_empty(budget / 2)
         if (
@@ -472,7 +457,7 @@ class RolloutNode(Node):
             flushed=ok,
             trajectories=self.deliverer.finished_count,
         )
-        if self.cfg.rollout.engine == "vllm" and self.engine is not None:
+        if self.settings.rollout.engine == "vllm" and self.engine is not None:
             # vLLM's shutdown takes seconds (EngineCore, worker): here, while the node still beats,
             # not in teardown after the heartbeats stopped (peers would call this node dead)
             await self.engine.close()
@@ -480,9 +465,10 @@ class RolloutNode(Node):
     def status(self) -> NodeStatus:
         if not self.engine_ready.is_set():
             waited = time.monotonic() - self.engine_started_at if self.engine_started_at else 0.0
-            deadline = self.cfg.rollout.engine_start_timeout_s
+            ro = self.settings.rollout
+            deadline = ro.engine_start_timeout_s
             note = (
-                f"starting_engine: {self.cfg.rollout.engine} engine starting for {waited:.0f} s "
+                f"starting_engine: {ro.engine} engine starting for {waited:.0f} s "
                 f"(deadline {deadline:g} s)"
             )
             return NodeStatus(
@@ -527,7 +513,7 @@ class RolloutNode(Node):
     async def _attest(self) -> None:
         """Compare the served digest with the trainer's, as the manager's heartbeats carry it
         (laminar/rollout/versions.py: a mismatch quarantines and reloads)."""
-        every = self.cfg.transport.heartbeat_interval_s
+        every = self.settings.transport.heartbeat_interval_s
         while True:
             assert self.manager is not None
             status = NODE_STATUS.unpack(self.manager.server_status)
@@ -543,7 +529,7 @@ class RolloutNode(Node):
         """Engine events: tokens into the table; finished ones to the deliverer; chunks to
         stream."""
         assert self.engine is not None
-        chunk = self.cfg.rollout.partial_chunk_tokens
+        chunk = self.settings.rollout.partial_chunk_tokens
         async for ev in self.engine.events():
             seq = self.table.on_event(ev)
             if seq is None:
@@ -570,7 +556,7 @@ class RolloutNode(Node):
         onto rollouts that have refilled or refreshed meanwhile. At most one push per
         status_push_min_s; changes in between go out together. Best effort: the beat timer still
         carries it."""
-        gap = self.cfg.rollout.status_push_min_s
+        gap = self.settings.rollout.status_push_min_s
         while True:
             await self.status_changed.wait()
             self.status_changed.clear()

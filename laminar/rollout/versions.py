@@ -39,10 +39,10 @@ from collections.abc import Sequence
 
 import structlog
 
-from laminar.engines.base import Engine, WeightsRejected
+from laminar.engines.base import Engine
 from laminar.metrics import Metrics
-from laminar.weights.channel import WeightSubscriber
-from laminar.weights.relay_client import WeightsUnavailable
+from laminar.models.rejected import WeightsRejected
+from laminar.weights.channel import WeightSubscriber, WeightsUnavailable
 
 
 class VersionGate:

@@ -25,18 +25,18 @@ Run: laminar node --role tools --config configs/tool_demo.yaml   (cluster.roles.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any
 
 from laminar.envs.base import ToolResult
-from laminar.node import Node, socket_max_message_bytes
+from laminar.node import Node
 from laminar.protocol.core import NodeStatus
 from laminar.protocol.tools import ToolCallReply, ToolCallRequest, ToolStatsReply, ToolStatsRequest
 from laminar.tools.cache import ToolCache
 from laminar.tools.registry import Registry
 from laminar.tools.sandbox import SandboxPool
+from laminar.tools.settings import ToolsNodeSettings
 from laminar.transport.session import ErrorReply
-from laminar.transport.sockets import Peer
+from laminar.transport.sockets import Context, Peer
 
 MAX_CALL_ID = 512
 
@@ -57,14 +57,16 @@ def reply_of(res: ToolResult) -> ToolCallReply:
 class ToolsNode(Node):
     role = "tools"
 
+    def __init__(self, settings: ToolsNodeSettings, ctx: Context | None = None):
+        super().__init__(settings.node, ctx)
+        self.settings = settings
+
     async def setup(self) -> None:
-        tc = self.cfg.tools
+        s = self.settings
+        tc = s.tools
         self.bad_requests = 0
         self.registry = Registry.from_entries(tc.tools)
-        path: Path | None = None
-        if tc.journal:
-            path = self.cfg.resolved_run_dir() / "tools" / f"tools-{self.index}.journal"
-        self.cache = ToolCache(path)
+        self.cache = ToolCache(s.journal)
         loaded = await self.compute(self.cache.load)
         self.pool = SandboxPool(tc, self.registry, self.spawn)
         await self.pool.start()
@@ -76,10 +78,7 @@ class ToolsNode(Node):
             network=self.pool.network,
             journaled_results=loaded,
         )
-        self.srv = self.server(
-            self.cfg.bind_endpoint("tools", self.index),
-            max_message_bytes=socket_max_message_bytes(self.cfg, "tools"),
-        )
+        self.srv = self.server(s.bind, max_message_bytes=s.max_message_bytes)
         self.srv.on(ToolCallRequest, self._on_call)
         self.srv.on(ToolStatsRequest, self._on_stats)
         await self.srv.start()

@@ -17,13 +17,13 @@ run twice, not even across a tools-node crash).
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from laminar.resolve import resolve_spec
 from laminar.tools.builtin import BUILTINS
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -130,16 +130,8 @@ def load_tool(entry: str) -> Tool:
             f"tools.tools entry {entry!r}: not a built-in ({', '.join(BUILTINS)}) "
             "and not module:function"
         )
-    module_name, _, attr = entry.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:
-        raise ToolLoadError(
-            f"tools.tools entry {entry!r}: cannot import {module_name}: {type(exc).__name__}: {exc}"
-        ) from exc
-    fn: Any = getattr(module, attr, None)
-    if not callable(fn):
-        raise ToolLoadError(f"tools.tools entry {entry!r}: {module_name} has no function {attr}")
+    fn = resolve_spec(entry, "tools.tools entry", "'package.module:function'", ToolLoadError)
+    attr = entry.partition(":")[2]
     meta = getattr(fn, "__laminar_tool__", {})
     return Tool.from_function(
         attr, fn, bool(meta.get("side_effects", True)), str(meta.get("description", ""))

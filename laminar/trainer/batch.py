@@ -1,12 +1,9 @@
-"""From buffer trajectories to padded micro-batches.
+"""From buffer trajectories to the trainer's batch of validated samples.
 
     list[Trajectory] ──TrainBatch.build (validate, count drops)──► samples + rewards + groups
-        ──pack_micro_batches(lengths, micro_batch_tokens)──► index lists (longest first)
-        ──collate──► MicroBatch: input_ids/attention_mask [b, L] (right-padded),
-                     targets/resp_mask/behav_logp [b, L-1] in the next-token frame
+        ──trainer/packing.py──► index lists of micro-batches
+        ──trainer/micro_batch.py collate──► MicroBatch tensors (the next-token frame)
 
-Next-token frame: logits at position j predict token j+1, so response token k of a
-sample with P prompt tokens (input position P+k) sits at frame position P+k-1.
 A trajectory that cannot be trained on (no reward, logprobs not matching the
 response, empty, too long, token ids outside the vocabulary) is dropped and
 counted by reason, never raised: bad data must not stop the trainer.
@@ -20,27 +17,23 @@ released at all). A group that drops leave with ONE member is dropped whole (cou
 denominator, diluting every other sample's weight. A group that arrives with one member
 (group_size 1, or a partial group the buffer released) is kept as it is.
 
-Multi-turn: input_ids are exactly prompt_ids + response_ids as the rollout delivered them
-(the sampled ids and the environment's ids, in order; nothing is re-encoded here), and
-resp_mask is the response frame times the trajectory's loss mask, so an environment token
-is never a target of the loss (zero gradient) and every count the loss divides by
-(TrainBatch.n_tokens, the per-sequence |y_i|) counts model tokens only.
+Multi-turn: a sample's prompt_ids + response_ids are exactly the ids the rollout delivered
+(the sampled ids and the environment's ids, in order; nothing is re-encoded here) and its loss
+mask marks the environment's: collate (trainer/micro_batch.py) makes them no target of the loss,
+and every count the loss divides by (TrainBatch.n_tokens, the per-sequence |y_i|,
+Sample.n_model) counts model tokens only.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from laminar.algo.advantages import group_index
 from laminar.protocol.data import ToolRecord, Trajectory
-
-if TYPE_CHECKING:
-    from laminar.trainer.packed import PackedLayout
 
 
 @dataclass
@@ -165,84 +158,6 @@ def _reject_reason(t: Trajectory, vocab_size: int | None, max_len: int | None) -
         if lo < 0 or hi >= vocab_size:
             return "bad_token_id"
     return ""
-
-
-def pack_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
-    """Group sample indices so that (longest length in group) x (group size) <= token_budget.
-
-    Longest first, greedy: padding waste stays small because neighbours have similar
-    lengths. A sample longer than the budget gets a micro-batch of its own. Deterministic.
-    """
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    out: list[list[int]] = []
-    cur: list[int] = []
-    for i in order:
-        if cur and lengths[cur[0]] * (len(cur) + 1) > token_budget:
-            out.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        out.append(cur)
-    return out
-
-
-@dataclass
-class MicroBatch:
-    index: torch.Tensor
-    """[b] positions of these samples in the TrainBatch."""
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    targets: torch.Tensor
-    resp_mask: torch.Tensor
-    behav_logp: torch.Tensor
-    resp_index: torch.Tensor
-    """[N] flat positions of resp_mask's True entries in [b * (L-1)], row-major: the positions
-    whose log-probabilities are computed (no data-dependent shapes on the device)."""
-    layout: PackedLayout | None = None
-    """The same samples for the packed forward (trainer/packed.py), when it runs."""
-
-    def to(self, device: str | torch.device) -> MicroBatch:
-        dev = torch.device(device)
-        return MicroBatch(
-            self.index.to(dev),
-            self.input_ids.to(dev),
-            self.attention_mask.to(dev),
-            self.targets.to(dev),
-            self.resp_mask.to(dev),
-            self.behav_logp.to(dev),
-            self.resp_index.to(dev),
-            None if self.layout is None else self.layout.to(dev),
-        )
-
-    @property
-    def n_tokens(self) -> int:
-        return int(self.resp_mask.sum())
-
-
-def collate(batch: TrainBatch, index: list[int], pad_id: int = 0) -> MicroBatch:
-    rows = [batch.samples[i] for i in index]
-    L = max(s.length for s in rows)
-    b = len(rows)
-    ids = torch.full((b, L), pad_id, dtype=torch.long)
-    att = torch.zeros((b, L), dtype=torch.long)
-    resp = torch.zeros((b, L - 1), dtype=torch.bool)
-    behav = torch.zeros((b, L - 1), dtype=torch.float32)
-    for r, s in enumerate(rows):
-        p, n = len(s.prompt_ids), len(s.response_ids)
-        ids[r, :p] = torch.from_numpy(s.prompt_ids)
-        ids[r, p : p + n] = torch.from_numpy(s.response_ids)
-        att[r, : p + n] = 1
-        resp[r, p - 1 : p - 1 + n] = True if s.loss_mask is None else torch.from_numpy(s.loss_mask)
-        behav[r, p - 1 : p - 1 + n] = torch.from_numpy(s.behav_logp)
-    return MicroBatch(
-        torch.tensor(index, dtype=torch.long),
-        ids,
-        att,
-        ids[:, 1:].clone(),
-        resp,
-        behav,
-        resp.flatten().nonzero().squeeze(1),
-    )
 
 
 def token_staleness(version: int, samples: list[Sample]) -> dict[str, float]:

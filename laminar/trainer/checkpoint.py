@@ -24,6 +24,10 @@ The consumption frontier (see laminar/trainer/commits.py) records which
 buffer batches the saved weights contain: the last committed batch, and in
 commit=checkpoint mode the batches not yet committed, which a restarted trainer
 commits before asking for new data.
+
+What a save reads of the torch trainer, and a restore fills, is the small `Checkpointable`
+protocol below (its TrainedModel, AdamW, the lr schedule): this module never imports the trainer.
+The sim trainer writes its counters and frontier with `write_checkpoint` directly.
 """
 
 from __future__ import annotations
@@ -32,21 +36,22 @@ import json
 import os
 import random
 import shutil
-import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
+
+from laminar.trainer.protocol import PendingSave
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint import StorageWriter
 
     from laminar.config import LoraConfig
-    from laminar.trainer.policy import Policy
+    from laminar.trainer.dist import DistContext
+    from laminar.trainer.model import TrainedModel
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5")
 _SKIP_FILES = {
@@ -216,68 +221,44 @@ def remove_partial(run_dir: str | os.PathLike) -> int:
     return n
 
 
-def sharded(policy: Policy) -> bool:
-    """Does this policy write sharded checkpoints (trainer.checkpoint_format)?"""
-    fmt = policy.tc.checkpoint_format
-    return fmt == "sharded" or (fmt == "auto" and policy.ctx.enabled)
+class Checkpointable(Protocol):
+    """What a checkpoint writes and restores of a torch trainer (laminar/trainer/torch_trainer.py):
+    its model, AdamW and the lr schedule, live. `checkpoint_group`: the process group of async
+    sharded saves, made by the first one (None until then, or in one process)."""
+
+    @property
+    def model(self) -> TrainedModel: ...
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer: ...
+
+    @property
+    def scheduler(self) -> torch.optim.lr_scheduler.LRScheduler: ...
+
+    checkpoint_group: Any
 
 
-def _all_agree(policy: Policy, flag: bool) -> bool:
+def sharded(fmt: str, ctx: DistContext) -> bool:
+    """Are checkpoints sharded under trainer.checkpoint_format `fmt` on these ranks?"""
+    return fmt == "sharded" or (fmt == "auto" and ctx.enabled)
+
+
+def _all_agree(ctx: DistContext, flag: bool) -> bool:
     """Rank 0's `flag` on every rank."""
-    if not policy.ctx.enabled:
+    if not ctx.enabled:
         return flag
     import torch.distributed as dist
 
     box = [flag]
-    dist.broadcast_object_list(box, src=0, group=policy.ctx.cpu_group)
+    dist.broadcast_object_list(box, src=0, group=ctx.cpu_group)
     return bool(box[0])
 
 
-def _barrier(policy: Policy) -> None:
-    if policy.ctx.enabled:
+def _barrier(ctx: DistContext) -> None:
+    if ctx.enabled:
         import torch.distributed as dist
 
-        dist.barrier(group=policy.ctx.cpu_group)
-
-
-class PendingSave:
-    """A checkpoint on its way to disk. `wait()` (any thread; idempotent) blocks until every
-    rank's shards are durable, then, on rank 0, writes the small files and meta.json and renames
-    the directory into place: only then is it a checkpoint `latest_checkpoint` finds, so a crash
-    before that resumes from the previous one. Returns the path on rank 0, None elsewhere."""
-
-    def __init__(
-        self,
-        step: int,
-        upload: Future[Any] | None = None,
-        finish: Callable[[], Path | None] | None = None,
-        path: Path | None = None,
-    ):
-        self.step = step
-        self.waited_s = 0.0
-        """Seconds the save that made this one waited for the one before it (trainer time)."""
-        self._upload, self._finish, self._path = upload, finish, path
-        self._lock = threading.Lock()
-        self._done = upload is None and finish is None
-
-    @classmethod
-    def completed(cls, step: int, path: Path | None) -> PendingSave:
-        return cls(step, path=path)
-
-    def done(self) -> bool:
-        """Landed (wait() returns at once), or its shards are written and only rank 0's small
-        files remain."""
-        return self._done or (self._upload is not None and self._upload.done())
-
-    def wait(self) -> Path | None:
-        with self._lock:
-            if not self._done:
-                if self._upload is not None:
-                    self._upload.result()  # raises what the writer raised: no meta.json then
-                if self._finish is not None:
-                    self._path = self._finish()
-                self._done = True
-            return self._path
+        dist.barrier(group=ctx.cpu_group)
 
 
 def storage_writer(path: str) -> StorageWriter:
@@ -288,7 +269,7 @@ def storage_writer(path: str) -> StorageWriter:
 
 
 def save_sharded(
-    policy: Policy,
+    trainer: Checkpointable,
     run_dir: str | os.PathLike,
     step: int,
     meta: dict[str, Any],
@@ -302,56 +283,57 @@ def save_sharded(
 
     asynchronous: returns once the state is staged (copied to host memory: training may change
     the weights from then on) and the shards are written by DCP's `async_save` on a thread, over
-    `policy.checkpoint_group` (its own gloo group, so its collectives never interleave with the
+    `trainer.checkpoint_group` (its own gloo group, so its collectives never interleave with the
     training step's); the returned PendingSave lands it. Everything rank 0 writes besides the
     shards (scheduler, RNG, meta with the consumption frontier) is taken now, at staging time."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    model, ctx = trainer.model, trainer.model.ctx
     root = checkpoint_root(run_dir)
     final = root / f"step_{step:08d}"
-    if _all_agree(policy, policy.ctx.is_main and (final / "meta.json").is_file()):
-        return PendingSave.completed(step, final if policy.ctx.is_main else None)
+    if _all_agree(ctx, ctx.is_main and (final / "meta.json").is_file()):
+        return PendingSave.completed(step, final if ctx.is_main else None)
     tmp = root / f".tmp-step_{step:08d}"  # one name every rank knows (one trainer per run_dir)
-    if policy.ctx.is_main:
+    if ctx.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    _barrier(policy)
-    model_sd, optim_sd = get_state_dict(policy.model, policy.optimizer)
-    state = {"scheduler": policy.scheduler.state_dict(), "rng": rng_state()}
+    _barrier(ctx)
+    model_sd, optim_sd = get_state_dict(model.module, trainer.optimizer)
+    state = {"scheduler": trainer.scheduler.state_dict(), "rng": rng_state()}
     meta = {**meta, "step": step}
     sd = {"model": model_sd, "optim": optim_sd}
     writer = storage_writer(str(tmp / "dcp"))
     upload: Future[Any] | None = None
-    if asynchronous and policy.ctx.enabled and policy.checkpoint_group is None:
+    if asynchronous and ctx.enabled and trainer.checkpoint_group is None:
         import torch.distributed as dist
 
-        policy.checkpoint_group = dist.new_group(backend="gloo")  # every rank, here, in order
+        trainer.checkpoint_group = dist.new_group(backend="gloo")  # every rank, here, in order
     if asynchronous:
-        saved = dcp.async_save(sd, storage_writer=writer, process_group=policy.checkpoint_group)
+        saved = dcp.async_save(sd, storage_writer=writer, process_group=trainer.checkpoint_group)
         assert isinstance(saved, Future)  # the default stager stages before returning
         upload = saved
     else:
         dcp.save(sd, storage_writer=writer)
 
     def finish() -> Path | None:
-        if not policy.ctx.is_main:
+        if not ctx.is_main:
             return None
-        _finish_sharded(policy, tmp, final, state, meta, tokenizer_src)
+        _finish_sharded(model, tmp, final, state, meta, tokenizer_src)
         for old in list_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
         return final
 
     pending = PendingSave(step, upload, finish)
     if not asynchronous:
-        _barrier(policy)  # every rank's shards are on disk
+        _barrier(ctx)  # every rank's shards are on disk
         pending.wait()
-        _barrier(policy)
+        _barrier(ctx)
     return pending
 
 
 def _finish_sharded(
-    policy: Policy,
+    model: TrainedModel,
     tmp: Path,
     final: Path,
     state: dict[str, Any],
@@ -361,11 +343,11 @@ def _finish_sharded(
     """Rank 0, once every rank's shards are durable: the small files, meta.json last, rename."""
     torch.save(state, tmp / "trainer_state.pt")
     (tmp / "hf_config").mkdir()
-    config = Path(policy.model_path) / "config.json"
+    config = Path(model.model_path) / "config.json"
     if config.is_file():
         shutil.copy2(config, tmp / "hf_config" / "config.json")
     else:  # the model object knows its config
-        policy.model.config.to_json_file(str(tmp / "hf_config" / "config.json"))
+        model.module.config.to_json_file(str(tmp / "hf_config" / "config.json"))
     copy_tokenizer_files(tokenizer_src, tmp / "hf_config")
     (tmp / "meta.json").write_text(json.dumps({**meta, "saved_at": time.time()}, indent=1))
     _fsync_tree(tmp)
@@ -374,11 +356,12 @@ def _finish_sharded(
     _fsync_dir(final.parent)
 
 
-def load_sharded(policy: Policy, path: Path) -> dict[str, Any]:
+def load_sharded(trainer: Checkpointable, path: Path) -> dict[str, Any]:
     """Each rank reads its own shards of path/dcp into its model, then its optimizer (collective).
-    The weights first: a model built empty (Policy(empty=True)) holds its share from then on, and
-    AdamW's state is created only after."""
-    read_sharded_weights(policy, path)
+    The weights first: a model built empty (TrainedModel(empty=True)) holds its share from then
+    on, and AdamW's state is created only after."""
+    module = trainer.model.module
+    read_sharded_weights(module, path)
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         get_optimizer_state_dict,
@@ -386,24 +369,24 @@ def load_sharded(policy: Policy, path: Path) -> dict[str, Any]:
     )
 
     # creates AdamW's state first, so every entry has a tensor to load into
-    optim_sd = get_optimizer_state_dict(policy.model, policy.optimizer)
+    optim_sd = get_optimizer_state_dict(module, trainer.optimizer)
     dcp.load({"optim": optim_sd}, checkpoint_id=str(path / "dcp"))
-    set_optimizer_state_dict(policy.model, policy.optimizer, optim_state_dict=optim_sd)
+    set_optimizer_state_dict(module, trainer.optimizer, optim_state_dict=optim_sd)
     meta = json.loads((path / "meta.json").read_text())
     state = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=True)
-    policy.scheduler.load_state_dict(state["scheduler"])
+    trainer.scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"])
     return meta
 
 
-def read_sharded_weights(policy: Policy, path: Path) -> None:
-    """Each rank reads its own shards of the weights in path/dcp into its model (collective)."""
+def read_sharded_weights(module: torch.nn.Module, path: Path) -> None:
+    """Each rank reads its own shards of the weights in path/dcp into `module` (collective)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-    model_sd = get_model_state_dict(policy.model)
+    model_sd = get_model_state_dict(module)
     dcp.load({"model": model_sd}, checkpoint_id=str(path / "dcp"))
-    set_model_state_dict(policy.model, model_sd)
+    set_model_state_dict(module, model_sd)
 
 
 def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike) -> Path:
@@ -440,8 +423,8 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike) -> Path:
     return dst
 
 
-def save_policy(
-    policy: Policy,
+def save_trainer(
+    trainer: Checkpointable,
     run_dir: str | os.PathLike,
     step: int,
     meta: dict[str, Any],
@@ -452,25 +435,26 @@ def save_policy(
     """Write a checkpoint (collective on every rank): with LoRA the adapters (fp32, gathered:
     they are small) instead of the model; else sharded (`asynchronous`: see save_sharded), or
     gathered and written by rank 0 (trainer.checkpoint_format)."""
+    model = trainer.model
     adapter = None
-    if policy.lora is not None:
+    if model.lora is not None:
         model_sd = None
-        adapter = (policy.lora, policy.export_weights("float32"), policy.settings.model.path)
-    elif sharded(policy):
-        return save_sharded(policy, run_dir, step, meta, tokenizer_src, keep, asynchronous)
+        adapter = (model.lora, model.export_weights("float32"), model.settings.model.path)
+    elif sharded(model.settings.trainer.checkpoint_format, model.ctx):
+        return save_sharded(trainer, run_dir, step, meta, tokenizer_src, keep, asynchronous)
     else:
-        model_sd = policy.full_state_dict()
+        model_sd = model.full_state_dict()
     state = {
-        "optimizer": policy.optimizer_state(),
-        "scheduler": policy.scheduler.state_dict(),
+        "optimizer": optimizer_state(model.module, trainer.optimizer),
+        "scheduler": trainer.scheduler.state_dict(),
         "rng": rng_state(),
     }
-    if not policy.ctx.is_main:
+    if not model.ctx.is_main:
         return PendingSave.completed(step, None)
     path = write_checkpoint(
         run_dir,
         step,
-        policy.model,
+        model.module,
         model_sd,
         state,
         meta,
@@ -497,13 +481,37 @@ def adapter_of(ckpt: Path | None, lora: bool) -> Path | None:
     return adapter if lora else None
 
 
-def load_policy_state(policy: Policy, path: str | os.PathLike) -> dict[str, Any]:
-    """Restore optimizer, scheduler and RNG into a policy built from path/model (a sharded
+def restore_trainer(trainer: Checkpointable, path: str | os.PathLike) -> dict[str, Any]:
+    """Restore optimizer, scheduler and RNG into a trainer built from path/model (a sharded
     checkpoint: weights too, each rank its own shards); returns meta."""
     if (Path(path) / "dcp").is_dir():
-        return load_sharded(policy, Path(path))
+        return load_sharded(trainer, Path(path))
     meta, state = read_checkpoint(path)
-    policy.load_optimizer_state(state["optimizer"])
-    policy.scheduler.load_state_dict(state["scheduler"])
+    load_optimizer_state(trainer.model.module, trainer.optimizer, state["optimizer"])
+    trainer.scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"])
     return meta
+
+
+def optimizer_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Full optimizer state keyed by parameter name (rank 0; collective when distributed)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+    )
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_optimizer_state_dict(module, optimizer, options=opts)
+
+
+def load_optimizer_state(
+    module: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+) -> None:
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_optimizer_state_dict,
+    )
+
+    set_optimizer_state_dict(
+        module, optimizer, state, options=StateDictOptions(full_state_dict=True)
+    )

@@ -8,9 +8,11 @@ scored by reward.fn.
     await ev.close()
 
     data.eval ─► first trainer.eval_rows rows ─► PromptEncoder (as the buffer encodes them)
+              ─► ValidationTask (a Task, laminar/tasks/base.py: the rows, scored by reward.fn)
     trainer.export() ─► a separate eval copy of the model (model.path architecture,
                         model.dtype, on trainer.eval_device)
-                     ─► TorchEngine, temperature 0, rollout.sampling max_tokens/stop
+                     ─► the held-out evaluator (laminar/tasks/evaluate.py): TorchEngine,
+                        temperature 0, rollout.sampling max_tokens/stop
                      ─► decoded completions ─► RewardRunner(reward.fn) ─► mean = eval/accuracy
 
 Runs before the first step of a fresh run (step 0: the starting point), every
@@ -36,13 +38,11 @@ from __future__ import annotations
 
 import asyncio
 import statistics
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import structlog
 
 from laminar.config import (
@@ -52,15 +52,17 @@ from laminar.config import (
     RolloutConfig,
     TrainerConfig,
 )
+from laminar.engines.greedy import Greedy
+from laminar.tasks.base import HeldOut
+from laminar.tasks.evaluate import evaluate
 
-_CANCEL_POLL_S = 0.1
-_GEN_TIMEOUT_S = 3600.0
-"""Deadline on one validation's generation (a stuck engine must not hang the trainer)."""
+if TYPE_CHECKING:
+    from laminar.rewards.runner import RewardRunner
 
 
 @dataclass(frozen=True)
 class EvalSettings:
-    """The sections validation reads; the trainer node builds it."""
+    """The sections validation reads (laminar/wiring/trainer.py `eval_settings`)."""
 
     data: DataConfig
     """data.eval, chat_template, max_prompt_tokens."""
@@ -72,77 +74,13 @@ class EvalSettings:
     """sampling.max_tokens/stop, max_running, max_model_len: generation as the rollouts do it."""
     reward: RewardConfig
     """Scores the completions."""
-    env_fn: str | None = None
+    env_fn: str | None
     """env.fn: set, validation is single-turn (logged at start)."""
-
-
-@dataclass
-class EvalRow:
-    prompt_ids: np.ndarray
-    prompt: str
-    """Prompt text as the reward sees it."""
-    row: dict[str, Any]
-
-
-async def _generate(
-    engine: Any, prompts: Sequence[np.ndarray], params: Any, cancel: threading.Event
-) -> list[np.ndarray]:
-    from laminar.engines.base import GenRequest
-
-    await engine.start()
-    try:
-        tasks = [
-            asyncio.ensure_future(
-                engine.generate_all(
-                    GenRequest(f"eval{i}", ids, params, single=True), timeout=_GEN_TIMEOUT_S
-                )
-            )
-            for i, ids in enumerate(prompts)
-        ]
-        everything = asyncio.gather(*tasks)
-        while not everything.done():
-            if cancel.is_set():
-                everything.cancel()
-                raise asyncio.CancelledError("validation cancelled: the node is stopping")
-            await asyncio.wait({everything}, timeout=_CANCEL_POLL_S)
-        results = everything.result()
-    finally:
-        await engine.close()
-    return [next(iter(r.values()))[0] for r in results]
-
-
-def greedy_generate(
-    model: Any,
-    tokenizer: Any,
-    prompts: Sequence[np.ndarray],
-    *,
-    max_tokens: int,
-    stop: Sequence[str] = (),
-    max_running: int = 64,
-    max_model_len: int | None = None,
-    cancel: threading.Event | None = None,
-) -> list[np.ndarray]:
-    """Greedy response ids for each prompt with the torch engine. Blocking: runs its own event
-    loop."""
-    import torch
-
-    from laminar.engines.base import SamplingParams
-    from laminar.engines.torch_engine import TorchEngine
-
-    engine = TorchEngine(
-        model,
-        tokenizer,
-        max_running=max(1, min(max_running, len(prompts))),
-        max_model_len=max_model_len,
-    )
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop=tuple(stop))
-    with torch.inference_mode():
-        return asyncio.run(_generate(engine, prompts, params, cancel or threading.Event()))
 
 
 def load_eval_rows(
     data: DataConfig, limit: int, tokenizer: Any, log: structlog.typing.FilteringBoundLogger
-) -> list[EvalRow]:
+) -> list[HeldOut]:
     """The first `limit` usable rows of data.eval; bad rows are logged and skipped."""
     from laminar.data.prompts import BadRow, PromptEncoder, load_prompts
 
@@ -151,7 +89,7 @@ def load_eval_rows(
     for err in report.errors:
         log.warning("bad_eval_row", error=err)
     encoder = PromptEncoder(tokenizer, data.chat_template, data.max_prompt_tokens)
-    out: list[EvalRow] = []
+    out: list[HeldOut] = []
     for r in rows:
         if len(out) >= limit:
             break
@@ -160,8 +98,21 @@ def load_eval_rows(
         except BadRow as exc:
             log.warning("bad_eval_row", error=f"{r.where}: {exc}")
             continue
-        out.append(EvalRow(ids, text, r.row))
+        out.append(HeldOut(ids, text, r.row))
     return out
+
+
+@dataclass(frozen=True)
+class ValidationTask:
+    """The trainer's Task (laminar/tasks/base.py): data.eval's first rows, single-turn, scored
+    by reward.fn."""
+
+    prompts: Sequence[HeldOut]
+    rewards: RewardRunner
+    episodes: None = None
+
+    async def score(self, prompt: HeldOut, completion: str) -> float | None:
+        return (await self.rewards.score(prompt.prompt, completion, prompt.row)).reward
 
 
 class Evaluator:
@@ -170,16 +121,23 @@ class Evaluator:
         settings: EvalSettings,
         model: Any,
         tokenizer: Any,
-        rows: list[EvalRow],
+        rows: list[HeldOut],
         log: structlog.typing.FilteringBoundLogger,
     ) -> None:
         from laminar.rewards.runner import RewardRunner
 
-        self.rollout = settings.rollout
-        self.model, self.tokenizer, self.rows, self.log = model, tokenizer, rows, log
+        s = settings.rollout
+        self.greedy = Greedy(
+            max_tokens=s.sampling.max_tokens,
+            stop=tuple(s.sampling.stop),
+            max_running=s.max_running,
+            max_model_len=s.max_model_len,
+        )
+        self.model, self.tokenizer, self.log = model, tokenizer, log
         self.every = settings.trainer.eval_every
         r = settings.reward
         self.rewards = RewardRunner(r.fn, r.timeout_s, r.workers)
+        self.task = ValidationTask(rows, self.rewards)
         self.samples = max(1, settings.trainer.completions_per_step)
         """Eval completions written to completions.jsonl per validation."""
         self.adapter = None
@@ -212,56 +170,31 @@ class Evaluator:
         if tied:
             self.model.tie_weights()
 
-    def _generate(
-        self, weights: dict[str, Any], cancel: threading.Event
-    ) -> tuple[list[str], list[int]]:
-        self._load_weights(weights)
-        s = self.rollout
-        outs = greedy_generate(
-            self.model,
-            self.tokenizer,
-            [r.prompt_ids for r in self.rows],
-            max_tokens=s.sampling.max_tokens,
-            stop=s.sampling.stop,
-            max_running=s.max_running,
-            max_model_len=s.max_model_len,
-            cancel=cancel,
-        )
-        texts = [self.tokenizer.decode(o.tolist(), skip_special_tokens=True) for o in outs]
-        return texts, [len(o) for o in outs]
-
     async def run(
         self, weights: dict[str, Any], step: int
     ) -> tuple[dict[str, float], list[dict[str, Any]]]:
         """(metrics, a few sample records) of one validation of `weights`."""
         t0 = time.perf_counter()
-        cancel = threading.Event()
-        try:
-            texts, lengths = await asyncio.to_thread(self._generate, weights, cancel)
-        except asyncio.CancelledError:
-            cancel.set()  # the thread ends its generation at the next poll
-            raise
-        scored = await asyncio.gather(
-            *(self.rewards.score(r.prompt, t, r.row) for r, t in zip(self.rows, texts, strict=True))
-        )
-        rewards = [s.reward for s in scored if s.reward is not None]
+        await asyncio.to_thread(self._load_weights, weights)
+        outcomes = await evaluate(self.model, self.tokenizer, self.task, self.greedy)
+        rewards = [o.reward for o in outcomes if o.reward is not None]
         metrics = {
             "eval/accuracy": statistics.fmean(rewards) if rewards else float("nan"),
             "eval/n": float(len(rewards)),
-            "eval/excluded": float(len(scored) - len(rewards)),
-            "eval/mean_tokens": statistics.fmean(lengths) if lengths else 0.0,
+            "eval/excluded": float(len(outcomes) - len(rewards)),
+            "eval/mean_tokens": statistics.fmean(o.tokens for o in outcomes) if outcomes else 0.0,
             "eval/seconds": time.perf_counter() - t0,
         }
         samples = [
             {
                 "step": step,
                 "eval": True,
-                "prompt": r.prompt,
-                "completion": t,
-                "reward": s.reward,
-                "answer": r.row.get("answer"),
+                "prompt": o.prompt.prompt,
+                "completion": o.completion,
+                "reward": o.reward,
+                "answer": o.prompt.row.get("answer"),
             }
-            for r, t, s in list(zip(self.rows, texts, scored, strict=True))[: self.samples]
+            for o in outcomes[: self.samples]
         ]
         return metrics, samples
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from laminar.protocol.trainer import RankCommand
 from laminar.trainer.dist import DistContext, broadcast_message
-from laminar.trainer.engine import Trainer
+from laminar.trainer.protocol import Trainer
 
 
 def follow(trainer: Trainer, dist: DistContext, run_dir: Path, keep: int) -> None:

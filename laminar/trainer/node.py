@@ -20,10 +20,10 @@ batch, publishes every new version, commits what it consumed, checkpoints.
                              the step loop goes on once it is staged; it lands in the background,
                              then its gated commits go out)
 
-Parts (none sees this node): engine.py (the `Trainer` protocol: torch Policy or SimTrainer,
-chosen once), feed.py (BatchRequest long-poll, restart flag), evaluation.py, logger.py, commits.py
-(exactly-once: owed commits, frontier, version mark), snapshots.py, follower.py (ranks > 0), and the
-weights channel's publisher (laminar/weights/channel.py).
+Parts (none sees this node): protocol.py (the `Trainer` protocol: TorchTrainer or SimTrainer,
+chosen once by factory.py), feed.py (BatchRequest long-poll, restart flag), evaluation.py,
+logger.py, commits.py (exactly-once: owed commits, frontier, version mark), snapshots.py,
+follower.py (ranks > 0), and the weights channel's publisher (laminar/weights/channel.py).
 
 What blocks: the step compute (off the event loop, so heartbeats flow) and the
 handoff (`publish` returns once the weights are handed off). What does not: the
@@ -45,46 +45,34 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from laminar.config import LaminarConfig, LoraConfig
-from laminar.node import NODE_STATUS, Node, weights_channel
+from laminar.config import LoraConfig
+from laminar.node import NODE_STATUS, Node
 from laminar.protocol.buffer import AuditSummary, BatchReply, BufferStats, BufferStatsRequest
 from laminar.protocol.core import NodeStatus
 from laminar.protocol.trainer import VersionPublished
 from laminar.supervise import PermanentFailure
 from laminar.trainer.attest import AttestBook
 from laminar.trainer.commits import CommitLedger, VersionMark
-from laminar.trainer.engine import Trainer, TrainerSettings, open_trainer
+from laminar.trainer.factory import open_trainer
 from laminar.trainer.feed import BatchFeed
+from laminar.trainer.protocol import PendingSave, Trainer
+from laminar.trainer.settings import TrainerNodeSettings
 from laminar.trainer.snapshots import Snapshots
 from laminar.transport.client import RpcClient
-from laminar.transport.sockets import TransportError
+from laminar.transport.sockets import Context, TransportError
 from laminar.weights.digest import weights_digest
 
 if TYPE_CHECKING:
     import torch
 
     from laminar.protocol.relay import WeightLayout
-    from laminar.trainer.checkpoint import PendingSave
     from laminar.trainer.dist import DistContext
-    from laminar.trainer.evaluation import EvalSettings, Evaluator
+    from laminar.trainer.evaluation import Evaluator
     from laminar.trainer.logger import MetricsLogger
     from laminar.weights.channel import Published, WeightPublisher
     from laminar.weights.sink import VersionSink
 
 T = TypeVar("T")
-
-
-def trainer_settings(cfg: LaminarConfig) -> TrainerSettings:
-    """What the trainer (Policy or SimTrainer) reads of the config."""
-    sampling = cfg.rollout.sampling
-    return TrainerSettings(
-        trainer=cfg.trainer,
-        algo=cfg.algo,
-        model=cfg.model,
-        max_model_len=cfg.rollout.max_model_len,
-        temperature=sampling.temperature,
-        max_tokens=sampling.max_tokens,
-    )
 
 
 def audit_metrics(a: AuditSummary | None) -> dict[str, float]:
@@ -104,20 +92,6 @@ def audit_metrics(a: AuditSummary | None) -> dict[str, float]:
         "audit/long_min_tokens": float(a.long_min_tokens),
         "audit/dropped": float(a.dropped),
     }
-
-
-def eval_settings(cfg: LaminarConfig) -> EvalSettings:
-    """What validation reads of the config."""
-    from laminar.trainer.evaluation import EvalSettings
-
-    return EvalSettings(
-        data=cfg.data,
-        trainer=cfg.trainer,
-        model=cfg.model,
-        rollout=cfg.rollout,
-        reward=cfg.reward,
-        env_fn=cfg.env.fn,
-    )
 
 
 def _expected_digest(items: list[tuple[str, Any]], lora: LoraConfig | None) -> str:
@@ -144,24 +118,12 @@ class TrainerNode(Node):
     feed: BatchFeed
     commits: CommitLedger
 
-    def __init__(
-        self, cfg: LaminarConfig, index: int = 0, ctx: Any = None, node_id: str | None = None
-    ):
-        rank = 0
-        # dist imports torch: seconds the sim trainer need not block here
-        if cfg.trainer.engine == "torch":
-            from laminar.trainer.dist import env_rank
-
-            rank = env_rank()[0]
-        super().__init__(
-            cfg,
-            index,
-            ctx,
-            node_id or (f"trainer-{index}" if rank == 0 else f"trainer-{index}-rank{rank}"),
-        )
-        self.rank = rank
-        self.registers_with_manager = rank == 0  # only rank 0 is on the cluster network
-        self.run_dir = Path(cfg.resolved_run_dir())
+    def __init__(self, settings: TrainerNodeSettings, ctx: Context | None = None):
+        super().__init__(settings.node, ctx)
+        self.settings = settings
+        self.rank = settings.rank
+        self.registers_with_manager = self.rank == 0  # only rank 0 is on the cluster network
+        self.run_dir = settings.run_dir
         self.step = 0
         self.version = 0
         self.trainer: Trainer | None = None
@@ -171,7 +133,7 @@ class TrainerNode(Node):
         self.evaluator: Evaluator | None = None
         self._evaluated_step = -1
         self.mark = VersionMark(self.run_dir)
-        self.snapshots = Snapshots(self.run_dir, cfg.trainer.snapshot_every)
+        self.snapshots = Snapshots(self.run_dir, settings.train.trainer.snapshot_every)
         self._step_lock = asyncio.Lock()
         self._republish = False
         self._last_ckpt_step = 0  # step 0 is the initial model: nothing to checkpoint
@@ -192,19 +154,20 @@ class TrainerNode(Node):
     async def setup(self) -> None:
         # torch takes seconds to import: on the worker thread, so nodes sharing this loop keep
         # beating
-        opened = await self.compute(open_trainer, trainer_settings(self.cfg), self.run_dir)
+        s = self.settings
+        opened = await self.compute(open_trainer, s.train, self.run_dir)
         self.trainer, self.dist = opened.trainer, opened.dist
         if self.rank != 0:
             return
         from laminar.trainer.logger import MetricsLogger, wandb_init_kwargs
-        from laminar.weights.channel import open_publisher
+        from laminar.weights.factory import open_publisher
 
-        tc = self.cfg.trainer
-        self.buffer = self.client(self.cfg.endpoint("buffer"))
+        tc = s.train.trainer
+        self.buffer = self.client(s.buffer)
         self.feed = BatchFeed(
             self.buffer,
             tc,
-            self.cfg.transport,
+            s.transport,
             trainer_id=self.node_id,
             stopping=self.stopping,
             metrics=self.metrics,
@@ -215,23 +178,22 @@ class TrainerNode(Node):
             tc.commit,
             self.run_dir,
             stopping=self.stopping,
-            backoff_s=self.cfg.transport.reconnect_backoff_max_s,
+            backoff_s=s.transport.reconnect_backoff_max_s,
             metrics=self.metrics,
             log=self.log,
         )
         if opened.meta is not None:
             self._resume(opened.meta, opened.checkpoint)
         # tensorboard/wandb imports take a while: off the loop, before any socket needs heartbeats
-        cfg = self.cfg
-        wandb = wandb_init_kwargs(cfg.logging, cfg.name, cfg.model_dump(mode="json"))
+        wandb = wandb_init_kwargs(s.logging, s.run_name, s.run_config)
         self.logger = await self.compute(MetricsLogger, self.run_dir, wandb, log=self.log)
         from laminar.trainer.evaluation import open_evaluator
 
-        self.evaluator = await self.compute(open_evaluator, eval_settings(cfg), self.log)
+        self.evaluator = await self.compute(open_evaluator, s.eval, self.log)
         if self.evaluator is not None:
             await self.evaluator.start()
-        await self.buffer.connect(timeout=self.cfg.transport.startup_timeout_s)
-        self.handoff = open_publisher(weights_channel(self.cfg), self.wiring())
+        await self.buffer.connect(timeout=s.transport.startup_timeout_s)
+        self.handoff = open_publisher(s.channel, self.wiring())
         await self.handoff.start()
 
     def _resume(self, meta: dict[str, Any], ckpt: Path | None) -> None:
@@ -257,12 +219,16 @@ class TrainerNode(Node):
             from laminar.trainer.follower import follow
 
             await self.compute(
-                follow, self.trainer, self.dist, self.run_dir, self.cfg.trainer.keep_checkpoints
+                follow,
+                self.trainer,
+                self.dist,
+                self.run_dir,
+                self.settings.train.trainer.keep_checkpoints,
             )
             self._followers_done.set()
             self.request_stop("rank 0 said stop")
             return
-        total = self.cfg.trainer.total_steps
+        total = self.settings.train.trainer.total_steps
         if self._republish:
             self.version += 1
             await self._publish(await self.compute(self.trainer.export))
@@ -278,7 +244,7 @@ class TrainerNode(Node):
                 await self._train_on(reply)
             if self.evaluator is not None and self.evaluator.due(self.step, total):
                 await self._validate()
-            every = self.cfg.trainer.checkpoint_every
+            every = self.settings.train.trainer.checkpoint_every
             if every and self.step % every == 0:
                 async with self._step_lock:
                     await self._checkpoint("periodic")
@@ -339,7 +305,7 @@ class TrainerNode(Node):
             await self.compute(self.trainer.close)
 
     def status(self) -> NodeStatus:
-        extra: dict[str, Any] = {"step": self.step, "engine": self.cfg.trainer.engine}
+        extra: dict[str, Any] = {"step": self.step, "engine": self.settings.train.trainer.engine}
         for k in ("tokens_per_s", "step_s", "reward", "loss"):
             if k in self.last:
                 extra[k] = self.last[k]
@@ -460,12 +426,15 @@ class TrainerNode(Node):
         self._checkpoint_metrics = {}
         metrics.update(audit_metrics(reply.audit))
         self.last = metrics
-        if self.step % self.cfg.trainer.log_every == 0:
+        if self.step % self.settings.train.trainer.log_every == 0:
             self.logger.log(self.step, metrics)
         self.logger.log_completions(
             self.step,
             sample_completions(
-                reply.trajectories, self.cfg.trainer.completions_per_step, self.step, self.version
+                reply.trajectories,
+                self.settings.train.trainer.completions_per_step,
+                self.step,
+                self.version,
             ),
         )
         self.log.info(
@@ -517,9 +486,9 @@ class TrainerNode(Node):
         assert self.handoff is not None and self.manager is not None
         # the digest rollouts must serve at this version: beside the handoff, not after it (sim
         # rollouts serve no tensors: nothing to attest)
-        items = list(weights.items()) if self.cfg.rollout.engine != "sim" else []
+        items = list(weights.items()) if self.settings.attest else []
         digest = asyncio.ensure_future(
-            asyncio.to_thread(_expected_digest, items, self.cfg.model.lora)
+            asyncio.to_thread(_expected_digest, items, self.settings.train.model.lora)
         )
         self.attest.expect(self.version, digest)
         try:
@@ -537,10 +506,10 @@ class TrainerNode(Node):
         self.mark.write(self.version, self.step)
         if self.snapshots.due(self.version):
             meta = None
-            if self.cfg.model.lora is not None:  # imports torch: not for the sim trainer
+            if self.settings.train.model.lora is not None:  # imports torch: not for the sim trainer
                 from laminar.models.lora import snapshot_metadata
 
-                meta = snapshot_metadata(self.cfg.model.lora)
+                meta = snapshot_metadata(self.settings.train.model.lora)
             await self.compute(self.snapshots.save, self.version, self.step, weights, meta)
         await self._announce(pub, await digest)
         return pub.stall_s, pub.num_bytes
@@ -550,7 +519,7 @@ class TrainerNode(Node):
         the next tensor gathers; laminar/weights/sink.py) and announce it; (export seconds, the
         rest of the trainer's stall, bytes), NaN stall if it failed (nothing was published: the
         relay commits only a whole version)."""
-        from laminar.weights.channel import publish_streamed
+        from laminar.weights.factory import publish_streamed
 
         assert self.handoff is not None and self.trainer is not None
         trainer = self.trainer
@@ -571,7 +540,7 @@ class TrainerNode(Node):
             self.step,
             layout,
             produce,
-            digest=self.cfg.rollout.engine != "sim",
+            digest=self.settings.attest,
         )
         try:
             pub, digest_hex = await self._unless_stopping(handoff)
@@ -617,7 +586,7 @@ class TrainerNode(Node):
         try:
             await asyncio.wait({push, stop}, return_when=asyncio.FIRST_COMPLETED)
             if not push.done():
-                await asyncio.wait({push}, timeout=self.cfg.transport.stop_timeout_s / 4)
+                await asyncio.wait({push}, timeout=self.settings.transport.stop_timeout_s / 4)
             if not push.done():
                 push.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -644,7 +613,7 @@ class TrainerNode(Node):
         if self.step != self._last_ckpt_step:
             assert self.trainer is not None
             t0 = time.perf_counter()
-            tc = self.cfg.trainer
+            tc = self.settings.train.trainer
             meta = {
                 "version": self.version,
                 "frontier": self.commits.frontier(),

@@ -1,7 +1,7 @@
 """The trainer's packed forward: a micro-batch's tokens in one flat sequence, every distinct prompt
 run once, no padding in the matmuls.
 
-    plan = pack_by_prompt(samples, idx, micro_batch_tokens)  # micro-batches, a group kept together
+    plan = pack_by_prompt(samples, idx, micro_batch_tokens)  # trainer/packing.py: a group together
     layout = PackedLayout.build([samples[i] for i in mb])      # once per micro-batch
     logits = PackedForward(model)(layout)              # (N, V): mb.resp_mask's positions, row-major
 
@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from laminar.models import decoder_ops as ops
 from laminar.models.decoder_ops import DecoderShape, rms, rope_table, rotate
 from laminar.models.lora import fused_lora, lora_delta
-from laminar.trainer.batch import Sample, pack_micro_batches
+from laminar.trainer.batch import Sample
+from laminar.trainer.packing import pack_micro_batches
 
 
 @dataclass
@@ -150,32 +151,6 @@ def _chunk(qs: list[np.ndarray], ks: list[np.ndarray], pos: np.ndarray) -> Atten
         torch.from_numpy(mask[:, None]),
         torch.from_numpy(np.flatnonzero(q_real.reshape(-1))),
     )
-
-
-def pack_by_prompt(samples: list[Sample], idx: list[int], token_budget: int) -> list[list[int]]:
-    """Micro-batches of `idx` whose packed tokens (each distinct prompt once, plus every
-    response) stay within `token_budget`: samples of one prompt are kept together, longest
-    first within a prompt, so a group is split only when it alone exceeds the budget.
-    A sample longer than the budget gets a micro-batch of its own. Deterministic."""
-    by_prompt: dict[bytes, list[int]] = {}
-    for i in idx:
-        by_prompt.setdefault(samples[i].prompt_ids.tobytes(), []).append(i)
-    out: list[list[int]] = []
-    cur: list[int] = []
-    cost, seen = 0, set[bytes]()
-    for key, members in by_prompt.items():
-        for i in sorted(members, key=lambda i: (-len(samples[i].response_ids), i)):
-            add = len(samples[i].response_ids) + (0 if key in seen else len(samples[i].prompt_ids))
-            if cur and cost + add > token_budget:
-                out.append(cur)
-                cur, cost, seen = [], 0, set()
-                add = samples[i].length
-            cur.append(i)
-            cost += add
-            seen.add(key)
-    if cur:
-        out.append(cur)
-    return out
 
 
 class PackedForward:

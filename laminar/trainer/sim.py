@@ -1,5 +1,5 @@
 """The sim trainer: no model, step time = sim_time_per_token_s x tokens consumed.
-The emulated implementation of the `Trainer` protocol (laminar/trainer/engine.py).
+The emulated implementation of the `Trainer` protocol (laminar/trainer/protocol.py).
 
     TrainerConfig.engine == "sim"   (emulated-scale benchmarks: 128 sim rollouts on one host)
 
@@ -28,6 +28,7 @@ from laminar.protocol.data import Trajectory
 from laminar.protocol.relay import WeightLayout
 from laminar.trainer import checkpoint as ck
 from laminar.trainer.batch import TrainBatch
+from laminar.trainer.protocol import PendingSave
 from laminar.weights.sink import VersionSink
 
 
@@ -73,11 +74,11 @@ class SimTrainer:
         for name, tensor in self.export().items():
             sink.put(name, tensor)
 
-    def save(self, run_dir: Path, step: int, meta: dict[str, Any], keep: int) -> ck.PendingSave:
+    def save(self, run_dir: Path, step: int, meta: dict[str, Any], keep: int) -> PendingSave:
         path = ck.write_checkpoint(
             run_dir, step, None, None, {"rng": ck.rng_state()}, meta, keep=keep
         )
-        return ck.PendingSave.completed(step, path)
+        return PendingSave.completed(step, path)
 
     def restore(self, checkpoint: Path) -> dict[str, Any]:
         meta, _ = ck.read_checkpoint(checkpoint)

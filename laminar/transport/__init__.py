@@ -11,7 +11,7 @@
 Imports: transport -> laminar/message.py (the message base), laminar/logs.py,
 laminar/supervise.py; never laminar.config, laminar.protocol or a role package. Settings
 come in as plain values: `SocketOptions`, `Security` and per-socket `max_message_bytes`,
-built from the config by the wiring layer (laminar/node.py `socket_options`,
+built from the config by the wiring layer (laminar/wiring/common.py `socket_options`,
 `socket_max_message_bytes`). Weight versions move through laminar/weights/.
 
 Import each name from the module above that defines it (`laminar.transport.client.RpcClient`).

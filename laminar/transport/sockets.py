@@ -1,7 +1,7 @@
 """What the RPC and stream sockets share: errors, options, stats, peers, attach, sends with a
 deadline.
 
-    opts = socket_options(cfg, role)      # laminar/node.py: the node's config made plain settings
+    opts = socket_options(cfg, role)      # laminar/wiring/common.py: the config made plain settings
     ctx = new_context()
     attach(sock, "tcp://10.0.0.1:5555", bind=False, opts=opts)   # CURVE on tcp, then connect
     await send_within(sock, frames, timeout=2.0)              # SendTimeout / PeerDead, never a hang

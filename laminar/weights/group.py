@@ -26,7 +26,7 @@ and a collective lasts at most `bound_s`: a member that is dead (kill -9: the tr
 fails at once) or busy (its receive never posted) fails the broadcast, is dropped from the next
 generation (and benched for `bound_s` if it beats but never joins), and falls back to the relay
 path; the version is sent again to the survivors. The trainer itself waits for a broadcast at
-most `bound_s` (laminar/weights/gpu_channel.py): that is the bound on its stall.
+most `bound_s` (laminar/weights/nccl.py): that is the bound on its stall.
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ Log = structlog.typing.FilteringBoundLogger
 
 @dataclass(frozen=True)
 class GroupSettings:
-    """The broadcast group of a run, the same at both ends (laminar/node.py builds it)."""
+    """The broadcast group of a run, the same at both ends (laminar/wiring/common.py
+    `weights_group` builds it from rollout.weights_group, whose fields hold the defaults)."""
 
     host: str
     """Where the trainer's store listens (the trainer's host)."""
@@ -60,11 +61,11 @@ class GroupSettings:
     """nccl (GPUs) | gloo (CPU)."""
     members: tuple[str, ...]
     """Node ids that may join (rollout-0 ... rollout-{n-1})."""
-    bound_s: float = 10.0
+    bound_s: float
     """A broadcast, a group build and the trainer's wait for either last at most this."""
-    beat_s: float = 0.5
+    beat_s: float
     """A member's beat interval; silent for bound_s = out of the next generation."""
-    connect_timeout_s: float = 120.0
+    connect_timeout_s: float
     """A member waits this long for the trainer's store at start (the trainer may start later)."""
 
 

@@ -1,7 +1,7 @@
 """Flat weight layout and checksums: how every weights variant lays out and checks a version.
 
 Numpy only (a relay process never imports torch). Used by both ends of the weights
-channel (laminar/weights/relay_client.py, gpu.py) and by the relays (laminar/relay/).
+channel (laminar/weights/pusher.py, puller.py, gpu.py) and by the relays (laminar/relay/).
 
     layout = build_layout([("w", "bfloat16", (4, 8)), ("b", "float32", (8,))])
     layout = layout_of(named_list(model.state_dict()))   # the same from tensors
@@ -105,6 +105,11 @@ def named_list(named_tensors: NamedTensors) -> list[tuple[str, Any]]:
 
 def layout_of(items: list[tuple[str, Any]]) -> WeightLayout:
     return build_layout((n, dtype_name(t), tuple(t.shape)) for n, t in items)
+
+
+def tensors_nbytes(tensors: dict[str, Any]) -> int:
+    """The bytes of a version's tensors, without padding (Published.num_bytes)."""
+    return sum(v.numel() * v.element_size() for v in tensors.values())
 
 
 def validate_layout(layout: WeightLayout) -> None:

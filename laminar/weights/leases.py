@@ -59,7 +59,7 @@ class DictKV:
 
 class StoreKV:
     """KV over a torch.distributed Store (the TCPStore the trainer hosts for a run's GPU weight
-    paths: laminar/weights/group.py)."""
+    paths: laminar/weights/group.py, cuda_ipc.py)."""
 
     def __init__(self, store: Any):
         self.store = store

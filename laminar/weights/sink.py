@@ -1,6 +1,6 @@
 """A weight version written tensor by tensor as the trainer gathers it (a streamed export).
 
-    sink = FlatSink(segment_tensor, layout, digest=True)  # a relay slot, mapped (relay_client.py)
+    sink = FlatSink(segment_tensor, layout, digest=True)  # a relay slot, mapped (pusher.py)
     trainer.export_into(sink)       # compute thread: gather layer i+1 while layer i is written
     digest = sink.finish(timeout)   # every tensor written (raises otherwise): commit, then announce
 

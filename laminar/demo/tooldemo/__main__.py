@@ -25,8 +25,8 @@ The run keeps Laminar's multi-turn rules (laminar/rollout/episodes.py, laminar/e
 every model token of an episode comes from one weight version, the calculator's answer is
 tokenized once by the turn template and trained with loss mask 0, and an episode moved or
 lost mid-tool-call is rebuilt elsewhere by replay with its calls answered from the tools
-node's cache. The held-out episodes here run outside the cluster (tooldemo/evaluate.py)
-with the same ToolEnv and turn template, greedy.
+node's cache. The held-out episodes here run outside the cluster (laminar/tasks/evaluate.py,
+the calculator in process: direct_tools.py) with the same ToolEnv and turn template, greedy.
 
     .venv/bin/python -m pytest tests/test_tool_demo.py -q -m slow   # shortened, asserts the gain
 
@@ -114,9 +114,11 @@ def evaluate(
 ) -> dict[str, Any]:
     """Greedy episodes of `model` (a path or a loaded model) on `rows`, as the run's env sees
     them."""
-    from laminar.demo.tooldemo.evaluate import DirectToolClient, evaluate_tool_model
+    from laminar.demo.tooldemo.direct_tools import DirectToolClient
     from laminar.envs.loader import load_env
     from laminar.tasks import tooluse as tu
+    from laminar.tasks.base import Episodes
+    from laminar.tasks.evaluate import evaluate_model
 
     env_cfg = cfg.env
     if env_cfg.fn is None and cfg.agent.fn:
@@ -129,15 +131,13 @@ def evaluate(
             "the tool demo needs env.fn (configs/tool_demo.yaml: laminar.envs.tool_env:ToolEnv) "
             "or agent.fn (laminar.demo.tooldemo.agent:run)"
         )
-    return evaluate_tool_model(
+    return evaluate_model(
         model,
         rows,
-        env,
-        DirectToolClient(cfg.tools.tools),
         tu.verify,
-        cfg.env.limits,
-        tokenizer=tokenizer,
+        episodes=Episodes(env, DirectToolClient(cfg.tools.tools), cfg.env.limits),
         max_tokens=cfg.rollout.sampling.max_tokens,
+        tokenizer=tokenizer,
     )
 
 

@@ -19,7 +19,8 @@ from laminar.config import DemoConfig
 from laminar.report import Panel, mean, read_jsonl
 
 Evaluate = Callable[[Any, list[dict], Any], dict[str, Any]]
-"""(model, rows, tokenizer) -> evaluate_tool_model's summary."""
+"""(model, rows, tokenizer) -> the held-out figures (laminar/tasks/evaluate.py:
+summarize_outcomes)."""
 
 
 def point(res: dict[str, Any], **where: Any) -> dict[str, Any]:

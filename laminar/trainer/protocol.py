@@ -1,26 +1,26 @@
-"""The `Trainer` protocol (what the node needs of a trainer) and the one place that picks it.
+"""The `Trainer` protocol (what the node needs of a trainer) and the small types around it.
 
-    opened = open_trainer(settings, run_dir)  # worker thread: torch imports, process group, resume
+    opened = open_trainer(settings, run_dir)        # laminar/trainer/factory.py: picks, resumes
     batch = opened.trainer.prepare(trajectories)
     metrics = opened.trainer.step(batch)            # one optimizer step (or its emulation)
     weights = opened.trainer.export()               # what the handoff publishes
     opened.trainer.export_into(sink)                # or streamed into it (laminar/weights/sink.py)
     opened.trainer.save(run_dir, step, meta, keep).wait()  # a checkpoint holding `meta`
 
-Two implementations, chosen once from `trainer.engine`: the torch `Policy`
-(laminar/trainer/policy.py; FSDP2 when launched on several ranks) and `SimTrainer`
-(laminar/trainer/sim.py; no model, emulated step time). Every method but `prepare` is
+Two implementations, chosen once from `trainer.engine` by open_trainer: `TorchTrainer`
+(laminar/trainer/torch_trainer.py; FSDP2 when launched on several ranks) and `SimTrainer`
+(laminar/trainer/sim.py; no model, emulated step time). This module imports neither. Every
+method but `prepare` is
 blocking compute: the node runs it on its worker thread. Under torch.distributed the
 methods are collectives: rank 0 calls them from the node and they first tell the other
 ranks what to do (a RankCommand), which run the same method from laminar/trainer/follower.py.
-
-Resume: rank 0 resolves `trainer.resume` (auto = newest checkpoint in run_dir) and the
-other ranks receive its answer, so every rank loads the same checkpoint. From a sharded
-checkpoint under FSDP each rank builds the model on the meta device and reads only its shards.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -33,7 +33,6 @@ if TYPE_CHECKING:
     from laminar.protocol.data import Trajectory
     from laminar.protocol.relay import WeightLayout
     from laminar.trainer.batch import TrainBatch
-    from laminar.trainer.checkpoint import PendingSave
     from laminar.trainer.dist import DistContext
     from laminar.weights.sink import VersionSink
 
@@ -78,9 +77,49 @@ class Trainer(Protocol):
         ...
 
 
+class PendingSave:
+    """A checkpoint on its way to disk. `wait()` (any thread; idempotent) blocks until every
+    rank's shards are durable, then, on rank 0, writes the small files and meta.json and renames
+    the directory into place: only then is it a checkpoint `latest_checkpoint` finds, so a crash
+    before that resumes from the previous one. Returns the path on rank 0, None elsewhere."""
+
+    def __init__(
+        self,
+        step: int,
+        upload: Future[Any] | None = None,
+        finish: Callable[[], Path | None] | None = None,
+        path: Path | None = None,
+    ):
+        self.step = step
+        self.waited_s = 0.0
+        """Seconds the save that made this one waited for the one before it (trainer time)."""
+        self._upload, self._finish, self._path = upload, finish, path
+        self._lock = threading.Lock()
+        self._done = upload is None and finish is None
+
+    @classmethod
+    def completed(cls, step: int, path: Path | None) -> PendingSave:
+        return cls(step, path=path)
+
+    def done(self) -> bool:
+        """Landed (wait() returns at once), or its shards are written and only rank 0's small
+        files remain."""
+        return self._done or (self._upload is not None and self._upload.done())
+
+    def wait(self) -> Path | None:
+        with self._lock:
+            if not self._done:
+                if self._upload is not None:
+                    self._upload.result()  # raises what the writer raised: no meta.json then
+                if self._finish is not None:
+                    self._path = self._finish()
+                self._done = True
+            return self._path
+
+
 @dataclass(frozen=True)
 class TrainerSettings:
-    """What a trainer reads of the config; the trainer node builds it from its sections."""
+    """What a trainer reads of the config (laminar/wiring/trainer.py `trainer_settings`)."""
 
     trainer: TrainerConfig
     algo: AlgoConfig
@@ -101,41 +140,3 @@ class Opened:
     """The checkpoint the trainer resumed from (None: fresh start)."""
     meta: dict[str, Any] | None
     """That checkpoint's meta.json: step, version, consumption frontier."""
-
-
-def open_trainer(settings: TrainerSettings, run_dir: Path) -> Opened:
-    """Build the configured trainer, resumed from its checkpoint in run_dir if there is one.
-    Blocking."""
-    from laminar.trainer import checkpoint as ck
-    from laminar.trainer.dist import DistContext, agree_on_path, init_distributed
-
-    tc = settings.trainer
-    dist = DistContext() if tc.engine == "sim" else init_distributed(settings.model.device)
-    ckpt = None
-    if dist.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        ck.remove_partial(run_dir)
-        ckpt = ck.resolve_resume(tc.resume, run_dir)
-    trainer: Trainer
-    if tc.engine == "sim":
-        from laminar.trainer.sim import SimTrainer
-
-        trainer = SimTrainer(tc, settings.algo)
-    else:
-        from laminar.trainer.policy import Policy
-
-        ckpt = agree_on_path(dist, ckpt)
-        adapter = ck.adapter_of(ckpt, settings.model.lora is not None)
-        # a LoRA checkpoint holds the adapters only: the base is model.path, as for the rollouts;
-        # a full checkpoint holds an HF directory; a sharded one is loaded over model.path's
-        # weights by restore (each rank its own shards)
-        full = ckpt / "model" if ckpt is not None and adapter is None else None
-        model_path = str(full) if full is not None and full.is_dir() else settings.model.path
-        if not model_path:
-            raise ValueError("the torch trainer needs model.path (a local HF model directory)")
-        # resuming FSDP from a sharded checkpoint: each rank builds the model without weights and
-        # reads only its own shards (host memory: its share, not the whole model)
-        empty = ckpt is not None and (ckpt / "dcp").is_dir()
-        trainer = Policy(settings, model_path, dist, adapter, empty=empty)
-    meta = trainer.restore(ckpt) if ckpt is not None else None
-    return Opened(trainer, dist, ckpt, meta)

@@ -1,19 +1,18 @@
-"""Pipelined chain broadcast between relays: each relay pulls chunks from its upstream.
+"""The downstream half of a hop: each relay pulls a version's chunks from its upstream.
 
-    chain = ChainFollower(cfg.relay, n_relays=n, endpoint=cfg.endpoint, index=i, store=store,
-                          ctx=ctx, opts=opts, node_id=node_id, log=log, metrics=metrics,
-                          spawn=spawn)
-    spawn(chain.run(), "chain")                 # the follow loop
-    ev = await chain.events.get()               # ReceivingStarted(vs) | VersionComplete(vs)
+    follower = ChainFollower(cfg.relay, view, store=store, chunks=chunks, ctx=ctx, opts=opts,
+                             node_id=node_id, log=log, metrics=metrics, spawn=spawn)
+    spawn(follower.run(), "chain")              # the follow loop
+    ev = await follower.events.get()            # VersionComplete(vs): announce it to the rollouts
+    follower.set_order(epoch, order, endpoints, from_manager=True)  # a ChainUpdate
+    follower.become_head(why)                   # a trainer pushes here
 
-The follower owns the chain view (order, epoch, head, dead relays) and the downstream
-half of one relay: it writes fetched chunks into the store and reports what happened
-as events; relay/node.py turns them into VersionOffers for its own downstream and
-WeightsReady for its rollouts. It never sees the node.
-
-    master ◄─FetchChunk(v, i)── relay 1 ◄─FetchChunk(v, i)── relay 2 ◄── …
-           ──WeightChunk(data)─►        ──WeightChunk(data)─►
-    (data sockets: each relay's RpcServer at relay_data-k; the downstream is its client)
+The follower chooses a live upstream from the chain view (view.py), writes fetched chunks into
+the store, has the version offered to this relay's own downstream as soon as it begins to arrive
+(ChunkService.offer_downstream, serve.py: that is what pipelines the chain), and reports a
+version that arrived whole on its event queue; relay/node.py publishes WeightsReady for its
+rollouts. A change of the view that moves the upstream goes through the follower (set_order,
+become_head), which drops its upstream and wakes its loop. It never sees the node.
 
 Each relay keeps `relay.window` fetches in flight to its upstream. An upstream answers a
 fetch for a chunk it has not received yet as soon as that chunk arrives, so chunk i
@@ -31,14 +30,12 @@ Pulling (rather than pushing) makes the hard cases simple:
 * a dead master: the first relay that finds no live predecessor becomes the head
   (the lowest live index in the order); a partial version nobody can finish is
   abandoned. The trainer finds the new master itself (WeightPusher asks the relays,
-  laminar/weights/relay_client.py) or the manager tells it (WeightPusher.set_master).
+  laminar/weights/pusher.py) or the manager tells it (WeightPusher.set_master).
 * a newer version overtakes an older one: an upstream that freed version v answers
   "gone"; the downstream drops v and fetches the newest.
 * delta mode (relay.delta, laminar/weights/delta.py): a fetch names the version this relay holds;
   the chunk may come back as the changed elements against it, rebuilt here on that copy
   and checked on the crc32 of the full chunk (a bad one is fetched again whole).
-
-The order comes from the manager (ChainUpdate) or defaults to relay-0 → relay-1 → ….
 """
 
 from __future__ import annotations
@@ -64,12 +61,12 @@ from laminar.protocol.relay import (
     VersionOffer,
     WeightChunk,
 )
+from laminar.relay.serve import ChunkService
+from laminar.relay.view import ChainView
 from laminar.supervise import Spawn
 from laminar.transport.client import RpcClient
-from laminar.transport.session import ErrorReply
 from laminar.transport.sockets import (
     Context,
-    Peer,
     PeerDead,
     RemoteError,
     RequestTimeout,
@@ -105,20 +102,10 @@ class VersionGone(Exception):
 
 
 @dataclass(frozen=True)
-class ReceivingStarted:
-    """A version began arriving from upstream: offer it downstream now (pipelining)."""
-
-    vs: VersionState
-
-
-@dataclass(frozen=True)
 class VersionComplete:
     """A version arrived whole and verified: announce it to the rollouts."""
 
     vs: VersionState
-
-
-ChainEvent = ReceivingStarted | VersionComplete
 
 
 class ChainFollower:
@@ -127,11 +114,10 @@ class ChainFollower:
     def __init__(
         self,
         rc: RelayConfig,
+        view: ChainView,
         *,
-        n_relays: int,
-        endpoint: Callable[[str, int], str],
-        index: int,
         store: WeightStore,
+        chunks: ChunkService,
         ctx: Context,
         opts: SocketOptions,
         node_id: str,
@@ -139,20 +125,13 @@ class ChainFollower:
         metrics: Metrics,
         spawn: Spawn,
     ):
-        self.rc, self.index, self.store = rc, index, store
-        self.endpoint = endpoint
-        """Address of a service by name and index (the cluster's endpoint map)."""
+        self.rc, self.view, self.index, self.store = rc, view, view.index, store
+        self.chunks = chunks
+        """This relay's upstream half: offers what begins to arrive to its own downstream."""
         self.ctx, self.opts, self.node_id = ctx, opts, node_id
         self.log, self.metrics, self.spawn = log, metrics, spawn
-        self.events: asyncio.Queue[ChainEvent] = asyncio.Queue()
+        self.events: asyncio.Queue[VersionComplete] = asyncio.Queue()
         """What the relay must act on, in order (the follower never calls into it)."""
-        self.n_relays = max(n_relays, index + 1)
-        self.epoch = 0
-        self.manager_epoch = -1
-        self.order: list[int] = list(range(self.n_relays))
-        self.endpoints: dict[int, str] = {}
-        self.dead: set[int] = set()
-        self.head = self.order[0] == self.index
         self.upstream: int | None = None
         self.client: RpcClient | None = None
         self._master_client: tuple[int, RpcClient] | None = None
@@ -163,67 +142,30 @@ class ChainFollower:
         self._generation = 0
         self._given_up: set[int] = set()
         self.state = "starting"
-        # until then a head looks for newer versions in its chain (also a (re)started head)
-        self._catch_up_until = time.monotonic() + self.rc.catch_up_window_s if self.head else 0.0
         self._grace_until = time.monotonic() + self.rc.upstream_grace_s
 
-    # ---- chain view ----------------------------------------------------------------------
-    def data_endpoint(self, idx: int) -> str:
-        return self.endpoints.get(idx) or self.endpoint("relay_data", idx)
-
-    @property
-    def master(self) -> int:
-        """The head as this relay sees it (-1 when it is not in the chain)."""
-        return self.named_master() if self.index in self.order else -1
-
-    def named_master(self) -> int:
-        """The master to send a trainer to: this relay's head, or the first live relay of the
-        order."""
-        if self.head:
-            return self.index
-        live = [i for i in self.order if i not in self.dead]
-        return live[0] if live else -1
-
+    # ---- changes of the view that move the upstream ----------------------------------------
     def set_order(
         self, epoch: int, order: list[int], endpoints: dict[str, str], from_manager: bool
     ) -> None:
-        if len(set(order)) != len(order) or any(i < 0 for i in order):
-            raise ProtocolError(f"chain order {order} must list distinct relay indices >= 0")
-        if from_manager:
-            self.manager_epoch = epoch
-        self.epoch = max(self.epoch, epoch)
-        self.order = list(order)
-        self.endpoints = {int(k): v for k, v in endpoints.items()}
-        self.dead.clear()
-        was_head, self.head = self.head, bool(order) and order[0] == self.index
-        if self.head and not was_head:
-            self._catch_up_until = time.monotonic() + self.rc.catch_up_window_s
-        self.log.info("chain_order", epoch=self.epoch, order=self.order, head=self.head)
+        self.view.set_order(epoch, order, endpoints, from_manager)
         self._drop_upstream()
         self.changed.set()
 
     def become_head(self, why: str, catch_up: bool = True) -> None:
-        if self.head:
-            return
-        self.head = True
-        self._catch_up_until = time.monotonic() + self.rc.catch_up_window_s if catch_up else 0.0
-        self.epoch += 1
-        self.order = [self.index] + [
-            i for i in self.order if i != self.index and i not in self.dead
-        ]
-        self.metrics.count("became_master")
-        self.log.warning("became_master", why=why, epoch=self.epoch, order=self.order)
-        self._drop_upstream()
-        self.changed.set()
+        if self.view.become_head(why, catch_up):
+            self._drop_upstream()
+            self.changed.set()
 
     def info(self) -> ChainInfo:
         store = self.store
         cur, inc = store.current, store.newest_incoming()
+        view = self.view
         return ChainInfo(
             index=self.index,
-            epoch=self.epoch,
-            order=self.order,
-            master=self.master,
+            epoch=view.epoch,
+            order=view.order,
+            master=view.master,
             upstream=-1 if self.upstream is None else self.upstream,
             version=cur.version if cur else -1,
             checksum=cur.checksum if cur else "",
@@ -255,7 +197,7 @@ class ChainFollower:
     ) -> RpcClient | None:
         cli = RpcClient(
             self.ctx,
-            self.data_endpoint(idx),
+            self.view.data_endpoint(idx),
             self.node_id,
             "relay",
             self.opts,
@@ -277,8 +219,9 @@ class ChainFollower:
         Until it first had an upstream (and for at most relay.upstream_grace_s), a relay
         waits for its immediate predecessor instead of skipping it: at start-up a relay
         that is not up yet is not dead, and skipping it would split the chain."""
-        pos = self.order.index(self.index)
-        preds = [i for i in reversed(self.order[:pos]) if i not in self.dead]
+        view = self.view
+        pos = view.order.index(self.index)
+        preds = [i for i in reversed(view.order[:pos]) if i not in view.dead]
         if preds and not self._ever_connected and time.monotonic() < self._grace_until:
             preds = preds[:1]
         gen = self._generation
@@ -294,17 +237,17 @@ class ChainFollower:
                 )  # start-up: the predecessor is coming
                 return False
             if cli is None:
-                self.dead.add(idx)
+                view.dead.add(idx)
                 self.metrics.count("relays_cut_out")
                 self.log.warning("relay_cut_out", relay=idx)
                 continue
             self.client, self.upstream, self._upstream_dead = cli, idx, False
             self._ever_connected = True
-            self.log.info("upstream", relay=idx, epoch=self.epoch)
+            self.log.info("upstream", relay=idx, epoch=view.epoch)
             return True
         # Electing itself splits the chain if a predecessor was only slow: ask them all once
         # more, with a longer deadline, before taking over as master.
-        for idx in reversed(self.order[: self.order.index(self.index)]):
+        for idx in reversed(view.order[: view.order.index(self.index)]):
             cli = await self._probe(
                 idx, self._on_upstream_dead, timeout=3 * self.rc.probe_timeout_s
             )
@@ -313,9 +256,9 @@ class ChainFollower:
                     await cli.close()
                 return False
             if cli is not None:
-                self.dead.discard(idx)
+                view.dead.discard(idx)
                 self.client, self.upstream, self._upstream_dead = cli, idx, False
-                self.log.info("upstream", relay=idx, epoch=self.epoch, second_chance=True)
+                self.log.info("upstream", relay=idx, epoch=view.epoch, second_chance=True)
                 return True
         self.become_head("no live predecessor")
         return False
@@ -323,51 +266,50 @@ class ChainFollower:
     async def join(self) -> None:
         """At start: adopt a newer chain view from a live relay (e.g. a new master was elected)."""
 
-        async def ask(idx: int) -> ChainInfo | None:
-            cli = RpcClient(
-                self.ctx,
-                self.endpoint("relay", idx),
-                self.node_id,
-                "relay",
-                self.opts,
-                spawn=self.spawn,
+        n_relays = self.view.n_relays
+        infos = await asyncio.gather(
+            *(
+                self._chain_info(self.view.control_endpoint(i))
+                for i in range(n_relays)
+                if i != self.index
             )
-            try:
-                await cli.connect(timeout=self.rc.probe_timeout_s)
-                info = await cli.request(
-                    ChainInfoRequest(), timeout=self.rc.probe_timeout_s, retries=0
-                )
-                return info if isinstance(info, ChainInfo) else None
-            except (TransportError, OSError):
-                return None
-            finally:
-                await cli.close()
-
-        infos = await asyncio.gather(*(ask(i) for i in range(self.n_relays) if i != self.index))
+        )
         best = max(
             (i for i in infos if i is not None and i.epoch > 0), key=lambda i: i.epoch, default=None
         )
-        if best is not None and self.manager_epoch < 0:
-            order = [i for i in best.order if i != self.index] + [self.index]
-            self.epoch, self.order, self.head = best.epoch, order, False
-            self.log.info("joined_chain", epoch=self.epoch, order=order)
+        if best is not None and self.view.manager_epoch < 0:
+            self.view.adopt(best)
+
+    async def _chain_info(self, endpoint: str) -> ChainInfo | None:
+        """One relay's view of the chain (None: it did not answer within probe_timeout_s)."""
+        timeout = self.rc.probe_timeout_s
+        cli = RpcClient(self.ctx, endpoint, self.node_id, "relay", self.opts, spawn=self.spawn)
+        try:
+            await cli.connect(timeout=timeout)
+            info = await cli.request(ChainInfoRequest(), timeout=timeout, retries=0)
+            return info if isinstance(info, ChainInfo) else None
+        except (TransportError, OSError):
+            return None
+        finally:
+            await cli.close()
 
     # ---- the follow loop -----------------------------------------------------------------
     async def run(self) -> None:
         store = self.store
-        if self.n_relays > 1:
+        view = self.view
+        if view.n_relays > 1:
             await self.join()
         while True:
             self.changed.clear()
-            if self.index not in self.order or self.head:
+            if self.index not in view.order or view.head:
                 self._drop_upstream()
                 inc = store.newest_incoming()
-                if self.head and inc is not None and inc.source == "upstream":
+                if view.head and inc is not None and inc.source == "upstream":
                     self.log.warning(
                         "version_abandoned", version=inc.version, why="no upstream can finish it"
                     )
                     store.abandon(inc)
-                if self.head and time.monotonic() < self._catch_up_until:
+                if view.head and time.monotonic() < view.catch_up_until:
                     # a push may still land on the previous head (its ChainUpdate in flight):
                     # look for newer versions in the chain for a while after taking over
                     self.state = "catching up"
@@ -436,25 +378,13 @@ class ChainFollower:
         mine = newest.version if newest else -1
         timeout = self.rc.probe_timeout_s
 
-        async def ask(idx: int) -> ChainInfo | None:
-            cli = RpcClient(
-                self.ctx,
-                self.data_endpoint(idx),
-                self.node_id,
-                "relay",
-                self.opts,
-                spawn=self.spawn,
+        infos = await asyncio.gather(
+            *(
+                self._chain_info(self.view.data_endpoint(i))
+                for i in self.view.order
+                if i != self.index
             )
-            try:
-                await cli.connect(timeout=timeout)
-                info = await cli.request(ChainInfoRequest(), timeout=timeout, retries=0)
-                return info if isinstance(info, ChainInfo) else None
-            except (TransportError, OSError):
-                return None
-            finally:
-                await cli.close()
-
-        infos = await asyncio.gather(*(ask(i) for i in self.order if i != self.index))
+        )
         newer = [i for i in infos if i is not None and i.version > mine]
         if not newer:
             return
@@ -494,7 +424,7 @@ class ChainFollower:
                 )
             except ValueError as exc:  # the trainer staged this very version here meanwhile
                 raise VersionGone(offer.version, str(exc)) from None
-            self.events.put_nowait(ReceivingStarted(vs))
+            await self.chunks.offer_downstream(vs)  # while it still arrives: pipelining
         t0 = time.monotonic()
         base = store.current
         base_v = delta_base(self.rc.delta, base, vs)
@@ -550,7 +480,7 @@ class ChainFollower:
                 raise
 
     async def _master_cli(self) -> RpcClient | None:
-        m = self.master
+        m = self.view.master
         if m == self.upstream or m == self.index:
             return self.client
         if self._master_client is not None and self._master_client[0] == m:
@@ -650,81 +580,3 @@ class ChainFollower:
         if self._master_client is not None:
             await self._master_client[1].close()
             self._master_client = None
-
-
-# ---- the upstream half of a hop -------------------------------------------------------
-
-
-class Pacer:
-    """Emulated link of `rate` bytes/s (bench/tests): a chunk is 'on the wire' n/rate seconds."""
-
-    def __init__(self, rate: float | None):
-        self.rate = rate
-        self.next_free = 0.0
-
-    async def take(self, nbytes: int) -> None:
-        if not self.rate:
-            return
-        now = time.monotonic()
-        done = max(self.next_free, now) + nbytes / self.rate
-        self.next_free = done
-        await asyncio.sleep(done - now)  # emulated transmission time, not synchronisation
-
-
-class ChunkService:
-    """The upstream half of a hop: answers a downstream relay's FetchChunk from the store.
-
-    A fetch for a chunk not received yet waits for it (up to `chunk_wait_s`): that wait is
-    what pipelines the chain. In delta mode the chunk goes as its kept delta when the
-    requester holds the base it was encoded against. Each downstream gets its own Pacer
-    (an emulated link when `link_bytes_per_s` is set)."""
-
-    def __init__(
-        self,
-        store: WeightStore,
-        node_id: str,
-        metrics: Metrics,
-        *,
-        chunk_wait_s: float,
-        delta: bool,
-        link_bytes_per_s: float | None = None,
-    ):
-        self.store, self.node_id, self.metrics = store, node_id, metrics
-        self.chunk_wait_s, self.delta, self.link_bytes_per_s = chunk_wait_s, delta, link_bytes_per_s
-        self._pacers: dict[str, Pacer] = {}
-
-    async def fetch(self, peer: Peer, msg: FetchChunk) -> WeightChunk | ErrorReply:
-        vs = self.store.versions.get(msg.version)
-        if vs is None or vs.abandoned or vs.staging:
-            return ErrorReply(
-                code="gone", message=f"{self.node_id} does not have version {msg.version}"
-            )
-        if not 0 <= msg.index < vs.n:
-            raise ProtocolError(f"chunk index {msg.index} out of range [0, {vs.n})")
-        if not await self.store.wait_chunk(vs, msg.index, self.chunk_wait_s):
-            code = "gone" if vs.abandoned else "not_yet"
-            return ErrorReply(
-                code=code, message=f"chunk {msg.index} of version {msg.version} not here"
-            )
-        start, end = chunk_range(msg.index, vs.chunk_bytes, vs.layout.total_bytes)
-        blob = None
-        if self.delta and msg.base_version >= 0 and msg.base_version == vs.delta_base:
-            blob = vs.deltas.get(msg.index)  # None: this chunk travels whole (delta not smaller)
-        # zero-copy: the frame points into the shared-memory slot (or the kept delta)
-        data = vs.buf[start:end] if blob is None else blob
-        pacer = self._pacers.get(peer.node_id)
-        if pacer is None:
-            pacer = self._pacers[peer.node_id] = Pacer(self.link_bytes_per_s)
-        await pacer.take(len(data))
-        self.metrics.count("bytes_sent", len(data))
-        if blob is not None:
-            self.metrics.count("chunks_sent_delta")
-        return WeightChunk(
-            version=vs.version,
-            index=msg.index,
-            offset=start,
-            digest=int(vs.digests[msg.index]),
-            data=data,
-            base_version=vs.delta_base if blob is not None else -1,
-            version_checksum=vs.checksum or vs.expected_checksum,
-        )

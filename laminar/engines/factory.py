@@ -1,0 +1,31 @@
+"""The engine rollout.engine names (sim, torch, vllm), built from its config sections.
+
+    engine = make_engine(cfg.rollout, cfg.model)   # not started: `await engine.start()`
+
+Each backend is imported only when chosen (torch and vllm are heavy).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from laminar.config import ModelConfig, RolloutConfig
+from laminar.engines.base import Engine
+
+
+def make_engine(rollout: RolloutConfig, model: ModelConfig, **kw: Any) -> Engine:
+    """Engine for rollout.engine; `kw` overrides what the sections say."""
+    kind = rollout.engine
+    if kind == "sim":
+        from laminar.engines.sim import SimEngine
+
+        return SimEngine.from_config(rollout, **kw)
+    if kind == "torch":
+        from laminar.engines.torch_engine import TorchEngine
+
+        return TorchEngine.from_config(rollout, model, **kw)
+    if kind == "vllm":
+        from laminar.engines.vllm_engine import VllmEngine
+
+        return VllmEngine.from_config(rollout, model, **kw)
+    raise ValueError(f"unknown engine {kind!r}")

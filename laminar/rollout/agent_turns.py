@@ -1,0 +1,120 @@
+"""What a call of an agent episode asks of the driver and what it answers (or why it refuses).
+
+    openai_shapes.py ──ChatTurn | TextTurn──► AgentDriver.turn (agents.py) ──TurnResult──►
+    openai_shapes.py;  a refusal: EpisodeUnknown | EpisodeMoved | CallRefused(Refusal)
+
+The driver's typed API, free of HTTP and of OpenAI's field names: the endpoint's shapes
+(openai_shapes.py) build these from request bodies and turn them into reply bodies, status codes
+and error bodies.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+class EpisodeUnknown(Exception):
+    """The token is no live episode here (never issued, revoked, or its episode ended)."""
+
+
+class EpisodeMoved(Exception):
+    """The token's episode was exported from here (a repack move): its agent repeats the call on
+    the rollout that imports it."""
+
+    def __init__(self, dest: str) -> None:
+        super().__init__(dest)
+        self.dest = dest
+        """The node id of the rollout the manager meant to import it on ("" unknown)."""
+
+
+class Refusal(enum.Enum):
+    """Why the driver refused a call of a live episode."""
+
+    IN_FLIGHT = "in_flight"
+    """Another call of the episode is in flight (its calls go one at a time)."""
+    MAX_CALLS = "max_calls"
+    """The episode made agent.max_calls calls already."""
+    TOO_LONG = "too_long"
+    """The conversation or the episode's tokens would pass their cap (the episode is truncated)."""
+    BAD_MESSAGES = "bad_messages"
+    """The messages cannot be rendered (laminar/agents/render.py BadMessages)."""
+    ENDED = "ended"
+    """The episode ended or started again while the call ran."""
+    TIME_UP = "time_up"
+    """agent.episode_timeout_s passed while the call ran."""
+    NOT_CLOSABLE = "not_closable"
+    """A close of an episode whose agent is ours to run, or one already closed."""
+    BAD_CLAIM_KEY = "bad_claim_key"
+    """A claim without the remote key."""
+
+
+class CallRefused(Exception):
+    """A call the driver refuses; the text says why."""
+
+    def __init__(self, reason: Refusal, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """A turn's sampling knobs as its caller asked (None: the rollout's own)."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ChatTurn:
+    """A turn asked as a conversation: the episode's messages so far, then the new ones."""
+
+    messages: list[dict[str, Any]]
+    tools: list[Any] | None
+    """The tools the model may call (None: none offered, or its caller forbade calling them)."""
+    sampling: Sampling
+
+
+@dataclass(frozen=True)
+class TextTurn:
+    """A turn asked as one text: the episode's text so far, then the new text."""
+
+    prompt: str
+    sampling: Sampling
+
+
+@dataclass(frozen=True)
+class TurnResult:
+    """The model's turn, as the engine sampled it."""
+
+    turn_id: str
+    """<sample uid>-<attempt>-<turn>: unique per turn of a sample."""
+    ids: np.ndarray
+    """The sampled token ids."""
+    logprobs: np.ndarray
+    """Their behaviour logprobs."""
+    text: str
+    """The sampled tokens decoded."""
+    reason: str
+    """Why sampling stopped: "stop" or "length" (the turn's token cap)."""
+    prompt_tokens: int
+    """Tokens before the turn (the episode's prompt and every earlier token)."""
+    message: dict[str, Any] | None = None
+    """A chat turn: the model's turn as a message (laminar/agents/render.py)."""
+    tool_called: bool = False
+    """A chat turn: the message calls tools."""
+
+
+@dataclass(frozen=True)
+class EpisodeClaim:
+    """A remote episode handed to an agent elsewhere."""
+
+    token: str
+    row: dict[str, Any]
+    base_url: str
+    timeout_s: float

@@ -1,0 +1,84 @@
+"""A micro-batch's tensors: the samples of one index list, right-padded, in the next-token frame.
+
+    mb = collate(batch, idx, pad_id)     # input_ids/attention_mask [b, L] (right-padded),
+                                         # targets/resp_mask/behav_logp [b, L-1]
+    mb.layout = PackedLayout.build(...)  # the packed forward's view of the same samples
+    mb = mb.to(device)
+
+Next-token frame: logits at position j predict token j+1, so response token k of a
+sample with P prompt tokens (input position P+k) sits at frame position P+k-1.
+resp_mask is the response frame times the trajectory's loss mask, so an environment token is
+never a target of the loss (zero gradient). The trained model builds them
+(laminar/trainer/model.py `micro_batch`) from the index lists of laminar/trainer/packing.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from laminar.trainer.batch import TrainBatch
+
+if TYPE_CHECKING:
+    from laminar.trainer.packed import PackedLayout
+
+
+@dataclass
+class MicroBatch:
+    index: torch.Tensor
+    """[b] positions of these samples in the TrainBatch."""
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    targets: torch.Tensor
+    resp_mask: torch.Tensor
+    behav_logp: torch.Tensor
+    resp_index: torch.Tensor
+    """[N] flat positions of resp_mask's True entries in [b * (L-1)], row-major: the positions
+    whose log-probabilities are computed (no data-dependent shapes on the device)."""
+    layout: PackedLayout | None = None
+    """The same samples for the packed forward (trainer/packed.py), when it runs."""
+
+    def to(self, device: str | torch.device) -> MicroBatch:
+        dev = torch.device(device)
+        return MicroBatch(
+            self.index.to(dev),
+            self.input_ids.to(dev),
+            self.attention_mask.to(dev),
+            self.targets.to(dev),
+            self.resp_mask.to(dev),
+            self.behav_logp.to(dev),
+            self.resp_index.to(dev),
+            None if self.layout is None else self.layout.to(dev),
+        )
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.resp_mask.sum())
+
+
+def collate(batch: TrainBatch, index: list[int], pad_id: int = 0) -> MicroBatch:
+    rows = [batch.samples[i] for i in index]
+    L = max(s.length for s in rows)
+    b = len(rows)
+    ids = torch.full((b, L), pad_id, dtype=torch.long)
+    att = torch.zeros((b, L), dtype=torch.long)
+    resp = torch.zeros((b, L - 1), dtype=torch.bool)
+    behav = torch.zeros((b, L - 1), dtype=torch.float32)
+    for r, s in enumerate(rows):
+        p, n = len(s.prompt_ids), len(s.response_ids)
+        ids[r, :p] = torch.from_numpy(s.prompt_ids)
+        ids[r, p : p + n] = torch.from_numpy(s.response_ids)
+        att[r, : p + n] = 1
+        resp[r, p - 1 : p - 1 + n] = True if s.loss_mask is None else torch.from_numpy(s.loss_mask)
+        behav[r, p - 1 : p - 1 + n] = torch.from_numpy(s.behav_logp)
+    return MicroBatch(
+        torch.tensor(index, dtype=torch.long),
+        ids,
+        att,
+        ids[:, 1:].clone(),
+        resp,
+        behav,
+        resp.flatten().nonzero().squeeze(1),
+    )
