@@ -278,6 +278,12 @@ class SimEngineConfig(Section):
     """Tokens per emitted event (one timer wake per chunk); default rollout.partial_chunk_tokens."""
     load_time_s: float = Field(0.0, ge=0)
     """Emulated weight-load pause (no decoding while it runs)."""
+    prefill_tok_s: float | None = Field(None, gt=0)
+    """Emulated prefill rate (tokens/s): a sequence entering the batch (a new prompt, a resume
+    after an interrupt or a failure, a repack import, a turn after a tool call beyond its prefix
+    cache) stalls decoding for the tokens it must compute / this rate. Saturated decode makes
+    bound_b / step_time_s tokens/s; real prefill runs 2-5x that (7B on one GPU ~2x, 32B-72B ~5x).
+    None: prefill is free (the emulation before it was charged)."""
 
 
 class VllmConfig(Section):
@@ -398,6 +404,12 @@ class RolloutConfig(Section):
     queued, held) leave room for a whole group within this many, e.g. max_running + group_size (a
     group's worth queued in the engine, so a slot a finished sequence frees is refilled in the same
     decode step). null: a credit per group (`credits` groups in hand)."""
+    refill_versions: int = Field(0, ge=0)
+    """Mode laminar: keep taking prompts at the loaded version while the newest is fewer than this
+    many versions ahead; at this many, take none, drain, and load the newest (a rollout with
+    nothing in flight loads the newest at once). The paper's rollout pulls new weights when its
+    batch is done, not at every version. 0: drain as soon as anything newer exists.
+    buffer.max_staleness still bounds what is trained."""
     retract_unstarted: bool = True
     """Draining for newer weights: take back the groups whose samples all still wait in the engine's
     queue (credits x group_size > max_running) and start them at the new version once loaded,
@@ -768,6 +780,11 @@ class RepackConfig(Section):
     max_concurrent_moves: int = Field(32, ge=1)
     """Moves of one round in flight at once (each: export, import, refresh); the rest wait for a
     slot."""
+    candidates: Literal["draining", "kv_falling"] = "draining"
+    """Which rollouts a round may empty or fill: draining = those that take no more prompts at
+    their version (their status says so: target_version > version), whatever their KV does;
+    kv_falling = those whose KV use did not rise since the previous round (the rule before
+    rollouts reported it; a tail of a few long sequences always rises)."""
 
 
 class ManagerConfig(Section):

@@ -297,6 +297,7 @@ class RolloutNode(Node):
             # partial: every rollout takes each version as soon as it is out (a global update)
             auto_refresh=(s.rollout.refresh_when_idle and s.mode == "laminar")
             or s.mode == "partial",
+            refill_versions=s.rollout.refill_versions if s.mode == "laminar" else 0,
             refresh_wait_s=s.rollout.refresh_wait_s,
             notify=(self.status_changed,),
             metrics=self.metrics,
