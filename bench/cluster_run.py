@@ -329,7 +329,7 @@ def make_config(mode: str, n: int, seed: int, prm: BenchParams, work: Path, ipc_
                     # sized for B worst-case sequences: the bound B, not memory, limits a rollout
                     "kv_capacity_tokens": prm.bound_b * (prm.prompt_tokens + cap),
                     "prefill_tok_s": prm.prefill_tok_s(),
-                    "load_time_s": prm.load_frac * prm.length_p50 * prm.step_time_s,
+                    "load_time_s": round(prm.load_frac * prm.length_p50 * prm.step_time_s, 9),
                 },
             },
             "trainer": {

@@ -780,7 +780,7 @@ class RepackConfig(Section):
     max_concurrent_moves: int = Field(32, ge=1)
     """Moves of one round in flight at once (each: export, import, refresh); the rest wait for a
     slot."""
-    candidates: Literal["draining", "kv_falling"] = "draining"
+    candidates: Literal["draining", "kv_falling"] = "kv_falling"
     """Which rollouts a round may empty or fill: draining = those that take no more prompts at
     their version (their status says so: target_version > version), whatever their KV does;
     kv_falling = those whose KV use did not rise since the previous round (the rule before
