@@ -76,6 +76,17 @@ class BenchParams:
     (rollout.retract_unstarted; partial never drains: its queue continues under the new version).
     The other baselines keep `credits`: their global batch is spread evenly and drained, a queue
     would only unbalance it. None: a credit per group, as before (bench/README.md)."""
+    prefill_over_decode: float | None = 5.0
+    """Prefill rate / saturated decode rate (bound_b / step_time_s), the one ratio that sets the
+    sim engine's prefill charge (rollout.sim.prefill_tok_s) and the simulator's: 5 is the
+    conservative 32B-72B ratio (prefill is compute-bound, decode weight-read-bound; 7B on one GPU
+    is ~2). Every sequence entering a batch pays for its prompt and resumed tokens: a partial
+    rollout's interrupted sequences after each update, a repack import, a new prompt. None:
+    prefill is free (the emulation before issue 44)."""
+    load_frac: float = 0.013
+    """A weight load (rollout.sim.load_time_s) as a share of a median response's decode time:
+    the 32B paper-scale figure (bench/simscale.py: a 65.6 GB version over PCIe on TP 4, 0.66 s,
+    against 2,000 tokens at 25 ms a step). Every load pays it, in every mode."""
     length_p50: int = 100
     length_p99_over_p50: float = 10.0
     max_tokens: int = 1024
@@ -136,10 +147,30 @@ class BenchParams:
     obs_tokens_min: int = 10
     obs_tokens_max: int = 100
 
+    refill_versions: int = 3
+    """laminar modes: rollout.refill_versions K (a busy rollout refills at its version until the
+    newest is K ahead; 0: it drains for anything newer, as before issue 44)."""
+    repack_candidates: str = "draining"
+    """manager.repack.candidates: draining (the rollout's word) or kv_falling (before issue 44)."""
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> BenchParams:
         names = {f.name for f in fields(cls)}
+        if "prefill_over_decode" not in d:  # a stored run from before issue 44: its own rules
+            d = {
+                "prefill_over_decode": None,
+                "load_frac": 0.0,
+                "refill_versions": 0,
+                "repack_candidates": "kv_falling",
+                **d,
+            }
         return cls(**{k: v for k, v in d.items() if k in names})
+
+    def prefill_tok_s(self) -> float | None:
+        """The sim engine's prefill rate: prefill_over_decode x saturated decode."""
+        if self.prefill_over_decode is None:
+            return None
+        return self.prefill_over_decode * self.bound_b / self.step_time_s
 
 
 TIMED = (
@@ -284,6 +315,7 @@ def make_config(mode: str, n: int, seed: int, prm: BenchParams, work: Path, ipc_
                 "credits": prm.credits,
                 "refill_slots": prm.refill_slots if queued else None,
                 "retract_unstarted": prm.retract_unstarted,
+                "refill_versions": prm.refill_versions if queued else 0,
                 "max_running": prm.bound_b,
                 "partial_chunk_tokens": 256,
                 "prompt_retry_s": 0.05,
@@ -296,6 +328,8 @@ def make_config(mode: str, n: int, seed: int, prm: BenchParams, work: Path, ipc_
                     "seed": seed,
                     # sized for B worst-case sequences: the bound B, not memory, limits a rollout
                     "kv_capacity_tokens": prm.bound_b * (prm.prompt_tokens + cap),
+                    "prefill_tok_s": prm.prefill_tok_s(),
+                    "load_time_s": round(prm.load_frac * prm.length_p50 * prm.step_time_s, 9),
                 },
             },
             "trainer": {
@@ -317,6 +351,7 @@ def make_config(mode: str, n: int, seed: int, prm: BenchParams, work: Path, ipc_
                     "enabled": mode == "laminar",
                     "interval_s": prm.repack_interval_s,
                     "c_max": prm.c_max,
+                    "candidates": prm.repack_candidates,
                 },
                 "timeline_interval_s": float(os.environ.get("LCB_TIMELINE", 0)),
             },

@@ -135,7 +135,8 @@ def make_cfg_dict(tmp: Path, rollouts: int) -> dict[str, Any]:
         "run_dir": str(tmp / "run"),
         "mode": "laminar",
         "logging": {"level": os.environ.get("CP_LOG", "warning")},
-        "cluster": {"transport": "ipc", "ipc_dir": str(tmp / "ipc")},
+        # the synthetic rollouts' ids rollout-0 .. are admitted past the run's own two
+        "cluster": {"transport": "ipc", "ipc_dir": str(tmp / "ipc"), "max_rollouts": rollouts + 2},
         "transport": {"heartbeat_interval_s": HEARTBEAT_S, "request_timeout_s": 10.0},
         "data": {"train": str(data), "seed": 1},
         "rollout": {
@@ -262,6 +263,7 @@ class Driver:
                 target_version=0,
                 groups=32,
                 credits_free=0,
+                max_running=128,  # an engine up: the manager lists it to the buffer as serving
             )
             st = self._status[i] = NodeStatus(
                 node_id=f"rollout-{i}",

@@ -57,7 +57,9 @@ Modes (rules from laminar.modes.policy_for):
 - laminar_norepack / laminar: each rollout takes its own batch, drains it, pulls the newest
   version from its relay and takes the next; the trainer consumes finished groups FIFO. With
   refill_per_group (the rollout node's credit loop, used for the emulation) a rollout also takes
-  a new group whenever one finishes while no newer version is out; a dry rollout's prompts
+  a new group whenever one finishes while no newer version is out (with refill_versions K: while
+  the newest is fewer than K versions ahead; a dry rollout pulls the newest at once; repack with
+  repack_by_draining takes as candidates the rollouts past that point); a dry rollout's prompts
   arrive prompt_rtt_s after it asks (with prompt_during_load, asked while it loads a newer
   version: it waits max(relay_pull_s, prompt_rtt_s)). laminar also repacks every
   repack_interval_s and right after each trainer update (bench/simrepack.py: planned from status
@@ -527,10 +529,10 @@ class Sim(RepackMixin):
             return
         # nothing to decode; multi-turn: tool waits keep the version (a load waits for them) but
         # not the decode slots, which take new groups meanwhile (feeder.py's credits)
-        if self.newest_avail > r.version and self.prm.retract_waiting and r.waiting:
-            self.retract(r)
         dry = not r.running and not r.waiting
-        if self.newest_avail > r.version:
+        if self.draining(r) and self.prm.retract_waiting and r.waiting:
+            self.retract(r)
+        if self.newest_avail > r.version and (self.draining(r) or (dry and not r.tooling)):
             if not dry or r.tooling:
                 return  # drain first: every trajectory runs on one version
             r.pulling = True
@@ -578,6 +580,12 @@ class Sim(RepackMixin):
             self.admit(r)
         elif dry or started < limit:
             self.idle.add(r.idx)  # woken when buffer room or a version appears
+
+    def draining(self, r: Rollout) -> bool:
+        """Laminar: the rollout takes nothing more at its version (a newer one is out, or with
+        refill_versions K the newest is K ahead); it finishes what it holds, then pulls."""
+        k = self.prm.refill_versions
+        return self.newest_avail >= r.version + k if k > 0 else self.newest_avail > r.version
 
     def retract(self, r: Rollout) -> None:
         """Take back the queued groups none of whose samples started (they run at the next
@@ -808,7 +816,7 @@ class Sim(RepackMixin):
                 self.newest_avail = max(self.newest_avail, data)
                 if self.prm.retract_waiting:  # the rollout node's feeder wakes on a new version
                     for r in self.ro:
-                        if r.waiting and r.version < self.newest_avail and not r.pulling:
+                        if r.waiting and self.draining(r) and not r.pulling:
                             self.retract(r)
                 self.wake_idle()
             elif kind == 5:

@@ -96,6 +96,13 @@ class SimParams:
     rollout node's rollout.refill_slots: credits per sequence, not per group), however many
     groups it holds (multi-turn: at most 2x rollout_groups, as the node caps them); None: a
     credit per group (rollout_groups groups in hand)."""
+    refill_versions: int = 0
+    """laminar with refill_per_group: a busy rollout keeps taking groups at its version while the
+    newest is fewer than this many versions ahead, and drains at that many (the rollout node's
+    rollout.refill_versions); a dry one pulls the newest at once. 0: drain for anything newer."""
+    repack_by_draining: bool = False
+    """laminar: repack candidates are the rollouts that take nothing more at their version
+    (manager.repack.candidates = draining), not those whose KV use did not rise."""
     retract_waiting: bool = False
     """laminar: once a newer version is out, a draining rollout takes back its groups that have not
     started (all samples still queued, no token made) and starts them at the new version after its

@@ -141,6 +141,8 @@ class RepackMixin:
                 self.advance(r)
                 load, trajs, _ = self.report(r)
             load = replace(load, kv_rising=load.kv_use > r.last_kv + 1e-12)
+            if self.prm.repack_by_draining:
+                load = replace(load, draining=self.draining(r))
             r.last_kv = load.kv_use
             if is_candidate(load, self.prm.c_max, self.rb):  # only candidates' trajectories matter
                 load = replace(load, trajectories=trajs)

@@ -78,8 +78,9 @@ def params_from_config(cfg: Any, n_rollouts: int, **overrides: Any) -> SimParams
     control plane as configured (repack plans from heartbeats plus status pushed on change where
     the rollout node pushes, moves bounded per round, a rollout refills per group and asks for
     prompts while it loads newer weights).
-    Weight movement, repack moves, prompt round trips and prefill cost nothing here unless
-    overridden with measured values (bench/cluster.py `measured_latencies`)."""
+    Prefill costs what the sim engine charges (rollout.sim.prefill_tok_s); weight movement, repack
+    moves and prompt round trips cost nothing here unless overridden with measured values
+    (bench/cluster.py `measured_latencies`)."""
     sim, ro = cfg.rollout.sim, cfg.rollout
     pushes = (
         bool(getattr(ro, "status_push", False))
@@ -120,6 +121,14 @@ def params_from_config(cfg: Any, n_rollouts: int, **overrides: Any) -> SimParams
         # with a queue: credits x group_size > max_running)
         retract_waiting=ro.retract_unstarted,
         refill_slots=ro.refill_slots,
+        refill_versions=ro.refill_versions if cfg.mode == "laminar" else 0,
+        repack_by_draining=cfg.manager.repack.candidates == "draining",
+        # the sim engine's prefill charge (rollout.sim.prefill_tok_s; None: free)
+        prefill_tok_s=sim.prefill_tok_s or math.inf,
+        # the sim engine's weight-load pause (rollout.sim.load_time_s): every load pays it, a
+        # laminar rollout's pull and partial's global update alike (measured values override)
+        relay_pull_s=sim.load_time_s,
+        global_update_s=sim.load_time_s,
         prompt_during_load=True,  # the pull loop asks while it loads, in every mode
         **multiturn_from_config(cfg),
     )

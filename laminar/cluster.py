@@ -6,7 +6,10 @@
         buffer = cluster.node("buffer-0")
         await cluster.wait_trainer(timeout=600)      # until the trainer finishes its steps
 
-Tests, notebooks and emulated-scale benchmarks use it. Nodes start in dependency
+Tests, notebooks and emulated-scale benchmarks use it. `roles` names the nodes this process
+starts (default: every role of the config); the config's `cluster.roles` stays the run's
+membership, so a cluster whose rollouts run in another process (bench/cluster_run.py) still
+sizes its shares and admits its rollout ids by the real count. Nodes start in dependency
 order (manager, buffer, relays, trainer, rollouts), each must become ready within
 transport.startup_timeout_s, and leaving the block stops them in reverse order.
 A node that fails makes `check()` (and the exit of the block) raise. Each node
@@ -31,9 +34,9 @@ class LocalCluster:
     ):
         data = cfg.model_dump()
         data["cluster"]["transport"] = transport
-        if roles is not None:
-            data["cluster"]["roles"] = dict(roles)
         self.cfg = LaminarConfig.model_validate(data)
+        self.start_roles = dict(cfg.cluster.roles if roles is None else roles)
+        """How many nodes of each role this process starts."""
         self.ctx = new_context()
         self.nodes: dict[str, Node] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -96,7 +99,7 @@ class LocalCluster:
     async def __aenter__(self) -> LocalCluster:
         try:
             for role in ROLES:
-                for i in range(self.cfg.cluster.roles.get(role, 0)):
+                for i in range(self.start_roles.get(role, 0)):
                     await self.add(role, i)
         except BaseException:
             await self.close()

@@ -79,6 +79,8 @@ class ClusterConfig(Section):
     threads_per_process: int | None = Field(None, ge=1)
     """OMP/MKL threads for each node process `laminar run` starts (null = library default).
     On a small box, 1 avoids oversubscription when trainer and rollouts share the cores."""
+    max_rollouts: int | None = Field(None, ge=1, le=1_000_000)
+    """Most live rollout ids admitted at once; null = roles.rollout + max(2, roles.rollout // 4)."""
     rollouts_per_process: int = Field(1, ge=1)
     """Emulated scale: several rollout nodes share one process (sim engines)."""
     gc_threshold: tuple[int, int, int] | None = (700, 10, 100)
@@ -124,7 +126,24 @@ class ClusterConfig(Section):
                 raise ValueError(f"cluster.roles has unknown role {role!r}; use one of {ROLES}")
             if count < 0:
                 raise ValueError(f"cluster.roles.{role} must be >= 0, got {count}")
+        if self.max_rollouts is not None and self.max_rollouts < self.roles.get("rollout", 0):
+            raise ValueError(
+                f"cluster.max_rollouts={self.max_rollouts} is below cluster.roles.rollout="
+                f"{self.roles.get('rollout', 0)}: raise it (or leave it null: derived)"
+            )
         return self
+
+    def rollout_ids(self) -> list[str]:
+        """The run's own rollout ids (rollout-0 .. rollout-{roles.rollout - 1})."""
+        return [f"rollout-{i}" for i in range(self.roles.get("rollout", 0))]
+
+    def live_rollouts_bound(self) -> int:
+        """Most live rollout ids admitted at once (max_rollouts, else derived: the run's own
+        rollouts plus max(2, a quarter of them) for restarts under new ids and elastic joins)."""
+        if self.max_rollouts is not None:
+            return self.max_rollouts
+        n = self.roles.get("rollout", 0)
+        return n + max(2, n // 4)
 
 
 class SecurityConfig(Section):
@@ -259,6 +278,12 @@ class SimEngineConfig(Section):
     """Tokens per emitted event (one timer wake per chunk); default rollout.partial_chunk_tokens."""
     load_time_s: float = Field(0.0, ge=0)
     """Emulated weight-load pause (no decoding while it runs)."""
+    prefill_tok_s: float | None = Field(None, gt=0)
+    """Emulated prefill rate (tokens/s): a sequence entering the batch (a new prompt, a resume
+    after an interrupt or a failure, a repack import, a turn after a tool call beyond its prefix
+    cache) stalls decoding for the tokens it must compute / this rate. Saturated decode makes
+    bound_b / step_time_s tokens/s; real prefill runs 2-5x that (7B on one GPU ~2x, 32B-72B ~5x).
+    None: prefill is free (the emulation before it was charged)."""
 
 
 class VllmConfig(Section):
@@ -379,6 +404,12 @@ class RolloutConfig(Section):
     queued, held) leave room for a whole group within this many, e.g. max_running + group_size (a
     group's worth queued in the engine, so a slot a finished sequence frees is refilled in the same
     decode step). null: a credit per group (`credits` groups in hand)."""
+    refill_versions: int = Field(0, ge=0)
+    """Mode laminar: keep taking prompts at the loaded version while the newest is fewer than this
+    many versions ahead; at this many, take none, drain, and load the newest (a rollout with
+    nothing in flight loads the newest at once). The paper's rollout pulls new weights when its
+    batch is done, not at every version. 0: drain as soon as anything newer exists.
+    buffer.max_staleness still bounds what is trained."""
     retract_unstarted: bool = True
     """Draining for newer weights: take back the groups whose samples all still wait in the engine's
     queue (credits x group_size > max_running) and start them at the new version once loaded,
@@ -749,6 +780,11 @@ class RepackConfig(Section):
     max_concurrent_moves: int = Field(32, ge=1)
     """Moves of one round in flight at once (each: export, import, refresh); the rest wait for a
     slot."""
+    candidates: Literal["draining", "kv_falling"] = "kv_falling"
+    """Which rollouts a round may empty or fill: draining = those that take no more prompts at
+    their version (their status says so: target_version > version), whatever their KV does;
+    kv_falling = those whose KV use did not rise since the previous round (the rule before
+    rollouts reported it; a tail of a few long sequences always rises)."""
 
 
 class ManagerConfig(Section):
@@ -807,6 +843,10 @@ class BufferConfig(Section):
     lease_s: float = Field(600.0, gt=0)
     """A served group whose rollout sends no chunk, trajectory or abandon of it for this long is
     served again to another rollout (counted once either way)."""
+    unstarted_lease_s: float | None = Field(None, gt=0)
+    """A served group its rollout has not started (no chunk, trajectory or abandon of it) is served
+    again to another rollout once that rollout also asked for no prompts and made no progress on
+    any group for this long; null = min(60, lease_s)."""
     max_groups_per_rollout: int | None = Field(None, ge=1)
     """Open groups one rollout may hold at once (a PromptRequest asking for more gets fewer); null
     = the larger of its share of capacity (capacity / group_size / cluster.roles.rollout) and what
@@ -819,6 +859,10 @@ class BufferConfig(Section):
                 f"buffer.sampling {self.sampling!r}: use fifo | lifo | random | module:function"
             )
         return self
+
+    def unstarted_lease(self) -> float:
+        """unstarted_lease_s, else min(60 s, lease_s)."""
+        return self.unstarted_lease_s or min(60.0, self.lease_s)
 
 
 class DemoModelConfig(Section):
@@ -1001,12 +1045,23 @@ class LaminarConfig(Section):
         its share of the buffer's capacity, and never below what its own credits ask for)."""
         if self.buffer.max_groups_per_rollout is not None:
             return self.buffer.max_groups_per_rollout
-        r, n = self.rollout, self.rollout.group_size
         rollouts = max(1, self.cluster.roles.get("rollout", 1))
+        share = self.buffer.capacity // (self.rollout.group_size * rollouts)
+        return max(self.groups_in_hand(), share)
+
+    def groups_in_hand(self) -> int:
+        """Open groups a rollout's own flow control asks for at most: 2 x rollout.credits, or
+        refill_slots / group_size + 2."""
+        r = self.rollout
         own = 2 * r.credits
         if r.refill_slots is not None:
-            own = max(own, -(-r.refill_slots // n) + 2)
-        return max(own, self.buffer.capacity // (n * rollouts))
+            own = max(own, -(-r.refill_slots // r.group_size) + 2)
+        return own
+
+    def engine_max_running(self) -> int:
+        """Most sequences a rollout's engine may run at once by the config (rollout.max_running,
+        or vllm.max_num_seqs when larger): a status claiming more is clamped to it."""
+        return max(self.rollout.max_running, self.rollout.vllm.max_num_seqs or 0)
 
     def inflight_per_rollout(self) -> int:
         """Most samples one rollout can hold in flight: the buffer never has more than

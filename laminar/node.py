@@ -117,11 +117,13 @@ class Node:
             summary.unauthorized += srv.refused.unauthorized
             summary.bad += srv.refused.bad
             summary.refused_hellos += srv.refused.refused_hello
+            summary.refused_ids += srv.refused.refused_ids
             for peer, counts in srv.refusals.items():
                 row = rows.setdefault(peer, PeerRefusals(peer=peer))
                 row.unauthorized += counts.unauthorized
                 row.bad += counts.bad
                 row.refused_hellos += counts.refused_hello
+                row.refused_ids += counts.refused_ids
         if not summary.total():
             return None
         summary.peers = heapq.nlargest(MAX_PEER_ROWS, rows.values(), key=PeerRefusals.total)

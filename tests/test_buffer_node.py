@@ -43,6 +43,7 @@ from laminar.transport.client import RpcClient
 from laminar.transport.sockets import RemoteError, new_context
 from laminar.wiring.common import socket_options
 from laminar.wiring.nodes import build_node
+from tests.serving import serving_rollout, until_members
 
 N, B = 2, 2
 
@@ -64,6 +65,8 @@ def make_cfg(tmp: Path, rows: int = 20, transport: str = "inproc", **sections):
         "cluster": {
             "transport": transport,
             "ipc_dir": tempfile.mkdtemp(prefix="lamb-", dir="/tmp"),
+            # fake rollouts r0, r1, ... are none of the run's own ids (rollout-0, rollout-1)
+            "max_rollouts": 8,
         },
         "transport": {
             "heartbeat_interval_s": 0.05,
@@ -95,6 +98,8 @@ class Harness:
         self.ctx = new_context()
         self.tasks: list[asyncio.Task] = []
         self.clients: list[RpcClient] = []
+        self.rollouts: list[str] = []
+        """Client ids that beat to the manager as serving rollouts (tests/serving.py)."""
         self.buffer: BufferNode | None = None
         self._buffer_task: asyncio.Task | None = None
 
@@ -114,6 +119,7 @@ class Harness:
     async def start_buffer(self) -> BufferNode:
         self.buffer = build_node(self.cfg, "buffer", ctx=self.ctx)
         self._buffer_task = await self._start(self.buffer)
+        await until_members(self.buffer, self.rollouts)
         return self.buffer
 
     async def stop_buffer(self) -> None:
@@ -125,6 +131,11 @@ class Harness:
         cli = RpcClient(self.ctx, self.cfg.endpoint("buffer"), name, role, opts)
         await cli.connect(timeout=5)
         self.clients.append(cli)
+        if role == "rollout" and name not in self.rollouts:
+            self.clients.append(await serving_rollout(self.ctx, self.cfg, name, opts))
+            self.rollouts.append(name)
+            assert self.buffer is not None
+            await until_members(self.buffer, [name])
         return cli
 
     async def close(self) -> None:

@@ -34,6 +34,7 @@ from laminar.protocol.data import Trajectory
 from laminar.transport.client import RpcClient
 from laminar.transport.sockets import TransportError, new_context
 from laminar.wiring.common import socket_options
+from tests.serving import serving_rollout
 
 GROUPS, N = 12, 4
 
@@ -106,7 +107,8 @@ async def test_kill_9_mid_stream_keeps_every_acked_trajectory_once(tmp_path, pro
                 },
                 "logging": {"level": "info", "json_logs": True},
                 "data": {"train": str(data)},
-                "rollout": {"group_size": N},
+                # credits: the fake rollout holds all GROUPS open at once (2 x credits)
+                "rollout": {"group_size": N, "credits": GROUPS // 2},
                 "trainer": {"batch_groups": 2},
                 "buffer": {"fsync": fsync},
             }
@@ -121,15 +123,20 @@ async def test_kill_9_mid_stream_keeps_every_acked_trajectory_once(tmp_path, pro
     opts = socket_options(cfg)
     rollout = RpcClient(ctx, cfg.endpoint("buffer"), "r0", "rollout", opts)
     trainer = RpcClient(ctx, cfg.endpoint("buffer"), "t0", "trainer", opts)
+    beats: list[RpcClient] = []
     try:
         await rollout.connect(timeout=30)
         await trainer.connect(timeout=30)
+        # the manager lists it as serving: the buffer serves it prompts
+        beats.append(await serving_rollout(ctx, cfg, "r0", opts, timeout=30))
         items = []
         while len(items) < GROUPS:
             rep = await rollout.request(
                 PromptRequest(rollout_id="r0", max_groups=GROUPS - len(items), version=0)
             )
             items += rep.items
+            if not rep.items:  # not_member until the manager's next heartbeat names it
+                await asyncio.sleep(rep.retry_after_s)
         # the first two groups complete and are served to the trainer before the crash, uncommitted
         first = [trajectory(it, i) for it in items[:2] for i in range(N)]
         for t in first:
@@ -210,8 +217,8 @@ async def test_kill_9_mid_stream_keeps_every_acked_trajectory_once(tmp_path, pro
         )
         assert again.trajectories == [] and again.exhausted is False
     finally:
-        await rollout.close()
-        await trainer.close()
+        for cli in (rollout, trainer, *beats):
+            await cli.close()
         ctx.destroy(linger=0)
         shutil.rmtree(ipc_dir, ignore_errors=True)
     log = (logs / "buffer.log").read_text()

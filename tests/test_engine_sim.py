@@ -223,3 +223,97 @@ async def test_zero_step_time_finishes_at_once():
     e.submit(GenRequest("z", PROMPT, SamplingParams(max_tokens=100), n=8))
     res = await drain(e, 8, timeout=2)
     assert all(len(v[0]) == min(target_length(0, s, 50, 2), 100) for s, v in res.items())
+
+
+def _prefill_engine(**kw) -> SimEngine:
+    opts = dict(step_time_s=0.001, bound_b=8, length_p50=20, length_p99_over_p50=2)
+    opts.update(kw)
+    return SimEngine(max_running=8, chunk_tokens=8, prefill_tok_s=1000.0, **opts)
+
+
+async def test_prefill_is_charged_for_prompts_resumes_and_imports_once():
+    engine = _prefill_engine()
+    await engine.start()
+    loop = asyncio.get_running_loop()
+    params = SamplingParams(max_tokens=10_000)
+    # a new prompt: its tokens stall the idle engine's first step by tokens / rate
+    before = loop.time()
+    engine.submit(GenRequest("g0", PROMPT, params, n=1))
+    assert engine.prefill_tokens == len(PROMPT)
+    stall = len(PROMPT) / 1000.0
+    assert engine.prefill_s == pytest.approx(stall)
+    assert before + stall <= engine._t0 <= loop.time() + stall
+    engine.stats()  # settling (a status, a timer) charges nothing again
+    await drain(engine, 1)
+    assert engine.prefill_tokens == len(PROMPT)
+    # a resumed sequence (an interrupt put back, a repack import, a recovery): prompt + resumed
+    resumed = np.arange(7, dtype=np.int32)
+    lps = np.zeros(7, np.float32)
+    engine.submit(
+        GenRequest("imp", PROMPT, params, resume_ids=resumed, resume_logprobs=lps, single=True)
+    )
+    assert engine.prefill_tokens == 2 * len(PROMPT) + 7
+    await drain(engine, 1)
+    assert engine.prefill_s == pytest.approx((2 * len(PROMPT) + 7) / 1000.0)
+    await engine.close()
+
+
+async def test_prefill_waits_for_admission_and_a_turn_reuses_its_prefix_until_a_load():
+    engine = _prefill_engine(kv_capacity_tokens=len(PROMPT) + 1)
+    await engine.start()
+    params = SamplingParams(max_tokens=10_000)
+    engine.submit(GenRequest("a", PROMPT, params, n=2))  # the second cannot join yet: no KV
+    assert engine.prefill_tokens == len(PROMPT)  # charged when it joins, not when queued
+    done = await drain(engine, 2)
+    assert engine.prefill_tokens == 2 * len(PROMPT)
+    # the next turn of "a/0" on the same engine: only the environment's new tokens are computed
+    ids, lps, reason, _ = done["a/0"]
+    assert reason == "stop"
+    env = [1, 2, 3]
+    history = np.asarray(ids + env, np.int32)
+    hlps = np.zeros(len(history), np.float32)
+    nxt = GenRequest(
+        "a/0",
+        PROMPT,
+        params,
+        resume_ids=history,
+        resume_logprobs=hlps,
+        single=True,
+        turn=1,
+        turn_start=len(history),
+    )
+    engine.submit(nxt)
+    assert engine.prefill_tokens == 2 * len(PROMPT) + len(env)
+    await drain(engine, 1)
+    # after a weight load the cache is gone (its KV came from the old weights): all of it again
+    await engine.load_weights([], 1)
+    ids1, _, _, _ = done["a/1"]
+    hist1 = np.asarray(ids1 + env, np.int32)
+    again = GenRequest(
+        "a/1",
+        PROMPT,
+        params,
+        resume_ids=hist1,
+        resume_logprobs=np.zeros(len(hist1), np.float32),
+        single=True,
+        turn=1,
+        turn_start=len(hist1),
+    )
+    engine.submit(again)
+    assert engine.prefill_tokens == 2 * len(PROMPT) + len(env) + len(PROMPT) + len(hist1)
+    await drain(engine, 1)
+    await engine.close()
+
+
+async def test_prefill_during_a_load_runs_after_it():
+    engine = _prefill_engine(load_time_s=0.05)
+    await engine.start()
+    loop = asyncio.get_running_loop()
+    load = asyncio.ensure_future(engine.load_weights([], 1))
+    await asyncio.sleep(0)  # one loop turn: the load task runs up to its pause
+    engine.submit(GenRequest("g", PROMPT, SamplingParams(max_tokens=10_000), n=1))
+    await load
+    stall = len(PROMPT) / 1000.0
+    assert engine._t0 >= loop.time() + stall - 0.01  # after the load, not hidden under it
+    await drain(engine, 1)
+    await engine.close()

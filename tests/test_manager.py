@@ -148,6 +148,7 @@ async def test_status_cli_lists_every_node_with_its_columns(tmp_path, short_dir)
         "unauthorized",
         "bad",
         "refused_hellos",
+        "refused_ids",
         "refused_trajectories",
         "attest_mismatches",
     ]

@@ -57,6 +57,7 @@ from laminar.transport.client import RpcClient
 from laminar.transport.security import generate_role_keys
 from laminar.transport.sockets import RemoteError, RequestTimeout, TransportError
 from laminar.wiring.common import socket_options
+from tests.serving import rollout_status
 from tests.sim_cluster import consumed, sim_config, trainer_metrics, wait_for
 
 ROLES = ["manager", "buffer", "relay", "trainer", "rollout", "tools", "cli"]
@@ -140,6 +141,15 @@ def forged(group_id: str, index: int = 0, *, reward: float = 1.0, ids: int = 5, 
         rollout_id=kw.pop("rollout_id", HOSTILE),
         **kw,
     )
+
+
+async def serving(zctx: Any, cfg: LaminarConfig, node_id: str = HOSTILE) -> RpcClient:
+    """The hostile id at the manager, beating a serving rollout's status (an engine up,
+    claiming to run 10**9 at once): the buffer serves prompts only to what the manager lists."""
+    cli = hostile(zctx, cfg, "manager", node_id, status=lambda: rollout_status(node_id, 10**9))
+    await cli.connect(timeout=10)
+    await cli.beat()
+    return cli
 
 
 async def served(cli: RpcClient, trainer: Any, max_groups: int, timeout: float = 20.0) -> list:
@@ -322,6 +332,7 @@ async def test_a_rollout_key_cannot_submit_what_it_was_not_served(tmp_path, keys
         await wait_for(lambda: trainer.step >= 1, 60, "the first step", cluster)
         cli = hostile(zctx, cfg, "buffer")
         await cli.connect(timeout=10)
+        member = await serving(zctx, cfg)
 
         def answer_refused(reply: Any) -> bool:
             # refused, or (the owner's copy came first) acked as a duplicate: nothing stored
@@ -335,6 +346,9 @@ async def test_a_rollout_key_cannot_submit_what_it_was_not_served(tmp_path, keys
             except RemoteError as exc:
                 return exc
 
+        # its own served group first (the buffer serves what the manager lists as serving: the
+        # hostile id beats there), so another rollout's sample below is still generating
+        mine = (await served(cli, trainer, max_groups=1))[0]
         forgeries: list[Trajectory] = []
         # a group nobody was served
         forgeries.append(forged("ghost#0#0"))
@@ -351,7 +365,6 @@ async def test_a_rollout_key_cannot_submit_what_it_was_not_served(tmp_path, keys
         # the ids of another rollout in the body: refused before the buffer looks
         forgeries.append(forged("ghost#0#1", rollout_id="rollout-0"))
         # its own served group, with a reward and token ids out of range
-        mine = (await served(cli, trainer, max_groups=1))[0]
         forgeries.append(forged(mine.group_id, 0, reward=1e6))
         forgeries.append(forged(mine.group_id, 1, reward=float("nan")))
         forgeries.append(forged(mine.group_id, 0, ids=10**9))
@@ -385,6 +398,7 @@ async def test_a_rollout_key_cannot_submit_what_it_was_not_served(tmp_path, keys
         row = next(p for p in refusals.peers if p.peer == HOSTILE)
         assert row.refused_trajectories == refusals.refused_trajectories
         await cli.close()
+        await member.close()
     # nothing the hostile client sent was ever recorded, let alone trained
     assert not [t.uid for t in audit(cfg) if t.rollout_id == HOSTILE]
 
@@ -435,10 +449,10 @@ async def test_a_rollout_key_cannot_claim_work_beyond_the_config(tmp_path, keys,
         await wait_for(lambda: trainer.step >= 1, 60, "the first step", cluster)
 
         # a heartbeat claiming 3,000,000 samples in flight
-        def claim() -> NodeStatus:
-            return NodeStatus(
-                node_id=HOSTILE,
-                role="rollout",
+        def claim() -> NodeStatus:  # an engine up, running 10**9 at once, it says
+            return rollout_status(
+                HOSTILE,
+                10**9,
                 version=max(0, trainer.version),
                 kv_use=0.5,
                 running=1,

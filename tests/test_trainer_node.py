@@ -20,6 +20,7 @@ import torch
 
 from laminar.config import config_from_dict
 from laminar.protocol.buffer import BatchCommit, BatchReply, BatchRequest, CommitAck
+from laminar.protocol.core import NodeStatus
 from laminar.protocol.trainer import VersionPublished
 from laminar.transport.server import RpcServer
 from laminar.transport.sockets import Wiring, new_context
@@ -71,8 +72,10 @@ class FakeBuffer:
 
 
 class FakeManager:
-    def __init__(self, ctx, endpoint, opts):
-        self.srv = RpcServer(ctx, endpoint, "manager-0", "manager", opts)
+    def __init__(self, ctx, endpoint, opts, serving: dict[str, int] | None = None):
+        # serving: the rollouts its heartbeats list to a buffer (laminar/manager/serving.py)
+        status = NodeStatus(node_id="manager-0", role="manager", serving=serving or {})
+        self.srv = RpcServer(ctx, endpoint, "manager-0", "manager", opts, status=lambda: status)
         self.published: list[VersionPublished] = []
         self.srv.on(VersionPublished, lambda peer, m: self.published.append(m))
 

@@ -34,6 +34,7 @@ from laminar.transport.client import RpcClient
 from laminar.transport.sockets import new_context
 from laminar.wiring.common import socket_options
 from laminar.wiring.nodes import build_node
+from tests.serving import until_members
 from tests.test_trainer_node import FakeManager
 from tests.trainer_faults import CRASH_EXIT_CODE, crash_before_commit
 
@@ -162,12 +163,14 @@ async def _scenario(tmp_path, short_dir, tiny, run_trainer) -> None:
     cfg_path = write_config(tmp_path, short_dir, tiny)
     cfg = load_config(cfg_path)
     ctx = new_context()
-    mgr = FakeManager(ctx, cfg.endpoint("manager"), socket_options(cfg))
+    serving = {"rollout-0": cfg.rollout.max_running}  # fill_buffer's fake rollout
+    mgr = FakeManager(ctx, cfg.endpoint("manager"), socket_options(cfg), serving)
     await mgr.srv.start()
     buffer = build_node(cfg, "buffer", ctx=ctx)
     task = asyncio.create_task(buffer.run())
     try:
         await asyncio.wait_for(buffer.ready.wait(), 30)
+        await until_members(buffer, serving)
         await fill_buffer(cfg, ctx, groups=6)
         await run_trainer(ctx, cfg_path, crash_at=2)
         run = cfg.resolved_run_dir()

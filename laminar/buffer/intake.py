@@ -6,8 +6,10 @@
 
 A trajectory is checked by ExperienceState.check_trajectory: bad input gets an
 ErrorReply (the sender drops it), a duplicate or a late member a TrajectoryAck that says so
-(the sender stops resending; nothing is stored twice). A new member from a peer that may not
-send it (laminar/buffer/owners.py: never served to it, or moved to another rollout) or out of
+(the sender stops resending; nothing is stored twice). A member from a peer that may not
+send it (laminar/buffer/owners.py: never served to it, or moved to another rollout) gets
+TrajectoryAck(refused="not_owner") whether or not its real copy already arrived (a duplicate
+ack would tell a stranger the sample finished); a new member out of
 the configured limits (reward range, vocabulary, length) gets TrajectoryAck(refused=why):
 counted per peer, never stored. Any other new member is journaled and acked only once
 durable. Either way the sample's partial-pool record is dropped: it
@@ -76,6 +78,12 @@ class Intake:
             if refused is not None:  # before anything changes: the owner's record stays
                 self.refusals.count(peer_id, refused, uid=t.uid)
                 return TrajectoryAck(refused=refused)
+        elif self.owners is not None and not self._own_copy(t, peer_id):
+            # a finished or late sample: a non-owner learns no more than of a running one
+            refused = self.owners.refusal(t.group_id, t.sample_index, peer_id)
+            if refused is not None:
+                self.refusals.count(peer_id, refused, uid=t.uid)
+                return TrajectoryAck(refused=refused)
         self.partials.remove(t.uid)
         if verdict != "ok":
             self.metrics.count(f"trajectories_{verdict}")
@@ -97,7 +105,8 @@ class Intake:
         if verdict == "bad":
             self.metrics.count("abandons_rejected")
             return ErrorReply(code="protocol", message=why)
-        if verdict == "ok" and self.owners is not None:
+        known = verdict == "ok" or msg.group_id in self.ledger.state.groups
+        if known and self.owners is not None:  # finished or not, the same answer to a non-owner
             refused = self.owners.refusal(msg.group_id, idx, peer_id)
             if refused is not None:
                 self.refusals.count(peer_id, refused, uid=msg.uid)
@@ -110,3 +119,9 @@ class Intake:
         self.log.info("trajectory_abandoned", uid=msg.uid, reason=msg.reason)
         await self.ledger.durable(off)
         return TrajectoryAck()
+
+    def _own_copy(self, t: Trajectory, peer_id: str) -> bool:
+        """Did `peer_id` send the stored copy of this sample (a retry of its own: a duplicate)?"""
+        g = self.ledger.state.groups.get(t.group_id)
+        stored = g.members.get(t.sample_index) if g is not None else None
+        return stored is not None and stored.rollout_id == peer_id

@@ -1,9 +1,10 @@
 """Leases on served groups: a group whose rollout went silent is served again to another one.
 
-    leases = Leases(cfg.buffer.lease_s)              # clock= for tests
+    leases = Leases(cfg.buffer.lease_s, unstarted_s=cfg.buffer.unstarted_lease())  # clock= tests
     leases.seed(state.groups)                        # after replay: every open group, a fresh lease
-    leases.served(group_id)                          # served (again): a fresh lease
+    leases.served(group_id)                          # served (again): a fresh lease, not started
     leases.touch(group_id)                           # progress: a chunk, a trajectory, an abandon
+    leases.asked(rollout_id)                         # a rollout with room asked for prompts
     for g in leases.expired(state.groups, rollout_id, k): ...  # to serve again, oldest first
 
 A rollout that takes a group and then neither streams a chunk of it nor finishes or
@@ -17,6 +18,13 @@ Exactly once: members are keyed by (group_id, sample_index) in ExperienceState, 
 whichever copy of a sample arrives first is stored and the other is acked as a duplicate
 (or as late, once the group was released): a group served twice is still counted and
 trained once.
+
+Unused leases come back sooner: a group its holder never started (no progress since it was
+served) is served again once `unstarted_s` passed and, for that long, the holder neither asked
+for prompts with room to take them nor made progress on any group it holds: an id that took
+work and went quiet (a key holder minting ids, a rollout whose engine wedged before starting
+anything) keeps it for `unstarted_s` (default a minute), not `lease_s`. A working rollout's
+queued groups stay with it: it makes progress on the others, or asks for more.
 
 The clock is the buffer's own, not journaled: after a restart every open group starts a
 fresh lease (`seed`). That only delays a re-serve by at most one lease; it never serves a
@@ -35,11 +43,21 @@ __all__ = ["Leases"]
 
 
 class Leases:
-    def __init__(self, lease_s: float, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        lease_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        unstarted_s: float | None = None,
+    ):
         self.lease_s = lease_s
+        self.unstarted_s = lease_s if unstarted_s is None else min(unstarted_s, lease_s)
         self.clock = clock
         self._last: OrderedDict[str, float] = OrderedDict()
         """Open group id -> the time of its last progress, oldest first."""
+        self._unstarted: OrderedDict[str, float] = OrderedDict()
+        """Served group id -> when it was served, oldest first, until its first progress."""
+        self._asked: dict[str, float] = {}
+        """Rollout id -> when it last asked for prompts with room for them."""
 
     def __len__(self) -> int:
         return len(self._last)
@@ -52,9 +70,16 @@ class Leases:
                 self._last[gid] = now
 
     def served(self, group_id: str) -> None:
-        """A new group was served: its lease starts now."""
-        self._last[group_id] = self.clock()
+        """A new group was served: its lease starts now, and it is not started yet."""
+        now = self.clock()
+        self._last[group_id] = now
         self._last.move_to_end(group_id)
+        self._unstarted[group_id] = now
+        self._unstarted.move_to_end(group_id)
+
+    def asked(self, rollout_id: str) -> None:
+        """`rollout_id` asked for prompts, with room for them: it is not idle."""
+        self._asked[rollout_id] = self.clock()
 
     def touch(self, group_id: str) -> None:
         """Progress on a group (a chunk, a finished or abandoned sample): renew its lease."""
@@ -62,11 +87,12 @@ class Leases:
 
     def touch_many(self, group_ids: Iterable[str]) -> None:
         """Progress on several groups at once (a rollout's partial batch): one clock read."""
-        now, last = self.clock(), self._last
+        now, last, unstarted = self.clock(), self._last, self._unstarted
         for gid in group_ids:
             if gid in last:
                 last[gid] = now
                 last.move_to_end(gid)
+                unstarted.pop(gid, None)
 
     def silent_for(self, group_id: str) -> float:
         """Seconds since the group's last progress (0 when it holds no lease)."""
@@ -95,4 +121,38 @@ class Leases:
                 break
         for gid in gone:
             del self._last[gid]
+            self._unstarted.pop(gid, None)
+        if len(out) < limit and self._unstarted:
+            out += self._unused(groups, rollout_id, limit - len(out), {g.group_id for g in out})
         return out
+
+    def _unused(
+        self, groups: Mapping[str, Group], rollout_id: str, limit: int, taken: set[str]
+    ) -> list[Group]:
+        """Up to `limit` groups never started, served over unstarted_s ago to a holder other than
+        `rollout_id` that has been idle as long (no request with room, no progress on any of its
+        groups). Cheap when nothing is that old: the oldest unstarted group is looked at first."""
+        cutoff = self.clock() - self.unstarted_s
+        cands: list[Group] = []
+        gone: list[str] = []
+        for gid, served_at in self._unstarted.items():
+            if served_at > cutoff:
+                break  # ordered by serving time: the rest are younger
+            g = groups.get(gid)
+            if g is None or g.state != OPEN:
+                gone.append(gid)
+            elif g.rollout_id != rollout_id and g.item is not None and gid not in taken:
+                cands.append(g)
+        for gid in gone:
+            del self._unstarted[gid]
+        holders = {g.rollout_id for g in cands if self._asked.get(g.rollout_id, -1.0) <= cutoff}
+        if holders:  # progress on a started group of theirs since the cutoff: not idle
+            for gid, last in reversed(self._last.items()):
+                if last <= cutoff:
+                    break
+                g = groups.get(gid)
+                if g is not None and g.rollout_id in holders and gid not in self._unstarted:
+                    holders.discard(g.rollout_id)
+                    if not holders:
+                        break
+        return [g for g in cands if g.rollout_id in holders][:limit]

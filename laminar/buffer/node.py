@@ -12,8 +12,9 @@ Only what was served comes back (laminar/buffer/owners.py): a trajectory, an aba
 partial entry is taken only from the rollout its group was served to (or the manager placed
 the sample on), judged by the authenticated peer, never a body field; rewards, token ids and
 lengths must lie in the configured ranges. What is refused is acked as refused, counted per
-peer and reason (BufferStats.refused) and never stored. A rollout holds at most its share of
-open groups (BufferNodeSettings.groups_per_rollout).
+peer and reason (BufferStats.refused) and never stored. Prompts go only to the rollouts the
+manager's heartbeats list as serving (laminar/buffer/members.py), each holding at most what its
+engine can start and its share of open groups (BufferNodeSettings.groups_per_rollout).
 
     PromptServer: retry table, expired leases, admission, capacity, pool. PartialsRequest: the
     manager's recovery (records + unstarted samples). TrajectoryAck: once the record is durable.
@@ -57,6 +58,7 @@ from laminar.buffer.intake import Intake
 from laminar.buffer.journal import Journal
 from laminar.buffer.leases import Leases
 from laminar.buffer.ledger import Ledger
+from laminar.buffer.members import Members
 from laminar.buffer.owners import Owners, Refusals
 from laminar.buffer.partials import REFUSED, PartialPool, recover
 from laminar.buffer.prompt_server import PromptServer, check_capacity
@@ -84,7 +86,7 @@ from laminar.protocol.buffer import (
 )
 from laminar.protocol.core import NodeStatus
 from laminar.protocol.data import PartialBatch, PartialChunk, Trajectory
-from laminar.transport.session import Ack, ErrorReply
+from laminar.transport.session import NO_STATUS, Ack, ErrorReply
 from laminar.transport.sockets import Context, Peer
 
 
@@ -134,7 +136,7 @@ class BufferNode(Node):
                 if warn:
                     self.log.warning("prompt_cursor_mismatch", detail=warn)
             await self.ledger.compact_if_due()
-        self.leases = Leases(bc.lease_s)
+        self.leases = Leases(bc.lease_s, unstarted_s=bc.unstarted_lease())
         self.leases.seed(self.state.groups)  # replayed open groups: a fresh lease from now
         self.prompts = PromptServer(
             bc,
@@ -146,6 +148,12 @@ class BufferNode(Node):
             leases=self.leases,
             log=self.log,
             per_rollout=s.groups_per_rollout,
+            members=Members(
+                share=s.groups_per_rollout,
+                in_hand=s.groups_in_hand,
+                group_size=s.group_size,
+                source=lambda: self.manager.server_status if self.manager else NO_STATUS,
+            ),
         )
         self.intake = Intake(
             self.ledger,

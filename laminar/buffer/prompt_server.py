@@ -1,15 +1,19 @@
 """Serving prompts: a PromptRequest -> admission, capacity, the pool -> a journaled PromptReply.
 
     server = PromptServer(cfg.buffer, cfg.rollout.group_size, admission=admission, ledger=ledger,
-                          pool=pool, metrics=metrics, leases=leases, log=log)
+                          pool=pool, metrics=metrics, leases=leases, log=log, members=members)
     reply = await server.serve(req)           # acked only after its GroupsServed record is durable
 
 Order of the checks (the reply's reason names the first that says no):
   1. a retry of the rollout's last request (same request_id): the same groups again;
   2. no prompt dataset: empty;
-  2a. max_groups is capped so the rollout holds at most its share of open groups
-     (buffer.max_groups_per_rollout, laminar/config.py groups_per_rollout()): rollout_full;
-  2b. open groups whose lease ran out (laminar/buffer/leases.py), held by another rollout:
+  2a. the rollout must be one the manager lists as serving (laminar/buffer/members.py: alive,
+     its engine up): not_member;
+  2b. max_groups is capped so the rollout holds at most its share of open groups
+     (buffer.max_groups_per_rollout, laminar/config.py groups_per_rollout()), and no more than
+     its engine can start (Members.cap): rollout_full;
+  2c. open groups whose lease ran out (laminar/buffer/leases.py), or that their holder never
+     started while it stopped asking and working, held by another rollout:
      served again to this one, alone in the reply (a journaled GroupsReserved record), when
      admission lets this rollout take work at all;
   3. global_update (sync / one_step / stream): no work at a new version while older groups
@@ -30,6 +34,7 @@ import structlog
 from laminar.buffer.experience import OPEN
 from laminar.buffer.leases import Leases
 from laminar.buffer.ledger import Ledger
+from laminar.buffer.members import Members
 from laminar.buffer.prompts import PromptPool
 from laminar.buffer.records import GroupsReserved, GroupsServed, ServedGroup
 from laminar.config import BufferConfig, TrainerConfig
@@ -79,6 +84,7 @@ class PromptServer:
         leases: Leases | None = None,
         log: structlog.typing.FilteringBoundLogger | None = None,
         per_rollout: int | None = None,
+        members: Members | None = None,
     ):
         self.capacity = bc.capacity
         self.per_rollout = per_rollout if per_rollout is not None else bc.capacity
@@ -89,7 +95,11 @@ class PromptServer:
         self.ledger = ledger
         self.pool = pool
         self.metrics = metrics
-        self.leases = leases if leases is not None else Leases(bc.lease_s)
+        if leases is None:
+            leases = Leases(bc.lease_s, unstarted_s=bc.unstarted_lease())
+        self.leases = leases
+        self.members = members
+        """The manager's serving rollouts (None: anyone may ask, tests of the rules alone)."""
         self.log = log if log is not None else structlog.get_logger("buffer")
         self.rollout_versions: dict[str, int] = {}
         """The version each rollout reported with its last request (stats)."""
@@ -111,14 +121,23 @@ class PromptServer:
         wait = self.retry_after_s
         if self.pool is None:
             return PromptReply(retry_after_s=wait, reason="empty")
+        # work goes to the rollouts the manager lists as serving, as much as each can start
+        cap = self.per_rollout
+        if self.members is not None:
+            member_cap = self.members.cap(req.rollout_id)
+            if member_cap is None:
+                self.metrics.count("prompts_refused_not_member")
+                return PromptReply(retry_after_s=wait, reason="not_member")
+            cap = member_cap
         # a claim of room is capped by the rollout's share: it never holds more open groups
-        room_here = self.per_rollout - st.open_held[req.rollout_id]
+        room_here = cap - st.open_held[req.rollout_id]
         if req.max_groups > room_here:
             self.metrics.count("prompt_requests_capped")
             if room_here <= 0:
                 self.metrics.count("prompts_refused_rollout_full")
                 return PromptReply(retry_after_s=wait, reason="rollout_full")
             req.max_groups = room_here
+        self.leases.asked(req.rollout_id)  # it has room and wants work: it is not idle
         again = await self._serve_expired(req)
         if again is not None:
             return again

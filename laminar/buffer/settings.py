@@ -57,6 +57,9 @@ class BufferNodeSettings:
     group_size: int
     groups_per_rollout: int
     """Open groups one rollout may hold (laminar/config.py groups_per_rollout())."""
+    groups_in_hand: int
+    """Open groups a rollout's own flow control asks for at most (laminar/config.py
+    groups_in_hand()): a serving rollout may hold this many whatever its engine runs."""
     inflight_per_rollout: int
     """Most samples one rollout holds in flight (laminar/config.py inflight_per_rollout())."""
     run_dir: Path

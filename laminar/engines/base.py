@@ -138,6 +138,8 @@ class Engine(ABC):
     name = "engine"
     capacity: int = 0
     """KV-cache capacity in tokens (0: unknown)."""
+    max_running: int = 0
+    """Sequences it decodes at once (0: unknown; the rollout then reports rollout.max_running)."""
 
     def __init__(self) -> None:
         self.version = 0

@@ -18,6 +18,14 @@ emits multi-token events. Token ids and logprobs are hashes of (seq, position),
 so they too are deterministic. Stop strings and stop token ids are not
 emulated; a sequence ends with "stop" at its drawn length, or "length" at max_tokens.
 
+Prefill (`prefill_tok_s`; None = free): a sequence entering the batch stalls decoding for the
+tokens the engine must compute / prefill_tok_s: its prompt and every resumed token (an
+interrupted sequence put back under new weights, a repack import, a resume after a failure),
+less what its prefix cache still holds. The cache keeps a finished turn's tokens for the next
+turn of the same sequence (multi-turn: only the environment's tokens are new) until the next
+weight load, which computed that KV with other weights and so drops it. Each admission is
+charged once, when it joins the batch; the same model as bench/simcore.py's `admit`.
+
 Multi-turn (GenRequest.turn / turn_start, set by laminar/rollout/episodes.py): model turn k
 ends with "stop" at turn_start + a length drawn from (seed, seq_id, k) with the same
 lognormal (so length_p50 is the per-turn median), or with "length" at max_tokens (which
@@ -30,7 +38,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from statistics import NormalDist
@@ -101,6 +109,8 @@ class _Seq:
     ids: list[np.ndarray] = field(default_factory=list)
     lps: list[np.ndarray] = field(default_factory=list)
     emitted: int = 0
+    prefill: int = 0
+    """Tokens it must compute when it joins the batch (prompt + resumed, less its prefix cache)."""
 
 
 class SimEngine(Engine):
@@ -119,6 +129,7 @@ class SimEngine(Engine):
         max_running: int = 32,
         chunk_tokens: int = 32,
         load_time_s: float = 0.0,
+        prefill_tok_s: float | None = None,
     ) -> None:
         super().__init__()
         self.step_time_s, self.bound_b = step_time_s, bound_b
@@ -129,6 +140,16 @@ class SimEngine(Engine):
             chunk_tokens,
             load_time_s,
         )
+        self.prefill_tok_s = prefill_tok_s
+        self.prefill_tokens = 0
+        """Tokens charged as prefill so far."""
+        self.prefill_s = 0.0
+        """Decode time lost to prefill so far."""
+        self._debt = 0.0
+        """Prefill charged while a load pauses decoding: it runs once the load is done."""
+        self._loads = 0
+        self._prefix: OrderedDict[str, tuple[int, int]] = OrderedDict()
+        """Prefix cache: sequence id -> (loads when its turn ended, tokens its KV held then)."""
         self._running: list[_Seq] = []
         self._waiting: deque[_Seq] = deque()
         self._seqs: dict[str, _Seq] = {}
@@ -153,6 +174,7 @@ class SimEngine(Engine):
             max_running=r.max_running,
             chunk_tokens=s.chunk_tokens or r.partial_chunk_tokens,
             load_time_s=s.load_time_s,
+            prefill_tok_s=s.prefill_tok_s,
         )
         opts.update(kw)
         return cls(**opts)
@@ -206,6 +228,7 @@ class SimEngine(Engine):
                 [resumed_lps.copy()],
                 len(resumed),
             )
+            s.prefill = max(0, len(s.prompt) + len(resumed) - self._cached(sid))
             self._seqs[sid] = s
             self._waiting.append(s)
         self._admit()
@@ -243,8 +266,11 @@ class SimEngine(Engine):
                 )  # the emulated load itself: no decoding meanwhile
             finally:
                 self._paused = False
-                self._t0 = self._now()
+                self._t0 = self._now() + self._debt  # what joined during the load prefills now
+                self._debt = 0.0
         self.version = version
+        self._loads += 1  # KV computed under the old weights: no prefix survives a load
+        self._prefix.clear()
         self._reschedule()
 
     def stats(self) -> EngineStats:
@@ -290,6 +316,8 @@ class SimEngine(Engine):
                 self._running.remove(s)
                 self._seqs.pop(s.seq_id, None)
                 self._flush(s, s.reason)
+                if s.reason == "stop":  # a next turn of it finds its KV
+                    self._remember(s.seq_id, len(s.prompt) + s.done)
             self._admit()
         for s in self._running:
             if s.done - s.emitted >= self.chunk_tokens:
@@ -313,6 +341,30 @@ class SimEngine(Engine):
             self._waiting.popleft()
             self._running.append(s)
             held += need
+            self._charge(s.prefill)
+            s.prefill = 0
+
+    def _charge(self, tokens: int) -> None:
+        """Prefill of `tokens` joining the batch: no decode step runs meanwhile."""
+        if self.prefill_tok_s is None or tokens <= 0:
+            return
+        stall = tokens / self.prefill_tok_s
+        self.prefill_tokens += tokens
+        self.prefill_s += stall
+        if self._paused:
+            self._debt += stall
+        else:
+            self._t0 += stall
+
+    def _cached(self, seq_id: str) -> int:
+        """Tokens of `seq_id` its prefix cache still holds (0: none, or a load since)."""
+        hit = self._prefix.pop(seq_id, None)
+        return hit[1] if hit is not None and hit[0] == self._loads else 0
+
+    def _remember(self, seq_id: str, tokens: int) -> None:
+        self._prefix[seq_id] = (self._loads, tokens)
+        while len(self._prefix) > 4 * self.max_running:  # an LRU bound, like a real cache's
+            self._prefix.popitem(last=False)
 
     def _reschedule(self) -> None:
         if self._timer is not None:

@@ -99,6 +99,7 @@ def status_main(config: str | None, overrides: list[str], as_json: bool, timeout
                 "unauthorized": refused.unauthorized if refused else 0,
                 "bad": refused.bad if refused else 0,
                 "refused_hellos": refused.refused_hellos if refused else 0,
+                "refused_ids": refused.refused_ids if refused else 0,
                 "refused_trajectories": refused.refused_trajectories if refused else 0,
                 "refusals": msgspec.to_builtins(refused.peers) if refused else [],
                 "attest_mismatches": s.attest_mismatches if s else 0,
@@ -131,6 +132,7 @@ def status_main(config: str | None, overrides: list[str], as_json: bool, timeout
         "unauthorized",
         "bad",
         "refused_hellos",
+        "refused_ids",
         "refused_trajectories",
         "attest_mismatches",
     ]
@@ -149,7 +151,12 @@ def refusal_warnings(refused: RefusalSummary | None) -> list[str]:
     with refused handshakes."""
     out = []
     for p in refused.peers if refused else []:
-        if p.unauthorized or p.bad or p.refused_trajectories or p.refused_hellos >= HELLOS_WARN:
+        if p.refused_ids:
+            out.append(
+                f"{p.peer} claimed {p.refused_ids} rollout ids past the bound on live ones "
+                "(cluster.max_rollouts): refused too_many_rollouts"
+            )
+        elif p.unauthorized or p.bad or p.refused_trajectories or p.refused_hellos >= HELLOS_WARN:
             out.append(
                 f"peer {p.peer!r} was refused {p.unauthorized} unauthorized and {p.bad} bad "
                 f"messages, {p.refused_trajectories} trajectories and {p.refused_hellos} handshakes"

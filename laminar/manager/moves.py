@@ -124,9 +124,16 @@ class Repacker:
                     running=min(s.running, cap_n),
                     waiting=s.waiting,
                     trajectories=tl,
+                    draining=self._draining(s),
                 )
             )
         return loads
+
+    def _draining(self, s: NodeStatus) -> bool | None:
+        """The rollout's own word that it drains (manager.repack.candidates = draining)."""
+        if self.repack.candidates != "draining" or s.rollout is None:
+            return None
+        return s.rollout.target_version > s.version
 
     async def round(self, trainer_version: int) -> dict[str, Any]:
         """Plan one round from the latest statuses and run its moves concurrently; returns the

@@ -15,8 +15,9 @@ The parts (laminar/manager/), each with typed dependencies (the server, the conf
 a logger) and none of this node: Repacker (moves.py: one repack round, planned by the pure
 repack.py from the rollouts' typed RolloutStatus and run as concurrent export/import moves),
 Placer (placement.py: puts partials on a live rollout of their version, falls back, keeps
-orphans). This module holds membership (joins, deaths, leaves, rejoins), the relay chain
-order and the timeline, and runs the loops.
+orphans), serving_rollouts (serving.py: the live rollouts with an engine up, which its
+heartbeats carry to the buffer: prompts go to these alone). This module holds membership
+(joins, deaths, leaves, rejoins), the relay chain order and the timeline, and runs the loops.
 
 What blocks what: the repack and recovery loops run as supervised tasks and only wait on
 RPCs with deadlines; a slow or dead rollout makes one move fail (logged, counted) and never
@@ -43,6 +44,7 @@ from typing import Any, TextIO
 from laminar.manager.chain_order import ChainPlanner
 from laminar.manager.moves import Repacker
 from laminar.manager.placement import ORPHAN, Placer
+from laminar.manager.serving import serving_rollouts
 from laminar.manager.settings import ManagerNodeSettings
 from laminar.node import Node
 from laminar.protocol.buffer import PartialsReply, PartialsRequest
@@ -257,6 +259,7 @@ class ManagerNode(Node):
                 "claims_clamped": sum(self.repacker.claims.values()),
             },
             cluster_refusals=self.cluster_refusals(),
+            serving=serving_rollouts(self.srv.peers.values(), self.settings.most_running),
             expected_digests=dict(self.expected_digests),
         )
 
@@ -276,6 +279,7 @@ class ManagerNode(Node):
                 total.unauthorized += r.unauthorized
                 total.bad += r.bad
                 total.refused_hellos += r.refused_hellos
+                total.refused_ids += r.refused_ids
                 total.refused_trajectories += r.refused_trajectories
         return total
 

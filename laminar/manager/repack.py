@@ -10,8 +10,10 @@ The manager calls it every `manager.repack.interval_s` (5 s) and right after eac
 update; bench/simulate.py calls the same function. Rules:
 
 - Rollouts are grouped by weight version; a trajectory never changes version.
-- Candidates (`is_candidate`): 0 < running < B, nothing waiting, KV use below C_max and not
-  rising - the rollout is draining its long tail.
+- Candidates (`is_candidate`): 0 < running < B, nothing waiting, KV use below C_max, and
+  draining its long tail: by the rollout's own word where it gives it (`draining`: it takes no
+  more prompts at this version, rollout/versions.py), else by KV use that is not rising. The
+  rollout's word suits any B: a tail of two or three long sequences still grows its KV.
 - Candidates are visited in ascending KV use (ties: node_id). A visited candidate that is not
   yet emptied and has received nothing this round is a source: ALL its trajectories go to the
   one destination - another candidate of the same version, not emptied - that ends up most
@@ -59,6 +61,9 @@ class RolloutLoad:
     """Requests queued in the engine."""
     trajectories: tuple[TrajLoad, ...] = ()
     """In-flight trajectories with their KV footprint (only needed for candidates)."""
+    draining: bool | None = None
+    """The rollout takes no more prompts at this version (its status: target_version > version);
+    None: not reported (then KV that is not rising stands for it)."""
 
 
 @dataclass(frozen=True)
@@ -81,7 +86,8 @@ class RepackPlan:
 
 def is_candidate(r: RolloutLoad, c_max: float, bound_b: int) -> bool:
     """Is this rollout draining its tail, so it may give or take trajectories this round?"""
-    return 0 < r.running < bound_b and r.waiting == 0 and r.kv_use < c_max and not r.kv_rising
+    draining = r.draining if r.draining is not None else not r.kv_rising
+    return 0 < r.running < bound_b and r.waiting == 0 and r.kv_use < c_max and draining
 
 
 def _check(rollouts: Sequence[RolloutLoad], c_max: float, bound_b: int) -> None:

@@ -33,3 +33,6 @@ class ManagerNodeSettings:
     """laminar/config.py repack_bound_b(): most samples one placement claims."""
     inflight_per_rollout: int
     """Most samples one rollout holds in flight (laminar/config.py inflight_per_rollout())."""
+    most_running: int
+    """Most sequences a rollout's engine may run at once by the config (laminar/config.py
+    engine_max_running()): a rollout's status claiming more is clamped to it (serving.py)."""

@@ -29,11 +29,13 @@ ids a stranger claims."""
 
 class PeerRefusals(Message):  # inside RefusalSummary: one claimed node id's refused traffic
     peer: str
-    """The node id the peer claimed (in its HELLO) or was admitted as."""
+    """The node id the peer claimed (in its HELLO) or was admitted as; `key:NAME` for the new ids
+    a key claimed past the bound on live rollout ids (refused_ids)."""
     unauthorized: int = 0
     bad: int = 0
     refused_hellos: int = 0
     refused_trajectories: int = 0
+    refused_ids: int = 0
 
     def total(self) -> int:
         return self.unauthorized + self.bad + self.refused_hellos + self.refused_trajectories
@@ -47,7 +49,11 @@ class RefusalSummary(Message):  # inside NodeStatus: what this node refused, sin
     """Malformed or invalid messages (undecodable, no handler, a handler's ProtocolError)."""
     refused_hellos: int = 0
     """Handshakes refused: a key that may not claim the role or id, a live peer's node id without
-    its incarnation's nonce, another protocol version."""
+    its incarnation's nonce, a new id past the bound on live rollout ids, another protocol
+    version."""
+    refused_ids: int = 0
+    """Of refused_hellos: new rollout ids past the bound on live ones (cluster.max_rollouts),
+    `too_many_rollouts`."""
     refused_trajectories: int = 0
     """Buffer only: trajectories refused (a group not served to the sender, a reward or token id
     out of range); never trained."""
@@ -88,6 +94,10 @@ class NodeStatus(Message):  # carried by heartbeats: what the manager needs to k
     attest_mismatches: int = 0
     """Rollouts: loads whose served digest differed from the trainer's (each quarantined and
     reloaded); `laminar status` shows it."""
+    serving: dict[str, int] = field(default_factory=dict)
+    """The manager only: the live rollouts whose heartbeats show an engine up, each with the
+    sequences it runs at once (clamped to the config): the buffer serves prompts to these alone
+    (laminar/manager/serving.py)."""
     expected_digests: dict[int, str] = field(default_factory=dict)
     """The manager only: the digests the trainer published for its recent versions (rollouts read
     them from its heartbeats and compare their own)."""

@@ -104,3 +104,7 @@ class RolloutStatus(Message):  # rollout -> manager, inside NodeStatus.rollout o
     tokens: int = 0
     """Tokens the engine generated so far."""
     reward_errors: int = 0
+    max_running: int = 0
+    """Sequences its engine decodes at once (0: no engine up): the manager lists a rollout to the
+    buffer as serving only once this shows (clamped to the config), and the buffer grants it
+    prompts by it."""

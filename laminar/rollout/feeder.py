@@ -9,7 +9,10 @@ What blocks and what unblocks the loop:
   * no free credit                                       -> a group finishing or being exported
   * a newer version is wanted (gate.target() > version)  -> stop asking for prompts, let every
     in-flight trajectory finish, load, then ask again. So every trajectory is generated on one
-    version and a GRPO group never straddles two.
+    version and a GRPO group never straddles two. With rollout.refill_versions = K (mode
+    laminar) a busy rollout wants the newest only once it is K versions ahead: until then it
+    refills at its version, as the paper's rollout finishes its batch before it pulls; an idle
+    one loads the newest at once.
   * a PromptRequest whose reply never came                -> the same request (same request_id)
     is retried before anything else: the buffer may have served and journaled it, and gives
     the same groups back rather than losing them.
@@ -133,7 +136,7 @@ class PromptFeeder:
                 self._start_held()
                 free = self.free_credits()
                 declared = self.gate.version
-                if self.gate.behind():
+                if self.gate.behind(idle=not self.table.seqs):
                     nxt = self.gate.loadable()
                     if self.table.interrupts and self.table.seqs and nxt >= 0:
                         # mode partial: no drain, the in-flight ones continue under the new version
@@ -160,6 +163,8 @@ class PromptFeeder:
                     if free <= 0:
                         await self._wait(1.0)
                         continue
+                    if self.gate.latest() > declared:  # rollout.refill_versions at work
+                        self.metrics.count("refill_behind_newest")
                 self._requests += 1
                 unanswered = PromptRequest(
                     rollout_id=self.rollout_id,

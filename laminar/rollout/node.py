@@ -297,6 +297,7 @@ class RolloutNode(Node):
             # partial: every rollout takes each version as soon as it is out (a global update)
             auto_refresh=(s.rollout.refresh_when_idle and s.mode == "laminar")
             or s.mode == "partial",
+            refill_versions=s.rollout.refill_versions if s.mode == "laminar" else 0,
             refresh_wait_s=s.rollout.refresh_wait_s,
             notify=(self.status_changed,),
             metrics=self.metrics,
@@ -494,6 +495,7 @@ class RolloutNode(Node):
             finished=self.deliverer.finished_count,
             tokens=st.tokens_generated,
             reward_errors=self.rewards.stats["errors"] if self.rewards is not None else 0,
+            max_running=self.engine.max_running or self.settings.rollout.max_running,
         )
         return NodeStatus(
             node_id=self.node_id,

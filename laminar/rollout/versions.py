@@ -21,7 +21,9 @@ included; the mismatch is counted (NodeStatus.attest_mismatches).
 The gate never decides *when* to load: the prompt feeder (laminar/rollout/feeder.py) loads
 only when no trajectory is in flight, so every trajectory runs on one version. The target:
 never below the buffer's min_version; the source's newest when refreshing (laminar mode with
-rollout.refresh_when_idle, or a RefreshRequest); a RefreshRequest's min_version while it is
+rollout.refresh_when_idle, or a RefreshRequest); in laminar mode with rollout.refill_versions = K,
+a busy rollout keeps its version (and keeps taking prompts at it) until the newest is K ahead,
+while an idle one takes the newest at once; a RefreshRequest's min_version while it is
 worth waiting for (the relay chain may still be delivering it), after which the newest
 version the source has is loaded instead of idling forever. A version the engine refuses
 (WeightsRejected: a LoRA adapter that does not fit the model) is counted, logged as an error and
@@ -50,6 +52,7 @@ class VersionGate:
         engine: Engine,
         *,
         auto_refresh: bool,
+        refill_versions: int = 0,
         refresh_wait_s: float,
         notify: Sequence[asyncio.Event],
         metrics: Metrics,
@@ -60,6 +63,9 @@ class VersionGate:
         """Set after each load (the status push: repack must see the new version at once)."""
         self.auto_refresh = auto_refresh
         """Laminar mode: load the source's newest whenever idle (other modes wait to be told)."""
+        self.refill_versions = refill_versions
+        """With auto_refresh: prompts still start at the loaded version while the newest is fewer
+        than this many ahead (0: drain for anything newer)."""
         self.refresh_wait_s = refresh_wait_s
         self.metrics, self.log = metrics, log
         self.version = engine.version
@@ -92,15 +98,21 @@ class VersionGate:
     def _soft(self) -> int:
         return self._soft_min if time.monotonic() < self._soft_until else -1
 
-    def target(self) -> int:
-        """The version new prompts should run at."""
+    def target(self, idle: bool = False) -> int:
+        """The version new prompts should run at (`idle`: nothing is in flight here)."""
         want = self.required
-        if self.auto_refresh or self.refresh_asked:
+        if self.refresh_asked:
             want = max(want, self.latest())
+        elif self.auto_refresh:
+            newest = self.latest()
+            if idle or newest >= self.version + self.refill_versions:
+                want = max(want, newest)
         return max(want, self._soft())
 
-    def behind(self) -> bool:
-        return self.target() > self.version or self.quarantined >= 0
+    def behind(self, idle: bool = False) -> bool:
+        """Take no new prompts at the loaded version: drain (and load once nothing is in
+        flight)."""
+        return self.target(idle) > self.version or self.quarantined >= 0
 
     def digest(self, version: int) -> str:
         """The served digest at `version` ("" when not attested)."""
@@ -156,6 +168,10 @@ class VersionGate:
         """A manager RefreshRequest: load the newest (>= min_version, waited for refresh_wait_s)
         when idle. Returns whether a load is pending."""
         self.source.announce(min_version)
+        if self.auto_refresh and self.refill_versions > 0:
+            # the rollout's own rule decides (an idle one loads the newest at once, a busy one
+            # within its refill budget finishes first): the request names a version, no more
+            return self.behind()
         self._soft_min = max(self._soft_min, min_version)
         self._soft_until = time.monotonic() + self.refresh_wait_s
         self.refresh_asked = True

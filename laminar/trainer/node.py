@@ -477,6 +477,7 @@ class TrainerNode(Node):
             "security/unauthorized": r.unauthorized,
             "security/bad_messages": r.bad,
             "security/refused_hellos": r.refused_hellos,
+            "security/refused_ids": r.refused_ids,
             "buffer/refused_trajectories": r.refused_trajectories,
         }
 

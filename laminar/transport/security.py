@@ -177,6 +177,11 @@ class Security:
                 f"key {entry.get('name', user_id[:8])!r} may not claim node id {node_id!r}"
             )
 
+    def key_name(self, user_id: str) -> str:
+        """The name roles.json gives the key `user_id` (z85), else its first characters."""
+        entry = (self.roles or {}).get(user_id) or {}
+        return str(entry.get("name") or f"{user_id[:8]}...")
+
     def ensure_authenticator(self, ctx: zmq.Context) -> None:
         """One ZAP authenticator per context, allowing only keys in authorized/."""
         auth = _AUTHENTICATORS.get(ctx)

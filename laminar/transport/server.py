@@ -15,7 +15,9 @@ that never said HELLO) is answered with an ErrorReply where a reply is possible,
 counted in `stats` and per peer in `refusals`, and never stops the socket. Before any handler
 runs, a message is checked against its own table (laminar/message.py): the peer's role must be
 in its `senders` and its `id_fields` must name the peer's node id, else it is refused
-(ErrorReply "unauthorized", or dropped when one-way) and counted. The reader and heartbeat
+(ErrorReply "unauthorized", or dropped when one-way) and counted. A HELLO is admitted only
+within `opts.id_bound`: a role's live ids are bounded (a new id past it: ErrorReply
+"too_many_<role>s", counted under the claiming key). The reader and heartbeat
 tasks start through `spawn` (a node's supervised spawn): if one dies, its node stops loudly.
 """
 
@@ -52,6 +54,7 @@ from laminar.transport.session import (
 from laminar.transport.sockets import (
     Dispatcher,
     Handler,
+    IdBound,
     Peer,
     PeerDead,
     Pending,
@@ -118,6 +121,7 @@ class RpcServer(Generic[S]):
         self._bad_log = RateLimitedLog(self.log, "bad_message")
         self._unknown_log = RateLimitedLog(self.log, "unknown_peer")
         self._unauthorized_log = RateLimitedLog(self.log, "unauthorized_message")
+        self._over_bound_log = RateLimitedLog(self.log, "hello_over_bound")
 
     def on(self, msg_type: type[Message], handler: Handler) -> None:
         """Register `async handler(peer, msg) -> reply | None` for a message type."""
@@ -268,6 +272,10 @@ class RpcServer(Generic[S]):
             if isinstance(msg, Hello):
                 await self._on_hello(identity, rid, msg, peer_key(frames[2]))
                 continue
+            if peer is not None and not peer.alive and not self._may_return(peer):
+                # declared dead, its slot taken meanwhile: it must handshake again (and wait)
+                self._by_identity.pop(identity, None)
+                peer = None
             if peer is None:
                 self.stats.unknown_peer += 1
                 self._unknown_log.warning(msg=type(msg).__name__)
@@ -401,6 +409,10 @@ class RpcServer(Generic[S]):
             self.log.warning("hello_id_in_use", peer=msg.node_id, peer_role=msg.role)
             await self._reply_error(identity, rid, "id_in_use", text)
             return
+        bound = self.opts.id_bound
+        if bound is not None and msg.role == bound.role and not self._room_for(bound, msg.node_id):
+            await self._refuse_over_bound(identity, rid, msg, key, bound)
+            return
         if old is not None:
             self._by_identity.pop(old.identity, None)
         same = old is not None and _same_incarnation(old, msg, key)
@@ -437,6 +449,51 @@ class RpcServer(Generic[S]):
             if asyncio.iscoroutine(res):
                 await res
 
+    def _room_for(self, bound: IdBound, node_id: str) -> bool:
+        """May `node_id` (of `bound.role`) be admitted: one of the reserved ids, or fewer than
+        `bound.others` other unreserved ids of the role are live (heard from within
+        dead_after_s; a peer declared dead freed its slot)."""
+        if node_id in bound.reserved:
+            return True
+        cutoff = time.monotonic() - self.opts.dead_after_s
+        live = sum(
+            1
+            for p in self.peers.values()
+            if p.role == bound.role
+            and p.alive
+            and p.last_seen >= cutoff
+            and p.node_id != node_id
+            and p.node_id not in bound.reserved
+        )
+        return live < bound.others
+
+    def _may_return(self, peer: Peer[S]) -> bool:
+        """May a peer declared dead come back by its traffic alone (within the id bound)?"""
+        bound = self.opts.id_bound
+        return bound is None or peer.role != bound.role or self._room_for(bound, peer.node_id)
+
+    async def _refuse_over_bound(
+        self, identity: bytes, rid: bytes, msg: Hello, key: str | None, bound: IdBound
+    ) -> None:
+        """A new id past the bound on its role's live ids: refused, counted under the key that
+        claimed it (a key minting ids would otherwise fill the table with one row per id)."""
+        code = f"too_many_{bound.role}s"
+        security = self.opts.security
+        by = f"key:{security.key_name(key) if key and security else '(none)'}"
+        text = (
+            f"{bound.most} {bound.role} ids are live or reserved (the run's configuration): "
+            f"{msg.node_id!r} is not admitted until one is declared dead"
+        )
+        self.stats.refused_over_bound += 1
+        self.stats.last_error = text
+        self.refused.refused_hello += 1
+        self.refused.refused_ids += 1
+        counts = self.refusals_of(by)
+        counts.refused_hello += 1
+        counts.refused_ids += 1
+        self._over_bound_log.warning(peer=msg.node_id, peer_role=msg.role, key=by, error=code)
+        await self._reply_error(identity, rid, code, text)
+
     def _forget(self, peer: Peer[S]) -> None:
         self.log.info("peer_leave", peer=peer.node_id)
         self.peers.pop(peer.node_id, None)
@@ -450,6 +507,7 @@ class RpcServer(Generic[S]):
             self._bad_log.flush()
             self._unknown_log.flush()
             self._unauthorized_log.flush()
+            self._over_bound_log.flush()
             now = time.monotonic()
             status = StatusCodec.pack(self._status() if self._status else None)
             for peer in list(self.peers.values()):

@@ -65,6 +65,25 @@ class RemoteError(TransportError):
         self.code = code
 
 
+@dataclass(frozen=True)
+class IdBound:
+    """How many live ids of one role a server admits at once: a HELLO past it is refused
+    (ErrorReply `too_many_<role>s`). The `reserved` ids (the run's own) hold their slots whether
+    live or not and are always admitted (one process per id still: a live id is its holder's);
+    any other id only while fewer than `most - len(reserved)` other such ids are live. A peer
+    declared dead frees its slot, and an id never counts against itself: a restart under the
+    same id is admitted once the old process is dead."""
+
+    role: str
+    most: int
+    reserved: frozenset[str] = frozenset()
+
+    @property
+    def others(self) -> int:
+        """Live ids of the role, beyond the reserved ones, admitted at once."""
+        return max(0, self.most - len(self.reserved))
+
+
 @dataclass
 class SocketOptions:
     heartbeat_interval_s: float = 0.5
@@ -78,6 +97,8 @@ class SocketOptions:
     rcvhwm: int = 1000
     limits: Limits = DEFAULT_LIMITS
     security: Security | None = None
+    id_bound: IdBound | None = None
+    """Servers: the bound on one role's live ids (None: any number is admitted)."""
     nonces: dict[tuple[str, str], bytes] = field(default_factory=dict, repr=False)
     """(endpoint, node id) -> the secret that server's Welcome gave this node: every RpcClient
     built with these options presents it, so all sockets of one node are one incarnation to the
@@ -110,6 +131,8 @@ class SocketStats:
     """HELLOs whose claimed role or node id their CURVE key may not claim."""
     refused_id_in_use: int = 0
     """HELLOs claiming the node id of a live peer (never evicted: refused until it is dead)."""
+    refused_over_bound: int = 0
+    """HELLOs of new ids past the bound on their role's live ids (SocketOptions.id_bound)."""
     unauthorized: int = 0
     """Messages a peer's role may not send, or naming another node in an id field."""
     last_error: str = ""
@@ -129,7 +152,11 @@ class RefusalCounts:
     """Malformed messages: undecodable, unknown or unhandled types, failed validation, another
     protocol version (SocketStats.bad_frames, per peer)."""
     refused_hello: int = 0
-    """HELLOs refused: a role or node id its key may not claim, or a live peer's node id."""
+    """HELLOs refused: a role or node id its key may not claim, a live peer's node id, or a new
+    id past the bound on its role's live ids."""
+    refused_ids: int = 0
+    """HELLOs of new ids refused at the bound on their role's live ids (`SocketOptions.id_bound`;
+    also in refused_hello): counted under the key that claimed them."""
 
 
 S = TypeVar("S", bound=Message)

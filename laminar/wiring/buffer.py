@@ -100,6 +100,7 @@ def buffer_node_settings(
         reward_fn=cfg.reward.fn,
         group_size=cfg.rollout.group_size,
         groups_per_rollout=cfg.groups_per_rollout(),
+        groups_in_hand=cfg.groups_in_hand(),
         inflight_per_rollout=cfg.inflight_per_rollout(),
         run_dir=cfg.resolved_run_dir(),
         endpoint=cfg.bind_endpoint("buffer"),

@@ -16,7 +16,7 @@ from laminar.config import ConfigError, LaminarConfig
 from laminar.message import Limits
 from laminar.node_settings import NodeSettings
 from laminar.transport.security import Security
-from laminar.transport.sockets import SocketOptions
+from laminar.transport.sockets import IdBound, SocketOptions
 from laminar.weights.channel import ChannelSettings, RelayLinks, WeightsMode
 from laminar.weights.group import GroupSettings
 
@@ -38,8 +38,9 @@ def node_settings(
 
 
 def socket_options(cfg: LaminarConfig, role: str = "node") -> SocketOptions:
-    """The transport settings of a node of `role`: heartbeats, deadlines, limits and its
-    CURVE keys (none when `security.keys_dir` is unset)."""
+    """The transport settings of a node of `role`: heartbeats, deadlines, limits, its
+    CURVE keys (none when `security.keys_dir` is unset) and, for its servers, the bound on live
+    rollout ids (cluster.max_rollouts; the run's own ids reserved)."""
     t = cfg.transport
     keys = cfg.security.keys_dir
     return SocketOptions(
@@ -54,6 +55,9 @@ def socket_options(cfg: LaminarConfig, role: str = "node") -> SocketOptions:
         rcvhwm=t.rcvhwm,
         limits=Limits(max_header_bytes=t.max_header_bytes, max_message_bytes=t.max_message_bytes),
         security=Security.for_role(keys, role, cfg.security.key_name) if keys else None,
+        id_bound=IdBound(
+            "rollout", cfg.cluster.live_rollouts_bound(), frozenset(cfg.cluster.rollout_ids())
+        ),
     )
 
 

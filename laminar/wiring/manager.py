@@ -29,4 +29,5 @@ def manager_node_settings(
         chain_window=cfg.relay.window,
         repack_bound_b=cfg.repack_bound_b(),
         inflight_per_rollout=cfg.inflight_per_rollout(),
+        most_running=cfg.engine_max_running(),
     )
