@@ -230,3 +230,18 @@ async def _hold_pool() -> None:
 
 if __name__ == "__main__":
     asyncio.run(_hold_pool())
+
+
+async def scored_by_reward_fn_agent(row: dict[str, Any], client: Any) -> None:
+    """One call with the row's prompt; the reward is left to reward.fn (returns None)."""
+    await client.chat.completions.create(
+        model="p", messages=[{"role": "user", "content": row["prompt"]}]
+    )
+
+
+def out_of_range_reward(prompt: str, completion: str, **row: Any) -> Any:
+    """tooluse's reward, but 11 (past reward.max_value 10) for about a third of the prompts:
+    the buffer refuses those samples."""
+    if zlib.crc32(prompt.encode()) % 3 == 0:
+        return 11.0
+    return tooluse.reward(prompt, completion, **row)
