@@ -147,14 +147,21 @@ async def crashing_agent(row: dict[str, Any], client: Any) -> float:
 
 
 async def rewriting_agent(row: dict[str, Any], client: Any) -> float:
-    """Two calls, then a third that drops the history (a summary): the last run is trained."""
+    """Two calls; then a rewrite that replaces the history with a summary, refused (400
+    prompt_mismatch: the buffer trains a sample only with its served prompt); then one that
+    starts again from the row's message: that last run is trained."""
+    import openai
+
     msgs: list[Any] = [{"role": "user", "content": row["prompt"]}]
     r1 = await client.chat.completions.create(model="p", messages=msgs)
     msgs += [r1.choices[0].message, {"role": "user", "content": "again"}]
     await client.chat.completions.create(model="p", messages=msgs)
-    r3 = await client.chat.completions.create(
-        model="p", messages=[{"role": "user", "content": "summary " + row["prompt"]}]
-    )
+    summary = [{"role": "user", "content": "summary " + row["prompt"]}]
+    try:
+        await client.chat.completions.create(model="p", messages=summary)
+    except openai.BadRequestError as exc:
+        _log("AGENT_TEST_CALLS", {"refused": exc.code})
+    r3 = await client.chat.completions.create(model="p", messages=msgs[:1])
     _log("AGENT_TEST_CALLS", {"id": r3.id, "text": r3.choices[0].message.content})
     return 0.5
 

@@ -29,13 +29,26 @@ mask 0, logprob 0.0) and the model's tokens are the engine's sampled ids (mask 1
 logprobs). A call whose messages do not extend the episode (the agent truncated or summarised
 its history, changed its tools) starts a new run: the trained sample is the last consistent run
 of calls, and the earlier runs' tokens are dropped and counted (`agent_history_rewrites`,
-`agent_rewrite_tokens_dropped`). Why not one sample per run: a prompt's group has
-`rollout.group_size` samples end to end (buffer, journal, advantages); extra samples would
-change what a group is. The last run is the one that led to the reward.
+`agent_rewrite_tokens_dropped`). Every run's prompt must be the episode's served prompt (the
+buffer trains a sample only with the prompt its group was served with): a first call, or a
+rewrite, whose conversation renders to another prompt is refused (PROMPT_MISMATCH) and the
+episode keeps the run it had. A call's new text is length-checked (agent.max_text_chars) before
+it is tokenized, and tokenized in a worker thread when long (`_tokenize`), so the loop that
+carries the rollout's heartbeats never stalls on an agent's message. Why not one sample per
+run: a prompt's group has `rollout.group_size` samples end to end (buffer, journal,
+advantages); extra samples would change what a group is. The last run is the one that led to
+the reward.
 
-Failures: the agent's code raising, its worker dying (kill -9) or passing agent.episode_timeout_s
-fail the attempt (`agent_failures`, `agent_failure_<kind>`); the episode's tokens are thrown
-away (the partial record restarts at offset 0), its token revoked (a late call of the old
+Rewards: what the buffer would refuse (not a finite number in reward.min_value..max_value)
+is refused at a remote close (BAD_REWARD, the episode stays open) and, returned by an in-process
+agent, delivered as a failed reward (`agent_bad_reward`); components are coerced to what the wire
+carries (laminar/rewards/runner.py).
+
+Failures: the agent's code raising, its worker dying (kill -9), passing agent.episode_timeout_s
+or, once it claimed or called the episode, leaving it without a call or close for
+agent.idle_timeout_s (`agent_failure_idle`, counted `idle_expired`) fail the attempt
+(`agent_failures`, `agent_failure_<kind>`); the episode's tokens are thrown away (the partial
+record restarts at offset 0), its token revoked (a late call of the old
 attempt gets 401) and it starts again from its prompt at the same version (`agent_retries`),
 at most agent.retries times; then it is delivered without a reward (`agent_gave_up`), so its
 group still completes and the sample is never trained. A sample is delivered once, whatever
@@ -296,7 +309,7 @@ class AgentDriver:
         ep.token = "lmn-" + secrets.token_urlsafe(24)
         ep.seq.agent_token = ep.token  # the partial carries it (a move resumes the episode)
         self.by_token[ep.token] = ep
-        ep.t_attempt = time.monotonic()
+        ep.t_attempt, ep.t_seen = time.monotonic(), None  # idle only once claimed or called
         self.spawn(self._attempt(ep, ep.token), "agent-episode")
 
     def _current(self, ep: AgentEpisode, token: str) -> bool:
