@@ -253,6 +253,7 @@ async def test_hostile_bodies_get_4xx_and_are_counted(tmp_path, tiny, monkeypatc
     assert figures["too_long"] == 1 and figures["too_large"] == 1
     assert figures["prompt_mismatch"] == 1 and figures["refused_at_close"] == 6
     assert "internal" not in figures
+    assert rollout.metrics.counters["agent_http_error_invalid_api_key"] == 2  # each once
     assert status.rollout is not None and status.rollout.agent == figures
     assert alive  # the rollout was never declared dead
 
@@ -352,6 +353,7 @@ async def test_an_idle_claimed_episode_expires_and_is_counted_where_users_look(
     import laminar.launch.status as status_cli
 
     monkeypatch.setattr(status_cli, "fetch_status", lambda cfg, timeout: reply)
+    monkeypatch.setattr("laminar.logs.configure_logging", lambda *a, **k: None)  # keep ours
     assert status_cli.status_main(None, [], as_json=True, timeout=1.0) == 0
     rows = {r["node"]: r for r in json.loads(capsys.readouterr().out)["nodes"]}
     row = rows[rollout.node_id]

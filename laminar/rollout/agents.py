@@ -680,6 +680,14 @@ class AgentDriver:
         return await loop.run_in_executor(self._tokenizing, fn, *args)
 
     def _new_run(self, ep: AgentEpisode, prompt: list[int]) -> None:
+        if len(prompt) > self.s.max_prompt_tokens:
+            ep.truncated = True
+            raise CallRefused(
+                Refusal.TOO_LONG,
+                f"the conversation is {len(prompt)} tokens; this model's "
+                f"prompts hold at most {self.s.max_prompt_tokens} "
+                "(data.max_prompt_tokens)",
+            )
         served = ep.first_prompt
         if len(prompt) != len(served) or not np.array_equal(prompt, served):
             # the buffer trains a sample only with the prompt its group was served with
@@ -689,14 +697,6 @@ class AgentDriver:
                 f"episode's ({len(served)} tokens: the row's messages as served): begin with "
                 "exactly the row's messages (no added system message); a rewritten history "
                 "must start again from them",
-            )
-        if len(prompt) > self.s.max_prompt_tokens:
-            ep.truncated = True
-            raise CallRefused(
-                Refusal.TOO_LONG,
-                f"the conversation is {len(prompt)} tokens; this model's "
-                f"prompts hold at most {self.s.max_prompt_tokens} "
-                "(data.max_prompt_tokens)",
             )
         seq = ep.seq
         if ep.consumed is not None or ep.text is not None:  # the agent rewrote its history
