@@ -18,10 +18,11 @@ logged, never resent. Order is not preserved and need not be: each trajectory st
 
 No group is left open by a sample that cannot be taken: a trajectory the buffer refuses as
 never takeable from its owner (`ABANDON_ON`: reward or token ids out of range, too long, another
-prompt than served) or that cannot even be encoded (an integer past 64 bits, a lone surrogate:
-counted `unencodable`, logged, never sent) is followed by a TrajectoryAbandoned for its uid
-(counted `abandoned`), so its group completes with it as a failed member. A refusal that says the
-sample is not this rollout's (not_owner, not_served) abandons nothing: its owner finishes it.
+prompt than served), that it rejects as malformed, or that cannot even be encoded (an integer
+past 64 bits, a lone surrogate: counted `unencodable`, logged, never sent) is followed by a
+TrajectoryAbandoned for its uid (counted `abandoned`), so its group completes with it as a
+failed member. A refusal that says the sample is not this rollout's (not_owner, not_served)
+abandons nothing: its owner finishes it.
 """
 
 from __future__ import annotations
@@ -124,6 +125,7 @@ class Outbox:
                     self.stats["rejected"] += 1
                     self.log.error("trajectory_rejected", uid=uid, error=str(exc))
                     self._done(uid)
+                    self._abandon(msg, "rejected")
                     continue
                 backoff = await self._retry(uid, backoff, str(exc))
                 continue
