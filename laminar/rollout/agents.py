@@ -617,8 +617,10 @@ class AgentDriver:
                 new = await self._tokenize(self._text_chars([added]), self.render.encode, added)
             else:
                 new = []
-                ids = await self._tokenize(self._text_chars([prompt]), self.render.encode, prompt)
-                self._new_run(ep, self.render.bos + ids)
+                text_ids = await self._tokenize(
+                    self._text_chars([prompt]), self.render.encode, prompt
+                )
+                self._new_run(ep, self.render.bos + text_ids)
             reason, ids, lps = await self._generate(ep, token, new, request.sampling, ())
             text = self.render.decode(ids.tolist())
             ep.text = prompt + text
