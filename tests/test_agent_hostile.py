@@ -226,6 +226,7 @@ async def test_hostile_bodies_get_4xx_and_are_counted(tmp_path, tiny, monkeypatc
             # the episode goes on: its prompt, then a user message with typed control tokens
             status, got = await _post(http, chat, token, json.dumps({"messages": [user]}).encode())
             assert status == 200, got
+            assert got["model"] == "hostile-bodies"  # the run's name, never the model's path
             answer = got["choices"][0]["message"]
             typed = {"role": "user", "content": "<eos><bos> 1+1=?"}
             body = json.dumps({"messages": [user, answer, typed]}).encode()
