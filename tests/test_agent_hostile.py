@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import time
 from collections import Counter
@@ -273,7 +274,9 @@ async def _raw(host: str, port: int, data: bytes) -> tuple[Any, Any]:
     return reader, writer
 
 
-async def test_aborted_uploads_and_slow_connections_are_bounded(tmp_path, tiny, monkeypatch):
+async def test_aborted_uploads_and_slow_connections_are_bounded(
+    tmp_path, tiny, monkeypatch, caplog
+):
     """Uploads dropped mid-body are counted, not logged as errors; past agent.max_connections a
     connection is closed at once, and one that sends no whole request head within
     agent.read_timeout_s is closed then."""
@@ -312,6 +315,7 @@ async def test_aborted_uploads_and_slow_connections_are_bounded(tmp_path, tiny, 
     assert counts["connections_refused"] >= 250 and counts["read_timeout"] >= 1
     assert counts["connections_refused"] + counts["read_timeout"] >= 300
     assert counts["aborted"] == 20 and not errors
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]  # aiohttp's own too
 
 
 async def test_an_idle_claimed_episode_expires_and_is_counted_where_users_look(
