@@ -235,7 +235,9 @@ class OpenAIEndpoint:
             made(handler, transport)
             if len(server.connections) > cap:
                 self.counts["connections_refused"] += 1
-                transport.close()
+                # after the handler's task took its first step: closed before it, the task
+                # finds its handler torn down and dies with an unretrieved AssertionError
+                loop.call_soon(transport.close)
                 return
             self._no_request_yet.add(id(handler))  # the timer below holds the handler: id stays
             loop.call_later(wait_s, self._expire, handler, transport)
