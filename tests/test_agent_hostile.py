@@ -170,7 +170,7 @@ async def _post(
         return r.status, await r.json(content_type=None)
 
 
-async def test_hostile_bodies_get_4xx_and_are_counted(tmp_path, tiny, monkeypatch):
+async def test_hostile_bodies_get_4xx_and_are_counted(tmp_path, tiny, monkeypatch, caplog):
     """Each probe of the issue that a body carries: a 4xx in the OpenAI error shape, counted by
     reason, never a 500; the episode and the rollout go on (its typed `<eos>` stays text)."""
     monkeypatch.setenv("LAMINAR_AGENT_KEY", KEY)
@@ -258,6 +258,7 @@ async def test_hostile_bodies_get_4xx_and_are_counted(tmp_path, tiny, monkeypatc
     assert rollout.metrics.counters["agent_http_error_invalid_api_key"] == 2  # each once
     assert status.rollout is not None and status.rollout.agent == figures
     assert alive  # the rollout was never declared dead
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 def _nest(depth: int) -> Any:
