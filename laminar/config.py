@@ -516,6 +516,23 @@ class AgentConfig(Section):
     remote_key_env: str = "LAMINAR_AGENT_KEY"
     """With `remote`: the environment variable holding the secret that agents elsewhere present
     to claim episodes (unset: no claims are accepted)."""
+    idle_timeout_s: float = Field(60.0, gt=0)
+    """A claimed (or moved-here) episode whose agent neither calls nor closes it for this long
+    fails (`agent_failure_idle`) and starts again: an idle agent never pins a rollout's weights
+    for the whole episode_timeout_s."""
+    model_name: str | None = None
+    """What the endpoint calls the model (replies, /v1/models); None: the run's name (never a
+    local path)."""
+    max_body_bytes: int = Field(4 << 20, ge=1 << 10, le=1 << 30)
+    """Largest request body the endpoint reads; a larger one is refused (HTTP 413)."""
+    max_text_chars: int = Field(1 << 18, ge=1 << 10)
+    """Characters of new message text one call may bring; more is refused (HTTP 400
+    context_length_exceeded) before anything is tokenized."""
+    read_timeout_s: float = Field(30.0, gt=0)
+    """A connection sends its first request's headers, and a request its body, within this; else
+    the connection is closed (headers) or the call answered 408 (body)."""
+    max_connections: int = Field(256, ge=1)
+    """Connections one rollout's endpoint holds open; one more is closed at once (counted)."""
 
 
 class ToolsConfig(Section):

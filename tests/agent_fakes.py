@@ -147,14 +147,21 @@ async def crashing_agent(row: dict[str, Any], client: Any) -> float:
 
 
 async def rewriting_agent(row: dict[str, Any], client: Any) -> float:
-    """Two calls, then a third that drops the history (a summary): the last run is trained."""
+    """Two calls; then a rewrite that replaces the history with a summary, refused (400
+    prompt_mismatch: the buffer trains a sample only with its served prompt); then one that
+    starts again from the row's message: that last run is trained."""
+    import openai
+
     msgs: list[Any] = [{"role": "user", "content": row["prompt"]}]
     r1 = await client.chat.completions.create(model="p", messages=msgs)
     msgs += [r1.choices[0].message, {"role": "user", "content": "again"}]
     await client.chat.completions.create(model="p", messages=msgs)
-    r3 = await client.chat.completions.create(
-        model="p", messages=[{"role": "user", "content": "summary " + row["prompt"]}]
-    )
+    summary = [{"role": "user", "content": "summary " + row["prompt"]}]
+    try:
+        await client.chat.completions.create(model="p", messages=summary)
+    except openai.BadRequestError as exc:
+        _log("AGENT_TEST_CALLS", {"refused": exc.code})
+    r3 = await client.chat.completions.create(model="p", messages=msgs[:1])
     _log("AGENT_TEST_CALLS", {"id": r3.id, "text": r3.choices[0].message.content})
     return 0.5
 
@@ -230,3 +237,18 @@ async def _hold_pool() -> None:
 
 if __name__ == "__main__":
     asyncio.run(_hold_pool())
+
+
+async def scored_by_reward_fn_agent(row: dict[str, Any], client: Any) -> None:
+    """One call with the row's prompt; the reward is left to reward.fn (returns None)."""
+    await client.chat.completions.create(
+        model="p", messages=[{"role": "user", "content": row["prompt"]}]
+    )
+
+
+def out_of_range_reward(prompt: str, completion: str, **row: Any) -> Any:
+    """tooluse's reward, but 11 (past reward.max_value 10) for about a third of the prompts:
+    the buffer refuses those samples."""
+    if zlib.crc32(prompt.encode()) % 3 == 0:
+        return 11.0
+    return tooluse.reward(prompt, completion, **row)

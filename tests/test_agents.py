@@ -405,10 +405,14 @@ async def test_rewritten_history_trains_the_last_consistent_run(tmp_path, tiny, 
         counters = dict(rollout.metrics.counters)
     assert counters["agent_history_rewrites"] == want
     assert counters["agent_rewrite_tokens_dropped"] > 0
+    # the summary's run would have trained a prompt the buffer refuses: refused at the call
+    assert counters["agent_http_error_prompt_mismatch"] == want
+    refused = [c for c in read_jsonl(agent_files["AGENT_TEST_CALLS"]) if "refused" in c]
+    assert refused == [{"refused": "prompt_mismatch"}] * want
     render = ChatRenderer(tok)
     for t in trajs:
-        want_prompt = render.first_ids([{"role": "user", "content": "summary " + t.prompt}], None)
-        assert t.prompt_ids.tolist() == want_prompt  # the last run's conversation
+        want_prompt = render.first_ids([{"role": "user", "content": t.prompt}], None)
+        assert t.prompt_ids.tolist() == want_prompt  # the last run: from the served prompt
         assert t.turns == 1 and t.loss_mask.all() and t.reward == 0.5
         assert t.response_ids.tolist() == engine.emitted[(t.uid, 0)][0]
 

@@ -118,11 +118,37 @@ class ChatRenderer:
         self.chat = self.turns.chat
         bos = getattr(tokenizer, "bos_token_id", None) if tokenizer is not None else None
         self.bos: list[int] = [int(bos)] if bos is not None else []
+        specials = getattr(tokenizer, "all_special_tokens", None) if self.chat else None
+        self.specials: tuple[str, ...] = tuple(t for t in specials or () if t)
+        """The special tokens' texts (a chat template's agent text may not hold them)."""
 
     def encode(self, text: str) -> list[int]:
+        """Text an agent typed (with what the plain format wraps around it): a special token's
+        text in it ("<eos>") stays text, never the special id (split_special_tokens)."""
         if self.tok is None:
             return list(text.encode("utf-8"))
+        enc = self.tok(text, add_special_tokens=False, split_special_tokens=True)
+        return [int(i) for i in enc["input_ids"]]
+
+    def _template_encode(self, text: str) -> list[int]:
+        """A chat template's text: its own special tokens are tokens (what the agent typed in it
+        was checked by `_no_special_text`)."""
         return [int(i) for i in self.tok(text, add_special_tokens=False)["input_ids"]]
+
+    def _no_special_text(self, messages: list[dict[str, Any]]) -> None:
+        """With a chat template the agent's text is inside the template's, where a special
+        token's text would become that token: refused (the model's own turns, echoed back, are
+        not the agent's text)."""
+        for m in messages:
+            if m.get("role") == "assistant":
+                continue
+            text = _content(m)
+            for sp in self.specials:
+                if sp in text:
+                    raise BadMessages(
+                        f"a {m.get('role')} message holds the text of the special token {sp!r}, "
+                        "which the chat template would turn into that token: escape it"
+                    )
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.turns.decode(ids)
@@ -142,6 +168,7 @@ class ChatRenderer:
         if not messages:
             raise BadMessages("`messages` is empty")
         if self.chat:
+            self._no_special_text(messages)
             msgs = [_plain_message(m) for m in messages]
             kw: dict[str, Any] = {"tools": tools} if tools else {}
             try:
@@ -150,7 +177,7 @@ class ChatRenderer:
                 )
             except Exception as exc:  # jinja raises what the template's author chose
                 raise BadMessages(f"the chat template refused the messages: {exc}") from None
-            return self.encode(str(text))
+            return self._template_encode(str(text))
         parts, first_user = [], True
         for m in messages:
             role, text = m["role"], _content(m)
@@ -180,6 +207,7 @@ class ChatRenderer:
                 text += self.turns.observation_text([_content(m) for m in new[i:j]], role)
                 i = j
             return self.encode(text)
+        self._no_special_text(new)
         base = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _MARK}]
         try:
             full = str(
@@ -198,7 +226,7 @@ class ChatRenderer:
         if after_eot and self.turns.eot_ids:
             eot = self.tok.decode(self.turns.eot_ids, skip_special_tokens=False)
             obs = obs[len(eot) :] if obs.startswith(eot) else obs
-        return self.encode(obs)
+        return self._template_encode(obs)
 
     # ---- out of tokens -------------------------------------------------------------------
     def assistant_message(

@@ -6,7 +6,9 @@ Each node's refusals (`NodeStatus.refusals`: messages its servers refused as una
 bad, refused handshakes, the buffer's refused trajectories) are columns of the table and, per
 peer, `refusals` in the JSON; a peer that sends what it may not gets a WARNING line.
 `attest_mismatches`: a rollout's loads whose served weights did not match the trainer's digest
-(each quarantined and reloaded; docs/DESIGN.md "Attested versions").
+(each quarantined and reloaded; docs/DESIGN.md "Attested versions"). A rollout's agent endpoint
+(RolloutStatus.agent: refusals per reason, idle-expired episodes, agent failures) and the samples
+its outbox dropped are `agent` / `outbox_dropped` in the JSON and an AGENT line in the text.
 
 `fetch_status` (a one-off RpcClient) also feeds the live progress line (laminar/progress.py);
 restarts come from the launcher's run_dir/supervisor.json.
@@ -103,6 +105,8 @@ def status_main(config: str | None, overrides: list[str], as_json: bool, timeout
                 "refused_trajectories": refused.refused_trajectories if refused else 0,
                 "refusals": msgspec.to_builtins(refused.peers) if refused else [],
                 "attest_mismatches": s.attest_mismatches if s else 0,
+                "agent": dict(s.rollout.agent) if s and s.rollout else {},
+                "outbox_dropped": s.rollout.outbox_dropped if s and s.rollout else 0,
             }
         )
     if as_json:
@@ -140,6 +144,10 @@ def status_main(config: str | None, overrides: list[str], as_json: bool, timeout
     print("  ".join(c.ljust(widths[c]) for c in cols))
     for r in rows:
         print("  ".join(str(r[c]).ljust(widths[c]) for c in cols))
+    for r in rows:  # a rollout's agent endpoint: refusals and agent failures per reason
+        if r["agent"] or r["outbox_dropped"]:
+            agent = " ".join(f"{k}={v}" for k, v in sorted(r["agent"].items()))
+            print(f"AGENT {r['node']}: {agent} outbox_dropped={r['outbox_dropped']}".rstrip())
     for r in rows:  # e.g. the buffer's stall warning (laminar/buffer/health.py), refused peers
         for w in r["warnings"]:
             print(f"WARNING {r['node']}: {w}")

@@ -281,6 +281,10 @@ class ManagerNode(Node):
                 total.refused_hellos += r.refused_hellos
                 total.refused_ids += r.refused_ids
                 total.refused_trajectories += r.refused_trajectories
+        for p in self.srv.peers.values():  # the rollouts' agent endpoints
+            agent = p.status.rollout.agent if p.status and p.status.rollout else {}
+            for reason, k in agent.items():
+                total.agent[reason] = total.agent.get(reason, 0) + k
         return total
 
     # ---- timeline (report.png's utilisation panel, bench idle fractions) -------------------

@@ -43,6 +43,7 @@ class TokenizerFile:
 
         d = Path(path)
         self._tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+        self._split: Tokenizer | None = None
         conf = _config(d) if config is None else config
         self.bos_token_id = self._special_id(conf.get("bos_token"))
         self.eos_token_id = self._special_id(conf.get("eos_token"))
@@ -52,8 +53,23 @@ class TokenizerFile:
             token = token.get("content")
         return self._tok.token_to_id(token) if isinstance(token, str) else None
 
-    def __call__(self, text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
-        return {"input_ids": self._tok.encode(text, add_special_tokens=add_special_tokens).ids}
+    @property
+    def all_special_tokens(self) -> list[str]:
+        return [t.content for t in self._tok.get_added_tokens_decoder().values() if t.special]
+
+    def __call__(
+        self, text: str, add_special_tokens: bool = False, split_special_tokens: bool = False
+    ) -> dict[str, list[int]]:
+        """`split_special_tokens`: a special token's text is tokenized as text (agent input)."""
+        tok = self._tok
+        if split_special_tokens:
+            if self._split is None:  # a copy that reads special tokens' text as text
+                from tokenizers import Tokenizer
+
+                self._split = Tokenizer.from_str(tok.to_str())
+                self._split.encode_special_tokens = True
+            tok = self._split
+        return {"input_ids": tok.encode(text, add_special_tokens=add_special_tokens).ids}
 
     def decode(self, ids: Any, skip_special_tokens: bool = False) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)

@@ -59,6 +59,9 @@ class RefusalSummary(Message):  # inside NodeStatus: what this node refused, sin
     out of range); never trained."""
     peers: list[PeerRefusals] = field(default_factory=list)
     """Per peer, at most MAX_PEER_ROWS, most refused first (empty in cluster totals)."""
+    agent: dict[str, int] = field(default_factory=dict)
+    """Cluster totals only: the rollouts' agent endpoint refusals and failures per reason
+    (RolloutStatus.agent, summed by the manager)."""
 
     def total(self) -> int:
         return self.unauthorized + self.bad + self.refused_hellos + self.refused_trajectories

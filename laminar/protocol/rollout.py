@@ -108,3 +108,11 @@ class RolloutStatus(Message):  # rollout -> manager, inside NodeStatus.rollout o
     """Sequences its engine decodes at once (0: no engine up): the manager lists a rollout to the
     buffer as serving only once this shows (clamped to the config), and the buffer grants it
     prompts by it."""
+    agent: dict[str, int] = field(default_factory=dict)
+    """Its agent endpoint's refusals and failures since it started, per reason (laminar/rollout/
+    openai_api.py ENDPOINT_COUNTERS: unauthorized, bad_request, too_large, refused_at_close,
+    idle_expired, agent_failures, ...); empty without agents. Shown by `laminar status`, summed by
+    the manager (RefusalSummary.agent) into metrics.jsonl's `agent/<reason>`."""
+    outbox_dropped: int = 0
+    """Finished samples its outbox could not send (unencodable) or the buffer refused as never
+    takeable: each abandoned, so its group completed without it."""

@@ -126,22 +126,41 @@ def load_reward_fn(spec: str) -> Callable[..., Any]:
 
 def _number(value: Any, what: str) -> float:
     if isinstance(value, numbers.Real):
-        out = float(value)
+        try:
+            out = float(value)
+        except OverflowError:  # an integer past the float range
+            raise RewardFormatError(f"{what} is too large for a float") from None
         if not math.isfinite(out):
             raise RewardFormatError(f"{what} is not finite ({out})")
         return out
     raise RewardFormatError(f"{what} must be a number or None, got {type(value).__name__}")
 
 
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+"""What an integer component may be on the wire (msgpack); a larger one travels as its text."""
+
+
 def _plain(value: Any) -> Any:
-    """Log-safe (msgpack-able) version of a component value."""
-    if value is None or isinstance(value, (bool, str)):
+    """Log-safe (msgpack-able) version of a component value: None, bool, an int64, a float or a
+    string of at most 200 characters (an integer past int64 becomes its text: msgpack cannot
+    carry it, and a rollout's outbox must never hold what it cannot encode)."""
+    if value is None or isinstance(value, bool):
         return value
     if isinstance(value, numbers.Integral):
-        return int(value)
+        n = int(value)
+        return n if _INT64[0] <= n <= _INT64[1] else _text(str(n))
     if isinstance(value, numbers.Real):
-        return float(value)
-    return str(value)[:200]
+        try:
+            return float(value)
+        except OverflowError:
+            return _text(str(value))
+    return _text(str(value))
+
+
+def _text(s: str) -> str:
+    """At most 200 characters of valid UTF-8 (a lone surrogate cannot be encoded)."""
+    s = s[:200]
+    return s if s.isascii() else s.encode("utf-8", "replace").decode("utf-8")
 
 
 def normalize_reward(out: Any) -> tuple[float | None, dict[str, Any]]:
@@ -149,7 +168,7 @@ def normalize_reward(out: Any) -> tuple[float | None, dict[str, Any]]:
     if out is None:
         return None, {}
     if isinstance(out, Mapping):
-        info = {str(k): _plain(v) for k, v in out.items()}
+        info = {_text(str(k)): _plain(v) for k, v in out.items()}
         if "reward" in out:
             raw = out["reward"]
         else:

@@ -50,6 +50,14 @@ class Refusal(enum.Enum):
     """A close of an episode whose agent is ours to run, or one already closed."""
     BAD_CLAIM_KEY = "bad_claim_key"
     """A claim without the remote key."""
+    BAD_REWARD = "bad_reward"
+    """A close whose reward the buffer would refuse (not a finite number in reward.min_value..
+    max_value, or a dict without one)."""
+    PROMPT_MISMATCH = "prompt_mismatch"
+    """A run whose rendered prompt is not the episode's served prompt (the buffer trains a sample
+    only with the prompt its group was served with)."""
+    TEXT_TOO_LONG = "text_too_long"
+    """A call bringing more new text than agent.max_text_chars (refused before tokenizing)."""
 
 
 class CallRefused(Exception):

@@ -29,13 +29,26 @@ mask 0, logprob 0.0) and the model's tokens are the engine's sampled ids (mask 1
 logprobs). A call whose messages do not extend the episode (the agent truncated or summarised
 its history, changed its tools) starts a new run: the trained sample is the last consistent run
 of calls, and the earlier runs' tokens are dropped and counted (`agent_history_rewrites`,
-`agent_rewrite_tokens_dropped`). Why not one sample per run: a prompt's group has
-`rollout.group_size` samples end to end (buffer, journal, advantages); extra samples would
-change what a group is. The last run is the one that led to the reward.
+`agent_rewrite_tokens_dropped`). Every run's prompt must be the episode's served prompt (the
+buffer trains a sample only with the prompt its group was served with): a first call, or a
+rewrite, whose conversation renders to another prompt is refused (PROMPT_MISMATCH) and the
+episode keeps the run it had. A call's new text is length-checked (agent.max_text_chars) before
+it is tokenized, and tokenized in a worker thread when long (`_tokenize`), so the loop that
+carries the rollout's heartbeats never stalls on an agent's message. Why not one sample per
+run: a prompt's group has `rollout.group_size` samples end to end (buffer, journal,
+advantages); extra samples would change what a group is. The last run is the one that led to
+the reward.
 
-Failures: the agent's code raising, its worker dying (kill -9) or passing agent.episode_timeout_s
-fail the attempt (`agent_failures`, `agent_failure_<kind>`); the episode's tokens are thrown
-away (the partial record restarts at offset 0), its token revoked (a late call of the old
+Rewards: what the buffer would refuse (not a finite number in reward.min_value..max_value)
+is refused at a remote close (BAD_REWARD, the episode stays open) and, returned by an in-process
+agent, delivered as a failed reward (`agent_bad_reward`); components are coerced to what the wire
+carries (laminar/rewards/runner.py).
+
+Failures: the agent's code raising, its worker dying (kill -9), passing agent.episode_timeout_s
+or, once it claimed or called the episode, leaving it without a call or close for
+agent.idle_timeout_s (`agent_failure_idle`, counted `idle_expired`) fail the attempt
+(`agent_failures`, `agent_failure_<kind>`); the episode's tokens are thrown away (the partial
+record restarts at offset 0), its token revoked (a late call of the old
 attempt gets 401) and it starts again from its prompt at the same version (`agent_retries`),
 at most agent.retries times; then it is delivered without a reward (`agent_gave_up`), so its
 group still completes and the sample is never trained. A sample is delivered once, whatever
@@ -61,12 +74,16 @@ prompt here, run by this rollout's workers (`agent_restarted_on_import`).
 from __future__ import annotations
 
 import asyncio
+import math
 import secrets
 import time
 import zlib
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import structlog
@@ -76,7 +93,7 @@ from laminar.agents.resume import match_record
 from laminar.config import AgentConfig
 from laminar.engines.base import Engine, SamplingParams
 from laminar.metrics import Metrics
-from laminar.rewards.runner import RewardResult, normalize_reward
+from laminar.rewards.runner import RewardFormatError, RewardResult, normalize_reward
 from laminar.rollout.agent_pool import AgentPool, release_shared, shared_pool
 from laminar.rollout.agent_turns import (
     CallRefused,
@@ -120,6 +137,9 @@ class AgentEpisode:
     """Moved here with tokens its agent's next call must be matched against (`_resume`)."""
     touched: bool = False
     """Its agent called or closed it on this rollout since it moved here."""
+    t_seen: float | None = None
+    """When its agent last claimed, called or closed it (None: not yet): past
+    agent.idle_timeout_s of silence the attempt fails (`_await_agent`)."""
 
 
 @dataclass
@@ -134,6 +154,16 @@ class AgentSettings:
     """Where each rollout writes its endpoint's URL (run_dir/agents/endpoints): an agent worker's
     client looks there for the rollout that holds its episode after a move (empty: nowhere)."""
     node_id: str = ""
+    reward_min: float = -math.inf
+    reward_max: float = math.inf
+    """reward.min_value..max_value: a reward outside is refused at close (the buffer would)."""
+
+
+_T = TypeVar("_T")
+
+THREAD_CHARS = 16384
+"""New text longer than this is tokenized in a worker thread, off the event loop (a rollout whose
+loop stalls stops beating and is declared dead)."""
 
 
 class AgentDriver:
@@ -165,6 +195,12 @@ class AgentDriver:
         self.base_url = ""
         """Set once the HTTP server listens (http://host:port/v1)."""
         self.delivered = 0
+        self.counts: Counter[str] = Counter()
+        """idle_expired, agent_failures, agent_gave_up: beside the endpoint's refusals in the
+        rollout's status (OpenAIEndpoint.figures)."""
+        self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="agent-tokenize")
+        """Large new text is tokenized here, one call at a time (a fast tokenizer is not safe to
+        share between threads that tokenize at once)."""
 
     # ---- lifecycle -----------------------------------------------------------------------
     async def start_workers(self, base_url: str) -> None:
@@ -193,6 +229,7 @@ class AgentDriver:
         await self.pool.start()
 
     async def close(self) -> None:
+        self._tokenizing.shutdown(wait=False, cancel_futures=True)
         if self.s.endpoints_dir:
             (Path(self.s.endpoints_dir) / self.s.node_id).unlink(missing_ok=True)
         if self.pool is not None:
@@ -272,7 +309,7 @@ class AgentDriver:
         ep.token = "lmn-" + secrets.token_urlsafe(24)
         ep.seq.agent_token = ep.token  # the partial carries it (a move resumes the episode)
         self.by_token[ep.token] = ep
-        ep.t_attempt = time.monotonic()
+        ep.t_attempt, ep.t_seen = time.monotonic(), None  # idle only once claimed or called
         self.spawn(self._attempt(ep, ep.token), "agent-episode")
 
     def _current(self, ep: AgentEpisode, token: str) -> bool:
@@ -280,24 +317,34 @@ class AgentDriver:
 
     async def _await_agent(self, ep: AgentEpisode, token: str, first_s: float) -> None:
         """The episode's agent is not ours to run (remote, or it moved here): wait for its close.
-        Within `first_s` the agent must have called or closed it here, else it is lost."""
+        Within `first_s` the agent must have called or closed it here, else it is lost; once it
+        claimed or called it, agent.idle_timeout_s without a call or close (none in flight) and
+        the attempt fails as idle, so a silent agent pins the rollout's weights that long at
+        most, not the whole agent.episode_timeout_s."""
         ep.outcome = asyncio.get_running_loop().create_future()
         ep.t_attempt = time.monotonic()
-        total = self.cfg.episode_timeout_s
-        try:
-            await asyncio.wait_for(asyncio.shield(ep.outcome), min(first_s, total))
-        except TimeoutError:
-            pass
-        if ep.outcome.done():
-            ok, out = ep.outcome.result()
-        elif not ep.touched:
-            ok, out = False, ("lost", f"its agent did not call or close it within {first_s:g}s")
-        else:
-            try:
-                left = total - (time.monotonic() - ep.t_attempt)
-                ok, out = await asyncio.wait_for(asyncio.shield(ep.outcome), max(left, 0.0))
-            except TimeoutError:
+        total, idle = self.cfg.episode_timeout_s, self.cfg.idle_timeout_s
+        while not ep.outcome.done():
+            now = time.monotonic()
+            if now >= ep.t_attempt + total:
                 ok, out = False, ("timeout", f"no close within {total:g}s")
+                break
+            if not ep.touched and now >= ep.t_attempt + first_s:
+                ok, out = False, ("lost", f"its agent did not call or close it within {first_s:g}s")
+                break
+            if ep.t_seen is not None and not ep.busy and now >= ep.t_seen + idle:
+                self.counts["idle_expired"] += 1
+                ok, out = False, ("idle", f"its agent neither called nor closed it for {idle:g}s")
+                break
+            # re-checked at least every idle_timeout_s: a call ending moves the idle deadline
+            end = min(ep.t_attempt + total, now + idle)
+            if not ep.touched:
+                end = min(end, ep.t_attempt + first_s)
+            if ep.t_seen is not None and not ep.busy:
+                end = min(end, ep.t_seen + idle)
+            await asyncio.wait([ep.outcome], timeout=max(end - now, 0.001))
+        else:
+            ok, out = ep.outcome.result()
         if not self._current(ep, token):
             return
         await (self._returned(ep, out) if ok else self._failed(ep, *out))
@@ -341,13 +388,11 @@ class AgentDriver:
     async def _returned(self, ep: AgentEpisode, reward: Any) -> None:
         """The agent's run returned `reward`: deliver the sample."""
         await self._stop_generating(ep)
-        score: RewardResult | None = None
-        if reward is not None:
-            try:
-                score = RewardResult(*normalize_reward(reward))
-            except Exception as exc:  # the agent's return value is user data
-                self.metrics.count("agent_bad_reward")
-                score = RewardResult.failure("format", f"agent reward: {exc}")
+        try:
+            score = self._score(reward)
+        except Exception as exc:  # the agent's return value is user data
+            self.metrics.count("agent_bad_reward")
+            score = RewardResult.failure("format", f"agent reward: {exc}")
         if ep.seq.length == 0:
             self.metrics.count("agent_no_calls")
             score = RewardResult.failure("agent", "the agent made no model call")
@@ -365,11 +410,13 @@ class AgentDriver:
             return
         self.metrics.count("agent_failures")
         self.metrics.count(f"agent_failure_{kind}")
+        self.counts["agent_failures"] += 1
         self.log.warning(
             "agent_failed", uid=ep.seq.uid, kind=kind, attempt=ep.attempt, error=why[:300]
         )
         if ep.attempt >= self.cfg.retries:
             self.metrics.count("agent_gave_up")
+            self.counts["agent_gave_up"] += 1
             self._finish(ep, "error", RewardResult.failure("agent", f"{kind}: {why}"))
             return
         self.metrics.count("agent_retries")
@@ -413,10 +460,17 @@ class AgentDriver:
         self.deliverer.finished(seq, reason, score)
 
     # ---- remote agents --------------------------------------------------------------------
+    def check_claim_key(self, key: str) -> None:
+        """Raises CallRefused(BAD_CLAIM_KEY) unless `key` is the remote key (compared as UTF-8
+        bytes in constant time: any header text, a non-ASCII one included, is refused, not an
+        error)."""
+        given = key.encode("utf-8", "replace")
+        if not self.s.remote_key or not secrets.compare_digest(given, self.s.remote_key.encode()):
+            raise CallRefused(Refusal.BAD_CLAIM_KEY, "not a key that may claim episodes")
+
     async def claim(self, key: str, wait_s: float) -> EpisodeClaim | None:
         """A remote agent takes a waiting episode (None: none within `wait_s`)."""
-        if not self.s.remote_key or not secrets.compare_digest(key, self.s.remote_key):
-            raise CallRefused(Refusal.BAD_CLAIM_KEY, "not a key that may claim episodes")
+        self.check_claim_key(key)
         deadline = time.monotonic() + wait_s
         while True:
             try:
@@ -426,6 +480,7 @@ class AgentDriver:
             except TimeoutError:
                 return None
             if self.by_token.get(ep.token) is ep:  # not restarted or finished meanwhile
+                ep.t_seen = time.monotonic()  # its idle clock starts
                 return EpisodeClaim(
                     ep.token, self._row(ep.seq), self.base_url, self.cfg.episode_timeout_s
                 )
@@ -439,8 +494,30 @@ class AgentDriver:
             )
         if error is not None:
             ep.outcome.set_result((False, ("remote_error", error)))
-        else:
-            ep.outcome.set_result((True, reward))
+            return
+        try:  # refused here, with why, rather than dropped by the buffer unanswered
+            self._score(reward)
+        except RewardFormatError as exc:
+            raise CallRefused(
+                Refusal.BAD_REWARD,
+                f"the reward cannot be trained: {exc}; close again with a finite number in "
+                f"[{self.s.reward_min:g}, {self.s.reward_max:g}] (reward.min_value..max_value), "
+                "a dict with such a 'reward', null, or an error",
+            ) from None
+        ep.outcome.set_result((True, reward))
+
+    def _score(self, reward: Any) -> RewardResult | None:
+        """An agent's reward as the sample carries it (None: reward.fn scores the transcript);
+        raises RewardFormatError for what the buffer would refuse (not a finite number, or
+        outside reward.min_value..max_value). Components are coerced to what the wire carries
+        (laminar/rewards/runner.py normalize_reward)."""
+        if reward is None:
+            return None
+        value, info = normalize_reward(reward)
+        lo, hi = self.s.reward_min, self.s.reward_max
+        if value is not None and not lo <= value <= hi:
+            raise RewardFormatError(f"reward {value:g} is outside [{lo:g}, {hi:g}]")
+        return RewardResult(value, info)
 
     # ---- the endpoint's calls -------------------------------------------------------------
     def authorize(self, token: str) -> None:
@@ -452,7 +529,7 @@ class AgentDriver:
         if ep is None and token in self.moved:
             raise self._moved(token)
         if ep is not None:
-            ep.touched = True
+            ep.touched, ep.t_seen = True, time.monotonic()
         if ep is None:
             raise EpisodeUnknown
         return ep
@@ -469,7 +546,11 @@ class AgentDriver:
         tools_on = tools is not None
         try:
             canon = [canonical(m) for m in messages]
-            key = canonical_tools(tools)
+        except BadMessages as exc:
+            raise CallRefused(Refusal.BAD_MESSAGES, str(exc)) from None
+        key = canonical_tools(tools)
+        stops = self.render.stop_strings(tools_on)
+        async with self._call(ep, token):
             n = len(ep.consumed) if ep.consumed is not None else -1
             extends = (
                 ep.consumed is not None
@@ -477,15 +558,20 @@ class AgentDriver:
                 and canon[:n] == ep.consumed
                 and len(canon) > n
             )
-            if extends:
-                new = self.render.delta_ids(messages[n:], ep.after_eot)
-                prompt = None
-            else:
-                new, prompt = [], self.render.first_ids(messages, tools)
-        except BadMessages as exc:
-            raise CallRefused(Refusal.BAD_MESSAGES, str(exc)) from None
-        stops = self.render.stop_strings(tools_on)
-        async with self._call(ep, token):
+            chars = self._text_chars(canon[n:] if extends else canon)
+            try:
+                if extends:
+                    new = await self._tokenize(
+                        chars, self.render.delta_ids, messages[n:], ep.after_eot
+                    )
+                    prompt = None
+                else:
+                    new, prompt = (
+                        [],
+                        await self._tokenize(chars, self.render.first_ids, messages, tools),
+                    )
+            except BadMessages as exc:
+                raise CallRefused(Refusal.BAD_MESSAGES, str(exc)) from None
             keep: int | None = None
             if ep.recorded:  # moved here: the call repeats or extends what the tokens hold
                 ep.recorded = False
@@ -527,10 +613,14 @@ class AgentDriver:
                 self.metrics.count("agent_rewrite_tokens_dropped", ep.seq.length)
                 self._clear(ep)
             if ep.text is not None and prompt.startswith(ep.text) and len(prompt) > len(ep.text):
-                new = self.render.encode(prompt[len(ep.text) :])
+                added = prompt[len(ep.text) :]
+                new = await self._tokenize(self._text_chars([added]), self.render.encode, added)
             else:
                 new = []
-                self._new_run(ep, self.render.bos + self.render.encode(prompt))
+                text_ids = await self._tokenize(
+                    self._text_chars([prompt]), self.render.encode, prompt
+                )
+                self._new_run(ep, self.render.bos + text_ids)
             reason, ids, lps = await self._generate(ep, token, new, request.sampling, ())
             text = self.render.decode(ids.tolist())
             ep.text = prompt + text
@@ -572,6 +662,25 @@ class AgentDriver:
             )
         return _OneCall(ep)
 
+    def _text_chars(self, texts: list[str]) -> int:
+        """Characters of a call's new text, refused past agent.max_text_chars before anything
+        is tokenized (a 2M-character message would hold the loop for seconds)."""
+        chars = sum(map(len, texts))
+        if chars > self.cfg.max_text_chars:
+            raise CallRefused(
+                Refusal.TEXT_TOO_LONG,
+                f"the call brings {chars} characters of new text; at most "
+                f"{self.cfg.max_text_chars} (agent.max_text_chars)",
+            )
+        return chars
+
+    async def _tokenize(self, chars: int, fn: Callable[..., _T], *args: Any) -> _T:
+        """`fn(*args)`, in the tokenizing thread when the text is long (the loop keeps beating)."""
+        if chars <= THREAD_CHARS:
+            return fn(*args)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizing, fn, *args)
+
     def _new_run(self, ep: AgentEpisode, prompt: list[int]) -> None:
         if len(prompt) > self.s.max_prompt_tokens:
             ep.truncated = True
@@ -580,6 +689,16 @@ class AgentDriver:
                 f"the conversation is {len(prompt)} tokens; this model's "
                 f"prompts hold at most {self.s.max_prompt_tokens} "
                 "(data.max_prompt_tokens)",
+            )
+        served = ep.first_prompt
+        if len(prompt) != len(served) or not np.array_equal(prompt, served):
+            # the buffer trains a sample only with the prompt its group was served with
+            raise CallRefused(
+                Refusal.PROMPT_MISMATCH,
+                f"the conversation renders to a prompt ({len(prompt)} tokens) other than this "
+                f"episode's ({len(served)} tokens: the row's messages as served): begin with "
+                "exactly the row's messages (no added system message); a rewritten history "
+                "must start again from them",
             )
         seq = ep.seq
         if ep.consumed is not None or ep.text is not None:  # the agent rewrote its history
@@ -725,6 +844,7 @@ class _OneCall:
 
     async def __aexit__(self, *exc: Any) -> None:
         self.ep.busy = False
+        self.ep.t_seen = time.monotonic()  # its agent has the answer: its idle clock restarts
 
 
 def canonical_tools(tools: Any) -> str:

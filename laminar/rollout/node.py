@@ -360,7 +360,7 @@ class RolloutNode(Node):
 
         from laminar.agents.render import ChatRenderer
         from laminar.rollout.agents import AgentDriver, AgentSettings
-        from laminar.rollout.openai_api import OpenAIEndpoint
+        from laminar.rollout.openai_api import EndpointLimits, OpenAIEndpoint
 
         s, ac = self.settings, self.settings.agent
         assert self.engine is not None
@@ -371,6 +371,8 @@ class RolloutNode(Node):
             remote_key=os.environ.get(ac.remote_key_env, "") if ac.remote else "",
             endpoints_dir=str(s.agent_endpoints),
             node_id=self.node_id,
+            reward_min=s.reward.min_value,
+            reward_max=s.reward.max_value,
         )
         renderer = ChatRenderer(self.tokenizer)
         self.agents = AgentDriver(
@@ -391,6 +393,11 @@ class RolloutNode(Node):
             token_text=renderer.token_text,
             host=ac.host,
             port=ac.port + self.index if ac.port else 0,
+            limits=EndpointLimits(
+                max_body_bytes=ac.max_body_bytes,
+                read_timeout_s=ac.read_timeout_s,
+                max_connections=ac.max_connections,
+            ),
             metrics=self.metrics,
             log=self.log,
         )
@@ -496,6 +503,8 @@ class RolloutNode(Node):
             tokens=st.tokens_generated,
             reward_errors=self.rewards.stats["errors"] if self.rewards is not None else 0,
             max_running=self.engine.max_running or self.settings.rollout.max_running,
+            agent=self.endpoint.figures() if self.endpoint is not None else {},
+            outbox_dropped=self.outbox.stats["abandoned"],
         )
         return NodeStatus(
             node_id=self.node_id,

@@ -17,23 +17,37 @@ driver (laminar/rollout/agents.py) issued it (or imported it with a moved episod
 knows the episode, its version and its tokens. A moved episode's calls answer 421 here, with a
 `Laminar-Moved-To: <node id>` header naming the rollout it was exported to when that is known.
 Bad input and the driver's refusals are answered in the OpenAI error shape ({"error": {message,
-type, param, code}}, openai_shapes.py) with a 4xx status, counted (`agent_http_error_<code>`),
-and the endpoint goes on serving. What is not supported is refused by name: stream, n > 1,
+type, param, code}}, openai_shapes.py) with a 4xx status, counted (`agent_http_error_<code>`, and
+per reason in `figures()`, which rides the rollout's status: RolloutStatus.agent), and the
+endpoint goes on serving. What is not supported is refused by name: stream, n > 1,
 top_logprobs, several prompts per completion.
+
+Hostile and careless agents (docs/agents.md "Limits and refusals"): a call's token (a claim's
+key) is checked before its body is read, so a stranger costs no parsing; a body is read within
+agent.read_timeout_s (408), capped at agent.max_body_bytes (413), parsed off the event loop when
+large, and refused (400) when nested deeper than MAX_DEPTH or holding a lone surrogate; a
+connection sends its first request's headers within agent.read_timeout_s or is closed; past
+agent.max_connections open connections a new one is closed at once. A client that goes away
+mid-body is counted (`aborted`), never logged as an error.
 
 Why aiohttp: a mature asyncio HTTP server (keep-alive, request size limits, graceful
 shutdown) that runs as a few tasks in the loop the node already has, so a call's handler awaits
 the engine's tokens directly and heartbeats keep flowing (no thread, no second loop, no ASGI
-server process). The handlers do no blocking work but tokenizing a call's new messages.
+server process). The handlers do no blocking work: a large body is parsed, and a call's large
+new text tokenized (agents.py), in a worker thread.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
-from aiohttp import web
+from aiohttp import ClientPayloadError, web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from laminar.metrics import Metrics
 from laminar.rollout.agent_turns import CallRefused, EpisodeMoved, EpisodeUnknown
@@ -52,8 +66,55 @@ from laminar.rollout.openai_shapes import (
     text_completion,
 )
 
-MAX_BODY = 32 << 20
-"""Largest request body (a long conversation with tool outputs)."""
+MAX_DEPTH = 64
+"""Nesting depth of a request body's JSON (a conversation with tool arguments needs ~10); deeper
+is refused before anything else reads it (Python's own recursion would fail far below 100k)."""
+
+THREAD_BYTES = 256 << 10
+"""A body larger than this is parsed and checked in a worker thread, off the event loop."""
+
+ENDPOINT_COUNTERS = {
+    "unauthorized": "no or a wrong episode token or claim key (401)",
+    "bad_request": "malformed JSON, a bad field, too deep, a lone surrogate, unrenderable (400)",
+    "too_large": "a body over agent.max_body_bytes (413)",
+    "too_long": "new text over agent.max_text_chars, or past the context or token budget (400)",
+    "prompt_mismatch": "a run whose prompt is not the episode's served prompt (400)",
+    "refused_at_close": "a close whose reward the buffer would refuse (400)",
+    "read_timeout": "a body or first headers slower than agent.read_timeout_s (408 / closed)",
+    "aborted": "the client went away mid-body",
+    "connections_refused": "a connection past agent.max_connections (closed)",
+    "conflict": "a call while another is in flight, or of an ended episode (409)",
+    "moved": "a call of an episode exported to another rollout (421)",
+    "time_up": "a call that outlived agent.episode_timeout_s (504)",
+    "internal": "a bug in the endpoint (500)",
+}
+"""The endpoint's refusal counters (`figures()`), with what each counts; the driver adds
+idle_expired, agent_failures and agent_gave_up (AgentDriver.counts)."""
+
+_BY_CODE = {
+    "invalid_reward": "refused_at_close",
+    "prompt_mismatch": "prompt_mismatch",
+    "context_length_exceeded": "too_long",
+    "incomplete_body": "aborted",
+}
+_BY_STATUS = {
+    401: "unauthorized",
+    408: "read_timeout",
+    409: "conflict",
+    413: "too_large",
+    421: "moved",
+    500: "internal",
+    504: "time_up",
+}
+
+
+@dataclass(frozen=True)
+class EndpointLimits:
+    """What one rollout's endpoint holds for its clients (agent.* settings)."""
+
+    max_body_bytes: int = 4 << 20
+    read_timeout_s: float = 30.0
+    max_connections: int = 256
 
 
 def _token(request: web.Request) -> str:
@@ -68,13 +129,35 @@ def _token(request: web.Request) -> str:
     return auth[7:].strip()
 
 
-async def _json(request: web.Request) -> dict[str, Any]:
+def _parse(raw: bytes) -> dict[str, Any]:
+    """A body as a JSON object, nested at most MAX_DEPTH deep, its strings valid UTF-8."""
     try:
-        body = json.loads(await request.read())
+        body = json.loads(raw)
+    except RecursionError:
+        raise bad_request(f"the body nests deeper than {MAX_DEPTH}", "too_deep") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise bad_request(f"the body is not JSON: {exc}", "invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request("the body must be a JSON object", "invalid_json")
+    # only an escape or a non-ASCII byte can make a lone surrogate (json decodes bytes with
+    # surrogatepass): the common ASCII body skips the per-string check
+    texts = b"\\u" in raw or not raw.isascii()
+    stack: list[tuple[Any, int]] = [(body, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise bad_request(f"the body nests deeper than {MAX_DEPTH}", "too_deep")
+        items = ([*v.keys(), *v.values()] if texts else v.values()) if isinstance(v, dict) else v
+        for x in items:
+            if isinstance(x, dict | list):
+                stack.append((x, depth + 1))
+            elif texts and isinstance(x, str) and not x.isascii():
+                try:
+                    x.encode("utf-8")
+                except UnicodeEncodeError:  # "\ud800": JSON allows it, no tokenizer does
+                    raise bad_request(
+                        "a string holds a lone surrogate: not text", "invalid_text"
+                    ) from None
     return body
 
 
@@ -89,13 +172,19 @@ class OpenAIEndpoint:
         token_text: TokenText,
         host: str,
         port: int,
+        limits: EndpointLimits | None = None,
         metrics: Metrics,
         log: structlog.typing.FilteringBoundLogger,
     ):
         self.driver, self.host, self.port = driver, host, port
         self.model_name, self.token_text = model_name, token_text
+        self.limits = limits or EndpointLimits()
         self.metrics, self.log = metrics, log
-        self.app = web.Application(client_max_size=MAX_BODY, middlewares=[self._errors])
+        self.counts: Counter[str] = Counter()
+        """Refusals per reason (ENDPOINT_COUNTERS)."""
+        self.app = web.Application(
+            client_max_size=self.limits.max_body_bytes, middlewares=[self._errors]
+        )
         self.app.add_routes(
             [
                 web.post("/v1/chat/completions", self._chat),
@@ -106,12 +195,25 @@ class OpenAIEndpoint:
             ]
         )
         self._runner: web.AppRunner | None = None
+        self._no_request_yet: set[int] = set()
+        """ids of connections that have not sent a whole request head yet (each is closed at
+        agent.read_timeout_s unless it did)."""
         self.url = ""
         """http://host:port once started."""
 
+    def figures(self) -> dict[str, int]:
+        """Refusals and agent failures per reason, since start (RolloutStatus.agent)."""
+        return {k: v for k, v in (self.counts + self.driver.counts).items() if v}
+
     async def start(self) -> str:
-        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        self._runner = web.AppRunner(
+            self.app,
+            access_log=None,
+            handle_signals=False,
+            keepalive_timeout=self.limits.read_timeout_s,
+        )
         await self._runner.setup()
+        self._guard(self._runner.server)
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
         addrs = self._runner.addresses  # the bound (host, port): port 0 picks a free one
@@ -120,63 +222,111 @@ class OpenAIEndpoint:
         self.log.info("agent_endpoint", url=self.url)
         return self.url
 
+    def _guard(self, server: web.Server | None) -> None:
+        """Cap the open connections and bound the wait for a request head. aiohttp has neither
+        (its keepalive_timeout covers idle connections between requests only), so the server's
+        connection_made hook, which every new connection calls, is wrapped here."""
+        assert server is not None
+        made = server.connection_made
+        loop = asyncio.get_running_loop()
+        cap, wait_s = self.limits.max_connections, self.limits.read_timeout_s
+
+        def connection_made(handler: Any, transport: asyncio.Transport) -> None:
+            made(handler, transport)
+            if len(server.connections) > cap:
+                self.counts["connections_refused"] += 1
+                # after the handler's task took its first step: closed before it, the task
+                # finds its handler torn down and dies with an unretrieved AssertionError
+                loop.call_soon(transport.close)
+                return
+            self._no_request_yet.add(id(handler))  # the timer below holds the handler: id stays
+            loop.call_later(wait_s, self._expire, handler, transport)
+
+        server.connection_made = connection_made  # type: ignore[method-assign]
+
+    def _expire(self, handler: Any, transport: asyncio.Transport) -> None:
+        if id(handler) in self._no_request_yet:
+            self._no_request_yet.discard(id(handler))
+            if not transport.is_closing():
+                self.counts["read_timeout"] += 1
+                transport.close()
+
     async def close(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
 
+    def _refused(self, err: ApiError) -> web.Response:
+        self.metrics.count(f"agent_http_error_{err.code}")
+        self.counts[_BY_CODE.get(err.code) or _BY_STATUS.get(err.status, "bad_request")] += 1
+        return web.json_response(err.body(), status=err.status, headers=err.headers)
+
     @web.middleware
     async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        self._no_request_yet.discard(id(request.protocol))
         try:
             return await handler(request)
         except (ApiError, EpisodeUnknown, EpisodeMoved, CallRefused) as exc:
-            err = exc if isinstance(exc, ApiError) else api_error(exc)
-            self.metrics.count(f"agent_http_error_{err.code}")
-            return web.json_response(err.body(), status=err.status, headers=err.headers)
+            return self._refused(exc if isinstance(exc, ApiError) else api_error(exc))
         except web.HTTPException as exc:  # aiohttp's own: unknown path, body too large ...
-            self.metrics.count(f"agent_http_error_{exc.status}")
-            err = ApiError(exc.status, exc.reason, f"http_{exc.status}")
-            return web.json_response(err.body(), status=exc.status)
+            return self._refused(ApiError(exc.status, exc.reason, f"http_{exc.status}"))
         except Exception as exc:  # a bug here: the caller gets a 500 and this node goes on
-            self.metrics.count("agent_http_error_internal")
             self.log.exception("agent_endpoint_error", path=request.path)
             err = ApiError(500, f"internal error: {type(exc).__name__}", "internal", "server_error")
-            return web.json_response(err.body(), status=500)
+            return self._refused(err)
+
+    async def _json(self, request: web.Request) -> dict[str, Any]:
+        try:
+            raw = await asyncio.wait_for(request.read(), self.limits.read_timeout_s)
+        except TimeoutError:
+            raise ApiError(
+                408,
+                f"the body did not arrive within {self.limits.read_timeout_s:g}s "
+                "(agent.read_timeout_s)",
+                "body_timeout",
+            ) from None
+        except (ConnectionError, ClientPayloadError, HttpProcessingError):
+            # the client went away mid-body: nobody reads the answer; counted, not an error
+            raise bad_request("the body ended early", "incomplete_body") from None
+        if len(raw) > THREAD_BYTES:
+            return await asyncio.to_thread(_parse, raw)
+        return _parse(raw)
+
+    def _authorized(self, request: web.Request) -> str:
+        """The call's episode token, checked before its body is read."""
+        token = _token(request)
+        self.driver.authorize(token)
+        return token
 
     async def _chat(self, request: web.Request) -> web.Response:
-        token = _token(request)
-        call = parse_chat(await _json(request))
+        token = self._authorized(request)
+        call = parse_chat(await self._json(request))
         turn = await self.driver.turn(token, call.turn)
         return web.json_response(chat_completion(turn, call, self.model_name, self.token_text))
 
     async def _completions(self, request: web.Request) -> web.Response:
-        token = _token(request)
-        call = parse_completion(await _json(request))
+        token = self._authorized(request)
+        call = parse_completion(await self._json(request))
         turn = await self.driver.turn(token, call.turn)
         return web.json_response(text_completion(turn, call, self.model_name, self.token_text))
 
     async def _models(self, request: web.Request) -> web.Response:
-        self.driver.authorize(_token(request))
+        self._authorized(request)
         return web.json_response(model_list(self.model_name))
 
     async def _claim(self, request: web.Request) -> web.Response:
         key = _token(request)
+        self.driver.check_claim_key(key)
         try:
             wait_s = min(30.0, max(0.0, float(request.query.get("wait_s", "10"))))
         except ValueError:
             raise bad_request("`wait_s` must be a number", "invalid_value") from None
-        try:
-            got = await self.driver.claim(key, wait_s)
-        except CallRefused:
-            # counted here and once more by _errors (as the driver and _errors each did before
-            # the shapes left the driver)
-            self.metrics.count("agent_http_error_invalid_api_key")
-            raise
+        got = await self.driver.claim(key, wait_s)
         if got is None:
             return web.Response(status=204)
         return web.json_response(claim_body(got))
 
     async def _close(self, request: web.Request) -> web.Response:
-        token = _token(request)
-        reward, error = parse_close(await _json(request))
+        token = self._authorized(request)
+        reward, error = parse_close(await self._json(request))
         self.driver.close_episode(token, reward, error)
         return web.json_response({"ok": True})

@@ -75,6 +75,9 @@ _REFUSALS: dict[Refusal, tuple[int, str, str]] = {
     Refusal.TIME_UP: (504, "timeout", "server_error"),
     Refusal.NOT_CLOSABLE: (409, "closed", INVALID),
     Refusal.BAD_CLAIM_KEY: (401, "invalid_api_key", INVALID),
+    Refusal.BAD_REWARD: (400, "invalid_reward", INVALID),
+    Refusal.PROMPT_MISMATCH: (400, "prompt_mismatch", INVALID),
+    Refusal.TEXT_TOO_LONG: (400, "context_length_exceeded", INVALID),
 }
 
 
@@ -151,8 +154,10 @@ def parse_params(body: dict[str, Any]) -> tuple[Sampling, bool]:
         if isinstance(v, bool) and key != "stream" or v not in allowed[key]:
             raise bad_request(why, "unsupported_parameter")
     mt = body.get("max_completion_tokens", body.get("max_tokens"))
-    if mt is not None and (isinstance(mt, bool) or not isinstance(mt, int) or mt < 1):
-        raise bad_request("`max_tokens` must be a positive integer", "invalid_value")
+    if mt is not None and (
+        isinstance(mt, bool) or not isinstance(mt, int) or not 1 <= mt < 1 << 31
+    ):
+        raise bad_request("`max_tokens` must be a positive integer below 2**31", "invalid_value")
     stop = body.get("stop")
     if stop is None:
         stops: tuple[str, ...] = ()
@@ -204,7 +209,7 @@ def parse_completion(body: dict[str, Any]) -> TextCall:
 def parse_close(body: dict[str, Any]) -> tuple[Any, str | None]:
     """A /laminar/v1/episodes/close body: (the reward, the agent's error or None)."""
     error = body.get("error")
-    return body.get("reward"), str(error) if error else None
+    return body.get("reward"), str(error)[:2000] if error else None
 
 
 # ---- replies -------------------------------------------------------------------------------

@@ -15,6 +15,14 @@ accept it: that one is logged, counted (`rejected`) and dropped instead of retri
 forever. So is one the buffer acks as refused (TrajectoryAck.refused: a sample it never served
 to this rollout, or a reward or token id out of the configured range): counted (`refused`),
 logged, never resent. Order is not preserved and need not be: each trajectory stands alone.
+
+No group is left open by a sample that cannot be taken: a trajectory the buffer refuses as
+never takeable from its owner (`ABANDON_ON`: reward or token ids out of range, too long, another
+prompt than served), that it rejects as malformed, or that cannot even be encoded (an integer
+past 64 bits, a lone surrogate: counted `unencodable`, logged, never sent) is followed by a
+TrajectoryAbandoned for its uid (counted `abandoned`), so its group completes with it as a
+failed member. A refusal that says the sample is not this rollout's (not_owner, not_served)
+abandons nothing: its owner finishes it.
 """
 
 from __future__ import annotations
@@ -25,7 +33,8 @@ import time
 import structlog
 
 from laminar.message import Message
-from laminar.protocol.buffer import TrajectoryAck
+from laminar.protocol.buffer import Refusal, TrajectoryAbandoned, TrajectoryAck
+from laminar.protocol.data import Trajectory
 from laminar.transport.client import RpcClient
 from laminar.transport.sockets import RemoteError, TransportError
 
@@ -33,6 +42,15 @@ __all__ = ["Outbox"]
 
 _PERMANENT = frozenset({"protocol"})
 """ErrorReply codes that mean "this message can never be accepted"."""
+
+ABANDON_ON: frozenset[Refusal] = frozenset(
+    {"reward_range", "token_range", "too_long", "prompt_mismatch"}
+)
+"""Refusals of a rollout's own sample: it will never be taken, so its member is abandoned."""
+
+_UNENCODABLE = (TypeError, ValueError, OverflowError)
+"""What encoding a message raises for a value the wire cannot carry (msgspec: OverflowError for
+an integer past 64 bits, UnicodeEncodeError for a lone surrogate, TypeError for a foreign type)."""
 
 
 class Outbox:
@@ -53,7 +71,14 @@ class Outbox:
         self._empty = asyncio.Event()
         self._empty.set()
         self.stats: dict[str, int] = dict(
-            put=0, acked=0, retries=0, rejected=0, refused=0, duplicates_put=0
+            put=0,
+            acked=0,
+            retries=0,
+            rejected=0,
+            refused=0,
+            duplicates_put=0,
+            unencodable=0,
+            abandoned=0,
         )
         self.oldest_since: dict[str, float] = {}
 
@@ -89,24 +114,41 @@ class Outbox:
                 continue
             try:
                 reply = await self.client.request(msg, timeout=self.timeout_s, retries=0)
+            except _UNENCODABLE as exc:  # it can never be sent: dropped, never the sender
+                self.stats["unencodable"] += 1
+                self.log.error("outbox_unencodable", uid=uid, error=f"{type(exc).__name__}: {exc}")
+                self._done(uid)
+                self._abandon(msg, "unencodable")
+                continue
             except RemoteError as exc:
                 if exc.code in _PERMANENT:
                     self.stats["rejected"] += 1
                     self.log.error("trajectory_rejected", uid=uid, error=str(exc))
                     self._done(uid)
+                    self._abandon(msg, "rejected")
                     continue
                 backoff = await self._retry(uid, backoff, str(exc))
                 continue
             except TransportError as exc:  # timeout, buffer dead or restarting, not connected
                 backoff = await self._retry(uid, backoff, str(exc))
                 continue
-            if isinstance(reply, TrajectoryAck) and reply.refused:
+            refused = reply.refused if isinstance(reply, TrajectoryAck) else ""
+            if refused:
                 self.stats["refused"] += 1
-                self.log.error("trajectory_refused", uid=uid, reason=reply.refused)
+                self.log.error("trajectory_refused", uid=uid, reason=refused)
             else:
                 self.stats["acked"] += 1
             self._done(uid)
+            if refused in ABANDON_ON:
+                self._abandon(msg, f"refused_{refused}")
             backoff = self.backoff_s
+
+    def _abandon(self, msg: Message, reason: str) -> None:
+        """A trajectory that will never be taken: its member is abandoned, so its group
+        completes (nothing else that cannot be sent is followed up)."""
+        if isinstance(msg, Trajectory):
+            self.stats["abandoned"] += 1
+            self.put(TrajectoryAbandoned(uid=msg.uid, group_id=msg.group_id, reason=reason))
 
     async def _retry(self, uid: str, backoff: float, why: str) -> float:
         self.stats["retries"] += 1

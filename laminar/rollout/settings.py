@@ -47,6 +47,7 @@ class RolloutNodeSettings:
     """manager.repack.enabled: the manager plans moves from the rollouts' status pushes."""
     max_prompt_tokens: int
     model_name: str
-    """What the agents' OpenAI endpoint calls the model (model.path, else the run's name)."""
+    """What the agents' OpenAI endpoint calls the model (agent.model_name, else the run's name:
+    never a local path)."""
     agent_endpoints: Path
     """Where each rollout writes its agent endpoint's URL (run_dir/agents/endpoints)."""

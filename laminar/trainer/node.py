@@ -479,6 +479,7 @@ class TrainerNode(Node):
             "security/refused_hellos": r.refused_hellos,
             "security/refused_ids": r.refused_ids,
             "buffer/refused_trajectories": r.refused_trajectories,
+            **{f"agent/{reason}": k for reason, k in sorted(r.agent.items())},
         }
 
     # ---- publishing, committing, checkpointing ----------------------------------------------

@@ -41,6 +41,6 @@ def rollout_node_settings(
         reserved_gpus=reserved_gpus(cfg),
         repack=cfg.manager.repack.enabled,
         max_prompt_tokens=cfg.data.max_prompt_tokens,
-        model_name=cfg.model.path or cfg.name,
+        model_name=cfg.agent.model_name or cfg.name,
         agent_endpoints=cfg.resolved_run_dir() / "agents" / "endpoints",
     )
