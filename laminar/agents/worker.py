@@ -40,6 +40,9 @@ import msgspec
 from laminar.resolve import resolve_spec
 from laminar.subprocess_pool import protocol_fds, read_frame, write_frame
 
+ERROR_CHARS = 2000
+"""An episode's error text (the error, then its innermost frames) is cut at the end past this."""
+
 
 class AgentLoadError(ValueError):
     pass
@@ -103,8 +106,9 @@ async def _episode(fn: Any, ep: _Episode, pipe_open: Callable[[], bool]) -> dict
         out = await asyncio.wait_for(fn(req["row"], client, **req.get("kwargs", {})), timeout)
         result = {"id": req["id"], "ok": True, "reward": _plain_reward(out)}
     except Exception as exc:  # the user's agent: its failure is the episode's, not the worker's
-        tb = traceback.format_exc(limit=4)
-        error = f"{type(exc).__name__}: {exc}\n{tb}"[-2000:]
+        # the error first, then its innermost frames, cut at the end: the start says what failed
+        frames = "".join(traceback.format_tb(exc.__traceback__, limit=-4))
+        error = f"{type(exc).__name__}: {exc}\n{frames}"[:ERROR_CHARS]
         result = {"id": req["id"], "ok": False, "error": error}
     try:
         if ep.moved or not pipe_open():  # the rollout that holds it now hears it by HTTP
