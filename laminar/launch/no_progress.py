@@ -1,6 +1,6 @@
 """A run that cannot train says so and stops: `laminar run`'s watch on the buffer's figures.
 
-    watch = NoProgressWatch(cfg.cluster.no_progress_timeout_s)        # clock= for tests
+    watch = NoProgressWatch(cfg.cluster.no_progress_timeout_s, resumed=...)   # clock= for tests
     while running:                                                     # laminar/launch/run.py
         if watch.due():
             verdict = watch.observe(fetch_buffer_stats(cfg, timeout=1.0))   # launch/status.py
@@ -17,12 +17,13 @@ every node healthy and the trainer waiting forever. The buffer sees all of it: B
 (per peer and reason), BufferStats.unusable_causes (the reward's, agent's or engine's error), the
 usable trajectories (counts trajectories - unusable) and the trainer's committed version.
 
-The clock starts when the buffer's figures first move during this launch (prompts served,
-samples back): model load, engine warm-up and a resumed run's journaled counts do not count.
-Any progress (a usable trajectory stored, a trainer step committed) resets it. The verdict
-needs both: no progress for timeout_s and samples failed or refused since the last progress;
-a run that progresses slowly, or whose episodes are merely long (nothing fails), is never
-stopped. A buffer that restarted (its counters start over) only moves the failure baseline.
+The clock starts when prompts are first served (or samples come back) during this launch: model
+load and engine warm-up do not count, nor a resumed run's journaled figures (its first look is
+their baseline). Any progress (a usable trajectory stored, a trainer step committed) resets it.
+The verdict needs both: no progress for timeout_s and samples failed or refused since the
+launch or the last progress; a run that progresses slowly, or whose episodes are merely long
+(nothing fails), is never stopped. A buffer that restarted (its counters start over) only moves
+the failure baseline.
 """
 
 from __future__ import annotations
@@ -82,20 +83,25 @@ class NoProgressWatch:
     def __init__(
         self,
         timeout_s: float,
+        *,
+        resumed: bool = False,
         poll_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
+        """resumed: the run directory held an unfinished run (its buffer replays its journal:
+        the figures at the first look are the past, not this launch's)."""
         self.timeout_s = timeout_s
+        self.resumed = resumed
         self.poll_s = poll_s if poll_s is not None else min(5.0, max(0.5, timeout_s / 10))
         self.clock = clock
         self._polled = -float("inf")
-        self._first: tuple[int, tuple[int, int], int] | None = None
-        """(groups served, progress, failures) when first seen: a resumed run's journal."""
+        self._served: int | None = None
+        """Groups served before this launch (None: no look yet)."""
         self.since: float | None = None
-        """When the clock started or last progress was seen (None: not serving yet)."""
+        """When the clock started or progress was last seen (None: nothing served yet)."""
         self._progress = (0, 0)
         self._base: Counter[str] = Counter()
-        """Failures as they stood at the last progress (or clock start)."""
+        """Failures by reason as they stood at the last progress (or before this launch)."""
         self._base_n = 0
         self._last_n = 0
 
@@ -116,13 +122,16 @@ class NoProgressWatch:
             self._base_n, self._base = n, failures
         self._last_n = n
         progress = _progress(stats)
+        served = stats.counts.get("groups_served", 0)
+        if self._served is None:  # the first look: what the run held before this launch
+            self._served = served if self.resumed else 0
+            self._progress = progress if self.resumed else (0, progress[1])
+            if self.resumed:
+                self._base_n, self._base = n, failures
         if self.since is None:
-            seen = (stats.counts.get("groups_served", 0), progress, n)
-            if self._first is None:
-                self._first = seen
-            if seen != self._first:  # prompts served, samples back: the cluster serves
-                self._reset(now, progress, n, failures)
-            return None
+            if served <= self._served and n <= self._base_n:
+                return None  # nothing served during this launch yet: the cluster is starting
+            self.since = now  # the failures since the launch count
         if any(new > old for new, old in zip(progress, self._progress, strict=True)):
             self._reset(now, progress, n, failures)
             return None

@@ -136,11 +136,15 @@ def _plan_fits(cfg: LaminarConfig) -> bool:
 
 
 def _no_progress_watch(cfg: LaminarConfig) -> NoProgressWatch | None:
-    """The watch that stops a run that cannot train (None: cluster.no_progress_timeout_s off)."""
+    """The watch that stops a run that cannot train (None: cluster.no_progress_timeout_s off).
+    Called before anything is written into the run directory: an unfinished run there resumes."""
     from laminar.launch.no_progress import NoProgressWatch
+    from laminar.rundir import inspect_run
 
     timeout = cfg.cluster.no_progress_timeout_s
-    return NoProgressWatch(timeout) if timeout else None
+    if not timeout:
+        return None
+    return NoProgressWatch(timeout, resumed=inspect_run(cfg).state == "unfinished")
 
 
 def _judge(cfg: LaminarConfig, watch: NoProgressWatch | None) -> str | None:
@@ -177,6 +181,7 @@ def run_main(
     require_wandb(cfg.logging)
     if not _prepare_run_dir(cfg, resume, overwrite):
         return EXIT_OK
+    watch = _no_progress_watch(cfg)
     from laminar.logs import configure_logging
 
     configure_logging("warning", cfg.logging.json_logs)  # this process: the progress line's client
@@ -227,7 +232,6 @@ def run_main(
         else None
     )
 
-    watch = _no_progress_watch(cfg)
     code = EXIT_OK
     trainer_finished = False
     try:
