@@ -22,14 +22,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import yaml
 from structlog.testing import capture_logs
 
+from laminar.agents.worker import ERROR_CHARS, episode_error
+from laminar.buffer.health import none_cause
 from laminar.buffer.node import BufferNode
 from laminar.cluster import LocalCluster
 from laminar.launch.no_progress import NoProgressWatch
 from laminar.protocol.buffer import BufferStats
+from laminar.protocol.data import Trajectory
 from tests.sim_cluster import sim_config, wait_for
 
 TIMEOUT = 60.0
@@ -244,7 +248,8 @@ async def test_a_normal_stop_is_a_leave_not_a_death_and_logs_no_error(tmp_path: 
     async with LocalCluster(cfg) as cluster:
         mgr = cluster.node("manager-0")
         leaving = cluster.node("rollout-1")
-        await wait_for(lambda: mgr.metrics.counters.get("joins", 0) >= 4, 30, "every node joined", cluster)
+        counts = mgr.metrics.counters
+        await wait_for(lambda: counts.get("joins", 0) >= 4, 30, "every node joined", cluster)
 
         async def slow_close() -> None:
             # an engine or worker pool that takes longer to close than a death takes to notice
@@ -253,8 +258,46 @@ async def test_a_normal_stop_is_a_leave_not_a_death_and_logs_no_error(tmp_path: 
         leaving.on_close(slow_close)
         with capture_logs() as logs:
             await cluster.stop_node("rollout-1", timeout=30)
-            await wait_for(lambda: mgr.metrics.counters.get("leaves", 0) >= 1, 10, "the leave", cluster)
+            await wait_for(lambda: counts.get("leaves", 0) >= 1, 10, "the leave", cluster)
             await asyncio.sleep(cfg.transport.heartbeat_interval_s * 10)  # past dead_after_s
-        assert mgr.metrics.counters.get("deaths", 0) == 0
+        assert counts.get("deaths", 0) == 0
         assert not [e for e in logs if e["event"] in ("node_dead", "peer_dead")], logs
         assert not [e for e in logs if e["log_level"] in ("error", "critical")], logs
+
+
+# ---- error texts ---------------------------------------------------------------------------
+
+
+class BadRequestError(Exception):
+    pass
+
+
+def _call_deep(depth: int) -> None:
+    if depth == 0:
+        raise BadRequestError("Error code: 400 - stream is not supported " + "x" * 5000)
+    _call_deep(depth - 1)
+
+
+def test_an_agents_error_is_cut_at_the_end_and_blamed_on_the_agent() -> None:
+    try:
+        _call_deep(10)
+    except BadRequestError as exc:
+        text = episode_error(exc)
+    assert text.startswith("BadRequestError: Error code: 400 - stream is not supported")
+    assert len(text) == ERROR_CHARS
+    t = Trajectory(
+        uid="g/0",
+        group_id="g",
+        prompt_uid="p",
+        sample_index=0,
+        prompt_ids=np.arange(2, dtype=np.int32),
+        response_ids=np.arange(0, dtype=np.int32),
+        logprobs=np.zeros(0, np.float32),
+        version=0,
+        finish_reason="error",
+        reward_error=f"exception: {text}"[:500],  # RewardResult.failure("agent", ...)
+        reward_error_kind="agent",
+    )
+    cause, field = none_cause(t, builtin_reward=False)
+    assert cause.startswith("the agent failed: exception: BadRequestError: Error code: 400")
+    assert "engine" not in cause and field is None
