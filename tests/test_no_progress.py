@@ -15,16 +15,12 @@ notice: the manager sees a leave (Bye), no node_dead, and nothing is logged at E
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-import yaml
 from structlog.testing import capture_logs
 
 from laminar.agents.worker import ERROR_CHARS, episode_error
@@ -34,7 +30,7 @@ from laminar.cluster import LocalCluster
 from laminar.launch.no_progress import NoProgressWatch
 from laminar.protocol.buffer import BufferStats
 from laminar.protocol.data import Trajectory
-from tests.sim_cluster import sim_config, wait_for
+from tests.sim_cluster import laminar_run, sim_config, wait_for
 
 TIMEOUT = 60.0
 
@@ -218,21 +214,8 @@ async def test_a_real_buffer_tells_the_watch_why_nothing_trains(
 
 @pytest.mark.slow
 def test_laminar_run_exits_nonzero_when_every_sample_is_refused(tmp_path: Path) -> None:
-    cfg = broken_cfg(tmp_path, "out_of_range", net="ipc")
-    dump = cfg.model_dump(mode="json")
-    dump["cluster"]["ipc_dir"] = None
-    dump["logging"]["progress_every_s"] = 0
-    path = tmp_path / "cfg.yaml"
-    path.write_text(yaml.safe_dump(dump))
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     t0 = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-m", "laminar", "run", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=env,
-    )
+    proc = laminar_run(broken_cfg(tmp_path, "out_of_range"), tmp_path)
     took = time.monotonic() - t0
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "laminar run: nothing could train for" in proc.stderr, proc.stderr[-3000:]
