@@ -101,6 +101,10 @@ class ClusterConfig(Section):
     act."""
     restart: RestartConfig = Field(default_factory=RestartConfig)
     """Supervision of node processes: restart budget and backoff."""
+    no_progress_timeout_s: float | None = Field(600.0, ge=0)
+    """`laminar run` stops (exit 1, naming the top reasons) once samples kept failing or being
+    refused and none became trainable for this long after the first prompts were served;
+    null or 0: never (laminar/launch/no_progress.py)."""
 
     @field_validator("gc_threshold")
     @classmethod

@@ -250,6 +250,11 @@ class Node:
     async def _shutdown(self) -> None:
         self.stopping.set()
         await self.supervisor.cancel_all(timeout=2.0)
+        # the heartbeats stopped with the tasks above: the Byes go now, not after teardown and
+        # the closers (an engine, a worker pool, an HTTP server can take longer to close than a
+        # peer's dead_after_s), or the manager logs a normal stop as node_dead
+        for cli in self._clients:
+            await cli.close(say_bye=self.say_bye)
         try:
             await asyncio.wait_for(self.teardown(), self.node_settings.stop_timeout_s)
         except Exception as exc:  # teardown must not mask the original failure
@@ -259,8 +264,6 @@ class Node:
                 res = fn()
                 if asyncio.iscoroutine(res):
                     await asyncio.wait_for(res, 5.0)
-        for cli in self._clients:
-            await cli.close(say_bye=self.say_bye)
         for srv in self._servers:
             await srv.close()
         if self._executor is not None:

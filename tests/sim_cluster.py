@@ -4,6 +4,7 @@
     async with LocalCluster(cfg) as cluster: ...
     steps = consumed(cfg)           # trainer run_dir/consumed.jsonl: [{"step", "version", "uids"}]
     metrics = trainer_metrics(cfg)  # trainer run_dir/metrics.jsonl (per-step staleness histograms)
+    proc = laminar_run(cfg, tmp_path)   # `laminar run` of it as a process over ipc
 
 No model, no tokenizer: prompts are byte ids, rewards a uid hash, and the sim trainer's step
 time is proportional to the tokens it consumes, so a whole cluster runs in a few seconds on CPU.
@@ -13,6 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +118,26 @@ def sim_config(
         "logging": {"level": "warning"},
     }
     return config_from_dict(merge(base, over))
+
+
+def laminar_run(cfg: LaminarConfig, tmp: Path, timeout: float = 180) -> subprocess.CompletedProcess:
+    """`laminar run` of cfg as a process, over ipc in its default directory (a pytest tmp path
+    is too long for a socket's name), without the progress line; its output captured."""
+    import yaml
+
+    dump = cfg.model_dump(mode="json")
+    dump["cluster"].update(transport="ipc", ipc_dir=None)
+    dump["logging"]["progress_every_s"] = 0
+    path = tmp / "cfg.yaml"
+    path.write_text(yaml.safe_dump(dump))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    return subprocess.run(
+        [sys.executable, "-m", "laminar", "run", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

@@ -31,7 +31,7 @@ from laminar.node import NodeFailed
 from laminar.protocol.data import Trajectory
 from laminar.rewards.runner import RewardRunner
 from laminar.trainer.node import NothingTrained
-from tests.sim_cluster import sim_config
+from tests.sim_cluster import laminar_run, sim_config
 
 HANG = threading.Event()
 """Released at the end of the hanging-reward test: the timed-out threads then finish."""
@@ -159,22 +159,7 @@ async def test_zero_steps_because_every_reward_failed_fails_the_trainer(tmp_path
 
 @pytest.mark.slow
 def test_laminar_run_exits_nonzero_when_nothing_was_trained(tmp_path: Path) -> None:
-    cfg = _broken_cfg(tmp_path)
-    path = tmp_path / "cfg.yaml"
-    import yaml
-
-    dump = cfg.model_dump(mode="json")
-    dump["cluster"]["transport"] = "ipc"
-    dump["cluster"]["ipc_dir"] = None
-    path.write_text(yaml.safe_dump(dump))
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    proc = subprocess.run(
-        [sys.executable, "-m", "laminar", "run", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=env,
-    )
+    proc = laminar_run(_broken_cfg(tmp_path), tmp_path)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "trained 0 steps" in proc.stderr
     assert "node trainer-0" in proc.stderr

@@ -40,6 +40,16 @@ import msgspec
 from laminar.resolve import resolve_spec
 from laminar.subprocess_pool import protocol_fds, read_frame, write_frame
 
+ERROR_CHARS = 2000
+"""An episode's error text (the error, then its innermost frames) is cut at the end past this."""
+
+
+def episode_error(exc: BaseException) -> str:
+    """The error first, then its innermost frames, cut at the end (ERROR_CHARS): its start says
+    what failed, however long the message (an HTTP error's body) or the traceback."""
+    frames = "".join(traceback.format_tb(exc.__traceback__, limit=-4))
+    return f"{type(exc).__name__}: {exc}\n{frames}"[:ERROR_CHARS]
+
 
 class AgentLoadError(ValueError):
     pass
@@ -103,9 +113,7 @@ async def _episode(fn: Any, ep: _Episode, pipe_open: Callable[[], bool]) -> dict
         out = await asyncio.wait_for(fn(req["row"], client, **req.get("kwargs", {})), timeout)
         result = {"id": req["id"], "ok": True, "reward": _plain_reward(out)}
     except Exception as exc:  # the user's agent: its failure is the episode's, not the worker's
-        tb = traceback.format_exc(limit=4)
-        error = f"{type(exc).__name__}: {exc}\n{tb}"[-2000:]
-        result = {"id": req["id"], "ok": False, "error": error}
+        result = {"id": req["id"], "ok": False, "error": episode_error(exc)}
     try:
         if ep.moved or not pipe_open():  # the rollout that holds it now hears it by HTTP
             body = {"reward": result["reward"]} if result["ok"] else {"error": result["error"]}

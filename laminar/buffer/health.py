@@ -23,7 +23,8 @@ Each warning names the causes with their counts (the reward's error, the row fie
 could not find, the row's fields, a hint for verl-style rows) and the groups dropped
 and why. A warning is logged when it first holds and then at most once per
 stall_warn_after_s while it still holds; it is counted (`warn_<kind>`) and stays in
-`warnings` until its condition clears.
+`warnings` until its condition clears. Causes are also counted since start (`totals`,
+BufferStats.unusable_causes: what `laminar run` names when nothing can train).
 """
 
 from __future__ import annotations
@@ -56,6 +57,11 @@ __all__ = ["FateWatch", "StallWatch", "none_cause"]
 _MIN_WINDOW = 8
 """The None fraction is judged only over at least this many trajectories (or a full window)."""
 _BUILTIN_REWARDS = ("laminar.rewards.builtin:", "laminar.tasks.countup:reward")
+_EPISODE_KINDS = {"agent": "the agent failed", "env": "the environment failed"}
+"""reward_error_kind of an episode that ended in error, not in the engine."""
+MAX_CAUSES = 32
+"""Causes counted since start (StallWatch.totals): a cause text can carry a per-sample detail,
+so the rarest is forgotten past this many."""
 _KEY_ERROR = re.compile(r"^KeyError: '([^']+)'")
 _MISSING_ARG = re.compile(
     r"missing \d+ required (?:positional |keyword-only )?arguments?: '([^']+)'"
@@ -66,9 +72,12 @@ def none_cause(t: Trajectory, builtin_reward: bool) -> tuple[str, str | None]:
     """(cause, field) of a trajectory without a usable reward: field names the row field the
     reward could not find, "" when it returned None for no stated reason, None when the
     cause is not about the row (an engine error, a reward that crashed)."""
-    err = t.reward_error
-    if t.finish_reason == "error" or t.reward_error_kind == "engine":
+    err, kind = t.reward_error, t.reward_error_kind
+    if kind == "engine" or (t.finish_reason == "error" and not kind):
         return f"the engine failed to generate ({err or 'finish_reason error'})", None
+    if kind in _EPISODE_KINDS:
+        first = err.partition("\n")[0]  # a traceback follows the error itself
+        return f"{_EPISODE_KINDS[kind]}: {first[:300]}", None
     if err:
         found = _KEY_ERROR.match(err) or _MISSING_ARG.search(err)
         if found:
@@ -119,6 +128,8 @@ class StallWatch:
         self._timeout_example = ""
         self.causes: Counter[str] = Counter()
         """Causes of the trajectories in the window."""
+        self.totals: Counter[str] = Counter()
+        """Causes since start (at most MAX_CAUSES): BufferStats.unusable_causes."""
         self.example: dict[str, tuple[str | None, list[str]]] = {}
         """cause -> (missing field, row fields) of its latest trajectory."""
         self.warnings: dict[str, str] = {}
@@ -145,6 +156,9 @@ class StallWatch:
         self.window.append(cause)
         if cause is not None:
             self.causes[cause] += 1
+            if cause not in self.totals and len(self.totals) >= MAX_CAUSES:
+                del self.totals[min(self.totals, key=self.totals.__getitem__)]
+            self.totals[cause] += 1
         timeout = t.reward_error_kind == "timeout"
         self.timed_out.append(timeout)
         if timeout:

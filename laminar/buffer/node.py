@@ -323,6 +323,7 @@ class BufferNode(Node):
             journal=journal,
             refused=self.refusals.figures(),
             audit=self.fates.summary,
+            unusable_causes=dict(self.health.totals.most_common()),
         )
 
     def refused_trajectories(self) -> dict[str, int]:

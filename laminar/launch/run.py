@@ -15,6 +15,9 @@ run_dir/logs/<node>.log and to this terminal), and supervises them (laminar/chil
     keep running; more than cluster.restart.max_restarts deaths of one node within
     cluster.restart.window_s end the job: the rest are stopped, exit 1 naming the node.
     Restarts are counted in run_dir/supervisor.json, which `laminar status` shows;
+  * a run that cannot train (samples keep failing or being refused and none became trainable
+    for cluster.no_progress_timeout_s once prompts were served; laminar/launch/no_progress.py,
+    from the buffer's figures): the top reasons with their counts, the nodes are stopped, exit 1;
   * Ctrl-C / SIGTERM: an ordered stop (trainer first: it checkpoints and commits while the
     buffer and relays are still up; then rollouts flush their outboxes; then buffer and
     tools, relays, manager), each stage SIGKILLed after its stop budget; exit 128 + the
@@ -45,8 +48,9 @@ from laminar.config import (
 from laminar.launch.ipc_dir import prepare_ipc_dir, remove_ipc_dir
 from laminar.supervise import EXIT_FAILED, EXIT_OK
 
-if TYPE_CHECKING:  # the children's supervisor loads inside run_main
+if TYPE_CHECKING:  # the children's supervisor and the watch load inside run_main
     from laminar.children import ChildSpec
+    from laminar.launch.no_progress import NoProgressWatch
 
 
 def _node_specs(cfg: LaminarConfig, config_path: Path) -> list[ChildSpec]:
@@ -131,6 +135,33 @@ def _plan_fits(cfg: LaminarConfig) -> bool:
     return False
 
 
+def _no_progress_watch(cfg: LaminarConfig) -> NoProgressWatch | None:
+    """The watch that stops a run that cannot train (None: cluster.no_progress_timeout_s off).
+    Called before anything is written into the run directory: an unfinished run there resumes."""
+    from laminar.launch.no_progress import NoProgressWatch
+    from laminar.rundir import inspect_run
+
+    timeout = cfg.cluster.no_progress_timeout_s
+    if not timeout:
+        return None
+    return NoProgressWatch(timeout, resumed=inspect_run(cfg).state == "unfinished")
+
+
+def _judge(cfg: LaminarConfig, watch: NoProgressWatch | None) -> str | None:
+    """The watch's verdict from the buffer's latest figures, when a look is due; a buffer that
+    does not answer (starting, restarting, on another host out of reach) is no verdict."""
+    if watch is None or not watch.due():
+        return None
+    from laminar.launch.status import fetch_buffer_stats
+    from laminar.transport.sockets import TransportError
+
+    try:
+        stats = fetch_buffer_stats(cfg, timeout=1.0)
+    except TransportError:
+        return None
+    return watch.observe(stats)
+
+
 def run_main(
     config: str | None,
     overrides: list[str],
@@ -150,6 +181,7 @@ def run_main(
     require_wandb(cfg.logging)
     if not _prepare_run_dir(cfg, resume, overwrite):
         return EXIT_OK
+    watch = _no_progress_watch(cfg)
     from laminar.logs import configure_logging
 
     configure_logging("warning", cfg.logging.json_logs)  # this process: the progress line's client
@@ -221,6 +253,16 @@ def run_main(
             if isinstance(end, Finished):
                 print("laminar run: trainer finished; stopping the other nodes", file=sys.stderr)
                 trainer_finished = True
+                break
+            try:
+                verdict = _judge(cfg, watch)
+            except Exception as exc:  # noqa: BLE001 - e.g. no key to ask the buffer with
+                say_off = f"cannot ask the buffer ({type(exc).__name__}: {exc})"
+                print(f"laminar run: the no-progress watch is off: {say_off}", file=sys.stderr)
+                watch = verdict = None
+            if verdict is not None:
+                print(f"laminar run: {verdict}\nlaminar run: stopping all nodes", file=sys.stderr)
+                code = EXIT_FAILED
                 break
             if progress is not None:
                 progress.tick()  # the live progress line (laminar/progress.py)

@@ -10,7 +10,8 @@ peer, `refusals` in the JSON; a peer that sends what it may not gets a WARNING l
 (RolloutStatus.agent: refusals per reason, idle-expired episodes, agent failures) and the samples
 its outbox dropped are `agent` / `outbox_dropped` in the JSON and an AGENT line in the text.
 
-`fetch_status` (a one-off RpcClient) also feeds the live progress line (laminar/progress.py);
+`fetch_status` (a one-off RpcClient) also feeds the live progress line (laminar/progress.py),
+`fetch_buffer_stats` the launcher's no-progress watch (laminar/launch/no_progress.py);
 restarts come from the launcher's run_dir/supervisor.json.
 """
 
@@ -20,15 +21,19 @@ import asyncio
 import json
 import os
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import msgspec
 
 from laminar.config import LaminarConfig, load_config
 
-if TYPE_CHECKING:  # the wire (zmq) loads inside fetch_status
+if TYPE_CHECKING:  # the wire (zmq) loads inside _ask
+    from laminar.message import Message
+    from laminar.protocol.buffer import BufferStats
     from laminar.protocol.core import RefusalSummary
     from laminar.protocol.manager import StatusReply
+
+R = TypeVar("R")
 
 HELLOS_WARN = 10
 """Refused handshakes from one claimed id before it is warned about: a restarted process retries
@@ -37,15 +42,31 @@ a few times until its old incarnation is declared dead; a stranger keeps knockin
 
 def fetch_status(cfg: LaminarConfig, timeout: float = 3.0) -> StatusReply:
     from laminar.protocol.manager import StatusReply, StatusRequest
+
+    return _ask(cfg, "manager", StatusRequest(), StatusReply, timeout)
+
+
+def fetch_buffer_stats(cfg: LaminarConfig, timeout: float = 3.0) -> BufferStats:
+    """The buffer's figures (laminar/buffer/node.py `stats`): `laminar run`'s no-progress watch."""
+    from laminar.protocol.buffer import BufferStats, BufferStatsRequest
+
+    return _ask(cfg, "buffer", BufferStatsRequest(), BufferStats, timeout)
+
+
+def _ask(
+    cfg: LaminarConfig, service: str, request: Message, reply_type: type[R], timeout: float
+) -> R:
+    """One request to a service with a one-off RpcClient; TransportError when it does not answer
+    (or answers something else)."""
     from laminar.transport.client import RpcClient
     from laminar.transport.sockets import TransportError, new_context
     from laminar.wiring.common import socket_options
 
-    async def ask() -> StatusReply:
+    async def ask() -> R:
         ctx = new_context()
         cli = RpcClient(
             ctx,
-            cfg.endpoint("manager"),
+            cfg.endpoint(service),
             f"cli-{os.getpid()}",  # a `cli` key (laminar keys --roles cli) may claim cli-*
             "cli",
             # its own pair when the host has one (`laminar keys DIR --roles cli`): a host with
@@ -54,9 +75,11 @@ def fetch_status(cfg: LaminarConfig, timeout: float = 3.0) -> StatusReply:
         )
         try:
             await cli.connect(timeout=timeout)
-            reply = await cli.request(StatusRequest(), timeout=timeout, retries=0)
-            if not isinstance(reply, StatusReply):
-                raise TransportError(f"manager answered {type(reply).__name__}, not StatusReply")
+            reply = await cli.request(request, timeout=timeout, retries=0)
+            if not isinstance(reply, reply_type):
+                raise TransportError(
+                    f"{service} answered {type(reply).__name__}, not {reply_type.__name__}"
+                )
             return reply
         finally:
             await cli.close()

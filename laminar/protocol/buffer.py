@@ -249,6 +249,10 @@ class BufferStats(Message):  # buffer -> anyone asking (status, tests, benches):
     trajectories and partial entries that were refused and never stored."""
     audit: AuditSummary | None = None
     """The per-length audit as last made (None before the first served batch)."""
+    unusable_causes: dict[str, int] = field(default_factory=dict)
+    """Trajectories stored without a usable reward since the buffer started, by cause (the
+    reward's or agent's error, an engine error ...; laminar/buffer/health.py), the most
+    frequent first: `laminar run` names them when nothing can train."""
 
 
 @message(0x3C, senders=("manager",))

@@ -90,7 +90,8 @@ class Trajectory(Message):  # rollout -> buffer (finished), buffer -> trainer (i
     environment's error (empty: the reward returned, None included)."""
     reward_error_kind: str = ""
     """exception | format | timeout | worker_died (the reward runner) | env (an episode's
-    environment) | engine (finish_reason error); empty: no error. The buffer's warnings
+    environment) | agent (an agent episode that failed) | engine (finish_reason error); empty:
+    no error. The buffer's warnings
     (laminar/buffer/health.py) branch on it."""
     rollout_id: str = ""
     timings: dict[str, float] = field(default_factory=dict)

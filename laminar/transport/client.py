@@ -13,6 +13,8 @@ request, or to a heartbeat): the client handshakes again on the live socket.
 for an error reply): when the client's own machinery cancels something the caller waits on
 (a socket dropped under a blocked send, a handshake-again ended by `close()`), the caller gets
 a transport error, never a CancelledError; a cancellation of the caller's task propagates.
+`close()` says Bye (the server forgets the peer: a leave, not a death) and lets the socket
+deliver it before it goes.
 The reader, heartbeat, reconnect and handler tasks start through `spawn` (a node's
 supervised spawn): if one dies, its node stops loudly.
 """
@@ -65,6 +67,10 @@ from laminar.transport.sockets import (
 )
 
 log = structlog.get_logger("laminar.transport")
+
+_BYE_LINGER_MS = 500
+"""How long a closed socket may still deliver its Bye (the context's end waits that long at most,
+only while the server is out of reach)."""
 
 
 class RpcClient:
@@ -222,7 +228,7 @@ class RpcClient:
             )
         return None
 
-    async def _close_socket(self) -> None:
+    async def _close_socket(self, linger_ms: int = 0) -> None:
         self._connected.clear()
         if self._reader_task is not None:
             self._reader_task.cancel()
@@ -230,16 +236,20 @@ class RpcClient:
                 await self._reader_task
             self._reader_task = None
         if self._sock is not None:
-            self._sock.close(linger=0)
+            self._sock.close(linger=linger_ms)
             self._sock = None
 
     async def close(self, say_bye: bool = True) -> None:
         self._closed = True
+        linger_ms = 0
         if say_bye and self._sock is not None and self.connected:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(
                     self._send_raw(b"", Bye(node_id=self.node_id, reason="close")), 0.5
                 )
+                # queued is not sent: a socket closed with linger 0 may drop the Bye, and the
+                # server then declares a normal stop a death
+                linger_ms = _BYE_LINGER_MS
         for t in (self._hb_task, self._reconnecting, self._rehello):
             if t is not None:
                 t.cancel()
@@ -247,7 +257,7 @@ class RpcClient:
                     await t
         self._disp.cancel_all()
         self._pending.fail_all(PeerDead("client closed"))
-        await self._close_socket()
+        await self._close_socket(linger_ms)
 
     async def _send_raw(self, rid: bytes, msg: Message, timeout: float | None = None) -> None:
         if self._sock is None:
