@@ -121,3 +121,20 @@ def fast_opts() -> Callable[..., object]:
 def wait_until():
     """await wait_until(cond, timeout, what) -> seconds it took (fails after timeout)."""
     return _wait_until
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random policy on the tool task's alphabet (the agent tests' model)."""
+    from laminar.models.tiny import build_tiny_model
+    from laminar.tasks import tooluse
+
+    return build_tiny_model(
+        tmp_path_factory.mktemp("tiny") / "model",
+        alphabet=tooluse.ALPHABET,
+        hidden=32,
+        layers=1,
+        heads=2,
+        kv_heads=1,
+        max_positions=256,
+    )

@@ -40,22 +40,6 @@ from tests.test_agents import capture, make_cfg, wait_for
 KEY = "secret-key"
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Any:
-    from laminar.models.tiny import build_tiny_model
-    from laminar.tasks import tooluse
-
-    return build_tiny_model(
-        tmp_path_factory.mktemp("tiny") / "model",
-        alphabet=tooluse.ALPHABET,
-        hidden=32,
-        layers=1,
-        heads=2,
-        kv_heads=1,
-        max_positions=256,
-    )
-
-
 # ---- the wire and the outbox --------------------------------------------------------------
 def _trajectory(uid: str = "g/0", **over: Any) -> Trajectory:
     t = Trajectory(

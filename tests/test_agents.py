@@ -33,21 +33,6 @@ from tests.agent_fakes import ScriptEngine
 from tests.sim_cluster import consumed, read_jsonl
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    from laminar.models.tiny import build_tiny_model
-
-    return build_tiny_model(
-        tmp_path_factory.mktemp("tiny") / "model",
-        alphabet=tooluse.ALPHABET,
-        hidden=32,
-        layers=1,
-        heads=2,
-        kv_heads=1,
-        max_positions=256,
-    )
-
-
 def make_cfg(tmp: Path, model: Path, name: str, rows: int, **over: Any):
     data = tmp / "train.jsonl"
     tooluse.write_jsonl(tooluse.generate(rows, "train", seed=1), data)
