@@ -112,15 +112,15 @@ class RepackMixin:
         """What a rollout's status says now: version, KV use, counts, per-trajectory KV, time."""
         cap = self.prm.kv_capacity_tokens
         use = self.kv(r) / cap
-        running = r.running.values()
-        trajs = tuple(
-            TrajLoad(str(t.id), (self.prm.prompt_tokens + t.gen0 + r.prog - t.start_p) / cap)
-            for t in running
-        )
-        trajs += tuple(
-            TrajLoad(str(t.id), (self.prm.prompt_tokens + t.gen0) / cap) for t in r.waiting
-        )
         load = RolloutLoad(str(r.idx), r.version, use, False, len(r.running), len(r.waiting))
+        if r.waiting or not 0 < len(r.running) < self.rb or use >= self.prm.c_max:
+            # never a candidate (is_candidate), so its trajectories are never read: the per-
+            # trajectory list, most of the simulator's time at scale, is built only when it may be
+            return load, (), self.now
+        pt, prog = self.prm.prompt_tokens, r.prog
+        trajs = tuple(
+            TrajLoad(str(t.id), (pt + t.gen0 + prog - t.start_p) / cap) for t in r.running.values()
+        )
         return load, trajs, self.now
 
     def repack(self, after_update: bool = False) -> None:
