@@ -172,9 +172,10 @@ async def _post(
 
 async def test_hostile_bodies_get_4xx_and_are_counted(tmp_path, tiny, monkeypatch, caplog):
     """Each probe of the issue that a body carries: a 4xx in the OpenAI error shape, counted by
-    reason, never a 500; the episode and the rollout go on (its typed `<eos>` stays text)."""
+    reason, never a 500; the episode and the rollout go on (its typed `<eos>` stays text). With
+    agent.check_model_name an unknown `model` is OpenAI's 404."""
     monkeypatch.setenv("LAMINAR_AGENT_KEY", KEY)
-    cfg = _cfg(tmp_path, tiny, "hostile-bodies")
+    cfg = _cfg(tmp_path, tiny, "hostile-bodies", check_model_name=True)
     tok = load_prompt_tokenizer(tiny, chat_template=True)
     async with LocalCluster(cfg) as cluster:
         rollout = await cluster.add("rollout", 0, engine=ScriptEngine(tok))
@@ -224,8 +225,18 @@ async def test_hostile_bodies_get_4xx_and_are_counted(tmp_path, tiny, monkeypatc
                 http, chat, token, json.dumps({"messages": [system, user]}).encode()
             )
             assert status == 400 and got["error"]["code"] == "prompt_mismatch", got
-            # the episode goes on: its prompt, then a user message with typed control tokens
-            status, got = await _post(http, chat, token, json.dumps({"messages": [user]}).encode())
+            # another model than the served one (agent.check_model_name): OpenAI's 404
+            for url, body in (
+                (chat, {"model": "gpt-4o", "messages": [user]}),
+                (f"{base}/v1/completions", {"model": "/models/tiny", "prompt": prompt}),
+            ):
+                status, got = await _post(http, url, token, json.dumps(body).encode())
+                assert status == 404 and got["error"]["code"] == "model_not_found", got
+                assert got["error"]["type"] == "invalid_request_error", got
+            # the episode goes on: its prompt (naming the served model), then a user message
+            # with typed control tokens (naming none)
+            body = json.dumps({"model": "hostile-bodies", "messages": [user]}).encode()
+            status, got = await _post(http, chat, token, body)
             assert status == 200, got
             assert got["model"] == "hostile-bodies"  # the run's name, never the model's path
             answer = got["choices"][0]["message"]
@@ -254,6 +265,7 @@ async def test_hostile_bodies_get_4xx_and_are_counted(tmp_path, tiny, monkeypatc
     assert figures["bad_request"] == 4
     assert figures["too_long"] == 1 and figures["too_large"] == 1
     assert figures["prompt_mismatch"] == 1 and figures["refused_at_close"] == 6
+    assert figures["unknown_model"] == 2
     assert "internal" not in figures
     assert rollout.metrics.counters["agent_http_error_invalid_api_key"] == 2  # each once
     assert status.rollout is not None and status.rollout.agent == figures
@@ -364,7 +376,7 @@ async def test_an_idle_claimed_episode_expires_and_is_counted_where_users_look(
     assert status_cli.status_main(None, [], as_json=True, timeout=1.0) == 0
     rows = {r["node"]: r for r in json.loads(capsys.readouterr().out)["nodes"]}
     row = rows[rollout.node_id]
-    assert row["alive"] and row["agent"]["idle_expired"] >= 1
+    assert row["alive"] and row["deaths"] == 0 and row["agent"]["idle_expired"] >= 1
     assert status_cli.status_main(None, [], as_json=False, timeout=1.0) == 0
     assert f"AGENT {rollout.node_id}: " in capsys.readouterr().out
 
