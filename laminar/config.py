@@ -527,6 +527,9 @@ class AgentConfig(Section):
     model_name: str | None = None
     """What the endpoint calls the model (replies, /v1/models); None: the run's name (never a
     local path)."""
+    check_model_name: bool = False
+    """Refuse a call whose `model` is not the served name (agent.model_name, else the run's name)
+    with HTTP 404 model_not_found. Off: any name is served (clients send placeholders: "policy")."""
     max_body_bytes: int = Field(4 << 20, ge=1 << 10, le=1 << 30)
     """Largest request body the endpoint reads; a larger one is refused (HTTP 413)."""
     max_text_chars: int = Field(1 << 18, ge=1 << 10)

@@ -145,6 +145,7 @@ async def test_status_cli_lists_every_node_with_its_columns(tmp_path, short_dir)
         "last_beat_s",
         "pid",
         "restarts",
+        "deaths",
         "unauthorized",
         "bad",
         "refused_hellos",
@@ -158,6 +159,51 @@ async def test_status_cli_lists_every_node_with_its_columns(tmp_path, short_dir)
         r["unauthorized"] == r["bad"] == r["refused_trajectories"] == 0 for r in rows.values()
     )
     assert all(r["attest_mismatches"] == 0 for r in rows.values())
+    assert all(r["deaths"] == 0 and r["last_death_s"] == -1 for r in rows.values())
+
+
+async def test_status_shows_a_rollout_the_manager_declared_dead(tmp_path, monkeypatch, capsys):
+    """While the manager holds a rollout dead it reads DEAD; once the id is back (a stall ends,
+    or here a new process) it is alive again, and `deaths` and a WARNING still say it was
+    declared dead, although the launcher restarted nothing (it used to read alive, restarts 0)."""
+    import laminar.launch.status as status_cli
+    from laminar.protocol.manager import StatusReply
+
+    cfg = sim_config(tmp_path, rollouts=1, total_steps=1, cluster={"roles": {"trainer": 0}})
+    monkeypatch.setattr("laminar.logs.configure_logging", lambda *a, **k: None)  # keep ours
+
+    def table(reply: StatusReply) -> tuple[dict, list[str]]:
+        monkeypatch.setattr(status_cli, "fetch_status", lambda cfg, timeout: reply)
+        capsys.readouterr()  # the cluster's log lines so far
+        assert status_cli.status_main(None, [], as_json=True, timeout=1.0) == 0
+        rows = {r["node"]: r for r in json.loads(capsys.readouterr().out)["nodes"]}
+        assert status_cli.status_main(None, [], as_json=False, timeout=1.0) == 0
+        return rows["rollout-0"], capsys.readouterr().out.splitlines()
+
+    async with LocalCluster(cfg) as cluster:
+        mgr = cluster.node("manager-0")
+        await all_ready(cluster)
+        cluster.node("rollout-0").say_bye = False  # a crash: no Bye
+        await cluster.kill_node("rollout-0")
+        await wait_for(
+            lambda: not mgr.srv.peers["rollout-0"].alive, 10, "rollout-0 declared dead", cluster
+        )
+        dead = StatusReply(nodes=mgr.members(), trainer_version=0, mode="laminar")
+        await cluster.add("rollout", 0)
+        await wait_for(lambda: mgr.srv.peers["rollout-0"].alive, 10, "rollout-0 back", cluster)
+        back = StatusReply(nodes=mgr.members(), trainer_version=0, mode="laminar")
+    row, text = table(dead)
+    assert not row["alive"] and row["deaths"] == 1 and row["last_death_s"] >= 0
+    assert "deaths" in text[0].split()
+    line = next(t.split() for t in text if t.startswith("rollout-0 "))
+    assert line[2] == "DEAD" and line[text[0].split().index("deaths")] == "1"
+    assert any(t.startswith("WARNING rollout-0: declared dead") for t in text)
+    row, text = table(back)
+    assert row["alive"] and row["deaths"] == 1 and row["restarts"] == 0
+    assert any("declared dead" in w for w in row["warnings"])
+    line = next(t.split() for t in text if t.startswith("rollout-0 "))
+    assert line[2] == "yes"
+    assert any(t.startswith("WARNING rollout-0: declared dead") for t in text)
 
 
 async def all_ready(cluster) -> None:

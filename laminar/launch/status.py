@@ -12,7 +12,10 @@ its outbox dropped are `agent` / `outbox_dropped` in the JSON and an AGENT line 
 
 `fetch_status` (a one-off RpcClient) also feeds the live progress line (laminar/progress.py),
 `fetch_buffer_stats` the launcher's no-progress watch (laminar/launch/no_progress.py);
-restarts come from the launcher's run_dir/supervisor.json.
+restarts come from the launcher's run_dir/supervisor.json. A node the manager declared dead
+(NodeEntry.deaths: silent past transport.heartbeat_liveness beats) reads `DEAD` under `alive` while
+it is silent; `deaths` (and `last_death_s` in the JSON) and a WARNING line keep saying so after
+it is heard from again, since a stalled process is not restarted.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ if TYPE_CHECKING:  # the wire (zmq) loads inside _ask
     from laminar.message import Message
     from laminar.protocol.buffer import BufferStats
     from laminar.protocol.core import RefusalSummary
-    from laminar.protocol.manager import StatusReply
+    from laminar.protocol.manager import NodeEntry, StatusReply
 
 R = TypeVar("R")
 
@@ -119,8 +122,14 @@ def status_main(config: str | None, overrides: list[str], as_json: bool, timeout
                 "inflight": s.inflight if s else 0,
                 "staleness": s.staleness if s else 0.0,
                 "last_beat_s": e.last_beat_s,
-                "warnings": [*(s.warnings if s else []), *refusal_warnings(refused)],
+                "warnings": [
+                    *death_warnings(e),
+                    *(s.warnings if s else []),
+                    *refusal_warnings(refused),
+                ],
                 "restarts": restarts.get(e.node_id, 0),
+                "deaths": e.deaths,
+                "last_death_s": e.last_death_s,
                 "unauthorized": refused.unauthorized if refused else 0,
                 "bad": refused.bad if refused else 0,
                 "refused_hellos": refused.refused_hellos if refused else 0,
@@ -156,6 +165,7 @@ def status_main(config: str | None, overrides: list[str], as_json: bool, timeout
         "last_beat_s",
         "pid",
         "restarts",
+        "deaths",
         "unauthorized",
         "bad",
         "refused_hellos",
@@ -163,9 +173,11 @@ def status_main(config: str | None, overrides: list[str], as_json: bool, timeout
         "refused_trajectories",
         "attest_mismatches",
     ]
-    widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) if rows else len(c) for c in cols}
+    # a node the manager holds dead reads `DEAD`, not `False` beside `True`s
+    cells = [{**r, "alive": "yes" if r["alive"] else "DEAD"} for r in rows]
+    widths = {c: max(len(c), *(len(str(r[c])) for r in cells)) if cells else len(c) for c in cols}
     print("  ".join(c.ljust(widths[c]) for c in cols))
-    for r in rows:
+    for r in cells:
         print("  ".join(str(r[c]).ljust(widths[c]) for c in cols))
     for r in rows:  # a rollout's agent endpoint: refusals and agent failures per reason
         if r["agent"] or r["outbox_dropped"]:
@@ -175,6 +187,18 @@ def status_main(config: str | None, overrides: list[str], as_json: bool, timeout
         for w in r["warnings"]:
             print(f"WARNING {r['node']}: {w}")
     return 0
+
+
+def death_warnings(entry: NodeEntry) -> list[str]:
+    """A node the manager declared dead: silent now, or heard from again after a stall (its
+    process was not restarted, so `restarts` stays 0; a rollout's episodes were recovered)."""
+    if not entry.deaths:
+        return []
+    now = "and it is silent now" if not entry.alive else "and it was heard from again since"
+    return [
+        f"declared dead by the manager {entry.deaths} time(s), last {entry.last_death_s:.0f} s "
+        f"ago (no message for transport.heartbeat_liveness beats), {now}"
+    ]
 
 
 def refusal_warnings(refused: RefusalSummary | None) -> list[str]:

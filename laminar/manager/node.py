@@ -120,6 +120,9 @@ class ManagerNode(Node):
         """rollout id -> the server's number of the incarnation last seen (rejoin detection)."""
         self._rollouts_seen: set[str] = set()
         """Rollouts that were members since their last recovery (leave detection)."""
+        self._deaths: dict[str, tuple[int, float]] = {}
+        """node id -> (times declared dead, monotonic time of the last): `laminar status` keeps
+        showing it after the node is heard from again or comes back as a new incarnation."""
         await self.srv.start()
 
     async def main(self) -> None:
@@ -161,6 +164,8 @@ class ManagerNode(Node):
 
     def _on_dead(self, peer: Peer) -> None:
         self.metrics.count("deaths")
+        deaths, _ = self._deaths.get(peer.node_id, (0, 0.0))
+        self._deaths[peer.node_id] = (deaths + 1, time.monotonic())
         self.log.warning("node_dead", peer=peer.node_id, peer_role=peer.role)
         self._event("dead", node=peer.node_id, role=peer.role)
         if peer.role == "rollout":
@@ -199,6 +204,7 @@ class ManagerNode(Node):
                 and status.version >= 0
             ):
                 status.staleness = float(self.trainer_version - status.version)
+            deaths, last_death = self._deaths.get(p.node_id, (0, 0.0))
             out.append(
                 NodeEntry(
                     node_id=p.node_id,
@@ -207,6 +213,8 @@ class ManagerNode(Node):
                     last_beat_s=round(now - p.last_seen, 3),
                     status=status,
                     pid=p.pid,
+                    deaths=deaths,
+                    last_death_s=round(now - last_death, 3) if deaths else -1.0,
                 )
             )
         return out

@@ -24,6 +24,11 @@ class NodeEntry(Message):  # one row of `laminar status`
     """Seconds since the last message from this node."""
     status: NodeStatus | None = None
     pid: int = 0
+    deaths: int = 0
+    """Times the manager declared this node id dead (silent for transport.heartbeat_liveness
+    beats): one back from a long stall is `alive` again, and this says it was not."""
+    last_death_s: float = -1.0
+    """Seconds since the last of those (-1: never)."""
 
 
 @message(0x72, senders=("manager",))

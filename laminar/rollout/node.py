@@ -397,6 +397,7 @@ class RolloutNode(Node):
                 max_body_bytes=ac.max_body_bytes,
                 read_timeout_s=ac.read_timeout_s,
                 max_connections=ac.max_connections,
+                check_model_name=ac.check_model_name,
             ),
             metrics=self.metrics,
             log=self.log,

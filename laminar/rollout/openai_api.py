@@ -20,7 +20,8 @@ Bad input and the driver's refusals are answered in the OpenAI error shape ({"er
 type, param, code}}, openai_shapes.py) with a 4xx status, counted (`agent_http_error_<code>`, and
 per reason in `figures()`, which rides the rollout's status: RolloutStatus.agent), and the
 endpoint goes on serving. What is not supported is refused by name: stream, n > 1,
-top_logprobs, several prompts per completion.
+top_logprobs, several prompts per completion. With agent.check_model_name a call's `model` must
+be the served name (what /v1/models lists): another is OpenAI's 404 `model_not_found`.
 
 Hostile and careless agents (docs/agents.md "Limits and refusals"): a call's token (a claim's
 key) is checked before its body is read, so a stranger costs no parsing; a body is read within
@@ -58,6 +59,7 @@ from laminar.rollout.openai_shapes import (
     api_error,
     bad_request,
     chat_completion,
+    check_model,
     claim_body,
     model_list,
     parse_chat,
@@ -79,6 +81,7 @@ ENDPOINT_COUNTERS = {
     "too_large": "a body over agent.max_body_bytes (413)",
     "too_long": "new text over agent.max_text_chars, or past the context or token budget (400)",
     "prompt_mismatch": "a run whose prompt is not the episode's served prompt (400)",
+    "unknown_model": "a `model` other than the served one, with agent.check_model_name (404)",
     "refused_at_close": "a close whose reward the buffer would refuse (400)",
     "read_timeout": "a body or first headers slower than agent.read_timeout_s (408 / closed)",
     "aborted": "the client went away mid-body",
@@ -96,6 +99,7 @@ _BY_CODE = {
     "prompt_mismatch": "prompt_mismatch",
     "context_length_exceeded": "too_long",
     "incomplete_body": "aborted",
+    "model_not_found": "unknown_model",
 }
 _BY_STATUS = {
     401: "unauthorized",
@@ -110,11 +114,13 @@ _BY_STATUS = {
 
 @dataclass(frozen=True)
 class EndpointLimits:
-    """What one rollout's endpoint holds for its clients (agent.* settings)."""
+    """What one rollout's endpoint holds its clients to (agent.* settings)."""
 
     max_body_bytes: int = 4 << 20
     read_timeout_s: float = 30.0
     max_connections: int = 256
+    check_model_name: bool = False
+    """A call naming another `model` than the served one is refused (404 model_not_found)."""
 
 
 def _token(request: web.Request) -> str:
@@ -291,6 +297,12 @@ class OpenAIEndpoint:
             return await asyncio.to_thread(_parse, raw)
         return _parse(raw)
 
+    def _checked(self, body: dict[str, Any]) -> dict[str, Any]:
+        """A call's body, its `model` checked when agent.check_model_name says so."""
+        if self.limits.check_model_name:
+            check_model(body, self.model_name)
+        return body
+
     def _authorized(self, request: web.Request) -> str:
         """The call's episode token, checked before its body is read."""
         token = _token(request)
@@ -299,13 +311,13 @@ class OpenAIEndpoint:
 
     async def _chat(self, request: web.Request) -> web.Response:
         token = self._authorized(request)
-        call = parse_chat(await self._json(request))
+        call = parse_chat(self._checked(await self._json(request)))
         turn = await self.driver.turn(token, call.turn)
         return web.json_response(chat_completion(turn, call, self.model_name, self.token_text))
 
     async def _completions(self, request: web.Request) -> web.Response:
         token = self._authorized(request)
-        call = parse_completion(await self._json(request))
+        call = parse_completion(self._checked(await self._json(request)))
         turn = await self.driver.turn(token, call.turn)
         return web.json_response(text_completion(turn, call, self.model_name, self.token_text))
 

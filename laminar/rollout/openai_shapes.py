@@ -2,6 +2,7 @@
 
     request body ──parse_chat / parse_completion──► ChatCall / TextCall (a ChatTurn / TextTurn for
                                                     the driver, and whether to list logprobs)
+                 ──check_model──► ApiError 404 unless `model` is the served name (when checked)
     TurnResult ──chat_completion / text_completion──► chat.completion / text_completion body
                                                       (usage, logprobs)
     EpisodeUnknown / EpisodeMoved / CallRefused ──api_error──► ApiError: status, headers and the
@@ -190,6 +191,19 @@ def parse_chat(body: dict[str, Any]) -> ChatCall:
     sampling, logprobs = parse_params(body)
     tools_on = bool(tools) and body.get("tool_choice") != "none"
     return ChatCall(ChatTurn(msgs, tools if tools_on else None, sampling), logprobs)
+
+
+def check_model(body: dict[str, Any], served: str) -> None:
+    """A call's `model`, when it names one, is the one this endpoint serves (agent.model_name,
+    else the run's name): OpenAI's 404 otherwise."""
+    model = body.get("model")
+    if model is not None and model != served:
+        raise ApiError(
+            404,
+            f"The model `{str(model)[:200]}` does not exist: this endpoint serves `{served}` "
+            "(GET /v1/models; agent.check_model_name)",
+            "model_not_found",
+        )
 
 
 def parse_completion(body: dict[str, Any]) -> TextCall:
