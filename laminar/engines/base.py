@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -255,7 +255,3 @@ class Engine(ABC):
             )
             for s in toks
         }
-
-
-def with_version(p: PartialState, version: int) -> PartialState:
-    return replace(p, version=version)

@@ -409,11 +409,6 @@ class LoraFootprint:
     base_params: int
     """The frozen model's parameters (no gradient, no optimizer state)."""
 
-    @property
-    def version_share(self) -> float:
-        """A version's size as a fraction of the full model's at the same dtype."""
-        return self.params / self.base_params if self.base_params else 0.0
-
 
 def _linear_shapes(cfg: Mapping[str, Any]) -> dict[str, tuple[int, int]]:
     d, inter = int(cfg["hidden_size"]), int(cfg["intermediate_size"])
