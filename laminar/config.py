@@ -524,6 +524,13 @@ class AgentConfig(Section):
     """A claimed (or moved-here) episode whose agent neither calls nor closes it for this long
     fails (`agent_failure_idle`) and starts again: an idle agent never pins a rollout's weights
     for the whole episode_timeout_s."""
+    preempt_idle_s: float = Field(5.0, ge=0)
+    """While its rollout waits to load newer weights and nothing else holds them, an episode whose
+    agent (remote, or moved here) has no call in flight and has been silent this long is
+    preempted: its token is revoked (a later call answers 409 episode_preempted), its tokens
+    dropped, and it starts again from its prompt at the new version, re-offered to its agents
+    once the load is done (`agent_preempted`; not counted against agent.retries). 0: never (a
+    silent agent then holds the weights up to idle_timeout_s)."""
     model_name: str | None = None
     """What the endpoint calls the model (replies, /v1/models); None: the run's name (never a
     local path)."""

@@ -407,3 +407,77 @@ async def test_one_rollout_keeps_training_when_the_buffer_refuses_samples(tmp_pa
     assert any(m.get("buffer/refused_trajectories", 0) >= 1 for m in steps)
     assert any(m.get("agent/unauthorized", 0) >= 1 for m in steps)
     assert all(math.isfinite(m.get("loss", 0.0)) for m in steps)
+
+
+async def test_a_silent_claimed_episode_does_not_hold_the_weights(tmp_path, tiny, monkeypatch):
+    """One rollout, remote agents: a hostile agent claims an episode and never calls it while
+    an honest agent works the rest. The rollout wants each new version; once nothing but the
+    silent episode holds the loaded one, it is preempted after agent.preempt_idle_s (not the
+    120 s idle timeout): the weights load, training goes on, the silent token answers 409
+    episode_preempted, and the episode is offered again at the new version and trained."""
+    monkeypatch.setenv("LAMINAR_AGENT_KEY", KEY)
+    cfg = make_cfg(
+        tmp_path,
+        tiny,
+        "hostile-silent",
+        rows=16,
+        cluster={"roles": {"manager": 1, "buffer": 1, "trainer": 1, "rollout": 0}},
+        trainer={"total_steps": 6, "batch_groups": 1, "lr": 1e-3, "warmup_steps": 0},
+        agent={
+            "fn": None,
+            "remote": True,
+            "preempt_idle_s": 0.5,
+            "idle_timeout_s": 120,
+            "episode_timeout_s": 300,
+        },
+    )
+    tok = load_prompt_tokenizer(tiny, chat_template=True)
+    served: list[tuple[str, int]] = []  # (uid-less prompt, version) of every honest episode
+
+    async def honest(http: aiohttp.ClientSession, base: str) -> None:
+        chat, close = f"{base}/v1/chat/completions", f"{base}/laminar/v1/episodes/close"
+        while True:
+            r = await http.post(
+                f"{base}/laminar/v1/episodes/claim?wait_s=2",
+                headers={"Authorization": f"Bearer {KEY}"},
+            )
+            if r.status != 200:  # none waiting within wait_s
+                continue
+            ep = await r.json()
+            user = {"role": "user", "content": ep["row"]["prompt"]}
+            status, _ = await _post(
+                http, chat, ep["episode"], json.dumps({"messages": [user]}).encode()
+            )
+            if status == 200:
+                served.append((ep["row"]["prompt"], rollout.gate.version))
+            body = json.dumps({"reward": 1.0 if status == 200 else None}).encode()
+            await _post(http, close, ep["episode"], body)
+
+    async with LocalCluster(cfg) as cluster:
+        rollout = await cluster.add("rollout", 0, engine=ScriptEngine(tok))
+        base = rollout.endpoint.url
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+            silent = await _claim(http, base)  # claimed, then never a call
+            worker = asyncio.create_task(honest(http, base))
+            try:
+                await cluster.wait_trainer(timeout=90)  # stuck until idle_timeout_s before
+            finally:
+                worker.cancel()
+                await asyncio.gather(worker, return_exceptions=True)
+            chat = f"{base}/v1/chat/completions"
+            user = {"role": "user", "content": silent["row"]["prompt"]}
+            status, err = await _post(
+                http, chat, silent["episode"], json.dumps({"messages": [user]}).encode()
+            )
+        counts = dict(rollout.agents.counts)
+        metrics = dict(rollout.metrics.counters)
+        version = rollout.gate.version
+    assert status == 409 and err["error"]["code"] == "episode_preempted", err
+    assert counts["episodes_preempted"] >= 1 and metrics["agent_preempted"] >= 1
+    assert counts.get("idle_expired", 0) == 0 and metrics.get("agent_failures", 0) == 0
+    assert version >= 1
+    # the preempted prompt came back and an honest agent ran it at a later version
+    again = [v for p, v in served if p == silent["row"]["prompt"]]
+    assert again and max(again) >= 1
+    steps = [m for m in read_jsonl(cfg.resolved_run_dir() / "metrics.jsonl") if "step" in m]
+    assert len(steps) >= 6

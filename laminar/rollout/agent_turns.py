@@ -56,6 +56,9 @@ class Refusal(enum.Enum):
     PROMPT_MISMATCH = "prompt_mismatch"
     """A run whose rendered prompt is not the episode's served prompt (the buffer trains a sample
     only with the prompt its group was served with)."""
+    PREEMPTED = "preempted"
+    """A call of an episode preempted for a weight load (agent.preempt_idle_s): it starts again
+    from its prompt under a new token."""
     TEXT_TOO_LONG = "text_too_long"
     """A call bringing more new text than agent.max_text_chars (refused before tokenizing)."""
 

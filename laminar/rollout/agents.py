@@ -52,7 +52,15 @@ record restarts at offset 0), its token revoked (a late call of the old
 attempt gets 401) and it starts again from its prompt at the same version (`agent_retries`),
 at most agent.retries times; then it is delivered without a reward (`agent_gave_up`), so its
 group still completes and the sample is never trained. A sample is delivered once, whatever
-the attempts. A call over the context or the episode's token budget answers 400
+the attempts.
+
+Preempted (`preempt_idle`, agent.preempt_idle_s): while the rollout waits to load newer weights
+and only agent episodes hold the loaded version, one whose agent is silent is ended, its token
+answering 409 episode_preempted, and its sample parked in the table (no tokens, no version)
+until the load is done; then it starts again from its prompt at the new version (`unparked`),
+not counted against agent.retries.
+
+A call over the context or the episode's token budget answers 400
 (context_length_exceeded) and marks the episode truncated: when the agent ends (or raises),
 the sample is delivered with finish_reason "length" and reward.fn scores it.
 
@@ -186,8 +194,13 @@ class AgentDriver:
         self.spawn, self.metrics, self.log = spawn, metrics, log
         self.by_uid: dict[str, AgentEpisode] = {}
         self.by_token: dict[str, AgentEpisode] = {}
-        self.claims: asyncio.Queue[AgentEpisode] = asyncio.Queue()
+        self.claims: asyncio.Queue[tuple[AgentEpisode, str]] = asyncio.Queue()
+        """Remote episodes offered to claims, with the attempt's token (an entry of an attempt
+        that ended meanwhile is skipped: an episode is never handed out twice)."""
         self.pool: AgentPool | None = None
+        self.preempted: dict[str, None] = {}
+        """Tokens of attempts preempted for a weight load (bounded, oldest dropped): their calls
+        answer 409 episode_preempted rather than 401."""
         self.moved: dict[str, tuple[float, str]] = {}
         """Tokens of episodes exported from here (their calls answer 421 episode_moved), with
         when and the rollout the manager meant to import them on ("" unknown); forgotten after
@@ -196,7 +209,8 @@ class AgentDriver:
         """Set once the HTTP server listens (http://host:port/v1)."""
         self.delivered = 0
         self.counts: Counter[str] = Counter()
-        """idle_expired, agent_failures, agent_gave_up: beside the endpoint's refusals in the
+        """idle_expired, episodes_preempted, agent_failures, agent_gave_up: beside the endpoint's
+        refusals in the
         rollout's status (OpenAIEndpoint.figures)."""
         self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="agent-tokenize")
         """Large new text is tokenized here, one call at a time (a fast tokenizer is not safe to
@@ -347,11 +361,14 @@ class AgentDriver:
             ok, out = ep.outcome.result()
         if not self._current(ep, token):
             return
+        if not ok and out[0] == "preempted":
+            await self._park(ep)
+            return
         await (self._returned(ep, out) if ok else self._failed(ep, *out))
 
     async def _attempt(self, ep: AgentEpisode, token: str) -> None:
         if self.pool is None:  # remote agents claim it
-            self.claims.put_nowait(ep)
+            self.claims.put_nowait((ep, token))
             ep.touched = True
             await self._await_agent(ep, token, self.cfg.episode_timeout_s)
             return
@@ -459,6 +476,54 @@ class AgentDriver:
         self.delivered += 1
         self.deliverer.finished(seq, reason, score)
 
+    # ---- preemption for a weight load ------------------------------------------------------
+    def preempt_idle(self) -> None:
+        """The rollout waits to load newer weights (the feeder's drain). If nothing but agent
+        episodes still holds the loaded version, each of them whose agent (remote, or moved here)
+        has no call in flight and has been silent for agent.preempt_idle_s is preempted: it starts
+        again from its prompt at the version loaded next. Liveness is never hostage to a silent
+        agent; one that is still working loses the attempt (counted `agent_preempted`, not against
+        agent.retries), as a dead rollout's episodes do. In-process agents (agent.fn) are ours and
+        keep their episodes; they end or time out."""
+        wait = self.cfg.preempt_idle_s
+        if wait <= 0:
+            return
+        now, ready = time.monotonic(), []
+        for seq in self.table.seqs.values():
+            if seq.parked:
+                continue
+            ep = self.by_uid.get(seq.uid)
+            if ep is None or ep.busy or ep.outcome is None or ep.outcome.done():
+                return  # something else holds the version: the drain waits for it anyway
+            seen = ep.t_seen if ep.t_seen is not None else ep.t_attempt
+            if not seq.waiting or now < seen + wait:
+                return
+            ready.append(ep)
+        for ep in ready:
+            ep.outcome.set_result((False, ("preempted", "")))  # type: ignore[union-attr]
+
+    async def _park(self, ep: AgentEpisode) -> None:
+        """Preempted: the token revoked (later calls answer 409), the tokens dropped, and the
+        sample parked in the table until the next version is loaded (`unparked`)."""
+        await self._stop_generating(ep)
+        self.preempted[ep.token] = None
+        if len(self.preempted) > 4096:
+            del self.preempted[next(iter(self.preempted))]
+        self.metrics.count("agent_preempted")
+        self.counts["episodes_preempted"] += 1
+        self.log.info("agent_preempted", uid=ep.seq.uid, version=ep.seq.version)
+        self._clear(ep)
+        ep.seq.agent_token, ep.token = "", ""
+        self.table.park(ep.seq)
+
+    def unparked(self, seqs: list[SeqState]) -> None:
+        """The table's parked samples, now at the version just loaded: a new attempt each, offered
+        to its agents again like a fresh one."""
+        for seq in seqs:
+            ep = self.by_uid.get(seq.uid)
+            if ep is not None and ep.seq is seq:
+                self._launch(ep)
+
     # ---- remote agents --------------------------------------------------------------------
     def check_claim_key(self, key: str) -> None:
         """Raises CallRefused(BAD_CLAIM_KEY) unless `key` is the remote key (compared as UTF-8
@@ -474,12 +539,12 @@ class AgentDriver:
         deadline = time.monotonic() + wait_s
         while True:
             try:
-                ep = await asyncio.wait_for(
+                ep, token = await asyncio.wait_for(
                     self.claims.get(), max(0.0, deadline - time.monotonic())
                 )
             except TimeoutError:
                 return None
-            if self.by_token.get(ep.token) is ep:  # not restarted or finished meanwhile
+            if self.by_token.get(token) is ep:  # not restarted or finished meanwhile
                 ep.t_seen = time.monotonic()  # its idle clock starts
                 return EpisodeClaim(
                     ep.token, self._row(ep.seq), self.base_url, self.cfg.episode_timeout_s
@@ -528,6 +593,13 @@ class AgentDriver:
         ep = self.by_token.get(token)
         if ep is None and token in self.moved:
             raise self._moved(token)
+        if ep is None and token in self.preempted:
+            raise CallRefused(
+                Refusal.PREEMPTED,
+                "this episode was preempted: its rollout loaded new weights while its agent sat "
+                f"silent for agent.preempt_idle_s ({self.cfg.preempt_idle_s:g}s); it starts "
+                "again from its prompt under a new token (remote agents: claim it again)",
+            )
         if ep is not None:
             ep.touched, ep.t_seen = True, time.monotonic()
         if ep is None:

@@ -8,11 +8,12 @@ weights in between (the only place a rollout's version changes).
 What blocks and what unblocks the loop:
   * no free credit                                       -> a group finishing or being exported
   * a newer version is wanted (gate.target() > version)  -> stop asking for prompts, let every
-    in-flight trajectory finish, load, then ask again. So every trajectory is generated on one
-    version and a GRPO group never straddles two. With rollout.refill_versions = K (mode
-    laminar) a busy rollout wants the newest only once it is K versions ahead: until then it
-    refills at its version, as the paper's rollout finishes its batch before it pulls; an idle
-    one loads the newest at once.
+    in-flight trajectory finish, load, then ask again (black-box agents: an episode whose
+    agent sits silent meanwhile is preempted and starts again at the new version, `on_drain`).
+    So every trajectory is generated on one version and a GRPO group never straddles two.
+    With rollout.refill_versions = K (mode laminar) a busy rollout wants the newest only once
+    it is K versions ahead: until then it refills at its version, as the paper's rollout
+    finishes its batch before it pulls; an idle one loads the newest at once.
   * a PromptRequest whose reply never came                -> the same request (same request_id)
     is retried before anything else: the buffer may have served and journaled it, and gives
     the same groups back rather than losing them.
@@ -52,6 +53,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Callable
 
 import structlog
 
@@ -95,6 +97,9 @@ class PromptFeeder:
         """Prompt groups served for a version not loaded yet (its load failed): started once it
         is."""
         self.loading = False
+        self.on_drain: Callable[[], None] | None = None
+        """Called while a drain waits on in-flight work (black-box agents: the driver preempts
+        episodes only a silent agent holds, agent.preempt_idle_s)."""
         """A weight load runs (bench/cluster_run.py's breakdown samples it)."""
         self._stop = asyncio.Event()
         self._requests = 0
@@ -136,13 +141,14 @@ class PromptFeeder:
                 self._start_held()
                 free = self.free_credits()
                 declared = self.gate.version
-                if self.gate.behind(idle=not self.table.seqs):
+                holding = self.table.holds_weights()
+                if self.gate.behind(idle=not holding):
                     nxt = self.gate.loadable()
                     if self.table.interrupts and self.table.seqs and nxt >= 0:
                         # mode partial: no drain, the in-flight ones continue under the new version
                         await self.interrupt()
                         continue
-                    if not self.table.seqs and nxt >= 0 and free > 0:
+                    if not holding and nxt >= 0 and free > 0:
                         # idle and a newer version is there: ask for the prompts to run on it while
                         # it loads, so a refill (a drained or repack-emptied rollout) waits for the
                         # longer of the two round trips, not their sum; they start once it is loaded
@@ -151,9 +157,11 @@ class PromptFeeder:
                         load = self.spawn(self._load_then_start_held(), "weights-load")
                         declared = nxt
                     else:
-                        if self.table.seqs and self.cfg.retract_unstarted:
+                        if holding and self.cfg.retract_unstarted:
                             await self._retract()
-                        if not self.table.seqs and nxt >= 0 and await self.refresh():
+                        if holding and self.on_drain is not None:
+                            self.on_drain()  # agents: preempt episodes only a silent agent holds
+                        if not self.table.holds_weights() and nxt >= 0 and await self.refresh():
                             continue
                         # until in-flight work drains, or the wanted version appears
                         await self._wait(1.0)
@@ -226,13 +234,16 @@ class PromptFeeder:
         if self.gate.loadable() < 0:
             return False
         async with self.gate.lock:  # an import cannot slip in between the idle check and the load
-            if self.table.seqs:
+            if self.table.holds_weights():
                 return False
             self.loading = True
             try:
-                return await self.gate.load()
+                loaded = await self.gate.load()
             finally:
                 self.loading = False
+            if loaded:
+                self.table.unpark(self.gate.version)
+            return loaded
 
     async def interrupt(self) -> bool:
         """Mode partial: take every sequence out of the engine, load the newest version, and put

@@ -351,6 +351,8 @@ class RolloutNode(Node):
             metrics=self.metrics,
             log=self.log,
         )
+        if self.agents is not None:  # the driver preempts what only a silent agent holds
+            self.feeder.on_drain = self.agents.preempt_idle
 
     def _has_agents(self) -> bool:
         return bool(self.settings.agent.fn or self.settings.agent.remote)
@@ -387,6 +389,7 @@ class RolloutNode(Node):
             log=self.log,
         )
         self.table.on_start = self.agents.start
+        self.table.on_unpark = self.agents.unparked
         self.endpoint = OpenAIEndpoint(
             self.agents,
             model_name=s.model_name,

@@ -88,11 +88,13 @@ ENDPOINT_COUNTERS = {
     "connections_refused": "a connection past agent.max_connections (closed)",
     "conflict": "a call while another is in flight, or of an ended episode (409)",
     "moved": "a call of an episode exported to another rollout (421)",
+    "preempted": "a call of an episode preempted for a weight load after agent.preempt_idle_s "
+    "of silence (409)",
     "time_up": "a call that outlived agent.episode_timeout_s (504)",
     "internal": "a bug in the endpoint (500)",
 }
 """The endpoint's refusal counters (`figures()`), with what each counts; the driver adds
-idle_expired, agent_failures and agent_gave_up (AgentDriver.counts)."""
+idle_expired, episodes_preempted, agent_failures and agent_gave_up (AgentDriver.counts)."""
 
 _BY_CODE = {
     "invalid_reward": "refused_at_close",
@@ -100,6 +102,7 @@ _BY_CODE = {
     "context_length_exceeded": "too_long",
     "incomplete_body": "aborted",
     "model_not_found": "unknown_model",
+    "episode_preempted": "preempted",
 }
 _BY_STATUS = {
     401: "unauthorized",

@@ -79,6 +79,7 @@ _REFUSALS: dict[Refusal, tuple[int, str, str]] = {
     Refusal.BAD_REWARD: (400, "invalid_reward", INVALID),
     Refusal.PROMPT_MISMATCH: (400, "prompt_mismatch", INVALID),
     Refusal.TEXT_TOO_LONG: (400, "context_length_exceeded", INVALID),
+    Refusal.PREEMPTED: (409, "episode_preempted", INVALID),
 }
 
 

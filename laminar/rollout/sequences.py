@@ -9,6 +9,7 @@
     items = await table.retract(max_seqs)  # a newer version is wanted: take back groups not started
     table.mark_dirty(uid)                  # tokens for the partial stream (unsent, dirty)
     table.set_waiting(seq, True)           # multi-turn: out of the engine while its env step runs
+    table.park(seq) / table.unpark(version)  # agents: a preempted sample waits for the next version
     states = await table.interrupt()       # mode partial, an update: all out of the engine
     table.continue_at(states, version)     # ... and back in, under the version just loaded
 
@@ -82,6 +83,9 @@ class SequenceTable:
         self.on_start: Callable[[list[SeqState]], None] | None = None
         """Set when a driver starts fresh samples itself (black-box agents: laminar/rollout/
         agents.py): `start_group` hands it the new sequences instead of submitting them."""
+        self.on_unpark: Callable[[list[SeqState]], None] | None = None
+        """Black-box agents: parked (preempted) samples, now at the version just loaded, go back
+        to the driver (`unpark`)."""
         self.multi_turn = multi_turn
         """The rollout has an environment: sequences carry loss masks, imports wait for a replay."""
         self.interrupts = interrupts
@@ -422,6 +426,32 @@ class SequenceTable:
         except TimeoutError:
             return False
         return True
+
+    # ---- parked samples (black-box agents preempted for a weight load) ----------------------
+    def holds_weights(self) -> bool:
+        """Something here must finish at the loaded version before another loads: any sequence
+        but a parked one (it has no tokens, and starts again at whatever version comes next)."""
+        return any(not q.parked for q in self.seqs.values())
+
+    def park(self, seq: SeqState) -> None:
+        """A waiting sample with no tokens gives up its version: it stays here (its group keeps
+        its place) but no longer holds the weights."""
+        assert seq.waiting and seq.length == 0, "only an empty, waiting sample can be parked"
+        seq.parked = True
+        self._changed()  # the feeder may load now
+
+    def unpark(self, version: int) -> None:
+        """A version was loaded: parked samples start again at it (the driver relaunches them;
+        their partial record restarts with a header at this version)."""
+        seqs = [q for q in self.seqs.values() if q.parked]
+        if not seqs:
+            return
+        for q in seqs:
+            q.parked, q.version, q.sent_upto = False, version, 0
+            self.mark_dirty(q.uid)
+        if self.on_unpark is not None:
+            self.on_unpark(seqs)
+        self._changed()
 
     # ---- what the partial pool has not got yet --------------------------------------------
     def set_waiting(self, seq: SeqState, waiting: bool) -> None:

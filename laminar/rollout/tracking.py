@@ -113,6 +113,9 @@ class SeqState:
     """The running env step / replay of a waiting episode (export cancels it)."""
     agent_token: str = ""
     """Black-box agents: the current attempt's episode token (travels with the partial)."""
+    parked: bool = False
+    """Black-box agents: preempted while its rollout waits to load weights (no tokens, no
+    attempt); it holds no weights and starts again at the version loaded next (`unpark`)."""
     runs: list[tuple[int, int]] = field(default_factory=list)
     """Mode partial: (response index, version) where a newer version took over generating it
     (empty: every token at `version`)."""
