@@ -35,6 +35,7 @@ content is the text before the first block.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -94,6 +95,11 @@ def canonical(m: Any) -> str:
     return json.dumps(body, sort_keys=True, default=str)
 
 
+_GUARD_OPEN, _GUARD_CLOSE = "\ue000", "\ue001"
+"""Private-use characters around a special token's index: where the agent typed its text."""
+_GUARDED = re.compile(f"{_GUARD_OPEN}(\\d+){_GUARD_CLOSE}")
+
+
 def _plain_message(m: dict[str, Any]) -> dict[str, Any]:
     """A message as the chat template gets it (content as a string, tool arguments parsed)."""
     out: dict[str, Any] = {"role": m["role"], "content": _content(m)}
@@ -120,7 +126,9 @@ class ChatRenderer:
         self.bos: list[int] = [int(bos)] if bos is not None else []
         specials = getattr(tokenizer, "all_special_tokens", None) if self.chat else None
         self.specials: tuple[str, ...] = tuple(t for t in specials or () if t)
-        """The special tokens' texts (a chat template's agent text may not hold them)."""
+        """The special tokens' texts (in the agent's text inside a chat template they stay text)."""
+        self._by_length = sorted(range(len(self.specials)), key=lambda k: -len(self.specials[k]))
+        """Longest first: a special token's text that holds another's is guarded whole."""
 
     def encode(self, text: str) -> list[int]:
         """Text an agent typed (with what the plain format wraps around it): a special token's
@@ -131,24 +139,35 @@ class ChatRenderer:
         return [int(i) for i in enc["input_ids"]]
 
     def _template_encode(self, text: str) -> list[int]:
-        """A chat template's text: its own special tokens are tokens (what the agent typed in it
-        was checked by `_no_special_text`)."""
-        return [int(i) for i in self.tok(text, add_special_tokens=False)["input_ids"]]
+        """A chat template's text: its own special tokens are tokens; a special token's text the
+        agent typed was guarded (`_guard`) and is tokenized as text (split_special_tokens)."""
+        if _GUARD_OPEN not in text:
+            return [int(i) for i in self.tok(text, add_special_tokens=False)["input_ids"]]
+        ids: list[int] = []
+        for k, piece in enumerate(_GUARDED.split(text)):
+            if k % 2 and int(piece) < len(self.specials):  # typed special text: split
+                ids += self.encode(self.specials[int(piece)])
+            elif k % 2:  # the agent typed the mark itself: it is text
+                ids += self.encode(f"{_GUARD_OPEN}{piece}{_GUARD_CLOSE}")
+            elif piece:
+                ids += [int(i) for i in self.tok(piece, add_special_tokens=False)["input_ids"]]
+        return ids
 
-    def _no_special_text(self, messages: list[dict[str, Any]]) -> None:
-        """With a chat template the agent's text is inside the template's, where a special
-        token's text would become that token: refused (the model's own turns, echoed back, are
-        not the agent's text)."""
+    def _guard(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The messages as the template gets them, with a special token's text in the agent's
+        messages (the model's own turns, echoed back, are not the agent's text) replaced by a
+        guard mark, so `_template_encode` tokenizes it as text: a typed "<eos>" stays text."""
+        out = []
         for m in messages:
-            if m.get("role") == "assistant":
-                continue
-            text = _content(m)
-            for sp in self.specials:
-                if sp in text:
-                    raise BadMessages(
-                        f"a {m.get('role')} message holds the text of the special token {sp!r}, "
-                        "which the chat template would turn into that token: escape it"
-                    )
+            pm = _plain_message(m)
+            text = pm["content"]
+            if m.get("role") != "assistant":
+                for k in self._by_length:
+                    if self.specials[k] in text:
+                        text = text.replace(self.specials[k], f"{_GUARD_OPEN}{k}{_GUARD_CLOSE}")
+                pm["content"] = text
+            out.append(pm)
+        return out
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.turns.decode(ids)
@@ -168,8 +187,7 @@ class ChatRenderer:
         if not messages:
             raise BadMessages("`messages` is empty")
         if self.chat:
-            self._no_special_text(messages)
-            msgs = [_plain_message(m) for m in messages]
+            msgs = self._guard(messages)
             kw: dict[str, Any] = {"tools": tools} if tools else {}
             try:
                 text = self.tok.apply_chat_template(
@@ -207,12 +225,11 @@ class ChatRenderer:
                 text += self.turns.observation_text([_content(m) for m in new[i:j]], role)
                 i = j
             return self.encode(text)
-        self._no_special_text(new)
         base = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _MARK}]
         try:
             full = str(
                 self.tok.apply_chat_template(
-                    base + [_plain_message(m) for m in new],
+                    base + self._guard(new),
                     tokenize=False,
                     add_generation_prompt=True,
                 )
