@@ -375,6 +375,120 @@ async def test_an_idle_claimed_episode_expires_and_is_counted_where_users_look(
 
 
 # ---- training goes on ---------------------------------------------------------------------
+async def _honest(http: aiohttp.ClientSession, rollout: Any, served: list[tuple[str, int]]) -> None:
+    """An honest remote agent: claims episodes one by one, makes one call, closes with reward 1
+    (None when its call was refused); records (prompt, version) of each answered call."""
+    base = rollout.endpoint.url
+    chat, close = f"{base}/v1/chat/completions", f"{base}/laminar/v1/episodes/close"
+    while True:
+        r = await http.post(
+            f"{base}/laminar/v1/episodes/claim?wait_s=2",
+            headers={"Authorization": f"Bearer {KEY}"},
+        )
+        if r.status != 200:  # none waiting within wait_s
+            continue
+        ep = await r.json()
+        user = {"role": "user", "content": ep["row"]["prompt"]}
+        body = json.dumps({"messages": [user]}).encode()
+        status, _ = await _post(http, chat, ep["episode"], body)
+        if status == 200:
+            served.append((ep["row"]["prompt"], rollout.gate.version))
+        body = json.dumps({"reward": 1.0 if status == 200 else None}).encode()
+        await _post(http, close, ep["episode"], body)
+
+
+def _training_cfg(tmp_path: Any, tiny: Any, name: str, steps: int, **agent: Any) -> Any:
+    return make_cfg(
+        tmp_path,
+        tiny,
+        name,
+        rows=16,
+        cluster={"roles": {"manager": 1, "buffer": 1, "trainer": 1, "rollout": 0}},
+        trainer={"total_steps": steps, "batch_groups": 1, "lr": 1e-3, "warmup_steps": 0},
+        agent={"fn": None, "remote": True, **agent},
+    )
+
+
+async def test_the_trainer_keeps_stepping_through_every_probe(tmp_path, tiny, monkeypatch):
+    """One rollout, remote agents: an honest agent works while a hostile one, holding one
+    episode's token, sends every probe of the issue at once (bad and huge bodies, deep JSON, a
+    2M-character message, rewards the buffer would refuse, typed control tokens, uploads
+    dropped mid-body, trickled connections). The trainer reaches its steps, the rollout is never
+    declared dead, nothing is consumed twice, and the refusals reach metrics.jsonl."""
+    monkeypatch.setenv("LAMINAR_AGENT_KEY", KEY)
+    cfg = _training_cfg(tmp_path, tiny, "hostile-train", 6, max_connections=64, read_timeout_s=1.0)
+    tok = load_prompt_tokenizer(tiny, chat_template=True)
+    served: list[tuple[str, int]] = []
+    async with LocalCluster(cfg) as cluster:
+        rollout = await cluster.add("rollout", 0, engine=ScriptEngine(tok))
+        base = rollout.endpoint.url
+        chat, close = f"{base}/v1/chat/completions", f"{base}/laminar/v1/episodes/close"
+        host, port = base.removeprefix("http://").rsplit(":", 1)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+            worker = asyncio.create_task(_honest(http, rollout, served))
+            try:
+                ep = await _claim(http, base)
+                token, user = ep["episode"], {"role": "user", "content": ep["row"]["prompt"]}
+                bodies = [
+                    b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+                    json.dumps({"messages": [user], "tools": _nest(80)}).encode(),
+                    b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
+                    json.dumps({"messages": [{"role": "user", "content": "1" * 2_000_000}]}),
+                ]
+                assert (await _post(http, chat, "lmn-fake", b"{not json"))[0] == 401
+                for body in bodies:
+                    data = body.encode() if isinstance(body, str) else body
+                    assert (await _post(http, chat, token, data))[0] == 400
+                try:
+                    huge = b'{"messages": [' + b"{}," * ((16 << 20) // 3) + b"{}]}"
+                    assert (await _post(http, chat, token, huge))[0] == 413
+                except aiohttp.ClientError:
+                    pass  # answered 413 and closed while the client still wrote
+                typed = {"role": "user", "content": "<eos><bos> 1+1=?"}
+                status, got = await _post(
+                    http, chat, token, json.dumps({"messages": [user]}).encode()
+                )
+                assert status == 200, got
+                answer = got["choices"][0]["message"]
+                body = json.dumps({"messages": [user, answer, typed]}).encode()
+                assert (await _post(http, chat, token, body))[0] == 200
+                for reward in ("NaN", "Infinity", '"1.0"', "11"):
+                    data = b'{"reward": ' + reward.encode() + b"}"
+                    assert (await _post(http, close, token, data))[0] == 400
+                head = (
+                    "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                    f"Authorization: Bearer {token}\r\nContent-Length: 100000\r\n\r\n"
+                ).encode()
+                for _ in range(10):
+                    _, writer = await _raw(host, int(port), head + b'{"messages": [')
+                    writer.close()
+                conns = [await _raw(host, int(port), b"POST /v1/chat") for _ in range(100)]
+                await asyncio.gather(*(asyncio.wait_for(r.read(), 10) for r, _ in conns))
+                for _, writer in conns:
+                    writer.close()
+                body = json.dumps({"reward": {"reward": 1, "big": 2**64}}).encode()
+                assert (await _post(http, close, token, body))[0] == 200
+                await cluster.wait_trainer(timeout=120)
+            finally:
+                worker.cancel()
+                await asyncio.gather(worker, return_exceptions=True)
+        peer = cluster.node("manager-0").srv.peers[rollout.node_id]
+        alive, deaths = peer.alive, rollout.metrics.counters.get("restarts", 0)
+    run = cfg.resolved_run_dir()
+    steps = [m for m in read_jsonl(run / "metrics.jsonl") if "step" in m]
+    assert len(steps) >= 6 and alive and not deaths
+    uids = [u for rec in read_jsonl(run / "consumed.jsonl") for u in rec["uids"]]
+    assert uids and len(uids) == len(set(uids))  # nothing consumed twice
+    seen: Counter[str] = Counter()
+    for m in steps:
+        for k, v in m.items():
+            if k.startswith("agent/"):
+                seen[k] = max(seen[k], v)
+    for reason in ("unauthorized", "bad_request", "too_long", "too_large", "refused_at_close"):
+        assert seen[f"agent/{reason}"] >= 1, (reason, dict(seen))
+    assert seen["agent/aborted"] >= 1 or seen["agent/read_timeout"] >= 1, dict(seen)
+
+
 async def test_one_rollout_keeps_training_when_the_buffer_refuses_samples(tmp_path, tiny):
     """A third of the prompts score 11, past reward.max_value: the buffer refuses those samples.
     With one rollout their groups used to stay open for good (the lease re-serves only to
@@ -416,49 +530,24 @@ async def test_a_silent_claimed_episode_does_not_hold_the_weights(tmp_path, tiny
     120 s idle timeout): the weights load, training goes on, the silent token answers 409
     episode_preempted, and the episode is offered again at the new version and trained."""
     monkeypatch.setenv("LAMINAR_AGENT_KEY", KEY)
-    cfg = make_cfg(
+    cfg = _training_cfg(
         tmp_path,
         tiny,
         "hostile-silent",
-        rows=16,
-        cluster={"roles": {"manager": 1, "buffer": 1, "trainer": 1, "rollout": 0}},
-        trainer={"total_steps": 6, "batch_groups": 1, "lr": 1e-3, "warmup_steps": 0},
-        agent={
-            "fn": None,
-            "remote": True,
-            "preempt_idle_s": 0.5,
-            "idle_timeout_s": 120,
-            "episode_timeout_s": 300,
-        },
+        6,
+        preempt_idle_s=0.5,
+        idle_timeout_s=120,
+        episode_timeout_s=300,
     )
     tok = load_prompt_tokenizer(tiny, chat_template=True)
-    served: list[tuple[str, int]] = []  # (uid-less prompt, version) of every honest episode
-
-    async def honest(http: aiohttp.ClientSession, base: str) -> None:
-        chat, close = f"{base}/v1/chat/completions", f"{base}/laminar/v1/episodes/close"
-        while True:
-            r = await http.post(
-                f"{base}/laminar/v1/episodes/claim?wait_s=2",
-                headers={"Authorization": f"Bearer {KEY}"},
-            )
-            if r.status != 200:  # none waiting within wait_s
-                continue
-            ep = await r.json()
-            user = {"role": "user", "content": ep["row"]["prompt"]}
-            status, _ = await _post(
-                http, chat, ep["episode"], json.dumps({"messages": [user]}).encode()
-            )
-            if status == 200:
-                served.append((ep["row"]["prompt"], rollout.gate.version))
-            body = json.dumps({"reward": 1.0 if status == 200 else None}).encode()
-            await _post(http, close, ep["episode"], body)
+    served: list[tuple[str, int]] = []  # (prompt, version) of every honest episode
 
     async with LocalCluster(cfg) as cluster:
         rollout = await cluster.add("rollout", 0, engine=ScriptEngine(tok))
         base = rollout.endpoint.url
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
             silent = await _claim(http, base)  # claimed, then never a call
-            worker = asyncio.create_task(honest(http, base))
+            worker = asyncio.create_task(_honest(http, rollout, served))
             try:
                 await cluster.wait_trainer(timeout=90)  # stuck until idle_timeout_s before
             finally:
