@@ -201,6 +201,82 @@ async def test_tool_agent_through_the_openai_client_trains_ten_steps(tmp_path, t
     assert not any(k.startswith("agent_failure") for k in metrics), metrics
 
 
+SYSTEM = "You are a careful calculator. Call the tool for products."
+WRAP = "New task:\n"
+
+
+async def test_an_agent_with_a_system_prompt_and_a_task_wrapper_trains(tmp_path, tiny, agent_files):
+    """Issue 47: an agent as frameworks write it (a system message, the task wrapped in its own
+    words) trains: its first call's rendering is the sample's prompt, the buffer binds the sample
+    to its row by identity and refuses nothing, the trainer steps, and what it trains is exactly
+    what the endpoint returned (tokens and logprobs). Its tool calls are counted
+    (episode/tool_calls), and the agent counters reach metrics.jsonl."""
+    from laminar.demo.tooldemo.agent import TOOLS
+
+    cfg = make_cfg(
+        tmp_path,
+        tiny,
+        "agent-system",
+        rows=24,
+        cluster={"roles": {"manager": 1, "buffer": 1, "trainer": 1, "rollout": 0}},
+        trainer={"total_steps": 4, "batch_groups": 2, "lr": 1e-3, "warmup_steps": 0},
+        agent={"kwargs": {"system": SYSTEM, "wrap": WRAP}},
+    )
+    tok = load_prompt_tokenizer(tiny, chat_template=True)
+    engine = ScriptEngine(tok)
+    async with LocalCluster(cfg) as cluster:
+        rollout = await cluster.add("rollout", 0, engine=engine)
+        trajs = capture(rollout)
+        await cluster.wait_trainer(timeout=120)
+        buffer = cluster.node("buffer-0")
+        refused = buffer.refusals.figures()
+        acked = rollout.outbox.stats["acked"]
+    assert not refused, refused  # no prompt_mismatch: 0 of what the old rule refused
+    steps = [m for m in read_jsonl(cfg.resolved_run_dir() / "metrics.jsonl") if "step" in m]
+    assert len(steps) >= 4
+    assert any(m.get("grad_norm", 0.0) > 0 for m in steps), steps[-1]
+    used = {u for step in consumed(cfg) for u in step["uids"]}
+    assert len(used) >= 4 * 2 * 2 and acked >= len(used)
+    render = ChatRenderer(tok)
+    by_uid = {t.uid: t for t in trajs}
+    assert len(by_uid) == len(trajs)
+    for t in trajs:
+        first = [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": WRAP + t.prompt},
+        ]
+        assert t.prompt_ids.tolist() == render.first_ids(first, TOOLS)  # what the agent rendered
+        text = tok.decode(t.prompt_ids.tolist(), skip_special_tokens=True)
+        assert SYSTEM in text and WRAP + t.prompt in text
+        segs = runs(t.loss_mask)
+        model_runs = [s for s in segs if s[0] == 1]
+        for turn, (_, a, b) in enumerate(model_runs):
+            ids, lps = engine.emitted[(t.uid, turn)]
+            assert t.response_ids[a:b].tolist() == ids
+            assert np.allclose(t.logprobs[a:b], lps)
+        hard = "*" in t.prompt
+        assert len(t.tool_calls) == (1 if hard else 0), t.tool_calls
+        assert all(c.name == "calculator" and c.turn == 0 for c in t.tool_calls)
+    # the trained samples' tokens are what the client got back, call by call
+    calls = read_jsonl(agent_files["AGENT_TEST_CALLS"])
+    checked = 0
+    for c in calls:
+        uid = c["id"].removeprefix("chatcmpl-").rsplit("-", 2)[0]
+        if uid not in used:
+            continue
+        t, turn = by_uid[uid], int(c["id"].rsplit("-", 1)[1])
+        a, b = [(a, b) for v, a, b in runs(t.loss_mask) if v == 1][turn]
+        trained = t.response_ids[a:b].tolist()
+        assert "".join(c["tokens"]) == tok.decode(trained, skip_special_tokens=False)
+        assert np.allclose(c["logprobs"], t.logprobs[a:b])
+        checked += 1
+    assert checked >= len(used)
+    # tool calls counted for agent episodes, and the endpoint's counters in metrics.jsonl
+    assert any(m.get("episode/tool_calls", 0.0) > 0 for m in steps), steps[-1]
+    assert any(m.get("reward_by_tool_calls/1") is not None for m in steps)
+    assert any(m.get("agent/agent_calls", 0) > 0 for m in steps), steps[-1]
+
+
 async def test_bad_requests_get_openai_errors_and_the_endpoint_keeps_serving(
     tmp_path, tiny, monkeypatch
 ):

@@ -54,8 +54,9 @@ class Refusal(enum.Enum):
     """A close whose reward the buffer would refuse (not a finite number in reward.min_value..
     max_value, or a dict without one)."""
     PROMPT_MISMATCH = "prompt_mismatch"
-    """A run whose rendered prompt is not the episode's served prompt (the buffer trains a sample
-    only with the prompt its group was served with)."""
+    """A later run (a rewritten history) whose rendered prompt is not the one the attempt's first
+    call rendered (a sample has one prompt: the first call's, system message and task wrapper
+    included)."""
     TEXT_TOO_LONG = "text_too_long"
     """A call bringing more new text than agent.max_text_chars (refused before tokenizing)."""
 

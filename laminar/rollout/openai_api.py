@@ -80,7 +80,7 @@ ENDPOINT_COUNTERS = {
     "bad_request": "malformed JSON, a bad field, too deep, a lone surrogate, unrenderable (400)",
     "too_large": "a body over agent.max_body_bytes (413)",
     "too_long": "new text over agent.max_text_chars, or past the context or token budget (400)",
-    "prompt_mismatch": "a run whose prompt is not the episode's served prompt (400)",
+    "prompt_mismatch": "a rewritten history whose prompt is not the episode's first call's (400)",
     "unknown_model": "a `model` other than the served one, with agent.check_model_name (404)",
     "refused_at_close": "a close whose reward the buffer would refuse (400)",
     "read_timeout": "a body or first headers slower than agent.read_timeout_s (408 / closed)",
@@ -208,8 +208,12 @@ class OpenAIEndpoint:
         """http://host:port once started."""
 
     def figures(self) -> dict[str, int]:
-        """Refusals and agent failures per reason, since start (RolloutStatus.agent)."""
-        return {k: v for k, v in (self.counts + self.driver.counts).items() if v}
+        """Refusals and agent failures per reason, and the rollout's `agent_*` counters (calls,
+        input tokens, rewrites, retries, moves, `agent_http_error_<code>` ...: docs/agents.md
+        "Counters"), since start (RolloutStatus.agent: `laminar status`, metrics.jsonl's
+        `agent/<key>`)."""
+        counters = {k: v for k, v in self.metrics.counters.items() if k.startswith("agent_")}
+        return {k: v for k, v in {**counters, **(self.counts + self.driver.counts)}.items() if v}
 
     async def start(self) -> str:
         self._runner = web.AppRunner(
