@@ -203,6 +203,21 @@ async def test_tool_agent_through_the_openai_client_trains_ten_steps(tmp_path, t
 
 SYSTEM = "You are a careful calculator. Call the tool for products."
 WRAP = "New task:\n"
+FRAMED = {"system": SYSTEM, "wrap": WRAP}
+"""tool_agent's kwargs for an agent as frameworks write it (its own system message and task
+wrapper)."""
+
+
+def assert_framed_prompts(trajs: Any, render: ChatRenderer) -> None:
+    """Each sample's prompt is what tool_agent's first call with FRAMED rendered."""
+    from laminar.demo.tooldemo.agent import TOOLS
+
+    for t in trajs:
+        first = [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": WRAP + t.prompt},
+        ]
+        assert t.prompt_ids.tolist() == render.first_ids(first, TOOLS), t.uid
 
 
 async def test_an_agent_with_a_system_prompt_and_a_task_wrapper_trains(tmp_path, tiny, agent_files):
@@ -211,7 +226,6 @@ async def test_an_agent_with_a_system_prompt_and_a_task_wrapper_trains(tmp_path,
     to its row by identity and refuses nothing, the trainer steps, and what it trains is exactly
     what the endpoint returned (tokens and logprobs). Its tool calls are counted
     (episode/tool_calls), and the agent counters reach metrics.jsonl."""
-    from laminar.demo.tooldemo.agent import TOOLS
 
     cfg = make_cfg(
         tmp_path,
@@ -220,7 +234,7 @@ async def test_an_agent_with_a_system_prompt_and_a_task_wrapper_trains(tmp_path,
         rows=24,
         cluster={"roles": {"manager": 1, "buffer": 1, "trainer": 1, "rollout": 0}},
         trainer={"total_steps": 4, "batch_groups": 2, "lr": 1e-3, "warmup_steps": 0},
-        agent={"kwargs": {"system": SYSTEM, "wrap": WRAP}},
+        agent={"kwargs": FRAMED},
     )
     tok = load_prompt_tokenizer(tiny, chat_template=True)
     engine = ScriptEngine(tok)
@@ -240,12 +254,8 @@ async def test_an_agent_with_a_system_prompt_and_a_task_wrapper_trains(tmp_path,
     render = ChatRenderer(tok)
     by_uid = {t.uid: t for t in trajs}
     assert len(by_uid) == len(trajs)
+    assert_framed_prompts(trajs, render)  # what the agent rendered
     for t in trajs:
-        first = [
-            {"role": "system", "content": SYSTEM},
-            {"role": "user", "content": WRAP + t.prompt},
-        ]
-        assert t.prompt_ids.tolist() == render.first_ids(first, TOOLS)  # what the agent rendered
         text = tok.decode(t.prompt_ids.tolist(), skip_special_tokens=True)
         assert SYSTEM in text and WRAP + t.prompt in text
         segs = runs(t.loss_mask)
@@ -520,7 +530,12 @@ async def test_agents_lost_with_their_rollout_start_again_from_the_prompt_once(
         rows=4,
         data={"epochs": 1},
         rollout={"credits": 4},
-        agent={"fn": "tests.agent_fakes:tool_agent", "workers": 4, "reconnect_timeout_s": 2.0},
+        agent={
+            "fn": "tests.agent_fakes:tool_agent",
+            "workers": 4,
+            "reconnect_timeout_s": 2.0,
+            "kwargs": FRAMED,
+        },
     )
     tok = load_prompt_tokenizer(tiny, chat_template=True)
     async with LocalCluster(cfg) as cluster:
@@ -549,6 +564,7 @@ async def test_agents_lost_with_their_rollout_start_again_from_the_prompt_once(
     assert not counters.get("agent_calls_resumed"), counters
     assert len({t.uid for t in trajs}) == len(trajs)  # each delivered once
     assert all(t.reward in (0.0, 1.0) for t in done.values())
+    assert_framed_prompts(done.values(), ChatRenderer(tok))  # recovered, started again: taken
 
 
 async def test_a_repack_move_mid_call_resumes_the_call_on_the_other_rollout(
@@ -574,7 +590,7 @@ async def test_a_repack_move_mid_call_resumes_the_call_on_the_other_rollout(
         rows=2,
         data={"epochs": 1},
         rollout={"credits": 2},
-        agent={"fn": "tests.agent_fakes:tool_agent", "workers": 1},
+        agent={"fn": "tests.agent_fakes:tool_agent", "workers": 1, "kwargs": FRAMED},
     )
     tok = load_prompt_tokenizer(tiny, chat_template=True)
     render = ChatRenderer(tok)
@@ -654,6 +670,10 @@ async def test_a_repack_move_mid_call_resumes_the_call_on_the_other_rollout(
         assert t.rollout_id == "rollout-1" and t.reward in (0.0, 1.0)
     effects = Counter(e["call_id"] for e in read_jsonl(agent_files["AGENT_TEST_EFFECTS"]))
     assert effects and set(effects.values()) == {1}
+    # the agent's own prompt moved with its episodes and the buffer took it; the tool call made
+    # before the move is counted from the repeated call's messages
+    assert_framed_prompts(done.values(), render)
+    assert all(len(done[uid].tool_calls) == 1 for uid in hard)
 
 
 async def test_moved_episodes_whose_version_is_gone_start_again_from_the_prompt_once(
@@ -673,7 +693,12 @@ async def test_moved_episodes_whose_version_is_gone_start_again_from_the_prompt_
         rows=2,
         data={"epochs": 1},
         rollout={"credits": 2},
-        agent={"fn": "tests.agent_fakes:tool_agent", "workers": 1, "reconnect_timeout_s": 1.0},
+        agent={
+            "fn": "tests.agent_fakes:tool_agent",
+            "workers": 1,
+            "reconnect_timeout_s": 1.0,
+            "kwargs": FRAMED,
+        },
     )
     tok = load_prompt_tokenizer(tiny, chat_template=True)
     async with LocalCluster(cfg) as cluster:
@@ -710,6 +735,7 @@ async def test_moved_episodes_whose_version_is_gone_start_again_from_the_prompt_
     assert all(t.rollout_id == "rollout-1" and t.reward in (0.0, 1.0) for t in done.values())
     effects = Counter(e["call_id"] for e in read_jsonl(agent_files["AGENT_TEST_EFFECTS"]))
     assert set(effects.values()) <= {1}
+    assert_framed_prompts(done.values(), ChatRenderer(tok))
 
 
 async def test_openai_agents_sdk_agent_trains_unchanged(tmp_path, tiny, agent_files):
