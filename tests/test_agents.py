@@ -397,6 +397,71 @@ async def test_bad_requests_get_openai_errors_and_the_endpoint_keeps_serving(
             assert counters.get(f"agent_http_error_{code}", 0) >= 1, (code, counters)
 
 
+async def test_tool_choice_required_and_response_format_are_refused_naming_the_engine(
+    tmp_path, tiny, monkeypatch
+):
+    """Issue 47: the torch engine cannot constrain decoding, so tool_choice "required" / a named
+    function and response_format json_object / json_schema are refused with a 400 naming the
+    field and the engine (never silently ignored), counted under `unsupported`; the episode is
+    untouched and tool_choice "auto" / "none" keep working (the official client)."""
+    monkeypatch.setenv("LAMINAR_AGENT_KEY", "secret-key")
+    cfg = make_cfg(
+        tmp_path,
+        tiny,
+        "agent-constraints",
+        rows=1,
+        rollout={"sampling": {"max_tokens": 12, "temperature": 1.0}},
+        agent={"fn": None, "remote": True},
+    )
+    tools = [{"type": "function", "function": {"name": "calculator", "parameters": {}}}]
+    schema = {"name": "answer", "schema": {"type": "object"}}
+    asks: list[tuple[dict[str, Any], str]] = [
+        ({"tools": tools, "tool_choice": "required"}, "tool_choice"),
+        ({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "calculator"}}},
+         "tool_choice"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": schema}}, "response_format"),
+    ]  # fmt: skip
+    async with LocalCluster(cfg) as cluster:
+        rollout = await cluster.add("rollout", 0)  # the real torch engine on the tiny model
+        base = rollout.endpoint.url
+        key = {"Authorization": "Bearer secret-key"}
+        clients = []
+        async with aiohttp.ClientSession() as http:
+            for choice in ("auto", "none"):
+                r = await http.post(f"{base}/laminar/v1/episodes/claim?wait_s=10", headers=key)
+                assert r.status == 200, await r.text()
+                ep = await r.json()
+                client = openai.AsyncOpenAI(
+                    base_url=ep["base_url"], api_key=ep["episode"], max_retries=0
+                )
+                clients.append(client)
+                msgs = [{"role": "user", "content": ep["row"]["prompt"]}]
+                for kwargs, field in asks:
+                    with pytest.raises(openai.BadRequestError) as err:
+                        await client.chat.completions.create(model="m", messages=msgs, **kwargs)
+                    e = err.value
+                    assert e.code == "unsupported_parameter" and e.param == field, e.body
+                    assert f"`{field}`" in e.message and "torch engine" in e.message, e.message
+                # free text and the model's own choice of tools are served as before
+                got = await client.chat.completions.create(
+                    model="m", messages=msgs, tools=tools, tool_choice=choice
+                )
+                assert got.choices[0].finish_reason in ("stop", "length", "tool_calls")
+                r = await http.post(
+                    f"{base}/laminar/v1/episodes/close",
+                    json={"reward": 1.0},
+                    headers={"Authorization": f"Bearer {ep['episode']}"},
+                )
+                assert r.status == 200
+        for client in clients:
+            await client.close()
+        figures = rollout.endpoint.figures()
+    assert figures["unsupported"] == 2 * len(asks), figures
+    assert figures["agent_http_error_unsupported_parameter"] == 2 * len(asks)
+    assert figures["agent_calls"] == 2 and "agent_history_rewrites" not in figures
+
+
 async def test_a_crashed_agent_worker_retries_its_episode_and_nothing_twice(
     tmp_path, tiny, agent_files
 ):

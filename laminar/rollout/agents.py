@@ -96,7 +96,7 @@ import structlog
 from laminar.agents.render import BadMessages, ChatRenderer, canonical
 from laminar.agents.resume import match_record
 from laminar.config import AgentConfig
-from laminar.engines.base import Engine, SamplingParams
+from laminar.engines.base import Engine, SamplingParams, Structured
 from laminar.metrics import Metrics
 from laminar.protocol.data import ToolRecord
 from laminar.rewards.runner import RewardFormatError, RewardResult, normalize_reward
@@ -104,6 +104,7 @@ from laminar.rollout.agent_pool import AgentPool, release_shared, shared_pool
 from laminar.rollout.agent_turns import (
     CallRefused,
     ChatTurn,
+    Constraint,
     EpisodeClaim,
     EpisodeMoved,
     EpisodeUnknown,
@@ -556,6 +557,7 @@ class AgentDriver:
 
     async def _chat(self, token: str, request: ChatTurn) -> TurnResult:
         ep = self._episode(token)
+        structured = self._structured(request.constraints)
         messages, tools = request.messages, request.tools
         tools_on = tools is not None
         try:
@@ -611,7 +613,9 @@ class AgentDriver:
             if prompt is not None:
                 self._new_run(ep, prompt)
                 ep.tools_key = key
-            reason, ids, lps = await self._generate(ep, token, new, request.sampling, stops, keep)
+            reason, ids, lps = await self._generate(
+                ep, token, new, request.sampling, stops, keep, structured
+            )
             text = self.render.decode(ids.tolist())
             msg, called = self.render.assistant_message(text, tools_on, ep.seq.uid, ep.seq.turn)
             ep.consumed = canon + [canonical(msg)]
@@ -640,6 +644,30 @@ class AgentDriver:
             text = self.render.decode(ids.tolist())
             ep.text = prompt + text
         return self._result(ep, reason, ids, lps, text)
+
+    def _structured(self, constraints: tuple[Constraint, ...]) -> Structured | None:
+        """The call's constraints as the engine enforces them, or a refusal (400) naming the
+        field and the engine: a constraint silently ignored fails the agent's own parser."""
+        engine, out = self.engine.name, None
+        for c in constraints:
+            if c.field == "response_format" and c.kind in self.engine.structured:
+                out = Structured(c.kind, c.schema)
+                continue
+            if c.field == "response_format":
+                why = (
+                    f"`response_format` {c.kind} is not supported by the {engine} engine: it "
+                    "does not constrain decoding (rollout.engine: vllm enforces json_object and "
+                    "json_schema through vLLM's structured outputs); ask for JSON in the prompt"
+                )
+            else:
+                asked = "required" if c.kind == "required" else f"function {c.name!r}"
+                why = (
+                    f"`tool_choice` {asked} is not supported by the {engine} engine: a tool call "
+                    "is text in the chat template's format, which no engine here constrains; "
+                    'use tool_choice "auto" (the model may call the tools) or "none"'
+                )
+            raise CallRefused(Refusal.UNSUPPORTED, why, param=c.field)
+        return out
 
     @staticmethod
     def _result(
@@ -733,6 +761,7 @@ class AgentDriver:
         params: Sampling,
         stops: tuple[str, ...],
         keep: int | None = None,
+        structured: Structured | None = None,
     ) -> tuple[str, np.ndarray, np.ndarray]:
         """Run one call's model turn. `keep`: a resumed call, whose turn began at that response
         index with tokens recorded before the move (generation continues after them; a turn the
@@ -775,7 +804,7 @@ class AgentDriver:
         if params.max_tokens is not None:
             cap = min(cap, seq.turn_start + params.max_tokens)
         extra = tuple(s for s in (*params.stop, *stops) if s not in sp.stop)
-        sp = replace(sp, max_tokens=cap, stop=tuple(sp.stop) + extra)
+        sp = replace(sp, max_tokens=cap, stop=tuple(sp.stop) + extra, structured=structured)
         ep.pending = asyncio.get_running_loop().create_future()
         seq.awaiting_env = False
         self.table.set_waiting(seq, False)

@@ -82,6 +82,9 @@ ENDPOINT_COUNTERS = {
     "too_long": "new text over agent.max_text_chars, or past the context or token budget (400)",
     "prompt_mismatch": "a rewritten history whose prompt is not the episode's first call's (400)",
     "unknown_model": "a `model` other than the served one, with agent.check_model_name (404)",
+    "unsupported": "a field the endpoint or this rollout's engine cannot honour: n > 1, "
+    "top_logprobs, legacy functions, tool_choice required / a named function, response_format "
+    "on the torch and sim engines (400 unsupported_parameter, naming the field and the engine)",
     "refused_at_close": "a close whose reward the buffer would refuse (400)",
     "read_timeout": "a body or first headers slower than agent.read_timeout_s (408 / closed)",
     "aborted": "the client went away mid-body",
@@ -97,6 +100,7 @@ idle_expired, agent_failures and agent_gave_up (AgentDriver.counts)."""
 _BY_CODE = {
     "invalid_reward": "refused_at_close",
     "prompt_mismatch": "prompt_mismatch",
+    "unsupported_parameter": "unsupported",
     "context_length_exceeded": "too_long",
     "incomplete_body": "aborted",
     "model_not_found": "unknown_model",
