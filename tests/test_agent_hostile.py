@@ -373,6 +373,8 @@ async def test_an_idle_claimed_episode_expires_and_is_counted_where_users_look(
     rows = {r["node"]: r for r in json.loads(capsys.readouterr().out)["nodes"]}
     row = rows[rollout.node_id]
     assert row["alive"] and row["deaths"] == 0 and row["agent"]["idle_expired"] >= 1
+    # the endpoint's activity counters too (docs/agents.md "Counters"), not only its refusals
+    assert row["agent"]["agent_calls"] == 1 and row["agent"]["agent_failure_idle"] >= 1
     assert status_cli.status_main(None, [], as_json=False, timeout=1.0) == 0
     assert f"AGENT {rollout.node_id}: " in capsys.readouterr().out
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import time
 from collections import Counter
@@ -220,7 +221,9 @@ def assert_framed_prompts(trajs: Any, render: ChatRenderer) -> None:
         assert t.prompt_ids.tolist() == render.first_ids(first, TOOLS), t.uid
 
 
-async def test_an_agent_with_a_system_prompt_and_a_task_wrapper_trains(tmp_path, tiny, agent_files):
+async def test_an_agent_with_a_system_prompt_and_a_task_wrapper_trains(
+    tmp_path, tiny, agent_files, caplog, capsys
+):
     """Issue 47: an agent as frameworks write it (a system message, the task wrapped in its own
     words) trains: its first call's rendering is the sample's prompt, the buffer binds the sample
     to its row by identity and refuses nothing, the trainer steps, and what it trains is exactly
@@ -285,6 +288,15 @@ async def test_an_agent_with_a_system_prompt_and_a_task_wrapper_trains(tmp_path,
     assert any(m.get("episode/tool_calls", 0.0) > 0 for m in steps), steps[-1]
     assert any(m.get("reward_by_tool_calls/1") is not None for m in steps)
     assert any(m.get("agent/agent_calls", 0) > 0 for m in steps), steps[-1]
+    # the run ended normally: nothing logged as an error, no rollout declared dead (the nodes'
+    # structlog lines are printed; aiohttp's and asyncio's go to logging)
+    errors = [r.getMessage()[:300] for r in caplog.records if r.levelno >= logging.ERROR]
+    out = capsys.readouterr()
+    lines = (out.out + out.err).splitlines()
+    errors += [x[:300] for x in lines if '"level": "error"' in x or "[error" in x]
+    assert not errors, errors
+    assert not [x for x in lines if "node_dead" in x]
+    assert any("stopped" in x for x in lines)  # (the lines are there to be read)
 
 
 async def test_bad_requests_get_openai_errors_and_the_endpoint_keeps_serving(

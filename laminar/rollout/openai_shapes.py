@@ -11,6 +11,9 @@
 Pure functions and types: no I/O, no episode state. The HTTP server is openai_api.py; the
 driver's turn types are agent_turns.py. What is not supported is refused by name: stream, n > 1,
 top_logprobs, legacy functions, several prompts per completion, echo / suffix / best_of.
+`tool_choice` (required, a named function) and `response_format` (json_object, json_schema)
+become typed Constraints on the ChatTurn: the driver enforces them through an engine that can
+(Engine.structured) or refuses them naming the field and the engine.
 """
 
 from __future__ import annotations
