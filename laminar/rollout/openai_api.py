@@ -22,8 +22,9 @@ per reason in `figures()`, which rides the rollout's status: RolloutStatus.agent
 endpoint goes on serving. What is not supported is refused by name: stream, n > 1,
 top_logprobs, several prompts per completion, and a constraint the engine cannot enforce
 (tool_choice required / a named function; response_format except on vLLM: 400
-unsupported_parameter naming the field and the engine, counted `unsupported`). With agent.check_model_name a call's `model` must
-be the served name (what /v1/models lists): another is OpenAI's 404 `model_not_found`.
+unsupported_parameter naming the field and the engine, counted `unsupported`). With
+agent.check_model_name a call's `model` must be the served name (what /v1/models lists): another
+is OpenAI's 404 `model_not_found`.
 
 Hostile and careless agents (docs/agents.md "Limits and refusals"): a call's token (a claim's
 key) is checked before its body is read, so a stranger costs no parsing; a body is read within
