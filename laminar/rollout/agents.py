@@ -451,7 +451,7 @@ class AgentDriver:
             self.table.set_waiting(seq, True)
 
     def _clear(self, ep: AgentEpisode) -> None:
-        """Back to the served prompt with no tokens; the partial record restarts at offset 0."""
+        """Back to `first_prompt` with no tokens; the partial record restarts at offset 0."""
         seq = ep.seq
         seq.ids, seq.logprobs = Growable(np.int32), Growable(np.float32)
         seq.mask = Growable(np.uint8)
