@@ -97,11 +97,14 @@ def effect(call_id: str, expression: str) -> str:
     return str(tooluse.answer_of(expression + "=?"))
 
 
-async def tool_agent(row: dict[str, Any], client: Any) -> float:
-    """The calculator agent through the official client; logs what each call returned."""
+async def tool_agent(row: dict[str, Any], client: Any, system: str = "", wrap: str = "") -> float:
+    """The calculator agent through the official client; logs what each call returned. As agents
+    are written: `system` adds a system message, `wrap` puts the task after the agent's own words
+    (e.g. "New task:\n"), both in its first call (agent.kwargs)."""
     from laminar.demo.tooldemo.agent import TOOLS
 
-    messages: list[Any] = [{"role": "user", "content": row["prompt"]}]
+    messages: list[Any] = [{"role": "system", "content": system}] if system else []
+    messages.append({"role": "user", "content": wrap + row["prompt"]})
     text = ""
     for _ in range(4):
         resp = await client.chat.completions.create(

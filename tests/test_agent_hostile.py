@@ -25,6 +25,7 @@ import aiohttp
 import numpy as np
 import pytest
 
+from laminar.agents.render import ChatRenderer
 from laminar.cluster import LocalCluster
 from laminar.models.prompt_tokenizer import load_prompt_tokenizer
 from laminar.protocol.buffer import TrajectoryAbandoned, TrajectoryAck
@@ -203,12 +204,6 @@ async def test_hostile_bodies_get_4xx_and_are_counted(tmp_path, tiny, monkeypatc
                 assert status == 413
             except aiohttp.ClientError:
                 pass  # the server answered 413 and closed while the client still wrote
-            # a system message the served prompt lacks: the buffer would refuse the sample
-            system = {"role": "system", "content": "be brief"}
-            status, got = await _post(
-                http, chat, token, json.dumps({"messages": [system, user]}).encode()
-            )
-            assert status == 400 and got["error"]["code"] == "prompt_mismatch", got
             # another model than the served one (agent.check_model_name): OpenAI's 404
             for url, body in (
                 (chat, {"model": "gpt-4o", "messages": [user]}),
@@ -217,17 +212,23 @@ async def test_hostile_bodies_get_4xx_and_are_counted(tmp_path, tiny, monkeypatc
                 status, got = await _post(http, url, token, json.dumps(body).encode())
                 assert status == 404 and got["error"]["code"] == "model_not_found", got
                 assert got["error"]["type"] == "invalid_request_error", got
-            # the episode goes on: its prompt (naming the served model), then a user message
-            # with typed control tokens (naming none)
-            body = json.dumps({"model": "hostile-bodies", "messages": [user]}).encode()
+            # the episode goes on: its first call (naming the served model) adds a system
+            # message, which becomes the sample's prompt; then a user message with typed control
+            # tokens (naming none)
+            system = {"role": "system", "content": "be brief"}
+            body = json.dumps({"model": "hostile-bodies", "messages": [system, user]}).encode()
             status, got = await _post(http, chat, token, body)
             assert status == 200, got
             assert got["model"] == "hostile-bodies"  # the run's name, never the model's path
             answer = got["choices"][0]["message"]
             typed = {"role": "user", "content": "<eos><bos> 1+1=?"}
-            body = json.dumps({"messages": [user, answer, typed]}).encode()
+            body = json.dumps({"messages": [system, user, answer, typed]}).encode()
             status, got = await _post(http, chat, token, body)
             assert status == 200, got
+            # a rewritten history that drops the system message: another prompt than the first
+            # call's, refused; the episode keeps its run
+            status, got = await _post(http, chat, token, json.dumps({"messages": [user]}).encode())
+            assert status == 400 and got["error"]["code"] == "prompt_mismatch", got
             # closes the buffer would refuse: each a 400 that says why; the episode stays open
             for reward in ("NaN", "Infinity", '"1.0"', "11", "1e400", '{"big": 1, "b": 2}'):
                 body = b'{"reward": ' + reward.encode() + b"}"
@@ -241,6 +242,8 @@ async def test_hostile_bodies_get_4xx_and_are_counted(tmp_path, tiny, monkeypatc
         status = rollout.status()
         alive = cluster.node("manager-0").srv.peers[rollout.node_id].alive
     t = trajs[0]
+    render = ChatRenderer(tok)
+    assert t.prompt_ids.tolist() == render.first_ids([system, user], None)  # what it rendered
     assert t.reward == 1.0 and t.reward_info == {"big": "18446744073709551616"}
     assert rollout.outbox.stats["acked"] == 1 and rollout.outbox.stats["unencodable"] == 0
     env = t.response_ids[t.loss_mask == 0]
@@ -370,6 +373,8 @@ async def test_an_idle_claimed_episode_expires_and_is_counted_where_users_look(
     rows = {r["node"]: r for r in json.loads(capsys.readouterr().out)["nodes"]}
     row = rows[rollout.node_id]
     assert row["alive"] and row["deaths"] == 0 and row["agent"]["idle_expired"] >= 1
+    # the endpoint's activity counters too (docs/agents.md "Counters"), not only its refusals
+    assert row["agent"]["agent_calls"] == 1 and row["agent"]["agent_failure_idle"] >= 1
     assert status_cli.status_main(None, [], as_json=False, timeout=1.0) == 0
     assert f"AGENT {rollout.node_id}: " in capsys.readouterr().out
 

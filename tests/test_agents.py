@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import time
 from collections import Counter
@@ -201,6 +202,103 @@ async def test_tool_agent_through_the_openai_client_trains_ten_steps(tmp_path, t
     assert not any(k.startswith("agent_failure") for k in metrics), metrics
 
 
+SYSTEM = "You are a careful calculator. Call the tool for products."
+WRAP = "New task:\n"
+FRAMED = {"system": SYSTEM, "wrap": WRAP}
+"""tool_agent's kwargs for an agent as frameworks write it (its own system message and task
+wrapper)."""
+
+
+def assert_framed_prompts(trajs: Any, render: ChatRenderer) -> None:
+    """Each sample's prompt is what tool_agent's first call with FRAMED rendered."""
+    from laminar.demo.tooldemo.agent import TOOLS
+
+    for t in trajs:
+        first = [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": WRAP + t.prompt},
+        ]
+        assert t.prompt_ids.tolist() == render.first_ids(first, TOOLS), t.uid
+
+
+async def test_an_agent_with_a_system_prompt_and_a_task_wrapper_trains(
+    tmp_path, tiny, agent_files, caplog, capsys
+):
+    """Issue 47: an agent as frameworks write it (a system message, the task wrapped in its own
+    words) trains: its first call's rendering is the sample's prompt, the buffer binds the sample
+    to its row by identity and refuses nothing, the trainer steps, and what it trains is exactly
+    what the endpoint returned (tokens and logprobs). Its tool calls are counted
+    (episode/tool_calls), and the agent counters reach metrics.jsonl."""
+
+    cfg = make_cfg(
+        tmp_path,
+        tiny,
+        "agent-system",
+        rows=24,
+        cluster={"roles": {"manager": 1, "buffer": 1, "trainer": 1, "rollout": 0}},
+        trainer={"total_steps": 4, "batch_groups": 2, "lr": 1e-3, "warmup_steps": 0},
+        agent={"kwargs": FRAMED},
+    )
+    tok = load_prompt_tokenizer(tiny, chat_template=True)
+    engine = ScriptEngine(tok)
+    async with LocalCluster(cfg) as cluster:
+        rollout = await cluster.add("rollout", 0, engine=engine)
+        trajs = capture(rollout)
+        await cluster.wait_trainer(timeout=120)
+        buffer = cluster.node("buffer-0")
+        refused = buffer.refusals.figures()
+        acked = rollout.outbox.stats["acked"]
+    assert not refused, refused  # no prompt_mismatch: 0 of what the old rule refused
+    steps = [m for m in read_jsonl(cfg.resolved_run_dir() / "metrics.jsonl") if "step" in m]
+    assert len(steps) >= 4
+    assert any(m.get("grad_norm", 0.0) > 0 for m in steps), steps[-1]
+    used = {u for step in consumed(cfg) for u in step["uids"]}
+    assert len(used) >= 4 * 2 * 2 and acked >= len(used)
+    render = ChatRenderer(tok)
+    by_uid = {t.uid: t for t in trajs}
+    assert len(by_uid) == len(trajs)
+    assert_framed_prompts(trajs, render)  # what the agent rendered
+    for t in trajs:
+        text = tok.decode(t.prompt_ids.tolist(), skip_special_tokens=True)
+        assert SYSTEM in text and WRAP + t.prompt in text
+        segs = runs(t.loss_mask)
+        model_runs = [s for s in segs if s[0] == 1]
+        for turn, (_, a, b) in enumerate(model_runs):
+            ids, lps = engine.emitted[(t.uid, turn)]
+            assert t.response_ids[a:b].tolist() == ids
+            assert np.allclose(t.logprobs[a:b], lps)
+        hard = "*" in t.prompt
+        assert len(t.tool_calls) == (1 if hard else 0), t.tool_calls
+        assert all(c.name == "calculator" and c.turn == 0 for c in t.tool_calls)
+    # the trained samples' tokens are what the client got back, call by call
+    calls = read_jsonl(agent_files["AGENT_TEST_CALLS"])
+    checked = 0
+    for c in calls:
+        uid = c["id"].removeprefix("chatcmpl-").rsplit("-", 2)[0]
+        if uid not in used:
+            continue
+        t, turn = by_uid[uid], int(c["id"].rsplit("-", 1)[1])
+        a, b = [(a, b) for v, a, b in runs(t.loss_mask) if v == 1][turn]
+        trained = t.response_ids[a:b].tolist()
+        assert "".join(c["tokens"]) == tok.decode(trained, skip_special_tokens=False)
+        assert np.allclose(c["logprobs"], t.logprobs[a:b])
+        checked += 1
+    assert checked >= len(used)
+    # tool calls counted for agent episodes, and the endpoint's counters in metrics.jsonl
+    assert any(m.get("episode/tool_calls", 0.0) > 0 for m in steps), steps[-1]
+    assert any(m.get("reward_by_tool_calls/1") is not None for m in steps)
+    assert any(m.get("agent/agent_calls", 0) > 0 for m in steps), steps[-1]
+    # the run ended normally: nothing logged as an error, no rollout declared dead (the nodes'
+    # structlog lines are printed; aiohttp's and asyncio's go to logging)
+    errors = [r.getMessage()[:300] for r in caplog.records if r.levelno >= logging.ERROR]
+    out = capsys.readouterr()
+    lines = (out.out + out.err).splitlines()
+    errors += [x[:300] for x in lines if '"level": "error"' in x or "[error" in x]
+    assert not errors, errors
+    assert not [x for x in lines if "node_dead" in x]
+    assert any("stopped" in x for x in lines)  # (the lines are there to be read)
+
+
 async def test_bad_requests_get_openai_errors_and_the_endpoint_keeps_serving(
     tmp_path, tiny, monkeypatch
 ):
@@ -309,6 +407,71 @@ async def test_bad_requests_get_openai_errors_and_the_endpoint_keeps_serving(
             "call_in_flight",
         ):
             assert counters.get(f"agent_http_error_{code}", 0) >= 1, (code, counters)
+
+
+async def test_tool_choice_required_and_response_format_are_refused_naming_the_engine(
+    tmp_path, tiny, monkeypatch
+):
+    """Issue 47: the torch engine cannot constrain decoding, so tool_choice "required" / a named
+    function and response_format json_object / json_schema are refused with a 400 naming the
+    field and the engine (never silently ignored), counted under `unsupported`; the episode is
+    untouched and tool_choice "auto" / "none" keep working (the official client)."""
+    monkeypatch.setenv("LAMINAR_AGENT_KEY", "secret-key")
+    cfg = make_cfg(
+        tmp_path,
+        tiny,
+        "agent-constraints",
+        rows=1,
+        rollout={"sampling": {"max_tokens": 12, "temperature": 1.0}},
+        agent={"fn": None, "remote": True},
+    )
+    tools = [{"type": "function", "function": {"name": "calculator", "parameters": {}}}]
+    schema = {"name": "answer", "schema": {"type": "object"}}
+    asks: list[tuple[dict[str, Any], str]] = [
+        ({"tools": tools, "tool_choice": "required"}, "tool_choice"),
+        ({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "calculator"}}},
+         "tool_choice"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": schema}}, "response_format"),
+    ]  # fmt: skip
+    async with LocalCluster(cfg) as cluster:
+        rollout = await cluster.add("rollout", 0)  # the real torch engine on the tiny model
+        base = rollout.endpoint.url
+        key = {"Authorization": "Bearer secret-key"}
+        clients = []
+        async with aiohttp.ClientSession() as http:
+            for choice in ("auto", "none"):
+                r = await http.post(f"{base}/laminar/v1/episodes/claim?wait_s=10", headers=key)
+                assert r.status == 200, await r.text()
+                ep = await r.json()
+                client = openai.AsyncOpenAI(
+                    base_url=ep["base_url"], api_key=ep["episode"], max_retries=0
+                )
+                clients.append(client)
+                msgs = [{"role": "user", "content": ep["row"]["prompt"]}]
+                for kwargs, field in asks:
+                    with pytest.raises(openai.BadRequestError) as err:
+                        await client.chat.completions.create(model="m", messages=msgs, **kwargs)
+                    e = err.value
+                    assert e.code == "unsupported_parameter" and e.param == field, e.body
+                    assert f"`{field}`" in e.message and "torch engine" in e.message, e.message
+                # free text and the model's own choice of tools are served as before
+                got = await client.chat.completions.create(
+                    model="m", messages=msgs, tools=tools, tool_choice=choice
+                )
+                assert got.choices[0].finish_reason in ("stop", "length", "tool_calls")
+                r = await http.post(
+                    f"{base}/laminar/v1/episodes/close",
+                    json={"reward": 1.0},
+                    headers={"Authorization": f"Bearer {ep['episode']}"},
+                )
+                assert r.status == 200
+        for client in clients:
+            await client.close()
+        figures = rollout.endpoint.figures()
+    assert figures["unsupported"] == 2 * len(asks), figures
+    assert figures["agent_http_error_unsupported_parameter"] == 2 * len(asks)
+    assert figures["agent_calls"] == 2 and "agent_history_rewrites" not in figures
 
 
 async def test_a_crashed_agent_worker_retries_its_episode_and_nothing_twice(
@@ -444,7 +607,12 @@ async def test_agents_lost_with_their_rollout_start_again_from_the_prompt_once(
         rows=4,
         data={"epochs": 1},
         rollout={"credits": 4},
-        agent={"fn": "tests.agent_fakes:tool_agent", "workers": 4, "reconnect_timeout_s": 2.0},
+        agent={
+            "fn": "tests.agent_fakes:tool_agent",
+            "workers": 4,
+            "reconnect_timeout_s": 2.0,
+            "kwargs": FRAMED,
+        },
     )
     tok = load_prompt_tokenizer(tiny, chat_template=True)
     async with LocalCluster(cfg) as cluster:
@@ -473,6 +641,7 @@ async def test_agents_lost_with_their_rollout_start_again_from_the_prompt_once(
     assert not counters.get("agent_calls_resumed"), counters
     assert len({t.uid for t in trajs}) == len(trajs)  # each delivered once
     assert all(t.reward in (0.0, 1.0) for t in done.values())
+    assert_framed_prompts(done.values(), ChatRenderer(tok))  # recovered, started again: taken
 
 
 async def test_a_repack_move_mid_call_resumes_the_call_on_the_other_rollout(
@@ -498,7 +667,7 @@ async def test_a_repack_move_mid_call_resumes_the_call_on_the_other_rollout(
         rows=2,
         data={"epochs": 1},
         rollout={"credits": 2},
-        agent={"fn": "tests.agent_fakes:tool_agent", "workers": 1},
+        agent={"fn": "tests.agent_fakes:tool_agent", "workers": 1, "kwargs": FRAMED},
     )
     tok = load_prompt_tokenizer(tiny, chat_template=True)
     render = ChatRenderer(tok)
@@ -578,6 +747,10 @@ async def test_a_repack_move_mid_call_resumes_the_call_on_the_other_rollout(
         assert t.rollout_id == "rollout-1" and t.reward in (0.0, 1.0)
     effects = Counter(e["call_id"] for e in read_jsonl(agent_files["AGENT_TEST_EFFECTS"]))
     assert effects and set(effects.values()) == {1}
+    # the agent's own prompt moved with its episodes and the buffer took it; the tool call made
+    # before the move is counted from the repeated call's messages
+    assert_framed_prompts(done.values(), render)
+    assert all(len(done[uid].tool_calls) == 1 for uid in hard)
 
 
 async def test_moved_episodes_whose_version_is_gone_start_again_from_the_prompt_once(
@@ -597,7 +770,12 @@ async def test_moved_episodes_whose_version_is_gone_start_again_from_the_prompt_
         rows=2,
         data={"epochs": 1},
         rollout={"credits": 2},
-        agent={"fn": "tests.agent_fakes:tool_agent", "workers": 1, "reconnect_timeout_s": 1.0},
+        agent={
+            "fn": "tests.agent_fakes:tool_agent",
+            "workers": 1,
+            "reconnect_timeout_s": 1.0,
+            "kwargs": FRAMED,
+        },
     )
     tok = load_prompt_tokenizer(tiny, chat_template=True)
     async with LocalCluster(cfg) as cluster:
@@ -634,6 +812,7 @@ async def test_moved_episodes_whose_version_is_gone_start_again_from_the_prompt_
     assert all(t.rollout_id == "rollout-1" and t.reward in (0.0, 1.0) for t in done.values())
     effects = Counter(e["call_id"] for e in read_jsonl(agent_files["AGENT_TEST_EFFECTS"]))
     assert set(effects.values()) <= {1}
+    assert_framed_prompts(done.values(), ChatRenderer(tok))
 
 
 async def test_openai_agents_sdk_agent_trains_unchanged(tmp_path, tiny, agent_files):
@@ -658,7 +837,9 @@ async def test_openai_agents_sdk_agent_trains_unchanged(tmp_path, tiny, agent_fi
     assert len(read_jsonl(cfg.resolved_run_dir() / "consumed.jsonl")) == 3
     assert not any(k.startswith("agent_failure") for k in counters), counters
     hard = [t for t in trajs if "*" in t.prompt]
-    assert hard and all(t.turns == 2 and t.tool_calls == [] for t in hard)
+    assert hard and all(t.turns == 2 for t in hard)
+    # the SDK's tool call, from the endpoint's answer, is counted (issue 47: episode/tool_calls)
+    assert all([c.name for c in t.tool_calls] == ["calculator"] for t in hard)
     for t in trajs:
         model_runs = [r for r in runs(t.loss_mask) if r[0] == 1]
         for turn, (_, a, b) in enumerate(model_runs):

@@ -188,6 +188,66 @@ async def test_a_sample_with_another_prompt_than_served_is_refused(harness):
     assert all(t.prompt_ids.tolist() == list(item.prompt_ids) for t in b.trajectories)
 
 
+async def test_an_agent_runs_sample_is_bound_to_its_row_not_to_a_rendering(harness):
+    """Agent runs (issue 47): a sample's prompt is what its agent's first call rendered (a system
+    message, the task in the agent's words), so its tokens may differ from the served rendering,
+    a group's samples from each other; the row (prompt uid), the group and the owner bind it as
+    strictly as before, and the prompt is at most data.max_prompt_tokens."""
+    h = await harness(**SIM, agent={"remote": True}, data={"max_prompt_tokens": 64})
+    ro, r1 = await h.client("r0"), await h.client("r1")
+    tr, mgr = await h.client("t0", "trainer"), await h.client("m0", "manager")
+    item = (await prompts(ro, 1, rid="r0")).items[0]
+    served = np.asarray(item.prompt_ids, np.int32)
+    rendered = [np.concatenate([np.full(i + 2, 40 + i, np.int32), served]) for i in range(N)]
+    own = finished(item, 0, 0)
+    own.prompt_ids = rendered[0]
+    assert not (await ro.request(own)).refused
+    renamed = finished(item, 1, 0)
+    renamed.prompt_uid, renamed.prompt_ids = item.uid + "-other", rendered[1]
+    assert (await ro.request(renamed)).refused == "prompt_mismatch"
+    stolen = finished(item, 1, 0, rollout="r1")
+    stolen.prompt_ids = rendered[1]
+    assert (await r1.request(stolen)).refused == "not_owner"
+    long = finished(item, 1, 0)
+    long.prompt_ids = np.full(65, 5, np.int32)
+    assert (await ro.request(long)).refused == "too_long"
+    # a partial header with the agent's prompt starts the record, which carries that prompt
+    uid = f"{item.group_id}/1"
+    await ro.send(
+        PartialChunk(
+            uid=uid,
+            version=0,
+            offset=0,
+            token_ids=np.array([5, 6], np.int32),
+            logprobs=np.zeros(2, np.float32),
+            rollout_id="r0",
+            header=PartialTrajectory(
+                uid=uid,
+                group_id=item.group_id,
+                prompt_uid=item.uid,
+                sample_index=1,
+                prompt_ids=rendered[1],
+                response_ids=np.zeros(0, np.int32),
+                logprobs=np.zeros(0, np.float32),
+                version=0,
+                n=N,
+                rollout_id="r0",
+            ),
+        )
+    )
+    (p,) = (await mgr.request(PartialsRequest(uids=[uid]))).partials
+    assert p.prompt_ids.tolist() == rendered[1].tolist() and p.response_ids.tolist() == [5, 6]
+    for i in range(1, N):
+        t = finished(item, i, 0)
+        t.prompt_ids = rendered[i]
+        assert not (await ro.request(t)).refused
+    s = await stats(tr)
+    assert s.refused == {"r0": {"prompt_mismatch": 1, "too_long": 1}, "r1": {"not_owner": 1}}
+    b = await batch(tr, 0, groups=1)
+    got = {t.sample_index: t.prompt_ids.tolist() for t in b.trajectories}
+    assert got == {i: rendered[i].tolist() for i in range(N)}  # one group, its agents' prompts
+
+
 async def test_a_moved_sample_comes_only_from_its_new_rollout(harness):
     """The manager's SamplesPlaced (sent before its ImportRequest) moves a sample: from then on
     its tokens and its trajectory are taken from the destination alone."""

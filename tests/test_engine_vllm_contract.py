@@ -20,9 +20,9 @@ import torch
 from fakes.vllm_fake import EOS, RequestOutputKind, install
 
 from laminar.config import LaminarConfig
-from laminar.engines.base import GenRequest, SamplingParams
+from laminar.engines.base import GenRequest, SamplingParams, Structured
 from laminar.engines.factory import make_engine
-from laminar.engines.vllm_engine import VllmEngine, sampled_logprobs
+from laminar.engines.vllm_engine import VllmEngine, sampled_logprobs, structured_outputs
 from laminar.engines.vllm_ext import LaminarWorkerExtension
 
 PROMPT = np.array([5, 6, 7, 8, 9, 10], np.int32)
@@ -78,6 +78,46 @@ async def test_engine_args_and_sampling_params(engine):
         and kw["stop_token_ids"] == [9]
     )
     assert isinstance(kw["seed"], int) and kw["seed"] >= 0
+
+
+async def test_structured_outputs_reach_vllm_as_its_documented_params(engine, monkeypatch):
+    """An agent call's response_format (issue 47) goes to vLLM's structured outputs:
+    SamplingParams(structured_outputs=StructuredOutputsParams(json=schema | json_object=True)).
+    A turn resumed after tokens of its own goes on unconstrained (vLLM's grammar would start over
+    mid-output). Checked against the fake only: no vLLM here."""
+    eng, fake = engine
+    assert eng.structured == {"json_object", "json_schema"}
+    assert structured_outputs(Structured("json_schema", '{"type": "object"}')) == {
+        "json": {"type": "object"}
+    }
+    assert structured_outputs(Structured("json_object")) == {"json_object": True}
+    params = SamplingParams(
+        max_tokens=8, structured=Structured("json_schema", '{"type": "object"}')
+    )
+    sp = eng._sampling_params(type("S", (), {"params": params, "seq_id": "g/0"})(), 0)
+    assert sp.kw["structured_outputs"].kw == {"json": {"type": "object"}}
+    plain = eng._sampling_params(type("S", (), {"params": SamplingParams(), "seq_id": "g/0"})(), 0)
+    assert "structured_outputs" not in plain.kw
+    eng.submit(GenRequest("fresh", PROMPT, params, single=True))
+    mid = GenRequest("mid", PROMPT, params, resume_ids=np.array([3, 4], np.int32), single=True)
+    mid.resume_logprobs = np.zeros(2, np.float32)
+    eng.submit(mid)  # its turn began at response index 0: two of its own tokens are out
+    after = GenRequest("next", PROMPT, params, resume_ids=np.array([3, 4], np.int32), single=True)
+    after.resume_logprobs, after.turn_start = np.zeros(2, np.float32), 2  # a new turn
+    eng.submit(after)
+    kws = {eng._seqs[s].seq_id: eng._seqs[s].params.structured for s in ("fresh", "mid", "next")}
+    assert kws == {"fresh": params.structured, "mid": None, "next": params.structured}
+    await eng.abort(["fresh", "mid", "next"])
+
+
+def test_a_vllm_without_structured_outputs_enforces_none(monkeypatch):
+    import sys
+
+    install(monkeypatch)
+    monkeypatch.delattr(sys.modules["vllm.sampling_params"], "StructuredOutputsParams")
+    from laminar.engines.vllm_engine import _import_vllm
+
+    assert _import_vllm().StructuredOutputsParams is None
 
 
 async def test_generate_streams_tokens_and_sampled_logprobs(engine):

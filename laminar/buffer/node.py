@@ -113,11 +113,12 @@ class BufferNode(Node):
                 model=s.model_path,
                 detail="no vocab_size in the model's config.json: token ids are not checked",
             )
-        self.owners = Owners(self.state)
+        self.owners = Owners(self.state, agent_prompts=s.agent_prompts)
         self.partials = PartialPool(
             self.owners,
             vocab=self.limits.vocab,
             max_response_tokens=self.limits.max_response_tokens,
+            max_prompt_tokens=self.limits.max_prompt_tokens,
             # a rollout holds at most the samples the buffer has generating
             max_entries=s.inflight_per_rollout,
         )

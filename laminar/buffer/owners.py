@@ -4,6 +4,7 @@
     ledger.record(SamplesMoved("rollout-2", ["g/3"]))   # SamplesPlaced from the manager
     owners.refusal("g", 3, "rollout-1")          # None: rollout-1 may send sample 3 of group g
     owners.prompt_refusal("g", uid, prompt_ids)  # None: the prompt its group was served with
+                                                 # (agent runs: the group's row, any rendering)
     limits = SampleLimits(reward_min=-10, reward_max=10, vocab=32000, max_response_tokens=256)
     limits.refusal(t)                            # None, or why the trajectory can never be taken
     refusals = Refusals(metrics, log); refusals.count("rollout-1", "not_owner")
@@ -15,6 +16,15 @@ finish first), or, once the manager moved it (a repack move, a dead rollout's re
 SamplesPlaced, sent before the ImportRequest), by the rollout it was placed on alone: the source
 exported it or died. The sender is the authenticated peer the transport names, never a field of
 the body.
+
+Black-box agent runs (`Owners(state, agent_prompts=True)`, agent.fn or agent.remote set): a
+sample's prompt is what its agent's first call rendered (a system message, the task in the
+agent's own words: laminar/rollout/agents.py), recorded by the rollout that served the call, so
+its tokens are not compared with the dataset's rendering; the sample is bound to its group by
+identity instead: the group's prompt uid (the row), its group id and sample index, and the
+sender's ownership above, exactly as strict. Its length is bounded by SampleLimits
+(data.max_prompt_tokens) and its ids by the vocabulary. The samples of one group may then hold
+different prompts; the advantage baseline still compares the rewards of the row's episodes.
 
 Placements are journaled (a SamplesMoved record, written to the OS before the manager is
 acked, so they survive a kill -9 of the buffer) and kept in ExperienceState.placed for
@@ -52,8 +62,10 @@ class Owners:
     """Who may send a sample, read off the experience state (holders, former holders,
     placements); changes only through the ledger's records."""
 
-    def __init__(self, state: ExperienceState):
+    def __init__(self, state: ExperienceState, *, agent_prompts: bool = False):
         self.state = state
+        self.agent_prompts = agent_prompts
+        """The run's samples are agent episodes: a prompt is bound by its uid, not its tokens."""
 
     def refusal(self, group_id: str, index: int, sender: str) -> Refusal | None:
         """Why `sender` may not send sample `index` of `group_id` (None: it may)."""
@@ -73,14 +85,18 @@ class Owners:
         self, group_id: str, prompt_uid: str, prompt_ids: np.ndarray
     ) -> Refusal | None:
         """Is the sample's prompt the one its group was served with? (None: it is, or the group
-        is not open here: refusal() and the state's late/duplicate rules decide those.)"""
+        is not open here: refusal() and the state's late/duplicate rules decide those.) In an
+        agent run only its row (prompt uid) must be the group's: its tokens are what its agent
+        rendered."""
         g = self.state.groups.get(group_id)
         if g is None or g.item is None:
             return None
+        if prompt_uid != g.prompt_uid:
+            return "prompt_mismatch"
+        if self.agent_prompts:
+            return None
         served = g.item.prompt_ids
-        if prompt_uid != g.prompt_uid or not (
-            len(prompt_ids) == len(served) and np.array_equal(prompt_ids, served)
-        ):
+        if not (len(prompt_ids) == len(served) and np.array_equal(prompt_ids, served)):
             return "prompt_mismatch"
         return None
 
@@ -102,6 +118,12 @@ class SampleLimits:
     """Token ids lie in [0, vocab); None: the vocabulary is unknown and ids are not checked."""
     max_response_tokens: int | None = None
     """Longest response a rollout can make (None: not checked)."""
+    max_prompt_tokens: int | None = None
+    """Longest prompt a sample may carry: agent runs, whose prompts their agents render
+    (data.max_prompt_tokens); None: not checked (a served prompt is compared token by token)."""
+
+    def prompt_too_long(self, prompt_ids: np.ndarray) -> bool:
+        return self.max_prompt_tokens is not None and len(prompt_ids) > self.max_prompt_tokens
 
     def refusal(self, t: Trajectory) -> Refusal | None:
         r = t.reward
@@ -112,6 +134,8 @@ class SampleLimits:
         ):
             return "token_range"
         if self.max_response_tokens is not None and len(t.response_ids) > self.max_response_tokens:
+            return "too_long"
+        if self.prompt_too_long(t.prompt_ids):
             return "too_long"
         return None
 

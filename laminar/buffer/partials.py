@@ -19,7 +19,8 @@ whose buffer connection came back sends one again. The pool keeps a contiguous p
 The entries of one batch fold in entry order, exactly as that many chunks would.
 From the network (`sender`, the authenticated peer; the pool built with Owners): a header is
 taken only for a sample the sender may send (laminar/buffer/owners.py: its group's holder, or
-the rollout the manager placed it on) with the prompt its group was served with, and the
+the rollout the manager placed it on) with the prompt its group was served with (agent runs: the
+group's row, the tokens its agent's first call rendered, at most max_prompt_tokens), and the
 record is then the sender's alone; an entry for another rollout's record, a record longer than
 max_response_tokens, a token id outside the vocabulary or a batch of more than max_entries is
 refused (counted per peer by the node).
@@ -221,6 +222,7 @@ class PartialPool:
         *,
         vocab: int | None = None,
         max_response_tokens: int | None = None,
+        max_prompt_tokens: int | None = None,
         max_entries: int | None = None,
     ) -> None:
         self.records: dict[str, _Record] = {}
@@ -232,6 +234,8 @@ class PartialPool:
         """Token ids must lie in [0, vocab) (None: not checked)."""
         self.max_response_tokens = max_response_tokens
         """No record grows past this many response tokens (None: not checked)."""
+        self.max_prompt_tokens = max_prompt_tokens
+        """No header's prompt is longer (agent runs; None: not checked)."""
         self.max_entries = max_entries
         """Entries one PartialBatch may carry (None: not checked)."""
 
@@ -253,6 +257,8 @@ class PartialPool:
         ):
             return "token_range"
         if self.max_response_tokens is not None and len(h.response_ids) > self.max_response_tokens:
+            return "too_long"
+        if self.max_prompt_tokens is not None and len(h.prompt_ids) > self.max_prompt_tokens:
             return "too_long"
         return ""
 

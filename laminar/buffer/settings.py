@@ -53,6 +53,9 @@ class BufferNodeSettings:
     limits: SampleLimits
     """What a rollout's sample must satisfy (the model's vocab_size read from its config.json)."""
     model_path: str | None
+    agent_prompts: bool
+    """The run's samples are black-box agent episodes (agent.fn or agent.remote): a sample's
+    prompt is what its agent rendered, bound to its group by the row's uid (owners.py)."""
     reward_fn: str
     group_size: int
     groups_per_rollout: int

@@ -37,6 +37,17 @@ _EMPTY_F = np.zeros(0, np.float32)
 
 
 @dataclass(frozen=True)
+class Structured:
+    """Constrained decoding of one request: its text must be JSON (an engine whose
+    `Engine.structured` lists the kind enforces it; the others are never handed one)."""
+
+    kind: str
+    """json_object (any JSON object) | json_schema (one matching `schema`)."""
+    schema: str = ""
+    """json_schema: the JSON schema, as JSON text (hashable, as SamplingParams is)."""
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
@@ -49,6 +60,9 @@ class SamplingParams:
     """Seeded sampling is deterministic per (seed, sequence id, token index), also across resume."""
     ignore_eos: bool = False
     """Keep generating past EOS (benchmarks with fixed lengths); stop_token_ids still stop."""
+    structured: Structured | None = None
+    """Constrain the text (an agent call's response_format); only for an engine whose
+    `structured` lists its kind."""
 
     @classmethod
     def from_config(cls, s: SamplingConfig, **kw: Any) -> SamplingParams:
@@ -140,6 +154,9 @@ class Engine(ABC):
     """KV-cache capacity in tokens (0: unknown)."""
     max_running: int = 0
     """Sequences it decodes at once (0: unknown; the rollout then reports rollout.max_running)."""
+    structured: frozenset[str] = frozenset()
+    """The Structured kinds it enforces (SamplingParams.structured); an agent call asking for
+    another is refused at the endpoint, naming the engine."""
 
     def __init__(self) -> None:
         self.version = 0

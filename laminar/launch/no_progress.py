@@ -39,11 +39,12 @@ __all__ = ["NoProgressWatch", "REFUSAL_TEXT"]
 REFUSAL_TEXT = {
     "not_served": "the buffer never served that group",
     "not_owner": "the sample is another rollout's (served or moved to it)",
-    "prompt_mismatch": "the sample's prompt (uid or token ids) is not the one its group was "
-    "served with",
+    "prompt_mismatch": "the sample's prompt (its row's uid, or outside agent runs its token ids) "
+    "is not the one its group was served with",
     "reward_range": "the reward is not finite or lies outside reward.min_value..max_value",
     "token_range": "a token id lies outside the model's vocabulary",
-    "too_long": "the response is longer than any response can be",
+    "too_long": "the response is longer than any response can be (agent runs: or the prompt "
+    "longer than data.max_prompt_tokens)",
     "batch_too_big": "a partial batch larger than the buffer takes",
 }
 """What each refusal reason (laminar/protocol/buffer.py Refusal, a partial entry's) means."""

@@ -7,7 +7,8 @@ bad, refused handshakes, the buffer's refused trajectories) are columns of the t
 peer, `refusals` in the JSON; a peer that sends what it may not gets a WARNING line.
 `attest_mismatches`: a rollout's loads whose served weights did not match the trainer's digest
 (each quarantined and reloaded; docs/DESIGN.md "Attested versions"). A rollout's agent endpoint
-(RolloutStatus.agent: refusals per reason, idle-expired episodes, agent failures) and the samples
+(RolloutStatus.agent: refusals per reason, idle-expired episodes, agent failures, and the
+rollout's `agent_*` counters: calls, input tokens, rewrites, moves ...) and the samples
 its outbox dropped are `agent` / `outbox_dropped` in the JSON and an AGENT line in the text.
 
 `fetch_status` (a one-off RpcClient) also feeds the live progress line (laminar/progress.py),

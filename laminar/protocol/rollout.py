@@ -111,7 +111,9 @@ class RolloutStatus(Message):  # rollout -> manager, inside NodeStatus.rollout o
     agent: dict[str, int] = field(default_factory=dict)
     """Its agent endpoint's refusals and failures since it started, per reason (laminar/rollout/
     openai_api.py ENDPOINT_COUNTERS: unauthorized, bad_request, too_large, refused_at_close,
-    idle_expired, agent_failures, ...); empty without agents. Shown by `laminar status`, summed by
+    idle_expired, agent_failures, ...) and the rollout's `agent_*` counters (agent_calls,
+    agent_input_tokens, agent_http_error_<code> ...: docs/agents.md "Counters"); empty without
+    agents. Shown by `laminar status`, summed by
     the manager (RefusalSummary.agent) into metrics.jsonl's `agent/<reason>`."""
     outbox_dropped: int = 0
     """Finished samples its outbox could not send (unencodable) or the buffer refused as never

@@ -54,21 +54,26 @@ class Refusal(enum.Enum):
     """A close whose reward the buffer would refuse (not a finite number in reward.min_value..
     max_value, or a dict without one)."""
     PROMPT_MISMATCH = "prompt_mismatch"
-    """A run whose rendered prompt is not the episode's served prompt (the buffer trains a sample
-    only with the prompt its group was served with)."""
+    """A later run (a rewritten history) whose rendered prompt is not the one the attempt's first
+    call rendered (a sample has one prompt: the first call's, system message and task wrapper
+    included)."""
     PREEMPTED = "preempted"
     """A call of an episode preempted for a weight load (agent.preempt_idle_s): it starts again
     from its prompt under a new token."""
     TEXT_TOO_LONG = "text_too_long"
     """A call bringing more new text than agent.max_text_chars (refused before tokenizing)."""
+    UNSUPPORTED = "unsupported"
+    """A call asking for a constraint this rollout's engine does not enforce (Constraint)."""
 
 
 class CallRefused(Exception):
     """A call the driver refuses; the text says why."""
 
-    def __init__(self, reason: Refusal, message: str) -> None:
+    def __init__(self, reason: Refusal, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.reason = reason
+        self.param = param
+        """The request field the refusal is about (OpenAI's error `param`), when one is."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +87,21 @@ class Sampling:
 
 
 @dataclass(frozen=True)
+class Constraint:
+    """What a call asks its model turn to be, beyond sampling: enforced by an engine that can
+    (Engine.structured), else the call is refused naming the field and the engine."""
+
+    field: str
+    """The request field that asked: response_format | tool_choice."""
+    kind: str
+    """response_format: json_object | json_schema; tool_choice: required | function."""
+    schema: str = ""
+    """json_schema: the schema, as JSON text."""
+    name: str = ""
+    """tool_choice function: the tool the turn must call."""
+
+
+@dataclass(frozen=True)
 class ChatTurn:
     """A turn asked as a conversation: the episode's messages so far, then the new ones."""
 
@@ -89,6 +109,8 @@ class ChatTurn:
     tools: list[Any] | None
     """The tools the model may call (None: none offered, or its caller forbade calling them)."""
     sampling: Sampling
+    constraints: tuple[Constraint, ...] = ()
+    """What the turn must be (a JSON object, a tool call ...); empty: free text."""
 
 
 @dataclass(frozen=True)

@@ -22,18 +22,23 @@ started on (the table is non-empty while the episode lives, so the rollout loads
 under it), and each call goes into the engine as a resume of the episode's exact token sequence,
 like a turn of an in-process Environment (laminar/rollout/episodes.py).
 
-Token in, token out (laminar/agents/render.py): the first call's conversation is rendered once
-and becomes the sample's prompt; a later call whose messages start with the episode's messages
+Token in, token out (laminar/agents/render.py): the first call of an attempt is rendered once and
+its rendering, whatever it holds (a system message, the task wrapped in the agent's own words,
+tools), becomes the sample's prompt (`seq.prompt_ids`; the partial header and the trajectory
+carry it, and the buffer binds the sample to its group by identity, not by these tokens:
+laminar/buffer/owners.py); a later call whose messages start with the episode's messages
 (its assistant turns as this endpoint returned them) adds only its new messages' tokens (loss
 mask 0, logprob 0.0) and the model's tokens are the engine's sampled ids (mask 1, behaviour
 logprobs). A call whose messages do not extend the episode (the agent truncated or summarised
 its history, changed its tools) starts a new run: the trained sample is the last consistent run
 of calls, and the earlier runs' tokens are dropped and counted (`agent_history_rewrites`,
-`agent_rewrite_tokens_dropped`). Every run's prompt must be the episode's served prompt (the
-buffer trains a sample only with the prompt its group was served with): a first call, or a
-rewrite, whose conversation renders to another prompt is refused (PROMPT_MISMATCH) and the
-episode keeps the run it had. A call's new text is length-checked (agent.max_text_chars) before
-it is tokenized, and tokenized in a worker thread when long (`_tokenize`), so the loop that
+`agent_rewrite_tokens_dropped`). A later run's prompt must be the attempt's first prompt (what
+its first call rendered; `AgentEpisode.prompt_fixed`): a rewrite whose conversation renders to
+another prompt (a summary in place of it) is refused (PROMPT_MISMATCH) and the episode keeps the
+run it had. A new attempt (a retry from the prompt) renders its first prompt afresh; a moved
+episode keeps the prompt its record holds. A call's new text is length-checked
+(agent.max_text_chars) before it is tokenized, and tokenized in a worker thread when long
+(`_tokenize`), so the loop that
 carries the rollout's heartbeats never stalls on an agent's message. Why not one sample per
 run: a prompt's group has `rollout.group_size` samples end to end (buffer, journal,
 advantages); extra samples would change what a group is. The last run is the one that led to
@@ -99,13 +104,15 @@ import structlog
 from laminar.agents.render import BadMessages, ChatRenderer, canonical
 from laminar.agents.resume import match_record
 from laminar.config import AgentConfig
-from laminar.engines.base import Engine, SamplingParams
+from laminar.engines.base import Engine, SamplingParams, Structured
 from laminar.metrics import Metrics
+from laminar.protocol.data import ToolRecord
 from laminar.rewards.runner import RewardFormatError, RewardResult, normalize_reward
 from laminar.rollout.agent_pool import AgentPool, release_shared, shared_pool
 from laminar.rollout.agent_turns import (
     CallRefused,
     ChatTurn,
+    Constraint,
     EpisodeClaim,
     EpisodeMoved,
     EpisodeUnknown,
@@ -126,8 +133,13 @@ class AgentEpisode:
     seq: SeqState
     token: str
     first_prompt: np.ndarray
-    """The served prompt ids (what the sample reverts to when it starts again)."""
+    """The prompt ids the sample reverts to when it starts again (served: the row's rendering;
+    moved here: the prompt its record holds)."""
     attempt: int = 0
+    prompt_fixed: bool = False
+    """The attempt's first call rendered `seq.prompt_ids`: a later run (a rewritten history, a
+    resume that does not match) must render to exactly it (False: the next call's rendering,
+    whatever it holds, becomes the sample's prompt)."""
     consumed: list[str] | None = None
     """Canonical messages the episode's tokens hold (None: no call yet in this run)."""
     text: str | None = None
@@ -278,6 +290,7 @@ class AgentDriver:
         self.metrics.count("agent_moved_in")
         self.moved.pop(token, None)
         ep.token, ep.recorded = token, seq.length > 0
+        ep.prompt_fixed = ep.recorded  # its calls rendered the record's prompt: later runs keep it
         self.by_token[token] = ep
         self.table.set_waiting(seq, True)
         self.spawn(self._await_agent(ep, token, self.cfg.reconnect_timeout_s), "agent-episode")
@@ -321,6 +334,7 @@ class AgentDriver:
     # ---- attempts --------------------------------------------------------------------------
     def _launch(self, ep: AgentEpisode) -> None:
         ep.token = "lmn-" + secrets.token_urlsafe(24)
+        ep.prompt_fixed = False  # a new attempt: its first call renders the prompt afresh
         ep.seq.agent_token = ep.token  # the partial carries it (a move resumes the episode)
         self.by_token[ep.token] = ep
         ep.t_attempt, ep.t_seen = time.monotonic(), None  # idle only once claimed or called
@@ -454,12 +468,13 @@ class AgentDriver:
             self.table.set_waiting(seq, True)
 
     def _clear(self, ep: AgentEpisode) -> None:
-        """Back to the served prompt with no tokens; the partial record restarts at offset 0."""
+        """Back to `first_prompt` with no tokens; the partial record restarts at offset 0."""
         seq = ep.seq
         seq.ids, seq.logprobs = Growable(np.int32), Growable(np.float32)
         seq.mask = Growable(np.uint8)
         seq.prompt_ids = ep.first_prompt.copy()
         seq.sent_upto, seq.turn, seq.turn_start, seq.awaiting_env = 0, 0, 0, False
+        seq.tool_calls = []
         ep.consumed, ep.text, ep.tools_key = None, None, ""
         ep.after_eot, ep.calls, ep.truncated, ep.recorded = False, 0, False, False
         self.table.mark_dirty(seq.uid)
@@ -614,6 +629,7 @@ class AgentDriver:
 
     async def _chat(self, token: str, request: ChatTurn) -> TurnResult:
         ep = self._episode(token)
+        structured = self._structured(request.constraints)
         messages, tools = request.messages, request.tools
         tools_on = tools is not None
         try:
@@ -669,10 +685,13 @@ class AgentDriver:
             if prompt is not None:
                 self._new_run(ep, prompt)
                 ep.tools_key = key
-            reason, ids, lps = await self._generate(ep, token, new, request.sampling, stops, keep)
+            reason, ids, lps = await self._generate(
+                ep, token, new, request.sampling, stops, keep, structured
+            )
             text = self.render.decode(ids.tolist())
             msg, called = self.render.assistant_message(text, tools_on, ep.seq.uid, ep.seq.turn)
             ep.consumed = canon + [canonical(msg)]
+            ep.seq.tool_calls += tool_records(msg, ep.seq.turn)
         return self._result(ep, reason, ids, lps, text, msg, called)
 
     async def _text(self, token: str, request: TextTurn) -> TurnResult:
@@ -697,6 +716,30 @@ class AgentDriver:
             text = self.render.decode(ids.tolist())
             ep.text = prompt + text
         return self._result(ep, reason, ids, lps, text)
+
+    def _structured(self, constraints: tuple[Constraint, ...]) -> Structured | None:
+        """The call's constraints as the engine enforces them, or a refusal (400) naming the
+        field and the engine: a constraint silently ignored fails the agent's own parser."""
+        engine, out = self.engine.name, None
+        for c in constraints:
+            if c.field == "response_format" and c.kind in self.engine.structured:
+                out = Structured(c.kind, c.schema)
+                continue
+            if c.field == "response_format":
+                why = (
+                    f"`response_format` {c.kind} is not supported by the {engine} engine: it "
+                    "does not constrain decoding (rollout.engine: vllm enforces json_object and "
+                    "json_schema through vLLM's structured outputs); ask for JSON in the prompt"
+                )
+            else:
+                asked = "required" if c.kind == "required" else f"function {c.name!r}"
+                why = (
+                    f"`tool_choice` {asked} is not supported by the {engine} engine: a tool call "
+                    "is text in the chat template's format, which no engine here constrains; "
+                    'use tool_choice "auto" (the model may call the tools) or "none"'
+                )
+            raise CallRefused(Refusal.UNSUPPORTED, why, param=c.field)
+        return out
 
     @staticmethod
     def _result(
@@ -762,22 +805,23 @@ class AgentDriver:
                 f"prompts hold at most {self.s.max_prompt_tokens} "
                 "(data.max_prompt_tokens)",
             )
-        served = ep.first_prompt
-        if len(prompt) != len(served) or not np.array_equal(prompt, served):
-            # the buffer trains a sample only with the prompt its group was served with
+        seq = ep.seq
+        first = seq.prompt_ids
+        if ep.prompt_fixed and (len(prompt) != len(first) or not np.array_equal(prompt, first)):
+            # a sample has one prompt: a run that starts elsewhere would train another sample
             raise CallRefused(
                 Refusal.PROMPT_MISMATCH,
                 f"the conversation renders to a prompt ({len(prompt)} tokens) other than this "
-                f"episode's ({len(served)} tokens: the row's messages as served): begin with "
-                "exactly the row's messages (no added system message); a rewritten history "
-                "must start again from them",
+                f"episode's ({len(first)} tokens: what its first call rendered): a rewritten "
+                "history must start again from the first call's messages (system message and "
+                "task included) and tools",
             )
-        seq = ep.seq
         if ep.consumed is not None or ep.text is not None:  # the agent rewrote its history
             self.metrics.count("agent_history_rewrites")
             self.metrics.count("agent_rewrite_tokens_dropped", seq.length)
             self._clear(ep)
         seq.prompt_ids = np.asarray(prompt, np.int32)
+        ep.prompt_fixed = True
         seq.sent_upto = 0
         self.table.mark_dirty(seq.uid)  # the header (with this prompt) restarts the record
 
@@ -789,6 +833,7 @@ class AgentDriver:
         params: Sampling,
         stops: tuple[str, ...],
         keep: int | None = None,
+        structured: Structured | None = None,
     ) -> tuple[str, np.ndarray, np.ndarray]:
         """Run one call's model turn. `keep`: a resumed call, whose turn began at that response
         index with tokens recorded before the move (generation continues after them; a turn the
@@ -831,7 +876,7 @@ class AgentDriver:
         if params.max_tokens is not None:
             cap = min(cap, seq.turn_start + params.max_tokens)
         extra = tuple(s for s in (*params.stop, *stops) if s not in sp.stop)
-        sp = replace(sp, max_tokens=cap, stop=tuple(sp.stop) + extra)
+        sp = replace(sp, max_tokens=cap, stop=tuple(sp.stop) + extra, structured=structured)
         ep.pending = asyncio.get_running_loop().create_future()
         seq.awaiting_env = False
         self.table.set_waiting(seq, False)
@@ -852,7 +897,9 @@ class AgentDriver:
         # the turn goes to the partial pool before the agent sees it, so a resume elsewhere finds
         # every answer the agent holds (else its repeated call cannot match: a new run, counted)
         await self.deliverer.flush_partials()
-        self.metrics.add("agent_call_s", time.monotonic() - t0)
+        call_s = time.monotonic() - t0
+        self.metrics.add("agent_call_s", call_s)
+        self.metrics.count("agent_call_ms", round(call_s * 1000))
         return self._answered(ep, reason, seq.turn_start)
 
     def _answered(
@@ -894,6 +941,9 @@ class AgentDriver:
         if got is None:
             return None
         ep.tools_key, ep.calls, ep.after_eot, seq.turn = key, got.calls, got.after_eot, got.turn
+        # the calls the agent's answers made (the record holds their tokens, not the calls)
+        answers = [m for m in messages if isinstance(m, dict) and m.get("role") == "assistant"]
+        seq.tool_calls = [r for k, m in enumerate(answers) for r in tool_records(m, k)]
         return got.new, got.keep
 
     def _moved(self, token: str) -> EpisodeMoved:
@@ -917,6 +967,28 @@ class _OneCall:
     async def __aexit__(self, *exc: Any) -> None:
         self.ep.busy = False
         self.ep.t_seen = time.monotonic()  # its agent has the answer: its idle clock restarts
+
+
+def tool_records(message: Any, turn: int) -> list[ToolRecord]:
+    """The tool calls of one assistant message as the trajectory records them (the episode's
+    `episode/tool_calls`, `reward_by_tool_calls/*`). The agent runs its tools: the endpoint sees
+    the calls, not their results or time, so each is `ok` with `seconds` NaN (tool/latency_* stay
+    null and tool/error_rate 0 for agent episodes)."""
+    calls = message.get("tool_calls") if isinstance(message, dict) else None
+    out: list[ToolRecord] = []
+    for k, c in enumerate(calls if isinstance(calls, list) else []):
+        fn = c.get("function") if isinstance(c, dict) else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        call_id = c.get("id") if isinstance(c, dict) else None
+        out.append(
+            ToolRecord(
+                call_id=str(call_id or f"{turn}#{k}"),
+                name=str(name or ""),
+                turn=turn,
+                seconds=math.nan,
+            )
+        )
+    return out
 
 
 def canonical_tools(tools: Any) -> str:

@@ -20,8 +20,11 @@ Bad input and the driver's refusals are answered in the OpenAI error shape ({"er
 type, param, code}}, openai_shapes.py) with a 4xx status, counted (`agent_http_error_<code>`, and
 per reason in `figures()`, which rides the rollout's status: RolloutStatus.agent), and the
 endpoint goes on serving. What is not supported is refused by name: stream, n > 1,
-top_logprobs, several prompts per completion. With agent.check_model_name a call's `model` must
-be the served name (what /v1/models lists): another is OpenAI's 404 `model_not_found`.
+top_logprobs, several prompts per completion, and a constraint the engine cannot enforce
+(tool_choice required / a named function; response_format except on vLLM: 400
+unsupported_parameter naming the field and the engine, counted `unsupported`). With
+agent.check_model_name a call's `model` must be the served name (what /v1/models lists): another
+is OpenAI's 404 `model_not_found`.
 
 Hostile and careless agents (docs/agents.md "Limits and refusals"): a call's token (a claim's
 key) is checked before its body is read, so a stranger costs no parsing; a body is read within
@@ -80,8 +83,11 @@ ENDPOINT_COUNTERS = {
     "bad_request": "malformed JSON, a bad field, too deep, a lone surrogate, unrenderable (400)",
     "too_large": "a body over agent.max_body_bytes (413)",
     "too_long": "new text over agent.max_text_chars, or past the context or token budget (400)",
-    "prompt_mismatch": "a run whose prompt is not the episode's served prompt (400)",
+    "prompt_mismatch": "a rewritten history whose prompt is not the episode's first call's (400)",
     "unknown_model": "a `model` other than the served one, with agent.check_model_name (404)",
+    "unsupported": "a field the endpoint or this rollout's engine cannot honour: n > 1, "
+    "top_logprobs, legacy functions, tool_choice required / a named function, response_format "
+    "on the torch and sim engines (400 unsupported_parameter, naming the field and the engine)",
     "refused_at_close": "a close whose reward the buffer would refuse (400)",
     "read_timeout": "a body or first headers slower than agent.read_timeout_s (408 / closed)",
     "aborted": "the client went away mid-body",
@@ -99,6 +105,7 @@ idle_expired, episodes_preempted, agent_failures and agent_gave_up (AgentDriver.
 _BY_CODE = {
     "invalid_reward": "refused_at_close",
     "prompt_mismatch": "prompt_mismatch",
+    "unsupported_parameter": "unsupported",
     "context_length_exceeded": "too_long",
     "incomplete_body": "aborted",
     "model_not_found": "unknown_model",
@@ -211,8 +218,12 @@ class OpenAIEndpoint:
         """http://host:port once started."""
 
     def figures(self) -> dict[str, int]:
-        """Refusals and agent failures per reason, since start (RolloutStatus.agent)."""
-        return {k: v for k, v in (self.counts + self.driver.counts).items() if v}
+        """Refusals and agent failures per reason, and the rollout's `agent_*` counters (calls,
+        input tokens, rewrites, retries, moves, `agent_http_error_<code>` ...: docs/agents.md
+        "Counters"), since start (RolloutStatus.agent: `laminar status`, metrics.jsonl's
+        `agent/<key>`)."""
+        counters = {k: v for k, v in self.metrics.counters.items() if k.startswith("agent_")}
+        return {k: v for k, v in {**counters, **(self.counts + self.driver.counts)}.items() if v}
 
     async def start(self) -> str:
         self._runner = web.AppRunner(

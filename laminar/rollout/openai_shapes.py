@@ -11,10 +11,14 @@
 Pure functions and types: no I/O, no episode state. The HTTP server is openai_api.py; the
 driver's turn types are agent_turns.py. What is not supported is refused by name: stream, n > 1,
 top_logprobs, legacy functions, several prompts per completion, echo / suffix / best_of.
+`tool_choice` (required, a named function) and `response_format` (json_object, json_schema)
+become typed Constraints on the ChatTurn: the driver enforces them through an engine that can
+(Engine.structured) or refuses them naming the field and the engine.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Callable
@@ -27,6 +31,7 @@ from laminar.agents import MOVED_TO
 from laminar.rollout.agent_turns import (
     CallRefused,
     ChatTurn,
+    Constraint,
     EpisodeClaim,
     EpisodeMoved,
     EpisodeUnknown,
@@ -50,20 +55,22 @@ class ApiError(Exception):
         code: str,
         kind: str = INVALID,
         headers: dict[str, str] | None = None,
+        param: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.code, self.kind = status, message, code, kind
         self.headers = headers or {}
         """Extra response headers (a moved episode's `Laminar-Moved-To`)."""
+        self.param = param
+        """The request field at fault, when one is."""
 
     def body(self) -> dict[str, Any]:
-        return {
-            "error": {"message": self.message, "type": self.kind, "param": None, "code": self.code}
-        }
+        err = {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}
+        return {"error": err}
 
 
-def bad_request(message: str, code: str = "invalid_request") -> ApiError:
-    return ApiError(400, message, code)
+def bad_request(message: str, code: str = "invalid_request", param: str | None = None) -> ApiError:
+    return ApiError(400, message, code, param=param)
 
 
 # A refused call's (status, code, type).
@@ -80,6 +87,7 @@ _REFUSALS: dict[Refusal, tuple[int, str, str]] = {
     Refusal.PROMPT_MISMATCH: (400, "prompt_mismatch", INVALID),
     Refusal.TEXT_TOO_LONG: (400, "context_length_exceeded", INVALID),
     Refusal.PREEMPTED: (409, "episode_preempted", INVALID),
+    Refusal.UNSUPPORTED: (400, "unsupported_parameter", INVALID),
 }
 
 
@@ -102,7 +110,7 @@ def api_error(exc: EpisodeUnknown | EpisodeMoved | CallRefused) -> ApiError:
             headers={MOVED_TO: dest} if dest else None,
         )
     status, code, kind = _REFUSALS[exc.reason]
-    return ApiError(status, str(exc), code, kind)
+    return ApiError(status, str(exc), code, kind, param=exc.param)
 
 
 # ---- requests ------------------------------------------------------------------------------
@@ -191,7 +199,59 @@ def parse_chat(body: dict[str, Any]) -> ChatCall:
         raise bad_request("`tools` must be a list", "invalid_value")
     sampling, logprobs = parse_params(body)
     tools_on = bool(tools) and body.get("tool_choice") != "none"
-    return ChatCall(ChatTurn(msgs, tools if tools_on else None, sampling), logprobs)
+    constraints = (*_response_format(body), *_tool_choice(body, tools or []))
+    turn = ChatTurn(msgs, tools if tools_on else None, sampling, constraints)
+    return ChatCall(turn, logprobs)
+
+
+def _response_format(body: dict[str, Any]) -> tuple[Constraint, ...]:
+    """`response_format`: text (none), json_object, or json_schema with its schema."""
+    rf = body.get("response_format")
+    if rf is None:
+        return ()
+    kind = rf.get("type") if isinstance(rf, dict) else None
+    if kind == "text":
+        return ()
+    if kind == "json_object":
+        return (Constraint("response_format", "json_object"),)
+    if kind == "json_schema":
+        spec = rf.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise bad_request(
+                "`response_format.json_schema.schema` must be a JSON schema object",
+                "invalid_value",
+                "response_format",
+            )
+        return (Constraint("response_format", "json_schema", schema=json.dumps(schema)),)
+    raise bad_request(
+        "`response_format.type` must be text, json_object or json_schema",
+        "invalid_value",
+        "response_format",
+    )
+
+
+def _tool_choice(body: dict[str, Any], tools: list[Any]) -> tuple[Constraint, ...]:
+    """`tool_choice`: auto / none (no constraint), required, or one named function."""
+    tc = body.get("tool_choice")
+    if tc is None or tc in ("auto", "none"):
+        return ()
+    if tc == "required":
+        if not tools:
+            raise bad_request(
+                "tool_choice `required` needs `tools`", "invalid_value", "tool_choice"
+            )
+        return (Constraint("tool_choice", "required"),)
+    fn = tc.get("function") if isinstance(tc, dict) and tc.get("type") == "function" else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str) or not name:
+        raise bad_request(
+            '`tool_choice` must be "auto", "none", "required" or '
+            '{"type": "function", "function": {"name": ...}}',
+            "invalid_value",
+            "tool_choice",
+        )
+    return (Constraint("tool_choice", "function", name=name),)
 
 
 def check_model(body: dict[str, Any], served: str) -> None:

@@ -73,14 +73,21 @@ def sample_limits(cfg: LaminarConfig) -> SampleLimits:
     if cfg.rollout.engine == "sim":
         vocab = max(cfg.rollout.sim.vocab_size, vocab or 256)
     longest = cfg.rollout.sampling.max_tokens
-    if cfg.env.fn is not None:
+    if cfg.env.fn is not None or agent_prompts(cfg):
         longest = cfg.env.limits.max_total_tokens or longest
     return SampleLimits(
         reward_min=cfg.reward.min_value,
         reward_max=cfg.reward.max_value,
         vocab=vocab,
         max_response_tokens=longest,
+        # an agent renders its own prompt (a served one is compared token by token instead)
+        max_prompt_tokens=cfg.data.max_prompt_tokens if agent_prompts(cfg) else None,
     )
+
+
+def agent_prompts(cfg: LaminarConfig) -> bool:
+    """Are the run's samples black-box agent episodes, whose prompts their agents render?"""
+    return bool(cfg.agent.fn or cfg.agent.remote)
 
 
 def buffer_node_settings(
@@ -97,6 +104,7 @@ def buffer_node_settings(
         audit=audit_settings(cfg),
         limits=sample_limits(cfg),
         model_path=cfg.model.path,
+        agent_prompts=agent_prompts(cfg),
         reward_fn=cfg.reward.fn,
         group_size=cfg.rollout.group_size,
         groups_per_rollout=cfg.groups_per_rollout(),

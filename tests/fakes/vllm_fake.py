@@ -70,6 +70,13 @@ class SamplingParams:
             setattr(self, k, v)
 
 
+class StructuredOutputsParams:
+    """vLLM's structured outputs (json=, json_object=, regex= ...): recorded, not enforced."""
+
+    def __init__(self, **kw: Any) -> None:
+        self.kw = kw
+
+
 def TokensPrompt(prompt_token_ids: list[int]) -> dict[str, Any]:  # a TypedDict in vLLM
     return {"prompt_token_ids": list(prompt_token_ids)}
 
@@ -340,6 +347,7 @@ def install(monkeypatch: Any) -> FakeVllm:
     v.AsyncLLMEngine = FakeAsyncLLM
     mods["vllm.sampling_params"].RequestOutputKind = RequestOutputKind
     mods["vllm.sampling_params"].SamplingParams = SamplingParams
+    mods["vllm.sampling_params"].StructuredOutputsParams = StructuredOutputsParams
     mods["vllm.v1.engine.async_llm"].AsyncLLM = FakeAsyncLLM
     mods["vllm.v1.metrics.loggers"].StatLoggerBase = StatLoggerBase
     mods["vllm.lora.request"].LoRARequest = LoRARequest
