@@ -227,10 +227,10 @@ async def test_bad_requests_get_openai_errors_and_the_endpoint_keeps_serving(
                 (json.dumps({"messages": msgs}).encode(), bad_key, 401, "invalid_api_key"),
                 (json.dumps({"messages": "hi"}).encode(), auth, 400, "invalid_messages"),
                 (
-                    json.dumps({"messages": msgs, "stream": True}).encode(),
+                    json.dumps({"messages": msgs, "stream": "yes"}).encode(),
                     auth,
                     400,
-                    "unsupported_parameter",
+                    "invalid_value",
                 ),
                 (
                     json.dumps({"messages": msgs, "n": 3}).encode(),
