@@ -7,6 +7,8 @@
         │     driver.turn(token, ChatTurn | TextTurn): messages -> new tokens (mask 0) ->
         │     GenRequest(version=the episode's; mode partial: the engine's, per-token versions
         │     kept) -> engine -> turn_ended -> TurnResult ──► openai_shapes.py: the reply
+        │     (stream: true: each engine event's tokens also go to the call's TurnStream,
+        │     `progressed`, as the node's events loop sees them; the TurnResult is the same)
         └─ returns the reward ──► driver: deliver (reward.fn on the transcript when None);
            raises / times out / its worker dies ──► the episode starts again from its prompt
            (under agent.retries; then delivered without a reward)

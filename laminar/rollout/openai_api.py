@@ -11,6 +11,8 @@ One call goes down and back up:
 
     handler ──openai_shapes.parse_chat(body)──► ChatCall ──driver.turn(token, ChatTurn)──► engine
     response ◄──openai_shapes.chat_completion(TurnResult)──┘
+    stream: true ──driver.turn(token, ChatTurn, TurnStream) as a task; its tokens as the engine
+    events bring them ──openai_stream.py──► text/event-stream chunks, then the TurnResult's end
 
 Every /v1 call carries an episode token as its API key (`Authorization: Bearer <token>`); the
 driver (laminar/rollout/agents.py) issued it (or imported it with a moved episode's partial) and
@@ -19,7 +21,7 @@ knows the episode, its version and its tokens. A moved episode's calls answer 42
 Bad input and the driver's refusals are answered in the OpenAI error shape ({"error": {message,
 type, param, code}}, openai_shapes.py) with a 4xx status, counted (`agent_http_error_<code>`, and
 per reason in `figures()`, which rides the rollout's status: RolloutStatus.agent), and the
-endpoint goes on serving. What is not supported is refused by name: stream, n > 1,
+endpoint goes on serving. What is not supported is refused by name: n > 1,
 top_logprobs, several prompts per completion. With agent.check_model_name a call's `model` must
 be the served name (what /v1/models lists): another is OpenAI's 404 `model_not_found`.
 
