@@ -296,3 +296,39 @@ async def test_a_client_leaving_mid_stream_leaves_the_episode_whole(
         r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR
     ]
     assert json.dumps(figures())  # the status carries it
+
+
+async def test_langchain_astream_through_the_episode_client(tmp_path, tiny, monkeypatch):
+    """A framework's own streaming (LangChain's `astream`, which asks for usage too) on the
+    episode's client: the pieces join to the text the engine sampled."""
+    lc = pytest.importorskip(
+        "langchain_openai", reason="langchain-openai is not installed (the `frameworks` extra)"
+    )
+    monkeypatch.setenv("LAMINAR_AGENT_KEY", KEY)
+    cfg = _cfg(tmp_path, tiny, "stream-langchain", rows=8)
+    tok = load_prompt_tokenizer(tiny, chat_template=True)
+    engine = ScriptEngine(tok)
+    async with LocalCluster(cfg) as cluster:
+        rollout = await cluster.add("rollout", 0, engine=engine)
+        base = rollout.endpoint.url
+        async with aiohttp.ClientSession() as http:
+            ep = await _claim(http, base)
+            client = _client(ep)
+            model = lc.ChatOpenAI(
+                model="policy",
+                async_client=client.chat.completions,
+                root_async_client=client,
+                api_key=client.api_key,
+                base_url=str(client.base_url),
+                max_retries=0,
+                stream_usage=True,
+            )
+            pieces = [p async for p in model.astream([("user", ep["row"]["prompt"])])]
+            await _close(http, base, ep["episode"], 0.0)
+            await client.close()
+    assert len(engine.emitted) == 1  # the one episode called
+    text = "".join(str(p.content) for p in pieces)
+    ids, _ = next(iter(engine.emitted.values()))
+    assert text == ChatRenderer(tok).decode(ids) and len(pieces) > 2
+    usage = [p.usage_metadata for p in pieces if p.usage_metadata]
+    assert usage and usage[-1]["output_tokens"] == len(ids)

@@ -103,8 +103,9 @@ ENDPOINT_COUNTERS = {
     "internal": "a bug in the endpoint (500)",
     "stream_disconnected": "a streamed call's client went away before its end (the turn ran on)",
 }
-"""The endpoint's refusal counters (`figures()`), with what each counts; the driver adds
-idle_expired, agent_failures and agent_gave_up (AgentDriver.counts)."""
+"""The endpoint's counters (`figures()`): refusals per reason, and streams whose client left;
+with what each counts; the driver adds idle_expired, agent_failures and agent_gave_up
+(AgentDriver.counts)."""
 
 _BY_CODE = {
     "invalid_reward": "refused_at_close",
