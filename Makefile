@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	else \
 	    $(PY) -m venv $(VENV) && $(BIN)/pip install -q torch==2.13.0; \
 	fi
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q -e ".[dev,frameworks]"
 	@touch $(STAMP)
 
 run: setup

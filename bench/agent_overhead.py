@@ -1,22 +1,27 @@
 """The OpenAI-compatible endpoint's cost per turn, against the in-process Environment path.
 
-    python bench/agent_overhead.py [--prompts 32] [--group 4] [--turns 4] [--repeats 3]
+    python bench/agent_overhead.py [--prompts 32] [--group 4] [--repeats 3] [--quick]
                                    [--out bench/results/agent_overhead.json]
 
-Same episodes on the same engine, two ways (LocalCluster in this process, one sim rollout):
+Same episodes on the same engine, three ways (LocalCluster in this process, one sim rollout):
 
-  env     an in-process Environment (FixedTurnsEnv) answers each model turn with the user
-          message "continue", `turns` model turns per episode (laminar/rollout/episodes.py);
-  agent   a black-box agent (fixed_turns_agent) in an agent worker process makes the same
-          `turns` calls through the official openai client, adding the same user message
-          each time (laminar/rollout/agents.py, openai_api.py, openai_shapes.py).
+  env           an in-process Environment (FixedTurnsEnv) answers each model turn with the user
+                message "continue", `turns` model turns per episode (laminar/rollout/episodes.py);
+  agent         a black-box agent (fixed_turns_agent) in an agent worker process makes the same
+                `turns` calls through the official openai client, adding the same user message
+                each time (laminar/rollout/agents.py, openai_api.py, openai_shapes.py);
+  agent_stream  the same agent with `stream=True` (fixed_turns_stream_agent): it joins the
+                content deltas into the message it sends back (openai_stream.py).
 
 The figure is the gap of each turn: from the engine finishing model turn k (the table sees
 its final event) to turn k+1 entering the engine (engine.submit), per episode and turn. For
 the env path it is the step and the observation's tokenization; for the agent path the HTTP
 reply, the client's parsing, the agent's next call, the request's parsing, the message match,
-tokenizing the new message and the submit. Printed as p50 / p99 per path (min/median/max over
-repeats) and their ratio; JSON to --out. The sim engine's decode time is not in the gap.
+tokenizing the new message and the submit; streamed, the last chunks, [DONE] and the client's
+chunk parsing instead of the reply (the chunks sent while the engine decodes overlap decode
+time). Printed as p50 / p90 / p99 per path (min/median/max over repeats) and the ratios
+agent / env and agent_stream / agent; JSON to --out. The sim engine's decode time is not in
+the gap.
 """
 
 from __future__ import annotations
@@ -69,6 +74,22 @@ async def fixed_turns_agent(row: dict[str, Any], client: Any) -> float:
     return 0.5
 
 
+async def fixed_turns_stream_agent(row: dict[str, Any], client: Any) -> float:
+    messages: list[Any] = [{"role": "user", "content": row["prompt"]}]
+    for k in range(TURNS):
+        stream = await client.chat.completions.create(model="m", messages=messages, stream=True)
+        parts = [c.choices[0].delta.content or "" async for c in stream if c.choices]
+        messages.append({"role": "assistant", "content": "".join(parts)})
+        if k + 1 < TURNS:
+            messages.append({"role": "user", "content": "continue"})
+    return 0.5
+
+
+AGENTS = {"agent": "fixed_turns_agent", "agent_stream": "fixed_turns_stream_agent"}
+PATHS = ("env", *AGENTS)
+QUANTILES = {"p50": 50, "p90": 90, "p99": 99}
+
+
 def make_cfg(tmp: Path, path: str, prompts: int, group: int) -> Any:
     from laminar.config import config_from_dict
 
@@ -77,7 +98,7 @@ def make_cfg(tmp: Path, path: str, prompts: int, group: int) -> Any:
     over: dict[str, Any] = (
         {"env": {"fn": "agent_overhead:FixedTurnsEnv", "limits": {"max_turns": TURNS + 1}}}
         if path == "env"
-        else {"agent": {"fn": "agent_overhead:fixed_turns_agent", "workers": 2}}
+        else {"agent": {"fn": f"agent_overhead:{AGENTS[path]}", "workers": 2}}
     )
     return config_from_dict(
         {
@@ -142,26 +163,30 @@ def main() -> int:
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "agent_overhead.json"))
+    ap.add_argument("--quick", action="store_true", help="8 prompts x 4 (a minute or two)")
     args = ap.parse_args()
+    if args.quick:
+        args.prompts = 8
     from laminar.logs import configure_logging
 
     configure_logging("warning", False)
-    per: dict[str, dict[str, list[float]]] = {
-        "env": {"p50": [], "p99": []},
-        "agent": {"p50": [], "p99": []},
-    }
+    per: dict[str, dict[str, list[float]]] = {p: {q: [] for q in QUANTILES} for p in PATHS}
     turns_measured: dict[str, int] = {}
     for _ in range(args.repeats):
-        for path in ("env", "agent"):
+        for path in PATHS:
             gaps = asyncio.run(one_run(path, args.prompts, args.group))
-            per[path]["p50"].append(float(np.percentile(gaps, 50)) * 1e3)
-            per[path]["p99"].append(float(np.percentile(gaps, 99)) * 1e3)
+            for q, pct in QUANTILES.items():
+                per[path][q].append(float(np.percentile(gaps, pct)) * 1e3)
             turns_measured[path] = len(gaps)
     figures = {f"{path}_turn_gap_{q}_ms": stats(v) for path, d in per.items() for q, v in d.items()}
-    ratio = {
-        q: stats([a / e for a, e in zip(per["agent"][q], per["env"][q], strict=True)])
-        for q in ("p50", "p99")
-    }
+
+    def ratio(num: str, den: str) -> dict[str, dict[str, float]]:
+        """Per quantile, num / den within each repeat (the same box load), over repeats."""
+        return {
+            q: stats([a / b for a, b in zip(per[num][q], per[den][q], strict=True)])
+            for q in QUANTILES
+        }
+
     out = {
         "bench": "agent_overhead",
         "config": {**vars(args), "turns": TURNS},
@@ -169,19 +194,20 @@ def main() -> int:
         **git_state(),
         "turns_measured_per_run": turns_measured,
         "figures": figures,
-        "agent_over_env": ratio,
+        "agent_over_env": ratio("agent", "env"),
+        "stream_over_agent": ratio("agent_stream", "agent"),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
-    print(f"{'path':6} {'p50 ms (min/med/max)':>26} {'p99 ms (min/med/max)':>26}")
-    for path in ("env", "agent"):
-        row = [figures[f"{path}_turn_gap_{q}_ms"] for q in ("p50", "p99")]
-        cells = ["{min:7.2f} {median:7.2f} {max:7.2f}".format(**r) for r in row]
-        print(f"{path:6} {cells[0]:>26} {cells[1]:>26}")
-    print(
-        f"agent/env: p50 x{ratio['p50']['median']:.1f}, p99 x{ratio['p99']['median']:.1f} "
-        f"({turns_measured} turn gaps per run) -> {args.out}"
-    )
+    head = "".join(f"{q + ' ms (min/med/max)':>26}" for q in QUANTILES)
+    print(f"{'path':12} {head}")
+    for path in PATHS:
+        row = [figures[f"{path}_turn_gap_{q}_ms"] for q in QUANTILES]
+        cells = "".join("{min:8.2f} {median:7.2f} {max:7.2f}".format(**r) for r in row)
+        print(f"{path:12} {cells}")
+    for name, key in (("agent/env", "agent_over_env"), ("stream/agent", "stream_over_agent")):
+        print(f"{name}: " + ", ".join(f"{q} x{out[key][q]['median']:.2f}" for q in QUANTILES))
+    print(f"({turns_measured} turn gaps per run) -> {args.out}")
     return 0
 
 

@@ -101,36 +101,93 @@ async def tool_agent(row: dict[str, Any], client: Any, system: str = "", wrap: s
     """The calculator agent through the official client; logs what each call returned. As agents
     are written: `system` adds a system message, `wrap` puts the task after the agent's own words
     (e.g. "New task:\n"), both in its first call (agent.kwargs)."""
+    return await _tool_loop(row, lambda msgs, tools: _plain_call(client, msgs, tools), system, wrap)
+
+
+async def streaming_tool_agent(
+    row: dict[str, Any], client: Any, system: str = "", wrap: str = ""
+) -> float:
+    """The same agent with `stream=True`; a stream cut by its episode's move (an error event
+    `episode_moved`) is repeated once, as a client that retries would (the client's failover
+    finds the rollout holding the episode, which resumes the call)."""
+    import openai
+
+    async def call(msgs: list[Any], tools: Any) -> tuple[str, dict[str, Any], list, list, str]:
+        for attempt in range(3):
+            try:
+                return await _streamed_call(client, msgs, tools)
+            except openai.APIError as exc:
+                if exc.code != "episode_moved" or attempt == 2:
+                    raise
+                _log("AGENT_TEST_CALLS", {"stream_cut": exc.code})
+        raise AssertionError("unreachable")
+
+    return await _tool_loop(row, call, system, wrap)
+
+
+async def _plain_call(client: Any, msgs: list[Any], tools: Any) -> tuple[str, Any, list, list, str]:
+    resp = await client.chat.completions.create(
+        model="policy", messages=msgs, tools=tools, logprobs=True
+    )
+    ch = resp.choices[0]
+    toks = [t.token for t in ch.logprobs.content]
+    return resp.id, ch.message, toks, [t.logprob for t in ch.logprobs.content], ch.finish_reason
+
+
+async def _streamed_call(
+    client: Any, msgs: list[Any], tools: Any
+) -> tuple[str, dict[str, Any], list, list, str]:
+    stream = await client.chat.completions.create(
+        model="policy", messages=msgs, tools=tools, logprobs=True, stream=True
+    )
+    cid, content, toks, lps, finish = "", "", [], [], ""
+    calls: dict[int, dict[str, Any]] = {}
+    async for chunk in stream:
+        cid = chunk.id
+        for ch in chunk.choices:
+            content += ch.delta.content or ""
+            for t in ch.logprobs.content if ch.logprobs else []:
+                toks.append(t.token)
+                lps.append(t.logprob)
+            for d in ch.delta.tool_calls or []:
+                c = calls.setdefault(
+                    d.index,
+                    {"id": "", "type": "function", "function": {"name": "", "arguments": ""}},
+                )
+                c["id"] += d.id or ""
+                if d.function is not None:
+                    c["function"]["name"] += d.function.name or ""
+                    c["function"]["arguments"] += d.function.arguments or ""
+            finish = ch.finish_reason or finish
+    msg: dict[str, Any] = {"role": "assistant", "content": content or None}
+    if calls:
+        msg["tool_calls"] = [calls[k] for k in sorted(calls)]
+    return cid, msg, toks, lps, finish
+
+
+async def _tool_loop(row: dict[str, Any], call: Any, system: str = "", wrap: str = "") -> float:
     from laminar.demo.tooldemo.agent import TOOLS
 
     messages: list[Any] = [{"role": "system", "content": system}] if system else []
     messages.append({"role": "user", "content": wrap + row["prompt"]})
     text = ""
     for _ in range(4):
-        resp = await client.chat.completions.create(
-            model="policy", messages=messages, tools=TOOLS, logprobs=True
-        )
-        ch = resp.choices[0]
-        _log(
-            "AGENT_TEST_CALLS",
-            {
-                "id": resp.id,
-                "tokens": [t.token for t in ch.logprobs.content],
-                "logprobs": [t.logprob for t in ch.logprobs.content],
-                "finish": ch.finish_reason,
-            },
-        )
-        messages.append(ch.message)
-        if not ch.message.tool_calls:
-            text = ch.message.content or ""
+        cid, msg, toks, lps, finish = await call(messages, TOOLS)
+        _log("AGENT_TEST_CALLS", {"id": cid, "tokens": toks, "logprobs": lps, "finish": finish})
+        messages.append(msg)
+        tool_calls = msg.get("tool_calls") if isinstance(msg, dict) else msg.tool_calls
+        if not tool_calls:
+            text = (msg["content"] if isinstance(msg, dict) else msg.content) or ""
             break
-        for tc in ch.message.tool_calls:
-            args = json.loads(tc.function.arguments)
+        for tc in tool_calls:
+            tc_id = tc["id"] if isinstance(tc, dict) else tc.id
+            fn = tc["function"] if isinstance(tc, dict) else tc.function.model_dump()
+            args = json.loads(fn["arguments"])
             messages.append(
                 {
                     "role": "tool",
-                    "tool_call_id": tc.id,
-                    "content": effect(tc.id, args["expression"]),
+                    "tool_call_id": tc_id,
+                    "content": effect(tc_id, args["expression"]),
                 }
             )
     return float(text.strip() == f"#{row['answer']}")

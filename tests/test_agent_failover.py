@@ -11,6 +11,7 @@ the 421 the search asks the named rollout alone until a sweep is due.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,13 @@ import pytest
 from aiohttp import web
 
 from laminar.agents import MOVED_TO
-from laminar.agents.failover import FailoverTransport, close_episode, http_client
+from laminar.agents.failover import (
+    FailoverTransport,
+    blocking_client,
+    close_episode,
+    episode_client,
+    http_client,
+)
 
 ANSWER = {
     "id": "chatcmpl-x",
@@ -236,4 +243,24 @@ async def test_an_unusable_hint_searches_as_without_one(cluster, hint):
     assert len(roll["new"].seen) == 3 and len(roll["other"].seen) == 2
     assert len(roll["old"].seen) == 1 + 2
     assert transport.probes == 3 + 2 + 2 + (1 + 3 if hint == "dead" else 0)
+    await client.close()
+
+
+async def test_a_blocking_client_of_the_episode_follows_it_too(cluster):
+    """A sync framework (smolagents) gets `blocking_client(client)`: its calls, from a thread,
+    go through the episode's transport on the worker's loop, so a move is followed the same
+    way; from the loop's own thread it refuses rather than deadlock."""
+    reg, roll = cluster
+    transport = FailoverTransport(roll["old"].url + "/v1", str(reg), reconnect_s=20.0)
+    client = episode_client(roll["old"].url + "/v1", "tok", transport, http_client(transport, 20.0))
+    sync = blocking_client(client)
+    msgs = [{"role": "user", "content": "hello"}]
+    resp = await asyncio.to_thread(sync.chat.completions.create, model="m", messages=msgs)
+    assert resp.choices[0].message.content == "hi" and transport.moves == 1
+    assert roll["new"].seen[-1][1:] == ("Bearer tok", {"model": "m", "messages": msgs})
+    with pytest.raises(RuntimeError, match="wait on itself"):
+        sync.chat.completions.create(model="m", messages=msgs)
+    with pytest.raises(ValueError):
+        blocking_client(openai.AsyncOpenAI(base_url="http://x/v1", api_key="k"))
+    sync.close()
     await client.close()

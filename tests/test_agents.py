@@ -325,10 +325,10 @@ async def test_bad_requests_get_openai_errors_and_the_endpoint_keeps_serving(
                 (json.dumps({"messages": msgs}).encode(), bad_key, 401, "invalid_api_key"),
                 (json.dumps({"messages": "hi"}).encode(), auth, 400, "invalid_messages"),
                 (
-                    json.dumps({"messages": msgs, "stream": True}).encode(),
+                    json.dumps({"messages": msgs, "stream": "yes"}).encode(),
                     auth,
                     400,
-                    "unsupported_parameter",
+                    "invalid_value",
                 ),
                 (
                     json.dumps({"messages": msgs, "n": 3}).encode(),
@@ -644,8 +644,9 @@ async def test_agents_lost_with_their_rollout_start_again_from_the_prompt_once(
     assert_framed_prompts(done.values(), ChatRenderer(tok))  # recovered, started again: taken
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["unstreamed", "streamed"])
 async def test_a_repack_move_mid_call_resumes_the_call_on_the_other_rollout(
-    tmp_path, tiny, agent_files
+    tmp_path, tiny, agent_files, stream
 ):
     """Repack moves rollout-0's agent episodes to rollout-1 while some agents' second calls are in
     flight with 2 tokens made: the call answers 421 on rollout-0, the agent's client repeats it on
@@ -655,7 +656,9 @@ async def test_a_repack_move_mid_call_resumes_the_call_on_the_other_rollout(
     once. The 421s name rollout-1 (`Laminar-Moved-To`), so the agents' clients ask it alone: a
     decoy endpoint listed first in run_dir/agents/endpoints (answering 401, as a rollout without
     the episode) is asked by fewer searches than there were (each search without the hint asks
-    it in its first round)."""
+    it in its first round). Streamed, the move ends the call's stream with an error event
+    (`episode_moved`) after its first tokens; the agent repeats the call and gets the whole turn
+    from rollout-1, the recorded tokens first."""
     from aiohttp import web
 
     from laminar.manager.repack import Move
@@ -667,7 +670,11 @@ async def test_a_repack_move_mid_call_resumes_the_call_on_the_other_rollout(
         rows=2,
         data={"epochs": 1},
         rollout={"credits": 2},
-        agent={"fn": "tests.agent_fakes:tool_agent", "workers": 1, "kwargs": FRAMED},
+        agent={
+            "fn": f"tests.agent_fakes:{'streaming_tool_agent' if stream else 'tool_agent'}",
+            "workers": 1,
+            "kwargs": FRAMED,
+        },
     )
     tok = load_prompt_tokenizer(tiny, chat_template=True)
     render = ChatRenderer(tok)
@@ -727,7 +734,10 @@ async def test_a_repack_move_mid_call_resumes_the_call_on_the_other_rollout(
     assert c1.get("agent_moved_in") == len(moving) and c1.get("agent_calls_resumed", 0) >= len(hard)
     for c in (c0, c1):
         assert not any(k.startswith("agent_failure") or "mismatch" in k for k in c), c
-    calls = {c["id"]: c for c in read_jsonl(agent_files["AGENT_TEST_CALLS"])}
+    logged = read_jsonl(agent_files["AGENT_TEST_CALLS"])
+    calls = {c["id"]: c for c in logged if "id" in c}
+    if stream:  # each held call's stream was cut by the move once, and repeated
+        assert sum("stream_cut" in c for c in logged) >= len(hard)
     for uid in hard:
         t = done[uid]
         model = [(a, b) for v, a, b in runs(t.loss_mask) if v == 1]

@@ -32,10 +32,12 @@ manager's recovery takes a few heartbeats) answers 401 too, so the search goes o
 `reconnect_s`, then the call fails as a connection error would have. `probes` and `searches`
 count what the searches cost.
 
-Used by the agent worker (laminar/agents/worker.py) for `agent.fn` agents; agents elsewhere can
-pass it as their client's transport, or follow the protocol in docs/agents.md themselves. The
-endpoints are the run's own: no proxy from the environment (trust_env off), and one TLS context
-per process.
+Used by the agent worker (laminar/agents/worker.py) for `agent.fn` agents (`episode_client`);
+a framework that is not async (smolagents) gets a sync client sharing the episode's transport
+(`blocking_client`: its calls run on the worker's loop; the framework runs in a thread); agents
+elsewhere can pass it as their client's transport, or follow the protocol in docs/agents.md
+themselves. The endpoints are the run's own: no proxy from the environment (trust_env off), and
+one TLS context per process.
 """
 
 from __future__ import annotations
@@ -44,7 +46,9 @@ import asyncio
 import functools
 import os
 import ssl
+import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -171,6 +175,80 @@ class FailoverTransport(httpx.AsyncBaseTransport):
 def http_client(transport: FailoverTransport, timeout_s: float) -> httpx.AsyncClient:
     """The client to hand `openai.AsyncOpenAI(http_client=...)`."""
     return httpx.AsyncClient(transport=transport, timeout=timeout_s, trust_env=False)
+
+
+_EPISODE_CLIENTS: weakref.WeakKeyDictionary[Any, tuple[FailoverTransport, Any]] = (
+    weakref.WeakKeyDictionary()
+)
+"""The episode clients this process built, with their transport and timeout
+(`blocking_client` finds them here)."""
+
+
+def episode_client(
+    base_url: str, api_key: str, transport: FailoverTransport, http: httpx.AsyncClient
+) -> Any:
+    """The openai.AsyncOpenAI an agent's `run(row, client)` gets: its calls go through `http`
+    (`http_client(transport, ...)`); no retries of its own: a refused call is the agent's."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, http_client=http)
+    _EPISODE_CLIENTS[client] = (transport, http.timeout)
+    return client
+
+
+def blocking_client(client: Any) -> Any:
+    """A sync openai.OpenAI on the episode of `client` (the one `run(row, client)` got), for a
+    framework that is not async (smolagents): its calls go through the same FailoverTransport,
+    run on this event loop, so run the framework in a thread (`await asyncio.to_thread(...)`);
+    a call from the loop's own thread would wait on itself and is refused."""
+    import openai
+
+    got = _EPISODE_CLIENTS.get(client)
+    if got is None:
+        raise ValueError(
+            "blocking_client takes the client Laminar handed `run(row, client)` (an agent "
+            "elsewhere builds its own: openai.OpenAI(base_url=..., api_key=<episode token>))"
+        )
+    transport, timeout = got
+    bridge = _Blocking(transport, asyncio.get_running_loop())
+    http = httpx.Client(transport=bridge, timeout=timeout, trust_env=False)
+    return openai.OpenAI(
+        base_url=str(client.base_url), api_key=client.api_key, max_retries=0, http_client=http
+    )
+
+
+class _Blocking(httpx.BaseTransport):
+    """A sync transport that sends each request through an async one on its event loop."""
+
+    def __init__(self, inner: FailoverTransport, loop: asyncio.AbstractEventLoop):
+        self.inner, self.loop = inner, loop
+        self.loop_thread = threading.get_ident()
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        if threading.get_ident() == self.loop_thread:
+            raise RuntimeError(
+                "a blocking_client call from its event loop's thread would wait on itself: "
+                "run the framework in a thread (await asyncio.to_thread(agent.run, task))"
+            )
+        body = request.read()
+        sent = asyncio.run_coroutine_threadsafe(self._send(request, body), self.loop)
+        status, headers, content = sent.result()
+        return httpx.Response(status, headers=headers, content=content, request=request)
+
+    async def _send(self, request: httpx.Request, body: bytes) -> tuple[int, Any, bytes]:
+        again = httpx.Request(
+            request.method,
+            request.url,
+            headers=request.headers,
+            content=body,
+            extensions=request.extensions,
+        )
+        resp = await self.inner.handle_async_request(again)
+        try:
+            content = await resp.aread()
+        finally:
+            await resp.aclose()
+        return resp.status_code, resp.headers, content
 
 
 @functools.cache

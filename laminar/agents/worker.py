@@ -83,6 +83,7 @@ class _Episode:
         library is imported there: without the `agents` extra, each episode fails, counted)."""
 
     def open(self) -> Any:
+        """The episode's HTTP client, through its FailoverTransport."""
         from laminar.agents.failover import FailoverTransport, http_client
 
         req = self.req
@@ -99,16 +100,12 @@ class _Episode:
 
 
 async def _episode(fn: Any, ep: _Episode, pipe_open: Callable[[], bool]) -> dict[str, Any]:
-    import openai
-
-    from laminar.agents.failover import close_episode
+    from laminar.agents.failover import close_episode, episode_client
 
     req = ep.req
     timeout = float(req.get("timeout_s", 300.0))
     http = ep.open()
-    client = openai.AsyncOpenAI(
-        base_url=req["base_url"], api_key=req["api_key"], max_retries=0, http_client=http
-    )
+    client = episode_client(req["base_url"], req["api_key"], ep.transport, http)
     try:
         out = await asyncio.wait_for(fn(req["row"], client, **req.get("kwargs", {})), timeout)
         result = {"id": req["id"], "ok": True, "reward": _plain_reward(out)}

@@ -2,6 +2,8 @@
 
     openai_shapes.py ──ChatTurn | TextTurn──► AgentDriver.turn (agents.py) ──TurnResult──►
     openai_shapes.py;  a refusal: EpisodeUnknown | EpisodeMoved | CallRefused(Refusal)
+    a streamed call: AgentDriver.turn(..., TurnStream) ──push(ids, logprobs) as the engine
+    samples them──► openai_stream.py (server-sent events) ... then the same TurnResult
 
 The driver's typed API, free of HTTP and of OpenAI's field names: the endpoint's shapes
 (openai_shapes.py) build these from request bodies and turn them into reply bodies, status codes
@@ -10,6 +12,7 @@ and error bodies.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 from dataclasses import dataclass
 from typing import Any
@@ -141,6 +144,37 @@ class TurnResult:
     """A chat turn: the model's turn as a message (laminar/agents/render.py)."""
     tool_called: bool = False
     """A chat turn: the message calls tools."""
+
+
+class TurnStream:
+    """A streamed call's model tokens as the engine samples them: the driver pushes each engine
+    event's new tokens (and, for a call resumed after a move, the ones recorded before it), the
+    endpoint takes them. They are a prefix of the call's TurnResult.ids (same arrays, same
+    logprobs): the result stays what the call answers and what is trained."""
+
+    def __init__(self) -> None:
+        self.wake = asyncio.Event()
+        """Set when tokens were pushed and not yet taken."""
+        self.upto = 0
+        """The driver's: the response index up to which tokens were pushed."""
+        self.turn_id = ""
+        """The turn's TurnResult.turn_id, set before the first push."""
+        self._ids: list[np.ndarray] = []
+        self._lps: list[np.ndarray] = []
+
+    def push(self, ids: np.ndarray, logprobs: np.ndarray) -> None:
+        self._ids.append(ids)
+        self._lps.append(logprobs)
+        self.wake.set()
+
+    def take(self) -> tuple[np.ndarray, np.ndarray]:
+        """The tokens pushed since the last take, with their logprobs (possibly none)."""
+        self.wake.clear()
+        if not self._ids:
+            return np.zeros(0, np.int32), np.zeros(0, np.float32)
+        ids, lps = np.concatenate(self._ids), np.concatenate(self._lps)
+        self._ids, self._lps = [], []
+        return ids, lps
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,8 @@
         │     driver.turn(token, ChatTurn | TextTurn): messages -> new tokens (mask 0) ->
         │     GenRequest(version=the episode's; mode partial: the engine's, per-token versions
         │     kept) -> engine -> turn_ended -> TurnResult ──► openai_shapes.py: the reply
+        │     (stream: true: each engine event's tokens also go to the call's TurnStream,
+        │     `progressed`, as the node's events loop sees them; the TurnResult is the same)
         └─ returns the reward ──► driver: deliver (reward.fn on the transcript when None);
            raises / times out / its worker dies ──► the episode starts again from its prompt
            (under agent.retries; then delivered without a reward)
@@ -120,6 +122,7 @@ from laminar.rollout.agent_turns import (
     Sampling,
     TextTurn,
     TurnResult,
+    TurnStream,
 )
 from laminar.rollout.deliver import Deliverer
 from laminar.rollout.sequences import SequenceTable
@@ -220,6 +223,9 @@ class AgentDriver:
         self.base_url = ""
         """Set once the HTTP server listens (http://host:port/v1)."""
         self.delivered = 0
+        self.streams: dict[str, TurnStream] = {}
+        """Streamed calls generating now, by sample uid: the node's events loop hands their
+        tokens on as the engine samples them (`progressed`)."""
         self.counts: Counter[str] = Counter()
         """idle_expired, episodes_preempted, agent_failures, agent_gave_up: beside the endpoint's
         refusals in the
@@ -319,6 +325,17 @@ class AgentDriver:
 
     def owns(self, uid: str) -> bool:
         return uid in self.by_uid
+
+    def progressed(self, seq: SeqState) -> None:
+        """An engine event added tokens to `seq` (the node calls this while `streams` is not
+        empty): a streamed call of it gets them now. Its final tokens come with the call's
+        result."""
+        st = self.streams.get(seq.uid)
+        if st is None or seq.length <= st.upto:  # (below: the episode started again)
+            return
+        a, b = st.upto, seq.length
+        st.push(seq.ids.view(a, b).copy(), seq.logprobs.view(a, b).copy())
+        st.upto = seq.length
 
     def turn_ended(self, seq: SeqState, reason: str) -> None:
         """The engine finished a call's model turn (or gave up on it)."""
@@ -621,13 +638,17 @@ class AgentDriver:
             raise EpisodeUnknown
         return ep
 
-    async def turn(self, token: str, request: ChatTurn | TextTurn) -> TurnResult:
-        """One call of the episode `token` holds: a model turn after the request's new tokens."""
+    async def turn(
+        self, token: str, request: ChatTurn | TextTurn, stream: TurnStream | None = None
+    ) -> TurnResult:
+        """One call of the episode `token` holds: a model turn after the request's new tokens.
+        `stream`: a streamed call, whose tokens are pushed to it as the engine samples them;
+        the call runs, is recorded and answers exactly as an unstreamed one."""
         if isinstance(request, ChatTurn):
-            return await self._chat(token, request)
-        return await self._text(token, request)
+            return await self._chat(token, request, stream)
+        return await self._text(token, request, stream)
 
-    async def _chat(self, token: str, request: ChatTurn) -> TurnResult:
+    async def _chat(self, token: str, request: ChatTurn, stream: TurnStream | None) -> TurnResult:
         ep = self._episode(token)
         structured = self._structured(request.constraints)
         messages, tools = request.messages, request.tools
@@ -686,7 +707,7 @@ class AgentDriver:
                 self._new_run(ep, prompt)
                 ep.tools_key = key
             reason, ids, lps = await self._generate(
-                ep, token, new, request.sampling, stops, keep, structured
+                ep, token, new, request.sampling, stops, keep, structured, stream
             )
             text = self.render.decode(ids.tolist())
             msg, called = self.render.assistant_message(text, tools_on, ep.seq.uid, ep.seq.turn)
@@ -694,7 +715,7 @@ class AgentDriver:
             ep.seq.tool_calls += tool_records(msg, ep.seq.turn)
         return self._result(ep, reason, ids, lps, text, msg, called)
 
-    async def _text(self, token: str, request: TextTurn) -> TurnResult:
+    async def _text(self, token: str, request: TextTurn, stream: TurnStream | None) -> TurnResult:
         ep = self._episode(token)
         prompt = request.prompt
         async with self._call(ep, token):
@@ -712,7 +733,9 @@ class AgentDriver:
                     self._text_chars([prompt]), self.render.encode, prompt
                 )
                 self._new_run(ep, self.render.bos + text_ids)
-            reason, ids, lps = await self._generate(ep, token, new, request.sampling, ())
+            reason, ids, lps = await self._generate(
+                ep, token, new, request.sampling, (), stream=stream
+            )
             text = self.render.decode(ids.tolist())
             ep.text = prompt + text
         return self._result(ep, reason, ids, lps, text)
@@ -753,7 +776,7 @@ class AgentDriver:
     ) -> TurnResult:
         seq = ep.seq
         return TurnResult(
-            turn_id=f"{seq.uid}-{ep.attempt}-{seq.turn}",
+            turn_id=AgentDriver._turn_id(ep),
             ids=ids,
             logprobs=lps,
             text=text,
@@ -762,6 +785,11 @@ class AgentDriver:
             message=message,
             tool_called=tool_called,
         )
+
+    @staticmethod
+    def _turn_id(ep: AgentEpisode) -> str:
+        """<sample uid>-<attempt>-<turn>: unique per turn of a sample."""
+        return f"{ep.seq.uid}-{ep.attempt}-{ep.seq.turn}"
 
     def _call(self, ep: AgentEpisode, token: str) -> _OneCall:
         if ep.busy:
@@ -834,10 +862,12 @@ class AgentDriver:
         stops: tuple[str, ...],
         keep: int | None = None,
         structured: Structured | None = None,
+        stream: TurnStream | None = None,
     ) -> tuple[str, np.ndarray, np.ndarray]:
         """Run one call's model turn. `keep`: a resumed call, whose turn began at that response
         index with tokens recorded before the move (generation continues after them; a turn the
-        record says was whole is answered from it)."""
+        record says was whole is answered from it). `stream`: gets the turn's tokens as they
+        come (a resumed call's recorded ones at once)."""
         seq = ep.seq
         if keep is not None and keep < seq.length and seq.awaiting_env:
             return self._answered(ep, "stop", keep)
@@ -882,6 +912,10 @@ class AgentDriver:
         self.table.set_waiting(seq, False)
         self.table.mark_dirty(seq.uid)
         t0 = time.monotonic()
+        if stream is not None:
+            stream.upto, stream.turn_id = seq.turn_start, self._turn_id(ep)
+            self.streams[seq.uid] = stream
+            self.progressed(seq)  # a resumed call's tokens recorded before the move
         self.table.submit_turn(seq, sp)  # mode partial: at the engine's version, after a swap
         left = self.cfg.episode_timeout_s - (time.monotonic() - ep.t_attempt)
         try:
@@ -890,6 +924,8 @@ class AgentDriver:
             raise CallRefused(Refusal.TIME_UP, "the episode's time is up") from None
         finally:
             ep.pending = None
+            if stream is not None:
+                self.streams.pop(seq.uid, None)
         if reason == "moved":
             raise self._moved(token)
         if not self._current(ep, token) or reason not in ("stop", "length"):

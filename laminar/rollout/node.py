@@ -394,6 +394,7 @@ class RolloutNode(Node):
             self.agents,
             model_name=s.model_name,
             token_text=renderer.token_text,
+            decode=renderer.decode,
             host=ac.host,
             port=ac.port + self.index if ac.port else 0,
             limits=EndpointLimits(
@@ -540,8 +541,8 @@ class RolloutNode(Node):
             await asyncio.sleep(every)  # the manager's status changes only with its heartbeats
 
     async def _events(self) -> None:
-        """Engine events: tokens into the table; finished ones to the deliverer; chunks to
-        stream."""
+        """Engine events: tokens into the table (and to a streamed agent call); finished ones to
+        the deliverer; chunks to stream."""
         assert self.engine is not None
         chunk = self.settings.rollout.partial_chunk_tokens
         async for ev in self.engine.events():
@@ -561,8 +562,11 @@ class RolloutNode(Node):
                     continue
                 self.table.forget(seq.uid)
                 self.deliverer.finished(seq, ev.finish_reason or "stop")
-            elif seq.length - seq.sent_upto >= chunk:
-                self.table.mark_dirty(seq.uid)
+            else:
+                if self.agents is not None and self.agents.streams:
+                    self.agents.progressed(seq)  # a streamed call's tokens, as they come
+                if seq.length - seq.sent_upto >= chunk:
+                    self.table.mark_dirty(seq.uid)
 
     async def _status_push(self) -> None:
         """Send the status as soon as it changed, not only on the next beat: repack plans from it,

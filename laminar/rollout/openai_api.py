@@ -11,6 +11,8 @@ One call goes down and back up:
 
     handler ──openai_shapes.parse_chat(body)──► ChatCall ──driver.turn(token, ChatTurn)──► engine
     response ◄──openai_shapes.chat_completion(TurnResult)──┘
+    stream: true ──driver.turn(token, ChatTurn, TurnStream) as a task; its tokens as the engine
+    events bring them ──openai_stream.py──► text/event-stream chunks, then the TurnResult's end
 
 Every /v1 call carries an episode token as its API key (`Authorization: Bearer <token>`); the
 driver (laminar/rollout/agents.py) issued it (or imported it with a moved episode's partial) and
@@ -19,12 +21,11 @@ knows the episode, its version and its tokens. A moved episode's calls answer 42
 Bad input and the driver's refusals are answered in the OpenAI error shape ({"error": {message,
 type, param, code}}, openai_shapes.py) with a 4xx status, counted (`agent_http_error_<code>`, and
 per reason in `figures()`, which rides the rollout's status: RolloutStatus.agent), and the
-endpoint goes on serving. What is not supported is refused by name: stream, n > 1,
-top_logprobs, several prompts per completion, and a constraint the engine cannot enforce
-(tool_choice required / a named function; response_format except on vLLM: 400
-unsupported_parameter naming the field and the engine, counted `unsupported`). With
-agent.check_model_name a call's `model` must be the served name (what /v1/models lists): another
-is OpenAI's 404 `model_not_found`.
+endpoint goes on serving. What is not supported is refused by name: n > 1, top_logprobs,
+several prompts per completion, and a constraint the engine cannot enforce (tool_choice
+required / a named function; response_format except on vLLM: 400 unsupported_parameter naming
+the field and the engine, counted `unsupported`). With agent.check_model_name a call's `model`
+must be the served name (what /v1/models lists): another is OpenAI's 404 `model_not_found`.
 
 Hostile and careless agents (docs/agents.md "Limits and refusals"): a call's token (a claim's
 key) is checked before its body is read, so a stranger costs no parsing; a body is read within
@@ -54,10 +55,18 @@ from aiohttp import ClientPayloadError, web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from laminar.metrics import Metrics
-from laminar.rollout.agent_turns import CallRefused, EpisodeMoved, EpisodeUnknown
+from laminar.rollout.agent_turns import (
+    CallRefused,
+    ChatTurn,
+    EpisodeMoved,
+    EpisodeUnknown,
+    TextTurn,
+    TurnStream,
+)
 from laminar.rollout.agents import AgentDriver
 from laminar.rollout.openai_shapes import (
     ApiError,
+    Streaming,
     TokenText,
     api_error,
     bad_request,
@@ -70,6 +79,7 @@ from laminar.rollout.openai_shapes import (
     parse_completion,
     text_completion,
 )
+from laminar.rollout.openai_stream import DONE, ChatChunks, Decode, TextChunks, event
 
 MAX_DEPTH = 64
 """Nesting depth of a request body's JSON (a conversation with tool arguments needs ~10); deeper
@@ -98,9 +108,11 @@ ENDPOINT_COUNTERS = {
     "of silence (409)",
     "time_up": "a call that outlived agent.episode_timeout_s (504)",
     "internal": "a bug in the endpoint (500)",
+    "stream_disconnected": "a streamed call's client went away before its end (the turn ran on)",
 }
-"""The endpoint's refusal counters (`figures()`), with what each counts; the driver adds
-idle_expired, episodes_preempted, agent_failures and agent_gave_up (AgentDriver.counts)."""
+"""The endpoint's counters (`figures()`): refusals per reason, and streams whose client left;
+with what each counts; the driver adds idle_expired, episodes_preempted, agent_failures and
+agent_gave_up (AgentDriver.counts)."""
 
 _BY_CODE = {
     "invalid_reward": "refused_at_close",
@@ -186,6 +198,7 @@ class OpenAIEndpoint:
         *,
         model_name: str,
         token_text: TokenText,
+        decode: Decode,
         host: str,
         port: int,
         limits: EndpointLimits | None = None,
@@ -193,7 +206,7 @@ class OpenAIEndpoint:
         log: structlog.typing.FilteringBoundLogger,
     ):
         self.driver, self.host, self.port = driver, host, port
-        self.model_name, self.token_text = model_name, token_text
+        self.model_name, self.token_text, self.decode = model_name, token_text, decode
         self.limits = limits or EndpointLimits()
         self.metrics, self.log = metrics, log
         self.counts: Counter[str] = Counter()
@@ -275,9 +288,12 @@ class OpenAIEndpoint:
         if self._runner is not None:
             await self._runner.cleanup()
 
-    def _refused(self, err: ApiError) -> web.Response:
+    def _count(self, err: ApiError) -> None:
         self.metrics.count(f"agent_http_error_{err.code}")
         self.counts[_BY_CODE.get(err.code) or _BY_STATUS.get(err.status, "bad_request")] += 1
+
+    def _refused(self, err: ApiError) -> web.Response:
+        self._count(err)
         return web.json_response(err.body(), status=err.status, headers=err.headers)
 
     @web.middleware
@@ -323,17 +339,107 @@ class OpenAIEndpoint:
         self.driver.authorize(token)
         return token
 
-    async def _chat(self, request: web.Request) -> web.Response:
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
         token = self._authorized(request)
         call = parse_chat(self._checked(await self._json(request)))
+        if call.stream is not None:
+            chunks = ChatChunks(
+                self.model_name,
+                self.decode,
+                self.token_text,
+                logprobs=call.logprobs,
+                tools_on=call.turn.tools is not None,
+            )
+            return await self._streamed(request, token, call.turn, call.stream, chunks)
         turn = await self.driver.turn(token, call.turn)
         return web.json_response(chat_completion(turn, call, self.model_name, self.token_text))
 
-    async def _completions(self, request: web.Request) -> web.Response:
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
         token = self._authorized(request)
         call = parse_completion(self._checked(await self._json(request)))
+        if call.stream is not None:
+            chunks = TextChunks(
+                self.model_name, self.decode, self.token_text, logprobs=call.logprobs
+            )
+            return await self._streamed(request, token, call.turn, call.stream, chunks)
         turn = await self.driver.turn(token, call.turn)
         return web.json_response(text_completion(turn, call, self.model_name, self.token_text))
+
+    async def _streamed(
+        self,
+        request: web.Request,
+        token: str,
+        turn: ChatTurn | TextTurn,
+        opts: Streaming,
+        chunks: ChatChunks | TextChunks,
+    ) -> web.StreamResponse:
+        """A streamed call: its refusals up to the first sampled token are the usual JSON
+        errors (a moved episode's 421 included, so the client's failover still follows it);
+        after that an error is an SSE event. A client that goes away mid-stream is counted; the
+        turn runs to its end and is recorded as if answered (its episode stays consistent: a
+        repeated call is matched against it like any other)."""
+        stream = TurnStream()
+        task = asyncio.ensure_future(self.driver.turn(token, turn, stream))
+        try:
+            await _first(task, stream)
+            if task.done():
+                task.result()  # a refusal before any token: the middleware answers it
+            self.metrics.count("agent_streamed_calls")
+            resp = web.StreamResponse(
+                headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+            )
+            try:
+                await resp.prepare(request)
+                await self._stream_turn(resp, task, stream, opts, chunks)
+            except ConnectionError:  # the client went away: nobody reads the rest
+                await _settled(task)  # counted once its turn ended: the episode is free again
+                self.counts["stream_disconnected"] += 1
+                self.metrics.count("agent_stream_disconnects")
+                self.log.info("agent_stream_disconnected", path=request.path)
+            return resp
+        except asyncio.CancelledError:
+            task.cancel()  # as an unstreamed call's turn is, when its handler is cancelled
+            raise
+
+    async def _stream_turn(
+        self,
+        resp: web.StreamResponse,
+        task: asyncio.Future[Any],
+        stream: TurnStream,
+        opts: Streaming,
+        chunks: ChatChunks | TextChunks,
+    ) -> None:
+        started = False
+        while True:
+            ids, lps = stream.take()
+            if len(ids):
+                if not started:
+                    chunks.turn_id = stream.turn_id
+                out = ([] if started else chunks.start()) + chunks.tokens(ids, lps)
+                started = True
+                await resp.write(b"".join(event(c) for c in out))
+            if task.done():
+                break
+            await _first(task, stream)
+        try:
+            result = task.result()
+        except (ApiError, EpisodeUnknown, EpisodeMoved, CallRefused) as exc:
+            err = exc if isinstance(exc, ApiError) else api_error(exc)
+            self._count(err)
+            await resp.write(event(err.body()))
+            return
+        except Exception as exc:  # a bug here: the caller gets an error event, this node goes on
+            self.log.exception("agent_endpoint_error", path="stream")
+            err = ApiError(500, f"internal error: {type(exc).__name__}", "internal", "server_error")
+            self._count(err)
+            await resp.write(event(err.body()))
+            return
+        chunks.turn_id = result.turn_id
+        out = ([] if started else chunks.start()) + chunks.end(result, opts.include_usage)
+        if chunks.mismatch:
+            self.metrics.count("agent_stream_text_mismatch")
+        await resp.write(b"".join(event(c) for c in out) + DONE)
+        await resp.write_eof()
 
     async def _models(self, request: web.Request) -> web.Response:
         self._authorized(request)
@@ -356,3 +462,23 @@ class OpenAIEndpoint:
         reward, error = parse_close(await self._json(request))
         self.driver.close_episode(token, reward, error)
         return web.json_response({"ok": True})
+
+
+async def _first(task: asyncio.Future[Any], stream: TurnStream) -> None:
+    """Until the turn ends or the stream has tokens to take (the turn's own deadline bounds
+    it: agent.episode_timeout_s)."""
+    if task.done() or stream.wake.is_set():
+        return
+    woke = asyncio.ensure_future(stream.wake.wait())
+    try:
+        await asyncio.wait([task, woke], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        woke.cancel()
+
+
+async def _settled(task: asyncio.Future[Any]) -> None:
+    """The turn of a call whose client left, run to its end; its refusal has no reader."""
+    try:
+        await task
+    except (ApiError, EpisodeUnknown, EpisodeMoved, CallRefused):
+        pass

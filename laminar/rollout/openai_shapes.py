@@ -1,7 +1,8 @@
 """The agent endpoint's wire shapes: OpenAI request bodies in, typed turns out, and back.
 
     request body ──parse_chat / parse_completion──► ChatCall / TextCall (a ChatTurn / TextTurn for
-                                                    the driver, and whether to list logprobs)
+                                                    the driver, whether to list logprobs, and
+                                                    whether to stream: openai_stream.py)
                  ──check_model──► ApiError 404 unless `model` is the served name (when checked)
     TurnResult ──chat_completion / text_completion──► chat.completion / text_completion body
                                                       (usage, logprobs)
@@ -9,7 +10,7 @@
                                                                OpenAI error body
 
 Pure functions and types: no I/O, no episode state. The HTTP server is openai_api.py; the
-driver's turn types are agent_turns.py. What is not supported is refused by name: stream, n > 1,
+driver's turn types are agent_turns.py. What is not supported is refused by name: n > 1,
 top_logprobs, legacy functions, several prompts per completion, echo / suffix / best_of.
 `tool_choice` (required, a named function) and `response_format` (json_object, json_schema)
 become typed Constraints on the ChatTurn: the driver enforces them through an engine that can
@@ -116,10 +117,17 @@ def api_error(exc: EpisodeUnknown | EpisodeMoved | CallRefused) -> ApiError:
 # ---- requests ------------------------------------------------------------------------------
 _REFUSED = {
     "n": "n > 1 is not supported: one call is one sample of its episode",
-    "stream": "stream is not supported",
     "top_logprobs": "top_logprobs is not supported (logprobs: true gives each token's)",
     "functions": "legacy `functions` is not supported: use `tools`",
 }
+
+
+@dataclass(frozen=True)
+class Streaming:
+    """A call's `stream: true` and its `stream_options`."""
+
+    include_usage: bool = False
+    """A last chunk carries the usage."""
 
 
 @dataclass(frozen=True)
@@ -129,6 +137,8 @@ class ChatCall:
     turn: ChatTurn
     logprobs: bool
     """List each sampled token's logprob in the reply."""
+    stream: Streaming | None = None
+    """Answer as server-sent chunks (openai_stream.py)."""
 
 
 @dataclass(frozen=True)
@@ -138,6 +148,8 @@ class TextCall:
     turn: TextTurn
     logprobs: bool
     """List each sampled token's logprob in the reply."""
+    stream: Streaming | None = None
+    """Answer as server-sent chunks (openai_stream.py)."""
 
 
 def _num(body: dict[str, Any], key: str, lo: float, hi: float) -> float | None:
@@ -155,13 +167,12 @@ def parse_params(body: dict[str, Any]) -> tuple[Sampling, bool]:
     """The sampling knobs of a call, checked, and whether it asks for logprobs."""
     allowed: dict[str, tuple[Any, ...]] = {
         "n": (None, 1),
-        "stream": (None, False),
         "top_logprobs": (None, 0),
         "functions": (None,),
     }
     for key, why in _REFUSED.items():
         v = body.get(key)
-        if isinstance(v, bool) and key != "stream" or v not in allowed[key]:
+        if isinstance(v, bool) or v not in allowed[key]:
             raise bad_request(why, "unsupported_parameter")
     mt = body.get("max_completion_tokens", body.get("max_tokens"))
     if mt is not None and (
@@ -189,6 +200,25 @@ def parse_params(body: dict[str, Any]) -> tuple[Sampling, bool]:
     return sampling, bool(lp)
 
 
+def parse_stream(body: dict[str, Any]) -> Streaming | None:
+    """`stream` and `stream_options` (None: an unstreamed call; options without `stream: true`
+    are ignored, as clients that set them always send them)."""
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise bad_request("`stream` must be a boolean", "invalid_value")
+    if not stream:
+        return None
+    opts = body.get("stream_options")
+    if opts is None:
+        return Streaming()
+    usage = opts.get("include_usage") if isinstance(opts, dict) else None
+    if not isinstance(opts, dict) or not isinstance(usage, bool | None):
+        raise bad_request(
+            "`stream_options` must be an object; its `include_usage` a boolean", "invalid_value"
+        )
+    return Streaming(include_usage=bool(usage))
+
+
 def parse_chat(body: dict[str, Any]) -> ChatCall:
     """A /v1/chat/completions body: messages, tools, tool_choice and the sampling knobs."""
     msgs = body.get("messages")
@@ -201,7 +231,7 @@ def parse_chat(body: dict[str, Any]) -> ChatCall:
     tools_on = bool(tools) and body.get("tool_choice") != "none"
     constraints = (*_response_format(body), *_tool_choice(body, tools or []))
     turn = ChatTurn(msgs, tools if tools_on else None, sampling, constraints)
-    return ChatCall(turn, logprobs)
+    return ChatCall(turn, logprobs, parse_stream(body))
 
 
 def _response_format(body: dict[str, Any]) -> tuple[Constraint, ...]:
@@ -278,7 +308,7 @@ def parse_completion(body: dict[str, Any]) -> TextCall:
         if body.get(key) not in (None, False, 1):
             raise bad_request(f"`{key}` is not supported", "unsupported_parameter")
     sampling, logprobs = parse_params(body)
-    return TextCall(TextTurn(prompt, sampling), logprobs)
+    return TextCall(TextTurn(prompt, sampling), logprobs, parse_stream(body))
 
 
 def parse_close(body: dict[str, Any]) -> tuple[Any, str | None]:
@@ -292,7 +322,7 @@ TokenText = Callable[[int], str]
 """One token id as text, special tokens included (ChatRenderer.token_text)."""
 
 
-def _usage(turn: TurnResult) -> dict[str, int]:
+def usage(turn: TurnResult) -> dict[str, int]:
     completion = len(turn.ids)
     return {
         "prompt_tokens": turn.prompt_tokens,
@@ -301,7 +331,7 @@ def _usage(turn: TurnResult) -> dict[str, int]:
     }
 
 
-def _finish(turn: TurnResult) -> str:
+def finish_reason(turn: TurnResult) -> str:
     return "length" if turn.reason == "length" else "stop"
 
 
@@ -327,11 +357,11 @@ def chat_completion(
             {
                 "index": 0,
                 "message": turn.message,
-                "finish_reason": "tool_calls" if turn.tool_called else _finish(turn),
+                "finish_reason": "tool_calls" if turn.tool_called else finish_reason(turn),
                 "logprobs": logprobs,
             }
         ],
-        "usage": _usage(turn),
+        "usage": usage(turn),
     }
 
 
@@ -354,9 +384,9 @@ def text_completion(
         "created": int(time.time()),
         "model": model,
         "choices": [
-            {"index": 0, "text": turn.text, "finish_reason": _finish(turn), "logprobs": lp}
+            {"index": 0, "text": turn.text, "finish_reason": finish_reason(turn), "logprobs": lp}
         ],
-        "usage": _usage(turn),
+        "usage": usage(turn),
     }
 
 

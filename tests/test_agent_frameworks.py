@@ -1,0 +1,76 @@
+"""The framework recipes of docs/agents.md (examples/agents/) run as written.
+
+    .venv/bin/python -m pytest tests/test_agent_frameworks.py -q
+
+Each example is the agent of a rollout in this process (LocalCluster, inproc) whose engine
+writes the tool task's scripted text (tests/agent_fakes.py): a hard prompt's first turn calls
+the calculator, the next answers. The framework's package comes from the `frameworks` extra
+(or `agents-sdk`); without it the test is skipped, saying which.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from laminar.cluster import LocalCluster
+from laminar.models.prompt_tokenizer import load_prompt_tokenizer
+from tests.agent_fakes import ScriptEngine
+from tests.test_agents import capture, make_cfg, runs, wait_for
+
+
+async def _trains(tmp_path: Any, tiny: Any, name: str, fn: str, long: bool = False) -> None:
+    """Six episodes of the example's agent: each delivered, none failed; each hard prompt's
+    calculator call was run and answered (two model turns, the tool's answer between them), and
+    every model token trained is one the engine sampled. `long`: the framework's own prompts are
+    thousands of (character) tokens."""
+    over: dict[str, Any] = {"data": {"epochs": 1}}
+    if long:
+        over = {
+            "data": {"epochs": 1, "max_prompt_tokens": 16384},
+            "env": {"limits": {"max_total_tokens": 16384}},
+        }
+    cfg = make_cfg(tmp_path, tiny, name, rows=3, agent={"fn": fn}, **over)
+    engine = ScriptEngine(load_prompt_tokenizer(tiny, chat_template=True))
+    async with LocalCluster(cfg) as cluster:
+        rollout = await cluster.add("rollout", 0, engine=engine)
+        trajs = capture(rollout)
+        want = 3 * cfg.rollout.group_size
+        await wait_for(lambda: len(trajs) == want, 90, f"{want} trajectories", cluster)
+        counters = dict(rollout.metrics.counters)
+    assert not any(k.startswith("agent_failure") for k in counters), counters
+    assert all(t.finish_reason == "stop" for t in trajs)
+    hard = [t for t in trajs if "*" in t.prompt]
+    assert hard and all(t.turns == 2 for t in hard)
+    for t in trajs:
+        model_runs = [r for r in runs(t.loss_mask) if r[0] == 1]
+        for turn, (_, a, b) in enumerate(model_runs):
+            assert t.response_ids[a:b].tolist() == engine.emitted[(t.uid, turn)][0]
+    # the calculator ran and its answer went back: the transcript is the task's
+    assert all(t.reward_info.get("format") == 1.0 for t in hard), [t.completion for t in hard]
+
+
+async def test_the_langgraph_example_trains(tmp_path, tiny):
+    pytest.importorskip("langgraph", reason="langgraph is not installed (the `frameworks` extra)")
+    pytest.importorskip(
+        "langchain_openai", reason="langchain-openai is not installed (the `frameworks` extra)"
+    )
+    await _trains(tmp_path, tiny, "fw-langgraph", "examples.agents.langgraph_agent:run")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="smolagents replays the model's tool calls as text ('Calling tools: [...]') and their "
+    "answers as user messages, so its later calls never extend the episode: each is a history "
+    "rewrite, which must start again from the first call's prompt (400 prompt_mismatch); the "
+    "history rules of the hostile-agent issue decide whether such a replay may extend",
+)
+async def test_the_smolagents_example_trains(tmp_path, tiny):
+    pytest.importorskip("smolagents", reason="smolagents is not installed (the `frameworks` extra)")
+    await _trains(tmp_path, tiny, "fw-smolagents", "examples.agents.smolagents_agent:run", True)
+
+
+async def test_the_openai_agents_sdk_example_trains(tmp_path, tiny):
+    pytest.importorskip("agents", reason="openai-agents is not installed (the `agents-sdk` extra)")
+    await _trains(tmp_path, tiny, "fw-agents-sdk", "examples.agents.openai_agents_sdk:run")
