@@ -34,17 +34,18 @@ mask 0, logprob 0.0) and the model's tokens are the engine's sampled ids (mask 1
 logprobs). A call whose messages do not extend the episode (the agent truncated or summarised
 its history, changed its tools) starts a new run: the trained sample is the last consistent run
 of calls, and the earlier runs' tokens are dropped and counted (`agent_history_rewrites`,
-`agent_rewrite_tokens_dropped`). A later run's prompt must be the attempt's first prompt (what
-its first call rendered; `AgentEpisode.prompt_fixed`): a rewrite whose conversation renders to
-another prompt (a summary in place of it) is refused (PROMPT_MISMATCH) and the episode keeps the
-run it had. A new attempt (a retry from the prompt) renders its first prompt afresh; a moved
-episode keeps the prompt its record holds. A call's new text is length-checked
-(agent.max_text_chars) before it is tokenized, and tokenized in a worker thread when long
-(`_tokenize`), so the loop that
-carries the rollout's heartbeats never stalls on an agent's message. Why not one sample per
-run: a prompt's group has `rollout.group_size` samples end to end (buffer, journal,
-advantages); extra samples would change what a group is. The last run is the one that led to
-the reward.
+`agent_rewrite_tokens_dropped`). A later run keeps the attempt's first prompt (what its first
+call rendered; `AgentEpisode.prompt_fixed`): a rewrite whose rendering starts with it (the
+model's turns replayed in the agent's own words, a summary after the task) runs from it, the
+rest of the rendering its context (loss mask 0, `agent_rewrite_context_tokens`); one whose
+rendering starts elsewhere (a summary in place of the task) is refused (PROMPT_MISMATCH) and
+the episode keeps the run it had. A new attempt (a retry from the prompt) renders its first
+prompt afresh; a moved episode keeps the prompt its record holds. A call's new text is
+length-checked (agent.max_text_chars) before it is tokenized, and tokenized in a worker thread
+when long (`_tokenize`), so the loop that carries the rollout's heartbeats never stalls on an
+agent's message. Why not one sample per run: a prompt's group has `rollout.group_size` samples
+end to end (buffer, journal, advantages); extra samples would change what a group is. The last
+run is the one that led to the reward.
 
 Rewards: what the buffer would refuse (not a finite number in reward.min_value..max_value)
 is refused at a remote close (BAD_REWARD, the episode stays open) and, returned by an in-process
@@ -704,7 +705,7 @@ class AgentDriver:
                         kept=kept,
                     )
             if prompt is not None:
-                self._new_run(ep, prompt)
+                new = self._new_run(ep, prompt)
                 ep.tools_key = key
             reason, ids, lps = await self._generate(
                 ep, token, new, request.sampling, stops, keep, structured, stream
@@ -732,7 +733,7 @@ class AgentDriver:
                 text_ids = await self._tokenize(
                     self._text_chars([prompt]), self.render.encode, prompt
                 )
-                self._new_run(ep, self.render.bos + text_ids)
+                new = self._new_run(ep, self.render.bos + text_ids)
             reason, ids, lps = await self._generate(
                 ep, token, new, request.sampling, (), stream=stream
             )
@@ -824,7 +825,28 @@ class AgentDriver:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._tokenizing, fn, *args)
 
-    def _new_run(self, ep: AgentEpisode, prompt: list[int]) -> None:
+    def _new_run(self, ep: AgentEpisode, prompt: list[int]) -> list[int]:
+        """A call that does not extend the episode starts a run from `prompt` (its whole
+        conversation rendered). The sample keeps one prompt: the attempt's first call's. A
+        rewritten history whose rendering starts with that prompt's tokens (the agent replays
+        the model's turns in its own words, as smolagents does, or summarises after the task)
+        runs from it, the rest of its rendering returned as context (loss mask 0); one that
+        starts elsewhere is refused (PROMPT_MISMATCH)."""
+        seq = ep.seq
+        first = seq.prompt_ids
+        rest: list[int] = []
+        if ep.prompt_fixed and (len(prompt) != len(first) or not np.array_equal(prompt, first)):
+            n = len(first)
+            if len(prompt) <= n or not np.array_equal(prompt[:n], first):
+                # a sample has one prompt: a run that starts elsewhere would train another sample
+                raise CallRefused(
+                    Refusal.PROMPT_MISMATCH,
+                    f"the conversation renders to a prompt ({len(prompt)} tokens) that does not "
+                    f"start with this episode's ({n} tokens: what its first call rendered): a "
+                    "rewritten history must keep the first call's messages (system message and "
+                    "task included) and tools, and add to them",
+                )
+            prompt, rest = prompt[:n], prompt[n:]
         if len(prompt) > self.s.max_prompt_tokens:
             ep.truncated = True
             raise CallRefused(
@@ -833,25 +855,17 @@ class AgentDriver:
                 f"prompts hold at most {self.s.max_prompt_tokens} "
                 "(data.max_prompt_tokens)",
             )
-        seq = ep.seq
-        first = seq.prompt_ids
-        if ep.prompt_fixed and (len(prompt) != len(first) or not np.array_equal(prompt, first)):
-            # a sample has one prompt: a run that starts elsewhere would train another sample
-            raise CallRefused(
-                Refusal.PROMPT_MISMATCH,
-                f"the conversation renders to a prompt ({len(prompt)} tokens) other than this "
-                f"episode's ({len(first)} tokens: what its first call rendered): a rewritten "
-                "history must start again from the first call's messages (system message and "
-                "task included) and tools",
-            )
         if ep.consumed is not None or ep.text is not None:  # the agent rewrote its history
             self.metrics.count("agent_history_rewrites")
             self.metrics.count("agent_rewrite_tokens_dropped", seq.length)
             self._clear(ep)
+        if rest:
+            self.metrics.count("agent_rewrite_context_tokens", len(rest))
         seq.prompt_ids = np.asarray(prompt, np.int32)
         ep.prompt_fixed = True
         seq.sent_upto = 0
         self.table.mark_dirty(seq.uid)  # the header (with this prompt) restarts the record
+        return rest
 
     async def _generate(
         self,
