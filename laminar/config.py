@@ -581,7 +581,12 @@ class DataConfig(Section):
     chat_template: bool = True
     """Apply the tokenizer's chat template when it has one."""
     max_prompt_tokens: int = Field(512, ge=1)
-    """Longer prompts are reported and skipped."""
+    """Longer prompts are reported and skipped (image placeholders counted after expansion)."""
+    max_image_bytes: int = Field(8 << 20, ge=1)
+    """Encoded image bytes of one prompt, all its images together (a vision-language model's
+    rows, docs/vision.md): a row over it is reported and skipped, a receiver refuses more."""
+    max_image_pixels: int = Field(4096 * 4096, ge=1)
+    """Width x height of one image before the processor resizes it; larger is a bad image."""
 
 
 class AlgoConfig(Section):
