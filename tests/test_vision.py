@@ -14,14 +14,15 @@ import pytest
 from laminar.buffer.partials import PartialPool
 from laminar.buffer.prompts import PromptPool
 from laminar.data.prompts import PromptEncoder, load_prompts
+from laminar.data.vision_prompts import VisionEncoder
 from laminar.manager.placement import restart
 from laminar.models.tiny_vlm import build_tiny_vlm, is_vlm, load_processor
 from laminar.protocol.buffer import ImageBlobs
 from laminar.rollout.tracking import SeqState
 from laminar.tasks import colours
 from laminar.transport.codec import decode, encode
-from laminar.vision.encode import VisionEncoder, pixel_inputs
 from laminar.vision.images import BadImage, ImageLimits, digest_of
+from laminar.vision.pixels import pixel_inputs
 from laminar.vision.rows import image_messages
 from laminar.vision.store import ImageCache, ImageStore
 

@@ -22,10 +22,10 @@ import structlog
 from laminar.buffer.records import PoolCursor
 from laminar.config import DataConfig
 from laminar.data.prompts import BadRow, PromptEncoder, PromptRow, load_prompts
+from laminar.data.vision_prompts import VisionEncoder
 from laminar.metrics import Metrics
 from laminar.models.tiny_vlm import is_vlm
 from laminar.protocol.data import PromptItem
-from laminar.vision.encode import VisionEncoder
 from laminar.vision.images import ImageLimits
 
 __all__ = ["PromptPool", "image_limits", "open_pool"]

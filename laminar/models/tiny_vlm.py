@@ -129,7 +129,8 @@ def build_tiny_vlm(
     tok = vlm_tokenizer(alphabet)
     config = tiny_vlm_config(tok, **cfg_kw)
     torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(config).to(torch.float32)
+    model: Any = Qwen2VLForConditionalGeneration(config)
+    model = model.float()
     model.save_pretrained(out, safe_serialization=True)
     pixels = image_size * image_size
     Qwen2VLImageProcessorPil(min_pixels=pixels, max_pixels=pixels).save_pretrained(out)

@@ -4,8 +4,7 @@ processor expands them, and the pixel inputs of its images.
     enc = VisionEncoder(load_processor(path), max_tokens=512)   # laminar/models/tiny_vlm.py
     ids, reward_text = enc.encode(messages, images)            # raises BadRow
     ids, reward_text, grids = enc.encode_full(messages, images)  # + image grids [k, 3]
-    inputs = pixel_inputs(enc.processor, [img.data for img in images])
-    model(input_ids=..., pixel_values=inputs.pixel_values, image_grid_thw=inputs.grid_thw)
+    inputs = pixel_inputs(enc.processor, [img.data for img in images])   # laminar/vision/pixels.py
 
 The chat template renders each image part as one placeholder (<|vision_start|><|image_pad|>
 <|vision_end|> for Qwen2-VL); the processor then repeats <|image_pad|> grid_t*grid_h*grid_w /
@@ -15,7 +14,6 @@ a bad row. Text-only prompts go through the same template (no images, no pixel i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -23,27 +21,7 @@ import numpy as np
 from laminar.data.prompts import BadRow
 from laminar.vision.images import ImageData, decode_rgb
 
-__all__ = ["PixelInputs", "VisionEncoder", "pixel_inputs"]
-
-
-@dataclass
-class PixelInputs:
-    pixel_values: Any
-    """torch tensor [patches, C*T*P*P] (Qwen2-VL's flattened patches), float32."""
-    grid_thw: Any
-    """torch tensor [images, 3] int64: (t, h, w) patches of each image."""
-
-
-def pixel_inputs(processor: Any, images: list[bytes]) -> PixelInputs:
-    """The processor's pixel inputs of encoded images (the same on every receiver)."""
-    out = processor.image_processor(images=[decode_rgb(d) for d in images], return_tensors="pt")
-    return PixelInputs(out["pixel_values"], out["image_grid_thw"])
-
-
-def render_plain(messages: list[dict[str, Any]]) -> str:
-    return "\n".join(
-        f"{m['role']}: {m['content'] if isinstance(m['content'], str) else ''}" for m in messages
-    )
+__all__ = ["VisionEncoder"]
 
 
 class VisionEncoder:
