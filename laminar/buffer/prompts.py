@@ -26,13 +26,9 @@ from laminar.data.vision_prompts import VisionEncoder
 from laminar.metrics import Metrics
 from laminar.models.tiny_vlm import is_vlm
 from laminar.protocol.data import PromptItem
-from laminar.vision.images import ImageLimits
+from laminar.vision.images import image_limits
 
-__all__ = ["PromptPool", "image_limits", "open_pool"]
-
-
-def image_limits(data: DataConfig) -> ImageLimits:
-    return ImageLimits(max_bytes_per_prompt=data.max_image_bytes, max_pixels=data.max_image_pixels)
+__all__ = ["PromptPool", "open_pool"]
 
 
 class PromptPool:

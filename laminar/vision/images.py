@@ -24,7 +24,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BadImage", "ImageData", "ImageLimits", "check_image", "digest_of", "load_image"]
+from laminar.config import DataConfig
+
+__all__ = [
+    "BadImage",
+    "ImageData",
+    "ImageLimits",
+    "check_image",
+    "digest_of",
+    "image_limits",
+    "load_image",
+]
 
 
 class BadImage(ValueError):
@@ -37,6 +47,11 @@ class ImageLimits:
     """All encoded image bytes of one prompt (data.max_image_bytes)."""
     max_pixels: int = 4096 * 4096
     """Width x height of one image, before the processor resizes it (data.max_image_pixels)."""
+
+
+def image_limits(data: DataConfig) -> ImageLimits:
+    """The data section's bounds (data.max_image_bytes, data.max_image_pixels)."""
+    return ImageLimits(max_bytes_per_prompt=data.max_image_bytes, max_pixels=data.max_image_pixels)
 
 
 @dataclass(frozen=True)
