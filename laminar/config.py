@@ -250,6 +250,9 @@ class ModelConfig(Section):
     """Torch device: cpu, cuda, cuda:0 ..."""
     lora: LoraConfig | None = None
     """LoRA adapters on the frozen base (null: full fine-tuning); model.path stays the base."""
+    freeze_vision: bool = True
+    """A vision-language model's vision tower (and its patch merger) is not trained: the trainer
+    runs it without gradients (docs/vision.md)."""
 
 
 class SamplingConfig(Section):
