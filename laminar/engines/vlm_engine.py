@@ -102,6 +102,8 @@ class VlmEngine(Engine):
         self._task: asyncio.Task[None] | None = None
         self._pool: ThreadPoolExecutor | None = None
         self.tokens_generated = 0
+        self.loaded_names: list[str] = []
+        """The tensor names the last load_weights gave: what attestation reads back."""
 
     @classmethod
     def from_config(cls, r: RolloutConfig, mc: ModelConfig, **kw: Any) -> VlmEngine:
@@ -194,9 +196,14 @@ class VlmEngine(Engine):
         with torch.no_grad():
             for name, value in items:
                 state[name].copy_(torch.as_tensor(value))
+        self.loaded_names = [n for n, _ in items]
 
     def served_weights(self) -> list[tuple[str, Any]] | None:
-        return list(self.model.state_dict().items())
+        """The loaded tensors read back from the model (None before any load: unattested)."""
+        if not self.loaded_names:
+            return None
+        state = self.model.state_dict()
+        return [(n, state[n]) for n in self.loaded_names]
 
     def stats(self) -> EngineStats:
         live = [r for r in self._running if not r.done]
