@@ -126,3 +126,14 @@ def test_load_weights_replaces_the_served_weights(setup):
 
     asyncio.run(go())
     assert engine.version == 2 and not engine.model.state_dict()[name].any()
+
+
+def test_the_factory_picks_the_vlm_engine_and_refuses_vllm(setup):
+    from laminar.config import ModelConfig, RolloutConfig
+    from laminar.engines.factory import make_engine
+
+    path = str(setup[0])
+    engine = make_engine(RolloutConfig(engine="torch"), ModelConfig(path=path))
+    assert isinstance(engine, VlmEngine)
+    with pytest.raises(ValueError, match="vision-language"):
+        make_engine(RolloutConfig(engine="vllm"), ModelConfig(path=path))

@@ -31,6 +31,11 @@ def make_engine(rollout: RolloutConfig, model: ModelConfig, **kw: Any) -> Engine
         from laminar.engines.torch_engine import TorchEngine
 
         return TorchEngine.from_config(rollout, model, **kw)
+    if kind == "vllm" and model.path and is_vlm(model.path):
+        raise ValueError(
+            "rollout.engine=vllm with a vision-language model.path is not built (its requests "
+            "would carry no images): use rollout.engine=torch (docs/vision.md)"
+        )
     if kind == "vllm":
         from laminar.engines.vllm_engine import VllmEngine
 
