@@ -122,7 +122,7 @@ seed: {seed}
 cluster: {{transport: ipc, roles: {{manager: 1, buffer: 1, relay: 1, trainer: 1, rollout: 1}},
   threads_per_process: 1}}
 transport: {{heartbeat_interval_s: 0.5, heartbeat_liveness: 10, startup_timeout_s: 120}}
-model: {{path: {model}, dtype: float32, device: cpu}}
+model: {{path: {model}, dtype: float32, device: cpu, freeze_vision: {freeze}}}
 data: {{train: {train}, max_prompt_tokens: 64, seed: {seed}}}
 reward: {{fn: "laminar.tasks.colours:reward", workers: 0, timeout_s: 5}}
 rollout:
@@ -151,7 +151,14 @@ def one_seed(seed: int, args: argparse.Namespace, work: Path) -> dict:
     before = accuracy(model, data["eval"])
     cfg = base / "run.yaml"
     cfg.write_text(
-        CONFIG.format(seed=seed, model=model, train=data["train"], lr=args.lr, steps=args.steps)
+        CONFIG.format(
+            seed=seed,
+            model=model,
+            train=data["train"],
+            lr=args.lr,
+            steps=args.steps,
+            freeze=str(args.freeze_vision).lower(),
+        )
     )
     run_dir = base / "run"
     t1 = time.time()
@@ -189,6 +196,12 @@ def main() -> None:
     ap.add_argument("--train", type=int, default=400)
     ap.add_argument("--eval", type=int, default=100)
     ap.add_argument("--timeout", type=int, default=1800)
+    ap.add_argument(
+        "--freeze-vision",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="model.freeze_vision (the tiny tower is random: by default it trains too)",
+    )
     ap.add_argument("--work", default="/tmp/laminar-bench-vlm")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "vlm_colours.json"))
     args = ap.parse_args()
