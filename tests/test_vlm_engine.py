@@ -137,3 +137,35 @@ def test_the_factory_picks_the_vlm_engine_and_refuses_vllm(setup):
     assert isinstance(engine, VlmEngine)
     with pytest.raises(ValueError, match="vision-language"):
         make_engine(RolloutConfig(engine="vllm"), ModelConfig(path=path))
+
+
+def test_an_abort_that_empties_the_queue_before_the_step_takes_it(setup):
+    """The step loop saw a waiting group, then waited for the lock while an abort took that group
+    away: it must go on (it once popped an empty queue and died)."""
+    path, proc, png, ids = setup
+    params = SamplingParams(max_tokens=3, seed=1, ignore_eos=True)
+
+    async def go():
+        engine = VlmEngine(load_vlm(path), proc)
+        await engine.start()
+        try:
+            async with engine._lock:  # the loop wakes, sees the group, blocks on the lock
+                engine.submit(GenRequest("b", ids, params, images=(png,)))
+                for _ in range(1000):  # until the step loop waits on the lock (bounded)
+                    if engine._lock._waiters:
+                        break
+                    await asyncio.sleep(0)
+                assert engine._lock._waiters, "the step loop never waited for the lock"
+                (p,) = engine._drop({"b/0"})  # what abort() does under the lock
+                assert not engine._waiting and len(p.output_ids) == 0
+            for _ in range(20):  # the loop takes the lock, with nothing queued
+                await asyncio.sleep(0)
+            assert not engine._task.done(), engine._task.exception()
+            out = await engine.generate_all(GenRequest("c", ids, params, images=(png,)), 60)
+            assert engine._task is not None and not engine._task.done()
+            return out
+        finally:
+            await engine.close()
+
+    out = asyncio.run(go())
+    assert len(out["c/0"][0]) == 3

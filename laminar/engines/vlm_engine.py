@@ -158,17 +158,20 @@ class VlmEngine(Engine):
         self._wake.set()
 
     async def abort(self, seq_ids: Iterable[str]) -> list[PartialState]:
-        want = set(seq_ids)
-        out: list[PartialState] = []
         async with self._lock:  # between two steps
-            groups = [*self._waiting, self._running]
-            for rows in groups:
-                for r in rows:
-                    if r.seq_id in want and not r.done:
-                        r.done = True
-                        out.append(self._partial(r))
-                        self._emit(TokenEvent(r.seq_id, _NO_I, _NO_F, "abort", r.version))
-            self._waiting = deque(g for g in self._waiting if not all(r.done for r in g))
+            return self._drop(set(seq_ids))
+
+    def _drop(self, want: set[str]) -> list[PartialState]:
+        """Abort `want` (under the lock): partial states out, one abort event each; a waiting
+        group with nothing left leaves the queue."""
+        out: list[PartialState] = []
+        for rows in [*self._waiting, self._running]:
+            for r in rows:
+                if r.seq_id in want and not r.done:
+                    r.done = True
+                    out.append(self._partial(r))
+                    self._emit(TokenEvent(r.seq_id, _NO_I, _NO_F, "abort", r.version))
+        self._waiting = deque(g for g in self._waiting if not all(r.done for r in g))
         return out
 
     def _partial(self, r: _Row) -> PartialState:
@@ -225,6 +228,8 @@ class VlmEngine(Engine):
                 await self._wake.wait()
                 continue
             async with self._lock:
+                if not self._waiting:  # an abort took the queue while this waited for the lock
+                    continue
                 rows = [r for r in self._waiting.popleft() if not r.done]
                 if not rows:
                     continue
