@@ -250,6 +250,9 @@ class ModelConfig(Section):
     """Torch device: cpu, cuda, cuda:0 ..."""
     lora: LoraConfig | None = None
     """LoRA adapters on the frozen base (null: full fine-tuning); model.path stays the base."""
+    freeze_vision: bool = True
+    """A vision-language model's vision tower (and its patch merger) is not trained: the trainer
+    runs it without gradients (docs/vision.md)."""
 
 
 class SamplingConfig(Section):
@@ -588,7 +591,12 @@ class DataConfig(Section):
     chat_template: bool = True
     """Apply the tokenizer's chat template when it has one."""
     max_prompt_tokens: int = Field(512, ge=1)
-    """Longer prompts are reported and skipped."""
+    """Longer prompts are reported and skipped (image placeholders counted after expansion)."""
+    max_image_bytes: int = Field(8 << 20, ge=1)
+    """Encoded image bytes of one prompt, all its images together (a vision-language model's
+    rows, docs/vision.md): a row over it is reported and skipped, a receiver refuses more."""
+    max_image_pixels: int = Field(4096 * 4096, ge=1)
+    """Width x height of one image before the processor resizes it; larger is a bad image."""
 
 
 class AlgoConfig(Section):

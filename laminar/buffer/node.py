@@ -7,6 +7,7 @@
     trainer ──BatchCommit──────────────────────► BatchServer ─► Ledger ─► groups freed
     manager ──SamplesPlaced(dest, uids)────────► Ledger (SamplesMoved): those come from dest now
     anyone  ──BufferStatsRequest───────────────► BufferStats: counters, staleness histograms
+    rollout, trainer ──ImageFetch(digests)──────► ImageStore: its prompts' images by digest
 
 Only what was served comes back (laminar/buffer/owners.py): a trajectory, an abandon or a
 partial entry is taken only from the rollout its group was served to (or the manager placed
@@ -73,6 +74,8 @@ from laminar.protocol.buffer import (
     BufferStats,
     BufferStatsRequest,
     CommitAck,
+    ImageBlobs,
+    ImageFetch,
     JournalFigures,
     PartialsReply,
     PartialsRequest,
@@ -88,6 +91,7 @@ from laminar.protocol.core import NodeStatus
 from laminar.protocol.data import PartialBatch, PartialChunk, Trajectory
 from laminar.transport.session import NO_STATUS, Ack, ErrorReply
 from laminar.transport.sockets import Context, Peer
+from laminar.vision.store import ImageStore
 
 
 class BufferNode(Node):
@@ -126,6 +130,8 @@ class BufferNode(Node):
         self.pool: PromptPool | None = await self.compute(
             open_pool, s.data, s.model_path, self.metrics, self.log
         )
+        # the owner of its prompts' images: receivers fetch them by digest (docs/vision.md)
+        self.images = ImageStore.of_rows(self.pool.rows if self.pool is not None else ())
         if bc.journal:
             path = s.run_dir / f"buffer-{self.index}.journal"
             self.journal = Journal(path, bc.fsync, bc.fsync_interval_s)
@@ -179,6 +185,7 @@ class BufferNode(Node):
         self.srv.on(PartialsRequest, self._on_partials)
         self.srv.on(SamplesPlaced, self._on_placed)
         self.srv.on(BufferStatsRequest, self._on_stats)
+        self.srv.on(ImageFetch, self._on_images)
         await self.srv.start()
 
     async def main(self) -> None:
@@ -257,6 +264,14 @@ class BufferNode(Node):
         if not (isinstance(reply, TrajectoryAck) and reply.refused):
             self.leases.touch(msg.group_id)
         return reply
+
+    def _on_images(self, peer: Peer, req: ImageFetch) -> ImageBlobs:
+        found, data, missing = self.images.serve(req.digests)
+        self.metrics.count("image_bytes_served", sum(len(d) for d in data))
+        if missing:
+            self.metrics.count("images_missing", len(missing))
+            self.log.warning("images_missing", peer=peer.node_id, count=len(missing))
+        return ImageBlobs(digests=found, data=data, missing=missing)
 
     def _on_partials(self, peer: Peer, req: PartialsRequest) -> PartialsReply:
         return PartialsReply(

@@ -206,6 +206,7 @@ class _Record:
             awaiting_env=self.awaiting_env,
             token_versions=tv,
             agent_token=h.agent_token,
+            image_digests=h.image_digests,
         )
 
 
@@ -512,6 +513,7 @@ def recover(
                 prompt=g.item.prompt,
                 row=g.item.row,
                 rollout_id=g.rollout_id,
+                image_digests=g.item.image_digests,
             )
         )
     return out

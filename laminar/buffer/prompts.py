@@ -22,8 +22,11 @@ import structlog
 from laminar.buffer.records import PoolCursor
 from laminar.config import DataConfig
 from laminar.data.prompts import BadRow, PromptEncoder, PromptRow, load_prompts
+from laminar.data.vision_prompts import VisionEncoder
 from laminar.metrics import Metrics
+from laminar.models.tiny_vlm import is_vlm
 from laminar.protocol.data import PromptItem
+from laminar.vision.images import image_limits
 
 __all__ = ["PromptPool", "open_pool"]
 
@@ -34,7 +37,7 @@ class PromptPool:
     def __init__(
         self,
         rows: list[PromptRow],
-        encoder: PromptEncoder,
+        encoder: PromptEncoder | VisionEncoder,
         *,
         shuffle: bool = True,
         seed: int = 0,
@@ -101,7 +104,7 @@ class PromptPool:
                 continue
             row = self.rows[idx]
             try:
-                ids, text = self.encoder.encode(row.prompt)
+                ids, text = self.encoder.encode(row.prompt, row.images)
             except BadRow as exc:
                 self.bad.add(idx)
                 self.skipped += 1
@@ -119,6 +122,8 @@ class PromptPool:
                     n=n,
                     prompt=text,
                     row=dict(row.row),
+                    image_digests=[i.digest for i in row.images],
+                    images=[i.data for i in row.images],
                 )
             )
         if len(items) < k:
@@ -159,22 +164,28 @@ def open_pool(
     """
     if not data.train:
         return None
-    rows, report = load_prompts(data.train)
+    rows, report = load_prompts(data.train, image_limits(data))
     for err in report.errors:
         log.warning("bad_row", error=err)
-    tok = None
-    if model_path:
-        from laminar.models.prompt_tokenizer import load_prompt_tokenizer
+    encoder: PromptEncoder | VisionEncoder
+    if model_path and is_vlm(model_path):  # the model's own processor expands placeholders
+        from laminar.models.tiny_vlm import load_processor  # imports transformers: lazily
 
-        tok = load_prompt_tokenizer(model_path, data.chat_template)
+        encoder = VisionEncoder(load_processor(model_path), data.max_prompt_tokens)
     else:
-        log.info("byte_prompt_ids", reason="model.path not set: prompt ids are UTF-8 bytes")
+        tok = None
+        if model_path:
+            from laminar.models.prompt_tokenizer import load_prompt_tokenizer
+
+            tok = load_prompt_tokenizer(model_path, data.chat_template)
+        else:
+            log.info("byte_prompt_ids", reason="model.path not set: prompt ids are UTF-8 bytes")
+        encoder = PromptEncoder(tok, data.chat_template, data.max_prompt_tokens)
 
     def bad_row(where: str, why: str) -> None:  # a row that fails only when first served
         metrics.count("bad_rows")
         log.warning("bad_row", error=f"{where}: {why}")
 
-    encoder = PromptEncoder(tok, data.chat_template, data.max_prompt_tokens)
     pool = PromptPool(
         rows,
         encoder,
@@ -184,12 +195,15 @@ def open_pool(
         on_bad=bad_row,
     )
     metrics.count("bad_rows", report.bad)
+    metrics.count("bad_images", report.bad_images)
     log.info(
         "prompts_loaded",
         files=report.files,
         rows=report.rows,
         bad=report.bad,
         duplicate_uids=report.duplicate_uids,
+        images=report.images,
+        bad_images=report.bad_images,
         chat_template=encoder.use_template,
     )
     return pool

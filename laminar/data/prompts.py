@@ -10,12 +10,16 @@ Row format (one JSON object per line, or one parquet row):
   * `prompt`: a string, or chat messages `[{"role": ..., "content": ...}, ...]`;
   * `answer` or `ground_truth`: the reference (any JSON value; optional);
   * `uid`: optional stable id; when missing it is derived from a hash of the prompt
-    content, so the same prompt has the same uid in every file, order and run;
+    content (and its images' digests), so the same prompt has the same uid in every file,
+    order and run;
+  * images (vision-language models, docs/vision.md): chat messages with image parts, an
+    `images` column (TRL's and verl's shapes), parsed by laminar/vision/rows.py; each image is
+    read, checked against data.max_image_bytes / data.max_image_pixels and digested at load.
   * any other column is passed through to the reward in PromptItem.row, together
     with `answer` (and `ground_truth` under its own name when that column was used).
 
 A bad row (invalid JSON, not an object, missing or mistyped prompt, too many
-tokens) is reported once with its file and line, counted, and skipped.
+tokens, a bad image) is reported once with its file and line, counted, and skipped.
 
 Tokenization: with a chat template (and data.chat_template true) the prompt is
 rendered with add_generation_prompt and tokenized without extra special tokens;
@@ -28,12 +32,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import msgpack
 import numpy as np
+
+from laminar.vision.images import BadImage, ImageData, ImageLimits
+from laminar.vision.rows import has_images, image_messages
 
 __all__ = [
     "BadRow",
@@ -55,10 +63,13 @@ class BadRow(ValueError):
 @dataclass
 class PromptRow:
     uid: str
-    prompt: str | list[dict[str, str]]
+    prompt: str | list[dict[str, Any]]
+    """A string, or chat messages (content a string, or text and image parts)."""
     row: dict[str, Any]
     where: str
     """file:line of the row (reported with every problem)."""
+    images: list[ImageData] = field(default_factory=list)
+    """The prompt's images, in the order of its image parts (checked and digested)."""
 
 
 @dataclass
@@ -68,6 +79,9 @@ class LoadReport:
     bad: int = 0
     derived_uids: int = 0
     duplicate_uids: int = 0
+    bad_images: int = 0
+    """Rows skipped for an image (unreadable, too large, placeholders not matching images)."""
+    images: int = 0
     errors: list[str] = field(default_factory=list)
     """The first problems, as "file:line: what"."""
 
@@ -77,13 +91,16 @@ class LoadReport:
             self.errors.append(text)
 
 
-def derive_uid(prompt: str | list[dict[str, str]]) -> str:
-    """Stable uid from the prompt content (not its position), e.g. "p-3f2a9c0d1e4b5a67"."""
+def derive_uid(prompt: str | list[dict[str, Any]], image_digests: Sequence[str] = ()) -> str:
+    """Stable uid from the prompt content (not its position), e.g. "p-3f2a9c0d1e4b5a67"; a
+    multimodal prompt's image digests are part of its content."""
     canon = (
         prompt
         if isinstance(prompt, str)
         else json.dumps(prompt, sort_keys=True, ensure_ascii=False)
     )
+    if image_digests:
+        canon += "\n" + "\n".join(image_digests)
     return "p-" + hashlib.sha1(canon.encode("utf-8")).hexdigest()[:16]
 
 
@@ -122,26 +139,44 @@ def _check_prompt(prompt: Any) -> str | list[dict[str, str]]:
     )
 
 
-def parse_row(obj: Any, where: str) -> PromptRow:
-    """Validate one decoded row (a dict) into a PromptRow, or raise BadRow."""
+class BadImageRow(BadRow):
+    """A row skipped for one of its images (counted apart: LoadReport.bad_images)."""
+
+
+def parse_row(
+    obj: Any, where: str, base_dir: Path | None = None, limits: ImageLimits | None = None
+) -> PromptRow:
+    """Validate one decoded row (a dict) into a PromptRow, or raise BadRow. `base_dir`: where
+    relative image paths start (the data file's folder)."""
     if not isinstance(obj, dict):
         raise BadRow(f"row must be an object, got {type(obj).__name__}")
     if "prompt" not in obj or obj["prompt"] is None:
         raise BadRow("missing 'prompt'")
-    prompt = _check_prompt(obj["prompt"])
+    images: list[ImageData] = []
+    prompt: str | list[dict[str, Any]]
+    if has_images(obj["prompt"], obj.get("images")):
+        try:
+            prompt, images = image_messages(
+                obj["prompt"], obj.get("images"), base_dir, limits or ImageLimits()
+            )
+        except BadImage as exc:
+            raise BadImageRow(f"bad image: {exc}") from None
+    else:
+        prompt = _check_prompt(obj["prompt"])
     uid = obj.get("uid")
     if uid is None or uid == "":
-        uid = derive_uid(prompt)
+        uid = derive_uid(prompt, [i.digest for i in images])
     elif isinstance(uid, bool) or not isinstance(uid, str | int):
         raise BadRow(f"'uid' must be a string or an integer, got {type(uid).__name__}")
-    row = {str(k): _plain(v) for k, v in obj.items() if k not in ("prompt", "uid")}
+    # the images travel as PromptItem.images, once per group, never inside the row
+    row = {str(k): _plain(v) for k, v in obj.items() if k not in ("prompt", "uid", "images")}
     if "answer" not in row and "ground_truth" in row:
         row["answer"] = row["ground_truth"]
     try:  # the row travels to the rollouts and into the journal as msgpack
         msgpack.packb(row, use_bin_type=True)
     except (TypeError, OverflowError, ValueError) as exc:
         raise BadRow(f"a column value cannot be sent ({exc})") from None
-    return PromptRow(uid=str(uid), prompt=prompt, row=row, where=where)
+    return PromptRow(uid=str(uid), prompt=prompt, row=row, where=where, images=images)
 
 
 def _files(path: Path) -> list[Path]:
@@ -155,7 +190,13 @@ def _files(path: Path) -> list[Path]:
     return [path]
 
 
-def _read_jsonl(path: Path, rows: list[PromptRow], report: LoadReport) -> None:
+def _add_bad(report: LoadReport, where: str, exc: BadRow) -> None:
+    if isinstance(exc, BadImageRow):
+        report.bad_images += 1
+    report.add_error(f"{where}: {exc}")
+
+
+def _read_jsonl(path: Path, rows: list[PromptRow], report: LoadReport, limits: ImageLimits) -> None:
     with open(path, encoding="utf-8", errors="replace") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -163,14 +204,16 @@ def _read_jsonl(path: Path, rows: list[PromptRow], report: LoadReport) -> None:
             where = f"{path}:{lineno}"
             try:
                 obj = json.loads(line)
-                rows.append(parse_row(obj, where))
+                rows.append(parse_row(obj, where, path.parent, limits))
             except json.JSONDecodeError as exc:
                 report.add_error(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})")
             except BadRow as exc:
-                report.add_error(f"{where}: {exc}")
+                _add_bad(report, where, exc)
 
 
-def _read_parquet(path: Path, rows: list[PromptRow], report: LoadReport) -> None:
+def _read_parquet(
+    path: Path, rows: list[PromptRow], report: LoadReport, limits: ImageLimits
+) -> None:
     import pyarrow.parquet as pq
 
     try:
@@ -183,27 +226,32 @@ def _read_parquet(path: Path, rows: list[PromptRow], report: LoadReport) -> None
             lineno += 1
             where = f"{path}:{lineno}"
             try:
-                rows.append(parse_row(obj, where))
+                rows.append(parse_row(obj, where, path.parent, limits))
             except BadRow as exc:
-                report.add_error(f"{where}: {exc}")
+                _add_bad(report, where, exc)
 
 
-def load_prompts(path: str | Path) -> tuple[list[PromptRow], LoadReport]:
-    """Read every row of a jsonl/parquet file (or a directory of them); bad rows are reported."""
+def load_prompts(
+    path: str | Path, limits: ImageLimits | None = None
+) -> tuple[list[PromptRow], LoadReport]:
+    """Read every row of a jsonl/parquet file (or a directory of them); bad rows are reported.
+    `limits`: the bounds on a prompt's images (default ImageLimits())."""
     report = LoadReport()
     rows: list[PromptRow] = []
+    lim = limits or ImageLimits()
     for f in _files(Path(path)):
         report.files.append(str(f))
         if f.suffix == ".parquet":
-            _read_parquet(f, rows, report)
+            _read_parquet(f, rows, report, lim)
         else:
-            _read_jsonl(f, rows, report)
+            _read_jsonl(f, rows, report, lim)
     seen: set[str] = set()
     for r in rows:
         if r.uid in seen:
             report.duplicate_uids += 1
         seen.add(r.uid)
     report.rows = len(rows)
+    report.images = sum(len(r.images) for r in rows)
     return rows, report
 
 
@@ -233,8 +281,19 @@ class PromptEncoder:
         self.use_template = bool(chat_template and self.tok.chat_template)
         self.max_tokens = max_tokens
 
-    def encode(self, prompt: str | list[dict[str, str]]) -> tuple[np.ndarray, str]:
+    def encode(
+        self, prompt: str | list[dict[str, Any]], images: list[ImageData] | tuple = ()
+    ) -> tuple[np.ndarray, str]:
         """(prompt_ids, text for the reward); raises BadRow when it cannot be served."""
+        if (
+            images
+            or not isinstance(prompt, str)
+            and any(not isinstance(m.get("content"), str) for m in prompt)
+        ):
+            raise BadRow(
+                "the prompt has image parts but model.path is not a vision-language model "
+                "(its config.json has no vision_config)"
+            )
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         reward_text = (
             prompt

@@ -92,6 +92,9 @@ class GenRequest:
     turn_start: int = 0
     """Multi-turn: index in the response (resume_ids) where this model turn began; the sim engine
     draws each turn's length from (seq_id, turn) and ends the turn with "stop"."""
+    images: tuple[bytes, ...] = ()
+    """Vision-language models: the prompt's encoded images in placeholder order (checked against
+    their digests by whoever handed them over; engines/vlm_engine.py)."""
 
     def seq_ids(self) -> list[str]:
         if self.single:
@@ -101,7 +104,15 @@ class GenRequest:
     @classmethod
     def resume(cls, p: PartialState, params: SamplingParams) -> GenRequest:
         return cls(
-            p.seq_id, p.prompt_ids, params, 1, p.version, p.output_ids, p.logprobs, single=True
+            p.seq_id,
+            p.prompt_ids,
+            params,
+            1,
+            p.version,
+            p.output_ids,
+            p.logprobs,
+            single=True,
+            images=p.images,
         )
 
 
@@ -132,6 +143,8 @@ class PartialState:
     logprobs: np.ndarray
     version: int
     params: SamplingParams | None = None
+    images: tuple[bytes, ...] = ()
+    """The prompt's encoded images (vision-language models), as GenRequest.images."""
 
 
 @dataclass

@@ -2,7 +2,9 @@
 
     engine = make_engine(cfg.rollout, cfg.model)   # not started: `await engine.start()`
 
-Each backend is imported only when chosen (torch and vllm are heavy).
+Each backend is imported only when chosen (torch and vllm are heavy). rollout.engine=torch with a
+vision-language model.path (a `vision_config` in its config.json) is the VLM engine
+(engines/vlm_engine.py).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from typing import Any
 
 from laminar.config import ModelConfig, RolloutConfig
 from laminar.engines.base import Engine
+from laminar.models.tiny_vlm import is_vlm
 
 
 def make_engine(rollout: RolloutConfig, model: ModelConfig, **kw: Any) -> Engine:
@@ -20,10 +23,19 @@ def make_engine(rollout: RolloutConfig, model: ModelConfig, **kw: Any) -> Engine
         from laminar.engines.sim import SimEngine
 
         return SimEngine.from_config(rollout, **kw)
+    if kind == "torch" and model.path and is_vlm(model.path):
+        from laminar.engines.vlm_engine import VlmEngine
+
+        return VlmEngine.from_config(rollout, model, **kw)
     if kind == "torch":
         from laminar.engines.torch_engine import TorchEngine
 
         return TorchEngine.from_config(rollout, model, **kw)
+    if kind == "vllm" and model.path and is_vlm(model.path):
+        raise ValueError(
+            "rollout.engine=vllm with a vision-language model.path is not built (its requests "
+            "would carry no images): use rollout.engine=torch (docs/vision.md)"
+        )
     if kind == "vllm":
         from laminar.engines.vllm_engine import VllmEngine
 

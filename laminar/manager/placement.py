@@ -234,4 +234,5 @@ def restart(p: PartialTrajectory, version: int) -> PartialTrajectory:
         rollout_id=p.rollout_id,
         resumed=p.resumed + 1,
         t_start=p.t_start,
+        image_digests=p.image_digests,
     )

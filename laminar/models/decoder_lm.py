@@ -331,6 +331,10 @@ def load_model(
     """The model at `path` for a plain-tensor forward: a DecoderLM where `module_free` and it loads
     exactly, else the HF model (transformers imported only then) with HF's `attention`
     implementation."""
+    from laminar.models.tiny_vlm import is_vlm, load_vlm
+
+    if is_vlm(path):  # HF's own forward: the pixel inputs go through the vision tower
+        return load_vlm(path, dtype, device, attention)
     model = load_decoder_lm(path, dtype, device, max_len) if module_free else None
     if model is None:
         from laminar.models.tiny import load_causal_lm

@@ -28,12 +28,14 @@ committed one in configs/shapes/<name of model.path>/config.json.
 from __future__ import annotations
 
 import json
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from laminar.config import LaminarConfig
 from laminar.plan.trainer import TrainerMemory
+from laminar.plan.vision import VisionPlan, text_shape, vision_plan
 
 GIB = 1 << 30
 SHAPES = Path(__file__).resolve().parents[2] / "configs" / "shapes"
@@ -87,6 +89,8 @@ class Plan:
     weight_hop_s: float = 0.0
     """Estimated time of one relay hop for a version."""
     notes: list[str] = field(default_factory=list)
+    vision: dict[str, int] = field(default_factory=dict)
+    """A vision-language model's figures (laminar/plan/vision.py); empty for a text model."""
 
     @property
     def fits(self) -> bool:
@@ -150,6 +154,13 @@ def make_plan(cfg: LaminarConfig, hw: Hardware, config_name: str = "") -> Plan:
     limit = int(hw.gpu_gib * GIB * hw.limit)
     shape_path = shape_dir(cfg)
     shape = read_shape(shape_path)
+    vis = vision_plan(shape, shape_path, cfg.data)
+    scratch = None
+    if vis is not None:  # the language model is traced alone; the tower is counted below
+        scratch = tempfile.TemporaryDirectory(prefix="laminar-plan-")
+        shape = text_shape(shape)
+        shape_path = Path(scratch.name)
+        (shape_path / "config.json").write_text(json.dumps(shape))
     model_bytes = _DTYPE_BYTES.get(cfg.model.dtype, 4)
     model_len = _model_len(cfg, shape)
     kv_token = _kv_bytes_per_token(shape, model_bytes)
@@ -161,7 +172,14 @@ def make_plan(cfg: LaminarConfig, hw: Hardware, config_name: str = "") -> Plan:
         mem = trace_trainer(trainer_settings(cfg), shape_path, world, device="cuda")
         params = mem.params
         trainer_peak = mem.peak_bytes
-        top = sorted(mem.parts.items(), key=lambda kv: -kv[1])[:4]
+        if vis is not None:  # frozen tower: fp32 weights sharded, one block's activations
+            tower = vis.params * 4 // world + vis.tower_activation_bytes(mem.rows, 2)
+            mem.parts["vision tower"] = tower
+            trainer_peak += tower
+            mem.peak_bytes = trainer_peak
+        top = sorted(
+            ((k, v) for k, v in mem.parts.items() if k != "vision tower"), key=lambda kv: -kv[1]
+        )[:4]
         parts = ", ".join(f"{k.lower()} {v / GIB:.1f}" for k, v in top)
         traced = (
             "traced whole"
@@ -174,12 +192,19 @@ def make_plan(cfg: LaminarConfig, hw: Hardware, config_name: str = "") -> Plan:
             f"{sharding}, micro-batch {mem.rows} x {mem.row_tokens} tokens, checkpointing "
             f"{'on' if cfg.trainer.activation_checkpointing else 'off'}; {parts} GiB; {traced}"
         )
+        if vis is not None:
+            detail += f"; vision tower (frozen) {mem.parts['vision tower'] / GIB:.1f} GiB"
         trainer_plan = ProcessPlan("trainer rank", trainer_peak, limit, detail)
         if not trainer_plan.fits:
             trainer_plan.field, trainer_plan.advice = _trainer_advice(cfg, mem, limit)
         plan.processes.append(trainer_plan)
     if not params:
         params = _param_count(shape)
+    if vis is not None:
+        params += vis.params
+        _vision_notes(plan, cfg, vis)
+    if scratch is not None:
+        scratch.cleanup()
     weights = params * model_bytes
     # evaluator
     if cfg.trainer.engine == "torch" and cfg.trainer.eval_every > 0 and cfg.data.eval:
@@ -245,6 +270,33 @@ def make_plan(cfg: LaminarConfig, hw: Hardware, config_name: str = "") -> Plan:
         f"~{plan.weight_hop_s:.2f} s a relay hop at {link / 1e9:.1f} GB/s (estimates)"
     )
     return plan
+
+
+def _vision_notes(plan: Plan, cfg: LaminarConfig, vis: VisionPlan) -> None:
+    """The vision figures: a note each, and `plan.vision` for --json."""
+    plan.vision = {
+        "tower_params": vis.params,
+        "image_pixels": vis.image_pixels,
+        "image_tokens": vis.image_tokens,
+        "patches": vis.patches,
+    }
+    plan.notes.append(
+        f"vision tower: {vis.params / 1e6:.0f}M parameters (depth {vis.depth}, width {vis.dim}), "
+        f"counted in the trainer (frozen: fp32 weights sharded + one block's activations) and "
+        f"in every rollout's weights"
+    )
+    budget = cfg.data.max_prompt_tokens
+    line = (
+        f"images: {vis.image_pixels} pixels at most (the processor's max_pixels, "
+        f"data.max_image_pixels) = {vis.patches} patches = {vis.image_tokens} image tokens per "
+        f"image in the sequence, against data.max_prompt_tokens={budget}"
+    )
+    if vis.image_tokens >= budget:
+        line += (
+            "; a prompt with one such image is skipped as too long: raise data.max_prompt_tokens "
+            "or lower the processor's max_pixels"
+        )
+    plan.notes.append(line)
 
 
 def _torch_rollout(

@@ -8,6 +8,7 @@
     manager ──PartialsRequest──► buffer ──PartialsReply──► manager       (recovering a dead rollout)
     manager ──SamplesPlaced──► buffer ──Ack                              (moved: who sends them now)
     trainer, manager, cli ──BufferStatsRequest──► buffer ──BufferStats  (figures: tests, benches)
+    rollout, trainer ──ImageFetch──► buffer ──ImageBlobs               (a prompt's images by digest)
 
 A reply that acknowledges a change (prompts served, a trajectory, a batch, a commit) is sent
 only once the buffer's journal record of it is durable (buffer.fsync).
@@ -42,6 +43,8 @@ __all__ = [
     "CommitAck",
     "Refusal",
     "SamplesPlaced",
+    "ImageFetch",
+    "ImageBlobs",
 ]
 
 Refusal = Literal[
@@ -288,3 +291,19 @@ class CommitAck(Message):  # buffer -> trainer: answer to BatchCommit, once dura
     reason: str = ""
     version: int = -1
     """The buffer's trainer version after the commit (-1 when not ok or a duplicate)."""
+
+
+@message(0x3D, senders=("rollout", "trainer"))
+class ImageFetch(Message):  # rollout, trainer -> buffer: the bytes of these images (ImageBlobs)
+    digests: list[str]
+    """Content digests ("sha256:...") from PromptItem / Trajectory / PartialTrajectory."""
+
+
+@message(0x3E, senders=("buffer",))
+class ImageBlobs(Message):  # buffer -> rollout, trainer: answer to ImageFetch
+    digests: list[str]
+    """The digests found, parallel to `data`."""
+    data: list[bytes]
+    """The encoded images; the receiver checks each against its digest before use."""
+    missing: list[str] = field(default_factory=list)
+    """Digests this buffer does not hold (not one of its prompts' images)."""

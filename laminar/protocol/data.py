@@ -63,6 +63,12 @@ class PromptItem(Message):  # buffer -> rollout: one prompt = one GRPO group of 
     """Prompt text as given to the reward function."""
     row: dict[str, Any] = field(default_factory=dict)
     """Reference answer and extra dataset columns, passed to the reward."""
+    image_digests: list[str] = field(default_factory=list)
+    """Vision-language prompts: the content digest ("sha256:...") of each image, in the order of
+    its placeholders in prompt_ids (empty: a text prompt)."""
+    images: list[bytes] = field(default_factory=list)
+    """The encoded images themselves (PNG/JPEG bytes, parallel to image_digests): sent once per
+    group here, never with a sample; the receiver checks each against its digest."""
 
 
 @message(0x21, senders=("rollout",), id_fields=("rollout_id",))
@@ -114,6 +120,9 @@ class Trajectory(Message):  # rollout -> buffer (finished), buffer -> trainer (i
     """Digest of the weights the rollout's engine served at `version`, read back after the load
     (laminar/weights/digest.py); the trainer never trains a trajectory whose digest differs from
     the one it published for that version. Empty: not attested (version 0, sim engines)."""
+    image_digests: list[str] = field(default_factory=list)
+    """The prompt's images by content digest (PromptItem.image_digests): the trainer gets their
+    bytes from the buffer (ImageFetch), never with the trajectory."""
 
 
 @message(0x22, senders=("rollout", "manager", "buffer"))
@@ -146,6 +155,9 @@ class PartialTrajectory(
     agent_token: str = ""
     """Black-box agents: the episode's secret token, so the rollout that resumes it (a repack
     move, its rollout died) answers its agent's calls there (laminar/rollout/agents.py)."""
+    image_digests: list[str] = field(default_factory=list)
+    """The prompt's images by digest: a destination that lacks one fetches it from the buffer
+    (ImageFetch) and checks it before resuming."""
 
 
 def newest_version(p: PartialTrajectory) -> int:

@@ -67,6 +67,7 @@ from laminar.rollout.versions import VersionGate
 from laminar.supervise import Spawn
 from laminar.transport.client import RpcClient
 from laminar.transport.sockets import RemoteError, TransportError
+from laminar.vision.images import BadImage
 
 
 class PromptFeeder:
@@ -305,6 +306,15 @@ class PromptFeeder:
             for i in range(max(item.n, 0)):
                 self.deliverer.abandon(f"{item.group_id}/{i}", item.group_id, "bad prompt item")
             return
+        if item.image_digests:  # checked once per group: digests, bounds, decodable
+            try:
+                self.table.images.add_item(item.image_digests, item.images)
+            except BadImage as exc:
+                self.metrics.count("bad_images")
+                self.log.warning("bad_prompt_images", group_id=item.group_id, error=str(exc))
+                for i in range(max(item.n, 0)):
+                    self.deliverer.abandon(f"{item.group_id}/{i}", item.group_id, "bad image")
+                return
         self.table.start_group(item, self.gate.version)
 
     async def _wait(self, timeout: float) -> None:

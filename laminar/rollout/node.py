@@ -61,8 +61,9 @@ from typing import TYPE_CHECKING, Any
 
 from laminar.engines.base import Engine, SamplingParams
 from laminar.node import NODE_STATUS, Node
+from laminar.protocol.buffer import ImageBlobs, ImageFetch
 from laminar.protocol.core import NodeStatus
-from laminar.protocol.data import newest_version
+from laminar.protocol.data import PartialTrajectory, newest_version
 from laminar.protocol.rollout import (
     VERSION_MISMATCH,
     ExportReply,
@@ -80,7 +81,9 @@ from laminar.rollout.sequences import SequenceTable
 from laminar.rollout.settings import RolloutNodeSettings
 from laminar.rollout.versions import VersionGate
 from laminar.transport.session import ErrorReply
-from laminar.transport.sockets import Context, Peer
+from laminar.transport.sockets import Context, Peer, RemoteError, TransportError
+from laminar.vision.images import BadImage
+from laminar.vision.store import ImageCache
 from laminar.weights.channel import WeightSubscriber
 from laminar.weights.factory import open_subscriber
 
@@ -289,6 +292,7 @@ class RolloutNode(Node):
             log=self.log,
             multi_turn=env is not None or self._has_agents(),
             interrupts=s.mode == "partial",
+            images=ImageCache(s.image_limits, max_images=max(64, 4 * s.rollout.max_running)),
         )
         source = self.source
         self.gate = VersionGate(
@@ -612,6 +616,8 @@ class RolloutNode(Node):
     async def _on_import(self, peer: Peer, msg: ImportRequest) -> ImportReply | ErrorReply:
         if (busy := self._not_ready()) is not None:
             return busy
+        if (refused := await self._fetch_images(msg.partials)) is not None:
+            return refused
         async with self.gate.lock:  # the version cannot change under an import
             version = self.gate.version
             # mode partial: an older one continues under this version (AReaL's partial rollout)
@@ -651,6 +657,28 @@ class RolloutNode(Node):
         self.metrics.count("imported", len(accepted))
         self.log.info("imported", count=len(accepted), duplicate=len(duplicate))
         return ImportReply(accepted=accepted, duplicate=duplicate, version=version)
+
+    async def _fetch_images(self, partials: list[PartialTrajectory]) -> ErrorReply | None:
+        """The images of imported partials this rollout lacks, from their owner (the buffer) by
+        digest, each checked against it; None when all are here (docs/vision.md)."""
+        cache = self.table.images
+        need = cache.missing(d for p in partials for d in p.image_digests)
+        if not need:
+            return None
+        try:
+            reply = await self.buffer.request(
+                ImageFetch(digests=need), timeout=self.settings.transport.request_timeout_s
+            )
+            if not isinstance(reply, ImageBlobs) or reply.missing:
+                missing = reply.missing if isinstance(reply, ImageBlobs) else need
+                raise BadImage(f"the buffer does not hold {len(missing)} image(s)")
+            cache.add_fetched(reply.digests, reply.data)
+        except (BadImage, TransportError, RemoteError, TimeoutError) as exc:
+            self.metrics.count("import_bad_images", len(partials))
+            self.log.warning("import_images_failed", count=len(need), error=str(exc))
+            return ErrorReply(code="bad_image", message=f"images of the import: {exc}")
+        self.metrics.count("images_fetched", len(need))
+        return None
 
     async def _on_refresh(self, peer: Peer, msg: RefreshRequest) -> RefreshReply | ErrorReply:
         if (busy := self._not_ready()) is not None:

@@ -62,6 +62,8 @@ from laminar.engines.base import Engine, GenRequest, PartialState, SamplingParam
 from laminar.metrics import Metrics
 from laminar.protocol.data import PartialTrajectory, PromptItem
 from laminar.rollout.tracking import GroupState, SeqState
+from laminar.vision.images import ImageLimits
+from laminar.vision.store import ImageCache
 
 RECENT = 8192
 """How many finished uids a rollout remembers, so a retried ImportRequest never generates one
@@ -78,8 +80,11 @@ class SequenceTable:
         log: structlog.typing.FilteringBoundLogger,
         multi_turn: bool = False,
         interrupts: bool = False,
+        images: ImageCache | None = None,
     ):
         self.engine, self.params = engine, params
+        self.images = images if images is not None else ImageCache(ImageLimits())
+        """The images of the prompts running here, by digest (checked; vision-language models)."""
         self.on_start: Callable[[list[SeqState]], None] | None = None
         """Set when a driver starts fresh samples itself (black-box agents: laminar/rollout/
         agents.py): `start_group` hands it the new sequences instead of submitting them."""
@@ -137,6 +142,10 @@ class SequenceTable:
         return None if self._idle_since is None else time.monotonic() - self._idle_since
 
     # ---- in ---------------------------------------------------------------------------
+    def images_of(self, seq: SeqState) -> tuple[bytes, ...]:
+        """A sequence's images from the cache (an import fetched missing ones first)."""
+        return tuple(self.images.get(d) for d in seq.image_digests)
+
     def start_group(self, item: PromptItem, version: int) -> bool:
         """Start n samples of a prompt at `version`; False if the group runs here already (a retried
         request served it twice). The caller rejects malformed items (see `is_valid`)."""
@@ -162,6 +171,7 @@ class SequenceTable:
                 self.params,
                 n=item.n,
                 version=version,
+                images=tuple(item.images),
             )
         )
         self._changed()
@@ -195,6 +205,7 @@ class SequenceTable:
                     seq.ids.copy(),
                     seq.logprobs.copy(),
                     seq.current_version,
+                    images=self.images_of(seq),
                 )
                 self.engine.submit(GenRequest.resume(state, self.params))
             # header + every token so far: the partial pool now knows it runs here
@@ -417,6 +428,7 @@ class SequenceTable:
             single=True,
             turn=seq.turn,
             turn_start=seq.turn_start,
+            images=self.images_of(seq),
         )
         self.engine.submit(req)
 

@@ -17,6 +17,7 @@ from laminar.config import (
     TransportConfig,
 )
 from laminar.node_settings import NodeSettings
+from laminar.vision.images import ImageLimits
 from laminar.weights.channel import ChannelSettings
 
 
@@ -51,3 +52,5 @@ class RolloutNodeSettings:
     never a local path)."""
     agent_endpoints: Path
     """Where each rollout writes its agent endpoint's URL (run_dir/agents/endpoints)."""
+    image_limits: ImageLimits = ImageLimits()
+    """data.max_image_bytes / max_image_pixels: what a prompt's images may be (docs/vision.md)."""

@@ -112,6 +112,8 @@ class SeqState:
     step_task: asyncio.Task[Any] | None = None
     """The running env step / replay of a waiting episode (export cancels it)."""
     agent_token: str = ""
+    image_digests: list[str] = field(default_factory=list)
+    """The prompt's images by digest (PromptItem.image_digests): carried, never their bytes."""
     """Black-box agents: the current attempt's episode token (travels with the partial)."""
     parked: bool = False
     """Black-box agents: preempted while its rollout waits to load weights (no tokens, no
@@ -177,6 +179,7 @@ class SeqState:
             prompt=item.prompt,
             row=dict(item.row),
             t_start=now,
+            image_digests=list(item.image_digests),
             mask=Growable(np.uint8) if multi_turn else None,
         )
 
@@ -205,6 +208,7 @@ class SeqState:
             awaiting_env=p.awaiting_env and mask is not None,
             runs=version_runs(p.token_versions, p.version),
             agent_token=p.agent_token,
+            image_digests=list(p.image_digests),
         )
 
     @property
@@ -253,6 +257,7 @@ class SeqState:
             resumed=self.resumed,
             t_start=self.t_start,
             agent_token=self.agent_token,
+            image_digests=self.image_digests,
         )
 
     def chunk(self, rollout_id: str) -> tuple[PartialChunk, int]:
@@ -308,6 +313,7 @@ class SeqState:
             turns=self.turn + 1 if multi else 1,
             tool_calls=list(self.tool_calls),
             token_versions=self.token_versions(),
+            image_digests=self.image_digests,
         )
 
 

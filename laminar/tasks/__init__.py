@@ -6,6 +6,8 @@ held-out evaluator every task is judged by.
               (the default demo)
     tooluse   "47*86=?" -> a calculator call, its answer, "#4042"; "47+6=?" -> "#53": the
               tool demo (python -m laminar.demo.tooldemo), where RL learns to call the tool
+    colours   "colour?" + a generated image -> "#red": the vision-language demo task (the
+              answer is only in the image; docs/vision.md)
     base      the Task protocol: held-out prompts, how a completion scores, optionally the
               environment and tools of its episodes
     evaluate  greedy completions (or episodes) of a Task's prompts, scored: the trainer's

@@ -27,6 +27,7 @@ Sample.n_model) counts model tokens only.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -51,6 +52,8 @@ class Sample:
     tool_calls: list[ToolRecord] = field(default_factory=list)
     token_versions: np.ndarray | None = None
     """Mode partial: the version that sampled each response token (None: all at `version`)."""
+    images: tuple[bytes, ...] = ()
+    """Vision-language models: the prompt's encoded images (fetched by digest, checked)."""
 
     @property
     def length(self) -> int:
@@ -94,12 +97,30 @@ class TrainBatch:
 
     @classmethod
     def build(
-        cls, trajs: list[Trajectory], vocab_size: int | None = None, max_len: int | None = None
+        cls,
+        trajs: list[Trajectory],
+        vocab_size: int | None = None,
+        max_len: int | None = None,
+        images: Mapping[str, bytes] | None = None,
+        placeholder_id: int | None = None,
     ) -> TrainBatch:
+        """`images`: the batch's images by digest (vision-language models); a trajectory whose
+        image is not among them is dropped ("image_missing"). `placeholder_id`: the image
+        placeholder token, which a response must not hold: HF's forward would read it as an
+        image slot ("placeholder_in_response")."""
         samples: list[Sample] = []
         dropped: Counter = Counter()
+        have = images or {}
         for t in trajs:
             reason = _reject_reason(t, vocab_size, max_len)
+            if not reason and any(d not in have for d in t.image_digests):
+                reason = "image_missing"
+            if (
+                not reason
+                and placeholder_id is not None
+                and (t.response_ids == placeholder_id).any()
+            ):
+                reason = "placeholder_in_response"
             if reason or t.reward is None:
                 dropped[reason] += 1
                 continue
@@ -118,6 +139,7 @@ class TrainBatch:
                     token_versions=None
                     if t.token_versions is None
                     else np.asarray(t.token_versions, np.int64),
+                    images=tuple(have[d] for d in t.image_digests),
                 )
             )
         arrived = Counter(t.group_id for t in trajs)

@@ -39,6 +39,9 @@ class MicroBatch:
     whose log-probabilities are computed (no data-dependent shapes on the device)."""
     layout: PackedLayout | None = None
     """The same samples for the packed forward (trainer/packed.py), when it runs."""
+    vision: dict[str, torch.Tensor] | None = None
+    """Vision-language models: pixel_values, image_grid_thw (the rows' images in row order) and
+    mm_token_type_ids, as HF's forward takes them (laminar/trainer/vision.py)."""
 
     def to(self, device: str | torch.device) -> MicroBatch:
         dev = torch.device(device)
@@ -51,6 +54,7 @@ class MicroBatch:
             self.behav_logp.to(dev),
             self.resp_index.to(dev),
             None if self.layout is None else self.layout.to(dev),
+            None if self.vision is None else {k: v.to(dev) for k, v in self.vision.items()},
         )
 
     @property

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from laminar.models.tiny_vlm import is_vlm
 from laminar.trainer.batch import TrainBatch
 from laminar.trainer.dist import DistContext
 from laminar.trainer.logprobs import full_token_logprobs
@@ -39,6 +40,7 @@ from laminar.trainer.logprobs import token_logprobs as chunked_logprobs
 from laminar.trainer.micro_batch import MicroBatch, collate
 from laminar.trainer.packed import PackedForward, PackedLayout, packed_forward
 from laminar.trainer.protocol import TrainerSettings
+from laminar.trainer.vision import vision_inputs, vision_model
 
 if TYPE_CHECKING:
     from laminar.protocol.relay import WeightLayout
@@ -163,8 +165,15 @@ class TrainedModel:
             lo.add_adapters(self.module, self.lora)
             if adapter is not None:
                 lo.load_adapter_state(self.module, lo.read_adapter_dir(adapter)[1])
-        self.vocab_size = int(self.module.config.vocab_size)
-        self.max_len = getattr(self.module.config, "max_position_embeddings", None)
+        self.processor: Any = None
+        """A vision-language model's HF processor (its image processor makes the pixel inputs of
+        each micro-batch); None for a text model."""
+        if is_vlm(model_path):
+            self.processor = vision_model(self.module, model_path, settings, self.ctx.enabled)
+        config = self.module.config  # HF's (a VLM nests its LM's) or DecoderLM's namespace
+        text_config = config.get_text_config() if self.processor is not None else config
+        self.vocab_size = int(text_config.vocab_size)
+        self.max_len = getattr(text_config, "max_position_embeddings", None)
         dups = {n for n, _ in self.module.named_parameters(remove_duplicate=False)}
         self._tied = dups - {n for n, _ in self.module.named_parameters()}
         self.head = self.module.get_output_embeddings()
@@ -177,7 +186,11 @@ class TrainedModel:
             _hidden_head(self.ref.get_output_embeddings())
         # the sliding-window check needs a length; unknown, any window binds
         longest = int(self.max_len or settings.max_model_len or 1 << 30)
-        self.packed = packed_forward(self.module, longest, tc.forward, self.ctx.enabled)
+        self.packed = (
+            None
+            if self.processor is not None  # HF's forward: pixel inputs per row (trainer/vision.py)
+            else packed_forward(self.module, longest, tc.forward, self.ctx.enabled)
+        )
         """The packed training forward, or None: HF's padded forward (trainer.forward)."""
         self.packed_ref = PackedForward(self.ref) if self.packed and self.ref is not None else None
         # before sharding: fully_shard renames the layers' classes
@@ -190,7 +203,7 @@ class TrainedModel:
         temp = settings.temperature
         # logprobs must describe the distribution the sampler drew from: logits / T (greedy: T = 1)
         self.temperature = temp if temp > 0 else 1.0
-        self.pad_id = int(self.module.config.pad_token_id or 0)
+        self.pad_id = int(text_config.pad_token_id or 0)
 
     def _shard(self, computed: list[Any]) -> None:
         """FSDP2 over the ranks: this rank keeps its shards of the model (and of the reference)."""
@@ -237,7 +250,10 @@ class TrainedModel:
                 hidden = packed.hidden(mb.layout, self.checkpointing and model is self.module)
             else:
                 out = model(
-                    input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False
+                    input_ids=mb.input_ids,
+                    attention_mask=mb.attention_mask,
+                    use_cache=False,
+                    **(mb.vision or {}),
                 )
                 steps = mb.resp_mask.shape[1]  # the head's output "logits" are hidden states
                 rows, cols = mb.resp_index // steps, mb.resp_index % steps
@@ -269,6 +285,8 @@ class TrainedModel:
         """The samples `idx` collated on the model's device, with their packed layout when the
         packed forward runs."""
         mb = collate(batch, idx, self.pad_id)
+        if self.processor is not None:
+            mb.vision = vision_inputs(self.processor, [batch.samples[i] for i in idx], mb.input_ids)
         if self.packed is not None:
             mb.layout = PackedLayout.build([batch.samples[i] for i in idx])
         return mb.to(self.device)

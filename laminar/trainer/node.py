@@ -47,8 +47,16 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from laminar.config import LoraConfig
 from laminar.node import NODE_STATUS, Node
-from laminar.protocol.buffer import AuditSummary, BatchReply, BufferStats, BufferStatsRequest
+from laminar.protocol.buffer import (
+    AuditSummary,
+    BatchReply,
+    BufferStats,
+    BufferStatsRequest,
+    ImageBlobs,
+    ImageFetch,
+)
 from laminar.protocol.core import NodeStatus
+from laminar.protocol.data import Trajectory
 from laminar.protocol.trainer import VersionPublished
 from laminar.supervise import PermanentFailure
 from laminar.trainer.attest import AttestBook
@@ -59,7 +67,9 @@ from laminar.trainer.protocol import PendingSave, Trainer
 from laminar.trainer.settings import TrainerNodeSettings
 from laminar.trainer.snapshots import Snapshots
 from laminar.transport.client import RpcClient
-from laminar.transport.sockets import Context, TransportError
+from laminar.transport.sockets import Context, RemoteError, TransportError
+from laminar.vision.images import BadImage
+from laminar.vision.store import ImageCache
 from laminar.weights.digest import weights_digest
 
 if TYPE_CHECKING:
@@ -329,6 +339,29 @@ class TrainerNode(Node):
                 return None
         return None
 
+    async def _batch_images(self, trajs: list[Trajectory]) -> dict[str, bytes] | None:
+        """The images of a batch's prompts, fetched from their owner (the buffer) by digest and
+        checked against it (docs/vision.md); one that fails drops its trajectories
+        ("image_missing"). None: a text batch."""
+        need = list(dict.fromkeys(d for t in trajs for d in t.image_digests))
+        if not need:
+            return None
+        cache = ImageCache(self.settings.image_limits, max_images=len(need))
+        try:
+            reply = await self.buffer.request(ImageFetch(digests=need))
+        except (TransportError, RemoteError, TimeoutError) as exc:
+            self.log.warning("batch_images_failed", count=len(need), error=str(exc))
+            return {}
+        if not isinstance(reply, ImageBlobs):
+            return {}
+        for d, data in zip(reply.digests, reply.data, strict=True):
+            try:
+                cache.add_fetched([d], [data])
+            except BadImage as exc:
+                self.metrics.count("bad_images")
+                self.log.warning("bad_batch_image", digest=d, error=str(exc))
+        return {d: cache.get(d) for d in need if not cache.missing([d])}
+
     async def _train_on(self, reply: BatchReply) -> None:
         from laminar.algo.metrics import staleness_histogram
         from laminar.trainer.batch import token_staleness
@@ -345,7 +378,7 @@ class TrainerNode(Node):
                 trajectories=len(rejected),
                 rollouts=sorted({r for r, _ in self.attest.mismatched}),
             )
-        batch = self.trainer.prepare(attested)
+        batch = self.trainer.prepare(attested, await self._batch_images(attested))
         for reason, n in batch.dropped.items():
             self.metrics.count(f"dropped_{reason}", n)
         if batch.dropped:

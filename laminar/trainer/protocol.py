@@ -19,7 +19,7 @@ ranks what to do (a RankCommand), which run the same method from laminar/trainer
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,9 +38,11 @@ if TYPE_CHECKING:
 
 
 class Trainer(Protocol):
-    def prepare(self, trajectories: list[Trajectory]) -> TrainBatch:
+    def prepare(
+        self, trajectories: list[Trajectory], images: Mapping[str, bytes] | None = None
+    ) -> TrainBatch:
         """Validate against this model's limits (vocabulary, context): drops are counted, not
-        raised."""
+        raised. `images`: the batch's images by digest (vision-language models)."""
         ...
 
     def step(self, batch: TrainBatch) -> dict[str, float]:

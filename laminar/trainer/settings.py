@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from laminar.config import LoggingConfig, TransportConfig
 from laminar.node_settings import NodeSettings
 from laminar.trainer.protocol import TrainerSettings
+from laminar.vision.images import ImageLimits
 from laminar.weights.channel import ChannelSettings
 
 if TYPE_CHECKING:
@@ -39,3 +40,5 @@ class TrainerNodeSettings:
     """The resolved config (JSON), which wandb records with the run."""
     attest: bool
     """Rollouts serve tensors (not sim engines): each version's digest is computed for them."""
+    image_limits: ImageLimits = ImageLimits()
+    """data.max_image_bytes / max_image_pixels: what a batch's fetched images may be."""

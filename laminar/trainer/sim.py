@@ -15,6 +15,7 @@ tier has bytes to move; a handoff without one only announces the version.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +40,10 @@ class SimTrainer:
         self.weight_bytes = tc.sim_weight_bytes
         self.steps = 0
 
-    def prepare(self, trajectories: list[Trajectory]) -> TrainBatch:
-        return TrainBatch.build(trajectories)
+    def prepare(
+        self, trajectories: list[Trajectory], images: Mapping[str, bytes] | None = None
+    ) -> TrainBatch:
+        return TrainBatch.build(trajectories, images=images)
 
     def step(self, batch: TrainBatch) -> dict[str, float]:
         t0 = time.perf_counter()

@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -129,8 +129,14 @@ class TorchTrainer:
         self.loss_settings = LossSettings.from_algo(settings.algo, settings.max_tokens)
 
     # ---- the Trainer protocol ---------------------------------------------------------------
-    def prepare(self, trajectories: list[Trajectory]) -> TrainBatch:
-        return TrainBatch.build(trajectories, self.model.vocab_size, self.model.max_len)
+    def prepare(
+        self, trajectories: list[Trajectory], images: Mapping[str, bytes] | None = None
+    ) -> TrainBatch:
+        proc = self.model.processor
+        placeholder = None if proc is None else int(proc.image_token_id)
+        return TrainBatch.build(
+            trajectories, self.model.vocab_size, self.model.max_len, images, placeholder
+        )
 
     def step(self, batch: TrainBatch) -> dict[str, float]:
         lead(self.ctx, RankCommand(kind="step", trajectories=batch.source))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from laminar.config import LaminarConfig
 from laminar.rollout.settings import RolloutNodeSettings
+from laminar.vision.images import image_limits
 from laminar.wiring.common import node_settings, socket_max_message_bytes, weights_channel
 
 
@@ -43,4 +44,5 @@ def rollout_node_settings(
         max_prompt_tokens=cfg.data.max_prompt_tokens,
         model_name=cfg.agent.model_name or cfg.name,
         agent_endpoints=cfg.resolved_run_dir() / "agents" / "endpoints",
+        image_limits=image_limits(cfg.data),
     )

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from laminar.config import LaminarConfig
 from laminar.trainer.protocol import TrainerSettings
 from laminar.trainer.settings import TrainerNodeSettings
+from laminar.vision.images import image_limits
 from laminar.wiring.common import node_settings, weights_channel
 
 if TYPE_CHECKING:
@@ -71,4 +72,5 @@ def trainer_node_settings(
         run_name=cfg.name,
         run_config=cfg.model_dump(mode="json"),
         attest=cfg.rollout.engine != "sim",
+        image_limits=image_limits(cfg.data),
     )

@@ -1,0 +1,99 @@
+"""Images through a real buffer node (inproc): a group's image served once with its PromptItem,
+fetched by digest (ImageFetch) by another rollout and the trainer, the partial pool's recovery
+and a buffer restart (journal replay) keeping the digest, unknown digests refused and counted."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+
+from laminar.models.tiny_vlm import build_tiny_vlm
+from laminar.protocol.buffer import ImageBlobs, ImageFetch, PartialsRequest
+from laminar.protocol.data import PartialChunk, PartialTrajectory
+from laminar.tasks import colours
+from laminar.vision.images import ImageLimits, digest_of
+from laminar.vision.store import ImageCache
+from tests.test_buffer_node import Harness, N, make_cfg, prompts
+
+
+async def test_images_cross_once_and_are_fetched_by_digest(tmp_path):
+    vlm = build_tiny_vlm(tmp_path / "vlm", image_size=56)
+    paths = colours.write_splits(tmp_path / "colours", train=6, eval_=1, seed=0)
+    cfg = make_cfg(
+        tmp_path,
+        model={"path": str(vlm)},
+        data={"train": str(paths["train"]), "max_prompt_tokens": 64},
+        buffer={"fsync": "batch", "journal": True},
+    )
+    h = await Harness(cfg).start()
+    try:
+        ro, other = await h.client("r0"), await h.client("r1")
+        tr = await h.client("t0", "trainer")
+        mgr = await h.client("m0", "manager")
+        items = (await prompts(ro, 2)).items
+        assert len(items) == 2
+        for item in items:  # one image per group, with its digest; n samples share it
+            assert item.n == N and len(item.images) == 1
+            assert item.image_digests == [digest_of(item.images[0])]
+        item = items[0]
+        # a sample streams to the partial pool with the digest only
+        uid = f"{item.group_id}/0"
+        header = PartialTrajectory(
+            uid=uid,
+            group_id=item.group_id,
+            prompt_uid=item.uid,
+            sample_index=0,
+            prompt_ids=item.prompt_ids,
+            response_ids=np.zeros(0, np.int32),
+            logprobs=np.zeros(0, np.float32),
+            version=0,
+            n=N,
+            rollout_id="r0",
+            image_digests=item.image_digests,
+        )
+        await ro.send(
+            PartialChunk(
+                uid=uid,
+                version=0,
+                offset=0,
+                token_ids=np.array([5, 6], np.int32),
+                logprobs=np.full(2, -0.3, np.float32),
+                rollout_id="r0",
+                header=header,
+            )
+        )
+        # r0 dies: the manager's recovery query hands the partial (digest, no pixels) on
+        deadline = time.monotonic() + 5
+        while True:
+            reply = await mgr.request(PartialsRequest(rollout_id="r0"))
+            got = {p.uid: p for p in reply.partials}
+            if (uid in got and len(got[uid].response_ids) == 2) or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.01)  # poll interval of a deadline-bounded wait
+        assert got[uid].image_digests == item.image_digests
+        assert got[f"{item.group_id}/1"].image_digests == item.image_digests  # never started
+        # the destination (another rollout) and the trainer fetch the pixels by digest
+        for cli in (other, tr):
+            cache = ImageCache(ImageLimits())
+            blobs = await cli.request(ImageFetch(digests=cache.missing(got[uid].image_digests)))
+            assert isinstance(blobs, ImageBlobs) and not blobs.missing
+            cache.add_fetched(blobs.digests, blobs.data)
+            assert cache.get(item.image_digests[0]) == item.images[0]
+        unknown = await other.request(ImageFetch(digests=["sha256:" + "0" * 64]))
+        assert unknown.missing == ["sha256:" + "0" * 64] and unknown.data == []
+        assert h.buffer.metrics.counters["images_missing"] == 1
+        assert h.buffer.metrics.counters["image_bytes_served"] == 2 * len(item.images[0])
+        # the buffer restarts (journal replay): the open group keeps its reference, the image
+        # is served again from the rows
+        await h.stop_buffer()
+        await h.start_buffer()
+        mgr2, dest = await h.client("m1", "manager"), await h.client("r2")
+        reply = await mgr2.request(PartialsRequest(rollout_id="r0"))
+        mine = [p for p in reply.partials if p.group_id == item.group_id]
+        assert mine and all(p.image_digests == item.image_digests for p in mine)
+        blobs = await dest.request(ImageFetch(digests=item.image_digests))
+        assert blobs.data == item.images
+    finally:
+        await h.close()
