@@ -45,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -61,6 +62,7 @@ from laminar.engines.base import (
     GenRequest,
     PartialState,
     SamplingParams,
+    SleepStats,
     TokenEvent,
 )
 from laminar.engines.kv_cache import BLOCK_TOKENS, PagedKVCache, StepLayout, use_paged_attention
@@ -68,6 +70,7 @@ from laminar.engines.lean_forward import lean_decoder
 from laminar.engines.sampling import sample, sequence_key, uniform
 from laminar.models.decoder_ops import text_config
 from laminar.models.lora import MergedAdapter
+from laminar.models.offload import HostStash, device_bytes
 from laminar.models.rejected import WeightsRejected
 from laminar.supervise import Spawn, detached_spawn
 
@@ -174,6 +177,8 @@ class TorchEngine(Engine):
         """Running sequences sent back to waiting because no KV block was free (recomputed)."""
         self.kv_truncated = 0
         """Sequences ended with "length" because they alone outgrew the whole KV pool."""
+        self._stash = HostStash()
+        """Colocated placement: the weights while asleep (sleep / wake_up)."""
 
     @classmethod
     def from_config(
@@ -345,6 +350,60 @@ class TorchEngine(Engine):
         self.loaded_names = [name for name, _ in items]
         if self.lean is not None:
             self.lean.refresh()
+
+    # ---- colocated placement: sleep / wake ----------------------------------------------
+    @property
+    def asleep(self) -> bool:
+        return self._stash.offloaded
+
+    async def sleep(self) -> SleepStats:
+        """Free the KV pool and the lean forward's fused copies, and move every weight to host
+        memory (models/offload.py; pinned on CUDA): while asleep the engine holds no device
+        tensor but the small RoPE tables. Between two steps, with nothing in flight."""
+        async with self._lock:
+            if self._running or self._waiting:
+                raise RuntimeError(
+                    f"torch engine: sleep with {len(self._running) + len(self._waiting)} sequences "
+                    "in flight (the rollout drains first)"
+                )
+            if self.asleep:
+                return SleepStats(0.0)
+            return await asyncio.get_running_loop().run_in_executor(self._pool, self._offload)
+
+    async def wake_up(self) -> SleepStats:
+        async with self._lock:
+            if not self.asleep:
+                return SleepStats(0.0)
+            return await asyncio.get_running_loop().run_in_executor(self._pool, self._onload)
+
+    def _offload(self) -> SleepStats:
+        t0 = time.perf_counter()
+        kv = self.cache.free()
+        if self.lean is not None:
+            self.lean.release()
+        tensors = list(self.model.parameters())
+        if self.adapter is not None:  # the pristine base it merges each version into
+            tensors += list(self.adapter.pristine.values())
+        moved = self._stash.offload(tensors)
+        return SleepStats(time.perf_counter() - t0, moved.nbytes, kv)
+
+    def _onload(self) -> SleepStats:
+        t0 = time.perf_counter()
+        back = self._stash.restore()
+        kv = self.cache.allocate()
+        if self.lean is not None:
+            self.lean.refresh()
+        return SleepStats(time.perf_counter() - t0, back.nbytes, kv)
+
+    def device_bytes(self) -> dict[str, int]:
+        """What this engine holds on its device now, by kind (tests and bench/colocate.py)."""
+        fused = self.lean.nbytes() if self.lean is not None else 0
+        return {
+            "weights": device_bytes(self.model.parameters()),
+            "kv": self.cache.nbytes,
+            "fused": fused,
+            "host": self._stash.nbytes,
+        }
 
     def served_weights(self) -> list[tuple[str, Any]] | None:
         if self.adapter is not None:  # model.lora: the factors merged into the weights

@@ -64,6 +64,7 @@ from laminar.node import NODE_STATUS, Node
 from laminar.protocol.core import NodeStatus
 from laminar.protocol.data import newest_version
 from laminar.protocol.rollout import (
+    ASLEEP,
     VERSION_MISMATCH,
     ExportReply,
     ExportRequest,
@@ -72,6 +73,10 @@ from laminar.protocol.rollout import (
     RefreshReply,
     RefreshRequest,
     RolloutStatus,
+    SleepReply,
+    SleepRequest,
+    WakeReply,
+    WakeRequest,
 )
 from laminar.rollout.deliver import Deliverer
 from laminar.rollout.feeder import PromptFeeder
@@ -97,6 +102,7 @@ if TYPE_CHECKING:
     from laminar.envs.base import Environment, ToolClient
     from laminar.rewards.runner import RewardRunner
     from laminar.rollout.agents import AgentDriver
+    from laminar.rollout.colocate import DeviceShare
     from laminar.rollout.episodes import EpisodeDriver
     from laminar.rollout.openai_api import OpenAIEndpoint
 
@@ -144,6 +150,8 @@ class RolloutNode(Node):
         self.table: SequenceTable
         self.outbox: Outbox
         self.deliverer: Deliverer
+        self.share: DeviceShare | None = None
+        """Colocated placement: the sleep / wake half of the device time-share."""
         self.feeder: PromptFeeder
 
     # ---- lifecycle --------------------------------------------------------------------
@@ -352,6 +360,22 @@ class RolloutNode(Node):
             log=self.log,
         )
 
+        if s.colocate is not None:
+            from laminar.rollout.colocate import DeviceShare
+
+            self.share = DeviceShare(
+                engine=engine,
+                table=self.table,
+                gate=self.gate,
+                feeder=self.feeder,
+                deliverer=self.deliverer,
+                wake=self.wake,
+                sleep_timeout_s=s.colocate.sleep_timeout_s,
+                wake_timeout_s=s.colocate.wake_timeout_s,
+                metrics=self.metrics,
+                log=self.log,
+            )
+
     def _has_agents(self) -> bool:
         return bool(self.settings.agent.fn or self.settings.agent.remote)
 
@@ -421,6 +445,8 @@ class RolloutNode(Node):
         self.manager.on(ExportRequest, self._on_export)
         self.manager.on(ImportRequest, self._on_import)
         self.manager.on(RefreshRequest, self._on_refresh)
+        self.manager.on(SleepRequest, self._on_sleep)
+        self.manager.on(WakeRequest, self._on_wake)
         # registered: the manager sees starting_engine in the beats while the engine starts; the
         # node is ready once it has (a start that fails or times out stops the node instead)
         await _first(self.engine_ready, self.stopping)
@@ -506,6 +532,7 @@ class RolloutNode(Node):
             max_running=self.engine.max_running or self.settings.rollout.max_running,
             agent=self.endpoint.figures() if self.endpoint is not None else {},
             outbox_dropped=self.outbox.stats["abandoned"],
+            asleep=self.share is not None and self.share.asleep,
         )
         return NodeStatus(
             node_id=self.node_id,
@@ -605,6 +632,8 @@ class RolloutNode(Node):
     async def _on_import(self, peer: Peer, msg: ImportRequest) -> ImportReply | ErrorReply:
         if (busy := self._not_ready()) is not None:
             return busy
+        if self.share is not None and self.share.asleep:  # placed again once it is awake
+            return ErrorReply(code=ASLEEP, message=f"{self.node_id} is asleep (colocated)")
         async with self.gate.lock:  # the version cannot change under an import
             version = self.gate.version
             # mode partial: an older one continues under this version (AReaL's partial rollout)
@@ -644,6 +673,25 @@ class RolloutNode(Node):
         self.metrics.count("imported", len(accepted))
         self.log.info("imported", count=len(accepted), duplicate=len(duplicate))
         return ImportReply(accepted=accepted, duplicate=duplicate, version=version)
+
+    async def _on_sleep(self, peer: Peer, msg: SleepRequest) -> SleepReply | ErrorReply:
+        if (busy := self._not_ready()) is not None:
+            return busy
+        if self.share is None:
+            return ErrorReply(code="not_colocated", message=f"{self.node_id} is not colocated")
+        self.log.info("colocate_sleep_asked", trainer_version=msg.version)
+        reply = await self.share.sleep()
+        self.status_changed.set()
+        return reply
+
+    async def _on_wake(self, peer: Peer, msg: WakeRequest) -> WakeReply | ErrorReply:
+        if (busy := self._not_ready()) is not None:
+            return busy
+        if self.share is None:
+            return ErrorReply(code="not_colocated", message=f"{self.node_id} is not colocated")
+        reply = await self.share.wake(msg.min_version)
+        self.status_changed.set()
+        return reply
 
     async def _on_refresh(self, peer: Peer, msg: RefreshRequest) -> RefreshReply | ErrorReply:
         if (busy := self._not_ready()) is not None:

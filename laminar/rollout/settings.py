@@ -10,6 +10,7 @@ from pathlib import Path
 
 from laminar.config import (
     AgentConfig,
+    ColocateConfig,
     EnvConfig,
     ModelConfig,
     RewardConfig,
@@ -51,3 +52,6 @@ class RolloutNodeSettings:
     never a local path)."""
     agent_endpoints: Path
     """Where each rollout writes its agent endpoint's URL (run_dir/agents/endpoints)."""
+    colocate: ColocateConfig | None = None
+    """cluster.placement=colocated: this rollout shares its device with the trainer's rank and
+    sleeps while it steps (laminar/rollout/colocate.py); None: separate placement."""

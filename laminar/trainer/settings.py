@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from laminar.config import LoggingConfig, TransportConfig
+from laminar.config import ColocateConfig, LoggingConfig, TransportConfig
 from laminar.node_settings import NodeSettings
 from laminar.trainer.protocol import TrainerSettings
 from laminar.weights.channel import ChannelSettings
@@ -39,3 +39,6 @@ class TrainerNodeSettings:
     """The resolved config (JSON), which wandb records with the run."""
     attest: bool
     """Rollouts serve tensors (not sim engines): each version's digest is computed for them."""
+    colocate: ColocateConfig | None = None
+    """cluster.placement=colocated: the trainer takes the device from its rollout for each step
+    and offloads after it (TrainerNode._take_device / _give_device); None: separate."""

@@ -71,4 +71,5 @@ def trainer_node_settings(
         run_name=cfg.name,
         run_config=cfg.model_dump(mode="json"),
         attest=cfg.rollout.engine != "sim",
+        colocate=cfg.cluster.colocate if cfg.cluster.placement == "colocated" else None,
     )
