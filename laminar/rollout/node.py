@@ -237,6 +237,8 @@ class RolloutNode(Node):
             kw: dict[str, Any] = {}
             if s.rollout.engine == "vllm":
                 kw["env"] = self._vllm_env()
+                if s.colocate is not None:  # sleeps while the trainer steps
+                    kw["sleep_mode"] = True
             # loading a torch model blocks for seconds: off the loop, so this node keeps beating
             if s.rollout.engine == "torch":
                 model = s.model.model_copy(update={"device": self.device})
