@@ -13,8 +13,9 @@ The trainer coordinates (it alone knows when its batch is complete and when its 
 the manager carries the commands because rollouts are its clients, not the trainer's, and
 because it sees deaths: a trainer that dies or restarts while holding the device gets its
 rollouts woken (`trainer_gone`), and a rollout that (re)joins while the trainer holds it is put to
-sleep at once (`rollout_joined`). A rollout that does not answer is listed in `failed` and the
-cycle goes on: a dead process holds no device memory, and a slow one is logged and counted.
+sleep as soon as its heartbeats show its engine up (`rollout_joined`). A rollout that does not
+answer is listed in `failed` and the cycle goes on: a dead process holds no device memory, and a
+slow one is logged and counted.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from laminar.transport.sockets import RemoteError, TransportError
 
 _MARGIN_S = 5.0
 """Added to a rollout's own deadline: its reply still has to travel."""
+_JOINER_POLL_S = 0.2
+"""How often a joiner's heartbeat status is looked at for an engine up (no event says so)."""
 
 
 class DeviceBroker:
@@ -99,18 +102,38 @@ class DeviceBroker:
             self.log.info("colocate_released", version=version, **_f(out))
             return out
 
-    def trainer_gone(self) -> None:
+    def trainer_gone(self) -> bool:
         """The trainer died or came back as a new process while holding the device: wake the
-        rollouts (the new trainer asks again when its batch is complete)."""
-        if self.held:
-            self.log.warning("colocate_trainer_gone", version=self.version)
-            self.metrics.count("colocate_trainer_gone")
-            self.spawn(self.release(self.version), "colocate-release")
+        rollouts (the new trainer asks again when its batch is complete). True: it held it."""
+        if not self.held:
+            return False
+        self.log.warning("colocate_trainer_gone", version=self.version)
+        self.metrics.count("colocate_trainer_gone")
+        self.spawn(self.release(self.version), "colocate-release")
+        return True
 
     def rollout_joined(self, node_id: str) -> None:
-        """A rollout (re)joined while the trainer holds the device: it sleeps too."""
+        """A rollout (re)joined while the trainer holds the device: it sleeps too, once its
+        engine is up."""
         if self.held:
-            self.spawn(self._sleep(node_id, self.version), "colocate-sleep-joiner")
+            self.spawn(self._sleep_joiner(node_id), "colocate-sleep-joiner")
+
+    async def _sleep_joiner(self, node_id: str) -> None:
+        """A (re)started rollout registers before its engine starts and answers no command until
+        it has, so the sleep waits for its heartbeats to show an engine up; it gives up when the
+        trainer gives the device back (the joiner is awake then anyway) or the rollout dies."""
+        while self.held:
+            peer = next((p for p in self.srv.peers.values() if p.node_id == node_id), None)
+            if peer is None or not peer.alive:
+                return
+            st = peer.status
+            if st is not None and st.rollout is not None and st.rollout.max_running > 0:
+                async with self._lock:  # not between a release's wake and its reply
+                    if self.held and not st.rollout.asleep:
+                        self.log.info("colocate_sleep_joiner", rollout=node_id)
+                        await self._sleep(node_id, self.version)
+                return
+            await asyncio.sleep(_JOINER_POLL_S)
 
     async def _sleep(self, node_id: str, version: int) -> SleepReply | None:
         reply = await self._ask(node_id, SleepRequest(version=version), self.cfg.sleep_timeout_s)

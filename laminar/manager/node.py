@@ -178,7 +178,7 @@ class ManagerNode(Node):
         else:
             self._event("join", node=peer.node_id, role=peer.role)
             if peer.role == "trainer" and self.broker is not None:
-                self.broker.trainer_gone()  # a new trainer process holds nothing yet
+                self._trainer_gone()  # a new trainer process holds nothing yet
         if peer.role == "relay":
             self._schedule_chain()
 
@@ -191,7 +191,7 @@ class ManagerNode(Node):
         if peer.role == "rollout":
             self._queue_recovery(peer.node_id, "dead")
         elif peer.role == "trainer" and self.broker is not None:
-            self.broker.trainer_gone()
+            self._trainer_gone()
         elif peer.role == "relay":
             self._schedule_chain()
 
@@ -275,6 +275,11 @@ class ManagerNode(Node):
                 await self.srv.broadcast(RefreshRequest(min_version=msg.version), role="rollout")
             # the paper repacks right after each update: free rollouts for the new version
             self.repack_now.set()
+
+    def _trainer_gone(self) -> None:
+        assert self.broker is not None
+        if self.broker.trainer_gone():  # it held the device: its rollouts are woken
+            self._event("colocate_trainer_gone", version=self.broker.version)
 
     async def _on_device_request(self, peer: Peer, msg: DeviceRequest) -> DeviceGrant:
         assert self.broker is not None
