@@ -69,6 +69,12 @@ class ColocateConfig(Section):
     offload_optimizer: bool = True
     """While the rollouts generate, the trainer's AdamW state (2x the fp32 parameters) waits in
     host memory; false: it stays on the device (resident in the plan)."""
+    rollout_weights: Literal["offload", "drop"] = "offload"
+    """What a sleeping rollout does with its weights. offload: copied to host memory (pinned on
+    CUDA) and back at the wake, where the new version loads over them. drop: freed with no host
+    copy (no second copy in host memory, no copy at the sleep): the wake allocates them empty
+    and must load the whole version before any prompt runs (vLLM: sleep level 2). Not with
+    model.lora (the engine merges each adapter into a base it must keep)."""
     sleep_timeout_s: float = Field(600.0, gt=0)
     """Deadline for a rollout to finish its in-flight trajectories and sleep when the trainer
     asks for the device; past it the trainer goes on (logged, counted: colocate/sleep_timeouts)."""
@@ -1063,6 +1069,12 @@ class LaminarConfig(Section):
             raise ValueError(
                 f"cluster.placement=colocated pairs the trainer's rank with one rollout on its "
                 f"device: set cluster.roles.rollout=1 (got {roles.get('rollout', 0)})"
+            )
+        if self.cluster.colocate.rollout_weights == "drop" and self.model.lora is not None:
+            raise ValueError(
+                "cluster.colocate.rollout_weights=drop frees the rollout's weights while it "
+                "sleeps, but with model.lora each version is an adapter merged into a base the "
+                "engine must keep: set cluster.colocate.rollout_weights=offload"
             )
         w = self.rollout.weights
         if w in ("relay", "nccl") or (w == "auto" and roles.get("relay", 0) > 0):

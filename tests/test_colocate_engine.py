@@ -84,6 +84,36 @@ async def test_torch_engine_asleep_holds_no_kv_no_weights_and_serves_the_new_ver
         await eng.close()
 
 
+async def test_torch_engine_drop_sleep_frees_the_weights_with_no_host_copy_and_needs_a_load(
+    tiny_model,
+):
+    """cluster.colocate.rollout_weights=drop: nothing of the weights is kept anywhere while
+    asleep; the wake allocates them empty and no prompt runs until a whole version is loaded."""
+    eng = _engine(tiny_model)
+    await eng.start()
+    try:
+        before = await _greedy(eng, "a")
+        awake = eng.device_bytes()
+        version = [(n, p.detach().clone()) for n, p in eng.model.named_parameters()]
+        slept = await eng.sleep(keep_weights=False)
+        assert eng.device_bytes() == {"weights": 0, "kv": 0, "fused": 0, "host": 0}
+        assert slept.weight_bytes == 0 and slept.kv_bytes == awake["kv"]
+        assert slept.dropped_bytes == awake["weights"]
+        woke = await eng.wake_up()
+        assert woke.needs_load and woke.weight_bytes == 0 and woke.kv_bytes == awake["kv"]
+        assert not eng.asleep
+        prompt = np.array([3, 4], np.int32)
+        with pytest.raises(RuntimeError, match="dropped"):  # never samples from garbage
+            eng.submit(GenRequest("x", prompt, SamplingParams(max_tokens=2), n=1))
+        with pytest.raises(RuntimeError, match="without values"):  # a part of a version
+            await eng.load_weights(version[:1], 1)
+        await eng.load_weights(version, 1)
+        assert eng.version == 1 and eng.device_bytes() == awake
+        assert await _greedy(eng, "b") == before  # the same values, loaded again
+    finally:
+        await eng.close()
+
+
 async def test_torch_engine_refuses_to_sleep_with_sequences_in_flight(tiny_model):
     eng = _engine(tiny_model)
     eng.submit(GenRequest("x", np.array([3, 4], np.int32), SamplingParams(max_tokens=4), n=1))
@@ -162,6 +192,12 @@ async def test_vllm_engine_sleeps_and_wakes_through_the_documented_api(monkeypat
         assert fake.llm.calls[-1] == ("wake_up", None) and fake.llm.sleeping == 0
         await eng.wake_up()  # awake already: no second call
         assert [c for c in fake.llm.calls if c[0] == "wake_up"] == [("wake_up", None)]
+        # rollout_weights=drop: level 2 discards the weights; the wake says a load must follow
+        await eng.sleep(keep_weights=False)
+        assert fake.llm.calls[-1] == ("sleep", 2) and fake.llm.sleeping == 2
+        woke = await eng.wake_up()
+        assert woke.needs_load and fake.llm.sleeping == 0
+        assert not (await eng.wake_up()).needs_load
     finally:
         await eng.close()
 

@@ -10,6 +10,7 @@
     await engine.load_weights(named_tensors, version=4)     # applied between decode steps
     engine.stats()                               # EngineStats(kv_use, running, waiting, version)
     slept = await engine.sleep()                 # colocated: device memory freed (SleepStats)
+    slept = await engine.sleep(keep_weights=False)  # ... the weights too, no host copy
     woke = await engine.wake_up()                # back on the device, same version
 
 Everything is per sequence: a request with n samples becomes n sequences
@@ -144,6 +145,11 @@ class SleepStats:
     the engine cannot say (vLLM's allocator does it in its workers)."""
     kv_bytes: int = 0
     """KV-cache bytes freed (sleep) or allocated again (wake)."""
+    dropped_bytes: int = 0
+    """Weight bytes freed with no host copy (a sleep with keep_weights=False)."""
+    needs_load: bool = False
+    """A wake after a drop: the weights are allocated but hold no values; a whole version must
+    be loaded before any prompt runs."""
 
 
 class Engine(ABC):
@@ -194,10 +200,12 @@ class Engine(ABC):
     @abstractmethod
     def stats(self) -> EngineStats: ...
 
-    async def sleep(self) -> SleepStats:
+    async def sleep(self, keep_weights: bool = True) -> SleepStats:
         """Colocated placement: release the device for the trainer. Only called with nothing in
         flight (the rollout drains first); the KV cache is dropped and the weights go to host
-        memory, the version stays. Engines without a device (sim) do nothing."""
+        memory (keep_weights) or are freed outright (the wake then needs a load of a whole
+        version: cluster.colocate.rollout_weights=drop). Engines without a device (sim) do
+        nothing."""
         raise NotImplementedError(f"the {self.name} engine has no sleep mode")
 
     async def wake_up(self) -> SleepStats:

@@ -274,9 +274,9 @@ class SimEngine(Engine):
         self._prefix.clear()
         self._reschedule()
 
-    async def sleep(self) -> SleepStats:
+    async def sleep(self, keep_weights: bool = True) -> SleepStats:
         """No device memory to release (an emulated engine): the prefix cache is forgotten, as a
-        real engine's KV is."""
+        real engine's KV is. It keeps no weights, so a drop is the same."""
         self._prefix.clear()
         return SleepStats(0.0)
 

@@ -179,6 +179,11 @@ class TorchEngine(Engine):
         """Sequences ended with "length" because they alone outgrew the whole KV pool."""
         self._stash = HostStash()
         """Colocated placement: the weights while asleep (sleep / wake_up)."""
+        self._dropped: list[tuple[torch.Tensor, tuple[int, ...]]] = []
+        """A sleep that dropped the weights: each weight and its shape (no values kept)."""
+        self._unloaded: set[int] = set()
+        """After waking from a drop: the weights no load has given values yet, by storage address
+        (state_dict() hands out other tensor objects over the same storage)."""
 
     @classmethod
     def from_config(
@@ -237,6 +242,11 @@ class TorchEngine(Engine):
     def submit(self, req: GenRequest) -> None:
         if self.error is not None:
             raise RuntimeError(f"torch engine failed earlier: {self.error!r}")
+        if self._unloaded or self._dropped:  # it would sample from uninitialised memory
+            raise RuntimeError(
+                "torch engine: its weights were dropped at a sleep and no whole version has "
+                "been loaded since (cluster.colocate.rollout_weights=drop)"
+            )
         prompt = np.asarray(req.prompt_ids).astype(np.int64).tolist()
         resumed = np.asarray(req.resume_ids).astype(np.int64).tolist()
         resumed_lps = np.asarray(req.resume_logprobs, np.float64).tolist()
@@ -347,6 +357,16 @@ class TorchEngine(Engine):
         with torch.no_grad():
             for dst, src in staged:
                 dst.copy_(src.to(dtype=dst.dtype, device=dst.device))
+        if self._unloaded:  # waking from a drop: this version must have covered every weight
+            self._unloaded -= {dst.data_ptr() for dst, _ in staged}
+            if self._unloaded:
+                params = self.model.named_parameters()
+                missing = [n for n, p in params if p.data_ptr() in self._unloaded]
+                raise RuntimeError(
+                    f"torch engine: the version loaded after a drop left {len(missing)} weights "
+                    f"without values (e.g. {missing[:3]}): rollout_weights=drop needs whole "
+                    "versions"
+                )
         self.loaded_names = [name for name, _ in items]
         if self.lean is not None:
             self.lean.refresh()
@@ -354,12 +374,14 @@ class TorchEngine(Engine):
     # ---- colocated placement: sleep / wake ----------------------------------------------
     @property
     def asleep(self) -> bool:
-        return self._stash.offloaded
+        return self._stash.offloaded or bool(self._dropped)
 
-    async def sleep(self) -> SleepStats:
+    async def sleep(self, keep_weights: bool = True) -> SleepStats:
         """Free the KV pool and the lean forward's fused copies, and move every weight to host
-        memory (models/offload.py; pinned on CUDA): while asleep the engine holds no device
-        tensor but the small RoPE tables. Between two steps, with nothing in flight."""
+        memory (models/offload.py; pinned on CUDA), or free them outright (keep_weights=False:
+        the wake allocates them empty and a whole version must be loaded before a prompt runs):
+        while asleep the engine holds no device tensor but the small RoPE tables. Between two
+        steps, with nothing in flight."""
         async with self._lock:
             if self._running or self._waiting:
                 raise RuntimeError(
@@ -368,7 +390,8 @@ class TorchEngine(Engine):
                 )
             if self.asleep:
                 return SleepStats(0.0)
-            return await asyncio.get_running_loop().run_in_executor(self._pool, self._offload)
+            release = self._offload if keep_weights else self._drop
+            return await asyncio.get_running_loop().run_in_executor(self._pool, release)
 
     async def wake_up(self) -> SleepStats:
         async with self._lock:
@@ -387,8 +410,36 @@ class TorchEngine(Engine):
         moved = self._stash.offload(tensors)
         return SleepStats(time.perf_counter() - t0, moved.nbytes, kv)
 
+    def _drop(self) -> SleepStats:
+        if self.adapter is not None:  # config validation refuses it; a direct caller learns why
+            raise RuntimeError("torch engine: a LoRA engine keeps its base: sleep with weights")
+        t0 = time.perf_counter()
+        kv = self.cache.free()
+        if self.lean is not None:
+            self.lean.release()
+        nbytes, seen = 0, set()
+        for t in self.model.parameters():
+            if id(t) in seen or t.numel() == 0:
+                continue
+            seen.add(id(t))
+            nbytes += t.numel() * t.element_size()
+            self._dropped.append((t, tuple(t.shape)))
+            t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return SleepStats(time.perf_counter() - t0, 0, kv, dropped_bytes=nbytes)
+
     def _onload(self) -> SleepStats:
         t0 = time.perf_counter()
+        if self._dropped:  # storage again, no values: load_weights must give every one
+            nbytes = 0
+            for t, shape in self._dropped:
+                t.data = torch.empty(shape, dtype=t.dtype, device=t.device)
+                nbytes += t.numel() * t.element_size()
+            self._unloaded = {t.data_ptr() for t, _ in self._dropped}
+            self._dropped = []
+            kv = self.cache.allocate()
+            return SleepStats(time.perf_counter() - t0, 0, kv, needs_load=True)
         back = self._stash.restore()
         kv = self.cache.allocate()
         if self.lean is not None:

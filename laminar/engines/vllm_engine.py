@@ -176,6 +176,8 @@ class VllmEngine(Engine):
         the workers to fold back (vllm_attest.py)."""
         self._unattested_why = ""
         self.sleep_mode = sleep_mode
+        self._dropped = False
+        """The last sleep discarded the weights (level 2): the wake says a load must follow."""
         """Colocated placement: built with enable_sleep_mode, so sleep() / wake_up() work."""
         self._v: Any = None
         self._spawn: Spawn = detached_spawn
@@ -489,9 +491,10 @@ class VllmEngine(Engine):
         }
         _slog().info("vllm_adapter_loaded", version=version, **self.last_load)
 
-    async def sleep(self) -> SleepStats:
-        """AsyncLLM.sleep(level=1): weights to host memory, KV cache dropped (vLLM frees the
-        device memory in its workers: no byte count comes back)."""
+    async def sleep(self, keep_weights: bool = True) -> SleepStats:
+        """AsyncLLM.sleep(level=1): weights to host memory, KV cache dropped; keep_weights=False:
+        level=2, weights discarded too (the wake needs a load: `needs_load`). vLLM frees the
+        device memory in its workers: no byte count comes back."""
         if not self.sleep_mode:
             raise RuntimeError(
                 "vllm engine: sleep() needs the engine built with sleep_mode=True "
@@ -501,7 +504,8 @@ class VllmEngine(Engine):
             raise RuntimeError(f"vllm engine: sleep with {len(self._seqs)} sequences in flight")
         t0 = time.perf_counter()
         async with self._weights_lock:  # not while a weight load runs
-            await self._llm.sleep(level=1)
+            await self._llm.sleep(level=1 if keep_weights else 2)
+        self._dropped = not keep_weights
         return SleepStats(time.perf_counter() - t0)
 
     async def wake_up(self) -> SleepStats:
@@ -511,7 +515,8 @@ class VllmEngine(Engine):
         async with self._weights_lock:
             if await self._llm.is_sleeping():
                 await self._llm.wake_up()
-        return SleepStats(time.perf_counter() - t0)
+        dropped, self._dropped = self._dropped, False
+        return SleepStats(time.perf_counter() - t0, needs_load=dropped)
 
     async def served_digest(self) -> str | None:
         """Attestation: the digest of what the workers serve now, folded there from vLLM's own

@@ -4,8 +4,11 @@
                                                retracted (held for the next version), in-flight
                                                trajectories finish and are delivered as usual,
                                                engine.sleep(): KV freed, weights to host memory
+                                               (rollout_weights=drop: weights freed, no copy)
     manager ──WakeRequest(v)──► [share.wake(v)] engine.wake_up(), version v loaded on the device
                                                (dir / cuda_ipc: a local handoff), feeder resumed
+                                               (after a drop the load is required, even of the
+                                               version it served before: gate.forget())
 
 In-flight trajectories are finished, not exported, at a sleep. Colocated runs are sync or
 one_step: in sync nothing is in flight when the trainer's batch is complete (admission starts no
@@ -54,6 +57,7 @@ class DeviceShare:
         feeder: PromptFeeder,
         deliverer: Deliverer,
         wake: asyncio.Event,
+        keep_weights: bool,
         sleep_timeout_s: float,
         wake_timeout_s: float,
         metrics: Metrics,
@@ -62,6 +66,9 @@ class DeviceShare:
         self.engine, self.table, self.gate, self.feeder = engine, table, gate, feeder
         self.deliverer = deliverer
         self.wake_event = wake
+        self.keep_weights = keep_weights
+        """cluster.colocate.rollout_weights=offload; False (drop): freed at the sleep, the
+        version loaded again at the wake."""
         self.sleep_timeout_s, self.wake_timeout_s = sleep_timeout_s, wake_timeout_s
         self.metrics, self.log = metrics, log
         self.asleep = False
@@ -87,7 +94,7 @@ class DeviceShare:
                     await asyncio.sleep(_DRAIN_POLL_S)
                 drain_s = time.monotonic() - t0
                 async with self.gate.lock:  # no import or load between the drain and the sleep
-                    slept = await self.engine.sleep()
+                    slept = await self.engine.sleep(keep_weights=self.keep_weights)
             except BaseException:
                 self.feeder.paused = False  # not asleep: go on generating
                 self.wake_event.set()
@@ -102,6 +109,7 @@ class DeviceShare:
                 drain_s=round(drain_s, 4),
                 sleep_s=round(slept.seconds, 4),
                 weight_bytes=slept.weight_bytes,
+                dropped_bytes=slept.dropped_bytes,
                 kv_bytes=slept.kv_bytes,
                 finished=finished,
             )
@@ -121,6 +129,8 @@ class DeviceShare:
                 woke = await self.engine.wake_up()
                 woke_s, weight_bytes, kv_bytes = woke.seconds, woke.weight_bytes, woke.kv_bytes
                 self.asleep = False
+                if woke.needs_load:  # dropped: the version it served must be loaded again too
+                    self.gate.forget()
             t0 = time.monotonic()
             try:
                 await self._load(min_version)

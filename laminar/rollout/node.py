@@ -372,6 +372,7 @@ class RolloutNode(Node):
                 feeder=self.feeder,
                 deliverer=self.deliverer,
                 wake=self.wake,
+                keep_weights=s.colocate.rollout_weights == "offload",
                 sleep_timeout_s=s.colocate.sleep_timeout_s,
                 wake_timeout_s=s.colocate.wake_timeout_s,
                 metrics=self.metrics,
