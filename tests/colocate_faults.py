@@ -2,7 +2,7 @@
 where the cycle must be when they kill a node, the nodes do not.
 
     python tests/colocate_faults.py hold DIR STEP node --role trainer --config FILE
-    python tests/colocate_faults.py no-eos node --role rollout --config FILE
+    python tests/colocate_faults.py no-eos [hold-gen DIR] node --role rollout --config FILE
 
 hold: at its STEP-th training step the trainer holds the device (its state back on the device,
 the colocated rollout asleep) until DIR/release exists: it writes DIR/holding when it gets
@@ -12,7 +12,12 @@ deterministically, not by luck of timing.
 
 no-eos: the torch engine ignores the model's end-of-sequence token, so every trajectory runs to
 rollout.sampling.max_tokens: an untrained tiny model would otherwise stop after ~1/vocab of its
-tokens, and a kill "while generating" would land between trajectories as often as not.
+tokens.
+
+hold-gen: the rollout's engine stops mid-generation, a few decode steps into its first batch after
+the first update (version >= 1), writes DIR/generating and waits for DIR/release-gen: a kill
+"while generating" then finds trajectories in flight every time, not as often as the heartbeat's
+lag allows.
 """
 
 from __future__ import annotations
@@ -50,6 +55,28 @@ def hold_at_step(folder: Path, at_step: int) -> None:
     TorchTrainer.step = holding  # type: ignore[method-assign]
 
 
+def hold_generating(folder: Path, after_steps: int = 24) -> None:
+    """Patch TorchEngine._compute (its worker thread): the `after_steps`-th decode step at
+    version >= 1 waits for folder/release-gen (the node's event loop keeps beating)."""
+    from laminar.engines.torch_engine import TorchEngine
+
+    compute = TorchEngine._compute
+    steps = 0
+
+    def holding(self: TorchEngine, batch: Any) -> Any:
+        nonlocal steps
+        if self.version >= 1:
+            steps += 1
+            if steps == after_steps:
+                (folder / "generating").write_text(str(len(self._running)))
+                deadline = time.monotonic() + HOLD_DEADLINE_S
+                while not (folder / "release-gen").exists() and time.monotonic() < deadline:
+                    time.sleep(0.05)  # a file the test writes (or a kill -9)
+        return compute(self, batch)
+
+    TorchEngine._compute = holding  # type: ignore[method-assign]
+
+
 def ignore_eos() -> None:
     import laminar.engines.torch_engine as te
 
@@ -59,12 +86,17 @@ def ignore_eos() -> None:
 if __name__ == "__main__":
     from laminar.cli import main
 
-    if sys.argv[1] == "hold":
-        hold_at_step(Path(sys.argv[2]), int(sys.argv[3]))
-        rest = sys.argv[4:]
-    elif sys.argv[1] == "no-eos":
-        ignore_eos()
-        rest = sys.argv[2:]
-    else:
-        raise SystemExit(f"unknown fault {sys.argv[1]!r}: hold | no-eos")
-    raise SystemExit(main(rest))
+    args = sys.argv[1:]
+    while args[0] != "node":
+        if args[0] == "hold":
+            hold_at_step(Path(args[1]), int(args[2]))
+            args = args[3:]
+        elif args[0] == "hold-gen":
+            hold_generating(Path(args[1]))
+            args = args[2:]
+        elif args[0] == "no-eos":
+            ignore_eos()
+            args = args[1:]
+        else:
+            raise SystemExit(f"unknown fault {args[0]!r}: hold | hold-gen | no-eos")
+    raise SystemExit(main(args))

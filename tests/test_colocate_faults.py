@@ -16,8 +16,10 @@ journal clean (tests/procs.py check_exactly_once):
     resumes from its checkpoint and asks for the device again).
 
 The states are reached deterministically through tests/colocate_faults.py: the trainer holds the
-device at a chosen step until the test writes a file, and the rollout ignores end-of-sequence so
-its trajectories always run max_tokens long. Tests stop only the processes they started.
+device at a chosen step until the test writes a file, the rollout's engine stops a few decode
+steps into a batch (trajectories in flight) for the kill while generating, and the rollout
+ignores end-of-sequence so its trajectories run max_tokens long. Tests stop only the processes
+they started.
 """
 
 from __future__ import annotations
@@ -78,7 +80,12 @@ def colocated(tmp: Path, ipc_dir: Path, model: Path) -> Procs:
             "model": {"path": str(model)},
             "data": {"train": str(data)},
             "reward": {"fn": "laminar.tasks.countup:reward", "workers": 0},
-            "rollout": {"engine": "torch", "weights": "dir", "sampling": {"max_tokens": 64}},
+            "rollout": {
+                "engine": "torch",
+                "weights": "dir",
+                "partial_chunk_tokens": 8,  # the buffer holds what a killed rollout generated
+                "sampling": {"max_tokens": 64},
+            },
             "trainer": {"engine": "torch", "batch_groups": 2, "lr": 1e-3},
         },
     )
@@ -90,14 +97,6 @@ def procs(tmp_path, short_dir, tiny_model):
     p = colocated(tmp_path, short_dir, tiny_model)
     yield p
     p.stop_all()
-
-
-def start_all(procs: Procs, trainer_via: tuple[str, ...] = ()) -> None:
-    procs.start("manager", "manager")
-    procs.start("buffer", "buffer")
-    procs.start("trainer", "trainer", via=trainer_via)
-    procs.start("rollout-0", "rollout", 0, via=NO_EOS)
-    procs.wait_registered({"buffer-0", "trainer-0", "rollout-0"})
 
 
 def events(p: Procs, kind: str, node: str | None = None) -> list[dict[str, Any]]:
@@ -131,11 +130,33 @@ def check_cycles(p: Procs) -> list[dict[str, Any]]:
     return eff
 
 
+def start_all(
+    procs: Procs, trainer_via: tuple[str, ...] = (), rollout_via: tuple[str, ...] = NO_EOS
+) -> None:
+    procs.start("manager", "manager")
+    procs.start("buffer", "buffer")
+    procs.start("trainer", "trainer", via=trainer_via)
+    procs.start("rollout-0", "rollout", 0, via=rollout_via)
+    procs.wait_registered({"buffer-0", "trainer-0", "rollout-0"})
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known gap (issue 48 report): the restarted sole rollout imports the recovered "
+    "partials while still at version 0 (its model path; it loads the current version only "
+    "later) and continues them there, so in mode sync the buffer drops both groups as stale "
+    "(journal: groups_dropped=2, dropped_expired=2): two prompts are never trained on",
+)
 def test_colocated_rollout_killed_while_generating_is_recovered_and_rejoins(procs):
-    start_all(procs)
+    start_all(procs, rollout_via=(*NO_EOS, "hold-gen", str(procs.tmp)))
     procs.wait(
-        lambda: len(procs.steps()) >= 1 and procs.status()["rollout-0"].status.inflight > 0,
-        "a step trained, rollout-0 generating the next batch",
+        lambda: len(procs.steps()) >= 1 and (procs.tmp / "generating").exists(),
+        "a step trained, rollout-0 mid-generation of the next batch",
+    )
+    procs.wait(  # (the engine is stopped mid-batch: the status settles on this)
+        lambda: procs.status()["rollout-0"].status.inflight > 0 and not rollout_asleep(procs),
+        "rollout-0 awake with trajectories in flight",
+        30,
     )
     procs.kill9("rollout-0")
     procs.wait(lambda: events(procs, "dead", "rollout-0"), "rollout-0 declared dead", 15)
