@@ -60,6 +60,28 @@ class RestartConfig(Section):
     """Cap on the restart delay."""
 
 
+class ColocateConfig(Section):
+    """cluster.placement=colocated: what moves off the device in each phase (docs/colocated.md)."""
+
+    offload_params: bool = True
+    """While the rollouts generate, the trainer's parameters and gradients wait in host memory
+    (pinned on CUDA); false: they stay on the device (`laminar plan` counts them resident)."""
+    offload_optimizer: bool = True
+    """While the rollouts generate, the trainer's AdamW state (2x the fp32 parameters) waits in
+    host memory; false: it stays on the device (resident in the plan)."""
+    rollout_weights: Literal["offload", "drop"] = "offload"
+    """What a sleeping rollout does with its weights. offload: copied to host memory (pinned on
+    CUDA) and back at the wake, where the new version loads over them. drop: freed with no host
+    copy (no second copy in host memory, no copy at the sleep): the wake allocates them empty
+    and must load the whole version before any prompt runs (vLLM: sleep level 2). Not with
+    model.lora (the engine merges each adapter into a base it must keep)."""
+    sleep_timeout_s: float = Field(600.0, gt=0)
+    """Deadline for a rollout to finish its in-flight trajectories and sleep when the trainer
+    asks for the device; past it the trainer goes on (logged, counted: colocate/sleep_timeouts)."""
+    wake_timeout_s: float = Field(600.0, gt=0)
+    """Deadline for a rollout to wake and load the new version on its device."""
+
+
 class ClusterConfig(Section):
     transport: Literal["inproc", "ipc", "tcp"] = "ipc"
     """How nodes reach each other: inproc (one process), ipc (one host), tcp (many hosts)."""
@@ -99,6 +121,13 @@ class ClusterConfig(Section):
     own session (as `laminar run` starts them) raises its session's autogroup niceness too: with
     Linux's autogroup scheduling CPU is shared between sessions first, where a plain nice would not
     act."""
+    placement: Literal["separate", "colocated"] = "separate"
+    """separate: the trainer and the rollouts on their own devices. colocated: the trainer and
+    one rollout time-share one device (LlamaRL's co-located mode: the rollout sleeps while the
+    trainer steps, the trainer's state waits in host memory while the rollout generates); modes
+    sync and one_step, one trainer rank and one rollout (docs/colocated.md)."""
+    colocate: ColocateConfig = Field(default_factory=ColocateConfig)
+    """What colocated placement moves to host memory, and its deadlines."""
     restart: RestartConfig = Field(default_factory=RestartConfig)
     """Supervision of node processes: restart budget and backoff."""
     no_progress_timeout_s: float | None = Field(600.0, ge=0)
@@ -1028,6 +1057,47 @@ class LaminarConfig(Section):
             raise ValueError(
                 "rollout.weights=cuda_ipc needs model.device=cuda (use nccl, which runs on gloo "
                 "on CPU, or relay)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_colocated(self) -> LaminarConfig:
+        if self.cluster.placement != "colocated":
+            return self
+        roles = self.cluster.roles
+        if self.mode not in ("sync", "one_step"):
+            raise ValueError(
+                f"cluster.placement=colocated needs mode sync or one_step, got mode={self.mode}: "
+                "colocated rollouts sleep while the trainer steps, so generation never overlaps "
+                "training and the modes that exist to overlap them (stream, laminar, partial) "
+                "have nothing to gain; every rollout of a colocated run is colocated (no mix). "
+                "Use mode=sync/one_step, or cluster.placement=separate"
+            )
+        if roles.get("trainer", 0) != 1 or (self.rollout.trainer_gpus or 1) != 1:
+            raise ValueError(
+                "cluster.placement=colocated pairs one trainer rank with one rollout: set "
+                f"cluster.roles.trainer=1 (got {roles.get('trainer', 0)}) and rollout.trainer_gpus"
+                f"=1 (got {self.rollout.trainer_gpus}); FSDP ranks sharing GPUs with rollouts are "
+                "not supported yet"
+            )
+        if roles.get("rollout", 0) != 1:
+            raise ValueError(
+                f"cluster.placement=colocated pairs the trainer's rank with one rollout on its "
+                f"device: set cluster.roles.rollout=1 (got {roles.get('rollout', 0)})"
+            )
+        if self.cluster.colocate.rollout_weights == "drop" and self.model.lora is not None:
+            raise ValueError(
+                "cluster.colocate.rollout_weights=drop frees the rollout's weights while it "
+                "sleeps, but with model.lora each version is an adapter merged into a base the "
+                "engine must keep: set cluster.colocate.rollout_weights=offload"
+            )
+        w = self.rollout.weights
+        if w in ("relay", "nccl") or (w == "auto" and roles.get("relay", 0) > 0):
+            raise ValueError(
+                f"cluster.placement=colocated hands each version over on the device (no relay "
+                f"hop): set rollout.weights=dir (CPU) or cuda_ipc (GPU), or auto with "
+                f"cluster.roles.relay=0 (got rollout.weights={w}, "
+                f"cluster.roles.relay={roles.get('relay', 0)})"
             )
         return self
 

@@ -114,8 +114,12 @@ class Procs:
             )
             self.env.update(env or {})
 
-    def start(self, name: str, role: str, index: int = 0, count: int = 1) -> None:
-        cmd = [sys.executable, "-m", "laminar", "node", "--role", role]
+    def start(
+        self, name: str, role: str, index: int = 0, count: int = 1, via: Sequence[str] = ()
+    ) -> None:
+        """`via`: a script (and its arguments) that patches a fault point in, then runs the CLI
+        (tests/colocate_faults.py, tests/trainer_faults.py); default `-m laminar`."""
+        cmd = [sys.executable, *(via or ("-m", "laminar")), "node", "--role", role]
         cmd += ["--index", str(index), "--count", str(count), "--config", str(self.cfg_path)]
         path = self.tmp / f"{name}.{len(self.started)}.log"
         self.log_files.setdefault(name, []).append(path)

@@ -3,8 +3,9 @@ its JSON, so the check cannot rot between GPU sessions.
 
     .venv/bin/python -m pytest tests/test_gpu_check.py -q
 
-About 40 s on a quiet 2-core machine (a minute and more when it is shared); the stage that
-dominates is `run`, a real `laminar run` (nccl on gloo, 3 steps).
+About a minute on a quiet 2-core machine (two and more when it is shared); the stages that
+dominate are `run`, a real `laminar run` (nccl on gloo, 5 steps), and `colocate`'s colocated
+`laminar run` (2 steps).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-STAGES = ("env", "tests", "weights", "engine", "trainer", "run")
+STAGES = ("env", "tests", "weights", "engine", "trainer", "run", "colocate")
 
 
 def test_gpu_check_dry_run_runs_every_stage_on_cpu(tmp_path):
@@ -27,7 +28,7 @@ def test_gpu_check_dry_run_runs_every_stage_on_cpu(tmp_path):
         env={**os.environ, "PYTHON": sys.executable},
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=400,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert sorted(p.name for p in out.iterdir()) == sorted(
@@ -41,6 +42,10 @@ def test_gpu_check_dry_run_runs_every_stage_on_cpu(tmp_path):
     assert run["rc"] == 0 and run["steps"] == 5 and run["trainer_stall_s"]["n"] == 5
     assert run["loads_by_source"].get("group", 0) >= 1  # the nccl path, on gloo
     assert res["engine"]["summary"]["engine_vs_hf_generate"] > 0
+    co = res["colocate"]  # the engine asleep and the trainer offloaded, then a colocated run
+    assert co["engine"]["weight_bytes"] > 0 and co["engine"]["kv_bytes"] > 0
+    assert co["trainer"]["bytes"] > 0 and co["run"]["rc"] == 0 and co["run"]["cycles"] == 2
+    assert all(co["summary"][k] >= 0 for k in ("run_sleep_s", "run_wake_s", "run_handoff_s"))
     assert json.loads((out / "check.json").read_text())["ok"]
 
 

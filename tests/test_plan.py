@@ -220,3 +220,23 @@ def test_torch_rollout_kv_figure_is_the_engines_own_pool(small_model, tmp_path):
         _config(tmp_path, small_model), [*overrides, f"rollout.kv_capacity_tokens={fit}"]
     )
     assert make_plan(capped, Hardware(gpu_gib=0.08)).processes[-1].fits
+
+
+@pytest.mark.slow
+def test_colocated_one_gpu_config_fits_and_names_the_field_once_it_does_not(capsys):
+    """configs/colocated_1gpu_1.5b.yaml: the trainer and vLLM time-share one 80 GiB GPU; the
+    plan's one line is the larger phase plus what stays resident (docs/colocated.md)."""
+    path = str(ROOT / "configs" / "colocated_1gpu_1.5b.yaml")
+    argv = ["--gpu-mem", "80", "--gpus-per-node", "1", "--trainer-gpus", "1"]
+    assert main(["plan", path, *argv]) == 0, capsys.readouterr()
+    out = capsys.readouterr().out
+    assert "colocated GPU" in out and "trainer phase" in out and "rollout phase" in out
+    hw = Hardware(gpu_gib=80, gpus_per_node=1, trainer_gpus=1)
+    # AdamW state kept on the device beside vLLM: the offload setting is named
+    kept = make_plan(load_config(path, ["cluster.colocate.offload_optimizer=false"]), hw)
+    (gpu,) = kept.processes
+    assert not gpu.fits and gpu.field == "cluster.colocate.offload_optimizer"
+    # a batch past what the trainer phase holds: the trainer's field is named
+    big = make_plan(load_config(path, ["trainer.micro_batch_tokens=262144"]), hw)
+    (gpu,) = big.processes
+    assert not gpu.fits and gpu.field == "trainer.micro_batch_tokens", gpu

@@ -6,8 +6,8 @@
 #
 # On the GPU machine (one H100/H200, Python 3.12, torch 2.11, no network): the packages its
 # image lacks are installed from bench/gpu/wheels (made here by scripts/gpu_bundle.sh); stages
-# run as separate processes under `timeout` (limits sum to 8 minutes): env 20 s, tests 80 s,
-# weights 60 s, engine 90 s, trainer 60 s, run 150 s. What each measures: bench/gpu/stages.py.
+# run as separate processes under `timeout` (limits sum to 9 minutes): env 20 s, tests 80 s,
+# weights 60 s, engine 90 s, trainer 60 s, run 150 s, colocate 90 s. What each measures: bench/gpu/stages.py.
 # --dry-run: the same stages on CPU at tiny sizes in one process (each under its own alarm), in
 # under a minute: tests/test_gpu_check.py runs it in the default suite.
 set -uo pipefail
@@ -36,9 +36,9 @@ fi
 
 if (( DRY )); then
   "$PY" bench/gpu/stages.py --dry-run --out "$DIR" \
-    env=20 tests=30 weights=20 engine=40 trainer=20 run=60
+    env=20 tests=30 weights=20 engine=40 trainer=20 run=60 colocate=90
 else
-  for spec in env=20 tests=80 weights=60 engine=90 trainer=60 run=150; do
+  for spec in env=20 tests=80 weights=60 engine=90 trainer=60 run=150 colocate=90; do
     name=${spec%=*}
     limit=${spec#*=}
     timeout -k 10 "$limit" "$PY" bench/gpu/stages.py "$name" --out "$DIR"
@@ -55,7 +55,7 @@ import json, sys
 from pathlib import Path
 d = Path(sys.argv[1])
 stages = {}
-for name in ("env", "tests", "weights", "engine", "trainer", "run"):
+for name in ("env", "tests", "weights", "engine", "trainer", "run", "colocate"):
     p = d / f"{name}.json"
     r = json.loads(p.read_text()) if p.exists() else {"ok": False, "error": "no JSON"}
     stages[name] = {"ok": r.get("ok", False), "seconds": r.get("seconds"), "error": r.get("error", "")}

@@ -16,6 +16,11 @@ Stages (one JSON each in DIR, written even when the stage fails: `ok`, `error`, 
   run      `laminar run` on one GPU (trainer, relay, two torch rollouts, a tiny model), 20 steps
            with rollout.weights=cuda_ipc, then with relay: trainer stall and rollout wait per
            version
+  colocate colocated placement (docs/colocated.md): the torch engine's sleep / wake and the
+           trainer state's offload / onload (params, grads, AdamW) on the Qwen2-shaped model in
+           bf16 (bytes, seconds, device memory allocated awake / asleep), then a colocated
+           `laminar run` (trainer + one torch rollout on one GPU, mode sync, cuda_ipc, 10 steps):
+           sleep, wake and handoff per step from its metrics.jsonl (colocate/*)
 --dry-run: the same code on CPU at tiny sizes (CUDA IPC -> the lease logic and a host copy; nccl
 on gloo instead of cuda_ipc in `run`), so the check cannot rot (tests/test_gpu_check.py).
 """
@@ -310,7 +315,11 @@ def stage_trainer(dry: bool) -> dict[str, Any]:
 # ---- a short laminar run -------------------------------------------------------------------------
 
 
-def _laminar_run(tmp: Path, weights: str, steps: int, dev: str, timeout: float) -> dict[str, Any]:
+def _laminar_run(
+    tmp: Path, weights: str, steps: int, dev: str, timeout: float, colocated: bool = False
+) -> dict[str, Any]:
+    """`laminar run` of a tiny model; colocated: the trainer and one rollout time-share the
+    device (mode sync, no relay), else trainer, relay, two rollouts."""
     import random
 
     import yaml
@@ -328,14 +337,17 @@ def _laminar_run(tmp: Path, weights: str, steps: int, dev: str, timeout: float) 
             p = countup.make_prompt(rng.randint(0, 9), rng.randint(1, 3), 30)
             f.write(json.dumps({"prompt": p, "answer": countup.answer_of(p)}) + "\n")
     run_dir = tmp / f"run-{weights}"
-    cfg = {
+    roles = {"manager": 1, "buffer": 1, "relay": 1, "trainer": 1, "rollout": 2}
+    if colocated:
+        roles |= {"relay": 0, "rollout": 1}
+    cfg: dict[str, Any] = {
         "name": f"gpucheck-{weights}",
         "run_dir": str(run_dir),
         "cluster": {
             "transport": "ipc",
             "ipc_dir": f"/tmp/lam-gpucheck-{os.getpid()}-{weights}",
             "base_port": free_port() % 30000 + 20000,
-            "roles": {"manager": 1, "buffer": 1, "relay": 1, "trainer": 1, "rollout": 2},
+            "roles": roles,
         },
         "logging": {"progress_every_s": 0},
         "model": {"path": str(model), "device": dev},
@@ -352,6 +364,9 @@ def _laminar_run(tmp: Path, weights: str, steps: int, dev: str, timeout: float) 
         },
         "trainer": {"engine": "torch", "total_steps": steps, "batch_groups": 2},
     }
+    if colocated:
+        cfg["mode"] = "sync"
+        cfg["cluster"]["placement"] = "colocated"
     path = tmp / f"{weights}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     t0 = time.perf_counter()
@@ -375,7 +390,7 @@ def _laminar_run(tmp: Path, weights: str, steps: int, dev: str, timeout: float) 
                 e = json.loads(line)
                 waits.append(e.get("load_s", 0.0))
                 sources[e.get("source", "")] = sources.get(e.get("source", ""), 0) + 1
-    res = {
+    res: dict[str, Any] = {
         "weights": weights,
         "rc": proc.returncode,
         "wall_s": wall,
@@ -384,6 +399,13 @@ def _laminar_run(tmp: Path, weights: str, steps: int, dev: str, timeout: float) 
         "rollout_load_s": _stats(waits),
         "loads_by_source": sources,
     }
+    if colocated:  # the cycle's costs, per step, as the trainer logged them
+        cycles = [r for r in rows if "colocate/sleep_s" in r]
+        res["cycles"] = len(cycles)
+        for k in ("drain_s", "sleep_s", "wake_s", "handoff_s", "acquire_s", "release_s"):
+            res[k] = _stats([r[f"colocate/{k}"] for r in cycles])
+        for k in ("trainer_offload_s", "trainer_onload_s"):
+            res[k] = _stats([r[f"colocate/{k}"] for r in cycles])
     if proc.returncode != 0:
         res["output_tail"] = (proc.stdout + proc.stderr)[-2000:]
     return res
@@ -410,6 +432,105 @@ def stage_run(dry: bool) -> dict[str, Any]:
     out = {"device": dev, "runs": runs}
     if bad:
         raise AssertionError(f"laminar run failed: {[r['weights'] for r in bad]}")
+    return out
+
+
+# ---- colocated placement: sleep, wake, handoff ---------------------------------------------
+
+
+def _allocated(dev: str) -> int:
+    import torch
+
+    return torch.cuda.memory_allocated() if dev == "cuda" else 0
+
+
+def stage_colocate(dry: bool) -> dict[str, Any]:
+    """The torch engine's sleep / wake and the trainer state's offload / onload on the
+    Qwen2-shaped model (bytes moved, seconds, device memory before / asleep / after), then a
+    colocated `laminar run` (cuda_ipc; dir in a dry run): sleep, wake, handoff per step."""
+    import tempfile
+
+    import numpy as np
+    import torch
+
+    from laminar.engines.base import GenRequest, SamplingParams
+    from laminar.engines.torch_engine import TorchEngine
+    from laminar.models.offload import HostStash
+
+    dev = "cuda" if _cuda(dry) else "cpu"
+    repeats = 2 if dry else 3
+    model = _model(dry, dev)
+
+    async def engine_cycles(model: Any) -> dict[str, Any]:
+        engine = TorchEngine(model, None, max_running=8, max_model_len=2048)
+        await engine.start()
+        try:
+            prompt = np.array([2, 3, 4, 5], np.int32)
+            req = GenRequest("w", prompt, SamplingParams(max_tokens=8), n=2)
+            async for _ in engine.generate(req):
+                pass
+            before = _allocated(dev)
+            rows = []
+            for _ in range(repeats):
+                slept = await engine.sleep()
+                asleep = _allocated(dev)
+                woke = await engine.wake_up()
+                rows.append((slept, asleep, woke))
+            return {
+                "weight_bytes": rows[-1][0].weight_bytes,
+                "kv_bytes": rows[-1][0].kv_bytes,
+                "device_allocated_awake": before,
+                "device_allocated_asleep": rows[-1][1],
+                "sleep_s": _stats([r[0].seconds for r in rows]),
+                "wake_s": _stats([r[2].seconds for r in rows]),
+            }
+        finally:
+            await engine.close()
+
+    eng = asyncio.run(engine_cycles(model))
+    # the trainer's state: parameters + gradients and the AdamW state after one step
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    ids = torch.randint(0, model.config.vocab_size, (1, 16), device=dev)
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    params = list(model.parameters())
+    state = [params, [p.grad for p in params if p.grad is not None]]
+    state.append([t for st in opt.state.values() for t in st.values() if torch.is_tensor(t)])
+    tensors = [t for group in state for t in group]
+    stash = HostStash()
+    offs, ons, freed = [], [], 0
+    for _ in range(repeats):
+        before = _allocated(dev)
+        moved = stash.offload(tensors)
+        freed = before - _allocated(dev)
+        back = stash.restore()
+        offs.append(moved.seconds)
+        ons.append(back.seconds)
+    trainer = {
+        "bytes": moved.nbytes,
+        "device_freed_bytes": freed,
+        "offload_s": _stats(offs),
+        "onload_s": _stats(ons),
+    }
+    del model, opt, tensors, state, params
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+    tmp = Path(tempfile.mkdtemp(prefix="lam-gpucheck-"))
+    weights = "dir" if dev == "cpu" else "cuda_ipc"
+    run = _laminar_run(tmp, weights, 2 if dry else 10, dev, 80 if dry else 120, colocated=True)
+    out = {"device": dev, "engine": eng, "trainer": trainer, "run": run}
+    if run["rc"] != 0 or run["cycles"] == 0:
+        raise AssertionError(f"colocated laminar run failed (rc {run['rc']})")
+    out["summary"] = {
+        "engine_sleep_s": eng["sleep_s"]["median"],
+        "engine_wake_s": eng["wake_s"]["median"],
+        "trainer_offload_s": trainer["offload_s"]["median"],
+        "trainer_onload_s": trainer["onload_s"]["median"],
+        "run_sleep_s": run["sleep_s"]["median"],
+        "run_wake_s": run["wake_s"]["median"],
+        "run_handoff_s": run["handoff_s"]["median"],
+    }
     return out
 
 
@@ -452,6 +573,7 @@ STAGES = {
     "engine": stage_engine,
     "trainer": stage_trainer,
     "run": stage_run,
+    "colocate": stage_colocate,
 }
 
 

@@ -9,6 +9,9 @@
     engine.submit(GenRequest.resume(partials[0], params))   # on another engine, same version
     await engine.load_weights(named_tensors, version=4)     # applied between decode steps
     engine.stats()                               # EngineStats(kv_use, running, waiting, version)
+    slept = await engine.sleep()                 # colocated: device memory freed (SleepStats)
+    slept = await engine.sleep(keep_weights=False)  # ... the weights too, no host copy
+    woke = await engine.wake_up()                # back on the device, same version
 
 Everything is per sequence: a request with n samples becomes n sequences
 "<req_id>/<i>" (n == 1 keeps "<req_id>" unchanged only when `seq_ids` says so, see
@@ -159,6 +162,23 @@ class EngineStats:
     """Running sequences sent back to waiting for lack of KV cache (recomputed later), so far."""
 
 
+@dataclass(frozen=True)
+class SleepStats:
+    """One sleep or wake of an engine (colocated placement, docs/colocated.md)."""
+
+    seconds: float
+    weight_bytes: int = 0
+    """Weight bytes moved to host memory (sleep) or back to the device (wake); 0: none moved or
+    the engine cannot say (vLLM's allocator does it in its workers)."""
+    kv_bytes: int = 0
+    """KV-cache bytes freed (sleep) or allocated again (wake)."""
+    dropped_bytes: int = 0
+    """Weight bytes freed with no host copy (a sleep with keep_weights=False)."""
+    needs_load: bool = False
+    """A wake after a drop: the weights are allocated but hold no values; a whole version must
+    be loaded before any prompt runs."""
+
+
 class Engine(ABC):
     """Base: event routing. Implementations call `self._emit(ev)` from their step loop."""
 
@@ -209,6 +229,19 @@ class Engine(ABC):
 
     @abstractmethod
     def stats(self) -> EngineStats: ...
+
+    async def sleep(self, keep_weights: bool = True) -> SleepStats:
+        """Colocated placement: release the device for the trainer. Only called with nothing in
+        flight (the rollout drains first); the KV cache is dropped and the weights go to host
+        memory (keep_weights) or are freed outright (the wake then needs a load of a whole
+        version: cluster.colocate.rollout_weights=drop). Engines without a device (sim) do
+        nothing."""
+        raise NotImplementedError(f"the {self.name} engine has no sleep mode")
+
+    async def wake_up(self) -> SleepStats:
+        """Undo sleep(): weights back on the device, a fresh KV cache; serves the same version
+        (a load_weights of the new one follows)."""
+        raise NotImplementedError(f"the {self.name} engine has no sleep mode")
 
     def served_weights(self) -> list[tuple[str, Any]] | None:
         """The tensors this engine serves, under the names the last load_weights gave, read back

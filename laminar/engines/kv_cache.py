@@ -152,14 +152,12 @@ class PagedKVCache:
         self.blocks, self.block_tokens = blocks, block_tokens
         self.kv_heads, self.head_dim = kv_heads, head_dim
         self.device = torch.device(device)
-        # Inference tensors: only ever touched under inference_mode (the forward).
-        with torch.inference_mode():
-            shape = (blocks + 1, block_tokens, kv_heads, head_dim)  # + the null block 0
-            self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-            self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        # the same pools as (rows, kv_heads, head_dim): one index_copy_ writes a step's tokens
-        self.k_flat = [k.view(-1, kv_heads, head_dim) for k in self.k]
-        self.v_flat = [v.view(-1, kv_heads, head_dim) for v in self.v]
+        self.layers, self.dtype = layers, dtype
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.k_flat: list[torch.Tensor] = []
+        self.v_flat: list[torch.Tensor] = []
+        self.allocate()
         self.table = np.zeros((rows, min(blocks, per_row)), np.int64)
         """Block table of each row: block ids in position order, 0 past its last block (the
         contiguous layout: its fixed range, whole)."""
@@ -172,6 +170,36 @@ class PagedKVCache:
         self._taken = 0
         """Blocks the rows hold (the contiguous layout's count; the paged one reads _free)."""
         self.layout: StepLayout | None = None
+
+    def allocate(self) -> int:
+        """(Re)create the pools, zeroed; returns their bytes. Only with no row holding blocks."""
+        # Inference tensors: only ever touched under inference_mode (the forward).
+        with torch.inference_mode():
+            shape = (self.blocks + 1, self.block_tokens, self.kv_heads, self.head_dim)  # + null 0
+            self.k = [
+                torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)
+            ]
+            self.v = [
+                torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)
+            ]
+        # the same pools as (rows, kv_heads, head_dim): one index_copy_ writes a step's tokens
+        self.k_flat = [k.view(-1, self.kv_heads, self.head_dim) for k in self.k]
+        self.v_flat = [v.view(-1, self.kv_heads, self.head_dim) for v in self.v]
+        return self.nbytes
+
+    def free(self) -> int:
+        """Drop the pools (colocated sleep: the device memory goes back); returns the bytes
+        freed. Only with no row holding blocks; allocate() brings them back."""
+        if any(self.held):
+            raise RuntimeError("PagedKVCache.free: rows still hold blocks")
+        freed = self.nbytes
+        self.k, self.v, self.k_flat, self.v_flat = [], [], [], []
+        self.layout = None
+        return freed
+
+    @property
+    def allocated(self) -> bool:
+        return bool(self.k)
 
     @classmethod
     def for_model(

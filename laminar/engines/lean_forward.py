@@ -92,6 +92,15 @@ class LeanDecoder:
         self.qkv: list[tuple[torch.Tensor, torch.Tensor | None]] = qkv
         self.gate_up: list[torch.Tensor] = gate_up
 
+    def release(self) -> None:
+        """Drop the fused copies (colocated sleep); refresh() rebuilds them from the model's."""
+        self.qkv, self.gate_up = [], []
+
+    def nbytes(self) -> int:
+        """Bytes of the fused copies."""
+        parts = [t for w, b in self.qkv for t in (w, b) if t is not None] + self.gate_up
+        return sum(t.numel() * t.element_size() for t in parts)
+
     def fused_views(self) -> dict[int, torch.Tensor]:
         """What this forward actually multiplies by, keyed by the data_ptr of the model tensor
         each part was copied from: the q/k/v and gate/up rows of the fused copies (attestation

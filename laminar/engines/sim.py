@@ -53,6 +53,7 @@ from laminar.engines.base import (
     GenRequest,
     PartialState,
     SamplingParams,
+    SleepStats,
     TokenEvent,
 )
 from laminar.supervise import Spawn, detached_spawn
@@ -272,6 +273,15 @@ class SimEngine(Engine):
         self._loads += 1  # KV computed under the old weights: no prefix survives a load
         self._prefix.clear()
         self._reschedule()
+
+    async def sleep(self, keep_weights: bool = True) -> SleepStats:
+        """No device memory to release (an emulated engine): the prefix cache is forgotten, as a
+        real engine's KV is. It keeps no weights, so a drop is the same."""
+        self._prefix.clear()
+        return SleepStats(0.0)
+
+    async def wake_up(self) -> SleepStats:
+        return SleepStats(0.0)
 
     def stats(self) -> EngineStats:
         if self._loop is not None:

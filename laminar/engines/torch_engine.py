@@ -45,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -61,6 +62,7 @@ from laminar.engines.base import (
     GenRequest,
     PartialState,
     SamplingParams,
+    SleepStats,
     TokenEvent,
 )
 from laminar.engines.kv_cache import BLOCK_TOKENS, PagedKVCache, StepLayout, use_paged_attention
@@ -68,6 +70,7 @@ from laminar.engines.lean_forward import lean_decoder
 from laminar.engines.sampling import sample, sequence_key, uniform
 from laminar.models.decoder_ops import text_config
 from laminar.models.lora import MergedAdapter
+from laminar.models.offload import HostStash, device_bytes
 from laminar.models.rejected import WeightsRejected
 from laminar.supervise import Spawn, detached_spawn
 
@@ -174,6 +177,13 @@ class TorchEngine(Engine):
         """Running sequences sent back to waiting because no KV block was free (recomputed)."""
         self.kv_truncated = 0
         """Sequences ended with "length" because they alone outgrew the whole KV pool."""
+        self._stash = HostStash()
+        """Colocated placement: the weights while asleep (sleep / wake_up)."""
+        self._dropped: list[tuple[torch.Tensor, tuple[int, ...]]] = []
+        """A sleep that dropped the weights: each weight and its shape (no values kept)."""
+        self._unloaded: set[int] = set()
+        """After waking from a drop: the weights no load has given values yet, by storage address
+        (state_dict() hands out other tensor objects over the same storage)."""
 
     @classmethod
     def from_config(
@@ -232,6 +242,11 @@ class TorchEngine(Engine):
     def submit(self, req: GenRequest) -> None:
         if self.error is not None:
             raise RuntimeError(f"torch engine failed earlier: {self.error!r}")
+        if self._unloaded or self._dropped:  # it would sample from uninitialised memory
+            raise RuntimeError(
+                "torch engine: its weights were dropped at a sleep and no whole version has "
+                "been loaded since (cluster.colocate.rollout_weights=drop)"
+            )
         prompt = np.asarray(req.prompt_ids).astype(np.int64).tolist()
         resumed = np.asarray(req.resume_ids).astype(np.int64).tolist()
         resumed_lps = np.asarray(req.resume_logprobs, np.float64).tolist()
@@ -342,9 +357,104 @@ class TorchEngine(Engine):
         with torch.no_grad():
             for dst, src in staged:
                 dst.copy_(src.to(dtype=dst.dtype, device=dst.device))
+        if self._unloaded:  # waking from a drop: this version must have covered every weight
+            self._unloaded -= {dst.data_ptr() for dst, _ in staged}
+            if self._unloaded:
+                params = self.model.named_parameters()
+                missing = [n for n, p in params if p.data_ptr() in self._unloaded]
+                raise RuntimeError(
+                    f"torch engine: the version loaded after a drop left {len(missing)} weights "
+                    f"without values (e.g. {missing[:3]}): rollout_weights=drop needs whole "
+                    "versions"
+                )
         self.loaded_names = [name for name, _ in items]
         if self.lean is not None:
             self.lean.refresh()
+
+    # ---- colocated placement: sleep / wake ----------------------------------------------
+    @property
+    def asleep(self) -> bool:
+        return self._stash.offloaded or bool(self._dropped)
+
+    async def sleep(self, keep_weights: bool = True) -> SleepStats:
+        """Free the KV pool and the lean forward's fused copies, and move every weight to host
+        memory (models/offload.py; pinned on CUDA), or free them outright (keep_weights=False:
+        the wake allocates them empty and a whole version must be loaded before a prompt runs):
+        while asleep the engine holds no device tensor but the small RoPE tables. Between two
+        steps, with nothing in flight."""
+        async with self._lock:
+            if self._running or self._waiting:
+                raise RuntimeError(
+                    f"torch engine: sleep with {len(self._running) + len(self._waiting)} sequences "
+                    "in flight (the rollout drains first)"
+                )
+            if self.asleep:
+                return SleepStats(0.0)
+            release = self._offload if keep_weights else self._drop
+            return await asyncio.get_running_loop().run_in_executor(self._pool, release)
+
+    async def wake_up(self) -> SleepStats:
+        async with self._lock:
+            if not self.asleep:
+                return SleepStats(0.0)
+            return await asyncio.get_running_loop().run_in_executor(self._pool, self._onload)
+
+    def _offload(self) -> SleepStats:
+        t0 = time.perf_counter()
+        kv = self.cache.free()
+        if self.lean is not None:
+            self.lean.release()
+        tensors = list(self.model.parameters())
+        if self.adapter is not None:  # the pristine base it merges each version into
+            tensors += list(self.adapter.pristine.values())
+        moved = self._stash.offload(tensors)
+        return SleepStats(time.perf_counter() - t0, moved.nbytes, kv)
+
+    def _drop(self) -> SleepStats:
+        if self.adapter is not None:  # config validation refuses it; a direct caller learns why
+            raise RuntimeError("torch engine: a LoRA engine keeps its base: sleep with weights")
+        t0 = time.perf_counter()
+        kv = self.cache.free()
+        if self.lean is not None:
+            self.lean.release()
+        nbytes, seen = 0, set()
+        for t in self.model.parameters():
+            if id(t) in seen or t.numel() == 0:
+                continue
+            seen.add(id(t))
+            nbytes += t.numel() * t.element_size()
+            self._dropped.append((t, tuple(t.shape)))
+            t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return SleepStats(time.perf_counter() - t0, 0, kv, dropped_bytes=nbytes)
+
+    def _onload(self) -> SleepStats:
+        t0 = time.perf_counter()
+        if self._dropped:  # storage again, no values: load_weights must give every one
+            nbytes = 0
+            for t, shape in self._dropped:
+                t.data = torch.empty(shape, dtype=t.dtype, device=t.device)
+                nbytes += t.numel() * t.element_size()
+            self._unloaded = {t.data_ptr() for t, _ in self._dropped}
+            self._dropped = []
+            kv = self.cache.allocate()
+            return SleepStats(time.perf_counter() - t0, 0, kv, needs_load=True)
+        back = self._stash.restore()
+        kv = self.cache.allocate()
+        if self.lean is not None:
+            self.lean.refresh()
+        return SleepStats(time.perf_counter() - t0, back.nbytes, kv)
+
+    def device_bytes(self) -> dict[str, int]:
+        """What this engine holds on its device now, by kind (tests and bench/colocate.py)."""
+        fused = self.lean.nbytes() if self.lean is not None else 0
+        return {
+            "weights": device_bytes(self.model.parameters()),
+            "kv": self.cache.nbytes,
+            "fused": fused,
+            "host": self._stash.nbytes,
+        }
 
     def served_weights(self) -> list[tuple[str, Any]] | None:
         if self.adapter is not None:  # model.lora: the factors merged into the weights

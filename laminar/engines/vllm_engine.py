@@ -33,6 +33,11 @@ sampled from (after temperature and top-p), matching the torch engine.
                   through the RPC, or a /dev/shm temp file, parsed back in the worker.)
     stats      -> a StatLoggerBase passed to AsyncLLM receives SchedulerStats
                   (running, waiting, kv_cache_usage) every engine step.
+    sleep      -> colocated placement (sleep_mode, built with enable_sleep_mode=True):
+                  AsyncLLM.sleep(level=1) offloads the weights to host memory and drops the KV
+                  cache; wake_up() brings them back (vLLM's documented API; CUDA only, and
+                  untested here: no GPU ran it, tests/test_colocate_engine.py checks the calls
+                  against a fake).
 
 vllm is imported lazily (start()), so this module imports on machines without it.
 Known differences from the torch engine (vLLM behaviour): a seeded sequence
@@ -69,6 +74,7 @@ from laminar.engines.base import (
     GenRequest,
     PartialState,
     SamplingParams,
+    SleepStats,
     Structured,
     TokenEvent,
 )
@@ -146,6 +152,7 @@ class VllmEngine(Engine):
         abort_timeout_s: float = 10.0,
         env: dict[str, str] | None = None,
         lora: LoraConfig | None = None,
+        sleep_mode: bool = False,
     ) -> None:
         super().__init__()
         if model_path is None and llm is None:
@@ -174,6 +181,10 @@ class VllmEngine(Engine):
         """(name, dtype, shape) of each tensor the last full load gave: what served_digest asks
         the workers to fold back (vllm_attest.py)."""
         self._unattested_why = ""
+        self.sleep_mode = sleep_mode
+        self._dropped = False
+        """The last sleep discarded the weights (level 2): the wake says a load must follow."""
+        """Colocated placement: built with enable_sleep_mode, so sleep() / wake_up() work."""
         self._v: Any = None
         self._spawn: Spawn = detached_spawn
         self.adapters = VllmAdapters(lora, model_path, _shm_dir()) if lora is not None else None
@@ -228,6 +239,8 @@ class VllmEngine(Engine):
             args["max_model_len"] = self.max_model_len
         if self.adapters is not None:
             args.update(self.adapters.engine_args())
+        if self.sleep_mode:
+            args["enable_sleep_mode"] = True
         args.update(self.engine_args)
         env = {**_cpu_runtime_env(), **self.env, **lifeline_env()}
         llm = await asyncio.to_thread(self._build, args, env)
@@ -496,6 +509,33 @@ class VllmEngine(Engine):
             "engine_load_s": round(time.perf_counter() - t0, 4),
         }
         _slog().info("vllm_adapter_loaded", version=version, **self.last_load)
+
+    async def sleep(self, keep_weights: bool = True) -> SleepStats:
+        """AsyncLLM.sleep(level=1): weights to host memory, KV cache dropped; keep_weights=False:
+        level=2, weights discarded too (the wake needs a load: `needs_load`). vLLM frees the
+        device memory in its workers: no byte count comes back."""
+        if not self.sleep_mode:
+            raise RuntimeError(
+                "vllm engine: sleep() needs the engine built with sleep_mode=True "
+                "(enable_sleep_mode; cluster.placement=colocated sets it)"
+            )
+        if self._seqs:
+            raise RuntimeError(f"vllm engine: sleep with {len(self._seqs)} sequences in flight")
+        t0 = time.perf_counter()
+        async with self._weights_lock:  # not while a weight load runs
+            await self._llm.sleep(level=1 if keep_weights else 2)
+        self._dropped = not keep_weights
+        return SleepStats(time.perf_counter() - t0)
+
+    async def wake_up(self) -> SleepStats:
+        if not self.sleep_mode:
+            return SleepStats(0.0)
+        t0 = time.perf_counter()
+        async with self._weights_lock:
+            if await self._llm.is_sleeping():
+                await self._llm.wake_up()
+        dropped, self._dropped = self._dropped, False
+        return SleepStats(time.perf_counter() - t0, needs_load=dropped)
 
     async def served_digest(self) -> str | None:
         """Attestation: the digest of what the workers serve now, folded there from vLLM's own

@@ -10,6 +10,9 @@ peer, `refusals` in the JSON; a peer that sends what it may not gets a WARNING l
 (RolloutStatus.agent: refusals per reason, idle-expired episodes, agent failures, and the
 rollout's `agent_*` counters: calls, input tokens, rewrites, moves ...) and the samples
 its outbox dropped are `agent` / `outbox_dropped` in the JSON and an AGENT line in the text.
+Colocated placement (docs/colocated.md): a rollout's `asleep`, and the trainer's last cycle
+(`colocate`: colocate/sleep_s, wake_s, handoff_s, bytes, as in metrics.jsonl) in the JSON and a
+COLOCATE line in the text.
 
 `fetch_status` (a one-off RpcClient) also feeds the live progress line (laminar/progress.py),
 `fetch_buffer_stats` the launcher's no-progress watch (laminar/launch/no_progress.py);
@@ -140,6 +143,10 @@ def status_main(config: str | None, overrides: list[str], as_json: bool, timeout
                 "attest_mismatches": s.attest_mismatches if s else 0,
                 "agent": dict(s.rollout.agent) if s and s.rollout else {},
                 "outbox_dropped": s.rollout.outbox_dropped if s and s.rollout else 0,
+                "asleep": bool(s.rollout.asleep) if s and s.rollout else False,
+                "colocate": {k: v for k, v in s.extra.items() if k.startswith("colocate/")}
+                if s
+                else {},
             }
         )
     if as_json:
@@ -184,6 +191,14 @@ def status_main(config: str | None, overrides: list[str], as_json: bool, timeout
         if r["agent"] or r["outbox_dropped"]:
             agent = " ".join(f"{k}={v}" for k, v in sorted(r["agent"].items()))
             print(f"AGENT {r['node']}: {agent} outbox_dropped={r['outbox_dropped']}".rstrip())
+    for r in rows:  # colocated placement: the last sleep / wake / handoff, who sleeps now
+        if r["colocate"]:
+            cycle = " ".join(
+                f"{k.removeprefix('colocate/')}={v:g}" for k, v in r["colocate"].items()
+            )
+            print(f"COLOCATE {r['node']}: {cycle}")
+        elif r["asleep"]:
+            print(f"COLOCATE {r['node']}: asleep (the trainer has the device)")
     for r in rows:  # e.g. the buffer's stall warning (laminar/buffer/health.py), refused peers
         for w in r["warnings"]:
             print(f"WARNING {r['node']}: {w}")

@@ -2,6 +2,8 @@
 
     every node ──Hello / Heartbeat(NodeStatus)──► manager          membership + cluster state
     trainer ──VersionPublished──► manager ──► repack now            (and every repack.interval_s)
+    trainer ──DeviceRequest / DeviceRelease──► manager ──Sleep/WakeRequest──► rollouts
+                                          (cluster.placement=colocated: manager/colocate.py)
                                           ──RefreshRequest──► rollouts  (laminar, sim handoff)
     manager ──ExportRequest──► source rollout ──partials──► manager ──ImportRequest──► destination
     manager ──RefreshRequest──► emptied source               (pull newest weights, take new prompts)
@@ -42,6 +44,7 @@ import time
 from typing import Any, TextIO
 
 from laminar.manager.chain_order import ChainPlanner
+from laminar.manager.colocate import DeviceBroker
 from laminar.manager.moves import Repacker
 from laminar.manager.placement import ORPHAN, Placer
 from laminar.manager.serving import serving_rollouts
@@ -52,7 +55,13 @@ from laminar.protocol.core import NodeStatus, RefusalSummary
 from laminar.protocol.manager import NodeEntry, StatusReply, StatusRequest
 from laminar.protocol.relay import ChainInfo, ChainInfoRequest, ChainUpdate
 from laminar.protocol.rollout import RefreshRequest
-from laminar.protocol.trainer import VersionPublished
+from laminar.protocol.trainer import (
+    DeviceGrant,
+    DeviceRelease,
+    DeviceReleased,
+    DeviceRequest,
+    VersionPublished,
+)
 from laminar.transport.client import RpcClient
 from laminar.transport.sockets import Context, Peer, RemoteError, TransportError
 
@@ -93,6 +102,13 @@ class ManagerNode(Node):
         )
         self.srv.on(StatusRequest, self._on_status)
         self.srv.on(VersionPublished, self._on_version)
+        self.broker: DeviceBroker | None = None
+        if s.colocate is not None:
+            self.broker = DeviceBroker(
+                self.srv, s.colocate, spawn=self.spawn, metrics=self.metrics, log=self.log
+            )
+            self.srv.on(DeviceRequest, self._on_device_request)
+            self.srv.on(DeviceRelease, self._on_device_release)
         timeout = s.transport.request_timeout_s
         self._buffer: RpcClient | None = None
         self._buffer_lock = asyncio.Lock()
@@ -157,8 +173,12 @@ class ManagerNode(Node):
             if rejoin:
                 self.metrics.count("rejoins")
                 self.log.info("rollout_rejoined", peer=peer.node_id, new_incarnation=old != inc)
+            if self.broker is not None:
+                self.broker.rollout_joined(peer.node_id)
         else:
             self._event("join", node=peer.node_id, role=peer.role)
+            if peer.role == "trainer" and self.broker is not None:
+                self._trainer_gone()  # a new trainer process holds nothing yet
         if peer.role == "relay":
             self._schedule_chain()
 
@@ -170,6 +190,8 @@ class ManagerNode(Node):
         self._event("dead", node=peer.node_id, role=peer.role)
         if peer.role == "rollout":
             self._queue_recovery(peer.node_id, "dead")
+        elif peer.role == "trainer" and self.broker is not None:
+            self._trainer_gone()
         elif peer.role == "relay":
             self._schedule_chain()
 
@@ -253,6 +275,24 @@ class ManagerNode(Node):
                 await self.srv.broadcast(RefreshRequest(min_version=msg.version), role="rollout")
             # the paper repacks right after each update: free rollouts for the new version
             self.repack_now.set()
+
+    def _trainer_gone(self) -> None:
+        assert self.broker is not None
+        if self.broker.trainer_gone():  # it held the device: its rollouts are woken
+            self._event("colocate_trainer_gone", version=self.broker.version)
+
+    async def _on_device_request(self, peer: Peer, msg: DeviceRequest) -> DeviceGrant:
+        assert self.broker is not None
+        self._event("colocate_sleep", version=msg.version)
+        grant = await self.broker.acquire(msg.version)
+        self._event("colocate_asleep", version=msg.version, rollouts=grant.rollouts)
+        return grant
+
+    async def _on_device_release(self, peer: Peer, msg: DeviceRelease) -> DeviceReleased:
+        assert self.broker is not None
+        out = await self.broker.release(msg.version)
+        self._event("colocate_awake", version=msg.version, rollouts=out.rollouts)
+        return out
 
     def status(self) -> NodeStatus:
         return NodeStatus(

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from laminar.config import ManagerConfig, TransportConfig
+from laminar.config import ColocateConfig, ManagerConfig, TransportConfig
 from laminar.node_settings import NodeSettings
 
 
@@ -36,3 +36,6 @@ class ManagerNodeSettings:
     most_running: int
     """Most sequences a rollout's engine may run at once by the config (laminar/config.py
     engine_max_running()): a rollout's status claiming more is clamped to it (serving.py)."""
+    colocate: ColocateConfig | None = None
+    """cluster.placement=colocated: carry the trainer's device turns to the rollouts
+    (manager/colocate.py); None: separate placement."""

@@ -61,7 +61,7 @@ def check_before_start(cfg: LaminarConfig, gpu_gib: float | None) -> Plan | None
     # one host: the trainer runs as one process (laminar run starts no torchrun)
     hw = Hardware(gpu_gib=gpu_gib, gpus_per_node=gpus, trainer_gpus=1)
     plan = make_plan(cfg, hw)
-    if gpus == 1:  # every process on the one GPU: their figures add up
+    if gpus == 1 and cfg.cluster.placement != "colocated":  # one GPU: the figures add up
         plan.processes.append(shared_gpu(plan.processes, int(gpu_gib * GIB * hw.limit)))
     return plan
 

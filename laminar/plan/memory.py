@@ -19,6 +19,14 @@ Processes, each on its GPU(s):
   rollout.kv_capacity_tokens positions (default max_running x max_model_len), in whole blocks.
 - a weight version: its bytes (model.dtype) and estimated times (device-to-host copy, one relay
   hop) from stated bandwidths.
+- colocated placement (cluster.placement=colocated): the trainer rank and its rollout are one
+  line, "colocated GPU", whose peak is the larger phase plus what stays resident through it:
+  trainer phase = the trainer's peak + what the sleeping rollout keeps (vLLM level 1: ~1 GiB of
+  context and graphs, est.; the torch engine: nothing) + the cuda_ipc version buffer; rollout
+  phase = the rollout's figure + the trainer state left on the device (fp32 parameters unless
+  cluster.colocate.offload_params, 2 x fp32 AdamW state unless offload_optimizer) + that buffer.
+  When it does not fit, the line names an offload setting left off first, else the larger
+  phase's own field.
 
 A process whose figure exceeds `limit` (default 90%) of the GPU fails the plan, and its line names
 the setting to change. Models are never downloaded: the shape is model.path/config.json, or the
@@ -166,6 +174,7 @@ def make_plan(cfg: LaminarConfig, hw: Hardware, config_name: str = "") -> Plan:
     kv_token = _kv_bytes_per_token(shape, model_bytes)
     params = 0
     trainer_peak = 0
+    mem: TrainerMemory | None = None
     # trainer
     if cfg.trainer.engine == "torch":
         world = hw.trainer_world
@@ -259,6 +268,8 @@ def make_plan(cfg: LaminarConfig, hw: Hardware, config_name: str = "") -> Plan:
         plan.processes.append(rp)
     elif ro.engine == "torch" and cfg.model.device.startswith("cuda"):
         plan.processes.append(_torch_rollout(cfg, shape, weights, model_bytes, model_len, limit))
+    if cfg.cluster.placement == "colocated":
+        _colocate(plan, cfg, mem, weights, limit)
     # a weight version
     plan.weight_version_bytes = weights
     plan.weight_stall_s = weights / hw.d2h_bytes_per_s
@@ -297,6 +308,55 @@ def _vision_notes(plan: Plan, cfg: LaminarConfig, vis: VisionPlan) -> None:
             "or lower the processor's max_pixels"
         )
     plan.notes.append(line)
+
+
+_VLLM_ASLEEP = 1 * GIB
+"""What a vLLM engine keeps on its GPU asleep at level 1 (CUDA context, graphs): an estimate."""
+
+
+def _colocate(
+    plan: Plan, cfg: LaminarConfig, mem: TrainerMemory | None, weights: int, limit: int
+) -> None:
+    """Replace the trainer's and the rollout's lines with the one GPU they time-share."""
+    trainer = next((p for p in plan.processes if p.process == "trainer rank"), None)
+    rollout = next((p for p in plan.processes if p.process.startswith("rollout")), None)
+    if trainer is None or rollout is None:
+        plan.notes.append("colocated: no trainer or rollout on a GPU to pair")
+        return
+    cc = cfg.cluster.colocate
+    params = mem.params if mem is not None else 0
+    trainable = mem.trainable_params if mem is not None else 0
+    keep_params = 0 if cc.offload_params else 4 * params  # fp32 master weights
+    keep_optim = 0 if cc.offload_optimizer else 8 * trainable  # AdamW exp_avg + exp_avg_sq
+    ipc = weights if cfg.rollout.weights == "cuda_ipc" else 0  # the handoff buffer, both phases
+    asleep = _VLLM_ASLEEP if cfg.rollout.engine == "vllm" else 0
+    train_phase = trainer.peak_bytes + asleep + ipc
+    roll_phase = rollout.peak_bytes + keep_params + keep_optim + ipc
+    gib = 1 / GIB
+    detail = (
+        f"trainer phase {train_phase * gib:.1f} (trainer {trainer.peak_bytes * gib:.1f} + rollout "
+        f"asleep {asleep * gib:.1f} + cuda_ipc buffer {ipc * gib:.1f}); rollout phase "
+        f"{roll_phase * gib:.1f} (rollout {rollout.peak_bytes * gib:.1f} + trainer resident: "
+        f"parameters {keep_params * gib:.1f}, AdamW {keep_optim * gib:.1f} + cuda_ipc buffer "
+        f"{ipc * gib:.1f}) GiB"
+    )
+    both = ProcessPlan("colocated GPU", max(train_phase, roll_phase), limit, detail)
+    if not both.fits:
+        if roll_phase >= train_phase and not cc.offload_optimizer and keep_optim:
+            both.field, both.advice = "cluster.colocate.offload_optimizer", "set it true"
+        elif roll_phase >= train_phase and not cc.offload_params and keep_params:
+            both.field, both.advice = "cluster.colocate.offload_params", "set it true"
+        elif roll_phase >= train_phase:
+            both.field = rollout.field or (
+                "rollout.vllm.gpu_memory_utilization"
+                if cfg.rollout.engine == "vllm"
+                else "rollout.kv_capacity_tokens"
+            )
+            both.advice = rollout.advice or "lower it: the rollout phase is the larger one"
+        else:
+            both.field = trainer.field or "trainer.micro_batch_tokens"
+            both.advice = trainer.advice or "lower it: the trainer phase is the larger one"
+    plan.processes = [p for p in plan.processes if p not in (trainer, rollout)] + [both]
 
 
 def _torch_rollout(

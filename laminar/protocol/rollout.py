@@ -4,6 +4,9 @@
     manager ──ImportRequest(partials)──► rollout ──ImportReply──► manager   (repack dest., recovery)
     manager ──RefreshRequest(min_version)──► rollout ──RefreshReply──► manager
                                                              (load the newest weights when idle)
+    manager ──SleepRequest──► rollout ──SleepReply──► manager   (colocated: drain, free the device)
+    manager ──WakeRequest(min_version)──► rollout ──WakeReply──► manager
+                                                 (colocated: back on the device, new version loaded)
     rollout ──Heartbeat(NodeStatus(rollout=RolloutStatus))──► manager  (what repack plans from)
 
 The rollout is the manager's RpcClient, so these arrive through the manager's
@@ -27,8 +30,14 @@ __all__ = [
     "ImportReply",
     "RefreshRequest",
     "RefreshReply",
+    "SleepRequest",
+    "SleepReply",
+    "WakeRequest",
+    "WakeReply",
 ]
 
+ASLEEP = "asleep"
+"""ErrorReply.code of an ImportRequest to a colocated rollout that sleeps (placed again later)."""
 VERSION_MISMATCH = "version_mismatch"
 """ErrorReply.code of an ImportRequest whose partials are not at the rollout's version."""
 
@@ -81,6 +90,42 @@ class RefreshReply(Message):  # rollout -> manager: answered at once; the load h
     """A load is queued (waiting for in-flight trajectories to finish or the version to appear)."""
 
 
+@message(0x97, senders=("manager",))
+class SleepRequest(Message):  # manager -> rollout (colocated): finish in-flight work, free device
+    version: int = -1
+    """The trainer version asking (for the log)."""
+
+
+@message(0x98, senders=("rollout",))
+class SleepReply(Message):  # rollout -> manager: asleep (its engine holds no device memory)
+    drain_s: float
+    """Waiting for the in-flight trajectories to finish (none is exported: docs/colocated.md)."""
+    sleep_s: float
+    """The engine's sleep itself (KV freed, weights to host)."""
+    weight_bytes: int = 0
+    kv_bytes: int = 0
+    finished: int = 0
+    """Trajectories that finished during the drain."""
+
+
+@message(0x99, senders=("manager",))
+class WakeRequest(Message):  # manager -> rollout (colocated): the device is yours again
+    min_version: int = -1
+    """The version the trainer just published: loaded before any prompt is taken (waited for up
+    to cluster.colocate.wake_timeout_s; -1: the newest there is)."""
+
+
+@message(0x9A, senders=("rollout",))
+class WakeReply(Message):  # rollout -> manager: awake, serving `version`
+    version: int
+    wake_s: float
+    """The engine's wake itself (weights back on the device, a fresh KV cache)."""
+    handoff_s: float
+    """Loading the new version into the engine (the on-device handoff: dir / cuda_ipc)."""
+    weight_bytes: int = 0
+    kv_bytes: int = 0
+
+
 @message(0x96, senders=("rollout",))
 class RolloutStatus(Message):  # rollout -> manager, inside NodeStatus.rollout on every beat
     traj_tokens: dict[str, int]
@@ -115,6 +160,8 @@ class RolloutStatus(Message):  # rollout -> manager, inside NodeStatus.rollout o
     agent_input_tokens, agent_http_error_<code> ...: docs/agents.md "Counters"); empty without
     agents. Shown by `laminar status`, summed by
     the manager (RefusalSummary.agent) into metrics.jsonl's `agent/<reason>`."""
+    asleep: bool = False
+    """Colocated placement: its engine sleeps (the trainer has the device)."""
     outbox_dropped: int = 0
     """Finished samples its outbox could not send (unencodable) or the buffer refused as never
     takeable: each abandoned, so its group completed without it."""

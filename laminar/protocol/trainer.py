@@ -2,6 +2,8 @@
 
 trainer ──VersionPublished (one-way)──► manager          after every pushed version
 trainer rank 0 ──RankCommand──► trainer ranks 1..N-1    over torch.distributed, never a socket
+trainer ──DeviceRequest──► manager ──DeviceGrant──► trainer   (colocated: rollouts asleep)
+trainer ──DeviceRelease(version)──► manager ──DeviceReleased──► trainer (rollouts awake on it)
 """
 
 from __future__ import annotations
@@ -11,7 +13,14 @@ from msgspec import field
 from laminar.message import Message, message
 from laminar.protocol.data import Trajectory
 
-__all__ = ["VersionPublished", "RankCommand"]
+__all__ = [
+    "VersionPublished",
+    "RankCommand",
+    "DeviceRequest",
+    "DeviceGrant",
+    "DeviceRelease",
+    "DeviceReleased",
+]
 
 
 @message(0xA0, senders=("trainer",), id_fields=("trainer_id",))
@@ -45,3 +54,38 @@ class RankCommand(Message):  # trainer rank 0 -> other ranks (codec frames over 
     """step: the batch every rank trains on (each takes its share of the micro-batches)."""
     path: str = ""
     """init: the checkpoint every rank resumes from ("" = fresh start)."""
+
+
+@message(0xA2, senders=("trainer",))
+class DeviceRequest(Message):  # trainer -> manager (colocated): put my device's rollouts to sleep
+    version: int
+    """The trainer's version (the batch it is about to train)."""
+
+
+@message(0xA3, senders=("manager",))
+class DeviceGrant(Message):  # manager -> trainer: every colocated rollout is asleep (or gone)
+    rollouts: int
+    """Rollouts that went to sleep."""
+    drain_s: float = 0.0
+    """Longest wait for a rollout's in-flight trajectories to finish."""
+    sleep_s: float = 0.0
+    """Longest engine sleep."""
+    weight_bytes: int = 0
+    kv_bytes: int = 0
+    failed: list[str] = field(default_factory=list)
+    """Rollouts that did not answer in time (dead, or past cluster.colocate.sleep_timeout_s)."""
+
+
+@message(0xA4, senders=("trainer",))
+class DeviceRelease(Message):  # trainer -> manager (colocated): wake the rollouts on `version`
+    version: int
+
+
+@message(0xA5, senders=("manager",))
+class DeviceReleased(Message):  # manager -> trainer: the rollouts are awake, serving `version`
+    rollouts: int
+    wake_s: float = 0.0
+    handoff_s: float = 0.0
+    weight_bytes: int = 0
+    kv_bytes: int = 0
+    failed: list[str] = field(default_factory=list)

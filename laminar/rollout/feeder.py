@@ -102,6 +102,9 @@ class PromptFeeder:
         """Called while a drain waits on in-flight work (black-box agents: the driver preempts
         episodes only a silent agent holds, agent.preempt_idle_s)."""
         """A weight load runs (bench/cluster_run.py's breakdown samples it)."""
+        self.paused = False
+        """Colocated placement: the rollout sleeps (or is going to): ask for no prompts and load
+        nothing (laminar/rollout/colocate.py)."""
         self._stop = asyncio.Event()
         self._requests = 0
         self._incarnation = uuid.uuid4().hex[:8]
@@ -138,6 +141,9 @@ class PromptFeeder:
         while not self._stop.is_set():
             load: asyncio.Task[bool] | None = None
             # a request that may have been served is retried as is, before any weight load
+            if unanswered is None and self.paused:
+                await self._wait(1.0)  # until the wake (it sets `wake`)
+                continue
             if unanswered is None:
                 self._start_held()
                 free = self.free_credits()
@@ -277,6 +283,12 @@ class PromptFeeder:
         loaded = await self.refresh()
         self._start_held()  # held ones: at once, not after the prompt reply
         return loaded
+
+    async def retract_queued(self) -> None:
+        """Colocated sleep: take back the groups that never started (held for the next
+        version, like a drain's)."""
+        if self.cfg.retract_unstarted and self.table.seqs:
+            await self._retract()
 
     async def _retract(self) -> None:
         """Draining for a newer version: take back the queued groups that never started; they are

@@ -65,6 +65,7 @@ from laminar.protocol.buffer import ImageBlobs, ImageFetch
 from laminar.protocol.core import NodeStatus
 from laminar.protocol.data import PartialTrajectory, newest_version
 from laminar.protocol.rollout import (
+    ASLEEP,
     VERSION_MISMATCH,
     ExportReply,
     ExportRequest,
@@ -73,6 +74,10 @@ from laminar.protocol.rollout import (
     RefreshReply,
     RefreshRequest,
     RolloutStatus,
+    SleepReply,
+    SleepRequest,
+    WakeReply,
+    WakeRequest,
 )
 from laminar.rollout.deliver import Deliverer
 from laminar.rollout.feeder import PromptFeeder
@@ -100,6 +105,7 @@ if TYPE_CHECKING:
     from laminar.envs.base import Environment, ToolClient
     from laminar.rewards.runner import RewardRunner
     from laminar.rollout.agents import AgentDriver
+    from laminar.rollout.colocate import DeviceShare
     from laminar.rollout.episodes import EpisodeDriver
     from laminar.rollout.openai_api import OpenAIEndpoint
 
@@ -147,6 +153,8 @@ class RolloutNode(Node):
         self.table: SequenceTable
         self.outbox: Outbox
         self.deliverer: Deliverer
+        self.share: DeviceShare | None = None
+        """Colocated placement: the sleep / wake half of the device time-share."""
         self.feeder: PromptFeeder
 
     # ---- lifecycle --------------------------------------------------------------------
@@ -232,6 +240,8 @@ class RolloutNode(Node):
             kw: dict[str, Any] = {}
             if s.rollout.engine == "vllm":
                 kw["env"] = self._vllm_env()
+                if s.colocate is not None:  # sleeps while the trainer steps
+                    kw["sleep_mode"] = True
             # loading a torch model blocks for seconds: off the loop, so this node keeps beating
             if s.rollout.engine == "torch":
                 model = s.model.model_copy(update={"device": self.device})
@@ -358,6 +368,23 @@ class RolloutNode(Node):
         if self.agents is not None:  # the driver preempts what only a silent agent holds
             self.feeder.on_drain = self.agents.preempt_idle
 
+        if s.colocate is not None:
+            from laminar.rollout.colocate import DeviceShare
+
+            self.share = DeviceShare(
+                engine=engine,
+                table=self.table,
+                gate=self.gate,
+                feeder=self.feeder,
+                deliverer=self.deliverer,
+                wake=self.wake,
+                keep_weights=s.colocate.rollout_weights == "offload",
+                sleep_timeout_s=s.colocate.sleep_timeout_s,
+                wake_timeout_s=s.colocate.wake_timeout_s,
+                metrics=self.metrics,
+                log=self.log,
+            )
+
     def _has_agents(self) -> bool:
         return bool(self.settings.agent.fn or self.settings.agent.remote)
 
@@ -429,6 +456,8 @@ class RolloutNode(Node):
         self.manager.on(ExportRequest, self._on_export)
         self.manager.on(ImportRequest, self._on_import)
         self.manager.on(RefreshRequest, self._on_refresh)
+        self.manager.on(SleepRequest, self._on_sleep)
+        self.manager.on(WakeRequest, self._on_wake)
         # registered: the manager sees starting_engine in the beats while the engine starts; the
         # node is ready once it has (a start that fails or times out stops the node instead)
         await _first(self.engine_ready, self.stopping)
@@ -514,6 +543,7 @@ class RolloutNode(Node):
             max_running=self.engine.max_running or self.settings.rollout.max_running,
             agent=self.endpoint.figures() if self.endpoint is not None else {},
             outbox_dropped=self.outbox.stats["abandoned"],
+            asleep=self.share is not None and self.share.asleep,
         )
         return NodeStatus(
             node_id=self.node_id,
@@ -616,6 +646,8 @@ class RolloutNode(Node):
     async def _on_import(self, peer: Peer, msg: ImportRequest) -> ImportReply | ErrorReply:
         if (busy := self._not_ready()) is not None:
             return busy
+        if self.share is not None and self.share.asleep:  # placed again once it is awake
+            return ErrorReply(code=ASLEEP, message=f"{self.node_id} is asleep (colocated)")
         if (refused := await self._fetch_images(msg.partials)) is not None:
             return refused
         async with self.gate.lock:  # the version cannot change under an import
@@ -679,6 +711,25 @@ class RolloutNode(Node):
             return ErrorReply(code="bad_image", message=f"images of the import: {exc}")
         self.metrics.count("images_fetched", len(need))
         return None
+
+    async def _on_sleep(self, peer: Peer, msg: SleepRequest) -> SleepReply | ErrorReply:
+        if (busy := self._not_ready()) is not None:
+            return busy
+        if self.share is None:
+            return ErrorReply(code="not_colocated", message=f"{self.node_id} is not colocated")
+        self.log.info("colocate_sleep_asked", trainer_version=msg.version)
+        reply = await self.share.sleep()
+        self.status_changed.set()
+        return reply
+
+    async def _on_wake(self, peer: Peer, msg: WakeRequest) -> WakeReply | ErrorReply:
+        if (busy := self._not_ready()) is not None:
+            return busy
+        if self.share is None:
+            return ErrorReply(code="not_colocated", message=f"{self.node_id} is not colocated")
+        reply = await self.share.wake(msg.min_version)
+        self.status_changed.set()
+        return reply
 
     async def _on_refresh(self, peer: Peer, msg: RefreshRequest) -> RefreshReply | ErrorReply:
         if (busy := self._not_ready()) is not None:

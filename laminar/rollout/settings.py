@@ -10,6 +10,7 @@ from pathlib import Path
 
 from laminar.config import (
     AgentConfig,
+    ColocateConfig,
     EnvConfig,
     ModelConfig,
     RewardConfig,
@@ -54,3 +55,6 @@ class RolloutNodeSettings:
     """Where each rollout writes its agent endpoint's URL (run_dir/agents/endpoints)."""
     image_limits: ImageLimits = ImageLimits()
     """data.max_image_bytes / max_image_pixels: what a prompt's images may be (docs/vision.md)."""
+    colocate: ColocateConfig | None = None
+    """cluster.placement=colocated: this rollout shares its device with the trainer's rank and
+    sleeps while it steps (laminar/rollout/colocate.py); None: separate placement."""

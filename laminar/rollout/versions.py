@@ -158,6 +158,12 @@ class VersionGate:
             return -1
         return available
 
+    def forget(self) -> None:
+        """The engine lost its weights' values (a colocated sleep that dropped them): like a
+        quarantined version, it is behind and the next load brings the newest, the version
+        served now included."""
+        self.quarantined = self.version
+
     def require(self, version: int) -> None:
         """New prompts must not run below `version` (hard: no deadline)."""
         if version > self.required:

@@ -20,6 +20,12 @@ batch, publishes every new version, commits what it consumed, checkpoints.
                              the step loop goes on once it is staged; it lands in the background,
                              then its gated commits go out)
 
+Colocated placement (cluster.placement=colocated, docs/colocated.md): the trainer drives the
+device time-share. Its state waits in host memory while the rollout generates; once a batch is
+complete it asks the manager for the device (DeviceRequest: the rollout drains and sleeps), brings
+its state back, steps, publishes (and checkpoints / validates when due, while it holds the device),
+offloads, and gives the device back (DeviceRelease: the rollout wakes and loads the version).
+
 Parts (none sees this node): protocol.py (the `Trainer` protocol: TorchTrainer or SimTrainer,
 chosen once by factory.py), feed.py (BatchRequest long-poll, restart flag), evaluation.py,
 logger.py, commits.py (exactly-once: owed commits, frontier, version mark), snapshots.py,
@@ -114,6 +120,19 @@ def _expected_digest(items: list[tuple[str, Any]], lora: LoraConfig | None) -> s
 
         items = served_factors(items, lora)
     return weights_digest(items)
+
+
+_STATUS_COLOCATE = (
+    "colocate/sleep_s",
+    "colocate/wake_s",
+    "colocate/handoff_s",
+    "colocate/drain_s",
+    "colocate/trainer_offload_s",
+    "colocate/trainer_onload_s",
+    "colocate/trainer_offload_bytes",
+    "colocate/rollout_offload_bytes",
+)
+"""The colocate/* keys the trainer's status carries (the rest are in metrics.jsonl)."""
 
 
 class NothingTrained(PermanentFailure):  # a restart would fail the same way
@@ -244,6 +263,8 @@ class TrainerNode(Node):
             await self._publish(await self.compute(self.trainer.export))
         if self.evaluator is not None and self.step == 0:
             await self._validate()  # the starting point of the eval curve
+        if self.settings.colocate is not None:  # the rollout generates first: give it the device
+            await self._offload()
         while self.step < total and not self.stopping.is_set():
             reply = await self._next_batch()
             if reply is None:
@@ -252,10 +273,15 @@ class TrainerNode(Node):
                 if self.stopping.is_set():
                     break  # not trained, not committed: the buffer serves it again after a restart
                 await self._train_on(reply)
-            if self.evaluator is not None and self.evaluator.due(self.step, total):
+            colocated = self.settings.colocate is not None  # (both done in the device window)
+            if (
+                not colocated
+                and self.evaluator is not None
+                and self.evaluator.due(self.step, total)
+            ):
                 await self._validate()
             every = self.settings.train.trainer.checkpoint_every
-            if every and self.step % every == 0:
+            if not colocated and every and self.step % every == 0:
                 async with self._step_lock:
                     await self._checkpoint("periodic")
         if self.step >= total or self.exhausted:
@@ -319,6 +345,9 @@ class TrainerNode(Node):
         for k in ("tokens_per_s", "step_s", "reward", "loss"):
             if k in self.last:
                 extra[k] = self.last[k]
+        for k in _STATUS_COLOCATE:  # colocated: the last cycle (`laminar status` COLOCATE line)
+            if k in self.last:
+                extra[k] = round(self.last[k], 4)
         return NodeStatus(
             node_id=self.node_id,
             role=self.role,
@@ -393,6 +422,9 @@ class TrainerNode(Node):
                 await self.commits.flush()
             return
         staleness = [self.version - s.version for s in batch.samples]
+        cycle: dict[str, float] = {}
+        if self.settings.colocate is not None:
+            cycle = await self._take_device()
         metrics = await self.compute(self.trainer.step, batch)
         # streamed into the handoff as it gathers, unless this version is snapshotted (the
         # snapshot needs it whole) or the trainer cannot name its shapes before exporting
@@ -423,6 +455,8 @@ class TrainerNode(Node):
         stall_s = (export_s if weights is not None else 0.0) + published_s
         if not math.isfinite(push_s):
             stall_s = math.nan
+        if self.settings.colocate is not None:
+            cycle.update(await self._give_device())
         if not self.commits.gated:
             await self.commits.flush()
         step_s = time.perf_counter() - t0
@@ -458,6 +492,7 @@ class TrainerNode(Node):
         metrics.update(self._checkpoint_metrics)
         self._checkpoint_metrics = {}
         metrics.update(audit_metrics(reply.audit))
+        metrics.update(cycle)
         self.last = metrics
         if self.step % self.settings.train.trainer.log_every == 0:
             self.logger.log(self.step, metrics)
@@ -478,6 +513,89 @@ class TrainerNode(Node):
             reward=round(metrics["reward"], 4),
             step_s=round(step_s, 3),
         )
+
+    # ---- colocated placement: the device time-share ------------------------------------------
+    async def _take_device(self) -> dict[str, float]:
+        """The rollout sleeps (the manager asks it: drained, KV freed, weights to host), then the
+        trainer's state comes back on the device. Returns the colocate/* metrics so far."""
+        from laminar.protocol.trainer import DeviceGrant, DeviceRequest
+
+        assert self.manager is not None and self.trainer is not None
+        cc = self.settings.colocate
+        assert cc is not None
+        t0 = time.perf_counter()
+        out: dict[str, float] = {}
+        try:
+            grant = await self.manager.request(
+                DeviceRequest(version=self.version), timeout=cc.sleep_timeout_s + 30.0, retries=0
+            )
+        except (TransportError, RemoteError) as exc:  # the manager restarts: train anyway
+            self.metrics.count("colocate_sleep_failed")
+            self.log.warning("colocate_sleep_failed", error=str(exc))
+            grant = None
+        if isinstance(grant, DeviceGrant):
+            out.update(
+                {
+                    "colocate/drain_s": grant.drain_s,
+                    "colocate/sleep_s": grant.sleep_s,
+                    "colocate/rollout_offload_bytes": float(grant.weight_bytes),
+                    "colocate/kv_freed_bytes": float(grant.kv_bytes),
+                    "colocate/rollouts_asleep": float(grant.rollouts),
+                    "colocate/sleep_failed": float(len(grant.failed)),
+                }
+            )
+        out["colocate/acquire_s"] = time.perf_counter() - t0
+        back = await self.compute(self.trainer.onload)
+        out["colocate/trainer_onload_s"] = back.seconds
+        out["colocate/trainer_onload_bytes"] = float(back.nbytes)
+        return out
+
+    async def _give_device(self) -> dict[str, float]:
+        """After the publish: validation and the periodic checkpoint when due (they need the
+        state on the device), offload, then the rollout wakes and loads the new version."""
+        from laminar.protocol.trainer import DeviceRelease, DeviceReleased
+
+        assert self.manager is not None
+        cc = self.settings.colocate
+        assert cc is not None
+        tc = self.settings.train.trainer
+        if self.evaluator is not None and self.evaluator.due(self.step, tc.total_steps):
+            await self._validate()
+        if tc.checkpoint_every and self.step % tc.checkpoint_every == 0:
+            await self._checkpoint("periodic")
+        out = await self._offload()
+        t0 = time.perf_counter()
+        try:
+            woke = await self.manager.request(
+                DeviceRelease(version=self.version), timeout=cc.wake_timeout_s + 30.0, retries=0
+            )
+        except (TransportError, RemoteError) as exc:
+            self.metrics.count("colocate_wake_failed")
+            self.log.warning("colocate_wake_failed", error=str(exc))
+            woke = None
+        if isinstance(woke, DeviceReleased):
+            out.update(
+                {
+                    "colocate/wake_s": woke.wake_s,
+                    "colocate/handoff_s": woke.handoff_s,
+                    "colocate/rollout_onload_bytes": float(woke.weight_bytes),
+                    "colocate/rollouts_awake": float(woke.rollouts),
+                    "colocate/wake_failed": float(len(woke.failed)),
+                }
+            )
+        out["colocate/release_s"] = time.perf_counter() - t0
+        return out
+
+    async def _offload(self) -> dict[str, float]:
+        assert self.trainer is not None
+        cc = self.settings.colocate
+        assert cc is not None
+        moved = await self.compute(self.trainer.offload, cc.offload_params, cc.offload_optimizer)
+        self.log.debug("trainer_offloaded", bytes=moved.nbytes, s=round(moved.seconds, 4))
+        return {
+            "colocate/trainer_offload_s": moved.seconds,
+            "colocate/trainer_offload_bytes": float(moved.nbytes),
+        }
 
     async def _validate(self) -> None:
         """Greedy eval of the weights just trained on data.eval (evaluation.py); once per step."""

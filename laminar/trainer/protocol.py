@@ -30,6 +30,7 @@ from laminar.config import AlgoConfig, ModelConfig, TrainerConfig
 if TYPE_CHECKING:
     import torch
 
+    from laminar.models.offload import Moved
     from laminar.protocol.data import Trajectory
     from laminar.protocol.relay import WeightLayout
     from laminar.trainer.batch import TrainBatch
@@ -72,6 +73,16 @@ class Trainer(Protocol):
 
     def restore(self, checkpoint: Path) -> dict[str, Any]:
         """Load optimizer/scheduler/RNG state (the weights came with construction); returns meta."""
+        ...
+
+    def offload(self, params: bool = True, optimizer: bool = True) -> Moved:
+        """Colocated placement: parameters + gradients (`params`) and optimizer state
+        (`optimizer`) to host memory until the next call that needs them (step, export, save)
+        or onload(); returns what moved."""
+        ...
+
+    def onload(self) -> Moved:
+        """Everything offload() moved back on the device."""
         ...
 
     def close(self) -> None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from laminar.config import LoggingConfig, TransportConfig
+from laminar.config import ColocateConfig, LoggingConfig, TransportConfig
 from laminar.node_settings import NodeSettings
 from laminar.trainer.protocol import TrainerSettings
 from laminar.vision.images import ImageLimits
@@ -42,3 +42,6 @@ class TrainerNodeSettings:
     """Rollouts serve tensors (not sim engines): each version's digest is computed for them."""
     image_limits: ImageLimits = ImageLimits()
     """data.max_image_bytes / max_image_pixels: what a batch's fetched images may be."""
+    colocate: ColocateConfig | None = None
+    """cluster.placement=colocated: the trainer takes the device from its rollout for each step
+    and offloads after it (TrainerNode._take_device / _give_device); None: separate."""

@@ -25,6 +25,7 @@ from laminar.algo.advantages import compute_advantages
 from laminar.algo.episodes import episode_stats
 from laminar.algo.metrics import length_stats
 from laminar.config import AlgoConfig, TrainerConfig
+from laminar.models.offload import Moved
 from laminar.protocol.data import Trajectory
 from laminar.protocol.relay import WeightLayout
 from laminar.trainer import checkpoint as ck
@@ -39,6 +40,12 @@ class SimTrainer:
         self.time_per_token = tc.sim_time_per_token_s
         self.weight_bytes = tc.sim_weight_bytes
         self.steps = 0
+
+    def offload(self, params: bool = True, optimizer: bool = True) -> Moved:
+        return Moved(0, 0.0, 0)  # an emulated step holds no device memory
+
+    def onload(self) -> Moved:
+        return Moved(0, 0.0, 0)
 
     def prepare(
         self, trajectories: list[Trajectory], images: Mapping[str, bytes] | None = None

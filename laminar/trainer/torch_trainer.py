@@ -63,6 +63,7 @@ from laminar.algo.advantages import broadcast_to_tokens, compute_advantages, kl_
 from laminar.algo.episodes import episode_stats
 from laminar.algo.losses import LossSettings, policy_loss
 from laminar.algo.metrics import StatAccumulator, length_stats
+from laminar.models.offload import HostStash, Moved
 from laminar.protocol.data import Trajectory
 from laminar.protocol.trainer import RankCommand
 from laminar.trainer import checkpoint as ck
@@ -127,6 +128,55 @@ class TorchTrainer:
             self.optimizer, lr_lambda(tc.warmup_steps, tc.total_steps, tc.min_lr_ratio)
         )
         self.loss_settings = LossSettings.from_algo(settings.algo, settings.max_tokens)
+        self._params, self._optim = HostStash(), HostStash()
+        """Colocated placement: parameters + gradients, and the AdamW state, while offloaded."""
+        self.auto_onloads = 0
+        """Calls that found the state offloaded and brought it back themselves."""
+
+    # ---- colocated placement: the state in host memory while the rollouts generate ----------
+    def offload(self, params: bool = True, optimizer: bool = True) -> Moved:
+        """Parameters and gradients (`params`) and the AdamW state (`optimizer`) to host memory
+        (pinned on CUDA), their device storage freed (models/offload.py). The next protocol call
+        that needs them (step, export, save) brings them back first."""
+        if self.ctx.enabled:
+            raise NotImplementedError(
+                "offload under FSDP (several trainer ranks) is not supported: colocated "
+                "placement pairs one trainer rank with one rollout"
+            )
+        t0 = time.perf_counter()
+        nbytes = count = 0
+        if params and not self._params.offloaded:
+            tensors = list(self.model.module.parameters())
+            tensors += [p.grad for p in tensors if p.grad is not None]
+            moved = self._params.offload(tensors)
+            nbytes, count = nbytes + moved.nbytes, count + moved.tensors
+        if optimizer and not self._optim.offloaded:
+            state = [
+                t
+                for st in self.optimizer.state.values()
+                for t in st.values()
+                if isinstance(t, torch.Tensor)
+            ]
+            moved = self._optim.offload(state)
+            nbytes, count = nbytes + moved.nbytes, count + moved.tensors
+        return Moved(nbytes, time.perf_counter() - t0, count)
+
+    def onload(self) -> Moved:
+        """Everything offload() moved back on the device (no-op when nothing is in host memory)."""
+        t0 = time.perf_counter()
+        a, b = self._params.restore(), self._optim.restore()
+        return Moved(a.nbytes + b.nbytes, time.perf_counter() - t0, a.tensors + b.tensors)
+
+    @property
+    def offloaded(self) -> bool:
+        return self._params.offloaded or self._optim.offloaded
+
+    def _resident(self) -> None:
+        """A call that reads the state while it is in host memory (a stop checkpoint between two
+        cycles): it comes back first, whatever the device costs."""
+        if self.offloaded:
+            self.onload()
+            self.auto_onloads += 1
 
     # ---- the Trainer protocol ---------------------------------------------------------------
     def prepare(
@@ -139,19 +189,23 @@ class TorchTrainer:
         )
 
     def step(self, batch: TrainBatch) -> dict[str, float]:
+        self._resident()
         lead(self.ctx, RankCommand(kind="step", trajectories=batch.source))
         return self.train_step(batch)
 
     def export(self) -> dict[str, torch.Tensor]:
+        self._resident()
         lead(self.ctx, RankCommand(kind="export"))
         return self.model.export_weights(self.settings.model.dtype)
 
     def stream_layout(self) -> WeightLayout | None:
+        self._resident()
         return self.model.stream_layout()
 
     def export_into(self, sink: VersionSink) -> None:
         """The version tensor by tensor into `sink`: each gathered and cast on the device, handed
         over while the next one gathers (the sink writes it meanwhile: laminar/weights/sink.py)."""
+        self._resident()
         lead(self.ctx, RankCommand(kind="export"))
         dtype = self.settings.model.dtype
         if self.model.lora is not None:
@@ -171,6 +225,7 @@ class TorchTrainer:
     def save(self, run_dir: Path, step: int, meta: dict[str, Any], keep: int) -> PendingSave:
         """A checkpoint; with trainer.checkpoint_async (sharded) returns once staged, after the
         previous save in flight has landed (its wait: PendingSave.waited_s)."""
+        self._resident()
         lead(self.ctx, RankCommand(kind="checkpoint", step=step))
         busy = self.pending_save is not None and not self.pending_save.done()
         t0 = time.perf_counter()

@@ -30,4 +30,5 @@ def manager_node_settings(
         repack_bound_b=cfg.repack_bound_b(),
         inflight_per_rollout=cfg.inflight_per_rollout(),
         most_running=cfg.engine_max_running(),
+        colocate=cfg.cluster.colocate if cfg.cluster.placement == "colocated" else None,
     )

@@ -12,7 +12,10 @@ from laminar.wiring.common import node_settings, socket_max_message_bytes, weigh
 
 
 def reserved_gpus(cfg: LaminarConfig) -> int:
-    """The GPUs of a rollout's host kept for the trainer (rollout.trainer_gpus)."""
+    """The GPUs of a rollout's host kept for the trainer (rollout.trainer_gpus); none when
+    colocated: rollout i runs on the trainer rank i's GPU."""
+    if cfg.cluster.placement == "colocated":
+        return 0
     if cfg.rollout.trainer_gpus is not None:
         return cfg.rollout.trainer_gpus
     return 1 if cfg.cluster.roles.get("trainer", 0) > 0 else 0
@@ -45,4 +48,5 @@ def rollout_node_settings(
         model_name=cfg.agent.model_name or cfg.name,
         agent_endpoints=cfg.resolved_run_dir() / "agents" / "endpoints",
         image_limits=image_limits(cfg.data),
+        colocate=cfg.cluster.colocate if cluster.placement == "colocated" else None,
     )

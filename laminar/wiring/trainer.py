@@ -73,4 +73,5 @@ def trainer_node_settings(
         run_config=cfg.model_dump(mode="json"),
         attest=cfg.rollout.engine != "sim",
         image_limits=image_limits(cfg.data),
+        colocate=cfg.cluster.colocate if cfg.cluster.placement == "colocated" else None,
     )

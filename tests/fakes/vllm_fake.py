@@ -131,6 +131,8 @@ class FakeAsyncLLM:
         """Added LoRA adapters: id -> their tensors as vLLM holds them (B scaled)."""
         self.weights: dict[str, Any] = {}
         """The tensors of the last full load."""
+        self.sleeping = 0
+        """Sleep level now (0: awake), as AsyncLLM.sleep(level) / wake_up() set it."""
         # like AsyncLLM built off the loop (VllmEngine.start: a worker thread), the step loop
         # starts on first use, on the loop that uses it
         self._task: asyncio.Task | None = None
@@ -159,6 +161,8 @@ class FakeAsyncLLM:
         if self.fail_next:
             self.fail_next = False
             raise RuntimeError("fake engine error")
+        if self.sleeping:
+            raise RuntimeError("fake engine: generate while asleep")
         self._ensure_loop()
         assert sampling_params.output_kind is RequestOutputKind.DELTA
         q: asyncio.Queue = asyncio.Queue()
@@ -263,6 +267,21 @@ class FakeAsyncLLM:
         self.calls.append(("remove_lora", lora_id))
         self.adapters.pop(lora_id, None)
         return self.loras.pop(lora_id, None) is not None
+
+    # sleep mode, as vLLM documents it: AsyncLLM.sleep(level=1), wake_up(tags=None),
+    # is_sleeping(); only on an engine built with enable_sleep_mode=True
+    async def sleep(self, level: int = 1) -> None:
+        if not self.args.get("enable_sleep_mode"):
+            raise AssertionError("Sleep mode is not enabled in the model config")
+        self.calls.append(("sleep", level))
+        self.sleeping = level
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        self.calls.append(("wake_up", tags))
+        self.sleeping = 0
+
+    async def is_sleeping(self) -> bool:
+        return self.sleeping > 0
 
     def shutdown(self, timeout: float | None = None) -> None:
         self.calls.append(("shutdown",))
