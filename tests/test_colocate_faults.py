@@ -140,13 +140,6 @@ def start_all(
     procs.wait_registered({"buffer-0", "trainer-0", "rollout-0"})
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap (issue 48 report): the restarted sole rollout imports the recovered "
-    "partials while still at version 0 (its model path; it loads the current version only "
-    "later) and continues them there, so in mode sync the buffer drops both groups as stale "
-    "(journal: groups_dropped=2, dropped_expired=2): two prompts are never trained on",
-)
 def test_colocated_rollout_killed_while_generating_is_recovered_and_rejoins(procs):
     start_all(procs, rollout_via=(*NO_EOS, "hold-gen", str(procs.tmp)))
     procs.wait(

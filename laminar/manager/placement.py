@@ -11,8 +11,8 @@ that refreshed meanwhile answers version_mismatch, is marked stale until its nex
 and the partials try the next rollout of that version (at most PLACE_TRIES in all, the
 source last). Only when no live rollout holds the version does a trajectory restart from
 its prompt at another version, on the least loaded rollout of the newest (the source last
-again; its generated tokens are lost); partials that nobody took
-are kept as orphans and placed again by the recovery loop.
+again; its generated tokens are lost), never at an older version than its own; partials that
+nobody took are kept as orphans and placed again by the recovery loop.
 
 Before partials are imported on a rollout, the buffer is told (SamplesPlaced): it takes those
 samples' tokens and trajectories from that rollout alone from then on (laminar/buffer/owners.py).
@@ -193,8 +193,16 @@ class Placer:
     ) -> str | None:
         """No live rollout holds their version: start them over, from the prompt, on the least
         loaded rollout of the newest version, the source of a move last among those (their
-        generated tokens are lost)."""
-        live = [(p, p.status) for p in self.live() if p.status is not None and self.usable(p)]
+        generated tokens are lost). Never on a rollout older than their own version: that one
+        (a rollout just restarted, still on its first weights) loads the newest before long, and
+        they are imported there whole (kept as orphans meanwhile), where a restart would make
+        them staler (mode sync drops them)."""
+        floor = max(p.version for p in items)
+        live = [
+            (p, p.status)
+            for p in self.live()
+            if p.status is not None and self.usable(p) and p.status.version >= floor
+        ]
         live.sort(
             key=lambda ps: (
                 -ps[1].version,
