@@ -767,7 +767,7 @@ async def test_moved_episodes_whose_version_is_gone_start_again_from_the_prompt_
     tmp_path, tiny, agent_files
 ):
     """No live rollout serves a moved episode's version (here: the export's partials are offered
-    at a version nobody holds): the manager restarts them from their prompts on a rollout of the
+    at an older version nobody holds now): the manager restarts them from their prompts on a rollout of the
     newest version (`restarted_from_prompt`), without their token, so their agents' repeated
     calls find no rollout holding them and fail after agent.reconnect_timeout_s; rollout-1 runs
     them again with its own agents (`agent_restarted_on_import`). Every sample once."""
@@ -799,7 +799,7 @@ async def test_moved_episodes_whose_version_is_gone_start_again_from_the_prompt_
         exp = await mgr.srv.request("rollout-0", ExportRequest(uids=[]), timeout=5)
         assert isinstance(exp, ExportReply) and len(exp.partials) == 4
         for p in exp.partials:
-            p.version += 7  # a version no live rollout serves
+            p.version -= 1  # a version no live rollout serves any more (older than theirs)
         placed = await mgr.placer.place(exp.partials, 0, source="rollout-0")
         assert placed == {"rollout-1": 4}, placed
         assert mgr.metrics.counters["restarted_from_prompt"] == 4
