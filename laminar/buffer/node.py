@@ -210,17 +210,8 @@ class BufferNode(Node):
                 self.refusals.count(peer.node_id, res, k, what="partial_batch")
             elif res in ("bad", "unknown", "gap", "late"):
                 self.metrics.count(f"chunks_{res}", k)
-        # progress on their groups: only the entries of records this peer holds
-        records = self.partials.records
-        self.leases.touch_many(
-            {
-                u.rpartition("/")[0]
-                for u in b.uids
-                if (r := records.get(u)) is not None and r.header.rollout_id == peer.node_id
-            }
-            if results
-            else {u.rpartition("/")[0] for u in b.uids}
-        )
+        # progress on their groups: only the entries folded into records this peer holds
+        self.leases.touch_many(self.partials.progressed)
 
     def _on_chunk(self, peer: Peer, chunk: PartialChunk) -> None:
         res = self.partials.apply(chunk, peer.node_id)

@@ -112,6 +112,7 @@ class RpcServer(Generic[S]):
         self._on_peer_dead, self._on_peer_join, self._status = on_peer_dead, on_peer_join, status
         self._spawn = spawn
         self._peer_status = peer_status
+        self._read_status = self._status_of  # bound once: handed to every held status
         self._sock: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._seq = 0
@@ -227,16 +228,35 @@ class RpcServer(Generic[S]):
         self.refusals_of(peer_id).bad += 1
         self._bad_log.warning(error=what, peer=peer_id)
 
-    async def _refuse(self, peer: Peer[S], identity: bytes, rid: bytes, msg: Message) -> None:
+    def _status_of(self, peer: Peer[S], raw: Any) -> S | None:
+        """A held heartbeat status, decoded when read (Peer.status); one that does not decode is
+        counted and logged as a bad frame of its peer, and None."""
+        assert self._peer_status is not None
+        try:
+            return self._peer_status.unpack(raw)
+        except ProtocolError as exc:
+            self._bad(str(exc), peer.node_id)
+            return None
+
+    async def _refuse(
+        self,
+        peer: Peer[S],
+        identity: bytes,
+        rid: bytes,
+        msg: Any,
+        kind: type[Message] | None = None,
+    ) -> None:
         """`msg` is not the peer's to send (its role, or an id field naming another node): count
-        it, log (rate-limited), and answer a request with ErrorReply("unauthorized")."""
-        text = _unauthorized(peer.role, peer.node_id, msg) or "unauthorized"
+        it, log (rate-limited), and answer a request with ErrorReply("unauthorized"). `kind`: the
+        type whose rules apply (a status's head: the status type)."""
+        kind = kind or type(msg)
+        text = _unauthorized(peer.role, peer.node_id, msg, kind) or "unauthorized"
         self.stats.unauthorized += 1
         self.stats.last_error = text
         self.refused.unauthorized += 1
         self.refusals_of(peer.node_id).unauthorized += 1
         self._unauthorized_log.warning(
-            peer=peer.node_id, peer_role=peer.role, msg=type(msg).__name__, error=text
+            peer=peer.node_id, peer_role=peer.role, msg=kind.__name__, error=text
         )
         await self._reply_error(identity, rid, "unauthorized", text)
 
@@ -259,11 +279,11 @@ class RpcServer(Generic[S]):
             if rid and (len(rid) != 9 or rid[:1] not in (b"Q", b"R")):
                 self._bad("malformed request-id frame", self._who(identity))
                 continue
-            status: S | None = None
+            head: Any = None  # a heartbeat status's id fields (the rest is decoded when read)
             try:
                 msg = decode(frames[2:], self.opts.limits)
                 if type(msg) is Heartbeat and self._peer_status is not None:
-                    status = self._peer_status.unpack(msg.status)
+                    head = self._peer_status.head(msg.status)
             except ProtocolError as exc:
                 self._bad(str(exc), self._who(identity))
                 await self._reply_error(identity, rid, "protocol", str(exc))
@@ -305,11 +325,13 @@ class RpcServer(Generic[S]):
                 await self._refuse(peer, identity, rid, msg)
                 continue
             if isinstance(msg, Heartbeat):
-                if status is not None:
-                    if _unauthorized(peer.role, peer.node_id, status) is None:
-                        peer.status = status
+                if head is not None:
+                    assert self._peer_status is not None
+                    kind = self._peer_status.status_type
+                    if _unauthorized(peer.role, peer.node_id, head, kind) is None:
+                        peer.hold_status(msg.status, self._read_status)
                     else:  # a status naming another node, or of a role not its own: dropped
-                        await self._refuse(peer, identity, rid, status)
+                        await self._refuse(peer, identity, rid, head, kind)
                 continue
             if isinstance(msg, Bye):
                 self._forget(peer)
@@ -544,10 +566,13 @@ def _same_incarnation(old: Peer[Any], new: Hello, key: str | None) -> bool:
     return bool(old.nonce) and old.key == key and hmac.compare_digest(old.nonce, new.nonce)
 
 
-def _unauthorized(role: str, node_id: str, msg: Message) -> str | None:
+def _unauthorized(
+    role: str, node_id: str, msg: Any, kind: type[Message] | None = None
+) -> str | None:
     """Why a peer admitted as `role`/`node_id` may not send `msg` (None: it may), by the
-    message's `senders` and `id_fields` (laminar/message.py)."""
-    cls = type(msg)
+    message's `senders` and `id_fields` (laminar/message.py); `kind`: the type whose rules apply
+    when `msg` holds only its id fields (StatusCodec.head)."""
+    cls = kind or type(msg)
     if cls.SENDERS is not None and role not in cls.SENDERS:
         return f"{cls.__name__} may not come from a {role} ({node_id}): senders are " + (
             ", ".join(sorted(cls.SENDERS)) or "none (never sent on a socket)"
