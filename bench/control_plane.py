@@ -885,15 +885,22 @@ def cost_summary(passes: list[dict[str, Any]], rates: dict[str, float]) -> dict[
         return round(max(0.0, ph["cpu_per_s"][name] - idle[name]) / load, 4) if load > 0 else None
 
     nodes = [n for n in idle]
-    by_node = {n: per_1x("all", n) for n in nodes}
+    # a node's cost of 1x: the sum of its kinds' (each phase at 1x of its own kind, normalized by
+    # what it delivered). The whole-workload phase is the cross-check: its trajectories finish at
+    # the rate its first fill reached, so one load figure cannot normalize it exactly
+    by_kind = {n: {k: per_1x(k, n) for k in COST_PHASES if k != "all"} for n in nodes}
+    by_node = {
+        n: round(sum(v or 0.0 for v in ks.values()), 4)
+        for n, ks in by_kind.items()
+        if any(v is not None for v in ks.values())
+    }
     out["cpu_core_s_per_1x_by_node"] = by_node
+    out["cpu_core_s_per_1x_by_kind"] = by_kind
+    out["cpu_core_s_per_1x_whole_phase_by_node"] = {n: per_1x("all", n) for n in nodes}
     out["idle_cpu_per_s_by_node"] = idle
     est = {n: round((1 - idle[n]) / v, 2) for n, v in by_node.items() if v}
     out["one_core_per_node_holds_x_by_node"] = est
     out["one_core_per_node_holds_x_estimate"] = min(est.values()) if est else None
-    out["cpu_core_s_per_1x_by_kind"] = {
-        n: {k: per_1x(k, n) for k in COST_PHASES if k != "all"} for n in nodes
-    }
     # handler CPU of the whole workload per kind (the accounting hook; receive, decode and reply
     # sends are outside it and in the phase figures)
     ph_all = one["phases"].get("all")
@@ -914,18 +921,30 @@ def cost_summary(passes: list[dict[str, Any]], rates: dict[str, float]) -> dict[
             max(0.0, st["cpu_per_s"]["manager"] - idle["manager"]) / st["achieved"]["pushes"] * 1e6,
             2,
         )
-    # per shard: CPU above its idle per trajectory it took, at K shards (rollout i -> i % K)
+    # per shard: CPU above its idle per trajectory, at K shards (rollout i -> i % K), from the kind
+    # phases (each normalized by what it delivered): a trajectory's own cost plus its partial
+    # stream's (batches per trajectory at 1x times the cost of a batch)
     shard_us: dict[str, list[float]] = {}
+    per_traj_batches = rates["batches_s"] / rates["trajectories_s"]
     for p in passes:
-        ph = p["phases"].get("all")
-        if ph is None:
+        tr, ch = p["phases"].get("trajectory"), p["phases"].get("chunk")
+        if tr is None or ch is None:
             continue
         k = p["buffer_shards"]
-        per_shard_traj = ph["achieved"]["acked"] / k
+        t_s, b_s = tr["achieved"]["acked"] / k, ch["achieved"]["batches"] / k
+        if t_s <= 0 or b_s <= 0:
+            continue
         shard_us[str(k)] = [
-            round(max(0.0, c - p["idle_cpu_per_s"][n]) / per_shard_traj * 1e6, 1)
-            for n, c in ph["cpu_per_s"].items()
-            if n.startswith("buffer") and per_shard_traj > 0
+            round(
+                (
+                    max(0.0, tr["cpu_per_s"][n] - p["idle_cpu_per_s"][n]) / t_s
+                    + max(0.0, ch["cpu_per_s"][n] - p["idle_cpu_per_s"][n]) / b_s * per_traj_batches
+                )
+                * 1e6,
+                1,
+            )
+            for n in p["idle_cpu_per_s"]
+            if n.startswith("buffer")
         ]
     out["shard_cpu_us_per_trajectory_by_k"] = shard_us
     means = [sum(v) / len(v) for v in shard_us.values() if v]

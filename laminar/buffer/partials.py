@@ -218,10 +218,10 @@ def _views(
     """Memoryviews of a message's token columns in the record's types: slicing one costs a tenth
     of slicing an array, and a bytearray appends it without a temporary."""
     return (
-        memoryview(_i32(ids)),
-        memoryview(_f32(lps)),
-        None if mask is None else memoryview(_u8(mask)),
-        None if tv is None else memoryview(_i32(tv)),
+        memoryview(_i32(ids).data),
+        memoryview(_f32(lps).data),
+        None if mask is None else memoryview(_u8(mask).data),
+        None if tv is None else memoryview(_i32(tv).data),
     )
 
 

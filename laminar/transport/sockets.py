@@ -217,7 +217,7 @@ class Peer(Generic[S]):
 
 # after @dataclass made `status` a field (an __init__ argument): reads and writes go through the
 # held heartbeat status
-Peer.status = property(Peer._get_status, Peer._set_status)  # type: ignore[assignment,method-assign]
+Peer.status = property(Peer._get_status, Peer._set_status)  # type: ignore[misc]
 
 
 Handler = Callable[[Peer[Any], Any], Awaitable[Message | None] | Message | None]
