@@ -1062,14 +1062,14 @@ async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     target_name = max(all_rates, key=lambda k: all_rates[k]["chunks_s"])
     rates = all_rates[target_name]
     cost_passes = [await run_cost_pass(args, rates, k) for k in args.cost_shards]
-    cost = cost_summary(cost_passes, rates)
+    cost_sm = cost_summary(cost_passes, rates)
     if args.no_ramp:
         return {
             "bench": "control_plane",
             "config": {"quick": args.quick, "cost_s": args.cost_s, "target_workload": target_name},
             "git_commit": git("rev-parse", "HEAD"),
             "cost_passes": cost_passes,
-            "summary": cost,
+            "summary": cost_sm,
         }
     passes = [await run_pass(args, rates, args.buffer_shards, args.ramp)]
     while passes[-1]["best"] < 2 and passes[-1]["buffer_shards"] * 2 <= args.max_shards:
@@ -1136,7 +1136,7 @@ async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         "steps": [s for p in passes for s in p["steps"]],
         "summary": {
             # the pass/fail figures: what the code costs (cost passes, CPU-seconds per process)
-            **cost,
+            **cost_sm,
             # context: the ramp on this box (the nodes and the driver race for its cores)
             "headroom_vs_1024gpu_rate": best,
             "buffer_shards": last["buffer_shards"],
