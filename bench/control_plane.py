@@ -372,8 +372,8 @@ class Driver:
         for c in [*self.buf, *self.mgr, *self.trainers]:
             await c.connect(timeout=30)
 
-    def spawn(self, coro: Any) -> None:
-        t = asyncio.create_task(coro)
+    def spawn(self, coro: Any, name: str | None = None) -> None:
+        t = asyncio.create_task(coro, name=name)
         self.bg.add(t)
         t.add_done_callback(self.bg.discard)
 
@@ -534,7 +534,7 @@ class Driver:
         for a in served:
             if a[2] >= self.chunks_per_traj:
                 self.sent["trajectories"] += 1
-                self.spawn(self.finish(cli, self.trajectory(a[0], a[1], cli.node_id), ci))
+                self.spawn(self.finish(cli, self.trajectory(a[0], a[1], cli.node_id), ci), "finish")
         return msg
 
     async def stream(
@@ -585,7 +585,7 @@ class Driver:
                     self.low[ci].set()
                 cli = self.buf[ci]
                 self.sent["trajectories"] += 1
-                self.spawn(self.finish(cli, self.trajectory(it, s, cli.node_id), ci))
+                self.spawn(self.finish(cli, self.trajectory(it, s, cli.node_id), ci), "finish")
             await asyncio.sleep(0.005)
 
     async def pushes(self, x: float, until: float) -> None:
@@ -604,6 +604,12 @@ class Driver:
                     pass
                 done += 1
             await asyncio.sleep(0.005)
+
+    async def drain(self, timeout: float) -> None:
+        """Wait (bounded) until every trajectory sent so far was acked or failed."""
+        pending = [t for t in self.bg if t.get_name().startswith("finish")]
+        if pending:
+            await asyncio.wait(pending, timeout=timeout)
 
     async def close(self) -> None:
         for t in list(self.bg):
@@ -772,7 +778,10 @@ class Cluster:
 COST_PHASES = ("all", "status", "trajectory", "chunk")
 """The cost pass's phases at 1x, in order: the whole workload; status pushes alone; trajectories
 alone (served samples finished without partials, the trainer taking them); the partial stream
-alone (no sample finishes; last, since its samples then grow past a trajectory's length)."""
+alone (no sample finishes; last, since its samples then grow past a trajectory's length). Before
+them, after the first fill, an idle phase as long (the background alone: heartbeats, prompt
+supply, the trainer) gives the idle subtracted from each; before each phase the driver waits
+(bounded) until the trajectories it sent were acked, so none spills into the next phase."""
 HANDLER_KINDS = {
     "PartialBatch": "chunk",
     "PartialChunk": "chunk",
@@ -815,8 +824,9 @@ async def run_cost_pass(
         drv, procs = cl.drv, cl.procs
         warm = time.monotonic() + args.warmup_s
         await asyncio.gather(drv.stream(1.0, warm, first_fill=True), drv.pushes(1.0, warm))
-        for kind in args.cost_phases:
+        for kind in ("idle", *args.cost_phases):
             cl.check()
+            await drv.drain(10.0)  # the last phase's trajectories acked: none spills into this one
             before = dict(drv.sent)
             cpu0 = {name: cpu_seconds(p.pid) for name, p in procs.items()}
             drv0, t0 = time.process_time(), time.time()
@@ -827,6 +837,8 @@ async def run_cost_pass(
                 await drv.pushes(1.0, until)
             elif kind == "trajectory":
                 await drv.trajectories(1.0, until)
+            elif kind == "idle":  # the background alone (heartbeats, prompt supply, the trainer)
+                await asyncio.sleep(args.cost_s)
             else:
                 await drv.stream(1.0, until, finish=False)
             await asyncio.sleep(1.0)  # acks of the phase's last trajectories (a timer, bounded)
@@ -853,7 +865,12 @@ async def run_cost_pass(
             )
     return {
         "buffer_shards": shards,
-        "idle_cpu_per_s": cl.idle_cpu,
+        # idle: the idle phase (after the first fill, as long as a kind's phase); the 3 s at start
+        # (no state yet, the connections just made) beside it
+        "idle_cpu_per_s": {
+            k: v for k, v in phases.pop("idle")["cpu_per_s"].items() if k != "driver"
+        },
+        "idle_cpu_per_s_at_start": cl.idle_cpu,
         "phases": phases,
         "server_logs": cl.server_logs,
     }

@@ -48,6 +48,7 @@ import asyncio
 import contextlib
 import math
 from collections import Counter
+from collections.abc import Awaitable
 
 import msgspec
 
@@ -231,8 +232,25 @@ class BufferNode(Node):
         self.metrics.count("samples_placed", len(uids))
         return Ack()
 
-    async def _on_trajectory(self, peer: Peer, t: Trajectory) -> TrajectoryAck | ErrorReply:
-        reply = await self.intake.trajectory(t, peer.node_id)
+    # a trajectory or an abandon is answered at once unless its record must be fsync'ed first
+    # (buffer.fsync=always): then the wait gets a task of its own (transport/server.py)
+    def _on_trajectory(
+        self, peer: Peer, t: Trajectory
+    ) -> TrajectoryAck | ErrorReply | Awaitable[TrajectoryAck | ErrorReply]:
+        reply, off = self.intake.take_trajectory(t, peer.node_id)
+        if off is not None and self.ledger.waits(off):
+            return self._trajectory_durable(t, reply, off)
+        return self._trajectory_taken(t, reply)
+
+    async def _trajectory_durable(
+        self, t: Trajectory, reply: TrajectoryAck | ErrorReply, off: int
+    ) -> TrajectoryAck | ErrorReply:
+        await self.ledger.durable(off)
+        return self._trajectory_taken(t, reply)
+
+    def _trajectory_taken(
+        self, t: Trajectory, reply: TrajectoryAck | ErrorReply
+    ) -> TrajectoryAck | ErrorReply:
         if isinstance(reply, TrajectoryAck) and reply.refused:
             return reply  # no progress on the group: a refused copy renews no lease
         self.leases.touch(t.group_id)
@@ -240,12 +258,20 @@ class BufferNode(Node):
             self.health.observe(t)  # stored now
         return reply
 
-    async def _on_abandoned(
+    def _on_abandoned(
         self, peer: Peer, msg: TrajectoryAbandoned
-    ) -> TrajectoryAck | ErrorReply:
-        reply = await self.intake.abandoned(msg, peer.node_id)
+    ) -> TrajectoryAck | ErrorReply | Awaitable[TrajectoryAck | ErrorReply]:
+        reply, off = self.intake.take_abandoned(msg, peer.node_id)
         if not (isinstance(reply, TrajectoryAck) and reply.refused):
             self.leases.touch(msg.group_id)
+        if off is not None and self.ledger.waits(off):
+            return self._when_durable(reply, off)
+        return reply
+
+    async def _when_durable(
+        self, reply: TrajectoryAck | ErrorReply, off: int
+    ) -> TrajectoryAck | ErrorReply:
+        await self.ledger.durable(off)
         return reply
 
     def _on_partials(self, peer: Peer, req: PartialsRequest) -> PartialsReply:

@@ -8,7 +8,9 @@
 
 Clients join with HELLO (answered with WELCOME) and are tracked as `peers`. A peer silent
 for `opts.dead_after_s` is marked dead (`on_peer_dead`); traffic from it brings it back.
-Each request runs its handler in its own task, so a slow handler never blocks the reader.
+A handler runs on the reader's turn, in arrival order; one that awaits (a coroutine) goes on in
+its own task, so a waiting handler never blocks the reader, and a one-way message or a ready
+answer costs no task.
 
 Bad input from the network (undecodable frames, unknown message types, messages from peers
 that never said HELLO) is answered with an ErrorReply where a reply is possible, logged,
@@ -29,7 +31,7 @@ import hmac
 import itertools
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Generic, TypeVar
 
 import structlog
@@ -348,20 +350,55 @@ class RpcServer(Generic[S]):
                     identity, rid, "unhandled", f"{self.role} does not handle {type(msg).__name__}"
                 )
                 continue
-            self._disp.track(
-                self._spawn(self._handle(handler, peer, identity, rid, msg), "server-handler")
-            )
+            self._dispatch(handler, peer, identity, rid, msg)
 
-    async def _handle(
+    def _dispatch(
         self, handler: Handler, peer: Peer[S], identity: bytes, rid: bytes, msg: Message
     ) -> None:
+        """Run a handler on the reader's turn: a sync handler (or one whose answer is ready)
+        answers at once, and only a handler that must wait (a coroutine) gets a task of its own,
+        so a one-way message or a reply costs no task. Messages are handled in arrival order
+        either way; a slow handler still never blocks the reader once it awaits."""
         try:
-            reply = await self._disp.call(handler, peer, msg)
-        except ProtocolError as exc:  # handler-level validation of a well-formed but wrong request
-            self._bad(str(exc), peer.node_id)
-            await self._reply_error(identity, rid, "protocol", str(exc))
+            result = handler(peer, msg)
+        except Exception as exc:
+            reply = self._failed(exc, peer, msg)
+        else:
+            if isinstance(result, Awaitable):
+                self._disp.track(
+                    self._spawn(self._handle(result, peer, identity, rid, msg), "server-handler")
+                )
+                return
+            reply = result if result is not None else Ack()
+        if reply is not None and rid[:1] == b"Q":
+            self._answer(identity, b"R" + rid[1:], reply)
+
+    def _answer(self, identity: bytes, rid: bytes, reply: Message) -> None:
+        """Send a reply from the reader's turn: pyzmq queues it without waiting (the common case),
+        or a task waits for room (a peer at its HWM must not stall the reader)."""
+        if self._sock is None:
             return
-        except TransportError as exc:
+        try:
+            fut = self._sock.send_multipart([identity, rid, *encode(reply)], copy=False)
+        except zmq.ZMQError:  # the peer is gone (ROUTER_MANDATORY): it gets no reply
+            return
+        if fut.done():
+            if fut.exception() is None:
+                self.stats.sent += 1
+            return
+        fut.cancel()  # nothing is half-sent: it is sent again by a task that may wait
+        self._disp.track(self._spawn(self._send_reply(identity, rid, reply), "server-reply"))
+
+    async def _send_reply(self, identity: bytes, rid: bytes, reply: Message) -> None:
+        with contextlib.suppress(TransportError):
+            await self._send(identity, rid, reply)
+
+    def _failed(self, exc: Exception, peer: Peer[S], msg: Message) -> ErrorReply | None:
+        """A handler raised: count and log it; the error reply its requester gets (None: none)."""
+        if isinstance(exc, ProtocolError):  # validation of a well-formed but wrong request
+            self._bad(str(exc), peer.node_id)
+            return ErrorReply(code="protocol", message=str(exc))
+        if isinstance(exc, TransportError):
             # the handler's own peer (or one it asked) went away: the requester gets no reply and
             # times out, as it would had the reply been lost; one bad request never stops the node
             self.stats.handler_errors += 1
@@ -370,15 +407,23 @@ class RpcServer(Generic[S]):
                 msg=type(msg).__name__,
                 error=f"{type(exc).__name__}: {exc}",
             )
-            return
+            return None
+        self.stats.handler_errors += 1
+        self.log.error("handler_error", msg=type(msg).__name__, exc_info=exc)
+        return ErrorReply(code="handler", message=f"{type(exc).__name__}: {exc}")
+
+    async def _handle(
+        self, pending: Awaitable[Any], peer: Peer[S], identity: bytes, rid: bytes, msg: Message
+    ) -> None:
+        """The rest of a handler that awaits, on its own task; then its reply."""
+        try:
+            result = await pending
+            reply = result if result is not None else Ack()
         except Exception as exc:
-            self.stats.handler_errors += 1
-            self.log.exception("handler_error", msg=type(msg).__name__)
-            await self._reply_error(identity, rid, "handler", f"{type(exc).__name__}: {exc}")
-            return
-        if rid[:1] == b"Q":
+            reply = self._failed(exc, peer, msg)
+        if reply is not None and rid[:1] == b"Q":
             with contextlib.suppress(TransportError):
-                await self._send(identity, b"R" + rid[1:], reply if reply is not None else Ack())
+                await self._send(identity, b"R" + rid[1:], reply)
 
     async def _on_hello(
         self, identity: bytes, rid: bytes, msg: Hello, key: str | None = None
