@@ -422,13 +422,15 @@ class PartialPool:
         )
         records, plain = self.records, mask is None and tvs is None
         appended, lo = 0, 0
+        # bounds as plain ints (no None checks per entry): any owner matches when not checked
+        longest_n = longest if longest is not None else 1 << 62
         for i, (uid, ver, off, n, aw) in enumerate(
             zip(
                 b.uids,
                 b.versions.tolist(),
                 b.offsets.tolist(),
                 b.lengths.tolist(),
-                b.awaiting_env.tolist(),
+                b.awaiting_env.astype(bool).tolist(),
                 strict=True,
             )
         ):
@@ -441,25 +443,31 @@ class PartialPool:
                     continue
                 self._restart(heads[i], rid, sender)
             rec = records.get(uid)
-            if rec is not None and own is not None and rec.header.rollout_id != own:
+            if rec is None:
+                res = self._fold(uid, ver, off, ids, lps, mask, lo, hi, aw, rid, tvs)
+                out[res] += 1  # unknown: no record
+                lo = hi
+                continue
+            h = rec.header
+            if own is not None and h.rollout_id != own:
                 out["not_owner"] += 1
-            elif rec is not None and longest is not None and off + n > longest:
+            elif off + n > longest_n:
                 out["too_long"] += 1
-            elif rec is not None and off == rec.length and ver == rec.header.version and n:
+            elif off == rec.length and ver == h.version and n:
                 # the common case (the next tokens, same version): what _fold / add do, inline
-                rec.awaiting_env = bool(aw)
+                rec.awaiting_env = aw
                 if plain and rec.mask is None and rec.tv is None:
                     rec.ids += ids[lo:hi]
                     rec.lps += lps[lo:hi]
                     rec.length += n
                 else:
                     rec.add(ids, lps, mask, lo, hi, tvs)
-                if rid and own is None:
-                    rec.header.rollout_id = rid
-                progressed[rec.header.group_id] = None
+                if own is None and rid:
+                    h.rollout_id = rid
+                progressed[h.group_id] = None
                 appended += 1
             else:
-                res = self._fold(uid, ver, off, ids, lps, mask, lo, hi, bool(aw), rid, tvs)
+                res = self._fold(uid, ver, off, ids, lps, mask, lo, hi, aw, rid, tvs)
                 if res != "appended":
                     out[res] += 1
                 if res in ("appended", "duplicate"):
