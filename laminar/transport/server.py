@@ -359,6 +359,7 @@ class RpcServer(Generic[S]):
         answers at once, and only a handler that must wait (a coroutine) gets a task of its own,
         so a one-way message or a reply costs no task. Messages are handled in arrival order
         either way; a slow handler still never blocks the reader once it awaits."""
+        reply: Message | None
         try:
             result = handler(peer, msg)
         except Exception as exc:
@@ -379,7 +380,8 @@ class RpcServer(Generic[S]):
         if self._sock is None:
             return
         try:
-            fut = self._sock.send_multipart([identity, rid, *encode(reply)], copy=False)
+            frames = [identity, rid, *encode(reply)]
+            fut: asyncio.Future[Any] = self._sock.send_multipart(frames, copy=False)  # type: ignore[assignment]
         except zmq.ZMQError:  # the peer is gone (ROUTER_MANDATORY): it gets no reply
             return
         if fut.done():
@@ -416,6 +418,7 @@ class RpcServer(Generic[S]):
         self, pending: Awaitable[Any], peer: Peer[S], identity: bytes, rid: bytes, msg: Message
     ) -> None:
         """The rest of a handler that awaits, on its own task; then its reply."""
+        reply: Message | None
         try:
             result = await pending
             reply = result if result is not None else Ack()
