@@ -358,7 +358,7 @@ class BufferNode(Node):
             extra={
                 "prompts_served": st.counts["groups_served"],
                 "held": st.held,
-                "groups_ready": sum(1 for g in st.groups.values() if g.state == "ready"),
+                "groups_ready": len(st.in_state(READY)),  # the state's index: no scan per beat
                 "outstanding_batches": len(st.outstanding()),
                 "staleness_max": max(st.consumed_hist.counts, default=0),
             },
