@@ -155,19 +155,84 @@ def make_cfg_dict(tmp: Path, rollouts: int) -> dict[str, Any]:
 
 
 # ---- server side -----------------------------------------------------------------------------
+HANDLER_CPU: dict[str, float] = {}
+"""In a `serve` process: thread CPU-seconds spent in each message type's handler so far (the
+accounting hook below); the lag probe writes it with each line."""
+
+
+class _Steps:
+    """Drives a handler's coroutine and adds the thread CPU of each step to HANDLER_CPU[key] (the
+    time it waits, e.g. for the journal's fsync, is not its CPU)."""
+
+    __slots__ = ("coro", "key")
+
+    def __init__(self, coro: Any, key: str):
+        self.coro, self.key = coro, key
+
+    def __await__(self) -> Any:
+        coro, key, clock = self.coro, self.key, time.thread_time
+        value: Any = None
+        exc: BaseException | None = None
+        while True:
+            t0 = clock()
+            try:
+                fut = coro.throw(exc) if exc is not None else coro.send(value)
+            except StopIteration as stop:
+                HANDLER_CPU[key] += clock() - t0
+                return stop.value
+            except BaseException:
+                HANDLER_CPU[key] += clock() - t0
+                raise
+            HANDLER_CPU[key] += clock() - t0
+            try:
+                value, exc = (yield fut), None
+            except BaseException as e:  # noqa: BLE001 - handed on to the coroutine, as a Task would
+                value, exc = None, e
+
+
+def _timed(msg_type: type, handler: Any) -> Any:
+    """`handler` with its CPU counted under the message type's name (two thread_time reads per
+    call and per resumption: ~1 us, reported beside the figures it measures)."""
+    key = msg_type.__name__
+    HANDLER_CPU.setdefault(key, 0.0)
+    if asyncio.iscoroutinefunction(handler):
+
+        async def run_async(peer: Any, msg: Any) -> Any:
+            return await _Steps(handler(peer, msg), key)
+
+        return run_async
+
+    def run(peer: Any, msg: Any) -> Any:
+        t0 = time.thread_time()
+        try:
+            return handler(peer, msg)
+        finally:
+            HANDLER_CPU[key] += time.thread_time() - t0
+
+    return run
+
+
 async def _serve(role: str, cfg_path: str, lag_path: str, index: int = 0) -> None:
     from laminar.config import config_from_dict
     from laminar.launch.tuning import setup_process
     from laminar.node import run_nodes
+    from laminar.transport.server import RpcServer
     from laminar.wiring.nodes import build_node
 
     cfg = config_from_dict(json.loads(Path(cfg_path).read_text()))
     setup_process(cfg)  # as `laminar node` sets up its process: logging, the collector
+    if os.environ.get("CONTROL_PLANE_HANDLER_CPU", "1") != "0":
+        on = RpcServer.on  # every handler the node registers, counted per message type
+
+        def timed_on(self: Any, msg_type: type, handler: Any) -> None:
+            on(self, msg_type, _timed(msg_type, handler))
+
+        RpcServer.on = timed_on  # type: ignore[method-assign]
     node = build_node(cfg, role, index)  # type: ignore[arg-type]
 
     async def probe() -> None:
-        """Event-loop lag: overshoot of a 10 ms sleep, one line per second (t, p50, p99, max in
-        ms)."""
+        """Event-loop lag: overshoot of a 10 ms sleep, one line per second (t, lags in ms, the
+        handler CPU so far per message type)."""
         with open(lag_path, "a") as f:
             lags: list[float] = []
             t_flush = time.monotonic() + 1.0
@@ -177,9 +242,12 @@ async def _serve(role: str, cfg_path: str, lag_path: str, index: int = 0) -> Non
                 now = time.monotonic()
                 lags.append((now - t0 - PROBE_S) * 1e3)
                 if now >= t_flush:
-                    f.write(
-                        json.dumps({"t": time.time(), "lags": [round(v, 2) for v in lags]}) + "\n"
-                    )
+                    row = {
+                        "t": time.time(),
+                        "lags": [round(v, 2) for v in lags],
+                        "handler_cpu": {k: round(v, 6) for k, v in HANDLER_CPU.items()},
+                    }
+                    f.write(json.dumps(row) + "\n")
                     f.flush()
                     lags, t_flush = [], now + 1.0
 
@@ -304,8 +372,8 @@ class Driver:
         for c in [*self.buf, *self.mgr, *self.trainers]:
             await c.connect(timeout=30)
 
-    def spawn(self, coro: Any) -> None:
-        t = asyncio.create_task(coro)
+    def spawn(self, coro: Any, name: str | None = None) -> None:
+        t = asyncio.create_task(coro, name=name)
         self.bg.add(t)
         t.add_done_callback(self.bg.discard)
 
@@ -400,10 +468,10 @@ class Driver:
             finish_reason="stop",
         )
 
-    def batch(self, ci: int, first_fill: bool) -> Any:
+    def batch(self, ci: int, first_fill: bool, finish: bool = True) -> Any:
         """The next PartialBatch of synthetic rollout `ci`: one entry per in-flight sample (up to
         entries_per_batch), each the sample's next 32 tokens; finished samples go as
-        Trajectories."""
+        Trajectories (finish=False: none finishes, the samples grow on: partials alone)."""
         from laminar.protocol.data import PartialBatch, PartialTrajectory
 
         cli, active, e = self.buf[ci], self.active[ci], self.entries_per_batch
@@ -459,15 +527,21 @@ class Driver:
         )
         # round robin within the rollout: the served samples go to the back; finished ones leave
         served, rest = active[:e], active[e:]
+        if not finish:
+            active[:] = rest + served
+            return msg
         active[:] = rest + [a for a in served if a[2] < self.chunks_per_traj]
         for a in served:
             if a[2] >= self.chunks_per_traj:
                 self.sent["trajectories"] += 1
-                self.spawn(self.finish(cli, self.trajectory(a[0], a[1], cli.node_id), ci))
+                self.spawn(self.finish(cli, self.trajectory(a[0], a[1], cli.node_id), ci), "finish")
         return msg
 
-    async def stream(self, x: float, until: float, first_fill: bool = False) -> None:
-        """Paced PartialBatches at x * batches/s, rollouts in turn (see the module docstring)."""
+    async def stream(
+        self, x: float, until: float, first_fill: bool = False, finish: bool = True
+    ) -> None:
+        """Paced PartialBatches at x * batches/s, rollouts in turn (see the module docstring);
+        finish=False: no sample finishes (the partial stream alone)."""
         rate = x * self.rates["batches_s"]
         t_start, due_sent = time.monotonic(), 0
         while time.monotonic() < until:
@@ -479,7 +553,7 @@ class Driver:
             for _ in range(min(due, 500)):
                 ci = self.next_rollout
                 self.next_rollout = (ci + 1) % self.rollouts
-                msg = self.batch(ci, first_fill)
+                msg = self.batch(ci, first_fill, finish)
                 due_sent += 1
                 if msg is None:
                     continue
@@ -490,6 +564,29 @@ class Driver:
                 except Exception:
                     pass
             await asyncio.sleep(0)
+
+    async def trajectories(self, x: float, until: float) -> None:
+        """Trajectories alone at x * trajectories/s, rollouts in turn: served samples finished
+        without a partial stream (what a trajectory costs: intake, journal, ack, and the trainer's
+        batches of them)."""
+        rate = x * self.rates["trajectories_s"]
+        t_start, done = time.monotonic(), 0
+        while time.monotonic() < until:
+            due = int((time.monotonic() - t_start) * rate) - done
+            for _ in range(min(max(due, 0), 500)):
+                ci = self.next_rollout
+                self.next_rollout = (ci + 1) % self.rollouts
+                done += 1
+                queue = self.queues[ci]
+                if queue.empty():
+                    continue
+                it, s = queue.get_nowait()
+                if queue.qsize() <= self.entries_per_batch // 2:
+                    self.low[ci].set()
+                cli = self.buf[ci]
+                self.sent["trajectories"] += 1
+                self.spawn(self.finish(cli, self.trajectory(it, s, cli.node_id), ci), "finish")
+            await asyncio.sleep(0.005)
 
     async def pushes(self, x: float, until: float) -> None:
         """Status pushes and the extra heartbeats above 1x (the client timers send 1x) to the
@@ -507,6 +604,12 @@ class Driver:
                     pass
                 done += 1
             await asyncio.sleep(0.005)
+
+    async def drain(self, timeout: float) -> None:
+        """Wait (bounded) until every trajectory sent so far was acked or failed."""
+        pending = [t for t in self.bg if t.get_name().startswith("finish")]
+        if pending:
+            await asyncio.wait(pending, timeout=timeout)
 
     async def close(self) -> None:
         for t in list(self.bg):
@@ -565,59 +668,318 @@ def _server_priority() -> None:
             pass
 
 
+class Cluster:
+    """One manager and `shards` buffer processes (rollout i -> shard i % shards) with the driver
+    connected; `async with` starts them and stops them (by pid) and keeps their warnings."""
+
+    def __init__(
+        self, args: argparse.Namespace, rates: dict[str, float], shards: int, driver_nice: int
+    ):
+        from laminar.config import config_from_dict
+        from laminar.transport.sockets import new_context
+
+        self.args, self.rates, self.shards = args, rates, shards
+        self.driver_nice = driver_nice
+        tmp = Path(tempfile.mkdtemp(prefix="lamcp-"))
+        cfg_d = make_cfg_dict(tmp, int(rates["rollouts"]))
+        (tmp / "ipc").mkdir()
+        (tmp / "cfg.json").write_text(json.dumps(cfg_d))
+        cfg = config_from_dict(cfg_d)
+        endpoints = [f"ipc://{tmp}/ipc/buffer-shard{k}.sock" for k in range(shards)]
+        servers: list[tuple[str, str, int]] = [("manager", "manager", 0)]  # (name, role, index)
+        for k, ep in enumerate(endpoints):  # each shard: the same config, own endpoint and journal
+            d = json.loads(json.dumps(cfg_d))
+            d["cluster"]["endpoints"] = {"buffer": ep}
+            (tmp / f"cfg-buffer{k}.json").write_text(json.dumps(d))
+            servers.append((f"buffer{k}" if shards > 1 else "buffer", "buffer", k))
+        procs: dict[str, subprocess.Popen[bytes]] = {}
+        lag = {name: tmp / f"lag-{name}.jsonl" for name, _, _ in servers}
+        self.server_logs: dict[str, list[str]] = {}
+        ctx = new_context()
+        drv = Driver(cfg, rates, ctx, endpoints)
+        self.tmp, self.cfg_d, self.cfg, self.servers = tmp, cfg_d, cfg, servers
+        self.procs, self.lag, self.ctx, self.drv = procs, lag, ctx, drv
+        self.idle_cpu: dict[str, float] = {}
+
+    async def __aenter__(self) -> Cluster:
+        tmp, procs, lag, drv = self.tmp, self.procs, self.lag, self.drv
+        shards = self.shards
+        try:
+            for name, role, k in self.servers:
+                cfg_path = tmp / ("cfg.json" if role == "manager" else f"cfg-buffer{k}.json")
+                procs[name] = subprocess.Popen(
+                    [
+                        sys.executable,
+                        __file__,
+                        "serve",
+                        role,
+                        str(cfg_path),
+                        str(lag[name]),
+                        str(k),
+                    ],
+                    stdout=open(tmp / f"{name}.log", "wb"),
+                    stderr=subprocess.STDOUT,
+                    cwd=ROOT,
+                    preexec_fn=None
+                    if os.getpriority(os.PRIO_PROCESS, 0) == _BASE_NICE
+                    else _server_priority,
+                )
+            # after the servers started (they would inherit it); absolute: a second pass adds
+            # nothing
+            os.setpriority(os.PRIO_PROCESS, 0, _BASE_NICE + self.driver_nice)
+            await asyncio.wait_for(drv.connect(), 60)
+            for k in range(shards):
+                drv.spawn(drv.supply(k))
+                drv.spawn(drv.train(k))
+            self.idle_cpu = await self._idle()
+        except BaseException:
+            await self.__aexit__(None, None, None)
+            raise
+        return self
+
+    async def _idle(self) -> dict[str, float]:
+        """The nodes' CPU with heartbeats, prompt supply and the trainer only (no partials, no
+        pushes)."""
+        procs = self.procs
+        await asyncio.sleep(1.0)
+        c0, t0 = {name: cpu_seconds(p.pid) for name, p in procs.items()}, time.monotonic()
+        await asyncio.sleep(3.0)
+        return {
+            name: round((cpu_seconds(p.pid) - c0[name]) / (time.monotonic() - t0), 3)
+            for name, p in procs.items()
+        }
+
+    def check(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is not None:
+                raise RuntimeError(f"a server exited rc {p.returncode}; see {self.tmp}")
+
+    async def __aexit__(self, *exc: object) -> None:
+        args, tmp, procs, ctx, drv = self.args, self.tmp, self.procs, self.ctx, self.drv
+        server_logs = self.server_logs
+        await drv.close()
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs.values():
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=5)
+        ctx.destroy(linger=0)
+        for name in procs:  # what went wrong in a node, if anything (warnings and errors only)
+            text = (tmp / f"{name}.log").read_text(errors="replace").splitlines()
+            server_logs[name] = [ln[:400] for ln in text if '"level": "info"' not in ln][-20:]
+        if not args.keep:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+COST_PHASES = ("all", "status", "trajectory", "chunk")
+"""The cost pass's phases at 1x, in order: the whole workload; status pushes alone; trajectories
+alone (served samples finished without partials, the trainer taking them); the partial stream
+alone (no sample finishes; last, since its samples then grow past a trajectory's length). Before
+them, after the first fill, an idle phase as long (the background alone: heartbeats, prompt
+supply, the trainer) gives the idle subtracted from each; before each phase the driver waits
+(bounded) until the trajectories it sent were acked, so none spills into the next phase."""
+HANDLER_KINDS = {
+    "PartialBatch": "chunk",
+    "PartialChunk": "chunk",
+    "Trajectory": "trajectory",
+    "TrajectoryAbandoned": "trajectory",
+    "BatchRequest": "batch",
+    "BatchCommit": "batch",
+    "PromptRequest": "prompt",
+}
+
+
+def read_handler_cpu(path: Path, t0: float, t1: float) -> dict[str, float]:
+    """Handler CPU-seconds per second of each message type over [t0, t1], from the cumulative
+    figures of the probe's lines (one a second) nearest inside the window."""
+    rows = (
+        [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+        if path.exists()
+        else []
+    )
+    inside = [r for r in rows if t0 <= r["t"] <= t1 and "handler_cpu" in r]
+    if len(inside) < 2:
+        return {}
+    a, b = inside[0], inside[-1]
+    dt = b["t"] - a["t"]
+    return {
+        k: round((v - a["handler_cpu"].get(k, 0.0)) / dt, 4) for k, v in b["handler_cpu"].items()
+    }
+
+
+async def run_cost_pass(
+    args: argparse.Namespace, rates: dict[str, float], shards: int
+) -> dict[str, Any]:
+    """CPU of each node at 1x, whole and kind by kind (COST_PHASES), above its idle: what the code
+    costs, whatever else the box runs (CPU-seconds of each process, not a race for the cores)."""
+    phases: dict[str, dict[str, Any]] = {}
+    # the driver at the nodes' priority: here it must offer the rate, not yield the cores (the
+    # figures are each node's own CPU-seconds; raising a niceness cannot be undone, so these
+    # passes run before the ramp)
+    async with Cluster(args, rates, shards, 0) as cl:
+        drv, procs = cl.drv, cl.procs
+        warm = time.monotonic() + args.warmup_s
+        await asyncio.gather(drv.stream(1.0, warm, first_fill=True), drv.pushes(1.0, warm))
+        for kind in ("idle", *args.cost_phases):
+            cl.check()
+            await drv.drain(10.0)  # the last phase's trajectories acked: none spills into this one
+            before = dict(drv.sent)
+            cpu0 = {name: cpu_seconds(p.pid) for name, p in procs.items()}
+            drv0, t0 = time.process_time(), time.time()
+            until = time.monotonic() + args.cost_s
+            if kind == "all":
+                await asyncio.gather(drv.stream(1.0, until), drv.pushes(1.0, until))
+            elif kind == "status":
+                await drv.pushes(1.0, until)
+            elif kind == "trajectory":
+                await drv.trajectories(1.0, until)
+            elif kind == "idle":  # the background alone (heartbeats, prompt supply, the trainer)
+                await asyncio.sleep(args.cost_s)
+            else:
+                await drv.stream(1.0, until, finish=False)
+            await asyncio.sleep(1.0)  # acks of the phase's last trajectories (a timer, bounded)
+            t1 = time.time()
+            cpu = {
+                name: round((cpu_seconds(p.pid) - cpu0[name]) / (t1 - t0), 4)
+                for name, p in procs.items()
+            }
+            cpu["driver"] = round((time.process_time() - drv0) / (t1 - t0), 3)
+            got = {k: round((drv.sent[k] - before[k]) / args.cost_s, 1) for k in drv.sent}
+            phases[kind] = {
+                "cpu_per_s": cpu,
+                "achieved": got,
+                "handler_cpu_per_s": {
+                    name: read_handler_cpu(cl.lag[name], t0, t1) for name in procs
+                },
+            }
+            print(
+                f"cost shards={shards} {kind:10s} cpu/s "
+                + " ".join(f"{k} {v:.3f}" for k, v in cpu.items())
+                + f"  batches/s {got['batches']:.0f} entries/s {got['chunks']:.0f} "
+                f"traj acked/s {got['acked']:.1f} pushes/s {got['pushes']:.0f}",
+                flush=True,
+            )
+    return {
+        "buffer_shards": shards,
+        # idle: the idle phase (after the first fill, as long as a kind's phase); the 3 s at start
+        # (no state yet, the connections just made) beside it
+        "idle_cpu_per_s": {
+            k: v for k, v in phases.pop("idle")["cpu_per_s"].items() if k != "driver"
+        },
+        "idle_cpu_per_s_at_start": cl.idle_cpu,
+        "phases": phases,
+        "server_logs": cl.server_logs,
+    }
+
+
+def cost_summary(passes: list[dict[str, Any]], rates: dict[str, float]) -> dict[str, Any]:
+    """The cost figures from the cost passes (see the module docstring): per node per 1x above
+    idle (the K=1 pass), per kind, the one-core estimate, and per shard per trajectory by K."""
+    load_of = {  # a phase's load as a fraction of 1x, from what was delivered
+        "all": lambda g: g["batches"] / rates["batches_s"],
+        "status": lambda g: g["pushes"] / rates["status_pushes_s"],
+        "trajectory": lambda g: g["acked"] / rates["trajectories_s"],
+        "chunk": lambda g: g["batches"] / rates["batches_s"],
+    }
+    out: dict[str, Any] = {}
+    one = next((p for p in passes if p["buffer_shards"] == 1), passes[0])
+    idle = one["idle_cpu_per_s"]
+
+    def per_1x(kind: str, name: str) -> float | None:
+        ph = one["phases"].get(kind)
+        if ph is None:
+            return None
+        # the whole workload: the manager's load is its pushes, a buffer's its batches
+        load = (
+            load_of["status"](ph["achieved"])
+            if kind == "all" and name == "manager"
+            else load_of[kind](ph["achieved"])
+        )
+        return round(max(0.0, ph["cpu_per_s"][name] - idle[name]) / load, 4) if load > 0 else None
+
+    nodes = [n for n in idle]
+    # a node's cost of 1x: the sum of its kinds' (each phase at 1x of its own kind, normalized by
+    # what it delivered). The whole-workload phase is the cross-check: its trajectories finish at
+    # the rate its first fill reached, so one load figure cannot normalize it exactly
+    by_kind = {n: {k: per_1x(k, n) for k in COST_PHASES if k != "all"} for n in nodes}
+    by_node = {
+        n: round(sum(v or 0.0 for v in ks.values()), 4)
+        for n, ks in by_kind.items()
+        if any(v is not None for v in ks.values())
+    }
+    out["cpu_core_s_per_1x_by_node"] = by_node
+    out["cpu_core_s_per_1x_by_kind"] = by_kind
+    out["cpu_core_s_per_1x_whole_phase_by_node"] = {n: per_1x("all", n) for n in nodes}
+    out["idle_cpu_per_s_by_node"] = idle
+    est = {n: round((1 - idle[n]) / v, 2) for n, v in by_node.items() if v}
+    out["one_core_per_node_holds_x_by_node"] = est
+    out["one_core_per_node_holds_x_estimate"] = min(est.values()) if est else None
+    # handler CPU of the whole workload per kind (the accounting hook; receive, decode and reply
+    # sends are outside it and in the phase figures)
+    ph_all = one["phases"].get("all")
+    if ph_all is not None:
+        load = load_of["all"](ph_all["achieved"])
+        hk: dict[str, dict[str, float]] = {}
+        for n, per_type in ph_all["handler_cpu_per_s"].items():
+            acc: dict[str, float] = {}
+            for t, v in per_type.items():
+                k = HANDLER_KINDS.get(t, "other")
+                acc[k] = acc.get(k, 0.0) + v / load
+            hk[n] = {k: round(v, 4) for k, v in acc.items()}
+        out["handler_cpu_core_s_per_1x_by_kind"] = hk
+    # the manager's per-status cost (the status phase) in us
+    st = one["phases"].get("status")
+    if st is not None and st["achieved"]["pushes"] > 0:
+        out["manager_us_per_status"] = round(
+            max(0.0, st["cpu_per_s"]["manager"] - idle["manager"]) / st["achieved"]["pushes"] * 1e6,
+            2,
+        )
+    # per shard: CPU above its idle per trajectory, at K shards (rollout i -> i % K), from the kind
+    # phases (each normalized by what it delivered): a trajectory's own cost plus its partial
+    # stream's (batches per trajectory at 1x times the cost of a batch)
+    shard_us: dict[str, list[float]] = {}
+    per_traj_batches = rates["batches_s"] / rates["trajectories_s"]
+    for p in passes:
+        tr, ch = p["phases"].get("trajectory"), p["phases"].get("chunk")
+        if tr is None or ch is None:
+            continue
+        k = p["buffer_shards"]
+        t_s, b_s = tr["achieved"]["acked"] / k, ch["achieved"]["batches"] / k
+        if t_s <= 0 or b_s <= 0:
+            continue
+        shard_us[str(k)] = [
+            round(
+                (
+                    max(0.0, tr["cpu_per_s"][n] - p["idle_cpu_per_s"][n]) / t_s
+                    + max(0.0, ch["cpu_per_s"][n] - p["idle_cpu_per_s"][n]) / b_s * per_traj_batches
+                )
+                * 1e6,
+                1,
+            )
+            for n in p["idle_cpu_per_s"]
+            if n.startswith("buffer")
+        ]
+    out["shard_cpu_us_per_trajectory_by_k"] = shard_us
+    means = [sum(v) / len(v) for v in shard_us.values() if v]
+    out["shard_cpu_per_trajectory_spread"] = (
+        round(max(means) / min(means) - 1, 3) if len(means) > 1 and min(means) > 0 else None
+    )
+    return out
+
+
 async def run_pass(
     args: argparse.Namespace, rates: dict[str, float], shards: int, ramp: list[float]
 ) -> dict[str, Any]:
     """One ramp against one manager and `shards` buffer processes (rollout i -> shard i %
     shards)."""
-    from laminar.config import config_from_dict
-    from laminar.transport.sockets import new_context
-
-    tmp = Path(tempfile.mkdtemp(prefix="lamcp-"))
-    cfg_d = make_cfg_dict(tmp, int(rates["rollouts"]))
-    (tmp / "ipc").mkdir()
-    (tmp / "cfg.json").write_text(json.dumps(cfg_d))
-    cfg = config_from_dict(cfg_d)
-    endpoints = [f"ipc://{tmp}/ipc/buffer-shard{k}.sock" for k in range(shards)]
-    servers: list[tuple[str, str, int]] = [("manager", "manager", 0)]  # (name, role, index)
-    for k, ep in enumerate(endpoints):  # each shard: the same config, its own endpoint and journal
-        d = json.loads(json.dumps(cfg_d))
-        d["cluster"]["endpoints"] = {"buffer": ep}
-        (tmp / f"cfg-buffer{k}.json").write_text(json.dumps(d))
-        servers.append((f"buffer{k}" if shards > 1 else "buffer", "buffer", k))
-    procs: dict[str, subprocess.Popen[bytes]] = {}
-    lag = {name: tmp / f"lag-{name}.jsonl" for name, _, _ in servers}
     steps: list[dict[str, Any]] = []
-    server_logs: dict[str, list[str]] = {}
-    ctx = new_context()
-    drv = Driver(cfg, rates, ctx, endpoints)
-    try:
-        for name, role, k in servers:
-            cfg_path = tmp / ("cfg.json" if role == "manager" else f"cfg-buffer{k}.json")
-            procs[name] = subprocess.Popen(
-                [sys.executable, __file__, "serve", role, str(cfg_path), str(lag[name]), str(k)],
-                stdout=open(tmp / f"{name}.log", "wb"),
-                stderr=subprocess.STDOUT,
-                cwd=ROOT,
-                preexec_fn=None
-                if os.getpriority(os.PRIO_PROCESS, 0) == _BASE_NICE
-                else _server_priority,
-            )
-        # after the servers started (they would inherit it); absolute, so a second pass adds nothing
-        os.setpriority(os.PRIO_PROCESS, 0, _BASE_NICE + args.driver_nice)
-        await asyncio.wait_for(drv.connect(), 60)
-        for k in range(shards):
-            drv.spawn(drv.supply(k))
-            drv.spawn(drv.train(k))
-        # the nodes' CPU with heartbeats, prompt supply and the trainer only (no partials, no
-        # pushes)
-        await asyncio.sleep(1.0)
-        c0, t0 = {name: cpu_seconds(p.pid) for name, p in procs.items()}, time.monotonic()
-        await asyncio.sleep(3.0)
-        idle_cpu = {
-            name: round((cpu_seconds(p.pid) - c0[name]) / (time.monotonic() - t0), 3)
-            for name, p in procs.items()
-        }
+    async with Cluster(args, rates, shards, args.driver_nice) as cl:
+        procs, lag, drv, servers = cl.procs, cl.lag, cl.drv, cl.servers
+        idle_cpu = cl.idle_cpu
         # warm-up (not measured): connections, first prompts, the journal's first writes
         await asyncio.gather(
             drv.stream(ramp[0], time.monotonic() + args.warmup_s, first_fill=True),
@@ -625,9 +987,7 @@ async def run_pass(
         )
         fails = 0
         for x in ramp:
-            for p in procs.values():
-                if p.poll() is not None:
-                    raise RuntimeError(f"a server exited rc {p.returncode}; see {tmp}")
+            cl.check()
             before = dict(drv.sent)
             drv.ack_lat = []
             cpu0 = {name: cpu_seconds(p.pid) for name, p in procs.items()}
@@ -696,23 +1056,7 @@ async def run_pass(
             fails = 0 if row["ok"] else fails + 1
             if fails >= 2:
                 break
-    finally:
-        await drv.close()
-        for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs.values():
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(timeout=5)
-        ctx.destroy(linger=0)
-        for name in procs:  # what went wrong in a node, if anything (warnings and errors only)
-            text = (tmp / f"{name}.log").read_text(errors="replace").splitlines()
-            server_logs[name] = [ln[:400] for ln in text if '"level": "info"' not in ln][-20:]
-        if not args.keep:
-            shutil.rmtree(tmp, ignore_errors=True)
+    server_logs = cl.server_logs
     best = max((s["x"] for s in steps if s["ok"]), default=0.0)
     return {
         "buffer_shards": shards,
@@ -734,6 +1078,16 @@ async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     all_rates = workload_rates(ROOT / "bench/results/simulate.json")
     target_name = max(all_rates, key=lambda k: all_rates[k]["chunks_s"])
     rates = all_rates[target_name]
+    cost_passes = [await run_cost_pass(args, rates, k) for k in args.cost_shards]
+    cost_sm = cost_summary(cost_passes, rates)
+    if args.no_ramp:
+        return {
+            "bench": "control_plane",
+            "config": {"quick": args.quick, "cost_s": args.cost_s, "target_workload": target_name},
+            "git_commit": git("rev-parse", "HEAD"),
+            "cost_passes": cost_passes,
+            "summary": cost_sm,
+        }
     passes = [await run_pass(args, rates, args.buffer_shards, args.ramp)]
     while passes[-1]["best"] < 2 and passes[-1]["buffer_shards"] * 2 <= args.max_shards:
         ramp = [x for x in args.ramp if x >= 1.0] or [1.0]
@@ -783,6 +1137,9 @@ async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             "buffer_shards": args.buffer_shards,
             "max_shards": args.max_shards,
             "driver_nice": args.driver_nice,
+            "cost_s": args.cost_s,
+            "cost_shards": args.cost_shards,
+            "cost_phases": args.cost_phases,
         },
         "machine": {
             "python": platform.python_version(),
@@ -791,9 +1148,13 @@ async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         },
         "git_commit": git("rev-parse", "HEAD"),
         "rates_1024gpu": all_rates,
+        "cost_passes": cost_passes,
         "passes": [{k: v for k, v in p.items() if k != "steps"} for p in passes],
         "steps": [s for p in passes for s in p["steps"]],
         "summary": {
+            # the pass/fail figures: what the code costs (cost passes, CPU-seconds per process)
+            **cost_sm,
+            # context: the ramp on this box (the nodes and the driver race for its cores)
             "headroom_vs_1024gpu_rate": best,
             "buffer_shards": last["buffer_shards"],
             "headroom_by_shards": {str(p["buffer_shards"]): p["best"] for p in passes},
@@ -803,9 +1164,11 @@ async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             "highest_sustainable_trajectories_s": best * rates["trajectories_s"],
             "highest_sustainable_status_pushes_s": best * rates["status_pushes_s"],
             "driver_bound_steps": [s["x"] for s in last["steps"] if s["driver_bound"]],
-            "idle_cpu_per_s_by_node": first["idle_cpu_per_s"],
-            "cpu_core_s_per_1x_by_node": cpu_per_1x,
-            "one_core_per_node_holds_x_estimate": min(x_one_core.values()) if x_one_core else None,
+            "ramp_idle_cpu_per_s_by_node": first["idle_cpu_per_s"],
+            "ramp_cpu_core_s_per_1x_by_node": cpu_per_1x,
+            "ramp_one_core_per_node_holds_x_estimate": min(x_one_core.values())
+            if x_one_core
+            else None,
             "one_buffer_holds_2x": None if one is None else one >= 2,
             # the same sustained token rate against each 1024-GPU workload's own rate
             "headroom_by_workload": {
@@ -847,13 +1210,37 @@ def main(argv: list[str] | None = None) -> int:
         default=4,
         help="while a pass holds < 2x, run again with twice the shards, up to this (1: never)",
     )
+    ap.add_argument(
+        "--cost-s", type=float, default=None, help="seconds of each cost phase (quick: 10)"
+    )
+    ap.add_argument(
+        "--cost-shards",
+        type=int,
+        nargs="+",
+        default=[1, 2, 4],
+        help="a cost pass with each number of buffer shards (the first 1: the headline)",
+    )
+    ap.add_argument(
+        "--cost-phases", nargs="+", default=list(COST_PHASES), choices=list(COST_PHASES)
+    )
+    ap.add_argument("--no-ramp", action="store_true", help="the cost passes only")
     args = ap.parse_args(argv)
+    args.cost_s = args.cost_s or (10.0 if args.quick else 30.0)
     args.ramp = args.ramp or [0.05, 0.1, 0.15, 0.25, 0.5, 1.0, 2.0, 3.0]
     args.step_s = args.step_s or (15.0 if args.quick else 60.0)
     res = asyncio.run(run_bench(args))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=1))
     sm = res["summary"]
+    print(
+        f"cpu core-s/s per 1x above idle {sm['cpu_core_s_per_1x_by_node']}; one core per node "
+        f"holds ~{sm['one_core_per_node_holds_x_estimate']}x; per kind "
+        f"{sm['cpu_core_s_per_1x_by_kind']}; per shard us/trajectory by K "
+        f"{sm['shard_cpu_us_per_trajectory_by_k']} (spread {sm['shard_cpu_per_trajectory_spread']})"
+    )
+    if args.no_ramp:
+        print(f"-> {args.out}")
+        return 0
     print(
         f"headroom_vs_1024gpu_rate = {sm['headroom_vs_1024gpu_rate']} ({sm['target_workload']}, "
         f"{sm['buffer_shards']} buffer shard(s))"

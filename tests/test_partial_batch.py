@@ -8,14 +8,16 @@ sends one batch per window.
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
+import weakref
 from collections import Counter
 from typing import Any
 
 import numpy as np
 import pytest
 
-from laminar.buffer.partials import _COMPACT_PIECES, PartialPool
+from laminar.buffer.partials import PartialPool
 from laminar.logs import get_logger
 from laminar.metrics import Metrics
 from laminar.protocol.data import PartialBatch, PartialChunk, PartialTrajectory, PromptItem
@@ -147,7 +149,12 @@ def test_a_batch_folds_exactly_as_its_entries_sent_as_chunks(seed: int, masked: 
     assert one.tokens == batched.tokens > 0
 
 
-def test_records_compact_and_keep_every_token():
+PIECES = 32
+
+
+def test_records_copy_their_tokens_and_pin_no_batch():
+    """A record copies its entries out of the batch: the received arrays are let go with the
+    message, however many batches the record spans."""
     pool = PartialPool()
     uid = "g/0"
     pool.apply(
@@ -161,7 +168,8 @@ def test_records_compact_and_keep_every_token():
             header=header(uid, 0, ""),
         )
     )
-    for k in range(3 * _COMPACT_PIECES):
+    frames = []
+    for k in range(3 * PIECES):
         b = as_batch(
             [
                 PartialChunk(
@@ -175,17 +183,13 @@ def test_records_compact_and_keep_every_token():
             ]
         )
         assert not pool.apply_batch(b)
-        assert len(pool.records[uid].pieces) <= _COMPACT_PIECES
+        frames.append(weakref.ref(b.token_ids))
+        del b
+    gc.collect()
+    assert all(f() is None for f in frames)
     (p,) = pool.query("r0")
-    assert (
-        p.response_ids.tolist() == list(range(6 * _COMPACT_PIECES))
-        and p.response_ids.dtype == np.int32
-    )
-    assert (
-        p.loss_mask is None
-        and p.rollout_id == "r0"
-        and pool.counts["chunks"] == 3 * _COMPACT_PIECES
-    )
+    assert p.response_ids.tolist() == list(range(6 * PIECES)) and p.response_ids.dtype == np.int32
+    assert p.loss_mask is None and p.rollout_id == "r0" and pool.counts["chunks"] == 3 * PIECES
 
 
 def test_a_malformed_batch_is_refused_whole_and_counted():

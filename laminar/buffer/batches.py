@@ -111,8 +111,9 @@ class BatchServer:
                         ready=len(st.in_state("ready")),
                         open=st.open_groups(),
                     )
-                try:
-                    await asyncio.wait_for(changed.wait(), left)
+                try:  # woken per accepted trajectory: a timer, not wait_for's task per wake
+                    async with asyncio.timeout(left):
+                        await changed.wait()
                 except TimeoutError:
                     pass
 

@@ -61,12 +61,30 @@ class Intake:
         self.refusals = refusals or Refusals(metrics, log)
 
     async def trajectory(self, t: Trajectory, peer_id: str) -> TrajectoryAck | ErrorReply:
+        reply, off = self.take_trajectory(t, peer_id)
+        if off is not None:
+            await self.ledger.durable(off)
+        return reply
+
+    async def abandoned(
+        self, msg: TrajectoryAbandoned, peer_id: str = ""
+    ) -> TrajectoryAck | ErrorReply:
+        reply, off = self.take_abandoned(msg, peer_id)
+        if off is not None:
+            await self.ledger.durable(off)
+        return reply
+
+    def take_trajectory(
+        self, t: Trajectory, peer_id: str
+    ) -> tuple[TrajectoryAck | ErrorReply, int | None]:
+        """The reply, and the journal offset that must be durable before it goes (None: it may go
+        now). Everything but that wait, so the node answers without a task when nothing waits."""
         st = self.ledger.state
         verdict, why = st.check_trajectory(t)
         if verdict == "bad":
             self.metrics.count("trajectories_rejected")
             self.log.warning("bad_trajectory", uid=t.uid, error=why, peer=peer_id)
-            return ErrorReply(code="protocol", message=why)
+            return ErrorReply(code="protocol", message=why), None
         if verdict == "ok":
             refused: Refusal | None = None
             if self.owners is not None:
@@ -77,48 +95,47 @@ class Intake:
                 refused = self.owners.prompt_refusal(t.group_id, t.prompt_uid, t.prompt_ids)
             if refused is not None:  # before anything changes: the owner's record stays
                 self.refusals.count(peer_id, refused, uid=t.uid)
-                return TrajectoryAck(refused=refused)
+                return TrajectoryAck(refused=refused), None
         elif self.owners is not None and not self._own_copy(t, peer_id):
             # a finished or late sample: a non-owner learns no more than of a running one
             refused = self.owners.refusal(t.group_id, t.sample_index, peer_id)
             if refused is not None:
                 self.refusals.count(peer_id, refused, uid=t.uid)
-                return TrajectoryAck(refused=refused)
+                return TrajectoryAck(refused=refused), None
         self.partials.remove(t.uid)
         if verdict != "ok":
             self.metrics.count(f"trajectories_{verdict}")
-            await self.ledger.durable()  # the first copy may still be on its way to the disk
+            # the first copy may still be on its way to the disk: wait for all that was written
+            written = self.ledger.written
             if verdict == "duplicate":
-                return TrajectoryAck(duplicate=True)
-            return TrajectoryAck(ignored=why)
+                return TrajectoryAck(duplicate=True), written
+            return TrajectoryAck(ignored=why), written
         if t.loss_mask is not None and np.any(t.logprobs[t.loss_mask == 0] != 0.0):
             self.metrics.count("env_logprob_nonzero")
         t.staleness_at_finish = st.trainer_version - t.version
-        off = self.ledger.record(TrajectoryAccepted(t))
-        await self.ledger.durable(off)
-        return TrajectoryAck()
+        return TrajectoryAck(), self.ledger.record(TrajectoryAccepted(t))
 
-    async def abandoned(
+    def take_abandoned(
         self, msg: TrajectoryAbandoned, peer_id: str = ""
-    ) -> TrajectoryAck | ErrorReply:
+    ) -> tuple[TrajectoryAck | ErrorReply, int | None]:
+        """As take_trajectory, for an abandoned sample."""
         verdict, why, idx = self.ledger.state.check_abandoned(msg.uid, msg.group_id)
         if verdict == "bad":
             self.metrics.count("abandons_rejected")
-            return ErrorReply(code="protocol", message=why)
+            return ErrorReply(code="protocol", message=why), None
         known = verdict == "ok" or msg.group_id in self.ledger.state.groups
         if known and self.owners is not None:  # finished or not, the same answer to a non-owner
             refused = self.owners.refusal(msg.group_id, idx, peer_id)
             if refused is not None:
                 self.refusals.count(peer_id, refused, uid=msg.uid)
-                return TrajectoryAck(refused=refused)
+                return TrajectoryAck(refused=refused), None
         self.partials.remove(msg.uid)
         if verdict != "ok":
             self.metrics.count("abandons_ignored")
-            return TrajectoryAck(ignored=why)
+            return TrajectoryAck(ignored=why), None
         off = self.ledger.record(MemberAbandoned(msg.group_id, idx, msg.uid, msg.reason))
         self.log.info("trajectory_abandoned", uid=msg.uid, reason=msg.reason)
-        await self.ledger.durable(off)
-        return TrajectoryAck()
+        return TrajectoryAck(), off
 
     def _own_copy(self, t: Trajectory, peer_id: str) -> bool:
         """Did `peer_id` send the stored copy of this sample (a retry of its own: a duplicate)?"""

@@ -542,6 +542,10 @@ class Journal:
         self.stats["bytes"] += len(rec)
         return self.written
 
+    def waits(self, offset: int) -> bool:
+        """Whether durable(offset) would wait (an fsync before the ack)."""
+        return self.policy == "always" and self.synced < offset
+
     async def durable(self, offset: int) -> None:
         """Return once the record ending at `offset` is as durable as the policy promises."""
         if self.policy != "always":

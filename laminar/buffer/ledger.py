@@ -4,6 +4,7 @@
     n = ledger.replay()                        # at start (blocking: run it off the event loop)
     off = ledger.record(TrajectoryAccepted(t))  # write() to the OS, then ExperienceState.apply
     await ledger.durable(off)                  # per buffer.fsync; only then is anything acked
+    if not ledger.waits(off): ...              # ... or at once, when the policy has no wait
     changed = ledger.changed; await changed.wait()   # a batch long-poll waking on new groups
     await ledger.compact_if_due()          # at start: snapshot rewrite if the file outgrew its mark
     await ledger.run_compactor()           # a node task: the same, off the loop, as records arrive
@@ -126,6 +127,16 @@ class Ledger:
             self.changed.set()
             self.changed = asyncio.Event()
         return off
+
+    @property
+    def written(self) -> int:
+        """The offset of everything written so far (what a durable() without one waits for)."""
+        return 0 if self.journal is None else self.journal.written
+
+    def waits(self, offset: int) -> bool:
+        """Whether `durable(offset)` would wait (fsync=always and not yet fsync'ed): else an ack
+        may go at once, without a task to await it."""
+        return self.journal is not None and self.journal.waits(offset)
 
     async def durable(self, offset: int | None = None) -> None:
         """Return once the record ending at `offset` (default: everything written) is durable."""

@@ -49,6 +49,7 @@ import asyncio
 import contextlib
 import math
 from collections import Counter
+from collections.abc import Awaitable
 
 import msgspec
 
@@ -218,17 +219,8 @@ class BufferNode(Node):
                 self.refusals.count(peer.node_id, res, k, what="partial_batch")
             elif res in ("bad", "unknown", "gap", "late"):
                 self.metrics.count(f"chunks_{res}", k)
-        # progress on their groups: only the entries of records this peer holds
-        records = self.partials.records
-        self.leases.touch_many(
-            {
-                u.rpartition("/")[0]
-                for u in b.uids
-                if (r := records.get(u)) is not None and r.header.rollout_id == peer.node_id
-            }
-            if results
-            else {u.rpartition("/")[0] for u in b.uids}
-        )
+        # progress on their groups: only the entries folded into records this peer holds
+        self.leases.touch_many(self.partials.progressed)
 
     def _on_chunk(self, peer: Peer, chunk: PartialChunk) -> None:
         res = self.partials.apply(chunk, peer.node_id)
@@ -248,8 +240,25 @@ class BufferNode(Node):
         self.metrics.count("samples_placed", len(uids))
         return Ack()
 
-    async def _on_trajectory(self, peer: Peer, t: Trajectory) -> TrajectoryAck | ErrorReply:
-        reply = await self.intake.trajectory(t, peer.node_id)
+    # a trajectory or an abandon is answered at once unless its record must be fsync'ed first
+    # (buffer.fsync=always): then the wait gets a task of its own (transport/server.py)
+    def _on_trajectory(
+        self, peer: Peer, t: Trajectory
+    ) -> TrajectoryAck | ErrorReply | Awaitable[TrajectoryAck | ErrorReply]:
+        reply, off = self.intake.take_trajectory(t, peer.node_id)
+        if off is not None and self.ledger.waits(off):
+            return self._trajectory_durable(t, reply, off)
+        return self._trajectory_taken(t, reply)
+
+    async def _trajectory_durable(
+        self, t: Trajectory, reply: TrajectoryAck | ErrorReply, off: int
+    ) -> TrajectoryAck | ErrorReply:
+        await self.ledger.durable(off)
+        return self._trajectory_taken(t, reply)
+
+    def _trajectory_taken(
+        self, t: Trajectory, reply: TrajectoryAck | ErrorReply
+    ) -> TrajectoryAck | ErrorReply:
         if isinstance(reply, TrajectoryAck) and reply.refused:
             return reply  # no progress on the group: a refused copy renews no lease
         self.leases.touch(t.group_id)
@@ -257,12 +266,20 @@ class BufferNode(Node):
             self.health.observe(t)  # stored now
         return reply
 
-    async def _on_abandoned(
+    def _on_abandoned(
         self, peer: Peer, msg: TrajectoryAbandoned
-    ) -> TrajectoryAck | ErrorReply:
-        reply = await self.intake.abandoned(msg, peer.node_id)
+    ) -> TrajectoryAck | ErrorReply | Awaitable[TrajectoryAck | ErrorReply]:
+        reply, off = self.intake.take_abandoned(msg, peer.node_id)
         if not (isinstance(reply, TrajectoryAck) and reply.refused):
             self.leases.touch(msg.group_id)
+        if off is not None and self.ledger.waits(off):
+            return self._when_durable(reply, off)
+        return reply
+
+    async def _when_durable(
+        self, reply: TrajectoryAck | ErrorReply, off: int
+    ) -> TrajectoryAck | ErrorReply:
+        await self.ledger.durable(off)
         return reply
 
     def _on_images(self, peer: Peer, req: ImageFetch) -> ImageBlobs:
@@ -357,7 +374,7 @@ class BufferNode(Node):
             extra={
                 "prompts_served": st.counts["groups_served"],
                 "held": st.held,
-                "groups_ready": sum(1 for g in st.groups.values() if g.state == "ready"),
+                "groups_ready": len(st.in_state(READY)),  # the state's index: no scan per beat
                 "outstanding_batches": len(st.outstanding()),
                 "staleness_max": max(st.consumed_hist.counts, default=0),
             },

@@ -8,7 +8,9 @@
 
 Clients join with HELLO (answered with WELCOME) and are tracked as `peers`. A peer silent
 for `opts.dead_after_s` is marked dead (`on_peer_dead`); traffic from it brings it back.
-Each request runs its handler in its own task, so a slow handler never blocks the reader.
+A handler runs on the reader's turn, in arrival order; one that awaits (a coroutine) goes on in
+its own task, so a waiting handler never blocks the reader, and a one-way message or a ready
+answer costs no task.
 
 Bad input from the network (undecodable frames, unknown message types, messages from peers
 that never said HELLO) is answered with an ErrorReply where a reply is possible, logged,
@@ -29,7 +31,7 @@ import hmac
 import itertools
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Generic, TypeVar
 
 import structlog
@@ -112,6 +114,7 @@ class RpcServer(Generic[S]):
         self._on_peer_dead, self._on_peer_join, self._status = on_peer_dead, on_peer_join, status
         self._spawn = spawn
         self._peer_status = peer_status
+        self._read_status = self._status_of  # bound once: handed to every held status
         self._sock: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._seq = 0
@@ -227,16 +230,35 @@ class RpcServer(Generic[S]):
         self.refusals_of(peer_id).bad += 1
         self._bad_log.warning(error=what, peer=peer_id)
 
-    async def _refuse(self, peer: Peer[S], identity: bytes, rid: bytes, msg: Message) -> None:
+    def _status_of(self, peer: Peer[S], raw: Any) -> S | None:
+        """A held heartbeat status, decoded when read (Peer.status); one that does not decode is
+        counted and logged as a bad frame of its peer, and None."""
+        assert self._peer_status is not None
+        try:
+            return self._peer_status.unpack(raw)
+        except ProtocolError as exc:
+            self._bad(str(exc), peer.node_id)
+            return None
+
+    async def _refuse(
+        self,
+        peer: Peer[S],
+        identity: bytes,
+        rid: bytes,
+        msg: Any,
+        kind: type[Message] | None = None,
+    ) -> None:
         """`msg` is not the peer's to send (its role, or an id field naming another node): count
-        it, log (rate-limited), and answer a request with ErrorReply("unauthorized")."""
-        text = _unauthorized(peer.role, peer.node_id, msg) or "unauthorized"
+        it, log (rate-limited), and answer a request with ErrorReply("unauthorized"). `kind`: the
+        type whose rules apply (a status's head: the status type)."""
+        kind = kind or type(msg)
+        text = _unauthorized(peer.role, peer.node_id, msg, kind) or "unauthorized"
         self.stats.unauthorized += 1
         self.stats.last_error = text
         self.refused.unauthorized += 1
         self.refusals_of(peer.node_id).unauthorized += 1
         self._unauthorized_log.warning(
-            peer=peer.node_id, peer_role=peer.role, msg=type(msg).__name__, error=text
+            peer=peer.node_id, peer_role=peer.role, msg=kind.__name__, error=text
         )
         await self._reply_error(identity, rid, "unauthorized", text)
 
@@ -259,11 +281,11 @@ class RpcServer(Generic[S]):
             if rid and (len(rid) != 9 or rid[:1] not in (b"Q", b"R")):
                 self._bad("malformed request-id frame", self._who(identity))
                 continue
-            status: S | None = None
+            head: Any = None  # a heartbeat status's id fields (the rest is decoded when read)
             try:
                 msg = decode(frames[2:], self.opts.limits)
                 if type(msg) is Heartbeat and self._peer_status is not None:
-                    status = self._peer_status.unpack(msg.status)
+                    head = self._peer_status.head(msg.status)
             except ProtocolError as exc:
                 self._bad(str(exc), self._who(identity))
                 await self._reply_error(identity, rid, "protocol", str(exc))
@@ -305,11 +327,13 @@ class RpcServer(Generic[S]):
                 await self._refuse(peer, identity, rid, msg)
                 continue
             if isinstance(msg, Heartbeat):
-                if status is not None:
-                    if _unauthorized(peer.role, peer.node_id, status) is None:
-                        peer.status = status
+                if head is not None:
+                    assert self._peer_status is not None
+                    kind = self._peer_status.status_type
+                    if _unauthorized(peer.role, peer.node_id, head, kind) is None:
+                        peer.hold_status(msg.status, self._read_status)
                     else:  # a status naming another node, or of a role not its own: dropped
-                        await self._refuse(peer, identity, rid, status)
+                        await self._refuse(peer, identity, rid, head, kind)
                 continue
             if isinstance(msg, Bye):
                 self._forget(peer)
@@ -326,20 +350,57 @@ class RpcServer(Generic[S]):
                     identity, rid, "unhandled", f"{self.role} does not handle {type(msg).__name__}"
                 )
                 continue
-            self._disp.track(
-                self._spawn(self._handle(handler, peer, identity, rid, msg), "server-handler")
-            )
+            self._dispatch(handler, peer, identity, rid, msg)
 
-    async def _handle(
+    def _dispatch(
         self, handler: Handler, peer: Peer[S], identity: bytes, rid: bytes, msg: Message
     ) -> None:
+        """Run a handler on the reader's turn: a sync handler (or one whose answer is ready)
+        answers at once, and only a handler that must wait (a coroutine) gets a task of its own,
+        so a one-way message or a reply costs no task. Messages are handled in arrival order
+        either way; a slow handler still never blocks the reader once it awaits."""
+        reply: Message | None
         try:
-            reply = await self._disp.call(handler, peer, msg)
-        except ProtocolError as exc:  # handler-level validation of a well-formed but wrong request
-            self._bad(str(exc), peer.node_id)
-            await self._reply_error(identity, rid, "protocol", str(exc))
+            result = handler(peer, msg)
+        except Exception as exc:
+            reply = self._failed(exc, peer, msg)
+        else:
+            if isinstance(result, Awaitable):
+                self._disp.track(
+                    self._spawn(self._handle(result, peer, identity, rid, msg), "server-handler")
+                )
+                return
+            reply = result if result is not None else Ack()
+        if reply is not None and rid[:1] == b"Q":
+            self._answer(identity, b"R" + rid[1:], reply)
+
+    def _answer(self, identity: bytes, rid: bytes, reply: Message) -> None:
+        """Send a reply from the reader's turn: pyzmq queues it without waiting (the common case),
+        or a task waits for room (a peer at its HWM must not stall the reader)."""
+        if self._sock is None:
             return
-        except TransportError as exc:
+        try:
+            frames = [identity, rid, *encode(reply)]
+            fut: asyncio.Future[Any] = self._sock.send_multipart(frames, copy=False)  # type: ignore[assignment]
+        except zmq.ZMQError:  # the peer is gone (ROUTER_MANDATORY): it gets no reply
+            return
+        if fut.done():
+            if fut.exception() is None:
+                self.stats.sent += 1
+            return
+        fut.cancel()  # nothing is half-sent: it is sent again by a task that may wait
+        self._disp.track(self._spawn(self._send_reply(identity, rid, reply), "server-reply"))
+
+    async def _send_reply(self, identity: bytes, rid: bytes, reply: Message) -> None:
+        with contextlib.suppress(TransportError):
+            await self._send(identity, rid, reply)
+
+    def _failed(self, exc: Exception, peer: Peer[S], msg: Message) -> ErrorReply | None:
+        """A handler raised: count and log it; the error reply its requester gets (None: none)."""
+        if isinstance(exc, ProtocolError):  # validation of a well-formed but wrong request
+            self._bad(str(exc), peer.node_id)
+            return ErrorReply(code="protocol", message=str(exc))
+        if isinstance(exc, TransportError):
             # the handler's own peer (or one it asked) went away: the requester gets no reply and
             # times out, as it would had the reply been lost; one bad request never stops the node
             self.stats.handler_errors += 1
@@ -348,15 +409,24 @@ class RpcServer(Generic[S]):
                 msg=type(msg).__name__,
                 error=f"{type(exc).__name__}: {exc}",
             )
-            return
+            return None
+        self.stats.handler_errors += 1
+        self.log.error("handler_error", msg=type(msg).__name__, exc_info=exc)
+        return ErrorReply(code="handler", message=f"{type(exc).__name__}: {exc}")
+
+    async def _handle(
+        self, pending: Awaitable[Any], peer: Peer[S], identity: bytes, rid: bytes, msg: Message
+    ) -> None:
+        """The rest of a handler that awaits, on its own task; then its reply."""
+        reply: Message | None
+        try:
+            result = await pending
+            reply = result if result is not None else Ack()
         except Exception as exc:
-            self.stats.handler_errors += 1
-            self.log.exception("handler_error", msg=type(msg).__name__)
-            await self._reply_error(identity, rid, "handler", f"{type(exc).__name__}: {exc}")
-            return
-        if rid[:1] == b"Q":
+            reply = self._failed(exc, peer, msg)
+        if reply is not None and rid[:1] == b"Q":
             with contextlib.suppress(TransportError):
-                await self._send(identity, b"R" + rid[1:], reply if reply is not None else Ack())
+                await self._send(identity, b"R" + rid[1:], reply)
 
     async def _on_hello(
         self, identity: bytes, rid: bytes, msg: Hello, key: str | None = None
@@ -544,10 +614,13 @@ def _same_incarnation(old: Peer[Any], new: Hello, key: str | None) -> bool:
     return bool(old.nonce) and old.key == key and hmac.compare_digest(old.nonce, new.nonce)
 
 
-def _unauthorized(role: str, node_id: str, msg: Message) -> str | None:
+def _unauthorized(
+    role: str, node_id: str, msg: Any, kind: type[Message] | None = None
+) -> str | None:
     """Why a peer admitted as `role`/`node_id` may not send `msg` (None: it may), by the
-    message's `senders` and `id_fields` (laminar/message.py)."""
-    cls = type(msg)
+    message's `senders` and `id_fields` (laminar/message.py); `kind`: the type whose rules apply
+    when `msg` holds only its id fields (StatusCodec.head)."""
+    cls = kind or type(msg)
     if cls.SENDERS is not None and role not in cls.SENDERS:
         return f"{cls.__name__} may not come from a {role} ({node_id}): senders are " + (
             ", ".join(sorted(cls.SENDERS)) or "none (never sent on a socket)"

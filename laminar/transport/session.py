@@ -14,7 +14,7 @@ names (`laminar.protocol.core.NodeStatus`), so the wire never imports a role's m
 
 from __future__ import annotations
 
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import msgspec
 
@@ -114,11 +114,20 @@ _ENCODER = msgspec.msgpack.Encoder()
 
 
 class StatusCodec(Generic[S]):
-    """A node's status type <-> `Heartbeat.status`. The status must be plain data (no arrays)."""
+    """A node's status type <-> `Heartbeat.status`. The status must be plain data (no arrays).
+
+    A server reads a status in two steps: `head` on arrival (the id fields its authorization
+    checks, without building the rest), `unpack` when the status is first read (Peer.status): a
+    rollout pushes its status up to 20 times a second and the manager reads it a few times a
+    second, so most pushes are never decoded in full."""
 
     def __init__(self, status_type: type[S]):
         self.status_type = status_type
         self._decoder = msgspec.msgpack.Decoder(status_type)
+        ids = getattr(status_type, "ID_FIELDS", ())
+        self._head = msgspec.msgpack.Decoder(
+            msgspec.defstruct(f"{status_type.__name__}Head", [(f, Any, None) for f in ids])
+        )
 
     @staticmethod
     def pack(status: Message | None) -> msgspec.Raw:
@@ -126,9 +135,19 @@ class StatusCodec(Generic[S]):
 
     def unpack(self, raw: msgspec.Raw) -> S | None:
         """The status a heartbeat carried (None: it carried none), or ProtocolError."""
-        if not len(raw) or bytes(raw) == _NIL:
+        if not len(raw) or (len(raw) == 1 and bytes(raw) == _NIL):
             return None
         try:
             return self._decoder.decode(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise ProtocolError(f"Heartbeat.status ({self.status_type.__name__}): {exc}") from None
+
+    def head(self, raw: msgspec.Raw) -> Any:
+        """The status's id fields (attributes; None where absent), None when the heartbeat carried
+        no status, or ProtocolError when it is not a msgpack map. Skips the rest unbuilt."""
+        if not len(raw) or (len(raw) == 1 and bytes(raw) == _NIL):
+            return None
+        try:
+            return self._head.decode(raw)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise ProtocolError(f"Heartbeat.status ({self.status_type.__name__}): {exc}") from None

@@ -185,8 +185,39 @@ class Peer(Generic[S]):
     on a reconnect of one process, another after a restart."""
     last_seen: float = field(default_factory=time.monotonic)
     alive: bool = True
+    _held: Any = field(default=None, init=False, repr=False, compare=False)
+    """The encoded status of its latest heartbeat, not read yet (None: none held)."""
+    _decode: Callable[[Any, Any], S | None] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
+    _status: S | None = field(default=None, init=False, repr=False, compare=False)
     status: S | None = None
+    """Its latest status (a property below: a held heartbeat status is decoded when read)."""
     joined_at: float = field(default_factory=time.time)
+
+    def hold_status(self, raw: Any, decode: Callable[[Any, Any], S | None]) -> None:
+        """A heartbeat's status, decoded by `decode(peer, raw)` when `status` is next read (one
+        decode however many heartbeats came since). `decode` answers None for a status it cannot
+        decode (and says so): the last good one stays, as when such a heartbeat was dropped."""
+        self._held, self._decode = raw, decode
+
+    def _get_status(self) -> S | None:
+        raw = self._held
+        if raw is not None:
+            self._held = None
+            assert self._decode is not None
+            st = self._decode(self, raw)
+            if st is not None:
+                self._status = st
+        return self._status
+
+    def _set_status(self, status: S | None) -> None:
+        self._held, self._status = None, status
+
+
+# after @dataclass made `status` a field (an __init__ argument): reads and writes go through the
+# held heartbeat status
+Peer.status = property(Peer._get_status, Peer._set_status)  # type: ignore[misc]
 
 
 Handler = Callable[[Peer[Any], Any], Awaitable[Message | None] | Message | None]
