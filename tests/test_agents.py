@@ -770,7 +770,8 @@ async def test_moved_episodes_whose_version_is_gone_start_again_from_the_prompt_
     at an older version nobody holds now): the manager restarts them from their prompts on a
     rollout of the newest version (`restarted_from_prompt`), without their token, so their
     agents' repeated calls find no rollout holding them and fail after
-    agent.reconnect_timeout_s; rollout-1 runs them again with its own agents (`agent_restarted_on_import`). Every sample once."""
+    agent.reconnect_timeout_s; rollout-1 runs them again with its own agents
+    (`agent_restarted_on_import`). Every sample once."""
     from laminar.protocol.rollout import ExportReply, ExportRequest
 
     cfg = make_cfg(
