@@ -127,12 +127,12 @@ data: {{train: {train}, max_prompt_tokens: 64, seed: {seed}}}
 reward: {{fn: "laminar.tasks.colours:reward", workers: 0, timeout_s: 5}}
 rollout:
   engine: torch
-  group_size: 8
+  group_size: {group_size}
   max_running: 32
   credits: 2
   max_model_len: 128
   sampling: {{temperature: 1.0, top_p: 1.0, max_tokens: 8}}
-trainer: {{engine: torch, lr: {lr}, total_steps: {steps}, batch_groups: 4,
+trainer: {{engine: torch, lr: {lr}, total_steps: {steps}, batch_groups: {batch_groups},
   micro_batch_tokens: 2048, checkpoint_every: 0}}
 buffer: {{capacity: 256, max_staleness: 2, fsync: never}}
 """
@@ -158,6 +158,8 @@ def one_seed(seed: int, args: argparse.Namespace, work: Path) -> dict:
             lr=args.lr,
             steps=args.steps,
             freeze=str(args.freeze_vision).lower(),
+            group_size=args.group_size,
+            batch_groups=args.batch_groups,
         )
     )
     run_dir = base / "run"
@@ -193,6 +195,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=60, help="format warm-up steps (batch 16)")
     ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--batch-groups", type=int, default=4, help="groups per trainer step")
     ap.add_argument("--train", type=int, default=400)
     ap.add_argument("--eval", type=int, default=100)
     ap.add_argument("--timeout", type=int, default=1800)

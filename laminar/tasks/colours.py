@@ -3,8 +3,10 @@
 Each prompt is the same text, "colour?", with one generated image: a filled shape (disc,
 square or triangle) of one of four colours at a random place and size on a noisy light
 background. The answer is the colour's name; a completion is right when it reads "#<name>"
-before anything else ("#red"). A text-only model sees the same prompt every time, so it can do no
-better than the most frequent colour (25%); a VLM can read the colour off the image tokens.
+before anything else ("#red"). Each split is balanced: every colour appears n // 4 or n // 4 + 1
+times, in a shuffled order. A text-only model sees the same prompt every time, so it can do no
+better than the most frequent colour (25% on a split whose size is a multiple of four); a VLM can
+read the colour off the image tokens.
 
     generate(seed) -> rows {uid, prompt (TRL shape: an image part + "colour?"), images, answer}
         -> out/train.jsonl, out/eval.jsonl, out/images/*.png -> buffer -> rollouts
@@ -85,9 +87,12 @@ def reward(prompt: str, completion: str, **row: Any) -> dict[str, float] | None:
 def generate(n: int, seed: int, split: str, size: int = 56) -> list[tuple[dict[str, Any], bytes]]:
     """n (row, png bytes) pairs; the row's image path is filled in by `write_splits`."""
     rng = random.Random(f"colours/{seed}/{split}")
+    # balanced, so no colour is a better blind guess than another (the text ceiling is 1/4)
+    names = sorted(COLOURS)
+    order = [names[k % len(names)] for k in range(n)]
+    rng.shuffle(order)
     out = []
-    for k in range(n):
-        colour = rng.choice(sorted(COLOURS))
+    for k, colour in enumerate(order):
         png = draw(rng, colour, size)
         row = {
             "uid": f"{split}-{seed}-{k}",
