@@ -33,6 +33,15 @@ COLOURS = {
     "blue": (30, 60, 220),
     "yellow": (235, 200, 20),
 }
+WARMUP_COLOURS = {
+    "orange": (240, 130, 20),
+    "purple": (130, 40, 170),
+    "cyan": (20, 200, 210),
+    "black": (25, 25, 25),
+}
+"""Colours that never appear in the task: a supervised warm-up on these teaches a random-weight
+policy to read a colour off the image tokens (as a pretrained VLM can) without ever showing it
+the answer to one of the task's colours (bench/vlm_colours.py)."""
 SHAPES = ("disc", "square", "triangle")
 QUESTION = "colour?"
 ALPHABET = "abcdefghijklmnopqrstuvwxyz#?"
@@ -47,7 +56,8 @@ def draw(rng: random.Random, colour: str, size: int = 56) -> bytes:
     d = ImageDraw.Draw(im)
     r = rng.randint(size // 6, size // 3)
     cx, cy = rng.randint(r, size - r), rng.randint(r, size - r)
-    jitter = tuple(max(0, min(255, c + rng.randint(-20, 20))) for c in COLOURS[colour])
+    rgb = COLOURS[colour] if colour in COLOURS else WARMUP_COLOURS[colour]
+    jitter = tuple(max(0, min(255, c + rng.randint(-20, 20))) for c in rgb)
     shape = rng.choice(SHAPES)
     if shape == "disc":
         d.ellipse((cx - r, cy - r, cx + r, cy + r), fill=jitter)
