@@ -1,14 +1,17 @@
 """A vision-language policy learning with `laminar run` on CPU: the colours task
 (laminar/tasks/colours.py), where the answer is only in the image.
 
-    python bench/vlm_colours.py --seeds 0 1 2 --steps 40 --out bench/results/vlm_colours.json
+    python bench/vlm_colours.py --seeds 0 1 2 --steps 150 --warmup 600 --lr 1e-3 \
+        --batch-groups 8 --group-size 8 --train 400 --eval 80 --freeze-vision
 
 Per seed:
   1. a tiny Qwen2-VL with random weights (laminar/models/tiny_vlm.py), then a supervised
-     warm-up on the answer *format* only: each training image paired with a colour drawn at
-     random (not its own), so the policy writes "#<colour>" but has no reason to read the image
-     (held-out accuracy near 25%, what any text model can reach on this task: its prompt is
-     the same text for every row and the colours are balanced, so the text ceiling is 1/4);
+     warm-up that never shows a task colour's true label (`warm_up`): images of four *other*
+     colours with their names (the LM learns to read a colour off the image tokens, as a
+     pretrained VLM can) and the task's images each with a random task colour (the answer
+     format only), learning rate decayed to 0. Held-out accuracy after it is at or under
+     chance; a text model can do no better than 1/4 on this task (the prompt is the same text
+     for every row and the colours are balanced);
   2. `laminar run` (real processes: buffer, rollout with the VLM engine, trainer, relay,
      manager; images once per group, fetched by digest by the trainer) for --steps steps;
   3. held-out accuracy (greedy, the VLM engine) before and after, on --eval prompts.
