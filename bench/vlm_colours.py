@@ -154,6 +154,7 @@ rollout:
 trainer: {{engine: torch, lr: {lr}, total_steps: {steps}, batch_groups: {batch_groups},
   micro_batch_tokens: 2048, checkpoint_every: 0}}
 buffer: {{capacity: 256, max_staleness: 2, fsync: never}}
+algo: {{entropy_coef: {entropy_coef}}}
 """
 
 
@@ -179,6 +180,7 @@ def one_seed(seed: int, args: argparse.Namespace, work: Path) -> dict:
             freeze=str(args.freeze_vision).lower(),
             group_size=args.group_size,
             batch_groups=args.batch_groups,
+            entropy_coef=args.entropy_coef,
         )
     )
     run_dir = base / "run"
@@ -224,6 +226,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--batch-groups", type=int, default=4, help="groups per trainer step")
+    ap.add_argument("--entropy-coef", type=float, default=0.0, help="algo.entropy_coef")
     ap.add_argument("--train", type=int, default=400)
     ap.add_argument("--eval", type=int, default=100)
     ap.add_argument("--timeout", type=int, default=1800)
