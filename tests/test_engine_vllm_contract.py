@@ -436,3 +436,87 @@ def test_vllm_config_validates_and_reaches_the_engine():
             config_from_dict({"rollout": {"vllm": bad}})
     with pytest.raises(ConfigError, match="engine_start_timeout_s"):
         config_from_dict({"rollout": {"engine_start_timeout_s": 0}})
+
+
+IMG = 99  # the image placeholder id (outside the fake's vocabulary: never sampled)
+
+
+def _png(colour: tuple[int, int, int], size: tuple[int, int]) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", size, colour).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+async def test_a_vlm_request_carries_its_images_as_multi_modal_data(monkeypatch):
+    """Expanded placeholder runs go to vLLM as one token per image (vLLM expands token prompts
+    itself), the images as PIL images in placeholder order, for every sample of the group and
+    again on resume; a request whose placeholders and images do not pair up ends in "error"
+    and the engine goes on."""
+    fake = install(monkeypatch)
+    eng = VllmEngine("/models/tiny-vl", engine_args={"enforce_eager": True}, image_token_id=IMG)
+    await eng.start()
+    try:
+        red, blue = _png((200, 0, 0), (28, 56)), _png((0, 0, 200), (56, 28))
+        prompt = np.array([5, 6, IMG, IMG, IMG, IMG, 7, IMG, IMG, 8], np.int32)
+        params = SamplingParams(max_tokens=40, ignore_eos=True)
+        eng.submit(GenRequest("v", prompt, params, n=2, images=(red, blue)))
+        streamed: dict[str, list[int]] = {"v/0": [], "v/1": []}
+        while min(map(len, streamed.values())) < 3:
+            ev = await eng.next_event(T)
+            streamed[ev.seq_id].extend(ev.token_ids.tolist())
+        sent = list(fake.llm.prompts.values())
+        assert len(sent) == 2
+        for p in sent:
+            assert p["prompt_token_ids"] == [5, 6, IMG, 7, IMG, 8]
+            imgs = p["multi_modal_data"]["image"]
+            assert [(im.mode, im.size) for im in imgs] == [("RGB", (28, 56)), ("RGB", (56, 28))]
+            assert imgs[0].getpixel((0, 0)) == (200, 0, 0)
+        parts = await eng.abort(["v/0"])
+        assert parts[0].images == (red, blue) and parts[0].prompt_ids.tolist() == prompt.tolist()
+        while True:  # the aborted sequence's last event
+            ev = await eng.next_event(T)
+            if ev.seq_id == "v/0" and ev.finished:
+                break
+        before = set(fake.llm.prompts)
+        eng.submit(GenRequest.resume(parts[0], params))
+        finished: set[str] = set()
+        while finished != {"v/0", "v/1"}:
+            ev = await eng.next_event(T)
+            if ev.finished:
+                assert ev.finish_reason == "length"
+                finished.add(ev.seq_id)
+        (rid,) = set(fake.llm.prompts) - before
+        again = fake.llm.prompts[rid]
+        done = parts[0].output_ids.tolist()
+        assert again["prompt_token_ids"] == [5, 6, IMG, 7, IMG, 8] + done
+        assert len(again["multi_modal_data"]["image"]) == 2
+        # placeholders without images, images without placeholders: refused per request
+        for k, (ids, images) in enumerate([(prompt, ()), (PROMPT, (red,)), (prompt, (red,))]):
+            got = await eng.generate_all(
+                GenRequest(f"bad{k}", ids, params, single=True, images=images), timeout=T
+            )
+            assert got[f"bad{k}"][2] == "error"
+        # a text prompt on the same engine still runs, without multi_modal_data
+        got = await eng.generate_all(GenRequest("t", PROMPT, params, single=True), timeout=T)
+        assert got["t"][2] == "length"
+        (text,) = [p for r, p in fake.llm.prompts.items() if r.startswith("t#")]
+        assert "multi_modal_data" not in text
+        assert not any(r.startswith("bad") for r in fake.llm.prompts)  # never reached vLLM
+    finally:
+        await eng.close()
+
+
+def test_vllm_prompt_without_images_is_the_token_prompt(monkeypatch):
+    from laminar.engines.vllm_engine import vllm_prompt
+
+    fake = install(monkeypatch)
+    import vllm
+
+    del fake
+    assert vllm_prompt(vllm, PROMPT, [3], (), None) == {"prompt_token_ids": PROMPT.tolist() + [3]}
+    with pytest.raises(ValueError, match="text-only"):
+        vllm_prompt(vllm, PROMPT, [], (b"x",), None)

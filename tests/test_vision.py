@@ -273,3 +273,7 @@ def test_colours_task_is_deterministic_and_verifiable(tmp_path):
         assert colours.verify(colours.solve(row["answer"]), row["answer"]) == 1.0
     assert colours.reward("colour?", "#blue", answer="red") == {"reward": 0.0, "format": 1.0}
     assert colours.verify("red", "red") == 0.0
+    # balanced: no colour is a better blind guess (the text ceiling is 1/4)
+    rows = [r for r, _ in colours.generate(40, seed=1, split="train")]
+    assert sorted(r["answer"] for r in rows) == sorted(sorted(colours.COLOURS) * 10)
+    assert [r["answer"] for r in rows[:8]] != sorted(colours.COLOURS) * 2  # shuffled

@@ -128,15 +128,16 @@ def test_load_weights_replaces_the_served_weights(setup):
     assert engine.version == 2 and not engine.model.state_dict()[name].any()
 
 
-def test_the_factory_picks_the_vlm_engine_and_refuses_vllm(setup):
+def test_the_factory_picks_the_vlm_engine_and_vllm_with_the_image_token(setup):
     from laminar.config import ModelConfig, RolloutConfig
     from laminar.engines.factory import make_engine
+    from laminar.engines.vllm_engine import VllmEngine
 
-    path = str(setup[0])
+    path, proc = str(setup[0]), setup[1]
     engine = make_engine(RolloutConfig(engine="torch"), ModelConfig(path=path))
     assert isinstance(engine, VlmEngine)
-    with pytest.raises(ValueError, match="vision-language"):
-        make_engine(RolloutConfig(engine="vllm"), ModelConfig(path=path))
+    served = make_engine(RolloutConfig(engine="vllm"), ModelConfig(path=path))
+    assert isinstance(served, VllmEngine) and served.image_token_id == proc.image_token_id
 
 
 def test_an_abort_that_empties_the_queue_before_the_step_takes_it(setup):

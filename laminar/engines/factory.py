@@ -4,7 +4,8 @@
 
 Each backend is imported only when chosen (torch and vllm are heavy). rollout.engine=torch with a
 vision-language model.path (a `vision_config` in its config.json) is the VLM engine
-(engines/vlm_engine.py).
+(engines/vlm_engine.py); rollout.engine=vllm with one passes each request's images as vLLM's
+`multi_modal_data` (engines/vllm_engine.py: vllm_prompt).
 """
 
 from __future__ import annotations
@@ -31,11 +32,6 @@ def make_engine(rollout: RolloutConfig, model: ModelConfig, **kw: Any) -> Engine
         from laminar.engines.torch_engine import TorchEngine
 
         return TorchEngine.from_config(rollout, model, **kw)
-    if kind == "vllm" and model.path and is_vlm(model.path):
-        raise ValueError(
-            "rollout.engine=vllm with a vision-language model.path is not built (its requests "
-            "would carry no images): use rollout.engine=torch (docs/vision.md)"
-        )
     if kind == "vllm":
         from laminar.engines.vllm_engine import VllmEngine
 

@@ -63,6 +63,7 @@ import time
 import types
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -82,6 +83,7 @@ from laminar.engines.lifeline import lifeline_env
 from laminar.engines.vllm_attest import from_wire
 from laminar.engines.vllm_lora import VllmAdapters
 from laminar.models.rejected import WeightsRejected
+from laminar.models.tiny_vlm import is_vlm
 from laminar.supervise import Spawn, detached_spawn
 from laminar.weights.digest import records_digest
 
@@ -109,6 +111,60 @@ class _Seq:
     aborting: bool = False
     lora_id: int = 0
     """model.lora: the vLLM adapter this request runs on (0: the base)."""
+    images: tuple[bytes, ...] = ()
+    """The prompt's encoded images (vision-language models), in placeholder order."""
+
+
+def vlm_image_token_id(model_path: str) -> int:
+    """The image placeholder token of a vision-language model directory (its config.json)."""
+    import json
+
+    cfg = json.loads((Path(model_path) / "config.json").read_text())
+    token = cfg.get("image_token_id", cfg.get("image_token_index"))
+    if token is None:
+        raise ValueError(f"{model_path}/config.json names no image_token_id")
+    return int(token)
+
+
+def vllm_prompt(
+    v: Any,
+    prompt_ids: np.ndarray,
+    out: list[int],
+    images: tuple[bytes, ...],
+    image_token_id: int | None,
+) -> Any:
+    """The TokensPrompt of a request: prompt + resumed tokens, and for a vision-language model
+    its images as `multi_modal_data` (PIL images, placeholder order).
+
+    Our prompt ids carry the placeholders expanded as the HF processor expands them (what the
+    trainer needs); vLLM's multimodal processor expands token prompts itself (from one
+    placeholder per image, with the model directory's image processor), so each run of
+    placeholders in the prompt goes to vLLM as one token and vLLM makes the same run again.
+    The resumed tokens are passed as they are. Raises ValueError when the runs and the images
+    do not pair up."""
+    ids = np.asarray(prompt_ids).tolist()
+    if not images:
+        if image_token_id is not None and image_token_id in ids:
+            raise ValueError("the prompt has image placeholders but the request carries no images")
+        return v.TokensPrompt(prompt_token_ids=ids + list(out))
+    if image_token_id is None:
+        raise ValueError("a request with images for a text-only model")
+    collapsed: list[int] = []
+    runs = 0
+    for k, t in enumerate(ids):
+        if t == image_token_id:
+            if k > 0 and ids[k - 1] == image_token_id:
+                continue
+            runs += 1
+        collapsed.append(t)
+    if runs != len(images):
+        raise ValueError(f"{runs} image placeholder run(s) in the prompt, {len(images)} image(s)")
+    from laminar.vision.images import decode_rgb
+
+    return v.TokensPrompt(
+        prompt_token_ids=collapsed + list(out),
+        multi_modal_data={"image": [decode_rgb(d) for d in images]},
+    )
 
 
 def sampled_logprobs(token_ids: list[int], logprobs: Any) -> list[float]:
@@ -153,6 +209,7 @@ class VllmEngine(Engine):
         env: dict[str, str] | None = None,
         lora: LoraConfig | None = None,
         sleep_mode: bool = False,
+        image_token_id: int | None = None,
     ) -> None:
         super().__init__()
         if model_path is None and llm is None:
@@ -182,9 +239,12 @@ class VllmEngine(Engine):
         the workers to fold back (vllm_attest.py)."""
         self._unattested_why = ""
         self.sleep_mode = sleep_mode
+        """Colocated placement: built with enable_sleep_mode, so sleep() / wake_up() work."""
         self._dropped = False
         """The last sleep discarded the weights (level 2): the wake says a load must follow."""
-        """Colocated placement: built with enable_sleep_mode, so sleep() / wake_up() work."""
+        self.image_token_id = image_token_id
+        """Vision-language models: the processor's image placeholder token (None: text only);
+        requests with images go to vLLM as `multi_modal_data` (vllm_prompt)."""
         self._v: Any = None
         self._spawn: Spawn = detached_spawn
         self.adapters = VllmAdapters(lora, model_path, _shm_dir()) if lora is not None else None
@@ -210,6 +270,8 @@ class VllmEngine(Engine):
             env=env,
             lora=mc.lora,
         )
+        if mc.path and is_vlm(mc.path):
+            opts["image_token_id"] = vlm_image_token_id(mc.path)
         opts.update(kw)
         return cls(mc.path, **opts)
 
@@ -337,6 +399,7 @@ class VllmEngine(Engine):
                 req.version,
                 list(resumed),
                 (resumed_lps + [float("nan")] * len(resumed))[: len(resumed)],
+                images=tuple(req.images),
             )
             if len(resumed) >= params.max_tokens:
                 self._emit(TokenEvent(sid, _NO_I, _NO_F, "length", self.version))
@@ -373,8 +436,12 @@ class VllmEngine(Engine):
 
     async def _run(self, s: _Seq, n_resumed: int) -> None:
         v = self._v
-        prompt = v.TokensPrompt(prompt_token_ids=s.prompt.tolist() + s.out)
         reason: str | None = None
+        try:
+            prompt = vllm_prompt(v, s.prompt, s.out, s.images, self.image_token_id)
+        except ValueError as exc:  # a property of this request: it ends, the engine goes on
+            log.error("vllm request %s refused: %s", s.rid, exc)
+            prompt, reason = None, "error"
         final_sent = False
         lora: dict[str, Any] = {}
         pinned: int | None = None  # LoRA: the request keeps its adapter, and its version
@@ -382,7 +449,7 @@ class VllmEngine(Engine):
             lora = {"lora_request": self.adapters.current}
             s.lora_id, pinned = self.adapters.current_id, self.version
         try:
-            if not s.aborting:
+            if not s.aborting and prompt is not None:
                 async for out in self._llm.generate(
                     prompt, self._sampling_params(s, n_resumed), request_id=s.rid, **lora
                 ):
@@ -447,6 +514,7 @@ class VllmEngine(Engine):
                 np.asarray(s.lps, np.float32),
                 s.version,
                 s.params,
+                s.images,
             )
             for s in targets
             if s.reason == "abort"

@@ -3,8 +3,10 @@
 Each prompt is the same text, "colour?", with one generated image: a filled shape (disc,
 square or triangle) of one of four colours at a random place and size on a noisy light
 background. The answer is the colour's name; a completion is right when it reads "#<name>"
-before anything else ("#red"). A text-only model sees the same prompt every time, so it can do no
-better than the most frequent colour (25%); a VLM can read the colour off the image tokens.
+before anything else ("#red"). Each split is balanced: every colour appears n // 4 or n // 4 + 1
+times, in a shuffled order. A text-only model sees the same prompt every time, so it can do no
+better than the most frequent colour (25% on a split whose size is a multiple of four); a VLM can
+read the colour off the image tokens.
 
     generate(seed) -> rows {uid, prompt (TRL shape: an image part + "colour?"), images, answer}
         -> out/train.jsonl, out/eval.jsonl, out/images/*.png -> buffer -> rollouts
@@ -31,6 +33,15 @@ COLOURS = {
     "blue": (30, 60, 220),
     "yellow": (235, 200, 20),
 }
+WARMUP_COLOURS = {
+    "orange": (240, 130, 20),
+    "purple": (130, 40, 170),
+    "cyan": (20, 200, 210),
+    "black": (25, 25, 25),
+}
+"""Colours that never appear in the task: a supervised warm-up on these teaches a random-weight
+policy to read a colour off the image tokens (as a pretrained VLM can) without ever showing it
+the answer to one of the task's colours (bench/vlm_colours.py)."""
 SHAPES = ("disc", "square", "triangle")
 QUESTION = "colour?"
 ALPHABET = "abcdefghijklmnopqrstuvwxyz#?"
@@ -45,7 +56,8 @@ def draw(rng: random.Random, colour: str, size: int = 56) -> bytes:
     d = ImageDraw.Draw(im)
     r = rng.randint(size // 6, size // 3)
     cx, cy = rng.randint(r, size - r), rng.randint(r, size - r)
-    jitter = tuple(max(0, min(255, c + rng.randint(-20, 20))) for c in COLOURS[colour])
+    rgb = COLOURS[colour] if colour in COLOURS else WARMUP_COLOURS[colour]
+    jitter = tuple(max(0, min(255, c + rng.randint(-20, 20))) for c in rgb)
     shape = rng.choice(SHAPES)
     if shape == "disc":
         d.ellipse((cx - r, cy - r, cx + r, cy + r), fill=jitter)
@@ -85,9 +97,12 @@ def reward(prompt: str, completion: str, **row: Any) -> dict[str, float] | None:
 def generate(n: int, seed: int, split: str, size: int = 56) -> list[tuple[dict[str, Any], bytes]]:
     """n (row, png bytes) pairs; the row's image path is filled in by `write_splits`."""
     rng = random.Random(f"colours/{seed}/{split}")
+    # balanced, so no colour is a better blind guess than another (the text ceiling is 1/4)
+    names = sorted(COLOURS)
+    order = [names[k % len(names)] for k in range(n)]
+    rng.shuffle(order)
     out = []
-    for k in range(n):
-        colour = rng.choice(sorted(COLOURS))
+    for k, colour in enumerate(order):
         png = draw(rng, colour, size)
         row = {
             "uid": f"{split}-{seed}-{k}",

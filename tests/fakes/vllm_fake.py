@@ -77,8 +77,8 @@ class StructuredOutputsParams:
         self.kw = kw
 
 
-def TokensPrompt(prompt_token_ids: list[int]) -> dict[str, Any]:  # a TypedDict in vLLM
-    return {"prompt_token_ids": list(prompt_token_ids)}
+def TokensPrompt(prompt_token_ids: list[int], **kw: Any) -> dict[str, Any]:  # a TypedDict in vLLM
+    return {"prompt_token_ids": list(prompt_token_ids), **kw}
 
 
 class AsyncEngineArgs:
@@ -125,6 +125,8 @@ class FakeAsyncLLM:
         self.p12_bug = False  # final abort delta repeats the logprob history (vLLM <= 0.28)
         self.fail_next = False
         self.steps = 0
+        self.prompts: dict[str, dict[str, Any]] = {}
+        """Each request's prompt as generate() got it (multi_modal_data included)."""
         self.loras: dict[int, float] = {}
         """Added LoRA adapters: id -> salt (a sum over the adapter's tensors, read from its dir)."""
         self.adapters: dict[int, dict[str, Any]] = {}
@@ -172,6 +174,7 @@ class FakeAsyncLLM:
             request_id, list(prompt["prompt_token_ids"]), sampling_params, q, salt
         )
         self.order.append(request_id)
+        self.prompts[request_id] = prompt
         while True:
             out = await q.get()
             yield out
