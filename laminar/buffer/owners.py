@@ -42,6 +42,7 @@ import structlog
 from laminar.buffer.experience import ExperienceState
 from laminar.logs import RateLimitedLog
 from laminar.metrics import Metrics
+from laminar.models.moe import MoeShape
 from laminar.protocol.buffer import Refusal
 from laminar.protocol.data import Trajectory
 
@@ -102,6 +103,9 @@ class SampleLimits:
     """Token ids lie in [0, vocab); None: the vocabulary is unknown and ids are not checked."""
     max_response_tokens: int | None = None
     """Longest response a rollout can make (None: not checked)."""
+    moe: MoeShape | None = None
+    """The policy's MoE shape: a trajectory's routes must fit it (None: dense or unknown; routes
+    are then only checked for length)."""
 
     def refusal(self, t: Trajectory) -> Refusal | None:
         r = t.reward
@@ -113,6 +117,9 @@ class SampleLimits:
             return "token_range"
         if self.max_response_tokens is not None and len(t.response_ids) > self.max_response_tokens:
             return "too_long"
+        if t.routes is not None and self.moe is not None:
+            if self.moe.check(t.routes, len(t.prompt_ids) + len(t.response_ids)) is not None:
+                return "bad_routes"
         return None
 
 

@@ -31,7 +31,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from laminar.models.moe import MOE_TYPES
 from laminar.models.decoder_ops import (
     DecoderShape,
     config_unsupported,
@@ -40,6 +39,7 @@ from laminar.models.decoder_ops import (
     rotate,
     signed_sin,
 )
+from laminar.models.moe import MOE_TYPES
 
 ROPE_TYPES = ("default", "linear", "llama3")
 WEIGHTS = "model.safetensors"

@@ -27,11 +27,12 @@ none of them changes a trained logprob except through positions after it, which 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
-import torch.nn.functional as F
+
+if TYPE_CHECKING:  # the buffer checks routes against MoeShape and imports no torch
+    import torch
 
 MOE_TYPES = ("qwen3_moe", "mixtral")
 ROUTE_DTYPES = ("uint8", "int16")
@@ -130,6 +131,9 @@ def routed_mlp(
     block's own experts module. `forced` (T, k) long: use these experts instead of the top-k
     (where `have` (T,) bool, when given, is set; elsewhere the live top-k); the gate weights are
     the live softmax at the forced ids, so gradients reach the router either way."""
+    import torch
+    import torch.nn.functional as F
+
     router = block.gate
     logits = F.linear(y, router.weight)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
@@ -176,6 +180,8 @@ class RouteTap:
 
     def end(self) -> np.ndarray:
         """(T, moe_layers, k) in the route dtype; numpy, owned (the events share slices of it)."""
+        import torch
+
         if len(self.layers) != len(self.shape.layers):
             raise RuntimeError(
                 f"a step recorded {len(self.layers)} MoE layers' routes, the model has "

@@ -45,12 +45,19 @@ __all__ = [
 ]
 
 Refusal = Literal[
-    "not_served", "not_owner", "prompt_mismatch", "reward_range", "token_range", "too_long"
+    "not_served",
+    "not_owner",
+    "prompt_mismatch",
+    "reward_range",
+    "token_range",
+    "too_long",
+    "bad_routes",
 ]
 """Why a rollout's sample is refused: its group was never served to anyone; the sample is
 another rollout's (served or moved to it); its prompt (uid or token ids) is not the one its group
 was served with; its reward is not finite or outside reward.min_value..max_value; a token id lies
-outside the vocabulary; it is longer than any response can be."""
+outside the vocabulary; it is longer than any response can be; its MoE routes do not fit the
+policy (shape tokens x moe_layers x k, expert ids below the expert count)."""
 
 
 @message(0x30, senders=("rollout",), id_fields=("rollout_id",))

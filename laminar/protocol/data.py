@@ -21,6 +21,7 @@ __all__ = [
     "LossMask",
     "Ints",
     "Flags",
+    "Routes",
     "newest_version",
 ]
 
@@ -33,6 +34,11 @@ Ints = Annotated[np.ndarray, Arr(("int32", "int64"), ndim=1)]
 """A column of integers, one per entry (PartialBatch)."""
 Flags = Annotated[np.ndarray, Arr(("uint8",), ndim=1)]
 """A column of 0/1 flags, one per entry (PartialBatch)."""
+Routes = Annotated[np.ndarray, Arr(("uint8", "int16"), ndim=3)]
+"""MoE policies: the top-k expert ids of each position of prompt + response the rollout's engine
+ran through the model, (positions, moe_layers, k), the smallest integer type holding the expert
+count (models/moe.py). Covers positions 0 .. len-1; the ones after (the last sampled token) have
+none."""
 
 
 class ToolRecord(Message):
@@ -114,6 +120,9 @@ class Trajectory(Message):  # rollout -> buffer (finished), buffer -> trainer (i
     """Digest of the weights the rollout's engine served at `version`, read back after the load
     (laminar/weights/digest.py); the trainer never trains a trajectory whose digest differs from
     the one it published for that version. Empty: not attested (version 0, sim engines)."""
+    routes: Routes | None = None
+    """MoE policies with model.moe.routing_replay: the expert ids the rollout routed each position
+    to (Routes); the trainer replays them. None: dense, replay off, or not recorded."""
 
 
 @message(0x22, senders=("rollout", "manager", "buffer"))
@@ -146,6 +155,9 @@ class PartialTrajectory(
     agent_token: str = ""
     """Black-box agents: the episode's secret token, so the rollout that resumes it (a repack
     move, its rollout died) answers its agent's calls there (laminar/rollout/agents.py)."""
+    routes: Routes | None = None
+    """MoE: the routes recorded so far (as Trajectory.routes), kept by whoever resumes it; None on
+    the partial pool's headers (the resumer's prefill records them again)."""
 
 
 def newest_version(p: PartialTrajectory) -> int:

@@ -74,6 +74,40 @@ class Growable:
         return self._buf[: self.n].copy()
 
 
+class RouteLog:
+    """MoE: the routes of a sequence's positions (prompt + response), (n, moe_layers, k), each
+    position's first record kept: a resume, the next turn of an episode or a mode-partial
+    continuation prefills the sequence again and brings routes for every position, of which only
+    the ones not recorded yet are appended (the routes the earlier tokens were sampled with
+    stay)."""
+
+    def __init__(self, initial: np.ndarray) -> None:
+        self._buf = np.array(initial)
+        self.n = len(initial)
+
+    def extend(self, start: int, routes: np.ndarray) -> bool:
+        """Record positions start .. start+len(routes); False (nothing kept) when they would leave
+        a gap after the last recorded position."""
+        if start > self.n or routes.shape[1:] != self._buf.shape[1:]:
+            return False
+        new = routes[self.n - start :]
+        if not len(new):
+            return True
+        if self.n + len(new) > len(self._buf):
+            grown = np.zeros(
+                (max(64, 2 * len(self._buf), self.n + len(new)), *self._buf.shape[1:]),
+                self._buf.dtype,
+            )
+            grown[: self.n] = self._buf[: self.n]
+            self._buf = grown
+        self._buf[self.n : self.n + len(new)] = new
+        self.n += len(new)
+        return True
+
+    def copy(self, upto: int | None = None) -> np.ndarray:
+        return self._buf[: self.n if upto is None else min(self.n, upto)].copy()
+
+
 @dataclass
 class SeqState:
     uid: str
@@ -116,6 +150,8 @@ class SeqState:
     runs: list[tuple[int, int]] = field(default_factory=list)
     """Mode partial: (response index, version) where a newer version took over generating it
     (empty: every token at `version`)."""
+    routes: RouteLog | None = None
+    """MoE with routing replay: the expert ids of each position so far (None: none recorded)."""
 
     @property
     def current_version(self) -> int:
@@ -202,6 +238,7 @@ class SeqState:
             awaiting_env=p.awaiting_env and mask is not None,
             runs=version_runs(p.token_versions, p.version),
             agent_token=p.agent_token,
+            routes=None if p.routes is None else RouteLog(p.routes),
         )
 
     @property
@@ -216,6 +253,15 @@ class SeqState:
         self.logprobs.append(logprobs)
         if self.mask is not None:
             self.mask.append(np.ones(len(ids), np.uint8))
+
+    def add_routes(self, start: int, routes: np.ndarray) -> bool:
+        """An engine event's routes (positions start ..); False: they leave a gap, not kept."""
+        if self.routes is None:
+            if start:
+                return False
+            self.routes = RouteLog(routes)
+            return True
+        return self.routes.extend(start, routes)
 
     def append_env(self, ids: np.ndarray) -> None:
         """The environment's answer: mask 0, logprob 0.0 (context only, never trained)."""
@@ -277,6 +323,8 @@ class SeqState:
         p.loss_mask = self.mask_for(len(ids))
         p.token_versions = self.token_versions(0, len(ids))  # past `length`: the newest version
         p.awaiting_env = self.awaiting_env and len(ids) == self.length
+        if self.routes is not None:
+            p.routes = self.routes.copy(len(self.prompt_ids) + len(ids))
         return p
 
     def trajectory(self, finish_reason: str, rollout_id: str, now: float) -> Trajectory:
@@ -305,6 +353,9 @@ class SeqState:
             turns=self.turn + 1 if multi else 1,
             tool_calls=list(self.tool_calls),
             token_versions=self.token_versions(),
+            routes=None
+            if self.routes is None
+            else self.routes.copy(len(self.prompt_ids) + self.length),
         )
 
 
