@@ -193,4 +193,3 @@ print(type(load_causal_lm({str(path)!r})).__name__, type(load_tokenizer({str(pat
 def test_moe_models_load_through_transformers(tmp_path, case):
     _, path = _saved(tmp_path, case)
     assert load_decoder_lm(path) is None
-

@@ -304,3 +304,11 @@ def test_abort_then_resume_keeps_first_routes(moe_path):
     routes = moved.trajectory("length", "r1", 0.0).routes
     assert routes.shape[0] == len(item.prompt_ids) + moved.length - 1
     np.testing.assert_array_equal(routes[: len(kept)], kept)
+
+
+def test_buffer_reads_the_moe_shape_from_config_json(moe_path):
+    from laminar.wiring.buffer import model_moe
+
+    shape = model_moe(str(moe_path))
+    assert shape == MoeShape.of(load_causal_lm(moe_path))
+    assert shape is not None and shape.experts == EXPERTS and shape.layers == (0, 1)

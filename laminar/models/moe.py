@@ -75,7 +75,8 @@ class MoeShape:
         kind = get("model_type")
         n_layers = int(get("num_hidden_layers") or 0)
         if kind == "qwen3_moe":
-            experts = int(get("num_experts") or 0)
+            # transformers 5 writes num_experts to config.json as num_local_experts
+            experts = int(get("num_experts") or get("num_local_experts") or 0)
             step = int(get("decoder_sparse_step") or 1)
             dense = set(get("mlp_only_layers") or [])
             layers = tuple(
