@@ -68,7 +68,10 @@ class MoeShape:
     @classmethod
     def of_config(cls, cfg: Any) -> MoeShape | None:
         """From an HF config or a config.json dict (its text part); None for a dense model."""
-        get = cfg.get if isinstance(cfg, dict) else lambda k, d=None: getattr(cfg, k, d)
+
+        def get(key: str, default: Any = None) -> Any:
+            return cfg.get(key, default) if isinstance(cfg, dict) else getattr(cfg, key, default)
+
         text = get("text_config")
         if text is not None:
             return cls.of_config(text)

@@ -72,7 +72,7 @@ def tiny_config(
     if kind == "moe":
         from transformers import Qwen3MoeConfig
 
-        return Qwen3MoeConfig(
+        return Qwen3MoeConfig(  # type: ignore[call-arg]  # head_dim: a PretrainedConfig kwarg
             vocab_size=vocab_size,
             hidden_size=hidden,
             num_hidden_layers=layers,
