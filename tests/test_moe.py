@@ -312,3 +312,194 @@ def test_buffer_reads_the_moe_shape_from_config_json(moe_path):
     shape = model_moe(str(moe_path))
     assert shape == MoeShape.of(load_causal_lm(moe_path))
     assert shape is not None and shape.experts == EXPERTS and shape.layers == (0, 1)
+
+
+def _streamed_seq(prompt_len=4, resp=6, layers=2, k=2, seed=0):
+    """A sequence with `resp` response tokens and the routes an engine would have recorded (every
+    position but the newest token's)."""
+    rng = np.random.default_rng(seed)
+    item = PromptItem("p", "g", np.arange(1, 1 + prompt_len, dtype=np.int32), 1)
+    s = SeqState.from_item(item, 0, 0, 0.0)
+    s.append(np.arange(resp, dtype=np.int32) + 3, np.full(resp, -0.5, np.float32), 0.0)
+    routes = rng.integers(0, EXPERTS, (prompt_len + resp - 1, layers, k)).astype(np.uint8)
+    assert s.add_routes(0, routes)
+    return s, routes
+
+
+def test_partial_stream_carries_routes_and_a_recovered_record_hands_them_on():
+    """The partial pool's entries carry the routes beside the tokens (one frame per batch, by
+    position); the record folds them like tokens (resends trimmed, gaps ignored) and the
+    recovered record hands them to the importer, which keeps them."""
+    from laminar.buffer.partials import PartialPool
+    from laminar.rollout.deliver import partial_batch
+
+    a, ra = _streamed_seq(seed=1)
+    b, rb = _streamed_seq(seed=2)
+    b.uid, b.sample_index = "g/1", 1
+    pool = PartialPool(moe=MoeShape(EXPERTS, 2, (0, 1), True, 32))
+    msg, upto = partial_batch([a, b], "r0")
+    assert msg.routes is not None and msg.routes.dtype == np.uint8
+    assert msg.route_starts.tolist() == [0, 0] and msg.route_lengths.tolist() == [9, 9]
+    wire = decode(encode(msg))
+    assert not pool.apply_batch(wire)
+    a.sent_upto, b.sent_upto = upto
+    a.routes_sent = b.routes_sent = 9
+    # more tokens on a: the next entry brings only the new positions
+    more = np.random.default_rng(3).integers(0, EXPERTS, (3, 2, 2)).astype(np.uint8)
+    a.append(np.array([7, 8, 9], np.int32), np.zeros(3, np.float32), 0.0)
+    assert a.add_routes(9, more)
+    msg2, _ = partial_batch([a], "r0")
+    assert msg2.route_starts.tolist() == [9] and msg2.route_lengths.tolist() == [3]
+    assert not pool.apply_batch(decode(encode(msg2)))
+    # a resend: tokens and routes trimmed, nothing twice
+    assert pool.apply_batch(decode(encode(msg2))) == {"duplicate": 1}
+    got = {p.uid: p for p in pool.query("r0")}
+    np.testing.assert_array_equal(got["g/0"].routes, np.concatenate([ra, more]))
+    np.testing.assert_array_equal(got["g/1"].routes, rb)
+    assert len(got["g/0"].routes) == len(a.prompt_ids) + a.length - 1
+    # the importer keeps them: its own prefill's routes only fill what comes after
+    resumed = SeqState.from_partial(decode(encode(got["g/0"])), 0.0)
+    fresh = np.full((len(a.prompt_ids) + a.length, 2, 2), 7, np.uint8)
+    assert resumed.add_routes(0, fresh)
+    out = resumed.trajectory("length", "r1", 0.0).routes
+    np.testing.assert_array_equal(out[:12], np.concatenate([ra, more]))
+    assert (out[12:] == 7).all()
+
+
+def test_partial_stream_routes_that_do_not_fit_are_dropped_and_counted():
+    from laminar.buffer.partials import PartialPool
+    from laminar.rollout.deliver import partial_batch
+
+    a, _ = _streamed_seq()
+    msg, _ = partial_batch([a], "r0")
+    msg.routes = np.full_like(msg.routes, EXPERTS)  # expert ids out of range
+    pool = PartialPool(moe=MoeShape(EXPERTS, 2, (0, 1), True, 32))
+    assert pool.apply_batch(msg) == {"bad_routes": 1}
+    (p,) = pool.query("r0")
+    assert p.routes is None and len(p.response_ids) == a.length  # the tokens are kept
+    # columns that do not match the entries: the batch is malformed as a whole
+    msg, _ = partial_batch([a], "r0")
+    msg.route_lengths = np.array([3], np.int64)
+    assert pool.apply_batch(msg) == {"bad": 1}
+    # a gap in the routes (an entry lost) is ignored until a header restarts the record
+    pool = PartialPool()
+    msg, upto = partial_batch([a], "r0")
+    assert not pool.apply_batch(msg)
+    a.sent_upto, a.routes_sent = upto[0], 12  # as if positions 9..11 went out and were lost
+    a.append(np.array([7], np.int32), np.zeros(1, np.float32), 0.0)
+    a.add_routes(9, np.zeros((4, 2, 2), np.uint8))
+    msg, _ = partial_batch([a], "r0")
+    assert not pool.apply_batch(msg)
+    (p,) = pool.query("r0")
+    assert len(p.routes) == 9 and len(p.response_ids) == 7 and pool.counts["route_gaps"] == 1
+
+
+@pytest.fixture(scope="module")
+def chat_moe(tmp_path_factory):
+    """The tiny MoE on the default alphabet (~50 tokens: a random policy rarely stops early) and
+    the same policy with its routers moved, as a newer version would have them."""
+    root = tmp_path_factory.mktemp("moe_chat")
+    path = build_tiny_model(
+        root / "m", hidden=32, layers=2, heads=2, kv_heads=1, kind="moe", experts=EXPERTS
+    )
+    moved = _perturbed(path, scale=0.5)
+    moved.save_pretrained(root / "moved", safe_serialization=True)
+    load_tokenizer_of(path).save_pretrained(root / "moved")
+    return path, root / "moved"
+
+
+def load_tokenizer_of(path):
+    from laminar.models.tiny import load_tokenizer
+
+    return load_tokenizer(path)
+
+
+async def test_routes_survive_a_rollout_killed_mid_trajectory(tmp_path, chat_moe):
+    """rollout-0 dies (no drain, no Bye) mid-trajectory; the manager recovers its trajectories
+    from the buffer's partial pool onto rollout-1, which serves the policy with moved routers (a
+    newer version would route the prefix differently). The stored trajectory's routes are exactly
+    what rollout-0's engine recorded for every position the pool held (prompt and streamed
+    tokens), and rollout-1's own after that."""
+    import json
+
+    from laminar.cluster import LocalCluster
+    from laminar.config import config_from_dict
+    from laminar.tasks import countup
+    from tests.test_e2e_rollout import PROMPTS, stored, wait_for
+
+    path, moved = chat_moe
+    data = tmp_path / "train.jsonl"
+    data.write_text(
+        "".join(json.dumps({"prompt": p, "answer": countup.answer_of(p)}) + "\n" for p in PROMPTS)
+    )
+    cfg = config_from_dict(
+        {
+            "name": "moe-kill",
+            "run_dir": str(tmp_path / "run"),
+            "cluster": {"transport": "inproc", "roles": {"manager": 1, "buffer": 1, "rollout": 2}},
+            "transport": {
+                "heartbeat_interval_s": 0.1,
+                "heartbeat_liveness": 10,
+                "request_timeout_s": 1.0,
+                "startup_timeout_s": 30.0,
+                "stop_timeout_s": 5.0,
+                "reconnect_backoff_s": 0.02,
+                "reconnect_backoff_max_s": 0.1,
+            },
+            "model": {"path": str(path)},
+            "data": {"train": str(data), "epochs": 1, "shuffle": False, "chat_template": False},
+            "reward": {"fn": "laminar.tasks.countup:reward", "workers": 0, "timeout_s": 10.0},
+            "rollout": {
+                "engine": "torch",
+                "group_size": 2,
+                "credits": 1,
+                "max_running": 4,
+                "partial_chunk_tokens": 2,
+                "partial_flush_s": 0.02,
+                "weights": "dir",
+                "prompt_retry_s": 0.05,
+                "sampling": {"max_tokens": 60, "temperature": 1.0},
+            },
+            "buffer": {"retry_after_s": 0.05},
+        }
+    )
+    async with LocalCluster(cfg, roles={"manager": 1, "buffer": 1, "rollout": 1}) as cluster:
+        buf, victim = cluster.node("buffer-0"), cluster.node("rollout-0")
+        cluster.cfg.model.path = str(moved)  # the next rollout serves the moved routers
+        await cluster.add("rollout", 1)
+
+        def pooled() -> list[str]:
+            return [
+                u
+                for u, s in victim.table.seqs.items()
+                if (r := buf.partials.records.get(u)) is not None
+                and r.length >= 6
+                and r.routes_n == len(s.prompt_ids) + r.length - 1
+                and s.length < 50
+            ]
+
+        await wait_for(lambda: pooled(), 60, "rollout-0 mid-trajectory, streamed", cluster)
+        lost = pooled()
+        held = {u: buf.partials.records[u].length for u in lost}
+        recorded = {u: victim.table.seqs[u].routes.copy() for u in lost}
+        ids = {u: victim.table.seqs[u].ids.copy() for u in lost}
+        await cluster.kill_node("rollout-0")
+        await wait_for(
+            lambda: set(lost) <= set(stored(buf)), 60, "the resumed trajectories", cluster
+        )
+        resumer = cluster.node("rollout-1")
+        for u in lost:
+            t = stored(buf)[u]
+            p, k = len(t.prompt_ids), held[u]
+            assert t.rollout_id == "rollout-1" and t.resumed == 1
+            np.testing.assert_array_equal(t.response_ids[:k], ids[u][:k])
+            assert t.routes.shape == (p + len(t.response_ids) - 1, 2, 2)
+            # every position the pool held: as rollout-0's engine recorded it
+            np.testing.assert_array_equal(t.routes[: p + k - 1], recorded[u][: p + k - 1])
+            # the resumer routes that prefix otherwise: without the stream's routes, its own
+            # prefill's would have been kept
+            fwd = PackedForward(resumer.engine.model)
+            t.reward = 1.0
+            fwd.hidden(PackedLayout.build(TrainBatch.build([t]).samples))
+            live = torch.stack(fwd.live_routes, 1)[: p + k - 1].sort(-1).values.numpy()
+            assert (live != np.sort(recorded[u][: p + k - 1], -1)).any(), u

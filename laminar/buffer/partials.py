@@ -42,6 +42,18 @@ all model tokens. A recovered record carries the mask, or None when no entry had
 (single-turn records stay exactly as they were). A mask whose length differs from its
 tokens (chunk, batch or header), or with a value other than 0/1, makes the message bad input.
 
+MoE policies (routes recorded, docs/moe.md): entries also carry the routes recorded since the
+last one, by position of prompt + response (route_starts / route_lengths beside the tokens'
+offsets / lengths). The record keeps a contiguous prefix of routes by the same rules as its
+tokens, apart from them (routes lag the tokens by one position): a route entry at the record's
+route end is appended, an overlap trimmed, a gap counted (`route_gaps`) and ignored until a
+header restarts the record. Routes come only with an entry the record takes (appended or a
+resend), never with a refused one. A recovered record carries them, cut to its tokens (None
+when no entry had any), so the resumer keeps the routes its tokens were sampled with. Built
+with the policy's MoeShape, the pool checks every batch's routes against it (layers, k, ids <
+experts): routes that do not fit are dropped (refusal `bad_routes`, counted per peer), the
+tokens kept.
+
 Recovery (PartialsRequest from the manager, for a dead rollout): `recover` answers with
 the pool's records plus, for each sample of an open group that was handed out but never
 reported a header, an empty PartialTrajectory built from the group's prompt: resuming a
@@ -58,6 +70,7 @@ import numpy as np
 
 from laminar.buffer.experience import OPEN, Group
 from laminar.buffer.owners import Owners, ids_out_of_range
+from laminar.models.moe import MoeShape
 from laminar.protocol.data import PartialBatch, PartialChunk, PartialTrajectory
 
 __all__ = ["PartialPool", "recover"]
@@ -89,6 +102,14 @@ def _batch_problem(b: PartialBatch) -> str:
         return "bad loss mask"
     if b.token_versions is not None and len(b.token_versions) != n:
         return "token_versions do not match the tokens"
+    if b.routes is not None or b.route_starts is not None or b.route_lengths is not None:
+        rs, rl = b.route_starts, b.route_lengths
+        if b.routes is None or rs is None or rl is None or len(rs) != k or len(rl) != k:
+            return "route columns do not match the entries"
+        if k and (int(rs.min()) < 0 or int(rl.min()) < 0):
+            return "negative route start or length"
+        if int(rl.sum()) != len(b.routes):
+            return "routes do not match their lengths"
     at = b.header_at
     if at is None:
         return "headers without header_at" if b.headers else ""
@@ -109,6 +130,8 @@ def _batch_problem(b: PartialBatch) -> str:
             return "bad loss mask"
         if _bad_versions(h):
             return f"header {h.uid!r} has bad token_versions"
+        if h.routes is not None and len(h.routes) > len(h.prompt_ids) + len(h.response_ids):
+            return f"header {h.uid!r} has routes past its tokens"
     return ""
 
 
@@ -131,6 +154,34 @@ class _Record:
     """Some piece carried a loss mask (the record is multi-turn)."""
     versioned: bool = False
     """Some piece carried token versions (mode partial: the trajectory spans versions)."""
+    routes: list[tuple[np.ndarray, int, int]] = field(default_factory=list)
+    """MoE: route pieces (array, lo, hi): positions 0 .. routes_n of prompt + response."""
+    routes_n: int = 0
+
+    def add_routes(
+        self, counts: Counter[str], arr: np.ndarray, start: int, lo: int, hi: int
+    ) -> None:
+        """Routes arr[lo:hi] of positions start ..: appended where they continue the prefix."""
+        if hi <= lo:
+            return
+        if start > self.routes_n:
+            counts["route_gaps"] += 1
+            return
+        if self.routes and self.routes[0][0].shape[1:] != arr.shape[1:]:
+            counts["bad_routes"] += 1
+            return
+        lo += self.routes_n - start
+        if hi > lo:
+            self.routes.append((arr, lo, hi))
+            self.routes_n += hi - lo
+            if len(self.routes) > _COMPACT_PIECES:
+                self.routes = [(self.route_array(), 0, self.routes_n)]
+
+    def route_array(self) -> np.ndarray:
+        rs = self.routes
+        if len(rs) == 1 and rs[0][1] == 0 and rs[0][2] == len(rs[0][0]):
+            return rs[0][0]
+        return np.concatenate([a[lo:hi] for a, lo, hi in rs])
 
     def add(
         self,
@@ -186,6 +237,11 @@ class _Record:
         ids, lps, mask, tv = self.compact()
         if tv is not None and not (tv != h.version).any():
             tv = None  # one version after all (a batch's column covers every entry)
+        routes = None
+        if self.routes_n:  # a fresh array (lets go of the batches), cut to the tokens
+            routes = self.route_array()[: len(h.prompt_ids) + len(ids)].copy()
+            self.routes = [(routes, 0, len(routes))]
+            self.routes_n = len(routes)
         return PartialTrajectory(
             uid=h.uid,
             group_id=h.group_id,
@@ -205,11 +261,20 @@ class _Record:
             awaiting_env=self.awaiting_env,
             token_versions=tv,
             agent_token=h.agent_token,
+            routes=routes,
         )
 
 
 REFUSED = frozenset(
-    {"not_owner", "not_served", "prompt_mismatch", "token_range", "too_long", "batch_too_big"}
+    {
+        "not_owner",
+        "not_served",
+        "prompt_mismatch",
+        "token_range",
+        "too_long",
+        "batch_too_big",
+        "bad_routes",
+    }
 )
 """What apply/apply_batch answer for entries refused from their sender (counted per peer)."""
 
@@ -222,6 +287,7 @@ class PartialPool:
         vocab: int | None = None,
         max_response_tokens: int | None = None,
         max_entries: int | None = None,
+        moe: MoeShape | None = None,
     ) -> None:
         self.records: dict[str, _Record] = {}
         self.counts: Counter[str] = Counter()
@@ -234,6 +300,16 @@ class PartialPool:
         """No record grows past this many response tokens (None: not checked)."""
         self.max_entries = max_entries
         """Entries one PartialBatch may carry (None: not checked)."""
+        self.moe = moe
+        """The policy's MoE shape: routes must fit it (None: dense, or not checked)."""
+
+    def _routes_refusal(self, routes: np.ndarray | None) -> bool:
+        """Routes that do not fit the policy (their layers, k, expert ids)."""
+        return (
+            routes is not None
+            and self.moe is not None
+            and self.moe.check(routes, len(routes)) is not None
+        )
 
     def _header_refusal(self, h: PartialTrajectory, sender: str) -> str:
         """Why `sender` may not (re)start the record of header `h` ("" when it may)."""
@@ -280,7 +356,10 @@ class PartialPool:
             h.rollout_id = rollout_id
         rec = _Record(header=h)
         rec.add(h.response_ids, h.logprobs, h.loss_mask, 0, len(h.response_ids), h.token_versions)
+        if h.routes is not None and not self._routes_refusal(h.routes):
+            rec.add_routes(self.counts, h.routes, 0, 0, len(h.routes))
         h.response_ids, h.logprobs, h.loss_mask, h.token_versions = _EMPTY_I, _EMPTY_F, None, None
+        h.routes = None
         self.records[h.uid] = rec
         self.counts["headers"] += 1
 
@@ -297,8 +376,10 @@ class PartialPool:
         awaiting: bool,
         rollout_id: str,
         tv: np.ndarray | None = None,
+        route: tuple[np.ndarray, int, int, int] | None = None,
     ) -> str:
-        """One entry (tokens ids[lo:hi]) into its record: the contiguous-prefix rules above."""
+        """One entry (tokens ids[lo:hi]; `route`: its routes arr[lo:hi] of positions start ..,
+        as (arr, start, lo, hi)) into its record: the contiguous-prefix rules above."""
         rec = self.records.get(uid)
         if rec is None:
             self.counts["unknown"] += 1
@@ -313,6 +394,8 @@ class PartialPool:
         skip = rec.length - offset
         if offset + n >= rec.length:  # the entry reaches the end: its flag holds
             rec.awaiting_env = awaiting
+        if route is not None:  # a resend may still bring routes the record lacks
+            rec.add_routes(self.counts, *route)
         if skip >= n:
             if n:
                 self.counts["duplicates"] += 1
@@ -358,7 +441,11 @@ class PartialPool:
         if why:
             self.counts["refused"] += 1
             return why
-        return self._fold(
+        routes, bad_routes = c.routes, self._routes_refusal(c.routes)
+        if bad_routes:  # dropped; the tokens are still good
+            self.counts["refused"] += 1
+            routes = None
+        res = self._fold(
             c.uid,
             c.version,
             c.offset,
@@ -369,7 +456,9 @@ class PartialPool:
             n,
             c.awaiting_env,
             c.rollout_id,
+            route=None if routes is None else (routes, c.route_start, 0, len(routes)),
         )
+        return "bad_routes" if bad_routes else res
 
     def apply_batch(self, b: PartialBatch, sender: str = "") -> Counter[str]:
         """Fold a rollout's flush window in, entry by entry in order (as that many chunks would);
@@ -390,6 +479,16 @@ class PartialPool:
         own = sender if sender and self.owners is not None else None
         longest = self.max_response_tokens if sender else None
         out: Counter[str] = Counter()
+        routes = b.routes
+        if self._routes_refusal(routes):  # dropped; the tokens are still good
+            self.counts["refused"] += 1
+            out["bad_routes"] += 1
+            routes = None
+        r_starts: list[int] = []
+        r_lengths: list[int] = []
+        if routes is not None and b.route_starts is not None and b.route_lengths is not None:
+            r_starts, r_lengths = b.route_starts.tolist(), b.route_lengths.tolist()
+        r_lo = 0
         ids, lps, mask, rid, tvs = (
             b.token_ids,
             b.logprobs,
@@ -413,6 +512,13 @@ class PartialPool:
             )
         ):
             hi = lo + n
+            route = None
+            if r_lengths:
+                r_hi = r_lo + r_lengths[i]
+                if r_hi > r_lo:
+                    assert routes is not None
+                    route = (routes, r_starts[i], r_lo, r_hi)
+                r_lo = r_hi
             if heads and i in heads:
                 why = self._header_refusal(heads[i], sender)
                 if why:
@@ -439,9 +545,11 @@ class PartialPool:
                     rec.compact()
                 if rid and own is None:
                     rec.header.rollout_id = rid
+                if route is not None:
+                    rec.add_routes(self.counts, *route)
                 appended += 1
             else:
-                res = self._fold(uid, ver, off, ids, lps, mask, lo, hi, bool(aw), rid, tvs)
+                res = self._fold(uid, ver, off, ids, lps, mask, lo, hi, bool(aw), rid, tvs, route)
                 if res != "appended":
                     out[res] += 1
             lo = hi

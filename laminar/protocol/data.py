@@ -156,8 +156,9 @@ class PartialTrajectory(
     """Black-box agents: the episode's secret token, so the rollout that resumes it (a repack
     move, its rollout died) answers its agent's calls there (laminar/rollout/agents.py)."""
     routes: Routes | None = None
-    """MoE: the routes recorded so far (as Trajectory.routes), kept by whoever resumes it; None on
-    the partial pool's headers (the resumer's prefill records them again)."""
+    """MoE: the routes recorded so far (as Trajectory.routes), kept by whoever resumes it. On the
+    partial pool's headers: None (the routes travel in the entries, like the tokens); a record
+    the pool hands back (recovery) carries the routes its entries brought."""
 
 
 def newest_version(p: PartialTrajectory) -> int:
@@ -184,6 +185,10 @@ class PartialChunk(
     awaiting_env: bool = False
     """Multi-turn: the response up to this chunk's end ends a complete model turn whose environment
     answer is not in yet (the latest chunk reaching the end decides; see PartialTrajectory)."""
+    routes: Routes | None = None
+    """MoE: routes of positions route_start .. (prompt + response positions, Trajectory.routes)
+    the engine recorded since the last chunk (None: none new, or none recorded)."""
+    route_start: int = 0
 
 
 @message(0x24, senders=("rollout",), id_fields=("rollout_id",))
@@ -216,3 +221,13 @@ class PartialBatch(
     entry's tokens at its `versions[i]`, the trajectory's version)."""
     header_at: Ints | None = None
     """Entry index of each header (same length as headers; None when there are none)."""
+    routes: Routes | None = None
+    """MoE: every entry's new routes, concatenated in entry order (None: no entry has any): entry
+    i's are routes[r_i : r_i + route_lengths[i]] with r_i = sum(route_lengths[:i]), of positions
+    route_starts[i] .. of its prompt + response (Trajectory.routes; an entry with a header starts
+    at 0). Routes lag the tokens by one position (the newest token is not fed yet) and are
+    folded by position, apart from the tokens."""
+    route_starts: Ints | None = None
+    """Per entry, the position of its first route (with `routes`)."""
+    route_lengths: Ints | None = None
+    """Per entry, how many routes it brings (with `routes`)."""

@@ -22,6 +22,10 @@ version): `version` stays the trajectory's first version (its oldest token: what
 bounds) and `runs` records where each later version took over, so every token keeps the version
 that sampled it (`token_versions`: on the partial batch, the export, the finished Trajectory).
 
+MoE (routes recorded): each entry also carries the routes recorded since the last one, by
+position of prompt + response (`routes_sent` .. ; from 0 with a header), so a record the pool
+hands to a resumer after this rollout died has the routes its tokens were sampled with.
+
 Multi-turn (a rollout with an environment): every chunk also carries its slice of the loss
 mask (1 = engine token, 0 = environment token) and `awaiting_env`, true when the response up
 to the chunk's end finishes a model turn whose environment answer is not appended yet; the
@@ -107,6 +111,10 @@ class RouteLog:
     def copy(self, upto: int | None = None) -> np.ndarray:
         return self._buf[: self.n if upto is None else min(self.n, upto)].copy()
 
+    def view(self, start: int, end: int | None = None) -> np.ndarray:
+        """Positions start .. end (zero-copy; valid until the next extend)."""
+        return self._buf[start : self.n if end is None else min(self.n, end)]
+
 
 @dataclass
 class SeqState:
@@ -152,6 +160,8 @@ class SeqState:
     (empty: every token at `version`)."""
     routes: RouteLog | None = None
     """MoE with routing replay: the expert ids of each position so far (None: none recorded)."""
+    routes_sent: int = 0
+    """Positions of `routes` already streamed to the partial pool (a header restarts at 0)."""
 
     @property
     def current_version(self) -> int:
@@ -303,6 +313,8 @@ class SeqState:
         delivered."""
         start, end = self.sent_upto, self.length
         mask = None if self.mask is None else self.mask.view(start, end).copy()
+        r0 = self.routes_sent if start else 0
+        routes = None if self.routes is None else self.routes.view(r0).copy()
         msg = PartialChunk(
             uid=self.uid,
             version=self.version,
@@ -313,6 +325,8 @@ class SeqState:
             header=self.header(rollout_id) if start == 0 else None,
             loss_mask=mask,
             awaiting_env=self.awaiting_env,
+            routes=routes if routes is not None and len(routes) else None,
+            route_start=r0,
         )
         return msg, end
 
