@@ -28,6 +28,7 @@ from laminar.rollout.tracking import SeqState
 from laminar.trainer.batch import TrainBatch
 from laminar.trainer.packed import PackedForward, PackedLayout
 from laminar.transport.codec import decode, encode
+from tests.test_agents import agent_files  # noqa: F401  (a fixture)
 
 EXPERTS = 8
 
@@ -503,3 +504,142 @@ async def test_routes_survive_a_rollout_killed_mid_trajectory(tmp_path, chat_moe
             fwd.hidden(PackedLayout.build(TrainBatch.build([t]).samples))
             live = torch.stack(fwd.live_routes, 1)[: p + k - 1].sort(-1).values.numpy()
             assert (live != np.sort(recorded[u][: p + k - 1], -1)).any(), u
+
+
+async def test_mode_partial_routes_come_from_the_version_that_sampled(moe_path):
+    """Mode partial: an update interrupts a group mid-generation and it continues under version 1
+    (routers moved). Each position keeps the route of the forward that first fed it, i.e. of the
+    version that sampled the token after it: version 0's for every position its decode fed,
+    version 1's prefill for the newest version-0 token (which version 1 feeds to sample the
+    next), version 1's decode after that."""
+    from laminar.logs import get_logger
+    from laminar.metrics import Metrics
+    from laminar.rollout.sequences import SequenceTable
+
+    eng = TorchEngine(load_causal_lm(moe_path), None, max_running=4, max_model_len=64)
+    await eng.start()
+    table = SequenceTable(
+        eng,
+        SamplingParams(max_tokens=16, seed=4, ignore_eos=True),
+        notify=(asyncio.Event(),),
+        metrics=Metrics(),
+        log=get_logger(role="rollout", node_id="t"),
+        interrupts=True,
+    )
+    item = PromptItem(uid="p", group_id="g", prompt_ids=np.array([1, 5, 6, 7, 8], np.int32), n=2)
+    table.start_group(item, 0)
+    events: dict[str, list[tuple[int, int, np.ndarray]]] = {}
+    done: dict[str, SeqState] = {}
+    at: dict[str, int] = {}
+    moved = _perturbed(moe_path, scale=0.5)
+    try:
+        async with asyncio.timeout(60):
+            while table.seqs:
+                ev = await eng.next_event(30)
+                if ev.routes is not None:
+                    events.setdefault(ev.seq_id, []).append((ev.version, ev.route_start, ev.routes))
+                seq = table.on_event(ev)
+                if seq is not None and ev.finished:
+                    table.forget(seq.uid)
+                    done[seq.uid] = seq
+                if not at and all(q.length >= 5 for q in table.seqs.values()):
+                    states = await table.interrupt()
+                    at = {p.seq_id: len(p.output_ids) for p in states}
+                    await eng.load_weights(list(moved.state_dict().items()), 1)
+                    table.continue_at(states, 1)
+    finally:
+        await eng.close()
+    assert set(at) == set(done) == {"g/0", "g/1"}
+    p = len(item.prompt_ids)
+    for uid, seq in done.items():
+        t = seq.trajectory("length", "r0", 0.0)
+        k = at[uid]
+        assert t.token_versions.tolist() == [0] * k + [1] * (16 - k)
+        v0 = np.concatenate([r for v, _, r in events[uid] if v == 0])
+        (start, prefill), *decode = [(s, r) for v, s, r in events[uid] if v == 1]
+        assert start == 0 and len(prefill) == p + k
+        assert len(v0) == p + k - 1  # version 0 fed the prompt and its tokens but the newest
+        np.testing.assert_array_equal(t.routes[: p + k - 1], v0)
+        np.testing.assert_array_equal(t.routes[p + k - 1], prefill[p + k - 1])
+        np.testing.assert_array_equal(t.routes[p + k :], np.concatenate([r for _, r in decode]))
+        # version 1 routes the earlier positions otherwise: those are not its to record
+        assert (np.sort(prefill[: p + k - 1], -1) != np.sort(v0, -1)).any()
+
+
+@pytest.fixture(scope="module")
+def tool_moe(tmp_path_factory):
+    """The tiny MoE on the tool task's alphabet (the agent tests' chat renderer)."""
+    from laminar.tasks import tooluse
+
+    return build_tiny_model(
+        tmp_path_factory.mktemp("tool_moe") / "m",
+        alphabet=tooluse.ALPHABET,
+        hidden=32,
+        layers=2,
+        heads=2,
+        kv_heads=1,
+        max_positions=512,
+        kind="moe",
+        experts=EXPERTS,
+    )
+
+
+@pytest.mark.usefixtures("agent_files")
+async def test_agent_episode_routes_are_what_the_engine_recorded(tmp_path, tool_moe, monkeypatch):
+    """A black-box agent makes three chat calls through the rollout's OpenAI endpoint, each one
+    re-rendering the whole conversation. Each call is fed to the engine as the trajectory so far
+    (its shared prefix), and the trajectory's routes are exactly what the engine recorded: every
+    position from the first call that fed it (a later call's prefill recomputes the prefix; its
+    routes there are not kept)."""
+    from laminar.cluster import LocalCluster
+    from laminar.rollout.sequences import SequenceTable
+    from tests.test_agents import capture, make_cfg, wait_for
+
+    fed: dict[str, list[np.ndarray]] = {}
+    events: dict[str, list[tuple[int, np.ndarray]]] = {}
+    submit, on_event = TorchEngine.submit, SequenceTable.on_event
+
+    def record_submit(self, req):
+        for sid in req.seq_ids():
+            fed.setdefault(sid, []).append(np.concatenate([req.prompt_ids, req.resume_ids]))
+        return submit(self, req)
+
+    def record_event(self, ev):
+        if ev.routes is not None:
+            events.setdefault(ev.seq_id, []).append((ev.route_start, ev.routes.copy()))
+        return on_event(self, ev)
+
+    monkeypatch.setattr(TorchEngine, "submit", record_submit)
+    monkeypatch.setattr(SequenceTable, "on_event", record_event)
+    cfg = make_cfg(
+        tmp_path,
+        tool_moe,
+        "agent-moe",
+        rows=1,
+        data={"epochs": 1},
+        rollout={"sampling": {"max_tokens": 400, "temperature": 1.0}},
+        agent={"fn": "tests.agent_fakes:three_call_agent"},
+    )
+    async with LocalCluster(cfg) as cluster:
+        rollout = await cluster.add("rollout", 0)
+        trajs = capture(rollout)
+        want = cfg.rollout.group_size
+        await wait_for(lambda: len(trajs) == want, 120, f"{want} trajectories", cluster)
+    multi = 0
+    for t in trajs:
+        tokens = np.concatenate([t.prompt_ids, t.response_ids])
+        calls = fed[t.uid]
+        multi += len(calls) >= 2
+        for c in calls:  # each call fed the trajectory so far
+            np.testing.assert_array_equal(c, tokens[: len(c)])
+        want_routes = np.zeros_like(t.routes)
+        covered = 0
+        for start, r in events[t.uid]:
+            end = start + len(r)
+            if end > covered:
+                want_routes[covered:end] = r[covered - start :]
+                covered = end
+        assert covered == len(t.routes) == len(tokens) - 1
+        np.testing.assert_array_equal(t.routes, want_routes)
+        assert t.turns == len(calls)
+    assert multi, "no episode made more than one call"
