@@ -73,12 +73,61 @@ def _sorted(r: torch.Tensor) -> torch.Tensor:
     return r.sort(-1).values
 
 
-def measure(seed: int, groups: int, n: int, max_tokens: int, workdir: Path) -> dict[str, Any]:
-    path = build_tiny_model(workdir / f"moe{seed}", seed=seed, **SHAPE)
+def _prompts(model: Path | None, groups: int, seed: int) -> list[np.ndarray]:
+    """Random token ids for the random policy; held-out countup prompts (the demo's task, as the
+    demo tokenizes them) for a trained one."""
     rng = np.random.default_rng(seed)
-    prompts = [
-        rng.integers(4, 40, size=int(rng.integers(6, 20))).astype(np.int32) for _ in range(groups)
-    ]
+    if model is None:
+        return [
+            rng.integers(4, 40, size=int(rng.integers(6, 20))).astype(np.int32)
+            for _ in range(groups)
+        ]
+    from laminar.models.prompt_tokenizer import load_prompt_tokenizer
+    from laminar.tasks import countup
+
+    tok = load_prompt_tokenizer(model, chat_template=False)
+    rows = countup.generate(groups, "eval", seed)
+    return [np.asarray(tok(r["prompt"])["input_ids"], np.int32) for r in rows]
+
+
+def _touched(samples: list[Any], flips: np.ndarray) -> torch.Tensor:
+    """Per trained token (PackedLayout.select's order): a flip reaches it, i.e. some position of
+    its own sequence up to the one predicting it routes otherwise (attention reads every earlier
+    position). The packed order (PackedLayout.build): each distinct prompt once, then every
+    response."""
+    prompt_at: dict[bytes, tuple[int, int]] = {}
+    n_tok = 0
+    for s in samples:
+        if s.prompt_ids.tobytes() not in prompt_at:
+            prompt_at[s.prompt_ids.tobytes()] = (n_tok, len(s.prompt_ids))
+            n_tok += len(s.prompt_ids)
+    out = []
+    for s in samples:
+        p_start, p_len = prompt_at[s.prompt_ids.tobytes()]
+        r = len(s.response_ids)
+        # token j is predicted at the prompt's last position (j = 0), else at response j - 1
+        seen = np.cumsum(flips[n_tok : n_tok + r])[:-1] > 0
+        hit = np.concatenate([[False], seen]) | bool(flips[p_start : p_start + p_len].any())
+        out.append(hit if s.loss_mask is None else hit[s.loss_mask.astype(bool)])
+        n_tok += r
+    return torch.from_numpy(np.concatenate(out))
+
+
+def _gaps(gap: torch.Tensor) -> dict[str, float]:
+    if not len(gap):
+        return {"mean": float("nan"), "p99": float("nan"), "tokens": 0}
+    return {
+        "mean": float(gap.mean()),
+        "p99": float(torch.quantile(gap, 0.99)),
+        "tokens": int(len(gap)),
+    }
+
+
+def measure(
+    seed: int, groups: int, n: int, max_tokens: int, workdir: Path, model: Path | None = None
+) -> dict[str, Any]:
+    path = model or build_tiny_model(workdir / f"moe{seed}", seed=seed, **SHAPE)
+    prompts = _prompts(model, groups, seed)
     t0 = time.perf_counter()
     trajs = asyncio.run(_rollout(load_causal_lm(path, "bfloat16"), prompts, n, max_tokens, seed))
     rollout_s = time.perf_counter() - t0
@@ -90,6 +139,7 @@ def measure(seed: int, groups: int, n: int, max_tokens: int, workdir: Path) -> d
     behav = torch.from_numpy(np.concatenate([s.behav_logp for s in batch.samples])).double()
     out: dict[str, Any] = {"seed": seed, "tokens": int(len(targets)), "rollout_s": rollout_s}
     flipped = None  # response tokens predicted at a position whose live route (off) flipped
+    touched = None  # response tokens predicted at or after a flipped position of their sequence
     for name, lay in (("off", PackedLayout.build(batch.samples)), ("on", recorded)):
         with torch.no_grad():
             logits = fwd(lay).double()
@@ -100,7 +150,13 @@ def measure(seed: int, groups: int, n: int, max_tokens: int, workdir: Path) -> d
         per_pos = (_sorted(live) != _sorted(recorded.routes)).any(-1).any(-1) & routed
         if flipped is None:
             flipped = per_pos[lay.select]
+            touched = _touched(batch.samples, per_pos.numpy())
+        assert touched is not None
         out[name] = {
+            # the tokens no flip reaches compute the same with replay on and off: their gap is
+            # the bf16 arithmetic alone; the tokens a flip reaches carry the routing's share
+            "untouched": _gaps(gap[~touched]),
+            "touched": _gaps(gap[touched]),
             "lp_gap_mean": float(gap.mean()),
             "lp_gap_p99": float(torch.quantile(gap, 0.99)),
             "route_differs": float(per_pos[routed].double().mean()),
@@ -115,13 +171,20 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--out", type=Path)
+    ap.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="a trained MoE policy (e.g. the MoE demo's warm-up, countup prompts) instead of "
+        "random init; seeds then vary the prompts and the sampling",
+    )
     a = ap.parse_args()
     torch.set_num_threads(2)
     groups, n, max_tokens = (8, 4, 32) if a.quick else (32, 8, 96)
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for seed in range(a.seeds):
-            runs.append(measure(seed, groups, n, max_tokens, Path(tmp)))
+            runs.append(measure(seed, groups, n, max_tokens, Path(tmp), a.model))
     keys = ("lp_gap_mean", "lp_gap_p99", "route_differs", "lp_gap_mean_at_flips")
     summary: dict[str, Any] = {}
     head = f"{'figure':<22} {'replay off':>12} {'replay on':>12} {'on/off':>8}"
@@ -139,10 +202,21 @@ def main() -> None:
             "ratio_max": max(ratios),
         }
         print(f"{k:<22} {off:>12.5f} {on:>12.5f} {ratio:>8.3f}")
+    # the decomposition: tokens no flip reaches (same computation on and off) and the rest
+    for part in ("untouched", "touched"):
+        for k in ("mean", "p99"):
+            off = statistics.median(r["off"][part][k] for r in runs)
+            on = statistics.median(r["on"][part][k] for r in runs)
+            summary[f"{part}_{k}"] = {"off": off, "on": on, "ratio_on_off": on / off}
+            print(f"{part + '_' + k:<22} {off:>12.5f} {on:>12.5f} {on / off:>8.3f}")
+    share = statistics.median(r["on"]["touched"]["tokens"] / r["tokens"] for r in runs)
+    summary["touched_share"] = share
+    print(f"{'touched_share':<22} {share:>12.4f}   (response tokens a flip reaches, replay off)")
     result = {
         "bench": "moe_replay",
         "config": {
-            "shape": SHAPE,
+            "model": str(a.model) if a.model else "random init",
+            "shape": SHAPE if a.model is None else None,
             "groups": groups,
             "n": n,
             "max_tokens": max_tokens,
