@@ -643,3 +643,85 @@ async def test_agent_episode_routes_are_what_the_engine_recorded(tmp_path, tool_
         np.testing.assert_array_equal(t.routes, want_routes)
         assert t.turns == len(calls)
     assert multi, "no episode made more than one call"
+
+
+def _moe_trajs(moe_path, seed=3):
+    """Two groups of two rolled out by the engine (routes recorded), rewards varying inside each
+    group."""
+    rolled = _rollout(load_causal_lm(moe_path), [[1, 5, 6, 7, 8], [1, 9, 9, 4]], seed=seed)
+    trajs = list(rolled.values())
+    for i, t in enumerate(trajs):
+        t.reward = float(i % 2)
+    return trajs
+
+
+def test_checkpoint_and_export_round_trip(moe_path, tmp_path):
+    """The trainer (packed forward, replay) saves and resumes an MoE policy (experts, routers,
+    optimizer state) exactly, and its exported weights are the HF model's own names: a fresh HF
+    Qwen3-MoE loads them strictly and computes the trainer's logits."""
+    from laminar.trainer import checkpoint as ck
+    from laminar.trainer.factory import open_trainer
+    from laminar.trainer.torch_trainer import TorchTrainer
+    from laminar.wiring.trainer import trainer_settings
+    from tests.test_trainer import make_cfg
+
+    cfg = make_cfg(str(moe_path), tmp_path, lr=1e-2, warmup_steps=1)
+    a = TorchTrainer(trainer_settings(cfg), str(moe_path))
+    assert a.model.replay is not None
+    b1, b2 = TrainBatch.build(_moe_trajs(moe_path, 3)), TrainBatch.build(_moe_trajs(moe_path, 5))
+    a.train_step(b1)
+    ck.save_trainer(a, tmp_path, 1, {"version": 1, "frontier": {}}, str(moe_path)).wait()
+    cfg.trainer.resume = "auto"
+    b = open_trainer(trainer_settings(cfg), tmp_path).trainer
+    assert isinstance(b, TorchTrainer)
+    wa, wb = a.model.export_weights(), b.model.export_weights()
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert any("experts" in k for k in wa) and any("mlp.gate" in k for k in wa)
+    sa = ck.optimizer_state(a.model.module, a.optimizer)["state"]
+    sb = ck.optimizer_state(b.model.module, b.optimizer)["state"]
+    assert sa.keys() == sb.keys()
+    ma, mb = a.train_step(b2), b.train_step(b2)
+    assert ma["loss"] == mb["loss"] and ma["grad_norm"] == mb["grad_norm"]
+    # the export is what an HF MoE (and so the engines) loads, name for name
+    hf = load_causal_lm(moe_path)
+    res = hf.load_state_dict(
+        {k: v.to(torch.float32) for k, v in b.model.export_weights().items()}, strict=False
+    )
+    assert not res.unexpected_keys
+    assert set(res.missing_keys) <= ({"lm_head.weight"} if hf.config.tie_word_embeddings else set())
+    ids = torch.tensor([[1, 5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        # the trainer's module returns hidden states; its head is applied apart (chunked)
+        head = b.model.module.get_output_embeddings().weight
+        mine = b.model.module(input_ids=ids).logits @ head.T
+        theirs = hf(input_ids=ids).logits
+    torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_lora_on_the_attention_layers_of_an_moe(moe_path, tmp_path):
+    """LoRA on an MoE (peft): adapters on the attention projections (the experts are fused 3-D
+    parameters and the router is not a Linear: no adapters there); only the adapters train, the
+    experts and routers stay frozen, and the packed forward still replays the recorded experts."""
+    from laminar.config import LoraConfig
+    from laminar.trainer.torch_trainer import TorchTrainer
+    from laminar.wiring.trainer import trainer_settings
+    from tests.test_trainer import make_cfg
+
+    cfg = make_cfg(str(moe_path), tmp_path, lr=3e-2)
+    cfg.model.lora = LoraConfig(
+        rank=4, alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]
+    )
+    policy = TorchTrainer(trainer_settings(cfg), str(moe_path))
+    assert policy.model.replay is not None
+    before = {k: v.detach().clone() for k, v in policy.model.module.state_dict().items()}
+    batch = TrainBatch.build(_moe_trajs(moe_path))
+    for _ in range(2):
+        policy.train_step(batch)
+    after = policy.model.module.state_dict()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed and all("lora_" in k for k in changed), sorted(changed)[:5]
+    attn = ("q_proj", "k_proj", "v_proj", "o_proj")
+    assert all(any(f".{t}." in k for t in attn) for k in changed), sorted(changed)[:5]
+    assert {t for t in attn if any(f".{t}." in k for k in changed)} == set(attn)
+    version = policy.model.export_weights()
+    assert version and all("lora_" in k for k in version)  # a version is the adapters
