@@ -29,6 +29,15 @@ the held-out prompts (laminar/demo/results.py eval_curve), so the timing of a ru
                1 optimizer step per batch, lr 2e-4
       lora     ppo_mb training LoRA adapters (model.lora rank 16, alpha 32) on the frozen policy,
                lr 5e-4 (`lora@LR` sets another rate)
+      live_routes  the demo config with model.moe.routing_replay=false: an MoE policy
+               (demo.model.kind=moe) trained with its trainer routing live instead of replaying
+               the rollout's routes (docs/moe.md; `default` replays them)
+
+    # MoE: rollout routing replay on (default) and off, bf16 rollouts against the fp32 trainer
+    .venv/bin/python bench/learning.py --cells laminar:2:default,laminar:2:live_routes \
+        --seeds 0,1,2 --out bench/results/learning_moe.json --work runs/bench-learning-moe \
+        demo.model.kind=moe demo.cache_dir=runs/.cache-moe model.dtype=bfloat16 \
+        trainer.total_steps=40
 
 Figures per run: the accuracy curve (step, seconds since launch), its 3-snapshot smoothing
 (results.smooth), steps and seconds to 0.85 / 0.90 on the smoothed curve (interpolated;
@@ -112,6 +121,7 @@ CORRECTIONS: dict[str, list[str]] = {
         "model.lora={rank: 16, alpha: 32}",
         "trainer.lr=5e-4",
     ],
+    "live_routes": ["model.moe.routing_replay=false"],
 }
 """Each correction pins its own learning rate: one optimizer step a batch at 2e-4, four at 5e-5 (a
 batch then moves the weights about as far). The full table of 2026-11-27 ran ppo_mb at 2e-4.
@@ -122,8 +132,9 @@ QUICK_STEPS = 60
 QUICK_SEEDS = "0,1,2,3,4"
 """Five: on this shared 2-core box the same code's sync run to 0.90 took 12.2 s once and 17.4 s
 the next time, so a 3-seed median of paired ratios moved by +-0.2 between runs (bench/README.md)."""
-FULL_CELLS = ["sync:0:" + c for c in CORRECTIONS if c != "default"] + [
-    f"laminar:{k}:{c}" for k in (1, 2, 4) for c in CORRECTIONS if c != "default"
+_TABLE = [c for c in CORRECTIONS if c not in ("default", "live_routes")]  # live_routes: MoE only
+FULL_CELLS = ["sync:0:" + c for c in _TABLE] + [
+    f"laminar:{k}:{c}" for k in (1, 2, 4) for c in _TABLE
 ]
 
 

@@ -270,6 +270,16 @@ class LoraConfig(Section):
         return list(dict.fromkeys(v))
 
 
+class MoeConfig(Section):
+    """Mixture-of-Experts policies (HF Qwen3-MoE, Mixtral; docs/moe.md). Dense models ignore it."""
+
+    routing_replay: bool = True
+    """Rollout routing replay (R3): the torch engine records each token's top-k expert ids per MoE
+    layer, they travel with the trajectory, and the trainer's packed forward uses those experts
+    (gate weights recomputed from its live router logits) instead of its own top-k. false: nothing
+    recorded, the trainer routes live."""
+
+
 class ModelConfig(Section):
     path: str | None = None
     """Local HF model directory (config.json + safetensors + tokenizer). Never a hub id."""
@@ -282,6 +292,8 @@ class ModelConfig(Section):
     freeze_vision: bool = True
     """A vision-language model's vision tower (and its patch merger) is not trained: the trainer
     runs it without gradients (docs/vision.md)."""
+    moe: MoeConfig = Field(default_factory=MoeConfig)
+    """Mixture-of-Experts settings (routing replay); no effect on a dense model."""
 
 
 class SamplingConfig(Section):
@@ -946,9 +958,31 @@ class DemoModelConfig(Section):
     """Key/value heads (grouped-query attention: divides heads)."""
     max_positions: int = Field(320, ge=16)
     """Longest sequence (prompt + response) the model takes."""
+    kind: Literal["dense", "moe"] = "dense"
+    """dense: Llama-shaped; moe: Qwen3-MoE-shaped (every MLP routed, docs/moe.md)."""
+    experts: int = Field(8, ge=2, le=256)
+    """kind moe: experts per layer."""
+    experts_per_token: int = Field(2, ge=1)
+    """kind moe: experts each token goes to (top-k)."""
+    expert_intermediate: int | None = Field(None, ge=1)
+    """kind moe: each expert's MLP width (default: hidden)."""
+
+    def builder_kw(self) -> dict[str, Any]:
+        """What models/tiny.py tiny_config takes (a dense model's as before the MoE fields, so its
+        cached warm-up policies stay valid)."""
+        kw = self.model_dump()
+        if self.kind == "dense":
+            for k in ("kind", "experts", "experts_per_token", "expert_intermediate"):
+                kw.pop(k)
+        return kw
 
     @model_validator(mode="after")
     def _heads(self) -> DemoModelConfig:
+        if self.experts_per_token > self.experts:
+            raise ValueError(
+                f"demo.model: experts_per_token ({self.experts_per_token}) exceeds experts "
+                f"({self.experts}); lower it"
+            )
         if self.heads % self.kv_heads or self.hidden % self.heads:
             raise ValueError(
                 f"demo.model: kv_heads ({self.kv_heads}) must divide heads ({self.heads}) and "

@@ -58,6 +58,18 @@ CASES = {
     "mistral": dict(kind="mistral", sliding_window=None),
     "qwen2": dict(kind="qwen2"),
     "qwen3": dict(kind="qwen3", head_dim=8),
+    # mixture-of-experts: routed MLPs through models/moe.py (HF's router weight and experts)
+    "qwen3_moe": dict(
+        kind="qwen3_moe",
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        norm_topk_prob=True,
+    ),
+    "mixtral": dict(
+        kind="mixtral", num_local_experts=4, num_experts_per_tok=2, sliding_window=None
+    ),
 }
 
 

@@ -63,6 +63,31 @@ def _config(tmp_path: Path, model: Path, **trainer) -> Path:
     return path
 
 
+def _moe_shape(layers: int, hidden: int = 256, vocab: int = 8192) -> dict:
+    return {
+        **_shape(layers, hidden, vocab),
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "head_dim": hidden // 4,
+        "moe_intermediate_size": hidden,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+    }
+
+
+@pytest.fixture
+def small_moe(tmp_path):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    shape = {k: v for k, v in _moe_shape(2).items() if k != "architectures"}
+    path = tmp_path / "moe"
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(**shape)).save_pretrained(path)
+    return path
+
+
 @pytest.fixture
 def small_model(tmp_path):
     import torch
@@ -100,6 +125,48 @@ def test_traced_trainer_peak_agrees_with_the_measured_real_step(
     assert abs(planned.peak_bytes - measured) <= 0.15 * measured
     # the state alone (fp32 params + AdamW) is ~90 MiB: the activations are a real share
     assert planned.peak_bytes > 1.5 * 92e6
+
+
+def test_moe_traced_peak_agrees_with_the_measured_real_step(small_moe, tmp_path):
+    """The tiny MoE on CPU: the trace (experts at a balanced load, plan/trainer.py) against the real
+    step (HF's experts module, the routing the random router gives)."""
+    cfg_path = _config(tmp_path, small_moe, activation_checkpointing=True)
+    out = tmp_path / "measured.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MALLOC_MMAP_THRESHOLD_": "65536"}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "plan_measure.py"), str(cfg_path), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    measured = json.loads(out.read_text())["peak_bytes"]
+    cfg = load_config(cfg_path)
+    planned = trace_trainer(trainer_settings(cfg), small_moe, world=1, device="cpu")
+    print(f"\nplanned {planned.peak_bytes / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB")
+    assert abs(planned.peak_bytes - measured) <= 0.15 * measured
+    plan = make_plan(cfg, Hardware(gpu_gib=80, gpus_per_node=8, trainer_gpus=1))
+    assert plan.moe is not None
+    # 2 layers x 8 experts x gate/up/down of 256 x 256; routers 2 x 8 x 256; one process here
+    assert plan.moe.expert_params == 2 * 8 * 3 * 256 * 256
+    assert plan.moe.router_params == 2 * 8 * 256
+    assert plan.moe.expert_state_bytes == plan.moe.expert_params * 16
+    assert planned.params > plan.moe.expert_params + plan.moe.router_params
+
+
+@pytest.mark.slow
+def test_qwen3_30b_a3b_plan_counts_experts_per_gpu(capsys):
+    cfg = load_config(ROOT / "configs" / "qwen3-30b-a3b-vllm.yaml")
+    plan = make_plan(cfg, Hardware(gpu_gib=80, gpus_per_node=8, trainer_gpus=8, trainer_nodes=2))
+    m = plan.moe
+    assert m is not None and m.experts == 128 and m.top_k == 8 and m.moe_layers == 48
+    assert 28.5e9 < m.expert_params < 29.5e9  # 48 x 128 x 3 x 2048 x 768
+    assert 3.0e9 < m.active_params < 3.6e9
+    assert m.expert_state_bytes == m.expert_params * 16 // 16
+    assert m.ep == 16 and m.gathered_layer_bytes_ep * 16 == m.gathered_layer_bytes
+    assert plan.fits, plan.notes
+    assert any("expert parallelism x16" in n for n in plan.notes)
 
 
 def test_depth_extrapolation_matches_a_full_trace(tmp_path):

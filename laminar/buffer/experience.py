@@ -230,6 +230,12 @@ class ExperienceState:
                 f"{t.uid}: token_versions must be one per response token, non-decreasing, none "
                 f"below the trajectory's version {t.version}",
             )
+        if t.routes is not None and len(t.routes) > len(t.prompt_ids) + len(t.response_ids):
+            return (
+                "bad",
+                f"{t.uid}: routes cover {len(t.routes)} positions of a "
+                f"{len(t.prompt_ids) + len(t.response_ids)}-token sequence",
+            )
         if t.turns < 1:
             return "bad", f"{t.uid}: turns {t.turns} < 1"
         if not t.group_id or not t.uid:

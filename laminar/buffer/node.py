@@ -126,6 +126,7 @@ class BufferNode(Node):
             max_prompt_tokens=self.limits.max_prompt_tokens,
             # a rollout holds at most the samples the buffer has generating
             max_entries=s.inflight_per_rollout,
+            moe=self.limits.moe,
         )
         check_capacity(bc.capacity, s.group_size, s.trainer, self.log)
         self.pool: PromptPool | None = await self.compute(

@@ -52,6 +52,7 @@ import structlog
 from laminar.buffer.experience import ExperienceState
 from laminar.logs import RateLimitedLog
 from laminar.metrics import Metrics
+from laminar.models.moe import MoeShape
 from laminar.protocol.buffer import Refusal
 from laminar.protocol.data import Trajectory
 
@@ -125,6 +126,10 @@ class SampleLimits:
     def prompt_too_long(self, prompt_ids: np.ndarray) -> bool:
         return self.max_prompt_tokens is not None and len(prompt_ids) > self.max_prompt_tokens
 
+    moe: MoeShape | None = None
+    """The policy's MoE shape: a trajectory's routes must fit it (None: dense or unknown; routes
+    are then only checked for length)."""
+
     def refusal(self, t: Trajectory) -> Refusal | None:
         r = t.reward
         if r is not None and not (math.isfinite(r) and self.reward_min <= r <= self.reward_max):
@@ -137,6 +142,9 @@ class SampleLimits:
             return "too_long"
         if self.prompt_too_long(t.prompt_ids):
             return "too_long"
+        if t.routes is not None and self.moe is not None:
+            if self.moe.check(t.routes, len(t.prompt_ids) + len(t.response_ids)) is not None:
+                return "bad_routes"
         return None
 
 

@@ -45,6 +45,18 @@ all model tokens. A recovered record carries the mask, or None when no entry had
 (single-turn records stay exactly as they were). A mask whose length differs from its
 tokens (chunk, batch or header), or with a value other than 0/1, makes the message bad input.
 
+MoE policies (routes recorded, docs/moe.md): entries also carry the routes recorded since the
+last one, by position of prompt + response (route_starts / route_lengths beside the tokens'
+offsets / lengths). The record keeps a contiguous prefix of routes by the same rules as its
+tokens, apart from them (routes lag the tokens by one position): a route entry at the record's
+route end is appended, an overlap trimmed, a gap counted (`route_gaps`) and ignored until a
+header restarts the record. Routes come only with an entry the record takes (appended or a
+resend), never with a refused one. A recovered record carries them, cut to its tokens (None
+when no entry had any), so the resumer keeps the routes its tokens were sampled with. Built
+with the policy's MoeShape, the pool checks every batch's routes against it (layers, k, ids <
+experts): routes that do not fit are dropped (refusal `bad_routes`, counted per peer), the
+tokens kept.
+
 Recovery (PartialsRequest from the manager, for a dead rollout): `recover` answers with
 the pool's records plus, for each sample of an open group that was handed out but never
 reported a header, an empty PartialTrajectory built from the group's prompt: resuming a
@@ -61,6 +73,7 @@ import numpy as np
 
 from laminar.buffer.experience import OPEN, Group
 from laminar.buffer.owners import Owners, ids_out_of_range
+from laminar.models.moe import MoeShape
 from laminar.protocol.data import PartialBatch, PartialChunk, PartialTrajectory
 
 __all__ = ["PartialPool", "recover"]
@@ -102,6 +115,14 @@ def _batch_problem(b: PartialBatch) -> str:
         return "bad loss mask"
     if b.token_versions is not None and len(b.token_versions) != n:
         return "token_versions do not match the tokens"
+    if b.routes is not None or b.route_starts is not None or b.route_lengths is not None:
+        rs, rl = b.route_starts, b.route_lengths
+        if b.routes is None or rs is None or rl is None or len(rs) != k or len(rl) != k:
+            return "route columns do not match the entries"
+        if k and (int(rs.min()) < 0 or int(rl.min()) < 0):
+            return "negative route start or length"
+        if int(rl.sum()) != len(b.routes):
+            return "routes do not match their lengths"
     at = b.header_at
     if at is None:
         return "headers without header_at" if b.headers else ""
@@ -122,6 +143,8 @@ def _batch_problem(b: PartialBatch) -> str:
             return "bad loss mask"
         if _bad_versions(h):
             return f"header {h.uid!r} has bad token_versions"
+        if h.routes is not None and len(h.routes) > len(h.prompt_ids) + len(h.response_ids):
+            return f"header {h.uid!r} has routes past its tokens"
     return ""
 
 
@@ -130,6 +153,10 @@ def _bad_versions(h: PartialTrajectory) -> bool:
     return tv is not None and (
         len(tv) != len(h.response_ids) or (len(tv) > 0 and int(tv.min()) < h.version)
     )
+
+
+_ROUTE_PIECES = 32
+"""A record's route pieces are joined into one array past this many (bounded per-record lists)."""
 
 
 @dataclass(slots=True)
@@ -153,6 +180,36 @@ class _Record:
     tv: bytearray | None = None
     """int32 token versions, once some entry carried them (mode partial: the trajectory spans
     versions; the tokens before them are at the record's version); None: all at its version."""
+    routes: list[tuple[np.ndarray, int, int]] = field(default_factory=list)
+    """MoE: route pieces (array, lo, hi), copied out of the batches: positions 0 .. routes_n of
+    prompt + response."""
+    routes_n: int = 0
+
+    def add_routes(
+        self, counts: Counter[str], arr: np.ndarray, start: int, lo: int, hi: int
+    ) -> None:
+        """Routes arr[lo:hi] of positions start ..: appended where they continue the prefix."""
+        if hi <= lo:
+            return
+        if start > self.routes_n:
+            counts["route_gaps"] += 1
+            return
+        if self.routes and self.routes[0][0].shape[1:] != arr.shape[1:]:
+            counts["bad_routes"] += 1
+            return
+        lo += self.routes_n - start
+        if hi > lo:
+            piece = arr[lo:hi].copy()  # the record pins no received batch
+            self.routes.append((piece, 0, len(piece)))
+            self.routes_n += len(piece)
+            if len(self.routes) > _ROUTE_PIECES:
+                self.routes = [(self.route_array(), 0, self.routes_n)]
+
+    def route_array(self) -> np.ndarray:
+        rs = self.routes
+        if len(rs) == 1 and rs[0][1] == 0 and rs[0][2] == len(rs[0][0]):
+            return rs[0][0]
+        return np.concatenate([a[lo:hi] for a, lo, hi in rs])
 
     def add(
         self,
@@ -191,6 +248,11 @@ class _Record:
         tv = None if self.tv is None else np.frombuffer(self.tv, np.int32).copy()
         if tv is not None and not (tv != h.version).any():
             tv = None  # one version after all (a batch's column covers every entry)
+        routes = None
+        if self.routes_n:  # a fresh array (lets go of the batches), cut to the tokens
+            routes = self.route_array()[: len(h.prompt_ids) + len(ids)].copy()
+            self.routes = [(routes, 0, len(routes))]
+            self.routes_n = len(routes)
         return PartialTrajectory(
             uid=h.uid,
             group_id=h.group_id,
@@ -211,6 +273,7 @@ class _Record:
             token_versions=tv,
             agent_token=h.agent_token,
             image_digests=h.image_digests,
+            routes=routes,
         )
 
 
@@ -228,7 +291,15 @@ def _views(
 
 
 REFUSED = frozenset(
-    {"not_owner", "not_served", "prompt_mismatch", "token_range", "too_long", "batch_too_big"}
+    {
+        "not_owner",
+        "not_served",
+        "prompt_mismatch",
+        "token_range",
+        "too_long",
+        "batch_too_big",
+        "bad_routes",
+    }
 )
 """What apply/apply_batch answer for entries refused from their sender (counted per peer)."""
 
@@ -242,6 +313,7 @@ class PartialPool:
         max_response_tokens: int | None = None,
         max_prompt_tokens: int | None = None,
         max_entries: int | None = None,
+        moe: MoeShape | None = None,
     ) -> None:
         self.records: dict[str, _Record] = {}
         self.counts: Counter[str] = Counter()
@@ -259,6 +331,16 @@ class PartialPool:
         self.progressed: dict[str, None] = {}
         """The groups the last apply_batch made progress on (entries folded into records of the
         sender's), in order: the node renews their leases."""
+        self.moe = moe
+        """The policy's MoE shape: routes must fit it (None: dense, or not checked)."""
+
+    def _routes_refusal(self, routes: np.ndarray | None) -> bool:
+        """Routes that do not fit the policy (their layers, k, expert ids)."""
+        return (
+            routes is not None
+            and self.moe is not None
+            and self.moe.check(routes, len(routes)) is not None
+        )
 
     def _header_refusal(self, h: PartialTrajectory, sender: str) -> str:
         """Why `sender` may not (re)start the record of header `h` ("" when it may)."""
@@ -311,7 +393,10 @@ class PartialPool:
                 h.response_ids, h.logprobs, h.loss_mask, h.token_versions
             )
             rec.add(v_ids, v_lps, v_mask, 0, len(h.response_ids), v_tv)
+        if h.routes is not None and not self._routes_refusal(h.routes):
+            rec.add_routes(self.counts, h.routes, 0, 0, len(h.routes))
         h.response_ids, h.logprobs, h.loss_mask, h.token_versions = _EMPTY_I, _EMPTY_F, None, None
+        h.routes = None
         self.records[h.uid] = rec
         self.counts["headers"] += 1
 
@@ -328,8 +413,10 @@ class PartialPool:
         awaiting: bool,
         rollout_id: str,
         tv: memoryview | None = None,
+        route: tuple[np.ndarray, int, int, int] | None = None,
     ) -> str:
-        """One entry (tokens ids[lo:hi], _views of the message's columns) into its record: the
+        """One entry (tokens ids[lo:hi], _views of the message's columns; `route`: its routes
+        arr[lo:hi] of positions start .., as (arr, start, lo, hi)) into its record: the
         contiguous-prefix rules above."""
         rec = self.records.get(uid)
         if rec is None:
@@ -345,6 +432,8 @@ class PartialPool:
         skip = rec.length - offset
         if offset + n >= rec.length:  # the entry reaches the end: its flag holds
             rec.awaiting_env = awaiting
+        if route is not None:  # a resend may still bring routes the record lacks
+            rec.add_routes(self.counts, *route)
         if skip >= n:
             if n:
                 self.counts["duplicates"] += 1
@@ -390,7 +479,11 @@ class PartialPool:
         if why:
             self.counts["refused"] += 1
             return why
-        return self._fold(
+        routes, bad_routes = c.routes, self._routes_refusal(c.routes)
+        if bad_routes:  # dropped; the tokens are still good
+            self.counts["refused"] += 1
+            routes = None
+        res = self._fold(
             c.uid,
             c.version,
             c.offset,
@@ -399,7 +492,9 @@ class PartialPool:
             n,
             c.awaiting_env,
             c.rollout_id,
+            route=None if routes is None else (routes, c.route_start, 0, len(routes)),
         )
+        return "bad_routes" if bad_routes else res
 
     def apply_batch(self, b: PartialBatch, sender: str = "") -> Counter[str]:
         """Fold a rollout's flush window in, entry by entry in order (as that many chunks would);
@@ -422,6 +517,16 @@ class PartialPool:
         own = sender if sender and self.owners is not None else None
         longest = self.max_response_tokens if sender else None
         out: Counter[str] = Counter()
+        routes = b.routes
+        if self._routes_refusal(routes):  # dropped; the tokens are still good
+            self.counts["refused"] += 1
+            out["bad_routes"] += 1
+            routes = None
+        r_starts: list[int] = []
+        r_lengths: list[int] = []
+        if routes is not None and b.route_starts is not None and b.route_lengths is not None:
+            r_starts, r_lengths = b.route_starts.tolist(), b.route_lengths.tolist()
+        r_lo = 0
         rid = b.rollout_id
         ids, lps, mask, tvs = _views(b.token_ids, b.logprobs, b.loss_mask, b.token_versions)
         heads = (
@@ -442,6 +547,13 @@ class PartialPool:
             )
         ):
             hi = lo + n
+            route = None
+            if r_lengths:
+                r_hi = r_lo + r_lengths[i]
+                if r_hi > r_lo:
+                    assert routes is not None
+                    route = (routes, r_starts[i], r_lo, r_hi)
+                r_lo = r_hi
             if heads and i in heads:
                 why = self._header_refusal(heads[i], sender)
                 if why:
@@ -471,10 +583,12 @@ class PartialPool:
                     rec.add(ids, lps, mask, lo, hi, tvs)
                 if own is None and rid:
                     h.rollout_id = rid
+                if route is not None:
+                    rec.add_routes(self.counts, *route)
                 progressed[h.group_id] = None
                 appended += 1
             else:
-                res = self._fold(uid, ver, off, ids, lps, mask, lo, hi, aw, rid, tvs)
+                res = self._fold(uid, ver, off, ids, lps, mask, lo, hi, aw, rid, tvs, route)
                 if res != "appended":
                     out[res] += 1
                 if res in ("appended", "duplicate"):

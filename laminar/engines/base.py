@@ -129,6 +129,11 @@ class TokenEvent:
     finish_reason: str | None = None
     """None while running; stop | length | abort | error when this is the sequence's last event."""
     version: int = 0
+    routes: np.ndarray | None = None
+    """MoE engines that record routes: the top-k expert ids (n, moe_layers, k) of the positions
+    route_start .. route_start + n of prompt + response that this step ran through the model (a
+    prefill: all of them; a decode step: the token sampled before); None: nothing recorded."""
+    route_start: int = 0
 
     @property
     def finished(self) -> bool:

@@ -23,7 +23,9 @@ before the addmm residuals, the one-call norm, the three-op RoPE and attend_deco
 "The state since the fourth session").
 
 What it runs: Llama, Mistral (no sliding window within max_len), Qwen2 (q/k/v biases) and
-Qwen3 (q/k RMSNorm on the head dimension), with any static RoPE type. Anything else
+Qwen3 (q/k RMSNorm on the head dimension), with any static RoPE type; Qwen3-MoE and Mixtral too,
+their routed MLPs through models/moe.py routed_mlp (HF's router weight and experts module), which
+hands back each token's top-k expert ids (the rollout's routes). Anything else
 (dynamic RoPE, sliding windows, soft caps, other layer shapes) gets None from lean_decoder (auto)
 and the engine runs the HF forward. The weights stay the model's own tensors; only the fused
 q/k/v and gate/up copies are built here (a second copy of about two thirds of the layer
@@ -42,6 +44,7 @@ import torch.nn.functional as F
 from laminar.engines.kv_cache import PagedKVCache, attend, attend_decode
 from laminar.models import decoder_ops as ops
 from laminar.models.decoder_ops import DecoderShape, rms, rope_table, rotate
+from laminar.models.moe import is_routed, routed_mlp
 
 
 @dataclass
@@ -88,9 +91,13 @@ class LeanDecoder:
                         None if bias[0] is None else torch.cat(bias),
                     )
                 )
-                gate_up.append(torch.cat([m.gate_proj.weight, m.up_proj.weight]))
+                # a routed MLP (MoE) runs HF's own router weight and experts: nothing to fuse
+                routed = is_routed(m)
+                gate_up.append(
+                    None if routed else torch.cat([m.gate_proj.weight, m.up_proj.weight])
+                )
         self.qkv: list[tuple[torch.Tensor, torch.Tensor | None]] = qkv
-        self.gate_up: list[torch.Tensor] = gate_up
+        self.gate_up: list[torch.Tensor | None] = gate_up
 
     def release(self) -> None:
         """Drop the fused copies (colocated sleep); refresh() rebuilds them from the model's."""
@@ -98,7 +105,8 @@ class LeanDecoder:
 
     def nbytes(self) -> int:
         """Bytes of the fused copies."""
-        parts = [t for w, b in self.qkv for t in (w, b) if t is not None] + self.gate_up
+        parts = [t for w, b in self.qkv for t in (w, b) if t is not None]
+        parts += [t for t in self.gate_up if t is not None]  # a routed MLP (MoE) has none
         return sum(t.numel() * t.element_size() for t in parts)
 
     def fused_views(self) -> dict[int, torch.Tensor]:
@@ -115,16 +123,23 @@ class LeanDecoder:
             if b is not None:
                 for p, view in zip(parts, torch.split(b, rows), strict=True):
                     out[p.bias.data_ptr()] = view
+            if gu is None:  # routed: the model's own expert tensors
+                continue
             gate = m.gate_proj.weight.shape[0]
             out[m.gate_proj.weight.data_ptr()] = gu[:gate]
             out[m.up_proj.weight.data_ptr()] = gu[gate:]
         return out
 
     def __call__(
-        self, ids: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor, cache: PagedKVCache
+        self,
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        keep: torch.Tensor,
+        cache: PagedKVCache,
+        routes: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Logits (len(keep), vocab) of one packed step: ids, pos (T,) long, placed as cache.layout
-        says."""
+        says. `routes`: a list that receives each MoE layer's expert ids (T, k), in layer order."""
         t = ids.shape[0]
         sh = self.shape
         h_q, h_kv, d = sh.heads, sh.kv_heads, sh.head_dim
@@ -156,7 +171,14 @@ class LeanDecoder:
                 )
             x = _residual(x, o.reshape(t, h_q * d), ly.attn.o_proj.weight, ly.attn.o_proj.bias)
             y = rms(x, ly.norm_post, sh.eps)
-            gate, up = F.linear(y, self.gate_up[i]).chunk(2, -1)
+            gu = self.gate_up[i]
+            if gu is None:
+                out, idx = routed_mlp(ly.mlp, y)
+                x = x + out
+                if routes is not None:
+                    routes.append(idx)
+                continue
+            gate, up = F.linear(y, gu).chunk(2, -1)
             x = _residual(x, sh.act(gate) * up, ly.mlp.down_proj.weight, None)
         return F.linear(rms(x[keep], self.norm, sh.eps), self.lm_head)
 

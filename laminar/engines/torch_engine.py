@@ -70,6 +70,7 @@ from laminar.engines.lean_forward import lean_decoder
 from laminar.engines.sampling import sample, sequence_key, uniform
 from laminar.models.decoder_ops import text_config
 from laminar.models.lora import MergedAdapter
+from laminar.models.moe import MoeShape, RouteTap
 from laminar.models.offload import HostStash, device_bytes
 from laminar.models.rejected import WeightsRejected
 from laminar.supervise import Spawn, detached_spawn
@@ -128,6 +129,7 @@ class TorchEngine(Engine):
         forward: str = "auto",
         lora: LoraConfig | None = None,
         block_tokens: int = BLOCK_TOKENS,
+        record_routes: bool = True,
     ) -> None:
         super().__init__()
         self.model = model.eval()
@@ -159,6 +161,13 @@ class TorchEngine(Engine):
         self.lean = lean_decoder(model, self.max_model_len, forward)
         if self.lean is None:  # HF's forward, with the paged attention plugged in
             use_paged_attention(model)
+        moe = MoeShape.of(model)
+        self.routes: RouteTap | None = None
+        """MoE models (model.moe.routing_replay): each step's top-k expert ids per token and MoE
+        layer, handed out on the TokenEvents (the lean forward returns them; HF's forward has
+        forward hooks on its routers)."""
+        if moe is not None and record_routes:
+            self.routes = RouteTap(moe, None if self.lean is not None else model)
         self._running: list[_Seq] = []  # index == slot
         self._waiting: deque[_Seq] = deque()
         self._seqs: dict[str, _Seq] = {}
@@ -219,6 +228,7 @@ class TorchEngine(Engine):
             max_prefill_tokens=r.max_prefill_tokens,
             forward=r.torch_forward,
             lora=mc.lora,
+            record_routes=mc.moe.routing_replay,
         )
         opts.update(kw)
         return cls(model, tokenizer, **opts)
@@ -560,23 +570,41 @@ class TorchEngine(Engine):
             all(s.params.temperature == 1.0 and s.params.top_p >= 1.0 for s in rows),
         )
 
-    def _compute(self, b: _Batch) -> tuple[list[int], list[float]]:
-        """Worker thread: one packed forward + sampling."""
+    def _compute(self, b: _Batch) -> tuple[list[int], list[float], np.ndarray | None]:
+        """Worker thread: one packed forward + sampling (+ the step's routes, MoE)."""
+        tap = self.routes
         with torch.inference_mode(), self.cache.step(b.layout):
+            if tap is not None:
+                tap.begin()
             if self.lean is not None:
-                logits = self.lean(b.ids[0], b.pos[0], b.keep, self.cache)
+                logits = self.lean(
+                    b.ids[0], b.pos[0], b.keep, self.cache, None if tap is None else tap.layers
+                )
             else:
                 logits = self.model(
                     input_ids=b.ids, position_ids=b.pos, use_cache=False, logits_to_keep=b.keep
                 ).logits[0]
             tokens, lps = sample(logits, b.temperature, b.top_p, b.uniforms, plain=b.plain)
-        return tokens.tolist(), lps.tolist()
+            routes = None if tap is None else tap.end()
+        return tokens.tolist(), lps.tolist(), routes
 
-    def _commit(self, b: _Batch, tokens: list[int], lps: list[float]) -> None:
+    def _commit(
+        self, b: _Batch, tokens: list[int], lps: list[float], routes: np.ndarray | None = None
+    ) -> None:
         self.steps += 1
         done = []
-        for s, tok, lp in zip(b.decode + b.prefill, tokens, lps, strict=True):
-            s.kv_len = len(s.prompt) + len(s.out)  # everything but the token sampled now
+        # the step's packed tokens: one per decode row, then each prefill's prompt + resumed ones
+        at = len(b.decode)
+        for i, (s, tok, lp) in enumerate(zip(b.decode + b.prefill, tokens, lps, strict=True)):
+            fed = len(s.prompt) + len(s.out)  # positions in the cache once this step ran
+            if routes is None:
+                step_routes, route_start = None, 0
+            elif i < len(b.decode):
+                step_routes, route_start = routes[i : i + 1], fed - 1
+            else:
+                step_routes, route_start = routes[at : at + fed], 0
+                at += fed
+            s.kv_len = fed  # everything but the token sampled now
             s.out.append(tok)
             s.lps.append(lp)
             s.version = self.version
@@ -589,6 +617,8 @@ class TorchEngine(Engine):
                     np.array([lp], np.float32),
                     reason,
                     self.version,
+                    step_routes,
+                    route_start,
                 )
             )
             if reason is not None:

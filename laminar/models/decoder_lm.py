@@ -39,6 +39,7 @@ from laminar.models.decoder_ops import (
     rotate,
     signed_sin,
 )
+from laminar.models.moe import MOE_TYPES
 
 ROPE_TYPES = ("default", "linear", "llama3")
 WEIGHTS = "model.safetensors"
@@ -254,6 +255,8 @@ def _why_not(cfg: Any, raw: dict[str, Any], max_len: int) -> str | None:
     why = config_unsupported(cfg, max_len)
     if why is not None:
         return why
+    if cfg.model_type in MOE_TYPES:
+        return "a mixture-of-experts model (its MLPs stay HF's modules)"
     if rope_parameters(cfg)["rope_type"] not in ROPE_TYPES:
         return f"rope_type {rope_parameters(cfg)['rope_type']!r}"
     if getattr(cfg, "hidden_act", "silu") != "silu":

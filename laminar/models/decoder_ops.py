@@ -22,9 +22,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from laminar.models.moe import is_routed
+
 log = logging.getLogger(__name__)
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+"""What the plain-tensor forwards run; the MoE ones (models/moe.py) route their MLPs through HF's
+own router weights and experts module."""
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 
 
@@ -133,12 +137,16 @@ def unsupported(model: Any, max_len: int) -> str | None:
         a, m = layer.self_attn, layer.mlp
         if not all(hasattr(a, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling")):
             return f"attention {type(a).__name__} lacks q/k/v/o projections"
+        if (a.q_proj.bias is None) != (a.k_proj.bias is None):
+            return "unexpected projection biases"
+        if is_routed(m):
+            continue
         if (
             not all(hasattr(m, n) for n in ("gate_proj", "up_proj", "down_proj"))
             or m.down_proj.bias is not None
         ):
             return f"MLP {type(m).__name__} is not a bias-free gated MLP"
-        if m.gate_proj.bias is not None or (a.q_proj.bias is None) != (a.k_proj.bias is None):
+        if m.gate_proj.bias is not None:
             return "unexpected projection biases"
     return None
 

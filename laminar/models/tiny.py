@@ -57,11 +57,45 @@ def tiny_config(
     kv_heads: int = 2,
     intermediate: int | None = None,
     max_positions: int = 512,
+    kind: str = "dense",
+    experts: int = 8,
+    experts_per_token: int = 2,
+    expert_intermediate: int | None = None,
     **kw: Any,
 ):
-    """A small Llama-style config (RMSNorm, RoPE, SwiGLU, GQA, tied embeddings)."""
+    """A small Llama-style config (RMSNorm, RoPE, SwiGLU, GQA, tied embeddings); `kind` "moe": the
+    Qwen3-MoE shape of it (q/k norms, every MLP a routed one of `experts` experts, top
+    `experts_per_token`, renormalised gate weights, each expert `expert_intermediate` wide,
+    default hidden)."""
     from transformers import LlamaConfig
 
+    if kind == "moe":
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig(  # type: ignore[call-arg]  # head_dim: a PretrainedConfig kwarg
+            vocab_size=vocab_size,
+            hidden_size=hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=hidden // heads,
+            intermediate_size=intermediate or hidden * 3,
+            moe_intermediate_size=expert_intermediate or hidden,
+            num_experts=experts,
+            num_experts_per_tok=experts_per_token,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=True,
+            rms_norm_eps=1e-5,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+            **kw,
+        )
+    if kind != "dense":
+        raise ValueError(f"model kind {kind!r}: dense or moe")
     return LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=hidden,

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from laminar.config import LaminarConfig
+from laminar.models.moe import MoeShape, moe_parameter_count
 from laminar.plan.trainer import TrainerMemory
 from laminar.plan.vision import VisionPlan, text_shape, vision_plan
 
@@ -87,6 +88,40 @@ class ProcessPlan:
 
 
 @dataclass
+class MoePlan:
+    """Where a mixture-of-experts policy's bytes go on the trainer, and what expert parallelism
+    (EP) of degree `ep` would change (figures per trainer rank; fp32 master weights, fp32
+    gradients, AdamW's two fp32 moments: 16 bytes per trained parameter)."""
+
+    experts: int
+    top_k: int
+    moe_layers: int
+    expert_params: int
+    """Every expert's gate/up/down of every MoE layer."""
+    router_params: int
+    """The routers (experts x hidden per MoE layer)."""
+    active_params: int
+    """Parameters one token runs through (dense parts + top_k experts per MoE layer)."""
+    expert_state_bytes: int
+    """Per rank under FSDP x world: the experts' parameters, gradients and AdamW state."""
+    expert_optimizer_bytes: int
+    """Of those, AdamW's moments."""
+    router_state_bytes: int
+    """Per rank: the routers' parameters, gradients and AdamW state."""
+    ep: int
+    """The EP degree figured (the largest divisor of the expert count up to the trainer world)."""
+    gathered_layer_bytes: int
+    """FSDP: one MoE layer's experts gathered for its forward (trainer.param_dtype)."""
+    gathered_layer_bytes_ep: int
+    """EP x ep: a rank gathers only its experts/ep experts of the layer."""
+    expert_gather_bytes_per_step: int
+    """FSDP: expert weights a rank receives per micro-batch (forward + backward's re-gather)."""
+    all_to_all_bytes_per_step: int
+    """EP x ep instead: tokens a rank sends and receives per micro-batch (dispatch + combine of
+    each routed copy, forward and backward, every MoE layer)."""
+
+
+@dataclass
 class Plan:
     config: str
     hardware: Hardware
@@ -99,6 +134,8 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     vision: dict[str, int] = field(default_factory=dict)
     """A vision-language model's figures (laminar/plan/vision.py); empty for a text model."""
+    moe: MoePlan | None = None
+    """A mixture-of-experts policy's expert figures (None: dense)."""
 
     @property
     def fits(self) -> bool:
@@ -212,6 +249,10 @@ def make_plan(cfg: LaminarConfig, hw: Hardware, config_name: str = "") -> Plan:
     if vis is not None:
         params += vis.params
         _vision_notes(plan, cfg, vis)
+    moe = MoeShape.of_config(shape)
+    if moe is not None:
+        plan.moe = _moe_plan(cfg, shape, moe, params, hw.trainer_world)
+        plan.notes.extend(_moe_notes(plan.moe))
     if scratch is not None:
         scratch.cleanup()
     weights = params * model_bytes
@@ -413,11 +454,61 @@ def _fused_bytes(shape: dict[str, Any], dtype_bytes: int) -> int:
     heads = int(shape["num_attention_heads"])
     head_dim = int(shape.get("head_dim") or d // heads)
     kv = int(shape.get("num_key_value_heads") or heads)
-    return int(n) * (d * (heads + 2 * kv) * head_dim + 2 * d * i) * dtype_bytes
+    moe = MoeShape.of_config(shape)
+    dense = int(n) - (len(moe.layers) if moe is not None else 0)  # routed MLPs: no fused copy
+    return (int(n) * d * (heads + 2 * kv) * head_dim + dense * 2 * d * i) * dtype_bytes
+
+
+def _moe_plan(
+    cfg: LaminarConfig, shape: dict[str, Any], moe: MoeShape, params: int, world: int
+) -> MoePlan:
+    d = int(shape["hidden_size"])
+    experts, router = moe_parameter_count(moe, d)
+    per_expert = 3 * d * moe.expert_intermediate
+    n = len(moe.layers)
+    ep = max(e for e in range(1, min(world, moe.experts) + 1) if moe.experts % e == 0)
+    gathered = 2 if cfg.model.device.startswith("cuda") else 4  # bf16 gathers on a GPU trainer
+    layer_bytes = moe.experts * per_expert * gathered
+    tokens = cfg.trainer.micro_batch_tokens
+    return MoePlan(
+        experts=moe.experts,
+        top_k=moe.top_k,
+        moe_layers=n,
+        expert_params=experts,
+        router_params=router,
+        active_params=params - experts + n * moe.top_k * per_expert,
+        expert_state_bytes=experts * 16 // world,
+        expert_optimizer_bytes=experts * 8 // world,
+        router_state_bytes=router * 16 // world,
+        ep=ep,
+        gathered_layer_bytes=layer_bytes,
+        gathered_layer_bytes_ep=layer_bytes // ep,
+        expert_gather_bytes_per_step=2 * n * layer_bytes * (world - 1) // world,
+        # each routed copy of a token goes out and comes back (2), in forward and backward (2)
+        all_to_all_bytes_per_step=4 * n * tokens * moe.top_k * d * gathered * (ep - 1) // ep,
+    )
+
+
+def _moe_notes(m: MoePlan) -> list[str]:
+    g = GIB
+    return [
+        f"experts: {m.expert_params / 1e9:.2f}B parameters in {m.moe_layers} MoE layers x "
+        f"{m.experts} experts (top-{m.top_k}; {m.active_params / 1e9:.2f}B active per token), "
+        f"routers {m.router_params / 1e6:.1f}M; per trainer rank: expert parameters + gradients "
+        f"+ AdamW {m.expert_state_bytes / g:.2f} GiB (AdamW {m.expert_optimizer_bytes / g:.2f}), "
+        f"routers {m.router_state_bytes / g:.3f} GiB",
+        f"expert parallelism x{m.ep} (not built here; FSDP shards the experts like any weight): a "
+        f"MoE layer's forward gathers {m.gathered_layer_bytes_ep / g:.2f} GiB of experts instead "
+        f"of {m.gathered_layer_bytes / g:.2f}, and a micro-batch moves "
+        f"{m.all_to_all_bytes_per_step / g:.2f} GiB of tokens all-to-all instead of gathering "
+        f"{m.expert_gather_bytes_per_step / g:.2f} GiB of expert weights; the state per rank stays "
+        f"{m.expert_state_bytes / g:.2f} GiB (experts split x{m.ep}, FSDP over the rest)",
+    ]
 
 
 def _param_count(shape: dict[str, Any]) -> int:
-    """Parameters of a Llama-family decoder from its config (used when no trainer is traced)."""
+    """Parameters of a Llama-family decoder from its config (used when no trainer is traced); a
+    mixture-of-experts one counts every expert and router instead of the dense MLP."""
     d, i, n = int(shape["hidden_size"]), int(shape["intermediate_size"]), shape["num_hidden_layers"]
     heads = int(shape["num_attention_heads"])
     head_dim = int(shape.get("head_dim") or d // heads)
@@ -426,7 +517,12 @@ def _param_count(shape: dict[str, Any]) -> int:
     attn = d * heads * head_dim * 2 + d * kv * head_dim * 2
     layer = attn + 3 * d * i + 2 * d
     head = 0 if shape.get("tie_word_embeddings") else v * d
-    return int(n) * layer + v * d + head + d
+    total = int(n) * layer + v * d + head + d
+    moe = MoeShape.of_config(shape)
+    if moe is not None:
+        experts, router = moe_parameter_count(moe, d)
+        total += experts + router - len(moe.layers) * 3 * d * i
+    return total
 
 
 def format_plan(plan: Plan) -> str:

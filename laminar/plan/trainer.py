@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from laminar.models.moe import MoeShape
 from laminar.protocol.data import Trajectory
 from laminar.trainer.protocol import TrainerSettings
 
@@ -118,9 +120,36 @@ def _shape_loader(shape: dict[str, Any], device: str, fake: Any):
             )
         with fake:
             model.to_empty(device=device)
+        if MoeShape.of_config(shape) is not None:
+            for module in model.modules():
+                if hasattr(module, "gate_up_proj") and hasattr(module, "num_experts"):
+                    module.forward = types.MethodType(_balanced_experts, module)
         return model.eval()
 
     return load
+
+
+def _balanced_experts(
+    self: Any, hidden: Any, top_k_index: Any, top_k_weights: Any
+) -> Any:  # pragma: no cover - runs on fake tensors only
+    """An HF experts module's forward as the trace runs it: routing balanced (each expert takes
+    ceil(tokens x k / experts) tokens), the planning assumption, with static shapes (the real
+    forward's nonzero has a data-dependent size fake tensors cannot carry). The same matmuls,
+    activations and gate-weight products per expert as the real ones at a balanced load."""
+    import math
+
+    import torch
+    import torch.nn.functional as F
+
+    t, k = top_k_index.shape
+    n = math.ceil(t * k / self.num_experts)
+    out = torch.zeros_like(hidden)
+    for e in range(self.num_experts):
+        tok = torch.arange(e * n, (e + 1) * n, device=hidden.device) % t
+        gate, up = F.linear(hidden[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
+        h = F.linear(self.act_fn(gate) * up, self.down_proj[e]) * top_k_weights[tok, :1]
+        out.index_add_(0, tok, h.to(out.dtype))
+    return out
 
 
 def _trace(

@@ -48,13 +48,20 @@ __all__ = [
 ]
 
 Refusal = Literal[
-    "not_served", "not_owner", "prompt_mismatch", "reward_range", "token_range", "too_long"
+    "not_served",
+    "not_owner",
+    "prompt_mismatch",
+    "reward_range",
+    "token_range",
+    "too_long",
+    "bad_routes",
 ]
 """Why a rollout's sample is refused: its group was never served to anyone; the sample is
 another rollout's (served or moved to it); its prompt (uid, and token ids outside agent runs) is
 not the one its group was served with; its reward is not finite or outside
 reward.min_value..max_value; a token id lies outside the vocabulary; it is longer than any
-response can be (agent runs: or its prompt longer than data.max_prompt_tokens)."""
+response can be (agent runs: or its prompt longer than data.max_prompt_tokens); its MoE routes
+do not fit the policy (shape tokens x moe_layers x k, expert ids below the expert count)."""
 
 
 @message(0x30, senders=("rollout",), id_fields=("rollout_id",))

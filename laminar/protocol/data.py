@@ -21,6 +21,7 @@ __all__ = [
     "LossMask",
     "Ints",
     "Flags",
+    "Routes",
     "newest_version",
 ]
 
@@ -33,6 +34,11 @@ Ints = Annotated[np.ndarray, Arr(("int32", "int64"), ndim=1)]
 """A column of integers, one per entry (PartialBatch)."""
 Flags = Annotated[np.ndarray, Arr(("uint8",), ndim=1)]
 """A column of 0/1 flags, one per entry (PartialBatch)."""
+Routes = Annotated[np.ndarray, Arr(("uint8", "int16"), ndim=3)]
+"""MoE policies: the top-k expert ids of each position of prompt + response the rollout's engine
+ran through the model, (positions, moe_layers, k), the smallest integer type holding the expert
+count (models/moe.py). Covers positions 0 .. len-1; the ones after (the last sampled token) have
+none."""
 
 
 class ToolRecord(Message):
@@ -123,6 +129,9 @@ class Trajectory(Message):  # rollout -> buffer (finished), buffer -> trainer (i
     image_digests: list[str] = field(default_factory=list)
     """The prompt's images by content digest (PromptItem.image_digests): the trainer gets their
     bytes from the buffer (ImageFetch), never with the trajectory."""
+    routes: Routes | None = None
+    """MoE policies with model.moe.routing_replay: the expert ids the rollout routed each position
+    to (Routes); the trainer replays them. None: dense, replay off, or not recorded."""
 
 
 @message(0x22, senders=("rollout", "manager", "buffer"))
@@ -158,6 +167,10 @@ class PartialTrajectory(
     image_digests: list[str] = field(default_factory=list)
     """The prompt's images by digest: a destination that lacks one fetches it from the buffer
     (ImageFetch) and checks it before resuming."""
+    routes: Routes | None = None
+    """MoE: the routes recorded so far (as Trajectory.routes), kept by whoever resumes it. On the
+    partial pool's headers: None (the routes travel in the entries, like the tokens); a record
+    the pool hands back (recovery) carries the routes its entries brought."""
 
 
 def newest_version(p: PartialTrajectory) -> int:
@@ -184,6 +197,10 @@ class PartialChunk(
     awaiting_env: bool = False
     """Multi-turn: the response up to this chunk's end ends a complete model turn whose environment
     answer is not in yet (the latest chunk reaching the end decides; see PartialTrajectory)."""
+    routes: Routes | None = None
+    """MoE: routes of positions route_start .. (prompt + response positions, Trajectory.routes)
+    the engine recorded since the last chunk (None: none new, or none recorded)."""
+    route_start: int = 0
 
 
 @message(0x24, senders=("rollout",), id_fields=("rollout_id",))
@@ -216,3 +233,13 @@ class PartialBatch(
     entry's tokens at its `versions[i]`, the trajectory's version)."""
     header_at: Ints | None = None
     """Entry index of each header (same length as headers; None when there are none)."""
+    routes: Routes | None = None
+    """MoE: every entry's new routes, concatenated in entry order (None: no entry has any): entry
+    i's are routes[r_i : r_i + route_lengths[i]] with r_i = sum(route_lengths[:i]), of positions
+    route_starts[i] .. of its prompt + response (Trajectory.routes; an entry with a header starts
+    at 0). Routes lag the tokens by one position (the newest token is not fed yet) and are
+    folded by position, apart from the tokens."""
+    route_starts: Ints | None = None
+    """Per entry, the position of its first route (with `routes`)."""
+    route_lengths: Ints | None = None
+    """Per entry, how many routes it brings (with `routes`)."""

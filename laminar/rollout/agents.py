@@ -490,6 +490,7 @@ class AgentDriver:
         seq = ep.seq
         seq.ids, seq.logprobs = Growable(np.int32), Growable(np.float32)
         seq.mask = Growable(np.uint8)
+        seq.routes = None  # a new attempt: its prefill records them again
         seq.prompt_ids = ep.first_prompt.copy()
         seq.sent_upto, seq.turn, seq.turn_start, seq.awaiting_env = 0, 0, 0, False
         seq.tool_calls = []

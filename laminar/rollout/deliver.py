@@ -83,6 +83,16 @@ def partial_batch(seqs: list[SeqState], rollout_id: str) -> tuple[PartialBatch, 
                 for s, a, b in zip(seqs, starts, upto, strict=True)
             ]
         ).astype(np.int32)
+    routes = r_starts = r_lengths = None
+    if any(s.routes is not None for s in seqs):  # MoE: the routes recorded since the last entry
+        r_starts = [s.routes_sent if a else 0 for s, a in zip(seqs, starts, strict=True)]
+        views = [
+            s.routes.view(r) if s.routes is not None else None
+            for s, r in zip(seqs, r_starts, strict=True)
+        ]
+        have = [v for v in views if v is not None]
+        routes = np.concatenate(have) if len(have) > 1 else have[0].copy()
+        r_lengths = [0 if v is None else len(v) for v in views]
     at = [i for i, a in enumerate(starts) if a == 0]
     headers: list[PartialTrajectory] = [seqs[i].header(rollout_id) for i in at]
     msg = PartialBatch(
@@ -98,6 +108,9 @@ def partial_batch(seqs: list[SeqState], rollout_id: str) -> tuple[PartialBatch, 
         headers=headers,
         header_at=np.array(at, np.int64) if at else None,
         token_versions=tvs,
+        routes=routes,
+        route_starts=None if r_starts is None else np.array(r_starts, np.int64),
+        route_lengths=None if r_lengths is None else np.array(r_lengths, np.int64),
     )
     return msg, upto
 
@@ -164,6 +177,7 @@ class Deliverer:
                 seq.length == seq.sent_upto
                 and seq.sent_upto > 0
                 and seq.awaiting_env == seq.sent_awaiting
+                and (seq.routes is None or seq.routes.n == seq.routes_sent)
             ):
                 continue
             due.append(seq)
@@ -179,6 +193,8 @@ class Deliverer:
             while take < len(due) and take < MAX_BATCH_ENTRIES:
                 q = due[take]
                 size += (q.length - q.sent_upto) * _BYTES_PER_TOKEN + 64
+                if q.routes is not None:  # (positions, layers, k) of one or two bytes each
+                    size += (q.routes.n - q.routes_sent) * q.routes.view(0, 1).nbytes
                 if q.sent_upto == 0:  # its header: the prompt's tokens, text and row
                     size += 4 * len(q.prompt_ids) + len(q.prompt) + 512
                 if take and size > self.max_batch_bytes:
@@ -198,6 +214,10 @@ class Deliverer:
             for seq, end, aw in zip(part, upto, msg.awaiting_env.tolist(), strict=True):
                 seq.sent_upto = max(seq.sent_upto, end)
                 seq.sent_awaiting = bool(aw)
+            if msg.route_starts is not None and msg.route_lengths is not None:
+                ends = (msg.route_starts + msg.route_lengths).tolist()
+                for seq, r_end in zip(part, ends, strict=True):
+                    seq.routes_sent = r_end
             self.metrics.count("partial_batches")
             self.metrics.count("partial_chunks", len(part))
 

@@ -672,12 +672,15 @@ class RolloutNode(Node):
                 if len(p.prompt_ids) == 0
                 or len(p.response_ids) != len(p.logprobs)
                 or (p.loss_mask is not None and len(p.loss_mask) != len(p.response_ids))
+                or (
+                    p.routes is not None and len(p.routes) > len(p.prompt_ids) + len(p.response_ids)
+                )
             ]
             if bad:
                 self.metrics.count("import_bad", len(bad))
                 return ErrorReply(
                     code="bad_partial",
-                    message=f"empty prompt or ids/logprobs/loss_mask length mismatch: {bad[:3]}",
+                    message=f"empty prompt or lengths differ (logprobs, mask, routes): {bad[:3]}",
                 )
             accepted, duplicate = self.table.resume(msg.partials, version if newer else None)
             if self.episodes is not None:  # their environment state is rebuilt by replay first

@@ -239,6 +239,8 @@ class SequenceTable:
             )
         if len(ev.token_ids):
             seq.append(ev.token_ids, ev.logprobs, time.time())
+        if ev.routes is not None and not seq.add_routes(ev.route_start, ev.routes):
+            self.metrics.count("routes_gap")
         return seq
 
     # ---- out --------------------------------------------------------------------------

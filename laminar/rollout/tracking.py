@@ -22,6 +22,10 @@ version): `version` stays the trajectory's first version (its oldest token: what
 bounds) and `runs` records where each later version took over, so every token keeps the version
 that sampled it (`token_versions`: on the partial batch, the export, the finished Trajectory).
 
+MoE (routes recorded): each entry also carries the routes recorded since the last one, by
+position of prompt + response (`routes_sent` .. ; from 0 with a header), so a record the pool
+hands to a resumer after this rollout died has the routes its tokens were sampled with.
+
 Multi-turn (a rollout with an environment): every chunk also carries its slice of the loss
 mask (1 = engine token, 0 = environment token) and `awaiting_env`, true when the response up
 to the chunk's end finishes a model turn whose environment answer is not appended yet; the
@@ -74,6 +78,44 @@ class Growable:
         return self._buf[: self.n].copy()
 
 
+class RouteLog:
+    """MoE: the routes of a sequence's positions (prompt + response), (n, moe_layers, k), each
+    position's first record kept: a resume, the next turn of an episode or a mode-partial
+    continuation prefills the sequence again and brings routes for every position, of which only
+    the ones not recorded yet are appended (the routes the earlier tokens were sampled with
+    stay)."""
+
+    def __init__(self, initial: np.ndarray) -> None:
+        self._buf = np.array(initial)
+        self.n = len(initial)
+
+    def extend(self, start: int, routes: np.ndarray) -> bool:
+        """Record positions start .. start+len(routes); False (nothing kept) when they would leave
+        a gap after the last recorded position."""
+        if start > self.n or routes.shape[1:] != self._buf.shape[1:]:
+            return False
+        new = routes[self.n - start :]
+        if not len(new):
+            return True
+        if self.n + len(new) > len(self._buf):
+            grown = np.zeros(
+                (max(64, 2 * len(self._buf), self.n + len(new)), *self._buf.shape[1:]),
+                self._buf.dtype,
+            )
+            grown[: self.n] = self._buf[: self.n]
+            self._buf = grown
+        self._buf[self.n : self.n + len(new)] = new
+        self.n += len(new)
+        return True
+
+    def copy(self, upto: int | None = None) -> np.ndarray:
+        return self._buf[: self.n if upto is None else min(self.n, upto)].copy()
+
+    def view(self, start: int, end: int | None = None) -> np.ndarray:
+        """Positions start .. end (zero-copy; valid until the next extend)."""
+        return self._buf[start : self.n if end is None else min(self.n, end)]
+
+
 @dataclass
 class SeqState:
     uid: str
@@ -121,6 +163,10 @@ class SeqState:
     runs: list[tuple[int, int]] = field(default_factory=list)
     """Mode partial: (response index, version) where a newer version took over generating it
     (empty: every token at `version`)."""
+    routes: RouteLog | None = None
+    """MoE with routing replay: the expert ids of each position so far (None: none recorded)."""
+    routes_sent: int = 0
+    """Positions of `routes` already streamed to the partial pool (a header restarts at 0)."""
 
     @property
     def current_version(self) -> int:
@@ -209,6 +255,7 @@ class SeqState:
             runs=version_runs(p.token_versions, p.version),
             agent_token=p.agent_token,
             image_digests=list(p.image_digests),
+            routes=None if p.routes is None else RouteLog(p.routes),
         )
 
     @property
@@ -223,6 +270,15 @@ class SeqState:
         self.logprobs.append(logprobs)
         if self.mask is not None:
             self.mask.append(np.ones(len(ids), np.uint8))
+
+    def add_routes(self, start: int, routes: np.ndarray) -> bool:
+        """An engine event's routes (positions start ..); False: they leave a gap, not kept."""
+        if self.routes is None:
+            if start:
+                return False
+            self.routes = RouteLog(routes)
+            return True
+        return self.routes.extend(start, routes)
 
     def append_env(self, ids: np.ndarray) -> None:
         """The environment's answer: mask 0, logprob 0.0 (context only, never trained)."""
@@ -265,6 +321,8 @@ class SeqState:
         delivered."""
         start, end = self.sent_upto, self.length
         mask = None if self.mask is None else self.mask.view(start, end).copy()
+        r0 = self.routes_sent if start else 0
+        routes = None if self.routes is None else self.routes.view(r0).copy()
         msg = PartialChunk(
             uid=self.uid,
             version=self.version,
@@ -275,6 +333,8 @@ class SeqState:
             header=self.header(rollout_id) if start == 0 else None,
             loss_mask=mask,
             awaiting_env=self.awaiting_env,
+            routes=routes if routes is not None and len(routes) else None,
+            route_start=r0,
         )
         return msg, end
 
@@ -285,6 +345,8 @@ class SeqState:
         p.loss_mask = self.mask_for(len(ids))
         p.token_versions = self.token_versions(0, len(ids))  # past `length`: the newest version
         p.awaiting_env = self.awaiting_env and len(ids) == self.length
+        if self.routes is not None:
+            p.routes = self.routes.copy(len(self.prompt_ids) + len(ids))
         return p
 
     def trajectory(self, finish_reason: str, rollout_id: str, now: float) -> Trajectory:
@@ -314,6 +376,9 @@ class SeqState:
             tool_calls=list(self.tool_calls),
             token_versions=self.token_versions(),
             image_digests=self.image_digests,
+            routes=None
+            if self.routes is None
+            else self.routes.copy(len(self.prompt_ids) + self.length),
         )
 
 

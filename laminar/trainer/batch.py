@@ -54,6 +54,9 @@ class Sample:
     """Mode partial: the version that sampled each response token (None: all at `version`)."""
     images: tuple[bytes, ...] = ()
     """Vision-language models: the prompt's encoded images (fetched by digest, checked)."""
+    routes: np.ndarray | None = None
+    """MoE: the rollout's expert ids per position of prompt + response (Trajectory.routes), which
+    the packed forward replays (model.moe.routing_replay); None: route live."""
 
     @property
     def length(self) -> int:
@@ -140,6 +143,7 @@ class TrainBatch:
                     if t.token_versions is None
                     else np.asarray(t.token_versions, np.int64),
                     images=tuple(have[d] for d in t.image_digests),
+                    routes=t.routes,
                 )
             )
         arrived = Counter(t.group_id for t in trajs)
@@ -174,6 +178,8 @@ def _reject_reason(t: Trajectory, vocab_size: int | None, max_len: int | None) -
             return "no_model_tokens"
     if max_len is not None and len(t.prompt_ids) + n > max_len:
         return "too_long"
+    if t.routes is not None and (t.routes.ndim != 3 or len(t.routes) > len(t.prompt_ids) + n):
+        return "bad_routes"
     if vocab_size is not None:
         lo = min(int(t.prompt_ids.min()), int(t.response_ids.min()))
         hi = max(int(t.prompt_ids.max()), int(t.response_ids.max()))

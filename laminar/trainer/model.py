@@ -198,6 +198,10 @@ class TrainedModel:
             self.packed is not None or apply_activation_checkpointing(self.module)
         )
         """Per-layer activation checkpointing is on (the packed forward's own, or HF's)."""
+        moe = self.packed.moe if self.packed is not None else None
+        self.replay = moe if settings.model.moe.routing_replay else None
+        """The MoE shape whose recorded routes the packed forward replays (None: dense, replay
+        off, or HF's padded forward, which routes live: FSDP-sharded runs)."""
         if self.ctx.enabled:
             self._shard(computed)
         temp = settings.temperature
@@ -288,7 +292,7 @@ class TrainedModel:
         if self.processor is not None:
             mb.vision = vision_inputs(self.processor, [batch.samples[i] for i in idx], mb.input_ids)
         if self.packed is not None:
-            mb.layout = PackedLayout.build([batch.samples[i] for i in idx])
+            mb.layout = PackedLayout.build([batch.samples[i] for i in idx], moe=self.replay)
         return mb.to(self.device)
 
     @torch.no_grad()

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from laminar.models import decoder_ops as ops
 from laminar.models.decoder_ops import DecoderShape, rms, rope_table, rotate
 from laminar.models.lora import fused_lora, lora_delta
+from laminar.models.moe import MoeShape, is_routed, routed_mlp
 from laminar.trainer.batch import Sample
 from laminar.trainer.packing import pack_micro_batches
 
@@ -69,11 +70,20 @@ class PackedLayout:
     """[N] packed index of the position predicting each trained token, samples in order."""
     longest: int
     """1 + the largest position (the RoPE table's length needed)."""
+    routes: torch.Tensor | None = None
+    """MoE routing replay: [T, moe_layers, k] long, the rollout's expert ids of each packed token
+    (a prompt's from the first of its samples that has them); None: every token routes live."""
+    routed: torch.Tensor | None = None
+    """[T] bool: the token has a recorded route (the others, e.g. each response's last token,
+    route live)."""
 
     @classmethod
-    def build(cls, samples: list[Sample], attn_tokens: int = 1024) -> PackedLayout:
+    def build(
+        cls, samples: list[Sample], attn_tokens: int = 1024, moe: MoeShape | None = None
+    ) -> PackedLayout:
         """The layout of `samples` (a micro-batch, in order); attention chunks hold about
-        `attn_tokens` keys (rows x longest row)."""
+        `attn_tokens` keys (rows x longest row). `moe`: the policy's shape, to replay the samples'
+        routes (a route array that does not fit it is not replayed)."""
         ids: list[np.ndarray] = []
         pos: list[np.ndarray] = []
         prompt_at: dict[bytes, tuple[int, int]] = {}  # prompt bytes -> (start, length)
@@ -113,6 +123,9 @@ class PackedLayout:
             chunk_rows.extend(rows_q[m] for m in members)
         order = np.empty(n_tok, dtype=np.int64)
         order[np.concatenate(chunk_rows)] = np.arange(n_tok)
+        routes = routed = None
+        if moe is not None and any(s.routes is not None for s in samples):
+            routes, routed = _packed_routes(samples, prompt_at, n_tok, moe)
         return cls(
             torch.from_numpy(np.concatenate(ids).astype(np.int64)),
             torch.from_numpy(all_pos.astype(np.int64)),
@@ -120,6 +133,8 @@ class PackedLayout:
             torch.from_numpy(order),
             torch.from_numpy(np.concatenate(select).astype(np.int64)),
             int(all_pos.max()) + 1,
+            routes,
+            routed,
         )
 
     def to(self, device: torch.device) -> PackedLayout:
@@ -130,7 +145,35 @@ class PackedLayout:
             self.order.to(device),
             self.select.to(device),
             self.longest,
+            None if self.routes is None else self.routes.to(device),
+            None if self.routed is None else self.routed.to(device),
         )
+
+
+def _packed_routes(
+    samples: list[Sample], prompt_at: dict[bytes, tuple[int, int]], n_tok: int, moe: MoeShape
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each packed token's recorded route and whether it has one: a prompt's positions from the
+    first of its samples with routes, a response's from its own (positions past its routes, and
+    samples whose routes do not fit `moe`, route live)."""
+    routes = np.zeros((n_tok, len(moe.layers), moe.top_k), np.int64)
+    routed = np.zeros(n_tok, bool)
+    filled: set[bytes] = set()
+    at = sum(n for _, n in prompt_at.values())  # responses follow the distinct prompts
+    for s in samples:
+        key = s.prompt_ids.tobytes()
+        p_start, p_len = prompt_at[key]
+        r = len(s.response_ids)
+        rt = s.routes
+        if rt is not None and moe.check(rt, p_len + r) is None:
+            if key not in filled:
+                k = min(p_len, len(rt))
+                routes[p_start : p_start + k], routed[p_start : p_start + k] = rt[:k], True
+                filled.add(key)
+            k = max(0, min(r, len(rt) - p_len))
+            routes[at : at + k], routed[at : at + k] = rt[p_len : p_len + k], True
+        at += r
+    return torch.from_numpy(routes), torch.from_numpy(routed)
 
 
 def _chunk(qs: list[np.ndarray], ks: list[np.ndarray], pos: np.ndarray) -> AttentionChunk:
@@ -155,11 +198,18 @@ def _chunk(qs: list[np.ndarray], ks: list[np.ndarray], pos: np.ndarray) -> Atten
 
 class PackedForward:
     """Logits of a PackedLayout's selected positions under `model` (an HF Llama-family
-    ForCausalLM), computed from the model's own parameters so gradients reach them."""
+    ForCausalLM, or a Qwen3-MoE / Mixtral one), computed from the model's own parameters so
+    gradients reach them. A routed MLP replays the layout's routes (models/moe.py routed_mlp)."""
 
     def __init__(self, model: Any, fp32_head: bool = False) -> None:
         self.model = model
         self.shape = DecoderShape.of(model)
+        self.moe = MoeShape.of(model)
+        """The MoE shape (None: dense); PackedLayout.build takes it to replay routes."""
+        self.moe_slot = {layer: i for i, layer in enumerate(self.moe.layers)} if self.moe else {}
+        """Decoder layer index -> its index in a route array's layer axis."""
+        self.live_routes: list[torch.Tensor] = []
+        """The expert ids each MoE layer used in the last forward (tests, the mismatch bench)."""
         self.cos, self.sin = rope_table(
             model, 512
         )  # grown on demand (a long-context model's full table is large)
@@ -183,17 +233,29 @@ class PackedForward:
             self.cos, self.sin = rope_table(self.model, max(longest, 2 * self.cos.shape[0]))
         cos, sin = self.cos[lay.pos][:, None], self.sin[lay.pos][:, None]
         x = F.embedding(lay.ids, inner.embed_tokens.weight)
-        for layer in inner.layers:
+        self.live_routes = []
+        for i, layer in enumerate(inner.layers):
+            # the recorded routes go in as an argument: a checkpointed layer recomputes in
+            # backward with the same experts
+            forced = None
+            if lay.routes is not None and i in self.moe_slot:
+                forced = lay.routes[:, self.moe_slot[i]]
             if checkpoint and torch.is_grad_enabled():
                 x = torch.utils.checkpoint.checkpoint(
-                    self._layer, layer, x, cos, sin, lay, use_reentrant=False
+                    self._layer, layer, x, cos, sin, lay, forced, use_reentrant=False
                 )
             else:
-                x = self._layer(layer, x, cos, sin, lay)
+                x = self._layer(layer, x, cos, sin, lay, forced)
         return rms(x[lay.select], inner.norm.weight, sh.eps)
 
     def _layer(
-        self, layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lay: PackedLayout
+        self,
+        layer: Any,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        lay: PackedLayout,
+        forced: torch.Tensor | None = None,
     ) -> torch.Tensor:
         sh = self.shape
         t = x.shape[0]
@@ -222,6 +284,10 @@ class PackedForward:
         o = self._attend(qk[:, :h_q], qk[:, h_q:], v, lay)
         x = x + _plus(F.linear(o, a.o_proj.weight, a.o_proj.bias), lora_delta(a.o_proj, o))
         y = rms(x, layer.post_attention_layernorm.weight, sh.eps)
+        if is_routed(m):
+            out, idx = routed_mlp(m, y, forced, lay.routed if forced is not None else None)
+            self.live_routes.append(idx.detach())
+            return x + out
         gate_up = F.linear(y, torch.cat([m.gate_proj.weight, m.up_proj.weight]))
         gate, up = _plus(gate_up, fused_lora((m.gate_proj, m.up_proj), y)).chunk(2, -1)
         h = sh.act(gate) * up

@@ -15,6 +15,7 @@ from laminar.buffer.experience import ExperienceState
 from laminar.buffer.owners import SampleLimits
 from laminar.buffer.settings import BufferNodeSettings, StateSettings
 from laminar.config import LaminarConfig
+from laminar.models.moe import MoeShape
 from laminar.modes import Admission
 from laminar.wiring.common import node_settings, socket_max_message_bytes
 
@@ -63,6 +64,18 @@ def model_vocab(model_path: str | None) -> int | None:
     return None
 
 
+def model_moe(model_path: str | None) -> MoeShape | None:
+    """The MoE shape from the model's config.json (routes are checked against it); None: dense or
+    no readable config."""
+    if not model_path:
+        return None
+    try:
+        raw = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return MoeShape.of_config(raw) if isinstance(raw, dict) else None
+
+
 def sample_limits(cfg: LaminarConfig) -> SampleLimits:
     """What a rollout's sample must satisfy (blocking: reads the model's config.json).
 
@@ -82,6 +95,7 @@ def sample_limits(cfg: LaminarConfig) -> SampleLimits:
         max_response_tokens=longest,
         # an agent renders its own prompt (a served one is compared token by token instead)
         max_prompt_tokens=cfg.data.max_prompt_tokens if agent_prompts(cfg) else None,
+        moe=model_moe(cfg.model.path),
     )
 
 

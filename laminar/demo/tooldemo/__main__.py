@@ -95,7 +95,7 @@ def warm_up(s: DemoConfig, train: list[dict], seed: int) -> Path:
         out,
         pairs,
         tu.ALPHABET,
-        model_kw=s.model.model_dump(),
+        model_kw=s.model.builder_kw(),
         steps=s.warmup_steps,
         batch_size=s.warmup_batch,
         lr=s.warmup_lr,
