@@ -21,7 +21,13 @@ from tests.test_agents import capture, make_cfg, runs, wait_for
 
 
 async def _trains(
-    tmp_path: Any, tiny: Any, name: str, fn: str, long: bool = False, replays: bool = False
+    tmp_path: Any,
+    tiny: Any,
+    name: str,
+    fn: str,
+    long: bool = False,
+    replays: bool = False,
+    kwargs: dict[str, Any] | None = None,
 ) -> None:
     """Six episodes of the example's agent: each delivered, none failed; each hard prompt's
     calculator call was run and answered (two model turns, the tool's answer between them), and
@@ -35,7 +41,7 @@ async def _trains(
             "data": {"epochs": 1, "max_prompt_tokens": 16384},
             "env": {"limits": {"max_total_tokens": 16384}},
         }
-    cfg = make_cfg(tmp_path, tiny, name, rows=3, agent={"fn": fn}, **over)
+    cfg = make_cfg(tmp_path, tiny, name, rows=3, agent={"fn": fn, "kwargs": kwargs or {}}, **over)
     engine = ScriptEngine(load_prompt_tokenizer(tiny, chat_template=True))
     async with LocalCluster(cfg) as cluster:
         rollout = await cluster.add("rollout", 0, engine=engine)
@@ -81,4 +87,10 @@ async def test_the_smolagents_example_trains(tmp_path, tiny):
 
 async def test_the_openai_agents_sdk_example_trains(tmp_path, tiny):
     pytest.importorskip("agents", reason="openai-agents is not installed (the `agents-sdk` extra)")
-    await _trains(tmp_path, tiny, "fw-agents-sdk", "examples.agents.openai_agents_sdk:run")
+    await _trains(
+        tmp_path,
+        tiny,
+        "fw-agents-sdk",
+        "laminar.demo.tooldemo.sdk_agent:run",
+        kwargs={"instructions": "Answer with #<number>. Use the calculator for products."},
+    )

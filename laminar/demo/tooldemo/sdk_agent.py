@@ -35,9 +35,12 @@ def calculator(expression: str) -> str:
     return builtin.calculator(expression)
 
 
-async def run(row: dict[str, Any], client: Any) -> None:
+async def run(row: dict[str, Any], client: Any, instructions: str | None = None) -> None:
+    """`instructions` (agent.kwargs): the agent's system prompt, as most SDK agents have one; the
+    sample's prompt is what the first call rendered, system message included (docs/agents.md)."""
     agent = Agent(
         name="calculator-agent",
+        instructions=instructions,
         tools=[calculator],
         model=OpenAIChatCompletionsModel(model="policy", openai_client=client),
     )
