@@ -84,6 +84,14 @@ def _calls(m: dict[str, Any]) -> list[tuple[str, Any]]:
     return out
 
 
+def canonical_tools(tools: Any) -> str:
+    """A call's tool list as a comparable string ("" without tools): a later call that changes
+    its tools starts a new run of the episode."""
+    if tools is None:
+        return ""
+    return json.dumps(tools, sort_keys=True, default=str)
+
+
 def canonical(m: Any) -> str:
     """One message as a comparable string (role, content, tool calls by name and arguments)."""
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):

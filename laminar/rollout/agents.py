@@ -104,7 +104,7 @@ from typing import Any, TypeVar
 import numpy as np
 import structlog
 
-from laminar.agents.render import BadMessages, ChatRenderer, canonical
+from laminar.agents.render import BadMessages, ChatRenderer, canonical, canonical_tools
 from laminar.agents.resume import match_record
 from laminar.config import AgentConfig
 from laminar.engines.base import Engine, SamplingParams, Structured
@@ -1040,11 +1040,3 @@ def tool_records(message: Any, turn: int) -> list[ToolRecord]:
             )
         )
     return out
-
-
-def canonical_tools(tools: Any) -> str:
-    if tools is None:
-        return ""
-    import json
-
-    return json.dumps(tools, sort_keys=True, default=str)
