@@ -1,6 +1,9 @@
 """Worker for tests/test_trainer_fsdp.py (not a test itself): FSDP2 policy steps on CPU/gloo.
 
-    torchrun --standalone --nproc_per_node 2 tests/fsdp_worker.py MODEL_DIR OUT_DIR
+    torchrun --standalone --nproc_per_node 2 tests/fsdp_worker.py MODEL_DIR OUT_DIR [routes]
+
+`routes` (an MoE model, tests/test_moe_fsdp.py): each trajectory carries recorded routes
+(tests/test_moe_fsdp.py routed_trajs), which the trainer replays.
 
 The trainer node's path without the network: rank 0 drives the `Trainer` protocol
 (step, export, save, close: each first announces itself to the other ranks), rank 1
@@ -27,6 +30,11 @@ from tests.test_trainer import make_cfg, make_trajs  # noqa: E402
 
 def main() -> None:
     model, out = sys.argv[1], Path(sys.argv[2])
+    trajs = make_trajs
+    if sys.argv[3:] == ["routes"]:
+        from tests.test_moe_fsdp import routed_trajs
+
+        trajs = routed_trajs(model)
     ctx = init_distributed("cpu")
     # the gathered checkpoint (an HF directory), which this test resumes in one process
     cfg = make_cfg(model, out / "run", micro_batch_tokens=48, checkpoint_format="full")
@@ -37,7 +45,7 @@ def main() -> None:
         return
     losses, norms = [], []
     for seed in (1, 2, 1):
-        m = policy.step(policy.prepare(make_trajs(seed=seed)))
+        m = policy.step(policy.prepare(trajs(seed=seed)))
         losses.append(m["loss"])
         norms.append(m["grad_norm"])
     weights = policy.export()  # float32 (the config's rollout dtype): the full state dict

@@ -115,12 +115,20 @@ class Procs:
             self.env.update(env or {})
 
     def start(
-        self, name: str, role: str, index: int = 0, count: int = 1, via: Sequence[str] = ()
+        self,
+        name: str,
+        role: str,
+        index: int = 0,
+        count: int = 1,
+        via: Sequence[str] = (),
+        over: Sequence[str] = (),
     ) -> None:
         """`via`: a script (and its arguments) that patches a fault point in, then runs the CLI
-        (tests/colocate_faults.py, tests/trainer_faults.py); default `-m laminar`."""
+        (tests/colocate_faults.py, tests/trainer_faults.py); default `-m laminar`. `over`: this
+        node's `key=value` overrides of the config."""
         cmd = [sys.executable, *(via or ("-m", "laminar")), "node", "--role", role]
         cmd += ["--index", str(index), "--count", str(count), "--config", str(self.cfg_path)]
+        cmd += list(over)
         path = self.tmp / f"{name}.{len(self.started)}.log"
         self.log_files.setdefault(name, []).append(path)
         with open(path, "w") as log:

@@ -17,6 +17,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -32,17 +33,19 @@ from tests.test_trainer import make_cfg, make_trajs
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def assert_matches_one_process(res: dict, out: Path, model: str, tmp_path: Path) -> TorchTrainer:
+def assert_matches_one_process(
+    res: dict, out: Path, model: str, tmp_path: Path, trajs: Callable[..., list] = make_trajs
+) -> TorchTrainer:
     """The three steps tests/fsdp_worker.py ran on 2 ranks (`res`, its result.json; `out`, its
-    directory), run again in this process: losses, grad norms and the gathered weights match.
-    Returns the one-process policy for further checks."""
+    directory), run again in this process on `trajs(seed=...)`: losses, grad norms and the
+    gathered weights match. Returns the one-process policy for further checks."""
     assert res["world"] == 2
     ref = TorchTrainer(
         trainer_settings(make_cfg(model, tmp_path / "ref", micro_batch_tokens=48)), model
     )
     losses, norms = [], []
     for seed in (1, 2, 1):
-        m = ref.train_step(TrainBatch.build(make_trajs(seed=seed)))
+        m = ref.train_step(TrainBatch.build(trajs(seed=seed)))
         losses.append(m["loss"])
         norms.append(m["grad_norm"])
     print(f"\n2 ranks: losses {res['losses']} vs one process {losses}")

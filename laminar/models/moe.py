@@ -195,3 +195,61 @@ class RouteTap:
         out = torch.stack(self.layers, 1).to(dt).cpu().numpy()
         self.layers = []
         return out
+
+
+ROUTES_KWARG = "laminar_routes"
+"""The keyword HF's forward passes on to every decoder layer (its **kwargs) to replay routes:
+`model(input_ids=..., laminar_routes=(routes [b, L, moe_layers, k] long, have [b, L] bool))`."""
+
+
+class _Forcing:
+    """The expert ids one routed MLP must use in the decoder layer's current forward."""
+
+    def __init__(self) -> None:
+        self.ids: tuple[torch.Tensor, torch.Tensor] | None = None
+        """((T, k) forced ids, (T,) bool: the token has a recorded route), or None: live."""
+
+
+def replay_in_hf_forward(model: Any, shape: MoeShape) -> int:
+    """Make HF's forward (the padded one, which FSDP-sharded runs take) replay routes given as
+    `model(..., laminar_routes=(routes, have))`; returns the routed layers patched.
+
+    Each routed decoder layer's forward takes the pair from its keyword arguments (HF hands its
+    forward's **kwargs to every layer) and its MLP runs routed_mlp on its slice, as the packed
+    forward does. Call it before activation checkpointing wraps the layers: the checkpoint then
+    keeps the pair as an argument of the layer's forward and recomputes it with the same experts.
+    FSDP2's hooks sit on the layer's __call__, outside these forwards, so the MLP reads the
+    gathered parameters."""
+    layers = [m for m in model.modules() if is_routed(getattr(m, "mlp", None))]
+    if len(layers) != len(shape.layers):
+        raise RuntimeError(
+            f"{len(layers)} routed layers found, the config says {len(shape.layers)}"
+        )
+    for slot, layer in enumerate(layers):
+        block, forcing = layer.mlp, _Forcing()
+        block_inner, layer_inner = block.forward, layer.forward
+
+        def block_forward(
+            h: torch.Tensor, _b: Any = block, _f: _Forcing = forcing, _i: Any = block_inner
+        ) -> torch.Tensor:
+            if _f.ids is None:
+                return _i(h)
+            out, _ = routed_mlp(_b, h.reshape(-1, h.shape[-1]), *_f.ids)
+            return out.view(h.shape)
+
+        def layer_forward(
+            *args: Any, _s: int = slot, _f: _Forcing = forcing, _i: Any = layer_inner, **kwargs: Any
+        ) -> Any:
+            given = kwargs.pop(ROUTES_KWARG, None)
+            if given is None:
+                return _i(*args, **kwargs)
+            routes, have = given
+            _f.ids = (routes[:, :, _s].reshape(-1, routes.shape[-1]), have.reshape(-1))
+            try:
+                return _i(*args, **kwargs)
+            finally:
+                _f.ids = None
+
+        block.forward = block_forward  # these instances only
+        layer.forward = layer_forward
+    return len(layers)

@@ -3,6 +3,7 @@
     mb = collate(batch, idx, pad_id)     # input_ids/attention_mask [b, L] (right-padded),
                                          # targets/resp_mask/behav_logp [b, L-1]
     mb.layout = PackedLayout.build(...)  # the packed forward's view of the same samples
+    mb.routes, mb.routed = padded_routes(rows, L, moe)  # HF's forward's replay (MoE)
     mb = mb.to(device)
 
 Next-token frame: logits at position j predict token j+1, so response token k of a
@@ -17,9 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
-from laminar.trainer.batch import TrainBatch
+from laminar.models.moe import MoeShape
+from laminar.trainer.batch import Sample, TrainBatch
 
 if TYPE_CHECKING:
     from laminar.trainer.packed import PackedLayout
@@ -42,6 +45,11 @@ class MicroBatch:
     vision: dict[str, torch.Tensor] | None = None
     """Vision-language models: pixel_values, image_grid_thw (the rows' images in row order) and
     mm_token_type_ids, as HF's forward takes them (laminar/trainer/vision.py)."""
+    routes: torch.Tensor | None = None
+    """MoE routing replay in HF's padded forward: [b, L, moe_layers, k] long, the rollout's
+    expert ids at each row position (the packed forward reads the layout's instead)."""
+    routed: torch.Tensor | None = None
+    """[b, L] bool: the position has a recorded route (the others route live)."""
 
     def to(self, device: str | torch.device) -> MicroBatch:
         dev = torch.device(device)
@@ -55,6 +63,8 @@ class MicroBatch:
             self.resp_index.to(dev),
             None if self.layout is None else self.layout.to(dev),
             None if self.vision is None else {k: v.to(dev) for k, v in self.vision.items()},
+            None if self.routes is None else self.routes.to(dev),
+            None if self.routed is None else self.routed.to(dev),
         )
 
     @property
@@ -86,3 +96,21 @@ def collate(batch: TrainBatch, index: list[int], pad_id: int = 0) -> MicroBatch:
         behav,
         resp.flatten().nonzero().squeeze(1),
     )
+
+
+def padded_routes(
+    rows: list[Sample], length: int, moe: MoeShape
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(routes [b, L, moe_layers, k], routed [b, L]) of right-padded rows for HF's forward, or
+    (None, None) where no row has routes. Row r's position p is its sample's position p of
+    prompt + response; a sample's routes that do not fit `moe` are not replayed (as in the packed
+    layout: trainer/packed.py)."""
+    if all(s.routes is None for s in rows):
+        return None, None
+    routes = np.zeros((len(rows), length, len(moe.layers), moe.top_k), np.int64)
+    routed = np.zeros((len(rows), length), bool)
+    for r, s in enumerate(rows):
+        if s.routes is not None and moe.check(s.routes, s.length) is None:
+            n = len(s.routes)
+            routes[r, :n], routed[r, :n] = s.routes, True
+    return torch.from_numpy(routes), torch.from_numpy(routed)

@@ -14,9 +14,10 @@ Forward: the model returns hidden states and the head runs in trainer/logprobs.p
 trainer.logprob_chunk_tokens at a time and recomputed in backward; only response positions reach
 the head. The packed forward (trainer/packed.py: a prompt's samples together, each prompt run
 once) where trainer.forward allows it, else HF's padded forward. trainer.activation_checkpointing
-recomputes each decoder layer in backward. Under FSDP2 (`fully_shard` per decoder layer, then the
-root, when world > 1) a mixed-precision policy gathers parameters in trainer.param_dtype (bf16 on
-GPU) and reduces gradients in trainer.reduce_dtype (fp32); the master weights stay fp32.
+recomputes each decoder layer in backward. An MoE policy replays the rollout's routes in either
+forward (model.moe.routing_replay; models/moe.py). Under FSDP2 (`fully_shard` per decoder layer,
+then the root, when world > 1) a mixed-precision policy gathers parameters in trainer.param_dtype
+(bf16 on GPU) and reduces gradients in trainer.reduce_dtype (fp32); the master weights stay fp32.
 
 LoRA (model.lora, laminar/models/lora.py): peft's LoRA layers on the frozen base, added before
 checkpointing and sharding (so the memory plan traces them too); both forwards add the adapters'
@@ -32,12 +33,13 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from laminar.models.moe import ROUTES_KWARG, MoeShape, replay_in_hf_forward
 from laminar.models.tiny_vlm import is_vlm
 from laminar.trainer.batch import TrainBatch
 from laminar.trainer.dist import DistContext
 from laminar.trainer.logprobs import full_token_logprobs
 from laminar.trainer.logprobs import token_logprobs as chunked_logprobs
-from laminar.trainer.micro_batch import MicroBatch, collate
+from laminar.trainer.micro_batch import MicroBatch, collate, padded_routes
 from laminar.trainer.packed import PackedForward, PackedLayout, packed_forward
 from laminar.trainer.protocol import TrainerSettings
 from laminar.trainer.vision import vision_inputs, vision_model
@@ -193,15 +195,21 @@ class TrainedModel:
         )
         """The packed training forward, or None: HF's padded forward (trainer.forward)."""
         self.packed_ref = PackedForward(self.ref) if self.packed and self.ref is not None else None
+        moe = MoeShape.of(self.module) if self.processor is None else None
+        self.replay = moe if settings.model.moe.routing_replay else None
+        """The MoE shape whose recorded routes the forward replays (None: dense or replay off):
+        the packed forward from its layout, HF's padded one (FSDP-sharded runs) through its
+        routed layers (models/moe.py replay_in_hf_forward)."""
+        if self.replay is not None and self.packed is None:
+            # before checkpointing, which then recomputes each layer with the same routes
+            for m in (self.module, self.ref):
+                if m is not None:
+                    replay_in_hf_forward(m, self.replay)
         # before sharding: fully_shard renames the layers' classes
         self.checkpointing = tc.activation_checkpointing and (
             self.packed is not None or apply_activation_checkpointing(self.module)
         )
         """Per-layer activation checkpointing is on (the packed forward's own, or HF's)."""
-        moe = self.packed.moe if self.packed is not None else None
-        self.replay = moe if settings.model.moe.routing_replay else None
-        """The MoE shape whose recorded routes the packed forward replays (None: dense, replay
-        off, or HF's padded forward, which routes live: FSDP-sharded runs)."""
         if self.ctx.enabled:
             self._shard(computed)
         temp = settings.temperature
@@ -253,11 +261,13 @@ class TrainedModel:
                 # resp_index's positions in row-major order
                 hidden = packed.hidden(mb.layout, self.checkpointing and model is self.module)
             else:
+                replay = {} if mb.routes is None else {ROUTES_KWARG: (mb.routes, mb.routed)}
                 out = model(
                     input_ids=mb.input_ids,
                     attention_mask=mb.attention_mask,
                     use_cache=False,
                     **(mb.vision or {}),
+                    **replay,
                 )
                 steps = mb.resp_mask.shape[1]  # the head's output "logits" are hidden states
                 rows, cols = mb.resp_index // steps, mb.resp_index % steps
@@ -291,8 +301,11 @@ class TrainedModel:
         mb = collate(batch, idx, self.pad_id)
         if self.processor is not None:
             mb.vision = vision_inputs(self.processor, [batch.samples[i] for i in idx], mb.input_ids)
+        rows = [batch.samples[i] for i in idx]
         if self.packed is not None:
-            mb.layout = PackedLayout.build([batch.samples[i] for i in idx], moe=self.replay)
+            mb.layout = PackedLayout.build(rows, moe=self.replay)
+        elif self.replay is not None:
+            mb.routes, mb.routed = padded_routes(rows, mb.input_ids.shape[1], self.replay)
         return mb.to(self.device)
 
     @torch.no_grad()
