@@ -1,5 +1,6 @@
 """Rollout routing replay (R3): the training-inference mismatch of a mixture-of-experts policy with
-replay on and off, bf16 rollouts against an fp32 trainer.
+replay on and off, bf16 rollouts against an fp32 trainer (--rollout-dtype / --trainer-dtype change
+either side).
 
     .venv/bin/python bench/moe_replay.py --quick --out /tmp/moe_replay.json    # ~1 min on 2 cores
     .venv/bin/python bench/moe_replay.py --out bench/results/moe_replay.json
@@ -124,15 +125,23 @@ def _gaps(gap: torch.Tensor) -> dict[str, float]:
 
 
 def measure(
-    seed: int, groups: int, n: int, max_tokens: int, workdir: Path, model: Path | None = None
+    seed: int,
+    groups: int,
+    n: int,
+    max_tokens: int,
+    workdir: Path,
+    model: Path | None = None,
+    dtypes: tuple[str, str] = ("bfloat16", "float32"),
 ) -> dict[str, Any]:
+    """One seed's figures; `dtypes`: (the rollout engine's, the trainer forward's)."""
     path = model or build_tiny_model(workdir / f"moe{seed}", seed=seed, **SHAPE)
     prompts = _prompts(model, groups, seed)
     t0 = time.perf_counter()
-    trajs = asyncio.run(_rollout(load_causal_lm(path, "bfloat16"), prompts, n, max_tokens, seed))
+    engine = load_causal_lm(path, dtypes[0])
+    trajs = asyncio.run(_rollout(engine, prompts, n, max_tokens, seed))
     rollout_s = time.perf_counter() - t0
     batch = TrainBatch.build(trajs)
-    fwd = PackedForward(load_causal_lm(path, "float32"))
+    fwd = PackedForward(load_causal_lm(path, dtypes[1]))
     recorded = PackedLayout.build(batch.samples, moe=fwd.moe)
     assert recorded.routes is not None and recorded.routed is not None
     targets = torch.from_numpy(np.concatenate([s.response_ids for s in batch.samples]))
@@ -178,13 +187,22 @@ def main() -> None:
         help="a trained MoE policy (e.g. the MoE demo's warm-up, countup prompts) instead of "
         "random init; seeds then vary the prompts and the sampling",
     )
+    ap.add_argument(
+        "--rollout-dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float32"),
+        help="the engine's dtype (float32 with --trainer-dtype float32: the two sides differ only "
+        "by kernels and batch shapes, so what replay leaves is no longer bf16 arithmetic)",
+    )
+    ap.add_argument("--trainer-dtype", default="float32", choices=("bfloat16", "float32"))
     a = ap.parse_args()
+    dtypes = (a.rollout_dtype, a.trainer_dtype)
     torch.set_num_threads(2)
     groups, n, max_tokens = (8, 4, 32) if a.quick else (32, 8, 96)
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for seed in range(a.seeds):
-            runs.append(measure(seed, groups, n, max_tokens, Path(tmp), a.model))
+            runs.append(measure(seed, groups, n, max_tokens, Path(tmp), a.model, dtypes))
     keys = ("lp_gap_mean", "lp_gap_p99", "route_differs", "lp_gap_mean_at_flips")
     summary: dict[str, Any] = {}
     head = f"{'figure':<22} {'replay off':>12} {'replay on':>12} {'on/off':>8}"
@@ -221,8 +239,8 @@ def main() -> None:
             "n": n,
             "max_tokens": max_tokens,
             "seeds": a.seeds,
-            "rollout_dtype": "bfloat16",
-            "trainer_dtype": "float32",
+            "rollout_dtype": a.rollout_dtype,
+            "trainer_dtype": a.trainer_dtype,
             "temperature": 1.0,
         },
         "machine": machine(),

@@ -275,9 +275,9 @@ class MoeConfig(Section):
 
     routing_replay: bool = True
     """Rollout routing replay (R3): the torch engine records each token's top-k expert ids per MoE
-    layer, they travel with the trajectory, and the trainer's packed forward uses those experts
-    (gate weights recomputed from its live router logits) instead of its own top-k. false: nothing
-    recorded, the trainer routes live."""
+    layer, they travel with the trajectory, and the trainer's forward (packed, or HF's padded one
+    under FSDP2) uses those experts (gate weights recomputed from its live router logits) instead
+    of its own top-k. false: nothing recorded, the trainer routes live."""
 
 
 class ModelConfig(Section):

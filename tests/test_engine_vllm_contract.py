@@ -120,6 +120,41 @@ def test_a_vllm_without_structured_outputs_enforces_none(monkeypatch):
     assert _import_vllm().StructuredOutputsParams is None
 
 
+async def test_an_moe_policy_says_why_vllm_records_no_routes(monkeypatch, tmp_path, caplog):
+    """This build reads no route return from vLLM: the engine says so at start, naming whether
+    the installed vLLM has one (its engine argument enable_return_routed_experts)."""
+    import dataclasses
+    import sys
+
+    from laminar.engines.vllm_engine import _import_vllm, routes_note
+    from laminar.models.tiny import build_tiny_model
+
+    install(monkeypatch)
+    moe = build_tiny_model(tmp_path / "moe", hidden=32, layers=2, kind="moe", experts=8)
+    dense = build_tiny_model(tmp_path / "dense", hidden=32, layers=2)
+    cfg = LaminarConfig()
+    cfg.rollout.engine, cfg.model.path = "vllm", str(moe)
+    eng = make_engine(cfg.rollout, cfg.model)
+    assert isinstance(eng, VllmEngine)
+    with caplog.at_level("WARNING", logger="laminar.engines.vllm_engine"):
+        await eng.start()
+    try:
+        assert eng.routes_note is not None and "has no route return" in eng.routes_note
+        assert any("records no MoE routes" in r.getMessage() for r in caplog.records)
+    finally:
+        await eng.close()
+    assert routes_note(str(dense), _import_vllm()) is None
+
+    @dataclasses.dataclass
+    class NewerArgs:  # a vLLM whose engine arguments include the route return
+        model: str = ""
+        enable_return_routed_experts: bool = False
+
+    monkeypatch.setattr(sys.modules["vllm"], "AsyncEngineArgs", NewerArgs)
+    note = routes_note(str(moe), _import_vllm())
+    assert note is not None and "can return routed experts" in note
+
+
 async def test_generate_streams_tokens_and_sampled_logprobs(engine):
     eng, fake = engine
     params = SamplingParams(max_tokens=12, ignore_eos=True)

@@ -237,6 +237,9 @@ class VllmEngine(Engine):
         self.loaded: list[tuple[str, str, list[int]]] = []
         """(name, dtype, shape) of each tensor the last full load gave: what served_digest asks
         the workers to fold back (vllm_attest.py)."""
+        self.routes_note: str | None = None
+        """An MoE policy: why this engine records no routes (set by start(); None: dense). The
+        trainer then routes these trajectories live (docs/moe.md)."""
         self._unattested_why = ""
         self.sleep_mode = sleep_mode
         """Colocated placement: built with enable_sleep_mode, so sleep() / wake_up() work."""
@@ -288,6 +291,9 @@ class VllmEngine(Engine):
         self._v = await asyncio.to_thread(_import_vllm)
         if self._v.StructuredOutputsParams is None:  # an older vLLM: agent calls asking are refused
             self.structured = frozenset()
+        self.routes_note = routes_note(self.model_path, self._v)
+        if self.routes_note is not None:
+            log.warning("vllm engine records no MoE routes: %s", self.routes_note)
         args: dict[str, Any] = dict(
             model=self.model_path,
             dtype=self.dtype,
@@ -689,6 +695,7 @@ def _import_vllm() -> Any:
     except ImportError:
         StructuredOutputsParams = None  # noqa: N806
     return types.SimpleNamespace(
+        version=str(getattr(vllm, "__version__", "unknown")),
         StructuredOutputsParams=StructuredOutputsParams,
         AsyncEngineArgs=vllm.AsyncEngineArgs,
         SamplingParams=vllm.SamplingParams,
@@ -697,6 +704,36 @@ def _import_vllm() -> Any:
         AsyncLLM=AsyncLLM,
         StatLoggerBase=StatLoggerBase,
         LoRARequest=LoRARequest,
+    )
+
+
+ROUTE_RETURN_ARG = "enable_return_routed_experts"
+"""The engine argument of vLLM builds that return each token's routed experts (vLLM PR 28284)."""
+
+
+def routes_note(model_path: str, v: Any) -> str | None:
+    """Why this engine hands the rollout no routes of an MoE policy at `model_path`, naming whether
+    the installed vLLM (`v`, _import_vllm's names) could return them; None for a dense model."""
+    from laminar.models.moe import MoeShape
+
+    cfg = Path(model_path) / "config.json"
+    if not cfg.is_file() or MoeShape.of_config(json.loads(cfg.read_text())) is None:
+        return None
+    args = v.AsyncEngineArgs
+    if dataclasses.is_dataclass(args):
+        names = {f.name for f in dataclasses.fields(args)}
+    else:
+        import inspect
+
+        names = set(inspect.signature(args).parameters)
+    if ROUTE_RETURN_ARG in names:
+        return (
+            f"vLLM {v.version} can return routed experts ({ROUTE_RETURN_ARG}), which this engine "
+            "does not read yet: trajectories carry no routes and the trainer routes them live"
+        )
+    return (
+        f"vLLM {v.version} has no route return ({ROUTE_RETURN_ARG}): trajectories carry no "
+        "routes and the trainer routes them live"
     )
 
 

@@ -56,7 +56,7 @@ class Sample:
     """Vision-language models: the prompt's encoded images (fetched by digest, checked)."""
     routes: np.ndarray | None = None
     """MoE: the rollout's expert ids per position of prompt + response (Trajectory.routes), which
-    the packed forward replays (model.moe.routing_replay); None: route live."""
+    the trainer's forward replays (model.moe.routing_replay); None: route live."""
 
     @property
     def length(self) -> int:
