@@ -3,7 +3,7 @@
     torchrun --standalone --nproc_per_node 2 tests/fsdp_worker.py MODEL_DIR OUT_DIR [routes]
 
 `routes` (an MoE model, tests/test_moe_fsdp.py): each trajectory carries recorded routes
-(tests/test_moe_fsdp.py routed_trajs), which the trainer replays.
+(tests/test_moe_fsdp.py routed_trajs), which the trainer replays, with activation checkpointing.
 
 The trainer node's path without the network: rank 0 drives the `Trainer` protocol
 (step, export, save, close: each first announces itself to the other ranks), rank 1
@@ -30,14 +30,15 @@ from tests.test_trainer import make_cfg, make_trajs  # noqa: E402
 
 def main() -> None:
     model, out = sys.argv[1], Path(sys.argv[2])
-    trajs = make_trajs
+    trajs, extra = make_trajs, {}
     if sys.argv[3:] == ["routes"]:
         from tests.test_moe_fsdp import routed_trajs
 
-        trajs = routed_trajs(model)
+        # each layer recomputed in backward: with the routes its forward was given
+        trajs, extra = routed_trajs(model), {"activation_checkpointing": True}
     ctx = init_distributed("cpu")
     # the gathered checkpoint (an HF directory), which this test resumes in one process
-    cfg = make_cfg(model, out / "run", micro_batch_tokens=48, checkpoint_format="full")
+    cfg = make_cfg(model, out / "run", micro_batch_tokens=48, checkpoint_format="full", **extra)
     policy = TorchTrainer(trainer_settings(cfg), model, ctx)
     if not ctx.is_main:
         follow(policy, ctx, out / "run", keep=2)

@@ -1,6 +1,6 @@
 """MoE routing replay in HF's padded forward, which FSDP2-sharded trainers run: it trains exactly as
 the packed forward's replay does, activation checkpointing included, and two gloo ranks under
-FSDP2 match one process.
+FSDP2 (checkpointing on) match one process.
 
     .venv/bin/python -m pytest tests/test_moe_fsdp.py -q            # one process
     .venv/bin/python -m pytest tests/test_moe_fsdp.py -q -m slow    # + 2 ranks under torchrun
