@@ -132,11 +132,22 @@ def test_replay_under_activation_checkpointing(moe_path):
     batch = _batch(list(rolled.values()))
     grads = []
     for ckpt in (False, True):
-        model = _perturbed(moe_path)
+        model = _perturbed(moe_path, scale=0.5)  # routes some recorded positions otherwise
         fwd = PackedForward(model)
         lay = PackedLayout.build(batch.samples, moe=fwd.moe)
-        fwd.hidden(lay, checkpoint=ckpt).square().sum().backward()
+        # the whole layer recomputed (not stopped once its saved tensors are back): its experts
+        # are appended to live_routes after the forward's
+        with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+            fwd.hidden(lay, checkpoint=ckpt).square().sum().backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    # backward recomputed each layer with the recorded experts
+    assert lay.routes is not None and lay.routed is not None and len(fwd.live_routes) == 4
+    recomputed = torch.stack(fwd.live_routes[2:][::-1], 1)  # backward runs the last layer first
+    assert torch.equal(recomputed[lay.routed], lay.routes[lay.routed])
+    with torch.no_grad():  # where this model's own routing would have gone elsewhere
+        fwd.hidden(PackedLayout.build(batch.samples))
+    live = torch.stack(fwd.live_routes, 1)
+    assert (live[lay.routed] != lay.routes[lay.routed]).any()
     for n, g in grads[0].items():
         torch.testing.assert_close(grads[1][n], g, rtol=1e-5, atol=1e-6, msg=n)
 
