@@ -711,13 +711,17 @@ ROUTE_RETURN_ARG = "enable_return_routed_experts"
 """The engine argument of vLLM builds that return each token's routed experts (vLLM PR 28284)."""
 
 
-def routes_note(model_path: str, v: Any) -> str | None:
+def routes_note(model_path: str | None, v: Any) -> str | None:
     """Why this engine hands the rollout no routes of an MoE policy at `model_path`, naming whether
     the installed vLLM (`v`, _import_vllm's names) could return them; None for a dense model."""
     from laminar.models.moe import MoeShape
 
-    cfg = Path(model_path) / "config.json"
-    if not cfg.is_file() or MoeShape.of_config(json.loads(cfg.read_text())) is None:
+    cfg = Path(model_path or "") / "config.json"
+    if (
+        not model_path
+        or not cfg.is_file()
+        or MoeShape.of_config(json.loads(cfg.read_text())) is None
+    ):
         return None
     args = v.AsyncEngineArgs
     if dataclasses.is_dataclass(args):
