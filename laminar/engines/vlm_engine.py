@@ -26,6 +26,10 @@ sampled token's logprob under the processed distribution. Abort and load_weights
 between two steps (a lock). A weight load while a group runs lets the group go on under the new
 weights, its later tokens labelled with the new version (what mode partial allows; in the other
 modes a rollout loads only when idle). Stop strings are checked on the decoded completion.
+
+A request whose placeholder runs do not pair up with its images (a resumed response in which the
+model sampled the placeholder token, which HF's forward would read as one more image slot) ends
+in `error` at submit, counted in `rejected`: the engine never raises mid-prefill.
 """
 
 from __future__ import annotations
@@ -102,6 +106,8 @@ class VlmEngine(Engine):
         self._task: asyncio.Task[None] | None = None
         self._pool: ThreadPoolExecutor | None = None
         self.tokens_generated = 0
+        self.rejected = 0
+        """Requests ended in error at submit: image placeholder runs and images do not pair up."""
         self.loaded_names: list[str] = []
         """The tensor names the last load_weights gave: what attestation reads back."""
 
@@ -140,6 +146,13 @@ class VlmEngine(Engine):
         prompt = np.concatenate(
             [np.asarray(req.prompt_ids, np.int64), np.asarray(req.resume_ids, np.int64)]
         )
+        runs = placeholder_runs(prompt, self.image_token_id)
+        if runs != len(req.images):  # a resumed response holding a sampled placeholder, or a
+            # request whose images do not pair up: HF's forward would raise mid-prefill
+            self.rejected += 1
+            for sid in req.seq_ids():
+                self._emit(TokenEvent(sid, _NO_I, _NO_F, "error", req.version))
+            return
         rows = [
             _Row(
                 seq_id=sid,
@@ -313,6 +326,15 @@ class VlmEngine(Engine):
         ):
             return "length"
         return None
+
+
+def placeholder_runs(ids: np.ndarray, image_token_id: int) -> int:
+    """Runs of the image placeholder token: one per image when the ids are what the processor
+    expanded (each image's run sits between <|vision_start|> and <|vision_end|>)."""
+    hit = np.asarray(ids) == image_token_id
+    if not hit.any():
+        return 0
+    return int(hit[0]) + int(np.count_nonzero(hit[1:] & ~hit[:-1]))
 
 
 _NO_I = np.zeros(0, np.int32)
