@@ -178,7 +178,9 @@ class FakeBuffer:
         self.state.puts.append(msg)
         ok = [d for d, b in zip(msg.digests, msg.data, strict=True) if digest_of(b) == d]
         bad = [d for d in msg.digests if d not in ok]
-        self.state.images.update((d, b) for d, b in zip(msg.digests, msg.data, strict=True) if d in ok)
+        self.state.images.update(
+            (d, b) for d, b in zip(msg.digests, msg.data, strict=True) if d in ok
+        )
         return ImagePutReply(stored=ok, refused=bad, reason="digest mismatch" if bad else "")
 
     def _image_fetch(self, peer: Any, msg: ImageFetch) -> ImageBlobs:

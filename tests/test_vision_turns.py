@@ -151,7 +151,10 @@ async def test_a_screenshot_crosses_once_and_trains_at_its_place(vlm, tmp_path):
             colour = t.row["colour"]
             sampled = (t.response_ids == tok) & (t.loss_mask == 1)
             if t.turns < 2:  # the model's first turn sampled the placeholder: ended there
-                assert sampled.any() and t.image_digests == its[0 if colour == "red" else 1].image_digests
+                assert (
+                    sampled.any()
+                    and t.image_digests == its[0 if colour == "red" else 1].image_digests
+                )
                 continue
             want = [its[0 if colour == "red" else 1].image_digests[0], digest_of(shots[colour])]
             assert t.image_digests == want
@@ -162,11 +165,12 @@ async def test_a_screenshot_crosses_once_and_trains_at_its_place(vlm, tmp_path):
         assert node.metrics.counters["turn_images"] == len(trained) + len(untrainable)
         # the trainer: prompt image + screenshot in the forward, logprobs equal the engine's
         trainer = TorchTrainer(trainer_settings(trainer_cfg(vlm, tmp_path / "t")), vlm)
-        for i, t in enumerate(trained):  # ScreenEnv does not score: any reward will do
+        for i, t in enumerate(trained + untrainable):  # ScreenEnv does not score: any will do
             t.reward = float(i % 2)
         batch = trainer.prepare(trained + untrainable, dict(h.state.images))
-        assert batch.n_seqs == len(trained), batch.dropped
         assert batch.dropped.get("placeholder_in_response", 0) == len(untrainable)
+        lone = batch.dropped.get("singleton_group", 0)  # a group left with one sample
+        assert batch.n_seqs == len(trained) - lone >= 2, batch.dropped
         mb = trainer.model.micro_batch(batch, list(range(batch.n_seqs)))
         assert mb.vision is not None and mb.vision["image_grid_thw"].shape == (2 * batch.n_seqs, 3)
         with torch.no_grad():
@@ -195,16 +199,20 @@ async def test_repack_after_a_screenshot_fetches_it_by_digest(vlm, tmp_path):
         await wait_for(at_turn1, 60, "every episode waiting in turn 1's step")
         moving = set(src.table.seqs)
         assert moving, "both episodes ended before the screenshot"
+        shot = digest_of(screenshot("green"))
+
+        # the partial pool's record restarted with a header that names the screenshot
+        def named() -> bool:
+            recs = [h.state.partials.get(uid) for uid in moving]
+            return all(r and r["header"].image_digests[-1:] == [shot] for r in recs)
+
+        await wait_for(named, 10, "the partial pool's headers naming the screenshot")
         dst = await add(h, vlm, ScreenEnv(gate))
         srv = h.manager.srv
         reply = await srv.request("rollout-0", ExportRequest(uids=sorted(moving)), timeout=5)
         assert isinstance(reply, ExportReply)
-        shot = digest_of(screenshot("green"))
         for p in reply.partials:
             assert p.image_digests == [its[0].image_digests[0], shot] and p.awaiting_env
-        # the partial pool's record restarted with a header that names the screenshot
-        for uid in moving:
-            assert h.state.partials[uid]["header"].image_digests[-1] == shot
         gate.set()
         fetched_before = len(h.state.fetched)
         got = await srv.request("rollout-1", ImportRequest(partials=reply.partials), timeout=10)
@@ -240,3 +248,119 @@ async def test_a_bad_turn_image_ends_its_episode_counted(vlm, tmp_path, bad):
         assert node.metrics.counters["turn_bad_images"] == len(errored)
         assert not h.state.puts
         await wait_for(lambda: node.ready.is_set() and not node.stopping.is_set(), 1, "alive")
+
+
+async def test_an_agent_sends_a_screenshot_in_a_later_call(vlm, tmp_path, monkeypatch):
+    """A remote OpenAI-client agent: its second call adds a user message with an image_url part
+    (a data: URI). The image goes to the buffer once, the trajectory carries
+    its digest and its placeholder run as context tokens; a first call with an image is refused."""
+    import base64
+
+    import aiohttp
+
+    from laminar.cluster import LocalCluster
+    from tests.test_agents import capture
+    from tests.test_agents import make_cfg as agent_cfg
+
+    monkeypatch.setenv("LAMINAR_AGENT_KEY", "k")
+    cfg = agent_cfg(
+        tmp_path,
+        vlm,
+        "vlm-agent",
+        rows=4,
+        agent={"fn": None, "remote": True},
+        rollout={"sampling": {"max_tokens": 40, "temperature": 1.0}},
+    )
+    png = screenshot("blue")
+    url = "data:image/png;base64," + base64.b64encode(png).decode()
+    async with LocalCluster(cfg) as cluster:
+        rollout = await cluster.add("rollout", 0)
+        got = capture(rollout)
+        base = rollout.endpoint.url
+        async with aiohttp.ClientSession() as http:
+            key = {"Authorization": "Bearer k"}
+            chat = f"{base}/v1/chat/completions"
+            image = {"type": "image_url", "image_url": {"url": url}}
+            shown = {"role": "user", "content": [image, {"type": "text", "text": "colour?"}]}
+            for attempt in range(4):  # a random model's answer may hold the placeholder token:
+                # that episode cannot go on (its next prefill would misplace the image)
+                r = await http.post(f"{base}/laminar/v1/episodes/claim?wait_s=20", headers=key)
+                assert r.status == 200, await r.text()
+                ep = await r.json()
+                auth = {"Authorization": f"Bearer {ep['episode']}"}
+                if attempt == 0:
+                    body = {"messages": [shown], "max_tokens": 3}
+                    r = await http.post(chat, json=body, headers=auth)
+                    assert r.status == 400 and "first one" in (await r.json())["error"]["message"]
+                msgs: list[dict[str, Any]] = [{"role": "user", "content": "look"}]
+                r = await http.post(chat, json={"messages": msgs, "max_tokens": 2}, headers=auth)
+                assert r.status == 200, await r.text()
+                msgs += [(await r.json())["choices"][0]["message"], shown]
+                r = await http.post(chat, json={"messages": msgs, "max_tokens": 3}, headers=auth)
+                ok = r.status == 200
+                assert ok or (await r.json())["error"]["code"] == "episode_closed"
+                if ok:
+                    r = await http.post(
+                        f"{base}/laminar/v1/episodes/close", json={"reward": 1.0}, headers=auth
+                    )
+                    assert r.status == 200
+                    break
+            assert ok
+        await wait_for(lambda: any(t.reward == 1.0 for t in got), 20, "the episode delivered")
+        t = next(t for t in got if t.reward == 1.0)
+        assert t.image_digests == [digest_of(png)]
+        proc = load_processor(vlm)
+        tok = int(proc.image_token_id)
+        at = np.flatnonzero(t.response_ids == tok)
+        assert len(at) > 1 and (np.asarray(t.loss_mask)[at] == 0).all() and (np.diff(at) == 1).all()
+        buffer = cluster.node("buffer-0")
+        assert buffer.metrics.counters["image_bytes_put"] == len(png)
+        assert buffer.images.holds(digest_of(png))
+        assert rollout.metrics.counters["turn_images"] == 1
+
+
+def test_a_moved_agent_episode_with_an_image_matches_its_record(vlm):
+    """laminar/agents/resume.py: the record (prompt, the model's answer, the image message's
+    tokens with the placeholders expanded) is matched by the agent's repeated messages only when
+    the destination expands the placeholders as the processor does."""
+    import base64
+
+    from laminar.agents.render import ChatRenderer, image_urls
+    from laminar.agents.resume import match_record
+    from laminar.models.prompt_tokenizer import load_prompt_tokenizer
+
+    proc = load_processor(vlm)
+    turns = TurnImages(proc, ImageLimits(), ImageCache(ImageLimits()), put=_no_put)
+    render = ChatRenderer(load_prompt_tokenizer(vlm, chat_template=True), turns.placeholder)
+    png = screenshot("red")
+    url = "data:image/png;base64," + base64.b64encode(png).decode()
+    image = {"type": "image_url", "image_url": {"url": url}}
+    first = [{"role": "user", "content": "look"}]
+    answer_ids = render.encode("ok")
+    answer, _ = render.assistant_message(render.decode(answer_ids), False, "u", 0)
+    shown = [{"role": "user", "content": [image, {"type": "text", "text": "colour?"}]}]
+
+    def expand(ids: list[int], msgs: list[dict[str, Any]]) -> list[int]:
+        return turns.expand(ids, turns.token_counts(turns.load(image_urls(msgs))))
+
+    delta = expand(render.delta_ids(shown, False), shown)
+    prompt = np.asarray(render.first_ids(first, None), np.int32)
+    ids = np.asarray(answer_ids + delta, np.int32)
+    mask = np.asarray([1] * len(answer_ids) + [0] * len(delta), np.uint8)
+    msgs = first + [answer] + shown
+    got = match_record(render, "u", prompt, ids, mask, msgs, None, False, expand=expand)
+    assert got is not None and got.calls == 1 and got.new == [] and got.keep == len(ids)
+    assert match_record(render, "u", prompt, ids, mask, msgs, None, False) is None
+    # the call's own image message not recorded yet: its tokens and its image URL come back
+    got = match_record(
+        render,
+        "u",
+        prompt,
+        ids[: len(answer_ids)],
+        mask[: len(answer_ids)],
+        msgs,
+        None,
+        False,
+        expand=expand,
+    )
+    assert got is not None and got.new == delta and got.new_images == [url]

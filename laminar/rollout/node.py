@@ -424,7 +424,8 @@ class RolloutNode(Node):
             reward_min=s.reward.min_value,
             reward_max=s.reward.max_value,
         )
-        renderer = ChatRenderer(self.tokenizer)
+        placeholder = "" if self.turn_images is None else self.turn_images.placeholder
+        renderer = ChatRenderer(self.tokenizer, image_placeholder=placeholder)
         self.agents = AgentDriver(
             settings,
             renderer=renderer,
@@ -435,6 +436,7 @@ class RolloutNode(Node):
             spawn=self.spawn,
             metrics=self.metrics,
             log=self.log,
+            images=self.turn_images,
         )
         self.table.on_start = self.agents.start
         self.table.on_unpark = self.agents.unparked

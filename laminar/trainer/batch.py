@@ -120,7 +120,11 @@ class TrainBatch:
             reason = _reject_reason(t, vocab_size, max_len)
             if not reason and any(d not in have for d in t.image_digests):
                 reason = "image_missing"
-            if not reason and placeholder_id is not None and _sampled_placeholder(t, placeholder_id):
+            if (
+                not reason
+                and placeholder_id is not None
+                and _sampled_placeholder(t, placeholder_id)
+            ):
                 reason = "placeholder_in_response"
             if reason or t.reward is None:
                 dropped[reason] += 1

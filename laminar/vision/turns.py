@@ -85,7 +85,9 @@ class TurnImages:
         tok = self.image_token_id
         found = sum(1 for t in ids if int(t) == tok)
         if found != len(counts):
-            raise BadImage(f"the observation has {found} image placeholders for {len(counts)} images")
+            raise BadImage(
+                f"the observation has {found} image placeholders for {len(counts)} images"
+            )
         out: list[int] = []
         k = 0
         for t in ids:
