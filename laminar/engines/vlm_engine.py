@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from laminar.config import ModelConfig, RolloutConfig
+from laminar.config import LoraConfig, ModelConfig, RolloutConfig
 from laminar.engines.base import (
     Engine,
     EngineStats,
@@ -54,6 +54,7 @@ from laminar.engines.base import (
     TokenEvent,
 )
 from laminar.engines.sampling import sample, sequence_key, uniform
+from laminar.models.lora import MergedAdapter
 from laminar.supervise import Spawn, detached_spawn
 from laminar.vision.pixels import pixel_inputs
 
@@ -87,9 +88,13 @@ class VlmEngine(Engine):
         max_running: int = 32,
         max_model_len: int = 1024,
         device: str = "cpu",
+        lora: LoraConfig | None = None,
     ):
         super().__init__()
         self.model = model
+        self.adapter = MergedAdapter(model, lora) if lora is not None else None
+        """model.lora: a version is an adapter of the language model, merged into a pristine copy
+        of its base weights (models/lora.py)."""
         self.processor = processor
         self.tok = processor.tokenizer
         self.image_token_id = int(processor.image_token_id)
@@ -124,6 +129,7 @@ class VlmEngine(Engine):
             max_running=r.max_running,
             max_model_len=r.max_model_len or 1024,
             device=mc.device,
+            lora=mc.lora,
             **kw,
         )
 
@@ -205,6 +211,9 @@ class VlmEngine(Engine):
             self.version = version
 
     def _copy(self, items: list[tuple[str, Any]]) -> None:
+        if self.adapter is not None:
+            self.adapter.apply(items)  # all of it or none (AdapterRejected)
+            return
         state = self.model.state_dict()
         for name, _ in items:  # validate every name before touching any parameter
             if name not in state:
@@ -216,6 +225,8 @@ class VlmEngine(Engine):
 
     def served_weights(self) -> list[tuple[str, Any]] | None:
         """The loaded tensors read back from the model (None before any load: unattested)."""
+        if self.adapter is not None:  # model.lora: the factors merged into the weights
+            return self.adapter.served
         if not self.loaded_names:
             return None
         state = self.model.state_dict()

@@ -78,6 +78,8 @@ class TrainBatch:
     dropped: Counter = field(default_factory=Counter)
     source: list[Trajectory] = field(default_factory=list)
     """The trajectories it was built from (what rank 0 sends the other ranks to rebuild it)."""
+    images: dict[str, bytes] = field(default_factory=dict)
+    """Vision-language models: the images of `source` by digest (sent along with it)."""
 
     @property
     def n_seqs(self) -> int:
@@ -156,7 +158,8 @@ class TrainBatch:
             dropped["singleton_group"] += len(lone)
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
         groups = group_index([s.group_id for s in samples])
-        return cls(samples, rewards, groups, dropped, list(trajs))
+        used = {d: have[d] for t in trajs for d in t.image_digests if d in have}
+        return cls(samples, rewards, groups, dropped, list(trajs), used)
 
 
 def _sampled_placeholder(t: Trajectory, placeholder_id: int) -> bool:
