@@ -35,6 +35,13 @@ Token in, token out: model tokens are the engine's sampled ids (mask 1, behaviou
 logprobs); the environment's answer is tokenized once by the turn template (or given as
 `observation_ids`) and appended with mask 0 and logprob 0.0. Nothing is re-tokenized.
 
+Images (vision-language policies, `StepResult.images`): the observation's placeholders are
+expanded as the model's processor does, the images are put to the buffer once before the
+observation goes in (laminar/vision/turns.py), and the sequence's image digests grow by them (the
+partial record restarts with a header that names them); a replay renders them the same way. A bad
+image ends the episode in error (`turn_bad_images`); a model turn that sampled the placeholder
+token ends it (`turn_sampled_placeholder`: its next prefill would read it as an image slot).
+
 Turn boundaries. Model runs and environment runs alternate in the loss mask, each
 non-empty: a model turn with no tokens, or a step that is not done but answers nothing,
 ends the episode (finish_reason "stop"). Whether the last model run is a finished turn
