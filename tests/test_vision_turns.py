@@ -364,3 +364,88 @@ def test_a_moved_agent_episode_with_an_image_matches_its_record(vlm):
         expand=expand,
     )
     assert got is not None and got.new == delta and got.new_images == [url]
+
+
+async def test_a_moved_agent_episode_with_a_screenshot_resumes_on_the_other_rollout(
+    vlm, tmp_path, monkeypatch
+):
+    """A remote agent's episode showed a screenshot (its second call), then repack moves it from
+    rollout-0 to rollout-1: the agent's next call, repeated on rollout-1, matches the record with
+    the screenshot's placeholders expanded (no mismatch), rollout-1 fetched the screenshot from the
+    buffer by digest, and the delivered trajectory keeps its reference."""
+    import base64
+
+    import aiohttp
+
+    from laminar.cluster import LocalCluster
+    from laminar.manager.repack import Move
+    from tests.test_agents import capture, manager_sees
+    from tests.test_agents import make_cfg as agent_cfg
+
+    monkeypatch.setenv("LAMINAR_AGENT_KEY", "k")
+    cfg = agent_cfg(
+        tmp_path,
+        vlm,
+        "vlm-agent-move",
+        rows=2,
+        agent={"fn": None, "remote": True},
+        rollout={"sampling": {"max_tokens": 160, "temperature": 1.0}, "credits": 1},
+    )
+    png = screenshot("green")
+    tok = int(load_processor(vlm).image_token_id)
+    url = "data:image/png;base64," + base64.b64encode(png).decode()
+    shown = {
+        "role": "user",
+        "content": [
+            {"type": "image_url", "image_url": {"url": url}},
+            {"type": "text", "text": "?"},
+        ],
+    }
+    async with LocalCluster(cfg) as cluster:
+        r0 = await cluster.add("rollout", 0)
+        key = {"Authorization": "Bearer k"}
+        async with aiohttp.ClientSession() as http:
+            for _ in range(6):  # a random model's answer may hold the placeholder: try another
+                r = await http.post(
+                    f"{r0.endpoint.url}/laminar/v1/episodes/claim?wait_s=20", headers=key
+                )
+                assert r.status == 200, await r.text()
+                ep = await r.json()
+                auth = {"Authorization": f"Bearer {ep['episode']}"}
+                chat = f"{r0.endpoint.url}/v1/chat/completions"
+                msgs: list[dict[str, Any]] = [{"role": "user", "content": "look"}]
+                r = await http.post(chat, json={"messages": msgs, "max_tokens": 2}, headers=auth)
+                assert r.status == 200, await r.text()
+                msgs += [(await r.json())["choices"][0]["message"], shown]
+                r = await http.post(chat, json={"messages": msgs, "max_tokens": 2}, headers=auth)
+                if r.status != 200:
+                    continue
+                msgs.append((await r.json())["choices"][0]["message"])
+                uid = next(u for u, e in r0.agents.by_uid.items() if e.token == ep["episode"])
+                seq = r0.agents.by_uid[uid].seq
+                ids, mask = seq.ids.copy(), seq.mask.copy()
+                if not ((ids == tok) & (mask == 1)).any():  # its next call could go on
+                    break
+            assert r.status == 200
+            r1 = await cluster.add("rollout", 1)
+            got1 = capture(r1)
+            await manager_sees(cluster, "rollout-1")
+            mgr = cluster.node("manager-0")
+            out = await mgr.repacker.move(
+                Move("rollout-0", "rollout-1", (uid,), 0), refresh=False, trainer_version=0
+            )
+            assert out["moved"] == 1, out
+            msgs.append({"role": "user", "content": "more"})
+            chat1 = f"{r1.endpoint.url}/v1/chat/completions"
+            r = await http.post(chat1, json={"messages": msgs, "max_tokens": 2}, headers=auth)
+            assert r.status == 200, await r.text()
+            r = await http.post(
+                f"{r1.endpoint.url}/laminar/v1/episodes/close", json={"reward": 1.0}, headers=auth
+            )
+            assert r.status == 200, await r.text()
+        await wait_for(lambda: any(t.uid == uid for t in got1), 20, "the moved episode delivered")
+        c1 = r1.metrics.counters
+        assert c1.get("agent_calls_resumed") == 1 and not c1.get("agent_resume_mismatch")
+        assert c1.get("images_fetched") == 1 and "turn_images_put" not in c1
+        t = next(t for t in got1 if t.uid == uid)
+        assert t.image_digests == [digest_of(png)] and t.rollout_id == "rollout-1"

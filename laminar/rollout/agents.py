@@ -684,6 +684,10 @@ class AgentDriver:
                     )
                     new, shown = await self._show_images(new, messages[n:])
                     prompt = None
+                elif ep.recorded and image_urls(messages):
+                    # a moved episode's history shows images, which a first call cannot: only
+                    # its record can take it (rendered below if the record does not match)
+                    new, prompt = [], None
                 else:
                     new, prompt = (
                         [],
@@ -699,6 +703,11 @@ class AgentDriver:
                     self.metrics.count("agent_resume_mismatch")
                     self.metrics.count("agent_rewrite_tokens_dropped", ep.seq.length)
                     self._clear(ep)
+                    if prompt is None and not extends:  # (its images: refused, a 400)
+                        try:
+                            prompt = self.render.first_ids(messages, tools)
+                        except BadMessages as exc:
+                            raise CallRefused(Refusal.BAD_MESSAGES, str(exc)) from None
                 else:
                     self.metrics.count("agent_calls_resumed")
                     (new, keep, urls), prompt = got, None
