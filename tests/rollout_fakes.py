@@ -10,7 +10,9 @@ RolloutNodes on demand (`await h.add_rollout(engine)`).
 FakeBuffer speaks the buffer protocol (laminar/protocol/buffer.py) on an RpcServer:
 serves PromptItems from a list, keeps the partial pool (header restarts a record),
 stores Trajectories deduplicated by uid (acking duplicates) and counts every
-arrival, so "nothing lost, nothing twice" can be asserted. Its state lives in a
+arrival, so "nothing lost, nothing twice" can be asserted. It owns images like the real
+buffer: its prompts' images and those rollouts put (ImagePut), served by digest (ImageFetch),
+with the bytes of each direction counted. Its state lives in a
 FakeBufferState that survives stop()/start(), like a journaled buffer restarted on
 the same run dir.
 """
@@ -31,7 +33,16 @@ import numpy as np
 from fake_engine import FakeEngine, fake_length, fake_token
 
 from laminar.config import config_from_dict
-from laminar.protocol.buffer import PromptReply, PromptRequest, TrajectoryAbandoned, TrajectoryAck
+from laminar.protocol.buffer import (
+    ImageBlobs,
+    ImageFetch,
+    ImagePut,
+    ImagePutReply,
+    PromptReply,
+    PromptRequest,
+    TrajectoryAbandoned,
+    TrajectoryAck,
+)
 from laminar.protocol.data import PartialBatch, PartialChunk, PromptItem, Trajectory
 from laminar.rollout.node import RolloutNode
 from laminar.transport.server import RpcServer
@@ -72,6 +83,15 @@ class FakeBufferState:
     """Serve the next request, then answer only after this long (the rollout times out and
     retries)."""
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    images: dict[str, bytes] = field(default_factory=dict)
+    """The images it owns by digest: its prompts' (filled from `prompts`) and those put."""
+    puts: list[ImagePut] = field(default_factory=list)
+    fetched: list[str] = field(default_factory=list)
+    """Every digest served by ImageFetch, in order."""
+
+    def __post_init__(self) -> None:
+        for it in self.prompts:
+            self.images.update(zip(it.image_digests, it.images, strict=True))
 
 
 class FakeBuffer:
@@ -86,6 +106,8 @@ class FakeBuffer:
         srv.on(PartialBatch, self._batch)
         srv.on(Trajectory, self._trajectory)
         srv.on(TrajectoryAbandoned, self._abandoned)
+        srv.on(ImagePut, self._image_put)
+        srv.on(ImageFetch, self._image_fetch)
         await srv.start()
         self.srv = srv
 
@@ -149,6 +171,26 @@ class FakeBuffer:
         st.partials.pop(msg.uid, None)
         st.changed.set()
         return TrajectoryAck()
+
+    def _image_put(self, peer: Any, msg: ImagePut) -> ImagePutReply:
+        from laminar.vision.images import digest_of
+
+        self.state.puts.append(msg)
+        ok = [d for d, b in zip(msg.digests, msg.data, strict=True) if digest_of(b) == d]
+        bad = [d for d in msg.digests if d not in ok]
+        self.state.images.update(
+            (d, b) for d, b in zip(msg.digests, msg.data, strict=True) if d in ok
+        )
+        return ImagePutReply(stored=ok, refused=bad, reason="digest mismatch" if bad else "")
+
+    def _image_fetch(self, peer: Any, msg: ImageFetch) -> ImageBlobs:
+        have = [d for d in msg.digests if d in self.state.images]
+        self.state.fetched += have
+        return ImageBlobs(
+            digests=have,
+            data=[self.state.images[d] for d in have],
+            missing=[d for d in msg.digests if d not in self.state.images],
+        )
 
     def _abandoned(self, peer: Any, msg: TrajectoryAbandoned) -> TrajectoryAck:
         self.state.abandoned[msg.uid] = msg

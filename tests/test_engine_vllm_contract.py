@@ -555,3 +555,25 @@ def test_vllm_prompt_without_images_is_the_token_prompt(monkeypatch):
     assert vllm_prompt(vllm, PROMPT, [3], (), None) == {"prompt_token_ids": PROMPT.tolist() + [3]}
     with pytest.raises(ValueError, match="text-only"):
         vllm_prompt(vllm, PROMPT, [], (b"x",), None)
+
+
+def test_vllm_prompt_collapses_a_later_turns_image_run_in_the_resumed_tokens(monkeypatch):
+    """An environment's screenshot after the model's first turn: its expanded run in the resumed
+    tokens goes to vLLM as one placeholder, its image after the prompt's; a placeholder the model
+    sampled makes one run too many and is refused."""
+    from laminar.engines.vllm_engine import vllm_prompt
+
+    install(monkeypatch)
+    import vllm
+
+    red, blue = _png((200, 0, 0), (28, 28)), _png((0, 0, 200), (28, 28))
+    prompt = np.array([5, IMG, IMG, IMG, IMG, 6], np.int32)
+    out = [11, 12, 7, IMG, IMG, IMG, IMG, 8, 13]
+    p = vllm_prompt(vllm, prompt, out, (red, blue), IMG)
+    assert p["prompt_token_ids"] == [5, IMG, 6, 11, 12, 7, IMG, 8, 13]
+    assert [im.getpixel((0, 0)) for im in p["multi_modal_data"]["image"]] == [
+        (200, 0, 0),
+        (0, 0, 200),
+    ]
+    with pytest.raises(ValueError, match="3 image placeholder run"):
+        vllm_prompt(vllm, prompt, [*out, IMG], (red, blue), IMG)

@@ -5,6 +5,7 @@ and a buffer restart (journal replay) keeping the digest, unknown digests refuse
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 
 import numpy as np
@@ -95,5 +96,48 @@ async def test_images_cross_once_and_are_fetched_by_digest(tmp_path):
         assert mine and all(p.image_digests == item.image_digests for p in mine)
         blobs = await dest.request(ImageFetch(digests=item.image_digests))
         assert blobs.data == item.images
+    finally:
+        await h.close()
+
+
+async def test_images_put_in_later_turns_are_kept_checked_and_served(tmp_path):
+    """ImagePut (an environment's or an agent's image): kept on disk by the real buffer, served by
+    digest (also after a restart), a corrupted or oversized one refused and counted."""
+    from laminar.protocol.buffer import ImagePut, ImagePutReply
+
+    vlm = build_tiny_vlm(tmp_path / "vlm", image_size=56)
+    paths = colours.write_splits(tmp_path / "colours", train=4, eval_=1, seed=0)
+    shot = colours.draw(random.Random(3), "red")
+    cfg = make_cfg(
+        tmp_path,
+        model={"path": str(vlm)},
+        data={
+            "train": str(paths["train"]),
+            "max_prompt_tokens": 64,
+            "max_image_bytes": len(shot) + 10,
+        },
+        buffer={"fsync": "batch", "journal": True},
+    )
+    h = await Harness(cfg).start()
+    try:
+        ro = await h.client("r0")
+        big = colours.draw(random.Random(4), "blue", size=200)
+        assert len(big) > len(shot) + 10
+        bad = shot[:-20]  # truncated: its own digest, but not a whole image
+        digests = [digest_of(shot), digest_of(bad), digest_of(big), digest_of(b"x")]
+        reply = await ro.request(ImagePut(digests=digests, data=[shot, bad, big, shot]))
+        assert isinstance(reply, ImagePutReply)
+        assert reply.stored == [digest_of(shot)] and reply.refused == digests[1:]
+        counters = h.buffer.metrics.counters
+        assert counters["bad_images_put"] == 3 and counters["image_bytes_put"] == len(shot)
+        # again: already held, not written twice
+        again = await ro.request(ImagePut(digests=[digest_of(shot)], data=[shot]))
+        assert again.stored == [digest_of(shot)] and counters["images_put"] == 1
+        blobs = await ro.request(ImageFetch(digests=[digest_of(shot)]))
+        assert blobs.data == [shot]
+        await h.stop_buffer()
+        await h.start_buffer()
+        blobs = await (await h.client("r1")).request(ImageFetch(digests=[digest_of(shot)]))
+        assert blobs.data == [shot] and not blobs.missing
     finally:
         await h.close()

@@ -1,7 +1,8 @@
 """The torch trainer on a tiny Qwen2-VL: the trainer's logprobs of a group sampled by the VLM
 engine equal the engine's (same image, pixel inputs remade from the bytes), a step moves the
 language model and leaves the frozen vision tower alone, a checkpoint keeps the processor files
-and loads again as a VLM; what is not built is refused with the setting to change."""
+and loads again as a VLM; an unfrozen tower trains; LoRA adapts the language model only and the
+VLM engine serves its versions."""
 
 from __future__ import annotations
 
@@ -119,7 +120,7 @@ def test_trainer_logprobs_match_the_engine_and_the_tower_stays_frozen(vlm, tmp_p
     assert again.model.processor is not None
 
 
-def test_unfrozen_tower_trains_and_unbuilt_paths_are_refused(vlm, tmp_path):
+def test_unfrozen_tower_trains(vlm, tmp_path):
     proc = load_processor(vlm)
     trainer = TorchTrainer(trainer_settings(make_cfg(vlm, tmp_path, freeze_vision=False)), vlm)
     trajs, images = sampled_group(vlm, proc, "green", seed=3)
@@ -128,6 +129,62 @@ def test_unfrozen_tower_trains_and_unbuilt_paths_are_refused(vlm, tmp_path):
     trainer.train_step(trainer.prepare(trajs, images))
     moved = {n for n, p in module.named_parameters() if not torch.equal(p, before[n])}
     assert any(".visual." in f".{n}" for n in moved)
-    lora = make_cfg(vlm, tmp_path, lora={"rank": 4})
-    with pytest.raises(ValueError, match="model.lora"):
-        TorchTrainer(trainer_settings(lora), vlm)
+
+
+def test_lora_adapts_the_language_model_only_and_the_vlm_engine_serves_it(vlm, tmp_path):
+    """model.lora on a VLM: adapters on the language model's linears (none in the tower), a step
+    moves only them, and the version (the adapters) merged by the VLM engine gives the trainer's
+    logprobs after the step."""
+    proc = load_processor(vlm)
+    cfg = make_cfg(vlm, tmp_path, lora={"rank": 4, "alpha": 8})
+    trainer = TorchTrainer(trainer_settings(cfg), vlm)
+    module = trainer.model.module
+    adapters = [n for n, _ in module.named_parameters() if "lora_" in n]
+    assert adapters and not [n for n in adapters if ".visual." in f".{n}"]
+    trajs, images = sampled_group(vlm, proc, "red", seed=4)
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    trainer.train_step(trainer.prepare(trajs, images))
+    moved = {n for n, p in module.named_parameters() if not torch.equal(p, before[n])}
+    assert moved and moved <= set(adapters)
+    version = trainer.export()
+    assert version and all("lora_" in n for n in version)
+    # the VLM engine serves the version: the same group's logprobs equal the trainer's now
+    png = images[trajs[0].image_digests[0]]
+    engine = VlmEngine(load_vlm(vlm), proc, lora=cfg.model.lora)
+    params = SamplingParams(max_tokens=6, seed=9, ignore_eos=True)
+
+    async def go():
+        await engine.start()
+        try:
+            await engine.load_weights(version.items(), 1)
+            return await engine.generate_all(
+                GenRequest("g", trajs[0].prompt_ids, params, n=2, images=(png,))
+            )
+        finally:
+            await engine.close()
+
+    out = asyncio.run(go())
+    assert engine.served_weights() is not None
+    fresh = [
+        Trajectory(
+            uid=sid,
+            group_id="g",
+            prompt_uid="p",
+            sample_index=i,
+            prompt_ids=trajs[0].prompt_ids,
+            response_ids=toks,
+            logprobs=lps,
+            version=1,
+            reward=float(i),
+            image_digests=trajs[0].image_digests,
+        )
+        for i, (sid, (toks, lps, _)) in enumerate(sorted(out.items()))
+    ]
+    batch = trainer.prepare(fresh, images)
+    if batch.n_seqs < 2:
+        pytest.skip("the random policy sampled the placeholder token")
+    mb = trainer.model.micro_batch(batch, list(range(batch.n_seqs)))
+    with torch.no_grad():
+        logp, _ = trainer.model.token_logprobs(mb)
+    for i, t in enumerate(fresh):
+        np.testing.assert_allclose(logp[i][mb.resp_mask[i]].numpy(), t.logprobs, atol=1e-4)

@@ -27,6 +27,13 @@ so an OpenAI-client agent sees exactly the token sequences the in-process ToolEn
     tools        not rendered (no place for them in the plain format); the model is trained on
                  its tool. Its turn ends at "</tool_call>" (`TOOL_STOP`), as ToolEnv's does.
 
+Images (vision-language models): a later call's messages may hold `image_url` parts (data: URIs;
+nothing is fetched); the chat template renders each as its image part (the plain format as
+`image_placeholder`), one placeholder token per image, which the agent driver expands as the
+model's processor does and sends to the buffer once (laminar/vision/turns.py). `canonical` keeps
+where each image sits and a digest of its URL, so a repeated history still matches. A first
+call's images are refused: the episode's prompt is the sample's.
+
 The model's text becomes `tool_calls` by laminar/envs/toolcall.py (<tool_call>{"name": ...,
 "arguments": {...}}</tool_call> blocks, what Hermes/Qwen-style templates teach); the
 content is the text before the first block.
@@ -34,6 +41,7 @@ content is the text before the first block.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Sequence
@@ -52,20 +60,50 @@ class BadMessages(ValueError):
     """Messages the endpoint cannot render (the text says why); an HTTP 400."""
 
 
-def _content(m: dict[str, Any]) -> str:
+def _parts(m: dict[str, Any]) -> list[tuple[str, str]]:
+    """A message's content as ("text", text) and ("image", url) parts, in order."""
     c = m.get("content")
     if c is None:
-        return ""
+        return []
     if isinstance(c, str):
-        return c
-    if isinstance(c, list):  # content parts: only text is supported
-        out = []
-        for part in c:
-            if not isinstance(part, dict) or part.get("type") != "text":
-                raise BadMessages("only text content parts are supported")
-            out.append(str(part.get("text", "")))
-        return "".join(out)
-    raise BadMessages(f"message content must be a string or a list of parts, not {type(c)}")
+        return [("text", c)]
+    if not isinstance(c, list):
+        raise BadMessages(f"message content must be a string or a list of parts, not {type(c)}")
+    out = []
+    for part in c:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text":
+            out.append(("text", str(part.get("text", ""))))
+        elif kind == "image_url":
+            url = part.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            if not isinstance(url, str):
+                raise BadMessages("an image_url part needs image_url.url (a data: URI)")
+            out.append(("image", url))
+        else:
+            raise BadMessages("only text and image_url content parts are supported")
+    return out
+
+
+def _content(m: dict[str, Any], image_text: str | None = None) -> str:
+    """The message's text; image parts written as `image_text` (None: they are refused)."""
+    out = []
+    for kind, value in _parts(m):
+        if kind == "text":
+            out.append(value)
+        elif image_text is None:
+            raise BadMessages(
+                "image parts need a vision-language model.path, in a later call of the episode "
+                "(docs/vision.md)"
+            )
+        else:
+            out.append(image_text)
+    return "".join(out)
+
+
+def image_urls(messages: Sequence[dict[str, Any]]) -> list[str]:
+    """The image parts' URLs of these messages, in order (what their placeholders stand for)."""
+    return [v for m in messages for kind, v in _parts(m) if kind == "image"]
 
 
 def _calls(m: dict[str, Any]) -> list[tuple[str, Any]]:
@@ -99,8 +137,16 @@ def canonical(m: Any) -> str:
     role = m["role"]
     if role not in ("system", "developer", "user", "assistant", "tool"):
         raise BadMessages(f"unknown message role {role!r}")
-    body = [role, _content(m), _calls(m) if role == "assistant" else []]
+    parts = _parts(m)
+    body: list[Any] = [role, "".join(v for k, v in parts if k == "text")]
+    body.append(_calls(m) if role == "assistant" else [])
+    if any(k == "image" for k, _ in parts):  # where each image sits, and which one it is
+        body.append([[k, v if k == "text" else _url_key(v)] for k, v in parts])
     return json.dumps(body, sort_keys=True, default=str)
+
+
+def _url_key(url: str) -> str:
+    return hashlib.sha256(url.encode()).hexdigest()
 
 
 _GUARD_OPEN, _GUARD_CLOSE = "\ue000", "\ue001"
@@ -109,8 +155,15 @@ _GUARDED = re.compile(f"{_GUARD_OPEN}(\\d+){_GUARD_CLOSE}")
 
 
 def _plain_message(m: dict[str, Any]) -> dict[str, Any]:
-    """A message as the chat template gets it (content as a string, tool arguments parsed)."""
-    out: dict[str, Any] = {"role": m["role"], "content": _content(m)}
+    """A message as the chat template gets it (content as a string, or as text and image parts
+    when it shows images; tool arguments parsed)."""
+    parts = _parts(m)
+    content: Any = "".join(v for k, v in parts if k == "text")
+    if any(k == "image" for k, _ in parts):
+        content = [
+            {"type": "image"} if k == "image" else {"type": "text", "text": v} for k, v in parts
+        ]
+    out: dict[str, Any] = {"role": m["role"], "content": content}
     if out["role"] == "developer":
         out["role"] = "system"
     if m.get("tool_calls"):
@@ -125,9 +178,11 @@ def _plain_message(m: dict[str, Any]) -> dict[str, Any]:
 
 
 class ChatRenderer:
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, image_placeholder: str = ""):
+        """`image_placeholder`: one image in the plain format (vision-language models; empty:
+        image parts are refused)."""
         self.tok = tokenizer
-        self.turns = TurnTemplate(tokenizer)
+        self.turns = TurnTemplate(tokenizer, image_placeholder=image_placeholder)
         """The end-of-turn token and the plain format, as the in-process environments use them."""
         self.chat = self.turns.chat
         bos = getattr(tokenizer, "bos_token_id", None) if tokenizer is not None else None
@@ -168,14 +223,24 @@ class ChatRenderer:
         out = []
         for m in messages:
             pm = _plain_message(m)
-            text = pm["content"]
             if m.get("role") != "assistant":
-                for k in self._by_length:
-                    if self.specials[k] in text:
-                        text = text.replace(self.specials[k], f"{_GUARD_OPEN}{k}{_GUARD_CLOSE}")
-                pm["content"] = text
+                if isinstance(pm["content"], list):
+                    for part in pm["content"]:
+                        if part["type"] == "text":
+                            part["text"] = self._guard_text(part["text"])
+                else:
+                    pm["content"] = self._guard_text(pm["content"])
             out.append(pm)
         return out
+
+    def _guard_text(self, text: str) -> str:
+        for k in self._by_length:
+            if self.specials[k] in text:
+                text = text.replace(self.specials[k], f"{_GUARD_OPEN}{k}{_GUARD_CLOSE}")
+        return text
+
+    def _image_text(self) -> str | None:
+        return self.turns.image_placeholder or None
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.turns.decode(ids)
@@ -194,6 +259,11 @@ class ChatRenderer:
         """A conversation's tokens up to the model's turn (the episode's prompt)."""
         if not messages:
             raise BadMessages("`messages` is empty")
+        if image_urls(messages):
+            raise BadMessages(
+                "image parts are taken in a later call of the episode (after the model's first "
+                "answer), not in its first one: the prompt is the sample's (docs/vision.md)"
+            )
         if self.chat:
             msgs = self._guard(messages)
             kw: dict[str, Any] = {"tools": tools} if tools else {}
@@ -230,9 +300,12 @@ class ChatRenderer:
                 j = i
                 while j < len(new) and ("tool" if new[j]["role"] == "tool" else "user") == role:
                     j += 1
-                text += self.turns.observation_text([_content(m) for m in new[i:j]], role)
+                texts = [_content(m, self._image_text()) for m in new[i:j]]
+                text += self.turns.observation_text(texts, role)
                 i = j
             return self.encode(text)
+        if image_urls(new) and not self.turns.image_placeholder:
+            raise BadMessages("image parts need a vision-language model.path (docs/vision.md)")
         base = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _MARK}]
         try:
             full = str(

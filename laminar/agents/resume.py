@@ -10,7 +10,8 @@ its messages must account for exactly the recorded tokens:
 
     prompt       first_ids(the messages before the run's first assistant answer, tools)
     model run j  decodes to the assistant message the agent echoes as answer j (`canonical`)
-    non-model    delta_ids(the messages between answer j and answer j+1)
+    non-model    delta_ids(the messages between answer j and answer j+1), image placeholders
+                 expanded as the processor does (`expand`, vision-language models)
     the rest     the call's own new messages (recorded, or still to append), then the call's
                  model turn (recorded in part or whole, or not started)
 
@@ -22,12 +23,13 @@ run is the call's own turn. Used by laminar/rollout/agents.py `_resume`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from laminar.agents.render import BadMessages, ChatRenderer, canonical
+from laminar.agents.render import BadMessages, ChatRenderer, canonical, image_urls
 from laminar.envs.replay import Segment, split_segments
 
 
@@ -44,6 +46,13 @@ class Resumed:
     """The episode's turn counter before the call's tokens go in (as if its calls ran here)."""
     after_eot: bool
     """The last answered model run ended on the end-of-turn token."""
+    new_images: list[str] = field(default_factory=list)
+    """The image URLs `new` shows (vision-language models): still to be sent to their owner."""
+
+
+Expand = Callable[[list[int], list[dict[str, Any]]], list[int]]
+"""Messages' rendered tokens -> their image placeholders expanded as the processor does (what the
+record holds); raises ValueError on a bad image."""
 
 
 def match_record(
@@ -55,7 +64,9 @@ def match_record(
     messages: list[dict[str, Any]],
     tools: list[Any] | None,
     tools_on: bool,
+    expand: Expand | None = None,
 ) -> Resumed | None:
+    """`expand`: a vision-language model's placeholder expansion (None: text only)."""
     segs = split_segments(ids, mask)
     if not segs or segs[0].kind != "model":
         return None
@@ -65,8 +76,10 @@ def match_record(
         if done < 0 or done > len(answers) or (done < n_model and segs[-1].kind != "model"):
             continue
         try:
-            got = _match(render, uid, prompt_ids, ids, segs, messages, tools, tools_on, done)
-        except BadMessages:
+            got = _match(
+                render, uid, prompt_ids, ids, segs, messages, tools, tools_on, done, expand
+            )
+        except (BadMessages, ValueError):
             got = None
         if got is not None:
             return got
@@ -83,6 +96,7 @@ def _match(
     tools: list[Any] | None,
     tools_on: bool,
     done: int,
+    expand: Expand | None,
 ) -> Resumed | None:
     answers = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
     mine = answers[len(answers) - done :]  # this run's answers, in call order
@@ -98,9 +112,12 @@ def _match(
         after_eot = render.turns.ended_with_eot(run)
         k += 1
         upto = mine[j + 1] if j + 1 < len(mine) else len(messages)
-        delta = render.delta_ids(messages[at + 1 : upto], after_eot)
+        between = messages[at + 1 : upto]
+        delta = render.delta_ids(between, after_eot)
+        if expand is not None:
+            delta = expand(delta, between)
         if k == len(segs):  # the record ends with the last answer: the call's messages go next
-            return Resumed(done, delta, None, turn, after_eot)
+            return Resumed(done, delta, None, turn, after_eot, image_urls(between))
         g = segs[k]
         if g.kind != "env" or ids[g.start : g.end].tolist() != delta:
             return None

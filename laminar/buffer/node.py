@@ -77,6 +77,8 @@ from laminar.protocol.buffer import (
     CommitAck,
     ImageBlobs,
     ImageFetch,
+    ImagePut,
+    ImagePutReply,
     JournalFigures,
     PartialsReply,
     PartialsRequest,
@@ -92,6 +94,7 @@ from laminar.protocol.core import NodeStatus
 from laminar.protocol.data import PartialBatch, PartialChunk, Trajectory
 from laminar.transport.session import NO_STATUS, Ack, ErrorReply
 from laminar.transport.sockets import Context, Peer
+from laminar.vision.images import BadImage, check_image, image_limits
 from laminar.vision.store import ImageStore
 
 
@@ -133,7 +136,11 @@ class BufferNode(Node):
             open_pool, s.data, s.model_path, self.metrics, self.log
         )
         # the owner of its prompts' images: receivers fetch them by digest (docs/vision.md)
-        self.images = ImageStore.of_rows(self.pool.rows if self.pool is not None else ())
+        # and of the images later turns added (ImagePut), kept on disk in the run directory
+        self.images = ImageStore.of_rows(
+            self.pool.rows if self.pool is not None else (), s.run_dir / "images"
+        )
+        self.image_limits = image_limits(s.data)
         if bc.journal:
             path = s.run_dir / f"buffer-{self.index}.journal"
             self.journal = Journal(path, bc.fsync, bc.fsync_interval_s)
@@ -188,6 +195,7 @@ class BufferNode(Node):
         self.srv.on(SamplesPlaced, self._on_placed)
         self.srv.on(BufferStatsRequest, self._on_stats)
         self.srv.on(ImageFetch, self._on_images)
+        self.srv.on(ImagePut, self._on_image_put)
         await self.srv.start()
 
     async def main(self) -> None:
@@ -290,6 +298,37 @@ class BufferNode(Node):
             self.metrics.count("images_missing", len(missing))
             self.log.warning("images_missing", peer=peer.node_id, count=len(missing))
         return ImageBlobs(digests=found, data=data, missing=missing)
+
+    async def _on_image_put(self, peer: Peer, req: ImagePut) -> ImagePutReply | ErrorReply:
+        """Images a rollout's episode added in a later turn: each checked (digest, size, decode)
+        and kept on disk before the reply, so a trajectory that names one can always be served."""
+        if len(req.digests) != len(req.data):
+            self.metrics.count("bad_images_put")
+            return ErrorReply(
+                code="bad_request", message=f"{len(req.data)} images for {len(req.digests)} digests"
+            )
+        stored, refused, reason = [], [], ""
+        for d, data in zip(req.digests, req.data, strict=True):
+            if self.images.holds(d):
+                stored.append(d)
+                continue
+            try:
+                await self.compute(self._keep_image, d, data)
+            except (BadImage, ValueError, OSError) as exc:
+                refused.append(d)
+                reason = reason or str(exc)
+                continue
+            stored.append(d)
+            self.metrics.count("images_put")
+            self.metrics.count("image_bytes_put", len(data))
+        if refused:
+            self.metrics.count("bad_images_put", len(refused))
+            self.log.warning("bad_images_put", peer=peer.node_id, count=len(refused), error=reason)
+        return ImagePutReply(stored=stored, refused=refused, reason=reason)
+
+    def _keep_image(self, digest: str, data: bytes) -> None:
+        check_image(data, digest, self.image_limits)  # decodes: off the event loop
+        self.images.put(digest, data)
 
     def _on_partials(self, peer: Peer, req: PartialsRequest) -> PartialsReply:
         return PartialsReply(

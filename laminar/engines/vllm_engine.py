@@ -136,17 +136,18 @@ def vllm_prompt(
     """The TokensPrompt of a request: prompt + resumed tokens, and for a vision-language model
     its images as `multi_modal_data` (PIL images, placeholder order).
 
-    Our prompt ids carry the placeholders expanded as the HF processor expands them (what the
-    trainer needs); vLLM's multimodal processor expands token prompts itself (from one
-    placeholder per image, with the model directory's image processor), so each run of
-    placeholders in the prompt goes to vLLM as one token and vLLM makes the same run again.
-    The resumed tokens are passed as they are. Raises ValueError when the runs and the images
-    do not pair up."""
-    ids = np.asarray(prompt_ids).tolist()
+    Our ids carry the placeholders expanded as the HF processor expands them (what the trainer
+    needs); vLLM's multimodal processor expands token prompts itself (from one placeholder per
+    image, with the model directory's image processor), so each run of placeholders goes to vLLM
+    as one token and vLLM makes the same run again. The resumed tokens are the rest of the
+    prompt: the runs of images a later turn showed (environment tokens, laminar/vision/turns.py)
+    are collapsed the same way. Raises ValueError when the runs and the images do not pair up (a
+    resumed response holding a placeholder the model sampled included)."""
+    ids = np.asarray(prompt_ids).tolist() + [int(t) for t in out]
     if not images:
         if image_token_id is not None and image_token_id in ids:
             raise ValueError("the prompt has image placeholders but the request carries no images")
-        return v.TokensPrompt(prompt_token_ids=ids + list(out))
+        return v.TokensPrompt(prompt_token_ids=ids)
     if image_token_id is None:
         raise ValueError("a request with images for a text-only model")
     collapsed: list[int] = []
@@ -158,11 +159,13 @@ def vllm_prompt(
             runs += 1
         collapsed.append(t)
     if runs != len(images):
-        raise ValueError(f"{runs} image placeholder run(s) in the prompt, {len(images)} image(s)")
+        raise ValueError(
+            f"{runs} image placeholder run(s) in prompt + response, {len(images)} image(s)"
+        )
     from laminar.vision.images import decode_rgb
 
     return v.TokensPrompt(
-        prompt_token_ids=collapsed + list(out),
+        prompt_token_ids=collapsed,
         multi_modal_data={"image": [decode_rgb(d) for d in images]},
     )
 

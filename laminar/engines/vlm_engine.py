@@ -26,6 +26,10 @@ sampled token's logprob under the processed distribution. Abort and load_weights
 between two steps (a lock). A weight load while a group runs lets the group go on under the new
 weights, its later tokens labelled with the new version (what mode partial allows; in the other
 modes a rollout loads only when idle). Stop strings are checked on the decoded completion.
+
+A request whose placeholder runs do not pair up with its images (a resumed response in which the
+model sampled the placeholder token, which HF's forward would read as one more image slot) ends
+in `error` at submit, counted in `rejected`: the engine never raises mid-prefill.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from laminar.config import ModelConfig, RolloutConfig
+from laminar.config import LoraConfig, ModelConfig, RolloutConfig
 from laminar.engines.base import (
     Engine,
     EngineStats,
@@ -50,6 +54,7 @@ from laminar.engines.base import (
     TokenEvent,
 )
 from laminar.engines.sampling import sample, sequence_key, uniform
+from laminar.models.lora import MergedAdapter
 from laminar.supervise import Spawn, detached_spawn
 from laminar.vision.pixels import pixel_inputs
 
@@ -83,9 +88,13 @@ class VlmEngine(Engine):
         max_running: int = 32,
         max_model_len: int = 1024,
         device: str = "cpu",
+        lora: LoraConfig | None = None,
     ):
         super().__init__()
         self.model = model
+        self.adapter = MergedAdapter(model, lora) if lora is not None else None
+        """model.lora: a version is an adapter of the language model, merged into a pristine copy
+        of its base weights (models/lora.py)."""
         self.processor = processor
         self.tok = processor.tokenizer
         self.image_token_id = int(processor.image_token_id)
@@ -102,6 +111,8 @@ class VlmEngine(Engine):
         self._task: asyncio.Task[None] | None = None
         self._pool: ThreadPoolExecutor | None = None
         self.tokens_generated = 0
+        self.rejected = 0
+        """Requests ended in error at submit: image placeholder runs and images do not pair up."""
         self.loaded_names: list[str] = []
         """The tensor names the last load_weights gave: what attestation reads back."""
 
@@ -118,6 +129,7 @@ class VlmEngine(Engine):
             max_running=r.max_running,
             max_model_len=r.max_model_len or 1024,
             device=mc.device,
+            lora=mc.lora,
             **kw,
         )
 
@@ -140,6 +152,13 @@ class VlmEngine(Engine):
         prompt = np.concatenate(
             [np.asarray(req.prompt_ids, np.int64), np.asarray(req.resume_ids, np.int64)]
         )
+        runs = placeholder_runs(prompt, self.image_token_id)
+        if runs != len(req.images):  # a resumed response holding a sampled placeholder, or a
+            # request whose images do not pair up: HF's forward would raise mid-prefill
+            self.rejected += 1
+            for sid in req.seq_ids():
+                self._emit(TokenEvent(sid, _NO_I, _NO_F, "error", req.version))
+            return
         rows = [
             _Row(
                 seq_id=sid,
@@ -192,6 +211,9 @@ class VlmEngine(Engine):
             self.version = version
 
     def _copy(self, items: list[tuple[str, Any]]) -> None:
+        if self.adapter is not None:
+            self.adapter.apply(items)  # all of it or none (AdapterRejected)
+            return
         state = self.model.state_dict()
         for name, _ in items:  # validate every name before touching any parameter
             if name not in state:
@@ -203,6 +225,8 @@ class VlmEngine(Engine):
 
     def served_weights(self) -> list[tuple[str, Any]] | None:
         """The loaded tensors read back from the model (None before any load: unattested)."""
+        if self.adapter is not None:  # model.lora: the factors merged into the weights
+            return self.adapter.served
         if not self.loaded_names:
             return None
         state = self.model.state_dict()
@@ -313,6 +337,15 @@ class VlmEngine(Engine):
         ):
             return "length"
         return None
+
+
+def placeholder_runs(ids: np.ndarray, image_token_id: int) -> int:
+    """Runs of the image placeholder token: one per image when the ids are what the processor
+    expanded (each image's run sits between <|vision_start|> and <|vision_end|>)."""
+    hit = np.asarray(ids) == image_token_id
+    if not hit.any():
+        return 0
+    return int(hit[0]) + int(np.count_nonzero(hit[1:] & ~hit[:-1]))
 
 
 _NO_I = np.zeros(0, np.int32)

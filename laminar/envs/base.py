@@ -114,6 +114,12 @@ class StepResult:
     """Or the exact tokens to append (token-level environments, the sim); wins over observation."""
     role: str = "tool"
     """tool | user: the chat role the observation is written in."""
+    images: list[Any] = field(default_factory=list)
+    """Vision-language models: images the observation shows (a screenshot after a tool call):
+    each a local path, bytes, a `data:image/...;base64,` URI, {"bytes", "path"} or a PIL image.
+    Rendered before the text of the observation's last message (with `observation_ids`: one
+    image placeholder token per image in them); sent to the buffer once, carried by digest
+    (laminar/vision/turns.py, docs/vision.md)."""
     done: bool = False
     """The episode is over (the model answered, or the environment ends it)."""
     tool_results: list[ToolResult] = field(default_factory=list)

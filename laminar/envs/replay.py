@@ -44,7 +44,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from laminar.envs.base import Environment, StepContext
+from laminar.envs.base import Environment, StepContext, StepResult
 from laminar.envs.template import TurnTemplate
 from laminar.protocol.data import ToolRecord
 
@@ -100,8 +100,11 @@ async def replay(
     loss_mask: Sequence[int] | np.ndarray | None,
     template: TurnTemplate,
     ctx_for_turn: Callable[[int, int], StepContext],
+    observe: Callable[[StepResult, list[int]], list[int]] | None = None,
 ) -> Replayed:
-    """Rebuild the episode's state from its recorded response (see the module docstring)."""
+    """Rebuild the episode's state from its recorded response (see the module docstring).
+    `observe(result, model_ids)`: a step's observation tokens as the rollout renders them (images
+    expanded); None: the template's rendering of its text."""
     ids = [int(i) for i in response_ids]
     segs = split_segments(ids, loss_mask)
     out = Replayed(state=env.reset(row, prompt))
@@ -121,7 +124,9 @@ async def replay(
         res = await asyncio.wait_for(
             env.step(out.state, ctx, template.decode(model_ids)), timeout=ctx.timeout_s
         )
-        if res.observation_ids is not None:
+        if observe is not None:
+            got = observe(res, model_ids)
+        elif res.observation_ids is not None:
             got = [int(x) for x in res.observation_ids]
         elif res.observation is not None:
             got = template.observation_ids(

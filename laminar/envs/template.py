@@ -41,6 +41,11 @@ tokenizer does not know become its <unk>):
 
     role tool:   "\\n<tool_response>" + text + "</tool_response>\\n"   (one block per message)
     other roles: "\\n" + text + "\\n"
+
+Images (vision-language models, `images=k`): the observation's last message shows k images
+before its text, as the chat template renders image parts (`{"type": "image"}`, one placeholder
+each), or, in the plain format, `image_placeholder` k times before its text. The caller expands
+each placeholder to the processor's run (laminar/vision/turns.py).
 """
 
 from __future__ import annotations
@@ -61,12 +66,19 @@ class TemplateError(ValueError):
 
 class TurnTemplate:
     def __init__(
-        self, tokenizer: Any, *, use_chat_template: bool = True, system: str | None = None
+        self,
+        tokenizer: Any,
+        *,
+        use_chat_template: bool = True,
+        system: str | None = None,
+        image_placeholder: str = "",
     ):
         """`use_chat_template` false forces the plain format; `system` is the system message
         the prompts are rendered with (only the template's rendering of it matters).
-        `tokenizer`: a HF tokenizer, or None (UTF-8 bytes as ids, plain format)."""
+        `tokenizer`: a HF tokenizer, or None (UTF-8 bytes as ids, plain format).
+        `image_placeholder`: one image in the plain format (vision-language models)."""
         self.tok: Any = tokenizer
+        self.image_placeholder = image_placeholder
         self.chat = bool(use_chat_template and tokenizer is not None and tokenizer.chat_template)
         self._base: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
         self._base += [{"role": "user", "content": "?"}, {"role": "assistant", "content": _MARK}]
@@ -101,7 +113,7 @@ class TurnTemplate:
 
     # ---- rendering ----------------------------------------------------------------------
 
-    def _render(self, messages: list[dict[str, str]], generation_prompt: bool) -> str:
+    def _render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
         out = self.tok.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=generation_prompt
         )
@@ -113,17 +125,32 @@ class TurnTemplate:
         return [int(i) for i in self.tok(text, add_special_tokens=False)["input_ids"]]
 
     def observation_text(
-        self, text: str | Sequence[str], role: str = "tool", after_eot: bool = False
+        self,
+        text: str | Sequence[str],
+        role: str = "tool",
+        after_eot: bool = False,
+        images: int = 0,
     ) -> str:
-        """The text `observation_ids` tokenizes (a list = several messages of `role`)."""
+        """The text `observation_ids` tokenizes (a list = several messages of `role`; `images`:
+        that many images shown before the last message's text)."""
         texts = [text] if isinstance(text, str) else list(text)
+        if images and not texts:
+            texts = [""]
         if not self.chat:
+            if images:
+                if not self.image_placeholder:
+                    raise TemplateError("images in an observation need a vision-language model")
+                texts[-1] = self.image_placeholder * images + texts[-1]
             if role == "tool":
                 return "\n" + format_tool_response(texts) + "\n"
             return "\n" + "\n".join(texts) + "\n"
-        messages = [{"role": role, "content": t} for t in texts]
+        messages: list[dict[str, Any]] = [{"role": role, "content": t} for t in texts]
         if role == "tool" and self.tool_as_user:
             messages = [{"role": "user", "content": format_tool_response(texts)}]
+        if images:
+            last = messages[-1]
+            parts: list[dict[str, Any]] = [{"type": "image"}] * images
+            last["content"] = [*parts, {"type": "text", "text": last["content"]}]
         full = self._render(self._base + messages, generation_prompt=True)
         cut = full.find(_MARK)
         if cut < 0:
@@ -139,12 +166,17 @@ class TurnTemplate:
         return obs
 
     def observation_ids(
-        self, text: str | Sequence[str], role: str = "tool", after_eot: bool = False
+        self,
+        text: str | Sequence[str],
+        role: str = "tool",
+        after_eot: bool = False,
+        images: int = 0,
     ) -> list[int]:
         """The exact tokens the environment adds after a model turn, up to and including the
         header of the next assistant turn. `after_eot`: the model's turn ended on the
-        end-of-turn token it sampled (see `ended_with_eot`), which is then not repeated."""
-        return self._encode(self.observation_text(text, role, after_eot))
+        end-of-turn token it sampled (see `ended_with_eot`), which is then not repeated.
+        `images`: one placeholder per image, not yet expanded."""
+        return self._encode(self.observation_text(text, role, after_eot, images))
 
     # ---- the model's side -----------------------------------------------------------------
 

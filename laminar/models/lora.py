@@ -66,13 +66,24 @@ def target_linears(model: nn.Module, lora: LoraConfig) -> dict[str, nn.Linear]:
     found = {
         name: m
         for name, m in model.named_modules()
-        if name.rsplit(".", 1)[-1] in wanted and isinstance(m, nn.Linear)
+        if name.rsplit(".", 1)[-1] in wanted
+        and isinstance(m, nn.Linear)
+        and not in_vision_tower(name)
     }
     if not found:
         raise ValueError(
             f"model.lora.target_modules {lora.target_modules} match no linear layer of the model"
         )
     return found
+
+
+TOWER_PATTERN = r"(.*\.)?visual(\..*)?"
+"""Module paths inside a vision-language model's vision tower (HF Qwen2-VL's `model.visual`):
+LoRA applies to the language model only, the tower stays frozen (peft's exclude_modules)."""
+
+
+def in_vision_tower(name: str) -> bool:
+    return "visual" in name.split(".")
 
 
 def version_names(module: str) -> tuple[str, str]:
@@ -117,9 +128,12 @@ def add_adapters(model: nn.Module, lora: LoraConfig) -> nn.Module:
 
     target_linears(model, lora)  # a clear error before peft's
     model.requires_grad_(False)
+    config = peft_config(lora)
+    if any(in_vision_tower(n) for n, _ in model.named_modules()):
+        config.exclude_modules = TOWER_PATTERN  # a VLM: adapters on its language model only
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(INIT_SEED)
-        inject_adapter_in_model(peft_config(lora), model, adapter_name=ADAPTER)
+        inject_adapter_in_model(config, model, adapter_name=ADAPTER)
     for m in model.modules():
         drops = getattr(m, "lora_dropout", None)
         if isinstance(drops, nn.ModuleDict) and ADAPTER in drops and lora.dropout > 0:

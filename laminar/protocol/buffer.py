@@ -9,6 +9,7 @@
     manager ──SamplesPlaced──► buffer ──Ack                              (moved: who sends them now)
     trainer, manager, cli ──BufferStatsRequest──► buffer ──BufferStats  (figures: tests, benches)
     rollout, trainer ──ImageFetch──► buffer ──ImageBlobs               (a prompt's images by digest)
+    rollout ──ImagePut──► buffer ──ImagePutReply             (an image a later turn added, once)
 
 A reply that acknowledges a change (prompts served, a trajectory, a batch, a commit) is sent
 only once the buffer's journal record of it is durable (buffer.fsync).
@@ -45,6 +46,8 @@ __all__ = [
     "SamplesPlaced",
     "ImageFetch",
     "ImageBlobs",
+    "ImagePut",
+    "ImagePutReply",
 ]
 
 Refusal = Literal[
@@ -314,3 +317,24 @@ class ImageBlobs(Message):  # buffer -> rollout, trainer: answer to ImageFetch
     """The encoded images; the receiver checks each against its digest before use."""
     missing: list[str] = field(default_factory=list)
     """Digests this buffer does not hold (not one of its prompts' images)."""
+
+
+@message(0x3F, senders=("rollout",))
+class ImagePut(Message):  # rollout -> buffer: images a later turn added (ImagePutReply)
+    """An environment's or an agent's image in a later turn (a screenshot after a tool call),
+    sent once to the owner, so trajectories carry only its digest and whoever needs the pixels
+    (a repack destination, the trainer) fetches them (ImageFetch), as for a prompt's images."""
+
+    digests: list[str]
+    data: list[bytes]
+    """The encoded images, parallel to `digests`; the buffer checks each before keeping it."""
+
+
+@message(0x40, senders=("buffer",))
+class ImagePutReply(Message):  # buffer -> rollout: answer to ImagePut, once the images are durable
+    stored: list[str]
+    """Digests the buffer now holds (kept before, or written now)."""
+    refused: list[str] = field(default_factory=list)
+    """Digests refused (bytes that do not match, over data.max_image_bytes, not an image)."""
+    reason: str = ""
+    """Why the first refused one was refused."""

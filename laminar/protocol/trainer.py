@@ -52,6 +52,9 @@ class RankCommand(Message):  # trainer rank 0 -> other ranks (codec frames over 
     version: int = 0
     trajectories: list[Trajectory] = field(default_factory=list)
     """step: the batch every rank trains on (each takes its share of the micro-batches)."""
+    images: dict[str, bytes] = field(default_factory=dict)
+    """step, vision-language models: the batch's images by digest (rank 0 fetched and checked
+    them; every rank remakes its micro-batches' pixel inputs from them)."""
     path: str = ""
     """init: the checkpoint every rank resumes from ("" = fresh start)."""
 

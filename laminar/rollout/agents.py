@@ -104,7 +104,7 @@ from typing import Any, TypeVar
 import numpy as np
 import structlog
 
-from laminar.agents.render import BadMessages, ChatRenderer, canonical, canonical_tools
+from laminar.agents.render import BadMessages, ChatRenderer, canonical, canonical_tools, image_urls
 from laminar.agents.resume import match_record
 from laminar.config import AgentConfig
 from laminar.engines.base import Engine, SamplingParams, Structured
@@ -130,6 +130,8 @@ from laminar.rollout.sequences import SequenceTable
 from laminar.rollout.tracking import Growable, SeqState
 from laminar.subprocess_pool import WorkerLost, WorkerTimeout
 from laminar.supervise import Spawn
+from laminar.vision.images import BadImage, ImageData
+from laminar.vision.turns import TurnImages
 
 
 @dataclass
@@ -203,8 +205,11 @@ class AgentDriver:
         spawn: Spawn,
         metrics: Metrics,
         log: structlog.typing.FilteringBoundLogger,
+        images: TurnImages | None = None,
     ):
+        """`images`: a vision-language policy's later-turn images (None: image parts refused)."""
         self.s, self.cfg = settings, settings.cfg
+        self.images = images
         self.render, self.base_params = renderer, params
         self.engine, self.table, self.deliverer = engine, table, deliverer
         self.spawn, self.metrics, self.log = spawn, metrics, log
@@ -492,6 +497,7 @@ class AgentDriver:
         seq.mask = Growable(np.uint8)
         seq.routes = None  # a new attempt: its prefill records them again
         seq.prompt_ids = ep.first_prompt.copy()
+        seq.image_digests = []  # the agent's images came with its calls: gone with their tokens
         seq.sent_upto, seq.turn, seq.turn_start, seq.awaiting_env = 0, 0, 0, False
         seq.tool_calls = []
         ep.consumed, ep.text, ep.tools_key = None, None, ""
@@ -670,12 +676,18 @@ class AgentDriver:
                 and len(canon) > n
             )
             chars = self._text_chars(canon[n:] if extends else canon)
+            shown: list[str] = []
             try:
                 if extends:
                     new = await self._tokenize(
                         chars, self.render.delta_ids, messages[n:], ep.after_eot
                     )
+                    new, shown = await self._show_images(new, messages[n:])
                     prompt = None
+                elif ep.recorded and image_urls(messages):
+                    # a moved episode's history shows images, which a first call cannot: only
+                    # its record can take it (rendered below if the record does not match)
+                    new, prompt = [], None
                 else:
                     new, prompt = (
                         [],
@@ -691,9 +703,16 @@ class AgentDriver:
                     self.metrics.count("agent_resume_mismatch")
                     self.metrics.count("agent_rewrite_tokens_dropped", ep.seq.length)
                     self._clear(ep)
+                    if prompt is None and not extends:  # (its images: refused, a 400)
+                        try:
+                            prompt = self.render.first_ids(messages, tools)
+                        except BadMessages as exc:
+                            raise CallRefused(Refusal.BAD_MESSAGES, str(exc)) from None
                 else:
                     self.metrics.count("agent_calls_resumed")
-                    (new, keep), prompt = got, None
+                    (new, keep, urls), prompt = got, None
+                    # the call's own new messages' images (expanded in `new`): to the owner first
+                    shown = [i.digest for i in await self._publish(urls)]
                     kept = 0 if keep is None else ep.seq.length - keep
                     self.metrics.count("agent_resume_kept_tokens", kept)
                     recorded = ep.seq.ids.view(0, ep.seq.length)
@@ -709,7 +728,7 @@ class AgentDriver:
                 new = self._new_run(ep, prompt)
                 ep.tools_key = key
             reason, ids, lps = await self._generate(
-                ep, token, new, request.sampling, stops, keep, structured, stream
+                ep, token, new, request.sampling, stops, keep, structured, stream, shown
             )
             text = self.render.decode(ids.tolist())
             msg, called = self.render.assistant_message(text, tools_on, ep.seq.uid, ep.seq.turn)
@@ -863,6 +882,7 @@ class AgentDriver:
         if rest:
             self.metrics.count("agent_rewrite_context_tokens", len(rest))
         seq.prompt_ids = np.asarray(prompt, np.int32)
+        seq.image_digests = []  # the agent's rendering holds no image (first calls refuse them)
         ep.prompt_fixed = True
         seq.sent_upto = 0
         self.table.mark_dirty(seq.uid)  # the header (with this prompt) restarts the record
@@ -878,11 +898,13 @@ class AgentDriver:
         keep: int | None = None,
         structured: Structured | None = None,
         stream: TurnStream | None = None,
+        shown: list[str] | None = None,
     ) -> tuple[str, np.ndarray, np.ndarray]:
         """Run one call's model turn. `keep`: a resumed call, whose turn began at that response
         index with tokens recorded before the move (generation continues after them; a turn the
         record says was whole is answered from it). `stream`: gets the turn's tokens as they
-        come (a resumed call's recorded ones at once)."""
+        come (a resumed call's recorded ones at once). `shown`: digests of the images `new`
+        shows (their owner holds them)."""
         seq = ep.seq
         if keep is not None and keep < seq.length and seq.awaiting_env:
             return self._answered(ep, "stop", keep)
@@ -901,6 +923,10 @@ class AgentDriver:
                 f"version {self.engine.version}"
             )
         if new:
+            if shown:  # a fresh list: headers already sent keep theirs
+                seq.image_digests = [*seq.image_digests, *shown]
+                seq.sent_upto = 0  # the partial record restarts with a header that names them
+                self.metrics.count("turn_images", len(shown))
             seq.append_env(np.asarray(new, np.int32))
             self.metrics.count("agent_input_tokens", len(new))
             seq.turn += 1
@@ -972,11 +998,12 @@ class AgentDriver:
         tools: list[Any] | None,
         tools_on: bool,
         key: str,
-    ) -> tuple[list[int], int | None] | None:
+    ) -> tuple[list[int], int | None, list[str]] | None:
         """The first call of an episode moved here, against the tokens recorded before the move
         (laminar/agents/resume.py). On a match the episode's state is set as if its calls had
         run here; returns (new tokens still to append, where the call's model turn began when
-        the record holds it), or None (the caller starts a new run)."""
+        the record holds it, the image URLs those new tokens show), or None (the caller starts
+        a new run)."""
         seq = ep.seq
         assert seq.mask is not None
         got = match_record(
@@ -988,6 +1015,7 @@ class AgentDriver:
             messages,
             tools,
             tools_on,
+            expand=None if self.images is None else self._expand,
         )
         if got is None:
             return None
@@ -995,7 +1023,52 @@ class AgentDriver:
         # the calls the agent's answers made (the record holds their tokens, not the calls)
         answers = [m for m in messages if isinstance(m, dict) and m.get("role") == "assistant"]
         seq.tool_calls = [r for k, m in enumerate(answers) for r in tool_records(m, k)]
-        return got.new, got.keep
+        return got.new, got.keep, got.new_images
+
+    # ---- images in later calls (laminar/vision/turns.py) -----------------------------------
+    def _load(self, urls: list[str]) -> list[ImageData]:
+        """An agent's images: data: URIs only (an agent's text never reads this host's files);
+        raises BadImage."""
+        assert self.images is not None
+        for u in urls:
+            if not u.startswith("data:"):
+                raise BadImage("an agent's image must be a data: URI (nothing is fetched or read)")
+        return self.images.load(urls)
+
+    def _expand(self, ids: list[int], messages: list[dict[str, Any]]) -> list[int]:
+        """`ids` rendered from `messages`, each image placeholder expanded as the processor does
+        (what the recorded tokens hold); raises BadImage."""
+        assert self.images is not None
+        return self.images.expand(ids, self.images.token_counts(self._load(image_urls(messages))))
+
+    async def _show_images(
+        self, ids: list[int], messages: list[dict[str, Any]]
+    ) -> tuple[list[int], list[str]]:
+        """A call's new tokens (rendered from `messages`) with their images' placeholders
+        expanded as the processor does, the images sent to their owner (the buffer) once; and
+        their digests."""
+        if self.images is None:  # the renderer refused image parts already
+            return ids, []
+        imgs = await self._publish(image_urls(messages))
+        try:
+            ids = self.images.expand(ids, self.images.token_counts(imgs))
+        except BadImage as exc:
+            self.metrics.count("agent_bad_images")
+            raise CallRefused(Refusal.BAD_MESSAGES, f"image: {exc}") from None
+        return ids, [i.digest for i in imgs]
+
+    async def _publish(self, urls: list[str]) -> list[ImageData]:
+        """Load and check images, then send them to their owner once. Refused (400
+        bad_messages, counted `agent_bad_images`) when an image is bad or cannot be stored."""
+        if not urls or self.images is None:
+            return []
+        try:
+            imgs = await asyncio.to_thread(self._load, urls)
+            await self.images.publish(imgs)
+        except Exception as exc:  # the agent's image, or the buffer refused / did not answer
+            self.metrics.count("agent_bad_images")
+            raise CallRefused(Refusal.BAD_MESSAGES, f"image: {exc}") from None
+        return imgs
 
     def _moved(self, token: str) -> EpisodeMoved:
         """An exported episode's call; it names the rollout meant to import it, when known

@@ -35,6 +35,13 @@ Token in, token out: model tokens are the engine's sampled ids (mask 1, behaviou
 logprobs); the environment's answer is tokenized once by the turn template (or given as
 `observation_ids`) and appended with mask 0 and logprob 0.0. Nothing is re-tokenized.
 
+Images (vision-language policies, `StepResult.images`): the observation's placeholders are
+expanded as the model's processor does, the images are put to the buffer once before the
+observation goes in (laminar/vision/turns.py), and the sequence's image digests grow by them (the
+partial record restarts with a header that names them); a replay renders them the same way. A bad
+image ends the episode in error (`turn_bad_images`); a model turn that sampled the placeholder
+token ends it (`turn_sampled_placeholder`: its next prefill would read it as an image slot).
+
 Turn boundaries. Model runs and environment runs alternate in the loss mask, each
 non-empty: a model turn with no tokens, or a step that is not done but answers nothing,
 ends the episode (finish_reason "stop"). Whether the last model run is a finished turn
@@ -80,6 +87,8 @@ from laminar.rollout.deliver import Deliverer
 from laminar.rollout.sequences import SequenceTable
 from laminar.rollout.tracking import SeqState
 from laminar.supervise import Spawn
+from laminar.vision.images import BadImage, ImageData
+from laminar.vision.turns import TurnImages
 
 
 def episode_params(
@@ -112,8 +121,12 @@ class EpisodeDriver:
         spawn: Spawn,
         metrics: Metrics,
         log: structlog.typing.FilteringBoundLogger,
+        images: TurnImages | None = None,
     ):
+        """`images`: a vision-language policy's later-turn images (None: text only; an
+        observation with images ends its episode in error)."""
         self.env, self.template, self.tools, self.limits = env, template, tools, limits
+        self.images = images
         self.base_params = params
         """The rollout's sampling params, before the per-turn caps and the env's stop strings."""
         self.max_total = max_total
@@ -138,9 +151,19 @@ class EpisodeDriver:
             self._finish(seq, "length")
         elif seq.length == seq.turn_start:  # an empty turn: nothing for the environment to answer
             self._finish(seq, "stop")
+        elif self.images is not None and self._sampled_placeholder(seq):
+            # the next prefill would read it as an image slot: the episode cannot go on (and the
+            # trainer drops it, "placeholder_in_response")
+            self.metrics.count("turn_sampled_placeholder")
+            self._finish(seq, "stop")
         else:
             seq.awaiting_env = True
             self._wait(seq, self._step(seq), "env-step")
+
+    def _sampled_placeholder(self, seq: SeqState) -> bool:
+        assert self.images is not None
+        turn = seq.ids.view(seq.turn_start, seq.length)
+        return bool((turn == self.images.image_token_id).any())
 
     def adopt(self, seq: SeqState) -> None:
         """An imported episode (admitted waiting): rebuild its env state by replay, then go on."""
@@ -188,7 +211,15 @@ class EpisodeDriver:
             res = await asyncio.wait_for(
                 self.env.step(seq.env_state, ctx, self.template.decode(model_ids.tolist())), budget
             )
-            obs = self._observation(res, model_ids)
+            if res.images:  # reading and processing images: off the event loop
+                obs, imgs = await asyncio.to_thread(self._render, res, model_ids.tolist())
+            else:
+                obs, imgs = self._render(res, model_ids.tolist())
+        except BadImage as exc:  # the environment's image (or its placeholders): not generated on
+            if self._ours(seq):
+                self.metrics.count("turn_bad_images")
+                self._env_error(seq, "image", exc)
+            return
         except TimeoutError:
             if self._ours(seq):
                 self.metrics.count("env_step_timeouts")
@@ -202,19 +233,46 @@ class EpisodeDriver:
             return
         if not self._ours(seq):
             return
+        if imgs and not res.done:
+            try:  # the owner holds them before any message names their digests
+                assert self.images is not None
+                await self.images.publish(imgs)
+            except Exception as exc:  # refused by the buffer, or it could not be reached
+                if self._ours(seq):
+                    self.metrics.count("turn_image_put_failed")
+                    self._env_error(seq, "image", exc)
+                return
+            if not self._ours(seq):
+                return
         self.metrics.add("env_step_s", time.monotonic() - t0)
         self._record_tools(seq, res.tool_results, seq.turn)
-        self._answer(seq, res, obs)
+        self._answer(seq, res, obs, [i.digest for i in imgs])
 
-    def _observation(self, res: StepResult, model_ids: np.ndarray) -> np.ndarray | None:
+    def _render(
+        self, res: StepResult, model_ids: list[int]
+    ) -> tuple[np.ndarray | None, list[ImageData]]:
+        """A step's observation tokens (image placeholders expanded as the model's processor does)
+        and its checked images; raises BadImage."""
+        imgs: list[ImageData] = []
+        if res.images:
+            if self.images is None:
+                raise BadImage("an observation with images needs a vision-language model.path")
+            imgs = self.images.load(res.images)
         if res.observation_ids is not None:
-            return np.asarray(res.observation_ids, np.int32)
-        if res.observation is None:
-            return None
-        after_eot = self.template.ended_with_eot(model_ids.tolist())
-        return np.asarray(
-            self.template.observation_ids(res.observation, res.role, after_eot), np.int32
-        )
+            ids = [int(t) for t in res.observation_ids]
+        elif res.observation is None and not imgs:
+            return None, imgs
+        else:
+            after_eot = self.template.ended_with_eot(model_ids)
+            text = "" if res.observation is None else res.observation
+            ids = self.template.observation_ids(text, res.role, after_eot, images=len(imgs))
+        if self.images is not None:  # a placeholder with no image would misplace every image
+            ids = self.images.expand(ids, self.images.token_counts(imgs))
+        return np.asarray(ids, np.int32), imgs
+
+    def _replay_observation(self, res: StepResult, model_ids: list[int]) -> list[int]:
+        obs, _ = self._render(res, model_ids)
+        return [] if obs is None else obs.tolist()
 
     def _record_tools(self, seq: SeqState, results: list[ToolResult], turn: int) -> None:
         for r in results:
@@ -227,9 +285,11 @@ class EpisodeDriver:
             if r.cached:
                 self.metrics.count("tool_cached")
 
-    def _answer(self, seq: SeqState, res: StepResult, obs: np.ndarray | None) -> None:
+    def _answer(
+        self, seq: SeqState, res: StepResult, obs: np.ndarray | None, digests: list[str]
+    ) -> None:
         """The step of turn seq.turn answered: the episode ends, or its answer goes in and turn+1
-        starts."""
+        starts. `digests`: the answer's images (their owner holds them)."""
         if res.done:
             self._finish(seq, "stop")
         elif seq.turn + 1 >= self.limits.max_turns:
@@ -240,6 +300,10 @@ class EpisodeDriver:
         elif seq.length + len(obs) >= self.max_total:
             self._finish(seq, "length")
         else:
+            if digests:  # a fresh list: headers already sent keep theirs
+                seq.image_digests = [*seq.image_digests, *digests]
+                seq.sent_upto = 0  # the partial record restarts with a header that names them
+                self.metrics.count("turn_images", len(digests))
             seq.append_env(obs)
             self.metrics.count("env_tokens", len(obs))
             seq.turn += 1
@@ -280,7 +344,16 @@ class EpisodeDriver:
 
         t0 = time.monotonic()
         try:
-            rep = await replay(self.env, seq.row, seq.prompt, ids, mask, self.template, ctx_for)
+            rep = await replay(
+                self.env,
+                seq.row,
+                seq.prompt,
+                ids,
+                mask,
+                self.template,
+                ctx_for,
+                observe=self._replay_observation,
+            )
         except TimeoutError:  # a replayed step past its budget (or the episode's)
             if self._ours(seq):
                 self.metrics.count("replay_failed")

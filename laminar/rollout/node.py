@@ -60,8 +60,9 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from laminar.engines.base import Engine, SamplingParams
+from laminar.models.tiny_vlm import is_vlm
 from laminar.node import NODE_STATUS, Node
-from laminar.protocol.buffer import ImageBlobs, ImageFetch
+from laminar.protocol.buffer import ImageBlobs, ImageFetch, ImagePut, ImagePutReply
 from laminar.protocol.core import NodeStatus
 from laminar.protocol.data import PartialTrajectory, newest_version
 from laminar.protocol.rollout import (
@@ -89,6 +90,7 @@ from laminar.transport.session import ErrorReply
 from laminar.transport.sockets import Context, Peer, RemoteError, TransportError
 from laminar.vision.images import BadImage
 from laminar.vision.store import ImageCache
+from laminar.vision.turns import TurnImages
 from laminar.weights.channel import WeightSubscriber
 from laminar.weights.factory import open_subscriber
 
@@ -137,6 +139,10 @@ class RolloutNode(Node):
         """Black-box agents (agent.fn / agent.remote): their episodes and the HTTP endpoint."""
         self.endpoint: OpenAIEndpoint | None = None
         self.rewards: RewardRunner | None = None
+        self.processor: Any = None
+        """A vision-language model's HF processor, when environments or agents may add images in
+        later turns (laminar/vision/turns.py)."""
+        self.turn_images: TurnImages | None = None
         self.tokenizer: Any = None
         """HF tokenizer of model.path (torch/vllm engines), for completions and multi-turn
         templates."""
@@ -194,6 +200,11 @@ class RolloutNode(Node):
                 s.model.path,
                 chat_template=bool(s.env.fn or s.agent.fn or s.agent.remote),
             )
+            if (s.env.fn or self.env is not None or self._has_agents()) and is_vlm(s.model.path):
+                from laminar.models.tiny_vlm import load_processor
+
+                # later turns may show images: their placeholders expand as the processor's do
+                self.processor = await asyncio.to_thread(load_processor, s.model.path)
         if self.env is None and s.env.fn:
             from laminar.envs.loader import load_env
 
@@ -332,13 +343,19 @@ class RolloutNode(Node):
             flush_s=s.rollout.partial_flush_s,
             max_batch_bytes=s.buffer_max_message_bytes // 2,
         )
+        if self.processor is not None:
+            self.turn_images = TurnImages(
+                self.processor, s.image_limits, self.table.images, put=self._put_images
+            )
         if env is not None:
             from laminar.envs.template import TurnTemplate
             from laminar.rollout.episodes import EpisodeDriver
 
+            placeholder = "" if self.turn_images is None else self.turn_images.placeholder
             self.episodes = EpisodeDriver(
                 env,
-                template=TurnTemplate(self.tokenizer),
+                template=TurnTemplate(self.tokenizer, image_placeholder=placeholder),
+                images=self.turn_images,
                 tools=self.tools,
                 limits=limits,
                 params=params,
@@ -407,7 +424,8 @@ class RolloutNode(Node):
             reward_min=s.reward.min_value,
             reward_max=s.reward.max_value,
         )
-        renderer = ChatRenderer(self.tokenizer)
+        placeholder = "" if self.turn_images is None else self.turn_images.placeholder
+        renderer = ChatRenderer(self.tokenizer, image_placeholder=placeholder)
         self.agents = AgentDriver(
             settings,
             renderer=renderer,
@@ -418,6 +436,7 @@ class RolloutNode(Node):
             spawn=self.spawn,
             metrics=self.metrics,
             log=self.log,
+            images=self.turn_images,
         )
         self.table.on_start = self.agents.start
         self.table.on_unpark = self.agents.unparked
@@ -692,6 +711,19 @@ class RolloutNode(Node):
         self.metrics.count("imported", len(accepted))
         self.log.info("imported", count=len(accepted), duplicate=len(duplicate))
         return ImportReply(accepted=accepted, duplicate=duplicate, version=version)
+
+    async def _put_images(self, digests: list[str], data: list[bytes]) -> None:
+        """Images a later turn added, to their owner (the buffer), which holds them durably before
+        it answers; raises BadImage when it refused one (TurnImages.publish)."""
+        reply = await self.buffer.request(
+            ImagePut(digests=digests, data=data), timeout=self.settings.transport.request_timeout_s
+        )
+        if not isinstance(reply, ImagePutReply):
+            raise BadImage(f"the buffer answered ImagePut with {type(reply).__name__}")
+        if reply.refused:
+            raise BadImage(f"the buffer refused {len(reply.refused)} image(s): {reply.reason}")
+        self.metrics.count("turn_images_put", len(digests))
+        self.metrics.count("turn_image_bytes_put", sum(len(d) for d in data))
 
     async def _fetch_images(self, partials: list[PartialTrajectory]) -> ErrorReply | None:
         """The images of imported partials this rollout lacks, from their owner (the buffer) by

@@ -78,6 +78,8 @@ class TrainBatch:
     dropped: Counter = field(default_factory=Counter)
     source: list[Trajectory] = field(default_factory=list)
     """The trajectories it was built from (what rank 0 sends the other ranks to rebuild it)."""
+    images: dict[str, bytes] = field(default_factory=dict)
+    """Vision-language models: the images of `source` by digest (sent along with it)."""
 
     @property
     def n_seqs(self) -> int:
@@ -109,8 +111,10 @@ class TrainBatch:
     ) -> TrainBatch:
         """`images`: the batch's images by digest (vision-language models); a trajectory whose
         image is not among them is dropped ("image_missing"). `placeholder_id`: the image
-        placeholder token, which a response must not hold: HF's forward would read it as an
-        image slot ("placeholder_in_response")."""
+        placeholder token, which the model's own tokens must not hold: HF's forward would read
+        it as an image slot ("placeholder_in_response"). An environment's tokens (loss mask 0)
+        hold the placeholders of the images later turns showed, one per image token, with the
+        images' digests after the prompt's (laminar/vision/turns.py)."""
         samples: list[Sample] = []
         dropped: Counter = Counter()
         have = images or {}
@@ -121,7 +125,7 @@ class TrainBatch:
             if (
                 not reason
                 and placeholder_id is not None
-                and (t.response_ids == placeholder_id).any()
+                and _sampled_placeholder(t, placeholder_id)
             ):
                 reason = "placeholder_in_response"
             if reason or t.reward is None:
@@ -154,7 +158,16 @@ class TrainBatch:
             dropped["singleton_group"] += len(lone)
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
         groups = group_index([s.group_id for s in samples])
-        return cls(samples, rewards, groups, dropped, list(trajs))
+        used = {d: have[d] for t in trajs for d in t.image_digests if d in have}
+        return cls(samples, rewards, groups, dropped, list(trajs), used)
+
+
+def _sampled_placeholder(t: Trajectory, placeholder_id: int) -> bool:
+    """The model sampled the image placeholder token (an environment's are images' slots)."""
+    hit = np.asarray(t.response_ids) == placeholder_id
+    if t.loss_mask is not None and len(t.loss_mask) == len(hit):
+        hit &= np.asarray(t.loss_mask) == 1
+    return bool(hit.any())
 
 
 def _reject_reason(t: Trajectory, vocab_size: int | None, max_len: int | None) -> str:

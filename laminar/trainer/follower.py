@@ -28,7 +28,7 @@ def follow(trainer: Trainer, dist: DistContext, run_dir: Path, keep: int) -> Non
         if not isinstance(cmd, RankCommand):
             raise TypeError(f"rank {dist.rank}: expected a RankCommand, got {type(cmd).__name__}")
         if cmd.kind == "step":
-            trainer.step(trainer.prepare(cmd.trajectories))
+            trainer.step(trainer.prepare(cmd.trajectories, cmd.images))
         elif cmd.kind == "export":
             trainer.export()
         elif cmd.kind == "checkpoint":

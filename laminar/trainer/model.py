@@ -100,9 +100,21 @@ def apply_fsdp(model: torch.nn.Module, mesh: Any, param: torch.dtype, reduce: to
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
+    # a vision-language model's tower stays in the root's unit: a rank whose micro-batch shows no
+    # image skips the tower, and a unit of its own would then miss its all-gather on that rank
+    tower = vision_tower(model)
+    skip = {id(m) for m in tower.modules()} if tower is not None else set()
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
+        if id(layer) not in skip:
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
+
+
+def vision_tower(model: torch.nn.Module) -> torch.nn.Module | None:
+    """A vision-language model's vision tower (HF Qwen2-VL's `model.visual`), else None."""
+    inner = getattr(model, "model", None)
+    tower = getattr(inner, "visual", None) or getattr(model, "visual", None)
+    return tower if isinstance(tower, torch.nn.Module) else None
 
 
 class TrainedModel:
@@ -148,7 +160,10 @@ class TrainedModel:
 
             return empty_causal_lm(path, attention="sdpa")
 
-        self.empty = empty and self.ctx.enabled and settings.model.lora is None
+        # (a vision-language model is built with its weights: its checkpoint's shards overwrite)
+        self.empty = (
+            empty and self.ctx.enabled and settings.model.lora is None and not is_vlm(model_path)
+        )
         """Built without weights (the sharded checkpoint's shards fill it)."""
         load = load or (load_empty if self.empty else load_weights)
         self.module = load(model_path)
@@ -171,7 +186,7 @@ class TrainedModel:
         """A vision-language model's HF processor (its image processor makes the pixel inputs of
         each micro-batch); None for a text model."""
         if is_vlm(model_path):
-            self.processor = vision_model(self.module, model_path, settings, self.ctx.enabled)
+            self.processor = vision_model(self.module, model_path, settings)
         config = self.module.config  # HF's (a VLM nests its LM's) or DecoderLM's namespace
         text_config = config.get_text_config() if self.processor is not None else config
         self.vocab_size = int(text_config.vocab_size)

@@ -190,7 +190,7 @@ class TorchTrainer:
 
     def step(self, batch: TrainBatch) -> dict[str, float]:
         self._resident()
-        lead(self.ctx, RankCommand(kind="step", trajectories=batch.source))
+        lead(self.ctx, RankCommand(kind="step", trajectories=batch.source, images=batch.images))
         return self.train_step(batch)
 
     def export(self) -> dict[str, torch.Tensor]:

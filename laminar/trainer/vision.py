@@ -1,7 +1,7 @@
 """The trainer's side of a vision-language model: the checks and the frozen tower at load, and
 each micro-batch's pixel inputs.
 
-    processor = vision_model(module, model_path, settings, sharded)   # at TrainedModel's load
+    processor = vision_model(module, model_path, settings)   # at TrainedModel's load
     mb.vision = vision_inputs(processor, samples, mb.input_ids)       # per micro-batch
 
 Micro-batches of a vision-language model run HF's padded forward (not the packed one): HF's
@@ -12,8 +12,11 @@ no vision tower or M-RoPE. The pixel inputs are remade here from the encoded ima
 served by digest (the same image processor as the rollouts').
 
 model.freeze_vision (default true): the tower and its patch merger get requires_grad False, so
-AdamW skips them and backward stops at the image embeddings. Not built yet, and refused here
-with the setting to change: FSDP (world > 1) and LoRA (model.lora) on a vision-language model.
+AdamW skips them and backward stops at the image embeddings. FSDP2 (trainer world > 1): the
+language model's decoder layers are units of their own, the tower stays in the root's unit
+(trainer/model.py apply_fsdp: a rank whose micro-batch shows no image skips the tower). LoRA
+(model.lora): adapters on the language model's linears only (models/lora.py), the rest frozen;
+a version is the adapters, which the VLM engine merges (engines/vlm_engine.py).
 """
 
 from __future__ import annotations
@@ -31,21 +34,12 @@ if TYPE_CHECKING:
 __all__ = ["vision_inputs", "vision_model"]
 
 
-def vision_model(module: Any, model_path: str, settings: TrainerSettings, sharded: bool) -> Any:
-    """Check what a vision-language model supports, freeze its tower (model.freeze_vision), and
-    return its processor."""
+def vision_model(module: Any, model_path: str, settings: TrainerSettings) -> Any:
+    """Check what a vision-language model supports, freeze its tower (model.freeze_vision; with
+    model.lora everything but the adapters is frozen, and they sit on the language model only:
+    models/lora.py), and return its processor."""
     from laminar.models.tiny_vlm import load_processor
 
-    if sharded:
-        raise ValueError(
-            "a vision-language model trains on one trainer process for now: set the trainer "
-            "world to 1 (FSDP for vision-language models is not built, docs/vision.md)"
-        )
-    if settings.model.lora is not None:
-        raise ValueError(
-            "model.lora with a vision-language model is not built yet: set model.lora null "
-            "(docs/vision.md)"
-        )
     if settings.trainer.forward == "packed":
         raise ValueError(
             "trainer.forward=packed: a vision-language model runs HF's forward (set auto or hf)"
