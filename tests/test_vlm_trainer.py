@@ -7,8 +7,10 @@ VLM engine serves its versions."""
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -110,6 +112,18 @@ def test_trainer_logprobs_match_the_engine_and_the_tower_stays_frozen(vlm, tmp_p
     assert any("language_model" in n or "lm_head" in n or "embed" in n for n in moved)
     # a trajectory whose image did not arrive is dropped, counted
     assert trainer.prepare(kept, {}).dropped["image_missing"] == len(kept)
+    # one whose placeholder run does not match its image (a short or a long run) is dropped,
+    # counted, and the rest still step: HF's forward would raise on it for the whole batch
+    t0 = kept[0]
+    run = np.flatnonzero(np.asarray(t0.prompt_ids) == placeholder)
+    short = msgspec.structs.replace(t0, prompt_ids=np.delete(np.asarray(t0.prompt_ids), run[0]))
+    longer = msgspec.structs.replace(
+        kept[1], prompt_ids=np.insert(np.asarray(kept[1].prompt_ids), run[0], placeholder)
+    )
+    bad = trainer.prepare([short, longer, *kept[2:]], {**images, **more_images})
+    assert bad.dropped["image_tokens_mismatch"] == 2
+    assert bad.n_seqs == len(kept) - 2 - bad.dropped.get("singleton_group", 0)
+    assert math.isfinite(trainer.train_step(bad)["loss"])
     # checkpoints keep the processor files; the checkpoint loads as a VLM again
     path = ck.save_trainer(trainer, tmp_path, 1, {"version": 1, "frontier": {}}, vlm).wait()
     for f in ("preprocessor_config.json", "processor_config.json", "tokenizer.json"):

@@ -108,13 +108,17 @@ class TrainBatch:
         max_len: int | None = None,
         images: Mapping[str, bytes] | None = None,
         placeholder_id: int | None = None,
+        image_tokens: Mapping[str, int] | None = None,
     ) -> TrainBatch:
         """`images`: the batch's images by digest (vision-language models); a trajectory whose
         image is not among them is dropped ("image_missing"). `placeholder_id`: the image
         placeholder token, which the model's own tokens must not hold: HF's forward would read
         it as an image slot ("placeholder_in_response"). An environment's tokens (loss mask 0)
         hold the placeholders of the images later turns showed, one per image token, with the
-        images' digests after the prompt's (laminar/vision/turns.py)."""
+        images' digests after the prompt's (laminar/vision/turns.py). `image_tokens`: each image's
+        placeholder run as the processor expands it, by digest; a trajectory whose placeholder
+        tokens do not add up to its images' runs is dropped ("image_tokens_mismatch"): HF's
+        forward would raise on it and stop the step for every other row."""
         samples: list[Sample] = []
         dropped: Counter = Counter()
         have = images or {}
@@ -128,6 +132,14 @@ class TrainBatch:
                 and _sampled_placeholder(t, placeholder_id)
             ):
                 reason = "placeholder_in_response"
+            if (
+                not reason
+                and placeholder_id is not None
+                and image_tokens is not None
+                and _placeholder_count(t, placeholder_id)
+                != sum(image_tokens.get(d, -1) for d in t.image_digests)
+            ):
+                reason = "image_tokens_mismatch"
             if reason or t.reward is None:
                 dropped[reason] += 1
                 continue
@@ -160,6 +172,13 @@ class TrainBatch:
         groups = group_index([s.group_id for s in samples])
         used = {d: have[d] for t in trajs for d in t.image_digests if d in have}
         return cls(samples, rewards, groups, dropped, list(trajs), used)
+
+
+def _placeholder_count(t: Trajectory, placeholder_id: int) -> int:
+    """Image slots in the trajectory's prompt and response (one per image token)."""
+    return int((np.asarray(t.prompt_ids) == placeholder_id).sum()) + int(
+        (np.asarray(t.response_ids) == placeholder_id).sum()
+    )
 
 
 def _sampled_placeholder(t: Trajectory, placeholder_id: int) -> bool:

@@ -78,6 +78,7 @@ from laminar.trainer.packing import (
     plan_micro_batches,
 )
 from laminar.trainer.protocol import PendingSave, TrainerSettings
+from laminar.vision.pixels import image_token_counts
 from laminar.weights.sink import VersionSink
 
 if TYPE_CHECKING:
@@ -184,8 +185,9 @@ class TorchTrainer:
     ) -> TrainBatch:
         proc = self.model.processor
         placeholder = None if proc is None else int(proc.image_token_id)
+        counts = None if proc is None else image_token_counts(proc, images or {})
         return TrainBatch.build(
-            trajectories, self.model.vocab_size, self.model.max_len, images, placeholder
+            trajectories, self.model.vocab_size, self.model.max_len, images, placeholder, counts
         )
 
     def step(self, batch: TrainBatch) -> dict[str, float]:
