@@ -41,6 +41,13 @@ from laminar.transport.sockets import PeerDead, SendTimeout
 _recv = _Backend.recv
 _send = _Backend.send
 _get = _Backend.get
+
+
+def _readable(raw: zmq.Socket[bytes]) -> bool:
+    """POLLIN in the socket's EVENTS (reading them takes its pending commands in)."""
+    return bool(int(_get(raw, zmq.EVENTS)) & _POLLIN)
+
+
 _NOBLOCK = zmq.NOBLOCK
 _MORE = zmq.NOBLOCK | zmq.SNDMORE
 _POLLIN = zmq.POLLIN
@@ -77,7 +84,7 @@ class PolledSocket:
 
     # ---- receiving ---------------------------------------------------------------------------
     def _on_fd(self) -> None:
-        if self._waiter is not None and _get(self._raw, zmq.EVENTS) & _POLLIN:
+        if self._waiter is not None and _readable(self._raw):
             self._wake()
 
     def _wake(self, exc: BaseException | None = None) -> None:
@@ -93,12 +100,12 @@ class PolledSocket:
         arrive together, so only the first receive can find nothing."""
         raw = self._raw
         try:
-            f: zmq.Frame = _recv(raw, _NOBLOCK, copy=False)  # type: ignore[assignment]
+            f: zmq.Frame = _recv(raw, _NOBLOCK, copy=False)
         except zmq.Again:
             return None
         parts = [f]
         while f.more:
-            f = _recv(raw, 0, copy=False)  # type: ignore[assignment]
+            f = _recv(raw, 0, copy=False)
             parts.append(f)
         return parts
 
@@ -146,7 +153,7 @@ class PolledSocket:
             return False
         finally:
             # a send takes the socket's commands in, a reader's wake-up among them
-            if self._waiter is not None and _get(raw, zmq.EVENTS) & _POLLIN:
+            if self._waiter is not None and _readable(raw):
                 self._wake()
         return True
 
