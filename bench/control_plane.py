@@ -58,6 +58,11 @@ fewer free cores than processes a sharded pass cannot show more than one buffer 
 system itself runs one buffer today; the sharded figure is what a buffer role keyed by rollout
 would hold.)
 
+Cost passes (the pass/fail figures, bench/README.md "Cost, not a race"): each node's CPU-seconds
+per second at 1x above its idle, per message kind, per buffer shard at K = --cost-shards, and the
+manager's CPU per status push at other numbers of rollouts (--status-rollouts, the same push
+rate). CP_FSYNC=never|batch|always sets the buffers' buffer.fsync (default batch).
+
     .venv/bin/python bench/control_plane.py --quick --out bench/results/control_plane_quick.json
 """
 
@@ -151,7 +156,7 @@ def make_cfg_dict(tmp: Path, rollouts: int) -> dict[str, Any]:
             "sampling": {"max_tokens": 1 << 16},
         },
         "trainer": {"batch_groups": TRAINER_BATCH_GROUPS},
-        "buffer": {"capacity": 1 << 20, "fsync": "batch"},
+        "buffer": {"capacity": 1 << 20, "fsync": os.environ.get("CP_FSYNC", "batch")},
     }
 
 
