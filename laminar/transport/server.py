@@ -8,7 +8,9 @@
 
 Clients join with HELLO (answered with WELCOME) and are tracked as `peers`. A peer silent
 for `opts.dead_after_s` is marked dead (`on_peer_dead`); traffic from it brings it back.
-A handler runs on the reader's turn, in arrival order; one that awaits (a coroutine) goes on in
+The socket is read and written through a PolledSocket (polled.py): no future per message, and
+a busy reader lets messages gather for a moment before it takes them. A handler runs on the
+reader's turn, in arrival order; one that awaits (a coroutine) goes on in
 its own task, so a waiting handler never blocks the reader, and a one-way message or a ready
 answer costs no task.
 
