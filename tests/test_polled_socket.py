@@ -111,3 +111,29 @@ async def test_closing_wakes_a_waiting_reader(tmp_path):
     router.close(linger=0)
     dealer.close(linger=0)
     ctx.term()
+
+
+async def test_a_busy_reader_does_not_make_the_loop_spin(tmp_path):
+    """Messages queued while the reader is away (awaiting something else): the descriptor's
+    callback takes the signal in, so the loop does not call it at every turn meanwhile."""
+    ctx, router, dealer, io = await _pair(tmp_path)
+    calls = 0
+    on_fd = io._on_fd
+
+    def counted() -> None:
+        nonlocal calls
+        calls += 1
+        on_fd()
+
+    loop = asyncio.get_running_loop()
+    loop.remove_reader(io._fd)
+    loop.add_reader(io._fd, counted)
+    try:
+        for i in range(5):
+            await dealer.send_multipart([b"", b"%d" % i])
+        await asyncio.sleep(0.3)  # the reader is away: nobody receives
+        assert calls < 50  # a spinning loop would call it thousands of times in 0.3 s
+        for i in range(5):
+            assert (await asyncio.wait_for(io.recv(), 5))[-1].bytes == b"%d" % i
+    finally:
+        _close(ctx, io, router, dealer)

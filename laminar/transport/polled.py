@@ -84,7 +84,10 @@ class PolledSocket:
 
     # ---- receiving ---------------------------------------------------------------------------
     def _on_fd(self) -> None:
-        if self._waiter is not None and _readable(self._raw):
+        # EVENTS read even with no reader waiting (it is busy, e.g. awaiting a send): that takes
+        # the signal in, else the descriptor stays readable and the loop calls this at every turn;
+        # the reader tries a receive before it next waits, so nothing queued is missed
+        if _readable(self._raw) and self._waiter is not None:
             self._wake()
 
     def _wake(self, exc: BaseException | None = None) -> None:
