@@ -58,6 +58,11 @@ fewer free cores than processes a sharded pass cannot show more than one buffer 
 system itself runs one buffer today; the sharded figure is what a buffer role keyed by rollout
 would hold.)
 
+Cost passes (the pass/fail figures, bench/README.md "Cost, not a race"): each node's CPU-seconds
+per second at 1x above its idle, per message kind, per buffer shard at K = --cost-shards, and the
+manager's CPU per status push at other numbers of rollouts (--status-rollouts, the same push
+rate). CP_FSYNC=never|batch|always sets the buffers' buffer.fsync (default batch).
+
     .venv/bin/python bench/control_plane.py --quick --out bench/results/control_plane_quick.json
 """
 
@@ -83,6 +88,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchinfo, also when loaded as a module
 
 import numpy as np  # noqa: E402
+import zmq  # noqa: E402
 from benchinfo import git  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -150,7 +156,7 @@ def make_cfg_dict(tmp: Path, rollouts: int) -> dict[str, Any]:
             "sampling": {"max_tokens": 1 << 16},
         },
         "trainer": {"batch_groups": TRAINER_BATCH_GROUPS},
-        "buffer": {"capacity": 1 << 20, "fsync": "batch"},
+        "buffer": {"capacity": 1 << 20, "fsync": os.environ.get("CP_FSYNC", "batch")},
     }
 
 
@@ -696,6 +702,7 @@ class Cluster:
         lag = {name: tmp / f"lag-{name}.jsonl" for name, _, _ in servers}
         self.server_logs: dict[str, list[str]] = {}
         ctx = new_context()
+        ctx.set(zmq.MAX_SOCKETS, 8192)  # two sockets per synthetic rollout (1,023 by default)
         drv = Driver(cfg, rates, ctx, endpoints)
         self.tmp, self.cfg_d, self.cfg, self.servers = tmp, cfg_d, cfg, servers
         self.procs, self.lag, self.ctx, self.drv = procs, lag, ctx, drv
@@ -812,7 +819,10 @@ def read_handler_cpu(path: Path, t0: float, t1: float) -> dict[str, float]:
 
 
 async def run_cost_pass(
-    args: argparse.Namespace, rates: dict[str, float], shards: int
+    args: argparse.Namespace,
+    rates: dict[str, float],
+    shards: int,
+    kinds: list[str] | None = None,
 ) -> dict[str, Any]:
     """CPU of each node at 1x, whole and kind by kind (COST_PHASES), above its idle: what the code
     costs, whatever else the box runs (CPU-seconds of each process, not a race for the cores)."""
@@ -824,7 +834,7 @@ async def run_cost_pass(
         drv, procs = cl.drv, cl.procs
         warm = time.monotonic() + args.warmup_s
         await asyncio.gather(drv.stream(1.0, warm, first_fill=True), drv.pushes(1.0, warm))
-        for kind in ("idle", *args.cost_phases):
+        for kind in ("idle", *(kinds or args.cost_phases)):
             cl.check()
             await drv.drain(10.0)  # the last phase's trajectories acked: none spills into this one
             before = dict(drv.sent)
@@ -865,6 +875,7 @@ async def run_cost_pass(
             )
     return {
         "buffer_shards": shards,
+        "rollouts": int(rates["rollouts"]),
         # idle: the idle phase (after the first fill, as long as a kind's phase); the 3 s at start
         # (no state yet, the connections just made) beside it
         "idle_cpu_per_s": {
@@ -1080,6 +1091,22 @@ async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     rates = all_rates[target_name]
     cost_passes = [await run_cost_pass(args, rates, k) for k in args.cost_shards]
     cost_sm = cost_summary(cost_passes, rates)
+    # the manager's cost per status push at other numbers of rollouts, the same push rate: flat
+    # when nothing per push scans the rollouts (their heartbeats are in each pass's idle)
+    status_passes = [
+        await run_cost_pass(args, {**rates, "rollouts": r}, 1, ["status"])
+        for r in args.status_rollouts
+        if r != int(rates["rollouts"])
+    ]
+    by_r = {
+        str(p["rollouts"]): cost_summary([p], rates).get("manager_us_per_status")
+        for p in status_passes
+    }
+    by_r[str(int(rates["rollouts"]))] = cost_sm.get("manager_us_per_status")
+    cost_sm["manager_us_per_status_by_rollouts"] = dict(
+        sorted(by_r.items(), key=lambda kv: int(kv[0]))
+    )
+    cost_passes += status_passes
     if args.no_ramp:
         return {
             "bench": "control_plane",
@@ -1139,6 +1166,7 @@ async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             "driver_nice": args.driver_nice,
             "cost_s": args.cost_s,
             "cost_shards": args.cost_shards,
+            "status_rollouts": args.status_rollouts,
             "cost_phases": args.cost_phases,
         },
         "machine": {
@@ -1223,6 +1251,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--cost-phases", nargs="+", default=list(COST_PHASES), choices=list(COST_PHASES)
     )
+    ap.add_argument(
+        "--status-rollouts",
+        type=int,
+        nargs="*",
+        default=[128, 512],
+        help="a status-only cost pass with each number of synthetic rollouts (same push rate)",
+    )
     ap.add_argument("--no-ramp", action="store_true", help="the cost passes only")
     args = ap.parse_args(argv)
     args.cost_s = args.cost_s or (10.0 if args.quick else 30.0)
@@ -1236,7 +1271,9 @@ def main(argv: list[str] | None = None) -> int:
         f"cpu core-s/s per 1x above idle {sm['cpu_core_s_per_1x_by_node']}; one core per node "
         f"holds ~{sm['one_core_per_node_holds_x_estimate']}x; per kind "
         f"{sm['cpu_core_s_per_1x_by_kind']}; per shard us/trajectory by K "
-        f"{sm['shard_cpu_us_per_trajectory_by_k']} (spread {sm['shard_cpu_per_trajectory_spread']})"
+        f"{sm['shard_cpu_us_per_trajectory_by_k']} "
+        f"(spread {sm['shard_cpu_per_trajectory_spread']}); manager us per status push by "
+        f"rollouts {sm['manager_us_per_status_by_rollouts']}"
     )
     if args.no_ramp:
         print(f"-> {args.out}")

@@ -125,6 +125,8 @@ class StallWatch:
         self.timed_out: deque[bool] = deque(maxlen=bc.stall_window)
         """Per trajectory of the window: did its reward time out?"""
         self.timeouts_total = 0
+        self._timeouts = 0
+        """True entries of `timed_out` (kept as it changes: checked per trajectory)."""
         self._timeout_example = ""
         self.causes: Counter[str] = Counter()
         """Causes of the trajectories in the window."""
@@ -138,6 +140,9 @@ class StallWatch:
         self._ready_t = clock()
         self._arrived = 0
         """Trajectories stored since the last group became ready."""
+        self._stalled_at = -math.inf
+        """When the stalled text was last made: at most once a second (it counts the open
+        groups, a pass over every group, and check runs per trajectory)."""
 
     # ---- inputs -------------------------------------------------------------------------
     def observe(self, t: Trajectory) -> None:
@@ -160,7 +165,10 @@ class StallWatch:
                 del self.totals[min(self.totals, key=self.totals.__getitem__)]
             self.totals[cause] += 1
         timeout = t.reward_error_kind == "timeout"
+        if len(self.timed_out) == self.timed_out.maxlen and self.timed_out[0]:
+            self._timeouts -= 1
         self.timed_out.append(timeout)
+        self._timeouts += timeout
         if timeout:
             self.timeouts_total += 1
             self._timeout_example = t.reward_error[:120]
@@ -183,6 +191,9 @@ class StallWatch:
             self._clear("rewards_none")
         idle = now - self._ready_t
         if self._arrived and idle >= self.after_s:
+            if "stalled" in self.warnings and now - self._stalled_at < 1.0:
+                return self._check_timeouts(now)
+            self._stalled_at = now
             text = (
                 f"no whole group became ready for {idle:.0f} s while {self._arrived} trajectories "
                 f"arrived ({self.state.open_groups()} groups still open); {self._dropped_text()}"
@@ -192,7 +203,10 @@ class StallWatch:
             self._warn("stalled", text, now)
         else:
             self._clear("stalled")
-        timeouts = sum(self.timed_out)
+        self._check_timeouts(now)
+
+    def _check_timeouts(self, now: float) -> None:
+        timeouts = self._timeouts
         if timeouts:
             text = (
                 f"the reward timed out on {timeouts}/{len(self.timed_out)} of the last "

@@ -157,19 +157,24 @@ def _bad_versions(h: PartialTrajectory) -> bool:
 
 _ROUTE_PIECES = 32
 """A record's route pieces are joined into one array past this many (bounded per-record lists)."""
+_PIECES = 64
+"""A record's token pieces are joined into one past this many (see _Record)."""
 
 
 @dataclass(slots=True)
 class _Record:
     """One in-flight trajectory: its header and its tokens so far, copied out of the received
-    batches into growing byte buffers (the batch's frame is let go with the message; a record
-    pins nothing, and nothing is concatenated until it is queried)."""
+    batches as byte pieces (the batch's frame is let go with the message; a record pins
+    nothing). Pieces, not one growing buffer: with ~16k records each growing by an entry at a
+    time, a bytearray's 12.5% growth reallocates and copies the whole record every few entries
+    (1.5 us an entry against 0.6 us, in a microbenchmark of that shape); past _PIECES pieces
+    they are joined into one (a copy of the record per _PIECES entries)."""
 
     header: PartialTrajectory
-    ids: bytearray = field(default_factory=bytearray)
-    """int32 token ids, native byte order (np.frombuffer reads them)."""
-    lps: bytearray = field(default_factory=bytearray)
-    """float32 logprobs."""
+    ids: list[bytes] = field(default_factory=list)
+    """int32 token ids, native byte order, in pieces (b"".join + np.frombuffer read them)."""
+    lps: list[bytes] = field(default_factory=list)
+    """float32 logprobs, in the same pieces."""
     length: int = 0
     awaiting_env: bool = False
     """Multi-turn: as the latest entry reaching the record's end said (the resumer runs the env
@@ -224,8 +229,7 @@ class _Record:
         versions) appended."""
         if hi <= lo:
             return
-        self.ids += ids[lo:hi]
-        self.lps += logprobs[lo:hi]
+        self.append(ids, logprobs, lo, hi)
         if mask is not None:
             if self.mask is None:
                 self.mask = bytearray(b"\x01" * self.length)
@@ -240,10 +244,18 @@ class _Record:
             self.tv += np.full(hi - lo, self.header.version, np.int32).tobytes()
         self.length += hi - lo
 
+    def append(self, ids: memoryview, logprobs: memoryview, lo: int, hi: int) -> None:
+        """Ids and logprobs [lo, hi) as the next pieces (the length is the caller's)."""
+        pieces = self.ids
+        pieces.append(ids[lo:hi].tobytes())
+        self.lps.append(logprobs[lo:hi].tobytes())
+        if len(pieces) > _PIECES:
+            self.ids, self.lps = [b"".join(pieces)], [b"".join(self.lps)]
+
     def materialize(self) -> PartialTrajectory:
         h = self.header
-        ids = np.frombuffer(self.ids, np.int32).copy()
-        lps = np.frombuffer(self.lps, np.float32).copy()
+        ids = np.frombuffer(b"".join(self.ids), np.int32).copy()
+        lps = np.frombuffer(b"".join(self.lps), np.float32).copy()
         mask = None if self.mask is None else np.frombuffer(self.mask, np.uint8).copy()
         tv = None if self.tv is None else np.frombuffer(self.tv, np.int32).copy()
         if tv is not None and not (tv != h.version).any():
@@ -576,8 +588,7 @@ class PartialPool:
                 # the common case (the next tokens, same version): what _fold / add do, inline
                 rec.awaiting_env = aw
                 if plain and rec.mask is None and rec.tv is None:
-                    rec.ids += ids[lo:hi]
-                    rec.lps += lps[lo:hi]
+                    rec.append(ids, lps, lo, hi)
                     rec.length += n
                 else:
                     rec.add(ids, lps, mask, lo, hi, tvs)

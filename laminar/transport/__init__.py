@@ -5,6 +5,8 @@
                        status), Bye, ErrorReply, Ack, Ping/Pong; StatusCodec
     sockets.py         errors, SocketOptions, Peer, attach (CURVE on tcp), send_within
     server.py          RpcServer (ROUTER)        client.py   RpcClient (DEALER)
+    polled.py          PolledSocket: the server's socket read and written from the loop's
+                       reader on its descriptor (no future per message; busy: gathered wake-ups)
     streams.py         Publisher/Subscriber (READY barrier), PushStream/PullStream
     security.py        CURVE keys and the ZAP authenticator
 

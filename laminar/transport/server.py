@@ -8,7 +8,9 @@
 
 Clients join with HELLO (answered with WELCOME) and are tracked as `peers`. A peer silent
 for `opts.dead_after_s` is marked dead (`on_peer_dead`); traffic from it brings it back.
-A handler runs on the reader's turn, in arrival order; one that awaits (a coroutine) goes on in
+The socket is read and written through a PolledSocket (polled.py): no future per message, and
+a busy reader lets messages gather for a moment before it takes them. A handler runs on the
+reader's turn, in arrival order; one that awaits (a coroutine) goes on in
 its own task, so a waiting handler never blocks the reader, and a one-way message or a ready
 answer costs no task.
 
@@ -42,6 +44,7 @@ from laminar.logs import RateLimitedLog
 from laminar.message import Message, ProtocolError
 from laminar.supervise import Spawn, detached_spawn
 from laminar.transport.codec import decode, encode
+from laminar.transport.polled import PolledSocket
 from laminar.transport.security import IdentityRefused, peer_key
 from laminar.transport.session import (
     PROTOCOL_VERSION,
@@ -60,14 +63,12 @@ from laminar.transport.sockets import (
     Peer,
     PeerDead,
     Pending,
-    Receiver,
     RefusalCounts,
     RequestTimeout,
     SocketOptions,
     SocketStats,
     TransportError,
     attach,
-    send_within,
 )
 
 log = structlog.get_logger("laminar.transport")
@@ -116,6 +117,8 @@ class RpcServer(Generic[S]):
         self._peer_status = peer_status
         self._read_status = self._status_of  # bound once: handed to every held status
         self._sock: zmq.asyncio.Socket | None = None
+        self._io: PolledSocket | None = None
+        """Every read and write of `_sock` (its asyncio methods are never used: see polled.py)."""
         self._tasks: list[asyncio.Task[Any]] = []
         self._seq = 0
         self._incarnations = itertools.count(1)
@@ -139,8 +142,9 @@ class RpcServer(Generic[S]):
         sock.setsockopt(zmq.MAXMSGSIZE, self.opts.limits.max_message_bytes)
         attach(sock, self.endpoint, True, self.opts)
         self._sock = sock
+        self._io = io = PolledSocket(sock)
         self._tasks = [
-            self._spawn(self._reader(sock), "server-reader"),
+            self._spawn(self._reader(io), "server-reader"),
             self._spawn(self._heartbeat(), "server-heartbeat"),
         ]
 
@@ -156,6 +160,9 @@ class RpcServer(Generic[S]):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         self._pending.fail_all(PeerDead("server closed"))
+        if self._io is not None:
+            self._io.close()
+            self._io = None
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
@@ -164,11 +171,11 @@ class RpcServer(Generic[S]):
     async def _send(
         self, identity: bytes, rid: bytes, msg: Message, timeout: float | None = None
     ) -> None:
-        if self._sock is None:
+        if self._io is None:
             raise PeerDead("server closed")
         frames = [identity, rid, *encode(msg)]
         try:
-            await send_within(self._sock, frames, timeout or self.opts.request_timeout_s)
+            await self._io.send(frames, timeout or self.opts.request_timeout_s)
             self.stats.sent += 1
         except zmq.ZMQError as exc:  # peer gone (ROUTER_MANDATORY) or HWM: not fatal for the server
             if exc.errno == zmq.EHOSTUNREACH:
@@ -267,8 +274,7 @@ class RpcServer(Generic[S]):
             with contextlib.suppress(TransportError):
                 await self._send(identity, b"R" + rid[1:], ErrorReply(code=code, message=text))
 
-    async def _reader(self, sock: zmq.asyncio.Socket) -> None:
-        rx = Receiver(sock)
+    async def _reader(self, rx: PolledSocket) -> None:
         while True:
             frames = await rx.recv()
             self.stats.received += 1
@@ -375,20 +381,18 @@ class RpcServer(Generic[S]):
             self._answer(identity, b"R" + rid[1:], reply)
 
     def _answer(self, identity: bytes, rid: bytes, reply: Message) -> None:
-        """Send a reply from the reader's turn: pyzmq queues it without waiting (the common case),
-        or a task waits for room (a peer at its HWM must not stall the reader)."""
-        if self._sock is None:
+        """Send a reply from the reader's turn: queued without waiting (the common case), or a
+        task waits for room (a peer at its HWM must not stall the reader)."""
+        if self._io is None:
             return
         try:
-            frames = [identity, rid, *encode(reply)]
-            fut: asyncio.Future[Any] = self._sock.send_multipart(frames, copy=False)  # type: ignore[assignment]
-        except zmq.ZMQError:  # the peer is gone (ROUTER_MANDATORY): it gets no reply
+            sent = self._io.send_now([identity, rid, *encode(reply)])
+        except (zmq.ZMQError, PeerDead):  # the peer is gone (ROUTER_MANDATORY): it gets no reply
             return
-        if fut.done():
-            if fut.exception() is None:
-                self.stats.sent += 1
+        if sent:
+            self.stats.sent += 1
             return
-        fut.cancel()  # nothing is half-sent: it is sent again by a task that may wait
+        # nothing was sent: a task that may wait sends it
         self._disp.track(self._spawn(self._send_reply(identity, rid, reply), "server-reply"))
 
     async def _send_reply(self, identity: bytes, rid: bytes, reply: Message) -> None:
