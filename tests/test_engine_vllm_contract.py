@@ -121,15 +121,12 @@ def test_a_vllm_without_structured_outputs_enforces_none(monkeypatch):
 
 
 async def test_an_moe_policy_says_why_vllm_records_no_routes(monkeypatch, tmp_path, caplog):
-    """This build reads no route return from vLLM: the engine says so at start, naming whether
-    the installed vLLM has one (its engine argument enable_return_routed_experts)."""
-    import dataclasses
-    import sys
-
+    """A vLLM without a route return (no enable_return_routed_experts engine argument): the
+    engine says so at start and trajectories carry no routes."""
     from laminar.engines.vllm_engine import _import_vllm, routes_note
     from laminar.models.tiny import build_tiny_model
 
-    install(monkeypatch)
+    fake = install(monkeypatch)
     moe = build_tiny_model(tmp_path / "moe", hidden=32, layers=2, kind="moe", experts=8)
     dense = build_tiny_model(tmp_path / "dense", hidden=32, layers=2)
     cfg = LaminarConfig()
@@ -141,18 +138,140 @@ async def test_an_moe_policy_says_why_vllm_records_no_routes(monkeypatch, tmp_pa
     try:
         assert eng.routes_note is not None and "has no route return" in eng.routes_note
         assert any("records no MoE routes" in r.getMessage() for r in caplog.records)
+        assert eng.moe is None and not fake.llm.args.get("enable_return_routed_experts")
+        evs = [
+            ev
+            async for ev in eng.generate(
+                GenRequest("a", PROMPT, SamplingParams(max_tokens=4, ignore_eos=True)), T
+            )
+        ]
+        assert evs[-1].finish_reason == "length" and all(e.routes is None for e in evs)
     finally:
         await eng.close()
     assert routes_note(str(dense), _import_vllm()) is None
+    install(monkeypatch, route_return=True)
+    assert routes_note(str(moe), _import_vllm()) is None  # it has one: start() reads it
 
-    @dataclasses.dataclass
-    class NewerArgs:  # a vLLM whose engine arguments include the route return
-        model: str = ""
-        enable_return_routed_experts: bool = False
 
-    monkeypatch.setattr(sys.modules["vllm"], "AsyncEngineArgs", NewerArgs)
-    note = routes_note(str(moe), _import_vllm())
-    assert note is not None and "can return routed experts" in note
+def _moe_engine(monkeypatch, tmp_path, dense_first: bool = False, replay: bool = True):
+    """A fake vLLM with the route return, an engine on a tiny MoE (8 experts, top-2, 2 layers;
+    dense_first: layer 0's MLP dense, as DeepSeek-style models have)."""
+    import json
+
+    from laminar.models.tiny import build_tiny_model
+
+    fake = install(monkeypatch, route_return=True)
+    moe = build_tiny_model(tmp_path / "moe", hidden=32, layers=2, kind="moe", experts=8)
+    if dense_first:
+        cfg_path = moe / "config.json"
+        c = json.loads(cfg_path.read_text())
+        c["mlp_only_layers"] = [0]
+        cfg_path.write_text(json.dumps(c))
+    cfg = LaminarConfig()
+    cfg.rollout.engine, cfg.model.path = "vllm", str(moe)
+    cfg.model.moe.routing_replay = replay
+    return fake, make_engine(cfg.rollout, cfg.model)
+
+
+@pytest.mark.parametrize("dense_first", [False, True])
+async def test_vllm_route_return_reaches_the_events(monkeypatch, tmp_path, dense_first):
+    """vLLM's route return ((prompt + generated - 1, num_hidden_layers, k) int32, on the final
+    output only) becomes the final event's routes: positions 0 .. of prompt + response, the
+    policy's routed layers, its route dtype; a resumed request's return covers the resumed
+    tokens too, with the same rows."""
+    from fakes.vllm_fake import fake_routes
+
+    fake, eng = _moe_engine(monkeypatch, tmp_path, dense_first)
+    await eng.start()
+    try:
+        assert eng.routes_note is None and eng.moe is not None
+        assert fake.llm.args["enable_return_routed_experts"] is True
+        layers = list(eng.moe.layers)
+        assert layers == ([1] if dense_first else [0, 1])
+        evs = [
+            ev
+            async for ev in eng.generate(
+                GenRequest("a", PROMPT, SamplingParams(max_tokens=6, ignore_eos=True)), T
+            )
+        ]
+        assert all(e.routes is None for e in evs[:-1])  # vLLM returns them once, at the end
+        last = evs[-1]
+        out = np.concatenate([e.token_ids for e in evs]).tolist()
+        want = fake_routes(PROMPT.tolist() + out, 2, 2, 8)[:, layers]
+        assert last.finish_reason == "length" and last.route_start == 0
+        assert last.routes is not None and last.routes.dtype == np.uint8
+        assert last.routes.shape == (len(PROMPT) + 6 - 1, len(layers), 2)
+        np.testing.assert_array_equal(last.routes, want)
+        assert eng.moe.check(last.routes, len(PROMPT) + 6) is None  # what the buffer checks
+
+        # resume: the new request's prompt is prompt + resumed; its return covers both
+        req = GenRequest(
+            "b",
+            PROMPT,
+            SamplingParams(max_tokens=6, ignore_eos=True),
+            resume_ids=np.array(out[:3], np.int32),
+        )
+        req.resume_logprobs = np.zeros(3, np.float32)
+        evs = [ev async for ev in eng.generate(req, T)]
+        np.testing.assert_array_equal(evs[-1].routes, want)
+        assert eng.route_counts == {"routes_refused": 0, "routes_missing": 0}
+    finally:
+        await eng.close()
+
+
+@pytest.mark.parametrize("bug", ["rows", "layers", "ids", "none"])
+async def test_a_bad_vllm_route_return_is_refused_and_counted(monkeypatch, tmp_path, bug):
+    """A return of the wrong length, layer count or ids (or none at all) is not handed on: the
+    sequence finishes normally without routes (the trainer routes it live), counted and logged;
+    the engine keeps serving."""
+    fake, eng = _moe_engine(monkeypatch, tmp_path)
+    await eng.start()
+    try:
+        fake.llm.route_bug = bug
+        evs = [
+            ev
+            async for ev in eng.generate(
+                GenRequest("a", PROMPT, SamplingParams(max_tokens=4, ignore_eos=True)), T
+            )
+        ]
+        assert evs[-1].finish_reason == "length" and all(e.routes is None for e in evs)
+        key = "routes_missing" if bug == "none" else "routes_refused"
+        assert eng.route_counts[key] == 1 and sum(eng.route_counts.values()) == 1
+        fake.llm.route_bug = None
+        evs = [
+            ev
+            async for ev in eng.generate(
+                GenRequest("b", PROMPT, SamplingParams(max_tokens=4, ignore_eos=True)), T
+            )
+        ]
+        assert evs[-1].routes is not None
+    finally:
+        await eng.close()
+
+
+async def test_aborted_and_replay_off_carry_no_vllm_routes(monkeypatch, tmp_path):
+    """An abort's final output has no route return in vLLM: the partial carries none and
+    nothing is counted; model.moe.routing_replay false: the argument is not passed."""
+    fake, eng = _moe_engine(monkeypatch, tmp_path)
+    await eng.start()
+    try:
+        fake.llm.step_s = 0.05
+        eng.submit(
+            GenRequest("a", PROMPT, SamplingParams(max_tokens=200, ignore_eos=True), single=True)
+        )
+        first = await eng.next_event(T)
+        assert first.routes is None and first.finish_reason is None
+        parts = await eng.abort(["a"])
+        assert len(parts) == 1 and sum(eng.route_counts.values()) == 0
+    finally:
+        await eng.close()
+    fake, eng = _moe_engine(monkeypatch, tmp_path / "off", replay=False)
+    await eng.start()
+    try:
+        assert eng.moe is None and not fake.llm.args.get("enable_return_routed_experts")
+        assert eng.routes_note is not None and "routing_replay is off" in eng.routes_note
+    finally:
+        await eng.close()
 
 
 async def test_generate_streams_tokens_and_sampled_logprobs(engine):

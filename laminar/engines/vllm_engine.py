@@ -82,6 +82,7 @@ from laminar.engines.base import (
 from laminar.engines.lifeline import lifeline_env
 from laminar.engines.vllm_attest import from_wire
 from laminar.engines.vllm_lora import VllmAdapters
+from laminar.models.moe import MoeShape
 from laminar.models.rejected import WeightsRejected
 from laminar.models.tiny_vlm import is_vlm
 from laminar.supervise import Spawn, detached_spawn
@@ -213,6 +214,7 @@ class VllmEngine(Engine):
         lora: LoraConfig | None = None,
         sleep_mode: bool = False,
         image_token_id: int | None = None,
+        record_routes: bool = True,
     ) -> None:
         super().__init__()
         if model_path is None and llm is None:
@@ -240,9 +242,19 @@ class VllmEngine(Engine):
         self.loaded: list[tuple[str, str, list[int]]] = []
         """(name, dtype, shape) of each tensor the last full load gave: what served_digest asks
         the workers to fold back (vllm_attest.py)."""
+        self.record_routes = record_routes
+        """MoE (model.moe.routing_replay): ask vLLM for each request's routes where it can."""
         self.routes_note: str | None = None
-        """An MoE policy: why this engine records no routes (set by start(); None: dense). The
-        trainer then routes these trajectories live (docs/moe.md)."""
+        """An MoE policy: why this engine records no routes (set by start(); None: dense, or the
+        routes are read). The trainer then routes these trajectories live (docs/moe.md)."""
+        self.moe: MoeShape | None = None
+        """Set by start() when this engine reads vLLM's route return (an MoE policy, a vLLM with
+        enable_return_routed_experts): the shape each request's routes are checked against."""
+        self._hf_layers = 0
+        """The policy's decoder layers: vLLM's route return has one row per layer, dense or not."""
+        self.route_counts: dict[str, int] = {"routes_refused": 0, "routes_missing": 0}
+        """Finished requests whose route return did not fit (refused) or was absent (missing);
+        either way that trajectory carries no routes and the trainer routes it live."""
         self._unattested_why = ""
         self.sleep_mode = sleep_mode
         """Colocated placement: built with enable_sleep_mode, so sleep() / wake_up() work."""
@@ -275,6 +287,7 @@ class VllmEngine(Engine):
             engine_args=args,
             env=env,
             lora=mc.lora,
+            record_routes=mc.moe.routing_replay,
         )
         if mc.path and is_vlm(mc.path):
             opts["image_token_id"] = vlm_image_token_id(mc.path)
@@ -294,9 +307,7 @@ class VllmEngine(Engine):
         self._v = await asyncio.to_thread(_import_vllm)
         if self._v.StructuredOutputsParams is None:  # an older vLLM: agent calls asking are refused
             self.structured = frozenset()
-        self.routes_note = routes_note(self.model_path, self._v)
-        if self.routes_note is not None:
-            log.warning("vllm engine records no MoE routes: %s", self.routes_note)
+        route_args = self._plan_routes()
         args: dict[str, Any] = dict(
             model=self.model_path,
             dtype=self.dtype,
@@ -312,6 +323,7 @@ class VllmEngine(Engine):
             args.update(self.adapters.engine_args())
         if self.sleep_mode:
             args["enable_sleep_mode"] = True
+        args.update(route_args)
         args.update(self.engine_args)
         env = {**_cpu_runtime_env(), **self.env, **lifeline_env()}
         llm = await asyncio.to_thread(self._build, args, env)
@@ -323,6 +335,31 @@ class VllmEngine(Engine):
         # above all the one at interpreter exit, which took 36 s on a busy 2-core host (0.7 s
         # frozen) and made the launcher kill a rollout that had stopped cleanly
         gc.freeze()
+
+    def _plan_routes(self) -> dict[str, Any]:
+        """An MoE policy on a vLLM with a route return (and model.moe.routing_replay): read it,
+        the engine argument that turns it on; otherwise say why not (routes_note, logged)."""
+        cfg = _model_config(self.model_path)
+        shape = None if cfg is None else MoeShape.of_config(cfg)
+        if shape is None:
+            return {}
+        if self.record_routes and has_route_return(self._v):
+            self.moe = shape
+            text = cfg.get("text_config") or cfg
+            self._hf_layers = int(text.get("num_hidden_layers") or 0)
+            log.info(
+                "vllm engine reads MoE routes (vLLM %s, %s): %d routed layers, top-%d",
+                self._v.version,
+                ROUTE_RETURN_ARG,
+                len(shape.layers),
+                shape.top_k,
+            )
+            return {ROUTE_RETURN_ARG: True}
+        self.routes_note = routes_note(self.model_path, self._v)
+        if not self.record_routes:
+            self.routes_note = "model.moe.routing_replay is off: no routes recorded"
+        log.warning("vllm engine records no MoE routes: %s", self.routes_note)
+        return {}
 
     def _build(self, args: dict[str, Any], env: dict[str, str]) -> Any:
         # the EngineCore process inherits os.environ at spawn: set ours just around it, one engine
@@ -475,6 +512,9 @@ class VllmEngine(Engine):
                         s.version = served
                     # an abort's own tokens (if any) stream first; the final abort event is bare
                     last = reason if reason != "abort" else None
+                    routes = None
+                    if last in ("stop", "length") and self.moe is not None:
+                        routes = self._routes_of(s, getattr(c, "routed_experts", None))
                     if ids or last is not None:
                         self._emit(
                             TokenEvent(
@@ -483,6 +523,7 @@ class VllmEngine(Engine):
                                 np.asarray(lps, np.float32),
                                 last,
                                 served,
+                                routes,
                             )
                         )
                         final_sent = last is not None
@@ -502,6 +543,20 @@ class VllmEngine(Engine):
         if not final_sent:
             served = self.version if pinned is None else pinned
             self._emit(TokenEvent(s.seq_id, _NO_I, _NO_F, reason, served))
+
+    def _routes_of(self, s: _Seq, raw: Any) -> np.ndarray | None:
+        """A finished request's route return as the rollout's routes (positions 0 .. of prompt +
+        response); None, counted and logged, when it is absent or does not fit the policy."""
+        assert self.moe is not None
+        if raw is None:
+            self.route_counts["routes_missing"] += 1
+            _slog().warning("vllm_routes_missing", seq=s.seq_id, reason=s.reason)
+            return None
+        routes, why = read_routes(raw, self.moe, self._hf_layers, len(s.prompt) + len(s.out))
+        if why is not None:
+            self.route_counts["routes_refused"] += 1
+            _slog().error("vllm_routes_refused", seq=s.seq_id, why=why)
+        return routes
 
     async def abort(self, seq_ids: Iterable[str]) -> list[PartialState]:
         targets = [self._seqs[sid] for sid in dict.fromkeys(seq_ids) if sid in self._seqs]
@@ -711,33 +766,72 @@ def _import_vllm() -> Any:
 
 
 ROUTE_RETURN_ARG = "enable_return_routed_experts"
-"""The engine argument of vLLM builds that return each token's routed experts (vLLM PR 28284)."""
+"""The engine argument of vLLM builds that return each request's routed experts (vLLM PR 28284).
+With it on, vLLM's scheduler reads the routes of a request when it stops
+(stop or length; an abort returns none) from a buffer indexed by KV slot (so prefix-cached
+positions get the routes written when their block was computed) and hands them over once, on the
+final output, as `CompletionOutput.routed_experts`: int32, (prompt + generated - 1,
+num_hidden_layers, num_experts_per_tok), row i the experts of position i of the request's prompt
++ output (the last sampled token is never run through the model, so it has no row)."""
+
+
+def has_route_return(v: Any) -> bool:
+    """Whether the installed vLLM (`v`, _import_vllm's names) has the route return's engine
+    argument."""
+    args = v.AsyncEngineArgs
+    if dataclasses.is_dataclass(args):
+        return ROUTE_RETURN_ARG in {f.name for f in dataclasses.fields(args)}
+    import inspect
+
+    return ROUTE_RETURN_ARG in inspect.signature(args).parameters
+
+
+def _model_config(model_path: str | None) -> dict[str, Any] | None:
+    cfg = Path(model_path or "") / "config.json"
+    if not model_path or not cfg.is_file():
+        return None
+    loaded: dict[str, Any] = json.loads(cfg.read_text())
+    return loaded
+
+
+def read_routes(
+    raw: Any, moe: MoeShape, hf_layers: int, tokens: int
+) -> tuple[np.ndarray | None, str | None]:
+    """vLLM's route return of a finished request of `tokens` tokens (its prompt, resumed ones
+    included, + generated) as the rollout's routes: (tokens - 1, moe_layers, k) in the policy's
+    route dtype, positions from 0 (TokenEvent.route_start 0), the layers of `moe` picked out of
+    vLLM's one row per decoder layer (`hf_layers`; a return that already holds only the routed
+    layers is taken as is). (None, why) when it does not fit: the trajectory then carries no
+    routes and routes live in the trainer."""
+    a = np.asarray(raw)
+    want = tokens - 1
+    if a.ndim != 3:
+        return None, f"routed_experts has {a.ndim} dims, want 3 (tokens, layers, k)"
+    if not np.issubdtype(a.dtype, np.integer):
+        return None, f"routed_experts dtype {a.dtype}: want integer expert ids"
+    if a.shape[0] != want:
+        return None, f"routed_experts covers {a.shape[0]} positions of {tokens} tokens: want {want}"
+    if a.shape[2] != moe.top_k:
+        return None, f"routed_experts top-k {a.shape[2]}: the policy routes to {moe.top_k}"
+    if a.shape[1] == hf_layers and hf_layers != len(moe.layers):
+        a = a[:, list(moe.layers)]
+    elif a.shape[1] != len(moe.layers):
+        return None, (
+            f"routed_experts has {a.shape[1]} layers: the policy has {hf_layers} decoder layers, "
+            f"{len(moe.layers)} routed"
+        )
+    if a.size and (int(a.min()) < 0 or int(a.max()) >= moe.experts):
+        return None, f"routed_experts holds expert ids outside [0, {moe.experts})"
+    return np.ascontiguousarray(a, moe.dtype), None
 
 
 def routes_note(model_path: str | None, v: Any) -> str | None:
-    """Why this engine hands the rollout no routes of an MoE policy at `model_path`, naming whether
-    the installed vLLM (`v`, _import_vllm's names) could return them; None for a dense model."""
-    from laminar.models.moe import MoeShape
-
-    cfg = Path(model_path or "") / "config.json"
-    if (
-        not model_path
-        or not cfg.is_file()
-        or MoeShape.of_config(json.loads(cfg.read_text())) is None
-    ):
+    """Why this engine hands the rollout no routes of an MoE policy at `model_path` though
+    model.moe.routing_replay is on: the installed vLLM (`v`, _import_vllm's names) has no route
+    return; None for a dense model or a vLLM that has one (start() then reads it)."""
+    cfg = _model_config(model_path)
+    if cfg is None or MoeShape.of_config(cfg) is None or has_route_return(v):
         return None
-    args = v.AsyncEngineArgs
-    if dataclasses.is_dataclass(args):
-        names = {f.name for f in dataclasses.fields(args)}
-    else:
-        import inspect
-
-        names = set(inspect.signature(args).parameters)
-    if ROUTE_RETURN_ARG in names:
-        return (
-            f"vLLM {v.version} can return routed experts ({ROUTE_RETURN_ARG}), which this engine "
-            "does not read yet: trajectories carry no routes and the trainer routes them live"
-        )
     return (
         f"vLLM {v.version} has no route return ({ROUTE_RETURN_ARG}): trajectories carry no "
         "routes and the trainer routes them live"

@@ -12,6 +12,14 @@ pause_generation(mode="keep") holds steps until resume_generation, utility calls
 (collective_rpc, reset_prefix_cache) are recorded in `calls`, and stat loggers get
 SchedulerStats every step. The next token is a hash of the whole context and the
 loaded weights, so resuming with prompt + partial continues exactly.
+
+Route return (vLLM PR 28284): install(route_return=True) gives engine args with
+enable_return_routed_experts; an engine built with it on puts, on a request's stop or length
+output only (not on deltas before it, not on an abort), `CompletionOutput.routed_experts` in
+vLLM's format: int32 (prompt + generated - 1, num_hidden_layers, num_experts_per_tok) of the
+model's config.json, row i a hash of the context up to position i (fake_routes), so a resumed
+request returns the same rows. `route_bug` corrupts it: "rows" (one row short), "layers" (one
+layer short), "ids" (an id >= experts), "none" (absent).
 """
 
 from __future__ import annotations
@@ -19,10 +27,14 @@ from __future__ import annotations
 import asyncio
 import enum
 import hashlib
+import json
 import sys
 import types
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 EOS = 2
 VOCAB = 50
@@ -47,6 +59,7 @@ class CompletionOutput:
     token_ids: list[int]
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None = None
+    routed_experts: np.ndarray | None = None
 
 
 @dataclass
@@ -84,6 +97,25 @@ def TokensPrompt(prompt_token_ids: list[int], **kw: Any) -> dict[str, Any]:  # a
 class AsyncEngineArgs:
     def __init__(self, **kw: Any) -> None:
         self.kw = kw
+
+
+class RouteReturnEngineArgs(AsyncEngineArgs):
+    """Engine args of a vLLM with the route return (its argument in the signature)."""
+
+    def __init__(self, enable_return_routed_experts: bool = False, **kw: Any) -> None:
+        super().__init__(enable_return_routed_experts=enable_return_routed_experts, **kw)
+
+
+def fake_routes(context: list[int], layers: int, k: int, experts: int) -> np.ndarray:
+    """Rows 0 .. len(context) - 2 as this fake returns them: row i depends on context[: i + 1]
+    only (causal), k distinct ids in [0, experts) per layer."""
+    rows = np.zeros((max(len(context) - 1, 0), layers, k), np.int32)
+    for i in range(len(rows)):
+        h = hashlib.blake2b(repr(context[: i + 1]).encode(), digest_size=8).digest()
+        rng = np.random.default_rng(int.from_bytes(h, "little"))
+        for layer in range(layers):
+            rows[i, layer] = rng.permutation(experts)[:k]
+    return rows
 
 
 class StatLoggerBase:
@@ -135,6 +167,21 @@ class FakeAsyncLLM:
         """The tensors of the last full load."""
         self.sleeping = 0
         """Sleep level now (0: awake), as AsyncLLM.sleep(level) / wake_up() set it."""
+        self.route_bug: str | None = None
+        """Corrupt the route return (module docstring)."""
+        self.route_shape: tuple[int, int, int] | None = None
+        """(num_hidden_layers, num_experts_per_tok, experts) of the model's config.json, when
+        built with enable_return_routed_experts on an MoE model."""
+        if self.args.get("enable_return_routed_experts"):
+            cfg_path = Path(str(self.args.get("model") or "")) / "config.json"
+            cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+            experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+            if experts:
+                self.route_shape = (
+                    int(cfg["num_hidden_layers"]),
+                    int(cfg["num_experts_per_tok"]),
+                    int(experts),
+                )
         # like AsyncLLM built off the loop (VllmEngine.start: a worker thread), the step loop
         # starts on first use, on the loop that uses it
         self._task: asyncio.Task | None = None
@@ -324,12 +371,28 @@ class FakeAsyncLLM:
             reason = "stop"
         elif r.made >= sp.max_tokens:
             reason = "length"
-        r.queue.put_nowait(
-            RequestOutput(r.rid, [CompletionOutput(0, [tok], [entry], reason)], reason is not None)
-        )
+        out = CompletionOutput(0, [tok], [entry], reason)
+        if reason is not None and self.route_shape is not None:
+            out.routed_experts = self._routes(r.context)
+        r.queue.put_nowait(RequestOutput(r.rid, [out], reason is not None))
         if reason is not None:
             self.requests.pop(r.rid)
             self.order.remove(r.rid)
+
+    def _routes(self, context: list[int]) -> np.ndarray | None:
+        assert self.route_shape is not None
+        layers, k, experts = self.route_shape
+        bug = self.route_bug
+        if bug == "none":
+            return None
+        rows = fake_routes(context, layers, k, experts)
+        if bug == "rows":
+            return rows[:-1]
+        if bug == "layers":
+            return rows[:, :-1]
+        if bug == "ids":
+            rows[0, 0, 0] = experts
+        return rows
 
 
 _state: dict[str, Any] = {}
@@ -343,8 +406,9 @@ class FakeVllm:
         return _state["llm"]
 
 
-def install(monkeypatch: Any) -> FakeVllm:
-    """Put the fake package into sys.modules for this test (monkeypatch undoes it)."""
+def install(monkeypatch: Any, route_return: bool = False) -> FakeVllm:
+    """Put the fake package into sys.modules for this test (monkeypatch undoes it);
+    route_return: a vLLM whose engine args have enable_return_routed_experts."""
     _state.clear()
     mods = {
         name: types.ModuleType(name)
@@ -362,7 +426,7 @@ def install(monkeypatch: Any) -> FakeVllm:
     }
     v = mods["vllm"]
     v.AsyncEngineArgs, v.SamplingParams, v.TokensPrompt = (
-        AsyncEngineArgs,
+        RouteReturnEngineArgs if route_return else AsyncEngineArgs,
         SamplingParams,
         TokensPrompt,
     )
