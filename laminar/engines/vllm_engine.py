@@ -31,6 +31,9 @@ sampled from (after temperature and top-p), matching the torch engine.
                   the same pages and vLLM copies straight into its parameters; other
                   tensors are staged once into /dev/shm. (Before: safetensors bytes
                   through the RPC, or a /dev/shm temp file, parsed back in the worker.)
+    routes     -> MoE policy on a vLLM with enable_return_routed_experts: the final output's
+                  CompletionOutput.routed_experts -> read_routes -> the final event's routes
+                  (positions 0 .. of prompt + response); a bad or absent one: none, counted.
     stats      -> a StatLoggerBase passed to AsyncLLM receives SchedulerStats
                   (running, waiting, kv_cache_usage) every engine step.
     sleep      -> colocated placement (sleep_mode, built with enable_sleep_mode=True):
@@ -341,11 +344,11 @@ class VllmEngine(Engine):
         the engine argument that turns it on; otherwise say why not (routes_note, logged)."""
         cfg = _model_config(self.model_path)
         shape = None if cfg is None else MoeShape.of_config(cfg)
-        if shape is None:
+        if cfg is None or shape is None:
             return {}
         if self.record_routes and has_route_return(self._v):
             self.moe = shape
-            text = cfg.get("text_config") or cfg
+            text: dict[str, Any] = cfg.get("text_config") or cfg
             self._hf_layers = int(text.get("num_hidden_layers") or 0)
             log.info(
                 "vllm engine reads MoE routes (vLLM %s, %s): %d routed layers, top-%d",
