@@ -152,10 +152,16 @@ class BenchParams:
     newest is K ahead; 0: it drains for anything newer, as before issue 44)."""
     repack_candidates: str = "draining"
     """manager.repack.candidates: draining (the rollout's word) or kv_falling (before issue 44)."""
+    repack_split: bool = True
+    """manager.repack.split_sources: a draining tail no single destination fits is spread over
+    several (at B = 8 two or three long sequences rarely fit beside another whole tail; False:
+    whole sources only, as before)."""
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> BenchParams:
         names = {f.name for f in fields(cls)}
+        if "repack_split" not in d:  # stored before sources could be split: whole ones
+            d = {"repack_split": False, **d}
         if "prefill_over_decode" not in d:  # a stored run from before issue 44: its own rules
             d = {
                 "prefill_over_decode": None,
@@ -352,6 +358,7 @@ def make_config(mode: str, n: int, seed: int, prm: BenchParams, work: Path, ipc_
                     "interval_s": prm.repack_interval_s,
                     "c_max": prm.c_max,
                     "candidates": prm.repack_candidates,
+                    "split_sources": prm.repack_split,
                 },
                 "timeline_interval_s": float(os.environ.get("LCB_TIMELINE", 0)),
             },

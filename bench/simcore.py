@@ -747,7 +747,7 @@ class Sim(RepackMixin):
     # ---- repack ------------------------------------------------------------------------------
     def plan(self, loads: list[Any]) -> Any:
         """The real planner (looked up here, so a test can spy on simcore.plan_repack)."""
-        return plan_repack(loads, self.prm.c_max, self.rb)
+        return plan_repack(loads, self.prm.c_max, self.rb, split=self.prm.repack_split)
 
     # ---- measurement -------------------------------------------------------------------------
     def take_snapshot(self, key: str) -> None:

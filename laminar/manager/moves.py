@@ -4,8 +4,9 @@
     entry = await repacker.round(trainer_version)   # {} when nothing moved, else the round's record
 
     statuses (NodeStatus.rollout: per-trajectory KV) ──► rollout_loads() ──► plan_repack (repack.py)
-    each move: ExportRequest ──► source ──partials──► placer.place(prefer=dest) ──Import──► dest
-               RefreshRequest ──► the emptied source     (new weights, then new prompts)
+    each source: ExportRequest ──► source ──partials──► placer.place(prefer=dest) ──Import──► dest
+                 (a split source, manager.repack.split_sources: one export, a place per destination)
+                 RefreshRequest ──► the emptied source     (new weights, then new prompts)
 
 The moves of one round run concurrently, at most manager.repack.max_concurrent_moves at once,
 so a round costs about one export + one import round trip. A slow or dead rollout makes one
@@ -141,7 +142,7 @@ class Repacker:
         t0 = time.monotonic()
         loads = self.rollout_loads()
         c_max, bound = self.repack.c_max, self.placer.bound_b
-        plan = plan_repack(loads, c_max, bound)
+        plan = plan_repack(loads, c_max, bound, split=self.repack.split_sources)
         self.metrics.count("repack_rounds")
         self.metrics.count("repack_candidates", sum(is_candidate(r, c_max, bound) for r in loads))
         self.metrics.count(
@@ -163,11 +164,15 @@ class Repacker:
         # rollouts does not put hundreds of exports on the wire at once)
         slots = asyncio.Semaphore(self.repack.max_concurrent_moves)
 
-        async def bounded(mv: Move) -> dict[str, int]:
-            async with slots:
-                return await self.move(mv, mv.source in emptied, trainer_version)
+        by_source: dict[str, list[Move]] = {}  # a split source: one export, a place per dest
+        for mv in plan.moves:
+            by_source.setdefault(mv.source, []).append(mv)
 
-        results = await asyncio.gather(*(bounded(mv) for mv in plan.moves))
+        async def bounded(mvs: list[Move]) -> dict[str, int]:
+            async with slots:
+                return await self.move_parts(mvs, mvs[0].source in emptied, trainer_version)
+
+        results = await asyncio.gather(*(bounded(mvs) for mvs in by_source.values()))
         moved = sum(r["moved"] for r in results)
         overhead_s = round(time.monotonic() - t0, 4)
         entry = {
@@ -189,8 +194,18 @@ class Repacker:
     async def move(self, mv: Move, refresh: bool, trainer_version: int) -> dict[str, int]:
         """One move: export everything listed on the source, import it on the destination (or the
         next rollout of that version), then send the emptied source to refresh its weights."""
+        return await self.move_parts([mv], refresh, trainer_version)
+
+    async def move_parts(
+        self, mvs: list[Move], refresh: bool, trainer_version: int
+    ) -> dict[str, int]:
+        """The moves of one source (several when the plan split it): one export of everything
+        they list, each destination's share placed there (or on the next rollout of that
+        version), then, once all are placed, the emptied source refreshes its weights."""
+        mv = mvs[0]
         out = {"moved": 0, "failed": 0, "elsewhere": 0, "orphaned": 0}
-        uids = [] if any(t.startswith("*") for t in mv.traj_ids) else list(mv.traj_ids)
+        ids = [t for m in mvs for t in m.traj_ids]
+        uids = [] if any(t.startswith("*") for t in ids) else ids
         timeout = self.placer.request_timeout_s
         t0 = time.monotonic()
         try:
@@ -216,13 +231,18 @@ class Repacker:
                 self.metrics.count("move_export_unasked", len(exp.partials) - len(kept))
                 exp.partials = kept
         if exp.partials:
-            placed = await self.placer.place(
-                exp.partials, trainer_version, prefer=mv.dest, source=mv.source
-            )
+            dest_of = {t: m.dest for m in mvs for t in m.traj_ids}
+            shares: dict[str, list[Any]] = {}
+            for part in exp.partials:  # placeholders ("*i", never split): the one destination
+                shares.setdefault(dest_of.get(part.uid, mv.dest), []).append(part)
+            for dest, share in shares.items():
+                placed = await self.placer.place(
+                    share, trainer_version, prefer=dest, source=mv.source
+                )
+                out["elsewhere"] += sum(n for node, n in placed.items() if node not in (dest, ORPHAN))
+                out["orphaned"] += placed.get(ORPHAN, 0)
             self.metrics.add("move_place_s", time.monotonic() - t1)
             out["moved"] = len(exp.partials)
-            out["elsewhere"] = sum(n for node, n in placed.items() if node not in (mv.dest, ORPHAN))
-            out["orphaned"] = placed.get(ORPHAN, 0)
         if refresh:  # the source holds nothing now: new weights, then new prompts
             try:
                 await self.srv.request(
