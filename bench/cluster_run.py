@@ -109,6 +109,10 @@ class BenchParams:
     c_max: float = 0.9
     warmup_s: float = 8.0
     window_s: float = 24.0
+    barrier_window_s: float | None = None
+    """sync, one_step and stream measure over this window instead of window_s (None: window_s):
+    their steps wait for a global batch's longest sequence (4-6 s here), so an 18 s window holds
+    two or three whole steps, and one step more or fewer moved sync's rate by a quarter."""
     sample_s: float = 0.1
     workload: str = "single"
     """single: one response per prompt. multiturn: tool-calling episodes
@@ -185,6 +189,7 @@ TIMED = (
     "repack_interval_s",
     "warmup_s",
     "window_s",
+    "barrier_window_s",
     "sample_s",
     "tool_latency_p50_s",
     "tool_latency_p99_s",
@@ -192,6 +197,17 @@ TIMED = (
 )
 """The workload's time constants: `dilate` scales them together (the control plane's own
 heartbeats and timeouts stay as they are)."""
+
+
+BARRIER = ("sync", "one_step", "stream")
+"""Modes whose trainer steps wait for a whole global batch (BenchParams.barrier_window_s)."""
+
+
+def for_mode(prm: BenchParams, mode: str) -> BenchParams:
+    """The run's parameters for one mode: the barrier modes' own window where one is set."""
+    if mode in BARRIER and prm.barrier_window_s is not None:
+        return replace(prm, window_s=prm.barrier_window_s)
+    return prm
 
 
 def dilate(prm: BenchParams, k: float) -> BenchParams:
@@ -203,7 +219,8 @@ def dilate(prm: BenchParams, k: float) -> BenchParams:
     deployment run on the rollouts' own hosts, share this box's 2 cores with 64 rollouts."""
     if k == 1:
         return prm
-    return replace(prm, **{f: getattr(prm, f) * k for f in TIMED})
+    scaled = {f: getattr(prm, f) * k for f in TIMED if getattr(prm, f) is not None}
+    return replace(prm, **scaled)
 
 
 MULTITURN: dict[str, Any] = {"workload": "multiturn", "length_p50": 50}
@@ -746,14 +763,21 @@ def figures(
     win = [s for s in steps if t0 <= s["time"] <= t1]
     before = [s for s in steps if s["time"] < t0]
     out: dict[str, Any] = {"steps_in_window": len(win), "window_s": round(t1 - t0, 3)}
-    if win:
-        # throughput between update completions: from the last step before the window (or its
-        # start) to the last step in it, counting the tokens of the steps that ended in between
-        start = before[-1]["time"] if before else t0
-        out["train_tok_s"] = sum(s["tokens_total"] for s in win) / max(
+    # throughput between update completions, over whole steps: from the last step before the
+    # window to the last step in it, counting the tokens of the steps that ended in between.
+    # With none before it (a barrier mode's first step outlasts the warm-up), the first step in
+    # the window began before it, for an unknown time: it is only the starting point (timing
+    # it from the window's start credited a whole step's tokens to part of its time, sync up to
+    # a third too fast in an 18 s window: bench/README.md, issue 44). A lone step in the window
+    # with none before it is still timed from the window's start (a rate, if a rough one).
+    whole = bool(before) or len(win) < 2
+    start = before[-1]["time"] if before else (t0 if whole else win[0]["time"])
+    counted = win if whole else win[1:]
+    if counted:
+        out["train_tok_s"] = sum(s["tokens_total"] for s in counted) / max(
             1e-9, win[-1]["time"] - start
         )
-        out["iteration_s"] = (win[-1]["time"] - start) / len(win)
+        out["iteration_s"] = (win[-1]["time"] - start) / len(counted)
     else:
         out["train_tok_s"], out["iteration_s"] = 0.0, float("nan")
     push = sorted(s["push_s"] for s in win if s.get("push_s") is not None)

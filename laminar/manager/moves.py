@@ -239,7 +239,9 @@ class Repacker:
                 placed = await self.placer.place(
                     share, trainer_version, prefer=dest, source=mv.source
                 )
-                out["elsewhere"] += sum(n for node, n in placed.items() if node not in (dest, ORPHAN))
+                out["elsewhere"] += sum(
+                    n for node, n in placed.items() if node not in (dest, ORPHAN)
+                )
                 out["orphaned"] += placed.get(ORPHAN, 0)
             self.metrics.add("move_place_s", time.monotonic() - t1)
             out["moved"] = len(exp.partials)
