@@ -4,9 +4,9 @@
     entry = await repacker.round(trainer_version)   # {} when nothing moved, else the round's record
 
     statuses (NodeStatus.rollout: per-trajectory KV) ──► rollout_loads() ──► plan_repack (repack.py)
-    each source: ExportRequest ──► source ──partials──► placer.place(prefer=dest) ──Import──► dest
-                 (a split source, manager.repack.split_sources: one export, a place per destination)
-                 RefreshRequest ──► the emptied source     (new weights, then new prompts)
+    each move: ExportRequest ──► source ──partials──► placer.place(prefer=dest) ──Import──► dest
+    each emptied source, after its moves (several in turn when manager.repack.split_sources
+    spread it): RefreshRequest ──► the source     (new weights, then new prompts)
 
 The moves of one round run concurrently, at most manager.repack.max_concurrent_moves at once,
 so a round costs about one export + one import round trip. A slow or dead rollout makes one
@@ -164,7 +164,7 @@ class Repacker:
         # rollouts does not put hundreds of exports on the wire at once)
         slots = asyncio.Semaphore(self.repack.max_concurrent_moves)
 
-        by_source: dict[str, list[Move]] = {}  # a split source: one export, a place per dest
+        by_source: dict[str, list[Move]] = {}  # a split source: its moves in turn, then a refresh
         for mv in plan.moves:
             by_source.setdefault(mv.source, []).append(mv)
 
@@ -199,13 +199,30 @@ class Repacker:
     async def move_parts(
         self, mvs: list[Move], refresh: bool, trainer_version: int
     ) -> dict[str, int]:
-        """The moves of one source (several when the plan split it): one export of everything
-        they list, each destination's share placed there (or on the next rollout of that
-        version), then, once all are placed, the emptied source refreshes its weights."""
-        mv = mvs[0]
+        """The moves of one source (several when the plan split it), one after another: each
+        exports its share naming its own destination (where the share's agents look first) and
+        places it there; once all are placed the emptied source refreshes its weights (a refresh
+        between two would load new weights under trajectories still to be exported)."""
         out = {"moved": 0, "failed": 0, "elsewhere": 0, "orphaned": 0}
-        ids = [t for m in mvs for t in m.traj_ids]
-        uids = [] if any(t.startswith("*") for t in ids) else ids
+        for mv in mvs:
+            for k, v in (await self._export_place(mv, trainer_version)).items():
+                out[k] += v
+        if refresh:  # the source holds nothing now: new weights, then new prompts
+            try:
+                await self.srv.request(
+                    mvs[0].source,
+                    RefreshRequest(min_version=trainer_version),
+                    timeout=self.placer.request_timeout_s,
+                )
+            except (TransportError, RemoteError) as exc:
+                self.log.warning("refresh_failed", rollout=mvs[0].source, error=str(exc))
+        return out
+
+    async def _export_place(self, mv: Move, trainer_version: int) -> dict[str, int]:
+        """Export what the move lists on its source; import it on its destination (or the next
+        rollout of that version)."""
+        out = {"moved": 0, "failed": 0, "elsewhere": 0, "orphaned": 0}
+        uids = [] if any(t.startswith("*") for t in mv.traj_ids) else list(mv.traj_ids)
         timeout = self.placer.request_timeout_s
         t0 = time.monotonic()
         try:
@@ -231,25 +248,11 @@ class Repacker:
                 self.metrics.count("move_export_unasked", len(exp.partials) - len(kept))
                 exp.partials = kept
         if exp.partials:
-            dest_of = {t: m.dest for m in mvs for t in m.traj_ids}
-            shares: dict[str, list[Any]] = {}
-            for part in exp.partials:  # placeholders ("*i", never split): the one destination
-                shares.setdefault(dest_of.get(part.uid, mv.dest), []).append(part)
-            for dest, share in shares.items():
-                placed = await self.placer.place(
-                    share, trainer_version, prefer=dest, source=mv.source
-                )
-                out["elsewhere"] += sum(
-                    n for node, n in placed.items() if node not in (dest, ORPHAN)
-                )
-                out["orphaned"] += placed.get(ORPHAN, 0)
+            placed = await self.placer.place(
+                exp.partials, trainer_version, prefer=mv.dest, source=mv.source
+            )
             self.metrics.add("move_place_s", time.monotonic() - t1)
             out["moved"] = len(exp.partials)
-        if refresh:  # the source holds nothing now: new weights, then new prompts
-            try:
-                await self.srv.request(
-                    mv.source, RefreshRequest(min_version=trainer_version), timeout=timeout
-                )
-            except (TransportError, RemoteError) as exc:
-                self.log.warning("refresh_failed", rollout=mv.source, error=str(exc))
+            out["elsewhere"] = sum(n for node, n in placed.items() if node not in (mv.dest, ORPHAN))
+            out["orphaned"] = placed.get(ORPHAN, 0)
         return out
