@@ -103,9 +103,12 @@ class BenchParams:
     """laminar modes and partial: buffer.max_staleness (None: unbounded, as measured, and as the
     paper ran AReaL for throughput; see bench/README.md)."""
     heartbeat_s: float = 0.5
-    repack_interval_s: float = 0.5
-    """Manager repack period (and a round right after each update). 0.5 s (was 1 s): a source
-    freed half a second sooner is half a second more at full B (bench/README.md, issue 18)."""
+    repack_interval_s: float = 0.25
+    """Manager repack period (and a round right after each update). 0.25 s (was 0.5, 1 s before
+    that): a source freed sooner is that much more time at full B; with draining candidates and
+    split sources the simulator gives +0.02 decode utilisation for 0.5 -> 0.25 s, and the
+    emulated rounds, 0.2-0.27 s of overhead each on the loaded 2-core box, then run about back
+    to back (bench/README.md, issues 18 and 44)."""
     c_max: float = 0.9
     warmup_s: float = 8.0
     window_s: float = 24.0
