@@ -34,18 +34,20 @@ sys.path.insert(0, str(HERE))
 
 from cluster_run import MULTITURN, BenchParams, make_config  # noqa: E402
 
-BEFORE_44 = {"refill_versions": 0, "repack_candidates": "kv_falling", "repack_split": False}
+R05 = {"repack_interval_s": 0.5}
+"""The bench's repack period before this sweep (0.25 s now: the adopted row)."""
+BEFORE_44 = {**R05, "refill_versions": 0, "repack_candidates": "kv_falling", "repack_split": False}
 VARIANTS: dict[str, dict[str, Any]] = {
-    "K = 0, kv_falling, whole sources (before issue 44)": BEFORE_44,
-    "K = 3, draining, whole sources": {"repack_split": False},
-    "K = 3, draining, split sources (adopted)": {},
-    "K = 3, split, rounds every 0.25 s": {"repack_interval_s": 0.25},
-    "K = 3, split, rounds every 0.1 s": {"repack_interval_s": 0.1},
-    "K = 2, split": {"refill_versions": 2},
-    "K = 2, split, rounds every 0.25 s": {"refill_versions": 2, "repack_interval_s": 0.25},
-    "K = 4, split": {"refill_versions": 4},
-    "multi-turn, K = 3, whole sources": {**MULTITURN, "repack_split": False},
-    "multi-turn, K = 3, split sources": {**MULTITURN},
+    "K = 0, kv_falling, whole, 0.5 s (old drain rules, new charges)": BEFORE_44,
+    "K = 3, draining, whole sources, 0.5 s": {**R05, "repack_split": False},
+    "K = 3, draining, split sources, 0.5 s": R05,
+    "K = 3, split, 0.25 s (adopted)": {},
+    "K = 3, split, 0.1 s": {"repack_interval_s": 0.1},
+    "K = 2, split, 0.5 s": {**R05, "refill_versions": 2},
+    "K = 2, split, 0.25 s": {"refill_versions": 2},
+    "K = 4, split, 0.25 s": {"refill_versions": 4},
+    "multi-turn, K = 3, whole sources, 0.25 s": {**MULTITURN, "repack_split": False},
+    "multi-turn, K = 3, split sources, 0.25 s": {**MULTITURN},
 }
 
 
@@ -94,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         "results": {},
     }
     print(
-        f"{'variant':52} {'lam/par':>7} {'(min-max)':>13} {'util lam':>8} {'util par':>8} "
+        f"{'variant':58} {'lam/par':>7} {'(min-max)':>13} {'util lam':>8} {'util par':>8} "
         f"{'p99 lam':>7} {'p99 par':>7} {'moves':>6}"
     )
     for name in args.variants or VARIANTS:
@@ -102,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         doc["results"][name] = r
         lp, u, st = r["laminar_vs_partial"], r["decode_util"], r["staleness_p99"]
         print(
-            f"{name:52} {lp['median']:7.3f} {lp['min']:6.3f}-{lp['max']:.3f} "
+            f"{name:58} {lp['median']:7.3f} {lp['min']:6.3f}-{lp['max']:.3f} "
             f"{u['laminar']:8.3f} {u['partial']:8.3f} {st['laminar']:7.0f} {st['partial']:7.0f} "
             f"{r['moves']:6.0f}",
             flush=True,
