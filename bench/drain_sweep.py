@@ -47,6 +47,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "K = 2, split, 0.25 s": {"refill_versions": 2},
     "K = 4, split, 0.25 s": {"refill_versions": 4},
     "multi-turn, K = 3, whole sources, 0.25 s": {**MULTITURN, "repack_split": False},
+    "multi-turn, credits 2 (before), split, 0.25 s": {**MULTITURN, "queued_credits": None},
     "multi-turn, K = 3, split sources, 0.25 s": {**MULTITURN},
 }
 
