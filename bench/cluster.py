@@ -740,7 +740,7 @@ def plot_breakdown(doc: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
-        "--quick", action="store_true", help="N = 64 only, 3 repeats, shorter windows (~12 min)"
+        "--quick", action="store_true", help="N = 64 only, 3 repeats, shorter windows (~15 min)"
     )
     ap.add_argument("--out", type=Path, default=HERE / "results" / "cluster.json")
     ap.add_argument("--plot", type=Path, default=None, help="line plot (default: --out with .png)")
