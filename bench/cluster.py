@@ -67,7 +67,14 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from cluster_run import MODES, MULTITURN, BenchParams, dilate, make_config  # noqa: E402
+from cluster_run import (  # noqa: E402
+    MODES,
+    MULTITURN,
+    BenchParams,
+    dilate,
+    for_mode,
+    make_config,
+)
 
 SIM_SEEDS = 20
 """Seeds of the simulator per point in the cross-check (at least; more at small N, see
@@ -102,6 +109,7 @@ def mmm(xs: list[float]) -> dict[str, float]:
 
 
 def run_one(mode: str, n: int, seed: int, prm: BenchParams, keep: Path | None) -> dict[str, Any]:
+    prm = for_mode(prm, mode)  # the barrier modes' own window, where set
     with tempfile.TemporaryDirectory(prefix="lam-cb-") as tmp:
         out = Path(tmp) / "fig.json"
         cmd = [
@@ -282,7 +290,7 @@ def simulate_point(
                 cfg,
                 n,
                 prompt_tokens=prm.prompt_tokens,
-                fixed_window_s=(prm.warmup_s, prm.window_s),
+                fixed_window_s=(prm.warmup_s, for_mode(prm, mode).window_s),
                 **lat,
             )
             rs = [simulate(mode, params=p, seed=s) for s in seeds]
@@ -732,7 +740,7 @@ def plot_breakdown(doc: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
-        "--quick", action="store_true", help="N = 64 only, 3 repeats, shorter windows (~12 min)"
+        "--quick", action="store_true", help="N = 64 only, 3 repeats, shorter windows (~15 min)"
     )
     ap.add_argument("--out", type=Path, default=HERE / "results" / "cluster.json")
     ap.add_argument("--plot", type=Path, default=None, help="line plot (default: --out with .png)")
@@ -792,8 +800,8 @@ def main(argv: list[str] | None = None) -> int:
     ns = args.ns or ([64] if args.quick else [8, 16, 32, 64, 128])
     repeats = args.repeats or 3
     prm = BenchParams(
-        **({"warmup_s": 6.0, "window_s": 18.0} if args.quick else {})
-    )  # quick: ~30 s a run
+        **({"warmup_s": 6.0, "window_s": 18.0, "barrier_window_s": 36.0} if args.quick else {})
+    )  # quick: ~30 s a run (the barrier modes ~50 s: 6-8 of their steps)
     if args.workload == "multiturn":
         prm = replace(prm, **MULTITURN)
     if args.agents:

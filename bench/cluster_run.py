@@ -68,6 +68,11 @@ class BenchParams:
     group_size: int = 4
     credits: int = 2
     """Groups a rollout holds: credits * group_size = B, so a fresh rollout runs a full batch."""
+    queued_credits: int | None = None
+    """partial and laminar modes: their rollout.credits, where set (None: credits). With
+    refill_slots their decode slots are bounded per sequence; credits then only cap the groups
+    in hand multi-turn (2 x credits, waiting on tools or not: laminar/rollout/feeder.py), so
+    the barrier modes, whose global batch is spread evenly, keep `credits`."""
     refill_slots: int | None = 12
     """laminar modes and partial: credits per sequence (rollout.refill_slots): a rollout asks for
     a group whenever its unfinished sequences leave room for one within this many, so up to
@@ -103,12 +108,19 @@ class BenchParams:
     """laminar modes and partial: buffer.max_staleness (None: unbounded, as measured, and as the
     paper ran AReaL for throughput; see bench/README.md)."""
     heartbeat_s: float = 0.5
-    repack_interval_s: float = 0.5
-    """Manager repack period (and a round right after each update). 0.5 s (was 1 s): a source
-    freed half a second sooner is half a second more at full B (bench/README.md, issue 18)."""
+    repack_interval_s: float = 0.25
+    """Manager repack period (and a round right after each update). 0.25 s (was 0.5, 1 s before
+    that): a source freed sooner is that much more time at full B; with draining candidates and
+    split sources the simulator gives +0.02 decode utilisation for 0.5 -> 0.25 s, and the
+    emulated rounds, 0.2-0.27 s of overhead each on the loaded 2-core box, then run about back
+    to back (bench/README.md, issues 18 and 44)."""
     c_max: float = 0.9
     warmup_s: float = 8.0
     window_s: float = 24.0
+    barrier_window_s: float | None = None
+    """sync, one_step and stream measure over this window instead of window_s (None: window_s):
+    their steps wait for a global batch's longest sequence (4-6 s here), so an 18 s window holds
+    two or three whole steps, and one step more or fewer moved sync's rate by a quarter."""
     sample_s: float = 0.1
     workload: str = "single"
     """single: one response per prompt. multiturn: tool-calling episodes
@@ -152,10 +164,16 @@ class BenchParams:
     newest is K ahead; 0: it drains for anything newer, as before issue 44)."""
     repack_candidates: str = "draining"
     """manager.repack.candidates: draining (the rollout's word) or kv_falling (before issue 44)."""
+    repack_split: bool = True
+    """manager.repack.split_sources: a draining tail no single destination fits is spread over
+    several (at B = 8 two or three long sequences rarely fit beside another whole tail; False:
+    whole sources only, as before)."""
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> BenchParams:
         names = {f.name for f in fields(cls)}
+        if "repack_split" not in d:  # stored before sources could be split: whole ones
+            d = {"repack_split": False, **d}
         if "prefill_over_decode" not in d:  # a stored run from before issue 44: its own rules
             d = {
                 "prefill_over_decode": None,
@@ -179,6 +197,7 @@ TIMED = (
     "repack_interval_s",
     "warmup_s",
     "window_s",
+    "barrier_window_s",
     "sample_s",
     "tool_latency_p50_s",
     "tool_latency_p99_s",
@@ -186,6 +205,17 @@ TIMED = (
 )
 """The workload's time constants: `dilate` scales them together (the control plane's own
 heartbeats and timeouts stay as they are)."""
+
+
+BARRIER = ("sync", "one_step", "stream")
+"""Modes whose trainer steps wait for a whole global batch (BenchParams.barrier_window_s)."""
+
+
+def for_mode(prm: BenchParams, mode: str) -> BenchParams:
+    """The run's parameters for one mode: the barrier modes' own window where one is set."""
+    if mode in BARRIER and prm.barrier_window_s is not None:
+        return replace(prm, window_s=prm.barrier_window_s)
+    return prm
 
 
 def dilate(prm: BenchParams, k: float) -> BenchParams:
@@ -197,16 +227,19 @@ def dilate(prm: BenchParams, k: float) -> BenchParams:
     deployment run on the rollouts' own hosts, share this box's 2 cores with 64 rollouts."""
     if k == 1:
         return prm
-    return replace(prm, **{f: getattr(prm, f) * k for f in TIMED})
+    scaled = {f: getattr(prm, f) * k for f in TIMED if getattr(prm, f) is not None}
+    return replace(prm, **scaled)
 
 
-MULTITURN: dict[str, Any] = {"workload": "multiturn", "length_p50": 50}
+MULTITURN: dict[str, Any] = {"workload": "multiturn", "length_p50": 50, "queued_credits": 4}
 """The multi-turn workload's BenchParams (bench/cluster.py --workload multiturn): up to 8 tool calls
 (paper §8), a run of p_call = 0.8 coins (mean ~3.3 calls), model turns of median 50 tokens (p99 500:
 the same 10x tail) and a whole response still capped at 1024, sandbox latency lognormal with
 p50 0.1 s and p99 2 s, killed at 6 s (about a turn's decode time at the median, the time compression
 of the 5 ms step: paper-scale estimates in bench/simscale.py MULTITURN), 10-100 tool-output
-tokens."""
+tokens. partial and laminar hold up to 8 groups (32 episodes) on B = 8, most of them waiting on
+a tool at any time (`queued_credits` 4; with 2, four groups in hand left slots idle: decode
+utilisation 0.62 -> 0.71 for laminar, 0.59 -> 0.64 for partial in the simulator, issue 44)."""
 
 
 def env_section(prm: BenchParams, seed: int) -> dict[str, Any]:
@@ -312,7 +345,7 @@ def make_config(mode: str, n: int, seed: int, prm: BenchParams, work: Path, ipc_
                 "engine": "sim",
                 "weights": "relay",
                 "group_size": prm.group_size,
-                "credits": prm.credits,
+                "credits": prm.queued_credits if queued and prm.queued_credits else prm.credits,
                 "refill_slots": prm.refill_slots if queued else None,
                 "retract_unstarted": prm.retract_unstarted,
                 "refill_versions": prm.refill_versions if queued else 0,
@@ -352,6 +385,7 @@ def make_config(mode: str, n: int, seed: int, prm: BenchParams, work: Path, ipc_
                     "interval_s": prm.repack_interval_s,
                     "c_max": prm.c_max,
                     "candidates": prm.repack_candidates,
+                    "split_sources": prm.repack_split,
                 },
                 "timeline_interval_s": float(os.environ.get("LCB_TIMELINE", 0)),
             },
@@ -739,14 +773,21 @@ def figures(
     win = [s for s in steps if t0 <= s["time"] <= t1]
     before = [s for s in steps if s["time"] < t0]
     out: dict[str, Any] = {"steps_in_window": len(win), "window_s": round(t1 - t0, 3)}
-    if win:
-        # throughput between update completions: from the last step before the window (or its
-        # start) to the last step in it, counting the tokens of the steps that ended in between
-        start = before[-1]["time"] if before else t0
-        out["train_tok_s"] = sum(s["tokens_total"] for s in win) / max(
+    # throughput between update completions, over whole steps: from the last step before the
+    # window to the last step in it, counting the tokens of the steps that ended in between.
+    # With none before it (a barrier mode's first step outlasts the warm-up), the first step in
+    # the window began before it, for an unknown time: it is only the starting point (timing
+    # it from the window's start credited a whole step's tokens to part of its time, sync up to
+    # a third too fast in an 18 s window: bench/README.md, issue 44). A lone step in the window
+    # with none before it is still timed from the window's start (a rate, if a rough one).
+    whole = bool(before) or len(win) < 2
+    start = before[-1]["time"] if before else (t0 if whole else win[0]["time"])
+    counted = win if whole else win[1:]
+    if counted:
+        out["train_tok_s"] = sum(s["tokens_total"] for s in counted) / max(
             1e-9, win[-1]["time"] - start
         )
-        out["iteration_s"] = (win[-1]["time"] - start) / len(win)
+        out["iteration_s"] = (win[-1]["time"] - start) / len(counted)
     else:
         out["train_tok_s"], out["iteration_s"] = 0.0, float("nan")
     push = sorted(s["push_s"] for s in win if s.get("push_s") is not None)

@@ -747,7 +747,7 @@ class Sim(RepackMixin):
     # ---- repack ------------------------------------------------------------------------------
     def plan(self, loads: list[Any]) -> Any:
         """The real planner (looked up here, so a test can spy on simcore.plan_repack)."""
-        return plan_repack(loads, self.prm.c_max, self.rb)
+        return plan_repack(loads, self.prm.c_max, self.rb, split=self.prm.repack_split)
 
     # ---- measurement -------------------------------------------------------------------------
     def take_snapshot(self, key: str) -> None:
@@ -845,8 +845,14 @@ class Sim(RepackMixin):
         tokens = sum(tok for _, tok in self.steps[self.start_idx :])
         if self.prm.fixed_window_s is not None:
             # as bench/cluster_run.py measures: steps that ended in the window, timed from the last
-            # step before it (or the window's start); time-based figures over the whole window
-            first = self.steps[self.start_idx - 1][0] if self.start_idx else t0
+            # step before it (none: from the first in it, which then only starts the count, unless
+            # it is the only one); time-based figures over the whole window
+            if not self.start_idx and n_steps > 1:
+                n_steps -= 1
+                tokens -= self.steps[0][1]
+                first = self.steps[0][0]
+            else:
+                first = self.steps[self.start_idx - 1][0] if self.start_idx else t0
             span = (t1 - first) if n_steps else math.nan
             window = s["end_t"] - t0
         else:
@@ -861,7 +867,7 @@ class Sim(RepackMixin):
             "gen_tok_s": self.win_gen_tokens / window,
             "iteration_s": span / n_steps if n_steps else math.nan,
             "steps_measured": n_steps,
-            "produced_over_consumed": self.win_prod_tokens / tokens,
+            "produced_over_consumed": self.win_prod_tokens / tokens if tokens else math.nan,
             "trainer_busy_frac": self.busy_between(t0, t0 + window) / window,
             "rollout_idle_frac": max(0.0, 1 - (s["end_work"] - s["start_work"]) / ro_time),
             "decode_util": (s["end_util"] - s["start_util"]) / ro_time,

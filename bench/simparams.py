@@ -103,6 +103,9 @@ class SimParams:
     repack_by_draining: bool = False
     """laminar: repack candidates are the rollouts that take nothing more at their version
     (manager.repack.candidates = draining), not those whose KV use did not rise."""
+    repack_split: bool = False
+    """laminar: repack may spread a source no single destination fits over several, trajectory by
+    trajectory (manager.repack.split_sources)."""
     retract_waiting: bool = False
     """laminar: once a newer version is out, a draining rollout takes back its groups that have not
     started (all samples still queued, no token made) and starts them at the new version after its

@@ -123,6 +123,7 @@ def params_from_config(cfg: Any, n_rollouts: int, **overrides: Any) -> SimParams
         refill_slots=ro.refill_slots,
         refill_versions=ro.refill_versions if cfg.mode == "laminar" else 0,
         repack_by_draining=cfg.manager.repack.candidates == "draining",
+        repack_split=cfg.manager.repack.split_sources,
         # the sim engine's prefill charge (rollout.sim.prefill_tok_s; None: free)
         prefill_tok_s=sim.prefill_tok_s or math.inf,
         # the sim engine's weight-load pause (rollout.sim.load_time_s): every load pays it, a

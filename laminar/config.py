@@ -865,6 +865,10 @@ class RepackConfig(Section):
     their version (their status says so: target_version > version), whatever their KV does;
     kv_falling = those whose KV use did not rise since the previous round (the rule before
     rollouts reported it; a tail of a few long sequences always rises)."""
+    split_sources: bool = False
+    """A source whose trajectories fit on no single destination may be spread over several (each
+    trajectory to the densest destination it fits; still all or nothing per source). Off: whole
+    sources only, as the paper moves them."""
 
 
 class ManagerConfig(Section):

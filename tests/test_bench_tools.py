@@ -61,3 +61,24 @@ def test_step_reader_follows_an_appended_file_and_skips_a_cut_line(tmp_path):
         f.write('ds": []}\n' + json.dumps({"step": 2, "uids": []}) + "\n")
     assert steps.poll() == 2
     assert chaos.pct([3.0, 1.0, 2.0], 0.5) == 2.0 and chaos.pct([], 0.5) is None
+
+
+def test_emulated_rate_is_over_whole_steps():
+    """bench/cluster_run.figures: steps that ended in the window, timed from the last one before
+    it; with none before, from the first in it (its own start is unknown), so a barrier mode
+    whose first step outlasts the warm-up is not credited a whole step for part of its time."""
+    from cluster_run import figures
+
+    def step(t: float, tokens: int) -> dict:
+        return {"time": t, "tokens_total": tokens, "compute_s": 0.1}
+
+    # a step before the window: all three inside count, over 12 s
+    steps = [step(9.0, 100), step(13.0, 100), step(17.0, 100), step(21.0, 100)]
+    out = figures(steps, [], [], 10.0, 28.0, 1)
+    assert out["train_tok_s"] == pytest.approx(300 / 12.0) and out["iteration_s"] == 4.0
+    # none before: the first inside only starts the count (200 tokens over 8 s, not 300 over 11)
+    out = figures(steps[1:], [], [], 10.0, 28.0, 1)
+    assert out["train_tok_s"] == pytest.approx(200 / 8.0) and out["iteration_s"] == 4.0
+    # a lone step with none before: timed from the window's start
+    out = figures(steps[1:2], [], [], 10.0, 28.0, 1)
+    assert out["train_tok_s"] == pytest.approx(100 / 3.0)

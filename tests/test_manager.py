@@ -531,18 +531,18 @@ async def test_a_rounds_moves_run_concurrently_up_to_the_bound(tmp_path):
     async with LocalCluster(cfg) as cluster:
         mgr = cluster.node("manager-0")
         await all_running(cluster)
-        inner, now, peak = mgr.repacker.move, 0, 0
+        inner, now, peak = mgr.repacker.move_parts, 0, 0
 
-        async def counted(mv, refresh, trainer_version):
+        async def counted(mvs, refresh, trainer_version):  # one source's moves (one unsplit)
             nonlocal now, peak
             now += 1
             peak = max(peak, now)
             try:
-                return await inner(mv, refresh, trainer_version)
+                return await inner(mvs, refresh, trainer_version)
             finally:
                 now -= 1
 
-        mgr.repacker.move = counted
+        mgr.repacker.move_parts = counted
         mgr.repacker.rollout_loads()  # the previous round's KV: nothing "rising"
         entry = await mgr.repack_once()
         # 5 candidates of 2 sequences, B = 8: three sources go to one destination, one stays

@@ -140,3 +140,34 @@ async def test_laminar_mode_refills_behind_the_newest_and_never_mixes_versions(t
     assert behind > 0  # prompts were taken at a version older than the newest
     assert mismatched == 0
     assert sum(m.get("spanning_versions", 0) for m in metrics) == 0, metrics
+
+
+async def test_split_repack_of_draining_tails_never_mixes_versions(tmp_path):
+    # four rollouts with the bench's repack: draining candidates, sources spread over several
+    # destinations, a round every 0.2 s; every trajectory still trains on one version, once
+    cfg = sim_config(
+        tmp_path,
+        mode="laminar",
+        rollouts=4,
+        total_steps=10,
+        trainer={"sim_time_per_token_s": 1e-3},
+        buffer={"capacity": 128},
+        rollout={
+            "refill_versions": 3,
+            "refill_slots": 12,
+            "max_running": 8,
+            "sampling": {"max_tokens": 400},
+            "sim": {"length_p50": 80, "step_time_s": 0.004, "kv_capacity_tokens": 8 * 420},
+        },
+        manager={"repack": {"interval_s": 0.2, "candidates": "draining", "split_sources": True}},
+    )
+    async with LocalCluster(cfg) as cluster:
+        await cluster.wait_trainer(timeout=120)
+        rollouts = cluster.role("rollout")
+        mismatched = sum(r.metrics.counters.get("version_mismatch_events", 0) for r in rollouts)
+        rounds = cluster.node("manager-0").metrics.counters.get("repack_rounds", 0)
+    steps, metrics = consumed(cfg), trainer_metrics(cfg)
+    uids = [u for s in steps for u in s["uids"]]
+    assert len(steps) == 10 and uids and max(Counter(uids).values()) == 1
+    assert rounds > 0 and mismatched == 0
+    assert sum(m.get("spanning_versions", 0) for m in metrics) == 0, metrics

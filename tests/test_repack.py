@@ -208,3 +208,72 @@ def test_invariants_hold_on_random_loads(rows):
     check_invariants(rs, plan)
     # never worse than doing nothing, and a second round on the result changes nothing it moved
     assert len(holders_after(rs, plan)) <= sum(r.running > 0 for r in rs)
+
+
+def check_split_invariants(rollouts, plan, c_max=C_MAX, bound_b=B) -> None:
+    """With split: every emptied source's trajectories all go somewhere, each exactly once, to
+    candidates of its version that stay within C_max and B and gave nothing themselves."""
+    by_id = {r.node_id: r for r in rollouts}
+    kv = {r.node_id: r.kv_use for r in rollouts}
+    n = {r.node_id: r.running for r in rollouts}
+    sources = {m.source for m in plan.moves}
+    dests = {m.dest for m in plan.moves}
+    assert sources == set(plan.emptied) and len(plan.emptied) == len(set(plan.emptied))
+    assert not dests & sources, "a rollout both gave and received work"
+    for s in sources:
+        moved = [t for m in plan.moves if m.source == s for t in m.traj_ids]
+        assert sorted(moved) == sorted(t.traj_id for t in by_id[s].trajectories), "partial move"
+    for m in plan.moves:
+        src, dst = by_id[m.source], by_id[m.dest]
+        assert is_candidate(src, c_max, bound_b) and is_candidate(dst, c_max, bound_b)
+        assert src.version == dst.version == m.version, "versions mixed"
+        size = {t.traj_id: t.kv for t in src.trajectories}
+        kv[m.dest] += sum(size[t] for t in m.traj_ids)
+        n[m.dest] += len(m.traj_ids)
+    for d in dests:
+        assert kv[d] <= c_max + 1e-9, f"{d} over C_max: {kv[d]}"
+        assert n[d] <= bound_b, f"{d} over B: {n[d]}"
+
+
+def test_split_spreads_a_tail_that_no_single_destination_takes():
+    # s runs 3 (0.15 each); a and b have room for 2 and 1 sequences (B = 8), nobody for 3
+    rs = [ro("s", 0.45, 3), ro("a", 0.5, 6), ro("b", 0.6, 7)]
+    assert not plan_repack(rs, C_MAX, B)  # whole sources only: s stays
+    plan = plan_repack(rs, C_MAX, B, split=True)
+    check_split_invariants(rs, plan)
+    assert plan.emptied == ("s",)
+    # largest first to the densest that fits: b (0.6) takes one and is at B, a the other two
+    assert {m.dest: len(m.traj_ids) for m in plan.moves} == {"a": 2, "b": 1}
+
+
+def test_split_prefers_one_destination_when_one_fits():
+    rs = [ro("s", 0.2, 2), ro("a", 0.3, 4), ro("b", 0.4, 5)]
+    plan = plan_repack(rs, C_MAX, B, split=True)
+    assert [(m.source, m.dest, len(m.traj_ids)) for m in plan.moves] == [("s", "b", 2)]
+
+
+def test_split_is_all_or_nothing_per_source():
+    # 3 sequences, room for only 2 in all (a: 1, b: 1): s keeps every one of them
+    rs = [ro("s", 0.3, 3), ro("a", 0.35, 7), ro("b", 0.4, 7)]
+    assert not plan_repack(rs, C_MAX, B, split=True)
+
+
+def test_split_never_splits_a_report_without_trajectory_ids():
+    # placeholders ("*i": the rollout did not name its trajectories) export as a whole
+    anon = RolloutLoad("s", 0, 0.3, False, 3, 0, tuple(TrajLoad(f"*{i}", 0.1) for i in range(3)))
+    rs = [anon, ro("a", 0.5, 6), ro("b", 0.6, 7)]
+    assert "s" not in plan_repack(rs, C_MAX, B, split=True).emptied
+    named = ro("s", 0.3, 3)  # the same tail, named: spread over a and b
+    assert plan_repack([named, *rs[1:]], C_MAX, B, split=True).emptied == ("s",)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(rollout_st, max_size=25))
+def test_split_invariants_hold_on_random_loads(rows):
+    rs = [
+        ro(f"r{i:02d}", kv, n, version=v, waiting=w if w == 2 else 0, rising=rise and w == 1)
+        for i, (kv, n, v, w, rise) in enumerate(rows)
+    ]
+    plan = plan_repack(rs, C_MAX, B, split=True)
+    check_split_invariants(rs, plan)
+    assert len(holders_after(rs, plan)) <= sum(r.running > 0 for r in rs)

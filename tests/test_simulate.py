@@ -66,8 +66,8 @@ def test_imports_the_real_planner_and_rules():
 def test_repack_plans_come_from_the_planner(monkeypatch):
     plans = []
 
-    def spy(rollouts, c_max, bound_b):
-        plan = repack_mod.plan_repack(rollouts, c_max, bound_b)
+    def spy(rollouts, c_max, bound_b, *, split=False):
+        plan = repack_mod.plan_repack(rollouts, c_max, bound_b, split=split)
         plans.append(plan)
         return plan
 
@@ -359,19 +359,25 @@ def test_bounded_concurrent_moves_wait_for_a_slot():
 
 
 def test_fixed_window_measures_like_the_emulation():
-    # bench/cluster_run.py: steps that ended in [t0, t0 + len], timed from the last step before t0
-    p = replace(SMALL, fixed_window_s=(3.0, 6.0))
-    s = sim.Sim("sync", p, 0, 0, 0)
-    out = s.run()
-    times = [t for t, _ in s.steps]
-    inside = [(t, tok) for t, tok in s.steps if 3.0 <= t <= 9.0]
-    before = [t for t in times if t < 3.0]
-    first = before[-1] if before else 3.0
-    assert out["steps_measured"] == len(inside) > 0 and max(times) <= 9.0
-    assert out["throughput_tok_s"] == pytest.approx(
-        sum(tok for _, tok in inside) / (inside[-1][0] - first)
-    )
-    assert out["sim_time_s"] == inside[-1][0]
+    # bench/cluster_run.py: steps that ended in [t0, t0 + len], timed from the last step before t0;
+    # with none before, from the first in it (whose own start is unknown), unless it is alone
+    for w0, wlen, n_before in ((3.0, 6.0, 0), (0.5, 30.0, 0), (9.0, 20.0, 1)):
+        p = replace(SMALL, fixed_window_s=(w0, wlen))
+        s = sim.Sim("sync", p, 0, 0, 0)
+        out = s.run()
+        times = [t for t, _ in s.steps]
+        inside = [(t, tok) for t, tok in s.steps if w0 <= t <= w0 + wlen]
+        before = [t for t in times if t < w0]
+        assert inside and max(times) <= w0 + wlen and len(before) == n_before
+        if not before and len(inside) > 1:
+            first, inside = inside[0][0], inside[1:]
+        else:
+            first = before[-1] if before else w0
+        assert out["steps_measured"] == len(inside)
+        assert out["throughput_tok_s"] == pytest.approx(
+            sum(tok for _, tok in inside) / (inside[-1][0] - first)
+        )
+        assert out["sim_time_s"] == inside[-1][0]
 
 
 # ---- parameters ----------------------------------------------------------------------------------

@@ -5,7 +5,8 @@
 
     statuses (NodeStatus.rollout: per-trajectory KV) ──► rollout_loads() ──► plan_repack (repack.py)
     each move: ExportRequest ──► source ──partials──► placer.place(prefer=dest) ──Import──► dest
-               RefreshRequest ──► the emptied source     (new weights, then new prompts)
+    each emptied source, after its moves (several in turn when manager.repack.split_sources
+    spread it): RefreshRequest ──► the source     (new weights, then new prompts)
 
 The moves of one round run concurrently, at most manager.repack.max_concurrent_moves at once,
 so a round costs about one export + one import round trip. A slow or dead rollout makes one
@@ -141,7 +142,7 @@ class Repacker:
         t0 = time.monotonic()
         loads = self.rollout_loads()
         c_max, bound = self.repack.c_max, self.placer.bound_b
-        plan = plan_repack(loads, c_max, bound)
+        plan = plan_repack(loads, c_max, bound, split=self.repack.split_sources)
         self.metrics.count("repack_rounds")
         self.metrics.count("repack_candidates", sum(is_candidate(r, c_max, bound) for r in loads))
         self.metrics.count(
@@ -163,11 +164,15 @@ class Repacker:
         # rollouts does not put hundreds of exports on the wire at once)
         slots = asyncio.Semaphore(self.repack.max_concurrent_moves)
 
-        async def bounded(mv: Move) -> dict[str, int]:
-            async with slots:
-                return await self.move(mv, mv.source in emptied, trainer_version)
+        by_source: dict[str, list[Move]] = {}  # a split source: its moves in turn, then a refresh
+        for mv in plan.moves:
+            by_source.setdefault(mv.source, []).append(mv)
 
-        results = await asyncio.gather(*(bounded(mv) for mv in plan.moves))
+        async def bounded(mvs: list[Move]) -> dict[str, int]:
+            async with slots:
+                return await self.move_parts(mvs, mvs[0].source in emptied, trainer_version)
+
+        results = await asyncio.gather(*(bounded(mvs) for mvs in by_source.values()))
         moved = sum(r["moved"] for r in results)
         overhead_s = round(time.monotonic() - t0, 4)
         entry = {
@@ -189,6 +194,33 @@ class Repacker:
     async def move(self, mv: Move, refresh: bool, trainer_version: int) -> dict[str, int]:
         """One move: export everything listed on the source, import it on the destination (or the
         next rollout of that version), then send the emptied source to refresh its weights."""
+        return await self.move_parts([mv], refresh, trainer_version)
+
+    async def move_parts(
+        self, mvs: list[Move], refresh: bool, trainer_version: int
+    ) -> dict[str, int]:
+        """The moves of one source (several when the plan split it), one after another: each
+        exports its share naming its own destination (where the share's agents look first) and
+        places it there; once all are placed the emptied source refreshes its weights (a refresh
+        between two would load new weights under trajectories still to be exported)."""
+        out = {"moved": 0, "failed": 0, "elsewhere": 0, "orphaned": 0}
+        for mv in mvs:
+            for k, v in (await self._export_place(mv, trainer_version)).items():
+                out[k] += v
+        if refresh:  # the source holds nothing now: new weights, then new prompts
+            try:
+                await self.srv.request(
+                    mvs[0].source,
+                    RefreshRequest(min_version=trainer_version),
+                    timeout=self.placer.request_timeout_s,
+                )
+            except (TransportError, RemoteError) as exc:
+                self.log.warning("refresh_failed", rollout=mvs[0].source, error=str(exc))
+        return out
+
+    async def _export_place(self, mv: Move, trainer_version: int) -> dict[str, int]:
+        """Export what the move lists on its source; import it on its destination (or the next
+        rollout of that version)."""
         out = {"moved": 0, "failed": 0, "elsewhere": 0, "orphaned": 0}
         uids = [] if any(t.startswith("*") for t in mv.traj_ids) else list(mv.traj_ids)
         timeout = self.placer.request_timeout_s
@@ -223,11 +255,4 @@ class Repacker:
             out["moved"] = len(exp.partials)
             out["elsewhere"] = sum(n for node, n in placed.items() if node not in (mv.dest, ORPHAN))
             out["orphaned"] = placed.get(ORPHAN, 0)
-        if refresh:  # the source holds nothing now: new weights, then new prompts
-            try:
-                await self.srv.request(
-                    mv.source, RefreshRequest(min_version=trainer_version), timeout=timeout
-                )
-            except (TransportError, RemoteError) as exc:
-                self.log.warning("refresh_failed", rollout=mv.source, error=str(exc))
         return out
