@@ -9,7 +9,8 @@ Same episodes on the same engine, three ways (LocalCluster in this process, one 
                 message "continue", `turns` model turns per episode (laminar/rollout/episodes.py);
   agent         a black-box agent (fixed_turns_agent) in an agent worker process makes the same
                 `turns` calls through the official openai client, adding the same user message
-                each time (laminar/rollout/agents.py, openai_api.py, openai_shapes.py);
+                each time (laminar/rollout/agents.py, agent_calls.py, openai_api.py,
+                openai_shapes.py);
   agent_stream  the same agent with `stream=True` (fixed_turns_stream_agent): it joins the
                 content deltas into the message it sends back (openai_stream.py).
 

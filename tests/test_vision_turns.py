@@ -421,8 +421,8 @@ async def test_a_moved_agent_episode_with_a_screenshot_resumes_on_the_other_roll
                 if r.status != 200:
                     continue
                 msgs.append((await r.json())["choices"][0]["message"])
-                uid = next(u for u, e in r0.agents.by_uid.items() if e.token == ep["episode"])
-                seq = r0.agents.by_uid[uid].seq
+                uid = next(u for u, e in r0.agents.live.by_uid.items() if e.token == ep["episode"])
+                seq = r0.agents.live.by_uid[uid].seq
                 ids, mask = seq.ids.copy(), seq.mask.copy()
                 if not ((ids == tok) & (mask == 1)).any():  # its next call could go on
                     break

@@ -8,7 +8,8 @@
                  ▼
              the search, in rounds with backoff, until a rollout answers other than 401 / 421:
              the one that imported the episode. It resumes the same call from the recorded
-             tokens (laminar/rollout/agents.py `_resume`), so the agent's call only takes longer.
+             tokens (laminar/rollout/agent_calls.py `_resume`), so the agent's call only takes
+             longer.
                with a hint (the 421's `Laminar-Moved-To: <node id>`, a repack move): every round
                  asks that rollout (endpoints_dir/<node id>); the others only in a sweep, at
                  most every third round and 1 s apart, in case placement chose another

@@ -18,7 +18,7 @@ its messages must account for exactly the recorded tokens:
 The model's tokens are never re-tokenized (token in, token out): they are decoded and compared
 as messages; only the agent's messages are rendered. Which recorded model runs are answers the
 agent holds is not written anywhere, so both readings are tried: every run answered, or the last
-run is the call's own turn. Used by laminar/rollout/agents.py `_resume`.
+run is the call's own turn. Used by laminar/rollout/agent_calls.py `_resume`.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ the body.
 
 Black-box agent runs (`Owners(state, agent_prompts=True)`, agent.fn or agent.remote set): a
 sample's prompt is what its agent's first call rendered (a system message, the task in the
-agent's own words: laminar/rollout/agents.py), recorded by the rollout that served the call, so
+agent's own words: laminar/rollout/agent_calls.py), recorded by the rollout that served the call, so
 its tokens are not compared with the dataset's rendering; the sample is bound to its group by
 identity instead: the group's prompt uid (the row), its group id and sample index, and the
 sender's ownership above, exactly as strict. Its length is bounded by SampleLimits

@@ -35,7 +35,8 @@ episode goes back into the engine at its own version; imports are rebuilt by rep
 
 Black-box agents (agent.fn or agent.remote set): AgentDriver (agents.py) starts each fresh sample
 as an episode of the user's agent, which calls this rollout's OpenAI-compatible endpoint
-(openai_api.py, aiohttp in this loop); each call is a turn at the episode's version. An exported
+(openai_api.py, aiohttp in this loop); AgentCalls (agent_calls.py) serves each call as a turn at
+the episode's version, ended by this node's events loop. An exported
 episode's agent follows it (its calls here answer 421 episode_moved; the importer resumes the
 call from the recorded tokens).
 
@@ -106,6 +107,7 @@ class EngineStartTimeout(RuntimeError):
 if TYPE_CHECKING:
     from laminar.envs.base import Environment, ToolClient
     from laminar.rewards.runner import RewardRunner
+    from laminar.rollout.agent_calls import AgentCalls
     from laminar.rollout.agents import AgentDriver
     from laminar.rollout.colocate import DeviceShare
     from laminar.rollout.episodes import EpisodeDriver
@@ -137,6 +139,8 @@ class RolloutNode(Node):
         self.episodes: EpisodeDriver | None = None
         self.agents: AgentDriver | None = None
         """Black-box agents (agent.fn / agent.remote): their episodes and the HTTP endpoint."""
+        self.agent_calls: AgentCalls | None = None
+        """Each call of an agent episode, served as a model turn (the events loop ends them)."""
         self.endpoint: OpenAIEndpoint | None = None
         self.rewards: RewardRunner | None = None
         self.processor: Any = None
@@ -409,6 +413,8 @@ class RolloutNode(Node):
         import os
 
         from laminar.agents.render import ChatRenderer
+        from laminar.rollout.agent_calls import AgentCalls
+        from laminar.rollout.agent_episode import EpisodeIndex
         from laminar.rollout.agents import AgentDriver, AgentSettings
         from laminar.rollout.openai_api import EndpointLimits, OpenAIEndpoint
 
@@ -416,8 +422,6 @@ class RolloutNode(Node):
         assert self.engine is not None
         settings = AgentSettings(
             ac,
-            max_total=s.env.limits.max_total_tokens or params.max_tokens,
-            max_prompt_tokens=s.max_prompt_tokens,
             remote_key=os.environ.get(ac.remote_key_env, "") if ac.remote else "",
             endpoints_dir=str(s.agent_endpoints),
             node_id=self.node_id,
@@ -426,17 +430,31 @@ class RolloutNode(Node):
         )
         placeholder = "" if self.turn_images is None else self.turn_images.placeholder
         renderer = ChatRenderer(self.tokenizer, image_placeholder=placeholder)
-        self.agents = AgentDriver(
-            settings,
+        live = EpisodeIndex()
+        self.agent_calls = AgentCalls(
+            ac,
+            max_total=s.env.limits.max_total_tokens or params.max_tokens,
+            max_prompt_tokens=s.max_prompt_tokens,
             renderer=renderer,
             params=params,
+            engine=self.engine,
+            table=self.table,
+            deliverer=self.deliverer,
+            live=live,
+            metrics=self.metrics,
+            log=self.log,
+            images=self.turn_images,
+        )
+        self.agents = AgentDriver(
+            settings,
+            calls=self.agent_calls,
+            live=live,
             engine=self.engine,
             table=self.table,
             deliverer=self.deliverer,
             spawn=self.spawn,
             metrics=self.metrics,
             log=self.log,
-            images=self.turn_images,
         )
         self.table.on_start = self.agents.start
         self.table.on_unpark = self.agents.unparked
@@ -460,8 +478,10 @@ class RolloutNode(Node):
     async def _start_agents(self) -> None:
         """The endpoint listens, then the agent workers start (they are handed its address)."""
         assert self.agents is not None and self.endpoint is not None
+        assert self.agent_calls is not None
         url = await self.endpoint.start()
         self.on_close(self.endpoint.close)
+        self.on_close(self.agent_calls.close)
         self.on_close(self.agents.close)
         await self.agents.start_workers(url + "/v1")
 
@@ -605,8 +625,8 @@ class RolloutNode(Node):
             if ev.finished:
                 if seq.exporting and ev.finish_reason == "abort":
                     continue  # the export handler owns it now
-                if self.agents is not None and self.agents.owns(seq.uid):
-                    self.agents.turn_ended(seq, ev.finish_reason or "stop")  # the call answers
+                if self.agent_calls is not None and self.agent_calls.owns(seq.uid):
+                    self.agent_calls.turn_ended(seq, ev.finish_reason or "stop")  # it answers
                     continue
                 if self.episodes is not None and ev.finish_reason in ("stop", "length"):
                     self.episodes.turn_ended(
@@ -616,8 +636,8 @@ class RolloutNode(Node):
                 self.table.forget(seq.uid)
                 self.deliverer.finished(seq, ev.finish_reason or "stop")
             else:
-                if self.agents is not None and self.agents.streams:
-                    self.agents.progressed(seq)  # a streamed call's tokens, as they come
+                if self.agent_calls is not None and self.agent_calls.streams:
+                    self.agent_calls.progressed(seq)  # a streamed call's tokens, as they come
                 if seq.length - seq.sent_upto >= chunk:
                     self.table.mark_dirty(seq.uid)
 
