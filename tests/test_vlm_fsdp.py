@@ -3,10 +3,10 @@
     .venv/bin/python -m pytest tests/test_vlm_fsdp.py -q -m slow
 
 Groups sampled here by the VLM engine (one image per prompt) are trained for two steps by
-tests/fsdp_vlm_worker.py on 2 ranks (each remakes its micro-batches' pixel inputs; the tower stays
-in the root's FSDP unit) and again in this process: losses, gradient norms and the gathered
-weights agree (to float tolerance), the frozen tower did not move, and the checkpoint rank 0
-gathered keeps the processor files.
+tests/fsdp_worker.py (vlm mode) on 2 ranks (each remakes its micro-batches' pixel inputs; the
+tower stays in the root's FSDP unit) and again in this process: losses, gradient norms and the
+gathered weights agree (to float tolerance), the frozen tower did not move, and the checkpoint
+rank 0 gathered keeps the processor files.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 from laminar.models.tiny_vlm import build_tiny_vlm, load_processor, load_vlm
 from laminar.trainer.torch_trainer import TorchTrainer
 from laminar.wiring.trainer import trainer_settings
-from tests.fsdp_vlm_worker import vlm_cfg
+from tests.fsdp_worker import vlm_cfg
 from tests.test_vlm_trainer import sampled_group
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,7 +53,7 @@ def test_two_rank_fsdp_on_a_vlm_matches_one_process(tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [torchrun, "--standalone", "--nproc_per_node", "2"]
-    cmd += [str(ROOT / "tests" / "fsdp_vlm_worker.py"), model, str(data), str(out)]
+    cmd += [str(ROOT / "tests" / "fsdp_worker.py"), model, str(out), "vlm", str(data)]
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     rank1 = "\n".join(line for line in run.stderr.splitlines() if "[rank1]" in line)
     assert run.returncode == 0, (rank1 or run.stderr)[-4000:]
