@@ -48,6 +48,42 @@ def test_leases_expire_oldest_first_skip_the_holder_and_forget_closed_groups() -
     assert [g.group_id for g in leases.expired(groups, "r1", 10)] == ["a", "c"]
 
 
+def test_unstarted_groups_of_busy_holders_are_not_scanned_again_for_a_moment() -> None:
+    """Old unstarted groups whose holders all keep asking: one scan finds no idle holder, and the
+    requests of the next QUIET_S (at most a tenth of unstarted_s) do not look again; once a
+    holder has been idle for unstarted_s, a request after that window gets its groups."""
+    clock = Clock()
+    leases = Leases(100.0, clock, unstarted_s=20.0)
+    groups = {f"g{i}": Group(f"g{i}", "p", 2, 0, f"r{i % 2}", i) for i in range(6)}
+    for g in groups.values():
+        g.item = object()  # type: ignore[assignment]
+        leases.served(g.group_id)
+    clock.t += 25  # every group served 25 s ago, never started
+    leases.asked("r0")
+    leases.asked("r1")  # both holders busy
+    assert leases.expired(groups, "r2", 10) == []
+    clock.t += 21  # r1 asked again, r0 did not: r0 idle for 21 s
+    leases.asked("r1")
+    got = [g.group_id for g in leases.expired(groups, "r2", 10)]
+    assert got == ["g0", "g2", "g4"]  # 21 s > the window (min(1, 2) s): served again
+    leases.asked("r0")
+    assert [g.group_id for g in leases.expired(groups, "r0", 10)] == []  # never to its holder
+    # a window: no idle holder at t; r1 goes idle past unstarted_s within 1 s: seen after it
+    leases2 = Leases(100.0, clock, unstarted_s=20.0)
+    for g in groups.values():
+        leases2.served(g.group_id)
+    clock.t += 21
+    leases2.asked("r0")
+    leases2.asked("r1")
+    clock.t += 19.5  # r1's ask 19.5 s ago: busy
+    leases2.asked("r0")
+    assert leases2.expired(groups, "r2", 10) == []  # quiet until +1 s
+    clock.t += 0.6  # r1 idle for 20.1 s, inside the window: not looked at yet
+    assert leases2.expired(groups, "r2", 10) == []
+    clock.t += 0.5  # past the window
+    assert [g.group_id for g in leases2.expired(groups, "r2", 10)] == ["g1", "g3", "g5"]
+
+
 async def test_silent_rollout_group_is_served_again_once_and_counted_once(tmp_path) -> None:
     cfg = make_cfg(tmp_path, transport="ipc", buffer={"fsync": "batch", "lease_s": 60.0})
     h = await Harness(cfg).start()

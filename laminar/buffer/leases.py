@@ -24,7 +24,9 @@ served) is served again once `unstarted_s` passed and, for that long, the holder
 for prompts with room to take them nor made progress on any group it holds: an id that took
 work and went quiet (a key holder minting ids, a rollout whose engine wedged before starting
 anything) keeps it for `unstarted_s` (default a minute), not `lease_s`. A working rollout's
-queued groups stay with it: it makes progress on the others, or asks for more.
+queued groups stay with it: it makes progress on the others, or asks for more. A scan of the
+unstarted groups that finds no holder idle is not made again for QUIET_S (only time can make
+one idle), so prompt requests do not each walk thousands of busy holders' queued groups.
 
 The clock is the buffer's own, not journaled: after a restart every open group starts a
 fresh lease (`seed`). That only delays a re-serve by at most one lease; it never serves a
@@ -40,6 +42,10 @@ from collections.abc import Callable, Iterable, Mapping
 from laminar.buffer.experience import OPEN, Group
 
 __all__ = ["Leases"]
+
+QUIET_S = 1.0
+"""After a scan of the unstarted groups found no idle holder, how long the next waits (at most a
+tenth of unstarted_s): a group whose holder turned idle meanwhile is served again that late."""
 
 
 class Leases:
@@ -58,6 +64,8 @@ class Leases:
         """Served group id -> when it was served, oldest first, until its first progress."""
         self._asked: dict[str, float] = {}
         """Rollout id -> when it last asked for prompts with room for them."""
+        self._quiet = (0.0, float("-inf"))
+        """[from, until): no unstarted group can be served again in it (see _unused)."""
 
     def __len__(self) -> int:
         return len(self._last)
@@ -132,7 +140,10 @@ class Leases:
         """Up to `limit` groups never started, served over unstarted_s ago to a holder other than
         `rollout_id` that has been idle as long (no request with room, no progress on any of its
         groups). Cheap when nothing is that old: the oldest unstarted group is looked at first."""
-        cutoff = self.clock() - self.unstarted_s
+        now = self.clock()
+        if self._quiet[0] <= now < self._quiet[1]:
+            return []
+        cutoff = now - self.unstarted_s
         cands: list[Group] = []
         gone: list[str] = []
         for gid, served_at in self._unstarted.items():
@@ -141,7 +152,7 @@ class Leases:
             g = groups.get(gid)
             if g is None or g.state != OPEN:
                 gone.append(gid)
-            elif g.rollout_id != rollout_id and g.item is not None and gid not in taken:
+            elif g.item is not None:  # every holder's: the quiet window below is everyone's
                 cands.append(g)
         for gid in gone:
             del self._unstarted[gid]
@@ -155,4 +166,17 @@ class Leases:
                     holders.discard(g.rollout_id)
                     if not holders:
                         break
-        return [g for g in cands if g.rollout_id in holders][:limit]
+        if not holders:
+            if not cands:
+                return []
+            # old groups, but no holder idle: only time can change that (an ask or progress
+            # makes a holder less idle; a group turns old only as time passes), so the next scan
+            # waits a moment. Without it every prompt request scanned every old unstarted group
+            # of busy holders (thousands while rollouts hold served prompts unstarted)
+            self._quiet = (now, now + min(QUIET_S, self.unstarted_s / 10))
+            return []
+        return [
+            g
+            for g in cands
+            if g.rollout_id in holders and g.rollout_id != rollout_id and g.group_id not in taken
+        ][:limit]
