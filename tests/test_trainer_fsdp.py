@@ -24,7 +24,6 @@ import pytest
 import torch
 
 from laminar.trainer import checkpoint as ck
-from laminar.trainer.batch import TrainBatch
 from laminar.trainer.torch_trainer import TorchTrainer
 from laminar.wiring.common import socket_options
 from laminar.wiring.trainer import trainer_settings
@@ -39,13 +38,20 @@ def assert_matches_one_process(
     """The three steps tests/fsdp_worker.py ran on 2 ranks (`res`, its result.json; `out`, its
     directory), run again in this process on `trajs(seed=...)`: losses, grad norms and the
     gathered weights match. Returns the one-process policy for further checks."""
-    assert res["world"] == 2
     ref = TorchTrainer(
         trainer_settings(make_cfg(model, tmp_path / "ref", micro_batch_tokens=48)), model
     )
+    assert_steps_match(res, out, ref, [(trajs(seed=seed), None) for seed in (1, 2, 1)])
+    return ref
+
+
+def assert_steps_match(res: dict, out: Path, ref: TorchTrainer, batches: list) -> None:
+    """`batches` ((trajectories, images or None) each), the steps the 2-rank worker ran, run
+    again by `ref` in this process: losses, grad norms and the gathered weights match."""
+    assert res["world"] == 2
     losses, norms = [], []
-    for seed in (1, 2, 1):
-        m = ref.train_step(TrainBatch.build(trajs(seed=seed)))
+    for trajs, images in batches:
+        m = ref.train_step(ref.prepare(trajs, images))
         losses.append(m["loss"])
         norms.append(m["grad_norm"])
     print(f"\n2 ranks: losses {res['losses']} vs one process {losses}")
@@ -56,7 +62,6 @@ def assert_matches_one_process(
     assert weights.keys() == mine.keys()
     for k in mine:
         assert torch.allclose(weights[k], mine[k], atol=1e-5), k
-    return ref
 
 
 @pytest.mark.slow

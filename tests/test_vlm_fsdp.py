@@ -26,6 +26,7 @@ from laminar.models.tiny_vlm import build_tiny_vlm, load_processor, load_vlm
 from laminar.trainer.torch_trainer import TorchTrainer
 from laminar.wiring.trainer import trainer_settings
 from tests.fsdp_worker import vlm_cfg
+from tests.test_trainer_fsdp import assert_steps_match
 from tests.test_vlm_trainer import sampled_group
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,22 +59,13 @@ def test_two_rank_fsdp_on_a_vlm_matches_one_process(tmp_path):
     rank1 = "\n".join(line for line in run.stderr.splitlines() if "[rank1]" in line)
     assert run.returncode == 0, (rank1 or run.stderr)[-4000:]
     res = json.loads((out / "result.json").read_text())
-    assert res["world"] == 2 and res["micro_batches"] >= 2
+    assert res["micro_batches"] >= 2
     ref = TorchTrainer(trainer_settings(vlm_cfg(model, tmp_path / "ref")), model)
-    losses, norms = [], []
-    for trajs, images in batches:
-        m = ref.train_step(ref.prepare(trajs, images))
-        losses.append(m["loss"])
-        norms.append(m["grad_norm"])
-    print(f"\n2 ranks: losses {res['losses']} vs one process {losses}")
-    assert res["losses"] == pytest.approx(losses, abs=1e-5)
-    assert res["grad_norms"] == pytest.approx(norms, rel=1e-4)
+    assert_steps_match(res, out, ref, batches)
     weights = torch.load(out / "weights.pt", weights_only=True)
     mine = ref.model.full_state_dict()
-    assert weights.keys() == mine.keys()
     base = load_vlm(model).state_dict()
     for k in mine:
-        assert torch.allclose(weights[k], mine[k], atol=1e-5), k
         if ".visual." in f".{k}":  # model.freeze_vision: the tower never moved
             assert torch.equal(weights[k].float(), base[k].float()), k
     assert any(not torch.equal(weights[k], base[k]) for k in mine if "visual" not in k)
