@@ -14,12 +14,13 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
 from laminar.cli import main
-from laminar.config import load_config
+from laminar.config import LaminarConfig, load_config
 from laminar.plan.command import check_before_start
 from laminar.plan.memory import GIB, Hardware, make_plan
 from laminar.plan.trainer import trace_trainer
@@ -100,13 +101,11 @@ def small_model(tmp_path):
     return path
 
 
-@pytest.mark.parametrize(
-    "checkpointing", [pytest.param(False, marks=pytest.mark.slow), True]
-)  # the default suite runs one (time); both agree within 8%
-def test_traced_trainer_peak_agrees_with_the_measured_real_step(
-    small_model, tmp_path, checkpointing
-):
-    cfg_path = _config(tmp_path, small_model, activation_checkpointing=checkpointing)
+def _planned_and_measured(
+    cfg_path: Path, model: Path, tmp_path: Path
+) -> tuple[LaminarConfig, Any, int]:
+    """The config, the traced plan of its trainer, and the peak bytes of one real step measured in
+    a fresh process (tests/plan_measure.py)."""
     out = tmp_path / "measured.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MALLOC_MMAP_THRESHOLD_": "65536"}
     proc = subprocess.run(
@@ -119,8 +118,19 @@ def test_traced_trainer_peak_agrees_with_the_measured_real_step(
     assert proc.returncode == 0, proc.stderr[-3000:]
     measured = json.loads(out.read_text())["peak_bytes"]
     cfg = load_config(cfg_path)
-    planned = trace_trainer(trainer_settings(cfg), small_model, world=1, device="cpu")
+    planned = trace_trainer(trainer_settings(cfg), model, world=1, device="cpu")
     print(f"\nplanned {planned.peak_bytes / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB")
+    return cfg, planned, measured
+
+
+@pytest.mark.parametrize(
+    "checkpointing", [pytest.param(False, marks=pytest.mark.slow), True]
+)  # the default suite runs one (time); both agree within 8%
+def test_traced_trainer_peak_agrees_with_the_measured_real_step(
+    small_model, tmp_path, checkpointing
+):
+    cfg_path = _config(tmp_path, small_model, activation_checkpointing=checkpointing)
+    cfg, planned, measured = _planned_and_measured(cfg_path, small_model, tmp_path)
     assert planned.traced_layers == [2]  # traced whole, nothing extrapolated
     assert abs(planned.peak_bytes - measured) <= 0.15 * measured
     # the state alone (fp32 params + AdamW) is ~90 MiB: the activations are a real share
@@ -131,20 +141,7 @@ def test_moe_traced_peak_agrees_with_the_measured_real_step(small_moe, tmp_path)
     """The tiny MoE on CPU: the trace (experts at a balanced load, plan/trainer.py) against the real
     step (HF's experts module, the routing the random router gives)."""
     cfg_path = _config(tmp_path, small_moe, activation_checkpointing=True)
-    out = tmp_path / "measured.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "MALLOC_MMAP_THRESHOLD_": "65536"}
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "plan_measure.py"), str(cfg_path), str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    measured = json.loads(out.read_text())["peak_bytes"]
-    cfg = load_config(cfg_path)
-    planned = trace_trainer(trainer_settings(cfg), small_moe, world=1, device="cpu")
-    print(f"\nplanned {planned.peak_bytes / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB")
+    cfg, planned, measured = _planned_and_measured(cfg_path, small_moe, tmp_path)
     assert abs(planned.peak_bytes - measured) <= 0.15 * measured
     plan = make_plan(cfg, Hardware(gpu_gib=80, gpus_per_node=8, trainer_gpus=1))
     assert plan.moe is not None
