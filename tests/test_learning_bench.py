@@ -76,6 +76,31 @@ def test_summary_pairs_runs_by_seed_and_takes_medians(tmp_path):
     json.dumps(res)  # no inf/nan leaks into the JSON
 
 
+def test_a_run_that_did_not_get_its_cpu_is_void_listed_and_not_counted():
+    sync_accs, lam_accs = [0.5, 0.8, 0.9, 0.95], [0.5, 0.75, 0.88, 0.92]
+    runs = []
+    for seed in range(4):
+        runs.append(fake_run("sync:0:default", seed, sync_accs, dt=10.0, rate=1.2))
+        runs.append(fake_run("laminar:2:default", seed, lam_accs, dt=6.0, rate=1.6))
+    # seed 1's laminar run starved (a quarter of its cell's rate, e.g. 0.33 cores); seed 2's
+    # sync run shared the box with another job taking most of a core
+    runs[3].update(steps_per_s=0.3, cores=0.33, seconds_to_090=500.0)
+    runs[4]["others_cores"] = 0.9
+    res = learning.aggregate(runs, ("laminar:2:default", "sync:0:default"))
+    void = {(v["cell"], v["seed"]): v["reason"] for v in res["summary"]["void_runs"]}
+    assert set(void) == {("laminar:2:default", 1), ("sync:0:default", 2)}
+    assert "steps/s" in void[("laminar:2:default", 1)] and "cores" in void[("sync:0:default", 2)]
+    # neither counts: 2 seeds pair up (0 and 3), the starved run's 500 s is not in any median
+    assert res["summary"]["seeds"] == 2
+    assert res["cells"]["laminar:2:default"]["seconds_to_090"]["n"] == 3
+    assert res["cells"]["laminar:2:default"]["seconds_to_090"]["max"] < 100
+    # the same runs with nothing wrong: none void
+    runs[3].update(steps_per_s=1.5)
+    runs[4]["others_cores"] = 0.2
+    res = learning.aggregate(runs, ("laminar:2:default", "sync:0:default"))
+    assert res["summary"]["void_runs"] == [] and res["summary"]["seeds"] == 4
+
+
 def test_a_mode_that_never_reaches_the_target_reads_as_such():
     runs = [
         fake_run("sync:0:default", 0, [0.5, 0.8, 0.95], 10.0, 0.5),
