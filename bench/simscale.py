@@ -127,7 +127,8 @@ REFILL_VERSIONS = 3
 cluster runs it (rollout.refill_versions K = 3, repack candidates `draining`): a rollout takes a
 new group whenever one of its own finishes (credits per group, laminar_groups of them) while the
 newest version is fewer than K ahead of its own, drains at K, and a dry one loads the newest at
-once. Sources stay whole (split sources gave 1.01 against 1.04 at 32B on 1024 GPUs). The paper's
+once. Sources stay whole (split sources with K = 3: 341k against 350k tok/s at 32B on 1024 GPUs,
+one seed; bench/README.md, issue 44 third session). The paper's
 own rule (take a batch, drain it, pull) stays in use for the repack-in-isolation runs of §8.4
 (bench/simulate.py, PAPER_DRAIN)."""
 PCIE_GB_S = 20.0  # pinned host -> GPU copy per GPU (relay pull)
