@@ -56,7 +56,8 @@ Modes (rules from laminar.modes.policy_for):
   tails (4-6 of them with 12 slots), and a cap there would leave it under B.
 - laminar_norepack / laminar: each rollout takes its own batch, drains it, pulls the newest
   version from its relay and takes the next; the trainer consumes finished groups FIFO. With
-  refill_per_group (the rollout node's credit loop, used for the emulation) a rollout also takes
+  refill_per_group (the rollout node's credit loop: the emulation, and paper scale since issue
+  44) a rollout also takes
   a new group whenever one finishes while no newer version is out (with refill_versions K: while
   the newest is fewer than K versions ahead; a dry rollout pulls the newest at once; repack with
   repack_by_draining takes as candidates the rollouts past that point); a dry rollout's prompts
@@ -184,6 +185,7 @@ class Rollout:
         "tooling",
         "retracted",
         "loads",
+        "held",
     )
 
     def __init__(self, idx: int) -> None:
@@ -192,6 +194,10 @@ class Rollout:
         self.heap: list[tuple[float, int]] = []  # (progress at which it finishes, traj id)
         self.waiting: deque[Traj] = deque()
         self.tooling: dict[int, Traj] = {}  # multi-turn: waiting on a tool call (no KV, no slot)
+        self.held: dict[int, int] = {}
+        """Group seq -> its trajectories here, running or queued (Sim.hold / Sim.release): the
+        groups that hold a credit, kept as they change (a set over a paper-scale rollout's
+        1,024 sequences at every refill was most of a run's time)."""
         self.retracted: list[
             Traj
         ] = []  # unstarted groups taken back while draining (retract_waiting)
@@ -368,6 +374,7 @@ class Sim(RepackMixin):
                 continue
             t = r.running[entry[1]]
             self.remove(r, t)
+            self.release(r, t)
             t.gen0 = t.end
             if t.plan is not None and t.turn + 1 < len(t.plan[0]):
                 self.tool_call(r, t)
@@ -402,6 +409,7 @@ class Sim(RepackMixin):
         t.turn += 1
         t.end = t.plan[0][t.turn]
         r.waiting.append(t)
+        self.hold(r, t)
         self.admit(r)
         self.after_change(r)
 
@@ -445,6 +453,7 @@ class Sim(RepackMixin):
                 r.waiting.append(Traj(self.next_tid, g, plan[0][-1], plan))
             else:
                 r.waiting.append(Traj(self.next_tid, g, first))
+            self.hold(r, r.waiting[-1])
             self.next_tid += 1
         self.inflight += self.prm.group_size
 
@@ -510,7 +519,24 @@ class Sim(RepackMixin):
         """Groups with a trajectory on this rollout (imported ones too): the node's used credits.
         A group whose open trajectories all wait on a tool holds none
         (laminar/rollout/feeder.py)."""
-        return len({t.group.seq for t in r.running.values()} | {t.group.seq for t in r.waiting})
+        return len(r.held)
+
+    @staticmethod
+    def hold(r: Rollout, t: Traj) -> None:
+        """t joined r's running or queued trajectories."""
+        seq = t.group.seq
+        r.held[seq] = r.held.get(seq, 0) + 1
+
+    @staticmethod
+    def release(r: Rollout, t: Traj) -> None:
+        """t left r's running and queued trajectories (finished, off to a tool, exported,
+        retracted)."""
+        seq = t.group.seq
+        left = r.held[seq] - 1
+        if left:
+            r.held[seq] = left
+        else:
+            del r.held[seq]
 
     def groups_in_hand(self, r: Rollout) -> int:
         """Groups with a trajectory here in any state, tool waits included (capped at 2x
@@ -604,6 +630,8 @@ class Sim(RepackMixin):
         r.waiting = deque(t for t in r.waiting if t.id not in gone)
         for ts in out:
             r.retracted.extend(ts)
+            for t in ts:
+                self.release(r, t)
         self.counts["retracted_groups"] += len(out)
 
     def restart_retracted(self, r: Rollout) -> None:
@@ -612,6 +640,7 @@ class Sim(RepackMixin):
             return
         for t in r.retracted:
             t.group.version = r.version
+            self.hold(r, t)
         r.waiting.extend(r.retracted)
         r.retracted = []
         self.admit(r)

@@ -173,6 +173,7 @@ class RepackMixin:
                 self.remove(src, t)
             else:
                 src.waiting.remove(t)
+            self.release(src, t)
         self.counts["moves"] += 1
         self.counts["moved_trajs"] += len(moved)
         self.counts["export_missing"] += len(m.traj_ids) - len(moved)
@@ -215,6 +216,8 @@ class RepackMixin:
             self.counts["restarted_from_prompt"] += len(trajs)
         self.advance(r)
         r.waiting.extend(trajs)
+        for t in trajs:
+            self.hold(r, t)
         if self.prm.repack_fixed_s:
             r.stall_until = max(r.stall_until, self.now) + self.prm.repack_fixed_s
         self.admit(r)

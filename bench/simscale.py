@@ -122,6 +122,15 @@ ROLLOUT_MEM_UTIL = 0.9  # a rollout that owns its GPUs (vLLM's default gpu_memor
 COLOCATED_MEM_UTIL = 0.5
 """sync is co-located (verl): the FSDP actor shares the GPUs, so its vLLM runs at a lower
 gpu_memory_utilization (verl recipes use 0.4-0.6) and gets ~40% of a dedicated rollout's KV."""
+REFILL_VERSIONS = 3
+"""laminar (and laminar_norepack) at paper scale: the drain rule of issue 44, as the emulated
+cluster runs it (rollout.refill_versions K = 3, repack candidates `draining`): a rollout takes a
+new group whenever one of its own finishes (credits per group, laminar_groups of them) while the
+newest version is fewer than K ahead of its own, drains at K, and a dry one loads the newest at
+once. Sources stay whole (split sources with K = 3: 341k against 350k tok/s at 32B on 1024 GPUs,
+one seed; bench/README.md, issue 44 third session). The paper's
+own rule (take a batch, drain it, pull) stays in use for the repack-in-isolation runs of §8.4
+(bench/simulate.py, PAPER_DRAIN)."""
 PCIE_GB_S = 20.0  # pinned host -> GPU copy per GPU (relay pull)
 
 
@@ -228,8 +237,11 @@ def params_for(
         repack_interval_s=5.0,
         c_max=0.9,
         repack_fixed_s=0.69,  # paper §8.4: measured repack overhead
-        # partial (AReaL): a rollout tops its concurrency up as groups finish (stream generation)
-        refill_per_group=mode == "partial",
+        # partial (AReaL): a rollout tops its concurrency up as groups finish (stream generation);
+        # laminar: the same between versions, under its refill budget (REFILL_VERSIONS)
+        refill_per_group=mode == "partial" or mode.startswith("laminar"),
+        refill_versions=REFILL_VERSIONS if mode.startswith("laminar") else 0,
+        repack_by_draining=mode.startswith("laminar"),
     )
     if mode == "partial":  # the trainer broadcasts each version itself (NCCL): it stalls for it
         prm = replace(prm, actor_push_s=prm.global_update_s)

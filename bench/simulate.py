@@ -201,6 +201,15 @@ def simulate(
 # ---- sweep, table, JSON -----------------------------------------------------------------------
 
 BASELINE_MODES = ("one_step", "stream")
+PAPER_DRAIN: dict[str, Any] = {
+    "refill_per_group": False,
+    "refill_versions": 0,
+    "repack_by_draining": False,
+}
+"""The paper's rollout rule (take a batch, drain it, pull the newest; candidates by KV that did
+not rise): the repack-in-isolation runs of §8.4 reproduce the paper's setup with it. With the
+refill budget (simscale.REFILL_VERSIONS) the no-repack rollouts drain far less, so repack adds
++11% there instead of +27% (bench/README.md, issue 44 third session)."""
 SPLIT_MODES = (*BASELINE_MODES, "partial")
 """Modes on split GPUs whose rollout share is swept (the best split is kept per point)."""
 
@@ -427,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     # 512-trajectory batch per rollout): the paper measured +26% generation throughput
     repack_tasks = (
         [
-            ("32B", 128, mode, None, s, warm, meas, {"rollout_groups": 32})
+            ("32B", 128, mode, None, s, warm, meas, {"rollout_groups": 32, **PAPER_DRAIN})
             for mode in ("laminar_norepack", "laminar")
             for s in seeds
         ]

@@ -154,6 +154,7 @@ def test_refill_takes_as_many_groups_as_the_rollout_node(multi_turn):
     for seq in range(4):  # each group down to its one long sample
         g = sim.simcore.Group(seq, 0, 1, r.idx)
         r.waiting.append(sim.simcore.Traj(s.next_tid, g, 300))
+        s.hold(r, r.waiting[-1])  # as start_group / an import record it
         s.next_tid += 1
     s.groups_started = 4
     s.refill(r)
@@ -180,6 +181,7 @@ def test_partial_update_resets_the_prefix_cache_of_tool_waits():
         s.start_group(r)
         t = r.waiting.popleft()
         r.waiting.clear()
+        r.held.clear()  # t is off to its tool call: nothing of the group is queued or running
         assert len(t.plan[0]) > 1  # its first turn ends in a call
         t.gen0 = t.end
         s.tool_call(r, t)
@@ -235,6 +237,34 @@ def test_refill_per_group_keeps_rollouts_fuller():
     dry, per_group = run("laminar_norepack"), run("laminar_norepack", refill_per_group=True)
     assert per_group["decode_util"] > dry["decode_util"]
     assert per_group["throughput_tok_s"] > dry["throughput_tok_s"]
+
+
+@pytest.mark.parametrize("tool_calls_max", [0, 3])
+def test_groups_held_is_kept_as_the_trajectories_move(monkeypatch, tool_calls_max):
+    # the credits a rollout holds are counted as trajectories start, finish, wait on tools, get
+    # retracted, exported and imported; they must equal the groups it runs or queues at every
+    # refill
+    held = sim.simcore.Sim.groups_held
+    checks = []
+
+    def checked(self, r):
+        want = len({t.group.seq for t in r.running.values()} | {t.group.seq for t in r.waiting})
+        got = held(self, r)
+        checks.append(got == want and all(n > 0 for n in r.held.values()))
+        return got
+
+    monkeypatch.setattr(sim.simcore.Sim, "groups_held", checked)
+    out = run(
+        "laminar",
+        refill_per_group=True,
+        refill_slots=24,
+        refill_versions=2,
+        repack_by_draining=True,
+        retract_waiting=True,
+        repack_split=True,
+        tool_calls_max=tool_calls_max,
+    )
+    assert out["moves"] > 0 and len(checks) > 100 and all(checks)
 
 
 def test_repack_from_stale_status_and_slow_moves():
@@ -423,6 +453,28 @@ def test_paper_allocation():
     assert sim.laminar_rollout_gpus(sim.MODELS["72B"], 1024) == 512  # extrapolated 1:1
     for spec in sim.MODELS.values():
         assert all(0.4 < sim.balance(spec, n) < 1.5 for n in spec.laminar_rollout_gpus)
+
+
+def test_paper_scale_laminar_runs_the_refill_budget():
+    # laminar at paper scale drains as the emulated cluster's rollouts do (issue 44): refill per
+    # group under the K-version budget, draining rollouts as repack candidates; partial keeps K = 0
+    from simscale import REFILL_VERSIONS
+
+    for mode in ("laminar", "laminar_norepack"):
+        p = sim.params_for("32B", mode, 1024)
+        assert p.refill_per_group and p.refill_versions == REFILL_VERSIONS == 3
+        assert p.repack_by_draining
+    part = sim.params_for("32B", "partial", 1024)
+    assert part.refill_per_group and part.refill_versions == 0 and not part.repack_by_draining
+    # the repack-in-isolation runs keep the paper's rule (take a batch, drain it, pull)
+    paper = sim.params_for("32B", "laminar", 128, rollout_groups=32, **sim.PAPER_DRAIN)
+    assert not paper.refill_per_group and paper.refill_versions == 0
+    # at 32B on 64 GPUs the paper's rule leaves rollouts in their tails; the budget fills them
+    kw = dict(warmup_steps=3, measure_steps=4)
+    budget = sim.simulate("laminar", 64, "32B", 0, **kw)
+    old = sim.simulate("laminar", 64, "32B", 0, **kw, **sim.PAPER_DRAIN)
+    assert budget["decode_util"] > old["decode_util"]
+    assert budget["throughput_tok_s"] > 1.05 * old["throughput_tok_s"]
 
 
 def test_paper_scale_smoke():
