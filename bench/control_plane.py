@@ -65,7 +65,8 @@ rate). Each phase also records what one wake-up of each node's reader served (`w
 messages/s, wake-ups/s, messages per wake-up, from the servers' PolledSocket counters), and
 summary.shard_messages_per_wakeup_by_k lists it per shard. CP_FSYNC=never|batch|always sets the
 buffers' buffer.fsync (default batch); CP_FLUSH_S the rollouts' partial flush window (default
-0.5 s, rollout.partial_flush_s's default: the same entries/s in fewer, larger batches at 1.0).
+0.5 s, rollout.partial_flush_s's default: the same entries/s in fewer, larger batches at 1.0);
+CP_GATHER_S the servers' gathering pause (laminar/transport/polled.py GATHER_S, 2 ms).
 
     .venv/bin/python bench/control_plane.py --quick --out bench/results/control_plane_quick.json
 """
@@ -243,8 +244,11 @@ async def _serve(role: str, cfg_path: str, lag_path: str, index: int = 0) -> Non
             on(self, msg_type, _timed(msg_type, handler))
 
         RpcServer.on = timed_on  # type: ignore[method-assign]
+    import laminar.transport.polled as polled
     from laminar.transport.polled import PolledSocket
 
+    if os.environ.get("CP_GATHER_S"):  # the readers' gathering pause (an experiment's knob)
+        polled.GATHER_S = float(os.environ["CP_GATHER_S"])
     init = PolledSocket.__init__
 
     def counted_init(self: Any, *a: Any, **kw: Any) -> None:
