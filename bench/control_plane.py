@@ -62,7 +62,8 @@ Cost passes (the pass/fail figures, bench/README.md "Cost, not a race"): each no
 per second at 1x above its idle, per message kind, per buffer shard at K = --cost-shards, and the
 manager's CPU per status push at other numbers of rollouts (--status-rollouts, the same push
 rate). Each phase also records what one wake-up of each node's reader served (`wakeups`:
-messages/s, wake-ups/s, messages per wake-up, from the servers' PolledSocket counters), and
+messages/s, wake-ups/s, messages per wake-up, from the servers' PolledSocket counters, and the
+collector's runs per generation per second), and
 summary.shard_messages_per_wakeup_by_k lists it per shard. CP_FSYNC=never|batch|always sets the
 buffers' buffer.fsync (default batch); CP_FLUSH_S the rollouts' partial flush window (default
 0.5 s, rollout.partial_flush_s's default: the same entries/s in fewer, larger batches at 1.0);
@@ -76,6 +77,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import gc
 import json
 import os
 import platform
@@ -278,6 +280,7 @@ async def _serve(role: str, cfg_path: str, lag_path: str, index: int = 0) -> Non
                             k: sum(getattr(io, k) for io in SOCKETS)
                             for k in ("received", "waits", "gathers")
                         },
+                        "gc": [g["collections"] for g in gc.get_stats()],
                     }
                     f.write(json.dumps(row) + "\n")
                     f.flush()
@@ -864,10 +867,12 @@ def read_wakeups(path: Path, t0: float, t1: float) -> dict[str, float] | None:
         - a["wakeups"]["waits"]
         - a["wakeups"]["gathers"]
     ) / dt
+    gcs = [round((y - x) / dt, 2) for x, y in zip(a.get("gc", []), b.get("gc", []), strict=False)]
     return {
         "messages_per_s": round(msgs, 1),
         "wakeups_per_s": round(wakes, 1),
         "messages_per_wakeup": round(msgs / wakes, 2) if wakes > 0 else None,
+        "gc_collections_per_s": gcs,
     }
 
 
