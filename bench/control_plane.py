@@ -61,7 +61,13 @@ would hold.)
 Cost passes (the pass/fail figures, bench/README.md "Cost, not a race"): each node's CPU-seconds
 per second at 1x above its idle, per message kind, per buffer shard at K = --cost-shards, and the
 manager's CPU per status push at other numbers of rollouts (--status-rollouts, the same push
-rate). CP_FSYNC=never|batch|always sets the buffers' buffer.fsync (default batch).
+rate). Each phase also records what one wake-up of each node's reader served (`wakeups`:
+messages/s, wake-ups/s, messages per wake-up, from the servers' PolledSocket counters, and the
+collector's runs per generation per second), and
+summary.shard_messages_per_wakeup_by_k lists it per shard. CP_FSYNC=never|batch|always sets the
+buffers' buffer.fsync (default batch); CP_FLUSH_S the rollouts' partial flush window (default
+0.5 s, rollout.partial_flush_s's default: the same entries/s in fewer, larger batches at 1.0);
+CP_GATHER_S the servers' gathering pause (laminar/transport/polled.py GATHER_S, 2 ms).
 
     .venv/bin/python bench/control_plane.py --quick --out bench/results/control_plane_quick.json
 """
@@ -71,6 +77,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import gc
 import json
 import os
 import platform
@@ -93,7 +100,9 @@ from benchinfo import git  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CHUNK_TOKENS = 32
-FLUSH_S = 0.5  # rollout.partial_flush_s's default (tests/test_partial_batch.py checks they agree)
+FLUSH_S = float(os.environ.get("CP_FLUSH_S", "0.5"))
+"""rollout.partial_flush_s's default (tests/test_partial_batch.py checks they agree); CP_FLUSH_S
+changes it (the same entries/s in fewer, larger batches: per-batch against per-entry cost)."""
 HEARTBEAT_S = 0.5
 STATUS_PUSH_MIN_S = 0.05
 PROBE_S = 0.01
@@ -164,6 +173,9 @@ def make_cfg_dict(tmp: Path, rollouts: int) -> dict[str, Any]:
 HANDLER_CPU: dict[str, float] = {}
 """In a `serve` process: thread CPU-seconds spent in each message type's handler so far (the
 accounting hook below); the lag probe writes it with each line."""
+SOCKETS: list[Any] = []
+"""In a `serve` process: its servers' PolledSockets (their received / waits / gathers counters,
+written by the lag probe with each line: messages per wake-up)."""
 
 
 class _Steps:
@@ -234,6 +246,18 @@ async def _serve(role: str, cfg_path: str, lag_path: str, index: int = 0) -> Non
             on(self, msg_type, _timed(msg_type, handler))
 
         RpcServer.on = timed_on  # type: ignore[method-assign]
+    import laminar.transport.polled as polled
+    from laminar.transport.polled import PolledSocket
+
+    if os.environ.get("CP_GATHER_S"):  # the readers' gathering pause (an experiment's knob)
+        polled.GATHER_S = float(os.environ["CP_GATHER_S"])
+    init = PolledSocket.__init__
+
+    def counted_init(self: Any, *a: Any, **kw: Any) -> None:
+        init(self, *a, **kw)
+        SOCKETS.append(self)
+
+    PolledSocket.__init__ = counted_init  # type: ignore[method-assign]
     node = build_node(cfg, role, index)  # type: ignore[arg-type]
 
     async def probe() -> None:
@@ -252,6 +276,11 @@ async def _serve(role: str, cfg_path: str, lag_path: str, index: int = 0) -> Non
                         "t": time.time(),
                         "lags": [round(v, 2) for v in lags],
                         "handler_cpu": {k: round(v, 6) for k, v in HANDLER_CPU.items()},
+                        "wakeups": {
+                            k: sum(getattr(io, k) for io in SOCKETS)
+                            for k in ("received", "waits", "gathers")
+                        },
+                        "gc": [g["collections"] for g in gc.get_stats()],
                     }
                     f.write(json.dumps(row) + "\n")
                     f.flush()
@@ -818,6 +847,35 @@ def read_handler_cpu(path: Path, t0: float, t1: float) -> dict[str, float]:
     }
 
 
+def read_wakeups(path: Path, t0: float, t1: float) -> dict[str, float] | None:
+    """Messages the node's sockets took per second over [t0, t1], the reader's wake-ups (waits
+    on the descriptor plus gathering pauses) per second, and messages per wake-up."""
+    rows = (
+        [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+        if path.exists()
+        else []
+    )
+    inside = [r for r in rows if t0 <= r["t"] <= t1 and "wakeups" in r]
+    if len(inside) < 2:
+        return None
+    a, b = inside[0], inside[-1]
+    dt = b["t"] - a["t"]
+    msgs = (b["wakeups"]["received"] - a["wakeups"]["received"]) / dt
+    wakes = (
+        b["wakeups"]["waits"]
+        + b["wakeups"]["gathers"]
+        - a["wakeups"]["waits"]
+        - a["wakeups"]["gathers"]
+    ) / dt
+    gcs = [round((y - x) / dt, 2) for x, y in zip(a.get("gc", []), b.get("gc", []), strict=False)]
+    return {
+        "messages_per_s": round(msgs, 1),
+        "wakeups_per_s": round(wakes, 1),
+        "messages_per_wakeup": round(msgs / wakes, 2) if wakes > 0 else None,
+        "gc_collections_per_s": gcs,
+    }
+
+
 async def run_cost_pass(
     args: argparse.Namespace,
     rates: dict[str, float],
@@ -865,12 +923,18 @@ async def run_cost_pass(
                 "handler_cpu_per_s": {
                     name: read_handler_cpu(cl.lag[name], t0, t1) for name in procs
                 },
+                "wakeups": {name: read_wakeups(cl.lag[name], t0, t1) for name in procs},
             }
             print(
                 f"cost shards={shards} {kind:10s} cpu/s "
                 + " ".join(f"{k} {v:.3f}" for k, v in cpu.items())
                 + f"  batches/s {got['batches']:.0f} entries/s {got['chunks']:.0f} "
-                f"traj acked/s {got['acked']:.1f} pushes/s {got['pushes']:.0f}",
+                f"traj acked/s {got['acked']:.1f} pushes/s {got['pushes']:.0f}  msgs/wake-up "
+                + " ".join(
+                    f"{k} {w['messages_per_wakeup']}"
+                    for k, w in phases[kind]["wakeups"].items()
+                    if w is not None
+                ),
                 flush=True,
             )
     return {
@@ -975,6 +1039,19 @@ def cost_summary(passes: list[dict[str, Any]], rates: dict[str, float]) -> dict[
             if n.startswith("buffer")
         ]
     out["shard_cpu_us_per_trajectory_by_k"] = shard_us
+    # what one wake-up of a shard's reader serves, per kind phase: the per-message costs that do
+    # not divide (a shard that sees 1/K of the messages gathers fewer per wake-up)
+    out["shard_messages_per_wakeup_by_k"] = {
+        str(p["buffer_shards"]): {
+            kind: [
+                (w or {}).get("messages_per_wakeup")
+                for n, w in ph.get("wakeups", {}).items()
+                if n.startswith("buffer")
+            ]
+            for kind, ph in p["phases"].items()
+        }
+        for p in passes
+    }
     means = [sum(v) / len(v) for v in shard_us.values() if v]
     out["shard_cpu_per_trajectory_spread"] = (
         round(max(means) / min(means) - 1, 3) if len(means) > 1 and min(means) > 0 else None

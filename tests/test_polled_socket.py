@@ -82,6 +82,16 @@ async def test_a_lone_message_after_a_busy_spell_wakes_the_reader(tmp_path):
             await dealer.send_multipart([b"", b"late%d" % k])
             frames = await asyncio.wait_for(io.recv(), 5)
             assert frames[0].bytes == b"peer" and frames[-1].bytes == b"late%d" % k
+        # the counters the control-plane bench reads (messages per wake-up): every message
+        # counted; a reader that finds the socket empty waits on the descriptor once (after a
+        # pause to gather, if it took two or more since it last waited)
+        assert io.received == 503
+        gathers, waits = io.gathers, io.waits
+        waiting = asyncio.ensure_future(io.recv())
+        await asyncio.sleep(0.05)
+        await dealer.send_multipart([b"", b"last"])
+        assert (await asyncio.wait_for(waiting, 5))[-1].bytes == b"last"
+        assert io.received == 504 and io.waits == waits + 1 and io.gathers - gathers in (0, 1)
     finally:
         _close(ctx, io, router, dealer)
 

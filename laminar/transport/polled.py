@@ -72,6 +72,13 @@ class PolledSocket:
         self._got = 0
         """Messages taken since the reader last waited."""
         self.closed = False
+        # what a wake-up serves (bench/control_plane.py reads them: messages per wake-up)
+        self.received = 0
+        """Messages taken."""
+        self.waits = 0
+        """Times the reader found the socket empty and waited for the descriptor."""
+        self.gathers = 0
+        """Times a busy reader paused GATHER_S to let messages gather."""
 
     def close(self) -> None:
         """Stop watching the descriptor (before the socket closes); a waiting reader gets
@@ -126,9 +133,11 @@ class PolledSocket:
             if parts is not None:
                 self._left -= 1
                 self._got += 1
+                self.received += 1
                 return parts
             busy, self._got, self._left = self._got >= 2, 0, self._burst
             if busy:
+                self.gathers += 1
                 # messages came faster than one a wake-up: unwatched for a moment, the next ones
                 # gather (and zmq signals the descriptor once for all of them)
                 self._loop.remove_reader(self._fd)
@@ -138,6 +147,7 @@ class PolledSocket:
                     if not self.closed:
                         self._loop.add_reader(self._fd, self._on_fd)
                 continue
+            self.waits += 1
             self._waiter = self._loop.create_future()
             await self._waiter
 
