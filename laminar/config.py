@@ -934,7 +934,7 @@ class BufferConfig(Section):
     max_groups_per_rollout: int | None = Field(None, ge=1)
     """Open groups one rollout may hold at once (a PromptRequest asking for more gets fewer); null
     = the larger of its share of capacity (capacity / group_size / cluster.roles.rollout) and what
-    its own credits ask for (2 x rollout.credits, or refill_slots / group_size + 2)."""
+    its own credits ask for (2 x rollout.credits, or refill_slots + 2)."""
 
     @model_validator(mode="after")
     def _check_sampling(self) -> BufferConfig:
@@ -1198,11 +1198,18 @@ class LaminarConfig(Section):
 
     def groups_in_hand(self) -> int:
         """Open groups a rollout's own flow control asks for at most: 2 x rollout.credits, or
-        refill_slots / group_size + 2."""
+        refill_slots + 2. With credits per sequence a rollout asks whenever its unfinished
+        sequences leave room for a group, so its open groups are bounded by its open sequences
+        (each open group has one at least), not by refill_slots / group_size: under long tails
+        it holds several groups with one straggler each (4-6 of them at 12 slots, group size 4,
+        in the emulated cluster), and a cap of whole groups left it below its decode batch,
+        refused `rollout_full` (issue 44; the simulator never capped it). The 2 covers groups
+        whose last trajectory is on its way to the buffer. Groups whose stragglers repack moved
+        to another rollout still count against their first holder until they finish."""
         r = self.rollout
         own = 2 * r.credits
         if r.refill_slots is not None:
-            own = max(own, -(-r.refill_slots // r.group_size) + 2)
+            own = max(own, r.refill_slots + 2)
         return own
 
     def engine_max_running(self) -> int:

@@ -22,6 +22,7 @@ import pytest
 import structlog
 from pydantic import ValidationError
 
+from laminar.buffer.members import Members
 from laminar.config import RewardConfig, config_from_dict
 from laminar.manager.moves import Repacker
 from laminar.manager.placement import ORPHAN, Placer
@@ -44,7 +45,7 @@ from laminar.protocol.rollout import (
     RolloutStatus,
 )
 from laminar.rollout.outbox import Outbox
-from laminar.transport.session import Ack
+from laminar.transport.session import Ack, StatusCodec
 from laminar.transport.sockets import Peer, RemoteError
 from tests import test_buffer_node
 from tests.test_buffer_node import N, batch, finished, prompts, stats
@@ -350,6 +351,25 @@ def test_groups_per_rollout_never_starves_a_rollouts_own_credits():
     assert cfg.groups_per_rollout() == 8  # 2 x credits, above capacity's share (2)
     cfg = config_from_dict({"buffer": {"capacity": 16, "max_groups_per_rollout": 3}})
     assert cfg.groups_per_rollout() == 3
+
+
+def test_credits_per_sequence_leave_room_for_a_group_per_straggler():
+    # refill_slots 12, groups of 4: a rollout asks whenever its unfinished sequences leave room
+    # for a group, so under long tails it holds one open group per straggler: up to 12 open
+    # groups (+2 on their way), not the 3 whole groups its slots hold
+    cfg = config_from_dict(
+        {"buffer": {"capacity": 64}, "rollout": {"credits": 2, "group_size": 4, "refill_slots": 12}}
+    )
+    assert cfg.groups_in_hand() == 14 and cfg.groups_per_rollout() == 14
+    # the manager's last heartbeat lists r0 as serving, with a decode batch of 8
+    status = StatusCodec.pack(NodeStatus(node_id="m0", role="manager", serving={"r0": 8}))
+    members = Members(
+        share=cfg.groups_per_rollout(),
+        in_hand=cfg.groups_in_hand(),
+        group_size=4,
+        source=lambda: status,
+    )
+    assert members.cap("r0") == 14 and members.cap("r1") is None
 
 
 def test_reward_range_must_be_ordered_and_finite():

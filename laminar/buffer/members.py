@@ -12,7 +12,7 @@ transport (a bounded number of live ids), alive, and with an engine up, reportin
 it runs at once (clamped by the manager to the config). Admission is not work: an id that never
 shows an engine gets no prompts, and one that does gets no more than it can start at once,
 `ceil(max_running / group_size)` groups, or what the config's own flow control asks for
-(`groups_in_hand`: 2 x credits, or the refill slots' groups), whichever is larger, and never
+(`groups_in_hand`: 2 x credits, or refill_slots + 2), whichever is larger, and never
 past the rollout's share of the buffer (`groups_per_rollout`). Before the first list (a buffer
 that just started) nobody is a member: asking again after retry_after_s finds it.
 
