@@ -41,11 +41,11 @@ the held-out prompts (laminar/demo/results.py eval_curve), so the timing of a ru
 
 Figures per run: the accuracy curve (step, seconds since launch), its 3-snapshot smoothing
 (results.smooth), steps and seconds to 0.85 / 0.90 on the smoothed curve (interpolated;
-null and `short_by_*` when never reached; `seconds_to_*_from_ready` counts from the moment the
-run's last node was ready instead of from the launch, `ready_s` after it), trainer steps/s, CPU-seconds of the run (all its
-processes) and cores used (CPU-s / wall-s), and learning per step relative to the sync run
-of the same seed and correction (else the default sync run): the area under (accuracy -
-start) over the steps both ran, cell / sync.
+null and `short_by_*` when never reached; `seconds_to_*_from_ready` counts from the moment
+the run's last node was ready instead of from the launch, `ready_s` after it), trainer
+steps/s, CPU-seconds of the run (all its processes) and cores used (CPU-s / wall-s), and
+learning per step relative to the sync run of the same seed and correction (else the
+default sync run): the area under (accuracy - start) over the steps both ran, cell / sync.
 A run is void when its processes did not get their CPU (other processes on the machine took
 more than 0.5 cores on average while it ran, from /proc/stat less the run's and the bench's own
 CPU: `others_cores`; or its trainer stepped at less than half its cell's median rate over the
