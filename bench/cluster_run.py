@@ -159,9 +159,12 @@ class BenchParams:
     obs_tokens_min: int = 10
     obs_tokens_max: int = 100
 
-    refill_versions: int = 3
+    refill_versions: int = 2
     """laminar modes: rollout.refill_versions K (a busy rollout refills at its version until the
-    newest is K ahead; 0: it drains for anything newer, as before issue 44)."""
+    newest is K ahead; 0: it drains for anything newer, as before issue 44). 2 (was 3): once the
+    buffer let a rollout hold a group per straggler, K = 2 kept laminar / partial above 1.15 with
+    consumed staleness p99 no higher than partial's, where K = 3 gave 1.20 at p99 9 against 8
+    (bench/README.md, "Fourth session (2026-12-06, issue 44)")."""
     repack_candidates: str = "draining"
     """manager.repack.candidates: draining (the rollout's word) or kv_falling (before issue 44)."""
     repack_split: bool = True

@@ -123,14 +123,16 @@ COLOCATED_MEM_UTIL = 0.5
 """sync is co-located (verl): the FSDP actor shares the GPUs, so its vLLM runs at a lower
 gpu_memory_utilization (verl recipes use 0.4-0.6) and gets ~40% of a dedicated rollout's KV."""
 REFILL_VERSIONS = 3
-"""laminar (and laminar_norepack) at paper scale: the drain rule of issue 44, as the emulated
-cluster runs it (rollout.refill_versions K = 3, repack candidates `draining`): a rollout takes a
-new group whenever one of its own finishes (credits per group, laminar_groups of them) while the
-newest version is fewer than K ahead of its own, drains at K, and a dry one loads the newest at
-once. Sources stay whole (split sources with K = 3: 341k against 350k tok/s at 32B on 1024 GPUs,
-one seed; bench/README.md, issue 44 third session). The paper's
-own rule (take a batch, drain it, pull) stays in use for the repack-in-isolation runs of §8.4
-(bench/simulate.py, PAPER_DRAIN)."""
+"""laminar (and laminar_norepack) at paper scale: the drain rule of issue 44
+(rollout.refill_versions K = 3, repack candidates `draining`): a rollout takes a new group whenever
+one of its own finishes (credits per group, laminar_groups of them) while the newest version is
+fewer than K ahead of its own, drains at K, and a dry one loads the newest at once. Sources stay
+whole (split sources with K = 3: 341k against 350k tok/s at 32B on 1024 GPUs, one seed;
+bench/README.md, issue 44 third session). The emulated cluster runs K = 2 since the buffer's
+open-groups cap was fixed, for its staleness bar; here K = 2 (with retract_waiting) read 1.063 /
+1.018 against partial at 1024 GPUs, 32B / 72B, where K = 3 reads 1.070 / 1.025, and staleness is no
+bar at paper scale. The paper's own rule (take a batch, drain it, pull) stays in use for the
+repack-in-isolation runs of §8.4 (bench/simulate.py, PAPER_DRAIN)."""
 PCIE_GB_S = 20.0  # pinned host -> GPU copy per GPU (relay pull)
 
 
