@@ -829,19 +829,30 @@ HANDLER_KINDS = {
 }
 
 
-def read_handler_cpu(path: Path, t0: float, t1: float) -> dict[str, float]:
-    """Handler CPU-seconds per second of each message type over [t0, t1], from the cumulative
-    figures of the probe's lines (one a second) nearest inside the window."""
+def _probe_span(
+    path: Path, t0: float, t1: float, key: str
+) -> tuple[dict[str, Any], dict[str, Any], float] | None:
+    """The probe's first and last lines (one a second) inside [t0, t1] that carry `key`, and
+    the seconds between them; None with fewer than two."""
     rows = (
         [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
         if path.exists()
         else []
     )
-    inside = [r for r in rows if t0 <= r["t"] <= t1 and "handler_cpu" in r]
+    inside = [r for r in rows if t0 <= r["t"] <= t1 and key in r]
     if len(inside) < 2:
-        return {}
+        return None
     a, b = inside[0], inside[-1]
-    dt = b["t"] - a["t"]
+    return a, b, b["t"] - a["t"]
+
+
+def read_handler_cpu(path: Path, t0: float, t1: float) -> dict[str, float]:
+    """Handler CPU-seconds per second of each message type over [t0, t1], from the cumulative
+    figures of the probe's lines (one a second) nearest inside the window."""
+    span = _probe_span(path, t0, t1, "handler_cpu")
+    if span is None:
+        return {}
+    a, b, dt = span
     return {
         k: round((v - a["handler_cpu"].get(k, 0.0)) / dt, 4) for k, v in b["handler_cpu"].items()
     }
@@ -850,16 +861,10 @@ def read_handler_cpu(path: Path, t0: float, t1: float) -> dict[str, float]:
 def read_wakeups(path: Path, t0: float, t1: float) -> dict[str, float] | None:
     """Messages the node's sockets took per second over [t0, t1], the reader's wake-ups (waits
     on the descriptor plus gathering pauses) per second, and messages per wake-up."""
-    rows = (
-        [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
-        if path.exists()
-        else []
-    )
-    inside = [r for r in rows if t0 <= r["t"] <= t1 and "wakeups" in r]
-    if len(inside) < 2:
+    span = _probe_span(path, t0, t1, "wakeups")
+    if span is None:
         return None
-    a, b = inside[0], inside[-1]
-    dt = b["t"] - a["t"]
+    a, b, dt = span
     msgs = (b["wakeups"]["received"] - a["wakeups"]["received"]) / dt
     wakes = (
         b["wakeups"]["waits"]
