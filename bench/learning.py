@@ -381,6 +381,16 @@ def _json_num(x: float) -> float | None:
     return None if math.isinf(x) or math.isnan(x) else round(x, 3)
 
 
+def _from_ready_ratios(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> list[float]:
+    """Seconds to 0.90 from ready, numerator run over denominator run, for each pair whose runs
+    both have their ready mark."""
+    return [
+        _ratio(n["seconds_to_090_from_ready"], d["seconds_to_090_from_ready"], "num")
+        for n, d in pairs
+        if n.get("ready_s") is not None and d.get("ready_s") is not None
+    ]
+
+
 def _median_json(xs: list[float]) -> float | None:
     v = [x for x in xs if not math.isnan(x)]
     if not v:
@@ -471,13 +481,7 @@ def aggregate(runs: list[dict[str, Any]], headline: tuple[str, str]) -> dict[str
     ]
     steps = [_ratio(a["steps_to_090"], b["steps_to_090"], "num") for a, b in pairs]
     times = [_ratio(b["seconds_to_090"], a["seconds_to_090"], "num") for a, b in pairs]
-    timed = [
-        (a, b) for a, b in pairs if a.get("ready_s") is not None and b.get("ready_s") is not None
-    ]
-    train_times = [
-        _ratio(b["seconds_to_090_from_ready"], a["seconds_to_090_from_ready"], "num")
-        for a, b in timed
-    ]
+    train_times = _from_ready_ratios([(b, a) for a, b in pairs])
     rate = [
         a["steps_per_s"] / b["steps_per_s"]
         for a, b in pairs
@@ -525,11 +529,7 @@ def aggregate(runs: list[dict[str, Any]], headline: tuple[str, str]) -> dict[str
         )
         summary["time_to_090_partial_over_laminar_goal"] = ">= 1.2"
         summary["time_to_090_partial_over_laminar_from_ready"] = _median_json(
-            [
-                _ratio(a["seconds_to_090_from_ready"], b["seconds_to_090_from_ready"], "num")
-                for a, b in pp
-                if a.get("ready_s") is not None and b.get("ready_s") is not None
-            ]
+            _from_ready_ratios(pp)
         )
     return {"cells": cells, "summary": summary}
 

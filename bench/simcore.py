@@ -57,10 +57,10 @@ Modes (rules from laminar.modes.policy_for):
 - laminar_norepack / laminar: each rollout takes its own batch, drains it, pulls the newest
   version from its relay and takes the next; the trainer consumes finished groups FIFO. With
   refill_per_group (the rollout node's credit loop: the emulation, and paper scale since issue
-  44) a rollout also takes
-  a new group whenever one finishes while no newer version is out (with refill_versions K: while
-  the newest is fewer than K versions ahead; a dry rollout pulls the newest at once; repack with
-  repack_by_draining takes as candidates the rollouts past that point); a dry rollout's prompts
+  44) a rollout also takes a new group whenever one finishes while no newer version is out (with
+  refill_versions K: while the newest is fewer than K versions ahead; a dry rollout pulls the
+  newest at once; repack with repack_by_draining takes as candidates the rollouts past that
+  point); a dry rollout's prompts
   arrive prompt_rtt_s after it asks (with prompt_during_load, asked while it loads a newer
   version: it waits max(relay_pull_s, prompt_rtt_s)). laminar also repacks every
   repack_interval_s and right after each trainer update (bench/simrepack.py: planned from status
