@@ -16,6 +16,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import chaos  # noqa: E402
 import control_plane  # noqa: E402
+import cp_node  # noqa: E402
 
 
 def test_1024_gpu_rates_follow_the_simulator_results(tmp_path):
@@ -47,7 +48,7 @@ def test_lag_window_reads_only_samples_inside_it(tmp_path):
     path.write_text(
         "".join(json.dumps({"t": t, "lags": [float(t)] * 10}) + "\n" for t in (1, 2, 3))
     )
-    got = control_plane.read_lag(path, 1.5, 2.5)
+    got = cp_node.read_lag(path, 1.5, 2.5)
     assert got["p99_ms"] == 2.0 and got["samples"] == 10
 
 
