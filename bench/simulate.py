@@ -210,8 +210,41 @@ PAPER_DRAIN: dict[str, Any] = {
 not rise): the repack-in-isolation runs of §8.4 reproduce the paper's setup with it. With the
 refill budget (simscale.REFILL_VERSIONS) the no-repack rollouts drain far less, so repack adds
 +11% there instead of +27% (bench/README.md, issue 44 third session)."""
-SPLIT_MODES = (*BASELINE_MODES, "partial")
-"""Modes on split GPUs whose rollout share is swept (the best split is kept per point)."""
+LAMINAR_MODES = ("laminar_norepack", "laminar")
+SPLIT_MODES = (*BASELINE_MODES, "partial", *LAMINAR_MODES)
+"""Modes on split GPUs whose rollout share is swept (the best split is kept per point). Laminar's
+candidates are the paper's Table 2 row (rollout_frac None) and the same fractions as the
+others: the paper chose its split for its own system, and under this cost model the best split
+moves (7B at 256 GPUs: 96 rollout GPUs, not the table's 64)."""
+RACE_FRACS = [0.375, 0.5, 0.625]
+"""--quick, single-turn: the fractions partial and laminar are both swept over (the strongest
+baseline and laminar on one grid; one_step and stream keep 0.5 and 0.75)."""
+
+QUICK_FRACS = [0.5, 0.75]
+FULL_FRACS = [0.25, 0.375, 0.5, 0.625, 0.75]
+
+
+def split_options(
+    mode: str, model: str, n: int, quick: bool, multiturn: bool = False
+) -> list[float | None]:
+    """The rollout fractions a (mode, model, scale) point runs (None: the mode's own allocation,
+    Laminar's Table 2 row). Laminar gets the table's row and the grid of the others; quick keeps
+    laminar without repack (context for repack's gain) and multi-turn laminar (~35 s a run) at
+    the table's row, while partial keeps its sweep there."""
+    if mode not in SPLIT_MODES:
+        return [None]
+    race = quick and not multiturn
+    if mode in LAMINAR_MODES:
+        if quick and (multiturn or mode == "laminar_norepack"):
+            return [None]
+        spec = MODELS[model]
+        table = laminar_rollout_gpus(spec, n)
+        grid = RACE_FRACS if race else FULL_FRACS
+        # a fraction that lands on the table's row is that row (one run, not two)
+        return [None, *(f for f in grid if round_tp(n * f, spec.tp_laminar) != table)]
+    if race and mode == "partial":
+        return list(RACE_FRACS)
+    return list(QUICK_FRACS if quick else FULL_FRACS)
 
 
 def mmm(xs: list[float]) -> dict[str, float]:
@@ -318,7 +351,7 @@ def print_table(results: dict[str, dict[int, dict[str, Any]]]) -> None:
         for n, rows in per_n.items():
             for mode, row in rows.items():
                 sc = row["staleness_consumed"]
-                split = "-" if row["rollout_frac"] is None else f"{row['rollout_frac']:.2f}"
+                split = "-" if row["rollout_frac"] is None else f"{row['rollout_frac']:.3g}"
                 print(
                     f"{model:>5} {n:>5} {mode:>16} {row['rollouts']:>4} {split:>5} "
                     f"{row['throughput_tok_s']['median']:>9.0f} {row['vs_sync']['median']:>7.2f}x "
@@ -411,18 +444,13 @@ def main(argv: list[str] | None = None) -> int:
         # the extrapolated 3:1 split is no configuration anyone would run
         scales["7B"] = [n for n in scales["7B"] if n <= 256]
     # quick: one seed (the simulator is deterministic per seed, and the seeds of the full runs
-    # agree within 0.2%) and, single-turn, partial at its half split alone (its best split at
-    # every stored single-turn point; multi-turn at 1024 GPUs it is 0.75); the full run keeps
-    # the whole grid
+    # agree within 0.2%) and, single-turn, partial and laminar on RACE_FRACS (one_step and
+    # stream on 0.5 and 0.75); the full run keeps the whole grid for every split mode
     seeds = list(range(args.seeds or (1 if args.quick else 3)))
-    fracs = [0.5, 0.75] if args.quick else [0.25, 0.375, 0.5, 0.625, 0.75]
+    fracs = QUICK_FRACS if args.quick else FULL_FRACS
 
-    def splits(mode: str, multiturn: bool = False) -> list[float | None]:
-        if mode not in SPLIT_MODES:
-            return [None]
-        if args.quick and mode == "partial" and not multiturn:
-            return [0.5]
-        return list(fracs)
+    def splits(mode: str, model: str, n: int, multiturn: bool = False) -> list[float | None]:
+        return split_options(mode, model, n, args.quick, multiturn)
 
     warm, meas = (6, 8) if args.quick else (10, 10)
     t_start = time.time()
@@ -430,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     for m in models:
         for n in scales[m]:
             for mode in SIM_MODES:
-                for frac in splits(mode):
+                for frac in splits(mode, m, n):
                     tasks += [(m, n, mode, frac, s, warm, meas, {}) for s in seeds]
     # dynamic repack in isolation, as in paper §8.4 (32B, 128 GPUs, 16 rollouts; Fig. 9's
     # 512-trajectory batch per rollout): the paper measured +26% generation throughput
@@ -443,6 +471,18 @@ def main(argv: list[str] | None = None) -> int:
         if models
         else []
     )
+    # 7B past the paper's scales, for the strongest baseline alone: laminar and partial at 1024
+    # GPUs, each at its best split (summary `laminar_vs_partial_1024_7B`)
+    beyond_tasks = (
+        [
+            ("7B", 1024, mode, frac, s, warm, meas, {})
+            for mode in ("partial", "laminar")
+            for frac in splits(mode, "7B", 1024)
+            for s in seeds
+        ]
+        if "7B" in models and not args.gpus
+        else []
+    )
     mt_scales = (
         []
         if "multiturn" not in args.workloads
@@ -452,18 +492,20 @@ def main(argv: list[str] | None = None) -> int:
         (MULTITURN_MODEL, n, mode, frac, s, warm, meas, MULTITURN)
         for n in mt_scales
         for mode in SIM_MODES
-        for frac in splits(mode, multiturn=True)
+        for frac in splits(mode, MULTITURN_MODEL, n, multiturn=True)
         for s in seeds
     ]
     print(
-        f"simulating {len(tasks) + len(repack_tasks) + len(mt_tasks)} runs on {args.jobs} "
-        "processes ...",
+        f"simulating {len(tasks) + len(repack_tasks) + len(beyond_tasks) + len(mt_tasks)} runs "
+        f"on {args.jobs} processes ...",
         file=sys.stderr,
     )
-    all_runs = run_all(tasks + repack_tasks + mt_tasks, args.jobs)
-    runs, mt_runs = (
-        all_runs[: len(tasks) + len(repack_tasks)],
-        all_runs[len(tasks) + len(repack_tasks) :],
+    all_runs = run_all(tasks + repack_tasks + beyond_tasks + mt_tasks, args.jobs)
+    n_single = len(tasks) + len(repack_tasks)
+    runs, beyond_runs, mt_runs = (
+        all_runs[:n_single],
+        all_runs[n_single : n_single + len(beyond_tasks)],
+        all_runs[n_single + len(beyond_tasks) :],
     )
     point_runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for t, r in zip(tasks, runs, strict=False):
@@ -564,6 +606,29 @@ def main(argv: list[str] | None = None) -> int:
         }
         for m, per_n in results.items()
     }
+    if beyond_runs:
+        by_split: dict[tuple[str, float | None], list[dict[str, Any]]] = {}
+        for r in beyond_runs:
+            by_split.setdefault((r["mode"], r["rollout_frac"]), []).append(r)
+        fig = lambda rs, k: statistics.median(r[k] for r in rs)  # noqa: E731
+        best = {
+            mode: max(
+                (rs for (m, _), rs in by_split.items() if m == mode),
+                key=lambda rs: fig(rs, "throughput_tok_s"),
+            )
+            for mode in ("partial", "laminar")
+        }
+        summary["laminar_vs_partial_1024_7B"] = fig(best["laminar"], "throughput_tok_s") / fig(
+            best["partial"], "throughput_tok_s"
+        )
+        summary["beyond_paper_7B_1024"] = {
+            mode: {
+                "rollout_frac": rs[0]["rollout_frac"],
+                "rollouts": rs[0]["n_rollouts"],
+                **{k: fig(rs, k) for k in ("throughput_tok_s", "decode_util", "trainer_busy_frac")},
+            }
+            for mode, rs in best.items()
+        }
     summary["paper_laminar_vs_areal"] = {"avg": 1.39, "max": 1.81}
     summary["ordering_holds"] = f"{sum(order.values())}/{len(order)}"
     summary["ordering_fails_at"] = [k for k, ok in order.items() if not ok]

@@ -455,6 +455,25 @@ def test_paper_allocation():
         assert all(0.4 < sim.balance(spec, n) < 1.5 for n in spec.laminar_rollout_gpus)
 
 
+def test_laminar_and_partial_are_swept_on_one_grid():
+    # each system at its best split from the same fractions: laminar also has the paper's row
+    # (None), and a fraction landing on that row is not run twice
+    quick = sim.split_options
+    assert quick("partial", "7B", 256, True) == sim.RACE_FRACS
+    assert quick("laminar", "7B", 256, True) == [None, *sim.RACE_FRACS]  # table: 64 of 256
+    assert quick("laminar", "7B", 64, True) == [None, 0.5, 0.625]  # table: 24 = 0.375 x 64
+    assert quick("laminar", "32B", 1024, True) == [None, 0.375, 0.625]  # table: half
+    assert quick("laminar_norepack", "32B", 1024, True) == [None]
+    assert quick("laminar", "7B", 1024, True, multiturn=True) == [None]
+    assert quick("sync", "32B", 64, True) == [None]
+    assert quick("stream", "32B", 64, True) == sim.QUICK_FRACS
+    full = sim.split_options("laminar_norepack", "72B", 256, False)
+    assert full == [None, 0.25, 0.375, 0.625, 0.75]
+    assert sim.split_options("partial", "72B", 256, False) == sim.FULL_FRACS
+    # a swept laminar run takes its rollout GPUs from the fraction, like the baselines
+    assert sim.params_for("7B", "laminar", 256, 0.375).n_rollouts == 96
+
+
 def test_paper_scale_laminar_runs_the_refill_budget():
     # laminar at paper scale drains as the emulated cluster's rollouts do (issue 44): refill per
     # group under the K-version budget, draining rollouts as repack candidates; partial keeps K = 0
