@@ -500,12 +500,14 @@ def main(argv: list[str] | None = None) -> int:
         f"on {args.jobs} processes ...",
         file=sys.stderr,
     )
-    all_runs = run_all(tasks + repack_tasks + beyond_tasks + mt_tasks, args.jobs)
-    n_single = len(tasks) + len(repack_tasks)
-    runs, beyond_runs, mt_runs = (
-        all_runs[:n_single],
-        all_runs[n_single : n_single + len(beyond_tasks)],
-        all_runs[n_single + len(beyond_tasks) :],
+    # the multi-turn runs first: they are the long ones (~10-45 s against ~1-5 s), so the pool
+    # ends on short runs instead of one worker finishing a long one alone
+    all_runs = run_all(mt_tasks + tasks + repack_tasks + beyond_tasks, args.jobs)
+    n_single = len(mt_tasks) + len(tasks) + len(repack_tasks)
+    mt_runs, runs, beyond_runs = (
+        all_runs[: len(mt_tasks)],
+        all_runs[len(mt_tasks) : n_single],
+        all_runs[n_single:],
     )
     point_runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for t, r in zip(tasks, runs, strict=False):
