@@ -49,6 +49,28 @@ from laminar.manager.repack import RolloutLoad, TrajLoad, is_candidate
 EV_REPACK, EV_BEAT, EV_ARRIVE, EV_PUSH, EV_EXPORT = 6, 7, 8, 12, 13
 
 
+class _TrajView:
+    """A status report's trajectories as of the report (ids, generated-token bases), turned into
+    the planner's TrajLoad records only when a repack round reads that report."""
+
+    __slots__ = ("ids", "bases", "pt", "prog", "cap")
+
+    def __init__(
+        self, ids: tuple[int, ...], bases: list[tuple[int, float]], pt: int, prog: float, cap: int
+    ) -> None:
+        self.ids, self.bases, self.pt, self.prog, self.cap = ids, bases, pt, prog, cap
+
+    def loads(self) -> tuple[TrajLoad, ...]:
+        pt, prog, cap = self.pt, self.prog, self.cap
+        return tuple(
+            TrajLoad(str(i), (pt + g0 + prog - sp) / cap)
+            for i, (g0, sp) in zip(self.ids, self.bases, strict=True)
+        )
+
+
+_NO_TRAJS = _TrajView((), [], 0, 0.0, 1)
+
+
 class RepackMixin:
     """Repack rounds, heartbeats and move arrivals of a Sim (uses its rollouts and helpers)."""
 
@@ -108,7 +130,7 @@ class RepackMixin:
         elif kind == EV_EXPORT:
             self.export(*data)
 
-    def report(self, r: Any) -> tuple[RolloutLoad, tuple[TrajLoad, ...], float]:
+    def report(self, r: Any) -> tuple[RolloutLoad, _TrajView, float]:
         """What a rollout's status says now: version, KV use, counts, per-trajectory KV, time."""
         cap = self.prm.kv_capacity_tokens
         use = self.kv(r) / cap
@@ -116,12 +138,20 @@ class RepackMixin:
         if r.waiting or not 0 < len(r.running) < self.rb or use >= self.prm.c_max:
             # never a candidate (is_candidate), so its trajectories are never read: the per-
             # trajectory list, most of the simulator's time at scale, is built only when it may be
-            return load, (), self.now
-        pt, prog = self.prm.prompt_tokens, r.prog
-        trajs = tuple(
-            TrajLoad(str(t.id), (pt + t.gen0 + prog - t.start_p) / cap) for t in r.running.values()
+            return load, _NO_TRAJS, self.now
+        # each trajectory's KV as of now, as numbers; the planner's records are built only for
+        # the report a repack round reads (a rollout reports many times per round)
+        return (
+            load,
+            _TrajView(
+                tuple(r.running),
+                [(t.gen0, t.start_p) for t in r.running.values()],
+                self.prm.prompt_tokens,
+                r.prog,
+                cap,
+            ),
+            self.now,
         )
-        return load, trajs, self.now
 
     def repack(self, after_update: bool = False) -> None:
         if after_update and not self.prm.repack_period_restarts:
@@ -145,7 +175,7 @@ class RepackMixin:
                 load = replace(load, draining=self.draining(r))
             r.last_kv = load.kv_use
             if is_candidate(load, self.prm.c_max, self.rb):  # only candidates' trajectories matter
-                load = replace(load, trajectories=trajs)
+                load = replace(load, trajectories=trajs.loads())
             loads.append(load)
         plan = self.plan(loads)
         self.counts["repack_rounds"] += 1
