@@ -188,7 +188,8 @@ def params_for(
     model: str, mode: str, n_gpus: int, rollout_frac: float | None = None, **overrides: Any
 ) -> SimParams:
     """Paper-scale parameters: sync is co-located (every GPU generates, then trains); one_step
-    and stream split the GPUs at rollout_frac (default 0.5); laminar uses the paper's table;
+    and stream split the GPUs at rollout_frac (default 0.5); laminar uses the paper's table, or
+    rollout_frac when given (bench/simulate.py sweeps laminar on the grid of the others too);
     partial (AReaL) splits at rollout_frac with Laminar's TP (the paper: TP 1 for 7B in Laminar
     and AReaL, 2 in the others) and Laminar's in-flight budget per rollout (laminar_groups), so
     the two differ only in how versions reach the rollouts."""

@@ -3,7 +3,7 @@
     simscale.params_for(model, mode, n_gpus)      paper scale (7B/32B/72B, 64-1024 GPUs)
     params_from_config(cfg, n_rollouts)           the emulated cluster of bench/cluster.py
         ──► SimParams ──► simcore.Sim(mode).run() ──► figures (throughput, idle, staleness, ...)
-    main(): every (model, scale, mode, baseline split, seed) on a process pool ──► table + JSON
+    main(): every (model, scale, mode, split, seed) on a process pool ──► table + JSON
 
 The engine and its modelled mechanisms are described in bench/simcore.py, the paper-scale
 constants in bench/simscale.py. The admission/staleness rules and the repack planner are the
@@ -15,9 +15,10 @@ tool-calling model (7B) from 64 to 1024 GPUs; summary `laminar_scaling_efficienc
 next to `best_baseline_scaling_efficiency_multiturn` (paper: 46.5% and 12.9%) and
 `laminar_vs_baselines_multiturn_avg` (paper: 2.62x average over the baselines).
 
-The strongest baseline (partial: AReaL-style partial rollout, bench/simcore.py): it gets the
-same split sweep as one_step and stream, and its own figures in the summary beside the
-others (`laminar_vs_partial_1024_<model>`, `laminar_vs_partial_avg` / `_max` over every
+The strongest baseline (partial: AReaL-style partial rollout, bench/simcore.py): it and laminar
+are swept on one split grid (laminar also at the paper's Table 2 row), and its figures are in
+the summary beside the others (`laminar_vs_partial_1024_<model>`, 7B at 1024 GPUs past the
+paper's scales in `laminar_vs_partial_1024_7B`, `laminar_vs_partial_avg` / `_max` over every
 point, `laminar_vs_partial_multiturn_avg` and at the largest multi-turn scale; the paper:
 1.39x average, 1.81x at most, over AReaL). It stays out of BASELINE_MODES, whose averages
 are set against the paper's figures over verl-style baselines.
