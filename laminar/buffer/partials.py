@@ -545,10 +545,12 @@ class PartialPool:
             {} if b.header_at is None else dict(zip(b.header_at.tolist(), b.headers, strict=True))
         )
         records, plain = self.records, mask is None and tvs is None
-        # the plain columns as bytes once: an entry's piece is then one slice of them (a bytes
-        # object), not a memoryview slice and its tobytes
-        idb = ids.tobytes() if plain else b""
-        lpb = lps.tobytes() if plain else b""
+        # without token versions (every mode but partial), the columns as bytes once: an entry's
+        # piece is then one slice of them (a bytes object), not a memoryview slice and its tobytes
+        inline = tvs is None
+        idb = ids.tobytes() if inline else b""
+        lpb = lps.tobytes() if inline else b""
+        mkb = mask.tobytes() if inline and mask is not None else b""
         appended, lo = 0, 0
         # bounds as plain ints (no None checks per entry): any owner matches when not checked
         longest_n = longest if longest is not None else 1 << 62
@@ -591,13 +593,19 @@ class PartialPool:
             elif off == rec.length and ver == h.version and n:
                 # the common case (the next tokens, same version): what _fold / add do, inline
                 rec.awaiting_env = aw
-                if plain and rec.mask is None and rec.tv is None:
-                    # Record.append, inline (the hot path: ~34,000 entries/s at 1x)
+                if inline and rec.tv is None:
+                    # Record.add, inline (the hot path: ~34,000 entries/s at 1x)
                     pieces = rec.ids
                     pieces.append(idb[lo * 4 : hi * 4])
                     rec.lps.append(lpb[lo * 4 : hi * 4])
                     if len(pieces) > _PIECES:
                         rec.ids, rec.lps = [b"".join(pieces)], [b"".join(rec.lps)]
+                    if not plain:
+                        if rec.mask is None:  # the record's tokens so far were model tokens
+                            rec.mask = bytearray(b"\x01" * rec.length)
+                        rec.mask += mkb[lo:hi]
+                    elif rec.mask is not None:
+                        rec.mask += b"\x01" * n
                     rec.length += n
                 else:
                     rec.add(ids, lps, mask, lo, hi, tvs)
