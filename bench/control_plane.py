@@ -67,7 +67,9 @@ collector's runs per generation per second), and
 summary.shard_messages_per_wakeup_by_k lists it per shard. CP_FSYNC=never|batch|always sets the
 buffers' buffer.fsync (default batch); CP_FLUSH_S the rollouts' partial flush window (default
 0.5 s, rollout.partial_flush_s's default: the same entries/s in fewer, larger batches at 1.0);
-CP_GATHER_S the servers' gathering pause (laminar/transport/polled.py GATHER_S, 2 ms).
+CP_GATHER_S the servers' gathering pause (laminar/transport/polled.py GATHER_S, 2 ms);
+CP_LOSS_MASK=1 sends every entry and trajectory with a loss mask, as multi-turn rollouts do (the
+7B multi-turn row the bench is sized by; default: plain entries, the stored figures).
 
     .venv/bin/python bench/control_plane.py --quick --out bench/results/control_plane_quick.json
 """
@@ -104,6 +106,8 @@ CHUNK_TOKENS = 32
 FLUSH_S = float(os.environ.get("CP_FLUSH_S", "0.5"))
 """rollout.partial_flush_s's default (tests/test_partial_batch.py checks they agree); CP_FLUSH_S
 changes it (the same entries/s in fewer, larger batches: per-batch against per-entry cost)."""
+LOSS_MASK = os.environ.get("CP_LOSS_MASK", "0") == "1"
+"""Entries and trajectories carry a loss mask (multi-turn: ~15% environment tokens)."""
 HEARTBEAT_S = 0.5
 STATUS_PUSH_MIN_S = 0.05
 TRAINER_BATCH_GROUPS = 128
@@ -184,6 +188,11 @@ class Driver:
         self.lps = np.full(self.resp_len, -0.5, np.float32)
         self.flat_ids = np.arange(self.entries_per_batch * self.resp_len, dtype=np.int32) % 1000
         self.flat_lps = np.full(len(self.flat_ids), -0.5, np.float32)
+        # multi-turn (CP_LOSS_MASK=1): a run of environment tokens in every ~7 model tokens
+        self.mask = (np.arange(self.resp_len) % 7 != 6).astype(np.uint8) if LOSS_MASK else None
+        self.flat_mask = (
+            (np.arange(len(self.flat_ids)) % 7 != 6).astype(np.uint8) if LOSS_MASK else None
+        )
         self.queues: list[asyncio.Queue[tuple[Any, int]]] = [
             asyncio.Queue() for _ in range(self.rollouts)
         ]
@@ -364,6 +373,7 @@ class Driver:
             prompt_ids=it.prompt_ids,
             response_ids=self.ids,
             logprobs=self.lps,
+            loss_mask=self.mask,
             version=0,
             reward=float(s % 2),
             rollout_id=rid,
@@ -423,6 +433,7 @@ class Driver:
             lengths=np.array(lens, np.int64),
             token_ids=self.flat_ids[:n],
             logprobs=self.flat_lps[:n],
+            loss_mask=None if self.flat_mask is None else self.flat_mask[:n],
             awaiting_env=np.zeros(k, np.uint8),
             headers=heads,
             header_at=np.array(at, np.int64) if at else None,
