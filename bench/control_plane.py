@@ -188,11 +188,12 @@ class Driver:
         self.lps = np.full(self.resp_len, -0.5, np.float32)
         self.flat_ids = np.arange(self.entries_per_batch * self.resp_len, dtype=np.int32) % 1000
         self.flat_lps = np.full(len(self.flat_ids), -0.5, np.float32)
-        # multi-turn (CP_LOSS_MASK=1): a run of environment tokens in every ~7 model tokens
-        self.mask = (np.arange(self.resp_len) % 7 != 6).astype(np.uint8) if LOSS_MASK else None
+        # multi-turn (CP_LOSS_MASK=1): an environment token in every 7 (the trajectory's mask is
+        # the start of the batches' one)
         self.flat_mask = (
             (np.arange(len(self.flat_ids)) % 7 != 6).astype(np.uint8) if LOSS_MASK else None
         )
+        self.mask = None if self.flat_mask is None else self.flat_mask[: self.resp_len]
         self.queues: list[asyncio.Queue[tuple[Any, int]]] = [
             asyncio.Queue() for _ in range(self.rollouts)
         ]

@@ -280,19 +280,30 @@ def merge_stale(rs: list[dict[str, Any]], key: str) -> dict[str, object]:
     return st.summary()
 
 
-def point_rows(runs: list[dict[str, Any]], seeds: list[int]) -> dict[str, dict[str, Any]]:
-    """One (model, scale): pick each baseline's best split, then figures over seeds; ratios to
-    sync are taken per seed (same seed = same length draws where the modes consume them)."""
+def by_split(runs: list[dict[str, Any]]) -> dict[tuple[str, float | None], dict[int, Any]]:
+    """One point's runs by (mode, rollout_frac), then by seed."""
     by: dict[tuple[str, float | None], dict[int, dict[str, Any]]] = {}
     for r in runs:
         by.setdefault((r["mode"], r["rollout_frac"]), {})[r["seed"]] = r
+    return by
+
+
+def best_split(by: dict[tuple[str, float | None], dict[int, Any]], mode: str) -> tuple:
+    """The (mode, rollout_frac) of `mode`'s highest median throughput over seeds."""
+    options = [(m, f) for (m, f) in by if m == mode]
+    return max(
+        options, key=lambda k: statistics.median(x["throughput_tok_s"] for x in by[k].values())
+    )
+
+
+def point_rows(runs: list[dict[str, Any]], seeds: list[int]) -> dict[str, dict[str, Any]]:
+    """One (model, scale): pick each baseline's best split, then figures over seeds; ratios to
+    sync are taken per seed (same seed = same length draws where the modes consume them)."""
+    by = by_split(runs)
     rows = {}
     sync = by[("sync", None)]
     for mode in SIM_MODES:
-        options = [(m, f) for (m, f) in by if m == mode]
-        key = max(
-            options, key=lambda k: statistics.median(x["throughput_tok_s"] for x in by[k].values())
-        )
+        key = best_split(by, mode)
         rs = [by[key][s] for s in seeds]
         fig = lambda name, rs=rs: mmm([r[name] for r in rs])  # noqa: E731
         rows[mode] = {
@@ -450,16 +461,13 @@ def main(argv: list[str] | None = None) -> int:
     seeds = list(range(args.seeds or (1 if args.quick else 3)))
     fracs = QUICK_FRACS if args.quick else FULL_FRACS
 
-    def splits(mode: str, model: str, n: int, multiturn: bool = False) -> list[float | None]:
-        return split_options(mode, model, n, args.quick, multiturn)
-
     warm, meas = (6, 8) if args.quick else (10, 10)
     t_start = time.time()
     tasks = []
     for m in models:
         for n in scales[m]:
             for mode in SIM_MODES:
-                for frac in splits(mode, m, n):
+                for frac in split_options(mode, m, n, args.quick):
                     tasks += [(m, n, mode, frac, s, warm, meas, {}) for s in seeds]
     # dynamic repack in isolation, as in paper §8.4 (32B, 128 GPUs, 16 rollouts; Fig. 9's
     # 512-trajectory batch per rollout): the paper measured +26% generation throughput
@@ -478,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
         [
             ("7B", 1024, mode, frac, s, warm, meas, {})
             for mode in ("partial", "laminar")
-            for frac in splits(mode, "7B", 1024)
+            for frac in split_options(mode, "7B", 1024, args.quick)
             for s in seeds
         ]
         if "7B" in models and not args.gpus
@@ -493,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
         (MULTITURN_MODEL, n, mode, frac, s, warm, meas, MULTITURN)
         for n in mt_scales
         for mode in SIM_MODES
-        for frac in splits(mode, MULTITURN_MODEL, n, multiturn=True)
+        for frac in split_options(mode, MULTITURN_MODEL, n, args.quick, multiturn=True)
         for s in seeds
     ]
     print(
@@ -612,24 +620,16 @@ def main(argv: list[str] | None = None) -> int:
         for m, per_n in results.items()
     }
     if beyond_runs:
-        by_split: dict[tuple[str, float | None], list[dict[str, Any]]] = {}
-        for r in beyond_runs:
-            by_split.setdefault((r["mode"], r["rollout_frac"]), []).append(r)
-        fig = lambda rs, k: statistics.median(r[k] for r in rs)  # noqa: E731
-        best = {
-            mode: max(
-                (rs for (m, _), rs in by_split.items() if m == mode),
-                key=lambda rs: fig(rs, "throughput_tok_s"),
-            )
-            for mode in ("partial", "laminar")
-        }
+        by = by_split(beyond_runs)
+        fig = lambda rs, k: statistics.median(r[k] for r in rs.values())  # noqa: E731
+        best = {mode: by[best_split(by, mode)] for mode in ("partial", "laminar")}
         summary["laminar_vs_partial_1024_7B"] = fig(best["laminar"], "throughput_tok_s") / fig(
             best["partial"], "throughput_tok_s"
         )
         summary["beyond_paper_7B_1024"] = {
             mode: {
-                "rollout_frac": rs[0]["rollout_frac"],
-                "rollouts": rs[0]["n_rollouts"],
+                "rollout_frac": next(iter(rs.values()))["rollout_frac"],
+                "rollouts": next(iter(rs.values()))["n_rollouts"],
                 **{k: fig(rs, k) for k in ("throughput_tok_s", "decode_util", "trainer_busy_frac")},
             }
             for mode, rs in best.items()
