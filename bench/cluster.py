@@ -7,7 +7,7 @@ sim rollout engines and a sim trainer, N = 8..128 emulated rollout GPUs on 2 CPU
         ──► figures of one window (training / generation throughput, idle fractions, KV, staleness,
             event-loop lag and CPU of both processes)
     ──► min/median/max over repeats, ratios per repeat (same seed in every mode of a repeat)
-    ──► cross-check: bench/simulate.py's simulate() on the very same parameters (params_from_config)
+    ──► cross-check: bench/simulate.py's simulate() on the very same parameters (bench/simconfig.py)
         plus the delays the runs measured (measured_latencies; mechanisms in bench/simrepack.py),
         measured over the emulation's own window (steps ending in [warmup_s, warmup_s + window_s])
     ──► JSON (--out F, default bench/results/cluster.json), a table, a plot beside F (F with .png),
@@ -277,7 +277,8 @@ def simulate_point(
 ) -> dict[str, dict[str, Any]]:
     """bench/simulate.py on the same parameters: throughput per mode (min/median/max over seeds).
     With `runs`, the weight-load and push latencies the emulation measured go in as well."""
-    from simulate import params_from_config, simulate
+    from simconfig import params_from_config
+    from simulate import simulate
 
     with tempfile.TemporaryDirectory(prefix="lam-cbs-") as tmp:
         out: dict[str, dict[str, Any]] = {}

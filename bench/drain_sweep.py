@@ -2,7 +2,7 @@
 
     for each variant (BenchParams overrides: refill budget K, repack candidates, split sources,
     round period; the single-turn or multi-turn workload):
-        bench/cluster_run.make_config(partial | laminar, N) ──► simulate.params_from_config
+        bench/cluster_run.make_config(partial | laminar, N) ──► simconfig.params_from_config
         ──► bench/simulate.simulate (steady-state window, every latency zero) per seed
     ──► laminar / partial throughput, decode utilisation of both, consumed staleness p99 of both,
         repack moves ──► medians over seeds, JSON + a table
@@ -75,7 +75,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 
 def run_variant(n: int, overrides: dict[str, Any], seeds: list[int]) -> dict[str, Any]:
-    from simulate import params_from_config, simulate
+    from simconfig import params_from_config
+    from simulate import simulate
 
     prm = BenchParams(**overrides)
     per: dict[str, list[dict[str, Any]]] = {}

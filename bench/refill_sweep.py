@@ -1,7 +1,7 @@
 """Decode utilisation beside staleness, per refill variant, in the simulator (issue 18).
 
     for each variant (BenchParams overrides: how a rollout refills, retraction, repack period):
-        bench/cluster_run.make_config(sync | laminar, N) ──► simulate.params_from_config
+        bench/cluster_run.make_config(sync | laminar, N) ──► simconfig.params_from_config
         ──► bench/simulate.simulate (steady-state window: 4 warm-up + 8 measured updates)
     ──► decode_util, laminar / sync throughput, staleness of consumed trajectories (mean, p50,
         p99, max, histogram) per variant ──► JSON + a table
@@ -56,7 +56,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 
 def run_variant(n: int, overrides: dict[str, Any], seed: int) -> dict[str, Any]:
-    from simulate import params_from_config, simulate
+    from simconfig import params_from_config
+    from simulate import simulate
 
     prm = BenchParams(**overrides)
     out: dict[str, Any] = {}

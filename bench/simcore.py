@@ -75,8 +75,8 @@ decode_util = mean of min(running, B) / B; staleness = trainer version - traject
 consumption and at finish.
 
 Parameters (bench/simparams.py) come from bench/simscale.py (`params_for`: paper scale) or
-bench/simulate.py (`params_from_config`: the emulated cluster of bench/cluster.py); `simulate()`
-there runs a Sim.
+bench/simconfig.py (`params_from_config`: the emulated cluster of bench/cluster.py);
+bench/simulate.py's `simulate()` runs a Sim.
 
 Run: .venv/bin/python bench/simulate.py --quick
 (tests: .venv/bin/python -m pytest tests/test_simulate.py -q)
@@ -95,10 +95,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from simparams import SimParams  # noqa: E402,F401  (re-exported)
+from simparams import SimParams  # noqa: E402
 from simrepack import RepackMixin  # noqa: E402
 
-from laminar.manager.repack import is_candidate, plan_repack  # noqa: E402,F401
+from laminar.manager.repack import plan_repack  # noqa: E402
 from laminar.modes import StalenessStats, may_start_group, policy_for  # noqa: E402
 
 SIM_MODES = ("sync", "one_step", "stream", "partial", "laminar_norepack", "laminar")

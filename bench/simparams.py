@@ -1,7 +1,7 @@
 """Simulator parameters: everything one run of bench/simcore.py's Sim needs, one dataclass.
 
     simscale.params_for(model, mode, n_gpus)   paper scale          ──► SimParams ──► simcore.Sim
-    simulate.params_from_config(cfg, n)        the emulated cluster ──┘
+    simconfig.params_from_config(cfg, n)       the emulated cluster ──┘
 
 Hardware (decode, KV, prefill, trainer, weight movement), workload (lengths, groups, batches)
 and the control plane's mechanisms (repack timing, status reports and pushes, prompt round

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from simcore import SimParams
+from simparams import SimParams
 
 
 @dataclass(frozen=True)

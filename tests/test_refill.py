@@ -173,7 +173,8 @@ def test_simulator_models_the_queue_and_retraction():
     """bench/simcore.py: with a queue (rollout_groups above B / group_size) the rollouts decode
     fuller, and with retraction no group runs at a version older than the one its rollout had
     when it started decoding it (counted: retracted groups start after the load)."""
-    from simcore import Sim, SimParams
+    from simcore import Sim
+    from simparams import SimParams
 
     base = SimParams(
         n_rollouts=8,

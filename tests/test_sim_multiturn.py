@@ -41,6 +41,10 @@ def _load_sim():
 
 
 sim = _load_sim()
+# loading it put bench/ on sys.path: its sibling modules, imported where their names live
+import simconfig  # noqa: E402
+import simcore  # noqa: E402
+import simparams  # noqa: E402
 
 
 def engine(seed: int = 7) -> SimEngine:
@@ -242,7 +246,7 @@ async def test_episodes_on_the_sim_engine():
 
 # ---- the simulator -------------------------------------------------------------------------------
 
-SMALL = sim.SimParams(
+SMALL = simparams.SimParams(
     n_rollouts=16,
     trainer_s_per_token=1e-4,
     step_time_s=0.02,
@@ -273,13 +277,13 @@ def run(mode: str, seed: int = 0, **kw) -> dict:
 
 def test_simulator_multiturn_runs_and_laminar_beats_sync(monkeypatch):
     plans = []
-    orig = sim.Sim.turn_plan
+    orig = simcore.Sim.turn_plan
 
     def spy(self, first):
         plans.append(orig(self, first))
         return plans[-1]
 
-    monkeypatch.setattr(sim.Sim, "turn_plan", spy)
+    monkeypatch.setattr(simcore.Sim, "turn_plan", spy)
     rs = {m: run(m) for m in ("sync", "stream", "laminar")}
     assert rs["laminar"]["throughput_tok_s"] >= rs["sync"]["throughput_tok_s"]
     assert rs["laminar"]["throughput_tok_s"] >= rs["stream"]["throughput_tok_s"]
@@ -331,7 +335,7 @@ def test_params_from_config_reads_the_sim_tool_env():
         cfg.env.fn == "laminar.envs.sim:SimToolEnv"
         and cfg.env.limits.max_turns == prm.tool_calls_max + 1
     )
-    p = sim.params_from_config(cfg, 4)
+    p = simconfig.params_from_config(cfg, 4)
     assert (p.tool_calls_max, p.p_call, p.tool_latency_p50_s, p.tool_latency_p99_s) == (
         8,
         prm.p_call,
@@ -348,9 +352,9 @@ def test_params_from_config_reads_the_sim_tool_env():
         "laminar", 4, 0, replace(prm, agents=True), Path("/tmp/lam-h6-unused"), Path("/tmp")
     )
     assert agents.env.fn is None and agents.agent.fn == "laminar.agents.sim:sim_tool_agent"
-    assert sim.params_from_config(agents, 4) == p
+    assert simconfig.params_from_config(agents, 4) == p
     single = make_config("laminar", 4, 0, BenchParams(), Path("/tmp/lam-h6-unused"), Path("/tmp"))
-    assert single.env.fn is None and sim.params_from_config(single, 4).tool_calls_max == 0
+    assert single.env.fn is None and simconfig.params_from_config(single, 4).tool_calls_max == 0
     assert math.isfinite(
         sim.simulate("laminar", params=p, warmup_steps=1, measure_steps=2)["throughput_tok_s"]
     )
@@ -371,7 +375,7 @@ def test_a_dilated_workload_is_the_same_workload_slower():
     tput = {}
     for k, p in ((1, prm), (3, slow)):
         cfg = make_config("laminar", 8, 0, p, Path("/tmp/lam-h6-unused"), Path("/tmp"))
-        sp = sim.params_from_config(cfg, 8)
+        sp = simconfig.params_from_config(cfg, 8)
         for mode in ("laminar", "sync"):
             out = sim.simulate(mode, params=sp, seed=0, warmup_steps=2, measure_steps=6)
             tput[(k, mode)] = out["throughput_tok_s"]

@@ -27,10 +27,16 @@ def _load_sim():
 
 
 sim = _load_sim()
+# loading it put bench/ on sys.path: its sibling modules, imported where their names live
+import simconfig  # noqa: E402
+import simcore  # noqa: E402
+import simparams  # noqa: E402
+import simrepack  # noqa: E402
+import simscale  # noqa: E402
 
 # an emulation-sized cluster: 16 one-GPU rollouts, short long-tailed responses, a trainer that
 # takes ~1/10 of a sync iteration (not negligible, not the bottleneck)
-SMALL = sim.SimParams(
+SMALL = simparams.SimParams(
     n_rollouts=16,
     trainer_s_per_token=1e-4,
     step_time_s=0.02,
@@ -57,10 +63,11 @@ def run(mode: str, seed: int = 0, **kw) -> dict:
 
 
 def test_imports_the_real_planner_and_rules():
-    assert sim.plan_repack is repack_mod.plan_repack
-    assert sim.is_candidate is repack_mod.is_candidate
-    assert sim.may_start_group is st.may_start_group
-    assert sim.policy_for is st.policy_for
+    # where the engine (simcore) and its repack rounds (simrepack) look them up
+    assert simcore.plan_repack is repack_mod.plan_repack
+    assert simrepack.is_candidate is repack_mod.is_candidate
+    assert simcore.may_start_group is st.may_start_group
+    assert simcore.policy_for is st.policy_for
 
 
 def test_repack_plans_come_from_the_planner(monkeypatch):
@@ -71,7 +78,7 @@ def test_repack_plans_come_from_the_planner(monkeypatch):
         plans.append(plan)
         return plan
 
-    monkeypatch.setattr(sim.simcore, "plan_repack", spy)  # the engine module calls it
+    monkeypatch.setattr(simcore, "plan_repack", spy)  # the engine module calls it
     out = run("laminar")
     assert plans and out["repack_rounds"] == len(plans)
     assert out["moves"] == sum(len(p.moves) for p in plans) > 0
@@ -82,7 +89,7 @@ def test_repack_plans_come_from_the_planner(monkeypatch):
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_mode_ordering(seed):
-    thr = {m: run(m, seed)["throughput_tok_s"] for m in sim.SIM_MODES}
+    thr = {m: run(m, seed)["throughput_tok_s"] for m in simcore.SIM_MODES}
     assert thr["sync"] < thr["one_step"] and thr["sync"] < thr["stream"]
     assert thr["one_step"] == pytest.approx(thr["stream"], rel=0.15)
     assert max(thr["one_step"], thr["stream"]) < thr["laminar_norepack"] <= thr["laminar"]
@@ -149,11 +156,11 @@ def test_refill_takes_as_many_groups_as_the_rollout_node(multi_turn):
         rollout_groups=2,
         tool_calls_max=3 if multi_turn else 0,
     )
-    s = sim.Sim("partial", prm, 0, 0, 0)
+    s = simcore.Sim("partial", prm, 0, 0, 0)
     r = s.ro[0]
     for seq in range(4):  # each group down to its one long sample
-        g = sim.simcore.Group(seq, 0, 1, r.idx)
-        r.waiting.append(sim.simcore.Traj(s.next_tid, g, 300))
+        g = simcore.Group(seq, 0, 1, r.idx)
+        r.waiting.append(simcore.Traj(s.next_tid, g, 300))
         s.hold(r, r.waiting[-1])  # as start_group / an import record it
         s.next_tid += 1
     s.groups_started = 4
@@ -176,7 +183,7 @@ def test_partial_update_resets_the_prefix_cache_of_tool_waits():
 
     def tool_return(interrupted: bool) -> tuple[float, float, int, int]:
         """(stall before the call returns, prefill it costs, history before it, tool output)."""
-        s = sim.Sim("partial", prm, 0, 0, 0)
+        s = simcore.Sim("partial", prm, 0, 0, 0)
         r = s.ro[0]
         s.start_group(r)
         t = r.waiting.popleft()
@@ -213,14 +220,14 @@ def test_deterministic_per_seed():
 
 def test_tokens_are_conserved_and_kv_respected(monkeypatch):
     seen = []
-    orig = sim.Sim.after_change
+    orig = simcore.Sim.after_change
 
     def check(self, r):
         if len(r.running) > 1:
             seen.append(self.kv(r) / self.prm.kv_capacity_tokens)
         orig(self, r)
 
-    monkeypatch.setattr(sim.Sim, "after_change", check)
+    monkeypatch.setattr(simcore.Sim, "after_change", check)
     out = run("laminar", kv_capacity_tokens=800)  # tight KV: preemption happens
     assert out["preemptions"] > 0
     assert max(seen) <= 1.0 + 1e-9
@@ -244,7 +251,7 @@ def test_groups_held_is_kept_as_the_trajectories_move(monkeypatch, tool_calls_ma
     # the credits a rollout holds are counted as trajectories start, finish, wait on tools, get
     # retracted, exported and imported; they must equal the groups it runs or queues at every
     # refill
-    held = sim.simcore.Sim.groups_held
+    held = simcore.Sim.groups_held
     checks = []
 
     def checked(self, r):
@@ -253,7 +260,7 @@ def test_groups_held_is_kept_as_the_trajectories_move(monkeypatch, tool_calls_ma
         checks.append(got == want and all(n > 0 for n in r.held.values()))
         return got
 
-    monkeypatch.setattr(sim.simcore.Sim, "groups_held", checked)
+    monkeypatch.setattr(simcore.Sim, "groups_held", checked)
     out = run(
         "laminar",
         refill_per_group=True,
@@ -393,7 +400,7 @@ def test_fixed_window_measures_like_the_emulation():
     # with none before, from the first in it (whose own start is unknown), unless it is alone
     for w0, wlen, n_before in ((3.0, 6.0, 0), (0.5, 30.0, 0), (9.0, 20.0, 1)):
         p = replace(SMALL, fixed_window_s=(w0, wlen))
-        s = sim.Sim("sync", p, 0, 0, 0)
+        s = simcore.Sim("sync", p, 0, 0, 0)
         out = s.run()
         times = [t for t, _ in s.steps]
         inside = [(t, tok) for t, tok in s.steps if w0 <= t <= w0 + wlen]
@@ -415,7 +422,7 @@ def test_fixed_window_measures_like_the_emulation():
 
 def test_params_from_config_matches_the_emulation():
     cfg = LaminarConfig()
-    p = sim.params_from_config(cfg, n_rollouts=8)
+    p = simconfig.params_from_config(cfg, n_rollouts=8)
     assert p.n_rollouts == 8 and p.step_time_s == cfg.rollout.sim.step_time_s
     assert p.bound_b == cfg.rollout.sim.bound_b and p.max_running == cfg.rollout.max_running
     assert p.length_p50 == cfg.rollout.sim.length_p50
@@ -432,7 +439,7 @@ def test_params_from_config_matches_the_emulation():
     assert cfg.mode == "laminar" and cfg.manager.repack.enabled
     assert p.status_push_min_s == cfg.rollout.status_push_min_s > 0
     off = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"status_push": False})})
-    assert sim.params_from_config(off, 8).status_push_min_s == 0.0
+    assert simconfig.params_from_config(off, 8).status_push_min_s == 0.0
     norepack = cfg.model_copy(
         update={
             "manager": cfg.manager.model_copy(
@@ -440,19 +447,19 @@ def test_params_from_config_matches_the_emulation():
             )
         }
     )
-    assert sim.params_from_config(norepack, 8).status_push_min_s == 0.0
+    assert simconfig.params_from_config(norepack, 8).status_push_min_s == 0.0
     out = sim.simulate("laminar", params=p, warmup_steps=2, measure_steps=3)
     assert out["throughput_tok_s"] > 0 and out["n_rollouts"] == 8
 
 
 def test_paper_allocation():
-    assert sim.params_for("32B", "laminar", 1024).n_rollouts == 128  # 512 rollout GPUs, TP4
-    assert sim.params_for("32B", "sync", 1024).n_rollouts == 256  # co-located: every GPU
-    assert sim.params_for("7B", "laminar", 256).n_rollouts == 64  # Table 2: 192/64, TP1
-    assert sim.params_for("7B", "one_step", 256).n_rollouts == 64  # 128 GPUs at TP2
-    assert sim.laminar_rollout_gpus(sim.MODELS["72B"], 1024) == 512  # extrapolated 1:1
-    for spec in sim.MODELS.values():
-        assert all(0.4 < sim.balance(spec, n) < 1.5 for n in spec.laminar_rollout_gpus)
+    assert simscale.params_for("32B", "laminar", 1024).n_rollouts == 128  # 512 rollout GPUs, TP4
+    assert simscale.params_for("32B", "sync", 1024).n_rollouts == 256  # co-located: every GPU
+    assert simscale.params_for("7B", "laminar", 256).n_rollouts == 64  # Table 2: 192/64, TP1
+    assert simscale.params_for("7B", "one_step", 256).n_rollouts == 64  # 128 GPUs at TP2
+    assert simscale.laminar_rollout_gpus(simscale.MODELS["72B"], 1024) == 512  # extrapolated 1:1
+    for spec in simscale.MODELS.values():
+        assert all(0.4 < simscale.balance(spec, n) < 1.5 for n in spec.laminar_rollout_gpus)
 
 
 def test_laminar_and_partial_are_swept_on_one_grid():
@@ -471,7 +478,7 @@ def test_laminar_and_partial_are_swept_on_one_grid():
     assert full == [None, 0.25, 0.375, 0.625, 0.75]
     assert sim.split_options("partial", "72B", 256, False) == sim.FULL_FRACS
     # a swept laminar run takes its rollout GPUs from the fraction, like the baselines
-    assert sim.params_for("7B", "laminar", 256, 0.375).n_rollouts == 96
+    assert simscale.params_for("7B", "laminar", 256, 0.375).n_rollouts == 96
 
 
 def test_paper_scale_laminar_runs_the_refill_budget():
@@ -480,13 +487,13 @@ def test_paper_scale_laminar_runs_the_refill_budget():
     from simscale import REFILL_VERSIONS
 
     for mode in ("laminar", "laminar_norepack"):
-        p = sim.params_for("32B", mode, 1024)
+        p = simscale.params_for("32B", mode, 1024)
         assert p.refill_per_group and p.refill_versions == REFILL_VERSIONS == 3
         assert p.repack_by_draining
-    part = sim.params_for("32B", "partial", 1024)
+    part = simscale.params_for("32B", "partial", 1024)
     assert part.refill_per_group and part.refill_versions == 0 and not part.repack_by_draining
     # the repack-in-isolation runs keep the paper's rule (take a batch, drain it, pull)
-    paper = sim.params_for("32B", "laminar", 128, rollout_groups=32, **sim.PAPER_DRAIN)
+    paper = simscale.params_for("32B", "laminar", 128, rollout_groups=32, **sim.PAPER_DRAIN)
     assert not paper.refill_per_group and paper.refill_versions == 0
     # at 32B on 64 GPUs the paper's rule leaves rollouts in their tails; the budget fills them
     kw = dict(warmup_steps=3, measure_steps=4)
