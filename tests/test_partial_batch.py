@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+import laminar.buffer.partials as partials_mod
 from laminar.buffer.partials import PartialPool
 from laminar.logs import get_logger
 from laminar.metrics import Metrics
@@ -107,8 +108,12 @@ def copy_chunk(c: PartialChunk) -> PartialChunk:
 
 
 def snapshot(pool: PartialPool) -> dict[str, Any]:
+    return snap(pool, sorted(pool.records))
+
+
+def snap(pool: PartialPool, uids: list[str]) -> dict[str, Any]:
     out = {}
-    for p in pool.query(uids=sorted(pool.records)):
+    for p in pool.query(uids=uids):
         out[p.uid] = (
             p.response_ids.tolist(),
             p.logprobs.tolist(),
@@ -147,6 +152,112 @@ def test_a_batch_folds_exactly_as_its_entries_sent_as_chunks(seed: int, masked: 
     assert c2.pop("batches") > 1
     assert c1 == c2 and c1["gaps"] and c1["overlaps"] and c1["headers"] and c1["unknown"]
     assert one.tokens == batched.tokens > 0
+
+
+def runs_of(rng: random.Random, chunks: list[PartialChunk], mixed: bool) -> list[list[Any]]:
+    """The chunks as batches from two senders: runs of one sender (and, mixed, of masked or
+    unmasked entries), each cut into batches of 1-40 entries."""
+    out: list[list[Any]] = []
+    sender, masked = "r0", True
+    for c in chunks:
+        if rng.random() < 0.1:
+            sender = "r1" if sender == "r0" else "r0"
+        if mixed and rng.random() < 0.1:
+            masked = not masked
+        c.rollout_id = sender
+        if mixed and not masked:
+            c.loss_mask = None
+        if (
+            not out
+            or out[-1][0] != sender
+            or (out[-1][1][-1].loss_mask is None) != (c.loss_mask is None)
+            or len(out[-1][1]) >= rng.randint(1, 40)
+        ):
+            out.append([sender, []])
+        out[-1][1].append(c)
+    return out
+
+
+@pytest.mark.parametrize("masked", ["no", "yes", "mixed"])
+@pytest.mark.parametrize("seed", range(4))
+def test_a_senders_stream_folds_exactly_as_its_entries_sent_as_chunks(
+    seed: int, masked: str, monkeypatch: pytest.MonkeyPatch
+):
+    """From an authenticated sender, entries that continue the sender's records take the
+    stream's fast path (the window's columns kept once, the record's slot checked); what any
+    query, removal or other entry sees is still exactly the per-chunk fold."""
+    monkeypatch.setattr(partials_mod, "_SEGS_MAX", 4)  # the streams merge every few batches
+    merges = Counter[str]()
+    merge = partials_mod._Stream.merge
+
+    def counted(self: Any) -> None:
+        merges["n"] += 1
+        merge(self)
+
+    monkeypatch.setattr(partials_mod._Stream, "merge", counted)
+    rng = random.Random(seed)
+    chunks = random_chunks(rng, masked != "no", n=1500)
+    one, batched = PartialPool(), PartialPool()
+    for sender, part in runs_of(rng, chunks, masked == "mixed"):
+        want = Counter(one.apply(copy_chunk(c), sender) for c in part)
+        del want["appended"]
+        got = decode(encode(as_batch([copy_chunk(c) for c in part])))
+        assert isinstance(got, PartialBatch)
+        got.rollout_id = sender
+        assert batched.apply_batch(got, sender) == want
+        if rng.random() < 0.15 and one.records:  # a trajectory finished in between
+            uid = rng.choice(sorted(one.records))
+            assert one.remove(uid) == batched.remove(uid)
+        assert one.tokens == batched.tokens
+        for st in batched.streams.values():  # what a stream holds: its records' tokens, bounded
+            assert st.tokens == sum(e[1] - e[5] for e in st.live.values()) <= st.held
+            assert len(st.segs) <= 4 and st.held <= 2 * st.tokens + partials_mod._HELD_SLACK
+        if rng.random() < 0.1:  # a recovery or a repack reads some records (out of the stream)
+            some = rng.sample(sorted(one.records), min(2, len(one.records)))
+            assert snap(one, some) == snap(batched, some)
+    assert snapshot(one) == snapshot(batched)
+    c1, c2 = Counter(one.counts), Counter(batched.counts)
+    assert c2.pop("batches") > 1 and c1 == c2 and c1["gaps"] and c1["overlaps"]
+    assert merges["n"] > 0 and sum(s.next_sid for s in batched.streams.values()) > 10
+
+
+def test_a_senders_stream_holds_about_what_its_records_need(monkeypatch: pytest.MonkeyPatch):
+    """Finished records leave their entries in the stream's stretches until a merge: the stream
+    never holds more than twice its records' tokens (plus the slack), a merge keeps exactly
+    theirs, and a stream whose records were all recovered (a dead rollout) holds nothing."""
+    monkeypatch.setattr(partials_mod, "_HELD_SLACK", 0)
+    pool = PartialPool()
+    length = {f"g{k}/0": 0 for k in range(8)}
+    serial = 8
+    for _ in range(200):
+        chunks = []
+        for uid in list(length):
+            if length[uid] >= 24 + 8 * (int(uid[1:].split("/")[0]) % 4):  # finished: a new one
+                assert pool.remove(uid)
+                del length[uid]
+                uid = f"g{serial}/0"
+                serial += 1
+                length[uid] = 0
+            off = length[uid]
+            chunks.append(
+                PartialChunk(
+                    uid=uid,
+                    version=0,
+                    offset=off,
+                    token_ids=np.arange(off, off + 4, dtype=np.int32),
+                    logprobs=np.zeros(4, np.float32),
+                    rollout_id="r0",
+                    header=header(uid, 0, "r0") if off == 0 else None,
+                )
+            )
+            length[uid] = off + 4
+        assert not pool.apply_batch(as_batch(chunks), "r0")
+        st = pool.streams["r0"]
+        assert st.held <= 2 * st.tokens and pool.tokens == sum(length.values())
+    assert serial > 40 and len(st.segs) < 50  # merged along the way
+    recovered = {p.uid: p.response_ids.tolist() for p in pool.query("r0")}
+    assert recovered == {u: list(range(n)) for u, n in length.items()}
+    assert not st.live and not st.segs and st.held == 0
 
 
 PIECES = 32
