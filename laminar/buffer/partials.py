@@ -363,20 +363,27 @@ class _Stream:
 
     def take(self, rec: _Record) -> None:
         """The record leaves the stream: its tokens here become its own pieces."""
-        ent = self.live.pop(rec.header.uid)
-        rec.stream = None
-        self.tokens -= ent[1] - ent[5]
-        sid = ent[0]
-        ids: list[bytes] = []
-        lps: list[bytes] = []
+        self.take_many([rec])
+
+    def take_many(self, recs: list[_Record]) -> None:
+        """Records leave the stream (a dead rollout's: recovered) in one pass over its stretches."""
+        by_sid: dict[int, tuple[_Record, list[bytes], list[bytes]]] = {}
+        for rec in recs:
+            ent = self.live.pop(rec.header.uid)
+            rec.stream = None
+            self.tokens -= ent[1] - ent[5]
+            rec.awaiting_env = bool(ent[4])
+            by_sid[ent[0]] = (rec, [], [])
+        sids = np.fromiter(by_sid, np.int64, len(by_sid))
         for seg in self.segs:
             sl = seg.slots
             at = (
-                [i for i, s in enumerate(sl) if s == sid]
+                [i for i, s in enumerate(sl) if s in by_sid]
                 if isinstance(sl, list)
-                else np.flatnonzero(sl == sid).tolist()
+                else np.flatnonzero(np.isin(sl, sids)).tolist()
             )
             for i in at:
+                rec, ids, lps = by_sid[int(sl[i])]
                 lo, n = seg.starts[i], seg.lens[i]
                 ids.append(seg.ids[lo * 4 : (lo + n) * 4])
                 lps.append(seg.lps[lo * 4 : (lo + n) * 4])
@@ -387,12 +394,12 @@ class _Stream:
                 elif rec.mask is not None:
                     rec.mask += b"\x01" * n
                 rec.length += n
-        if ids:
-            rec.ids.append(b"".join(ids))
-            rec.lps.append(b"".join(lps))
-            if len(rec.ids) > _PIECES:
-                rec.ids, rec.lps = [b"".join(rec.ids)], [b"".join(rec.lps)]
-        rec.awaiting_env = bool(ent[4])
+        for rec, ids, lps in by_sid.values():
+            if ids:
+                rec.ids.append(b"".join(ids))
+                rec.lps.append(b"".join(lps))
+                if len(rec.ids) > _PIECES:
+                    rec.ids, rec.lps = [b"".join(rec.ids)], [b"".join(rec.lps)]
 
     def drop(self, uid: str) -> None:
         """A record of the stream finished or restarted: its entries here are garbage (dropped
@@ -868,11 +875,13 @@ class PartialPool:
             recs = [self.records[u] for u in uids if u in self.records]
         else:
             recs = [r for r in self.records.values() if r.header.rollout_id == rollout_id]
-        for r in recs:
+        held: dict[int, tuple[_Stream, dict[int, _Record]]] = {}
+        for r in recs:  # a uid named twice is taken once
             if r.stream is not None:
-                st = r.stream
-                st.take(r)
-                st.release()  # a dead rollout's stream: nothing is left to hold
+                held.setdefault(id(r.stream), (r.stream, {}))[1][id(r)] = r
+        for st, rs in held.values():
+            st.take_many(list(rs.values()))  # one pass over each stream's stretches
+            st.release()  # a dead rollout's stream: nothing is left to hold
         return [r.materialize() for r in recs]
 
 
