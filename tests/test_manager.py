@@ -393,10 +393,7 @@ async def test_a_dead_rollouts_trajectories_resume_elsewhere_with_their_tokens(t
         victim = cluster.node("rollout-0")
         lost = running(victim)
         await wait_for(
-            lambda: all(
-                buf.partials.records.get(u) is not None and buf.partials.records[u].length >= 32
-                for u in lost
-            ),
+            lambda: all((buf.partials.length(u) or 0) >= 32 for u in lost),
             10,
             "tokens in the partial pool",
             cluster,

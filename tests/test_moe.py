@@ -485,14 +485,14 @@ async def test_routes_survive_a_rollout_killed_mid_trajectory(tmp_path, chat_moe
                 u
                 for u, s in victim.table.seqs.items()
                 if (r := buf.partials.records.get(u)) is not None
-                and r.length >= 6
-                and r.routes_n == len(s.prompt_ids) + r.length - 1
+                and (n := buf.partials.length(u) or 0) >= 6
+                and r.routes_n == len(s.prompt_ids) + n - 1
                 and s.length < 50
             ]
 
         await wait_for(lambda: pooled(), 60, "rollout-0 mid-trajectory, streamed", cluster)
         lost = pooled()
-        held = {u: buf.partials.records[u].length for u in lost}
+        held = {u: buf.partials.length(u) for u in lost}
         recorded = {u: victim.table.seqs[u].routes.copy() for u in lost}
         ids = {u: victim.table.seqs[u].ids.copy() for u in lost}
         await cluster.kill_node("rollout-0")

@@ -51,8 +51,7 @@ def random_chunks(rng: random.Random, masked: bool, n: int = 400) -> list[Partia
     out = []
     for _ in range(n):
         uid = rng.choice(uids)
-        rec = oracle.records.get(uid)
-        have = None if rec is None else rec.length
+        have = oracle.length(uid)
         r = rng.random()
         ver = 0 if rng.random() > 0.05 else 1
         if have is None or r < 0.05:  # (re)start with a header (or an unknown uid, no header)
@@ -337,7 +336,7 @@ def test_a_malformed_batch_is_refused_whole_and_counted():
     for b in cases:
         assert pool.apply_batch(b) == Counter(bad=1)
     assert len(pool) == 0 and pool.counts["bad"] + pool.counts["bad_loss_mask"] == len(cases)
-    assert not pool.apply_batch(as_batch(good)) and pool.records["g/0"].length == 4
+    assert not pool.apply_batch(as_batch(good)) and pool.length("g/0") == 4
 
 
 # ---- the rollout side -------------------------------------------------------------------------

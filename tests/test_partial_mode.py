@@ -295,8 +295,7 @@ async def test_a_killed_rollout_in_partial_mode_loses_nothing_and_duplicates_not
         bounds = {u: victim.table.seqs[u].runs[0][0] for u in lost}  # where version 1 took over
 
         def pooled() -> bool:
-            recs = [buf.partials.records.get(u) for u in lost]
-            return all(r is not None and r.length >= bounds[r.header.uid] + 32 for r in recs)
+            return all((buf.partials.length(u) or 0) >= bounds[u] + 32 for u in lost)
 
         await wait_for(pooled, 10, "version-1 tokens in the partial pool", cluster)
         await cluster.kill_node("rollout-0")

@@ -559,10 +559,14 @@ class PartialPool:
 
     @property
     def tokens(self) -> int:
-        return sum(
-            r.length if r.stream is None else r.stream.live[r.header.uid][1]
-            for r in self.records.values()
-        )
+        return sum(self.length(u) or 0 for u in self.records)
+
+    def length(self, uid: str) -> int | None:
+        """Response tokens the pool holds for uid (None: no record)."""
+        rec = self.records.get(uid)
+        if rec is None:
+            return None
+        return rec.length if rec.stream is None else rec.stream.live[uid][1]
 
     def _own(self, uid: str) -> _Record | None:
         """The record of uid with all its tokens in its pieces (taken out of its stream)."""
