@@ -259,6 +259,46 @@ def test_a_senders_stream_holds_about_what_its_records_need(monkeypatch: pytest.
     assert not st.live and not st.segs and st.held == 0
 
 
+def test_resends_and_gaps_on_a_stream_take_nothing_out(monkeypatch: pytest.MonkeyPatch):
+    """A gap, a duplicate, another version or an overlapping resend of a record on its sender's
+    stream is decided from the slot: the record stays in the stream (taking it out scans the
+    stream, which a peer sending such entries must not be able to make the buffer do per entry)."""
+    taken = Counter[str]()
+    take_many = partials_mod._Stream.take_many
+
+    def counted(self: Any, recs: list[Any]) -> None:
+        taken["n"] += len(recs)
+        take_many(self, recs)
+
+    monkeypatch.setattr(partials_mod._Stream, "take_many", counted)
+    pool = PartialPool()
+
+    def entry(off: int, k: int, version: int = 0, head: bool = False) -> PartialChunk:
+        return PartialChunk(
+            uid="g/0",
+            version=version,
+            offset=off,
+            token_ids=np.arange(off, off + k, dtype=np.int32),
+            logprobs=np.zeros(k, np.float32),
+            rollout_id="r0",
+            header=header("g/0", 0, "r0") if head else None,
+        )
+
+    pool.apply_batch(as_batch([entry(0, 4, head=True)]), "r0")
+    pool.apply_batch(as_batch([entry(4, 4)]), "r0")  # joined: on the stream from here
+    assert pool.records["g/0"].stream is not None and taken["n"] == 0
+    got = pool.apply_batch(
+        as_batch([entry(12, 2), entry(2, 3), entry(8, 2, version=1), entry(6, 6), entry(12, 0)]),
+        "r0",
+    )
+    assert got == Counter(gap=1, duplicate=2, bad=1)  # the overlap (6..12) appended its 8..12
+    assert taken["n"] == 0 and pool.records["g/0"].stream is not None
+    assert pool.length("g/0") == 12
+    (p,) = pool.query("r0")
+    assert taken["n"] == 1 and p.response_ids.tolist() == list(range(12))
+    assert pool.counts["gaps"] == pool.counts["overlaps"] == pool.counts["version_mismatch"] == 1
+
+
 PIECES = 32
 
 

@@ -32,8 +32,12 @@ the sender's sits in a slot (its length, version, flag), an entry that continues
 its version is checked against the slot and nothing else, and the window's token columns are
 kept once for all of its entries (no copy per entry; ~2x less fold CPU per batch in the buffer,
 bench/README.md). Every other entry (a header, a gap, a resend, another sender's record, token
-versions, routes) takes the per-entry path on the record itself, after the record's tokens were
-taken out of the stream into its own byte pieces; a query (recovery, repack) does the same. A
+versions, routes) takes the per-entry path. For a record on the sender's stream a gap, a
+duplicate, another version or an overlapping resend is decided from its slot (an overlap's new
+tail stays in the window's columns); only an entry that must change the record itself (another
+sender's, where owners are not checked; routes) takes its tokens out of the stream into its own
+byte pieces, so no peer can make the buffer scan a stream per entry. A query (recovery, a repack
+export) takes the records it reads out the same way, one pass over a stream for all of them. A
 stream merges its stretches into one when they hold more than twice what its records need (a
 finished record's entries are garbage until then) or past _SEGS_MAX stretches. A record pins no
 received frame either way: the columns are copied out of the message once per window.
@@ -568,13 +572,6 @@ class PartialPool:
             return None
         return rec.length if rec.stream is None else rec.stream.live[uid][1]
 
-    def _own(self, uid: str) -> _Record | None:
-        """The record of uid with all its tokens in its pieces (taken out of its stream)."""
-        rec = self.records.get(uid)
-        if rec is not None and rec.stream is not None:
-            rec.stream.take(rec)
-        return rec
-
     def _restart(self, h: PartialTrajectory, rollout_id: str, sender: str = "") -> None:
         """A (validated) header: a fresh record from it (its own tokens, if any, first)."""
         if sender:  # the authenticated sender owns the record, whatever the header says
@@ -616,20 +613,28 @@ class PartialPool:
         """One entry (tokens ids[lo:hi], _views of the message's columns; `route`: its routes
         arr[lo:hi] of positions start .., as (arr, start, lo, hi)) into its record: the
         contiguous-prefix rules above."""
-        rec = self._own(uid)
+        rec = self.records.get(uid)
         if rec is None:
             self.counts["unknown"] += 1
             return "unknown"
+        if rec.stream is not None and route is not None:
+            rec.stream.take(rec)  # routes go to the record itself
+        # a record on its sender's stream is read there: it is taken out only to append
+        ent = None if rec.stream is None else rec.stream.live[uid]
+        length = rec.length if ent is None else ent[1]
         if version != rec.header.version:
             self.counts["version_mismatch"] += 1
             return "bad"
-        if offset > rec.length:
+        if offset > length:
             self.counts["gaps"] += 1
             return "gap"
         n = hi - lo
-        skip = rec.length - offset
-        if offset + n >= rec.length:  # the entry reaches the end: its flag holds
-            rec.awaiting_env = awaiting
+        skip = length - offset
+        if offset + n >= length:  # the entry reaches the end: its flag holds
+            if ent is None:
+                rec.awaiting_env = awaiting
+            else:
+                ent[4] = awaiting
         if route is not None:  # a resend may still bring routes the record lacks
             rec.add_routes(self.counts, *route)
         if skip >= n:
@@ -638,6 +643,8 @@ class PartialPool:
             return "duplicate"
         if skip:
             self.counts["overlaps"] += 1
+        if rec.stream is not None:
+            rec.stream.take(rec)
         rec.add(ids, lps, mask, lo + skip, hi, tv)
         if rollout_id and self.owners is None:
             rec.header.rollout_id = rollout_id
@@ -673,7 +680,7 @@ class PartialPool:
                 self.counts["refused" if why in REFUSED else why] += 1
                 return why
             self._restart(h, c.rollout_id, sender)
-        why = self._entry_refusal(self._own(c.uid), sender, c.offset, n)
+        why = self._entry_refusal(self.records.get(c.uid), sender, c.offset, n)
         if why:
             self.counts["refused"] += 1
             return why
@@ -802,7 +809,7 @@ class PartialPool:
                     lo = hi
                     continue
                 self._restart(heads[i], rid, sender)
-            rec = self._own(uid)
+            rec = records.get(uid)
             if rec is None:
                 res = self._fold(uid, ver, off, ids, lps, mask, lo, hi, aw, rid, tvs)
                 out[res] += 1  # unknown: no record
@@ -813,7 +820,24 @@ class PartialPool:
                 out["not_owner"] += 1
             elif off + n > longest_n:
                 out["too_long"] += 1
-            elif off == rec.length and ver == h.version and n:
+            elif (
+                rec.stream is stream is not None
+                and ver == h.version
+                and off < (on := live[uid])[1] < off + n
+            ):
+                # a resend that overlaps the record's end, on the sender's stream: its new tail
+                # stays there (the entry's span in the window shrinks to it), nothing is taken
+                skip = on[1] - off
+                seg.starts[i] += skip
+                lens[i] = n - skip  # seg.lens
+                on[1] = off + n
+                on[4] = aw
+                slots[-1] = on[0]
+                self.counts["overlaps"] += 1
+                progressed[on[3]] = None
+                fast += 1
+                fast_tokens += n - skip
+            elif rec.stream is None and off == rec.length and ver == h.version and n:
                 # the common case (the next tokens, same version): what _fold / add do, inline
                 rec.awaiting_env = aw
                 if inline and rec.tv is None:
@@ -845,6 +869,7 @@ class PartialPool:
                     progressed[uid.rpartition("/")[0]] = None
             if (
                 stream is not None
+                and rec.stream is None
                 and h.rollout_id == sender
                 and rec.tv is None
                 and not rec.routes_n
