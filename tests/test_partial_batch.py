@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-import laminar.buffer.partials as partials_mod
+import laminar.buffer.partial_records as records_mod
 from laminar.buffer.partials import PartialPool
 from laminar.logs import get_logger
 from laminar.metrics import Metrics
@@ -185,15 +185,15 @@ def test_a_senders_stream_folds_exactly_as_its_entries_sent_as_chunks(
     """From an authenticated sender, entries that continue the sender's records take the
     stream's fast path (the window's columns kept once, the record's slot checked); what any
     query, removal or other entry sees is still exactly the per-chunk fold."""
-    monkeypatch.setattr(partials_mod, "_SEGS_MAX", 4)  # the streams merge every few batches
+    monkeypatch.setattr(records_mod, "SEGS_MAX", 4)  # the streams merge every few batches
     merges = Counter[str]()
-    merge = partials_mod._Stream.merge
+    merge = records_mod.SenderStream.merge
 
     def counted(self: Any) -> None:
         merges["n"] += 1
         merge(self)
 
-    monkeypatch.setattr(partials_mod._Stream, "merge", counted)
+    monkeypatch.setattr(records_mod.SenderStream, "merge", counted)
     rng = random.Random(seed)
     chunks = random_chunks(rng, masked != "no", n=1500)
     one, batched = PartialPool(), PartialPool()
@@ -210,7 +210,7 @@ def test_a_senders_stream_folds_exactly_as_its_entries_sent_as_chunks(
         assert one.tokens == batched.tokens
         for st in batched.streams.values():  # what a stream holds: its records' tokens, bounded
             assert st.tokens == sum(e[1] - e[5] for e in st.live.values()) <= st.held
-            assert len(st.segs) <= 4 and st.held <= 2 * st.tokens + partials_mod._HELD_SLACK
+            assert len(st.segs) <= 4 and st.held <= 2 * st.tokens + records_mod.HELD_SLACK
         if rng.random() < 0.1:  # a recovery or a repack reads some records (out of the stream)
             some = rng.sample(sorted(one.records), min(3, len(one.records)))
             assert snap(one, some + some[:1]) == snap(batched, some + some[:1])  # one named twice
@@ -224,7 +224,7 @@ def test_a_senders_stream_holds_about_what_its_records_need(monkeypatch: pytest.
     """Finished records leave their entries in the stream's stretches until a merge: the stream
     never holds more than twice its records' tokens (plus the slack), a merge keeps exactly
     theirs, and a stream whose records were all recovered (a dead rollout) holds nothing."""
-    monkeypatch.setattr(partials_mod, "_HELD_SLACK", 0)
+    monkeypatch.setattr(records_mod, "HELD_SLACK", 0)
     pool = PartialPool()
     length = {f"g{k}/0": 0 for k in range(8)}
     serial = 8
@@ -264,13 +264,13 @@ def test_resends_and_gaps_on_a_stream_take_nothing_out(monkeypatch: pytest.Monke
     stream is decided from the slot: the record stays in the stream (taking it out scans the
     stream, which a peer sending such entries must not be able to make the buffer do per entry)."""
     taken = Counter[str]()
-    take_many = partials_mod._Stream.take_many
+    take_many = records_mod.SenderStream.take_many
 
     def counted(self: Any, recs: list[Any]) -> None:
         taken["n"] += len(recs)
         take_many(self, recs)
 
-    monkeypatch.setattr(partials_mod._Stream, "take_many", counted)
+    monkeypatch.setattr(records_mod.SenderStream, "take_many", counted)
     pool = PartialPool()
 
     def entry(off: int, k: int, version: int = 0, head: bool = False) -> PartialChunk:
