@@ -59,11 +59,16 @@ system itself runs one buffer today; the sharded figure is what a buffer role ke
 would hold.)
 
 Cost passes (the pass/fail figures, bench/README.md "Cost, not a race"): each node's CPU-seconds
-per second at 1x above its idle, per message kind, per buffer shard at K = --cost-shards, and the
-manager's CPU per status push at other numbers of rollouts (--status-rollouts, the same push
-rate). Each phase also records what one wake-up of each node's reader served (`wakeups`:
-messages/s, wake-ups/s, messages per wake-up, from the servers' PolledSocket counters, and the
-collector's runs per generation per second), and
+per second at 1x above its idle (an idle phase before the kinds; one after them is recorded as a
+check on drift, idle_cpu_per_s_after), per message kind, per buffer shard at K = --cost-shards,
+and the manager's CPU per status push at other numbers of rollouts (--status-rollouts, the same
+push rate). The shards are measured twice:
+at 1x in all (summary.shard_cpu_us_per_trajectory_by_k: a shard of K takes 1/K of the messages)
+and at one rate per shard (..._same_shard_rate: K shards at K / max(K) of 1x, so every shard takes
+1/max(K) of 1x; the max-K pass is the same pass), which separates what sharding costs from what a
+lower load per shard costs. Each phase also records what one wake-up of each node's reader
+served (`wakeups`: messages/s, wake-ups/s, messages per wake-up, from the servers' PolledSocket
+counters, and the collector's runs per generation per second), and
 summary.shard_messages_per_wakeup_by_k lists it per shard. CP_FSYNC=never|batch|always sets the
 buffers' buffer.fsync (default batch); CP_FLUSH_S the rollouts' partial flush window (default
 0.5 s, rollout.partial_flush_s's default: the same entries/s in fewer, larger batches at 1.0);
@@ -693,9 +698,11 @@ async def run_cost_pass(
     rates: dict[str, float],
     shards: int,
     kinds: list[str] | None = None,
+    x: float = 1.0,
 ) -> dict[str, Any]:
-    """CPU of each node at 1x, whole and kind by kind (COST_PHASES), above its idle: what the code
-    costs, whatever else the box runs (CPU-seconds of each process, not a race for the cores)."""
+    """CPU of each node at x (1: the 1024-GPU rate), whole and kind by kind (COST_PHASES), above
+    its idle: what the code costs, whatever else the box runs (CPU-seconds of each process, not a
+    race for the cores). The figures are normalized to 1x by what each phase delivered."""
     phases: dict[str, dict[str, Any]] = {}
     # the driver at the nodes' priority: here it must offer the rate, not yield the cores (the
     # figures are each node's own CPU-seconds; raising a niceness cannot be undone, so these
@@ -703,8 +710,9 @@ async def run_cost_pass(
     async with Cluster(args, rates, shards, 0) as cl:
         drv, procs = cl.drv, cl.procs
         warm = time.monotonic() + args.warmup_s
-        await asyncio.gather(drv.stream(1.0, warm, first_fill=True), drv.pushes(1.0, warm))
-        for kind in ("idle", *(kinds or args.cost_phases)):
+        await asyncio.gather(drv.stream(x, warm, first_fill=True), drv.pushes(x, warm))
+        # idle before the kinds (subtracted) and after them (a check on drift)
+        for kind in ("idle", *(kinds or args.cost_phases), "idle_end"):
             cl.check()
             await drv.drain(10.0)  # the last phase's trajectories acked: none spills into this one
             before = dict(drv.sent)
@@ -712,15 +720,18 @@ async def run_cost_pass(
             drv0, t0 = time.process_time(), time.time()
             until = time.monotonic() + args.cost_s
             if kind == "all":
-                await asyncio.gather(drv.stream(1.0, until), drv.pushes(1.0, until))
+                await asyncio.gather(drv.stream(x, until), drv.pushes(x, until))
             elif kind == "status":
-                await drv.pushes(1.0, until)
+                await drv.pushes(x, until)
             elif kind == "trajectory":
-                await drv.trajectories(1.0, until)
-            elif kind == "idle":  # the background alone (heartbeats, prompt supply, the trainer)
+                await drv.trajectories(x, until)
+            elif kind in (
+                "idle",
+                "idle_end",
+            ):  # the background alone (heartbeats, prompts, trainer)
                 await asyncio.sleep(args.cost_s)
             else:
-                await drv.stream(1.0, until, finish=False)
+                await drv.stream(x, until, finish=False)
             await asyncio.sleep(1.0)  # acks of the phase's last trajectories (a timer, bounded)
             t1 = time.time()
             cpu = {
@@ -738,7 +749,7 @@ async def run_cost_pass(
                 "wakeups": {name: read_wakeups(cl.lag[name], t0, t1) for name in procs},
             }
             print(
-                f"cost shards={shards} {kind:10s} cpu/s "
+                f"cost shards={shards} x={x:.2f} {kind:10s} cpu/s "
                 + " ".join(f"{k} {v:.3f}" for k, v in cpu.items())
                 + f"  batches/s {got['batches']:.0f} entries/s {got['chunks']:.0f} "
                 f"traj acked/s {got['acked']:.1f} pushes/s {got['pushes']:.0f}  msgs/wake-up "
@@ -749,14 +760,19 @@ async def run_cost_pass(
                 ),
                 flush=True,
             )
+    idle_phases = {k: phases.pop(k) for k in ("idle", "idle_end")}
+    idle_start, idle_end = (idle_phases[k]["cpu_per_s"] for k in ("idle", "idle_end"))
     return {
         "buffer_shards": shards,
+        "x": x,
         "rollouts": int(rates["rollouts"]),
         # idle: the idle phase (after the first fill, as long as a kind's phase); the 3 s at start
         # (no state yet, the connections just made) beside it
-        "idle_cpu_per_s": {
-            k: v for k, v in phases.pop("idle")["cpu_per_s"].items() if k != "driver"
-        },
+        "idle_cpu_per_s": {k: v for k, v in idle_start.items() if k != "driver"},
+        # the same after the kinds, a check on drift (not subtracted: after a phase that finished
+        # samples the synthetic rollouts refill their queues, so it is not always idle)
+        "idle_cpu_per_s_after": {k: v for k, v in idle_end.items() if k != "driver"},
+        "idle_phases": idle_phases,
         "idle_cpu_per_s_at_start": cl.idle_cpu,
         "phases": phases,
         "server_logs": cl.server_logs,
@@ -825,9 +841,16 @@ def cost_summary(passes: list[dict[str, Any]], rates: dict[str, float]) -> dict[
             max(0.0, st["cpu_per_s"]["manager"] - idle["manager"]) / st["achieved"]["pushes"] * 1e6,
             2,
         )
-    # per shard: CPU above its idle per trajectory, at K shards (rollout i -> i % K), from the kind
-    # phases (each normalized by what it delivered): a trajectory's own cost plus its partial
-    # stream's (batches per trajectory at 1x times the cost of a batch)
+    out.update(shard_figures([p for p in passes if p.get("x", 1.0) == 1.0], rates))
+    return out
+
+
+def shard_figures(passes: list[dict[str, Any]], rates: dict[str, float]) -> dict[str, Any]:
+    """Per buffer shard, from passes at K shards (rollout i -> i % K): its CPU above its idle per
+    trajectory, from the kind phases (each normalized by what it delivered; a trajectory's own
+    cost plus its partial stream's: batches per trajectory at 1x times the cost of a batch), what
+    one wake-up of its reader served per phase (the per-message costs that do not divide: a
+    shard that sees fewer messages gathers fewer per wake-up), and the spread of the K means."""
     shard_us: dict[str, list[float]] = {}
     per_traj_batches = rates["batches_s"] / rates["trajectories_s"]
     for p in passes:
@@ -850,25 +873,24 @@ def cost_summary(passes: list[dict[str, Any]], rates: dict[str, float]) -> dict[
             for n in p["idle_cpu_per_s"]
             if n.startswith("buffer")
         ]
-    out["shard_cpu_us_per_trajectory_by_k"] = shard_us
-    # what one wake-up of a shard's reader serves, per kind phase: the per-message costs that do
-    # not divide (a shard that sees 1/K of the messages gathers fewer per wake-up)
-    out["shard_messages_per_wakeup_by_k"] = {
-        str(p["buffer_shards"]): {
-            kind: [
-                (w or {}).get("messages_per_wakeup")
-                for n, w in ph.get("wakeups", {}).items()
-                if n.startswith("buffer")
-            ]
-            for kind, ph in p["phases"].items()
-        }
-        for p in passes
-    }
     means = [sum(v) / len(v) for v in shard_us.values() if v]
-    out["shard_cpu_per_trajectory_spread"] = (
-        round(max(means) / min(means) - 1, 3) if len(means) > 1 and min(means) > 0 else None
-    )
-    return out
+    return {
+        "shard_cpu_us_per_trajectory_by_k": shard_us,
+        "shard_messages_per_wakeup_by_k": {
+            str(p["buffer_shards"]): {
+                kind: [
+                    (w or {}).get("messages_per_wakeup")
+                    for n, w in ph.get("wakeups", {}).items()
+                    if n.startswith("buffer")
+                ]
+                for kind, ph in p["phases"].items()
+            }
+            for p in passes
+        },
+        "shard_cpu_per_trajectory_spread": (
+            round(max(means) / min(means) - 1, 3) if len(means) > 1 and min(means) > 0 else None
+        ),
+    }
 
 
 async def run_pass(
@@ -980,6 +1002,22 @@ async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     rates = all_rates[target_name]
     cost_passes = [await run_cost_pass(args, rates, k) for k in args.cost_shards]
     cost_sm = cost_summary(cost_passes, rates)
+    # the shards again at one rate per shard: K shards at K/most of 1x, so each shard takes the
+    # same messages a second. At 1x in all, a shard of K takes 1/K of them and pays more per
+    # message (fewer gather per wake-up, the journal's timed fsyncs cover fewer records): that is
+    # the load, not the sharding, and it shows with one buffer at a lower rate too. Each of these
+    # passes runs the same two phases (a pass's earlier phases leave state behind)
+    most = max(args.cost_shards)
+    same_rate = [
+        {
+            **await run_cost_pass(args, rates, k, ["trajectory", "chunk"], k / most),
+            "same_shard_rate": True,
+        }
+        for k in args.cost_shards
+    ]
+    cost_sm.update({f"{k}_same_shard_rate": v for k, v in shard_figures(same_rate, rates).items()})
+    cost_sm["same_shard_rate_x"] = round(1 / most, 4)
+    cost_passes += same_rate
     # the manager's cost per status push at other numbers of rollouts, the same push rate: flat
     # when nothing per push scans the rollouts (their heartbeats are in each pass's idle)
     status_passes = [
@@ -1155,7 +1193,9 @@ def main(argv: list[str] | None = None) -> int:
         f"holds ~{sm['one_core_per_node_holds_x_estimate']}x; per kind "
         f"{sm['cpu_core_s_per_1x_by_kind']}; per shard us/trajectory by K "
         f"{sm['shard_cpu_us_per_trajectory_by_k']} "
-        f"(spread {sm['shard_cpu_per_trajectory_spread']}); manager us per status push by "
+        f"(spread {sm['shard_cpu_per_trajectory_spread']}), at {sm['same_shard_rate_x']}x a "
+        f"shard {sm['shard_cpu_us_per_trajectory_by_k_same_shard_rate']} (spread "
+        f"{sm['shard_cpu_per_trajectory_spread_same_shard_rate']}); manager us per status push by "
         f"rollouts {sm['manager_us_per_status_by_rollouts']}"
     )
     if args.no_ramp:

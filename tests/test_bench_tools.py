@@ -43,6 +43,47 @@ def test_committed_simulator_results_give_a_1024_gpu_target():
     assert rates and all(r["chunks_s"] > r["trajectories_s"] > 0 for r in rates.values())
 
 
+def _cost_pass(k: int, x: float, traj_cpu: float, chunk_cpu: float, idle: float) -> dict:
+    """A cost pass as run_cost_pass returns it: K shards at x of the rates below, each shard at
+    `idle` core-s/s idle and the given core-s/s in the trajectory and chunk phases."""
+    shards = ["buffer"] if k == 1 else [f"buffer{i}" for i in range(k)]
+    wake = {"messages_per_wakeup": 2.0}
+    return {
+        "buffer_shards": k,
+        "x": x,
+        "idle_cpu_per_s": {"manager": 0.05, **{n: idle for n in shards}},
+        "phases": {
+            "trajectory": {
+                "cpu_per_s": {n: traj_cpu for n in shards},
+                "achieved": {"acked": 100.0 * x, "batches": 0.0},
+                "wakeups": {n: wake for n in shards},
+            },
+            "chunk": {
+                "cpu_per_s": {n: chunk_cpu for n in shards},
+                "achieved": {"acked": 0.0, "batches": 200.0 * x},
+                "wakeups": {n: wake for n in shards},
+            },
+        },
+    }
+
+
+def test_shard_figures_are_per_shard_per_trajectory_above_idle():
+    rates = {"trajectories_s": 100.0, "batches_s": 200.0}
+    # one shard at half the rate and two at the whole one: each shard takes 50 trajectories/s
+    # and 100 batches/s; 0.05 core-s/s above idle each for trajectories, 0.02 for batches
+    one = _cost_pass(1, 0.5, 0.15, 0.12, 0.1)
+    two = _cost_pass(2, 1.0, 0.15, 0.12, 0.1)
+    got = control_plane.shard_figures([one, two], rates)
+    # 0.05 / 50 + 0.02 / 100 * (2 batches a trajectory) = 1000 + 400 us
+    assert got["shard_cpu_us_per_trajectory_by_k"] == {"1": [1400.0], "2": [1400.0, 1400.0]}
+    assert got["shard_cpu_per_trajectory_spread"] == 0.0
+    assert got["shard_messages_per_wakeup_by_k"]["2"]["chunk"] == [2.0, 2.0]
+    # a shard that costs 10% more per trajectory shows as the spread
+    dear = _cost_pass(2, 1.0, 0.155, 0.122, 0.1)
+    spread = control_plane.shard_figures([one, dear], rates)["shard_cpu_per_trajectory_spread"]
+    assert spread == pytest.approx(0.1, abs=0.001)
+
+
 def test_lag_window_reads_only_samples_inside_it(tmp_path):
     path = tmp_path / "lag.jsonl"
     path.write_text(
