@@ -60,9 +60,11 @@ would hold.)
 
 Cost passes (the pass/fail figures, bench/README.md "Cost, not a race"): each node's CPU-seconds
 per second at 1x above its idle (an idle phase before the kinds; one after them is recorded as a
-check on drift, idle_cpu_per_s_after), per message kind, per buffer shard at K = --cost-shards,
-and the manager's CPU per status push at other numbers of rollouts (--status-rollouts, the same
-push rate). The shards are measured twice:
+check on drift, idle_cpu_per_s_after), per message kind (status, trajectory, chunk: one pass per K;
+the whole workload, `all`, in a pass of its own with one buffer, since it leaves samples standing
+part-way whose feeders then ask for prompts the buffer refuses), per buffer shard at
+K = --cost-shards, and the manager's CPU per status push at other numbers of rollouts
+(--status-rollouts, the same push rate). The shards are measured twice:
 at 1x in all (summary.shard_cpu_us_per_trajectory_by_k: a shard of K takes 1/K of the messages)
 and at one rate per shard (..._same_shard_rate: K shards at K / max(K) of 1x, so every shard takes
 1/max(K) of 1x; the max-K pass is the same pass), which separates what sharding costs from what a
@@ -675,7 +677,7 @@ class Cluster:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-COST_PHASES = ("all", "status", "trajectory", "chunk")
+COST_PHASES = ("status", "trajectory", "chunk", "all")
 """The cost pass's phases at 1x, in order: the whole workload; status pushes alone; trajectories
 alone (served samples finished without partials, the trainer taking them); the partial stream
 alone (no sample finishes; last, since its samples then grow past a trajectory's length). Before
@@ -789,11 +791,20 @@ def cost_summary(passes: list[dict[str, Any]], rates: dict[str, float]) -> dict[
         "chunk": lambda g: g["batches"] / rates["batches_s"],
     }
     out: dict[str, Any] = {}
-    one = next((p for p in passes if p["buffer_shards"] == 1), passes[0])
+    ones = [p for p in passes if p["buffer_shards"] == 1] or passes[:1]
+    one = ones[0]
     idle = one["idle_cpu_per_s"]
 
+    def phase(kind: str) -> tuple[dict[str, Any] | None, dict[str, float]]:
+        """The K=1 pass's phase of `kind` and that pass's idle (the whole workload runs in a pass
+        of its own: see run_bench)."""
+        for p in ones:
+            if kind in p["phases"]:
+                return p["phases"][kind], p["idle_cpu_per_s"]
+        return None, idle
+
     def per_1x(kind: str, name: str) -> float | None:
-        ph = one["phases"].get(kind)
+        ph, idle_of = phase(kind)
         if ph is None:
             return None
         # the whole workload: the manager's load is its pushes, a buffer's its batches
@@ -802,12 +813,12 @@ def cost_summary(passes: list[dict[str, Any]], rates: dict[str, float]) -> dict[
             if kind == "all" and name == "manager"
             else load_of[kind](ph["achieved"])
         )
-        return round(max(0.0, ph["cpu_per_s"][name] - idle[name]) / load, 4) if load > 0 else None
+        above = max(0.0, ph["cpu_per_s"][name] - idle_of[name])
+        return round(above / load, 4) if load > 0 else None
 
     nodes = [n for n in idle]
     # a node's cost of 1x: the sum of its kinds' (each phase at 1x of its own kind, normalized by
-    # what it delivered). The whole-workload phase is the cross-check: its trajectories finish at
-    # the rate its first fill reached, so one load figure cannot normalize it exactly
+    # what it delivered). The whole-workload phase is the cross-check
     by_kind = {n: {k: per_1x(k, n) for k in COST_PHASES if k != "all"} for n in nodes}
     by_node = {
         n: round(sum(v or 0.0 for v in ks.values()), 4)
@@ -823,7 +834,7 @@ def cost_summary(passes: list[dict[str, Any]], rates: dict[str, float]) -> dict[
     out["one_core_per_node_holds_x_estimate"] = min(est.values()) if est else None
     # handler CPU of the whole workload per kind (the accounting hook; receive, decode and reply
     # sends are outside it and in the phase figures)
-    ph_all = one["phases"].get("all")
+    ph_all = phase("all")[0]
     if ph_all is not None:
         load = load_of["all"](ph_all["achieved"])
         hk: dict[str, dict[str, float]] = {}
@@ -835,10 +846,12 @@ def cost_summary(passes: list[dict[str, Any]], rates: dict[str, float]) -> dict[
             hk[n] = {k: round(v, 4) for k, v in acc.items()}
         out["handler_cpu_core_s_per_1x_by_kind"] = hk
     # the manager's per-status cost (the status phase) in us
-    st = one["phases"].get("status")
+    st, idle_st = phase("status")
     if st is not None and st["achieved"]["pushes"] > 0:
         out["manager_us_per_status"] = round(
-            max(0.0, st["cpu_per_s"]["manager"] - idle["manager"]) / st["achieved"]["pushes"] * 1e6,
+            max(0.0, st["cpu_per_s"]["manager"] - idle_st["manager"])
+            / st["achieved"]["pushes"]
+            * 1e6,
             2,
         )
     out.update(shard_figures([p for p in passes if p.get("x", 1.0) == 1.0], rates))
@@ -853,10 +866,9 @@ def shard_figures(passes: list[dict[str, Any]], rates: dict[str, float]) -> dict
     shard that sees fewer messages gathers fewer per wake-up), and the spread of the K means."""
     shard_us: dict[str, list[float]] = {}
     per_traj_batches = rates["batches_s"] / rates["trajectories_s"]
+    passes = [p for p in passes if "trajectory" in p["phases"] and "chunk" in p["phases"]]
     for p in passes:
-        tr, ch = p["phases"].get("trajectory"), p["phases"].get("chunk")
-        if tr is None or ch is None:
-            continue
+        tr, ch = p["phases"]["trajectory"], p["phases"]["chunk"]
         k = p["buffer_shards"]
         t_s, b_s = tr["achieved"]["acked"] / k, ch["achieved"]["batches"] / k
         if t_s <= 0 or b_s <= 0:
@@ -1000,7 +1012,14 @@ async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     all_rates = workload_rates(ROOT / "bench/results/simulate.json")
     target_name = max(all_rates, key=lambda k: all_rates[k]["chunks_s"])
     rates = all_rates[target_name]
-    cost_passes = [await run_cost_pass(args, rates, k) for k in args.cost_shards]
+    # the kinds, then the whole workload in a pass of its own: after it the synthetic rollouts'
+    # samples stand still part-way, their groups stay open, and their feeders ask for prompts
+    # the buffer refuses (rollout_full) every retry_after_s, ~600 requests a second more, which
+    # a kind's phase after it would count as its own
+    kinds = [k for k in args.cost_phases if k != "all"]
+    cost_passes = [await run_cost_pass(args, rates, k, kinds) for k in args.cost_shards if kinds]
+    if "all" in args.cost_phases:
+        cost_passes.append(await run_cost_pass(args, rates, 1, ["all"]))
     cost_sm = cost_summary(cost_passes, rates)
     # the shards again at one rate per shard: K shards at K/most of 1x, so each shard takes the
     # same messages a second. At 1x in all, a shard of K takes 1/K of them and pays more per

@@ -54,12 +54,12 @@ def _cost_pass(k: int, x: float, traj_cpu: float, chunk_cpu: float, idle: float)
         "idle_cpu_per_s": {"manager": 0.05, **{n: idle for n in shards}},
         "phases": {
             "trajectory": {
-                "cpu_per_s": {n: traj_cpu for n in shards},
+                "cpu_per_s": {"manager": 0.05, **{n: traj_cpu for n in shards}},
                 "achieved": {"acked": 100.0 * x, "batches": 0.0},
                 "wakeups": {n: wake for n in shards},
             },
             "chunk": {
-                "cpu_per_s": {n: chunk_cpu for n in shards},
+                "cpu_per_s": {"manager": 0.05, **{n: chunk_cpu for n in shards}},
                 "achieved": {"acked": 0.0, "batches": 200.0 * x},
                 "wakeups": {n: wake for n in shards},
             },
@@ -82,6 +82,41 @@ def test_shard_figures_are_per_shard_per_trajectory_above_idle():
     dear = _cost_pass(2, 1.0, 0.155, 0.122, 0.1)
     spread = control_plane.shard_figures([one, dear], rates)["shard_cpu_per_trajectory_spread"]
     assert spread == pytest.approx(0.1, abs=0.001)
+
+
+def test_the_whole_workload_pass_is_read_against_its_own_idle():
+    rates = {"trajectories_s": 100.0, "batches_s": 200.0, "status_pushes_s": 1000.0}
+    kinds = _cost_pass(1, 1.0, 0.15, 0.12, 0.1)
+    kinds["phases"]["status"] = {
+        "cpu_per_s": {"manager": 0.15, "buffer": 0.1},
+        "achieved": {"pushes": 1000.0},
+        "handler_cpu_per_s": {},
+    }
+    whole = {
+        "buffer_shards": 1,
+        "x": 1.0,
+        "idle_cpu_per_s": {"manager": 0.05, "buffer": 0.2},
+        "phases": {
+            "all": {
+                "cpu_per_s": {"manager": 0.15, "buffer": 0.4},
+                "achieved": {"batches": 200.0, "pushes": 1000.0, "acked": 100.0},
+                "handler_cpu_per_s": {"buffer": {"Trajectory": 0.05}},
+            }
+        },
+    }
+    got = control_plane.cost_summary([kinds, whole], rates)
+    # the kinds against the first pass's idle (0.1): 0.05 + 0.02 + 0; the whole against its own
+    assert got["cpu_core_s_per_1x_by_kind"]["buffer"] == {
+        "status": 0.0,
+        "trajectory": 0.05,
+        "chunk": 0.02,
+    }
+    assert got["cpu_core_s_per_1x_by_node"]["buffer"] == pytest.approx(0.07)
+    assert got["cpu_core_s_per_1x_whole_phase_by_node"]["buffer"] == pytest.approx(0.2)
+    assert got["manager_us_per_status"] == pytest.approx(100.0)
+    assert got["handler_cpu_core_s_per_1x_by_kind"]["buffer"]["trajectory"] == pytest.approx(0.05)
+    # the whole-workload pass has no kinds: the shard figures come from the kinds' pass alone
+    assert got["shard_cpu_us_per_trajectory_by_k"] == {"1": [700.0]}
 
 
 def test_lag_window_reads_only_samples_inside_it(tmp_path):
