@@ -177,3 +177,55 @@ def test_snapshot_rebuilds_the_same_state():
     assert again.consumed_hist.counts == st.consumed_hist.counts
     again.apply(BatchCommitted("B1", 1, 2))
     assert again.closed["a"] == "committed"
+
+
+def test_open_and_unconsumed_counts_follow_every_change():
+    """The open-group count and the unconsumed groups by version are kept as groups change
+    (they are read per prompt request and per timed-out batch request): after every record of
+    a random history, and after a snapshot rebuild, they are what a scan of the groups gives."""
+    import random
+    from collections import Counter
+
+    def scanned(s: ExperienceState) -> tuple[int, Counter]:
+        opened = sum(1 for g in s.groups.values() if g.state == "open")
+        return opened, Counter(g.version for g in s.unconsumed())
+
+    for seed in range(20):
+        rng = random.Random(seed)
+        st = state("drop_group" if seed % 4 == 0 else "release_partial")
+        served, batch_n = 0, 0
+        for _ in range(300):
+            op = rng.random()
+            live = list(st.groups.values())
+            opened = [g for g in live if g.state == "open"]
+            if op < 0.15 or not live:
+                served += 1
+                serve(st, f"g{served}", version=rng.randrange(4))
+            elif op < 0.6 and opened:
+                g = rng.choice(opened)
+                i = rng.randrange(N)
+                # a member may be older or newer than the version its group was served at
+                arrive(st, tr(g.group_id, i, version=rng.randrange(4)))
+            elif op < 0.68 and opened:
+                g = rng.choice(opened)
+                i = rng.randrange(N)
+                if st.check_abandoned(f"{g.group_id}/{i}", g.group_id)[0] == "ok":
+                    st.apply(MemberAbandoned(g.group_id, i))
+            elif op < 0.74:
+                st.apply(GroupsDropped([rng.choice(live).group_id], reason="expired"))
+            elif op < 0.86:
+                take = st.plan(2, st.next_version, final=False).take
+                if take:
+                    batch_n += 1
+                    st.apply(BatchServed(f"B{batch_n}", st.next_version, take))
+            elif op < 0.95 and st.outstanding():
+                b = rng.choice(st.outstanding())
+                st.apply(BatchCommitted(b.batch_id, b.version + 1, batch_n))
+            else:
+                st.apply(BatchesRequeued(st.trainer_version))
+            assert (st.open_groups(), st.unconsumed_by_version()) == scanned(st)
+        again = state(st.policy)
+        for rec in st.snapshot():
+            again.apply(decode_record(encode_record(rec)[8:]))
+        assert (again.open_groups(), again.unconsumed_by_version()) == scanned(again)
+        assert again.unconsumed_by_version() == st.unconsumed_by_version()

@@ -161,6 +161,12 @@ class ExperienceState:
         self._ready: dict[str, Group] = {}
         """The groups in state READY (kept as they change: a waiting trainer asks at every
         arrival)."""
+        self._open = 0
+        """Groups in state OPEN (kept as they change: a trainer's timed-out request and the
+        stall check read it, with thousands of groups live)."""
+        self._unconsumed: Counter[int] = Counter()
+        """Version -> groups OPEN or READY (kept as they change: with a staleness bound every
+        prompt request's admission reads it)."""
         self.trainer_version = 0
         self.last_batch_version = -1
         self.held = 0
@@ -196,10 +202,10 @@ class ExperienceState:
         return [g for g in self.groups.values() if g.state in (OPEN, READY)]
 
     def unconsumed_by_version(self) -> Counter[int]:
-        return Counter(g.version for g in self.unconsumed())
+        return Counter(self._unconsumed)
 
     def open_groups(self) -> int:
-        return sum(1 for g in self.groups.values() if g.state == OPEN)
+        return self._open
 
     def outstanding(self) -> list[BatchRecord]:
         return [self.batches[bid] for bid in self._outstanding]
@@ -362,6 +368,8 @@ class ExperienceState:
         )
         self.serial = max(self.serial, g.serial) + 1
         self.groups[gid] = g
+        self._open += 1
+        self._unconsumed[version] += 1
         self.pending += n
         self.open_held[rollout_id] += 1
         return g
@@ -379,7 +387,11 @@ class ExperienceState:
             return
         was_finished = t.sample_index in g.lost
         g.lost.discard(t.sample_index)  # a member reported lost came back after all: keep its data
+        before = g.version
         g.members[t.sample_index] = t
+        if t.version != before and g.version != before:  # its oldest member sets its version
+            self._uncount(before)
+            self._unconsumed[g.version] += 1
         self.placed.pop(f"{g.group_id}/{t.sample_index}", None)
         self.held += 1
         if not was_finished:
@@ -411,6 +423,7 @@ class ExperienceState:
                 self._drop(g, "no_usable_member")
             else:
                 g.state = READY
+                self._open -= 1
                 self._unhold(g)
                 self._ready[g.group_id] = g
                 self.ready_seq += 1
@@ -431,10 +444,21 @@ class ExperienceState:
         else:
             self.open_held.pop(g.rollout_id, None)
 
+    def _uncount(self, version: int) -> None:
+        """A group of `version` is no longer open or ready."""
+        left = self._unconsumed[version] - 1
+        if left > 0:
+            self._unconsumed[version] = left
+        else:
+            del self._unconsumed[version]
+
     def _drop(self, g: Group, reason: str) -> None:
         if g.state == OPEN:
             self.pending -= g.n - g.finished
             self._unhold(g)
+            self._open -= 1
+        if g.state in (OPEN, READY):
+            self._uncount(g.version)
         self.held -= len(g.members)
         self.fates.drop(g.members.values(), len(g.lost - g.members.keys()), reason)
         self._ready.pop(g.group_id, None)
@@ -454,6 +478,10 @@ class ExperienceState:
         b = BatchRecord(rec.batch_id, rec.version, list(rec.group_ids), rec.trainer_id)
         for gid in b.group_ids:
             g = self.groups[gid]
+            if g.state == OPEN:  # (only ready groups are served)
+                self._open -= 1
+            if g.state in (OPEN, READY):
+                self._uncount(g.version)
             g.state, g.batch_id, g.front = OUTSTANDING, b.batch_id, False
             self._ready.pop(gid, None)
         self.batches[b.batch_id] = b
@@ -487,6 +515,8 @@ class ExperienceState:
             b.state = "requeued"
             for gid in b.group_ids:
                 g = self.groups[gid]
+                if g.state not in (OPEN, READY):
+                    self._unconsumed[g.version] += 1
                 g.state, g.batch_id, g.front = READY, "", True
                 self._ready[gid] = g
             self.counts["batches_requeued"] += 1
