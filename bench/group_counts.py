@@ -10,7 +10,9 @@ every live group each call; the baseline here is that scan, run on the same stat
 run. Shape: --groups live groups (group size 4) served at 8 versions, a third with all members in
 (ready), a third with two, a third with none; each figure is the median of --repeats calls. Who
 calls them: with a staleness bound (buffer.max_staleness) every PromptRequest's admission reads
-the groups by version; a BatchRequest that times out and the stall check read the open count.
+the groups by version, and with global updates (modes sync, one_step, stream) every PromptRequest
+asks whether a group older than its version is still open (the worst case for the scan: none is,
+so it reads every group); a BatchRequest that times out and the stall check read the open count.
 At the 7B multi-turn 1024-GPU row (~68 groups started a second) the prompt requests alone make
 ~68 reads a second.
 """
@@ -88,16 +90,23 @@ def run(groups: int, repeats: int) -> dict[str, Any]:
     def scan_versions() -> Counter[int]:  # what unconsumed_by_version() did before
         return Counter(g.version for g in st.unconsumed())
 
+    def scan_older() -> bool:  # what a prompt request under global updates did before
+        return any(g.state == OPEN and g.version < 0 for g in st.groups.values())
+
     assert st.open_groups() == scan_open() and st.unconsumed_by_version() == scan_versions()
+    assert st.open_before(0) == scan_older()
     row = {
         "groups": groups,
         "open_scan_us": timed(scan_open, repeats) * 1e6,
         "open_kept_us": timed(st.open_groups, repeats) * 1e6,
         "by_version_scan_us": timed(scan_versions, repeats) * 1e6,
         "by_version_kept_us": timed(st.unconsumed_by_version, repeats) * 1e6,
+        "older_open_scan_us": timed(scan_older, repeats) * 1e6,
+        "older_open_kept_us": timed(lambda: st.open_before(0), repeats) * 1e6,
     }
     row["open_ratio"] = row["open_scan_us"] / row["open_kept_us"]
     row["by_version_ratio"] = row["by_version_scan_us"] / row["by_version_kept_us"]
+    row["older_open_ratio"] = row["older_open_scan_us"] / row["older_open_kept_us"]
     return {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}
 
 
@@ -118,12 +127,15 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=1))
     print(f"{'groups':>7} | {'open: scan us':>13} {'kept us':>8} {'ratio':>8} | ", end="")
-    print(f"{'by version: scan us':>19} {'kept us':>8} {'ratio':>8}")
+    print(f"{'by version: scan us':>19} {'kept us':>8} {'ratio':>8} | ", end="")
+    print(f"{'open older: scan us':>19} {'kept us':>8} {'ratio':>8}")
     for r in rows:
         print(
             f"{r['groups']:>7} | {r['open_scan_us']:>13.1f} {r['open_kept_us']:>8.2f} "
             f"{r['open_ratio']:>8.0f} | {r['by_version_scan_us']:>19.1f} "
-            f"{r['by_version_kept_us']:>8.2f} {r['by_version_ratio']:>8.0f}"
+            f"{r['by_version_kept_us']:>8.2f} {r['by_version_ratio']:>8.0f} | "
+            f"{r['older_open_scan_us']:>19.1f} {r['older_open_kept_us']:>8.2f} "
+            f"{r['older_open_ratio']:>8.0f}"
         )
     print(f"-> {args.out}")
     return 0

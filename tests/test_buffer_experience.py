@@ -180,15 +180,21 @@ def test_snapshot_rebuilds_the_same_state():
 
 
 def test_open_and_unconsumed_counts_follow_every_change():
-    """The open-group count and the unconsumed groups by version are kept as groups change
-    (they are read per prompt request and per timed-out batch request): after every record of
-    a random history, and after a snapshot rebuild, they are what a scan of the groups gives."""
+    """The open groups (count, and whether one is older than a version) and the unconsumed
+    groups by version are kept as groups change (they are read per prompt request and per
+    timed-out batch request): after every record of a random history, and after a snapshot
+    rebuild, they are what a scan of the groups gives."""
     import random
     from collections import Counter
 
-    def scanned(s: ExperienceState) -> tuple[int, Counter]:
-        opened = sum(1 for g in s.groups.values() if g.state == "open")
-        return opened, Counter(g.version for g in s.unconsumed())
+    def scanned(s: ExperienceState) -> tuple[int, Counter, list[bool]]:
+        opened = [g for g in s.groups.values() if g.state == "open"]
+        before = [any(g.version < v for g in opened) for v in range(5)]
+        return len(opened), Counter(g.version for g in s.unconsumed()), before
+
+    def kept(s: ExperienceState) -> tuple[int, Counter, list[bool]]:
+        before = [s.open_before(v) for v in range(5)]
+        return s.open_groups(), s.unconsumed_by_version(), before
 
     for seed in range(20):
         rng = random.Random(seed)
@@ -223,9 +229,8 @@ def test_open_and_unconsumed_counts_follow_every_change():
                 st.apply(BatchCommitted(b.batch_id, b.version + 1, batch_n))
             else:
                 st.apply(BatchesRequeued(st.trainer_version))
-            assert (st.open_groups(), st.unconsumed_by_version()) == scanned(st)
+            assert kept(st) == scanned(st)
         again = state(st.policy)
         for rec in st.snapshot():
             again.apply(decode_record(encode_record(rec)[8:]))
-        assert (again.open_groups(), again.unconsumed_by_version()) == scanned(again)
-        assert again.unconsumed_by_version() == st.unconsumed_by_version()
+        assert kept(again) == scanned(again) == kept(st)

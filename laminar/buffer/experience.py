@@ -82,6 +82,15 @@ def usable(t: Trajectory) -> bool:
     return t.reward is not None and math.isfinite(t.reward) and t.finish_reason != "error"
 
 
+def _take(counts: Counter[int], version: int) -> None:
+    """One group of `version` fewer in `counts` (a version at zero leaves it)."""
+    left = counts[version] - 1
+    if left > 0:
+        counts[version] = left
+    else:
+        del counts[version]
+
+
 @dataclass(eq=False)
 class Group:
     group_id: str
@@ -161,9 +170,10 @@ class ExperienceState:
         self._ready: dict[str, Group] = {}
         """The groups in state READY (kept as they change: a waiting trainer asks at every
         arrival)."""
-        self._open = 0
-        """Groups in state OPEN (kept as they change: a trainer's timed-out request and the
-        stall check read it, with thousands of groups live)."""
+        self._open: Counter[int] = Counter()
+        """Version -> groups in state OPEN (kept as they change: a trainer's timed-out request,
+        the stall check and, with global updates, every prompt request read it, with thousands
+        of groups live)."""
         self._unconsumed: Counter[int] = Counter()
         """Version -> groups OPEN or READY (kept as they change: with a staleness bound every
         prompt request's admission reads it)."""
@@ -205,7 +215,11 @@ class ExperienceState:
         return Counter(self._unconsumed)
 
     def open_groups(self) -> int:
-        return self._open
+        return sum(self._open.values())
+
+    def open_before(self, version: int) -> bool:
+        """Whether a group older than `version` is still open."""
+        return any(v < version for v in self._open)
 
     def outstanding(self) -> list[BatchRecord]:
         return [self.batches[bid] for bid in self._outstanding]
@@ -368,7 +382,7 @@ class ExperienceState:
         )
         self.serial = max(self.serial, g.serial) + 1
         self.groups[gid] = g
-        self._open += 1
+        self._open[version] += 1
         self._unconsumed[version] += 1
         self.pending += n
         self.open_held[rollout_id] += 1
@@ -390,8 +404,9 @@ class ExperienceState:
         before = g.version
         g.members[t.sample_index] = t
         if t.version != before and g.version != before:  # its oldest member sets its version
-            self._uncount(before)
-            self._unconsumed[g.version] += 1
+            for counts in (self._open, self._unconsumed):
+                _take(counts, before)
+                counts[g.version] += 1
         self.placed.pop(f"{g.group_id}/{t.sample_index}", None)
         self.held += 1
         if not was_finished:
@@ -423,7 +438,7 @@ class ExperienceState:
                 self._drop(g, "no_usable_member")
             else:
                 g.state = READY
-                self._open -= 1
+                _take(self._open, g.version)
                 self._unhold(g)
                 self._ready[g.group_id] = g
                 self.ready_seq += 1
@@ -444,21 +459,13 @@ class ExperienceState:
         else:
             self.open_held.pop(g.rollout_id, None)
 
-    def _uncount(self, version: int) -> None:
-        """A group of `version` is no longer open or ready."""
-        left = self._unconsumed[version] - 1
-        if left > 0:
-            self._unconsumed[version] = left
-        else:
-            del self._unconsumed[version]
-
     def _drop(self, g: Group, reason: str) -> None:
         if g.state == OPEN:
             self.pending -= g.n - g.finished
             self._unhold(g)
-            self._open -= 1
+            _take(self._open, g.version)
         if g.state in (OPEN, READY):
-            self._uncount(g.version)
+            _take(self._unconsumed, g.version)
         self.held -= len(g.members)
         self.fates.drop(g.members.values(), len(g.lost - g.members.keys()), reason)
         self._ready.pop(g.group_id, None)
@@ -479,9 +486,9 @@ class ExperienceState:
         for gid in b.group_ids:
             g = self.groups[gid]
             if g.state == OPEN:  # (only ready groups are served)
-                self._open -= 1
+                _take(self._open, g.version)
             if g.state in (OPEN, READY):
-                self._uncount(g.version)
+                _take(self._unconsumed, g.version)
             g.state, g.batch_id, g.front = OUTSTANDING, b.batch_id, False
             self._ready.pop(gid, None)
         self.batches[b.batch_id] = b

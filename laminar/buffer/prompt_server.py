@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import structlog
 
-from laminar.buffer.experience import OPEN
 from laminar.buffer.leases import Leases
 from laminar.buffer.ledger import Ledger
 from laminar.buffer.members import Members
@@ -144,7 +143,7 @@ class PromptServer:
         if (
             self.admission.policy.global_update
             and not self.admission.policy.interrupts  # partial: old groups continue at the new one
-            and any(g.state == OPEN and g.version < req.version for g in st.groups.values())
+            and st.open_before(req.version)
         ):
             self.metrics.count("prompts_refused_global_update")
             return PromptReply(retry_after_s=wait, reason="global_update")
