@@ -678,11 +678,12 @@ class Cluster:
 
 
 COST_PHASES = ("status", "trajectory", "chunk", "all")
-"""The cost pass's phases at 1x, in order: the whole workload; status pushes alone; trajectories
-alone (served samples finished without partials, the trainer taking them); the partial stream
-alone (no sample finishes; last, since its samples then grow past a trajectory's length). Before
-them, after the first fill, an idle phase as long (the background alone: heartbeats, prompt
-supply, the trainer) gives the idle subtracted from each; before each phase the driver waits
+"""The cost phases at 1x, in order: status pushes alone; trajectories alone (served samples
+finished without partials, the trainer taking them); the partial stream alone (no sample
+finishes; last of a pass, since its samples then grow past a trajectory's length); the whole
+workload, in a pass of its own (run_bench). Before them, after the first fill, an idle phase as
+long (the background alone: heartbeats, prompt supply, the trainer) gives the idle subtracted
+from each, and one after them is kept as a check on drift; before each phase the driver waits
 (bounded) until the trajectories it sent were acked, so none spills into the next phase."""
 HANDLER_KINDS = {
     "PartialBatch": "chunk",
@@ -727,10 +728,7 @@ async def run_cost_pass(
                 await drv.pushes(x, until)
             elif kind == "trajectory":
                 await drv.trajectories(x, until)
-            elif kind in (
-                "idle",
-                "idle_end",
-            ):  # the background alone (heartbeats, prompts, trainer)
+            elif kind.startswith("idle"):  # the background alone: heartbeats, prompts, trainer
                 await asyncio.sleep(args.cost_s)
             else:
                 await drv.stream(x, until, finish=False)

@@ -459,13 +459,18 @@ class ExperienceState:
         else:
             self.open_held.pop(g.rollout_id, None)
 
+    def _uncount(self, g: Group) -> None:
+        """`g` leaves its state (dropped, or into a batch): out of the kept counts."""
+        if g.state == OPEN:
+            _take(self._open, g.version)
+        if g.state in (OPEN, READY):
+            _take(self._unconsumed, g.version)
+
     def _drop(self, g: Group, reason: str) -> None:
         if g.state == OPEN:
             self.pending -= g.n - g.finished
             self._unhold(g)
-            _take(self._open, g.version)
-        if g.state in (OPEN, READY):
-            _take(self._unconsumed, g.version)
+        self._uncount(g)
         self.held -= len(g.members)
         self.fates.drop(g.members.values(), len(g.lost - g.members.keys()), reason)
         self._ready.pop(g.group_id, None)
@@ -485,10 +490,7 @@ class ExperienceState:
         b = BatchRecord(rec.batch_id, rec.version, list(rec.group_ids), rec.trainer_id)
         for gid in b.group_ids:
             g = self.groups[gid]
-            if g.state == OPEN:  # (only ready groups are served)
-                _take(self._open, g.version)
-            if g.state in (OPEN, READY):
-                _take(self._unconsumed, g.version)
+            self._uncount(g)
             g.state, g.batch_id, g.front = OUTSTANDING, b.batch_id, False
             self._ready.pop(gid, None)
         self.batches[b.batch_id] = b
