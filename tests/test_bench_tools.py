@@ -16,6 +16,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import chaos  # noqa: E402
 import control_plane  # noqa: E402
+import cp_cluster  # noqa: E402
 import cp_node  # noqa: E402
 
 
@@ -29,17 +30,17 @@ def test_1024_gpu_rates_follow_the_simulator_results(tmp_path):
     }
     path = tmp_path / "sim.json"
     path.write_text(json.dumps({"results": {"32B": {"64": {}, "1024": {"laminar": row}}}}))
-    rates = control_plane.workload_rates(path)
+    rates = cp_cluster.workload_rates(path)
     assert list(rates) == ["32B"]
     r = rates["32B"]
-    assert r["chunks_s"] == pytest.approx(320_000 / control_plane.CHUNK_TOKENS)
+    assert r["chunks_s"] == pytest.approx(320_000 / cp_cluster.CHUNK_TOKENS)
     assert r["trajectories_s"] == pytest.approx(5000 / 50)
-    assert r["heartbeats_s"] == pytest.approx(128 / control_plane.HEARTBEAT_S)
-    assert r["status_pushes_s"] == pytest.approx(128 / control_plane.STATUS_PUSH_MIN_S)
+    assert r["heartbeats_s"] == pytest.approx(128 / cp_cluster.HEARTBEAT_S)
+    assert r["status_pushes_s"] == pytest.approx(128 / cp_cluster.STATUS_PUSH_MIN_S)
 
 
 def test_committed_simulator_results_give_a_1024_gpu_target():
-    rates = control_plane.workload_rates(ROOT / "bench/results/simulate.json")
+    rates = cp_cluster.workload_rates(ROOT / "bench/results/simulate.json")
     assert rates and all(r["chunks_s"] > r["trajectories_s"] > 0 for r in rates.values())
 
 

@@ -1,0 +1,590 @@
+"""The control-plane bench's synthetic cluster (bench/control_plane.py measures with it): the
+node processes under test (one manager, K buffer shards, each a bench/cp_node.py process), and the
+driver that stands in for the rollouts and the trainer, offering the 1024-GPU rates the
+simulator's results give (workload_rates; the derivation is in bench/control_plane.py's
+docstring)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchinfo, also when loaded as a module
+
+import numpy as np  # noqa: E402
+import zmq  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent
+CHUNK_TOKENS = 32
+FLUSH_S = float(os.environ.get("CP_FLUSH_S", "0.5"))
+"""rollout.partial_flush_s's default (tests/test_partial_batch.py checks they agree); CP_FLUSH_S
+changes it (the same entries/s in fewer, larger batches: per-batch against per-entry cost)."""
+LOSS_MASK = os.environ.get("CP_LOSS_MASK", "0") == "1"
+"""Entries and trajectories carry a loss mask (multi-turn: ~15% environment tokens)."""
+HEARTBEAT_S = 0.5
+STATUS_PUSH_MIN_S = 0.05
+TRAINER_BATCH_GROUPS = 128
+"""Groups per synthetic trainer batch (512 trajectories, ~1 s of the 1x rate): a 1024-GPU trainer
+step takes 512 groups of 16, and a trainer of 16-group batches would need 16 round trips a second
+at 2x, fall behind and let the buffer's held state grow without end."""
+
+
+def workload_rates(sim_json: Path) -> dict[str, dict[str, float]]:
+    """Message rates of every 1024-GPU laminar row of the simulator results (see the docstring)."""
+    d = json.loads(sim_json.read_text())
+    rows: dict[str, dict[str, Any]] = {}
+    for model, by_scale in d.get("results", {}).items():
+        if "1024" in by_scale:
+            rows[model] = by_scale["1024"]["laminar"]
+    mt = d.get("multiturn", {})
+    if "1024" in mt.get("results", {}):
+        rows[f"{mt.get('model', '?')}_multiturn"] = mt["results"]["1024"]["laminar"]
+    out = {}
+    for name, r in rows.items():
+        tok_s = r["gen_tok_s"]["median"]
+        window = r["counts"]["steps_measured"] * r["iteration_s"]["median"]
+        traj_s = r["staleness_finished"]["count"] / window
+        n = r["rollouts"]
+        out[name] = {
+            "rollouts": n,
+            "tokens_s": tok_s,
+            "trajectories_s": traj_s,
+            "chunks_s": tok_s / CHUNK_TOKENS,
+            "batches_s": n / FLUSH_S,
+            "heartbeats_s": n / HEARTBEAT_S,
+            "status_pushes_s": n / STATUS_PUSH_MIN_S,
+        }
+    return out
+
+
+def make_cfg_dict(tmp: Path, rollouts: int) -> dict[str, Any]:
+    data = tmp / "train.jsonl"
+    data.write_text(
+        "".join(json.dumps({"prompt": f"p{i}", "answer": "a"}) + "\n" for i in range(4096))
+    )
+    return {
+        "name": f"cp{uuid.uuid4().hex[:6]}",
+        "run_dir": str(tmp / "run"),
+        "mode": "laminar",
+        "logging": {"level": os.environ.get("CP_LOG", "warning")},
+        # the synthetic rollouts' ids rollout-0 .. are admitted past the run's own two
+        "cluster": {"transport": "ipc", "ipc_dir": str(tmp / "ipc"), "max_rollouts": rollouts + 2},
+        "transport": {"heartbeat_interval_s": HEARTBEAT_S, "request_timeout_s": 10.0},
+        "data": {"train": str(data), "seed": 1},
+        "rollout": {
+            "group_size": 4,
+            "partial_chunk_tokens": CHUNK_TOKENS,
+            "partial_flush_s": FLUSH_S,
+            "max_running": 128,
+            "status_push_min_s": STATUS_PUSH_MIN_S,
+            # synthetic responses are chunks_per_traj x CHUNK_TOKENS long: the buffer refuses a
+            # response longer than any the config lets a rollout make
+            "sampling": {"max_tokens": 1 << 16},
+        },
+        "trainer": {"batch_groups": TRAINER_BATCH_GROUPS},
+        "buffer": {"capacity": 1 << 20, "fsync": os.environ.get("CP_FSYNC", "batch")},
+    }
+
+
+# ---- driver ----------------------------------------------------------------------------------
+class Driver:
+    def __init__(self, cfg: Any, rates: dict[str, float], ctx: Any, shards: list[str]):
+        self.cfg, self.rates, self.ctx = cfg, rates, ctx
+        self.shards = shards
+        """Buffer endpoints; synthetic rollout i talks to shard i % len(shards) (keyed by
+        rollout)."""
+        self.rollouts = int(rates["rollouts"])
+        self.chunks_per_traj = max(1, round(rates["chunks_s"] / rates["trajectories_s"]))
+        self.entries_per_batch = max(1, round(rates["chunks_s"] * FLUSH_S / self.rollouts))
+        self.resp_len = self.chunks_per_traj * CHUNK_TOKENS
+        self.ids = np.arange(self.resp_len, dtype=np.int32) % 1000
+        self.lps = np.full(self.resp_len, -0.5, np.float32)
+        self.flat_ids = np.arange(self.entries_per_batch * self.resp_len, dtype=np.int32) % 1000
+        self.flat_lps = np.full(len(self.flat_ids), -0.5, np.float32)
+        # multi-turn (CP_LOSS_MASK=1): an environment token in every 7 (the trajectory's mask is
+        # the start of the batches' one)
+        self.flat_mask = (
+            (np.arange(len(self.flat_ids)) % 7 != 6).astype(np.uint8) if LOSS_MASK else None
+        )
+        self.mask = None if self.flat_mask is None else self.flat_mask[: self.resp_len]
+        self.queues: list[asyncio.Queue[tuple[Any, int]]] = [
+            asyncio.Queue() for _ in range(self.rollouts)
+        ]
+        """Served samples per synthetic rollout: a group's samples go back from the rollout it
+        was served to (the buffer takes them from no other), so to the shard that served it."""
+        self.low = [asyncio.Event() for _ in range(self.rollouts)]
+        """Set when synthetic rollout i's queue is down to half: its feeder asks for prompts."""
+        for ev in self.low:
+            ev.set()
+        self.sent = {
+            "batches": 0,
+            "chunks": 0,
+            "trajectories": 0,
+            "acked": 0,
+            "pushes": 0,
+            "ack_failed": 0,
+            "request_failed": 0,
+            "trained": 0,
+        }
+        self.ack_lat: list[float] = []
+        # unacked trajectories in flight per synthetic rollout, as a real rollout's outbox
+        # allows (rollout.outbox_concurrency); a global cap would bound the rate at cap / ack
+        # latency, which no real cluster has
+        self.traj_sem = [
+            asyncio.Semaphore(cfg.rollout.outbox_concurrency) for _ in range(self.rollouts)
+        ]
+        self.bg: set[asyncio.Task[Any]] = set()
+        self.active: list[list[list[Any]]] = [[] for _ in range(self.rollouts)]
+        """Per synthetic rollout: its in-flight samples [item, sample, next chunk]; kept across
+        steps."""
+        self.next_rollout = 0
+        self._status: dict[int, Any] = {}
+
+    def status(self, i: int) -> Any:
+        """Rollout i's status (128 sequences): built once, stamped per push (the driver's own cost
+        is not what is measured; the manager decodes the full status every time)."""
+        from laminar.protocol.core import NodeStatus
+        from laminar.protocol.rollout import RolloutStatus
+
+        st = self._status.get(i)
+        if st is None:
+            toks = {f"syn{i}-{k}": 1000 + k for k in range(128)}
+            rs = RolloutStatus(
+                traj_tokens=toks,
+                kv_capacity_tokens=1 << 20,
+                measured_at=time.time(),
+                target_version=0,
+                groups=32,
+                credits_free=0,
+                max_running=128,  # an engine up: the manager lists it to the buffer as serving
+            )
+            st = self._status[i] = NodeStatus(
+                node_id=f"rollout-{i}",
+                role="rollout",
+                version=0,
+                kv_use=0.5,
+                running=128,
+                rollout=rs,
+            )
+        assert st.rollout is not None
+        st.rollout.measured_at = time.time()
+        return st
+
+    async def connect(self) -> None:
+        from laminar.transport.client import RpcClient
+        from laminar.wiring.common import socket_options
+
+        opts = socket_options(self.cfg)
+        k = len(self.shards)
+        self.buf = [
+            RpcClient(self.ctx, self.shards[i % k], f"rollout-{i}", "rollout", opts)
+            for i in range(self.rollouts)
+        ]
+        self.mgr = [
+            RpcClient(
+                self.ctx,
+                self.cfg.endpoint("manager"),
+                f"rollout-{i}",
+                "rollout",
+                opts,
+                status=functools.partial(self.status, i),
+            )
+            for i in range(self.rollouts)
+        ]
+        self.trainers = [
+            RpcClient(self.ctx, ep, "trainer-0", "trainer", opts) for ep in self.shards
+        ]
+        for c in [*self.buf, *self.mgr, *self.trainers]:
+            await c.connect(timeout=30)
+
+    def spawn(self, coro: Any, name: str | None = None) -> None:
+        t = asyncio.create_task(coro, name=name)
+        self.bg.add(t)
+        t.add_done_callback(self.bg.discard)
+
+    async def supply(self, shard: int) -> None:
+        """Keeps served samples queued: the synthetic rollouts of `shard` ask for prompts like
+        real ones, each on its own (a feeder per rollout)."""
+        await asyncio.gather(
+            *(self.feed(ci) for ci in range(shard, self.rollouts, len(self.shards)))
+        )
+
+    async def feed(self, ci: int) -> None:
+        """Synthetic rollout ci's prompt feeder. A real rollout asks for what its free credits
+        hold (laminar/rollout/feeder.py), so it holds about its running set: here one batch's
+        worth of samples in flight (`active`) and up to as many queued, asked for once the queue
+        is down to half. (Asking for 64 groups whenever a queue held under 64 samples leased
+        ~16x the groups a rollout runs: ~64k open samples the buffer kept and leased for
+        nothing.)"""
+        from laminar.protocol.buffer import PromptReply, PromptRequest
+
+        most, n = self.entries_per_batch, self.cfg.rollout.group_size
+        queue, cli, low = self.queues[ci], self.buf[ci], self.low[ci]
+        while True:
+            await low.wait()
+            low.clear()
+            want = max(1, -(-(most - queue.qsize()) // n))
+            try:
+                rep = await cli.request(
+                    PromptRequest(rollout_id=cli.node_id, max_groups=want, version=0)
+                )
+            except Exception:  # an overloaded buffer: as a rollout would, ask again (counted)
+                self.sent["request_failed"] += 1
+                low.set()
+                continue
+            assert isinstance(rep, PromptReply)
+            for it in rep.items:
+                for s in range(it.n):
+                    queue.put_nowait((it, s))
+            if not rep.items:
+                await asyncio.sleep(rep.retry_after_s or 0.05)
+            if queue.qsize() <= most // 2:
+                low.set()
+
+    async def train(self, shard: int) -> None:
+        """A synthetic trainer: takes batches and commits them, so the buffer never fills."""
+        from laminar.protocol.buffer import BatchCommit, BatchReply, BatchRequest
+
+        step, trainer, first = 0, self.trainers[shard], True
+        while True:
+            try:
+                rep = await trainer.request(
+                    BatchRequest(
+                        trainer_id="trainer-0",
+                        groups=TRAINER_BATCH_GROUPS,
+                        trainer_version=0,
+                        wait_s=0.5,
+                        restart=first,
+                    )
+                )
+                first = False
+                assert isinstance(rep, BatchReply)
+                self.sent["trained"] += len(rep.trajectories)
+                if rep.batch_id:
+                    step += 1
+                    await trainer.request(BatchCommit(batch_id=rep.batch_id, step=step, version=0))
+            except Exception:  # an overloaded buffer: as the trainer would, ask again (counted)
+                self.sent["request_failed"] += 1
+
+    async def finish(self, cli: Any, t: Any, ci: int) -> None:
+        async with self.traj_sem[ci]:
+            t0 = time.monotonic()
+            try:
+                await cli.request(t, timeout=10.0, retries=0)
+                self.sent["acked"] += 1
+                self.ack_lat.append(time.monotonic() - t0)
+            except Exception:
+                self.sent["ack_failed"] += 1
+
+    def trajectory(self, it: Any, s: int, rid: str) -> Any:
+        from laminar.protocol.data import Trajectory
+
+        return Trajectory(
+            uid=f"{it.group_id}/{s}",
+            group_id=it.group_id,
+            prompt_uid=it.uid,
+            sample_index=s,
+            prompt_ids=it.prompt_ids,
+            response_ids=self.ids,
+            logprobs=self.lps,
+            loss_mask=self.mask,
+            version=0,
+            reward=float(s % 2),
+            rollout_id=rid,
+            finish_reason="stop",
+        )
+
+    def batch(self, ci: int, first_fill: bool, finish: bool = True) -> Any:
+        """The next PartialBatch of synthetic rollout `ci`: one entry per in-flight sample (up to
+        entries_per_batch), each the sample's next 32 tokens; finished samples go as
+        Trajectories (finish=False: none finishes, the samples grow on: partials alone)."""
+        from laminar.protocol.data import PartialBatch, PartialTrajectory
+
+        cli, active, e = self.buf[ci], self.active[ci], self.entries_per_batch
+        queue = self.queues[ci]
+        while len(active) < e and not queue.empty():
+            it, s = queue.get_nowait()
+            if queue.qsize() <= e // 2:
+                self.low[ci].set()  # its feeder asks for more
+            # the first fill starts part-way (the first entry brings the tokens so far): steady
+            # finishes
+            c0 = int(np.random.randint(self.chunks_per_traj)) if first_fill else 0
+            active.append([it, s, c0, True, f"{it.group_id}/{s}"])
+        if not active:
+            return None
+        uids, offs, lens, heads, at = [], [], [], [], []
+        for i, a in enumerate(active[:e]):
+            it, s, c, new, uid = a
+            lo, hi = (0 if new else c * CHUNK_TOKENS), (c + 1) * CHUNK_TOKENS
+            uids.append(uid)
+            offs.append(lo)
+            lens.append(hi - lo)
+            if new:
+                at.append(i)
+                heads.append(
+                    PartialTrajectory(
+                        uid=uid,
+                        group_id=it.group_id,
+                        prompt_uid=it.uid,
+                        sample_index=s,
+                        prompt_ids=it.prompt_ids,
+                        response_ids=self.ids[:0],
+                        logprobs=self.lps[:0],
+                        version=0,
+                        n=it.n,
+                        rollout_id=cli.node_id,
+                    )
+                )
+            a[2], a[3] = c + 1, False
+        k, n = len(uids), sum(lens)
+        # token values do not matter to the buffer: views of one preallocated array (the driver's
+        # cost is not what is measured)
+        msg = PartialBatch(
+            rollout_id=cli.node_id,
+            uids=uids,
+            versions=np.zeros(k, np.int64),
+            offsets=np.array(offs, np.int64),
+            lengths=np.array(lens, np.int64),
+            token_ids=self.flat_ids[:n],
+            logprobs=self.flat_lps[:n],
+            loss_mask=None if self.flat_mask is None else self.flat_mask[:n],
+            awaiting_env=np.zeros(k, np.uint8),
+            headers=heads,
+            header_at=np.array(at, np.int64) if at else None,
+        )
+        # round robin within the rollout: the served samples go to the back; finished ones leave
+        served, rest = active[:e], active[e:]
+        if not finish:
+            active[:] = rest + served
+            return msg
+        active[:] = rest + [a for a in served if a[2] < self.chunks_per_traj]
+        for a in served:
+            if a[2] >= self.chunks_per_traj:
+                self.sent["trajectories"] += 1
+                self.spawn(self.finish(cli, self.trajectory(a[0], a[1], cli.node_id), ci), "finish")
+        return msg
+
+    async def stream(
+        self, x: float, until: float, first_fill: bool = False, finish: bool = True
+    ) -> None:
+        """Paced PartialBatches at x * batches/s, rollouts in turn (see the module docstring);
+        finish=False: no sample finishes (the partial stream alone)."""
+        rate = x * self.rates["batches_s"]
+        t_start, due_sent = time.monotonic(), 0
+        while time.monotonic() < until:
+            now = time.monotonic()
+            due = int((now - t_start) * rate) - due_sent
+            if due <= 0:
+                await asyncio.sleep(0.002)
+                continue
+            for _ in range(min(due, 500)):
+                ci = self.next_rollout
+                self.next_rollout = (ci + 1) % self.rollouts
+                msg = self.batch(ci, first_fill, finish)
+                due_sent += 1
+                if msg is None:
+                    continue
+                try:
+                    await self.buf[ci].send(msg)
+                    self.sent["batches"] += 1
+                    self.sent["chunks"] += len(msg.uids)
+                except Exception:
+                    pass
+            await asyncio.sleep(0)
+
+    async def trajectories(self, x: float, until: float) -> None:
+        """Trajectories alone at x * trajectories/s, rollouts in turn: served samples finished
+        without a partial stream (what a trajectory costs: intake, journal, ack, and the trainer's
+        batches of them)."""
+        rate = x * self.rates["trajectories_s"]
+        t_start, done = time.monotonic(), 0
+        while time.monotonic() < until:
+            due = int((time.monotonic() - t_start) * rate) - done
+            for _ in range(min(max(due, 0), 500)):
+                ci = self.next_rollout
+                self.next_rollout = (ci + 1) % self.rollouts
+                done += 1
+                queue = self.queues[ci]
+                if queue.empty():
+                    continue
+                it, s = queue.get_nowait()
+                if queue.qsize() <= self.entries_per_batch // 2:
+                    self.low[ci].set()
+                cli = self.buf[ci]
+                self.sent["trajectories"] += 1
+                self.spawn(self.finish(cli, self.trajectory(it, s, cli.node_id), ci), "finish")
+            await asyncio.sleep(0.005)
+
+    async def pushes(self, x: float, until: float) -> None:
+        """Status pushes and the extra heartbeats above 1x (the client timers send 1x) to the
+        manager."""
+        rate = x * self.rates["status_pushes_s"] + max(0.0, x - 1) * self.rates["heartbeats_s"]
+        t_start, done = time.monotonic(), 0
+        while time.monotonic() < until:
+            due = int((time.monotonic() - t_start) * rate) - done
+            for _ in range(min(max(due, 0), 1000)):
+                with_cli = self.mgr[done % self.rollouts]
+                try:
+                    await with_cli.beat(1.0)
+                    self.sent["pushes"] += 1
+                except Exception:
+                    pass
+                done += 1
+            await asyncio.sleep(0.005)
+
+    async def drain(self, timeout: float) -> None:
+        """Wait (bounded) until every trajectory sent so far was acked or failed."""
+        pending = [t for t in self.bg if t.get_name().startswith("finish")]
+        if pending:
+            await asyncio.wait(pending, timeout=timeout)
+
+    async def close(self) -> None:
+        for t in list(self.bg):
+            t.cancel()
+        for c in [*self.buf, *self.mgr, *self.trainers]:
+            await c.close()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc; 0 elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+_BASE_NICE = os.getpriority(os.PRIO_PROCESS, 0)
+"""The niceness this process started with: the servers' (the driver's is raised after they
+start)."""
+
+
+def _server_priority() -> None:
+    """In a server child: back to the starting niceness when an earlier pass raised the driver's
+    (lowering it needs CAP_SYS_NICE; without it the child keeps the driver's, as it says)."""
+    if os.getpriority(os.PRIO_PROCESS, 0) != _BASE_NICE:
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, _BASE_NICE)
+        except PermissionError:
+            pass
+
+
+class Cluster:
+    """One manager and `shards` buffer processes (rollout i -> shard i % shards) with the driver
+    connected; `async with` starts them and stops them (by pid) and keeps their warnings."""
+
+    def __init__(
+        self, args: argparse.Namespace, rates: dict[str, float], shards: int, driver_nice: int
+    ):
+        from laminar.config import config_from_dict
+        from laminar.transport.sockets import new_context
+
+        self.args, self.rates, self.shards = args, rates, shards
+        self.driver_nice = driver_nice
+        tmp = Path(tempfile.mkdtemp(prefix="lamcp-"))
+        cfg_d = make_cfg_dict(tmp, int(rates["rollouts"]))
+        (tmp / "ipc").mkdir()
+        (tmp / "cfg.json").write_text(json.dumps(cfg_d))
+        cfg = config_from_dict(cfg_d)
+        endpoints = [f"ipc://{tmp}/ipc/buffer-shard{k}.sock" for k in range(shards)]
+        servers: list[tuple[str, str, int]] = [("manager", "manager", 0)]  # (name, role, index)
+        for k, ep in enumerate(endpoints):  # each shard: the same config, own endpoint and journal
+            d = json.loads(json.dumps(cfg_d))
+            d["cluster"]["endpoints"] = {"buffer": ep}
+            (tmp / f"cfg-buffer{k}.json").write_text(json.dumps(d))
+            servers.append((f"buffer{k}" if shards > 1 else "buffer", "buffer", k))
+        procs: dict[str, subprocess.Popen[bytes]] = {}
+        lag = {name: tmp / f"lag-{name}.jsonl" for name, _, _ in servers}
+        self.server_logs: dict[str, list[str]] = {}
+        ctx = new_context()
+        ctx.set(zmq.MAX_SOCKETS, 8192)  # two sockets per synthetic rollout (1,023 by default)
+        drv = Driver(cfg, rates, ctx, endpoints)
+        self.tmp, self.cfg_d, self.cfg, self.servers = tmp, cfg_d, cfg, servers
+        self.procs, self.lag, self.ctx, self.drv = procs, lag, ctx, drv
+        self.idle_cpu: dict[str, float] = {}
+
+    async def __aenter__(self) -> Cluster:
+        tmp, procs, lag, drv = self.tmp, self.procs, self.lag, self.drv
+        shards = self.shards
+        try:
+            for name, role, k in self.servers:
+                cfg_path = tmp / ("cfg.json" if role == "manager" else f"cfg-buffer{k}.json")
+                procs[name] = subprocess.Popen(
+                    [
+                        sys.executable,
+                        str(HERE / "cp_node.py"),
+                        role,
+                        str(cfg_path),
+                        str(lag[name]),
+                        str(k),
+                    ],
+                    stdout=open(tmp / f"{name}.log", "wb"),
+                    stderr=subprocess.STDOUT,
+                    cwd=ROOT,
+                    preexec_fn=None
+                    if os.getpriority(os.PRIO_PROCESS, 0) == _BASE_NICE
+                    else _server_priority,
+                )
+            # after the servers started (they would inherit it); absolute: a second pass adds
+            # nothing
+            os.setpriority(os.PRIO_PROCESS, 0, _BASE_NICE + self.driver_nice)
+            await asyncio.wait_for(drv.connect(), 60)
+            for k in range(shards):
+                drv.spawn(drv.supply(k))
+                drv.spawn(drv.train(k))
+            self.idle_cpu = await self._idle()
+        except BaseException:
+            await self.__aexit__(None, None, None)
+            raise
+        return self
+
+    async def _idle(self) -> dict[str, float]:
+        """The nodes' CPU with heartbeats, prompt supply and the trainer only (no partials, no
+        pushes)."""
+        procs = self.procs
+        await asyncio.sleep(1.0)
+        c0, t0 = {name: cpu_seconds(p.pid) for name, p in procs.items()}, time.monotonic()
+        await asyncio.sleep(3.0)
+        return {
+            name: round((cpu_seconds(p.pid) - c0[name]) / (time.monotonic() - t0), 3)
+            for name, p in procs.items()
+        }
+
+    def check(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is not None:
+                raise RuntimeError(f"a server exited rc {p.returncode}; see {self.tmp}")
+
+    async def __aexit__(self, *exc: object) -> None:
+        args, tmp, procs, ctx, drv = self.args, self.tmp, self.procs, self.ctx, self.drv
+        server_logs = self.server_logs
+        await drv.close()
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs.values():
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=5)
+        ctx.destroy(linger=0)
+        for name in procs:  # what went wrong in a node, if anything (warnings and errors only)
+            text = (tmp / f"{name}.log").read_text(errors="replace").splitlines()
+            server_logs[name] = [ln[:400] for ln in text if '"level": "info"' not in ln][-20:]
+        if not args.keep:
+            shutil.rmtree(tmp, ignore_errors=True)
