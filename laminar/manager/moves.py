@@ -34,6 +34,7 @@ import asyncio
 import math
 import time
 from collections import Counter
+from dataclasses import replace
 from typing import Any
 
 import structlog
@@ -107,28 +108,34 @@ class Repacker:
             inflight = min(s.inflight, cap_n)
             prev = self.prev_kv.get(p.node_id)
             self.prev_kv[p.node_id] = kv_use
-            if s.rollout is not None and s.rollout.traj_tokens:
-                cap = float(s.rollout.kv_capacity_tokens) or 1.0  # 0: capacity unknown
-                tl = tuple(
-                    TrajLoad(u, min(1.0, max(0.0, t / cap)))
-                    for u, t in sorted(s.rollout.traj_tokens.items())
-                )
-            else:  # no per-trajectory report: split the rollout's KV evenly over what it runs
-                n = max(1, inflight)
-                tl = tuple(TrajLoad(f"*{i}", kv_use / n) for i in range(inflight))
-            loads.append(
-                RolloutLoad(
-                    node_id=p.node_id,
-                    version=s.version,
-                    kv_use=kv_use,
-                    kv_rising=prev is not None and kv_use > prev + 1e-9,
-                    running=min(s.running, cap_n),
-                    waiting=s.waiting,
-                    trajectories=tl,
-                    draining=self._draining(s),
-                )
+            load = RolloutLoad(
+                node_id=p.node_id,
+                version=s.version,
+                kv_use=kv_use,
+                kv_rising=prev is not None and kv_use > prev + 1e-9,
+                running=min(s.running, cap_n),
+                waiting=s.waiting,
+                draining=self._draining(s),
             )
+            # only a candidate's trajectories are planned on: most rollouts decode a full batch
+            # most of the time, and listing their ~B trajectories each round was most of a round
+            if is_candidate(load, self.repack.c_max, self.placer.bound_b):
+                load = replace(load, trajectories=self._traj_loads(s, kv_use, inflight))
+            loads.append(load)
         return loads
+
+    @staticmethod
+    def _traj_loads(s: NodeStatus, kv_use: float, inflight: int) -> tuple[TrajLoad, ...]:
+        """The rollout's in-flight trajectories with their share of its KV cache."""
+        if s.rollout is not None and s.rollout.traj_tokens:
+            cap = float(s.rollout.kv_capacity_tokens) or 1.0  # 0: capacity unknown
+            return tuple(
+                TrajLoad(u, min(1.0, max(0.0, t / cap)))
+                for u, t in sorted(s.rollout.traj_tokens.items())
+            )
+        # no per-trajectory report: split the rollout's KV evenly over what it runs
+        n = max(1, inflight)
+        return tuple(TrajLoad(f"*{i}", kv_use / n) for i in range(inflight))
 
     def _draining(self, s: NodeStatus) -> bool | None:
         """The rollout's own word that it drains (manager.repack.candidates = draining)."""

@@ -67,6 +67,10 @@ from laminar.transport.sockets import Context, Peer, RemoteError, TransportError
 
 _SERVING_ROLES = ("buffer", "relay", "tools")
 """The roles besides the manager that run an RpcServer, so refuse what peers send."""
+SUMMARY_AGE_S = 1.0
+"""The heartbeat's summaries over every peer (refusals, the serving list) read each status as
+last read if that was under this long ago (Peer.recent_status): at ~20 pushes a second per
+rollout, reading the latest at each beat decoded most of them."""
 
 
 class ManagerNode(Node):
@@ -307,32 +311,35 @@ class ManagerNode(Node):
                 "claims_clamped": sum(self.repacker.claims.values()),
             },
             cluster_refusals=self.cluster_refusals(),
-            serving=serving_rollouts(self.srv.peers.values(), self.settings.most_running),
+            serving=serving_rollouts(
+                self.srv.peers.values(), self.settings.most_running, SUMMARY_AGE_S
+            ),
             expected_digests=dict(self.expected_digests),
         )
 
     def cluster_refusals(self) -> RefusalSummary:
-        """Every serving node's refusals summed, as their last heartbeats said, and the
-        manager's own (a restarted node's counts start again from 0). Only the roles that run
-        servers refuse anything: a rollout or trainer reporting refusals is not summed."""
+        """Every serving node's refusals summed, as their last heartbeats said (each read at
+        most SUMMARY_AGE_S ago), and the manager's own (a restarted node's counts start again
+        from 0). Only the roles that run servers refuse anything: a rollout or trainer reporting
+        refusals is not summed; the rollouts' agent endpoints are."""
         total = RefusalSummary()
-        own = self.refusal_summary()
-        beats = [
-            p.status.refusals
-            for p in self.srv.peers.values()
-            if p.status is not None and p.role in _SERVING_ROLES
-        ]
-        for r in (own, *beats):
+        beats: list[RefusalSummary | None] = [self.refusal_summary()]
+        for p in self.srv.peers.values():
+            if p.role in _SERVING_ROLES:
+                status = p.recent_status(SUMMARY_AGE_S)
+                beats.append(None if status is None else status.refusals)
+            elif p.role == "rollout":
+                status = p.recent_status(SUMMARY_AGE_S)
+                agent = status.rollout.agent if status and status.rollout else {}
+                for reason, k in agent.items():
+                    total.agent[reason] = total.agent.get(reason, 0) + k
+        for r in beats:
             if r is not None:
                 total.unauthorized += r.unauthorized
                 total.bad += r.bad
                 total.refused_hellos += r.refused_hellos
                 total.refused_ids += r.refused_ids
                 total.refused_trajectories += r.refused_trajectories
-        for p in self.srv.peers.values():  # the rollouts' agent endpoints
-            agent = p.status.rollout.agent if p.status and p.status.rollout else {}
-            for reason, k in agent.items():
-                total.agent[reason] = total.agent.get(reason, 0) + k
         return total
 
     # ---- timeline (report.png's utilisation panel, bench idle fractions) -------------------

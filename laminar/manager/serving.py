@@ -21,13 +21,18 @@ from laminar.transport.sockets import Peer
 __all__ = ["serving_rollouts"]
 
 
-def serving_rollouts(peers: Iterable[Peer[NodeStatus]], most_running: int) -> dict[str, int]:
+def serving_rollouts(
+    peers: Iterable[Peer[NodeStatus]], most_running: int, max_age_s: float = 0.0
+) -> dict[str, int]:
     """Live rollout id -> sequences its engine runs at once (at most `most_running`), for the
-    rollouts whose last status showed an engine up."""
+    rollouts whose last status showed an engine up; a status read under `max_age_s` ago serves
+    (Peer.recent_status; 0: the latest)."""
     out: dict[str, int] = {}
     for p in peers:
-        status = p.status
-        if not p.alive or p.role != "rollout" or status is None or status.rollout is None:
+        if not p.alive or p.role != "rollout":
+            continue
+        status = p.recent_status(max_age_s)
+        if status is None or status.rollout is None:
             continue
         running = min(status.rollout.max_running, most_running)
         if running > 0:

@@ -191,6 +191,8 @@ class Peer(Generic[S]):
         default=None, init=False, repr=False, compare=False
     )
     _status: S | None = field(default=None, init=False, repr=False, compare=False)
+    _decoded_at: float = field(default=0.0, init=False, repr=False, compare=False)
+    """When `_status` became the latest (time.monotonic()): recent_status's age."""
     status: S | None = None
     """Its latest status (a property below: a held heartbeat status is decoded when read)."""
     joined_at: float = field(default_factory=time.time)
@@ -208,11 +210,23 @@ class Peer(Generic[S]):
             assert self._decode is not None
             st = self._decode(self, raw)
             if st is not None:
-                self._status = st
+                self._status, self._decoded_at = st, time.monotonic()
+        return self._status
+
+    def recent_status(self, max_age_s: float) -> S | None:
+        """Its status as last read, while that read is under `max_age_s` old; else `status`
+        (the latest). For periodic summaries that a status a moment old serves as well: a
+        rollout pushes up to 20 statuses a second, so a summary over every rollout that read
+        `status` each time would decode most of them (the manager's refusal sums and serving
+        list, read at every heartbeat)."""
+        if self._held is not None and (
+            self._status is None or time.monotonic() - self._decoded_at >= max_age_s
+        ):
+            return self._get_status()
         return self._status
 
     def _set_status(self, status: S | None) -> None:
-        self._held, self._status = None, status
+        self._held, self._status, self._decoded_at = None, status, time.monotonic()
 
 
 # after @dataclass made `status` a field (an __init__ argument): reads and writes go through the
