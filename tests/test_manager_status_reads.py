@@ -29,7 +29,9 @@ from laminar.transport.sockets import Peer
 CODEC = StatusCodec(NodeStatus)
 
 
-def _rollout_status(node_id: str, *, running: int, agent: dict[str, int] | None = None) -> Any:
+def _rollout_status(
+    node_id: str, *, running: int, agent: dict[str, int] | None = None, max_running: int = 8
+) -> Any:
     return NodeStatus(
         node_id=node_id,
         role="rollout",
@@ -42,7 +44,7 @@ def _rollout_status(node_id: str, *, running: int, agent: dict[str, int] | None 
             kv_capacity_tokens=10_000,
             measured_at=0.0,
             target_version=0,
-            max_running=8,
+            max_running=max_running,
             agent=agent or {},
         ),
     )
@@ -121,3 +123,16 @@ def test_a_repack_round_lists_trajectories_only_for_its_candidates():
     assert loads["rollout-0"].running == 8 and loads["rollout-0"].trajectories == ()
     assert [t.traj_id for t in loads["rollout-1"].trajectories] == ["rollout-1/0", "rollout-1/1"]
     assert [round(t.kv, 4) for t in loads["rollout-1"].trajectories] == [0.01, 0.0101]
+
+
+def test_a_rollout_whose_engine_comes_up_is_listed_at_once_within_the_age():
+    dec, p = _Decodes(), _peer("rollout-0")
+    p.hold_status(CODEC.pack(_rollout_status("rollout-0", running=0, max_running=0)), dec)
+    assert serving_rollouts([p], 16, SUMMARY_AGE_S) == {} and dec.n == 1
+    # the engine is up: the next summary lists it although the last read is recent
+    p.hold_status(CODEC.pack(_rollout_status("rollout-0", running=0, max_running=8)), dec)
+    assert serving_rollouts([p], 16, SUMMARY_AGE_S) == {"rollout-0": 8} and dec.n == 2
+    # it goes down: listed until the read ages out (its prompts are recovered if it died)
+    p.hold_status(CODEC.pack(_rollout_status("rollout-0", running=0, max_running=0)), dec)
+    assert serving_rollouts([p], 16, SUMMARY_AGE_S) == {"rollout-0": 8} and dec.n == 2
+    assert serving_rollouts([p], 16, 0.0) == {} and dec.n == 3

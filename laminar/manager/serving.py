@@ -25,13 +25,17 @@ def serving_rollouts(
     peers: Iterable[Peer[NodeStatus]], most_running: int, max_age_s: float = 0.0
 ) -> dict[str, int]:
     """Live rollout id -> sequences its engine runs at once (at most `most_running`), for the
-    rollouts whose last status showed an engine up; a status read under `max_age_s` ago serves
-    (Peer.recent_status; 0: the latest)."""
+    rollouts whose last status showed an engine up. A status read under `max_age_s` ago serves
+    (Peer.recent_status; 0: the latest) while it shows an engine up; one that shows none is read
+    again, so a rollout whose engine came up is listed at once (one that went down may stay
+    listed up to `max_age_s` longer: its prompts are recovered like any dead rollout's)."""
     out: dict[str, int] = {}
     for p in peers:
         if not p.alive or p.role != "rollout":
             continue
         status = p.recent_status(max_age_s)
+        if status is None or status.rollout is None or status.rollout.max_running <= 0:
+            status = p.status
         if status is None or status.rollout is None:
             continue
         running = min(status.rollout.max_running, most_running)
