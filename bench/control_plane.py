@@ -142,7 +142,7 @@ async def run_cost_pass(
     # the driver at the nodes' priority: here it must offer the rate, not yield the cores (the
     # figures are each node's own CPU-seconds; raising a niceness cannot be undone, so these
     # passes run before the ramp)
-    async with Cluster(args, rates, shards, 0) as cl:
+    async with Cluster(args, rates, shards, 0, pin=args.pin) as cl:
         drv, procs = cl.drv, cl.procs
         warm = time.monotonic() + args.warmup_s
         await asyncio.gather(drv.stream(x, warm, first_fill=True), drv.pushes(x, warm))
@@ -198,6 +198,10 @@ async def run_cost_pass(
         "buffer_shards": shards,
         "x": x,
         "rollouts": int(rates["rollouts"]),
+        # --pin: the buffers' CPU and the manager's and the driver's
+        "pinned": None
+        if cl.pin is None
+        else {"buffers": sorted(cl.pin[0]), "others": sorted(cl.pin[1])},
         # idle: the idle phase (after the first fill, as long as a kind's phase); the 3 s at start
         # (no state yet, the connections just made) beside it
         "idle_cpu_per_s": {k: v for k, v in idle_start.items() if k != "driver"},
@@ -295,6 +299,7 @@ def shard_figures(passes: list[dict[str, Any]], rates: dict[str, float]) -> dict
     one wake-up of its reader served per phase (the per-message costs that do not divide: a
     shard that sees fewer messages gathers fewer per wake-up), and the spread of the K means."""
     shard_us: dict[str, list[float]] = {}
+    handler_us: dict[str, list[float]] = {}
     per_traj_batches = rates["batches_s"] / rates["trajectories_s"]
     passes = [p for p in passes if "trajectory" in p["phases"] and "chunk" in p["phases"]]
     for p in passes:
@@ -303,6 +308,7 @@ def shard_figures(passes: list[dict[str, Any]], rates: dict[str, float]) -> dict
         t_s, b_s = tr["achieved"]["acked"] / k, ch["achieved"]["batches"] / k
         if t_s <= 0 or b_s <= 0:
             continue
+        names = [n for n in p["idle_cpu_per_s"] if n.startswith("buffer")]
         shard_us[str(k)] = [
             round(
                 (
@@ -312,12 +318,35 @@ def shard_figures(passes: list[dict[str, Any]], rates: dict[str, float]) -> dict
                 * 1e6,
                 1,
             )
-            for n in p["idle_cpu_per_s"]
-            if n.startswith("buffer")
+            for n in names
+        ]
+        # the same per trajectory, counting only the thread CPU of the Trajectory and
+        # PartialBatch handlers: the same calls on the same inputs at every K (a rollout's
+        # batches all go to one shard, ~69 entries each), so where this moves with K the box
+        # charges more CPU for the same work
+        handler_us[str(k)] = [
+            round(
+                (
+                    tr.get("handler_cpu_per_s", {}).get(n, {}).get("Trajectory", 0.0) / t_s
+                    + ch.get("handler_cpu_per_s", {}).get(n, {}).get("PartialBatch", 0.0)
+                    / b_s
+                    * per_traj_batches
+                )
+                * 1e6,
+                1,
+            )
+            for n in names
         ]
     means = [sum(v) / len(v) for v in shard_us.values() if v]
+    h_means = [sum(v) / len(v) for v in handler_us.values() if v]
     return {
         "shard_cpu_us_per_trajectory_by_k": shard_us,
+        "shard_handler_cpu_us_per_trajectory_by_k": handler_us,
+        "shard_handler_cpu_per_trajectory_spread": (
+            round(max(h_means) / min(h_means) - 1, 3)
+            if len(h_means) > 1 and min(h_means) > 0
+            else None
+        ),
         "shard_messages_per_wakeup_by_k": {
             str(p["buffer_shards"]): {
                 kind: [
@@ -493,7 +522,12 @@ async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     if args.no_ramp:
         return {
             "bench": "control_plane",
-            "config": {"quick": args.quick, "cost_s": args.cost_s, "target_workload": target_name},
+            "config": {
+                "quick": args.quick,
+                "cost_s": args.cost_s,
+                "target_workload": target_name,
+                "pin": args.pin,
+            },
             "git_commit": git("rev-parse", "HEAD"),
             "cost_passes": cost_passes,
             "summary": cost_sm,
@@ -551,6 +585,7 @@ async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             "cost_shards": args.cost_shards,
             "status_rollouts": args.status_rollouts,
             "cost_phases": args.cost_phases,
+            "pin": args.pin,
         },
         "machine": {
             "python": platform.python_version(),
@@ -636,6 +671,12 @@ def main(argv: list[str] | None = None) -> int:
         help="a status-only cost pass with each number of synthetic rollouts (same push rate)",
     )
     ap.add_argument("--no-ramp", action="store_true", help="the cost passes only")
+    ap.add_argument(
+        "--pin",
+        action="store_true",
+        help="cost passes with the buffers on a CPU of their own and the manager and the driver on "
+        "the others (the ramp is never pinned)",
+    )
     args = ap.parse_args(argv)
     args.cost_s = args.cost_s or (10.0 if args.quick else 30.0)
     args.ramp = args.ramp or [0.05, 0.1, 0.15, 0.25, 0.5, 1.0, 2.0, 3.0]

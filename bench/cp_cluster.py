@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import json
 import os
@@ -18,6 +19,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -483,17 +485,43 @@ def _server_priority() -> None:
             pass
 
 
+def pin_threads(pid: int, cpus: set[int]) -> None:
+    """Every thread of process `pid` onto `cpus` (Linux: affinity is per thread, and a process's
+    threads that exist already keep theirs)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(tid), cpus)
+
+
+def pinned_cpus() -> tuple[set[int], set[int]]:
+    """(the buffers' CPU, everyone else's) for a pinned pass: the last CPU this process may use
+    for the buffer processes alone, the rest for the manager and the driver."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise SystemExit("--pin needs two CPUs or more")
+    return {cpus[-1]}, set(cpus[:-1])
+
+
 class Cluster:
     """One manager and `shards` buffer processes (rollout i -> shard i % shards) with the driver
-    connected; `async with` starts them and stops them (by pid) and keeps their warnings."""
+    connected; `async with` starts them and stops them (by pid) and keeps their warnings.
+    `pin`: the buffers on a CPU of their own, the manager and the driver on the others, until
+    the cluster stops (pinned_cpus)."""
 
     def __init__(
-        self, args: argparse.Namespace, rates: dict[str, float], shards: int, driver_nice: int
+        self,
+        args: argparse.Namespace,
+        rates: dict[str, float],
+        shards: int,
+        driver_nice: int,
+        pin: bool = False,
     ):
         from laminar.config import config_from_dict
         from laminar.transport.sockets import new_context
 
         self.args, self.rates, self.shards = args, rates, shards
+        self.pin = pinned_cpus() if pin else None
+        self._cpus = os.sched_getaffinity(0)
         self.driver_nice = driver_nice
         tmp = Path(tempfile.mkdtemp(prefix="lamcp-"))
         cfg_d = make_cfg_dict(tmp, int(rates["rollouts"]))
@@ -535,13 +563,13 @@ class Cluster:
                     stdout=open(tmp / f"{name}.log", "wb"),
                     stderr=subprocess.STDOUT,
                     cwd=ROOT,
-                    preexec_fn=None
-                    if os.getpriority(os.PRIO_PROCESS, 0) == _BASE_NICE
-                    else _server_priority,
+                    preexec_fn=self._child_setup(role),
                 )
             # after the servers started (they would inherit it); absolute: a second pass adds
             # nothing
             os.setpriority(os.PRIO_PROCESS, 0, _BASE_NICE + self.driver_nice)
+            if self.pin is not None:
+                pin_threads(os.getpid(), self.pin[1])
             await asyncio.wait_for(drv.connect(), 60)
             for k in range(shards):
                 drv.spawn(drv.supply(k))
@@ -551,6 +579,23 @@ class Cluster:
             await self.__aexit__(None, None, None)
             raise
         return self
+
+    def _child_setup(self, role: str) -> Callable[[], None] | None:
+        """What a server child does before it runs: the servers' priority back when an earlier
+        pass raised the driver's, and its CPUs when pinned (before any thread of its own, so
+        zmq's and the journal's threads inherit them)."""
+        reprioritize = os.getpriority(os.PRIO_PROCESS, 0) != _BASE_NICE
+        cpus = None if self.pin is None else self.pin[0] if role == "buffer" else self.pin[1]
+        if not reprioritize and cpus is None:
+            return None
+
+        def setup() -> None:
+            if reprioritize:
+                _server_priority()
+            if cpus is not None:
+                os.sched_setaffinity(0, cpus)
+
+        return setup
 
     async def _idle(self) -> dict[str, float]:
         """The nodes' CPU with heartbeats, prompt supply and the trainer only (no partials, no
@@ -583,6 +628,8 @@ class Cluster:
                 p.kill()
                 p.wait(timeout=5)
         ctx.destroy(linger=0)
+        if self.pin is not None:  # the driver's threads back on every CPU (a ramp may follow)
+            pin_threads(os.getpid(), self._cpus)
         for name in procs:  # what went wrong in a node, if anything (warnings and errors only)
             text = (tmp / f"{name}.log").read_text(errors="replace").splitlines()
             server_logs[name] = [ln[:400] for ln in text if '"level": "info"' not in ln][-20:]

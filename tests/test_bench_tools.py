@@ -44,11 +44,17 @@ def test_committed_simulator_results_give_a_1024_gpu_target():
     assert rates and all(r["chunks_s"] > r["trajectories_s"] > 0 for r in rates.values())
 
 
-def _cost_pass(k: int, x: float, traj_cpu: float, chunk_cpu: float, idle: float) -> dict:
+def _cost_pass(
+    k: int, x: float, traj_cpu: float, chunk_cpu: float, idle: float, handler: float = 0.01
+) -> dict:
     """A cost pass as run_cost_pass returns it: K shards at x of the rates below, each shard at
-    `idle` core-s/s idle and the given core-s/s in the trajectory and chunk phases."""
+    `idle` core-s/s idle and the given core-s/s in the trajectory and chunk phases, of which
+    `handler` core-s/s in each phase's handler (Trajectory, PartialBatch; BatchRequest beside
+    them at as much again)."""
     shards = ["buffer"] if k == 1 else [f"buffer{i}" for i in range(k)]
     wake = {"messages_per_wakeup": 2.0}
+    h_tr = {n: {"Trajectory": handler, "BatchRequest": handler} for n in shards}
+    h_ch = {n: {"PartialBatch": handler, "BatchRequest": handler} for n in shards}
     return {
         "buffer_shards": k,
         "x": x,
@@ -58,11 +64,13 @@ def _cost_pass(k: int, x: float, traj_cpu: float, chunk_cpu: float, idle: float)
                 "cpu_per_s": {"manager": 0.05, **{n: traj_cpu for n in shards}},
                 "achieved": {"acked": 100.0 * x, "batches": 0.0},
                 "wakeups": {n: wake for n in shards},
+                "handler_cpu_per_s": h_tr,
             },
             "chunk": {
                 "cpu_per_s": {"manager": 0.05, **{n: chunk_cpu for n in shards}},
                 "achieved": {"acked": 0.0, "batches": 200.0 * x},
                 "wakeups": {n: wake for n in shards},
+                "handler_cpu_per_s": h_ch,
             },
         },
     }
@@ -79,6 +87,14 @@ def test_shard_figures_are_per_shard_per_trajectory_above_idle():
     assert got["shard_cpu_us_per_trajectory_by_k"] == {"1": [1400.0], "2": [1400.0, 1400.0]}
     assert got["shard_cpu_per_trajectory_spread"] == 0.0
     assert got["shard_messages_per_wakeup_by_k"]["2"]["chunk"] == [2.0, 2.0]
+    # the Trajectory and PartialBatch handlers alone (not the batch serving beside them):
+    # 0.01 / 50 + 0.01 / 100 * 2 = 200 + 200 us
+    assert got["shard_handler_cpu_us_per_trajectory_by_k"] == {"1": [400.0], "2": [400.0, 400.0]}
+    assert got["shard_handler_cpu_per_trajectory_spread"] == 0.0
+    # the same calls charged 50% more CPU on two shards: the handler figure spreads with them
+    slow = _cost_pass(2, 1.0, 0.15, 0.12, 0.1, handler=0.015)
+    slowed = control_plane.shard_figures([one, slow], rates)
+    assert slowed["shard_handler_cpu_per_trajectory_spread"] == pytest.approx(0.5, abs=0.001)
     # a shard that costs 10% more per trajectory shows as the spread
     dear = _cost_pass(2, 1.0, 0.155, 0.122, 0.1)
     spread = control_plane.shard_figures([one, dear], rates)["shard_cpu_per_trajectory_spread"]
