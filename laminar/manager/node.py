@@ -318,19 +318,20 @@ class ManagerNode(Node):
         )
 
     def cluster_refusals(self) -> RefusalSummary:
-        """Every serving node's refusals summed, as their last heartbeats said (each read at
-        most SUMMARY_AGE_S ago), and the manager's own (a restarted node's counts start again
-        from 0). Only the roles that run servers refuse anything: a rollout or trainer reporting
-        refusals is not summed; the rollouts' agent endpoints are."""
+        """Every serving node's refusals summed, as their last heartbeats said, and the manager's
+        own (a restarted node's counts start again from 0). Only the roles that run servers
+        refuse anything: a rollout or trainer reporting refusals is not summed; the rollouts'
+        agent endpoints are, each read at most SUMMARY_AGE_S ago (a serving node sends a status
+        a heartbeat, a rollout up to 20 a second)."""
         total = RefusalSummary()
         beats: list[RefusalSummary | None] = [self.refusal_summary()]
         for p in self.srv.peers.values():
             if p.role in _SERVING_ROLES:
-                status = p.recent_status(SUMMARY_AGE_S)
+                status = p.status
                 beats.append(None if status is None else status.refusals)
-            elif p.role == "rollout":
+            elif p.role == "rollout":  # no other role's status is read
                 status = p.recent_status(SUMMARY_AGE_S)
-                agent = status.rollout.agent if status and status.rollout else {}
+                agent = status.rollout.agent if status is not None and status.rollout else {}
                 for reason, k in agent.items():
                     total.agent[reason] = total.agent.get(reason, 0) + k
         for r in beats:
