@@ -10,14 +10,21 @@ Rates (derivation, from the committed simulator results bench/results/simulate.j
 1024 GPUs in laminar mode; the heaviest row sets the target, the others are listed in the JSON):
     tokens/s        gen_tok_s (median over seeds)
     trajectories/s  staleness_finished.count / (counts.steps_measured * iteration_s)
-    entries/s       tokens/s / rollout.partial_chunk_tokens (32): a sequence is marked for the
-                    partial stream once per 32 new tokens (laminar/rollout/node.py), and each mark
-                    becomes one entry of the rollout's next PartialBatch (what a PartialChunk used
-                    to carry alone)
-    batches/s       rollouts / rollout.partial_flush_s (0.5 s): a rollout sends at most one
+    entries/s       tokens/s / entry_tokens, + trajectories/s x tool calls a trajectory (multi-turn
+                    rows: each call's turn end is an entry of its own). A rollout marks a sequence
+                    once it has rollout.partial_chunk_tokens (32) unsent tokens
+                    (laminar/rollout/node.py) and each flush window sends every marked sequence's
+                    unsent tokens as one entry (laminar/rollout/deliver.py), so entry_tokens =
+                    what a sequence decodes in a window (its decode speed, bench/simscale.py's
+                    step at the row's model: 100 tok/s at 7B TP1, 100 tokens a 1 s window), or 32
+                    and more for a sequence slower than 32 a window (cp_cluster.entry_tokens).
+                    Before 2026-12-07 the bench sent 32 tokens an entry at every speed
+                    (CP_ENTRY_TOKENS=32 runs that model): for the 7B row, 1.5x the entries its
+                    rollouts send at a 0.5 s window and 3x at 1 s
+    batches/s       rollouts / rollout.partial_flush_s (1 s): a rollout sends at most one
                     PartialBatch per flush window (laminar/rollout/deliver.py), and at these rates
-                    every window has entries (entries/batch = entries/s * flush_s / rollouts ~ 65
-                    for 7B_multiturn), so this bound is the rate
+                    every window has entries (entries/batch = entries/s * flush_s / rollouts ~ 47
+                    for 7B_multiturn, the sequences each rollout decodes), so this bound is the rate
     heartbeats/s    rollouts / transport.heartbeat_interval_s (0.5 s), to the buffer and to the
                     manager
     status pushes/s rollouts / rollout.status_push_min_s (0.05 s): the upper bound; with thousands
@@ -73,7 +80,9 @@ served (`wakeups`: messages/s, wake-ups/s, messages per wake-up, from the server
 counters, and the collector's runs per generation per second), and
 summary.shard_messages_per_wakeup_by_k lists it per shard. CP_FSYNC=never|batch|always sets the
 buffers' buffer.fsync (default batch); CP_FLUSH_S the rollouts' partial flush window (default
-0.5 s, rollout.partial_flush_s's default: the same entries/s in fewer, larger batches at 1.0);
+1 s, rollout.partial_flush_s's default; 0.5 s was the default before 2026-12-07: twice the batches
+and, at 7B, twice the entries of half the tokens); CP_ENTRY_TOKENS the tokens per entry (default:
+from the row's decode speed; 32 = the model before 2026-12-07);
 CP_GATHER_S the servers' gathering pause (laminar/transport/polled.py GATHER_S, 2 ms);
 CP_LOSS_MASK=1 sends every entry and trajectory with a loss mask, as multi-turn rollouts do (the
 7B multi-turn row the bench is sized by; default: plain entries, the stored figures).
@@ -466,6 +475,7 @@ async def run_pass(
         "idle_cpu_per_s": idle_cpu,
         "entries_per_batch": drv.entries_per_batch,
         "chunks_per_trajectory": drv.chunks_per_traj,
+        "entry_tokens": drv.entry_tokens,
     }
 
 
@@ -527,8 +537,11 @@ async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                 "cost_s": args.cost_s,
                 "target_workload": target_name,
                 "pin": args.pin,
+                "chunk_tokens": CHUNK_TOKENS,
+                "partial_flush_s": FLUSH_S,
             },
             "git_commit": git("rev-parse", "HEAD"),
+            "rates_1024gpu": all_rates,
             "cost_passes": cost_passes,
             "summary": cost_sm,
         }
@@ -572,6 +585,7 @@ async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             "lag_bound_ms": args.lag_bound_ms,
             "ack_bound_s": args.ack_bound_s,
             "chunk_tokens": CHUNK_TOKENS,
+            "entry_tokens": last["entry_tokens"],
             "partial_flush_s": FLUSH_S,
             "entries_per_batch": last["entries_per_batch"],
             "heartbeat_s": HEARTBEAT_S,

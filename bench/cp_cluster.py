@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import math
 import os
 import shutil
 import signal
@@ -32,9 +33,14 @@ import zmq  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
 CHUNK_TOKENS = 32
-FLUSH_S = float(os.environ.get("CP_FLUSH_S", "0.5"))
+FLUSH_S = float(os.environ.get("CP_FLUSH_S", "1.0"))
 """rollout.partial_flush_s's default (tests/test_partial_batch.py checks they agree); CP_FLUSH_S
-changes it (the same entries/s in fewer, larger batches: per-batch against per-entry cost)."""
+changes it (entry_tokens follows: a sequence faster than a chunk a window sends one entry a window,
+so a longer window sends fewer batches and fewer, longer entries)."""
+ENTRY_TOKENS = int(os.environ.get("CP_ENTRY_TOKENS", "0"))
+"""Tokens per partial entry (0: from the row's decode speed, entry_tokens below). CP_ENTRY_TOKENS=32
+reproduces the model of the figures before 2026-12-07: one entry per CHUNK_TOKENS of every
+sequence, as if each sequence decoded exactly CHUNK_TOKENS per flush window."""
 LOSS_MASK = os.environ.get("CP_LOSS_MASK", "0") == "1"
 """Entries and trajectories carry a loss mask (multi-turn: ~15% environment tokens)."""
 HEARTBEAT_S = 0.5
@@ -43,6 +49,41 @@ TRAINER_BATCH_GROUPS = 128
 """Groups per synthetic trainer batch (512 trajectories, ~1 s of the 1x rate): a 1024-GPU trainer
 step takes 512 groups of 16, and a trainer of 16-group batches would need 16 round trips a second
 at 2x, fall behind and let the buffer's held state grow without end."""
+
+
+def entry_tokens(seq_tok_s: float, flush_s: float = FLUSH_S, chunk: int = CHUNK_TOKENS) -> float:
+    """Tokens one partial entry carries, for a sequence decoding seq_tok_s: a rollout marks a
+    sequence once it has `chunk` unsent tokens (laminar/rollout/node.py) and each flush window
+    sends every marked sequence's unsent tokens as one entry (laminar/rollout/deliver.py). So a
+    sequence that decodes at least `chunk` tokens a window sends one entry a window with all of
+    them, and a slower one an entry every ceil(chunk / its tokens a window) windows."""
+    per_window = seq_tok_s * flush_s
+    if per_window <= 0:
+        return float(chunk)
+    return per_window * math.ceil(chunk / per_window - 1e-9)
+
+
+def seq_tok_s(model: str) -> float:
+    """One sequence's decode speed on a laminar rollout of the simulator's model (its decode step
+    at up to bound_b sequences, bench/simscale.py; the 1024-GPU rows decode below bound_b); 0 when
+    the model is not known."""
+    from simscale import MODELS
+
+    spec = MODELS.get(model.split("_")[0])
+    return 0.0 if spec is None else 1.0 / spec.step_time_s[spec.tp_laminar]
+
+
+def tool_calls_per_trajectory(name: str) -> float:
+    """Mean tool calls of a multi-turn row's trajectory (bench/simscale.py MULTITURN: another call
+    with p_call, at most tool_calls_max); 0 for a single-turn row. Each call ends a model turn,
+    and the turn's end goes to the partial pool as an entry of its own (awaiting_env), whatever
+    tokens it brings."""
+    if not name.endswith("_multiturn"):
+        return 0.0
+    from simscale import MULTITURN
+
+    p, most = MULTITURN["p_call"], MULTITURN["tool_calls_max"]
+    return sum(p**k for k in range(1, most + 1))
 
 
 def workload_rates(sim_json: Path) -> dict[str, dict[str, float]]:
@@ -61,11 +102,15 @@ def workload_rates(sim_json: Path) -> dict[str, dict[str, float]]:
         window = r["counts"]["steps_measured"] * r["iteration_s"]["median"]
         traj_s = r["staleness_finished"]["count"] / window
         n = r["rollouts"]
+        speed = seq_tok_s(name)
+        per_entry = float(ENTRY_TOKENS) if ENTRY_TOKENS else entry_tokens(speed)
         out[name] = {
             "rollouts": n,
             "tokens_s": tok_s,
             "trajectories_s": traj_s,
-            "chunks_s": tok_s / CHUNK_TOKENS,
+            "seq_tok_s": speed,
+            "entry_tokens": per_entry,
+            "chunks_s": tok_s / per_entry + traj_s * tool_calls_per_trajectory(name),
             "batches_s": n / FLUSH_S,
             "heartbeats_s": n / HEARTBEAT_S,
             "status_pushes_s": n / STATUS_PUSH_MIN_S,
@@ -93,7 +138,7 @@ def make_cfg_dict(tmp: Path, rollouts: int) -> dict[str, Any]:
             "partial_flush_s": FLUSH_S,
             "max_running": 128,
             "status_push_min_s": STATUS_PUSH_MIN_S,
-            # synthetic responses are chunks_per_traj x CHUNK_TOKENS long: the buffer refuses a
+            # synthetic responses are chunks_per_traj x entry_tokens long: the buffer refuses a
             # response longer than any the config lets a rollout make
             "sampling": {"max_tokens": 1 << 16},
         },
@@ -110,9 +155,11 @@ class Driver:
         """Buffer endpoints; synthetic rollout i talks to shard i % len(shards) (keyed by
         rollout)."""
         self.rollouts = int(rates["rollouts"])
+        self.entry_tokens = max(1, round(rates.get("entry_tokens", CHUNK_TOKENS)))
+        """Tokens per partial entry (workload_rates): every entry moves its sample on by these."""
         self.chunks_per_traj = max(1, round(rates["chunks_s"] / rates["trajectories_s"]))
         self.entries_per_batch = max(1, round(rates["chunks_s"] * FLUSH_S / self.rollouts))
-        self.resp_len = self.chunks_per_traj * CHUNK_TOKENS
+        self.resp_len = self.chunks_per_traj * self.entry_tokens
         self.ids = np.arange(self.resp_len, dtype=np.int32) % 1000
         self.lps = np.full(self.resp_len, -0.5, np.float32)
         self.flat_ids = np.arange(self.entries_per_batch * self.resp_len, dtype=np.int32) % 1000
@@ -154,6 +201,9 @@ class Driver:
         """Per synthetic rollout: its in-flight samples [item, sample, next chunk]; kept across
         steps."""
         self.next_rollout = 0
+        self.started = [False] * self.rollouts
+        """Per synthetic rollout: whether it has sent a batch (its first one's samples start
+        part-way)."""
         self._status: dict[int, Any] = {}
 
     def status(self, i: int) -> Any:
@@ -312,7 +362,7 @@ class Driver:
 
     def batch(self, ci: int, first_fill: bool, finish: bool = True) -> Any:
         """The next PartialBatch of synthetic rollout `ci`: one entry per in-flight sample (up to
-        entries_per_batch), each the sample's next 32 tokens; finished samples go as
+        entries_per_batch), each the sample's next entry_tokens tokens; finished samples go as
         Trajectories (finish=False: none finishes, the samples grow on: partials alone)."""
         from laminar.protocol.data import PartialBatch, PartialTrajectory
 
@@ -323,15 +373,18 @@ class Driver:
             if queue.qsize() <= e // 2:
                 self.low[ci].set()  # its feeder asks for more
             # the first fill starts part-way (the first entry brings the tokens so far): steady
-            # finishes
-            c0 = int(np.random.randint(self.chunks_per_traj)) if first_fill else 0
+            # finishes. So does every sample of a rollout's first batch: at a low rate a rollout
+            # may send its first batch after the warm-up (one every flush_s / x seconds)
+            part_way = first_fill or not self.started[ci]
+            c0 = int(np.random.randint(self.chunks_per_traj)) if part_way else 0
             active.append([it, s, c0, True, f"{it.group_id}/{s}"])
         if not active:
             return None
+        self.started[ci] = True
         uids, offs, lens, heads, at = [], [], [], [], []
         for i, a in enumerate(active[:e]):
             it, s, c, new, uid = a
-            lo, hi = (0 if new else c * CHUNK_TOKENS), (c + 1) * CHUNK_TOKENS
+            lo, hi = (0 if new else c * self.entry_tokens), (c + 1) * self.entry_tokens
             uids.append(uid)
             offs.append(lo)
             lens.append(hi - lo)

@@ -384,10 +384,12 @@ class RolloutConfig(Section):
     """Prompt groups a rollout keeps in hand (credit-based flow control)."""
     partial_chunk_tokens: int = Field(32, ge=1)
     """Stream new tokens to the partial pool every this many tokens."""
-    partial_flush_s: float = Field(0.5, ge=0, le=10)
+    partial_flush_s: float = Field(1.0, ge=0, le=10)
     """Least time between two partial-pool messages: each flush sends every sequence's new tokens as
-    one PartialBatch (the buffer pays per message). A crash regenerates at most this much (0: flush
-    at once)."""
+    one PartialBatch (the buffer pays per message, and a sequence decoding more than
+    partial_chunk_tokens a window sends one entry a window, so a longer window means fewer messages
+    and fewer entries). A crash regenerates at most this much of each sequence in flight, plus
+    partial_chunk_tokens (0: flush at once)."""
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     sim: SimEngineConfig = Field(default_factory=SimEngineConfig)
     vllm: VllmConfig = Field(default_factory=VllmConfig)

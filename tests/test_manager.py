@@ -386,7 +386,8 @@ async def test_a_stale_destination_falls_back_and_an_unheld_version_restarts_fro
 
 
 async def test_a_dead_rollouts_trajectories_resume_elsewhere_with_their_tokens(tmp_path):
-    cfg = long_config(tmp_path, rollout={"partial_chunk_tokens": 16})
+    # a flush window well inside the 0.8 s a response takes: its second flush lands mid-response
+    cfg = long_config(tmp_path, rollout={"partial_chunk_tokens": 16, "partial_flush_s": 0.5})
     async with LocalCluster(cfg) as cluster:
         mgr, buf = cluster.node("manager-0"), cluster.node("buffer-0")
         await all_running(cluster)

@@ -278,7 +278,11 @@ async def test_a_killed_rollout_in_partial_mode_loses_nothing_and_duplicates_not
     mid-trajectory; rollout-0 then dies (no drain, no Bye). Its trajectories resume on a rollout
     at version 1 with their tokens and per-token versions (0 up to the interrupt, then 1), and
     every trajectory is stored exactly once."""
-    cfg = long_config(tmp_path, mode="partial", rollout={"partial_chunk_tokens": 16})
+    # a flush window well inside the 0.8 s a response takes: version 1's tokens are pooled
+    # before the response ends
+    cfg = long_config(
+        tmp_path, mode="partial", rollout={"partial_chunk_tokens": 16, "partial_flush_s": 0.5}
+    )
     async with LocalCluster(cfg) as cluster:
         mgr, buf = cluster.node("manager-0"), cluster.node("buffer-0")
         await all_running(cluster)
