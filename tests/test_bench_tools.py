@@ -20,14 +20,19 @@ import cp_cluster  # noqa: E402
 import cp_node  # noqa: E402
 
 
-def test_1024_gpu_rates_follow_the_simulator_results(tmp_path):
-    row = {
-        "rollouts": 128,
-        "gen_tok_s": {"median": 320_000.0},
+def _sim_row(rollouts: int, gen_tok_s: float, finished: int) -> dict:
+    """A 1024-GPU laminar row of bench/simulate.py's results: 5 steps of 10 s measured."""
+    return {
+        "rollouts": rollouts,
+        "gen_tok_s": {"median": gen_tok_s},
         "iteration_s": {"median": 10.0},
         "counts": {"steps_measured": 5},
-        "staleness_finished": {"count": 5000},
+        "staleness_finished": {"count": finished},
     }
+
+
+def test_1024_gpu_rates_follow_the_simulator_results(tmp_path):
+    row = _sim_row(128, 320_000.0, 5000)
     path = tmp_path / "sim.json"
     path.write_text(json.dumps({"results": {"32B": {"64": {}, "1024": {"laminar": row}}}}))
     rates = cp_cluster.workload_rates(path)
@@ -52,13 +57,7 @@ def test_a_partial_entry_carries_what_its_sequence_decoded_in_a_flush_window():
 
 
 def test_a_multi_turn_row_adds_an_entry_per_tool_call(tmp_path):
-    row = {
-        "rollouts": 256,
-        "gen_tok_s": {"median": 1_000_000.0},
-        "iteration_s": {"median": 10.0},
-        "counts": {"steps_measured": 5},
-        "staleness_finished": {"count": 10_000},
-    }
+    row = _sim_row(256, 1_000_000.0, 10_000)
     path = tmp_path / "sim.json"
     path.write_text(
         json.dumps({"multiturn": {"model": "7B", "results": {"1024": {"laminar": row}}}})
