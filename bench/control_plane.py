@@ -17,7 +17,7 @@ Rates (derivation, from the committed simulator results bench/results/simulate.j
                     unsent tokens as one entry (laminar/rollout/deliver.py), so entry_tokens =
                     what a sequence decodes in a window (its decode speed, bench/simscale.py's
                     step at the row's model: 100 tok/s at 7B TP1, 100 tokens a 1 s window), or 32
-                    and more for a sequence slower than 32 a window (cp_cluster.entry_tokens).
+                    and more for a sequence slower than 32 a window (cp_workload.entry_tokens).
                     Before 2026-12-07 the bench sent 32 tokens an entry at every speed
                     (CP_ENTRY_TOKENS=32 runs that model): for the 7B row, 1.5x the entries its
                     rollouts send at a 0.5 s window and 3x at 1 s
@@ -106,17 +106,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchinfo, also when loaded as a module
 
 from benchinfo import git  # noqa: E402
-from cp_cluster import (  # noqa: E402
+from cp_cluster import ROOT, Cluster, cpu_seconds  # noqa: E402
+from cp_node import read_handler_cpu, read_lag, read_wakeups  # noqa: E402
+from cp_workload import (  # noqa: E402
     CHUNK_TOKENS,
     FLUSH_S,
     HEARTBEAT_S,
-    ROOT,
     STATUS_PUSH_MIN_S,
-    Cluster,
-    cpu_seconds,
     workload_rates,
 )
-from cp_node import read_handler_cpu, read_lag, read_wakeups  # noqa: E402
 
 COST_PHASES = ("status", "trajectory", "chunk", "all")
 """The cost phases at 1x, in order: status pushes alone; trajectories alone (served samples

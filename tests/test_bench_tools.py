@@ -16,8 +16,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import chaos  # noqa: E402
 import control_plane  # noqa: E402
-import cp_cluster  # noqa: E402
 import cp_node  # noqa: E402
+import cp_workload  # noqa: E402
 
 
 def _sim_row(rollouts: int, gen_tok_s: float, finished: int) -> dict:
@@ -35,25 +35,25 @@ def test_1024_gpu_rates_follow_the_simulator_results(tmp_path):
     row = _sim_row(128, 320_000.0, 5000)
     path = tmp_path / "sim.json"
     path.write_text(json.dumps({"results": {"32B": {"64": {}, "1024": {"laminar": row}}}}))
-    rates = cp_cluster.workload_rates(path)
+    rates = cp_workload.workload_rates(path)
     assert list(rates) == ["32B"]
     r = rates["32B"]
     # a 32B sequence decodes 40 tokens/s: an entry every second flush window, with 40 tokens
     assert r["entry_tokens"] == pytest.approx(40.0)
     assert r["chunks_s"] == pytest.approx(320_000 / 40)
     assert r["trajectories_s"] == pytest.approx(5000 / 50)
-    assert r["heartbeats_s"] == pytest.approx(128 / cp_cluster.HEARTBEAT_S)
-    assert r["status_pushes_s"] == pytest.approx(128 / cp_cluster.STATUS_PUSH_MIN_S)
+    assert r["heartbeats_s"] == pytest.approx(128 / cp_workload.HEARTBEAT_S)
+    assert r["status_pushes_s"] == pytest.approx(128 / cp_workload.STATUS_PUSH_MIN_S)
 
 
 def test_a_partial_entry_carries_what_its_sequence_decoded_in_a_flush_window():
     # faster than a chunk a window: one entry a window with all of it
-    assert cp_cluster.entry_tokens(100.0, 0.5, 32) == pytest.approx(50.0)
-    assert cp_cluster.entry_tokens(100.0, 1.0, 32) == pytest.approx(100.0)
+    assert cp_workload.entry_tokens(100.0, 0.5, 32) == pytest.approx(50.0)
+    assert cp_workload.entry_tokens(100.0, 1.0, 32) == pytest.approx(100.0)
     # exactly a chunk a window, and slower: an entry once a chunk is in, at the next window
-    assert cp_cluster.entry_tokens(64.0, 0.5, 32) == pytest.approx(32.0)
-    assert cp_cluster.entry_tokens(20.0, 0.5, 32) == pytest.approx(40.0)  # every 4th window
-    assert cp_cluster.entry_tokens(0.0, 0.5, 32) == 32.0
+    assert cp_workload.entry_tokens(64.0, 0.5, 32) == pytest.approx(32.0)
+    assert cp_workload.entry_tokens(20.0, 0.5, 32) == pytest.approx(40.0)  # every 4th window
+    assert cp_workload.entry_tokens(0.0, 0.5, 32) == 32.0
 
 
 def test_a_multi_turn_row_adds_an_entry_per_tool_call(tmp_path):
@@ -62,18 +62,18 @@ def test_a_multi_turn_row_adds_an_entry_per_tool_call(tmp_path):
     path.write_text(
         json.dumps({"multiturn": {"model": "7B", "results": {"1024": {"laminar": row}}}})
     )
-    r = cp_cluster.workload_rates(path)["7B_multiturn"]
-    calls = cp_cluster.tool_calls_per_trajectory("7B_multiturn")
+    r = cp_workload.workload_rates(path)["7B_multiturn"]
+    calls = cp_workload.tool_calls_per_trajectory("7B_multiturn")
     assert 3.0 < calls < 3.5  # p_call 0.8, at most 8 calls
     # 7B on one GPU: 100 tokens/s a sequence, more than a chunk in any window of 0.32 s or more
-    per_entry = 100.0 * cp_cluster.FLUSH_S
-    assert per_entry >= cp_cluster.CHUNK_TOKENS
+    per_entry = 100.0 * cp_workload.FLUSH_S
+    assert per_entry >= cp_workload.CHUNK_TOKENS
     assert r["entry_tokens"] == pytest.approx(per_entry)
     assert r["chunks_s"] == pytest.approx(1_000_000 / per_entry + 200 * calls)
 
 
 def test_committed_simulator_results_give_a_1024_gpu_target():
-    rates = cp_cluster.workload_rates(ROOT / "bench/results/simulate.json")
+    rates = cp_workload.workload_rates(ROOT / "bench/results/simulate.json")
     assert rates and all(r["chunks_s"] > r["trajectories_s"] > 0 for r in rates.values())
 
 

@@ -533,8 +533,8 @@ def test_the_control_plane_bench_drives_the_configured_flush_window():
 
     from laminar.config import RolloutConfig
 
-    path = Path(__file__).resolve().parents[1] / "bench/cp_cluster.py"
-    spec = importlib.util.spec_from_file_location("cp_cluster", path)
+    path = Path(__file__).resolve().parents[1] / "bench/cp_workload.py"
+    spec = importlib.util.spec_from_file_location("cp_workload", path)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
