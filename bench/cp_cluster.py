@@ -77,7 +77,7 @@ class Driver:
         """Buffer endpoints; synthetic rollout i talks to shard i % len(shards) (keyed by
         rollout)."""
         self.rollouts = int(rates["rollouts"])
-        self.entry_tokens = max(1, round(rates.get("entry_tokens", CHUNK_TOKENS)))
+        self.entry_tokens = max(1, round(rates["entry_tokens"]))
         """Tokens per partial entry (workload_rates): every entry moves its sample on by these."""
         self.chunks_per_traj = max(1, round(rates["chunks_s"] / rates["trajectories_s"]))
         self.entries_per_batch = max(1, round(rates["chunks_s"] * FLUSH_S / self.rollouts))
