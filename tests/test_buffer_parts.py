@@ -18,6 +18,7 @@ from laminar.buffer.ledger import Ledger
 from laminar.buffer.partials import PartialPool, recover
 from laminar.buffer.prompt_server import PromptServer
 from laminar.buffer.prompts import PromptPool
+from laminar.buffer.records import SamplesMoved
 from laminar.config import LaminarConfig
 from laminar.data.prompts import PromptEncoder, PromptRow
 from laminar.logs import get_logger
@@ -31,7 +32,7 @@ from laminar.protocol.buffer import (
     TrajectoryAbandoned,
     TrajectoryAck,
 )
-from laminar.protocol.data import PromptItem, Trajectory
+from laminar.protocol.data import PartialChunk, PartialTrajectory, PromptItem, Trajectory
 
 N = 2
 
@@ -111,6 +112,57 @@ async def test_parts_serve_a_group_into_a_batch_and_commit_it():
     again = await batches.commit(commit)
     assert isinstance(again, CommitAck) and again.duplicate
     assert ledger.state.held == 0 and not ledger.state.groups
+
+
+def started(item: PromptItem, i: int, rollout_id: str, tokens: int) -> PartialChunk:
+    """The first entry of sample i, with its header, as rollout_id flushes it."""
+    header = PartialTrajectory(
+        uid=f"{item.group_id}/{i}",
+        group_id=item.group_id,
+        prompt_uid=item.uid,
+        sample_index=i,
+        prompt_ids=item.prompt_ids,
+        response_ids=np.zeros(0, np.int32),
+        logprobs=np.zeros(0, np.float32),
+        version=0,
+        n=N,
+        rollout_id=rollout_id,
+    )
+    return PartialChunk(
+        uid=header.uid,
+        version=0,
+        offset=0,
+        token_ids=np.arange(tokens, dtype=np.int32),
+        logprobs=np.zeros(tokens, np.float32),
+        rollout_id=rollout_id,
+        header=header,
+    )
+
+
+async def test_recovery_finds_a_placed_sample_on_the_rollout_it_was_placed_on():
+    """A sample the manager moved from r0 to r1 (a repack, or r0's own recovery) is r1's from the
+    placement on, though its record still names r0 until r1's first flush re-heads it: r1 dying
+    in that window must not lose it, and r0's recovery must not take it from r1."""
+    ledger, prompts, _, _, partials = parts()
+    item = (await prompts.serve(PromptRequest(rollout_id="r0", max_groups=1, version=0))).items[0]
+    s0, s1 = f"{item.group_id}/0", f"{item.group_id}/1"
+    assert partials.apply(started(item, 0, "r0", 5)) == "appended"
+    ledger.record(SamplesMoved("r1", [s0, s1]))  # s0 with its 5 tokens, s1 never started
+    placed = ledger.state.placed
+
+    r1 = {p.uid: p for p in recover(partials, ledger.state.groups, "r1", placed=placed)}
+    assert sorted(r1) == [s0, s1]
+    assert r1[s0].response_ids.tolist() == [0, 1, 2, 3, 4]  # the record, not a restart
+    assert len(r1[s1].response_ids) == 0
+    assert recover(partials, ledger.state.groups, "r0", placed=placed) == []
+
+    # once r1 re-heads the record it names r1 as well; r0 still holds nothing
+    assert partials.apply(started(item, 0, "r1", 7)) == "appended"
+    assert [p.uid for p in recover(partials, ledger.state.groups, "r0", placed=placed)] == []
+    assert sorted(p.uid for p in recover(partials, ledger.state.groups, "r1", placed=placed)) == [
+        s0,
+        s1,
+    ]
 
 
 async def test_parts_replay_the_same_state_from_the_journal(tmp_path):

@@ -311,6 +311,49 @@ async def test_a_moved_sample_comes_only_from_its_new_rollout(harness):
     assert s.groups_ready == 1
 
 
+async def test_a_moved_sample_is_recovered_with_the_rollout_it_was_placed_on(harness):
+    """A rollout killed after it imported a moved sample but before its first flush re-headed the
+    record: the manager's recovery of it (PartialsRequest by rollout) still gets the sample, with
+    the tokens the source sent, and the source's recovery no longer does."""
+    h = await harness(**SIM)
+    r0 = await h.client("r0")
+    mgr = await h.client("m0", "manager")
+    item = (await prompts(r0, 1, rid="r0")).items[0]
+    moved, kept = f"{item.group_id}/0", f"{item.group_id}/1"
+    header = PartialTrajectory(
+        uid=moved,
+        group_id=item.group_id,
+        prompt_uid=item.uid,
+        sample_index=0,
+        prompt_ids=item.prompt_ids,
+        response_ids=np.zeros(0, np.int32),
+        logprobs=np.zeros(0, np.float32),
+        version=0,
+        n=N,
+        rollout_id="r0",
+    )
+    await r0.send(
+        PartialChunk(
+            uid=moved,
+            version=0,
+            offset=0,
+            token_ids=np.asarray([1, 2, 3], np.int32),
+            logprobs=np.full(3, -0.1, np.float32),
+            rollout_id="r0",
+            header=header,
+        )
+    )
+
+    async def held(rollout: str) -> dict[str, list[int]]:
+        got = (await mgr.request(PartialsRequest(rollout_id=rollout))).partials
+        return {p.uid: p.response_ids.tolist() for p in got}
+
+    assert await until(lambda: held("r0"), {moved: [1, 2, 3], kept: []})
+    assert isinstance(await mgr.request(SamplesPlaced(dest="r1", uids=[moved])), Ack)
+    assert await held("r1") == {moved: [1, 2, 3]}  # r1 died before it flushed: not lost
+    assert await held("r0") == {kept: []}  # r0 holds only what stayed with it
+
+
 async def test_a_placement_survives_a_buffer_restart(harness):
     h = await harness(transport="ipc", **SIM)
     r0, mgr = await h.client("r0"), await h.client("m0", "manager")

@@ -332,7 +332,9 @@ class BufferNode(Node):
 
     def _on_partials(self, peer: Peer, req: PartialsRequest) -> PartialsReply:
         return PartialsReply(
-            partials=recover(self.partials, self.state.groups, req.rollout_id, req.uids)
+            partials=recover(
+                self.partials, self.state.groups, req.rollout_id, req.uids, self.state.placed
+            )
         )
 
     async def _on_batch(self, peer: Peer, req: BatchRequest) -> BatchReply | ErrorReply:

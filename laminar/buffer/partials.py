@@ -5,7 +5,10 @@
     pool.apply(chunk)                      # PartialChunk: one entry (older rollouts, tests)
     pool.remove(uid)                       # the trajectory finished (or was abandoned)
     pool.query(rollout_id="rollout-3")     # PartialTrajectory of each trajectory it last reported
-    recover(pool, state.groups, rollout_id="rollout-3")   # the above + its never-started samples
+    recover(pool, state.groups, rollout_id="rollout-3", placed=state.placed)
+                                           # every sample it holds: the above (less what the
+                                           # manager moved away) + what was placed on it + its
+                                           # never-started samples
 
 Contract with the rollouts (laminar.rollout.tracking): a trajectory's entries (a PartialChunk,
 or one entry of a PartialBatch) cover the response in order, entry.offset is the index of its
@@ -621,21 +624,42 @@ def recover(
     groups: Mapping[str, Group],
     rollout_id: str = "",
     uids: list[str] | None = None,
+    placed: Mapping[str, str] | None = None,
 ) -> list[PartialTrajectory]:
     """What a PartialsRequest asks for: in-flight records and never-started samples of open groups.
 
-    `uids` given: those samples; otherwise every sample last reported by (or served to)
-    `rollout_id`.
+    `uids` given: those samples; otherwise every sample `rollout_id` holds. A sample the manager
+    placed on a rollout (`placed`: ExperienceState.placed, from SamplesMoved) is that rollout's
+    from the placement on, whatever its record says: the rollout it moved to re-heads the record
+    only with its first flush, so a rollout that dies within that window still holds it, and the
+    source it left holds it no more. Any other sample is held by the rollout that last reported
+    it (its record), else by the one its group was served to (never started).
     """
-    out = pool.query(rollout_id, uids)
+    placed = placed if placed is not None else {}
+    if uids:
+        out = pool.query(uids=uids)
+    else:
+        held = [
+            u for u, r in pool.records.items() if placed.get(u, r.header.rollout_id) == rollout_id
+        ]
+        out = pool.query(uids=held) if held else []
     have = {p.uid for p in out} | set(pool.records)
     if uids:
         wanted = [(u.rpartition("/")[0], u.rpartition("/")[2]) for u in uids if u not in have]
         targets = [(g, int(i)) for gid, i in wanted if i.isdigit() and (g := groups.get(gid))]
     else:
         targets = [
-            (g, i) for g in groups.values() if g.rollout_id == rollout_id for i in range(g.n)
+            (g, i)
+            for g in groups.values()
+            if g.rollout_id == rollout_id
+            for i in range(g.n)
+            if placed.get(f"{g.group_id}/{i}", rollout_id) == rollout_id
         ]
+        for uid, dest in placed.items():  # never started where it was placed
+            gid, _, idx = uid.rpartition("/")
+            g = groups.get(gid)
+            if dest == rollout_id and g is not None and g.rollout_id != rollout_id:
+                targets.append((g, int(idx)))
     for g, i in targets:
         uid = f"{g.group_id}/{i}"
         if (
