@@ -89,6 +89,26 @@ def test_round_trip_with_arrays(tmp_path):
     assert len(records(path)) == 5
 
 
+@pytest.mark.parametrize("takes", [3, 8, 40])
+def test_an_append_the_os_takes_in_part_is_written_whole(tmp_path, monkeypatch, takes):
+    """A record goes as its header and payload in one writev; where the OS takes fewer bytes (a
+    full disk, a signal), the rest follows, so every record replays whole and in order."""
+    path = tmp_path / "j"
+    j, _ = read_all(path)
+    writev = os.writev
+
+    def short(fd, parts):  # the first `takes` bytes of the record only (header 8 bytes)
+        return writev(fd, [b"".join(bytes(p) for p in parts)[:takes]])
+
+    monkeypatch.setattr(os, "writev", short)
+    for i in range(3):
+        j.append(acc(i, n_tokens=20))
+    monkeypatch.setattr(os, "writev", writev)
+    j.append(mark("after"))
+    j.close()
+    assert names(records(path)) == ["g0/0", "g1/0", "g2/0", "after"]
+
+
 @pytest.mark.parametrize("cut", [1, 5, 9, 20])
 def test_torn_tail_is_dropped_and_kept_aside(tmp_path, cut):
     path = tmp_path / "j"

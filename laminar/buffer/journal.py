@@ -67,7 +67,6 @@ import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import msgpack
 
@@ -164,18 +163,22 @@ class JournalCorrupt(JournalError):
         )
 
 
-def _frame_bytes(frame: Any) -> bytes:
-    return frame if isinstance(frame, bytes) else bytes(frame)
-
-
 def _payload(rec: JournalRecord) -> bytes:
-    return msgpack.packb([_frame_bytes(f) for f in encode(rec)], use_bin_type=True)
+    # the codec's frames are bytes or flat memoryviews of the arrays, both packed as bin in place
+    # (no copy of a trajectory's arrays before the one into the payload)
+    return msgpack.packb(encode(rec), use_bin_type=True)
+
+
+def _record_parts(rec: JournalRecord) -> tuple[bytes, bytes]:
+    """One record as its header and payload (written together, without joining them)."""
+    payload = _payload(rec)
+    return _HEAD.pack(len(payload), zlib.crc32(payload)), payload
 
 
 def encode_record(rec: JournalRecord) -> bytes:
     """One record (header + payload) ready to append."""
-    payload = _payload(rec)
-    return _HEAD.pack(len(payload), zlib.crc32(payload)) + payload
+    head, payload = _record_parts(rec)
+    return head + payload
 
 
 def decode_record(payload: bytes) -> JournalRecord:
@@ -526,20 +529,21 @@ class Journal:
         """Write one record to the OS; returns the offset that `durable()` must reach."""
         if self._fd < 0:
             raise JournalError("journal is not open (call replay() first)")
-        rec = encode_record(record)
+        head, payload = _record_parts(record)
+        size = len(head) + len(payload)
         try:
-            _write_all(self._fd, rec)
+            _write_parts(self._fd, head, payload)
         except OSError:
             # a half-written record would hide every later one at replay: cut it off
             os.ftruncate(self._fd, self._pos)
             os.lseek(self._fd, self._pos, os.SEEK_SET)
             raise
         if self._tail is not None:
-            self._tail.append(rec)
-        self._pos += len(rec)
-        self.written += len(rec)
+            self._tail.append(head + payload)
+        self._pos += size
+        self.written += size
         self.stats["records"] += 1
-        self.stats["bytes"] += len(rec)
+        self.stats["bytes"] += size
         return self.written
 
     def waits(self, offset: int) -> bool:
@@ -686,9 +690,9 @@ def _write_snapshot(
     for record in snapshot:
         if stop.is_set():
             raise JournalError("compaction stopped")
-        rec = encode_record(record)
-        _write_all(fd, rec)
-        size += len(rec)
+        head, payload = _record_parts(record)
+        _write_parts(fd, head, payload)
+        size += len(head) + len(payload)
     os.fsync(fd)
     return size
 
@@ -703,7 +707,17 @@ def _write_records(fd: int, records: list[bytes], sync: bool) -> int:
     return size
 
 
-def _write_all(fd: int, data: bytes) -> None:
+def _write_parts(fd: int, head: bytes, payload: bytes) -> None:
+    """head + payload, one system call unless the OS takes less (then the rest as _write_all)."""
+    n = os.writev(fd, (head, payload))
+    if n < len(head):
+        _write_all(fd, head[n:])
+        n = len(head)
+    if n - len(head) < len(payload):
+        _write_all(fd, memoryview(payload)[n - len(head) :])
+
+
+def _write_all(fd: int, data: bytes | memoryview) -> None:
     view = memoryview(data)
     while view:
         n = os.write(fd, view)
