@@ -38,11 +38,12 @@ from laminar.protocol.buffer import (
     TrajectoryAbandoned,
     TrajectoryAck,
 )
-from laminar.protocol.data import PartialChunk, PartialTrajectory, PromptItem, Trajectory
+from laminar.protocol.data import PartialChunk, PromptItem, Trajectory
 from laminar.transport.client import RpcClient
 from laminar.transport.sockets import RemoteError, new_context
 from laminar.wiring.common import socket_options
 from laminar.wiring.nodes import build_node
+from tests.pool_entries import first_entry
 from tests.serving import serving_rollout, until_members
 
 N, B = 2, 2
@@ -383,20 +384,8 @@ async def test_partial_pool_and_recovery_query(harness):
     ro, mgr = await h.client("r0"), await h.client("m0", "manager")
     item = (await prompts(ro, 1, rid="r0")).items[0]
     uid = f"{item.group_id}/0"
-    header = PartialTrajectory(
-        uid=uid,
-        group_id=item.group_id,
-        prompt_uid=item.uid,
-        sample_index=0,
-        prompt_ids=item.prompt_ids,
-        response_ids=np.zeros(0, np.int32),
-        logprobs=np.zeros(0, np.float32),
-        version=0,
-        n=N,
-        rollout_id="r0",
-    )
 
-    def chunk(offset, ids, hdr=None):
+    def chunk(offset, ids):
         return PartialChunk(
             uid=uid,
             version=0,
@@ -404,10 +393,9 @@ async def test_partial_pool_and_recovery_query(harness):
             token_ids=np.asarray(ids, np.int32),
             logprobs=np.full(len(ids), -0.1, np.float32),
             rollout_id="r0",
-            header=hdr,
         )
 
-    await ro.send(chunk(0, [1, 2, 3], header))
+    await ro.send(first_entry(item, 0, "r0", [1, 2, 3]))
     await ro.send(chunk(3, [4, 5]))
     await ro.send(chunk(2, [3, 4, 5, 6]))  # overlap: only 6 is new
     await ro.send(chunk(4, [5]))  # duplicate

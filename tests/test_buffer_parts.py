@@ -32,7 +32,8 @@ from laminar.protocol.buffer import (
     TrajectoryAbandoned,
     TrajectoryAck,
 )
-from laminar.protocol.data import PartialChunk, PartialTrajectory, PromptItem, Trajectory
+from laminar.protocol.data import PromptItem, Trajectory
+from tests.pool_entries import first_entry
 
 N = 2
 
@@ -114,31 +115,6 @@ async def test_parts_serve_a_group_into_a_batch_and_commit_it():
     assert ledger.state.held == 0 and not ledger.state.groups
 
 
-def started(item: PromptItem, i: int, rollout_id: str, tokens: int) -> PartialChunk:
-    """The first entry of sample i, with its header, as rollout_id flushes it."""
-    header = PartialTrajectory(
-        uid=f"{item.group_id}/{i}",
-        group_id=item.group_id,
-        prompt_uid=item.uid,
-        sample_index=i,
-        prompt_ids=item.prompt_ids,
-        response_ids=np.zeros(0, np.int32),
-        logprobs=np.zeros(0, np.float32),
-        version=0,
-        n=N,
-        rollout_id=rollout_id,
-    )
-    return PartialChunk(
-        uid=header.uid,
-        version=0,
-        offset=0,
-        token_ids=np.arange(tokens, dtype=np.int32),
-        logprobs=np.zeros(tokens, np.float32),
-        rollout_id=rollout_id,
-        header=header,
-    )
-
-
 async def test_recovery_finds_a_placed_sample_on_the_rollout_it_was_placed_on():
     """A sample the manager moved from r0 to r1 (a repack, or r0's own recovery) is r1's from the
     placement on, though its record still names r0 until r1's first flush re-heads it: r1 dying
@@ -146,7 +122,7 @@ async def test_recovery_finds_a_placed_sample_on_the_rollout_it_was_placed_on():
     ledger, prompts, _, _, partials = parts()
     item = (await prompts.serve(PromptRequest(rollout_id="r0", max_groups=1, version=0))).items[0]
     s0, s1 = f"{item.group_id}/0", f"{item.group_id}/1"
-    assert partials.apply(started(item, 0, "r0", 5)) == "appended"
+    assert partials.apply(first_entry(item, 0, "r0", range(5))) == "appended"
     ledger.record(SamplesMoved("r1", [s0, s1]))  # s0 with its 5 tokens, s1 never started
     placed = ledger.state.placed
 
@@ -157,7 +133,7 @@ async def test_recovery_finds_a_placed_sample_on_the_rollout_it_was_placed_on():
     assert recover(partials, ledger.state.groups, "r0", placed=placed) == []
 
     # once r1 re-heads the record it names r1 as well; r0 still holds nothing
-    assert partials.apply(started(item, 0, "r1", 7)) == "appended"
+    assert partials.apply(first_entry(item, 0, "r1", range(7))) == "appended"
     assert [p.uid for p in recover(partials, ledger.state.groups, "r0", placed=placed)] == []
     assert sorted(p.uid for p in recover(partials, ledger.state.groups, "r1", placed=placed)) == [
         s0,

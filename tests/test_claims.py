@@ -48,6 +48,7 @@ from laminar.rollout.outbox import Outbox
 from laminar.transport.session import Ack, StatusCodec
 from laminar.transport.sockets import Peer, RemoteError
 from tests import test_buffer_node
+from tests.pool_entries import first_entry
 from tests.test_buffer_node import N, batch, finished, prompts, stats
 
 SIM = {"rollout": {"group_size": N, "engine": "sim"}}
@@ -320,29 +321,7 @@ async def test_a_moved_sample_is_recovered_with_the_rollout_it_was_placed_on(har
     mgr = await h.client("m0", "manager")
     item = (await prompts(r0, 1, rid="r0")).items[0]
     moved, kept = f"{item.group_id}/0", f"{item.group_id}/1"
-    header = PartialTrajectory(
-        uid=moved,
-        group_id=item.group_id,
-        prompt_uid=item.uid,
-        sample_index=0,
-        prompt_ids=item.prompt_ids,
-        response_ids=np.zeros(0, np.int32),
-        logprobs=np.zeros(0, np.float32),
-        version=0,
-        n=N,
-        rollout_id="r0",
-    )
-    await r0.send(
-        PartialChunk(
-            uid=moved,
-            version=0,
-            offset=0,
-            token_ids=np.asarray([1, 2, 3], np.int32),
-            logprobs=np.full(3, -0.1, np.float32),
-            rollout_id="r0",
-            header=header,
-        )
-    )
+    await r0.send(first_entry(item, 0, "r0", [1, 2, 3]))
 
     async def held(rollout: str) -> dict[str, list[int]]:
         got = (await mgr.request(PartialsRequest(rollout_id=rollout))).partials

@@ -8,14 +8,12 @@ import asyncio
 import random
 import time
 
-import numpy as np
-
 from laminar.models.tiny_vlm import build_tiny_vlm
 from laminar.protocol.buffer import ImageBlobs, ImageFetch, PartialsRequest
-from laminar.protocol.data import PartialChunk, PartialTrajectory
 from laminar.tasks import colours
 from laminar.vision.images import ImageLimits, digest_of
 from laminar.vision.store import ImageCache
+from tests.pool_entries import first_entry
 from tests.test_buffer_node import Harness, N, make_cfg, prompts
 
 
@@ -41,30 +39,7 @@ async def test_images_cross_once_and_are_fetched_by_digest(tmp_path):
         item = items[0]
         # a sample streams to the partial pool with the digest only
         uid = f"{item.group_id}/0"
-        header = PartialTrajectory(
-            uid=uid,
-            group_id=item.group_id,
-            prompt_uid=item.uid,
-            sample_index=0,
-            prompt_ids=item.prompt_ids,
-            response_ids=np.zeros(0, np.int32),
-            logprobs=np.zeros(0, np.float32),
-            version=0,
-            n=N,
-            rollout_id="r0",
-            image_digests=item.image_digests,
-        )
-        await ro.send(
-            PartialChunk(
-                uid=uid,
-                version=0,
-                offset=0,
-                token_ids=np.array([5, 6], np.int32),
-                logprobs=np.full(2, -0.3, np.float32),
-                rollout_id="r0",
-                header=header,
-            )
-        )
+        await ro.send(first_entry(item, 0, "r0", [5, 6], logprob=-0.3))
         # r0 dies: the manager's recovery query hands the partial (digest, no pixels) on
         deadline = time.monotonic() + 5
         while True:
