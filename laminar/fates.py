@@ -5,7 +5,7 @@
     grid_row = fate_panels({"laminar": audit})   # one figure row (report.png, the demo's)
     lines = fate_md({"laminar": audit})          # the summary.md section
 
-Reads every `buffer-*.journal` of the run directory read-only (laminar.buffer.journal
+Reads every `buffer-*.journal` of the run directory read-only (laminar.buffer.journal_format
 .read_records: no lock, safe beside a live buffer) and replays it into the buffer's state
 as the run's config.yaml builds it, so the counts are the journal's, exactly, compaction
 included (the audit's counters travel in StateCounters). `laminar report RUN_DIR` adds the
@@ -31,7 +31,7 @@ from laminar.buffer.audit import (
     fate_table,
     fate_warning,
 )
-from laminar.buffer.journal import JournalError, read_records
+from laminar.buffer.journal_format import JournalError, read_records
 from laminar.buffer.records import FateCounts
 from laminar.config import ConfigError, LaminarConfig, load_config
 from laminar.protocol.buffer import AuditSummary

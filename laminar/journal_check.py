@@ -2,7 +2,7 @@
 
     laminar journal check runs/demo        # exit 0: every journal clean; 1: problems (listed)
 
-Buffer journals (`buffer-*.journal`, laminar.buffer.journal): header and schema, each
+Buffer journals (`buffer-*.journal`, laminar.buffer.journal_format): header and schema, each
 record's checksum and decoding (record types counted), undecodable records with their byte
 offsets, a torn tail (bytes), damage in the middle. Tools journals (`tools/*.journal`,
 JSON lines, laminar.tools.cache): lines that do not parse and a torn last line.
@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import TextIO
 
 from laminar.buffer.experience import ExperienceState
-from laminar.buffer.journal import Journal, JournalReport, check_journal
+from laminar.buffer.journal import Journal
+from laminar.buffer.journal_format import JournalReport, check_journal
 from laminar.buffer.records import TrajectoryAccepted
 from laminar.protocol.data import Trajectory
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from laminar.buffer.experience import ExperienceState
-from laminar.buffer.journal import decode_record, encode_record
+from laminar.buffer.journal_format import decode_record, encode_record
 from laminar.buffer.records import (
     BatchCommitted,
     BatchesRequeued,

@@ -10,7 +10,8 @@ import os
 import numpy as np
 import pytest
 
-from laminar.buffer.journal import MAGIC, Journal, JournalError, encode_record
+from laminar.buffer.journal import Journal
+from laminar.buffer.journal_format import MAGIC, JournalError, encode_record
 from laminar.buffer.records import (
     BatchCommitted,
     GroupsDropped,

@@ -32,7 +32,7 @@ from laminar.buffer.audit import (
     fate_warning,
 )
 from laminar.buffer.experience import ExperienceState, usable
-from laminar.buffer.journal import decode_record, encode_record, read_records
+from laminar.buffer.journal_format import decode_record, encode_record, read_records
 from laminar.buffer.prompt_server import PromptServer
 from laminar.buffer.records import (
     BatchCommitted,

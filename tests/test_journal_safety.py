@@ -20,11 +20,11 @@ import structlog
 from structlog.testing import CapturingLogger
 
 from laminar.buffer.experience import ExperienceState
-from laminar.buffer.journal import (
+from laminar.buffer.journal import Journal
+from laminar.buffer.journal_format import (
     MAGIC,
     MAGIC_V1,
     SCHEMA_VERSION,
-    Journal,
     JournalCorrupt,
     JournalError,
     check_journal,

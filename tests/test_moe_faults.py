@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from laminar.buffer.journal import read_records
+from laminar.buffer.journal_format import read_records
 from laminar.buffer.records import TrajectoryAccepted
 from laminar.models.tiny import build_tiny_model, load_tokenizer
 from laminar.tasks import countup

@@ -23,7 +23,8 @@ import time
 import structlog
 
 from laminar.buffer.experience import ExperienceState
-from laminar.buffer.journal import SCHEMA_VERSION, Journal, JournalCorrupt
+from laminar.buffer.journal import Journal
+from laminar.buffer.journal_format import SCHEMA_VERSION, JournalCorrupt
 from laminar.buffer.records import (
     BatchCommitted,
     BatchesRequeued,

@@ -8,7 +8,7 @@ laminar/protocol/__init__.py), so the journal stores it as the wire codec's fram
 Trajectory or PromptItem inside a record is encoded, decoded and validated by the very code
 that handles it off the network, arrays included. Records never travel on a socket; no node
 handles them. A field added to a record needs a default (older records lack it); a field
-removed or renamed needs a journal schema bump and an upgrade step (journal._UPGRADES).
+removed or renamed needs a journal schema bump and an upgrade step (journal_format._UPGRADES).
 
 The state applies them with `match` on the type (ExperienceState.apply); compaction writes
 a StateSnapshot, the live groups as GroupsServed / TrajectoryAccepted / MemberAbandoned /
