@@ -66,6 +66,10 @@ def make_cfg_dict(tmp: Path, rollouts: int) -> dict[str, Any]:
         },
         "trainer": {"batch_groups": TRAINER_BATCH_GROUPS},
         "buffer": {"capacity": 1 << 20, "fsync": os.environ.get("CP_FSYNC", "batch")},
+        # the synthetic statuses name made-up samples (built once, stamped per push), so the
+        # reconciliation would take every real one for stranded; off (its cost: one HeldRequest
+        # a round, every manager.reconcile_interval_s)
+        "manager": {"reconcile_interval_s": 0},
     }
 
 

@@ -878,6 +878,11 @@ class ManagerConfig(Section):
     timeline_interval_s: float = Field(1.0, ge=0)
     """Sample every rollout's version/running/KV into run_dir/timeline.jsonl this often (0 =
     off)."""
+    reconcile_interval_s: float = Field(15.0, ge=0)
+    """Ask the buffer this often which samples it holds on each live rollout, and recover those a
+    rollout has not named in two statuses running: a repack move's samples when the manager died
+    (or lost the export's reply) between the export and the import
+    (laminar/manager/reconcile.py; 0 = off: such samples wait for their group's lease)."""
 
 
 class BufferConfig(Section):

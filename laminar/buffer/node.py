@@ -6,6 +6,7 @@
     trainer ──BatchRequest (long-poll)─────────► BatchServer ─► Ledger ─► BatchReply
     trainer ──BatchCommit──────────────────────► BatchServer ─► Ledger ─► groups freed
     manager ──SamplesPlaced(dest, uids)────────► Ledger (SamplesMoved): those come from dest now
+    manager ──HeldRequest(rollout_ids)─────────► PartialPool: whose records each rollout holds
     anyone  ──BufferStatsRequest───────────────► BufferStats: counters, staleness histograms
     rollout, trainer ──ImageFetch(digests)──────► ImageStore: its prompts' images by digest
 
@@ -18,7 +19,8 @@ manager's heartbeats list as serving (laminar/buffer/members.py), each holding a
 engine can start and its share of open groups (BufferNodeSettings.groups_per_rollout).
 
     PromptServer: retry table, expired leases, admission, capacity, pool. PartialsRequest: the
-    manager's recovery (records + unstarted samples). TrajectoryAck: once the record is durable.
+    manager's recovery (records + unstarted samples); HeldRequest its reconciliation (which
+    records each rollout holds, by the same owner). TrajectoryAck: once the record is durable.
     BatchServer: plans whole ready groups. Ledger: each change a typed journal record
     (laminar/buffer/records.py: TrajectoryAccepted, MemberAbandoned, BatchServed, ...).
 
@@ -62,7 +64,7 @@ from laminar.buffer.leases import Leases
 from laminar.buffer.ledger import Ledger
 from laminar.buffer.members import Members
 from laminar.buffer.owners import Owners, Refusals
-from laminar.buffer.partials import REFUSED, PartialPool, recover
+from laminar.buffer.partials import REFUSED, PartialPool, held_by, recover
 from laminar.buffer.prompt_server import PromptServer, check_capacity
 from laminar.buffer.prompts import PromptPool, open_pool
 from laminar.buffer.records import SamplesMoved
@@ -75,6 +77,8 @@ from laminar.protocol.buffer import (
     BufferStats,
     BufferStatsRequest,
     CommitAck,
+    HeldReply,
+    HeldRequest,
     ImageBlobs,
     ImageFetch,
     ImagePut,
@@ -192,6 +196,7 @@ class BufferNode(Node):
         self.srv.on(BatchRequest, self._on_batch)
         self.srv.on(BatchCommit, self._on_commit)
         self.srv.on(PartialsRequest, self._on_partials)
+        self.srv.on(HeldRequest, self._on_held)
         self.srv.on(SamplesPlaced, self._on_placed)
         self.srv.on(BufferStatsRequest, self._on_stats)
         self.srv.on(ImageFetch, self._on_images)
@@ -336,6 +341,9 @@ class BufferNode(Node):
                 self.partials, self.state.groups, req.rollout_id, req.uids, self.state.placed
             )
         )
+
+    def _on_held(self, peer: Peer, req: HeldRequest) -> HeldReply:
+        return HeldReply(held=held_by(self.partials, req.rollout_ids, self.state.placed))
 
     async def _on_batch(self, peer: Peer, req: BatchRequest) -> BatchReply | ErrorReply:
         reply = await self.batches.serve(req)

@@ -89,7 +89,7 @@ from laminar.buffer.partial_records import PIECES, Record, Segment, SenderStream
 from laminar.models.moe import MoeShape
 from laminar.protocol.data import PartialBatch, PartialChunk, PartialTrajectory
 
-__all__ = ["PartialPool", "recover"]
+__all__ = ["PartialPool", "held_by", "recover"]
 
 _EMPTY_I = np.zeros(0, np.int32)
 _EMPTY_F = np.zeros(0, np.float32)
@@ -617,6 +617,22 @@ class PartialPool:
             st.take_many(list(rs.values()))  # one pass over each stream's stretches
             st.release()  # a dead rollout's stream: nothing is left to hold
         return [r.materialize() for r in recs]
+
+
+def held_by(
+    pool: PartialPool, rollout_ids: list[str], placed: Mapping[str, str] | None = None
+) -> dict[str, list[str]]:
+    """What a HeldRequest asks for: the uids with a record that each of `rollout_ids` holds, by
+    the owner `recover` goes by (the placement, else the record's last reporter). Rollouts that
+    hold none are left out."""
+    placed = placed if placed is not None else {}
+    wanted = set(rollout_ids)
+    out: dict[str, list[str]] = {}
+    for uid, r in pool.records.items():
+        owner = placed.get(uid, r.header.rollout_id)
+        if owner in wanted:
+            out.setdefault(owner, []).append(uid)
+    return out
 
 
 def recover(

@@ -68,6 +68,10 @@ class Repacker:
         """KV use of each rollout at the previous round: rising KV means it is not draining."""
         self.claims: Counter[str] = Counter()
         """Rollout id -> statuses of it whose claims were clamped or left out."""
+        self.moving: Counter[str] = Counter()
+        """Source rollout id -> its moves under way. From the export on, the samples are in no
+        rollout's status and (until the placer has them) in nobody's hands: the reconciliation
+        leaves such a rollout alone."""
         self._judged: dict[str, object] = {}
         """Rollout id -> the status last judged (each status is counted once; the object, as a freed
         status's id() is reused)."""
@@ -211,9 +215,16 @@ class Repacker:
         places it there; once all are placed the emptied source refreshes its weights (a refresh
         between two would load new weights under trajectories still to be exported)."""
         out = {"moved": 0, "failed": 0, "elsewhere": 0, "orphaned": 0}
-        for mv in mvs:
-            for k, v in (await self._export_place(mv, trainer_version)).items():
-                out[k] += v
+        source = mvs[0].source
+        self.moving[source] += 1
+        try:
+            for mv in mvs:
+                for k, v in (await self._export_place(mv, trainer_version)).items():
+                    out[k] += v
+        finally:
+            self.moving[source] -= 1
+            if self.moving[source] <= 0:
+                del self.moving[source]
         if refresh:  # the source holds nothing now: new weights, then new prompts
             try:
                 await self.srv.request(

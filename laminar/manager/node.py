@@ -9,6 +9,8 @@
     manager ──RefreshRequest──► emptied source               (pull newest weights, take new prompts)
     rollout dies / leaves / restarts ──► manager ──PartialsRequest(rollout_id)──► buffer
                                      ──partials──► healthy rollouts
+    every reconcile_interval_s: manager ──HeldRequest──► buffer; samples no rollout status names
+                                     ──PartialsRequest(uids)──► placed again  (reconcile.py)
     relay joins/dies ──► manager ──ChainUpdate(order)──► live relays
     relay falls behind its upstream ──► manager ──ChainUpdate(straggler last)   (chain_order.py)
     laminar status ──StatusRequest──► manager ──StatusReply──► table
@@ -17,13 +19,15 @@ The parts (laminar/manager/), each with typed dependencies (the server, the conf
 a logger) and none of this node: Repacker (moves.py: one repack round, planned by the pure
 repack.py from the rollouts' typed RolloutStatus and run as concurrent export/import moves),
 Placer (placement.py: puts partials on a live rollout of their version, falls back, keeps
-orphans), serving_rollouts (serving.py: the live rollouts with an engine up, which its
-heartbeats carry to the buffer: prompts go to these alone). This module holds membership
+orphans), Reconciler (reconcile.py: samples the buffer puts on a live rollout that runs them
+no more, e.g. a move's when the manager died between export and import), serving_rollouts
+(serving.py: the live rollouts with an engine up, which its heartbeats carry to the buffer:
+prompts go to these alone). This module holds membership
 (joins, deaths, leaves, rejoins), the relay chain order and the timeline, and runs the loops.
 
-What blocks what: the repack and recovery loops run as supervised tasks and only wait on
-RPCs with deadlines; a slow or dead rollout makes one move fail (logged, counted) and never
-stalls membership or heartbeats. Orphans (partials nobody took) are placed again every
+What blocks what: the repack, recovery and reconciliation loops run as supervised tasks and
+only wait on RPCs with deadlines; a slow or dead rollout makes one move fail (logged, counted)
+and never stalls membership or heartbeats. Orphans (partials nobody took) are placed again every
 second by the recovery loop.
 
 Whose work needs recovering: a rollout declared dead (missed heartbeats), one that
@@ -47,6 +51,7 @@ from laminar.manager.chain_order import ChainPlanner
 from laminar.manager.colocate import DeviceBroker
 from laminar.manager.moves import Repacker
 from laminar.manager.placement import ORPHAN, Placer
+from laminar.manager.reconcile import Reconciler
 from laminar.manager.serving import serving_rollouts
 from laminar.manager.settings import ManagerNodeSettings
 from laminar.node import Node
@@ -133,6 +138,16 @@ class ManagerNode(Node):
             self.log,
             max_inflight=s.inflight_per_rollout,
         )
+        self.reconciler = Reconciler(
+            self.placer,
+            self._buffer_client,
+            timeout,
+            self.metrics,
+            self.log,
+            max_inflight=s.inflight_per_rollout,
+        )
+        self._recovering: set[str] = set()
+        """Rollouts queued for recovery or being recovered (the reconciliation leaves them)."""
         self._relay_clients: dict[int, RpcClient] = {}
         self._chain_lock = asyncio.Lock()
         self.chain_planner = ChainPlanner(window=s.chain_window)
@@ -152,6 +167,8 @@ class ManagerNode(Node):
             self.spawn(self._timeline_loop(), "timeline")
         if s.mode == "laminar" and s.manager.repack.enabled:
             self.spawn(self._repack_loop(), "repack")
+        if s.manager.reconcile_interval_s > 0:
+            self.spawn(self._reconcile_loop(), "reconcile")
         if len(s.relays) > 2:  # a straggler needs someone behind it
             self.spawn(self._straggler_loop(), "chain-stragglers")
         await self.stopping.wait()
@@ -201,6 +218,7 @@ class ManagerNode(Node):
 
     def _queue_recovery(self, rollout_id: str, why: str) -> None:
         self._rollouts_seen.discard(rollout_id)
+        self._recovering.add(rollout_id)
         self.recovery_queue.put_nowait(rollout_id)
         self.log.info("recovery_queued", rollout=rollout_id, reason=why)
 
@@ -506,6 +524,7 @@ class ManagerNode(Node):
             await asyncio.sleep(1.0)  # retry backoff
             return
         assert isinstance(reply, PartialsReply)
+        self._recovering.discard(rollout_id)
         # a rollout that rejoined under the same id may be running some of these already: the
         # buffer keeps the first finished copy of a uid, so a duplicate costs work, never data
         placed = (
@@ -526,6 +545,16 @@ class ManagerNode(Node):
             "recovery", rollout=rollout_id, trajectories=len(reply.partials), orphans=orphaned
         )
         self.log.info("rollout_recovered", **{k: v for k, v in entry.items() if k != "t"})
+
+    async def _reconcile_loop(self) -> None:
+        every = self.settings.manager.reconcile_interval_s
+        while True:
+            await asyncio.sleep(every)  # the round's period
+            entry = await self.reconciler.round(
+                self.trainer_version, lambda: self._recovering | set(self.repacker.moving)
+            )
+            if entry.get("stranded"):
+                self._event("reconciled", **entry)
 
 
 def _index(node_id: str) -> int:

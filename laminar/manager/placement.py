@@ -26,7 +26,7 @@ later (the same version first, then the newest), and keeps every token it has.
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Awaitable, Callable
 
 import numpy as np
@@ -74,6 +74,8 @@ class Placer:
         self.request_timeout_s = request_timeout_s
         self.metrics, self.log = metrics, log
         self.orphans: list[PartialTrajectory] = []
+        self._placing: Counter[str] = Counter()
+        """uid -> place() calls under way with it (held(): the reconciliation leaves these)."""
         self.stale: dict[str, object] = {}
         """rollout id -> the status it had when it answered version_mismatch: skipped until a new
         one. The object itself, not its id(): a freed status's id() is reused by the next one."""
@@ -84,6 +86,12 @@ class Placer:
     def usable(self, p: Peer) -> bool:
         """A rollout whose last status is not known to be stale (it answered version_mismatch)."""
         return p.status is not None and self.stale.get(p.node_id) is not p.status
+
+    def held(self) -> set[str]:
+        """uids in the placer's hands: being placed now, or orphans waiting for a home. The
+        buffer may name any rollout as their holder meanwhile (the last one announced), and none
+        runs them: the reconciliation (reconcile.py) must not take them for stranded."""
+        return {u for u, n in self._placing.items() if n > 0} | {p.uid for p in self.orphans}
 
     def take_orphans(self) -> list[PartialTrajectory]:
         orphans, self.orphans = self.orphans, []
@@ -167,6 +175,23 @@ class Placer:
         when none takes them, restart them from the prompt on a rollout of the newest version;
         what still finds no home becomes an orphan. Returns how many went where ({node_id or ORPHAN:
         count})."""
+        uids = [p.uid for p in partials]
+        self._placing.update(uids)
+        try:
+            return await self._place(partials, trainer_version, prefer, source)
+        finally:
+            self._placing.subtract(uids)
+            for u in uids:
+                if self._placing[u] <= 0:
+                    del self._placing[u]
+
+    async def _place(
+        self,
+        partials: list[PartialTrajectory],
+        trainer_version: int,
+        prefer: str | None,
+        source: str | None,
+    ) -> dict[str, int]:
         by_version: dict[int, list[PartialTrajectory]] = defaultdict(list)
         for p in partials:
             by_version[newest_version(p) if self.continue_newer else p.version].append(p)

@@ -7,6 +7,7 @@
     trainer ──BatchCommit──► buffer ──CommitAck                          (exactly-once consumption)
     manager ──PartialsRequest──► buffer ──PartialsReply──► manager       (recovering a dead rollout)
     manager ──SamplesPlaced──► buffer ──Ack                              (moved: who sends them now)
+    manager ──HeldRequest──► buffer ──HeldReply──► manager    (which samples each rollout holds)
     trainer, manager, cli ──BufferStatsRequest──► buffer ──BufferStats  (figures: tests, benches)
     rollout, trainer ──ImageFetch──► buffer ──ImageBlobs               (a prompt's images by digest)
     rollout ──ImagePut──► buffer ──ImagePutReply             (an image a later turn added, once)
@@ -44,6 +45,8 @@ __all__ = [
     "CommitAck",
     "Refusal",
     "SamplesPlaced",
+    "HeldRequest",
+    "HeldReply",
     "ImageFetch",
     "ImageBlobs",
     "ImagePut",
@@ -338,3 +341,20 @@ class ImagePutReply(Message):  # buffer -> rollout: answer to ImagePut, once the
     """Digests refused (bytes that do not match, over data.max_image_bytes, not an image)."""
     reason: str = ""
     """Why the first refused one was refused."""
+
+
+@message(0x41, senders=("manager",))
+class HeldRequest(Message):  # manager -> buffer: the in-flight samples these rollouts hold
+    """The reconciliation's question (laminar/manager/reconcile.py): which samples the buffer
+    holds tokens of on each of these rollouts, to be matched against what the rollouts say they
+    run."""
+
+    rollout_ids: list[str] = field(default_factory=list)
+
+
+@message(0x42, senders=("buffer",))
+class HeldReply(Message):  # buffer -> manager: answer to HeldRequest
+    held: dict[str, list[str]] = field(default_factory=dict)
+    """Rollout id -> uids of the samples with a partial record that it holds: the rollout the
+    manager last placed the sample on, else the one that last reported it (the owner a
+    PartialsRequest(rollout_id) recovers by). A rollout holding none is left out."""

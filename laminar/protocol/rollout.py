@@ -145,6 +145,12 @@ class RolloutStatus(Message):  # rollout -> manager, inside NodeStatus.rollout o
     outbox: int = 0
     """Finished trajectories not yet acked by the buffer."""
     outbox_oldest_s: float = 0.0
+    scoring: int = 0
+    """Finished trajectories still waiting for their reward (not in the outbox yet)."""
+    scoring_oldest_s: float = 0.0
+    """How long the oldest of those has waited (0 when none). With the outbox's figures: a
+    sample in neither traj_tokens nor these is not on this rollout
+    (laminar/manager/reconcile.py)."""
     finished: int = 0
     tokens: int = 0
     """Tokens the engine generated so far."""

@@ -151,6 +151,9 @@ class Deliverer:
         self.metrics, self.log = metrics, log
         self.finished_count = 0
         self._scoring: set[asyncio.Task[Any]] = set()
+        self._scoring_since: dict[str, float] = {}
+        """uid -> when it finished (time.monotonic()), while it waits for its reward: in no
+        status's traj_tokens and not in the outbox yet (RolloutStatus.scoring)."""
         self._flush_lock = asyncio.Lock()
 
     # ---- partial batches --------------------------------------------------------------------
@@ -232,14 +235,38 @@ class Deliverer:
         reward, then deliver. `env_score`: the environment scored it, (reward, info); None:
         reward.fn."""
         if reason == "abort":  # aborted by the engine itself: nobody will resume it
+            self._scoring_since.pop(seq.uid, None)
             self.metrics.count("engine_aborts")
             self.abandon(seq.uid, seq.group_id, "engine abort")
             return
+        self.scoring_started(seq.uid)
         task = self.spawn(self._deliver(seq, reason, env_score), "reward")
         self._scoring.add(task)
         task.add_done_callback(self._scoring.discard)
 
+    def scoring_started(self, uid: str) -> None:
+        """A trajectory the table forgot is being scored before `finished` (an environment's
+        episode scores itself first): counted in `scoring` from now."""
+        self._scoring_since.setdefault(uid, time.monotonic())
+
+    def scoring(self) -> tuple[int, float]:
+        """Finished trajectories waiting for their reward, and how long the oldest has (0 when
+        none)."""
+        since = self._scoring_since
+        return len(since), (time.monotonic() - min(since.values()) if since else 0.0)
+
     async def _deliver(self, seq: SeqState, reason: str, env_score: RewardResult | None) -> None:
+        try:
+            traj = await self._scored(seq, reason, env_score)
+        finally:
+            since = self._scoring_since.pop(seq.uid, None)
+        self.finished_count += 1
+        self.outbox.put(traj, since)  # its wait counts from the finish, the reward's included
+
+    async def _scored(
+        self, seq: SeqState, reason: str, env_score: RewardResult | None
+    ) -> Trajectory:
+        """The finished trajectory with its reward (or why it has none)."""
         now = time.time()
         traj = seq.trajectory(reason, self.rollout_id, now)
         traj.staleness_at_finish = max(0, self.latest_version() - seq.version)
@@ -265,8 +292,7 @@ class Deliverer:
         if traj.reward is not None:
             self.metrics.add("reward", traj.reward)
         self.metrics.add("response_tokens", len(traj.response_ids))
-        self.finished_count += 1
-        self.outbox.put(traj)
+        return traj
 
     async def drain(self, timeout: float) -> bool:
         """Stopping: every partial entry out, every reward scored, the outbox acked (within

@@ -406,6 +406,7 @@ class EpisodeDriver:
         seq.awaiting_env = False
         seq.step_task = None
         self.table.forget(seq.uid)
+        self.deliverer.scoring_started(seq.uid)  # the environment scores it, then the deliverer
         n_env = 0 if seq.mask is None else int(seq.length - seq.mask.view().sum())
         self.metrics.add("episode_turns", seq.turn + 1)
         self.metrics.add("episode_tool_calls", len(seq.tool_calls))

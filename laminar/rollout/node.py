@@ -565,6 +565,7 @@ class RolloutNode(Node):
             )
         assert self.engine is not None
         st = self.engine.stats()
+        scoring, scoring_oldest_s = self.deliverer.scoring()
         rollout = RolloutStatus(
             # per-trajectory KV (tokens held) lets the manager's repack pick what to move
             traj_tokens=self.table.kv_tokens(),
@@ -576,6 +577,8 @@ class RolloutNode(Node):
             credits_free=self.feeder.free_credits(),
             outbox=len(self.outbox),
             outbox_oldest_s=round(self.outbox.oldest_age_s(), 3),
+            scoring=scoring,
+            scoring_oldest_s=round(scoring_oldest_s, 3),
             finished=self.deliverer.finished_count,
             tokens=st.tokens_generated,
             reward_errors=self.rewards.stats["errors"] if self.rewards is not None else 0,

@@ -86,17 +86,19 @@ class Outbox:
         return len(self.pending)
 
     def oldest_age_s(self) -> float:
-        """How long the oldest unacked message has waited (0 when empty): a buffer outage shows
-        here."""
+        """How long the oldest unacked message has waited, since its trajectory finished (0 when
+        empty): a buffer outage shows here."""
         return time.monotonic() - min(self.oldest_since.values()) if self.oldest_since else 0.0
 
-    def put(self, msg: Message) -> None:
+    def put(self, msg: Message, since: float | None = None) -> None:
+        """Queue `msg` until acked. `since`: when its trajectory finished (time.monotonic();
+        None: now), which its wait (oldest_age_s) counts from, its reward's time included."""
         uid = msg.uid  # type: ignore[attr-defined]
         if uid in self.pending:
             self.stats["duplicates_put"] += 1
             return
         self.pending[uid] = msg
-        self.oldest_since[uid] = time.monotonic()
+        self.oldest_since[uid] = time.monotonic() if since is None else since
         self.stats["put"] += 1
         self._empty.clear()
         self._ready.put_nowait(uid)
