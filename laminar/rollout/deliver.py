@@ -261,7 +261,9 @@ class Deliverer:
         finally:
             since = self._scoring_since.pop(seq.uid, None)
         self.finished_count += 1
-        self.outbox.put(traj, since)  # its wait counts from the finish, the reward's included
+        self.outbox.put(traj)
+        if since is not None:  # its wait counts from the finish, the reward's included
+            self.outbox.backdate(traj.uid, since)
 
     async def _scored(
         self, seq: SeqState, reason: str, env_score: RewardResult | None

@@ -90,18 +90,22 @@ class Outbox:
         empty): a buffer outage shows here."""
         return time.monotonic() - min(self.oldest_since.values()) if self.oldest_since else 0.0
 
-    def put(self, msg: Message, since: float | None = None) -> None:
-        """Queue `msg` until acked. `since`: when its trajectory finished (time.monotonic();
-        None: now), which its wait (oldest_age_s) counts from, its reward's time included."""
+    def put(self, msg: Message) -> None:
         uid = msg.uid  # type: ignore[attr-defined]
         if uid in self.pending:
             self.stats["duplicates_put"] += 1
             return
         self.pending[uid] = msg
-        self.oldest_since[uid] = time.monotonic() if since is None else since
+        self.oldest_since[uid] = time.monotonic()
         self.stats["put"] += 1
         self._empty.clear()
         self._ready.put_nowait(uid)
+
+    def backdate(self, uid: str, since: float) -> None:
+        """Count the wait of `uid`'s message (oldest_age_s) from `since` (time.monotonic()),
+        when its trajectory finished: its reward's time included."""
+        if uid in self.oldest_since:
+            self.oldest_since[uid] = min(self.oldest_since[uid], since)
 
     async def run(self) -> None:
         """The senders; run under the node's supervision (they only end by cancellation)."""
