@@ -416,6 +416,46 @@ async def test_a_dead_rollouts_trajectories_resume_elsewhere_with_their_tokens(t
             check_tokens(cfg, t)
 
 
+async def test_an_export_nobody_placed_is_found_by_reconciliation_and_resumes_with_its_tokens(
+    tmp_path,
+):
+    """A repack move's export whose placement never came (the manager died, or lost the reply,
+    between export and import): the source forgot the samples and the buffer still puts them on
+    it. The reconciliation finds them within two rounds and they resume elsewhere, token for
+    token, instead of waiting for their group's lease (600 s)."""
+    cfg = long_config(
+        tmp_path,
+        rollout={"partial_chunk_tokens": 16, "partial_flush_s": 0.5},
+        manager={"reconcile_interval_s": 0.5},
+    )
+    async with LocalCluster(cfg) as cluster:
+        mgr, buf = cluster.node("manager-0"), cluster.node("buffer-0")
+        await all_running(cluster)
+        lost = running(cluster.node("rollout-0"))
+        await wait_for(
+            lambda: all((buf.partials.length(u) or 0) >= 32 for u in lost),
+            10,
+            "tokens in the partial pool",
+            cluster,
+        )
+        # the move's first half, as the repacker sends it; its second half never comes
+        rep = await mgr.srv.request("rollout-0", ExportRequest(uids=sorted(lost)), timeout=5.0)
+        assert {p.uid for p in rep.partials} == lost and not running(cluster.node("rollout-0"))
+        took = await wait_for(
+            lambda: mgr.metrics.counters.get("reconciled_stranded", 0) == len(lost),
+            10,
+            "the stranded samples found",
+            cluster,
+        )
+        assert took < 5.0  # two rounds 0.5 s apart, each on a newer status
+        await wait_for(lambda: lost <= set(stored(buf)), 30, "them finishing", cluster)
+        for uid in lost:
+            t = stored(buf)[uid]
+            assert t.resumed == 1
+            check_tokens(cfg, t)
+        assert mgr.metrics.counters["reconciled_stranded"] == len(lost)  # found once
+
+
 async def test_a_rollout_that_stops_gracefully_hands_over_its_unfinished_work(tmp_path):
     cfg = long_config(tmp_path, transport={"stop_timeout_s": 1.0})
     async with LocalCluster(cfg) as cluster:
