@@ -103,7 +103,7 @@ async def test_a_sample_exported_and_never_placed_is_recovered_and_taken_from_it
     await r0.send(first_entry(item, 1, "r0", [4]))
 
     async def held() -> dict[str, list[str]]:
-        rep = await mgr.request(HeldRequest(rollout_ids=["r0", "r1"]))
+        rep = await mgr.request(HeldRequest(rollout_ids=["r0", "r1"], round=time.time_ns()))
         assert isinstance(rep, HeldReply)
         return {k: sorted(v) for k, v in rep.held.items()}
 
@@ -121,8 +121,8 @@ async def test_a_sample_exported_and_never_placed_is_recovered_and_taken_from_it
         return mgr
 
     placer = Placer(srv, 8, 5.0, metrics, log, buffer=buffer)  # type: ignore[arg-type]
-    rec = Reconciler(placer, buffer, 5.0, metrics, log, max_inflight=8192)  # type: ignore[arg-type]
-    assert rec.per_ask == 1  # asked about one rollout at a time (the reply's size)
+    rec = Reconciler(placer, buffer, 5.0, metrics, log)  # type: ignore[arg-type]
+    rec.max_uids = 1  # pages of one uid: the round reads them all
     first = await rec.round(0, set)
     assert first["stranded"] == 0 and rec.suspects == {lost: Suspect("r0", t)}
     # a move from r0 begins: r0 is left alone, and its suspects start over afterwards
@@ -153,7 +153,7 @@ async def test_held_names_each_sample_by_the_owner_recovery_uses(harness):
     await r0.send(first_entry(item, 1, "r0", [4]))
 
     async def held(ids: list[str]) -> dict[str, list[str]]:
-        rep = await mgr.request(HeldRequest(rollout_ids=ids))
+        rep = await mgr.request(HeldRequest(rollout_ids=ids, round=time.time_ns()))
         assert isinstance(rep, HeldReply)
         return {k: sorted(v) for k, v in rep.held.items()}
 
@@ -227,3 +227,35 @@ async def test_the_rollout_counts_a_finished_sample_from_its_finish_until_acked(
     assert d.scoring() == (0, 0.0) and len(outbox) == 1
     # its wait counts from the finish, not from the put after the reward's 0.05 s
     assert t0 <= outbox.oldest_since[seq.uid] <= t1 < put - 0.04
+
+
+def test_a_round_is_one_pass_served_in_pages(monkeypatch):
+    from types import SimpleNamespace
+
+    from laminar.buffer import partials
+    from laminar.buffer.partials import HeldPages, PartialPool
+
+    pool = PartialPool()
+    for r, n in (("r0", 3), ("r1", 1), ("r2", 5)):
+        for k in range(n):
+            pool.records[f"{r}g/{k}"] = SimpleNamespace(header=SimpleNamespace(rollout_id=r))  # type: ignore[assignment]
+    passes = 0
+    real = partials.held_by
+
+    def counted(*a, **kw):
+        nonlocal passes
+        passes += 1
+        return real(*a, **kw)
+
+    monkeypatch.setattr(partials, "held_by", counted)
+    pages = HeldPages()
+    ids = ["r0", "r1", "r2"]
+    got = [pages.page(pool, {"r2g/0": "r1"}, ids, 7, max_uids=4) for _ in range(3)]
+    # whole rollouts while they fit, a rollout over a page cut to its first max_uids
+    assert got == [
+        ({"r0": ["r0g/0", "r0g/1", "r0g/2"]}, True),
+        ({"r1": ["r1g/0", "r2g/0"]}, True),
+        ({"r2": ["r2g/1", "r2g/2", "r2g/3", "r2g/4"]}, False),
+    ]
+    assert passes == 1  # one pass over the records for the round
+    assert pages.page(pool, {}, ["r1"], 8, max_uids=4) == ({"r1": ["r1g/0"]}, False)  # a new round

@@ -64,7 +64,7 @@ from laminar.buffer.leases import Leases
 from laminar.buffer.ledger import Ledger
 from laminar.buffer.members import Members
 from laminar.buffer.owners import Owners, Refusals
-from laminar.buffer.partials import REFUSED, PartialPool, held_by, recover
+from laminar.buffer.partials import REFUSED, HeldPages, PartialPool, recover
 from laminar.buffer.prompt_server import PromptServer, check_capacity
 from laminar.buffer.prompts import PromptPool, open_pool
 from laminar.buffer.records import SamplesMoved
@@ -135,6 +135,8 @@ class BufferNode(Node):
             max_entries=s.inflight_per_rollout,
             moe=self.limits.moe,
         )
+        self.held_pages = HeldPages()
+        """The manager's reconciliation round, answered in pages (HeldRequest)."""
         check_capacity(bc.capacity, s.group_size, s.trainer, self.log)
         self.pool: PromptPool | None = await self.compute(
             open_pool, s.data, s.model_path, self.metrics, self.log
@@ -343,7 +345,10 @@ class BufferNode(Node):
         )
 
     def _on_held(self, peer: Peer, req: HeldRequest) -> HeldReply:
-        return HeldReply(held=held_by(self.partials, req.rollout_ids, self.state.placed))
+        held, more = self.held_pages.page(
+            self.partials, self.state.placed, req.rollout_ids, req.round, req.max_uids
+        )
+        return HeldReply(held=held, more=more)
 
     async def _on_batch(self, peer: Peer, req: BatchRequest) -> BatchReply | ErrorReply:
         reply = await self.batches.serve(req)

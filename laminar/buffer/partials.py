@@ -77,7 +77,7 @@ sample that never started is starting it.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Mapping
 from itertools import accumulate
 
@@ -89,7 +89,7 @@ from laminar.buffer.partial_records import PIECES, Record, Segment, SenderStream
 from laminar.models.moe import MoeShape
 from laminar.protocol.data import PartialBatch, PartialChunk, PartialTrajectory
 
-__all__ = ["PartialPool", "held_by", "recover"]
+__all__ = ["HeldPages", "PartialPool", "held_by", "recover"]
 
 _EMPTY_I = np.zeros(0, np.int32)
 _EMPTY_F = np.zeros(0, np.float32)
@@ -633,6 +633,37 @@ def held_by(
         if owner in wanted:
             out.setdefault(owner, []).append(uid)
     return out
+
+
+class HeldPages:
+    """A reconciliation round's answer (HeldRequest), made once per round by one pass over the
+    records and served in pages: a round costs one pass however many pages it takes."""
+
+    def __init__(self) -> None:
+        self._round: int | None = None
+        self._left: deque[tuple[str, list[str]]] = deque()
+
+    def page(
+        self,
+        pool: PartialPool,
+        placed: Mapping[str, str],
+        rollout_ids: list[str],
+        round_id: int,
+        max_uids: int,
+    ) -> tuple[dict[str, list[str]], bool]:
+        """The next page of round `round_id` (a new round id: made now), and whether more
+        follow. Whole rollouts while they fit in `max_uids`; a rollout holding more than that
+        has its first `max_uids` in uid order (the rest wait for a later round)."""
+        if round_id != self._round:
+            self._round = round_id
+            self._left = deque(sorted(held_by(pool, rollout_ids, placed).items()))
+        out: dict[str, list[str]] = {}
+        n, cap = 0, max(1, max_uids)
+        while self._left and (not out or n + len(self._left[0][1]) <= cap):
+            rid, uids = self._left.popleft()
+            out[rid] = sorted(uids)[:cap]
+            n += len(out[rid])
+        return out, bool(self._left)
 
 
 def recover(

@@ -139,12 +139,7 @@ class ManagerNode(Node):
             max_inflight=s.inflight_per_rollout,
         )
         self.reconciler = Reconciler(
-            self.placer,
-            self._buffer_client,
-            timeout,
-            self.metrics,
-            self.log,
-            max_inflight=s.inflight_per_rollout,
+            self.placer, self._buffer_client, timeout, self.metrics, self.log
         )
         self._recovering: set[str] = set()
         """Rollouts queued for recovery or being recovered (the reconciliation leaves them)."""

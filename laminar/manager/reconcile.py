@@ -1,6 +1,6 @@
 """Reconciliation: samples the buffer holds on a live rollout that the rollout no longer runs.
 
-    rec = Reconciler(placer, connect_buffer, 10.0, metrics, log, max_inflight=64)
+    rec = Reconciler(placer, connect_buffer, 10.0, metrics, log)
     entry = await rec.round(trainer_version, skip=lambda: {"rollout-3"})   # every interval
     #  {"suspects": 4, "stranded": 2, "placed": {"rollout-1": 2}}
 
@@ -11,7 +11,8 @@ a repack move exports samples from their source (which forgets them) and the man
 them; a manager killed in between, or an export whose reply was lost, leaves them with nobody
 until their group's lease runs out (buffer.lease_s, 600 s by default).
 
-Each round asks the buffer which samples it holds on each live rollout (HeldRequest) and
+Each round asks the buffer which samples it holds on each live rollout (HeldRequest: one pass
+over its records, read in pages) and
 reads each rollout's latest status (RolloutStatus.traj_tokens names every sample it runs or
 waits on). A sample the buffer puts on a rollout whose status does not name it is a suspect.
 It is stranded when the next round finds the same: the buffer still puts it on that rollout,
@@ -34,6 +35,7 @@ placed on and keeps the first finished copy of a uid.
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -50,10 +52,12 @@ from laminar.transport.sockets import RemoteError, TransportError
 __all__ = ["Reconciler", "Suspect", "judge"]
 
 HELD_REPLY_BYTES = 256 << 10
-"""Aim for a HeldReply: its uids travel in the msgpack header, which transport.max_header_bytes
-bounds (1 MiB by default), so a round asks about a few rollouts at a time."""
+"""Aim for a HeldReply page: its uids travel in the msgpack header, which
+transport.max_header_bytes bounds (1 MiB by default)."""
 UID_BYTES = 64
 """Generous bytes of one uid in a HeldReply (a group id, "/", the index, msgpack framing)."""
+MAX_PAGES = 10_000
+"""Pages one round reads at most (a buffer that kept answering `more` would hold it forever)."""
 
 
 @dataclass(frozen=True)
@@ -122,14 +126,11 @@ class Reconciler:
         request_timeout_s: float,
         metrics: Metrics,
         log: structlog.typing.FilteringBoundLogger,
-        *,
-        max_inflight: int,
     ):
         self.placer, self.buffer = placer, buffer
         self.request_timeout_s = request_timeout_s
-        self.per_ask = max(1, HELD_REPLY_BYTES // (UID_BYTES * max(1, max_inflight)))
-        """Rollouts one HeldRequest asks about: their samples (at most max_inflight each) keep
-        the reply near HELD_REPLY_BYTES."""
+        self.max_uids = HELD_REPLY_BYTES // UID_BYTES
+        """uids in one page of the buffer's answer."""
         self.metrics, self.log = metrics, log
         self.suspects: dict[str, Suspect] = {}
         """uid -> when and where it was first missed (carried from round to round)."""
@@ -153,14 +154,17 @@ class Reconciler:
             return {"suspects": 0, "stranded": 0, "placed": {}}
         failed: dict[str, object] = {"suspects": len(self.suspects), "failed": True}
         held: dict[str, list[str]] = {}
+        # unique across manager restarts: the buffer serves a round's pages from one pass
+        ask = HeldRequest(rollout_ids=ids, round=time.time_ns(), max_uids=self.max_uids)
         try:
             buf = await self.buffer()
-            for i in range(0, len(ids), self.per_ask):
-                ask = HeldRequest(rollout_ids=ids[i : i + self.per_ask])
+            for _ in range(MAX_PAGES):
                 rep = await buf.request(ask, timeout=self.request_timeout_s)
                 if not isinstance(rep, HeldReply):
                     return failed
                 held.update(rep.held)
+                if not rep.more:
+                    break
         except (TransportError, RemoteError) as exc:
             self.log.warning("reconcile_ask_failed", error=str(exc))
             return failed

@@ -347,14 +347,22 @@ class ImagePutReply(Message):  # buffer -> rollout: answer to ImagePut, once the
 class HeldRequest(Message):  # manager -> buffer: the in-flight samples these rollouts hold
     """The reconciliation's question (laminar/manager/reconcile.py): which samples the buffer
     holds tokens of on each of these rollouts, to be matched against what the rollouts say they
-    run."""
+    run. The answer is made once per `round` and served in pages of at most `max_uids` uids (a
+    page is a msgpack header, which transport.max_header_bytes bounds): the same question asked
+    again with the same `round` gets the next page."""
 
     rollout_ids: list[str] = field(default_factory=list)
+    round: int = 0
+    """The asker's round id (unique per round, across manager restarts)."""
+    max_uids: int = 4096
 
 
 @message(0x42, senders=("buffer",))
-class HeldReply(Message):  # buffer -> manager: answer to HeldRequest
+class HeldReply(Message):  # buffer -> manager: answer to HeldRequest (one page)
     held: dict[str, list[str]] = field(default_factory=dict)
     """Rollout id -> uids of the samples with a partial record that it holds: the rollout the
     manager last placed the sample on, else the one that last reported it (the owner a
-    PartialsRequest(rollout_id) recovers by). A rollout holding none is left out."""
+    PartialsRequest(rollout_id) recovers by). A rollout holding none is left out; one holding
+    more than a page has the first max_uids (in uid order)."""
+    more: bool = False
+    """Further pages of this round follow: ask again with the same round."""
