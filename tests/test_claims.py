@@ -16,6 +16,7 @@ import asyncio
 import math
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -35,7 +36,7 @@ from laminar.protocol.buffer import (
     TrajectoryAck,
 )
 from laminar.protocol.core import NodeStatus
-from laminar.protocol.data import PartialChunk, PartialTrajectory
+from laminar.protocol.data import PartialChunk, PartialTrajectory, PromptItem
 from laminar.protocol.rollout import (
     VERSION_MISMATCH,
     ExportReply,
@@ -45,6 +46,7 @@ from laminar.protocol.rollout import (
     RolloutStatus,
 )
 from laminar.rollout.outbox import Outbox
+from laminar.transport.client import RpcClient
 from laminar.transport.session import Ack, StatusCodec
 from laminar.transport.sockets import Peer, RemoteError
 from tests import test_buffer_node
@@ -312,16 +314,22 @@ async def test_a_moved_sample_comes_only_from_its_new_rollout(harness):
     assert s.groups_ready == 1
 
 
+async def a_started_sample(h: Any) -> tuple[RpcClient, RpcClient, PromptItem]:
+    """Clients of the harness's buffer as rollout r0 and as the manager, and a group served to
+    r0 whose sample 0 has made tokens [1, 2, 3] (sent as its first partial entry)."""
+    r0 = await h.client("r0")
+    mgr = await h.client("m0", "manager")
+    item = (await prompts(r0, 1, rid="r0")).items[0]
+    await r0.send(first_entry(item, 0, "r0", [1, 2, 3]))
+    return r0, mgr, item
+
+
 async def test_a_moved_sample_is_recovered_with_the_rollout_it_was_placed_on(harness):
     """A rollout killed after it imported a moved sample but before its first flush re-headed the
     record: the manager's recovery of it (PartialsRequest by rollout) still gets the sample, with
     the tokens the source sent, and the source's recovery no longer does."""
-    h = await harness(**SIM)
-    r0 = await h.client("r0")
-    mgr = await h.client("m0", "manager")
-    item = (await prompts(r0, 1, rid="r0")).items[0]
+    r0, mgr, item = await a_started_sample(await harness(**SIM))
     moved, kept = f"{item.group_id}/0", f"{item.group_id}/1"
-    await r0.send(first_entry(item, 0, "r0", [1, 2, 3]))
 
     async def held(rollout: str) -> dict[str, list[int]]:
         got = (await mgr.request(PartialsRequest(rollout_id=rollout))).partials

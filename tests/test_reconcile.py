@@ -27,8 +27,8 @@ from laminar.transport.session import Ack
 from laminar.transport.sockets import Peer, RemoteError
 from tests import test_buffer_node
 from tests.pool_entries import first_entry
-from tests.test_buffer_node import N, finished, prompts
-from tests.test_claims import SIM, _Server, until
+from tests.test_buffer_node import N, finished
+from tests.test_claims import SIM, _Server, a_started_sample, until
 
 harness = test_buffer_node.harness
 
@@ -95,11 +95,9 @@ async def test_a_sample_exported_and_never_placed_is_recovered_and_taken_from_it
     harness,
 ):
     h = await harness(**SIM)
-    r0, r1 = await h.client("r0"), await h.client("r1")
-    mgr = await h.client("m0", "manager")
-    item = (await prompts(r0, 1, rid="r0")).items[0]
+    r0, mgr, item = await a_started_sample(h)
+    r1 = await h.client("r1")
     lost, kept = f"{item.group_id}/0", f"{item.group_id}/1"
-    await r0.send(first_entry(item, 0, "r0", [1, 2, 3]))
     await r0.send(first_entry(item, 1, "r0", [4]))
 
     async def held() -> dict[str, list[str]]:
@@ -144,12 +142,8 @@ async def test_a_sample_exported_and_never_placed_is_recovered_and_taken_from_it
 
 
 async def test_held_names_each_sample_by_the_owner_recovery_uses(harness):
-    h = await harness(**SIM)
-    r0 = await h.client("r0")
-    mgr = await h.client("m0", "manager")
-    item = (await prompts(r0, 1, rid="r0")).items[0]
+    r0, mgr, item = await a_started_sample(await harness(**SIM))
     moved, kept = f"{item.group_id}/0", f"{item.group_id}/1"
-    await r0.send(first_entry(item, 0, "r0", [1, 2, 3]))
     await r0.send(first_entry(item, 1, "r0", [4]))
 
     async def held(ids: list[str]) -> dict[str, list[str]]:
