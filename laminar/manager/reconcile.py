@@ -12,12 +12,12 @@ them; a manager killed in between, or an export whose reply was lost, leaves the
 until their group's lease runs out (buffer.lease_s, 600 s by default).
 
 Each round asks the buffer which samples it holds on each live rollout (HeldRequest: one pass
-over its records, read in pages) and
-reads each rollout's latest status (RolloutStatus.traj_tokens names every sample it runs or
-waits on). A sample the buffer puts on a rollout whose status does not name it is a suspect.
-It is stranded when the next round finds the same: the buffer still puts it on that rollout,
-and a newer status (by the rollout's own clock) still does not name it. Then its record is
-asked for (PartialsRequest) and placed as a recovery places a dead rollout's samples.
+over its records, read in pages) and reads each rollout's latest status
+(RolloutStatus.traj_tokens names every sample it runs or waits on). A sample the buffer puts
+on a rollout whose status does not name it is a suspect. It is stranded when the next round
+finds the same: the buffer still puts it on that rollout, and a newer status (by the rollout's
+own clock) still does not name it. Then its record is asked for (PartialsRequest) and placed as
+a recovery places a dead rollout's samples.
 
 What must never be taken for stranded, and how it is left alone:
 - a sample being placed (imported somewhere, announced to the buffer first) or an orphan
