@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from laminar.buffer.partials import HeldPages, PartialPool
+from laminar.buffer.holders import HeldPages
+from laminar.buffer.partials import PartialPool
 from laminar.config import ManagerConfig
 from laminar.manager.reconcile import HELD_REPLY_BYTES, UID_BYTES, judge
 from laminar.protocol.rollout import RolloutStatus

@@ -12,10 +12,11 @@ import numpy as np
 
 from laminar.buffer.batches import BatchServer
 from laminar.buffer.experience import ExperienceState
+from laminar.buffer.holders import recover
 from laminar.buffer.intake import Intake
 from laminar.buffer.journal import Journal
 from laminar.buffer.ledger import Ledger
-from laminar.buffer.partials import PartialPool, recover
+from laminar.buffer.partials import PartialPool
 from laminar.buffer.prompt_server import PromptServer
 from laminar.buffer.prompts import PromptPool
 from laminar.buffer.records import SamplesMoved

@@ -15,10 +15,11 @@ import torch
 from laminar.algo.episodes import episode_stats, percentile
 from laminar.algo.losses import aggregate, policy_loss
 from laminar.buffer.experience import ExperienceState
+from laminar.buffer.holders import recover
 from laminar.buffer.intake import Intake
 from laminar.buffer.journal import Journal
 from laminar.buffer.ledger import Ledger
-from laminar.buffer.partials import PartialPool, recover
+from laminar.buffer.partials import PartialPool
 from laminar.buffer.prompt_server import PromptServer
 from laminar.buffer.prompts import PromptPool
 from laminar.buffer.records import TrajectoryAccepted

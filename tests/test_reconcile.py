@@ -226,22 +226,23 @@ async def test_the_rollout_counts_a_finished_sample_from_its_finish_until_acked(
 def test_a_round_is_one_pass_served_in_pages(monkeypatch):
     from types import SimpleNamespace
 
-    from laminar.buffer import partials
-    from laminar.buffer.partials import HeldPages, PartialPool
+    from laminar.buffer import holders
+    from laminar.buffer.holders import HeldPages
+    from laminar.buffer.partials import PartialPool
 
     pool = PartialPool()
     for r, n in (("r0", 3), ("r1", 1), ("r2", 5)):
         for k in range(n):
             pool.records[f"{r}g/{k}"] = SimpleNamespace(header=SimpleNamespace(rollout_id=r))  # type: ignore[assignment]
     passes = 0
-    real = partials.held_by
+    real = holders.held_by
 
     def counted(*a, **kw):
         nonlocal passes
         passes += 1
         return real(*a, **kw)
 
-    monkeypatch.setattr(partials, "held_by", counted)
+    monkeypatch.setattr(holders, "held_by", counted)
     pages = HeldPages()
     ids = ["r0", "r1", "r2"]
     got = [pages.page(pool, {"r2g/0": "r1"}, ids, 7, max_uids=4) for _ in range(3)]

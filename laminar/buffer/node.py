@@ -58,13 +58,14 @@ import msgspec
 from laminar.buffer.batches import BatchServer
 from laminar.buffer.experience import OPEN, OUTSTANDING, READY
 from laminar.buffer.health import FateWatch, StallWatch
+from laminar.buffer.holders import HeldPages, recover
 from laminar.buffer.intake import Intake
 from laminar.buffer.journal import Journal
 from laminar.buffer.leases import Leases
 from laminar.buffer.ledger import Ledger
 from laminar.buffer.members import Members
 from laminar.buffer.owners import Owners, Refusals
-from laminar.buffer.partials import REFUSED, HeldPages, PartialPool, recover
+from laminar.buffer.partials import REFUSED, PartialPool
 from laminar.buffer.prompt_server import PromptServer, check_capacity
 from laminar.buffer.prompts import PromptPool, open_pool
 from laminar.buffer.records import SamplesMoved

@@ -91,7 +91,7 @@ class Placer:
         """uids in the placer's hands: being placed now, or orphans waiting for a home. The
         buffer may name any rollout as their holder meanwhile (the last one announced), and none
         runs them: the reconciliation (reconcile.py) must not take them for stranded."""
-        return {u for u, n in self._placing.items() if n > 0} | {p.uid for p in self.orphans}
+        return set(self._placing) | {p.uid for p in self.orphans}
 
     def take_orphans(self) -> list[PartialTrajectory]:
         orphans, self.orphans = self.orphans, []
