@@ -89,21 +89,17 @@ def judge(
             if uid in named or uid in in_hand:
                 continue
             prev = suspects.get(uid)
-            if prev is None or prev.rollout_id != rid or st.measured_at <= prev.measured_at:
-                # first missed here, or no newer status since: a suspect (the first miss stands)
-                keep[uid] = (
-                    prev
-                    if prev is not None and prev.rollout_id == rid
-                    else Suspect(rid, st.measured_at)
-                )
-                continue
-            # missed by two statuses: it may still be finishing on the rollout (scored, then in
-            # its outbox) only if a trajectory there finished before the first miss (the oldest
-            # waiting longer than the time between the two statuses)
-            if _unacked_oldest_s(st) >= st.measured_at - prev.measured_at:
+            if prev is None or prev.rollout_id != rid:  # first missed here
+                keep[uid] = Suspect(rid, st.measured_at)
+            elif st.measured_at <= prev.measured_at or (
+                # no newer status since; or a newer one, but the sample may still be finishing
+                # there (scored, then in the outbox): a trajectory there finished before the
+                # first miss (the oldest waits longer than the time between the two statuses)
+                _unacked_oldest_s(st) >= st.measured_at - prev.measured_at
+            ):
                 keep[uid] = prev
-                continue
-            stranded[rid].append(uid)
+            else:
+                stranded[rid].append(uid)
     return keep, dict(stranded)
 
 
