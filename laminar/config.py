@@ -190,7 +190,9 @@ class SecurityConfig(Section):
 
 class TransportConfig(Section):
     heartbeat_interval_s: float = Field(0.5, gt=0)
-    """Seconds between heartbeats, both directions."""
+    """Seconds between heartbeats, both directions. Any message counts as a beat: one that would
+    carry no status (a rollout's to the buffer, the buffer's to its clients) is not sent while
+    other traffic went that way within the interval."""
     heartbeat_liveness: int = Field(4, ge=1)
     """A peer is dead after this many missed beats (default detects death in <= 2 s)."""
     handshake_timeout_s: float = Field(5.0, gt=0)

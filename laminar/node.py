@@ -137,11 +137,17 @@ class Node:
 
     # ---- helpers for subclasses ---------------------------------------------------
     def server(
-        self, endpoint: str, max_message_bytes: int | None = None, **kw: Any
+        self,
+        endpoint: str,
+        max_message_bytes: int | None = None,
+        beat_status: bool = True,
+        **kw: Any,
     ) -> RpcServer[NodeStatus]:
         """An RpcServer whose tasks run under this node's supervisor; closed at shutdown.
         `max_message_bytes`: its inbound limit (zmq MAXMSGSIZE; laminar/wiring/common.py
-        `socket_max_message_bytes` sizes it)."""
+        `socket_max_message_bytes` sizes it). `beat_status`: its heartbeats carry this node's
+        status (False, for a server whose clients never read it: they carry none, and a client
+        that got other traffic within the interval gets no beat)."""
         opts = (
             self.opts
             if max_message_bytes is None
@@ -153,7 +159,7 @@ class Node:
             self.node_id,
             self.role,
             opts,
-            status=self.beat_status,
+            status=self.beat_status if beat_status else None,
             spawn=self.spawn,
             peer_status=NODE_STATUS,
             **kw,

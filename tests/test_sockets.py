@@ -11,6 +11,7 @@ for a loaded 2-core machine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 
@@ -275,6 +276,105 @@ async def test_idle_client_rejoins_a_restarted_server_from_its_heartbeat(
         lambda: "cli-0" in srv2.peers and len(joined) >= 2, 3, "the idle client rejoining"
     )
     assert cli.stats.rehandshakes >= 1 and cli.stats.reconnects == 0
+    assert (await cli.request(Ping(payload="ok"), timeout=1)).payload == "ok"
+    await cli.close()
+    await srv2.close()
+
+
+async def _ping_every(cli: RpcClient, period_s: float, until: float, one_way: bool) -> int:
+    """Traffic at least once an interval: a Ping every `period_s` (a pacing timer) until
+    `until`; returns how many went."""
+    n = 0
+    while time.monotonic() < until:
+        if one_way:
+            await cli.send(Ping(payload="busy"))
+        else:
+            await cli.request(Ping(payload="busy"), timeout=1)
+        n += 1
+        await asyncio.sleep(period_s)
+    return n
+
+
+async def test_a_busy_connection_beats_with_its_traffic_and_stays_alive(
+    zctx, ipc, fast_opts, wait_until
+):
+    """Neither side has a status to carry: while requests and replies go at least once an
+    interval, both skip their beats, and nobody is declared dead over several death bounds;
+    once the traffic stops the beats come back and the connection stays up."""
+    opts = fast_opts()
+    srv = await _echo_server(zctx, ipc("busy"), opts)
+    cli = RpcClient(zctx, srv.endpoint, "cli-0", "test", opts)
+    await cli.connect()
+    t0 = time.monotonic()
+    busy_s = 4 * opts.dead_after_s
+    await _ping_every(cli, opts.heartbeat_interval_s / 4, t0 + busy_s, one_way=False)
+    ticks = busy_s / opts.heartbeat_interval_s
+    # most ticks found traffic in their interval (a stalled loop may let a beat through)
+    assert cli.stats.heartbeats_skipped >= ticks / 2, (cli.stats.heartbeats_skipped, ticks)
+    assert srv.stats.heartbeats_skipped >= ticks / 2, (srv.stats.heartbeats_skipped, ticks)
+    assert srv.stats.peers_dead == 0 and srv.peers["cli-0"].alive
+    assert cli.stats.peers_dead == 0 and cli.connected
+    # quiet: beats again on both sides (each counts what the other sent), alive past the bound
+    sent, received = cli.stats.sent, cli.stats.received
+    await wait_until(
+        lambda: cli.stats.sent >= sent + 6 and cli.stats.received >= received + 6,
+        3,
+        "beats resuming on a quiet connection",
+    )
+    assert srv.stats.peers_dead == 0 and cli.stats.peers_dead == 0
+    assert (await cli.request(Ping(payload="ok"), timeout=1)).payload == "ok"
+    await cli.close()
+    await srv.close()
+
+
+async def test_a_server_with_a_status_beats_every_interval_whatever_the_traffic(
+    zctx, ipc, fast_opts, wait_until
+):
+    """A beat that carries the server's status (the manager's, which its clients read) is
+    never skipped: each interval brings it, however busy the connection."""
+    opts = fast_opts()
+    srv = await _echo_server(zctx, ipc("busy-status"), opts, status=lambda: Pong(payload="st"))
+    cli = RpcClient(zctx, srv.endpoint, "cli-0", "test", opts)
+    await cli.connect()
+    seen: list[bytes] = []
+    until = time.monotonic() + 3 * opts.dead_after_s
+    while time.monotonic() < until:
+        cli.server_status = b""  # type: ignore[assignment]
+        await cli.request(Ping(payload="busy"), timeout=1)
+        await asyncio.sleep(opts.heartbeat_interval_s / 4)  # a pacing timer
+        seen.append(bytes(cli.server_status))
+    assert srv.stats.heartbeats_skipped == 0
+    assert sum(1 for s in seen if s) >= 3  # beats kept landing between the requests
+    await cli.close()
+    await srv.close()
+
+
+async def test_a_busy_one_way_client_rejoins_a_restarted_server_from_its_traffic(
+    zctx, ipc, fast_opts, wait_until
+):
+    """A client whose one-way messages stand in for its beats still learns that the server
+    restarted under it: the new server answers an unknown peer's one-way message with
+    unknown_peer, and the client handshakes again. Beats are 30 s apart here, so nothing else
+    can tell it."""
+    opts = fast_opts(heartbeat_interval_s=30, heartbeat_liveness=100)
+    ep = ipc("restart-busy")
+    srv = await _echo_server(zctx, ep, opts)
+    joined: list[str] = []
+    cli = RpcClient(zctx, ep, "cli-0", "test", opts, on_connect=lambda: joined.append("x"))
+    await cli.connect()
+    await srv.close()
+    srv2 = await _echo_server(zctx, ep, opts)
+    pinging = asyncio.create_task(_ping_every(cli, 0.02, time.monotonic() + 5, one_way=True))
+    try:
+        await wait_until(
+            lambda: "cli-0" in srv2.peers and len(joined) >= 2, 3, "the busy client rejoining"
+        )
+    finally:
+        pinging.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await pinging
+    assert srv2.stats.unknown_peer >= 1 and cli.stats.rehandshakes >= 1
+    assert cli.stats.reconnects == 0
     assert (await cli.request(Ping(payload="ok"), timeout=1)).payload == "ok"
     await cli.close()
     await srv2.close()

@@ -190,7 +190,9 @@ class BufferNode(Node):
         self.batches = BatchServer(
             bc, self.admission, self.ledger, self.pool, self.metrics, self.log
         )
-        self.srv = self.server(s.endpoint, max_message_bytes=s.max_message_bytes)
+        # its clients read the manager's status, never the buffer's: its beats carry none, and a
+        # client that got an ack or a batch within the interval gets no beat
+        self.srv = self.server(s.endpoint, max_message_bytes=s.max_message_bytes, beat_status=False)
         self.srv.on(PromptRequest, self._on_prompts)
         self.srv.on(PartialBatch, self._on_partial_batch)
         self.srv.on(PartialChunk, self._on_chunk)

@@ -7,7 +7,8 @@
 A client whose server goes silent for `dead_after_s` declares it dead, fails every
 pending request, and reconnects on a fresh socket with doubling backoff. A server that
 restarted under the same endpoint faster than that answers `unknown_peer` (to a
-request, or to a heartbeat): the client handshakes again on the live socket.
+request, a heartbeat or any one-way message): the client handshakes again on the live socket. A
+client without a status sends no heartbeat while its other traffic is at least one an interval.
 
 `request()` fails only with a TransportError (RequestTimeout after its attempts, RemoteError
 for an error reply): when the client's own machinery cancels something the caller waits on
@@ -117,6 +118,9 @@ class RpcClient:
         self._hb_task: asyncio.Task[Any] | None = None
         self._connected = asyncio.Event()
         self._last_seen = time.monotonic()
+        self._last_sent = 0.0
+        """When this client last queued a message (time.monotonic()): a status-less beat within
+        the interval after it is skipped."""
         self._seq = 0
         self._closed = False
         self._reconnecting: asyncio.Task[Any] | None = None
@@ -264,6 +268,8 @@ class RpcClient:
             raise PeerDead(f"not connected to {self.endpoint}")
         await send_within(self._sock, [rid, *encode(msg)], timeout or self.opts.request_timeout_s)
         self.stats.sent += 1
+        if type(msg) is not Heartbeat:  # a beat is not traffic that stands in for the next one
+            self._last_sent = time.monotonic()
 
     async def send(self, msg: Message) -> None:
         """One-way message (no reply)."""
@@ -412,6 +418,15 @@ class RpcClient:
                     if asyncio.iscoroutine(res):
                         await res
                 self._reconnecting = self._spawn(self._reconnect_forever(), "client-reconnect")
+                continue
+            if (
+                self.connected
+                and self._status is None
+                and (time.monotonic() - self._last_sent < interval)
+            ):
+                # a beat without a status only says "alive": the traffic just sent said it (the
+                # server counts any message as a beat)
+                self.stats.heartbeats_skipped += 1
                 continue
             if self.connected:
                 try:  # bounded: a blocked beat must not stop the liveness check above

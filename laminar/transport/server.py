@@ -85,7 +85,8 @@ MAX_REFUSAL_PEERS = 1024
 class RpcServer(Generic[S]):
     """ROUTER side: the stable node (manager, buffer, relay) that clients connect to.
 
-    `status` is this node's own status for its heartbeats; `peer_status` decodes what the
+    `status` is this node's own status for its heartbeats (None: they carry none, and a peer
+    that got other traffic within the interval gets no beat); `peer_status` decodes what the
     clients' heartbeats carry into `Peer.status` (None: their statuses are not kept)."""
 
     def __init__(
@@ -177,10 +178,17 @@ class RpcServer(Generic[S]):
         try:
             await self._io.send(frames, timeout or self.opts.request_timeout_s)
             self.stats.sent += 1
+            if type(msg) is not Heartbeat:  # a beat is not traffic that stands in for the next
+                self._sent_to(identity)
         except zmq.ZMQError as exc:  # peer gone (ROUTER_MANDATORY) or HWM: not fatal for the server
             if exc.errno == zmq.EHOSTUNREACH:
                 raise PeerDead(f"peer {identity!r} is not connected") from None
             raise TransportError(f"send failed: {exc}") from None
+
+    def _sent_to(self, identity: bytes) -> None:
+        peer = self._by_identity.get(identity)
+        if peer is not None:
+            peer.last_sent = time.monotonic()
 
     def _peer(self, node_id: str) -> Peer[S]:
         peer = self.peers.get(node_id)
@@ -307,9 +315,10 @@ class RpcServer(Generic[S]):
             if peer is None:
                 self.stats.unknown_peer += 1
                 self._unknown_log.warning(msg=type(msg).__name__)
-                # a heartbeat is one-way: tell the client (e.g. after our restart) to handshake
-                # again
-                if isinstance(msg, Heartbeat):
+                # a one-way message (a heartbeat, a partial batch) gets no reply: tell the
+                # client (e.g. after our restart) to handshake again. A client whose traffic
+                # stands in for its beats learns it from any message
+                if not rid:
                     with contextlib.suppress(TransportError):
                         await self._send(
                             identity,
@@ -391,6 +400,7 @@ class RpcServer(Generic[S]):
             return
         if sent:
             self.stats.sent += 1
+            self._sent_to(identity)
             return
         # nothing was sent: a task that may wait sends it
         self._disp.track(self._spawn(self._send_reply(identity, rid, reply), "server-reply"))
@@ -584,6 +594,9 @@ class RpcServer(Generic[S]):
             self._over_bound_log.flush()
             now = time.monotonic()
             status = StatusCodec.pack(self._status() if self._status else None)
+            # a beat that carries no status says only "alive": other traffic within the interval
+            # said it already (the client counts any message as a beat)
+            quiet_since = now - interval if self._status is None else None
             for peer in list(self.peers.values()):
                 if not peer.alive:
                     continue
@@ -597,6 +610,9 @@ class RpcServer(Generic[S]):
                         res = self._on_peer_dead(peer)
                         if asyncio.iscoroutine(res):
                             await res
+                    continue
+                if quiet_since is not None and peer.last_sent > quiet_since:
+                    self.stats.heartbeats_skipped += 1
                     continue
                 # a peer that does not read must not stall the beats (and checks) of the others
                 try:

@@ -17,7 +17,10 @@ Wire envelope of the RPC pair (after the ROUTER identity frame): [kind+rid, type
 `Pending` holds a side's outstanding requests by rid, `Dispatcher` its type -> handler table.
 
 Liveness (Paranoid Pirate): both sides send a Heartbeat every `heartbeat_interval_s` and count
-any traffic as a beat; a peer silent for `heartbeat_liveness` intervals is dead.
+any traffic as a beat; a peer silent for `heartbeat_liveness` intervals is dead. A beat that
+carries no status is skipped when the side sent that peer something else within the last
+interval (the traffic was the beat), so a busy connection's silence is still at most two
+intervals.
 """
 
 from __future__ import annotations
@@ -127,6 +130,8 @@ class SocketStats:
     rehandshakes: int = 0
     peers_dead: int = 0
     heartbeats_dropped: int = 0
+    heartbeats_skipped: int = 0
+    """Beats not sent: the peer got other traffic within the interval (a status-less beat)."""
     refused_identity: int = 0
     """HELLOs whose claimed role or node id their CURVE key may not claim."""
     refused_id_in_use: int = 0
@@ -184,6 +189,9 @@ class Peer(Generic[S]):
     """Which admission of a new process under this id it is (the server's own count): the same
     on a reconnect of one process, another after a restart."""
     last_seen: float = field(default_factory=time.monotonic)
+    last_sent: float = 0.0
+    """When the server last queued a message to it (time.monotonic()): a beat within the interval
+    after it is skipped when the server's beats carry no status."""
     alive: bool = True
     _held: Any = field(default=None, init=False, repr=False, compare=False)
     """The encoded status of its latest heartbeat, not read yet (None: none held)."""
