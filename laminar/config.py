@@ -192,7 +192,8 @@ class TransportConfig(Section):
     heartbeat_interval_s: float = Field(0.5, gt=0)
     """Seconds between heartbeats, both directions. Any message counts as a beat: one that would
     carry no status (a rollout's to the buffer, the buffer's to its clients) is not sent while
-    other traffic went that way within the interval."""
+    other traffic went that way within the interval, and a node's beat to the manager not while
+    it pushed its status (`rollout.status_push_min_s`) within the interval."""
     heartbeat_liveness: int = Field(4, ge=1)
     """A peer is dead after this many missed beats (default detects death in <= 2 s)."""
     handshake_timeout_s: float = Field(5.0, gt=0)

@@ -24,7 +24,15 @@ from laminar.protocol.manager import StatusRequest
 from laminar.transport.client import RpcClient
 from laminar.transport.codec import decode, encode
 from laminar.transport.server import RpcServer
-from laminar.transport.session import PROTOCOL_VERSION, ErrorReply, Hello, Ping, Pong, Welcome
+from laminar.transport.session import (
+    PROTOCOL_VERSION,
+    ErrorReply,
+    Hello,
+    Ping,
+    Pong,
+    StatusCodec,
+    Welcome,
+)
 from laminar.transport.sockets import PeerDead, RemoteError, RequestTimeout, TransportError
 from laminar.transport.streams import Publisher, PullStream, PushStream, Subscriber
 
@@ -345,6 +353,46 @@ async def test_a_server_with_a_status_beats_every_interval_whatever_the_traffic(
         seen.append(bytes(cli.server_status))
     assert srv.stats.heartbeats_skipped == 0
     assert sum(1 for s in seen if s) >= 3  # beats kept landing between the requests
+    await cli.close()
+    await srv.close()
+
+
+async def test_a_client_pushing_its_status_skips_the_timer_beat_and_stays_fresh(
+    zctx, ipc, fast_opts, wait_until
+):
+    """A node that pushes its status (`beat`) at least once an interval sends no timer beat: the
+    server's copy stays as fresh as the pushes, nobody is declared dead, and once the pushes stop
+    the timer beats carry the status again."""
+    opts = fast_opts()
+    srv = await _echo_server(zctx, ipc("pushes"), opts, peer_status=StatusCodec(Pong))
+    n = [0]
+
+    def status() -> Pong:
+        return Pong(payload=str(n[0]))
+
+    cli = RpcClient(zctx, srv.endpoint, "cli-0", "test", opts, status=status)
+    await cli.connect()
+    until = time.monotonic() + 4 * opts.dead_after_s
+    while time.monotonic() < until:
+        n[0] += 1
+        await cli.beat()
+        await asyncio.sleep(opts.heartbeat_interval_s / 4)  # the push rate bound (a timer)
+    ticks = 4 * opts.dead_after_s / opts.heartbeat_interval_s
+    assert cli.stats.heartbeats_skipped >= ticks / 2, (cli.stats.heartbeats_skipped, ticks)
+    assert srv.stats.peers_dead == 0 and srv.peers["cli-0"].alive
+    await wait_until(
+        lambda: (st := srv.peers["cli-0"].status) is not None and st.payload == str(n[0]),
+        1,
+        "the last push at the server",
+    )
+    # no more pushes: the timer carries the status again (a change shows within the bound)
+    n[0] += 1
+    await wait_until(
+        lambda: srv.peers["cli-0"].status.payload == str(n[0]),
+        opts.heartbeat_interval_s + SLACK_S,
+        "the timer's beat carrying the new status",
+    )
+    assert srv.stats.peers_dead == 0
     await cli.close()
     await srv.close()
 

@@ -8,7 +8,8 @@ A client whose server goes silent for `dead_after_s` declares it dead, fails eve
 pending request, and reconnects on a fresh socket with doubling backoff. A server that
 restarted under the same endpoint faster than that answers `unknown_peer` (to a
 request, a heartbeat or any one-way message): the client handshakes again on the live socket. A
-client without a status sends no heartbeat while its other traffic is at least one an interval.
+client without a status sends no heartbeat while its other traffic is at least one an interval,
+and one with a status none while it pushes its status (`beat`) at least once an interval.
 
 `request()` fails only with a TransportError (RequestTimeout after its attempts, RemoteError
 for an error reply): when the client's own machinery cancels something the caller waits on
@@ -119,8 +120,11 @@ class RpcClient:
         self._connected = asyncio.Event()
         self._last_seen = time.monotonic()
         self._last_sent = 0.0
-        """When this client last queued a message (time.monotonic()): a status-less beat within
-        the interval after it is skipped."""
+        """When this client last queued a message other than a beat (time.monotonic()): a
+        status-less beat within the interval after it is skipped."""
+        self._last_pushed = 0.0
+        """When the node last pushed its status (`beat`): the timer's beat within the interval
+        after it is skipped."""
         self._seq = 0
         self._closed = False
         self._reconnecting: asyncio.Task[Any] | None = None
@@ -419,24 +423,26 @@ class RpcClient:
                         await res
                 self._reconnecting = self._spawn(self._reconnect_forever(), "client-reconnect")
                 continue
-            if (
-                self.connected
-                and self._status is None
-                and (time.monotonic() - self._last_sent < interval)
-            ):
-                # a beat without a status only says "alive": the traffic just sent said it (the
-                # server counts any message as a beat)
+            # the server counts any message as a beat: a beat without a status only says
+            # "alive", which the traffic just sent said; one with a status is due unless the node
+            # pushed its status within the interval (the push carried it, fresher)
+            said = self._last_sent if self._status is None else self._last_pushed
+            if self.connected and time.monotonic() - said < interval:
                 self.stats.heartbeats_skipped += 1
                 continue
             if self.connected:
                 try:  # bounded: a blocked beat must not stop the liveness check above
-                    await self.beat(interval)
+                    await self._beat(interval)
                 except (TransportError, zmq.ZMQError):
                     self.stats.heartbeats_dropped += 1
 
     async def beat(self, timeout: float | None = None) -> None:
-        """Send a heartbeat carrying the current status now (the timer does it every interval;
-        a node whose status just changed can push it early). Raises TransportError / ZMQError."""
+        """Push the current status now, as a heartbeat (a node whose status just changed; the
+        timer beats every interval the node did not push). Raises TransportError / ZMQError."""
+        await self._beat(timeout)
+        self._last_pushed = time.monotonic()
+
+    async def _beat(self, timeout: float | None) -> None:
         self._seq += 1
         status = StatusCodec.pack(self._status() if self._status else None)
         await self._send_raw(

@@ -19,7 +19,8 @@ Wire envelope of the RPC pair (after the ROUTER identity frame): [kind+rid, type
 Liveness (Paranoid Pirate): both sides send a Heartbeat every `heartbeat_interval_s` and count
 any traffic as a beat; a peer silent for `heartbeat_liveness` intervals is dead. A beat that
 carries no status is skipped when the side sent that peer something else within the last
-interval (the traffic was the beat), so a busy connection's silence is still at most two
+interval (the traffic was the beat), and a client's beat that carries its status when the node
+pushed its status within the interval; so a busy connection's silence is still at most two
 intervals.
 """
 
