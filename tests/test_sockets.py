@@ -266,19 +266,26 @@ async def test_request_to_a_server_restarted_under_us_handshakes_again(zctx, ipc
     await srv2.close()
 
 
+async def _client_of_a_restarted_server(
+    zctx, ep: str, opts
+) -> tuple[RpcClient, RpcServer, list[str]]:
+    """A connected client whose server then restarted on the same endpoint: (the client, the new
+    server, one entry per on_connect the client ran)."""
+    srv = await _echo_server(zctx, ep, opts)
+    joined: list[str] = []
+    cli = RpcClient(zctx, ep, "cli-0", "test", opts, on_connect=lambda: joined.append("x"))
+    await cli.connect()
+    await srv.close()
+    return cli, await _echo_server(zctx, ep, opts), joined
+
+
 async def test_idle_client_rejoins_a_restarted_server_from_its_heartbeat(
     zctx, ipc, fast_opts, wait_until
 ):
     """An idle client only sends heartbeats; the restarted server answers one with unknown_peer,
     so the client rejoins (and the server can reach it again) without waiting to declare it dead."""
     opts = fast_opts(heartbeat_liveness=100)
-    ep = ipc("restart-idle")
-    srv = await _echo_server(zctx, ep, opts)
-    joined: list[str] = []
-    cli = RpcClient(zctx, ep, "cli-0", "test", opts, on_connect=lambda: joined.append("x"))
-    await cli.connect()
-    await srv.close()
-    srv2 = await _echo_server(zctx, ep, opts)
+    cli, srv2, joined = await _client_of_a_restarted_server(zctx, ipc("restart-idle"), opts)
     # both ends: the server registered it, and the client got Welcome and ran on_connect again
     await wait_until(
         lambda: "cli-0" in srv2.peers and len(joined) >= 2, 3, "the idle client rejoining"
@@ -405,13 +412,7 @@ async def test_a_busy_one_way_client_rejoins_a_restarted_server_from_its_traffic
     unknown_peer, and the client handshakes again. Beats are 30 s apart here, so nothing else
     can tell it."""
     opts = fast_opts(heartbeat_interval_s=30, heartbeat_liveness=100)
-    ep = ipc("restart-busy")
-    srv = await _echo_server(zctx, ep, opts)
-    joined: list[str] = []
-    cli = RpcClient(zctx, ep, "cli-0", "test", opts, on_connect=lambda: joined.append("x"))
-    await cli.connect()
-    await srv.close()
-    srv2 = await _echo_server(zctx, ep, opts)
+    cli, srv2, joined = await _client_of_a_restarted_server(zctx, ipc("restart-busy"), opts)
     pinging = asyncio.create_task(_ping_every(cli, 0.02, time.monotonic() + 5, one_way=True))
     try:
         await wait_until(
