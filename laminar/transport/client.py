@@ -423,14 +423,14 @@ class RpcClient:
                         await res
                 self._reconnecting = self._spawn(self._reconnect_forever(), "client-reconnect")
                 continue
-            # the server counts any message as a beat: a beat without a status only says
-            # "alive", which the traffic just sent said; one with a status is due unless the node
-            # pushed its status within the interval (the push carried it, fresher)
-            said = self._last_sent if self._status is None else self._last_pushed
-            if self.connected and time.monotonic() - said < interval:
-                self.stats.heartbeats_skipped += 1
-                continue
             if self.connected:
+                # the server counts any message as a beat: a beat without a status only says
+                # "alive", which the traffic just sent said; one with a status is due unless the
+                # node pushed its status within the interval (the push carried it, fresher)
+                said = self._last_sent if self._status is None else self._last_pushed
+                if time.monotonic() - said < interval:
+                    self.stats.heartbeats_skipped += 1
+                    continue
                 try:  # bounded: a blocked beat must not stop the liveness check above
                     await self._beat(interval)
                 except (TransportError, zmq.ZMQError):

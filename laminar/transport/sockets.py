@@ -132,7 +132,8 @@ class SocketStats:
     peers_dead: int = 0
     heartbeats_dropped: int = 0
     heartbeats_skipped: int = 0
-    """Beats not sent: the peer got other traffic within the interval (a status-less beat)."""
+    """Beats not sent: a status-less one after other traffic to the peer within the interval, or a
+    client's timer beat after the node pushed its status within it."""
     refused_identity: int = 0
     """HELLOs whose claimed role or node id their CURVE key may not claim."""
     refused_id_in_use: int = 0
