@@ -160,3 +160,47 @@ async def test_parts_replay_the_same_state_from_the_journal(tmp_path):
     replayed, *_ = parts(j2)
     assert replayed.state.summary() == live and replayed.state.cursor == prompts.pool.cursor()
     j2.close()
+
+
+async def test_a_waiting_batch_request_wakes_per_plan_change_not_per_member():
+    # groups of N: a member that leaves its group open changes no plan, so the trainer's
+    # long-poll is not woken to plan again; the member that completes it, or one that moves an
+    # open group's version, or an abandon that settles a group, wakes it
+    ledger, prompts, intake, batches, _ = parts(rows=3)
+    reply = await prompts.serve(
+        PromptRequest(rollout_id="r0", max_groups=3, version=0, request_id="q1")
+    )
+    a, b, c = reply.items
+    plans = 0
+    plan = ledger.state.plan
+
+    def counted(*args, **kw):
+        nonlocal plans
+        plans += 1
+        return plan(*args, **kw)
+
+    ledger.state.plan = counted  # type: ignore[method-assign]
+    waiting = asyncio.ensure_future(
+        batches.serve(BatchRequest(trainer_id="t", groups=2, trainer_version=0, wait_s=10.0))
+    )
+    await asyncio.sleep(0)  # one turn: the request plans, finds nothing ready and waits
+    assert plans == 1
+    ev = ledger.changed
+    assert isinstance(await intake.trajectory(finished(a, 0), "r0"), TrajectoryAck)
+    assert ledger.changed is ev and not ev.is_set()  # a stays open: nobody woken
+    assert isinstance(await intake.trajectory(finished(a, 1), "r0"), TrajectoryAck)
+    assert ev.is_set() and ledger.changed is not ev  # a is ready: woken
+    ev = ledger.changed
+    newer = finished(b, 0)
+    newer.version = 1  # served at 0: the open group's version moves to its oldest member's
+    assert ledger.state.groups[b.group_id].version == 0
+    assert isinstance(await intake.trajectory(newer, "r0"), TrajectoryAck)
+    assert ev.is_set() and ledger.state.groups[b.group_id].version == 1
+    ev = ledger.changed
+    assert isinstance(await intake.trajectory(finished(c, 0), "r0"), TrajectoryAck)
+    assert not ev.is_set()
+    abandoned = TrajectoryAbandoned(uid=f"{c.group_id}/1", group_id=c.group_id, reason="gone")
+    assert isinstance(await intake.abandoned(abandoned), TrajectoryAck)
+    assert ev.is_set()  # c settled (partial): two ready groups, the request is served
+    batch = await asyncio.wait_for(waiting, 5.0)
+    assert sorted(batch.group_ids) == sorted([a.group_id, c.group_id])

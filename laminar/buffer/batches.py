@@ -9,7 +9,8 @@ same ready groups. restart=True first journals BatchesRequeued (every outstandin
 back to the queue front, the trainer's version is taken as it is). Then it plans with
 ExperienceState.plan (laminar/modes.py) until a plan takes groups or the
 deadline, min(wait_s, buffer.max_wait_s), passes; each ledger change that may make a batch
-servable (a member finished or was abandoned, a commit, a requeue) wakes it. Groups past
+servable (a group became ready or was dropped, an open group's version moved, a commit, a
+requeue) wakes it: not a member that leaves its group open. Groups past
 their staleness deadline are journaled as dropped on the way. A served batch is a BatchServed
 record, durable before the reply; info carries its version and staleness (min/max/mean/hist).
 An empty reply carries info.wait (not_enough | staleness | whole_batch), and
@@ -111,7 +112,7 @@ class BatchServer:
                         ready=len(st.in_state("ready")),
                         open=st.open_groups(),
                     )
-                try:  # woken per accepted trajectory: a timer, not wait_for's task per wake
+                try:  # woken per plan change: a timer, not wait_for's task per wake
                     async with asyncio.timeout(left):
                         await changed.wait()
                 except TimeoutError:

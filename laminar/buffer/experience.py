@@ -183,6 +183,10 @@ class ExperienceState:
         self.pending = 0
         self.serial = 0
         self.ready_seq = 0
+        self.plan_changes = 0
+        """Bumped by every change a batch plan reads (`plan`): a group left OPEN (ready or
+        dropped), an open group's version moved. The ledger wakes a waiting batch request on it,
+        not on every member that arrives (laminar/buffer/ledger.py)."""
         self.cursor: PoolCursor | None = None
         self.open_held: Counter[str] = Counter()
         """Rollout id -> open groups it holds (the prompt server's per-rollout cap)."""
@@ -407,6 +411,7 @@ class ExperienceState:
             for counts in (self._open, self._unconsumed):
                 _take(counts, before)
                 counts[g.version] += 1
+            self.plan_changes += 1
         self.placed.pop(f"{g.group_id}/{t.sample_index}", None)
         self.held += 1
         if not was_finished:
@@ -438,6 +443,7 @@ class ExperienceState:
                 self._drop(g, "no_usable_member")
             else:
                 g.state = READY
+                self.plan_changes += 1
                 _take(self._open, g.version)
                 self._unhold(g)
                 self._ready[g.group_id] = g
@@ -467,6 +473,7 @@ class ExperienceState:
             _take(self._unconsumed, g.version)
 
     def _drop(self, g: Group, reason: str) -> None:
+        self.plan_changes += 1
         if g.state == OPEN:
             self.pending -= g.n - g.finished
             self._unhold(g)
@@ -553,8 +560,9 @@ class ExperienceState:
 
     # ---- batches ----------------------------------------------------------------------
     def plan(self, want: int, batch_version: int, final: bool) -> BatchPlan:
-        # A waiting trainer asks again at every arrival, so the cases that need only the ready
-        # groups skip the full plan over every unconsumed group (what plan_batch would decide):
+        # A waiting trainer asks again at every plan change (a group settles, a version moves),
+        # so the cases that need only the ready groups skip the full plan over every unconsumed
+        # group (what plan_batch would decide):
         ready = self.in_state(READY)
         k = self.admission.bound
         if not self.admission.policy.whole_batch:

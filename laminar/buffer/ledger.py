@@ -5,7 +5,7 @@
     off = ledger.record(TrajectoryAccepted(t))  # write() to the OS, then ExperienceState.apply
     await ledger.durable(off)                  # per buffer.fsync; only then is anything acked
     if not ledger.waits(off): ...              # ... or at once, when the policy has no wait
-    changed = ledger.changed; await changed.wait()   # a batch long-poll waking on new groups
+    changed = ledger.changed; await changed.wait()   # a batch long-poll waking on plan changes
     await ledger.compact_if_due()          # at start: snapshot rewrite if the file outgrew its mark
     await ledger.run_compactor()           # a node task: the same, off the loop, as records arrive
 
@@ -25,19 +25,17 @@ import structlog
 from laminar.buffer.experience import ExperienceState
 from laminar.buffer.journal import Journal
 from laminar.buffer.journal_format import SCHEMA_VERSION, JournalCorrupt
-from laminar.buffer.records import (
-    BatchCommitted,
-    BatchesRequeued,
-    JournalRecord,
-    MemberAbandoned,
-    TrajectoryAccepted,
-)
+from laminar.buffer.records import BatchCommitted, BatchesRequeued, JournalRecord
 from laminar.metrics import Metrics
 
 __all__ = ["Ledger"]
 
-_WAKES = (TrajectoryAccepted, MemberAbandoned, BatchCommitted, BatchesRequeued)
-"""Record types that may make a waiting batch servable (or change its version)."""
+_WAKES = (BatchCommitted, BatchesRequeued)
+"""Record types that may make a waiting batch servable (or change its version) whatever they
+change; any other record wakes it only when it changed what a batch plan reads
+(ExperienceState.plan_changes: a group settled or was dropped, an open group's version moved).
+A member that leaves its group open wakes nobody: with groups of n samples, a waiting trainer
+plans once per group instead of n times."""
 
 
 class Ledger:
@@ -56,7 +54,8 @@ class Ledger:
         self.metrics = metrics
         self.log = log
         self.changed = asyncio.Event()
-        """Set (and replaced by a fresh one) when a record of a type in _WAKES was applied."""
+        """Set (and replaced by a fresh one) when an applied record may have made a batch
+        servable (see _WAKES)."""
         self._due = asyncio.Event()
         """Set when the journal outgrew its compaction mark (run_compactor waits on it)."""
 
@@ -123,8 +122,9 @@ class Ledger:
             off = self.journal.append(rec)
             if self._outgrown() and not self.journal.compacting:
                 self._due.set()
+        before = self.state.plan_changes
         self.state.apply(rec)
-        if isinstance(rec, _WAKES):
+        if self.state.plan_changes != before or isinstance(rec, _WAKES):
             self.changed.set()
             self.changed = asyncio.Event()
         return off
