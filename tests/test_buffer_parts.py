@@ -179,7 +179,7 @@ async def test_a_waiting_batch_request_wakes_per_plan_change_not_per_member():
         plans += 1
         return plan(*args, **kw)
 
-    ledger.state.plan = counted  # type: ignore[method-assign]
+    ledger.state.plan = counted
     waiting = asyncio.ensure_future(
         batches.serve(BatchRequest(trainer_id="t", groups=2, trainer_version=0, wait_s=10.0))
     )
