@@ -87,6 +87,10 @@ CP_GATHER_S the servers' gathering pause (laminar/transport/polled.py GATHER_S, 
 CP_LOSS_MASK=1 sends every entry and trajectory with a loss mask, as multi-turn rollouts do (the
 7B multi-turn row the bench is sized by; default: plain entries, the stored figures).
 
+summary.box_cpu_probe_ms is how fast the box ran a fixed piece of Python (benchinfo.cpu_probe_ms)
+at the start, before each cost pass and at the end: the same code every run, so two runs whose
+node figures differ by as much as their probes do measured the box, not a change.
+
     .venv/bin/python bench/control_plane.py --quick --out bench/results/control_plane_quick.json
 """
 
@@ -105,7 +109,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchinfo, also when loaded as a module
 
-from benchinfo import git  # noqa: E402
+from benchinfo import cpu_probe_ms, git  # noqa: E402
 from cp_cluster import ROOT, Cluster, cpu_seconds  # noqa: E402
 from cp_node import read_handler_cpu, read_lag, read_wakeups  # noqa: E402
 from cp_workload import (  # noqa: E402
@@ -145,6 +149,7 @@ async def run_cost_pass(
     """CPU of each node at x (1: the 1024-GPU rate), whole and kind by kind (COST_PHASES), above
     its idle: what the code costs, whatever else the box runs (CPU-seconds of each process, not a
     race for the cores). The figures are normalized to 1x by what each phase delivered."""
+    probe = cpu_probe_ms()  # the box, before the nodes start
     phases: dict[str, dict[str, Any]] = {}
     # the driver at the nodes' priority: here it must offer the rate, not yield the cores (the
     # figures are each node's own CPU-seconds; raising a niceness cannot be undone, so these
@@ -205,6 +210,7 @@ async def run_cost_pass(
         "buffer_shards": shards,
         "x": x,
         "rollouts": int(rates["rollouts"]),
+        "cpu_probe_ms": probe,
         # --pin: the buffers' CPU and the manager's and the driver's
         "pinned": None
         if cl.pin is None
@@ -693,7 +699,13 @@ def main(argv: list[str] | None = None) -> int:
     args.cost_s = args.cost_s or (10.0 if args.quick else 30.0)
     args.ramp = args.ramp or [0.05, 0.1, 0.15, 0.25, 0.5, 1.0, 2.0, 3.0]
     args.step_s = args.step_s or (15.0 if args.quick else 60.0)
+    start = cpu_probe_ms()
     res = asyncio.run(run_bench(args))
+    res["summary"]["box_cpu_probe_ms"] = {
+        "start": start,
+        "cost_passes": [p["cpu_probe_ms"] for p in res["cost_passes"]],
+        "end": cpu_probe_ms(),
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=1))
     sm = res["summary"]
@@ -705,7 +717,8 @@ def main(argv: list[str] | None = None) -> int:
         f"(spread {sm['shard_cpu_per_trajectory_spread']}), at {sm['same_shard_rate_x']}x a "
         f"shard {sm['shard_cpu_us_per_trajectory_by_k_same_shard_rate']} (spread "
         f"{sm['shard_cpu_per_trajectory_spread_same_shard_rate']}); manager us per status push by "
-        f"rollouts {sm['manager_us_per_status_by_rollouts']}"
+        f"rollouts {sm['manager_us_per_status_by_rollouts']}; the box's CPU probe (ms) "
+        f"{sm['box_cpu_probe_ms']}"
     )
     if args.no_ramp:
         print(f"-> {args.out}")
