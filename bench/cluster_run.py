@@ -108,12 +108,14 @@ class BenchParams:
     """laminar modes and partial: buffer.max_staleness (None: unbounded, as measured, and as the
     paper ran AReaL for throughput; see bench/README.md)."""
     heartbeat_s: float = 0.5
-    repack_interval_s: float = 0.25
-    """Manager repack period (and a round right after each update). 0.25 s (was 0.5, 1 s before
-    that): a source freed sooner is that much more time at full B; with draining candidates and
-    split sources the simulator gives +0.02 decode utilisation for 0.5 -> 0.25 s, and the
-    emulated rounds, 0.2-0.27 s of overhead each on the loaded 2-core box, then run about back
-    to back (bench/README.md, issues 18 and 44)."""
+    repack_interval_s: float = 0.1
+    """Manager repack period (and a round right after each update). 0.1 s (0.25 s until
+    2026-12-07, 0.5 and 1 s before): a source freed sooner is that much more time at full B. At
+    K = 2 the simulator gives +0.014 decode utilisation for 0.25 -> 0.1 s with laminar's consumed
+    staleness p99 unchanged (0.05 s: +0.005 more, p99 up by one in one seed of three), and an
+    interleaved emulation A/B read laminar +1.6-2.1% in each of 3 seeds for +0.03 of a core in the
+    manager: a round's moves now take ~25 ms (0.2-0.27 s when the period was first cut)
+    (bench/README.md, issues 18 and 44)."""
     c_max: float = 0.9
     warmup_s: float = 8.0
     window_s: float = 24.0

@@ -35,8 +35,8 @@ sys.path.insert(0, str(HERE))
 from cluster_run import MULTITURN, BenchParams, make_config  # noqa: E402
 
 R05 = {"repack_interval_s": 0.5, "refill_versions": 3}
-"""The bench's repack period before this sweep (0.25 s now), at the K = 3 it adopted then."""
-K3 = {"refill_versions": 3}
+"""The bench's repack period before this sweep, at the K = 3 it adopted then."""
+K3 = {"refill_versions": 3, "repack_interval_s": 0.25}
 """The budget this sweep adopted; the bench runs K = 2 since the open-groups cap was fixed."""
 BEFORE_44 = {**R05, "refill_versions": 0, "repack_candidates": "kv_falling", "repack_split": False}
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -46,10 +46,16 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "K = 3, split, 0.25 s (adopted then)": K3,
     "K = 3, split, 0.1 s": {**K3, "repack_interval_s": 0.1},
     "K = 2, split, 0.5 s": {**R05, "refill_versions": 2},
-    "K = 2, split, 0.25 s (the bench's default now)": {"refill_versions": 2},
-    "K = 4, split, 0.25 s": {"refill_versions": 4},
+    "K = 2, split, 0.25 s (the bench's default until 2026-12-07)": {
+        "refill_versions": 2,
+        "repack_interval_s": 0.25,
+    },
+    "K = 4, split, 0.25 s": {"refill_versions": 4, "repack_interval_s": 0.25},
     # issue 44, third session: the staleness / throughput trade and a larger decode bound
-    "K = 2, split, 0.1 s": {"refill_versions": 2, "repack_interval_s": 0.1},
+    "K = 2, split, 0.1 s (the bench's default now)": {
+        "refill_versions": 2,
+        "repack_interval_s": 0.1,
+    },
     "K = 3, split, 0.1 s, c_max 1.0": {**K3, "repack_interval_s": 0.1, "c_max": 1.0},
     "refill_slots 16 (partial and laminar)": {**K3, "refill_slots": 16},
     "B = 16 (credits, slots, batch, trainer scaled)": {
