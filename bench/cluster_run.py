@@ -111,8 +111,8 @@ class BenchParams:
     repack_interval_s: float = 0.1
     """Manager repack period (and a round right after each update). 0.1 s (0.25 s until
     2026-12-07, 0.5 and 1 s before): a source freed sooner is that much more time at full B. At
-    K = 2 the simulator gives +0.014 decode utilisation for 0.25 -> 0.1 s with laminar's consumed
-    staleness p99 unchanged (0.05 s: +0.005 more, p99 up by one in one seed of three), and an
+    K = 2 the simulator gives +0.018 decode utilisation for 0.25 -> 0.1 s with laminar's consumed
+    staleness p99 unchanged (0.05 s: +0.002 more for twice the rounds; drain_sweep_s16.json), and an
     interleaved emulation A/B read laminar +1.6-2.1% in each of 3 seeds for +0.03 of a core in the
     manager: a round's moves now take ~25 ms (0.2-0.27 s when the period was first cut)
     (bench/README.md, issues 18 and 44)."""

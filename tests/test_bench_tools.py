@@ -209,3 +209,29 @@ def test_emulated_rate_is_over_whole_steps():
     # a lone step with none before: timed from the window's start
     out = figures(steps[1:2], [], [], 10.0, 28.0, 1)
     assert out["train_tok_s"] == pytest.approx(100 / 3.0)
+
+
+def test_drain_sweep_feeds_stored_latencies_and_sets_simulator_fields_for_laminar_only(tmp_path):
+    import drain_sweep
+
+    stored = {
+        "simulation": {
+            "8": {
+                "partial": {"latencies": {"global_update_s": 0.05, "actor_push_s": 0.002}},
+                "laminar": {"latencies": {"relay_pull_s": 0.01, "repack_move_s": 0.007}},
+            }
+        }
+    }
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps(stored))
+    lat = drain_sweep.stored_latencies(path, 8)
+    assert lat["laminar"] == {"relay_pull_s": 0.01, "repack_move_s": 0.007}
+    assert lat["partial"]["global_update_s"] == 0.05
+
+    short = {"warmup_s": 4.0, "window_s": 8.0, "refill_versions": 2}
+    free = drain_sweep.run_variant(8, short, [0], lat)
+    stalled = drain_sweep.run_variant(8, {**short, "sim": {"repack_fixed_s": 2.0}}, [0], lat)
+    # a 2 s stall per move (400 decode steps) costs laminar; partial never repacks: unchanged
+    assert stalled["throughput_tok_s"]["partial"] == free["throughput_tok_s"]["partial"]
+    assert stalled["throughput_tok_s"]["laminar"] < 0.95 * free["throughput_tok_s"]["laminar"]
+    assert free["moves"] > 0
