@@ -857,7 +857,9 @@ class RepackConfig(Section):
     enabled: bool = True
     """Dynamic repack on/off."""
     interval_s: float = Field(5.0, gt=0)
-    """Periodic repack check."""
+    """Period of the repack rounds (one also runs right after each new version). A draining tail
+    waits up to this long to be consolidated: with many rollouts and long tails a short period
+    pays (the emulated cluster runs 0.1 s: a round's moves take ~25 ms there; docs/DESIGN.md)."""
     c_max: float = Field(0.9, gt=0, le=1)
     """KV-use cap a destination must stay under."""
     bound_b: int | None = Field(None, ge=1)
