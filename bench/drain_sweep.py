@@ -83,7 +83,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "K = 2, split, 0.02 s": {"refill_versions": 2, "repack_interval_s": 0.02},
     "K = 2, destinations up to 10, 0.25 s": {**K2_025, "sim": {"repack_bound_b": 10}},
     "K = 2, destinations up to 12, 0.25 s": {**K2_025, "sim": {"repack_bound_b": 12}},
-    "K = 1, destinations up to 10, 0.1 s": {"refill_versions": 1, "sim": {"repack_bound_b": 10}},
+    "K = 1, destinations up to 10, 0.1 s": {
+        "refill_versions": 1,
+        "repack_interval_s": 0.1,
+        "sim": {"repack_bound_b": 10},
+    },
     **{
         f"K = 2, {period} s, {stall * 1000:.0f} ms fixed stall a move": {
             "refill_versions": 2,
