@@ -67,15 +67,21 @@ would hold.)
 
 Cost passes (the pass/fail figures, bench/README.md "Cost, not a race"): each node's CPU-seconds
 per second at 1x above its idle (an idle phase before the kinds; one after them is recorded as a
-check on drift, idle_cpu_per_s_after), per message kind (status, trajectory, chunk: one pass per K;
-the whole workload, `all`, in a pass of its own with one buffer, since it leaves samples standing
+check on drift, idle_cpu_per_s_after), per message kind (status, trajectory, chunk: one pass
+with one buffer; the whole workload, `all`, in a pass of its own, since it leaves samples standing
 part-way whose feeders then ask for prompts the buffer refuses), per buffer shard at
 K = --cost-shards, and the manager's CPU per status push at other numbers of rollouts
-(--status-rollouts, the same push rate). The shards are measured twice:
+(--status-rollouts, the same push rate). The shards are measured in passes of their own (the
+trajectory and chunk phases), twice:
 at 1x in all (summary.shard_cpu_us_per_trajectory_by_k: a shard of K takes 1/K of the messages)
 and at one rate per shard (..._same_shard_rate: K shards at K / max(K) of 1x, so every shard takes
 1/max(K) of 1x; the max-K pass is the same pass), which separates what sharding costs from what a
-lower load per shard costs. Each phase also records what one wake-up of each node's reader
+lower load per shard costs. They run --shard-rounds rounds (default 3), every K in each round, so
+a stretch where the box charged more falls on each K alike: each K's figure is the median of its
+rounds (..._rounds lists the rounds' means per K), and the spread is taken between the medians.
+A process's CPU is its threads' run time from /proc/PID/task/*/schedstat (ns), not the 10 ms
+ticks of /proc/PID/stat: a shard of 4 idles at ~0.02 core-s/s, so over a 10 s phase one tick
+was ~5% of the idle subtracted. Each phase also records what one wake-up of each node's reader
 served (`wakeups`: messages/s, wake-ups/s, messages per wake-up, from the servers' PolledSocket
 counters, and the collector's runs per generation per second), and
 summary.shard_messages_per_wakeup_by_k lists it per shard. CP_FSYNC=never|batch|always sets the
@@ -101,6 +107,7 @@ import asyncio
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -145,10 +152,12 @@ async def run_cost_pass(
     shards: int,
     kinds: list[str] | None = None,
     x: float = 1.0,
+    drift_check: bool = True,
 ) -> dict[str, Any]:
     """CPU of each node at x (1: the 1024-GPU rate), whole and kind by kind (COST_PHASES), above
     its idle: what the code costs, whatever else the box runs (CPU-seconds of each process, not a
-    race for the cores). The figures are normalized to 1x by what each phase delivered."""
+    race for the cores). The figures are normalized to 1x by what each phase delivered.
+    drift_check: an idle phase after the kinds too (recorded, not subtracted)."""
     probe = cpu_probe_ms()  # the box, before the nodes start
     phases: dict[str, dict[str, Any]] = {}
     # the driver at the nodes' priority: here it must offer the rate, not yield the cores (the
@@ -159,7 +168,8 @@ async def run_cost_pass(
         warm = time.monotonic() + args.warmup_s
         await asyncio.gather(drv.stream(x, warm, first_fill=True), drv.pushes(x, warm))
         # idle before the kinds (subtracted) and after them (a check on drift)
-        for kind in ("idle", *(kinds or args.cost_phases), "idle_end"):
+        ends = ("idle_end",) if drift_check else ()
+        for kind in ("idle", *(kinds or args.cost_phases), *ends):
             cl.check()
             await drv.drain(10.0)  # the last phase's trajectories acked: none spills into this one
             before = dict(drv.sent)
@@ -204,8 +214,9 @@ async def run_cost_pass(
                 ),
                 flush=True,
             )
-    idle_phases = {k: phases.pop(k) for k in ("idle", "idle_end")}
-    idle_start, idle_end = (idle_phases[k]["cpu_per_s"] for k in ("idle", "idle_end"))
+    idle_phases = {k: phases.pop(k) for k in ("idle", "idle_end") if k in phases}
+    idle_start = idle_phases["idle"]["cpu_per_s"]
+    idle_end = idle_phases["idle_end"]["cpu_per_s"] if drift_check else {}
     return {
         "buffer_shards": shards,
         "x": x,
@@ -310,9 +321,13 @@ def shard_figures(passes: list[dict[str, Any]], rates: dict[str, float]) -> dict
     trajectory, from the kind phases (each normalized by what it delivered; a trajectory's own
     cost plus its partial stream's: batches per trajectory at 1x times the cost of a batch), what
     one wake-up of its reader served per phase (the per-message costs that do not divide: a
-    shard that sees fewer messages gathers fewer per wake-up), and the spread of the K means."""
-    shard_us: dict[str, list[float]] = {}
-    handler_us: dict[str, list[float]] = {}
+    shard that sees fewer messages gathers fewer per wake-up), and the spread of the K figures.
+    Several passes at one K (rounds, --shard-rounds) give each shard the median of its rounds,
+    each K the median of its rounds' means (..._rounds lists those means), and the spread is
+    taken between those medians: one pass the box slowed moves no K."""
+    rounds: dict[str, list[list[float]]] = {}
+    h_rounds: dict[str, list[list[float]]] = {}
+    wakeups: dict[str, dict[str, list[float | None]]] = {}
     per_traj_batches = rates["batches_s"] / rates["trajectories_s"]
     passes = [p for p in passes if "trajectory" in p["phases"] and "chunk" in p["phases"]]
     for p in passes:
@@ -322,58 +337,66 @@ def shard_figures(passes: list[dict[str, Any]], rates: dict[str, float]) -> dict
         if t_s <= 0 or b_s <= 0:
             continue
         names = [n for n in p["idle_cpu_per_s"] if n.startswith("buffer")]
-        shard_us[str(k)] = [
-            round(
+        rounds.setdefault(str(k), []).append(
+            [
                 (
                     max(0.0, tr["cpu_per_s"][n] - p["idle_cpu_per_s"][n]) / t_s
                     + max(0.0, ch["cpu_per_s"][n] - p["idle_cpu_per_s"][n]) / b_s * per_traj_batches
                 )
-                * 1e6,
-                1,
-            )
-            for n in names
-        ]
+                * 1e6
+                for n in names
+            ]
+        )
         # the same per trajectory, counting only the thread CPU of the Trajectory and
         # PartialBatch handlers: the same calls on the same inputs at every K (a rollout's
         # batches all go to one shard, ~69 entries each), so where this moves with K the box
         # charges more CPU for the same work
-        handler_us[str(k)] = [
-            round(
+        h_rounds.setdefault(str(k), []).append(
+            [
                 (
                     tr.get("handler_cpu_per_s", {}).get(n, {}).get("Trajectory", 0.0) / t_s
                     + ch.get("handler_cpu_per_s", {}).get(n, {}).get("PartialBatch", 0.0)
                     / b_s
                     * per_traj_batches
                 )
-                * 1e6,
-                1,
-            )
-            for n in names
-        ]
-    means = [sum(v) / len(v) for v in shard_us.values() if v]
-    h_means = [sum(v) / len(v) for v in handler_us.values() if v]
-    return {
-        "shard_cpu_us_per_trajectory_by_k": shard_us,
-        "shard_handler_cpu_us_per_trajectory_by_k": handler_us,
-        "shard_handler_cpu_per_trajectory_spread": (
-            round(max(h_means) / min(h_means) - 1, 3)
-            if len(h_means) > 1 and min(h_means) > 0
-            else None
-        ),
-        "shard_messages_per_wakeup_by_k": {
-            str(p["buffer_shards"]): {
+                * 1e6
+                for n in names
+            ]
+        )
+        # what one wake-up served, from the first pass at each K
+        wakeups.setdefault(
+            str(k),
+            {
                 kind: [
                     (w or {}).get("messages_per_wakeup")
                     for n, w in ph.get("wakeups", {}).items()
                     if n.startswith("buffer")
                 ]
                 for kind, ph in p["phases"].items()
-            }
-            for p in passes
-        },
-        "shard_cpu_per_trajectory_spread": (
-            round(max(means) / min(means) - 1, 3) if len(means) > 1 and min(means) > 0 else None
-        ),
+            },
+        )
+
+    def per_shard(by_k: dict[str, list[list[float]]]) -> dict[str, list[float]]:
+        return {
+            k: [round(statistics.median(col), 1) for col in zip(*rs, strict=True)]
+            for k, rs in by_k.items()
+        }
+
+    def round_means(by_k: dict[str, list[list[float]]]) -> dict[str, list[float]]:
+        return {k: [round(sum(r) / len(r), 1) for r in rs if r] for k, rs in by_k.items()}
+
+    def spread(by_k: dict[str, list[list[float]]]) -> float | None:
+        meds = [statistics.median(v) for v in round_means(by_k).values() if v]
+        return round(max(meds) / min(meds) - 1, 3) if len(meds) > 1 and min(meds) > 0 else None
+
+    return {
+        "shard_cpu_us_per_trajectory_by_k": per_shard(rounds),
+        "shard_cpu_us_per_trajectory_by_k_rounds": round_means(rounds),
+        "shard_handler_cpu_us_per_trajectory_by_k": per_shard(h_rounds),
+        "shard_handler_cpu_us_per_trajectory_by_k_rounds": round_means(h_rounds),
+        "shard_handler_cpu_per_trajectory_spread": spread(h_rounds),
+        "shard_messages_per_wakeup_by_k": wakeups,
+        "shard_cpu_per_trajectory_spread": spread(rounds),
     }
 
 
@@ -497,26 +520,44 @@ async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     # the buffer refuses (rollout_full) every retry_after_s, ~600 requests a second more, which
     # a kind's phase after it would count as its own
     kinds = [k for k in args.cost_phases if k != "all"]
-    cost_passes = [await run_cost_pass(args, rates, k, kinds) for k in args.cost_shards if kinds]
+    # the kinds with one buffer: the per-node and per-kind figures
+    cost_passes = [await run_cost_pass(args, rates, 1, kinds)] if kinds else []
     if "all" in args.cost_phases:
         cost_passes.append(await run_cost_pass(args, rates, 1, ["all"]))
     cost_sm = cost_summary(cost_passes, rates)
-    # the shards again at one rate per shard: K shards at K/most of 1x, so each shard takes the
-    # same messages a second. At 1x in all, a shard of K takes 1/K of them and pays more per
-    # message (fewer gather per wake-up, the journal's timed fsyncs cover fewer records): that is
-    # the load, not the sharding, and it shows with one buffer at a lower rate too. Each of these
-    # passes runs the same two phases (a pass's earlier phases leave state behind)
+    # the shards, in passes of their own (the trajectory and chunk phases: a pass's earlier
+    # phases leave state behind), --shard-rounds rounds of every K interleaved, so a stretch where
+    # the box charged more falls on every K alike and the medians leave it out. Each round at 1x
+    # in all, then at one rate per shard: K shards at K/most of 1x, so each shard takes the same
+    # messages a second (the max-K pass of the round is that one). At 1x in all, a shard of K
+    # takes 1/K of them and pays more per message (fewer gather per wake-up, the journal's timed
+    # fsyncs cover fewer records): that is the load, not the sharding, and it shows with one
+    # buffer at a lower rate too
     most = max(args.cost_shards)
-    same_rate = [
-        {
-            **await run_cost_pass(args, rates, k, ["trajectory", "chunk"], k / most),
-            "same_shard_rate": True,
-        }
-        for k in args.cost_shards
-    ]
+    shard_kinds = ["trajectory", "chunk"]
+    whole: list[dict[str, Any]] = []
+    same_rate: list[dict[str, Any]] = []
+    if len(args.cost_shards) > 1 and all(k in kinds for k in shard_kinds):
+        for r in range(args.shard_rounds):
+            at_most = None
+            for k in args.cost_shards:
+                p = await run_cost_pass(args, rates, k, shard_kinds, 1.0, drift_check=False)
+                p["shard_round"] = r
+                whole.append(p)
+                at_most = p if k == most else at_most
+            for k in args.cost_shards:
+                if k == most and at_most is not None:
+                    same_rate.append(at_most)
+                    continue
+                p = await run_cost_pass(args, rates, k, shard_kinds, k / most, drift_check=False)
+                same_rate.append({**p, "shard_round": r, "same_shard_rate": True})
+    else:  # one K: the kinds' pass
+        whole = [p for p in cost_passes if p["buffer_shards"] in args.cost_shards]
+    cost_sm.update(shard_figures(whole, rates))
     cost_sm.update({f"{k}_same_shard_rate": v for k, v in shard_figures(same_rate, rates).items()})
     cost_sm["same_shard_rate_x"] = round(1 / most, 4)
-    cost_passes += same_rate
+    cost_sm["shard_rounds"] = args.shard_rounds
+    cost_passes += [p for p in [*whole, *same_rate] if not any(p is q for q in cost_passes)]
     # the manager's cost per status push at other numbers of rollouts, the same push rate: flat
     # when nothing per push scans the rollouts (their heartbeats are in each pass's idle)
     status_passes = [
@@ -539,6 +580,8 @@ async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             "config": {
                 "quick": args.quick,
                 "cost_s": args.cost_s,
+                "cost_shards": args.cost_shards,
+                "shard_rounds": args.shard_rounds,
                 "target_workload": target_name,
                 "pin": args.pin,
                 "chunk_tokens": CHUNK_TOKENS,
@@ -601,6 +644,7 @@ async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             "driver_nice": args.driver_nice,
             "cost_s": args.cost_s,
             "cost_shards": args.cost_shards,
+            "shard_rounds": args.shard_rounds,
             "status_rollouts": args.status_rollouts,
             "cost_phases": args.cost_phases,
             "pin": args.pin,
@@ -645,7 +689,7 @@ async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="short steps (<= 5 min in all)")
+    ap.add_argument("--quick", action="store_true", help="short steps and phases")
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/control_plane.json")
     ap.add_argument("--ramp", type=float, nargs="+", default=None)
     ap.add_argument("--step-s", type=float, default=None)
@@ -677,6 +721,13 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         default=[1, 2, 4],
         help="a cost pass with each number of buffer shards (the first 1: the headline)",
+    )
+    ap.add_argument(
+        "--shard-rounds",
+        type=int,
+        default=3,
+        help="rounds of the shard passes (every K at 1x, then at one rate per shard), "
+        "interleaved; the figures are the medians",
     )
     ap.add_argument(
         "--cost-phases", nargs="+", default=list(COST_PHASES), choices=list(COST_PHASES)

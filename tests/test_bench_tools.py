@@ -134,6 +134,25 @@ def test_shard_figures_are_per_shard_per_trajectory_above_idle():
     assert spread == pytest.approx(0.1, abs=0.001)
 
 
+def test_shard_figures_take_the_median_of_rounds_so_one_slowed_pass_moves_no_k():
+    rates = {"trajectories_s": 100.0, "batches_s": 200.0}
+    one = [_cost_pass(1, 0.5, 0.15, 0.12, 0.1) for _ in range(3)]
+    two = [_cost_pass(2, 1.0, 0.15, 0.12, 0.1) for _ in range(3)]
+    # the box charged one K=2 round twice the CPU above idle (0.1 + 2 x 0.05, 0.1 + 2 x 0.02)
+    two[1] = _cost_pass(2, 1.0, 0.2, 0.14, 0.1)
+    got = control_plane.shard_figures([*one, *two], rates)
+    assert got["shard_cpu_us_per_trajectory_by_k_rounds"] == {
+        "1": [1400.0] * 3,
+        "2": [1400.0, 2800.0, 1400.0],
+    }
+    assert got["shard_cpu_us_per_trajectory_by_k"] == {"1": [1400.0], "2": [1400.0, 1400.0]}
+    assert got["shard_cpu_per_trajectory_spread"] == 0.0
+    # two slowed rounds of three are the median: the spread shows them
+    two[2] = _cost_pass(2, 1.0, 0.2, 0.14, 0.1)
+    got = control_plane.shard_figures([*one, *two], rates)
+    assert got["shard_cpu_per_trajectory_spread"] == pytest.approx(1.0, abs=0.001)
+
+
 def test_the_whole_workload_pass_is_read_against_its_own_idle():
     rates = {"trajectories_s": 100.0, "batches_s": 200.0, "status_pushes_s": 1000.0}
     kinds = _cost_pass(1, 1.0, 0.15, 0.12, 0.1)
