@@ -79,6 +79,11 @@ and at one rate per shard (..._same_shard_rate: K shards at K / max(K) of 1x, so
 lower load per shard costs. They run --shard-rounds rounds (default 3), every K in each round, so
 a stretch where the box charged more falls on each K alike: each K's figure is the median of its
 rounds (..._rounds lists the rounds' means per K), and the spread is taken between the medians.
+Each round's K = 1 pass runs the trajectory and chunk phases as the kinds' pass does, so each
+node's per-kind figure (and the sum, the pass/fail figure) is the median over the passes with one
+buffer at 1x that ran that kind (summary.cpu_core_s_per_1x_by_kind_passes lists them;
+..._by_node_first_pass is the kinds' pass alone), and the idle beside the estimate the median of
+those passes' idles.
 A process's CPU is its threads' run time from /proc/PID/task/*/schedstat (ns), not the 10 ms
 ticks of /proc/PID/stat: a shard of 4 idles at ~0.02 core-s/s, so over a 10 s phase one tick
 was ~5% of the idle subtracted. Each phase also records what one wake-up of each node's reader
@@ -249,9 +254,13 @@ def cost_summary(passes: list[dict[str, Any]], rates: dict[str, float]) -> dict[
         "chunk": lambda g: g["batches"] / rates["batches_s"],
     }
     out: dict[str, Any] = {}
-    ones = [p for p in passes if p["buffer_shards"] == 1] or passes[:1]
+    ones = [p for p in passes if p["buffer_shards"] == 1 and p.get("x", 1.0) == 1.0] or passes[:1]
     one = ones[0]
-    idle = one["idle_cpu_per_s"]
+    # the idle of every pass with one buffer at 1x, node by node: the median
+    idle = {
+        n: round(statistics.median(p["idle_cpu_per_s"][n] for p in ones), 4)
+        for n in one["idle_cpu_per_s"]
+    }
 
     def phase(kind: str) -> tuple[dict[str, Any] | None, dict[str, float]]:
         """The K=1 pass's phase of `kind` and that pass's idle (the whole workload runs in a pass
@@ -261,10 +270,9 @@ def cost_summary(passes: list[dict[str, Any]], rates: dict[str, float]) -> dict[
                 return p["phases"][kind], p["idle_cpu_per_s"]
         return None, idle
 
-    def per_1x(kind: str, name: str) -> float | None:
-        ph, idle_of = phase(kind)
-        if ph is None:
-            return None
+    def cost_of(
+        kind: str, name: str, ph: dict[str, Any], idle_of: dict[str, float]
+    ) -> float | None:
         # the whole workload: the manager's load is its pushes, a buffer's its batches
         load = (
             load_of["status"](ph["achieved"])
@@ -274,10 +282,35 @@ def cost_summary(passes: list[dict[str, Any]], rates: dict[str, float]) -> dict[
         above = max(0.0, ph["cpu_per_s"][name] - idle_of[name])
         return round(above / load, 4) if load > 0 else None
 
+    def per_1x(kind: str, name: str) -> float | None:
+        ph, idle_of = phase(kind)
+        return None if ph is None else cost_of(kind, name, ph, idle_of)
+
+    def every_pass(kind: str, name: str) -> list[float]:
+        """The cost of `kind` in every pass with one buffer at 1x that ran it (the kinds' pass,
+        and the shard rounds' K = 1 passes: their trajectory and chunk phases are the same)."""
+        got = [
+            cost_of(kind, name, p["phases"][kind], p["idle_cpu_per_s"])
+            for p in ones
+            if kind in p["phases"] and name in p["phases"][kind]["cpu_per_s"]
+        ]
+        return [v for v in got if v is not None]
+
     nodes = [n for n in idle]
     # a node's cost of 1x: the sum of its kinds' (each phase at 1x of its own kind, normalized by
-    # what it delivered). The whole-workload phase is the cross-check
-    by_kind = {n: {k: per_1x(k, n) for k in COST_PHASES if k != "all"} for n in nodes}
+    # what it delivered; each kind the median of the passes that ran it). The whole-workload
+    # phase is the cross-check
+    passes_by_kind = {n: {k: every_pass(k, n) for k in COST_PHASES if k != "all"} for n in nodes}
+    by_kind = {
+        n: {k: round(statistics.median(v), 4) if v else None for k, v in ks.items()}
+        for n, ks in passes_by_kind.items()
+    }
+    out["cpu_core_s_per_1x_by_kind_passes"] = passes_by_kind
+    # the kinds' pass alone (the only figure before the shard rounds ran K = 1 again)
+    first = {n: {k: per_1x(k, n) for k in COST_PHASES if k != "all"} for n in nodes}
+    out["cpu_core_s_per_1x_by_node_first_pass"] = {
+        n: round(sum(v or 0.0 for v in ks.values()), 4) for n, ks in first.items()
+    }
     by_node = {
         n: round(sum(v or 0.0 for v in ks.values()), 4)
         for n, ks in by_kind.items()
@@ -524,7 +557,6 @@ async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     cost_passes = [await run_cost_pass(args, rates, 1, kinds)] if kinds else []
     if "all" in args.cost_phases:
         cost_passes.append(await run_cost_pass(args, rates, 1, ["all"]))
-    cost_sm = cost_summary(cost_passes, rates)
     # the shards, in passes of their own (the trajectory and chunk phases: a pass's earlier
     # phases leave state behind), --shard-rounds rounds of every K interleaved, so a stretch where
     # the box charged more falls on every K alike and the medians leave it out. Each round at 1x
@@ -553,6 +585,11 @@ async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                 same_rate.append({**p, "shard_round": r, "same_shard_rate": True})
     else:  # one K: the kinds' pass
         whole = [p for p in cost_passes if p["buffer_shards"] in args.cost_shards]
+    # the per-node and per-kind figures: each kind the median over the passes with one buffer
+    # at 1x that ran it (the kinds' pass and each round's K = 1 pass)
+    cost_sm = cost_summary(
+        [*cost_passes, *(p for p in whole if not any(p is q for q in cost_passes))], rates
+    )
     cost_sm.update(shard_figures(whole, rates))
     cost_sm.update({f"{k}_same_shard_rate": v for k, v in shard_figures(same_rate, rates).items()})
     cost_sm["same_shard_rate_x"] = round(1 / most, 4)

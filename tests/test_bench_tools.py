@@ -188,6 +188,31 @@ def test_the_whole_workload_pass_is_read_against_its_own_idle():
     assert got["shard_cpu_us_per_trajectory_by_k"] == {"1": [700.0]}
 
 
+def test_each_kind_is_the_median_of_the_one_buffer_passes_that_ran_it():
+    rates = {"trajectories_s": 100.0, "batches_s": 200.0, "status_pushes_s": 1000.0}
+    kinds = _cost_pass(1, 1.0, 0.15, 0.12, 0.1)
+    kinds["phases"]["status"] = {
+        "cpu_per_s": {"manager": 0.15, "buffer": 0.1},
+        "achieved": {"pushes": 1000.0},
+        "handler_cpu_per_s": {},
+    }
+    # the shard rounds' K = 1 passes: the trajectory phase cheaper in both, the chunk phase dearer
+    # in one; a K = 2 pass and one buffer at half the rate count for nothing here
+    rounds = [_cost_pass(1, 1.0, 0.13, 0.12, 0.1), _cost_pass(1, 1.0, 0.14, 0.13, 0.1)]
+    others = [_cost_pass(2, 1.0, 0.5, 0.5, 0.1), _cost_pass(1, 0.5, 0.5, 0.5, 0.1)]
+    got = control_plane.cost_summary([kinds, *rounds, *others], rates)
+    assert got["cpu_core_s_per_1x_by_kind_passes"]["buffer"]["trajectory"] == [0.05, 0.03, 0.04]
+    assert got["cpu_core_s_per_1x_by_kind"]["buffer"] == {
+        "status": 0.0,
+        "trajectory": 0.04,
+        "chunk": 0.02,
+    }
+    assert got["cpu_core_s_per_1x_by_node"]["buffer"] == pytest.approx(0.06)
+    # the kinds' pass alone stays beside it
+    assert got["cpu_core_s_per_1x_by_node_first_pass"]["buffer"] == pytest.approx(0.07)
+    assert got["cpu_core_s_per_1x_by_node"]["manager"] == pytest.approx(0.1)
+
+
 def test_lag_window_reads_only_samples_inside_it(tmp_path):
     path = tmp_path / "lag.jsonl"
     path.write_text(
