@@ -153,14 +153,21 @@ def test_shard_figures_take_the_median_of_rounds_so_one_slowed_pass_moves_no_k()
     assert got["shard_cpu_per_trajectory_spread"] == pytest.approx(1.0, abs=0.001)
 
 
-def test_the_whole_workload_pass_is_read_against_its_own_idle():
-    rates = {"trajectories_s": 100.0, "batches_s": 200.0, "status_pushes_s": 1000.0}
+def _kinds_pass() -> dict:
+    """The kinds' pass: one buffer at 1x, 0.05 core-s/s above its idle of 0.1 for trajectories,
+    0.02 for batches, and a status phase that costs the manager 0.1 for 1,000 pushes a second."""
     kinds = _cost_pass(1, 1.0, 0.15, 0.12, 0.1)
     kinds["phases"]["status"] = {
         "cpu_per_s": {"manager": 0.15, "buffer": 0.1},
         "achieved": {"pushes": 1000.0},
         "handler_cpu_per_s": {},
     }
+    return kinds
+
+
+def test_the_whole_workload_pass_is_read_against_its_own_idle():
+    rates = {"trajectories_s": 100.0, "batches_s": 200.0, "status_pushes_s": 1000.0}
+    kinds = _kinds_pass()
     whole = {
         "buffer_shards": 1,
         "x": 1.0,
@@ -190,23 +197,19 @@ def test_the_whole_workload_pass_is_read_against_its_own_idle():
 
 def test_each_kind_is_the_median_of_the_one_buffer_passes_that_ran_it():
     rates = {"trajectories_s": 100.0, "batches_s": 200.0, "status_pushes_s": 1000.0}
-    kinds = _cost_pass(1, 1.0, 0.15, 0.12, 0.1)
-    kinds["phases"]["status"] = {
-        "cpu_per_s": {"manager": 0.15, "buffer": 0.1},
-        "achieved": {"pushes": 1000.0},
-        "handler_cpu_per_s": {},
-    }
+    kinds = _kinds_pass()
     # the shard rounds' K = 1 passes: the trajectory phase cheaper in both, the chunk phase dearer
     # in one; a K = 2 pass and one buffer at half the rate count for nothing here
     rounds = [_cost_pass(1, 1.0, 0.13, 0.12, 0.1), _cost_pass(1, 1.0, 0.14, 0.13, 0.1)]
     others = [_cost_pass(2, 1.0, 0.5, 0.5, 0.1), _cost_pass(1, 0.5, 0.5, 0.5, 0.1)]
     got = control_plane.cost_summary([kinds, *rounds, *others], rates)
-    assert got["cpu_core_s_per_1x_by_kind_passes"]["buffer"]["trajectory"] == [0.05, 0.03, 0.04]
-    assert got["cpu_core_s_per_1x_by_kind"]["buffer"] == {
-        "status": 0.0,
-        "trajectory": 0.04,
-        "chunk": 0.02,
+    by_pass = got["cpu_core_s_per_1x_by_kind_passes"]["buffer"]
+    assert by_pass == {
+        "status": [0.0],
+        "trajectory": [0.05, 0.03, 0.04],
+        "chunk": [0.02, 0.02, 0.03],
     }
+    assert got["cpu_core_s_per_1x_by_kind"]["buffer"]["trajectory"] == 0.04
     assert got["cpu_core_s_per_1x_by_node"]["buffer"] == pytest.approx(0.06)
     # the kinds' pass alone stays beside it
     assert got["cpu_core_s_per_1x_by_node_first_pass"]["buffer"] == pytest.approx(0.07)
