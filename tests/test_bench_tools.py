@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 import chaos  # noqa: E402
-import control_plane  # noqa: E402
+import cp_figures  # noqa: E402
 import cp_node  # noqa: E402
 import cp_workload  # noqa: E402
 
@@ -115,7 +115,7 @@ def test_shard_figures_are_per_shard_per_trajectory_above_idle():
     # and 100 batches/s; 0.05 core-s/s above idle each for trajectories, 0.02 for batches
     one = _cost_pass(1, 0.5, 0.15, 0.12, 0.1)
     two = _cost_pass(2, 1.0, 0.15, 0.12, 0.1)
-    got = control_plane.shard_figures([one, two], rates)
+    got = cp_figures.shard_figures([one, two], rates)
     # 0.05 / 50 + 0.02 / 100 * (2 batches a trajectory) = 1000 + 400 us
     assert got["shard_cpu_us_per_trajectory_by_k"] == {"1": [1400.0], "2": [1400.0, 1400.0]}
     assert got["shard_cpu_per_trajectory_spread"] == 0.0
@@ -126,11 +126,11 @@ def test_shard_figures_are_per_shard_per_trajectory_above_idle():
     assert got["shard_handler_cpu_per_trajectory_spread"] == 0.0
     # the same calls charged 50% more CPU on two shards: the handler figure spreads with them
     slow = _cost_pass(2, 1.0, 0.15, 0.12, 0.1, handler=0.015)
-    slowed = control_plane.shard_figures([one, slow], rates)
+    slowed = cp_figures.shard_figures([one, slow], rates)
     assert slowed["shard_handler_cpu_per_trajectory_spread"] == pytest.approx(0.5, abs=0.001)
     # a shard that costs 10% more per trajectory shows as the spread
     dear = _cost_pass(2, 1.0, 0.155, 0.122, 0.1)
-    spread = control_plane.shard_figures([one, dear], rates)["shard_cpu_per_trajectory_spread"]
+    spread = cp_figures.shard_figures([one, dear], rates)["shard_cpu_per_trajectory_spread"]
     assert spread == pytest.approx(0.1, abs=0.001)
 
 
@@ -140,7 +140,7 @@ def test_shard_figures_take_the_median_of_rounds_so_one_slowed_pass_moves_no_k()
     two = [_cost_pass(2, 1.0, 0.15, 0.12, 0.1) for _ in range(3)]
     # the box charged one K=2 round twice the CPU above idle (0.1 + 2 x 0.05, 0.1 + 2 x 0.02)
     two[1] = _cost_pass(2, 1.0, 0.2, 0.14, 0.1)
-    got = control_plane.shard_figures([*one, *two], rates)
+    got = cp_figures.shard_figures([*one, *two], rates)
     assert got["shard_cpu_us_per_trajectory_by_k_rounds"] == {
         "1": [1400.0] * 3,
         "2": [1400.0, 2800.0, 1400.0],
@@ -149,7 +149,7 @@ def test_shard_figures_take_the_median_of_rounds_so_one_slowed_pass_moves_no_k()
     assert got["shard_cpu_per_trajectory_spread"] == 0.0
     # two slowed rounds of three are the median: the spread shows them
     two[2] = _cost_pass(2, 1.0, 0.2, 0.14, 0.1)
-    got = control_plane.shard_figures([*one, *two], rates)
+    got = cp_figures.shard_figures([*one, *two], rates)
     assert got["shard_cpu_per_trajectory_spread"] == pytest.approx(1.0, abs=0.001)
 
 
@@ -180,7 +180,7 @@ def test_the_whole_workload_pass_is_read_against_its_own_idle():
             }
         },
     }
-    got = control_plane.cost_summary([kinds, whole], rates)
+    got = cp_figures.cost_summary([kinds, whole], rates)
     # the kinds against the first pass's idle (0.1): 0.05 + 0.02 + 0; the whole against its own
     assert got["cpu_core_s_per_1x_by_kind"]["buffer"] == {
         "status": 0.0,
@@ -202,7 +202,7 @@ def test_each_kind_is_the_median_of_the_one_buffer_passes_that_ran_it():
     # in one; a K = 2 pass and one buffer at half the rate count for nothing here
     rounds = [_cost_pass(1, 1.0, 0.13, 0.12, 0.1), _cost_pass(1, 1.0, 0.14, 0.13, 0.1)]
     others = [_cost_pass(2, 1.0, 0.5, 0.5, 0.1), _cost_pass(1, 0.5, 0.5, 0.5, 0.1)]
-    got = control_plane.cost_summary([kinds, *rounds, *others], rates)
+    got = cp_figures.cost_summary([kinds, *rounds, *others], rates)
     by_pass = got["cpu_core_s_per_1x_by_kind_passes"]["buffer"]
     assert by_pass == {
         "status": [0.0],
