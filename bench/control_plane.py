@@ -160,6 +160,7 @@ async def run_cost_pass(
             cl.check()
             await drv.drain(10.0)  # the last phase's trajectories acked: none spills into this one
             before = dict(drv.sent)
+            msgs0 = drv.delivery_messages()
             cpu0 = {name: cpu_seconds(p.pid) for name, p in procs.items()}
             drv0, t0 = time.process_time(), time.time()
             until = time.monotonic() + args.cost_s
@@ -181,6 +182,7 @@ async def run_cost_pass(
             }
             cpu["driver"] = round((time.process_time() - drv0) / (t1 - t0), 3)
             got = {k: round((drv.sent[k] - before[k]) / args.cost_s, 1) for k in drv.sent}
+            got["delivery_messages"] = round((drv.delivery_messages() - msgs0) / args.cost_s, 1)
             phases[kind] = {
                 "cpu_per_s": cpu,
                 "achieved": got,
@@ -329,6 +331,12 @@ async def run_pass(
         "entries_per_batch": drv.entries_per_batch,
         "chunks_per_trajectory": drv.chunks_per_traj,
         "entry_tokens": drv.entry_tokens,
+        "deliver_window_s": round(max((ob.window_s() for ob in drv.outboxes), default=0.0), 3),
+        "trajectories_per_delivery": round(
+            sum(ob.stats["put"] for ob in drv.outboxes)
+            / max(1, sum(ob.stats["messages"] for ob in drv.outboxes)),
+            2,
+        ),
     }
 
 
@@ -467,6 +475,8 @@ async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             "status_push_min_s": STATUS_PUSH_MIN_S,
             "target_workload": target_name,
             "chunks_per_trajectory": last["chunks_per_trajectory"],
+            "deliver_window_s": last["deliver_window_s"],
+            "trajectories_per_delivery": last["trajectories_per_delivery"],
             "buffer_shards": args.buffer_shards,
             "max_shards": args.max_shards,
             "driver_nice": args.driver_nice,

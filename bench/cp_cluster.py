@@ -12,6 +12,7 @@ import contextlib
 import functools
 import json
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -27,11 +28,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchinfo, also when loaded as a module
 
 import numpy as np  # noqa: E402
+import structlog  # noqa: E402
 import zmq  # noqa: E402
 from cp_workload import CHUNK_TOKENS, FLUSH_S, HEARTBEAT_S, STATUS_PUSH_MIN_S  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
+DELIVER_WINDOW_FRAC = os.environ.get("CP_DELIVER_WINDOW_FRAC")
+"""rollout.deliver_window_frac for the synthetic rollouts' outboxes (unset: the config's default;
+0: each trajectory alone, as before 2026-12-08)."""
 LOSS_MASK = os.environ.get("CP_LOSS_MASK", "0") == "1"
 """Entries and trajectories carry a loss mask (multi-turn: ~15% environment tokens)."""
 TRAINER_BATCH_GROUPS = 128
@@ -60,6 +65,11 @@ def make_cfg_dict(tmp: Path, rollouts: int) -> dict[str, Any]:
             "partial_flush_s": FLUSH_S,
             "max_running": 128,
             "status_push_min_s": STATUS_PUSH_MIN_S,
+            **(
+                {}
+                if DELIVER_WINDOW_FRAC is None
+                else {"deliver_window_frac": float(DELIVER_WINDOW_FRAC)}
+            ),
             # synthetic responses are chunks_per_traj x entry_tokens long: the buffer refuses a
             # response longer than any the config lets a rollout make
             "sampling": {"max_tokens": 1 << 16},
@@ -116,17 +126,22 @@ class Driver:
             "trained": 0,
         }
         self.ack_lat: list[float] = []
-        # unacked trajectories in flight per synthetic rollout, as a real rollout's outbox
-        # allows (rollout.outbox_concurrency); a global cap would bound the rate at cap / ack
-        # latency, which no real cluster has
-        self.traj_sem = [
-            asyncio.Semaphore(cfg.rollout.outbox_concurrency) for _ in range(self.rollouts)
-        ]
+        """Seconds from a delivery request to its reply (the buffer's answer, not the window a
+        trajectory waited in its outbox)."""
+        self.gen_s = self.resp_len / rates["seq_tok_s"] if rates.get("seq_tok_s") else 0.0
+        """A synthetic trajectory's generation time at the workload's decode speed (its
+        timings["gen_s"]: what the outbox's window is a share of)."""
+        self.outboxes: list[Any] = []
+        """Per synthetic rollout: the real rollout's Outbox (laminar/rollout/outbox.py) with its
+        settings: it sends finished trajectories as a real rollout does, one Deliveries per
+        window (rollout.deliver_window_frac), each resent until acked."""
         self.bg: set[asyncio.Task[Any]] = set()
         self.active: list[list[list[Any]]] = [[] for _ in range(self.rollouts)]
         """Per synthetic rollout: its in-flight samples [item, sample, next chunk]; kept across
         steps."""
         self.next_rollout = 0
+        self.rng = random.Random(0)
+        """Which rollout finishes the next trajectory of the trajectories-alone phase."""
         self.started = [False] * self.rollouts
         """Per synthetic rollout: whether it has sent a batch (its first one's samples start
         part-way)."""
@@ -201,6 +216,22 @@ class Driver:
         ]
         for c in [*self.buf, *self.mgr, *self.trainers]:
             await c.connect(timeout=30)
+        from laminar.rollout.outbox import Outbox
+
+        ro, t = self.cfg.rollout, self.cfg.transport
+        self.outboxes = [
+            Outbox(
+                _Counted(self, cli),  # type: ignore[arg-type]
+                structlog.get_logger("cp-driver"),
+                ro.outbox_concurrency,
+                t.request_timeout_s,
+                window_frac=ro.deliver_window_frac,
+                window_max_s=ro.partial_flush_s,
+            )
+            for cli in self.buf
+        ]
+        for ob in self.outboxes:
+            self.spawn(ob.run(), "outbox")
 
     def spawn(self, coro: Any, name: str | None = None) -> None:
         t = asyncio.create_task(coro, name=name)
@@ -271,15 +302,14 @@ class Driver:
             except Exception:  # an overloaded buffer: as the trainer would, ask again (counted)
                 self.sent["request_failed"] += 1
 
-    async def finish(self, cli: Any, t: Any, ci: int) -> None:
-        async with self.traj_sem[ci]:
-            t0 = time.monotonic()
-            try:
-                await cli.request(t, timeout=10.0, retries=0)
-                self.sent["acked"] += 1
-                self.ack_lat.append(time.monotonic() - t0)
-            except Exception:
-                self.sent["ack_failed"] += 1
+    def delivery_messages(self) -> int:
+        """Messages the outboxes sent so far (a Trajectory alone or a Deliveries of several)."""
+        return sum(ob.stats["messages"] for ob in self.outboxes)
+
+    def finish(self, ci: int, t: Any) -> None:
+        """Synthetic rollout `ci` finished `t`: into its outbox."""
+        self.sent["trajectories"] += 1
+        self.outboxes[ci].put(t)
 
     def trajectory(self, it: Any, s: int, rid: str) -> Any:
         from laminar.protocol.data import Trajectory
@@ -297,6 +327,7 @@ class Driver:
             reward=float(s % 2),
             rollout_id=rid,
             finish_reason="stop",
+            timings={"gen_s": self.gen_s} if self.gen_s else {},
         )
 
     def batch(self, ci: int, first_fill: bool, finish: bool = True) -> Any:
@@ -368,8 +399,7 @@ class Driver:
         active[:] = rest + [a for a in served if a[2] < self.chunks_per_traj]
         for a in served:
             if a[2] >= self.chunks_per_traj:
-                self.sent["trajectories"] += 1
-                self.spawn(self.finish(cli, self.trajectory(a[0], a[1], cli.node_id), ci), "finish")
+                self.finish(ci, self.trajectory(a[0], a[1], cli.node_id))
         return msg
 
     async def stream(
@@ -401,16 +431,16 @@ class Driver:
             await asyncio.sleep(0)
 
     async def trajectories(self, x: float, until: float) -> None:
-        """Trajectories alone at x * trajectories/s, rollouts in turn: served samples finished
-        without a partial stream (what a trajectory costs: intake, journal, ack, and the trainer's
-        batches of them)."""
+        """Trajectories alone at x * trajectories/s, each from a rollout drawn at random (so each
+        rollout's finishes are the Poisson stream of many independent sequences, not one every
+        rollouts / rate seconds): served samples finished without a partial stream (what a
+        trajectory costs: intake, journal, ack, and the trainer's batches of them)."""
         rate = x * self.rates["trajectories_s"]
         t_start, done = time.monotonic(), 0
         while time.monotonic() < until:
             due = int((time.monotonic() - t_start) * rate) - done
             for _ in range(min(max(due, 0), 500)):
-                ci = self.next_rollout
-                self.next_rollout = (ci + 1) % self.rollouts
+                ci = self.rng.randrange(self.rollouts)
                 done += 1
                 queue = self.queues[ci]
                 if queue.empty():
@@ -418,9 +448,7 @@ class Driver:
                 it, s = queue.get_nowait()
                 if queue.qsize() <= self.entries_per_batch // 2:
                     self.low[ci].set()
-                cli = self.buf[ci]
-                self.sent["trajectories"] += 1
-                self.spawn(self.finish(cli, self.trajectory(it, s, cli.node_id), ci), "finish")
+                self.finish(ci, self.trajectory(it, s, self.buf[ci].node_id))
             await asyncio.sleep(0.005)
 
     async def pushes(self, x: float, until: float) -> None:
@@ -441,16 +469,35 @@ class Driver:
             await asyncio.sleep(0.005)
 
     async def drain(self, timeout: float) -> None:
-        """Wait (bounded) until every trajectory sent so far was acked or failed."""
-        pending = [t for t in self.bg if t.get_name().startswith("finish")]
-        if pending:
-            await asyncio.wait(pending, timeout=timeout)
+        """Wait (bounded) until every trajectory finished so far was acked (the outboxes send
+        what waits for a window at once meanwhile)."""
+        await asyncio.gather(*(ob.flush(timeout) for ob in self.outboxes))
 
     async def close(self) -> None:
         for t in list(self.bg):
             t.cancel()
         for c in [*self.buf, *self.mgr, *self.trainers]:
             await c.close()
+
+
+class _Counted:
+    """A synthetic rollout's buffer client as its Outbox uses it: counts the trajectories each
+    reply acks (or each failed request would have) and times the request (Driver.ack_lat)."""
+
+    def __init__(self, drv: Driver, cli: Any):
+        self.drv, self.cli = drv, cli
+
+    async def request(self, msg: Any, timeout: float, retries: int) -> Any:
+        n = len(getattr(msg, "trajectories", ())) + len(getattr(msg, "abandoned", ())) or 1
+        t0 = time.monotonic()
+        try:
+            reply = await self.cli.request(msg, timeout=timeout, retries=retries)
+        except Exception:
+            self.drv.sent["ack_failed"] += n
+            raise
+        self.drv.sent["acked"] += n
+        self.drv.ack_lat.append(time.monotonic() - t0)
+        return reply
 
 
 def cpu_seconds(pid: int) -> float:

@@ -444,7 +444,13 @@ class RolloutConfig(Section):
     """Backoff before asking the buffer again after a failed or empty prompt request (when it gives
     no retry_after_s)."""
     outbox_concurrency: int = Field(8, ge=1)
-    """Finished trajectories in flight to the buffer at once (each resent until acked)."""
+    """Messages of finished trajectories in flight to the buffer at once (each resent until
+    acked)."""
+    deliver_window_frac: float = Field(0.02, ge=0, le=0.5)
+    """A finished trajectory waits up to this share of the mean generation time of the rollout's
+    recent trajectories (at most rollout.partial_flush_s) for others to go with it in one message:
+    the buffer pays per message, and at scale this halves what a trajectory costs it above its
+    own work (bench/control_plane.py). 0: each goes alone at once."""
     status_push: bool = True
     """Push the status to the manager when it changes (a sequence finished, work came or left, new
     weights), not only every beat (laminar mode with repack on: the repack planner is what needs a

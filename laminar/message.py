@@ -7,10 +7,11 @@
 
 Each type declares, with its fields, who may send it: the roles in `senders` (ANY_ROLE: every
 role; (): no one, a record that never goes on a socket), and the body fields (`id_fields`) that
-must name the sender's own node id. The rpc server (laminar/transport/server.py) checks both
-against the peer's handshake role and id before a handler runs, so this is the one table of
-who may do what: with CURVE the role is the one the peer's key may claim; without, the one it
-declared.
+must name the sender's own node id; a batch type names its list fields of such messages
+(`nested`), each item held to its own type's table. The rpc server
+(laminar/transport/server.py) checks them against the peer's handshake role and id before a
+handler runs, so this is the one table of who may do what: with CURVE the role is the one the
+peer's key may claim; without, the one it declared.
 
 A leaf: it imports nothing from laminar. The message catalogue (`laminar/protocol/`) and
 the wire's own session messages (`laminar/transport/session.py`) define their types on it;
@@ -71,6 +72,9 @@ class Message(msgspec.Struct, forbid_unknown_fields=True, gc=False, omit_default
     structs (they travel only inside a registered message)."""
     ID_FIELDS: ClassVar[tuple[str, ...]] = ()
     """Body fields that must equal the sender's node id; set by @message."""
+    NESTED: ClassVar[tuple[str, ...]] = ()
+    """List fields whose items are registered messages a sender could have sent alone: each item
+    is held to its own type's senders and id fields as well; set by @message."""
 
 
 ANY_ROLE: tuple[str, ...] = ("*",)
@@ -87,20 +91,26 @@ M = TypeVar("M", bound=Message)
 
 
 def message(
-    type_id: int, *, senders: tuple[str, ...], id_fields: tuple[str, ...] = ()
+    type_id: int,
+    *,
+    senders: tuple[str, ...],
+    id_fields: tuple[str, ...] = (),
+    nested: tuple[str, ...] = (),
 ) -> Callable[[type[M]], type[M]]:
     """Class decorator: register a Message subclass under its one-byte type id, with the roles
-    that may send it (`senders`: role names, ANY_ROLE, or () for none) and the fields that must
-    equal the sender's node id (`id_fields`)."""
+    that may send it (`senders`: role names, ANY_ROLE, or () for none), the fields that must
+    equal the sender's node id (`id_fields`), and the list fields whose items are messages held
+    to their own rules too (`nested`: a batch of what could have been sent one by one)."""
     if isinstance(senders, str) or ("*" in senders and senders != ANY_ROLE):
         raise ValueError(f"senders must be a tuple of roles or ANY_ROLE, got {senders!r}")
 
     def wrap(cls: type[M]) -> type[M]:
         if not 0 <= type_id <= 255:
             raise ValueError(f"{cls.__name__}: type id must fit one byte, got {type_id}")
-        unknown = [f for f in id_fields if f not in cls.__struct_fields__]
-        if unknown:
-            raise ValueError(f"{cls.__name__}: id_fields {unknown} are not fields of it")
+        for what, names in (("id_fields", id_fields), ("nested", nested)):
+            unknown = [f for f in names if f not in cls.__struct_fields__]
+            if unknown:
+                raise ValueError(f"{cls.__name__}: {what} {unknown} are not fields of it")
         if type_id in REGISTRY and REGISTRY[type_id].__name__ != cls.__name__:
             raise ValueError(
                 f"type id {type_id:#x} used by {REGISTRY[type_id].__name__} and {cls.__name__}"
@@ -108,6 +118,7 @@ def message(
         cls.TYPE = type_id
         cls.SENDERS = None if senders == ANY_ROLE else frozenset(senders)
         cls.ID_FIELDS = tuple(id_fields)
+        cls.NESTED = tuple(nested)
         REGISTRY[type_id] = cls
         for fn in ON_REGISTER:
             fn(type_id)

@@ -34,6 +34,8 @@ from fake_engine import FakeEngine, fake_length, fake_token
 
 from laminar.config import config_from_dict
 from laminar.protocol.buffer import (
+    Deliveries,
+    DeliveryAcks,
     ImageBlobs,
     ImageFetch,
     ImagePut,
@@ -88,6 +90,8 @@ class FakeBufferState:
     puts: list[ImagePut] = field(default_factory=list)
     fetched: list[str] = field(default_factory=list)
     """Every digest served by ImageFetch, in order."""
+    deliveries: int = 0
+    """Deliveries messages received (each several trajectories or abandons)."""
 
     def __post_init__(self) -> None:
         for it in self.prompts:
@@ -106,6 +110,7 @@ class FakeBuffer:
         srv.on(PartialBatch, self._batch)
         srv.on(Trajectory, self._trajectory)
         srv.on(TrajectoryAbandoned, self._abandoned)
+        srv.on(Deliveries, self._deliveries)
         srv.on(ImagePut, self._image_put)
         srv.on(ImageFetch, self._image_fetch)
         await srv.start()
@@ -196,6 +201,11 @@ class FakeBuffer:
         self.state.abandoned[msg.uid] = msg
         self.state.changed.set()
         return TrajectoryAck()
+
+    def _deliveries(self, peer: Any, msg: Deliveries) -> DeliveryAcks:
+        self.state.deliveries += 1
+        acks = [self._trajectory(peer, t) for t in msg.trajectories]
+        return DeliveryAcks(acks=acks + [self._abandoned(peer, a) for a in msg.abandoned])
 
 
 # ---- harness: manager + fake buffer + rollouts over inproc -------------------------------

@@ -116,6 +116,8 @@ def test_the_decorator_refuses_a_malformed_table():
 
     with pytest.raises(ValueError, match="not fields"):
         message(0xFE, senders=("trainer",), id_fields=("rollout_id",))(NoSuchField)
+    with pytest.raises(ValueError, match="nested"):
+        message(0xFE, senders=("trainer",), nested=("items",))(NoSuchField)
     assert 0xFE not in REGISTRY
 
 
@@ -222,6 +224,42 @@ async def test_an_id_field_naming_another_node_is_refused(
         await cli.close(say_bye=False)
     assert recorder.calls == []
     assert recorder.srv.refusals[me].unauthorized == 1
+
+
+NESTED_TYPES = [cls for cls in LAMINAR_TYPES if cls.NESTED]
+
+
+@pytest.mark.parametrize("cls", NESTED_TYPES, ids=lambda c: c.__name__)
+async def test_a_batch_is_held_to_each_of_its_items_rules(recorder, zctx, fast_opts, cls):
+    """A batch of what could have gone one by one (`nested`): an item naming another node is
+    refused as it would be alone, and the whole message with it; items naming the sender pass."""
+    assert cls.NESTED and cls.SENDERS
+    role = sorted(cls.SENDERS)[0]
+    me, other = f"{role}-0", f"{role}-1"
+    hints = typing.get_type_hints(cls, include_extras=True)
+    refused = 0
+    cli = await _client(zctx, recorder.srv, me, role, fast_opts())
+    try:
+        for name in cls.NESTED:
+            (item_type,) = typing.get_args(hints[name])
+            assert item_type.SENDERS is not None and role in item_type.SENDERS, item_type
+            mine = sample(cls, me)
+            setattr(mine, name, [sample(item_type, me), sample(item_type, me)])
+            await cli.request(mine, timeout=2, retries=0)
+            if not item_type.ID_FIELDS:
+                continue
+            forged = sample(cls, me)
+            setattr(forged, name, [sample(item_type, me), sample(item_type, other)])
+            with pytest.raises(RemoteError) as err:
+                await cli.request(forged, timeout=2, retries=0)
+            refused += 1
+            assert err.value.code == "unauthorized"
+            assert f"{name}[1]" in str(err.value) and other in str(err.value)
+    finally:
+        await cli.close(say_bye=False)
+    assert refused >= 1  # at least one item type names its sender
+    assert recorder.calls == [(me, cls.__name__)] * len(cls.NESTED)
+    assert recorder.srv.refusals[me].unauthorized == refused
 
 
 async def test_a_heartbeat_status_naming_another_node_is_dropped(

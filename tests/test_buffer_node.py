@@ -26,12 +26,15 @@ import pytest
 from laminar.buffer.node import BufferNode
 from laminar.config import config_from_dict
 from laminar.protocol.buffer import (
+    DELIVERIES_MAX_ITEMS,
     BatchCommit,
     BatchReply,
     BatchRequest,
     BufferStats,
     BufferStatsRequest,
     CommitAck,
+    Deliveries,
+    DeliveryAcks,
     PartialsRequest,
     PromptReply,
     PromptRequest,
@@ -454,6 +457,43 @@ async def test_bad_input_is_rejected_and_counted(harness):
     s = await stats(tr)
     assert s.counters["trajectories_rejected"] == 2 and s.partials["unknown"] == 1
     assert isinstance(await ro.request(finished(item, 0, 0)), TrajectoryAck)  # still serving
+
+
+@pytest.mark.parametrize("fsync", ["batch", "always"])
+async def test_deliveries_answer_each_item_as_it_would_be_answered_alone(harness, fsync):
+    """One Deliveries with a duplicate, a new sample, a malformed one, another rollout's and an
+    abandon: one ack each, in order, as each would get alone (fsync=always: once durable)."""
+    h = await harness(buffer={"fsync": fsync})
+    ro, other, tr = await h.client("r0"), await h.client("r1"), await h.client("t0", "trainer")
+    a, b = (await prompts(ro, 2)).items
+    (c,) = (await prompts(other, 1)).items
+    assert isinstance(await ro.request(finished(a, 0, 0)), TrajectoryAck)
+    bad = finished(b, 0, 0)
+    bad.logprobs = np.zeros(1, np.float32)
+    reply = await ro.request(
+        Deliveries(
+            trajectories=[finished(a, 0, 0), finished(a, 1, 0), bad, finished(c, 0, 0)],
+            abandoned=[TrajectoryAbandoned(uid=f"{b.group_id}/1", group_id=b.group_id)],
+        )
+    )
+    assert isinstance(reply, DeliveryAcks)
+    dup, new, rejected, theirs, abandon = reply.acks
+    assert dup == TrajectoryAck(duplicate=True) and new == TrajectoryAck()
+    assert rejected.rejected and not rejected.refused
+    assert theirs == TrajectoryAck(refused="not_owner") and abandon == TrajectoryAck()
+    s = await stats(tr)
+    assert s.counts["groups_ready"] == 1  # a's two members
+    assert s.counters["trajectories_rejected"] == 1 and s.refused["r0"] == {"not_owner": 1}
+    assert s.counts["abandoned"] == 1
+    too_many = Deliveries(
+        abandoned=[
+            TrajectoryAbandoned(uid=f"{b.group_id}/0", group_id=b.group_id)
+            for _ in range(DELIVERIES_MAX_ITEMS + 1)
+        ]
+    )
+    with pytest.raises(RemoteError, match="protocol"):
+        await ro.request(too_many)
+    assert (await stats(tr)).counts["abandoned"] == 1  # nothing of it was taken
 
 
 async def test_prompt_cursor_and_state_survive_restart(harness):

@@ -3,6 +3,7 @@
     rollout ──PromptRequest(credits, version)──► PromptServer ──► PromptReply
     rollout ──PartialBatch (one-way)───────────► PartialPool ◄──PartialsRequest── manager
     rollout ──Trajectory / TrajectoryAbandoned─► Intake ─► Ledger ─► TrajectoryAck
+    rollout ──Deliveries (several of those)────► Intake ─► Ledger ─► DeliveryAcks (one ack each)
     trainer ──BatchRequest (long-poll)─────────► BatchServer ─► Ledger ─► BatchReply
     trainer ──BatchCommit──────────────────────► BatchServer ─► Ledger ─► groups freed
     manager ──SamplesPlaced(dest, uids)────────► Ledger (SamplesMoved): those come from dest now
@@ -72,12 +73,15 @@ from laminar.buffer.records import SamplesMoved
 from laminar.buffer.settings import BufferNodeSettings
 from laminar.node import Node
 from laminar.protocol.buffer import (
+    DELIVERIES_MAX_ITEMS,
     BatchCommit,
     BatchReply,
     BatchRequest,
     BufferStats,
     BufferStatsRequest,
     CommitAck,
+    Deliveries,
+    DeliveryAcks,
     HeldReply,
     HeldRequest,
     ImageBlobs,
@@ -198,6 +202,7 @@ class BufferNode(Node):
         self.srv.on(PartialChunk, self._on_chunk)
         self.srv.on(Trajectory, self._on_trajectory)
         self.srv.on(TrajectoryAbandoned, self._on_abandoned)
+        self.srv.on(Deliveries, self._on_deliveries)
         self.srv.on(BatchRequest, self._on_batch)
         self.srv.on(BatchCommit, self._on_commit)
         self.srv.on(PartialsRequest, self._on_partials)
@@ -294,6 +299,52 @@ class BufferNode(Node):
         if off is not None and self.ledger.waits(off):
             return self._when_durable(reply, off)
         return reply
+
+    def _on_deliveries(
+        self, peer: Peer, d: Deliveries
+    ) -> DeliveryAcks | ErrorReply | Awaitable[DeliveryAcks]:
+        """Each item as if it had come alone (the server checked each one's sender rules), one
+        reply for all once the last record that must be durable is."""
+        if len(d.trajectories) + len(d.abandoned) > DELIVERIES_MAX_ITEMS:
+            self.metrics.count("deliveries_rejected")
+            return ErrorReply(
+                code="protocol", message=f"more than {DELIVERIES_MAX_ITEMS} items in one message"
+            )
+        replies: list[TrajectoryAck | ErrorReply] = []
+        last: int | None = None
+        for t in d.trajectories:
+            reply, off = self.intake.take_trajectory(t, peer.node_id)
+            replies.append(reply)
+            if off is not None and self.ledger.waits(off):
+                last = off if last is None else max(last, off)
+        for a in d.abandoned:
+            reply, off = self.intake.take_abandoned(a, peer.node_id)
+            replies.append(reply)
+            if not (isinstance(reply, TrajectoryAck) and reply.refused):
+                self.leases.touch(a.group_id)
+            if off is not None and self.ledger.waits(off):
+                last = off if last is None else max(last, off)
+        if last is not None:
+            return self._deliveries_durable(d, replies, last)
+        return self._deliveries_taken(d, replies)
+
+    async def _deliveries_durable(
+        self, d: Deliveries, replies: list[TrajectoryAck | ErrorReply], off: int
+    ) -> DeliveryAcks:
+        await self.ledger.durable(off)
+        return self._deliveries_taken(d, replies)
+
+    def _deliveries_taken(
+        self, d: Deliveries, replies: list[TrajectoryAck | ErrorReply]
+    ) -> DeliveryAcks:
+        for t, reply in zip(d.trajectories, replies, strict=False):
+            self._trajectory_taken(t, reply)
+        return DeliveryAcks(
+            acks=[
+                r if isinstance(r, TrajectoryAck) else TrajectoryAck(rejected=r.message or r.code)
+                for r in replies
+            ]
+        )
 
     async def _when_durable(
         self, reply: TrajectoryAck | ErrorReply, off: int

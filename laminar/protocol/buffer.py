@@ -3,6 +3,7 @@
     rollout ──PromptRequest──► buffer ──PromptReply(items)──► rollout    (credits: ask for room)
     rollout ──PartialChunk (one-way)──► buffer                           (partial-response pool)
     rollout ──Trajectory (request)──► buffer ──TrajectoryAck──► rollout  (resent until acked, dedup)
+    rollout ──Deliveries (request)──► buffer ──DeliveryAcks──► rollout   (several of them at once)
     trainer ──BatchRequest──► buffer ──BatchReply(trajectories)──► trainer     (long-poll, groups)
     trainer ──BatchCommit──► buffer ──CommitAck                          (exactly-once consumption)
     manager ──PartialsRequest──► buffer ──PartialsReply──► manager       (recovering a dead rollout)
@@ -42,6 +43,9 @@ __all__ = [
     "PromptPoolFigures",
     "JournalFigures",
     "TrajectoryAck",
+    "Deliveries",
+    "DELIVERIES_MAX_ITEMS",
+    "DeliveryAcks",
     "CommitAck",
     "Refusal",
     "SamplesPlaced",
@@ -293,6 +297,31 @@ class TrajectoryAck(Message):  # buffer -> rollout: a Trajectory / TrajectoryAba
     refused: Refusal | Literal[""] = ""
     """Why the buffer will never take it (not served to this sender, reward or token ids out of
     range): not stored, not trained, counted per peer; the sender must not send it again."""
+    rejected: str = ""
+    """In DeliveryAcks only: why this item is malformed (what ErrorReply "protocol" says of one sent
+    alone): never stored, and never accepted if sent again."""
+
+
+DELIVERIES_MAX_ITEMS = 256
+"""Items one Deliveries may carry (the buffer answers more with ErrorReply "protocol")."""
+
+
+@message(0x43, senders=("rollout",), nested=("trajectories", "abandoned"))
+class Deliveries(Message):  # rollout -> buffer: finished and abandoned samples of one window
+    """What Trajectory and TrajectoryAbandoned say one by one, for several samples in one request
+    (the buffer pays per message): each item is checked, journaled and answered as it would be
+    alone, and held to its own type's senders and id fields (laminar/message.py `nested`)."""
+
+    trajectories: list[Trajectory] = field(default_factory=list)
+    abandoned: list[TrajectoryAbandoned] = field(default_factory=list)
+
+
+@message(0x44, senders=("buffer",))
+class DeliveryAcks(
+    Message
+):  # buffer -> rollout: answer to Deliveries, once every record is durable
+    acks: list[TrajectoryAck] = field(default_factory=list)
+    """One per item: the trajectories' in order, then the abandoned ones'."""
 
 
 @message(0x3B, senders=("buffer",))

@@ -6,6 +6,7 @@
        │                      │                                    [events loop] ── table.on_event
        │◄──PartialBatch (one-way, best-effort)──── [deliverer.stream()] ◄── table.mark_dirty
        │◄──Trajectory (acked, resent) ◄── [outbox.run()] ◄── Deliverer (reward task) ◄── finished
+       │   (or Deliveries: those finished within rollout.deliver_window_frac of a trajectory's time)
     relay / run_dir/weights ──► WeightSubscriber ──► VersionGate.load ──► engine.load_weights
                                               └─► [gate.watch()] wakes the feeder on a new version
     manager ──Export/Import/RefreshRequest──► handlers below ──► table.export/.resume, gate.ask
@@ -188,6 +189,8 @@ class RolloutNode(Node):
             t.request_timeout_s,
             t.reconnect_backoff_s,
             t.reconnect_backoff_max_s,
+            window_frac=s.rollout.deliver_window_frac,
+            window_max_s=s.rollout.partial_flush_s,
         )
         self.device = self._torch_device()
         if self.source is None:

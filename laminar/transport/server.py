@@ -19,7 +19,8 @@ that never said HELLO) is answered with an ErrorReply where a reply is possible,
 counted in `stats` and per peer in `refusals`, and never stops the socket. Before any handler
 runs, a message is checked against its own table (laminar/message.py): the peer's role must be
 in its `senders` and its `id_fields` must name the peer's node id, else it is refused
-(ErrorReply "unauthorized", or dropped when one-way) and counted. A HELLO is admitted only
+(ErrorReply "unauthorized", or dropped when one-way) and counted; a batch's `nested` items
+each by their own type's table. A HELLO is admitted only
 within `opts.id_bound`: a role's live ids are bounded (a new id past it: ErrorReply
 "too_many_<role>s", counted under the claiming key). The reader and heartbeat
 tasks start through `spawn` (a node's supervised spawn): if one dies, its node stops loudly.
@@ -337,7 +338,8 @@ class RpcServer(Generic[S]):
             cls = type(msg)
             senders = cls.SENDERS
             if (senders is not None and peer.role not in senders) or (
-                cls.ID_FIELDS and _unauthorized(peer.role, peer.node_id, msg) is not None
+                (cls.ID_FIELDS or cls.NESTED)
+                and _unauthorized(peer.role, peer.node_id, msg) is not None
             ):
                 await self._refuse(peer, identity, rid, msg)
                 continue
@@ -649,4 +651,9 @@ def _unauthorized(
         value = getattr(msg, name)
         if value != node_id:
             return f"{cls.__name__}.{name}={str(value)[:64]!r} is not the sender {node_id!r}"
+    for name in cls.NESTED:  # a batch: each item as if it had come alone
+        for i, item in enumerate(getattr(msg, name)):
+            why = _unauthorized(role, node_id, item)
+            if why is not None:
+                return f"{cls.__name__}.{name}[{i}]: {why}"
     return None
