@@ -25,6 +25,7 @@ HANDLER_KINDS = {
     "PartialChunk": "chunk",
     "Trajectory": "trajectory",
     "TrajectoryAbandoned": "trajectory",
+    "Deliveries": "trajectory",
     "BatchRequest": "batch",
     "BatchCommit": "batch",
     "PromptRequest": "prompt",
