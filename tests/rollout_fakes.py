@@ -53,6 +53,25 @@ from laminar.wiring.common import socket_options
 from laminar.wiring.nodes import build_node
 
 
+def a_trajectory(uid: str = "g/0", **over: Any) -> Trajectory:
+    """A small finished Trajectory of rollout-0 (sample index from the uid), fields overridden by
+    `over`: what an outbox is given."""
+    t = Trajectory(
+        uid=uid,
+        group_id=uid.split("/")[0],
+        prompt_uid="p",
+        sample_index=int(uid.split("/")[1]),
+        prompt_ids=np.array([1, 5], np.int32),
+        response_ids=np.array([6, 2], np.int32),
+        logprobs=np.zeros(2, np.float32),
+        version=0,
+        rollout_id="rollout-0",
+    )
+    for k, v in over.items():
+        setattr(t, k, v)
+    return t
+
+
 def expected_response(uid: str, base: int = 8, span: int = 40) -> list[int]:
     return [fake_token(uid, i) for i in range(fake_length(uid, base, span))]
 

@@ -22,7 +22,6 @@ from collections import Counter
 from typing import Any
 
 import aiohttp
-import numpy as np
 import pytest
 
 from laminar.agents.render import ChatRenderer
@@ -35,6 +34,7 @@ from laminar.rewards.runner import normalize_reward
 from laminar.rollout.outbox import Outbox
 from laminar.transport import codec
 from tests.agent_fakes import ScriptEngine
+from tests.rollout_fakes import a_trajectory
 from tests.sim_cluster import read_jsonl
 from tests.test_agents import capture, make_cfg, wait_for
 
@@ -42,29 +42,12 @@ KEY = "secret-key"
 
 
 # ---- the wire and the outbox --------------------------------------------------------------
-def _trajectory(uid: str = "g/0", **over: Any) -> Trajectory:
-    t = Trajectory(
-        uid=uid,
-        group_id=uid.split("/")[0],
-        prompt_uid="p",
-        sample_index=int(uid.split("/")[1]),
-        prompt_ids=np.array([1, 5], np.int32),
-        response_ids=np.array([6, 2], np.int32),
-        logprobs=np.zeros(2, np.float32),
-        version=0,
-        rollout_id="rollout-0",
-    )
-    for k, v in over.items():
-        setattr(t, k, v)
-    return t
-
-
 def test_reward_components_travel_as_int64_float_or_text():
     reward, info = normalize_reward({"reward": 1, "big": 2**64, "neg": -(2**70), "ok": 7, "f": 0.5})
     assert reward == 1.0
     assert info == {"big": str(2**64), "neg": str(-(2**70)), "ok": 7, "f": 0.5}
     assert info["big"] == "18446744073709551616"
-    codec.encode(_trajectory(reward=reward, reward_info=info))  # the wire carries it
+    codec.encode(a_trajectory(reward=reward, reward_info=info))  # the wire carries it
     with pytest.raises(ValueError):  # a reward past the float range is refused, not a crash
         normalize_reward(10**400)
     assert normalize_reward({"reward": 0.0, "s": "\ud800"})[1] == {"s": "?"}
@@ -98,8 +81,8 @@ async def test_the_outbox_drops_what_it_cannot_encode_and_abandons_its_member():
 
     buf = _Buffer(lambda m: TrajectoryAck())
     outbox = Outbox(buf, structlog.get_logger(), concurrency=1)  # type: ignore[arg-type]
-    outbox.put(_trajectory("g/0", reward=1.0, reward_info={"big": 2**64}))
-    outbox.put(_trajectory("g/1", reward=1.0))
+    outbox.put(a_trajectory("g/0", reward=1.0, reward_info={"big": 2**64}))
+    outbox.put(a_trajectory("g/1", reward=1.0))
     await _drain(outbox)
     assert outbox.stats["unencodable"] == 1 and outbox.stats["abandoned"] == 1
     kinds = Counter(type(m).__name__ for m in buf.sent)
@@ -120,8 +103,8 @@ async def test_a_sample_the_buffer_refuses_is_abandoned_so_its_group_completes()
 
     buf = _Buffer(answer)
     outbox = Outbox(buf, structlog.get_logger(), concurrency=1)  # type: ignore[arg-type]
-    outbox.put(_trajectory("g/0", reward=11.0))
-    outbox.put(_trajectory("g/1", reward=1.0))
+    outbox.put(a_trajectory("g/0", reward=11.0))
+    outbox.put(a_trajectory("g/1", reward=1.0))
     await _drain(outbox)
     assert outbox.stats["refused"] == 2 and outbox.stats["abandoned"] == 1
     abandons = [m for m in buf.sent if isinstance(m, TrajectoryAbandoned)]

@@ -14,7 +14,6 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import pytest
 import structlog
 
@@ -24,24 +23,11 @@ from laminar.protocol.data import Trajectory
 from laminar.rollout.outbox import MAX_ITEMS, Outbox
 from laminar.transport import codec
 from laminar.transport.sockets import PeerDead, RemoteError
+from tests.rollout_fakes import a_trajectory
 
 
 def _trajectory(uid: str, gen_s: float = 1.0, **over: Any) -> Trajectory:
-    t = Trajectory(
-        uid=uid,
-        group_id=uid.split("/")[0],
-        prompt_uid="p",
-        sample_index=int(uid.split("/")[1]),
-        prompt_ids=np.array([1, 5], np.int32),
-        response_ids=np.array([6, 2], np.int32),
-        logprobs=np.zeros(2, np.float32),
-        version=0,
-        rollout_id="rollout-0",
-        timings={"gen_s": gen_s},
-    )
-    for k, v in over.items():
-        setattr(t, k, v)
-    return t
+    return a_trajectory(uid, timings={"gen_s": gen_s}, **over)
 
 
 class _Buffer:
@@ -87,6 +73,17 @@ async def _stop(task: asyncio.Task[None]) -> None:
     await asyncio.gather(task, return_exceptions=True)
 
 
+async def _deliver(box: Outbox, msgs: list[Message], wait_until: Any) -> None:
+    """Put `msgs`, run the outbox until nothing is pending, stop it."""
+    for m in msgs:
+        box.put(m)
+    task = await _running(box)
+    try:
+        await wait_until(lambda: not box.pending, 5, "all settled")
+    finally:
+        await _stop(task)
+
+
 def _uids(msg: Message) -> list[str]:
     if isinstance(msg, Deliveries):
         return [m.uid for m in (*msg.trajectories, *msg.abandoned)]
@@ -110,14 +107,8 @@ def test_the_window_is_a_share_of_the_mean_generation_time_capped():
 async def test_a_window_of_finished_samples_goes_as_one_message_each_acked(wait_until):
     buf = _Buffer()
     box = _outbox(buf, frac=0.1)  # window 0.1 s of the 1 s mean
-    for i in range(3):
-        box.put(_trajectory(f"g/{i}"))
-    box.put(TrajectoryAbandoned(uid="g/3", group_id="g", reason="engine abort"))
-    task = await _running(box)
-    try:
-        await wait_until(lambda: not box.pending, 5, "all acked")
-    finally:
-        await _stop(task)
+    abandon = TrajectoryAbandoned(uid="g/3", group_id="g", reason="engine abort")
+    await _deliver(box, [*(_trajectory(f"g/{i}") for i in range(3)), abandon], wait_until)
     assert len(buf.sent) == 1 and isinstance(buf.sent[0], Deliveries)
     assert _uids(buf.sent[0]) == ["g/0", "g/1", "g/2", "g/3"]
     assert box.stats["acked"] == 4 and box.stats["messages"] == 1
@@ -125,14 +116,7 @@ async def test_a_window_of_finished_samples_goes_as_one_message_each_acked(wait_
 
 async def test_without_a_window_each_sample_goes_alone_at_once(wait_until):
     buf = _Buffer()
-    box = _outbox(buf, frac=0.0)
-    for i in range(3):
-        box.put(_trajectory(f"g/{i}"))
-    task = await _running(box)
-    try:
-        await wait_until(lambda: not box.pending, 5, "all acked")
-    finally:
-        await _stop(task)
+    await _deliver(_outbox(buf, frac=0.0), [_trajectory(f"g/{i}") for i in range(3)], wait_until)
     assert [type(m).__name__ for m in buf.sent] == ["Trajectory"] * 3
 
 
@@ -241,13 +225,7 @@ async def test_a_transport_failure_puts_every_sample_back(wait_until):
 
     buf = Flaky()
     box = _outbox(buf, frac=0.1)
-    for i in range(5):
-        box.put(_trajectory(f"g/{i}"))
-    task = await _running(box)
-    try:
-        await wait_until(lambda: not box.pending, 5, "all acked")
-    finally:
-        await _stop(task)
+    await _deliver(box, [_trajectory(f"g/{i}") for i in range(5)], wait_until)
     assert box.stats["retries"] == 1 and box.stats["acked"] == 5
     assert sorted(_uids(buf.sent[0])) == sorted(_uids(buf.sent[1])) == [f"g/{i}" for i in range(5)]
 
@@ -256,12 +234,6 @@ async def test_a_message_carries_at_most_max_items(wait_until):
     buf = _Buffer()
     box = _outbox(buf, frac=0.1)
     n = MAX_ITEMS + 5
-    for i in range(n):
-        box.put(_trajectory(f"g/{i}"))
-    task = await _running(box)
-    try:
-        await wait_until(lambda: not box.pending, 5, "all acked")
-    finally:
-        await _stop(task)
+    await _deliver(box, [_trajectory(f"g/{i}") for i in range(n)], wait_until)
     sizes = sorted(len(_uids(m)) for m in buf.sent)
     assert max(sizes) == MAX_ITEMS and sum(sizes) == n and box.stats["acked"] == n
