@@ -293,12 +293,18 @@ class BufferNode(Node):
     def _on_abandoned(
         self, peer: Peer, msg: TrajectoryAbandoned
     ) -> TrajectoryAck | ErrorReply | Awaitable[TrajectoryAck | ErrorReply]:
-        reply, off = self.intake.take_abandoned(msg, peer.node_id)
-        if not (isinstance(reply, TrajectoryAck) and reply.refused):
-            self.leases.touch(msg.group_id)
+        reply, off = self._take_abandoned(peer, msg)
         if off is not None and self.ledger.waits(off):
             return self._when_durable(reply, off)
         return reply
+
+    def _take_abandoned(
+        self, peer: Peer, msg: TrajectoryAbandoned
+    ) -> tuple[TrajectoryAck | ErrorReply, int | None]:
+        reply, off = self.intake.take_abandoned(msg, peer.node_id)
+        if not (isinstance(reply, TrajectoryAck) and reply.refused):
+            self.leases.touch(msg.group_id)  # progress on its group, unless refused
+        return reply, off
 
     def _on_deliveries(
         self, peer: Peer, d: Deliveries
@@ -310,22 +316,12 @@ class BufferNode(Node):
             return ErrorReply(
                 code="protocol", message=f"more than {DELIVERIES_MAX_ITEMS} items in one message"
             )
-        replies: list[TrajectoryAck | ErrorReply] = []
-        last: int | None = None
-        for t in d.trajectories:
-            reply, off = self.intake.take_trajectory(t, peer.node_id)
-            replies.append(reply)
-            if off is not None and self.ledger.waits(off):
-                last = off if last is None else max(last, off)
-        for a in d.abandoned:
-            reply, off = self.intake.take_abandoned(a, peer.node_id)
-            replies.append(reply)
-            if not (isinstance(reply, TrajectoryAck) and reply.refused):
-                self.leases.touch(a.group_id)
-            if off is not None and self.ledger.waits(off):
-                last = off if last is None else max(last, off)
-        if last is not None:
-            return self._deliveries_durable(d, replies, last)
+        taken = [self.intake.take_trajectory(t, peer.node_id) for t in d.trajectories]
+        taken += [self._take_abandoned(peer, a) for a in d.abandoned]
+        replies = [reply for reply, _ in taken]
+        waits = [off for _, off in taken if off is not None and self.ledger.waits(off)]
+        if waits:
+            return self._deliveries_durable(d, replies, max(waits))
         return self._deliveries_taken(d, replies)
 
     async def _deliveries_durable(
@@ -337,7 +333,7 @@ class BufferNode(Node):
     def _deliveries_taken(
         self, d: Deliveries, replies: list[TrajectoryAck | ErrorReply]
     ) -> DeliveryAcks:
-        for t, reply in zip(d.trajectories, replies, strict=False):
+        for t, reply in zip(d.trajectories, replies[: len(d.trajectories)], strict=True):
             self._trajectory_taken(t, reply)
         return DeliveryAcks(
             acks=[

@@ -317,9 +317,7 @@ class Deliveries(Message):  # rollout -> buffer: finished and abandoned samples 
 
 
 @message(0x44, senders=("buffer",))
-class DeliveryAcks(
-    Message
-):  # buffer -> rollout: answer to Deliveries, once every record is durable
+class DeliveryAcks(Message):  # buffer -> rollout: answer to Deliveries, once durable
     acks: list[TrajectoryAck] = field(default_factory=list)
     """One per item: the trajectories' in order, then the abandoned ones'."""
 
