@@ -1,5 +1,5 @@
 """The control-plane bench's workload: the message rates of a 1024-GPU job, from the simulator's
-results (bench/results/simulate.json), and the rollout settings they follow. bench/cp_cluster.py
+results (bench/results/simulate.json), and the rollout settings they follow. bench/cp_driver.py
 offers them; the derivation is in bench/control_plane.py's docstring."""
 
 from __future__ import annotations
